@@ -1,0 +1,158 @@
+//! Build script: the Rust mirror of the signal layout (bindgen over the one C header),
+//! and the embedded device code of each enabled backend (nvcc for `cuda`, hipcc/clang
+//! for `hip`).
+
+use std::env;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const HEADER: &str = "include/peercomm_signal.h";
+const COMMITTED_BINDINGS: &str = "src/signal_bindings.rs";
+
+fn main() {
+    println!("cargo:rerun-if-changed={HEADER}");
+    println!("cargo:rerun-if-changed={COMMITTED_BINDINGS}");
+    println!("cargo:rerun-if-changed=build.rs");
+    let out_dir = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR is set by cargo"));
+    generate_signal_bindings(&out_dir);
+    if env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        build_cuda_kernels(&out_dir);
+    }
+    if env::var_os("CARGO_FEATURE_HIP").is_some() {
+        build_hip_kernels(&out_dir);
+    }
+}
+
+/// Runs bindgen over the header. Where libclang cannot be loaded (a fresh machine
+/// without `libclang-dev`), the committed copy is used instead; CI has libclang and
+/// a test checks that the committed copy equals bindgen's output.
+fn generate_signal_bindings(out_dir: &Path) {
+    let target = out_dir.join("signal_bindings.rs");
+    let generated = std::panic::catch_unwind(|| {
+        bindgen::Builder::default()
+            .header(HEADER)
+            .allowlist_type("peercomm_.*")
+            .allowlist_var("PEERCOMM_.*")
+            .layout_tests(false)
+            .derive_default(true)
+            .derive_debug(true)
+            .derive_copy(true)
+            .prepend_enum_name(false)
+            .rustified_enum("peercomm_dtype")
+            .generate()
+    });
+    match generated {
+        Ok(Ok(bindings)) => {
+            bindings
+                .write_to_file(&target)
+                .expect("write signal bindings");
+            println!("cargo:rustc-env=PEERCOMM_BINDINGS_SOURCE=bindgen");
+        }
+        _ => {
+            println!(
+                "cargo:warning=libclang not found: using the committed {COMMITTED_BINDINGS} \
+                 (install libclang-dev to regenerate it from {HEADER})"
+            );
+            std::fs::copy(COMMITTED_BINDINGS, &target).expect("copy committed bindings");
+            println!("cargo:rustc-env=PEERCOMM_BINDINGS_SOURCE=committed");
+        }
+    }
+}
+
+/// Finds nvcc: `NVCC`, then `CUDA_HOME`/`CUDA_PATH`, then `PATH`, then the pinned
+/// PyPI toolchain in `.venv-cuda` that `.ci/run` installs.
+fn find_nvcc() -> Option<PathBuf> {
+    println!("cargo:rerun-if-env-changed=NVCC");
+    println!("cargo:rerun-if-env-changed=CUDA_HOME");
+    println!("cargo:rerun-if-env-changed=CUDA_PATH");
+    if let Some(p) = env::var_os("NVCC") {
+        return Some(PathBuf::from(p));
+    }
+    for var in ["CUDA_HOME", "CUDA_PATH"] {
+        if let Some(root) = env::var_os(var) {
+            let p = PathBuf::from(root).join("bin/nvcc");
+            if p.exists() {
+                return Some(p);
+            }
+        }
+    }
+    if let Some(paths) = env::var_os("PATH") {
+        for dir in env::split_paths(&paths) {
+            let p = dir.join("nvcc");
+            if p.exists() {
+                return Some(p);
+            }
+        }
+    }
+    let venv_lib = Path::new(".venv-cuda/lib");
+    if let Ok(entries) = std::fs::read_dir(venv_lib) {
+        for entry in entries.flatten() {
+            let p = entry.path().join("site-packages/nvidia/cu13/bin/nvcc");
+            if p.exists() {
+                return Some(p);
+            }
+        }
+    }
+    for p in ["/usr/local/cuda/bin/nvcc"] {
+        if Path::new(p).exists() {
+            return Some(PathBuf::from(p));
+        }
+    }
+    None
+}
+
+/// Compiles every `kernels-cuda/*.cu` into one fatbin (SASS for each listed
+/// architecture plus PTX of the newest) embedded by `src/backend/cuda.rs`.
+fn build_cuda_kernels(out_dir: &Path) {
+    println!("cargo:rerun-if-changed=kernels-cuda");
+    println!("cargo:rerun-if-env-changed=PEERCOMM_CUDA_ARCHS");
+    let nvcc = find_nvcc().unwrap_or_else(|| {
+        panic!(
+            "feature `cuda` needs nvcc and none was found (looked at NVCC, CUDA_HOME, CUDA_PATH, \
+             PATH, .venv-cuda). Install the CUDA toolkit, or the pinned PyPI compiler:\n  \
+             python3 -m venv .venv-cuda && .venv-cuda/bin/pip install \"nvidia-cuda-nvcc==13.0.88\" \
+             \"nvidia-nvvm==13.0.88\" \"nvidia-cuda-crt==13.0.88\" \"nvidia-cuda-runtime==13.0.96\" \
+             \"nvidia-cuda-cccl==13.0.85\""
+        )
+    });
+    // Semicolon-separated compute capabilities, e.g. "80;90".
+    let archs = env::var("PEERCOMM_CUDA_ARCHS").unwrap_or_else(|_| "80;90".to_string());
+    let archs: Vec<&str> = archs.split(';').filter(|a| !a.is_empty()).collect();
+    let newest = archs
+        .iter()
+        .max()
+        .expect("PEERCOMM_CUDA_ARCHS lists an architecture");
+    let mut cmd = Command::new(&nvcc);
+    cmd.arg("-fatbin")
+        .arg("-O3")
+        .arg("-std=c++17")
+        .arg("-Iinclude")
+        .arg("-o")
+        .arg(out_dir.join("peercomm_cuda.fatbin"));
+    for a in &archs {
+        cmd.arg("-gencode")
+            .arg(format!("arch=compute_{a},code=sm_{a}"));
+    }
+    cmd.arg("-gencode")
+        .arg(format!("arch=compute_{newest},code=compute_{newest}"));
+    cmd.arg("kernels-cuda/peercomm.cu");
+    run(cmd, "nvcc");
+}
+
+fn build_hip_kernels(out_dir: &Path) {
+    println!("cargo:rerun-if-changed=kernels-hip");
+    // The HIP build is described in kernels-hip/README.md; see build_hip.rs.
+    hip_build::build(out_dir);
+}
+
+fn run(mut cmd: Command, what: &str) {
+    let status = cmd
+        .status()
+        .unwrap_or_else(|e| panic!("could not start {what} ({cmd:?}): {e}"));
+    if !status.success() {
+        panic!("{what} failed ({status}): {cmd:?}");
+    }
+}
+
+#[path = "build_hip.rs"]
+mod hip_build;

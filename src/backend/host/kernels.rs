@@ -1,0 +1,381 @@
+//! Rust ports of the device kernels, one OS thread per block. Each block does the work
+//! a whole GPU block does (its "threads" run one after another), with the orderings
+//! the protocol documents: counters and Lamport packs are atomics, plain data is read
+//! only after an acquire that pairs with the writer's release.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::backend::{Kernel, KernelKind};
+use crate::dtype::{DType, Element};
+use crate::signal::{
+    AllReduceArgs, Signal, SignalLayout, ERROR_BARRIER_TIMEOUT, ERROR_BLOCK, ERROR_CODE,
+    ERROR_DOMAIN, ERROR_RANK, LAMPORT_ARRIVALS, LAMPORT_FLAG, LAMPORT_GENERATIONS,
+    LAMPORT_PREV_PACKS, LAMPORT_PREV_WIDTH, MAX_GPUS, PACK_BYTES,
+};
+
+use crate::backend::LAMPORT_SENTINEL;
+
+struct Timeout;
+
+/// A spin that yields (CI has 2 cores and many block threads) and gives up after the
+/// configured time.
+struct Spinner {
+    deadline: Option<Instant>,
+    spins: u32,
+}
+
+impl Spinner {
+    fn new(timeout_ns: u64) -> Self {
+        Spinner {
+            deadline: (timeout_ns != 0).then(|| Instant::now() + Duration::from_nanos(timeout_ns)),
+            spins: 0,
+        }
+    }
+    fn wait(&mut self) -> Result<(), Timeout> {
+        self.spins += 1;
+        if self.spins < 64 {
+            std::hint::spin_loop();
+        } else {
+            std::thread::yield_now();
+        }
+        match self.deadline {
+            Some(d) if self.spins % 64 == 0 && Instant::now() > d => Err(Timeout),
+            _ => Ok(()),
+        }
+    }
+}
+
+fn atomic<'a>(p: *mut u32) -> &'a AtomicU32 {
+    // SAFETY: callers pass 4-byte aligned addresses inside live signal allocations,
+    // which are only ever accessed atomically while kernels run.
+    unsafe { AtomicU32::from_ptr(p) }
+}
+
+fn signal(addr: u64) -> *mut Signal {
+    addr as *mut Signal
+}
+
+unsafe fn own_error_set(args: &AllReduceArgs) -> bool {
+    let s = signal(args.signals[args.group_rank as usize]);
+    atomic(std::ptr::addr_of_mut!((*s).error_state[ERROR_CODE])).load(Ordering::Acquire) != 0
+}
+
+/// Records the first timeout of this rank in its signal's error record.
+unsafe fn record_timeout(args: &AllReduceArgs, block: u32) {
+    let s = signal(args.signals[args.group_rank as usize]);
+    let e = std::ptr::addr_of_mut!((*s).error_state) as *mut u32;
+    if atomic(e.add(ERROR_CODE))
+        .compare_exchange(0, u32::MAX, Ordering::AcqRel, Ordering::Relaxed)
+        .is_ok()
+    {
+        atomic(e.add(ERROR_RANK)).store(args.world_rank, Ordering::Relaxed);
+        atomic(e.add(ERROR_BLOCK)).store(block, Ordering::Relaxed);
+        atomic(e.add(ERROR_DOMAIN)).store(args.domain, Ordering::Relaxed);
+        atomic(e.add(ERROR_CODE)).store(ERROR_BARRIER_TIMEOUT, Ordering::Release);
+    }
+}
+
+/// The counter barrier of one block across its group. `publish` makes it a
+/// release/acquire barrier (data written before it is visible after it); the host
+/// always needs acquire on the wait for the Rust memory model, so only the store
+/// ordering changes.
+unsafe fn barrier(args: &AllReduceArgs, block: u32, publish: bool) -> Result<(), Timeout> {
+    let d = args.domain as usize;
+    let b = block as usize;
+    let me = args.group_rank as usize;
+    let width = args.group_width as usize;
+    let own = signal(args.signals[me]);
+    let store_order = if publish {
+        Ordering::Release
+    } else {
+        Ordering::Relaxed
+    };
+    let mut v = 0u32;
+    for t in 0..width {
+        let counter = atomic(std::ptr::addr_of_mut!((*own).self_counter[d][b][t]));
+        v = counter.load(Ordering::Relaxed).wrapping_add(1);
+        counter.store(v, Ordering::Relaxed);
+        let peer = signal(args.signals[t]);
+        atomic(std::ptr::addr_of_mut!(
+            (*peer).peer_counter[d][(v % 2) as usize][b][me]
+        ))
+        .store(v, store_order);
+    }
+    let mut spin = Spinner::new(args.timeout_ns);
+    for t in 0..width {
+        let flag = atomic(std::ptr::addr_of_mut!(
+            (*own).peer_counter[d][(v % 2) as usize][b][t]
+        ));
+        while flag.load(Ordering::Acquire) != v {
+            if spin.wait().is_err() {
+                record_timeout(args, block);
+                return Err(Timeout);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Runs block `block` of `kernel`.
+///
+/// # Safety
+/// `args` must describe live allocations laid out as `include/peercomm_signal.h` says.
+pub(crate) unsafe fn run_block(kernel: Kernel, args: &AllReduceArgs, block: u32, blocks: u32) {
+    if own_error_set(args) {
+        return;
+    }
+    let _ = match kernel.dtype {
+        DType::F32 => run_typed::<f32>(kernel.kind, args, block, blocks),
+        DType::F16 => run_typed::<half::f16>(kernel.kind, args, block, blocks),
+        DType::BF16 => run_typed::<half::bf16>(kernel.kind, args, block, blocks),
+    };
+}
+
+unsafe fn run_typed<T: Element>(
+    kind: KernelKind,
+    args: &AllReduceArgs,
+    block: u32,
+    blocks: u32,
+) -> Result<(), Timeout> {
+    match kind {
+        KernelKind::OneStage => one_stage::<T>(args, block, blocks),
+        KernelKind::TwoStage => two_stage::<T>(args, block, blocks),
+        KernelKind::Lamport => lamport::<T>(args, block, blocks),
+        KernelKind::Barrier => {
+            barrier(args, block, false)?;
+            barrier(args, block, true)
+        }
+    }
+}
+
+fn lanes<T>() -> usize {
+    PACK_BYTES / std::mem::size_of::<T>()
+}
+
+/// Element range of pack `p`.
+fn pack_range<T>(p: usize, n: usize) -> std::ops::Range<usize> {
+    let l = lanes::<T>();
+    p * l..((p + 1) * l).min(n)
+}
+
+/// Packs handled by `block`: the same grid-stride pattern as the device code, with one
+/// thread per block.
+fn block_packs(first: usize, end: usize, block: u32, blocks: u32) -> impl Iterator<Item = usize> {
+    (first + block as usize..end).step_by(blocks as usize)
+}
+
+unsafe fn load<T: Element>(base: u64, i: usize) -> f32 {
+    (base as *const T).add(i).read().to_f32()
+}
+
+unsafe fn store<T: Element>(base: u64, i: usize, x: f32) {
+    (base as *mut T).add(i).write(T::from_f32(x))
+}
+
+/// Sum over the group of element `e` of `srcs`, in group-rank order (the same order on
+/// every rank, so every rank gets the same bits).
+unsafe fn reduce_element<T: Element>(srcs: &[u64], e: usize) -> f32 {
+    let mut acc = load::<T>(srcs[0], e);
+    for &s in &srcs[1..] {
+        acc += load::<T>(s, e);
+    }
+    acc
+}
+
+unsafe fn one_stage<T: Element>(
+    args: &AllReduceArgs,
+    block: u32,
+    blocks: u32,
+) -> Result<(), Timeout> {
+    let n = args.num_elements as usize;
+    let packs = n.div_ceil(lanes::<T>());
+    let me = args.group_rank as usize;
+    let staged = args.stage_input != 0;
+    if staged {
+        // Copy this block's share of the own input into the own payload, which the
+        // peers read after the (then publishing) start barrier.
+        for p in block_packs(0, packs, block, blocks) {
+            for e in pack_range::<T>(p, n) {
+                (args.payloads[me] as *mut T)
+                    .add(e)
+                    .write((args.local_input as *const T).add(e).read());
+            }
+        }
+    }
+    barrier(args, block, staged)?;
+    let srcs = &args.inputs[..args.group_width as usize];
+    for p in block_packs(0, packs, block, blocks) {
+        for e in pack_range::<T>(p, n) {
+            store::<T>(args.output, e, reduce_element::<T>(srcs, e));
+        }
+    }
+    barrier(args, block, true)
+}
+
+/// Packs per partition of the two-stage kernel.
+pub(crate) fn two_stage_partition(packs: usize, width: usize) -> usize {
+    packs.div_ceil(width)
+}
+
+unsafe fn two_stage<T: Element>(
+    args: &AllReduceArgs,
+    block: u32,
+    blocks: u32,
+) -> Result<(), Timeout> {
+    let n = args.num_elements as usize;
+    let l = lanes::<T>();
+    let packs = n.div_ceil(l);
+    let width = args.group_width as usize;
+    let me = args.group_rank as usize;
+    let part = two_stage_partition(packs, width);
+    barrier(args, block, false)?;
+    // Reduce-scatter: this rank reduces partition `me` into its own payload.
+    let srcs = &args.inputs[..width];
+    let first = me * part;
+    for p in block_packs(first, (first + part).min(packs), block, blocks) {
+        for e in pack_range::<T>(p, n) {
+            store::<T>(
+                args.payloads[me],
+                e - first * l,
+                reduce_element::<T>(srcs, e),
+            );
+        }
+    }
+    barrier(args, block, true)?;
+    // All-gather: partition q comes from rank q's payload; block b reads what block b
+    // of rank q wrote, so the per-block barrier suffices.
+    for q in 0..width {
+        let first = q * part;
+        for p in block_packs(first, (first + part).min(packs), block, blocks) {
+            for e in pack_range::<T>(p, n) {
+                let x = (args.payloads[q] as *const T).add(e - first * l).read();
+                (args.output as *mut T).add(e).write(x);
+            }
+        }
+    }
+    barrier(args, block, true)
+}
+
+/// Address of pack `p` of slot `src` of generation `gen` in the Lamport region of the
+/// signal at `signal_addr`.
+fn lamport_pack(signal_addr: u64, slot_bytes: usize, gen: usize, src: usize, p: usize) -> *mut u32 {
+    let layout = SignalLayout {
+        lamport_slot_bytes: slot_bytes,
+        payload_bytes: 0,
+    };
+    let off = layout.lamport_offset() + (gen * MAX_GPUS + src) * slot_bytes + p * PACK_BYTES;
+    (signal_addr as usize + off) as *mut u32
+}
+
+/// Reads pack `p` of the own input as four words, -0.0 lanes turned into +0.0 and
+/// lanes past the end zero.
+unsafe fn lamport_pack_words<T: Element>(input: u64, p: usize, n: usize) -> [u32; 4] {
+    let mut bytes = [0u8; PACK_BYTES];
+    let size = std::mem::size_of::<T>();
+    let neg_zero: u32 = if size == 4 { 0x8000_0000 } else { 0x8000 };
+    for (j, e) in pack_range::<T>(p, n).enumerate() {
+        let mut bits = (input as *const T).add(e).read().to_bits_u32();
+        if bits == neg_zero {
+            bits = 0;
+        }
+        bytes[j * size..(j + 1) * size].copy_from_slice(&bits.to_le_bytes()[..size]);
+    }
+    std::array::from_fn(|w| u32::from_le_bytes(bytes[w * 4..w * 4 + 4].try_into().unwrap()))
+}
+
+fn lane_from_words<T: Element>(words: &[u32; 4], j: usize) -> f32 {
+    let size = std::mem::size_of::<T>();
+    let mut bytes = [0u8; PACK_BYTES];
+    for (w, word) in words.iter().enumerate() {
+        bytes[w * 4..w * 4 + 4].copy_from_slice(&word.to_le_bytes());
+    }
+    let mut raw = [0u8; 4];
+    raw[..size].copy_from_slice(&bytes[j * size..(j + 1) * size]);
+    let bits = u32::from_le_bytes(raw);
+    match size {
+        4 => f32::from_bits(bits),
+        _ => {
+            // Rebuild T from its 16 bits through a read of the raw bytes.
+            let b16 = bits as u16;
+            // SAFETY: T is a 16-bit float here; any bit pattern is a valid value.
+            let t: T = unsafe { std::mem::transmute_copy(&b16) };
+            t.to_f32()
+        }
+    }
+}
+
+unsafe fn lamport<T: Element>(
+    args: &AllReduceArgs,
+    block: u32,
+    blocks: u32,
+) -> Result<(), Timeout> {
+    let n = args.num_elements as usize;
+    let packs = n.div_ceil(lanes::<T>());
+    let width = args.group_width as usize;
+    let me = args.group_rank as usize;
+    let slot = args.lamport_slot_bytes as usize;
+    let own_addr = args.signals[me];
+    let own = signal(own_addr);
+    let state = std::ptr::addr_of_mut!((*own).lamport_state) as *mut u32;
+    let gen = atomic(state.add(LAMPORT_FLAG)).load(Ordering::Acquire) as usize;
+    let prev_packs = atomic(state.add(LAMPORT_PREV_PACKS)).load(Ordering::Relaxed) as usize;
+    let prev_width = atomic(state.add(LAMPORT_PREV_WIDTH)).load(Ordering::Relaxed) as usize;
+
+    // Push: this rank's packs into slot `me` of every group member's region.
+    for p in block_packs(0, packs, block, blocks) {
+        let words = lamport_pack_words::<T>(args.local_input, p, n);
+        for q in 0..width {
+            let dst = lamport_pack(args.signals[q], slot, gen, me, p);
+            for (w, &word) in words.iter().enumerate() {
+                atomic(dst.add(w)).store(word, Ordering::Release);
+            }
+        }
+    }
+    // Reduce: spin on the own region until each source's pack has arrived.
+    let mut spin = Spinner::new(args.timeout_ns);
+    for p in block_packs(0, packs, block, blocks) {
+        let range = pack_range::<T>(p, n);
+        let mut acc = [0f32; 4 * 2];
+        for src in 0..width {
+            let at = lamport_pack(own_addr, slot, gen, src, p);
+            let words = loop {
+                let w: [u32; 4] =
+                    std::array::from_fn(|i| atomic(at.add(i)).load(Ordering::Acquire));
+                if w.iter().all(|&x| x != LAMPORT_SENTINEL) {
+                    break w;
+                }
+                if spin.wait().is_err() {
+                    record_timeout(args, block);
+                    return Err(Timeout);
+                }
+            };
+            for (j, a) in acc.iter_mut().enumerate().take(range.len()) {
+                let x = lane_from_words::<T>(&words, j);
+                *a = if src == 0 { x } else { *a + x };
+            }
+        }
+        for (j, e) in range.enumerate() {
+            store::<T>(args.output, e, acc[j]);
+        }
+    }
+    // Clear the previous call's generation of the own region for the call after next.
+    let clear_gen = (gen + LAMPORT_GENERATIONS - 1) % LAMPORT_GENERATIONS;
+    for src in 0..prev_width {
+        for p in block_packs(0, prev_packs, block, blocks) {
+            let at = lamport_pack(own_addr, slot, clear_gen, src, p);
+            for w in 0..4 {
+                atomic(at.add(w)).store(LAMPORT_SENTINEL, Ordering::Relaxed);
+            }
+        }
+    }
+    // The last block to finish advances the state for the next call.
+    if atomic(state.add(LAMPORT_ARRIVALS)).fetch_add(1, Ordering::AcqRel) == blocks - 1 {
+        atomic(state.add(LAMPORT_PREV_PACKS)).store(packs as u32, Ordering::Relaxed);
+        atomic(state.add(LAMPORT_PREV_WIDTH)).store(width as u32, Ordering::Relaxed);
+        atomic(state.add(LAMPORT_ARRIVALS)).store(0, Ordering::Relaxed);
+        atomic(state.add(LAMPORT_FLAG))
+            .store(((gen + 1) % LAMPORT_GENERATIONS) as u32, Ordering::Release);
+    }
+    Ok(())
+}

@@ -1,0 +1,180 @@
+//! The one trait that abstracts what differs between vendors, and its implementations:
+//! [`host`] (always built: CPU threads over memory arenas), `cuda` (feature `cuda`,
+//! on cudarc) and `hip` (feature `hip`, on hip-sys).
+//!
+//! Static dispatch through associated types, as in wgpu-hal: a communicator is generic
+//! over its backend and pays no virtual call per launch. Raw FFI stays inside the
+//! backend modules.
+
+use crate::dtype::{DType, Element};
+use crate::error::Result;
+use crate::signal::AllReduceArgs;
+
+#[cfg(feature = "cuda")]
+pub mod cuda;
+#[cfg(feature = "hip")]
+pub mod hip;
+pub mod host;
+
+/// What a device allocation is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemoryKind {
+    /// Ordinary device memory.
+    Plain,
+    /// Signal memory: counters and flags that peers write and spin on. Uncached or
+    /// fine-grained where the vendor distinguishes (AMD), so spins see peers' stores.
+    Signal,
+}
+
+/// Which kernel family a launch runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KernelKind {
+    /// Every rank reads every peer's input and reduces the whole message.
+    OneStage,
+    /// Reduce-scatter into the payload, barrier, all-gather from the peers' payloads.
+    TwoStage,
+    /// Barrier-free: data carries its own readiness (the -0.0 sentinel).
+    Lamport,
+    /// A start and an end barrier and nothing else (also the timeout probe).
+    Barrier,
+}
+
+impl KernelKind {
+    /// Name used in kernel symbols and reports.
+    pub const fn name(self) -> &'static str {
+        match self {
+            KernelKind::OneStage => "one_stage",
+            KernelKind::TwoStage => "two_stage",
+            KernelKind::Lamport => "lamport",
+            KernelKind::Barrier => "barrier",
+        }
+    }
+}
+
+/// One kernel entry point: a family and an element type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Kernel {
+    /// The family.
+    pub kind: KernelKind,
+    /// The element type it reduces.
+    pub dtype: DType,
+}
+
+impl Kernel {
+    /// Every kernel the device code must export.
+    pub fn all() -> impl Iterator<Item = Kernel> {
+        [
+            KernelKind::OneStage,
+            KernelKind::TwoStage,
+            KernelKind::Lamport,
+            KernelKind::Barrier,
+        ]
+        .into_iter()
+        .flat_map(|kind| {
+            DType::ALL
+                .into_iter()
+                .map(move |dtype| Kernel { kind, dtype })
+        })
+    }
+    /// Its exported symbol, e.g. `peercomm_two_stage_bf16`.
+    pub fn symbol(self) -> String {
+        format!("peercomm_{}_{}", self.kind.name(), self.dtype.name())
+    }
+}
+
+/// Grid of a launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchDims {
+    /// Blocks (at most `MAX_NUM_BLOCKS_UPPER_BOUND`).
+    pub blocks: u32,
+    /// Threads per block.
+    pub threads: u32,
+}
+
+/// A vendor (or the host reference) as peercomm needs it.
+pub trait Backend: Sized + Send + Sync + 'static {
+    /// Short name for messages (`"host"`, `"cuda"`, `"hip"`).
+    const NAME: &'static str;
+    /// One GPU with the stream peercomm launches on.
+    type Device: Send + Sync;
+    /// An owned device allocation.
+    type Memory: Send + Sync;
+    /// Keeps a user buffer's synchronisation bookkeeping (cudarc's events) alive until
+    /// the launch that uses the buffer has been enqueued.
+    type Access<'a>;
+    /// A typed device buffer (what users hold: `CudaSlice<T>` for CUDA).
+    type Buffer<T: Element>: DeviceBufferMut<Self>;
+
+    /// Devices visible to this backend.
+    fn device_count() -> Result<usize>;
+    /// Opens device `ordinal` with a new stream.
+    fn open(ordinal: usize) -> Result<Self::Device>;
+    /// The ordinal of a device.
+    fn ordinal(dev: &Self::Device) -> usize;
+    /// Streaming multiprocessors / compute units (sizes the grid).
+    fn multiprocessor_count(dev: &Self::Device) -> Result<usize>;
+    /// Architecture name, e.g. `sm_90`, `gfx942`, `host` (keys the dispatch table).
+    fn architecture(dev: &Self::Device) -> Result<String>;
+    /// Whether `dev` can access `peer`'s memory directly.
+    fn can_access_peer(dev: &Self::Device, peer: &Self::Device) -> Result<bool>;
+    /// Lets `dev` access `peer`'s memory; enabling twice is not an error.
+    fn enable_peer_access(dev: &Self::Device, peer: &Self::Device) -> Result<()>;
+    /// Allocates `bytes` on `dev`.
+    fn alloc(dev: &Self::Device, bytes: usize, kind: MemoryKind) -> Result<Self::Memory>;
+    /// Device address of an allocation (valid on its own device).
+    fn memory_ptr(mem: &Self::Memory) -> u64;
+    /// Address at which `dev` reaches `peer_mem` (another device's allocation). In one
+    /// process with peer access on, that is the same address; a one-process-per-GPU
+    /// backend would import an IPC handle here.
+    fn map_peer(dev: &Self::Device, peer_mem: &Self::Memory) -> Result<u64>;
+    /// Fills `words` 32-bit words at `ptr` with `value`, on the device's stream.
+    fn memset_d32(dev: &Self::Device, ptr: u64, value: u32, words: usize) -> Result<()>;
+    /// Copies device memory at `ptr` to the host, after the stream's earlier work.
+    fn read(dev: &Self::Device, ptr: u64, dst: &mut [u8]) -> Result<()>;
+    /// Enqueues `kernel` on the device's stream.
+    fn launch(
+        dev: &Self::Device,
+        kernel: Kernel,
+        dims: LaunchDims,
+        args: &AllReduceArgs,
+    ) -> Result<()>;
+    /// Waits for everything enqueued on the device's stream.
+    fn synchronize(dev: &Self::Device) -> Result<()>;
+
+    /// Allocates a typed buffer of `len` elements (contents unspecified).
+    fn alloc_buffer<T: Element>(dev: &Self::Device, len: usize) -> Result<Self::Buffer<T>>;
+    /// Copies `src` into `dst` (same length).
+    fn upload<T: Element>(dev: &Self::Device, src: &[T], dst: &mut Self::Buffer<T>) -> Result<()>;
+    /// Copies a buffer back to the host.
+    fn download<T: Element>(dev: &Self::Device, src: &Self::Buffer<T>) -> Result<Vec<T>>;
+}
+
+/// A device buffer a collective can read: its element type, length and device are
+/// known at run time, so mismatches across ranks are reported, not compiled away.
+pub trait DeviceBuffer<B: Backend> {
+    /// Element type.
+    fn dtype(&self) -> DType;
+    /// Elements.
+    fn len(&self) -> usize;
+    /// True when empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// Ordinal of the device holding it.
+    fn device_ordinal(&self) -> usize;
+    /// Address for a kernel on `dev` that reads it; the access guard must live until
+    /// that kernel is enqueued.
+    fn read_ptr<'a>(&'a self, dev: &'a B::Device) -> (u64, B::Access<'a>);
+}
+
+/// A device buffer a collective can write.
+pub trait DeviceBufferMut<B: Backend>: DeviceBuffer<B> {
+    /// Address for a kernel on `dev` that writes it (and may read it).
+    fn write_ptr<'a>(&'a mut self, dev: &'a B::Device) -> (u64, B::Access<'a>);
+}
+
+/// The 32-bit word the Lamport region is filled with: the f32 -0.0 pattern. No
+/// producer writes it: f32 -0.0 is sent as +0.0, and for 16-bit types every -0.0 lane
+/// is sent as +0.0, so the high half of a word is never 0x8000. Readiness is tested
+/// per 32-bit word, which 16-byte stores never tear.
+pub const LAMPORT_SENTINEL: u32 = 0x8000_0000;

@@ -1,0 +1,126 @@
+//! Which algorithm and how many blocks, per architecture, group width and message size.
+//!
+//! The table is data, not code paths: each row says up to how many bytes an algorithm
+//! is the fastest for a (architecture, group width) pair. The numbers behind each
+//! boundary are in `docs/dispatch.md` (measured with `peercomm-bench`); a pair that
+//! was never measured falls back to the generic row.
+
+use crate::backend::KernelKind;
+
+/// An all-reduce algorithm, or `Auto` to let the dispatch table choose.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Algorithm {
+    /// Choose by the dispatch table.
+    #[default]
+    Auto,
+    /// Every rank reads all peers' inputs and reduces the whole message.
+    OneStage,
+    /// Reduce-scatter, barrier, all-gather.
+    TwoStage,
+    /// Barrier-free push into the peers' Lamport regions (small messages).
+    Lamport,
+}
+
+impl Algorithm {
+    /// Name for reports.
+    pub const fn name(self) -> &'static str {
+        match self {
+            Algorithm::Auto => "auto",
+            Algorithm::OneStage => "one_stage",
+            Algorithm::TwoStage => "two_stage",
+            Algorithm::Lamport => "lamport",
+        }
+    }
+    /// The kernel family (`None` for `Auto`).
+    pub const fn kernel_kind(self) -> Option<KernelKind> {
+        match self {
+            Algorithm::Auto => None,
+            Algorithm::OneStage => Some(KernelKind::OneStage),
+            Algorithm::TwoStage => Some(KernelKind::TwoStage),
+            Algorithm::Lamport => Some(KernelKind::Lamport),
+        }
+    }
+    /// The three concrete algorithms.
+    pub const ALL: [Algorithm; 3] = [Algorithm::OneStage, Algorithm::TwoStage, Algorithm::Lamport];
+}
+
+/// One row: up to `max_bytes` (inclusive), use `algorithm`.
+#[derive(Clone, Copy, Debug)]
+pub struct DispatchRow {
+    /// Largest message (bytes per rank) this row covers.
+    pub max_bytes: usize,
+    /// Algorithm for it.
+    pub algorithm: Algorithm,
+}
+
+/// Rows for an (architecture, group width); rows are in increasing `max_bytes` and
+/// the last one covers everything.
+pub fn table(arch: &str, width: usize) -> &'static [DispatchRow] {
+    const fn row(max_bytes: usize, algorithm: Algorithm) -> DispatchRow {
+        DispatchRow {
+            max_bytes,
+            algorithm,
+        }
+    }
+    const KIB: usize = 1 << 10;
+    const MIB: usize = 1 << 20;
+    // Generic: Lamport while one launch and one trip dominate, one-stage while the
+    // extra barrier of two-stage costs more than the traffic it saves, then two-stage.
+    static GENERIC_2: [DispatchRow; 2] = [
+        row(256 * KIB, Algorithm::Lamport),
+        row(usize::MAX, Algorithm::OneStage),
+    ];
+    static GENERIC_N: [DispatchRow; 3] = [
+        row(256 * KIB, Algorithm::Lamport),
+        row(MIB, Algorithm::OneStage),
+        row(usize::MAX, Algorithm::TwoStage),
+    ];
+    static SINGLE: [DispatchRow; 1] = [row(usize::MAX, Algorithm::OneStage)];
+    let _ = arch;
+    match width {
+        1 => &SINGLE,
+        2 => &GENERIC_2,
+        _ => &GENERIC_N,
+    }
+}
+
+/// The table's algorithm for a message of `bytes` over groups of `width` on `arch`.
+pub fn choose(arch: &str, width: usize, bytes: usize) -> Algorithm {
+    table(arch, width)
+        .iter()
+        .find(|r| bytes <= r.max_bytes)
+        .map(|r| r.algorithm)
+        .unwrap_or(Algorithm::OneStage)
+}
+
+/// Blocks for a launch that covers `packs` 16-byte packs with `threads` threads per
+/// block: enough to give each thread a few packs, at most `max_blocks`.
+pub fn blocks_for(packs: usize, threads: u32, max_blocks: u32) -> u32 {
+    let wanted = packs.div_ceil(threads as usize).max(1);
+    (wanted.min(max_blocks as usize) as u32).max(1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_table_covers_every_size_in_order() {
+        for width in 1..=8 {
+            let t = table("sm_90", width);
+            assert!(t.windows(2).all(|w| w[0].max_bytes < w[1].max_bytes));
+            assert_eq!(t.last().unwrap().max_bytes, usize::MAX);
+            assert!(t.iter().all(|r| r.algorithm != Algorithm::Auto));
+        }
+        assert_eq!(choose("sm_90", 1, 1 << 30), Algorithm::OneStage);
+        assert_eq!(choose("sm_90", 2, 1024), Algorithm::Lamport);
+    }
+
+    #[test]
+    fn blocks_stay_in_bounds() {
+        assert_eq!(blocks_for(0, 512, 64), 1);
+        assert_eq!(blocks_for(1, 512, 64), 1);
+        assert_eq!(blocks_for(513, 512, 64), 2);
+        assert_eq!(blocks_for(1 << 30, 512, 64), 64);
+    }
+}

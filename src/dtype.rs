@@ -1,0 +1,98 @@
+//! Element types the all-reduce handles.
+
+use crate::signal::RawDType;
+
+/// Element type of a tensor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum DType {
+    /// IEEE binary32.
+    F32,
+    /// IEEE binary16 (`half::f16`), accumulated in f32.
+    F16,
+    /// bfloat16 (`half::bf16`), accumulated in f32.
+    BF16,
+}
+
+impl DType {
+    /// Bytes per element.
+    pub const fn size(self) -> usize {
+        match self {
+            DType::F32 => 4,
+            DType::F16 | DType::BF16 => 2,
+        }
+    }
+    /// Elements per 16-byte pack.
+    pub const fn lanes(self) -> usize {
+        16 / self.size()
+    }
+    /// Short lowercase name (`f32`, `f16`, `bf16`), as in kernel names.
+    pub const fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+        }
+    }
+    /// All supported dtypes.
+    pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+    #[allow(dead_code)]
+    pub(crate) fn raw(self) -> RawDType {
+        match self {
+            DType::F32 => RawDType::PEERCOMM_DTYPE_F32,
+            DType::F16 => RawDType::PEERCOMM_DTYPE_F16,
+            DType::BF16 => RawDType::PEERCOMM_DTYPE_BF16,
+        }
+    }
+}
+
+/// A Rust element type peercomm reduces: `f32`, `half::f16`, `half::bf16`.
+pub trait Element: Copy + Send + Sync + Default + std::fmt::Debug + 'static {
+    /// Its [`DType`].
+    const DTYPE: DType;
+    /// Converts to f32 (exact for all three types).
+    fn to_f32(self) -> f32;
+    /// Rounds an f32 to this type (round to nearest even).
+    fn from_f32(x: f32) -> Self;
+    /// The raw bits, widened (to compare results bitwise).
+    fn to_bits_u32(self) -> u32;
+}
+
+impl Element for f32 {
+    const DTYPE: DType = DType::F32;
+    fn to_f32(self) -> f32 {
+        self
+    }
+    fn from_f32(x: f32) -> Self {
+        x
+    }
+    fn to_bits_u32(self) -> u32 {
+        self.to_bits()
+    }
+}
+
+impl Element for half::f16 {
+    const DTYPE: DType = DType::F16;
+    fn to_f32(self) -> f32 {
+        half::f16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        half::f16::from_f32(x)
+    }
+    fn to_bits_u32(self) -> u32 {
+        self.to_bits() as u32
+    }
+}
+
+impl Element for half::bf16 {
+    const DTYPE: DType = DType::BF16;
+    fn to_f32(self) -> f32 {
+        half::bf16::to_f32(self)
+    }
+    fn from_f32(x: f32) -> Self {
+        half::bf16::from_f32(x)
+    }
+    fn to_bits_u32(self) -> u32 {
+        self.to_bits() as u32
+    }
+}

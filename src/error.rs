@@ -1,0 +1,136 @@
+//! Typed errors. Every check that can fail on bad input runs before anything is
+//! launched, so an `Err` from a collective means nothing was written.
+
+use crate::dtype::DType;
+
+/// Result with a peercomm [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything peercomm can report.
+#[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Error {
+    /// A communicator needs between 1 and `MAX_GPUS` devices.
+    #[error("a communicator spans 1 to {max} devices, not {got}")]
+    InvalidWorldSize {
+        /// Devices asked for.
+        got: usize,
+        /// `MAX_GPUS`.
+        max: usize,
+    },
+    /// The same device was named twice, or an ordinal is out of range.
+    #[error("invalid device list: {0}")]
+    InvalidDevices(String),
+    /// `group_size` must be 0 (whole world) or divide the world size.
+    #[error("group size {group_size} does not divide the world size {world}")]
+    InvalidGroupSize {
+        /// The group size asked for.
+        group_size: usize,
+        /// Ranks in the communicator.
+        world: usize,
+    },
+    /// One tensor per rank is needed.
+    #[error("expected {expected} tensors (one per rank), got {got}")]
+    WrongTensorCount {
+        /// World size.
+        expected: usize,
+        /// Tensors passed.
+        got: usize,
+    },
+    /// Ranks passed tensors of different element types.
+    #[error("rank {rank} passed {got:?} where rank 0 passed {expected:?}")]
+    DTypeMismatch {
+        /// Rank whose tensor differs.
+        rank: usize,
+        /// Rank 0's dtype.
+        expected: DType,
+        /// This rank's dtype.
+        got: DType,
+    },
+    /// Ranks passed tensors of different shapes.
+    #[error("rank {rank} passed shape {got:?} where rank 0 passed {expected:?}")]
+    ShapeMismatch {
+        /// Rank whose tensor differs.
+        rank: usize,
+        /// Rank 0's shape.
+        expected: Vec<usize>,
+        /// This rank's shape.
+        got: Vec<usize>,
+    },
+    /// A tensor's shape does not describe its buffer, or input and output differ.
+    #[error("rank {rank}: {what}")]
+    LengthMismatch {
+        /// Rank concerned.
+        rank: usize,
+        /// What differs.
+        what: String,
+    },
+    /// A buffer lives on another device than its rank's.
+    #[error("rank {rank} runs on device {expected} but its {which} buffer is on device {got}")]
+    WrongDevice {
+        /// Rank concerned.
+        rank: usize,
+        /// `"input"` or `"output"`.
+        which: &'static str,
+        /// The rank's device ordinal.
+        expected: usize,
+        /// The buffer's device ordinal.
+        got: usize,
+    },
+    /// The chosen algorithm needs more scratch than the communicator has.
+    #[error("{algorithm} needs {needed} bytes of scratch but the communicator has {available}")]
+    MessageTooLarge {
+        /// Algorithm that was asked for or chosen.
+        algorithm: &'static str,
+        /// Bytes it would need.
+        needed: usize,
+        /// Bytes configured.
+        available: usize,
+    },
+    /// An algorithm cannot run in this mode (e.g. Lamport over groups of 1 is fine, but
+    /// an explicit request that cannot be honoured lands here).
+    #[error("{0}")]
+    Unsupported(String),
+    /// Peer access is missing between two devices; a staged fallback is not built yet.
+    #[error("peer-to-peer access from device {from} to device {to} is not available")]
+    P2pUnavailable {
+        /// Device that would access.
+        from: usize,
+        /// Device that would be accessed.
+        to: usize,
+    },
+    /// A barrier waited longer than the configured timeout: a peer never arrived.
+    #[error(
+        "barrier timeout on rank {rank}, block {block}, barrier domain {domain}; \
+             the communicator must be re-initialised"
+    )]
+    BarrierTimeout {
+        /// World rank that gave up.
+        rank: usize,
+        /// Block that gave up.
+        block: usize,
+        /// Barrier domain (counter bank) it waited in.
+        domain: usize,
+    },
+    /// An earlier barrier timed out; collectives are refused until `reinitialize`.
+    #[error("the communicator is poisoned by an earlier barrier timeout; call reinitialize()")]
+    Poisoned,
+    /// The backend has no device (no GPU, no driver).
+    #[error("{backend}: no device available: {detail}")]
+    NoDevice {
+        /// Backend name.
+        backend: &'static str,
+        /// What the runtime said.
+        detail: String,
+    },
+    /// A driver/runtime call failed.
+    #[error("{backend} call {call} failed: {detail}")]
+    Backend {
+        /// Backend name.
+        backend: &'static str,
+        /// The call that failed.
+        call: &'static str,
+        /// What the runtime said.
+        detail: String,
+    },
+}

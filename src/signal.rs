@@ -1,0 +1,218 @@
+//! The signal layout (mirrored from `include/peercomm_signal.h` by bindgen) and the
+//! small pure functions of the protocol: barrier domains, circular addition and the
+//! offsets inside one rank's signal allocation.
+
+#[allow(non_camel_case_types, non_upper_case_globals, dead_code, missing_docs)]
+mod bindings {
+    include!(concat!(env!("OUT_DIR"), "/signal_bindings.rs"));
+}
+
+pub(crate) use bindings::peercomm_dtype as RawDType;
+pub use bindings::{peercomm_allreduce_args as AllReduceArgs, peercomm_signal as Signal};
+
+/// Most GPUs one communicator spans.
+pub const MAX_GPUS: usize = bindings::PEERCOMM_MAX_GPUS as usize;
+/// Most thread blocks one collective launches per GPU (the counter banks are sized for it).
+pub const MAX_NUM_BLOCKS_UPPER_BOUND: usize =
+    bindings::PEERCOMM_MAX_NUM_BLOCKS_UPPER_BOUND as usize;
+/// Counter banks: one per possible group width, so subgroup and whole-world barriers
+/// never share counters.
+pub const NUM_BARRIER_DOMAINS: usize = bindings::PEERCOMM_NUM_BARRIER_DOMAINS as usize;
+/// Generations of the Lamport region: one being written, one being read, one being cleared.
+pub const LAMPORT_GENERATIONS: usize = bindings::PEERCOMM_LAMPORT_GENERATIONS as usize;
+/// Alignment of the Lamport region and of the payload inside a signal allocation.
+pub const REGION_ALIGN: usize = bindings::PEERCOMM_REGION_ALIGN as usize;
+/// Bytes of one vector pack: the unit of the main loops and of the Lamport readiness test.
+pub const PACK_BYTES: usize = 16;
+
+/// Index of the generation flag in `Signal::lamport_state`.
+pub const LAMPORT_FLAG: usize = bindings::PEERCOMM_LAMPORT_FLAG as usize;
+/// Index of the previous call's packs per slot in `Signal::lamport_state`.
+pub const LAMPORT_PREV_PACKS: usize = bindings::PEERCOMM_LAMPORT_PREV_PACKS as usize;
+/// Index of the block arrival counter in `Signal::lamport_state`.
+pub const LAMPORT_ARRIVALS: usize = bindings::PEERCOMM_LAMPORT_ARRIVALS as usize;
+/// Index of the previous call's group width in `Signal::lamport_state`.
+pub const LAMPORT_PREV_WIDTH: usize = bindings::PEERCOMM_LAMPORT_PREV_WIDTH as usize;
+
+/// Index of the error code in `Signal::error_state`.
+pub const ERROR_CODE: usize = bindings::PEERCOMM_ERROR_CODE as usize;
+/// Index of the rank that timed out in `Signal::error_state`.
+pub const ERROR_RANK: usize = bindings::PEERCOMM_ERROR_RANK as usize;
+/// Index of the block that timed out in `Signal::error_state`.
+pub const ERROR_BLOCK: usize = bindings::PEERCOMM_ERROR_BLOCK as usize;
+/// Index of the barrier domain that timed out in `Signal::error_state`.
+pub const ERROR_DOMAIN: usize = bindings::PEERCOMM_ERROR_DOMAIN as usize;
+/// Error code a barrier writes when it gives up waiting.
+pub const ERROR_BARRIER_TIMEOUT: u32 = bindings::PEERCOMM_ERROR_BARRIER_TIMEOUT;
+
+/// Where the bindings came from: `"bindgen"` (generated from the header in this build)
+/// or `"committed"` (libclang was missing; the committed copy was used).
+pub const BINDINGS_SOURCE: &str = env!("PEERCOMM_BINDINGS_SOURCE");
+
+/// The barrier domain (counter bank) of a collective over groups of `width` ranks in
+/// a world of `world` ranks: 0 for the whole world, else the width itself. Widths are
+/// at most `MAX_GPUS` and a subgroup is narrower than the world, so a subgroup never
+/// lands in bank 0 and two different widths never share a bank.
+pub const fn barrier_domain(width: usize, world: usize) -> usize {
+    if width == world {
+        0
+    } else {
+        width
+    }
+}
+
+/// `(a + b) mod n` without overflow for any `a, b < n`; `n` must not be 0.
+/// Powers of two take a mask; other `n` a compare-and-subtract.
+pub const fn circular_add(a: usize, b: usize, n: usize) -> usize {
+    debug_assert!(n > 0);
+    if n.is_power_of_two() {
+        a.wrapping_add(b) & (n - 1)
+    } else {
+        let a = a % n;
+        let b = b % n;
+        // a + b < 2n may still overflow usize when n > usize::MAX / 2: subtract first.
+        if a >= n - b {
+            a - (n - b)
+        } else {
+            a + b
+        }
+    }
+}
+
+/// Byte sizes and offsets of one rank's signal allocation:
+/// `[Signal][Lamport region][payload]`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SignalLayout {
+    /// Bytes of one Lamport slot (one source rank, one generation); a multiple of 16.
+    pub lamport_slot_bytes: usize,
+    /// Bytes of the payload (scratch of the staged and two-stage kernels).
+    pub payload_bytes: usize,
+}
+
+impl SignalLayout {
+    /// Offset of the Lamport region from the start of the allocation.
+    pub const fn lamport_offset(&self) -> usize {
+        align_up(std::mem::size_of::<Signal>(), REGION_ALIGN)
+    }
+    /// Bytes of the whole Lamport region (all generations, all slots).
+    pub const fn lamport_region_bytes(&self) -> usize {
+        LAMPORT_GENERATIONS * MAX_GPUS * self.lamport_slot_bytes
+    }
+    /// Offset of the payload from the start of the allocation.
+    pub const fn payload_offset(&self) -> usize {
+        align_up(
+            self.lamport_offset() + self.lamport_region_bytes(),
+            REGION_ALIGN,
+        )
+    }
+    /// Bytes of the whole allocation.
+    pub const fn total_bytes(&self) -> usize {
+        align_up(self.payload_offset() + self.payload_bytes, REGION_ALIGN)
+    }
+}
+
+/// Rounds `x` up to a multiple of `align` (a power of two).
+pub const fn align_up(x: usize, align: usize) -> usize {
+    (x + align - 1) & !(align - 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::mem::{offset_of, size_of};
+
+    #[test]
+    fn signal_layout_is_pinned() {
+        let d = NUM_BARRIER_DOMAINS;
+        let b = MAX_NUM_BLOCKS_UPPER_BOUND;
+        let g = MAX_GPUS;
+        assert_eq!((g, b, d), (8, 1024, 8));
+        assert_eq!(offset_of!(Signal, self_counter), 0);
+        assert_eq!(offset_of!(Signal, peer_counter), d * b * g * 4);
+        assert_eq!(offset_of!(Signal, peer_counter), 262_144);
+        assert_eq!(offset_of!(Signal, lamport_state), 786_432);
+        assert_eq!(offset_of!(Signal, error_state), 786_448);
+        assert_eq!(offset_of!(Signal, reserved), 786_464);
+        assert_eq!(size_of::<Signal>(), 786_688);
+        assert_eq!(size_of::<Signal>() % REGION_ALIGN, 0);
+    }
+
+    #[test]
+    fn allreduce_args_layout_is_pinned() {
+        assert_eq!(offset_of!(AllReduceArgs, inputs), 0);
+        assert_eq!(offset_of!(AllReduceArgs, payloads), 64);
+        assert_eq!(offset_of!(AllReduceArgs, signals), 128);
+        assert_eq!(offset_of!(AllReduceArgs, local_input), 192);
+        assert_eq!(offset_of!(AllReduceArgs, output), 200);
+        assert_eq!(offset_of!(AllReduceArgs, num_elements), 208);
+        assert_eq!(offset_of!(AllReduceArgs, timeout_ns), 216);
+        assert_eq!(offset_of!(AllReduceArgs, lamport_slot_bytes), 224);
+        assert_eq!(offset_of!(AllReduceArgs, group_rank), 228);
+        assert_eq!(offset_of!(AllReduceArgs, group_width), 232);
+        assert_eq!(offset_of!(AllReduceArgs, domain), 236);
+        assert_eq!(offset_of!(AllReduceArgs, world_rank), 240);
+        assert_eq!(offset_of!(AllReduceArgs, stage_input), 244);
+        assert_eq!(size_of::<AllReduceArgs>(), 256);
+    }
+
+    #[test]
+    fn region_offsets() {
+        let l = SignalLayout {
+            lamport_slot_bytes: 4096,
+            payload_bytes: 1000,
+        };
+        assert_eq!(l.lamport_offset(), 786_688);
+        assert_eq!(l.lamport_region_bytes(), 3 * 8 * 4096);
+        assert_eq!(l.payload_offset(), 786_688 + 3 * 8 * 4096);
+        assert_eq!(l.total_bytes(), l.payload_offset() + 1024);
+    }
+
+    #[test]
+    fn barrier_domains_are_disjoint_per_width() {
+        for world in 1..=MAX_GPUS {
+            let mut seen = std::collections::HashMap::new();
+            for width in (1..=world).filter(|w| world % w == 0) {
+                let d = barrier_domain(width, world);
+                assert!(d < NUM_BARRIER_DOMAINS);
+                assert!(
+                    seen.insert(d, width).is_none(),
+                    "world {world}: width {width} shares bank {d}"
+                );
+            }
+            assert_eq!(barrier_domain(world, world), 0);
+        }
+    }
+
+    #[test]
+    fn circular_add_matches_modular_arithmetic_exhaustively() {
+        for n in 1..=64usize {
+            for a in 0..n {
+                for b in 0..n {
+                    assert_eq!(circular_add(a, b, n), (a + b) % n, "a={a} b={b} n={n}");
+                }
+            }
+        }
+        // Near the top of usize, where a naive a + b would overflow.
+        let n = usize::MAX - 2;
+        assert_eq!(circular_add(n - 1, n - 1, n), n - 2);
+        let n = 1usize << (usize::BITS - 1);
+        assert_eq!(circular_add(n - 1, n - 1, n), n - 2);
+    }
+
+    #[test]
+    fn committed_bindings_match_the_header() {
+        if BINDINGS_SOURCE != "bindgen" {
+            eprintln!(
+                "SKIPPED committed_bindings_match_the_header: libclang was not available, \
+                       this build used the committed bindings"
+            );
+            return;
+        }
+        let generated = include_str!(concat!(env!("OUT_DIR"), "/signal_bindings.rs"));
+        let committed = include_str!("signal_bindings.rs");
+        assert_eq!(
+            generated, committed,
+            "src/signal_bindings.rs is stale: copy $OUT_DIR/signal_bindings.rs over it"
+        );
+    }
+}

@@ -1,0 +1,64 @@
+//! Tensors as collectives take them: a device buffer plus the shape it carries.
+//! Only the element count matters to the reduction; shapes are checked to agree.
+
+use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
+
+/// A read-only tensor: a borrowed device buffer and its shape.
+pub struct Tensor<'a, B: Backend> {
+    pub(crate) data: &'a dyn DeviceBuffer<B>,
+    pub(crate) shape: Vec<usize>,
+}
+
+impl<'a, B: Backend> Tensor<'a, B> {
+    /// A tensor of the given shape over `data`.
+    pub fn new(data: &'a dyn DeviceBuffer<B>, shape: &[usize]) -> Self {
+        Tensor {
+            data,
+            shape: shape.to_vec(),
+        }
+    }
+    /// A rank-1 tensor over the whole buffer.
+    pub fn flat(data: &'a dyn DeviceBuffer<B>) -> Self {
+        Tensor {
+            data,
+            shape: vec![data.len()],
+        }
+    }
+    /// Its shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+}
+
+/// A writable tensor: a mutably borrowed device buffer and its shape.
+pub struct TensorMut<'a, B: Backend> {
+    pub(crate) data: &'a mut dyn DeviceBufferMut<B>,
+    pub(crate) shape: Vec<usize>,
+}
+
+impl<'a, B: Backend> TensorMut<'a, B> {
+    /// A tensor of the given shape over `data`.
+    pub fn new(data: &'a mut dyn DeviceBufferMut<B>, shape: &[usize]) -> Self {
+        TensorMut {
+            data,
+            shape: shape.to_vec(),
+        }
+    }
+    /// A rank-1 tensor over the whole buffer.
+    pub fn flat(data: &'a mut dyn DeviceBufferMut<B>) -> Self {
+        let len = data.len();
+        TensorMut {
+            data,
+            shape: vec![len],
+        }
+    }
+    /// Its shape.
+    pub fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+}
+
+/// Elements a shape describes.
+pub(crate) fn shape_elements(shape: &[usize]) -> usize {
+    shape.iter().product()
+}
