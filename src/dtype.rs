@@ -46,8 +46,23 @@ impl DType {
     }
 }
 
+cfg_if::cfg_if! {
+    if #[cfg(feature = "cuda")] {
+        /// What a backend needs of an element type to move it (cudarc's `DeviceRepr` and
+        /// `ValidAsZeroBits` when the `cuda` feature is on).
+        pub trait BackendElement: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits {}
+        impl<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits> BackendElement for T {}
+    } else {
+        /// What a backend needs of an element type to move it (nothing without `cuda`).
+        pub trait BackendElement {}
+        impl<T> BackendElement for T {}
+    }
+}
+
 /// A Rust element type peercomm reduces: `f32`, `half::f16`, `half::bf16`.
-pub trait Element: Copy + Send + Sync + Default + std::fmt::Debug + 'static {
+pub trait Element:
+    BackendElement + Copy + Send + Sync + Default + std::fmt::Debug + 'static
+{
     /// Its [`DType`].
     const DTYPE: DType;
     /// Converts to f32 (exact for all three types).

@@ -45,7 +45,7 @@ use std::sync::Mutex;
 pub use backend::Backend;
 pub use comm::{AllReduceOptions, CommConfig, Communicator, Rank};
 pub use dispatch::Algorithm;
-pub use dtype::{DType, Element};
+pub use dtype::{BackendElement, DType, Element};
 pub use error::{Error, Result};
 pub use signal::{
     barrier_domain, circular_add, SignalLayout, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,

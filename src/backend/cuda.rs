@@ -1,1 +1,411 @@
-//! CUDA backend (in progress).
+//! The CUDA backend, on cudarc's driver API (dynamically loaded: it builds with no CUDA
+//! installed and finds libcuda at run time).
+//!
+//! Users hold cudarc `CudaSlice`/`CudaView`/`CudaViewMut` buffers; every launch goes
+//! on the rank's `Arc<CudaStream>`, and cudarc's event tracking is honoured: a
+//! collective waits for the last write of each buffer it reads and records its own
+//! read/write events on the rank's stream.
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::sys::{self, CUdevice_attribute};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
+    DevicePtrMut, DeviceRepr, DeviceSlice, LaunchConfig, PushKernelArg, SyncOnDrop,
+};
+
+use super::{Backend, DeviceBuffer, DeviceBufferMut, Kernel, LaunchDims, MemoryKind};
+use crate::dtype::{DType, Element};
+use crate::error::{Error, Result};
+use crate::signal::AllReduceArgs;
+
+/// The kernels of `kernels-cuda/`, compiled by build.rs into one fatbin.
+static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/peercomm_cuda.fatbin"));
+
+// SAFETY: AllReduceArgs is a #[repr(C)] plain-old-data struct of integers, passed by
+// value exactly as the kernels declare it (the same C header).
+unsafe impl DeviceRepr for AllReduceArgs {}
+
+/// The CUDA backend (feature `cuda`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Cuda;
+
+fn driver_err(call: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> Error {
+    move |e| Error::Backend {
+        backend: "cuda",
+        call,
+        detail: e.to_string(),
+    }
+}
+
+/// Loads libcuda once. cudarc panics when the library is missing; that becomes a typed
+/// error here.
+fn driver() -> Result<()> {
+    static LOADED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    LOADED
+        .get_or_init(|| {
+            let hook = std::panic::take_hook();
+            std::panic::set_hook(Box::new(|_| {}));
+            let r = std::panic::catch_unwind(CudaContext::device_count);
+            std::panic::set_hook(hook);
+            match r {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err("the CUDA driver library (libcuda.so) could not be loaded".into()),
+            }
+        })
+        .clone()
+        .map_err(|detail| Error::NoDevice {
+            backend: "cuda",
+            detail,
+        })
+}
+
+/// One GPU: its context, the stream collectives run on, and the loaded kernels.
+#[derive(Clone)]
+pub struct CudaDevice {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    kernels: KernelTable,
+}
+
+/// Every kernel entry point, resolved in one context.
+type KernelTable = Arc<HashMap<Kernel, CudaFunction>>;
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.ctx.ordinal())
+            .finish()
+    }
+}
+
+impl CudaDevice {
+    /// Uses an existing stream (and its context): collectives on this rank are
+    /// enqueued on it, ordered with the caller's other work.
+    pub fn from_stream(stream: Arc<CudaStream>) -> Result<Self> {
+        driver()?;
+        let ctx = stream.context().clone();
+        let kernels = load_kernels(&ctx)?;
+        Ok(CudaDevice {
+            ctx,
+            stream,
+            kernels,
+        })
+    }
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    /// The stream collectives of this rank run on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+/// Loads the embedded fatbin into a context once (per context) and resolves every
+/// kernel symbol.
+fn load_kernels(ctx: &Arc<CudaContext>) -> Result<KernelTable> {
+    static CACHE: OnceLock<std::sync::Mutex<HashMap<usize, KernelTable>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    let key = ctx.cu_ctx() as usize;
+    if let Some(k) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        return Ok(k.clone());
+    }
+    let module: Arc<CudaModule> = ctx
+        .load_module(cudarc::nvrtc::Ptx::from_binary(FATBIN.to_vec()))
+        .map_err(driver_err("cuModuleLoadData (embedded fatbin: rebuild with PEERCOMM_CUDA_ARCHS covering this GPU?)"))?;
+    let mut map = HashMap::new();
+    for k in Kernel::all() {
+        let f = module
+            .load_function(&k.symbol())
+            .map_err(driver_err("cuModuleGetFunction"))?;
+        map.insert(k, f);
+    }
+    let map = Arc::new(map);
+    cache
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(key, map.clone());
+    Ok(map)
+}
+
+/// A device allocation (signal buffers and other internal memory), freed on drop.
+pub struct CudaMemory {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+    bytes: usize,
+}
+
+impl std::fmt::Debug for CudaMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaMemory")
+            .field("ptr", &self.ptr)
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+impl Drop for CudaMemory {
+    fn drop(&mut self) {
+        // Work that may still use the memory must finish first.
+        let _ = self.ctx.synchronize();
+        // SAFETY: `ptr` came from cuMemAlloc in this context and is freed once.
+        let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+    }
+}
+
+fn ordinal_of<T>(s: &impl DeviceSlice<T>) -> usize {
+    s.stream().context().ordinal()
+}
+
+macro_rules! impl_cuda_buffer {
+    ($($ty:ty),*) => {$(
+        impl<T: Element> DeviceBuffer<Cuda> for $ty {
+            fn dtype(&self) -> DType {
+                T::DTYPE
+            }
+            fn len(&self) -> usize {
+                DeviceSlice::len(self)
+            }
+            fn device_ordinal(&self) -> usize {
+                ordinal_of(self)
+            }
+            fn read_ptr<'a>(&'a self, dev: &'a CudaDevice) -> (u64, SyncOnDrop<'a>) {
+                self.device_ptr(&dev.stream)
+            }
+        }
+    )*};
+}
+impl_cuda_buffer!(CudaSlice<T>, CudaView<'_, T>, CudaViewMut<'_, T>);
+
+impl<T: Element> DeviceBufferMut<Cuda> for CudaSlice<T> {
+    fn write_ptr<'a>(&'a mut self, dev: &'a CudaDevice) -> (u64, SyncOnDrop<'a>) {
+        self.device_ptr_mut(&dev.stream)
+    }
+}
+
+impl<T: Element> DeviceBufferMut<Cuda> for CudaViewMut<'_, T> {
+    fn write_ptr<'a>(&'a mut self, dev: &'a CudaDevice) -> (u64, SyncOnDrop<'a>) {
+        self.device_ptr_mut(&dev.stream)
+    }
+}
+
+impl Backend for Cuda {
+    const NAME: &'static str = "cuda";
+    type Device = CudaDevice;
+    type Memory = CudaMemory;
+    type Access<'a> = SyncOnDrop<'a>;
+    type Buffer<T: Element> = CudaSlice<T>;
+
+    fn device_count() -> Result<usize> {
+        driver()?;
+        let n = CudaContext::device_count().map_err(driver_err("cuDeviceGetCount"))?;
+        Ok(n.max(0) as usize)
+    }
+
+    fn open(ordinal: usize) -> Result<CudaDevice> {
+        let count = Self::device_count()?;
+        if ordinal >= count {
+            return Err(if count == 0 {
+                Error::NoDevice {
+                    backend: "cuda",
+                    detail: "no CUDA device".into(),
+                }
+            } else {
+                Error::InvalidDevices(format!(
+                    "CUDA device {ordinal} does not exist ({count} present)"
+                ))
+            });
+        }
+        let ctx = CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
+        let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
+        CudaDevice::from_stream(stream)
+    }
+
+    fn ordinal(dev: &CudaDevice) -> usize {
+        dev.ctx.ordinal()
+    }
+
+    fn multiprocessor_count(dev: &CudaDevice) -> Result<usize> {
+        dev.ctx
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
+            .map(|n| n as usize)
+            .map_err(driver_err("cuDeviceGetAttribute"))
+    }
+
+    fn architecture(dev: &CudaDevice) -> Result<String> {
+        let (major, minor) = dev
+            .ctx
+            .compute_capability()
+            .map_err(driver_err("cuDeviceGetAttribute"))?;
+        Ok(format!("sm_{major}{minor}"))
+    }
+
+    fn can_access_peer(dev: &CudaDevice, peer: &CudaDevice) -> Result<bool> {
+        let mut can = 0i32;
+        // SAFETY: both CUdevice handles come from live contexts; `can` outlives the call.
+        unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev.ctx.cu_device(), peer.ctx.cu_device()) }
+            .result()
+            .map_err(driver_err("cuDeviceCanAccessPeer"))?;
+        Ok(can != 0)
+    }
+
+    fn enable_peer_access(dev: &CudaDevice, peer: &CudaDevice) -> Result<()> {
+        dev.ctx
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        // SAFETY: the current context is `dev`'s and `peer`'s context is alive.
+        let r = unsafe { sys::cuCtxEnablePeerAccess(peer.ctx.cu_ctx(), 0) };
+        match r {
+            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
+            }
+            other => {
+                return Err(Error::Backend {
+                    backend: "cuda",
+                    call: "cuCtxEnablePeerAccess",
+                    detail: format!("{other:?}"),
+                })
+            }
+        }
+        // Peer access does not cover stream-ordered allocations (cudarc allocates from
+        // the device's memory pool when it can): grant `dev` access to `peer`'s pool too,
+        // so the one-stage kernel can read user buffers of any origin.
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: `pool` outlives the call; the device handle comes from a live context.
+        unsafe { sys::cuDeviceGetMemPool(&mut pool, peer.ctx.cu_device()) }
+            .result()
+            .map_err(driver_err("cuDeviceGetMemPool"))?;
+        let desc = sys::CUmemAccessDesc {
+            location: sys::CUmemLocation {
+                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+                id: dev.ctx.ordinal() as i32,
+            },
+            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+        };
+        // SAFETY: `desc` is one valid descriptor and outlives the call.
+        unsafe { sys::cuMemPoolSetAccess(pool, &desc, 1) }
+            .result()
+            .map_err(driver_err("cuMemPoolSetAccess"))
+    }
+
+    fn alloc(dev: &CudaDevice, bytes: usize, _kind: MemoryKind) -> Result<CudaMemory> {
+        // Plain cuMemAlloc (not the stream-ordered pool): peer access covers it once
+        // enabled, and it is coherent for NVLink/PCIe peers at the owner's L2, so signal
+        // memory needs no special flags on NVIDIA.
+        dev.ctx
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` outlives the call; the context is current.
+        unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) }
+            .result()
+            .map_err(driver_err("cuMemAlloc"))?;
+        Ok(CudaMemory {
+            ctx: dev.ctx.clone(),
+            ptr,
+            bytes,
+        })
+    }
+
+    fn memory_ptr(mem: &CudaMemory) -> u64 {
+        mem.ptr
+    }
+
+    fn map_peer(_dev: &CudaDevice, peer_mem: &CudaMemory) -> Result<u64> {
+        // One process with unified addressing and peer access on: the peer's address is
+        // valid here as it is. (One process per GPU would import an IPC handle.)
+        Ok(peer_mem.ptr)
+    }
+
+    fn memset_d32(dev: &CudaDevice, ptr: u64, value: u32, words: usize) -> Result<()> {
+        dev.ctx
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        // SAFETY: the caller passes a range inside one of its live allocations on this
+        // device; the memset is ordered on the rank's stream.
+        unsafe { sys::cuMemsetD32Async(ptr, value, words, dev.stream.cu_stream()) }
+            .result()
+            .map_err(driver_err("cuMemsetD32Async"))
+    }
+
+    fn read(dev: &CudaDevice, ptr: u64, dst: &mut [u8]) -> Result<()> {
+        dev.ctx
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        // SAFETY: the caller passes a range inside one of its live allocations; the
+        // stream is synchronised before `dst` is read.
+        unsafe {
+            sys::cuMemcpyDtoHAsync_v2(
+                dst.as_mut_ptr() as *mut _,
+                ptr,
+                dst.len(),
+                dev.stream.cu_stream(),
+            )
+        }
+        .result()
+        .map_err(driver_err("cuMemcpyDtoHAsync"))?;
+        dev.stream
+            .synchronize()
+            .map_err(driver_err("cuStreamSynchronize"))
+    }
+
+    fn launch(
+        dev: &CudaDevice,
+        kernel: Kernel,
+        dims: LaunchDims,
+        args: &AllReduceArgs,
+    ) -> Result<()> {
+        let func = dev.kernels.get(&kernel).expect("every kernel is loaded");
+        let cfg = LaunchConfig {
+            grid_dim: (dims.blocks, 1, 1),
+            block_dim: (dims.threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut builder = dev.stream.launch_builder(func);
+        builder.arg(args);
+        // SAFETY: the kernel takes exactly one `peercomm_allreduce_args` by value, and
+        // the communicator built it from live allocations of the documented layout.
+        unsafe { builder.launch(cfg) }
+            .map(|_| ())
+            .map_err(driver_err("cuLaunchKernel"))
+    }
+
+    fn synchronize(dev: &CudaDevice) -> Result<()> {
+        dev.stream
+            .synchronize()
+            .map_err(driver_err("cuStreamSynchronize"))
+    }
+
+    fn alloc_buffer<T: Element>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
+        dev.stream
+            .alloc_zeros::<T>(len)
+            .map_err(driver_err("cuMemAllocAsync"))
+    }
+
+    fn upload<T: Element>(dev: &CudaDevice, src: &[T], dst: &mut CudaSlice<T>) -> Result<()> {
+        if src.len() != dst.len() {
+            return Err(Error::LengthMismatch {
+                rank: dev.ctx.ordinal(),
+                what: format!(
+                    "upload of {} elements into a buffer of {}",
+                    src.len(),
+                    dst.len()
+                ),
+            });
+        }
+        dev.stream
+            .memcpy_htod(src, dst)
+            .map_err(driver_err("cuMemcpyHtoDAsync"))?;
+        dev.stream
+            .synchronize()
+            .map_err(driver_err("cuStreamSynchronize"))
+    }
+
+    fn download<T: Element>(dev: &CudaDevice, src: &CudaSlice<T>) -> Result<Vec<T>> {
+        dev.stream
+            .clone_dtoh(src)
+            .map_err(driver_err("cuMemcpyDtoHAsync"))
+    }
+}

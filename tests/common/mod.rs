@@ -17,6 +17,13 @@ use peercomm::{
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
+/// Prints a skip notice past the test harness's output capture, so a skipped GPU test
+/// is visible in a normal `cargo test` run.
+pub fn announce_skip(test: &str, why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+}
+
 /// Lengths every algorithm is checked at (odd ones exercise the scalar tail).
 pub const LENGTHS: [usize; 5] = [1, 7, 1023, 4096, 1_000_003];
 
@@ -328,14 +335,14 @@ macro_rules! reference_suite {
             match available {
                 Ok(n) if n >= need => true,
                 Ok(n) => {
-                    eprintln!(
-                        "SKIPPED {test}: needs {need} devices, {} has {n}",
-                        stringify!($backend)
+                    common::announce_skip(
+                        test,
+                        &format!("needs {need} devices, {} has {n}", stringify!($backend)),
                     );
                     false
                 }
                 Err(why) => {
-                    eprintln!("SKIPPED {test}: {why}");
+                    common::announce_skip(test, &why);
                     false
                 }
             }
@@ -350,33 +357,46 @@ macro_rules! reference_suite {
         world_test!($backend, $max_blocks, $lengths, sweep_world_7, 7);
         world_test!($backend, $max_blocks, $lengths, sweep_world_8, 8);
 
+        /// The largest of `worlds` (descending) this backend has devices for, or a
+        /// printed skip.
+        fn largest_world(test: &str, worlds: &[usize]) -> Option<usize> {
+            let available: Result<usize, String> = $available;
+            match available {
+                Ok(n) => match worlds.iter().copied().find(|&w| w <= n) {
+                    Some(w) => Some(w),
+                    None => {
+                        common::announce_skip(
+                            test,
+                            &format!("needs {} devices, has {n}", worlds[worlds.len() - 1]),
+                        );
+                        None
+                    }
+                },
+                Err(why) => {
+                    common::announce_skip(test, &why);
+                    None
+                }
+            }
+        }
+
         #[test]
         fn interleaved_subgroups_and_world() {
-            for world in [8, 4, 2] {
-                if devices_or_skip("interleaved_subgroups_and_world", world) {
-                    common::interleaved_subgroups::<$backend>(world, 1200, $max_blocks);
-                    return;
-                }
+            if let Some(world) = largest_world("interleaved_subgroups_and_world", &[8, 4, 2]) {
+                common::interleaved_subgroups::<$backend>(world, 1200, $max_blocks);
             }
         }
 
         #[test]
         fn counter_wraparound() {
-            for world in [8, 4, 2, 1] {
-                if devices_or_skip("counter_wraparound", world) {
-                    common::counter_wraparound::<$backend>(world, $max_blocks);
-                    return;
-                }
+            if let Some(world) = largest_world("counter_wraparound", &[8, 4, 2, 1]) {
+                common::counter_wraparound::<$backend>(world, $max_blocks);
             }
         }
 
         #[test]
         fn back_to_back_calls() {
-            for world in [8, 2, 1] {
-                if devices_or_skip("back_to_back_calls", world) {
-                    common::back_to_back::<$backend>(world, 3000, $max_blocks);
-                    return;
-                }
+            if let Some(world) = largest_world("back_to_back_calls", &[8, 2, 1]) {
+                common::back_to_back::<$backend>(world, 3000, $max_blocks);
             }
         }
 

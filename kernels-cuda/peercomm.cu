@@ -1,0 +1,441 @@
+// peercomm CUDA kernels: the signal counter-bank barrier, and the one-stage, two-stage
+// and Lamport all-reduce, for f32, f16 and bf16 (accumulated in f32).
+//
+// The layout and the launch arguments come from the one header shared with the HIP
+// tree and the Rust side. The host backend (src/backend/host/kernels.rs) is the
+// executable specification: same pack distribution, same reduction order, same
+// Lamport generations, so every rank and every backend produces the same bits.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#include "peercomm_signal.h"
+
+typedef peercomm_allreduce_args Args;
+
+#define LAMPORT_SENTINEL 0x80000000u
+#define LAMPORT_OFFSET \
+    ((sizeof(peercomm_signal) + PEERCOMM_REGION_ALIGN - 1) / PEERCOMM_REGION_ALIGN * PEERCOMM_REGION_ALIGN)
+
+// ---------------------------------------------------------------------------------
+// Memory operations at system scope (peers reach this memory over NVLink/PCIe).
+
+__device__ __forceinline__ void st_relaxed_sys(uint32_t* p, uint32_t v) {
+    asm volatile("st.relaxed.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ void st_release_sys(uint32_t* p, uint32_t v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_relaxed_sys(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ uint32_t ld_acquire_sys(const uint32_t* p) {
+    uint32_t v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+// Lamport packs: volatile so every spin iteration goes to memory.
+__device__ __forceinline__ uint4 ld_volatile_pack(const void* p) {
+    uint4 v;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+__device__ __forceinline__ void st_volatile_pack(void* p, uint4 v) {
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y),
+                 "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+__device__ __forceinline__ uint64_t global_timer_ns() {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+// ---------------------------------------------------------------------------------
+// Element types: raw bits in memory, f32 in registers.
+
+struct F32 {
+    typedef uint32_t Bits;
+    static constexpr Bits kNegZero = 0x80000000u;
+    static __device__ __forceinline__ float to_float(Bits b) { return __uint_as_float(b); }
+    static __device__ __forceinline__ Bits from_float(float x) { return __float_as_uint(x); }
+};
+struct F16 {
+    typedef uint16_t Bits;
+    static constexpr Bits kNegZero = 0x8000u;
+    static __device__ __forceinline__ float to_float(Bits b) { return __half2float(__ushort_as_half(b)); }
+    static __device__ __forceinline__ Bits from_float(float x) { return __half_as_ushort(__float2half_rn(x)); }
+};
+struct BF16 {
+    typedef uint16_t Bits;
+    static constexpr Bits kNegZero = 0x8000u;
+    static __device__ __forceinline__ float to_float(Bits b) {
+        return __bfloat162float(__ushort_as_bfloat16(b));
+    }
+    static __device__ __forceinline__ Bits from_float(float x) {
+        return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+    }
+};
+
+template <typename D>
+struct Pack {
+    static constexpr int kLanes = 16 / sizeof(typename D::Bits);
+    union {
+        uint4 v;
+        typename D::Bits e[kLanes];
+    };
+};
+
+// ---------------------------------------------------------------------------------
+// Kernel context: the own signal and the block's abort flag.
+
+struct Ctx {
+    const Args& a;
+    peercomm_signal* own;
+    volatile uint32_t* abort;  // __shared__: set when a wait of this block timed out
+};
+
+// Returns false (uniformly for the block) when this rank already recorded an error:
+// the communicator is poisoned and nothing may run until it is re-initialised.
+__device__ __forceinline__ bool enter(Ctx& c) {
+    if (threadIdx.x == 0) *c.abort = ld_relaxed_sys(&c.own->error_state[PEERCOMM_ERROR_CODE]) != 0;
+    __syncthreads();
+    return *c.abort == 0;
+}
+
+__device__ void record_timeout(Ctx& c) {
+    uint32_t* e = c.own->error_state;
+    if (atomicCAS_system(&e[PEERCOMM_ERROR_CODE], 0u, 0xffffffffu) == 0u) {
+        e[PEERCOMM_ERROR_RANK] = c.a.world_rank;
+        e[PEERCOMM_ERROR_BLOCK] = blockIdx.x;
+        e[PEERCOMM_ERROR_DOMAIN] = c.a.domain;
+        __threadfence_system();
+        atomicExch_system(&e[PEERCOMM_ERROR_CODE], (uint32_t)PEERCOMM_ERROR_BARRIER_TIMEOUT);
+    }
+    *c.abort = 1;
+}
+
+// Spin helper: true while the caller should keep waiting; records the timeout and
+// returns false once `timeout_ns` has passed (or another thread of the block gave up).
+struct Waiter {
+    uint64_t start = 0;
+    uint32_t spins = 0;
+    __device__ __forceinline__ bool keep_waiting(Ctx& c) {
+        if ((++spins & 255u) != 0u) return true;
+        if (*c.abort) return false;
+        if (c.a.timeout_ns == 0) return true;
+        uint64_t now = global_timer_ns();
+        if (start == 0) {
+            start = now;
+        } else if (now - start > c.a.timeout_ns) {
+            record_timeout(c);
+            return false;
+        }
+        return true;
+    }
+};
+
+// The counter barrier of this block across its group. kPublish makes it release/acquire
+// at system scope: everything the block wrote before it is visible to the peers'
+// blocks after it. Returns false (uniformly) when a wait timed out.
+template <bool kPublish>
+__device__ bool barrier(Ctx& c) {
+    if (kPublish) __syncthreads();  // the block's writes are ordered before the release
+    const uint32_t t = threadIdx.x;
+    const Args& a = c.a;
+    if (t < a.group_width) {
+        const uint32_t d = a.domain, b = blockIdx.x;
+        uint32_t* self = &c.own->self_counter[d][b][t];
+        const uint32_t v = *self + 1u;  // wraps by design
+        *self = v;
+        peercomm_signal* peer = (peercomm_signal*)a.signals[t];
+        uint32_t* to_peer = &peer->peer_counter[d][v & 1u][b][a.group_rank];
+        if (kPublish) {
+            st_release_sys(to_peer, v);
+        } else {
+            st_relaxed_sys(to_peer, v);
+        }
+        const uint32_t* from_peer = &c.own->peer_counter[d][v & 1u][b][t];
+        Waiter w;
+        while ((kPublish ? ld_acquire_sys(from_peer) : ld_relaxed_sys(from_peer)) != v) {
+            if (!w.keep_waiting(c)) break;
+        }
+    }
+    __syncthreads();
+    return *c.abort == 0;
+}
+
+// ---------------------------------------------------------------------------------
+// Data movement helpers.
+
+__device__ __forceinline__ bool aligned16(uint64_t p) { return (p & 15u) == 0; }
+
+template <typename D>
+__device__ __forceinline__ typename D::Bits load_elem(uint64_t base, uint64_t i) {
+    return ((const typename D::Bits*)base)[i];
+}
+template <typename D>
+__device__ __forceinline__ void store_elem(uint64_t base, uint64_t i, typename D::Bits x) {
+    ((typename D::Bits*)base)[i] = x;
+}
+
+// Sum of pack `p` (global pack index `p`, element range [p*L, min(p*L+L, n))) of the
+// group's sources, in group-rank order, written at pack `dst_p` of `dst`.
+template <typename D>
+__device__ __forceinline__ void reduce_pack(const uint64_t* srcs, uint32_t width, uint64_t p, uint64_t n,
+                                            uint64_t dst, uint64_t dst_p, bool vec) {
+    constexpr int L = Pack<D>::kLanes;
+    if (vec && (p + 1) * L <= n) {
+        Pack<D> x[PEERCOMM_MAX_GPUS];
+#pragma unroll
+        for (int s = 0; s < PEERCOMM_MAX_GPUS; ++s) {
+            if (s < (int)width) x[s].v = ((const uint4*)srcs[s])[p];
+        }
+        float acc[L];
+#pragma unroll
+        for (int j = 0; j < L; ++j) acc[j] = D::to_float(x[0].e[j]);
+#pragma unroll
+        for (int s = 1; s < PEERCOMM_MAX_GPUS; ++s) {
+            if (s < (int)width) {
+#pragma unroll
+                for (int j = 0; j < L; ++j) acc[j] += D::to_float(x[s].e[j]);
+            }
+        }
+        Pack<D> out;
+#pragma unroll
+        for (int j = 0; j < L; ++j) out.e[j] = D::from_float(acc[j]);
+        ((uint4*)dst)[dst_p] = out.v;
+    } else {
+        for (uint64_t e = p * L, j = 0; e < n && j < (uint64_t)L; ++e, ++j) {
+            float acc = D::to_float(load_elem<D>(srcs[0], e));
+            for (uint32_t s = 1; s < width; ++s) acc += D::to_float(load_elem<D>(srcs[s], e));
+            store_elem<D>(dst, dst_p * L + j, D::from_float(acc));
+        }
+    }
+}
+
+// Copies pack `src_p` of `src` to pack `dst_p` of `dst`; `valid` lanes of it.
+template <typename D>
+__device__ __forceinline__ void copy_pack(uint64_t src, uint64_t src_p, uint64_t dst, uint64_t dst_p,
+                                          uint64_t valid, bool vec) {
+    constexpr int L = Pack<D>::kLanes;
+    if (vec && valid == (uint64_t)L) {
+        ((uint4*)dst)[dst_p] = ((const uint4*)src)[src_p];
+    } else {
+        for (uint64_t j = 0; j < valid; ++j) store_elem<D>(dst, dst_p * L + j, load_elem<D>(src, src_p * L + j));
+    }
+}
+
+__device__ __forceinline__ uint64_t lanes_in_pack(uint64_t p, uint64_t n, int L) {
+    const uint64_t first = p * L;
+    return n - first < (uint64_t)L ? n - first : (uint64_t)L;
+}
+
+// ---------------------------------------------------------------------------------
+// One-stage: every rank reads every peer's input and reduces the whole message.
+
+template <typename D>
+__device__ void one_stage(const Args& a) {
+    __shared__ uint32_t abort_flag;
+    Ctx c{a, (peercomm_signal*)a.signals[a.group_rank], &abort_flag};
+    if (!enter(c)) return;
+    constexpr int L = Pack<D>::kLanes;
+    const uint64_t n = a.num_elements, packs = (n + L - 1) / L;
+    const uint64_t first = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    bool vec = aligned16(a.output) && aligned16(a.local_input);
+    for (uint32_t s = 0; s < a.group_width; ++s) vec = vec && aligned16(a.inputs[s]);
+    if (a.stage_input) {
+        // In place: the peers read a copy in the own payload while this rank overwrites
+        // its buffer. Block b copies exactly the packs block b of every rank reads.
+        const uint64_t payload = a.payloads[a.group_rank];
+        for (uint64_t p = first; p < packs; p += stride)
+            copy_pack<D>(a.local_input, p, payload, p, lanes_in_pack(p, n, L), vec);
+        if (!barrier<true>(c)) return;
+    } else {
+        if (!barrier<false>(c)) return;
+    }
+    for (uint64_t p = first; p < packs; p += stride) reduce_pack<D>(a.inputs, a.group_width, p, n, a.output, p, vec);
+    // The peers' inputs must not change until every rank has read them.
+    barrier<true>(c);
+}
+
+// ---------------------------------------------------------------------------------
+// Two-stage: reduce-scatter into the own payload, barrier, all-gather from the peers'
+// payloads. Block b reads in the all-gather exactly what block b of the owner wrote.
+
+template <typename D>
+__device__ void two_stage(const Args& a) {
+    __shared__ uint32_t abort_flag;
+    Ctx c{a, (peercomm_signal*)a.signals[a.group_rank], &abort_flag};
+    if (!enter(c)) return;
+    constexpr int L = Pack<D>::kLanes;
+    const uint64_t n = a.num_elements, packs = (n + L - 1) / L;
+    const uint32_t width = a.group_width, me = a.group_rank;
+    const uint64_t part = (packs + width - 1) / width;
+    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    bool vec = aligned16(a.output);
+    for (uint32_t s = 0; s < width; ++s) vec = vec && aligned16(a.inputs[s]) && aligned16(a.payloads[s]);
+    if (!barrier<false>(c)) return;
+    {
+        const uint64_t first = me * part, end = min(first + part, packs);
+        for (uint64_t p = first + tid; p < end; p += stride)
+            reduce_pack<D>(a.inputs, width, p, n, a.payloads[me], p - first, vec);
+    }
+    if (!barrier<true>(c)) return;
+    for (uint32_t q = 0; q < width; ++q) {
+        const uint64_t first = q * part, end = min(first + part, packs);
+        for (uint64_t p = first + tid; p < end; p += stride)
+            copy_pack<D>(a.payloads[q], p - first, a.output, p, lanes_in_pack(p, n, L), vec);
+    }
+    barrier<true>(c);
+}
+
+// ---------------------------------------------------------------------------------
+// Lamport: no barrier. Each rank pushes its packs into slot `group_rank` of every group
+// member's region for generation `flag`; each rank reduces its own region once no
+// 32-bit word of a pack is the sentinel, then clears the previous generation.
+
+__device__ __forceinline__ uint8_t* lamport_pack_ptr(uint64_t signal, uint32_t slot_bytes, uint32_t gen,
+                                                     uint32_t src, uint64_t p) {
+    return (uint8_t*)signal + LAMPORT_OFFSET + ((uint64_t)gen * PEERCOMM_MAX_GPUS + src) * slot_bytes + p * 16;
+}
+
+__device__ __forceinline__ bool pack_ready(uint4 v) {
+    return v.x != LAMPORT_SENTINEL && v.y != LAMPORT_SENTINEL && v.z != LAMPORT_SENTINEL &&
+           v.w != LAMPORT_SENTINEL;
+}
+
+template <typename D>
+__device__ void lamport(const Args& a) {
+    __shared__ uint32_t abort_flag;
+    Ctx c{a, (peercomm_signal*)a.signals[a.group_rank], &abort_flag};
+    if (!enter(c)) return;
+    constexpr int L = Pack<D>::kLanes;
+    const uint64_t n = a.num_elements, packs = (n + L - 1) / L;
+    const uint32_t width = a.group_width, me = a.group_rank, slot = a.lamport_slot_bytes;
+    const uint64_t own = a.signals[me];
+    uint32_t* state = c.own->lamport_state;
+    const uint32_t gen = ld_relaxed_sys(&state[PEERCOMM_LAMPORT_FLAG]);
+    const uint32_t prev_packs = ld_relaxed_sys(&state[PEERCOMM_LAMPORT_PREV_PACKS]);
+    const uint32_t prev_width = ld_relaxed_sys(&state[PEERCOMM_LAMPORT_PREV_WIDTH]);
+    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    const bool vec = aligned16(a.local_input) && aligned16(a.output);
+
+    // Push.
+    for (uint64_t p = tid; p < packs; p += stride) {
+        Pack<D> x;
+        const uint64_t valid = lanes_in_pack(p, n, L);
+        if (vec && valid == (uint64_t)L) {
+            x.v = ((const uint4*)a.local_input)[p];
+        } else {
+#pragma unroll
+            for (int j = 0; j < L; ++j) x.e[j] = (uint64_t)j < valid ? load_elem<D>(a.local_input, p * L + j) : 0;
+        }
+#pragma unroll
+        for (int j = 0; j < L; ++j)
+            if (x.e[j] == D::kNegZero) x.e[j] = 0;  // -0.0 is the "not yet written" mark
+        for (uint32_t q = 0; q < width; ++q) st_volatile_pack(lamport_pack_ptr(a.signals[q], slot, gen, me, p), x.v);
+    }
+    // Reduce the own region as the packs arrive.
+    for (uint64_t p = tid; p < packs && !*c.abort; p += stride) {
+        Pack<D> x[PEERCOMM_MAX_GPUS];
+        Waiter w;
+        bool ready = false;
+        while (!ready) {
+            ready = true;
+#pragma unroll
+            for (int s = 0; s < PEERCOMM_MAX_GPUS; ++s) {
+                if (s < (int)width) {
+                    x[s].v = ld_volatile_pack(lamport_pack_ptr(own, slot, gen, s, p));
+                    ready = ready && pack_ready(x[s].v);
+                }
+            }
+            if (!ready && !w.keep_waiting(c)) break;
+        }
+        if (!ready) break;
+        float acc[L];
+#pragma unroll
+        for (int j = 0; j < L; ++j) acc[j] = D::to_float(x[0].e[j]);
+#pragma unroll
+        for (int s = 1; s < PEERCOMM_MAX_GPUS; ++s) {
+            if (s < (int)width) {
+#pragma unroll
+                for (int j = 0; j < L; ++j) acc[j] += D::to_float(x[s].e[j]);
+            }
+        }
+        Pack<D> out;
+#pragma unroll
+        for (int j = 0; j < L; ++j) out.e[j] = D::from_float(acc[j]);
+        const uint64_t valid = lanes_in_pack(p, n, L);
+        if (vec && valid == (uint64_t)L) {
+            ((uint4*)a.output)[p] = out.v;
+        } else {
+            for (uint64_t j = 0; j < valid; ++j) store_elem<D>(a.output, p * L + j, out.e[j]);
+        }
+    }
+    // Clear the previous call's generation for the call after next. Its producers are
+    // done with it: each of them has since consumed this rank's push of that call,
+    // which this rank made after reading that generation.
+    const uint32_t clear_gen = (gen + PEERCOMM_LAMPORT_GENERATIONS - 1) % PEERCOMM_LAMPORT_GENERATIONS;
+    const uint4 sentinel = make_uint4(LAMPORT_SENTINEL, LAMPORT_SENTINEL, LAMPORT_SENTINEL, LAMPORT_SENTINEL);
+    const uint64_t clear_total = (uint64_t)prev_width * prev_packs;
+    for (uint64_t i = tid; i < clear_total; i += stride) {
+        const uint32_t src = (uint32_t)(i / prev_packs);
+        const uint64_t p = i % prev_packs;
+        st_volatile_pack(lamport_pack_ptr(own, slot, clear_gen, src, p), sentinel);
+    }
+    // The last block to finish advances the state.
+    __syncthreads();
+    if (threadIdx.x == 0 && !*c.abort) {
+        __threadfence();
+        if (atomicAdd(&state[PEERCOMM_LAMPORT_ARRIVALS], 1u) == gridDim.x - 1) {
+            state[PEERCOMM_LAMPORT_PREV_PACKS] = (uint32_t)packs;
+            state[PEERCOMM_LAMPORT_PREV_WIDTH] = width;
+            state[PEERCOMM_LAMPORT_ARRIVALS] = 0;
+            __threadfence();
+            st_relaxed_sys(&state[PEERCOMM_LAMPORT_FLAG], (gen + 1) % PEERCOMM_LAMPORT_GENERATIONS);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Barrier only: a start and an end barrier (the `barrier` collective and the timeout
+// probe).
+
+__device__ void barrier_only(const Args& a) {
+    __shared__ uint32_t abort_flag;
+    Ctx c{a, (peercomm_signal*)a.signals[a.group_rank], &abort_flag};
+    if (!enter(c)) return;
+    if (!barrier<false>(c)) return;
+    barrier<true>(c);
+}
+
+// ---------------------------------------------------------------------------------
+// Exported entry points: peercomm_<algorithm>_<dtype>, as `Kernel::symbol()` names them.
+
+#define PEERCOMM_EXPORT(D, name)                                                                        \
+    extern "C" __global__ void __launch_bounds__(1024) peercomm_one_stage_##name(const Args a) {      \
+        one_stage<D>(a);                                                                               \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(1024) peercomm_two_stage_##name(const Args a) {      \
+        two_stage<D>(a);                                                                               \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(1024) peercomm_lamport_##name(const Args a) {        \
+        lamport<D>(a);                                                                                 \
+    }                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(1024) peercomm_barrier_##name(const Args a) {        \
+        barrier_only(a);                                                                               \
+    }
+
+PEERCOMM_EXPORT(F32, f32)
+PEERCOMM_EXPORT(F16, f16)
+PEERCOMM_EXPORT(BF16, bf16)
