@@ -420,6 +420,24 @@ __device__ void barrier_only(const Args& a) {
 }
 
 // ---------------------------------------------------------------------------------
+// Flag ping-pong between group ranks 0 and 1 (benchmark of the cross-GPU round trip):
+// the first word of each payload is the flag, zeroed by the host before the launch.
+
+extern "C" __global__ void peercomm_pingpong_f32(const Args a) {
+    if (threadIdx.x != 0 || blockIdx.x != 0 || a.group_rank > 1 || a.group_width < 2) return;
+    uint32_t* mine = (uint32_t*)a.payloads[a.group_rank];
+    uint32_t* theirs = (uint32_t*)a.payloads[1 - a.group_rank];
+    const uint64_t start = global_timer_ns();
+    for (uint32_t i = 1; i <= (uint32_t)a.num_elements; ++i) {
+        if (a.group_rank == 0) st_release_sys(theirs, i);
+        while (ld_acquire_sys(mine) != i) {
+            if (a.timeout_ns != 0 && global_timer_ns() - start > a.timeout_ns) return;
+        }
+        if (a.group_rank == 1) st_release_sys(theirs, i);
+    }
+}
+
+// ---------------------------------------------------------------------------------
 // Exported entry points: peercomm_<algorithm>_<dtype>, as `Kernel::symbol()` names them.
 
 #define PEERCOMM_EXPORT(D, name)                                                                        \

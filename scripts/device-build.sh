@@ -17,7 +17,7 @@ for line in sys.stdin:
             shutil.copy(m["executable"], ".device-bin/test-" + name)
             print("test binary:", name)
 '
-if [ -f examples/peercomm-bench.rs ]; then
+if [ -f examples/peercomm-bench/main.rs ]; then
   cargo build --release --features cuda --example peercomm-bench
   cp target/release/examples/peercomm-bench .device-bin/
   echo "bench binary: peercomm-bench"

@@ -465,6 +465,50 @@ impl<B: Backend> Communicator<B> {
         Ok(())
     }
 
+    /// Enqueues `iters` flag round trips between ranks 0 and 1 (one thread each, through
+    /// the first word of their payloads): time it with the backend's events to measure
+    /// the cross-GPU flag latency. Needs a world of at least 2.
+    #[doc(hidden)]
+    pub fn launch_flag_ping_pong(&self, iters: u32) -> Result<()> {
+        self.check_usable()?;
+        if self.world_size() < 2 {
+            return Err(Error::Unsupported(
+                "the flag ping-pong needs two ranks".into(),
+            ));
+        }
+        let payload_off = self.layout.payload_offset() as u64;
+        for r in 0..2 {
+            B::memset_d32(
+                &self.ranks[r].device,
+                self.ranks[r].signal_ptr() + payload_off,
+                0,
+                1,
+            )?;
+        }
+        for r in 0..2 {
+            B::synchronize(&self.ranks[r].device)?;
+        }
+        let plan = Plan {
+            kernel: Kernel {
+                kind: KernelKind::PingPong,
+                dtype: DType::F32,
+            },
+            algorithm: Algorithm::Auto,
+            width: 2,
+            elements: iters as usize,
+            stage_input: false,
+            dims: LaunchDims {
+                blocks: 1,
+                threads: 32,
+            },
+        };
+        let zeros = [0u64; MAX_GPUS];
+        for r in 0..2 {
+            self.launch_rank(&plan, r, &zeros, &zeros)?;
+        }
+        Ok(())
+    }
+
     fn check_usable(&self) -> Result<()> {
         if self.is_poisoned() {
             Err(Error::Poisoned)

@@ -409,3 +409,22 @@ impl Backend for Cuda {
             .map_err(driver_err("cuMemcpyDtoHAsync"))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every symbol the backend resolves at run time is in the embedded fatbin (checked
+    /// without a GPU: the names are stored as strings in its ELF images).
+    #[test]
+    fn fatbin_exports_every_kernel() {
+        let names: Vec<String> = Kernel::all().map(|k| k.symbol()).collect();
+        assert_eq!(names.len(), 13);
+        for name in names {
+            assert!(
+                FATBIN.windows(name.len()).any(|w| w == name.as_bytes()),
+                "{name} is missing from the CUDA fatbin"
+            );
+        }
+    }
+}

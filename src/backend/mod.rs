@@ -37,6 +37,9 @@ pub enum KernelKind {
     Lamport,
     /// A start and an end barrier and nothing else (also the timeout probe).
     Barrier,
+    /// Ranks 0 and 1 bounce a flag `num_elements` times through their payloads (one
+    /// thread each): measures the cross-GPU flag round trip. f32 only.
+    PingPong,
 }
 
 impl KernelKind {
@@ -47,6 +50,7 @@ impl KernelKind {
             KernelKind::TwoStage => "two_stage",
             KernelKind::Lamport => "lamport",
             KernelKind::Barrier => "barrier",
+            KernelKind::PingPong => "pingpong",
         }
     }
 }
@@ -75,6 +79,10 @@ impl Kernel {
                 .into_iter()
                 .map(move |dtype| Kernel { kind, dtype })
         })
+        .chain(std::iter::once(Kernel {
+            kind: KernelKind::PingPong,
+            dtype: DType::F32,
+        }))
     }
     /// Its exported symbol, e.g. `peercomm_two_stage_bf16`.
     pub fn symbol(self) -> String {

@@ -1,0 +1,465 @@
+//! peercomm-bench: all-reduce latency and bandwidth, peercomm against NCCL, in one
+//! process and one run.
+//!
+//! On NVIDIA GPUs (built with `--features cuda`) it sweeps message sizes for bf16 and
+//! f32, every group size of the world, each peercomm algorithm (auto and forced) and
+//! NCCL, eager and inside CUDA graphs; times with device events after warm-up, takes
+//! the median of many batches, rotates input buffers so large data is not served from
+//! L2, and checks every configuration's sum before timing it. It also measures the
+//! peer copy-engine bandwidth and the cross-GPU flag round trip. Without a GPU it runs
+//! the host reference backend (small sizes, no NCCL) and says so.
+//!
+//! ```text
+//! cargo run --release --example peercomm-bench                      # host backend
+//! cargo run --release --features cuda --example peercomm-bench -- --out results/
+//! ```
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use clap::Parser;
+use peercomm::backend::Backend;
+use peercomm::{
+    Algorithm, AllReduceOptions, CommConfig, Communicator, DType, Element, Tensor, TensorMut,
+};
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+
+#[derive(Parser, Debug, Clone)]
+#[command(about = "peercomm all-reduce benchmark against NCCL")]
+struct Args {
+    /// Smallest message in bytes per rank.
+    #[arg(long, default_value_t = 1024)]
+    min_bytes: usize,
+    /// Largest message in bytes per rank (default: 1 GiB on GPUs, 4 MiB on the host).
+    #[arg(long)]
+    max_bytes: Option<usize>,
+    /// Element types.
+    #[arg(long, value_delimiter = ',', default_value = "bf16,f32")]
+    dtypes: Vec<String>,
+    /// Group sizes to run (default: every divisor of the world).
+    #[arg(long, value_delimiter = ',')]
+    groups: Option<Vec<usize>>,
+    /// Timed batches per point (the median is reported).
+    #[arg(long, default_value_t = 15)]
+    batches: usize,
+    /// Skip the CUDA-graph measurements.
+    #[arg(long)]
+    no_graph: bool,
+    /// Skip NCCL.
+    #[arg(long)]
+    no_nccl: bool,
+    /// Skip the forced algorithms (auto dispatch and NCCL only).
+    #[arg(long)]
+    auto_only: bool,
+    /// Bytes of one Lamport slot (the largest Lamport message).
+    #[arg(long, default_value_t = 1 << 20)]
+    lamport_slot_bytes: usize,
+    /// Folder for results.json and results.png.
+    #[arg(long)]
+    out: Option<PathBuf>,
+}
+
+/// One measured point.
+#[derive(Serialize, Clone, Debug)]
+struct Record {
+    dtype: String,
+    world: usize,
+    group: usize,
+    bytes: usize,
+    /// "peercomm-auto", "peercomm-one_stage", ..., "nccl".
+    implementation: String,
+    /// Algorithm that ran (the auto dispatch's choice for "peercomm-auto").
+    algorithm: String,
+    mode: String,
+    latency_us: f64,
+    algbw_gbps: f64,
+    busbw_gbps: f64,
+    /// Latency over NCCL's in the same mode (lower is better); None without NCCL.
+    ratio_vs_nccl: Option<f64>,
+}
+
+#[derive(Serialize, Debug, Default)]
+struct Report {
+    date: String,
+    backend: String,
+    devices: Vec<String>,
+    copy_engine_gbps_one_way: Option<f64>,
+    copy_engine_gbps_both_ways: Option<f64>,
+    flag_round_trip_us: Option<f64>,
+    records: Vec<Record>,
+}
+
+fn sizes(min: usize, max: usize) -> Vec<usize> {
+    let mut v: Vec<usize> = (0..=40)
+        .map(|s| 1usize << s)
+        .filter(|&b| b >= min && b <= max)
+        .collect();
+    // A few odd sizes: they exercise the scalar tail and the partition remainders.
+    for odd in [12_345 * 4, 1_000_003 * 4, 33_554_467 * 4] {
+        if odd >= min && odd <= max {
+            v.push(odd);
+        }
+    }
+    v.sort_unstable();
+    v
+}
+
+fn parse_dtype(s: &str) -> DType {
+    match s {
+        "f32" => DType::F32,
+        "f16" => DType::F16,
+        "bf16" => DType::BF16,
+        other => panic!("unknown dtype {other} (f32, f16, bf16)"),
+    }
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn bus_factor(group: usize) -> f64 {
+    if group <= 1 {
+        1.0
+    } else {
+        2.0 * (group as f64 - 1.0) / group as f64
+    }
+}
+
+/// Random data, fresh per run: a random chunk tiled with a random offset per rank
+/// (generating gigabytes one value at a time would dominate the run).
+fn fill<T: Element>(rng: &mut rand::rngs::StdRng, n: usize) -> Vec<T> {
+    let chunk: Vec<T> = (0..(1usize << 20).min(n))
+        .map(|_| {
+            let m: f32 = rng.random_range(1e-3..1.0);
+            T::from_f32(if rng.random::<bool>() { m } else { -m })
+        })
+        .collect();
+    let off = rng.random_range(0..chunk.len());
+    (0..n).map(|i| chunk[(i + off) % chunk.len()]).collect()
+}
+
+/// Checks a sample (every element up to 4M, else 1M random ones and the tail) of each
+/// rank's output against the f64 sums over its group.
+fn check<T: Element>(
+    ins: &[Vec<T>],
+    outs: &[Vec<T>],
+    group: usize,
+    what: &str,
+) -> Result<(), String> {
+    let n = ins[0].len();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(n as u64);
+    let idx: Vec<usize> = if n <= 1 << 22 {
+        (0..n).collect()
+    } else {
+        (0..1 << 20)
+            .map(|_| rng.random_range(0..n))
+            .chain(n - 1000..n)
+            .collect()
+    };
+    let eps = match T::DTYPE {
+        DType::F32 => f32::EPSILON as f64,
+        DType::F16 => 2f64.powi(-10),
+        DType::BF16 => 2f64.powi(-7),
+    };
+    for g in (0..ins.len()).step_by(group) {
+        for &e in &idx {
+            let (mut sum, mut abs) = (0f64, 0f64);
+            for input in &ins[g..g + group] {
+                let x = input[e].to_f32() as f64;
+                sum += x;
+                abs += x.abs();
+            }
+            let tol = 0.5 * eps * sum.abs() + group as f64 * f32::EPSILON as f64 * abs + 1e-7;
+            for (r, out) in outs.iter().enumerate().skip(g).take(group) {
+                let got = out[e].to_f32() as f64;
+                if !(got - sum).abs().le(&tol) {
+                    return Err(format!(
+                        "{what}: rank {r} element {e}: got {got}, expected {sum}"
+                    ));
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+fn print_header() {
+    println!(
+        "{:>5} {:>5} {:>12} {:>20} {:>10} {:>6} {:>11} {:>10} {:>10} {:>8}",
+        "dtype",
+        "group",
+        "bytes",
+        "implementation",
+        "algorithm",
+        "mode",
+        "latency_us",
+        "algbw_GB/s",
+        "busbw_GB/s",
+        "vs_nccl"
+    );
+}
+
+fn print_record(r: &Record) {
+    println!(
+        "{:>5} {:>5} {:>12} {:>20} {:>10} {:>6} {:>11.2} {:>10.2} {:>10.2} {:>8}",
+        r.dtype,
+        r.group,
+        r.bytes,
+        r.implementation,
+        r.algorithm,
+        r.mode,
+        r.latency_us,
+        r.algbw_gbps,
+        r.busbw_gbps,
+        r.ratio_vs_nccl
+            .map_or("-".to_string(), |x| format!("{x:.2}"))
+    );
+}
+
+fn record(
+    dtype: DType,
+    world: usize,
+    group: usize,
+    bytes: usize,
+    imp: &str,
+    alg: &str,
+    mode: &str,
+    us: f64,
+) -> Record {
+    let algbw = bytes as f64 / (us * 1e-6) / 1e9;
+    Record {
+        dtype: dtype.name().into(),
+        world,
+        group,
+        bytes,
+        implementation: imp.into(),
+        algorithm: alg.into(),
+        mode: mode.into(),
+        latency_us: us,
+        algbw_gbps: algbw,
+        busbw_gbps: algbw * bus_factor(group),
+        ratio_vs_nccl: None,
+    }
+}
+
+/// Fills in each record's ratio against NCCL at the same point and mode.
+fn attach_ratios(records: &mut [Record]) {
+    let nccl: Vec<Record> = records
+        .iter()
+        .filter(|r| r.implementation == "nccl")
+        .cloned()
+        .collect();
+    for r in records.iter_mut().filter(|r| r.implementation != "nccl") {
+        if let Some(n) = nccl.iter().find(|n| {
+            n.dtype == r.dtype && n.group == r.group && n.bytes == r.bytes && n.mode == r.mode
+        }) {
+            r.ratio_vs_nccl = Some(r.latency_us / n.latency_us);
+        }
+    }
+}
+
+fn write_outputs(args: &Args, report: &Report) {
+    let Some(dir) = &args.out else { return };
+    std::fs::create_dir_all(dir).expect("create output folder");
+    let json = serde_json::to_string_pretty(report).unwrap();
+    std::fs::write(dir.join("results.json"), json).expect("write results.json");
+    match plot::draw(report, &dir.join("results.png")) {
+        Ok(()) => println!("wrote {}/results.json and results.png", dir.display()),
+        Err(e) => println!("wrote {}/results.json; plot failed: {e}", dir.display()),
+    }
+}
+
+fn algorithms(args: &Args) -> Vec<Algorithm> {
+    if args.auto_only {
+        vec![Algorithm::Auto]
+    } else {
+        vec![
+            Algorithm::Auto,
+            Algorithm::OneStage,
+            Algorithm::TwoStage,
+            Algorithm::Lamport,
+        ]
+    }
+}
+
+fn group_list(args: &Args, world: usize) -> Vec<usize> {
+    args.groups
+        .clone()
+        .unwrap_or_else(|| (1..=world).rev().filter(|g| world % g == 0).collect())
+}
+
+// ---------------------------------------------------------------------------------
+// Host backend (no GPU): the same sweep at small sizes, timed with the wall clock.
+
+fn run_host(args: &Args, why: &str) -> Report {
+    use peercomm::backend::host::Host;
+    println!("no GPU ({why}): running the host reference backend (CPU threads), no NCCL");
+    let world = 2;
+    let max = args.max_bytes.unwrap_or(4 << 20);
+    let config = CommConfig {
+        payload_bytes: max,
+        lamport_slot_bytes: args.lamport_slot_bytes,
+        ..CommConfig::default()
+    };
+    let comm = Communicator::<Host>::new(&[0, 1], config).expect("host communicator");
+    let mut report = Report {
+        date: chrono_free_date(),
+        backend: "host".into(),
+        devices: vec!["host arena 0".into(), "host arena 1".into()],
+        ..Report::default()
+    };
+    let mut rng = rand::rngs::StdRng::from_os_rng();
+    print_header();
+    for dt in &args.dtypes {
+        let dtype = parse_dtype(dt);
+        for group in group_list(args, world) {
+            for bytes in sizes(args.min_bytes, max) {
+                for alg in algorithms(args) {
+                    let r = match dtype {
+                        DType::F32 => {
+                            host_point::<f32>(&comm, &mut rng, alg, group, bytes, args.batches)
+                        }
+                        DType::F16 => host_point::<half::f16>(
+                            &comm,
+                            &mut rng,
+                            alg,
+                            group,
+                            bytes,
+                            args.batches,
+                        ),
+                        DType::BF16 => host_point::<half::bf16>(
+                            &comm,
+                            &mut rng,
+                            alg,
+                            group,
+                            bytes,
+                            args.batches,
+                        ),
+                    };
+                    if let Some(r) = r {
+                        print_record(&r);
+                        report.records.push(r);
+                    }
+                }
+            }
+        }
+    }
+    report
+}
+
+fn host_point<T: Element>(
+    comm: &Communicator<peercomm::backend::host::Host>,
+    rng: &mut rand::rngs::StdRng,
+    alg: Algorithm,
+    group: usize,
+    bytes: usize,
+    batches: usize,
+) -> Option<Record> {
+    use peercomm::backend::host::Host;
+    let n = bytes / T::DTYPE.size();
+    let world = comm.world_size();
+    let ins: Vec<Vec<T>> = (0..world).map(|_| fill::<T>(rng, n)).collect();
+    let mut ib: Vec<_> = comm
+        .ranks()
+        .iter()
+        .map(|r| Host::alloc_buffer::<T>(r.device(), n).unwrap())
+        .collect();
+    let mut ob: Vec<_> = comm
+        .ranks()
+        .iter()
+        .map(|r| Host::alloc_buffer::<T>(r.device(), n).unwrap())
+        .collect();
+    for (r, rank) in comm.ranks().iter().enumerate() {
+        Host::upload(rank.device(), &ins[r], &mut ib[r]).unwrap();
+        Host::upload(rank.device(), &vec![T::from_f32(f32::NAN); n], &mut ob[r]).unwrap();
+    }
+    let opts = AllReduceOptions::new().group_size(group).algorithm(alg);
+    let run = |ob: &mut Vec<<Host as Backend>::Buffer<T>>| {
+        let it: Vec<Tensor<Host>> = ib.iter().map(|b| Tensor::flat(b)).collect();
+        let mut ot: Vec<TensorMut<Host>> = ob.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        comm.all_reduce_sum(&it, &mut ot, &opts)
+    };
+    let ran = run(&mut ob).ok()?;
+    comm.synchronize().unwrap();
+    let outs: Vec<Vec<T>> = comm
+        .ranks()
+        .iter()
+        .zip(&ob)
+        .map(|(r, b)| Host::download(r.device(), b).unwrap())
+        .collect();
+    check(&ins, &outs, group, "host").expect("wrong sum");
+    let iters = 5;
+    let samples: Vec<f64> = (0..batches.min(7))
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..iters {
+                run(&mut ob).unwrap();
+            }
+            comm.synchronize().unwrap();
+            t.elapsed().as_secs_f64() * 1e6 / iters as f64
+        })
+        .collect();
+    let imp = format!("peercomm-{}", alg.name());
+    Some(record(
+        T::DTYPE,
+        world,
+        group,
+        bytes,
+        &imp,
+        ran.name(),
+        "eager",
+        median(samples),
+    ))
+}
+
+/// Today's date (UTC) from the system clock, without a date crate.
+fn chrono_free_date() -> String {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    let days = secs.div_euclid(86_400);
+    // Civil-from-days (proleptic Gregorian), after H. Hinnant's well-known derivation.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+#[cfg(feature = "cuda")]
+mod gpu;
+
+mod plot;
+
+fn main() {
+    let args = Args::parse();
+    #[cfg(feature = "cuda")]
+    let mut report = match peercomm::backend::cuda::Cuda::device_count() {
+        Ok(n) if n >= 1 => gpu::run(&args, n.min(peercomm::MAX_GPUS)),
+        Ok(_) => run_host(&args, "no CUDA device"),
+        Err(e) => run_host(&args, &e.to_string()),
+    };
+    #[cfg(not(feature = "cuda"))]
+    let mut report = run_host(&args, "built without the `cuda` feature");
+    attach_ratios(&mut report.records);
+    if report.records.iter().any(|r| r.ratio_vs_nccl.is_some()) {
+        println!("\nsummary (peercomm auto against NCCL, same run):");
+        print_header();
+        for r in report
+            .records
+            .iter()
+            .filter(|r| r.implementation == "peercomm-auto" || r.implementation == "nccl")
+        {
+            print_record(r);
+        }
+    }
+    write_outputs(&args, &report);
+}

@@ -1,0 +1,117 @@
+//! results.png: latency and bus bandwidth against message size, peercomm (auto) against
+//! NCCL, for the whole-world group of the first dtype, eager and graph.
+
+use plotters::prelude::*;
+
+use super::Report;
+
+pub fn draw(report: &Report, path: &std::path::Path) -> Result<(), Box<dyn std::error::Error>> {
+    // The bitmap backend needs a font it can rasterise without system fonts.
+    plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
+        .map_err(|_| "could not register the DejaVu font")?;
+    let Some(first) = report.records.first() else {
+        return Ok(());
+    };
+    let (dtype, world) = (first.dtype.clone(), first.world);
+    let series: Vec<(String, Vec<(f64, f64, f64)>)> = ["peercomm-auto", "nccl"]
+        .iter()
+        .flat_map(|imp| ["graph", "eager"].map(|mode| (*imp, mode)))
+        .map(|(imp, mode)| {
+            let pts = report
+                .records
+                .iter()
+                .filter(|r| {
+                    r.implementation == imp
+                        && r.mode == mode
+                        && r.dtype == dtype
+                        && r.group == world
+                })
+                .map(|r| (r.bytes as f64, r.latency_us, r.busbw_gbps))
+                .collect();
+            (format!("{imp} {mode}"), pts)
+        })
+        .filter(|(_, p): &(String, Vec<_>)| !p.is_empty())
+        .collect();
+    if series.is_empty() {
+        return Ok(());
+    }
+    let xs = series.iter().flat_map(|(_, p)| p.iter().map(|q| q.0));
+    let (xmin, xmax) = xs.fold((f64::MAX, 0f64), |(a, b), x| (a.min(x), b.max(x)));
+    let lat_max = series
+        .iter()
+        .flat_map(|(_, p)| p.iter().map(|q| q.1))
+        .fold(1.0, f64::max);
+    let lat_min = series
+        .iter()
+        .flat_map(|(_, p)| p.iter().map(|q| q.1))
+        .fold(f64::MAX, f64::min);
+    let bw_max = series
+        .iter()
+        .flat_map(|(_, p)| p.iter().map(|q| q.2))
+        .fold(1.0, f64::max);
+
+    let root = BitMapBackend::new(path, (1400, 600)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let title = format!(
+        "all-reduce {dtype}, {world} x {}, {} ({})",
+        report.devices.first().map(String::as_str).unwrap_or("?"),
+        report.backend,
+        report.date
+    );
+    let root = root.titled(&title, ("sans-serif", 22))?;
+    let (left, right) = root.split_horizontally(700);
+    let colors = [RED, BLUE, MAGENTA, CYAN];
+
+    let mut lat = ChartBuilder::on(&left)
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .caption("latency (us, lower is better)", ("sans-serif", 18))
+        .build_cartesian_2d(
+            (xmin..xmax).log_scale(),
+            (lat_min * 0.8..lat_max * 1.2).log_scale(),
+        )?;
+    lat.configure_mesh()
+        .x_desc("bytes per rank")
+        .y_desc("us")
+        .draw()?;
+    for (i, (name, pts)) in series.iter().enumerate() {
+        let c = colors[i % colors.len()];
+        lat.draw_series(LineSeries::new(
+            pts.iter().map(|p| (p.0, p.1)),
+            c.stroke_width(2),
+        ))?
+        .label(name.clone())
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
+    }
+    lat.configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+
+    let mut bw = ChartBuilder::on(&right)
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .caption("bus bandwidth (GB/s, higher is better)", ("sans-serif", 18))
+        .build_cartesian_2d((xmin..xmax).log_scale(), 0.0..bw_max * 1.1)?;
+    bw.configure_mesh()
+        .x_desc("bytes per rank")
+        .y_desc("GB/s")
+        .draw()?;
+    for (i, (name, pts)) in series.iter().enumerate() {
+        let c = colors[i % colors.len()];
+        bw.draw_series(LineSeries::new(
+            pts.iter().map(|p| (p.0, p.2)),
+            c.stroke_width(2),
+        ))?
+        .label(name.clone())
+        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
+    }
+    bw.configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
+    root.present()?;
+    Ok(())
+}
