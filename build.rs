@@ -125,7 +125,7 @@ fn build_cuda_kernels(out_dir: &Path) {
     let mut cmd = Command::new(&nvcc);
     cmd.arg("-fatbin")
         .arg("-O3")
-        .arg("-std=c++17")
+        .arg("-std=c++20")
         .arg("-Iinclude")
         .arg("-o")
         .arg(out_dir.join("peercomm_cuda.fatbin"));

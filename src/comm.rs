@@ -167,11 +167,11 @@ impl<B: Backend> Communicator<B> {
             )));
         }
         if config.threads_per_block == 0
-            || config.threads_per_block > 1024
+            || config.threads_per_block > 512
             || config.threads_per_block % 64 != 0
         {
             return Err(Error::Unsupported(format!(
-                "threads_per_block must be a multiple of 64 in 64..=1024, not {}",
+                "threads_per_block must be a multiple of 64 in 64..=512 (the kernels' launch bound), not {}",
                 config.threads_per_block
             )));
         }

@@ -64,8 +64,16 @@ pub fn table(arch: &str, width: usize) -> &'static [DispatchRow] {
     }
     const KIB: usize = 1 << 10;
     const MIB: usize = 1 << 20;
-    // Generic: Lamport while one launch and one trip dominate, one-stage while the
-    // extra barrier of two-stage costs more than the traffic it saves, then two-stage.
+    // Hopper (sm_90), two GPUs over NV18, measured on 2x H200 (docs/dispatch.md): Lamport
+    // is fastest up to 1 MiB (1 MiB: 7.39 us against one-stage 8.42 us), one-stage above
+    // it; two-stage never wins at two ranks (same link traffic, one more barrier).
+    static SM90_2: [DispatchRow; 2] = [
+        row(MIB, Algorithm::Lamport),
+        row(usize::MAX, Algorithm::OneStage),
+    ];
+    // Unmeasured pairs: Lamport while one launch and one trip dominate, one-stage while
+    // the extra barrier of two-stage costs more than the traffic it saves, then two-stage
+    // (each rank then moves 2(n-1)/n of the message instead of n-1 times it).
     static GENERIC_2: [DispatchRow; 2] = [
         row(256 * KIB, Algorithm::Lamport),
         row(usize::MAX, Algorithm::OneStage),
@@ -76,10 +84,10 @@ pub fn table(arch: &str, width: usize) -> &'static [DispatchRow] {
         row(usize::MAX, Algorithm::TwoStage),
     ];
     static SINGLE: [DispatchRow; 1] = [row(usize::MAX, Algorithm::OneStage)];
-    let _ = arch;
-    match width {
-        1 => &SINGLE,
-        2 => &GENERIC_2,
+    match (arch, width) {
+        (_, 1) => &SINGLE,
+        ("sm_90", 2) => &SM90_2,
+        (_, 2) => &GENERIC_2,
         _ => &GENERIC_N,
     }
 }
@@ -114,6 +122,9 @@ mod tests {
         }
         assert_eq!(choose("sm_90", 1, 1 << 30), Algorithm::OneStage);
         assert_eq!(choose("sm_90", 2, 1024), Algorithm::Lamport);
+        assert_eq!(choose("sm_90", 2, 1 << 20), Algorithm::Lamport);
+        assert_eq!(choose("sm_90", 2, (1 << 20) + 1), Algorithm::OneStage);
+        assert_eq!(choose("gfx942", 8, 64 << 20), Algorithm::TwoStage);
     }
 
     #[test]

@@ -45,7 +45,8 @@ pub fn run(args: &Args, world: usize) -> Report {
         payload_bytes: max.max(1 << 20),
         lamport_slot_bytes: args.lamport_slot_bytes,
         barrier_timeout: Some(std::time::Duration::from_secs(30)),
-        ..CommConfig::default()
+        max_blocks: args.max_blocks,
+        threads_per_block: args.threads,
     };
     let ordinals: Vec<usize> = (0..world).collect();
     let comm = Communicator::<Cuda>::new(&ordinals, config).expect("CUDA communicator");
@@ -97,7 +98,7 @@ pub fn run(args: &Args, world: usize) -> Report {
         report.copy_engine_gbps_both_ways = Some(both);
         report.flag_round_trip_us = Some(rtt);
     }
-    let sizes = sizes(args.min_bytes, max);
+    let sizes = sizes(args, args.min_bytes, max);
     let pb = progress(args.dtypes.len() * groups.len() * sizes.len());
     let mut rng = rand::rngs::StdRng::from_os_rng();
     print_header();
@@ -272,6 +273,12 @@ fn point<T: Element + NcclType>(
     bytes: usize,
 ) -> Vec<Record> {
     let world = gpu.comm.world_size();
+    let at = At {
+        dtype: T::DTYPE,
+        world,
+        group,
+        bytes,
+    };
     let n = bytes / T::DTYPE.size();
     let sets = sets_for(bytes);
     let iters = iters_for(bytes);
@@ -314,8 +321,8 @@ fn point<T: Element + NcclType>(
             .collect()
     };
     for alg in algorithms(args) {
-        for r in 0..world {
-            poison(&gpu.streams[r], &mut outs[r][0]);
+        for (stream, out) in gpu.streams.iter().zip(outs.iter_mut()) {
+            poison(stream, &mut out[0]);
         }
         let ran = match call(alg, 0, &mut outs) {
             Ok(a) => a,
@@ -332,16 +339,7 @@ fn point<T: Element + NcclType>(
                 call(alg, i % sets, &mut outs).unwrap();
             }
         });
-        records.push(record(
-            T::DTYPE,
-            world,
-            group,
-            bytes,
-            &imp,
-            ran.name(),
-            "eager",
-            eager,
-        ));
+        records.push(record(at, &imp, ran.name(), "eager", eager));
         if !args.no_graph {
             with_tracking(gpu, false);
             let graphs = capture(&gpu.streams, || {
@@ -354,16 +352,7 @@ fn point<T: Element + NcclType>(
             });
             drop(graphs);
             with_tracking(gpu, true);
-            records.push(record(
-                T::DTYPE,
-                world,
-                group,
-                bytes,
-                &imp,
-                ran.name(),
-                "graph",
-                t,
-            ));
+            records.push(record(at, &imp, ran.name(), "graph", t));
         }
     }
     if let Some((_, comms)) = gpu.nccl.iter().find(|(g, _)| *g == group) {
@@ -375,8 +364,8 @@ fn point<T: Element + NcclType>(
             }
             group_end().unwrap();
         };
-        for r in 0..world {
-            poison(&gpu.streams[r], &mut outs[r][0]);
+        for (stream, out) in gpu.streams.iter().zip(outs.iter_mut()) {
+            poison(stream, &mut out[0]);
         }
         nccl_call(0, &mut outs);
         for s in &gpu.streams {
@@ -390,16 +379,7 @@ fn point<T: Element + NcclType>(
                         nccl_call(i % sets, &mut outs);
                     }
                 });
-                records.push(record(
-                    T::DTYPE,
-                    world,
-                    group,
-                    bytes,
-                    "nccl",
-                    "nccl",
-                    "eager",
-                    eager,
-                ));
+                records.push(record(at, "nccl", "nccl", "eager", eager));
                 if !args.no_graph {
                     with_tracking(gpu, false);
                     let graphs = capture(&gpu.streams, || {
@@ -412,16 +392,7 @@ fn point<T: Element + NcclType>(
                     });
                     drop(graphs);
                     with_tracking(gpu, true);
-                    records.push(record(
-                        T::DTYPE,
-                        world,
-                        group,
-                        bytes,
-                        "nccl",
-                        "nccl",
-                        "graph",
-                        t,
-                    ));
+                    records.push(record(at, "nccl", "nccl", "graph", t));
                 }
             }
         }

@@ -55,6 +55,18 @@ struct Args {
     /// Bytes of one Lamport slot (the largest Lamport message).
     #[arg(long, default_value_t = 1 << 20)]
     lamport_slot_bytes: usize,
+    /// Upper bound of blocks per launch (default: one per multiprocessor).
+    #[arg(long)]
+    max_blocks: Option<u32>,
+    /// Threads per block.
+    #[arg(long, default_value_t = 512)]
+    threads: u32,
+    /// Explicit message sizes in bytes (instead of the power-of-two sweep).
+    #[arg(long, value_delimiter = ',')]
+    sizes: Option<Vec<usize>>,
+    /// Algorithms to run (auto, one_stage, two_stage, lamport); default all four.
+    #[arg(long, value_delimiter = ',')]
+    algorithms: Option<Vec<String>>,
     /// Folder for results.json and results.png.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -90,7 +102,10 @@ struct Report {
     records: Vec<Record>,
 }
 
-fn sizes(min: usize, max: usize) -> Vec<usize> {
+fn sizes(args: &Args, min: usize, max: usize) -> Vec<usize> {
+    if let Some(list) = &args.sizes {
+        return list.clone();
+    }
     let mut v: Vec<usize> = (0..=40)
         .map(|s| 1usize << s)
         .filter(|&b| b >= min && b <= max)
@@ -218,28 +233,28 @@ fn print_record(r: &Record) {
     );
 }
 
-fn record(
+/// Where a measurement was taken: element type, world, group width, bytes per rank.
+#[derive(Clone, Copy)]
+struct At {
     dtype: DType,
     world: usize,
     group: usize,
     bytes: usize,
-    imp: &str,
-    alg: &str,
-    mode: &str,
-    us: f64,
-) -> Record {
-    let algbw = bytes as f64 / (us * 1e-6) / 1e9;
+}
+
+fn record(at: At, imp: &str, alg: &str, mode: &str, us: f64) -> Record {
+    let algbw = at.bytes as f64 / (us * 1e-6) / 1e9;
     Record {
-        dtype: dtype.name().into(),
-        world,
-        group,
-        bytes,
+        dtype: at.dtype.name().into(),
+        world: at.world,
+        group: at.group,
+        bytes: at.bytes,
         implementation: imp.into(),
         algorithm: alg.into(),
         mode: mode.into(),
         latency_us: us,
         algbw_gbps: algbw,
-        busbw_gbps: algbw * bus_factor(group),
+        busbw_gbps: algbw * bus_factor(at.group),
         ratio_vs_nccl: None,
     }
 }
@@ -272,6 +287,18 @@ fn write_outputs(args: &Args, report: &Report) {
 }
 
 fn algorithms(args: &Args) -> Vec<Algorithm> {
+    if let Some(names) = &args.algorithms {
+        return names
+            .iter()
+            .map(|n| match n.as_str() {
+                "auto" => Algorithm::Auto,
+                "one_stage" => Algorithm::OneStage,
+                "two_stage" => Algorithm::TwoStage,
+                "lamport" => Algorithm::Lamport,
+                other => panic!("unknown algorithm {other}"),
+            })
+            .collect();
+    }
     if args.auto_only {
         vec![Algorithm::Auto]
     } else {
@@ -315,7 +342,7 @@ fn run_host(args: &Args, why: &str) -> Report {
     for dt in &args.dtypes {
         let dtype = parse_dtype(dt);
         for group in group_list(args, world) {
-            for bytes in sizes(args.min_bytes, max) {
+            for bytes in sizes(args, args.min_bytes, max) {
                 for alg in algorithms(args) {
                     let r = match dtype {
                         DType::F32 => {
@@ -403,10 +430,12 @@ fn host_point<T: Element>(
         .collect();
     let imp = format!("peercomm-{}", alg.name());
     Some(record(
-        T::DTYPE,
-        world,
-        group,
-        bytes,
+        At {
+            dtype: T::DTYPE,
+            world,
+            group,
+            bytes,
+        },
         &imp,
         ran.name(),
         "eager",

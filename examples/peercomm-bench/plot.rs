@@ -5,6 +5,9 @@ use plotters::prelude::*;
 
 use super::Report;
 
+/// A named line: (bytes, latency us, bus GB/s) points.
+type Series = (String, Vec<(f64, f64, f64)>);
+
 pub fn draw(report: &Report, path: &std::path::Path) -> Result<(), Box<dyn std::error::Error>> {
     // The bitmap backend needs a font it can rasterise without system fonts.
     plotters::style::register_font("sans-serif", FontStyle::Normal, dejavu::sans::regular())
@@ -13,7 +16,7 @@ pub fn draw(report: &Report, path: &std::path::Path) -> Result<(), Box<dyn std::
         return Ok(());
     };
     let (dtype, world) = (first.dtype.clone(), first.world);
-    let series: Vec<(String, Vec<(f64, f64, f64)>)> = ["peercomm-auto", "nccl"]
+    let series: Vec<Series> = ["peercomm-auto", "nccl"]
         .iter()
         .flat_map(|imp| ["graph", "eager"].map(|mode| (*imp, mode)))
         .map(|(imp, mode)| {
@@ -30,7 +33,7 @@ pub fn draw(report: &Report, path: &std::path::Path) -> Result<(), Box<dyn std::
                 .collect();
             (format!("{imp} {mode}"), pts)
         })
-        .filter(|(_, p): &(String, Vec<_>)| !p.is_empty())
+        .filter(|(_, p): &Series| !p.is_empty())
         .collect();
     if series.is_empty() {
         return Ok(());
