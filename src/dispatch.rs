@@ -64,11 +64,13 @@ pub fn table(arch: &str, width: usize) -> &'static [DispatchRow] {
     }
     const KIB: usize = 1 << 10;
     const MIB: usize = 1 << 20;
-    // Hopper (sm_90), two GPUs over NV18, measured on 2x H200 (docs/dispatch.md): Lamport
-    // is fastest up to 1 MiB (1 MiB: 7.39 us against one-stage 8.42 us), one-stage above
-    // it; two-stage never wins at two ranks (same link traffic, one more barrier).
+    // Hopper (sm_90), two GPUs over NV18, measured on 2x H200 (docs/dispatch.md, graph
+    // mode): Lamport is fastest up to 256 KiB (256 KiB bf16: 5.03 us against one-stage
+    // 5.15), the two are even at 512 KiB-1 MiB and one-stage wins above (2 MiB: 10.76
+    // against 12.31); two-stage never wins at two ranks (same link traffic, one more
+    // barrier: 1 MiB 10.29 against 7.31).
     static SM90_2: [DispatchRow; 2] = [
-        row(MIB, Algorithm::Lamport),
+        row(256 * KIB, Algorithm::Lamport),
         row(usize::MAX, Algorithm::OneStage),
     ];
     // Unmeasured pairs: Lamport while one launch and one trip dominate, one-stage while
@@ -122,8 +124,8 @@ mod tests {
         }
         assert_eq!(choose("sm_90", 1, 1 << 30), Algorithm::OneStage);
         assert_eq!(choose("sm_90", 2, 1024), Algorithm::Lamport);
-        assert_eq!(choose("sm_90", 2, 1 << 20), Algorithm::Lamport);
-        assert_eq!(choose("sm_90", 2, (1 << 20) + 1), Algorithm::OneStage);
+        assert_eq!(choose("sm_90", 2, 256 << 10), Algorithm::Lamport);
+        assert_eq!(choose("sm_90", 2, (256 << 10) + 2), Algorithm::OneStage);
         assert_eq!(choose("gfx942", 8, 64 << 20), Algorithm::TwoStage);
     }
 
