@@ -8,6 +8,8 @@
 
 #![allow(dead_code)]
 
+pub mod errors;
+
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use peercomm::backend::Backend;
@@ -399,6 +401,23 @@ macro_rules! reference_suite {
                 common::back_to_back::<$backend>(world, 3000, $max_blocks);
             }
         }
+
+        bad_input_tests!(
+            $backend,
+            lengths_differ,
+            shapes_differ,
+            dtypes_differ,
+            output_length_differs_from_input,
+            shape_does_not_describe_buffer,
+            group_size_must_divide_world,
+            world_of_zero_or_nine,
+            device_listed_twice,
+            message_larger_than_scratch,
+            auto_falls_back_to_what_fits,
+            buffer_on_the_wrong_device,
+            wrong_number_of_tensors,
+            block_count_out_of_range,
+        );
 
         #[test]
         fn barrier_timeout_is_reported_and_recoverable() {
