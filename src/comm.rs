@@ -355,6 +355,15 @@ impl<B: Backend> Communicator<B> {
                     got: om.dtype,
                 });
             }
+            if om.len != metas[r].len {
+                return Err(Error::LengthMismatch {
+                    rank: r,
+                    what: format!(
+                        "output has {} elements but its input {}",
+                        om.len, metas[r].len
+                    ),
+                });
+            }
             if o.shape != i.shape {
                 return Err(Error::ShapeMismatch {
                     rank: r,

@@ -36,6 +36,8 @@ mod comm;
 pub mod dispatch;
 mod dtype;
 mod error;
+#[doc(hidden)]
+pub mod protocol;
 pub mod signal;
 mod tensor;
 

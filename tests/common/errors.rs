@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use peercomm::backend::Backend;
 use peercomm::{
-    dispatch, Algorithm, AllReduceOptions, CommConfig, Communicator, DType, Element, Error,
-    Result, Tensor, TensorMut, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
+    dispatch, Algorithm, AllReduceOptions, CommConfig, Communicator, DType, Element, Error, Result,
+    Tensor, TensorMut, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
 };
 use rand::rngs::StdRng;
 
@@ -96,10 +96,7 @@ fn out_of_place<B: Backend>(
     out_shapes: Option<&[&[usize]]>,
     opts: &AllReduceOptions,
 ) -> Result<Algorithm> {
-    let (ins, outs): (Vec<_>, Vec<_>) = bufs
-        .iter_mut()
-        .map(|b| (&b.input, &mut b.output))
-        .unzip();
+    let (ins, outs): (Vec<_>, Vec<_>) = bufs.iter_mut().map(|b| (&b.input, &mut b.output)).unzip();
     let ins: Vec<Tensor<B>> = ins
         .into_iter()
         .enumerate()
@@ -169,10 +166,31 @@ fn assert_length_mismatch(got: Result<Algorithm>, rank: usize, what: &str) {
     }
 }
 
+/// What each case gets to decide whether the backend has enough devices: the suite's
+/// `devices_or_skip(test, need)`, which prints why a test is skipped.
+pub type Devices<'a> = &'a dyn Fn(&str, usize) -> bool;
+
+/// One `#[test]` per bad-input case, each calling `common::errors::<case>` with the
+/// suite's `devices_or_skip`. Used inside `reference_suite!`.
+#[macro_export]
+macro_rules! bad_input_tests {
+    ($backend:ty, $($case:ident),+ $(,)?) => {
+        $(
+            #[test]
+            fn $case() {
+                common::errors::$case::<$backend>(&devices_or_skip);
+            }
+        )+
+    };
+}
+
 /// Ranks pass flat tensors of different lengths: a shape mismatch, found before any
 /// rank's launch.
-pub fn lengths_differ_across_ranks<B: Backend>() {
-    let mut rng = rng("lengths_differ_across_ranks");
+pub fn lengths_differ<B: Backend>(devices: Devices) {
+    if !devices("lengths_differ", 2) {
+        return;
+    }
+    let mut rng = rng("lengths_differ");
     let comm = comm::<B>(2);
     let expected = Error::ShapeMismatch {
         rank: 1,
@@ -187,14 +205,21 @@ pub fn lengths_differ_across_ranks<B: Backend>() {
         "out-of-place",
     );
     assert_nothing_written(&comm, &bufs, "lengths differ, out-of-place");
-    assert_err(in_place(&comm, &mut bufs, None, &opts), expected, "in-place");
+    assert_err(
+        in_place(&comm, &mut bufs, None, &opts),
+        expected,
+        "in-place",
+    );
     assert_nothing_written(&comm, &bufs, "lengths differ, in-place");
     assert_still_works(&comm, &mut rng);
 }
 
 /// Same element count, different shapes ([2, 3] and [3, 2]).
-pub fn shapes_differ_across_ranks<B: Backend>() {
-    let mut rng = rng("shapes_differ_across_ranks");
+pub fn shapes_differ<B: Backend>(devices: Devices) {
+    if !devices("shapes_differ", 2) {
+        return;
+    }
+    let mut rng = rng("shapes_differ");
     let comm = comm::<B>(2);
     let expected = Error::ShapeMismatch {
         rank: 1,
@@ -221,8 +246,11 @@ pub fn shapes_differ_across_ranks<B: Backend>() {
 
 /// Rank 0 passes f32, rank 1 f16; and, separately, an output whose dtype differs from
 /// its input.
-pub fn dtypes_differ_across_ranks<B: Backend>() {
-    let mut rng = rng("dtypes_differ_across_ranks");
+pub fn dtypes_differ<B: Backend>(devices: Devices) {
+    if !devices("dtypes_differ", 2) {
+        return;
+    }
+    let mut rng = rng("dtypes_differ");
     let comm = comm::<B>(2);
     let (d0, d1) = (comm.rank(0).device(), comm.rank(1).device());
     let mut r0 = RankBufs::<B, f32>::new(d0, &mut rng, 8, 8);
@@ -235,21 +263,25 @@ pub fn dtypes_differ_across_ranks<B: Backend>() {
     let opts = AllReduceOptions::new();
     {
         let ins: Vec<Tensor<B>> = vec![Tensor::flat(&r0.input), Tensor::flat(&r1.input)];
-        let mut outs: Vec<TensorMut<B>> =
-            vec![TensorMut::flat(&mut r0.output), TensorMut::flat(&mut r1.output)];
-        assert_eq!(
+        let mut outs: Vec<TensorMut<B>> = vec![
+            TensorMut::flat(&mut r0.output),
+            TensorMut::flat(&mut r1.output),
+        ];
+        assert_err(
             comm.all_reduce_sum(&ins, &mut outs, &opts),
-            Err(expected.clone()),
-            "out-of-place"
+            expected.clone(),
+            "out-of-place",
         );
     }
     {
-        let mut ts: Vec<TensorMut<B>> =
-            vec![TensorMut::flat(&mut r0.input), TensorMut::flat(&mut r1.input)];
-        assert_eq!(
+        let mut ts: Vec<TensorMut<B>> = vec![
+            TensorMut::flat(&mut r0.input),
+            TensorMut::flat(&mut r1.input),
+        ];
+        assert_err(
             comm.all_reduce_sum_in_place(&mut ts, &opts),
-            Err(expected),
-            "in-place"
+            expected,
+            "in-place",
         );
     }
     comm.synchronize().unwrap();
@@ -260,94 +292,104 @@ pub fn dtypes_differ_across_ranks<B: Backend>() {
     let mut bufs = rank_bufs(&comm, &mut rng, &[8, 8], &[8, 8]);
     let mut bf_out = filled::<B, half::bf16>(d1, &[half::bf16::NAN; 8]);
     {
-        let ins: Vec<Tensor<B>> = bufs.iter().map(|b| Tensor::flat(&b.input)).collect();
-        let mut outs: Vec<TensorMut<B>> = vec![
-            TensorMut::flat(&mut bufs[0].output),
-            TensorMut::flat(&mut bf_out),
-        ];
-        assert_eq!(
+        let [a, b] = &mut bufs[..] else {
+            unreachable!("two ranks")
+        };
+        let ins: Vec<Tensor<B>> = vec![Tensor::flat(&a.input), Tensor::flat(&b.input)];
+        let mut outs: Vec<TensorMut<B>> =
+            vec![TensorMut::flat(&mut a.output), TensorMut::flat(&mut bf_out)];
+        assert_err(
             comm.all_reduce_sum(&ins, &mut outs, &opts),
-            Err(Error::DTypeMismatch {
+            Error::DTypeMismatch {
                 rank: 1,
                 expected: DType::F32,
                 got: DType::BF16,
-            }),
-            "output dtype differs from input"
+            },
+            "output dtype differs from input",
         );
     }
     assert_nothing_written(&comm, &bufs, "output dtype differs");
-    assert!(B::download(d1, &bf_out)
-        .unwrap()
-        .iter()
-        .all(|x| x.is_nan()));
+    assert!(
+        B::download(d1, &bf_out).unwrap().iter().all(|x| x.is_nan()),
+        "output dtype differs: the bf16 output was written"
+    );
     assert_still_works(&comm, &mut rng);
 }
 
-/// An output longer (or shorter) than its input.
-pub fn output_length_differs_from_input<B: Backend>() {
+/// An output longer or shorter than its input.
+pub fn output_length_differs_from_input<B: Backend>(devices: Devices) {
+    if !devices("output_length_differs_from_input", 2) {
+        return;
+    }
     let mut rng = rng("output_length_differs_from_input");
-    let comm = comm::<B>(1);
+    let comm = comm::<B>(2);
     for out_len in [9, 7] {
-        let mut bufs = rank_bufs(&comm, &mut rng, &[8], &[out_len]);
+        let mut bufs = rank_bufs(&comm, &mut rng, &[8, 8], &[8, out_len]);
         assert_length_mismatch(
             out_of_place(&comm, &mut bufs, None, None, &AllReduceOptions::new()),
-            0,
-            &format!("output of {out_len} for an input of 8"),
+            1,
+            &format!("rank 1's output of {out_len} for an input of 8"),
         );
         assert_nothing_written(&comm, &bufs, "output length differs");
     }
     assert_still_works(&comm, &mut rng);
 }
 
-/// A shape whose element count is not its buffer's length: on every rank, and on one
-/// rank only.
-pub fn shape_product_differs_from_buffer<B: Backend>() {
-    let mut rng = rng("shape_product_differs_from_buffer");
+/// A shape whose element count is not its buffer's length: on every rank, on one rank,
+/// and on an output only.
+pub fn shape_does_not_describe_buffer<B: Backend>(devices: Devices) {
+    if !devices("shape_does_not_describe_buffer", 2) {
+        return;
+    }
+    let mut rng = rng("shape_does_not_describe_buffer");
     let comm = comm::<B>(2);
     let opts = AllReduceOptions::new();
     // [2, 4] = 8 elements over buffers of 6, on both ranks.
     let shapes: &[&[usize]] = &[&[2, 4], &[2, 4]];
-    let mut bufs = rank_bufs(&comm, &mut rng, &[6, 6], &[6, 6]);
+    let mut every = rank_bufs(&comm, &mut rng, &[6, 6], &[6, 6]);
     assert_length_mismatch(
-        out_of_place(&comm, &mut bufs, Some(shapes), Some(shapes), &opts),
+        out_of_place(&comm, &mut every, Some(shapes), Some(shapes), &opts),
         0,
         "out-of-place, every rank",
     );
     assert_length_mismatch(
-        in_place(&comm, &mut bufs, Some(shapes), &opts),
+        in_place(&comm, &mut every, Some(shapes), &opts),
         0,
         "in-place, every rank",
     );
-    assert_nothing_written(&comm, &bufs, "shape product differs (every rank)");
-    // Same shape [6] everywhere, but rank 1's buffers hold 7.
+    // Shape [6] everywhere, but rank 1's buffers hold 7.
     let shapes: &[&[usize]] = &[&[6], &[6]];
-    let mut bufs = rank_bufs(&comm, &mut rng, &[6, 7], &[6, 7]);
+    let mut one = rank_bufs(&comm, &mut rng, &[6, 7], &[6, 7]);
     assert_length_mismatch(
-        out_of_place(&comm, &mut bufs, Some(shapes), Some(shapes), &opts),
+        out_of_place(&comm, &mut one, Some(shapes), Some(shapes), &opts),
         1,
         "out-of-place, rank 1",
     );
     assert_length_mismatch(
-        in_place(&comm, &mut bufs, Some(shapes), &opts),
+        in_place(&comm, &mut one, Some(shapes), &opts),
         1,
         "in-place, rank 1",
     );
-    // Only the output's shape is wrong.
-    let mut bufs2 = rank_bufs(&comm, &mut rng, &[6, 6], &[6, 6]);
+    // Only rank 1's output shape is wrong.
+    let mut output = rank_bufs(&comm, &mut rng, &[6, 6], &[6, 6]);
     assert_length_mismatch(
-        out_of_place(&comm, &mut bufs2, None, Some(&[&[6], &[2, 4]]), &opts),
+        out_of_place(&comm, &mut output, None, Some(&[&[6], &[2, 4]]), &opts),
         1,
         "output shape, rank 1",
     );
-    assert_nothing_written(&comm, &bufs, "shape product differs (rank 1)");
-    assert_nothing_written(&comm, &bufs2, "output shape product differs");
+    assert_nothing_written(&comm, &every, "shape does not describe buffer (every rank)");
+    assert_nothing_written(&comm, &one, "shape does not describe buffer (rank 1)");
+    assert_nothing_written(&comm, &output, "output shape does not describe buffer");
     assert_still_works(&comm, &mut rng);
 }
 
-/// group_size 3 (does not divide 2) and 4 (larger than the world), for both kinds of
-/// all-reduce and the barrier.
-pub fn group_size_does_not_divide_world<B: Backend>() {
-    let mut rng = rng("group_size_does_not_divide_world");
+/// group_size 3 (does not divide 2), 4 and 16 (larger than the world), for both kinds
+/// of all-reduce and the barrier.
+pub fn group_size_must_divide_world<B: Backend>(devices: Devices) {
+    if !devices("group_size_must_divide_world", 2) {
+        return;
+    }
+    let mut rng = rng("group_size_must_divide_world");
     let comm = comm::<B>(2);
     let mut bufs = rank_bufs(&comm, &mut rng, &[64, 64], &[64, 64]);
     for group_size in [3, 4, 2 * MAX_GPUS] {
@@ -362,41 +404,21 @@ pub fn group_size_does_not_divide_world<B: Backend>() {
             expected.clone(),
             &what,
         );
-        assert_err(in_place(&comm, &mut bufs, None, &opts), expected.clone(), &what);
+        assert_err(
+            in_place(&comm, &mut bufs, None, &opts),
+            expected.clone(),
+            &what,
+        );
         assert_eq!(comm.barrier(group_size), Err(expected), "{what}: barrier");
     }
-    assert_nothing_written(&comm, &bufs, "group size does not divide");
+    assert_nothing_written(&comm, &bufs, "group size does not divide the world");
     assert_still_works(&comm, &mut rng);
 }
 
-/// No devices, and more than `MAX_GPUS`: refused before any device is opened (9
-/// ordinals: a backend with 8 devices would otherwise fail to open the 9th with another
-/// error, and one without devices would report that it has none).
-pub fn world_size_0_and_9() {
-    fn check<B: Backend>() {
-        let too_many: Vec<usize> = (0..=MAX_GPUS).collect();
-        for ordinals in [&[][..], &too_many[..]] {
-            match Communicator::<B>::new(ordinals, CommConfig::default()) {
-                Err(e) => assert_eq!(
-                    e,
-                    Error::InvalidWorldSize {
-                        got: ordinals.len(),
-                        max: MAX_GPUS
-                    }
-                ),
-                Ok(_) => panic!("a communicator over {} devices", ordinals.len()),
-            }
-        }
-        match Communicator::<B>::from_devices(Vec::new(), CommConfig::default()) {
-            Err(e) => assert_eq!(e, Error::InvalidWorldSize { got: 0, max: MAX_GPUS }),
-            Ok(_) => panic!("a communicator over no devices"),
-        }
-    }
-    check_world_size_fn::<fn()>(check::<peercomm::backend::host::Host>);
-}
-
-/// Runs a world-size check (kept generic so the macro can pass its backend).
-pub fn world_size_0_and_9_on<B: Backend>() {
+/// No devices, and `MAX_GPUS + 1`: refused before any device is opened (with 9
+/// ordinals a backend would otherwise fail to open one, or report that it has no
+/// device). Needs no device, so it runs everywhere.
+pub fn world_of_zero_or_nine<B: Backend>(_devices: Devices) {
     let too_many: Vec<usize> = (0..=MAX_GPUS).collect();
     for ordinals in [&[][..], &too_many[..]] {
         match Communicator::<B>::new(ordinals, CommConfig::default()) {
@@ -424,6 +446,306 @@ pub fn world_size_0_and_9_on<B: Backend>() {
     }
 }
 
-fn check_world_size_fn<F>(f: fn()) {
-    f()
+/// The same ordinal twice.
+pub fn device_listed_twice<B: Backend>(devices: Devices) {
+    if !devices("device_listed_twice", 1) {
+        return;
+    }
+    match Communicator::<B>::new(&[0, 0], config(64 << 10, 64 << 10)) {
+        Err(Error::InvalidDevices(_)) => {}
+        Err(e) => panic!("expected InvalidDevices, got {e:?}"),
+        Ok(_) => panic!("a communicator over device 0 twice"),
+    }
+}
+
+/// Scratch of 1 KiB (Lamport slot) and 4 KiB (payload), a message of 16 KiB: Lamport,
+/// two-stage and in-place one-stage are refused with the sizes; out-of-place one-stage
+/// needs no scratch and runs.
+pub fn message_larger_than_scratch<B: Backend>(devices: Devices) {
+    if !devices("message_larger_than_scratch", 2) {
+        return;
+    }
+    let mut rng = rng("message_larger_than_scratch");
+    let comm = open::<B>(2, config(1024, 4096));
+    let n = 4096; // f32: 16 KiB
+    let mut bufs = rank_bufs(&comm, &mut rng, &[n, n], &[n, n]);
+    let too_large = |algorithm, needed, available| Error::MessageTooLarge {
+        algorithm,
+        needed,
+        available,
+    };
+    let lamport = AllReduceOptions::new().algorithm(Algorithm::Lamport);
+    let two_stage = AllReduceOptions::new().algorithm(Algorithm::TwoStage);
+    let one_stage = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+    assert_err(
+        out_of_place(&comm, &mut bufs, None, None, &lamport),
+        too_large("lamport", 16384, 1024),
+        "lamport, out-of-place",
+    );
+    assert_err(
+        in_place(&comm, &mut bufs, None, &lamport),
+        too_large("lamport", 16384, 1024),
+        "lamport, in-place",
+    );
+    // Two-stage keeps one partition of 16 KiB / 2 ranks in the payload.
+    assert_err(
+        out_of_place(&comm, &mut bufs, None, None, &two_stage),
+        too_large("two_stage", 8192, 4096),
+        "two-stage, out-of-place",
+    );
+    assert_err(
+        in_place(&comm, &mut bufs, None, &two_stage),
+        too_large("two_stage", 8192, 4096),
+        "two-stage, in-place",
+    );
+    // In place, one-stage stages the whole message in the payload.
+    assert_err(
+        in_place(&comm, &mut bufs, None, &one_stage),
+        too_large("one_stage", 16384, 4096),
+        "one-stage, in-place",
+    );
+    assert_nothing_written(&comm, &bufs, "message larger than scratch");
+    assert_eq!(
+        run_case::<B, f32>(&comm, &mut rng, Algorithm::OneStage, 0, n, false),
+        Algorithm::OneStage
+    );
+    assert_still_works(&comm, &mut rng);
+}
+
+/// `Auto` skips a preferred algorithm whose scratch is too small: with a 1 KiB Lamport
+/// slot and a 2 KiB payload, a 4 KiB message runs one-stage out of place and two-stage
+/// in place (one-stage in place would stage 4 KiB); a message no algorithm fits is
+/// refused with the preferred algorithm's sizes.
+pub fn auto_falls_back_to_what_fits<B: Backend>(devices: Devices) {
+    if !devices("auto_falls_back_to_what_fits", 2) {
+        return;
+    }
+    let mut rng = rng("auto_falls_back_to_what_fits");
+    let comm = open::<B>(2, config(1024, 2048));
+    let arch = comm.architecture().to_string();
+    let n = 1024; // f32: 4 KiB
+    let preferred = dispatch::choose(&arch, 2, 4 * n);
+    let out_of_place_ran = run_case::<B, f32>(&comm, &mut rng, Algorithm::Auto, 0, n, false);
+    if preferred == Algorithm::Lamport {
+        assert_eq!(
+            out_of_place_ran,
+            Algorithm::OneStage,
+            "out-of-place fallback"
+        );
+    } else {
+        eprintln!(
+            "auto_falls_back_to_what_fits: {arch} does not prefer Lamport at 4 KiB \
+             ({}); only checking that Auto ran something that fits",
+            preferred.name()
+        );
+        assert_ne!(out_of_place_ran, Algorithm::Lamport);
+    }
+    assert_eq!(
+        run_case::<B, f32>(&comm, &mut rng, Algorithm::Auto, 0, n, true),
+        Algorithm::TwoStage,
+        "in-place fallback"
+    );
+    // 1 MiB fits nowhere: the error names the table's choice.
+    let big = 1 << 18;
+    let mut bufs = rank_bufs(&comm, &mut rng, &[big, big], &[big, big]);
+    let preferred = dispatch::choose(&arch, 2, 4 * big);
+    let available = match preferred {
+        Algorithm::Lamport => 1024,
+        _ => 2048,
+    };
+    let needed = match preferred {
+        Algorithm::TwoStage => 4 * big / 2,
+        _ => 4 * big,
+    };
+    assert_err(
+        in_place(&comm, &mut bufs, None, &AllReduceOptions::new()),
+        Error::MessageTooLarge {
+            algorithm: preferred.name(),
+            needed,
+            available,
+        },
+        "auto, in-place, nothing fits",
+    );
+    assert_nothing_written(&comm, &bufs, "auto, nothing fits");
+    assert_still_works(&comm, &mut rng);
+}
+
+/// Rank 0's input (then rank 1's output, then rank 0's in-place tensor) allocated on
+/// the other rank's device.
+pub fn buffer_on_the_wrong_device<B: Backend>(devices: Devices) {
+    if !devices("buffer_on_the_wrong_device", 2) {
+        return;
+    }
+    let mut rng = rng("buffer_on_the_wrong_device");
+    let comm = comm::<B>(2);
+    let (o0, o1) = (comm.rank(0).ordinal(), comm.rank(1).ordinal());
+    let mut bufs = rank_bufs(&comm, &mut rng, &[64, 64], &[64, 64]);
+    let opts = AllReduceOptions::new();
+    // Buffers of the same length and dtype, on the other rank's device.
+    let mut stray_in = RankBufs::<B, f32>::new(comm.rank(1).device(), &mut rng, 64, 64);
+    let mut stray_out = RankBufs::<B, f32>::new(comm.rank(0).device(), &mut rng, 64, 64);
+    {
+        let [a, b] = &mut bufs[..] else {
+            unreachable!("two ranks")
+        };
+        let ins: Vec<Tensor<B>> = vec![Tensor::flat(&stray_in.input), Tensor::flat(&b.input)];
+        let mut outs: Vec<TensorMut<B>> = vec![
+            TensorMut::flat(&mut a.output),
+            TensorMut::flat(&mut b.output),
+        ];
+        assert_err(
+            comm.all_reduce_sum(&ins, &mut outs, &opts),
+            Error::WrongDevice {
+                rank: 0,
+                which: "input",
+                expected: o0,
+                got: o1,
+            },
+            "rank 0's input on rank 1's device",
+        );
+    }
+    {
+        let [a, b] = &mut bufs[..] else {
+            unreachable!("two ranks")
+        };
+        let ins: Vec<Tensor<B>> = vec![Tensor::flat(&a.input), Tensor::flat(&b.input)];
+        let mut outs: Vec<TensorMut<B>> = vec![
+            TensorMut::flat(&mut a.output),
+            TensorMut::flat(&mut stray_out.output),
+        ];
+        assert_err(
+            comm.all_reduce_sum(&ins, &mut outs, &opts),
+            Error::WrongDevice {
+                rank: 1,
+                which: "output",
+                expected: o1,
+                got: o0,
+            },
+            "rank 1's output on rank 0's device",
+        );
+    }
+    {
+        let [_, b] = &mut bufs[..] else {
+            unreachable!("two ranks")
+        };
+        let mut ts: Vec<TensorMut<B>> = vec![
+            TensorMut::flat(&mut stray_in.input),
+            TensorMut::flat(&mut b.input),
+        ];
+        assert_err(
+            comm.all_reduce_sum_in_place(&mut ts, &opts),
+            Error::WrongDevice {
+                rank: 0,
+                which: "in-place",
+                expected: o0,
+                got: o1,
+            },
+            "rank 0's in-place tensor on rank 1's device",
+        );
+    }
+    comm.synchronize().unwrap();
+    stray_in.assert_untouched(comm.rank(1).device(), "stray input");
+    stray_out.assert_untouched(comm.rank(0).device(), "stray output");
+    assert_nothing_written(&comm, &bufs, "buffer on the wrong device");
+    assert_still_works(&comm, &mut rng);
+}
+
+/// Fewer or more tensors than ranks, inputs or outputs.
+pub fn wrong_number_of_tensors<B: Backend>(devices: Devices) {
+    if !devices("wrong_number_of_tensors", 2) {
+        return;
+    }
+    let mut rng = rng("wrong_number_of_tensors");
+    let comm = comm::<B>(2);
+    let mut bufs = rank_bufs(&comm, &mut rng, &[64, 64], &[64, 64]);
+    let mut extra = RankBufs::<B, f32>::new(comm.rank(0).device(), &mut rng, 64, 64);
+    let opts = AllReduceOptions::new();
+    let count = |got| Error::WrongTensorCount { expected: 2, got };
+    {
+        let [a, b] = &mut bufs[..] else {
+            unreachable!("two ranks")
+        };
+        // One input, two outputs.
+        let ins: Vec<Tensor<B>> = vec![Tensor::flat(&a.input)];
+        let mut outs: Vec<TensorMut<B>> = vec![
+            TensorMut::flat(&mut a.output),
+            TensorMut::flat(&mut b.output),
+        ];
+        assert_err(
+            comm.all_reduce_sum(&ins, &mut outs, &opts),
+            count(1),
+            "1 input",
+        );
+        // Two inputs, one output.
+        let ins: Vec<Tensor<B>> = vec![Tensor::flat(&a.input), Tensor::flat(&b.input)];
+        let mut outs: Vec<TensorMut<B>> = vec![TensorMut::flat(&mut a.output)];
+        assert_err(
+            comm.all_reduce_sum(&ins, &mut outs, &opts),
+            count(1),
+            "1 output",
+        );
+        // None at all.
+        assert_err(
+            comm.all_reduce_sum(&[], &mut [], &opts),
+            count(0),
+            "no tensors",
+        );
+    }
+    {
+        let [a, b] = &mut bufs[..] else {
+            unreachable!("two ranks")
+        };
+        // Three in-place tensors for two ranks.
+        let mut ts: Vec<TensorMut<B>> = vec![
+            TensorMut::flat(&mut a.input),
+            TensorMut::flat(&mut b.input),
+            TensorMut::flat(&mut extra.input),
+        ];
+        assert_err(
+            comm.all_reduce_sum_in_place(&mut ts, &opts),
+            count(3),
+            "3 in-place tensors",
+        );
+        assert_err(
+            comm.all_reduce_sum_in_place(&mut ts[..1], &opts),
+            count(1),
+            "1 in-place tensor",
+        );
+    }
+    comm.synchronize().unwrap();
+    extra.assert_untouched(comm.rank(0).device(), "extra tensor");
+    assert_nothing_written(&comm, &bufs, "wrong number of tensors");
+    assert_still_works(&comm, &mut rng);
+}
+
+/// `blocks` of 0 and above `MAX_NUM_BLOCKS_UPPER_BOUND`, for every algorithm.
+pub fn block_count_out_of_range<B: Backend>(devices: Devices) {
+    if !devices("block_count_out_of_range", 2) {
+        return;
+    }
+    let mut rng = rng("block_count_out_of_range");
+    let comm = comm::<B>(2);
+    let mut bufs = rank_bufs(&comm, &mut rng, &[64, 64], &[64, 64]);
+    for blocks in [0, MAX_NUM_BLOCKS_UPPER_BOUND as u32 + 1, u32::MAX] {
+        for algorithm in [
+            Algorithm::Auto,
+            Algorithm::OneStage,
+            Algorithm::TwoStage,
+            Algorithm::Lamport,
+        ] {
+            let opts = AllReduceOptions::new().algorithm(algorithm).blocks(blocks);
+            let what = format!("{} with {blocks} blocks", algorithm.name());
+            for got in [
+                out_of_place(&comm, &mut bufs, None, None, &opts),
+                in_place(&comm, &mut bufs, None, &opts),
+            ] {
+                match got {
+                    Err(Error::Unsupported(m)) if m.contains("blocks") => {}
+                    other => panic!("{what}: expected Unsupported(blocks), got {other:?}"),
+                }
+            }
+        }
+    }
+    assert_nothing_written(&comm, &bufs, "block count out of range");
+    assert_still_works(&comm, &mut rng);
 }

@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::{Kernel, KernelKind};
 use crate::dtype::{DType, Element};
+use crate::protocol::{self, Backoff, BarrierSignals, BarrierSite};
 use crate::signal::{
     AllReduceArgs, Signal, SignalLayout, ERROR_BARRIER_TIMEOUT, ERROR_BLOCK, ERROR_CODE,
     ERROR_DOMAIN, ERROR_RANK, LAMPORT_ARRIVALS, LAMPORT_FLAG, LAMPORT_GENERATIONS,
@@ -76,45 +77,69 @@ unsafe fn record_timeout(args: &AllReduceArgs, block: u32) {
     }
 }
 
-/// The counter barrier of one block across its group. `publish` makes it a
-/// release/acquire barrier (data written before it is visible after it); the host
-/// always needs acquire on the wait for the Rust memory model, so only the store
-/// ordering changes.
+/// The signals of one launch's group, reached through the addresses in its arguments.
+struct HostSignals<'a> {
+    args: &'a AllReduceArgs,
+}
+
+impl<'a> HostSignals<'a> {
+    /// # Safety
+    /// `args.signals[..group_width]` must be live signal allocations laid out as
+    /// `include/peercomm_signal.h` says, accessed only atomically while kernels run.
+    unsafe fn new(args: &'a AllReduceArgs) -> Self {
+        HostSignals { args }
+    }
+    fn signal(&self, member: usize) -> *mut Signal {
+        signal(self.args.signals[member])
+    }
+}
+
+impl BarrierSignals for HostSignals<'_> {
+    type Cell = AtomicU32;
+    fn self_counter(&self, member: usize, domain: usize, block: usize, peer: usize) -> &AtomicU32 {
+        let s = self.signal(member);
+        // SAFETY: `new`'s contract: `s` is a live signal allocation; the place
+        // projection is bounds-checked.
+        atomic(unsafe { std::ptr::addr_of_mut!((*s).self_counter[domain][block][peer]) })
+    }
+    fn peer_counter(
+        &self,
+        member: usize,
+        domain: usize,
+        parity: usize,
+        block: usize,
+        writer: usize,
+    ) -> &AtomicU32 {
+        let s = self.signal(member);
+        // SAFETY: as in `self_counter`.
+        atomic(unsafe { std::ptr::addr_of_mut!((*s).peer_counter[domain][parity][block][writer]) })
+    }
+}
+
+impl Backoff for Spinner {
+    type Timeout = Timeout;
+    fn wait(&mut self) -> Result<(), Timeout> {
+        Spinner::wait(self)
+    }
+}
+
+/// The counter barrier of one block across its group ([`protocol::barrier`], the code
+/// the loom model checks). `publish` makes it a release/acquire barrier (data written
+/// before it is visible after it); the host always needs acquire on the wait for the
+/// Rust memory model, so only the store ordering changes. A timeout is recorded in the
+/// own signal's error record.
 unsafe fn barrier(args: &AllReduceArgs, block: u32, publish: bool) -> Result<(), Timeout> {
-    let d = args.domain as usize;
-    let b = block as usize;
-    let me = args.group_rank as usize;
-    let width = args.group_width as usize;
-    let own = signal(args.signals[me]);
-    let store_order = if publish {
-        Ordering::Release
-    } else {
-        Ordering::Relaxed
+    let signals = HostSignals::new(args);
+    let site = BarrierSite {
+        me: args.group_rank as usize,
+        width: args.group_width as usize,
+        domain: args.domain as usize,
+        block: block as usize,
     };
-    let mut v = 0u32;
-    for t in 0..width {
-        let counter = atomic(std::ptr::addr_of_mut!((*own).self_counter[d][b][t]));
-        v = counter.load(Ordering::Relaxed).wrapping_add(1);
-        counter.store(v, Ordering::Relaxed);
-        let peer = signal(args.signals[t]);
-        atomic(std::ptr::addr_of_mut!(
-            (*peer).peer_counter[d][(v % 2) as usize][b][me]
-        ))
-        .store(v, store_order);
-    }
     let mut spin = Spinner::new(args.timeout_ns);
-    for t in 0..width {
-        let flag = atomic(std::ptr::addr_of_mut!(
-            (*own).peer_counter[d][(v % 2) as usize][b][t]
-        ));
-        while flag.load(Ordering::Acquire) != v {
-            if spin.wait().is_err() {
-                record_timeout(args, block);
-                return Err(Timeout);
-            }
-        }
-    }
-    Ok(())
+    protocol::barrier(&signals, site, publish, &mut spin).inspect_err(|_| {
+        record_timeout(args, block);
+    })
 }
 
 /// Runs block `block` of `kernel`.
@@ -142,6 +167,7 @@ unsafe fn run_typed<T: Element>(
         KernelKind::OneStage => one_stage::<T>(args, block, blocks),
         KernelKind::TwoStage => two_stage::<T>(args, block, blocks),
         KernelKind::Lamport => lamport::<T>(args, block, blocks),
+        KernelKind::PingPong => ping_pong(args),
         KernelKind::Barrier => {
             barrier(args, block, false)?;
             barrier(args, block, true)
@@ -376,6 +402,29 @@ unsafe fn lamport<T: Element>(
         atomic(state.add(LAMPORT_ARRIVALS)).store(0, Ordering::Relaxed);
         atomic(state.add(LAMPORT_FLAG))
             .store(((gen + 1) % LAMPORT_GENERATIONS) as u32, Ordering::Release);
+    }
+    Ok(())
+}
+
+/// Ranks 0 and 1 bounce a flag through the first word of their payloads.
+unsafe fn ping_pong(args: &AllReduceArgs) -> Result<(), Timeout> {
+    let me = args.group_rank as usize;
+    if me > 1 || args.group_width < 2 {
+        return Ok(());
+    }
+    let mine = atomic(args.payloads[me] as *mut u32);
+    let theirs = atomic(args.payloads[1 - me] as *mut u32);
+    let mut spin = Spinner::new(args.timeout_ns);
+    for i in 1..=args.num_elements as u32 {
+        if me == 0 {
+            theirs.store(i, Ordering::Release);
+        }
+        while mine.load(Ordering::Acquire) != i {
+            spin.wait()?;
+        }
+        if me == 1 {
+            theirs.store(i, Ordering::Release);
+        }
     }
     Ok(())
 }
