@@ -70,7 +70,7 @@ pub enum Error {
     WrongDevice {
         /// Rank concerned.
         rank: usize,
-        /// `"input"` or `"output"`.
+        /// `"input"`, `"output"` or `"in-place"`.
         which: &'static str,
         /// The rank's device ordinal.
         expected: usize,
