@@ -218,12 +218,12 @@ pub fn sweep_world<B: Backend>(world: usize, max_blocks: Option<u32>, lengths: &
     eprintln!("sweep_world_{world}: {cases} all-reduces checked");
 }
 
-/// Subgroup (widths 2 and 4 where they divide the world) and whole-world all-reduces
+/// Subgroup (widths 1, 2 and 4 where narrower than and dividing the world) and whole-world all-reduces
 /// interleaved on one set of signal buffers, every algorithm, each call checked.
 pub fn interleaved_subgroups<B: Backend>(world: usize, calls: usize, max_blocks: Option<u32>) {
     let mut rng = rng(&format!("interleaved_{world}"));
     let comm = open::<B>(world, suite_config(max_blocks));
-    let mut widths: Vec<usize> = [2, 4]
+    let mut widths: Vec<usize> = [1, 2, 4]
         .into_iter()
         .filter(|w| *w < world && world % w == 0)
         .collect();
