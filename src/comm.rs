@@ -187,15 +187,15 @@ impl<B: Backend> Communicator<B> {
             .iter()
             .map(|d| B::alloc(d, layout.total_bytes(), MemoryKind::Signal))
             .collect::<Result<Vec<_>>>()?;
-        let mut ranks = Vec::with_capacity(world);
-        for (i, (device, signal)) in devices.into_iter().zip(signals).enumerate() {
-            ranks.push(Rank {
+        let mut ranks: Vec<Rank<B>> = devices
+            .into_iter()
+            .zip(signals)
+            .map(|(device, signal)| Rank {
                 device,
                 signal,
                 peer_signals: [0; MAX_GPUS],
-            });
-            let _ = i;
-        }
+            })
+            .collect();
         for i in 0..world {
             for j in 0..world {
                 let addr = if i == j {

@@ -308,7 +308,6 @@ pub fn barrier_timeout<B: Backend>(world: usize) {
     );
     assert!(comm.is_poisoned());
     let mut rng = rng("barrier_timeout");
-    let dev = comm.rank(0).device();
     let mut bufs: Vec<_> = comm
         .ranks()
         .iter()
@@ -319,7 +318,6 @@ pub fn barrier_timeout<B: Backend>(world: usize) {
         comm.all_reduce_sum_in_place(&mut ts, &AllReduceOptions::new()),
         Err(Error::Poisoned)
     );
-    let _ = dev;
     comm.reinitialize().unwrap();
     assert!(!comm.is_poisoned());
     for algorithm in Algorithm::ALL {
