@@ -1,6 +1,7 @@
 //! results.png: latency and bus bandwidth against message size, peercomm (auto) against
 //! NCCL, for the whole-world group of the first dtype, eager and graph.
 
+use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
 use plotters::prelude::*;
 
 use super::Report;
@@ -63,58 +64,72 @@ pub fn draw(report: &Report, path: &std::path::Path) -> Result<(), Box<dyn std::
     );
     let root = root.titled(&title, ("sans-serif", 22))?;
     let (left, right) = root.split_horizontally(700);
-    let colors = [RED, BLUE, MAGENTA, CYAN];
-
-    let mut lat = ChartBuilder::on(&left)
-        .margin(15)
-        .x_label_area_size(40)
-        .y_label_area_size(60)
-        .caption("latency (us, lower is better)", ("sans-serif", 18))
-        .build_cartesian_2d(
-            (xmin..xmax).log_scale(),
-            (lat_min * 0.8..lat_max * 1.2).log_scale(),
-        )?;
-    lat.configure_mesh()
-        .x_desc("bytes per rank")
-        .y_desc("us")
-        .draw()?;
-    for (i, (name, pts)) in series.iter().enumerate() {
-        let c = colors[i % colors.len()];
-        lat.draw_series(LineSeries::new(
-            pts.iter().map(|p| (p.0, p.1)),
-            c.stroke_width(2),
-        ))?
-        .label(name.clone())
-        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
-    }
-    lat.configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
-
-    let mut bw = ChartBuilder::on(&right)
-        .margin(15)
-        .x_label_area_size(40)
-        .y_label_area_size(60)
-        .caption("bus bandwidth (GB/s, higher is better)", ("sans-serif", 18))
-        .build_cartesian_2d((xmin..xmax).log_scale(), 0.0..bw_max * 1.1)?;
-    bw.configure_mesh()
-        .x_desc("bytes per rank")
-        .y_desc("GB/s")
-        .draw()?;
-    for (i, (name, pts)) in series.iter().enumerate() {
-        let c = colors[i % colors.len()];
-        bw.draw_series(LineSeries::new(
-            pts.iter().map(|p| (p.0, p.2)),
-            c.stroke_width(2),
-        ))?
-        .label(name.clone())
-        .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
-    }
-    bw.configure_series_labels()
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()?;
+    panel(
+        &left,
+        "latency (us, lower is better)",
+        "us",
+        (xmin..xmax).log_scale(),
+        (lat_min * 0.8..lat_max * 1.2).log_scale(),
+        &series,
+        |p| p.1,
+    )?;
+    panel(
+        &right,
+        "bus bandwidth (GB/s, higher is better)",
+        "GB/s",
+        (xmin..xmax).log_scale(),
+        0.0..bw_max * 1.1,
+        &series,
+        |p| p.2,
+    )?;
     root.present()?;
+    Ok(())
+}
+
+/// One chart: every series against bytes per rank, `pick` choosing the y value.
+fn panel<DB, X, Y>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    caption: &str,
+    y_desc: &str,
+    x: X,
+    y: Y,
+    series: &[Series],
+    pick: fn(&(f64, f64, f64)) -> f64,
+) -> Result<(), Box<dyn std::error::Error>>
+where
+    DB: DrawingBackend,
+    DB::ErrorType: 'static,
+    X: AsRangedCoord<Value = f64>,
+    Y: AsRangedCoord<Value = f64>,
+    X::CoordDescType: ValueFormatter<f64>,
+    Y::CoordDescType: ValueFormatter<f64>,
+{
+    let colors = [RED, BLUE, MAGENTA, CYAN];
+    let mut chart = ChartBuilder::on(area)
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .caption(caption, ("sans-serif", 18))
+        .build_cartesian_2d(x, y)?;
+    chart
+        .configure_mesh()
+        .x_desc("bytes per rank")
+        .y_desc(y_desc)
+        .draw()?;
+    for (i, (name, pts)) in series.iter().enumerate() {
+        let c = colors[i % colors.len()];
+        chart
+            .draw_series(LineSeries::new(
+                pts.iter().map(|p| (p.0, pick(p))),
+                c.stroke_width(2),
+            ))?
+            .label(name.clone())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c));
+    }
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()?;
     Ok(())
 }
