@@ -30,12 +30,20 @@
 #define PEERCOMM_LAMPORT_ARRIVALS 2    /* blocks of the current call that have finished */
 #define PEERCOMM_LAMPORT_PREV_WIDTH 3  /* group width (slots used) of the previous call */
 
-/* error_state fields: written once by the first barrier that times out. */
-#define PEERCOMM_ERROR_CODE 0   /* 0 = none, PEERCOMM_ERROR_BARRIER_TIMEOUT */
-#define PEERCOMM_ERROR_RANK 1   /* world rank that timed out */
+/*
+ * error_state fields: written once, by the first wait of this rank that gives up
+ * (BARRIER_TIMEOUT), or by a peer that gave up and tells this rank to stop
+ * (PEER_ABORTED). A non-zero code is the rank's abort word: every wait polls it, and a
+ * kernel that finds it set at entry does nothing. Only re-initialisation clears it.
+ */
+#define PEERCOMM_ERROR_CODE 0   /* 0 = none, else one of the codes below */
+#define PEERCOMM_ERROR_RANK 1   /* world rank that timed out (for PEER_ABORTED: the aborter) */
 #define PEERCOMM_ERROR_BLOCK 2  /* block index */
 #define PEERCOMM_ERROR_DOMAIN 3 /* barrier domain */
 #define PEERCOMM_ERROR_BARRIER_TIMEOUT 1
+#define PEERCOMM_ERROR_PEER_ABORTED 2
+/* Written into the code word while the other fields are filled in (then released). */
+#define PEERCOMM_ERROR_WRITING 0xffffffffu
 
 /* The per-GPU signal. Every peer of the group writes into it over P2P. */
 typedef struct peercomm_signal {
@@ -47,9 +55,24 @@ typedef struct peercomm_signal {
                          [PEERCOMM_MAX_GPUS];
     uint32_t lamport_state[4];
     uint32_t error_state[4];
+    /*
+     * quit[block][writer's group rank] != 0: that peer's block `block` abandoned a
+     * collective and will not touch this rank's memory again until re-initialisation.
+     * A block that abandons a collective whose user buffers its peers read waits for
+     * these from its group before its kernel may end (bounded by the timeout), so a
+     * user never frees a buffer that a late peer is still reading.
+     */
+    uint32_t quit[PEERCOMM_MAX_NUM_BLOCKS_UPPER_BOUND][PEERCOMM_MAX_GPUS];
     /* Pads the header so the lamport region starts aligned. */
     uint32_t reserved[56];
 } peercomm_signal;
+
+/*
+ * Lamport own-slot rule: a rank never writes its own slot (slot `group_rank` of its own
+ * region) and reduces its own pack straight from its input; clearing skips that slot.
+ * This is sound because the Lamport kernels run only over the whole world (domain 0),
+ * so a rank's group rank is the same in every Lamport call on one signal buffer.
+ */
 
 /* Which data type a kernel reduces. */
 typedef enum peercomm_dtype {
@@ -74,7 +97,10 @@ typedef struct peercomm_allreduce_args {
     /* This rank's output. */
     uint64_t output;
     uint64_t num_elements;
-    /* A barrier that spins longer than this returns with an error record; 0 = never. */
+    /*
+     * A wait that spins longer than this gives up with an error record; 0 = never.
+     * For the delay kernel (fault injection): how long to spin.
+     */
     uint64_t timeout_ns;
     uint32_t lamport_slot_bytes;
     uint32_t group_rank;

@@ -33,7 +33,7 @@
 
 typedef peercomm_allreduce_args Args;
 
-static_assert(sizeof(peercomm_signal) == 786688, "peercomm_signal layout changed");
+static_assert(sizeof(peercomm_signal) == 819456, "peercomm_signal layout changed");
 static_assert(sizeof(peercomm_allreduce_args) == 256, "peercomm_allreduce_args layout changed");
 
 #define PC_SENTINEL 0x80000000u

@@ -44,6 +44,10 @@ pub const ERROR_BLOCK: usize = bindings::PEERCOMM_ERROR_BLOCK as usize;
 pub const ERROR_DOMAIN: usize = bindings::PEERCOMM_ERROR_DOMAIN as usize;
 /// Error code a barrier writes when it gives up waiting.
 pub const ERROR_BARRIER_TIMEOUT: u32 = bindings::PEERCOMM_ERROR_BARRIER_TIMEOUT;
+/// Error code a rank that gave up writes into its group peers' records.
+pub const ERROR_PEER_ABORTED: u32 = bindings::PEERCOMM_ERROR_PEER_ABORTED;
+/// Code word value while the rest of an error record is being written.
+pub const ERROR_WRITING: u32 = bindings::PEERCOMM_ERROR_WRITING;
 
 /// Where the bindings came from: `"bindgen"` (generated from the header in this build)
 /// or `"committed"` (libclang was missing; the committed copy was used).
@@ -132,8 +136,9 @@ mod tests {
         assert_eq!(offset_of!(Signal, peer_counter), 262_144);
         assert_eq!(offset_of!(Signal, lamport_state), 786_432);
         assert_eq!(offset_of!(Signal, error_state), 786_448);
-        assert_eq!(offset_of!(Signal, reserved), 786_464);
-        assert_eq!(size_of::<Signal>(), 786_688);
+        assert_eq!(offset_of!(Signal, quit), 786_464);
+        assert_eq!(offset_of!(Signal, reserved), 786_464 + b * g * 4);
+        assert_eq!(size_of::<Signal>(), 819_456);
         assert_eq!(size_of::<Signal>() % REGION_ALIGN, 0);
     }
 
@@ -161,9 +166,9 @@ mod tests {
             lamport_slot_bytes: 4096,
             payload_bytes: 1000,
         };
-        assert_eq!(l.lamport_offset(), 786_688);
+        assert_eq!(l.lamport_offset(), 819_456);
         assert_eq!(l.lamport_region_bytes(), 3 * 8 * 4096);
-        assert_eq!(l.payload_offset(), 786_688 + 3 * 8 * 4096);
+        assert_eq!(l.payload_offset(), 819_456 + 3 * 8 * 4096);
         assert_eq!(l.total_bytes(), l.payload_offset() + 1024);
     }
 

@@ -14,6 +14,8 @@ pub const PEERCOMM_ERROR_RANK: u32 = 1;
 pub const PEERCOMM_ERROR_BLOCK: u32 = 2;
 pub const PEERCOMM_ERROR_DOMAIN: u32 = 3;
 pub const PEERCOMM_ERROR_BARRIER_TIMEOUT: u32 = 1;
+pub const PEERCOMM_ERROR_PEER_ABORTED: u32 = 2;
+pub const PEERCOMM_ERROR_WRITING: u32 = 4294967295;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct peercomm_signal {
@@ -21,6 +23,7 @@ pub struct peercomm_signal {
     pub peer_counter: [[[[u32; 8usize]; 1024usize]; 2usize]; 8usize],
     pub lamport_state: [u32; 4usize],
     pub error_state: [u32; 4usize],
+    pub quit: [[u32; 8usize]; 1024usize],
     pub reserved: [u32; 56usize],
 }
 impl Default for peercomm_signal {

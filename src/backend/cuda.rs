@@ -419,7 +419,7 @@ mod tests {
     #[test]
     fn fatbin_exports_every_kernel() {
         let names: Vec<String> = Kernel::all().map(|k| k.symbol()).collect();
-        assert_eq!(names.len(), 13);
+        assert_eq!(names.len(), 14);
         for name in names {
             assert!(
                 FATBIN.windows(name.len()).any(|w| w == name.as_bytes()),

@@ -40,6 +40,9 @@ pub enum KernelKind {
     /// Ranks 0 and 1 bounce a flag `num_elements` times through their payloads (one
     /// thread each): measures the cross-GPU flag round trip. f32 only.
     PingPong,
+    /// One thread spins for `timeout_ns` nanoseconds and touches no memory: fault
+    /// injection (a rank made late on purpose). f32 only.
+    Delay,
 }
 
 impl KernelKind {
@@ -51,6 +54,7 @@ impl KernelKind {
             KernelKind::Lamport => "lamport",
             KernelKind::Barrier => "barrier",
             KernelKind::PingPong => "pingpong",
+            KernelKind::Delay => "delay",
         }
     }
 }
@@ -79,8 +83,8 @@ impl Kernel {
                 .into_iter()
                 .map(move |dtype| Kernel { kind, dtype })
         })
-        .chain(std::iter::once(Kernel {
-            kind: KernelKind::PingPong,
+        .chain([KernelKind::PingPong, KernelKind::Delay].map(|kind| Kernel {
+            kind,
             dtype: DType::F32,
         }))
     }

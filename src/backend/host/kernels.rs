@@ -168,6 +168,12 @@ unsafe fn run_typed<T: Element>(
         KernelKind::TwoStage => two_stage::<T>(args, block, blocks),
         KernelKind::Lamport => lamport::<T>(args, block, blocks),
         KernelKind::PingPong => ping_pong(args),
+        KernelKind::Delay => {
+            if block == 0 {
+                std::thread::sleep(Duration::from_nanos(args.timeout_ns));
+            }
+            Ok(())
+        }
         KernelKind::Barrier => {
             barrier(args, block, false)?;
             barrier(args, block, true)
