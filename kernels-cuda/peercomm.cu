@@ -544,6 +544,14 @@ extern "C" __global__ void peercomm_pingpong_f32(const Args a) {
     }
 }
 
+// Fault injection: one thread spins for timeout_ns nanoseconds (a rank made late).
+extern "C" __global__ void peercomm_delay_f32(const Args a) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const uint64_t start = global_timer_ns();
+    while (global_timer_ns() - start < a.timeout_ns) {
+    }
+}
+
 // ---------------------------------------------------------------------------------
 // Exported entry points: peercomm_<algorithm>_<dtype>, as `Kernel::symbol()` names them.
 

@@ -549,3 +549,13 @@ PC_EXPORT(F16, f16)
 PC_EXPORT(BF16, bf16)
 
 extern "C" __global__ void __launch_bounds__(1024) peercomm_pingpong_f32(const Args) { ping_pong(kernel_args()); }
+
+// Fault injection: one lane spins for timeout_ns nanoseconds (a rank made late).
+extern "C" __global__ void __launch_bounds__(1024) peercomm_delay_f32(const Args) {
+    const Args& a = kernel_args();
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const uint64_t ticks = a.timeout_ns / 1000u * peercomm_wall_clock_khz / 1000u;
+    const uint64_t start = wall_clock();
+    while (wall_clock() - start < ticks) {
+    }
+}
