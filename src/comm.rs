@@ -32,6 +32,11 @@ pub struct CommConfig {
     pub max_blocks: Option<u32>,
     /// Threads per block on GPUs (the host backend runs one thread per block).
     pub threads_per_block: u32,
+    /// Testing aid: lets several ranks share one device, each with its own stream and
+    /// signal buffer, so 4- and 8-rank schedules run on fewer GPUs. Every rank's blocks
+    /// must be resident at once (ranks spin waiting for each other), so keep
+    /// `max_blocks` small (for example 4) when this is on. Timings mean nothing then.
+    pub allow_shared_devices: bool,
 }
 
 impl Default for CommConfig {
@@ -42,6 +47,7 @@ impl Default for CommConfig {
             barrier_timeout: Some(Duration::from_secs(10)),
             max_blocks: None,
             threads_per_block: 512,
+            allow_shared_devices: false,
         }
     }
 }
@@ -153,7 +159,7 @@ impl<B: Backend> Communicator<B> {
         check_world(world)?;
         let mut ordinals: Vec<usize> = devices.iter().map(B::ordinal).collect();
         ordinals.sort_unstable();
-        if ordinals.windows(2).any(|w| w[0] == w[1]) {
+        if !config.allow_shared_devices && ordinals.windows(2).any(|w| w[0] == w[1]) {
             return Err(Error::InvalidDevices(format!(
                 "a device appears twice: {ordinals:?}"
             )));
@@ -472,6 +478,36 @@ impl<B: Backend> Communicator<B> {
             self.launch_rank(&plan, r, &zeros, &zeros)?;
         }
         Ok(())
+    }
+
+    /// Fault injection: enqueues on `rank`'s stream a kernel that spins for `delay` and
+    /// touches no memory, so that rank's next collective starts late. This is how the
+    /// tests skew ranks in time, and how a user can test their own timeout handling
+    /// (a delay longer than [`CommConfig::barrier_timeout`] makes the other ranks give
+    /// up). Capturable in a CUDA graph like any launch.
+    pub fn delay_rank(&self, rank: usize, delay: Duration) -> Result<()> {
+        if rank >= self.world_size() {
+            return Err(Error::InvalidDevices(format!(
+                "rank {rank} is outside the world of {}",
+                self.world_size()
+            )));
+        }
+        let args = AllReduceArgs {
+            timeout_ns: u64::try_from(delay.as_nanos()).unwrap_or(u64::MAX),
+            ..Default::default()
+        };
+        B::launch(
+            &self.ranks[rank].device,
+            Kernel {
+                kind: KernelKind::Delay,
+                dtype: DType::F32,
+            },
+            LaunchDims {
+                blocks: 1,
+                threads: 32,
+            },
+            &args,
+        )
     }
 
     /// Enqueues `iters` flag round trips between ranks 0 and 1 (one thread each, through

@@ -112,6 +112,22 @@ pub enum Error {
         /// Barrier domain (counter bank) it waited in.
         domain: usize,
     },
+    /// A peer of this rank gave up waiting (its own wait timed out) and told this rank
+    /// to stop: this rank abandoned its collective without writing its output. The
+    /// root cause is the [`Error::BarrierTimeout`] of rank `by`.
+    #[error(
+        "rank {rank} stopped because rank {by} gave up waiting (block {block}, barrier          domain {domain}); the communicator must be re-initialised"
+    )]
+    PeerAborted {
+        /// World rank that was told to stop.
+        rank: usize,
+        /// World rank that timed out and told it.
+        by: usize,
+        /// Block of `by` that timed out.
+        block: usize,
+        /// Barrier domain it waited in.
+        domain: usize,
+    },
     /// An earlier barrier timed out; collectives are refused until `reinitialize`.
     #[error("the communicator is poisoned by an earlier barrier timeout; call reinitialize()")]
     Poisoned,

@@ -162,7 +162,8 @@ fn ordinal_of<T>(s: &impl DeviceSlice<T>) -> usize {
 
 macro_rules! impl_cuda_buffer {
     ($($ty:ty),*) => {$(
-        impl<T: Element> DeviceBuffer<Cuda> for $ty {
+        // SAFETY: the pointer, length, dtype and device come from the allocation itself.
+        unsafe impl<T: Element> DeviceBuffer<Cuda> for $ty {
             fn dtype(&self) -> DType {
                 T::DTYPE
             }
@@ -180,13 +181,17 @@ macro_rules! impl_cuda_buffer {
 }
 impl_cuda_buffer!(CudaSlice<T>, CudaView<'_, T>, CudaViewMut<'_, T>);
 
-impl<T: Element> DeviceBufferMut<Cuda> for CudaSlice<T> {
+// SAFETY: the pointer, length, dtype and device come from the allocation itself.
+
+unsafe impl<T: Element> DeviceBufferMut<Cuda> for CudaSlice<T> {
     fn write_ptr<'a>(&'a mut self, dev: &'a CudaDevice) -> (u64, SyncOnDrop<'a>) {
         self.device_ptr_mut(&dev.stream)
     }
 }
 
-impl<T: Element> DeviceBufferMut<Cuda> for CudaViewMut<'_, T> {
+// SAFETY: the pointer, length, dtype and device come from the allocation itself.
+
+unsafe impl<T: Element> DeviceBufferMut<Cuda> for CudaViewMut<'_, T> {
     fn write_ptr<'a>(&'a mut self, dev: &'a CudaDevice) -> (u64, SyncOnDrop<'a>) {
         self.device_ptr_mut(&dev.stream)
     }

@@ -545,7 +545,9 @@ impl<T: Element> HipBuffer<T> {
     }
 }
 
-impl<T: Element> DeviceBuffer<Hip> for HipBuffer<T> {
+// SAFETY: the pointer, length, dtype and device come from the allocation itself.
+
+unsafe impl<T: Element> DeviceBuffer<Hip> for HipBuffer<T> {
     fn dtype(&self) -> DType {
         T::DTYPE
     }
@@ -560,7 +562,9 @@ impl<T: Element> DeviceBuffer<Hip> for HipBuffer<T> {
     }
 }
 
-impl<T: Element> DeviceBufferMut<Hip> for HipBuffer<T> {
+// SAFETY: the pointer, length, dtype and device come from the allocation itself.
+
+unsafe impl<T: Element> DeviceBufferMut<Hip> for HipBuffer<T> {
     fn write_ptr<'a>(&'a mut self, _dev: &'a HipDevice) -> (u64, ()) {
         (self.mem.ptr, ())
     }

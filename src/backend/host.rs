@@ -141,7 +141,9 @@ pub struct HostBuffer<T: Element> {
     _t: std::marker::PhantomData<T>,
 }
 
-impl<T: Element> DeviceBuffer<Host> for HostBuffer<T> {
+// SAFETY: the pointer, length, dtype and device come from the allocation itself.
+
+unsafe impl<T: Element> DeviceBuffer<Host> for HostBuffer<T> {
     fn dtype(&self) -> DType {
         T::DTYPE
     }
@@ -156,7 +158,9 @@ impl<T: Element> DeviceBuffer<Host> for HostBuffer<T> {
     }
 }
 
-impl<T: Element> DeviceBufferMut<Host> for HostBuffer<T> {
+// SAFETY: the pointer, length, dtype and device come from the allocation itself.
+
+unsafe impl<T: Element> DeviceBufferMut<Host> for HostBuffer<T> {
     fn write_ptr<'a>(&'a mut self, _dev: &'a HostDevice) -> (u64, ()) {
         (self.mem.addr(), ())
     }

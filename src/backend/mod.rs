@@ -83,10 +83,12 @@ impl Kernel {
                 .into_iter()
                 .map(move |dtype| Kernel { kind, dtype })
         })
-        .chain([KernelKind::PingPong, KernelKind::Delay].map(|kind| Kernel {
-            kind,
-            dtype: DType::F32,
-        }))
+        .chain(
+            [KernelKind::PingPong, KernelKind::Delay].map(|kind| Kernel {
+                kind,
+                dtype: DType::F32,
+            }),
+        )
     }
     /// Its exported symbol, e.g. `peercomm_two_stage_bf16`.
     pub fn symbol(self) -> String {
@@ -163,7 +165,16 @@ pub trait Backend: Sized + Send + Sync + 'static {
 
 /// A device buffer a collective can read: its element type, length and device are
 /// known at run time, so mismatches across ranks are reported, not compiled away.
-pub trait DeviceBuffer<B: Backend> {
+///
+/// # Safety
+/// Kernels trust what this trait reports. An implementation must guarantee that the
+/// address returned by `read_ptr` (and `write_ptr`) points to at least `len()` elements
+/// of `dtype()` on device `device_ordinal()`, valid for as long as the returned guard
+/// lives and, through the backend's stream ordering, until the kernels enqueued while
+/// it lived have finished; and that the memory is reachable by the peers' kernels
+/// (on CUDA: `cuMemAlloc` memory or the device's default memory pool, which peercomm
+/// opens to the peers; on the host backend: any host memory).
+pub unsafe trait DeviceBuffer<B: Backend> {
     /// Element type.
     fn dtype(&self) -> DType;
     /// Elements.
@@ -180,7 +191,10 @@ pub trait DeviceBuffer<B: Backend> {
 }
 
 /// A device buffer a collective can write.
-pub trait DeviceBufferMut<B: Backend>: DeviceBuffer<B> {
+///
+/// # Safety
+/// As for [`DeviceBuffer`], for writes through `write_ptr`.
+pub unsafe trait DeviceBufferMut<B: Backend>: DeviceBuffer<B> {
     /// Address for a kernel on `dev` that writes it (and may read it).
     fn write_ptr<'a>(&'a mut self, dev: &'a B::Device) -> (u64, B::Access<'a>);
 }
