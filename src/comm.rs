@@ -2,6 +2,7 @@
 //! dispatch and the launches.
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::backend::{Backend, Kernel, KernelKind, LaunchDims, MemoryKind};
@@ -9,8 +10,8 @@ use crate::dispatch::{self, Algorithm};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::signal::{
-    barrier_domain, AllReduceArgs, Signal, SignalLayout, ERROR_BARRIER_TIMEOUT, ERROR_BLOCK,
-    ERROR_CODE, ERROR_DOMAIN, ERROR_RANK, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES,
+    barrier_domain, AllReduceArgs, Signal, SignalLayout, ERROR_BLOCK, ERROR_CODE, ERROR_DOMAIN,
+    ERROR_PEER_ABORTED, ERROR_RANK, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES,
 };
 use crate::tensor::{shape_elements, Tensor, TensorMut};
 use crate::{enable_p2p, init_signal_buffer_with_counter_base};
@@ -122,6 +123,10 @@ pub struct Communicator<B: Backend> {
     max_blocks: u32,
     poisoned: AtomicBool,
     group_depth: AtomicUsize,
+    /// Held while a collective is enqueued on every rank (and while re-initialising):
+    /// two threads sharing the communicator must not interleave their launches, or
+    /// ranks would run collectives in different orders.
+    launch_lock: Mutex<()>,
 }
 
 /// What validation learned about one call.
@@ -164,14 +169,11 @@ impl<B: Backend> Communicator<B> {
                 "a device appears twice: {ordinals:?}"
             )));
         }
-        if config.lamport_slot_bytes % PACK_BYTES != 0
-            || config.lamport_slot_bytes > u32::MAX as usize
-        {
-            return Err(Error::Unsupported(format!(
-                "lamport_slot_bytes must be a multiple of {PACK_BYTES} below 4 GiB, not {}",
-                config.lamport_slot_bytes
-            )));
-        }
+        let layout = SignalLayout {
+            lamport_slot_bytes: config.lamport_slot_bytes,
+            payload_bytes: config.payload_bytes,
+        };
+        layout.validate()?;
         if config.threads_per_block == 0
             || config.threads_per_block > 512
             || config.threads_per_block % 64 != 0
@@ -185,13 +187,9 @@ impl<B: Backend> Communicator<B> {
             let (from, to) = first_missing_peer_pair::<B>(&devices)?;
             return Err(Error::P2pUnavailable { from, to });
         }
-        let layout = SignalLayout {
-            lamport_slot_bytes: config.lamport_slot_bytes,
-            payload_bytes: config.payload_bytes,
-        };
         let signals = devices
             .iter()
-            .map(|d| B::alloc(d, layout.total_bytes(), MemoryKind::Signal))
+            .map(|d| B::alloc(d, layout.checked_total_bytes()?, MemoryKind::Signal))
             .collect::<Result<Vec<_>>>()?;
         let mut ranks: Vec<Rank<B>> = devices
             .into_iter()
@@ -226,6 +224,7 @@ impl<B: Backend> Communicator<B> {
             max_blocks,
             poisoned: AtomicBool::new(false),
             group_depth: AtomicUsize::new(0),
+            launch_lock: Mutex::new(()),
         };
         comm.reinitialize()?;
         Ok(comm)
@@ -260,8 +259,11 @@ impl<B: Backend> Communicator<B> {
         self.poisoned.load(Ordering::Acquire)
     }
 
-    /// Waits for every rank's queued collectives, then reports a device-side barrier
-    /// timeout if any rank recorded one (and poisons the communicator).
+    /// Waits for every rank's queued collectives, then reads every rank's error record
+    /// (a small device-to-host copy per rank). If a wait gave up, returns the root
+    /// cause ([`Error::BarrierTimeout`] of the rank that timed out, else the
+    /// [`Error::PeerAborted`] a rank was told) and poisons the communicator until
+    /// [`Communicator::reinitialize`].
     pub fn synchronize(&self) -> Result<()> {
         for r in &self.ranks {
             B::synchronize(&r.device)?;
@@ -272,20 +274,38 @@ impl<B: Backend> Communicator<B> {
     /// Reads every rank's error record (waiting for its stream first).
     fn check_device_errors(&self) -> Result<()> {
         let off = std::mem::offset_of!(Signal, error_state);
-        for r in &self.ranks {
+        let mut first_abort = None;
+        for (rank, r) in self.ranks.iter().enumerate() {
             let mut raw = [0u8; 16];
             B::read(&r.device, B::memory_ptr(&r.signal) + off as u64, &mut raw)?;
             let word = |i: usize| u32::from_le_bytes(raw[i * 4..i * 4 + 4].try_into().unwrap());
-            if word(ERROR_CODE) == ERROR_BARRIER_TIMEOUT {
-                self.poisoned.store(true, Ordering::Release);
-                return Err(Error::BarrierTimeout {
-                    rank: word(ERROR_RANK) as usize,
-                    block: word(ERROR_BLOCK) as usize,
-                    domain: word(ERROR_DOMAIN) as usize,
-                });
+            match word(ERROR_CODE) {
+                0 => {}
+                ERROR_PEER_ABORTED => {
+                    first_abort.get_or_insert(Error::PeerAborted {
+                        rank,
+                        by: word(ERROR_RANK) as usize,
+                        block: word(ERROR_BLOCK) as usize,
+                        domain: word(ERROR_DOMAIN) as usize,
+                    });
+                }
+                _ => {
+                    self.poisoned.store(true, Ordering::Release);
+                    return Err(Error::BarrierTimeout {
+                        rank: word(ERROR_RANK) as usize,
+                        block: word(ERROR_BLOCK) as usize,
+                        domain: word(ERROR_DOMAIN) as usize,
+                    });
+                }
             }
         }
-        Ok(())
+        match first_abort {
+            Some(e) => {
+                self.poisoned.store(true, Ordering::Release);
+                Err(e)
+            }
+            None => Ok(()),
+        }
     }
 
     /// Waits for all ranks, then zeroes every signal buffer and refills the Lamport
@@ -299,6 +319,7 @@ impl<B: Backend> Communicator<B> {
     /// (tests start near `u32::MAX` to cross the wrap).
     #[doc(hidden)]
     pub fn reinitialize_with_counter_base(&self, base: u32) -> Result<()> {
+        let _launches = self.lock_launches();
         for r in &self.ranks {
             B::synchronize(&r.device)?;
         }
@@ -378,7 +399,7 @@ impl<B: Backend> Communicator<B> {
                 });
             }
         }
-        let plan = self.plan(metas[0].dtype, shape_elements(shapes[0]), options, false)?;
+        let plan = self.plan(metas[0].dtype, metas[0].len, options, false)?;
         if plan.elements == 0 {
             return Ok(plan.algorithm);
         }
@@ -423,7 +444,7 @@ impl<B: Backend> Communicator<B> {
         let shapes: Vec<Vec<usize>> = tensors.iter().map(|t| t.shape.clone()).collect();
         let shape_refs: Vec<&[usize]> = shapes.iter().map(|s| s.as_slice()).collect();
         self.check_tensors(&metas, &shape_refs, "in-place")?;
-        let plan = self.plan(metas[0].dtype, shape_elements(&shapes[0]), options, true)?;
+        let plan = self.plan(metas[0].dtype, metas[0].len, options, true)?;
         if plan.elements == 0 {
             return Ok(plan.algorithm);
         }
@@ -474,10 +495,7 @@ impl<B: Backend> Communicator<B> {
                 )));
             }
         }
-        for &r in ranks {
-            self.launch_rank(&plan, r, &zeros, &zeros)?;
-        }
-        Ok(())
+        self.launch_on(&plan, ranks, &zeros, &zeros)
     }
 
     /// Fault injection: enqueues on `rank`'s stream a kernel that spins for `delay` and
@@ -496,6 +514,7 @@ impl<B: Backend> Communicator<B> {
             timeout_ns: u64::try_from(delay.as_nanos()).unwrap_or(u64::MAX),
             ..Default::default()
         };
+        let _launches = self.lock_launches();
         B::launch(
             &self.ranks[rank].device,
             Kernel {
@@ -548,10 +567,7 @@ impl<B: Backend> Communicator<B> {
             },
         };
         let zeros = [0u64; MAX_GPUS];
-        for r in 0..2 {
-            self.launch_rank(&plan, r, &zeros, &zeros)?;
-        }
-        Ok(())
+        self.launch_on(&plan, &[0, 1], &zeros, &zeros)
     }
 
     fn check_usable(&self) -> Result<()> {
@@ -579,14 +595,16 @@ impl<B: Backend> Communicator<B> {
         shape: &[usize],
         which: &'static str,
     ) -> Result<()> {
-        if shape_elements(shape) != m.len {
+        if shape_elements(shape) != Some(m.len) {
             return Err(Error::LengthMismatch {
                 rank,
-                what: format!(
-                    "{which} shape {shape:?} has {} elements but its buffer {}",
-                    shape_elements(shape),
-                    m.len
-                ),
+                what: match shape_elements(shape) {
+                    Some(n) => format!(
+                        "{which} shape {shape:?} has {n} elements but its buffer {}",
+                        m.len
+                    ),
+                    None => format!("{which} shape {shape:?} overflows usize"),
+                },
             });
         }
         let expected = self.ranks[rank].ordinal();
@@ -657,14 +675,30 @@ impl<B: Backend> Communicator<B> {
             Algorithm::OneStage => !in_place || width == 1 || padded <= payload,
             Algorithm::Auto => true,
         };
+        // Lamport runs only over the whole world of at least two ranks: its state is
+        // per rank and shared by every width, so a subgroup call would move one group's
+        // generations and not its siblings' (see the own-slot rule in the header). A
+        // group of one needs no peers: it copies, keeping the sign of zero.
+        let lamport_allowed = width == self.world_size() && width > 1;
         let algorithm = match options.algorithm {
             Algorithm::Auto => {
-                let preferred = dispatch::choose(&self.arch, width, bytes);
+                let mut preferred = dispatch::choose(&self.arch, width, bytes);
+                if preferred == Algorithm::Lamport && !lamport_allowed {
+                    preferred = Algorithm::OneStage;
+                }
                 // Fall back towards the algorithms that need less scratch.
                 [preferred, Algorithm::OneStage, Algorithm::TwoStage]
                     .into_iter()
                     .find(|&a| fits(a))
                     .unwrap_or(preferred)
+            }
+            Algorithm::Lamport if width == 1 => Algorithm::OneStage,
+            Algorithm::Lamport if !lamport_allowed => {
+                return Err(Error::Unsupported(format!(
+                    "the Lamport algorithm runs only over the whole world (group_size 0 or \
+                     {}), not over groups of {width}; use Auto or another algorithm",
+                    self.world_size()
+                )))
             }
             a => a,
         };
@@ -714,16 +748,49 @@ impl<B: Backend> Communicator<B> {
         })
     }
 
+    fn lock_launches(&self) -> MutexGuard<'_, ()> {
+        self.launch_lock.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Enqueues `plan` on every rank, atomically with respect to other callers. A
+    /// failure after some ranks were launched poisons the communicator: those ranks
+    /// wait for peers that will never come (until their timeout), so nothing may run
+    /// before [`Communicator::reinitialize`].
     fn launch_all(
         &self,
         plan: &Plan,
         inputs: &[u64; MAX_GPUS],
         outputs: &[u64; MAX_GPUS],
     ) -> Result<()> {
-        for r in 0..self.world_size() {
-            self.launch_rank(plan, r, inputs, outputs)?;
+        let ranks: Vec<usize> = (0..self.world_size()).collect();
+        self.launch_on(plan, &ranks, inputs, outputs)
+    }
+
+    fn launch_on(
+        &self,
+        plan: &Plan,
+        ranks: &[usize],
+        inputs: &[u64; MAX_GPUS],
+        outputs: &[u64; MAX_GPUS],
+    ) -> Result<()> {
+        let _launches = self.lock_launches();
+        self.check_usable()?;
+        for (i, &r) in ranks.iter().enumerate() {
+            if let Err(e) = self.launch_rank(plan, r, inputs, outputs) {
+                if i > 0 {
+                    self.poisoned.store(true, Ordering::Release);
+                }
+                return Err(e);
+            }
         }
         Ok(())
+    }
+
+    /// The wait limit the kernels get, in nanoseconds (0 = never; saturates).
+    fn timeout_ns(&self) -> u64 {
+        self.config.barrier_timeout.map_or(0, |t| {
+            u64::try_from(t.as_nanos()).unwrap_or(u64::MAX).max(1)
+        })
     }
 
     fn launch_rank(
@@ -742,10 +809,7 @@ impl<B: Backend> Communicator<B> {
             local_input: inputs[r],
             output: outputs[r],
             num_elements: plan.elements as u64,
-            timeout_ns: self
-                .config
-                .barrier_timeout
-                .map_or(0, |t| t.as_nanos().max(1) as u64),
+            timeout_ns: self.timeout_ns(),
             lamport_slot_bytes: self.layout.lamport_slot_bytes as u32,
             group_rank: (r - base) as u32,
             group_width: width as u32,

@@ -91,6 +91,9 @@ pub enum Error {
     /// an explicit request that cannot be honoured lands here).
     #[error("{0}")]
     Unsupported(String),
+    /// A configuration value is out of range (sizes that overflow, misaligned scratch).
+    #[error("invalid configuration: {0}")]
+    InvalidConfig(String),
     /// Peer access is missing between two devices; a staged fallback is not built yet.
     #[error("peer-to-peer access from device {from} to device {to} is not available")]
     P2pUnavailable {

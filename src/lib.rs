@@ -107,7 +107,7 @@ pub fn create_signal_buffer<B: Backend>(
     dev: &B::Device,
     layout: SignalLayout,
 ) -> Result<B::Memory> {
-    let mem = B::alloc(dev, layout.total_bytes(), MemoryKind::Signal)?;
+    let mem = B::alloc(dev, layout.checked_total_bytes()?, MemoryKind::Signal)?;
     init_signal_buffer::<B>(dev, &mem, layout)?;
     Ok(mem)
 }
@@ -131,6 +131,7 @@ pub fn init_signal_buffer_with_counter_base<B: Backend>(
     layout: SignalLayout,
     base: u32,
 ) -> Result<()> {
+    layout.validate()?;
     let ptr = B::memory_ptr(signal);
     let counters = std::mem::offset_of!(signal::Signal, lamport_state);
     let header = std::mem::size_of::<signal::Signal>();

@@ -15,9 +15,10 @@
 //!
 //! The banks are double by generation parity: a fast peer that already reached the
 //! next barrier writes `v + 1` into the other bank, so it cannot overwrite the `v` a
-//! slow block is still waiting for. A barrier that publishes data stores with
-//! `Release`; the wait always loads with `Acquire` (Rust's memory model needs it for
-//! the pairing, and it is free on the host).
+//! slow block is still waiting for. The orderings depend on the [`BarrierKind`]: a
+//! publishing barrier stores with `Release` and loads with `Acquire`, start and end
+//! barriers are relaxed on the devices (the host strengthens them, see
+//! [`BarrierKind::host_orderings`]).
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -61,11 +62,45 @@ pub trait BarrierSignals {
 
 /// What the barrier does between two loads of a counter that has not arrived yet.
 pub trait Backoff {
-    /// Why waiting stopped (a timeout on the host; uninhabited where waits are unbounded).
+    /// Why waiting stopped (a timeout or the rank's abort word on the host;
+    /// uninhabited where waits are unbounded).
     type Timeout;
     /// Called after each load that did not see the expected value: spins or yields,
     /// and returns `Err` to abandon the barrier.
     fn wait(&mut self) -> Result<(), Self::Timeout>;
+}
+
+/// What a barrier orders, named at every call site (the device source has the same
+/// enum). Every collective pairs a start barrier with an end barrier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BarrierKind {
+    /// Orders arrival only: no data is published, so relaxed stores and loads.
+    Start,
+    /// Publishes data: what any group member's same-index block wrote before it is
+    /// visible to this block after it (release stores, acquire loads).
+    Publish,
+    /// Ends a collective: publishes nothing, but keeps the peers from overwriting what
+    /// this block read before it. Relaxed on the devices: a load whose value has been
+    /// consumed before the barrier has been performed (no load value speculation on the
+    /// GPUs we target), although the PTX and HIP memory models formally ask for a
+    /// release here. The host, whose data reads are plain loads, strengthens it.
+    End,
+}
+
+impl BarrierKind {
+    /// Orderings of the arrival store and of the spin's loads on the devices.
+    pub const fn device_orderings(self) -> (Ordering, Ordering) {
+        match self {
+            BarrierKind::Publish => (Ordering::Release, Ordering::Acquire),
+            BarrierKind::Start | BarrierKind::End => (Ordering::Relaxed, Ordering::Relaxed),
+        }
+    }
+    /// Orderings on the host backend: always release/acquire, because its kernels read
+    /// peer data with plain (non-atomic) loads, which Rust's memory model only allows
+    /// when a happens-before edge separates them from the peers' writes. Free on x86.
+    pub const fn host_orderings(self) -> (Ordering, Ordering) {
+        (Ordering::Release, Ordering::Acquire)
+    }
 }
 
 /// Which barrier of a group this is: the group rank of the caller, the group width,
@@ -82,16 +117,16 @@ pub struct BarrierSite {
     pub block: usize,
 }
 
-/// The counter barrier (see the module docs). `publish`: data written before the
-/// barrier by any group member's block `block` is visible after it to this block
-/// (release stores); otherwise the stores are relaxed and the barrier only orders
-/// arrival. Returns the backoff's error if it gives up; the counters are then left
-/// mid-barrier and the signal must be re-initialised.
+/// The counter barrier (see the module docs), with the arrival store and the spin's
+/// loads at `orderings` (from [`BarrierKind::device_orderings`] or
+/// [`BarrierKind::host_orderings`]). Returns the backoff's error if it gives up (a
+/// timeout, or the rank's abort word); the counters are then left mid-barrier and the
+/// signal must be re-initialised.
 #[inline]
 pub fn barrier<S, W>(
     signals: &S,
     site: BarrierSite,
-    publish: bool,
+    (store_order, load_order): (Ordering, Ordering),
     backoff: &mut W,
 ) -> Result<(), W::Timeout>
 where
@@ -104,11 +139,6 @@ where
         domain: d,
         block: b,
     } = site;
-    let store_order = if publish {
-        Ordering::Release
-    } else {
-        Ordering::Relaxed
-    };
     let mut v = 0u32;
     for t in 0..width {
         let counter = signals.self_counter(me, d, b, t);
@@ -120,7 +150,7 @@ where
     }
     for t in 0..width {
         let flag = signals.peer_counter(me, d, (v % 2) as usize, b, t);
-        while flag.load(Ordering::Acquire) != v {
+        while flag.load(load_order) != v {
             backoff.wait()?;
         }
     }

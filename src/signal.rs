@@ -94,24 +94,61 @@ pub struct SignalLayout {
 }
 
 impl SignalLayout {
+    /// Checks the sizes: the Lamport slot is a multiple of 16 bytes below 4 GiB (the
+    /// kernels take it as a u32), and the whole
+    /// allocation fits in `isize::MAX` bytes. Every function that sizes or fills a
+    /// signal allocation calls it, so a wrapped size never reaches a device.
+    pub fn validate(&self) -> crate::Result<()> {
+        if self.lamport_slot_bytes % PACK_BYTES != 0 || self.lamport_slot_bytes > u32::MAX as usize
+        {
+            return Err(crate::Error::InvalidConfig(format!(
+                "lamport_slot_bytes must be a multiple of {PACK_BYTES} below 4 GiB, not {}",
+                self.lamport_slot_bytes
+            )));
+        }
+        self.checked_total_bytes().map(|_| ())
+    }
     /// Offset of the Lamport region from the start of the allocation.
     pub const fn lamport_offset(&self) -> usize {
         align_up(std::mem::size_of::<Signal>(), REGION_ALIGN)
     }
-    /// Bytes of the whole Lamport region (all generations, all slots).
+    /// Bytes of the whole Lamport region (all generations, all slots). Only meaningful
+    /// for a layout that passed [`SignalLayout::validate`].
     pub const fn lamport_region_bytes(&self) -> usize {
         LAMPORT_GENERATIONS * MAX_GPUS * self.lamport_slot_bytes
     }
-    /// Offset of the payload from the start of the allocation.
+    /// Offset of the payload from the start of the allocation. Only meaningful for a
+    /// layout that passed [`SignalLayout::validate`].
     pub const fn payload_offset(&self) -> usize {
         align_up(
             self.lamport_offset() + self.lamport_region_bytes(),
             REGION_ALIGN,
         )
     }
-    /// Bytes of the whole allocation.
-    pub const fn total_bytes(&self) -> usize {
-        align_up(self.payload_offset() + self.payload_bytes, REGION_ALIGN)
+    /// Bytes of the whole allocation, or a typed error when the sizes overflow.
+    pub fn checked_total_bytes(&self) -> crate::Result<usize> {
+        let too_large = || {
+            crate::Error::InvalidConfig(format!(
+                "a signal allocation with lamport_slot_bytes {} and payload_bytes {} does \
+                 not fit in the address space",
+                self.lamport_slot_bytes, self.payload_bytes
+            ))
+        };
+        let region = (LAMPORT_GENERATIONS * MAX_GPUS)
+            .checked_mul(self.lamport_slot_bytes)
+            .ok_or_else(too_large)?;
+        // With room for both alignments, so the unchecked sums below cannot wrap.
+        self.lamport_offset()
+            .checked_add(region)
+            .and_then(|x| x.checked_add(REGION_ALIGN))
+            .and_then(|x| x.checked_add(self.payload_bytes))
+            .and_then(|x| x.checked_add(REGION_ALIGN))
+            .filter(|&x| x <= isize::MAX as usize)
+            .ok_or_else(too_large)?;
+        Ok(align_up(
+            self.payload_offset() + self.payload_bytes,
+            REGION_ALIGN,
+        ))
     }
 }
 
@@ -169,7 +206,7 @@ mod tests {
         assert_eq!(l.lamport_offset(), 819_456);
         assert_eq!(l.lamport_region_bytes(), 3 * 8 * 4096);
         assert_eq!(l.payload_offset(), 819_456 + 3 * 8 * 4096);
-        assert_eq!(l.total_bytes(), l.payload_offset() + 1024);
+        assert_eq!(l.checked_total_bytes().unwrap(), l.payload_offset() + 1024);
     }
 
     #[test]

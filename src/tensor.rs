@@ -58,7 +58,7 @@ impl<'a, B: Backend> TensorMut<'a, B> {
     }
 }
 
-/// Elements a shape describes.
-pub(crate) fn shape_elements(shape: &[usize]) -> usize {
-    shape.iter().product()
+/// Elements a shape describes (`None` when the product overflows).
+pub(crate) fn shape_elements(shape: &[usize]) -> Option<usize> {
+    shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
 }

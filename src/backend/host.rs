@@ -96,11 +96,16 @@ impl HostDevice {
     }
 }
 
-/// An allocation in a host arena, 256-byte aligned and zero-filled.
+/// An allocation in a host arena, 256-byte aligned and zero-filled. Freed in stream
+/// order, as `cuMemFreeAsync` does: dropping it enqueues the free on its device's
+/// stream, after every kernel already enqueued there (whose barriers span the peers'
+/// reads of it), so a buffer dropped right after a collective returns stays valid until
+/// that collective is done.
 pub struct HostMemory {
     ptr: NonNull<u8>,
-    bytes: usize,
+    layout: Layout,
     ordinal: usize,
+    stream: Arc<Stream>,
 }
 
 // SAFETY: the allocation is owned by this value and only reached through raw
@@ -110,16 +115,25 @@ unsafe impl Send for HostMemory {}
 unsafe impl Sync for HostMemory {}
 
 impl HostMemory {
-    fn new(bytes: usize, ordinal: usize) -> Self {
-        let layout = Layout::from_size_align(bytes.max(1), 256).expect("layout");
+    fn new(dev: &HostDevice, bytes: usize) -> Result<Self> {
+        let layout = Layout::from_size_align(bytes.max(1), 256).map_err(|_| Error::Backend {
+            backend: "host",
+            call: "alloc",
+            detail: format!("{bytes} bytes is more than an allocation can hold"),
+        })?;
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).unwrap_or_else(|| std::alloc::handle_alloc_error(layout));
-        HostMemory {
+        let ptr = NonNull::new(raw).ok_or_else(|| Error::Backend {
+            backend: "host",
+            call: "alloc",
+            detail: format!("out of memory allocating {bytes} bytes"),
+        })?;
+        Ok(HostMemory {
             ptr,
-            bytes,
-            ordinal,
-        }
+            layout,
+            ordinal: dev.ordinal,
+            stream: dev.stream.clone(),
+        })
     }
     fn addr(&self) -> u64 {
         self.ptr.as_ptr() as u64
@@ -128,9 +142,12 @@ impl HostMemory {
 
 impl Drop for HostMemory {
     fn drop(&mut self) {
-        let layout = Layout::from_size_align(self.bytes.max(1), 256).expect("layout");
-        // SAFETY: allocated in `new` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), layout) };
+        let (addr, layout) = (self.ptr.as_ptr() as usize, self.layout);
+        self.stream.enqueue(Box::new(move || {
+            // SAFETY: allocated in `new` with this layout, freed once, after every
+            // kernel enqueued before the drop.
+            unsafe { std::alloc::dealloc(addr as *mut u8, layout) };
+        }));
     }
 }
 
@@ -212,7 +229,7 @@ impl Backend for Host {
     }
 
     fn alloc(dev: &HostDevice, bytes: usize, _kind: MemoryKind) -> Result<HostMemory> {
-        Ok(HostMemory::new(bytes, dev.ordinal))
+        HostMemory::new(dev, bytes)
     }
 
     fn memory_ptr(mem: &HostMemory) -> u64 {
@@ -274,8 +291,18 @@ impl Backend for Host {
     }
 
     fn alloc_buffer<T: Element>(dev: &HostDevice, len: usize) -> Result<HostBuffer<T>> {
+        let bytes = len
+            .checked_mul(std::mem::size_of::<T>())
+            .ok_or_else(|| Error::Backend {
+                backend: "host",
+                call: "alloc",
+                detail: format!(
+                    "{len} elements of {:?} overflow the address space",
+                    T::DTYPE
+                ),
+            })?;
         Ok(HostBuffer {
-            mem: HostMemory::new(len * std::mem::size_of::<T>(), dev.ordinal),
+            mem: HostMemory::new(dev, bytes)?,
             len,
             _t: std::marker::PhantomData,
         })

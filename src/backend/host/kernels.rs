@@ -8,43 +8,65 @@ use std::time::{Duration, Instant};
 
 use crate::backend::{Kernel, KernelKind};
 use crate::dtype::{DType, Element};
-use crate::protocol::{self, Backoff, BarrierSignals, BarrierSite};
+use crate::protocol::{self, Backoff, BarrierKind, BarrierSignals, BarrierSite};
 use crate::signal::{
     AllReduceArgs, Signal, SignalLayout, ERROR_BARRIER_TIMEOUT, ERROR_BLOCK, ERROR_CODE,
-    ERROR_DOMAIN, ERROR_RANK, LAMPORT_ARRIVALS, LAMPORT_FLAG, LAMPORT_GENERATIONS,
-    LAMPORT_PREV_PACKS, LAMPORT_PREV_WIDTH, MAX_GPUS, PACK_BYTES,
+    ERROR_DOMAIN, ERROR_PEER_ABORTED, ERROR_RANK, ERROR_WRITING, LAMPORT_ARRIVALS, LAMPORT_FLAG,
+    LAMPORT_GENERATIONS, LAMPORT_PREV_PACKS, LAMPORT_PREV_WIDTH, MAX_GPUS, PACK_BYTES,
 };
 
 use crate::backend::LAMPORT_SENTINEL;
 
-struct Timeout;
-
-/// A spin that yields (CI has 2 cores and many block threads) and gives up after the
-/// configured time.
-struct Spinner {
-    deadline: Option<Instant>,
-    spins: u32,
+/// Why a wait stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Stop {
+    /// This block waited longer than the timeout.
+    TimedOut,
+    /// The rank's abort word is set (a peer gave up, or another block of this rank).
+    Aborted,
 }
 
-impl Spinner {
-    fn new(timeout_ns: u64) -> Self {
+/// A spin that yields (CI has 2 cores and many block threads), polls the rank's abort
+/// word and gives up after the configured time.
+struct Spinner<'a> {
+    deadline: Option<Instant>,
+    spins: u32,
+    abort_word: &'a AtomicU32,
+}
+
+impl<'a> Spinner<'a> {
+    fn new(timeout_ns: u64, abort_word: &'a AtomicU32) -> Self {
         Spinner {
-            deadline: (timeout_ns != 0).then(|| Instant::now() + Duration::from_nanos(timeout_ns)),
+            deadline: deadline(timeout_ns),
             spins: 0,
+            abort_word,
         }
     }
-    fn wait(&mut self) -> Result<(), Timeout> {
-        self.spins += 1;
+    fn wait(&mut self) -> Result<(), Stop> {
+        self.spins = self.spins.wrapping_add(1);
         if self.spins < 64 {
             std::hint::spin_loop();
         } else {
             std::thread::yield_now();
         }
-        match self.deadline {
-            Some(d) if self.spins % 64 == 0 && Instant::now() > d => Err(Timeout),
-            _ => Ok(()),
+        if self.spins % 64 == 0 {
+            if self.abort_word.load(Ordering::Relaxed) != 0 {
+                return Err(Stop::Aborted);
+            }
+            if matches!(self.deadline, Some(d) if Instant::now() > d) {
+                return Err(Stop::TimedOut);
+            }
         }
+        Ok(())
     }
+}
+
+/// `now + timeout_ns`, or `None` (never) for 0 or a time past what `Instant` holds.
+fn deadline(timeout_ns: u64) -> Option<Instant> {
+    if timeout_ns == 0 {
+        return None;
+    }
+    Instant::now().checked_add(Duration::from_nanos(timeout_ns))
 }
 
 fn atomic<'a>(p: *mut u32) -> &'a AtomicU32 {
@@ -57,23 +79,86 @@ fn signal(addr: u64) -> *mut Signal {
     addr as *mut Signal
 }
 
-unsafe fn own_error_set(args: &AllReduceArgs) -> bool {
-    let s = signal(args.signals[args.group_rank as usize]);
-    atomic(std::ptr::addr_of_mut!((*s).error_state[ERROR_CODE])).load(Ordering::Acquire) != 0
+/// Word `i` of the error record of the signal at `addr`.
+unsafe fn error_word<'a>(addr: u64, i: usize) -> &'a AtomicU32 {
+    let s = signal(addr);
+    atomic((std::ptr::addr_of_mut!((*s).error_state) as *mut u32).add(i))
 }
 
-/// Records the first timeout of this rank in its signal's error record.
-unsafe fn record_timeout(args: &AllReduceArgs, block: u32) {
-    let s = signal(args.signals[args.group_rank as usize]);
-    let e = std::ptr::addr_of_mut!((*s).error_state) as *mut u32;
-    if atomic(e.add(ERROR_CODE))
-        .compare_exchange(0, u32::MAX, Ordering::AcqRel, Ordering::Relaxed)
-        .is_ok()
-    {
-        atomic(e.add(ERROR_RANK)).store(args.world_rank, Ordering::Relaxed);
-        atomic(e.add(ERROR_BLOCK)).store(block, Ordering::Relaxed);
-        atomic(e.add(ERROR_DOMAIN)).store(args.domain, Ordering::Relaxed);
-        atomic(e.add(ERROR_CODE)).store(ERROR_BARRIER_TIMEOUT, Ordering::Release);
+/// The rank's abort word: its own error code (non-zero = stop).
+unsafe fn abort_word<'a>(args: &AllReduceArgs) -> &'a AtomicU32 {
+    error_word(args.signals[args.group_rank as usize], ERROR_CODE)
+}
+
+/// `quit[block][writer]` of the signal at `addr`.
+unsafe fn quit_cell<'a>(addr: u64, block: u32, writer: usize) -> &'a AtomicU32 {
+    let s = signal(addr);
+    atomic(std::ptr::addr_of_mut!((*s).quit[block as usize][writer]))
+}
+
+/// Writes an error record into the signal at `addr` unless it already holds one:
+/// claim the code word, fill in the fields, then release the code.
+unsafe fn write_record(addr: u64, code: u32, rank: u32, block: u32, domain: u32) {
+    let claim = error_word(addr, ERROR_CODE).compare_exchange(
+        0,
+        ERROR_WRITING,
+        Ordering::AcqRel,
+        Ordering::Relaxed,
+    );
+    if claim.is_ok() {
+        error_word(addr, ERROR_RANK).store(rank, Ordering::Relaxed);
+        error_word(addr, ERROR_BLOCK).store(block, Ordering::Relaxed);
+        error_word(addr, ERROR_DOMAIN).store(domain, Ordering::Relaxed);
+        error_word(addr, ERROR_CODE).store(code, Ordering::Release);
+    }
+}
+
+/// A wait of this block timed out: record it on the own rank, and tell every group
+/// peer to stop (their abort word), so that none proceeds past the abandoned barrier.
+unsafe fn record_timeout_and_abort_peers(args: &AllReduceArgs, block: u32) {
+    let me = args.group_rank as usize;
+    write_record(
+        args.signals[me],
+        ERROR_BARRIER_TIMEOUT,
+        args.world_rank,
+        block,
+        args.domain,
+    );
+    for q in (0..args.group_width as usize).filter(|&q| q != me) {
+        write_record(
+            args.signals[q],
+            ERROR_PEER_ABORTED,
+            args.world_rank,
+            block,
+            args.domain,
+        );
+    }
+}
+
+/// This block leaves the collective: it tells every group peer that it will not touch
+/// their memory again (`quit`), then, when `wait_for_peers` (the peers read this rank's
+/// user buffers), waits until each peer's same-index block has said the same, at most
+/// `timeout_ns`. Only then may the kernel end and the user free its buffers: a late
+/// peer that passed the start barrier before the abort reached it finishes its reads
+/// and quits at its next wait.
+unsafe fn abandon(args: &AllReduceArgs, block: u32, wait_for_peers: bool) {
+    let me = args.group_rank as usize;
+    let width = args.group_width as usize;
+    for q in (0..width).filter(|&q| q != me) {
+        quit_cell(args.signals[q], block, me).store(1, Ordering::Release);
+    }
+    if !wait_for_peers || args.timeout_ns == 0 {
+        return;
+    }
+    let until = deadline(args.timeout_ns);
+    for q in (0..width).filter(|&q| q != me) {
+        let cell = quit_cell(args.signals[me], block, q);
+        while cell.load(Ordering::Acquire) == 0 {
+            if matches!(until, Some(d) if Instant::now() > d) {
+                return;
+            }
+            std::thread::yield_now();
+        }
     }
 }
 
@@ -116,19 +201,16 @@ impl BarrierSignals for HostSignals<'_> {
     }
 }
 
-impl Backoff for Spinner {
-    type Timeout = Timeout;
-    fn wait(&mut self) -> Result<(), Timeout> {
+impl Backoff for Spinner<'_> {
+    type Timeout = Stop;
+    fn wait(&mut self) -> Result<(), Stop> {
         Spinner::wait(self)
     }
 }
 
 /// The counter barrier of one block across its group ([`protocol::barrier`], the code
-/// the loom model checks). `publish` makes it a release/acquire barrier (data written
-/// before it is visible after it); the host always needs acquire on the wait for the
-/// Rust memory model, so only the store ordering changes. A timeout is recorded in the
-/// own signal's error record.
-unsafe fn barrier(args: &AllReduceArgs, block: u32, publish: bool) -> Result<(), Timeout> {
+/// the loom model checks), with the host's orderings for `kind`.
+unsafe fn barrier(args: &AllReduceArgs, block: u32, kind: BarrierKind) -> Result<(), Stop> {
     let signals = HostSignals::new(args);
     let site = BarrierSite {
         me: args.group_rank as usize,
@@ -136,10 +218,8 @@ unsafe fn barrier(args: &AllReduceArgs, block: u32, publish: bool) -> Result<(),
         domain: args.domain as usize,
         block: block as usize,
     };
-    let mut spin = Spinner::new(args.timeout_ns);
-    protocol::barrier(&signals, site, publish, &mut spin).inspect_err(|_| {
-        record_timeout(args, block);
-    })
+    let mut spin = Spinner::new(args.timeout_ns, abort_word(args));
+    protocol::barrier(&signals, site, kind.host_orderings(), &mut spin)
 }
 
 /// Runs block `block` of `kernel`.
@@ -147,14 +227,33 @@ unsafe fn barrier(args: &AllReduceArgs, block: u32, publish: bool) -> Result<(),
 /// # Safety
 /// `args` must describe live allocations laid out as `include/peercomm_signal.h` says.
 pub(crate) unsafe fn run_block(kernel: Kernel, args: &AllReduceArgs, block: u32, blocks: u32) {
-    if own_error_set(args) {
+    if matches!(kernel.kind, KernelKind::Delay | KernelKind::PingPong) {
+        let _ = run_typed::<f32>(kernel.kind, args, block, blocks);
         return;
     }
-    let _ = match kernel.dtype {
+    if abort_word(args).load(Ordering::Acquire) != 0 {
+        // Poisoned (an earlier wait gave up, or a peer told this rank to stop): do
+        // nothing until re-initialisation.
+        abandon(args, block, false);
+        return;
+    }
+    let result = match kernel.dtype {
         DType::F32 => run_typed::<f32>(kernel.kind, args, block, blocks),
         DType::F16 => run_typed::<half::f16>(kernel.kind, args, block, blocks),
         DType::BF16 => run_typed::<half::bf16>(kernel.kind, args, block, blocks),
     };
+    if let Err(stop) = result {
+        if stop == Stop::TimedOut {
+            record_timeout_and_abort_peers(args, block);
+        }
+        abandon(args, block, peers_read_user_buffers(kernel.kind));
+    }
+}
+
+/// Whether the peers of a kernel read this rank's user buffers (then a rank that gives
+/// up must wait for them to quit before its kernel may end).
+fn peers_read_user_buffers(kind: KernelKind) -> bool {
+    matches!(kind, KernelKind::OneStage | KernelKind::TwoStage)
 }
 
 unsafe fn run_typed<T: Element>(
@@ -162,7 +261,7 @@ unsafe fn run_typed<T: Element>(
     args: &AllReduceArgs,
     block: u32,
     blocks: u32,
-) -> Result<(), Timeout> {
+) -> Result<(), Stop> {
     match kind {
         KernelKind::OneStage => one_stage::<T>(args, block, blocks),
         KernelKind::TwoStage => two_stage::<T>(args, block, blocks),
@@ -175,8 +274,8 @@ unsafe fn run_typed<T: Element>(
             Ok(())
         }
         KernelKind::Barrier => {
-            barrier(args, block, false)?;
-            barrier(args, block, true)
+            barrier(args, block, BarrierKind::Start)?;
+            barrier(args, block, BarrierKind::Publish)
         }
     }
 }
@@ -215,11 +314,7 @@ unsafe fn reduce_element<T: Element>(srcs: &[u64], e: usize) -> f32 {
     acc
 }
 
-unsafe fn one_stage<T: Element>(
-    args: &AllReduceArgs,
-    block: u32,
-    blocks: u32,
-) -> Result<(), Timeout> {
+unsafe fn one_stage<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -> Result<(), Stop> {
     let n = args.num_elements as usize;
     let packs = n.div_ceil(lanes::<T>());
     let me = args.group_rank as usize;
@@ -235,14 +330,19 @@ unsafe fn one_stage<T: Element>(
             }
         }
     }
-    barrier(args, block, staged)?;
+    let first = if staged {
+        BarrierKind::Publish
+    } else {
+        BarrierKind::Start
+    };
+    barrier(args, block, first)?;
     let srcs = &args.inputs[..args.group_width as usize];
     for p in block_packs(0, packs, block, blocks) {
         for e in pack_range::<T>(p, n) {
             store::<T>(args.output, e, reduce_element::<T>(srcs, e));
         }
     }
-    barrier(args, block, true)
+    barrier(args, block, BarrierKind::End)
 }
 
 /// Packs per partition of the two-stage kernel.
@@ -250,18 +350,14 @@ pub(crate) fn two_stage_partition(packs: usize, width: usize) -> usize {
     packs.div_ceil(width)
 }
 
-unsafe fn two_stage<T: Element>(
-    args: &AllReduceArgs,
-    block: u32,
-    blocks: u32,
-) -> Result<(), Timeout> {
+unsafe fn two_stage<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -> Result<(), Stop> {
     let n = args.num_elements as usize;
     let l = lanes::<T>();
     let packs = n.div_ceil(l);
     let width = args.group_width as usize;
     let me = args.group_rank as usize;
     let part = two_stage_partition(packs, width);
-    barrier(args, block, false)?;
+    barrier(args, block, BarrierKind::Start)?;
     // Reduce-scatter: this rank reduces partition `me` into its own payload.
     let srcs = &args.inputs[..width];
     let first = me * part;
@@ -274,7 +370,7 @@ unsafe fn two_stage<T: Element>(
             );
         }
     }
-    barrier(args, block, true)?;
+    barrier(args, block, BarrierKind::Publish)?;
     // All-gather: partition q comes from rank q's payload; block b reads what block b
     // of rank q wrote, so the per-block barrier suffices.
     for q in 0..width {
@@ -286,7 +382,7 @@ unsafe fn two_stage<T: Element>(
             }
         }
     }
-    barrier(args, block, true)
+    barrier(args, block, BarrierKind::End)
 }
 
 /// Address of pack `p` of slot `src` of generation `gen` in the Lamport region of the
@@ -337,11 +433,7 @@ fn lane_from_words<T: Element>(words: &[u32; 4], j: usize) -> f32 {
     }
 }
 
-unsafe fn lamport<T: Element>(
-    args: &AllReduceArgs,
-    block: u32,
-    blocks: u32,
-) -> Result<(), Timeout> {
+unsafe fn lamport<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -> Result<(), Stop> {
     let n = args.num_elements as usize;
     let packs = n.div_ceil(lanes::<T>());
     let width = args.group_width as usize;
@@ -354,32 +446,35 @@ unsafe fn lamport<T: Element>(
     let prev_packs = atomic(state.add(LAMPORT_PREV_PACKS)).load(Ordering::Relaxed) as usize;
     let prev_width = atomic(state.add(LAMPORT_PREV_WIDTH)).load(Ordering::Relaxed) as usize;
 
-    // Push: this rank's packs into slot `me` of every group member's region.
+    // Push: this rank's packs into slot `me` of every other member's region (the
+    // own-slot rule of include/peercomm_signal.h: the own slot is never written).
     for p in block_packs(0, packs, block, blocks) {
         let words = lamport_pack_words::<T>(args.local_input, p, n);
-        for q in 0..width {
+        for q in (0..width).filter(|&q| q != me) {
             let dst = lamport_pack(args.signals[q], slot, gen, me, p);
             for (w, &word) in words.iter().enumerate() {
                 atomic(dst.add(w)).store(word, Ordering::Release);
             }
         }
     }
-    // Reduce: spin on the own region until each source's pack has arrived.
-    let mut spin = Spinner::new(args.timeout_ns);
+    // Reduce in source order: the peers' packs from the own region once they arrived,
+    // the own pack straight from the input (sent the same way: -0.0 lanes as +0.0).
+    let mut spin = Spinner::new(args.timeout_ns, abort_word(args));
     for p in block_packs(0, packs, block, blocks) {
         let range = pack_range::<T>(p, n);
         let mut acc = [0f32; 4 * 2];
         for src in 0..width {
-            let at = lamport_pack(own_addr, slot, gen, src, p);
-            let words = loop {
-                let w: [u32; 4] =
-                    std::array::from_fn(|i| atomic(at.add(i)).load(Ordering::Acquire));
-                if w.iter().all(|&x| x != LAMPORT_SENTINEL) {
-                    break w;
-                }
-                if spin.wait().is_err() {
-                    record_timeout(args, block);
-                    return Err(Timeout);
+            let words = if src == me {
+                lamport_pack_words::<T>(args.local_input, p, n)
+            } else {
+                let at = lamport_pack(own_addr, slot, gen, src, p);
+                loop {
+                    let w: [u32; 4] =
+                        std::array::from_fn(|i| atomic(at.add(i)).load(Ordering::Acquire));
+                    if w.iter().all(|&x| x != LAMPORT_SENTINEL) {
+                        break w;
+                    }
+                    spin.wait()?;
                 }
             };
             for (j, a) in acc.iter_mut().enumerate().take(range.len()) {
@@ -391,9 +486,10 @@ unsafe fn lamport<T: Element>(
             store::<T>(args.output, e, acc[j]);
         }
     }
-    // Clear the previous call's generation of the own region for the call after next.
+    // Clear the previous call's generation of the own region for the call after next,
+    // every slot but the own one (never written).
     let clear_gen = (gen + LAMPORT_GENERATIONS - 1) % LAMPORT_GENERATIONS;
-    for src in 0..prev_width {
+    for src in (0..prev_width).filter(|&s| s != me) {
         for p in block_packs(0, prev_packs, block, blocks) {
             let at = lamport_pack(own_addr, slot, clear_gen, src, p);
             for w in 0..4 {
@@ -413,14 +509,15 @@ unsafe fn lamport<T: Element>(
 }
 
 /// Ranks 0 and 1 bounce a flag through the first word of their payloads.
-unsafe fn ping_pong(args: &AllReduceArgs) -> Result<(), Timeout> {
+unsafe fn ping_pong(args: &AllReduceArgs) -> Result<(), Stop> {
     let me = args.group_rank as usize;
     if me > 1 || args.group_width < 2 {
         return Ok(());
     }
     let mine = atomic(args.payloads[me] as *mut u32);
     let theirs = atomic(args.payloads[1 - me] as *mut u32);
-    let mut spin = Spinner::new(args.timeout_ns);
+    let never = AtomicU32::new(0);
+    let mut spin = Spinner::new(args.timeout_ns, &never);
     for i in 1..=args.num_elements as u32 {
         if me == 0 {
             theirs.store(i, Ordering::Release);
