@@ -420,7 +420,9 @@ impl<B: Backend> Communicator<B> {
             out_ptrs[r] = p;
             guards.push(g);
         }
-        let result = self.launch_all(&plan, &in_ptrs, &out_ptrs);
+        let result = self
+            .check_peers_reach(&plan, &in_ptrs, "input")
+            .and_then(|_| self.launch_all(&plan, &in_ptrs, &out_ptrs));
         drop(guards);
         result.map(|_| plan.algorithm)
     }
@@ -456,7 +458,9 @@ impl<B: Backend> Communicator<B> {
             ptrs[r] = p;
             guards.push(g);
         }
-        let result = self.launch_all(&plan, &ptrs, &ptrs);
+        let result = self
+            .check_peers_reach(&plan, &ptrs, "in-place")
+            .and_then(|_| self.launch_all(&plan, &ptrs, &ptrs));
         drop(guards);
         result.map(|_| plan.algorithm)
     }
@@ -746,6 +750,39 @@ impl<B: Backend> Communicator<B> {
                 threads: self.config.threads_per_block,
             },
         })
+    }
+
+    /// When the plan's peers read the user buffers at `ptrs` directly (one-stage
+    /// without staging, two-stage), checks that each group peer's device can reach them.
+    fn check_peers_reach(
+        &self,
+        plan: &Plan,
+        ptrs: &[u64; MAX_GPUS],
+        which: &'static str,
+    ) -> Result<()> {
+        let direct = match plan.kernel.kind {
+            KernelKind::OneStage => !plan.stage_input,
+            KernelKind::TwoStage => true,
+            _ => false,
+        };
+        if !direct || plan.width == 1 {
+            return Ok(());
+        }
+        for (r, rank) in self.ranks.iter().enumerate() {
+            let base = r / plan.width * plan.width;
+            for peer in (base..base + plan.width).filter(|&p| p != r) {
+                let peer_dev = &self.ranks[peer].device;
+                if let Some(detail) = B::peer_access_problem(&rank.device, ptrs[r], peer_dev)? {
+                    return Err(Error::BufferNotPeerAccessible {
+                        rank: r,
+                        which,
+                        peer_device: B::ordinal(peer_dev),
+                        detail,
+                    });
+                }
+            }
+        }
+        Ok(())
     }
 
     fn lock_launches(&self) -> MutexGuard<'_, ()> {

@@ -8,6 +8,15 @@
 use crate::backend::KernelKind;
 
 /// An all-reduce algorithm, or `Auto` to let the dispatch table choose.
+///
+/// Every algorithm sums in the same order (group rank 0, 1, ... in f32), so they give
+/// bitwise-identical results, and an element's result does not depend on the length
+/// of the message it is in. One exception, the sign of zero: `Lamport` sends -0.0 as
+/// +0.0 (-0.0 marks "not yet arrived"), so an element whose inputs are all -0.0 comes
+/// out +0.0 on that path and -0.0 on the others. `Lamport` runs only over the whole
+/// world of two or more ranks: forced over a group of one it runs `OneStage` (a copy
+/// that keeps every bit, reported as `OneStage`), and forced over a narrower subgroup
+/// it is refused with [`crate::Error::Unsupported`]. `Auto` never picks it there.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Algorithm {
     /// Choose by the dispatch table.
@@ -17,7 +26,8 @@ pub enum Algorithm {
     OneStage,
     /// Reduce-scatter, barrier, all-gather.
     TwoStage,
-    /// Barrier-free push into the peers' Lamport regions (small messages).
+    /// Barrier-free push into the peers' Lamport regions (small messages; whole world
+    /// only; -0.0 comes out as +0.0).
     Lamport,
 }
 

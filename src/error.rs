@@ -91,6 +91,23 @@ pub enum Error {
     /// an explicit request that cannot be honoured lands here).
     #[error("{0}")]
     Unsupported(String),
+    /// A user buffer the peers would read directly is in memory their device cannot
+    /// reach (a memory pool or virtual-memory range without access granted to it).
+    #[error(
+        "rank {rank}'s {which} buffer is not reachable from device {peer_device}: {detail}; \
+         allocate it with cuMemAlloc or from the device's default memory pool, or grant \
+         the peer access (cuMemPoolSetAccess / cuMemSetAccess)"
+    )]
+    BufferNotPeerAccessible {
+        /// Rank whose buffer it is.
+        rank: usize,
+        /// `"input"` or `"in-place"`.
+        which: &'static str,
+        /// Device that would read it.
+        peer_device: usize,
+        /// What the driver reports.
+        detail: String,
+    },
     /// A configuration value is out of range (sizes that overflow, misaligned scratch).
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),

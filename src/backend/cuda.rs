@@ -131,6 +131,13 @@ fn load_kernels(ctx: &Arc<CudaContext>) -> Result<KernelTable> {
     Ok(map)
 }
 
+/// Memory pools known to grant read-write access to a device: (pool, device ordinal).
+fn granted_pools() -> &'static std::sync::Mutex<std::collections::HashSet<(usize, i32)>> {
+    static POOLS: OnceLock<std::sync::Mutex<std::collections::HashSet<(usize, i32)>>> =
+        OnceLock::new();
+    POOLS.get_or_init(Default::default)
+}
+
 /// A device allocation (signal buffers and other internal memory), freed on drop.
 pub struct CudaMemory {
     ctx: Arc<CudaContext>,
@@ -292,7 +299,12 @@ impl Backend for Cuda {
         // SAFETY: `desc` is one valid descriptor and outlives the call.
         unsafe { sys::cuMemPoolSetAccess(pool, &desc, 1) }
             .result()
-            .map_err(driver_err("cuMemPoolSetAccess"))
+            .map_err(driver_err("cuMemPoolSetAccess"))?;
+        granted_pools()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert((pool as usize, dev.ctx.ordinal() as i32));
+        Ok(())
     }
 
     fn alloc(dev: &CudaDevice, bytes: usize, _kind: MemoryKind) -> Result<CudaMemory> {
@@ -322,6 +334,86 @@ impl Backend for Cuda {
         // One process with unified addressing and peer access on: the peer's address is
         // valid here as it is. (One process per GPU would import an IPC handle.)
         Ok(peer_mem.ptr)
+    }
+
+    fn peer_access_problem(
+        dev: &CudaDevice,
+        ptr: u64,
+        peer: &CudaDevice,
+    ) -> Result<Option<String>> {
+        if dev.ctx.ordinal() == peer.ctx.ordinal() {
+            return Ok(None);
+        }
+        let location = sys::CUmemLocation {
+            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+            id: peer.ctx.ordinal() as i32,
+        };
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: `pool` is a valid out-pointer of the attribute's type for the call.
+        unsafe {
+            sys::cuPointerGetAttribute(
+                &mut pool as *mut _ as *mut std::ffi::c_void,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+                ptr,
+            )
+        }
+        .result()
+        .map_err(driver_err("cuPointerGetAttribute(MEMPOOL_HANDLE)"))?;
+        if !pool.is_null() {
+            if granted_pools()
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .contains(&(pool as usize, location.id))
+            {
+                return Ok(None);
+            }
+            let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+            let mut loc = location;
+            // SAFETY: `pool` came from the driver for a live allocation; out-pointers are valid.
+            unsafe { sys::cuMemPoolGetAccess(&mut flags, pool, &mut loc) }
+                .result()
+                .map_err(driver_err("cuMemPoolGetAccess"))?;
+            return Ok(match flags {
+                sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE => {
+                    granted_pools()
+                        .lock()
+                        .unwrap_or_else(|e| e.into_inner())
+                        .insert((pool as usize, location.id));
+                    None
+                }
+                other => Some(format!("its memory pool grants the peer {other:?}")),
+            });
+        }
+        let mut legacy: i32 = 0;
+        // SAFETY: `legacy` is a valid out-pointer of the attribute's type (int).
+        unsafe {
+            sys::cuPointerGetAttribute(
+                &mut legacy as *mut i32 as *mut std::ffi::c_void,
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+                ptr,
+            )
+        }
+        .result()
+        .map_err(driver_err(
+            "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)",
+        ))?;
+        if legacy != 0 {
+            // cuMemAlloc memory: covered by the context's peer access.
+            return Ok(None);
+        }
+        // A virtual-memory mapping (cuMemCreate + cuMemMap): access is per range.
+        let mut flags: u64 = 0;
+        // SAFETY: `flags` and `location` are valid for the call; `ptr` is a mapped address.
+        let r = unsafe { sys::cuMemGetAccess(&mut flags, &location, ptr) };
+        Ok(match r {
+            sys::CUresult::CUDA_SUCCESS if flags & 1 != 0 => None,
+            sys::CUresult::CUDA_SUCCESS => Some(format!(
+                "its virtual-memory mapping grants the peer access flags {flags}"
+            )),
+            other => Some(format!(
+                "the driver cannot tell whether the peer may read it ({other:?})"
+            )),
+        })
     }
 
     fn memset_d32(dev: &CudaDevice, ptr: u64, value: u32, words: usize) -> Result<()> {

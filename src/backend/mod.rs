@@ -141,6 +141,18 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// process with peer access on, that is the same address; a one-process-per-GPU
     /// backend would import an IPC handle here.
     fn map_peer(dev: &Self::Device, peer_mem: &Self::Memory) -> Result<u64>;
+    /// Why `peer`'s kernels could not reach the user memory at `ptr` on `dev` (which
+    /// they are about to read directly), or `None` when they can. Called before a
+    /// launch whose peers read user buffers, so that memory peer access does not cover
+    /// (a memory pool or a virtual-memory mapping without access for the peer) is a
+    /// typed error instead of a fault. The default: every address is reachable.
+    fn peer_access_problem(
+        _dev: &Self::Device,
+        _ptr: u64,
+        _peer: &Self::Device,
+    ) -> Result<Option<String>> {
+        Ok(None)
+    }
     /// Fills `words` 32-bit words at `ptr` with `value`, on the device's stream.
     fn memset_d32(dev: &Self::Device, ptr: u64, value: u32, words: usize) -> Result<()>;
     /// Copies device memory at `ptr` to the host, after the stream's earlier work.
