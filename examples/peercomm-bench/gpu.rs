@@ -47,6 +47,7 @@ pub fn run(args: &Args, world: usize) -> Report {
         barrier_timeout: Some(std::time::Duration::from_secs(30)),
         max_blocks: args.max_blocks,
         threads_per_block: args.threads,
+        ..CommConfig::default()
     };
     let ordinals: Vec<usize> = (0..world).collect();
     let comm = Communicator::<Cuda>::new(&ordinals, config).expect("CUDA communicator");

@@ -1,0 +1,76 @@
+//! What a communicator is built with, and the options of one collective.
+
+use std::time::Duration;
+
+use crate::dispatch::Algorithm;
+
+/// Sizes and limits of a communicator.
+#[derive(Clone, Debug)]
+pub struct CommConfig {
+    /// Bytes of one Lamport slot: the largest message (per rank, rounded up to 16 bytes)
+    /// the Lamport algorithm takes. The region holds 3 x 8 slots per rank.
+    pub lamport_slot_bytes: usize,
+    /// Bytes of scratch per rank: the staged one-stage kernel (in-place) needs the
+    /// whole message, the two-stage kernel one partition of it.
+    pub payload_bytes: usize,
+    /// A barrier (or a Lamport wait) that spins longer than this gives up and records
+    /// [`Error::BarrierTimeout`]; `None` waits forever.
+    pub barrier_timeout: Option<Duration>,
+    /// Upper bound of blocks per launch (at most `MAX_NUM_BLOCKS_UPPER_BOUND`); `None`
+    /// derives it from the device's multiprocessor count.
+    pub max_blocks: Option<u32>,
+    /// Threads per block on GPUs (the host backend runs one thread per block).
+    pub threads_per_block: u32,
+    /// Testing aid: lets several ranks share one device, each with its own stream and
+    /// signal buffer, so 4- and 8-rank schedules run on fewer GPUs. Every rank's blocks
+    /// must be resident at once (ranks spin waiting for each other), so keep
+    /// `max_blocks` small (for example 4) when this is on. Timings mean nothing then.
+    pub allow_shared_devices: bool,
+}
+
+impl Default for CommConfig {
+    fn default() -> Self {
+        CommConfig {
+            lamport_slot_bytes: 1 << 20,
+            payload_bytes: 64 << 20,
+            barrier_timeout: Some(Duration::from_secs(10)),
+            max_blocks: None,
+            threads_per_block: 512,
+            allow_shared_devices: false,
+        }
+    }
+}
+
+/// Options of one all-reduce.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct AllReduceOptions {
+    /// Width of the groups that reduce together: 0 means the whole world; otherwise it
+    /// must divide the world size, and ranks `[k*w, (k+1)*w)` form group `k`.
+    pub group_size: usize,
+    /// Algorithm, or `Auto` for the dispatch table.
+    pub algorithm: Algorithm,
+    /// Blocks per launch; `None` lets peercomm choose.
+    pub blocks: Option<u32>,
+}
+
+impl AllReduceOptions {
+    /// Whole world, automatic algorithm.
+    pub fn new() -> Self {
+        Self::default()
+    }
+    /// With a group size.
+    pub fn group_size(mut self, group_size: usize) -> Self {
+        self.group_size = group_size;
+        self
+    }
+    /// With an algorithm.
+    pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.algorithm = algorithm;
+        self
+    }
+    /// With a block count.
+    pub fn blocks(mut self, blocks: u32) -> Self {
+        self.blocks = Some(blocks);
+        self
+    }
+}

@@ -1,0 +1,116 @@
+//! Planning: which algorithm, kernel and grid a validated call runs, and whether the
+//! scratch can hold it.
+
+use crate::backend::{Backend, Kernel, KernelKind, LaunchDims};
+use crate::dispatch::{self, Algorithm};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::signal::{MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES};
+
+use super::{AllReduceOptions, Communicator};
+
+/// What validation learned about one call.
+pub(super) struct Plan {
+    pub(super) kernel: Kernel,
+    pub(super) algorithm: Algorithm,
+    pub(super) width: usize,
+    pub(super) elements: usize,
+    pub(super) stage_input: bool,
+    pub(super) dims: LaunchDims,
+}
+
+impl<B: Backend> Communicator<B> {
+    /// Chooses the algorithm and grid, and checks the scratch it needs.
+    pub(super) fn plan(
+        &self,
+        dtype: DType,
+        elements: usize,
+        options: &AllReduceOptions,
+        in_place: bool,
+    ) -> Result<Plan> {
+        let width = self.group_width(options.group_size)?;
+        let bytes = elements * dtype.size();
+        let packs = elements.div_ceil(dtype.lanes());
+        let padded = packs * PACK_BYTES;
+        let slot = self.layout.lamport_slot_bytes;
+        let payload = self.layout.payload_bytes;
+        let two_stage_need = packs.div_ceil(width) * PACK_BYTES;
+        let fits = |a: Algorithm| match a {
+            Algorithm::Lamport => padded <= slot,
+            Algorithm::TwoStage => two_stage_need <= payload,
+            Algorithm::OneStage => !in_place || width == 1 || padded <= payload,
+            Algorithm::Auto => true,
+        };
+        // Lamport runs only over the whole world of at least two ranks: its state is
+        // per rank and shared by every width, so a subgroup call would move one group's
+        // generations and not its siblings' (see the own-slot rule in the header). A
+        // group of one needs no peers: it copies, keeping the sign of zero.
+        let lamport_allowed = width == self.world_size() && width > 1;
+        let algorithm = match options.algorithm {
+            Algorithm::Auto => {
+                let mut preferred = dispatch::choose(&self.arch, width, bytes);
+                if preferred == Algorithm::Lamport && !lamport_allowed {
+                    preferred = Algorithm::OneStage;
+                }
+                // Fall back towards the algorithms that need less scratch.
+                [preferred, Algorithm::OneStage, Algorithm::TwoStage]
+                    .into_iter()
+                    .find(|&a| fits(a))
+                    .unwrap_or(preferred)
+            }
+            Algorithm::Lamport if width == 1 => Algorithm::OneStage,
+            Algorithm::Lamport if !lamport_allowed => {
+                return Err(Error::Unsupported(format!(
+                    "the Lamport algorithm runs only over the whole world (group_size 0 or \
+                     {}), not over groups of {width}; use Auto or another algorithm",
+                    self.world_size()
+                )))
+            }
+            a => a,
+        };
+        if !fits(algorithm) {
+            let (needed, available) = match algorithm {
+                Algorithm::Lamport => (padded, slot),
+                Algorithm::TwoStage => (two_stage_need, payload),
+                _ => (padded, payload),
+            };
+            return Err(Error::MessageTooLarge {
+                algorithm: algorithm.name(),
+                needed,
+                available,
+            });
+        }
+        let kind = algorithm.kernel_kind().expect("concrete algorithm");
+        // A group of one never waits for anyone; the staging copy is only needed when
+        // peers read the input while the own rank overwrites it.
+        let stage_input = in_place && kind == KernelKind::OneStage && width > 1;
+        let work_packs = match kind {
+            KernelKind::TwoStage => packs.div_ceil(width),
+            _ => packs,
+        };
+        let blocks = match options.blocks {
+            Some(b) => {
+                if b == 0 || b as usize > MAX_NUM_BLOCKS_UPPER_BOUND {
+                    return Err(Error::Unsupported(format!(
+                        "blocks must be in 1..={MAX_NUM_BLOCKS_UPPER_BOUND}, not {b}"
+                    )));
+                }
+                b
+            }
+            None => {
+                dispatch::blocks_for(work_packs, self.config.threads_per_block, self.max_blocks)
+            }
+        };
+        Ok(Plan {
+            kernel: Kernel { kind, dtype },
+            algorithm,
+            width,
+            elements,
+            stage_input,
+            dims: LaunchDims {
+                blocks,
+                threads: self.config.threads_per_block,
+            },
+        })
+    }
+}

@@ -1,0 +1,157 @@
+//! Validation of a call before anything is launched: tensor counts, dtypes, shapes,
+//! lengths, devices, group sizes, and whether the peers can reach the user buffers.
+
+use crate::backend::{Backend, KernelKind};
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::signal::MAX_GPUS;
+use crate::tensor::shape_elements;
+
+use super::plan::Plan;
+use super::Communicator;
+
+pub(super) struct Meta {
+    pub(super) dtype: DType,
+    pub(super) len: usize,
+    pub(super) ordinal: usize,
+}
+
+impl<B: Backend> Communicator<B> {
+    pub(super) fn check_usable(&self) -> Result<()> {
+        if self.is_poisoned() {
+            Err(Error::Poisoned)
+        } else {
+            Ok(())
+        }
+    }
+
+    pub(super) fn check_count(&self, got: usize) -> Result<()> {
+        if got != self.world_size() {
+            return Err(Error::WrongTensorCount {
+                expected: self.world_size(),
+                got,
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn check_tensor(
+        &self,
+        rank: usize,
+        m: &Meta,
+        shape: &[usize],
+        which: &'static str,
+    ) -> Result<()> {
+        if shape_elements(shape) != Some(m.len) {
+            return Err(Error::LengthMismatch {
+                rank,
+                what: match shape_elements(shape) {
+                    Some(n) => format!(
+                        "{which} shape {shape:?} has {n} elements but its buffer {}",
+                        m.len
+                    ),
+                    None => format!("{which} shape {shape:?} overflows usize"),
+                },
+            });
+        }
+        let expected = self.ranks[rank].ordinal();
+        if m.ordinal != expected {
+            return Err(Error::WrongDevice {
+                rank,
+                which,
+                expected,
+                got: m.ordinal,
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn check_tensors(
+        &self,
+        metas: &[Meta],
+        shapes: &[&[usize]],
+        which: &'static str,
+    ) -> Result<()> {
+        for (r, (m, s)) in metas.iter().zip(shapes).enumerate() {
+            if m.dtype != metas[0].dtype {
+                return Err(Error::DTypeMismatch {
+                    rank: r,
+                    expected: metas[0].dtype,
+                    got: m.dtype,
+                });
+            }
+            if *s != shapes[0] {
+                return Err(Error::ShapeMismatch {
+                    rank: r,
+                    expected: shapes[0].to_vec(),
+                    got: s.to_vec(),
+                });
+            }
+            self.check_tensor(r, m, s, which)?;
+        }
+        Ok(())
+    }
+
+    pub(super) fn group_width(&self, group_size: usize) -> Result<usize> {
+        let world = self.world_size();
+        let width = if group_size == 0 { world } else { group_size };
+        if width > world || world % width != 0 {
+            return Err(Error::InvalidGroupSize { group_size, world });
+        }
+        Ok(width)
+    }
+
+    /// When the plan's peers read the user buffers at `ptrs` directly (one-stage
+    /// without staging, two-stage), checks that each group peer's device can reach them.
+    pub(super) fn check_peers_reach(
+        &self,
+        plan: &Plan,
+        ptrs: &[u64; MAX_GPUS],
+        which: &'static str,
+    ) -> Result<()> {
+        let direct = match plan.kernel.kind {
+            KernelKind::OneStage => !plan.stage_input,
+            KernelKind::TwoStage => true,
+            _ => false,
+        };
+        if !direct || plan.width == 1 {
+            return Ok(());
+        }
+        for (r, rank) in self.ranks.iter().enumerate() {
+            let base = r / plan.width * plan.width;
+            for peer in (base..base + plan.width).filter(|&p| p != r) {
+                let peer_dev = &self.ranks[peer].device;
+                if let Some(detail) = B::peer_access_problem(&rank.device, ptrs[r], peer_dev)? {
+                    return Err(Error::BufferNotPeerAccessible {
+                        rank: r,
+                        which,
+                        peer_device: B::ordinal(peer_dev),
+                        detail,
+                    });
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+pub(super) fn check_world(world: usize) -> Result<()> {
+    if world == 0 || world > MAX_GPUS {
+        return Err(Error::InvalidWorldSize {
+            got: world,
+            max: MAX_GPUS,
+        });
+    }
+    Ok(())
+}
+
+pub(super) fn first_missing_peer_pair<B: Backend>(devices: &[B::Device]) -> Result<(usize, usize)> {
+    for a in devices {
+        for b in devices {
+            if B::ordinal(a) != B::ordinal(b) && !B::can_access_peer(a, b)? {
+                return Ok((B::ordinal(a), B::ordinal(b)));
+            }
+        }
+    }
+    Ok((0, 0))
+}
