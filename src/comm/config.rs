@@ -14,7 +14,7 @@ pub struct CommConfig {
     /// whole message, the two-stage kernel one partition of it.
     pub payload_bytes: usize,
     /// A barrier (or a Lamport wait) that spins longer than this gives up and records
-    /// [`Error::BarrierTimeout`]; `None` waits forever.
+    /// [`crate::Error::BarrierTimeout`]; `None` waits forever.
     pub barrier_timeout: Option<Duration>,
     /// Upper bound of blocks per launch (at most `MAX_NUM_BLOCKS_UPPER_BOUND`); `None`
     /// derives it from the device's multiprocessor count.
