@@ -114,6 +114,9 @@ use std::str::FromStr;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 use std::time::{Duration, Instant};
 
+#[cfg(test)]
+mod tests;
+
 /// Environment variable naming the address [`UniqueId::new`] binds: an IP address or
 /// host name, with or without a port (`10.0.0.5`, `10.0.0.5:29500`, `node7:29500`).
 /// Unset means `127.0.0.1:0`: ranks on this host only.
