@@ -896,7 +896,7 @@ fn check_frame_len(len: usize) -> Result<()> {
     Ok(())
 }
 
-/// Reads big-endian-free, little-endian fields off a body.
+/// Reads little-endian fields off a frame body, front to back.
 struct Fields<'a>(&'a [u8]);
 
 impl<'a> Fields<'a> {
