@@ -32,6 +32,7 @@
 #![warn(missing_docs)]
 
 pub mod backend;
+pub mod bootstrap;
 mod comm;
 pub mod dispatch;
 mod dtype;
@@ -45,6 +46,7 @@ use std::collections::HashSet;
 use std::sync::Mutex;
 
 pub use backend::Backend;
+pub use bootstrap::{Bootstrap, BootstrapError, HostId, TcpBootstrap, UniqueId};
 pub use comm::{AllReduceOptions, CommConfig, Communicator, Rank};
 pub use dispatch::Algorithm;
 pub use dtype::{BackendElement, DType, Element};
