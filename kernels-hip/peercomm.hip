@@ -81,8 +81,19 @@ PC_INLINE uint32_t load_acquire(const GWord* p) {
 PC_INLINE void store_relaxed(GWord* p, uint32_t v) {
     __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 }
+// A release is "buffer_wbl2; s_waitcnt vmcnt(0); store" on gfx9 (AMDGPUUsage), but LLVM
+// does not count buffer_wbl2 in vmcnt (fixed upstream by llvm-project#178316, after the
+// compilers used here) and drops that wait when nothing else is outstanding, letting
+// the store overtake the write-back. So: the release fence, an explicit wait, then the
+// store. The empty asm computes address and value before the fence, keeping the three
+// together.
 PC_INLINE void store_release(GWord* p, uint32_t v) {
-    __hip_atomic_store(p, v, __ATOMIC_RELEASE, __HIP_MEMORY_SCOPE_SYSTEM);
+    asm volatile("" : "+v"(p), "+v"(v));
+    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "");  // "": system scope
+#if defined(__GFX9__)
+    __builtin_amdgcn_s_waitcnt(0x0f70);  // vmcnt(0) only (gfx9 encoding)
+#endif
+    __hip_atomic_store(p, v, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 }
 // A Lamport pack: volatile so that every iteration of a spin reads memory again. The
 // 16-byte access is one instruction, so no 32-bit word of it is ever torn.
@@ -167,8 +178,10 @@ PC_INLINE bool enter(Ctx& c) {
 PC_INLINE void record_timeout(Ctx& c) {
     GWord* e = c.own->error_state;
     uint32_t expected = 0;
+    // Relaxed: the record is published by the release of the code below (an acq_rel
+    // claim would also be a release missing its wait after buffer_wbl2).
     if (__hip_atomic_compare_exchange_strong(&e[PEERCOMM_ERROR_CODE], &expected, 0xffffffffu,
-                                             __ATOMIC_ACQ_REL, __ATOMIC_RELAXED,
+                                             __ATOMIC_RELAXED, __ATOMIC_RELAXED,
                                              __HIP_MEMORY_SCOPE_SYSTEM)) {
         store_relaxed(&e[PEERCOMM_ERROR_RANK], c.a.world_rank);
         store_relaxed(&e[PEERCOMM_ERROR_BLOCK], blockIdx.x);
