@@ -8,11 +8,14 @@ use std::process::Command;
 
 const HEADER: &str = "include/peercomm_signal.h";
 const COMMITTED_BINDINGS: &str = "src/signal_bindings.rs";
+/// The device algorithms both kernel trees include (kernels-common/peercomm_kernels.h).
+const COMMON_KERNELS: &str = "kernels-common";
 
 fn main() {
     println!("cargo:rerun-if-changed={HEADER}");
     println!("cargo:rerun-if-changed={COMMITTED_BINDINGS}");
     println!("cargo:rerun-if-changed=build.rs");
+    println!("cargo:rerun-if-changed={COMMON_KERNELS}");
     let out_dir = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR is set by cargo"));
     generate_signal_bindings(&out_dir);
     if env::var_os("CARGO_FEATURE_CUDA").is_some() {
@@ -101,7 +104,8 @@ fn find_nvcc() -> Option<PathBuf> {
     None
 }
 
-/// Compiles every `kernels-cuda/*.cu` into one fatbin (SASS for each listed
+/// Compiles `kernels-cuda/peercomm.cu` (the CUDA layer over the shared algorithms in
+/// `kernels-common/`) into one fatbin (SASS for each listed
 /// architecture plus PTX of the newest) embedded by `src/backend/cuda.rs`.
 fn build_cuda_kernels(out_dir: &Path) {
     println!("cargo:rerun-if-changed=kernels-cuda");
@@ -127,6 +131,7 @@ fn build_cuda_kernels(out_dir: &Path) {
         .arg("-O3")
         .arg("-std=c++20")
         .arg("-Iinclude")
+        .arg(format!("-I{COMMON_KERNELS}"))
         .arg("-o")
         .arg(out_dir.join("peercomm_cuda.fatbin"));
     for a in &archs {

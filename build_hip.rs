@@ -1,7 +1,8 @@
-//! HIP device-code build (feature `hip`): compiles `kernels-hip/peercomm.hip` into one
-//! bare code object per AMD architecture and writes `hip_code_objects.rs`, which
-//! `src/backend/hip.rs` includes to embed them (`include_bytes!`) and to pick the one
-//! matching the device's `gcnArchName` at run time.
+//! HIP device-code build (feature `hip`): compiles `kernels-hip/peercomm.hip` (the HIP
+//! layer over the shared algorithms in `kernels-common/`) into one bare code object per
+//! AMD architecture and writes `hip_code_objects.rs`, which `src/backend/hip.rs`
+//! includes to embed them (`include_bytes!`) and to pick the one matching the device's
+//! `gcnArchName` at run time.
 //!
 //! Architectures: `PEERCOMM_HIP_ARCHS` (separated by `;`, `,` or spaces, e.g.
 //! `gfx942` or `gfx90a;gfx942`) overrides the default, which is gfx90a (MI200) and
@@ -25,6 +26,8 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const SOURCE: &str = "kernels-hip/peercomm.hip";
+/// Include directories: the layout header and the shared device algorithms.
+const INCLUDE_DIRS: [&str; 2] = ["include", "kernels-common"];
 /// Built by default; a failure is a build error.
 const REQUIRED_DEFAULT: [&str; 2] = ["gfx90a", "gfx942"];
 /// Built by default where the compiler supports it; skipped with a warning otherwise.
@@ -67,11 +70,14 @@ pub fn build(out_dir: &Path) {
         println!("cargo:rerun-if-env-changed={var}");
     }
     println!("cargo:rerun-if-changed={SOURCE}");
+    for dir in INCLUDE_DIRS {
+        println!("cargo:rerun-if-changed={dir}");
+    }
     println!("cargo:rerun-if-changed=build_hip.rs");
 
     let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
     let source = manifest.join(SOURCE);
-    let include = manifest.join("include");
+    let includes: Vec<PathBuf> = INCLUDE_DIRS.iter().map(|d| manifest.join(d)).collect();
     let (archs, overridden) = requested_archs();
     let toolchains = find_toolchains();
     if toolchains.is_empty() {
@@ -96,10 +102,10 @@ pub fn build(out_dir: &Path) {
         let handles: Vec<_> = archs
             .iter()
             .map(|(arch, required)| {
-                let (toolchains, source, include, extra_flags) =
-                    (&toolchains, &source, &include, &extra_flags);
+                let (toolchains, source, includes, extra_flags) =
+                    (&toolchains, &source, &includes, &extra_flags);
                 scope.spawn(move || {
-                    let r = compile_arch(arch, toolchains, source, include, extra_flags, out_dir);
+                    let r = compile_arch(arch, toolchains, source, includes, extra_flags, out_dir);
                     (arch.clone(), *required, r)
                 })
             })
@@ -300,7 +306,7 @@ fn compile_arch(
     arch: &str,
     toolchains: &[Toolchain],
     source: &Path,
-    include: &Path,
+    includes: &[PathBuf],
     extra_flags: &[String],
     out_dir: &Path,
 ) -> CompileResult {
@@ -324,9 +330,11 @@ fn compile_arch(
                 "--cuda-device-only",
                 "--no-gpu-bundle-output",
                 "-O3",
-                "-std=c++17",
+                // C++20: the shared source specialises on the group width with
+                // templated lambdas.
+                "-std=c++20",
             ])
-            .arg(format!("-I{}", include.display()))
+            .args(includes.iter().map(|d| format!("-I{}", d.display())))
             .args(extra_flags)
             .arg("-c")
             .arg(source)

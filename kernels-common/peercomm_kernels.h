@@ -1,0 +1,722 @@
+// peercomm device algorithms, written once: the counter barrier, the abort protocol, the
+// reduce and copy ranges, the Lamport primitives and every collective. Compiled by nvcc
+// (kernels-cuda/peercomm.cu) and by hipcc / clang (kernels-hip/peercomm.hip).
+//
+// Layering:
+//   include/peercomm_signal.h          memory layout and launch arguments (C; bindgen
+//                                      mirrors it for Rust)
+//   kernels-common/peercomm_kernels.h  this file: the algorithms
+//   kernels-cuda/peercomm.cu           the vendor layers: memory operations and their
+//   kernels-hip/peercomm.hip           scopes, timer, conversions, launch bounds, and how
+//                                      an entry point reads its arguments
+//
+// The host backend (src/backend/host/kernels.rs) is the executable specification: the
+// same pack distribution over blocks, the same reduction order, the same Lamport
+// generations, so every rank and every backend writes the same bits.
+//
+// What the including vendor layer defines first (see either vendor file for the
+// semantics of each operation):
+//   PC_INLINE                       qualifier of a forced-inline device function
+//   PC_GLOBAL, PC_SHARED            address-space qualifiers of global memory (peers'
+//                                   memory included) and of shared memory; may be empty
+//   PC_SPIN_CHECK_INTERVAL          spins between two checks of abort and timeout (a
+//                                   power of two)
+//   Vec16, make_vec16(x, y, z, w)   16 bytes as four uint32_t words .x .y .z .w
+//   on 32-bit signal words at system scope:
+//     ld_relaxed_sys, ld_acquire_sys, st_relaxed_sys, st_release_sys, cas_relaxed_sys
+//   atomic_add_relaxed_dev          device-scope fetch-add (Lamport block arrivals)
+//   ld_volatile_vec16, st_volatile_vec16
+//                                   one untorn 16-byte access that reaches memory every
+//                                   time (Lamport packs)
+//   timer_now(), timer_ticks(ns)    a constant-rate clock; ticks in ns nanoseconds
+//                                   (rounded up, saturating)
+//   float_from_bits, bits_from_float, float_from_f16, f16_from_float, bf16_from_float
+//                                   (narrowing rounds to nearest even)
+// and, after including it, one `extern "C" __global__` function per PEERCOMM_KERNELS
+// entry (at the end of this file).
+
+#ifndef PEERCOMM_KERNELS_H
+#define PEERCOMM_KERNELS_H
+
+#include <stdint.h>
+
+#include "peercomm_signal.h"
+
+typedef peercomm_allreduce_args Args;
+typedef PC_GLOBAL peercomm_signal GlobalSignal;
+typedef PC_GLOBAL uint32_t GlobalU32;
+
+static_assert(sizeof(peercomm_signal) == 819456, "peercomm_signal layout changed");
+static_assert(sizeof(peercomm_allreduce_args) == 256, "peercomm_allreduce_args layout changed");
+static_assert((PC_SPIN_CHECK_INTERVAL & (PC_SPIN_CHECK_INTERVAL - 1)) == 0,
+              "PC_SPIN_CHECK_INTERVAL is a power of two");
+
+PC_INLINE GlobalSignal* signal_at(uint64_t addr) { return (GlobalSignal*)addr; }
+PC_INLINE uint64_t min_u64(uint64_t x, uint64_t y) { return x < y ? x : y; }
+
+// ---------------------------------------------------------------------------------
+// Element types: raw bits in memory, f32 in registers.
+
+struct F32 {
+    typedef uint32_t Bits;
+    static constexpr Bits kNegZero = 0x80000000u;
+    static PC_INLINE float to_float(Bits b) { return float_from_bits(b); }
+    static PC_INLINE Bits from_float(float x) { return bits_from_float(x); }
+};
+struct F16 {
+    typedef uint16_t Bits;
+    static constexpr Bits kNegZero = 0x8000u;
+    static PC_INLINE float to_float(Bits b) { return float_from_f16(b); }
+    static PC_INLINE Bits from_float(float x) { return f16_from_float(x); }
+};
+struct BF16 {
+    typedef uint16_t Bits;
+    static constexpr Bits kNegZero = 0x8000u;
+    static PC_INLINE float to_float(Bits b) { return float_from_bits((uint32_t)b << 16); }
+    static PC_INLINE Bits from_float(float x) { return bf16_from_float(x); }
+};
+
+PC_INLINE uint32_t vec16_word(const Vec16& v, int i) {
+    return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+PC_INLINE void set_vec16_word(Vec16& v, int i, uint32_t x) {
+    if (i == 0) {
+        v.x = x;
+    } else if (i == 1) {
+        v.y = x;
+    } else if (i == 2) {
+        v.z = x;
+    } else {
+        v.w = x;
+    }
+}
+
+// One 16-byte pack seen as lanes of D. Lanes are shifts on the four words, indexed by
+// constants once loops are unrolled, so the pack stays in registers: a union with a lane
+// array made older clang keep packs in scratch, and a run-time lane index puts the
+// pack in local memory on either compiler.
+template <typename D>
+struct Pack {
+    typedef typename D::Bits Bits;
+    static constexpr int kLanes = 16 / sizeof(Bits);
+    static constexpr int kLanesPerWord = kLanes / 4;
+    static constexpr int kLaneBits = 32 / kLanesPerWord;
+    Vec16 v;
+
+    PC_INLINE Bits lane(int j) const {
+        return (Bits)(vec16_word(v, j / kLanesPerWord) >> (kLaneBits * (j % kLanesPerWord)));
+    }
+    PC_INLINE void set_lane(int j, Bits x) {
+        if constexpr (kLanesPerWord == 1) {
+            set_vec16_word(v, j, x);
+        } else {
+            const int shift = kLaneBits * (j % kLanesPerWord);
+            const uint32_t mask = ((1u << kLaneBits) - 1u) << shift;
+            const uint32_t word = vec16_word(v, j / kLanesPerWord);
+            set_vec16_word(v, j / kLanesPerWord, (word & ~mask) | ((uint32_t)x << shift));
+        }
+    }
+};
+
+// ---------------------------------------------------------------------------------
+// Block context and the abort protocol.
+//
+// A rank's abort word is its own error_state[PEERCOMM_ERROR_CODE]: non-zero means stop,
+// until re-initialisation. A block that gives up (a wait timed out, or the abort word is
+// set) does so at a point every one of its threads reaches together, through abandon().
+
+// What thread 0 read of the own signal at entry, and whether the block gave up. One per
+// block, in shared memory.
+struct BlockState {
+    uint32_t abort;
+    uint32_t lamport[4];  // lamport_state as read at entry
+};
+
+struct Ctx {
+    const Args& a;
+    GlobalSignal* own;
+    volatile PC_SHARED BlockState* block;
+    uint32_t counter;  // threads t < group_width: self_counter[domain][block][t]
+};
+
+// The context of this block's collective. One BlockState serves every kernel: a kernel
+// runs one collective.
+PC_INLINE Ctx make_ctx(const Args& a) {
+    __shared__ BlockState state;
+    return Ctx{a, signal_at(a.signals[a.group_rank]), (volatile PC_SHARED BlockState*)&state, 0};
+}
+
+// Reads, in one trip, this rank's Lamport state and abort word (thread 0, two adjacent
+// 16-byte loads) and the barrier counters (threads t < width, kept in a register).
+// False, for the whole block, when the abort word is set: the caller abandons.
+PC_INLINE bool enter(Ctx& c) {
+    const uint32_t t = threadIdx.x;
+    if (t < c.a.group_width) c.counter = c.own->self_counter[c.a.domain][blockIdx.x][t];
+    if (t == 0) {
+        const Vec16 lamport = ld_volatile_vec16((const PC_GLOBAL Vec16*)c.own->lamport_state);
+        const Vec16 error = ld_volatile_vec16((const PC_GLOBAL Vec16*)c.own->error_state);
+        c.block->lamport[0] = lamport.x;
+        c.block->lamport[1] = lamport.y;
+        c.block->lamport[2] = lamport.z;
+        c.block->lamport[3] = lamport.w;
+        c.block->abort = error.x != 0u;  // PEERCOMM_ERROR_CODE
+    }
+    __syncthreads();
+    return c.block->abort == 0u;
+}
+
+// Writes an error record into `s` unless it has one: claims the code word
+// (0 -> WRITING), fills in the fields, then releases the code, so a reader that
+// acquires a final code sees the fields.
+PC_INLINE void write_error_record(GlobalSignal* s, uint32_t code, const Args& a) {
+    GlobalU32* e = s->error_state;
+    if (cas_relaxed_sys(&e[PEERCOMM_ERROR_CODE], 0u, PEERCOMM_ERROR_WRITING)) {
+        st_relaxed_sys(&e[PEERCOMM_ERROR_RANK], a.world_rank);
+        st_relaxed_sys(&e[PEERCOMM_ERROR_BLOCK], blockIdx.x);
+        st_relaxed_sys(&e[PEERCOMM_ERROR_DOMAIN], a.domain);
+        st_release_sys(&e[PEERCOMM_ERROR_CODE], code);
+    }
+}
+
+// A wait of this block gave up: record the timeout on this rank, set every group
+// peer's abort word (their waits end at their next check instead of timing out in
+// turn), and make the block leave.
+PC_INLINE void record_timeout(Ctx& c) {
+    const Args& a = c.a;
+    write_error_record(c.own, PEERCOMM_ERROR_BARRIER_TIMEOUT, a);
+    for (uint32_t q = 0; q < a.group_width; ++q) {
+        if (q != a.group_rank) write_error_record(signal_at(a.signals[q]), PEERCOMM_ERROR_PEER_ABORTED, a);
+    }
+    c.block->abort = 1u;
+}
+
+// Bounds one wait. Call keep_waiting() after each failed test of the awaited condition,
+// so a value that has arrived wins over an abort. Every PC_SPIN_CHECK_INTERVAL calls it
+// checks the block's abort flag, this rank's abort word, then the timeout (which it
+// records); false means the block aborted and the wait must end.
+struct Waiter {
+    uint64_t start = 0;
+    uint64_t limit = 0;  // timer ticks
+    uint32_t spins = 0;
+    bool timing = false;
+
+    PC_INLINE bool keep_waiting(Ctx& c) {
+        if ((++spins & (PC_SPIN_CHECK_INTERVAL - 1u)) != 0u) return true;
+        if (c.block->abort) return false;
+        if (ld_relaxed_sys(&c.own->error_state[PEERCOMM_ERROR_CODE]) != 0u) {
+            c.block->abort = 1u;
+            return false;
+        }
+        if (c.a.timeout_ns == 0) return true;
+        const uint64_t now = timer_now();
+        if (!timing) {
+            start = now;
+            limit = timer_ticks(c.a.timeout_ns);
+            timing = true;
+        } else if (now - start > limit) {
+            record_timeout(c);
+            return false;
+        }
+        return true;
+    }
+};
+
+// Whether a block that gives up waits for its peers first: yes in the collectives whose
+// peers read this rank's user buffers.
+enum class WaitForPeers { No, Yes };
+
+// Gives up the collective, called by every thread of the block together. Tells each
+// peer's same-index block that this one will not touch its memory again (its loads are
+// complete: __syncthreads, then a release). With WaitForPeers::Yes it then waits, at
+// most timeout_ns (0: not at all), until each peer says the same: a rank that gave up
+// must not let its kernel end, and the user free the input, while a late peer that
+// already passed the start barrier still reads it; that peer sees the abort at its next
+// wait and quits. This wait checks only the timer: the block has already aborted.
+PC_INLINE void abandon(Ctx& c, WaitForPeers wait) {
+    __syncthreads();
+    const Args& a = c.a;
+    const uint32_t t = threadIdx.x, b = blockIdx.x, me = a.group_rank;
+    if (t < a.group_width && t != me) {
+        st_release_sys(&signal_at(a.signals[t])->quit[b][me], 1u);
+        if (wait == WaitForPeers::Yes && a.timeout_ns != 0) {
+            const GlobalU32* quit = &c.own->quit[b][t];
+            const uint64_t start = timer_now(), limit = timer_ticks(a.timeout_ns);
+            uint32_t spins = 0;
+            while (ld_acquire_sys(quit) == 0u) {
+                if ((++spins & (PC_SPIN_CHECK_INTERVAL - 1u)) == 0u && timer_now() - start > limit) break;
+            }
+        }
+    }
+    __syncthreads();
+}
+
+// ---------------------------------------------------------------------------------
+// The counter barrier of one block across its group, in barrier domain `a.domain`.
+// Thread t < width increments its counter for peer t to v (u32 wrap-around is part of
+// the protocol), stores v into peer t's peer_counter[d][v % 2][block][group_rank] and
+// spins until its own peer_counter[d][v % 2][block][t] == v. What orders what is the
+// kind, named at every call site.
+
+enum class BarrierKind {
+    // Relaxed store of the arrival, relaxed spin: orders arrival only, publishes no data.
+    Start,
+    // __syncthreads, then a system-scope release store and an acquire spin: what every
+    // thread of the block wrote before it is visible to the peers' same-index block after
+    // it (the staged input, the two-stage middle, the barrier kernel's second barrier).
+    Publish,
+    // __syncthreads, then a relaxed store and a relaxed spin. It publishes nothing; it
+    // keeps the peers from overwriting what this block read (their inputs or payloads)
+    // before this block is done reading. It measured ~1 us faster than release on H200.
+    // Relaxed relies on this hardware behaviour: every load of peer data whose value has
+    // been consumed (it fed a store, and __syncthreads has been passed) has been
+    // performed, so a peer's store, issued after it observes our arrival, cannot change
+    // the value read. sm_70+ and CDNA do no load value speculation and no load buffering.
+    // The PTX and HIP memory models do not promise it: formally this needs a release.
+    End,
+};
+
+template <BarrierKind kKind>
+PC_INLINE bool barrier(Ctx& c) {
+    constexpr bool kOrdered = kKind == BarrierKind::Publish;
+    if (kKind != BarrierKind::Start) __syncthreads();
+    const Args& a = c.a;
+    const uint32_t t = threadIdx.x;
+    if (t < a.group_width) {
+        const uint32_t d = a.domain, b = blockIdx.x;
+        const uint32_t v = ++c.counter;
+        GlobalU32* to_peer = &signal_at(a.signals[t])->peer_counter[d][v & 1u][b][a.group_rank];
+        if (kOrdered) {
+            st_release_sys(to_peer, v);
+        } else {
+            st_relaxed_sys(to_peer, v);
+        }
+        c.own->self_counter[d][b][t] = v;  // the next kernel's entry reads it
+        const GlobalU32* from_peer = &c.own->peer_counter[d][v & 1u][b][t];
+        Waiter w;
+        while ((kOrdered ? ld_acquire_sys(from_peer) : ld_relaxed_sys(from_peer)) != v) {
+            if (!w.keep_waiting(c)) break;
+        }
+    }
+    __syncthreads();
+    return c.block->abort == 0u;
+}
+
+// ---------------------------------------------------------------------------------
+// Data movement. Pack p (16 bytes, elements [p*L, p*L + L)) is handled by global thread
+// p % stride of every rank; the last, partial pack and unaligned buffers go lane by
+// lane, in the same order and with the same rounding.
+
+PC_INLINE bool aligned16(uint64_t p) { return (p & 15u) == 0; }
+
+PC_INLINE uint64_t lanes_in_pack(uint64_t p, uint64_t n, int lanes) {
+    const uint64_t first = p * lanes;
+    return n - first < (uint64_t)lanes ? n - first : (uint64_t)lanes;
+}
+
+PC_INLINE Vec16 load_vec16(uint64_t base, uint64_t p) { return ((const PC_GLOBAL Vec16*)base)[p]; }
+PC_INLINE void store_vec16(uint64_t base, uint64_t p, Vec16 x) { ((PC_GLOBAL Vec16*)base)[p] = x; }
+
+template <typename D>
+PC_INLINE typename D::Bits load_elem(uint64_t base, uint64_t i) {
+    return ((const PC_GLOBAL typename D::Bits*)base)[i];
+}
+template <typename D>
+PC_INLINE void store_elem(uint64_t base, uint64_t i, typename D::Bits x) {
+    ((PC_GLOBAL typename D::Bits*)base)[i] = x;
+}
+
+// Packs a thread keeps in flight per iteration with W sources: 8 loads of 16 bytes.
+template <int W>
+struct Unroll {
+    static constexpr int G = W >= 8 ? 1 : 8 / W;
+};
+
+// The sum of the W packs in source order (acc = x[0]; acc += x[s]), in f32: the order
+// every rank and the host use.
+template <typename D, int W>
+PC_INLINE Vec16 sum_packs(const Vec16 (&x)[W]) {
+    constexpr int L = Pack<D>::kLanes;
+    Pack<D> in{x[0]};
+    float acc[L];
+#pragma unroll
+    for (int j = 0; j < L; ++j) acc[j] = D::to_float(in.lane(j));
+#pragma unroll
+    for (int s = 1; s < W; ++s) {
+        in.v = x[s];
+#pragma unroll
+        for (int j = 0; j < L; ++j) acc[j] += D::to_float(in.lane(j));
+    }
+    Pack<D> out{make_vec16(0u, 0u, 0u, 0u)};
+#pragma unroll
+    for (int j = 0; j < L; ++j) out.set_lane(j, D::from_float(acc[j]));
+    return out.v;
+}
+
+// Pack p lane by lane (the tail, or unaligned buffers): same order, same rounding.
+template <typename D, int W>
+PC_INLINE void reduce_pack_scalar(const uint64_t* srcs, uint64_t p, uint64_t n, uint64_t dst,
+                                  uint64_t dst_p) {
+    constexpr int L = Pack<D>::kLanes;
+    for (uint64_t e = p * L, j = 0; e < n && j < (uint64_t)L; ++e, ++j) {
+        float acc = D::to_float(load_elem<D>(srcs[0], e));
+#pragma unroll
+        for (int s = 1; s < W; ++s) acc += D::to_float(load_elem<D>(srcs[s], e));
+        store_elem<D>(dst, dst_p * L + j, D::from_float(acc));
+    }
+}
+
+// Reduces the packs p in [first, end) of this thread from the W sources into dst at
+// pack p - dst_base. Each iteration issues the loads of G packs of every source before
+// using any of them.
+template <typename D, int W>
+PC_INLINE void reduce_range(const uint64_t* srcs, uint64_t first, uint64_t end, uint64_t n, uint64_t dst,
+                            uint64_t dst_base, bool vec, uint64_t tid, uint64_t stride) {
+    constexpr int L = Pack<D>::kLanes;
+    constexpr int G = Unroll<W>::G;
+    for (uint64_t p0 = first + tid; p0 < end; p0 += G * stride) {
+        Vec16 x[G][W];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const uint64_t p = p0 + g * stride;
+            if (vec && p < end && (p + 1) * L <= n) {
+#pragma unroll
+                for (int s = 0; s < W; ++s) x[g][s] = load_vec16(srcs[s], p);
+            }
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const uint64_t p = p0 + g * stride;
+            if (p >= end) break;
+            if (vec && (p + 1) * L <= n) {
+                store_vec16(dst, p - dst_base, sum_packs<D, W>(x[g]));
+            } else {
+                reduce_pack_scalar<D, W>(srcs, p, n, dst, p - dst_base);
+            }
+        }
+    }
+}
+
+// Copies the packs p in [first, end) of this thread from src (at pack p - src_base) to
+// dst (at pack p - dst_base), four packs in flight per iteration.
+template <typename D>
+PC_INLINE void copy_range(uint64_t src, uint64_t src_base, uint64_t dst, uint64_t dst_base, uint64_t first,
+                          uint64_t end, uint64_t n, bool vec, uint64_t tid, uint64_t stride) {
+    constexpr int L = Pack<D>::kLanes;
+    constexpr int G = 4;
+    for (uint64_t p0 = first + tid; p0 < end; p0 += G * stride) {
+        Vec16 x[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const uint64_t p = p0 + g * stride;
+            if (vec && p < end && (p + 1) * L <= n) x[g] = load_vec16(src, p - src_base);
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const uint64_t p = p0 + g * stride;
+            if (p >= end) break;
+            if (vec && (p + 1) * L <= n) {
+                store_vec16(dst, p - dst_base, x[g]);
+            } else {
+                const uint64_t valid = lanes_in_pack(p, n, L);
+                for (uint64_t j = 0; j < valid; ++j)
+                    store_elem<D>(dst, (p - dst_base) * L + j, load_elem<D>(src, (p - src_base) * L + j));
+            }
+        }
+    }
+}
+
+// Runs body.template operator()<W>() with W = the group width as a compile-time constant.
+template <typename F>
+PC_INLINE void with_width(uint32_t width, F&& body) {
+    switch (width) {
+        case 1: body.template operator()<1>(); break;
+        case 2: body.template operator()<2>(); break;
+        case 3: body.template operator()<3>(); break;
+        case 4: body.template operator()<4>(); break;
+        case 5: body.template operator()<5>(); break;
+        case 6: body.template operator()<6>(); break;
+        case 7: body.template operator()<7>(); break;
+        default: body.template operator()<8>(); break;
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Lamport: data that carries its own readiness. Each rank's region holds
+// PEERCOMM_LAMPORT_GENERATIONS x PEERCOMM_MAX_GPUS slots of lamport_slot_bytes; slot
+// (gen, src) receives, pack by pack, what group rank src pushes in a call of
+// generation gen.
+//
+// Invariants:
+// - Sentinel: a 32-bit word of a pack not yet written holds 0x80000000, the bits of f32
+//   -0.0. Words are compared as bits, never as floats (-0.0 == +0.0, and flush-to-zero
+//   turns a negative subnormal into -0.0).
+// - A producer never sends the sentinel: every -0.0 lane becomes +0.0 before the push,
+//   per lane for every dtype (an f16/bf16 word equals the sentinel only when its upper
+//   lane is -0.0). Lanes past the end of the message are sent as +0.0.
+// - Generations: flag = lamport_state[FLAG], in [0, 3). A call pushes into and reads
+//   generation flag, and clears generation (flag + 2) % 3, the previous call's, so that
+//   it holds the sentinel again when the call after next writes it. The clear races no
+//   write: this rank read every pack of the previous call, so those writes have landed;
+//   and a peer writes that generation again only after consuming this rank's push of
+//   the next call, which this rank makes after the clear (a kernel boundary between).
+// - Own slot: a rank never writes its own slot (slot group_rank of its own region); it
+//   reduces its own pack straight from its input, and clearing skips that slot. Sound
+//   because Lamport runs only over the whole world (domain 0), so a rank's group rank is
+//   the same in every Lamport call on one signal buffer.
+// - State: every block reads lamport_state at entry; the last block to arrive records
+//   this call's packs and width, resets the arrivals and advances the flag (a single
+//   block needs no arrival count). The next kernel on the stream reads them; the kernel
+//   boundary orders that. The arrival add is relaxed: each block's entry read has been
+//   consumed before it arrives, the hardware property BarrierKind::End relies on.
+
+constexpr uint32_t kLamportSentinel = 0x80000000u;
+constexpr uint64_t kLamportRegionOffset =
+    (sizeof(peercomm_signal) + PEERCOMM_REGION_ALIGN - 1) / PEERCOMM_REGION_ALIGN * PEERCOMM_REGION_ALIGN;
+
+struct LamportGeneration {
+    uint32_t flag;
+    PC_INLINE uint32_t data() const { return flag; }
+    PC_INLINE uint32_t clear() const {
+        return (flag + PEERCOMM_LAMPORT_GENERATIONS - 1) % PEERCOMM_LAMPORT_GENERATIONS;
+    }
+    PC_INLINE uint32_t next() const { return (flag + 1) % PEERCOMM_LAMPORT_GENERATIONS; }
+};
+
+// Pack p of slot (gen, src) in the Lamport region of the signal at `signal`.
+PC_INLINE PC_GLOBAL Vec16* lamport_pack_at(uint64_t signal, uint32_t slot_bytes, uint32_t gen, uint32_t src,
+                                           uint64_t p) {
+    return (PC_GLOBAL Vec16*)(signal + kLamportRegionOffset +
+                              ((uint64_t)gen * PEERCOMM_MAX_GPUS + src) * slot_bytes + p * 16u);
+}
+
+// True once every word of the pack has been written (none is the sentinel).
+PC_INLINE bool lamport_arrived(Vec16 v) {
+    return v.x != kLamportSentinel && v.y != kLamportSentinel && v.z != kLamportSentinel &&
+           v.w != kLamportSentinel;
+}
+
+template <typename D>
+PC_INLINE void remove_neg_zero(Pack<D>& x) {
+#pragma unroll
+    for (int j = 0; j < Pack<D>::kLanes; ++j)
+        if (x.lane(j) == D::kNegZero) x.set_lane(j, 0);
+}
+
+// Pack p of this rank's input as it is sent (and as this rank reduces it itself).
+template <typename D>
+PC_INLINE Vec16 lamport_source_pack(const Args& a, uint64_t p, uint64_t n, bool vec) {
+    constexpr int L = Pack<D>::kLanes;
+    Pack<D> x{make_vec16(0u, 0u, 0u, 0u)};
+    const uint64_t valid = lanes_in_pack(p, n, L);
+    if (vec && valid == (uint64_t)L) {
+        x.v = load_vec16(a.local_input, p);
+    } else {
+#pragma unroll
+        for (int j = 0; j < L; ++j)
+            x.set_lane(j, (uint64_t)j < valid ? load_elem<D>(a.local_input, p * L + j) : 0);
+    }
+    remove_neg_zero<D>(x);
+    return x.v;
+}
+
+// Reduces, in source order, the packs of this thread as they arrive in the own region
+// of generation gen. Stops early when the block aborts.
+template <typename D, int W>
+PC_INLINE void lamport_reduce(Ctx& c, uint32_t gen, uint64_t packs, uint64_t n, bool vec, uint64_t tid,
+                              uint64_t stride) {
+    constexpr int L = Pack<D>::kLanes;
+    const Args& a = c.a;
+    const uint32_t me = a.group_rank, slot = a.lamport_slot_bytes;
+    const uint64_t own = a.signals[me];
+    for (uint64_t p = tid; p < packs && !c.block->abort; p += stride) {
+        Vec16 x[W];
+        Waiter w;
+        bool arrived = false;
+        while (!arrived) {
+            arrived = true;
+#pragma unroll
+            for (int s = 0; s < W; ++s) {
+                if (s == (int)me) continue;
+                x[s] = ld_volatile_vec16(lamport_pack_at(own, slot, gen, s, p));
+                arrived = arrived && lamport_arrived(x[s]);
+            }
+            if (!arrived && !w.keep_waiting(c)) break;
+        }
+        if (!arrived) break;
+#pragma unroll
+        for (int s = 0; s < W; ++s)
+            if (s == (int)me) x[s] = lamport_source_pack<D>(a, p, n, vec);
+        Pack<D> out{sum_packs<D, W>(x)};
+        const uint64_t valid = lanes_in_pack(p, n, L);
+        if (vec && valid == (uint64_t)L) {
+            store_vec16(a.output, p, out.v);
+        } else {
+#pragma unroll
+            for (int j = 0; j < L; ++j)
+                if ((uint64_t)j < valid) store_elem<D>(a.output, p * L + j, out.lane(j));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Collectives. Each begins with enter() and gives up only through abandon(); the kind
+// of every barrier is named where it is used.
+
+// One-stage: every rank reads every peer's input and reduces the whole message.
+template <typename D>
+PC_INLINE void one_stage(const Args& a) {
+    Ctx c = make_ctx(a);
+    if (!enter(c)) return abandon(c, WaitForPeers::No);
+    constexpr int L = Pack<D>::kLanes;
+    const uint64_t n = a.num_elements, packs = (n + L - 1) / L;
+    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    bool vec = aligned16(a.output) && aligned16(a.local_input);
+    for (uint32_t s = 0; s < a.group_width; ++s) vec = vec && aligned16(a.inputs[s]);
+    if (a.stage_input) {
+        // In place: the peers read a copy in the own payload while this rank overwrites
+        // its buffer. Block b copies exactly the packs block b of every rank reads.
+        copy_range<D>(a.local_input, 0, a.payloads[a.group_rank], 0, 0, packs, n, vec, tid, stride);
+        if (!barrier<BarrierKind::Publish>(c)) return abandon(c, WaitForPeers::Yes);
+    } else {
+        if (!barrier<BarrierKind::Start>(c)) return abandon(c, WaitForPeers::Yes);
+    }
+    with_width(a.group_width,
+               [&]<int W>() { reduce_range<D, W>(a.inputs, 0, packs, n, a.output, 0, vec, tid, stride); });
+    if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
+}
+
+// Two-stage: reduce-scatter of partition group_rank into the own payload, barrier,
+// all-gather of every partition from its owner's payload. The all-gather keeps the
+// reduce-scatter's pack assignment, so block b reads exactly what block b of the owner
+// wrote and the per-block barrier suffices.
+template <typename D>
+PC_INLINE void two_stage(const Args& a) {
+    Ctx c = make_ctx(a);
+    if (!enter(c)) return abandon(c, WaitForPeers::No);
+    constexpr int L = Pack<D>::kLanes;
+    const uint64_t n = a.num_elements, packs = (n + L - 1) / L;
+    const uint32_t width = a.group_width, me = a.group_rank;
+    const uint64_t part = (packs + width - 1) / width;
+    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    bool vec = aligned16(a.output);
+    for (uint32_t s = 0; s < width; ++s) vec = vec && aligned16(a.inputs[s]) && aligned16(a.payloads[s]);
+    if (!barrier<BarrierKind::Start>(c)) return abandon(c, WaitForPeers::Yes);
+    {
+        const uint64_t first = me * part, end = min_u64(first + part, packs);
+        with_width(width, [&]<int W>() {
+            reduce_range<D, W>(a.inputs, first, end, n, a.payloads[me], first, vec, tid, stride);
+        });
+    }
+    if (!barrier<BarrierKind::Publish>(c)) return abandon(c, WaitForPeers::Yes);
+    for (uint32_t q = 0; q < width; ++q) {
+        const uint64_t first = q * part, end = min_u64(first + part, packs);
+        copy_range<D>(a.payloads[q], first, a.output, 0, first, end, n, vec, tid, stride);
+    }
+    if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
+}
+
+// Lamport: no barrier. Push the own packs into slot group_rank of every other member's
+// region, reduce the own region as the packs arrive, clear the previous generation.
+// Peers write only into this rank's signal, never read its user buffers: a block that
+// gives up does not wait for them.
+template <typename D>
+PC_INLINE void lamport(const Args& a) {
+    Ctx c = make_ctx(a);
+    if (!enter(c)) return abandon(c, WaitForPeers::No);
+    constexpr int L = Pack<D>::kLanes;
+    const uint64_t n = a.num_elements, packs = (n + L - 1) / L;
+    const uint32_t width = a.group_width, me = a.group_rank, slot = a.lamport_slot_bytes;
+    const uint64_t own = a.signals[me];
+    const LamportGeneration gen{c.block->lamport[PEERCOMM_LAMPORT_FLAG]};
+    const uint32_t prev_packs = c.block->lamport[PEERCOMM_LAMPORT_PREV_PACKS];
+    const uint32_t prev_width = c.block->lamport[PEERCOMM_LAMPORT_PREV_WIDTH];
+    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    const bool vec = aligned16(a.local_input) && aligned16(a.output);
+
+    for (uint64_t p = tid; p < packs; p += stride) {
+        const Vec16 x = lamport_source_pack<D>(a, p, n, vec);
+        for (uint32_t q = 0; q < width; ++q)
+            if (q != me) st_volatile_vec16(lamport_pack_at(a.signals[q], slot, gen.data(), me, p), x);
+    }
+    with_width(width, [&]<int W>() { lamport_reduce<D, W>(c, gen.data(), packs, n, vec, tid, stride); });
+    const Vec16 sentinel = make_vec16(kLamportSentinel, kLamportSentinel, kLamportSentinel, kLamportSentinel);
+    const uint64_t clear_total = (uint64_t)prev_width * prev_packs;
+    for (uint64_t i = tid; i < clear_total; i += stride) {
+        const uint32_t src = (uint32_t)(i / prev_packs);
+        if (src == me) continue;
+        st_volatile_vec16(lamport_pack_at(own, slot, gen.clear(), src, i % prev_packs), sentinel);
+    }
+    __syncthreads();
+    if (c.block->abort) return abandon(c, WaitForPeers::No);  // the state is not advanced
+    if (threadIdx.x == 0) {
+        GlobalU32* s = c.own->lamport_state;
+        const bool last =
+            gridDim.x == 1 || atomic_add_relaxed_dev(&s[PEERCOMM_LAMPORT_ARRIVALS], 1u) == gridDim.x - 1;
+        if (last) {
+            s[PEERCOMM_LAMPORT_PREV_PACKS] = (uint32_t)packs;
+            s[PEERCOMM_LAMPORT_PREV_WIDTH] = width;
+            s[PEERCOMM_LAMPORT_ARRIVALS] = 0;
+            s[PEERCOMM_LAMPORT_FLAG] = gen.next();
+        }
+    }
+}
+
+// Barrier only (the `barrier` collective and the timeout probe): arrival, then a
+// barrier that publishes what the block (and, cumulatively, the kernels before it on
+// this stream) wrote.
+PC_INLINE void barrier_only(const Args& a) {
+    Ctx c = make_ctx(a);
+    if (!enter(c)) return abandon(c, WaitForPeers::No);
+    if (!barrier<BarrierKind::Start>(c)) return abandon(c, WaitForPeers::No);
+    if (!barrier<BarrierKind::Publish>(c)) return abandon(c, WaitForPeers::No);
+}
+
+// Flag ping-pong between group ranks 0 and 1 (the cross-GPU flag round trip): the first
+// word of each payload is the flag, zeroed by the host before the launch. One thread of
+// one block per rank; gives up silently after timeout_ns.
+PC_INLINE void ping_pong(const Args& a) {
+    if (threadIdx.x != 0 || blockIdx.x != 0 || a.group_rank > 1 || a.group_width < 2) return;
+    GlobalU32* mine = (GlobalU32*)a.payloads[a.group_rank];
+    GlobalU32* theirs = (GlobalU32*)a.payloads[1 - a.group_rank];
+    const uint64_t start = timer_now(), limit = timer_ticks(a.timeout_ns);
+    for (uint32_t i = 1; i <= (uint32_t)a.num_elements; ++i) {
+        if (a.group_rank == 0) st_release_sys(theirs, i);
+        while (ld_acquire_sys(mine) != i) {
+            if (a.timeout_ns != 0 && timer_now() - start > limit) return;
+        }
+        if (a.group_rank == 1) st_release_sys(theirs, i);
+    }
+}
+
+// Fault injection: one thread spins for timeout_ns (a rank made late); touches no memory.
+PC_INLINE void delay(const Args& a) {
+    if (threadIdx.x != 0 || blockIdx.x != 0) return;
+    const uint64_t start = timer_now(), ticks = timer_ticks(a.timeout_ns);
+    while (timer_now() - start < ticks) {
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Every exported kernel, (symbol, device function), as `Kernel::symbol()` names them.
+// A vendor layer expands it with its own entry-point form.
+
+#define PEERCOMM_KERNELS(X)                     \
+    X(peercomm_one_stage_f32, one_stage<F32>)   \
+    X(peercomm_one_stage_f16, one_stage<F16>)   \
+    X(peercomm_one_stage_bf16, one_stage<BF16>) \
+    X(peercomm_two_stage_f32, two_stage<F32>)   \
+    X(peercomm_two_stage_f16, two_stage<F16>)   \
+    X(peercomm_two_stage_bf16, two_stage<BF16>) \
+    X(peercomm_lamport_f32, lamport<F32>)       \
+    X(peercomm_lamport_f16, lamport<F16>)       \
+    X(peercomm_lamport_bf16, lamport<BF16>)     \
+    X(peercomm_barrier_f32, barrier_only)       \
+    X(peercomm_barrier_f16, barrier_only)       \
+    X(peercomm_barrier_bf16, barrier_only)      \
+    X(peercomm_pingpong_f32, ping_pong)         \
+    X(peercomm_delay_f32, delay)
+
+#endif  // PEERCOMM_KERNELS_H
