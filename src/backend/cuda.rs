@@ -210,6 +210,7 @@ impl Backend for Cuda {
     type Memory = CudaMemory;
     type Access<'a> = SyncOnDrop<'a>;
     type Buffer<T: Element> = CudaSlice<T>;
+    type PeerMapping = ();
 
     fn device_count() -> Result<usize> {
         driver()?;
@@ -414,6 +415,22 @@ impl Backend for Cuda {
                 "the driver cannot tell whether the peer may read it ({other:?})"
             )),
         })
+    }
+
+    fn export_memory(_dev: &CudaDevice, _mem: &CudaMemory) -> Result<Vec<u8>> {
+        Err(Error::Unsupported(
+            "cuda: IPC export is not implemented yet".into(),
+        ))
+    }
+
+    fn import_memory(_dev: &CudaDevice, _handle: &[u8]) -> Result<()> {
+        Err(Error::Unsupported(
+            "cuda: IPC import is not implemented yet".into(),
+        ))
+    }
+
+    fn mapping_ptr(_mapping: &()) -> u64 {
+        0
     }
 
     fn memset_d32(dev: &CudaDevice, ptr: u64, value: u32, words: usize) -> Result<()> {

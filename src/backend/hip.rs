@@ -597,7 +597,7 @@ fn allocate(ordinal: usize, bytes: usize, kind: MemoryKind) -> Result<HipMemory>
             check(unsafe { ffi::hipMalloc(&mut ptr, bytes) }, "hipMalloc")?;
             HipAllocation::CoarseGrained
         }
-        MemoryKind::Signal => {
+        MemoryKind::Signal | MemoryKind::SharedSignal => {
             // SAFETY: `ptr` is a valid out pointer.
             let uncached =
                 unsafe { ffi::hipExtMallocWithFlags(&mut ptr, bytes, ffi::MALLOC_UNCACHED) };
@@ -639,6 +639,7 @@ impl Backend for Hip {
     type Memory = HipMemory;
     type Access<'a> = ();
     type Buffer<T: Element> = HipBuffer<T>;
+    type PeerMapping = ();
 
     /// Devices visible to HIP. With no AMD GPU (or no driver) this is
     /// [`Error::NoDevice`] carrying what `hipGetDeviceCount` said.
@@ -839,6 +840,22 @@ impl Backend for Hip {
         // One process, unified virtual addresses, peer access enabled by the
         // communicator: the peer's allocation is reached at its own address.
         Ok(peer_mem.ptr)
+    }
+
+    fn export_memory(_dev: &HipDevice, _mem: &HipMemory) -> Result<Vec<u8>> {
+        Err(Error::Unsupported(
+            "hip: IPC export is not implemented yet".into(),
+        ))
+    }
+
+    fn import_memory(_dev: &HipDevice, _handle: &[u8]) -> Result<()> {
+        Err(Error::Unsupported(
+            "hip: IPC import is not implemented yet".into(),
+        ))
+    }
+
+    fn mapping_ptr(_mapping: &()) -> u64 {
+        0
     }
 
     fn memset_d32(dev: &HipDevice, ptr: u64, value: u32, words: usize) -> Result<()> {

@@ -189,6 +189,7 @@ impl Backend for Host {
     type Memory = HostMemory;
     type Access<'a> = ();
     type Buffer<T: Element> = HostBuffer<T>;
+    type PeerMapping = ();
 
     fn device_count() -> Result<usize> {
         Ok(MAX_GPUS)
@@ -238,6 +239,22 @@ impl Backend for Host {
 
     fn map_peer(_dev: &HostDevice, peer_mem: &HostMemory) -> Result<u64> {
         Ok(peer_mem.addr())
+    }
+
+    fn export_memory(_dev: &HostDevice, _mem: &HostMemory) -> Result<Vec<u8>> {
+        Err(Error::Unsupported(
+            "host: IPC export is not implemented yet".into(),
+        ))
+    }
+
+    fn import_memory(_dev: &HostDevice, _handle: &[u8]) -> Result<()> {
+        Err(Error::Unsupported(
+            "host: IPC import is not implemented yet".into(),
+        ))
+    }
+
+    fn mapping_ptr(_mapping: &()) -> u64 {
+        0
     }
 
     fn memset_d32(dev: &HostDevice, ptr: u64, value: u32, words: usize) -> Result<()> {

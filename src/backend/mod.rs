@@ -24,6 +24,10 @@ pub enum MemoryKind {
     /// Signal memory: counters and flags that peers write and spin on. Uncached or
     /// fine-grained where the vendor distinguishes (AMD), so spins see peers' stores.
     Signal,
+    /// Signal memory that other processes will map ([`Backend::export_memory`]): as
+    /// `Signal`, allocated so that it can be exported (on the host backend: a shared
+    /// memory file instead of the heap).
+    SharedSignal,
 }
 
 /// Which kernel family a launch runs.
@@ -118,6 +122,9 @@ pub trait Backend: Sized + Send + Sync + 'static {
     type Access<'a>;
     /// A typed device buffer (what users hold: `CudaSlice<T>` for CUDA).
     type Buffer<T: Element>: DeviceBufferMut<Self>;
+    /// Another process's memory mapped into this one (an imported IPC handle). Dropping
+    /// it unmaps it and closes what the import opened.
+    type PeerMapping: Send + Sync;
 
     /// Devices visible to this backend.
     fn device_count() -> Result<usize>;
@@ -153,6 +160,15 @@ pub trait Backend: Sized + Send + Sync + 'static {
     ) -> Result<Option<String>> {
         Ok(None)
     }
+    /// Exports an allocation made with [`MemoryKind::SharedSignal`] so that a process
+    /// holding the returned bytes can map it with [`Backend::import_memory`] (CUDA:
+    /// `cuIpcGetMemHandle`; HIP: `hipIpcGetMemHandle`; host: a shared memory file).
+    fn export_memory(dev: &Self::Device, mem: &Self::Memory) -> Result<Vec<u8>>;
+    /// Maps memory that another process exported into `dev`'s address space. Importing
+    /// in the exporting process itself is an error on the GPU backends.
+    fn import_memory(dev: &Self::Device, handle: &[u8]) -> Result<Self::PeerMapping>;
+    /// Address of an imported mapping, valid for kernels on the importing device.
+    fn mapping_ptr(mapping: &Self::PeerMapping) -> u64;
     /// Fills `words` 32-bit words at `ptr` with `value`, on the device's stream.
     fn memset_d32(dev: &Self::Device, ptr: u64, value: u32, words: usize) -> Result<()>;
     /// Copies device memory at `ptr` to the host, after the stream's earlier work.
