@@ -1,9 +1,16 @@
 //! Loopback tests of the bootstrap: threads stand in for processes, every listener binds
 //! port 0, and the failure tests use short timeouts with bounded elapsed times.
 
+use super::error::Result;
+use super::host::host_identity_from;
+use super::id::{fnv1a32, parse_bootstrap_addr};
+use super::wire::{deadline_after, decode_error, encode_hello, header, read_frame, RecvError};
 use super::*;
-use std::sync::Barrier;
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::sync::{Barrier, Mutex};
 use std::thread;
+use std::time::{Duration, Instant};
 
 const LONG: Duration = Duration::from_secs(10);
 const SHORT: Duration = Duration::from_millis(300);

@@ -1,0 +1,303 @@
+//! [`UniqueId`]: rank 0's address and secret, its text and byte forms, and the
+//! process-wide registry of the listeners of ids made here.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::io;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::str::FromStr;
+use std::sync::{Mutex, MutexGuard, OnceLock};
+
+use super::error::{io_error, BootstrapError, Result};
+use super::{BOOTSTRAP_ADDR_ENV, ID_FORMAT_VERSION, SECRET_BYTES};
+
+/// What rank 0 hands every other rank so they can find it: rank 0's address and a
+/// 128-bit random secret that every connection must present.
+///
+/// Text form (`Display`, [`str::parse`]): [`UniqueId::BYTES`] bytes as lowercase
+/// hexadecimal. Byte form: format version (1), address family (4 or 6), the IP address
+/// (16 bytes, an IPv4 address in the first 4), the port (big-endian `u16`), the secret
+/// (16 bytes), then an FNV-1a checksum (`u32`, little-endian) of the preceding 36 bytes,
+/// so a truncated or mistyped id is an [`BootstrapError::InvalidId`], not a wrong secret.
+/// IPv6 scope ids are not carried.
+///
+/// `Debug` shows the address and hides the secret.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct UniqueId {
+    pub(super) addr: SocketAddr,
+    pub(super) secret: [u8; SECRET_BYTES],
+}
+
+/// What the registry holds for an id made in this process.
+enum Slot {
+    /// Made, rank 0 has not joined yet.
+    Listening(TcpListener),
+    /// Rank 0 joined (or the id was released): the listener is gone.
+    Used,
+}
+
+fn registry() -> MutexGuard<'static, HashMap<[u8; SECRET_BYTES], Slot>> {
+    static REGISTRY: OnceLock<Mutex<HashMap<[u8; SECRET_BYTES], Slot>>> = OnceLock::new();
+    REGISTRY
+        .get_or_init(Default::default)
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+}
+
+impl UniqueId {
+    /// Length of [`UniqueId::to_bytes`].
+    pub const BYTES: usize = 40;
+
+    /// Makes an id for a new communicator (on rank 0): binds a listener on
+    /// [`BOOTSTRAP_ADDR_ENV`] if set, else on `127.0.0.1` (same host only), at a free
+    /// port unless the variable names one, and draws the secret from the OS.
+    pub fn new() -> Result<Self> {
+        let addr = match std::env::var(BOOTSTRAP_ADDR_ENV) {
+            Ok(v) if !v.trim().is_empty() => parse_bootstrap_addr(&v)?,
+            Ok(_) | Err(std::env::VarError::NotPresent) => {
+                SocketAddr::from((Ipv4Addr::LOCALHOST, 0))
+            }
+            Err(std::env::VarError::NotUnicode(v)) => {
+                return Err(BootstrapError::InvalidAddress {
+                    value: v.to_string_lossy().into_owned(),
+                    reason: format!("{BOOTSTRAP_ADDR_ENV} is not valid UTF-8"),
+                })
+            }
+        };
+        Self::bind(addr)
+    }
+
+    /// As [`UniqueId::new`], listening on `addr` (port 0 picks a free port). `addr` must
+    /// be one the other ranks can connect to, not `0.0.0.0` or `::`.
+    pub fn bind(addr: SocketAddr) -> Result<Self> {
+        if addr.ip().is_unspecified() {
+            return Err(BootstrapError::InvalidAddress {
+                value: addr.to_string(),
+                reason: unspecified_reason(),
+            });
+        }
+        let listener = TcpListener::bind(addr)
+            .map_err(|e| io_error(format!("binding the bootstrap listener on {addr}"), e))?;
+        let addr = listener
+            .local_addr()
+            .map_err(|e| io_error("reading the bootstrap listener's address", e))?;
+        let mut secret = [0u8; SECRET_BYTES];
+        getrandom::fill(&mut secret).map_err(|e| BootstrapError::Io {
+            step: "drawing the bootstrap secret from the OS".into(),
+            kind: io::ErrorKind::Other,
+            detail: e.to_string(),
+        })?;
+        registry().insert(secret, Slot::Listening(listener));
+        Ok(Self { addr, secret })
+    }
+
+    /// Rank 0's address, which the other ranks connect to.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The id as bytes, for a transport that carries bytes (MPI, a key-value store).
+    pub fn to_bytes(&self) -> [u8; Self::BYTES] {
+        let mut b = [0u8; Self::BYTES];
+        b[0] = ID_FORMAT_VERSION;
+        match self.addr.ip() {
+            IpAddr::V4(ip) => {
+                b[1] = 4;
+                b[2..6].copy_from_slice(&ip.octets());
+            }
+            IpAddr::V6(ip) => {
+                b[1] = 6;
+                b[2..18].copy_from_slice(&ip.octets());
+            }
+        }
+        b[18..20].copy_from_slice(&self.addr.port().to_be_bytes());
+        b[20..36].copy_from_slice(&self.secret);
+        let sum = fnv1a32(&b[..36]);
+        b[36..40].copy_from_slice(&sum.to_le_bytes());
+        b
+    }
+
+    /// Reads an id written by [`UniqueId::to_bytes`].
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
+        let invalid = |reason: String| Err(BootstrapError::InvalidId { reason });
+        if bytes.len() != Self::BYTES {
+            return invalid(format!(
+                "{} bytes where a UniqueId has {}",
+                bytes.len(),
+                Self::BYTES
+            ));
+        }
+        if bytes[0] != ID_FORMAT_VERSION {
+            return invalid(format!(
+                "format version {} where this peercomm reads version {ID_FORMAT_VERSION} \
+                 (every process must run the same peercomm)",
+                bytes[0]
+            ));
+        }
+        let sum = u32::from_le_bytes(bytes[36..40].try_into().expect("4 bytes"));
+        if sum != fnv1a32(&bytes[..36]) {
+            return invalid("its checksum does not match: it was garbled in transit".into());
+        }
+        let ip = match bytes[1] {
+            4 if bytes[6..18].iter().all(|&x| x == 0) => IpAddr::V4(Ipv4Addr::from(
+                <[u8; 4]>::try_from(&bytes[2..6]).expect("4"),
+            )),
+            6 => IpAddr::V6(Ipv6Addr::from(
+                <[u8; 16]>::try_from(&bytes[2..18]).expect("16"),
+            )),
+            f => {
+                return invalid(format!(
+                    "address family {f} (with its padding) is not 4 or 6"
+                ))
+            }
+        };
+        let port = u16::from_be_bytes([bytes[18], bytes[19]]);
+        if port == 0 || ip.is_unspecified() {
+            return invalid(format!(
+                "address {} cannot be connected to",
+                SocketAddr::new(ip, port)
+            ));
+        }
+        let secret = bytes[20..36].try_into().expect("16 bytes");
+        Ok(Self {
+            addr: SocketAddr::new(ip, port),
+            secret,
+        })
+    }
+
+    /// Closes this id's listener if this process made the id and rank 0 has not joined
+    /// yet; returns whether it did. Afterwards rank 0 cannot use the id in this process
+    /// ([`BootstrapError::StaleId`]). For an id that will not be used, or for a launcher
+    /// that makes the id for a rank 0 in another process (which then binds the address
+    /// itself).
+    pub fn release(&self) -> bool {
+        matches!(
+            registry().insert(self.secret, Slot::Used),
+            Some(Slot::Listening(_))
+        )
+    }
+}
+
+impl fmt::Debug for UniqueId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("UniqueId")
+            .field("addr", &self.addr)
+            .field("secret", &format_args!("<hidden>"))
+            .finish()
+    }
+}
+
+impl fmt::Display for UniqueId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for b in self.to_bytes() {
+            write!(f, "{b:02x}")?;
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for UniqueId {
+    type Err = BootstrapError;
+
+    /// Reads the text form (surrounding whitespace is ignored; either case of hex).
+    fn from_str(s: &str) -> Result<Self> {
+        let s = s.trim();
+        if s.len() != 2 * Self::BYTES {
+            return Err(BootstrapError::InvalidId {
+                reason: format!(
+                    "{} characters where a UniqueId has {} hexadecimal ones",
+                    s.chars().count(),
+                    2 * Self::BYTES
+                ),
+            });
+        }
+        let digits = s.as_bytes();
+        let mut bytes = [0u8; Self::BYTES];
+        for (i, b) in bytes.iter_mut().enumerate() {
+            match (hex_value(digits[2 * i]), hex_value(digits[2 * i + 1])) {
+                (Some(hi), Some(lo)) => *b = hi << 4 | lo,
+                _ => {
+                    return Err(BootstrapError::InvalidId {
+                        reason: format!(
+                            "a character that is not hexadecimal near position {}",
+                            2 * i
+                        ),
+                    })
+                }
+            }
+        }
+        Self::from_bytes(&bytes)
+    }
+}
+
+fn hex_value(c: u8) -> Option<u8> {
+    match c {
+        b'0'..=b'9' => Some(c - b'0'),
+        b'a'..=b'f' => Some(c - b'a' + 10),
+        b'A'..=b'F' => Some(c - b'A' + 10),
+        _ => None,
+    }
+}
+
+pub(super) fn fnv1a32(bytes: &[u8]) -> u32 {
+    bytes.iter().fold(0x811c_9dc5u32, |h, &b| {
+        (h ^ u32::from(b)).wrapping_mul(0x0100_0193)
+    })
+}
+
+fn unspecified_reason() -> String {
+    format!(
+        "an unspecified address cannot be connected to: name an address of rank 0's host \
+         that the other ranks can reach (e.g. 10.0.0.5 or 10.0.0.5:29500) in \
+         {BOOTSTRAP_ADDR_ENV}"
+    )
+}
+
+/// Reads a bootstrap address: `ip:port`, `ip`, `host:port` or `host` (a missing port is
+/// port 0, a free one).
+pub(super) fn parse_bootstrap_addr(value: &str) -> Result<SocketAddr> {
+    let v = value.trim();
+    let invalid = |reason: String| BootstrapError::InvalidAddress {
+        value: value.to_string(),
+        reason,
+    };
+    let addr = if let Ok(a) = v.parse::<SocketAddr>() {
+        a
+    } else if let Ok(ip) = v
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+        .parse::<IpAddr>()
+    {
+        SocketAddr::new(ip, 0)
+    } else {
+        let resolved = if v.contains(':') {
+            v.to_socket_addrs()
+        } else {
+            (v, 0).to_socket_addrs()
+        };
+        resolved
+            .map_err(|e| {
+                invalid(format!(
+                    "not an address and not a host name that resolves ({e}): give an IP \
+                     address or host name with an optional port, e.g. 10.0.0.5:29500"
+                ))
+            })?
+            .next()
+            .ok_or_else(|| invalid("the host name resolves to no address".into()))?
+    };
+    if addr.ip().is_unspecified() {
+        return Err(invalid(unspecified_reason()));
+    }
+    Ok(addr)
+}
+
+/// Takes the listener of an id rank 0 is about to use: `Some` if this process made the
+/// id, `None` if another did (rank 0 binds itself), [`BootstrapError::StaleId`] if rank
+/// 0 already used it here.
+pub(super) fn claim_listener(id: &UniqueId) -> Result<Option<TcpListener>> {
+    match registry().insert(id.secret, Slot::Used) {
+        Some(Slot::Listening(l)) => Ok(Some(l)),
+        Some(Slot::Used) => Err(BootstrapError::StaleId),
+        None => Ok(None),
+    }
+}

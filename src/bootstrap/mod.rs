@@ -1,0 +1,244 @@
+//! Bootstrap: how the ranks of one communicator find each other and swap a few bytes.
+//!
+//! Before ranks in different processes can map each other's memory they must agree on
+//! who is who and exchange what each needs (IPC handles, device identity, host
+//! identity, a configuration checksum). This module does that once, at setup, over
+//! TCP, in the manner of NCCL's `ncclUniqueId`:
+//!
+//! 1. Rank 0 calls [`UniqueId::new`]. That binds a TCP listener, kept in this process
+//!    until rank 0 joins, and draws a 128-bit secret from the operating system.
+//! 2. The id reaches every other process as text (`Display` / [`str::parse`]: 80
+//!    hexadecimal characters, fit for an environment variable or a command-line flag)
+//!    or as [`UniqueId::BYTES`] bytes ([`UniqueId::to_bytes`] /
+//!    [`UniqueId::from_bytes`], fit for MPI or a key-value store).
+//! 3. Every rank calls [`TcpBootstrap::connect`] with the id, its rank, the world size,
+//!    a checksum of its configuration and a timeout. The other ranks connect to rank 0
+//!    (a star: rank 0 relays everything, fine for worlds of a few hundred ranks) and
+//!    rank 0 checks each one before admitting it.
+//! 4. Then [`Bootstrap::all_gather`] gives every rank every rank's bytes in rank order,
+//!    as many times as the caller needs (IPC handles, then checks, then a teardown
+//!    [`Bootstrap::barrier`]). Every rank must make the same sequence of calls.
+//!
+//! ```
+//! use peercomm::bootstrap::{Bootstrap, BootstrapError, TcpBootstrap, UniqueId};
+//! use std::time::Duration;
+//!
+//! let id = UniqueId::new()?; // rank 0's process
+//! let text = id.to_string(); // e.g. exported as PEERCOMM_ID for the other processes
+//! let rank1 = std::thread::spawn(move || {
+//!     let id: UniqueId = text.parse().unwrap();
+//!     let boot = TcpBootstrap::connect(&id, 1, 2, 0xC0FFEE, Duration::from_secs(10)).unwrap();
+//!     boot.all_gather(b"rank one").unwrap()
+//! });
+//! let boot = TcpBootstrap::connect(&id, 0, 2, 0xC0FFEE, Duration::from_secs(10))?;
+//! let all = boot.all_gather(b"zero")?;
+//! assert_eq!(all, vec![b"zero".to_vec(), b"rank one".to_vec()]);
+//! assert_eq!(rank1.join().unwrap(), all);
+//! # Ok::<(), BootstrapError>(())
+//! ```
+//!
+//! # Which address the id holds
+//!
+//! [`UniqueId::new`] binds the address in the environment variable
+//! `PEERCOMM_BOOTSTRAP_ADDR` ([`BOOTSTRAP_ADDR_ENV`]) when it is set (`10.0.0.5`,
+//! `10.0.0.5:29500`, `[fd00::5]:29500` or `node7:29500`; port 0 or none picks a free
+//! port), else `127.0.0.1:0`, which serves ranks on the same host only. For ranks on
+//! several hosts set it on rank 0 to an address of rank 0's host that the others can
+//! reach: peercomm does not guess among interfaces. [`UniqueId::bind`] takes the
+//! address directly. An unspecified address (`0.0.0.0`, `::`) is refused, since the id
+//! must name an address the others can connect to.
+//!
+//! The listener lives in a process-wide registry keyed by the id, from
+//! [`UniqueId::new`] until rank 0's [`TcpBootstrap::connect`] (in the same process)
+//! takes it, or [`UniqueId::release`] drops it. Ranks that connect before rank 0 calls
+//! `connect` wait in the listener's backlog. When rank 0's `connect` returns (success or
+//! failure) the listener is closed, so a stale id fails (connection refused, then a
+//! typed timeout) instead of hanging, and rank 0 using the same id twice gets
+//! [`BootstrapError::StaleId`]. If rank 0 runs in a process that did not make the id (a
+//! launcher made it, called [`UniqueId::release`] and started the ranks), rank 0 binds
+//! the id's address itself when it calls `connect`; the other ranks retry a refused
+//! connection with backoff until their timeout, so it does not matter who comes first.
+//!
+//! # Wire format (protocol version 1)
+//!
+//! Every message is a frame: one kind byte, a `u32` little-endian body length, the
+//! body. A body over [`MAX_FRAME_BYTES`] is refused with
+//! [`BootstrapError::FrameTooLarge`] on whichever side sees it; hellos are capped much
+//! lower, so a stray connection cannot make rank 0 allocate.
+//!
+//! | kind | direction | body |
+//! |------|-----------|------|
+//! | 1 hello | rank r → rank 0 | `"PCBS"`, protocol version `u16`, secret (16 bytes), rank `u32`, world size `u32`, config checksum `u64`, host id length `u16`, host id (UTF-8) |
+//! | 2 welcome | rank 0 → rank r | world size `u32`, then per rank: host id length `u16`, host id |
+//! | 3 data | both ways | one rank's bytes for an all-gather |
+//! | 4 error | both ways | rank where the failure began `u32`, message (UTF-8) |
+//!
+//! Handshake: each rank r > 0 sends a hello. Rank 0 drops, silently and without logging
+//! anything, a connection that is not a peercomm hello or carries a wrong secret, and
+//! keeps waiting for the real ranks. A right secret with a wrong rank, a rank claimed
+//! twice, a different world size or configuration checksum is fatal: rank 0 sends an
+//! error frame to that rank and to every rank already admitted, then returns the typed
+//! error ([`BootstrapError::DuplicateRank`], ...); the others return
+//! [`BootstrapError::PeerFailed`]. When every rank has come, rank 0 closes its listener
+//! and sends each rank a welcome carrying every rank's [`HostId`].
+//!
+//! All-gather: each rank r > 0 sends one data frame; rank 0 reads them in rank order,
+//! then sends each rank the other ranks' frames in rank order (rank 0 moves
+//! `world_size * (world_size - 1)` frames, which is why this is a setup path only).
+//!
+//! # Failures
+//!
+//! Every step has a deadline (the `timeout` given to [`TcpBootstrap::connect`], per
+//! operation afterwards, see [`TcpBootstrap::set_timeout`]) and ends in a
+//! [`BootstrapError`], never a hang: a rank that never comes is
+//! [`BootstrapError::Timeout`] naming it on rank 0. Any rank that fails sends an error
+//! frame to the ranks it talks to, so they fail at once with
+//! [`BootstrapError::PeerFailed`] instead of waiting out their own timeouts, and its
+//! bootstrap is poisoned ([`BootstrapError::Poisoned`]): frame boundaries are unknown
+//! after a failure, so the only way on is a new [`UniqueId`].
+//!
+//! # Bringing your own store
+//!
+//! An engine that already has a way for its processes to talk (torch.distributed, MPI,
+//! its own RPC) implements [`Bootstrap`] on top of it (an all-gather of bytes) and
+//! never opens a socket here; it reports its store's failures as
+//! [`BootstrapError::Store`].
+
+mod error;
+mod host;
+mod id;
+mod tcp;
+mod wire;
+
+#[cfg(test)]
+mod tests;
+
+use std::time::Duration;
+
+pub use error::BootstrapError;
+pub use host::{host_identity, HostId};
+pub use id::UniqueId;
+pub use tcp::TcpBootstrap;
+
+use error::Result;
+
+/// Environment variable naming the address [`UniqueId::new`] binds: an IP address or
+/// host name, with or without a port (`10.0.0.5`, `10.0.0.5:29500`, `node7:29500`).
+/// Unset means `127.0.0.1:0`: ranks on this host only.
+pub const BOOTSTRAP_ADDR_ENV: &str = "PEERCOMM_BOOTSTRAP_ADDR";
+
+/// Environment variable that, when set and not empty, replaces what [`host_identity`]
+/// reads from the system. Meant for tests (pretending processes of one host run on
+/// different hosts) and for containers whose host identity misleads.
+pub const HOST_ID_OVERRIDE_ENV: &str = "PEERCOMM_HOST_ID_OVERRIDE";
+
+/// Largest frame body (one rank's bytes in one all-gather) the bootstrap sends or
+/// accepts: 64 MiB.
+pub const MAX_FRAME_BYTES: usize = 64 << 20;
+
+/// Longest [`HostId`] in bytes.
+pub const MAX_HOST_ID_BYTES: usize = 1024;
+
+/// Most ranks one [`TcpBootstrap`] serves (so that the welcome, which lists every
+/// rank's [`HostId`], always fits in a frame).
+pub const MAX_WORLD_SIZE: usize = 1 << 15;
+const _: () = assert!(4 + MAX_WORLD_SIZE * (2 + MAX_HOST_ID_BYTES) <= MAX_FRAME_BYTES);
+
+/// Version of the [`UniqueId`] byte layout (its first byte).
+const ID_FORMAT_VERSION: u8 = 1;
+/// Version of the frames spoken after connecting (in the hello).
+const PROTOCOL_VERSION: u16 = 1;
+/// First bytes of every hello.
+const MAGIC: [u8; 4] = *b"PCBS";
+const SECRET_BYTES: usize = 16;
+/// Kind byte plus `u32` length.
+const HEADER_BYTES: usize = 5;
+/// Magic, version, secret, rank, world, checksum, host id length.
+const HELLO_FIXED_BYTES: usize = 4 + 2 + SECRET_BYTES + 4 + 4 + 8 + 2;
+const MAX_HELLO_BYTES: usize = HELLO_FIXED_BYTES + MAX_HOST_ID_BYTES;
+/// Error messages sent to peers are cut to this many bytes.
+const MAX_ERROR_MESSAGE_BYTES: usize = 4096;
+/// Connections rank 0 holds before they have sent a complete hello.
+const MAX_PENDING: usize = 1024;
+/// How long a failing rank spends telling its peers (write, then wait for them to close).
+const FAREWELL: Duration = Duration::from_millis(200);
+/// After one rank timed out in an all-gather, how long rank 0 still waits for each later
+/// rank (to name every missing rank, not only the first).
+const LATE_GRACE: Duration = Duration::from_millis(5);
+/// Shortest socket timeout set (zero means "no timeout" to the OS).
+const MIN_WAIT: Duration = Duration::from_millis(1);
+
+const KIND_HELLO: u8 = 1;
+const KIND_WELCOME: u8 = 2;
+const KIND_DATA: u8 = 3;
+const KIND_ERROR: u8 = 4;
+
+/// An all-gather of bytes among the ranks of one communicator: what peercomm needs from
+/// whatever connects its processes. [`TcpBootstrap`] is the built-in one; an engine
+/// with its own store (torch.distributed, MPI, an RPC layer) implements this instead.
+///
+/// Every rank must make the same sequence of calls.
+pub trait Bootstrap: Send + Sync {
+    /// This process's rank, in `0..world_size()`.
+    fn rank(&self) -> usize;
+
+    /// Number of ranks.
+    fn world_size(&self) -> usize;
+
+    /// Sends `mine` to every rank and returns every rank's bytes in rank order
+    /// (`result[self.rank()] == mine`). Lengths may differ between ranks.
+    fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, BootstrapError>;
+
+    /// Returns once every rank has called it. The default is an all-gather of nothing.
+    fn barrier(&self) -> Result<(), BootstrapError> {
+        self.all_gather(&[]).map(|_| ())
+    }
+}
+
+/// A shared or boxed bootstrap is one too (`Arc<dyn Bootstrap>` can be handed around).
+impl<B: Bootstrap + ?Sized> Bootstrap for &B {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+    fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        (**self).all_gather(mine)
+    }
+    fn barrier(&self) -> Result<()> {
+        (**self).barrier()
+    }
+}
+
+/// See the impl for `&B`.
+impl<B: Bootstrap + ?Sized> Bootstrap for Box<B> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+    fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        (**self).all_gather(mine)
+    }
+    fn barrier(&self) -> Result<()> {
+        (**self).barrier()
+    }
+}
+
+/// See the impl for `&B`.
+impl<B: Bootstrap + ?Sized> Bootstrap for std::sync::Arc<B> {
+    fn rank(&self) -> usize {
+        (**self).rank()
+    }
+    fn world_size(&self) -> usize {
+        (**self).world_size()
+    }
+    fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        (**self).all_gather(mine)
+    }
+    fn barrier(&self) -> Result<()> {
+        (**self).barrier()
+    }
+}
