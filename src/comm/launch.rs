@@ -3,12 +3,14 @@
 use std::sync::atomic::Ordering;
 use std::sync::MutexGuard;
 
-use crate::backend::Backend;
+use crate::backend::{Backend, Kernel, KernelKind, LaunchDims};
+use crate::dtype::DType;
 use crate::error::Result;
 use crate::signal::{barrier_domain, AllReduceArgs, MAX_GPUS};
 
 use super::plan::Plan;
-use super::Communicator;
+use super::settings::Settings;
+use super::{Communicator, Rank};
 
 impl<B: Backend> Communicator<B> {
     pub(super) fn lock_launches(&self) -> MutexGuard<'_, ()> {
@@ -39,7 +41,7 @@ impl<B: Backend> Communicator<B> {
         let _launches = self.lock_launches();
         self.check_usable()?;
         for (i, &r) in ranks.iter().enumerate() {
-            if let Err(e) = self.launch_rank(plan, r, inputs, outputs) {
+            if let Err(e) = self.ranks[r].launch(&self.settings, plan, inputs, outputs[r]) {
                 if i > 0 {
                     self.poisoned.store(true, Ordering::Release);
                 }
@@ -48,41 +50,39 @@ impl<B: Backend> Communicator<B> {
         }
         Ok(())
     }
+}
 
-    /// The wait limit the kernels get, in nanoseconds (0 = never; saturates).
-    pub(super) fn timeout_ns(&self) -> u64 {
-        self.config.barrier_timeout.map_or(0, |t| {
-            u64::try_from(t.as_nanos()).unwrap_or(u64::MAX).max(1)
-        })
-    }
-
-    pub(super) fn launch_rank(
+impl<B: Backend> Rank<B> {
+    /// Enqueues this rank's kernel of `plan`: the one place kernel arguments are
+    /// built. `inputs` holds the user input of every world rank where the peers read
+    /// user buffers (one process), else only this rank's; `output` is this rank's.
+    pub(crate) fn launch(
         &self,
+        settings: &Settings,
         plan: &Plan,
-        r: usize,
         inputs: &[u64; MAX_GPUS],
-        outputs: &[u64; MAX_GPUS],
+        output: u64,
     ) -> Result<()> {
-        let world = self.world_size();
+        let r = self.index;
         let width = plan.width;
         let base = r / width * width;
-        let rank = &self.ranks[r];
-        let payload_off = self.layout.payload_offset() as u64;
+        let layout = &settings.layout;
+        let payload_off = layout.payload_offset() as u64;
         let mut args = AllReduceArgs {
             local_input: inputs[r],
-            output: outputs[r],
+            output,
             num_elements: plan.elements as u64,
-            timeout_ns: self.timeout_ns(),
-            lamport_slot_bytes: self.layout.lamport_slot_bytes as u32,
+            timeout_ns: settings.timeout_ns(),
+            lamport_slot_bytes: layout.lamport_slot_bytes as u32,
             group_rank: (r - base) as u32,
             group_width: width as u32,
-            domain: barrier_domain(width, world) as u32,
+            domain: barrier_domain(width, settings.world) as u32,
             world_rank: r as u32,
             stage_input: plan.stage_input as u32,
             ..Default::default()
         };
         for k in 0..width {
-            let signal = rank.peer_signals[base + k];
+            let signal = self.peer_signals[base + k];
             args.signals[k] = signal;
             args.payloads[k] = signal + payload_off;
             args.inputs[k] = if plan.stage_input {
@@ -91,6 +91,26 @@ impl<B: Backend> Communicator<B> {
                 inputs[base + k]
             };
         }
-        B::launch(&rank.device, plan.kernel, plan.dims, &args)
+        B::launch(&self.device, plan.kernel, plan.dims, &args)
+    }
+
+    /// Enqueues the fault-injection kernel: one thread spins for `delay`.
+    pub(crate) fn launch_delay(&self, delay: std::time::Duration) -> Result<()> {
+        let args = AllReduceArgs {
+            timeout_ns: u64::try_from(delay.as_nanos()).unwrap_or(u64::MAX),
+            ..Default::default()
+        };
+        B::launch(
+            &self.device,
+            Kernel {
+                kind: KernelKind::Delay,
+                dtype: DType::F32,
+            },
+            LaunchDims {
+                blocks: 1,
+                threads: 32,
+            },
+            &args,
+        )
     }
 }

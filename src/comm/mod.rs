@@ -13,23 +13,29 @@ use crate::dispatch::Algorithm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::signal::{
-    AllReduceArgs, Signal, SignalLayout, ERROR_BLOCK, ERROR_CODE, ERROR_DOMAIN, ERROR_PEER_ABORTED,
-    ERROR_RANK, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
+    Signal, SignalLayout, ERROR_BLOCK, ERROR_CODE, ERROR_DOMAIN, ERROR_PEER_ABORTED, ERROR_RANK,
+    MAX_GPUS,
 };
 use crate::tensor::{Tensor, TensorMut};
 
 mod config;
 mod launch;
 mod plan;
+mod settings;
 mod validate;
 
 use crate::{enable_p2p, init_signal_buffer_with_counter_base};
 pub use config::{AllReduceOptions, CommConfig};
 use plan::Plan;
+use settings::Settings;
 use validate::{check_world, first_missing_peer_pair, Meta};
 
-/// One rank of a communicator: its device (with its stream) and its signal buffer.
+/// One rank of a communicator: its device (with its stream), its signal buffer and
+/// where it reaches its peers' signals. The per-rank core: both the single-controller
+/// [`Communicator`] and the per-rank [`crate::Comm`] launch through it.
 pub struct Rank<B: Backend> {
+    /// World rank.
+    index: usize,
     device: B::Device,
     signal: B::Memory,
     /// `peer_signals[j]`: where this rank reaches rank j's signal.
@@ -58,10 +64,7 @@ impl<B: Backend> Rank<B> {
 /// timeout is reported there on GPUs).
 pub struct Communicator<B: Backend> {
     ranks: Vec<Rank<B>>,
-    layout: SignalLayout,
-    config: CommConfig,
-    arch: String,
-    max_blocks: u32,
+    settings: Settings,
     poisoned: AtomicBool,
     group_depth: AtomicUsize,
     /// Held while a collective is enqueued on every rank (and while re-initialising):
@@ -94,20 +97,10 @@ impl<B: Backend> Communicator<B> {
                 "a device appears twice: {ordinals:?}"
             )));
         }
-        let layout = SignalLayout {
-            lamport_slot_bytes: config.lamport_slot_bytes,
-            payload_bytes: config.payload_bytes,
-        };
-        layout.validate()?;
-        if config.threads_per_block == 0
-            || config.threads_per_block > 512
-            || config.threads_per_block % 64 != 0
-        {
-            return Err(Error::Unsupported(format!(
-                "threads_per_block must be a multiple of 64 in 64..=512 (the kernels' launch bound), not {}",
-                config.threads_per_block
-            )));
-        }
+        let arch = B::architecture(&devices[0])?;
+        let sms = B::multiprocessor_count(&devices[0])?;
+        let settings = Settings::new(config, arch, sms, world, true)?;
+        let layout = settings.layout;
         if !enable_p2p::<B>(&devices)? {
             let (from, to) = first_missing_peer_pair::<B>(&devices)?;
             return Err(Error::P2pUnavailable { from, to });
@@ -119,7 +112,9 @@ impl<B: Backend> Communicator<B> {
         let mut ranks: Vec<Rank<B>> = devices
             .into_iter()
             .zip(signals)
-            .map(|(device, signal)| Rank {
+            .enumerate()
+            .map(|(index, (device, signal))| Rank {
+                index,
                 device,
                 signal,
                 peer_signals: [0; MAX_GPUS],
@@ -135,18 +130,9 @@ impl<B: Backend> Communicator<B> {
                 ranks[i].peer_signals[j] = addr;
             }
         }
-        let arch = B::architecture(&ranks[0].device)?;
-        let sms = B::multiprocessor_count(&ranks[0].device)?;
-        let max_blocks = config
-            .max_blocks
-            .unwrap_or(sms as u32)
-            .clamp(1, MAX_NUM_BLOCKS_UPPER_BOUND as u32);
         let comm = Communicator {
             ranks,
-            layout,
-            config,
-            arch,
-            max_blocks,
+            settings,
             poisoned: AtomicBool::new(false),
             group_depth: AtomicUsize::new(0),
             launch_lock: Mutex::new(()),
@@ -169,15 +155,15 @@ impl<B: Backend> Communicator<B> {
     }
     /// The signal layout (Lamport slot and payload sizes).
     pub fn layout(&self) -> SignalLayout {
-        self.layout
+        self.settings.layout
     }
     /// The configuration it was built with.
     pub fn config(&self) -> &CommConfig {
-        &self.config
+        &self.settings.config
     }
     /// Architecture of rank 0's device (keys the dispatch table).
     pub fn architecture(&self) -> &str {
-        &self.arch
+        &self.settings.arch
     }
     /// Whether an earlier barrier timeout has disabled collectives.
     pub fn is_poisoned(&self) -> bool {
@@ -249,7 +235,12 @@ impl<B: Backend> Communicator<B> {
             B::synchronize(&r.device)?;
         }
         for r in &self.ranks {
-            init_signal_buffer_with_counter_base::<B>(&r.device, &r.signal, self.layout, base)?;
+            init_signal_buffer_with_counter_base::<B>(
+                &r.device,
+                &r.signal,
+                self.settings.layout,
+                base,
+            )?;
         }
         for r in &self.ranks {
             B::synchronize(&r.device)?;
@@ -324,7 +315,9 @@ impl<B: Backend> Communicator<B> {
                 });
             }
         }
-        let plan = self.plan(metas[0].dtype, metas[0].len, options, false)?;
+        let plan = self
+            .settings
+            .plan(metas[0].dtype, metas[0].len, options, false)?;
         if plan.elements == 0 {
             return Ok(plan.algorithm);
         }
@@ -371,7 +364,9 @@ impl<B: Backend> Communicator<B> {
         let shapes: Vec<Vec<usize>> = tensors.iter().map(|t| t.shape.clone()).collect();
         let shape_refs: Vec<&[usize]> = shapes.iter().map(|s| s.as_slice()).collect();
         self.check_tensors(&metas, &shape_refs, "in-place")?;
-        let plan = self.plan(metas[0].dtype, metas[0].len, options, true)?;
+        let plan = self
+            .settings
+            .plan(metas[0].dtype, metas[0].len, options, true)?;
         if plan.elements == 0 {
             return Ok(plan.algorithm);
         }
@@ -401,7 +396,7 @@ impl<B: Backend> Communicator<B> {
     #[doc(hidden)]
     pub fn barrier_on_ranks(&self, group_size: usize, ranks: &[usize]) -> Result<()> {
         self.check_usable()?;
-        let width = self.group_width(group_size)?;
+        let width = self.settings.group_width(group_size)?;
         let plan = Plan {
             kernel: Kernel {
                 kind: KernelKind::Barrier,
@@ -413,7 +408,7 @@ impl<B: Backend> Communicator<B> {
             stage_input: false,
             dims: LaunchDims {
                 blocks: 1,
-                threads: self.config.threads_per_block,
+                threads: self.settings.config.threads_per_block,
             },
         };
         let zeros = [0u64; MAX_GPUS];
@@ -439,23 +434,8 @@ impl<B: Backend> Communicator<B> {
                 self.world_size()
             )));
         }
-        let args = AllReduceArgs {
-            timeout_ns: u64::try_from(delay.as_nanos()).unwrap_or(u64::MAX),
-            ..Default::default()
-        };
         let _launches = self.lock_launches();
-        B::launch(
-            &self.ranks[rank].device,
-            Kernel {
-                kind: KernelKind::Delay,
-                dtype: DType::F32,
-            },
-            LaunchDims {
-                blocks: 1,
-                threads: 32,
-            },
-            &args,
-        )
+        self.ranks[rank].launch_delay(delay)
     }
 
     /// Enqueues `iters` flag round trips between ranks 0 and 1 (one thread each, through
@@ -469,7 +449,7 @@ impl<B: Backend> Communicator<B> {
                 "the flag ping-pong needs two ranks".into(),
             ));
         }
-        let payload_off = self.layout.payload_offset() as u64;
+        let payload_off = self.settings.layout.payload_offset() as u64;
         for r in 0..2 {
             B::memset_d32(
                 &self.ranks[r].device,

@@ -1,27 +1,31 @@
 //! Planning: which algorithm, kernel and grid a validated call runs, and whether the
 //! scratch can hold it.
 
-use crate::backend::{Backend, Kernel, KernelKind, LaunchDims};
+use crate::backend::{Kernel, KernelKind, LaunchDims};
 use crate::dispatch::{self, Algorithm};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::signal::{MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES};
 
-use super::{AllReduceOptions, Communicator};
+use super::settings::Settings;
+use super::AllReduceOptions;
 
 /// What validation learned about one call.
-pub(super) struct Plan {
-    pub(super) kernel: Kernel,
-    pub(super) algorithm: Algorithm,
-    pub(super) width: usize,
-    pub(super) elements: usize,
-    pub(super) stage_input: bool,
-    pub(super) dims: LaunchDims,
+pub(crate) struct Plan {
+    pub(crate) kernel: Kernel,
+    pub(crate) algorithm: Algorithm,
+    pub(crate) width: usize,
+    pub(crate) elements: usize,
+    pub(crate) stage_input: bool,
+    pub(crate) dims: LaunchDims,
 }
 
-impl<B: Backend> Communicator<B> {
-    /// Chooses the algorithm and grid, and checks the scratch it needs.
-    pub(super) fn plan(
+impl Settings {
+    /// Chooses the algorithm and grid, and checks the scratch it needs. Where the
+    /// peers cannot read user buffers (ranks in different processes), every input the
+    /// peers read is staged into the own payload first, and two-stage (which reads the
+    /// inputs in its reduce-scatter) is not offered.
+    pub(crate) fn plan(
         &self,
         dtype: DType,
         elements: usize,
@@ -35,26 +39,31 @@ impl<B: Backend> Communicator<B> {
         let slot = self.layout.lamport_slot_bytes;
         let payload = self.layout.payload_bytes;
         let two_stage_need = packs.div_ceil(width) * PACK_BYTES;
+        let direct = self.peers_read_user_buffers;
+        let stages = |in_place: bool| in_place || !direct;
         let fits = |a: Algorithm| match a {
             Algorithm::Lamport => padded <= slot,
             Algorithm::TwoStage => two_stage_need <= payload,
-            Algorithm::OneStage => !in_place || width == 1 || padded <= payload,
+            Algorithm::OneStage => !stages(in_place) || width == 1 || padded <= payload,
             Algorithm::Auto => true,
         };
         // Lamport runs only over the whole world of at least two ranks: its state is
         // per rank and shared by every width, so a subgroup call would move one group's
         // generations and not its siblings' (see the own-slot rule in the header). A
         // group of one needs no peers: it copies, keeping the sign of zero.
-        let lamport_allowed = width == self.world_size() && width > 1;
+        let lamport_allowed = width == self.world && width > 1;
         let algorithm = match options.algorithm {
             Algorithm::Auto => {
                 let mut preferred = dispatch::choose(&self.arch, width, bytes);
-                if preferred == Algorithm::Lamport && !lamport_allowed {
+                if (preferred == Algorithm::Lamport && !lamport_allowed)
+                    || (preferred == Algorithm::TwoStage && !direct)
+                {
                     preferred = Algorithm::OneStage;
                 }
                 // Fall back towards the algorithms that need less scratch.
                 [preferred, Algorithm::OneStage, Algorithm::TwoStage]
                     .into_iter()
+                    .filter(|&a| direct || a != Algorithm::TwoStage)
                     .find(|&a| fits(a))
                     .unwrap_or(preferred)
             }
@@ -63,8 +72,15 @@ impl<B: Backend> Communicator<B> {
                 return Err(Error::Unsupported(format!(
                     "the Lamport algorithm runs only over the whole world (group_size 0 or \
                      {}), not over groups of {width}; use Auto or another algorithm",
-                    self.world_size()
+                    self.world
                 )))
+            }
+            Algorithm::TwoStage if !direct && width > 1 => {
+                return Err(Error::Unsupported(
+                    "two-stage reads the peers' user buffers, which ranks in other processes \
+                     cannot reach; use Auto, OneStage or Lamport"
+                        .into(),
+                ))
             }
             a => a,
         };
@@ -83,7 +99,7 @@ impl<B: Backend> Communicator<B> {
         let kind = algorithm.kernel_kind().expect("concrete algorithm");
         // A group of one never waits for anyone; the staging copy is only needed when
         // peers read the input while the own rank overwrites it.
-        let stage_input = in_place && kind == KernelKind::OneStage && width > 1;
+        let stage_input = stages(in_place) && kind == KernelKind::OneStage && width > 1;
         let work_packs = match kind {
             KernelKind::TwoStage => packs.div_ceil(width),
             _ => packs,

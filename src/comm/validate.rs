@@ -92,15 +92,6 @@ impl<B: Backend> Communicator<B> {
         Ok(())
     }
 
-    pub(super) fn group_width(&self, group_size: usize) -> Result<usize> {
-        let world = self.world_size();
-        let width = if group_size == 0 { world } else { group_size };
-        if width > world || world % width != 0 {
-            return Err(Error::InvalidGroupSize { group_size, world });
-        }
-        Ok(width)
-    }
-
     /// When the plan's peers read the user buffers at `ptrs` directly (one-stage
     /// without staging, two-stage), checks that each group peer's device can reach them.
     pub(super) fn check_peers_reach(

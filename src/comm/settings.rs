@@ -1,0 +1,83 @@
+//! What every rank of a communicator shares: sizes, limits, the dispatch key, and
+//! whether peers can read each other's user buffers.
+
+use crate::error::{Error, Result};
+use crate::signal::{SignalLayout, MAX_NUM_BLOCKS_UPPER_BOUND};
+
+use super::CommConfig;
+
+/// The settings the planner and the launcher read; equal on every rank.
+pub(crate) struct Settings {
+    pub(crate) layout: SignalLayout,
+    pub(crate) config: CommConfig,
+    /// Architecture of the devices (keys the dispatch table).
+    pub(crate) arch: String,
+    pub(crate) max_blocks: u32,
+    pub(crate) world: usize,
+    /// One process with peer access: kernels may read the peers' user buffers.
+    /// Otherwise (a rank per process) they read only the mapped signal allocations.
+    pub(crate) peers_read_user_buffers: bool,
+}
+
+impl Settings {
+    /// Checks `config` and derives the settings for `world` ranks on devices of `arch`
+    /// with `multiprocessors` each.
+    pub(crate) fn new(
+        config: CommConfig,
+        arch: String,
+        multiprocessors: usize,
+        world: usize,
+        peers_read_user_buffers: bool,
+    ) -> Result<Self> {
+        let layout = SignalLayout {
+            lamport_slot_bytes: config.lamport_slot_bytes,
+            payload_bytes: config.payload_bytes,
+        };
+        layout.validate()?;
+        if config.threads_per_block == 0
+            || config.threads_per_block > 512
+            || config.threads_per_block % 64 != 0
+        {
+            return Err(Error::Unsupported(format!(
+                "threads_per_block must be a multiple of 64 in 64..=512 (the kernels' launch \
+                 bound), not {}",
+                config.threads_per_block
+            )));
+        }
+        let max_blocks = config
+            .max_blocks
+            .unwrap_or(u32::try_from(multiprocessors).unwrap_or(u32::MAX))
+            .clamp(1, MAX_NUM_BLOCKS_UPPER_BOUND as u32);
+        Ok(Settings {
+            layout,
+            config,
+            arch,
+            max_blocks,
+            world,
+            peers_read_user_buffers,
+        })
+    }
+
+    /// The width of the groups of a call: `group_size`, or the world for 0.
+    pub(crate) fn group_width(&self, group_size: usize) -> Result<usize> {
+        let width = if group_size == 0 {
+            self.world
+        } else {
+            group_size
+        };
+        if width > self.world || self.world % width != 0 {
+            return Err(Error::InvalidGroupSize {
+                group_size,
+                world: self.world,
+            });
+        }
+        Ok(width)
+    }
+
+    /// The wait limit the kernels get, in nanoseconds (0 = never; saturates).
+    pub(crate) fn timeout_ns(&self) -> u64 {
+        self.config.barrier_timeout.map_or(0, |t| {
+            u64::try_from(t.as_nanos()).unwrap_or(u64::MAX).max(1)
+        })
+    }
+}
