@@ -159,6 +159,9 @@ pub enum Error {
         /// What the runtime said.
         detail: String,
     },
+    /// Finding the other ranks, or exchanging setup data with them, failed.
+    #[error("bootstrap: {0}")]
+    Bootstrap(#[from] crate::bootstrap::BootstrapError),
     /// A driver/runtime call failed.
     #[error("{backend} call {call} failed: {detail}")]
     Backend {

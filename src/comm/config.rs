@@ -26,6 +26,9 @@ pub struct CommConfig {
     /// must be resident at once (ranks spin waiting for each other), so keep
     /// `max_blocks` small (for example 4) when this is on. Timings mean nothing then.
     pub allow_shared_devices: bool,
+    /// How long the per-rank [`crate::Comm`] waits for the other ranks at setup and at
+    /// each bootstrap step (re-initialisation, teardown).
+    pub bootstrap_timeout: Duration,
 }
 
 impl Default for CommConfig {
@@ -37,6 +40,7 @@ impl Default for CommConfig {
             max_blocks: None,
             threads_per_block: 512,
             allow_shared_devices: false,
+            bootstrap_timeout: Duration::from_secs(120),
         }
     }
 }

@@ -20,12 +20,14 @@ use crate::tensor::{Tensor, TensorMut};
 
 mod config;
 mod launch;
+mod per_rank;
 mod plan;
 mod settings;
 mod validate;
 
 use crate::{enable_p2p, init_signal_buffer_with_counter_base};
 pub use config::{AllReduceOptions, CommConfig};
+pub use per_rank::Comm;
 use plan::Plan;
 use settings::Settings;
 use validate::{check_world, first_missing_peer_pair, Meta};
@@ -182,32 +184,20 @@ impl<B: Backend> Communicator<B> {
         self.check_device_errors()
     }
 
-    /// Reads every rank's error record (waiting for its stream first).
+    /// Reads every rank's error record (waiting for its stream first); the root
+    /// cause first: a timeout, else the abort a rank was told.
     fn check_device_errors(&self) -> Result<()> {
-        let off = std::mem::offset_of!(Signal, error_state);
         let mut first_abort = None;
-        for (rank, r) in self.ranks.iter().enumerate() {
-            let mut raw = [0u8; 16];
-            B::read(&r.device, B::memory_ptr(&r.signal) + off as u64, &mut raw)?;
-            let word = |i: usize| u32::from_le_bytes(raw[i * 4..i * 4 + 4].try_into().unwrap());
-            match word(ERROR_CODE) {
-                0 => {}
-                ERROR_PEER_ABORTED => {
-                    first_abort.get_or_insert(Error::PeerAborted {
-                        rank,
-                        by: word(ERROR_RANK) as usize,
-                        block: word(ERROR_BLOCK) as usize,
-                        domain: word(ERROR_DOMAIN) as usize,
-                    });
+        for r in &self.ranks {
+            match read_error_record::<B>(r)? {
+                Some(e @ Error::PeerAborted { .. }) => {
+                    first_abort.get_or_insert(e);
                 }
-                _ => {
+                Some(e) => {
                     self.poisoned.store(true, Ordering::Release);
-                    return Err(Error::BarrierTimeout {
-                        rank: word(ERROR_RANK) as usize,
-                        block: word(ERROR_BLOCK) as usize,
-                        domain: word(ERROR_DOMAIN) as usize,
-                    });
+                    return Err(e);
                 }
+                None => {}
             }
         }
         match first_abort {
@@ -396,21 +386,7 @@ impl<B: Backend> Communicator<B> {
     #[doc(hidden)]
     pub fn barrier_on_ranks(&self, group_size: usize, ranks: &[usize]) -> Result<()> {
         self.check_usable()?;
-        let width = self.settings.group_width(group_size)?;
-        let plan = Plan {
-            kernel: Kernel {
-                kind: KernelKind::Barrier,
-                dtype: DType::F32,
-            },
-            algorithm: Algorithm::Auto,
-            width,
-            elements: 0,
-            stage_input: false,
-            dims: LaunchDims {
-                blocks: 1,
-                threads: self.settings.config.threads_per_block,
-            },
-        };
+        let plan = self.settings.barrier_plan(group_size)?;
         let zeros = [0u64; MAX_GPUS];
         for &r in ranks {
             if r >= self.world_size() {
@@ -478,4 +454,30 @@ impl<B: Backend> Communicator<B> {
         let zeros = [0u64; MAX_GPUS];
         self.launch_on(&plan, &[0, 1], &zeros, &zeros)
     }
+}
+
+/// Reads `rank`'s error record (after its stream's earlier work): `None` when clean.
+pub(crate) fn read_error_record<B: Backend>(rank: &Rank<B>) -> Result<Option<Error>> {
+    let off = std::mem::offset_of!(Signal, error_state);
+    let mut raw = [0u8; 16];
+    B::read(
+        &rank.device,
+        B::memory_ptr(&rank.signal) + off as u64,
+        &mut raw,
+    )?;
+    let word = |i: usize| u32::from_le_bytes(raw[i * 4..i * 4 + 4].try_into().unwrap()) as usize;
+    Ok(match word(ERROR_CODE) as u32 {
+        0 => None,
+        ERROR_PEER_ABORTED => Some(Error::PeerAborted {
+            rank: rank.index,
+            by: word(ERROR_RANK),
+            block: word(ERROR_BLOCK),
+            domain: word(ERROR_DOMAIN),
+        }),
+        _ => Some(Error::BarrierTimeout {
+            rank: word(ERROR_RANK),
+            block: word(ERROR_BLOCK),
+            domain: word(ERROR_DOMAIN),
+        }),
+    })
 }

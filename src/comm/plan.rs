@@ -21,6 +21,24 @@ pub(crate) struct Plan {
 }
 
 impl Settings {
+    /// The barrier kernel over groups of `group_size`: one block, no data.
+    pub(crate) fn barrier_plan(&self, group_size: usize) -> Result<Plan> {
+        Ok(Plan {
+            kernel: Kernel {
+                kind: KernelKind::Barrier,
+                dtype: DType::F32,
+            },
+            algorithm: Algorithm::Auto,
+            width: self.group_width(group_size)?,
+            elements: 0,
+            stage_input: false,
+            dims: LaunchDims {
+                blocks: 1,
+                threads: self.config.threads_per_block,
+            },
+        })
+    }
+
     /// Chooses the algorithm and grid, and checks the scratch it needs. Where the
     /// peers cannot read user buffers (ranks in different processes), every input the
     /// peers read is staged into the own payload first, and two-stage (which reads the

@@ -1,0 +1,506 @@
+//! The per-rank communicator: one rank, created in the thread or process that owns its
+//! device, shaped like cudarc's `nccl::Comm`. Ranks find each other through a
+//! [`Bootstrap`] (by default TCP from a [`UniqueId`]), exchange their signal
+//! allocations as IPC handles (or plain addresses when they share a process), and
+//! from then on each call launches only this rank's kernel on this rank's stream.
+//!
+//! Kernels read peer data only from the peers' signal allocations: an input the peers
+//! need is staged into this rank's payload first (one-stage), or pushed into the
+//! peers' Lamport regions (Lamport). User buffers are never exported, so they need no
+//! registration and every call is capturable in a CUDA graph.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Mutex;
+use std::time::Duration;
+
+use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut, MemoryKind};
+use crate::bootstrap::{Bootstrap, HostId, TcpBootstrap, UniqueId};
+use crate::dispatch::Algorithm;
+use crate::error::{Error, Result};
+use crate::signal::MAX_GPUS;
+use crate::{init_signal_buffer_with_counter_base, SignalLayout};
+
+use super::settings::Settings;
+use super::validate::check_world;
+use super::{read_error_record, AllReduceOptions, CommConfig, Rank};
+
+/// Format version of the per-rank exchange record.
+const RECORD_VERSION: u8 = 1;
+
+/// One rank of a communicator whose ranks live in different threads or processes.
+///
+/// ```
+/// use peercomm::backend::{host::Host, Backend};
+/// use peercomm::bootstrap::UniqueId;
+/// use peercomm::{AllReduceOptions, Comm, CommConfig};
+///
+/// let id = UniqueId::new()?; // made by rank 0, sent to the others (string or bytes)
+/// let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+///     let workers: Vec<_> = (0..2)
+///         .map(|rank| {
+///             s.spawn(move || {
+///                 let dev = Host::open(rank).unwrap();
+///                 let comm = Comm::<Host>::from_rank(dev, rank, 2, &id, CommConfig::default()).unwrap();
+///                 let mut send = Host::alloc_buffer::<f32>(comm.device(), 4).unwrap();
+///                 Host::upload(comm.device(), &[rank as f32 + 1.0; 4], &mut send).unwrap();
+///                 let mut recv = Host::alloc_buffer::<f32>(comm.device(), 4).unwrap();
+///                 comm.all_reduce_sum(&send, &mut recv, &AllReduceOptions::new()).unwrap();
+///                 comm.synchronize().unwrap();
+///                 Host::download(comm.device(), &recv).unwrap()
+///             })
+///         })
+///         .collect();
+///     workers.into_iter().map(|w| w.join().unwrap()).collect()
+/// });
+/// assert_eq!(sums, vec![vec![3.0; 4]; 2]);
+/// # Ok::<(), peercomm::bootstrap::BootstrapError>(())
+/// ```
+pub struct Comm<B: Backend> {
+    rank: Rank<B>,
+    settings: Settings,
+    bootstrap: Box<dyn Bootstrap>,
+    hosts: Vec<HostId>,
+    /// Peer signals imported from other processes; unmapped on drop, after the
+    /// teardown barrier.
+    mappings: Vec<B::PeerMapping>,
+    poisoned: AtomicBool,
+    /// Held while a collective is enqueued, so two threads sharing this rank cannot
+    /// interleave their launches with a re-initialisation.
+    launch_lock: Mutex<()>,
+    torn_down: AtomicBool,
+}
+
+/// What each rank tells the others at setup.
+struct PeerRecord {
+    pid: u32,
+    ordinal: usize,
+    signal_addr: u64,
+    arch: String,
+    checksum: u64,
+}
+
+impl PeerRecord {
+    fn encode(&self) -> Vec<u8> {
+        let mut out = vec![RECORD_VERSION];
+        out.extend_from_slice(&self.pid.to_le_bytes());
+        out.extend_from_slice(&(self.ordinal as u64).to_le_bytes());
+        out.extend_from_slice(&self.signal_addr.to_le_bytes());
+        out.extend_from_slice(&self.checksum.to_le_bytes());
+        out.extend_from_slice(&(self.arch.len() as u32).to_le_bytes());
+        out.extend_from_slice(self.arch.as_bytes());
+        out
+    }
+
+    fn decode(rank: usize, bytes: &[u8]) -> Result<Self> {
+        let bad = || Error::InvalidConfig(format!("rank {rank} sent a malformed setup record"));
+        let mut at = 0usize;
+        let mut take = |n: usize| -> Result<&[u8]> {
+            let field = bytes.get(at..at + n).ok_or_else(bad)?;
+            at += n;
+            Ok(field)
+        };
+        if take(1)?[0] != RECORD_VERSION {
+            return Err(Error::InvalidConfig(format!(
+                "rank {rank} runs another peercomm version (setup record format)"
+            )));
+        }
+        let pid = u32::from_le_bytes(take(4)?.try_into().unwrap());
+        let ordinal = u64::from_le_bytes(take(8)?.try_into().unwrap()) as usize;
+        let signal_addr = u64::from_le_bytes(take(8)?.try_into().unwrap());
+        let checksum = u64::from_le_bytes(take(8)?.try_into().unwrap());
+        let n = u32::from_le_bytes(take(4)?.try_into().unwrap()) as usize;
+        let arch = String::from_utf8(take(n)?.to_vec()).map_err(|_| bad())?;
+        Ok(PeerRecord {
+            pid,
+            ordinal,
+            signal_addr,
+            arch,
+            checksum,
+        })
+    }
+}
+
+/// A checksum of what every rank's configuration must agree on (FNV-1a).
+pub(crate) fn config_checksum(config: &CommConfig) -> u64 {
+    let timeout = config
+        .barrier_timeout
+        .map_or(0, |t| u64::try_from(t.as_nanos()).unwrap_or(u64::MAX));
+    let fields = [
+        config.lamport_slot_bytes as u64,
+        config.payload_bytes as u64,
+        timeout,
+        config.max_blocks.map_or(u64::MAX, u64::from),
+        u64::from(config.threads_per_block),
+        u64::from(config.allow_shared_devices),
+    ];
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for byte in fields.iter().flat_map(|f| f.to_le_bytes()) {
+        h = (h ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+    }
+    h
+}
+
+impl<B: Backend> Comm<B> {
+    /// Rank `rank` of `world_size`, on `device` (opened by this thread or process,
+    /// for CUDA with the stream collectives should run on:
+    /// `CudaDevice::from_stream`). Every rank calls this with the same `id` (made by
+    /// rank 0 with [`UniqueId::new`] and sent to the others) and the same `config`;
+    /// it returns once all ranks have joined, or with a typed error when one does not
+    /// come within `config.bootstrap_timeout`.
+    pub fn from_rank(
+        device: B::Device,
+        rank: usize,
+        world_size: usize,
+        id: &UniqueId,
+        config: CommConfig,
+    ) -> Result<Self> {
+        check_world(world_size)?;
+        let bootstrap = TcpBootstrap::connect(
+            id,
+            rank,
+            world_size,
+            config_checksum(&config),
+            config.bootstrap_timeout,
+        )?;
+        let hosts = bootstrap.host_ids().to_vec();
+        Self::setup(device, Box::new(bootstrap), hosts, config)
+    }
+
+    /// As [`Comm::from_rank`], over a bootstrap the engine brings (its own store:
+    /// torch.distributed, MPI, an RPC layer): rank and world size come from it.
+    pub fn from_bootstrap(
+        device: B::Device,
+        bootstrap: Box<dyn Bootstrap>,
+        config: CommConfig,
+    ) -> Result<Self> {
+        check_world(bootstrap.world_size())?;
+        let hosts = bootstrap
+            .all_gather(crate::bootstrap::host_identity().as_str().as_bytes())?
+            .into_iter()
+            .map(|h| HostId::new(String::from_utf8_lossy(&h).into_owned()))
+            .collect();
+        Self::setup(device, bootstrap, hosts, config)
+    }
+
+    fn setup(
+        device: B::Device,
+        bootstrap: Box<dyn Bootstrap>,
+        hosts: Vec<HostId>,
+        config: CommConfig,
+    ) -> Result<Self> {
+        let (me, world) = (bootstrap.rank(), bootstrap.world_size());
+        if hosts.iter().any(|h| *h != hosts[me]) {
+            return Err(Error::Unsupported(format!(
+                "the ranks run on several hosts ({:?}); peer memory serves one host only",
+                hosts.iter().map(HostId::as_str).collect::<Vec<_>>()
+            )));
+        }
+        let checksum = config_checksum(&config);
+        let arch = B::architecture(&device)?;
+        let sms = B::multiprocessor_count(&device)?;
+        let settings = Settings::new(config, arch.clone(), sms, world, false)?;
+        let layout = settings.layout;
+        let kind = if world > 1 {
+            MemoryKind::SharedSignal
+        } else {
+            MemoryKind::Signal
+        };
+        let signal = B::alloc(&device, layout.checked_total_bytes()?, kind)?;
+        init_signal_buffer_with_counter_base::<B>(&device, &signal, layout, 0)?;
+        B::synchronize(&device)?;
+        let mine = PeerRecord {
+            pid: std::process::id(),
+            ordinal: B::ordinal(&device),
+            signal_addr: B::memory_ptr(&signal),
+            arch,
+            checksum,
+        };
+        let records = bootstrap
+            .all_gather(&mine.encode())?
+            .iter()
+            .enumerate()
+            .map(|(r, bytes)| PeerRecord::decode(r, bytes))
+            .collect::<Result<Vec<_>>>()?;
+        // IPC handles only when some rank is in another process (every rank decides the
+        // same from the same records, so all make the same bootstrap calls).
+        let handles = if records.iter().any(|p| p.pid != records[0].pid) {
+            bootstrap.all_gather(&B::export_memory(&device, &signal)?)?
+        } else {
+            vec![Vec::new(); world]
+        };
+        let mut peer_signals = [0u64; MAX_GPUS];
+        let mut mappings = Vec::new();
+        for (r, peer) in records.iter().enumerate() {
+            check_peer_record(me, r, &mine, peer, &settings.config)?;
+            peer_signals[r] = if r == me {
+                mine.signal_addr
+            } else if peer.pid == mine.pid {
+                // The same process: the address is valid here once peer access is on.
+                if peer.ordinal != mine.ordinal {
+                    enable_peer_access_to::<B>(&device, peer.ordinal)?;
+                }
+                peer.signal_addr
+            } else {
+                let mapping = B::import_memory(&device, &handles[r])?;
+                let addr = B::mapping_ptr(&mapping);
+                mappings.push(mapping);
+                addr
+            };
+        }
+        // No rank launches before every rank has mapped every signal.
+        bootstrap.barrier()?;
+        Ok(Comm {
+            rank: Rank {
+                index: me,
+                device,
+                signal,
+                peer_signals,
+            },
+            settings,
+            bootstrap,
+            hosts,
+            mappings,
+            poisoned: AtomicBool::new(false),
+            launch_lock: Mutex::new(()),
+            torn_down: AtomicBool::new(false),
+        })
+    }
+
+    /// This rank's index in the world.
+    pub fn rank(&self) -> usize {
+        self.rank.index
+    }
+    /// Ranks in the world.
+    pub fn world_size(&self) -> usize {
+        self.settings.world
+    }
+    /// The device (for CUDA: its context and the stream collectives run on).
+    pub fn device(&self) -> &B::Device {
+        &self.rank.device
+    }
+    /// Each rank's host identity, as the bootstrap saw it.
+    pub fn hosts(&self) -> &[HostId] {
+        &self.hosts
+    }
+    /// The signal layout (Lamport slot and payload sizes).
+    pub fn layout(&self) -> SignalLayout {
+        self.settings.layout
+    }
+    /// The configuration it was built with.
+    pub fn config(&self) -> &CommConfig {
+        &self.settings.config
+    }
+    /// Whether an earlier error has disabled collectives until [`Comm::reinitialize`].
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned.load(Ordering::Acquire)
+    }
+
+    /// Sums `send` over each group into `recv`, on this rank's stream; returns at once
+    /// with the algorithm that runs. Every rank of the group must make the same call
+    /// (same dtype, length, options) in the same order, as with NCCL: lengths cannot
+    /// be compared across processes without a round trip per call. A rank whose peers
+    /// never make the call gets [`Error::BarrierTimeout`] from
+    /// [`Comm::synchronize`].
+    pub fn all_reduce_sum<S, R>(
+        &self,
+        send: &S,
+        recv: &mut R,
+        options: &AllReduceOptions,
+    ) -> Result<Algorithm>
+    where
+        S: DeviceBuffer<B> + ?Sized,
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        self.check_usable()?;
+        self.check_buffer(send.device_ordinal(), "input")?;
+        self.check_buffer(recv.device_ordinal(), "output")?;
+        if send.dtype() != recv.dtype() {
+            return Err(Error::DTypeMismatch {
+                rank: self.rank(),
+                expected: send.dtype(),
+                got: recv.dtype(),
+            });
+        }
+        if send.len() != recv.len() {
+            return Err(Error::LengthMismatch {
+                rank: self.rank(),
+                what: format!(
+                    "output has {} elements but its input {}",
+                    recv.len(),
+                    send.len()
+                ),
+            });
+        }
+        let plan = self
+            .settings
+            .plan(send.dtype(), send.len(), options, false)?;
+        if plan.elements == 0 {
+            return Ok(plan.algorithm);
+        }
+        let dev = &self.rank.device;
+        let (input, in_guard) = send.read_ptr(dev);
+        let (output, out_guard) = recv.write_ptr(dev);
+        let mut inputs = [0u64; MAX_GPUS];
+        inputs[self.rank()] = input;
+        let result = self.launch(|| self.rank.launch(&self.settings, &plan, &inputs, output));
+        drop((in_guard, out_guard));
+        result.map(|_| plan.algorithm)
+    }
+
+    /// Sums `buf` over each group in place. As [`Comm::all_reduce_sum`].
+    pub fn all_reduce_sum_in_place<R>(
+        &self,
+        buf: &mut R,
+        options: &AllReduceOptions,
+    ) -> Result<Algorithm>
+    where
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        self.check_usable()?;
+        self.check_buffer(buf.device_ordinal(), "in-place")?;
+        let plan = self.settings.plan(buf.dtype(), buf.len(), options, true)?;
+        if plan.elements == 0 {
+            return Ok(plan.algorithm);
+        }
+        let (ptr, guard) = buf.write_ptr(&self.rank.device);
+        let mut inputs = [0u64; MAX_GPUS];
+        inputs[self.rank()] = ptr;
+        let result = self.launch(|| self.rank.launch(&self.settings, &plan, &inputs, ptr));
+        drop(guard);
+        result.map(|_| plan.algorithm)
+    }
+
+    /// A start and an end barrier over this rank's group, on its stream.
+    pub fn barrier(&self, group_size: usize) -> Result<()> {
+        self.check_usable()?;
+        let plan = self.settings.barrier_plan(group_size)?;
+        let zeros = [0u64; MAX_GPUS];
+        self.launch(|| self.rank.launch(&self.settings, &plan, &zeros, 0))
+    }
+
+    /// Fault injection: this rank's next collective starts `delay` late (a kernel that
+    /// spins on its stream). See [`crate::Communicator::delay_rank`].
+    pub fn delay(&self, delay: Duration) -> Result<()> {
+        self.launch(|| self.rank.launch_delay(delay))
+    }
+
+    /// Waits for this rank's stream, then reads its error record (a small
+    /// device-to-host copy): a wait that gave up on this rank returns
+    /// [`Error::BarrierTimeout`], a peer that gave up [`Error::PeerAborted`], and the
+    /// communicator refuses collectives until [`Comm::reinitialize`].
+    pub fn synchronize(&self) -> Result<()> {
+        B::synchronize(&self.rank.device)?;
+        match read_error_record::<B>(&self.rank)? {
+            Some(e) => {
+                self.poisoned.store(true, Ordering::Release);
+                Err(e)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Brings every rank back to the state of a new communicator after an error: a
+    /// collective call (every rank calls it), through the bootstrap. Fails with a
+    /// bootstrap error when a rank is gone; then the communicator must be rebuilt.
+    pub fn reinitialize(&self) -> Result<()> {
+        let _launches = self.launch_lock.lock().unwrap_or_else(|e| e.into_inner());
+        B::synchronize(&self.rank.device)?;
+        // Nobody may still touch a signal while it is being reset, nor launch before
+        // every signal is reset.
+        self.bootstrap.barrier()?;
+        init_signal_buffer_with_counter_base::<B>(
+            &self.rank.device,
+            &self.rank.signal,
+            self.settings.layout,
+            0,
+        )?;
+        B::synchronize(&self.rank.device)?;
+        self.bootstrap.barrier()?;
+        self.poisoned.store(false, Ordering::Release);
+        Ok(())
+    }
+
+    fn check_usable(&self) -> Result<()> {
+        if self.is_poisoned() {
+            Err(Error::Poisoned)
+        } else {
+            Ok(())
+        }
+    }
+
+    fn check_buffer(&self, ordinal: usize, which: &'static str) -> Result<()> {
+        let expected = B::ordinal(&self.rank.device);
+        if ordinal != expected {
+            return Err(Error::WrongDevice {
+                rank: self.rank(),
+                which,
+                expected,
+                got: ordinal,
+            });
+        }
+        Ok(())
+    }
+
+    fn launch(&self, f: impl FnOnce() -> Result<()>) -> Result<()> {
+        let _launches = self.launch_lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.check_usable()?;
+        f()
+    }
+}
+
+impl<B: Backend> Drop for Comm<B> {
+    /// Waits for this rank's work, then for every rank to reach the same point (the
+    /// bootstrap's timeout bounds it; a peer that is gone is skipped), so no peer still
+    /// touches this rank's signal when it is freed. Never panics.
+    fn drop(&mut self) {
+        if self.torn_down.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let _ = B::synchronize(&self.rank.device);
+        if self.settings.world > 1 {
+            let _ = self.bootstrap.barrier();
+        }
+        self.mappings.clear();
+    }
+}
+
+/// Checks what rank `r` reported against this rank's own record.
+fn check_peer_record(
+    me: usize,
+    r: usize,
+    mine: &PeerRecord,
+    peer: &PeerRecord,
+    config: &CommConfig,
+) -> Result<()> {
+    if peer.checksum != mine.checksum {
+        return Err(Error::InvalidConfig(format!(
+            "rank {r}'s configuration differs from rank {me}'s: every rank must pass the same \
+             CommConfig"
+        )));
+    }
+    if peer.arch != mine.arch {
+        return Err(Error::InvalidDevices(format!(
+            "rank {r} runs on {} and rank {me} on {}: one architecture per communicator",
+            peer.arch, mine.arch
+        )));
+    }
+    if r != me && peer.ordinal == mine.ordinal && !config.allow_shared_devices {
+        return Err(Error::InvalidDevices(format!(
+            "ranks {me} and {r} are both on device {} (set allow_shared_devices for tests)",
+            mine.ordinal
+        )));
+    }
+    Ok(())
+}
+
+/// Lets `dev` reach memory of device `peer_ordinal` in this process.
+fn enable_peer_access_to<B: Backend>(dev: &B::Device, peer_ordinal: usize) -> Result<()> {
+    let peer = B::open(peer_ordinal)?;
+    if !B::can_access_peer(dev, &peer)? {
+        return Err(Error::P2pUnavailable {
+            from: B::ordinal(dev),
+            to: peer_ordinal,
+        });
+    }
+    B::enable_peer_access(dev, &peer)
+}
