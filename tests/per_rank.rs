@@ -1,288 +1,48 @@
-//! The per-rank communicator (`peercomm::Comm`) with one thread per rank on the host
-//! backend: every rank checks its own outputs against the f64 reference of inputs that
-//! every rank can rebuild from a shared seed, and bitwise against rank 0's.
+//! The per-rank communicator on the host backend, one thread per rank (the suite is in
+//! tests/per_rank_suite). Multi-process runs are in tests/per_rank_processes.rs.
 
 mod common;
-
-use std::sync::{Arc, Barrier, Mutex};
-use std::time::Duration;
+mod per_rank_suite;
 
 use peercomm::backend::host::Host;
-use peercomm::backend::Backend;
-use peercomm::bootstrap::UniqueId;
-use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error};
-use rand::rngs::StdRng;
-use rand::SeedableRng;
+use per_rank_suite::Placement;
 
-fn config() -> CommConfig {
-    CommConfig {
-        lamport_slot_bytes: 1 << 20,
-        payload_bytes: 4 << 20,
-        barrier_timeout: Some(Duration::from_secs(30)),
-        max_blocks: Some(2),
-        bootstrap_timeout: Duration::from_secs(30),
-        ..CommConfig::default()
-    }
-}
-
-/// A fresh seed per run, printed so a failure can be replayed with PEERCOMM_SEED.
-fn seed(test: &str) -> u64 {
-    let seed = std::env::var("PEERCOMM_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
-    eprintln!("{test}: PEERCOMM_SEED={seed}");
-    seed
-}
-
-/// Input of `rank` for call `call`: the same on every thread that asks.
-fn input(seed: u64, call: usize, rank: usize, len: usize) -> Vec<f32> {
-    let mut rng = StdRng::seed_from_u64(seed ^ (call as u64) << 20 ^ rank as u64);
-    common::random_values::<f32>(&mut rng, len)
-}
-
-/// Runs `body(rank, comm)` on one thread per rank of a fresh world.
-fn with_world<R: Send>(world: usize, body: impl Fn(usize, Comm<Host>) -> R + Sync) -> Vec<R> {
-    let id = UniqueId::new().unwrap();
-    std::thread::scope(|s| {
-        let body = &body;
-        let workers: Vec<_> = (0..world)
-            .map(|rank| {
-                s.spawn(move || {
-                    let dev = Host::open(rank).unwrap();
-                    let comm = Comm::<Host>::from_rank(dev, rank, world, &id, config()).unwrap();
-                    body(rank, comm)
-                })
-            })
-            .collect();
-        workers.into_iter().map(|w| w.join().unwrap()).collect()
-    })
-}
-
-/// Calls of every algorithm the per-rank mode offers, every group size, odd lengths,
-/// in and out of place, enqueued back to back; each rank checks each of its outputs.
-fn checked_calls(world: usize) {
-    let seed = seed("per_rank_threads");
-    let lengths = [1usize, 7, 1023, 4096, 65_537];
-    let outputs = Arc::new(Mutex::new(Vec::new()));
-    let counted = with_world(world, |rank, comm| {
-        let mut plan = Vec::new();
-        for (i, &len) in lengths.iter().enumerate() {
-            for group in common::group_sizes(world) {
-                for algorithm in [Algorithm::Auto, Algorithm::OneStage, Algorithm::Lamport] {
-                    if algorithm == Algorithm::Lamport && group != world && group != 1 {
-                        continue;
-                    }
-                    plan.push((i, len, group, algorithm, (i + group) % 2 == 0));
-                }
-            }
-        }
-        let dev = comm.device();
-        let mut kept = Vec::new();
-        for (call, &(_, len, group, algorithm, in_place)) in plan.iter().enumerate() {
-            let mut send = Host::alloc_buffer::<f32>(dev, len).unwrap();
-            Host::upload(dev, &input(seed, call, rank, len), &mut send).unwrap();
-            let opts = AllReduceOptions::new()
-                .group_size(group)
-                .algorithm(algorithm);
-            if in_place {
-                comm.all_reduce_sum_in_place(&mut send, &opts).unwrap();
-                kept.push(send);
-            } else {
-                let mut recv = Host::alloc_buffer::<f32>(dev, len).unwrap();
-                Host::upload(dev, &vec![f32::NAN; len], &mut recv).unwrap();
-                comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
-                kept.push(recv);
-            }
-        }
-        comm.synchronize().unwrap();
-        for (call, (&(_, len, group, _, _), out)) in plan.iter().zip(&kept).enumerate() {
-            let got = Host::download(dev, out).unwrap();
-            let base = rank / group * group;
-            let ins: Vec<Vec<f32>> = (0..world).map(|r| input(seed, call, r, len)).collect();
-            // This rank's output against its group's sum (the other members' outputs
-            // live in other threads: the bitwise comparison across ranks is below).
-            let group_ins: Vec<Vec<f32>> = ins[base..base + group].to_vec();
-            let group_outs = vec![got.clone(); group];
-            common::check_sums(
-                &group_ins,
-                &group_outs,
-                group,
-                &format!("rank {rank} call {call}"),
-            );
-            outputs.lock().unwrap().push((call, rank, group, got));
-        }
-        plan.len()
-    });
-    let outputs = outputs.lock().unwrap();
-    for (call, rank, group, got) in outputs.iter() {
-        // Every member of a group has the same bits as the group's first member.
-        let lead = rank / group * group;
-        let (_, _, _, lead_out) = outputs
-            .iter()
-            .find(|(c, r, _, _)| c == call && *r == lead)
-            .unwrap();
-        assert!(
-            got.iter()
-                .zip(lead_out)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "call {call}: rank {rank} differs from rank {lead}"
-        );
-    }
-    eprintln!(
-        "per_rank_threads world {world}: {} calls per rank checked",
-        counted[0]
-    );
-}
+const HOST: Placement = Placement {
+    devices: peercomm::MAX_GPUS,
+    max_blocks: 2,
+};
 
 #[test]
 fn per_rank_threads_world_2() {
-    checked_calls(2);
+    per_rank_suite::checked_calls::<Host>(&HOST, 2);
 }
 
 #[test]
 fn per_rank_threads_world_3() {
-    checked_calls(3);
+    per_rank_suite::checked_calls::<Host>(&HOST, 3);
 }
 
 #[test]
 fn per_rank_threads_world_4() {
-    checked_calls(4);
+    per_rank_suite::checked_calls::<Host>(&HOST, 4);
 }
 
 #[test]
 fn per_rank_threads_world_8() {
-    checked_calls(8);
+    per_rank_suite::checked_calls::<Host>(&HOST, 8);
 }
 
-/// Forced two-stage is refused per rank (it reads the peers' user buffers), with
-/// nothing written; Auto still works.
 #[test]
 fn per_rank_refuses_two_stage() {
-    with_world(2, |_rank, comm| {
-        let dev = comm.device();
-        let mut send = Host::alloc_buffer::<f32>(dev, 64).unwrap();
-        Host::upload(dev, &[1.0; 64], &mut send).unwrap();
-        let mut recv = Host::alloc_buffer::<f32>(dev, 64).unwrap();
-        Host::upload(dev, &[f32::NAN; 64], &mut recv).unwrap();
-        let err = comm
-            .all_reduce_sum(
-                &send,
-                &mut recv,
-                &AllReduceOptions::new().algorithm(Algorithm::TwoStage),
-            )
-            .unwrap_err();
-        assert!(matches!(err, Error::Unsupported(_)), "{err}");
-        assert!(Host::download(dev, &recv)
-            .unwrap()
-            .iter()
-            .all(|x| x.is_nan()));
-        comm.all_reduce_sum(&send, &mut recv, &AllReduceOptions::new())
-            .unwrap();
-        comm.synchronize().unwrap();
-        assert_eq!(Host::download(dev, &recv).unwrap(), vec![2.0; 64]);
-    });
+    per_rank_suite::refuses_two_stage::<Host>(&HOST);
 }
 
-/// Sibling groups make unequal numbers of subgroup calls, then the whole world
-/// all-reduces (Lamport and one-stage): the per-domain counters and the world-only
-/// Lamport state keep them consistent.
 #[test]
 fn per_rank_independent_sibling_groups() {
-    let world = 4;
-    let seed = seed("per_rank_independent_sibling_groups");
-    let start = Barrier::new(world);
-    with_world(world, |rank, comm| {
-        let dev = comm.device();
-        let extra = if rank < 2 { 7 } else { 2 };
-        start.wait();
-        for call in 0..extra {
-            let len = 333 + call;
-            let mut buf = Host::alloc_buffer::<f32>(dev, len).unwrap();
-            Host::upload(dev, &[1.0 + rank as f32; 1][..].repeat(len), &mut buf).unwrap();
-            comm.all_reduce_sum_in_place(&mut buf, &AllReduceOptions::new().group_size(2))
-                .unwrap();
-            comm.synchronize().unwrap();
-            let pair = (rank / 2 * 2) as f32;
-            let expect = (1.0 + pair) + (2.0 + pair);
-            assert!(Host::download(dev, &buf)
-                .unwrap()
-                .iter()
-                .all(|&x| x == expect));
-        }
-        for (call, algorithm) in [Algorithm::Lamport, Algorithm::OneStage, Algorithm::Lamport]
-            .into_iter()
-            .enumerate()
-        {
-            let len = 4099;
-            let mine = input(seed, call, rank, len);
-            let mut buf = Host::alloc_buffer::<f32>(dev, len).unwrap();
-            Host::upload(dev, &mine, &mut buf).unwrap();
-            let opts = AllReduceOptions::new().algorithm(algorithm);
-            comm.all_reduce_sum_in_place(&mut buf, &opts).unwrap();
-            comm.synchronize().unwrap();
-            let ins: Vec<Vec<f32>> = (0..world).map(|r| input(seed, call, r, len)).collect();
-            let got = Host::download(dev, &buf).unwrap();
-            common::check_sums(
-                &ins,
-                &vec![got; world],
-                world,
-                &format!("rank {rank} world call {call}"),
-            );
-        }
-    });
+    per_rank_suite::independent_sibling_groups::<Host>(&HOST);
 }
 
-/// A rank that never makes the call: the others time out with a typed error, refuse
-/// further calls, and work again after a collective reinitialize.
 #[test]
 fn per_rank_missing_call_times_out_and_recovers() {
-    let cfg = CommConfig {
-        barrier_timeout: Some(Duration::from_millis(300)),
-        ..config()
-    };
-    let id = UniqueId::new().unwrap();
-    std::thread::scope(|s| {
-        for rank in 0..2 {
-            let cfg = cfg.clone();
-            let id = &id;
-            s.spawn(move || {
-                let dev = Host::open(rank).unwrap();
-                let comm = Comm::<Host>::from_rank(dev, rank, 2, id, cfg).unwrap();
-                let dev = comm.device();
-                let mut buf = Host::alloc_buffer::<f32>(dev, 100).unwrap();
-                Host::upload(dev, &[1.0; 100], &mut buf).unwrap();
-                if rank == 0 {
-                    let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-                    comm.all_reduce_sum_in_place(&mut buf, &opts).unwrap();
-                    match comm.synchronize() {
-                        Err(Error::BarrierTimeout { rank: 0, .. }) => {}
-                        other => panic!("rank 0: expected a timeout, got {other:?}"),
-                    }
-                    assert_eq!(
-                        comm.all_reduce_sum_in_place(&mut buf, &opts),
-                        Err(Error::Poisoned)
-                    );
-                } else {
-                    // Rank 1 skips the call; rank 0's abort reaches its record.
-                    std::thread::sleep(Duration::from_millis(900));
-                    match comm.synchronize() {
-                        Err(Error::PeerAborted { rank: 1, by: 0, .. }) => {}
-                        other => panic!("rank 1: expected PeerAborted, got {other:?}"),
-                    }
-                }
-                comm.reinitialize().unwrap();
-                Host::upload(dev, &[1.0; 100], &mut buf).unwrap();
-                comm.all_reduce_sum_in_place(&mut buf, &AllReduceOptions::new())
-                    .unwrap();
-                comm.synchronize().unwrap();
-                assert_eq!(Host::download(dev, &buf).unwrap(), vec![2.0; 100]);
-            });
-        }
-    });
+    per_rank_suite::missing_call_times_out_and_recovers::<Host>(&HOST);
 }

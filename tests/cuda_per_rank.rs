@@ -1,0 +1,58 @@
+//! The per-rank communicator on CUDA, one thread per rank (the suite is in
+//! tests/per_rank_suite). With fewer GPUs than ranks, ranks share GPUs (each with its
+//! own stream and signal; few blocks so every rank's blocks are resident). Without a
+//! GPU every test prints why it is skipped.
+#![cfg(feature = "cuda")]
+
+mod common;
+mod per_rank_suite;
+
+use peercomm::backend::cuda::Cuda;
+use peercomm::backend::Backend;
+use per_rank_suite::Placement;
+
+fn placement(test: &str) -> Option<Placement> {
+    match Cuda::device_count() {
+        Ok(n) if n > 0 => Some(Placement {
+            devices: n,
+            max_blocks: 4,
+        }),
+        Ok(_) => {
+            common::announce_skip(test, "no CUDA device");
+            None
+        }
+        Err(e) => {
+            common::announce_skip(test, &format!("no CUDA driver: {e}"));
+            None
+        }
+    }
+}
+
+macro_rules! cuda_world {
+    ($name:ident, $world:expr) => {
+        #[test]
+        fn $name() {
+            if let Some(place) = placement(stringify!($name)) {
+                per_rank_suite::checked_calls::<Cuda>(&place, $world);
+            }
+        }
+    };
+}
+
+cuda_world!(cuda_per_rank_threads_world_2, 2);
+cuda_world!(cuda_per_rank_threads_world_4, 4);
+cuda_world!(cuda_per_rank_threads_world_8, 8);
+
+#[test]
+fn cuda_per_rank_independent_sibling_groups() {
+    if let Some(place) = placement("cuda_per_rank_independent_sibling_groups") {
+        per_rank_suite::independent_sibling_groups::<Cuda>(&place);
+    }
+}
+
+#[test]
+fn cuda_per_rank_missing_call_times_out_and_recovers() {
+    if let Some(place) = placement("cuda_per_rank_missing_call_times_out_and_recovers") {
+        per_rank_suite::missing_call_times_out_and_recovers::<Cuda>(&place);
+    }
+}
