@@ -970,6 +970,9 @@ macro_rules! reference_suite {
             buffer_on_the_wrong_device,
             wrong_number_of_tensors,
             block_count_out_of_range,
+            signal_size_overflow_is_refused,
+            buffer_of_overflowing_size_is_refused,
+            huge_barrier_timeout_saturates,
         );
 
         #[test]
