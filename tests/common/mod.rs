@@ -13,6 +13,7 @@
 #![allow(dead_code)]
 
 pub mod errors;
+pub mod fuzz;
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
