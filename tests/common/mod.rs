@@ -14,6 +14,7 @@
 
 pub mod errors;
 pub mod fuzz;
+pub mod hazards;
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -838,7 +839,8 @@ pub fn back_to_back<B: Backend>(world: usize, calls: usize, max_blocks: Option<u
 
 /// A barrier whose peers never launch: the waiting rank records a timeout naming rank,
 /// block and domain within about twice the timeout; the communicator refuses
-/// collectives until re-initialised, then works again.
+/// collectives until re-initialised, then works again. Then a peer that is late by
+/// more than the timeout (see `hazards::late_peer_after_timeout`).
 pub fn barrier_timeout<B: Backend>(world: usize) {
     let timeout = Duration::from_millis(300);
     let config = CommConfig {
@@ -879,6 +881,7 @@ pub fn barrier_timeout<B: Backend>(world: usize) {
     for algorithm in Algorithm::ALL {
         run_case::<B, f32>(&comm, &mut rng, algorithm, 0, 777, false).unwrap();
     }
+    hazards::late_peer_times_out_and_writes_nothing(&comm, &mut rng, timeout);
 }
 
 /// Generates the suite's `#[test]` functions for one backend. `$available` is an
@@ -900,6 +903,33 @@ macro_rules! reference_suite {
                 Err(why) => {
                     common::announce_skip(test, &why);
                     false
+                }
+            }
+        }
+
+        /// A placement of `world` ranks: one per device where there are enough, else
+        /// round-robin over the devices there are (shared); `None` after a printed
+        /// skip when the backend has no device.
+        fn place_or_skip(test: &str, world: usize) -> Option<common::Placement> {
+            let available: Result<usize, String> = $available;
+            match available {
+                Ok(n) if n >= 1 => {
+                    let p = common::Placement::round_robin(world, n);
+                    if p.shared {
+                        eprintln!(
+                            "{test}: {world} ranks share {n} device(s): {:?}",
+                            p.ordinals
+                        );
+                    }
+                    Some(p)
+                }
+                Ok(_) => {
+                    common::announce_skip(test, "no device");
+                    None
+                }
+                Err(why) => {
+                    common::announce_skip(test, &why);
+                    None
                 }
             }
         }
@@ -982,6 +1012,17 @@ macro_rules! reference_suite {
                 common::barrier_timeout::<$backend>(2);
             }
         }
+
+        hazard_tests!(
+            $backend,
+            $max_blocks,
+            lamport_after_width_change_with_late_rank,
+            drop_buffers_before_synchronize,
+            concurrent_callers_share_one_communicator,
+            late_peer_after_timeout,
+            sign_of_zero_in_groups_of_one,
+            algorithms_agree_bitwise_and_ignore_length,
+        );
     };
 }
 
