@@ -1,13 +1,21 @@
-//! The reference suite on CUDA, plus CUDA-graph replay. Needs NVIDIA GPUs: with none
-//! (no driver, or no device) every test prints why it is skipped. Run the GPU part on
-//! the GPU machine with `scripts/device-test.sh` (one test thread: two communicators
+//! The reference suite on CUDA, plus CUDA-graph replay, the schedule fuzzer and a
+//! differential test against the host backend. Needs NVIDIA GPUs: with none (no
+//! driver, or no device) every test prints why it is skipped. Run the GPU part on the
+//! GPU machine with `scripts/device-test.sh` (one test thread: two communicators
 //! spinning on the same GPUs at once could starve each other of SMs).
+//!
+//! Worlds larger than the GPU count run with several ranks per GPU
+//! (`CommConfig::allow_shared_devices`, rank r on GPU `r % count`, at most 4 blocks per
+//! launch so every rank's blocks are resident at once).
 #![cfg(feature = "cuda")]
 
 mod common;
 
+use common::fuzz::{calls_from_env, differential, fuzz, fuzz_config, Knobs};
+use common::Placement;
 use cudarc::driver::sys::CUstreamCaptureMode;
 use peercomm::backend::cuda::Cuda;
+use peercomm::backend::host::Host;
 use peercomm::backend::Backend;
 use peercomm::{Algorithm, AllReduceOptions, Communicator, Error, Tensor, TensorMut};
 
@@ -134,4 +142,77 @@ fn cuda_graph_replays_with_new_data() {
         }
     }
     eprintln!("cuda_graph_replays_with_new_data: {replays_done} replays checked on world {world}");
+}
+
+/// The schedule fuzzer over `world` ranks: on `world` GPUs where there are enough, or,
+/// with `share`, round-robin over the GPUs there are. Calls: `PEERCOMM_FUZZ_CALLS`, or
+/// 2000.
+fn fuzz_cuda(test: &str, world: usize, share: bool) {
+    let gpus = match cuda_devices() {
+        Ok(n) => n,
+        Err(why) => {
+            common::announce_skip(test, &why);
+            return;
+        }
+    };
+    if gpus < world && !share {
+        common::announce_skip(test, &format!("needs {world} GPUs, has {gpus}"));
+        return;
+    }
+    let placement = Placement::round_robin(world, gpus);
+    let knobs = Knobs {
+        max_delay_ms: 2,
+        max_explicit_blocks: if placement.shared { 4 } else { 64 },
+        ..Knobs::new(calls_from_env(2000))
+    };
+    fuzz::<Cuda>(test, &placement, None, &knobs);
+}
+
+#[test]
+fn fuzz_schedule_world_2() {
+    fuzz_cuda("fuzz_schedule_world_2", 2, false);
+}
+
+#[test]
+fn fuzz_schedule_world_4_shared_gpus() {
+    fuzz_cuda("fuzz_schedule_world_4_shared_gpus", 4, true);
+}
+
+#[test]
+fn fuzz_schedule_world_8_shared_gpus() {
+    fuzz_cuda("fuzz_schedule_world_8_shared_gpus", 8, true);
+}
+
+/// The same schedule and the same random inputs through the host reference backend and
+/// CUDA, outputs compared bit for bit: world 2 on two GPUs (world 1 with one GPU), then
+/// worlds 2 and 4 sharing GPU 0.
+#[test]
+fn host_and_cuda_agree_bitwise() {
+    let gpus = match cuda_devices() {
+        Ok(n) => n,
+        Err(why) => {
+            common::announce_skip("host_and_cuda_agree_bitwise", &why);
+            return;
+        }
+    };
+    let placements = [
+        Placement::round_robin(gpus.min(2), gpus),
+        Placement::round_robin(2, 1),
+        Placement::round_robin(4, 1),
+    ];
+    for placement in placements {
+        let world = placement.world();
+        let ordinals: Vec<usize> = (0..world).collect();
+        let host = Communicator::<Host>::new(&ordinals, fuzz_config(Some(3))).unwrap();
+        let cuda = placement.open::<Cuda>(fuzz_config(None));
+        differential(
+            &format!(
+                "host_and_cuda_agree_bitwise (world {world} on GPUs {:?})",
+                placement.ordinals
+            ),
+            &host,
+            &cuda,
+            32,
+        );
+    }
 }

@@ -1,11 +1,43 @@
 //! The reference suite on the host backend: 8 simulated devices, 3 blocks each (an odd
-//! count exercises uneven grid strides). Runs on any machine, and in CI.
+//! count exercises uneven grid strides). Runs on any machine, and in CI. Plus the
+//! schedule fuzzer at worlds 2, 3, 4 and 8 (2 or 3 blocks per launch: the host backend
+//! runs one OS thread per block, and CI has 2 cores).
 
 mod common;
 
-reference_suite!(
-    peercomm::backend::host::Host,
-    Ok(peercomm::MAX_GPUS),
-    Some(3),
-    common::LENGTHS
-);
+use common::fuzz::{calls_from_env, fuzz, Knobs};
+use common::Placement;
+use peercomm::backend::host::Host;
+
+reference_suite!(Host, Ok(peercomm::MAX_GPUS), Some(3), common::LENGTHS);
+
+/// The fuzzer over `world` host devices, `calls` calls unless PEERCOMM_FUZZ_CALLS says.
+fn fuzz_host(world: usize, calls: usize, max_blocks: u32) {
+    let knobs = Knobs::new(calls_from_env(calls));
+    fuzz::<Host>(
+        &format!("fuzz_schedule_world_{world}"),
+        &Placement::round_robin(world, peercomm::MAX_GPUS),
+        Some(max_blocks),
+        &knobs,
+    );
+}
+
+#[test]
+fn fuzz_schedule_world_2() {
+    fuzz_host(2, 3000, 3);
+}
+
+#[test]
+fn fuzz_schedule_world_3() {
+    fuzz_host(3, 2000, 3);
+}
+
+#[test]
+fn fuzz_schedule_world_4() {
+    fuzz_host(4, 1600, 2);
+}
+
+#[test]
+fn fuzz_schedule_world_8() {
+    fuzz_host(8, 800, 2);
+}

@@ -1,26 +1,44 @@
 //! A loom model check of the counter barrier: the very function the host backend runs
 //! (`peercomm::protocol::barrier`), instantiated over loom's atomics instead of the
-//! signal memory.
+//! signal memory, with the memory orderings the device kernels use for each kind of
+//! barrier (not the stronger ones the host asks for):
 //!
-//! Ranks are loom threads (2 and 3 ranks, and 4 with pair subgroups); each runs 1 or 2 blocks (a thread per block
-//! where loom's thread limit allows, else a loop over the blocks); each block passes 3
-//! consecutive barriers that alternate between the whole-world domain and the subgroup
-//! domain on the same signal memory, with counters starting just below `u32::MAX` so
-//! every run crosses the wrap. Loom explores the interleavings (and the values relaxed
-//! loads may return) and fails on a deadlock or livelock (a spin that never ends), on
-//! a data race, or on a failed assertion. Checked after each publishing barrier `k`:
-//! every member of the group wrote its "phase j" value (for every `j <= k`) before its
-//! own barrier `k`, so this block must see all of them: every peer has arrived at
-//! barrier `k`, and data published before a release barrier is seen after it.
+//! - start barrier (orders arrival only): relaxed stores, relaxed spin loads;
+//! - publishing barrier (data written before it is read after it): release stores,
+//!   acquire spin loads (what the function asks for when `publish` is set);
+//! - end barrier (after it, peers may overwrite what this block read before it):
+//!   relaxed stores, relaxed spin loads.
+//!
+//! The function asks for `Release`/`Relaxed` stores and `Acquire` loads; the model's
+//! counter cells ([`Ordered`]) replace those orderings by the device's for the kind of
+//! barrier at hand, so the check is of the algorithm under the weakest orderings any
+//! backend runs it with.
+//!
+//! Ranks are loom threads (2 and 3 ranks, and 4 with pair subgroups); each runs 1 or 2
+//! blocks (a thread per block where loom's thread limit allows, else a loop over the
+//! blocks); each block passes 3 consecutive barriers that mix the whole-world domain
+//! and a subgroup domain on the same signal memory, with counters starting just below
+//! `u32::MAX` so every run crosses the wrap. Loom explores the interleavings (and the
+//! values relaxed and acquire loads may return) and fails on a deadlock or livelock (a
+//! spin that never ends), on a data race, or on a failed assertion. Checked:
+//! - after each publishing barrier `k`: every member of the group wrote its "phase j"
+//!   value (plain memory, for every `j <= k`) before its own barrier `k`, so this block
+//!   must see all of them;
+//! - around each end barrier (write after read): each block reads the next group
+//!   member's cell for that barrier before it, and every block overwrites its own cell
+//!   after it; the value read must be the old one (the peer may not have passed the
+//!   end barrier before this block arrived).
 //!
 //! Bounds: 2 ranks x 1 block is explored exhaustively (no preemption or spin bound).
-//! The larger shapes are bounded so that CI (2 cores) finishes in well under a minute:
-//! a preemption bound (loom's `LOOM_MAX_PREEMPTIONS` overrides it) and a spin bound
-//! (see [`Spin`]; `PEERCOMM_LOOM_SPIN_BOUND` overrides it).
+//! The larger shapes are bounded so that CI (2 cores) finishes in about a minute: a
+//! preemption bound (loom's `LOOM_MAX_PREEMPTIONS` overrides it) and a spin bound (see
+//! [`Spin`]; `PEERCOMM_LOOM_SPIN_BOUND` overrides it).
 //!
-//! Negative checks: the same barrier over a single-banked counter layout, over counter
-//! banks shared between domains, with relaxed instead of release stores and with
-//! relaxed instead of acquire loads must each be caught.
+//! Negative checks, each of which must be caught: a single-banked counter layout,
+//! counter banks shared between domains, a publishing barrier with relaxed stores, one
+//! with relaxed loads, a missing end barrier (the write-after-read check fires), and a
+//! relaxed end barrier guarding plain (non-atomic) memory (a data race under the
+//! language model; see [`end_barrier_relaxed_guards_plain_memory_badly`]).
 //!
 //! Run: `RUSTFLAGS="--cfg loom" cargo test --release --test loom_barrier`.
 
@@ -38,30 +56,80 @@ use peercomm::protocol::{barrier, Backoff, BarrierSignals, BarrierSite, CounterC
 /// Counters start here, so the three barriers of a domain cross `u32::MAX -> 0`.
 const COUNTER_BASE: u32 = u32::MAX - 1;
 
+/// The kinds of barrier the kernels pass, as const-generic tags of [`Ordered`].
+const START: u8 = 0;
+const PUBLISH: u8 = 1;
+const END: u8 = 2;
+
+/// Which barrier a step is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    /// Orders arrival only (before a kernel reads its peers' inputs).
+    Start,
+    /// Publishes data written before it (two-stage's middle barrier, the staged
+    /// one-stage's start).
+    Publish,
+    /// Ends a collective: after it, peers may overwrite what this block read before it.
+    End,
+}
+
 /// A loom atomic as a counter cell (a newtype: both the trait and loom's type are
 /// foreign to this crate). The variant rides along so that broken orderings can be
 /// modelled.
 struct Cell(AtomicU32, Variant);
 
-impl CounterCell for Cell {
-    fn load(&self, order: Ordering) -> u32 {
-        match self.1 {
-            Variant::RelaxedLoads => self.0.load(Ordering::Relaxed),
-            _ => self.0.load(order),
+/// A counter cell as a barrier of kind `K` reaches it: the orderings are the device's
+/// for that kind (see the module docs), whatever the function asks for.
+#[repr(transparent)]
+struct Ordered<const K: u8>(Cell);
+
+impl<const K: u8> Ordered<K> {
+    fn from_ref(cell: &Cell) -> &Self {
+        // SAFETY: `Ordered<K>` is a `repr(transparent)` wrapper of `Cell`, so the two
+        // have the same layout and a `&Cell` is a valid `&Ordered<K>`.
+        unsafe { &*(cell as *const Cell as *const Self) }
+    }
+
+    /// The ordering a load or store of this kind of barrier uses. `asked` is what
+    /// `protocol::barrier` asked for.
+    fn order(&self, asked: Ordering, is_store: bool) -> Ordering {
+        let variant = self.0 .1;
+        match K {
+            START => Ordering::Relaxed,
+            END if variant == Variant::EndReleaseAcquire => asked_publish(is_store),
+            END => Ordering::Relaxed,
+            _ => match variant {
+                Variant::RelaxedStores if is_store => Ordering::Relaxed,
+                Variant::RelaxedLoads if !is_store => Ordering::Relaxed,
+                _ => asked,
+            },
         }
     }
+}
+
+/// The orderings of a publishing barrier: release stores, acquire loads.
+fn asked_publish(is_store: bool) -> Ordering {
+    if is_store {
+        Ordering::Release
+    } else {
+        Ordering::Acquire
+    }
+}
+
+impl<const K: u8> CounterCell for Ordered<K> {
+    fn load(&self, order: Ordering) -> u32 {
+        self.0 .0.load(self.order(order, false))
+    }
     fn store(&self, value: u32, order: Ordering) {
-        match self.1 {
-            Variant::RelaxedStores => self.0.store(value, Ordering::Relaxed),
-            _ => self.0.store(value, order),
-        }
+        self.0 .0.store(value, self.order(order, true))
     }
 }
 
 /// The barrier as built (correct), or deliberately broken for the negative checks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Variant {
-    /// As `include/peercomm_signal.h`: per domain, double-banked by parity.
+    /// As `include/peercomm_signal.h` and the kernels: per domain, double-banked by
+    /// parity, device orderings.
     Correct,
     /// Broken: one bank for both parities.
     SingleBank,
@@ -69,8 +137,15 @@ enum Variant {
     SharedDomains,
     /// Broken: publishing barriers store with `Relaxed` instead of `Release`.
     RelaxedStores,
-    /// Broken: the wait loads with `Relaxed` instead of `Acquire`.
+    /// Broken: publishing barriers' waits load with `Relaxed` instead of `Acquire`.
     RelaxedLoads,
+    /// Broken: the end barrier is left out.
+    MissingEndBarrier,
+    /// The write-after-read cells are plain memory instead of atomics.
+    PlainWarCells,
+    /// Plain write-after-read cells behind an end barrier with release stores and
+    /// acquire loads (what plain memory needs under the language model).
+    EndReleaseAcquire,
 }
 
 /// Which group a barrier spans.
@@ -89,8 +164,8 @@ struct Scenario {
     blocks: usize,
     /// One loom thread per (rank, block) instead of one per rank.
     thread_per_block: bool,
-    /// The consecutive barriers every block passes: span and whether it publishes.
-    steps: [(Span, bool); 3],
+    /// The consecutive barriers every block passes: span and kind.
+    steps: [(Span, Kind); 3],
     variant: Variant,
     /// Loom's preemption bound (`None`: unbounded); `LOOM_MAX_PREEMPTIONS` overrides it.
     preemption_bound: Option<usize>,
@@ -117,6 +192,12 @@ impl Scenario {
         ds.dedup();
         ds
     }
+    fn plain_war_cells(&self) -> bool {
+        matches!(
+            self.variant,
+            Variant::PlainWarCells | Variant::EndReleaseAcquire
+        )
+    }
 }
 
 /// One rank's signal, cut down to the domains, blocks and ranks the model uses.
@@ -134,6 +215,12 @@ struct World {
     signals: Vec<ModelSignal>,
     /// `[rank][step][block]`: written by that rank's block before that barrier.
     data: Vec<UnsafeCell<u32>>,
+    /// `[rank][step][block]`: read by a peer before end barrier `step`, overwritten by
+    /// its owner after it (atomics, relaxed, as device data loads are plain loads the
+    /// hardware does not reorder after the barrier's store; see `run_rank`).
+    war: Vec<AtomicU32>,
+    /// The same cells as plain memory (variants `PlainWarCells`, `EndReleaseAcquire`).
+    war_plain: Vec<UnsafeCell<u32>>,
 }
 
 impl World {
@@ -152,11 +239,26 @@ impl World {
             })
             .collect();
         let data = (0..r * 3 * b).map(|_| UnsafeCell::new(0)).collect();
+        let ends = scenario.steps.iter().any(|&(_, k)| k == Kind::End);
+        let war_cells = if ends { r * 3 * b } else { 0 };
+        let (war, war_plain) = if scenario.plain_war_cells() {
+            (
+                Vec::new(),
+                (0..war_cells).map(|_| UnsafeCell::new(0)).collect(),
+            )
+        } else {
+            (
+                (0..war_cells).map(|_| AtomicU32::new(0)).collect(),
+                Vec::new(),
+            )
+        };
         World {
             scenario,
             domains,
             signals,
             data,
+            war,
+            war_plain,
         }
     }
 
@@ -171,8 +273,35 @@ impl World {
             .unwrap_or_else(|| panic!("domain {domain} is not modelled"))
     }
 
+    fn index(&self, rank: usize, step: usize, block: usize) -> usize {
+        (rank * 3 + step) * self.scenario.blocks + block
+    }
+
     fn data(&self, rank: usize, step: usize, block: usize) -> &UnsafeCell<u32> {
-        &self.data[(rank * 3 + step) * self.scenario.blocks + block]
+        &self.data[self.index(rank, step, block)]
+    }
+
+    /// Reads rank `rank`'s write-after-read cell of `step`, `block`.
+    fn read_war(&self, rank: usize, step: usize, block: usize) -> u32 {
+        let i = self.index(rank, step, block);
+        if self.scenario.plain_war_cells() {
+            // SAFETY (loom-checked): see `run_rank`; loom reports a race if the end
+            // barrier does not order this read before the owner's write.
+            self.war_plain[i].with(|p| unsafe { *p })
+        } else {
+            self.war[i].load(Ordering::Relaxed)
+        }
+    }
+
+    /// Overwrites rank `rank`'s write-after-read cell of `step`, `block`.
+    fn write_war(&self, rank: usize, step: usize, block: usize, value: u32) {
+        let i = self.index(rank, step, block);
+        if self.scenario.plain_war_cells() {
+            // SAFETY (loom-checked): as in `read_war`.
+            self.war_plain[i].with_mut(|p| unsafe { *p = value })
+        } else {
+            self.war[i].store(value, Ordering::Relaxed)
+        }
     }
 }
 
@@ -181,18 +310,21 @@ fn tag(rank: usize, step: usize, block: usize) -> u32 {
     1 + (rank * 100 + step * 10 + block) as u32
 }
 
-/// One group's signals as group rank `m` reaches them: `base + m` in the world.
-struct Group<'a> {
+/// One group's signals as group rank `m` reaches them (`base + m` in the world), for a
+/// barrier of kind `K`.
+struct Group<'a, const K: u8> {
     world: &'a World,
     base: usize,
 }
 
-impl BarrierSignals for Group<'_> {
-    type Cell = Cell;
-    fn self_counter(&self, member: usize, domain: usize, block: usize, peer: usize) -> &Cell {
+impl<const K: u8> BarrierSignals for Group<'_, K> {
+    type Cell = Ordered<K>;
+    fn self_counter(&self, member: usize, domain: usize, block: usize, peer: usize) -> &Self::Cell {
         let w = self.world;
         let (b, r) = (w.scenario.blocks, w.scenario.ranks);
-        &w.signals[self.base + member].self_counter[(w.slot(domain) * b + block) * r + peer]
+        Ordered::from_ref(
+            &w.signals[self.base + member].self_counter[(w.slot(domain) * b + block) * r + peer],
+        )
     }
     fn peer_counter(
         &self,
@@ -201,15 +333,17 @@ impl BarrierSignals for Group<'_> {
         parity: usize,
         block: usize,
         writer: usize,
-    ) -> &Cell {
+    ) -> &Self::Cell {
         let w = self.world;
         let (b, r) = (w.scenario.blocks, w.scenario.ranks);
         let parity = match w.scenario.variant {
             Variant::SingleBank => 0,
             _ => parity,
         };
-        &w.signals[self.base + member].peer_counter
-            [((w.slot(domain) * 2 + parity) * b + block) * r + writer]
+        Ordered::from_ref(
+            &w.signals[self.base + member].peer_counter
+                [((w.slot(domain) * 2 + parity) * b + block) * r + writer],
+        )
     }
 }
 
@@ -240,13 +374,23 @@ impl Backoff for Spin {
     }
 }
 
+/// Passes one barrier of kind `K`.
+fn pass<const K: u8>(world: &World, base: usize, site: BarrierSite, publish: bool) {
+    let mut spin = Spin {
+        failed: 0,
+        bound: world.scenario.spin_bound,
+    };
+    barrier(&Group::<K> { world, base }, site, publish, &mut spin)
+        .unwrap_or_else(|never| match never {});
+}
+
 /// Rank `rank` runs `blocks` through the scenario's steps.
 fn run_rank(world: &World, rank: usize, blocks: &[usize]) {
     let s = world.scenario;
-    for (step, &(span, publish)) in s.steps.iter().enumerate() {
+    for (step, &(span, kind)) in s.steps.iter().enumerate() {
         let width = s.width(span);
         let base = rank / width * width;
-        let group = Group { world, base };
+        let me = rank - base;
         let domain = barrier_domain(width, s.ranks);
         for &block in blocks {
             // SAFETY (loom-checked): each cell is written once, by its owner, before
@@ -256,22 +400,46 @@ fn run_rank(world: &World, rank: usize, blocks: &[usize]) {
                 .data(rank, step, block)
                 .with_mut(|p| unsafe { *p = tag(rank, step, block) });
             let site = BarrierSite {
-                me: rank - base,
+                me,
                 width,
                 domain,
                 block,
             };
-            barrier(
-                &group,
-                site,
-                publish,
-                &mut Spin {
-                    failed: 0,
-                    bound: s.spin_bound,
-                },
-            )
-            .unwrap_or_else(|never| match never {});
-            if publish {
+            match kind {
+                Kind::Start => pass::<START>(world, base, site, false),
+                Kind::Publish => pass::<PUBLISH>(world, base, site, true),
+                Kind::End => {
+                    // Write after read: this block reads the next member's cell before
+                    // the end barrier; every member overwrites its own after it. The
+                    // read must return the old value: the member cannot have passed the
+                    // barrier before this block arrived at it.
+                    //
+                    // Loom does not model load buffering: it never lets a load return a
+                    // store that comes later in the execution, so with relaxed end
+                    // barriers this check shows that no member leaves the barrier early,
+                    // not that the orderings forbid the load-buffering outcome (read the
+                    // peer's later write; store the own arrival) that the C++ model
+                    // allows for relaxed atomics. A device kernel with a relaxed end
+                    // barrier relies on its hardware not letting a load be satisfied
+                    // after a later store of the same thread became visible, which this
+                    // model cannot check; plain memory under the language model needs
+                    // release/acquire here (variants `PlainWarCells` and
+                    // `EndReleaseAcquire`).
+                    let peer = base + (me + 1) % width;
+                    let seen = world.read_war(peer, step, block);
+                    if s.variant != Variant::MissingEndBarrier {
+                        let publish = s.variant == Variant::EndReleaseAcquire;
+                        pass::<END>(world, base, site, publish);
+                    }
+                    world.write_war(rank, step, block, tag(rank, step, block));
+                    assert_eq!(
+                        seen, 0,
+                        "write-after-read: rank {rank} block {block} read rank {peer}'s value \
+                         {seen} before end barrier {step}, written after it"
+                    );
+                }
+            }
+            if kind == Kind::Publish {
                 for peer in base..base + width {
                     for earlier in 0..=step {
                         let got = world.data(peer, earlier, block).with(|p| unsafe { *p });
@@ -343,27 +511,46 @@ fn check(mut scenario: Scenario) {
     );
 }
 
-/// World, subgroup, world: a start barrier that only orders arrival, then two
-/// publishing ones (the pattern of the one-stage and two-stage kernels).
-fn steps_start_then_publish(sub: usize) -> [(Span, bool); 3] {
+/// A one-stage-like collective on the world around a subgroup publish: world start,
+/// subgroup publish, world end.
+fn steps_kernel(sub: usize) -> [(Span, Kind); 3] {
     [
-        (Span::World, false),
-        (Span::Groups(sub), true),
-        (Span::World, true),
+        (Span::World, Kind::Start),
+        (Span::Groups(sub), Kind::Publish),
+        (Span::World, Kind::End),
+    ]
+}
+
+/// A subgroup collective's end, then a whole-world start and publish (the next
+/// collective on the same signal memory).
+fn steps_end_then_world(sub: usize) -> [(Span, Kind); 3] {
+    [
+        (Span::Groups(sub), Kind::End),
+        (Span::World, Kind::Start),
+        (Span::World, Kind::Publish),
     ]
 }
 
 /// Subgroup, world, subgroup, every barrier publishing.
-fn steps_all_publish(sub: usize) -> [(Span, bool); 3] {
+fn steps_all_publish(sub: usize) -> [(Span, Kind); 3] {
     [
-        (Span::Groups(sub), true),
-        (Span::World, true),
-        (Span::Groups(sub), true),
+        (Span::Groups(sub), Kind::Publish),
+        (Span::World, Kind::Publish),
+        (Span::Groups(sub), Kind::Publish),
+    ]
+}
+
+/// The two-stage kernel on the world: start, publish, end.
+fn steps_two_stage() -> [(Span, Kind); 3] {
+    [
+        (Span::World, Kind::Start),
+        (Span::World, Kind::Publish),
+        (Span::World, Kind::End),
     ]
 }
 
 /// A correct scenario, exhaustive (no bounds).
-fn scenario(ranks: usize, blocks: usize, steps: [(Span, bool); 3]) -> Scenario {
+fn scenario(ranks: usize, blocks: usize, steps: [(Span, Kind); 3]) -> Scenario {
     Scenario {
         ranks,
         blocks,
@@ -379,7 +566,7 @@ fn scenario(ranks: usize, blocks: usize, steps: [(Span, bool); 3]) -> Scenario {
 fn bounded(
     ranks: usize,
     blocks: usize,
-    steps: [(Span, bool); 3],
+    steps: [(Span, Kind); 3],
     preemptions: usize,
     spins: u32,
 ) -> Scenario {
@@ -393,19 +580,22 @@ fn bounded(
 /// Exhaustive: every interleaving and every value the loads may return.
 #[test]
 fn two_ranks_one_block() {
-    check(scenario(2, 1, steps_start_then_publish(1)));
+    check(scenario(2, 1, steps_kernel(1)));
+    check(scenario(2, 1, steps_end_then_world(1)));
     check(scenario(2, 1, steps_all_publish(1)));
+    check(scenario(2, 1, steps_two_stage()));
 }
 
 #[test]
 fn two_ranks_two_blocks() {
-    check(bounded(2, 2, steps_start_then_publish(1), 2, 2));
+    check(bounded(2, 2, steps_kernel(1), 2, 2));
 }
 
 #[test]
 fn three_ranks_one_block() {
-    check(bounded(3, 1, steps_start_then_publish(1), 2, 2));
+    check(bounded(3, 1, steps_kernel(1), 2, 2));
     check(bounded(3, 1, steps_all_publish(1), 2, 2));
+    check(bounded(3, 1, steps_two_stage(), 1, 2));
 }
 
 /// Each rank's thread loops over its two blocks (six threads exceed loom's limit).
@@ -414,7 +604,7 @@ fn three_ranks_two_blocks() {
     check(bounded(3, 2, steps_all_publish(1), 2, 2));
     // Two world barriers cost far more states: no preemptions (loom still explores
     // every non-preemptive schedule and every value the loads may return).
-    check(bounded(3, 2, steps_start_then_publish(1), 0, 2));
+    check(bounded(3, 2, steps_kernel(1), 0, 2));
 }
 
 /// Negative check: with one bank for both parities, a fast rank's next-generation
@@ -424,7 +614,7 @@ fn three_ranks_two_blocks() {
 fn single_banked_counters_are_caught() {
     check(Scenario {
         variant: Variant::SingleBank,
-        ..scenario(2, 1, [(Span::World, true); 3])
+        ..scenario(2, 1, [(Span::World, Kind::Publish); 3])
     });
 }
 
@@ -435,7 +625,7 @@ fn single_banked_counters_are_caught() {
 fn shared_domains_are_caught() {
     check(Scenario {
         variant: Variant::SharedDomains,
-        ..scenario(2, 1, steps_start_then_publish(1))
+        ..scenario(2, 1, steps_kernel(1))
     });
 }
 
@@ -445,17 +635,56 @@ fn shared_domains_are_caught() {
 fn relaxed_publishing_stores_are_caught() {
     check(Scenario {
         variant: Variant::RelaxedStores,
-        ..scenario(2, 1, steps_start_then_publish(1))
+        ..scenario(2, 1, steps_two_stage())
     });
 }
 
-/// Negative check: a wait that loads relaxed acquires nothing.
+/// Negative check: a publishing wait that loads relaxed acquires nothing.
 #[test]
 #[should_panic(expected = "Causality violation")]
 fn relaxed_waits_are_caught() {
     check(Scenario {
         variant: Variant::RelaxedLoads,
-        ..scenario(2, 1, steps_start_then_publish(1))
+        ..scenario(2, 1, steps_two_stage())
+    });
+}
+
+/// Negative check: without the end barrier a peer overwrites what this block is about
+/// to read, and the write-after-read check fires.
+#[test]
+#[should_panic(expected = "write-after-read")]
+fn missing_end_barrier_is_caught() {
+    check(Scenario {
+        variant: Variant::MissingEndBarrier,
+        ..scenario(2, 1, steps_kernel(1))
+    });
+}
+
+/// Negative check (documents the limit of relaxed end barriers): a relaxed end barrier
+/// does not order a block's plain read before a peer's later plain write under the
+/// language model (no happens-before), so loom reports a race on plain memory. The
+/// host backend reads its peers' inputs with plain loads, so its end barrier must
+/// release and acquire (next test); the devices rely on their hardware order instead.
+#[test]
+#[should_panic(expected = "Causality violation")]
+fn end_barrier_relaxed_guards_plain_memory_badly() {
+    check(Scenario {
+        variant: Variant::PlainWarCells,
+        ..scenario(2, 1, steps_kernel(1))
+    });
+}
+
+/// An end barrier with release stores and acquire loads orders plain reads before the
+/// peers' later plain writes.
+#[test]
+fn end_barrier_release_acquire_guards_plain_memory() {
+    check(Scenario {
+        variant: Variant::EndReleaseAcquire,
+        ..scenario(2, 1, steps_kernel(1))
+    });
+    check(Scenario {
+        variant: Variant::EndReleaseAcquire,
+        ..bounded(3, 1, steps_two_stage(), 1, 2)
     });
 }
 
@@ -464,7 +693,8 @@ fn relaxed_waits_are_caught() {
 /// no preemptions.
 #[test]
 fn four_ranks_pair_subgroups() {
-    check(bounded(4, 1, steps_start_then_publish(2), 0, 2));
+    check(bounded(4, 1, steps_kernel(2), 0, 2));
+    check(bounded(4, 1, steps_end_then_world(2), 0, 2));
     check(bounded(4, 1, steps_all_publish(2), 0, 2));
 }
 
@@ -475,6 +705,6 @@ fn four_ranks_pair_subgroups() {
 fn shared_domains_are_caught_with_pairs() {
     check(Scenario {
         variant: Variant::SharedDomains,
-        ..bounded(4, 1, steps_start_then_publish(2), 0, 2)
+        ..bounded(4, 1, steps_kernel(2), 0, 2)
     });
 }

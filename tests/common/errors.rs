@@ -149,8 +149,8 @@ fn assert_nothing_written<B: Backend>(
 }
 
 fn assert_still_works<B: Backend>(comm: &Communicator<B>, rng: &mut StdRng) {
-    run_case::<B, f32>(comm, rng, Algorithm::Auto, 0, 33, false);
-    run_case::<B, f32>(comm, rng, Algorithm::Auto, 0, 33, true);
+    run_case::<B, f32>(comm, rng, Algorithm::Auto, 0, 33, false).unwrap();
+    run_case::<B, f32>(comm, rng, Algorithm::Auto, 0, 33, true).unwrap();
 }
 
 #[track_caller]
@@ -507,7 +507,7 @@ pub fn message_larger_than_scratch<B: Backend>(devices: Devices) {
     assert_nothing_written(&comm, &bufs, "message larger than scratch");
     assert_eq!(
         run_case::<B, f32>(&comm, &mut rng, Algorithm::OneStage, 0, n, false),
-        Algorithm::OneStage
+        Ok(Algorithm::OneStage)
     );
     assert_still_works(&comm, &mut rng);
 }
@@ -525,7 +525,8 @@ pub fn auto_falls_back_to_what_fits<B: Backend>(devices: Devices) {
     let arch = comm.architecture().to_string();
     let n = 1024; // f32: 4 KiB
     let preferred = dispatch::choose(&arch, 2, 4 * n);
-    let out_of_place_ran = run_case::<B, f32>(&comm, &mut rng, Algorithm::Auto, 0, n, false);
+    let out_of_place_ran =
+        run_case::<B, f32>(&comm, &mut rng, Algorithm::Auto, 0, n, false).unwrap();
     if preferred == Algorithm::Lamport {
         assert_eq!(
             out_of_place_ran,
@@ -542,7 +543,7 @@ pub fn auto_falls_back_to_what_fits<B: Backend>(devices: Devices) {
     }
     assert_eq!(
         run_case::<B, f32>(&comm, &mut rng, Algorithm::Auto, 0, n, true),
-        Algorithm::TwoStage,
+        Ok(Algorithm::TwoStage),
         "in-place fallback"
     );
     // 1 MiB fits nowhere: the error names the table's choice.
@@ -748,4 +749,104 @@ pub fn block_count_out_of_range<B: Backend>(devices: Devices) {
     }
     assert_nothing_written(&comm, &bufs, "block count out of range");
     assert_still_works(&comm, &mut rng);
+}
+
+/// Whether `f` returned an error (as opposed to a value, or a panic), for sizes where
+/// the old code overflowed: a panic fails the test with its message.
+fn refused<T>(what: &str, f: impl FnOnce() -> Result<T>) {
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+        Ok(Err(e)) => eprintln!("{what}: refused: {e}"),
+        Ok(Ok(_)) => panic!("{what}: accepted; expected a typed error"),
+        Err(_) => panic!("{what}: panicked; expected a typed error"),
+    }
+}
+
+/// Lamport slot or payload sizes whose signal allocation size overflows `usize` are a
+/// typed error (the variant is not pinned), not a panic and not a wrapped, too small
+/// allocation. (The payload sizes chosen wrap to exactly the allocation without the
+/// payload on the old code, so its kernels and initialisation stay inside it.)
+pub fn signal_size_overflow_is_refused<B: Backend>(devices: Devices) {
+    if !devices("signal_size_overflow_is_refused", 1) {
+        return;
+    }
+    let cases = [
+        ("payload_bytes = usize::MAX", 64 << 10, usize::MAX),
+        ("payload_bytes = usize::MAX - 15", 64 << 10, usize::MAX - 15),
+        (
+            "lamport_slot_bytes whose 24 slots overflow",
+            (usize::MAX / 16) & !15,
+            64 << 10,
+        ),
+        (
+            "lamport_slot_bytes near usize::MAX",
+            usize::MAX & !15,
+            64 << 10,
+        ),
+    ];
+    for (what, lamport_slot_bytes, payload_bytes) in cases {
+        let config = CommConfig {
+            lamport_slot_bytes,
+            payload_bytes,
+            ..config(64 << 10, 64 << 10)
+        };
+        refused(what, || Communicator::<B>::new(&[0], config));
+    }
+}
+
+/// A typed buffer whose byte size overflows `usize` is an error from `alloc_buffer`,
+/// not a panic, not an abort, and not a buffer that claims more elements than it holds
+/// (usize::MAX / 4 + 1 f32 is 2^64 bytes: 0 once wrapped).
+pub fn buffer_of_overflowing_size_is_refused<B: Backend>(devices: Devices) {
+    if !devices("buffer_of_overflowing_size_is_refused", 1) {
+        return;
+    }
+    let comm = comm::<B>(1);
+    let dev = comm.rank(0).device();
+    refused("usize::MAX f32", || {
+        B::alloc_buffer::<f32>(dev, usize::MAX).map(|_| ())
+    });
+    refused("usize::MAX / 4 + 1 f32 (2^64 bytes)", || {
+        B::alloc_buffer::<f32>(dev, usize::MAX / 4 + 1).map(|_| ())
+    });
+    refused("usize::MAX / 2 + 1 bf16 (2^64 bytes)", || {
+        B::alloc_buffer::<half::bf16>(dev, usize::MAX / 2 + 1).map(|_| ())
+    });
+    let mut rng = rng("buffer_of_overflowing_size_is_refused");
+    run_case::<B, f32>(&comm, &mut rng, Algorithm::Auto, 0, 33, false).unwrap();
+}
+
+/// A barrier timeout of `Duration::MAX` is accepted and waits "forever" (the
+/// nanoseconds saturate); so does one just past `u64::MAX` nanoseconds, which the old
+/// code truncated to about a millisecond. Rank 1 is delayed by 100 ms before every
+/// algorithm: no rank may give up.
+pub fn huge_barrier_timeout_saturates<B: Backend>(devices: Devices) {
+    if !devices("huge_barrier_timeout_saturates", 2) {
+        return;
+    }
+    let mut rng = rng("huge_barrier_timeout_saturates");
+    for timeout in [
+        Duration::MAX,
+        Duration::from_nanos(u64::MAX) + Duration::from_millis(1),
+    ] {
+        let comm = Communicator::<B>::new(
+            &[0, 1],
+            CommConfig {
+                barrier_timeout: Some(timeout),
+                ..config(64 << 10, 64 << 10)
+            },
+        )
+        .unwrap_or_else(|e| panic!("barrier_timeout {timeout:?}: {e}"));
+        for algorithm in Algorithm::ALL {
+            let ins = super::random_inputs::<f32>(&mut rng, 2, 1000);
+            let opts = AllReduceOptions::new().algorithm(algorithm);
+            let mut call = super::Prepared::<B, f32>::new(&comm, ins, false, opts);
+            let what = format!("barrier_timeout {timeout:?}: {}", call.describe(2));
+            // After the uploads (which wait for the rank's stream), so the call starts late.
+            comm.delay_rank(1, Duration::from_millis(100)).unwrap();
+            let outcome = call.enqueue(&comm);
+            comm.synchronize()
+                .unwrap_or_else(|e| panic!("{what}, rank 1 late by 100 ms: {e}"));
+            call.check(&comm, &outcome, &what);
+        }
+    }
 }

@@ -1,20 +1,28 @@
 //! The reference test suite, generic over the backend. Each backend's test file
-//! instantiates it with `reference_suite!(Backend, max_world, config)`; a backend with
-//! fewer devices than a test needs skips that part with a printed reason.
+//! instantiates it with `reference_suite!(Backend, available, max_blocks, lengths)`; a
+//! backend with fewer devices than a test needs skips that part with a printed reason
+//! (the hazard tests run several ranks on one device instead, where the backend has at
+//! least one: `CommConfig::allow_shared_devices`).
 //!
-//! Every check compares against an f64 CPU reference on fresh random inputs (no zeros,
-//! no constants), with the output poisoned (NaN) before each call, and asserts that
-//! all ranks of a group produced the same bits.
+//! Every check compares against an f64 CPU reference on fresh random inputs, with the
+//! output poisoned (NaN) before each call, and asserts that all ranks of a group
+//! produced the same bits. Where inputs hold -0.0 lanes, the sign of a zero result is
+//! checked too ([`check_result`]); in a group of one the output must be the input, bit
+//! for bit.
 
 #![allow(dead_code)]
 
 pub mod errors;
+pub mod fuzz;
+pub mod hazards;
 
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use peercomm::backend::Backend;
+use peercomm::signal::Signal;
 use peercomm::{
-    Algorithm, AllReduceOptions, CommConfig, Communicator, DType, Element, Error, Tensor, TensorMut,
+    barrier_domain, dispatch, Algorithm, AllReduceOptions, CommConfig, Communicator, DType,
+    Element, Error, Result, Tensor, TensorMut, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -29,8 +37,9 @@ pub fn announce_skip(test: &str, why: &str) {
 /// Lengths every algorithm is checked at (odd ones exercise the scalar tail).
 pub const LENGTHS: [usize; 5] = [1, 7, 1023, 4096, 1_000_003];
 
-/// A fresh seed per run, printed so a failure can be replayed with PEERCOMM_SEED.
-pub fn rng(test: &str) -> StdRng {
+/// The seed of a test: PEERCOMM_SEED if set, else the clock; printed so a failure can
+/// be replayed.
+pub fn seed(test: &str) -> u64 {
     let seed = std::env::var("PEERCOMM_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -41,7 +50,12 @@ pub fn rng(test: &str) -> StdRng {
                 .as_nanos() as u64
         });
     eprintln!("{test}: PEERCOMM_SEED={seed}");
-    StdRng::seed_from_u64(seed)
+    seed
+}
+
+/// A fresh seed per run, printed so a failure can be replayed with PEERCOMM_SEED.
+pub fn rng(test: &str) -> StdRng {
+    StdRng::seed_from_u64(seed(test))
 }
 
 /// Random values in ±[1e-3, 1]: never zero, never constant.
@@ -53,6 +67,83 @@ pub fn random_values<T: Element>(rng: &mut StdRng, n: usize) -> Vec<T> {
             T::from_f32(x)
         })
         .collect()
+}
+
+/// Random inputs for every rank of a world (`random_values`, one vector per rank).
+pub fn random_inputs<T: Element>(rng: &mut StdRng, world: usize, n: usize) -> Vec<Vec<T>> {
+    (0..world).map(|_| random_values::<T>(rng, n)).collect()
+}
+
+/// The -0.0 of T.
+pub fn negative_zero<T: Element>() -> T {
+    T::from_f32(-0.0)
+}
+
+/// Whether `x` is the -0.0 bit pattern.
+pub fn is_negative_zero<T: Element>(x: T) -> bool {
+    x.to_bits_u32() == negative_zero::<T>().to_bits_u32()
+}
+
+/// Where zeros go into random inputs.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Zeros {
+    /// Probability that one rank's lane is -0.0 (independently per rank).
+    pub lane: f64,
+    /// Probability that an element is -0.0 on every rank (its sum is -0.0, except on
+    /// the Lamport path, which sends -0.0 as +0.0).
+    pub column: f64,
+    /// Probability that one rank's lane is +0.0.
+    pub positive: f64,
+}
+
+impl Zeros {
+    /// No zeros at all.
+    pub const NONE: Zeros = Zeros {
+        lane: 0.0,
+        column: 0.0,
+        positive: 0.0,
+    };
+    /// -0.0 lanes on some ranks only: no element's inputs are all -0.0, so every
+    /// algorithm must give the same bits.
+    pub const LANES: Zeros = Zeros {
+        lane: 0.15,
+        column: 0.0,
+        positive: 0.0,
+    };
+    /// -0.0 lanes, all--0.0 elements and some +0.0 lanes.
+    pub const ALL: Zeros = Zeros {
+        lane: 0.1,
+        column: 0.05,
+        positive: 0.02,
+    };
+}
+
+/// Overwrites lanes of `ins` (one vector per rank, one world) with zeros as `zeros`
+/// says. Columns are placed across the whole world, so they are all -0.0 in every group.
+/// With `zeros.column == 0`, no element is -0.0 on every rank of the world (in a world
+/// of more than one rank); a subgroup may still draw one.
+pub fn sprinkle_zeros<T: Element>(rng: &mut StdRng, ins: &mut [Vec<T>], zeros: Zeros) {
+    let n = ins[0].len();
+    let world = ins.len();
+    for e in 0..n {
+        if zeros.column > 0.0 && rng.random_bool(zeros.column) {
+            for rank in ins.iter_mut() {
+                rank[e] = negative_zero::<T>();
+            }
+            continue;
+        }
+        // Keep one rank (the "anchor") off -0.0 so the world never gets an accidental
+        // all--0.0 column when columns are not wanted; in a world of one every lane may
+        // be -0.0 (there it must come back as -0.0).
+        let anchor = rng.random_range(0..world);
+        for (r, rank) in ins.iter_mut().enumerate() {
+            if zeros.lane > 0.0 && rng.random_bool(zeros.lane) && (r != anchor || world == 1) {
+                rank[e] = negative_zero::<T>();
+            } else if zeros.positive > 0.0 && rng.random_bool(zeros.positive) {
+                rank[e] = T::from_f32(0.0);
+            }
+        }
+    }
 }
 
 fn eps(dtype: DType) -> f64 {
@@ -70,6 +161,7 @@ pub fn check_sums<T: Element>(ins: &[Vec<T>], outs: &[Vec<T>], width: usize, wha
     let n = ins[0].len();
     for g in (0..world).step_by(width) {
         let members = g..g + width;
+        assert_eq!(outs[g].len(), n, "{what}: rank {g}'s output length");
         for e in 0..n {
             let mut sum = 0f64;
             let mut abs = 0f64;
@@ -98,6 +190,95 @@ pub fn check_sums<T: Element>(ins: &[Vec<T>], outs: &[Vec<T>], width: usize, wha
     }
 }
 
+/// The full check of one call's result, given the algorithm that ran:
+/// - a group of one returns its input bit for bit (-0.0 included), whatever ran;
+/// - otherwise the f64 reference and cross-rank bit equality ([`check_sums`]), and the
+///   sign of zero: an element whose inputs are all -0.0 sums to -0.0 on one-stage and
+///   two-stage, and to +0.0 on Lamport (which sends -0.0 as +0.0); any other element
+///   whose sum is zero is +0.0 (IEEE round-to-nearest).
+pub fn check_result<T: Element>(
+    ins: &[Vec<T>],
+    outs: &[Vec<T>],
+    width: usize,
+    ran: Algorithm,
+    what: &str,
+) {
+    let n = ins[0].len();
+    if width == 1 {
+        for (r, (i, o)) in ins.iter().zip(outs).enumerate() {
+            assert_eq!(o.len(), n, "{what}: rank {r}'s output length");
+            for e in 0..n {
+                assert_eq!(
+                    o[e].to_bits_u32(),
+                    i[e].to_bits_u32(),
+                    "{what}: group of one, rank {r}, element {e}: got {:?} ({:#x}), \
+                     the input is {:?} ({:#x})",
+                    o[e],
+                    o[e].to_bits_u32(),
+                    i[e],
+                    i[e].to_bits_u32()
+                );
+            }
+        }
+        return;
+    }
+    check_sums(ins, outs, width, what);
+    let neg = negative_zero::<T>().to_bits_u32();
+    for g in (0..ins.len()).step_by(width) {
+        for e in 0..n {
+            let got = outs[g][e];
+            if got.to_f32() != 0.0 {
+                continue;
+            }
+            let all_negative = (g..g + width).all(|r| is_negative_zero(ins[r][e]));
+            let expected = if all_negative && ran != Algorithm::Lamport {
+                neg
+            } else {
+                0
+            };
+            assert_eq!(
+                got.to_bits_u32(),
+                expected,
+                "{what}: group at rank {g}, element {e}: zero result {:#x}, expected {:#x} \
+                 (inputs all -0.0: {all_negative}; {} ran)",
+                got.to_bits_u32(),
+                expected,
+                ran.name()
+            );
+        }
+    }
+}
+
+/// What a call with `requested` over groups of `width` in a world of `world` must do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Expected {
+    /// Runs and returns one of these algorithms.
+    Runs(&'static [Algorithm]),
+    /// Refused with `Error::Unsupported`, nothing written.
+    Unsupported,
+}
+
+/// The rules: Lamport runs only over the whole world and only for width >= 2. Forced
+/// with width 1 it runs the one-stage copy (and says so); forced over a subgroup
+/// (1 < width < world) it is refused. `Auto` never picks it where it may not run.
+pub fn expected(requested: Algorithm, width: usize, world: usize) -> Expected {
+    const ONE: &[Algorithm] = &[Algorithm::OneStage];
+    const TWO: &[Algorithm] = &[Algorithm::TwoStage];
+    const LAMPORT: &[Algorithm] = &[Algorithm::Lamport];
+    const BARRIERED: &[Algorithm] = &[Algorithm::OneStage, Algorithm::TwoStage];
+    const ANY: &[Algorithm] = &[Algorithm::OneStage, Algorithm::TwoStage, Algorithm::Lamport];
+    let lamport_legal = width == world && width >= 2;
+    match requested {
+        Algorithm::OneStage => Expected::Runs(ONE),
+        Algorithm::TwoStage => Expected::Runs(TWO),
+        Algorithm::Lamport if width == 1 => Expected::Runs(ONE),
+        Algorithm::Lamport if lamport_legal => Expected::Runs(LAMPORT),
+        Algorithm::Lamport => Expected::Unsupported,
+        Algorithm::Auto if lamport_legal => Expected::Runs(ANY),
+        Algorithm::Auto => Expected::Runs(BARRIERED),
+    }
+}
+
 /// A communicator for the suite: sized so that every algorithm takes the longest
 /// length, with a timeout that turns a hang into a failure.
 pub fn suite_config(max_blocks: Option<u32>) -> CommConfig {
@@ -115,7 +296,294 @@ pub fn open<B: Backend>(world: usize, config: CommConfig) -> Communicator<B> {
     Communicator::<B>::new(&ordinals, config).expect("communicator")
 }
 
-/// One all-reduce of fresh random data of `len` elements of T, checked.
+/// Where the ranks of a world run: device ordinals, and whether some share a device.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Placement {
+    /// Rank r's device ordinal.
+    pub ordinals: Vec<usize>,
+    /// Several ranks on one device (`CommConfig::allow_shared_devices`).
+    pub shared: bool,
+}
+
+impl Placement {
+    /// Rank r on device `r % devices`: one rank per device where there are enough,
+    /// else round-robin (shared).
+    pub fn round_robin(world: usize, devices: usize) -> Placement {
+        assert!(devices > 0, "no device to place ranks on");
+        Placement {
+            ordinals: (0..world).map(|r| r % devices).collect(),
+            shared: devices < world,
+        }
+    }
+    /// Ranks in the world.
+    pub fn world(&self) -> usize {
+        self.ordinals.len()
+    }
+    /// Adjusts a configuration for the placement: with shared devices every rank's
+    /// blocks must be resident at once, so at most 4 blocks per launch.
+    pub fn config(&self, mut config: CommConfig) -> CommConfig {
+        if self.shared {
+            config.allow_shared_devices = true;
+            config.max_blocks = Some(config.max_blocks.map_or(4, |b| b.min(4)));
+        }
+        config
+    }
+    /// Opens a communicator over the placement.
+    pub fn open<B: Backend>(&self, config: CommConfig) -> Communicator<B> {
+        Communicator::<B>::new(&self.ordinals, self.config(config))
+            .unwrap_or_else(|e| panic!("communicator over {:?}: {e}", self.ordinals))
+    }
+}
+
+/// The hazard tests' way of asking for a world: the placement, or `None` after a
+/// printed skip. Backends with fewer devices than ranks share devices.
+pub type Place<'a> = &'a dyn Fn(&str, usize) -> Option<Placement>;
+
+/// One all-reduce with its buffers: every rank's input (the host copy and the device
+/// buffer) and, out of place, its output buffer poisoned with NaN. Built before any
+/// call of a batch is enqueued (uploads wait for the rank's stream), enqueued, then
+/// checked after a synchronize. The buffers live as long as this value.
+pub struct Prepared<B: Backend, T: Element> {
+    /// Every rank's input values.
+    pub ins: Vec<Vec<T>>,
+    in_bufs: Vec<B::Buffer<T>>,
+    out_bufs: Vec<B::Buffer<T>>,
+    /// In place: the result lands in the input buffers.
+    pub in_place: bool,
+    /// The call's options.
+    pub opts: AllReduceOptions,
+}
+
+impl<B: Backend, T: Element> Prepared<B, T> {
+    /// Uploads `ins` (one vector per rank) and poisons the outputs.
+    pub fn new(
+        comm: &Communicator<B>,
+        ins: Vec<Vec<T>>,
+        in_place: bool,
+        opts: AllReduceOptions,
+    ) -> Self {
+        assert_eq!(ins.len(), comm.world_size());
+        let len = ins[0].len();
+        let poison = vec![T::from_f32(f32::NAN); len];
+        let mut in_bufs = Vec::with_capacity(ins.len());
+        let mut out_bufs = Vec::with_capacity(ins.len());
+        for (r, rank) in comm.ranks().iter().enumerate() {
+            let dev = rank.device();
+            let mut b = B::alloc_buffer::<T>(dev, len).expect("input buffer");
+            B::upload(dev, &ins[r], &mut b).expect("upload input");
+            in_bufs.push(b);
+            if !in_place {
+                let mut o = B::alloc_buffer::<T>(dev, len).expect("output buffer");
+                B::upload(dev, &poison, &mut o).expect("poison output");
+                out_bufs.push(o);
+            }
+        }
+        Prepared {
+            ins,
+            in_bufs,
+            out_bufs,
+            in_place,
+            opts,
+        }
+    }
+
+    /// Elements per rank.
+    pub fn len(&self) -> usize {
+        self.ins[0].len()
+    }
+
+    /// Group width in a world of `world`.
+    pub fn width(&self, world: usize) -> usize {
+        if self.opts.group_size == 0 {
+            world
+        } else {
+            self.opts.group_size
+        }
+    }
+
+    /// A description for failure messages.
+    pub fn describe(&self, world: usize) -> String {
+        format!(
+            "{} {:?} world {world} group {} len {} {}{}",
+            self.opts.algorithm.name(),
+            T::DTYPE,
+            self.width(world),
+            self.len(),
+            if self.in_place {
+                "in-place"
+            } else {
+                "out-of-place"
+            },
+            match self.opts.blocks {
+                Some(b) => format!(" blocks {b}"),
+                None => String::new(),
+            }
+        )
+    }
+
+    /// Enqueues the all-reduce (no synchronisation).
+    pub fn enqueue(&mut self, comm: &Communicator<B>) -> Result<Algorithm> {
+        if self.in_place {
+            let mut ts: Vec<TensorMut<B>> = self
+                .in_bufs
+                .iter_mut()
+                .map(|b| TensorMut::flat(b))
+                .collect();
+            comm.all_reduce_sum_in_place(&mut ts, &self.opts)
+        } else {
+            let ins: Vec<Tensor<B>> = self.in_bufs.iter().map(|b| Tensor::flat(b)).collect();
+            let mut outs: Vec<TensorMut<B>> = self
+                .out_bufs
+                .iter_mut()
+                .map(|b| TensorMut::flat(b))
+                .collect();
+            comm.all_reduce_sum(&ins, &mut outs, &self.opts)
+        }
+    }
+
+    /// Every rank's result (the output buffers, or the in-place buffers).
+    pub fn results(&self, comm: &Communicator<B>) -> Vec<Vec<T>> {
+        let bufs = if self.in_place {
+            &self.in_bufs
+        } else {
+            &self.out_bufs
+        };
+        comm.ranks()
+            .iter()
+            .zip(bufs)
+            .map(|(rank, b)| B::download(rank.device(), b).expect("download"))
+            .collect()
+    }
+
+    /// Nothing was written: inputs hold their values bit for bit, outputs are all NaN.
+    pub fn assert_untouched(&self, comm: &Communicator<B>, what: &str) {
+        for (r, rank) in comm.ranks().iter().enumerate() {
+            let got = B::download(rank.device(), &self.in_bufs[r]).expect("download");
+            assert!(
+                got.len() == self.ins[r].len()
+                    && got
+                        .iter()
+                        .zip(&self.ins[r])
+                        .all(|(a, b)| a.to_bits_u32() == b.to_bits_u32()),
+                "{what}: rank {r}'s input (or in-place data) was written"
+            );
+            if !self.in_place {
+                let out = B::download(rank.device(), &self.out_bufs[r]).expect("download");
+                assert!(
+                    out.iter().all(|x| x.to_f32().is_nan()),
+                    "{what}: rank {r}'s output was written"
+                );
+            }
+        }
+    }
+
+    /// Checks what the call returned and, if it ran, its result (after a synchronize):
+    /// the outcome the rules of [`expected`] give, then [`check_result`].
+    pub fn check(&self, comm: &Communicator<B>, outcome: &Result<Algorithm>, what: &str) {
+        let world = comm.world_size();
+        let width = self.width(world);
+        match expected(self.opts.algorithm, width, world) {
+            Expected::Unsupported => match outcome {
+                Err(Error::Unsupported(_)) => self.assert_untouched(comm, what),
+                other => panic!(
+                    "{what}: Lamport over a subgroup must be refused with Error::Unsupported \
+                     and nothing written; got {other:?}"
+                ),
+            },
+            Expected::Runs(allowed) => {
+                let ran = match outcome {
+                    Ok(a) => *a,
+                    Err(e) => panic!("{what}: {e}"),
+                };
+                let results = self.results(comm);
+                check_result(&self.ins, &results, width, ran, what);
+                assert!(
+                    allowed.contains(&ran),
+                    "{what}: returned {} but may only run {:?} (Lamport runs only over \
+                     the whole world of width >= 2; forced with width 1 it runs one-stage)",
+                    ran.name(),
+                    allowed.iter().map(|a| a.name()).collect::<Vec<_>>()
+                );
+            }
+        }
+    }
+}
+
+/// A prepared call of any element type, so a batch can mix dtypes.
+pub trait Call<B: Backend> {
+    /// Enqueues it.
+    fn enqueue(&mut self, comm: &Communicator<B>) -> Result<Algorithm>;
+    /// Checks it (after a synchronize).
+    fn check(&self, comm: &Communicator<B>, outcome: &Result<Algorithm>, what: &str);
+    /// Describes it.
+    fn describe(&self, world: usize) -> String;
+    /// Bytes per rank.
+    fn bytes(&self) -> usize;
+}
+
+impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
+    fn enqueue(&mut self, comm: &Communicator<B>) -> Result<Algorithm> {
+        Prepared::enqueue(self, comm)
+    }
+    fn check(&self, comm: &Communicator<B>, outcome: &Result<Algorithm>, what: &str) {
+        Prepared::check(self, comm, outcome, what)
+    }
+    fn describe(&self, world: usize) -> String {
+        Prepared::describe(self, world)
+    }
+    fn bytes(&self) -> usize {
+        self.len() * std::mem::size_of::<T>()
+    }
+}
+
+/// Random inputs of `dtype` (with `zeros`) for every rank, prepared as a [`Call`].
+#[allow(clippy::too_many_arguments)]
+pub fn prepare_random<B: Backend>(
+    comm: &Communicator<B>,
+    rng: &mut StdRng,
+    dtype: DType,
+    len: usize,
+    zeros: Zeros,
+    in_place: bool,
+    opts: AllReduceOptions,
+) -> Box<dyn Call<B>> {
+    fn typed<B: Backend, T: Element>(
+        comm: &Communicator<B>,
+        rng: &mut StdRng,
+        len: usize,
+        zeros: Zeros,
+        in_place: bool,
+        opts: AllReduceOptions,
+    ) -> Box<dyn Call<B>> {
+        let mut ins = random_inputs::<T>(rng, comm.world_size(), len);
+        sprinkle_zeros(rng, &mut ins, zeros);
+        Box::new(Prepared::<B, T>::new(comm, ins, in_place, opts))
+    }
+    match dtype {
+        DType::F32 => typed::<B, f32>(comm, rng, len, zeros, in_place, opts),
+        DType::F16 => typed::<B, half::f16>(comm, rng, len, zeros, in_place, opts),
+        DType::BF16 => typed::<B, half::bf16>(comm, rng, len, zeros, in_place, opts),
+    }
+}
+
+/// Enqueues every call of a batch back to back (no synchronisation in between), then
+/// synchronises once and checks every call.
+pub fn run_batch<B: Backend>(comm: &Communicator<B>, calls: &mut [Box<dyn Call<B>>], what: &str) {
+    let outcomes: Vec<Result<Algorithm>> = calls.iter_mut().map(|c| c.enqueue(comm)).collect();
+    comm.synchronize()
+        .unwrap_or_else(|e| panic!("{what}: synchronize after {} calls: {e}", calls.len()));
+    let world = comm.world_size();
+    for (i, (c, outcome)) in calls.iter().zip(&outcomes).enumerate() {
+        c.check(
+            comm,
+            outcome,
+            &format!("{what}, call {i} of {}: {}", calls.len(), c.describe(world)),
+        );
+    }
+}
+
+/// One all-reduce of fresh random data of `len` elements of T, synchronised and
+/// checked (including what the call returned, per [`expected`]). Returns the outcome.
 pub fn run_case<B: Backend, T: Element>(
     comm: &Communicator<B>,
     rng: &mut StdRng,
@@ -123,56 +591,20 @@ pub fn run_case<B: Backend, T: Element>(
     group_size: usize,
     len: usize,
     in_place: bool,
-) -> Algorithm {
-    let world = comm.world_size();
-    let width = if group_size == 0 { world } else { group_size };
-    let ins: Vec<Vec<T>> = (0..world).map(|_| random_values::<T>(rng, len)).collect();
-    let mut in_bufs = Vec::with_capacity(world);
-    let mut out_bufs = Vec::with_capacity(world);
-    let poison = vec![T::from_f32(f32::NAN); len];
-    for (r, rank) in comm.ranks().iter().enumerate() {
-        let dev = rank.device();
-        let mut b = B::alloc_buffer::<T>(dev, len).unwrap();
-        B::upload(dev, &ins[r], &mut b).unwrap();
-        in_bufs.push(b);
-        if !in_place {
-            let mut o = B::alloc_buffer::<T>(dev, len).unwrap();
-            B::upload(dev, &poison, &mut o).unwrap();
-            out_bufs.push(o);
-        }
-    }
+) -> Result<Algorithm> {
+    let ins = random_inputs::<T>(rng, comm.world_size(), len);
     let opts = AllReduceOptions::new()
         .group_size(group_size)
         .algorithm(algorithm);
-    let what = format!(
-        "{} {:?} world {world} group {width} len {len} {}",
-        algorithm.name(),
-        T::DTYPE,
-        if in_place { "in-place" } else { "out-of-place" }
-    );
-    let ran = if in_place {
-        let mut ts: Vec<TensorMut<B>> = in_bufs.iter_mut().map(|b| TensorMut::flat(b)).collect();
-        comm.all_reduce_sum_in_place(&mut ts, &opts)
-    } else {
-        let ins_t: Vec<Tensor<B>> = in_bufs.iter().map(|b| Tensor::flat(b)).collect();
-        let mut outs_t: Vec<TensorMut<B>> =
-            out_bufs.iter_mut().map(|b| TensorMut::flat(b)).collect();
-        comm.all_reduce_sum(&ins_t, &mut outs_t, &opts)
-    }
-    .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let mut call = Prepared::<B, T>::new(comm, ins, in_place, opts);
+    let what = call.describe(comm.world_size());
+    let outcome = call.enqueue(comm);
     comm.synchronize().unwrap_or_else(|e| panic!("{what}: {e}"));
-    let results = if in_place { &in_bufs } else { &out_bufs };
-    let outs: Vec<Vec<T>> = comm
-        .ranks()
-        .iter()
-        .zip(results)
-        .map(|(rank, b)| B::download(rank.device(), b).unwrap())
-        .collect();
-    check_sums(&ins, &outs, width, &what);
-    ran
+    call.check(comm, &outcome, &what);
+    outcome
 }
 
-fn run_case_dtype<B: Backend>(
+pub fn run_case_dtype<B: Backend>(
     comm: &Communicator<B>,
     rng: &mut StdRng,
     dtype: DType,
@@ -180,7 +612,7 @@ fn run_case_dtype<B: Backend>(
     group_size: usize,
     len: usize,
     in_place: bool,
-) -> Algorithm {
+) -> Result<Algorithm> {
     match dtype {
         DType::F32 => run_case::<B, f32>(comm, rng, algorithm, group_size, len, in_place),
         DType::F16 => run_case::<B, half::f16>(comm, rng, algorithm, group_size, len, in_place),
@@ -193,11 +625,13 @@ pub fn group_sizes(world: usize) -> Vec<usize> {
 }
 
 /// Every algorithm (and Auto) x dtype x valid group size x length, out-of-place and
-/// in-place, for one world size.
+/// in-place, for one world size. Forced Lamport over a subgroup must be refused with
+/// `Error::Unsupported`; forced over groups of one it runs (and returns) one-stage.
 pub fn sweep_world<B: Backend>(world: usize, max_blocks: Option<u32>, lengths: &[usize]) {
     let mut rng = rng(&format!("sweep_world_{world}"));
     let comm = open::<B>(world, suite_config(max_blocks));
     let mut cases = 0;
+    let mut refused = 0;
     for group in group_sizes(world) {
         for algorithm in [
             Algorithm::Auto,
@@ -208,96 +642,216 @@ pub fn sweep_world<B: Backend>(world: usize, max_blocks: Option<u32>, lengths: &
             for dtype in DType::ALL {
                 for &len in lengths {
                     for in_place in [false, true] {
-                        run_case_dtype(&comm, &mut rng, dtype, algorithm, group, len, in_place);
+                        let outcome =
+                            run_case_dtype(&comm, &mut rng, dtype, algorithm, group, len, in_place);
                         cases += 1;
+                        refused += outcome.is_err() as usize;
                     }
                 }
             }
         }
     }
-    eprintln!("sweep_world_{world}: {cases} all-reduces checked");
+    eprintln!("sweep_world_{world}: {cases} all-reduces checked ({refused} refused as specified)");
 }
 
-/// Subgroup (widths 1, 2 and 4 where narrower than and dividing the world) and whole-world all-reduces
-/// interleaved on one set of signal buffers, every algorithm, each call checked.
+/// Subgroup calls of every width narrower than the world (1, 2 and 4 where they divide
+/// it) with whole-world Lamport calls between them, on one set of signal buffers: the
+/// Lamport state must survive the subgroups' barriers (and, on the old code, width
+/// changes of Lamport itself). Each call is synchronised and checked.
 pub fn interleaved_subgroups<B: Backend>(world: usize, calls: usize, max_blocks: Option<u32>) {
     let mut rng = rng(&format!("interleaved_{world}"));
     let comm = open::<B>(world, suite_config(max_blocks));
-    let mut widths: Vec<usize> = [1, 2, 4]
+    let widths: Vec<usize> = [1, 2, 4]
         .into_iter()
         .filter(|w| *w < world && world % w == 0)
         .collect();
-    widths.push(0);
+    assert!(!widths.is_empty(), "world {world} has no subgroup");
+    // Subgroups take the barrier algorithms (and Lamport where it means one-stage);
+    // the world calls are mostly Lamport, with the barrier algorithms now and then.
+    let sub_algorithms = [
+        Algorithm::OneStage,
+        Algorithm::TwoStage,
+        Algorithm::Auto,
+        Algorithm::Lamport,
+    ];
+    let world_algorithms = [
+        Algorithm::Lamport,
+        Algorithm::Lamport,
+        Algorithm::OneStage,
+        Algorithm::Lamport,
+        Algorithm::TwoStage,
+        Algorithm::Auto,
+    ];
+    let mut lamport_calls = 0;
     for i in 0..calls {
-        let group = widths[i % widths.len()];
-        let algorithm = Algorithm::ALL[(i / widths.len()) % 3];
         let dtype = DType::ALL[i % 3];
-        let len = [1023, 4096, 33][i % 3];
-        run_case_dtype(&comm, &mut rng, dtype, algorithm, group, len, i % 2 == 1);
-    }
-    eprintln!("interleaved_{world}: {calls} calls over widths {widths:?}");
-}
-
-/// Counters start just below u32::MAX so every barrier domain wraps mid-test.
-pub fn counter_wraparound<B: Backend>(world: usize, max_blocks: Option<u32>) {
-    let mut rng = rng(&format!("wraparound_{world}"));
-    let comm = open::<B>(world, suite_config(max_blocks));
-    comm.reinitialize_with_counter_base(u32::MAX - 7).unwrap();
-    for i in 0..24 {
-        for group in group_sizes(world) {
-            let algorithm = Algorithm::ALL[i % 3];
-            run_case::<B, f32>(&comm, &mut rng, algorithm, group, 1023, i % 2 == 0);
+        let len = [1023, 4096, 33, 1, 777][i % 5];
+        let in_place = (i / 2) % 2 == 1;
+        if i % 2 == 0 {
+            let width = widths[(i / 2) % widths.len()];
+            let mut algorithm = sub_algorithms[(i / 2 / widths.len()) % sub_algorithms.len()];
+            if algorithm == Algorithm::Lamport && width != 1 {
+                algorithm = Algorithm::Auto;
+            }
+            run_case_dtype(&comm, &mut rng, dtype, algorithm, width, len, in_place)
+                .expect("a legal subgroup call");
+        } else {
+            let algorithm = world_algorithms[(i / 2) % world_algorithms.len()];
+            let ran = run_case_dtype(&comm, &mut rng, dtype, algorithm, 0, len, in_place)
+                .expect("a whole-world call");
+            lamport_calls += (ran == Algorithm::Lamport) as usize;
         }
     }
+    assert!(lamport_calls > 0, "no whole-world Lamport call ran");
+    eprintln!(
+        "interleaved_{world}: {calls} calls over subgroup widths {widths:?} and the world \
+         ({lamport_calls} whole-world Lamport calls)"
+    );
+}
+
+/// Elements of T a call needs for the planner to launch all `max_blocks` blocks of a
+/// `kind` over groups of `width` (odd, so the scalar tail is covered too).
+fn len_for_all_blocks<T: Element>(
+    algorithm: Algorithm,
+    width: usize,
+    threads_per_block: u32,
+    max_blocks: u32,
+) -> usize {
+    let lanes = T::DTYPE.lanes();
+    let work_packs = threads_per_block as usize * (max_blocks as usize - 1) + 1;
+    let packs = match algorithm {
+        Algorithm::TwoStage => work_packs * width,
+        _ => work_packs,
+    };
+    let len = packs * lanes + 3;
+    let work = match algorithm {
+        Algorithm::TwoStage => len.div_ceil(lanes).div_ceil(width),
+        _ => len.div_ceil(lanes),
+    };
+    assert_eq!(
+        dispatch::blocks_for(work, threads_per_block, max_blocks),
+        max_blocks,
+        "{} over {width}: {len} elements do not launch all {max_blocks} blocks",
+        algorithm.name()
+    );
+    len
+}
+
+/// Counters start just below u32::MAX; every barrier domain in use wraps, in every
+/// block: the lengths make the planner launch all `max_blocks` blocks (asserted), and
+/// afterwards every block's counters of every domain with a barrier (groups of two or
+/// more) are read back from every rank's signal and must have wrapped, all equal.
+pub fn counter_wraparound<B: Backend>(world: usize, max_blocks: Option<u32>) {
+    let mut rng = rng(&format!("wraparound_{world}"));
+    let config = suite_config(max_blocks);
+    let comm = open::<B>(world, config.clone());
+    let base = u32::MAX - 7;
+    comm.reinitialize_with_counter_base(base).unwrap();
+    let blocks = config
+        .max_blocks
+        .map(|b| b as usize)
+        .unwrap_or_else(|| B::multiprocessor_count(comm.rank(0).device()).unwrap())
+        .clamp(1, MAX_NUM_BLOCKS_UPPER_BOUND) as u32;
+    let tpb = config.threads_per_block;
+    for i in 0..24 {
+        for group in group_sizes(world) {
+            let algorithm = if group == world {
+                Algorithm::ALL[i % 3]
+            } else {
+                [Algorithm::OneStage, Algorithm::TwoStage][i % 2]
+            };
+            let len = len_for_all_blocks::<f32>(algorithm, group, tpb, blocks);
+            run_case::<B, f32>(&comm, &mut rng, algorithm, group, len, i % 2 == 0)
+                .expect("a legal call");
+        }
+    }
+    // Read back self_counter[d][b][t] of every rank for every domain with barriers.
+    let counters = std::mem::offset_of!(Signal, self_counter);
+    let mut checked = 0;
+    for width in group_sizes(world).into_iter().filter(|&w| w >= 2) {
+        let d = barrier_domain(width, world);
+        for (r, rank) in comm.ranks().iter().enumerate() {
+            let row = MAX_NUM_BLOCKS_UPPER_BOUND * MAX_GPUS * 4;
+            let mut raw = vec![0u8; row];
+            B::read(
+                rank.device(),
+                rank.signal_ptr() + (counters + d * row) as u64,
+                &mut raw,
+            )
+            .unwrap();
+            let word = |b: usize, t: usize| {
+                let i = (b * MAX_GPUS + t) * 4;
+                u32::from_le_bytes(raw[i..i + 4].try_into().unwrap())
+            };
+            let first = word(0, 0);
+            assert!(
+                first < base && first < 10_000,
+                "rank {r}, domain {d}: block 0's counter is {first}: it did not wrap past \
+                 u32::MAX from {base}"
+            );
+            for b in 0..blocks as usize {
+                for t in 0..width {
+                    assert_eq!(
+                        word(b, t),
+                        first,
+                        "rank {r}, domain {d}, block {b}, peer {t}: counter differs from \
+                         block 0's (every block must pass every barrier, and wrap)"
+                    );
+                    checked += 1;
+                }
+            }
+        }
+    }
+    eprintln!(
+        "wraparound_{world}: {checked} counters wrapped ({blocks} blocks per launch, base {base})"
+    );
 }
 
 /// Thousands of collectives enqueued back to back with no host synchronisation in
-/// between; the inputs stay the same, so every output must hold the same sums.
+/// between: fresh random inputs per call over mixed sizes and dtypes, every output
+/// kept alive until the one synchronize, then every call checked.
 pub fn back_to_back<B: Backend>(world: usize, calls: usize, max_blocks: Option<u32>) {
     let mut rng = rng(&format!("back_to_back_{world}"));
     let comm = open::<B>(world, suite_config(max_blocks));
-    let len = 1000;
-    let ins: Vec<Vec<f32>> = (0..world)
-        .map(|_| random_values::<f32>(&mut rng, len))
+    let lengths = [1, 3, 7, 16, 33, 100, 255, 1000, 1023, 2049, 4096];
+    let mut batch: Vec<Box<dyn Call<B>>> = (0..calls)
+        .map(|i| {
+            let len = lengths[rng.random_range(0..lengths.len())];
+            let opts = AllReduceOptions::new().algorithm(Algorithm::ALL[i % 3]);
+            prepare_random(
+                &comm,
+                &mut rng,
+                DType::ALL[(i / 3) % 3],
+                len,
+                Zeros::NONE,
+                i % 4 == 3,
+                opts,
+            )
+        })
         .collect();
-    let mut in_bufs = Vec::new();
-    let mut out_bufs = Vec::new();
-    for (r, rank) in comm.ranks().iter().enumerate() {
-        let mut b = B::alloc_buffer::<f32>(rank.device(), len).unwrap();
-        B::upload(rank.device(), &ins[r], &mut b).unwrap();
-        in_bufs.push(b);
-        let mut o = B::alloc_buffer::<f32>(rank.device(), len).unwrap();
-        B::upload(rank.device(), &vec![f32::NAN; len], &mut o).unwrap();
-        out_bufs.push(o);
-    }
-    for i in 0..calls {
-        let opts = AllReduceOptions::new().algorithm(Algorithm::ALL[i % 3]);
-        let ins_t: Vec<Tensor<B>> = in_bufs.iter().map(|b| Tensor::flat(b)).collect();
-        let mut outs_t: Vec<TensorMut<B>> =
-            out_bufs.iter_mut().map(|b| TensorMut::flat(b)).collect();
-        comm.all_reduce_sum(&ins_t, &mut outs_t, &opts).unwrap();
-    }
-    comm.synchronize().unwrap();
-    let outs: Vec<Vec<f32>> = comm
-        .ranks()
-        .iter()
-        .zip(&out_bufs)
-        .map(|(r, b)| B::download(r.device(), b).unwrap())
-        .collect();
-    check_sums(&ins, &outs, world, &format!("{calls} back-to-back calls"));
+    run_batch(
+        &comm,
+        &mut batch,
+        &format!("{calls} back-to-back calls, world {world}"),
+    );
+    eprintln!("back_to_back_{world}: {calls} calls enqueued without synchronisation, all checked");
 }
 
 /// A barrier whose peers never launch: the waiting rank records a timeout naming rank,
-/// block and domain; the communicator refuses collectives until re-initialised, then
-/// works again.
+/// block and domain within about twice the timeout; the communicator refuses
+/// collectives until re-initialised, then works again. Then a peer that is late by
+/// more than the timeout (see `hazards::late_peer_after_timeout`).
 pub fn barrier_timeout<B: Backend>(world: usize) {
+    let timeout = Duration::from_millis(300);
     let config = CommConfig {
-        barrier_timeout: Some(Duration::from_millis(300)),
+        barrier_timeout: Some(timeout),
         ..suite_config(None)
     };
     let comm = open::<B>(world, config);
+    let started = Instant::now();
     comm.barrier_on_ranks(0, &[0]).unwrap();
     let err = comm.synchronize().unwrap_err();
+    let took = started.elapsed();
     assert_eq!(
         err,
         Error::BarrierTimeout {
@@ -305,6 +859,10 @@ pub fn barrier_timeout<B: Backend>(world: usize) {
             block: 0,
             domain: 0
         }
+    );
+    assert!(
+        took <= 2 * timeout + Duration::from_secs(2),
+        "the timeout of {timeout:?} took {took:?} to report"
     );
     assert!(comm.is_poisoned());
     let mut rng = rng("barrier_timeout");
@@ -321,8 +879,9 @@ pub fn barrier_timeout<B: Backend>(world: usize) {
     comm.reinitialize().unwrap();
     assert!(!comm.is_poisoned());
     for algorithm in Algorithm::ALL {
-        run_case::<B, f32>(&comm, &mut rng, algorithm, 0, 777, false);
+        run_case::<B, f32>(&comm, &mut rng, algorithm, 0, 777, false).unwrap();
     }
+    hazards::late_peer_times_out_and_writes_nothing(&comm, &mut rng, timeout);
 }
 
 /// Generates the suite's `#[test]` functions for one backend. `$available` is an
@@ -344,6 +903,33 @@ macro_rules! reference_suite {
                 Err(why) => {
                     common::announce_skip(test, &why);
                     false
+                }
+            }
+        }
+
+        /// A placement of `world` ranks: one per device where there are enough, else
+        /// round-robin over the devices there are (shared); `None` after a printed
+        /// skip when the backend has no device.
+        fn place_or_skip(test: &str, world: usize) -> Option<common::Placement> {
+            let available: Result<usize, String> = $available;
+            match available {
+                Ok(n) if n >= 1 => {
+                    let p = common::Placement::round_robin(world, n);
+                    if p.shared {
+                        eprintln!(
+                            "{test}: {world} ranks share {n} device(s): {:?}",
+                            p.ordinals
+                        );
+                    }
+                    Some(p)
+                }
+                Ok(_) => {
+                    common::announce_skip(test, "no device");
+                    None
+                }
+                Err(why) => {
+                    common::announce_skip(test, &why);
+                    None
                 }
             }
         }
@@ -415,6 +1001,9 @@ macro_rules! reference_suite {
             buffer_on_the_wrong_device,
             wrong_number_of_tensors,
             block_count_out_of_range,
+            signal_size_overflow_is_refused,
+            buffer_of_overflowing_size_is_refused,
+            huge_barrier_timeout_saturates,
         );
 
         #[test]
@@ -423,6 +1012,17 @@ macro_rules! reference_suite {
                 common::barrier_timeout::<$backend>(2);
             }
         }
+
+        hazard_tests!(
+            $backend,
+            $max_blocks,
+            lamport_after_width_change_with_late_rank,
+            drop_buffers_before_synchronize,
+            concurrent_callers_share_one_communicator,
+            late_peer_after_timeout,
+            sign_of_zero_in_groups_of_one,
+            algorithms_agree_bitwise_and_ignore_length,
+        );
     };
 }
 

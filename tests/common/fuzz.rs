@@ -1,0 +1,380 @@
+//! The schedule fuzzer, generic over the backend: long seeded sequences of all-reduces
+//! that mix forced algorithms and `Auto`, every group width that divides the world
+//! (forced Lamport over a subgroup now and then, which must be refused with nothing
+//! written), all dtypes, lengths from 1 element to a few MiB (mostly small, many odd),
+//! -0.0 and +0.0 lanes, in place and out of place, explicit block counts, and ranks
+//! skewed in time (`delay_rank` before a call, now and then).
+//!
+//! Calls are enqueued in batches back to back with no host synchronisation: every
+//! buffer of a batch is allocated, filled and poisoned first (uploads wait for their
+//! rank's stream), then the whole batch is enqueued, then one synchronize, then every
+//! call is checked ([`super::Prepared::check`]: the f64 reference, bitwise equality
+//! across each group, the sign of zero, and what the call returned).
+//!
+//! Replay a failure with the seed it printed: `PEERCOMM_SEED=<seed>`. The number of
+//! calls comes from `PEERCOMM_FUZZ_CALLS` where set; `PEERCOMM_FUZZ_TRACE=1` prints
+//! each call as it is enqueued (to find the call a crash happened in).
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use peercomm::backend::Backend;
+use peercomm::{Algorithm, AllReduceOptions, CommConfig, Communicator, DType, Element, Result};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::{
+    group_sizes, prepare_random, random_inputs, sprinkle_zeros, Call, Placement, Prepared, Zeros,
+};
+
+/// Lamport slot of the fuzzer's communicators: forced Lamport takes up to this much.
+pub const FUZZ_LAMPORT_SLOT: usize = 1 << 20;
+/// Payload of the fuzzer's communicators (in-place one-stage stages the whole message).
+pub const FUZZ_PAYLOAD: usize = 4 << 20;
+
+/// The fuzzer's communicator configuration.
+pub fn fuzz_config(max_blocks: Option<u32>) -> CommConfig {
+    CommConfig {
+        lamport_slot_bytes: FUZZ_LAMPORT_SLOT,
+        payload_bytes: FUZZ_PAYLOAD,
+        barrier_timeout: Some(Duration::from_secs(30)),
+        max_blocks,
+        ..CommConfig::default()
+    }
+}
+
+/// `PEERCOMM_FUZZ_CALLS` if set, else `default`.
+pub fn calls_from_env(default: usize) -> usize {
+    std::env::var("PEERCOMM_FUZZ_CALLS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
+/// How the fuzzer draws its calls.
+#[derive(Clone, Debug)]
+pub struct Knobs {
+    /// Calls in all.
+    pub calls: usize,
+    /// Most calls enqueued between two synchronizes.
+    pub max_batch: usize,
+    /// Probability of a `delay_rank` before a call.
+    pub delay_probability: f64,
+    /// Longest delay (drawn uniformly from 0 to this, in whole milliseconds).
+    pub max_delay_ms: u64,
+    /// Largest message per rank, in bytes.
+    pub max_bytes: usize,
+    /// Explicit block counts are drawn from `1..=max_explicit_blocks`.
+    pub max_explicit_blocks: u32,
+    /// Probability that a subgroup call (1 < width < world) forces Lamport, which must
+    /// be refused.
+    pub illegal_lamport_probability: f64,
+}
+
+impl Knobs {
+    /// Defaults for `calls` calls.
+    pub fn new(calls: usize) -> Self {
+        Knobs {
+            calls,
+            max_batch: 24,
+            delay_probability: 0.1,
+            max_delay_ms: 3,
+            max_bytes: 3 << 20,
+            max_explicit_blocks: 4,
+            illegal_lamport_probability: 0.08,
+        }
+    }
+}
+
+/// One drawn call (before its inputs are).
+#[derive(Clone, Copy, Debug)]
+pub struct Draw {
+    pub dtype: DType,
+    pub len: usize,
+    pub in_place: bool,
+    pub zeros: Zeros,
+    pub opts: AllReduceOptions,
+}
+
+/// Draws a message size: mostly small, sometimes large, often odd.
+fn draw_bytes(rng: &mut StdRng, max_bytes: usize) -> usize {
+    let upper = match rng.random_range(0..100) {
+        0..=44 => 256,
+        45..=74 => 16 << 10,
+        75..=91 => 256 << 10,
+        92..=97 => 1 << 20,
+        _ => max_bytes,
+    };
+    rng.random_range(1..=upper.min(max_bytes))
+}
+
+/// Draws one call for a world of `world` ranks.
+pub fn draw(rng: &mut StdRng, world: usize, knobs: &Knobs) -> Draw {
+    let dtype = DType::ALL[rng.random_range(0..3)];
+    let widths = group_sizes(world);
+    let width = if rng.random_bool(0.5) {
+        world
+    } else {
+        widths[rng.random_range(0..widths.len())]
+    };
+    // The whole world may be asked for as 0 or as its width.
+    let group_size = if width == world && rng.random_bool(0.5) {
+        0
+    } else {
+        width
+    };
+    let algorithm = if width > 1 && width < world {
+        if rng.random_bool(knobs.illegal_lamport_probability) {
+            Algorithm::Lamport
+        } else {
+            [Algorithm::Auto, Algorithm::OneStage, Algorithm::TwoStage][rng.random_range(0..3)]
+        }
+    } else {
+        match rng.random_range(0..10) {
+            0..=2 => Algorithm::Auto,
+            3..=4 => Algorithm::OneStage,
+            5..=6 => Algorithm::TwoStage,
+            _ => Algorithm::Lamport,
+        }
+    };
+    let size = dtype.size();
+    let mut len = (draw_bytes(rng, knobs.max_bytes) / size).max(1);
+    if algorithm == Algorithm::Lamport && width == world {
+        len = len.min(FUZZ_LAMPORT_SLOT / size);
+    }
+    let zeros = match rng.random_range(0..10) {
+        0..=5 => Zeros::NONE,
+        6..=7 => Zeros::LANES,
+        _ => Zeros::ALL,
+    };
+    let mut opts = AllReduceOptions::new()
+        .group_size(group_size)
+        .algorithm(algorithm);
+    if rng.random_bool(0.2) {
+        opts = opts.blocks(rng.random_range(1..=knobs.max_explicit_blocks));
+    }
+    Draw {
+        dtype,
+        len,
+        in_place: rng.random_bool(0.5),
+        zeros,
+        opts,
+    }
+}
+
+/// One call of a batch, its inputs uploaded: the call, the delay before it (rank and
+/// how long) and how it was drawn.
+type Planned<B> = (Box<dyn Call<B>>, Option<(usize, Duration)>, Draw);
+
+/// What a fuzz run did.
+#[derive(Debug, Default)]
+pub struct Report {
+    pub seed: u64,
+    pub checked: usize,
+    pub requested: BTreeMap<&'static str, usize>,
+    pub ran: BTreeMap<&'static str, usize>,
+    pub refused: usize,
+    pub delays: usize,
+    pub in_place: usize,
+    pub with_zeros: usize,
+    pub batches: usize,
+    pub bytes: usize,
+    pub elapsed: Duration,
+}
+
+/// Runs the fuzzer over `placement` (see the module docs) and prints what it checked.
+pub fn fuzz<B: Backend>(
+    test: &str,
+    placement: &Placement,
+    max_blocks: Option<u32>,
+    knobs: &Knobs,
+) -> Report {
+    let seed = super::seed(test);
+    let mut rng = StdRng::seed_from_u64(seed);
+    let comm = placement.open::<B>(fuzz_config(max_blocks));
+    let world = comm.world_size();
+    let trace = std::env::var_os("PEERCOMM_FUZZ_TRACE").is_some();
+    let started = Instant::now();
+    let mut report = Report {
+        seed,
+        ..Report::default()
+    };
+    while report.checked < knobs.calls {
+        let n = rng
+            .random_range(1..=knobs.max_batch)
+            .min(knobs.calls - report.checked);
+        let mut batch: Vec<Planned<B>> = Vec::with_capacity(n);
+        for _ in 0..n {
+            let d = draw(&mut rng, world, knobs);
+            let call = prepare_random(&comm, &mut rng, d.dtype, d.len, d.zeros, d.in_place, d.opts);
+            let delay = rng.random_bool(knobs.delay_probability).then(|| {
+                (
+                    rng.random_range(0..world),
+                    Duration::from_millis(rng.random_range(0..=knobs.max_delay_ms)),
+                )
+            });
+            batch.push((call, delay, d));
+        }
+        let mut outcomes: Vec<Result<Algorithm>> = Vec::with_capacity(n);
+        for (i, (call, delay, _)) in batch.iter_mut().enumerate() {
+            if let Some((rank, by)) = *delay {
+                comm.delay_rank(rank, by).expect("delay_rank");
+            }
+            if trace {
+                eprintln!(
+                    "{test}: batch {} call {i}: {}, delay {delay:?}",
+                    report.batches,
+                    call.describe(world)
+                );
+            }
+            outcomes.push(call.enqueue(&comm));
+        }
+        comm.synchronize().unwrap_or_else(|e| {
+            panic!(
+                "{test} (PEERCOMM_SEED={seed}): synchronize after batch {} of {n} calls: {e}",
+                report.batches
+            )
+        });
+        for (i, ((call, delay, d), outcome)) in batch.iter().zip(&outcomes).enumerate() {
+            let what = format!(
+                "{test} (PEERCOMM_SEED={seed}), batch {}, call {i} of {n}: {}{}{}",
+                report.batches,
+                call.describe(world),
+                match delay {
+                    Some((r, by)) => format!(", rank {r} delayed by {by:?}"),
+                    None => String::new(),
+                },
+                if d.zeros.lane > 0.0 {
+                    format!(", zeros {:?}", d.zeros)
+                } else {
+                    String::new()
+                }
+            );
+            call.check(&comm, outcome, &what);
+            *report.requested.entry(d.opts.algorithm.name()).or_default() += 1;
+            match outcome {
+                Ok(a) => *report.ran.entry(a.name()).or_default() += 1,
+                Err(_) => report.refused += 1,
+            }
+            report.delays += delay.is_some() as usize;
+            report.in_place += d.in_place as usize;
+            report.with_zeros += (d.zeros.lane > 0.0) as usize;
+            report.bytes += call.bytes();
+            report.checked += 1;
+        }
+        report.batches += 1;
+    }
+    report.elapsed = started.elapsed();
+    eprintln!(
+        "{test}: PEERCOMM_SEED={} world {world} on devices {:?}{}: {} calls checked in {} batches \
+         in {:.1?}; requested {:?}; ran {:?}; refused (Lamport over a subgroup) {}; delays {}; \
+         in place {}; with zeros {}; {:.1} MiB per rank",
+        report.seed,
+        placement.ordinals,
+        if placement.shared { " (shared)" } else { "" },
+        report.checked,
+        report.batches,
+        report.elapsed,
+        report.requested,
+        report.ran,
+        report.refused,
+        report.delays,
+        report.in_place,
+        report.with_zeros,
+        report.bytes as f64 / (1 << 20) as f64
+    );
+    if knobs.calls >= 300 {
+        for a in ["auto", "one_stage", "two_stage", "lamport"] {
+            assert!(
+                report.requested.get(a).copied().unwrap_or(0) > 0,
+                "{test}: the fuzzer never requested {a}"
+            );
+        }
+        if world >= 2 {
+            assert!(
+                report.ran.get("lamport").copied().unwrap_or(0) > 0,
+                "{test}: Lamport never ran"
+            );
+        }
+        assert!(report.delays > 0, "{test}: no rank was ever delayed");
+    }
+    report
+}
+
+/// The same schedule and the same inputs through two backends (the host reference and
+/// a GPU backend, say), compared bit for bit: every call is checked on each side, and
+/// the two sides' outputs must be identical. `Auto` may pick differently per
+/// architecture, so its inputs hold no all--0.0 elements (where Lamport's +0.0 differs).
+pub fn differential<A: Backend, B: Backend>(
+    test: &str,
+    a: &Communicator<A>,
+    b: &Communicator<B>,
+    calls: usize,
+) {
+    assert_eq!(a.world_size(), b.world_size());
+    let world = a.world_size();
+    let mut rng = super::rng(test);
+    let knobs = Knobs {
+        max_bytes: 1 << 20,
+        ..Knobs::new(calls)
+    };
+    for i in 0..calls {
+        let mut d = draw(&mut rng, world, &knobs);
+        if d.opts.algorithm == Algorithm::Auto && d.zeros.column > 0.0 {
+            d.zeros = Zeros::LANES;
+        }
+        let what = format!("{test}, call {i}");
+        match d.dtype {
+            DType::F32 => differential_call::<A, B, f32>(a, b, &mut rng, &d, &what),
+            DType::F16 => differential_call::<A, B, half::f16>(a, b, &mut rng, &d, &what),
+            DType::BF16 => differential_call::<A, B, half::bf16>(a, b, &mut rng, &d, &what),
+        }
+    }
+    eprintln!(
+        "{test}: {calls} calls, world {world}, {} and {} agree bit for bit",
+        A::NAME,
+        B::NAME
+    );
+}
+
+fn differential_call<A: Backend, B: Backend, T: Element>(
+    a: &Communicator<A>,
+    b: &Communicator<B>,
+    rng: &mut StdRng,
+    d: &Draw,
+    what: &str,
+) {
+    let world = a.world_size();
+    let mut ins = random_inputs::<T>(rng, world, d.len);
+    sprinkle_zeros(rng, &mut ins, d.zeros);
+    let mut pa = Prepared::<A, T>::new(a, ins.clone(), d.in_place, d.opts);
+    let mut pb = Prepared::<B, T>::new(b, ins, d.in_place, d.opts);
+    let what = format!("{what}: {}", pa.describe(world));
+    let oa = pa.enqueue(a);
+    let ob = pb.enqueue(b);
+    a.synchronize()
+        .unwrap_or_else(|e| panic!("{what}: {}: {e}", A::NAME));
+    b.synchronize()
+        .unwrap_or_else(|e| panic!("{what}: {}: {e}", B::NAME));
+    pa.check(a, &oa, &format!("{what} on {}", A::NAME));
+    pb.check(b, &ob, &format!("{what} on {}", B::NAME));
+    if oa.is_err() {
+        return;
+    }
+    let (ra, rb) = (pa.results(a), pb.results(b));
+    for r in 0..world {
+        for e in 0..d.len {
+            assert_eq!(
+                ra[r][e].to_bits_u32(),
+                rb[r][e].to_bits_u32(),
+                "{what}: rank {r}, element {e}: {} gives {:?} ({}), {} gives {:?} ({})",
+                A::NAME,
+                ra[r][e],
+                oa.as_ref().unwrap().name(),
+                B::NAME,
+                rb[r][e],
+                ob.as_ref().unwrap().name()
+            );
+        }
+    }
+}
