@@ -51,7 +51,7 @@ use loom::cell::UnsafeCell;
 use loom::sync::atomic::AtomicU32;
 use loom::sync::Arc;
 use peercomm::barrier_domain;
-use peercomm::protocol::{barrier, Backoff, BarrierSignals, BarrierSite, CounterCell};
+use peercomm::protocol::{barrier, Backoff, BarrierKind, BarrierSignals, BarrierSite, CounterCell};
 
 /// Counters start here, so the three barriers of a domain cross `u32::MAX -> 0`.
 const COUNTER_BASE: u32 = u32::MAX - 1;
@@ -375,13 +375,18 @@ impl Backoff for Spin {
 }
 
 /// Passes one barrier of kind `K`.
-fn pass<const K: u8>(world: &World, base: usize, site: BarrierSite, publish: bool) {
+fn pass<const K: u8>(world: &World, base: usize, site: BarrierSite, kind: BarrierKind) {
     let mut spin = Spin {
         failed: 0,
         bound: world.scenario.spin_bound,
     };
-    barrier(&Group::<K> { world, base }, site, publish, &mut spin)
-        .unwrap_or_else(|never| match never {});
+    barrier(
+        &Group::<K> { world, base },
+        site,
+        kind.device_orderings(),
+        &mut spin,
+    )
+    .unwrap_or_else(|never| match never {});
 }
 
 /// Rank `rank` runs `blocks` through the scenario's steps.
@@ -406,8 +411,8 @@ fn run_rank(world: &World, rank: usize, blocks: &[usize]) {
                 block,
             };
             match kind {
-                Kind::Start => pass::<START>(world, base, site, false),
-                Kind::Publish => pass::<PUBLISH>(world, base, site, true),
+                Kind::Start => pass::<START>(world, base, site, BarrierKind::Start),
+                Kind::Publish => pass::<PUBLISH>(world, base, site, BarrierKind::Publish),
                 Kind::End => {
                     // Write after read: this block reads the next member's cell before
                     // the end barrier; every member overwrites its own after it. The
@@ -428,8 +433,12 @@ fn run_rank(world: &World, rank: usize, blocks: &[usize]) {
                     let peer = base + (me + 1) % width;
                     let seen = world.read_war(peer, step, block);
                     if s.variant != Variant::MissingEndBarrier {
-                        let publish = s.variant == Variant::EndReleaseAcquire;
-                        pass::<END>(world, base, site, publish);
+                        let kind = if s.variant == Variant::EndReleaseAcquire {
+                            BarrierKind::Publish
+                        } else {
+                            BarrierKind::End
+                        };
+                        pass::<END>(world, base, site, kind);
                     }
                     world.write_war(rank, step, block, tag(rank, step, block));
                     assert_eq!(
