@@ -79,6 +79,19 @@ pub fn lamport_after_width_change_with_late_rank<B: Backend>(
             .collect();
         comm.synchronize()
             .unwrap_or_else(|e| panic!("{name}, world {world}: synchronize: {e}"));
+        // The sums of every call first (the defect this test exists for: stale Lamport
+        // data summed in after a width change), then what each call returned.
+        for (i, (c, outcome)) in calls.iter().zip(&outcomes).enumerate() {
+            if let Ok(ran) = outcome {
+                super::check_result(
+                    &c.ins,
+                    &c.results(&comm),
+                    c.width(world),
+                    *ran,
+                    &format!("{name}, world {world}, call {i}: {}", c.describe(world)),
+                );
+            }
+        }
         for (i, (c, outcome)) in calls.iter().zip(&outcomes).enumerate() {
             c.check(
                 &comm,
