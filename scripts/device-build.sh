@@ -5,7 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/install-toolchains.sh >/dev/null
-rm -rf .device-bin && mkdir -p .device-bin
+mkdir -p .device-bin && find .device-bin -maxdepth 1 -type f -delete
 cargo test --release --features cuda --no-run --message-format=json 2>/dev/null \
   | python3 -c '
 import json, sys, shutil

@@ -3,33 +3,54 @@
 # "before" evidence, scripts/device-build-before.sh). Logs go to $OUT; a short table is
 # printed last. Works on 1 GPU (worlds 2, 4 and 8 run with several ranks per GPU) and on
 # 2 GPUs (world 2 on real NVLink, plus the shared-device worlds).
-#   bash scripts/device-trust.sh            # everything
-#   FUZZ_CALLS=20000 bash scripts/device-trust.sh
+#   bash scripts/device-trust.sh before suite      # stages, in order; default: all
+#   stages: before suite fuzz perrank memcheck
+#   FUZZ_CALLS=20000 (the world-2 fuzzer's calls)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 OUT=${OUT:-/tmp/peercomm-out}
 mkdir -p "$OUT"
-export PEERCOMM_FUZZ_CALLS=${FUZZ_CALLS:-20000}
-nvidia-smi -L | tee "$OUT/gpus.txt"
+stages=${*:-before suite fuzz perrank memcheck}
+nvidia-smi -L | tee -a "$OUT/gpus.txt"
 summary=()
+result() { grep -E '^test result' "$1" | tail -1; }
 
-# 1. Evidence that the regression tests fail on the code before the fixes.
-if [ -x .device-bin/before/test-cuda ]; then
-  timeout 300 .device-bin/before/test-cuda --test-threads=1 "${BEFORE_FILTER:-hazard}" \
-    > "$OUT/before.log" 2>&1
-  summary+=("before (old kernels + new regression tests) rc=$?: $(grep -E '^test result' "$OUT/before.log" | tail -1)")
-  grep -E "^test .*(FAILED|ok)$|panicked" "$OUT/before.log" | head -20
-fi
-
-# 2. The CUDA suite with the fixes, the fuzzer asking for $PEERCOMM_FUZZ_CALLS calls.
-timeout 420 .device-bin/test-cuda --test-threads=1 > "$OUT/test-cuda.log" 2>&1
-summary+=("test-cuda rc=$?: $(grep -E '^test result' "$OUT/test-cuda.log" | tail -1)")
-grep -E "SKIPPED|FAILED|panicked|checked|replays|fuzz" "$OUT/test-cuda.log" | head -60
-
-# 3. compute-sanitizer memcheck over the hazard tests (out-of-bounds, misaligned).
-if [ -x /usr/local/cuda/bin/compute-sanitizer ] && [ -z "${NO_SANITIZER:-}" ]; then
-  PEERCOMM_FUZZ_CALLS=200 timeout 300 /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
-    --print-limit 20 .device-bin/test-cuda --test-threads=1 hazard > "$OUT/memcheck.log" 2>&1
-  summary+=("memcheck rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1)")
-fi
+for stage in $stages; do
+  case $stage in
+  before)
+    # Evidence that the regression tests fail on the code before the fixes.
+    PEERCOMM_FUZZ_CALLS=400 timeout 300 .device-bin/before/test-cuda --test-threads=1 \
+      lamport_after_width_change_with_late_rank sign_of_zero_in_groups_of_one \
+      late_peer_after_timeout fuzz_schedule_world_4_shared_gpus > "$OUT/before.log" 2>&1
+    summary+=("before (old code, new regression tests) rc=$?: $(result "$OUT/before.log")")
+    grep -E "^test .*(FAILED|ok)$|panicked at|got |differs" "$OUT/before.log" | head -24
+    ;;
+  suite)
+    # The CUDA suite with the fixes (the fuzzers at their default 2000 calls; world 2
+    # gets its long run in the next stage).
+    PEERCOMM_FUZZ_CALLS=2000 timeout 480 .device-bin/test-cuda --test-threads=1 \
+      --skip fuzz_schedule_world_2 > "$OUT/test-cuda.log" 2>&1
+    summary+=("test-cuda rc=$?: $(result "$OUT/test-cuda.log")")
+    grep -E "SKIPPED|FAILED|panicked|checked|replays|fuzz" "$OUT/test-cuda.log" | head -60
+    ;;
+  fuzz)
+    PEERCOMM_FUZZ_CALLS=${FUZZ_CALLS:-20000} timeout 480 .device-bin/test-cuda \
+      --test-threads=1 fuzz_schedule_world_2 --nocapture > "$OUT/fuzz-world2.log" 2>&1
+    summary+=("fuzz world 2 rc=$?: $(result "$OUT/fuzz-world2.log")")
+    grep -E "fuzz|checked|SEED|panicked" "$OUT/fuzz-world2.log" | tail -8
+    ;;
+  perrank)
+    timeout 200 .device-bin/test-cuda_per_rank --test-threads=1 > "$OUT/test-cuda-per-rank.log" 2>&1
+    summary+=("test-cuda_per_rank rc=$?: $(result "$OUT/test-cuda-per-rank.log")")
+    grep -E "SKIPPED|FAILED|panicked|checked" "$OUT/test-cuda-per-rank.log" | head -20
+    ;;
+  memcheck)
+    # compute-sanitizer memcheck (out-of-bounds, misaligned accesses) over the hazards.
+    PEERCOMM_FUZZ_CALLS=200 timeout 300 /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
+      --print-limit 20 .device-bin/test-cuda --test-threads=1 lamport_after_width \
+      sign_of_zero algorithms_agree drop_buffers > "$OUT/memcheck.log" 2>&1
+    summary+=("memcheck rc=$?: $(grep -E 'ERROR SUMMARY' "$OUT/memcheck.log" | tail -1) $(result "$OUT/memcheck.log")")
+    ;;
+  esac
+done
 printf '%s\n' "${summary[@]}"
