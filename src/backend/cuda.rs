@@ -494,14 +494,15 @@ impl Backend for Cuda {
 
     fn alloc_buffer<T: Element>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
         // cudarc multiplies without checking: a wrapped size would allocate too little.
-        if len
-            .checked_mul(std::mem::size_of::<T>())
-            .is_none_or(|b| b > isize::MAX as usize)
+        if !matches!(len.checked_mul(std::mem::size_of::<T>()), Some(b) if b <= isize::MAX as usize)
         {
             return Err(Error::Backend {
                 backend: "cuda",
                 call: "cuMemAllocAsync",
-                detail: format!("{len} elements of {:?} overflow the address space", T::DTYPE),
+                detail: format!(
+                    "{len} elements of {:?} overflow the address space",
+                    T::DTYPE
+                ),
             });
         }
         dev.stream
