@@ -121,6 +121,27 @@ impl<'a> Reader<'a> {
     }
 }
 
+/// A random number drawn once per process: GPU handles carry their exporter's, so that
+/// importing in the exporting process (which CUDA and HIP IPC refuse) is recognised
+/// before the driver is asked, whatever error code the driver would give. A process id
+/// would not do: processes in different pid namespaces can share one.
+#[cfg(any(feature = "cuda", feature = "hip"))]
+pub(crate) fn process_token() -> u64 {
+    use std::sync::OnceLock;
+    static TOKEN: OnceLock<u64> = OnceLock::new();
+    *TOKEN.get_or_init(|| {
+        getrandom::u64().unwrap_or_else(|_| {
+            // No entropy source: the pid and the time still tell processes apart on
+            // one host, which is all IPC spans.
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0);
+            nanos ^ (u64::from(std::process::id()) << 32)
+        })
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
