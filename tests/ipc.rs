@@ -224,7 +224,7 @@ fn child_checks_and_writes<B: Backend>(test: &str) {
     B::synchronize(&dev).unwrap();
     drop(mapping);
     B::synchronize(&dev).unwrap();
-    println!("{DONE}");
+    println!("\n{DONE}");
 }
 
 /// A child that maps the parent's memory, writes its pattern, then writes a counter
@@ -281,7 +281,7 @@ fn child_writes_until_killed<B: Backend>(test: &str) {
     check_pattern::<B>(&dev, ptr, 3, 0..8, "the parent's half, seen by the child");
     write_pattern::<B>(&dev, ptr, 4, 8..16);
     B::synchronize(&dev).unwrap();
-    println!("{READY}");
+    println!("\n{READY}");
     let start = Instant::now();
     let mut n = 1u32;
     while start.elapsed() < Duration::from_secs(30) {
@@ -290,6 +290,44 @@ fn child_writes_until_killed<B: Backend>(test: &str) {
         n = n.wrapping_add(1);
     }
     panic!("the parent did not kill this child within 30 s");
+}
+
+/// The parent exports an allocation and frees it; a child importing the stale handle
+/// gets a typed error (`Error::Backend` from `import_memory`), not a crash.
+fn stale_handle_fails_in_another_process<B: Backend>(
+    dev: &B::Device,
+    child_test: &str,
+    child_ordinal: usize,
+) {
+    let mem = B::alloc(dev, BYTES, MemoryKind::SharedSignal).unwrap();
+    let handle = B::export_memory(dev, &mem).unwrap();
+    drop(mem);
+    B::synchronize(dev).unwrap();
+    let mut child = spawn_child(child_test, &handle, child_ordinal);
+    let mut out = wait_for_line(&mut child, DONE, Duration::from_secs(60));
+    let status = child.child.wait().unwrap();
+    child.reader.join().unwrap();
+    out.extend(child.lines.try_iter());
+    assert!(status.success(), "child: {status}\n{}", out.join("\n"));
+    assert!(
+        out.iter()
+            .any(|l| l.starts_with("test result: ok. 1 passed")),
+        "the child test did not pass:\n{out:#?}"
+    );
+}
+
+/// The child of [`stale_handle_fails_in_another_process`].
+fn child_import_fails<B: Backend>(test: &str) {
+    let Some((handle, ordinal)) = child_args(test) else {
+        return; // Not the child process: nothing to do.
+    };
+    let dev = B::open(ordinal).unwrap();
+    match B::import_memory(&dev, &handle) {
+        Err(e @ Error::Backend { .. }) => println!("stale handle: {e}"),
+        Err(other) => panic!("expected Error::Backend, got {other:?}"),
+        Ok(_) => panic!("imported memory its exporter had freed"),
+    }
+    println!("\n{DONE}");
 }
 
 // ---------------------------------------------------------------------------------------
@@ -412,6 +450,18 @@ fn host_killed_child_leaves_the_parents_memory_intact() {
 #[test]
 fn host_child_writes_until_killed() {
     child_writes_until_killed::<Host>("host_child_writes_until_killed");
+}
+
+#[test]
+fn host_stale_handle_fails_in_another_process() {
+    let _serial = serial();
+    stale_handle_fails_in_another_process::<Host>(&host(0), "host_child_import_fails", 1);
+}
+
+/// Child of `host_stale_handle_fails_in_another_process` (a no-op in an ordinary run).
+#[test]
+fn host_child_import_fails() {
+    child_import_fails::<Host>("host_child_import_fails");
 }
 
 /// Name of the shared memory files (`/memfd:peercomm-signal (deleted)` in /proc).
@@ -591,3 +641,150 @@ fn host_bad_handles_are_typed_errors() {
     Host::synchronize(&d0).unwrap();
     Host::synchronize(&d1).unwrap();
 }
+
+// ---------------------------------------------------------------------------------------
+// GPU backends: two processes (CUDA and HIP IPC cannot open a handle in the process
+// that exported it). Without a GPU every test prints why it is skipped.
+
+/// The IPC tests of a GPU backend, in module `$module` (behind feature `$feature`).
+macro_rules! gpu_ipc_suite {
+    ($module:ident, $feature:literal, $backend:ty, $magic:literal) => {
+        #[cfg(feature = $feature)]
+        mod $module {
+            use super::*;
+
+            type B = $backend;
+
+            /// Device 0 and the ordinal the child uses (device 1 where there is one),
+            /// or `None` after printing why `test` is skipped.
+            fn parent_device(test: &str) -> Option<(<B as Backend>::Device, usize)> {
+                let why = match B::device_count() {
+                    Ok(0) => format!("no {} device", B::NAME),
+                    Ok(n) => return Some((B::open(0).unwrap(), usize::from(n > 1))),
+                    Err(e) => e.to_string(),
+                };
+                // Straight to stderr, past the harness's output capture, so that the
+                // skip is visible in an ordinary run.
+                use std::io::Write;
+                let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+                None
+            }
+
+            /// The full name of this module's test `name`.
+            fn full(name: &str) -> String {
+                format!("{}::{name}", stringify!($module))
+            }
+
+            #[test]
+            fn two_processes_share_signal_memory() {
+                let _serial = serial();
+                if let Some((dev, child)) =
+                    parent_device(&full("two_processes_share_signal_memory"))
+                {
+                    parent_and_child_share_memory::<B>(
+                        &dev,
+                        &full("child_checks_and_writes"),
+                        child,
+                    );
+                }
+            }
+
+            /// Child of `two_processes_share_signal_memory` (a no-op in an ordinary run).
+            #[test]
+            fn child_checks_and_writes() {
+                super::child_checks_and_writes::<B>(&full("child_checks_and_writes"));
+            }
+
+            #[test]
+            fn killed_child_leaves_the_parents_memory_intact() {
+                let _serial = serial();
+                if let Some((dev, child)) =
+                    parent_device(&full("killed_child_leaves_the_parents_memory_intact"))
+                {
+                    parent_survives_killed_child::<B>(
+                        &dev,
+                        &full("child_writes_until_killed"),
+                        child,
+                    );
+                }
+            }
+
+            /// Child of `killed_child_leaves_the_parents_memory_intact` (a no-op in an
+            /// ordinary run).
+            #[test]
+            fn child_writes_until_killed() {
+                super::child_writes_until_killed::<B>(&full("child_writes_until_killed"));
+            }
+
+            #[test]
+            fn stale_handle_fails_in_another_process() {
+                let _serial = serial();
+                if let Some((dev, child)) =
+                    parent_device(&full("stale_handle_fails_in_another_process"))
+                {
+                    super::stale_handle_fails_in_another_process::<B>(
+                        &dev,
+                        &full("child_import_fails"),
+                        child,
+                    );
+                }
+            }
+
+            /// Child of `stale_handle_fails_in_another_process` (a no-op in an ordinary
+            /// run).
+            #[test]
+            fn child_import_fails() {
+                super::child_import_fails::<B>(&full("child_import_fails"));
+            }
+
+            /// Importing in the exporting process is `Error::Unsupported` saying so;
+            /// malformed handles are `Error::Backend` from `import_memory`.
+            #[test]
+            fn same_process_and_bad_handles_are_typed_errors() {
+                let _serial = serial();
+                let Some((dev, _)) =
+                    parent_device(&full("same_process_and_bad_handles_are_typed_errors"))
+                else {
+                    return;
+                };
+                let mem = B::alloc(&dev, BYTES, MemoryKind::SharedSignal).unwrap();
+                let good = B::export_memory(&dev, &mem).unwrap();
+                assert_eq!(good.len(), 88);
+                assert_eq!(&good[..4], $magic);
+                match B::import_memory(&dev, &good) {
+                    Err(Error::Unsupported(why)) => {
+                        eprintln!("same process: {why}");
+                        assert!(why.contains("process that exported it"), "{why}");
+                    }
+                    other => panic!("expected Error::Unsupported, got {other:?}"),
+                }
+                let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+                    ("empty", vec![], "too short"),
+                    ("one byte short", good[..87].to_vec(), "87 bytes where"),
+                    ("host magic", patched(&good, 0, b"pcho"), "another backend"),
+                    (
+                        "version 2",
+                        patched(&good, 4, &2u32.to_le_bytes()),
+                        "handle version 2",
+                    ),
+                ];
+                for (name, handle, expect) in cases {
+                    match B::import_memory(&dev, &handle) {
+                        Err(Error::Backend {
+                            backend,
+                            call: "import_memory",
+                            detail,
+                        }) if backend == B::NAME => {
+                            eprintln!("{name}: {detail}");
+                            assert!(detail.contains(expect), "{name}: {detail}");
+                        }
+                        other => panic!("{name}: expected Error::Backend, got {other:?}"),
+                    }
+                }
+            }
+        }
+    };
+}
+
+gpu_ipc_suite!(cuda, "cuda", peercomm::backend::cuda::Cuda, b"pccu");
+gpu_ipc_suite!(hip, "hip", peercomm::backend::hip::Hip, b"pchi");
