@@ -323,7 +323,7 @@ fn child_import_fails<B: Backend>(test: &str) {
     };
     let dev = B::open(ordinal).unwrap();
     match B::import_memory(&dev, &handle) {
-        Err(e @ Error::Backend { .. }) => println!("stale handle: {e}"),
+        Err(e @ Error::Backend { .. }) => eprintln!("stale handle: {e}"),
         Err(other) => panic!("expected Error::Backend, got {other:?}"),
         Ok(_) => panic!("imported memory its exporter had freed"),
     }

@@ -22,7 +22,11 @@
 //! `CUDA_VISIBLE_DEVICES`), and cannot open a handle in the process that exported it:
 //! that is `Error::Unsupported`, and one process needs no import (peers' memory is
 //! reached at its own address, [`Backend::map_peer`]). Every allocation of this backend
-//! can be exported, not only [`MemoryKind::SharedSignal`] ones.
+//! can be exported, not only [`MemoryKind::SharedSignal`] ones. Seen on an H200
+//! (driver 580, two processes on one GPU, `tests/ipc.rs`): the import works, a
+//! same-process import is answered `CUDA_ERROR_INVALID_CONTEXT` by the driver (the
+//! token check answers first), and a handle whose exporter freed the memory
+//! `CUDA_ERROR_INVALID_VALUE`.
 //!
 //! The handle, 88 bytes, little-endian (framed as every backend's, see
 //! `Backend::export_memory`): magic `pccu`, version `u32` = 1, the exporting
