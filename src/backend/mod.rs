@@ -12,6 +12,9 @@ use crate::signal::AllReduceArgs;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+// The exported-handle records: used by the host backend's shared memory (Linux) and by
+// the GPU backends.
+#[cfg(any(target_os = "linux", feature = "cuda", feature = "hip"))]
 mod handle;
 #[cfg(feature = "hip")]
 pub mod hip;
