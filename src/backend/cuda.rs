@@ -27,6 +27,9 @@
 //! same-process import is answered `CUDA_ERROR_INVALID_CONTEXT` by the driver (the
 //! token check answers first), and a handle whose exporter freed the memory
 //! `CUDA_ERROR_INVALID_VALUE`.
+//! Import each handle once per process and share the mapping (as vLLM caches its
+//! opened handles): what the driver does with a second open of one handle in one
+//! context is not relied on here.
 //!
 //! The handle, 88 bytes, little-endian (framed as every backend's, see
 //! `Backend::export_memory`): magic `pccu`, version `u32` = 1, the exporting

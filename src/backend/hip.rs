@@ -29,6 +29,7 @@
 //! (recognised by the handle's process token before the runtime is asked). Unlike the
 //! CUDA backend, the opened range is not compared with the handle's size: nothing of
 //! this was run on AMD hardware (docs/amd.md), and the less untested code the better.
+//! As on CUDA, import each handle once per process and share the mapping.
 //!
 //! The handle, 88 bytes, little-endian (framed as every backend's, see
 //! `Backend::export_memory`): magic `pchi`, version `u32` = 1, the exporting
