@@ -5,6 +5,37 @@
 //! on the rank's `Arc<CudaStream>`, and cudarc's event tracking is honoured: a
 //! collective waits for the last write of each buffer it reads and records its own
 //! read/write events on the rank's stream.
+//!
+//! # IPC
+//! With one process per GPU, each rank maps its peers' signal memory through CUDA's
+//! legacy IPC handles: [`Backend::export_memory`] is `cuIpcGetMemHandle` and
+//! [`Backend::import_memory`] is `cuIpcOpenMemHandle` with
+//! `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, in the importing device's context; dropping the
+//! [`CudaPeerMapping`] synchronises that context and calls `cuIpcCloseMemHandle`.
+//! Legacy handles were chosen over the virtual memory management API (`cuMemCreate`
+//! with a POSIX-fd or fabric handle type, `cuMemExportToShareableHandle`) because they
+//! work on the plain `cuMemAlloc` memory this backend already allocates for signals,
+//! with no extra setup: the VMM route would need `cuMemCreate` allocations made
+//! shareable up front, mapped and access-granted range by range, and its POSIX fds
+//! would have to travel over a Unix socket instead of as plain bytes. Legacy IPC
+//! needs the processes on one host, seeing the exporting device (mind
+//! `CUDA_VISIBLE_DEVICES`), and cannot open a handle in the process that exported it:
+//! that is `Error::Unsupported`, and one process needs no import (peers' memory is
+//! reached at its own address, [`Backend::map_peer`]). Every allocation of this backend
+//! can be exported, not only [`MemoryKind::SharedSignal`] ones. Seen on an H200
+//! (driver 580, two processes on one GPU, `tests/ipc.rs`): the import works, a
+//! same-process import is answered `CUDA_ERROR_INVALID_CONTEXT` by the driver (the
+//! token check answers first), and a handle whose exporter freed the memory
+//! `CUDA_ERROR_INVALID_VALUE`.
+//! Import each handle once per process and share the mapping (as vLLM caches its
+//! opened handles): what the driver does with a second open of one handle in one
+//! context is not relied on here.
+//!
+//! The handle, 88 bytes, little-endian (framed as every backend's, see
+//! `Backend::export_memory`): magic `pccu`, version `u32` = 1, the exporting
+//! process's random token `u64` (to recognise an import in the exporting process
+//! before the driver is asked), the allocation's size `u64` (the importer checks the
+//! range it opens is at least that large), then the 64-byte `CUipcMemHandle`.
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -15,6 +46,7 @@ use cudarc::driver::{
     DevicePtrMut, DeviceRepr, DeviceSlice, LaunchConfig, PushKernelArg, SyncOnDrop,
 };
 
+use super::handle::{import_error, process_token, Reader, Writer};
 use super::{Backend, DeviceBuffer, DeviceBufferMut, Kernel, LaunchDims, MemoryKind};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
@@ -163,6 +195,60 @@ impl Drop for CudaMemory {
     }
 }
 
+/// Magic of a CUDA IPC handle.
+const IPC_MAGIC: &[u8; 4] = b"pccu";
+/// Version of the CUDA IPC handle layout.
+const IPC_VERSION: u32 = 1;
+/// Bytes of a CUDA IPC handle: header 8, exporter's process token 8, size 8,
+/// `CUipcMemHandle` 64.
+const IPC_HANDLE_BYTES: usize = 88;
+
+/// The error for a handle this process exported itself.
+fn same_process_import(detail: &str) -> Error {
+    Error::Unsupported(format!(
+        "cuda: import_memory: {detail}: CUDA IPC cannot open a handle in the process that \
+         exported it; within one process use the allocation's own address (map_peer)"
+    ))
+}
+
+/// Another process's allocation mapped into this one with `cuIpcOpenMemHandle`
+/// ([`Backend::import_memory`]). Dropping it synchronises the importing context (kernels
+/// there may still use the memory, as [`CudaMemory`]'s drop does) and closes the
+/// mapping with `cuIpcCloseMemHandle`; errors are ignored there, never panicked on.
+pub struct CudaPeerMapping {
+    ctx: Arc<CudaContext>,
+    ptr: u64,
+    bytes: usize,
+}
+
+impl CudaPeerMapping {
+    /// Bytes of the exported allocation.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl std::fmt::Debug for CudaPeerMapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaPeerMapping")
+            .field("ordinal", &self.ctx.ordinal())
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+impl Drop for CudaPeerMapping {
+    fn drop(&mut self) {
+        // Work that may still use the mapping must finish first.
+        let _ = self.ctx.synchronize();
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: `ptr` came from cuIpcOpenMemHandle in this context and is closed once
+        // (drop), after the context's work.
+        let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+    }
+}
+
 fn ordinal_of<T>(s: &impl DeviceSlice<T>) -> usize {
     s.stream().context().ordinal()
 }
@@ -210,7 +296,7 @@ impl Backend for Cuda {
     type Memory = CudaMemory;
     type Access<'a> = SyncOnDrop<'a>;
     type Buffer<T: Element> = CudaSlice<T>;
-    type PeerMapping = ();
+    type PeerMapping = CudaPeerMapping;
 
     fn device_count() -> Result<usize> {
         driver()?;
@@ -417,20 +503,88 @@ impl Backend for Cuda {
         })
     }
 
-    fn export_memory(_dev: &CudaDevice, _mem: &CudaMemory) -> Result<Vec<u8>> {
-        Err(Error::Unsupported(
-            "cuda: IPC export is not implemented yet".into(),
-        ))
+    fn export_memory(_dev: &CudaDevice, mem: &CudaMemory) -> Result<Vec<u8>> {
+        mem.ctx
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: `handle` outlives the call; `ptr` is the base of a live cuMemAlloc
+        // allocation of the current context.
+        unsafe { sys::cuIpcGetMemHandle(&mut handle, mem.ptr) }
+            .result()
+            .map_err(driver_err("cuIpcGetMemHandle"))?;
+        Ok(Writer::new(IPC_MAGIC, IPC_VERSION)
+            .u64(process_token())
+            .u64(mem.bytes as u64)
+            .bytes(&handle.reserved.map(|c| c as u8))
+            .finish())
     }
 
-    fn import_memory(_dev: &CudaDevice, _handle: &[u8]) -> Result<()> {
-        Err(Error::Unsupported(
-            "cuda: IPC import is not implemented yet".into(),
-        ))
+    fn import_memory(dev: &CudaDevice, handle: &[u8]) -> Result<CudaPeerMapping> {
+        let mut r = Reader::open("cuda", handle, IPC_MAGIC, IPC_VERSION, IPC_HANDLE_BYTES)?;
+        let (token, bytes, raw) = (r.u64(), r.u64(), r.array::<64>());
+        if token == process_token() {
+            return Err(same_process_import("this process exported the handle"));
+        }
+        let bytes = usize::try_from(bytes)
+            .map_err(|_| import_error("cuda", format!("size {bytes} does not fit here")))?;
+        dev.ctx
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        let ipc = sys::CUipcMemHandle {
+            reserved: raw.map(|b| b as std::ffi::c_char),
+        };
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `ptr` outlives the call and `dev`'s context is current; the driver
+        // validates the handle's contents.
+        let opened = unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut ptr,
+                ipc,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
+            )
+        };
+        match opened {
+            sys::CUresult::CUDA_SUCCESS => {}
+            sys::CUresult::CUDA_ERROR_INVALID_CONTEXT => {
+                return Err(same_process_import(
+                    "cuIpcOpenMemHandle: CUDA_ERROR_INVALID_CONTEXT (the driver's answer to a \
+                     handle of this same process)",
+                ))
+            }
+            other => {
+                return Err(Error::Backend {
+                    backend: "cuda",
+                    call: "cuIpcOpenMemHandle",
+                    detail: format!(
+                        "{other:?}: the exporter may have freed the memory or exited, or run \
+                         on another host or with other devices visible"
+                    ),
+                })
+            }
+        }
+        // From here on the mapping's drop closes it, on the error path too.
+        let mapping = CudaPeerMapping {
+            ctx: dev.ctx.clone(),
+            ptr,
+            bytes,
+        };
+        let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: out-pointers valid for the call; `ptr` is a live mapping.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+            .result()
+            .map_err(driver_err("cuMemGetAddressRange"))?;
+        if size < bytes {
+            return Err(import_error(
+                "cuda",
+                format!("the handle says {bytes} bytes, but the allocation it opens has {size}"),
+            ));
+        }
+        Ok(mapping)
     }
 
-    fn mapping_ptr(_mapping: &()) -> u64 {
-        0
+    fn mapping_ptr(mapping: &CudaPeerMapping) -> u64 {
+        mapping.ptr
     }
 
     fn memset_d32(dev: &CudaDevice, ptr: u64, value: u32, words: usize) -> Result<()> {

@@ -11,9 +11,30 @@
 //!   order everything else.
 //! - Peer memory: one process, peer access on between every pair, unified addresses, so
 //!   a peer's allocation is reached at its own address ([`Backend::map_peer`]).
+//! - One process per GPU: IPC handles (see [IPC](#ipc)).
 //! - Code objects for gfx90a and gfx942 (and gfx950 where the compiler knew it) are
 //!   embedded at build time (build_hip.rs); the one whose processor matches the
 //!   device's `gcnArchName` is loaded, and a device none matches is a typed error.
+//!
+//! # IPC
+//! Shaped as the CUDA backend's legacy IPC: [`Backend::export_memory`] is
+//! `hipIpcGetMemHandle` on the allocation (for signal memory, the uncached or
+//! fine-grained allocation above), [`Backend::import_memory`] is `hipIpcOpenMemHandle`
+//! with `hipIpcMemLazyEnablePeerAccess` on the importing device, and dropping the
+//! [`HipPeerMapping`] synchronises that device and calls `hipIpcCloseMemHandle`. ROCm 6
+//! and 7 define that flag as 1 and reject other values; the HIP 5 headers define it as
+//! 0, so an import the runtime answers with `hipErrorInvalidValue` is retried once with
+//! 0. The processes must be on one host and see the exporting GPU
+//! (`HIP_VISIBLE_DEVICES`); importing in the exporting process is `Error::Unsupported`
+//! (recognised by the handle's process token before the runtime is asked). Unlike the
+//! CUDA backend, the opened range is not compared with the handle's size: nothing of
+//! this was run on AMD hardware (docs/amd.md), and the less untested code the better.
+//! As on CUDA, import each handle once per process and share the mapping.
+//!
+//! The handle, 88 bytes, little-endian (framed as every backend's, see
+//! `Backend::export_memory`): magic `pchi`, version `u32` = 1, the exporting
+//! process's random token `u64`, the allocation's size `u64`, then the 64-byte
+//! `hipIpcMemHandle_t`.
 //!
 //! # Why the HIP functions are declared here
 //! `hip-sys` 0.1.2 ships bindings generated from HIP 5.4 headers in which `hipError_t`
@@ -34,6 +55,7 @@ use std::sync::Mutex;
 
 use hip_sys::hiprt::{hipEvent_t, hipFunction_t, hipModule_t, hipStream_t};
 
+use super::handle::{import_error, process_token, Reader, Writer};
 use super::{Backend, DeviceBuffer, DeviceBufferMut, Kernel, LaunchDims, MemoryKind};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
@@ -51,6 +73,7 @@ mod ffi {
     use super::*;
 
     pub const SUCCESS: HipStatus = 0;
+    pub const ERROR_INVALID_VALUE: HipStatus = 1;
     pub const ERROR_NOT_INITIALIZED: HipStatus = 3;
     pub const ERROR_INSUFFICIENT_DRIVER: HipStatus = 35;
     pub const ERROR_NO_DEVICE: HipStatus = 100;
@@ -64,6 +87,20 @@ mod ffi {
     pub const MALLOC_FINE_GRAINED: c_uint = 0x1;
     /// `hipDeviceMallocUncached` (ROCm 5.5+; absent from the HIP 5.2 headers).
     pub const MALLOC_UNCACHED: c_uint = 0x3;
+    /// `hipIpcMemLazyEnablePeerAccess` as ROCm 6 and 7 define it (and CUDA).
+    pub const IPC_MEM_LAZY_ENABLE_PEER_ACCESS: c_uint = 0x1;
+    /// `hipIpcMemLazyEnablePeerAccess` as the HIP 5.x headers define it.
+    pub const IPC_MEM_LAZY_ENABLE_PEER_ACCESS_HIP5: c_uint = 0x0;
+    /// `HIP_IPC_HANDLE_SIZE`.
+    pub const IPC_HANDLE_SIZE: usize = 64;
+
+    /// `hipIpcMemHandle_t`: opaque bytes, passed by value.
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    pub struct IpcMemHandle {
+        pub reserved: [c_char; IPC_HANDLE_SIZE],
+    }
+
     /// `hipDeviceAttributeMultiprocessorCount` (63 in HIP 5.x, 6.x and 7.x).
     pub const ATTR_MULTIPROCESSOR_COUNT: c_int = 63;
     /// `hipDeviceAttributeWallClockRate` in kHz (ROCm 6+; 10017 there).
@@ -73,6 +110,7 @@ mod ffi {
     extern "C" {
         pub fn hipGetDeviceCount(count: *mut c_int) -> HipStatus;
         pub fn hipSetDevice(device: c_int) -> HipStatus;
+        pub fn hipDeviceSynchronize() -> HipStatus;
         pub fn hipDeviceGetAttribute(value: *mut c_int, attr: c_int, device: c_int) -> HipStatus;
         pub fn hipRuntimeGetVersion(version: *mut c_int) -> HipStatus;
         pub fn hipGetErrorName(status: HipStatus) -> *const c_char;
@@ -86,6 +124,13 @@ mod ffi {
             flags: c_uint,
         ) -> HipStatus;
         pub fn hipFree(ptr: *mut c_void) -> HipStatus;
+        pub fn hipIpcGetMemHandle(handle: *mut IpcMemHandle, ptr: *mut c_void) -> HipStatus;
+        pub fn hipIpcOpenMemHandle(
+            ptr: *mut *mut c_void,
+            handle: IpcMemHandle,
+            flags: c_uint,
+        ) -> HipStatus;
+        pub fn hipIpcCloseMemHandle(ptr: *mut c_void) -> HipStatus;
         pub fn hipStreamCreateWithFlags(stream: *mut hipStream_t, flags: c_uint) -> HipStatus;
         pub fn hipStreamDestroy(stream: hipStream_t) -> HipStatus;
         pub fn hipStreamSynchronize(stream: hipStream_t) -> HipStatus;
@@ -521,6 +566,59 @@ impl Drop for HipMemory {
     }
 }
 
+/// Magic of a HIP IPC handle.
+const IPC_MAGIC: &[u8; 4] = b"pchi";
+/// Version of the HIP IPC handle layout.
+const IPC_VERSION: u32 = 1;
+/// Bytes of a HIP IPC handle: header 8, exporter's process token 8, size 8,
+/// `hipIpcMemHandle_t` 64.
+const IPC_HANDLE_BYTES: usize = 88;
+
+/// Another process's allocation mapped into this one with `hipIpcOpenMemHandle`
+/// ([`Backend::import_memory`]). Dropping it synchronises the importing device (kernels
+/// there may still use the memory) and closes the mapping with `hipIpcCloseMemHandle`;
+/// errors are ignored there, never panicked on.
+pub struct HipPeerMapping {
+    ptr: u64,
+    bytes: usize,
+    ordinal: usize,
+}
+
+impl HipPeerMapping {
+    /// Bytes of the exported allocation.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+    /// Ordinal of the importing device.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+}
+
+impl std::fmt::Debug for HipPeerMapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HipPeerMapping")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("bytes", &self.bytes)
+            .field("ordinal", &self.ordinal)
+            .finish()
+    }
+}
+
+impl Drop for HipPeerMapping {
+    fn drop(&mut self) {
+        // Work that may still use the mapping must finish first. Errors cannot be
+        // reported from drop.
+        let _ = set_device(self.ordinal);
+        // SAFETY: `ptr` came from hipIpcOpenMemHandle on this device and is closed once
+        // (drop), after the device's work.
+        unsafe {
+            ffi::hipDeviceSynchronize();
+            ffi::hipIpcCloseMemHandle(self.ptr as *mut c_void);
+        }
+    }
+}
+
 /// A typed device buffer on one AMD GPU.
 pub struct HipBuffer<T: Element> {
     mem: HipMemory,
@@ -639,7 +737,7 @@ impl Backend for Hip {
     type Memory = HipMemory;
     type Access<'a> = ();
     type Buffer<T: Element> = HipBuffer<T>;
-    type PeerMapping = ();
+    type PeerMapping = HipPeerMapping;
 
     /// Devices visible to HIP. With no AMD GPU (or no driver) this is
     /// [`Error::NoDevice`] carrying what `hipGetDeviceCount` said.
@@ -842,20 +940,73 @@ impl Backend for Hip {
         Ok(peer_mem.ptr)
     }
 
-    fn export_memory(_dev: &HipDevice, _mem: &HipMemory) -> Result<Vec<u8>> {
-        Err(Error::Unsupported(
-            "hip: IPC export is not implemented yet".into(),
-        ))
+    fn export_memory(_dev: &HipDevice, mem: &HipMemory) -> Result<Vec<u8>> {
+        set_device(mem.ordinal)?;
+        let mut handle = ffi::IpcMemHandle {
+            reserved: [0; ffi::IPC_HANDLE_SIZE],
+        };
+        // SAFETY: `handle` is a valid out pointer; `ptr` is the base of a live
+        // allocation of this device.
+        check(
+            unsafe { ffi::hipIpcGetMemHandle(&mut handle, mem.ptr as *mut c_void) },
+            "hipIpcGetMemHandle",
+        )?;
+        Ok(Writer::new(IPC_MAGIC, IPC_VERSION)
+            .u64(process_token())
+            .u64(mem.bytes as u64)
+            .bytes(&handle.reserved.map(|c| c as u8))
+            .finish())
     }
 
-    fn import_memory(_dev: &HipDevice, _handle: &[u8]) -> Result<()> {
-        Err(Error::Unsupported(
-            "hip: IPC import is not implemented yet".into(),
-        ))
+    fn import_memory(dev: &HipDevice, handle: &[u8]) -> Result<HipPeerMapping> {
+        let mut r = Reader::open(Hip::NAME, handle, IPC_MAGIC, IPC_VERSION, IPC_HANDLE_BYTES)?;
+        let (token, bytes, raw) = (r.u64(), r.u64(), r.array::<{ ffi::IPC_HANDLE_SIZE }>());
+        if token == process_token() {
+            return Err(Error::Unsupported(
+                "hip: import_memory: this process exported the handle: HIP IPC cannot open a \
+                 handle in the process that exported it; within one process use the \
+                 allocation's own address (map_peer)"
+                    .into(),
+            ));
+        }
+        let bytes = usize::try_from(bytes)
+            .map_err(|_| import_error(Hip::NAME, format!("size {bytes} does not fit here")))?;
+        set_device(dev.ordinal)?;
+        let ipc = ffi::IpcMemHandle {
+            reserved: raw.map(|b| b as c_char),
+        };
+        let open = |flags: c_uint| {
+            let mut ptr: *mut c_void = null_mut();
+            // SAFETY: `ptr` is a valid out pointer; the runtime validates the handle.
+            let status = unsafe { ffi::hipIpcOpenMemHandle(&mut ptr, ipc, flags) };
+            (status, ptr)
+        };
+        // ROCm 6 and 7 require the flag to be their hipIpcMemLazyEnablePeerAccess (1)
+        // and reject anything else as an invalid value; HIP 5.x headers define it as 0.
+        let (mut status, mut ptr) = open(ffi::IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+        if status == ffi::ERROR_INVALID_VALUE {
+            (status, ptr) = open(ffi::IPC_MEM_LAZY_ENABLE_PEER_ACCESS_HIP5);
+        }
+        if status != ffi::SUCCESS {
+            return Err(Error::Backend {
+                backend: Hip::NAME,
+                call: "hipIpcOpenMemHandle",
+                detail: format!(
+                    "{}: the exporter may have freed the memory or exited, or run on another \
+                     host or with other devices visible",
+                    describe(status)
+                ),
+            });
+        }
+        Ok(HipPeerMapping {
+            ptr: ptr as u64,
+            bytes,
+            ordinal: dev.ordinal,
+        })
     }
 
-    fn mapping_ptr(_mapping: &()) -> u64 {
-        0
+    fn mapping_ptr(mapping: &HipPeerMapping) -> u64 {
+        mapping.ptr
     }
 
     fn memset_d32(dev: &HipDevice, ptr: u64, value: u32, words: usize) -> Result<()> {

@@ -5,6 +5,33 @@
 //!
 //! Addresses are plain process addresses, so every arena is reachable from every
 //! other: peer access is always available and `map_peer` is the identity.
+//!
+//! # IPC (Linux)
+//! So that the host backend can run the protocol with one process per rank, as engines
+//! do on GPUs, [`MemoryKind::SharedSignal`] memory is an anonymous shared memory file
+//! (`memfd_create`, close-on-exec), sized, sealed against shrinking and growing (an
+//! importer's pages can never be truncated away under it, which would fault with
+//! SIGBUS), and mapped `MAP_SHARED` read/write; it is zero-filled and page aligned.
+//! The exporter keeps the file open, and its handle names it by the exporter's
+//! process id and fd number: the importer opens `/proc/<pid>/fd/<fd>` read/write (the
+//! kernel allows that to processes that may inspect the exporter, e.g. the same user),
+//! checks the file's identity and size, maps it shared and closes the fd at once (the
+//! mapping keeps the file alive). Passing the fd itself over a Unix socket would need
+//! a socket between every pair of ranks; a path through `/proc` travels as plain bytes
+//! over any bootstrap. Importing in the exporting process works like any other import.
+//!
+//! The handle, 40 bytes, little-endian (framed as every backend's, see
+//! `Backend::export_memory`): magic `pcho`, version `u32` = 1, exporter pid `u32`, fd
+//! number `u32`, size `u64`, then the file's `st_dev` `u64` and `st_ino` `u64`. The
+//! identity tells a freed allocation whose fd number was reused by another file from
+//! the file the handle names (shared memory inode numbers are not reused while the
+//! kernel's counter has not wrapped). Atomics across processes on `MAP_SHARED` memory
+//! are ordinary atomics on Linux, so the kernels need nothing new.
+//!
+//! Freeing is stream-ordered like every host allocation: dropping the exporter's
+//! [`HostMemory`] unmaps and closes in order on its device's stream, and dropping a
+//! [`HostPeerMapping`] unmaps in order on the importing device's stream. Elsewhere than
+//! Linux, `SharedSignal` allocation and import are `Error::Unsupported`.
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
@@ -18,6 +45,48 @@ use crate::error::{Error, Result};
 use crate::signal::{AllReduceArgs, MAX_GPUS};
 
 mod kernels;
+#[cfg(target_os = "linux")]
+mod shm;
+
+/// Shared memory needs Linux (memfd, `/proc/<pid>/fd`); elsewhere `SharedSignal`
+/// allocation and import are `Error::Unsupported`, and these types are never built.
+#[cfg(not(target_os = "linux"))]
+mod shm {
+    use crate::error::{Error, Result};
+    use std::convert::Infallible;
+
+    fn unsupported() -> Error {
+        Error::Unsupported(
+            "host: shared signal memory (MemoryKind::SharedSignal, IPC export/import) needs \
+             Linux"
+                .into(),
+        )
+    }
+    pub(crate) struct SharedFile(Infallible);
+    impl SharedFile {
+        pub(crate) fn create(_bytes: usize) -> Result<Self> {
+            Err(unsupported())
+        }
+        pub(crate) fn addr(&self) -> u64 {
+            match self.0 {}
+        }
+        pub(crate) fn export(&self) -> Vec<u8> {
+            match self.0 {}
+        }
+    }
+    pub(crate) struct Mapping(Infallible);
+    impl Mapping {
+        pub(crate) fn addr(&self) -> u64 {
+            match self.0 {}
+        }
+        pub(crate) fn len(&self) -> usize {
+            match self.0 {}
+        }
+    }
+    pub(crate) fn import(_handle: &[u8]) -> Result<Mapping> {
+        Err(unsupported())
+    }
+}
 
 /// The host reference backend (see the module docs).
 #[derive(Debug, Clone, Copy, Default)]
@@ -96,26 +165,49 @@ impl HostDevice {
     }
 }
 
-/// An allocation in a host arena, 256-byte aligned and zero-filled. Freed in stream
-/// order, as `cuMemFreeAsync` does: dropping it enqueues the free on its device's
-/// stream, after every kernel already enqueued there (whose barriers span the peers'
-/// reads of it), so a buffer dropped right after a collective returns stays valid until
-/// that collective is done.
-pub struct HostMemory {
-    ptr: NonNull<u8>,
-    layout: Layout,
-    ordinal: usize,
+/// Owns a `T` whose drop must wait for the work already enqueued on a stream: dropping
+/// this enqueues `T`'s drop there, after every kernel enqueued before, as
+/// `cuMemFreeAsync` does.
+struct FreeOnStream<T: Send + 'static> {
+    /// `Some` until dropped.
+    value: Option<T>,
     stream: Arc<Stream>,
 }
 
-// SAFETY: the allocation is owned by this value and only reached through raw
-// addresses by kernels whose synchronisation is the protocol under test.
-unsafe impl Send for HostMemory {}
-// SAFETY: as above; `&HostMemory` exposes no interior access of its own.
-unsafe impl Sync for HostMemory {}
+impl<T: Send + 'static> FreeOnStream<T> {
+    fn new(value: T, stream: &Arc<Stream>) -> Self {
+        FreeOnStream {
+            value: Some(value),
+            stream: stream.clone(),
+        }
+    }
+    fn get(&self) -> &T {
+        self.value.as_ref().expect("present until dropped")
+    }
+}
 
-impl HostMemory {
-    fn new(dev: &HostDevice, bytes: usize) -> Result<Self> {
+impl<T: Send + 'static> Drop for FreeOnStream<T> {
+    fn drop(&mut self) {
+        if let Some(value) = self.value.take() {
+            self.stream.enqueue(Box::new(move || drop(value)));
+        }
+    }
+}
+
+/// A 256-byte aligned, zero-filled heap block; freed when dropped.
+struct HeapBlock {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: the block is owned by this value and only reached through raw addresses by
+// kernels whose synchronisation is the protocol under test; any thread may free it.
+unsafe impl Send for HeapBlock {}
+// SAFETY: as above; `&HeapBlock` exposes only the address.
+unsafe impl Sync for HeapBlock {}
+
+impl HeapBlock {
+    fn new(bytes: usize) -> Result<Self> {
         let layout = Layout::from_size_align(bytes.max(1), 256).map_err(|_| Error::Backend {
             backend: "host",
             call: "alloc",
@@ -128,26 +220,82 @@ impl HostMemory {
             call: "alloc",
             detail: format!("out of memory allocating {bytes} bytes"),
         })?;
-        Ok(HostMemory {
-            ptr,
-            layout,
-            ordinal: dev.ordinal,
-            stream: dev.stream.clone(),
-        })
-    }
-    fn addr(&self) -> u64 {
-        self.ptr.as_ptr() as u64
+        Ok(HeapBlock { ptr, layout })
     }
 }
 
-impl Drop for HostMemory {
+impl Drop for HeapBlock {
     fn drop(&mut self) {
-        let (addr, layout) = (self.ptr.as_ptr() as usize, self.layout);
-        self.stream.enqueue(Box::new(move || {
-            // SAFETY: allocated in `new` with this layout, freed once, after every
-            // kernel enqueued before the drop.
-            unsafe { std::alloc::dealloc(addr as *mut u8, layout) };
-        }));
+        // SAFETY: allocated in `new` with this layout, freed once; owners drop it only
+        // after the kernels that used it (stream order).
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
+    }
+}
+
+/// What backs a [`HostMemory`].
+enum Storage {
+    /// The heap: [`MemoryKind::Plain`] and [`MemoryKind::Signal`].
+    Heap(HeapBlock),
+    /// A shared memory file other processes can map: [`MemoryKind::SharedSignal`].
+    Shared(shm::SharedFile),
+}
+
+impl Storage {
+    fn addr(&self) -> u64 {
+        match self {
+            Storage::Heap(b) => b.ptr.as_ptr() as u64,
+            Storage::Shared(f) => f.addr(),
+        }
+    }
+}
+
+/// An allocation in a host arena, 256-byte aligned and zero-filled: heap memory, or
+/// for [`MemoryKind::SharedSignal`] a shared memory file (see "IPC" in the module
+/// docs). Freed in stream order, as `cuMemFreeAsync` does: dropping it enqueues the
+/// free (for shared memory: unmap and close) on its device's stream, after every kernel
+/// already enqueued there (whose barriers span the peers' reads of it), so a buffer
+/// dropped right after a collective returns stays valid until that collective is done.
+pub struct HostMemory {
+    storage: FreeOnStream<Storage>,
+    ordinal: usize,
+}
+
+impl HostMemory {
+    fn new(dev: &HostDevice, bytes: usize, kind: MemoryKind) -> Result<Self> {
+        let storage = match kind {
+            MemoryKind::Plain | MemoryKind::Signal => Storage::Heap(HeapBlock::new(bytes)?),
+            MemoryKind::SharedSignal => Storage::Shared(shm::SharedFile::create(bytes)?),
+        };
+        Ok(HostMemory {
+            storage: FreeOnStream::new(storage, &dev.stream),
+            ordinal: dev.ordinal,
+        })
+    }
+    fn addr(&self) -> u64 {
+        self.storage.get().addr()
+    }
+}
+
+/// Memory another process (or this one) exported, mapped here by
+/// [`Backend::import_memory`]. Dropping it unmaps it in stream order on the importing
+/// device's stream, after the kernels already enqueued there, which may still use it.
+pub struct HostPeerMapping {
+    mapping: FreeOnStream<shm::Mapping>,
+}
+
+impl HostPeerMapping {
+    /// Bytes mapped (the exported allocation's size).
+    pub fn bytes(&self) -> usize {
+        self.mapping.get().len()
+    }
+}
+
+impl std::fmt::Debug for HostPeerMapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HostPeerMapping")
+            .field("addr", &format_args!("{:#x}", self.mapping.get().addr()))
+            .field("bytes", &self.bytes())
+            .finish()
     }
 }
 
@@ -189,7 +337,7 @@ impl Backend for Host {
     type Memory = HostMemory;
     type Access<'a> = ();
     type Buffer<T: Element> = HostBuffer<T>;
-    type PeerMapping = ();
+    type PeerMapping = HostPeerMapping;
 
     fn device_count() -> Result<usize> {
         Ok(MAX_GPUS)
@@ -229,8 +377,8 @@ impl Backend for Host {
         Ok(())
     }
 
-    fn alloc(dev: &HostDevice, bytes: usize, _kind: MemoryKind) -> Result<HostMemory> {
-        HostMemory::new(dev, bytes)
+    fn alloc(dev: &HostDevice, bytes: usize, kind: MemoryKind) -> Result<HostMemory> {
+        HostMemory::new(dev, bytes, kind)
     }
 
     fn memory_ptr(mem: &HostMemory) -> u64 {
@@ -241,20 +389,25 @@ impl Backend for Host {
         Ok(peer_mem.addr())
     }
 
-    fn export_memory(_dev: &HostDevice, _mem: &HostMemory) -> Result<Vec<u8>> {
-        Err(Error::Unsupported(
-            "host: IPC export is not implemented yet".into(),
-        ))
+    fn export_memory(_dev: &HostDevice, mem: &HostMemory) -> Result<Vec<u8>> {
+        match mem.storage.get() {
+            Storage::Shared(file) => Ok(file.export()),
+            Storage::Heap(_) => Err(Error::Unsupported(
+                "host: export_memory needs an allocation made with MemoryKind::SharedSignal \
+                 (this one is heap memory, which other processes cannot map)"
+                    .into(),
+            )),
+        }
     }
 
-    fn import_memory(_dev: &HostDevice, _handle: &[u8]) -> Result<()> {
-        Err(Error::Unsupported(
-            "host: IPC import is not implemented yet".into(),
-        ))
+    fn import_memory(dev: &HostDevice, handle: &[u8]) -> Result<HostPeerMapping> {
+        Ok(HostPeerMapping {
+            mapping: FreeOnStream::new(shm::import(handle)?, &dev.stream),
+        })
     }
 
-    fn mapping_ptr(_mapping: &()) -> u64 {
-        0
+    fn mapping_ptr(mapping: &HostPeerMapping) -> u64 {
+        mapping.mapping.get().addr()
     }
 
     fn memset_d32(dev: &HostDevice, ptr: u64, value: u32, words: usize) -> Result<()> {
@@ -319,7 +472,7 @@ impl Backend for Host {
                 ),
             })?;
         Ok(HostBuffer {
-            mem: HostMemory::new(dev, bytes)?,
+            mem: HostMemory::new(dev, bytes, MemoryKind::Plain)?,
             len,
             _t: std::marker::PhantomData,
         })
@@ -338,9 +491,7 @@ impl Backend for Host {
         }
         dev.stream.synchronize();
         // SAFETY: dst holds `len` elements of T and the stream is idle.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.as_ptr(), dst.mem.ptr.as_ptr() as *mut T, src.len())
-        };
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.mem.addr() as *mut T, src.len()) };
         Ok(())
     }
 
@@ -349,11 +500,7 @@ impl Backend for Host {
         let mut out = vec![T::default(); src.len];
         // SAFETY: src holds `len` elements of T and the stream is idle.
         unsafe {
-            std::ptr::copy_nonoverlapping(
-                src.mem.ptr.as_ptr() as *const T,
-                out.as_mut_ptr(),
-                src.len,
-            )
+            std::ptr::copy_nonoverlapping(src.mem.addr() as *const T, out.as_mut_ptr(), src.len)
         };
         Ok(out)
     }

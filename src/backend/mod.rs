@@ -12,6 +12,10 @@ use crate::signal::AllReduceArgs;
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
+// The exported-handle records: used by the host backend's shared memory (Linux) and by
+// the GPU backends.
+#[cfg(any(target_os = "linux", feature = "cuda", feature = "hip"))]
+mod handle;
 #[cfg(feature = "hip")]
 pub mod hip;
 pub mod host;
@@ -161,11 +165,19 @@ pub trait Backend: Sized + Send + Sync + 'static {
         Ok(None)
     }
     /// Exports an allocation made with [`MemoryKind::SharedSignal`] so that a process
-    /// holding the returned bytes can map it with [`Backend::import_memory`] (CUDA:
-    /// `cuIpcGetMemHandle`; HIP: `hipIpcGetMemHandle`; host: a shared memory file).
+    /// on the same host holding the returned bytes can map it with
+    /// [`Backend::import_memory`] (CUDA: `cuIpcGetMemHandle`; HIP:
+    /// `hipIpcGetMemHandle`; host: a shared memory file). The bytes are a fixed-length
+    /// record to send as they are (over a bootstrap, say): a 4-byte magic naming the
+    /// backend, a little-endian `u32` version, then the backend's fields (each
+    /// backend's module docs give its layout). The handle stays valid while `mem` lives.
     fn export_memory(dev: &Self::Device, mem: &Self::Memory) -> Result<Vec<u8>>;
     /// Maps memory that another process exported into `dev`'s address space. Importing
-    /// in the exporting process itself is an error on the GPU backends.
+    /// in the exporting process itself is an error on the GPU backends (CUDA and HIP
+    /// IPC refuse it; one process reaches its own memory through
+    /// [`Backend::map_peer`]) and works on the host backend. A handle that is
+    /// malformed, of another backend or version, or names memory that is gone is
+    /// `Error::Backend { call: "import_memory", .. }` saying which.
     fn import_memory(dev: &Self::Device, handle: &[u8]) -> Result<Self::PeerMapping>;
     /// Address of an imported mapping, valid for kernels on the importing device.
     fn mapping_ptr(mapping: &Self::PeerMapping) -> u64;

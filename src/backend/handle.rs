@@ -1,0 +1,196 @@
+//! The byte records [`Backend::export_memory`](super::Backend::export_memory) returns
+//! and [`Backend::import_memory`](super::Backend::import_memory) reads, written and
+//! checked in one place for every backend.
+//!
+//! A record is fixed-length and little-endian: a 4-byte magic naming the backend
+//! (`pcho` host, `pccu` CUDA, `pchi` HIP), a `u32` version, then the backend's fields
+//! (each backend's module docs give its layout). A reader checks, in this order, that
+//! the header is there, the magic, the version and then the exact length, so a handle
+//! from another backend or another version of peercomm is named as such instead of
+//! being read as garbage. Every failure is
+//! `Error::Backend { backend, call: "import_memory", detail }`.
+
+use crate::error::{Error, Result};
+
+/// Bytes of the header (magic and version).
+const HEADER: usize = 8;
+
+/// The error every malformed or unusable handle gets.
+pub(crate) fn import_error(backend: &'static str, detail: String) -> Error {
+    Error::Backend {
+        backend,
+        call: "import_memory",
+        detail,
+    }
+}
+
+/// Builds a record field by field.
+pub(crate) struct Writer(Vec<u8>);
+
+impl Writer {
+    /// Starts a record with its header.
+    pub(crate) fn new(magic: &[u8; 4], version: u32) -> Self {
+        let mut buf = Vec::with_capacity(64);
+        buf.extend_from_slice(magic);
+        buf.extend_from_slice(&version.to_le_bytes());
+        Writer(buf)
+    }
+    pub(crate) fn u32(mut self, v: u32) -> Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    pub(crate) fn u64(mut self, v: u64) -> Self {
+        self.0.extend_from_slice(&v.to_le_bytes());
+        self
+    }
+    #[cfg(any(feature = "cuda", feature = "hip", test))]
+    pub(crate) fn bytes(mut self, b: &[u8]) -> Self {
+        self.0.extend_from_slice(b);
+        self
+    }
+    pub(crate) fn finish(self) -> Vec<u8> {
+        self.0
+    }
+}
+
+/// Reads the fields of a record whose header and length were checked.
+pub(crate) struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    /// Checks the header and the length of `handle`, a record of `len` bytes in all
+    /// (header included), and returns a reader positioned after the header.
+    pub(crate) fn open(
+        backend: &'static str,
+        handle: &'a [u8],
+        magic: &[u8; 4],
+        version: u32,
+        len: usize,
+    ) -> Result<Self> {
+        let what = format!("a peercomm {backend} IPC handle (version {version}, {len} bytes)");
+        if handle.len() < HEADER {
+            return Err(import_error(
+                backend,
+                format!("{} bytes is too short for {what}", handle.len()),
+            ));
+        }
+        let (head, rest) = handle.split_at(HEADER);
+        if head[..4] != magic[..] {
+            return Err(import_error(
+                backend,
+                format!(
+                    "the handle starts with {:02x?}, not the magic {:?} of {what}: a handle \
+                     of another backend, or not a peercomm handle",
+                    &head[..4],
+                    String::from_utf8_lossy(magic)
+                ),
+            ));
+        }
+        let got = u32::from_le_bytes([head[4], head[5], head[6], head[7]]);
+        if got != version {
+            return Err(import_error(
+                backend,
+                format!(
+                    "handle version {got}, but this build of peercomm reads {what}: exporter \
+                     and importer must run the same peercomm"
+                ),
+            ));
+        }
+        if handle.len() != len {
+            return Err(import_error(
+                backend,
+                format!("{} bytes where {what} was expected", handle.len()),
+            ));
+        }
+        Ok(Reader(rest))
+    }
+    pub(crate) fn u32(&mut self) -> u32 {
+        u32::from_le_bytes(self.array())
+    }
+    pub(crate) fn u64(&mut self) -> u64 {
+        u64::from_le_bytes(self.array())
+    }
+    /// The next `N` bytes. Panics past the end, which a caller that passed its record's
+    /// true length to [`Reader::open`] never reaches.
+    pub(crate) fn array<const N: usize>(&mut self) -> [u8; N] {
+        let (head, rest) = self
+            .0
+            .split_first_chunk::<N>()
+            .expect("field inside the record length checked by Reader::open");
+        self.0 = rest;
+        *head
+    }
+}
+
+/// A random number drawn once per process: GPU handles carry their exporter's, so that
+/// importing in the exporting process (which CUDA and HIP IPC refuse) is recognised
+/// before the driver is asked, whatever error code the driver would give. A process id
+/// would not do: processes in different pid namespaces can share one.
+#[cfg(any(feature = "cuda", feature = "hip"))]
+pub(crate) fn process_token() -> u64 {
+    use std::sync::OnceLock;
+    static TOKEN: OnceLock<u64> = OnceLock::new();
+    *TOKEN.get_or_init(|| {
+        getrandom::u64().unwrap_or_else(|_| {
+            // No entropy source: the pid and the time still tell processes apart on
+            // one host, which is all IPC spans.
+            let nanos = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos() as u64)
+                .unwrap_or(0);
+            nanos ^ (u64::from(std::process::id()) << 32)
+        })
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MAGIC: &[u8; 4] = b"pcts";
+
+    fn record() -> Vec<u8> {
+        Writer::new(MAGIC, 3).u32(7).u64(9).bytes(&[1, 2]).finish()
+    }
+
+    #[test]
+    fn round_trip() {
+        let r = record();
+        assert_eq!(r.len(), 8 + 4 + 8 + 2);
+        let mut rd = Reader::open("host", &r, MAGIC, 3, r.len()).unwrap();
+        assert_eq!(rd.u32(), 7);
+        assert_eq!(rd.u64(), 9);
+        assert_eq!(rd.array::<2>(), [1, 2]);
+    }
+
+    fn detail(e: Error) -> String {
+        match e {
+            Error::Backend {
+                backend: "host",
+                call: "import_memory",
+                detail,
+            } => detail,
+            other => panic!("unexpected error {other:?}"),
+        }
+    }
+
+    #[test]
+    fn header_magic_version_and_length_are_checked() {
+        let r = record();
+        let n = r.len();
+        let short = detail(Reader::open("host", &r[..5], MAGIC, 3, n).err().unwrap());
+        assert!(short.contains("too short"), "{short}");
+        let magic = detail(Reader::open("host", &r, b"pccu", 3, n).err().unwrap());
+        assert!(magic.contains("another backend"), "{magic}");
+        let version = detail(Reader::open("host", &r, MAGIC, 4, n).err().unwrap());
+        assert!(version.contains("handle version 3"), "{version}");
+        let length = detail(
+            Reader::open("host", &r[..n - 1], MAGIC, 3, n)
+                .err()
+                .unwrap(),
+        );
+        assert!(
+            length.contains(&format!("{} bytes where", n - 1)),
+            "{length}"
+        );
+    }
+}

@@ -1,0 +1,179 @@
+//! Shared signal memory of the host backend (Linux): an anonymous shared memory file
+//! mapped `MAP_SHARED`, exported as (pid, fd number, size, file identity) and imported
+//! by opening `/proc/<pid>/fd/<fd>`. See "IPC" in the host backend's module docs.
+
+use std::ffi::c_void;
+use std::fs::File;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
+use std::os::unix::fs::MetadataExt;
+use std::ptr::NonNull;
+
+use rustix::fs::{MemfdFlags, SealFlags};
+use rustix::mm::{MapFlags, ProtFlags};
+
+use crate::backend::handle::{import_error, Reader, Writer};
+use crate::error::{Error, Result};
+
+/// Magic of a host handle.
+const MAGIC: &[u8; 4] = b"pcho";
+/// Version of the host handle layout.
+const VERSION: u32 = 1;
+/// Bytes of a host handle: header 8, pid 4, fd 4, size 8, st_dev 8, st_ino 8.
+const HANDLE_BYTES: usize = 40;
+
+fn alloc_error(detail: String) -> Error {
+    Error::Backend {
+        backend: "host",
+        call: "alloc",
+        detail,
+    }
+}
+
+/// A read/write `MAP_SHARED` mapping of a whole file; unmapped when dropped.
+pub(crate) struct Mapping {
+    ptr: NonNull<c_void>,
+    len: usize,
+}
+
+// SAFETY: the mapping is owned by this value and only reached through raw addresses by
+// kernels (threads here or in other processes) whose synchronisation is the protocol
+// under test; unmapping needs nothing thread-specific.
+unsafe impl Send for Mapping {}
+// SAFETY: as above; `&Mapping` exposes only the address and the length.
+unsafe impl Sync for Mapping {}
+
+impl Mapping {
+    /// Maps the first `len` bytes of `fd` (the whole file) shared, read/write.
+    fn new(fd: BorrowedFd<'_>, len: usize) -> rustix::io::Result<Self> {
+        // SAFETY: a new mapping at an address the kernel chooses (no hint, no
+        // MAP_FIXED), so it replaces and aliases nothing Rust owns; `len` is non-zero.
+        let ptr = unsafe {
+            rustix::mm::mmap(
+                std::ptr::null_mut(),
+                len,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::SHARED,
+                fd,
+                0,
+            )
+        }?;
+        let ptr = NonNull::new(ptr).ok_or(rustix::io::Errno::NOMEM)?;
+        Ok(Mapping { ptr, len })
+    }
+    /// Address of the first byte (page aligned).
+    pub(crate) fn addr(&self) -> u64 {
+        self.ptr.as_ptr() as u64
+    }
+    /// Bytes mapped.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: `ptr`/`len` are exactly the mapping made in `new`, unmapped once
+        // (drop); the owners drop it only after the work that used it (stream order).
+        // A failure could only mean a bad range, which `new` rules out; nothing to do.
+        let _ = unsafe { rustix::mm::munmap(self.ptr.as_ptr(), self.len) };
+    }
+}
+
+/// Signal memory other processes can map: a memfd, sized, sealed against shrinking
+/// and growing, mapped here; the file stays open so that importers can reach it at
+/// `/proc/<pid>/fd/<fd>`. Dropping it unmaps it and closes the file (the file itself
+/// lives on while an importer still maps it).
+pub(crate) struct SharedFile {
+    // Field order: unmap first, then close.
+    mapping: Mapping,
+    file: File,
+    dev: u64,
+    ino: u64,
+}
+
+impl SharedFile {
+    /// A zero-filled shared file of `bytes` (at least 1) bytes, mapped here.
+    pub(crate) fn create(bytes: usize) -> Result<Self> {
+        let len = bytes.max(1);
+        let fd = rustix::fs::memfd_create(
+            "peercomm-signal",
+            MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+        )
+        .map_err(|e| alloc_error(format!("memfd_create: {e}")))?;
+        let file = File::from(fd);
+        file.set_len(len as u64)
+            .map_err(|e| alloc_error(format!("sizing the shared file to {len} bytes: {e}")))?;
+        // A fixed size: an importer's mapping can never lose its pages to a truncation
+        // (which would make its accesses fault with SIGBUS).
+        rustix::fs::fcntl_add_seals(&file, SealFlags::SHRINK | SealFlags::GROW | SealFlags::SEAL)
+            .map_err(|e| alloc_error(format!("sealing the shared file: {e}")))?;
+        let meta = file
+            .metadata()
+            .map_err(|e| alloc_error(format!("fstat of the shared file: {e}")))?;
+        let mapping = Mapping::new(file.as_fd(), len)
+            .map_err(|e| alloc_error(format!("mmap of {len} shared bytes: {e}")))?;
+        Ok(SharedFile {
+            mapping,
+            file,
+            dev: meta.dev(),
+            ino: meta.ino(),
+        })
+    }
+
+    /// Address of the mapping in this process.
+    pub(crate) fn addr(&self) -> u64 {
+        self.mapping.addr()
+    }
+
+    /// The handle record (layout in the host backend's module docs).
+    pub(crate) fn export(&self) -> Vec<u8> {
+        Writer::new(MAGIC, VERSION)
+            .u32(std::process::id())
+            .u32(self.file.as_raw_fd() as u32)
+            .u64(self.mapping.len() as u64)
+            .u64(self.dev)
+            .u64(self.ino)
+            .finish()
+    }
+}
+
+/// Maps the memory a handle from [`SharedFile::export`] names (any process, this one
+/// included).
+pub(crate) fn import(handle: &[u8]) -> Result<Mapping> {
+    let mut r = Reader::open("host", handle, MAGIC, VERSION, HANDLE_BYTES)?;
+    let (pid, fd, size, dev, ino) = (r.u32(), r.u32(), r.u64(), r.u64(), r.u64());
+    let path = format!("/proc/{pid}/fd/{fd}");
+    let err = |what: String| import_error("host", format!("{path}: {what}"));
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&path)
+        .map_err(|e| {
+            err(format!(
+                "cannot open it ({e}): the exporting process {pid} has exited or freed the \
+                 allocation, or this process may not inspect it"
+            ))
+        })?;
+    let meta = file.metadata().map_err(|e| err(format!("fstat: {e}")))?;
+    if (meta.dev(), meta.ino()) != (dev, ino) {
+        return Err(err(format!(
+            "file identity mismatch: it is device {}, inode {}, but the handle names device \
+             {dev}, inode {ino} (the exporter freed the allocation and reused its fd number)",
+            meta.dev(),
+            meta.ino()
+        )));
+    }
+    if meta.len() != size {
+        return Err(err(format!(
+            "size mismatch: the file has {} bytes, the handle says {size}",
+            meta.len()
+        )));
+    }
+    let len = usize::try_from(size)
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| err(format!("size {size} cannot be mapped")))?;
+    let mapping = Mapping::new(file.as_fd(), len).map_err(|e| err(format!("mmap: {e}")))?;
+    // `file` is closed here; the mapping keeps the memory alive.
+    Ok(mapping)
+}

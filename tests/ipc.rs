@@ -1,0 +1,790 @@
+//! IPC of shared signal memory (`Backend::export_memory` / `import_memory`): the host
+//! backend (runs everywhere, and in CI) and, with the `cuda` feature, CUDA between two
+//! processes (skipped visibly without a GPU).
+//!
+//! Two-process tests run a child process of this very test binary
+//! (`std::env::current_exe()`, `--exact <child test> --nocapture`), telling it which
+//! child test should act (`PEERCOMM_IPC_CHILD`) and handing it the export bytes as hex
+//! (`PEERCOMM_IPC_HANDLE`). The child tests (`*_child_*`) do nothing and pass when
+//! those variables do not name them, as in an ordinary run.
+//!
+//! Every test takes one lock: the leak test counts this process's fds and mappings,
+//! which a test running beside it would change, and the fd-reuse check relies on the
+//! kernel handing out the lowest free fd number to the next file opened.
+
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use peercomm::backend::host::Host;
+use peercomm::backend::{Backend, Kernel, KernelKind, LaunchDims, MemoryKind};
+use peercomm::signal::AllReduceArgs;
+use peercomm::{DType, Error};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn serial() -> MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Words of the pattern area: 64 KiB, in 16 chunks of 1024 words with one value each.
+const WORDS: usize = 16 * 1024;
+const CHUNK: usize = 1024;
+/// The allocation: the pattern area, a counter word, and a tail that makes the size
+/// no multiple of the page size.
+const BYTES: usize = WORDS * 4 + 100;
+/// Word index of the counter the killed child keeps writing.
+const COUNTER: usize = WORDS;
+
+const ENV_CHILD: &str = "PEERCOMM_IPC_CHILD";
+const ENV_HANDLE: &str = "PEERCOMM_IPC_HANDLE";
+const ENV_ORDINAL: &str = "PEERCOMM_IPC_ORDINAL";
+const READY: &str = "PEERCOMM_IPC_CHILD_READY";
+const DONE: &str = "PEERCOMM_IPC_CHILD_DONE";
+
+/// The value of chunk `chunk` in the pattern seeded by `seed` (never 0).
+fn value(seed: u32, chunk: usize) -> u32 {
+    (seed.wrapping_mul(0x9E37_79B9) ^ (chunk as u32).wrapping_mul(0x85EB_CA6B)) | 1
+}
+
+/// Writes the pattern `seed` into chunks `chunks` at `ptr`, on `dev`'s stream.
+fn write_pattern<B: Backend>(dev: &B::Device, ptr: u64, seed: u32, chunks: std::ops::Range<usize>) {
+    for c in chunks {
+        B::memset_d32(dev, ptr + (c * CHUNK * 4) as u64, value(seed, c), CHUNK).unwrap();
+    }
+}
+
+/// `n` words at `ptr`, read on `dev`'s stream.
+fn read_words<B: Backend>(dev: &B::Device, ptr: u64, n: usize) -> Vec<u32> {
+    let mut bytes = vec![0u8; n * 4];
+    B::read(dev, ptr, &mut bytes).unwrap();
+    bytes
+        .chunks_exact(4)
+        .map(|w| u32::from_le_bytes([w[0], w[1], w[2], w[3]]))
+        .collect()
+}
+
+/// Asserts the pattern `seed` in chunks `chunks` at `ptr`.
+fn check_pattern<B: Backend>(
+    dev: &B::Device,
+    ptr: u64,
+    seed: u32,
+    chunks: std::ops::Range<usize>,
+    what: &str,
+) {
+    let words = read_words::<B>(dev, ptr, WORDS);
+    for c in chunks {
+        let want = value(seed, c);
+        let chunk = &words[c * CHUNK..(c + 1) * CHUNK];
+        if let Some(i) = chunk.iter().position(|&w| w != want) {
+            panic!(
+                "{what}: word {} is {:#x}, expected {want:#x}",
+                c * CHUNK + i,
+                chunk[i]
+            );
+        }
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Vec<u8> {
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(&s[i..i + 2], 16).expect("hex handle"))
+        .collect()
+}
+
+/// The handle and device ordinal when this process is the child `test`, else `None`.
+fn child_args(test: &str) -> Option<(Vec<u8>, usize)> {
+    if std::env::var(ENV_CHILD).ok()? != test {
+        return None;
+    }
+    let handle = unhex(&std::env::var(ENV_HANDLE).expect("PEERCOMM_IPC_HANDLE"));
+    let ordinal = std::env::var(ENV_ORDINAL)
+        .ok()
+        .map(|o| o.parse().expect("PEERCOMM_IPC_ORDINAL"))
+        .unwrap_or(0);
+    Some((handle, ordinal))
+}
+
+/// A child process of this test binary.
+struct ChildProcess {
+    child: Child,
+    /// Its stdout, line by line.
+    lines: mpsc::Receiver<String>,
+    /// The thread reading its stdout: joined once the child has exited, so that the
+    /// pipe is closed before the next test counts or reuses fds.
+    reader: std::thread::JoinHandle<()>,
+}
+
+/// A child process running the test `test` (a full name) of this binary.
+fn spawn_child(test: &str, handle: &[u8], ordinal: usize) -> ChildProcess {
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", test, "--nocapture", "--test-threads=1"])
+        .env(ENV_CHILD, test)
+        .env(ENV_HANDLE, hex(handle))
+        .env(ENV_ORDINAL, ordinal.to_string())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("spawn the child test process");
+    let stdout = child.stdout.take().unwrap();
+    let (tx, lines) = mpsc::channel();
+    let reader = std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(|l| l.ok()) {
+            let _ = tx.send(line);
+        }
+    });
+    ChildProcess {
+        child,
+        lines,
+        reader,
+    }
+}
+
+/// Waits (at most `limit`) for the child to print `marker`; kills it and fails the test
+/// if it does not. Returns the lines printed so far.
+fn wait_for_line(child: &mut ChildProcess, marker: &str, limit: Duration) -> Vec<String> {
+    let deadline = Instant::now() + limit;
+    let mut seen = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match child.lines.recv_timeout(left) {
+            Ok(line) => {
+                // The harness prints `test <name> ... ` before the test's own output.
+                let found = line.contains(marker);
+                seen.push(line);
+                if found {
+                    return seen;
+                }
+            }
+            Err(e) => {
+                let _ = child.child.kill();
+                let status = child.child.wait();
+                panic!(
+                    "the child never printed {marker} ({e:?}; status {status:?}); its output:\n{}",
+                    seen.join("\n")
+                );
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Two processes, generic over the backend (host here, CUDA below).
+
+/// The parent allocates, writes its pattern into the first half, exports, and runs the
+/// child (`child_test`), which imports on device `child_ordinal`, checks the parent's
+/// half and writes its own pattern into the second half. The parent then sees the
+/// child's pattern, its own half intact, and the child's success.
+fn parent_and_child_share_memory<B: Backend>(
+    dev: &B::Device,
+    child_test: &str,
+    child_ordinal: usize,
+) {
+    let mem = B::alloc(dev, BYTES, MemoryKind::SharedSignal).unwrap();
+    let ptr = B::memory_ptr(&mem);
+    write_pattern::<B>(dev, ptr, 1, 0..8);
+    B::synchronize(dev).unwrap();
+    let handle = B::export_memory(dev, &mem).unwrap();
+
+    let mut child = spawn_child(child_test, &handle, child_ordinal);
+    let mut out = wait_for_line(&mut child, DONE, Duration::from_secs(60));
+    let status = child.child.wait().unwrap();
+    child.reader.join().unwrap();
+    out.extend(child.lines.try_iter());
+    assert!(status.success(), "child: {status}\n{}", out.join("\n"));
+    assert!(
+        out.iter()
+            .any(|l| l.starts_with("test result: ok. 1 passed")),
+        "the child test did not pass:\n{out:#?}"
+    );
+
+    check_pattern::<B>(dev, ptr, 2, 8..16, "the child's half, seen by the parent");
+    check_pattern::<B>(dev, ptr, 1, 0..8, "the parent's half after the child ran");
+    drop(mem);
+    B::synchronize(dev).unwrap();
+}
+
+/// The child of [`parent_and_child_share_memory`].
+fn child_checks_and_writes<B: Backend>(test: &str) {
+    let Some((handle, ordinal)) = child_args(test) else {
+        return; // Not the child process: nothing to do.
+    };
+    let dev = B::open(ordinal).unwrap();
+    let mapping = B::import_memory(&dev, &handle).unwrap();
+    let ptr = B::mapping_ptr(&mapping);
+    check_pattern::<B>(&dev, ptr, 1, 0..8, "the parent's half, seen by the child");
+    write_pattern::<B>(&dev, ptr, 2, 8..16);
+    B::synchronize(&dev).unwrap();
+    drop(mapping);
+    B::synchronize(&dev).unwrap();
+    println!("\n{DONE}");
+}
+
+/// A child that maps the parent's memory, writes its pattern, then writes a counter
+/// word in a loop until it is killed with SIGKILL. The parent's memory survives: still
+/// mapped, the child's last writes in it, nothing changing any more, writable, and
+/// freed normally.
+fn parent_survives_killed_child<B: Backend>(
+    dev: &B::Device,
+    child_test: &str,
+    child_ordinal: usize,
+) {
+    use std::os::unix::process::ExitStatusExt;
+
+    let mem = B::alloc(dev, BYTES, MemoryKind::SharedSignal).unwrap();
+    let ptr = B::memory_ptr(&mem);
+    write_pattern::<B>(dev, ptr, 3, 0..8);
+    B::synchronize(dev).unwrap();
+    let handle = B::export_memory(dev, &mem).unwrap();
+
+    let mut child = spawn_child(child_test, &handle, child_ordinal);
+    wait_for_line(&mut child, READY, Duration::from_secs(60));
+    // Let it write the counter for a moment, then kill it mid-loop.
+    std::thread::sleep(Duration::from_millis(20));
+    child.child.kill().unwrap();
+    let status = child.child.wait().unwrap();
+    child.reader.join().unwrap();
+    assert_eq!(
+        status.signal(),
+        Some(9),
+        "the child should die of SIGKILL: {status}"
+    );
+
+    let counter = |dev: &B::Device| read_words::<B>(dev, ptr + (COUNTER * 4) as u64, 1)[0];
+    let first = counter(dev);
+    std::thread::sleep(Duration::from_millis(20));
+    assert_eq!(counter(dev), first, "nobody writes after the kill");
+    eprintln!("killed child had written its counter up to {first}");
+    check_pattern::<B>(dev, ptr, 3, 0..8, "the parent's half after the kill");
+    check_pattern::<B>(dev, ptr, 4, 8..16, "the killed child's half");
+    write_pattern::<B>(dev, ptr, 5, 0..16);
+    check_pattern::<B>(dev, ptr, 5, 0..16, "rewritten after the kill");
+    drop(mem);
+    B::synchronize(dev).unwrap();
+}
+
+/// The child of [`parent_survives_killed_child`].
+fn child_writes_until_killed<B: Backend>(test: &str) {
+    let Some((handle, ordinal)) = child_args(test) else {
+        return; // Not the child process: nothing to do.
+    };
+    let dev = B::open(ordinal).unwrap();
+    let mapping = B::import_memory(&dev, &handle).unwrap();
+    let ptr = B::mapping_ptr(&mapping);
+    check_pattern::<B>(&dev, ptr, 3, 0..8, "the parent's half, seen by the child");
+    write_pattern::<B>(&dev, ptr, 4, 8..16);
+    B::synchronize(&dev).unwrap();
+    println!("\n{READY}");
+    let start = Instant::now();
+    let mut n = 1u32;
+    while start.elapsed() < Duration::from_secs(30) {
+        B::memset_d32(&dev, ptr + (COUNTER * 4) as u64, n, 1).unwrap();
+        B::synchronize(&dev).unwrap();
+        n = n.wrapping_add(1);
+    }
+    panic!("the parent did not kill this child within 30 s");
+}
+
+/// The parent exports an allocation and frees it; a child importing the stale handle
+/// gets a typed error (`Error::Backend` from `import_memory`), not a crash.
+fn stale_handle_fails_in_another_process<B: Backend>(
+    dev: &B::Device,
+    child_test: &str,
+    child_ordinal: usize,
+) {
+    let mem = B::alloc(dev, BYTES, MemoryKind::SharedSignal).unwrap();
+    let handle = B::export_memory(dev, &mem).unwrap();
+    drop(mem);
+    B::synchronize(dev).unwrap();
+    let mut child = spawn_child(child_test, &handle, child_ordinal);
+    let mut out = wait_for_line(&mut child, DONE, Duration::from_secs(60));
+    let status = child.child.wait().unwrap();
+    child.reader.join().unwrap();
+    out.extend(child.lines.try_iter());
+    assert!(status.success(), "child: {status}\n{}", out.join("\n"));
+    assert!(
+        out.iter()
+            .any(|l| l.starts_with("test result: ok. 1 passed")),
+        "the child test did not pass:\n{out:#?}"
+    );
+}
+
+/// The child of [`stale_handle_fails_in_another_process`].
+fn child_import_fails<B: Backend>(test: &str) {
+    let Some((handle, ordinal)) = child_args(test) else {
+        return; // Not the child process: nothing to do.
+    };
+    let dev = B::open(ordinal).unwrap();
+    match B::import_memory(&dev, &handle) {
+        Err(e @ Error::Backend { .. }) => eprintln!("stale handle: {e}"),
+        Err(other) => panic!("expected Error::Backend, got {other:?}"),
+        Ok(_) => panic!("imported memory its exporter had freed"),
+    }
+    println!("\n{DONE}");
+}
+
+// ---------------------------------------------------------------------------------------
+// Host backend.
+
+fn host(ordinal: usize) -> <Host as Backend>::Device {
+    Host::open(ordinal).unwrap()
+}
+
+/// One process, two simulated devices: the exporter's pattern is read through the
+/// importer's mapping (a second mapping of the same memory), and writes through the
+/// mapping are seen in the original.
+#[test]
+fn host_same_process_round_trip() {
+    let _serial = serial();
+    let (d0, d1) = (host(0), host(1));
+    let mem = Host::alloc(&d0, BYTES, MemoryKind::SharedSignal).unwrap();
+    let ptr = Host::memory_ptr(&mem);
+    assert_eq!(ptr % 256, 0, "signal memory is 256-byte aligned");
+    assert!(
+        read_words::<Host>(&d0, ptr, BYTES / 4)
+            .iter()
+            .all(|&w| w == 0),
+        "zero-filled"
+    );
+    write_pattern::<Host>(&d0, ptr, 11, 0..16);
+    let handle = Host::export_memory(&d0, &mem).unwrap();
+    assert_eq!(handle.len(), 40);
+    assert_eq!(&handle[..4], b"pcho");
+
+    let mapping = Host::import_memory(&d1, &handle).unwrap();
+    let mptr = Host::mapping_ptr(&mapping);
+    assert_ne!(mptr, ptr, "a mapping of its own");
+    assert_eq!(mapping.bytes(), BYTES);
+    check_pattern::<Host>(&d1, mptr, 11, 0..16, "read through the mapping");
+    write_pattern::<Host>(&d1, mptr, 12, 4..12);
+    Host::synchronize(&d1).unwrap();
+    check_pattern::<Host>(&d0, ptr, 12, 4..12, "written through the mapping");
+    check_pattern::<Host>(&d0, ptr, 11, 0..4, "untouched");
+    check_pattern::<Host>(&d0, ptr, 11, 12..16, "untouched");
+    // The last bytes (past the last whole page) are reachable through both.
+    Host::memset_d32(&d1, mptr + (BYTES - 4) as u64, 0xABCD_0123, 1).unwrap();
+    Host::synchronize(&d1).unwrap();
+    assert_eq!(
+        read_words::<Host>(&d0, ptr + (BYTES - 4) as u64, 1),
+        [0xABCD_0123]
+    );
+    drop(mapping);
+    drop(mem);
+    Host::synchronize(&d0).unwrap();
+    Host::synchronize(&d1).unwrap();
+}
+
+/// The mapping keeps the memory alive after the exporter freed its allocation.
+#[test]
+fn host_mapping_outlives_the_exporters_allocation() {
+    let _serial = serial();
+    let (d0, d1) = (host(0), host(1));
+    let mem = Host::alloc(&d0, BYTES, MemoryKind::SharedSignal).unwrap();
+    write_pattern::<Host>(&d0, Host::memory_ptr(&mem), 21, 0..16);
+    let handle = Host::export_memory(&d0, &mem).unwrap();
+    let mapping = Host::import_memory(&d1, &handle).unwrap();
+    drop(mem);
+    Host::synchronize(&d0).unwrap(); // unmapped and closed on the exporter's side
+    let mptr = Host::mapping_ptr(&mapping);
+    check_pattern::<Host>(&d1, mptr, 21, 0..16, "after the exporter freed it");
+    write_pattern::<Host>(&d1, mptr, 22, 0..16);
+    check_pattern::<Host>(&d1, mptr, 22, 0..16, "written after the exporter freed it");
+}
+
+/// Dropping a mapping unmaps it in stream order: a memset enqueued behind a 100 ms
+/// kernel on the importing device still lands (an immediate unmap would make it
+/// fault and kill this test binary).
+#[test]
+fn host_mapping_is_unmapped_in_stream_order() {
+    let _serial = serial();
+    let (d0, d1) = (host(0), host(1));
+    let mem = Host::alloc(&d0, BYTES, MemoryKind::SharedSignal).unwrap();
+    let mapping = Host::import_memory(&d1, &Host::export_memory(&d0, &mem).unwrap()).unwrap();
+    let args = AllReduceArgs {
+        timeout_ns: 100_000_000,
+        ..Default::default()
+    };
+    let delay = Kernel {
+        kind: KernelKind::Delay,
+        dtype: DType::F32,
+    };
+    let dims = LaunchDims {
+        blocks: 1,
+        threads: 1,
+    };
+    Host::launch(&d1, delay, dims, &args).unwrap();
+    Host::memset_d32(&d1, Host::mapping_ptr(&mapping), 0x5EED, WORDS).unwrap();
+    drop(mapping);
+    Host::synchronize(&d1).unwrap();
+    let words = read_words::<Host>(&d0, Host::memory_ptr(&mem), WORDS);
+    assert!(words.iter().all(|&w| w == 0x5EED));
+}
+
+#[test]
+fn host_two_processes_share_signal_memory() {
+    let _serial = serial();
+    parent_and_child_share_memory::<Host>(&host(0), "host_child_checks_and_writes", 1);
+}
+
+/// Child of `host_two_processes_share_signal_memory` (a no-op in an ordinary run).
+#[test]
+fn host_child_checks_and_writes() {
+    child_checks_and_writes::<Host>("host_child_checks_and_writes");
+}
+
+#[test]
+fn host_killed_child_leaves_the_parents_memory_intact() {
+    let _serial = serial();
+    parent_survives_killed_child::<Host>(&host(0), "host_child_writes_until_killed", 1);
+}
+
+/// Child of `host_killed_child_leaves_the_parents_memory_intact` (a no-op in an
+/// ordinary run).
+#[test]
+fn host_child_writes_until_killed() {
+    child_writes_until_killed::<Host>("host_child_writes_until_killed");
+}
+
+#[test]
+fn host_stale_handle_fails_in_another_process() {
+    let _serial = serial();
+    stale_handle_fails_in_another_process::<Host>(&host(0), "host_child_import_fails", 1);
+}
+
+/// Child of `host_stale_handle_fails_in_another_process` (a no-op in an ordinary run).
+#[test]
+fn host_child_import_fails() {
+    child_import_fails::<Host>("host_child_import_fails");
+}
+
+/// Name of the shared memory files (`/memfd:peercomm-signal (deleted)` in /proc).
+const MEMFD_NAME: &str = "memfd:peercomm-signal";
+
+/// Entries of `/proc/self/fd`: all of them, and those that are shared signal memory.
+fn count_fds() -> (usize, usize) {
+    let links: Vec<String> = std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+        .map(|p| p.to_string_lossy().into_owned())
+        .collect();
+    let ours = links.iter().filter(|l| l.contains(MEMFD_NAME)).count();
+    (links.len(), ours)
+}
+
+/// Lines of `/proc/self/maps`: all of them, and those that map shared signal memory.
+fn count_maps() -> (usize, usize) {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let ours = maps.lines().filter(|l| l.contains(MEMFD_NAME)).count();
+    (maps.lines().count(), ours)
+}
+
+/// 1000 cycles of allocate + export + import + drop both leave no fd and no mapping
+/// behind: the shared memory files' fds and mappings return exactly to their count,
+/// and the process's totals grow by at most a small constant. Slack for the totals,
+/// because they move for reasons that are not leaks and do not grow with the cycles:
+/// the harness starts a thread (a stack and guard mapping) for each further test while
+/// this one runs (the others wait for the lock), and glibc may map another malloc
+/// arena or heap extension for a thread. A leak would show as about 1000 more of each.
+#[test]
+fn host_export_import_cycles_leak_nothing() {
+    const SLACK_FDS: usize = 4;
+    const SLACK_MAPS: usize = 32;
+    let _serial = serial();
+    let (d0, d1) = (host(0), host(1));
+    let cycle = |i: u32| {
+        let mem = Host::alloc(
+            &d0,
+            4096 + (i as usize % 3) * 4000,
+            MemoryKind::SharedSignal,
+        )
+        .unwrap();
+        let handle = Host::export_memory(&d0, &mem).unwrap();
+        let mapping = Host::import_memory(&d1, &handle).unwrap();
+        Host::memset_d32(&d1, Host::mapping_ptr(&mapping), i, 16).unwrap();
+        drop(mapping);
+        drop(mem);
+    };
+    // Warm up: the stream threads' first allocations and the like.
+    (0..10).for_each(cycle);
+    Host::synchronize(&d0).unwrap();
+    Host::synchronize(&d1).unwrap();
+    let (fds, maps) = (count_fds(), count_maps());
+    (0..1000).for_each(cycle);
+    Host::synchronize(&d0).unwrap();
+    Host::synchronize(&d1).unwrap();
+    let (fds_after, maps_after) = (count_fds(), count_maps());
+    eprintln!(
+        "host_export_import_cycles_leak_nothing: /proc/self/fd {} -> {} ({} -> {} shared \
+         signal files), /proc/self/maps {} -> {} lines ({} -> {} shared signal mappings)",
+        fds.0, fds_after.0, fds.1, fds_after.1, maps.0, maps_after.0, maps.1, maps_after.1
+    );
+    assert_eq!(fds_after.1, fds.1, "shared signal fds leaked");
+    assert_eq!(maps_after.1, maps.1, "shared signal mappings leaked");
+    assert!(
+        fds_after.0 <= fds.0 + SLACK_FDS,
+        "fds {fds:?} -> {fds_after:?}"
+    );
+    assert!(
+        maps_after.0 <= maps.0 + SLACK_MAPS,
+        "maps {maps:?} -> {maps_after:?}"
+    );
+}
+
+/// The detail of the error every unusable host handle gets.
+fn import_error_detail(dev: &<Host as Backend>::Device, handle: &[u8]) -> String {
+    match Host::import_memory(dev, handle) {
+        Err(Error::Backend {
+            backend: "host",
+            call: "import_memory",
+            detail,
+        }) => detail,
+        Err(other) => panic!("expected Error::Backend from import_memory, got {other:?}"),
+        Ok(_) => panic!("imported a bad handle"),
+    }
+}
+
+fn patched(handle: &[u8], at: usize, bytes: &[u8]) -> Vec<u8> {
+    let mut h = handle.to_vec();
+    h[at..at + bytes.len()].copy_from_slice(bytes);
+    h
+}
+
+/// Malformed, foreign and stale handles are typed errors naming what is wrong; heap
+/// memory cannot be exported.
+#[test]
+fn host_bad_handles_are_typed_errors() {
+    let _serial = serial();
+    let (d0, d1) = (host(0), host(1));
+
+    let heap = Host::alloc(&d0, 4096, MemoryKind::Signal).unwrap();
+    match Host::export_memory(&d0, &heap) {
+        Err(Error::Unsupported(why)) => assert!(why.contains("SharedSignal"), "{why}"),
+        other => panic!("exported heap memory: {other:?}"),
+    }
+
+    let mem = Host::alloc(&d0, 4096, MemoryKind::SharedSignal).unwrap();
+    let good = Host::export_memory(&d0, &mem).unwrap();
+    let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+        ("empty", vec![], "too short"),
+        ("header only", good[..8].to_vec(), "8 bytes where"),
+        ("one byte short", good[..39].to_vec(), "39 bytes where"),
+        (
+            "one byte long",
+            [&good[..], &[0]].concat(),
+            "41 bytes where",
+        ),
+        ("CUDA magic", patched(&good, 0, b"pccu"), "another backend"),
+        (
+            "version 2",
+            patched(&good, 4, &2u32.to_le_bytes()),
+            "handle version 2",
+        ),
+        (
+            "size",
+            patched(&good, 16, &8192u64.to_le_bytes()),
+            "size mismatch",
+        ),
+        (
+            "inode",
+            patched(
+                &good,
+                32,
+                &(u64::from_le_bytes(good[32..40].try_into().unwrap()) + 1).to_le_bytes(),
+            ),
+            "identity mismatch",
+        ),
+        (
+            "no such process",
+            patched(&good, 8, &0x7fff_fff0u32.to_le_bytes()),
+            "cannot open",
+        ),
+        (
+            "no such fd",
+            patched(&good, 12, &0x7fff_fff0u32.to_le_bytes()),
+            "cannot open",
+        ),
+    ];
+    for (name, handle, expect) in cases {
+        let detail = import_error_detail(&d1, &handle);
+        eprintln!("{name}: {detail}");
+        assert!(detail.contains(expect), "{name}: {detail}");
+    }
+    // The good handle still works after all that.
+    drop(Host::import_memory(&d1, &good).unwrap());
+
+    // Stale: the exporter freed the memory, and the next shared allocation takes the
+    // lowest free fd number, its old one.
+    drop(mem);
+    Host::synchronize(&d0).unwrap();
+    let gone = import_error_detail(&d1, &good);
+    eprintln!("exporter dropped: {gone}");
+    assert!(gone.contains("cannot open"), "{gone}");
+    let reuse = Host::alloc(&d0, 4096, MemoryKind::SharedSignal).unwrap();
+    let reuse_handle = Host::export_memory(&d0, &reuse).unwrap();
+    assert_eq!(
+        reuse_handle[12..16],
+        good[12..16],
+        "the new file should have taken the freed fd number"
+    );
+    let reused = import_error_detail(&d1, &good);
+    eprintln!("fd reused: {reused}");
+    assert!(reused.contains("identity mismatch"), "{reused}");
+    drop(Host::import_memory(&d1, &reuse_handle).unwrap());
+    drop(reuse);
+    Host::synchronize(&d0).unwrap();
+    Host::synchronize(&d1).unwrap();
+}
+
+// ---------------------------------------------------------------------------------------
+// GPU backends: two processes (CUDA and HIP IPC cannot open a handle in the process
+// that exported it). Without a GPU every test prints why it is skipped.
+
+/// The IPC tests of a GPU backend, in module `$module` (behind feature `$feature`).
+macro_rules! gpu_ipc_suite {
+    ($module:ident, $feature:literal, $backend:ty, $magic:literal) => {
+        #[cfg(feature = $feature)]
+        mod $module {
+            use super::*;
+
+            type B = $backend;
+
+            /// Device 0 and the ordinal the child uses (device 1 where there is one),
+            /// or `None` after printing why `test` is skipped.
+            fn parent_device(test: &str) -> Option<(<B as Backend>::Device, usize)> {
+                let why = match B::device_count() {
+                    Ok(0) => format!("no {} device", B::NAME),
+                    Ok(n) => return Some((B::open(0).unwrap(), usize::from(n > 1))),
+                    Err(e) => e.to_string(),
+                };
+                // Straight to stderr, past the harness's output capture, so that the
+                // skip is visible in an ordinary run.
+                use std::io::Write;
+                let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+                None
+            }
+
+            /// The full name of this module's test `name`.
+            fn full(name: &str) -> String {
+                format!("{}::{name}", stringify!($module))
+            }
+
+            #[test]
+            fn two_processes_share_signal_memory() {
+                let _serial = serial();
+                if let Some((dev, child)) =
+                    parent_device(&full("two_processes_share_signal_memory"))
+                {
+                    parent_and_child_share_memory::<B>(
+                        &dev,
+                        &full("child_checks_and_writes"),
+                        child,
+                    );
+                }
+            }
+
+            /// Child of `two_processes_share_signal_memory` (a no-op in an ordinary run).
+            #[test]
+            fn child_checks_and_writes() {
+                super::child_checks_and_writes::<B>(&full("child_checks_and_writes"));
+            }
+
+            #[test]
+            fn killed_child_leaves_the_parents_memory_intact() {
+                let _serial = serial();
+                if let Some((dev, child)) =
+                    parent_device(&full("killed_child_leaves_the_parents_memory_intact"))
+                {
+                    parent_survives_killed_child::<B>(
+                        &dev,
+                        &full("child_writes_until_killed"),
+                        child,
+                    );
+                }
+            }
+
+            /// Child of `killed_child_leaves_the_parents_memory_intact` (a no-op in an
+            /// ordinary run).
+            #[test]
+            fn child_writes_until_killed() {
+                super::child_writes_until_killed::<B>(&full("child_writes_until_killed"));
+            }
+
+            #[test]
+            fn stale_handle_fails_in_another_process() {
+                let _serial = serial();
+                if let Some((dev, child)) =
+                    parent_device(&full("stale_handle_fails_in_another_process"))
+                {
+                    super::stale_handle_fails_in_another_process::<B>(
+                        &dev,
+                        &full("child_import_fails"),
+                        child,
+                    );
+                }
+            }
+
+            /// Child of `stale_handle_fails_in_another_process` (a no-op in an ordinary
+            /// run).
+            #[test]
+            fn child_import_fails() {
+                super::child_import_fails::<B>(&full("child_import_fails"));
+            }
+
+            /// Importing in the exporting process is `Error::Unsupported` saying so;
+            /// malformed handles are `Error::Backend` from `import_memory`.
+            #[test]
+            fn same_process_and_bad_handles_are_typed_errors() {
+                let _serial = serial();
+                let Some((dev, _)) =
+                    parent_device(&full("same_process_and_bad_handles_are_typed_errors"))
+                else {
+                    return;
+                };
+                let mem = B::alloc(&dev, BYTES, MemoryKind::SharedSignal).unwrap();
+                let good = B::export_memory(&dev, &mem).unwrap();
+                assert_eq!(good.len(), 88);
+                assert_eq!(&good[..4], $magic);
+                match B::import_memory(&dev, &good) {
+                    Err(Error::Unsupported(why)) => {
+                        eprintln!("same process: {why}");
+                        assert!(why.contains("process that exported it"), "{why}");
+                    }
+                    other => panic!("expected Error::Unsupported, got {other:?}"),
+                }
+                let cases: Vec<(&str, Vec<u8>, &str)> = vec![
+                    ("empty", vec![], "too short"),
+                    ("one byte short", good[..87].to_vec(), "87 bytes where"),
+                    ("host magic", patched(&good, 0, b"pcho"), "another backend"),
+                    (
+                        "version 2",
+                        patched(&good, 4, &2u32.to_le_bytes()),
+                        "handle version 2",
+                    ),
+                ];
+                for (name, handle, expect) in cases {
+                    match B::import_memory(&dev, &handle) {
+                        Err(Error::Backend {
+                            backend,
+                            call: "import_memory",
+                            detail,
+                        }) if backend == B::NAME => {
+                            eprintln!("{name}: {detail}");
+                            assert!(detail.contains(expect), "{name}: {detail}");
+                        }
+                        other => panic!("{name}: expected Error::Backend, got {other:?}"),
+                    }
+                }
+            }
+        }
+    };
+}
+
+gpu_ipc_suite!(cuda, "cuda", peercomm::backend::cuda::Cuda, b"pccu");
+gpu_ipc_suite!(hip, "hip", peercomm::backend::hip::Hip, b"pchi");
