@@ -9,6 +9,7 @@ mod per_rank_suite;
 
 use peercomm::backend::cuda::Cuda;
 use peercomm::backend::Backend;
+use per_rank_suite::processes::{self, Devices};
 use per_rank_suite::Placement;
 
 fn placement(test: &str) -> Option<Placement> {
@@ -54,5 +55,47 @@ fn cuda_per_rank_independent_sibling_groups() {
 fn cuda_per_rank_missing_call_times_out_and_recovers() {
     if let Some(place) = placement("cuda_per_rank_missing_call_times_out_and_recovers") {
         per_rank_suite::missing_call_times_out_and_recovers::<Cuda>(&place);
+    }
+}
+
+/// One process per rank: IPC handles between processes (on one GPU the two processes
+/// time-slice it, which is slow but exercises the same mapping).
+fn devices(test: &str) -> Option<Devices> {
+    placement(test).map(|p| Devices {
+        count: p.devices,
+        max_blocks: 4,
+    })
+}
+
+/// The child processes' entry point (does nothing when run as a normal test).
+#[test]
+fn per_rank_child() {
+    if std::env::var("PEERCOMM_TEST_ROLE").is_ok() {
+        let n = Cuda::device_count().expect("a CUDA device in the child");
+        processes::child_main::<Cuda>(&Devices {
+            count: n,
+            max_blocks: 4,
+        });
+    }
+}
+
+#[test]
+fn cuda_per_rank_processes_world_2() {
+    if let Some(d) = devices("cuda_per_rank_processes_world_2") {
+        processes::checked_world::<Cuda>(&d, 2);
+    }
+}
+
+#[test]
+fn cuda_per_rank_killed_process_gives_a_typed_error() {
+    if let Some(d) = devices("cuda_per_rank_killed_process_gives_a_typed_error") {
+        processes::killed_process_gives_a_typed_error::<Cuda>(&d);
+    }
+}
+
+#[test]
+fn cuda_per_rank_create_drop_cycles_leak_nothing() {
+    if let Some(d) = devices("cuda_per_rank_create_drop_cycles_leak_nothing") {
+        processes::create_drop_cycles_leak_nothing::<Cuda>(&d, 200);
     }
 }

@@ -1,408 +1,50 @@
-//! The per-rank communicator with one process per rank, on the host backend: the test
-//! runs rank 0 itself and spawns the other ranks as child processes of this test binary
-//! (`--exact per_rank_child`, with the role, rank, world, seed and the `UniqueId` in
-//! the environment). Signal memory crosses processes through the host backend's IPC
-//! (shared memory files).
-//!
-//! Every rank checks its own outputs against the f64 reference (inputs are rebuilt
-//! from the shared seed) and prints a digest of each output's bits; rank 0 compares
-//! the digests of every group, so ranks agree bit for bit.
+//! The per-rank communicator with one process per rank on the host backend (the suite
+//! is in tests/per_rank_suite/processes.rs): children of this test binary, signal
+//! memory shared through the host backend's IPC.
 
 mod common;
-
-use std::collections::HashMap;
-use std::io::{BufRead, BufReader};
-use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+mod per_rank_suite;
 
 use peercomm::backend::host::Host;
-use peercomm::backend::Backend;
-use peercomm::bootstrap::{TcpBootstrap, UniqueId};
-use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error};
-use rand::rngs::StdRng;
-use rand::SeedableRng;
+use per_rank_suite::processes::{self, Devices};
 
-const ROLE: &str = "PEERCOMM_TEST_ROLE";
-const RANK: &str = "PEERCOMM_TEST_RANK";
-const WORLD: &str = "PEERCOMM_TEST_WORLD";
-const ID: &str = "PEERCOMM_TEST_ID";
-const SEED: &str = "PEERCOMM_TEST_SEED";
+const HOST: Devices = Devices {
+    count: peercomm::MAX_GPUS,
+    max_blocks: 2,
+};
 
-fn config() -> CommConfig {
-    CommConfig {
-        lamport_slot_bytes: 512 << 10,
-        payload_bytes: 1 << 20,
-        barrier_timeout: Some(Duration::from_secs(20)),
-        max_blocks: Some(2),
-        bootstrap_timeout: Duration::from_secs(30),
-        ..CommConfig::default()
-    }
-}
-
-fn env<T: std::str::FromStr>(name: &str) -> T {
-    std::env::var(name)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or_else(|| panic!("{name} is not set"))
-}
-
-/// Starts rank `rank` of `world` in a child process running `role`.
-fn spawn(role: &str, rank: usize, world: usize, id: &str, seed: u64) -> Child {
-    Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "per_rank_child",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(ROLE, role)
-        .env(RANK, rank.to_string())
-        .env(WORLD, world.to_string())
-        .env(ID, id)
-        .env(SEED, seed.to_string())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .expect("spawn a rank")
-}
-
-/// Input of `rank` for call `call`: the same in every process.
-fn input(seed: u64, call: usize, rank: usize, len: usize) -> Vec<f32> {
-    let mut rng = StdRng::seed_from_u64(seed ^ ((call as u64) << 20) ^ rank as u64);
-    common::random_values::<f32>(&mut rng, len)
-}
-
-/// The calls every rank makes: (length, group size, algorithm, in place).
-fn schedule(world: usize) -> Vec<(usize, usize, Algorithm, bool)> {
-    let mut calls = Vec::new();
-    for (i, len) in [1usize, 7, 1023, 4096, 65_537].into_iter().enumerate() {
-        for group in common::group_sizes(world) {
-            for algorithm in [Algorithm::Auto, Algorithm::OneStage, Algorithm::Lamport] {
-                if algorithm == Algorithm::Lamport && group != world && group != 1 {
-                    continue;
-                }
-                calls.push((len, group, algorithm, (i + group) % 2 == 0));
-            }
-        }
-    }
-    calls
-}
-
-fn digest(values: &[f32]) -> u64 {
-    values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
-        (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
-/// One rank's part of the checked schedule: enqueues every call back to back, then
-/// checks its outputs; returns (call, digest) per call.
-fn run_checked(comm: &Comm<Host>, seed: u64) -> Vec<(usize, u64)> {
-    let (rank, world) = (comm.rank(), comm.world_size());
-    let dev = comm.device();
-    let calls = schedule(world);
-    let mut kept = Vec::new();
-    for (call, &(len, group, algorithm, in_place)) in calls.iter().enumerate() {
-        let mut send = Host::alloc_buffer::<f32>(dev, len).unwrap();
-        Host::upload(dev, &input(seed, call, rank, len), &mut send).unwrap();
-        let opts = AllReduceOptions::new()
-            .group_size(group)
-            .algorithm(algorithm);
-        if in_place {
-            comm.all_reduce_sum_in_place(&mut send, &opts).unwrap();
-            kept.push(send);
-        } else {
-            let mut recv = Host::alloc_buffer::<f32>(dev, len).unwrap();
-            Host::upload(dev, &vec![f32::NAN; len], &mut recv).unwrap();
-            comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
-            kept.push(recv);
-        }
-    }
-    comm.synchronize().unwrap();
-    let mut digests = Vec::new();
-    for (call, (&(len, group, _, _), out)) in calls.iter().zip(&kept).enumerate() {
-        let got = Host::download(dev, out).unwrap();
-        let base = rank / group * group;
-        let ins: Vec<Vec<f32>> = (base..base + group)
-            .map(|r| input(seed, call, r, len))
-            .collect();
-        common::check_sums(
-            &ins,
-            &vec![got.clone(); group],
-            group,
-            &format!("process rank {rank} call {call}"),
-        );
-        digests.push((call, digest(&got)));
-    }
-    digests
-}
-
-/// The child side: what a rank in another process does, by role.
+/// The child processes' entry point (does nothing when run as a normal test).
 #[test]
 fn per_rank_child() {
-    let Ok(role) = std::env::var(ROLE) else {
-        return; // not a child: nothing to do
-    };
-    let (rank, world): (usize, usize) = (env(RANK), env(WORLD));
-    let id: UniqueId = env::<String>(ID).parse().unwrap();
-    let seed: u64 = env(SEED);
-    match role.as_str() {
-        "checked" => {
-            let comm =
-                Comm::<Host>::from_rank(Host::open(rank).unwrap(), rank, world, &id, config())
-                    .unwrap();
-            for (call, d) in run_checked(&comm, seed) {
-                println!("DIGEST {call} {rank} {d}");
-            }
-        }
-        "killed" => {
-            let dev = Host::open(rank).unwrap();
-            let comm = Comm::<Host>::from_rank(dev, rank, world, &id, killed_config()).unwrap();
-            let dev = comm.device();
-            let mut buf = Host::alloc_buffer::<f32>(dev, 4096).unwrap();
-            // Late into the collective, then killed by the parent while rank 0 waits.
-            comm.delay(Duration::from_secs(30)).unwrap();
-            let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-            comm.all_reduce_sum_in_place(&mut buf, &opts).unwrap();
-            println!("READY");
-            std::thread::sleep(Duration::from_secs(60));
-        }
-        "cycles" => {
-            let boot = Arc::new(
-                TcpBootstrap::connect(&id, rank, world, 7, Duration::from_secs(30)).unwrap(),
-            );
-            create_drop_cycles(&boot, rank, WARM_UP);
-            let before = open_files_and_maps();
-            create_drop_cycles(&boot, rank, seed as usize);
-            let after = open_files_and_maps();
-            println!("COUNTS {} {} {} {}", before.0, before.1, after.0, after.1);
-        }
-        other => panic!("unknown role {other}"),
-    }
-}
-
-/// Collects `DIGEST call rank digest` lines from a child's stdout.
-fn digests_of(child: &mut Child) -> Vec<(usize, usize, u64)> {
-    let out = child.stdout.take().unwrap();
-    BufReader::new(out)
-        .lines()
-        .map_while(|l| l.ok())
-        .filter_map(|l| {
-            // The harness may print "test per_rank_child ... " before the first line.
-            let at = l.find("DIGEST ")?;
-            let f: Vec<&str> = l[at..].split_whitespace().collect();
-            Some((
-                f[1].parse().unwrap(),
-                f[2].parse().unwrap(),
-                f[3].parse().unwrap(),
-            ))
-        })
-        .collect()
-}
-
-fn checked_world(world: usize) {
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
-    eprintln!("per_rank_processes world {world}: seed {seed}");
-    let id = UniqueId::new().unwrap();
-    let text = id.to_string();
-    let mut children: Vec<Child> = (1..world)
-        .map(|r| spawn("checked", r, world, &text, seed))
-        .collect();
-    let comm = Comm::<Host>::from_rank(Host::open(0).unwrap(), 0, world, &id, config()).unwrap();
-    let mut all: Vec<(usize, usize, u64)> = run_checked(&comm, seed)
-        .into_iter()
-        .map(|(c, d)| (c, 0, d))
-        .collect();
-    for child in &mut children {
-        all.extend(digests_of(child));
-        let status = child.wait().unwrap();
-        assert!(status.success(), "a rank process failed: {status}");
-    }
-    drop(comm);
-    let calls = schedule(world);
-    let by_call: HashMap<(usize, usize), u64> = all.iter().map(|&(c, r, d)| ((c, r), d)).collect();
-    assert_eq!(by_call.len(), calls.len() * world, "a digest is missing");
-    for (call, &(_, group, _, _)) in calls.iter().enumerate() {
-        for rank in 0..world {
-            let lead = rank / group * group;
-            assert_eq!(
-                by_call[&(call, rank)],
-                by_call[&(call, lead)],
-                "call {call}: rank {rank}'s bits differ from rank {lead}'s"
-            );
-        }
-    }
-    eprintln!(
-        "per_rank_processes world {world}: {} calls per rank checked, bits equal in every group",
-        calls.len()
-    );
+    processes::child_main::<Host>(&HOST);
 }
 
 #[test]
 fn per_rank_processes_world_2() {
-    checked_world(2);
+    processes::checked_world::<Host>(&HOST, 2);
 }
 
 #[test]
 fn per_rank_processes_world_3() {
-    checked_world(3);
+    processes::checked_world::<Host>(&HOST, 3);
 }
 
 #[test]
 fn per_rank_processes_world_4() {
-    checked_world(4);
+    processes::checked_world::<Host>(&HOST, 4);
 }
 
 #[test]
 fn per_rank_processes_world_8() {
-    checked_world(8);
+    processes::checked_world::<Host>(&HOST, 8);
 }
 
-/// Both sides of the killed-process test: a short timeout.
-fn killed_config() -> CommConfig {
-    CommConfig {
-        barrier_timeout: Some(Duration::from_millis(500)),
-        ..config()
-    }
-}
-
-/// A rank whose process is killed in the middle of a collective: the survivor gets
-/// `BarrierTimeout` within about twice the timeout, refuses further calls, writes
-/// nothing into its output, and its drop does not hang on the dead peer.
 #[test]
 fn per_rank_killed_process_gives_a_typed_error() {
-    let id = UniqueId::new().unwrap();
-    let mut child = spawn("killed", 1, 2, &id.to_string(), 1);
-    let cfg = killed_config();
-    let timeout = cfg.barrier_timeout.unwrap();
-    let comm = Comm::<Host>::from_rank(Host::open(0).unwrap(), 0, 2, &id, cfg).unwrap();
-    let dev = comm.device();
-    let mut out = Host::alloc_buffer::<f32>(dev, 4096).unwrap();
-    Host::upload(dev, &[f32::NAN; 4096], &mut out).unwrap();
-    let mut input = Host::alloc_buffer::<f32>(dev, 4096).unwrap();
-    Host::upload(dev, &[1.0; 4096], &mut input).unwrap();
-    // Wait until the child has queued its (late) collective, then kill it.
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    assert!(lines.any(|l| l.map(|l| l.contains("READY")).unwrap_or(false)));
-    let start = Instant::now();
-    let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-    comm.all_reduce_sum(&input, &mut out, &opts).unwrap();
-    child.kill().unwrap();
-    child.wait().unwrap();
-    match comm.synchronize() {
-        Err(Error::BarrierTimeout { rank: 0, .. }) => {}
-        other => panic!("expected a barrier timeout on rank 0, got {other:?}"),
-    }
-    let elapsed = start.elapsed();
-    assert!(
-        elapsed < 2 * timeout + Duration::from_secs(2),
-        "the timeout took {elapsed:?}"
-    );
-    assert!(Host::download(dev, &out)
-        .unwrap()
-        .iter()
-        .all(|x| x.is_nan()));
-    assert_eq!(
-        comm.all_reduce_sum(&input, &mut out, &opts),
-        Err(Error::Poisoned)
-    );
-    let dropped = Instant::now();
-    drop(comm);
-    assert!(
-        dropped.elapsed() < Duration::from_secs(10),
-        "dropping beside a dead peer took {:?}",
-        dropped.elapsed()
-    );
+    processes::killed_process_gives_a_typed_error::<Host>(&HOST);
 }
 
-/// Open file descriptors and mapped ranges of this process.
-fn open_files_and_maps() -> (usize, usize) {
-    let fds = std::fs::read_dir("/proc/self/fd").unwrap().count();
-    let maps = std::fs::read_to_string("/proc/self/maps")
-        .unwrap()
-        .lines()
-        .count();
-    (fds, maps)
-}
-
-/// 1000 communicators built and dropped over one bootstrap, each with a small
-/// all-reduce, by `rank` in lock step with its peer.
-fn create_drop_cycles(boot: &Arc<TcpBootstrap>, rank: usize, cycles: usize) {
-    let cfg = CommConfig {
-        lamport_slot_bytes: 4096,
-        payload_bytes: 64 << 10,
-        ..config()
-    };
-    let dev = Host::open(rank).unwrap();
-    let mut buf = Host::alloc_buffer::<f32>(&dev, 16).unwrap();
-    for _ in 0..cycles {
-        let comm = Comm::<Host>::from_bootstrap(
-            Host::open(rank).unwrap(),
-            Box::new(boot.clone()),
-            cfg.clone(),
-        )
-        .unwrap();
-        Host::upload(comm.device(), &[1.0; 16], &mut buf).unwrap();
-        let _ = &dev;
-        let mut local = Host::alloc_buffer::<f32>(comm.device(), 16).unwrap();
-        Host::upload(comm.device(), &[1.0; 16], &mut local).unwrap();
-        comm.all_reduce_sum_in_place(&mut local, &AllReduceOptions::new())
-            .unwrap();
-        comm.synchronize().unwrap();
-        assert_eq!(
-            Host::download(comm.device(), &local).unwrap(),
-            vec![2.0; 16]
-        );
-    }
-}
-
-/// Cycles before the counts are taken: the first ones fill caches that stay (glibc
-/// keeps the stacks of exited threads mapped for reuse, up to a bound).
-const WARM_UP: usize = 50;
-
-/// 1000 create/drop cycles of a two-process communicator leak no mapping and no file
-/// descriptor in either process (a small slack for the test harness's own threads).
 #[test]
 fn per_rank_create_drop_cycles_leak_nothing() {
-    let cycles = 1000;
-    let id = UniqueId::new().unwrap();
-    let mut child = spawn("cycles", 1, 2, &id.to_string(), cycles as u64);
-    let boot = Arc::new(TcpBootstrap::connect(&id, 0, 2, 7, Duration::from_secs(30)).unwrap());
-    create_drop_cycles(&boot, 0, WARM_UP);
-    let before = open_files_and_maps();
-    create_drop_cycles(&boot, 0, cycles);
-    let after = open_files_and_maps();
-    // Read the child's whole output (stopping early would break its pipe).
-    let lines: Vec<String> = BufReader::new(child.stdout.take().unwrap())
-        .lines()
-        .map_while(|l| l.ok())
-        .collect();
-    let child_counts: Vec<usize> = lines
-        .iter()
-        .find_map(|l| l.find("COUNTS ").map(|at| l[at..].to_string()))
-        .expect("the child's counts")
-        .split_whitespace()
-        .skip(1)
-        .map(|x| x.parse().unwrap())
-        .collect();
-    assert!(child.wait().unwrap().success());
-    eprintln!(
-        "per_rank_create_drop_cycles_leak_nothing: {cycles} cycles; rank 0 fds {} -> {}, maps {} -> {}; \
-         rank 1 fds {} -> {}, maps {} -> {}",
-        before.0, after.0, before.1, after.1, child_counts[0], child_counts[2], child_counts[1],
-        child_counts[3]
-    );
-    // A leak would grow by about `cycles` (a mapping per import, a file per export);
-    // after the warm-up the thread-stack cache and malloc arenas are in place.
-    for (b, a, what) in [
-        (before.0, after.0, "rank 0 fds"),
-        (before.1, after.1, "rank 0 maps"),
-        (child_counts[0], child_counts[2], "rank 1 fds"),
-        (child_counts[1], child_counts[3], "rank 1 maps"),
-    ] {
-        assert!(a <= b + 16, "{what}: {b} -> {a} after {cycles} cycles");
-    }
+    processes::create_drop_cycles_leak_nothing::<Host>(&HOST, 1000);
 }

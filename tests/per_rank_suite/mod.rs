@@ -6,6 +6,8 @@
 #![allow(dead_code)]
 
 use super::common;
+
+pub mod processes;
 use std::sync::{Arc, Barrier, Mutex};
 use std::time::Duration;
 
