@@ -152,6 +152,15 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// process with peer access on, that is the same address; a one-process-per-GPU
     /// backend would import an IPC handle here.
     fn map_peer(dev: &Self::Device, peer_mem: &Self::Memory) -> Result<u64>;
+    /// Prepares a device that several ranks share (`CommConfig::allow_shared_devices`):
+    /// nothing may make one rank's stream wait for another's, since their collectives
+    /// wait for each other. On CUDA this turns off the default memory pool's reuse
+    /// across streams through internal dependencies, which would otherwise let a
+    /// buffer freed on one rank's stream delay another rank's allocation until that
+    /// rank's earlier collectives finish. The default: nothing to do.
+    fn prepare_shared_device(_dev: &Self::Device) -> Result<()> {
+        Ok(())
+    }
     /// Why `peer`'s kernels could not reach the user memory at `ptr` on `dev` (which
     /// they are about to read directly), or `None` when they can. Called before a
     /// launch whose peers read user buffers, so that memory peer access does not cover

@@ -25,11 +25,10 @@ pub struct CommConfig {
     /// signal buffer, so 4- and 8-rank schedules run on fewer GPUs. Every rank's blocks
     /// must be resident at once (ranks spin waiting for each other), so keep
     /// `max_blocks` small (for example 4) when this is on. Timings mean nothing then.
-    /// On CUDA, when ranks on one GPU are driven by different threads (per-rank
-    /// [`crate::Comm`]s) and queue work ahead of each other, set
-    /// `CUDA_DEVICE_MAX_CONNECTIONS=32` before the first CUDA call: streams that share
-    /// a hardware queue run in the order they were queued, so one rank's kernel could
-    /// wait behind another rank's kernel that waits for it.
+    /// On CUDA a shared GPU's default memory pool stops reusing memory across streams
+    /// through internal dependencies (see `Backend::prepare_shared_device`): with ranks
+    /// driven by different threads, such a dependency could make one rank's stream
+    /// wait for another's that waits for it.
     pub allow_shared_devices: bool,
     /// How long the per-rank [`crate::Comm`] waits for the other ranks at setup and at
     /// each bootstrap step (re-initialisation, teardown).

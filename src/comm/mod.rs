@@ -94,10 +94,16 @@ impl<B: Backend> Communicator<B> {
         check_world(world)?;
         let mut ordinals: Vec<usize> = devices.iter().map(B::ordinal).collect();
         ordinals.sort_unstable();
-        if !config.allow_shared_devices && ordinals.windows(2).any(|w| w[0] == w[1]) {
+        let shared = ordinals.windows(2).any(|w| w[0] == w[1]);
+        if shared && !config.allow_shared_devices {
             return Err(Error::InvalidDevices(format!(
                 "a device appears twice: {ordinals:?}"
             )));
+        }
+        if shared {
+            for d in &devices {
+                B::prepare_shared_device(d)?;
+            }
         }
         let arch = B::architecture(&devices[0])?;
         let sms = B::multiprocessor_count(&devices[0])?;

@@ -228,6 +228,13 @@ impl<B: Backend> Comm<B> {
         } else {
             vec![Vec::new(); world]
         };
+        if records
+            .iter()
+            .enumerate()
+            .any(|(r, p)| r != me && p.pid == mine.pid && p.ordinal == mine.ordinal)
+        {
+            B::prepare_shared_device(&device)?;
+        }
         let mut peer_signals = [0u64; MAX_GPUS];
         let mut mappings = Vec::new();
         for (r, peer) in records.iter().enumerate() {
