@@ -423,6 +423,40 @@ impl Backend for Cuda {
         Ok(peer_mem.ptr)
     }
 
+    fn prepare_shared_device(dev: &CudaDevice) -> Result<()> {
+        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+        // SAFETY: `pool` outlives the call; the device handle comes from a live context.
+        unsafe { sys::cuDeviceGetMemPool(&mut pool, dev.ctx.cu_device()) }
+            .result()
+            .map_err(driver_err("cuDeviceGetMemPool"))?;
+        // No allocation waits, through the pool, for a free on another rank's stream.
+        let mut off: i32 = 0;
+        // SAFETY: the attribute takes an int; `off` outlives the call.
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+                &mut off as *mut i32 as *mut std::ffi::c_void,
+            )
+        }
+        .result()
+        .map_err(driver_err("cuMemPoolSetAttribute"))?;
+        // Keep freed memory in the pool: giving it back to the system at a stream
+        // synchronisation can wait for the whole device, including another rank's
+        // kernel that waits for this rank's next launch.
+        let mut keep = u64::MAX;
+        // SAFETY: the attribute takes a cuuint64_t; `keep` outlives the call.
+        unsafe {
+            sys::cuMemPoolSetAttribute(
+                pool,
+                sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+                &mut keep as *mut u64 as *mut std::ffi::c_void,
+            )
+        }
+        .result()
+        .map_err(driver_err("cuMemPoolSetAttribute"))
+    }
+
     fn peer_access_problem(
         dev: &CudaDevice,
         ptr: u64,
