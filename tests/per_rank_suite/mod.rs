@@ -8,14 +8,12 @@
 use super::common;
 
 pub mod processes;
-use std::sync::{Arc, Barrier, Mutex};
+use std::sync::Barrier;
 use std::time::Duration;
 
 use peercomm::backend::Backend;
 use peercomm::bootstrap::UniqueId;
 use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error};
-use rand::rngs::StdRng;
-use rand::SeedableRng;
 
 /// Where rank `r` of a world runs: its device ordinal, and the communicator settings
 /// (several ranks may share a device when the backend has fewer than the world).
@@ -58,12 +56,6 @@ fn seed(test: &str) -> u64 {
     seed
 }
 
-/// Input of `rank` for call `call`: the same on every thread that asks.
-fn input(seed: u64, call: usize, rank: usize, len: usize) -> Vec<f32> {
-    let mut rng = StdRng::seed_from_u64(seed ^ (call as u64) << 20 ^ rank as u64);
-    common::random_values::<f32>(&mut rng, len)
-}
-
 /// Runs `body(rank, comm)` on one thread per rank of a fresh world.
 fn with_world<B: Backend, R: Send>(
     place: &Placement,
@@ -89,79 +81,20 @@ fn with_world<B: Backend, R: Send>(
 }
 
 /// Calls of every algorithm the per-rank mode offers, every group size, odd lengths,
-/// in and out of place, enqueued back to back; each rank checks each of its outputs.
+/// in and out of place, enqueued back to back; each rank checks each of its outputs
+/// against the f64 reference, and every group's ranks agree bit for bit.
 pub fn checked_calls<B: Backend>(place: &Placement, world: usize) {
     let seed = seed("per_rank_threads");
-    let lengths = [1usize, 7, 1023, 4096, 65_537];
-    let outputs = Arc::new(Mutex::new(Vec::new()));
-    let counted = with_world::<B, _>(place, world, |rank, comm| {
-        let mut plan = Vec::new();
-        for (i, &len) in lengths.iter().enumerate() {
-            for group in common::group_sizes(world) {
-                for algorithm in [Algorithm::Auto, Algorithm::OneStage, Algorithm::Lamport] {
-                    if algorithm == Algorithm::Lamport && group != world && group != 1 {
-                        continue;
-                    }
-                    plan.push((i, len, group, algorithm, (i + group) % 2 == 0));
-                }
-            }
-        }
-        let dev = comm.device();
-        let mut kept = Vec::new();
-        for (call, &(_, len, group, algorithm, in_place)) in plan.iter().enumerate() {
-            let mut send = B::alloc_buffer::<f32>(dev, len).unwrap();
-            B::upload(dev, &input(seed, call, rank, len), &mut send).unwrap();
-            let opts = AllReduceOptions::new()
-                .group_size(group)
-                .algorithm(algorithm);
-            if in_place {
-                comm.all_reduce_sum_in_place(&mut send, &opts).unwrap();
-                kept.push(send);
-            } else {
-                let mut recv = B::alloc_buffer::<f32>(dev, len).unwrap();
-                B::upload(dev, &vec![f32::NAN; len], &mut recv).unwrap();
-                comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
-                kept.push(recv);
-            }
-        }
-        comm.synchronize().unwrap();
-        for (call, (&(_, len, group, _, _), out)) in plan.iter().zip(&kept).enumerate() {
-            let got = B::download(dev, out).unwrap();
-            let base = rank / group * group;
-            let ins: Vec<Vec<f32>> = (0..world).map(|r| input(seed, call, r, len)).collect();
-            // This rank's output against its group's sum (the other members' outputs
-            // live in other threads: the bitwise comparison across ranks is below).
-            let group_ins: Vec<Vec<f32>> = ins[base..base + group].to_vec();
-            let group_outs = vec![got.clone(); group];
-            common::check_sums(
-                &group_ins,
-                &group_outs,
-                group,
-                &format!("rank {rank} call {call}"),
-            );
-            outputs.lock().unwrap().push((call, rank, group, got));
-        }
-        plan.len()
+    let digests = with_world::<B, _>(place, world, |_rank, comm| {
+        processes::run_checked(&comm, seed)
     });
-    let outputs = outputs.lock().unwrap();
-    for (call, rank, group, got) in outputs.iter() {
-        // Every member of a group has the same bits as the group's first member.
-        let lead = rank / group * group;
-        let (_, _, _, lead_out) = outputs
-            .iter()
-            .find(|(c, r, _, _)| c == call && *r == lead)
-            .unwrap();
-        assert!(
-            got.iter()
-                .zip(lead_out)
-                .all(|(a, b)| a.to_bits() == b.to_bits()),
-            "call {call}: rank {rank} differs from rank {lead}"
-        );
-    }
-    eprintln!(
-        "per_rank_threads world {world}: {} calls per rank checked",
-        counted[0]
-    );
+    let by_call: Vec<(usize, usize, u64)> = digests
+        .iter()
+        .enumerate()
+        .flat_map(|(rank, d)| d.iter().map(move |&(call, h)| (call, rank, h)))
+        .collect();
+    let calls = processes::compare_groups(world, &by_call);
+    eprintln!("per_rank_threads world {world}: {calls} calls per rank checked");
 }
 
 /// Forced two-stage is refused per rank (it reads the peers' user buffers), with
@@ -216,13 +149,15 @@ pub fn independent_sibling_groups<B: Backend>(place: &Placement) {
             .enumerate()
         {
             let len = 4099;
-            let mine = input(seed, call, rank, len);
+            let mine = processes::input(seed, call, rank, len);
             let mut buf = B::alloc_buffer::<f32>(dev, len).unwrap();
             B::upload(dev, &mine, &mut buf).unwrap();
             let opts = AllReduceOptions::new().algorithm(algorithm);
             comm.all_reduce_sum_in_place(&mut buf, &opts).unwrap();
             comm.synchronize().unwrap();
-            let ins: Vec<Vec<f32>> = (0..world).map(|r| input(seed, call, r, len)).collect();
+            let ins: Vec<Vec<f32>> = (0..world)
+                .map(|r| processes::input(seed, call, r, len))
+                .collect();
             let got = B::download(dev, &buf).unwrap();
             common::check_sums(
                 &ins,

@@ -89,7 +89,7 @@ fn spawn(role: &str, rank: usize, world: usize, id: &str, seed: u64) -> Child {
 }
 
 /// Input of `rank` for call `call`: the same in every process.
-fn input(seed: u64, call: usize, rank: usize, len: usize) -> Vec<f32> {
+pub fn input(seed: u64, call: usize, rank: usize, len: usize) -> Vec<f32> {
     let mut rng = StdRng::seed_from_u64(seed ^ ((call as u64) << 20) ^ rank as u64);
     common::random_values::<f32>(&mut rng, len)
 }
@@ -118,7 +118,7 @@ fn digest(values: &[f32]) -> u64 {
 
 /// One rank's part of the checked schedule: enqueues every call back to back, then
 /// checks its outputs; returns (call, digest) per call.
-fn run_checked<B: Backend>(comm: &Comm<B>, seed: u64) -> Vec<(usize, u64)> {
+pub fn run_checked<B: Backend>(comm: &Comm<B>, seed: u64) -> Vec<(usize, u64)> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let dev = comm.device();
     let calls = schedule(world);
@@ -221,6 +221,25 @@ fn digests_of(child: &mut Child) -> Vec<(usize, usize, u64)> {
         .collect()
 }
 
+/// Checks that every rank of every call's group has the same digest as the group's
+/// first rank, given (call, rank, digest) of every rank; returns the calls per rank.
+pub fn compare_groups(world: usize, all: &[(usize, usize, u64)]) -> usize {
+    let calls = schedule(world);
+    let by_call: HashMap<(usize, usize), u64> = all.iter().map(|&(c, r, d)| ((c, r), d)).collect();
+    assert_eq!(by_call.len(), calls.len() * world, "a digest is missing");
+    for (call, &(_, group, _, _)) in calls.iter().enumerate() {
+        for rank in 0..world {
+            let lead = rank / group * group;
+            assert_eq!(
+                by_call[&(call, rank)],
+                by_call[&(call, lead)],
+                "call {call}: rank {rank}'s bits differ from rank {lead}'s"
+            );
+        }
+    }
+    calls.len()
+}
+
 /// Every rank checks the schedule; rank 0 compares the digests of every group.
 pub fn checked_world<B: Backend>(devices: &Devices, world: usize) {
     let seed = std::time::SystemTime::now()
@@ -245,22 +264,9 @@ pub fn checked_world<B: Backend>(devices: &Devices, world: usize) {
         assert!(status.success(), "a rank process failed: {status}");
     }
     drop(comm);
-    let calls = schedule(world);
-    let by_call: HashMap<(usize, usize), u64> = all.iter().map(|&(c, r, d)| ((c, r), d)).collect();
-    assert_eq!(by_call.len(), calls.len() * world, "a digest is missing");
-    for (call, &(_, group, _, _)) in calls.iter().enumerate() {
-        for rank in 0..world {
-            let lead = rank / group * group;
-            assert_eq!(
-                by_call[&(call, rank)],
-                by_call[&(call, lead)],
-                "call {call}: rank {rank}'s bits differ from rank {lead}'s"
-            );
-        }
-    }
+    let calls = compare_groups(world, &all);
     eprintln!(
-        "per_rank_processes world {world}: {} calls per rank checked, bits equal in every group",
-        calls.len()
+        "per_rank_processes world {world}: {calls} calls per rank checked, bits equal in every group"
     );
 }
 
