@@ -29,7 +29,7 @@ for stage in $stages; do
     # The CUDA suite with the fixes (the fuzzers at their default 2000 calls; world 2
     # gets its long run in the next stage).
     PEERCOMM_FUZZ_CALLS=2000 timeout 480 .device-bin/test-cuda --test-threads=1 \
-      --skip fuzz_schedule_world_2 > "$OUT/test-cuda.log" 2>&1
+      --skip fuzz_schedule_world_2 --nocapture > "$OUT/test-cuda.log" 2>&1
     summary+=("test-cuda rc=$?: $(result "$OUT/test-cuda.log")")
     grep -E "SKIPPED|FAILED|panicked|checked|replays|fuzz" "$OUT/test-cuda.log" | head -60
     ;;
@@ -40,7 +40,7 @@ for stage in $stages; do
     grep -E "fuzz|checked|SEED|panicked" "$OUT/fuzz-world2.log" | tail -8
     ;;
   perrank)
-    timeout 300 .device-bin/test-cuda_per_rank --test-threads=1 > "$OUT/test-cuda-per-rank.log" 2>&1
+    timeout 300 .device-bin/test-cuda_per_rank --test-threads=1 --nocapture > "$OUT/test-cuda-per-rank.log" 2>&1
     summary+=("test-cuda_per_rank rc=$?: $(result "$OUT/test-cuda-per-rank.log")")
     grep -E "SKIPPED|FAILED|panicked|checked" "$OUT/test-cuda-per-rank.log" | head -20
     ;;
