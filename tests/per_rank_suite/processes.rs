@@ -116,29 +116,49 @@ fn digest(values: &[f32]) -> u64 {
     })
 }
 
-/// One rank's part of the checked schedule: enqueues every call back to back, then
-/// checks its outputs; returns (call, digest) per call.
+/// A call's input, and its output unless it runs in place.
+type SendRecv<B> = (
+    <B as Backend>::Buffer<f32>,
+    Option<<B as Backend>::Buffer<f32>>,
+);
+
+/// One rank's part of the checked schedule: allocates and fills every call's buffers,
+/// then enqueues every call back to back (ranks race ahead of each other), then checks
+/// its outputs; returns (call, digest) per call. Buffers are made before the first
+/// collective: with several ranks on one GPU, an allocation made while other ranks'
+/// collectives are in flight can wait for the device (a memory pool growing), and so
+/// for a rank that waits for this one.
 pub fn run_checked<B: Backend>(comm: &Comm<B>, seed: u64) -> Vec<(usize, u64)> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let dev = comm.device();
     let calls = schedule(world);
-    let mut kept = Vec::new();
-    for (call, &(len, group, algorithm, in_place)) in calls.iter().enumerate() {
-        let mut send = B::alloc_buffer::<f32>(dev, len).unwrap();
-        B::upload(dev, &input(seed, call, rank, len), &mut send).unwrap();
+    let mut buffers: Vec<SendRecv<B>> = calls
+        .iter()
+        .enumerate()
+        .map(|(call, &(len, _, _, in_place))| {
+            let mut send = B::alloc_buffer::<f32>(dev, len).unwrap();
+            B::upload(dev, &input(seed, call, rank, len), &mut send).unwrap();
+            let recv = (!in_place).then(|| {
+                let mut recv = B::alloc_buffer::<f32>(dev, len).unwrap();
+                B::upload(dev, &vec![f32::NAN; len], &mut recv).unwrap();
+                recv
+            });
+            (send, recv)
+        })
+        .collect();
+    for (&(_, group, algorithm, _), (send, recv)) in calls.iter().zip(&mut buffers) {
         let opts = AllReduceOptions::new()
             .group_size(group)
             .algorithm(algorithm);
-        if in_place {
-            comm.all_reduce_sum_in_place(&mut send, &opts).unwrap();
-            kept.push(send);
-        } else {
-            let mut recv = B::alloc_buffer::<f32>(dev, len).unwrap();
-            B::upload(dev, &vec![f32::NAN; len], &mut recv).unwrap();
-            comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
-            kept.push(recv);
-        }
+        match recv {
+            None => comm.all_reduce_sum_in_place(send, &opts).unwrap(),
+            Some(recv) => comm.all_reduce_sum(send, recv, &opts).unwrap(),
+        };
     }
+    let kept: Vec<B::Buffer<f32>> = buffers
+        .into_iter()
+        .map(|(send, recv)| recv.unwrap_or(send))
+        .collect();
     comm.synchronize().unwrap();
     let mut digests = Vec::new();
     for (call, (&(len, group, _, _), out)) in calls.iter().zip(&kept).enumerate() {
