@@ -354,6 +354,8 @@ fn host_same_process_round_trip() {
         "zero-filled"
     );
     write_pattern::<Host>(&d0, ptr, 11, 0..16);
+    // The pattern is written in d0's stream order; d1 reads in its own.
+    Host::synchronize(&d0).unwrap();
     let handle = Host::export_memory(&d0, &mem).unwrap();
     assert_eq!(handle.len(), 40);
     assert_eq!(&handle[..4], b"pcho");
