@@ -42,7 +42,7 @@ impl Placement {
 }
 
 /// A fresh seed per run, printed so a failure can be replayed with PEERCOMM_SEED.
-fn seed(test: &str) -> u64 {
+pub fn seed(test: &str) -> u64 {
     let seed = std::env::var("PEERCOMM_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -57,7 +57,7 @@ fn seed(test: &str) -> u64 {
 }
 
 /// Runs `body(rank, comm)` on one thread per rank of a fresh world.
-fn with_world<B: Backend, R: Send>(
+pub fn with_world<B: Backend, R: Send>(
     place: &Placement,
     world: usize,
     body: impl Fn(usize, Comm<B>) -> R + Sync,
