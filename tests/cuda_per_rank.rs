@@ -164,3 +164,19 @@ fn cuda_per_rank_graph_replays() {
         checked[0]
     );
 }
+
+/// The schedule fuzzer through the per-rank API (one thread per rank; ranks share GPUs
+/// where there are fewer): `PEERCOMM_FUZZ_CALLS` calls (default 2000) at worlds 2 and 4.
+#[test]
+fn cuda_per_rank_fuzz() {
+    let Some(place) = placement("cuda_per_rank_fuzz") else {
+        return;
+    };
+    let calls = std::env::var("PEERCOMM_FUZZ_CALLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2000);
+    for world in [2, 4] {
+        per_rank_suite::fuzz::fuzz_threads::<Cuda>(&place, world, calls, 24);
+    }
+}

@@ -46,3 +46,18 @@ fn per_rank_independent_sibling_groups() {
 fn per_rank_missing_call_times_out_and_recovers() {
     per_rank_suite::missing_call_times_out_and_recovers::<Host>(&HOST);
 }
+
+#[test]
+fn per_rank_fuzz_world_2() {
+    per_rank_suite::fuzz::fuzz_threads::<Host>(&HOST, 2, 1200, 24);
+}
+
+#[test]
+fn per_rank_fuzz_world_4() {
+    per_rank_suite::fuzz::fuzz_threads::<Host>(&HOST, 4, 600, 24);
+}
+
+#[test]
+fn per_rank_fuzz_world_8() {
+    per_rank_suite::fuzz::fuzz_threads::<Host>(&HOST, 8, 300, 16);
+}

@@ -117,7 +117,7 @@ fn digest(values: &[f32]) -> u64 {
 }
 
 /// A call's input, and its output unless it runs in place.
-type SendRecv<B> = (
+pub type SendRecv<B> = (
     <B as Backend>::Buffer<f32>,
     Option<<B as Backend>::Buffer<f32>>,
 );

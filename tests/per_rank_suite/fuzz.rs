@@ -1,0 +1,187 @@
+//! The schedule fuzzer through the per-rank API: one thread per rank, each with its own
+//! `Comm`, racing ahead of the others. The schedule comes from one seed (printed,
+//! replayable with PEERCOMM_SEED), so every rank makes the same calls: random lengths
+//! (odd ones, up to 1 MiB), every group size, Auto and every algorithm the per-rank mode
+//! offers (and refused ones: forced two-stage, Lamport over a subgroup, which must fail
+//! with `Unsupported` and write nothing), in and out of place, -0.0 lanes, and random
+//! delays on random ranks. Each batch is enqueued without synchronising; then every
+//! rank checks its outputs against the f64 reference (with the sign-of-zero rule) and
+//! the digests of every group are compared bit for bit.
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::time::Duration;
+
+use peercomm::backend::Backend;
+use peercomm::{Algorithm, AllReduceOptions, Error};
+
+use super::{common, processes, seed, with_world, Placement};
+
+/// One call of the schedule, the same on every rank.
+#[derive(Clone, Debug)]
+struct Call {
+    len: usize,
+    group: usize,
+    algorithm: Algorithm,
+    in_place: bool,
+    /// A rank made late before this call, and by how long.
+    delay: Option<(usize, Duration)>,
+    /// Whether the library must refuse it.
+    refused: bool,
+}
+
+fn schedule(seed: u64, world: usize, calls: usize) -> Vec<Call> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let groups = common::group_sizes(world);
+    (0..calls)
+        .map(|_| {
+            let len = match rng.random_range(0..10) {
+                0..=5 => rng.random_range(1..2048),
+                6..=8 => rng.random_range(2048..65_536),
+                _ => rng.random_range(65_536..262_144),
+            };
+            let group = groups[rng.random_range(0..groups.len())];
+            let algorithm = [
+                Algorithm::Auto,
+                Algorithm::OneStage,
+                Algorithm::Lamport,
+                Algorithm::TwoStage,
+            ][rng.random_range(0..4)];
+            let refused = match algorithm {
+                Algorithm::TwoStage => group > 1,
+                Algorithm::Lamport => group > 1 && group < world,
+                _ => false,
+            };
+            let delay = rng.random_bool(0.1).then(|| {
+                (
+                    rng.random_range(0..world),
+                    Duration::from_millis(rng.random_range(0..3)),
+                )
+            });
+            Call {
+                len,
+                group,
+                algorithm,
+                in_place: rng.random_bool(0.5),
+                delay,
+                refused,
+            }
+        })
+        .collect()
+}
+
+/// Input of `rank` for call `call`: random, with some -0.0 lanes.
+fn input(seed: u64, call: usize, rank: usize, len: usize) -> Vec<f32> {
+    let mut v = processes::input(seed, call, rank, len);
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed ^ ((call as u64) << 8));
+    for x in v.iter_mut() {
+        if rng.random_bool(0.05) {
+            *x = -0.0; // the same lanes on every rank: their sum is -0.0 (or +0.0 on Lamport)
+        }
+    }
+    v
+}
+
+/// Runs `calls` calls in batches of up to `batch` on `world` threads.
+pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, batch: usize) {
+    let seed = seed(&format!("per_rank_fuzz_world_{world}"));
+    let plan = schedule(seed, world, calls);
+    let started = std::time::Instant::now();
+    let results = with_world::<B, _>(place, world, |rank, comm| {
+        let dev = comm.device();
+        let mut digests = Vec::new();
+        for (first, chunk) in plan.chunks(batch).enumerate().map(|(i, c)| (i * batch, c)) {
+            let mut bufs: Vec<processes::SendRecv<B>> = chunk
+                .iter()
+                .enumerate()
+                .map(|(i, c)| {
+                    let mut send = B::alloc_buffer::<f32>(dev, c.len).unwrap();
+                    B::upload(dev, &input(seed, first + i, rank, c.len), &mut send).unwrap();
+                    let recv = (!c.in_place).then(|| {
+                        let mut r = B::alloc_buffer::<f32>(dev, c.len).unwrap();
+                        B::upload(dev, &vec![f32::NAN; c.len], &mut r).unwrap();
+                        r
+                    });
+                    (send, recv)
+                })
+                .collect();
+            let mut ran = Vec::new();
+            for (c, (send, recv)) in chunk.iter().zip(&mut bufs) {
+                if let Some((late, by)) = c.delay {
+                    if late == rank {
+                        comm.delay(by).unwrap();
+                    }
+                }
+                let opts = AllReduceOptions::new()
+                    .group_size(c.group)
+                    .algorithm(c.algorithm);
+                ran.push(match recv {
+                    None => comm.all_reduce_sum_in_place(send, &opts),
+                    Some(recv) => comm.all_reduce_sum(send, recv, &opts),
+                });
+            }
+            comm.synchronize().unwrap();
+            for (i, ((c, (send, recv)), outcome)) in chunk.iter().zip(&bufs).zip(ran).enumerate() {
+                let call = first + i;
+                let what = format!("seed {seed} call {call} rank {rank}: {c:?}");
+                let out = recv.as_ref().unwrap_or(send);
+                let got = B::download(dev, out).unwrap();
+                if c.refused {
+                    assert!(
+                        matches!(outcome, Err(Error::Unsupported(_))),
+                        "{what}: {outcome:?}"
+                    );
+                    let untouched = if c.in_place {
+                        input(seed, call, rank, c.len)
+                    } else {
+                        vec![f32::NAN; c.len]
+                    };
+                    assert!(
+                        got.iter()
+                            .zip(&untouched)
+                            .all(|(a, b)| a.to_bits() == b.to_bits()),
+                        "{what}: a refused call wrote"
+                    );
+                    continue;
+                }
+                let algorithm = outcome.unwrap_or_else(|e| panic!("{what}: {e}"));
+                let base = rank / c.group * c.group;
+                let ins: Vec<Vec<f32>> = (base..base + c.group)
+                    .map(|r| input(seed, call, r, c.len))
+                    .collect();
+                common::check_result(&ins, &vec![got.clone(); c.group], c.group, algorithm, &what);
+                digests.push((call, rank, bits_digest(&got)));
+            }
+        }
+        digests
+    });
+    // Every member of a group has the same bits as the group's first member.
+    let all: std::collections::HashMap<(usize, usize), u64> = results
+        .iter()
+        .flatten()
+        .map(|&(c, r, d)| ((c, r), d))
+        .collect();
+    let mut checked = 0;
+    for (call, c) in plan.iter().enumerate().filter(|(_, c)| !c.refused) {
+        for rank in 0..world {
+            let lead = rank / c.group * c.group;
+            assert_eq!(
+                all[&(call, rank)],
+                all[&(call, lead)],
+                "seed {seed} call {call}: rank {rank} differs from {lead}"
+            );
+        }
+        checked += 1;
+    }
+    eprintln!(
+        "per_rank_fuzz world {world}: PEERCOMM_SEED={seed}: {checked} calls checked on every rank, {} refused as specified, in {:.1?}",
+        plan.len() - checked,
+        started.elapsed()
+    );
+}
+
+fn bits_digest(values: &[f32]) -> u64 {
+    values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
+        (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3)
+    })
+}
