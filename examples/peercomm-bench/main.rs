@@ -70,6 +70,11 @@ struct Args {
     /// Folder for results.json and results.png.
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Measure the per-rank communicator instead: this many threads, one rank each
+    /// (round-robin over the GPUs), against cudarc's NCCL `Comm::from_rank` (bf16,
+    /// whole world, up to 1 MiB unless --max-bytes says otherwise).
+    #[arg(long)]
+    per_rank: Option<usize>,
 }
 
 /// One measured point.
@@ -261,12 +266,9 @@ fn record(at: At, imp: &str, alg: &str, mode: &str, us: f64) -> Record {
 
 /// Fills in each record's ratio against NCCL at the same point and mode.
 fn attach_ratios(records: &mut [Record]) {
-    let nccl: Vec<Record> = records
-        .iter()
-        .filter(|r| r.implementation == "nccl")
-        .cloned()
-        .collect();
-    for r in records.iter_mut().filter(|r| r.implementation != "nccl") {
+    let is_nccl = |r: &Record| r.implementation.starts_with("nccl");
+    let nccl: Vec<Record> = records.iter().filter(|r| is_nccl(r)).cloned().collect();
+    for r in records.iter_mut().filter(|r| !is_nccl(r)) {
         if let Some(n) = nccl.iter().find(|n| {
             n.dtype == r.dtype && n.group == r.group && n.bytes == r.bytes && n.mode == r.mode
         }) {
@@ -465,6 +467,8 @@ fn chrono_free_date() -> String {
 
 #[cfg(feature = "cuda")]
 mod gpu;
+#[cfg(feature = "cuda")]
+mod per_rank;
 
 mod plot;
 
@@ -472,6 +476,12 @@ fn main() {
     let args = Args::parse();
     #[cfg(feature = "cuda")]
     let mut report = match peercomm::backend::cuda::Cuda::device_count() {
+        Ok(n) if n >= 1 && args.per_rank.is_some() => Report {
+            date: chrono_free_date(),
+            backend: "cuda (per-rank threads)".into(),
+            records: per_rank::run(&args, args.per_rank.unwrap(), n),
+            ..Report::default()
+        },
         Ok(n) if n >= 1 => gpu::run(&args, n.min(peercomm::MAX_GPUS)),
         Ok(_) => run_host(&args, "no CUDA device"),
         Err(e) => run_host(&args, &e.to_string()),
@@ -482,11 +492,11 @@ fn main() {
     if report.records.iter().any(|r| r.ratio_vs_nccl.is_some()) {
         println!("\nsummary (peercomm auto against NCCL, same run):");
         print_header();
-        for r in report
-            .records
-            .iter()
-            .filter(|r| r.implementation == "peercomm-auto" || r.implementation == "nccl")
-        {
+        for r in report.records.iter().filter(|r| {
+            r.implementation == "peercomm-auto"
+                || r.implementation.starts_with("nccl")
+                || r.implementation == "peercomm-per-rank"
+        }) {
             print_record(r);
         }
     }
