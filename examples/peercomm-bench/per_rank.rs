@@ -185,5 +185,7 @@ pub fn run(args: &Args, world: usize, gpus: usize) -> Vec<Record> {
             record(a, &r.implementation, &r.algorithm, &r.mode, slowest)
         };
     }
+    print_header();
+    out.iter().for_each(print_record);
     out
 }
