@@ -4,6 +4,8 @@
 # .device-bin/before/. scripts/device-trust.sh runs its regression tests, which must fail.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# cudarc binds the CUDA version the application chooses; the GPU machine's driver runs 13.0.
+export CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
 BEFORE=${BEFORE:-c248c05}
 dir=/tmp/peercomm-before
 rm -rf "$dir" && git worktree prune

@@ -4,6 +4,8 @@
 #   bash scripts/device-run.sh [tests|bench|all]
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# cudarc binds the CUDA version the application chooses; the GPU machine's driver runs 13.0.
+export CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
 bash scripts/install-toolchains.sh >/dev/null
 mkdir -p .device-bin && find .device-bin -maxdepth 1 -type f -delete
 cargo test --release --features cuda --no-run --message-format=json 2>/dev/null \

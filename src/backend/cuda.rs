@@ -163,6 +163,26 @@ fn load_kernels(ctx: &Arc<CudaContext>) -> Result<KernelTable> {
     Ok(map)
 }
 
+/// The location of device `ordinal`, built the same way whatever CUDA version the
+/// application's cudarc binds: `CUmemLocation` is `{ CUmemLocationType type; int id; }`
+/// in every version, though from 13.2 the id sits in a union (and the bindings change
+/// shape with it), so the id is written at its C offset.
+fn device_location(ordinal: usize) -> sys::CUmemLocation {
+    const _: () = assert!(std::mem::size_of::<sys::CUmemLocation>() == 8);
+    // SAFETY: all-zero bits are a valid CUmemLocation (a C enum and an int / a union of
+    // plain integers).
+    let mut location: sys::CUmemLocation = unsafe { std::mem::zeroed() };
+    location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    // SAFETY: the id is the 4-byte int at offset 4 in every CUDA version's layout (the
+    // size assertion above pins the 8-byte struct); the write stays inside `location`.
+    unsafe {
+        (std::ptr::addr_of_mut!(location) as *mut i32)
+            .add(1)
+            .write(ordinal as i32)
+    };
+    location
+}
+
 /// Memory pools known to grant read-write access to a device: (pool, device ordinal).
 fn granted_pools() -> &'static std::sync::Mutex<std::collections::HashSet<(usize, i32)>> {
     static POOLS: OnceLock<std::sync::Mutex<std::collections::HashSet<(usize, i32)>>> =
@@ -377,10 +397,7 @@ impl Backend for Cuda {
             .result()
             .map_err(driver_err("cuDeviceGetMemPool"))?;
         let desc = sys::CUmemAccessDesc {
-            location: sys::CUmemLocation {
-                type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-                id: dev.ctx.ordinal() as i32,
-            },
+            location: device_location(dev.ctx.ordinal()),
             flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
         };
         // SAFETY: `desc` is one valid descriptor and outlives the call.
@@ -465,10 +482,8 @@ impl Backend for Cuda {
         if dev.ctx.ordinal() == peer.ctx.ordinal() {
             return Ok(None);
         }
-        let location = sys::CUmemLocation {
-            type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: peer.ctx.ordinal() as i32,
-        };
+        let peer_ordinal = peer.ctx.ordinal() as i32;
+        let location = device_location(peer.ctx.ordinal());
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
         // SAFETY: `pool` is a valid out-pointer of the attribute's type for the call.
         unsafe {
@@ -484,7 +499,7 @@ impl Backend for Cuda {
             if granted_pools()
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
-                .contains(&(pool as usize, location.id))
+                .contains(&(pool as usize, peer_ordinal))
             {
                 return Ok(None);
             }
@@ -499,7 +514,7 @@ impl Backend for Cuda {
                     granted_pools()
                         .lock()
                         .unwrap_or_else(|e| e.into_inner())
-                        .insert((pool as usize, location.id));
+                        .insert((pool as usize, peer_ordinal));
                     None
                 }
                 other => Some(format!("its memory pool grants the peer {other:?}")),
