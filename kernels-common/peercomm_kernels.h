@@ -425,6 +425,39 @@ PC_INLINE void copy_range(uint64_t src, uint64_t src_base, uint64_t dst, uint64_
     }
 }
 
+// The all-gather of the two-stage kernel: partition q (packs [q*part, (q+1)*part)) sits
+// at the start of rank q's payload. Each iteration loads pack j of every partition before
+// storing any, and rank `me` starts at its own partition and rotates, so the W-1 readers
+// of a partition are spread over all owners instead of queueing on one at a time. Thread
+// tid touches packs q*part + tid + k*stride, the packs the same thread of rank q reduced.
+template <typename D, int W>
+PC_INLINE void gather_partitions(const uint64_t* payloads, uint32_t me, uint64_t part, uint64_t packs,
+                                 uint64_t n, uint64_t dst, bool vec, uint64_t tid, uint64_t stride) {
+    constexpr int L = Pack<D>::kLanes;
+    for (uint64_t j = tid; j < part; j += stride) {
+        Vec16 x[W];
+#pragma unroll
+        for (int i = 0; i < W; ++i) {
+            const uint32_t q = (me + (uint32_t)i) % (uint32_t)W;
+            const uint64_t p = q * part + j;
+            if (vec && p < packs && (p + 1) * L <= n) x[i] = load_vec16(payloads[q], j);
+        }
+#pragma unroll
+        for (int i = 0; i < W; ++i) {
+            const uint32_t q = (me + (uint32_t)i) % (uint32_t)W;
+            const uint64_t p = q * part + j;
+            if (p >= packs) continue;
+            if (vec && (p + 1) * L <= n) {
+                store_vec16(dst, p, x[i]);
+            } else {
+                const uint64_t valid = lanes_in_pack(p, n, L);
+                for (uint64_t e = 0; e < valid; ++e)
+                    store_elem<D>(dst, p * L + e, load_elem<D>(payloads[q], j * L + e));
+            }
+        }
+    }
+}
+
 // Runs body.template operator()<W>() with W = the group width as a compile-time constant.
 template <typename F>
 PC_INLINE void with_width(uint32_t width, F&& body) {
@@ -610,10 +643,7 @@ PC_INLINE void two_stage(const Args& a) {
         });
     }
     if (!barrier<BarrierKind::Publish>(c)) return abandon(c, WaitForPeers::Yes);
-    for (uint32_t q = 0; q < width; ++q) {
-        const uint64_t first = q * part, end = min_u64(first + part, packs);
-        copy_range<D>(a.payloads[q], first, a.output, 0, first, end, n, vec, tid, stride);
-    }
+    with_width(width, [&]<int W>() { gather_partitions<D, W>(a.payloads, me, part, packs, n, a.output, vec, tid, stride); });
     if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
 }
 

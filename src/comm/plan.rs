@@ -118,10 +118,13 @@ impl Settings {
         // A group of one never waits for anyone; the staging copy is only needed when
         // peers read the input while the own rank overwrites it.
         let stage_input = stages(in_place) && kind == KernelKind::OneStage && width > 1;
+        // The grid follows the remote traffic: each of a block's packs comes from (or
+        // goes to) width - 1 peers, so a wider group gets proportionally more blocks and
+        // each multiprocessor moves what it moves at width 2 (until every SM has one).
         let work_packs = match kind {
             KernelKind::TwoStage => packs.div_ceil(width),
             _ => packs,
-        };
+        } * (width - 1).max(1);
         let blocks = match options.blocks {
             Some(b) => {
                 if b == 0 || b as usize > MAX_NUM_BLOCKS_UPPER_BOUND {
@@ -146,5 +149,42 @@ impl Settings {
                 threads: self.config.threads_per_block,
             },
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::CommConfig;
+
+    fn settings(world: usize) -> Settings {
+        Settings::new(CommConfig::default(), "sm_90".into(), 132, world, true).unwrap()
+    }
+
+    #[test]
+    fn the_grid_grows_with_the_remote_traffic_of_the_width() {
+        // 64 KiB of f32: 4096 packs, 8 blocks of 512 threads at width 2.
+        let opts = |a| AllReduceOptions::new().algorithm(a);
+        for alg in [Algorithm::OneStage, Algorithm::Lamport] {
+            let blocks = |w: usize| {
+                let p = settings(w)
+                    .plan(DType::F32, 16384, &opts(alg), false)
+                    .unwrap();
+                p.dims.blocks
+            };
+            assert_eq!(blocks(2), 8, "{alg:?}");
+            assert_eq!(blocks(4), 24, "{alg:?}");
+            assert_eq!(blocks(8), 56, "{alg:?}");
+        }
+        // Two-stage works on a partition of packs / width, each from width - 1 peers.
+        let two = |w: usize| {
+            let p = settings(w).plan(DType::F32, 16384, &opts(Algorithm::TwoStage), false);
+            p.unwrap().dims.blocks
+        };
+        assert_eq!(two(2), 4);
+        assert_eq!(two(8), 7);
+        // Capped at one block per multiprocessor.
+        let big = settings(8).plan(DType::F32, 1 << 24, &opts(Algorithm::OneStage), false);
+        assert_eq!(big.unwrap().dims.blocks, 132);
     }
 }

@@ -372,8 +372,10 @@ unsafe fn two_stage<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -
     }
     barrier(args, block, BarrierKind::Publish)?;
     // All-gather: partition q comes from rank q's payload; block b reads what block b
-    // of rank q wrote, so the per-block barrier suffices.
-    for q in 0..width {
+    // of rank q wrote, so the per-block barrier suffices. Each rank starts at its own
+    // partition and rotates (as the device kernel), so readers spread over the owners.
+    for i in 0..width {
+        let q = (me + i) % width;
         let first = q * part;
         for p in block_packs(first, (first + part).min(packs), block, blocks) {
             for e in pack_range::<T>(p, n) {
