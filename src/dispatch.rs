@@ -95,12 +95,50 @@ pub fn table(arch: &str, width: usize) -> &'static [DispatchRow] {
         row(MIB, Algorithm::OneStage),
         row(usize::MAX, Algorithm::TwoStage),
     ];
+    // Hopper at 4 and 8 GPUs (NVSwitch): PREDICTED, not measured. The crossovers of the
+    // model calibrated on the 2-GPU runs (shared/perf-model, nominal assumptions, with
+    // the rotated all-gather and the width-scaled grid): each rank takes in (W-1)N bytes
+    // with one-stage or Lamport but 2(W-1)N/W with two-stage, so two-stage takes over
+    // sooner the wider the group. Replace with measured rows (see `provenance`).
+    static SM90_4: [DispatchRow; 3] = [
+        row(440 * KIB, Algorithm::Lamport),
+        row(810 * KIB, Algorithm::OneStage),
+        row(usize::MAX, Algorithm::TwoStage),
+    ];
+    static SM90_8: [DispatchRow; 2] = [
+        row(210 * KIB, Algorithm::Lamport),
+        row(usize::MAX, Algorithm::TwoStage),
+    ];
     static SINGLE: [DispatchRow; 1] = [row(usize::MAX, Algorithm::OneStage)];
     match (arch, width) {
         (_, 1) => &SINGLE,
         ("sm_90", 2) => &SM90_2,
+        ("sm_90", 4) => &SM90_4,
+        ("sm_90", 8) => &SM90_8,
         (_, 2) => &GENERIC_2,
         _ => &GENERIC_N,
+    }
+}
+
+/// Where the rows of a table come from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Provenance {
+    /// Measured with `peercomm-bench` on this architecture and width (docs/dispatch.md).
+    Measured,
+    /// Predicted by the performance model calibrated on measured widths; to be
+    /// replaced by measurements.
+    Predicted,
+    /// Neither: the generic rows, from the published behaviour of the same algorithms.
+    Generic,
+}
+
+/// Whether the rows [`table`] returns for (`arch`, `width`) were measured, predicted
+/// or are the generic ones.
+pub fn provenance(arch: &str, width: usize) -> Provenance {
+    match (arch, width) {
+        (_, 1) | ("sm_90", 2) => Provenance::Measured,
+        ("sm_90", 4) | ("sm_90", 8) => Provenance::Predicted,
+        _ => Provenance::Generic,
     }
 }
 
@@ -137,6 +175,18 @@ mod tests {
         assert_eq!(choose("sm_90", 2, 256 << 10), Algorithm::Lamport);
         assert_eq!(choose("sm_90", 2, (256 << 10) + 2), Algorithm::OneStage);
         assert_eq!(choose("gfx942", 8, 64 << 20), Algorithm::TwoStage);
+    }
+
+    #[test]
+    fn wider_hopper_groups_follow_the_model_and_say_so() {
+        assert_eq!(choose("sm_90", 4, 256 << 10), Algorithm::Lamport);
+        assert_eq!(choose("sm_90", 4, 512 << 10), Algorithm::OneStage);
+        assert_eq!(choose("sm_90", 4, 1 << 20), Algorithm::TwoStage);
+        assert_eq!(choose("sm_90", 8, 128 << 10), Algorithm::Lamport);
+        assert_eq!(choose("sm_90", 8, 256 << 10), Algorithm::TwoStage);
+        assert_eq!(provenance("sm_90", 2), Provenance::Measured);
+        assert_eq!(provenance("sm_90", 8), Provenance::Predicted);
+        assert_eq!(provenance("gfx942", 8), Provenance::Generic);
     }
 
     #[test]
