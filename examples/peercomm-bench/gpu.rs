@@ -98,6 +98,12 @@ pub fn run(args: &Args, world: usize) -> Report {
         report.copy_engine_gbps_one_way = Some(one);
         report.copy_engine_gbps_both_ways = Some(both);
         report.flag_round_trip_us = Some(rtt);
+        let launch = graph_launch(&gpu);
+        report.graph_launch_us = Some(launch);
+        println!(
+            "floor per point: graph launch {launch:.2} us + one-way flag {:.2} us + bytes x 2(g-1)/g at {one:.1} GB/s",
+            rtt / 2.0
+        );
     }
     let sizes = sizes(args, args.min_bytes, max);
     let pb = progress(args.dtypes.len() * groups.len() * sizes.len());
@@ -216,6 +222,27 @@ fn flag_round_trip(gpu: &Gpu) -> f64 {
         samples.push(start.elapsed().as_secs_f64() * 1e6 / iters as f64);
     }
     median(samples)
+}
+
+/// Per-launch cost of a near-empty kernel (one block, no work) replayed from a graph of
+/// 500 launches on rank 0's stream.
+fn graph_launch(gpu: &Gpu) -> f64 {
+    let launches = 500;
+    let stream = &gpu.streams[..1];
+    with_tracking(gpu, false);
+    let graphs = capture(stream, || {
+        for _ in 0..launches {
+            gpu.comm
+                .delay_rank(0, std::time::Duration::ZERO)
+                .expect("empty launch");
+        }
+    });
+    let t = time_batches(stream, 11, launches, || {
+        graphs.iter().for_each(|g| g.launch().unwrap())
+    });
+    drop(graphs);
+    with_tracking(gpu, true);
+    t
 }
 
 /// Writes NaN over a buffer (the poison checked for afterwards).

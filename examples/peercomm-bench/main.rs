@@ -94,6 +94,12 @@ struct Record {
     busbw_gbps: f64,
     /// Latency over NCCL's in the same mode (lower is better); None without NCCL.
     ratio_vs_nccl: Option<f64>,
+    /// The physical floor of this point from the link measured in the same run:
+    /// graph launch + one-way flag latency + the bytes each rank must take in
+    /// (bytes x 2(g-1)/g) at the copy-engine bandwidth. None without a link measurement.
+    floor_us: Option<f64>,
+    /// Latency over the floor (1.0 is the physical limit).
+    ratio_vs_floor: Option<f64>,
 }
 
 #[derive(Serialize, Debug, Default)]
@@ -104,6 +110,8 @@ struct Report {
     copy_engine_gbps_one_way: Option<f64>,
     copy_engine_gbps_both_ways: Option<f64>,
     flag_round_trip_us: Option<f64>,
+    /// Per-launch cost of a near-empty kernel replayed from a CUDA graph (500 launches).
+    graph_launch_us: Option<f64>,
     records: Vec<Record>,
 }
 
@@ -207,7 +215,7 @@ fn check<T: Element>(
 
 fn print_header() {
     println!(
-        "{:>5} {:>5} {:>12} {:>20} {:>10} {:>6} {:>11} {:>10} {:>10} {:>8}",
+        "{:>5} {:>5} {:>12} {:>20} {:>10} {:>6} {:>11} {:>10} {:>10} {:>8} {:>8}",
         "dtype",
         "group",
         "bytes",
@@ -217,13 +225,14 @@ fn print_header() {
         "latency_us",
         "algbw_GB/s",
         "busbw_GB/s",
-        "vs_nccl"
+        "vs_nccl",
+        "vs_floor"
     );
 }
 
 fn print_record(r: &Record) {
     println!(
-        "{:>5} {:>5} {:>12} {:>20} {:>10} {:>6} {:>11.2} {:>10.2} {:>10.2} {:>8}",
+        "{:>5} {:>5} {:>12} {:>20} {:>10} {:>6} {:>11.2} {:>10.2} {:>10.2} {:>8} {:>8}",
         r.dtype,
         r.group,
         r.bytes,
@@ -234,6 +243,8 @@ fn print_record(r: &Record) {
         r.algbw_gbps,
         r.busbw_gbps,
         r.ratio_vs_nccl
+            .map_or("-".to_string(), |x| format!("{x:.2}")),
+        r.ratio_vs_floor
             .map_or("-".to_string(), |x| format!("{x:.2}"))
     );
 }
@@ -261,6 +272,8 @@ fn record(at: At, imp: &str, alg: &str, mode: &str, us: f64) -> Record {
         algbw_gbps: algbw,
         busbw_gbps: algbw * bus_factor(at.group),
         ratio_vs_nccl: None,
+        floor_us: None,
+        ratio_vs_floor: None,
     }
 }
 
@@ -274,6 +287,45 @@ fn attach_ratios(records: &mut [Record]) {
         }) {
             r.ratio_vs_nccl = Some(r.latency_us / n.latency_us);
         }
+    }
+}
+
+/// The floor of a point of `bytes` per rank over groups of `group`, from the link
+/// figures of the same run (None where the run has none, or for a group of one).
+fn floor_us(report: &Report, group: usize, bytes: usize) -> Option<f64> {
+    let (launch, rtt, gbps) = (
+        report.graph_launch_us?,
+        report.flag_round_trip_us?,
+        report.copy_engine_gbps_one_way?,
+    );
+    (group > 1).then(|| launch + rtt / 2.0 + bytes as f64 * bus_factor(group) / (gbps * 1e3))
+}
+
+/// Fills in each record's floor and its ratio to it.
+fn attach_floors(report: &mut Report) {
+    for i in 0..report.records.len() {
+        let (group, bytes) = (report.records[i].group, report.records[i].bytes);
+        if let Some(f) = floor_us(report, group, bytes) {
+            let r = &mut report.records[i];
+            r.floor_us = Some(f);
+            r.ratio_vs_floor = Some(r.latency_us / f);
+        }
+    }
+}
+
+/// "1 KiB", "64 MiB", "12.1 KiB": a byte count for people.
+fn human_bytes(bytes: f64) -> String {
+    let units = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes;
+    let mut u = 0;
+    while v >= 1024.0 && u + 1 < units.len() {
+        v /= 1024.0;
+        u += 1;
+    }
+    if (v - v.round()).abs() < 1e-9 {
+        format!("{} {}", v.round(), units[u])
+    } else {
+        format!("{v:.1} {}", units[u])
     }
 }
 
@@ -489,8 +541,13 @@ fn main() {
     #[cfg(not(feature = "cuda"))]
     let mut report = run_host(&args, "built without the `cuda` feature");
     attach_ratios(&mut report.records);
-    if report.records.iter().any(|r| r.ratio_vs_nccl.is_some()) {
-        println!("\nsummary (peercomm auto against NCCL, same run):");
+    attach_floors(&mut report);
+    if report
+        .records
+        .iter()
+        .any(|r| r.ratio_vs_nccl.is_some() || r.ratio_vs_floor.is_some())
+    {
+        println!("\nsummary (peercomm auto against NCCL and the link's floor, same run):");
         print_header();
         for r in report.records.iter().filter(|r| {
             r.implementation == "peercomm-auto"

@@ -36,6 +36,23 @@ pub fn draw(report: &Report, path: &std::path::Path) -> Result<(), Box<dyn std::
         })
         .filter(|(_, p): &Series| !p.is_empty())
         .collect();
+    // The physical floor of the same run (launch + one-way flag + bytes at the copy
+    // engine's bandwidth), for the points that have one.
+    let mut floor: Vec<(f64, f64, f64)> = report
+        .records
+        .iter()
+        .filter(|r| r.dtype == dtype && r.group == world && r.mode == "graph")
+        .filter_map(|r| {
+            let f = r.floor_us?;
+            Some((r.bytes as f64, f, r.busbw_gbps * r.latency_us / f))
+        })
+        .collect();
+    floor.sort_by(|a, b| a.0.total_cmp(&b.0));
+    floor.dedup_by(|a, b| a.0 == b.0);
+    let mut series = series;
+    if !floor.is_empty() {
+        series.push(("floor (link, same run)".into(), floor));
+    }
     if series.is_empty() {
         return Ok(());
     }
@@ -68,7 +85,7 @@ pub fn draw(report: &Report, path: &std::path::Path) -> Result<(), Box<dyn std::
         &left,
         "latency (us, lower is better)",
         "us",
-        (xmin..xmax).log_scale(),
+        (xmin..xmax).log_scale().base(2.0),
         (lat_min * 0.8..lat_max * 1.2).log_scale(),
         &series,
         |p| p.1,
@@ -77,7 +94,7 @@ pub fn draw(report: &Report, path: &std::path::Path) -> Result<(), Box<dyn std::
         &right,
         "bus bandwidth (GB/s, higher is better)",
         "GB/s",
-        (xmin..xmax).log_scale(),
+        (xmin..xmax).log_scale().base(2.0),
         0.0..bw_max * 1.1,
         &series,
         |p| p.2,
@@ -104,7 +121,7 @@ where
     X::CoordDescType: ValueFormatter<f64>,
     Y::CoordDescType: ValueFormatter<f64>,
 {
-    let colors = [RED, BLUE, MAGENTA, CYAN];
+    let colors = [RED, BLUE, MAGENTA, CYAN, BLACK];
     let mut chart = ChartBuilder::on(area)
         .margin(15)
         .x_label_area_size(40)
@@ -114,6 +131,7 @@ where
     chart
         .configure_mesh()
         .x_desc("bytes per rank")
+        .x_label_formatter(&|x| super::human_bytes(*x))
         .y_desc(y_desc)
         .draw()?;
     for (i, (name, pts)) in series.iter().enumerate() {
