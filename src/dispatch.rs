@@ -13,10 +13,17 @@ use crate::backend::KernelKind;
 /// bitwise-identical results, and an element's result does not depend on the length
 /// of the message it is in. One exception, the sign of zero: `Lamport` sends -0.0 as
 /// +0.0 (-0.0 marks "not yet arrived"), so an element whose inputs are all -0.0 comes
-/// out +0.0 on that path and -0.0 on the others. `Lamport` runs only over the whole
-/// world of two or more ranks: forced over a group of one it runs `OneStage` (a copy
-/// that keeps every bit, reported as `OneStage`), and forced over a narrower subgroup
-/// it is refused with [`crate::Error::Unsupported`]. `Auto` never picks it there.
+/// out +0.0 on that path and -0.0 on the others (IEEE addition gives -0.0 only when
+/// every addend is -0.0). `Lamport` runs only over the whole world of two or more
+/// ranks: forced over a group of one it runs `OneStage` (a copy that keeps every bit,
+/// reported as `OneStage`), and forced over a narrower subgroup it is refused with
+/// [`crate::Error::Unsupported`]. `Auto` never picks it there.
+///
+/// The rule for the sign of zero, then: in a group of one (a world of one, or
+/// `group_size` 1) every request, `Auto` included, returns the input bit for bit; in
+/// wider groups an all-(-0.0) element may come out +0.0 when `Lamport` runs, which
+/// `Auto` may choose for small whole-world messages. Force `OneStage` or `TwoStage`
+/// where the sign of an exact zero matters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Algorithm {
     /// Choose by the dispatch table.

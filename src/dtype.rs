@@ -71,6 +71,18 @@ pub trait Element:
     fn from_f32(x: f32) -> Self;
     /// The raw bits, widened (to compare results bitwise).
     fn to_bits_u32(self) -> u32;
+    /// The value with these raw bits (the low 16 for `f16`/`bf16`; the high 16 are
+    /// ignored): the inverse of [`Element::to_bits_u32`], for -0.0, subnormals, NaN
+    /// payloads and poison patterns that `from_f32` cannot express.
+    ///
+    /// ```
+    /// use peercomm::Element;
+    /// let neg_zero = <half::bf16 as Element>::from_bits_u32(0x8000);
+    /// assert!(neg_zero.to_f32() == 0.0 && neg_zero.to_f32().is_sign_negative());
+    /// assert_eq!(<f32 as Element>::from_bits_u32(1), f32::from_bits(1)); // smallest subnormal
+    /// assert_eq!(half::f16::from_bits_u32(0xABCD_3C00).to_bits_u32(), 0x3C00);
+    /// ```
+    fn from_bits_u32(bits: u32) -> Self;
 }
 
 impl Element for f32 {
@@ -83,6 +95,9 @@ impl Element for f32 {
     }
     fn to_bits_u32(self) -> u32 {
         self.to_bits()
+    }
+    fn from_bits_u32(bits: u32) -> Self {
+        f32::from_bits(bits)
     }
 }
 
@@ -97,6 +112,9 @@ impl Element for half::f16 {
     fn to_bits_u32(self) -> u32 {
         self.to_bits() as u32
     }
+    fn from_bits_u32(bits: u32) -> Self {
+        half::f16::from_bits(bits as u16)
+    }
 }
 
 impl Element for half::bf16 {
@@ -109,5 +127,8 @@ impl Element for half::bf16 {
     }
     fn to_bits_u32(self) -> u32 {
         self.to_bits() as u32
+    }
+    fn from_bits_u32(bits: u32) -> Self {
+        half::bf16::from_bits(bits as u16)
     }
 }

@@ -47,7 +47,9 @@ pub enum Error {
         /// This rank's dtype.
         got: DType,
     },
-    /// Ranks passed tensors of different shapes.
+    /// Ranks (or an output and its input) passed tensors with the same element count
+    /// but different shapes. Differing element counts are [`Error::LengthMismatch`],
+    /// whatever the shapes say.
     #[error("rank {rank} passed shape {got:?} where rank 0 passed {expected:?}")]
     ShapeMismatch {
         /// Rank whose tensor differs.
@@ -57,7 +59,9 @@ pub enum Error {
         /// This rank's shape.
         got: Vec<usize>,
     },
-    /// A tensor's shape does not describe its buffer, or input and output differ.
+    /// Element counts differ: across ranks, between a shape and its buffer, or between
+    /// an output and its input. The one error for unequal lengths, whether tensors are
+    /// flat, shaped or plain slices.
     #[error("rank {rank}: {what}")]
     LengthMismatch {
         /// Rank concerned.

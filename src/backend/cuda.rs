@@ -668,6 +668,19 @@ impl Backend for Cuda {
             .map_err(driver_err("cuStreamSynchronize"))
     }
 
+    fn read_words_now(dev: &CudaDevice, ptr: u64, dst: &mut [u32]) -> Result<()> {
+        dev.ctx
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        // SAFETY: the caller passes a range inside one of its live allocations. The
+        // synchronous copy runs on the legacy default stream, which does not wait for
+        // the rank's non-blocking stream (a rank built on the legacy default stream
+        // itself waits instead); `dst` is written before the call returns.
+        unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut _, ptr, std::mem::size_of_val(dst)) }
+            .result()
+            .map_err(driver_err("cuMemcpyDtoH"))
+    }
+
     fn launch(
         dev: &CudaDevice,
         kernel: Kernel,
@@ -738,6 +751,8 @@ impl Backend for Cuda {
             .map_err(driver_err("cuMemcpyDtoHAsync"))
     }
 }
+
+super::impl_typed_buffer!(Cuda, CudaSlice);
 
 #[cfg(test)]
 mod tests {

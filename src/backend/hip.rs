@@ -161,6 +161,7 @@ mod ffi {
             bytes: usize,
             stream: hipStream_t,
         ) -> HipStatus;
+        pub fn hipMemcpyDtoH(dst: *mut c_void, src: *mut c_void, bytes: usize) -> HipStatus;
         pub fn hipModuleLoadData(module: *mut hipModule_t, image: *const c_void) -> HipStatus;
         pub fn hipModuleUnload(module: hipModule_t) -> HipStatus;
         pub fn hipModuleGetFunction(
@@ -1039,6 +1040,23 @@ impl Backend for Hip {
         Self::synchronize(dev)
     }
 
+    fn read_words_now(dev: &HipDevice, ptr: u64, dst: &mut [u32]) -> Result<()> {
+        set_device(dev.ordinal)?;
+        // SAFETY: the caller passes a device range of dst.len() words. The synchronous
+        // copy runs on the null stream, which does not wait for the rank's
+        // non-blocking stream; `dst` is written before the call returns.
+        check(
+            unsafe {
+                ffi::hipMemcpyDtoH(
+                    dst.as_mut_ptr().cast(),
+                    ptr as *mut c_void,
+                    std::mem::size_of_val(dst),
+                )
+            },
+            "hipMemcpyDtoH",
+        )
+    }
+
     fn launch(
         dev: &HipDevice,
         kernel: Kernel,
@@ -1155,6 +1173,8 @@ impl Backend for Hip {
         Ok(out)
     }
 }
+
+super::impl_typed_buffer!(Hip, HipBuffer);
 
 #[cfg(test)]
 mod tests {

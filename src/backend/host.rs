@@ -35,6 +35,7 @@
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
+use std::sync::atomic::AtomicU32;
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -430,6 +431,17 @@ impl Backend for Host {
         Ok(())
     }
 
+    fn read_words_now(_dev: &HostDevice, ptr: u64, dst: &mut [u32]) -> Result<()> {
+        for (i, w) in dst.iter_mut().enumerate() {
+            // SAFETY: the caller passes a 4-byte aligned range of live memory; kernels
+            // (block threads) write these words only through atomics, so an atomic
+            // load races with nothing.
+            let word = unsafe { AtomicU32::from_ptr((ptr as *mut u32).add(i)) };
+            *w = word.load(std::sync::atomic::Ordering::Acquire);
+        }
+        Ok(())
+    }
+
     fn launch(
         dev: &HostDevice,
         kernel: Kernel,
@@ -505,3 +517,5 @@ impl Backend for Host {
         Ok(out)
     }
 }
+
+super::impl_typed_buffer!(Host, HostBuffer);

@@ -124,8 +124,10 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// Keeps a user buffer's synchronisation bookkeeping (cudarc's events) alive until
     /// the launch that uses the buffer has been enqueued.
     type Access<'a>;
-    /// A typed device buffer (what users hold: `CudaSlice<T>` for CUDA).
-    type Buffer<T: Element>: DeviceBufferMut<Self>;
+    /// A typed device buffer (what users hold: `CudaSlice<T>` for CUDA). Through
+    /// [`TypedBuffer`] it names its element type, so generic code copies to and from it
+    /// without a turbofish.
+    type Buffer<T: Element>: TypedBuffer<Self, Elem = T>;
     /// Another process's memory mapped into this one (an imported IPC handle). Dropping
     /// it unmaps it and closes what the import opened.
     type PeerMapping: Send + Sync;
@@ -194,6 +196,18 @@ pub trait Backend: Sized + Send + Sync + 'static {
     fn memset_d32(dev: &Self::Device, ptr: u64, value: u32, words: usize) -> Result<()>;
     /// Copies device memory at `ptr` to the host, after the stream's earlier work.
     fn read(dev: &Self::Device, ptr: u64, dst: &mut [u8]) -> Result<()>;
+    /// Reads `dst.len()` 32-bit words at `ptr` (4-byte aligned) without waiting for the
+    /// work queued on the device's stream: the words may be read while a kernel that
+    /// writes them runs (each word is read whole). Used to poll error records. The
+    /// default waits, as [`Backend::read`] does; the host, CUDA and HIP backends do not.
+    fn read_words_now(dev: &Self::Device, ptr: u64, dst: &mut [u32]) -> Result<()> {
+        let mut bytes = vec![0u8; dst.len() * 4];
+        Self::read(dev, ptr, &mut bytes)?;
+        for (w, b) in dst.iter_mut().zip(bytes.chunks_exact(4)) {
+            *w = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+        Ok(())
+    }
     /// Enqueues `kernel` on the device's stream.
     fn launch(
         dev: &Self::Device,
@@ -208,9 +222,66 @@ pub trait Backend: Sized + Send + Sync + 'static {
     fn alloc_buffer<T: Element>(dev: &Self::Device, len: usize) -> Result<Self::Buffer<T>>;
     /// Copies `src` into `dst` (same length).
     fn upload<T: Element>(dev: &Self::Device, src: &[T], dst: &mut Self::Buffer<T>) -> Result<()>;
-    /// Copies a buffer back to the host.
+    /// Copies a buffer back to the host. In code generic over the backend, `T` cannot
+    /// be inferred through `Self::Buffer<T>`: call [`TypedBuffer::to_host`] on the
+    /// buffer instead.
     fn download<T: Element>(dev: &Self::Device, src: &Self::Buffer<T>) -> Result<Vec<T>>;
+    /// Allocates a buffer holding a copy of `src` (`T` is inferred from `src`).
+    fn alloc_from<T: Element>(dev: &Self::Device, src: &[T]) -> Result<Self::Buffer<T>> {
+        let mut buf = Self::alloc_buffer::<T>(dev, src.len())?;
+        Self::upload(dev, src, &mut buf)?;
+        Ok(buf)
+    }
 }
+
+/// A backend's typed buffer ([`Backend::Buffer`]), which knows its element type: host
+/// copies infer `T` from the buffer, so code generic over the backend needs no
+/// turbofish.
+///
+/// ```
+/// use peercomm::backend::{host::Host, Backend, TypedBuffer};
+///
+/// fn round_trip<B: Backend>(dev: &B::Device) -> peercomm::Result<Vec<f32>> {
+///     let mut buf = B::alloc_from(dev, &[1.0f32, -0.0, 3.5])?; // T from the slice
+///     buf.copy_from_host(dev, &[2.0, 4.0, 8.0])?;
+///     buf.to_host(dev) // T from the buffer
+/// }
+/// let dev = Host::open(0)?;
+/// assert_eq!(round_trip::<Host>(&dev)?, vec![2.0, 4.0, 8.0]);
+/// # Ok::<(), peercomm::Error>(())
+/// ```
+pub trait TypedBuffer<B: Backend>: DeviceBufferMut<B> {
+    /// The element type.
+    type Elem: Element;
+    /// Copies `src` (of the buffer's length) into the buffer ([`Backend::upload`]).
+    fn copy_from_host(&mut self, dev: &B::Device, src: &[Self::Elem]) -> Result<()>;
+    /// Copies the buffer back to the host ([`Backend::download`]).
+    fn to_host(&self, dev: &B::Device) -> Result<Vec<Self::Elem>>;
+}
+
+/// Implements [`TypedBuffer`] for a backend's buffer type by delegating to the
+/// backend's `upload` and `download`.
+macro_rules! impl_typed_buffer {
+    ($backend:ty, $buffer:ident) => {
+        impl<T: $crate::dtype::Element> $crate::backend::TypedBuffer<$backend> for $buffer<T> {
+            type Elem = T;
+            fn copy_from_host(
+                &mut self,
+                dev: &<$backend as $crate::backend::Backend>::Device,
+                src: &[T],
+            ) -> $crate::error::Result<()> {
+                <$backend as $crate::backend::Backend>::upload(dev, src, self)
+            }
+            fn to_host(
+                &self,
+                dev: &<$backend as $crate::backend::Backend>::Device,
+            ) -> $crate::error::Result<Vec<T>> {
+                <$backend as $crate::backend::Backend>::download(dev, self)
+            }
+        }
+    };
+}
+pub(crate) use impl_typed_buffer;
 
 /// A device buffer a collective can read: its element type, length and device are
 /// known at run time, so mismatches across ranks are reported, not compiled away.

@@ -12,10 +12,7 @@ use crate::backend::{Backend, Kernel, KernelKind, LaunchDims, MemoryKind};
 use crate::dispatch::Algorithm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::signal::{
-    Signal, SignalLayout, ERROR_BLOCK, ERROR_CODE, ERROR_DOMAIN, ERROR_PEER_ABORTED, ERROR_RANK,
-    MAX_GPUS,
-};
+use crate::signal::{SignalLayout, MAX_GPUS};
 use crate::tensor::{Tensor, TensorMut};
 
 mod config;
@@ -23,6 +20,7 @@ mod launch;
 mod per_rank;
 mod plan;
 mod settings;
+mod status;
 mod validate;
 
 use crate::{enable_p2p, init_signal_buffer_with_counter_base};
@@ -30,6 +28,7 @@ pub use config::{AllReduceOptions, CommConfig};
 pub use per_rank::Comm;
 use plan::Plan;
 use settings::Settings;
+pub(crate) use status::read_error_record;
 use validate::{check_world, first_missing_peer_pair, Meta};
 
 /// One rank of a communicator: its device (with its stream), its signal buffer and
@@ -178,24 +177,29 @@ impl<B: Backend> Communicator<B> {
         self.poisoned.load(Ordering::Acquire)
     }
 
-    /// Waits for every rank's queued collectives, then reads every rank's error record
-    /// (a small device-to-host copy per rank). If a wait gave up, returns the root
-    /// cause ([`Error::BarrierTimeout`] of the rank that timed out, else the
+    /// Waits for every rank's queued work, then reads every rank's error record: one
+    /// small device-to-host copy per rank, so this costs more than a plain stream
+    /// synchronisation. If a wait gave up, returns the root cause
+    /// ([`Error::BarrierTimeout`] of the rank that timed out, else the
     /// [`Error::PeerAborted`] a rank was told) and poisons the communicator until
-    /// [`Communicator::reinitialize`].
+    /// [`Communicator::reinitialize`]. [`Communicator::wait`] only waits;
+    /// [`Communicator::check_errors`] only reads the records, without waiting.
     pub fn synchronize(&self) -> Result<()> {
-        for r in &self.ranks {
-            B::synchronize(&r.device)?;
-        }
+        self.wait()?;
         self.check_device_errors()
     }
 
     /// Reads every rank's error record (waiting for its stream first); the root
     /// cause first: a timeout, else the abort a rank was told.
     fn check_device_errors(&self) -> Result<()> {
+        self.report_records(|r| read_error_record::<B>(r))
+    }
+
+    /// Reads every rank's record with `read` and reports the root cause, poisoning.
+    fn report_records(&self, read: impl Fn(&Rank<B>) -> Result<Option<Error>>) -> Result<()> {
         let mut first_abort = None;
         for r in &self.ranks {
-            match read_error_record::<B>(r)? {
+            match read(r)? {
                 Some(e @ Error::PeerAborted { .. }) => {
                     first_abort.get_or_insert(e);
                 }
@@ -460,30 +464,4 @@ impl<B: Backend> Communicator<B> {
         let zeros = [0u64; MAX_GPUS];
         self.launch_on(&plan, &[0, 1], &zeros, &zeros)
     }
-}
-
-/// Reads `rank`'s error record (after its stream's earlier work): `None` when clean.
-pub(crate) fn read_error_record<B: Backend>(rank: &Rank<B>) -> Result<Option<Error>> {
-    let off = std::mem::offset_of!(Signal, error_state);
-    let mut raw = [0u8; 16];
-    B::read(
-        &rank.device,
-        B::memory_ptr(&rank.signal) + off as u64,
-        &mut raw,
-    )?;
-    let word = |i: usize| u32::from_le_bytes(raw[i * 4..i * 4 + 4].try_into().unwrap()) as usize;
-    Ok(match word(ERROR_CODE) as u32 {
-        0 => None,
-        ERROR_PEER_ABORTED => Some(Error::PeerAborted {
-            rank: rank.index,
-            by: word(ERROR_RANK),
-            block: word(ERROR_BLOCK),
-            domain: word(ERROR_DOMAIN),
-        }),
-        _ => Some(Error::BarrierTimeout {
-            rank: word(ERROR_RANK),
-            block: word(ERROR_BLOCK),
-            domain: word(ERROR_DOMAIN),
-        }),
-    })
 }

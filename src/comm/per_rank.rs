@@ -56,14 +56,14 @@ const RECORD_VERSION: u8 = 1;
 /// # Ok::<(), peercomm::bootstrap::BootstrapError>(())
 /// ```
 pub struct Comm<B: Backend> {
-    rank: Rank<B>,
+    pub(super) rank: Rank<B>,
     settings: Settings,
     bootstrap: Box<dyn Bootstrap>,
     hosts: Vec<HostId>,
     /// Peer signals imported from other processes; unmapped on drop, after the
     /// teardown barrier.
     mappings: Vec<B::PeerMapping>,
-    poisoned: AtomicBool,
+    pub(super) poisoned: AtomicBool,
     /// Held while a collective is enqueued, so two threads sharing this rank cannot
     /// interleave their launches with a re-initialisation.
     launch_lock: Mutex<()>,
@@ -391,19 +391,15 @@ impl<B: Backend> Comm<B> {
         self.launch(|| self.rank.launch_delay(delay))
     }
 
-    /// Waits for this rank's stream, then reads its error record (a small
-    /// device-to-host copy): a wait that gave up on this rank returns
-    /// [`Error::BarrierTimeout`], a peer that gave up [`Error::PeerAborted`], and the
-    /// communicator refuses collectives until [`Comm::reinitialize`].
+    /// Waits for this rank's queued work, then reads its error record (a small
+    /// device-to-host copy, so this costs more than a stream synchronisation): a wait
+    /// that gave up on this rank returns [`Error::BarrierTimeout`], a peer that gave up
+    /// [`Error::PeerAborted`], and the communicator refuses collectives until
+    /// [`Comm::reinitialize`]. [`Comm::wait`] only waits; [`Comm::check_errors`] only
+    /// reads the record, without waiting.
     pub fn synchronize(&self) -> Result<()> {
-        B::synchronize(&self.rank.device)?;
-        match read_error_record::<B>(&self.rank)? {
-            Some(e) => {
-                self.poisoned.store(true, Ordering::Release);
-                Err(e)
-            }
-            None => Ok(()),
-        }
+        self.wait()?;
+        self.report(read_error_record::<B>(&self.rank)?)
     }
 
     /// Brings every rank back to the state of a new communicator after an error: a

@@ -187,4 +187,35 @@ mod tests {
         let big = settings(8).plan(DType::F32, 1 << 24, &opts(Algorithm::OneStage), false);
         assert_eq!(big.unwrap().dims.blocks, 132);
     }
+
+    /// The sign-of-zero rule: in a group of one (a world of one, or `group_size` 1 in
+    /// any world) no request, `Auto` included, runs Lamport (which sends -0.0 as +0.0):
+    /// the one-stage copy runs and keeps every bit. Checked for every architecture the
+    /// dispatch table knows, every world, and sizes from 1 element to past the Lamport
+    /// slot.
+    #[test]
+    fn a_group_of_one_never_runs_lamport() {
+        for arch in ["host", "sm_90", "sm_80", "gfx942", "gfx90a", "unknown"] {
+            for world in 1..=crate::MAX_GPUS {
+                let settings =
+                    Settings::new(CommConfig::default(), arch.into(), 8, world, true).unwrap();
+                for dtype in DType::ALL {
+                    for elements in [1, 7, 4096, 65_536, 1 << 20] {
+                        for algorithm in [Algorithm::Auto, Algorithm::Lamport] {
+                            let opts = AllReduceOptions::new().group_size(1).algorithm(algorithm);
+                            for in_place in [false, true] {
+                                let plan = settings.plan(dtype, elements, &opts, in_place).unwrap();
+                                assert_eq!(
+                                    plan.algorithm,
+                                    Algorithm::OneStage,
+                                    "{arch}, world {world}, {elements} x {dtype:?}, {algorithm:?}"
+                                );
+                                assert!(!plan.stage_input, "a group of one copies directly");
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
 }

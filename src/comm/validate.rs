@@ -66,6 +66,12 @@ impl<B: Backend> Communicator<B> {
         Ok(())
     }
 
+    /// Checks every rank's tensor against its own buffer and against rank 0's. The
+    /// rule for unequal sizes: element counts that differ (across ranks, between a
+    /// shape and its buffer, or between an output and its input) are
+    /// [`Error::LengthMismatch`]; [`Error::ShapeMismatch`] means the counts agree and
+    /// only the shapes differ. So flat and shaped tensors give the same error for the
+    /// same cause.
     pub(super) fn check_tensors(
         &self,
         metas: &[Meta],
@@ -80,6 +86,16 @@ impl<B: Backend> Communicator<B> {
                     got: m.dtype,
                 });
             }
+            self.check_tensor(r, m, s, which)?;
+            if m.len != metas[0].len {
+                return Err(Error::LengthMismatch {
+                    rank: r,
+                    what: format!(
+                        "{which} has {} elements but rank 0's {}",
+                        m.len, metas[0].len
+                    ),
+                });
+            }
             if *s != shapes[0] {
                 return Err(Error::ShapeMismatch {
                     rank: r,
@@ -87,7 +103,6 @@ impl<B: Backend> Communicator<B> {
                     got: s.to_vec(),
                 });
             }
-            self.check_tensor(r, m, s, which)?;
         }
         Ok(())
     }

@@ -184,33 +184,41 @@ macro_rules! bad_input_tests {
     };
 }
 
-/// Ranks pass flat tensors of different lengths: a shape mismatch, found before any
-/// rank's launch.
+/// Ranks pass tensors of different lengths: `LengthMismatch` on rank 1, found before
+/// any rank's launch, whether the tensors are flat or carry explicit shapes (the rule:
+/// differing element counts are a length mismatch, whatever the shapes say).
 pub fn lengths_differ<B: Backend>(devices: Devices) {
     if !devices("lengths_differ", 2) {
         return;
     }
     let mut rng = rng("lengths_differ");
     let comm = comm::<B>(2);
-    let expected = Error::ShapeMismatch {
-        rank: 1,
-        expected: vec![6],
-        got: vec![7],
-    };
     let mut bufs = rank_bufs(&comm, &mut rng, &[6, 7], &[6, 7]);
     let opts = AllReduceOptions::new();
-    assert_err(
-        out_of_place(&comm, &mut bufs, None, None, &opts),
-        expected.clone(),
-        "out-of-place",
-    );
-    assert_nothing_written(&comm, &bufs, "lengths differ, out-of-place");
-    assert_err(
-        in_place(&comm, &mut bufs, None, &opts),
-        expected,
-        "in-place",
-    );
-    assert_nothing_written(&comm, &bufs, "lengths differ, in-place");
+    let explicit: &[&[usize]] = &[&[6], &[7]];
+    let explicit_2d: &[&[usize]] = &[&[2, 3], &[7, 1]];
+    for (form, shapes) in [
+        ("flat", None),
+        ("explicit [6]/[7]", Some(explicit)),
+        ("explicit [2, 3]/[7, 1]", Some(explicit_2d)),
+    ] {
+        assert_length_mismatch(
+            out_of_place(&comm, &mut bufs, shapes, shapes, &opts),
+            1,
+            &format!("{form}, out-of-place"),
+        );
+        assert_nothing_written(
+            &comm,
+            &bufs,
+            &format!("lengths differ, {form}, out-of-place"),
+        );
+        assert_length_mismatch(
+            in_place(&comm, &mut bufs, shapes, &opts),
+            1,
+            &format!("{form}, in-place"),
+        );
+        assert_nothing_written(&comm, &bufs, &format!("lengths differ, {form}, in-place"));
+    }
     assert_still_works(&comm, &mut rng);
 }
 

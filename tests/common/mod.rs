@@ -12,6 +12,7 @@
 
 #![allow(dead_code)]
 
+pub mod ergonomics;
 pub mod errors;
 pub mod fuzz;
 pub mod hazards;
@@ -1023,6 +1024,8 @@ macro_rules! reference_suite {
             sign_of_zero_in_groups_of_one,
             algorithms_agree_bitwise_and_ignore_length,
         );
+
+        ergonomics_tests!($backend);
     };
 }
 

@@ -1,0 +1,105 @@
+//! A communicator's state as the host sees it: waiting for the ranks' streams, and the
+//! ranks' error records (a barrier timeout or an abort a peer sent), read after the
+//! queued work or polled while it runs.
+
+use std::sync::atomic::Ordering;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::signal::{
+    Signal, ERROR_BLOCK, ERROR_CODE, ERROR_DOMAIN, ERROR_PEER_ABORTED, ERROR_RANK, ERROR_WRITING,
+};
+
+use super::{Comm, Communicator, Rank};
+
+/// Words of an error record.
+const RECORD_WORDS: usize = 4;
+
+/// Reads `rank`'s error record after its stream's earlier work: `None` when clean.
+pub(crate) fn read_error_record<B: Backend>(rank: &Rank<B>) -> Result<Option<Error>> {
+    let mut raw = [0u8; RECORD_WORDS * 4];
+    B::read(&rank.device, record_ptr(rank), &mut raw)?;
+    let mut words = [0u32; RECORD_WORDS];
+    for (w, b) in words.iter_mut().zip(raw.chunks_exact(4)) {
+        *w = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    }
+    Ok(decode(rank.index, &words))
+}
+
+/// Reads `rank`'s error record now, without waiting for its stream: a record still
+/// being written reads as clean (the next poll sees it).
+pub(crate) fn peek_error_record<B: Backend>(rank: &Rank<B>) -> Result<Option<Error>> {
+    let mut words = [0u32; RECORD_WORDS];
+    B::read_words_now(&rank.device, record_ptr(rank), &mut words)?;
+    Ok(decode(rank.index, &words))
+}
+
+fn record_ptr<B: Backend>(rank: &Rank<B>) -> u64 {
+    B::memory_ptr(&rank.signal) + std::mem::offset_of!(Signal, error_state) as u64
+}
+
+fn decode(rank: usize, words: &[u32; RECORD_WORDS]) -> Option<Error> {
+    let word = |i: usize| words[i] as usize;
+    match words[ERROR_CODE] {
+        0 | ERROR_WRITING => None,
+        ERROR_PEER_ABORTED => Some(Error::PeerAborted {
+            rank,
+            by: word(ERROR_RANK),
+            block: word(ERROR_BLOCK),
+            domain: word(ERROR_DOMAIN),
+        }),
+        _ => Some(Error::BarrierTimeout {
+            rank: word(ERROR_RANK),
+            block: word(ERROR_BLOCK),
+            domain: word(ERROR_DOMAIN),
+        }),
+    }
+}
+
+impl<B: Backend> Communicator<B> {
+    /// Waits for every rank's queued work and nothing else: no error record is read,
+    /// so a barrier that gave up goes unnoticed until [`Communicator::synchronize`] or
+    /// [`Communicator::check_errors`]. Errors are the backend's own (a failed stream
+    /// synchronisation).
+    pub fn wait(&self) -> Result<()> {
+        for r in &self.ranks {
+            B::synchronize(&r.device)?;
+        }
+        Ok(())
+    }
+
+    /// Reads every rank's error record now, without waiting for queued work (a
+    /// watchdog can call it while collectives run, like NCCL's `ncclCommGetAsyncError`).
+    /// `Ok(())` means no rank has recorded an error yet; otherwise the root cause is
+    /// returned and the communicator is poisoned, as by
+    /// [`Communicator::synchronize`].
+    pub fn check_errors(&self) -> Result<()> {
+        self.report_records(|r| peek_error_record::<B>(r))
+    }
+}
+
+impl<B: Backend> Comm<B> {
+    /// Waits for this rank's queued work and nothing else: no error record is read
+    /// (see [`Comm::synchronize`] and [`Comm::check_errors`]).
+    pub fn wait(&self) -> Result<()> {
+        B::synchronize(&self.rank.device)
+    }
+
+    /// Reads this rank's error record now, without waiting for its queued work.
+    /// `Ok(())` means no error is recorded yet; otherwise the error is returned and
+    /// the communicator is poisoned, as by [`Comm::synchronize`].
+    pub fn check_errors(&self) -> Result<()> {
+        self.report(peek_error_record::<B>(&self.rank)?)
+    }
+
+    /// Poisons on an error record and returns it.
+    pub(super) fn report(&self, record: Option<Error>) -> Result<()> {
+        match record {
+            Some(e) => {
+                self.poisoned.store(true, Ordering::Release);
+                Err(e)
+            }
+            None => Ok(()),
+        }
+    }
+}
