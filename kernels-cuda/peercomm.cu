@@ -92,7 +92,22 @@ PC_INLINE uint16_t bf16_from_float(float x) { return __bfloat16_as_ushort(__floa
 // Entry points: the argument struct by value (256 bytes of kernel parameters, read
 // from the constant bank).
 
-#define PC_CUDA_KERNEL(symbol, body) \
-    extern "C" __global__ void __launch_bounds__(512) symbol(const Args a) { body(a); }
+// Programmatic dependent launch (sm_90+): a kernel launched with it may start while the
+// kernel before it is finishing. Waiting for that grid first keeps every read of the
+// previous kernel's results (the input, the own signal's counters) after them; letting
+// the next kernel start early is safe because it waits the same way. Without such a
+// launch both instructions do nothing.
+PC_INLINE void overlap_with_neighbours() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+#define PC_CUDA_KERNEL(symbol, body)                                                  \
+    extern "C" __global__ void __launch_bounds__(512) symbol(const Args a) { \
+        overlap_with_neighbours();                                                    \
+        body(a);                                                                      \
+    }
 
 PEERCOMM_KERNELS(PC_CUDA_KERNEL)

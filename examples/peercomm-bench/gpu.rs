@@ -32,9 +32,9 @@ fn progress(len: usize) -> ProgressBar {
     pb
 }
 
-struct Gpu {
-    comm: Communicator<Cuda>,
-    streams: Vec<Arc<CudaStream>>,
+pub struct Gpu {
+    pub comm: Communicator<Cuda>,
+    pub streams: Vec<Arc<CudaStream>>,
     /// NCCL communicators per group size: `nccl[g][r]` for rank r.
     nccl: Vec<(usize, Vec<Comm>)>,
 }
@@ -126,6 +126,11 @@ pub fn run(args: &Args, world: usize) -> Report {
         }
     }
     pb.finish_and_clear();
+    if args.overlap {
+        report
+            .records
+            .extend(super::overlap::run(&gpu, args, &sizes));
+    }
     let peak = report.copy_engine_gbps_one_way.unwrap_or(0.0);
     if peak > 0.0 {
         let best = report
@@ -149,7 +154,7 @@ fn event(stream: &CudaStream) -> cudarc::driver::CudaEvent {
 }
 
 /// Median over batches of (slowest rank's batch time / calls per batch), in us.
-fn time_batches(
+pub fn time_batches(
     streams: &[Arc<CudaStream>],
     batches: usize,
     calls: usize,
@@ -261,7 +266,7 @@ fn poison<T: Element>(stream: &CudaStream, buf: &mut CudaSlice<T>) {
         .unwrap();
 }
 
-fn with_tracking(gpu: &Gpu, on: bool) {
+pub fn with_tracking(gpu: &Gpu, on: bool) {
     for r in gpu.comm.ranks() {
         r.device().stream().synchronize().unwrap();
         // SAFETY: every stream is idle; while tracking is off the benchmark orders its
@@ -276,7 +281,7 @@ fn with_tracking(gpu: &Gpu, on: bool) {
     }
 }
 
-fn capture(streams: &[Arc<CudaStream>], mut body: impl FnMut()) -> Vec<CudaGraph> {
+pub fn capture(streams: &[Arc<CudaStream>], mut body: impl FnMut()) -> Vec<CudaGraph> {
     for s in streams {
         s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
             .unwrap();

@@ -75,10 +75,18 @@ struct Args {
     /// whole world, up to 1 MiB unless --max-bytes says otherwise).
     #[arg(long)]
     per_rank: Option<usize>,
+    /// With --per-rank: one process per rank instead of one thread (the benchmark
+    /// starts itself once per rank; ranks find each other through a UniqueId).
+    #[arg(long)]
+    processes: bool,
+    /// Also time graphs of (producer kernel, all-reduce) with and without programmatic
+    /// dependent launch (`AllReduceOptions::overlap_previous`), f32, up to 16 MiB.
+    #[arg(long)]
+    overlap: bool,
 }
 
 /// One measured point.
-#[derive(Serialize, Clone, Debug)]
+#[derive(Serialize, serde::Deserialize, Clone, Debug)]
 struct Record {
     dtype: String,
     world: usize,
@@ -520,6 +528,8 @@ fn chrono_free_date() -> String {
 #[cfg(feature = "cuda")]
 mod gpu;
 #[cfg(feature = "cuda")]
+mod overlap;
+#[cfg(feature = "cuda")]
 mod per_rank;
 
 mod plot;
@@ -530,7 +540,11 @@ fn main() {
     let mut report = match peercomm::backend::cuda::Cuda::device_count() {
         Ok(n) if n >= 1 && args.per_rank.is_some() => Report {
             date: chrono_free_date(),
-            backend: "cuda (per-rank threads)".into(),
+            backend: if args.processes {
+                "cuda (per-rank processes)".into()
+            } else {
+                "cuda (per-rank threads)".into()
+            },
             records: per_rank::run(&args, args.per_rank.unwrap(), n),
             ..Report::default()
         },
@@ -552,7 +566,7 @@ fn main() {
         for r in report.records.iter().filter(|r| {
             r.implementation == "peercomm-auto"
                 || r.implementation.starts_with("nccl")
-                || r.implementation == "peercomm-per-rank"
+                || r.implementation.starts_with("peercomm-per-rank")
         }) {
             print_record(r);
         }

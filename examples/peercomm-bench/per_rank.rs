@@ -1,12 +1,15 @@
-//! The per-rank half of the benchmark (`--per-rank`): one thread per GPU, each with its
-//! own peercomm `Comm` and its own cudarc NCCL `Comm::from_rank`, as an engine that
-//! runs a thread per GPU does. Every rank times its own stream with device events;
+//! The per-rank half of the benchmark (`--per-rank`): one thread per GPU (or, with
+//! `--processes`, one process per GPU: the benchmark re-runs itself once per rank), each
+//! with its own peercomm `Comm` and its own cudarc NCCL `Comm::from_rank`, as an engine
+//! that runs a thread or a process per GPU does. Every rank times its own stream with device events;
 //! a point's latency is the slowest rank's. Eager calls show what such an engine pays
 //! per call on the host; graph replays the GPU cost. The sum is checked once per point
 //! (inputs are rank + 1 everywhere, so the sum is exact in bf16 for small worlds).
 //! NCCL is skipped when ranks share a GPU (it refuses two ranks on one device).
 
-use std::sync::{Barrier, Mutex};
+use std::io::BufRead;
+use std::process::{Command, Stdio};
+use std::sync::Mutex;
 use std::time::Duration;
 
 use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
@@ -44,10 +47,154 @@ fn per_call_us(
     median(samples)
 }
 
-/// Runs the per-rank sweep over `world` ranks on `gpus` GPUs (round-robin).
+/// Set in the children of `--processes`: this child's rank.
+const CHILD_RANK: &str = "PEERCOMM_BENCH_CHILD_RANK";
+/// The peercomm `UniqueId` the parent made, as a string.
+const CHILD_ID: &str = "PEERCOMM_BENCH_UNIQUE_ID";
+/// The NCCL id the parent made, as hex (absent without NCCL).
+const CHILD_NCCL_ID: &str = "PEERCOMM_BENCH_NCCL_ID";
+/// Prefix of the line on which a child reports its records (JSON).
+const RECORDS_LINE: &str = "PEERCOMM_BENCH_RECORDS ";
+
+/// Runs the per-rank sweep over `world` ranks on `gpus` GPUs (round-robin), in threads
+/// or (`--processes`) in child processes; in a child, runs that child's rank and exits.
 pub fn run(args: &Args, world: usize, gpus: usize) -> Vec<Record> {
+    if let Ok(rank) = std::env::var(CHILD_RANK) {
+        run_child(args, rank.parse().expect("child rank"), world, gpus);
+    }
     let shared = gpus < world;
     let with_nccl = !args.no_nccl && !shared;
+    println!(
+        "per-rank mode: {world} {} on {gpus} GPU(s){}{}",
+        if args.processes {
+            "processes"
+        } else {
+            "threads"
+        },
+        if shared {
+            " (shared: timings mean nothing)"
+        } else {
+            ""
+        },
+        if with_nccl { "" } else { ", no NCCL" }
+    );
+    let id = UniqueId::new().expect("bootstrap id");
+    let nccl_id = with_nccl.then(|| Id::new().expect("NCCL id"));
+    let per_rank = if args.processes {
+        spawn_children(world, &id, nccl_id)
+    } else {
+        let records = Mutex::new(vec![Vec::new(); world]);
+        std::thread::scope(|s| {
+            for rank in 0..world {
+                let (id, records) = (&id, &records);
+                s.spawn(move || {
+                    let mine = sweep(args, rank, world, gpus, id, nccl_id);
+                    records.lock().unwrap()[rank] = mine;
+                });
+            }
+        });
+        records.into_inner().unwrap()
+    };
+    let mode = if args.processes { "process" } else { "thread" };
+    slowest_rank(per_rank, world, mode)
+}
+
+/// A child of `--processes`: runs its rank, prints its records on one line, exits.
+fn run_child(args: &Args, rank: usize, world: usize, gpus: usize) -> ! {
+    let id: UniqueId = std::env::var(CHILD_ID)
+        .expect("the parent passes the id")
+        .parse()
+        .expect("a valid UniqueId");
+    let nccl_id = std::env::var(CHILD_NCCL_ID).ok().map(|hex| {
+        let mut internal = [0 as std::ffi::c_char; 128];
+        for (i, b) in internal.iter_mut().enumerate() {
+            *b = u8::from_str_radix(&hex[2 * i..2 * i + 2], 16).expect("hex") as std::ffi::c_char;
+        }
+        Id::uninit(internal)
+    });
+    let mine = sweep(args, rank, world, gpus, &id, nccl_id);
+    println!("{RECORDS_LINE}{}", serde_json::to_string(&mine).unwrap());
+    std::process::exit(0)
+}
+
+/// Starts one child per rank (this executable, same arguments) and collects their
+/// records.
+fn spawn_children(world: usize, id: &UniqueId, nccl_id: Option<Id>) -> Vec<Vec<Record>> {
+    let exe = std::env::current_exe().expect("own executable");
+    let children: Vec<_> = (0..world)
+        .map(|rank| {
+            let mut cmd = Command::new(&exe);
+            cmd.args(std::env::args_os().skip(1))
+                .env(CHILD_RANK, rank.to_string())
+                .env(CHILD_ID, id.to_string())
+                .stdout(Stdio::piped());
+            if let Some(nid) = &nccl_id {
+                let hex: String = nid
+                    .internal()
+                    .iter()
+                    .map(|b| format!("{:02x}", *b as u8))
+                    .collect();
+                cmd.env(CHILD_NCCL_ID, hex);
+            }
+            cmd.spawn().expect("start a rank process")
+        })
+        .collect();
+    children
+        .into_iter()
+        .enumerate()
+        .map(|(rank, mut child)| {
+            let out = child.stdout.take().unwrap();
+            let mut records = None;
+            for line in std::io::BufReader::new(out).lines() {
+                let line = line.expect("child output");
+                match line.strip_prefix(RECORDS_LINE) {
+                    Some(json) => records = Some(serde_json::from_str(json).expect("records")),
+                    None => println!("[rank {rank}] {line}"),
+                }
+            }
+            let status = child.wait().expect("child exit");
+            assert!(status.success(), "rank {rank} process failed: {status}");
+            records.unwrap_or_else(|| panic!("rank {rank} reported no records"))
+        })
+        .collect()
+}
+
+/// A point's latency is its slowest rank's.
+fn slowest_rank(per_rank: Vec<Vec<Record>>, world: usize, mode: &str) -> Vec<Record> {
+    let mut out: Vec<Record> = per_rank[0].clone();
+    for (i, r) in out.iter_mut().enumerate() {
+        let slowest = per_rank.iter().map(|m| m[i].latency_us).fold(0.0, f64::max);
+        let a = At {
+            dtype: DType::BF16,
+            world,
+            group: world,
+            bytes: r.bytes,
+        };
+        let imp = format!("{}-{mode}", r.implementation);
+        *r = record(a, &imp, &r.algorithm, &r.mode, slowest);
+    }
+    print_header();
+    out.iter().for_each(print_record);
+    out
+}
+
+/// Every rank at the same point: a barrier over peercomm's own signals, then a wait
+/// for it on the host (ranks may be threads or processes).
+fn rendezvous(comm: &Comm<Cuda>) {
+    comm.barrier(0).unwrap();
+    comm.synchronize().unwrap();
+}
+
+/// One rank's sweep: its records, in the same order on every rank.
+fn sweep(
+    args: &Args,
+    rank: usize,
+    world: usize,
+    gpus: usize,
+    id: &UniqueId,
+    nccl_id: Option<Id>,
+) -> Vec<Record> {
+    let shared = gpus < world;
     let max = args.max_bytes.unwrap_or(1 << 20);
     let sizes = sizes(args, args.min_bytes, max);
     let config = CommConfig {
@@ -59,133 +206,93 @@ pub fn run(args: &Args, world: usize, gpus: usize) -> Vec<Record> {
         allow_shared_devices: shared,
         ..CommConfig::default()
     };
-    println!(
-        "per-rank mode: {world} threads on {gpus} GPU(s){}{}",
-        if shared {
-            " (shared: timings mean nothing)"
-        } else {
-            ""
-        },
-        if with_nccl { "" } else { ", no NCCL" }
-    );
-    let id = UniqueId::new().expect("bootstrap id");
-    let nccl_id = with_nccl.then(|| Id::new().expect("NCCL id"));
-    let start = Barrier::new(world);
-    let records = Mutex::new(vec![Vec::new(); world]);
-    std::thread::scope(|s| {
-        for rank in 0..world {
-            let (config, id, start, records, sizes) =
-                (config.clone(), &id, &start, &records, &sizes);
-            s.spawn(move || {
-                let dev = Cuda::open(rank % gpus).expect("device");
-                let stream = dev.stream().clone();
-                let comm =
-                    Comm::<Cuda>::from_rank(dev, rank, world, id, config).expect("peercomm Comm");
-                let nccl = nccl_id.map(|i| {
-                    NcclComm::from_rank(stream.clone(), rank, world, i).expect("NCCL from_rank")
-                });
-                let mut mine = Vec::new();
-                for &bytes in sizes {
-                    let n = bytes / 2;
-                    let send: CudaSlice<half::bf16> = stream
-                        .clone_htod(&vec![half::bf16::from_f32(rank as f32 + 1.0); n])
-                        .unwrap();
-                    let mut recv = stream.alloc_zeros::<half::bf16>(n).unwrap();
-                    let opts = AllReduceOptions::new();
-                    start.wait();
-                    let algorithm = comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
-                    comm.synchronize().unwrap();
-                    let want = (world * (world + 1) / 2) as f32;
-                    let got = stream.clone_dtoh(&recv).unwrap();
-                    assert!(
-                        got.iter().all(|x| x.to_f32() == want),
-                        "rank {rank}: wrong sum at {bytes} B"
-                    );
-                    let at = |imp: &str, alg: &str, mode: &str, us| {
-                        let a = At {
-                            dtype: DType::BF16,
-                            world,
-                            group: world,
-                            bytes,
-                        };
-                        record(a, imp, alg, mode, us)
-                    };
-                    start.wait();
-                    let eager = per_call_us(&stream, args.batches, || {
-                        for _ in 0..CALLS {
-                            comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
-                        }
-                    });
-                    mine.push(at("peercomm-per-rank", algorithm.name(), "eager", eager));
-                    if let Some(nccl) = &nccl {
-                        start.wait();
-                        let eager = per_call_us(&stream, args.batches, || {
-                            for _ in 0..CALLS {
-                                nccl.all_reduce(&send, &mut recv, &ReduceOp::Sum).unwrap();
-                            }
-                        });
-                        mine.push(at("nccl-per-rank", "nccl", "eager", eager));
-                    }
-                    if !args.no_graph {
-                        stream.synchronize().unwrap();
-                        // SAFETY: this rank's stream is idle; the buffers outlive the
-                        // graphs, and only this rank's stream runs them.
-                        unsafe { comm.device().context().disable_event_tracking() };
-                        let graph_of = |body: &mut dyn FnMut()| {
-                            stream
-                                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-                                .unwrap();
-                            body();
-                            stream
-                                .end_capture(CUgraphInstantiate_flags(0))
-                                .unwrap()
-                                .expect("a captured graph")
-                        };
-                        let ours = graph_of(&mut || {
-                            for _ in 0..CALLS {
-                                comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
-                            }
-                        });
-                        start.wait();
-                        let graph = per_call_us(&stream, args.batches, || ours.launch().unwrap());
-                        mine.push(at("peercomm-per-rank", algorithm.name(), "graph", graph));
-                        if let Some(nccl) = &nccl {
-                            let theirs = graph_of(&mut || {
-                                for _ in 0..CALLS {
-                                    nccl.all_reduce(&send, &mut recv, &ReduceOp::Sum).unwrap();
-                                }
-                            });
-                            start.wait();
-                            let graph =
-                                per_call_us(&stream, args.batches, || theirs.launch().unwrap());
-                            mine.push(at("nccl-per-rank", "nccl", "graph", graph));
-                        }
-                        stream.synchronize().unwrap();
-                        // SAFETY: the stream is idle again.
-                        unsafe { comm.device().context().enable_event_tracking() };
-                    }
-                    comm.synchronize().unwrap();
-                }
-                records.lock().unwrap()[rank] = mine;
-            });
-        }
-    });
-    // A point's latency is its slowest rank's.
-    let per_rank = records.into_inner().unwrap();
-    let mut out: Vec<Record> = per_rank[0].clone();
-    for (i, r) in out.iter_mut().enumerate() {
-        let slowest = per_rank.iter().map(|m| m[i].latency_us).fold(0.0, f64::max);
-        *r = {
+    let dev = Cuda::open(rank % gpus).expect("device");
+    let stream = dev.stream().clone();
+    let comm = Comm::<Cuda>::from_rank(dev, rank, world, id, config).expect("peercomm Comm");
+    let nccl = nccl_id
+        .map(|i| NcclComm::from_rank(stream.clone(), rank, world, i).expect("NCCL from_rank"));
+    let mut mine = Vec::new();
+    for &bytes in &sizes {
+        let n = bytes / 2;
+        let send: CudaSlice<half::bf16> = stream
+            .clone_htod(&vec![half::bf16::from_f32(rank as f32 + 1.0); n])
+            .unwrap();
+        let mut recv = stream.alloc_zeros::<half::bf16>(n).unwrap();
+        let opts = AllReduceOptions::new();
+        rendezvous(&comm);
+        let algorithm = comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
+        comm.synchronize().unwrap();
+        let want = (world * (world + 1) / 2) as f32;
+        let got = stream.clone_dtoh(&recv).unwrap();
+        assert!(
+            got.iter().all(|x| x.to_f32() == want),
+            "rank {rank}: wrong sum at {bytes} B"
+        );
+        let at = |imp: &str, alg: &str, mode: &str, us| {
             let a = At {
                 dtype: DType::BF16,
                 world,
                 group: world,
-                bytes: r.bytes,
+                bytes,
             };
-            record(a, &r.implementation, &r.algorithm, &r.mode, slowest)
+            record(a, imp, alg, mode, us)
         };
+        rendezvous(&comm);
+        let eager = per_call_us(&stream, args.batches, || {
+            for _ in 0..CALLS {
+                comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
+            }
+        });
+        mine.push(at("peercomm-per-rank", algorithm.name(), "eager", eager));
+        if let Some(nccl) = &nccl {
+            rendezvous(&comm);
+            let eager = per_call_us(&stream, args.batches, || {
+                for _ in 0..CALLS {
+                    nccl.all_reduce(&send, &mut recv, &ReduceOp::Sum).unwrap();
+                }
+            });
+            mine.push(at("nccl-per-rank", "nccl", "eager", eager));
+        }
+        if !args.no_graph {
+            stream.synchronize().unwrap();
+            // SAFETY: this rank's stream is idle; the buffers outlive the graphs, and
+            // only this rank's stream runs them.
+            unsafe { comm.device().context().disable_event_tracking() };
+            let graph_of = |body: &mut dyn FnMut()| {
+                stream
+                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
+                    .unwrap();
+                body();
+                stream
+                    .end_capture(CUgraphInstantiate_flags(0))
+                    .unwrap()
+                    .expect("a captured graph")
+            };
+            let ours = graph_of(&mut || {
+                for _ in 0..CALLS {
+                    comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
+                }
+            });
+            let theirs = nccl.as_ref().map(|nccl| {
+                graph_of(&mut || {
+                    for _ in 0..CALLS {
+                        nccl.all_reduce(&send, &mut recv, &ReduceOp::Sum).unwrap();
+                    }
+                })
+            });
+            stream.synchronize().unwrap();
+            // SAFETY: the stream is idle again.
+            unsafe { comm.device().context().enable_event_tracking() };
+            rendezvous(&comm);
+            let graph = per_call_us(&stream, args.batches, || ours.launch().unwrap());
+            mine.push(at("peercomm-per-rank", algorithm.name(), "graph", graph));
+            if let Some(theirs) = theirs {
+                rendezvous(&comm);
+                let graph = per_call_us(&stream, args.batches, || theirs.launch().unwrap());
+                mine.push(at("nccl-per-rank", "nccl", "graph", graph));
+            }
+        }
+        comm.synchronize().unwrap();
     }
-    print_header();
-    out.iter().for_each(print_record);
-    out
+    mine
 }

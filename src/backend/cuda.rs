@@ -702,6 +702,61 @@ impl Backend for Cuda {
             .map_err(driver_err("cuLaunchKernel"))
     }
 
+    fn launch_overlapping(
+        dev: &CudaDevice,
+        kernel: Kernel,
+        dims: LaunchDims,
+        args: &AllReduceArgs,
+    ) -> Result<()> {
+        // Programmatic dependent launch exists from sm_90 (and the kernels' wait for
+        // the previous grid is compiled only there).
+        let (major, _) = dev
+            .ctx
+            .compute_capability()
+            .map_err(driver_err("cuDeviceGetAttribute"))?;
+        if major < 9 {
+            return Self::launch(dev, kernel, dims, args);
+        }
+        let func = dev.kernels.get(&kernel).expect("every kernel is loaded");
+        dev.ctx
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        let mut attr: sys::CUlaunchAttribute = unsafe {
+            // SAFETY: a plain C struct (an id, padding and a union of integers): all
+            // zero bytes is a valid value, overwritten below.
+            std::mem::zeroed()
+        };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let config = sys::CUlaunchConfig {
+            gridDimX: dims.blocks,
+            gridDimY: 1,
+            gridDimZ: 1,
+            blockDimX: dims.threads,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: 0,
+            hStream: dev.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let mut params = [args as *const AllReduceArgs as *mut std::ffi::c_void];
+        // SAFETY: the kernel takes exactly one `peercomm_allreduce_args` by value
+        // (`params` points at it for the duration of the call, which copies it); the
+        // function belongs to this device's context, bound above; `attr` lives until
+        // the call returns.
+        unsafe {
+            sys::cuLaunchKernelEx(
+                &config,
+                func.cu_function(),
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(driver_err("cuLaunchKernelEx"))
+    }
+
     fn synchronize(dev: &CudaDevice) -> Result<()> {
         dev.stream
             .synchronize()

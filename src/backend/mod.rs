@@ -215,6 +215,20 @@ pub trait Backend: Sized + Send + Sync + 'static {
         dims: LaunchDims,
         args: &AllReduceArgs,
     ) -> Result<()>;
+    /// As [`Backend::launch`], but the kernel may be scheduled while the kernel before
+    /// it on the stream is still finishing, so its launch and entry overlap that
+    /// kernel's tail (programmatic dependent launch on NVIDIA sm_90 and newer). Every
+    /// peercomm kernel first waits, on the device, until the previous kernel's results
+    /// are visible, so the result is the same. Backends and devices without such a
+    /// launch run a plain [`Backend::launch`].
+    fn launch_overlapping(
+        dev: &Self::Device,
+        kernel: Kernel,
+        dims: LaunchDims,
+        args: &AllReduceArgs,
+    ) -> Result<()> {
+        Self::launch(dev, kernel, dims, args)
+    }
     /// Waits for everything enqueued on the device's stream.
     fn synchronize(dev: &Self::Device) -> Result<()>;
 

@@ -59,6 +59,11 @@ pub struct AllReduceOptions {
     pub algorithm: Algorithm,
     /// Blocks per launch; `None` lets peercomm choose.
     pub blocks: Option<u32>,
+    /// Let the collective's launch overlap the tail of the kernel before it on the
+    /// stream (programmatic dependent launch, NVIDIA sm_90+; elsewhere a plain launch).
+    /// The collective still waits for that kernel's results before reading anything,
+    /// so results are unchanged. Off by default.
+    pub overlap_previous: bool,
 }
 
 impl AllReduceOptions {
@@ -79,6 +84,11 @@ impl AllReduceOptions {
     /// With a block count.
     pub fn blocks(mut self, blocks: u32) -> Self {
         self.blocks = Some(blocks);
+        self
+    }
+    /// Whether the launch may overlap the previous kernel's tail (see the field).
+    pub fn overlap_previous(mut self, overlap: bool) -> Self {
+        self.overlap_previous = overlap;
         self
     }
 }

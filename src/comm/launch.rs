@@ -91,7 +91,11 @@ impl<B: Backend> Rank<B> {
                 inputs[base + k]
             };
         }
-        B::launch(&self.device, plan.kernel, plan.dims, &args)
+        if plan.overlap_previous {
+            B::launch_overlapping(&self.device, plan.kernel, plan.dims, &args)
+        } else {
+            B::launch(&self.device, plan.kernel, plan.dims, &args)
+        }
     }
 
     /// Enqueues the fault-injection kernel: one thread spins for `delay`.

@@ -460,6 +460,7 @@ impl<B: Backend> Communicator<B> {
                 blocks: 1,
                 threads: 32,
             },
+            overlap_previous: false,
         };
         let zeros = [0u64; MAX_GPUS];
         self.launch_on(&plan, &[0, 1], &zeros, &zeros)

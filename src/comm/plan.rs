@@ -18,6 +18,8 @@ pub(crate) struct Plan {
     pub(crate) elements: usize,
     pub(crate) stage_input: bool,
     pub(crate) dims: LaunchDims,
+    /// Launch with programmatic dependent launch where the backend has it.
+    pub(crate) overlap_previous: bool,
 }
 
 impl Settings {
@@ -36,6 +38,7 @@ impl Settings {
                 blocks: 1,
                 threads: self.config.threads_per_block,
             },
+            overlap_previous: false,
         })
     }
 
@@ -148,6 +151,7 @@ impl Settings {
                 blocks,
                 threads: self.config.threads_per_block,
             },
+            overlap_previous: options.overlap_previous,
         })
     }
 }
