@@ -120,6 +120,8 @@ fn run_child(args: &Args, rank: usize, world: usize, gpus: usize) -> ! {
 /// Starts one child per rank (this executable, same arguments) and collects their
 /// records.
 fn spawn_children(world: usize, id: &UniqueId, nccl_id: Option<Id>) -> Vec<Vec<Record>> {
+    // Rank 0 is a child: it binds the id's address itself, so this process lets go.
+    id.release();
     let exe = std::env::current_exe().expect("own executable");
     let children: Vec<_> = (0..world)
         .map(|rank| {
