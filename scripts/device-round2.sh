@@ -33,9 +33,10 @@ for stage in $stages; do
       --out "$OUT/bench-per-rank-threads" > "$OUT/bench-per-rank-threads.log" 2>&1
     summary+=("bench per-rank threads rc=$?")
     if [ "$gpus" -ge 2 ]; then
-      timeout 420 $b --dtypes bf16 --batches 11 --overlap --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+      timeout 420 $b --dtypes bf16 --batches 11 --overlap --host-cost --out "$OUT/bench" > "$OUT/bench.log" 2>&1
     else
-      timeout 240 $b --dtypes bf16 --batches 5 --max-bytes 16777216 --overlap \
+      # Two ranks sharing the GPU: sums checked at every size, host cost per eager call.
+      timeout 240 $b --world 2 --dtypes bf16 --batches 5 --max-bytes 16777216 --overlap --host-cost \
         --out "$OUT/bench-1gpu" > "$OUT/bench.log" 2>&1
     fi
     summary+=("bench single-controller (${gpus} GPU) rc=$?")

@@ -39,17 +39,25 @@ pub struct Gpu {
     nccl: Vec<(usize, Vec<Comm>)>,
 }
 
-pub fn run(args: &Args, world: usize) -> Report {
+/// The single-controller sweep over `world` ranks on `gpus` GPUs (rank r on GPU
+/// r % gpus; with more ranks than GPUs they share, NCCL and the link figures are
+/// skipped, and timings say nothing about a link).
+pub fn run(args: &Args, world: usize, gpus: usize) -> Report {
     let max = args.max_bytes.unwrap_or(1 << 30);
+    let shared = world > gpus;
     let config = CommConfig {
         payload_bytes: max.max(1 << 20),
         lamport_slot_bytes: args.lamport_slot_bytes,
         barrier_timeout: Some(std::time::Duration::from_secs(30)),
-        max_blocks: args.max_blocks,
+        max_blocks: if shared { Some(4) } else { args.max_blocks },
         threads_per_block: args.threads,
+        allow_shared_devices: shared,
         ..CommConfig::default()
     };
-    let ordinals: Vec<usize> = (0..world).collect();
+    if shared {
+        println!("{world} ranks share {gpus} GPU(s): no NCCL, no link figures; timings say nothing about a link");
+    }
+    let ordinals: Vec<usize> = (0..world).map(|r| r % gpus).collect();
     let comm = Communicator::<Cuda>::new(&ordinals, config).expect("CUDA communicator");
     let streams: Vec<_> = comm
         .ranks()
@@ -79,7 +87,7 @@ pub fn run(args: &Args, world: usize) -> Report {
         streams,
         nccl: Vec::new(),
     };
-    if !args.no_nccl {
+    if !args.no_nccl && !shared {
         for &g in &groups {
             let mut comms = Vec::new();
             for base in (0..world).step_by(g) {
@@ -91,7 +99,7 @@ pub fn run(args: &Args, world: usize) -> Report {
             gpu.nccl.push((g, comms));
         }
     }
-    if world >= 2 {
+    if world >= 2 && !shared {
         let (one, both) = copy_engine_bandwidth(&gpu);
         let rtt = flag_round_trip(&gpu);
         println!("link: copy engine {one:.1} GB/s one way, {both:.1} GB/s each way both ways; flag round trip {rtt:.2} us");
@@ -104,6 +112,9 @@ pub fn run(args: &Args, world: usize) -> Report {
             "floor per point: graph launch {launch:.2} us + one-way flag {:.2} us + bytes x 2(g-1)/g at {one:.1} GB/s",
             rtt / 2.0
         );
+    }
+    if args.host_cost {
+        super::host_cost::run(&gpu, args);
     }
     let sizes = sizes(args, args.min_bytes, max);
     let pb = progress(args.dtypes.len() * groups.len() * sizes.len());

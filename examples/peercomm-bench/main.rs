@@ -83,6 +83,14 @@ struct Args {
     /// dependent launch (`AllReduceOptions::overlap_previous`), f32, up to 16 MiB.
     #[arg(long)]
     overlap: bool,
+    /// Also print where an eager call's host time goes (event tracking, validation and
+    /// planning, launches), before the sweep.
+    #[arg(long)]
+    host_cost: bool,
+    /// Ranks of the single-controller sweep (default: one per GPU). More ranks than
+    /// GPUs share them: a correctness and host-cost check, not a link measurement.
+    #[arg(long)]
+    world: Option<usize>,
 }
 
 /// One measured point.
@@ -528,6 +536,8 @@ fn chrono_free_date() -> String {
 #[cfg(feature = "cuda")]
 mod gpu;
 #[cfg(feature = "cuda")]
+mod host_cost;
+#[cfg(feature = "cuda")]
 mod overlap;
 #[cfg(feature = "cuda")]
 mod per_rank;
@@ -548,7 +558,7 @@ fn main() {
             records: per_rank::run(&args, args.per_rank.unwrap(), n),
             ..Report::default()
         },
-        Ok(n) if n >= 1 => gpu::run(&args, n.min(peercomm::MAX_GPUS)),
+        Ok(n) if n >= 1 => gpu::run(&args, args.world.unwrap_or(n).min(peercomm::MAX_GPUS), n),
         Ok(_) => run_host(&args, "no CUDA device"),
         Err(e) => run_host(&args, &e.to_string()),
     };

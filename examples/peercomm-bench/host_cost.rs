@@ -1,0 +1,83 @@
+//! `--host-cost`: where an eager call's host time goes. The eager latency of small
+//! messages is set by the host, not the GPUs, so this times, on the host clock, the
+//! calls themselves (not the GPU work): batches of calls are enqueued, timed, then the
+//! streams drained outside the timed part. Rows (bf16, 1 KiB, whole world, `Auto`):
+//! - "call, tracking on": `all_reduce_sum` as a cudarc user makes it by default;
+//! - "call, tracking off": the same with cudarc's event tracking disabled, so the
+//!   difference is what cudarc's per-buffer event records and waits cost;
+//! - "launch only": one `delay_rank(r, 0)` per rank (peercomm's launch path without
+//!   validation or planning: a near-empty kernel), so the rest of a call is
+//!   validation, planning and building the arguments.
+
+use std::time::{Duration, Instant};
+
+use cudarc::driver::CudaSlice;
+use peercomm::backend::cuda::Cuda;
+
+use super::gpu::{with_tracking, Gpu};
+use super::*;
+
+/// Calls per timed batch: few enough that the launch queue never fills.
+const CALLS: usize = 100;
+
+/// Median host time per call over `batches` batches, in us.
+fn host_us(gpu: &Gpu, batches: usize, mut call: impl FnMut()) -> f64 {
+    call();
+    gpu.comm.wait().unwrap();
+    let samples = (0..batches)
+        .map(|_| {
+            let t = Instant::now();
+            for _ in 0..CALLS {
+                call();
+            }
+            let us = t.elapsed().as_secs_f64() * 1e6 / CALLS as f64;
+            gpu.comm.wait().unwrap();
+            us
+        })
+        .collect();
+    median(samples)
+}
+
+pub fn run(gpu: &Gpu, args: &Args) {
+    let world = gpu.comm.world_size();
+    let n = 512; // 1 KiB of bf16
+    let ins: Vec<CudaSlice<half::bf16>> = (0..world)
+        .map(|r| Cuda::alloc_buffer(gpu.comm.rank(r).device(), n).unwrap())
+        .collect();
+    let mut outs: Vec<CudaSlice<half::bf16>> = (0..world)
+        .map(|r| Cuda::alloc_buffer(gpu.comm.rank(r).device(), n).unwrap())
+        .collect();
+    let opts = AllReduceOptions::new();
+    let batches = args.batches.max(11);
+    let mut call = || {
+        let it: Vec<Tensor<Cuda>> = ins.iter().map(|b| Tensor::flat(b)).collect();
+        let mut ot: Vec<TensorMut<Cuda>> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        gpu.comm.all_reduce_sum(&it, &mut ot, &opts).unwrap();
+    };
+    let tracked = host_us(gpu, batches, &mut call);
+    with_tracking(gpu, false);
+    let untracked = host_us(gpu, batches, &mut call);
+    with_tracking(gpu, true);
+    let launch_only = host_us(gpu, batches, || {
+        for r in 0..world {
+            gpu.comm.delay_rank(r, Duration::ZERO).unwrap();
+        }
+    });
+    println!(
+        "\nhost time per eager call, {world} ranks on {} GPU(s), 1 KiB bf16 (median of {batches} x {CALLS}):",
+        gpu.streams
+            .iter()
+            .map(|s| s.context().ordinal())
+            .collect::<std::collections::BTreeSet<_>>()
+            .len()
+    );
+    println!("  call, tracking on        {tracked:6.2} us");
+    println!(
+        "  call, tracking off       {untracked:6.2} us  (cudarc's event tracking: {:.2} us)",
+        tracked - untracked
+    );
+    println!(
+        "  launch only, all ranks   {launch_only:6.2} us  (validation, planning, arguments: {:.2} us)",
+        untracked - launch_only
+    );
+}
