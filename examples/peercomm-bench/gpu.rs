@@ -37,6 +37,8 @@ pub struct Gpu {
     pub streams: Vec<Arc<CudaStream>>,
     /// NCCL communicators per group size: `nccl[g][r]` for rank r.
     nccl: Vec<(usize, Vec<Comm>)>,
+    /// NCCL with symmetric windows over the whole world, where the library has them.
+    symmetric: Option<super::nccl_symmetric::Symmetric>,
 }
 
 /// The single-controller sweep over `world` ranks on `gpus` GPUs (rank r on GPU
@@ -86,6 +88,7 @@ pub fn run(args: &Args, world: usize, gpus: usize) -> Report {
         comm,
         streams,
         nccl: Vec::new(),
+        symmetric: None,
     };
     if !args.no_nccl && !shared {
         for &g in &groups {
@@ -97,6 +100,10 @@ pub fn run(args: &Args, world: usize, gpus: usize) -> Report {
                 );
             }
             gpu.nccl.push((g, comms));
+        }
+        match super::nccl_symmetric::Symmetric::new(&gpu, max.min(256 << 20)) {
+            Ok(s) => gpu.symmetric = Some(s),
+            Err(why) => println!("no NCCL symmetric column: {why}"),
         }
     }
     if world >= 2 && !shared {
@@ -439,6 +446,9 @@ fn point<T: Element + NcclType>(
                 }
             }
         }
+    }
+    if let Some(sym) = &gpu.symmetric {
+        records.extend(sym.point(gpu, args, at, &host, iters));
     }
     records
 }

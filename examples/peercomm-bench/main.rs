@@ -110,6 +110,9 @@ struct Record {
     busbw_gbps: f64,
     /// Latency over NCCL's in the same mode (lower is better); None without NCCL.
     ratio_vs_nccl: Option<f64>,
+    /// Latency over NCCL's with symmetric-window buffers ("nccl-symmetric"), where the
+    /// loaded NCCL has them.
+    ratio_vs_nccl_symmetric: Option<f64>,
     /// The physical floor of this point from the link measured in the same run:
     /// graph launch + one-way flag latency + the bytes each rank must take in
     /// (bytes x 2(g-1)/g) at the copy-engine bandwidth. None without a link measurement.
@@ -231,7 +234,7 @@ fn check<T: Element>(
 
 fn print_header() {
     println!(
-        "{:>5} {:>5} {:>12} {:>20} {:>10} {:>6} {:>11} {:>10} {:>10} {:>8} {:>8}",
+        "{:>5} {:>5} {:>12} {:>20} {:>10} {:>6} {:>11} {:>10} {:>10} {:>8} {:>8} {:>8}",
         "dtype",
         "group",
         "bytes",
@@ -242,13 +245,14 @@ fn print_header() {
         "algbw_GB/s",
         "busbw_GB/s",
         "vs_nccl",
+        "vs_sym",
         "vs_floor"
     );
 }
 
 fn print_record(r: &Record) {
     println!(
-        "{:>5} {:>5} {:>12} {:>20} {:>10} {:>6} {:>11.2} {:>10.2} {:>10.2} {:>8} {:>8}",
+        "{:>5} {:>5} {:>12} {:>20} {:>10} {:>6} {:>11.2} {:>10.2} {:>10.2} {:>8} {:>8} {:>8}",
         r.dtype,
         r.group,
         r.bytes,
@@ -259,6 +263,8 @@ fn print_record(r: &Record) {
         r.algbw_gbps,
         r.busbw_gbps,
         r.ratio_vs_nccl
+            .map_or("-".to_string(), |x| format!("{x:.2}")),
+        r.ratio_vs_nccl_symmetric
             .map_or("-".to_string(), |x| format!("{x:.2}")),
         r.ratio_vs_floor
             .map_or("-".to_string(), |x| format!("{x:.2}"))
@@ -288,21 +294,35 @@ fn record(at: At, imp: &str, alg: &str, mode: &str, us: f64) -> Record {
         algbw_gbps: algbw,
         busbw_gbps: algbw * bus_factor(at.group),
         ratio_vs_nccl: None,
+        ratio_vs_nccl_symmetric: None,
         floor_us: None,
         ratio_vs_floor: None,
     }
 }
 
-/// Fills in each record's ratio against NCCL at the same point and mode.
+/// Fills in each record's ratios against NCCL (plain, and with symmetric windows) at
+/// the same point and mode.
 fn attach_ratios(records: &mut [Record]) {
     let is_nccl = |r: &Record| r.implementation.starts_with("nccl");
     let nccl: Vec<Record> = records.iter().filter(|r| is_nccl(r)).cloned().collect();
+    let same = |a: &Record, b: &Record| {
+        a.dtype == b.dtype && a.group == b.group && a.bytes == b.bytes && a.mode == b.mode
+    };
+    // Per-rank NCCL rows carry the mode as a suffix ("nccl-per-rank-thread").
+    let kind = |n: &Record| -> String {
+        n.implementation
+            .replace("-per-rank-thread", "")
+            .replace("-per-rank-process", "")
+    };
     for r in records.iter_mut().filter(|r| !is_nccl(r)) {
-        if let Some(n) = nccl.iter().find(|n| {
-            n.dtype == r.dtype && n.group == r.group && n.bytes == r.bytes && n.mode == r.mode
-        }) {
-            r.ratio_vs_nccl = Some(r.latency_us / n.latency_us);
-        }
+        let ratio = |name: &str| {
+            nccl.iter()
+                .find(|n| same(n, r) && kind(n) == name)
+                .map(|n| n.latency_us)
+        };
+        let (plain, symmetric) = (ratio("nccl"), ratio("nccl-symmetric"));
+        r.ratio_vs_nccl = plain.map(|t| r.latency_us / t);
+        r.ratio_vs_nccl_symmetric = symmetric.map(|t| r.latency_us / t);
     }
 }
 
@@ -537,6 +557,8 @@ fn chrono_free_date() -> String {
 mod gpu;
 #[cfg(feature = "cuda")]
 mod host_cost;
+#[cfg(feature = "cuda")]
+mod nccl_symmetric;
 #[cfg(feature = "cuda")]
 mod overlap;
 #[cfg(feature = "cuda")]

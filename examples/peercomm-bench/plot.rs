@@ -17,7 +17,7 @@ pub fn draw(report: &Report, path: &std::path::Path) -> Result<(), Box<dyn std::
         return Ok(());
     };
     let (dtype, world) = (first.dtype.clone(), first.world);
-    let series: Vec<Series> = ["peercomm-auto", "nccl"]
+    let series: Vec<Series> = ["peercomm-auto", "nccl", "nccl-symmetric"]
         .iter()
         .flat_map(|imp| ["graph", "eager"].map(|mode| (*imp, mode)))
         .map(|(imp, mode)| {
@@ -121,7 +121,7 @@ where
     X::CoordDescType: ValueFormatter<f64>,
     Y::CoordDescType: ValueFormatter<f64>,
 {
-    let colors = [RED, BLUE, MAGENTA, CYAN, BLACK];
+    let colors = [RED, BLUE, MAGENTA, CYAN, GREEN, RGBColor(255, 140, 0), BLACK];
     let mut chart = ChartBuilder::on(area)
         .margin(15)
         .x_label_area_size(40)
