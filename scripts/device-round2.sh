@@ -38,6 +38,10 @@ for stage in $stages; do
       # Two ranks sharing the GPU: sums checked at every size, host cost per eager call.
       timeout 240 $b --world 2 --dtypes bf16 --batches 5 --max-bytes 16777216 --overlap --host-cost \
         --out "$OUT/bench-1gpu" > "$OUT/bench.log" 2>&1
+      summary+=("bench world 2 sharing the GPU rc=$?")
+      # World 1: NCCL and NCCL-symmetric plumbing (one rank: no link).
+      timeout 120 $b --dtypes bf16 --batches 3 --max-bytes 65536 --auto-only \
+        > "$OUT/bench-world1.log" 2>&1
     fi
     summary+=("bench single-controller (${gpus} GPU) rc=$?")
     tail -30 "$OUT/bench.log"
