@@ -80,6 +80,14 @@ fn produce(f: &CudaFunction, stream: &Arc<CudaStream>, x: &mut CudaSlice<f32>, b
     unsafe { b.launch(cfg) }.expect("producer launch");
 }
 
+/// One buffer of `n` floats per rank.
+fn buffers(comm: &Communicator<Cuda>, n: usize) -> Vec<CudaSlice<f32>> {
+    comm.ranks()
+        .iter()
+        .map(|r| Cuda::alloc_buffer::<f32>(r.device(), n).unwrap())
+        .collect()
+}
+
 fn expected(world: usize, base: impl Fn(usize) -> f32, n: usize) -> Vec<f32> {
     (0..n)
         .map(|i| (0..world).map(|r| base(r) + (i % 7) as f32).sum())
@@ -126,16 +134,7 @@ fn overlapped_launch_reads_what_the_previous_kernel_wrote() {
         (Algorithm::OneStage, 1 << 18),
         (Algorithm::TwoStage, 100_003),
     ] {
-        let mut ins: Vec<_> = comm
-            .ranks()
-            .iter()
-            .map(|r| Cuda::alloc_buffer::<f32>(r.device(), n).unwrap())
-            .collect();
-        let mut outs: Vec<_> = comm
-            .ranks()
-            .iter()
-            .map(|r| Cuda::alloc_buffer::<f32>(r.device(), n).unwrap())
-            .collect();
+        let (mut ins, mut outs) = (buffers(&comm, n), buffers(&comm, n));
         let opts = AllReduceOptions::new()
             .algorithm(algorithm)
             .overlap_previous(true);
@@ -184,16 +183,7 @@ fn overlapped_launch_inside_a_graph_reads_what_the_producer_wrote() {
         .iter()
         .map(|r| r.device().stream().clone())
         .collect();
-    let mut ins: Vec<_> = comm
-        .ranks()
-        .iter()
-        .map(|r| Cuda::alloc_buffer::<f32>(r.device(), n).unwrap())
-        .collect();
-    let mut outs: Vec<_> = comm
-        .ranks()
-        .iter()
-        .map(|r| Cuda::alloc_buffer::<f32>(r.device(), n).unwrap())
-        .collect();
+    let (mut ins, mut outs) = (buffers(&comm, n), buffers(&comm, n));
     comm.synchronize().unwrap();
     for s in &streams {
         s.synchronize().unwrap();

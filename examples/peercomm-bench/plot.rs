@@ -121,7 +121,15 @@ where
     X::CoordDescType: ValueFormatter<f64>,
     Y::CoordDescType: ValueFormatter<f64>,
 {
-    let colors = [RED, BLUE, MAGENTA, CYAN, GREEN, RGBColor(255, 140, 0), BLACK];
+    let colors = [
+        RED,
+        BLUE,
+        MAGENTA,
+        CYAN,
+        GREEN,
+        RGBColor(255, 140, 0),
+        BLACK,
+    ];
     let mut chart = ChartBuilder::on(area)
         .margin(15)
         .x_label_area_size(40)
