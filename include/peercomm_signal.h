@@ -8,8 +8,8 @@
  *
  * Per rank, one allocation in peer-visible device memory holds, in order:
  *   [peercomm_signal][lamport region][payload]
- * The lamport region is PEERCOMM_LAMPORT_GENERATIONS x PEERCOMM_MAX_GPUS slots of
- * `lamport_slot_bytes` each (a run-time size, 16-byte aligned); the payload is the
+ * The lamport region is PEERCOMM_LAMPORT_GENERATIONS x world-size slots of
+ * `lamport_slot_bytes` each (run-time sizes, 16-byte aligned); the payload is the
  * scratch of the staged and two-stage kernels (`payload_bytes`, also run-time).
  */
 #ifndef PEERCOMM_SIGNAL_H

@@ -475,7 +475,7 @@ PC_INLINE void with_width(uint32_t width, F&& body) {
 
 // ---------------------------------------------------------------------------------
 // Lamport: data that carries its own readiness. Each rank's region holds
-// PEERCOMM_LAMPORT_GENERATIONS x PEERCOMM_MAX_GPUS slots of lamport_slot_bytes; slot
+// PEERCOMM_LAMPORT_GENERATIONS x world-width slots of lamport_slot_bytes; slot
 // (gen, src) receives, pack by pack, what group rank src pushes in a call of
 // generation gen.
 //
@@ -516,10 +516,12 @@ struct LamportGeneration {
 };
 
 // Pack p of slot (gen, src) in the Lamport region of the signal at `signal`.
-PC_INLINE PC_GLOBAL Vec16* lamport_pack_at(uint64_t signal, uint32_t slot_bytes, uint32_t gen, uint32_t src,
-                                           uint64_t p) {
+// A generation holds `slots` slots: the world width (Lamport runs only over the whole
+// world, so every call on one signal buffer has the same width).
+PC_INLINE PC_GLOBAL Vec16* lamport_pack_at(uint64_t signal, uint32_t slot_bytes, uint32_t slots, uint32_t gen,
+                                           uint32_t src, uint64_t p) {
     return (PC_GLOBAL Vec16*)(signal + kLamportRegionOffset +
-                              ((uint64_t)gen * PEERCOMM_MAX_GPUS + src) * slot_bytes + p * 16u);
+                              ((uint64_t)gen * slots + src) * slot_bytes + p * 16u);
 }
 
 // True once every word of the pack has been written (none is the sentinel).
@@ -570,7 +572,7 @@ PC_INLINE void lamport_reduce(Ctx& c, uint32_t gen, uint64_t packs, uint64_t n, 
 #pragma unroll
             for (int s = 0; s < W; ++s) {
                 if (s == (int)me) continue;
-                x[s] = ld_volatile_vec16(lamport_pack_at(own, slot, gen, s, p));
+                x[s] = ld_volatile_vec16(lamport_pack_at(own, slot, (uint32_t)W, gen, s, p));
                 arrived = arrived && lamport_arrived(x[s]);
             }
             if (!arrived && !w.keep_waiting(c)) break;
@@ -669,7 +671,7 @@ PC_INLINE void lamport(const Args& a) {
     for (uint64_t p = tid; p < packs; p += stride) {
         const Vec16 x = lamport_source_pack<D>(a, p, n, vec);
         for (uint32_t q = 0; q < width; ++q)
-            if (q != me) st_volatile_vec16(lamport_pack_at(a.signals[q], slot, gen.data(), me, p), x);
+            if (q != me) st_volatile_vec16(lamport_pack_at(a.signals[q], slot, width, gen.data(), me, p), x);
     }
     with_width(width, [&]<int W>() { lamport_reduce<D, W>(c, gen.data(), packs, n, vec, tid, stride); });
     const Vec16 sentinel = make_vec16(kLamportSentinel, kLamportSentinel, kLamportSentinel, kLamportSentinel);
@@ -677,7 +679,7 @@ PC_INLINE void lamport(const Args& a) {
     for (uint64_t i = tid; i < clear_total; i += stride) {
         const uint32_t src = (uint32_t)(i / prev_packs);
         if (src == me) continue;
-        st_volatile_vec16(lamport_pack_at(own, slot, gen.clear(), src, i % prev_packs), sentinel);
+        st_volatile_vec16(lamport_pack_at(own, slot, width, gen.clear(), src, i % prev_packs), sentinel);
     }
     __syncthreads();
     if (c.block->abort) return abandon(c, WaitForPeers::No);  // the state is not advanced

@@ -81,8 +81,13 @@ pub enum Error {
         /// The buffer's device ordinal.
         got: usize,
     },
-    /// The chosen algorithm needs more scratch than the communicator has.
-    #[error("{algorithm} needs {needed} bytes of scratch but the communicator has {available}")]
+    /// The chosen algorithm needs more scratch than the communicator has. Ask before
+    /// calling with `Communicator::algorithm_for` / `Comm::algorithm_for`; size a
+    /// communicator for a message with `CommConfig::for_largest_message`.
+    #[error(
+        "{algorithm} needs {needed} bytes of scratch but the communicator has {available} \
+         (CommConfig::{setting})"
+    )]
     MessageTooLarge {
         /// Algorithm that was asked for or chosen.
         algorithm: &'static str,
@@ -90,6 +95,9 @@ pub enum Error {
         needed: usize,
         /// Bytes configured.
         available: usize,
+        /// The `CommConfig` field that sets `available`: `"lamport_slot_bytes"` or
+        /// `"payload_bytes"`.
+        setting: &'static str,
     },
     /// An algorithm cannot run in this mode (e.g. Lamport over groups of 1 is fine, but
     /// an explicit request that cannot be honoured lands here).

@@ -47,7 +47,7 @@ use std::sync::Mutex;
 
 pub use backend::Backend;
 pub use bootstrap::{Bootstrap, BootstrapError, HostId, TcpBootstrap, UniqueId};
-pub use comm::{AllReduceOptions, Comm, CommConfig, Communicator, Rank};
+pub use comm::{AllReduceOptions, Comm, CommConfig, Communicator, MemoryFootprint, Rank};
 pub use dispatch::Algorithm;
 pub use dtype::{BackendElement, DType, Element};
 pub use error::{Error, Result};

@@ -84,11 +84,15 @@ pub const fn circular_add(a: usize, b: usize, n: usize) -> usize {
 }
 
 /// Byte sizes and offsets of one rank's signal allocation:
-/// `[Signal][Lamport region][payload]`.
+/// `[Signal][Lamport region][payload]`. The Lamport region holds
+/// `LAMPORT_GENERATIONS x lamport_slots` slots of `lamport_slot_bytes`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct SignalLayout {
     /// Bytes of one Lamport slot (one source rank, one generation); a multiple of 16.
     pub lamport_slot_bytes: usize,
+    /// Slots per Lamport generation: the world size (1..=`MAX_GPUS`). Lamport runs only
+    /// over the whole world, so a rank receives from at most that many sources.
+    pub lamport_slots: usize,
     /// Bytes of the payload (scratch of the staged and two-stage kernels).
     pub payload_bytes: usize,
 }
@@ -99,6 +103,12 @@ impl SignalLayout {
     /// allocation fits in `isize::MAX` bytes. Every function that sizes or fills a
     /// signal allocation calls it, so a wrapped size never reaches a device.
     pub fn validate(&self) -> crate::Result<()> {
+        if self.lamport_slots == 0 || self.lamport_slots > MAX_GPUS {
+            return Err(crate::Error::InvalidConfig(format!(
+                "lamport_slots must be in 1..={MAX_GPUS} (the world size), not {}",
+                self.lamport_slots
+            )));
+        }
         if self.lamport_slot_bytes % PACK_BYTES != 0 || self.lamport_slot_bytes > u32::MAX as usize
         {
             return Err(crate::Error::InvalidConfig(format!(
@@ -115,7 +125,7 @@ impl SignalLayout {
     /// Bytes of the whole Lamport region (all generations, all slots). Only meaningful
     /// for a layout that passed [`SignalLayout::validate`].
     pub const fn lamport_region_bytes(&self) -> usize {
-        LAMPORT_GENERATIONS * MAX_GPUS * self.lamport_slot_bytes
+        LAMPORT_GENERATIONS * self.lamport_slots * self.lamport_slot_bytes
     }
     /// Offset of the payload from the start of the allocation. Only meaningful for a
     /// layout that passed [`SignalLayout::validate`].
@@ -134,8 +144,9 @@ impl SignalLayout {
                 self.lamport_slot_bytes, self.payload_bytes
             ))
         };
-        let region = (LAMPORT_GENERATIONS * MAX_GPUS)
-            .checked_mul(self.lamport_slot_bytes)
+        let region = LAMPORT_GENERATIONS
+            .checked_mul(self.lamport_slots)
+            .and_then(|x| x.checked_mul(self.lamport_slot_bytes))
             .ok_or_else(too_large)?;
         // With room for both alignments, so the unchecked sums below cannot wrap.
         self.lamport_offset()
@@ -199,14 +210,25 @@ mod tests {
 
     #[test]
     fn region_offsets() {
-        let l = SignalLayout {
-            lamport_slot_bytes: 4096,
-            payload_bytes: 1000,
-        };
-        assert_eq!(l.lamport_offset(), 819_456);
-        assert_eq!(l.lamport_region_bytes(), 3 * 8 * 4096);
-        assert_eq!(l.payload_offset(), 819_456 + 3 * 8 * 4096);
-        assert_eq!(l.checked_total_bytes().unwrap(), l.payload_offset() + 1024);
+        for slots in [2, 8] {
+            let l = SignalLayout {
+                lamport_slot_bytes: 4096,
+                lamport_slots: slots,
+                payload_bytes: 1000,
+            };
+            assert_eq!(l.lamport_offset(), 819_456);
+            assert_eq!(l.lamport_region_bytes(), 3 * slots * 4096);
+            assert_eq!(l.payload_offset(), 819_456 + 3 * slots * 4096);
+            assert_eq!(l.checked_total_bytes().unwrap(), l.payload_offset() + 1024);
+        }
+        for slots in [0, MAX_GPUS + 1] {
+            let l = SignalLayout {
+                lamport_slot_bytes: 4096,
+                lamport_slots: slots,
+                payload_bytes: 1000,
+            };
+            assert!(l.validate().is_err(), "{slots} slots");
+        }
     }
 
     #[test]

@@ -5,10 +5,28 @@ use std::time::Duration;
 use crate::dispatch::Algorithm;
 
 /// Sizes and limits of a communicator.
+///
+/// # Memory footprint
+/// Each rank allocates one signal allocation on its device and nothing else: a fixed
+/// 0.78 MiB header (counters, Lamport state, error record), a Lamport region of
+/// 3 generations x world-size slots x `lamport_slot_bytes`, and `payload_bytes`.
+/// [`CommConfig::memory_footprint`] computes it before building,
+/// `Communicator::memory_footprint` / `Comm::memory_footprint` after. Per rank:
+///
+/// | configuration | world 2 | world 4 | world 8 |
+/// |---|---|---|---|
+/// | default (1 MiB slot, 64 MiB payload) | 70.8 MiB | 76.8 MiB | 88.8 MiB |
+/// | `for_largest_message(1 << 20, BF16)` (2 MiB payload, 1 MiB slot) | 8.8 MiB | 14.8 MiB | 26.8 MiB |
+/// | 48 MiB slot, 64 MiB payload (Lamport forced at 48 MiB) | 352.8 MiB | 640.8 MiB | 1216.8 MiB |
+///
+/// [`CommConfig::for_largest_message`] sizes the scratch from the largest message a
+/// user will send; `Communicator::algorithm_for` / `Comm::algorithm_for` say whether
+/// a message fits an algorithm, and if not, by how many bytes.
 #[derive(Clone, Debug)]
 pub struct CommConfig {
-    /// Bytes of one Lamport slot: the largest message (per rank, rounded up to 16 bytes)
-    /// the Lamport algorithm takes. The region holds 3 x 8 slots per rank.
+    /// Bytes of one Lamport slot: the largest message (per rank, rounded up to whole
+    /// 16-byte packs) the Lamport algorithm takes. The region holds 3 x world-size slots
+    /// per rank.
     pub lamport_slot_bytes: usize,
     /// Bytes of scratch per rank: the staged one-stage kernel (in-place) needs the
     /// whole message, the two-stage kernel one partition of it.

@@ -20,6 +20,7 @@ mod launch;
 mod per_rank;
 mod plan;
 mod settings;
+mod sizing;
 mod status;
 mod validate;
 
@@ -28,6 +29,7 @@ pub use config::{AllReduceOptions, CommConfig};
 pub use per_rank::Comm;
 use plan::Plan;
 use settings::Settings;
+pub use sizing::MemoryFootprint;
 pub(crate) use status::read_error_record;
 use validate::{check_world, first_missing_peer_pair, Meta};
 

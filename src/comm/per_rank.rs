@@ -57,7 +57,7 @@ const RECORD_VERSION: u8 = 1;
 /// ```
 pub struct Comm<B: Backend> {
     pub(super) rank: Rank<B>,
-    settings: Settings,
+    pub(super) settings: Settings,
     bootstrap: Box<dyn Bootstrap>,
     hosts: Vec<HostId>,
     /// Peer signals imported from other processes; unmapped on drop, after the

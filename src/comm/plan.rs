@@ -106,15 +106,16 @@ impl Settings {
             a => a,
         };
         if !fits(algorithm) {
-            let (needed, available) = match algorithm {
-                Algorithm::Lamport => (padded, slot),
-                Algorithm::TwoStage => (two_stage_need, payload),
-                _ => (padded, payload),
+            let (needed, available, setting) = match algorithm {
+                Algorithm::Lamport => (padded, slot, "lamport_slot_bytes"),
+                Algorithm::TwoStage => (two_stage_need, payload, "payload_bytes"),
+                _ => (padded, payload, "payload_bytes"),
             };
             return Err(Error::MessageTooLarge {
                 algorithm: algorithm.name(),
                 needed,
                 available,
+                setting,
             });
         }
         let kind = algorithm.kernel_kind().expect("concrete algorithm");

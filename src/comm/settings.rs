@@ -31,6 +31,7 @@ impl Settings {
     ) -> Result<Self> {
         let layout = SignalLayout {
             lamport_slot_bytes: config.lamport_slot_bytes,
+            lamport_slots: world,
             payload_bytes: config.payload_bytes,
         };
         layout.validate()?;

@@ -481,7 +481,52 @@ pub fn message_larger_than_scratch<B: Backend>(devices: Devices) {
         algorithm,
         needed,
         available,
+        setting: if algorithm == "lamport" {
+            "lamport_slot_bytes"
+        } else {
+            "payload_bytes"
+        },
     };
+    // The query answers the same, launching nothing.
+    for (algorithm, in_place, expected) in [
+        (Algorithm::Lamport, false, too_large("lamport", 16384, 1024)),
+        (
+            Algorithm::TwoStage,
+            false,
+            too_large("two_stage", 8192, 4096),
+        ),
+        (
+            Algorithm::OneStage,
+            true,
+            too_large("one_stage", 16384, 4096),
+        ),
+    ] {
+        let opts = AllReduceOptions::new().algorithm(algorithm);
+        assert_eq!(
+            comm.algorithm_for(DType::F32, n, &opts, in_place),
+            Err(expected),
+            "algorithm_for {algorithm:?}, in place {in_place}"
+        );
+    }
+    assert_eq!(
+        comm.algorithm_for(
+            DType::F32,
+            n,
+            &AllReduceOptions::new().algorithm(Algorithm::OneStage),
+            false
+        ),
+        Ok(Algorithm::OneStage)
+    );
+    // 1024 bytes of Lamport slot hold 64 packs: 256 f32 or 512 bf16 elements.
+    let lamport = AllReduceOptions::new().algorithm(Algorithm::Lamport);
+    assert_eq!(
+        comm.algorithm_for(DType::BF16, 512, &lamport, false),
+        Ok(Algorithm::Lamport)
+    );
+    assert_eq!(
+        comm.algorithm_for(DType::BF16, 513, &lamport, false),
+        Err(too_large("lamport", 1040, 1024))
+    );
     let lamport = AllReduceOptions::new().algorithm(Algorithm::Lamport);
     let two_stage = AllReduceOptions::new().algorithm(Algorithm::TwoStage);
     let one_stage = AllReduceOptions::new().algorithm(Algorithm::OneStage);
@@ -572,6 +617,10 @@ pub fn auto_falls_back_to_what_fits<B: Backend>(devices: Devices) {
             algorithm: preferred.name(),
             needed,
             available,
+            setting: match preferred {
+                Algorithm::Lamport => "lamport_slot_bytes",
+                _ => "payload_bytes",
+            },
         },
         "auto, in-place, nothing fits",
     );

@@ -12,7 +12,7 @@ use crate::protocol::{self, Backoff, BarrierKind, BarrierSignals, BarrierSite};
 use crate::signal::{
     AllReduceArgs, Signal, SignalLayout, ERROR_BARRIER_TIMEOUT, ERROR_BLOCK, ERROR_CODE,
     ERROR_DOMAIN, ERROR_PEER_ABORTED, ERROR_RANK, ERROR_WRITING, LAMPORT_ARRIVALS, LAMPORT_FLAG,
-    LAMPORT_GENERATIONS, LAMPORT_PREV_PACKS, LAMPORT_PREV_WIDTH, MAX_GPUS, PACK_BYTES,
+    LAMPORT_GENERATIONS, LAMPORT_PREV_PACKS, LAMPORT_PREV_WIDTH, PACK_BYTES,
 };
 
 use crate::backend::LAMPORT_SENTINEL;
@@ -388,13 +388,22 @@ unsafe fn two_stage<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -
 }
 
 /// Address of pack `p` of slot `src` of generation `gen` in the Lamport region of the
-/// signal at `signal_addr`.
-fn lamport_pack(signal_addr: u64, slot_bytes: usize, gen: usize, src: usize, p: usize) -> *mut u32 {
+/// signal at `signal_addr`, whose generations hold `slots` slots (the world width:
+/// Lamport runs only over the whole world).
+fn lamport_pack(
+    signal_addr: u64,
+    slot_bytes: usize,
+    slots: usize,
+    gen: usize,
+    src: usize,
+    p: usize,
+) -> *mut u32 {
     let layout = SignalLayout {
         lamport_slot_bytes: slot_bytes,
+        lamport_slots: slots,
         payload_bytes: 0,
     };
-    let off = layout.lamport_offset() + (gen * MAX_GPUS + src) * slot_bytes + p * PACK_BYTES;
+    let off = layout.lamport_offset() + (gen * slots + src) * slot_bytes + p * PACK_BYTES;
     (signal_addr as usize + off) as *mut u32
 }
 
@@ -453,7 +462,7 @@ unsafe fn lamport<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -> 
     for p in block_packs(0, packs, block, blocks) {
         let words = lamport_pack_words::<T>(args.local_input, p, n);
         for q in (0..width).filter(|&q| q != me) {
-            let dst = lamport_pack(args.signals[q], slot, gen, me, p);
+            let dst = lamport_pack(args.signals[q], slot, width, gen, me, p);
             for (w, &word) in words.iter().enumerate() {
                 atomic(dst.add(w)).store(word, Ordering::Release);
             }
@@ -469,7 +478,7 @@ unsafe fn lamport<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -> 
             let words = if src == me {
                 lamport_pack_words::<T>(args.local_input, p, n)
             } else {
-                let at = lamport_pack(own_addr, slot, gen, src, p);
+                let at = lamport_pack(own_addr, slot, width, gen, src, p);
                 loop {
                     let w: [u32; 4] =
                         std::array::from_fn(|i| atomic(at.add(i)).load(Ordering::Acquire));
@@ -493,7 +502,7 @@ unsafe fn lamport<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -> 
     let clear_gen = (gen + LAMPORT_GENERATIONS - 1) % LAMPORT_GENERATIONS;
     for src in (0..prev_width).filter(|&s| s != me) {
         for p in block_packs(0, prev_packs, block, blocks) {
-            let at = lamport_pack(own_addr, slot, clear_gen, src, p);
+            let at = lamport_pack(own_addr, slot, width, clear_gen, src, p);
             for w in 0..4 {
                 atomic(at.add(w)).store(LAMPORT_SENTINEL, Ordering::Relaxed);
             }

@@ -1,0 +1,229 @@
+//! Sizing a communicator: its memory footprint, a configuration made from the largest
+//! message a user will send, and the question "would this call fit, and with which
+//! algorithm" answered without launching anything.
+
+use crate::backend::Backend;
+use crate::dispatch::Algorithm;
+use crate::dtype::DType;
+use crate::error::Result;
+use crate::signal::{SignalLayout, PACK_BYTES};
+
+use super::{AllReduceOptions, Comm, CommConfig, Communicator};
+
+/// Device memory one rank of a communicator allocates (its signal allocation, the
+/// only memory peercomm allocates per rank), in bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryFootprint {
+    /// The signal header: barrier counters, Lamport state, error record (800 KiB, the
+    /// same for every configuration).
+    pub header: usize,
+    /// The Lamport region: 3 generations x world-size slots x
+    /// [`CommConfig::lamport_slot_bytes`].
+    pub lamport_region: usize,
+    /// The payload: [`CommConfig::payload_bytes`].
+    pub payload: usize,
+    /// The whole allocation per rank, alignment included.
+    pub total: usize,
+}
+
+impl MemoryFootprint {
+    /// The footprint of a rank with this layout.
+    pub fn of(layout: &SignalLayout) -> Result<Self> {
+        Ok(MemoryFootprint {
+            header: layout.lamport_offset(),
+            lamport_region: layout.lamport_region_bytes(),
+            payload: layout.payload_bytes,
+            total: layout.checked_total_bytes()?,
+        })
+    }
+}
+
+impl std::fmt::Display for MemoryFootprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        write!(
+            f,
+            "{:.2} MiB per rank (header {:.2}, Lamport {:.2}, payload {:.2})",
+            mib(self.total),
+            mib(self.header),
+            mib(self.lamport_region),
+            mib(self.payload)
+        )
+    }
+}
+
+/// Bytes a message of `elements` x `dtype` occupies in scratch: whole 16-byte packs.
+pub(crate) fn padded_bytes(dtype: DType, elements: usize) -> Option<usize> {
+    elements.div_ceil(dtype.lanes()).checked_mul(PACK_BYTES)
+}
+
+impl CommConfig {
+    /// Largest Lamport slot [`CommConfig::for_largest_message`] sets up (the default
+    /// slot): past a few hundred KiB the dispatch table never prefers Lamport, and each
+    /// slot byte costs 3 x world-size bytes of device memory per rank.
+    pub const LAMPORT_SLOT_CAP: usize = 1 << 20;
+
+    /// A configuration (the defaults otherwise) whose scratch lets every algorithm
+    /// that may run take messages of up to `max_elements` elements of `dtype` per
+    /// rank, in place or not, through either communicator: the payload holds the
+    /// whole message (16-byte packs), and the Lamport slot holds it too, up to
+    /// [`CommConfig::LAMPORT_SLOT_CAP`] (larger messages never want Lamport; `Auto`
+    /// skips it when it does not fit, and a forced Lamport call gets
+    /// [`crate::Error::MessageTooLarge`]). Fails only when the size overflows.
+    ///
+    /// ```
+    /// use peercomm::backend::host::Host;
+    /// use peercomm::{AllReduceOptions, Algorithm, CommConfig, Communicator, DType};
+    ///
+    /// // A decoder's tensor-parallel all-reduce: up to 64 tokens x 8192 hidden, bf16.
+    /// let config = CommConfig::for_largest_message(64 * 8192, DType::BF16)?;
+    /// assert_eq!(config.payload_bytes, 1 << 20);
+    /// // 0.78 MiB header + 3 x 2 x 1 MiB Lamport region + 1 MiB payload per rank:
+    /// assert_eq!(config.memory_footprint(2)?.total, 8_159_488);
+    /// let comm = Communicator::<Host>::new(&[0, 1], config)?;
+    /// for algorithm in [Algorithm::Auto, Algorithm::OneStage, Algorithm::TwoStage, Algorithm::Lamport] {
+    ///     let opts = AllReduceOptions::new().algorithm(algorithm);
+    ///     assert!(comm.algorithm_for(DType::BF16, 64 * 8192, &opts, true).is_ok());
+    /// }
+    /// // One element more does not fit the Lamport slot; the error says by how much.
+    /// let lamport = AllReduceOptions::new().algorithm(Algorithm::Lamport);
+    /// let err = comm.algorithm_for(DType::BF16, 64 * 8192 + 1, &lamport, false).unwrap_err();
+    /// assert_eq!(
+    ///     err.to_string(),
+    ///     "lamport needs 1048592 bytes of scratch but the communicator has 1048576 \
+    ///      (CommConfig::lamport_slot_bytes)"
+    /// );
+    /// # Ok::<(), peercomm::Error>(())
+    /// ```
+    pub fn for_largest_message(max_elements: usize, dtype: DType) -> Result<Self> {
+        let bytes = padded_bytes(dtype, max_elements).ok_or_else(|| {
+            crate::Error::InvalidConfig(format!(
+                "a message of {max_elements} x {} does not fit in the address space",
+                dtype.name()
+            ))
+        })?;
+        let config = CommConfig {
+            lamport_slot_bytes: bytes.clamp(PACK_BYTES, Self::LAMPORT_SLOT_CAP),
+            payload_bytes: bytes,
+            ..CommConfig::default()
+        };
+        config.memory_footprint(1)?;
+        Ok(config)
+    }
+
+    /// The device memory each rank of a `world`-rank communicator with this
+    /// configuration allocates. With the defaults (1 MiB Lamport slot, 64 MiB payload):
+    /// 0.8 MiB of header, 3 x world MiB of Lamport region (6 MiB at world 2, 24 MiB at
+    /// world 8) and the 64 MiB payload.
+    pub fn memory_footprint(&self, world: usize) -> Result<MemoryFootprint> {
+        MemoryFootprint::of(
+            &SignalLayout {
+                lamport_slot_bytes: self.lamport_slot_bytes,
+                lamport_slots: world,
+                payload_bytes: self.payload_bytes,
+            }
+            .validated()?,
+        )
+    }
+}
+
+impl SignalLayout {
+    fn validated(self) -> Result<Self> {
+        self.validate().map(|_| self)
+    }
+}
+
+impl<B: Backend> Communicator<B> {
+    /// The device memory each rank allocated (the same on every rank).
+    pub fn memory_footprint(&self) -> MemoryFootprint {
+        MemoryFootprint::of(&self.settings.layout).expect("a validated layout")
+    }
+
+    /// Answers, launching nothing, what [`Communicator::all_reduce_sum`] (or, with
+    /// `in_place`, [`Communicator::all_reduce_sum_in_place`]) would do with
+    /// `elements` elements of `dtype` per rank and these options: the algorithm that
+    /// would run, or the typed error the call would get. A message too large for the
+    /// scratch is [`crate::Error::MessageTooLarge`] with the bytes needed, the bytes
+    /// configured and the `CommConfig` field to raise.
+    pub fn algorithm_for(
+        &self,
+        dtype: DType,
+        elements: usize,
+        options: &AllReduceOptions,
+        in_place: bool,
+    ) -> Result<Algorithm> {
+        self.settings
+            .plan(dtype, elements, options, in_place)
+            .map(|p| p.algorithm)
+    }
+}
+
+impl<B: Backend> Comm<B> {
+    /// The device memory this rank allocated.
+    pub fn memory_footprint(&self) -> MemoryFootprint {
+        MemoryFootprint::of(&self.settings.layout).expect("a validated layout")
+    }
+
+    /// As [`Communicator::algorithm_for`], for this rank's calls (where peers never
+    /// read user buffers: inputs are staged, so one-stage needs the whole message in
+    /// the payload and two-stage is not offered).
+    pub fn algorithm_for(
+        &self,
+        dtype: DType,
+        elements: usize,
+        options: &AllReduceOptions,
+        in_place: bool,
+    ) -> Result<Algorithm> {
+        self.settings
+            .plan(dtype, elements, options, in_place)
+            .map(|p| p.algorithm)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The table in `CommConfig`'s docs, and the Lamport region growing with the world
+    /// (it was 3 x 8 slots whatever the world).
+    #[test]
+    fn footprints_in_the_docs() {
+        let mib = |b: usize| (b as f64 / (1 << 20) as f64 * 10.0).round() / 10.0;
+        let big_slot = CommConfig {
+            lamport_slot_bytes: 48 << 20,
+            ..CommConfig::default()
+        };
+        let for_message = CommConfig::for_largest_message(1 << 20, DType::BF16).unwrap();
+        assert_eq!(for_message.payload_bytes, 2 << 20);
+        assert_eq!(for_message.lamport_slot_bytes, 1 << 20);
+        for (config, expected) in [
+            (CommConfig::default(), [70.8, 76.8, 88.8]),
+            (for_message, [8.8, 14.8, 26.8]),
+            (big_slot, [352.8, 640.8, 1216.8]),
+        ] {
+            for (world, want) in [2, 4, 8].into_iter().zip(expected) {
+                let f = config.memory_footprint(world).unwrap();
+                assert_eq!(mib(f.total), want, "world {world}: {f}");
+                assert_eq!(f.lamport_region, 3 * world * config.lamport_slot_bytes);
+                assert_eq!(f.header, 819_456);
+                assert!(f.total >= f.header + f.lamport_region + f.payload);
+            }
+        }
+    }
+
+    /// `for_largest_message` sizes whole packs, caps the Lamport slot and refuses an
+    /// overflowing size.
+    #[test]
+    fn for_largest_message_sizes() {
+        let c = CommConfig::for_largest_message(1, DType::F32).unwrap();
+        assert_eq!((c.payload_bytes, c.lamport_slot_bytes), (16, 16));
+        let c = CommConfig::for_largest_message(0, DType::F16).unwrap();
+        assert_eq!((c.payload_bytes, c.lamport_slot_bytes), (0, 16));
+        let c = CommConfig::for_largest_message(9, DType::BF16).unwrap();
+        assert_eq!((c.payload_bytes, c.lamport_slot_bytes), (32, 32));
+        let c = CommConfig::for_largest_message(1 << 28, DType::F32).unwrap();
+        assert_eq!(c.payload_bytes, 1 << 30);
+        assert_eq!(c.lamport_slot_bytes, CommConfig::LAMPORT_SLOT_CAP);
+        assert!(CommConfig::for_largest_message(usize::MAX, DType::F32).is_err());
+    }
+}
