@@ -11,22 +11,31 @@
 //! `backend::hip::Hip` (feature `hip`).
 //!
 //! ```
-//! use peercomm::{backend::{host::Host, Backend}, AllReduceOptions, CommConfig, Communicator, Tensor, TensorMut};
-//! let comm = Communicator::<Host>::new(&[0, 1], CommConfig::default()).unwrap();
+//! use peercomm::backend::{host::Host, Backend, TypedBuffer};
+//! use peercomm::{AllReduceOptions, CommConfig, Communicator, DType, Tensor, TensorMut};
+//!
+//! // Scratch sized for the largest message (6 f32 per rank here).
+//! let config = CommConfig::for_largest_message(6, DType::F32)?;
+//! let comm = Communicator::<Host>::new(&[0, 1], config)?;
 //! let mut ins = Vec::new();
 //! let mut outs = Vec::new();
 //! for (r, rank) in comm.ranks().iter().enumerate() {
-//!     let mut buf = Host::alloc_buffer::<f32>(rank.device(), 6).unwrap();
-//!     Host::upload(rank.device(), &[r as f32 + 1.0; 6], &mut buf).unwrap();
-//!     ins.push(buf);
-//!     outs.push(Host::alloc_buffer::<f32>(rank.device(), 6).unwrap());
+//!     ins.push(Host::alloc_from(rank.device(), &[r as f32 + 1.0; 6])?);
+//!     outs.push(Host::alloc_buffer::<f32>(rank.device(), 6)?);
 //! }
+//! // The slice form: the buffers as they are, one per rank.
+//! comm.all_reduce_sum_slices(&ins, &mut outs, &AllReduceOptions::new())?;
+//! comm.synchronize()?; // waits, then reads every rank's error record
+//! assert_eq!(outs[1].to_host(comm.rank(1).device())?, vec![3.0; 6]);
+//!
+//! // The shaped form checks that every rank passes the same shape.
 //! let inputs: Vec<_> = ins.iter().map(|b| Tensor::new(b, &[2, 3])).collect();
 //! let mut outputs: Vec<_> = outs.iter_mut().map(|b| TensorMut::new(b, &[2, 3])).collect();
-//! comm.all_reduce_sum(&inputs, &mut outputs, &AllReduceOptions::new()).unwrap();
+//! comm.all_reduce_sum(&inputs, &mut outputs, &AllReduceOptions::new())?;
 //! drop(outputs);
-//! comm.synchronize().unwrap();
-//! assert_eq!(Host::download(comm.rank(1).device(), &outs[1]).unwrap(), vec![3.0; 6]);
+//! comm.synchronize()?;
+//! assert_eq!(outs[0].to_host(comm.rank(0).device())?, vec![3.0; 6]);
+//! # Ok::<(), peercomm::Error>(())
 //! ```
 
 #![warn(missing_docs)]

@@ -21,6 +21,7 @@ mod per_rank;
 mod plan;
 mod settings;
 mod sizing;
+mod slices;
 mod status;
 mod validate;
 

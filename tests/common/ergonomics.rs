@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use peercomm::backend::{Backend, TypedBuffer};
 use peercomm::{AllReduceOptions, CommConfig, Element, Error, Tensor, TensorMut};
 
-use super::{open, rng, run_case, suite_config};
+use super::{check_sums, open, random_inputs, rng, run_case, suite_config};
 
 /// `wait()` waits and reads no error record (a timeout goes unnoticed, nothing is
 /// poisoned); `synchronize()` then reports it. `check_errors()` reads the records
@@ -115,6 +115,120 @@ pub fn typed_buffers_need_no_turbofish<B: Backend>() {
     case::<B, half::bf16>(&comm, &[0x8000, 1, 0x8001, 0x7fc1, 0, 0x3f80]);
 }
 
+/// The slice form (the users' buffers, flat, no tensors): every algorithm, in place and
+/// out of place, f32 and bf16, odd lengths, against the f64 reference with outputs
+/// poisoned; then unequal lengths, an output of another length and a wrong buffer
+/// count are refused with the shaped form's errors, and nothing is written.
+pub fn slice_form<B: Backend>(world: usize) {
+    fn run<B: Backend, T: Element>(
+        comm: &peercomm::Communicator<B>,
+        rng: &mut rand::rngs::StdRng,
+        len: usize,
+    ) {
+        let world = comm.world_size();
+        for algorithm in [
+            peercomm::Algorithm::Auto,
+            peercomm::Algorithm::OneStage,
+            peercomm::Algorithm::TwoStage,
+            peercomm::Algorithm::Lamport,
+        ] {
+            let opts = AllReduceOptions::new().algorithm(algorithm);
+            let data = random_inputs::<T>(rng, world, len);
+            let poison = vec![T::from_f32(f32::NAN); len];
+            let devs: Vec<&B::Device> = comm.ranks().iter().map(|r| r.device()).collect();
+            let ins: Vec<B::Buffer<T>> = (0..world)
+                .map(|r| B::alloc_from(devs[r], &data[r]).unwrap())
+                .collect();
+            let mut outs: Vec<B::Buffer<T>> = (0..world)
+                .map(|r| B::alloc_from(devs[r], &poison).unwrap())
+                .collect();
+            comm.all_reduce_sum_slices(&ins, &mut outs, &opts).unwrap();
+            comm.synchronize().unwrap();
+            let got: Vec<Vec<T>> = (0..world)
+                .map(|r| outs[r].to_host(devs[r]).unwrap())
+                .collect();
+            check_sums(&data, &got, world, &format!("slices, {algorithm:?}, {len}"));
+            // In place, over fresh data.
+            let data = random_inputs::<T>(rng, world, len);
+            let mut bufs: Vec<B::Buffer<T>> = (0..world)
+                .map(|r| B::alloc_from(devs[r], &data[r]).unwrap())
+                .collect();
+            comm.all_reduce_sum_slices_in_place(&mut bufs, &opts)
+                .unwrap();
+            comm.synchronize().unwrap();
+            let got: Vec<Vec<T>> = (0..world)
+                .map(|r| bufs[r].to_host(devs[r]).unwrap())
+                .collect();
+            check_sums(
+                &data,
+                &got,
+                world,
+                &format!("slices in place, {algorithm:?}, {len}"),
+            );
+        }
+    }
+    let comm = open::<B>(world, suite_config(Some(2)));
+    let mut rng = rng("slice_form");
+    for len in [1, 33, 4099] {
+        run::<B, f32>(&comm, &mut rng, len);
+        run::<B, half::bf16>(&comm, &mut rng, len);
+    }
+
+    // Refusals: nothing written.
+    let devs: Vec<&B::Device> = comm.ranks().iter().map(|r| r.device()).collect();
+    let lens: Vec<usize> = (0..world).map(|r| if r == 1 { 7 } else { 6 }).collect();
+    let values: Vec<Vec<f32>> = lens.iter().map(|&n| vec![1.5; n]).collect();
+    let mut ins: Vec<B::Buffer<f32>> = (0..world)
+        .map(|r| B::alloc_from(devs[r], &values[r]).unwrap())
+        .collect();
+    let mut outs: Vec<B::Buffer<f32>> = (0..world)
+        .map(|r| B::alloc_from(devs[r], &vec![f32::NAN; lens[r]]).unwrap())
+        .collect();
+    let opts = AllReduceOptions::new();
+    let length_mismatch_on =
+        |got: peercomm::Result<peercomm::Algorithm>, rank: usize, what: &str| match got {
+            Err(Error::LengthMismatch { rank: r, .. }) if r == rank => {}
+            other => panic!("{what}: expected LengthMismatch on rank {rank}, got {other:?}"),
+        };
+    length_mismatch_on(
+        comm.all_reduce_sum_slices(&ins, &mut outs, &opts),
+        1,
+        "unequal inputs",
+    );
+    length_mismatch_on(
+        comm.all_reduce_sum_slices_in_place(&mut ins, &opts),
+        1,
+        "unequal, in place",
+    );
+    let same: Vec<B::Buffer<f32>> = (0..world)
+        .map(|r| B::alloc_from(devs[r], &[1.5f32; 6]).unwrap())
+        .collect();
+    length_mismatch_on(
+        comm.all_reduce_sum_slices(&same, &mut outs, &opts),
+        1,
+        "rank 1's output of 7",
+    );
+    assert_eq!(
+        comm.all_reduce_sum_slices(&same[1..], &mut outs[1..], &opts),
+        Err(Error::WrongTensorCount {
+            expected: world,
+            got: world - 1
+        })
+    );
+    comm.synchronize().unwrap();
+    for r in 0..world {
+        assert_eq!(
+            ins[r].to_host(devs[r]).unwrap(),
+            values[r],
+            "rank {r}'s input was written"
+        );
+        assert!(
+            outs[r].to_host(devs[r]).unwrap().iter().all(|x| x.is_nan()),
+            "rank {r}'s output was written"
+        );
+    }
+}
+
 /// The issue-14 tests of one backend.
 #[macro_export]
 macro_rules! ergonomics_tests {
@@ -123,6 +237,13 @@ macro_rules! ergonomics_tests {
         fn wait_and_check_errors() {
             if devices_or_skip("wait_and_check_errors", 2) {
                 common::ergonomics::wait_and_check_errors::<$backend>(2);
+            }
+        }
+
+        #[test]
+        fn slice_form() {
+            if devices_or_skip("slice_form", 2) {
+                common::ergonomics::slice_form::<$backend>(2);
             }
         }
 

@@ -1,0 +1,161 @@
+//! The slice form of the single-controller all-reduce: the users' buffers as they hold
+//! them (`&[CudaSlice<T>]`, one per rank), flat, with no `Tensor` wrappers and no heap
+//! allocation per call. For a hot eager loop; the shaped form
+//! ([`Communicator::all_reduce_sum`]) stays for callers that want shapes checked.
+
+use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
+use crate::dispatch::Algorithm;
+use crate::error::{Error, Result};
+use crate::signal::MAX_GPUS;
+
+use super::validate::Meta;
+use super::{AllReduceOptions, Communicator};
+
+fn meta<B: Backend>(b: &(impl DeviceBuffer<B> + ?Sized)) -> Meta {
+    Meta {
+        dtype: b.dtype(),
+        len: b.len(),
+        ordinal: b.device_ordinal(),
+    }
+}
+
+impl<B: Backend> Communicator<B> {
+    /// Sums `inputs[r]` over each group into `outputs[r]`: one buffer per rank, on
+    /// that rank's device, all of one dtype and length (unequal lengths are
+    /// [`Error::LengthMismatch`], as in the shaped form). Returns the algorithm that
+    /// ran. The same checks and launches as [`Communicator::all_reduce_sum`], without
+    /// building tensors.
+    ///
+    /// ```
+    /// use peercomm::backend::{host::Host, Backend, TypedBuffer};
+    /// use peercomm::{AllReduceOptions, CommConfig, Communicator};
+    ///
+    /// let comm = Communicator::<Host>::new(&[0, 1], CommConfig::default())?;
+    /// let mut ins = Vec::new();
+    /// let mut outs = Vec::new();
+    /// for (r, rank) in comm.ranks().iter().enumerate() {
+    ///     ins.push(Host::alloc_from(rank.device(), &[r as f32 + 1.0; 5])?);
+    ///     outs.push(Host::alloc_from(rank.device(), &[f32::NAN; 5])?);
+    /// }
+    /// let opts = AllReduceOptions::new();
+    /// for _ in 0..3 {
+    ///     comm.all_reduce_sum_slices(&ins, &mut outs, &opts)?; // no per-call Vec
+    /// }
+    /// comm.all_reduce_sum_slices_in_place(&mut ins, &opts)?;
+    /// comm.synchronize()?;
+    /// assert_eq!(outs[1].to_host(comm.rank(1).device())?, vec![3.0; 5]);
+    /// assert_eq!(ins[0].to_host(comm.rank(0).device())?, vec![3.0; 5]);
+    /// # Ok::<(), peercomm::Error>(())
+    /// ```
+    pub fn all_reduce_sum_slices<S, R>(
+        &self,
+        inputs: &[S],
+        outputs: &mut [R],
+        options: &AllReduceOptions,
+    ) -> Result<Algorithm>
+    where
+        S: DeviceBuffer<B>,
+        R: DeviceBufferMut<B>,
+    {
+        self.check_usable()?;
+        self.check_count(inputs.len())?;
+        self.check_count(outputs.len())?;
+        let first = meta::<B>(&inputs[0]);
+        for (r, (i, o)) in inputs.iter().zip(outputs.iter()).enumerate() {
+            let (im, om) = (meta::<B>(i), meta::<B>(o));
+            self.check_flat(r, &im, &first, "input")?;
+            self.check_tensor(r, &om, &[om.len], "output")?;
+            if om.dtype != im.dtype {
+                return Err(Error::DTypeMismatch {
+                    rank: r,
+                    expected: im.dtype,
+                    got: om.dtype,
+                });
+            }
+            if om.len != im.len {
+                return Err(Error::LengthMismatch {
+                    rank: r,
+                    what: format!("output has {} elements but its input {}", om.len, im.len),
+                });
+            }
+        }
+        let plan = self.settings.plan(first.dtype, first.len, options, false)?;
+        if plan.elements == 0 {
+            return Ok(plan.algorithm);
+        }
+        let mut in_ptrs = [0u64; MAX_GPUS];
+        let mut out_ptrs = [0u64; MAX_GPUS];
+        let mut in_guards: [Option<B::Access<'_>>; MAX_GPUS] = std::array::from_fn(|_| None);
+        let mut out_guards: [Option<B::Access<'_>>; MAX_GPUS] = std::array::from_fn(|_| None);
+        // As in the shaped form: each buffer is tracked on its own rank's stream.
+        for (r, b) in inputs.iter().enumerate() {
+            let (p, g) = b.read_ptr(&self.ranks[r].device);
+            in_ptrs[r] = p;
+            in_guards[r] = Some(g);
+        }
+        for (r, b) in outputs.iter_mut().enumerate() {
+            let (p, g) = b.write_ptr(&self.ranks[r].device);
+            out_ptrs[r] = p;
+            out_guards[r] = Some(g);
+        }
+        let result = self
+            .check_peers_reach(&plan, &in_ptrs, "input")
+            .and_then(|_| self.launch_all(&plan, &in_ptrs, &out_ptrs));
+        drop((in_guards, out_guards));
+        result.map(|_| plan.algorithm)
+    }
+
+    /// Sums `buffers[r]` over each group in place: the slice form of
+    /// [`Communicator::all_reduce_sum_in_place`] (see
+    /// [`Communicator::all_reduce_sum_slices`]).
+    pub fn all_reduce_sum_slices_in_place<R>(
+        &self,
+        buffers: &mut [R],
+        options: &AllReduceOptions,
+    ) -> Result<Algorithm>
+    where
+        R: DeviceBufferMut<B>,
+    {
+        self.check_usable()?;
+        self.check_count(buffers.len())?;
+        let first = meta::<B>(&buffers[0]);
+        for (r, b) in buffers.iter().enumerate() {
+            self.check_flat(r, &meta::<B>(b), &first, "in-place")?;
+        }
+        let plan = self.settings.plan(first.dtype, first.len, options, true)?;
+        if plan.elements == 0 {
+            return Ok(plan.algorithm);
+        }
+        let mut ptrs = [0u64; MAX_GPUS];
+        let mut guards: [Option<B::Access<'_>>; MAX_GPUS] = std::array::from_fn(|_| None);
+        for (r, b) in buffers.iter_mut().enumerate() {
+            let (p, g) = b.write_ptr(&self.ranks[r].device);
+            ptrs[r] = p;
+            guards[r] = Some(g);
+        }
+        let result = self
+            .check_peers_reach(&plan, &ptrs, "in-place")
+            .and_then(|_| self.launch_all(&plan, &ptrs, &ptrs));
+        drop(guards);
+        result.map(|_| plan.algorithm)
+    }
+
+    /// Rank `r`'s flat buffer against rank 0's: device, dtype, then length.
+    fn check_flat(&self, r: usize, m: &Meta, first: &Meta, which: &'static str) -> Result<()> {
+        self.check_tensor(r, m, &[m.len], which)?;
+        if m.dtype != first.dtype {
+            return Err(Error::DTypeMismatch {
+                rank: r,
+                expected: first.dtype,
+                got: m.dtype,
+            });
+        }
+        if m.len != first.len {
+            return Err(Error::LengthMismatch {
+                rank: r,
+                what: format!("{which} has {} elements but rank 0's {}", m.len, first.len),
+            });
+        }
+        Ok(())
+    }
+}
