@@ -48,6 +48,11 @@ fn per_rank_missing_call_times_out_and_recovers() {
 }
 
 #[test]
+fn per_rank_miss_next_times_out_and_recovers() {
+    per_rank_suite::fault::miss_next_times_out_and_recovers::<Host>(&HOST);
+}
+
+#[test]
 fn per_rank_fuzz_world_2() {
     per_rank_suite::fuzz::fuzz_threads::<Host>(&HOST, 2, 1200, 24);
 }

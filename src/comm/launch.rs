@@ -40,7 +40,11 @@ impl<B: Backend> Communicator<B> {
     ) -> Result<()> {
         let _launches = self.lock_launches();
         self.check_usable()?;
+        let missing = self.take_missing();
         for (i, &r) in ranks.iter().enumerate() {
+            if missing & (1 << r) != 0 {
+                continue;
+            }
             if let Err(e) = self.ranks[r].launch(&self.settings, plan, inputs, outputs[r]) {
                 if i > 0 {
                     self.poisoned.store(true, Ordering::Release);

@@ -16,6 +16,7 @@ use crate::signal::{SignalLayout, MAX_GPUS};
 use crate::tensor::{Tensor, TensorMut};
 
 mod config;
+mod fault;
 mod launch;
 mod per_rank;
 mod plan;
@@ -75,6 +76,9 @@ pub struct Communicator<B: Backend> {
     /// two threads sharing the communicator must not interleave their launches, or
     /// ranks would run collectives in different orders.
     launch_lock: Mutex<()>,
+    /// Fault injection: ranks (a bit each) the next launch leaves out.
+    #[cfg(feature = "fault-injection")]
+    missing: std::sync::atomic::AtomicU32,
 }
 
 impl<B: Backend> Communicator<B> {
@@ -146,6 +150,8 @@ impl<B: Backend> Communicator<B> {
             poisoned: AtomicBool::new(false),
             group_depth: AtomicUsize::new(0),
             launch_lock: Mutex::new(()),
+            #[cfg(feature = "fault-injection")]
+            missing: Default::default(),
         };
         comm.reinitialize()?;
         Ok(comm)

@@ -68,6 +68,9 @@ pub struct Comm<B: Backend> {
     /// interleave their launches with a re-initialisation.
     launch_lock: Mutex<()>,
     torn_down: AtomicBool,
+    /// Fault injection: the next collective is not launched.
+    #[cfg(feature = "fault-injection")]
+    pub(super) missing: AtomicBool,
 }
 
 /// What each rank tells the others at setup.
@@ -270,6 +273,8 @@ impl<B: Backend> Comm<B> {
             poisoned: AtomicBool::new(false),
             launch_lock: Mutex::new(()),
             torn_down: AtomicBool::new(false),
+            #[cfg(feature = "fault-injection")]
+            missing: AtomicBool::new(false),
         })
     }
 
@@ -349,7 +354,8 @@ impl<B: Backend> Comm<B> {
         let (output, out_guard) = recv.write_ptr(dev);
         let mut inputs = [0u64; MAX_GPUS];
         inputs[self.rank()] = input;
-        let result = self.launch(|| self.rank.launch(&self.settings, &plan, &inputs, output));
+        let result =
+            self.launch_collective(|| self.rank.launch(&self.settings, &plan, &inputs, output));
         drop((in_guard, out_guard));
         result.map(|_| plan.algorithm)
     }
@@ -372,7 +378,8 @@ impl<B: Backend> Comm<B> {
         let (ptr, guard) = buf.write_ptr(&self.rank.device);
         let mut inputs = [0u64; MAX_GPUS];
         inputs[self.rank()] = ptr;
-        let result = self.launch(|| self.rank.launch(&self.settings, &plan, &inputs, ptr));
+        let result =
+            self.launch_collective(|| self.rank.launch(&self.settings, &plan, &inputs, ptr));
         drop(guard);
         result.map(|_| plan.algorithm)
     }
@@ -382,7 +389,7 @@ impl<B: Backend> Comm<B> {
         self.check_usable()?;
         let plan = self.settings.barrier_plan(group_size)?;
         let zeros = [0u64; MAX_GPUS];
-        self.launch(|| self.rank.launch(&self.settings, &plan, &zeros, 0))
+        self.launch_collective(|| self.rank.launch(&self.settings, &plan, &zeros, 0))
     }
 
     /// Fault injection: this rank's next collective starts `delay` late (a kernel that
@@ -448,6 +455,11 @@ impl<B: Backend> Comm<B> {
         let _launches = self.launch_lock.lock().unwrap_or_else(|e| e.into_inner());
         self.check_usable()?;
         f()
+    }
+
+    /// As `launch`, for a collective: one that fault injection may leave out.
+    fn launch_collective(&self, f: impl FnOnce() -> Result<()>) -> Result<()> {
+        self.launch(|| if self.take_missing() { Ok(()) } else { f() })
     }
 }
 

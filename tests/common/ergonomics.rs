@@ -229,6 +229,56 @@ pub fn slice_form<B: Backend>(world: usize) {
     }
 }
 
+/// `miss_next(1)` (feature `fault-injection`, on in tests): rank 1 misses one
+/// all-reduce, rank 0 times out and nothing is written; the switch is one-shot, so
+/// after `reinitialize()` the next call (fresh random data) runs everywhere and
+/// matches the reference. An out-of-range rank is refused.
+pub fn miss_next_times_out_and_recovers<B: Backend>() {
+    let comm = open::<B>(
+        2,
+        CommConfig {
+            barrier_timeout: Some(Duration::from_millis(300)),
+            ..suite_config(Some(2))
+        },
+    );
+    let mut rng = rng("miss_next_times_out_and_recovers");
+    let devs: Vec<&B::Device> = comm.ranks().iter().map(|r| r.device()).collect();
+    let data = random_inputs::<f32>(&mut rng, 2, 777);
+    let mut bufs: Vec<B::Buffer<f32>> = (0..2)
+        .map(|r| B::alloc_from(devs[r], &data[r]).unwrap())
+        .collect();
+    let opts = AllReduceOptions::new().algorithm(peercomm::Algorithm::OneStage);
+    assert!(matches!(comm.miss_next(2), Err(Error::InvalidDevices(_))));
+    comm.miss_next(1).unwrap();
+    comm.all_reduce_sum_slices_in_place(&mut bufs, &opts)
+        .unwrap();
+    assert_eq!(
+        comm.synchronize(),
+        Err(Error::BarrierTimeout {
+            rank: 0,
+            block: 0,
+            domain: 0
+        })
+    );
+    for r in 0..2 {
+        assert_eq!(
+            bufs[r].to_host(devs[r]).unwrap(),
+            data[r],
+            "rank {r} was written"
+        );
+    }
+    comm.reinitialize().unwrap();
+    let data = random_inputs::<f32>(&mut rng, 2, 777);
+    for r in 0..2 {
+        bufs[r].copy_from_host(devs[r], &data[r]).unwrap();
+    }
+    comm.all_reduce_sum_slices_in_place(&mut bufs, &opts)
+        .unwrap();
+    comm.synchronize().unwrap();
+    let got: Vec<Vec<f32>> = (0..2).map(|r| bufs[r].to_host(devs[r]).unwrap()).collect();
+    check_sums(&data, &got, 2, "after recovery from a missed call");
+}
+
 /// The issue-14 tests of one backend.
 #[macro_export]
 macro_rules! ergonomics_tests {
@@ -237,6 +287,13 @@ macro_rules! ergonomics_tests {
         fn wait_and_check_errors() {
             if devices_or_skip("wait_and_check_errors", 2) {
                 common::ergonomics::wait_and_check_errors::<$backend>(2);
+            }
+        }
+
+        #[test]
+        fn miss_next_times_out_and_recovers() {
+            if devices_or_skip("miss_next_times_out_and_recovers", 2) {
+                common::ergonomics::miss_next_times_out_and_recovers::<$backend>();
             }
         }
 

@@ -1,0 +1,83 @@
+//! Fault injection (feature `fault-injection`): making a rank miss a collective on
+//! purpose, so that users can test their own timeout handling. Without the feature
+//! nothing here is public and no launch is ever left out.
+
+#[cfg(feature = "fault-injection")]
+use std::sync::atomic::Ordering;
+
+use crate::backend::Backend;
+#[cfg(feature = "fault-injection")]
+use crate::error::{Error, Result};
+
+use super::{Comm, Communicator};
+
+impl<B: Backend> Communicator<B> {
+    /// Fault injection (feature `fault-injection`): the next collective launched
+    /// through this communicator (an all-reduce or a barrier) is launched on every
+    /// rank but `rank`. The others wait for it, give up after
+    /// [`crate::CommConfig::barrier_timeout`], and [`Communicator::synchronize`]
+    /// reports the timeout ([`Error::BarrierTimeout`], or [`Error::PeerAborted`] on a
+    /// rank its peer told); then [`Communicator::reinitialize`] recovers. The call
+    /// returns as if every rank had launched. Calling it for several ranks before one
+    /// collective leaves all of them out. To make a rank late rather than absent, see
+    /// [`Communicator::delay_rank`].
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use peercomm::backend::{host::Host, Backend};
+    /// use peercomm::{Algorithm, AllReduceOptions, CommConfig, Communicator, Error};
+    ///
+    /// let config = CommConfig { barrier_timeout: Some(Duration::from_millis(200)), ..CommConfig::default() };
+    /// let comm = Communicator::<Host>::new(&[0, 1], config)?;
+    /// let mut bufs: Vec<_> = comm.ranks().iter().map(|r| Host::alloc_from(r.device(), &[1.0f32; 8]).unwrap()).collect();
+    /// let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+    /// comm.miss_next(1)?;
+    /// comm.all_reduce_sum_slices_in_place(&mut bufs, &opts)?; // rank 1 never launches
+    /// assert_eq!(comm.synchronize(), Err(Error::BarrierTimeout { rank: 0, block: 0, domain: 0 }));
+    /// comm.reinitialize()?;
+    /// comm.all_reduce_sum_slices_in_place(&mut bufs, &opts)?;
+    /// comm.synchronize()?;
+    /// # Ok::<(), peercomm::Error>(())
+    /// ```
+    #[cfg(feature = "fault-injection")]
+    pub fn miss_next(&self, rank: usize) -> Result<()> {
+        if rank >= self.world_size() {
+            return Err(Error::InvalidDevices(format!(
+                "rank {rank} is outside the world of {}",
+                self.world_size()
+            )));
+        }
+        self.missing.fetch_or(1 << rank, Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// The ranks (a bit each) the next launch leaves out, cleared.
+    pub(super) fn take_missing(&self) -> u32 {
+        #[cfg(feature = "fault-injection")]
+        return self.missing.swap(0, Ordering::AcqRel);
+        #[cfg(not(feature = "fault-injection"))]
+        0
+    }
+}
+
+impl<B: Backend> Comm<B> {
+    /// Fault injection (feature `fault-injection`): this rank's next collective call
+    /// (an all-reduce or a barrier) returns as if it had launched, and launches
+    /// nothing. Its group peers wait for it, give up after
+    /// [`crate::CommConfig::barrier_timeout`] and report the timeout from
+    /// [`Comm::synchronize`]; this rank's own record then holds the
+    /// [`Error::PeerAborted`] a peer sent it. Every rank then calls
+    /// [`Comm::reinitialize`] to recover.
+    #[cfg(feature = "fault-injection")]
+    pub fn miss_next(&self) {
+        self.missing.store(true, Ordering::Release);
+    }
+
+    /// Whether the next collective is to be left out (and clears the request).
+    pub(super) fn take_missing(&self) -> bool {
+        #[cfg(feature = "fault-injection")]
+        return self.missing.swap(false, Ordering::AcqRel);
+        #[cfg(not(feature = "fault-injection"))]
+        false
+    }
+}
