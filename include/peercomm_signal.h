@@ -82,8 +82,9 @@ typedef enum peercomm_dtype {
 } peercomm_dtype;
 
 /*
- * Launch arguments of every all-reduce kernel, passed by value (the same struct on
- * the host backend). Arrays are indexed by group rank (0 .. group_width).
+ * Launch arguments of every kernel (the all-reduce and the other collectives), passed
+ * by value (the same struct on the host backend). Arrays are indexed by group rank
+ * (0 .. group_width).
  */
 typedef struct peercomm_allreduce_args {
     /* Where each group member's input is read (its user buffer, or its payload when staged). */
@@ -109,7 +110,17 @@ typedef struct peercomm_allreduce_args {
     uint32_t world_rank;
     /* Non-zero: copy local_input into the own payload before the start barrier. */
     uint32_t stage_input;
-    uint32_t reserved[2];
+    /* Broadcast and scatter: the group rank whose input is sent. */
+    uint32_t root;
+    /* Fused all-reduce + residual + RMSNorm: elements per row (token). */
+    uint32_t hidden;
+    /* Fused: the residual (read, then overwritten with the updated residual). */
+    uint64_t residual;
+    /* Fused: the RMSNorm weight (`hidden` elements). */
+    uint64_t weight;
+    /* Fused: added to the mean square before the reciprocal square root. */
+    float epsilon;
+    uint32_t reserved[3];
 } peercomm_allreduce_args;
 
 #endif /* PEERCOMM_SIGNAL_H */

@@ -47,7 +47,7 @@ typedef PC_GLOBAL peercomm_signal GlobalSignal;
 typedef PC_GLOBAL uint32_t GlobalU32;
 
 static_assert(sizeof(peercomm_signal) == 819456, "peercomm_signal layout changed");
-static_assert(sizeof(peercomm_allreduce_args) == 256, "peercomm_allreduce_args layout changed");
+static_assert(sizeof(peercomm_allreduce_args) == 288, "peercomm_allreduce_args layout changed");
 static_assert((PC_SPIN_CHECK_INTERVAL & (PC_SPIN_CHECK_INTERVAL - 1)) == 0,
               "PC_SPIN_CHECK_INTERVAL is a power of two");
 

@@ -87,9 +87,10 @@ PC_INLINE uint16_t f16_from_float(float x) { return __half_as_ushort(__float2hal
 PC_INLINE uint16_t bf16_from_float(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
 
 #include "peercomm_kernels.h"
+#include "peercomm_collectives.h"
 
 // ---------------------------------------------------------------------------------
-// Entry points: the argument struct by value (256 bytes of kernel parameters, read
+// Entry points: the argument struct by value (288 bytes of kernel parameters, read
 // from the constant bank).
 
 // Programmatic dependent launch (sm_90+): a kernel launched with it may start while the
@@ -111,3 +112,4 @@ PC_INLINE void overlap_with_neighbours() {
     }
 
 PEERCOMM_KERNELS(PC_CUDA_KERNEL)
+PEERCOMM_COLLECTIVE_KERNELS(PC_CUDA_KERNEL)

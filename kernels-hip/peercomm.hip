@@ -107,9 +107,10 @@ PC_INLINE uint16_t bf16_from_float(float x) {
 }
 
 #include "peercomm_kernels.h"
+#include "peercomm_collectives.h"
 
 // ---------------------------------------------------------------------------------
-// Entry points. The argument struct (256 bytes) is the first and only explicit kernel
+// Entry points. The argument struct (288 bytes) is the first and only explicit kernel
 // argument, at offset 0 of the kernel-argument segment; the kernels read it there in
 // place rather than through the by-value parameter, whose arrays, indexed with run-time
 // ranks, would make the compiler copy all of it into scratch memory first.
@@ -120,3 +121,4 @@ PC_INLINE const Args& kernel_args() { return *(const Args*)__builtin_amdgcn_kern
     extern "C" __global__ void __launch_bounds__(1024) symbol(const Args) { body(kernel_args()); }
 
 PEERCOMM_KERNELS(PC_HIP_KERNEL)
+PEERCOMM_COLLECTIVE_KERNELS(PC_HIP_KERNEL)

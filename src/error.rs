@@ -81,6 +81,14 @@ pub enum Error {
         /// The buffer's device ordinal.
         got: usize,
     },
+    /// A broadcast or scatter root outside the group.
+    #[error("root {root} is outside a group of {width} ranks")]
+    InvalidRoot {
+        /// The root asked for (a group rank).
+        root: usize,
+        /// Ranks per group.
+        width: usize,
+    },
     /// The chosen algorithm needs more scratch than the communicator has. Ask before
     /// calling with `Communicator::algorithm_for` / `Comm::algorithm_for`; size a
     /// communicator for a message with `CommConfig::for_largest_message`.

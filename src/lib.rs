@@ -56,7 +56,10 @@ use std::sync::Mutex;
 
 pub use backend::Backend;
 pub use bootstrap::{Bootstrap, BootstrapError, HostId, TcpBootstrap, UniqueId};
-pub use comm::{AllReduceOptions, Comm, CommConfig, Communicator, MemoryFootprint, Rank};
+pub use comm::{
+    reduce_scatter_part, AllReduceOptions, CollectiveOptions, Comm, CommConfig, Communicator,
+    MemoryFootprint, Rank,
+};
 pub use dispatch::Algorithm;
 pub use dtype::{BackendElement, DType, Element};
 pub use error::{Error, Result};

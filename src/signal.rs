@@ -205,7 +205,12 @@ mod tests {
         assert_eq!(offset_of!(AllReduceArgs, domain), 236);
         assert_eq!(offset_of!(AllReduceArgs, world_rank), 240);
         assert_eq!(offset_of!(AllReduceArgs, stage_input), 244);
-        assert_eq!(size_of::<AllReduceArgs>(), 256);
+        assert_eq!(offset_of!(AllReduceArgs, root), 248);
+        assert_eq!(offset_of!(AllReduceArgs, hidden), 252);
+        assert_eq!(offset_of!(AllReduceArgs, residual), 256);
+        assert_eq!(offset_of!(AllReduceArgs, weight), 264);
+        assert_eq!(offset_of!(AllReduceArgs, epsilon), 272);
+        assert_eq!(size_of::<AllReduceArgs>(), 288);
     }
 
     #[test]

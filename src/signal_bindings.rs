@@ -58,5 +58,10 @@ pub struct peercomm_allreduce_args {
     pub domain: u32,
     pub world_rank: u32,
     pub stage_input: u32,
-    pub reserved: [u32; 2usize],
+    pub root: u32,
+    pub hidden: u32,
+    pub residual: u64,
+    pub weight: u64,
+    pub epsilon: f32,
+    pub reserved: [u32; 3usize],
 }

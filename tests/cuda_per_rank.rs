@@ -44,6 +44,27 @@ cuda_world!(cuda_per_rank_threads_world_2, 2);
 cuda_world!(cuda_per_rank_threads_world_4, 4);
 cuda_world!(cuda_per_rank_threads_world_8, 8);
 
+macro_rules! cuda_collectives_world {
+    ($name:ident, $world:expr) => {
+        #[test]
+        fn $name() {
+            if let Some(place) = placement(stringify!($name)) {
+                per_rank_suite::collectives::checked::<Cuda>(&place, $world);
+            }
+        }
+    };
+}
+
+cuda_collectives_world!(cuda_per_rank_collectives_world_2, 2);
+cuda_collectives_world!(cuda_per_rank_collectives_world_4, 4);
+
+#[test]
+fn cuda_per_rank_collectives_bad_inputs() {
+    if let Some(place) = placement("cuda_per_rank_collectives_bad_inputs") {
+        per_rank_suite::collectives::bad_inputs::<Cuda>(&place);
+    }
+}
+
 #[test]
 fn cuda_per_rank_independent_sibling_groups() {
     if let Some(place) = placement("cuda_per_rank_independent_sibling_groups") {

@@ -336,7 +336,30 @@ fn data_kernels_move_16_byte_packs_and_use_no_scratch() {
                 l.starts_with("scratch_") || (l.starts_with("buffer_store") && l.contains("s[0:3]"))
             });
             assert!(!scratch, "{t}: {symbol} spills to scratch");
+            // The other collectives (kernels-common/peercomm_collectives.h): packs, no
+            // scratch.
+            for family in [
+                "all_gather",
+                "reduce_scatter",
+                "broadcast",
+                "scatter",
+                "allreduce_rmsnorm",
+            ] {
+                let symbol = format!("peercomm_{family}_{dtype}");
+                let lines = disassemble(&objdump, co.bytes, t, &symbol);
+                for op in ["global_load_dwordx4 ", "global_store_dwordx4 "] {
+                    assert!(
+                        lines.iter().any(|l| l.starts_with(op)),
+                        "{t}: {symbol} has no {op}"
+                    );
+                }
+                let scratch = lines.iter().any(|l| {
+                    l.starts_with("scratch_")
+                        || (l.starts_with("buffer_store") && l.contains("s[0:3]"))
+                });
+                assert!(!scratch, "{t}: {symbol} spills to scratch");
+            }
         }
-        eprintln!("{t}: 16-byte packs in one-stage, two-stage and Lamport kernels");
+        eprintln!("{t}: 16-byte packs in one-stage, two-stage, Lamport and the collectives");
     }
 }

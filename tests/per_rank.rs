@@ -66,3 +66,28 @@ fn per_rank_fuzz_world_4() {
 fn per_rank_fuzz_world_8() {
     per_rank_suite::fuzz::fuzz_threads::<Host>(&HOST, 8, 300, 16);
 }
+
+#[test]
+fn per_rank_collectives_world_2() {
+    per_rank_suite::collectives::checked::<Host>(&HOST, 2);
+}
+
+#[test]
+fn per_rank_collectives_world_3() {
+    per_rank_suite::collectives::checked::<Host>(&HOST, 3);
+}
+
+#[test]
+fn per_rank_collectives_world_4() {
+    per_rank_suite::collectives::checked::<Host>(&HOST, 4);
+}
+
+#[test]
+fn per_rank_collectives_world_8() {
+    per_rank_suite::collectives::checked::<Host>(&HOST, 8);
+}
+
+#[test]
+fn per_rank_collectives_bad_inputs() {
+    per_rank_suite::collectives::bad_inputs::<Host>(&HOST);
+}

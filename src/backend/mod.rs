@@ -51,6 +51,17 @@ pub enum KernelKind {
     /// One thread spins for `timeout_ns` nanoseconds and touches no memory: fault
     /// injection (a rank made late on purpose). f32 only.
     Delay,
+    /// All-gather: every group member gets every member's input, in group-rank order.
+    AllGather,
+    /// Reduce-scatter (sum): group rank r gets part r of the sum
+    /// ([`crate::reduce_scatter_part`]).
+    ReduceScatter,
+    /// Broadcast of the root's input to every group member.
+    Broadcast,
+    /// Scatter: group rank r gets part r of the root's input.
+    Scatter,
+    /// All-reduce, residual add and RMSNorm in one kernel, row by row.
+    AllReduceRmsNorm,
 }
 
 impl KernelKind {
@@ -63,6 +74,11 @@ impl KernelKind {
             KernelKind::Barrier => "barrier",
             KernelKind::PingPong => "pingpong",
             KernelKind::Delay => "delay",
+            KernelKind::AllGather => "all_gather",
+            KernelKind::ReduceScatter => "reduce_scatter",
+            KernelKind::Broadcast => "broadcast",
+            KernelKind::Scatter => "scatter",
+            KernelKind::AllReduceRmsNorm => "allreduce_rmsnorm",
         }
     }
 }
@@ -84,6 +100,11 @@ impl Kernel {
             KernelKind::TwoStage,
             KernelKind::Lamport,
             KernelKind::Barrier,
+            KernelKind::AllGather,
+            KernelKind::ReduceScatter,
+            KernelKind::Broadcast,
+            KernelKind::Scatter,
+            KernelKind::AllReduceRmsNorm,
         ]
         .into_iter()
         .flat_map(|kind| {

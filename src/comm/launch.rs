@@ -38,6 +38,21 @@ impl<B: Backend> Communicator<B> {
         inputs: &[u64; MAX_GPUS],
         outputs: &[u64; MAX_GPUS],
     ) -> Result<()> {
+        let zeros = [0u64; MAX_GPUS];
+        self.launch_on_fused(plan, ranks, inputs, outputs, &zeros, &zeros)
+    }
+
+    /// As `launch_on`, with every rank's residual and weight (the fused all-reduce +
+    /// RMSNorm; zeros for every other kernel).
+    pub(super) fn launch_on_fused(
+        &self,
+        plan: &Plan,
+        ranks: &[usize],
+        inputs: &[u64; MAX_GPUS],
+        outputs: &[u64; MAX_GPUS],
+        residuals: &[u64; MAX_GPUS],
+        weights: &[u64; MAX_GPUS],
+    ) -> Result<()> {
         let _launches = self.lock_launches();
         self.check_usable()?;
         let missing = self.take_missing();
@@ -45,7 +60,16 @@ impl<B: Backend> Communicator<B> {
             if missing & (1 << r) != 0 {
                 continue;
             }
-            if let Err(e) = self.ranks[r].launch(&self.settings, plan, inputs, outputs[r]) {
+            let rank = &self.ranks[r];
+            let launched = rank.launch_fused(
+                &self.settings,
+                plan,
+                inputs,
+                outputs[r],
+                residuals[r],
+                weights[r],
+            );
+            if let Err(e) = launched {
                 if i > 0 {
                     self.poisoned.store(true, Ordering::Release);
                 }
@@ -67,6 +91,20 @@ impl<B: Backend> Rank<B> {
         inputs: &[u64; MAX_GPUS],
         output: u64,
     ) -> Result<()> {
+        self.launch_fused(settings, plan, inputs, output, 0, 0)
+    }
+
+    /// As [`Rank::launch`], with the fused all-reduce + RMSNorm's `residual` (updated
+    /// in place) and `weight` (0 for every other kernel).
+    pub(crate) fn launch_fused(
+        &self,
+        settings: &Settings,
+        plan: &Plan,
+        inputs: &[u64; MAX_GPUS],
+        output: u64,
+        residual: u64,
+        weight: u64,
+    ) -> Result<()> {
         let r = self.index;
         let width = plan.width;
         let base = r / width * width;
@@ -83,6 +121,11 @@ impl<B: Backend> Rank<B> {
             domain: barrier_domain(width, settings.world) as u32,
             world_rank: r as u32,
             stage_input: plan.stage_input as u32,
+            root: plan.collective.root,
+            hidden: plan.collective.hidden,
+            residual,
+            weight,
+            epsilon: plan.collective.epsilon,
             ..Default::default()
         };
         for k in 0..width {

@@ -15,18 +15,21 @@ use crate::error::{Error, Result};
 use crate::signal::{SignalLayout, MAX_GPUS};
 use crate::tensor::{Tensor, TensorMut};
 
+mod collective;
 mod config;
 mod fault;
 mod launch;
 mod per_rank;
 mod plan;
 mod settings;
+mod single_collectives;
 mod sizing;
 mod slices;
 mod status;
 mod validate;
 
 use crate::{enable_p2p, init_signal_buffer_with_counter_base};
+pub use collective::{reduce_scatter_part, CollectiveOptions};
 pub use config::{AllReduceOptions, CommConfig};
 pub use per_rank::Comm;
 use plan::Plan;
@@ -470,6 +473,7 @@ impl<B: Backend> Communicator<B> {
                 threads: 32,
             },
             overlap_previous: false,
+            collective: Default::default(),
         };
         let zeros = [0u64; MAX_GPUS];
         self.launch_on(&plan, &[0, 1], &zeros, &zeros)

@@ -24,6 +24,8 @@ use super::settings::Settings;
 use super::validate::check_world;
 use super::{read_error_record, AllReduceOptions, CommConfig, Rank};
 
+mod collectives;
+
 /// Format version of the per-rank exchange record.
 const RECORD_VERSION: u8 = 1;
 

@@ -7,6 +7,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::signal::{MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES};
 
+use super::collective::CollectiveArgs;
 use super::settings::Settings;
 use super::AllReduceOptions;
 
@@ -20,6 +21,8 @@ pub(crate) struct Plan {
     pub(crate) dims: LaunchDims,
     /// Launch with programmatic dependent launch where the backend has it.
     pub(crate) overlap_previous: bool,
+    /// Root, hidden size and epsilon of the collectives that have them.
+    pub(crate) collective: CollectiveArgs,
 }
 
 impl Settings {
@@ -39,6 +42,7 @@ impl Settings {
                 threads: self.config.threads_per_block,
             },
             overlap_previous: false,
+            collective: CollectiveArgs::default(),
         })
     }
 
@@ -153,6 +157,7 @@ impl Settings {
                 threads: self.config.threads_per_block,
             },
             overlap_previous: options.overlap_previous,
+            collective: CollectiveArgs::default(),
         })
     }
 }

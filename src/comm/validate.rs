@@ -118,12 +118,18 @@ impl<B: Backend> Communicator<B> {
         let direct = match plan.kernel.kind {
             KernelKind::OneStage => !plan.stage_input,
             KernelKind::TwoStage => true,
+            KernelKind::AllGather
+            | KernelKind::ReduceScatter
+            | KernelKind::Broadcast
+            | KernelKind::Scatter
+            | KernelKind::AllReduceRmsNorm => !plan.stage_input,
             _ => false,
         };
         if !direct || plan.width == 1 {
             return Ok(());
         }
-        for (r, rank) in self.ranks.iter().enumerate() {
+        // Ranks whose buffer nobody reads (the non-roots of a broadcast) pass 0.
+        for (r, rank) in self.ranks.iter().enumerate().filter(|&(r, _)| ptrs[r] != 0) {
             let base = r / plan.width * plan.width;
             for peer in (base..base + plan.width).filter(|&p| p != r) {
                 let peer_dev = &self.ranks[peer].device;

@@ -12,6 +12,7 @@
 
 #![allow(dead_code)]
 
+pub mod collectives;
 pub mod ergonomics;
 pub mod errors;
 pub mod fuzz;
@@ -944,6 +945,19 @@ macro_rules! reference_suite {
         world_test!($backend, $max_blocks, $lengths, sweep_world_7, 7);
         world_test!($backend, $max_blocks, $lengths, sweep_world_8, 8);
 
+        collectives_test!($backend, $max_blocks, collectives_world_1, 1);
+        collectives_test!($backend, $max_blocks, collectives_world_2, 2);
+        collectives_test!($backend, $max_blocks, collectives_world_3, 3);
+        collectives_test!($backend, $max_blocks, collectives_world_4, 4);
+        collectives_test!($backend, $max_blocks, collectives_world_8, 8);
+
+        #[test]
+        fn collectives_bad_inputs() {
+            if devices_or_skip("collectives_bad_inputs", 2) {
+                common::collectives::bad_inputs::<$backend>();
+            }
+        }
+
         /// The largest of `worlds` (descending) this backend has devices for, or a
         /// printed skip.
         fn largest_world(test: &str, worlds: &[usize]) -> Option<usize> {
@@ -1026,6 +1040,26 @@ macro_rules! reference_suite {
         );
 
         ergonomics_tests!($backend);
+    };
+}
+
+/// One `#[test]` at one world size: every other collective, then the fused
+/// all-reduce + residual + RMSNorm. Expanded inside `reference_suite!` (it uses the
+/// suite's `devices_or_skip`).
+#[macro_export]
+macro_rules! collectives_test {
+    ($backend:ty, $max_blocks:expr, $name:ident, $world:expr) => {
+        #[test]
+        fn $name() {
+            if devices_or_skip(stringify!($name), $world) {
+                common::collectives::sweep::<$backend>(
+                    $world,
+                    $max_blocks,
+                    &common::collectives::COLLECTIVE_LENGTHS,
+                );
+                common::collectives::rms_norm_sweep::<$backend>($world, $max_blocks);
+            }
+        }
     };
 }
 

@@ -17,6 +17,8 @@ use crate::signal::{
 
 use crate::backend::LAMPORT_SENTINEL;
 
+mod collectives;
+
 /// Why a wait stopped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stop {
@@ -253,7 +255,10 @@ pub(crate) unsafe fn run_block(kernel: Kernel, args: &AllReduceArgs, block: u32,
 /// Whether the peers of a kernel read this rank's user buffers (then a rank that gives
 /// up must wait for them to quit before its kernel may end).
 fn peers_read_user_buffers(kind: KernelKind) -> bool {
-    matches!(kind, KernelKind::OneStage | KernelKind::TwoStage)
+    !matches!(
+        kind,
+        KernelKind::Lamport | KernelKind::Barrier | KernelKind::PingPong | KernelKind::Delay
+    )
 }
 
 unsafe fn run_typed<T: Element>(
@@ -277,6 +282,11 @@ unsafe fn run_typed<T: Element>(
             barrier(args, block, BarrierKind::Start)?;
             barrier(args, block, BarrierKind::Publish)
         }
+        KernelKind::AllGather => collectives::all_gather::<T>(args, block, blocks),
+        KernelKind::ReduceScatter => collectives::reduce_scatter::<T>(args, block, blocks),
+        KernelKind::Broadcast => collectives::broadcast::<T>(args, block, blocks),
+        KernelKind::Scatter => collectives::scatter::<T>(args, block, blocks),
+        KernelKind::AllReduceRmsNorm => collectives::allreduce_rmsnorm::<T>(args, block, blocks),
     }
 }
 

@@ -1,0 +1,296 @@
+// peercomm collectives beside the all-reduce, written once for both vendors: all-gather,
+// reduce-scatter (sum), broadcast, scatter, and the fused all-reduce + residual add +
+// RMSNorm. Included by the vendor layers after peercomm_kernels.h, whose barrier, abort
+// protocol, range helpers and element types they use. The host backend's
+// src/backend/host/collectives.rs is the same algorithms step by step.
+//
+// Every collective reads peer data from `a.inputs[q]`: the peers' user buffers where
+// they can be reached (one process, `stage_input == 0`), else the peers' payloads, into
+// which each rank first stages what the peers read (`stage_input != 0`). Staging and
+// reading give pack k of a staged range to the same thread (k % stride of the grid), so
+// block b reads only what block b of the owner wrote and the per-block Publish barrier
+// suffices. Every collective pairs its start barrier (Start, or Publish after staging)
+// with an End barrier, which keeps a peer from overwriting a payload or input this
+// block still reads.
+
+#ifndef PEERCOMM_COLLECTIVES_H
+#define PEERCOMM_COLLECTIVES_H
+
+template <typename D>
+PC_INLINE uint64_t elem_addr(uint64_t base, uint64_t e) {
+    return base + e * sizeof(typename D::Bits);
+}
+
+PC_INLINE uint64_t div_ceil_u64(uint64_t x, uint64_t y) { return (x + y - 1) / y; }
+
+// The reduce-scatter split of n elements over `width` ranks: part q starts at
+// q * (n / width) + min(q, n % width) and has n / width elements, one more for the first
+// n % width parts. The same rule as `peercomm::reduce_scatter_part`.
+struct Part {
+    uint64_t first;
+    uint64_t count;
+};
+PC_INLINE Part split_part(uint64_t n, uint32_t width, uint32_t q) {
+    const uint64_t base = n / width, rem = n % width;
+    return Part{q * base + min_u64(q, rem), base + (q < rem ? 1u : 0u)};
+}
+
+// Where part q of a split starts in a staged payload, in packs: each part begins at a
+// pack boundary, so it is staged and read as a message of its own.
+template <typename D>
+PC_INLINE uint64_t staged_part_pack(uint64_t n, uint32_t width, uint32_t q) {
+    constexpr int L = Pack<D>::kLanes;
+    uint64_t packs = 0;
+    for (uint32_t s = 0; s < q; ++s) packs += div_ceil_u64(split_part(n, width, s).count, L);
+    return packs;
+}
+
+// Copies an n-element message from src to dst, pack k by global thread k % stride.
+template <typename D>
+PC_INLINE void copy_message(uint64_t src, uint64_t dst, uint64_t n, uint64_t tid, uint64_t stride) {
+    constexpr int L = Pack<D>::kLanes;
+    const bool vec = aligned16(src) && aligned16(dst);
+    copy_range<D>(src, 0, dst, 0, 0, div_ceil_u64(n, L), n, vec, tid, stride);
+}
+
+// The first barrier of a collective: Publish after this rank staged (the peers read the
+// payload it wrote), else Start.
+PC_INLINE bool first_barrier(Ctx& c, bool staged) {
+    return staged ? barrier<BarrierKind::Publish>(c) : barrier<BarrierKind::Start>(c);
+}
+
+// All-gather: each member's n elements land at [q * n, (q + 1) * n) of every member's
+// output. Staged: the own input goes into the own payload first. Members read the
+// sources starting with their own group rank, so the peers' links share the load.
+template <typename D>
+PC_INLINE void all_gather(const Args& a) {
+    Ctx c = make_ctx(a);
+    if (!enter(c)) return abandon(c, WaitForPeers::No);
+    const uint64_t n = a.num_elements;
+    const uint32_t width = a.group_width, me = a.group_rank;
+    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    const bool staged = a.stage_input != 0u;
+    if (staged) copy_message<D>(a.local_input, a.payloads[me], n, tid, stride);
+    if (!first_barrier(c, staged)) return abandon(c, WaitForPeers::Yes);
+    for (uint32_t i = 0; i < width; ++i) {
+        const uint32_t q = (me + i) % width;
+        copy_message<D>(a.inputs[q], elem_addr<D>(a.output, q * n), n, tid, stride);
+    }
+    if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
+}
+
+// Reduce-scatter (sum): group rank r reduces part r (split_part) of every member's
+// n-element input, in group-rank order and f32 like the all-reduce, so its bits equal
+// the all-reduce's for those elements. Staged: the own input goes into the own payload
+// part by part, each part at a pack boundary (staged_part_pack).
+template <typename D>
+PC_INLINE void reduce_scatter(const Args& a) {
+    Ctx c = make_ctx(a);
+    if (!enter(c)) return abandon(c, WaitForPeers::No);
+    constexpr int L = Pack<D>::kLanes;
+    const uint64_t n = a.num_elements;
+    const uint32_t width = a.group_width, me = a.group_rank;
+    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    const bool staged = a.stage_input != 0u;
+    if (staged) {
+        for (uint32_t q = 0; q < width; ++q) {
+            const Part part = split_part(n, width, q);
+            copy_message<D>(elem_addr<D>(a.local_input, part.first),
+                            a.payloads[me] + staged_part_pack<D>(n, width, q) * 16u, part.count, tid, stride);
+        }
+    }
+    if (!first_barrier(c, staged)) return abandon(c, WaitForPeers::Yes);
+    const Part mine = split_part(n, width, me);
+    const uint64_t staged_at = staged_part_pack<D>(n, width, me) * 16u;
+    uint64_t srcs[PEERCOMM_MAX_GPUS];
+    bool vec = aligned16(a.output);
+#pragma unroll
+    for (uint32_t s = 0; s < PEERCOMM_MAX_GPUS; ++s) {
+        srcs[s] = s < width ? (staged ? a.inputs[s] + staged_at : elem_addr<D>(a.inputs[s], mine.first)) : 0u;
+        vec = vec && (s >= width || aligned16(srcs[s]));
+    }
+    const uint64_t packs = div_ceil_u64(mine.count, L);
+    with_width(width, [&]<int W>() { reduce_range<D, W>(srcs, 0, packs, mine.count, a.output, 0, vec, tid, stride); });
+    if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
+}
+
+// Broadcast: the root's n elements to every member's output. Staged: the root puts its
+// input into its payload. The root copies its own input (nothing when in place).
+template <typename D>
+PC_INLINE void broadcast(const Args& a) {
+    Ctx c = make_ctx(a);
+    if (!enter(c)) return abandon(c, WaitForPeers::No);
+    const uint64_t n = a.num_elements;
+    const uint32_t me = a.group_rank, root = a.root;
+    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    const bool staged = a.stage_input != 0u;
+    if (staged && me == root) copy_message<D>(a.local_input, a.payloads[me], n, tid, stride);
+    if (!first_barrier(c, staged)) return abandon(c, WaitForPeers::Yes);
+    if (me != root) {
+        copy_message<D>(a.inputs[root], a.output, n, tid, stride);
+    } else if (a.output != a.local_input) {
+        copy_message<D>(a.local_input, a.output, n, tid, stride);
+    }
+    if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
+}
+
+// Scatter: member q gets elements [q * n, (q + 1) * n) of the root's width * n. Staged:
+// the root puts part q into its payload at pack q * ceil(n / L).
+template <typename D>
+PC_INLINE void scatter(const Args& a) {
+    Ctx c = make_ctx(a);
+    if (!enter(c)) return abandon(c, WaitForPeers::No);
+    constexpr int L = Pack<D>::kLanes;
+    const uint64_t n = a.num_elements, part_bytes = div_ceil_u64(n, L) * 16u;
+    const uint32_t width = a.group_width, me = a.group_rank, root = a.root;
+    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    const bool staged = a.stage_input != 0u;
+    if (staged && me == root) {
+        for (uint32_t q = 0; q < width; ++q)
+            copy_message<D>(elem_addr<D>(a.local_input, q * n), a.payloads[me] + q * part_bytes, n, tid, stride);
+    }
+    if (!first_barrier(c, staged)) return abandon(c, WaitForPeers::Yes);
+    const uint64_t src = me == root ? elem_addr<D>(a.local_input, me * n)
+                         : staged   ? a.inputs[root] + me * part_bytes
+                                    : elem_addr<D>(a.inputs[root], me * n);
+    copy_message<D>(src, a.output, n, tid, stride);
+    if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
+}
+
+// ---------------------------------------------------------------------------------
+// Fused all-reduce + residual add + RMSNorm over rows of `hidden` elements (a multiple
+// of the pack width), num_elements / hidden rows. Row t belongs to block t % gridDim.x;
+// pack k of a row to thread k % blockDim.x, for staging and reading alike. Per element,
+// the unfused sequence with its roundings to D:
+//   s = D(sum over members in group-rank order, f32)        the all-reduce
+//   r = D(f32(s) + f32(residual))                           written back to residual
+// then per row ms = mean of f32(r)^2 (a fixed-shape tree in shared memory, the same on
+// every rank), inv = 1 / sqrt(ms + epsilon), and output = D(f32(r) * inv * f32(weight)).
+// Every rank computes every row, so every rank writes the same bits.
+
+// Sum of every thread's `x` in the block, by a tree over a power-of-two padded array:
+// the same order for every block and rank of one launch shape.
+PC_INLINE float block_sum(float x, volatile PC_SHARED float* red) {
+    const uint32_t t = threadIdx.x, n = blockDim.x;
+    uint32_t p = 1;
+    while (p < n) p <<= 1;
+    red[t] = x;
+    for (uint32_t i = n + t; i < p; i += n) red[i] = 0.0f;
+    __syncthreads();
+    for (uint32_t s = p >> 1; s > 0; s >>= 1) {
+        if (t < s) red[t] = red[t] + red[t + s];
+        __syncthreads();
+    }
+    const float total = red[0];
+    __syncthreads();
+    return total;
+}
+
+template <typename D>
+PC_INLINE Pack<D> load_pack(uint64_t base, uint64_t p, bool vec) {
+    constexpr int L = Pack<D>::kLanes;
+    Pack<D> x{make_vec16(0u, 0u, 0u, 0u)};
+    if (vec) {
+        x.v = load_vec16(base, p);
+    } else {
+#pragma unroll
+        for (int j = 0; j < L; ++j) x.set_lane(j, load_elem<D>(base, p * L + j));
+    }
+    return x;
+}
+
+template <typename D>
+PC_INLINE void store_pack(uint64_t base, uint64_t p, Pack<D> x, bool vec) {
+    constexpr int L = Pack<D>::kLanes;
+    if (vec) {
+        store_vec16(base, p, x.v);
+    } else {
+#pragma unroll
+        for (int j = 0; j < L; ++j) store_elem<D>(base, p * L + j, x.lane(j));
+    }
+}
+
+template <typename D, int W>
+PC_INLINE void rmsnorm_rows(const Args& a, const uint64_t* srcs, bool vec, volatile PC_SHARED float* red) {
+    constexpr int L = Pack<D>::kLanes;
+    const uint64_t hidden = a.hidden, row_packs = hidden / L, rows = a.num_elements / hidden;
+    for (uint64_t t = blockIdx.x; t < rows; t += gridDim.x) {
+        const uint64_t row = t * row_packs;
+        float sq = 0.0f;
+        for (uint64_t k = threadIdx.x; k < row_packs; k += blockDim.x) {
+            const uint64_t p = row + k;
+            Vec16 x[W];
+#pragma unroll
+            for (int s = 0; s < W; ++s) x[s] = load_pack<D>(srcs[s], p, vec).v;
+            Pack<D> sum{sum_packs<D, W>(x)};
+            Pack<D> res = load_pack<D>(a.residual, p, vec);
+#pragma unroll
+            for (int j = 0; j < L; ++j) {
+                const typename D::Bits r = D::from_float(D::to_float(sum.lane(j)) + D::to_float(res.lane(j)));
+                res.set_lane(j, r);
+                const float f = D::to_float(r);
+                sq += f * f;
+            }
+            store_pack<D>(a.residual, p, res, vec);
+        }
+        const float inv = 1.0f / sqrtf(block_sum(sq, red) / (float)hidden + a.epsilon);
+        for (uint64_t k = threadIdx.x; k < row_packs; k += blockDim.x) {
+            const uint64_t p = row + k;
+            // This thread wrote pack p of the residual above: it reads its own store.
+            const Pack<D> res = load_pack<D>(a.residual, p, vec);
+            const Pack<D> w = load_pack<D>(a.weight, k, vec);
+            Pack<D> out{make_vec16(0u, 0u, 0u, 0u)};
+#pragma unroll
+            for (int j = 0; j < L; ++j)
+                out.set_lane(j, D::from_float(D::to_float(res.lane(j)) * inv * D::to_float(w.lane(j))));
+            store_pack<D>(a.output, p, out, vec);
+        }
+    }
+}
+
+template <typename D>
+PC_INLINE void allreduce_rmsnorm(const Args& a) {
+    __shared__ float red[1024];
+    Ctx c = make_ctx(a);
+    if (!enter(c)) return abandon(c, WaitForPeers::No);
+    constexpr int L = Pack<D>::kLanes;
+    const uint32_t width = a.group_width, me = a.group_rank;
+    const uint64_t row_packs = a.hidden / L, rows = a.num_elements / a.hidden;
+    const bool staged = a.stage_input != 0u;
+    bool vec = aligned16(a.output) && aligned16(a.residual) && aligned16(a.weight) && aligned16(a.local_input);
+    for (uint32_t s = 0; s < width; ++s) vec = vec && aligned16(a.inputs[s]);
+    if (staged) {
+        for (uint64_t t = blockIdx.x; t < rows; t += gridDim.x)
+            for (uint64_t k = threadIdx.x; k < row_packs; k += blockDim.x) {
+                const uint64_t p = t * row_packs + k;
+                store_pack<D>(a.payloads[me], p, load_pack<D>(a.local_input, p, vec), vec);
+            }
+    }
+    if (!first_barrier(c, staged)) return abandon(c, WaitForPeers::Yes);
+    volatile PC_SHARED float* tree = (volatile PC_SHARED float*)red;
+    with_width(width, [&]<int W>() { rmsnorm_rows<D, W>(a, a.inputs, vec, tree); });
+    if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
+}
+
+#define PEERCOMM_COLLECTIVE_KERNELS(X)                            \
+    X(peercomm_all_gather_f32, all_gather<F32>)                   \
+    X(peercomm_all_gather_f16, all_gather<F16>)                   \
+    X(peercomm_all_gather_bf16, all_gather<BF16>)                 \
+    X(peercomm_reduce_scatter_f32, reduce_scatter<F32>)           \
+    X(peercomm_reduce_scatter_f16, reduce_scatter<F16>)           \
+    X(peercomm_reduce_scatter_bf16, reduce_scatter<BF16>)         \
+    X(peercomm_broadcast_f32, broadcast<F32>)                     \
+    X(peercomm_broadcast_f16, broadcast<F16>)                     \
+    X(peercomm_broadcast_bf16, broadcast<BF16>)                   \
+    X(peercomm_scatter_f32, scatter<F32>)                         \
+    X(peercomm_scatter_f16, scatter<F16>)                         \
+    X(peercomm_scatter_bf16, scatter<BF16>)                       \
+    X(peercomm_allreduce_rmsnorm_f32, allreduce_rmsnorm<F32>)     \
+    X(peercomm_allreduce_rmsnorm_f16, allreduce_rmsnorm<F16>)     \
+    X(peercomm_allreduce_rmsnorm_bf16, allreduce_rmsnorm<BF16>)
+
+#endif  // PEERCOMM_COLLECTIVES_H

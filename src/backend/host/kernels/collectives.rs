@@ -1,0 +1,204 @@
+//! Host ports of kernels-common/peercomm_collectives.h: all-gather, reduce-scatter,
+//! broadcast, scatter and the fused all-reduce + residual + RMSNorm, step by step. A
+//! staged range gives pack k to block k % blocks for the staging copy and for the
+//! readers alike, so the per-block Publish barrier orders every read after its write.
+
+use super::{barrier, block_packs, lanes, pack_range, reduce_element, store, Stop};
+use crate::dtype::Element;
+use crate::protocol::BarrierKind;
+use crate::reduce_scatter_part;
+use crate::signal::{AllReduceArgs, MAX_GPUS, PACK_BYTES};
+
+/// Address of element `e` of the `T` array at `base`.
+fn elem<T>(base: u64, e: usize) -> u64 {
+    base + (e * std::mem::size_of::<T>()) as u64
+}
+
+/// Bytes of `n` elements rounded up to whole packs.
+fn padded<T>(n: usize) -> u64 {
+    (n.div_ceil(lanes::<T>()) * PACK_BYTES) as u64
+}
+
+/// Copies this block's packs of an `n`-element message from `src` to `dst`.
+unsafe fn copy_message<T: Element>(src: u64, dst: u64, n: usize, block: u32, blocks: u32) {
+    for p in block_packs(0, n.div_ceil(lanes::<T>()), block, blocks) {
+        for e in pack_range::<T>(p, n) {
+            (dst as *mut T)
+                .add(e)
+                .write((src as *const T).add(e).read());
+        }
+    }
+}
+
+/// The first barrier: Publish after staging, else Start.
+unsafe fn first_barrier(args: &AllReduceArgs, block: u32) -> Result<(), Stop> {
+    let kind = if args.stage_input != 0 {
+        BarrierKind::Publish
+    } else {
+        BarrierKind::Start
+    };
+    barrier(args, block, kind)
+}
+
+/// Where part q of a reduce-scatter input starts in a staged payload: every part at a
+/// pack boundary.
+fn staged_part_offset<T>(n: usize, width: usize, q: usize) -> u64 {
+    (0..q)
+        .map(|s| padded::<T>(reduce_scatter_part(n, width, s).len()))
+        .sum()
+}
+
+pub(super) unsafe fn all_gather<T: Element>(
+    args: &AllReduceArgs,
+    block: u32,
+    blocks: u32,
+) -> Result<(), Stop> {
+    let n = args.num_elements as usize;
+    let (width, me) = (args.group_width as usize, args.group_rank as usize);
+    if args.stage_input != 0 {
+        copy_message::<T>(args.local_input, args.payloads[me], n, block, blocks);
+    }
+    first_barrier(args, block)?;
+    for i in 0..width {
+        let q = (me + i) % width;
+        copy_message::<T>(
+            args.inputs[q],
+            elem::<T>(args.output, q * n),
+            n,
+            block,
+            blocks,
+        );
+    }
+    barrier(args, block, BarrierKind::End)
+}
+
+pub(super) unsafe fn reduce_scatter<T: Element>(
+    args: &AllReduceArgs,
+    block: u32,
+    blocks: u32,
+) -> Result<(), Stop> {
+    let n = args.num_elements as usize;
+    let (width, me) = (args.group_width as usize, args.group_rank as usize);
+    let staged = args.stage_input != 0;
+    if staged {
+        for q in 0..width {
+            let part = reduce_scatter_part(n, width, q);
+            let dst = args.payloads[me] + staged_part_offset::<T>(n, width, q);
+            copy_message::<T>(
+                elem::<T>(args.local_input, part.start),
+                dst,
+                part.len(),
+                block,
+                blocks,
+            );
+        }
+    }
+    first_barrier(args, block)?;
+    let mine = reduce_scatter_part(n, width, me);
+    let mut srcs = [0u64; MAX_GPUS];
+    for (s, src) in srcs.iter_mut().enumerate().take(width) {
+        *src = if staged {
+            args.inputs[s] + staged_part_offset::<T>(n, width, me)
+        } else {
+            elem::<T>(args.inputs[s], mine.start)
+        };
+    }
+    let count = mine.len();
+    for p in block_packs(0, count.div_ceil(lanes::<T>()), block, blocks) {
+        for e in pack_range::<T>(p, count) {
+            store::<T>(args.output, e, reduce_element::<T>(&srcs[..width], e));
+        }
+    }
+    barrier(args, block, BarrierKind::End)
+}
+
+pub(super) unsafe fn broadcast<T: Element>(
+    args: &AllReduceArgs,
+    block: u32,
+    blocks: u32,
+) -> Result<(), Stop> {
+    let n = args.num_elements as usize;
+    let (me, root) = (args.group_rank as usize, args.root as usize);
+    if args.stage_input != 0 && me == root {
+        copy_message::<T>(args.local_input, args.payloads[me], n, block, blocks);
+    }
+    first_barrier(args, block)?;
+    if me != root {
+        copy_message::<T>(args.inputs[root], args.output, n, block, blocks);
+    } else if args.output != args.local_input {
+        copy_message::<T>(args.local_input, args.output, n, block, blocks);
+    }
+    barrier(args, block, BarrierKind::End)
+}
+
+pub(super) unsafe fn scatter<T: Element>(
+    args: &AllReduceArgs,
+    block: u32,
+    blocks: u32,
+) -> Result<(), Stop> {
+    let n = args.num_elements as usize;
+    let (width, me, root) = (
+        args.group_width as usize,
+        args.group_rank as usize,
+        args.root as usize,
+    );
+    let part_bytes = padded::<T>(n);
+    let staged = args.stage_input != 0;
+    if staged && me == root {
+        for q in 0..width {
+            let dst = args.payloads[me] + q as u64 * part_bytes;
+            copy_message::<T>(elem::<T>(args.local_input, q * n), dst, n, block, blocks);
+        }
+    }
+    first_barrier(args, block)?;
+    let src = if me == root {
+        elem::<T>(args.local_input, me * n)
+    } else if staged {
+        args.inputs[root] + me as u64 * part_bytes
+    } else {
+        elem::<T>(args.inputs[root], me * n)
+    };
+    copy_message::<T>(src, args.output, n, block, blocks);
+    barrier(args, block, BarrierKind::End)
+}
+
+/// The fused all-reduce + residual add + RMSNorm: row t by block t % blocks. The
+/// unfused sequence's roundings (sum, then residual, to T), f32 arithmetic; the mean
+/// square in element order (the GPUs use a tree, so host and GPU bits may differ in
+/// the normalised output, while every rank of one backend agrees).
+pub(super) unsafe fn allreduce_rmsnorm<T: Element>(
+    args: &AllReduceArgs,
+    block: u32,
+    blocks: u32,
+) -> Result<(), Stop> {
+    let hidden = args.hidden as usize;
+    let rows = args.num_elements as usize / hidden;
+    let (width, me) = (args.group_width as usize, args.group_rank as usize);
+    let my_rows = || (block as usize..rows).step_by(blocks as usize);
+    if args.stage_input != 0 {
+        for t in my_rows() {
+            let at = elem::<T>(0, t * hidden);
+            copy_message::<T>(args.local_input + at, args.payloads[me] + at, hidden, 0, 1);
+        }
+    }
+    first_barrier(args, block)?;
+    let srcs = &args.inputs[..width];
+    for t in my_rows() {
+        let row = t * hidden;
+        let mut sq = 0f32;
+        for e in row..row + hidden {
+            let sum = T::from_f32(reduce_element::<T>(srcs, e)).to_f32();
+            let res = (args.residual as *mut T).add(e);
+            let r = T::from_f32(sum + res.read().to_f32());
+            res.write(r);
+            sq += r.to_f32() * r.to_f32();
+        }
+        let inv = 1.0 / (sq / hidden as f32 + args.epsilon).sqrt();
+        for (k, e) in (row..row + hidden).enumerate() {
+            let r = (args.residual as *const T).add(e).read().to_f32();
+            let w = (args.weight as *const T).add(k).read().to_f32();
+            store::<T>(args.output, e, r * inv * w);
+        }
+    }
+    barrier(args, block, BarrierKind::End)
+}

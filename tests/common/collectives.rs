@@ -1,0 +1,599 @@
+//! All-gather, reduce-scatter, broadcast, scatter and the fused all-reduce + residual +
+//! RMSNorm, generic over the backend: the references every suite checks against (exact
+//! bits where the collective copies or where the f32 reduction order is defined, the f64
+//! reference besides), the single-controller sweep, and the bad-input matrix.
+
+use peercomm::backend::Backend;
+use peercomm::{
+    reduce_scatter_part, CollectiveOptions, Communicator, DType, Element, Error, Tensor, TensorMut,
+};
+use rand::rngs::StdRng;
+use rand::Rng;
+
+use super::{group_sizes, random_inputs, random_values, rng, suite_config};
+
+/// Lengths the collectives are checked at in the sweeps (odd ones exercise the tails).
+pub const COLLECTIVE_LENGTHS: [usize; 5] = [1, 7, 1023, 4099, 100_003];
+
+/// The collectives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Which {
+    AllGather,
+    ReduceScatter,
+    Broadcast { root: usize, in_place: bool },
+    Scatter { root: usize },
+}
+
+fn eps(dtype: DType) -> f64 {
+    match dtype {
+        DType::F32 => f32::EPSILON as f64,
+        DType::F16 => 2f64.powi(-10),
+        DType::BF16 => 2f64.powi(-7),
+    }
+}
+
+fn bits<T: Element>(v: &[T]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits_u32()).collect()
+}
+
+/// Rank r's all-gather output: the group's inputs in group-rank order.
+pub fn expect_all_gather<T: Element>(ins: &[Vec<T>], width: usize, r: usize) -> Vec<T> {
+    let base = r / width * width;
+    (base..base + width).flat_map(|q| ins[q].clone()).collect()
+}
+
+/// Rank r's reduce-scatter output as the kernels compute it: its part of the f32 sum in
+/// group-rank order, rounded to T; also checked against the f64 sum.
+pub fn expect_reduce_scatter<T: Element>(ins: &[Vec<T>], width: usize, r: usize) -> Vec<T> {
+    let base = r / width * width;
+    let part = reduce_scatter_part(ins[0].len(), width, r % width);
+    part.map(|e| {
+        let mut acc = ins[base][e].to_f32();
+        let mut sum = acc as f64;
+        let mut abs = sum.abs();
+        for x in ins[base + 1..base + width].iter().map(|v| v[e].to_f32()) {
+            acc += x;
+            sum += x as f64;
+            abs += (x as f64).abs();
+        }
+        let out = T::from_f32(acc);
+        let tol = 0.5 * eps(T::DTYPE) * sum.abs() + width as f64 * f32::EPSILON as f64 * abs + 1e-7;
+        assert!(
+            (out.to_f32() as f64 - sum).abs() <= tol,
+            "the in-order f32 sum strays from the f64 sum at element {e}"
+        );
+        out
+    })
+    .collect()
+}
+
+/// Rank r's broadcast output: its group root's input.
+pub fn expect_broadcast<T: Element>(ins: &[Vec<T>], width: usize, r: usize, root: usize) -> Vec<T> {
+    ins[r / width * width + root].clone()
+}
+
+/// Rank r's scatter output: its part of its group root's input (`width * n` elements).
+pub fn expect_scatter<T: Element>(ins: &[Vec<T>], width: usize, r: usize, root: usize) -> Vec<T> {
+    let src = &ins[r / width * width + root];
+    let n = src.len() / width;
+    let q = r % width;
+    src[q * n..(q + 1) * n].to_vec()
+}
+
+/// Asserts `got` equals `want` bit for bit.
+pub fn assert_bits<T: Element>(got: &[T], want: &[T], what: &str) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(e) = (0..got.len()).find(|&e| got[e].to_bits_u32() != want[e].to_bits_u32()) {
+        panic!(
+            "{what}: element {e} of {}: got {:?} ({:#x}), expected {:?} ({:#x})",
+            got.len(),
+            got[e],
+            got[e].to_bits_u32(),
+            want[e],
+            want[e].to_bits_u32()
+        );
+    }
+}
+
+/// Input length per rank of `which` for an output of `n` per member.
+pub fn input_len(which: Which, width: usize, n: usize) -> usize {
+    match which {
+        Which::Scatter { .. } => n * width,
+        _ => n,
+    }
+}
+
+/// Output length of rank r.
+pub fn output_len(which: Which, width: usize, r: usize, input: usize) -> usize {
+    match which {
+        Which::AllGather => input * width,
+        Which::ReduceScatter => reduce_scatter_part(input, width, r % width).len(),
+        Which::Broadcast { .. } => input,
+        Which::Scatter { .. } => input / width,
+    }
+}
+
+/// Rank r's expected output.
+pub fn expect<T: Element>(which: Which, ins: &[Vec<T>], width: usize, r: usize) -> Vec<T> {
+    match which {
+        Which::AllGather => expect_all_gather(ins, width, r),
+        Which::ReduceScatter => expect_reduce_scatter(ins, width, r),
+        Which::Broadcast { root, .. } => expect_broadcast(ins, width, r, root),
+        Which::Scatter { root } => expect_scatter(ins, width, r, root),
+    }
+}
+
+/// The f64 reference of the unfused all-reduce, residual add and RMSNorm, checked
+/// against one rank's outputs (`out`, `res_out`) with tolerances for the roundings to T
+/// in between.
+#[allow(clippy::too_many_arguments)]
+pub fn check_rms_norm<T: Element>(
+    ins: &[Vec<T>],
+    res_in: &[T],
+    weight: &[T],
+    width: usize,
+    r: usize,
+    epsilon: f32,
+    out: &[T],
+    res_out: &[T],
+    what: &str,
+) {
+    let hidden = weight.len();
+    let base = r / width * width;
+    let e_t = eps(T::DTYPE);
+    for (t, row) in res_in.chunks(hidden).enumerate() {
+        let at = t * hidden;
+        let mut s = vec![0f64; hidden];
+        let mut rr = vec![0f64; hidden];
+        for k in 0..hidden {
+            s[k] = (base..base + width)
+                .map(|q| ins[q][at + k].to_f32() as f64)
+                .sum();
+            rr[k] = s[k] + row[k].to_f32() as f64;
+        }
+        let ms = rr.iter().map(|x| x * x).sum::<f64>() / hidden as f64;
+        let inv = 1.0 / (ms + epsilon as f64).sqrt();
+        for k in 0..hidden {
+            let got_r = res_out[at + k].to_f32() as f64;
+            let tol_r = e_t * (s[k].abs() + rr[k].abs()) + 1e-6;
+            assert!(
+                (got_r - rr[k]).abs() <= tol_r,
+                "{what}: residual at row {t} element {k}: got {got_r}, expected {} (tol {tol_r})",
+                rr[k]
+            );
+            let w = weight[k].to_f32() as f64;
+            let y = rr[k] * inv * w;
+            let got = out[at + k].to_f32() as f64;
+            let tol = w.abs() * inv * tol_r + 4.0 * e_t * y.abs() + 1e-5;
+            assert!(
+                got.is_finite() && (got - y).abs() <= tol,
+                "{what}: output at row {t} element {k}: got {got}, expected {y} (tol {tol})"
+            );
+        }
+    }
+}
+
+fn upload<B: Backend, T: Element>(dev: &B::Device, v: &[T]) -> B::Buffer<T> {
+    let mut b = B::alloc_buffer::<T>(dev, v.len()).expect("alloc");
+    B::upload(dev, v, &mut b).expect("upload");
+    b
+}
+
+fn poisoned<B: Backend, T: Element>(dev: &B::Device, len: usize) -> B::Buffer<T> {
+    upload::<B, T>(dev, &vec![T::from_f32(f32::NAN); len])
+}
+
+/// One single-controller call of `which` on fresh inputs, outputs poisoned, checked.
+pub fn check_once<B: Backend, T: Element>(
+    comm: &Communicator<B>,
+    rng: &mut StdRng,
+    which: Which,
+    width: usize,
+    n: usize,
+    blocks: Option<u32>,
+) {
+    let world = comm.world_size();
+    let len = input_len(which, width, n);
+    let ins: Vec<Vec<T>> = random_inputs::<T>(rng, world, len);
+    let mut opts = CollectiveOptions::new().group_size(width);
+    if let Some(b) = blocks {
+        opts = opts.blocks(b);
+    }
+    let what = format!("{which:?} {:?} world {world} group {width} n {n}", T::DTYPE);
+    let ranks = comm.ranks();
+    let in_bufs: Vec<_> = (0..world)
+        .map(|r| upload::<B, T>(ranks[r].device(), &ins[r]))
+        .collect();
+    let mut outs: Vec<_> = (0..world)
+        .map(|r| poisoned::<B, T>(ranks[r].device(), output_len(which, width, r, len)))
+        .collect();
+    let roots = |root: usize| -> Vec<Tensor<'_, B>> {
+        (root..world)
+            .step_by(width)
+            .map(|r| Tensor::flat(&in_bufs[r]))
+            .collect()
+    };
+    let result = match which {
+        Which::Broadcast {
+            root,
+            in_place: true,
+        } => {
+            let mut bufs: Vec<_> = (0..world)
+                .map(|r| {
+                    if r % width == root {
+                        upload::<B, T>(ranks[r].device(), &ins[r])
+                    } else {
+                        poisoned::<B, T>(ranks[r].device(), len)
+                    }
+                })
+                .collect();
+            let mut ts: Vec<_> = bufs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+            comm.broadcast_in_place(&mut ts, root, &opts).expect(&what);
+            drop(ts);
+            comm.synchronize().expect(&what);
+            outs = bufs;
+            Ok(())
+        }
+        _ => {
+            let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+            let r = match which {
+                Which::AllGather | Which::ReduceScatter => {
+                    let i: Vec<_> = in_bufs.iter().map(|b| Tensor::flat(b)).collect();
+                    if which == Which::AllGather {
+                        comm.all_gather(&i, &mut o, &opts)
+                    } else {
+                        comm.reduce_scatter_sum(&i, &mut o, &opts)
+                    }
+                }
+                Which::Broadcast { root, .. } => comm.broadcast(&roots(root), &mut o, root, &opts),
+                Which::Scatter { root } => comm.scatter(&roots(root), &mut o, root, &opts),
+            };
+            drop(o);
+            r
+        }
+    };
+    result.expect(&what);
+    comm.synchronize().expect(&what);
+    for r in 0..world {
+        let got = B::download(ranks[r].device(), &outs[r]).expect("download");
+        assert_bits(
+            &got,
+            &expect(which, &ins, width, r),
+            &format!("{what} rank {r}"),
+        );
+    }
+}
+
+/// Every collective x dtype x group size x length at one world size, single controller.
+pub fn sweep<B: Backend>(world: usize, max_blocks: Option<u32>, lengths: &[usize]) {
+    let comm = super::open::<B>(world, suite_config(max_blocks));
+    let mut rng = rng(&format!("collectives_world_{world}"));
+    for width in group_sizes(world) {
+        let mut whiches = vec![Which::AllGather, Which::ReduceScatter];
+        for root in [0, width - 1] {
+            whiches.push(Which::Broadcast {
+                root,
+                in_place: root == 0,
+            });
+            whiches.push(Which::Scatter { root });
+        }
+        for &n in lengths {
+            for &which in &whiches {
+                check_once::<B, f32>(&comm, &mut rng, which, width, n, None);
+                check_once::<B, half::f16>(&comm, &mut rng, which, width, n, None);
+                check_once::<B, half::bf16>(&comm, &mut rng, which, width, n, Some(3));
+            }
+        }
+    }
+}
+
+/// One fused call, single controller, checked against the f64 reference and across the
+/// group's ranks bit for bit.
+pub fn check_rms_norm_once<B: Backend, T: Element>(
+    comm: &Communicator<B>,
+    rng: &mut StdRng,
+    width: usize,
+    tokens: usize,
+    hidden: usize,
+) {
+    let world = comm.world_size();
+    let n = tokens * hidden;
+    let ins: Vec<Vec<T>> = random_inputs::<T>(rng, world, n);
+    let residual: Vec<T> = random_values::<T>(rng, n);
+    let weight: Vec<T> = random_values::<T>(rng, hidden);
+    let epsilon = rng.random_range(1e-6f32..1e-3);
+    let ranks = comm.ranks();
+    let dev = |r: usize| ranks[r].device();
+    let in_bufs: Vec<_> = (0..world)
+        .map(|r| upload::<B, T>(dev(r), &ins[r]))
+        .collect();
+    let w_bufs: Vec<_> = (0..world)
+        .map(|r| upload::<B, T>(dev(r), &weight))
+        .collect();
+    let mut res_bufs: Vec<_> = (0..world)
+        .map(|r| upload::<B, T>(dev(r), &residual))
+        .collect();
+    let mut out_bufs: Vec<_> = (0..world).map(|r| poisoned::<B, T>(dev(r), n)).collect();
+    let what = format!(
+        "fused {:?} world {world} group {width} {tokens}x{hidden}",
+        T::DTYPE
+    );
+    {
+        let i: Vec<_> = in_bufs.iter().map(|b| Tensor::flat(b)).collect();
+        let w: Vec<_> = w_bufs.iter().map(|b| Tensor::flat(b)).collect();
+        let mut res: Vec<_> = res_bufs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        let mut o: Vec<_> = out_bufs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        comm.all_reduce_residual_rms_norm(
+            &i,
+            &mut res,
+            &w,
+            &mut o,
+            epsilon,
+            &CollectiveOptions::new().group_size(width),
+        )
+        .expect(&what);
+    }
+    comm.synchronize().expect(&what);
+    let outs: Vec<Vec<T>> = (0..world)
+        .map(|r| B::download(dev(r), &out_bufs[r]).unwrap())
+        .collect();
+    let res: Vec<Vec<T>> = (0..world)
+        .map(|r| B::download(dev(r), &res_bufs[r]).unwrap())
+        .collect();
+    for r in 0..world {
+        let what = format!("{what} rank {r}");
+        check_rms_norm(
+            &ins, &residual, &weight, width, r, epsilon, &outs[r], &res[r], &what,
+        );
+        let lead = r / width * width;
+        assert_eq!(
+            bits(&outs[r]),
+            bits(&outs[lead]),
+            "{what}: output differs from rank {lead}"
+        );
+        assert_eq!(
+            bits(&res[r]),
+            bits(&res[lead]),
+            "{what}: residual differs from rank {lead}"
+        );
+    }
+}
+
+/// The fused kernel over group sizes, decode and odd token counts, small and large rows.
+pub fn rms_norm_sweep<B: Backend>(world: usize, max_blocks: Option<u32>) {
+    let comm = super::open::<B>(world, suite_config(max_blocks));
+    let mut rng = rng(&format!("rms_norm_world_{world}"));
+    for width in group_sizes(world) {
+        for (tokens, hidden) in [(1, 8), (3, 4096), (17, 1032), (2, 16384)] {
+            check_rms_norm_once::<B, half::bf16>(&comm, &mut rng, width, tokens, hidden);
+            check_rms_norm_once::<B, half::f16>(&comm, &mut rng, width, tokens, hidden);
+        }
+        check_rms_norm_once::<B, f32>(&comm, &mut rng, width, 5, 256);
+    }
+}
+
+/// Asserts that `result` is the error `matches` describes, and that `bufs` still hold
+/// their NaN poison (nothing was written).
+fn refused<B: Backend, T: Element>(
+    comm: &Communicator<B>,
+    result: peercomm::Result<()>,
+    matches: fn(&Error) -> bool,
+    bufs: &[&B::Buffer<T>],
+    what: &str,
+) {
+    let err = result.expect_err(what);
+    assert!(matches(&err), "{what}: unexpected error {err}");
+    untouched::<B, T>(comm, bufs, what);
+}
+
+/// Asserts that `bufs` (rank r's at index r) still hold their NaN poison.
+fn untouched<B: Backend, T: Element>(comm: &Communicator<B>, bufs: &[&B::Buffer<T>], what: &str) {
+    comm.synchronize().unwrap();
+    for (r, b) in bufs.iter().enumerate() {
+        let got = B::download(comm.rank(r).device(), b).unwrap();
+        assert!(
+            got.iter().all(|x| x.to_f32().is_nan()),
+            "{what}: rank {r}'s buffer was written"
+        );
+    }
+}
+
+/// The bad-input matrix of the collectives on a world of 2: each call gets its typed
+/// error and writes nothing.
+pub fn bad_inputs<B: Backend>() {
+    let comm = super::open::<B>(2, suite_config(None));
+    let dev = |r: usize| comm.rank(r).device();
+    let ones = |r: usize, len: usize| upload::<B, f32>(dev(r), &vec![1.0; len]);
+    let nan = |r: usize, len: usize| poisoned::<B, f32>(dev(r), len);
+    let opts = CollectiveOptions::new();
+    let ins = [ones(0, 10), ones(1, 10)];
+    let short = ones(1, 9);
+    let i: Vec<_> = ins.iter().map(|b| Tensor::flat(b)).collect();
+
+    // All-gather: an output of the wrong size; inputs of different lengths.
+    let mut outs = [nan(0, 20), nan(1, 19)];
+    let r = {
+        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        comm.all_gather(&i, &mut o, &opts)
+    };
+    refused::<B, f32>(
+        &comm,
+        r,
+        |e| matches!(e, Error::LengthMismatch { rank: 1, .. }),
+        &[&outs[0], &outs[1]],
+        "all-gather output size",
+    );
+    let mut outs = [nan(0, 20), nan(1, 20)];
+    let r = {
+        let uneven = [Tensor::flat(&ins[0]), Tensor::flat(&short)];
+        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        comm.all_gather(&uneven, &mut o, &opts)
+    };
+    refused::<B, f32>(
+        &comm,
+        r,
+        |e| matches!(e, Error::LengthMismatch { rank: 1, .. }),
+        &[&outs[0], &outs[1]],
+        "all-gather uneven inputs",
+    );
+
+    // Reduce-scatter: parts of 10 over 2 are 5 and 5.
+    let mut outs = [nan(0, 5), nan(1, 6)];
+    let r = {
+        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        comm.reduce_scatter_sum(&i, &mut o, &opts)
+    };
+    refused::<B, f32>(
+        &comm,
+        r,
+        |e| matches!(e, Error::LengthMismatch { rank: 1, .. }),
+        &[&outs[0], &outs[1]],
+        "reduce-scatter output size",
+    );
+
+    // Broadcast and scatter: a root outside the group, a wrong input count, sizes.
+    for root in [2, 7] {
+        let mut outs = [nan(0, 10), nan(1, 10)];
+        let r = {
+            let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+            comm.broadcast(&i[..1], &mut o, root, &opts)
+        };
+        refused::<B, f32>(
+            &comm,
+            r,
+            |e| matches!(e, Error::InvalidRoot { width: 2, .. }),
+            &[&outs[0], &outs[1]],
+            "broadcast root",
+        );
+        let mut outs = [nan(0, 5), nan(1, 5)];
+        let r = {
+            let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+            comm.scatter(&i[..1], &mut o, root, &opts)
+        };
+        refused::<B, f32>(
+            &comm,
+            r,
+            |e| matches!(e, Error::InvalidRoot { width: 2, .. }),
+            &[&outs[0], &outs[1]],
+            "scatter root",
+        );
+        let mut bufs = [nan(0, 10), nan(1, 10)];
+        let r = {
+            let mut o: Vec<_> = bufs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+            comm.broadcast_in_place(&mut o, root, &opts)
+        };
+        refused::<B, f32>(
+            &comm,
+            r,
+            |e| matches!(e, Error::InvalidRoot { width: 2, .. }),
+            &[&bufs[0], &bufs[1]],
+            "broadcast in place root",
+        );
+    }
+    let mut outs = [nan(0, 10), nan(1, 10)];
+    let r = {
+        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        comm.broadcast(&i, &mut o, 0, &opts)
+    };
+    refused::<B, f32>(
+        &comm,
+        r,
+        |e| {
+            matches!(
+                e,
+                Error::WrongTensorCount {
+                    expected: 1,
+                    got: 2
+                }
+            )
+        },
+        &[&outs[0], &outs[1]],
+        "broadcast input count",
+    );
+    let mut outs = [nan(0, 10), nan(1, 9)];
+    let r = {
+        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        comm.broadcast(&i[..1], &mut o, 0, &opts)
+    };
+    refused::<B, f32>(
+        &comm,
+        r,
+        |e| matches!(e, Error::LengthMismatch { rank: 1, .. }),
+        &[&outs[0], &outs[1]],
+        "broadcast output size",
+    );
+    let mut outs = [nan(0, 4), nan(1, 4)];
+    let r = {
+        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        comm.scatter(&i[..1], &mut o, 0, &opts)
+    };
+    refused::<B, f32>(
+        &comm,
+        r,
+        |e| matches!(e, Error::LengthMismatch { rank: 0, .. }),
+        &[&outs[0], &outs[1]],
+        "scatter output size",
+    );
+
+    // Fused: a hidden size that is not whole packs, elements that are not whole rows,
+    // a residual of the wrong length, a weight of another dtype, a bad epsilon.
+    let x = [ones(0, 64), ones(1, 64)];
+    let xi: Vec<_> = x.iter().map(|b| Tensor::flat(b)).collect();
+    let fused = |w_len: usize, res_len: usize, eps: f32| {
+        let w = [ones(0, w_len), ones(1, w_len)];
+        let wi: Vec<_> = w.iter().map(|b| Tensor::flat(b)).collect();
+        let mut res = [nan(0, res_len), nan(1, res_len)];
+        let mut outs = [nan(0, 64), nan(1, 64)];
+        let r = {
+            let mut rt: Vec<_> = res.iter_mut().map(|b| TensorMut::flat(b)).collect();
+            let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+            comm.all_reduce_residual_rms_norm(&xi, &mut rt, &wi, &mut o, eps, &opts)
+        };
+        (r, res, outs)
+    };
+    for (w_len, res_len, eps, want, what) in [
+        (6, 64, 1e-5, "Unsupported", "hidden not whole packs"),
+        (24, 64, 1e-5, "Unsupported", "not whole rows"),
+        (16, 63, 1e-5, "LengthMismatch", "residual size"),
+        (16, 64, f32::NAN, "Unsupported", "epsilon NaN"),
+        (16, 64, -1.0, "Unsupported", "negative epsilon"),
+    ] {
+        let (r, res, outs) = fused(w_len, res_len, eps);
+        let err = r.expect_err(what);
+        let ok = match want {
+            "Unsupported" => matches!(err, Error::Unsupported(_)),
+            _ => matches!(err, Error::LengthMismatch { .. }),
+        };
+        assert!(ok, "fused {what}: unexpected error {err}");
+        comm.synchronize().unwrap();
+        for r in 0..2 {
+            for b in [&res[r], &outs[r]] {
+                let got = B::download(dev(r), b).unwrap();
+                assert!(
+                    got.iter().all(|x| x.is_nan()),
+                    "fused {what}: rank {r} was written"
+                );
+            }
+        }
+    }
+    let w16 = [
+        upload::<B, half::bf16>(dev(0), &[half::bf16::ONE; 16]),
+        upload::<B, half::bf16>(dev(1), &[half::bf16::ONE; 16]),
+    ];
+    let wi: Vec<_> = w16.iter().map(|b| Tensor::flat(b)).collect();
+    let mut res = [nan(0, 64), nan(1, 64)];
+    let mut outs = [nan(0, 64), nan(1, 64)];
+    let r = {
+        let mut rt: Vec<_> = res.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        comm.all_reduce_residual_rms_norm(&xi, &mut rt, &wi, &mut o, 1e-5, &opts)
+    };
+    refused::<B, f32>(
+        &comm,
+        r,
+        |e| matches!(e, Error::DTypeMismatch { .. }),
+        &[&outs[0], &outs[1]],
+        "fused weight dtype",
+    );
+    untouched::<B, f32>(&comm, &[&res[0], &res[1]], "fused weight dtype (residual)");
+}

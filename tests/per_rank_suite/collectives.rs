@@ -1,0 +1,268 @@
+//! The per-rank `Comm`'s all-gather, reduce-scatter, broadcast, scatter and fused
+//! all-reduce + residual + RMSNorm, one thread per rank: every rank rebuilds all ranks'
+//! inputs from a shared seed, poisons its outputs, makes the call, and checks its own
+//! outputs against the references of tests/common/collectives.rs; the fused outputs are
+//! compared bit for bit across each group through digests. Then the bad-input matrix.
+
+use peercomm::backend::Backend;
+use peercomm::{CollectiveOptions, Comm, Element, Error};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::common::collectives::{
+    assert_bits, check_rms_norm, expect, input_len, output_len, Which,
+};
+use super::common::{group_sizes, random_inputs, random_values};
+use super::{seed, with_world, Placement};
+
+fn upload<B: Backend, T: Element>(dev: &B::Device, v: &[T]) -> B::Buffer<T> {
+    let mut b = B::alloc_buffer::<T>(dev, v.len()).expect("alloc");
+    B::upload(dev, v, &mut b).expect("upload");
+    b
+}
+
+fn poisoned<B: Backend, T: Element>(dev: &B::Device, len: usize) -> B::Buffer<T> {
+    upload::<B, T>(dev, &vec![T::from_f32(f32::NAN); len])
+}
+
+/// One call of `which` on this rank, checked against the reference.
+fn check_call<B: Backend, T: Element>(
+    comm: &Comm<B>,
+    seed: u64,
+    call: usize,
+    which: Which,
+    width: usize,
+    n: usize,
+) {
+    let (world, rank) = (comm.world_size(), comm.rank());
+    let mut rng = StdRng::seed_from_u64(seed ^ ((call as u64) << 24));
+    let len = input_len(which, width, n);
+    let ins: Vec<Vec<T>> = random_inputs::<T>(&mut rng, world, len);
+    let dev = comm.device();
+    let send = upload::<B, T>(dev, &ins[rank]);
+    let opts = CollectiveOptions::new().group_size(width);
+    let what = format!(
+        "per-rank {which:?} {:?} world {world} group {width} n {n} rank {rank}",
+        T::DTYPE
+    );
+    let is_root = |root: usize| rank % width == root;
+    let out = match which {
+        Which::Broadcast {
+            root,
+            in_place: true,
+        } => {
+            let mut buf = if is_root(root) {
+                upload::<B, T>(dev, &ins[rank])
+            } else {
+                poisoned::<B, T>(dev, len)
+            };
+            comm.broadcast_in_place(&mut buf, root, &opts).expect(&what);
+            buf
+        }
+        _ => {
+            let mut recv = poisoned::<B, T>(dev, output_len(which, width, rank, len));
+            match which {
+                Which::AllGather => comm.all_gather(&send, &mut recv, &opts),
+                Which::ReduceScatter => comm.reduce_scatter_sum(&send, &mut recv, &opts),
+                Which::Broadcast { root, .. } => {
+                    comm.broadcast(is_root(root).then_some(&send), &mut recv, root, &opts)
+                }
+                Which::Scatter { root } => {
+                    comm.scatter(is_root(root).then_some(&send), &mut recv, root, &opts)
+                }
+            }
+            .expect(&what);
+            recv
+        }
+    };
+    comm.synchronize().expect(&what);
+    let got = B::download(dev, &out).expect("download");
+    assert_bits(&got, &expect(which, &ins, width, rank), &what);
+}
+
+/// One fused call on this rank: the f64 reference, and a digest of its outputs.
+fn check_fused<B: Backend, T: Element>(
+    comm: &Comm<B>,
+    seed: u64,
+    call: usize,
+    width: usize,
+    tokens: usize,
+    hidden: usize,
+) -> u64 {
+    let (world, rank) = (comm.world_size(), comm.rank());
+    let mut rng = StdRng::seed_from_u64(seed ^ ((call as u64) << 24));
+    let n = tokens * hidden;
+    let ins: Vec<Vec<T>> = random_inputs::<T>(&mut rng, world, n);
+    let residual: Vec<T> = random_values::<T>(&mut rng, n);
+    let weight: Vec<T> = random_values::<T>(&mut rng, hidden);
+    let epsilon = rng.random_range(1e-6f32..1e-3);
+    let dev = comm.device();
+    let input = upload::<B, T>(dev, &ins[rank]);
+    let w = upload::<B, T>(dev, &weight);
+    let mut res = upload::<B, T>(dev, &residual);
+    let mut out = poisoned::<B, T>(dev, n);
+    let what = format!(
+        "per-rank fused {:?} world {world} group {width} {tokens}x{hidden} rank {rank}",
+        T::DTYPE
+    );
+    comm.all_reduce_residual_rms_norm(
+        &input,
+        &mut res,
+        &w,
+        &mut out,
+        epsilon,
+        &CollectiveOptions::new().group_size(width),
+    )
+    .expect(&what);
+    comm.synchronize().expect(&what);
+    let out = B::download(dev, &out).unwrap();
+    let res = B::download(dev, &res).unwrap();
+    check_rms_norm(
+        &ins, &residual, &weight, width, rank, epsilon, &out, &res, &what,
+    );
+    out.iter()
+        .chain(&res)
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
+            (h ^ u64::from(v.to_bits_u32())).wrapping_mul(0x0100_0000_01b3)
+        })
+}
+
+/// Every collective x dtype x group size x odd lengths, then the fused kernel; the
+/// fused outputs agree bit for bit across each group.
+pub fn checked<B: Backend>(place: &Placement, world: usize) {
+    let seed = seed(&format!("per_rank_collectives_world_{world}"));
+    let digests = with_world::<B, _>(place, world, |_rank, comm| {
+        let mut call = 0;
+        for width in group_sizes(world) {
+            let mut whiches = vec![Which::AllGather, Which::ReduceScatter];
+            for root in [0, width - 1] {
+                whiches.push(Which::Broadcast {
+                    root,
+                    in_place: root != 0,
+                });
+                whiches.push(Which::Scatter { root });
+            }
+            for n in [1usize, 7, 1023, 4099, 65_537] {
+                for &which in &whiches {
+                    check_call::<B, f32>(&comm, seed, call, which, width, n);
+                    check_call::<B, half::f16>(&comm, seed, call + 1, which, width, n);
+                    check_call::<B, half::bf16>(&comm, seed, call + 2, which, width, n);
+                    call += 3;
+                }
+            }
+        }
+        let mut digests = Vec::new();
+        for width in group_sizes(world) {
+            for (tokens, hidden) in [(1, 4096), (7, 1032), (2, 16384)] {
+                digests.push(check_fused::<B, half::bf16>(
+                    &comm, seed, call, width, tokens, hidden,
+                ));
+                digests.push(check_fused::<B, half::f16>(
+                    &comm,
+                    seed,
+                    call + 1,
+                    width,
+                    tokens,
+                    hidden,
+                ));
+                call += 2;
+            }
+        }
+        digests
+    });
+    for (i, w) in group_sizes(world).into_iter().enumerate() {
+        let per_width = digests[0].len() / group_sizes(world).len();
+        for r in 0..world {
+            let lead = r / w * w;
+            assert_eq!(
+                digests[r][i * per_width..(i + 1) * per_width],
+                digests[lead][i * per_width..(i + 1) * per_width],
+                "fused outputs of rank {r} differ from rank {lead}'s (group {w})"
+            );
+        }
+    }
+}
+
+/// The per-rank bad-input matrix on a world of 2: typed errors, nothing written, and
+/// the communicator still works after them (a call every rank makes).
+pub fn bad_inputs<B: Backend>(place: &Placement) {
+    with_world::<B, _>(place, 2, |rank, comm| {
+        let dev = comm.device();
+        let opts = CollectiveOptions::new();
+        let send = upload::<B, f32>(dev, &[1.0 + rank as f32; 10]);
+        let untouched = |b: &B::Buffer<f32>, what: &str| {
+            comm.synchronize().unwrap();
+            assert!(
+                B::download(dev, b).unwrap().iter().all(|x| x.is_nan()),
+                "{what}: written"
+            );
+        };
+        let mut recv = poisoned::<B, f32>(dev, 19);
+        let e = comm.all_gather(&send, &mut recv, &opts).unwrap_err();
+        assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
+        untouched(&recv, "all-gather output size");
+        let mut recv = poisoned::<B, f32>(dev, 6);
+        let e = comm
+            .reduce_scatter_sum(&send, &mut recv, &opts)
+            .unwrap_err();
+        assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
+        untouched(&recv, "reduce-scatter output size");
+        let mut recv = poisoned::<B, f32>(dev, 10);
+        let e = comm
+            .broadcast(Some(&send), &mut recv, 2, &opts)
+            .unwrap_err();
+        assert!(matches!(e, Error::InvalidRoot { root: 2, width: 2 }), "{e}");
+        let e = comm.scatter(Some(&send), &mut recv, 9, &opts).unwrap_err();
+        assert!(matches!(e, Error::InvalidRoot { root: 9, width: 2 }), "{e}");
+        let e = comm
+            .broadcast::<_, _>(None::<&B::Buffer<f32>>, &mut recv, rank, &opts)
+            .unwrap_err();
+        assert!(
+            matches!(e, Error::Unsupported(_)),
+            "the root without input: {e}"
+        );
+        let e = comm.broadcast(Some(&send), &mut poisoned::<B, f32>(dev, 9), rank, &opts);
+        assert!(matches!(e, Err(Error::LengthMismatch { .. })), "{e:?}");
+        untouched(&recv, "broadcast refusals");
+        let mut part = poisoned::<B, f32>(dev, 4);
+        let e = comm
+            .scatter(Some(&send), &mut part, rank, &opts)
+            .unwrap_err();
+        assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
+        untouched(&part, "scatter output size");
+        // The staged all-gather needs the payload (4 MiB here): 1 Mi f32 + 1 is too much.
+        let big = upload::<B, f32>(dev, &vec![1.0; (1 << 20) + 1]);
+        let mut big_out = poisoned::<B, f32>(dev, 2 * ((1 << 20) + 1));
+        let e = comm.all_gather(&big, &mut big_out, &opts).unwrap_err();
+        assert!(matches!(e, Error::MessageTooLarge { .. }), "{e}");
+        untouched(&big_out, "all-gather larger than the payload");
+        // Fused: hidden not whole packs; residual of the wrong length.
+        let x = upload::<B, half::bf16>(dev, &[half::bf16::ONE; 64]);
+        let w12 = upload::<B, half::bf16>(dev, &[half::bf16::ONE; 12]);
+        let w16 = upload::<B, half::bf16>(dev, &[half::bf16::ONE; 16]);
+        let mut res = poisoned::<B, half::bf16>(dev, 64);
+        let mut out = poisoned::<B, half::bf16>(dev, 64);
+        let e = comm
+            .all_reduce_residual_rms_norm(&x, &mut res, &w12, &mut out, 1e-5, &opts)
+            .unwrap_err();
+        assert!(matches!(e, Error::Unsupported(_)), "{e}");
+        let mut short = poisoned::<B, half::bf16>(dev, 56);
+        let e = comm
+            .all_reduce_residual_rms_norm(&x, &mut short, &w16, &mut out, 1e-5, &opts)
+            .unwrap_err();
+        assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
+        comm.synchronize().unwrap();
+        for b in [&res, &out, &short] {
+            assert!(
+                B::download(dev, b).unwrap().iter().all(|x| x.is_nan()),
+                "fused refusal wrote"
+            );
+        }
+        // Still usable: a good all-gather.
+        let mut recv = poisoned::<B, f32>(dev, 20);
+        comm.all_gather(&send, &mut recv, &opts).unwrap();
+        comm.synchronize().unwrap();
+        let got = B::download(dev, &recv).unwrap();
+        assert_eq!(got, [vec![1.0; 10], vec![2.0; 10]].concat());
+    });
+}
