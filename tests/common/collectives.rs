@@ -278,12 +278,57 @@ pub fn sweep<B: Backend>(world: usize, max_blocks: Option<u32>, lengths: &[usize
             whiches.push(Which::Scatter { root });
         }
         for &n in lengths {
+            reduce_scatter_parts_are_the_all_reduce::<B, half::bf16>(&comm, &mut rng, width, n);
             for &which in &whiches {
                 check_once::<B, f32>(&comm, &mut rng, which, width, n, None);
                 check_once::<B, half::f16>(&comm, &mut rng, which, width, n, None);
                 check_once::<B, half::bf16>(&comm, &mut rng, which, width, n, Some(3));
             }
         }
+    }
+}
+
+/// Each reduce-scatter part holds the one-stage all-reduce's bits for its elements, so
+/// a reduce-scatter then an all-gather is the all-reduce (a hierarchical path relies on
+/// it).
+pub fn reduce_scatter_parts_are_the_all_reduce<B: Backend, T: Element>(
+    comm: &Communicator<B>,
+    rng: &mut StdRng,
+    width: usize,
+    n: usize,
+) {
+    let world = comm.world_size();
+    let ins: Vec<Vec<T>> = random_inputs::<T>(rng, world, n);
+    let ranks = comm.ranks();
+    let dev = |r: usize| ranks[r].device();
+    let in_bufs: Vec<_> = (0..world)
+        .map(|r| upload::<B, T>(dev(r), &ins[r]))
+        .collect();
+    let mut parts: Vec<_> = (0..world)
+        .map(|r| poisoned::<B, T>(dev(r), reduce_scatter_part(n, width, r % width).len()))
+        .collect();
+    let mut reduced: Vec<_> = (0..world).map(|r| poisoned::<B, T>(dev(r), n)).collect();
+    let opts = CollectiveOptions::new().group_size(width);
+    let what = format!(
+        "reduce-scatter vs all-reduce {:?} world {world} group {width} n {n}",
+        T::DTYPE
+    );
+    {
+        let i: Vec<_> = in_bufs.iter().map(|b| Tensor::flat(b)).collect();
+        let mut p: Vec<_> = parts.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        comm.reduce_scatter_sum(&i, &mut p, &opts).expect(&what);
+        let mut o: Vec<_> = reduced.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        let ar = peercomm::AllReduceOptions::new()
+            .group_size(width)
+            .algorithm(peercomm::Algorithm::OneStage);
+        comm.all_reduce_sum(&i, &mut o, &ar).expect(&what);
+    }
+    comm.synchronize().expect(&what);
+    for r in 0..world {
+        let part = B::download(dev(r), &parts[r]).unwrap();
+        let full = B::download(dev(r), &reduced[r]).unwrap();
+        let range = reduce_scatter_part(n, width, r % width);
+        assert_bits(&part, &full[range], &format!("{what} rank {r}"));
     }
 }
 
