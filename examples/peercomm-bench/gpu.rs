@@ -41,6 +41,16 @@ pub struct Gpu {
     symmetric: Option<super::nccl_symmetric::Symmetric>,
 }
 
+impl Gpu {
+    /// The NCCL communicators over groups of `group`, if NCCL runs in this benchmark.
+    pub fn nccl_comms(&self, group: usize) -> Option<&[Comm]> {
+        self.nccl
+            .iter()
+            .find(|(g, _)| *g == group)
+            .map(|(_, c)| c.as_slice())
+    }
+}
+
 /// The single-controller sweep over `world` ranks on `gpus` GPUs (rank r on GPU
 /// r % gpus; with more ranks than GPUs they share, NCCL and the link figures are
 /// skipped, and timings say nothing about a link).
@@ -144,6 +154,11 @@ pub fn run(args: &Args, world: usize, gpus: usize) -> Report {
         }
     }
     pb.finish_and_clear();
+    if args.collectives {
+        report
+            .records
+            .extend(super::collectives::run(&gpu, args, &sizes));
+    }
     if args.overlap {
         report
             .records

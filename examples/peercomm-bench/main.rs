@@ -83,6 +83,11 @@ struct Args {
     /// dependent launch (`AllReduceOptions::overlap_previous`), f32, up to 16 MiB.
     #[arg(long)]
     overlap: bool,
+    /// Also time all-gather, reduce-scatter and broadcast against NCCL's (bf16, up to
+    /// 16 MiB), and the fused all-reduce + residual + RMSNorm against the unfused pairs
+    /// (examples/peercomm-bench/collectives.rs).
+    #[arg(long)]
+    collectives: bool,
     /// Also print where an eager call's host time goes (event tracking, validation and
     /// planning, launches), before the sweep.
     #[arg(long)]
@@ -340,6 +345,11 @@ fn floor_us(report: &Report, group: usize, bytes: usize) -> Option<f64> {
 /// Fills in each record's floor and its ratio to it.
 fn attach_floors(report: &mut Report) {
     for i in 0..report.records.len() {
+        // The floor is the all-reduce's; the other collectives' modes ("graph-all_gather")
+        // move other byte counts.
+        if report.records[i].mode.contains('-') {
+            continue;
+        }
         let (group, bytes) = (report.records[i].group, report.records[i].bytes);
         if let Some(f) = floor_us(report, group, bytes) {
             let r = &mut report.records[i];
@@ -553,6 +563,8 @@ fn chrono_free_date() -> String {
     format!("{y:04}-{m:02}-{d:02}")
 }
 
+#[cfg(feature = "cuda")]
+mod collectives;
 #[cfg(feature = "cuda")]
 mod gpu;
 #[cfg(feature = "cuda")]
