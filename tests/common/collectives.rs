@@ -642,3 +642,157 @@ pub fn bad_inputs<B: Backend>() {
     );
     untouched::<B, f32>(&comm, &[&res[0], &res[1]], "fused weight dtype (residual)");
 }
+
+/// A collective call for the schedule fuzzer ([`super::fuzz`]): every rank's input
+/// uploaded and its output poisoned when it is drawn, enqueued with the batch, checked
+/// bit for bit after the batch's synchronize.
+pub struct FuzzCall<B: Backend, T: Element> {
+    which: Which,
+    width: usize,
+    opts: CollectiveOptions,
+    ins: Vec<Vec<T>>,
+    in_bufs: Vec<B::Buffer<T>>,
+    outs: Vec<B::Buffer<T>>,
+}
+
+impl<B: Backend, T: Element> FuzzCall<B, T> {
+    fn new(
+        comm: &Communicator<B>,
+        rng: &mut StdRng,
+        which: Which,
+        width: usize,
+        n: usize,
+        opts: CollectiveOptions,
+    ) -> Self {
+        let world = comm.world_size();
+        let len = input_len(which, width, n);
+        let ins: Vec<Vec<T>> = random_inputs::<T>(rng, world, len);
+        let dev = |r: usize| comm.rank(r).device();
+        let in_bufs = (0..world)
+            .map(|r| upload::<B, T>(dev(r), &ins[r]))
+            .collect();
+        let outs = (0..world)
+            .map(|r| match which {
+                Which::Broadcast {
+                    root,
+                    in_place: true,
+                } if r % width == root => upload::<B, T>(dev(r), &ins[r]),
+                _ => poisoned::<B, T>(dev(r), output_len(which, width, r, len)),
+            })
+            .collect();
+        FuzzCall {
+            which,
+            width,
+            opts,
+            ins,
+            in_bufs,
+            outs,
+        }
+    }
+}
+
+/// Draws a collective over groups of `width` (`group_size` as the caller asks for it)
+/// with about `bytes` per rank, of a random kind, dtype and root.
+pub fn fuzz_call<B: Backend>(
+    comm: &Communicator<B>,
+    rng: &mut StdRng,
+    dtype: DType,
+    width: usize,
+    opts: CollectiveOptions,
+    bytes: usize,
+) -> Box<dyn super::Call<B>> {
+    let root = rng.random_range(0..width);
+    let which = match rng.random_range(0..5) {
+        0 => Which::AllGather,
+        1 => Which::ReduceScatter,
+        2 => Which::Broadcast {
+            root,
+            in_place: false,
+        },
+        3 => Which::Broadcast {
+            root,
+            in_place: true,
+        },
+        _ => Which::Scatter { root },
+    };
+    // The fuzzer's payload bounds nothing here (one process reads the user buffers),
+    // but keep all-gather outputs and scatter inputs within a few MiB.
+    let n = (bytes / dtype.size() / width).max(1);
+    match dtype {
+        DType::F32 => Box::new(FuzzCall::<B, f32>::new(comm, rng, which, width, n, opts)),
+        DType::F16 => Box::new(FuzzCall::<B, half::f16>::new(
+            comm, rng, which, width, n, opts,
+        )),
+        DType::BF16 => Box::new(FuzzCall::<B, half::bf16>::new(
+            comm, rng, which, width, n, opts,
+        )),
+    }
+}
+
+impl<B: Backend, T: Element> super::Call<B> for FuzzCall<B, T> {
+    fn enqueue(&mut self, comm: &Communicator<B>) -> peercomm::Result<peercomm::Algorithm> {
+        let world = comm.world_size();
+        let width = self.width;
+        let roots = |root: usize| -> Vec<Tensor<'_, B>> {
+            (root..world)
+                .step_by(width)
+                .map(|r| Tensor::flat(&self.in_bufs[r]))
+                .collect()
+        };
+        let mut o: Vec<_> = self.outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        let i: Vec<_> = self.in_bufs.iter().map(|b| Tensor::flat(b)).collect();
+        match self.which {
+            Which::AllGather => comm.all_gather(&i, &mut o, &self.opts),
+            Which::ReduceScatter => comm.reduce_scatter_sum(&i, &mut o, &self.opts),
+            Which::Broadcast {
+                root,
+                in_place: true,
+            } => comm.broadcast_in_place(&mut o, root, &self.opts),
+            Which::Broadcast { root, .. } => comm.broadcast(&roots(root), &mut o, root, &self.opts),
+            Which::Scatter { root } => comm.scatter(&roots(root), &mut o, root, &self.opts),
+        }
+        .map(|()| peercomm::Algorithm::OneStage)
+    }
+    fn check(
+        &self,
+        comm: &Communicator<B>,
+        outcome: &peercomm::Result<peercomm::Algorithm>,
+        what: &str,
+    ) {
+        if let Err(e) = outcome {
+            panic!("{what}: refused: {e}");
+        }
+        for r in 0..comm.world_size() {
+            let got = B::download(comm.rank(r).device(), &self.outs[r]).expect("download");
+            assert_bits(
+                &got,
+                &expect(self.which, &self.ins, self.width, r),
+                &format!("{what}, rank {r}"),
+            );
+        }
+    }
+    fn describe(&self, world: usize) -> String {
+        format!(
+            "{:?} {:?} world {world} group {} input {} blocks {:?}",
+            self.which,
+            T::DTYPE,
+            self.width,
+            self.ins[0].len(),
+            self.opts.blocks
+        )
+    }
+    fn bytes(&self) -> usize {
+        self.ins[0].len() * std::mem::size_of::<T>()
+    }
+    fn collective(&self) -> Option<&'static str> {
+        Some(match self.which {
+            Which::AllGather => "all_gather",
+            Which::ReduceScatter => "reduce_scatter",
+            Which::Broadcast {
+                in_place: false, ..
+            } => "broadcast",
+            Which::Broadcast { in_place: true, .. } => "broadcast_in_place",
+            Which::Scatter { .. } => "scatter",
+        })
+    }
+}

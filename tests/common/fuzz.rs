@@ -3,7 +3,9 @@
 //! (forced Lamport over a subgroup now and then, which must be refused with nothing
 //! written), all dtypes, lengths from 1 element to a few MiB (mostly small, many odd),
 //! -0.0 and +0.0 lanes, in place and out of place, explicit block counts, and ranks
-//! skewed in time (`delay_rank` before a call, now and then).
+//! skewed in time (`delay_rank` before a call, now and then). About one call in five is
+//! an all-gather, reduce-scatter, broadcast (in or out of place) or scatter instead,
+//! with a random root, on the same barrier domains ([`COLLECTIVE_PROBABILITY`]).
 //!
 //! Calls are enqueued in batches back to back with no host synchronisation: every
 //! buffer of a batch is allocated, filled and poisoned first (uploads wait for their
@@ -19,13 +21,20 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 use peercomm::backend::Backend;
-use peercomm::{Algorithm, AllReduceOptions, CommConfig, Communicator, DType, Element, Result};
+use peercomm::{
+    Algorithm, AllReduceOptions, CollectiveOptions, CommConfig, Communicator, DType, Element,
+    Result,
+};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::{
     group_sizes, prepare_random, random_inputs, sprinkle_zeros, Call, Placement, Prepared, Zeros,
 };
+
+/// Share of the drawn calls that are one of the other collectives (all-gather,
+/// reduce-scatter, broadcast, scatter) instead of an all-reduce.
+pub const COLLECTIVE_PROBABILITY: f64 = 0.2;
 
 /// Lamport slot of the fuzzer's communicators: forced Lamport takes up to this much.
 pub const FUZZ_LAMPORT_SLOT: usize = 1 << 20;
@@ -174,6 +183,8 @@ pub struct Report {
     pub requested: BTreeMap<&'static str, usize>,
     pub ran: BTreeMap<&'static str, usize>,
     pub refused: usize,
+    /// The other collectives checked, by name.
+    pub collectives: BTreeMap<&'static str, usize>,
     pub delays: usize,
     pub in_place: usize,
     pub with_zeros: usize,
@@ -206,7 +217,20 @@ pub fn fuzz<B: Backend>(
         let mut batch: Vec<Planned<B>> = Vec::with_capacity(n);
         for _ in 0..n {
             let d = draw(&mut rng, world, knobs);
-            let call = prepare_random(&comm, &mut rng, d.dtype, d.len, d.zeros, d.in_place, d.opts);
+            // Now and then one of the other collectives, on the same barrier domains.
+            let call = if rng.random_bool(COLLECTIVE_PROBABILITY) {
+                let mut opts = CollectiveOptions::new().group_size(d.opts.group_size);
+                opts.blocks = d.opts.blocks;
+                let width = if d.opts.group_size == 0 {
+                    world
+                } else {
+                    d.opts.group_size
+                };
+                let bytes = d.len * d.dtype.size();
+                super::collectives::fuzz_call(&comm, &mut rng, d.dtype, width, opts, bytes)
+            } else {
+                prepare_random(&comm, &mut rng, d.dtype, d.len, d.zeros, d.in_place, d.opts)
+            };
             let delay = rng.random_bool(knobs.delay_probability).then(|| {
                 (
                     rng.random_range(0..world),
@@ -251,10 +275,14 @@ pub fn fuzz<B: Backend>(
                 }
             );
             call.check(&comm, outcome, &what);
-            *report.requested.entry(d.opts.algorithm.name()).or_default() += 1;
-            match outcome {
-                Ok(a) => *report.ran.entry(a.name()).or_default() += 1,
-                Err(_) => report.refused += 1,
+            if let Some(name) = call.collective() {
+                *report.collectives.entry(name).or_default() += 1;
+            } else {
+                *report.requested.entry(d.opts.algorithm.name()).or_default() += 1;
+                match outcome {
+                    Ok(a) => *report.ran.entry(a.name()).or_default() += 1,
+                    Err(_) => report.refused += 1,
+                }
             }
             report.delays += delay.is_some() as usize;
             report.in_place += d.in_place as usize;
@@ -267,8 +295,8 @@ pub fn fuzz<B: Backend>(
     report.elapsed = started.elapsed();
     eprintln!(
         "{test}: PEERCOMM_SEED={} world {world} on devices {:?}{}: {} calls checked in {} batches \
-         in {:.1?}; requested {:?}; ran {:?}; refused (Lamport over a subgroup) {}; delays {}; \
-         in place {}; with zeros {}; {:.1} MiB per rank",
+         in {:.1?}; requested {:?}; ran {:?}; refused (Lamport over a subgroup) {}; other \
+         collectives {:?}; delays {}; in place {}; with zeros {}; {:.1} MiB per rank",
         report.seed,
         placement.ordinals,
         if placement.shared { " (shared)" } else { "" },
@@ -278,6 +306,7 @@ pub fn fuzz<B: Backend>(
         report.requested,
         report.ran,
         report.refused,
+        report.collectives,
         report.delays,
         report.in_place,
         report.with_zeros,

@@ -521,6 +521,10 @@ pub trait Call<B: Backend> {
     fn describe(&self, world: usize) -> String;
     /// Bytes per rank.
     fn bytes(&self) -> usize;
+    /// Which collective, where it is not an all-reduce.
+    fn collective(&self) -> Option<&'static str> {
+        None
+    }
 }
 
 impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
