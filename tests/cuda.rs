@@ -13,11 +13,10 @@ mod common;
 
 use common::fuzz::{calls_from_env, differential, fuzz, fuzz_config, Knobs};
 use common::Placement;
-use cudarc::driver::sys::CUstreamCaptureMode;
 use peercomm::backend::cuda::Cuda;
 use peercomm::backend::host::Host;
 use peercomm::backend::Backend;
-use peercomm::{Algorithm, AllReduceOptions, Communicator, Error, Tensor, TensorMut};
+use peercomm::{Algorithm, AllReduceOptions, Communicator, Error};
 
 fn cuda_devices() -> Result<usize, String> {
     match Cuda::device_count() {
@@ -74,40 +73,25 @@ fn cuda_graph_replays_with_new_data() {
             .map(|r| Cuda::alloc_buffer::<half::bf16>(r.device(), len).unwrap())
             .collect();
         comm.synchronize().unwrap();
-        for r in comm.ranks() {
-            r.device().stream().synchronize().unwrap();
-            // SAFETY: every stream is idle and the buffers stay alive until the graphs
-            // are dropped; the test orders uploads, replays and downloads itself.
-            unsafe { r.device().context().disable_event_tracking() };
-        }
-        for r in comm.ranks() {
-            r.device()
-                .stream()
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-                .unwrap();
-        }
-        {
-            let ins_t: Vec<Tensor<Cuda>> = ins.iter().map(|b| Tensor::flat(b)).collect();
-            let mut outs_t: Vec<TensorMut<Cuda>> =
-                outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
-            comm.all_reduce_sum(
-                &ins_t,
-                &mut outs_t,
-                &AllReduceOptions::new().algorithm(algorithm),
-            )
-            .unwrap();
-        }
-        let graphs: Vec<_> = comm
-            .ranks()
-            .iter()
-            .map(|r| {
-                r.device()
-                    .stream()
-                    .end_capture(cudarc::driver::sys::CUgraphInstantiate_flags(0))
-                    .unwrap()
-                    .expect("a captured graph")
+        // The safe capture helper: streams synchronised, event tracking paused and
+        // restored inside.
+        let (graphs, ran) = comm
+            .capture(|| {
+                comm.all_reduce_sum_slices(
+                    &ins,
+                    &mut outs,
+                    &AllReduceOptions::new().algorithm(algorithm),
+                )
             })
-            .collect();
+            .unwrap();
+        assert!(algorithm == Algorithm::Auto || ran == algorithm);
+        for r in comm.ranks() {
+            assert!(
+                r.device().context().is_event_tracking(),
+                "tracking restored"
+            );
+            assert!(!peercomm::backend::cuda::is_capturing(r.device().stream()).unwrap());
+        }
         for _ in 0..replays {
             let data: Vec<Vec<half::bf16>> = (0..world)
                 .map(|_| common::random_values(&mut rng, len))
@@ -136,12 +120,57 @@ fn cuda_graph_replays_with_new_data() {
             replays_done += 1;
         }
         drop(graphs);
-        for r in comm.ranks() {
-            // SAFETY: the graphs are gone and every stream is synchronised.
-            unsafe { r.device().context().enable_event_tracking() };
-        }
     }
     eprintln!("cuda_graph_replays_with_new_data: {replays_done} replays checked on world {world}");
+}
+
+/// The capture helper leaves nothing behind when the closure fails, panics or enqueues
+/// nothing: no stream is left capturing, event tracking is back on, the error (or the
+/// panic) comes through, and the next eager all-reduce is checked against the
+/// reference.
+#[test]
+fn cuda_capture_cleans_up_on_error_and_panic() {
+    use peercomm::backend::cuda::is_capturing;
+    let world = match cuda_devices() {
+        Ok(n) => n.min(2),
+        Err(why) => {
+            common::announce_skip("cuda_capture_cleans_up_on_error_and_panic", &why);
+            return;
+        }
+    };
+    let comm = common::open::<Cuda>(world, common::suite_config(None));
+    let mut rng = common::rng("cuda_capture_cleans_up_on_error_and_panic");
+    let clean = |what: &str| {
+        for r in comm.ranks() {
+            assert!(
+                !is_capturing(r.device().stream()).unwrap(),
+                "{what}: still capturing"
+            );
+            assert!(
+                r.device().context().is_event_tracking(),
+                "{what}: tracking off"
+            );
+        }
+    };
+    let refused = Error::Unsupported("refused on purpose".into());
+    match comm.capture(|| Err::<(), _>(refused.clone())) {
+        Err(e) => assert_eq!(e, refused),
+        Ok(_) => panic!("a failing closure gave graphs"),
+    }
+    clean("closure error");
+    assert!(matches!(
+        comm.capture(|| Ok(())),
+        Err(Error::Unsupported(_))
+    ));
+    clean("empty capture");
+    let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        let _ = comm.capture(|| -> peercomm::Result<()> { panic!("inside the capture") });
+    }));
+    assert!(panicked.is_err(), "the panic comes through");
+    clean("closure panic");
+    for algorithm in Algorithm::ALL {
+        common::run_case::<Cuda, f32>(&comm, &mut rng, algorithm, 0, 4099, false).unwrap();
+    }
 }
 
 /// The schedule fuzzer over `world` ranks: on `world` GPUs where there are enough, or,

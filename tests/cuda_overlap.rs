@@ -14,7 +14,6 @@ mod common;
 use std::sync::Arc;
 
 use common::Placement;
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use peercomm::backend::cuda::Cuda;
 use peercomm::backend::Backend;
@@ -185,33 +184,15 @@ fn overlapped_launch_inside_a_graph_reads_what_the_producer_wrote() {
         .collect();
     let (mut ins, mut outs) = (buffers(&comm, n), buffers(&comm, n));
     comm.synchronize().unwrap();
-    for s in &streams {
-        s.synchronize().unwrap();
-        // SAFETY: every stream is idle; the buffers outlive the graphs, and the test
-        // orders uploads, replays and downloads itself (synchronising in between).
-        unsafe { s.context().disable_event_tracking() };
-    }
     let opts = AllReduceOptions::new().overlap_previous(true);
-    for s in &streams {
-        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .unwrap();
-    }
-    for r in 0..world {
-        produce(&producer[r], &streams[r], &mut ins[r], r as f32 + 1.0);
-    }
-    {
-        let it: Vec<Tensor<Cuda>> = ins.iter().map(|b| Tensor::flat(b)).collect();
-        let mut ot: Vec<TensorMut<Cuda>> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
-        comm.all_reduce_sum(&it, &mut ot, &opts).unwrap();
-    }
-    let graphs: Vec<_> = streams
-        .iter()
-        .map(|s| {
-            s.end_capture(CUgraphInstantiate_flags(0))
-                .unwrap()
-                .expect("a captured graph")
+    let (graphs, _) = comm
+        .capture(|| {
+            for r in 0..world {
+                produce(&producer[r], &streams[r], &mut ins[r], r as f32 + 1.0);
+            }
+            comm.all_reduce_sum_slices(&ins, &mut outs, &opts)
         })
-        .collect();
+        .unwrap();
     let want = expected(world, |r| r as f32 + 1.0, n);
     for replay in 0..50 {
         for r in 0..world {
@@ -228,9 +209,4 @@ fn overlapped_launch_inside_a_graph_reads_what_the_producer_wrote() {
         }
     }
     drop(graphs);
-    for s in &streams {
-        s.synchronize().unwrap();
-        // SAFETY: the stream is idle again.
-        unsafe { s.context().enable_event_tracking() };
-    }
 }

@@ -126,7 +126,6 @@ fn cuda_per_rank_create_drop_cycles_leak_nothing() {
 /// every rank against the f64 reference (one-stage staged, and Lamport).
 #[test]
 fn cuda_per_rank_graph_replays() {
-    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     use peercomm::{Algorithm, AllReduceOptions};
     let Some(place) = placement("cuda_per_rank_graph_replays") else {
         return;
@@ -141,20 +140,10 @@ fn cuda_per_rank_graph_replays() {
         for algorithm in [Algorithm::OneStage, Algorithm::Lamport] {
             let mut send = Cuda::alloc_buffer::<f32>(dev, len).unwrap();
             let mut recv = Cuda::alloc_buffer::<f32>(dev, len).unwrap();
-            let stream = dev.stream();
-            stream.synchronize().unwrap();
-            // SAFETY: this rank's stream is idle and its buffers outlive the graph; the
-            // test orders uploads, replays and downloads itself.
-            unsafe { dev.context().disable_event_tracking() };
-            stream
-                .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-                .unwrap();
             let opts = AllReduceOptions::new().algorithm(algorithm);
-            comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
-            let graph = stream
-                .end_capture(CUgraphInstantiate_flags(0))
-                .unwrap()
-                .expect("a captured graph");
+            let (graph, _) = comm
+                .capture(|| comm.all_reduce_sum(&send, &mut recv, &opts))
+                .unwrap();
             for i in 0..replays {
                 let call = done + i;
                 let mine = per_rank_suite::processes::input(seed, call, rank, len);
@@ -175,8 +164,6 @@ fn cuda_per_rank_graph_replays() {
             }
             done += replays;
             drop(graph);
-            // SAFETY: the graph is gone and the stream is synchronised.
-            unsafe { dev.context().enable_event_tracking() };
         }
         done
     });

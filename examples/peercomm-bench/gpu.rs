@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use cudarc::driver::sys::{self, CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys::{self, CUevent_flags};
 use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::{group_end, group_start, Comm, NcclType, ReduceOp};
 use peercomm::backend::cuda::Cuda;
@@ -93,6 +93,7 @@ pub fn run(args: &Args, world: usize, gpus: usize) -> Report {
         comm.architecture(),
         report.date
     );
+    println!("peercomm memory: {}", comm.memory_footprint());
     let groups = group_list(args, world);
     let mut gpu = Gpu {
         comm,
@@ -314,20 +315,15 @@ pub fn with_tracking(gpu: &Gpu, on: bool) {
     }
 }
 
+/// peercomm's safe capture helper (streams synchronised, cudarc's event tracking paused
+/// and restored to what `with_tracking` set).
 pub fn capture(streams: &[Arc<CudaStream>], mut body: impl FnMut()) -> Vec<CudaGraph> {
-    for s in streams {
-        s.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-            .unwrap();
-    }
-    body();
-    streams
-        .iter()
-        .map(|s| {
-            s.end_capture(CUgraphInstantiate_flags(0))
-                .unwrap()
-                .expect("captured graph")
-        })
-        .collect()
+    peercomm::backend::cuda::capture(streams, || {
+        body();
+        Ok(())
+    })
+    .expect("captured graphs")
+    .0
 }
 
 fn point<T: Element + NcclType>(

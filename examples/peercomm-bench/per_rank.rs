@@ -12,7 +12,7 @@ use std::process::{Command, Stdio};
 use std::sync::Mutex;
 use std::time::Duration;
 
-use cudarc::driver::sys::{CUevent_flags, CUgraphInstantiate_flags, CUstreamCaptureMode};
+use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaSlice;
 use cudarc::nccl::{Comm as NcclComm, Id, ReduceOp};
 use peercomm::backend::cuda::Cuda;
@@ -256,19 +256,13 @@ fn sweep(
             mine.push(at("nccl-per-rank", "nccl", "eager", eager));
         }
         if !args.no_graph {
-            stream.synchronize().unwrap();
-            // SAFETY: this rank's stream is idle; the buffers outlive the graphs, and
-            // only this rank's stream runs them.
-            unsafe { comm.device().context().disable_event_tracking() };
             let graph_of = |body: &mut dyn FnMut()| {
-                stream
-                    .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)
-                    .unwrap();
-                body();
-                stream
-                    .end_capture(CUgraphInstantiate_flags(0))
-                    .unwrap()
-                    .expect("a captured graph")
+                comm.capture(|| {
+                    body();
+                    Ok(())
+                })
+                .expect("a captured graph")
+                .0
             };
             let ours = graph_of(&mut || {
                 for _ in 0..CALLS {
@@ -282,9 +276,6 @@ fn sweep(
                     }
                 })
             });
-            stream.synchronize().unwrap();
-            // SAFETY: the stream is idle again.
-            unsafe { comm.device().context().enable_event_tracking() };
             rendezvous(&comm);
             let graph = per_call_us(&stream, args.batches, || ours.launch().unwrap());
             mine.push(at("peercomm-per-rank", algorithm.name(), "graph", graph));

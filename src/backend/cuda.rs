@@ -40,6 +40,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
+mod graph;
+pub use graph::{capture, is_capturing};
+
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
@@ -71,20 +74,21 @@ fn driver_err(call: &'static str) -> impl FnOnce(cudarc::driver::DriverError) ->
     }
 }
 
-/// Loads libcuda once. cudarc panics when the library is missing; that becomes a typed
-/// error here.
+/// Loads libcuda once. cudarc's loader panics when the library is missing, so the
+/// library is looked for first (with libloading, under the names the driver is
+/// installed as): when it is missing, that is [`Error::NoDevice`] and cudarc is never
+/// asked. Nothing here touches the process-wide panic hook, so no other thread's panic
+/// message can be lost while the driver loads. (Should cudarc still panic, the panic is
+/// caught and reported as `NoDevice`; the default hook prints it once.)
 fn driver() -> Result<()> {
     static LOADED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     LOADED
         .get_or_init(|| {
-            let hook = std::panic::take_hook();
-            std::panic::set_hook(Box::new(|_| {}));
-            let r = std::panic::catch_unwind(CudaContext::device_count);
-            std::panic::set_hook(hook);
-            match r {
+            libcuda_present()?;
+            match std::panic::catch_unwind(CudaContext::device_count) {
                 Ok(Ok(_)) => Ok(()),
                 Ok(Err(e)) => Err(e.to_string()),
-                Err(_) => Err("the CUDA driver library (libcuda.so) could not be loaded".into()),
+                Err(_) => Err("the CUDA driver library (libcuda) could not be loaded".into()),
             }
         })
         .clone()
@@ -92,6 +96,34 @@ fn driver() -> Result<()> {
             backend: "cuda",
             detail,
         })
+}
+
+/// Names the CUDA driver library is installed as.
+fn libcuda_names() -> Vec<String> {
+    use std::env::consts::{DLL_PREFIX, DLL_SUFFIX};
+    vec![
+        format!("{DLL_PREFIX}cuda{DLL_SUFFIX}.1"),
+        format!("{DLL_PREFIX}cuda{DLL_SUFFIX}"),
+        "nvcuda.dll".to_string(),
+    ]
+}
+
+/// Whether the driver library can be loaded (it stays loaded: cudarc loads it again).
+fn libcuda_present() -> std::result::Result<(), String> {
+    let names = libcuda_names();
+    for name in &names {
+        // SAFETY: loading libcuda runs its initialisers, which is what cudarc's own
+        // loader does next with the same library.
+        if let Ok(lib) = unsafe { libloading::Library::new(name) } {
+            // Kept loaded for the process, as cudarc keeps its handle.
+            std::mem::forget(lib);
+            return Ok(());
+        }
+    }
+    Err(format!(
+        "the CUDA driver library could not be loaded (looked for {names:?}; is the NVIDIA \
+         driver installed and on the library path?)"
+    ))
 }
 
 /// One GPU: its context, the stream collectives run on, and the loaded kernels.
