@@ -199,6 +199,24 @@ fn fuzz_cuda(test: &str, world: usize, share: bool) {
 
 /// World 2 on two GPUs; on a machine with one GPU, both ranks share it (the sums are
 /// what this checks; the timings mean nothing then).
+/// The collectives sweep and the fused kernel with ranks sharing the GPUs (worlds 2 and
+/// 4 round-robin over however many there are), so one GPU checks them too.
+#[test]
+fn collectives_on_shared_gpus() {
+    let gpus = match cuda_devices() {
+        Ok(n) => n,
+        Err(why) => {
+            common::announce_skip("collectives_on_shared_gpus", &why);
+            return;
+        }
+    };
+    for world in [2, 4] {
+        let comm = Placement::round_robin(world, gpus).open::<Cuda>(common::suite_config(None));
+        common::collectives::sweep_on(&comm, &common::collectives::COLLECTIVE_LENGTHS);
+        common::collectives::rms_norm_sweep_on(&comm);
+    }
+}
+
 #[test]
 fn fuzz_schedule_world_2() {
     fuzz_cuda("fuzz_schedule_world_2", 2, true);

@@ -266,7 +266,12 @@ pub fn check_once<B: Backend, T: Element>(
 
 /// Every collective x dtype x group size x length at one world size, single controller.
 pub fn sweep<B: Backend>(world: usize, max_blocks: Option<u32>, lengths: &[usize]) {
-    let comm = super::open::<B>(world, suite_config(max_blocks));
+    sweep_on(&super::open::<B>(world, suite_config(max_blocks)), lengths);
+}
+
+/// As [`sweep`], over an open communicator (for example ranks sharing devices).
+pub fn sweep_on<B: Backend>(comm: &Communicator<B>, lengths: &[usize]) {
+    let world = comm.world_size();
     let mut rng = rng(&format!("collectives_world_{world}"));
     for width in group_sizes(world) {
         let mut whiches = vec![Which::AllGather, Which::ReduceScatter];
@@ -278,11 +283,11 @@ pub fn sweep<B: Backend>(world: usize, max_blocks: Option<u32>, lengths: &[usize
             whiches.push(Which::Scatter { root });
         }
         for &n in lengths {
-            reduce_scatter_parts_are_the_all_reduce::<B, half::bf16>(&comm, &mut rng, width, n);
+            reduce_scatter_parts_are_the_all_reduce::<B, half::bf16>(comm, &mut rng, width, n);
             for &which in &whiches {
-                check_once::<B, f32>(&comm, &mut rng, which, width, n, None);
-                check_once::<B, half::f16>(&comm, &mut rng, which, width, n, None);
-                check_once::<B, half::bf16>(&comm, &mut rng, which, width, n, Some(3));
+                check_once::<B, f32>(comm, &mut rng, which, width, n, None);
+                check_once::<B, half::f16>(comm, &mut rng, which, width, n, None);
+                check_once::<B, half::bf16>(comm, &mut rng, which, width, n, Some(3));
             }
         }
     }
@@ -406,14 +411,19 @@ pub fn check_rms_norm_once<B: Backend, T: Element>(
 
 /// The fused kernel over group sizes, decode and odd token counts, small and large rows.
 pub fn rms_norm_sweep<B: Backend>(world: usize, max_blocks: Option<u32>) {
-    let comm = super::open::<B>(world, suite_config(max_blocks));
+    rms_norm_sweep_on(&super::open::<B>(world, suite_config(max_blocks)));
+}
+
+/// As [`rms_norm_sweep`], over an open communicator.
+pub fn rms_norm_sweep_on<B: Backend>(comm: &Communicator<B>) {
+    let world = comm.world_size();
     let mut rng = rng(&format!("rms_norm_world_{world}"));
     for width in group_sizes(world) {
         for (tokens, hidden) in [(1, 8), (3, 4096), (17, 1032), (2, 16384)] {
-            check_rms_norm_once::<B, half::bf16>(&comm, &mut rng, width, tokens, hidden);
-            check_rms_norm_once::<B, half::f16>(&comm, &mut rng, width, tokens, hidden);
+            check_rms_norm_once::<B, half::bf16>(comm, &mut rng, width, tokens, hidden);
+            check_rms_norm_once::<B, half::f16>(comm, &mut rng, width, tokens, hidden);
         }
-        check_rms_norm_once::<B, f32>(&comm, &mut rng, width, 5, 256);
+        check_rms_norm_once::<B, f32>(comm, &mut rng, width, 5, 256);
     }
 }
 
