@@ -73,6 +73,20 @@ fn cuda_per_rank_independent_sibling_groups() {
 }
 
 #[test]
+fn cuda_per_rank_miss_next_times_out_and_recovers() {
+    if let Some(place) = placement("cuda_per_rank_miss_next_times_out_and_recovers") {
+        per_rank_suite::fault::miss_next_times_out_and_recovers::<Cuda>(&place);
+    }
+}
+
+#[test]
+fn cuda_per_rank_sized_for_the_largest_message() {
+    if let Some(place) = placement("cuda_per_rank_sized_for_the_largest_message") {
+        per_rank_suite::sizing::sized_for_the_largest_message::<Cuda>(&place);
+    }
+}
+
+#[test]
 fn cuda_per_rank_missing_call_times_out_and_recovers() {
     if let Some(place) = placement("cuda_per_rank_missing_call_times_out_and_recovers") {
         per_rank_suite::missing_call_times_out_and_recovers::<Cuda>(&place);

@@ -11,6 +11,7 @@ pub mod collectives;
 pub mod fault;
 pub mod fuzz;
 pub mod processes;
+pub mod sizing;
 use std::sync::Barrier;
 use std::time::Duration;
 

@@ -1,0 +1,72 @@
+//! Sizing through the per-rank API: a communicator built from the largest message,
+//! `Comm::algorithm_for` agreeing with what a call does, and `Comm::memory_footprint`.
+
+use peercomm::backend::{Backend, TypedBuffer};
+use peercomm::bootstrap::UniqueId;
+use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, DType, Error};
+
+use super::{common, Placement};
+
+/// With `for_largest_message(1000, F32)`: 1000 elements run one-stage (staged through
+/// the payload) and match the reference; 1001 do not fit, and `algorithm_for` names the
+/// same error the call returns (with nothing written); two-stage is not offered per
+/// rank; the footprint is the configuration's at world 2.
+pub fn sized_for_the_largest_message<B: Backend>(place: &Placement) {
+    let base = place.config(2);
+    let config = CommConfig {
+        max_blocks: base.max_blocks,
+        allow_shared_devices: base.allow_shared_devices,
+        barrier_timeout: base.barrier_timeout,
+        ..CommConfig::for_largest_message(1000, DType::F32).unwrap()
+    };
+    let id = UniqueId::new().unwrap();
+    let mut rng = common::rng("sized_for_the_largest_message");
+    let fits = common::random_inputs::<f32>(&mut rng, 2, 1000);
+    let too_big = common::random_inputs::<f32>(&mut rng, 2, 1001);
+    std::thread::scope(|s| {
+        for rank in 0..2 {
+            let (config, id, fits, too_big) = (config.clone(), &id, &fits, &too_big);
+            s.spawn(move || {
+                let dev = B::open(place.ordinal(rank)).unwrap();
+                let comm = Comm::<B>::from_rank(dev, rank, 2, id, config.clone()).unwrap();
+                let dev = comm.device();
+                assert_eq!(comm.memory_footprint(), config.memory_footprint(2).unwrap());
+                let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+                assert_eq!(
+                    comm.algorithm_for(DType::F32, 1000, &one, false),
+                    Ok(Algorithm::OneStage)
+                );
+                let expected = Error::MessageTooLarge {
+                    algorithm: "one_stage",
+                    needed: 4016,
+                    available: 4000,
+                    setting: "payload_bytes",
+                };
+                assert_eq!(
+                    comm.algorithm_for(DType::F32, 1001, &one, false),
+                    Err(expected.clone())
+                );
+                let two = AllReduceOptions::new().algorithm(Algorithm::TwoStage);
+                assert!(matches!(
+                    comm.algorithm_for(DType::F32, 1000, &two, false),
+                    Err(Error::Unsupported(_))
+                ));
+                // The call agrees with the query, and writes nothing.
+                let send = B::alloc_from(dev, &too_big[rank]).unwrap();
+                let mut recv = B::alloc_from(dev, &vec![f32::NAN; 1001]).unwrap();
+                assert_eq!(comm.all_reduce_sum(&send, &mut recv, &one), Err(expected));
+                comm.synchronize().unwrap();
+                assert!(recv.to_host(dev).unwrap().iter().all(|x| x.is_nan()));
+                // The largest message runs, under Auto and forced one-stage.
+                for opts in [AllReduceOptions::new(), one] {
+                    let send = B::alloc_from(dev, &fits[rank]).unwrap();
+                    let mut recv = B::alloc_from(dev, &vec![f32::NAN; 1000]).unwrap();
+                    comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
+                    comm.synchronize().unwrap();
+                    let got = recv.to_host(dev).unwrap();
+                    common::check_sums(fits, &[got.clone(), got], 2, &format!("rank {rank}"));
+                }
+            });
+        }
+    });
+}
