@@ -72,7 +72,10 @@ impl<B: Backend> Communicator<B> {
     /// watchdog can call it while collectives run, like NCCL's `ncclCommGetAsyncError`).
     /// `Ok(())` means no rank has recorded an error yet; otherwise the root cause is
     /// returned and the communicator is poisoned, as by
-    /// [`Communicator::synchronize`].
+    /// [`Communicator::synchronize`]. On CUDA and HIP each read is a small synchronous
+    /// copy on the legacy default stream, which does not wait for the ranks'
+    /// non-blocking streams (a rank built on the legacy default stream itself would
+    /// wait); a record still being written reads as clean until the next poll.
     pub fn check_errors(&self) -> Result<()> {
         self.report_records(|r| peek_error_record::<B>(r))
     }
