@@ -4,7 +4,8 @@
 //! (odd ones, up to 1 MiB), every group size, Auto and every algorithm the per-rank mode
 //! offers (and refused ones: forced two-stage, Lamport over a subgroup, which must fail
 //! with `Unsupported` and write nothing), in and out of place, -0.0 lanes, and random
-//! delays on random ranks. Each batch is enqueued without synchronising; then every
+//! delays on random ranks; about one call in five is an all-gather, reduce-scatter,
+//! broadcast or scatter (random root) instead, checked bit for bit. Each batch is enqueued without synchronising; then every
 //! rank checks its outputs against the f64 reference (with the sign-of-zero rule) and
 //! the digests of every group are compared bit for bit.
 
@@ -15,7 +16,9 @@ use std::time::Duration;
 use peercomm::backend::Backend;
 use peercomm::{Algorithm, AllReduceOptions, Error};
 
+use super::common::collectives::{assert_bits, expect, input_len, output_len, Which};
 use super::{common, processes, seed, with_world, Placement};
+use peercomm::CollectiveOptions;
 
 /// One call of the schedule, the same on every rank.
 #[derive(Clone, Debug)]
@@ -28,6 +31,8 @@ struct Call {
     delay: Option<(usize, Duration)>,
     /// Whether the library must refuse it.
     refused: bool,
+    /// One of the other collectives instead of an all-reduce (`len` per member).
+    collective: Option<Which>,
 }
 
 fn schedule(seed: u64, world: usize, calls: usize) -> Vec<Call> {
@@ -58,13 +63,31 @@ fn schedule(seed: u64, world: usize, calls: usize) -> Vec<Call> {
                     Duration::from_millis(rng.random_range(0..3)),
                 )
             });
+            let collective = rng.random_bool(0.2).then(|| {
+                let root = rng.random_range(0..group);
+                match rng.random_range(0..4) {
+                    0 => Which::AllGather,
+                    1 => Which::ReduceScatter,
+                    2 => Which::Broadcast {
+                        root,
+                        in_place: false,
+                    },
+                    _ => Which::Scatter { root },
+                }
+            });
+            // A scatter's root stages group x len elements: keep them within the payload.
+            let len = match collective {
+                Some(Which::Scatter { .. }) => len.min(262_144 / group),
+                _ => len,
+            };
             Call {
                 len,
                 group,
                 algorithm,
                 in_place: rng.random_bool(0.5),
                 delay,
-                refused,
+                refused: refused && collective.is_none(),
+                collective,
             }
         })
         .collect()
@@ -95,11 +118,18 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                 .iter()
                 .enumerate()
                 .map(|(i, c)| {
-                    let mut send = B::alloc_buffer::<f32>(dev, c.len).unwrap();
-                    B::upload(dev, &input(seed, first + i, rank, c.len), &mut send).unwrap();
-                    let recv = (!c.in_place).then(|| {
-                        let mut r = B::alloc_buffer::<f32>(dev, c.len).unwrap();
-                        B::upload(dev, &vec![f32::NAN; c.len], &mut r).unwrap();
+                    let (len, out_len, in_place) = match c.collective {
+                        Some(w) => {
+                            let len = input_len(w, c.group, c.len);
+                            (len, output_len(w, c.group, rank, len), false)
+                        }
+                        None => (c.len, c.len, c.in_place),
+                    };
+                    let mut send = B::alloc_buffer::<f32>(dev, len).unwrap();
+                    B::upload(dev, &input(seed, first + i, rank, len), &mut send).unwrap();
+                    let recv = (!in_place).then(|| {
+                        let mut r = B::alloc_buffer::<f32>(dev, out_len).unwrap();
+                        B::upload(dev, &vec![f32::NAN; out_len], &mut r).unwrap();
                         r
                     });
                     (send, recv)
@@ -111,6 +141,19 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                     if late == rank {
                         comm.delay(by).unwrap();
                     }
+                }
+                if let Some(w) = c.collective {
+                    let recv = recv.as_mut().expect("collectives run out of place");
+                    let opts = CollectiveOptions::new().group_size(c.group);
+                    let root = |r: usize| (rank % c.group == r).then_some(&*send);
+                    let done = match w {
+                        Which::AllGather => comm.all_gather(send, recv, &opts),
+                        Which::ReduceScatter => comm.reduce_scatter_sum(send, recv, &opts),
+                        Which::Broadcast { root: r, .. } => comm.broadcast(root(r), recv, r, &opts),
+                        Which::Scatter { root: r } => comm.scatter(root(r), recv, r, &opts),
+                    };
+                    ran.push(done.map(|()| Algorithm::OneStage));
+                    continue;
                 }
                 let opts = AllReduceOptions::new()
                     .group_size(c.group)
@@ -126,6 +169,14 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                 let what = format!("seed {seed} call {call} rank {rank}: {c:?}");
                 let out = recv.as_ref().unwrap_or(send);
                 let got = B::download(dev, out).unwrap();
+                if let Some(w) = c.collective {
+                    outcome.unwrap_or_else(|e| panic!("{what}: {e}"));
+                    let len = input_len(w, c.group, c.len);
+                    let ins: Vec<Vec<f32>> =
+                        (0..world).map(|r| input(seed, call, r, len)).collect();
+                    assert_bits(&got, &expect(w, &ins, c.group, rank), &what);
+                    continue;
+                }
                 if c.refused {
                     assert!(
                         matches!(outcome, Err(Error::Unsupported(_))),
@@ -162,7 +213,12 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
         .map(|&(c, r, d)| ((c, r), d))
         .collect();
     let mut checked = 0;
-    for (call, c) in plan.iter().enumerate().filter(|(_, c)| !c.refused) {
+    let collectives = plan.iter().filter(|c| c.collective.is_some()).count();
+    for (call, c) in plan
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| !c.refused && c.collective.is_none())
+    {
         for rank in 0..world {
             let lead = rank / c.group * c.group;
             assert_eq!(
@@ -174,8 +230,8 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
         checked += 1;
     }
     eprintln!(
-        "per_rank_fuzz world {world}: PEERCOMM_SEED={seed}: {checked} calls checked on every rank, {} refused as specified, in {:.1?}",
-        plan.len() - checked,
+        "per_rank_fuzz world {world}: PEERCOMM_SEED={seed}: {checked} all-reduces and {collectives} other collectives checked on every rank, {} refused as specified, in {:.1?}",
+        plan.len() - checked - collectives,
         started.elapsed()
     );
 }
