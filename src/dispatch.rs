@@ -36,6 +36,15 @@ pub enum Algorithm {
     /// Barrier-free push into the peers' Lamport regions (small messages; whole world
     /// only; -0.0 comes out as +0.0).
     Lamport,
+    /// The whole call ran in the external library (NCCL on CUDA, RCCL on AMD, the host
+    /// stand-in on the host backend): see [`crate::external`]. Returned when peer
+    /// memory cannot serve the communicator (and its fallback is on), or when the user
+    /// opted in to routing by size; forcing it needs the external library to be set up.
+    Nccl,
+    /// Ranks span hosts: a sum over peer memory inside each host, the external library
+    /// across hosts (one slice per local rank), then a gather inside each host over
+    /// peer memory. Returned, never forced.
+    Hierarchical,
 }
 
 impl Algorithm {
@@ -46,18 +55,20 @@ impl Algorithm {
             Algorithm::OneStage => "one_stage",
             Algorithm::TwoStage => "two_stage",
             Algorithm::Lamport => "lamport",
+            Algorithm::Nccl => "nccl",
+            Algorithm::Hierarchical => "hierarchical",
         }
     }
-    /// The kernel family (`None` for `Auto`).
+    /// The kernel family (`None` for `Auto` and the paths that are not one kernel).
     pub const fn kernel_kind(self) -> Option<KernelKind> {
         match self {
-            Algorithm::Auto => None,
+            Algorithm::Auto | Algorithm::Nccl | Algorithm::Hierarchical => None,
             Algorithm::OneStage => Some(KernelKind::OneStage),
             Algorithm::TwoStage => Some(KernelKind::TwoStage),
             Algorithm::Lamport => Some(KernelKind::Lamport),
         }
     }
-    /// The three concrete algorithms.
+    /// The three peer-memory algorithms.
     pub const ALL: [Algorithm; 3] = [Algorithm::OneStage, Algorithm::TwoStage, Algorithm::Lamport];
 }
 
@@ -156,6 +167,25 @@ pub fn choose(arch: &str, width: usize, bytes: usize) -> Algorithm {
         .find(|r| bytes <= r.max_bytes)
         .map(|r| r.algorithm)
         .unwrap_or(Algorithm::OneStage)
+}
+
+/// Opt-in routing by size ([`crate::external::SizeRouting::Table`]): the message size
+/// (bytes per rank) from which the external library beats peer memory over groups of
+/// `width` on `arch`, or `None` where it never does.
+///
+/// - `sm_90`, two GPUs over NV18 (2x H200, `results/h200x2/`): peercomm is faster than
+///   NCCL 2.28 at every size measured, 1 KiB to 1 GiB (0.42x of NCCL's time at 1 KiB,
+///   1.01x its bus bandwidth at 1 GiB): never.
+/// - `host`: the host backend has no speed to measure; its row (1 MiB) exists so that
+///   routing by the table runs in CI against the host stand-in.
+/// - Everything else is unmeasured: never (a row is added where a measurement shows
+///   the library faster, e.g. PCIe machines at large sizes).
+pub fn external_from(arch: &str, width: usize) -> Option<usize> {
+    match (arch, width) {
+        (_, 1) => None,
+        ("host", _) => Some(1 << 20),
+        _ => None,
+    }
 }
 
 /// Blocks for a launch that covers `packs` 16-byte packs with `threads` threads per

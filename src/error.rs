@@ -131,13 +131,44 @@ pub enum Error {
     /// A configuration value is out of range (sizes that overflow, misaligned scratch).
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
-    /// Peer access is missing between two devices; a staged fallback is not built yet.
+    /// Peer access is missing between two devices, and the fallback to the external
+    /// library is off ([`crate::external::Fallback::Refuse`]).
     #[error("peer-to-peer access from device {from} to device {to} is not available")]
     P2pUnavailable {
         /// Device that would access.
         from: usize,
         /// Device that would be accessed.
         to: usize,
+    },
+    /// The external collective library (NCCL, RCCL) could not be loaded or has no
+    /// symbol peercomm needs: install it, or keep peer memory only.
+    #[error("{library} is not available: {detail}")]
+    ExternalUnavailable {
+        /// `"nccl"` or `"rccl"`.
+        library: &'static str,
+        /// What loading it said.
+        detail: String,
+    },
+    /// A call into the external collective library failed.
+    #[error("{library} call {call} failed: {detail}")]
+    External {
+        /// `"nccl"`, `"rccl"` or `"host"` (the host stand-in).
+        library: &'static str,
+        /// The call that failed.
+        call: &'static str,
+        /// What the library said.
+        detail: String,
+    },
+    /// The check at initialisation (a known pattern all-reduced through every peer
+    /// mapping, on the kernels' own path) gave a wrong result or timed out on these
+    /// ranks: the peer links cannot be trusted. Returned when the fallback to the
+    /// external library is off ([`crate::external::Fallback::Refuse`]).
+    #[error("the peer-memory check at initialisation failed on ranks {ranks:?}: {detail}")]
+    PeerCheckFailed {
+        /// World ranks whose check failed.
+        ranks: Vec<usize>,
+        /// What went wrong on the first of them.
+        detail: String,
     },
     /// A barrier waited longer than the configured timeout: a peer never arrived.
     #[error(

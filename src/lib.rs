@@ -46,6 +46,7 @@ mod comm;
 pub mod dispatch;
 mod dtype;
 mod error;
+pub mod external;
 #[doc(hidden)]
 pub mod protocol;
 pub mod signal;

@@ -363,3 +363,29 @@ fn data_kernels_move_16_byte_packs_and_use_no_scratch() {
         eprintln!("{t}: 16-byte packs in one-stage, two-stage, Lamport and the collectives");
     }
 }
+
+/// Without RCCL (as in CI) the AMD fallback library is a typed error naming what was
+/// tried, never a panic or a link failure: RCCL is opened at run time.
+#[test]
+fn missing_rccl_is_a_typed_error() {
+    use peercomm::external::rccl::RCCL_LIBRARY_ENV;
+    // The first use of RCCL in this process reads the variable: point it at nothing.
+    std::env::set_var(RCCL_LIBRARY_ENV, "/nonexistent/librccl.so.1");
+    let library = Hip::external_library();
+    assert_eq!(library.name(), "rccl");
+    match library.check_available() {
+        Err(Error::ExternalUnavailable { library, detail }) => {
+            assert_eq!(library, "rccl");
+            assert!(detail.contains("/nonexistent/librccl.so.1"), "{detail}");
+        }
+        other => panic!("expected ExternalUnavailable, got {other:?}"),
+    }
+    // The single-controller form says the same, before touching any device.
+    match library.single_controller(&[]) {
+        Err(Error::ExternalUnavailable {
+            library: "rccl", ..
+        }) => {}
+        Err(other) => panic!("expected ExternalUnavailable, got {other:?}"),
+        Ok(_) => panic!("expected ExternalUnavailable, got handles"),
+    }
+}

@@ -679,6 +679,17 @@ impl Backend for Cuda {
             .map_err(driver_err("cuMemsetD32Async"))
     }
 
+    fn memset_d16(dev: &CudaDevice, ptr: u64, value: u16, halves: usize) -> Result<()> {
+        dev.ctx
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        // SAFETY: the caller passes a 2-byte aligned range inside one of its live
+        // allocations on this device; the memset is ordered on the rank's stream.
+        unsafe { sys::cuMemsetD16Async(ptr, value, halves, dev.stream.cu_stream()) }
+            .result()
+            .map_err(driver_err("cuMemsetD16Async"))
+    }
+
     fn read(dev: &CudaDevice, ptr: u64, dst: &mut [u8]) -> Result<()> {
         dev.ctx
             .bind_to_thread()
@@ -793,6 +804,10 @@ impl Backend for Cuda {
         dev.stream
             .synchronize()
             .map_err(driver_err("cuStreamSynchronize"))
+    }
+
+    fn external_library() -> &'static dyn crate::external::ExternalLibrary<Self> {
+        &crate::external::nccl::Nccl
     }
 
     fn alloc_buffer<T: Element>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {

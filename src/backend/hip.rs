@@ -143,6 +143,12 @@ mod ffi {
         pub fn hipEventRecord(event: hipEvent_t, stream: hipStream_t) -> HipStatus;
         pub fn hipEventSynchronize(event: hipEvent_t) -> HipStatus;
         pub fn hipEventDestroy(event: hipEvent_t) -> HipStatus;
+        pub fn hipMemsetD16Async(
+            dst: *mut c_void,
+            value: u16,
+            count: usize,
+            stream: hipStream_t,
+        ) -> HipStatus;
         pub fn hipMemsetD32Async(
             dst: *mut c_void,
             value: c_int,
@@ -236,7 +242,7 @@ fn check(status: HipStatus, call: &'static str) -> Result<()> {
     }
 }
 
-fn set_device(ordinal: usize) -> Result<()> {
+pub(crate) fn set_device(ordinal: usize) -> Result<()> {
     // SAFETY: plain value argument; an invalid ordinal is reported as a status.
     check(
         unsafe { ffi::hipSetDevice(ordinal as c_int) },
@@ -1022,6 +1028,16 @@ impl Backend for Hip {
         )
     }
 
+    fn memset_d16(dev: &HipDevice, ptr: u64, value: u16, halves: usize) -> Result<()> {
+        set_device(dev.ordinal)?;
+        // SAFETY: the caller passes a range inside one of its allocations; the write is
+        // ordered on the device's stream.
+        check(
+            unsafe { ffi::hipMemsetD16Async(ptr as *mut c_void, value, halves, dev.stream) },
+            "hipMemsetD16Async",
+        )
+    }
+
     fn read(dev: &HipDevice, ptr: u64, dst: &mut [u8]) -> Result<()> {
         set_device(dev.ordinal)?;
         // SAFETY: the caller passes a device range of dst.len() bytes; `dst` stays
@@ -1112,6 +1128,10 @@ impl Backend for Hip {
             unsafe { ffi::hipStreamSynchronize(dev.stream) },
             "hipStreamSynchronize",
         )
+    }
+
+    fn external_library() -> &'static dyn crate::external::ExternalLibrary<Self> {
+        &crate::external::rccl::Rccl
     }
 
     fn alloc_buffer<T: Element>(dev: &HipDevice, len: usize) -> Result<HipBuffer<T>> {

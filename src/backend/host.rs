@@ -164,6 +164,11 @@ impl HostDevice {
     pub fn ordinal(&self) -> usize {
         self.ordinal
     }
+    /// Enqueues a host function on the device's stream (as `cuLaunchHostFunc`): it runs
+    /// after the work enqueued before it, and later work waits for it.
+    pub(crate) fn enqueue_host_fn(&self, f: impl FnOnce() + Send + 'static) {
+        self.stream.enqueue(Box::new(f));
+    }
 }
 
 /// Owns a `T` whose drop must wait for the work already enqueued on a stream: dropping
@@ -423,6 +428,18 @@ impl Backend for Host {
         Ok(())
     }
 
+    fn memset_d16(dev: &HostDevice, ptr: u64, value: u16, halves: usize) -> Result<()> {
+        dev.stream.enqueue(Box::new(move || {
+            let p = ptr as *mut u16;
+            for i in 0..halves {
+                // SAFETY: the caller passes a range inside one of its allocations;
+                // the stream orders this after earlier work on the device.
+                unsafe { p.add(i).write_volatile(value) };
+            }
+        }));
+        Ok(())
+    }
+
     fn read(dev: &HostDevice, ptr: u64, dst: &mut [u8]) -> Result<()> {
         dev.stream.synchronize();
         // SAFETY: the caller passes a range inside one of its allocations and the
@@ -470,6 +487,10 @@ impl Backend for Host {
     fn synchronize(dev: &HostDevice) -> Result<()> {
         dev.stream.synchronize();
         Ok(())
+    }
+
+    fn external_library() -> &'static dyn crate::external::ExternalLibrary<Self> {
+        &crate::external::host::HostLibrary
     }
 
     fn alloc_buffer<T: Element>(dev: &HostDevice, len: usize) -> Result<HostBuffer<T>> {

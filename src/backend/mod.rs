@@ -215,6 +215,9 @@ pub trait Backend: Sized + Send + Sync + 'static {
     fn mapping_ptr(mapping: &Self::PeerMapping) -> u64;
     /// Fills `words` 32-bit words at `ptr` with `value`, on the device's stream.
     fn memset_d32(dev: &Self::Device, ptr: u64, value: u32, words: usize) -> Result<()>;
+    /// Fills `halves` 16-bit words at `ptr` (2-byte aligned) with `value`, on the
+    /// device's stream.
+    fn memset_d16(dev: &Self::Device, ptr: u64, value: u16, halves: usize) -> Result<()>;
     /// Copies device memory at `ptr` to the host, after the stream's earlier work.
     fn read(dev: &Self::Device, ptr: u64, dst: &mut [u8]) -> Result<()>;
     /// Reads `dst.len()` 32-bit words at `ptr` (4-byte aligned) without waiting for the
@@ -252,6 +255,11 @@ pub trait Backend: Sized + Send + Sync + 'static {
     }
     /// Waits for everything enqueued on the device's stream.
     fn synchronize(dev: &Self::Device) -> Result<()>;
+
+    /// The external collective library that serves where peer memory cannot (NCCL on
+    /// CUDA, RCCL on AMD, the host stand-in on the host backend); see
+    /// [`crate::external`].
+    fn external_library() -> &'static dyn crate::external::ExternalLibrary<Self>;
 
     /// Allocates a typed buffer of `len` elements (contents unspecified).
     fn alloc_buffer<T: Element>(dev: &Self::Device, len: usize) -> Result<Self::Buffer<T>>;

@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use crate::dispatch::Algorithm;
+use crate::external::{FallbackConfig, Simulation};
 
 /// Sizes and limits of a communicator.
 ///
@@ -51,6 +52,14 @@ pub struct CommConfig {
     /// How long the per-rank [`crate::Comm`] waits for the other ranks at setup and at
     /// each bootstrap step (re-initialisation, teardown).
     pub bootstrap_timeout: Duration,
+    /// Where peer memory cannot serve (no working peer access, several hosts, more
+    /// than `MAX_GPUS` ranks): hand the calls to NCCL/RCCL (the default) or refuse;
+    /// and whether to route by message size (default: never). See
+    /// [`crate::external`].
+    pub fallback: FallbackConfig,
+    /// For testing only: simulate missing peer access, a failed peer check, or ranks
+    /// on several hosts (see [`Simulation`]).
+    pub simulate: Simulation,
 }
 
 impl Default for CommConfig {
@@ -63,6 +72,8 @@ impl Default for CommConfig {
             threads_per_block: 512,
             allow_shared_devices: false,
             bootstrap_timeout: Duration::from_secs(120),
+            fallback: FallbackConfig::default(),
+            simulate: Simulation::default(),
         }
     }
 }

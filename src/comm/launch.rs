@@ -53,6 +53,9 @@ impl<B: Backend> Communicator<B> {
         residuals: &[u64; MAX_GPUS],
         weights: &[u64; MAX_GPUS],
     ) -> Result<()> {
+        // Where peer memory does not reach every device (the external fallback), only
+        // groups of one launch.
+        self.check_peer_group(plan.width)?;
         let _launches = self.lock_launches();
         self.check_usable()?;
         let missing = self.take_missing();

@@ -19,10 +19,14 @@ mod collective;
 mod config;
 mod fault;
 mod launch;
+mod peer_check;
+mod peer_setup;
 mod per_rank;
 mod plan;
+mod route;
 mod settings;
 mod single_collectives;
+mod single_route;
 mod sizing;
 mod slices;
 mod status;
@@ -34,6 +38,7 @@ pub use config::{AllReduceOptions, CommConfig};
 pub use per_rank::Comm;
 use plan::Plan;
 use settings::Settings;
+use single_route::SingleRoute;
 pub use sizing::MemoryFootprint;
 pub(crate) use status::read_error_record;
 use validate::{check_world, first_missing_peer_pair, Meta};
@@ -82,6 +87,8 @@ pub struct Communicator<B: Backend> {
     /// Fault injection: ranks (a bit each) the next launch leaves out.
     #[cfg(feature = "fault-injection")]
     missing: std::sync::atomic::AtomicU32,
+    /// Which calls peer memory serves and which the external library.
+    route: SingleRoute<B>,
 }
 
 impl<B: Backend> Communicator<B> {
@@ -116,10 +123,19 @@ impl<B: Backend> Communicator<B> {
         }
         let arch = B::architecture(&devices[0])?;
         let sms = B::multiprocessor_count(&devices[0])?;
+        let (fallback, simulate) = (config.fallback, config.simulate.clone());
         let settings = Settings::new(config, arch, sms, world, true)?;
         let layout = settings.layout;
-        if !enable_p2p::<B>(&devices)? {
-            let (from, to) = first_missing_peer_pair::<B>(&devices)?;
+        // Peer access, or (with the fallback on) the external library for the world.
+        let blocked = simulate
+            .no_peer_access
+            .filter(|&(a, b)| a != b && a.max(b) < world);
+        let p2p = blocked.is_none() && enable_p2p::<B>(&devices)?;
+        if !p2p && fallback.fallback == crate::external::Fallback::Refuse {
+            let (from, to) = match blocked {
+                Some((a, b)) => (B::ordinal(&devices[a]), B::ordinal(&devices[b])),
+                None => first_missing_peer_pair::<B>(&devices)?,
+            };
             return Err(Error::P2pUnavailable { from, to });
         }
         let signals = devices
@@ -141,8 +157,10 @@ impl<B: Backend> Communicator<B> {
             for j in 0..world {
                 let addr = if i == j {
                     B::memory_ptr(&ranks[j].signal)
-                } else {
+                } else if p2p {
                     B::map_peer(&ranks[i].device, &ranks[j].signal)?
+                } else {
+                    0
                 };
                 ranks[i].peer_signals[j] = addr;
             }
@@ -155,9 +173,10 @@ impl<B: Backend> Communicator<B> {
             launch_lock: Mutex::new(()),
             #[cfg(feature = "fault-injection")]
             missing: Default::default(),
+            route: SingleRoute::peer(),
         };
         comm.reinitialize()?;
-        Ok(comm)
+        comm.finish_routing(p2p, fallback, simulate.fail_peer_check)
     }
 
     /// Ranks in the communicator.
@@ -198,6 +217,10 @@ impl<B: Backend> Communicator<B> {
     /// [`Communicator::check_errors`] only reads the records, without waiting.
     pub fn synchronize(&self) -> Result<()> {
         self.wait()?;
+        if let Err(e) = self.external_async_error() {
+            self.poisoned.store(true, Ordering::Release);
+            return Err(e);
+        }
         self.check_device_errors()
     }
 
@@ -327,6 +350,25 @@ impl<B: Backend> Communicator<B> {
                 });
             }
         }
+        if self.routes_external(metas[0].dtype, metas[0].len, options)? {
+            let ranks = &self.ranks;
+            let mut guards = Vec::with_capacity(2 * ranks.len());
+            let mut ins = Vec::with_capacity(ranks.len());
+            let mut outs = Vec::with_capacity(ranks.len());
+            for (r, t) in inputs.iter().enumerate() {
+                let (p, g) = t.data.read_ptr(&ranks[r].device);
+                ins.push(p);
+                guards.push(g);
+            }
+            for (r, t) in outputs.iter_mut().enumerate() {
+                let (p, g) = t.data.write_ptr(&ranks[r].device);
+                outs.push(p);
+                guards.push(g);
+            }
+            let result = self.run_external(&ins, &outs, metas[0].len, metas[0].dtype);
+            drop(guards);
+            return result;
+        }
         let plan = self
             .settings
             .plan(metas[0].dtype, metas[0].len, options, false)?;
@@ -376,6 +418,19 @@ impl<B: Backend> Communicator<B> {
         let shapes: Vec<Vec<usize>> = tensors.iter().map(|t| t.shape.clone()).collect();
         let shape_refs: Vec<&[usize]> = shapes.iter().map(|s| s.as_slice()).collect();
         self.check_tensors(&metas, &shape_refs, "in-place")?;
+        if self.routes_external(metas[0].dtype, metas[0].len, options)? {
+            let ranks = &self.ranks;
+            let mut guards = Vec::with_capacity(ranks.len());
+            let mut ptrs = Vec::with_capacity(ranks.len());
+            for (r, t) in tensors.iter_mut().enumerate() {
+                let (p, g) = t.data.write_ptr(&ranks[r].device);
+                ptrs.push(p);
+                guards.push(g);
+            }
+            let result = self.run_external(&ptrs, &ptrs, metas[0].len, metas[0].dtype);
+            drop(guards);
+            return result;
+        }
         let plan = self
             .settings
             .plan(metas[0].dtype, metas[0].len, options, true)?;
@@ -409,6 +464,7 @@ impl<B: Backend> Communicator<B> {
     pub fn barrier_on_ranks(&self, group_size: usize, ranks: &[usize]) -> Result<()> {
         self.check_usable()?;
         let plan = self.settings.barrier_plan(group_size)?;
+        self.check_peer_group(plan.width)?;
         let zeros = [0u64; MAX_GPUS];
         for &r in ranks {
             if r >= self.world_size() {
@@ -447,6 +503,7 @@ impl<B: Backend> Communicator<B> {
                 "the flag ping-pong needs two ranks".into(),
             ));
         }
+        self.check_peer_group(2)?;
         let payload_off = self.settings.layout.payload_offset() as u64;
         for r in 0..2 {
             B::memset_d32(

@@ -10,24 +10,21 @@
 //! registration and every call is capturable in a CUDA graph.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut, MemoryKind};
+use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use crate::bootstrap::{Bootstrap, HostId, TcpBootstrap, UniqueId};
 use crate::dispatch::Algorithm;
 use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
 use crate::{init_signal_buffer_with_counter_base, SignalLayout};
 
+use super::route::{self, Path, RouteError, Router};
 use super::settings::Settings;
-use super::validate::check_world;
 use super::{read_error_record, AllReduceOptions, CommConfig, Rank};
 
 mod collectives;
-
-/// Format version of the per-rank exchange record.
-const RECORD_VERSION: u8 = 1;
 
 /// One rank of a communicator whose ranks live in different threads or processes.
 ///
@@ -60,8 +57,12 @@ const RECORD_VERSION: u8 = 1;
 pub struct Comm<B: Backend> {
     pub(super) rank: Rank<B>,
     pub(super) settings: Settings,
-    bootstrap: Box<dyn Bootstrap>,
+    bootstrap: Arc<dyn Bootstrap>,
     hosts: Vec<HostId>,
+    /// Which calls peer memory serves and which the external library (`rank` and
+    /// `settings` describe the peer-memory core: the world, this host's ranks, or
+    /// this rank alone).
+    route: Router<B>,
     /// Peer signals imported from other processes; unmapped on drop, after the
     /// teardown barrier.
     mappings: Vec<B::PeerMapping>,
@@ -75,61 +76,12 @@ pub struct Comm<B: Backend> {
     pub(super) missing: AtomicBool,
 }
 
-/// What each rank tells the others at setup.
-struct PeerRecord {
-    pid: u32,
-    ordinal: usize,
-    signal_addr: u64,
-    arch: String,
-    checksum: u64,
-}
-
-impl PeerRecord {
-    fn encode(&self) -> Vec<u8> {
-        let mut out = vec![RECORD_VERSION];
-        out.extend_from_slice(&self.pid.to_le_bytes());
-        out.extend_from_slice(&(self.ordinal as u64).to_le_bytes());
-        out.extend_from_slice(&self.signal_addr.to_le_bytes());
-        out.extend_from_slice(&self.checksum.to_le_bytes());
-        out.extend_from_slice(&(self.arch.len() as u32).to_le_bytes());
-        out.extend_from_slice(self.arch.as_bytes());
-        out
-    }
-
-    fn decode(rank: usize, bytes: &[u8]) -> Result<Self> {
-        let bad = || Error::InvalidConfig(format!("rank {rank} sent a malformed setup record"));
-        let mut at = 0usize;
-        let mut take = |n: usize| -> Result<&[u8]> {
-            let field = bytes.get(at..at + n).ok_or_else(bad)?;
-            at += n;
-            Ok(field)
-        };
-        if take(1)?[0] != RECORD_VERSION {
-            return Err(Error::InvalidConfig(format!(
-                "rank {rank} runs another peercomm version (setup record format)"
-            )));
-        }
-        let pid = u32::from_le_bytes(take(4)?.try_into().unwrap());
-        let ordinal = u64::from_le_bytes(take(8)?.try_into().unwrap()) as usize;
-        let signal_addr = u64::from_le_bytes(take(8)?.try_into().unwrap());
-        let checksum = u64::from_le_bytes(take(8)?.try_into().unwrap());
-        let n = u32::from_le_bytes(take(4)?.try_into().unwrap()) as usize;
-        let arch = String::from_utf8(take(n)?.to_vec()).map_err(|_| bad())?;
-        Ok(PeerRecord {
-            pid,
-            ordinal,
-            signal_addr,
-            arch,
-            checksum,
-        })
-    }
-}
-
 /// A checksum of what every rank's configuration must agree on (FNV-1a).
 pub(crate) fn config_checksum(config: &CommConfig) -> u64 {
     let timeout = config
         .barrier_timeout
         .map_or(0, |t| u64::try_from(t.as_nanos()).unwrap_or(u64::MAX));
+    let [fallback, by_size, above] = config.fallback.code();
     let fields = [
         config.lamport_slot_bytes as u64,
         config.payload_bytes as u64,
@@ -137,6 +89,10 @@ pub(crate) fn config_checksum(config: &CommConfig) -> u64 {
         config.max_blocks.map_or(u64::MAX, u64::from),
         u64::from(config.threads_per_block),
         u64::from(config.allow_shared_devices),
+        fallback,
+        by_size,
+        above,
+        config.simulate.code(),
     ];
     let mut h = 0xcbf2_9ce4_8422_2325u64;
     for byte in fields.iter().flat_map(|f| f.to_le_bytes()) {
@@ -159,7 +115,7 @@ impl<B: Backend> Comm<B> {
         id: &UniqueId,
         config: CommConfig,
     ) -> Result<Self> {
-        check_world(world_size)?;
+        route::check_world(world_size, &config)?;
         let bootstrap = TcpBootstrap::connect(
             id,
             rank,
@@ -178,7 +134,7 @@ impl<B: Backend> Comm<B> {
         bootstrap: Box<dyn Bootstrap>,
         config: CommConfig,
     ) -> Result<Self> {
-        check_world(bootstrap.world_size())?;
+        route::check_world(bootstrap.world_size(), &config)?;
         let hosts = bootstrap
             .all_gather(crate::bootstrap::host_identity().as_str().as_bytes())?
             .into_iter()
@@ -193,85 +149,28 @@ impl<B: Backend> Comm<B> {
         hosts: Vec<HostId>,
         config: CommConfig,
     ) -> Result<Self> {
-        let (me, world) = (bootstrap.rank(), bootstrap.world_size());
-        if hosts.iter().any(|h| *h != hosts[me]) {
-            return Err(Error::Unsupported(format!(
-                "the ranks run on several hosts ({:?}); peer memory serves one host only",
-                hosts.iter().map(HostId::as_str).collect::<Vec<_>>()
-            )));
-        }
-        let checksum = config_checksum(&config);
-        let arch = B::architecture(&device)?;
-        let sms = B::multiprocessor_count(&device)?;
-        let settings = Settings::new(config, arch.clone(), sms, world, false)?;
-        let layout = settings.layout;
-        let kind = if world > 1 {
-            MemoryKind::SharedSignal
-        } else {
-            MemoryKind::Signal
+        let bootstrap: Arc<dyn Bootstrap> = Arc::from(bootstrap);
+        let hosts = match &config.simulate.hosts {
+            Some(h) if h.len() != hosts.len() => {
+                return Err(Error::InvalidConfig(format!(
+                    "Simulation::hosts names {} hosts for {} ranks",
+                    h.len(),
+                    hosts.len()
+                )))
+            }
+            Some(h) => h.clone(),
+            None => hosts,
         };
-        let signal = B::alloc(&device, layout.checked_total_bytes()?, kind)?;
-        init_signal_buffer_with_counter_base::<B>(&device, &signal, layout, 0)?;
-        B::synchronize(&device)?;
-        let mine = PeerRecord {
-            pid: std::process::id(),
-            ordinal: B::ordinal(&device),
-            signal_addr: B::memory_ptr(&signal),
-            arch,
-            checksum,
-        };
-        let records = bootstrap
-            .all_gather(&mine.encode())?
-            .iter()
-            .enumerate()
-            .map(|(r, bytes)| PeerRecord::decode(r, bytes))
-            .collect::<Result<Vec<_>>>()?;
-        // IPC handles only when some rank is in another process (every rank decides the
-        // same from the same records, so all make the same bootstrap calls).
-        let handles = if records.iter().any(|p| p.pid != records[0].pid) {
-            bootstrap.all_gather(&B::export_memory(&device, &signal)?)?
-        } else {
-            vec![Vec::new(); world]
-        };
-        if records
-            .iter()
-            .enumerate()
-            .any(|(r, p)| r != me && p.pid == mine.pid && p.ordinal == mine.ordinal)
-        {
-            B::prepare_shared_device(&device)?;
-        }
-        let mut peer_signals = [0u64; MAX_GPUS];
-        let mut mappings = Vec::new();
-        for (r, peer) in records.iter().enumerate() {
-            check_peer_record(me, r, &mine, peer, &settings.config)?;
-            peer_signals[r] = if r == me {
-                mine.signal_addr
-            } else if peer.pid == mine.pid {
-                // The same process: the address is valid here once peer access is on.
-                if peer.ordinal != mine.ordinal {
-                    enable_peer_access_to::<B>(&device, peer.ordinal)?;
-                }
-                peer.signal_addr
-            } else {
-                let mapping = B::import_memory(&device, &handles[r])?;
-                let addr = B::mapping_ptr(&mapping);
-                mappings.push(mapping);
-                addr
-            };
-        }
-        // No rank launches before every rank has mapped every signal.
+        let (core, route) = route::connect::<B>(device, bootstrap.clone(), &hosts, &config)?;
+        // No rank launches before every rank is set up.
         bootstrap.barrier()?;
         Ok(Comm {
-            rank: Rank {
-                index: me,
-                device,
-                signal,
-                peer_signals,
-            },
-            settings,
+            rank: core.rank,
+            settings: core.settings,
             bootstrap,
             hosts,
-            mappings,
+            mappings: core.mappings,
+            route,
             poisoned: AtomicBool::new(false),
             launch_lock: Mutex::new(()),
             torn_down: AtomicBool::new(false),
@@ -282,11 +181,17 @@ impl<B: Backend> Comm<B> {
 
     /// This rank's index in the world.
     pub fn rank(&self) -> usize {
-        self.rank.index
+        self.route.world_rank
     }
     /// Ranks in the world.
     pub fn world_size(&self) -> usize {
-        self.settings.world
+        self.route.world
+    }
+    /// How whole-world calls run: `OneStage`/`TwoStage`/`Lamport` are all possible
+    /// when this returns `Auto` (peer memory serves the world); `Nccl` when the
+    /// external library serves it; `Hierarchical` when the ranks span hosts.
+    pub fn world_path(&self) -> Algorithm {
+        self.route.world_path()
     }
     /// The device (for CUDA: its context and the stream collectives run on).
     pub fn device(&self) -> &B::Device {
@@ -345,9 +250,21 @@ impl<B: Backend> Comm<B> {
                 ),
             });
         }
+        let options = match self.route.path(send.dtype(), send.len(), options)? {
+            Path::Peer(local) => local,
+            path => {
+                let dev = &self.rank.device;
+                let (input, in_guard) = send.read_ptr(dev);
+                let (output, out_guard) = recv.write_ptr(dev);
+                let result =
+                    self.run_routed(path, input, output, send.len(), send.dtype(), options);
+                drop((in_guard, out_guard));
+                return result;
+            }
+        };
         let plan = self
             .settings
-            .plan(send.dtype(), send.len(), options, false)?;
+            .plan(send.dtype(), send.len(), &options, false)?;
         if plan.elements == 0 {
             return Ok(plan.algorithm);
         }
@@ -355,7 +272,7 @@ impl<B: Backend> Comm<B> {
         let (input, in_guard) = send.read_ptr(dev);
         let (output, out_guard) = recv.write_ptr(dev);
         let mut inputs = [0u64; MAX_GPUS];
-        inputs[self.rank()] = input;
+        inputs[self.rank.index] = input;
         let result =
             self.launch_collective(|| self.rank.launch(&self.settings, &plan, &inputs, output));
         drop((in_guard, out_guard));
@@ -373,22 +290,42 @@ impl<B: Backend> Comm<B> {
     {
         self.check_usable()?;
         self.check_buffer(buf.device_ordinal(), "in-place")?;
-        let plan = self.settings.plan(buf.dtype(), buf.len(), options, true)?;
+        let options = match self.route.path(buf.dtype(), buf.len(), options)? {
+            Path::Peer(local) => local,
+            path => {
+                let (len, dtype) = (buf.len(), buf.dtype());
+                let (ptr, guard) = buf.write_ptr(&self.rank.device);
+                let result = self.run_routed(path, ptr, ptr, len, dtype, options);
+                drop(guard);
+                return result;
+            }
+        };
+        let plan = self.settings.plan(buf.dtype(), buf.len(), &options, true)?;
         if plan.elements == 0 {
             return Ok(plan.algorithm);
         }
         let (ptr, guard) = buf.write_ptr(&self.rank.device);
         let mut inputs = [0u64; MAX_GPUS];
-        inputs[self.rank()] = ptr;
+        inputs[self.rank.index] = ptr;
         let result =
             self.launch_collective(|| self.rank.launch(&self.settings, &plan, &inputs, ptr));
         drop(guard);
         result.map(|_| plan.algorithm)
     }
 
-    /// A start and an end barrier over this rank's group, on its stream.
+    /// A start and an end barrier over this rank's group, on its stream (groups that
+    /// peer memory serves only).
     pub fn barrier(&self, group_size: usize) -> Result<()> {
         self.check_usable()?;
+        let options = AllReduceOptions::new().group_size(group_size);
+        let group_size = match self.route.path(crate::DType::F32, 0, &options)? {
+            Path::Peer(local) => local.group_size,
+            _ => {
+                return Err(Error::Unsupported(
+                    "a device barrier needs peer memory between the group's ranks".into(),
+                ))
+            }
+        };
         let plan = self.settings.barrier_plan(group_size)?;
         let zeros = [0u64; MAX_GPUS];
         self.launch_collective(|| self.rank.launch(&self.settings, &plan, &zeros, 0))
@@ -408,6 +345,10 @@ impl<B: Backend> Comm<B> {
     /// reads the record, without waiting.
     pub fn synchronize(&self) -> Result<()> {
         self.wait()?;
+        if let Err(e) = self.route.take_async_error() {
+            self.poisoned.store(true, Ordering::Release);
+            return Err(e);
+        }
         self.report(read_error_record::<B>(&self.rank)?)
     }
 
@@ -430,6 +371,40 @@ impl<B: Backend> Comm<B> {
         self.bootstrap.barrier()?;
         self.poisoned.store(false, Ordering::Release);
         Ok(())
+    }
+
+    /// Runs a call the router sent away from this rank's peer-memory kernels; a
+    /// failure once something was enqueued poisons the communicator.
+    fn run_routed(
+        &self,
+        path: Path,
+        input: u64,
+        output: u64,
+        elements: usize,
+        dtype: crate::DType,
+        options: &AllReduceOptions,
+    ) -> Result<Algorithm> {
+        let _launches = self.launch_lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.check_usable()?;
+        let r = &self.rank;
+        match route::run(
+            &self.route,
+            path,
+            r,
+            &self.settings,
+            input,
+            output,
+            elements,
+            dtype,
+            options.blocks,
+        ) {
+            Ok(a) => Ok(a),
+            Err(RouteError::Validation(e)) => Err(e),
+            Err(RouteError::Launched(e)) => {
+                self.poisoned.store(true, Ordering::Release);
+                Err(e)
+            }
+        }
     }
 
     fn check_usable(&self) -> Result<()> {
@@ -474,50 +449,9 @@ impl<B: Backend> Drop for Comm<B> {
             return;
         }
         let _ = B::synchronize(&self.rank.device);
-        if self.settings.world > 1 {
+        if self.route.world > 1 {
             let _ = self.bootstrap.barrier();
         }
         self.mappings.clear();
     }
-}
-
-/// Checks what rank `r` reported against this rank's own record.
-fn check_peer_record(
-    me: usize,
-    r: usize,
-    mine: &PeerRecord,
-    peer: &PeerRecord,
-    config: &CommConfig,
-) -> Result<()> {
-    if peer.checksum != mine.checksum {
-        return Err(Error::InvalidConfig(format!(
-            "rank {r}'s configuration differs from rank {me}'s: every rank must pass the same \
-             CommConfig"
-        )));
-    }
-    if peer.arch != mine.arch {
-        return Err(Error::InvalidDevices(format!(
-            "rank {r} runs on {} and rank {me} on {}: one architecture per communicator",
-            peer.arch, mine.arch
-        )));
-    }
-    if r != me && peer.ordinal == mine.ordinal && !config.allow_shared_devices {
-        return Err(Error::InvalidDevices(format!(
-            "ranks {me} and {r} are both on device {} (set allow_shared_devices for tests)",
-            mine.ordinal
-        )));
-    }
-    Ok(())
-}
-
-/// Lets `dev` reach memory of device `peer_ordinal` in this process.
-fn enable_peer_access_to<B: Backend>(dev: &B::Device, peer_ordinal: usize) -> Result<()> {
-    let peer = B::open(peer_ordinal)?;
-    if !B::can_access_peer(dev, &peer)? {
-        return Err(Error::P2pUnavailable {
-            from: B::ordinal(dev),
-            to: peer_ordinal,
-        });
-    }
-    B::enable_peer_access(dev, &peer)
 }

@@ -70,7 +70,7 @@ impl Settings {
             Algorithm::Lamport => padded <= slot,
             Algorithm::TwoStage => two_stage_need <= payload,
             Algorithm::OneStage => !stages(in_place) || width == 1 || padded <= payload,
-            Algorithm::Auto => true,
+            Algorithm::Auto | Algorithm::Nccl | Algorithm::Hierarchical => true,
         };
         // Lamport runs only over the whole world of at least two ranks: its state is
         // per rank and shared by every width, so a subgroup call would move one group's
@@ -98,6 +98,14 @@ impl Settings {
                     "the Lamport algorithm runs only over the whole world (group_size 0 or \
                      {}), not over groups of {width}; use Auto or another algorithm",
                     self.world
+                )))
+            }
+            Algorithm::Nccl | Algorithm::Hierarchical => {
+                return Err(Error::Unsupported(format!(
+                    "{} runs in the external library, which this communicator has not set up \
+                     (it is set up when peer memory cannot serve, or with \
+                     FallbackConfig::by_size)",
+                    options.algorithm.name()
                 )))
             }
             Algorithm::TwoStage if !direct && width > 1 => {

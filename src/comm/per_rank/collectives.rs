@@ -30,6 +30,8 @@ impl<B: Backend> Comm<B> {
         S: DeviceBuffer<B> + ?Sized,
         R: DeviceBufferMut<B> + ?Sized,
     {
+        // Groups peer memory serves, in the local core's numbering (see route.rs).
+        let options = &self.route.local_collective(options)?;
         self.check_pair(send, recv)?;
         let width = self.settings.group_width(options.group_size)?;
         self.check_len(
@@ -60,6 +62,8 @@ impl<B: Backend> Comm<B> {
         S: DeviceBuffer<B> + ?Sized,
         R: DeviceBufferMut<B> + ?Sized,
     {
+        // Groups peer memory serves, in the local core's numbering (see route.rs).
+        let options = &self.route.local_collective(options)?;
         self.check_pair(send, recv)?;
         let width = self.settings.group_width(options.group_size)?;
         let part = reduce_scatter_part(send.len(), width, self.rank() % width).len();
@@ -92,6 +96,8 @@ impl<B: Backend> Comm<B> {
         S: DeviceBuffer<B> + ?Sized,
         R: DeviceBufferMut<B> + ?Sized,
     {
+        // Groups peer memory serves, in the local core's numbering (see route.rs).
+        let options = &self.route.local_collective(options)?;
         let send = self.root_input(send, root, options)?;
         self.check_usable()?;
         self.check_buffer(recv.device_ordinal(), "output")?;
@@ -119,6 +125,8 @@ impl<B: Backend> Comm<B> {
     where
         R: DeviceBufferMut<B> + ?Sized,
     {
+        // Groups peer memory serves, in the local core's numbering (see route.rs).
+        let options = &self.route.local_collective(options)?;
         self.check_usable()?;
         self.check_buffer(buf.device_ordinal(), "in-place")?;
         let plan = self.settings.collective_plan(
@@ -132,7 +140,7 @@ impl<B: Backend> Comm<B> {
         }
         let (ptr, guard) = buf.write_ptr(&self.rank.device);
         let mut inputs = [0u64; MAX_GPUS];
-        inputs[self.rank()] = ptr;
+        inputs[self.rank.index] = ptr;
         let result =
             self.launch_collective(|| self.rank.launch(&self.settings, &plan, &inputs, ptr));
         drop(guard);
@@ -153,6 +161,8 @@ impl<B: Backend> Comm<B> {
         S: DeviceBuffer<B> + ?Sized,
         R: DeviceBufferMut<B> + ?Sized,
     {
+        // Groups peer memory serves, in the local core's numbering (see route.rs).
+        let options = &self.route.local_collective(options)?;
         let send = self.root_input(send, root, options)?;
         self.check_usable()?;
         self.check_buffer(recv.device_ordinal(), "output")?;
@@ -198,6 +208,8 @@ impl<B: Backend> Comm<B> {
         W: DeviceBuffer<B> + ?Sized,
         O: DeviceBufferMut<B> + ?Sized,
     {
+        // Groups peer memory serves, in the local core's numbering (see route.rs).
+        let options = &self.route.local_collective(options)?;
         self.check_pair(input, output)?;
         self.check_buffer(residual.device_ordinal(), "residual")?;
         self.check_buffer(weight.device_ordinal(), "weight")?;
@@ -224,7 +236,7 @@ impl<B: Backend> Comm<B> {
         let (r, rg) = residual.write_ptr(dev);
         let (o, og) = output.write_ptr(dev);
         let mut inputs = [0u64; MAX_GPUS];
-        inputs[self.rank()] = i;
+        inputs[self.rank.index] = i;
         let result = self.launch_collective(|| {
             self.rank
                 .launch_fused(&self.settings, &plan, &inputs, o, r, w)
@@ -317,7 +329,7 @@ impl<B: Backend> Comm<B> {
         };
         let (output, out_guard) = recv.write_ptr(dev);
         let mut inputs = [0u64; MAX_GPUS];
-        inputs[self.rank()] = input;
+        inputs[self.rank.index] = input;
         let result =
             self.launch_collective(|| self.rank.launch(&self.settings, plan, &inputs, output));
         drop((in_guard, out_guard));

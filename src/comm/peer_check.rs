@@ -1,0 +1,156 @@
+//! The peer-access check at initialisation. A driver's peer report is not enough
+//! (links have been seen to report P2P and return garbage), so before a communicator
+//! trusts peer memory, every rank all-reduces a known pattern through every peer
+//! mapping on the kernels' own path: one-stage (each rank reads every peer's memory)
+//! and Lamport (each rank writes into every peer's memory), and compares every
+//! element bit for bit with the exact sum (small integers, exact in f32). A wrong value
+//! or a wait that times out is a failed check: the communicator then falls back to the
+//! external library, or refuses with [`crate::Error::PeerCheckFailed`]. A link that
+//! loses writes is caught by the barrier timeout, so a communicator whose
+//! `barrier_timeout` is `None` could wait forever on such a link.
+
+use crate::backend::Backend;
+use crate::dispatch::Algorithm;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::signal::MAX_GPUS;
+use crate::tensor::{Tensor, TensorMut};
+
+use super::peer_setup::PeerCore;
+use super::{read_error_record, AllReduceOptions, Communicator};
+
+/// Elements of the check: a vector loop and a scalar tail.
+const ELEMENTS: usize = 1027;
+
+/// Rank `r`'s value at `i`: distinct per rank and position, exact in f32, and so is any
+/// sum of up to `MAX_GPUS` of them.
+fn pattern(r: usize, i: usize) -> f32 {
+    ((r + 1) * 4096 + (i * 7919) % 4093) as f32
+}
+
+fn expected(width: usize, i: usize) -> f32 {
+    (0..width).map(|r| pattern(r, i)).sum()
+}
+
+/// The algorithms the check runs, each with a reason to: peer reads, then peer writes.
+const ALGORITHMS: [Algorithm; 2] = [Algorithm::OneStage, Algorithm::Lamport];
+
+/// Compares a result with the exact sums; `corrupt` flips a bit of what was read first
+/// (the test-only simulation of a bad link).
+fn verdict(algorithm: Algorithm, mut got: Vec<f32>, width: usize, corrupt: bool) -> Option<String> {
+    if corrupt {
+        got[0] = f32::from_bits(got[0].to_bits() ^ 1);
+    }
+    got.iter().enumerate().find_map(|(i, &g)| {
+        let want = expected(width, i);
+        (g.to_bits() != want.to_bits()).then(|| {
+            format!(
+                "{}: element {i} came back as {g} where the exact sum is {want}",
+                algorithm.name()
+            )
+        })
+    })
+}
+
+/// Runs the check on one rank of a per-rank core (every rank of the group calls it
+/// at the same time). `Ok(Some(why))` when it failed; `Err` for failures that are not
+/// about the peers (an allocation).
+pub(super) fn check_rank<B: Backend>(core: &PeerCore<B>, corrupt: bool) -> Result<Option<String>> {
+    let width = core.settings.world;
+    if width == 1 {
+        return Ok(None);
+    }
+    let me = core.rank.index;
+    let dev = &core.rank.device;
+    let mine: Vec<f32> = (0..ELEMENTS).map(|i| pattern(me, i)).collect();
+    let mut send = B::alloc_buffer::<f32>(dev, ELEMENTS)?;
+    B::upload(dev, &mine, &mut send)?;
+    let mut failure = None;
+    for (k, algorithm) in ALGORITHMS.into_iter().enumerate() {
+        let opts = AllReduceOptions::new().algorithm(algorithm);
+        let plan = match core.settings.plan(DType::F32, ELEMENTS, &opts, false) {
+            Ok(p) => p,
+            // A Lamport slot too small for the check: the same on every rank.
+            Err(Error::MessageTooLarge { .. }) => continue,
+            Err(e) => return Err(e),
+        };
+        let mut recv = B::alloc_buffer::<f32>(dev, ELEMENTS)?;
+        B::upload(dev, &[f32::NAN; ELEMENTS], &mut recv)?;
+        let (input, in_guard) = crate::backend::DeviceBuffer::read_ptr(&send, dev);
+        let (output, out_guard) = crate::backend::DeviceBufferMut::write_ptr(&mut recv, dev);
+        let mut inputs = [0u64; MAX_GPUS];
+        inputs[me] = input;
+        let launched = core.rank.launch(&core.settings, &plan, &inputs, output);
+        drop((in_guard, out_guard));
+        launched?;
+        B::synchronize(dev)?;
+        if let Some(e) = read_error_record::<B>(&core.rank)? {
+            return Ok(Some(format!("{}: {e}", algorithm.name())));
+        }
+        let got = B::download(dev, &recv)?;
+        // A wrong value does not end the check early: the peers run every step, and a
+        // rank that skipped one would make them wait out the barrier timeout.
+        if let Some(why) = verdict(algorithm, got, width, corrupt && k == 0) {
+            failure.get_or_insert(why);
+        }
+    }
+    Ok(failure)
+}
+
+impl<B: Backend> Communicator<B> {
+    /// Runs the check on every rank of a single-controller communicator (one-stage
+    /// reads the peers' user buffers directly here). Returns the ranks whose check
+    /// failed and why; `corrupt` names a rank whose reading is corrupted (test-only).
+    pub(super) fn peer_check(&self, corrupt: Option<usize>) -> Result<Vec<(usize, String)>> {
+        let world = self.world_size();
+        if world == 1 {
+            return Ok(Vec::new());
+        }
+        let sends = (0..world)
+            .map(|r| {
+                let dev = self.ranks[r].device();
+                let mut b = B::alloc_buffer::<f32>(dev, ELEMENTS)?;
+                let mine: Vec<f32> = (0..ELEMENTS).map(|i| pattern(r, i)).collect();
+                B::upload(dev, &mine, &mut b)?;
+                Ok(b)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mut failed: Vec<(usize, String)> = Vec::new();
+        for (k, algorithm) in ALGORITHMS.into_iter().enumerate() {
+            let mut recvs = (0..world)
+                .map(|r| {
+                    let dev = self.ranks[r].device();
+                    let mut b = B::alloc_buffer::<f32>(dev, ELEMENTS)?;
+                    B::upload(dev, &[f32::NAN; ELEMENTS], &mut b)?;
+                    Ok(b)
+                })
+                .collect::<Result<Vec<_>>>()?;
+            let ins: Vec<Tensor<'_, B>> = sends.iter().map(|b| Tensor::flat(b)).collect();
+            let mut outs: Vec<TensorMut<'_, B>> =
+                recvs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+            let opts = AllReduceOptions::new().algorithm(algorithm);
+            match self.all_reduce_sum(&ins, &mut outs, &opts) {
+                Ok(_) => {}
+                Err(Error::MessageTooLarge { .. }) => continue,
+                Err(e) => return Err(e),
+            }
+            drop(outs);
+            if let Err(e) = self.synchronize() {
+                return Ok((0..world)
+                    .map(|r| (r, format!("{}: {e}", algorithm.name())))
+                    .collect());
+            }
+            for (r, b) in recvs.iter().enumerate() {
+                let got = B::download(self.ranks[r].device(), b)?;
+                let bad = corrupt == Some(r) && k == 0;
+                if let Some(why) = verdict(algorithm, got, world, bad) {
+                    failed.push((r, why));
+                }
+            }
+            if !failed.is_empty() {
+                break;
+            }
+        }
+        Ok(failed)
+    }
+}

@@ -1,0 +1,330 @@
+//! Setting up the peer-memory core of a per-rank communicator over a group of ranks
+//! (the whole world, or the ranks of one host): every rank allocates its signal, the
+//! ranks exchange records and IPC handles, map each other's signals, agree that peer
+//! access exists everywhere, and check that it works (see `peer_check`). When it
+//! cannot serve, every rank learns so at the same step and gets its device back, so
+//! that the communicator can fall back to the external library.
+
+use crate::backend::{Backend, MemoryKind};
+use crate::bootstrap::Bootstrap;
+use crate::error::{Error, Result};
+use crate::signal::MAX_GPUS;
+use crate::{init_signal_buffer_with_counter_base, SignalLayout};
+
+use super::per_rank::config_checksum;
+use super::settings::Settings;
+use super::{peer_check, CommConfig, Rank};
+
+/// Format version of the per-rank exchange record.
+const RECORD_VERSION: u8 = 1;
+
+/// A working peer-memory core: this rank's signal and where it reaches its group's.
+pub(super) struct PeerCore<B: Backend> {
+    pub(super) rank: Rank<B>,
+    pub(super) settings: Settings,
+    /// Peer signals imported from other processes; unmapped on drop.
+    pub(super) mappings: Vec<B::PeerMapping>,
+}
+
+/// What setting up the core over a group gave.
+pub(super) enum Outcome<B: Backend> {
+    /// Peer memory serves the group.
+    Ready(Box<PeerCore<B>>),
+    /// It cannot (the reason, the same on every rank); the device comes back.
+    Refused { device: B::Device, reason: Error },
+}
+
+/// What each rank tells the others at setup.
+struct PeerRecord {
+    pid: u32,
+    ordinal: usize,
+    signal_addr: u64,
+    arch: String,
+    checksum: u64,
+}
+
+impl PeerRecord {
+    fn encode(&self) -> Vec<u8> {
+        let mut out = vec![RECORD_VERSION];
+        out.extend_from_slice(&self.pid.to_le_bytes());
+        out.extend_from_slice(&(self.ordinal as u64).to_le_bytes());
+        out.extend_from_slice(&self.signal_addr.to_le_bytes());
+        out.extend_from_slice(&self.checksum.to_le_bytes());
+        out.extend_from_slice(&(self.arch.len() as u32).to_le_bytes());
+        out.extend_from_slice(self.arch.as_bytes());
+        out
+    }
+
+    fn decode(rank: usize, bytes: &[u8]) -> Result<Self> {
+        let bad = || Error::InvalidConfig(format!("rank {rank} sent a malformed setup record"));
+        let mut at = 0usize;
+        let mut take = |n: usize| -> Result<&[u8]> {
+            let field = bytes.get(at..at + n).ok_or_else(bad)?;
+            at += n;
+            Ok(field)
+        };
+        if take(1)?[0] != RECORD_VERSION {
+            return Err(Error::InvalidConfig(format!(
+                "rank {rank} runs another peercomm version (setup record format)"
+            )));
+        }
+        let pid = u32::from_le_bytes(take(4)?.try_into().unwrap());
+        let ordinal = u64::from_le_bytes(take(8)?.try_into().unwrap()) as usize;
+        let signal_addr = u64::from_le_bytes(take(8)?.try_into().unwrap());
+        let checksum = u64::from_le_bytes(take(8)?.try_into().unwrap());
+        let n = u32::from_le_bytes(take(4)?.try_into().unwrap()) as usize;
+        let arch = String::from_utf8(take(n)?.to_vec()).map_err(|_| bad())?;
+        Ok(PeerRecord {
+            pid,
+            ordinal,
+            signal_addr,
+            arch,
+            checksum,
+        })
+    }
+}
+
+/// A core over this rank alone (no peers, no exchange): what a communicator whose
+/// whole-world calls go to the external library keeps for groups of one. Its signal
+/// is small (its Lamport region and payload are never used by a group of one).
+pub(super) fn solo<B: Backend>(device: B::Device, config: &CommConfig) -> Result<PeerCore<B>> {
+    let arch = B::architecture(&device)?;
+    let sms = B::multiprocessor_count(&device)?;
+    let mut settings = Settings::new(config.clone(), arch, sms, 1, false)?;
+    settings.layout = SignalLayout {
+        lamport_slot_bytes: 4096,
+        lamport_slots: 1,
+        payload_bytes: 4096,
+    };
+    let signal = B::alloc(
+        &device,
+        settings.layout.checked_total_bytes()?,
+        MemoryKind::Signal,
+    )?;
+    init_signal_buffer_with_counter_base::<B>(&device, &signal, settings.layout, 0)?;
+    B::synchronize(&device)?;
+    let mut peer_signals = [0u64; MAX_GPUS];
+    peer_signals[0] = B::memory_ptr(&signal);
+    Ok(PeerCore {
+        rank: Rank {
+            index: 0,
+            device,
+            signal,
+            peer_signals,
+        },
+        settings,
+        mappings: Vec::new(),
+    })
+}
+
+/// Sets up the core over the ranks `members` (world ranks, in group order) that
+/// `group` connects; `world` is the whole world's bootstrap, over which every rank
+/// learns whether every group succeeded. Every world rank calls this at the same time.
+/// An `Err` is a failure that is not about peer access (a bad configuration, a failed
+/// allocation, a bootstrap failure).
+pub(super) fn establish<B: Backend>(
+    device: B::Device,
+    group: &dyn Bootstrap,
+    world: &dyn Bootstrap,
+    members: &[usize],
+    config: &CommConfig,
+) -> Result<Outcome<B>> {
+    let (me, n) = (group.rank(), group.world_size());
+    let checksum = config_checksum(config);
+    let arch = B::architecture(&device)?;
+    let sms = B::multiprocessor_count(&device)?;
+    let settings = Settings::new(config.clone(), arch.clone(), sms, n, false)?;
+    let layout = settings.layout;
+    let kind = if n > 1 {
+        MemoryKind::SharedSignal
+    } else {
+        MemoryKind::Signal
+    };
+    let signal = B::alloc(&device, layout.checked_total_bytes()?, kind)?;
+    init_signal_buffer_with_counter_base::<B>(&device, &signal, layout, 0)?;
+    B::synchronize(&device)?;
+    let mine = PeerRecord {
+        pid: std::process::id(),
+        ordinal: B::ordinal(&device),
+        signal_addr: B::memory_ptr(&signal),
+        arch,
+        checksum,
+    };
+    let records = group
+        .all_gather(&mine.encode())?
+        .iter()
+        .enumerate()
+        .map(|(r, bytes)| PeerRecord::decode(r, bytes))
+        .collect::<Result<Vec<_>>>()?;
+    // IPC handles only when some rank is in another process. Every rank makes the
+    // exchange (empty when not needed): groups of different hosts may decide
+    // differently, and their all-gathers are one world all-gather.
+    let need_handles = records.iter().any(|p| p.pid != records[0].pid);
+    let mine_handle = if need_handles {
+        B::export_memory(&device, &signal)?
+    } else {
+        Vec::new()
+    };
+    let handles = group.all_gather(&mine_handle)?;
+    if records
+        .iter()
+        .enumerate()
+        .any(|(r, p)| r != me && p.pid == mine.pid && p.ordinal == mine.ordinal)
+    {
+        B::prepare_shared_device(&device)?;
+    }
+    let mut peer_signals = [0u64; MAX_GPUS];
+    let mut mappings = Vec::new();
+    let mut problem: Option<Error> = None;
+    for (r, peer) in records.iter().enumerate() {
+        check_peer_record(members[me], members[r], &mine, peer, config)?;
+        peer_signals[r] = if r == me {
+            mine.signal_addr
+        } else if peer.pid == mine.pid {
+            // The same process: the address is valid here once peer access is on.
+            if peer.ordinal != mine.ordinal {
+                let reachable = !config.simulate.blocks_pair(members[me], members[r])
+                    && enable_peer_access_to::<B>(&device, peer.ordinal)?;
+                if !reachable {
+                    problem.get_or_insert(Error::P2pUnavailable {
+                        from: mine.ordinal,
+                        to: peer.ordinal,
+                    });
+                }
+            } else if config.simulate.blocks_pair(members[me], members[r]) {
+                problem.get_or_insert(Error::P2pUnavailable {
+                    from: mine.ordinal,
+                    to: peer.ordinal,
+                });
+            }
+            peer.signal_addr
+        } else {
+            if config.simulate.blocks_pair(members[me], members[r]) {
+                problem.get_or_insert(Error::P2pUnavailable {
+                    from: mine.ordinal,
+                    to: peer.ordinal,
+                });
+            }
+            let mapping = B::import_memory(&device, &handles[r])?;
+            let addr = B::mapping_ptr(&mapping);
+            mappings.push(mapping);
+            addr
+        };
+    }
+    // Every world rank learns whether any lacks peer access (this all-gather also
+    // orders every mapping before any launch).
+    if let Some(reason) = agree(world, problem)? {
+        drop(mappings);
+        drop(signal);
+        return Ok(Outcome::Refused { device, reason });
+    }
+    let core = PeerCore {
+        rank: Rank {
+            index: me,
+            device,
+            signal,
+            peer_signals,
+        },
+        settings,
+        mappings,
+    };
+    let corrupt = config.simulate.fail_peer_check == Some(members[me]);
+    let verdict = peer_check::check_rank(&core, corrupt)?;
+    let failed: Vec<(usize, String)> = world
+        .all_gather(verdict.as_deref().unwrap_or("").as_bytes())?
+        .into_iter()
+        .enumerate()
+        .filter(|(_, v)| !v.is_empty())
+        .map(|(r, v)| (r, String::from_utf8_lossy(&v).into_owned()))
+        .collect();
+    if failed.is_empty() {
+        return Ok(Outcome::Ready(Box::new(core)));
+    }
+    let PeerCore {
+        rank: Rank { device, signal, .. },
+        mappings,
+        ..
+    } = core;
+    // Every kernel of the check has finished on every rank (each waited before its
+    // verdict), so the signals may go.
+    drop(mappings);
+    drop(signal);
+    Ok(Outcome::Refused {
+        device,
+        reason: Error::PeerCheckFailed {
+            ranks: failed.iter().map(|(r, _)| *r).collect(),
+            detail: failed[0].1.clone(),
+        },
+    })
+}
+
+/// All-gathers each rank's problem over the world; the first rank's problem, if any
+/// rank has one, is every rank's answer.
+fn agree(world: &dyn Bootstrap, problem: Option<Error>) -> Result<Option<Error>> {
+    let code = match &problem {
+        Some(Error::P2pUnavailable { from, to }) => {
+            let mut v = vec![1u8];
+            v.extend_from_slice(&(*from as u64).to_le_bytes());
+            v.extend_from_slice(&(*to as u64).to_le_bytes());
+            v
+        }
+        Some(_) => vec![2u8],
+        None => Vec::new(),
+    };
+    for (r, bytes) in world.all_gather(&code)?.into_iter().enumerate() {
+        match bytes.first() {
+            Some(1) if bytes.len() == 17 => {
+                let from = u64::from_le_bytes(bytes[1..9].try_into().unwrap()) as usize;
+                let to = u64::from_le_bytes(bytes[9..17].try_into().unwrap()) as usize;
+                return Ok(Some(Error::P2pUnavailable { from, to }));
+            }
+            Some(_) => {
+                return Ok(Some(Error::InvalidDevices(format!(
+                    "rank {r} cannot reach a peer's memory"
+                ))))
+            }
+            None => {}
+        }
+    }
+    Ok(None)
+}
+
+/// Checks what rank `r` reported against this rank's own record.
+fn check_peer_record(
+    me: usize,
+    r: usize,
+    mine: &PeerRecord,
+    peer: &PeerRecord,
+    config: &CommConfig,
+) -> Result<()> {
+    if peer.checksum != mine.checksum {
+        return Err(Error::InvalidConfig(format!(
+            "rank {r}'s configuration differs from rank {me}'s: every rank must pass the same \
+             CommConfig"
+        )));
+    }
+    if peer.arch != mine.arch {
+        return Err(Error::InvalidDevices(format!(
+            "rank {r} runs on {} and rank {me} on {}: one architecture per communicator",
+            peer.arch, mine.arch
+        )));
+    }
+    if r != me && peer.ordinal == mine.ordinal && !config.allow_shared_devices {
+        return Err(Error::InvalidDevices(format!(
+            "ranks {me} and {r} are both on device {} (set allow_shared_devices for tests)",
+            mine.ordinal
+        )));
+    }
+    Ok(())
+}
+
+/// Lets `dev` reach memory of device `peer_ordinal` in this process; `false` when the
+/// devices have no peer access.
+fn enable_peer_access_to<B: Backend>(dev: &B::Device, peer_ordinal: usize) -> Result<bool> {
+    let peer = B::open(peer_ordinal)?;
+    if !B::can_access_peer(dev, &peer)? {
+        return Ok(false);
+    }
+    B::enable_peer_access(dev, &peer)?;
+    Ok(true)
+}

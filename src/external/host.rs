@@ -1,0 +1,204 @@
+//! The host stand-in for NCCL: the external library of the host backend, so that the
+//! routing to an external library runs (and is tested) anywhere.
+//!
+//! A call is a job on the rank's host stream (like a kernel): it reads this rank's
+//! elements, all-gathers them over a [`Bootstrap`] (the per-rank communicator's own,
+//! or an in-process one for the single controller), sums the group's contributions in
+//! group rank order in f32 (f16 and bf16 widened), exactly as peercomm's kernels do,
+//! and writes the result. Every rank therefore gets identical bits, and the same bits
+//! as peercomm's own algorithms. An exchange that fails (a rank that never makes the
+//! call: the bootstrap's timeout) is reported by the next `synchronize`.
+
+use std::sync::{Arc, Mutex};
+
+use super::local::LocalBootstrap;
+use super::{ExternalAllReduce, ExternalLibrary};
+use crate::backend::host::{Host, HostDevice};
+use crate::bootstrap::Bootstrap;
+use crate::dtype::{DType, Element};
+use crate::error::{Error, Result};
+
+/// The host stand-in library (see the module docs).
+pub struct HostLibrary;
+
+/// How long the single controller's in-process exchange waits for a rank.
+const LOCAL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);
+
+impl ExternalLibrary<Host> for HostLibrary {
+    fn name(&self) -> &'static str {
+        "host"
+    }
+    fn check_available(&self) -> Result<()> {
+        Ok(())
+    }
+    fn per_rank(
+        &self,
+        _dev: &HostDevice,
+        bootstrap: Arc<dyn Bootstrap>,
+        members: &[usize],
+    ) -> Result<Box<dyn ExternalAllReduce<Host>>> {
+        // The same all-gather as a real library's id exchange, so that every rank
+        // makes the same bootstrap calls whatever the backend.
+        bootstrap.barrier()?;
+        Ok(Box::new(HostAllReduce {
+            bootstrap,
+            members: members.to_vec(),
+            error: Arc::new(Mutex::new(None)),
+        }))
+    }
+    fn single_controller(
+        &self,
+        devices: &[&HostDevice],
+    ) -> Result<Vec<Box<dyn ExternalAllReduce<Host>>>> {
+        let members: Vec<usize> = (0..devices.len()).collect();
+        Ok(LocalBootstrap::world(devices.len(), LOCAL_TIMEOUT)
+            .into_iter()
+            .map(|b| {
+                Box::new(HostAllReduce {
+                    bootstrap: Arc::new(b),
+                    members: members.clone(),
+                    error: Arc::new(Mutex::new(None)),
+                }) as Box<dyn ExternalAllReduce<Host>>
+            })
+            .collect())
+    }
+}
+
+/// One rank's handle of the host stand-in.
+struct HostAllReduce {
+    bootstrap: Arc<dyn Bootstrap>,
+    /// World ranks of the group, in group order.
+    members: Vec<usize>,
+    /// The first failure of a job, until `take_async_error`.
+    error: Arc<Mutex<Option<Error>>>,
+}
+
+impl ExternalAllReduce<Host> for HostAllReduce {
+    fn library(&self) -> &'static str {
+        "host"
+    }
+
+    unsafe fn all_reduce_sum(
+        &self,
+        dev: &HostDevice,
+        send: u64,
+        recv: u64,
+        elements: usize,
+        dtype: DType,
+    ) -> Result<()> {
+        let bootstrap = self.bootstrap.clone();
+        let members = self.members.clone();
+        let error = self.error.clone();
+        let bytes = elements * dtype.size();
+        dev.enqueue_host_fn(move || {
+            // SAFETY: the caller guarantees `bytes` bytes at `send` stay valid until this
+            // job (ordered on the rank's stream) has run.
+            let mine = unsafe { std::slice::from_raw_parts(send as *const u8, bytes) }.to_vec();
+            let result = bootstrap
+                .all_gather(&mine)
+                .map_err(Error::from)
+                .and_then(|all| {
+                    let parts: Vec<&[u8]> = members.iter().map(|&m| all[m].as_slice()).collect();
+                    if parts.iter().any(|p| p.len() != bytes) {
+                        return Err(Error::External {
+                            library: "host",
+                            call: "all_reduce_sum",
+                            detail: "the ranks of the group passed different lengths".into(),
+                        });
+                    }
+                    Ok(sum_in_order(dtype, &parts))
+                });
+            match result {
+                // SAFETY: as for `send`; `recv` holds `bytes` bytes.
+                Ok(sum) => unsafe {
+                    std::ptr::copy_nonoverlapping(sum.as_ptr(), recv as *mut u8, bytes)
+                },
+                Err(e) => {
+                    let mut slot = error.lock().unwrap_or_else(|p| p.into_inner());
+                    slot.get_or_insert(e);
+                }
+            }
+        });
+        Ok(())
+    }
+
+    fn take_async_error(&self) -> Result<()> {
+        match self.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
+    }
+}
+
+/// The element-wise sum of `parts` (little-endian elements of `dtype`) in order, in f32.
+fn sum_in_order(dtype: DType, parts: &[&[u8]]) -> Vec<u8> {
+    fn typed<T: Element + ToBytes>(
+        parts: &[&[u8]],
+        width: usize,
+        from: impl Fn(&[u8]) -> T,
+    ) -> Vec<u8> {
+        let n = parts[0].len() / width;
+        let mut out = Vec::with_capacity(parts[0].len());
+        for e in 0..n {
+            let at = |p: &[u8]| from(&p[e * width..(e + 1) * width]).to_f32();
+            let mut acc = at(parts[0]);
+            for p in &parts[1..] {
+                acc += at(p);
+            }
+            out.extend_from_slice(&T::from_f32(acc).bytes());
+        }
+        out
+    }
+    match dtype {
+        DType::F32 => typed::<f32>(parts, 4, |b| f32::from_le_bytes(b.try_into().unwrap())),
+        DType::F16 => typed::<half::f16>(parts, 2, |b| {
+            half::f16::from_le_bytes(b.try_into().unwrap())
+        }),
+        DType::BF16 => typed::<half::bf16>(parts, 2, |b| {
+            half::bf16::from_le_bytes(b.try_into().unwrap())
+        }),
+    }
+}
+
+/// Little-endian bytes of an element.
+trait ToBytes {
+    fn bytes(self) -> Vec<u8>;
+}
+impl ToBytes for f32 {
+    fn bytes(self) -> Vec<u8> {
+        self.to_le_bytes().to_vec()
+    }
+}
+impl ToBytes for half::f16 {
+    fn bytes(self) -> Vec<u8> {
+        self.to_le_bytes().to_vec()
+    }
+}
+impl ToBytes for half::bf16 {
+    fn bytes(self) -> Vec<u8> {
+        self.to_le_bytes().to_vec()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sums_in_rank_order_like_the_kernels() {
+        let a = [1e8f32, -0.0, 1.0];
+        let b = [1.0f32, -0.0, f32::NAN];
+        let c = [-1e8f32, -0.0, 2.0];
+        let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let (a, b, c) = (bytes(&a), bytes(&b), bytes(&c));
+        let out = sum_in_order(DType::F32, &[&a, &b, &c]);
+        let got: Vec<f32> = out
+            .chunks(4)
+            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+            .collect();
+        // (1e8 + 1) - 1e8 in f32 is 0 (1 is lost), in this order only.
+        assert_eq!(got[0].to_bits(), ((1e8f32 + 1.0) + -1e8f32).to_bits());
+        assert_eq!(got[1].to_bits(), (-0.0f32).to_bits());
+        assert!(got[2].is_nan());
+    }
+}

@@ -1,0 +1,213 @@
+//! External collectives: another library (NCCL on CUDA, RCCL on AMD, a host stand-in
+//! on the host backend) that runs an all-reduce where peer memory cannot serve.
+//!
+//! peercomm's own kernels need every pair of ranks to reach each other's memory: one
+//! host, at most [`crate::MAX_GPUS`] ranks, peer access that works. Where that does
+//! not hold, the communicator hands the call to the external library instead of
+//! failing, and says so: the call returns [`crate::Algorithm::Nccl`] (or
+//! [`crate::Algorithm::Hierarchical`] when the ranks span hosts with several GPUs
+//! each: peer memory inside each host, the library across hosts).
+//! [`FallbackConfig`] in [`crate::CommConfig`] chooses:
+//!
+//! - [`Fallback::External`] (the default): fall back when some pair of ranks has no
+//!   peer access or fails the check at initialisation, when the ranks run on several
+//!   hosts, or when the world is larger than `MAX_GPUS`.
+//!   [`Fallback::Refuse`] keeps "peer memory or nothing": those cases are typed errors
+//!   ([`crate::Error::P2pUnavailable`], [`crate::Error::PeerCheckFailed`],
+//!   [`crate::Error::Unsupported`], [`crate::Error::InvalidWorldSize`]).
+//! - [`SizeRouting`]: by default a communicator on working peer memory never routes by
+//!   message size, so an element's result does not depend on the size of the message
+//!   it is in (peercomm sums every element in rank order whatever the algorithm).
+//!   Opting in ([`SizeRouting::Table`] or [`SizeRouting::Above`]) sends the sizes where
+//!   the external library is faster to it; its order of summation differs from
+//!   peercomm's, so the last bits of a result can then change with the message size.
+//!
+//! The library is behind a trait ([`ExternalAllReduce`], one rank's handle; an
+//! [`ExternalLibrary`] makes them), so the routing is tested on the host backend in CI
+//! with the host stand-in ([`host`]), which sums in rank order like peercomm's kernels.
+
+use std::sync::Arc;
+
+use crate::backend::Backend;
+use crate::bootstrap::Bootstrap;
+use crate::dtype::DType;
+use crate::error::Result;
+
+pub mod host;
+pub(crate) mod local;
+#[cfg(feature = "cuda")]
+pub mod nccl;
+#[cfg(feature = "hip")]
+pub mod rccl;
+mod simulate;
+pub(crate) mod sub;
+
+pub use simulate::Simulation;
+
+/// What a communicator does where peer memory cannot serve it.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Fallback {
+    /// Hand those calls to the external library (NCCL, RCCL), visibly: they return
+    /// [`crate::Algorithm::Nccl`] or [`crate::Algorithm::Hierarchical`].
+    #[default]
+    External,
+    /// "Peer memory or nothing": a communicator peer memory cannot serve is a typed
+    /// error at creation, as before the fallback existed.
+    Refuse,
+}
+
+/// Whether calls that peer memory could serve go to the external library by size.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum SizeRouting {
+    /// Never (the default): results do not depend on the message size.
+    #[default]
+    Never,
+    /// Where the dispatch table ([`crate::dispatch::external_from`]) says the external
+    /// library is faster for this architecture and group width. Opting in can change
+    /// the last bits of a result with the message size (the library sums in another
+    /// order).
+    Table,
+    /// Messages of at least this many bytes per rank (whole-world calls). The same
+    /// caveat as `Table`.
+    Above(usize),
+}
+
+/// The fallback settings of a communicator (part of [`crate::CommConfig`]; every rank
+/// must pass the same).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct FallbackConfig {
+    /// Fall back or refuse where peer memory cannot serve.
+    pub fallback: Fallback,
+    /// Opt-in routing by message size (default: never).
+    pub by_size: SizeRouting,
+}
+
+impl FallbackConfig {
+    /// "Peer memory or nothing": no fallback, no routing by size.
+    pub fn peer_memory_only() -> Self {
+        FallbackConfig {
+            fallback: Fallback::Refuse,
+            by_size: SizeRouting::Never,
+        }
+    }
+
+    /// A stable encoding for the configuration checksum.
+    pub(crate) fn code(&self) -> [u64; 3] {
+        let (kind, bytes) = match self.by_size {
+            SizeRouting::Never => (0, 0),
+            SizeRouting::Table => (1, 0),
+            SizeRouting::Above(b) => (2, b as u64),
+        };
+        [u64::from(self.fallback == Fallback::Refuse), kind, bytes]
+    }
+}
+
+/// One rank's handle on an external all-reduce: the sum of this rank's buffer over
+/// the ranks of its group, on this rank's stream, as `ncclAllReduce` does.
+pub trait ExternalAllReduce<B: Backend>: Send + Sync {
+    /// The library's name (`"nccl"`, `"rccl"`, `"host"`).
+    fn library(&self) -> &'static str;
+
+    /// Enqueues the sum of `elements` elements of `dtype` at `send` over the group into
+    /// `recv` (which may equal `send`), on `dev`'s stream, and returns without waiting.
+    /// Every rank of the group makes the same calls in the same order.
+    ///
+    /// # Safety
+    /// `send` and `recv` must be addresses of at least `elements` elements of `dtype`
+    /// on `dev`, valid until the work enqueued on its stream has finished; `dev` is the
+    /// device this handle was made for.
+    unsafe fn all_reduce_sum(
+        &self,
+        dev: &B::Device,
+        send: u64,
+        recv: u64,
+        elements: usize,
+        dtype: DType,
+    ) -> Result<()>;
+
+    /// An error the library found after a call returned (a failed exchange, a
+    /// library's asynchronous error); reported once. Called by `synchronize`.
+    fn take_async_error(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// A vendor's external collective library: makes the per-rank handles.
+pub trait ExternalLibrary<B: Backend>: Send + Sync {
+    /// The library's name (`"nccl"`, `"rccl"`, `"host"`).
+    fn name(&self) -> &'static str;
+
+    /// Whether the library can be used here; an
+    /// [`crate::Error::ExternalUnavailable`] saying why not.
+    fn check_available(&self) -> Result<()>;
+
+    /// This rank's handle for the group of world ranks `members` (in group rank order;
+    /// it contains `bootstrap.rank()`). Every rank of the world calls this at the same
+    /// time, each with its own group (groups are disjoint), since setting up makes one
+    /// all-gather over `bootstrap`. The handle may keep `bootstrap`.
+    fn per_rank(
+        &self,
+        dev: &B::Device,
+        bootstrap: Arc<dyn Bootstrap>,
+        members: &[usize],
+    ) -> Result<Box<dyn ExternalAllReduce<B>>>;
+
+    /// One handle per device, for a single controller that drives all of them from
+    /// one thread (rank i = `devices[i]`). Calls on them are made between
+    /// [`ExternalLibrary::group_start`] and [`ExternalLibrary::group_end`].
+    fn single_controller(
+        &self,
+        devices: &[&B::Device],
+    ) -> Result<Vec<Box<dyn ExternalAllReduce<B>>>>;
+
+    /// Starts a batch of calls on several handles from one thread (`ncclGroupStart`).
+    fn group_start(&self) -> Result<()> {
+        Ok(())
+    }
+
+    /// Ends the batch: the calls are launched together (`ncclGroupEnd`).
+    fn group_end(&self) -> Result<()> {
+        Ok(())
+    }
+}
+
+/// A library that is not there: every use is
+/// [`crate::Error::ExternalUnavailable`] with the reason given.
+pub struct Unavailable {
+    /// The library's name.
+    pub library: &'static str,
+    /// Why it is not there.
+    pub reason: &'static str,
+}
+
+impl Unavailable {
+    fn error(&self) -> crate::Error {
+        crate::Error::ExternalUnavailable {
+            library: self.library,
+            detail: self.reason.into(),
+        }
+    }
+}
+
+impl<B: Backend> ExternalLibrary<B> for Unavailable {
+    fn name(&self) -> &'static str {
+        self.library
+    }
+    fn check_available(&self) -> Result<()> {
+        Err(self.error())
+    }
+    fn per_rank(
+        &self,
+        _dev: &B::Device,
+        _bootstrap: Arc<dyn Bootstrap>,
+        _members: &[usize],
+    ) -> Result<Box<dyn ExternalAllReduce<B>>> {
+        Err(self.error())
+    }
+    fn single_controller(
+        &self,
+        _devices: &[&B::Device],
+    ) -> Result<Vec<Box<dyn ExternalAllReduce<B>>>> {
+        Err(self.error())
+    }
+}

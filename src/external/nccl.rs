@@ -1,0 +1,249 @@
+//! NCCL through cudarc's `nccl` module: the external library of the CUDA backend.
+//!
+//! Per rank, the group's first rank makes an `ncclUniqueId` and the others receive it
+//! through peercomm's [`Bootstrap`] (one all-gather), then every rank calls
+//! `ncclCommInitRank` on its device. The single controller uses `ncclCommInitAll`
+//! (cudarc's `Comm::from_devices`) and launches its ranks' calls between
+//! `ncclGroupStart` and `ncclGroupEnd`. Calls go to `ncclAllReduce` on the rank's
+//! stream. cudarc loads libnccl at run time; a missing library is
+//! [`Error::ExternalUnavailable`], not a panic. NCCL refuses two ranks on one GPU.
+
+use std::sync::{Arc, OnceLock};
+
+use cudarc::nccl::{result, sys};
+
+use super::{ExternalAllReduce, ExternalLibrary};
+use crate::backend::cuda::{Cuda, CudaDevice};
+use crate::bootstrap::Bootstrap;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// NCCL (see the module docs).
+pub struct Nccl;
+
+fn describe(code: sys::ncclResult_t) -> String {
+    // SAFETY: ncclGetErrorString returns a static NUL-terminated string for any code.
+    let text = unsafe { sys::ncclGetErrorString(code) };
+    if text.is_null() {
+        format!("{code:?}")
+    } else {
+        // SAFETY: non-null, NUL-terminated, static (see above).
+        let s = unsafe { std::ffi::CStr::from_ptr(text) };
+        format!("{code:?}: {}", s.to_string_lossy())
+    }
+}
+
+fn nccl_err(call: &'static str) -> impl FnOnce(result::NcclError) -> Error {
+    move |e| Error::External {
+        library: "nccl",
+        call,
+        detail: describe(e.0),
+    }
+}
+
+fn driver_err(call: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> Error {
+    move |e| Error::External {
+        library: "nccl",
+        call,
+        detail: e.to_string(),
+    }
+}
+
+/// Loads libnccl once. cudarc panics when it is missing; that becomes a typed error.
+fn loaded() -> Result<()> {
+    static LOADED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    LOADED
+        .get_or_init(|| {
+            let hook = std::panic::take_hook();
+            std::panic::set_hook(Box::new(|_| {}));
+            let r = std::panic::catch_unwind(|| {
+                let mut version = 0;
+                // SAFETY: ncclGetVersion writes one int.
+                unsafe { sys::ncclGetVersion(&mut version) }
+            });
+            std::panic::set_hook(hook);
+            match r {
+                Ok(sys::ncclResult_t::ncclSuccess) => Ok(()),
+                Ok(code) => Err(describe(code)),
+                Err(_) => Err("the NCCL library (libnccl.so.2) could not be loaded".into()),
+            }
+        })
+        .clone()
+        .map_err(|detail| Error::ExternalUnavailable {
+            library: "nccl",
+            detail,
+        })
+}
+
+fn nccl_dtype(dtype: DType) -> sys::ncclDataType_t {
+    match dtype {
+        DType::F32 => sys::ncclDataType_t::ncclFloat32,
+        DType::F16 => sys::ncclDataType_t::ncclFloat16,
+        DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+    }
+}
+
+/// One rank's NCCL communicator; aborted (never blocking, never panicking) on drop.
+struct NcclComm {
+    comm: sys::ncclComm_t,
+}
+
+// SAFETY: an NCCL communicator may be used from any thread; peercomm's communicators
+// serialise the calls on one rank (their launch lock), as NCCL requires.
+unsafe impl Send for NcclComm {}
+// SAFETY: as above.
+unsafe impl Sync for NcclComm {}
+
+impl Drop for NcclComm {
+    fn drop(&mut self) {
+        // SAFETY: the communicator was initialised and is dropped once; its owner has
+        // waited for its stream.
+        let _ = unsafe { result::comm_abort(self.comm) };
+    }
+}
+
+impl ExternalAllReduce<Cuda> for NcclComm {
+    fn library(&self) -> &'static str {
+        "nccl"
+    }
+
+    unsafe fn all_reduce_sum(
+        &self,
+        dev: &CudaDevice,
+        send: u64,
+        recv: u64,
+        elements: usize,
+        dtype: DType,
+    ) -> Result<()> {
+        dev.context()
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        // SAFETY: the caller guarantees both ranges on this device for the call's
+        // duration on the stream; the communicator was made for this device.
+        unsafe {
+            result::all_reduce(
+                send as *const _,
+                recv as *mut _,
+                elements,
+                nccl_dtype(dtype),
+                sys::ncclRedOp_t::ncclSum,
+                self.comm,
+                dev.stream().cu_stream() as _,
+            )
+        }
+        .map(|_| ())
+        .map_err(nccl_err("ncclAllReduce"))
+    }
+
+    fn take_async_error(&self) -> Result<()> {
+        let mut code = sys::ncclResult_t::ncclSuccess;
+        // SAFETY: a live communicator; NCCL writes one result code.
+        let r = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut code) };
+        for c in [r, code] {
+            if c != sys::ncclResult_t::ncclSuccess && c != sys::ncclResult_t::ncclInProgress {
+                return Err(Error::External {
+                    library: "nccl",
+                    call: "ncclCommGetAsyncError",
+                    detail: describe(c),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+impl ExternalLibrary<Cuda> for Nccl {
+    fn name(&self) -> &'static str {
+        "nccl"
+    }
+
+    fn check_available(&self) -> Result<()> {
+        loaded()
+    }
+
+    fn per_rank(
+        &self,
+        dev: &CudaDevice,
+        bootstrap: Arc<dyn Bootstrap>,
+        members: &[usize],
+    ) -> Result<Box<dyn ExternalAllReduce<Cuda>>> {
+        let me = bootstrap.rank();
+        let leader = members[0];
+        // Every rank takes part in the exchange, even one that cannot load NCCL, so
+        // that the others fail with a bootstrap error instead of waiting.
+        let available = loaded();
+        let mine = match (&available, me == leader) {
+            (Ok(()), true) => {
+                let id = result::get_uniqueid().map_err(nccl_err("ncclGetUniqueId"))?;
+                id.internal.iter().map(|&c| c as u8).collect()
+            }
+            _ => Vec::new(),
+        };
+        let ids = bootstrap.all_gather(&mine)?;
+        available?;
+        let bytes = &ids[leader];
+        let mut internal = [0 as std::ffi::c_char; 128];
+        if bytes.len() != internal.len() {
+            return Err(Error::External {
+                library: "nccl",
+                call: "ncclCommInitRank",
+                detail: format!("rank {leader} could not make an NCCL unique id"),
+            });
+        }
+        for (d, &b) in internal.iter_mut().zip(bytes) {
+            *d = b as std::ffi::c_char;
+        }
+        let index = members.iter().position(|&m| m == me).expect("member");
+        dev.context()
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        let mut comm = std::mem::MaybeUninit::uninit();
+        // SAFETY: NCCL initialises `comm` on success; the id came from the leader.
+        unsafe {
+            result::comm_init_rank(
+                comm.as_mut_ptr(),
+                members.len() as i32,
+                sys::ncclUniqueId { internal },
+                index as i32,
+            )
+        }
+        .map_err(nccl_err("ncclCommInitRank"))?;
+        Ok(Box::new(NcclComm {
+            // SAFETY: initialised by the successful call above.
+            comm: unsafe { comm.assume_init() },
+        }))
+    }
+
+    fn single_controller(
+        &self,
+        devices: &[&CudaDevice],
+    ) -> Result<Vec<Box<dyn ExternalAllReduce<Cuda>>>> {
+        loaded()?;
+        let ordinals: Vec<i32> = devices
+            .iter()
+            .map(|d| d.context().ordinal() as i32)
+            .collect();
+        let mut comms = vec![std::ptr::null_mut(); devices.len()];
+        // SAFETY: `comms` has one slot per device in `ordinals`.
+        unsafe {
+            result::comm_init_all(comms.as_mut_ptr(), ordinals.len() as i32, ordinals.as_ptr())
+        }
+        .map_err(nccl_err("ncclCommInitAll"))?;
+        Ok(comms
+            .into_iter()
+            .map(|comm| Box::new(NcclComm { comm }) as Box<dyn ExternalAllReduce<Cuda>>)
+            .collect())
+    }
+
+    fn group_start(&self) -> Result<()> {
+        result::group_start()
+            .map(|_| ())
+            .map_err(nccl_err("ncclGroupStart"))
+    }
+
+    fn group_end(&self) -> Result<()> {
+        result::group_end()
+            .map(|_| ())
+            .map_err(nccl_err("ncclGroupEnd"))
+    }
+}

@@ -1,0 +1,375 @@
+//! RCCL, loaded at run time: the external library of the HIP backend.
+//!
+//! RCCL exports NCCL's C API (`ncclGetUniqueId`, `ncclCommInitRank`, `ncclAllReduce`,
+//! ...) from `librccl.so`. peercomm does not link it: the first use opens it with
+//! `dlopen` (the name in `PEERCOMM_RCCL_LIBRARY` if set, else `librccl.so.1`,
+//! `librccl.so`, then under `$ROCM_PATH/lib` and `/opt/rocm/lib`) and resolves each
+//! symbol, so a machine without RCCL builds and runs peercomm, and the fallback there
+//! is [`Error::ExternalUnavailable`] naming what is missing. Ids are exchanged as for
+//! NCCL (see [`super::nccl`] on CUDA).
+
+use std::ffi::{c_char, c_int, c_void, CStr, CString};
+use std::sync::{Arc, OnceLock};
+
+use super::{ExternalAllReduce, ExternalLibrary};
+use crate::backend::hip::{set_device, Hip, HipDevice};
+use crate::bootstrap::Bootstrap;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+/// Environment variable naming the RCCL library to open instead of the defaults.
+pub const RCCL_LIBRARY_ENV: &str = "PEERCOMM_RCCL_LIBRARY";
+
+/// RCCL (see the module docs).
+pub struct Rccl;
+
+/// `ncclUniqueId`: 128 opaque bytes, passed by value.
+#[repr(C)]
+#[derive(Clone, Copy)]
+struct UniqueId {
+    internal: [c_char; 128],
+}
+
+type Comm = *mut c_void;
+type Status = c_int;
+const SUCCESS: Status = 0;
+const IN_PROGRESS: Status = 7;
+/// `ncclSum`.
+const SUM: c_int = 0;
+
+/// The entry points peercomm calls, resolved once.
+struct Api {
+    get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> Status,
+    comm_init_rank: unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> Status,
+    comm_init_all: unsafe extern "C" fn(*mut Comm, c_int, *const c_int) -> Status,
+    all_reduce: unsafe extern "C" fn(
+        *const c_void,
+        *mut c_void,
+        usize,
+        c_int,
+        c_int,
+        Comm,
+        *mut c_void,
+    ) -> Status,
+    comm_abort: unsafe extern "C" fn(Comm) -> Status,
+    comm_get_async_error: unsafe extern "C" fn(Comm, *mut Status) -> Status,
+    group_start: unsafe extern "C" fn() -> Status,
+    group_end: unsafe extern "C" fn() -> Status,
+    get_error_string: unsafe extern "C" fn(Status) -> *const c_char,
+}
+
+extern "C" {
+    fn dlopen(filename: *const c_char, flag: c_int) -> *mut c_void;
+    fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
+    fn dlerror() -> *mut c_char;
+}
+/// `RTLD_NOW | RTLD_LOCAL`.
+const RTLD_NOW: c_int = 2;
+
+/// A resolved symbol as the function pointer type `F`.
+///
+/// # Safety
+/// `p` must be a function of exactly the signature `F` spells.
+unsafe fn cast<F: Copy>(p: *mut c_void) -> F {
+    assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*mut c_void>());
+    // SAFETY: same size (checked); the caller guarantees the signature.
+    unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) }
+}
+
+fn last_dl_error() -> String {
+    // SAFETY: dlerror returns NULL or a NUL-terminated string valid until the next dl
+    // call on this thread; it is copied at once.
+    let e = unsafe { dlerror() };
+    if e.is_null() {
+        "unknown error".into()
+    } else {
+        // SAFETY: as above.
+        unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
+    }
+}
+
+/// The names tried in order when `PEERCOMM_RCCL_LIBRARY` is not set.
+fn default_names() -> Vec<String> {
+    let mut names = vec!["librccl.so.1".to_string(), "librccl.so".to_string()];
+    for root in std::env::var("ROCM_PATH")
+        .ok()
+        .into_iter()
+        .chain(["/opt/rocm".to_string()])
+    {
+        names.push(format!("{root}/lib/librccl.so.1"));
+        names.push(format!("{root}/lib/librccl.so"));
+    }
+    names
+}
+
+/// Opens the first of `names` that loads and resolves every symbol peercomm calls.
+/// The error names each library tried and why it failed.
+fn load_from(names: &[String]) -> std::result::Result<Api, String> {
+    let mut tried = Vec::new();
+    for name in names {
+        let Ok(c_name) = CString::new(name.as_str()) else {
+            tried.push(format!("{name:?}: not a valid file name"));
+            continue;
+        };
+        // SAFETY: a NUL-terminated name; the handle is never closed (the library stays
+        // loaded for the process, as the resolved functions are kept).
+        let handle = unsafe { dlopen(c_name.as_ptr(), RTLD_NOW) };
+        if handle.is_null() {
+            tried.push(format!("{name}: {}", last_dl_error()));
+            continue;
+        }
+        let sym = |s: &str| -> std::result::Result<*mut c_void, String> {
+            let c = CString::new(s).expect("symbol names have no NUL");
+            // SAFETY: a live handle and a NUL-terminated symbol name.
+            let p = unsafe { dlsym(handle, c.as_ptr()) };
+            if p.is_null() {
+                Err(format!("{name} has no symbol {s}"))
+            } else {
+                Ok(p)
+            }
+        };
+        let resolve = || -> std::result::Result<Api, String> {
+            // SAFETY: each symbol is RCCL's (NCCL's C API), whose C signature the field's
+            // type spells; a library of that name exporting these symbols is RCCL.
+            unsafe {
+                Ok(Api {
+                    get_unique_id: cast(sym("ncclGetUniqueId")?),
+                    comm_init_rank: cast(sym("ncclCommInitRank")?),
+                    comm_init_all: cast(sym("ncclCommInitAll")?),
+                    all_reduce: cast(sym("ncclAllReduce")?),
+                    comm_abort: cast(sym("ncclCommAbort")?),
+                    comm_get_async_error: cast(sym("ncclCommGetAsyncError")?),
+                    group_start: cast(sym("ncclGroupStart")?),
+                    group_end: cast(sym("ncclGroupEnd")?),
+                    get_error_string: cast(sym("ncclGetErrorString")?),
+                })
+            }
+        };
+        match resolve() {
+            Ok(api) => return Ok(api),
+            Err(e) => tried.push(e),
+        }
+    }
+    Err(format!(
+        "RCCL could not be loaded (install ROCm's rccl, or set {RCCL_LIBRARY_ENV}); tried {}",
+        tried.join("; ")
+    ))
+}
+
+fn api() -> Result<&'static Api> {
+    static API: OnceLock<std::result::Result<Api, String>> = OnceLock::new();
+    API.get_or_init(|| {
+        let names = match std::env::var(RCCL_LIBRARY_ENV) {
+            Ok(n) if !n.is_empty() => vec![n],
+            _ => default_names(),
+        };
+        load_from(&names)
+    })
+    .as_ref()
+    .map_err(|detail| Error::ExternalUnavailable {
+        library: "rccl",
+        detail: detail.clone(),
+    })
+}
+
+fn check(api: &Api, status: Status, call: &'static str) -> Result<()> {
+    if status == SUCCESS {
+        return Ok(());
+    }
+    // SAFETY: ncclGetErrorString returns a static string (or NULL) for any code.
+    let text = unsafe { (api.get_error_string)(status) };
+    let detail = if text.is_null() {
+        format!("status {status}")
+    } else {
+        // SAFETY: non-null and NUL-terminated.
+        let s = unsafe { CStr::from_ptr(text) };
+        format!("status {status}: {}", s.to_string_lossy())
+    };
+    Err(Error::External {
+        library: "rccl",
+        call,
+        detail,
+    })
+}
+
+fn rccl_dtype(dtype: DType) -> c_int {
+    match dtype {
+        DType::F16 => 6,
+        DType::F32 => 7,
+        DType::BF16 => 9,
+    }
+}
+
+/// One rank's RCCL communicator; aborted on drop (never blocking).
+struct RcclComm {
+    api: &'static Api,
+    comm: Comm,
+}
+
+// SAFETY: an RCCL communicator may be used from any thread; peercomm serialises the
+// calls on one rank.
+unsafe impl Send for RcclComm {}
+// SAFETY: as above.
+unsafe impl Sync for RcclComm {}
+
+impl Drop for RcclComm {
+    fn drop(&mut self) {
+        // SAFETY: initialised, dropped once, after its owner waited for its stream.
+        let _ = unsafe { (self.api.comm_abort)(self.comm) };
+    }
+}
+
+impl ExternalAllReduce<Hip> for RcclComm {
+    fn library(&self) -> &'static str {
+        "rccl"
+    }
+
+    unsafe fn all_reduce_sum(
+        &self,
+        dev: &HipDevice,
+        send: u64,
+        recv: u64,
+        elements: usize,
+        dtype: DType,
+    ) -> Result<()> {
+        set_device(dev.ordinal())?;
+        // SAFETY: the caller guarantees both ranges on this device; the communicator
+        // was made for it; the stream is the device's.
+        let status = unsafe {
+            (self.api.all_reduce)(
+                send as *const c_void,
+                recv as *mut c_void,
+                elements,
+                rccl_dtype(dtype),
+                SUM,
+                self.comm,
+                dev.stream_handle(),
+            )
+        };
+        check(self.api, status, "ncclAllReduce")
+    }
+
+    fn take_async_error(&self) -> Result<()> {
+        let mut code = SUCCESS;
+        // SAFETY: a live communicator; RCCL writes one status.
+        let r = unsafe { (self.api.comm_get_async_error)(self.comm, &mut code) };
+        for c in [r, code] {
+            if c != SUCCESS && c != IN_PROGRESS {
+                check(self.api, c, "ncclCommGetAsyncError")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl ExternalLibrary<Hip> for Rccl {
+    fn name(&self) -> &'static str {
+        "rccl"
+    }
+
+    fn check_available(&self) -> Result<()> {
+        api().map(|_| ())
+    }
+
+    fn per_rank(
+        &self,
+        dev: &HipDevice,
+        bootstrap: Arc<dyn Bootstrap>,
+        members: &[usize],
+    ) -> Result<Box<dyn ExternalAllReduce<Hip>>> {
+        let me = bootstrap.rank();
+        let leader = members[0];
+        let loaded = api();
+        let mine = match (&loaded, me == leader) {
+            (Ok(api), true) => {
+                let mut id = UniqueId { internal: [0; 128] };
+                // SAFETY: RCCL writes one id.
+                check(
+                    api,
+                    unsafe { (api.get_unique_id)(&mut id) },
+                    "ncclGetUniqueId",
+                )?;
+                id.internal.iter().map(|&c| c as u8).collect()
+            }
+            _ => Vec::new(),
+        };
+        // Every rank takes part, so the others never wait for one that cannot load RCCL.
+        let ids = bootstrap.all_gather(&mine)?;
+        let api = loaded?;
+        let bytes = &ids[leader];
+        let mut id = UniqueId { internal: [0; 128] };
+        if bytes.len() != id.internal.len() {
+            return Err(Error::External {
+                library: "rccl",
+                call: "ncclCommInitRank",
+                detail: format!("rank {leader} could not make an RCCL unique id"),
+            });
+        }
+        for (d, &b) in id.internal.iter_mut().zip(bytes) {
+            *d = b as c_char;
+        }
+        let index = members.iter().position(|&m| m == me).expect("member");
+        set_device(dev.ordinal())?;
+        let mut comm: Comm = std::ptr::null_mut();
+        // SAFETY: RCCL initialises `comm` on success; the id came from the leader.
+        let status =
+            unsafe { (api.comm_init_rank)(&mut comm, members.len() as c_int, id, index as c_int) };
+        check(api, status, "ncclCommInitRank")?;
+        Ok(Box::new(RcclComm { api, comm }))
+    }
+
+    fn single_controller(
+        &self,
+        devices: &[&HipDevice],
+    ) -> Result<Vec<Box<dyn ExternalAllReduce<Hip>>>> {
+        let api = api()?;
+        let ordinals: Vec<c_int> = devices.iter().map(|d| d.ordinal() as c_int).collect();
+        let mut comms: Vec<Comm> = vec![std::ptr::null_mut(); devices.len()];
+        // SAFETY: one slot per device.
+        let status = unsafe {
+            (api.comm_init_all)(
+                comms.as_mut_ptr(),
+                ordinals.len() as c_int,
+                ordinals.as_ptr(),
+            )
+        };
+        check(api, status, "ncclCommInitAll")?;
+        Ok(comms
+            .into_iter()
+            .map(|comm| Box::new(RcclComm { api, comm }) as Box<dyn ExternalAllReduce<Hip>>)
+            .collect())
+    }
+
+    fn group_start(&self) -> Result<()> {
+        let api = api()?;
+        // SAFETY: no arguments.
+        check(api, unsafe { (api.group_start)() }, "ncclGroupStart")
+    }
+
+    fn group_end(&self) -> Result<()> {
+        let api = api()?;
+        // SAFETY: no arguments.
+        check(api, unsafe { (api.group_end)() }, "ncclGroupEnd")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_missing_library_is_named() {
+        let err = load_from(&["/nonexistent/librccl.so.1".into()])
+            .err()
+            .unwrap();
+        assert!(err.contains("/nonexistent/librccl.so.1"), "{err}");
+        assert!(err.contains(RCCL_LIBRARY_ENV), "{err}");
+    }
+
+    #[test]
+    fn a_library_without_the_symbols_is_refused() {
+        // libc loads everywhere peercomm does, and exports none of RCCL's symbols.
+        let err = load_from(&["libc.so.6".into()]).err().unwrap();
+        assert!(err.contains("has no symbol ncclGetUniqueId"), "{err}");
+    }
+}

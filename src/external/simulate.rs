@@ -1,0 +1,62 @@
+//! Switches that make one machine look like the cases the fallback exists for. For
+//! testing only: they exist so that CI (host backend) and a one- or two-GPU machine can
+//! exercise every route. Every rank must pass the same [`Simulation`] (it is part of
+//! the configuration checksum).
+
+use crate::bootstrap::HostId;
+
+/// Test-only switches (part of [`crate::CommConfig`]; the default simulates nothing).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Simulation {
+    /// Pretend that device-level peer access from world rank `.0` to world rank `.1`
+    /// is unavailable (as on PCIe without P2P).
+    pub no_peer_access: Option<(usize, usize)>,
+    /// Pretend the peer check at initialisation read a wrong value on this world rank
+    /// (as on a link that reports P2P and returns garbage): the value the check read
+    /// back is corrupted before it is compared, so the detection itself is exercised.
+    pub fail_peer_check: Option<usize>,
+    /// The host identity of every world rank, in rank order, instead of what the
+    /// bootstrap found (for example `["a", "a", "b", "b"]`: two hosts of two ranks).
+    pub hosts: Option<Vec<HostId>>,
+}
+
+impl Simulation {
+    /// Whether anything is simulated.
+    pub fn is_active(&self) -> bool {
+        *self != Simulation::default()
+    }
+
+    /// Ranks spread over `hosts` simulated hosts of `world / hosts` consecutive ranks
+    /// each (`sim-host-0`, `sim-host-1`, ...).
+    pub fn split_hosts(world: usize, hosts: usize) -> Self {
+        let per = world.div_ceil(hosts.max(1)).max(1);
+        Simulation {
+            hosts: Some(
+                (0..world)
+                    .map(|r| HostId::new(format!("sim-host-{}", r / per)))
+                    .collect(),
+            ),
+            ..Simulation::default()
+        }
+    }
+
+    /// A stable hash for the configuration checksum (FNV-1a over a textual form).
+    pub(crate) fn code(&self) -> u64 {
+        let text = format!(
+            "{:?}|{:?}|{:?}",
+            self.no_peer_access,
+            self.fail_peer_check,
+            self.hosts
+                .as_ref()
+                .map(|h| h.iter().map(HostId::as_str).collect::<Vec<_>>())
+        );
+        text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
+        })
+    }
+
+    /// Whether the simulation removes peer access between world ranks `a` and `b`.
+    pub(crate) fn blocks_pair(&self, a: usize, b: usize) -> bool {
+        matches!(self.no_peer_access, Some((x, y)) if (x, y) == (a, b) || (x, y) == (b, a))
+    }
+}
