@@ -79,10 +79,14 @@ impl<B: Backend> Communicator<B> {
                 });
             }
         }
-        let plan = self.settings.plan(first.dtype, first.len, options, false)?;
-        if plan.elements == 0 {
-            return Ok(plan.algorithm);
-        }
+        let external = self.routes_external(first.dtype, first.len, options)?;
+        let plan = self.settings.plan(first.dtype, first.len, options, false);
+        let plan = match plan {
+            Ok(p) if p.elements == 0 && !external => return Ok(p.algorithm),
+            Ok(p) => Some(p),
+            Err(_) if external => None,
+            Err(e) => return Err(e),
+        };
         let mut in_ptrs = [0u64; MAX_GPUS];
         let mut out_ptrs = [0u64; MAX_GPUS];
         let mut in_guards: [Option<B::Access<'_>>; MAX_GPUS] = std::array::from_fn(|_| None);
@@ -98,11 +102,21 @@ impl<B: Backend> Communicator<B> {
             out_ptrs[r] = p;
             out_guards[r] = Some(g);
         }
-        let result = self
-            .check_peers_reach(&plan, &in_ptrs, "input")
-            .and_then(|_| self.launch_all(&plan, &in_ptrs, &out_ptrs));
+        let world = self.world_size();
+        let result = match plan.filter(|_| !external) {
+            None => self.run_external(
+                &in_ptrs[..world],
+                &out_ptrs[..world],
+                first.len,
+                first.dtype,
+            ),
+            Some(plan) => self
+                .check_peers_reach(&plan, &in_ptrs, "input")
+                .and_then(|_| self.launch_all(&plan, &in_ptrs, &out_ptrs))
+                .map(|_| plan.algorithm),
+        };
         drop((in_guards, out_guards));
-        result.map(|_| plan.algorithm)
+        result
     }
 
     /// Sums `buffers[r]` over each group in place: the slice form of
@@ -122,10 +136,14 @@ impl<B: Backend> Communicator<B> {
         for (r, b) in buffers.iter().enumerate() {
             self.check_flat(r, &meta::<B>(b), &first, "in-place")?;
         }
-        let plan = self.settings.plan(first.dtype, first.len, options, true)?;
-        if plan.elements == 0 {
-            return Ok(plan.algorithm);
-        }
+        let external = self.routes_external(first.dtype, first.len, options)?;
+        let plan = self.settings.plan(first.dtype, first.len, options, true);
+        let plan = match plan {
+            Ok(p) if p.elements == 0 && !external => return Ok(p.algorithm),
+            Ok(p) => Some(p),
+            Err(_) if external => None,
+            Err(e) => return Err(e),
+        };
         let mut ptrs = [0u64; MAX_GPUS];
         let mut guards: [Option<B::Access<'_>>; MAX_GPUS] = std::array::from_fn(|_| None);
         for (r, b) in buffers.iter_mut().enumerate() {
@@ -133,11 +151,16 @@ impl<B: Backend> Communicator<B> {
             ptrs[r] = p;
             guards[r] = Some(g);
         }
-        let result = self
-            .check_peers_reach(&plan, &ptrs, "in-place")
-            .and_then(|_| self.launch_all(&plan, &ptrs, &ptrs));
+        let world = self.world_size();
+        let result = match plan.filter(|_| !external) {
+            None => self.run_external(&ptrs[..world], &ptrs[..world], first.len, first.dtype),
+            Some(plan) => self
+                .check_peers_reach(&plan, &ptrs, "in-place")
+                .and_then(|_| self.launch_all(&plan, &ptrs, &ptrs))
+                .map(|_| plan.algorithm),
+        };
         drop(guards);
-        result.map(|_| plan.algorithm)
+        result
     }
 
     /// Rank `r`'s flat buffer against rank 0's: device, dtype, then length.

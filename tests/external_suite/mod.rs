@@ -496,6 +496,20 @@ pub fn single_controller<B: Backend>(ordinals: &[usize]) {
                 world,
                 &format!("single controller, {name}, len {len}"),
             );
+            // The slice form routes the same way (in place, on the inputs).
+            let mut bufs = bufs;
+            let ran = comm
+                .all_reduce_sum_slices_in_place(&mut bufs, &AllReduceOptions::new())
+                .unwrap();
+            assert_eq!(ran, Algorithm::Nccl, "{name}: slice form");
+            comm.synchronize().unwrap();
+            let got: Vec<Vec<f32>> = comm
+                .ranks()
+                .iter()
+                .zip(&bufs)
+                .map(|(r, b)| B::download(r.device(), b).unwrap())
+                .collect();
+            check(&ins, &got, world, &format!("slice form, {name}, len {len}"));
         }
         let refused = Communicator::<B>::new(
             ordinals,
