@@ -43,7 +43,11 @@ pub enum Algorithm {
     Nccl,
     /// Ranks span hosts: a sum over peer memory inside each host, the external library
     /// across hosts (one slice per local rank), then a gather inside each host over
-    /// peer memory. Returned, never forced.
+    /// peer memory. Returned, never forced. Today the host's sum is a whole peer
+    /// all-reduce and the gather a second one in which every other slice is -0.0 (the
+    /// additive identity, so each slice is copied bit for bit): twice the intra-host
+    /// traffic of a reduce-scatter and an all-gather, which a measurement may justify
+    /// switching to.
     Hierarchical,
 }
 

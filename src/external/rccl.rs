@@ -6,7 +6,7 @@
 //! `librccl.so`, then under `$ROCM_PATH/lib` and `/opt/rocm/lib`) and resolves each
 //! symbol, so a machine without RCCL builds and runs peercomm, and the fallback there
 //! is [`Error::ExternalUnavailable`] naming what is missing. Ids are exchanged as for
-//! NCCL (see [`super::nccl`] on CUDA).
+//! NCCL (module `external::nccl` on CUDA).
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::{Arc, OnceLock};
