@@ -10,16 +10,38 @@ use peercomm::bootstrap::UniqueId;
 use peercomm_candle::mlp::{random_input, Comparison, Mlp, MlpShape};
 use peercomm_candle::{AllReduceOptions, CandleComm, CommConfig, Error};
 
+/// Prints past the test harness's output capture, so a skip shows in a plain
+/// `cargo test` run.
+fn announce_skip(test: &str, why: &str) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+}
+
+/// The seed of a test: PEERCOMM_SEED if set, else the clock; printed so a failure can
+/// be replayed.
+fn seed(test: &str) -> u64 {
+    let seed = std::env::var("PEERCOMM_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(1, |d| d.as_nanos() as u64)
+        });
+    eprintln!("{test}: PEERCOMM_SEED={seed}");
+    seed
+}
+
 /// Visible GPUs, or `None` (after printing why the test skips).
 fn gpus(test: &str) -> Option<usize> {
     match cudarc::driver::CudaContext::device_count() {
         Ok(n) if n > 0 => Some(n as usize),
         Ok(_) => {
-            eprintln!("SKIP {test}: no CUDA device");
+            announce_skip(test, "no CUDA device");
             None
         }
         Err(e) => {
-            eprintln!("SKIP {test}: no CUDA driver or device ({e})");
+            announce_skip(test, &format!("no CUDA driver or device ({e})"));
             None
         }
     }
@@ -53,10 +75,20 @@ fn tensor_parallel_block_matches_single_gpu() {
     let world = ordinals.len();
     eprintln!("ranks on GPUs {ordinals:?}");
     let shape = MlpShape::LLAMA3_8B;
-    let weights = Arc::new(Mlp::random(shape, DType::BF16, 7, &Device::Cpu).unwrap());
+    let seed = seed("tensor_parallel_block_matches_single_gpu");
+    let weights = Arc::new(Mlp::random(shape, DType::BF16, seed, &Device::Cpu).unwrap());
     let inputs: Vec<Tensor> = TOKENS
         .iter()
-        .map(|&t| random_input(t, shape.hidden, DType::BF16, 100 + t as u64, &Device::Cpu).unwrap())
+        .map(|&t| {
+            random_input(
+                t,
+                shape.hidden,
+                DType::BF16,
+                seed ^ (100 + t as u64),
+                &Device::Cpu,
+            )
+            .unwrap()
+        })
         .collect();
 
     // The single-GPU block.
@@ -104,7 +136,8 @@ fn tensor_parallel_block_matches_single_gpu() {
                         r.partial.push(cpu(&partial));
                     }
                     // A contiguous tensor that starts inside its storage (rows 1..4 of 5).
-                    let own = random_input(5, 7, DType::F32, 900 + rank as u64, &dev).unwrap();
+                    let own =
+                        random_input(5, 7, DType::F32, seed ^ (900 + rank as u64), &dev).unwrap();
                     let sum = comm.all_reduce_sum(&own.i(1..4).unwrap(), &opts).unwrap();
                     comm.synchronize().unwrap();
                     r.offset_sum = cpu(&sum);
@@ -141,7 +174,7 @@ fn tensor_parallel_block_matches_single_gpu() {
     // f32, two addends: the f32 sum is exact rounding of the true sum.
     let want: Vec<f32> = (0..world)
         .map(|rank| {
-            random_input(5, 7, DType::F32, 900 + rank as u64, &Device::Cpu)
+            random_input(5, 7, DType::F32, seed ^ (900 + rank as u64), &Device::Cpu)
                 .unwrap()
                 .i(1..4)
                 .unwrap()
@@ -186,7 +219,8 @@ fn bad_tensors_get_typed_errors_and_nothing_written() {
     ));
     let comm = CandleComm::from_rank(&dev, 0, 1, &id, CommConfig::default()).unwrap();
     let opts = AllReduceOptions::new();
-    let t = random_input(4, 6, DType::F32, 1, &dev).unwrap();
+    let seed = seed("bad_tensors_get_typed_errors_and_nothing_written");
+    let t = random_input(4, 6, DType::F32, seed, &dev).unwrap();
     let before = t.to_vec2::<f32>().unwrap();
 
     let transposed = t.t().unwrap();
@@ -244,7 +278,7 @@ fn bad_tensors_get_typed_errors_and_nothing_written() {
     // A world of one: the sum is the input, bit for bit, for every dtype, also when the
     // tensor starts inside its storage.
     for dtype in [DType::F32, DType::F16, DType::BF16] {
-        let big = random_input(8, 6, dtype, 2, &dev).unwrap();
+        let big = random_input(8, 6, dtype, seed ^ 2, &dev).unwrap();
         let view = big.i(2..5).unwrap();
         let sum = comm.all_reduce_sum(&view, &opts).unwrap();
         assert_eq!(sum.dims(), &[3, 6]);
