@@ -3,7 +3,8 @@
 # (feature `cuda`) builds: cudarc's linking mode and CUDA version are the application's
 # (candle asks for dynamic linking and the version from the build system). About 10
 # minutes on 2 cores (candle-kernels compiles its CUDA kernels). Needs nvcc: the pinned
-# PyPI one from scripts/install-toolchains.sh is put on PATH. Not part of CI yet.
+# PyPI one from scripts/install-toolchains.sh is put on PATH. CI checks the same through
+# integrations/candle (scripts/build-candle.sh), which also links.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
