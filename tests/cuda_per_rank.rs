@@ -187,6 +187,115 @@ fn cuda_per_rank_graph_replays() {
     );
 }
 
+/// Each rank captures an all-gather, a reduce-scatter, a broadcast, a scatter and the
+/// fused all-reduce + residual + RMSNorm into one graph and replays it with new inputs
+/// (and a fresh residual) every time; every replay is checked.
+#[test]
+fn cuda_per_rank_collectives_graph_replays() {
+    use common::collectives::{assert_bits, check_rms_norm, expect, Which};
+    use half::bf16;
+    use peercomm::CollectiveOptions;
+    use rand::SeedableRng;
+    let Some(place) = placement("cuda_per_rank_collectives_graph_replays") else {
+        return;
+    };
+    let seed = per_rank_suite::seed("cuda_per_rank_collectives_graph_replays");
+    let (world, replays, n, hidden, tokens) = (2, 50, 4099, 4096, 3);
+    per_rank_suite::with_world::<Cuda, _>(&place, world, |rank, comm| {
+        let dev = comm.device();
+        let buf = |len: usize| Cuda::alloc_buffer::<bf16>(dev, len).unwrap();
+        let (mut x, mut wide) = (buf(n), buf(n * world));
+        let part_len = peercomm::reduce_scatter_part(n, world, rank).len();
+        let (mut gathered, mut part, mut bcast, mut piece) =
+            (buf(n * world), buf(part_len), buf(n), buf(n));
+        let (mut partial, mut res, mut weight, mut normed) = (
+            buf(tokens * hidden),
+            buf(tokens * hidden),
+            buf(hidden),
+            buf(tokens * hidden),
+        );
+        let o = CollectiveOptions::new();
+        let (graph, _) = comm
+            .capture(|| {
+                comm.all_gather(&x, &mut gathered, &o)?;
+                comm.reduce_scatter_sum(&wide, &mut part, &o)?;
+                comm.broadcast(Some(&x), &mut bcast, 1, &o)?;
+                comm.scatter(Some(&wide), &mut piece, 0, &o)?;
+                comm.all_reduce_residual_rms_norm(
+                    &partial,
+                    &mut res,
+                    &weight,
+                    &mut normed,
+                    1e-5,
+                    &o,
+                )
+            })
+            .unwrap();
+        for i in 0..replays {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed ^ ((i as u64) << 16));
+            let xs = common::random_inputs::<bf16>(&mut rng, world, n);
+            let wides = common::random_inputs::<bf16>(&mut rng, world, n * world);
+            let partials = common::random_inputs::<bf16>(&mut rng, world, tokens * hidden);
+            let residual = common::random_values::<bf16>(&mut rng, tokens * hidden);
+            let w = common::random_values::<bf16>(&mut rng, hidden);
+            Cuda::upload(dev, &xs[rank], &mut x).unwrap();
+            Cuda::upload(dev, &wides[rank], &mut wide).unwrap();
+            Cuda::upload(dev, &partials[rank], &mut partial).unwrap();
+            Cuda::upload(dev, &residual, &mut res).unwrap();
+            Cuda::upload(dev, &w, &mut weight).unwrap();
+            for out in [
+                &mut gathered,
+                &mut part,
+                &mut bcast,
+                &mut piece,
+                &mut normed,
+            ] {
+                let len = out.len();
+                Cuda::upload(dev, &vec![bf16::NAN; len], out).unwrap();
+            }
+            graph.launch().unwrap();
+            comm.synchronize().unwrap();
+            let what = |c: &str| format!("rank {rank} replay {i} {c}");
+            let get = |b: &cudarc::driver::CudaSlice<bf16>| Cuda::download(dev, b).unwrap();
+            assert_bits(
+                &get(&gathered),
+                &expect(Which::AllGather, &xs, world, rank),
+                &what("all-gather"),
+            );
+            assert_bits(
+                &get(&part),
+                &expect(Which::ReduceScatter, &wides, world, rank),
+                &what("reduce-scatter"),
+            );
+            let b = Which::Broadcast {
+                root: 1,
+                in_place: false,
+            };
+            assert_bits(
+                &get(&bcast),
+                &expect(b, &xs, world, rank),
+                &what("broadcast"),
+            );
+            assert_bits(
+                &get(&piece),
+                &expect(Which::Scatter { root: 0 }, &wides, world, rank),
+                &what("scatter"),
+            );
+            check_rms_norm(
+                &partials,
+                &residual,
+                &w,
+                world,
+                rank,
+                1e-5,
+                &get(&normed),
+                &get(&res),
+                &what("fused"),
+            );
+        }
+    });
+}
+
 /// The schedule fuzzer through the per-rank API (one thread per rank; ranks share GPUs
 /// where there are fewer): `PEERCOMM_FUZZ_CALLS` calls (default 2000) at worlds 2 and 4.
 #[test]
