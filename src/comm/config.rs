@@ -42,8 +42,10 @@ pub struct CommConfig {
     pub threads_per_block: u32,
     /// Testing aid: lets several ranks share one device, each with its own stream and
     /// signal buffer, so 4- and 8-rank schedules run on fewer GPUs. Every rank's blocks
-    /// must be resident at once (ranks spin waiting for each other), so keep
-    /// `max_blocks` small (for example 4) when this is on. Timings mean nothing then.
+    /// must be resident at once (ranks spin waiting for each other), so where k ranks
+    /// share a device each gets at most multiprocessors / k blocks (whatever
+    /// `max_blocks` says above that). Timings mean nothing then; ranks in different
+    /// processes on one GPU also time-slice (no MPS), a scheduling slice per barrier.
     /// On CUDA a shared GPU's default memory pool stops reusing memory across streams
     /// through internal dependencies (see `Backend::prepare_shared_device`): with ranks
     /// driven by different threads, such a dependency could make one rank's stream

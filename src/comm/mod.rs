@@ -124,7 +124,13 @@ impl<B: Backend> Communicator<B> {
         let arch = B::architecture(&devices[0])?;
         let sms = B::multiprocessor_count(&devices[0])?;
         let (fallback, simulate) = (config.fallback, config.simulate.clone());
-        let settings = Settings::new(config, arch, sms, world, true)?;
+        let mut settings = Settings::new(config, arch, sms, world, true)?;
+        let per_device = ordinals
+            .chunk_by(|a, b| a == b)
+            .map(<[usize]>::len)
+            .max()
+            .unwrap_or(1);
+        settings.limit_for_shared_devices(sms, per_device);
         let layout = settings.layout;
         // Peer access, or (with the fallback on) the external library for the world.
         let blocked = simulate

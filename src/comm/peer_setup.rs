@@ -133,7 +133,7 @@ pub(super) fn establish<B: Backend>(
     let checksum = config_checksum(config);
     let arch = B::architecture(&device)?;
     let sms = B::multiprocessor_count(&device)?;
-    let settings = Settings::new(config.clone(), arch.clone(), sms, n, false)?;
+    let mut settings = Settings::new(config.clone(), arch.clone(), sms, n, false)?;
     let layout = settings.layout;
     let kind = if n > 1 {
         MemoryKind::SharedSignal
@@ -166,6 +166,13 @@ pub(super) fn establish<B: Backend>(
         Vec::new()
     };
     let handles = group.all_gather(&mine_handle)?;
+    // The same count on every rank of the group: its grids must match.
+    let per_device = records
+        .iter()
+        .map(|p| records.iter().filter(|q| q.ordinal == p.ordinal).count())
+        .max()
+        .unwrap_or(1);
+    settings.limit_for_shared_devices(sms, per_device);
     if records
         .iter()
         .enumerate()

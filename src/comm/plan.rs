@@ -180,6 +180,25 @@ mod tests {
     }
 
     #[test]
+    fn ranks_sharing_a_device_get_a_grid_that_fits_together() {
+        let mut s = settings(4);
+        s.limit_for_shared_devices(132, 1);
+        assert_eq!(s.max_blocks, 132);
+        s.limit_for_shared_devices(132, 2);
+        assert_eq!(s.max_blocks, 66);
+        let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+        let big = s.plan(DType::F32, 1 << 24, &opts, false).unwrap();
+        assert_eq!(big.dims.blocks, 66);
+        let mut few = settings(2);
+        few.max_blocks = 4;
+        few.limit_for_shared_devices(132, 2);
+        assert_eq!(few.max_blocks, 4, "an explicit smaller cap stays");
+        let mut crowded = settings(8);
+        crowded.limit_for_shared_devices(4, 8);
+        assert_eq!(crowded.max_blocks, 1, "at least one block");
+    }
+
+    #[test]
     fn the_grid_grows_with_the_remote_traffic_of_the_width() {
         // 64 KiB of f32: 4096 packs, 8 blocks of 512 threads at width 2.
         let opts = |a| AllReduceOptions::new().algorithm(a);

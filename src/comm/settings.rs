@@ -59,6 +59,23 @@ impl Settings {
         })
     }
 
+    /// Caps the grid where ranks share devices: every rank's blocks wait for its peers'
+    /// blocks, so all of them must be resident at once. With at most `ranks_per_device`
+    /// ranks on one device of `multiprocessors`, each rank gets at most
+    /// multiprocessors / ranks_per_device blocks (one block always fits a
+    /// multiprocessor: the kernels' launch bound). Every rank must pass the same
+    /// numbers, so that their grids match.
+    pub(crate) fn limit_for_shared_devices(
+        &mut self,
+        multiprocessors: usize,
+        ranks_per_device: usize,
+    ) {
+        if ranks_per_device > 1 {
+            let share = u32::try_from(multiprocessors / ranks_per_device).unwrap_or(u32::MAX);
+            self.max_blocks = self.max_blocks.min(share.max(1));
+        }
+    }
+
     /// The width of the groups of a call: `group_size`, or the world for 0.
     pub(crate) fn group_width(&self, group_size: usize) -> Result<usize> {
         let width = if group_size == 0 {

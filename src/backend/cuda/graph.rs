@@ -12,7 +12,9 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus};
+use cudarc::driver::sys::{
+    self, CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus,
+};
 use cudarc::driver::{CudaContext, CudaGraph, CudaStream};
 
 use super::{driver, driver_err, Cuda};
@@ -142,11 +144,24 @@ pub fn capture<R>(
         .into_iter()
         .enumerate()
         .map(|(i, g)| {
-            g?.ok_or_else(|| {
+            // Drivers differ: some end an empty capture with no graph, others with a
+            // graph of no nodes. Both are the same error here.
+            let empty = || {
                 Error::Unsupported(format!(
                     "nothing was enqueued on stream {i} during the capture"
                 ))
-            })
+            };
+            let graph = g?.ok_or_else(empty)?;
+            let mut nodes = 0usize;
+            // SAFETY: the graph is live (owned by `graph`); a null node array asks only
+            // for the count.
+            unsafe { sys::cuGraphGetNodes(graph.cu_graph(), std::ptr::null_mut(), &mut nodes) }
+                .result()
+                .map_err(driver_err("cuGraphGetNodes"))?;
+            if nodes == 0 {
+                return Err(empty());
+            }
+            Ok(graph)
         })
         .collect::<Result<Vec<_>>>()?;
     Ok((graphs, value))
