@@ -34,11 +34,19 @@ for stage in $stages; do
     summary+=("bench per-rank threads rc=$?")
     if [ "$gpus" -ge 2 ]; then
       timeout 420 $b --dtypes bf16 --batches 11 --overlap --host-cost --out "$OUT/bench" > "$OUT/bench.log" 2>&1
+      summary+=("bench all-reduce (2 GPUs) rc=$?")
+      timeout 420 $b --collectives --auto-only --dtypes bf16 --max-bytes 16777216 \
+        --out "$OUT/bench-collectives" > "$OUT/bench-collectives.log" 2>&1
     else
       # Two ranks sharing the GPU: sums checked at every size, host cost per eager call.
       timeout 240 $b --world 2 --dtypes bf16 --batches 5 --max-bytes 16777216 --overlap --host-cost \
         --out "$OUT/bench-1gpu" > "$OUT/bench.log" 2>&1
       summary+=("bench world 2 sharing the GPU rc=$?")
+      # The other collectives and the fused kernel, checked before timing (2 ranks sharing).
+      timeout 300 $b --world 2 --collectives --auto-only --dtypes bf16 --batches 3 \
+        --max-bytes 1048576 --out "$OUT/bench-collectives-1gpu" > "$OUT/bench-collectives.log" 2>&1
+      summary+=("bench collectives, world 2 sharing the GPU rc=$?")
+      tail -20 "$OUT/bench-collectives.log"
       # World 1: NCCL and NCCL-symmetric plumbing (one rank: no link).
       timeout 120 $b --dtypes bf16 --batches 3 --max-bytes 65536 --auto-only \
         > "$OUT/bench-world1.log" 2>&1
