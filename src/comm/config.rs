@@ -44,8 +44,13 @@ pub struct CommConfig {
     /// signal buffer, so 4- and 8-rank schedules run on fewer GPUs. Every rank's blocks
     /// must be resident at once (ranks spin waiting for each other), so where k ranks
     /// share a device each gets at most multiprocessors / k blocks (whatever
-    /// `max_blocks` says above that). Timings mean nothing then; ranks in different
-    /// processes on one GPU also time-slice (no MPS), a scheduling slice per barrier.
+    /// `max_blocks` says above that). Ranks in one process on one GPU also share its
+    /// context: anything that waits for the whole context (a first use of a kernel
+    /// module, `cuCtxSynchronize`, a non-stream-ordered allocation) while a peer's
+    /// collective spins waiting for this rank stalls both until the barrier timeout, so
+    /// load kernels and allocate before the ranks' first collective. Timings mean
+    /// nothing then; ranks in different processes on one GPU time-slice (no MPS), a
+    /// scheduling slice per barrier.
     /// On CUDA a shared GPU's default memory pool stops reusing memory across streams
     /// through internal dependencies (see `Backend::prepare_shared_device`): with ranks
     /// driven by different threads, such a dependency could make one rank's stream

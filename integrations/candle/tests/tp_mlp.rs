@@ -107,12 +107,18 @@ fn tensor_parallel_block_matches_single_gpu() {
     };
 
     let id = UniqueId::new().unwrap();
+    // Ranks sharing one GPU share its context: a first use of a kernel (candle and
+    // cuBLAS load modules lazily) can wait for the whole context, including a peer's
+    // collective that spins waiting for this rank. So every rank runs each shape once
+    // and makes its other tensors before any rank starts a collective.
+    let warm = std::sync::Barrier::new(world);
     let outs: Vec<RankOut> = std::thread::scope(|s| {
         let workers: Vec<_> = ordinals
             .iter()
             .enumerate()
             .map(|(rank, &ordinal)| {
-                let (weights, inputs, id, config) = (&weights, &inputs, &id, config.clone());
+                let (weights, inputs, id, config, warm) =
+                    (&weights, &inputs, &id, config.clone(), &warm);
                 s.spawn(move || {
                     let dev = Device::new_cuda_with_stream(ordinal).unwrap();
                     let comm = CandleComm::from_rank(&dev, rank, world, id, config).unwrap();
@@ -126,6 +132,14 @@ fn tensor_parallel_block_matches_single_gpu() {
                         offset_sum: Tensor::zeros(1, DType::F32, &Device::Cpu).unwrap(),
                     };
                     for x in inputs {
+                        shard.forward(&x.to_device(&dev).unwrap()).unwrap();
+                    }
+                    // A contiguous tensor that starts inside its storage (rows 1..4 of 5).
+                    let own =
+                        random_input(5, 7, DType::F32, seed ^ (900 + rank as u64), &dev).unwrap();
+                    dev.synchronize().unwrap();
+                    warm.wait();
+                    for x in inputs {
                         let partial = shard.forward(&x.to_device(&dev).unwrap()).unwrap();
                         let sum = comm.all_reduce_sum(&partial, &opts).unwrap();
                         let in_place = partial.copy().unwrap();
@@ -135,9 +149,6 @@ fn tensor_parallel_block_matches_single_gpu() {
                         r.in_place.push(cpu(&in_place));
                         r.partial.push(cpu(&partial));
                     }
-                    // A contiguous tensor that starts inside its storage (rows 1..4 of 5).
-                    let own =
-                        random_input(5, 7, DType::F32, seed ^ (900 + rank as u64), &dev).unwrap();
                     let sum = comm.all_reduce_sum(&own.i(1..4).unwrap(), &opts).unwrap();
                     comm.synchronize().unwrap();
                     r.offset_sum = cpu(&sum);
