@@ -205,7 +205,7 @@ fn cuda_per_rank_collectives_graph_replays() {
         let dev = comm.device();
         let buf = |len: usize| Cuda::alloc_buffer::<bf16>(dev, len).unwrap();
         let (mut x, mut wide) = (buf(n), buf(n * world));
-        let part_len = peercomm::reduce_scatter_part(n, world, rank).len();
+        let part_len = peercomm::reduce_scatter_part(n * world, world, rank).len();
         let (mut gathered, mut part, mut bcast, mut piece) =
             (buf(n * world), buf(part_len), buf(n), buf(n));
         let (mut partial, mut res, mut weight, mut normed) = (
