@@ -306,6 +306,16 @@ fn run_rank(c: RankCtx<'_>) -> BoxResult<Vec<RankPoint>> {
     };
     let shard = c.weights.shard(c.rank, c.world, &dev)?;
     let opts = AllReduceOptions::new();
+    // Ranks sharing a GPU share its context, and a first use of a kernel (candle and
+    // cuBLAS load modules lazily) can wait for the whole context, including a peer's
+    // collective that spins waiting for this rank. So every rank runs everything but
+    // the collectives once, at every size, before any rank starts one.
+    for (k, x) in c.inputs.iter().enumerate() {
+        let partial = shard.forward(&x.to_device(&dev)?)?;
+        Comparison::new(&partial.copy()?, &c.reference[k])?;
+    }
+    dev.synchronize()?;
+    c.barrier.wait();
     let mut out = vec![];
     for (k, x) in c.inputs.iter().enumerate() {
         let x = x.to_device(&dev)?;
@@ -392,6 +402,9 @@ fn nccl_all_reduce(nccl: &NcclComm, t: &Tensor) -> BoxResult<Tensor> {
 
 /// Mean microseconds per call of `f` on this rank, every rank starting together.
 fn timed(c: &RankCtx<'_>, dev: &Device, mut f: impl FnMut() -> BoxResult<()>) -> BoxResult<f64> {
+    // No rank starts a collective while another still works alone (see run_rank).
+    dev.synchronize()?;
+    c.barrier.wait();
     for _ in 0..c.args.warmup {
         f()?;
     }
