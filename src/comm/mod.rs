@@ -381,28 +381,8 @@ impl<B: Backend> Communicator<B> {
         if plan.elements == 0 {
             return Ok(plan.algorithm);
         }
-        let ranks = &self.ranks;
-        let mut guards = Vec::with_capacity(2 * ranks.len());
-        let mut in_ptrs = [0u64; MAX_GPUS];
-        let mut out_ptrs = [0u64; MAX_GPUS];
-        // Each buffer is tracked on its own rank's stream only: peers read rank j's input
-        // between their start and end barriers, which rank j's kernel spans, so the
-        // waits and records on rank j's stream also cover the peers' reads.
-        for (r, t) in inputs.iter().enumerate() {
-            let (p, g) = t.data.read_ptr(&ranks[r].device);
-            in_ptrs[r] = p;
-            guards.push(g);
-        }
-        for (r, t) in outputs.iter_mut().enumerate() {
-            let (p, g) = t.data.write_ptr(&ranks[r].device);
-            out_ptrs[r] = p;
-            guards.push(g);
-        }
-        let result = self
-            .check_peers_reach(&plan, &in_ptrs, "input")
-            .and_then(|_| self.launch_all(&plan, &in_ptrs, &out_ptrs));
-        drop(guards);
-        result.map(|_| plan.algorithm)
+        self.launch_collective(&plan, inputs, outputs)
+            .map(|_| plan.algorithm)
     }
 
     /// Sums `tensors[r]` over each group in place. Returns the algorithm that ran.

@@ -333,8 +333,11 @@ impl<B: Backend> Communicator<B> {
         Ok((width, metas))
     }
 
-    /// Launches a collective whose every rank has an input.
-    fn launch_collective(
+    /// Launches a collective whose every rank has an input (the all-reduce too): each
+    /// buffer is tracked on its own rank's stream only, since peers read rank j's input
+    /// between their start and end barriers, which rank j's kernel spans, so the waits
+    /// and records on rank j's stream also cover the peers' reads.
+    pub(super) fn launch_collective(
         &self,
         plan: &Plan,
         inputs: &[Tensor<'_, B>],
