@@ -151,6 +151,19 @@ pub fn build(out_dir: &Path) {
     write_manifest(out_dir, &built, &skipped);
 }
 
+/// Documentation-only build (`DOCS_RS`, see build.rs): no compiler is looked for and
+/// nothing is compiled; the manifest embeds no code object and lists the default
+/// architectures as skipped, so a run finds no code object and says why.
+pub fn write_docs_only_manifest(out_dir: &Path) {
+    let why = "not built: DOCS_RS documentation build (no device code)";
+    let skipped: Vec<(String, String)> = REQUIRED_DEFAULT
+        .iter()
+        .chain(OPTIONAL_DEFAULT.iter())
+        .map(|a| (a.to_string(), why.to_string()))
+        .collect();
+    write_manifest(out_dir, &[], &skipped);
+}
+
 /// The architectures to build and whether each is required; and whether the list came
 /// from `PEERCOMM_HIP_ARCHS`.
 fn requested_archs() -> (Vec<(String, bool)>, bool) {
