@@ -89,7 +89,8 @@
 //! # Failures
 //!
 //! Every step has a deadline (the `timeout` given to [`TcpBootstrap::connect`], per
-//! operation afterwards, see [`TcpBootstrap::set_timeout`]) and ends in a
+//! operation afterwards, see [`TcpBootstrap::set_timeout`]; [`Bootstrap::barrier_within`]
+//! takes its own) and ends in a
 //! [`BootstrapError`], never a hang: a rank that never comes is
 //! [`BootstrapError::Timeout`] naming it on rank 0. Any rank that fails sends an error
 //! frame to the ranks it talks to, so they fail at once with
@@ -162,8 +163,9 @@ const MAX_ERROR_MESSAGE_BYTES: usize = 4096;
 const MAX_PENDING: usize = 1024;
 /// How long a failing rank spends telling its peers (write, then wait for them to close).
 const FAREWELL: Duration = Duration::from_millis(200);
-/// After one rank timed out in an all-gather, how long rank 0 still waits for each later
-/// rank (to name every missing rank, not only the first).
+/// After one rank timed out in an all-gather, how long rank 0 still waits for the later
+/// ranks, all together (to name every missing rank, not only the first); each later rank
+/// still gets at least [`MIN_WAIT`].
 const LATE_GRACE: Duration = Duration::from_millis(5);
 /// Shortest socket timeout set (zero means "no timeout" to the OS).
 const MIN_WAIT: Duration = Duration::from_millis(1);
@@ -193,6 +195,16 @@ pub trait Bootstrap: Send + Sync {
     fn barrier(&self) -> Result<(), BootstrapError> {
         self.all_gather(&[]).map(|_| ())
     }
+
+    /// A barrier that gives up after `timeout` (at most), for teardown: returns an error
+    /// instead of waiting longer when a peer is gone or never comes. The default calls
+    /// [`Bootstrap::barrier`], which waits as long as the store's own deadline; stores
+    /// that can bound one call should override it. [`TcpBootstrap`] does (without
+    /// changing the timeout of later calls).
+    fn barrier_within(&self, timeout: Duration) -> Result<(), BootstrapError> {
+        let _ = timeout;
+        self.barrier()
+    }
 }
 
 /// A shared or boxed bootstrap is one too (`Arc<dyn Bootstrap>` can be handed around).
@@ -208,6 +220,9 @@ impl<B: Bootstrap + ?Sized> Bootstrap for &B {
     }
     fn barrier(&self) -> Result<()> {
         (**self).barrier()
+    }
+    fn barrier_within(&self, timeout: Duration) -> Result<()> {
+        (**self).barrier_within(timeout)
     }
 }
 
@@ -225,6 +240,9 @@ impl<B: Bootstrap + ?Sized> Bootstrap for Box<B> {
     fn barrier(&self) -> Result<()> {
         (**self).barrier()
     }
+    fn barrier_within(&self, timeout: Duration) -> Result<()> {
+        (**self).barrier_within(timeout)
+    }
 }
 
 /// See the impl for `&B`.
@@ -240,5 +258,8 @@ impl<B: Bootstrap + ?Sized> Bootstrap for std::sync::Arc<B> {
     }
     fn barrier(&self) -> Result<()> {
         (**self).barrier()
+    }
+    fn barrier_within(&self, timeout: Duration) -> Result<()> {
+        (**self).barrier_within(timeout)
     }
 }

@@ -183,13 +183,30 @@ impl Bootstrap for TcpBootstrap {
     }
 
     fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+        self.gather(mine, None)
+    }
+
+    /// An all-gather of nothing under `timeout` instead of [`TcpBootstrap::timeout`]
+    /// (which stays as it was for later calls). It gives up after `timeout`, then spends
+    /// at most a further 200 ms telling the peers why; a peer that is gone (its
+    /// connection closed) fails it at once. A failure poisons the bootstrap, as any
+    /// failed operation does. It waits for the internal lock like every operation, so a
+    /// call running on another thread delays it.
+    fn barrier_within(&self, timeout: Duration) -> Result<()> {
+        self.gather(&[], Some(timeout)).map(|_| ())
+    }
+}
+
+impl TcpBootstrap {
+    /// An all-gather under `timeout`, or under the configured timeout when `None`.
+    fn gather(&self, mine: &[u8], timeout: Option<Duration>) -> Result<Vec<Vec<u8>>> {
         let mut state = self.lock();
         if let Some(first) = &state.poisoned {
             return Err(BootstrapError::Poisoned {
                 first: Box::new(first.clone()),
             });
         }
-        let timeout = state.timeout;
+        let timeout = timeout.unwrap_or(state.timeout);
         let result = match &mut state.links {
             Links::Alone => Ok(vec![mine.to_vec()]),
             Links::Root(streams) => root_all_gather(streams, mine, timeout),
@@ -563,12 +580,14 @@ fn root_all_gather(
     // so that the error names every rank that had not reached this all_gather.
     let mut missing = Vec::new();
     let mut failure = None;
+    let mut grace_end = None;
     for (i, s) in streams.iter_mut().enumerate() {
         let r = i + 1;
         let by = if missing.is_empty() && failure.is_none() {
             deadline
         } else {
-            deadline_after(LATE_GRACE)
+            let end = *grace_end.get_or_insert_with(|| deadline_after(LATE_GRACE));
+            end.max(deadline_after(MIN_WAIT))
         };
         let got = match read_frame(s, by) {
             Ok(f) => expect_data(r, f),

@@ -696,7 +696,8 @@ fn bootstrap_is_shareable_between_threads() {
     assert_eq!(got, vec![vec![vec![0], vec![1]]; 2]);
 }
 
-/// An engine's own store: the trait needs only `all_gather`; `barrier` comes free.
+/// An engine's own store: the trait needs only `all_gather`; `barrier` and
+/// `barrier_within` come free.
 #[test]
 fn a_custom_store_gets_a_barrier() {
     struct Store(Mutex<usize>);
@@ -720,9 +721,95 @@ fn a_custom_store_gets_a_barrier() {
     let store = Store(Mutex::new(0));
     store.barrier().unwrap();
     assert_eq!(*store.0.lock().unwrap(), 1);
+    // The default barrier_within is that barrier.
+    store.barrier_within(Duration::from_millis(1)).unwrap();
+    assert_eq!(*store.0.lock().unwrap(), 2);
     assert!(store
         .all_gather(b"fail")
         .unwrap_err()
         .to_string()
         .contains("store unreachable"));
+}
+
+/// `barrier_within` (for teardown): gives up by its own timeout when a peer never comes,
+/// at once when a peer is gone, and leaves the configured timeout as it was.
+#[test]
+fn barrier_within_is_bounded_and_leaves_the_timeout_alone() {
+    let t = Duration::from_secs(1);
+    let within = |what: &str, took: Duration, t: Duration| {
+        assert!(
+            took <= t.mul_f64(1.5),
+            "{what}: took {took:?} for a {t:?} barrier"
+        );
+    };
+    // Both ranks come: it succeeds, and later calls keep the configured timeout (a rank
+    // late by more than the barrier's timeout is still waited for).
+    let id = loopback_id();
+    run(&[0, 1], |r| {
+        let b = connect(&id, r, 2, LONG).unwrap();
+        b.barrier_within(SHORT).unwrap();
+        assert_eq!(b.timeout(), LONG);
+        if r == 1 {
+            thread::sleep(SHORT * 2);
+        }
+        assert_eq!(b.all_gather(&[r as u8]).unwrap(), vec![vec![0], vec![1]]);
+    });
+    // A peer that is alive but never calls it: each side gives up by the timeout (through
+    // a trait object, which must reach the bounded version, not the default).
+    for waiter in [0, 1] {
+        let id = loopback_id();
+        let gate = Barrier::new(2);
+        let got = run(&[0, 1], |r| {
+            let b: Box<dyn Bootstrap> = Box::new(connect(&id, r, 2, LONG).unwrap());
+            let out = if r == waiter {
+                let start = Instant::now();
+                let e = b.barrier_within(t).unwrap_err();
+                Some((e, start.elapsed()))
+            } else {
+                None
+            };
+            gate.wait(); // the other rank stays until the waiter has given up
+            out
+        });
+        let (e, took) = got[waiter].clone().unwrap();
+        assert!(
+            matches!(&e, BootstrapError::Timeout { waiting_for, after, .. }
+                if waiting_for == &[1 - waiter] && *after == t),
+            "rank {waiter}: {e}"
+        );
+        assert!(took >= t, "rank {waiter} gave up early: {took:?}");
+        within(&format!("rank {waiter}, peer absent"), took, t);
+    }
+    // A peer that is gone: it fails at once, not after its (long) timeout.
+    for waiter in [0, 1] {
+        let id = loopback_id();
+        let gate = Barrier::new(2);
+        let got = run(&[0, 1], |r| {
+            let b = connect(&id, r, 2, LONG).unwrap();
+            if r != waiter {
+                drop(b);
+                gate.wait();
+                return None;
+            }
+            gate.wait();
+            let start = Instant::now();
+            let e = b.barrier_within(LONG).unwrap_err();
+            Some((e, start.elapsed()))
+        });
+        let (e, took) = got[waiter].clone().unwrap();
+        assert!(
+            matches!(
+                e,
+                BootstrapError::ConnectionClosed { .. } | BootstrapError::PeerFailed { .. }
+            ),
+            "rank {waiter}: {e}"
+        );
+        assert!(took < SLACK, "rank {waiter}, peer gone: took {took:?}");
+    }
+    // A world of one has nobody to wait for.
+    let id = loopback_id();
+    connect(&id, 0, 1, SHORT)
+        .unwrap()
+        .barrier_within(Duration::ZERO)
+        .unwrap();
 }
