@@ -1,6 +1,7 @@
 //! [`BootstrapError`], the one error type of the bootstrap, and helpers to build it.
 
 use std::io;
+use std::net::SocketAddr;
 use std::time::Duration;
 
 // Named by doc links only.
@@ -145,6 +146,18 @@ pub enum BootstrapError {
         rank: usize,
         /// What the bootstrap was doing.
         step: String,
+        /// Likely causes and fixes.
+        hint: String,
+    },
+    /// The process listening at the [`UniqueId`]'s address did not prove that it knows
+    /// the id's secret, so this rank (r > 0) refused it as rank 0. It sent that process
+    /// nothing that reveals the secret (only a random nonce), and did not try again.
+    #[error("the process at {addr} did not prove it is rank 0 ({detail}): {hint}")]
+    UnverifiedRankZero {
+        /// The address the id names.
+        addr: SocketAddr,
+        /// What that process did instead of proving it.
+        detail: String,
         /// Likely causes and fixes.
         hint: String,
     },

@@ -12,7 +12,8 @@ use super::error::{io_error, BootstrapError, Result};
 use super::{BOOTSTRAP_ADDR_ENV, ID_FORMAT_VERSION, SECRET_BYTES};
 
 /// What rank 0 hands every other rank so they can find it: rank 0's address and a
-/// 128-bit random secret that every connection must present.
+/// 128-bit random secret that every connection must prove it knows (by
+/// challenge-response: the secret itself never crosses the wire).
 ///
 /// Text form (`Display`, [`str::parse`]): [`UniqueId::BYTES`] bytes as lowercase
 /// hexadecimal. Byte form: format version (1), address family (4 or 6), the IP address

@@ -13,8 +13,9 @@
 //!    [`UniqueId::from_bytes`], fit for MPI or a key-value store).
 //! 3. Every rank calls [`TcpBootstrap::connect`] with the id, its rank, the world size,
 //!    a checksum of its configuration and a timeout. The other ranks connect to rank 0
-//!    (a star: rank 0 relays everything, fine for worlds of a few hundred ranks) and
-//!    rank 0 checks each one before admitting it.
+//!    (a star: rank 0 relays everything, fine for worlds of a few hundred ranks); each
+//!    side proves to the other that it knows the secret (without sending it), and rank
+//!    0 checks each rank before admitting it.
 //! 4. Then [`Bootstrap::all_gather`] gives every rank every rank's bytes in rank order,
 //!    as many times as the caller needs (IPC handles, then checks, then a teardown
 //!    [`Bootstrap::barrier`]). Every rank must make the same sequence of calls.
@@ -59,44 +60,82 @@
 //! the id's address itself when it calls `connect`; the other ranks retry a refused
 //! connection with backoff until their timeout, so it does not matter who comes first.
 //!
-//! # Wire format (protocol version 1)
+//! # Wire format (protocol version 2)
 //!
 //! Every message is a frame: one kind byte, a `u32` little-endian body length, the
 //! body. A body over [`MAX_FRAME_BYTES`] is refused with
-//! [`BootstrapError::FrameTooLarge`] on whichever side sees it; hellos are capped much
-//! lower, so a stray connection cannot make rank 0 allocate.
+//! [`BootstrapError::FrameTooLarge`] on whichever side sees it; hellos and proofs are
+//! capped much lower, so a stray connection cannot make rank 0 allocate. A MAC below is
+//! HMAC-SHA-256 keyed by the id's secret over a label naming the message (so that no MAC
+//! serves as another), rank r's nonce, rank 0's nonce, then the bytes named; nonces are
+//! 32 bytes fresh from the OS for every connection, MACs are 32 bytes and are checked in
+//! constant time.
 //!
 //! | kind | direction | body |
 //! |------|-----------|------|
-//! | 1 hello | rank r → rank 0 | `"PCBS"`, protocol version `u16`, secret (16 bytes), rank `u32`, world size `u32`, config checksum `u64`, host id length `u16`, host id (UTF-8) |
-//! | 2 welcome | rank 0 → rank r | world size `u32`, then per rank: host id length `u16`, host id |
+//! | 1 hello | rank r → rank 0 | `"PCBS"`, protocol version `u16`, rank r's nonce |
+//! | 5 challenge | rank 0 → rank r | rank 0's nonce, MAC (label "rank 0 knows the secret") |
+//! | 6 proof | rank r → rank 0 | MAC (label "a rank knows the secret") over the rest: rank `u32`, world size `u32`, config checksum `u64`, host id length `u16`, host id (UTF-8) |
+//! | 2 welcome | rank 0 → rank r | MAC (label "rank 0 welcomes") over the rest: world size `u32`, then per rank: host id length `u16`, host id |
 //! | 3 data | both ways | one rank's bytes for an all-gather |
 //! | 4 error | both ways | rank where the failure began `u32`, message (UTF-8) |
 //!
-//! Handshake: each rank r > 0 sends a hello. Rank 0 drops, silently and without logging
-//! anything, a connection that is not a peercomm hello or carries a wrong secret, and
-//! keeps waiting for the real ranks. A right secret with a wrong rank, a rank claimed
-//! twice, a different world size or configuration checksum is fatal: rank 0 sends an
-//! error frame to that rank and to every rank already admitted, then returns the typed
-//! error ([`BootstrapError::DuplicateRank`], ...); the others return
-//! [`BootstrapError::PeerFailed`]. When every rank has come, rank 0 closes its listener
-//! and sends each rank a welcome carrying every rank's [`HostId`].
+//! Handshake: each rank r > 0 connects and sends a hello; rank 0 answers with a
+//! challenge that proves it knows the secret; rank r checks that proof and only then
+//! sends its own, which also covers what it announces. The secret itself never crosses
+//! the wire (protocol version 1 sent it in the hello, so anything that listened on the
+//! id's port could read it). A rank r refuses a listener that does not prove the secret
+//! with [`BootstrapError::UnverifiedRankZero`] (an impostor or stale process holds the
+//! port, or rank r's own id is wrong: it cannot tell which), without trying again.
+//!
+//! Rank 0 drops, silently and without logging anything, a connection that is not a
+//! peercomm hello, speaks another protocol version, leaves after its challenge or
+//! answers it with a wrong proof, and keeps waiting for the real ranks (the timeout's
+//! hint counts them). A rank of protocol version 1 with the right secret is told that
+//! the versions differ ([`BootstrapError::Protocol`] on both sides). A right proof with
+//! a wrong rank, a rank claimed twice, a different world size or configuration checksum
+//! is fatal: rank 0 sends an error frame to that rank and to every rank already
+//! admitted, then returns the typed error ([`BootstrapError::DuplicateRank`], ...); the
+//! others return [`BootstrapError::PeerFailed`]. When every rank has come, rank 0
+//! closes its listener and sends each rank a welcome carrying every rank's [`HostId`].
 //!
 //! All-gather: each rank r > 0 sends one data frame; rank 0 reads them in rank order,
 //! then sends each rank the other ranks' frames in rank order (rank 0 moves
 //! `world_size * (world_size - 1)` frames, which is why this is a setup path only).
 //!
+//! # What the handshake withstands
+//!
+//! Rank 0 serves many connections at once without blocking on any: a connection must
+//! have sent its hello and its proof within [`HELLO_DEADLINE`] (2 s) of being accepted
+//! or it is closed; at most 1,024 wait at a time, and when that many do the oldest is
+//! closed to make room; when `accept` reports that file descriptors, buffers or memory
+//! ran out (`EMFILE`, `ENFILE`, `ENOBUFS`, `ENOMEM`) rank 0 closes its oldest waiting
+//! connection, pauses accepting for 10 ms and goes on until its deadline. A rank r
+//! whose connection is closed before its welcome (for any of those reasons, or because
+//! rank 0 was not listening yet) connects again, within its own timeout. So idle
+//! connections, half-sent headers, garbage and strangers with the wrong secret delay no
+//! real rank by more than a round trip, and a program that took over the port after
+//! [`UniqueId::release`] learns nothing and is refused.
+//!
+//! Not covered: a flood that opens more than 1,024 connections within one round trip of
+//! a real rank can keep closing that rank's connection until its timeout; and only the
+//! handshake is authenticated: later data frames are not, so the bootstrap does not
+//! withstand an attacker on the path between the ranks (who can alter TCP traffic),
+//! only one that can connect to rank 0's port or bind it.
+//!
 //! # Failures
 //!
-//! Every step has a deadline (the `timeout` given to [`TcpBootstrap::connect`], per
-//! operation afterwards, see [`TcpBootstrap::set_timeout`]; [`Bootstrap::barrier_within`]
-//! takes its own) and ends in a
-//! [`BootstrapError`], never a hang: a rank that never comes is
+//! Every step has a deadline and ends in a [`BootstrapError`], never a hang. The
+//! `timeout` given to [`TcpBootstrap::connect`] bounds the whole handshake on every rank
+//! (connecting, with retries, the challenge, the proof and the welcome, all by one
+//! deadline); afterwards it bounds each operation (see [`TcpBootstrap::set_timeout`]),
+//! and [`Bootstrap::barrier_within`] takes its own. A rank that never comes is
 //! [`BootstrapError::Timeout`] naming it on rank 0. Any rank that fails sends an error
 //! frame to the ranks it talks to, so they fail at once with
-//! [`BootstrapError::PeerFailed`] instead of waiting out their own timeouts, and its
-//! bootstrap is poisoned ([`BootstrapError::Poisoned`]): frame boundaries are unknown
-//! after a failure, so the only way on is a new [`UniqueId`].
+//! [`BootstrapError::PeerFailed`] instead of waiting out their own timeouts (which takes
+//! it at most a further 200 ms), and its bootstrap is poisoned
+//! ([`BootstrapError::Poisoned`]): frame boundaries are unknown after a failure, so the
+//! only way on is a new [`UniqueId`].
 //!
 //! # Bringing your own store
 //!
@@ -143,24 +182,50 @@ pub const MAX_HOST_ID_BYTES: usize = 1024;
 /// Most ranks one [`TcpBootstrap`] serves (so that the welcome, which lists every
 /// rank's [`HostId`], always fits in a frame).
 pub const MAX_WORLD_SIZE: usize = 1 << 15;
-const _: () = assert!(4 + MAX_WORLD_SIZE * (2 + MAX_HOST_ID_BYTES) <= MAX_FRAME_BYTES);
+const _: () = assert!(MAC_BYTES + 4 + MAX_WORLD_SIZE * (2 + MAX_HOST_ID_BYTES) <= MAX_FRAME_BYTES);
+
+/// How long rank 0 keeps a connection that has not proven itself yet: from accepting it
+/// until its proof has come (hello, challenge, proof: one round trip for a real rank).
+/// A connection that takes longer is closed without a word, so idle or half-sent
+/// connections cannot hold rank 0's table of pending connections; a rank that was
+/// closed this way connects again (within its own timeout).
+pub const HELLO_DEADLINE: Duration = Duration::from_secs(2);
 
 /// Version of the [`UniqueId`] byte layout (its first byte).
 const ID_FORMAT_VERSION: u8 = 1;
-/// Version of the frames spoken after connecting (in the hello).
-const PROTOCOL_VERSION: u16 = 1;
+/// Version of the frames spoken after connecting (in the hello). Version 1 sent the
+/// secret itself in the hello; version 2 proves it by challenge-response.
+const PROTOCOL_VERSION: u16 = 2;
 /// First bytes of every hello.
 const MAGIC: [u8; 4] = *b"PCBS";
 const SECRET_BYTES: usize = 16;
+/// Random bytes each side of a handshake draws.
+const NONCE_BYTES: usize = 32;
+/// An HMAC-SHA-256 tag.
+const MAC_BYTES: usize = 32;
 /// Kind byte plus `u32` length.
 const HEADER_BYTES: usize = 5;
-/// Magic, version, secret, rank, world, checksum, host id length.
-const HELLO_FIXED_BYTES: usize = 4 + 2 + SECRET_BYTES + 4 + 4 + 8 + 2;
-const MAX_HELLO_BYTES: usize = HELLO_FIXED_BYTES + MAX_HOST_ID_BYTES;
+/// Magic, version, rank r's nonce.
+const HELLO_BYTES: usize = 4 + 2 + NONCE_BYTES;
+/// The longest hello rank 0 reads: a version-1 hello (magic, version, secret, rank,
+/// world, checksum, host id length, host id), so that a rank of that version is still
+/// recognised.
+const MAX_HELLO_BYTES: usize = 4 + 2 + SECRET_BYTES + 4 + 4 + 8 + 2 + MAX_HOST_ID_BYTES;
+/// Rank 0's nonce and MAC.
+const CHALLENGE_BYTES: usize = NONCE_BYTES + MAC_BYTES;
+/// MAC, rank, world, checksum, host id length.
+const PROOF_FIXED_BYTES: usize = MAC_BYTES + 4 + 4 + 8 + 2;
+const MAX_PROOF_BYTES: usize = PROOF_FIXED_BYTES + MAX_HOST_ID_BYTES;
 /// Error messages sent to peers are cut to this many bytes.
 const MAX_ERROR_MESSAGE_BYTES: usize = 4096;
-/// Connections rank 0 holds before they have sent a complete hello.
+/// Connections rank 0 holds before they have proven themselves; when it is full, the
+/// oldest is closed to make room for a new one.
 const MAX_PENDING: usize = 1024;
+/// Connections rank 0 accepts in a row before it reads the pending ones again.
+const MAX_ACCEPTS_PER_ROUND: usize = 256;
+/// How long rank 0 stops accepting after `accept` reported that descriptors, buffers or
+/// memory ran out (it closes its oldest pending connection first).
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
 /// How long a failing rank spends telling its peers (write, then wait for them to close).
 const FAREWELL: Duration = Duration::from_millis(200);
 /// After one rank timed out in an all-gather, how long rank 0 still waits for the later
@@ -174,6 +239,8 @@ const KIND_HELLO: u8 = 1;
 const KIND_WELCOME: u8 = 2;
 const KIND_DATA: u8 = 3;
 const KIND_ERROR: u8 = 4;
+const KIND_CHALLENGE: u8 = 5;
+const KIND_PROOF: u8 = 6;
 
 /// An all-gather of bytes among the ranks of one communicator: what peercomm needs from
 /// whatever connects its processes. [`TcpBootstrap`] is the built-in one; an engine

@@ -1,8 +1,9 @@
 //! [`TcpBootstrap`]: the built-in [`Bootstrap`], a star of TCP connections through
 //! rank 0, and both sides of its handshake and all-gather.
 
+use std::collections::VecDeque;
 use std::fmt;
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -11,17 +12,22 @@ use super::error::{io_error, BootstrapError, Result};
 use super::host::{host_identity, HostId};
 use super::id::{claim_listener, UniqueId};
 use super::wire::{
-    check_frame_len, deadline_after, decode_error, decode_hello, decode_welcome, encode_hello,
-    encode_welcome, expect_data, explain_closed, farewell, frame, is_timeout, read_frame,
-    recv_error, write_frame, write_full, HelloVerdict, RecvError,
+    check_challenge, check_frame_len, deadline_after, decode_error, decode_hello, decode_proof,
+    decode_welcome, encode_challenge, encode_hello, encode_proof, encode_welcome, expect_data,
+    explain_closed, farewell, is_closed, is_resource_exhausted, is_timeout, nonce, read_frame,
+    recv_error, welcome_frame, write_frame, write_full, HelloVerdict, Nonces, ProofVerdict,
+    RecvError,
 };
 use super::{
-    Bootstrap, BOOTSTRAP_ADDR_ENV, HEADER_BYTES, KIND_DATA, KIND_ERROR, KIND_HELLO, KIND_WELCOME,
-    LATE_GRACE, MAX_HELLO_BYTES, MAX_HOST_ID_BYTES, MAX_PENDING, MAX_WORLD_SIZE, MIN_WAIT,
+    Bootstrap, ACCEPT_BACKOFF, BOOTSTRAP_ADDR_ENV, HEADER_BYTES, HELLO_DEADLINE, KIND_CHALLENGE,
+    KIND_DATA, KIND_ERROR, KIND_HELLO, KIND_PROOF, KIND_WELCOME, LATE_GRACE, MAX_ACCEPTS_PER_ROUND,
+    MAX_HELLO_BYTES, MAX_HOST_ID_BYTES, MAX_PENDING, MAX_PROOF_BYTES, MAX_WORLD_SIZE, MIN_WAIT,
+    PROOF_FIXED_BYTES, PROTOCOL_VERSION,
 };
 
-/// The built-in [`Bootstrap`]: TCP connections from every rank to rank 0, checked by
-/// the [`UniqueId`]'s secret, the world size and a configuration checksum.
+/// The built-in [`Bootstrap`]: TCP connections from every rank to rank 0, on which both
+/// sides prove they know the [`UniqueId`]'s secret, then checked by the world size and
+/// a configuration checksum.
 ///
 /// Thread-safe: operations are serialised on an internal lock (but every rank must
 /// still make the same sequence of calls). Dropping it closes its connections; a peer
@@ -66,8 +72,13 @@ impl TcpBootstrap {
     /// (or, for an id made elsewhere and released there, on the host whose address it
     /// names). `config_checksum` is any digest of the configuration every rank must
     /// share; rank 0 refuses ranks whose checksum differs. `timeout` bounds the whole
-    /// handshake (from this call on) and, afterwards, each operation
+    /// handshake (from this call on: connecting, with retries, proving the secret both
+    /// ways and the welcome, on every rank) and, afterwards, each operation
     /// ([`TcpBootstrap::set_timeout`] changes that).
+    ///
+    /// A rank r > 0 refuses a listener that cannot prove it knows the secret with
+    /// [`BootstrapError::UnverifiedRankZero`]; when rank 0's port closes its connection
+    /// before the welcome, it connects again within `timeout`.
     ///
     /// A world of one opens no connection.
     pub fn connect(
@@ -226,37 +237,59 @@ impl TcpBootstrap {
     }
 }
 
+/// Why a rank r > 0 failed to reach rank 0 by its deadline, with what it saw on the way.
+fn leaf_timeout_hint(addr: SocketAddr, refused: usize, dropped: usize, admitted: bool) -> String {
+    let mut hint = if admitted {
+        "rank 0 has not admitted every rank yet: some rank never came (rank 0's own error \
+         names it), or rank 0 never called connect; raise the timeout if ranks start far \
+         apart"
+            .to_string()
+    } else if refused > 0 {
+        format!(
+            "the connection was refused {refused} time(s), nothing listens there: the \
+             UniqueId is stale (its communicator already formed or ended; make a new one \
+             per communicator) or rank 0 never started"
+        )
+    } else {
+        "rank 0 could not be reached, or did not answer: check the address, routes and \
+         firewalls, that rank 0 called connect with this UniqueId, or raise the timeout"
+            .to_string()
+    };
+    if dropped > 0 {
+        hint.push_str(&format!(
+            "; rank 0's port closed this rank's connection {dropped} time(s) before \
+             welcoming it (rank 0 was flooded with connections, restarted, or failed: its \
+             own error says why; or it runs an older peercomm)"
+        ));
+    }
+    if addr.ip().is_loopback() {
+        hint.push_str(&format!(
+            "; the id names a loopback address, which only serves ranks on rank 0's host: \
+             for other hosts set {BOOTSTRAP_ADDR_ENV} on rank 0"
+        ));
+    }
+    hint
+}
+
 /// Tries to connect to rank 0 until `deadline`, retrying refusals with backoff (rank 0
 /// may not be listening yet when it runs in a process that did not make the id).
-fn connect_with_retry(addr: SocketAddr, deadline: Instant, timeout: Duration) -> Result<TcpStream> {
+fn connect_with_retry(
+    addr: SocketAddr,
+    deadline: Instant,
+    timeout: Duration,
+    dropped: usize,
+) -> Result<TcpStream> {
     let step = format!("connecting to rank 0 at {addr}");
     let mut refused = 0usize;
     let mut backoff = Duration::from_millis(5);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         if left.is_zero() {
-            let mut hint = if refused > 0 {
-                format!(
-                    "the connection was refused {refused} time(s), nothing listens there: \
-                     the UniqueId is stale (its communicator already formed or ended; make \
-                     a new one per communicator) or rank 0 never started"
-                )
-            } else {
-                "rank 0 could not be reached: check the address, routes and firewalls, \
-                 or raise the timeout"
-                    .to_string()
-            };
-            if addr.ip().is_loopback() {
-                hint.push_str(&format!(
-                    "; the id names a loopback address, which only serves ranks on rank \
-                     0's host: for other hosts set {BOOTSTRAP_ADDR_ENV} on rank 0"
-                ));
-            }
             return Err(BootstrapError::Timeout {
                 step,
                 waiting_for: vec![0],
                 after: timeout,
-                hint,
+                hint: leaf_timeout_hint(addr, refused, dropped, false),
             });
         }
         match TcpStream::connect_timeout(&addr, left.max(MIN_WAIT)) {
@@ -268,6 +301,7 @@ fn connect_with_retry(addr: SocketAddr, deadline: Instant, timeout: Duration) ->
                 | io::ErrorKind::TimedOut
                 | io::ErrorKind::WouldBlock
                 | io::ErrorKind::Interrupted => {}
+                _ if is_resource_exhausted(&e) => {}
                 _ => return Err(io_error(step, e)),
             },
         }
@@ -277,6 +311,10 @@ fn connect_with_retry(addr: SocketAddr, deadline: Instant, timeout: Duration) ->
     }
 }
 
+/// Rank r's side of the handshake, all of it (connecting, proving, being welcomed) by one
+/// deadline `timeout` from now. Connects again when rank 0's port closes the connection
+/// before the welcome (rank 0 evicted it, or was not ready); refuses, without trying
+/// again, a listener that cannot prove it knows the secret.
 fn leaf_handshake(
     id: &UniqueId,
     rank: usize,
@@ -286,61 +324,174 @@ fn leaf_handshake(
     timeout: Duration,
 ) -> Result<(TcpStream, Vec<HostId>)> {
     let deadline = deadline_after(timeout);
-    let mut s = connect_with_retry(id.addr, deadline, timeout)?;
-    let _ = s.set_nodelay(true);
-    let step = "the handshake with rank 0";
-    let timeout_hint = "rank 0 has not admitted every rank yet: some rank never came (rank \
-                        0's own error names it), or rank 0 never called connect; raise the \
-                        timeout if ranks start far apart";
-    let closed_hint = "rank 0 dropped this connection: this rank's UniqueId secret is wrong \
-                       (a stale or mistyped id, or a new communicator reusing the port), or \
-                       rank 0 failed";
-    let hello = encode_hello(&id.secret, rank, world, checksum, host);
-    if let Err(e) = write_full(&mut s, &hello, deadline) {
-        let err = recv_error(
-            0,
-            step,
-            RecvError::Io(e),
+    let mut dropped = 0usize;
+    let mut backoff = Duration::from_millis(5);
+    loop {
+        let mut s = connect_with_retry(id.addr, deadline, timeout, dropped)?;
+        let _ = s.set_nodelay(true);
+        let attempt = Attempt {
+            id,
+            deadline,
             timeout,
-            timeout_hint,
-            closed_hint,
-        );
-        return Err(explain_closed(&mut s, err));
-    }
-    let (kind, body) = read_frame(&mut s, deadline)
-        .map_err(|e| recv_error(0, step, e, timeout, timeout_hint, closed_hint))?;
-    match kind {
-        KIND_WELCOME => Ok((s, decode_welcome(&body, world)?)),
-        KIND_ERROR => Err(decode_error(0, &body)),
-        k => Err(BootstrapError::Protocol {
-            detail: format!("rank 0 sent a frame of kind {k} where a welcome belongs"),
-        }),
+            dropped,
+        };
+        if let Some(hosts) = attempt.run(&mut s, rank, world, checksum, host)? {
+            return Ok((s, hosts));
+        }
+        dropped += 1;
+        drop(s);
+        let left = deadline.saturating_duration_since(Instant::now());
+        std::thread::sleep(backoff.min(left));
+        backoff = (backoff * 2).min(Duration::from_millis(100));
     }
 }
 
-/// A connection rank 0 has accepted whose hello is not complete yet (non-blocking).
+/// One connection's try at rank r's handshake.
+struct Attempt<'a> {
+    id: &'a UniqueId,
+    deadline: Instant,
+    timeout: Duration,
+    /// Earlier connections closed before the welcome.
+    dropped: usize,
+}
+
+impl Attempt<'_> {
+    const STEP: &'static str = "the handshake with rank 0";
+
+    /// The welcome's hosts, `None` when the connection closed before the welcome (try
+    /// again), or the error that ends the handshake.
+    fn run(
+        &self,
+        s: &mut TcpStream,
+        rank: usize,
+        world: usize,
+        checksum: u64,
+        host: &HostId,
+    ) -> Result<Option<Vec<HostId>>> {
+        let secret = &self.id.secret;
+        let leaf_nonce = nonce()?;
+        if !self.send(s, &encode_hello(&leaf_nonce), false)? {
+            return Ok(None);
+        }
+        let Some((kind, body)) = self.receive(s, false)? else {
+            return Ok(None);
+        };
+        let nonces = match kind {
+            KIND_CHALLENGE => check_challenge(&body, secret, &leaf_nonce)
+                .map_err(|detail| self.unverified(detail.to_string()))?,
+            KIND_ERROR => {
+                return Err(self.unverified(format!(
+                    "it sent an error frame instead of a challenge: {}",
+                    decode_error(0, &body)
+                )))
+            }
+            k => {
+                return Err(self.unverified(format!(
+                    "it sent a frame of kind {k} where rank 0's challenge belongs"
+                )))
+            }
+        };
+        let proof = encode_proof(secret, &nonces, rank, world, checksum, host);
+        if !self.send(s, &proof, true)? {
+            return Ok(None);
+        }
+        let Some((kind, body)) = self.receive(s, true)? else {
+            return Ok(None);
+        };
+        match kind {
+            KIND_WELCOME => Ok(Some(decode_welcome(&body, world, secret, &nonces)?)),
+            KIND_ERROR => Err(decode_error(0, &body)),
+            k => Err(BootstrapError::Protocol {
+                detail: format!("rank 0 sent a frame of kind {k} where a welcome belongs"),
+            }),
+        }
+    }
+
+    /// Writes `frame`; `false` when the connection was closed.
+    fn send(&self, s: &mut TcpStream, frame: &[u8], proven: bool) -> Result<bool> {
+        match write_full(s, frame, self.deadline) {
+            Ok(()) => Ok(true),
+            Err(e) if is_closed(&e) => Ok(false),
+            Err(e) => Err(self.failed(RecvError::Io(e), proven)),
+        }
+    }
+
+    /// Reads a frame; `None` when the connection was closed first.
+    fn receive(&self, s: &mut TcpStream, proven: bool) -> Result<Option<(u8, Vec<u8>)>> {
+        match read_frame(s, self.deadline) {
+            Ok(f) => Ok(Some(f)),
+            Err(RecvError::Io(e)) if is_closed(&e) => Ok(None),
+            Err(RecvError::TooLarge(len)) if !proven => Err(self.unverified(format!(
+                "it announced a frame of {len} bytes where rank 0's challenge belongs"
+            ))),
+            Err(e) => Err(self.failed(e, proven)),
+        }
+    }
+
+    fn failed(&self, e: RecvError, proven: bool) -> BootstrapError {
+        let hint = leaf_timeout_hint(self.id.addr, 0, self.dropped, proven);
+        recv_error(0, Self::STEP, e, self.timeout, &hint, "")
+    }
+
+    fn unverified(&self, detail: String) -> BootstrapError {
+        BootstrapError::UnverifiedRankZero {
+            addr: self.id.addr,
+            detail,
+            hint: "an impostor or a stale process holds rank 0's port (a program bound it \
+                   after the id was released, or an older communicator's rank 0 still runs \
+                   there), or this rank's UniqueId is not the one rank 0 made (stale or \
+                   mistyped); this rank sent nothing that reveals the secret: make a new \
+                   UniqueId, and check which process listens on that port"
+                .into(),
+        }
+    }
+}
+
+/// A connection rank 0 has accepted that has not proven itself yet (non-blocking).
 struct Pending {
     stream: TcpStream,
+    /// When it was accepted: it must have proven itself by [`HELLO_DEADLINE`] after.
+    since: Instant,
     buf: Vec<u8>,
     want: usize,
+    /// `None` until its hello came; then the nonces of the challenge sent to it.
+    nonces: Option<Nonces>,
 }
 
 enum Polled {
     Waiting,
     Gone,
-    Hello(Vec<u8>),
+    /// The body of the frame this stage expects (a hello, then a proof).
+    Frame(Vec<u8>),
 }
 
 impl Pending {
+    fn new(stream: TcpStream, since: Instant) -> Self {
+        Self {
+            stream,
+            since,
+            buf: Vec::new(),
+            want: HEADER_BYTES,
+            nonces: None,
+        }
+    }
+
     fn poll(&mut self) -> Polled {
+        let (kind, min, max) = match self.nonces {
+            None => (KIND_HELLO, 1, MAX_HELLO_BYTES),
+            Some(_) => (KIND_PROOF, PROOF_FIXED_BYTES, MAX_PROOF_BYTES),
+        };
         let mut chunk = [0u8; 512];
         loop {
             if self.buf.len() == self.want {
                 if self.want > HEADER_BYTES {
-                    return Polled::Hello(self.buf.split_off(HEADER_BYTES));
+                    let body = self.buf.split_off(HEADER_BYTES);
+                    self.buf.clear();
+                    self.want = HEADER_BYTES;
+                    return Polled::Frame(body);
                 }
                 let len = u32::from_le_bytes(self.buf[1..].try_into().expect("4")) as usize;
-                if self.buf[0] != KIND_HELLO || len == 0 || len > MAX_HELLO_BYTES {
+                if self.buf[0] != kind || len < min || len > max {
                     return Polled::Gone;
                 }
                 self.want = HEADER_BYTES + len;
@@ -357,9 +508,65 @@ impl Pending {
     }
 }
 
-/// Rank 0's side of the handshake: accepts and checks hellos (without blocking on any
-/// one connection) until every rank has come, then closes the listener and welcomes
-/// them.
+/// A rank rank 0 has admitted.
+struct Joined {
+    stream: TcpStream,
+    host: HostId,
+    nonces: Nonces,
+}
+
+/// Connections rank 0 turned away, for the timeout's hint.
+#[derive(Default)]
+struct Refused {
+    /// Challenged, then gave a wrong proof or closed (a rank with another secret).
+    wrong_secret: usize,
+    /// Spoke another protocol version.
+    other_version: usize,
+    /// Had not proven themselves by [`HELLO_DEADLINE`], or were closed to make room.
+    stalled: usize,
+    /// Times `accept` reported that descriptors, buffers or memory ran out.
+    exhausted: usize,
+}
+
+impl Refused {
+    fn hint(&self) -> String {
+        let mut hint = String::new();
+        if self.wrong_secret > 0 {
+            hint.push_str(&format!(
+                "; {} connection(s) with a wrong secret were refused (a stale or mistyped \
+                 UniqueId?)",
+                self.wrong_secret
+            ));
+        }
+        if self.other_version > 0 {
+            hint.push_str(&format!(
+                "; {} connection(s) spoke another bootstrap protocol version (every process \
+                 must run the same peercomm)",
+                self.other_version
+            ));
+        }
+        if self.stalled > 0 {
+            hint.push_str(&format!(
+                "; {} connection(s) were closed for not finishing their hello within \
+                 {HELLO_DEADLINE:?} or to make room for newer ones (a flood of connections, \
+                 or something other than peercomm ranks uses this port)",
+                self.stalled
+            ));
+        }
+        if self.exhausted > 0 {
+            hint.push_str(&format!(
+                "; accepting failed {} time(s) for want of file descriptors or memory \
+                 (raise the process's open-file limit)",
+                self.exhausted
+            ));
+        }
+        hint
+    }
+}
+
+/// Rank 0's side of the handshake: accepts, challenges and checks connections (without
+/// blocking on any one) until every rank has proven itself, then closes the listener and
+/// welcomes them, all by one deadline `timeout` from now.
 fn root_handshake(
     listener: TcpListener,
     id: &UniqueId,
@@ -369,49 +576,74 @@ fn root_handshake(
     timeout: Duration,
 ) -> Result<(Vec<TcpStream>, Vec<HostId>)> {
     let deadline = deadline_after(timeout);
-    let mut joined: Vec<Option<(TcpStream, HostId)>> = (0..world).map(|_| None).collect();
-    let mut pending: Vec<Pending> = Vec::new();
+    let mut joined: Vec<Option<Joined>> = (0..world).map(|_| None).collect();
+    // Oldest first: a connection goes to the back when accepted, and again when its
+    // hello has been answered.
+    let mut pending: VecDeque<Pending> = VecDeque::new();
     let mut missing = world - 1;
-    let mut wrong_secret = 0usize;
+    let mut refused = Refused::default();
+    let mut accept_after: Option<Instant> = None;
     let mut idle = Duration::from_micros(50);
     let mut last_liveness = Instant::now();
 
     // Gives up: tells every admitted rank (and `offender`) why, then returns `err`.
-    let fail = |err: BootstrapError,
-                joined: &mut Vec<Option<(TcpStream, HostId)>>,
-                offender: Option<TcpStream>| {
-        let streams = joined
-            .iter_mut()
-            .filter_map(|j| j.take().map(|(s, _)| s))
-            .chain(offender)
-            .collect();
-        farewell(streams, 0, &err);
-        err
-    };
+    let fail =
+        |err: BootstrapError, joined: &mut Vec<Option<Joined>>, offender: Option<TcpStream>| {
+            let streams = joined
+                .iter_mut()
+                .filter_map(|j| j.take().map(|j| j.stream))
+                .chain(offender)
+                .collect();
+            farewell(streams, 0, &err);
+            err
+        };
 
     listener
         .set_nonblocking(true)
         .map_err(|e| io_error("setting up rank 0's listener", e))?;
     while missing > 0 {
         let mut progress = false;
-        loop {
+        let now = Instant::now();
+        if accept_after.is_some_and(|t| now >= t) {
+            accept_after = None;
+        }
+        let mut accepts = if accept_after.is_some() {
+            0
+        } else {
+            MAX_ACCEPTS_PER_ROUND
+        };
+        while accepts > 0 {
+            accepts -= 1;
             match listener.accept() {
                 Ok((s, _)) => {
                     progress = true;
-                    if pending.len() < MAX_PENDING && s.set_nonblocking(true).is_ok() {
-                        pending.push(Pending {
-                            stream: s,
-                            buf: Vec::new(),
-                            want: HEADER_BYTES,
-                        });
+                    if s.set_nonblocking(true).is_err() {
+                        continue;
                     }
+                    if pending.len() >= MAX_PENDING {
+                        pending.pop_front();
+                        refused.stalled += 1;
+                    }
+                    pending.push_back(Pending::new(s, now));
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e)
                     if matches!(
                         e.kind(),
-                        io::ErrorKind::Interrupted | io::ErrorKind::ConnectionAborted
+                        io::ErrorKind::Interrupted
+                            | io::ErrorKind::ConnectionAborted
+                            | io::ErrorKind::ConnectionReset
                     ) => {}
+                Err(e) if is_resource_exhausted(&e) => {
+                    // Out of descriptors (or memory) for now: close the oldest pending
+                    // connection, which frees one, and accept again a little later.
+                    refused.exhausted += 1;
+                    if pending.pop_front().is_some() {
+                        refused.stalled += 1;
+                    }
+                    accept_after = Some(now + ACCEPT_BACKOFF);
+                    break;
+                }
                 Err(e) => {
                     let err = io_error(format!("rank 0 accepting connections on {}", id.addr), e);
                     return Err(fail(err, &mut joined, None));
@@ -419,35 +651,75 @@ fn root_handshake(
             }
         }
 
-        let mut i = 0;
-        while i < pending.len() {
-            let body = match pending[i].poll() {
+        for mut p in std::mem::take(&mut pending) {
+            if now.saturating_duration_since(p.since) >= HELLO_DEADLINE {
+                refused.stalled += 1;
+                progress = true;
+                continue;
+            }
+            let body = match p.poll() {
                 Polled::Waiting => {
-                    i += 1;
+                    pending.push_back(p);
                     continue;
                 }
                 Polled::Gone => {
-                    pending.swap_remove(i);
+                    if p.nonces.is_some() {
+                        // Challenged, then left: a rank that could not check rank 0's
+                        // proof, so most likely one with another secret.
+                        refused.wrong_secret += 1;
+                    }
                     progress = true;
                     continue;
                 }
-                Polled::Hello(body) => body,
+                Polled::Frame(body) => body,
             };
-            let p = pending.swap_remove(i);
             progress = true;
-            let hello = match decode_hello(&body, &id.secret) {
-                HelloVerdict::Stray => continue,
-                HelloVerdict::WrongSecret => {
-                    wrong_secret += 1;
+            let Some(nonces) = p.nonces else {
+                match decode_hello(&body, &id.secret) {
+                    HelloVerdict::Stray => {}
+                    HelloVerdict::OtherVersion => refused.other_version += 1,
+                    HelloVerdict::OlderRank(version) => {
+                        let err = BootstrapError::Protocol {
+                            detail: format!(
+                                "a connection with the right secret speaks bootstrap \
+                                 protocol version {version}, rank 0 version \
+                                 {PROTOCOL_VERSION}: every process must run the same \
+                                 peercomm"
+                            ),
+                        };
+                        return Err(fail(err, &mut joined, Some(p.stream)));
+                    }
+                    HelloVerdict::Challenge(leaf) => {
+                        let nonces = Nonces {
+                            leaf,
+                            root: match nonce() {
+                                Ok(n) => n,
+                                Err(e) => return Err(fail(e, &mut joined, None)),
+                            },
+                        };
+                        // A fresh connection's send buffer takes the whole challenge; one
+                        // that does not is dropped.
+                        let challenge = encode_challenge(&id.secret, &nonces);
+                        if matches!(p.stream.write(&challenge), Ok(n) if n == challenge.len()) {
+                            p.nonces = Some(nonces);
+                            pending.push_back(p);
+                        }
+                    }
+                }
+                continue;
+            };
+            let hello = match decode_proof(&body, &id.secret, &nonces) {
+                ProofVerdict::Unproven => {
+                    refused.wrong_secret += 1;
                     continue;
                 }
-                HelloVerdict::Malformed(detail) => {
+                ProofVerdict::Malformed(detail) => {
                     let err = BootstrapError::Protocol {
                         detail: format!("a connection with the right secret: {detail}"),
                     };
                     return Err(fail(err, &mut joined, Some(p.stream)));
                 }
-                HelloVerdict::Ok(h) => h,
+                ProofVerdict::Ok(h) => h,
             };
             let r = hello.rank;
             let err = if hello.world != world {
@@ -475,7 +747,11 @@ fn root_handshake(
             if let Some(err) = err {
                 return Err(fail(err, &mut joined, Some(p.stream)));
             }
-            joined[r] = Some((p.stream, hello.host));
+            joined[r] = Some(Joined {
+                stream: p.stream,
+                host: hello.host,
+                nonces,
+            });
             missing -= 1;
         }
         if missing == 0 {
@@ -488,7 +764,7 @@ fn root_handshake(
             last_liveness = Instant::now();
             let gone = joined.iter().position(|j| {
                 j.as_ref()
-                    .is_some_and(|(s, _)| matches!(s.peek(&mut [0u8; 1]), Ok(0)))
+                    .is_some_and(|j| matches!(j.stream.peek(&mut [0u8; 1]), Ok(0)))
             });
             if let Some(r) = gone {
                 let absent: Vec<usize> = (1..world).filter(|&r| joined[r].is_none()).collect();
@@ -508,16 +784,11 @@ fn root_handshake(
         let now = Instant::now();
         if now >= deadline {
             let waiting_for = (1..world).filter(|&r| joined[r].is_none()).collect();
-            let mut hint = String::from(
+            let hint = format!(
                 "those ranks never connected: check that they were started, with this \
-                 UniqueId, and can reach rank 0's address, or raise the timeout",
+                 UniqueId, and can reach rank 0's address, or raise the timeout{}",
+                refused.hint()
             );
-            if wrong_secret > 0 {
-                hint.push_str(&format!(
-                    "; {wrong_secret} connection(s) with a wrong secret were refused (a stale \
-                     or mistyped UniqueId?)"
-                ));
-            }
             let err = BootstrapError::Timeout {
                 step: format!("rank 0 waiting for every rank to join at {}", id.addr),
                 waiting_for,
@@ -529,7 +800,11 @@ fn root_handshake(
         if progress {
             idle = Duration::from_micros(50);
         } else {
-            std::thread::sleep(idle.min(deadline - now));
+            let mut wake = deadline;
+            if let Some(t) = accept_after {
+                wake = wake.min(t);
+            }
+            std::thread::sleep(idle.min(wake.saturating_duration_since(now)));
             idle = (idle * 2).min(Duration::from_millis(2));
         }
     }
@@ -537,31 +812,40 @@ fn root_handshake(
     drop(pending);
 
     let mut hosts = vec![host];
+    let mut admitted = Vec::with_capacity(world - 1);
+    for j in joined.into_iter().skip(1).flatten() {
+        hosts.push(j.host);
+        admitted.push((j.stream, j.nonces));
+    }
+    let list = encode_welcome(&hosts);
+    // The handshake's own deadline; a last rank that came just before it still gets its
+    // welcome written.
+    let send_deadline = deadline.max(deadline_after(MIN_WAIT));
     let mut streams = Vec::with_capacity(world - 1);
-    for (s, h) in joined.into_iter().skip(1).flatten() {
-        hosts.push(h);
+    let mut failure = None;
+    for (i, (mut s, nonces)) in admitted.into_iter().enumerate() {
+        if failure.is_none() {
+            let welcome = welcome_frame(&id.secret, &nonces, &list);
+            let sent = s
+                .set_nonblocking(false)
+                .and_then(|()| s.set_nodelay(true))
+                .and_then(|()| write_full(&mut s, &welcome, send_deadline));
+            if let Err(e) = sent {
+                failure = Some(recv_error(
+                    i + 1,
+                    "welcoming every rank",
+                    RecvError::Io(e),
+                    timeout,
+                    "that rank stopped reading",
+                    "that rank gave up before the last rank came; raise the timeout",
+                ));
+            }
+        }
         streams.push(s);
     }
-    let welcome = frame(KIND_WELCOME, &encode_welcome(&hosts));
-    let send_deadline = deadline_after(timeout);
-    for (i, s) in streams.iter_mut().enumerate() {
-        let r = i + 1;
-        let sent = s
-            .set_nonblocking(false)
-            .and_then(|()| s.set_nodelay(true))
-            .and_then(|()| write_full(s, &welcome, send_deadline));
-        if let Err(e) = sent {
-            let err = recv_error(
-                r,
-                "welcoming every rank",
-                RecvError::Io(e),
-                timeout,
-                "that rank stopped reading",
-                "that rank gave up before the last rank came; raise the timeout",
-            );
-            farewell(std::mem::take(&mut streams), 0, &err);
-            return Err(err);
-        }
+    if let Some(err) = failure {
+        farewell(streams, 0, &err);
+        return Err(err);
     }
     Ok((streams, hosts))
 }

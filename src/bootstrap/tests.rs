@@ -4,13 +4,18 @@
 use super::error::Result;
 use super::host::host_identity_from;
 use super::id::{fnv1a32, parse_bootstrap_addr};
-use super::wire::{deadline_after, decode_error, encode_hello, header, read_frame, RecvError};
+use super::wire::{
+    check_challenge, deadline_after, decode_error, encode_hello, encode_proof, header, nonce,
+    read_frame, RecvError,
+};
 use super::*;
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::sync::{Barrier, Mutex};
 use std::thread;
 use std::time::{Duration, Instant};
+
+mod attacks;
 
 const LONG: Duration = Duration::from_secs(10);
 const SHORT: Duration = Duration::from_millis(300);
@@ -44,12 +49,24 @@ fn connect(id: &UniqueId, rank: usize, world: usize, timeout: Duration) -> Resul
     TcpBootstrap::connect(id, rank, world, 0xABCD, timeout)
 }
 
-/// A hand-made rank speaking the wire format directly.
+/// A hand-made rank speaking the wire format directly: a hello, rank 0's challenge
+/// (checked with the id's real secret), then a proof made with `secret`. Blocks until
+/// rank 0 answers, so it runs beside rank 0.
 fn raw_rank(id: &UniqueId, secret: &[u8; SECRET_BYTES], rank: usize, world: usize) -> TcpStream {
     let mut s = TcpStream::connect(id.addr).unwrap();
-    let hello = encode_hello(secret, rank, world, 0xABCD, &HostId::new("raw"));
-    s.write_all(&hello).unwrap();
+    let leaf = nonce().unwrap();
+    s.write_all(&encode_hello(&leaf)).unwrap();
+    let (kind, body) = raw_read(&mut s);
+    assert_eq!(kind, KIND_CHALLENGE);
+    let n = check_challenge(&body, &id.secret, &leaf).expect("rank 0 proves the secret");
+    let proof = encode_proof(secret, &n, rank, world, 0xABCD, &HostId::new("raw"));
+    s.write_all(&proof).unwrap();
     s
+}
+
+/// What a rank with a wrong secret sees: rank 0 cannot prove *its* secret.
+fn is_unverified(e: &BootstrapError) -> bool {
+    matches!(e, BootstrapError::UnverifiedRankZero { .. })
 }
 
 fn raw_read(s: &mut TcpStream) -> (u8, Vec<u8>) {
@@ -294,40 +311,53 @@ fn host_identity_is_overridable() {
 #[test]
 fn wrong_secret_and_strays_are_refused_while_real_ranks_complete() {
     let id = loopback_id();
-    // Strangers arrive first: garbage, a hello with a wrong secret, a silent connection.
+    // Strangers arrive first: garbage, a version-1 hello with a wrong secret, a silent
+    // connection.
     let mut garbage = TcpStream::connect(id.addr).unwrap();
     garbage.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
-    let mut impostor = raw_rank(&id, &forged(&id).secret, 1, 2);
+    let mut old = TcpStream::connect(id.addr).unwrap();
+    let mut v1 = b"PCBS\x01\x00".to_vec();
+    v1.extend_from_slice(&forged(&id).secret);
+    v1.extend_from_slice(&[0; 20]);
+    old.write_all(&super::wire::frame(KIND_HELLO, &v1)).unwrap();
     let silent = TcpStream::connect(id.addr).unwrap();
     let fake_id = forged(&id);
-    let impostor_done = Barrier::new(2);
-    let got = run(&[0, 1, 9], |r| {
+    let impostor_done = Barrier::new(3);
+    let got = run(&[0, 1, 8, 9], |r| {
+        if r == 8 {
+            // A hand-made rank that answers the challenge with a wrong secret.
+            let mut impostor = raw_rank(&id, &fake_id.secret, 1, 2);
+            impostor.set_read_timeout(Some(LONG)).unwrap();
+            let mut buf = [0u8; 16];
+            let read = impostor.read(&mut buf);
+            impostor_done.wait();
+            // It learnt nothing more: its connection was closed without a word.
+            assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+            return None;
+        }
         if r == 9 {
-            // A whole TcpBootstrap with the wrong secret is dropped, not admitted.
+            // A whole TcpBootstrap with the wrong secret refuses the real rank 0 (which
+            // cannot prove a secret it does not share) and is not admitted.
             let start = Instant::now();
             let e = connect(&fake_id, 1, 2, LONG).unwrap_err();
             impostor_done.wait();
-            assert!(
-                matches!(e, BootstrapError::ConnectionClosed { rank: 0, .. }),
-                "{e}"
-            );
+            assert!(is_unverified(&e), "{e}");
             assert!(start.elapsed() < SLACK, "refused promptly");
             return None;
         }
         if r == 1 {
-            impostor_done.wait(); // the real rank 1 comes after the impostor was refused
+            impostor_done.wait(); // the real rank 1 comes after the impostors were refused
         }
         let b = connect(&id, r, 2, LONG).unwrap();
         Some(b.all_gather(&[r as u8]).unwrap())
     });
     assert_eq!(got[0], Some(vec![vec![0], vec![1]]));
     assert_eq!(got[1], got[0]);
-    // The impostor learnt nothing: its connection was closed without a word.
     let mut buf = [0u8; 16];
-    impostor.set_read_timeout(Some(LONG)).unwrap();
-    assert!(matches!(impostor.read(&mut buf), Ok(0) | Err(_)));
-    garbage.set_read_timeout(Some(LONG)).unwrap();
-    assert!(matches!(garbage.read(&mut buf), Ok(0) | Err(_)));
+    for mut c in [garbage, old] {
+        c.set_read_timeout(Some(LONG)).unwrap();
+        assert!(matches!(c.read(&mut buf), Ok(0) | Err(_)));
+    }
     drop(silent);
 }
 
@@ -361,10 +391,7 @@ fn wrong_secrets_are_counted_in_the_timeout() {
         "{:?}",
         got[0].1
     );
-    assert!(matches!(
-        got[1].0,
-        BootstrapError::ConnectionClosed { rank: 0, .. }
-    ));
+    assert!(is_unverified(&got[1].0), "{}", got[1].0);
 }
 
 #[test]
@@ -393,8 +420,11 @@ fn duplicate_rank_fails_everyone() {
 #[test]
 fn a_connection_claiming_rank_zero_is_a_duplicate() {
     let id = loopback_id();
-    let mut fake = raw_rank(&id, &id.secret, 0, 2);
-    let e = connect(&id, 0, 2, LONG).unwrap_err();
+    let (e, mut fake) = thread::scope(|s| {
+        let fake = s.spawn(|| raw_rank(&id, &id.secret, 0, 2));
+        let e = connect(&id, 0, 2, LONG).unwrap_err();
+        (e, fake.join().unwrap())
+    });
     assert_eq!(e, BootstrapError::DuplicateRank { rank: 0 });
     let (kind, body) = raw_read(&mut fake);
     assert_eq!(kind, KIND_ERROR);
@@ -812,4 +842,27 @@ fn barrier_within_is_bounded_and_leaves_the_timeout_alone() {
         .unwrap()
         .barrier_within(Duration::ZERO)
         .unwrap();
+}
+
+/// A rank of protocol version 1 (which sent the secret itself) with the right secret is
+/// told apart from a stranger: both sides learn that the versions differ.
+#[test]
+fn a_rank_of_the_older_protocol_is_named() {
+    let id = loopback_id();
+    let mut v1 = b"PCBS\x01\x00".to_vec();
+    v1.extend_from_slice(&id.secret);
+    v1.extend_from_slice(&1u32.to_le_bytes());
+    v1.extend_from_slice(&2u32.to_le_bytes());
+    v1.extend_from_slice(&0xABCDu64.to_le_bytes());
+    v1.extend_from_slice(&0u16.to_le_bytes());
+    let mut old = TcpStream::connect(id.addr).unwrap();
+    old.write_all(&super::wire::frame(KIND_HELLO, &v1)).unwrap();
+    let e = connect(&id, 0, 2, LONG).unwrap_err();
+    assert!(
+        matches!(&e, BootstrapError::Protocol { detail } if detail.contains("version 1")),
+        "{e}"
+    );
+    let (kind, body) = raw_read(&mut old);
+    assert_eq!(kind, KIND_ERROR);
+    assert!(decode_error(0, &body).to_string().contains("version 1"));
 }

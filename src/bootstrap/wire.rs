@@ -1,15 +1,20 @@
-//! The wire: deadlines on blocking sockets, frames, and the encoding of hellos,
-//! welcomes and error frames (see the module docs of `bootstrap` for the format).
+//! The wire: deadlines on blocking sockets, frames, the encoding of hellos, challenges,
+//! proofs, welcomes and error frames, and the MACs of the challenge-response (see the
+//! module docs of `bootstrap` for the format).
 
 use std::io::{self, Read, Write};
 use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
+use hmac::{Hmac, Mac};
+use sha2::Sha256;
+
 use super::error::{io_error, BootstrapError, Result};
 use super::host::{truncate_utf8, HostId};
 use super::{
-    FAREWELL, HEADER_BYTES, HELLO_FIXED_BYTES, KIND_DATA, KIND_ERROR, KIND_HELLO, MAGIC,
-    MAX_ERROR_MESSAGE_BYTES, MAX_FRAME_BYTES, MIN_WAIT, PROTOCOL_VERSION, SECRET_BYTES,
+    CHALLENGE_BYTES, FAREWELL, HEADER_BYTES, HELLO_BYTES, KIND_CHALLENGE, KIND_DATA, KIND_ERROR,
+    KIND_HELLO, KIND_PROOF, KIND_WELCOME, MAC_BYTES, MAGIC, MAX_ERROR_MESSAGE_BYTES,
+    MAX_FRAME_BYTES, MIN_WAIT, NONCE_BYTES, PROOF_FIXED_BYTES, PROTOCOL_VERSION, SECRET_BYTES,
 };
 
 pub(super) fn deadline_after(timeout: Duration) -> Instant {
@@ -26,7 +31,35 @@ pub(super) fn is_timeout(e: &io::Error) -> bool {
     )
 }
 
-fn is_closed(e: &io::Error) -> bool {
+/// Errors that say the process or the system is out of descriptors, buffers or memory
+/// for now (`EMFILE`, `ENFILE`, `ENOBUFS`, `ENOMEM`): worth waiting out, not fatal.
+pub(super) fn is_resource_exhausted(e: &io::Error) -> bool {
+    if e.kind() == io::ErrorKind::OutOfMemory {
+        return true;
+    }
+    let Some(code) = e.raw_os_error() else {
+        return false;
+    };
+    #[cfg(target_os = "linux")]
+    let codes = [
+        rustix::io::Errno::MFILE,
+        rustix::io::Errno::NFILE,
+        rustix::io::Errno::NOBUFS,
+        rustix::io::Errno::NOMEM,
+    ]
+    .map(|e| e.raw_os_error());
+    // EMFILE, ENFILE, ENOBUFS and ENOMEM of the BSDs and macOS.
+    #[cfg(all(unix, not(target_os = "linux")))]
+    let codes = [24, 23, 55, 12];
+    // WSAEMFILE, WSAENOBUFS.
+    #[cfg(windows)]
+    let codes = [10024, 10055];
+    #[cfg(not(any(unix, windows)))]
+    let codes: [i32; 0] = [];
+    codes.contains(&code)
+}
+
+pub(super) fn is_closed(e: &io::Error) -> bool {
     matches!(
         e.kind(),
         io::ErrorKind::UnexpectedEof
@@ -161,49 +194,95 @@ impl<'a> Fields<'a> {
     }
 }
 
-pub(super) struct Hello {
-    pub(super) rank: usize,
-    pub(super) world: usize,
-    pub(super) checksum: u64,
-    pub(super) host: HostId,
+/// A fresh random nonce from the OS.
+pub(super) fn nonce() -> Result<[u8; NONCE_BYTES]> {
+    let mut n = [0u8; NONCE_BYTES];
+    getrandom::fill(&mut n).map_err(|e| BootstrapError::Io {
+        step: "drawing a handshake nonce from the OS".into(),
+        kind: io::ErrorKind::Other,
+        detail: e.to_string(),
+    })?;
+    Ok(n)
 }
 
-pub(super) fn encode_hello(
-    secret: &[u8; SECRET_BYTES],
-    rank: usize,
-    world: usize,
-    checksum: u64,
-    host: &HostId,
-) -> Vec<u8> {
-    let mut b = Vec::with_capacity(HELLO_FIXED_BYTES + host.0.len());
+/// Both sides' nonces of one handshake: every MAC covers both.
+#[derive(Clone, Copy)]
+pub(super) struct Nonces {
+    /// Drawn by rank r > 0, sent in its hello.
+    pub(super) leaf: [u8; NONCE_BYTES],
+    /// Drawn by rank 0, sent in its challenge.
+    pub(super) root: [u8; NONCE_BYTES],
+}
+
+/// What each MAC proves; distinct labels, so that no MAC serves as another.
+#[derive(Clone, Copy)]
+enum Label {
+    /// Rank 0's answer to a hello (in the challenge).
+    Root,
+    /// Rank r's answer to the challenge (in the proof), over its announcement.
+    Rank,
+    /// Rank 0's welcome, over its list of hosts.
+    Welcome,
+}
+
+impl Label {
+    fn bytes(self) -> &'static [u8] {
+        match self {
+            Label::Root => b"peercomm bootstrap v2: rank 0 knows the secret",
+            Label::Rank => b"peercomm bootstrap v2: a rank knows the secret",
+            Label::Welcome => b"peercomm bootstrap v2: rank 0 welcomes",
+        }
+    }
+}
+
+/// HMAC-SHA-256 keyed by the id's secret over the label, both nonces, then `tail`.
+fn mac(secret: &[u8; SECRET_BYTES], label: Label, n: &Nonces, tail: &[u8]) -> Hmac<Sha256> {
+    let mut m =
+        <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes a key of any length");
+    m.update(label.bytes());
+    m.update(&n.leaf);
+    m.update(&n.root);
+    m.update(tail);
+    m
+}
+
+fn sign(secret: &[u8; SECRET_BYTES], label: Label, n: &Nonces, tail: &[u8]) -> [u8; MAC_BYTES] {
+    mac(secret, label, n, tail).finalize().into_bytes().into()
+}
+
+/// Checks `tag` in constant time.
+fn verify(secret: &[u8; SECRET_BYTES], label: Label, n: &Nonces, tail: &[u8], tag: &[u8]) -> bool {
+    mac(secret, label, n, tail).verify_slice(tag).is_ok()
+}
+
+/// Rank r's hello: the magic, the protocol version and its nonce; no secret.
+pub(super) fn encode_hello(leaf_nonce: &[u8; NONCE_BYTES]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(HELLO_BYTES);
     b.extend_from_slice(&MAGIC);
     b.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
-    b.extend_from_slice(secret);
-    b.extend_from_slice(&(rank as u32).to_le_bytes());
-    b.extend_from_slice(&(world as u32).to_le_bytes());
-    b.extend_from_slice(&checksum.to_le_bytes());
-    b.extend_from_slice(&(host.0.len() as u16).to_le_bytes());
-    b.extend_from_slice(host.0.as_bytes());
+    b.extend_from_slice(leaf_nonce);
     frame(KIND_HELLO, &b)
 }
 
+/// What rank 0 makes of a hello.
 pub(super) enum HelloVerdict {
     /// Not a peercomm hello: drop quietly.
     Stray,
-    /// A peercomm hello with another secret: drop quietly, count it.
-    WrongSecret,
-    /// Right secret, but the rest cannot be read.
-    Malformed(String),
-    Ok(Hello),
+    /// A hello of this version: challenge it.
+    Challenge([u8; NONCE_BYTES]),
+    /// A peercomm hello of another version that cannot be checked: drop quietly, count.
+    OtherVersion,
+    /// A version-1 hello carrying this id's secret: a rank of an older peercomm.
+    OlderRank(u16),
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
-/// Reads a hello body. The magic, version and secret sit at the front in every protocol
-/// version, so a rank of another version with the right secret is told apart from a
-/// stranger.
+/// Reads a hello body. The magic and version sit at the front in every protocol version;
+/// a version-1 hello carried the secret itself next, so a rank of that version with the
+/// right secret is still told apart from a stranger.
 pub(super) fn decode_hello(body: &[u8], secret: &[u8; SECRET_BYTES]) -> HelloVerdict {
     let mut f = Fields(body);
     if f.take(4) != Some(&MAGIC[..]) {
@@ -212,17 +291,97 @@ pub(super) fn decode_hello(body: &[u8], secret: &[u8; SECRET_BYTES]) -> HelloVer
     let Some(version) = f.u16() else {
         return HelloVerdict::Stray;
     };
-    match f.take(SECRET_BYTES) {
-        Some(s) if constant_time_eq(s, secret) => {}
-        Some(_) => return HelloVerdict::WrongSecret,
-        None => return HelloVerdict::Stray,
+    if version == PROTOCOL_VERSION {
+        return match <[u8; NONCE_BYTES]>::try_from(f.0) {
+            Ok(n) => HelloVerdict::Challenge(n),
+            Err(_) => HelloVerdict::Stray,
+        };
     }
-    if version != PROTOCOL_VERSION {
-        return HelloVerdict::Malformed(format!(
-            "it speaks bootstrap protocol version {version}, rank 0 version \
-             {PROTOCOL_VERSION}: every process must run the same peercomm"
-        ));
+    if version == 1
+        && f.take(SECRET_BYTES)
+            .is_some_and(|s| constant_time_eq(s, secret))
+    {
+        return HelloVerdict::OlderRank(version);
     }
+    HelloVerdict::OtherVersion
+}
+
+/// Rank 0's challenge: its nonce and its proof of the secret over both nonces.
+pub(super) fn encode_challenge(secret: &[u8; SECRET_BYTES], n: &Nonces) -> Vec<u8> {
+    let mut b = Vec::with_capacity(CHALLENGE_BYTES);
+    b.extend_from_slice(&n.root);
+    b.extend_from_slice(&sign(secret, Label::Root, n, &[]));
+    frame(KIND_CHALLENGE, &b)
+}
+
+/// On rank r: rank 0's nonce from a challenge body, if rank 0's proof in it holds.
+pub(super) fn check_challenge(
+    body: &[u8],
+    secret: &[u8; SECRET_BYTES],
+    leaf_nonce: &[u8; NONCE_BYTES],
+) -> std::result::Result<Nonces, &'static str> {
+    if body.len() != CHALLENGE_BYTES {
+        return Err("its challenge has the wrong length");
+    }
+    let (root, tag) = body.split_at(NONCE_BYTES);
+    let n = Nonces {
+        leaf: *leaf_nonce,
+        root: root.try_into().expect("nonce length"),
+    };
+    if verify(secret, Label::Root, &n, &[], tag) {
+        Ok(n)
+    } else {
+        Err("its answer to this rank's nonce is not made with this id's secret")
+    }
+}
+
+/// What rank r announces once rank 0 has proven itself.
+pub(super) struct Hello {
+    pub(super) rank: usize,
+    pub(super) world: usize,
+    pub(super) checksum: u64,
+    pub(super) host: HostId,
+}
+
+/// Rank r's proof: its MAC over both nonces and its announcement, then the announcement.
+pub(super) fn encode_proof(
+    secret: &[u8; SECRET_BYTES],
+    n: &Nonces,
+    rank: usize,
+    world: usize,
+    checksum: u64,
+    host: &HostId,
+) -> Vec<u8> {
+    let mut a = Vec::with_capacity(PROOF_FIXED_BYTES - MAC_BYTES + host.0.len());
+    a.extend_from_slice(&(rank as u32).to_le_bytes());
+    a.extend_from_slice(&(world as u32).to_le_bytes());
+    a.extend_from_slice(&checksum.to_le_bytes());
+    a.extend_from_slice(&(host.0.len() as u16).to_le_bytes());
+    a.extend_from_slice(host.0.as_bytes());
+    let mut b = Vec::with_capacity(MAC_BYTES + a.len());
+    b.extend_from_slice(&sign(secret, Label::Rank, n, &a));
+    b.extend_from_slice(&a);
+    frame(KIND_PROOF, &b)
+}
+
+/// What rank 0 makes of a proof.
+pub(super) enum ProofVerdict {
+    /// Not made with this id's secret (or not a proof): drop quietly, count it.
+    Unproven,
+    /// Proven, but the announcement cannot be read.
+    Malformed(String),
+    Ok(Hello),
+}
+
+pub(super) fn decode_proof(body: &[u8], secret: &[u8; SECRET_BYTES], n: &Nonces) -> ProofVerdict {
+    if body.len() < PROOF_FIXED_BYTES {
+        return ProofVerdict::Unproven;
+    }
+    let (tag, announcement) = body.split_at(MAC_BYTES);
+    if !verify(secret, Label::Rank, n, announcement, tag) {
+        return ProofVerdict::Unproven;
+    }
+    let mut f = Fields(announcement);
     let hello = (|| {
         let rank = f.u32()? as usize;
         let world = f.u32()? as usize;
@@ -236,11 +395,12 @@ pub(super) fn decode_hello(body: &[u8], secret: &[u8; SECRET_BYTES]) -> HelloVer
         })
     })();
     match hello {
-        Some(h) => HelloVerdict::Ok(h),
-        None => HelloVerdict::Malformed("its hello is truncated or too long".into()),
+        Some(h) => ProofVerdict::Ok(h),
+        None => ProofVerdict::Malformed("its announcement is truncated or too long".into()),
     }
 }
 
+/// The list of hosts a welcome carries (the same for every rank).
 pub(super) fn encode_welcome(hosts: &[HostId]) -> Vec<u8> {
     let mut b = Vec::new();
     b.extend_from_slice(&(hosts.len() as u32).to_le_bytes());
@@ -251,8 +411,35 @@ pub(super) fn encode_welcome(hosts: &[HostId]) -> Vec<u8> {
     b
 }
 
-pub(super) fn decode_welcome(body: &[u8], world: usize) -> Result<Vec<HostId>> {
-    let mut f = Fields(body);
+/// One rank's welcome frame: a MAC over that rank's nonces and the list, then the list.
+pub(super) fn welcome_frame(secret: &[u8; SECRET_BYTES], n: &Nonces, hosts: &[u8]) -> Vec<u8> {
+    let mut b = Vec::with_capacity(MAC_BYTES + hosts.len());
+    b.extend_from_slice(&sign(secret, Label::Welcome, n, hosts));
+    b.extend_from_slice(hosts);
+    frame(KIND_WELCOME, &b)
+}
+
+pub(super) fn decode_welcome(
+    body: &[u8],
+    world: usize,
+    secret: &[u8; SECRET_BYTES],
+    n: &Nonces,
+) -> Result<Vec<HostId>> {
+    if body.len() < MAC_BYTES
+        || !verify(
+            secret,
+            Label::Welcome,
+            n,
+            &body[MAC_BYTES..],
+            &body[..MAC_BYTES],
+        )
+    {
+        return Err(BootstrapError::Protocol {
+            detail: "rank 0's welcome does not carry a valid MAC (it was altered in transit)"
+                .into(),
+        });
+    }
+    let mut f = Fields(&body[MAC_BYTES..]);
     let hosts = (|| {
         let n = f.u32()? as usize;
         if n != world {
