@@ -3,6 +3,7 @@
 use std::time::Duration;
 
 use crate::dispatch::Algorithm;
+use crate::error::{Error, Result};
 use crate::external::{FallbackConfig, Simulation};
 
 /// Sizes and limits of a communicator.
@@ -34,6 +35,24 @@ pub struct CommConfig {
     pub payload_bytes: usize,
     /// A barrier (or a Lamport wait) that spins longer than this gives up and records
     /// [`crate::Error::BarrierTimeout`]; `None` waits forever.
+    ///
+    /// The error is reported within 2 x `barrier_timeout` (+ launch and copy latency),
+    /// not within `barrier_timeout`: the block that gave up tells its group peers it
+    /// will not touch their memory again, then waits at most one more
+    /// `barrier_timeout` for each peer to say the same (the abandon protocol), so that
+    /// its kernel cannot end, and the user free or reuse its buffers, while a late peer
+    /// still reads them. A collective that a peer never makes therefore ends, and
+    /// `synchronize` returns its error, at most 2 x `barrier_timeout` after the
+    /// collective started on the device (later only by the launch, the stream's
+    /// earlier work and the copy of the error record). Measured on one H200 with 2 s:
+    /// 4.00 s. Each wait that a peer does satisfy in time starts the next wait's clock
+    /// afresh, so a peer that is slow rather than absent can keep a collective running
+    /// longer.
+    ///
+    /// The per-rank [`crate::Comm`] also keeps memory that a peer's kernel may still
+    /// write into for 2 x `barrier_timeout` (plus a margin) past a drop whose peers did
+    /// not all confirm the teardown, and with `None` until the process exits (see
+    /// `Drop for Comm`). It requires `bootstrap_timeout >= barrier_timeout`.
     pub barrier_timeout: Option<Duration>,
     /// Upper bound of blocks per launch (at most `MAX_NUM_BLOCKS_UPPER_BOUND`); `None`
     /// derives it from the device's multiprocessor count.
@@ -57,7 +76,16 @@ pub struct CommConfig {
     /// wait for another's that waits for it.
     pub allow_shared_devices: bool,
     /// How long the per-rank [`crate::Comm`] waits for the other ranks at setup and at
-    /// each bootstrap step (re-initialisation, teardown).
+    /// each bootstrap step of re-initialisation. Dropping a `Comm` waits for the peers'
+    /// teardown at most `TEARDOWN_BARRIER_TIMEOUT` (1 s), not this long (see
+    /// `Drop for Comm`).
+    ///
+    /// [`crate::Comm::from_rank`] and [`crate::Comm::from_bootstrap`] refuse with
+    /// [`crate::Error::InvalidConfig`] a `bootstrap_timeout` shorter than
+    /// `barrier_timeout` (a `None` barrier timeout sets no floor): a rank that waits less
+    /// on the host than its kernels wait on the device cannot tell a slow peer from a
+    /// gone one. The single-controller [`crate::Communicator`] has no bootstrap and
+    /// ignores this field.
     pub bootstrap_timeout: Duration,
     /// Where peer memory cannot serve (no working peer access, several hosts, more
     /// than `MAX_GPUS` ranks): hand the calls to NCCL/RCCL (the default) or refuse;
@@ -67,6 +95,26 @@ pub struct CommConfig {
     /// For testing only: simulate missing peer access, a failed peer check, or ranks
     /// on several hosts (see [`Simulation`]).
     pub simulate: Simulation,
+}
+
+impl CommConfig {
+    /// What the per-rank [`crate::Comm`] needs of the timeouts (see
+    /// [`CommConfig::bootstrap_timeout`]): an [`Error::InvalidConfig`] naming the fields
+    /// otherwise.
+    pub(crate) fn check_per_rank_timeouts(&self) -> Result<()> {
+        match self.barrier_timeout {
+            Some(barrier) if self.bootstrap_timeout < barrier => {
+                Err(Error::InvalidConfig(format!(
+                    "CommConfig::bootstrap_timeout ({:?}) is shorter than \
+                     CommConfig::barrier_timeout ({barrier:?}): a rank that waits less on \
+                     the host than its kernels wait on the device cannot tell a slow peer \
+                     from a gone one; make bootstrap_timeout at least barrier_timeout",
+                    self.bootstrap_timeout
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
 }
 
 impl Default for CommConfig {

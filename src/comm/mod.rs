@@ -221,6 +221,13 @@ impl<B: Backend> Communicator<B> {
     /// [`Error::PeerAborted`] a rank was told) and poisons the communicator until
     /// [`Communicator::reinitialize`]. [`Communicator::wait`] only waits;
     /// [`Communicator::check_errors`] only reads the records, without waiting.
+    ///
+    /// A collective that a rank never makes (see `miss_next`) is reported within 2 x
+    /// [`CommConfig::barrier_timeout`] (+ launch and copy latency) of its start on
+    /// the streams, not within `barrier_timeout`: a wait gives up after
+    /// `barrier_timeout`, then waits at most as long again for the peers to confirm
+    /// they no longer read its rank's buffers (see the field's docs). With
+    /// `barrier_timeout: None` it waits for as long as the rank stays away.
     pub fn synchronize(&self) -> Result<()> {
         self.wait()?;
         if let Err(e) = self.external_async_error() {

@@ -116,6 +116,7 @@ impl<B: Backend> Comm<B> {
         config: CommConfig,
     ) -> Result<Self> {
         route::check_world(world_size, &config)?;
+        config.check_per_rank_timeouts()?;
         let bootstrap = TcpBootstrap::connect(
             id,
             rank,
@@ -135,6 +136,7 @@ impl<B: Backend> Comm<B> {
         config: CommConfig,
     ) -> Result<Self> {
         route::check_world(bootstrap.world_size(), &config)?;
+        config.check_per_rank_timeouts()?;
         let hosts = bootstrap
             .all_gather(crate::bootstrap::host_identity().as_str().as_bytes())?
             .into_iter()
@@ -343,6 +345,13 @@ impl<B: Backend> Comm<B> {
     /// [`Error::PeerAborted`], and the communicator refuses collectives until
     /// [`Comm::reinitialize`]. [`Comm::wait`] only waits; [`Comm::check_errors`] only
     /// reads the record, without waiting.
+    ///
+    /// A collective that a peer never makes is reported within 2 x
+    /// [`CommConfig::barrier_timeout`] (+ launch and copy latency) of its start on
+    /// this rank's stream, not within `barrier_timeout`: the wait gives up after
+    /// `barrier_timeout`, then waits at most as long again for the peers to confirm
+    /// they no longer read this rank's buffers (see the field's docs). With
+    /// `barrier_timeout: None` it waits for as long as the peer stays away.
     pub fn synchronize(&self) -> Result<()> {
         self.wait()?;
         if let Err(e) = self.route.take_async_error() {
