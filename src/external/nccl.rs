@@ -5,8 +5,9 @@
 //! `ncclCommInitRank` on its device. The single controller uses `ncclCommInitAll`
 //! (cudarc's `Comm::from_devices`) and launches its ranks' calls between
 //! `ncclGroupStart` and `ncclGroupEnd`. Calls go to `ncclAllReduce` on the rank's
-//! stream. cudarc loads libnccl at run time; a missing library is
-//! [`Error::ExternalUnavailable`], not a panic. NCCL refuses two ranks on one GPU.
+//! stream. cudarc loads libnccl at run time; peercomm looks for it first (with
+//! libloading), so a missing library is [`Error::ExternalUnavailable`], not a panic,
+//! and the process-wide panic hook is never touched. NCCL refuses two ranks on one GPU.
 
 use std::sync::{Arc, OnceLock};
 
@@ -49,30 +50,82 @@ fn driver_err(call: &'static str) -> impl FnOnce(cudarc::driver::DriverError) ->
     }
 }
 
-/// Loads libnccl once. cudarc panics when it is missing; that becomes a typed error.
+/// Loads libnccl once (see [`load`]).
 fn loaded() -> Result<()> {
     static LOADED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     LOADED
-        .get_or_init(|| {
-            let hook = std::panic::take_hook();
-            std::panic::set_hook(Box::new(|_| {}));
-            let r = std::panic::catch_unwind(|| {
-                let mut version = 0;
-                // SAFETY: ncclGetVersion writes one int.
-                unsafe { sys::ncclGetVersion(&mut version) }
-            });
-            std::panic::set_hook(hook);
-            match r {
-                Ok(sys::ncclResult_t::ncclSuccess) => Ok(()),
-                Ok(code) => Err(describe(code)),
-                Err(_) => Err("the NCCL library (libnccl.so.2) could not be loaded".into()),
-            }
-        })
+        .get_or_init(load)
         .clone()
         .map_err(|detail| Error::ExternalUnavailable {
             library: "nccl",
             detail,
         })
+}
+
+/// Looks for libnccl first (with libloading, under the names cudarc loads it by, or
+/// already linked into the process): when it is missing, that is the error and cudarc
+/// is never asked, since cudarc's loader panics. Only then asks cudarc for NCCL's
+/// version. Nothing here touches the process-wide panic hook, so no other thread's panic
+/// is swallowed and a hook the application sets meanwhile stays set. (Should cudarc
+/// still panic, for a library found under a name cudarc does not try, the panic is
+/// caught and reported as the error; the hook prints it once.)
+fn load() -> std::result::Result<(), String> {
+    libnccl_present()?;
+    let r = std::panic::catch_unwind(|| {
+        let mut version = 0;
+        // SAFETY: ncclGetVersion writes one int.
+        unsafe { sys::ncclGetVersion(&mut version) }
+    });
+    match r {
+        Ok(sys::ncclResult_t::ncclSuccess) => Ok(()),
+        Ok(code) => Err(describe(code)),
+        Err(_) => Err("the NCCL library (libnccl) could not be loaded by cudarc".into()),
+    }
+}
+
+/// Names cudarc's loader tries for NCCL (its candidates for this platform), then NCCL's
+/// own soname.
+fn libnccl_names() -> Vec<String> {
+    use std::env::consts::{DLL_PREFIX, DLL_SUFFIX};
+    let mut names = vec![format!("{DLL_PREFIX}nccl{DLL_SUFFIX}")];
+    for version in ["13", "12", "11", "10", "9", "1", "2"] {
+        names.push(format!("{DLL_PREFIX}nccl{DLL_SUFFIX}.{version}"));
+    }
+    names
+}
+
+/// Whether NCCL's symbols are already in the process (linked at build time, as with
+/// cudarc's `dynamic-linking`, or loaded globally by another library).
+fn linked_into_process() -> bool {
+    #[cfg(unix)]
+    let this = Some(libloading::os::unix::Library::this());
+    #[cfg(windows)]
+    let this = libloading::os::windows::Library::this().ok();
+    #[cfg(not(any(unix, windows)))]
+    let this: Option<libloading::Library> = None;
+    // SAFETY: the symbol is only looked up, never called through this type.
+    this.is_some_and(|lib| unsafe { lib.get::<*const ()>(b"ncclGetVersion\0") }.is_ok())
+}
+
+/// Whether libnccl can be loaded (it stays loaded: cudarc loads it again).
+fn libnccl_present() -> std::result::Result<(), String> {
+    if linked_into_process() {
+        return Ok(());
+    }
+    let names = libnccl_names();
+    for name in &names {
+        // SAFETY: loading libnccl runs its initialisers, which is what cudarc's own
+        // loader does next with the same library.
+        if let Ok(lib) = unsafe { libloading::Library::new(name) } {
+            // Kept loaded for the process, as cudarc keeps its handle.
+            std::mem::forget(lib);
+            return Ok(());
+        }
+    }
+    Err(format!(
+        "the NCCL library could not be loaded (looked for {names:?}; is NCCL installed \
+         and on the library path?)"
+    ))
 }
 
 fn nccl_dtype(dtype: DType) -> sys::ncclDataType_t {
@@ -245,5 +298,83 @@ impl ExternalLibrary<Cuda> for Nccl {
         result::group_end()
             .map(|_| ())
             .map_err(nccl_err("ncclGroupEnd"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    /// Looking for NCCL leaves the panic hook alone: a hook the application installed is
+    /// still installed afterwards, and every panic another thread has meanwhile reaches
+    /// it (none is swallowed by a temporarily silent hook). On a host without NCCL the
+    /// probe fails without a panic.
+    #[test]
+    fn loading_nccl_leaves_the_panic_hook_alone() {
+        const NAME: &str = "nccl-hook-test-panicker";
+        let previous = Arc::new(std::panic::take_hook());
+        let heard = Arc::new(AtomicUsize::new(0));
+        let from_loader = Arc::new(AtomicUsize::new(0));
+        let loader_id = std::thread::current().id();
+        {
+            let (previous, heard, from_loader) =
+                (previous.clone(), heard.clone(), from_loader.clone());
+            std::panic::set_hook(Box::new(move |info| {
+                let me = std::thread::current();
+                if me.name() == Some(NAME) {
+                    heard.fetch_add(1, Ordering::SeqCst);
+                } else {
+                    if me.id() == loader_id {
+                        from_loader.fetch_add(1, Ordering::SeqCst);
+                    }
+                    previous(info);
+                }
+            }));
+        }
+        let stop = Arc::new(AtomicBool::new(false));
+        let panicker = {
+            let stop = stop.clone();
+            std::thread::Builder::new()
+                .name(NAME.into())
+                .spawn(move || {
+                    let mut thrown = 0usize;
+                    while !stop.load(Ordering::SeqCst) || thrown == 0 {
+                        let _ = std::panic::catch_unwind(|| panic!("expected"));
+                        thrown += 1;
+                    }
+                    thrown
+                })
+                .unwrap()
+        };
+        let mut results = Vec::new();
+        for _ in 0..20 {
+            results.push(super::load());
+        }
+        stop.store(true, Ordering::SeqCst);
+        let thrown = panicker.join().unwrap();
+        let heard_during = heard.load(Ordering::SeqCst);
+        // The hook is still ours: one more panic reaches it.
+        let _ = std::thread::Builder::new()
+            .name(NAME.into())
+            .spawn(|| std::panic::catch_unwind(|| panic!("after")))
+            .unwrap()
+            .join();
+        let heard_after = heard.load(Ordering::SeqCst);
+        let _ = std::panic::take_hook();
+        let previous = Arc::try_unwrap(previous).unwrap_or_else(|_| panic!("hook still shared"));
+        std::panic::set_hook(previous);
+        assert_eq!(
+            heard_during,
+            thrown,
+            "{} of another thread's {thrown} panics never reached the installed hook",
+            thrown - heard_during
+        );
+        assert_eq!(heard_after, thrown + 1, "the installed hook was replaced");
+        if results.iter().any(|r| r.is_err()) && !super::linked_into_process() {
+            // No NCCL here: the probe said so before cudarc could panic.
+            assert_eq!(from_loader.load(Ordering::SeqCst), 0, "{results:?}");
+            assert!(results[0].as_ref().unwrap_err().contains("looked for"));
+        }
     }
 }
