@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# What `cargo publish` would upload, checked without uploading (needs the crates.io
+# index; runs in a clean checkout, so no --allow-dirty):
+# - peercomm: `cargo package` (the .crate is made, unpacked and built with the default
+#   features, so the shipped files are enough to build the library), then
+#   `cargo publish --dry-run` (the same, plus the checks an upload makes). The
+#   verification builds in the dev profile in the same target dir, so it reuses the
+#   build dependencies of the clippy steps.
+# - peercomm-candle: `cargo package --no-verify --exclude-lockfile`: the .crate is made
+#   and its manifest normalised (the path to peercomm dropped, `peercomm = "0.1"` kept),
+#   but it is neither built nor given a lockfile: both would look peercomm 0.1 up on
+#   crates.io, where it is not published yet (`no matching package named peercomm`).
+#   Once peercomm is published, drop both flags (and build it: candle's CUDA kernels
+#   make that the expensive part, so weigh it against CI time).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+cargo package
+cargo publish --dry-run
+(cd integrations/candle && cargo package --no-verify --exclude-lockfile)
+echo "check-package: passed"
