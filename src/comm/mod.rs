@@ -19,6 +19,7 @@ mod collective;
 mod config;
 mod fault;
 mod launch;
+mod parking;
 mod peer_check;
 mod peer_setup;
 mod per_rank;

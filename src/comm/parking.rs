@@ -1,0 +1,189 @@
+//! The parking lot: memory that a peer's kernel may still write into, kept alive past
+//! the drop of the communicator that owned it.
+//!
+//! A per-rank [`crate::Comm`] whose teardown barrier does not hear from every peer
+//! cannot tell a gone peer from a slow one, so it cannot free its signal allocation
+//! (and the peer mappings) without risking that a peer kernel, still running or still
+//! queued, writes into freed memory (a fault on the host backend, silent corruption of
+//! whatever reuses the memory on a GPU). It parks them here instead, with a deadline
+//! past which no such kernel can run any more (see `Drop for Comm`); `None` parks until
+//! the process exits.
+//!
+//! Nothing runs in the background: every later [`park`] and [`free_expired`] (each
+//! `Comm` drop calls one of them) first frees the entries whose deadline has passed.
+//! Freeing happens outside the lock, on the calling thread, and a panic in an item's
+//! drop is caught, so neither call panics. The lot is generic over the backend: it
+//! holds boxed `dyn Send` items (for a `Comm<B>`: its `B::Memory` and its
+//! `B::PeerMapping`s). The process-wide lot is a static that is never dropped, so what
+//! is still parked at exit is never freed (the process's end releases it).
+
+use std::sync::Mutex;
+use std::time::Instant;
+
+/// One parked item (held only to be dropped) and when it may be freed (`None`:
+/// never).
+struct Entry {
+    until: Option<Instant>,
+    _item: Box<dyn Send>,
+}
+
+/// Items kept alive until their deadlines (see the module docs).
+pub(crate) struct ParkingLot {
+    entries: Mutex<Vec<Entry>>,
+}
+
+impl ParkingLot {
+    /// An empty lot.
+    pub(crate) const fn new() -> Self {
+        ParkingLot {
+            entries: Mutex::new(Vec::new()),
+        }
+    }
+
+    /// Frees what has expired at `now`, then keeps `item` until `until` (`None`: until
+    /// the process exits).
+    pub(crate) fn park_at(&self, now: Instant, item: Box<dyn Send>, until: Option<Instant>) {
+        let expired = {
+            let mut entries = self.lock();
+            let expired = take_expired(&mut entries, now);
+            entries.push(Entry { until, _item: item });
+            expired
+        };
+        free(expired);
+    }
+
+    /// Frees the items whose deadline is at or before `now`; returns how many.
+    pub(crate) fn free_expired_at(&self, now: Instant) -> usize {
+        let expired = take_expired(&mut self.lock(), now);
+        let n = expired.len();
+        free(expired);
+        n
+    }
+
+    /// Items parked now.
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Entry>> {
+        // A panic while the lock was held (in `Vec::push`, out of memory) leaves the
+        // vector valid.
+        self.entries.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Moves the entries expired at `now` out of `entries`.
+fn take_expired(entries: &mut Vec<Entry>, now: Instant) -> Vec<Entry> {
+    let mut expired = Vec::new();
+    let mut i = 0;
+    while i < entries.len() {
+        if entries[i].until.is_some_and(|t| t <= now) {
+            expired.push(entries.swap_remove(i));
+        } else {
+            i += 1;
+        }
+    }
+    expired
+}
+
+/// Drops each entry, catching a panic in its drop.
+fn free(entries: Vec<Entry>) {
+    for entry in entries {
+        let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(entry)));
+    }
+}
+
+/// The process-wide lot the per-rank communicators park in.
+static LOT: ParkingLot = ParkingLot::new();
+
+/// Parks `item` in the process-wide lot until `until` (`None`: process exit), freeing
+/// first whatever has expired.
+pub(crate) fn park(item: Box<dyn Send>, until: Option<Instant>) {
+    LOT.park_at(Instant::now(), item, until);
+}
+
+/// Frees what has expired in the process-wide lot.
+pub(crate) fn free_expired() {
+    LOT.free_expired_at(Instant::now());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    /// Counts its drops.
+    struct Counted(Arc<AtomicUsize>);
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Panics when dropped.
+    struct Bomb;
+    impl Drop for Bomb {
+        fn drop(&mut self) {
+            panic!("a parked item's drop panicked");
+        }
+    }
+
+    #[test]
+    fn frees_entries_once_their_deadline_has_passed() {
+        let lot = ParkingLot::new();
+        let freed = Arc::new(AtomicUsize::new(0));
+        let t0 = Instant::now();
+        let s = Duration::from_secs(1);
+        let item = || Box::new(Counted(freed.clone())) as Box<dyn Send>;
+        lot.park_at(t0, item(), Some(t0 + 2 * s));
+        lot.park_at(t0, item(), Some(t0 + 5 * s));
+        lot.park_at(t0, item(), None);
+        assert_eq!((lot.len(), freed.load(Ordering::SeqCst)), (3, 0));
+        // Nothing has expired yet.
+        assert_eq!(lot.free_expired_at(t0 + s), 0);
+        assert_eq!(freed.load(Ordering::SeqCst), 0);
+        // The first deadline passes; a deadline is inclusive.
+        assert_eq!(lot.free_expired_at(t0 + 2 * s), 1);
+        assert_eq!((lot.len(), freed.load(Ordering::SeqCst)), (2, 1));
+        // Parking frees what has expired first, then keeps the new item.
+        lot.park_at(t0 + 6 * s, item(), Some(t0 + 7 * s));
+        assert_eq!((lot.len(), freed.load(Ordering::SeqCst)), (2, 2));
+        // An entry without a deadline stays however late it is.
+        assert_eq!(lot.free_expired_at(t0 + 1000 * s), 1);
+        assert_eq!((lot.len(), freed.load(Ordering::SeqCst)), (1, 3));
+        assert_eq!(lot.free_expired_at(t0 + 1_000_000 * s), 0);
+    }
+
+    #[test]
+    fn a_panicking_drop_is_contained() {
+        let lot = ParkingLot::new();
+        let freed = Arc::new(AtomicUsize::new(0));
+        let t0 = Instant::now();
+        let t1 = t0 + Duration::from_secs(1);
+        lot.park_at(t0, Box::new(Bomb), Some(t1));
+        lot.park_at(t0, Box::new(Counted(freed.clone())), Some(t1));
+        assert_eq!(lot.free_expired_at(t1), 2);
+        assert_eq!((lot.len(), freed.load(Ordering::SeqCst)), (0, 1));
+        // The lot still works after the panic.
+        lot.park_at(t0, Box::new(Counted(freed.clone())), Some(t1));
+        assert_eq!(lot.free_expired_at(t1), 1);
+        assert_eq!(freed.load(Ordering::SeqCst), 2);
+    }
+
+    #[test]
+    fn the_process_lot_frees_real_items_after_their_deadline() {
+        let freed = Arc::new(AtomicUsize::new(0));
+        park(
+            Box::new(Counted(freed.clone())),
+            Some(Instant::now() + Duration::from_millis(50)),
+        );
+        free_expired();
+        assert_eq!(freed.load(Ordering::SeqCst), 0);
+        std::thread::sleep(Duration::from_millis(60));
+        free_expired();
+        assert_eq!(freed.load(Ordering::SeqCst), 1);
+    }
+}
