@@ -12,6 +12,7 @@ pub mod fault;
 pub mod fuzz;
 pub mod processes;
 pub mod sizing;
+pub mod teardown;
 use std::sync::Barrier;
 use std::time::Duration;
 
