@@ -221,8 +221,9 @@ const MAX_ERROR_MESSAGE_BYTES: usize = 4096;
 /// Connections rank 0 holds before they have proven themselves; when it is full, the
 /// oldest is closed to make room for a new one.
 const MAX_PENDING: usize = 1024;
-/// Connections rank 0 accepts in a row before it reads the pending ones again.
-const MAX_ACCEPTS_PER_ROUND: usize = 256;
+/// Connections rank 0 accepts in a row before it reads the pending ones again (so that
+/// a stream of connections cannot keep it from its deadline).
+const MAX_ACCEPTS_PER_ROUND: usize = MAX_PENDING;
 /// How long rank 0 stops accepting after `accept` reported that descriptors, buffers or
 /// memory ran out (it closes its oldest pending connection first).
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);

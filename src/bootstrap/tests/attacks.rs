@@ -27,7 +27,7 @@ fn room_for_fds(fds: u64) -> bool {
                 let _ = setrlimit(Resource::Nofile, raised);
                 getrlimit(Resource::Nofile)
                     .current
-                    .is_none_or(|c| c >= want)
+                    .map_or(true, |c| c >= want)
             }
             _ => true,
         }
@@ -40,7 +40,9 @@ fn room_for_fds(fds: u64) -> bool {
 }
 
 /// 1,100 idle connections (more than the pending table) arrive before the real rank 1:
-/// rank 1 still joins, and promptly.
+/// rank 1 still joins, within its timeout. (The flood itself may take a few seconds: the
+/// kernel's accept queue of 128 overflows and some of its connections wait for TCP's
+/// retransmission; four threads open it, so that those waits overlap.)
 #[test]
 fn a_flood_of_idle_connections_does_not_lock_out_rank_one() {
     if !room_for_fds(2 * FLOOD as u64 + 64) {
@@ -49,28 +51,34 @@ fn a_flood_of_idle_connections_does_not_lock_out_rank_one() {
     }
     let id = loopback_id();
     let timeout = Duration::from_secs(8);
-    let start = Instant::now();
-    let got = thread::scope(|s| {
-        let root = s.spawn(|| connect(&id, 0, 2, timeout).map(|b| b.all_gather(b"0")));
-        let idle: Vec<TcpStream> = (0..FLOOD)
-            .map(|_| TcpStream::connect(id.addr).expect("flood connection"))
+    let (root, leaf, took) = thread::scope(|s| {
+        // Rank 0 outlasts a slow flood; rank 1's own timeout is the one that counts.
+        let root = s.spawn(|| connect(&id, 0, 2, LONG * 3).map(|b| b.all_gather(b"0")));
+        let openers: Vec<_> = (0..4)
+            .map(|_| {
+                s.spawn(|| {
+                    (0..FLOOD / 4)
+                        .map(|_| TcpStream::connect_timeout(&id.addr, LONG))
+                        .collect::<std::io::Result<Vec<TcpStream>>>()
+                        .expect("flood connection")
+                })
+            })
             .collect();
+        let idle: Vec<Vec<TcpStream>> = openers.into_iter().map(|t| t.join().unwrap()).collect();
+        assert_eq!(idle.iter().map(Vec::len).sum::<usize>(), FLOOD);
+        let start = Instant::now();
         let leaf = connect(&id, 1, 2, timeout).map(|b| b.all_gather(b"1"));
+        let took = start.elapsed();
         let root = root.join().unwrap();
         drop(idle);
-        (root, leaf)
+        (root, leaf, took)
     });
-    let (root, leaf) = got;
     let want = vec![b"0".to_vec(), b"1".to_vec()];
     match (&root, &leaf) {
         (Ok(Ok(r)), Ok(Ok(l))) => assert_eq!((r, l), (&want, &want)),
         _ => panic!("flooded handshake failed: rank 0: {root:?}; rank 1: {leaf:?}"),
     }
-    assert!(
-        start.elapsed() < timeout,
-        "took {:?}: rank 1 waited out the flood",
-        start.elapsed()
-    );
+    assert!(took < timeout, "rank 1 took {took:?}");
 }
 
 /// Reads what a peer sends until it closes or `limit` passes.
