@@ -113,12 +113,15 @@
 //! connection, pauses accepting for 10 ms and goes on until its deadline. A rank r
 //! whose connection is closed before its welcome (for any of those reasons, or because
 //! rank 0 was not listening yet) connects again, within its own timeout. So idle
-//! connections, half-sent headers, garbage and strangers with the wrong secret delay no
-//! real rank by more than a round trip, and a program that took over the port after
-//! [`UniqueId::release`] learns nothing and is refused.
+//! connections, half-sent headers, garbage and strangers with the wrong secret lock no
+//! real rank out, and a program that took over the port after [`UniqueId::release`]
+//! learns nothing and is refused.
 //!
 //! Not covered: a flood that opens more than 1,024 connections within one round trip of
-//! a real rank can keep closing that rank's connection until its timeout; and only the
+//! a real rank can keep closing that rank's connection until its timeout; a connection
+//! that arrives while the kernel's accept queue is full (128 entries, the standard
+//! library's listen backlog) waits for TCP to retransmit its SYN (a second, then two,
+//! ...), which the rank's timeout must allow for under such a flood; and only the
 //! handshake is authenticated: later data frames are not, so the bootstrap does not
 //! withstand an attacker on the path between the ranks (who can alter TCP traffic),
 //! only one that can connect to rank 0's port or bind it.
