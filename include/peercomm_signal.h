@@ -42,19 +42,61 @@
 #define PEERCOMM_ERROR_DOMAIN 3 /* barrier domain */
 #define PEERCOMM_ERROR_BARRIER_TIMEOUT 1
 #define PEERCOMM_ERROR_PEER_ABORTED 2
+/* A peer's call descriptor differs from this rank's: PEERCOMM_ERROR_RANK is that peer. */
+#define PEERCOMM_ERROR_CALL_MISMATCH 3
 /* Written into the code word while the other fields are filled in (then released). */
 #define PEERCOMM_ERROR_WRITING 0xffffffffu
+
+/*
+ * error_detail fields, filled in with the record (before its code is released):
+ * the call descriptor of the rank that wrote the record, the world rank it waited for
+ * (plus one; 0 = none), and that rank's descriptor as the writer saw it: published
+ * beside the barrier arrival (CALL_MISMATCH) or read from its current_call when the
+ * wait gave up (then THEIRS_VALID is 1).
+ */
+#define PEERCOMM_DETAIL_MINE 0         /* PEERCOMM_CALL_WORDS words */
+#define PEERCOMM_DETAIL_AWAITED 3      /* world rank waited for, plus one */
+#define PEERCOMM_DETAIL_THEIRS 4       /* PEERCOMM_CALL_WORDS words */
+#define PEERCOMM_DETAIL_THEIRS_VALID 7
+
+/*
+ * The call descriptor: three words that every rank of a group computes alike for the
+ * same call, published with every barrier arrival (and in the Lamport header pack) and
+ * compared by the peers. Bit 31 of every word is zero, so no word is the Lamport
+ * sentinel.
+ *   word 0: the rank's call sequence number in the call's barrier domain (every
+ *           launch in that domain counts): 1 + the count modulo 2^31 - 1, so never 0
+ *   word 1: kernel kind (bits 0-4: collective and algorithm), dtype (5-6), group
+ *           width - 1 (7-9), root (10-12), blocks - 1 (13-22), element count bits
+ *           31-38 (23-30)
+ *   word 2: element count bits 0-30
+ */
+#define PEERCOMM_CALL_WORDS 3
 
 /* The per-GPU signal. Every peer of the group writes into it over P2P. */
 typedef struct peercomm_signal {
     /* Per domain, per block, per peer: how many barriers this block has passed. */
     uint32_t self_counter[PEERCOMM_NUM_BARRIER_DOMAINS][PEERCOMM_MAX_NUM_BLOCKS_UPPER_BOUND]
                          [PEERCOMM_MAX_GPUS];
-    /* Written by peers: [domain][generation parity][block][writer's group rank]. */
+    /*
+     * Written by peers: [domain][generation parity][block][writer's group rank], one
+     * arrival of 16 bytes: the counter value (word 0) and the writer's call descriptor
+     * (words 1-3), written with one 16-byte store on the devices, so a reader that sees
+     * the counter sees the descriptor of the same call.
+     */
     uint32_t peer_counter[PEERCOMM_NUM_BARRIER_DOMAINS][2][PEERCOMM_MAX_NUM_BLOCKS_UPPER_BOUND]
-                         [PEERCOMM_MAX_GPUS];
+                         [PEERCOMM_MAX_GPUS][4];
     uint32_t lamport_state[4];
     uint32_t error_state[4];
+    uint32_t error_detail[8];
+    /*
+     * The descriptor of the collective this rank's kernels run or ran last (words 0-2)
+     * and whether it still runs (word 3: 1 from block 0's entry to its end, then 0; it
+     * stays 1 when the rank has an error record: the abandoned call is still pending):
+     * read by a peer whose wait for this rank gives up, to tell a rank that never came
+     * (not running) from one that runs another call.
+     */
+    uint32_t current_call[4];
     /*
      * quit[block][writer's group rank] != 0: that peer's block `block` abandoned a
      * collective and will not touch this rank's memory again until re-initialisation.
@@ -63,8 +105,8 @@ typedef struct peercomm_signal {
      * user never frees a buffer that a late peer is still reading.
      */
     uint32_t quit[PEERCOMM_MAX_NUM_BLOCKS_UPPER_BOUND][PEERCOMM_MAX_GPUS];
-    /* Pads the header so the lamport region starts aligned. */
-    uint32_t reserved[56];
+    /* Pads the header to a multiple of PEERCOMM_REGION_ALIGN. */
+    uint32_t reserved[44];
 } peercomm_signal;
 
 /*
@@ -72,6 +114,10 @@ typedef struct peercomm_signal {
  * region) and reduces its own pack straight from its input; clearing skips that slot.
  * This is sound because the Lamport kernels run only over the whole world (domain 0),
  * so a rank's group rank is the same in every Lamport call on one signal buffer.
+ *
+ * Lamport header: the last 16-byte pack of every slot is not data but the writer's call
+ * descriptor {word 0, word 1, word 2, 0}; data packs fill the slot up to it. A reader
+ * waits for the header of each source before it reduces that source's packs.
  */
 
 /* Which data type a kernel reduces. */
@@ -120,7 +166,8 @@ typedef struct peercomm_allreduce_args {
     uint64_t weight;
     /* Fused: added to the mean square before the reciprocal square root. */
     float epsilon;
-    uint32_t reserved[3];
+    /* This call's descriptor (see PEERCOMM_CALL_WORDS). */
+    uint32_t call[PEERCOMM_CALL_WORDS];
 } peercomm_allreduce_args;
 
 #endif /* PEERCOMM_SIGNAL_H */

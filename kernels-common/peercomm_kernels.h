@@ -28,6 +28,9 @@
 //   ld_volatile_vec16, st_volatile_vec16
 //                                   one untorn 16-byte access that reaches memory every
 //                                   time (Lamport packs)
+//   ld_relaxed_sys_vec16, ld_acquire_sys_vec16, st_relaxed_sys_vec16, st_release_sys_vec16
+//                                   the same 16-byte access at system scope with the
+//                                   named order (barrier arrivals: counter + descriptor)
 //   timer_now(), timer_ticks(ns)    a constant-rate clock; ticks in ns nanoseconds
 //                                   (rounded up, saturating)
 //   float_from_bits, bits_from_float, float_from_f16, f16_from_float, bf16_from_float
@@ -46,7 +49,7 @@ typedef peercomm_allreduce_args Args;
 typedef PC_GLOBAL peercomm_signal GlobalSignal;
 typedef PC_GLOBAL uint32_t GlobalU32;
 
-static_assert(sizeof(peercomm_signal) == 819456, "peercomm_signal layout changed");
+static_assert(sizeof(peercomm_signal) == 2392320, "peercomm_signal layout changed");
 static_assert(sizeof(peercomm_allreduce_args) == 288, "peercomm_allreduce_args layout changed");
 static_assert((PC_SPIN_CHECK_INTERVAL & (PC_SPIN_CHECK_INTERVAL - 1)) == 0,
               "PC_SPIN_CHECK_INTERVAL is a power of two");
@@ -146,12 +149,25 @@ PC_INLINE Ctx make_ctx(const Args& a) {
     return Ctx{a, signal_at(a.signals[a.group_rank]), (volatile PC_SHARED BlockState*)&state, 0};
 }
 
+// The call descriptor of these arguments as one 16-byte arrival, after the counter value.
+PC_INLINE Vec16 call_arrival(const Args& a, uint32_t v) { return make_vec16(v, a.call[0], a.call[1], a.call[2]); }
+
+// Whether words 1-3 of `x` are this call's descriptor.
+PC_INLINE bool same_call(const Args& a, Vec16 x) {
+    return x.y == a.call[0] && x.z == a.call[1] && x.w == a.call[2];
+}
+
 // Reads, in one trip, this rank's Lamport state and abort word (thread 0, two adjacent
 // 16-byte loads) and the barrier counters (threads t < width, kept in a register).
-// False, for the whole block, when the abort word is set: the caller abandons.
+// Block 0 publishes the call it runs in the own current_call (read by a peer whose wait
+// for this rank gives up). False, for the whole block, when the abort word is set: the
+// caller abandons at once (telling its peers' same-index blocks it will not touch their
+// memory, so a peer that gave up on this rank stops waiting for it).
 PC_INLINE bool enter(Ctx& c) {
     const uint32_t t = threadIdx.x;
     if (t < c.a.group_width) c.counter = c.own->self_counter[c.a.domain][blockIdx.x][t];
+    if (t == 0 && blockIdx.x == 0)
+        st_volatile_vec16((PC_GLOBAL Vec16*)c.own->current_call, make_vec16(c.a.call[0], c.a.call[1], c.a.call[2], 1u));
     if (t == 0) {
         const Vec16 lamport = ld_volatile_vec16((const PC_GLOBAL Vec16*)c.own->lamport_state);
         const Vec16 error = ld_volatile_vec16((const PC_GLOBAL Vec16*)c.own->error_state);
@@ -165,28 +181,106 @@ PC_INLINE bool enter(Ctx& c) {
     return c.block->abort == 0u;
 }
 
+// What an error record says beside its code: the world rank it names, the world rank
+// the writer waited for (or none), and the writer's and that rank's call descriptors.
+struct ErrorDetail {
+    uint32_t rank;
+    uint32_t domain;
+    uint32_t awaited_plus_one;  // 0: none
+    Vec16 mine;                 // words x, y, z: the writer's descriptor
+    Vec16 theirs;               // words x, y, z: a descriptor
+    uint32_t theirs_valid;
+};
+
 // Writes an error record into `s` unless it has one: claims the code word
 // (0 -> WRITING), fills in the fields, then releases the code, so a reader that
 // acquires a final code sees the fields.
-PC_INLINE void write_error_record(GlobalSignal* s, uint32_t code, const Args& a) {
+PC_INLINE void write_error_record(GlobalSignal* s, uint32_t code, const ErrorDetail& d) {
     GlobalU32* e = s->error_state;
     if (cas_relaxed_sys(&e[PEERCOMM_ERROR_CODE], 0u, PEERCOMM_ERROR_WRITING)) {
-        st_relaxed_sys(&e[PEERCOMM_ERROR_RANK], a.world_rank);
+        GlobalU32* x = s->error_detail;
+        st_relaxed_sys(&e[PEERCOMM_ERROR_RANK], d.rank);
         st_relaxed_sys(&e[PEERCOMM_ERROR_BLOCK], blockIdx.x);
-        st_relaxed_sys(&e[PEERCOMM_ERROR_DOMAIN], a.domain);
+        st_relaxed_sys(&e[PEERCOMM_ERROR_DOMAIN], d.domain);
+        st_relaxed_sys(&x[PEERCOMM_DETAIL_MINE + 0], d.mine.x);
+        st_relaxed_sys(&x[PEERCOMM_DETAIL_MINE + 1], d.mine.y);
+        st_relaxed_sys(&x[PEERCOMM_DETAIL_MINE + 2], d.mine.z);
+        st_relaxed_sys(&x[PEERCOMM_DETAIL_AWAITED], d.awaited_plus_one);
+        st_relaxed_sys(&x[PEERCOMM_DETAIL_THEIRS + 0], d.theirs.x);
+        st_relaxed_sys(&x[PEERCOMM_DETAIL_THEIRS + 1], d.theirs.y);
+        st_relaxed_sys(&x[PEERCOMM_DETAIL_THEIRS + 2], d.theirs.z);
+        st_relaxed_sys(&x[PEERCOMM_DETAIL_THEIRS_VALID], d.theirs_valid);
         st_release_sys(&e[PEERCOMM_ERROR_CODE], code);
     }
 }
 
-// A wait of this block gave up: record the timeout on this rank, set every group
-// peer's abort word (their waits end at their next check instead of timing out in
-// turn), and make the block leave.
-PC_INLINE void record_timeout(Ctx& c) {
-    const Args& a = c.a;
-    write_error_record(c.own, PEERCOMM_ERROR_BARRIER_TIMEOUT, a);
-    for (uint32_t q = 0; q < a.group_width; ++q) {
-        if (q != a.group_rank) write_error_record(signal_at(a.signals[q]), PEERCOMM_ERROR_PEER_ABORTED, a);
+// World rank of group rank q of this rank's group (groups are consecutive world ranks).
+PC_INLINE uint32_t world_rank_of(const Args& a, uint32_t q) { return a.world_rank - a.group_rank + q; }
+
+// Whether a current_call `x` is another call that its rank runs now (word w: running):
+// a rank that a wait for it gave up on is running something else than this call.
+PC_INLINE bool other_call(const Args& a, Vec16 x) {
+    return x.w != 0u && (x.x != a.call[0] || x.y != a.call[1] || x.z != a.call[2]);
+}
+
+// The end of every kernel that carries a descriptor (the vendor entry points call it
+// after the body, whichever way it returned): block 0 marks the own current_call as no
+// longer running, unless the rank has an error record. A call that was abandoned stays
+// the rank's pending call, so a peer whose wait for this rank gives up later still
+// sees which call it was at.
+PC_INLINE void leave(const Args& a) {
+    if (a.call[0] != 0u && threadIdx.x == 0 && blockIdx.x == 0) {
+        GlobalSignal* own = signal_at(a.signals[a.group_rank]);
+        if (ld_relaxed_sys(&own->error_state[PEERCOMM_ERROR_CODE]) == 0u) st_relaxed_sys(&own->current_call[3], 0u);
     }
+}
+
+// This call's descriptor in words x, y, z.
+PC_INLINE Vec16 own_call(const Args& a) { return make_vec16(a.call[0], a.call[1], a.call[2], 0u); }
+
+// A wait of this block for group rank `awaited` gave up. If that rank runs another call
+// now (its current_call is running with another descriptor: another group width puts
+// it in another barrier domain, another algorithm in another kind of wait, another
+// sequence number in the same domain), record a call mismatch naming it, and write the same (from
+// their side) into the record of every group peer whose current call differs so: its
+// own wait may find it too, or it may have completed the call with a subgroup of its
+// own, and then its next synchronize reports it. Otherwise
+// record the timeout on this rank,
+// naming the rank it waited for, and set every group peer's abort word (their waits end
+// at their next check instead of timing out in turn). Then the block leaves.
+PC_INLINE void record_timeout(Ctx& c, uint32_t awaited) {
+    const Args& a = c.a;
+    const Vec16 theirs = ld_volatile_vec16((const PC_GLOBAL Vec16*)signal_at(a.signals[awaited])->current_call);
+    const uint32_t who = world_rank_of(a, awaited);
+    if (other_call(a, theirs)) {
+        write_error_record(c.own, PEERCOMM_ERROR_CALL_MISMATCH,
+                           ErrorDetail{who, a.domain, who + 1u, own_call(a), theirs, 1u});
+        for (uint32_t q = 0; q < a.group_width; ++q) {
+            if (q == a.group_rank) continue;
+            GlobalSignal* peer = signal_at(a.signals[q]);
+            const Vec16 call = ld_volatile_vec16((const PC_GLOBAL Vec16*)peer->current_call);
+            if (other_call(a, call))
+                write_error_record(peer, PEERCOMM_ERROR_CALL_MISMATCH,
+                                   ErrorDetail{a.world_rank, a.domain, a.world_rank + 1u, call, own_call(a), 1u});
+        }
+    } else {
+        const ErrorDetail d{a.world_rank, a.domain, who + 1u, own_call(a), theirs, 1u};
+        write_error_record(c.own, PEERCOMM_ERROR_BARRIER_TIMEOUT, d);
+        for (uint32_t q = 0; q < a.group_width; ++q) {
+            if (q != a.group_rank) write_error_record(signal_at(a.signals[q]), PEERCOMM_ERROR_PEER_ABORTED, d);
+        }
+    }
+    c.block->abort = 1u;
+}
+
+// A peer's arrival (or Lamport header) carries another call descriptor than this
+// rank's: record the mismatch on this rank, naming that peer, and leave. The peer finds
+// the same difference in this rank's arrival, so neither tells the other to stop.
+// `x` holds the peer's descriptor in words y, z, w.
+PC_INLINE void record_mismatch(Ctx& c, uint32_t peer, Vec16 x) {
+    const uint32_t who = world_rank_of(c.a, peer);
+    write_error_record(c.own, PEERCOMM_ERROR_CALL_MISMATCH,
+                       ErrorDetail{who, c.a.domain, who + 1u, own_call(c.a), make_vec16(x.y, x.z, x.w, 0u), 1u});
     c.block->abort = 1u;
 }
 
@@ -200,7 +294,8 @@ struct Waiter {
     uint32_t spins = 0;
     bool timing = false;
 
-    PC_INLINE bool keep_waiting(Ctx& c) {
+    // `awaited`: the group rank this wait is for (named in the record if it gives up).
+    PC_INLINE bool keep_waiting(Ctx& c, uint32_t awaited) {
         if ((++spins & (PC_SPIN_CHECK_INTERVAL - 1u)) != 0u) return true;
         if (c.block->abort) return false;
         if (ld_relaxed_sys(&c.own->error_state[PEERCOMM_ERROR_CODE]) != 0u) {
@@ -214,7 +309,7 @@ struct Waiter {
             limit = timer_ticks(c.a.timeout_ns);
             timing = true;
         } else if (now - start > limit) {
-            record_timeout(c);
+            record_timeout(c, awaited);
             return false;
         }
         return true;
@@ -236,6 +331,13 @@ PC_INLINE void abandon(Ctx& c, WaitForPeers wait) {
     __syncthreads();
     const Args& a = c.a;
     const uint32_t t = threadIdx.x, b = blockIdx.x, me = a.group_rank;
+    // Block 0 also speaks for the blocks this launch does not have: a peer launched with
+    // a larger grid (a block-count mismatch) must not wait for partners that never exist.
+    if (b == 0) {
+        for (uint32_t x = gridDim.x + t; x < PEERCOMM_MAX_NUM_BLOCKS_UPPER_BOUND; x += blockDim.x)
+            for (uint32_t q = 0; q < a.group_width; ++q)
+                if (q != me) st_relaxed_sys(&signal_at(a.signals[q])->quit[x][me], 1u);
+    }
     if (t < a.group_width && t != me) {
         st_release_sys(&signal_at(a.signals[t])->quit[b][me], 1u);
         if (wait == WaitForPeers::Yes && a.timeout_ns != 0) {
@@ -284,17 +386,25 @@ PC_INLINE bool barrier(Ctx& c) {
     if (t < a.group_width) {
         const uint32_t d = a.domain, b = blockIdx.x;
         const uint32_t v = ++c.counter;
-        GlobalU32* to_peer = &signal_at(a.signals[t])->peer_counter[d][v & 1u][b][a.group_rank];
+        // The arrival carries this call's descriptor in the same 16-byte store.
+        PC_GLOBAL Vec16* to_peer = (PC_GLOBAL Vec16*)signal_at(a.signals[t])->peer_counter[d][v & 1u][b][a.group_rank];
         if (kOrdered) {
-            st_release_sys(to_peer, v);
+            st_release_sys_vec16(to_peer, call_arrival(a, v));
         } else {
-            st_relaxed_sys(to_peer, v);
+            st_relaxed_sys_vec16(to_peer, call_arrival(a, v));
         }
         c.own->self_counter[d][b][t] = v;  // the next kernel's entry reads it
-        const GlobalU32* from_peer = &c.own->peer_counter[d][v & 1u][b][t];
+        const PC_GLOBAL Vec16* from_peer = (const PC_GLOBAL Vec16*)c.own->peer_counter[d][v & 1u][b][t];
         Waiter w;
-        while ((kOrdered ? ld_acquire_sys(from_peer) : ld_relaxed_sys(from_peer)) != v) {
-            if (!w.keep_waiting(c)) break;
+        Vec16 x;
+        while ((x = kOrdered ? ld_acquire_sys_vec16(from_peer) : ld_relaxed_sys_vec16(from_peer)).x != v) {
+            if (!w.keep_waiting(c, t)) break;
+        }
+        // Once the counter is v this slot does not change before this block arrives
+        // again, so a read that could have been torn is settled by reading it again.
+        if (x.x == v && !same_call(a, x)) {
+            x = ld_acquire_sys_vec16(from_peer);
+            if (!same_call(a, x)) record_mismatch(c, t, x);
         }
     }
     __syncthreads();
@@ -331,6 +441,15 @@ struct Unroll {
     static constexpr int G = W >= 8 ? 1 : 8 / W;
 };
 
+// One sign of zero for every sum over two or more ranks: a zero result is +0.0, whatever
+// the algorithm (Lamport cannot carry -0.0, which is its sentinel) and whatever the
+// rounding to D made of it. A group of one stays an exact copy.
+template <typename D, int W>
+PC_INLINE typename D::Bits sum_bits(float acc) {
+    const typename D::Bits b = D::from_float(acc);
+    return (W > 1 && b == D::kNegZero) ? (typename D::Bits)0 : b;
+}
+
 // The sum of the W packs in source order (acc = x[0]; acc += x[s]), in f32: the order
 // every rank and the host use.
 template <typename D, int W>
@@ -348,7 +467,7 @@ PC_INLINE Vec16 sum_packs(const Vec16 (&x)[W]) {
     }
     Pack<D> out{make_vec16(0u, 0u, 0u, 0u)};
 #pragma unroll
-    for (int j = 0; j < L; ++j) out.set_lane(j, D::from_float(acc[j]));
+    for (int j = 0; j < L; ++j) out.set_lane(j, sum_bits<D, W>(acc[j]));
     return out.v;
 }
 
@@ -361,7 +480,7 @@ PC_INLINE void reduce_pack_scalar(const uint64_t* srcs, uint64_t p, uint64_t n, 
         float acc = D::to_float(load_elem<D>(srcs[0], e));
 #pragma unroll
         for (int s = 1; s < W; ++s) acc += D::to_float(load_elem<D>(srcs[s], e));
-        store_elem<D>(dst, dst_p * L + j, D::from_float(acc));
+        store_elem<D>(dst, dst_p * L + j, sum_bits<D, W>(acc));
     }
 }
 
@@ -524,6 +643,12 @@ PC_INLINE PC_GLOBAL Vec16* lamport_pack_at(uint64_t signal, uint32_t slot_bytes,
                               ((uint64_t)gen * slots + src) * slot_bytes + p * 16u);
 }
 
+// The header pack of slot (gen, src): the slot's last pack, the writer's call descriptor.
+PC_INLINE PC_GLOBAL Vec16* lamport_header_at(uint64_t signal, uint32_t slot_bytes, uint32_t slots, uint32_t gen,
+                                             uint32_t src) {
+    return lamport_pack_at(signal, slot_bytes, slots, gen, src, slot_bytes / 16u - 1u);
+}
+
 // True once every word of the pack has been written (none is the sentinel).
 PC_INLINE bool lamport_arrived(Vec16 v) {
     return v.x != kLamportSentinel && v.y != kLamportSentinel && v.z != kLamportSentinel &&
@@ -569,13 +694,15 @@ PC_INLINE void lamport_reduce(Ctx& c, uint32_t gen, uint64_t packs, uint64_t n, 
         bool arrived = false;
         while (!arrived) {
             arrived = true;
+            uint32_t missing = 0;  // a source whose pack has not arrived
 #pragma unroll
             for (int s = 0; s < W; ++s) {
                 if (s == (int)me) continue;
                 x[s] = ld_volatile_vec16(lamport_pack_at(own, slot, (uint32_t)W, gen, s, p));
+                if (!lamport_arrived(x[s])) missing = (uint32_t)s;
                 arrived = arrived && lamport_arrived(x[s]);
             }
-            if (!arrived && !w.keep_waiting(c)) break;
+            if (!arrived && !w.keep_waiting(c, missing)) break;
         }
         if (!arrived) break;
 #pragma unroll
@@ -668,11 +795,33 @@ PC_INLINE void lamport(const Args& a) {
     const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
     const bool vec = aligned16(a.local_input) && aligned16(a.output);
 
+    // Every block pushes the header (the same 16 bytes), first: a block that starts after
+    // another block of this rank found a mismatch returns at entry, so the header must
+    // not wait for any one block, or a peer would wait for it until its timeout.
+    if (threadIdx.x == 0) {
+        const Vec16 header = make_vec16(a.call[0], a.call[1], a.call[2], 0u);
+        for (uint32_t q = 0; q < width; ++q)
+            if (q != me) st_volatile_vec16(lamport_header_at(a.signals[q], slot, width, gen.data(), me), header);
+    }
     for (uint64_t p = tid; p < packs; p += stride) {
         const Vec16 x = lamport_source_pack<D>(a, p, n, vec);
         for (uint32_t q = 0; q < width; ++q)
             if (q != me) st_volatile_vec16(lamport_pack_at(a.signals[q], slot, width, gen.data(), me, p), x);
     }
+    // Every source's header first: its packs are reduced only if it runs this call.
+    if (threadIdx.x < width && threadIdx.x != me) {
+        const uint32_t s = threadIdx.x;
+        const PC_GLOBAL Vec16* at = lamport_header_at(own, slot, width, gen.data(), s);
+        Waiter w;
+        Vec16 h = ld_volatile_vec16(at);
+        while (!lamport_arrived(h)) {
+            if (!w.keep_waiting(c, s)) break;
+            h = ld_volatile_vec16(at);
+        }
+        if (lamport_arrived(h) && (h.x != a.call[0] || h.y != a.call[1] || h.z != a.call[2]))
+            record_mismatch(c, s, make_vec16(0u, h.x, h.y, h.z));
+    }
+    __syncthreads();
     with_width(width, [&]<int W>() { lamport_reduce<D, W>(c, gen.data(), packs, n, vec, tid, stride); });
     const Vec16 sentinel = make_vec16(kLamportSentinel, kLamportSentinel, kLamportSentinel, kLamportSentinel);
     const uint64_t clear_total = (uint64_t)prev_width * prev_packs;
@@ -681,6 +830,8 @@ PC_INLINE void lamport(const Args& a) {
         if (src == me) continue;
         st_volatile_vec16(lamport_pack_at(own, slot, width, gen.clear(), src, i % prev_packs), sentinel);
     }
+    if (tid < prev_width && tid != me)
+        st_volatile_vec16(lamport_header_at(own, slot, width, gen.clear(), (uint32_t)tid), sentinel);
     __syncthreads();
     if (c.block->abort) return abandon(c, WaitForPeers::No);  // the state is not advanced
     if (threadIdx.x == 0) {

@@ -67,6 +67,35 @@ PC_INLINE void st_volatile_vec16(Vec16* p, Vec16 v) {
                  : "memory");
 }
 
+// Barrier arrivals: a counter and a call descriptor in one 16-byte access at system
+// scope, so a reader that sees the counter sees the descriptor stored with it.
+PC_INLINE Vec16 ld_relaxed_sys_vec16(const Vec16* p) {
+    Vec16 v;
+    asm volatile("ld.relaxed.sys.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+PC_INLINE Vec16 ld_acquire_sys_vec16(const Vec16* p) {
+    Vec16 v;
+    asm volatile("ld.acquire.sys.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+PC_INLINE void st_relaxed_sys_vec16(Vec16* p, Vec16 v) {
+    asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+                 "r"(v.w)
+                 : "memory");
+}
+PC_INLINE void st_release_sys_vec16(Vec16* p, Vec16 v) {
+    asm volatile("st.release.sys.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+                 "r"(v.w)
+                 : "memory");
+}
+
 // ---------------------------------------------------------------------------------
 // Timer: %globaltimer counts nanoseconds.
 
@@ -109,6 +138,7 @@ PC_INLINE void overlap_with_neighbours() {
     extern "C" __global__ void __launch_bounds__(512) symbol(const Args a) { \
         overlap_with_neighbours();                                                    \
         body(a);                                                                      \
+        leave(a);                                                                     \
     }
 
 PEERCOMM_KERNELS(PC_CUDA_KERNEL)

@@ -81,6 +81,26 @@ PC_INLINE uint32_t atomic_add_relaxed_dev(PC_GLOBAL uint32_t* p, uint32_t v) {
 PC_INLINE Vec16 ld_volatile_vec16(const PC_GLOBAL Vec16* p) { return *(const volatile PC_GLOBAL Vec16*)p; }
 PC_INLINE void st_volatile_vec16(PC_GLOBAL Vec16* p, Vec16 v) { *(volatile PC_GLOBAL Vec16*)p = v; }
 
+// Barrier arrivals: a counter and a call descriptor in one 16-byte access, so a reader
+// that sees the counter sees the descriptor stored with it. The signal memory is
+// uncached, so volatile accesses reach it; the orders come from fences (system scope),
+// the release with the same explicit wait as st_release_sys.
+PC_INLINE Vec16 ld_relaxed_sys_vec16(const PC_GLOBAL Vec16* p) { return ld_volatile_vec16(p); }
+PC_INLINE Vec16 ld_acquire_sys_vec16(const PC_GLOBAL Vec16* p) {
+    const Vec16 v = ld_volatile_vec16(p);
+    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "");
+    return v;
+}
+PC_INLINE void st_relaxed_sys_vec16(PC_GLOBAL Vec16* p, Vec16 v) { st_volatile_vec16(p, v); }
+PC_INLINE void st_release_sys_vec16(PC_GLOBAL Vec16* p, Vec16 v) {
+    asm volatile("" : "+v"(p), "+v"(v));
+    __builtin_amdgcn_fence(__ATOMIC_RELEASE, "");
+#if defined(__GFX9__)
+    __builtin_amdgcn_s_waitcnt(0x0f70);  // vmcnt(0) only (gfx9 encoding)
+#endif
+    st_volatile_vec16(p, v);
+}
+
 // ---------------------------------------------------------------------------------
 // Timer: the wall clock, converted with peercomm_wall_clock_khz.
 
@@ -118,7 +138,10 @@ PC_INLINE uint16_t bf16_from_float(float x) {
 PC_INLINE const Args& kernel_args() { return *(const Args*)__builtin_amdgcn_kernarg_segment_ptr(); }
 
 #define PC_HIP_KERNEL(symbol, body) \
-    extern "C" __global__ void __launch_bounds__(1024) symbol(const Args) { body(kernel_args()); }
+    extern "C" __global__ void __launch_bounds__(1024) symbol(const Args) { \
+        body(kernel_args());                                                 \
+        leave(kernel_args());                                                \
+    }
 
 PEERCOMM_KERNELS(PC_HIP_KERNEL)
 PEERCOMM_COLLECTIVE_KERNELS(PC_HIP_KERNEL)

@@ -11,19 +11,15 @@ use crate::backend::KernelKind;
 ///
 /// Every algorithm sums in the same order (group rank 0, 1, ... in f32), so they give
 /// bitwise-identical results, and an element's result does not depend on the length
-/// of the message it is in. One exception, the sign of zero: `Lamport` sends -0.0 as
-/// +0.0 (-0.0 marks "not yet arrived"), so an element whose inputs are all -0.0 comes
-/// out +0.0 on that path and -0.0 on the others (IEEE addition gives -0.0 only when
-/// every addend is -0.0). `Lamport` runs only over the whole world of two or more
-/// ranks: forced over a group of one it runs `OneStage` (a copy that keeps every bit,
-/// reported as `OneStage`), and forced over a narrower subgroup it is refused with
+/// of the message it is in, the algorithm, or the API (single controller or per rank),
+/// with no exception. The sign of zero follows one rule: in a group of two or more
+/// every zero result is +0.0, on every algorithm (Lamport cannot carry -0.0, its
+/// "not yet arrived" mark, so the others give +0.0 too, even where every input is
+/// -0.0); a group of one (a world of one, or `group_size` 1) returns its input bit for
+/// bit, -0.0 included. `Lamport` runs only over the whole world of two or more ranks:
+/// forced over a group of one it runs `OneStage` (the copy, reported as `OneStage`),
+/// and forced over a narrower subgroup it is refused with
 /// [`crate::Error::Unsupported`]. `Auto` never picks it there.
-///
-/// The rule for the sign of zero, then: in a group of one (a world of one, or
-/// `group_size` 1) every request, `Auto` included, returns the input bit for bit; in
-/// wider groups an all-(-0.0) element may come out +0.0 when `Lamport` runs, which
-/// `Auto` may choose for small whole-world messages. Force `OneStage` or `TwoStage`
-/// where the sign of an exact zero matters.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Algorithm {
     /// Choose by the dispatch table.
@@ -34,7 +30,7 @@ pub enum Algorithm {
     /// Reduce-scatter, barrier, all-gather.
     TwoStage,
     /// Barrier-free push into the peers' Lamport regions (small messages; whole world
-    /// only; -0.0 comes out as +0.0).
+    /// only).
     Lamport,
     /// The whole call ran in the external library (NCCL on CUDA, RCCL on AMD, the host
     /// stand-in on the host backend): see [`crate::external`]. Returned when peer

@@ -3,6 +3,51 @@
 
 use crate::dtype::DType;
 
+/// `rank 3` or `an unknown rank`, for the timeout messages.
+fn waited_for(rank: Option<usize>) -> String {
+    rank.map_or_else(|| "an unknown rank".to_string(), |r| format!("rank {r}"))
+}
+
+/// What a call descriptor holds, in the order a mismatch names it (the first that
+/// differs): the collective, the element type, the group width, the root, the element
+/// count, the block count, the algorithm, and the call's place in the rank's sequence
+/// of calls in its barrier domain.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CallField {
+    /// The call's sequence number in its barrier domain: one rank of the group made
+    /// more or fewer collective calls of this width before this one.
+    Sequence,
+    /// Which collective (all-reduce, all-gather, broadcast, ...).
+    Collective,
+    /// The element type.
+    DType,
+    /// The group width (`group_size`).
+    GroupWidth,
+    /// The root of a broadcast or scatter.
+    Root,
+    /// The element count.
+    Length,
+    /// The blocks per launch (`blocks` option, or the grid agreed at setup).
+    Blocks,
+    /// The algorithm (one-stage, two-stage, Lamport).
+    Algorithm,
+}
+
+impl std::fmt::Display for CallField {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            CallField::Sequence => "call sequence number",
+            CallField::Collective => "collective",
+            CallField::DType => "element type",
+            CallField::GroupWidth => "group width",
+            CallField::Root => "root",
+            CallField::Length => "element count",
+            CallField::Blocks => "block count",
+            CallField::Algorithm => "algorithm",
+        })
+    }
+}
+
 /// Result with a peercomm [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
@@ -172,8 +217,9 @@ pub enum Error {
     },
     /// A barrier waited longer than the configured timeout: a peer never arrived.
     #[error(
-        "barrier timeout on rank {rank}, block {block}, barrier domain {domain}; \
-             the communicator must be re-initialised"
+        "barrier timeout on rank {rank}: it waited for {} (block {block}, barrier domain \
+         {domain}); the communicator must be re-initialised",
+        waited_for(*waiting_for)
     )]
     BarrierTimeout {
         /// World rank that gave up.
@@ -182,12 +228,18 @@ pub enum Error {
         block: usize,
         /// Barrier domain (counter bank) it waited in.
         domain: usize,
+        /// The world rank it waited for, which never arrived (`None` where the record
+        /// does not say).
+        waiting_for: Option<usize>,
     },
     /// A peer of this rank gave up waiting (its own wait timed out) and told this rank
     /// to stop: this rank abandoned its collective without writing its output. The
-    /// root cause is the [`Error::BarrierTimeout`] of rank `by`.
+    /// root cause is the [`Error::BarrierTimeout`] of rank `by`, which waited for rank
+    /// `waiting_for`.
     #[error(
-        "rank {rank} stopped because rank {by} gave up waiting (block {block}, barrier          domain {domain}); the communicator must be re-initialised"
+        "rank {rank} stopped because rank {by} gave up waiting for {} (block {block}, \
+         barrier domain {domain}); the communicator must be re-initialised",
+        waited_for(*waiting_for)
     )]
     PeerAborted {
         /// World rank that was told to stop.
@@ -198,6 +250,31 @@ pub enum Error {
         block: usize,
         /// Barrier domain it waited in.
         domain: usize,
+        /// The world rank `by` waited for: the one that never arrived (`None` where
+        /// the record does not say).
+        waiting_for: Option<usize>,
+    },
+    /// Rank `rank` and its peer `peer` made different collective calls at the same
+    /// point of their sequences: the call descriptors they published beside the start
+    /// barrier differ in `field`. Every rank of the group gets this error (each finds
+    /// the difference on its side), nothing is written past the outputs, and the
+    /// communicator must be re-initialised. See [`CallField`] for what is compared.
+    #[error(
+        "rank {rank} and rank {peer} made different calls: the {field} differs ({mine} on \
+         rank {rank}, {theirs} on rank {peer}); every rank must make the same collective \
+         calls in the same order. The communicator must be re-initialised"
+    )]
+    CallMismatch {
+        /// World rank that reports it.
+        rank: usize,
+        /// World rank whose call differs.
+        peer: usize,
+        /// The first field that differs.
+        field: CallField,
+        /// This rank's value of it.
+        mine: String,
+        /// The peer's value of it.
+        theirs: String,
     },
     /// An earlier barrier timed out; collectives are refused until `reinitialize`.
     #[error("the communicator is poisoned by an earlier barrier timeout; call reinitialize()")]

@@ -63,7 +63,7 @@ pub use comm::{
 };
 pub use dispatch::Algorithm;
 pub use dtype::{BackendElement, DType, Element};
-pub use error::{Error, Result};
+pub use error::{CallField, Error, Result};
 pub use signal::{
     barrier_domain, circular_add, SignalLayout, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
     NUM_BARRIER_DOMAINS,

@@ -13,6 +13,13 @@
 //!    then store `v` into peer `t`'s `peer_counter[d][v % 2][b][me]`;
 //! 2. for every peer `t`: spin until the own `peer_counter[d][v % 2][b][t] == v`.
 //!
+//! An arrival also carries the writer's call descriptor (three words, see
+//! `PEERCOMM_CALL_WORDS` in the header) beside the counter: the devices write both with
+//! one 16-byte store, the host writes the descriptor words before the counter's
+//! (release) store. A reader that sees the counter compares the descriptor with its own
+//! and stops with [`BarrierStop::Mismatch`] when they differ, so ranks that make
+//! different calls get a typed error instead of summing each other's stale data.
+//!
 //! The banks are double by generation parity: a fast peer that already reached the
 //! next barrier writes `v + 1` into the other bank, so it cannot overwrite the `v` a
 //! slow block is still waiting for. The orderings depend on the [`BarrierKind`]: a
@@ -49,7 +56,8 @@ pub trait BarrierSignals {
     type Cell: CounterCell + ?Sized;
     /// `self_counter[domain][block][peer]` of member `member`'s signal.
     fn self_counter(&self, member: usize, domain: usize, block: usize, peer: usize) -> &Self::Cell;
-    /// `peer_counter[domain][parity][block][writer]` of member `member`'s signal.
+    /// `peer_counter[domain][parity][block][writer]` of member `member`'s signal: the
+    /// counter word of the arrival.
     fn peer_counter(
         &self,
         member: usize,
@@ -58,6 +66,37 @@ pub trait BarrierSignals {
         block: usize,
         writer: usize,
     ) -> &Self::Cell;
+    /// The call-descriptor words of the same arrival (words 1-3), or `None` where the
+    /// signals carry none (the loom model checks the counters alone).
+    fn arrival_call(
+        &self,
+        _member: usize,
+        _domain: usize,
+        _parity: usize,
+        _block: usize,
+        _writer: usize,
+    ) -> Option<[&Self::Cell; 3]> {
+        None
+    }
+}
+
+/// Why a barrier with call descriptors stopped.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BarrierStop<T> {
+    /// The backoff gave up while waiting for group rank `awaited`.
+    Gave {
+        /// The group rank whose arrival did not come.
+        awaited: usize,
+        /// The backoff's reason.
+        why: T,
+    },
+    /// Group rank `peer` arrived with another call descriptor (`theirs`).
+    Mismatch {
+        /// The group rank whose call differs.
+        peer: usize,
+        /// Its descriptor words.
+        theirs: [u32; 3],
+    },
 }
 
 /// What the barrier does between two loads of a counter that has not arrived yet.
@@ -119,16 +158,37 @@ pub struct BarrierSite {
 
 /// The counter barrier (see the module docs), with the arrival store and the spin's
 /// loads at `orderings` (from [`BarrierKind::device_orderings`] or
-/// [`BarrierKind::host_orderings`]). Returns the backoff's error if it gives up (a
-/// timeout, or the rank's abort word); the counters are then left mid-barrier and the
-/// signal must be re-initialised.
+/// [`BarrierKind::host_orderings`]), carrying no call descriptor. Returns the backoff's
+/// error if it gives up (a timeout, or the rank's abort word); the counters are then
+/// left mid-barrier and the signal must be re-initialised. This is
+/// [`barrier_with_call`] without a descriptor: the same steps.
 #[inline]
 pub fn barrier<S, W>(
     signals: &S,
     site: BarrierSite,
-    (store_order, load_order): (Ordering, Ordering),
+    orderings: (Ordering, Ordering),
     backoff: &mut W,
 ) -> Result<(), W::Timeout>
+where
+    S: BarrierSignals + ?Sized,
+    W: Backoff + ?Sized,
+{
+    barrier_with_call(signals, site, orderings, None, backoff).map_err(|stop| match stop {
+        BarrierStop::Gave { why, .. } => why,
+        BarrierStop::Mismatch { .. } => unreachable!("no descriptor, no mismatch"),
+    })
+}
+
+/// The counter barrier with this rank's call descriptor `call` published beside every
+/// arrival (where the signals have room for it) and compared with every peer's.
+#[inline]
+pub fn barrier_with_call<S, W>(
+    signals: &S,
+    site: BarrierSite,
+    (store_order, load_order): (Ordering, Ordering),
+    call: Option<[u32; 3]>,
+    backoff: &mut W,
+) -> Result<(), BarrierStop<W::Timeout>>
 where
     S: BarrierSignals + ?Sized,
     W: Backoff + ?Sized,
@@ -144,14 +204,29 @@ where
         let counter = signals.self_counter(me, d, b, t);
         v = counter.load(Ordering::Relaxed).wrapping_add(1);
         counter.store(v, Ordering::Relaxed);
+        let parity = (v % 2) as usize;
+        if let (Some(words), Some(cells)) = (call, signals.arrival_call(t, d, parity, b, me)) {
+            for (cell, word) in cells.into_iter().zip(words) {
+                cell.store(word, Ordering::Relaxed);
+            }
+        }
         signals
-            .peer_counter(t, d, (v % 2) as usize, b, me)
+            .peer_counter(t, d, parity, b, me)
             .store(v, store_order);
     }
+    let parity = (v % 2) as usize;
     for t in 0..width {
-        let flag = signals.peer_counter(me, d, (v % 2) as usize, b, t);
+        let flag = signals.peer_counter(me, d, parity, b, t);
         while flag.load(load_order) != v {
-            backoff.wait()?;
+            backoff
+                .wait()
+                .map_err(|why| BarrierStop::Gave { awaited: t, why })?;
+        }
+        if let (Some(mine), Some(cells)) = (call, signals.arrival_call(me, d, parity, b, t)) {
+            let theirs = cells.map(|c| c.load(Ordering::Relaxed));
+            if theirs != mine {
+                return Err(BarrierStop::Mismatch { peer: t, theirs });
+            }
         }
     }
     Ok(())

@@ -46,8 +46,20 @@ pub const ERROR_DOMAIN: usize = bindings::PEERCOMM_ERROR_DOMAIN as usize;
 pub const ERROR_BARRIER_TIMEOUT: u32 = bindings::PEERCOMM_ERROR_BARRIER_TIMEOUT;
 /// Error code a rank that gave up writes into its group peers' records.
 pub const ERROR_PEER_ABORTED: u32 = bindings::PEERCOMM_ERROR_PEER_ABORTED;
+/// Error code of a rank that found a peer making another call (its descriptor differs).
+pub const ERROR_CALL_MISMATCH: u32 = bindings::PEERCOMM_ERROR_CALL_MISMATCH;
 /// Code word value while the rest of an error record is being written.
 pub const ERROR_WRITING: u32 = bindings::PEERCOMM_ERROR_WRITING;
+/// Words of a call descriptor.
+pub const CALL_WORDS: usize = bindings::PEERCOMM_CALL_WORDS as usize;
+/// Index of the writer's descriptor in `Signal::error_detail`.
+pub const DETAIL_MINE: usize = bindings::PEERCOMM_DETAIL_MINE as usize;
+/// Index of the awaited world rank plus one in `Signal::error_detail`.
+pub const DETAIL_AWAITED: usize = bindings::PEERCOMM_DETAIL_AWAITED as usize;
+/// Index of the awaited rank's descriptor in `Signal::error_detail`.
+pub const DETAIL_THEIRS: usize = bindings::PEERCOMM_DETAIL_THEIRS as usize;
+/// Index of the flag saying the awaited rank's descriptor was read.
+pub const DETAIL_THEIRS_VALID: usize = bindings::PEERCOMM_DETAIL_THEIRS_VALID as usize;
 
 /// Where the bindings came from: `"bindgen"` (generated from the header in this build)
 /// or `"committed"` (libclang was missing; the committed copy was used).
@@ -109,7 +121,8 @@ impl SignalLayout {
                 self.lamport_slots
             )));
         }
-        if self.lamport_slot_bytes % PACK_BYTES != 0 || self.lamport_slot_bytes > u32::MAX as usize
+        if !self.lamport_slot_bytes.is_multiple_of(PACK_BYTES)
+            || self.lamport_slot_bytes > u32::MAX as usize
         {
             return Err(crate::Error::InvalidConfig(format!(
                 "lamport_slot_bytes must be a multiple of {PACK_BYTES} below 4 GiB, not {}",
@@ -182,11 +195,19 @@ mod tests {
         assert_eq!(offset_of!(Signal, self_counter), 0);
         assert_eq!(offset_of!(Signal, peer_counter), d * b * g * 4);
         assert_eq!(offset_of!(Signal, peer_counter), 262_144);
-        assert_eq!(offset_of!(Signal, lamport_state), 786_432);
-        assert_eq!(offset_of!(Signal, error_state), 786_448);
-        assert_eq!(offset_of!(Signal, quit), 786_464);
-        assert_eq!(offset_of!(Signal, reserved), 786_464 + b * g * 4);
-        assert_eq!(size_of::<Signal>(), 819_456);
+        // Arrivals of 16 bytes: counter and call descriptor.
+        assert_eq!(offset_of!(Signal, peer_counter) % 16, 0);
+        assert_eq!(
+            offset_of!(Signal, lamport_state),
+            262_144 + d * 2 * b * g * 16
+        );
+        assert_eq!(offset_of!(Signal, lamport_state), 2_359_296);
+        assert_eq!(offset_of!(Signal, error_state), 2_359_312);
+        assert_eq!(offset_of!(Signal, error_detail), 2_359_328);
+        assert_eq!(offset_of!(Signal, current_call), 2_359_360);
+        assert_eq!(offset_of!(Signal, quit), 2_359_376);
+        assert_eq!(offset_of!(Signal, reserved), 2_359_376 + b * g * 4);
+        assert_eq!(size_of::<Signal>(), 2_392_320);
         assert_eq!(size_of::<Signal>() % REGION_ALIGN, 0);
     }
 
@@ -210,6 +231,7 @@ mod tests {
         assert_eq!(offset_of!(AllReduceArgs, residual), 256);
         assert_eq!(offset_of!(AllReduceArgs, weight), 264);
         assert_eq!(offset_of!(AllReduceArgs, epsilon), 272);
+        assert_eq!(offset_of!(AllReduceArgs, call), 276);
         assert_eq!(size_of::<AllReduceArgs>(), 288);
     }
 
@@ -221,9 +243,9 @@ mod tests {
                 lamport_slots: slots,
                 payload_bytes: 1000,
             };
-            assert_eq!(l.lamport_offset(), 819_456);
+            assert_eq!(l.lamport_offset(), 2_392_320);
             assert_eq!(l.lamport_region_bytes(), 3 * slots * 4096);
-            assert_eq!(l.payload_offset(), 819_456 + 3 * slots * 4096);
+            assert_eq!(l.payload_offset(), 2_392_320 + 3 * slots * 4096);
             assert_eq!(l.checked_total_bytes().unwrap(), l.payload_offset() + 1024);
         }
         for slots in [0, MAX_GPUS + 1] {

@@ -15,16 +15,24 @@ pub const PEERCOMM_ERROR_BLOCK: u32 = 2;
 pub const PEERCOMM_ERROR_DOMAIN: u32 = 3;
 pub const PEERCOMM_ERROR_BARRIER_TIMEOUT: u32 = 1;
 pub const PEERCOMM_ERROR_PEER_ABORTED: u32 = 2;
+pub const PEERCOMM_ERROR_CALL_MISMATCH: u32 = 3;
 pub const PEERCOMM_ERROR_WRITING: u32 = 4294967295;
+pub const PEERCOMM_DETAIL_MINE: u32 = 0;
+pub const PEERCOMM_DETAIL_AWAITED: u32 = 3;
+pub const PEERCOMM_DETAIL_THEIRS: u32 = 4;
+pub const PEERCOMM_DETAIL_THEIRS_VALID: u32 = 7;
+pub const PEERCOMM_CALL_WORDS: u32 = 3;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct peercomm_signal {
     pub self_counter: [[[u32; 8usize]; 1024usize]; 8usize],
-    pub peer_counter: [[[[u32; 8usize]; 1024usize]; 2usize]; 8usize],
+    pub peer_counter: [[[[[u32; 4usize]; 8usize]; 1024usize]; 2usize]; 8usize],
     pub lamport_state: [u32; 4usize],
     pub error_state: [u32; 4usize],
+    pub error_detail: [u32; 8usize],
+    pub current_call: [u32; 4usize],
     pub quit: [[u32; 8usize]; 1024usize],
-    pub reserved: [u32; 56usize],
+    pub reserved: [u32; 44usize],
 }
 impl Default for peercomm_signal {
     fn default() -> Self {
@@ -63,5 +71,5 @@ pub struct peercomm_allreduce_args {
     pub residual: u64,
     pub weight: u64,
     pub epsilon: f32,
-    pub reserved: [u32; 3usize],
+    pub call: [u32; 3usize],
 }

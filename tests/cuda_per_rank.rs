@@ -311,3 +311,45 @@ fn cuda_per_rank_fuzz() {
         per_rank_suite::fuzz::fuzz_threads::<Cuda>(&place, world, calls, 24);
     }
 }
+
+// Trust on the per-rank path (issue 18): the grid agreed across ranks that report
+// different multiprocessor counts, typed call mismatches on every rank, the rank that
+// never came named, one sign of zero.
+macro_rules! cuda_trust {
+    ($name:ident, |$place:ident| $body:expr) => {
+        #[test]
+        fn $name() {
+            if let Some($place) = placement(stringify!($name)) {
+                $body;
+            }
+        }
+    };
+}
+
+cuda_trust!(
+    cuda_per_rank_unequal_multiprocessors_agree_on_the_grid,
+    |place| {
+        per_rank_suite::trust::unequal_multiprocessors_agree_on_the_grid::<Cuda>(&place, &[4, 8]);
+        per_rank_suite::trust::unequal_multiprocessors_agree_on_the_grid::<Cuda>(
+            &place,
+            &[16, 3, 9],
+        );
+    }
+);
+cuda_trust!(cuda_per_rank_mismatched_calls_are_typed_errors, |place| {
+    per_rank_suite::trust::mismatched_calls_are_typed_errors::<Cuda>(&place, 2);
+    per_rank_suite::trust::mismatched_calls_are_typed_errors::<Cuda>(&place, 3);
+});
+cuda_trust!(cuda_per_rank_group_of_one_against_a_world_call, |place| {
+    per_rank_suite::trust::a_group_of_one_against_a_world_call_is_caught_late::<Cuda>(&place)
+});
+cuda_trust!(cuda_per_rank_different_group_widths, |place| {
+    per_rank_suite::trust::different_group_widths_are_caught::<Cuda>(&place)
+});
+cuda_trust!(cuda_per_rank_the_rank_that_never_came_is_named, |place| {
+    per_rank_suite::trust::the_rank_that_never_came_is_named::<Cuda>(&place)
+});
+cuda_trust!(cuda_per_rank_one_sign_of_zero, |place| {
+    per_rank_suite::trust::one_sign_of_zero::<Cuda>(&place, 2);
+    per_rank_suite::trust::one_sign_of_zero::<Cuda>(&place, 3);
+});

@@ -96,3 +96,87 @@ fn per_rank_collectives_world_8() {
 fn per_rank_collectives_bad_inputs() {
     per_rank_suite::collectives::bad_inputs::<Host>(&HOST);
 }
+
+#[test]
+fn per_rank_unequal_multiprocessors_agree_on_the_grid() {
+    per_rank_suite::trust::unequal_multiprocessors_agree_on_the_grid::<Host>(&HOST, &[1, 2]);
+    per_rank_suite::trust::unequal_multiprocessors_agree_on_the_grid::<Host>(&HOST, &[3, 1, 2]);
+}
+
+/// The reported case itself: ranks whose threads are pinned to 1 and 2 cores (the host
+/// backend's multiprocessors are the cores its thread may run on) and a grid left to
+/// peercomm. Linux only (thread affinity); needs at least 2 cores.
+#[cfg(target_os = "linux")]
+#[test]
+fn per_rank_unequal_core_counts_agree_on_the_grid() {
+    use rustix::thread::{sched_getaffinity, sched_setaffinity, CpuSet};
+    let mine = sched_getaffinity(None).expect("affinity");
+    let cpus: Vec<usize> = (0..CpuSet::MAX_CPU).filter(|&c| mine.is_set(c)).collect();
+    if cpus.len() < 2 {
+        common::announce_skip(
+            "per_rank_unequal_core_counts_agree_on_the_grid",
+            "needs 2 cores to pin ranks to 1 and 2 of them",
+        );
+        return;
+    }
+    let config = peercomm::CommConfig {
+        max_blocks: None,
+        ..per_rank_suite::trust::placement_config(&HOST, 2)
+    };
+    // Pin in the worker threads: `with_affinity` sets the mask of the calling thread.
+    per_rank_suite::trust::check_one_stage_sums_pinned::<Host>(
+        &HOST,
+        &config,
+        &|rank| {
+            let mut set = CpuSet::new();
+            for &c in &cpus[..rank + 1] {
+                set.set(c);
+            }
+            sched_setaffinity(None, &set).expect("pin the rank's thread");
+            assert_eq!(
+                std::thread::available_parallelism().unwrap().get(),
+                rank + 1
+            );
+        },
+        "unequal_core_counts",
+    );
+}
+
+#[test]
+fn per_rank_mismatched_calls_are_typed_errors_world_2() {
+    per_rank_suite::trust::mismatched_calls_are_typed_errors::<Host>(&HOST, 2);
+}
+
+#[test]
+fn per_rank_mismatched_calls_are_typed_errors_world_3() {
+    per_rank_suite::trust::mismatched_calls_are_typed_errors::<Host>(&HOST, 3);
+}
+
+#[test]
+fn per_rank_group_of_one_against_a_world_call() {
+    per_rank_suite::trust::a_group_of_one_against_a_world_call_is_caught_late::<Host>(&HOST);
+}
+
+#[test]
+fn per_rank_different_group_widths() {
+    per_rank_suite::trust::different_group_widths_are_caught::<Host>(&HOST);
+}
+
+#[test]
+fn per_rank_the_rank_that_never_came_is_named() {
+    per_rank_suite::trust::the_rank_that_never_came_is_named::<Host>(&HOST);
+}
+
+#[test]
+fn per_rank_one_sign_of_zero() {
+    per_rank_suite::trust::one_sign_of_zero::<Host>(&HOST, 2);
+    per_rank_suite::trust::one_sign_of_zero::<Host>(&HOST, 3);
+}
+
+/// `Comm` moves to the thread that drives its rank (it is `Send`; that it is not
+/// `Sync` is a compile-fail doctest on `Comm`).
+#[test]
+fn per_rank_comm_is_send() {
+    fn send<T: Send>() {}
+    send::<peercomm::Comm<Host>>();
+}

@@ -340,7 +340,7 @@ fn fused(gpu: &Gpu, args: &Args, nccl: Option<&[cudarc::nccl::Comm]>) -> Vec<Rec
             .iter()
             .zip(&outs[1])
             .all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
-        let near = outs.get(2).map_or(true, |nc| {
+        let near = outs.get(2).is_none_or(|nc| {
             outs[0].iter().zip(nc).all(|(a, b)| {
                 a.iter().zip(b).all(|(x, y)| {
                     (x.to_f32() - y.to_f32()).abs() <= 0.05 * (1.0 + y.to_f32().abs())

@@ -52,7 +52,7 @@ struct Args {
     /// Skip the forced algorithms (auto dispatch and NCCL only).
     #[arg(long)]
     auto_only: bool,
-    /// Bytes of one Lamport slot (the largest Lamport message).
+    /// The largest Lamport message in bytes (its slot holds it and a 16-byte header).
     #[arg(long, default_value_t = 1 << 20)]
     lamport_slot_bytes: usize,
     /// Upper bound of blocks per launch (default: one per multiprocessor).
@@ -412,9 +412,12 @@ fn algorithms(args: &Args) -> Vec<Algorithm> {
 }
 
 fn group_list(args: &Args, world: usize) -> Vec<usize> {
-    args.groups
-        .clone()
-        .unwrap_or_else(|| (1..=world).rev().filter(|g| world % g == 0).collect())
+    args.groups.clone().unwrap_or_else(|| {
+        (1..=world)
+            .rev()
+            .filter(|g| world.is_multiple_of(*g))
+            .collect()
+    })
 }
 
 // ---------------------------------------------------------------------------------
@@ -427,7 +430,8 @@ fn run_host(args: &Args, why: &str) -> Report {
     let max = args.max_bytes.unwrap_or(4 << 20);
     let config = CommConfig {
         payload_bytes: max,
-        lamport_slot_bytes: args.lamport_slot_bytes,
+        // The slot holds the largest Lamport message and its 16-byte header.
+        lamport_slot_bytes: args.lamport_slot_bytes + 16,
         ..CommConfig::default()
     };
     let comm = Communicator::<Host>::new(&[0, 1], config).expect("host communicator");

@@ -201,7 +201,8 @@ fn sweep(
     let sizes = sizes(args, args.min_bytes, max);
     let config = CommConfig {
         payload_bytes: max.max(1 << 20),
-        lamport_slot_bytes: args.lamport_slot_bytes,
+        // The slot holds the largest Lamport message and its 16-byte header.
+        lamport_slot_bytes: args.lamport_slot_bytes + 16,
         barrier_timeout: Some(Duration::from_secs(30)),
         max_blocks: if shared { Some(4) } else { args.max_blocks },
         threads_per_block: args.threads,

@@ -124,8 +124,8 @@ impl<'a> Reader<'a> {
 /// A random number drawn once per process: GPU handles carry their exporter's, so that
 /// importing in the exporting process (which CUDA and HIP IPC refuse) is recognised
 /// before the driver is asked, whatever error code the driver would give. A process id
-/// would not do: processes in different pid namespaces can share one.
-#[cfg(any(feature = "cuda", feature = "hip"))]
+/// would not do: processes in different pid namespaces can share one. The per-rank
+/// setup compares it too, to tell ranks of this process from ranks of others.
 pub(crate) fn process_token() -> u64 {
     use std::sync::OnceLock;
     static TOKEN: OnceLock<u64> = OnceLock::new();

@@ -15,7 +15,7 @@ pub mod cuda;
 // The exported-handle records: used by the host backend's shared memory (Linux) and by
 // the GPU backends.
 #[cfg(any(target_os = "linux", feature = "cuda", feature = "hip"))]
-mod handle;
+pub(crate) mod handle;
 #[cfg(feature = "hip")]
 pub mod hip;
 pub mod host;

@@ -199,14 +199,14 @@ impl Settings {
 /// epsilon.
 fn check_rms_norm(dtype: DType, elements: usize, hidden: usize, epsilon: f32) -> Result<()> {
     let lanes = dtype.lanes();
-    if hidden == 0 || hidden % lanes != 0 || u32::try_from(hidden).is_err() {
+    if hidden == 0 || !hidden.is_multiple_of(lanes) || u32::try_from(hidden).is_err() {
         return Err(Error::Unsupported(format!(
             "the fused all-reduce + RMSNorm needs a hidden size that is a positive multiple \
              of {lanes} ({} elements per 16-byte pack), not {hidden}",
             dtype.name()
         )));
     }
-    if elements % hidden != 0 {
+    if !elements.is_multiple_of(hidden) {
         return Err(Error::Unsupported(format!(
             "{elements} elements are not whole rows of hidden size {hidden}"
         )));

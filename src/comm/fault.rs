@@ -2,9 +2,6 @@
 //! purpose, so that users can test their own timeout handling. Without the feature
 //! nothing here is public and no launch is ever left out.
 
-#[cfg(feature = "fault-injection")]
-use std::sync::atomic::Ordering;
-
 use crate::backend::Backend;
 #[cfg(feature = "fault-injection")]
 use crate::error::{Error, Result};
@@ -33,7 +30,7 @@ impl<B: Backend> Communicator<B> {
     /// let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
     /// comm.miss_next(1)?;
     /// comm.all_reduce_sum_slices_in_place(&mut bufs, &opts)?; // rank 1 never launches
-    /// assert_eq!(comm.synchronize(), Err(Error::BarrierTimeout { rank: 0, block: 0, domain: 0 }));
+    /// assert_eq!(comm.synchronize(), Err(Error::BarrierTimeout { rank: 0, block: 0, domain: 0, waiting_for: Some(1) }));
     /// comm.reinitialize()?;
     /// comm.all_reduce_sum_slices_in_place(&mut bufs, &opts)?;
     /// comm.synchronize()?;
@@ -47,16 +44,27 @@ impl<B: Backend> Communicator<B> {
                 self.world_size()
             )));
         }
-        self.missing.fetch_or(1 << rank, Ordering::AcqRel);
+        self.ranks[rank].miss_next_launch();
         Ok(())
     }
 
-    /// The ranks (a bit each) the next launch leaves out, cleared.
-    pub(super) fn take_missing(&self) -> u32 {
-        #[cfg(feature = "fault-injection")]
-        return self.missing.swap(0, Ordering::AcqRel);
-        #[cfg(not(feature = "fault-injection"))]
-        0
+    /// Fault injection (feature `fault-injection`): `rank`'s next collective publishes
+    /// a call descriptor one ahead in the call sequence, as a rank that made one call
+    /// more than its peers would. The call's group finds the difference at its first
+    /// barrier (or Lamport header): [`Communicator::synchronize`] returns
+    /// [`Error::CallMismatch`] and [`Communicator::rank_errors`] shows it on every rank
+    /// of the group, nothing is written, and [`Communicator::reinitialize`] recovers. A
+    /// group of one has nobody to compare with: its call runs as usual.
+    #[cfg(feature = "fault-injection")]
+    pub fn mismatch_next(&self, rank: usize) -> Result<()> {
+        if rank >= self.world_size() {
+            return Err(Error::InvalidDevices(format!(
+                "rank {rank} is outside the world of {}",
+                self.world_size()
+            )));
+        }
+        self.ranks[rank].skew_next_call();
+        Ok(())
     }
 }
 
@@ -70,14 +78,14 @@ impl<B: Backend> Comm<B> {
     /// [`Comm::reinitialize`] to recover.
     #[cfg(feature = "fault-injection")]
     pub fn miss_next(&self) {
-        self.missing.store(true, Ordering::Release);
+        self.rank.miss_next_launch();
     }
 
-    /// Whether the next collective is to be left out (and clears the request).
-    pub(super) fn take_missing(&self) -> bool {
-        #[cfg(feature = "fault-injection")]
-        return self.missing.swap(false, Ordering::AcqRel);
-        #[cfg(not(feature = "fault-injection"))]
-        false
+    /// Fault injection (feature `fault-injection`): this rank's next collective
+    /// publishes a call descriptor one ahead in the call sequence (see
+    /// [`Communicator::mismatch_next`]): its group gets [`Error::CallMismatch`].
+    #[cfg(feature = "fault-injection")]
+    pub fn mismatch_next(&self) {
+        self.rank.skew_next_call();
     }
 }

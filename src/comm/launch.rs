@@ -8,6 +8,7 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::signal::{barrier_domain, AllReduceArgs, MAX_GPUS};
 
+use super::call;
 use super::plan::Plan;
 use super::settings::Settings;
 use super::{Communicator, Rank};
@@ -58,11 +59,7 @@ impl<B: Backend> Communicator<B> {
         self.check_peer_group(plan.width)?;
         let _launches = self.lock_launches();
         self.check_usable()?;
-        let missing = self.take_missing();
         for (i, &r) in ranks.iter().enumerate() {
-            if missing & (1 << r) != 0 {
-                continue;
-            }
             let rank = &self.ranks[r];
             let launched = rank.launch_fused(
                 &self.settings,
@@ -77,6 +74,14 @@ impl<B: Backend> Communicator<B> {
                     self.poisoned.store(true, Ordering::Release);
                 }
                 return Err(e);
+            }
+        }
+        // Ranks left out of this launch count it too, so that every rank's call
+        // sequence stays the same.
+        let domain = barrier_domain(plan.width, self.settings.world);
+        for (r, rank) in self.ranks.iter().enumerate() {
+            if !ranks.contains(&r) {
+                rank.next_call(domain);
             }
         }
         Ok(())
@@ -110,6 +115,13 @@ impl<B: Backend> Rank<B> {
     ) -> Result<()> {
         let r = self.index;
         let width = plan.width;
+        let domain = barrier_domain(width, settings.world);
+        let seq = self.next_call(domain);
+        if self.take_missing() {
+            // Fault injection: counted as made (a late rank, not one that skipped a
+            // call), launched nowhere.
+            return Ok(());
+        }
         let base = r / width * width;
         let layout = &settings.layout;
         let payload_off = layout.payload_offset() as u64;
@@ -121,7 +133,7 @@ impl<B: Backend> Rank<B> {
             lamport_slot_bytes: layout.lamport_slot_bytes as u32,
             group_rank: (r - base) as u32,
             group_width: width as u32,
-            domain: barrier_domain(width, settings.world) as u32,
+            domain: domain as u32,
             world_rank: r as u32,
             stage_input: plan.stage_input as u32,
             root: plan.collective.root,
@@ -129,6 +141,7 @@ impl<B: Backend> Rank<B> {
             residual,
             weight,
             epsilon: plan.collective.epsilon,
+            call: call::encode(plan, seq),
             ..Default::default()
         };
         for k in 0..width {
@@ -145,6 +158,41 @@ impl<B: Backend> Rank<B> {
             B::launch_overlapping(&self.device, plan.kernel, plan.dims, &args)
         } else {
             B::launch(&self.device, plan.kernel, plan.dims, &args)
+        }
+    }
+
+    /// The sequence number of the next collective call in barrier `domain` (it counts
+    /// every launch there).
+    fn next_call(&self, domain: usize) -> u32 {
+        let seq = self.calls[domain].fetch_add(1, Ordering::Relaxed);
+        if self.skew_next.load(Ordering::Relaxed) && self.skew_next.swap(false, Ordering::AcqRel) {
+            return seq.wrapping_add(1);
+        }
+        seq
+    }
+
+    /// Whether fault injection leaves this launch out (and clears the request).
+    fn take_missing(&self) -> bool {
+        self.missing.load(Ordering::Relaxed) && self.missing.swap(false, Ordering::AcqRel)
+    }
+
+    /// Fault injection: this rank's next launch is left out.
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn miss_next_launch(&self) {
+        self.missing.store(true, Ordering::Release);
+    }
+
+    /// Fault injection: this rank's next launch publishes a call one ahead in the
+    /// sequence, so its group gets [`crate::Error::CallMismatch`].
+    #[cfg(feature = "fault-injection")]
+    pub(crate) fn skew_next_call(&self) {
+        self.skew_next.store(true, Ordering::Release);
+    }
+
+    /// Starts the call counts again (the signal was just initialised, on every rank).
+    pub(crate) fn restart_calls(&self) {
+        for c in &self.calls {
+            c.store(0, Ordering::Relaxed);
         }
     }
 

@@ -12,9 +12,10 @@ use crate::backend::{Backend, Kernel, KernelKind, LaunchDims, MemoryKind};
 use crate::dispatch::Algorithm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::signal::{SignalLayout, MAX_GPUS};
+use crate::signal::{SignalLayout, MAX_GPUS, NUM_BARRIER_DOMAINS};
 use crate::tensor::{Tensor, TensorMut};
 
+mod call;
 mod collective;
 mod config;
 mod fault;
@@ -54,6 +55,15 @@ pub struct Rank<B: Backend> {
     signal: B::Memory,
     /// `peer_signals[j]`: where this rank reaches rank j's signal.
     peer_signals: [u64; MAX_GPUS],
+    /// Collective launches per barrier domain since the signal was last initialised:
+    /// the sequence number of the call descriptor (see `call.rs`), the same on every
+    /// rank of a group that makes the same calls (sibling groups count apart).
+    calls: [std::sync::atomic::AtomicU32; NUM_BARRIER_DOMAINS],
+    /// Fault injection: the next launch publishes the sequence number one ahead, as a
+    /// rank that made one call more would.
+    skew_next: AtomicBool,
+    /// Fault injection: the next launch is left out (counted as made).
+    missing: AtomicBool,
 }
 
 impl<B: Backend> Rank<B> {
@@ -86,8 +96,6 @@ pub struct Communicator<B: Backend> {
     /// ranks would run collectives in different orders.
     launch_lock: Mutex<()>,
     /// Fault injection: ranks (a bit each) the next launch leaves out.
-    #[cfg(feature = "fault-injection")]
-    missing: std::sync::atomic::AtomicU32,
     /// Which calls peer memory serves and which the external library.
     route: SingleRoute<B>,
 }
@@ -123,7 +131,19 @@ impl<B: Backend> Communicator<B> {
             }
         }
         let arch = B::architecture(&devices[0])?;
-        let sms = B::multiprocessor_count(&devices[0])?;
+        // The same grid on every rank: from the device with the fewest multiprocessors.
+        let sms = devices
+            .iter()
+            .enumerate()
+            .map(|(r, d)| {
+                Ok(config
+                    .simulate
+                    .multiprocessors_of(r, B::multiprocessor_count(d)?))
+            })
+            .collect::<Result<Vec<_>>>()?
+            .into_iter()
+            .min()
+            .unwrap_or(1);
         let (fallback, simulate) = (config.fallback, config.simulate.clone());
         let mut settings = Settings::new(config, arch, sms, world, true)?;
         let per_device = ordinals
@@ -158,6 +178,9 @@ impl<B: Backend> Communicator<B> {
                 device,
                 signal,
                 peer_signals: [0; MAX_GPUS],
+                calls: Default::default(),
+                skew_next: AtomicBool::new(false),
+                missing: AtomicBool::new(false),
             })
             .collect();
         for i in 0..world {
@@ -178,8 +201,6 @@ impl<B: Backend> Communicator<B> {
             poisoned: AtomicBool::new(false),
             group_depth: AtomicUsize::new(0),
             launch_lock: Mutex::new(()),
-            #[cfg(feature = "fault-injection")]
-            missing: Default::default(),
             route: SingleRoute::peer(),
         };
         comm.reinitialize()?;
@@ -290,6 +311,7 @@ impl<B: Backend> Communicator<B> {
                 self.settings.layout,
                 base,
             )?;
+            r.restart_calls();
         }
         for r in &self.ranks {
             B::synchronize(&r.device)?;

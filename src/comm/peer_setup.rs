@@ -5,6 +5,7 @@
 //! cannot serve, every rank learns so at the same step and gets its device back, so
 //! that the communicator can fall back to the external library.
 
+use crate::backend::handle::process_token;
 use crate::backend::{Backend, MemoryKind};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
@@ -16,7 +17,7 @@ use super::settings::Settings;
 use super::{peer_check, CommConfig, Rank};
 
 /// Format version of the per-rank exchange record.
-const RECORD_VERSION: u8 = 1;
+const RECORD_VERSION: u8 = 2;
 
 /// A working peer-memory core: this rank's signal and where it reaches its group's.
 pub(super) struct PeerCore<B: Backend> {
@@ -35,8 +36,15 @@ pub(super) enum Outcome<B: Backend> {
 }
 
 /// What each rank tells the others at setup.
+#[derive(Clone, Debug, PartialEq)]
 struct PeerRecord {
-    pid: u32,
+    /// A random number drawn once per process (`process_token`): ranks with the same
+    /// token share a process and reach each other's memory by address. A process id
+    /// would not do: processes in different pid namespaces (containers) share ids.
+    process: u64,
+    /// The device's multiprocessors (CPU cores on the host backend): the grid is
+    /// sized from the fewest of the group.
+    multiprocessors: u32,
     ordinal: usize,
     signal_addr: u64,
     arch: String,
@@ -46,7 +54,8 @@ struct PeerRecord {
 impl PeerRecord {
     fn encode(&self) -> Vec<u8> {
         let mut out = vec![RECORD_VERSION];
-        out.extend_from_slice(&self.pid.to_le_bytes());
+        out.extend_from_slice(&self.process.to_le_bytes());
+        out.extend_from_slice(&self.multiprocessors.to_le_bytes());
         out.extend_from_slice(&(self.ordinal as u64).to_le_bytes());
         out.extend_from_slice(&self.signal_addr.to_le_bytes());
         out.extend_from_slice(&self.checksum.to_le_bytes());
@@ -68,14 +77,16 @@ impl PeerRecord {
                 "rank {rank} runs another peercomm version (setup record format)"
             )));
         }
-        let pid = u32::from_le_bytes(take(4)?.try_into().unwrap());
+        let process = u64::from_le_bytes(take(8)?.try_into().unwrap());
+        let multiprocessors = u32::from_le_bytes(take(4)?.try_into().unwrap());
         let ordinal = u64::from_le_bytes(take(8)?.try_into().unwrap()) as usize;
         let signal_addr = u64::from_le_bytes(take(8)?.try_into().unwrap());
         let checksum = u64::from_le_bytes(take(8)?.try_into().unwrap());
         let n = u32::from_le_bytes(take(4)?.try_into().unwrap()) as usize;
         let arch = String::from_utf8(take(n)?.to_vec()).map_err(|_| bad())?;
         Ok(PeerRecord {
-            pid,
+            process,
+            multiprocessors,
             ordinal,
             signal_addr,
             arch,
@@ -111,6 +122,9 @@ pub(super) fn solo<B: Backend>(device: B::Device, config: &CommConfig) -> Result
             device,
             signal,
             peer_signals,
+            calls: Default::default(),
+            skew_next: std::sync::atomic::AtomicBool::new(false),
+            missing: std::sync::atomic::AtomicBool::new(false),
         },
         settings,
         mappings: Vec::new(),
@@ -132,7 +146,9 @@ pub(super) fn establish<B: Backend>(
     let (me, n) = (group.rank(), group.world_size());
     let checksum = config_checksum(config);
     let arch = B::architecture(&device)?;
-    let sms = B::multiprocessor_count(&device)?;
+    let sms = config
+        .simulate
+        .multiprocessors_of(members[me], B::multiprocessor_count(&device)?);
     let mut settings = Settings::new(config.clone(), arch.clone(), sms, n, false)?;
     let layout = settings.layout;
     let kind = if n > 1 {
@@ -144,7 +160,8 @@ pub(super) fn establish<B: Backend>(
     init_signal_buffer_with_counter_base::<B>(&device, &signal, layout, 0)?;
     B::synchronize(&device)?;
     let mine = PeerRecord {
-        pid: std::process::id(),
+        process: process_token(),
+        multiprocessors: u32::try_from(sms).unwrap_or(u32::MAX),
         ordinal: B::ordinal(&device),
         signal_addr: B::memory_ptr(&signal),
         arch,
@@ -159,24 +176,27 @@ pub(super) fn establish<B: Backend>(
     // IPC handles only when some rank is in another process. Every rank makes the
     // exchange (empty when not needed): groups of different hosts may decide
     // differently, and their all-gathers are one world all-gather.
-    let need_handles = records.iter().any(|p| p.pid != records[0].pid);
+    let need_handles = records.iter().any(|p| !same_process(p, &records[0]));
     let mine_handle = if need_handles {
         B::export_memory(&device, &signal)?
     } else {
         Vec::new()
     };
     let handles = group.all_gather(&mine_handle)?;
-    // The same count on every rank of the group: its grids must match.
+    // The same grid on every rank of the group: from the fewest multiprocessors, then
+    // capped by the most ranks sharing one device.
+    let fewest = fewest_multiprocessors(&records);
+    settings.agree_on_grid(fewest);
     let per_device = records
         .iter()
         .map(|p| records.iter().filter(|q| q.ordinal == p.ordinal).count())
         .max()
         .unwrap_or(1);
-    settings.limit_for_shared_devices(sms, per_device);
+    settings.limit_for_shared_devices(fewest, per_device);
     if records
         .iter()
         .enumerate()
-        .any(|(r, p)| r != me && p.pid == mine.pid && p.ordinal == mine.ordinal)
+        .any(|(r, p)| r != me && same_process(p, &mine) && p.ordinal == mine.ordinal)
     {
         B::prepare_shared_device(&device)?;
     }
@@ -187,7 +207,7 @@ pub(super) fn establish<B: Backend>(
         check_peer_record(members[me], members[r], &mine, peer, config)?;
         peer_signals[r] = if r == me {
             mine.signal_addr
-        } else if peer.pid == mine.pid {
+        } else if same_process(peer, &mine) {
             // The same process: the address is valid here once peer access is on.
             if peer.ordinal != mine.ordinal {
                 let reachable = !config.simulate.blocks_pair(members[me], members[r])
@@ -231,6 +251,9 @@ pub(super) fn establish<B: Backend>(
             device,
             signal,
             peer_signals,
+            calls: Default::default(),
+            skew_next: std::sync::atomic::AtomicBool::new(false),
+            missing: std::sync::atomic::AtomicBool::new(false),
         },
         settings,
         mappings,
@@ -263,6 +286,21 @@ pub(super) fn establish<B: Backend>(
             detail: failed[0].1.clone(),
         },
     })
+}
+
+/// Whether two ranks run in one process (and reach each other's memory by address).
+fn same_process(a: &PeerRecord, b: &PeerRecord) -> bool {
+    a.process == b.process
+}
+
+/// The fewest multiprocessors of any rank: the grid every rank of the group uses.
+fn fewest_multiprocessors(records: &[PeerRecord]) -> usize {
+    records
+        .iter()
+        .map(|p| p.multiprocessors as usize)
+        .min()
+        .unwrap_or(1)
+        .max(1)
 }
 
 /// All-gathers each rank's problem over the world; the first rank's problem, if any
@@ -334,4 +372,45 @@ fn enable_peer_access_to<B: Backend>(dev: &B::Device, peer_ordinal: usize) -> Re
     }
     B::enable_peer_access(dev, &peer)?;
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record(process: u64, multiprocessors: u32) -> PeerRecord {
+        PeerRecord {
+            process,
+            multiprocessors,
+            ordinal: 0,
+            signal_addr: 0x1000,
+            arch: "host".into(),
+            checksum: 7,
+        }
+    }
+
+    #[test]
+    fn records_round_trip() {
+        let r = record(0xdead_beef_0123, 132);
+        assert_eq!(PeerRecord::decode(1, &r.encode()).unwrap(), r);
+    }
+
+    /// Two containers of one pod can both be pid 1: the process is told by its token,
+    /// so such ranks import each other's memory instead of using raw addresses.
+    #[test]
+    fn the_process_is_told_by_its_token_not_its_pid() {
+        let a = record(1, 4);
+        let b = record(2, 4);
+        assert!(!same_process(&a, &b));
+        assert!(same_process(&a, &record(1, 8)));
+        assert_ne!(process_token(), 0);
+        assert_eq!(process_token(), process_token());
+    }
+
+    #[test]
+    fn the_grid_comes_from_the_fewest_multiprocessors() {
+        let records = [record(1, 2), record(2, 1), record(3, 132)];
+        assert_eq!(fewest_multiprocessors(&records), 1);
+        assert_eq!(fewest_multiprocessors(&[record(1, 0)]), 1);
+    }
 }

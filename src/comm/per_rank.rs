@@ -54,6 +54,20 @@ mod collectives;
 /// assert_eq!(sums, vec![vec![3.0; 4]; 2]);
 /// # Ok::<(), peercomm::bootstrap::BootstrapError>(())
 /// ```
+///
+/// # One issuing thread per rank
+///
+/// `Comm` is [`Send`] (move it to the thread that drives its rank) but not [`Sync`]:
+/// two threads issuing collectives on one rank would enqueue them in an order the
+/// peers cannot know, and pair one thread's call with another's on the peers. NCCL
+/// asks the same of its communicators; here the compiler enforces it. (A call made out
+/// of order still cannot pass silently: the call descriptor's sequence number makes it
+/// a [`Error::CallMismatch`].)
+///
+/// ```compile_fail
+/// fn shared<T: Sync>() {}
+/// shared::<peercomm::Comm<peercomm::backend::host::Host>>();
+/// ```
 pub struct Comm<B: Backend> {
     /// Taken out by `Drop` (freed, or its signal parked): never used after it.
     pub(super) rank: std::mem::ManuallyDrop<Rank<B>>,
@@ -72,9 +86,8 @@ pub struct Comm<B: Backend> {
     /// interleave their launches with a re-initialisation.
     launch_lock: Mutex<()>,
     torn_down: AtomicBool,
-    /// Fault injection: the next collective is not launched.
-    #[cfg(feature = "fault-injection")]
-    pub(super) missing: AtomicBool,
+    /// Makes `Comm` `Send` but not `Sync` (see "One issuing thread per rank").
+    _one_issuing_thread: std::marker::PhantomData<std::cell::Cell<()>>,
 }
 
 /// A checksum of what every rank's configuration must agree on (FNV-1a).
@@ -177,8 +190,7 @@ impl<B: Backend> Comm<B> {
             poisoned: AtomicBool::new(false),
             launch_lock: Mutex::new(()),
             torn_down: AtomicBool::new(false),
-            #[cfg(feature = "fault-injection")]
-            missing: AtomicBool::new(false),
+            _one_issuing_thread: std::marker::PhantomData,
         })
     }
 
@@ -219,10 +231,12 @@ impl<B: Backend> Comm<B> {
 
     /// Sums `send` over each group into `recv`, on this rank's stream; returns at once
     /// with the algorithm that runs. Every rank of the group must make the same call
-    /// (same dtype, length, options) in the same order, as with NCCL: lengths cannot
-    /// be compared across processes without a round trip per call. A rank whose peers
-    /// never make the call gets [`Error::BarrierTimeout`] from
-    /// [`Comm::synchronize`].
+    /// (same dtype, length, options) in the same order, as with NCCL. Unlike NCCL, a
+    /// rank that does not gets a typed error instead of a wrong sum: the kernels
+    /// compare each peer's call descriptor at the first barrier, and
+    /// [`Comm::synchronize`] returns [`Error::CallMismatch`] naming the peer and the
+    /// field on every rank, with nothing written. A rank whose peers never make the call
+    /// gets [`Error::BarrierTimeout`] naming the rank it waited for.
     pub fn all_reduce_sum<S, R>(
         &self,
         send: &S,
@@ -377,6 +391,7 @@ impl<B: Backend> Comm<B> {
             self.settings.layout,
             0,
         )?;
+        self.rank.restart_calls();
         B::synchronize(&self.rank.device)?;
         self.bootstrap.barrier()?;
         self.poisoned.store(false, Ordering::Release);
@@ -444,9 +459,10 @@ impl<B: Backend> Comm<B> {
         f()
     }
 
-    /// As `launch`, for a collective: one that fault injection may leave out.
+    /// As `launch`, for a collective (one that fault injection may leave out: the
+    /// rank's launch does that).
     fn launch_collective(&self, f: impl FnOnce() -> Result<()>) -> Result<()> {
-        self.launch(|| if self.take_missing() { Ok(()) } else { f() })
+        self.launch(f)
     }
 }
 

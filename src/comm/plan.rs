@@ -66,8 +66,10 @@ impl Settings {
         let two_stage_need = packs.div_ceil(width) * PACK_BYTES;
         let direct = self.peers_read_user_buffers;
         let stages = |in_place: bool| in_place || !direct;
+        // A Lamport slot holds the packs and, last, the header pack (the descriptor).
+        let lamport_need = padded + PACK_BYTES;
         let fits = |a: Algorithm| match a {
-            Algorithm::Lamport => padded <= slot,
+            Algorithm::Lamport => lamport_need <= slot,
             Algorithm::TwoStage => two_stage_need <= payload,
             Algorithm::OneStage => !stages(in_place) || width == 1 || padded <= payload,
             Algorithm::Auto | Algorithm::Nccl | Algorithm::Hierarchical => true,
@@ -119,7 +121,7 @@ impl Settings {
         };
         if !fits(algorithm) {
             let (needed, available, setting) = match algorithm {
-                Algorithm::Lamport => (padded, slot, "lamport_slot_bytes"),
+                Algorithm::Lamport => (lamport_need, slot, "lamport_slot_bytes"),
                 Algorithm::TwoStage => (two_stage_need, payload, "payload_bytes"),
                 _ => (padded, payload, "payload_bytes"),
             };

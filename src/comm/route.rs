@@ -75,7 +75,7 @@ fn host_layout(hosts: &[HostId]) -> (usize, Option<usize>) {
     }
     let n = distinct.len();
     let world = hosts.len();
-    if world % n != 0 {
+    if !world.is_multiple_of(n) {
         return (n, None);
     }
     let local = world / n;
@@ -184,7 +184,7 @@ impl<B: Backend> Router<B> {
         } else {
             options.group_size
         };
-        if width > self.world || self.world % width != 0 {
+        if width > self.world || !self.world.is_multiple_of(width) {
             return Err(Error::InvalidGroupSize {
                 group_size: options.group_size,
                 world: self.world,
@@ -258,14 +258,14 @@ impl<B: Backend> Router<B> {
         } else {
             options.group_size
         };
-        if width > self.world || self.world % width != 0 {
+        if width > self.world || !self.world.is_multiple_of(width) {
             return Err(Error::InvalidGroupSize {
                 group_size: options.group_size,
                 world: self.world,
             });
         }
         let local = self.local();
-        if local % width != 0 {
+        if !local.is_multiple_of(width) {
             return Err(Error::Unsupported(format!(
                 "this communicator's peer memory serves groups inside {local} consecutive                  ranks ({}), and only the all-reduce falls back to the external library:                  use a group size that divides {local}",
                 match self.mode {

@@ -37,7 +37,7 @@ impl Settings {
         layout.validate()?;
         if config.threads_per_block == 0
             || config.threads_per_block > 512
-            || config.threads_per_block % 64 != 0
+            || !config.threads_per_block.is_multiple_of(64)
         {
             return Err(Error::Unsupported(format!(
                 "threads_per_block must be a multiple of 64 in 64..=512 (the kernels' launch \
@@ -57,6 +57,17 @@ impl Settings {
             world,
             peers_read_user_buffers,
         })
+    }
+
+    /// Sets the grid from the fewest multiprocessors any rank of the group has (the
+    /// kernels need the same grid on every rank: each block waits for the same-index
+    /// block of every peer), unless the configuration fixes it.
+    pub(crate) fn agree_on_grid(&mut self, fewest_multiprocessors: usize) {
+        self.max_blocks = self
+            .config
+            .max_blocks
+            .unwrap_or(u32::try_from(fewest_multiprocessors).unwrap_or(u32::MAX))
+            .clamp(1, MAX_NUM_BLOCKS_UPPER_BOUND as u32);
     }
 
     /// Caps the grid where ranks share devices: every rank's blocks wait for its peers'
@@ -83,7 +94,7 @@ impl Settings {
         } else {
             group_size
         };
-        if width > self.world || self.world % width != 0 {
+        if width > self.world || !self.world.is_multiple_of(width) {
             return Err(Error::InvalidGroupSize {
                 group_size,
                 world: self.world,

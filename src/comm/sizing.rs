@@ -58,9 +58,10 @@ pub(crate) fn padded_bytes(dtype: DType, elements: usize) -> Option<usize> {
 }
 
 impl CommConfig {
-    /// Largest Lamport slot [`CommConfig::for_largest_message`] sets up (the default
-    /// slot): past a few hundred KiB the dispatch table never prefers Lamport, and each
-    /// slot byte costs 3 x world-size bytes of device memory per rank.
+    /// Largest Lamport message [`CommConfig::for_largest_message`] sets up a slot for
+    /// (the slot holds it and a 16-byte header): past a few hundred KiB the dispatch
+    /// table never prefers Lamport, and each slot byte costs 3 x world-size bytes of
+    /// device memory per rank.
     pub const LAMPORT_SLOT_CAP: usize = 1 << 20;
 
     /// A configuration (the defaults otherwise) whose scratch lets every algorithm
@@ -78,8 +79,8 @@ impl CommConfig {
     /// // A decoder's tensor-parallel all-reduce: up to 64 tokens x 8192 hidden, bf16.
     /// let config = CommConfig::for_largest_message(64 * 8192, DType::BF16)?;
     /// assert_eq!(config.payload_bytes, 1 << 20);
-    /// // 0.78 MiB header + 3 x 2 x 1 MiB Lamport region + 1 MiB payload per rank:
-    /// assert_eq!(config.memory_footprint(2)?.total, 8_159_488);
+    /// // 2.28 MiB header + 3 x 2 x (1 MiB + 16 B) Lamport region + 1 MiB payload per rank:
+    /// assert_eq!(config.memory_footprint(2)?.total, 9_732_608);
     /// let comm = Communicator::<Host>::new(&[0, 1], config)?;
     /// for algorithm in [Algorithm::Auto, Algorithm::OneStage, Algorithm::TwoStage, Algorithm::Lamport] {
     ///     let opts = AllReduceOptions::new().algorithm(algorithm);
@@ -90,7 +91,7 @@ impl CommConfig {
     /// let err = comm.algorithm_for(DType::BF16, 64 * 8192 + 1, &lamport, false).unwrap_err();
     /// assert_eq!(
     ///     err.to_string(),
-    ///     "lamport needs 1048592 bytes of scratch but the communicator has 1048576 \
+    ///     "lamport needs 1048608 bytes of scratch but the communicator has 1048592 \
     ///      (CommConfig::lamport_slot_bytes)"
     /// );
     /// # Ok::<(), peercomm::Error>(())
@@ -103,7 +104,8 @@ impl CommConfig {
             ))
         })?;
         let config = CommConfig {
-            lamport_slot_bytes: bytes.clamp(PACK_BYTES, Self::LAMPORT_SLOT_CAP),
+            // The packs up to the cap, and the header pack.
+            lamport_slot_bytes: bytes.clamp(PACK_BYTES, Self::LAMPORT_SLOT_CAP) + PACK_BYTES,
             payload_bytes: bytes,
             ..CommConfig::default()
         };
@@ -113,7 +115,7 @@ impl CommConfig {
 
     /// The device memory each rank of a `world`-rank communicator with this
     /// configuration allocates. With the defaults (1 MiB Lamport slot, 64 MiB payload):
-    /// 0.8 MiB of header, 3 x world MiB of Lamport region (6 MiB at world 2, 24 MiB at
+    /// 2.3 MiB of header, 3 x world MiB of Lamport region (6 MiB at world 2, 24 MiB at
     /// world 8) and the 64 MiB payload.
     pub fn memory_footprint(&self, world: usize) -> Result<MemoryFootprint> {
         MemoryFootprint::of(
@@ -195,17 +197,17 @@ mod tests {
         };
         let for_message = CommConfig::for_largest_message(1 << 20, DType::BF16).unwrap();
         assert_eq!(for_message.payload_bytes, 2 << 20);
-        assert_eq!(for_message.lamport_slot_bytes, 1 << 20);
+        assert_eq!(for_message.lamport_slot_bytes, (1 << 20) + 16);
         for (config, expected) in [
-            (CommConfig::default(), [70.8, 76.8, 88.8]),
-            (for_message, [8.8, 14.8, 26.8]),
-            (big_slot, [352.8, 640.8, 1216.8]),
+            (CommConfig::default(), [72.3, 78.3, 90.3]),
+            (for_message, [10.3, 16.3, 28.3]),
+            (big_slot, [354.3, 642.3, 1218.3]),
         ] {
             for (world, want) in [2, 4, 8].into_iter().zip(expected) {
                 let f = config.memory_footprint(world).unwrap();
                 assert_eq!(mib(f.total), want, "world {world}: {f}");
                 assert_eq!(f.lamport_region, 3 * world * config.lamport_slot_bytes);
-                assert_eq!(f.header, 819_456);
+                assert_eq!(f.header, 2_392_320);
                 assert!(f.total >= f.header + f.lamport_region + f.payload);
             }
         }
@@ -216,14 +218,14 @@ mod tests {
     #[test]
     fn for_largest_message_sizes() {
         let c = CommConfig::for_largest_message(1, DType::F32).unwrap();
-        assert_eq!((c.payload_bytes, c.lamport_slot_bytes), (16, 16));
+        assert_eq!((c.payload_bytes, c.lamport_slot_bytes), (16, 32));
         let c = CommConfig::for_largest_message(0, DType::F16).unwrap();
-        assert_eq!((c.payload_bytes, c.lamport_slot_bytes), (0, 16));
+        assert_eq!((c.payload_bytes, c.lamport_slot_bytes), (0, 32));
         let c = CommConfig::for_largest_message(9, DType::BF16).unwrap();
-        assert_eq!((c.payload_bytes, c.lamport_slot_bytes), (32, 32));
+        assert_eq!((c.payload_bytes, c.lamport_slot_bytes), (32, 48));
         let c = CommConfig::for_largest_message(1 << 28, DType::F32).unwrap();
         assert_eq!(c.payload_bytes, 1 << 30);
-        assert_eq!(c.lamport_slot_bytes, CommConfig::LAMPORT_SLOT_CAP);
+        assert_eq!(c.lamport_slot_bytes, CommConfig::LAMPORT_SLOT_CAP + 16);
         assert!(CommConfig::for_largest_message(usize::MAX, DType::F32).is_err());
     }
 }

@@ -7,13 +7,20 @@ use std::sync::atomic::Ordering;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::signal::{
-    Signal, ERROR_BLOCK, ERROR_CODE, ERROR_DOMAIN, ERROR_PEER_ABORTED, ERROR_RANK, ERROR_WRITING,
+    Signal, DETAIL_AWAITED, DETAIL_MINE, DETAIL_THEIRS, ERROR_BLOCK, ERROR_CALL_MISMATCH,
+    ERROR_CODE, ERROR_DOMAIN, ERROR_PEER_ABORTED, ERROR_RANK, ERROR_WRITING,
 };
 
-use super::{Comm, Communicator, Rank};
+use super::{call, Comm, Communicator, Rank};
 
-/// Words of an error record.
-const RECORD_WORDS: usize = 4;
+/// Words of an error record: `error_state`, then `error_detail` (adjacent in the
+/// signal).
+const RECORD_WORDS: usize = 12;
+/// Where `error_detail` starts in a record.
+const DETAIL: usize = 4;
+const _: () = assert!(
+    std::mem::offset_of!(Signal, error_detail) == std::mem::offset_of!(Signal, error_state) + 16
+);
 
 /// Reads `rank`'s error record after its stream's earlier work: `None` when clean.
 pub(crate) fn read_error_record<B: Backend>(rank: &Rank<B>) -> Result<Option<Error>> {
@@ -40,6 +47,9 @@ fn record_ptr<B: Backend>(rank: &Rank<B>) -> u64 {
 
 fn decode(rank: usize, words: &[u32; RECORD_WORDS]) -> Option<Error> {
     let word = |i: usize| words[i] as usize;
+    let detail = &words[DETAIL..];
+    let waiting_for = detail[DETAIL_AWAITED].checked_sub(1).map(|r| r as usize);
+    let descriptor = |at: usize| [detail[at], detail[at + 1], detail[at + 2]];
     match words[ERROR_CODE] {
         0 | ERROR_WRITING => None,
         ERROR_PEER_ABORTED => Some(Error::PeerAborted {
@@ -47,11 +57,19 @@ fn decode(rank: usize, words: &[u32; RECORD_WORDS]) -> Option<Error> {
             by: word(ERROR_RANK),
             block: word(ERROR_BLOCK),
             domain: word(ERROR_DOMAIN),
+            waiting_for,
         }),
+        ERROR_CALL_MISMATCH => Some(call::mismatch_error(
+            rank,
+            word(ERROR_RANK),
+            descriptor(DETAIL_MINE),
+            descriptor(DETAIL_THEIRS),
+        )),
         _ => Some(Error::BarrierTimeout {
             rank: word(ERROR_RANK),
             block: word(ERROR_BLOCK),
             domain: word(ERROR_DOMAIN),
+            waiting_for,
         }),
     }
 }
@@ -66,6 +84,23 @@ impl<B: Backend> Communicator<B> {
             B::synchronize(&r.device)?;
         }
         Ok(())
+    }
+
+    /// Waits for every rank's queued work, then reads every rank's error record: what
+    /// each rank recorded, in rank order (`None`: clean). As
+    /// [`Communicator::synchronize`], an error poisons the communicator; this shows
+    /// every rank's view where `synchronize` returns the root cause.
+    pub fn rank_errors(&self) -> Result<Vec<Option<Error>>> {
+        self.wait()?;
+        let errors = self
+            .ranks
+            .iter()
+            .map(|r| read_error_record::<B>(r))
+            .collect::<Result<Vec<_>>>()?;
+        if errors.iter().any(Option::is_some) {
+            self.poisoned.store(true, Ordering::Release);
+        }
+        Ok(errors)
     }
 
     /// Reads every rank's error record now, without waiting for queued work (a

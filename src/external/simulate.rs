@@ -18,6 +18,10 @@ pub struct Simulation {
     /// The host identity of every world rank, in rank order, instead of what the
     /// bootstrap found (for example `["a", "a", "b", "b"]`: two hosts of two ranks).
     pub hosts: Option<Vec<HostId>>,
+    /// The multiprocessor count every world rank reports, in rank order, instead of
+    /// its device's (as under MPS with different active-thread percentages, or two
+    /// SKUs of one architecture): the grid must still be the same on every rank.
+    pub multiprocessors: Option<Vec<usize>>,
 }
 
 impl Simulation {
@@ -43,16 +47,26 @@ impl Simulation {
     /// A stable hash for the configuration checksum (FNV-1a over a textual form).
     pub(crate) fn code(&self) -> u64 {
         let text = format!(
-            "{:?}|{:?}|{:?}",
+            "{:?}|{:?}|{:?}|{:?}",
             self.no_peer_access,
             self.fail_peer_check,
             self.hosts
                 .as_ref()
-                .map(|h| h.iter().map(HostId::as_str).collect::<Vec<_>>())
+                .map(|h| h.iter().map(HostId::as_str).collect::<Vec<_>>()),
+            self.multiprocessors
         );
         text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
             (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
         })
+    }
+
+    /// The multiprocessor count world rank `rank` reports: the simulated one, or
+    /// `real`.
+    pub(crate) fn multiprocessors_of(&self, rank: usize, real: usize) -> usize {
+        self.multiprocessors
+            .as_ref()
+            .and_then(|m| m.get(rank).copied())
+            .unwrap_or(real)
     }
 
     /// Whether the simulation removes peer access between world ranks `a` and `b`.

@@ -27,6 +27,7 @@ pub fn wait_and_check_errors<B: Backend>(world: usize) {
         rank: 0,
         block: 0,
         domain: 0,
+        waiting_for: Some(1),
     };
     // wait(): no read-back.
     comm.barrier_on_ranks(0, &[0]).unwrap();
@@ -257,7 +258,8 @@ pub fn miss_next_times_out_and_recovers<B: Backend>() {
         Err(Error::BarrierTimeout {
             rank: 0,
             block: 0,
-            domain: 0
+            domain: 0,
+            waiting_for: Some(1),
         })
     );
     for r in 0..2 {

@@ -489,7 +489,11 @@ pub fn message_larger_than_scratch<B: Backend>(devices: Devices) {
     };
     // The query answers the same, launching nothing.
     for (algorithm, in_place, expected) in [
-        (Algorithm::Lamport, false, too_large("lamport", 16384, 1024)),
+        (
+            Algorithm::Lamport,
+            false,
+            too_large("lamport", 16384 + 16, 1024),
+        ),
         (
             Algorithm::TwoStage,
             false,
@@ -517,14 +521,15 @@ pub fn message_larger_than_scratch<B: Backend>(devices: Devices) {
         ),
         Ok(Algorithm::OneStage)
     );
-    // 1024 bytes of Lamport slot hold 64 packs: 256 f32 or 512 bf16 elements.
+    // 1024 bytes of Lamport slot hold 63 packs and the header: 252 f32 or 504 bf16
+    // elements.
     let lamport = AllReduceOptions::new().algorithm(Algorithm::Lamport);
     assert_eq!(
-        comm.algorithm_for(DType::BF16, 512, &lamport, false),
+        comm.algorithm_for(DType::BF16, 504, &lamport, false),
         Ok(Algorithm::Lamport)
     );
     assert_eq!(
-        comm.algorithm_for(DType::BF16, 513, &lamport, false),
+        comm.algorithm_for(DType::BF16, 505, &lamport, false),
         Err(too_large("lamport", 1040, 1024))
     );
     let lamport = AllReduceOptions::new().algorithm(Algorithm::Lamport);
@@ -532,12 +537,12 @@ pub fn message_larger_than_scratch<B: Backend>(devices: Devices) {
     let one_stage = AllReduceOptions::new().algorithm(Algorithm::OneStage);
     assert_err(
         out_of_place(&comm, &mut bufs, None, None, &lamport),
-        too_large("lamport", 16384, 1024),
+        too_large("lamport", 16384 + 16, 1024),
         "lamport, out-of-place",
     );
     assert_err(
         in_place(&comm, &mut bufs, None, &lamport),
-        too_large("lamport", 16384, 1024),
+        too_large("lamport", 16384 + 16, 1024),
         "lamport, in-place",
     );
     // Two-stage keeps one partition of 16 KiB / 2 ranks in the payload.

@@ -6,6 +6,10 @@
 //! skewed in time (`delay_rank` before a call, now and then). About one call in five is
 //! an all-gather, reduce-scatter, broadcast (in or out of place) or scatter instead,
 //! with a random root, on the same barrier domains ([`COLLECTIVE_PROBABILITY`]).
+//! Between batches, now and then, one rank is made to publish a call one ahead of its
+//! peers (`mismatch_next`): every rank of the world must report `CallMismatch`, the
+//! buffers must be untouched, and `reinitialize()` must bring the schedule back
+//! ([`Knobs::mismatch_probability`]).
 //!
 //! Calls are enqueued in batches back to back with no host synchronisation: every
 //! buffer of a batch is allocated, filled and poisoned first (uploads wait for their
@@ -20,10 +24,10 @@
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use peercomm::backend::Backend;
+use peercomm::backend::{Backend, TypedBuffer};
 use peercomm::{
-    Algorithm, AllReduceOptions, CollectiveOptions, CommConfig, Communicator, DType, Element,
-    Result,
+    Algorithm, AllReduceOptions, CallField, CollectiveOptions, CommConfig, Communicator, DType,
+    Element, Error, Result,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -36,7 +40,8 @@ use super::{
 /// reduce-scatter, broadcast, scatter) instead of an all-reduce.
 pub const COLLECTIVE_PROBABILITY: f64 = 0.2;
 
-/// Lamport slot of the fuzzer's communicators: forced Lamport takes up to this much.
+/// Largest forced Lamport message of the fuzzer (its communicators' slot holds it and
+/// the 16-byte header).
 pub const FUZZ_LAMPORT_SLOT: usize = 1 << 20;
 /// Payload of the fuzzer's communicators (in-place one-stage stages the whole message).
 pub const FUZZ_PAYLOAD: usize = 4 << 20;
@@ -44,7 +49,7 @@ pub const FUZZ_PAYLOAD: usize = 4 << 20;
 /// The fuzzer's communicator configuration.
 pub fn fuzz_config(max_blocks: Option<u32>) -> CommConfig {
     CommConfig {
-        lamport_slot_bytes: FUZZ_LAMPORT_SLOT,
+        lamport_slot_bytes: FUZZ_LAMPORT_SLOT + 16,
         payload_bytes: FUZZ_PAYLOAD,
         barrier_timeout: Some(Duration::from_secs(30)),
         max_blocks,
@@ -78,6 +83,9 @@ pub struct Knobs {
     /// Probability that a subgroup call (1 < width < world) forces Lamport, which must
     /// be refused.
     pub illegal_lamport_probability: f64,
+    /// Probability, after a batch, of a world call in which one rank publishes a call
+    /// out of sequence (every rank must report `CallMismatch`).
+    pub mismatch_probability: f64,
 }
 
 impl Knobs {
@@ -91,6 +99,7 @@ impl Knobs {
             max_bytes: 3 << 20,
             max_explicit_blocks: 4,
             illegal_lamport_probability: 0.08,
+            mismatch_probability: 0.05,
         }
     }
 }
@@ -190,7 +199,57 @@ pub struct Report {
     pub with_zeros: usize,
     pub batches: usize,
     pub bytes: usize,
+    /// Mismatched calls made on purpose, each reported on every rank.
+    pub mismatches: usize,
     pub elapsed: Duration,
+}
+
+/// A whole-world all-reduce of fresh values in place in which rank `odd` publishes a
+/// call one ahead: every rank reports `CallMismatch { field: Sequence }`, no buffer is
+/// written, and `reinitialize()` recovers.
+fn mismatched_call<B: Backend>(comm: &Communicator<B>, rng: &mut StdRng, what: &str) {
+    let world = comm.world_size();
+    let odd = rng.random_range(0..world);
+    let len = rng.random_range(1..=5000usize);
+    let algorithm = [
+        Algorithm::Auto,
+        Algorithm::OneStage,
+        Algorithm::TwoStage,
+        Algorithm::Lamport,
+    ][rng.random_range(0..4usize)];
+    let ins = random_inputs::<f32>(rng, world, len);
+    let mut bufs: Vec<B::Buffer<f32>> = comm
+        .ranks()
+        .iter()
+        .zip(&ins)
+        .map(|(r, x)| B::alloc_from(r.device(), x).unwrap())
+        .collect();
+    comm.mismatch_next(odd).unwrap();
+    let opts = AllReduceOptions::new().algorithm(algorithm);
+    comm.all_reduce_sum_slices_in_place(&mut bufs, &opts)
+        .unwrap_or_else(|e| panic!("{what}: the mismatched call was refused: {e}"));
+    let errors = comm.rank_errors().unwrap();
+    for (rank, e) in errors.iter().enumerate() {
+        assert!(
+            matches!(
+                e,
+                Some(Error::CallMismatch {
+                    field: CallField::Sequence,
+                    ..
+                })
+            ),
+            "{what}: rank {odd} one call ahead ({algorithm:?}, {len} f32): rank {rank} \
+             reported {e:?}"
+        );
+        let now = bufs[rank].to_host(comm.ranks()[rank].device()).unwrap();
+        assert!(
+            now.iter()
+                .zip(&ins[rank])
+                .all(|(a, b)| a.to_bits() == b.to_bits()),
+            "{what}: rank {rank}'s buffer was written by a mismatched call"
+        );
+    }
+    comm.reinitialize().unwrap();
 }
 
 /// Runs the fuzzer over `placement` (see the module docs) and prints what it checked.
@@ -291,12 +350,21 @@ pub fn fuzz<B: Backend>(
             report.checked += 1;
         }
         report.batches += 1;
+        if world >= 2 && rng.random_bool(knobs.mismatch_probability) {
+            let what = format!(
+                "{test} (PEERCOMM_SEED={seed}), after batch {}",
+                report.batches
+            );
+            mismatched_call(&comm, &mut rng, &what);
+            report.mismatches += 1;
+        }
     }
     report.elapsed = started.elapsed();
     eprintln!(
         "{test}: PEERCOMM_SEED={} world {world} on devices {:?}{}: {} calls checked in {} batches \
          in {:.1?}; requested {:?}; ran {:?}; refused (Lamport over a subgroup) {}; other \
-         collectives {:?}; delays {}; in place {}; with zeros {}; {:.1} MiB per rank",
+         collectives {:?}; delays {}; in place {}; with zeros {}; mismatched calls (each \
+         reported on every rank) {}; {:.1} MiB per rank",
         report.seed,
         placement.ordinals,
         if placement.shared { " (shared)" } else { "" },
@@ -310,6 +378,7 @@ pub fn fuzz<B: Backend>(
         report.delays,
         report.in_place,
         report.with_zeros,
+        report.mismatches,
         report.bytes as f64 / (1 << 20) as f64
     );
     if knobs.calls >= 300 {
@@ -326,6 +395,9 @@ pub fn fuzz<B: Backend>(
             );
         }
         assert!(report.delays > 0, "{test}: no rank was ever delayed");
+        if world >= 2 && knobs.mismatch_probability > 0.0 && report.batches >= 60 {
+            assert!(report.mismatches > 0, "{test}: no mismatched call was made");
+        }
     }
     report
 }

@@ -8,16 +8,24 @@
 //! broadcast or scatter (random root) instead, checked bit for bit. Each batch is enqueued without synchronising; then every
 //! rank checks its outputs against the f64 reference (with the sign-of-zero rule) and
 //! the digests of every group are compared bit for bit.
+//!
+//! Between batches, now and then, the ranks make a mismatched call on purpose (one
+//! rank passes another length, root, collective or block count, or publishes a call
+//! out of sequence): every rank must get `CallMismatch` naming that field, with
+//! nothing written, and after `reinitialize()` the schedule goes on. The ranks report
+//! different multiprocessor counts (simulated) and leave the grid to peercomm, so the
+//! grid they agree on is what every kernel runs.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::time::Duration;
 
-use peercomm::backend::Backend;
-use peercomm::{Algorithm, AllReduceOptions, Error};
+use peercomm::backend::{Backend, TypedBuffer};
+use peercomm::external::Simulation;
+use peercomm::{Algorithm, AllReduceOptions, CallField, Comm, CommConfig, Error};
 
 use super::common::collectives::{assert_bits, expect, input_len, output_len, Which};
-use super::{common, processes, seed, with_world, Placement};
+use super::{common, processes, seed, with_world_config, Placement};
 use peercomm::CollectiveOptions;
 
 /// One call of the schedule, the same on every rank.
@@ -105,12 +113,123 @@ fn input(seed: u64, call: usize, rank: usize, len: usize) -> Vec<f32> {
     v
 }
 
+/// A mismatched call the ranks make on purpose: rank `odd` differs in `field`.
+#[derive(Clone, Copy, Debug)]
+struct Mismatch {
+    odd: usize,
+    field: CallField,
+    len: usize,
+}
+
+/// Whether the ranks make a mismatched call after batch `batch`, and which (the same
+/// on every rank: drawn from the seed).
+fn mismatch_after(seed: u64, batch: usize, world: usize) -> Option<Mismatch> {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x6d69_736d ^ ((batch as u64) << 20));
+    if world < 2 || !rng.random_bool(0.12) {
+        return None;
+    }
+    let field = [
+        CallField::Length,
+        CallField::Root,
+        CallField::Collective,
+        CallField::Blocks,
+        CallField::Sequence,
+    ][rng.random_range(0..5usize)];
+    Some(Mismatch {
+        odd: rng.random_range(0..world),
+        field,
+        len: rng.random_range(2..5000),
+    })
+}
+
+/// Every rank's part of a mismatched call; returns what `synchronize` said, after
+/// checking that nothing was written.
+fn mismatched_call<B: Backend>(comm: &Comm<B>, rank: usize, m: Mismatch) -> peercomm::Result<()> {
+    let dev = comm.device();
+    let odd = rank == m.odd;
+    let world = comm.world_size();
+    let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+    let opts = CollectiveOptions::new();
+    let send = B::alloc_from(dev, &vec![rank as f32 + 0.5; m.len]).unwrap();
+    // An all-gather's output holds every member's part; a broadcast's one message.
+    let gathers = m.field == CallField::Collective && !odd;
+    let poison = vec![f32::NAN; if gathers { m.len * world } else { m.len }];
+    let mut recv = B::alloc_from(dev, &poison).unwrap();
+    let enqueued = match m.field {
+        CallField::Length => {
+            let len = if odd { m.len - 1 } else { m.len };
+            let send = B::alloc_from(dev, &vec![1.0f32; len]).unwrap();
+            let mut out = B::alloc_from(dev, &vec![f32::NAN; len]).unwrap();
+            let r = comm.all_reduce_sum(&send, &mut out, &one).map(|_| ());
+            let e = comm.synchronize();
+            assert!(
+                e.is_ok() || out.to_host(dev).unwrap().iter().all(|x| x.is_nan()),
+                "rank {rank}: a mismatched all-reduce wrote its output"
+            );
+            return r.and(e);
+        }
+        CallField::Root => comm.broadcast(Some(&send), &mut recv, usize::from(odd), &opts),
+        CallField::Collective if odd => comm.broadcast(Some(&send), &mut recv, 0, &opts),
+        CallField::Collective => comm.all_gather(&send, &mut recv, &opts),
+        field => {
+            let opts = if field == CallField::Blocks {
+                one.blocks(if odd { 1 } else { 2 })
+            } else {
+                if odd {
+                    comm.mismatch_next();
+                }
+                one
+            };
+            let mut out = recv_prefix::<B>(dev, m.len);
+            let r = comm.all_reduce_sum(&send, &mut out, &opts).map(|_| ());
+            let e = comm.synchronize();
+            assert!(
+                e.is_ok() || out.to_host(dev).unwrap().iter().all(|x| x.is_nan()),
+                "rank {rank}: a mismatched all-reduce wrote its output"
+            );
+            return r.and(e);
+        }
+    };
+    enqueued.unwrap();
+    let e = comm.synchronize();
+    if e.is_err() {
+        let now = recv.to_host(dev).unwrap();
+        assert!(
+            now.iter().all(|x| x.is_nan()),
+            "rank {rank}: a mismatched call wrote"
+        );
+    }
+    e
+}
+
+/// A poisoned output of `n` f32.
+fn recv_prefix<B: Backend>(dev: &B::Device, n: usize) -> B::Buffer<f32> {
+    B::alloc_from(dev, &vec![f32::NAN; n]).unwrap()
+}
+
+/// The fuzzer's configuration: the suite's, with simulated multiprocessor counts that
+/// differ between ranks and the grid left to peercomm.
+fn fuzz_config(place: &Placement, world: usize) -> CommConfig {
+    CommConfig {
+        max_blocks: None,
+        simulate: Simulation {
+            multiprocessors: Some((0..world).map(|r| 2 + (r * 5 + 1) % 3).collect()),
+            ..Simulation::default()
+        },
+        ..place.config(world)
+    }
+}
+
 /// Runs `calls` calls in batches of up to `batch` on `world` threads.
 pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, batch: usize) {
     let seed = seed(&format!("per_rank_fuzz_world_{world}"));
     let plan = schedule(seed, world, calls);
     let started = std::time::Instant::now();
-    let results = with_world::<B, _>(place, world, |rank, comm| {
+    let config = fuzz_config(place, world);
+    let mismatches = (0..plan.len().div_ceil(batch))
+        .filter_map(|b| mismatch_after(seed, b, world))
+        .count();
+    let results = with_world_config::<B, _>(place, world, &config, |rank, comm| {
         let dev = comm.device();
         let mut digests = Vec::new();
         for (first, chunk) in plan.chunks(batch).enumerate().map(|(i, c)| (i * batch, c)) {
@@ -203,6 +322,25 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                 common::check_result(&ins, &vec![got.clone(); c.group], c.group, algorithm, &what);
                 digests.push((call, rank, bits_digest(&got)));
             }
+            if let Some(m) = mismatch_after(seed, first / batch, world) {
+                let what = format!("seed {seed} after call {first}, rank {rank}: {m:?}");
+                let started = std::time::Instant::now();
+                let got = mismatched_call(&comm, rank, m);
+                if std::env::var_os("PEERCOMM_FUZZ_TRACE").is_some() {
+                    eprintln!("{what}: {got:?} after {:?}", started.elapsed());
+                }
+                match got {
+                    Err(Error::CallMismatch { field, peer, .. }) => {
+                        assert_eq!(field, m.field, "{what}");
+                        assert!(
+                            (rank == m.odd) != (peer == m.odd),
+                            "{what}: names rank {peer}"
+                        );
+                    }
+                    other => panic!("{what}: got {other:?}, not a CallMismatch"),
+                }
+                comm.reinitialize().unwrap();
+            }
         }
         digests
     });
@@ -230,8 +368,9 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
         checked += 1;
     }
     eprintln!(
-        "per_rank_fuzz world {world}: PEERCOMM_SEED={seed}: {checked} all-reduces and {collectives} other collectives checked on every rank, {} refused as specified, in {:.1?}",
+        "per_rank_fuzz world {world}: PEERCOMM_SEED={seed}: {checked} all-reduces and {collectives} other collectives checked on every rank, {} refused as specified, {mismatches} mismatched calls each reported on every rank, multiprocessors {:?} (grid left to peercomm), in {:.1?}",
         plan.len() - checked - collectives,
+        config.simulate.multiprocessors,
         started.elapsed()
     );
 }

@@ -13,6 +13,7 @@ pub mod fuzz;
 pub mod processes;
 pub mod sizing;
 pub mod teardown;
+pub mod trust;
 use std::sync::Barrier;
 use std::time::Duration;
 
@@ -67,8 +68,18 @@ pub fn with_world<B: Backend, R: Send>(
     world: usize,
     body: impl Fn(usize, Comm<B>) -> R + Sync,
 ) -> Vec<R> {
+    with_world_config(place, world, &place.config(world), body)
+}
+
+/// As `with_world`, over `config`.
+pub fn with_world_config<B: Backend, R: Send>(
+    place: &Placement,
+    world: usize,
+    config: &CommConfig,
+    body: impl Fn(usize, Comm<B>) -> R + Sync,
+) -> Vec<R> {
     let id = UniqueId::new().unwrap();
-    let config = place.config(world);
+    let config = config.clone();
     std::thread::scope(|s| {
         let body = &body;
         let config = &config;

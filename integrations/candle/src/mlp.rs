@@ -54,7 +54,7 @@ impl Mlp {
     /// `device` as contiguous tensors.
     pub fn shard(&self, rank: usize, world: usize, device: &Device) -> Result<Self> {
         let inter = self.gate.dim(0)?;
-        if world == 0 || rank >= world || inter % world != 0 {
+        if world == 0 || rank >= world || !inter.is_multiple_of(world) {
             candle_core::bail!("cannot take shard {rank} of {world} of {inter} channels");
         }
         let n = inter / world;

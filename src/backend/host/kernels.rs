@@ -8,11 +8,13 @@ use std::time::{Duration, Instant};
 
 use crate::backend::{Kernel, KernelKind};
 use crate::dtype::{DType, Element};
-use crate::protocol::{self, Backoff, BarrierKind, BarrierSignals, BarrierSite};
+use crate::protocol::{self, Backoff, BarrierKind, BarrierSignals, BarrierSite, BarrierStop};
 use crate::signal::{
-    AllReduceArgs, Signal, SignalLayout, ERROR_BARRIER_TIMEOUT, ERROR_BLOCK, ERROR_CODE,
+    AllReduceArgs, Signal, SignalLayout, DETAIL_AWAITED, DETAIL_MINE, DETAIL_THEIRS,
+    DETAIL_THEIRS_VALID, ERROR_BARRIER_TIMEOUT, ERROR_BLOCK, ERROR_CALL_MISMATCH, ERROR_CODE,
     ERROR_DOMAIN, ERROR_PEER_ABORTED, ERROR_RANK, ERROR_WRITING, LAMPORT_ARRIVALS, LAMPORT_FLAG,
-    LAMPORT_GENERATIONS, LAMPORT_PREV_PACKS, LAMPORT_PREV_WIDTH, PACK_BYTES,
+    LAMPORT_GENERATIONS, LAMPORT_PREV_PACKS, LAMPORT_PREV_WIDTH, MAX_NUM_BLOCKS_UPPER_BOUND,
+    PACK_BYTES,
 };
 
 use crate::backend::LAMPORT_SENTINEL;
@@ -22,10 +24,28 @@ mod collectives;
 /// Why a wait stopped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Stop {
-    /// This block waited longer than the timeout.
-    TimedOut,
+    /// This block waited longer than the timeout for group rank `awaited`.
+    TimedOut { awaited: usize },
     /// The rank's abort word is set (a peer gave up, or another block of this rank).
     Aborted,
+    /// Group rank `peer` runs another call (its descriptor words `theirs`).
+    Mismatch { peer: usize, theirs: [u32; 3] },
+}
+
+/// Why a spin stopped: what [`Stop`] becomes once the awaited rank is known.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Spun {
+    TimedOut,
+    Aborted,
+}
+
+impl Spun {
+    fn waiting_for(self, awaited: usize) -> Stop {
+        match self {
+            Spun::TimedOut => Stop::TimedOut { awaited },
+            Spun::Aborted => Stop::Aborted,
+        }
+    }
 }
 
 /// A spin that yields (CI has 2 cores and many block threads), polls the rank's abort
@@ -44,19 +64,19 @@ impl<'a> Spinner<'a> {
             abort_word,
         }
     }
-    fn wait(&mut self) -> Result<(), Stop> {
+    fn wait(&mut self) -> Result<(), Spun> {
         self.spins = self.spins.wrapping_add(1);
         if self.spins < 64 {
             std::hint::spin_loop();
         } else {
             std::thread::yield_now();
         }
-        if self.spins % 64 == 0 {
+        if self.spins.is_multiple_of(64) {
             if self.abort_word.load(Ordering::Relaxed) != 0 {
-                return Err(Stop::Aborted);
+                return Err(Spun::Aborted);
             }
             if matches!(self.deadline, Some(d) if Instant::now() > d) {
-                return Err(Stop::TimedOut);
+                return Err(Spun::TimedOut);
             }
         }
         Ok(())
@@ -98,9 +118,23 @@ unsafe fn quit_cell<'a>(addr: u64, block: u32, writer: usize) -> &'a AtomicU32 {
     atomic(std::ptr::addr_of_mut!((*s).quit[block as usize][writer]))
 }
 
+/// Word `i` of the error detail of the signal at `addr`.
+unsafe fn detail_word<'a>(addr: u64, i: usize) -> &'a AtomicU32 {
+    let s = signal(addr);
+    atomic((std::ptr::addr_of_mut!((*s).error_detail) as *mut u32).add(i))
+}
+
+/// What a record says beside its code (the device's `ErrorDetail`).
+struct Detail {
+    rank: u32,
+    awaited: u32,
+    mine: [u32; 3],
+    theirs: [u32; 3],
+}
+
 /// Writes an error record into the signal at `addr` unless it already holds one:
 /// claim the code word, fill in the fields, then release the code.
-unsafe fn write_record(addr: u64, code: u32, rank: u32, block: u32, domain: u32) {
+unsafe fn write_record(addr: u64, code: u32, block: u32, domain: u32, d: &Detail) {
     let claim = error_word(addr, ERROR_CODE).compare_exchange(
         0,
         ERROR_WRITING,
@@ -108,33 +142,127 @@ unsafe fn write_record(addr: u64, code: u32, rank: u32, block: u32, domain: u32)
         Ordering::Relaxed,
     );
     if claim.is_ok() {
-        error_word(addr, ERROR_RANK).store(rank, Ordering::Relaxed);
+        error_word(addr, ERROR_RANK).store(d.rank, Ordering::Relaxed);
         error_word(addr, ERROR_BLOCK).store(block, Ordering::Relaxed);
         error_word(addr, ERROR_DOMAIN).store(domain, Ordering::Relaxed);
+        for i in 0..3 {
+            detail_word(addr, DETAIL_MINE + i).store(d.mine[i], Ordering::Relaxed);
+            detail_word(addr, DETAIL_THEIRS + i).store(d.theirs[i], Ordering::Relaxed);
+        }
+        detail_word(addr, DETAIL_AWAITED).store(d.awaited + 1, Ordering::Relaxed);
+        detail_word(addr, DETAIL_THEIRS_VALID).store(1, Ordering::Relaxed);
         error_word(addr, ERROR_CODE).store(code, Ordering::Release);
     }
 }
 
-/// A wait of this block timed out: record it on the own rank, and tell every group
-/// peer to stop (their abort word), so that none proceeds past the abandoned barrier.
-unsafe fn record_timeout_and_abort_peers(args: &AllReduceArgs, block: u32) {
+/// World rank of group rank `q` of this rank's group (groups are consecutive ranks).
+fn world_rank_of(args: &AllReduceArgs, q: usize) -> u32 {
+    args.world_rank - args.group_rank + q as u32
+}
+
+/// The call the signal at `addr` says its rank runs now, if it runs one.
+unsafe fn current_call(addr: u64) -> Option<[u32; 3]> {
+    let s = signal(addr);
+    let words = std::ptr::addr_of_mut!((*s).current_call) as *mut u32;
+    let running = atomic(words.add(3)).load(Ordering::Acquire) != 0;
+    running.then(|| std::array::from_fn(|i| atomic(words.add(i)).load(Ordering::Relaxed)))
+}
+
+/// Publishes this rank's call in its own `current_call` (block 0: at entry `running`,
+/// at the end not).
+unsafe fn publish_current_call(args: &AllReduceArgs, running: bool) {
+    let s = signal(args.signals[args.group_rank as usize]);
+    let words = std::ptr::addr_of_mut!((*s).current_call) as *mut u32;
+    if running {
+        for (i, &w) in args.call.iter().enumerate() {
+            atomic(words.add(i)).store(w, Ordering::Relaxed);
+        }
+    }
+    atomic(words.add(3)).store(u32::from(running), Ordering::Release);
+}
+
+/// A wait of this block for group rank `awaited` timed out. If that rank runs another
+/// call (same sequence number, other descriptor: another width or algorithm), record
+/// the mismatch; else record the timeout on the own rank, naming the rank waited for,
+/// and tell every group peer to stop (their abort word), so that none proceeds past the
+/// abandoned barrier. The device's `record_timeout`.
+unsafe fn record_timeout(args: &AllReduceArgs, block: u32, awaited: usize) {
     let me = args.group_rank as usize;
+    let running = current_call(args.signals[awaited]);
+    let theirs = running.unwrap_or_default();
+    let who = world_rank_of(args, awaited);
+    if running.is_some_and(|c| c != args.call) {
+        let d = Detail {
+            rank: who,
+            awaited: who,
+            mine: args.call,
+            theirs,
+        };
+        write_record(
+            args.signals[me],
+            ERROR_CALL_MISMATCH,
+            block,
+            args.domain,
+            &d,
+        );
+        // The same, from their side, into the record of every group peer whose call
+        // differs so: it may have completed the call with a subgroup of its own; its
+        // next synchronize reports it.
+        for q in (0..args.group_width as usize).filter(|&q| q != me) {
+            if let Some(call) = current_call(args.signals[q]).filter(|c| *c != args.call) {
+                let their_side = Detail {
+                    rank: args.world_rank,
+                    awaited: args.world_rank,
+                    mine: call,
+                    theirs: args.call,
+                };
+                write_record(
+                    args.signals[q],
+                    ERROR_CALL_MISMATCH,
+                    block,
+                    args.domain,
+                    &their_side,
+                );
+            }
+        }
+        return;
+    }
+    let d = Detail {
+        rank: args.world_rank,
+        awaited: who,
+        mine: args.call,
+        theirs,
+    };
     write_record(
         args.signals[me],
         ERROR_BARRIER_TIMEOUT,
-        args.world_rank,
         block,
         args.domain,
+        &d,
     );
     for q in (0..args.group_width as usize).filter(|&q| q != me) {
-        write_record(
-            args.signals[q],
-            ERROR_PEER_ABORTED,
-            args.world_rank,
-            block,
-            args.domain,
-        );
+        write_record(args.signals[q], ERROR_PEER_ABORTED, block, args.domain, &d);
     }
+}
+
+/// Group rank `peer` published another call descriptor: record the mismatch on this
+/// rank, naming the peer (which finds the same difference on its side).
+unsafe fn record_mismatch(args: &AllReduceArgs, block: u32, peer: usize, theirs: [u32; 3]) {
+    let who = world_rank_of(args, peer);
+    let d = Detail {
+        rank: who,
+        awaited: who,
+        mine: args.call,
+        theirs,
+    };
+    let me = args.group_rank as usize;
+    write_record(
+        args.signals[me],
+        ERROR_CALL_MISMATCH,
+        block,
+        args.domain,
+        &d,
+    );
 }
 
 /// This block leaves the collective: it tells every group peer that it will not touch
@@ -143,11 +271,19 @@ unsafe fn record_timeout_and_abort_peers(args: &AllReduceArgs, block: u32) {
 /// `timeout_ns`. Only then may the kernel end and the user free its buffers: a late
 /// peer that passed the start barrier before the abort reached it finishes its reads
 /// and quits at its next wait.
-unsafe fn abandon(args: &AllReduceArgs, block: u32, wait_for_peers: bool) {
+unsafe fn abandon(args: &AllReduceArgs, block: u32, blocks: u32, wait_for_peers: bool) {
     let me = args.group_rank as usize;
     let width = args.group_width as usize;
     for q in (0..width).filter(|&q| q != me) {
         quit_cell(args.signals[q], block, me).store(1, Ordering::Release);
+        // Block 0 also speaks for the blocks this launch does not have: a peer launched
+        // with a larger grid (a block-count mismatch) must not wait for partners that
+        // never exist.
+        if block == 0 {
+            for x in blocks..MAX_NUM_BLOCKS_UPPER_BOUND as u32 {
+                quit_cell(args.signals[q], x, me).store(1, Ordering::Release);
+            }
+        }
     }
     if !wait_for_peers || args.timeout_ns == 0 {
         return;
@@ -199,13 +335,31 @@ impl BarrierSignals for HostSignals<'_> {
     ) -> &AtomicU32 {
         let s = self.signal(member);
         // SAFETY: as in `self_counter`.
-        atomic(unsafe { std::ptr::addr_of_mut!((*s).peer_counter[domain][parity][block][writer]) })
+        atomic(unsafe {
+            std::ptr::addr_of_mut!((*s).peer_counter[domain][parity][block][writer][0])
+        })
+    }
+    fn arrival_call(
+        &self,
+        member: usize,
+        domain: usize,
+        parity: usize,
+        block: usize,
+        writer: usize,
+    ) -> Option<[&AtomicU32; 3]> {
+        let s = self.signal(member);
+        Some(std::array::from_fn(|i| {
+            // SAFETY: as in `self_counter`.
+            atomic(unsafe {
+                std::ptr::addr_of_mut!((*s).peer_counter[domain][parity][block][writer][i + 1])
+            })
+        }))
     }
 }
 
 impl Backoff for Spinner<'_> {
-    type Timeout = Stop;
-    fn wait(&mut self) -> Result<(), Stop> {
+    type Timeout = Spun;
+    fn wait(&mut self) -> Result<(), Spun> {
         Spinner::wait(self)
     }
 }
@@ -221,7 +375,13 @@ unsafe fn barrier(args: &AllReduceArgs, block: u32, kind: BarrierKind) -> Result
         block: block as usize,
     };
     let mut spin = Spinner::new(args.timeout_ns, abort_word(args));
-    protocol::barrier(&signals, site, kind.host_orderings(), &mut spin)
+    let call = Some(args.call);
+    protocol::barrier_with_call(&signals, site, kind.host_orderings(), call, &mut spin).map_err(
+        |stop| match stop {
+            BarrierStop::Gave { awaited, why } => why.waiting_for(awaited),
+            BarrierStop::Mismatch { peer, theirs } => Stop::Mismatch { peer, theirs },
+        },
+    )
 }
 
 /// Runs block `block` of `kernel`.
@@ -233,10 +393,15 @@ pub(crate) unsafe fn run_block(kernel: Kernel, args: &AllReduceArgs, block: u32,
         let _ = run_typed::<f32>(kernel.kind, args, block, blocks);
         return;
     }
+    if block == 0 {
+        publish_current_call(args, true);
+    }
     if abort_word(args).load(Ordering::Acquire) != 0 {
         // Poisoned (an earlier wait gave up, or a peer told this rank to stop): do
-        // nothing until re-initialisation.
-        abandon(args, block, false);
+        // nothing until re-initialisation but tell the peers' same-index blocks, which
+        // may be waiting for this one. The call stays this rank's pending one in its
+        // current_call.
+        abandon(args, block, blocks, false);
         return;
     }
     let result = match kernel.dtype {
@@ -245,10 +410,17 @@ pub(crate) unsafe fn run_block(kernel: Kernel, args: &AllReduceArgs, block: u32,
         DType::BF16 => run_typed::<half::bf16>(kernel.kind, args, block, blocks),
     };
     if let Err(stop) = result {
-        if stop == Stop::TimedOut {
-            record_timeout_and_abort_peers(args, block);
+        match stop {
+            Stop::TimedOut { awaited } => record_timeout(args, block, awaited),
+            Stop::Mismatch { peer, theirs } => record_mismatch(args, block, peer, theirs),
+            Stop::Aborted => {}
         }
-        abandon(args, block, peers_read_user_buffers(kernel.kind));
+        abandon(args, block, blocks, peers_read_user_buffers(kernel.kind));
+    }
+    // Block 0 marks the call done, unless the rank has an error record: an abandoned
+    // call stays the rank's pending one, for a peer whose wait gives up later.
+    if block == 0 && abort_word(args).load(Ordering::Acquire) == 0 {
+        publish_current_call(args, false);
     }
 }
 
@@ -314,6 +486,29 @@ unsafe fn store<T: Element>(base: u64, i: usize, x: f32) {
     (base as *mut T).add(i).write(T::from_f32(x))
 }
 
+/// The element a sum over `width` ranks stores: `x` rounded to `T`, and +0.0 for a
+/// zero result when `width > 1`, so every algorithm gives the same sign of zero (Lamport
+/// cannot carry -0.0, its sentinel). A group of one stays an exact copy. The device's
+/// `sum_bits`.
+pub(super) fn sum_element<T: Element>(x: f32, width: usize) -> T {
+    let v = T::from_f32(x);
+    let neg_zero = if std::mem::size_of::<T>() == 4 {
+        0x8000_0000
+    } else {
+        0x8000
+    };
+    if width > 1 && v.to_bits_u32() == neg_zero {
+        T::from_f32(0.0)
+    } else {
+        v
+    }
+}
+
+/// Stores a sum over `width` ranks ([`sum_element`]).
+pub(super) unsafe fn store_sum<T: Element>(base: u64, i: usize, x: f32, width: usize) {
+    (base as *mut T).add(i).write(sum_element::<T>(x, width))
+}
+
 /// Sum over the group of element `e` of `srcs`, in group-rank order (the same order on
 /// every rank, so every rank gets the same bits).
 unsafe fn reduce_element<T: Element>(srcs: &[u64], e: usize) -> f32 {
@@ -349,7 +544,7 @@ unsafe fn one_stage<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -
     let srcs = &args.inputs[..args.group_width as usize];
     for p in block_packs(0, packs, block, blocks) {
         for e in pack_range::<T>(p, n) {
-            store::<T>(args.output, e, reduce_element::<T>(srcs, e));
+            store_sum::<T>(args.output, e, reduce_element::<T>(srcs, e), srcs.len());
         }
     }
     barrier(args, block, BarrierKind::End)
@@ -373,10 +568,11 @@ unsafe fn two_stage<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -
     let first = me * part;
     for p in block_packs(first, (first + part).min(packs), block, blocks) {
         for e in pack_range::<T>(p, n) {
-            store::<T>(
+            store_sum::<T>(
                 args.payloads[me],
                 e - first * l,
                 reduce_element::<T>(srcs, e),
+                width,
             );
         }
     }
@@ -467,8 +663,22 @@ unsafe fn lamport<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -> 
     let prev_packs = atomic(state.add(LAMPORT_PREV_PACKS)).load(Ordering::Relaxed) as usize;
     let prev_width = atomic(state.add(LAMPORT_PREV_WIDTH)).load(Ordering::Relaxed) as usize;
 
-    // Push: this rank's packs into slot `me` of every other member's region (the
-    // own-slot rule of include/peercomm_signal.h: the own slot is never written).
+    // Push: this rank's header and packs into slot `me` of every other
+    // member's region (the own-slot rule of include/peercomm_signal.h: the own slot is
+    // never written).
+    // Every block pushes the header, first: a block that starts after another block of
+    // this rank found a mismatch returns at entry, so the header must not wait for any
+    // one block (a peer would wait for it until its timeout).
+    let header_pack = slot / PACK_BYTES - 1;
+    {
+        let header = [args.call[0], args.call[1], args.call[2], 0];
+        for q in (0..width).filter(|&q| q != me) {
+            let dst = lamport_pack(args.signals[q], slot, width, gen, me, header_pack);
+            for (w, &word) in header.iter().enumerate() {
+                atomic(dst.add(w)).store(word, Ordering::Release);
+            }
+        }
+    }
     for p in block_packs(0, packs, block, blocks) {
         let words = lamport_pack_words::<T>(args.local_input, p, n);
         for q in (0..width).filter(|&q| q != me) {
@@ -478,9 +688,24 @@ unsafe fn lamport<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -> 
             }
         }
     }
+    // Every source's header first: its packs are reduced only if it runs this call.
+    let mut spin = Spinner::new(args.timeout_ns, abort_word(args));
+    for src in (0..width).filter(|&s| s != me) {
+        let at = lamport_pack(own_addr, slot, width, gen, src, header_pack);
+        let header = loop {
+            let w: [u32; 4] = std::array::from_fn(|i| atomic(at.add(i)).load(Ordering::Acquire));
+            if w.iter().all(|&x| x != LAMPORT_SENTINEL) {
+                break w;
+            }
+            spin.wait().map_err(|why| why.waiting_for(src))?;
+        };
+        let theirs = [header[0], header[1], header[2]];
+        if theirs != args.call {
+            return Err(Stop::Mismatch { peer: src, theirs });
+        }
+    }
     // Reduce in source order: the peers' packs from the own region once they arrived,
     // the own pack straight from the input (sent the same way: -0.0 lanes as +0.0).
-    let mut spin = Spinner::new(args.timeout_ns, abort_word(args));
     for p in block_packs(0, packs, block, blocks) {
         let range = pack_range::<T>(p, n);
         let mut acc = [0f32; 4 * 2];
@@ -495,7 +720,7 @@ unsafe fn lamport<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -> 
                     if w.iter().all(|&x| x != LAMPORT_SENTINEL) {
                         break w;
                     }
-                    spin.wait()?;
+                    spin.wait().map_err(|why| why.waiting_for(src))?;
                 }
             };
             for (j, a) in acc.iter_mut().enumerate().take(range.len()) {
@@ -504,14 +729,15 @@ unsafe fn lamport<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -> 
             }
         }
         for (j, e) in range.enumerate() {
-            store::<T>(args.output, e, acc[j]);
+            store_sum::<T>(args.output, e, acc[j], width);
         }
     }
     // Clear the previous call's generation of the own region for the call after next,
     // every slot but the own one (never written).
     let clear_gen = (gen + LAMPORT_GENERATIONS - 1) % LAMPORT_GENERATIONS;
     for src in (0..prev_width).filter(|&s| s != me) {
-        for p in block_packs(0, prev_packs, block, blocks) {
+        let header = (block == 0).then_some(header_pack);
+        for p in block_packs(0, prev_packs, block, blocks).chain(header) {
             let at = lamport_pack(own_addr, slot, width, clear_gen, src, p);
             for w in 0..4 {
                 atomic(at.add(w)).store(LAMPORT_SENTINEL, Ordering::Relaxed);
@@ -544,7 +770,7 @@ unsafe fn ping_pong(args: &AllReduceArgs) -> Result<(), Stop> {
             theirs.store(i, Ordering::Release);
         }
         while mine.load(Ordering::Acquire) != i {
-            spin.wait()?;
+            spin.wait().map_err(|why| why.waiting_for(1 - me))?;
         }
         if me == 1 {
             theirs.store(i, Ordering::Release);

@@ -27,7 +27,7 @@ fn room_for_fds(fds: u64) -> bool {
                 let _ = setrlimit(Resource::Nofile, raised);
                 getrlimit(Resource::Nofile)
                     .current
-                    .map_or(true, |c| c >= want)
+                    .is_none_or(|c| c >= want)
             }
             _ => true,
         }

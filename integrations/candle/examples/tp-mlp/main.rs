@@ -131,7 +131,7 @@ fn main() -> BoxResult<()> {
         println!("NCCL column skipped: {why}");
     }
     let shape = MlpShape::LLAMA3_8B;
-    if shape.intermediate % args.ranks != 0 {
+    if !shape.intermediate.is_multiple_of(args.ranks) {
         return Err(format!(
             "{} ranks do not divide {} channels",
             args.ranks, shape.intermediate

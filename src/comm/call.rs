@@ -1,0 +1,346 @@
+//! The per-call descriptor: what every rank of a group must agree on for one
+//! collective, packed into the three words (`PEERCOMM_CALL_WORDS`) that each barrier
+//! arrival and each Lamport header carries, and decoded again into a
+//! [`Error::CallMismatch`] that names the first field that differs.
+//!
+//! Caught, on every path through [`super::Rank::launch_fused`] (both APIs): a different
+//! collective, element type, group width, root, element count (exact below 2^39
+//! elements), block count or algorithm, and a call made out of order within a group (the
+//! sequence number counts the launches of each barrier domain, so sibling groups, which
+//! share a domain but never a barrier, may make different numbers of calls). Ranks in
+//! the same barrier domain find the difference when the arrival lands; ranks that the
+//! difference puts in different domains or kinds of wait (another group width, Lamport
+//! against a barrier) find it when their wait gives up, by reading the awaited peer's
+//! `current_call`: it runs another call. What stays the caller's contract: calls that
+//! agree in every field but pass buffers whose contents the caller did not mean to
+//! pair, calls whose element counts differ by a multiple of 2^39, and a group of one's
+//! own calls, which have no peer to compare with. The case a per-domain count cannot
+//! see: rank A makes a group-of-one call where its peer B makes a world call, then a
+//! world call of its own; that one pairs with B's pending one (the same place in the
+//! world domain), and B's next world call has no partner. It is caught late: B's wait
+//! for A gives up, B reports `BarrierTimeout` naming A, and A gets `PeerAborted`, so
+//! both communicators are poisoned; the pairing itself returned `Ok`.
+
+use crate::backend::KernelKind;
+use crate::dtype::DType;
+use crate::error::{CallField, Error};
+use crate::signal::CALL_WORDS;
+
+use super::plan::Plan;
+
+/// Bits of the sequence number, the element count's low word and every other word
+/// (bit 31 stays clear, so no word is the Lamport sentinel).
+const LOW31: u32 = 0x7fff_ffff;
+
+/// Every kernel kind, in the order of its discriminant (the descriptor's kind field).
+const KINDS: [KernelKind; 11] = [
+    KernelKind::OneStage,
+    KernelKind::TwoStage,
+    KernelKind::Lamport,
+    KernelKind::Barrier,
+    KernelKind::PingPong,
+    KernelKind::Delay,
+    KernelKind::AllGather,
+    KernelKind::ReduceScatter,
+    KernelKind::Broadcast,
+    KernelKind::Scatter,
+    KernelKind::AllReduceRmsNorm,
+];
+
+/// The descriptor of call number `seq` of a rank for `plan` (see the header).
+pub(crate) fn encode(plan: &Plan, seq: u32) -> [u32; CALL_WORDS] {
+    let n = plan.elements as u64;
+    let kind = plan.kernel.kind as u32;
+    let dtype = plan.kernel.dtype.raw() as u32;
+    let width = (plan.width as u32).saturating_sub(1) & 7;
+    let root = plan.collective.root & 7;
+    let blocks = plan.dims.blocks.saturating_sub(1) & 0x3ff;
+    let high = ((n >> 31) & 0xff) as u32;
+    let w1 = kind | dtype << 5 | width << 7 | root << 10 | blocks << 13 | high << 23;
+    // 1 ..= 2^31 - 1: a zero sequence word is what an initialised signal's
+    // current_call holds before its rank has run any call.
+    [seq % LOW31 + 1, w1 & LOW31, (n as u32) & LOW31]
+}
+
+/// The fields of a descriptor.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Fields {
+    seq: u32,
+    kind: u32,
+    dtype: u32,
+    width: u32,
+    root: u32,
+    blocks: u32,
+    elements: u64,
+}
+
+fn decode(w: [u32; CALL_WORDS]) -> Fields {
+    Fields {
+        seq: w[0],
+        kind: w[1] & 0x1f,
+        dtype: (w[1] >> 5) & 3,
+        width: ((w[1] >> 7) & 7) + 1,
+        root: (w[1] >> 10) & 7,
+        blocks: ((w[1] >> 13) & 0x3ff) + 1,
+        elements: u64::from((w[1] >> 23) & 0xff) << 31 | u64::from(w[2]),
+    }
+}
+
+fn kind_of(code: u32) -> Option<KernelKind> {
+    KINDS.get(code as usize).copied()
+}
+
+/// The collective a kernel kind runs.
+fn collective_name(code: u32) -> String {
+    match kind_of(code) {
+        Some(KernelKind::OneStage | KernelKind::TwoStage | KernelKind::Lamport) => {
+            "all-reduce".into()
+        }
+        Some(KernelKind::AllReduceRmsNorm) => "fused all-reduce + RMSNorm".into(),
+        Some(k) => k.name().replace('_', "-"),
+        None => format!("unknown kernel {code}"),
+    }
+}
+
+/// The algorithm a kernel kind runs.
+fn algorithm_name(code: u32) -> String {
+    match kind_of(code) {
+        Some(KernelKind::TwoStage) => "two-stage".into(),
+        Some(KernelKind::Lamport) => "Lamport".into(),
+        Some(_) => "one-stage".into(),
+        None => format!("unknown kernel {code}"),
+    }
+}
+
+fn dtype_name(code: u32) -> String {
+    DType::ALL
+        .iter()
+        .find(|d| d.raw() as u32 == code)
+        .map_or_else(|| format!("dtype {code}"), |d| d.name().to_string())
+}
+
+/// `call k`, or, for a zero sequence word, that the rank has run no call.
+fn call_number(seq: u32) -> String {
+    if seq == 0 {
+        "no call yet".into()
+    } else {
+        format!("call {seq}")
+    }
+}
+
+/// The first field in which `theirs` differs from `mine`, with both values as text;
+/// `None` when they agree.
+pub(crate) fn first_difference(
+    mine: [u32; CALL_WORDS],
+    theirs: [u32; CALL_WORDS],
+) -> Option<(CallField, String, String)> {
+    let (a, b) = (decode(mine), decode(theirs));
+    let collective = |f: &Fields| collective_name(f.kind);
+    let number = |x: u64| x.to_string();
+    let field = if collective(&a) != collective(&b) {
+        (CallField::Collective, collective(&a), collective(&b))
+    } else if a.dtype != b.dtype {
+        (CallField::DType, dtype_name(a.dtype), dtype_name(b.dtype))
+    } else if a.width != b.width {
+        (
+            CallField::GroupWidth,
+            format!("groups of {}", a.width),
+            format!("groups of {}", b.width),
+        )
+    } else if a.root != b.root {
+        (
+            CallField::Root,
+            format!("root {}", a.root),
+            format!("root {}", b.root),
+        )
+    } else if a.elements != b.elements {
+        (
+            CallField::Length,
+            format!("{} elements", number(a.elements)),
+            format!("{} elements", number(b.elements)),
+        )
+    } else if a.blocks != b.blocks {
+        (
+            CallField::Blocks,
+            format!("{} blocks", a.blocks),
+            format!("{} blocks", b.blocks),
+        )
+    } else if a.kind != b.kind {
+        (
+            CallField::Algorithm,
+            algorithm_name(a.kind),
+            algorithm_name(b.kind),
+        )
+    } else if a.seq != b.seq {
+        (
+            CallField::Sequence,
+            format!("call {}", a.seq),
+            call_number(b.seq),
+        )
+    } else {
+        return None;
+    };
+    Some(field)
+}
+
+/// The typed error of rank `rank` whose peer `peer` published `theirs` against its own
+/// `mine`.
+pub(crate) fn mismatch_error(
+    rank: usize,
+    peer: usize,
+    mine: [u32; CALL_WORDS],
+    theirs: [u32; CALL_WORDS],
+) -> Error {
+    let (field, mine, theirs) = first_difference(mine, theirs).unwrap_or((
+        CallField::Sequence,
+        "this call".into(),
+        "another call".into(),
+    ));
+    Error::CallMismatch {
+        rank,
+        peer,
+        field,
+        mine,
+        theirs,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::{Kernel, LaunchDims};
+    use crate::comm::collective::CollectiveArgs;
+    use crate::dispatch::Algorithm;
+
+    fn plan(kind: KernelKind, dtype: DType, width: usize, elements: usize, blocks: u32) -> Plan {
+        Plan {
+            kernel: Kernel { kind, dtype },
+            algorithm: Algorithm::Auto,
+            width,
+            elements,
+            stage_input: false,
+            dims: LaunchDims {
+                blocks,
+                threads: 512,
+            },
+            overlap_previous: false,
+            collective: CollectiveArgs::default(),
+        }
+    }
+
+    #[test]
+    fn kinds_table_follows_the_discriminants() {
+        for (i, k) in KINDS.iter().enumerate() {
+            assert_eq!(*k as usize, i, "{k:?}");
+        }
+    }
+
+    #[test]
+    fn every_word_keeps_bit_31_clear() {
+        let p = plan(
+            KernelKind::AllReduceRmsNorm,
+            DType::BF16,
+            8,
+            usize::MAX >> 1,
+            1024,
+        );
+        for w in encode(&p, u32::MAX) {
+            assert_eq!(w & 0x8000_0000, 0);
+        }
+    }
+
+    #[test]
+    fn each_field_is_named_first_in_order() {
+        let base = plan(KernelKind::OneStage, DType::F32, 2, 1000, 16);
+        let m = encode(&base, 7);
+        assert_eq!(first_difference(m, m), None);
+        let cases: [(Plan, u32, CallField, &str, &str); 8] = [
+            (
+                base.clone_with(|p| p.elements = 500),
+                7,
+                CallField::Length,
+                "1000 elements",
+                "500 elements",
+            ),
+            (
+                base.clone_with(|p| p.kernel.dtype = DType::BF16),
+                7,
+                CallField::DType,
+                "f32",
+                "bf16",
+            ),
+            (
+                base.clone_with(|p| p.width = 4),
+                7,
+                CallField::GroupWidth,
+                "groups of 2",
+                "groups of 4",
+            ),
+            (
+                base.clone_with(|p| p.dims.blocks = 8),
+                7,
+                CallField::Blocks,
+                "16 blocks",
+                "8 blocks",
+            ),
+            (
+                base.clone_with(|p| p.kernel.kind = KernelKind::Lamport),
+                7,
+                CallField::Algorithm,
+                "one-stage",
+                "Lamport",
+            ),
+            (
+                base.clone_with(|p| p.kernel.kind = KernelKind::Broadcast),
+                7,
+                CallField::Collective,
+                "all-reduce",
+                "broadcast",
+            ),
+            (
+                base.clone_with(|_| ()),
+                8,
+                CallField::Sequence,
+                "call 8",
+                "call 9",
+            ),
+            // Another width with another sequence number (another barrier domain's
+            // count): the width is named, not the count.
+            (
+                base.clone_with(|p| p.width = 4),
+                2,
+                CallField::GroupWidth,
+                "groups of 2",
+                "groups of 4",
+            ),
+        ];
+        for (other, seq, field, mine, theirs) in cases {
+            let got = first_difference(m, encode(&other, seq)).expect("differs");
+            assert_eq!(got, (field, mine.to_string(), theirs.to_string()));
+        }
+        // Element counts past 2^31 keep their high bits.
+        let big = base.clone_with(|p| p.elements = (1 << 33) + 5);
+        let got = first_difference(
+            encode(&big, 1),
+            encode(&base.clone_with(|p| p.elements = 5), 1),
+        );
+        assert_eq!(got.map(|g| g.0), Some(CallField::Length));
+    }
+
+    trait CloneWith {
+        fn clone_with(&self, f: impl FnOnce(&mut Plan)) -> Plan;
+    }
+    impl CloneWith for Plan {
+        fn clone_with(&self, f: impl FnOnce(&mut Plan)) -> Plan {
+            let mut p = plan(
+                self.kernel.kind,
+                self.kernel.dtype,
+                self.width,
+                self.elements,
+                self.dims.blocks,
+            );
+            f(&mut p);
+            p
+        }
+    }
+}

@@ -1,0 +1,466 @@
+//! Trust on the per-rank path (issue 18), generic over the backend: ranks that differ
+//! in their multiprocessor count still agree on the grid; ranks that make different
+//! calls get a typed `CallMismatch` naming the peer and the field on every rank, with
+//! nothing written; a rank that never arrives is named in every rank's error; and every
+//! multi-rank algorithm gives the same sign of zero.
+
+use std::sync::Barrier;
+use std::time::Duration;
+
+use peercomm::backend::{Backend, TypedBuffer};
+use peercomm::bootstrap::UniqueId;
+use peercomm::external::Simulation;
+use peercomm::{
+    Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, CommConfig, DType, Error,
+};
+
+use super::{common, Placement};
+
+/// A configuration with short waits, for the cases that end in a timeout.
+fn short_waits(place: &Placement, world: usize) -> CommConfig {
+    CommConfig {
+        barrier_timeout: Some(Duration::from_millis(1500)),
+        bootstrap_timeout: Duration::from_secs(30),
+        ..place.config(world)
+    }
+}
+
+/// Runs `body(rank, comm, meet)` on one thread per rank over `config`; `meet` is a
+/// barrier of the world's threads.
+fn run<B: Backend, R: Send>(
+    place: &Placement,
+    world: usize,
+    config: &CommConfig,
+    body: impl Fn(usize, &Comm<B>, &Barrier) -> R + Sync,
+) -> Vec<R> {
+    run_after(place, world, config, &|_| {}, body)
+}
+
+/// As `run`, each thread calling `before(rank)` first.
+fn run_after<B: Backend, R: Send>(
+    place: &Placement,
+    world: usize,
+    config: &CommConfig,
+    before: &(dyn Fn(usize) + Sync),
+    body: impl Fn(usize, &Comm<B>, &Barrier) -> R + Sync,
+) -> Vec<R> {
+    let id = UniqueId::new().unwrap();
+    let meet = Barrier::new(world);
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..world)
+            .map(|rank| {
+                let (id, body, meet, config) = (&id, &body, &meet, config.clone());
+                s.spawn(move || {
+                    before(rank);
+                    let dev = B::open(place.ordinal(rank)).unwrap();
+                    let comm = Comm::<B>::from_rank(dev, rank, world, id, config).unwrap();
+                    body(rank, &comm, meet)
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).collect()
+    })
+}
+
+/// Ranks that report different multiprocessor counts (simulated: as under MPS, or two
+/// SKUs of one architecture) and leave the grid to peercomm: one-stage over 65,536 f32
+/// is right on every rank. Before the grid was agreed, each rank sized its own grid and
+/// half the elements were wrong while `synchronize()` returned `Ok`.
+pub fn unequal_multiprocessors_agree_on_the_grid<B: Backend>(place: &Placement, counts: &[usize]) {
+    let world = counts.len();
+    let config = CommConfig {
+        max_blocks: None,
+        simulate: Simulation {
+            multiprocessors: Some(counts.to_vec()),
+            ..Simulation::default()
+        },
+        ..place.config(world)
+    };
+    check_one_stage_sums::<B>(place, world, &config, "unequal_multiprocessors");
+}
+
+/// The suite's configuration for `world` ranks.
+pub fn placement_config(place: &Placement, world: usize) -> CommConfig {
+    place.config(world)
+}
+
+/// One-stage over 65,536 f32 with fresh inputs, checked against the f64 reference on
+/// every rank, every rank's `synchronize()` `Ok`.
+pub fn check_one_stage_sums<B: Backend>(
+    place: &Placement,
+    world: usize,
+    config: &CommConfig,
+    test: &str,
+) {
+    check_sums_after::<B>(place, world, config, &|_| {}, test);
+}
+
+/// As `check_one_stage_sums` over two ranks, each thread first calling `pin(rank)`
+/// (before its communicator exists).
+pub fn check_one_stage_sums_pinned<B: Backend>(
+    place: &Placement,
+    config: &CommConfig,
+    pin: &(dyn Fn(usize) + Sync),
+    test: &str,
+) {
+    check_sums_after::<B>(place, 2, config, pin, test);
+}
+
+fn check_sums_after<B: Backend>(
+    place: &Placement,
+    world: usize,
+    config: &CommConfig,
+    before: &(dyn Fn(usize) + Sync),
+    test: &str,
+) {
+    let n = 65_536;
+    let mut rng = common::rng(test);
+    let ins = common::random_inputs::<f32>(&mut rng, world, n);
+    let outs = run_after::<B, _>(place, world, config, before, |rank, comm, _| {
+        let dev = comm.device();
+        let send = B::alloc_from(dev, &ins[rank]).unwrap();
+        let mut recv = B::alloc_from(dev, &vec![f32::NAN; n]).unwrap();
+        let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+        for _ in 0..3 {
+            comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
+        }
+        comm.synchronize().unwrap();
+        recv.to_host(dev).unwrap()
+    });
+    common::check_sums(&ins, &outs, world, test);
+}
+
+/// What one rank does in a mismatch case: its call, enqueued without waiting.
+type Call<B> = Box<dyn Fn(&Comm<B>) -> peercomm::Result<()> + Sync>;
+
+fn all_reduce<B: Backend>(dtype: DType, n: usize, opts: AllReduceOptions) -> Call<B> {
+    Box::new(move |comm: &Comm<B>| {
+        let dev = comm.device();
+        match dtype {
+            DType::F32 => {
+                let send = B::alloc_from(dev, &vec![1.0f32; n])?;
+                let mut recv = B::alloc_from(dev, &vec![f32::NAN; n])?;
+                comm.all_reduce_sum(&send, &mut recv, &opts)?;
+                untouched(comm, &recv, f32::NAN.to_bits())
+            }
+            _ => {
+                let send = B::alloc_from(dev, &vec![half::bf16::ONE; n])?;
+                let mut recv = B::alloc_from(dev, &vec![half::bf16::NAN; n])?;
+                comm.all_reduce_sum(&send, &mut recv, &opts)?;
+                untouched(comm, &recv, u32::from(half::bf16::NAN.to_bits()))
+            }
+        }
+    })
+}
+
+/// Waits, then checks the output still holds the poison: a mismatch is found at the
+/// first barrier, before any output is written.
+fn untouched<B: Backend, T: peercomm::Element>(
+    comm: &Comm<B>,
+    recv: &B::Buffer<T>,
+    poison: u32,
+) -> peercomm::Result<()> {
+    let result = comm.synchronize();
+    let host = recv.to_host(comm.device())?;
+    if result.is_err() {
+        let written = host.iter().filter(|x| x.to_bits_u32() != poison).count();
+        assert_eq!(
+            written, 0,
+            "a mismatched call wrote {written} output elements"
+        );
+    }
+    result
+}
+
+fn broadcast<B: Backend>(n: usize, root: usize) -> Call<B> {
+    Box::new(move |comm: &Comm<B>| {
+        let dev = comm.device();
+        let mut buf = B::alloc_from(dev, &vec![comm.rank() as f32; n])?;
+        comm.broadcast_in_place(&mut buf, root, &CollectiveOptions::new())?;
+        comm.synchronize()
+    })
+}
+
+fn all_gather<B: Backend>(n: usize) -> Call<B> {
+    Box::new(move |comm: &Comm<B>| {
+        let dev = comm.device();
+        let send = B::alloc_from(dev, &vec![1.0f32; n])?;
+        let mut recv = B::alloc_from(dev, &vec![0.0f32; n * comm.world_size()])?;
+        comm.all_gather(&send, &mut recv, &CollectiveOptions::new())?;
+        comm.synchronize()
+    })
+}
+
+/// Every case of the issue: rank `odd` makes another call than the others; every rank
+/// gets `CallMismatch` naming the field, the ones that agree with each other naming
+/// `odd` and `odd` naming one of them. After each case every rank re-initialises and a
+/// matching call works again.
+pub fn mismatched_calls_are_typed_errors<B: Backend>(place: &Placement, world: usize) {
+    let config = short_waits(place, world);
+    let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+    let lamport = AllReduceOptions::new().algorithm(Algorithm::Lamport);
+    let cases: Vec<(&str, CallField, Call<B>, Call<B>)> = vec![
+        (
+            "1000 against 500 elements",
+            CallField::Length,
+            all_reduce::<B>(DType::F32, 1000, one),
+            all_reduce::<B>(DType::F32, 500, one),
+        ),
+        (
+            "f32 against bf16",
+            CallField::DType,
+            all_reduce::<B>(DType::F32, 256, one),
+            all_reduce::<B>(DType::BF16, 256, one),
+        ),
+        (
+            "all-gather against broadcast",
+            CallField::Collective,
+            all_gather::<B>(64),
+            broadcast::<B>(64, 0),
+        ),
+        (
+            "broadcast roots",
+            CallField::Root,
+            broadcast::<B>(64, 0),
+            broadcast::<B>(64, 1),
+        ),
+        (
+            "block counts",
+            CallField::Blocks,
+            all_reduce::<B>(DType::F32, 4096, one.blocks(2)),
+            all_reduce::<B>(DType::F32, 4096, one.blocks(1)),
+        ),
+        (
+            "Lamport against one-stage (another kind of wait)",
+            CallField::Algorithm,
+            all_reduce::<B>(DType::F32, 256, lamport.blocks(1)),
+            all_reduce::<B>(DType::F32, 256, one.blocks(1)),
+        ),
+        (
+            "Lamport lengths",
+            CallField::Length,
+            all_reduce::<B>(DType::F32, 256, lamport.blocks(1)),
+            all_reduce::<B>(DType::F32, 200, lamport.blocks(1)),
+        ),
+    ];
+    let odd = world - 1;
+    for (what, field, usual, other) in &cases {
+        let errors = run::<B, _>(place, world, &config, |rank, comm, meet| {
+            let call = if rank == odd { other } else { usual };
+            let got = call(comm);
+            meet.wait();
+            comm.reinitialize().unwrap();
+            // A matching call works again.
+            all_reduce::<B>(DType::F32, 300, one)(comm).unwrap();
+            got
+        });
+        for (rank, got) in errors.into_iter().enumerate() {
+            match got {
+                Err(Error::CallMismatch {
+                    rank: r,
+                    peer,
+                    field: f,
+                    ref mine,
+                    ref theirs,
+                }) => {
+                    assert_eq!(r, rank, "{what}");
+                    assert_eq!(f, *field, "{what}: rank {rank}: {mine} / {theirs}");
+                    if rank == odd {
+                        assert_ne!(peer, odd, "{what}");
+                    } else {
+                        assert_eq!(peer, odd, "{what}: rank {rank}");
+                    }
+                    let text = got.as_ref().unwrap_err().to_string();
+                    assert!(!text.contains("  "), "stray spaces: {text}");
+                }
+                other => panic!("{what}: rank {rank} got {other:?}, not a CallMismatch"),
+            }
+        }
+        eprintln!("{what}: every rank got CallMismatch({field:?})");
+    }
+}
+
+/// The case a per-domain sequence number cannot see, caught late as documented: rank 1
+/// makes a group-of-one call where rank 0 makes a world call, then a world call of its
+/// own, which pairs with rank 0's pending one (both return `Ok`: the same place in the
+/// world domain). Rank 0's next world call has no partner: its wait gives up with
+/// `BarrierTimeout` naming rank 1, and rank 1's record holds the `PeerAborted` rank 0
+/// sent, so both communicators are poisoned.
+pub fn a_group_of_one_against_a_world_call_is_caught_late<B: Backend>(place: &Placement) {
+    let world = 2;
+    let config = short_waits(place, world);
+    let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+    let got = run::<B, _>(place, world, &config, |rank, comm, meet| {
+        let first = if rank == 1 {
+            all_reduce::<B>(DType::F32, 128, one.group_size(1))(comm)
+        } else {
+            all_reduce::<B>(DType::F32, 128, one)(comm)
+        };
+        let second = all_reduce::<B>(DType::F32, 128, one)(comm);
+        meet.wait();
+        let late = comm.synchronize();
+        meet.wait();
+        comm.reinitialize().unwrap();
+        (first, second, late)
+    });
+    assert_eq!(got[1].0, Ok(()), "a group of one runs alone");
+    assert_eq!(
+        got[0].0,
+        Ok(()),
+        "rank 0's world call paired with rank 1's second"
+    );
+    assert_eq!(
+        got[1].1,
+        Ok(()),
+        "rank 1's world call paired with rank 0's first"
+    );
+    assert!(
+        matches!(
+            got[0].1,
+            Err(Error::BarrierTimeout {
+                waiting_for: Some(1),
+                ..
+            })
+        ),
+        "rank 0's second world call: {:?}",
+        got[0].1
+    );
+    assert!(
+        matches!(
+            got[1].2,
+            Err(Error::PeerAborted {
+                by: 0,
+                waiting_for: Some(1),
+                ..
+            })
+        ),
+        "rank 1 afterwards: {:?}",
+        got[1].2
+    );
+}
+
+/// Different group widths put the ranks in different barrier domains, so no arrival is
+/// ever compared; when the waits give up, each rank reads the awaited peer's current
+/// call, finds the same sequence number with another width, and reports
+/// `CallMismatch { field: GroupWidth }` instead of a bare timeout. Rank 0 asks for
+/// groups of two, the others for the whole world: rank 0 waits for rank 1, which runs
+/// the world call, and the others wait for rank 0, which runs its pair call.
+pub fn different_group_widths_are_caught<B: Backend>(place: &Placement) {
+    let world = 4;
+    let config = short_waits(place, world);
+    let got = run::<B, _>(place, world, &config, |rank, comm, meet| {
+        let group = if rank == 0 { 2 } else { 4 };
+        let opts = AllReduceOptions::new()
+            .algorithm(Algorithm::OneStage)
+            .group_size(group);
+        let r = all_reduce::<B>(DType::F32, 512, opts)(comm);
+        meet.wait();
+        comm.reinitialize().unwrap();
+        r
+    });
+    for (rank, r) in got.iter().enumerate() {
+        assert!(
+            matches!(
+                r,
+                Err(Error::CallMismatch {
+                    field: CallField::GroupWidth,
+                    ..
+                })
+            ),
+            "rank {rank}: {r:?}"
+        );
+    }
+}
+
+/// World 3, rank 1 never launches its all-reduce: every rank's error names rank 1
+/// (`waiting_for`), and the messages have no stray spaces.
+pub fn the_rank_that_never_came_is_named<B: Backend>(place: &Placement) {
+    let world = 3;
+    let config = short_waits(place, world);
+    let got = run::<B, _>(place, world, &config, |rank, comm, meet| {
+        let dev = comm.device();
+        let mut buf = B::alloc_from(dev, &[1.0f32; 1000]).unwrap();
+        if rank == 1 {
+            comm.miss_next();
+        }
+        let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+        comm.all_reduce_sum_in_place(&mut buf, &opts).unwrap();
+        let mut r = comm.synchronize();
+        meet.wait();
+        if rank == 1 {
+            // Its peers wrote their abort into its record when they gave up.
+            r = comm.synchronize();
+        }
+        meet.wait();
+        comm.reinitialize().unwrap();
+        r
+    });
+    for (rank, r) in got.iter().enumerate() {
+        let named = match r {
+            Err(Error::BarrierTimeout { waiting_for, .. }) => *waiting_for,
+            Err(Error::PeerAborted { waiting_for, .. }) => *waiting_for,
+            other => panic!("rank {rank}: {other:?}"),
+        };
+        assert_eq!(named, Some(1), "rank {rank}: {r:?}");
+        let text = r.as_ref().unwrap_err().to_string();
+        assert!(text.contains("rank 1"), "rank {rank}: {text}");
+        assert!(!text.contains("  "), "stray spaces: {text}");
+    }
+}
+
+/// One sign of zero: inputs that are -0.0 on every rank sum to +0.0 under every
+/// algorithm the per-rank path offers and at every size (Auto picks Lamport for small
+/// messages and one-stage for larger ones), for every dtype; a group of one is an
+/// exact copy (-0.0 stays -0.0).
+pub fn one_sign_of_zero<B: Backend>(place: &Placement, world: usize) {
+    fn case<B: Backend, T: peercomm::Element>(
+        comm: &Comm<B>,
+        n: usize,
+        opts: AllReduceOptions,
+    ) -> Vec<u32> {
+        let dev = comm.device();
+        let zero = common::negative_zero::<T>();
+        let send = B::alloc_from(dev, &vec![zero; n]).unwrap();
+        let mut recv = B::alloc_from(dev, &vec![T::from_f32(7.0); n]).unwrap();
+        comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
+        comm.synchronize().unwrap();
+        recv.to_host(dev)
+            .unwrap()
+            .iter()
+            .map(|x| x.to_bits_u32())
+            .collect()
+    }
+    let config = place.config(world);
+    run::<B, _>(place, world, &config, |_rank, comm, _| {
+        for n in [1usize, 7, 1000, 70_000] {
+            for algorithm in [Algorithm::Auto, Algorithm::OneStage, Algorithm::Lamport] {
+                let opts = AllReduceOptions::new().algorithm(algorithm);
+                if comm.algorithm_for(DType::F32, n, &opts, false).is_err() {
+                    continue;
+                }
+                let f = case::<B, f32>(comm, n, opts);
+                assert!(
+                    f.iter().all(|&b| b == 0),
+                    "f32 {algorithm:?} n {n}: not +0.0"
+                );
+                let h = case::<B, half::f16>(comm, n, opts);
+                assert!(
+                    h.iter().all(|&b| b == 0),
+                    "f16 {algorithm:?} n {n}: not +0.0"
+                );
+                let b = case::<B, half::bf16>(comm, n, opts);
+                assert!(
+                    b.iter().all(|&b| b == 0),
+                    "bf16 {algorithm:?} n {n}: not +0.0"
+                );
+            }
+            // A group of one copies exactly.
+            let alone = AllReduceOptions::new().group_size(1);
+            let f = case::<B, f32>(comm, n, alone);
+            assert!(
+                f.iter().all(|&b| b == 0x8000_0000),
+                "group of one must keep -0.0"
+            );
+        }
+    });
+}
