@@ -78,6 +78,7 @@ PC_INLINE void all_gather(const Args& a) {
         copy_message<D>(a.inputs[q], elem_addr<D>(a.output, q * n), n, tid, stride);
     }
     if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
+    finish(c);
 }
 
 // Reduce-scatter (sum): group rank r reduces part r (split_part) of every member's
@@ -114,6 +115,7 @@ PC_INLINE void reduce_scatter(const Args& a) {
     const uint64_t packs = div_ceil_u64(mine.count, L);
     with_width(width, [&]<int W>() { reduce_range<D, W>(srcs, 0, packs, mine.count, a.output, 0, vec, tid, stride); });
     if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
+    finish(c);
 }
 
 // Broadcast: the root's n elements to every member's output. Staged: the root puts its
@@ -135,6 +137,7 @@ PC_INLINE void broadcast(const Args& a) {
         copy_message<D>(a.local_input, a.output, n, tid, stride);
     }
     if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
+    finish(c);
 }
 
 // Scatter: member q gets elements [q * n, (q + 1) * n) of the root's width * n. Staged:
@@ -159,6 +162,7 @@ PC_INLINE void scatter(const Args& a) {
                                     : elem_addr<D>(a.inputs[root], me * n);
     copy_message<D>(src, a.output, n, tid, stride);
     if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
+    finish(c);
 }
 
 // ---------------------------------------------------------------------------------
@@ -274,6 +278,7 @@ PC_INLINE void allreduce_rmsnorm(const Args& a) {
     volatile PC_SHARED float* tree = (volatile PC_SHARED float*)red;
     with_width(width, [&]<int W>() { rmsnorm_rows<D, W>(a, a.inputs, vec, tree); });
     if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
+    finish(c);
 }
 
 #define PEERCOMM_COLLECTIVE_KERNELS(X)                            \

@@ -28,7 +28,7 @@
 //   ld_volatile_vec16, st_volatile_vec16
 //                                   one untorn 16-byte access that reaches memory every
 //                                   time (Lamport packs)
-//   ld_relaxed_sys_vec16, ld_acquire_sys_vec16, st_relaxed_sys_vec16, st_release_sys_vec16
+//   ld_relaxed_sys_vec16, st_relaxed_sys_vec16, st_release_sys_vec16
 //                                   the same 16-byte access at system scope with the
 //                                   named order (barrier arrivals: counter + descriptor)
 //   timer_now(), timer_ticks(ns)    a constant-rate clock; ticks in ns nanoseconds
@@ -166,7 +166,8 @@ PC_INLINE bool same_call(const Args& a, Vec16 x) {
 PC_INLINE bool enter(Ctx& c) {
     const uint32_t t = threadIdx.x;
     if (t < c.a.group_width) c.counter = c.own->self_counter[c.a.domain][blockIdx.x][t];
-    if (t == 0 && blockIdx.x == 0)
+    // A group of one waits for nobody, and nobody waits for it: it publishes nothing.
+    if (t == 0 && blockIdx.x == 0 && c.a.group_width > 1)
         st_volatile_vec16((PC_GLOBAL Vec16*)c.own->current_call, make_vec16(c.a.call[0], c.a.call[1], c.a.call[2], 1u));
     if (t == 0) {
         const Vec16 lamport = ld_volatile_vec16((const PC_GLOBAL Vec16*)c.own->lamport_state);
@@ -223,16 +224,12 @@ PC_INLINE bool other_call(const Args& a, Vec16 x) {
     return x.w != 0u && (x.x != a.call[0] || x.y != a.call[1] || x.z != a.call[2]);
 }
 
-// The end of every kernel that carries a descriptor (the vendor entry points call it
-// after the body, whichever way it returned): block 0 marks the own current_call as no
-// longer running, unless the rank has an error record. A call that was abandoned stays
-// the rank's pending call, so a peer whose wait for this rank gives up later still
-// sees which call it was at.
-PC_INLINE void leave(const Args& a) {
-    if (a.call[0] != 0u && threadIdx.x == 0 && blockIdx.x == 0) {
-        GlobalSignal* own = signal_at(a.signals[a.group_rank]);
-        if (ld_relaxed_sys(&own->error_state[PEERCOMM_ERROR_CODE]) == 0u) st_relaxed_sys(&own->current_call[3], 0u);
-    }
+// The end of every collective that completed: block 0 marks the own current_call as
+// no longer running. A call that was abandoned never gets here and stays the rank's
+// pending call, so a peer whose wait for this rank gives up later still sees which call
+// it was at.
+PC_INLINE void finish(Ctx& c) {
+    if (threadIdx.x == 0 && blockIdx.x == 0 && c.a.group_width > 1) st_relaxed_sys(&c.own->current_call[3], 0u);
 }
 
 // This call's descriptor in words x, y, z.
@@ -397,13 +394,16 @@ PC_INLINE bool barrier(Ctx& c) {
         const PC_GLOBAL Vec16* from_peer = (const PC_GLOBAL Vec16*)c.own->peer_counter[d][v & 1u][b][t];
         Waiter w;
         Vec16 x;
-        while ((x = kOrdered ? ld_acquire_sys_vec16(from_peer) : ld_relaxed_sys_vec16(from_peer)).x != v) {
+        while ((x = ld_relaxed_sys_vec16(from_peer)).x != v) {
             if (!w.keep_waiting(c, t)) break;
         }
         // Once the counter is v this slot does not change before this block arrives
-        // again, so a read that could have been torn is settled by reading it again.
+        // again: the acquire of a publishing barrier reads its counter word once (it can
+        // only read v, and pairs with the writer's release), and a descriptor read that
+        // could have been torn is settled by reading it again.
+        if (kOrdered && x.x == v) (void)ld_acquire_sys(&c.own->peer_counter[d][v & 1u][b][t][0]);
         if (x.x == v && !same_call(a, x)) {
-            x = ld_acquire_sys_vec16(from_peer);
+            x = ld_relaxed_sys_vec16(from_peer);
             if (!same_call(a, x)) record_mismatch(c, t, x);
         }
     }
@@ -441,24 +441,28 @@ struct Unroll {
     static constexpr int G = W >= 8 ? 1 : 8 / W;
 };
 
-// One sign of zero for every sum over two or more ranks: a zero result is +0.0, whatever
-// the algorithm (Lamport cannot carry -0.0, which is its sentinel) and whatever the
-// rounding to D made of it. A group of one stays an exact copy.
-template <typename D, int W>
-PC_INLINE typename D::Bits sum_bits(float acc) {
-    const typename D::Bits b = D::from_float(acc);
-    return (W > 1 && b == D::kNegZero) ? (typename D::Bits)0 : b;
+// One sign of zero for every sum over two or more ranks: the f32 accumulator starts at
+// +0.0 (acc = +0.0 + x[0]), so an exact-zero sum is +0.0 whatever the algorithm
+// (Lamport cannot carry -0.0, its sentinel, and sends it as +0.0) and every other sum
+// is unchanged. A group of one stays an exact copy.
+template <int W>
+PC_INLINE float sum_start(float x0) {
+    if constexpr (W > 1) {
+        return 0.0f + x0;
+    } else {
+        return x0;
+    }
 }
 
-// The sum of the W packs in source order (acc = x[0]; acc += x[s]), in f32: the order
-// every rank and the host use.
+// The sum of the W packs in source order (acc = +0.0 + x[0]; acc += x[s]), in f32: the
+// order every rank and the host use.
 template <typename D, int W>
 PC_INLINE Vec16 sum_packs(const Vec16 (&x)[W]) {
     constexpr int L = Pack<D>::kLanes;
     Pack<D> in{x[0]};
     float acc[L];
 #pragma unroll
-    for (int j = 0; j < L; ++j) acc[j] = D::to_float(in.lane(j));
+    for (int j = 0; j < L; ++j) acc[j] = sum_start<W>(D::to_float(in.lane(j)));
 #pragma unroll
     for (int s = 1; s < W; ++s) {
         in.v = x[s];
@@ -467,7 +471,7 @@ PC_INLINE Vec16 sum_packs(const Vec16 (&x)[W]) {
     }
     Pack<D> out{make_vec16(0u, 0u, 0u, 0u)};
 #pragma unroll
-    for (int j = 0; j < L; ++j) out.set_lane(j, sum_bits<D, W>(acc[j]));
+    for (int j = 0; j < L; ++j) out.set_lane(j, D::from_float(acc[j]));
     return out.v;
 }
 
@@ -477,10 +481,10 @@ PC_INLINE void reduce_pack_scalar(const uint64_t* srcs, uint64_t p, uint64_t n, 
                                   uint64_t dst_p) {
     constexpr int L = Pack<D>::kLanes;
     for (uint64_t e = p * L, j = 0; e < n && j < (uint64_t)L; ++e, ++j) {
-        float acc = D::to_float(load_elem<D>(srcs[0], e));
+        float acc = sum_start<W>(D::to_float(load_elem<D>(srcs[0], e)));
 #pragma unroll
         for (int s = 1; s < W; ++s) acc += D::to_float(load_elem<D>(srcs[s], e));
-        store_elem<D>(dst, dst_p * L + j, sum_bits<D, W>(acc));
+        store_elem<D>(dst, dst_p * L + j, D::from_float(acc));
     }
 }
 
@@ -679,44 +683,82 @@ PC_INLINE Vec16 lamport_source_pack(const Args& a, uint64_t p, uint64_t n, bool 
     return x.v;
 }
 
-// Reduces, in source order, the packs of this thread as they arrive in the own region
-// of generation gen. Stops early when the block aborts.
-template <typename D, int W>
-PC_INLINE void lamport_reduce(Ctx& c, uint32_t gen, uint64_t packs, uint64_t n, bool vec, uint64_t tid,
-                              uint64_t stride) {
-    constexpr int L = Pack<D>::kLanes;
+// Waits until pack p of every other source has arrived in the own region of generation
+// gen, into x (the own slot is left alone); false when the block aborted meanwhile.
+template <int W>
+PC_INLINE bool lamport_wait_pack(Ctx& c, uint32_t gen, uint64_t p, Vec16 (&x)[W]) {
     const Args& a = c.a;
     const uint32_t me = a.group_rank, slot = a.lamport_slot_bytes;
     const uint64_t own = a.signals[me];
-    for (uint64_t p = tid; p < packs && !c.block->abort; p += stride) {
-        Vec16 x[W];
-        Waiter w;
-        bool arrived = false;
-        while (!arrived) {
-            arrived = true;
-            uint32_t missing = 0;  // a source whose pack has not arrived
+    Waiter w;
+    while (true) {
+        bool arrived = true;
+        uint32_t missing = 0;  // a source whose pack has not arrived
 #pragma unroll
-            for (int s = 0; s < W; ++s) {
-                if (s == (int)me) continue;
-                x[s] = ld_volatile_vec16(lamport_pack_at(own, slot, (uint32_t)W, gen, s, p));
-                if (!lamport_arrived(x[s])) missing = (uint32_t)s;
-                arrived = arrived && lamport_arrived(x[s]);
-            }
-            if (!arrived && !w.keep_waiting(c, missing)) break;
+        for (int s = 0; s < W; ++s) {
+            if (s == (int)me) continue;
+            x[s] = ld_volatile_vec16(lamport_pack_at(own, slot, (uint32_t)W, gen, s, p));
+            if (!lamport_arrived(x[s])) missing = (uint32_t)s;
+            arrived = arrived && lamport_arrived(x[s]);
         }
-        if (!arrived) break;
+        if (arrived) return true;
+        if (!w.keep_waiting(c, missing)) return false;
+    }
+}
+
+// The own pack joins x, and the sum goes to pack p of the output.
+template <typename D, int W>
+PC_INLINE void lamport_store(const Args& a, uint64_t p, uint64_t n, bool vec, Vec16 (&x)[W]) {
+    constexpr int L = Pack<D>::kLanes;
 #pragma unroll
-        for (int s = 0; s < W; ++s)
-            if (s == (int)me) x[s] = lamport_source_pack<D>(a, p, n, vec);
-        Pack<D> out{sum_packs<D, W>(x)};
-        const uint64_t valid = lanes_in_pack(p, n, L);
-        if (vec && valid == (uint64_t)L) {
-            store_vec16(a.output, p, out.v);
-        } else {
+    for (int s = 0; s < W; ++s)
+        if (s == (int)a.group_rank) x[s] = lamport_source_pack<D>(a, p, n, vec);
+    Pack<D> out{sum_packs<D, W>(x)};
+    const uint64_t valid = lanes_in_pack(p, n, L);
+    if (vec && valid == (uint64_t)L) {
+        store_vec16(a.output, p, out.v);
+    } else {
 #pragma unroll
-            for (int j = 0; j < L; ++j)
-                if ((uint64_t)j < valid) store_elem<D>(a.output, p * L + j, out.lane(j));
-        }
+        for (int j = 0; j < L; ++j)
+            if ((uint64_t)j < valid) store_elem<D>(a.output, p * L + j, out.lane(j));
+    }
+}
+
+// Thread blockDim - 1 - s checks source s's header (it may also reduce packs): a source
+// that runs another call is a mismatch. The last threads are the idle ones of a small
+// message, so the header wait overlaps the first packs' wait.
+PC_INLINE void lamport_check_header(Ctx& c, uint32_t gen) {
+    const Args& a = c.a;
+    const uint32_t s = blockDim.x - 1u - threadIdx.x;
+    if (s >= a.group_width || s == a.group_rank) return;
+    const PC_GLOBAL Vec16* at = lamport_header_at(a.signals[a.group_rank], a.lamport_slot_bytes, a.group_width, gen, s);
+    Waiter w;
+    Vec16 h = ld_volatile_vec16(at);
+    while (!lamport_arrived(h)) {
+        if (!w.keep_waiting(c, s)) return;
+        h = ld_volatile_vec16(at);
+    }
+    if (h.x != a.call[0] || h.y != a.call[1] || h.z != a.call[2]) record_mismatch(c, s, make_vec16(0u, h.x, h.y, h.z));
+}
+
+// Reduces, in source order, the packs of this thread as they arrive in the own region
+// of generation gen. Nothing is stored before every source's header is checked: each
+// thread first waits for its first pack while the header checkers wait for the
+// headers, then the block meets; a mismatch (or an abort) stops it there. Later packs
+// need no check. Stops early when the block aborts.
+template <typename D, int W>
+PC_INLINE void lamport_reduce(Ctx& c, uint32_t gen, uint64_t packs, uint64_t n, bool vec, uint64_t tid,
+                              uint64_t stride) {
+    const Args& a = c.a;
+    Vec16 x[W];
+    const bool first = tid < packs && lamport_wait_pack<W>(c, gen, tid, x);
+    lamport_check_header(c, gen);
+    __syncthreads();
+    if (c.block->abort) return;
+    if (first) lamport_store<D, W>(a, tid, n, vec, x);
+    for (uint64_t p = tid + stride; p < packs && !c.block->abort; p += stride) {
+        if (!lamport_wait_pack<W>(c, gen, p, x)) break;
+        lamport_store<D, W>(a, p, n, vec, x);
     }
 }
 
@@ -746,6 +788,7 @@ PC_INLINE void one_stage(const Args& a) {
     with_width(a.group_width,
                [&]<int W>() { reduce_range<D, W>(a.inputs, 0, packs, n, a.output, 0, vec, tid, stride); });
     if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
+    finish(c);
 }
 
 // Two-stage: reduce-scatter of partition group_rank into the own payload, barrier,
@@ -774,6 +817,7 @@ PC_INLINE void two_stage(const Args& a) {
     if (!barrier<BarrierKind::Publish>(c)) return abandon(c, WaitForPeers::Yes);
     with_width(width, [&]<int W>() { gather_partitions<D, W>(a.payloads, me, part, packs, n, a.output, vec, tid, stride); });
     if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
+    finish(c);
 }
 
 // Lamport: no barrier. Push the own packs into slot group_rank of every other member's
@@ -808,20 +852,7 @@ PC_INLINE void lamport(const Args& a) {
         for (uint32_t q = 0; q < width; ++q)
             if (q != me) st_volatile_vec16(lamport_pack_at(a.signals[q], slot, width, gen.data(), me, p), x);
     }
-    // Every source's header first: its packs are reduced only if it runs this call.
-    if (threadIdx.x < width && threadIdx.x != me) {
-        const uint32_t s = threadIdx.x;
-        const PC_GLOBAL Vec16* at = lamport_header_at(own, slot, width, gen.data(), s);
-        Waiter w;
-        Vec16 h = ld_volatile_vec16(at);
-        while (!lamport_arrived(h)) {
-            if (!w.keep_waiting(c, s)) break;
-            h = ld_volatile_vec16(at);
-        }
-        if (lamport_arrived(h) && (h.x != a.call[0] || h.y != a.call[1] || h.z != a.call[2]))
-            record_mismatch(c, s, make_vec16(0u, h.x, h.y, h.z));
-    }
-    __syncthreads();
+    // The headers are checked inside, before anything is stored.
     with_width(width, [&]<int W>() { lamport_reduce<D, W>(c, gen.data(), packs, n, vec, tid, stride); });
     const Vec16 sentinel = make_vec16(kLamportSentinel, kLamportSentinel, kLamportSentinel, kLamportSentinel);
     const uint64_t clear_total = (uint64_t)prev_width * prev_packs;
@@ -845,6 +876,7 @@ PC_INLINE void lamport(const Args& a) {
             s[PEERCOMM_LAMPORT_FLAG] = gen.next();
         }
     }
+    finish(c);
 }
 
 // Barrier only (the `barrier` collective and the timeout probe): arrival, then a
@@ -855,6 +887,7 @@ PC_INLINE void barrier_only(const Args& a) {
     if (!enter(c)) return abandon(c, WaitForPeers::No);
     if (!barrier<BarrierKind::Start>(c)) return abandon(c, WaitForPeers::No);
     if (!barrier<BarrierKind::Publish>(c)) return abandon(c, WaitForPeers::No);
+    finish(c);
 }
 
 // Flag ping-pong between group ranks 0 and 1 (the cross-GPU flag round trip): the first

@@ -77,14 +77,6 @@ PC_INLINE Vec16 ld_relaxed_sys_vec16(const Vec16* p) {
                  : "memory");
     return v;
 }
-PC_INLINE Vec16 ld_acquire_sys_vec16(const Vec16* p) {
-    Vec16 v;
-    asm volatile("ld.acquire.sys.global.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
-                 : "l"(p)
-                 : "memory");
-    return v;
-}
 PC_INLINE void st_relaxed_sys_vec16(Vec16* p, Vec16 v) {
     asm volatile("st.relaxed.sys.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
                  "r"(v.w)
@@ -138,7 +130,6 @@ PC_INLINE void overlap_with_neighbours() {
     extern "C" __global__ void __launch_bounds__(512) symbol(const Args a) { \
         overlap_with_neighbours();                                                    \
         body(a);                                                                      \
-        leave(a);                                                                     \
     }
 
 PEERCOMM_KERNELS(PC_CUDA_KERNEL)

@@ -83,14 +83,10 @@ PC_INLINE void st_volatile_vec16(PC_GLOBAL Vec16* p, Vec16 v) { *(volatile PC_GL
 
 // Barrier arrivals: a counter and a call descriptor in one 16-byte access, so a reader
 // that sees the counter sees the descriptor stored with it. The signal memory is
-// uncached, so volatile accesses reach it; the orders come from fences (system scope),
-// the release with the same explicit wait as st_release_sys.
+// uncached, so volatile accesses reach it; the release is a fence (system scope) with
+// the same explicit wait as st_release_sys, and the acquire side is an ld_acquire_sys
+// of the counter word once the spin has seen it.
 PC_INLINE Vec16 ld_relaxed_sys_vec16(const PC_GLOBAL Vec16* p) { return ld_volatile_vec16(p); }
-PC_INLINE Vec16 ld_acquire_sys_vec16(const PC_GLOBAL Vec16* p) {
-    const Vec16 v = ld_volatile_vec16(p);
-    __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "");
-    return v;
-}
 PC_INLINE void st_relaxed_sys_vec16(PC_GLOBAL Vec16* p, Vec16 v) { st_volatile_vec16(p, v); }
 PC_INLINE void st_release_sys_vec16(PC_GLOBAL Vec16* p, Vec16 v) {
     asm volatile("" : "+v"(p), "+v"(v));
@@ -138,10 +134,7 @@ PC_INLINE uint16_t bf16_from_float(float x) {
 PC_INLINE const Args& kernel_args() { return *(const Args*)__builtin_amdgcn_kernarg_segment_ptr(); }
 
 #define PC_HIP_KERNEL(symbol, body) \
-    extern "C" __global__ void __launch_bounds__(1024) symbol(const Args) { \
-        body(kernel_args());                                                 \
-        leave(kernel_args());                                                \
-    }
+    extern "C" __global__ void __launch_bounds__(1024) symbol(const Args) { body(kernel_args()); }
 
 PEERCOMM_KERNELS(PC_HIP_KERNEL)
 PEERCOMM_COLLECTIVE_KERNELS(PC_HIP_KERNEL)

@@ -12,7 +12,10 @@
 #   memcheck  compute-sanitizer memcheck over the per-rank trust tests
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-OUT=${OUT:-/tmp/peercomm-out}
+FINAL_OUT=${OUT:-/tmp/peercomm-out}
+# Logs are written to a folder, then packed into one file ($OUT/round3-logs.tgz): the
+# device tool brings back only a few files.
+OUT=$FINAL_OUT/logs
 mkdir -p "$OUT"
 stages=${*:-cost tests perrank memcheck}
 nvidia-smi -L | tee "$OUT/gpus.txt"
@@ -59,5 +62,6 @@ for stage in $stages; do
     ;;
   esac
 done
-grep -hE "SKIPPED|FAILED|panicked" "$OUT"/test-*.log 2>/dev/null | head -40
-printf '%s\n' "${summary[@]}"
+grep -hE "FAILED|panicked" "$OUT"/*.log 2>/dev/null | head -40
+printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
+tar czf "$FINAL_OUT/round3-logs.tgz" -C "$OUT" . && rm -rf "$OUT"

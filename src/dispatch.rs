@@ -12,11 +12,12 @@ use crate::backend::KernelKind;
 /// Every algorithm sums in the same order (group rank 0, 1, ... in f32), so they give
 /// bitwise-identical results, and an element's result does not depend on the length
 /// of the message it is in, the algorithm, or the API (single controller or per rank),
-/// with no exception. The sign of zero follows one rule: in a group of two or more
-/// every zero result is +0.0, on every algorithm (Lamport cannot carry -0.0, its
-/// "not yet arrived" mark, so the others give +0.0 too, even where every input is
-/// -0.0); a group of one (a world of one, or `group_size` 1) returns its input bit for
-/// bit, -0.0 included. `Lamport` runs only over the whole world of two or more ranks:
+/// with no exception. The sign of zero follows one rule: in a group of two or more the
+/// f32 sum starts at +0.0, so every exact-zero sum is +0.0 on every algorithm (Lamport
+/// cannot carry -0.0, its "not yet arrived" mark, so the others give +0.0 too, even
+/// where every input is -0.0), and a nonzero sum that rounds to zero keeps its sign; a
+/// group of one (a world of one, or `group_size` 1) returns its input bit for bit,
+/// -0.0 included. `Lamport` runs only over the whole world of two or more ranks:
 /// forced over a group of one it runs `OneStage` (the copy, reported as `OneStage`),
 /// and forced over a narrower subgroup it is refused with
 /// [`crate::Error::Unsupported`]. `Auto` never picks it there.

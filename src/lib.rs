@@ -57,6 +57,8 @@ use std::sync::Mutex;
 
 pub use backend::Backend;
 pub use bootstrap::{Bootstrap, BootstrapError, HostId, TcpBootstrap, UniqueId};
+#[doc(hidden)]
+pub use comm::{free_expired_teardowns, parked_teardowns};
 pub use comm::{
     reduce_scatter_part, AllReduceOptions, CollectiveOptions, Comm, CommConfig, Communicator,
     MemoryFootprint, Rank,

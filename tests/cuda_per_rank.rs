@@ -353,3 +353,13 @@ cuda_trust!(cuda_per_rank_one_sign_of_zero, |place| {
     per_rank_suite::trust::one_sign_of_zero::<Cuda>(&place, 2);
     per_rank_suite::trust::one_sign_of_zero::<Cuda>(&place, 3);
 });
+// Teardown (issue 18, item 4): a rank that drops its Comm while its peer's collective is
+// queued behind a delay (the peer's kernel then writes its error record into the
+// dropped rank's parked signal), and a drop whose peer holds on returns within about a
+// second.
+cuda_trust!(cuda_per_rank_drop_while_peer_collective_queued, |place| {
+    per_rank_suite::teardown::drop_while_peer_collective_queued::<Cuda>(&place, 2)
+});
+cuda_trust!(cuda_per_rank_drop_returns_while_peer_holds_on, |place| {
+    per_rank_suite::teardown::drop_returns_while_peer_holds_on::<Cuda>(&place)
+});

@@ -221,8 +221,9 @@ fn barrier_disassembly_has_system_scope_ordering() {
         // Release: the L2 write-back, the wait for it, then the system-scope store.
         let writeback = move |l: &str| l == exp.writeback;
         let wait = |l: &str| l.starts_with("s_waitcnt") && l.contains("vmcnt(0)");
+        // The arrival: counter and call descriptor in one 16-byte store.
         let store = move |l: &str| {
-            l.starts_with("global_store_dword ")
+            l.starts_with("global_store_dwordx4 ")
                 && (exp.system_bits == ["glc"] || has_bits(l, exp.system_bits))
         };
         let releases = find_sequences(&lines, &[&writeback, &wait, &store], 4);
@@ -251,21 +252,29 @@ fn barrier_disassembly_has_system_scope_ordering() {
             exp.invalidate,
             lines.join("\n")
         );
-        // The publishing (end) barrier: a release store of the counter, then the acquire
-        // spin on the peers' counters, close together (the timeout record also releases,
-        // but nothing acquires after it).
-        let paired = releases
+        // The publishing barrier: a release store of the arrival, soon after it the
+        // system-scope spin on the peers' arrivals, and after that the acquire of the
+        // counter word (the compiler may place it past the loop; the timeout record also
+        // releases, but nothing spins after it).
+        let spins: Vec<usize> = lines
             .iter()
-            .any(|&r| acquires.iter().any(|&a| a > r && a - r < 40));
+            .enumerate()
+            .filter(|(_, l)| l.starts_with("global_load_dwordx4 ") && has_bits(l, exp.system_bits))
+            .map(|(i, _)| i)
+            .collect();
+        let paired = releases.iter().any(|&r| {
+            spins.iter().any(|&s| s > r && s - r < 40) && acquires.iter().any(|&a| a > r)
+        });
         assert!(
             paired,
             "{t}: no release store followed by an acquire spin (the end barrier):\n{}",
             lines.join("\n")
         );
-        // The relaxed start barrier still spins with a system-scope load.
+        // The barriers spin with system-scope 16-byte loads of the arrival (the acquire
+        // above reads its counter word once the spin has seen it).
         let relaxed_spins = lines
             .iter()
-            .filter(|l| l.starts_with("global_load_dword ") && has_bits(l, exp.system_bits))
+            .filter(|l| l.starts_with("global_load_dwordx4 ") && has_bits(l, exp.system_bits))
             .count();
         assert!(
             relaxed_spins > acquires.len(),

@@ -21,6 +21,8 @@ mod config;
 mod fault;
 mod launch;
 mod parking;
+#[doc(hidden)]
+pub use parking::{free_expired_teardowns, parked_teardowns};
 mod peer_check;
 mod peer_setup;
 mod per_rank;

@@ -108,6 +108,27 @@ pub(crate) fn free_expired() {
     LOT.free_expired_at(Instant::now());
 }
 
+/// How many teardowns the process-wide lot holds, and the latest deadline among them
+/// (`None` when one is kept until exit, or nothing is parked). For leak checks: what a
+/// drop parked is not a leak until its deadline has passed.
+#[doc(hidden)]
+pub fn parked_teardowns() -> (usize, Option<Instant>) {
+    let entries = LOT.lock();
+    let latest = entries
+        .iter()
+        .map(|e| e.until)
+        .try_fold(None, |acc: Option<Instant>, u| {
+            u.map(|u| Some(acc.map_or(u, |a| a.max(u))))
+        });
+    (entries.len(), latest.flatten())
+}
+
+/// Frees the expired teardowns of the process-wide lot now; returns how many.
+#[doc(hidden)]
+pub fn free_expired_teardowns() -> usize {
+    LOT.free_expired_at(Instant::now())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -48,7 +48,12 @@ pub fn expect_reduce_scatter<T: Element>(ins: &[Vec<T>], width: usize, r: usize)
     let base = r / width * width;
     let part = reduce_scatter_part(ins[0].len(), width, r % width);
     part.map(|e| {
-        let mut acc = ins[base][e].to_f32();
+        // The kernels' order: +0.0 first (one sign of zero), then group-rank order.
+        let mut acc = if width > 1 {
+            0.0 + ins[base][e].to_f32()
+        } else {
+            ins[base][e].to_f32()
+        };
         let mut sum = acc as f64;
         let mut abs = sum.abs();
         for x in ins[base + 1..base + width].iter().map(|v| v[e].to_f32()) {
@@ -56,13 +61,7 @@ pub fn expect_reduce_scatter<T: Element>(ins: &[Vec<T>], width: usize, r: usize)
             sum += x as f64;
             abs += (x as f64).abs();
         }
-        // One sign of zero for every sum over two or more ranks: a zero result is +0.0.
         let out = T::from_f32(acc);
-        let out = if width > 1 && super::is_negative_zero(out) {
-            T::from_f32(0.0)
-        } else {
-            out
-        };
         let tol = 0.5 * eps(T::DTYPE) * sum.abs() + width as f64 * f32::EPSILON as f64 * abs + 1e-7;
         assert!(
             (out.to_f32() as f64 - sum).abs() <= tol,

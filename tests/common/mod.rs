@@ -195,9 +195,9 @@ pub fn check_sums<T: Element>(ins: &[Vec<T>], outs: &[Vec<T>], width: usize, wha
 /// The full check of one call's result, given the algorithm that ran:
 /// - a group of one returns its input bit for bit (-0.0 included), whatever ran;
 /// - otherwise the f64 reference and cross-rank bit equality ([`check_sums`]), and the
-///   sign of zero: one rule for every algorithm, every zero result is +0.0 (an
-///   element whose inputs are all -0.0 included; Lamport cannot carry -0.0, and
-///   one-stage and two-stage give the same bits).
+///   sign of zero: one rule for every algorithm, the f32 sum starts at +0.0, so an
+///   exact-zero sum is +0.0 (an element whose inputs are all -0.0 included; Lamport
+///   cannot carry -0.0) and a nonzero sum that rounds to zero in T keeps its sign.
 pub fn check_result<T: Element>(
     ins: &[Vec<T>],
     outs: &[Vec<T>],
@@ -232,7 +232,10 @@ pub fn check_result<T: Element>(
                 continue;
             }
             let all_negative = (g..g + width).all(|r| is_negative_zero(ins[r][e]));
-            let expected = 0;
+            // The kernels' f32 sum from +0.0 in group-rank order: an exact zero is
+            // +0.0; a nonzero sum that rounds to zero in T keeps its sign.
+            let acc = (g..g + width).fold(0.0f32, |acc, r| acc + ins[r][e].to_f32());
+            let expected = T::from_f32(acc).to_bits_u32();
             assert_eq!(
                 got.to_bits_u32(),
                 expected,

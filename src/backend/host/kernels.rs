@@ -393,7 +393,9 @@ pub(crate) unsafe fn run_block(kernel: Kernel, args: &AllReduceArgs, block: u32,
         let _ = run_typed::<f32>(kernel.kind, args, block, blocks);
         return;
     }
-    if block == 0 {
+    // A group of one waits for nobody and nobody waits for it: it publishes nothing.
+    let publishes = block == 0 && args.group_width > 1;
+    if publishes {
         publish_current_call(args, true);
     }
     if abort_word(args).load(Ordering::Acquire) != 0 {
@@ -419,7 +421,7 @@ pub(crate) unsafe fn run_block(kernel: Kernel, args: &AllReduceArgs, block: u32,
     }
     // Block 0 marks the call done, unless the rank has an error record: an abandoned
     // call stays the rank's pending one, for a peer whose wait gives up later.
-    if block == 0 && abort_word(args).load(Ordering::Acquire) == 0 {
+    if publishes && abort_word(args).load(Ordering::Acquire) == 0 {
         publish_current_call(args, false);
     }
 }
@@ -486,33 +488,22 @@ unsafe fn store<T: Element>(base: u64, i: usize, x: f32) {
     (base as *mut T).add(i).write(T::from_f32(x))
 }
 
-/// The element a sum over `width` ranks stores: `x` rounded to `T`, and +0.0 for a
-/// zero result when `width > 1`, so every algorithm gives the same sign of zero (Lamport
-/// cannot carry -0.0, its sentinel). A group of one stays an exact copy. The device's
-/// `sum_bits`.
-pub(super) fn sum_element<T: Element>(x: f32, width: usize) -> T {
-    let v = T::from_f32(x);
-    let neg_zero = if std::mem::size_of::<T>() == 4 {
-        0x8000_0000
+/// Where a sum over `width` ranks starts: the first addend, after +0.0 when `width > 1`
+/// (acc = +0.0 + x0), so an exact-zero sum is +0.0 on every algorithm (Lamport cannot
+/// carry -0.0, its sentinel) and every other sum is unchanged; a group of one stays an
+/// exact copy. The device's `sum_start`.
+pub(super) fn sum_start(x0: f32, width: usize) -> f32 {
+    if width > 1 {
+        0.0 + x0
     } else {
-        0x8000
-    };
-    if width > 1 && v.to_bits_u32() == neg_zero {
-        T::from_f32(0.0)
-    } else {
-        v
+        x0
     }
-}
-
-/// Stores a sum over `width` ranks ([`sum_element`]).
-pub(super) unsafe fn store_sum<T: Element>(base: u64, i: usize, x: f32, width: usize) {
-    (base as *mut T).add(i).write(sum_element::<T>(x, width))
 }
 
 /// Sum over the group of element `e` of `srcs`, in group-rank order (the same order on
 /// every rank, so every rank gets the same bits).
 unsafe fn reduce_element<T: Element>(srcs: &[u64], e: usize) -> f32 {
-    let mut acc = load::<T>(srcs[0], e);
+    let mut acc = sum_start(load::<T>(srcs[0], e), srcs.len());
     for &s in &srcs[1..] {
         acc += load::<T>(s, e);
     }
@@ -544,7 +535,7 @@ unsafe fn one_stage<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -
     let srcs = &args.inputs[..args.group_width as usize];
     for p in block_packs(0, packs, block, blocks) {
         for e in pack_range::<T>(p, n) {
-            store_sum::<T>(args.output, e, reduce_element::<T>(srcs, e), srcs.len());
+            store::<T>(args.output, e, reduce_element::<T>(srcs, e));
         }
     }
     barrier(args, block, BarrierKind::End)
@@ -568,11 +559,10 @@ unsafe fn two_stage<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -
     let first = me * part;
     for p in block_packs(first, (first + part).min(packs), block, blocks) {
         for e in pack_range::<T>(p, n) {
-            store_sum::<T>(
+            store::<T>(
                 args.payloads[me],
                 e - first * l,
                 reduce_element::<T>(srcs, e),
-                width,
             );
         }
     }
@@ -688,7 +678,9 @@ unsafe fn lamport<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -> 
             }
         }
     }
-    // Every source's header first: its packs are reduced only if it runs this call.
+    // Every source's header before anything is stored (the device checks them while
+    // the first packs arrive): a source that runs another call is a mismatch, and the
+    // state is not advanced.
     let mut spin = Spinner::new(args.timeout_ns, abort_word(args));
     for src in (0..width).filter(|&s| s != me) {
         let at = lamport_pack(own_addr, slot, width, gen, src, header_pack);
@@ -725,11 +717,15 @@ unsafe fn lamport<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -> 
             };
             for (j, a) in acc.iter_mut().enumerate().take(range.len()) {
                 let x = lane_from_words::<T>(&words, j);
-                *a = if src == 0 { x } else { *a + x };
+                *a = if src == 0 {
+                    sum_start(x, width)
+                } else {
+                    *a + x
+                };
             }
         }
         for (j, e) in range.enumerate() {
-            store_sum::<T>(args.output, e, acc[j], width);
+            store::<T>(args.output, e, acc[j]);
         }
     }
     // Clear the previous call's generation of the own region for the call after next,

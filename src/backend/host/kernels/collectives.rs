@@ -3,9 +3,7 @@
 //! staged range gives pack k to block k % blocks for the staging copy and for the
 //! readers alike, so the per-block Publish barrier orders every read after its write.
 
-use super::{
-    barrier, block_packs, lanes, pack_range, reduce_element, store, store_sum, sum_element, Stop,
-};
+use super::{barrier, block_packs, lanes, pack_range, reduce_element, store, Stop};
 use crate::dtype::Element;
 use crate::protocol::BarrierKind;
 use crate::reduce_scatter_part;
@@ -108,12 +106,7 @@ pub(super) unsafe fn reduce_scatter<T: Element>(
     let count = mine.len();
     for p in block_packs(0, count.div_ceil(lanes::<T>()), block, blocks) {
         for e in pack_range::<T>(p, count) {
-            store_sum::<T>(
-                args.output,
-                e,
-                reduce_element::<T>(&srcs[..width], e),
-                width,
-            );
+            store::<T>(args.output, e, reduce_element::<T>(&srcs[..width], e));
         }
     }
     barrier(args, block, BarrierKind::End)
@@ -194,7 +187,7 @@ pub(super) unsafe fn allreduce_rmsnorm<T: Element>(
         let row = t * hidden;
         let mut sq = 0f32;
         for e in row..row + hidden {
-            let sum = sum_element::<T>(reduce_element::<T>(srcs, e), srcs.len()).to_f32();
+            let sum = T::from_f32(reduce_element::<T>(srcs, e)).to_f32();
             let res = (args.residual as *mut T).add(e);
             let r = T::from_f32(sum + res.read().to_f32());
             res.write(r);
