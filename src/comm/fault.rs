@@ -38,13 +38,7 @@ impl<B: Backend> Communicator<B> {
     /// ```
     #[cfg(feature = "fault-injection")]
     pub fn miss_next(&self, rank: usize) -> Result<()> {
-        if rank >= self.world_size() {
-            return Err(Error::InvalidDevices(format!(
-                "rank {rank} is outside the world of {}",
-                self.world_size()
-            )));
-        }
-        self.ranks[rank].miss_next_launch();
+        self.fault_rank(rank)?.miss_next_launch();
         Ok(())
     }
 
@@ -57,14 +51,19 @@ impl<B: Backend> Communicator<B> {
     /// group of one has nobody to compare with: its call runs as usual.
     #[cfg(feature = "fault-injection")]
     pub fn mismatch_next(&self, rank: usize) -> Result<()> {
-        if rank >= self.world_size() {
-            return Err(Error::InvalidDevices(format!(
+        self.fault_rank(rank)?.skew_next_call();
+        Ok(())
+    }
+
+    /// Rank `rank`, or the typed error for a rank outside the world.
+    #[cfg(feature = "fault-injection")]
+    fn fault_rank(&self, rank: usize) -> Result<&super::Rank<B>> {
+        self.ranks.get(rank).ok_or_else(|| {
+            Error::InvalidDevices(format!(
                 "rank {rank} is outside the world of {}",
                 self.world_size()
-            )));
-        }
-        self.ranks[rank].skew_next_call();
-        Ok(())
+            ))
+        })
     }
 }
 

@@ -182,8 +182,7 @@ unsafe fn publish_current_call(args: &AllReduceArgs, running: bool) {
 }
 
 /// A wait of this block for group rank `awaited` timed out. If that rank runs another
-/// call (same sequence number, other descriptor: another width or algorithm), record
-/// the mismatch; else record the timeout on the own rank, naming the rank waited for,
+/// call now (another width, algorithm or sequence number), record the mismatch; else record the timeout on the own rank, naming the rank waited for,
 /// and tell every group peer to stop (their abort word), so that none proceeds past the
 /// abandoned barrier. The device's `record_timeout`.
 unsafe fn record_timeout(args: &AllReduceArgs, block: u32, awaited: usize) {
@@ -192,19 +191,7 @@ unsafe fn record_timeout(args: &AllReduceArgs, block: u32, awaited: usize) {
     let theirs = running.unwrap_or_default();
     let who = world_rank_of(args, awaited);
     if running.is_some_and(|c| c != args.call) {
-        let d = Detail {
-            rank: who,
-            awaited: who,
-            mine: args.call,
-            theirs,
-        };
-        write_record(
-            args.signals[me],
-            ERROR_CALL_MISMATCH,
-            block,
-            args.domain,
-            &d,
-        );
+        record_mismatch(args, block, awaited, theirs);
         // The same, from their side, into the record of every group peer whose call
         // differs so: it may have completed the call with a subgroup of its own; its
         // next synchronize reports it.
