@@ -108,17 +108,29 @@ fn libcuda_names() -> Vec<String> {
     ]
 }
 
+/// Loads the first of `names` that loads and keeps it loaded for the process (cudarc
+/// loads the same library next and keeps its handle): whether one did. The check that
+/// keeps cudarc from panicking on a missing library (libcuda here, libnccl in
+/// `external::nccl`).
+pub(crate) fn load_first_of(names: &[String]) -> bool {
+    names.iter().any(|name| {
+        // SAFETY: loading the library runs its initialisers, which is what cudarc's own
+        // loader does next with the same library.
+        match unsafe { libloading::Library::new(name) } {
+            Ok(lib) => {
+                std::mem::forget(lib);
+                true
+            }
+            Err(_) => false,
+        }
+    })
+}
+
 /// Whether the driver library can be loaded (it stays loaded: cudarc loads it again).
 fn libcuda_present() -> std::result::Result<(), String> {
     let names = libcuda_names();
-    for name in &names {
-        // SAFETY: loading libcuda runs its initialisers, which is what cudarc's own
-        // loader does next with the same library.
-        if let Ok(lib) = unsafe { libloading::Library::new(name) } {
-            // Kept loaded for the process, as cudarc keeps its handle.
-            std::mem::forget(lib);
-            return Ok(());
-        }
+    if load_first_of(&names) {
+        return Ok(());
     }
     Err(format!(
         "the CUDA driver library could not be loaded (looked for {names:?}; is the NVIDIA \

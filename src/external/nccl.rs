@@ -113,14 +113,8 @@ fn libnccl_present() -> std::result::Result<(), String> {
         return Ok(());
     }
     let names = libnccl_names();
-    for name in &names {
-        // SAFETY: loading libnccl runs its initialisers, which is what cudarc's own
-        // loader does next with the same library.
-        if let Ok(lib) = unsafe { libloading::Library::new(name) } {
-            // Kept loaded for the process, as cudarc keeps its handle.
-            std::mem::forget(lib);
-            return Ok(());
-        }
+    if crate::backend::cuda::load_first_of(&names) {
+        return Ok(());
     }
     Err(format!(
         "the NCCL library could not be loaded (looked for {names:?}; is NCCL installed \
