@@ -14,6 +14,8 @@ struct State {
     slots: Vec<Option<Vec<u8>>>,
     /// The last completed round's result.
     last: Arc<Vec<Vec<u8>>>,
+    /// A rank gave up (its setup failed): every wait ends at once.
+    aborted: bool,
 }
 
 struct Shared {
@@ -37,6 +39,7 @@ impl LocalBootstrap {
                 generation: 0,
                 slots: vec![None; world],
                 last: Arc::new(Vec::new()),
+                aborted: false,
             }),
             done: Condvar::new(),
             timeout,
@@ -48,6 +51,16 @@ impl LocalBootstrap {
                 world,
             })
             .collect()
+    }
+}
+
+impl LocalBootstrap {
+    /// Ends every rank's wait at once, now and in later rounds: this rank will not
+    /// come (its side of a collective setup failed).
+    pub(crate) fn abort(&self) {
+        let mut st = self.shared.state.lock().unwrap_or_else(|e| e.into_inner());
+        st.aborted = true;
+        self.shared.done.notify_all();
     }
 }
 
@@ -72,14 +85,18 @@ impl Bootstrap for LocalBootstrap {
         }
         while st.generation == generation {
             let left = deadline.saturating_duration_since(Instant::now());
-            if left.is_zero() {
+            if left.is_zero() || st.aborted {
                 let waiting_for = (0..self.world).filter(|&r| st.slots[r].is_none()).collect();
                 st.slots[self.rank] = None;
                 return Err(BootstrapError::Timeout {
                     step: "an in-process all-gather".into(),
                     waiting_for,
                     after: self.shared.timeout,
-                    hint: "a rank did not make the same call".into(),
+                    hint: if st.aborted {
+                        "another rank of this process gave up".into()
+                    } else {
+                        "a rank did not make the same call".into()
+                    },
                 });
             }
             st = self

@@ -8,13 +8,12 @@
 //! [`Error::BarrierTimeout`] from [`Comm::synchronize`].
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
-use crate::dtype::DType;
-use crate::error::{Error, Result};
-use crate::signal::MAX_GPUS;
+use crate::error::Result;
 
-use super::super::collective::{reduce_scatter_part, Collective, CollectiveOptions};
-use super::super::plan::Plan;
-use super::Comm;
+use super::super::core::collective::{Collective, CollectiveOptions};
+use super::super::core::launch::{Fused, PeerInputs};
+use super::super::core::plan::{PeerReads, Plan};
+use super::{meta, Comm};
 
 impl<B: Backend> Comm<B> {
     /// Gathers every group member's `send` into `recv` on every member: member q's
@@ -30,21 +29,21 @@ impl<B: Backend> Comm<B> {
         S: DeviceBuffer<B> + ?Sized,
         R: DeviceBufferMut<B> + ?Sized,
     {
-        // Groups peer memory serves, in the local core's numbering (see route.rs).
-        let options = &self.route.local_collective(options)?;
-        self.check_pair(send, recv)?;
-        let width = self.settings.group_width(options.group_size)?;
-        self.check_len(
+        let core = &*self.core;
+        core.check_pair(&meta(send), &meta(&*recv))?;
+        let (width, _) = core.collective_width(options)?;
+        core.check_len(
             recv.len(),
             send.len().checked_mul(width),
             "output",
             "group width x input",
         )?;
-        let plan = self.settings.collective_plan(
+        let plan = core.plan_collective(
             Collective::AllGather,
             send.dtype(),
             send.len(),
             options,
+            PeerReads::Payloads,
         )?;
         self.enqueue_collective(&plan, Some(send), recv)
     }
@@ -62,22 +61,21 @@ impl<B: Backend> Comm<B> {
         S: DeviceBuffer<B> + ?Sized,
         R: DeviceBufferMut<B> + ?Sized,
     {
-        // Groups peer memory serves, in the local core's numbering (see route.rs).
-        let options = &self.route.local_collective(options)?;
-        self.check_pair(send, recv)?;
-        let width = self.settings.group_width(options.group_size)?;
-        let part = reduce_scatter_part(send.len(), width, self.rank() % width).len();
-        self.check_len(
+        let core = &*self.core;
+        core.check_pair(&meta(send), &meta(&*recv))?;
+        let part = core.reduce_scatter_len(send.len(), options)?;
+        core.check_len(
             recv.len(),
             Some(part),
             "output",
             "this rank's part of the input",
         )?;
-        let plan = self.settings.collective_plan(
+        let plan = core.plan_collective(
             Collective::ReduceScatter,
             send.dtype(),
             send.len(),
             options,
+            PeerReads::Payloads,
         )?;
         self.enqueue_collective(&plan, Some(send), recv)
     }
@@ -96,20 +94,21 @@ impl<B: Backend> Comm<B> {
         S: DeviceBuffer<B> + ?Sized,
         R: DeviceBufferMut<B> + ?Sized,
     {
-        // Groups peer memory serves, in the local core's numbering (see route.rs).
-        let options = &self.route.local_collective(options)?;
-        let send = self.root_input(send, root, options)?;
-        self.check_usable()?;
-        self.check_buffer(recv.device_ordinal(), "output")?;
+        let core = &*self.core;
+        let is_root = core.check_root(send.is_some(), root, options)?;
+        let send = send.filter(|_| is_root);
+        core.check_usable()?;
+        core.check_buffer(recv.device_ordinal(), "output")?;
         if let Some(s) = send {
-            self.check_pair(s, recv)?;
-            self.check_len(recv.len(), Some(s.len()), "output", "the root's input")?;
+            core.check_pair(&meta(s), &meta(&*recv))?;
+            core.check_len(recv.len(), Some(s.len()), "output", "the root's input")?;
         }
-        let plan = self.settings.collective_plan(
+        let plan = core.plan_collective(
             Collective::Broadcast { root },
             recv.dtype(),
             recv.len(),
             options,
+            PeerReads::Payloads,
         )?;
         self.enqueue_collective(&plan, send, recv)
     }
@@ -125,24 +124,23 @@ impl<B: Backend> Comm<B> {
     where
         R: DeviceBufferMut<B> + ?Sized,
     {
-        // Groups peer memory serves, in the local core's numbering (see route.rs).
-        let options = &self.route.local_collective(options)?;
-        self.check_usable()?;
-        self.check_buffer(buf.device_ordinal(), "in-place")?;
-        let plan = self.settings.collective_plan(
+        let core = &*self.core;
+        core.check_usable()?;
+        core.check_buffer(buf.device_ordinal(), "in-place")?;
+        let plan = core.plan_collective(
             Collective::Broadcast { root },
             buf.dtype(),
             buf.len(),
             options,
+            PeerReads::Payloads,
         )?;
         if plan.elements == 0 {
             return Ok(());
         }
-        let (ptr, guard) = buf.write_ptr(&self.rank.device);
-        let mut inputs = [0u64; MAX_GPUS];
-        inputs[self.rank.index] = ptr;
-        let result =
-            self.launch_collective(|| self.rank.launch(&self.settings, &plan, &inputs, ptr));
+        let (ptr, guard) = buf.write_ptr(core.device());
+        let result = self
+            .lock()
+            .and_then(|_launches| core.launch(&plan, PeerInputs::Own(ptr), ptr));
         drop(guard);
         result
     }
@@ -161,26 +159,27 @@ impl<B: Backend> Comm<B> {
         S: DeviceBuffer<B> + ?Sized,
         R: DeviceBufferMut<B> + ?Sized,
     {
-        // Groups peer memory serves, in the local core's numbering (see route.rs).
-        let options = &self.route.local_collective(options)?;
-        let send = self.root_input(send, root, options)?;
-        self.check_usable()?;
-        self.check_buffer(recv.device_ordinal(), "output")?;
+        let core = &*self.core;
+        let is_root = core.check_root(send.is_some(), root, options)?;
+        let send = send.filter(|_| is_root);
+        core.check_usable()?;
+        core.check_buffer(recv.device_ordinal(), "output")?;
         if let Some(s) = send {
-            let width = self.settings.group_width(options.group_size)?;
-            self.check_pair(s, recv)?;
-            self.check_len(
+            let (width, _) = core.collective_width(options)?;
+            core.check_pair(&meta(s), &meta(&*recv))?;
+            core.check_len(
                 s.len(),
                 recv.len().checked_mul(width),
                 "root's input",
                 "group width x output",
             )?;
         }
-        let plan = self.settings.collective_plan(
+        let plan = core.plan_collective(
             Collective::Scatter { root },
             recv.dtype(),
             recv.len(),
             options,
+            PeerReads::Payloads,
         )?;
         self.enqueue_collective(&plan, send, recv)
     }
@@ -208,17 +207,16 @@ impl<B: Backend> Comm<B> {
         W: DeviceBuffer<B> + ?Sized,
         O: DeviceBufferMut<B> + ?Sized,
     {
-        // Groups peer memory serves, in the local core's numbering (see route.rs).
-        let options = &self.route.local_collective(options)?;
-        self.check_pair(input, output)?;
-        self.check_buffer(residual.device_ordinal(), "residual")?;
-        self.check_buffer(weight.device_ordinal(), "weight")?;
+        let core = &*self.core;
+        core.check_pair(&meta(input), &meta(&*output))?;
+        core.check_buffer(residual.device_ordinal(), "residual")?;
+        core.check_buffer(weight.device_ordinal(), "weight")?;
         for dtype in [residual.dtype(), weight.dtype()] {
-            self.check_dtype(input.dtype(), dtype)?;
+            core.check_dtype(input.dtype(), dtype)?;
         }
-        self.check_len(output.len(), Some(input.len()), "output", "input")?;
-        self.check_len(residual.len(), Some(input.len()), "residual", "input")?;
-        let plan = self.settings.collective_plan(
+        core.check_len(output.len(), Some(input.len()), "output", "input")?;
+        core.check_len(residual.len(), Some(input.len()), "residual", "input")?;
+        let plan = core.plan_collective(
             Collective::AllReduceRmsNorm {
                 hidden: weight.len(),
                 epsilon,
@@ -226,88 +224,25 @@ impl<B: Backend> Comm<B> {
             input.dtype(),
             input.len(),
             options,
+            PeerReads::Payloads,
         )?;
         if plan.elements == 0 {
             return Ok(());
         }
-        let dev = &self.rank.device;
+        let dev = core.device();
         let (i, ig) = input.read_ptr(dev);
         let (w, wg) = weight.read_ptr(dev);
         let (r, rg) = residual.write_ptr(dev);
         let (o, og) = output.write_ptr(dev);
-        let mut inputs = [0u64; MAX_GPUS];
-        inputs[self.rank.index] = i;
-        let result = self.launch_collective(|| {
-            self.rank
-                .launch_fused(&self.settings, &plan, &inputs, o, r, w)
-        });
+        let fused = Fused {
+            residual: r,
+            weight: w,
+        };
+        let result = self
+            .lock()
+            .and_then(|_launches| core.launch_fused(&plan, PeerInputs::Own(i), o, fused));
         drop((ig, wg, rg, og));
         result
-    }
-
-    /// The root's input for a broadcast or scatter: required on the root (checked
-    /// before anything else), ignored elsewhere.
-    fn root_input<'s, S: ?Sized>(
-        &self,
-        send: Option<&'s S>,
-        root: usize,
-        options: &CollectiveOptions,
-    ) -> Result<Option<&'s S>> {
-        let width = self.settings.group_width(options.group_size)?;
-        if root >= width {
-            return Err(Error::InvalidRoot { root, width });
-        }
-        let is_root = self.rank() % width == root;
-        match send {
-            None if is_root => Err(Error::Unsupported(format!(
-                "rank {} is the root: it passes its input",
-                self.rank()
-            ))),
-            _ if !is_root => Ok(None),
-            s => Ok(s),
-        }
-    }
-
-    fn check_dtype(&self, expected: DType, got: DType) -> Result<()> {
-        if expected != got {
-            return Err(Error::DTypeMismatch {
-                rank: self.rank(),
-                expected,
-                got,
-            });
-        }
-        Ok(())
-    }
-
-    /// Usable, both buffers on this rank's device, one dtype.
-    fn check_pair<S, R>(&self, send: &S, recv: &R) -> Result<()>
-    where
-        S: DeviceBuffer<B> + ?Sized,
-        R: DeviceBuffer<B> + ?Sized,
-    {
-        self.check_usable()?;
-        self.check_buffer(send.device_ordinal(), "input")?;
-        self.check_buffer(recv.device_ordinal(), "output")?;
-        self.check_dtype(send.dtype(), recv.dtype())
-    }
-
-    fn check_len(
-        &self,
-        got: usize,
-        expected: Option<usize>,
-        which: &str,
-        rule: &str,
-    ) -> Result<()> {
-        if expected != Some(got) {
-            return Err(Error::LengthMismatch {
-                rank: self.rank(),
-                what: match expected {
-                    Some(e) => format!("{which} has {got} elements but must have {e} ({rule})"),
-                    None => format!("{which}: {rule} overflows usize"),
-                },
-            });
-        }
-        Ok(())
     }
 
     /// Launches this rank's kernel of `plan` from `send` (if any) into `recv`.
@@ -319,7 +254,8 @@ impl<B: Backend> Comm<B> {
         if plan.elements == 0 {
             return Ok(());
         }
-        let dev = &self.rank.device;
+        let core = &*self.core;
+        let dev = core.device();
         let (input, in_guard) = match send {
             Some(s) => {
                 let (p, g) = s.read_ptr(dev);
@@ -328,10 +264,9 @@ impl<B: Backend> Comm<B> {
             None => (0, None),
         };
         let (output, out_guard) = recv.write_ptr(dev);
-        let mut inputs = [0u64; MAX_GPUS];
-        inputs[self.rank.index] = input;
-        let result =
-            self.launch_collective(|| self.rank.launch(&self.settings, plan, &inputs, output));
+        let result = self
+            .lock()
+            .and_then(|_launches| core.launch(plan, PeerInputs::Own(input), output));
         drop((in_guard, out_guard));
         result
     }

@@ -1,12 +1,12 @@
-//! What every rank of a communicator shares: sizes, limits, the dispatch key, and
-//! whether peers can read each other's user buffers.
+//! What every rank of a communicator shares: sizes, limits and the dispatch key.
 
 use crate::error::{Error, Result};
 use crate::signal::{SignalLayout, MAX_NUM_BLOCKS_UPPER_BOUND};
 
-use super::CommConfig;
+use crate::comm::CommConfig;
 
 /// The settings the planner and the launcher read; equal on every rank.
+#[derive(Clone)]
 pub(crate) struct Settings {
     pub(crate) layout: SignalLayout,
     pub(crate) config: CommConfig,
@@ -14,9 +14,6 @@ pub(crate) struct Settings {
     pub(crate) arch: String,
     pub(crate) max_blocks: u32,
     pub(crate) world: usize,
-    /// One process with peer access: kernels may read the peers' user buffers.
-    /// Otherwise (a rank per process) they read only the mapped signal allocations.
-    pub(crate) peers_read_user_buffers: bool,
 }
 
 impl Settings {
@@ -27,7 +24,6 @@ impl Settings {
         arch: String,
         multiprocessors: usize,
         world: usize,
-        peers_read_user_buffers: bool,
     ) -> Result<Self> {
         let layout = SignalLayout {
             lamport_slot_bytes: config.lamport_slot_bytes,
@@ -55,7 +51,6 @@ impl Settings {
             arch,
             max_blocks,
             world,
-            peers_read_user_buffers,
         })
     }
 

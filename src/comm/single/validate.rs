@@ -1,20 +1,16 @@
-//! Validation of a call before anything is launched: tensor counts, dtypes, shapes,
-//! lengths, devices, group sizes, and whether the peers can reach the user buffers.
+//! What only a single controller checks before anything is launched: one tensor per
+//! rank, the same dtype, shape and length everywhere, shapes that describe their
+//! buffers, and whether the peers can reach the user buffers. Each rank's own side
+//! (its device, its output's dtype and length) is the core's (`core/check.rs`).
 
 use crate::backend::{Backend, KernelKind};
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
 use crate::tensor::shape_elements;
 
-use super::plan::Plan;
+pub(super) use super::super::core::check::Meta;
+use super::super::core::plan::Plan;
 use super::Communicator;
-
-pub(super) struct Meta {
-    pub(super) dtype: DType,
-    pub(super) len: usize,
-    pub(super) ordinal: usize,
-}
 
 impl<B: Backend> Communicator<B> {
     pub(super) fn check_usable(&self) -> Result<()> {
@@ -132,8 +128,8 @@ impl<B: Backend> Communicator<B> {
         for (r, rank) in self.ranks.iter().enumerate().filter(|&(r, _)| ptrs[r] != 0) {
             let base = r / plan.width * plan.width;
             for peer in (base..base + plan.width).filter(|&p| p != r) {
-                let peer_dev = &self.ranks[peer].device;
-                if let Some(detail) = B::peer_access_problem(&rank.device, ptrs[r], peer_dev)? {
+                let peer_dev = self.ranks[peer].device();
+                if let Some(detail) = B::peer_access_problem(rank.device(), ptrs[r], peer_dev)? {
                     return Err(Error::BufferNotPeerAccessible {
                         rank: r,
                         which,
@@ -155,15 +151,4 @@ pub(super) fn check_world(world: usize) -> Result<()> {
         });
     }
     Ok(())
-}
-
-pub(super) fn first_missing_peer_pair<B: Backend>(devices: &[B::Device]) -> Result<(usize, usize)> {
-    for a in devices {
-        for b in devices {
-            if B::ordinal(a) != B::ordinal(b) && !B::can_access_peer(a, b)? {
-                return Ok((B::ordinal(a), B::ordinal(b)));
-            }
-        }
-    }
-    Ok((0, 0))
 }

@@ -1,7 +1,8 @@
 //! Launching: the one place where kernel arguments are built and kernels enqueued.
+//! Where each peer's input is comes in as an argument ([`PeerInputs`]): read in place
+//! (one process knows every rank's buffer), or staged into each rank's payload.
 
 use std::sync::atomic::Ordering;
-use std::sync::MutexGuard;
 
 use crate::backend::{Backend, Kernel, KernelKind, LaunchDims};
 use crate::dtype::DType;
@@ -11,107 +12,63 @@ use crate::signal::{barrier_domain, AllReduceArgs, MAX_GPUS};
 use super::call;
 use super::plan::Plan;
 use super::settings::Settings;
-use super::{Communicator, Rank};
+use super::{Endpoint, Rank};
 
-impl<B: Backend> Communicator<B> {
-    pub(super) fn lock_launches(&self) -> MutexGuard<'_, ()> {
-        self.launch_lock.lock().unwrap_or_else(|e| e.into_inner())
-    }
+/// Where the peers read each rank's input.
+#[derive(Clone, Copy)]
+pub(crate) enum PeerInputs<'a> {
+    /// Only this rank's input is known (a rank per thread or process): what the peers
+    /// read is staged into this rank's payload (or pushed, Lamport).
+    Own(u64),
+    /// Every world rank's input, read in place by the peers (one process).
+    InPlace(&'a [u64; MAX_GPUS]),
+}
 
-    /// Enqueues `plan` on every rank, atomically with respect to other callers. A
-    /// failure after some ranks were launched poisons the communicator: those ranks
-    /// wait for peers that will never come (until their timeout), so nothing may run
-    /// before [`Communicator::reinitialize`].
-    pub(super) fn launch_all(
-        &self,
-        plan: &Plan,
-        inputs: &[u64; MAX_GPUS],
-        outputs: &[u64; MAX_GPUS],
-    ) -> Result<()> {
-        let ranks: Vec<usize> = (0..self.world_size()).collect();
-        self.launch_on(plan, &ranks, inputs, outputs)
-    }
-
-    pub(super) fn launch_on(
-        &self,
-        plan: &Plan,
-        ranks: &[usize],
-        inputs: &[u64; MAX_GPUS],
-        outputs: &[u64; MAX_GPUS],
-    ) -> Result<()> {
-        let zeros = [0u64; MAX_GPUS];
-        self.launch_on_fused(plan, ranks, inputs, outputs, &zeros, &zeros)
-    }
-
-    /// As `launch_on`, with every rank's residual and weight (the fused all-reduce +
-    /// RMSNorm; zeros for every other kernel).
-    pub(super) fn launch_on_fused(
-        &self,
-        plan: &Plan,
-        ranks: &[usize],
-        inputs: &[u64; MAX_GPUS],
-        outputs: &[u64; MAX_GPUS],
-        residuals: &[u64; MAX_GPUS],
-        weights: &[u64; MAX_GPUS],
-    ) -> Result<()> {
-        // Where peer memory does not reach every device (the external fallback), only
-        // groups of one launch.
-        self.check_peer_group(plan.width)?;
-        let _launches = self.lock_launches();
-        self.check_usable()?;
-        for (i, &r) in ranks.iter().enumerate() {
-            let rank = &self.ranks[r];
-            let launched = rank.launch_fused(
-                &self.settings,
-                plan,
-                inputs,
-                outputs[r],
-                residuals[r],
-                weights[r],
-            );
-            if let Err(e) = launched {
-                if i > 0 {
-                    self.poisoned.store(true, Ordering::Release);
-                }
-                return Err(e);
-            }
-        }
-        // Ranks left out of this launch count it too, so that every rank's call
-        // sequence stays the same.
-        let domain = barrier_domain(plan.width, self.settings.world);
-        for (r, rank) in self.ranks.iter().enumerate() {
-            if !ranks.contains(&r) {
-                rank.next_call(domain);
-            }
-        }
-        Ok(())
-    }
+/// What a launch writes besides its output: the fused all-reduce + RMSNorm's residual
+/// (updated in place) and weight; 0 for every other kernel.
+#[derive(Clone, Copy, Default)]
+pub(crate) struct Fused {
+    pub(crate) residual: u64,
+    pub(crate) weight: u64,
 }
 
 impl<B: Backend> Rank<B> {
+    /// Enqueues this rank's kernel of `plan` from `inputs` into `output`.
+    pub(crate) fn launch(&self, plan: &Plan, inputs: PeerInputs<'_>, output: u64) -> Result<()> {
+        self.endpoint
+            .launch(&self.settings, plan, inputs, output, Fused::default())
+    }
+
+    /// As [`Rank::launch`], for the fused all-reduce + RMSNorm.
+    pub(crate) fn launch_fused(
+        &self,
+        plan: &Plan,
+        inputs: PeerInputs<'_>,
+        output: u64,
+        fused: Fused,
+    ) -> Result<()> {
+        self.endpoint
+            .launch(&self.settings, plan, inputs, output, fused)
+    }
+
+    /// Counts a call of `plan` that this rank does not launch (a single-controller
+    /// launch on some ranks only), so that every rank's call sequence stays the same.
+    pub(crate) fn count_call(&self, plan: &Plan) {
+        let domain = barrier_domain(plan.width, self.settings.world);
+        self.endpoint.next_call(domain);
+    }
+}
+
+impl<B: Backend> Endpoint<B> {
     /// Enqueues this rank's kernel of `plan`: the one place kernel arguments are
-    /// built. `inputs` holds the user input of every world rank where the peers read
-    /// user buffers (one process), else only this rank's; `output` is this rank's.
+    /// built.
     pub(crate) fn launch(
         &self,
         settings: &Settings,
         plan: &Plan,
-        inputs: &[u64; MAX_GPUS],
+        inputs: PeerInputs<'_>,
         output: u64,
-    ) -> Result<()> {
-        self.launch_fused(settings, plan, inputs, output, 0, 0)
-    }
-
-    /// As [`Rank::launch`], with the fused all-reduce + RMSNorm's `residual` (updated
-    /// in place) and `weight` (0 for every other kernel).
-    pub(crate) fn launch_fused(
-        &self,
-        settings: &Settings,
-        plan: &Plan,
-        inputs: &[u64; MAX_GPUS],
-        output: u64,
-        residual: u64,
-        weight: u64,
+        fused: Fused,
     ) -> Result<()> {
         let r = self.index;
         let width = plan.width;
@@ -126,7 +83,10 @@ impl<B: Backend> Rank<B> {
         let layout = &settings.layout;
         let payload_off = layout.payload_offset() as u64;
         let mut args = AllReduceArgs {
-            local_input: inputs[r],
+            local_input: match inputs {
+                PeerInputs::Own(p) => p,
+                PeerInputs::InPlace(all) => all[r],
+            },
             output,
             num_elements: plan.elements as u64,
             timeout_ns: settings.timeout_ns(),
@@ -138,8 +98,8 @@ impl<B: Backend> Rank<B> {
             stage_input: plan.stage_input as u32,
             root: plan.collective.root,
             hidden: plan.collective.hidden,
-            residual,
-            weight,
+            residual: fused.residual,
+            weight: fused.weight,
             epsilon: plan.collective.epsilon,
             call: call::encode(plan, seq),
             ..Default::default()
@@ -148,10 +108,18 @@ impl<B: Backend> Rank<B> {
             let signal = self.peer_signals[base + k];
             args.signals[k] = signal;
             args.payloads[k] = signal + payload_off;
-            args.inputs[k] = if plan.stage_input {
-                signal + payload_off
-            } else {
-                inputs[base + k]
+            args.inputs[k] = match (plan.stage_input, inputs) {
+                (true, _) => signal + payload_off,
+                (false, PeerInputs::InPlace(all)) => all[base + k],
+                // Kernels that read no peer input (a group of one, Lamport, barriers)
+                // get only their own.
+                (false, PeerInputs::Own(p)) => {
+                    if base + k == r {
+                        p
+                    } else {
+                        0
+                    }
+                }
             };
         }
         if plan.overlap_previous {
@@ -163,7 +131,7 @@ impl<B: Backend> Rank<B> {
 
     /// The sequence number of the next collective call in barrier `domain` (it counts
     /// every launch there).
-    fn next_call(&self, domain: usize) -> u32 {
+    pub(crate) fn next_call(&self, domain: usize) -> u32 {
         let seq = self.calls[domain].fetch_add(1, Ordering::Relaxed);
         if self.skew_next.load(Ordering::Relaxed) && self.skew_next.swap(false, Ordering::AcqRel) {
             return seq.wrapping_add(1);

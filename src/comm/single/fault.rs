@@ -1,12 +1,12 @@
-//! Fault injection (feature `fault-injection`): making a rank miss a collective on
-//! purpose, so that users can test their own timeout handling. Without the feature
-//! nothing here is public and no launch is ever left out.
+//! Fault injection on [`Communicator`] (feature `fault-injection`): making a rank miss
+//! a collective on purpose, so that users can test their own timeout handling.
+//! Without the feature nothing here is public and no launch is ever left out.
 
 use crate::backend::Backend;
 #[cfg(feature = "fault-injection")]
 use crate::error::{Error, Result};
 
-use super::{Comm, Communicator};
+use super::Communicator;
 
 impl<B: Backend> Communicator<B> {
     /// Fault injection (feature `fault-injection`): the next collective launched
@@ -57,34 +57,12 @@ impl<B: Backend> Communicator<B> {
 
     /// Rank `rank`, or the typed error for a rank outside the world.
     #[cfg(feature = "fault-injection")]
-    fn fault_rank(&self, rank: usize) -> Result<&super::Rank<B>> {
-        self.ranks.get(rank).ok_or_else(|| {
+    fn fault_rank(&self, rank: usize) -> Result<&super::super::core::Endpoint<B>> {
+        self.ranks.get(rank).map(|r| &r.endpoint).ok_or_else(|| {
             Error::InvalidDevices(format!(
                 "rank {rank} is outside the world of {}",
                 self.world_size()
             ))
         })
-    }
-}
-
-impl<B: Backend> Comm<B> {
-    /// Fault injection (feature `fault-injection`): this rank's next collective call
-    /// (an all-reduce or a barrier) returns as if it had launched, and launches
-    /// nothing. Its group peers wait for it, give up after
-    /// [`crate::CommConfig::barrier_timeout`] and report the timeout from
-    /// [`Comm::synchronize`]; this rank's own record then holds the
-    /// [`Error::PeerAborted`] a peer sent it. Every rank then calls
-    /// [`Comm::reinitialize`] to recover.
-    #[cfg(feature = "fault-injection")]
-    pub fn miss_next(&self) {
-        self.rank.miss_next_launch();
-    }
-
-    /// Fault injection (feature `fault-injection`): this rank's next collective
-    /// publishes a call descriptor one ahead in the call sequence (see
-    /// [`Communicator::mismatch_next`]): its group gets [`Error::CallMismatch`].
-    #[cfg(feature = "fault-injection")]
-    pub fn mismatch_next(&self) {
-        self.rank.skew_next_call();
     }
 }

@@ -9,8 +9,9 @@ use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
 use crate::tensor::{Tensor, TensorMut};
 
-use super::collective::{reduce_scatter_part, Collective, CollectiveOptions};
-use super::plan::Plan;
+use super::super::core::collective::{reduce_scatter_part, Collective, CollectiveOptions};
+use super::super::core::launch::PeerInputs;
+use super::super::core::plan::{PeerReads, Plan};
 use super::validate::Meta;
 use super::Communicator;
 
@@ -41,12 +42,16 @@ impl<B: Backend> Communicator<B> {
         options: &CollectiveOptions,
     ) -> Result<()> {
         let metas = self.check_inputs(inputs)?;
-        let width = self.settings.group_width(options.group_size)?;
+        let width = self.ranks[0].collective_width(options)?.0;
         let n = metas[0].len;
         self.check_outputs(outputs, &metas, |_| n.checked_mul(width))?;
-        let plan =
-            self.settings
-                .collective_plan(Collective::AllGather, metas[0].dtype, n, options)?;
+        let plan = self.ranks[0].plan_collective(
+            Collective::AllGather,
+            metas[0].dtype,
+            n,
+            options,
+            PeerReads::UserBuffers,
+        )?;
         self.launch_collective(&plan, inputs, outputs)
     }
 
@@ -59,14 +64,18 @@ impl<B: Backend> Communicator<B> {
         options: &CollectiveOptions,
     ) -> Result<()> {
         let metas = self.check_inputs(inputs)?;
-        let width = self.settings.group_width(options.group_size)?;
+        let width = self.ranks[0].collective_width(options)?.0;
         let n = metas[0].len;
         self.check_outputs(outputs, &metas, |r| {
             Some(reduce_scatter_part(n, width, r % width).len())
         })?;
-        let plan =
-            self.settings
-                .collective_plan(Collective::ReduceScatter, metas[0].dtype, n, options)?;
+        let plan = self.ranks[0].plan_collective(
+            Collective::ReduceScatter,
+            metas[0].dtype,
+            n,
+            options,
+            PeerReads::UserBuffers,
+        )?;
         self.launch_collective(&plan, inputs, outputs)
     }
 
@@ -83,11 +92,12 @@ impl<B: Backend> Communicator<B> {
         let (width, roots) = self.check_root_inputs(inputs, root, options)?;
         let n = roots[0].len;
         self.check_outputs(outputs, &roots, |_| Some(n))?;
-        let plan = self.settings.collective_plan(
+        let plan = self.ranks[0].plan_collective(
             Collective::Broadcast { root },
             roots[0].dtype,
             n,
             options,
+            PeerReads::UserBuffers,
         )?;
         self.launch_root_collective(&plan, inputs, outputs, width, root)
     }
@@ -106,11 +116,12 @@ impl<B: Backend> Communicator<B> {
         let shapes: Vec<Vec<usize>> = tensors.iter().map(|t| t.shape.clone()).collect();
         let shape_refs: Vec<&[usize]> = shapes.iter().map(Vec::as_slice).collect();
         self.check_tensors(&metas, &shape_refs, "in-place")?;
-        let plan = self.settings.collective_plan(
+        let plan = self.ranks[0].plan_collective(
             Collective::Broadcast { root },
             metas[0].dtype,
             metas[0].len,
             options,
+            PeerReads::UserBuffers,
         )?;
         if plan.elements == 0 {
             return Ok(());
@@ -118,7 +129,7 @@ impl<B: Backend> Communicator<B> {
         let mut guards = Vec::with_capacity(tensors.len());
         let mut ptrs = [0u64; MAX_GPUS];
         for (r, t) in tensors.iter_mut().enumerate() {
-            let (p, g) = t.data.write_ptr(&self.ranks[r].device);
+            let (p, g) = t.data.write_ptr(self.ranks[r].device());
             ptrs[r] = p;
             guards.push(g);
         }
@@ -155,11 +166,12 @@ impl<B: Backend> Communicator<B> {
         }
         let n = roots[0].len / width;
         self.check_outputs(outputs, &roots, |_| Some(n))?;
-        let plan = self.settings.collective_plan(
+        let plan = self.ranks[0].plan_collective(
             Collective::Scatter { root },
             roots[0].dtype,
             n,
             options,
+            PeerReads::UserBuffers,
         )?;
         self.launch_root_collective(&plan, inputs, outputs, width, root)
     }
@@ -193,7 +205,7 @@ impl<B: Backend> Communicator<B> {
         let n = metas[0].len;
         self.check_outputs(residuals, &metas, |_| Some(n))?;
         self.check_outputs(outputs, &metas, |_| Some(n))?;
-        let plan = self.settings.collective_plan(
+        let plan = self.ranks[0].plan_collective(
             Collective::AllReduceRmsNorm {
                 hidden: wmetas[0].len,
                 epsilon,
@@ -201,6 +213,7 @@ impl<B: Backend> Communicator<B> {
             metas[0].dtype,
             n,
             options,
+            PeerReads::UserBuffers,
         )?;
         if plan.elements == 0 {
             return Ok(());
@@ -212,7 +225,7 @@ impl<B: Backend> Communicator<B> {
         let mut res = [0u64; MAX_GPUS];
         let mut outs = [0u64; MAX_GPUS];
         for r in 0..ranks.len() {
-            let dev = &ranks[r].device;
+            let dev = ranks[r].device();
             let (p, g) = inputs[r].data.read_ptr(dev);
             ins[r] = p;
             guards.push(g);
@@ -221,19 +234,25 @@ impl<B: Backend> Communicator<B> {
             guards.push(g);
         }
         for (r, t) in residuals.iter_mut().enumerate() {
-            let (p, g) = t.data.write_ptr(&ranks[r].device);
+            let (p, g) = t.data.write_ptr(ranks[r].device());
             res[r] = p;
             guards.push(g);
         }
         for (r, t) in outputs.iter_mut().enumerate() {
-            let (p, g) = t.data.write_ptr(&ranks[r].device);
+            let (p, g) = t.data.write_ptr(ranks[r].device());
             outs[r] = p;
             guards.push(g);
         }
         let all: Vec<usize> = (0..self.world_size()).collect();
-        let result = self
-            .check_peers_reach(&plan, &ins, "input")
-            .and_then(|_| self.launch_on_fused(&plan, &all, &ins, &outs, &res, &ws));
+        let result = self.check_peers_reach(&plan, &ins, "input").and_then(|_| {
+            self.launch_on(
+                &plan,
+                &all,
+                PeerInputs::InPlace(&ins),
+                &outs,
+                Some((&res, &ws)),
+            )
+        });
         drop(guards);
         result
     }
@@ -291,7 +310,7 @@ impl<B: Backend> Communicator<B> {
         options: &CollectiveOptions,
     ) -> Result<(usize, Vec<Meta>)> {
         self.check_usable()?;
-        let width = self.settings.group_width(options.group_size)?;
+        let width = self.ranks[0].collective_width(options)?.0;
         if root >= width {
             return Err(Error::InvalidRoot { root, width });
         }
@@ -351,12 +370,12 @@ impl<B: Backend> Communicator<B> {
         let mut in_ptrs = [0u64; MAX_GPUS];
         let mut out_ptrs = [0u64; MAX_GPUS];
         for (r, t) in inputs.iter().enumerate() {
-            let (p, g) = t.data.read_ptr(&ranks[r].device);
+            let (p, g) = t.data.read_ptr(ranks[r].device());
             in_ptrs[r] = p;
             guards.push(g);
         }
         for (r, t) in outputs.iter_mut().enumerate() {
-            let (p, g) = t.data.write_ptr(&ranks[r].device);
+            let (p, g) = t.data.write_ptr(ranks[r].device());
             out_ptrs[r] = p;
             guards.push(g);
         }
@@ -386,12 +405,12 @@ impl<B: Backend> Communicator<B> {
         let mut out_ptrs = [0u64; MAX_GPUS];
         for (k, t) in inputs.iter().enumerate() {
             let r = k * width + root;
-            let (p, g) = t.data.read_ptr(&ranks[r].device);
+            let (p, g) = t.data.read_ptr(ranks[r].device());
             in_ptrs[r] = p;
             guards.push(g);
         }
         for (r, t) in outputs.iter_mut().enumerate() {
-            let (p, g) = t.data.write_ptr(&ranks[r].device);
+            let (p, g) = t.data.write_ptr(ranks[r].device());
             out_ptrs[r] = p;
             guards.push(g);
         }

@@ -18,7 +18,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::signal::{MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES};
 
-use super::plan::Plan;
+use super::plan::{CollectiveArgs, PeerReads, Plan};
 use super::settings::Settings;
 
 /// Options of one all-gather, reduce-scatter, broadcast, scatter or fused call.
@@ -95,14 +95,6 @@ impl Collective {
     }
 }
 
-/// What a collective's kernel gets beside the all-reduce arguments.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub(crate) struct CollectiveArgs {
-    pub(crate) root: u32,
-    pub(crate) hidden: u32,
-    pub(crate) epsilon: f32,
-}
-
 /// Bytes of `n` elements rounded up to whole packs.
 fn padded(dtype: DType, n: usize) -> usize {
     n.div_ceil(dtype.lanes()) * PACK_BYTES
@@ -118,6 +110,7 @@ impl Settings {
         dtype: DType,
         elements: usize,
         options: &CollectiveOptions,
+        reads: PeerReads,
     ) -> Result<Plan> {
         let width = self.group_width(options.group_size)?;
         let lanes = dtype.lanes();
@@ -128,7 +121,7 @@ impl Settings {
             }
             extra.root = root as u32;
         }
-        let staged = !self.peers_read_user_buffers && width > 1;
+        let staged = reads == PeerReads::Payloads && width > 1;
         let (scratch, work_packs) = match which {
             Collective::AllGather | Collective::Broadcast { .. } => {
                 (padded(dtype, elements), elements.div_ceil(lanes))

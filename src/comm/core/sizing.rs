@@ -8,7 +8,8 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::signal::{SignalLayout, PACK_BYTES};
 
-use super::{AllReduceOptions, Comm, CommConfig, Communicator};
+use super::plan::PeerReads;
+use crate::comm::{AllReduceOptions, CommConfig};
 
 /// Device memory one rank of a communicator allocates (its signal allocation, the
 /// only memory peercomm allocates per rank), in bytes.
@@ -135,49 +136,24 @@ impl SignalLayout {
     }
 }
 
-impl<B: Backend> Communicator<B> {
-    /// The device memory each rank allocated (the same on every rank).
-    pub fn memory_footprint(&self) -> MemoryFootprint {
-        MemoryFootprint::of(&self.settings.layout).expect("a validated layout")
-    }
-
-    /// Answers, launching nothing, what [`Communicator::all_reduce_sum`] (or, with
-    /// `in_place`, [`Communicator::all_reduce_sum_in_place`]) would do with
-    /// `elements` elements of `dtype` per rank and these options: the algorithm that
-    /// would run, or the typed error the call would get. A message too large for the
-    /// scratch is [`crate::Error::MessageTooLarge`] with the bytes needed, the bytes
-    /// configured and the `CommConfig` field to raise.
-    pub fn algorithm_for(
-        &self,
-        dtype: DType,
-        elements: usize,
-        options: &AllReduceOptions,
-        in_place: bool,
-    ) -> Result<Algorithm> {
-        self.settings
-            .plan(dtype, elements, options, in_place)
-            .map(|p| p.algorithm)
-    }
-}
-
-impl<B: Backend> Comm<B> {
+impl<B: Backend> super::Rank<B> {
     /// The device memory this rank allocated.
-    pub fn memory_footprint(&self) -> MemoryFootprint {
+    pub(crate) fn memory_footprint(&self) -> MemoryFootprint {
         MemoryFootprint::of(&self.settings.layout).expect("a validated layout")
     }
 
-    /// As [`Communicator::algorithm_for`], for this rank's calls (where peers never
-    /// read user buffers: inputs are staged, so one-stage needs the whole message in
-    /// the payload and two-stage is not offered).
-    pub fn algorithm_for(
+    /// The algorithm a peer-memory all-reduce of `elements` of `dtype` would run, or
+    /// the typed error it would get; nothing is launched.
+    pub(crate) fn algorithm_for(
         &self,
         dtype: DType,
         elements: usize,
         options: &AllReduceOptions,
         in_place: bool,
+        reads: PeerReads,
     ) -> Result<Algorithm> {
         self.settings
-            .plan(dtype, elements, options, in_place)
+            .plan(dtype, elements, options, in_place, reads)
             .map(|p| p.algorithm)
     }
 }

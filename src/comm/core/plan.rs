@@ -7,9 +7,27 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::signal::{MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES};
 
-use super::collective::CollectiveArgs;
 use super::settings::Settings;
-use super::AllReduceOptions;
+use crate::comm::AllReduceOptions;
+
+/// Where a call's kernels read the peers' inputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum PeerReads {
+    /// In the peers' user buffers (one process, peer access): no staging, two-stage
+    /// offered.
+    UserBuffers,
+    /// Only in the peers' signal allocations (ranks in other threads or processes):
+    /// an input the peers read is staged into the own payload first.
+    Payloads,
+}
+
+/// What a collective's kernel gets beside the all-reduce arguments.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub(crate) struct CollectiveArgs {
+    pub(crate) root: u32,
+    pub(crate) hidden: u32,
+    pub(crate) epsilon: f32,
+}
 
 /// What validation learned about one call.
 pub(crate) struct Plan {
@@ -47,8 +65,8 @@ impl Settings {
     }
 
     /// Chooses the algorithm and grid, and checks the scratch it needs. Where the
-    /// peers cannot read user buffers (ranks in different processes), every input the
-    /// peers read is staged into the own payload first, and two-stage (which reads the
+    /// peers cannot read user buffers (`PeerReads::Payloads`), every input the peers
+    /// read is staged into the own payload first, and two-stage (which reads the
     /// inputs in its reduce-scatter) is not offered.
     pub(crate) fn plan(
         &self,
@@ -56,6 +74,7 @@ impl Settings {
         elements: usize,
         options: &AllReduceOptions,
         in_place: bool,
+        reads: PeerReads,
     ) -> Result<Plan> {
         let width = self.group_width(options.group_size)?;
         let bytes = elements * dtype.size();
@@ -64,7 +83,7 @@ impl Settings {
         let slot = self.layout.lamport_slot_bytes;
         let payload = self.layout.payload_bytes;
         let two_stage_need = packs.div_ceil(width) * PACK_BYTES;
-        let direct = self.peers_read_user_buffers;
+        let direct = reads == PeerReads::UserBuffers;
         let stages = |in_place: bool| in_place || !direct;
         // A Lamport slot holds the packs and, last, the header pack (the descriptor).
         let lamport_need = padded + PACK_BYTES;
@@ -178,7 +197,7 @@ mod tests {
     use crate::CommConfig;
 
     fn settings(world: usize) -> Settings {
-        Settings::new(CommConfig::default(), "sm_90".into(), 132, world, true).unwrap()
+        Settings::new(CommConfig::default(), "sm_90".into(), 132, world).unwrap()
     }
 
     #[test]
@@ -189,7 +208,9 @@ mod tests {
         s.limit_for_shared_devices(132, 2);
         assert_eq!(s.max_blocks, 66);
         let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-        let big = s.plan(DType::F32, 1 << 24, &opts, false).unwrap();
+        let big = s
+            .plan(DType::F32, 1 << 24, &opts, false, PeerReads::UserBuffers)
+            .unwrap();
         assert_eq!(big.dims.blocks, 66);
         let mut few = settings(2);
         few.max_blocks = 4;
@@ -207,7 +228,7 @@ mod tests {
         for alg in [Algorithm::OneStage, Algorithm::Lamport] {
             let blocks = |w: usize| {
                 let p = settings(w)
-                    .plan(DType::F32, 16384, &opts(alg), false)
+                    .plan(DType::F32, 16384, &opts(alg), false, PeerReads::UserBuffers)
                     .unwrap();
                 p.dims.blocks
             };
@@ -217,13 +238,25 @@ mod tests {
         }
         // Two-stage works on a partition of packs / width, each from width - 1 peers.
         let two = |w: usize| {
-            let p = settings(w).plan(DType::F32, 16384, &opts(Algorithm::TwoStage), false);
+            let p = settings(w).plan(
+                DType::F32,
+                16384,
+                &opts(Algorithm::TwoStage),
+                false,
+                PeerReads::UserBuffers,
+            );
             p.unwrap().dims.blocks
         };
         assert_eq!(two(2), 4);
         assert_eq!(two(8), 7);
         // Capped at one block per multiprocessor.
-        let big = settings(8).plan(DType::F32, 1 << 24, &opts(Algorithm::OneStage), false);
+        let big = settings(8).plan(
+            DType::F32,
+            1 << 24,
+            &opts(Algorithm::OneStage),
+            false,
+            PeerReads::UserBuffers,
+        );
         assert_eq!(big.unwrap().dims.blocks, 132);
     }
 
@@ -236,14 +269,15 @@ mod tests {
     fn a_group_of_one_never_runs_lamport() {
         for arch in ["host", "sm_90", "sm_80", "gfx942", "gfx90a", "unknown"] {
             for world in 1..=crate::MAX_GPUS {
-                let settings =
-                    Settings::new(CommConfig::default(), arch.into(), 8, world, true).unwrap();
+                let settings = Settings::new(CommConfig::default(), arch.into(), 8, world).unwrap();
                 for dtype in DType::ALL {
                     for elements in [1, 7, 4096, 65_536, 1 << 20] {
                         for algorithm in [Algorithm::Auto, Algorithm::Lamport] {
                             let opts = AllReduceOptions::new().group_size(1).algorithm(algorithm);
                             for in_place in [false, true] {
-                                let plan = settings.plan(dtype, elements, &opts, in_place).unwrap();
+                                let plan = settings
+                                    .plan(dtype, elements, &opts, in_place, PeerReads::UserBuffers)
+                                    .unwrap();
                                 assert_eq!(
                                     plan.algorithm,
                                     Algorithm::OneStage,

@@ -8,8 +8,9 @@ use crate::dispatch::Algorithm;
 use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
 
+use super::super::AllReduceOptions;
 use super::validate::Meta;
-use super::{AllReduceOptions, Communicator};
+use super::Communicator;
 
 fn meta<B: Backend>(b: &(impl DeviceBuffer<B> + ?Sized)) -> Meta {
     Meta {
@@ -65,56 +66,26 @@ impl<B: Backend> Communicator<B> {
             let (im, om) = (meta::<B>(i), meta::<B>(o));
             self.check_flat(r, &im, &first, "input")?;
             self.check_tensor(r, &om, &[om.len], "output")?;
-            if om.dtype != im.dtype {
-                return Err(Error::DTypeMismatch {
-                    rank: r,
-                    expected: im.dtype,
-                    got: om.dtype,
-                });
-            }
-            if om.len != im.len {
-                return Err(Error::LengthMismatch {
-                    rank: r,
-                    what: format!("output has {} elements but its input {}", om.len, im.len),
-                });
-            }
+            self.ranks[r].check_all_reduce(&im, &om)?;
         }
-        let external = self.routes_external(first.dtype, first.len, options)?;
-        let plan = self.settings.plan(first.dtype, first.len, options, false);
-        let plan = match plan {
-            Ok(p) if p.elements == 0 && !external => return Ok(p.algorithm),
-            Ok(p) => Some(p),
-            Err(_) if external => None,
-            Err(e) => return Err(e),
-        };
+        let routed = self.route_all_reduce(first.dtype, first.len, options, false)?;
         let mut in_ptrs = [0u64; MAX_GPUS];
         let mut out_ptrs = [0u64; MAX_GPUS];
         let mut in_guards: [Option<B::Access<'_>>; MAX_GPUS] = std::array::from_fn(|_| None);
         let mut out_guards: [Option<B::Access<'_>>; MAX_GPUS] = std::array::from_fn(|_| None);
         // As in the shaped form: each buffer is tracked on its own rank's stream.
         for (r, b) in inputs.iter().enumerate() {
-            let (p, g) = b.read_ptr(&self.ranks[r].device);
+            let (p, g) = b.read_ptr(self.ranks[r].device());
             in_ptrs[r] = p;
             in_guards[r] = Some(g);
         }
         for (r, b) in outputs.iter_mut().enumerate() {
-            let (p, g) = b.write_ptr(&self.ranks[r].device);
+            let (p, g) = b.write_ptr(self.ranks[r].device());
             out_ptrs[r] = p;
             out_guards[r] = Some(g);
         }
-        let world = self.world_size();
-        let result = match plan.filter(|_| !external) {
-            None => self.run_external(
-                &in_ptrs[..world],
-                &out_ptrs[..world],
-                first.len,
-                first.dtype,
-            ),
-            Some(plan) => self
-                .check_peers_reach(&plan, &in_ptrs, "input")
-                .and_then(|_| self.launch_all(&plan, &in_ptrs, &out_ptrs))
-                .map(|_| plan.algorithm),
-        };
+        let result =
+            self.run_all_reduce(routed, &in_ptrs, &out_ptrs, first.len, first.dtype, "input");
         drop((in_guards, out_guards));
         result
     }
@@ -136,29 +107,15 @@ impl<B: Backend> Communicator<B> {
         for (r, b) in buffers.iter().enumerate() {
             self.check_flat(r, &meta::<B>(b), &first, "in-place")?;
         }
-        let external = self.routes_external(first.dtype, first.len, options)?;
-        let plan = self.settings.plan(first.dtype, first.len, options, true);
-        let plan = match plan {
-            Ok(p) if p.elements == 0 && !external => return Ok(p.algorithm),
-            Ok(p) => Some(p),
-            Err(_) if external => None,
-            Err(e) => return Err(e),
-        };
+        let routed = self.route_all_reduce(first.dtype, first.len, options, true)?;
         let mut ptrs = [0u64; MAX_GPUS];
         let mut guards: [Option<B::Access<'_>>; MAX_GPUS] = std::array::from_fn(|_| None);
         for (r, b) in buffers.iter_mut().enumerate() {
-            let (p, g) = b.write_ptr(&self.ranks[r].device);
+            let (p, g) = b.write_ptr(self.ranks[r].device());
             ptrs[r] = p;
             guards[r] = Some(g);
         }
-        let world = self.world_size();
-        let result = match plan.filter(|_| !external) {
-            None => self.run_external(&ptrs[..world], &ptrs[..world], first.len, first.dtype),
-            Some(plan) => self
-                .check_peers_reach(&plan, &ptrs, "in-place")
-                .and_then(|_| self.launch_all(&plan, &ptrs, &ptrs))
-                .map(|_| plan.algorithm),
-        };
+        let result = self.run_all_reduce(routed, &ptrs, &ptrs, first.len, first.dtype, "in-place");
         drop(guards);
         result
     }

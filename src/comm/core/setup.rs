@@ -12,25 +12,35 @@ use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
 use crate::{init_signal_buffer_with_counter_base, SignalLayout};
 
-use super::per_rank::config_checksum;
 use super::settings::Settings;
-use super::{peer_check, CommConfig, Rank};
+use super::{peer_check, Endpoint};
+use crate::comm::config::config_checksum;
+use crate::comm::CommConfig;
 
 /// Format version of the per-rank exchange record.
 const RECORD_VERSION: u8 = 2;
 
-/// A working peer-memory core: this rank's signal and where it reaches its group's.
-pub(super) struct PeerCore<B: Backend> {
-    pub(super) rank: Rank<B>,
-    pub(super) settings: Settings,
+/// Where the ranks being set up run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Placement {
+    /// All in this process (the single controller's cores): signals need no export.
+    OneProcess,
+    /// Each in its own thread or process (the per-rank `Comm`).
+    Anywhere,
+}
+
+/// A working peer-memory rank: its signal and where it reaches its group's.
+pub(crate) struct PeerSetup<B: Backend> {
+    pub(crate) endpoint: Endpoint<B>,
+    pub(crate) settings: Settings,
     /// Peer signals imported from other processes; unmapped on drop.
-    pub(super) mappings: Vec<B::PeerMapping>,
+    pub(crate) mappings: Vec<B::PeerMapping>,
 }
 
 /// What setting up the core over a group gave.
-pub(super) enum Outcome<B: Backend> {
+pub(crate) enum Outcome<B: Backend> {
     /// Peer memory serves the group.
-    Ready(Box<PeerCore<B>>),
+    Ready(Box<PeerSetup<B>>),
     /// It cannot (the reason, the same on every rank); the device comes back.
     Refused { device: B::Device, reason: Error },
 }
@@ -98,10 +108,10 @@ impl PeerRecord {
 /// A core over this rank alone (no peers, no exchange): what a communicator whose
 /// whole-world calls go to the external library keeps for groups of one. Its signal
 /// is small (its Lamport region and payload are never used by a group of one).
-pub(super) fn solo<B: Backend>(device: B::Device, config: &CommConfig) -> Result<PeerCore<B>> {
+pub(crate) fn solo<B: Backend>(device: B::Device, config: &CommConfig) -> Result<PeerSetup<B>> {
     let arch = B::architecture(&device)?;
     let sms = B::multiprocessor_count(&device)?;
-    let mut settings = Settings::new(config.clone(), arch, sms, 1, false)?;
+    let mut settings = Settings::new(config.clone(), arch, sms, 1)?;
     settings.layout = SignalLayout {
         lamport_slot_bytes: 4096,
         lamport_slots: 1,
@@ -116,16 +126,8 @@ pub(super) fn solo<B: Backend>(device: B::Device, config: &CommConfig) -> Result
     B::synchronize(&device)?;
     let mut peer_signals = [0u64; MAX_GPUS];
     peer_signals[0] = B::memory_ptr(&signal);
-    Ok(PeerCore {
-        rank: Rank {
-            index: 0,
-            device,
-            signal,
-            peer_signals,
-            calls: Default::default(),
-            skew_next: std::sync::atomic::AtomicBool::new(false),
-            missing: std::sync::atomic::AtomicBool::new(false),
-        },
+    Ok(PeerSetup {
+        endpoint: Endpoint::new(0, device, signal, peer_signals),
         settings,
         mappings: Vec::new(),
     })
@@ -136,12 +138,13 @@ pub(super) fn solo<B: Backend>(device: B::Device, config: &CommConfig) -> Result
 /// learns whether every group succeeded. Every world rank calls this at the same time.
 /// An `Err` is a failure that is not about peer access (a bad configuration, a failed
 /// allocation, a bootstrap failure).
-pub(super) fn establish<B: Backend>(
+pub(crate) fn establish<B: Backend>(
     device: B::Device,
     group: &dyn Bootstrap,
     world: &dyn Bootstrap,
     members: &[usize],
     config: &CommConfig,
+    placement: Placement,
 ) -> Result<Outcome<B>> {
     let (me, n) = (group.rank(), group.world_size());
     let checksum = config_checksum(config);
@@ -149,9 +152,9 @@ pub(super) fn establish<B: Backend>(
     let sms = config
         .simulate
         .multiprocessors_of(members[me], B::multiprocessor_count(&device)?);
-    let mut settings = Settings::new(config.clone(), arch.clone(), sms, n, false)?;
+    let mut settings = Settings::new(config.clone(), arch.clone(), sms, n)?;
     let layout = settings.layout;
-    let kind = if n > 1 {
+    let kind = if n > 1 && placement == Placement::Anywhere {
         MemoryKind::SharedSignal
     } else {
         MemoryKind::Signal
@@ -245,21 +248,13 @@ pub(super) fn establish<B: Backend>(
         drop(signal);
         return Ok(Outcome::Refused { device, reason });
     }
-    let core = PeerCore {
-        rank: Rank {
-            index: me,
-            device,
-            signal,
-            peer_signals,
-            calls: Default::default(),
-            skew_next: std::sync::atomic::AtomicBool::new(false),
-            missing: std::sync::atomic::AtomicBool::new(false),
-        },
+    let core = PeerSetup {
+        endpoint: Endpoint::new(me, device, signal, peer_signals),
         settings,
         mappings,
     };
     let corrupt = config.simulate.fail_peer_check == Some(members[me]);
-    let verdict = peer_check::check_rank(&core, corrupt)?;
+    let verdict = peer_check::check_rank(&core.endpoint, &core.settings, corrupt)?;
     let failed: Vec<(usize, String)> = world
         .all_gather(verdict.as_deref().unwrap_or("").as_bytes())?
         .into_iter()
@@ -270,8 +265,8 @@ pub(super) fn establish<B: Backend>(
     if failed.is_empty() {
         return Ok(Outcome::Ready(Box::new(core)));
     }
-    let PeerCore {
-        rank: Rank { device, signal, .. },
+    let PeerSetup {
+        endpoint: Endpoint { device, signal, .. },
         mappings,
         ..
     } = core;

@@ -13,11 +13,13 @@ use crate::backend::Backend;
 use crate::dispatch::Algorithm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::signal::MAX_GPUS;
-use crate::tensor::{Tensor, TensorMut};
 
-use super::peer_setup::PeerCore;
-use super::{read_error_record, AllReduceOptions, Communicator};
+use super::launch::{Fused, PeerInputs};
+use super::plan::PeerReads;
+use super::settings::Settings;
+use super::status::read_error_record;
+use super::Endpoint;
+use crate::comm::AllReduceOptions;
 
 /// Elements of the check: a vector loop and a scalar tail.
 const ELEMENTS: usize = 1027;
@@ -52,23 +54,28 @@ fn verdict(algorithm: Algorithm, mut got: Vec<f32>, width: usize, corrupt: bool)
     })
 }
 
-/// Runs the check on one rank of a per-rank core (every rank of the group calls it
-/// at the same time). `Ok(Some(why))` when it failed; `Err` for failures that are not
-/// about the peers (an allocation).
-pub(super) fn check_rank<B: Backend>(core: &PeerCore<B>, corrupt: bool) -> Result<Option<String>> {
-    let width = core.settings.world;
+/// Runs the check on one rank (every rank of the group calls it at the same time,
+/// each from its own thread or process; the inputs are staged, as a rank that knows
+/// only its own buffers does). `Ok(Some(why))` when it failed; `Err` for failures
+/// that are not about the peers (an allocation).
+pub(super) fn check_rank<B: Backend>(
+    rank: &Endpoint<B>,
+    settings: &Settings,
+    corrupt: bool,
+) -> Result<Option<String>> {
+    let width = settings.world;
     if width == 1 {
         return Ok(None);
     }
-    let me = core.rank.index;
-    let dev = &core.rank.device;
+    let me = rank.index;
+    let dev = &rank.device;
     let mine: Vec<f32> = (0..ELEMENTS).map(|i| pattern(me, i)).collect();
     let mut send = B::alloc_buffer::<f32>(dev, ELEMENTS)?;
     B::upload(dev, &mine, &mut send)?;
     let mut failure = None;
     for (k, algorithm) in ALGORITHMS.into_iter().enumerate() {
         let opts = AllReduceOptions::new().algorithm(algorithm);
-        let plan = match core.settings.plan(DType::F32, ELEMENTS, &opts, false) {
+        let plan = match settings.plan(DType::F32, ELEMENTS, &opts, false, PeerReads::Payloads) {
             Ok(p) => p,
             // A Lamport slot too small for the check: the same on every rank.
             Err(Error::MessageTooLarge { .. }) => continue,
@@ -78,13 +85,17 @@ pub(super) fn check_rank<B: Backend>(core: &PeerCore<B>, corrupt: bool) -> Resul
         B::upload(dev, &[f32::NAN; ELEMENTS], &mut recv)?;
         let (input, in_guard) = crate::backend::DeviceBuffer::read_ptr(&send, dev);
         let (output, out_guard) = crate::backend::DeviceBufferMut::write_ptr(&mut recv, dev);
-        let mut inputs = [0u64; MAX_GPUS];
-        inputs[me] = input;
-        let launched = core.rank.launch(&core.settings, &plan, &inputs, output);
+        let launched = rank.launch(
+            settings,
+            &plan,
+            PeerInputs::Own(input),
+            output,
+            Fused::default(),
+        );
         drop((in_guard, out_guard));
         launched?;
         B::synchronize(dev)?;
-        if let Some(e) = read_error_record::<B>(&core.rank)? {
+        if let Some(e) = read_error_record::<B>(rank)? {
             return Ok(Some(format!("{}: {e}", algorithm.name())));
         }
         let got = B::download(dev, &recv)?;
@@ -95,62 +106,4 @@ pub(super) fn check_rank<B: Backend>(core: &PeerCore<B>, corrupt: bool) -> Resul
         }
     }
     Ok(failure)
-}
-
-impl<B: Backend> Communicator<B> {
-    /// Runs the check on every rank of a single-controller communicator (one-stage
-    /// reads the peers' user buffers directly here). Returns the ranks whose check
-    /// failed and why; `corrupt` names a rank whose reading is corrupted (test-only).
-    pub(super) fn peer_check(&self, corrupt: Option<usize>) -> Result<Vec<(usize, String)>> {
-        let world = self.world_size();
-        if world == 1 {
-            return Ok(Vec::new());
-        }
-        let sends = (0..world)
-            .map(|r| {
-                let dev = self.ranks[r].device();
-                let mut b = B::alloc_buffer::<f32>(dev, ELEMENTS)?;
-                let mine: Vec<f32> = (0..ELEMENTS).map(|i| pattern(r, i)).collect();
-                B::upload(dev, &mine, &mut b)?;
-                Ok(b)
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let mut failed: Vec<(usize, String)> = Vec::new();
-        for (k, algorithm) in ALGORITHMS.into_iter().enumerate() {
-            let mut recvs = (0..world)
-                .map(|r| {
-                    let dev = self.ranks[r].device();
-                    let mut b = B::alloc_buffer::<f32>(dev, ELEMENTS)?;
-                    B::upload(dev, &[f32::NAN; ELEMENTS], &mut b)?;
-                    Ok(b)
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let ins: Vec<Tensor<'_, B>> = sends.iter().map(|b| Tensor::flat(b)).collect();
-            let mut outs: Vec<TensorMut<'_, B>> =
-                recvs.iter_mut().map(|b| TensorMut::flat(b)).collect();
-            let opts = AllReduceOptions::new().algorithm(algorithm);
-            match self.all_reduce_sum(&ins, &mut outs, &opts) {
-                Ok(_) => {}
-                Err(Error::MessageTooLarge { .. }) => continue,
-                Err(e) => return Err(e),
-            }
-            drop(outs);
-            if let Err(e) = self.synchronize() {
-                return Ok((0..world)
-                    .map(|r| (r, format!("{}: {e}", algorithm.name())))
-                    .collect());
-            }
-            for (r, b) in recvs.iter().enumerate() {
-                let got = B::download(self.ranks[r].device(), b)?;
-                let bad = corrupt == Some(r) && k == 0;
-                if let Some(why) = verdict(algorithm, got, world, bad) {
-                    failed.push((r, why));
-                }
-            }
-            if !failed.is_empty() {
-                break;
-            }
-        }
-        Ok(failed)
-    }
 }

@@ -3,24 +3,21 @@
 //! same on every rank (from what every rank knows: host identities, world size, and
 //! what the peer setup agreed), then per call from the call's group width and size.
 
-use std::sync::Arc;
-
 use crate::backend::Backend;
-use crate::bootstrap::{Bootstrap, HostId};
 use crate::dispatch::{self, Algorithm};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::external::sub::SubBootstrap;
 use crate::external::{ExternalAllReduce, Fallback, SizeRouting};
 use crate::signal::MAX_GPUS;
 
-use super::peer_setup::{self, Outcome, PeerCore};
-use super::settings::Settings;
-use super::{AllReduceOptions, CommConfig, Rank};
+use super::launch::PeerInputs;
+use super::plan::PeerReads;
+use super::Rank;
+use crate::comm::{AllReduceOptions, CommConfig};
 
 /// How a communicator runs its whole-world calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Mode {
+pub(crate) enum Mode {
     /// Peer memory over the whole world.
     Peer,
     /// The external library over the whole world; peer memory serves groups of one.
@@ -31,7 +28,7 @@ pub(super) enum Mode {
 }
 
 /// What runs one call.
-pub(super) enum Path {
+pub(crate) enum Path {
     /// The peer-memory kernels of the local core, with these (local) options.
     Peer(AllReduceOptions),
     /// The external library over the world.
@@ -41,20 +38,20 @@ pub(super) enum Path {
 }
 
 /// The routing state of a communicator (the same on every rank).
-pub(super) struct Router<B: Backend> {
-    pub(super) mode: Mode,
-    pub(super) world: usize,
-    pub(super) world_rank: usize,
+pub(crate) struct Router<B: Backend> {
+    pub(crate) mode: Mode,
+    pub(crate) world: usize,
+    pub(crate) world_rank: usize,
     /// The external handle: over the world (`External`, or `Peer` with routing by
     /// size), or over this rank's slice group across hosts (`Hierarchical`).
-    pub(super) external: Option<Box<dyn ExternalAllReduce<B>>>,
-    by_size: SizeRouting,
-    arch: String,
+    pub(crate) external: Option<Box<dyn ExternalAllReduce<B>>>,
+    pub(crate) by_size: SizeRouting,
+    pub(crate) arch: String,
 }
 
 /// A per-rank world of `world` ranks is allowed: more than `MAX_GPUS` only with the
 /// fallback on.
-pub(super) fn check_world(world: usize, config: &CommConfig) -> Result<()> {
+pub(crate) fn check_world(world: usize, config: &CommConfig) -> Result<()> {
     if world == 0 || (world > MAX_GPUS && config.fallback.fallback == Fallback::Refuse) {
         return Err(Error::InvalidWorldSize {
             got: world,
@@ -64,116 +61,10 @@ pub(super) fn check_world(world: usize, config: &CommConfig) -> Result<()> {
     Ok(())
 }
 
-/// The ranks grouped by host: `Some(local)` when every host holds `local` consecutive
-/// ranks, and how many hosts there are.
-fn host_layout(hosts: &[HostId]) -> (usize, Option<usize>) {
-    let mut distinct: Vec<&HostId> = Vec::new();
-    for h in hosts {
-        if !distinct.contains(&h) {
-            distinct.push(h);
-        }
-    }
-    let n = distinct.len();
-    let world = hosts.len();
-    if !world.is_multiple_of(n) {
-        return (n, None);
-    }
-    let local = world / n;
-    let regular = hosts.chunks(local).all(|c| c.iter().all(|h| *h == c[0]))
-        && hosts
-            .chunks(local)
-            .enumerate()
-            .all(|(i, c)| hosts.chunks(local).take(i).all(|d| d[0] != c[0]));
-    (n, regular.then_some(local))
-}
-
-/// Sets up a per-rank communicator's core and routing: peer memory where it serves,
-/// the external library where it does not (or a typed error with
-/// [`Fallback::Refuse`]). Every world rank calls this at the same time.
-pub(super) fn connect<B: Backend>(
-    device: B::Device,
-    bootstrap: Arc<dyn Bootstrap>,
-    hosts: &[HostId],
-    config: &CommConfig,
-) -> Result<(PeerCore<B>, Router<B>)> {
-    let (me, world) = (bootstrap.rank(), bootstrap.world_size());
-    let refuse = config.fallback.fallback == Fallback::Refuse;
-    let (n_hosts, local) = host_layout(hosts);
-    let names = || hosts.iter().map(HostId::as_str).collect::<Vec<_>>();
-    let candidate = if n_hosts == 1 && world <= MAX_GPUS {
-        Mode::Peer
-    } else if refuse {
-        return Err(if n_hosts > 1 {
-            Error::Unsupported(format!(
-                "the ranks run on several hosts ({:?}); peer memory serves one host only \
-                 (FallbackConfig::fallback = External hands such worlds to NCCL/RCCL)",
-                names()
-            ))
-        } else {
-            Error::InvalidWorldSize {
-                got: world,
-                max: MAX_GPUS,
-            }
-        });
-    } else {
-        match local {
-            Some(l) if n_hosts > 1 && (2..=MAX_GPUS).contains(&l) => {
-                Mode::Hierarchical { local: l }
-            }
-            _ => Mode::External,
-        }
-    };
-    let members: Vec<usize> = match candidate {
-        Mode::Peer => (0..world).collect(),
-        Mode::Hierarchical { local } => (me / local * local..(me / local + 1) * local).collect(),
-        Mode::External => vec![me],
-    };
-    let (core, mode) = if members.len() > 1 || candidate == Mode::Peer {
-        let group: Box<dyn Bootstrap> = if members.len() == world {
-            Box::new(bootstrap.clone())
-        } else {
-            Box::new(SubBootstrap::new(bootstrap.clone(), members.clone()))
-        };
-        match peer_setup::establish::<B>(device, &*group, &*bootstrap, &members, config)? {
-            Outcome::Ready(core) => (*core, candidate),
-            Outcome::Refused { reason, .. } if refuse => return Err(reason),
-            Outcome::Refused { device, .. } => (peer_setup::solo(device, config)?, Mode::External),
-        }
-    } else {
-        (peer_setup::solo(device, config)?, Mode::External)
-    };
-    let library = B::external_library();
-    let external_group: Option<Vec<usize>> = match mode {
-        Mode::External => Some((0..world).collect()),
-        Mode::Hierarchical { local } => {
-            let k = me % local;
-            Some((0..world / local).map(|h| h * local + k).collect())
-        }
-        Mode::Peer if config.fallback.by_size != SizeRouting::Never => Some((0..world).collect()),
-        Mode::Peer => None,
-    };
-    let external = match external_group {
-        Some(group) => Some(library.per_rank(&core.rank.device, bootstrap.clone(), &group)?),
-        None => None,
-    };
-    let arch = core.settings.arch.clone();
-    Ok((
-        core,
-        Router {
-            mode,
-            world,
-            world_rank: me,
-            external,
-            by_size: config.fallback.by_size,
-            arch,
-        },
-    ))
-}
-
 impl<B: Backend> Router<B> {
     /// The path of a call over groups of `options.group_size` of `elements` elements
     /// of `dtype`, or a typed error (nothing launched).
-    pub(super) fn path(
+    pub(crate) fn path(
         &self,
         dtype: DType,
         elements: usize,
@@ -249,7 +140,7 @@ impl<B: Backend> Router<B> {
     /// A collective other than the all-reduce (all-gather, reduce-scatter, broadcast,
     /// scatter, fused): served by peer memory only, so its groups must stay inside
     /// what peer memory connects; returns the options in the local core's numbering.
-    pub(super) fn local_collective(
+    pub(crate) fn local_collective(
         &self,
         options: &crate::CollectiveOptions,
     ) -> Result<crate::CollectiveOptions> {
@@ -290,7 +181,7 @@ impl<B: Backend> Router<B> {
     }
 
     /// How whole-world calls run (see `Comm::world_path`).
-    pub(super) fn world_path(&self) -> Algorithm {
+    pub(crate) fn world_path(&self) -> Algorithm {
         match self.mode {
             Mode::Peer => Algorithm::Auto,
             Mode::External => Algorithm::Nccl,
@@ -309,7 +200,7 @@ impl<B: Backend> Router<B> {
     }
 
     /// Reports (once) an error the external library found after a call returned.
-    pub(super) fn take_async_error(&self) -> Result<()> {
+    pub(crate) fn take_async_error(&self) -> Result<()> {
         match &self.external {
             Some(e) => e.take_async_error(),
             None => Ok(()),
@@ -319,78 +210,81 @@ impl<B: Backend> Router<B> {
 
 /// Where a routed call failed: before anything was enqueued (nothing written), or
 /// part-way (the ranks may now disagree: the communicator must be poisoned).
-pub(super) enum RouteError {
+pub(crate) enum RouteError {
     Validation(Error),
     Launched(Error),
 }
 
-/// Runs a routed call of `elements` elements of `dtype` from `input` into `output` (may
-/// be equal) on this rank.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn run<B: Backend>(
-    router: &Router<B>,
-    path: Path,
-    rank: &Rank<B>,
-    settings: &Settings,
-    input: u64,
-    output: u64,
-    elements: usize,
-    dtype: DType,
-    blocks: Option<u32>,
-) -> std::result::Result<Algorithm, RouteError> {
-    let external = router
-        .external
-        .as_deref()
-        .ok_or_else(|| RouteError::Validation(Error::Unsupported("no external library".into())))?;
-    let dev = &rank.device;
-    match path {
-        Path::Peer(_) => unreachable!("peer calls are not routed"),
-        Path::External => {
-            if elements > 0 {
-                // SAFETY: the caller holds both buffers (and their access guards) for
-                // the call, on this rank's device.
-                unsafe { external.all_reduce_sum(dev, input, output, elements, dtype) }
+impl<B: Backend> Rank<B> {
+    /// Runs, on this rank, a call its router sent away from the peer-memory kernels:
+    /// `elements` elements of `dtype` from `input` into `output` (may be equal).
+    pub(crate) fn run_routed(
+        &self,
+        path: Path,
+        input: u64,
+        output: u64,
+        elements: usize,
+        dtype: DType,
+        blocks: Option<u32>,
+    ) -> std::result::Result<Algorithm, RouteError> {
+        let external = self.route.external.as_deref().ok_or_else(|| {
+            RouteError::Validation(Error::Unsupported("no external library".into()))
+        })?;
+        let dev = &self.endpoint.device;
+        let settings = &self.settings;
+        match path {
+            Path::Peer(_) => unreachable!("peer calls are not routed"),
+            Path::External => {
+                if elements > 0 {
+                    // SAFETY: the caller holds both buffers (and their access guards)
+                    // for the call, on this rank's device.
+                    unsafe { external.all_reduce_sum(dev, input, output, elements, dtype) }
+                        .map_err(RouteError::Launched)?;
+                }
+                Ok(Algorithm::Nccl)
+            }
+            Path::Hierarchical => {
+                if elements == 0 {
+                    return Ok(Algorithm::Hierarchical);
+                }
+                let mut opts = AllReduceOptions::new();
+                opts.blocks = blocks;
+                let reads = PeerReads::Payloads;
+                let first = settings
+                    .plan(dtype, elements, &opts, input == output, reads)
+                    .map_err(RouteError::Validation)?;
+                let gather = settings
+                    .plan(dtype, elements, &opts, true, reads)
+                    .map_err(RouteError::Validation)?;
+                let (lo, hi) = slice(elements, settings.world, self.endpoint.index);
+                let size = dtype.size() as u64;
+                // (a) the host's sum, over peer memory.
+                self.launch(&first, PeerInputs::Own(input), output)
                     .map_err(RouteError::Launched)?;
+                // (b) this rank's slice across hosts, in the external library.
+                let step = || -> Result<()> {
+                    // Every rank makes the call, an empty slice too (a message shorter
+                    // than the grain), so that the library sees the same calls
+                    // everywhere.
+                    let at = output + lo as u64 * size;
+                    // SAFETY: [lo, hi) lies inside the output the caller holds.
+                    unsafe { external.all_reduce_sum(dev, at, at, hi - lo, dtype) }?;
+                    // (c) the gather inside the host: every other slice is the
+                    // additive identity -0.0, so the peer sum copies each slice from
+                    // its owner bit for bit (x + -0.0 == x for every x).
+                    fill_negative_zero::<B>(dev, output, 0, lo, dtype)?;
+                    fill_negative_zero::<B>(dev, output, hi, elements, dtype)?;
+                    self.launch(&gather, PeerInputs::Own(output), output)
+                };
+                step().map_err(RouteError::Launched)?;
+                Ok(Algorithm::Hierarchical)
             }
-            Ok(Algorithm::Nccl)
         }
-        Path::Hierarchical => {
-            if elements == 0 {
-                return Ok(Algorithm::Hierarchical);
-            }
-            let mut opts = AllReduceOptions::new();
-            opts.blocks = blocks;
-            let first = settings
-                .plan(dtype, elements, &opts, input == output)
-                .map_err(RouteError::Validation)?;
-            let gather = settings
-                .plan(dtype, elements, &opts, true)
-                .map_err(RouteError::Validation)?;
-            let (lo, hi) = slice(elements, settings.world, rank.index);
-            let size = dtype.size() as u64;
-            let mut inputs = [0u64; MAX_GPUS];
-            // (a) the host's sum, over peer memory.
-            inputs[rank.index] = input;
-            rank.launch(settings, &first, &inputs, output)
-                .map_err(RouteError::Launched)?;
-            // (b) this rank's slice across hosts, in the external library.
-            let mut step = || -> Result<()> {
-                // Every rank makes the call, an empty slice too (a message shorter
-                // than the grain), so that the library sees the same calls everywhere.
-                let at = output + lo as u64 * size;
-                // SAFETY: [lo, hi) lies inside the output the caller holds.
-                unsafe { external.all_reduce_sum(dev, at, at, hi - lo, dtype) }?;
-                // (c) the gather inside the host: every other slice is the additive
-                // identity -0.0, so the peer sum copies each slice from its owner
-                // bit for bit (x + -0.0 == x for every x).
-                fill_negative_zero::<B>(dev, output, 0, lo, dtype)?;
-                fill_negative_zero::<B>(dev, output, hi, elements, dtype)?;
-                inputs[rank.index] = output;
-                rank.launch(settings, &gather, &inputs, output)
-            };
-            step().map_err(RouteError::Launched)?;
-            Ok(Algorithm::Hierarchical)
-        }
+    }
+
+    /// Reports (once) an error the external library found after a call returned.
+    pub(crate) fn take_external_error(&self) -> Result<()> {
+        self.route.take_async_error()
     }
 }
 
@@ -443,15 +337,5 @@ mod tests {
                 assert_eq!(next, elements);
             }
         }
-    }
-
-    #[test]
-    fn host_layouts() {
-        let h = |v: &[&str]| v.iter().map(|s| HostId::new(*s)).collect::<Vec<_>>();
-        assert_eq!(host_layout(&h(&["a", "a"])), (1, Some(2)));
-        assert_eq!(host_layout(&h(&["a", "a", "b", "b"])), (2, Some(2)));
-        assert_eq!(host_layout(&h(&["a", "b", "a", "b"])), (2, None));
-        assert_eq!(host_layout(&h(&["a", "a", "b"])), (2, None));
-        assert_eq!(host_layout(&h(&["a", "b", "c"])), (3, Some(1)));
     }
 }

@@ -209,7 +209,7 @@ pub(crate) fn mismatch_error(
 mod tests {
     use super::*;
     use crate::backend::{Kernel, LaunchDims};
-    use crate::comm::collective::CollectiveArgs;
+    use super::super::plan::CollectiveArgs;
     use crate::dispatch::Algorithm;
 
     fn plan(kind: KernelKind, dtype: DType, width: usize, elements: usize, blocks: u32) -> Plan {

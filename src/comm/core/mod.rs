@@ -1,0 +1,158 @@
+//! The per-rank core: one rank of a communicator, whatever front door drives it. A
+//! core owns the rank's device, its signal, where it reaches its peers' signals, the
+//! settings every rank agreed on, the routing (peer memory or the external library),
+//! and the only code that plans and launches kernels. The single-controller
+//! [`crate::Communicator`] holds one core per device; the per-rank [`crate::Comm`]
+//! holds one core and its bootstrap. Both are set up by the same code (`setup`, over
+//! an in-process or a TCP bootstrap), so the checks of a call (its descriptor, the
+//! agreed grid) hold for both.
+//!
+//! Inside: `setup` (signals, records, mappings, the peer check), `route` (which path
+//! serves a call), `plan` and `collective` (algorithm, kernel, grid, scratch),
+//! `check` (one rank's buffers), `launch` (the kernel arguments), `call` (the call
+//! descriptor), `status` (the error record), `settings` and `sizing`.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::signal::{MAX_GPUS, NUM_BARRIER_DOMAINS};
+
+pub(crate) mod call;
+pub(crate) mod check;
+pub(crate) mod collective;
+pub(crate) mod connect;
+pub(crate) mod launch;
+pub(crate) mod peer_check;
+pub(crate) mod plan;
+pub(crate) mod route;
+pub(crate) mod settings;
+pub(crate) mod setup;
+pub(crate) mod sizing;
+pub(crate) mod status;
+
+use route::Router;
+use settings::Settings;
+
+/// Where one rank is: its device (with its stream), its signal buffer, where it
+/// reaches its peers' signals, and how many calls it has made. What a launch needs
+/// besides the settings.
+pub(crate) struct Endpoint<B: Backend> {
+    /// Rank in its peer-memory group (the world, or its host's ranks).
+    pub(crate) index: usize,
+    pub(crate) device: B::Device,
+    pub(crate) signal: B::Memory,
+    /// `peer_signals[j]`: where this rank reaches group rank j's signal.
+    pub(crate) peer_signals: [u64; MAX_GPUS],
+    /// Collective launches per barrier domain since the signal was last initialised:
+    /// the sequence number of the call descriptor (see `call.rs`), the same on every
+    /// rank of a group that makes the same calls (sibling groups count apart).
+    pub(crate) calls: [AtomicU32; NUM_BARRIER_DOMAINS],
+    /// Fault injection: the next launch publishes the sequence number one ahead, as a
+    /// rank that made one call more would.
+    pub(crate) skew_next: AtomicBool,
+    /// Fault injection: the next launch is left out (counted as made).
+    pub(crate) missing: AtomicBool,
+}
+
+impl<B: Backend> Endpoint<B> {
+    /// A rank at `index` of its group, on `device` with `signal`, reaching its
+    /// group's signals at `peer_signals`.
+    pub(crate) fn new(
+        index: usize,
+        device: B::Device,
+        signal: B::Memory,
+        peer_signals: [u64; MAX_GPUS],
+    ) -> Self {
+        Endpoint {
+            index,
+            device,
+            signal,
+            peer_signals,
+            calls: Default::default(),
+            skew_next: AtomicBool::new(false),
+            missing: AtomicBool::new(false),
+        }
+    }
+}
+
+/// One rank of a communicator: the per-rank core (see the module docs). The
+/// single-controller [`crate::Communicator`] shows its cores
+/// ([`crate::Communicator::rank`]) for their devices and signals.
+pub struct Rank<B: Backend> {
+    pub(crate) endpoint: Endpoint<B>,
+    pub(crate) settings: Settings,
+    pub(crate) route: Router<B>,
+    /// Peer signals imported from other processes; unmapped on drop (or parked with
+    /// the signal by the per-rank teardown).
+    pub(crate) mappings: Vec<B::PeerMapping>,
+    poisoned: AtomicBool,
+}
+
+impl<B: Backend> Rank<B> {
+    pub(crate) fn new(
+        endpoint: Endpoint<B>,
+        settings: Settings,
+        route: Router<B>,
+        mappings: Vec<B::PeerMapping>,
+    ) -> Self {
+        Rank {
+            endpoint,
+            settings,
+            route,
+            mappings,
+            poisoned: AtomicBool::new(false),
+        }
+    }
+
+    /// The device (for CUDA: its context and the stream collectives run on).
+    pub fn device(&self) -> &B::Device {
+        &self.endpoint.device
+    }
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        B::ordinal(&self.endpoint.device)
+    }
+    /// Device address of this rank's signal buffer.
+    pub fn signal_ptr(&self) -> u64 {
+        B::memory_ptr(&self.endpoint.signal)
+    }
+
+    /// Whether an earlier error disabled this rank's collectives.
+    pub(crate) fn is_poisoned(&self) -> bool {
+        self.poisoned.load(Ordering::Acquire)
+    }
+    /// Disables collectives until the signal is re-initialised.
+    pub(crate) fn poison(&self) {
+        self.poisoned.store(true, Ordering::Release);
+    }
+    /// `Err(Poisoned)` once an error disabled collectives.
+    pub(crate) fn check_usable(&self) -> Result<()> {
+        if self.is_poisoned() {
+            Err(Error::Poisoned)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Waits for this rank's stream, zeroes its signal and refills the Lamport region
+    /// (every barrier counter at `base`) and restarts the call sequence. The front
+    /// door makes sure no peer touches the signal meanwhile, then clears the poison.
+    pub(crate) fn reset_signal(&self, base: u32) -> Result<()> {
+        let e = &self.endpoint;
+        B::synchronize(&e.device)?;
+        crate::init_signal_buffer_with_counter_base::<B>(
+            &e.device,
+            &e.signal,
+            self.settings.layout,
+            base,
+        )?;
+        e.restart_calls();
+        B::synchronize(&e.device)
+    }
+
+    /// Collectives are allowed again (after every rank's signal was reset).
+    pub(crate) fn unpoison(&self) {
+        self.poisoned.store(false, Ordering::Release);
+    }
+}

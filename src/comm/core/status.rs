@@ -1,0 +1,83 @@
+//! A rank's error record as the host sees it (a barrier timeout, a call mismatch or
+//! an abort a peer sent), read after the queued work or polled while it runs.
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+use crate::signal::{
+    Signal, DETAIL_AWAITED, DETAIL_MINE, DETAIL_THEIRS, ERROR_BLOCK, ERROR_CALL_MISMATCH,
+    ERROR_CODE, ERROR_DOMAIN, ERROR_PEER_ABORTED, ERROR_RANK, ERROR_WRITING,
+};
+
+use super::{call, Endpoint};
+
+/// Words of an error record: `error_state`, then `error_detail` (adjacent in the
+/// signal).
+const RECORD_WORDS: usize = 12;
+/// Where `error_detail` starts in a record.
+const DETAIL: usize = 4;
+const _: () = assert!(
+    std::mem::offset_of!(Signal, error_detail) == std::mem::offset_of!(Signal, error_state) + 16
+);
+
+/// Reads `rank`'s error record after its stream's earlier work: `None` when clean.
+pub(crate) fn read_error_record<B: Backend>(rank: &Endpoint<B>) -> Result<Option<Error>> {
+    let mut raw = [0u8; RECORD_WORDS * 4];
+    B::read(&rank.device, record_ptr(rank), &mut raw)?;
+    let mut words = [0u32; RECORD_WORDS];
+    for (w, b) in words.iter_mut().zip(raw.chunks_exact(4)) {
+        *w = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+    }
+    Ok(decode(rank.index, &words))
+}
+
+/// Reads `rank`'s error record now, without waiting for its stream: a record still
+/// being written reads as clean (the next poll sees it).
+pub(crate) fn peek_error_record<B: Backend>(rank: &Endpoint<B>) -> Result<Option<Error>> {
+    let mut words = [0u32; RECORD_WORDS];
+    B::read_words_now(&rank.device, record_ptr(rank), &mut words)?;
+    Ok(decode(rank.index, &words))
+}
+
+fn record_ptr<B: Backend>(rank: &Endpoint<B>) -> u64 {
+    B::memory_ptr(&rank.signal) + std::mem::offset_of!(Signal, error_state) as u64
+}
+
+fn decode(rank: usize, words: &[u32; RECORD_WORDS]) -> Option<Error> {
+    let word = |i: usize| words[i] as usize;
+    let detail = &words[DETAIL..];
+    let waiting_for = detail[DETAIL_AWAITED].checked_sub(1).map(|r| r as usize);
+    let descriptor = |at: usize| [detail[at], detail[at + 1], detail[at + 2]];
+    match words[ERROR_CODE] {
+        0 | ERROR_WRITING => None,
+        ERROR_PEER_ABORTED => Some(Error::PeerAborted {
+            rank,
+            by: word(ERROR_RANK),
+            block: word(ERROR_BLOCK),
+            domain: word(ERROR_DOMAIN),
+            waiting_for,
+        }),
+        ERROR_CALL_MISMATCH => Some(call::mismatch_error(
+            rank,
+            word(ERROR_RANK),
+            descriptor(DETAIL_MINE),
+            descriptor(DETAIL_THEIRS),
+        )),
+        _ => Some(Error::BarrierTimeout {
+            rank: word(ERROR_RANK),
+            block: word(ERROR_BLOCK),
+            domain: word(ERROR_DOMAIN),
+            waiting_for,
+        }),
+    }
+}
+
+impl<B: Backend> super::Rank<B> {
+    /// This rank's error record after its stream's earlier work.
+    pub(crate) fn read_error(&self) -> Result<Option<Error>> {
+        read_error_record(&self.endpoint)
+    }
+    /// This rank's error record now, without waiting for its stream.
+    pub(crate) fn peek_error(&self) -> Result<Option<Error>> {
+        peek_error_record(&self.endpoint)
+    }
+}

@@ -1,0 +1,372 @@
+//! The per-rank front door: [`Comm`], one rank, created in the thread or process that
+//! owns its device, shaped like cudarc's `nccl::Comm`: a core (`super::core`) plus its
+//! bootstrap. Here: setup and the all-reduce (`mod.rs`), the other collectives,
+//! status, fault injection and teardown (their files). Ranks find each other through a
+//! [`Bootstrap`] (by default TCP from a [`UniqueId`]), exchange their signal
+//! allocations as IPC handles (or plain addresses when they share a process), and
+//! from then on each call launches only this rank's kernel on this rank's stream.
+//!
+//! Kernels read peer data only from the peers' signal allocations: an input the peers
+//! need is staged into this rank's payload first (one-stage), or pushed into the
+//! peers' Lamport regions (Lamport). User buffers are never exported, so they need no
+//! registration and every call is capturable in a CUDA graph.
+
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
+use crate::bootstrap::{Bootstrap, HostId, TcpBootstrap, UniqueId};
+use crate::dispatch::Algorithm;
+use crate::error::{Error, Result};
+use crate::SignalLayout;
+
+use super::config::config_checksum;
+use super::core::check::{Meta, Routed};
+use super::core::connect;
+use super::core::launch::PeerInputs;
+use super::core::plan::PeerReads;
+use super::core::route::{self, RouteError};
+use super::core::setup::Placement;
+use super::core::Rank;
+use super::{AllReduceOptions, CommConfig};
+
+mod collectives;
+mod fault;
+mod parking;
+mod status;
+mod teardown;
+
+pub use parking::{free_expired_teardowns, parked_teardowns};
+
+/// One rank of a communicator whose ranks live in different threads or processes.
+///
+/// ```
+/// use peercomm::backend::{host::Host, Backend};
+/// use peercomm::bootstrap::UniqueId;
+/// use peercomm::{AllReduceOptions, Comm, CommConfig};
+///
+/// let id = UniqueId::new()?; // made by rank 0, sent to the others (string or bytes)
+/// let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
+///     let workers: Vec<_> = (0..2)
+///         .map(|rank| {
+///             s.spawn(move || {
+///                 let dev = Host::open(rank).unwrap();
+///                 let comm = Comm::<Host>::from_rank(dev, rank, 2, &id, CommConfig::default()).unwrap();
+///                 let mut send = Host::alloc_buffer::<f32>(comm.device(), 4).unwrap();
+///                 Host::upload(comm.device(), &[rank as f32 + 1.0; 4], &mut send).unwrap();
+///                 let mut recv = Host::alloc_buffer::<f32>(comm.device(), 4).unwrap();
+///                 comm.all_reduce_sum(&send, &mut recv, &AllReduceOptions::new()).unwrap();
+///                 comm.synchronize().unwrap();
+///                 Host::download(comm.device(), &recv).unwrap()
+///             })
+///         })
+///         .collect();
+///     workers.into_iter().map(|w| w.join().unwrap()).collect()
+/// });
+/// assert_eq!(sums, vec![vec![3.0; 4]; 2]);
+/// # Ok::<(), peercomm::bootstrap::BootstrapError>(())
+/// ```
+///
+/// # One issuing thread per rank
+///
+/// `Comm` is [`Send`] (move it to the thread that drives its rank) but not [`Sync`]:
+/// two threads issuing collectives on one rank would enqueue them in an order the
+/// peers cannot know, and pair one thread's call with another's on the peers. NCCL
+/// asks the same of its communicators; here the compiler enforces it. (A call made out
+/// of order still cannot pass silently: the call descriptor's sequence number makes it
+/// a [`Error::CallMismatch`].)
+///
+/// ```compile_fail
+/// fn shared<T: Sync>() {}
+/// shared::<peercomm::Comm<peercomm::backend::host::Host>>();
+/// ```
+pub struct Comm<B: Backend> {
+    /// The per-rank core. Taken out by `Drop` (freed, or its signal parked): never
+    /// used after it.
+    pub(super) core: std::mem::ManuallyDrop<Rank<B>>,
+    bootstrap: Arc<dyn Bootstrap>,
+    hosts: Vec<HostId>,
+    /// Held while a collective is enqueued, so that a launch never interleaves with a
+    /// re-initialisation.
+    launch_lock: Mutex<()>,
+    torn_down: AtomicBool,
+    /// Makes `Comm` `Send` but not `Sync` (see "One issuing thread per rank").
+    _one_issuing_thread: std::marker::PhantomData<std::cell::Cell<()>>,
+}
+
+/// What [`Comm`] knows of a buffer.
+fn meta<B: Backend>(b: &(impl DeviceBuffer<B> + ?Sized)) -> Meta {
+    Meta {
+        dtype: b.dtype(),
+        len: b.len(),
+        ordinal: b.device_ordinal(),
+    }
+}
+
+impl<B: Backend> Comm<B> {
+    /// Rank `rank` of `world_size`, on `device` (opened by this thread or process,
+    /// for CUDA with the stream collectives should run on:
+    /// `CudaDevice::from_stream`). Every rank calls this with the same `id` (made by
+    /// rank 0 with [`UniqueId::new`] and sent to the others) and the same `config`;
+    /// it returns once all ranks have joined, or with a typed error when one does not
+    /// come within `config.bootstrap_timeout`.
+    pub fn from_rank(
+        device: B::Device,
+        rank: usize,
+        world_size: usize,
+        id: &UniqueId,
+        config: CommConfig,
+    ) -> Result<Self> {
+        route::check_world(world_size, &config)?;
+        config.check_per_rank_timeouts()?;
+        let bootstrap = TcpBootstrap::connect(
+            id,
+            rank,
+            world_size,
+            config_checksum(&config),
+            config.bootstrap_timeout,
+        )?;
+        let hosts = bootstrap.host_ids().to_vec();
+        Self::setup(device, Box::new(bootstrap), hosts, config)
+    }
+
+    /// As [`Comm::from_rank`], over a bootstrap the engine brings (its own store:
+    /// torch.distributed, MPI, an RPC layer): rank and world size come from it.
+    pub fn from_bootstrap(
+        device: B::Device,
+        bootstrap: Box<dyn Bootstrap>,
+        config: CommConfig,
+    ) -> Result<Self> {
+        route::check_world(bootstrap.world_size(), &config)?;
+        config.check_per_rank_timeouts()?;
+        let hosts = bootstrap
+            .all_gather(crate::bootstrap::host_identity().as_str().as_bytes())?
+            .into_iter()
+            .map(|h| HostId::new(String::from_utf8_lossy(&h).into_owned()))
+            .collect();
+        Self::setup(device, bootstrap, hosts, config)
+    }
+
+    fn setup(
+        device: B::Device,
+        bootstrap: Box<dyn Bootstrap>,
+        hosts: Vec<HostId>,
+        config: CommConfig,
+    ) -> Result<Self> {
+        let bootstrap: Arc<dyn Bootstrap> = Arc::from(bootstrap);
+        let hosts = match &config.simulate.hosts {
+            Some(h) if h.len() != hosts.len() => {
+                return Err(Error::InvalidConfig(format!(
+                    "Simulation::hosts names {} hosts for {} ranks",
+                    h.len(),
+                    hosts.len()
+                )))
+            }
+            Some(h) => h.clone(),
+            None => hosts,
+        };
+        let core = connect::connect::<B>(
+            device,
+            bootstrap.clone(),
+            &hosts,
+            &config,
+            Placement::Anywhere,
+        )?;
+        // No rank launches before every rank is set up.
+        bootstrap.barrier()?;
+        Ok(Comm {
+            core: std::mem::ManuallyDrop::new(core),
+            bootstrap,
+            hosts,
+            launch_lock: Mutex::new(()),
+            torn_down: AtomicBool::new(false),
+            _one_issuing_thread: std::marker::PhantomData,
+        })
+    }
+
+    /// This rank's index in the world.
+    pub fn rank(&self) -> usize {
+        self.core.route.world_rank
+    }
+    /// Ranks in the world.
+    pub fn world_size(&self) -> usize {
+        self.core.route.world
+    }
+    /// How whole-world calls run: `OneStage`/`TwoStage`/`Lamport` are all possible
+    /// when this returns `Auto` (peer memory serves the world); `Nccl` when the
+    /// external library serves it; `Hierarchical` when the ranks span hosts.
+    pub fn world_path(&self) -> Algorithm {
+        self.core.route.world_path()
+    }
+    /// The device (for CUDA: its context and the stream collectives run on).
+    pub fn device(&self) -> &B::Device {
+        self.core.device()
+    }
+    /// Each rank's host identity, as the bootstrap saw it.
+    pub fn hosts(&self) -> &[HostId] {
+        &self.hosts
+    }
+    /// The signal layout (Lamport slot and payload sizes).
+    pub fn layout(&self) -> SignalLayout {
+        self.core.settings.layout
+    }
+    /// The configuration it was built with.
+    pub fn config(&self) -> &CommConfig {
+        &self.core.settings.config
+    }
+    /// Whether an earlier error has disabled collectives until [`Comm::reinitialize`].
+    pub fn is_poisoned(&self) -> bool {
+        self.core.is_poisoned()
+    }
+
+    /// Sums `send` over each group into `recv`, on this rank's stream; returns at once
+    /// with the algorithm that runs. Every rank of the group must make the same call
+    /// (same dtype, length, options) in the same order, as with NCCL. Unlike NCCL, a
+    /// rank that does not gets a typed error instead of a wrong sum: the kernels
+    /// compare each peer's call descriptor at the first barrier, and
+    /// [`Comm::synchronize`] returns [`Error::CallMismatch`] naming the peer and the
+    /// field on every rank, with nothing written. A rank whose peers never make the call
+    /// gets [`Error::BarrierTimeout`] naming the rank it waited for.
+    pub fn all_reduce_sum<S, R>(
+        &self,
+        send: &S,
+        recv: &mut R,
+        options: &AllReduceOptions,
+    ) -> Result<Algorithm>
+    where
+        S: DeviceBuffer<B> + ?Sized,
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        let core = &*self.core;
+        core.check_all_reduce(&meta(send), &meta(&*recv))?;
+        let routed = core.plan_all_reduce(
+            send.dtype(),
+            send.len(),
+            options,
+            false,
+            PeerReads::Payloads,
+        )?;
+        let dev = core.device();
+        let (input, in_guard) = send.read_ptr(dev);
+        let (output, out_guard) = recv.write_ptr(dev);
+        let result = self.run(routed, input, output, send.len(), send.dtype(), options);
+        drop((in_guard, out_guard));
+        result
+    }
+
+    /// Sums `buf` over each group in place. As [`Comm::all_reduce_sum`].
+    pub fn all_reduce_sum_in_place<R>(
+        &self,
+        buf: &mut R,
+        options: &AllReduceOptions,
+    ) -> Result<Algorithm>
+    where
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        let core = &*self.core;
+        core.check_usable()?;
+        core.check_buffer(buf.device_ordinal(), "in-place")?;
+        let (len, dtype) = (buf.len(), buf.dtype());
+        let routed = core.plan_all_reduce(dtype, len, options, true, PeerReads::Payloads)?;
+        let (ptr, guard) = buf.write_ptr(core.device());
+        let result = self.run(routed, ptr, ptr, len, dtype, options);
+        drop(guard);
+        result
+    }
+
+    /// Launches a planned all-reduce, or runs it where the router sent it.
+    fn run(
+        &self,
+        routed: Routed,
+        input: u64,
+        output: u64,
+        elements: usize,
+        dtype: crate::DType,
+        options: &AllReduceOptions,
+    ) -> Result<Algorithm> {
+        let _launches = self.lock()?;
+        match routed {
+            Routed::Peer(plan) => {
+                if plan.elements > 0 {
+                    self.core.launch(&plan, PeerInputs::Own(input), output)?;
+                }
+                Ok(plan.algorithm)
+            }
+            Routed::Away(path) => {
+                match self
+                    .core
+                    .run_routed(path, input, output, elements, dtype, options.blocks)
+                {
+                    Ok(a) => Ok(a),
+                    Err(RouteError::Validation(e)) => Err(e),
+                    Err(RouteError::Launched(e)) => {
+                        self.core.poison();
+                        Err(e)
+                    }
+                }
+            }
+        }
+    }
+
+    /// A start and an end barrier over this rank's group, on its stream (groups that
+    /// peer memory serves only).
+    pub fn barrier(&self, group_size: usize) -> Result<()> {
+        let core = &*self.core;
+        core.check_usable()?;
+        let plan = core.barrier_plan(group_size)?;
+        let _launches = self.lock()?;
+        core.launch(&plan, PeerInputs::Own(0), 0)
+    }
+
+    /// Fault injection: this rank's next collective starts `delay` late (a kernel that
+    /// spins on its stream). See [`crate::Communicator::delay_rank`].
+    pub fn delay(&self, delay: Duration) -> Result<()> {
+        let _launches = self.lock()?;
+        self.core.endpoint.launch_delay(delay)
+    }
+
+    /// Waits for this rank's queued work, then reads its error record (a small
+    /// device-to-host copy, so this costs more than a stream synchronisation): a wait
+    /// that gave up on this rank returns [`Error::BarrierTimeout`], a peer that gave up
+    /// [`Error::PeerAborted`], and the communicator refuses collectives until
+    /// [`Comm::reinitialize`]. [`Comm::wait`] only waits; [`Comm::check_errors`] only
+    /// reads the record, without waiting.
+    ///
+    /// A collective that a peer never makes is reported within 2 x
+    /// [`CommConfig::barrier_timeout`] (+ launch and copy latency) of its start on
+    /// this rank's stream, not within `barrier_timeout`: the wait gives up after
+    /// `barrier_timeout`, then waits at most as long again for the peers to confirm
+    /// they no longer read this rank's buffers (see the field's docs). With
+    /// `barrier_timeout: None` it waits for as long as the peer stays away.
+    pub fn synchronize(&self) -> Result<()> {
+        self.wait()?;
+        if let Err(e) = self.core.take_external_error() {
+            self.core.poison();
+            return Err(e);
+        }
+        self.report(self.core.read_error()?)
+    }
+
+    /// Brings every rank back to the state of a new communicator after an error: a
+    /// collective call (every rank calls it), through the bootstrap. Fails with a
+    /// bootstrap error when a rank is gone; then the communicator must be rebuilt.
+    pub fn reinitialize(&self) -> Result<()> {
+        let _launches = self.launch_lock.lock().unwrap_or_else(|e| e.into_inner());
+        B::synchronize(self.core.device())?;
+        // Nobody may still touch a signal while it is being reset, nor launch before
+        // every signal is reset.
+        self.bootstrap.barrier()?;
+        self.core.reset_signal(0)?;
+        self.bootstrap.barrier()?;
+        self.core.unpoison();
+        Ok(())
+    }
+
+    /// Takes the launch lock of a usable communicator.
+    fn lock(&self) -> Result<MutexGuard<'_, ()>> {
+        let guard = self.launch_lock.lock().unwrap_or_else(|e| e.into_inner());
+        self.core.check_usable()?;
+        Ok(guard)
+    }
+}

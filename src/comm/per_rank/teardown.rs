@@ -1,0 +1,131 @@
+//! Dropping a [`Comm`]: the teardown barrier, then freeing this rank's signal and
+//! mappings, or parking them where a peer may still write (see `Drop for Comm`).
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use crate::backend::Backend;
+
+use super::super::core::{Endpoint, Rank};
+use super::Comm;
+
+/// How long dropping a [`Comm`] waits for the other ranks' teardown: about a second,
+/// whatever `CommConfig::bootstrap_timeout` says, so that a drop whose peer is gone
+/// (or never drops) returns at once, as cudarc's does. A drop that does not hear from
+/// every rank in time parks its memory instead of freeing it (see `Drop for Comm`).
+const TEARDOWN_BARRIER_TIMEOUT: Duration = Duration::from_secs(1);
+
+/// Margin past 2 x `barrier_timeout` that parked memory is kept: room for a peer's
+/// kernel that was queued (behind up to this much earlier work on its stream) when
+/// this rank dropped, and for host threads that a loaded machine schedules late.
+const PARK_MARGIN: Duration = Duration::from_secs(10);
+
+/// Until when memory parked at `now` is kept: 2 x `barrier_timeout` + [`PARK_MARGIN`]
+/// later; `None` (until the process exits) when the kernels' waits never end or the
+/// sum does not fit in an `Instant`.
+fn park_deadline(
+    now: std::time::Instant,
+    barrier_timeout: Option<Duration>,
+) -> Option<std::time::Instant> {
+    let kernel = barrier_timeout?.checked_mul(2)?;
+    now.checked_add(kernel.checked_add(PARK_MARGIN)?)
+}
+
+impl<B: Backend> Drop for Comm<B> {
+    /// Tears this rank down without freeing memory that a peer's kernel may still write
+    /// into. Never panics, and returns within about a second (`TEARDOWN_BARRIER_TIMEOUT`)
+    /// after this rank's own queued work, whatever the peers do:
+    ///
+    /// 1. Waits for this rank's stream.
+    /// 2. Meets the other ranks in a teardown barrier through the bootstrap
+    ///    ([`Bootstrap::barrier_within`]), bounded by `TEARDOWN_BARRIER_TIMEOUT` (1 s),
+    ///    not by `CommConfig::bootstrap_timeout`.
+    /// 3. If every rank met it, every rank has drained its stream too, so no kernel of
+    ///    the group runs or is queued: the signal allocation and the peer mappings are
+    ///    freed at once (in stream order). Likewise when no peer shares this rank's
+    ///    peer memory (a world of one, or calls served by the external library).
+    /// 4. Otherwise a peer is gone or late, and this rank cannot tell which: its kernels
+    ///    may still store into this rank's signal (barrier arrivals, Lamport data, the
+    ///    error record and abort word, the abandon protocol's confirmation). The signal
+    ///    and the mappings are parked in a process-wide lot for 2 x
+    ///    `CommConfig::barrier_timeout` + `PARK_MARGIN` (10 s) from the end of the
+    ///    barrier, and freed by a later `Comm` drop once that has passed; with
+    ///    `barrier_timeout: None` (waits that never end) they stay until the process
+    ///    exits. Nothing runs in the background, and the drop never waits for the
+    ///    deadline.
+    ///
+    /// Guaranteed: a peer's kernel that is running when this rank drops, or that
+    /// starts within `PARK_MARGIN` of the park (it was queued behind less than that
+    /// much work), never writes memory this rank freed. Once this rank has stopped,
+    /// the first wait of that kernel that needs this rank gives up within
+    /// `barrier_timeout` (in a group of more than two, after at most one wait that
+    /// another peer satisfies late), and the block's last store into this rank's
+    /// signal is the abandon confirmation at that point: at most 2 x `barrier_timeout`
+    /// after the kernel started or this rank dropped, whichever is later. A peer that
+    /// also drops meets this rank in the barrier or finds it gone, and parks or frees
+    /// the same way.
+    ///
+    /// Not guaranteed: a peer must not start new collectives after a rank of its group
+    /// has dropped. Such a collective cannot complete: its waits for this rank give up
+    /// after `barrier_timeout`, [`Comm::synchronize`] on that peer returns
+    /// [`Error::BarrierTimeout`] (or [`Error::PeerAborted`]) within 2 x
+    /// `barrier_timeout`, its communicator is poisoned, and [`Comm::reinitialize`]
+    /// fails with a bootstrap error, so it must be dropped too. Its kernel stores into
+    /// this rank's signal; that is safe while the signal is parked (it starts within
+    /// `PARK_MARGIN` of the park), and afterwards, for ranks that share a process,
+    /// writes memory this rank freed. With `barrier_timeout: None` such a kernel never
+    /// ends.
+    fn drop(&mut self) {
+        if self.torn_down.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        // SAFETY: taken here, once; nothing reads `self.core` after this (the other
+        // fields' drops do not use it).
+        let core = unsafe { std::mem::ManuallyDrop::take(&mut self.core) };
+        let barrier_timeout = core.settings.config.barrier_timeout;
+        let (world, peers) = (core.route.world, core.settings.world);
+        let Rank {
+            endpoint: rank,
+            mappings,
+            route,
+            ..
+        } = core;
+        // The external handle (if any) is dropped last, when this function ends.
+        let _external = route;
+        let bootstrap = &self.bootstrap;
+        let confirmed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let idle = B::synchronize(&rank.device).is_ok();
+            // Always met, even after a failed wait: the peers are waiting for it.
+            let met = world == 1 || bootstrap.barrier_within(TEARDOWN_BARRIER_TIMEOUT).is_ok();
+            idle && met
+        }))
+        .unwrap_or(false);
+        if confirmed || peers == 1 {
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                drop(mappings);
+                drop(rank);
+            }));
+            super::parking::free_expired();
+        } else {
+            let Endpoint { device, signal, .. } = rank;
+            let until = park_deadline(std::time::Instant::now(), barrier_timeout);
+            super::parking::park(Box::new((signal, mappings)), until);
+            let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(device)));
+        }
+    }
+}
+
+#[cfg(test)]
+mod teardown_tests {
+    use super::*;
+
+    #[test]
+    fn park_deadline_is_twice_the_barrier_timeout_plus_the_margin() {
+        let now = std::time::Instant::now();
+        let t = Duration::from_secs(3);
+        assert_eq!(park_deadline(now, Some(t)), Some(now + 2 * t + PARK_MARGIN));
+        assert_eq!(park_deadline(now, None), None);
+        assert_eq!(park_deadline(now, Some(Duration::MAX)), None);
+        assert_eq!(park_deadline(now, Some(Duration::MAX / 2)), None);
+    }
+}

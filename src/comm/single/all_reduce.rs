@@ -1,0 +1,166 @@
+//! The single-controller all-reduce, shaped ([`Tensor`] per rank): every rank's
+//! tensors checked together, then routed and planned on the cores and launched on
+//! each (or handed to the external library). The flat form is in `slices.rs`.
+
+use std::sync::atomic::Ordering;
+
+use crate::backend::Backend;
+use crate::dispatch::Algorithm;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::signal::MAX_GPUS;
+use crate::tensor::{Tensor, TensorMut};
+
+use super::super::core::check::Routed;
+use super::super::core::plan::PeerReads;
+use super::super::core::route::Path;
+use super::super::AllReduceOptions;
+use super::validate::Meta;
+use super::Communicator;
+
+fn meta<B: Backend>(t: &Tensor<'_, B>) -> Meta {
+    Meta {
+        dtype: t.data.dtype(),
+        len: t.data.len(),
+        ordinal: t.data.device_ordinal(),
+    }
+}
+
+fn meta_mut<B: Backend>(t: &TensorMut<'_, B>) -> Meta {
+    Meta {
+        dtype: t.data.dtype(),
+        len: t.data.len(),
+        ordinal: t.data.device_ordinal(),
+    }
+}
+
+impl<B: Backend> Communicator<B> {
+    /// Sums `inputs[r]` over each group into `outputs[r]` (one tensor per rank, same
+    /// dtype, shape and length everywhere). Returns the algorithm that ran.
+    pub fn all_reduce_sum(
+        &self,
+        inputs: &[Tensor<'_, B>],
+        outputs: &mut [TensorMut<'_, B>],
+        options: &AllReduceOptions,
+    ) -> Result<Algorithm> {
+        self.check_usable()?;
+        self.check_count(inputs.len())?;
+        self.check_count(outputs.len())?;
+        let metas: Vec<Meta> = inputs.iter().map(meta).collect();
+        let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
+        self.check_tensors(&metas, &shapes, "input")?;
+        for (r, (o, i)) in outputs.iter().zip(inputs).enumerate() {
+            let om = meta_mut(o);
+            self.check_tensor(r, &om, &o.shape, "output")?;
+            self.ranks[r].check_all_reduce(&metas[r], &om)?;
+            if o.shape != i.shape {
+                return Err(Error::ShapeMismatch {
+                    rank: r,
+                    expected: i.shape.clone(),
+                    got: o.shape.clone(),
+                });
+            }
+        }
+        let (dtype, len) = (metas[0].dtype, metas[0].len);
+        let routed = self.route_all_reduce(dtype, len, options, false)?;
+        let ranks = &self.ranks;
+        let mut guards = Vec::with_capacity(2 * ranks.len());
+        let mut ins = [0u64; MAX_GPUS];
+        let mut outs = [0u64; MAX_GPUS];
+        for (r, t) in inputs.iter().enumerate() {
+            let (p, g) = t.data.read_ptr(ranks[r].device());
+            ins[r] = p;
+            guards.push(g);
+        }
+        for (r, t) in outputs.iter_mut().enumerate() {
+            let (p, g) = t.data.write_ptr(ranks[r].device());
+            outs[r] = p;
+            guards.push(g);
+        }
+        let result = self.run_all_reduce(routed, &ins, &outs, len, dtype, "input");
+        drop(guards);
+        result
+    }
+
+    /// Sums `tensors[r]` over each group in place. Returns the algorithm that ran.
+    pub fn all_reduce_sum_in_place(
+        &self,
+        tensors: &mut [TensorMut<'_, B>],
+        options: &AllReduceOptions,
+    ) -> Result<Algorithm> {
+        self.check_usable()?;
+        self.check_count(tensors.len())?;
+        let metas: Vec<Meta> = tensors.iter().map(meta_mut).collect();
+        let shapes: Vec<Vec<usize>> = tensors.iter().map(|t| t.shape.clone()).collect();
+        let shape_refs: Vec<&[usize]> = shapes.iter().map(|s| s.as_slice()).collect();
+        self.check_tensors(&metas, &shape_refs, "in-place")?;
+        let (dtype, len) = (metas[0].dtype, metas[0].len);
+        let routed = self.route_all_reduce(dtype, len, options, true)?;
+        let ranks = &self.ranks;
+        let mut guards = Vec::with_capacity(ranks.len());
+        let mut ptrs = [0u64; MAX_GPUS];
+        for (r, t) in tensors.iter_mut().enumerate() {
+            let (p, g) = t.data.write_ptr(ranks[r].device());
+            ptrs[r] = p;
+            guards.push(g);
+        }
+        let result = self.run_all_reduce(routed, &ptrs, &ptrs, len, dtype, "in-place");
+        drop(guards);
+        result
+    }
+
+    /// Routes and plans an all-reduce on the cores (every core decides the same: their
+    /// settings and routing were agreed at setup, so rank 0's answer is every rank's).
+    pub(super) fn route_all_reduce(
+        &self,
+        dtype: DType,
+        elements: usize,
+        options: &AllReduceOptions,
+        in_place: bool,
+    ) -> Result<Routed> {
+        self.ranks[0].plan_all_reduce(dtype, elements, options, in_place, PeerReads::UserBuffers)
+    }
+
+    /// Runs a routed all-reduce from every rank's `inputs` into its `outputs`.
+    pub(super) fn run_all_reduce(
+        &self,
+        routed: Routed,
+        inputs: &[u64; MAX_GPUS],
+        outputs: &[u64; MAX_GPUS],
+        elements: usize,
+        dtype: DType,
+        which: &'static str,
+    ) -> Result<Algorithm> {
+        let world = self.world_size();
+        match routed {
+            Routed::Peer(plan) => {
+                if plan.elements == 0 {
+                    return Ok(plan.algorithm);
+                }
+                self.check_peers_reach(&plan, inputs, which)?;
+                self.launch_all(&plan, inputs, outputs)?;
+                Ok(plan.algorithm)
+            }
+            Routed::Away(Path::External) => {
+                self.run_external(&inputs[..world], &outputs[..world], elements, dtype)
+            }
+            Routed::Away(_) => Err(Error::Unsupported(
+                "a single controller runs on one host: nothing is hierarchical".into(),
+            )),
+        }
+    }
+
+    /// Starts a batch of collectives. Collectives inside a batch are launched as they
+    /// are called (the batch is a correct no-op kept for NCCL-style call sites).
+    pub fn group_start(&self) {
+        self.group_depth.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Ends a batch started by [`Communicator::group_start`].
+    pub fn group_end(&self) -> Result<()> {
+        self.group_depth
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |d| d.checked_sub(1))
+            .map(|_| ())
+            .map_err(|_| Error::Unsupported("group_end without group_start".into()))
+    }
+}

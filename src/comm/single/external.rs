@@ -1,0 +1,56 @@
+//! The external library in a single controller: where the cores' routing sends a
+//! whole-world call away from peer memory (no peer access, a failed peer check, or
+//! routing by size), one thread enqueues it on every rank's handle inside one batch
+//! (NCCL's `ncclCommInitAll` handles and group calls).
+
+use crate::backend::Backend;
+use crate::dispatch::Algorithm;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+use super::Communicator;
+
+impl<B: Backend> Communicator<B> {
+    /// Enqueues the external all-reduce on every rank (one batch); a failure once
+    /// something was enqueued poisons the communicator.
+    pub(super) fn run_external(
+        &self,
+        inputs: &[u64],
+        outputs: &[u64],
+        elements: usize,
+        dtype: DType,
+    ) -> Result<Algorithm> {
+        if self.ranks.iter().any(|r| r.route.external.is_none()) {
+            return Err(Error::Unsupported("no external library".into()));
+        }
+        let _launches = self.lock_launches();
+        self.check_usable()?;
+        if elements == 0 {
+            return Ok(Algorithm::Nccl);
+        }
+        let library = B::external_library();
+        library.group_start()?;
+        let mut result = Ok(());
+        for (r, core) in self.ranks.iter().enumerate() {
+            let Some(handle) = core.route.external.as_deref() else {
+                continue;
+            };
+            // SAFETY: the caller holds every rank's buffers (and their access guards)
+            // for the call; handle r was made for rank r's device.
+            result = unsafe {
+                handle.all_reduce_sum(core.device(), inputs[r], outputs[r], elements, dtype)
+            };
+            if result.is_err() {
+                break;
+            }
+        }
+        let ended = library.group_end();
+        match result.and(ended) {
+            Ok(()) => Ok(Algorithm::Nccl),
+            Err(e) => {
+                self.poison();
+                Err(e)
+            }
+        }
+    }
+}

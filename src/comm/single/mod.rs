@@ -1,0 +1,340 @@
+//! The single-controller front door: [`Communicator`], one process that drives every
+//! rank's device. It holds one per-rank core per device (`super::core`), made by the
+//! same setup as the per-rank [`crate::Comm`] over an in-process bootstrap; its calls
+//! check what only it can (every rank's tensors together), then plan on the cores and
+//! launch on each, under one lock, so that a collective is enqueued on every rank
+//! atomically. In one process the peers read each other's user buffers in place.
+//!
+//! Here: setup and state (`mod.rs`), the all-reduce (`all_reduce.rs`, `slices.rs`), the
+//! other collectives, cross-rank validation, launching on several cores, the external
+//! library's single-controller form (`external.rs`), status and fault injection.
+
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use crate::backend::{Backend, Kernel, KernelKind, LaunchDims};
+use crate::bootstrap::{Bootstrap, HostId};
+use crate::dispatch::Algorithm;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+use crate::external::local::LocalBootstrap;
+use crate::signal::{SignalLayout, MAX_GPUS};
+
+use super::core::connect;
+use super::core::launch::PeerInputs;
+use super::core::plan::{CollectiveArgs, Plan};
+use super::core::setup::Placement;
+use super::core::Rank;
+use super::CommConfig;
+
+mod all_reduce;
+mod collectives;
+mod external;
+mod fault;
+mod launch;
+mod slices;
+mod status;
+mod validate;
+
+/// A set of devices (at most 8, one process) that all-reduce together.
+///
+/// Collectives are enqueued on each rank's stream and return without waiting; call
+/// [`Communicator::synchronize`] to wait and to collect device-side errors (a barrier
+/// timeout is reported there on GPUs).
+pub struct Communicator<B: Backend> {
+    /// One core per device: rank i drives `ranks[i]`.
+    ranks: Vec<Rank<B>>,
+    /// Held while a collective is enqueued on every rank (and while re-initialising):
+    /// two threads sharing the communicator must not interleave their launches, or
+    /// ranks would run collectives in different orders.
+    launch_lock: Mutex<()>,
+    /// Depth of [`Communicator::group_start`] calls not yet ended.
+    group_depth: AtomicUsize,
+}
+
+impl<B: Backend> Communicator<B> {
+    /// Opens the devices with these ordinals and builds a communicator over them.
+    pub fn new(ordinals: &[usize], config: CommConfig) -> Result<Self> {
+        validate::check_world(ordinals.len())?;
+        let devices = ordinals
+            .iter()
+            .map(|&o| B::open(o))
+            .collect::<Result<Vec<_>>>()?;
+        Self::from_devices(devices, config)
+    }
+
+    /// Builds a communicator over already opened devices (rank i = `devices[i]`): the
+    /// per-rank setup of every core at once, one thread per device over an in-process
+    /// bootstrap (peer access between all pairs, the signal buffers, the peer check),
+    /// then the external library where peer memory does not serve.
+    pub fn from_devices(devices: Vec<B::Device>, config: CommConfig) -> Result<Self> {
+        let world = devices.len();
+        validate::check_world(world)?;
+        let mut ordinals: Vec<usize> = devices.iter().map(B::ordinal).collect();
+        ordinals.sort_unstable();
+        if ordinals.windows(2).any(|w| w[0] == w[1]) && !config.allow_shared_devices {
+            return Err(Error::InvalidDevices(format!(
+                "a device appears twice: {ordinals:?}"
+            )));
+        }
+        let hosts = vec![HostId::new("this process"); world];
+        let bootstraps = LocalBootstrap::world(world, config.bootstrap_timeout);
+        let made: Vec<Result<Rank<B>>> = std::thread::scope(|s| {
+            let workers: Vec<_> = devices
+                .into_iter()
+                .zip(bootstraps)
+                .map(|(device, bootstrap)| {
+                    let (hosts, config) = (&hosts, &config);
+                    s.spawn(move || {
+                        let bootstrap = Arc::new(bootstrap);
+                        let shared: Arc<dyn Bootstrap> = bootstrap.clone();
+                        let core = connect::connect::<B>(
+                            device,
+                            shared,
+                            hosts,
+                            config,
+                            Placement::OneProcess,
+                        );
+                        if core.is_err() {
+                            bootstrap.abort();
+                        }
+                        core
+                    })
+                })
+                .collect();
+            workers
+                .into_iter()
+                .map(|w| {
+                    w.join().unwrap_or_else(|_| {
+                        Err(Error::InvalidDevices("a rank's setup panicked".into()))
+                    })
+                })
+                .collect()
+        });
+        let mut ranks = Vec::with_capacity(world);
+        let mut first_error: Option<Error> = None;
+        for core in made {
+            match core {
+                Ok(c) => ranks.push(c),
+                // A rank that gave up ends its peers' waits: report its cause, not
+                // theirs.
+                Err(e @ Error::Bootstrap(_)) => {
+                    first_error.get_or_insert(e);
+                }
+                Err(e) => {
+                    if matches!(first_error, None | Some(Error::Bootstrap(_))) {
+                        first_error = Some(e);
+                    }
+                }
+            }
+        }
+        if let Some(e) = first_error {
+            return Err(e);
+        }
+        if connect::needs_external(&ranks[0], world) {
+            let devices: Vec<&B::Device> = ranks.iter().map(Rank::device).collect();
+            let handles = B::external_library().single_controller(&devices)?;
+            for (core, handle) in ranks.iter_mut().zip(handles) {
+                core.route.external = Some(handle);
+            }
+        }
+        Ok(Communicator {
+            ranks,
+            launch_lock: Mutex::new(()),
+            group_depth: AtomicUsize::new(0),
+        })
+    }
+
+    /// Ranks in the communicator.
+    pub fn world_size(&self) -> usize {
+        self.ranks.len()
+    }
+    /// Rank `i`'s core.
+    pub fn rank(&self, i: usize) -> &Rank<B> {
+        &self.ranks[i]
+    }
+    /// All ranks' cores.
+    pub fn ranks(&self) -> &[Rank<B>] {
+        &self.ranks
+    }
+    /// The signal layout (Lamport slot and payload sizes).
+    pub fn layout(&self) -> SignalLayout {
+        self.ranks[0].settings.layout
+    }
+    /// The configuration it was built with.
+    pub fn config(&self) -> &CommConfig {
+        &self.ranks[0].settings.config
+    }
+    /// Architecture of rank 0's device (keys the dispatch table).
+    pub fn architecture(&self) -> &str {
+        &self.ranks[0].settings.arch
+    }
+    /// Whether an earlier barrier timeout has disabled collectives.
+    pub fn is_poisoned(&self) -> bool {
+        self.ranks.iter().any(Rank::is_poisoned)
+    }
+    /// How whole-world calls run: `Auto` when peer memory serves the world (its
+    /// algorithms, as the dispatch table picks), `Nccl` when the external library does.
+    pub fn world_path(&self) -> Algorithm {
+        self.ranks[0].route.world_path()
+    }
+
+    /// Disables collectives on every rank until [`Communicator::reinitialize`].
+    fn poison(&self) {
+        for r in &self.ranks {
+            r.poison();
+        }
+    }
+
+    /// Waits for every rank's queued work, then reads every rank's error record: one
+    /// small device-to-host copy per rank, so this costs more than a plain stream
+    /// synchronisation. If a wait gave up, returns the root cause
+    /// ([`Error::BarrierTimeout`] of the rank that timed out, else the
+    /// [`Error::PeerAborted`] a rank was told) and poisons the communicator until
+    /// [`Communicator::reinitialize`]. [`Communicator::wait`] only waits;
+    /// [`Communicator::check_errors`] only reads the records, without waiting.
+    ///
+    /// A collective that a rank never makes (see `miss_next`) is reported within 2 x
+    /// [`CommConfig::barrier_timeout`] (+ launch and copy latency) of its start on
+    /// the streams, not within `barrier_timeout`: a wait gives up after
+    /// `barrier_timeout`, then waits at most as long again for the peers to confirm
+    /// they no longer read its rank's buffers (see the field's docs). With
+    /// `barrier_timeout: None` it waits for as long as the rank stays away.
+    pub fn synchronize(&self) -> Result<()> {
+        self.wait()?;
+        for r in &self.ranks {
+            if let Err(e) = r.take_external_error() {
+                self.poison();
+                return Err(e);
+            }
+        }
+        self.report_records(Rank::read_error)
+    }
+
+    /// Reads every rank's record with `read` and reports the root cause, poisoning.
+    fn report_records(&self, read: impl Fn(&Rank<B>) -> Result<Option<Error>>) -> Result<()> {
+        let mut first_abort = None;
+        for r in &self.ranks {
+            match read(r)? {
+                Some(e @ Error::PeerAborted { .. }) => {
+                    first_abort.get_or_insert(e);
+                }
+                Some(e) => {
+                    self.poison();
+                    return Err(e);
+                }
+                None => {}
+            }
+        }
+        match first_abort {
+            Some(e) => {
+                self.poison();
+                Err(e)
+            }
+            None => Ok(()),
+        }
+    }
+
+    /// Waits for all ranks, then zeroes every signal buffer and refills the Lamport
+    /// regions with the sentinel: the state of a new communicator. This is how a
+    /// communicator poisoned by a timeout is brought back.
+    pub fn reinitialize(&self) -> Result<()> {
+        self.reinitialize_with_counter_base(0)
+    }
+
+    /// As [`Communicator::reinitialize`], with every barrier counter starting at `base`
+    /// (tests start near `u32::MAX` to cross the wrap).
+    #[doc(hidden)]
+    pub fn reinitialize_with_counter_base(&self, base: u32) -> Result<()> {
+        let _launches = self.lock_launches();
+        for r in &self.ranks {
+            B::synchronize(r.device())?;
+        }
+        for r in &self.ranks {
+            r.reset_signal(base)?;
+        }
+        for r in &self.ranks {
+            r.unpoison();
+        }
+        Ok(())
+    }
+
+    /// A start and an end barrier over each group, and nothing else.
+    pub fn barrier(&self, group_size: usize) -> Result<()> {
+        let ranks: Vec<usize> = (0..self.world_size()).collect();
+        self.barrier_on_ranks(group_size, &ranks)
+    }
+
+    /// Launches the barrier kernel on the listed ranks only: the others never arrive,
+    /// which is how the timeout path is tested.
+    #[doc(hidden)]
+    pub fn barrier_on_ranks(&self, group_size: usize, ranks: &[usize]) -> Result<()> {
+        self.check_usable()?;
+        let plan = self.ranks[0].barrier_plan(group_size)?;
+        for &r in ranks {
+            if r >= self.world_size() {
+                return Err(Error::InvalidDevices(format!(
+                    "rank {r} is outside the world"
+                )));
+            }
+        }
+        let zeros = [0u64; MAX_GPUS];
+        self.launch_on(&plan, ranks, PeerInputs::InPlace(&zeros), &zeros, None)
+    }
+
+    /// Fault injection: enqueues on `rank`'s stream a kernel that spins for `delay` and
+    /// touches no memory, so that rank's next collective starts late. This is how the
+    /// tests skew ranks in time, and how a user can test their own timeout handling
+    /// (a delay longer than [`CommConfig::barrier_timeout`] makes the other ranks give
+    /// up). Capturable in a CUDA graph like any launch.
+    pub fn delay_rank(&self, rank: usize, delay: Duration) -> Result<()> {
+        if rank >= self.world_size() {
+            return Err(Error::InvalidDevices(format!(
+                "rank {rank} is outside the world of {}",
+                self.world_size()
+            )));
+        }
+        let _launches = self.lock_launches();
+        self.ranks[rank].endpoint.launch_delay(delay)
+    }
+
+    /// Enqueues `iters` flag round trips between ranks 0 and 1 (one thread each, through
+    /// the first word of their payloads): time it with the backend's events to measure
+    /// the cross-GPU flag latency. Needs a world of at least 2.
+    #[doc(hidden)]
+    pub fn launch_flag_ping_pong(&self, iters: u32) -> Result<()> {
+        self.check_usable()?;
+        if self.world_size() < 2 {
+            return Err(Error::Unsupported(
+                "the flag ping-pong needs two ranks".into(),
+            ));
+        }
+        self.ranks[0].barrier_plan(0)?;
+        let payload_off = self.layout().payload_offset() as u64;
+        for r in &self.ranks[..2] {
+            B::memset_d32(r.device(), r.signal_ptr() + payload_off, 0, 1)?;
+        }
+        for r in &self.ranks[..2] {
+            B::synchronize(r.device())?;
+        }
+        let plan = Plan {
+            kernel: Kernel {
+                kind: KernelKind::PingPong,
+                dtype: DType::F32,
+            },
+            algorithm: Algorithm::Auto,
+            width: 2,
+            elements: iters as usize,
+            stage_input: false,
+            dims: LaunchDims {
+                blocks: 1,
+                threads: 32,
+            },
+            overlap_previous: false,
+            collective: CollectiveArgs::default(),
+        };
+        let zeros = [0u64; MAX_GPUS];
+        self.launch_on(&plan, &[0, 1], PeerInputs::InPlace(&zeros), &zeros, None)
+    }
+}

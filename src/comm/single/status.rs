@@ -1,0 +1,77 @@
+//! [`Communicator`]'s view of its ranks' state: waiting for their streams, their error
+//! records, and the sizing questions answered without launching anything.
+
+use crate::backend::Backend;
+use crate::dispatch::Algorithm;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+use super::super::core::plan::PeerReads;
+use super::super::core::Rank;
+use super::super::{AllReduceOptions, MemoryFootprint};
+use super::Communicator;
+
+impl<B: Backend> Communicator<B> {
+    /// Waits for every rank's queued work and nothing else: no error record is read,
+    /// so a barrier that gave up goes unnoticed until [`Communicator::synchronize`] or
+    /// [`Communicator::check_errors`]. Errors are the backend's own (a failed stream
+    /// synchronisation).
+    pub fn wait(&self) -> Result<()> {
+        for r in &self.ranks {
+            B::synchronize(r.device())?;
+        }
+        Ok(())
+    }
+
+    /// Waits for every rank's queued work, then reads every rank's error record: what
+    /// each rank recorded, in rank order (`None`: clean). As
+    /// [`Communicator::synchronize`], an error poisons the communicator; this shows
+    /// every rank's view where `synchronize` returns the root cause.
+    pub fn rank_errors(&self) -> Result<Vec<Option<Error>>> {
+        self.wait()?;
+        let errors = self
+            .ranks
+            .iter()
+            .map(Rank::read_error)
+            .collect::<Result<Vec<_>>>()?;
+        if errors.iter().any(Option::is_some) {
+            self.poison();
+        }
+        Ok(errors)
+    }
+
+    /// Reads every rank's error record now, without waiting for queued work (a
+    /// watchdog can call it while collectives run, like NCCL's `ncclCommGetAsyncError`).
+    /// `Ok(())` means no rank has recorded an error yet; otherwise the root cause is
+    /// returned and the communicator is poisoned, as by
+    /// [`Communicator::synchronize`]. On CUDA and HIP each read is a small synchronous
+    /// copy on the legacy default stream, which does not wait for the ranks'
+    /// non-blocking streams (a rank built on the legacy default stream itself would
+    /// wait); a record still being written reads as clean until the next poll.
+    pub fn check_errors(&self) -> Result<()> {
+        self.report_records(Rank::peek_error)
+    }
+}
+
+impl<B: Backend> Communicator<B> {
+    /// The device memory each rank allocated (the same on every rank).
+    pub fn memory_footprint(&self) -> MemoryFootprint {
+        self.ranks[0].memory_footprint()
+    }
+
+    /// Answers, launching nothing, what [`Communicator::all_reduce_sum`] (or, with
+    /// `in_place`, [`Communicator::all_reduce_sum_in_place`]) would do with
+    /// `elements` elements of `dtype` per rank and these options: the algorithm that
+    /// would run, or the typed error the call would get. A message too large for the
+    /// scratch is [`crate::Error::MessageTooLarge`] with the bytes needed, the bytes
+    /// configured and the `CommConfig` field to raise.
+    pub fn algorithm_for(
+        &self,
+        dtype: DType,
+        elements: usize,
+        options: &AllReduceOptions,
+        in_place: bool,
+    ) -> Result<Algorithm> {
+        self.ranks[0].algorithm_for(dtype, elements, options, in_place, PeerReads::UserBuffers)
+    }
+}
