@@ -431,10 +431,10 @@ fn all_reduce_checked<B: Backend>(
         B::upload(dev, &input, &mut send).map_err(|e| fail("upload", e))?;
         let in_place = iter % 2 == 1;
         let algorithm = if in_place {
-            comm.all_reduce_sum_in_place(&mut send, &options)
+            comm.all_reduce_sum_in_place_with(&mut send, &options)
         } else {
             B::upload(dev, &vec![f32::NAN; n], &mut recv).map_err(|e| fail("upload", e))?;
-            comm.all_reduce_sum(&send, &mut recv, &options)
+            comm.all_reduce_sum_with(&send, &mut recv, &options)
         }
         .map_err(|e| fail("all_reduce_sum", e))?;
         comm.synchronize().map_err(|e| fail("synchronize", e))?;

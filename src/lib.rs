@@ -56,6 +56,7 @@ use std::collections::HashSet;
 use std::sync::Mutex;
 
 pub use backend::Backend;
+pub use backend::IntoDevice;
 pub use bootstrap::{Bootstrap, BootstrapError, HostId, TcpBootstrap, UniqueId};
 #[doc(hidden)]
 pub use comm::{free_expired_teardowns, parked_teardowns};
@@ -66,6 +67,10 @@ pub use comm::{
 pub use dispatch::Algorithm;
 pub use dtype::{BackendElement, DType, Element};
 pub use error::{CallField, Error, Result};
+pub use external::{Fallback, FallbackConfig, Simulation, SizeRouting};
+/// The `half` crate peercomm's 16-bit element types come from (`half::f16`,
+/// `half::bf16`), so callers need no version of their own to match.
+pub use half;
 pub use signal::{
     barrier_domain, circular_add, SignalLayout, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
     NUM_BARRIER_DOMAINS,

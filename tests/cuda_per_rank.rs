@@ -80,6 +80,13 @@ fn cuda_per_rank_miss_next_times_out_and_recovers() {
 }
 
 #[test]
+fn cuda_per_rank_configuration_mismatch_names_the_fields() {
+    if let Some(place) = placement("cuda_per_rank_configuration_mismatch_names_the_fields") {
+        per_rank_suite::sizing::a_configuration_mismatch_names_the_fields::<Cuda>(&place);
+    }
+}
+
+#[test]
 fn cuda_per_rank_sized_for_the_largest_message() {
     if let Some(place) = placement("cuda_per_rank_sized_for_the_largest_message") {
         per_rank_suite::sizing::sized_for_the_largest_message::<Cuda>(&place);
@@ -156,7 +163,7 @@ fn cuda_per_rank_graph_replays() {
             let mut recv = Cuda::alloc_buffer::<f32>(dev, len).unwrap();
             let opts = AllReduceOptions::new().algorithm(algorithm);
             let (graph, _) = comm
-                .capture(|| comm.all_reduce_sum(&send, &mut recv, &opts))
+                .capture(|| comm.all_reduce_sum_with(&send, &mut recv, &opts))
                 .unwrap();
             for i in 0..replays {
                 let call = done + i;

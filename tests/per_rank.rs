@@ -53,6 +53,11 @@ fn per_rank_miss_next_times_out_and_recovers() {
 }
 
 #[test]
+fn per_rank_configuration_mismatch_names_the_fields() {
+    per_rank_suite::sizing::a_configuration_mismatch_names_the_fields::<Host>(&HOST);
+}
+
+#[test]
 fn per_rank_sized_for_the_largest_message() {
     per_rank_suite::sizing::sized_for_the_largest_message::<Host>(&HOST);
 }

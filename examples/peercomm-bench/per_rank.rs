@@ -223,7 +223,7 @@ fn sweep(
         let mut recv = stream.alloc_zeros::<half::bf16>(n).unwrap();
         let opts = AllReduceOptions::new();
         rendezvous(&comm);
-        let algorithm = comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
+        let algorithm = comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
         comm.synchronize().unwrap();
         let want = (world * (world + 1) / 2) as f32;
         let got = stream.clone_dtoh(&recv).unwrap();
@@ -243,7 +243,7 @@ fn sweep(
         rendezvous(&comm);
         let eager = per_call_us(&stream, args.batches, || {
             for _ in 0..CALLS {
-                comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
+                comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
             }
         });
         mine.push(at("peercomm-per-rank", algorithm.name(), "eager", eager));
@@ -267,7 +267,7 @@ fn sweep(
             };
             let ours = graph_of(&mut || {
                 for _ in 0..CALLS {
-                    comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
+                    comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
                 }
             });
             let theirs = nccl.as_ref().map(|nccl| {

@@ -149,6 +149,22 @@ pub struct CudaDevice {
 /// Every kernel entry point, resolved in one context.
 type KernelTable = Arc<HashMap<Kernel, CudaFunction>>;
 
+impl super::IntoDevice for CudaDevice {
+    type Backend = Cuda;
+    fn into_device(self) -> Result<CudaDevice> {
+        Ok(self)
+    }
+}
+
+/// cudarc's stream: collectives run on it, ordered with the caller's other work (see
+/// [`CudaDevice::from_stream`]).
+impl super::IntoDevice for Arc<CudaStream> {
+    type Backend = Cuda;
+    fn into_device(self) -> Result<CudaDevice> {
+        CudaDevice::from_stream(self)
+    }
+}
+
 impl std::fmt::Debug for CudaDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("CudaDevice")

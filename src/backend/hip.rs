@@ -388,6 +388,13 @@ pub struct HipDevice {
     wall_clock_khz: Option<u32>,
 }
 
+impl super::IntoDevice for HipDevice {
+    type Backend = Hip;
+    fn into_device(self) -> Result<HipDevice> {
+        Ok(self)
+    }
+}
+
 // SAFETY: the handles are owned by this value; HIP streams, modules and functions may be
 // used from any host thread (the runtime synchronises internally), and every call sets
 // the calling thread's current device first where HIP needs one.

@@ -151,6 +151,13 @@ pub struct HostDevice {
     stream: Arc<Stream>,
 }
 
+impl super::IntoDevice for HostDevice {
+    type Backend = Host;
+    fn into_device(self) -> Result<HostDevice> {
+        Ok(self)
+    }
+}
+
 impl std::fmt::Debug for HostDevice {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostDevice")

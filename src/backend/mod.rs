@@ -134,12 +134,23 @@ pub struct LaunchDims {
     pub threads: u32,
 }
 
+/// What a communicator can be built on: a backend's device (with its stream), or for
+/// CUDA cudarc's `Arc<CudaStream>` itself. It names its backend, so
+/// `Comm::from_rank(stream, rank, world, &id, config)` needs no turbofish.
+pub trait IntoDevice {
+    /// The backend the device belongs to.
+    type Backend: Backend;
+    /// The device, ready for collectives (for a stream: its context, with the kernels
+    /// loaded).
+    fn into_device(self) -> Result<<Self::Backend as Backend>::Device>;
+}
+
 /// A vendor (or the host reference) as peercomm needs it.
 pub trait Backend: Sized + Send + Sync + 'static {
     /// Short name for messages (`"host"`, `"cuda"`, `"hip"`).
     const NAME: &'static str;
     /// One GPU with the stream peercomm launches on.
-    type Device: Send + Sync;
+    type Device: Send + Sync + IntoDevice<Backend = Self>;
     /// An owned device allocation.
     type Memory: Send + Sync;
     /// Keeps a user buffer's synchronisation bookkeeping (cudarc's events) alive until

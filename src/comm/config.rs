@@ -201,3 +201,95 @@ pub(crate) fn config_checksum(config: &CommConfig) -> u64 {
     }
     h
 }
+
+/// Every field the ranks must agree on, by name, with its value as text (what a
+/// mismatch names).
+pub(crate) fn config_fields(config: &CommConfig) -> Vec<(&'static str, String)> {
+    vec![
+        ("lamport_slot_bytes", config.lamport_slot_bytes.to_string()),
+        ("payload_bytes", config.payload_bytes.to_string()),
+        ("barrier_timeout", format!("{:?}", config.barrier_timeout)),
+        ("max_blocks", format!("{:?}", config.max_blocks)),
+        ("threads_per_block", config.threads_per_block.to_string()),
+        (
+            "allow_shared_devices",
+            config.allow_shared_devices.to_string(),
+        ),
+        ("fallback", format!("{:?}", config.fallback)),
+        ("simulate", format!("{:?}", config.simulate.code())),
+    ]
+}
+
+/// The fields as the ranks exchange them: `name=value` lines.
+pub(crate) fn encode_config(config: &CommConfig) -> Vec<u8> {
+    config_fields(config)
+        .into_iter()
+        .map(|(name, value)| format!("{name}={value}\n"))
+        .collect::<String>()
+        .into_bytes()
+}
+
+/// Compares every rank's encoded configuration with rank 0's: an
+/// [`Error::InvalidConfig`] naming each field that differs, with both values.
+pub(crate) fn compare_configs(all: &[Vec<u8>]) -> Result<()> {
+    let parse = |bytes: &[u8]| -> Vec<(String, String)> {
+        String::from_utf8_lossy(bytes)
+            .lines()
+            .filter_map(|l| l.split_once('='))
+            .map(|(n, v)| (n.to_string(), v.to_string()))
+            .collect()
+    };
+    let Some(first) = all.first().map(|b| parse(b)) else {
+        return Ok(());
+    };
+    let mut differences = Vec::new();
+    for (rank, bytes) in all.iter().enumerate().skip(1) {
+        let theirs = parse(bytes);
+        for (name, want) in &first {
+            match theirs.iter().find(|(n, _)| n == name) {
+                Some((_, got)) if got == want => {}
+                Some((_, got)) => differences.push(format!(
+                    "rank {rank} has {name} = {got} where rank 0 has {want}"
+                )),
+                None => differences.push(format!(
+                    "rank {rank} sent no {name} (another peercomm version?)"
+                )),
+            }
+        }
+    }
+    if differences.is_empty() {
+        return Ok(());
+    }
+    Err(Error::InvalidConfig(format!(
+        "the ranks' configurations differ: {}; every rank must pass the same CommConfig",
+        differences.join("; ")
+    )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_configuration_mismatch_names_the_fields() {
+        let a = CommConfig::default();
+        let b = CommConfig {
+            payload_bytes: a.payload_bytes * 2,
+            barrier_timeout: None,
+            ..a.clone()
+        };
+        assert_eq!(
+            compare_configs(&[encode_config(&a), encode_config(&a)]),
+            Ok(())
+        );
+        let e = compare_configs(&[encode_config(&a), encode_config(&a), encode_config(&b)])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("rank 2 has payload_bytes = "), "{e}");
+        assert!(
+            e.contains("rank 2 has barrier_timeout = None where rank 0 has Some("),
+            "{e}"
+        );
+        assert!(!e.contains("lamport_slot_bytes"), "{e}");
+    }
+}

@@ -137,11 +137,11 @@ pub fn call<B: Backend, T: Element>(
     let mut send = B::alloc_buffer::<T>(dev, mine.len())?;
     B::upload(dev, mine, &mut send)?;
     let ran = if in_place {
-        comm.all_reduce_sum_in_place(&mut send, options)
+        comm.all_reduce_sum_in_place_with(&mut send, options)
     } else {
         let mut recv = B::alloc_buffer::<T>(dev, mine.len())?;
         B::upload(dev, &vec![T::from_f32(f32::NAN); mine.len()], &mut recv)?;
-        let ran = comm.all_reduce_sum(&send, &mut recv, options);
+        let ran = comm.all_reduce_sum_with(&send, &mut recv, options);
         if ran.is_ok() {
             comm.synchronize()?;
         }

@@ -214,9 +214,7 @@ pub fn bad_inputs<B: Backend>(place: &Placement) {
         assert!(matches!(e, Error::InvalidRoot { root: 2, width: 2 }), "{e}");
         let e = comm.scatter(Some(&send), &mut recv, 9, &opts).unwrap_err();
         assert!(matches!(e, Error::InvalidRoot { root: 9, width: 2 }), "{e}");
-        let e = comm
-            .broadcast::<_, _>(None::<&B::Buffer<f32>>, &mut recv, rank, &opts)
-            .unwrap_err();
+        let e = comm.broadcast(None, &mut recv, rank, &opts).unwrap_err();
         assert!(
             matches!(e, Error::Unsupported(_)),
             "the root without input: {e}"

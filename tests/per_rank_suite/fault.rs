@@ -40,7 +40,7 @@ pub fn miss_next_times_out_and_recovers<B: Backend>(place: &Placement) {
                 }
                 let started = Instant::now();
                 assert_eq!(
-                    comm.all_reduce_sum_in_place(&mut buf, &opts),
+                    comm.all_reduce_sum_in_place_with(&mut buf, &opts),
                     Ok(Algorithm::OneStage)
                 );
                 if rank == 0 {
@@ -77,7 +77,7 @@ pub fn miss_next_times_out_and_recovers<B: Backend>(place: &Placement) {
                 );
                 comm.reinitialize().unwrap();
                 buf.copy_from_host(dev, &second[rank]).unwrap();
-                comm.all_reduce_sum_in_place(&mut buf, &opts).unwrap();
+                comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
                 comm.synchronize().unwrap();
                 let got = buf.to_host(dev).unwrap();
                 common::check_sums(

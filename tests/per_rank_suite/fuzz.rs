@@ -20,7 +20,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::time::Duration;
 
-use peercomm::backend::{Backend, TypedBuffer};
+use peercomm::backend::{Backend, DeviceBuffer, TypedBuffer};
 use peercomm::external::Simulation;
 use peercomm::{Algorithm, AllReduceOptions, CallField, Comm, CommConfig, Error};
 
@@ -160,7 +160,7 @@ fn mismatched_call<B: Backend>(comm: &Comm<B>, rank: usize, m: Mismatch) -> peer
             let len = if odd { m.len - 1 } else { m.len };
             let send = B::alloc_from(dev, &vec![1.0f32; len]).unwrap();
             let mut out = B::alloc_from(dev, &vec![f32::NAN; len]).unwrap();
-            let r = comm.all_reduce_sum(&send, &mut out, &one).map(|_| ());
+            let r = comm.all_reduce_sum_with(&send, &mut out, &one).map(|_| ());
             let e = comm.synchronize();
             assert!(
                 e.is_ok() || out.to_host(dev).unwrap().iter().all(|x| x.is_nan()),
@@ -181,7 +181,7 @@ fn mismatched_call<B: Backend>(comm: &Comm<B>, rank: usize, m: Mismatch) -> peer
                 one
             };
             let mut out = recv_prefix::<B>(dev, m.len);
-            let r = comm.all_reduce_sum(&send, &mut out, &opts).map(|_| ());
+            let r = comm.all_reduce_sum_with(&send, &mut out, &opts).map(|_| ());
             let e = comm.synchronize();
             assert!(
                 e.is_ok() || out.to_host(dev).unwrap().iter().all(|x| x.is_nan()),
@@ -264,7 +264,8 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                 if let Some(w) = c.collective {
                     let recv = recv.as_mut().expect("collectives run out of place");
                     let opts = CollectiveOptions::new().group_size(c.group);
-                    let root = |r: usize| (rank % c.group == r).then_some(&*send);
+                    let root =
+                        |r: usize| (rank % c.group == r).then_some(&*send as &dyn DeviceBuffer<B>);
                     let done = match w {
                         Which::AllGather => comm.all_gather(send, recv, &opts),
                         Which::ReduceScatter => comm.reduce_scatter_sum(send, recv, &opts),
@@ -278,8 +279,8 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                     .group_size(c.group)
                     .algorithm(c.algorithm);
                 ran.push(match recv {
-                    None => comm.all_reduce_sum_in_place(send, &opts),
-                    Some(recv) => comm.all_reduce_sum(send, recv, &opts),
+                    None => comm.all_reduce_sum_in_place_with(send, &opts),
+                    Some(recv) => comm.all_reduce_sum_with(send, recv, &opts),
                 });
             }
             comm.synchronize().unwrap();

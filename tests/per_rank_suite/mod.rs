@@ -123,7 +123,7 @@ pub fn refuses_two_stage<B: Backend>(place: &Placement) {
         let mut recv = B::alloc_buffer::<f32>(dev, 64).unwrap();
         B::upload(dev, &[f32::NAN; 64], &mut recv).unwrap();
         let err = comm
-            .all_reduce_sum(
+            .all_reduce_sum_with(
                 &send,
                 &mut recv,
                 &AllReduceOptions::new().algorithm(Algorithm::TwoStage),
@@ -131,7 +131,7 @@ pub fn refuses_two_stage<B: Backend>(place: &Placement) {
             .unwrap_err();
         assert!(matches!(err, Error::Unsupported(_)), "{err}");
         assert!(B::download(dev, &recv).unwrap().iter().all(|x| x.is_nan()));
-        comm.all_reduce_sum(&send, &mut recv, &AllReduceOptions::new())
+        comm.all_reduce_sum_with(&send, &mut recv, &AllReduceOptions::new())
             .unwrap();
         comm.synchronize().unwrap();
         assert_eq!(B::download(dev, &recv).unwrap(), vec![2.0; 64]);
@@ -153,7 +153,7 @@ pub fn independent_sibling_groups<B: Backend>(place: &Placement) {
             let len = 333 + call;
             let mut buf = B::alloc_buffer::<f32>(dev, len).unwrap();
             B::upload(dev, &[1.0 + rank as f32; 1][..].repeat(len), &mut buf).unwrap();
-            comm.all_reduce_sum_in_place(&mut buf, &AllReduceOptions::new().group_size(2))
+            comm.all_reduce_sum_in_place_with(&mut buf, &AllReduceOptions::new().group_size(2))
                 .unwrap();
             comm.synchronize().unwrap();
             let pair = (rank / 2 * 2) as f32;
@@ -169,7 +169,7 @@ pub fn independent_sibling_groups<B: Backend>(place: &Placement) {
             let mut buf = B::alloc_buffer::<f32>(dev, len).unwrap();
             B::upload(dev, &mine, &mut buf).unwrap();
             let opts = AllReduceOptions::new().algorithm(algorithm);
-            comm.all_reduce_sum_in_place(&mut buf, &opts).unwrap();
+            comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
             comm.synchronize().unwrap();
             let ins: Vec<Vec<f32>> = (0..world)
                 .map(|r| processes::input(seed, call, r, len))
@@ -205,13 +205,13 @@ pub fn missing_call_times_out_and_recovers<B: Backend>(place: &Placement) {
                 B::upload(dev, &[1.0; 100], &mut buf).unwrap();
                 if rank == 0 {
                     let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-                    comm.all_reduce_sum_in_place(&mut buf, &opts).unwrap();
+                    comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
                     match comm.synchronize() {
                         Err(Error::BarrierTimeout { rank: 0, .. }) => {}
                         other => panic!("rank 0: expected a timeout, got {other:?}"),
                     }
                     assert_eq!(
-                        comm.all_reduce_sum_in_place(&mut buf, &opts),
+                        comm.all_reduce_sum_in_place_with(&mut buf, &opts),
                         Err(Error::Poisoned)
                     );
                 } else {
@@ -224,7 +224,7 @@ pub fn missing_call_times_out_and_recovers<B: Backend>(place: &Placement) {
                 }
                 comm.reinitialize().unwrap();
                 B::upload(dev, &[1.0; 100], &mut buf).unwrap();
-                comm.all_reduce_sum_in_place(&mut buf, &AllReduceOptions::new())
+                comm.all_reduce_sum_in_place_with(&mut buf, &AllReduceOptions::new())
                     .unwrap();
                 comm.synchronize().unwrap();
                 assert_eq!(B::download(dev, &buf).unwrap(), vec![2.0; 100]);

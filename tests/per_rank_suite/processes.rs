@@ -151,8 +151,8 @@ pub fn run_checked<B: Backend>(comm: &Comm<B>, seed: u64) -> Vec<(usize, u64)> {
             .group_size(group)
             .algorithm(algorithm);
         match recv {
-            None => comm.all_reduce_sum_in_place(send, &opts).unwrap(),
-            Some(recv) => comm.all_reduce_sum(send, recv, &opts).unwrap(),
+            None => comm.all_reduce_sum_in_place_with(send, &opts).unwrap(),
+            Some(recv) => comm.all_reduce_sum_with(send, recv, &opts).unwrap(),
         };
     }
     let kept: Vec<B::Buffer<f32>> = buffers
@@ -204,7 +204,7 @@ pub fn child_main<B: Backend>(devices: &Devices) {
             // Late into the collective, then killed by the parent while rank 0 waits.
             comm.delay(Duration::from_secs(30)).unwrap();
             let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-            comm.all_reduce_sum_in_place(&mut buf, &opts).unwrap();
+            comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
             println!("READY");
             std::thread::sleep(Duration::from_secs(60));
         }
@@ -327,7 +327,7 @@ pub fn killed_process_gives_a_typed_error<B: Backend>(devices: &Devices) {
     assert!(lines.any(|l| l.map(|l| l.contains("READY")).unwrap_or(false)));
     let start = Instant::now();
     let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-    comm.all_reduce_sum(&input, &mut out, &opts).unwrap();
+    comm.all_reduce_sum_with(&input, &mut out, &opts).unwrap();
     child.kill().unwrap();
     child.wait().unwrap();
     match comm.synchronize() {
@@ -341,7 +341,7 @@ pub fn killed_process_gives_a_typed_error<B: Backend>(devices: &Devices) {
     );
     assert!(B::download(dev, &out).unwrap().iter().all(|x| x.is_nan()));
     assert_eq!(
-        comm.all_reduce_sum(&input, &mut out, &opts),
+        comm.all_reduce_sum_with(&input, &mut out, &opts),
         Err(Error::Poisoned)
     );
     let dropped = Instant::now();
@@ -383,7 +383,7 @@ fn create_drop_cycles<B: Backend>(
         let comm = Comm::<B>::from_bootstrap(dev, Box::new(boot.clone()), cfg.clone()).unwrap();
         let mut local = B::alloc_buffer::<f32>(comm.device(), 16).unwrap();
         B::upload(comm.device(), &[1.0; 16], &mut local).unwrap();
-        comm.all_reduce_sum_in_place(&mut local, &AllReduceOptions::new())
+        comm.all_reduce_sum_in_place_with(&mut local, &AllReduceOptions::new())
             .unwrap();
         comm.synchronize().unwrap();
         assert_eq!(B::download(comm.device(), &local).unwrap(), vec![2.0; 16]);

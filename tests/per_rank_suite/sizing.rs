@@ -54,14 +54,17 @@ pub fn sized_for_the_largest_message<B: Backend>(place: &Placement) {
                 // The call agrees with the query, and writes nothing.
                 let send = B::alloc_from(dev, &too_big[rank]).unwrap();
                 let mut recv = B::alloc_from(dev, &vec![f32::NAN; 1001]).unwrap();
-                assert_eq!(comm.all_reduce_sum(&send, &mut recv, &one), Err(expected));
+                assert_eq!(
+                    comm.all_reduce_sum_with(&send, &mut recv, &one),
+                    Err(expected)
+                );
                 comm.synchronize().unwrap();
                 assert!(recv.to_host(dev).unwrap().iter().all(|x| x.is_nan()));
                 // The largest message runs, under Auto and forced one-stage.
                 for opts in [AllReduceOptions::new(), one] {
                     let send = B::alloc_from(dev, &fits[rank]).unwrap();
                     let mut recv = B::alloc_from(dev, &vec![f32::NAN; 1000]).unwrap();
-                    comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
+                    comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
                     comm.synchronize().unwrap();
                     let got = recv.to_host(dev).unwrap();
                     common::check_sums(fits, &[got.clone(), got], 2, &format!("rank {rank}"));
@@ -69,4 +72,46 @@ pub fn sized_for_the_largest_message<B: Backend>(place: &Placement) {
             });
         }
     });
+}
+
+/// Ranks built with different configurations all get an `InvalidConfig` that names
+/// each field that differs and both values, instead of a checksum.
+pub fn a_configuration_mismatch_names_the_fields<B: Backend>(place: &Placement) {
+    let base = place.config(2);
+    let id = UniqueId::new().unwrap();
+    let errors: Vec<Error> = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..2)
+            .map(|rank| {
+                let id = &id;
+                let config = CommConfig {
+                    payload_bytes: base.payload_bytes + rank * 4096,
+                    ..base.clone()
+                };
+                s.spawn(move || {
+                    let dev = B::open(place.ordinal(rank)).unwrap();
+                    Comm::<B>::from_rank(dev, rank, 2, id, config).err()
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| {
+                w.join()
+                    .unwrap()
+                    .expect("a mismatched configuration is refused")
+            })
+            .collect()
+    });
+    for e in errors {
+        let text = e.to_string();
+        assert!(matches!(e, Error::InvalidConfig(_)), "{e}");
+        assert!(
+            text.contains(&format!(
+                "rank 1 has payload_bytes = {} where rank 0 has {}",
+                base.payload_bytes + 4096,
+                base.payload_bytes
+            )),
+            "{text}"
+        );
+    }
 }

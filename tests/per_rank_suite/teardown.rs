@@ -69,7 +69,7 @@ pub fn drop_while_peer_collective_queued<B: Backend>(place: &Placement, rounds: 
                 let mut buf = B::alloc_from(dev, &[1.0f32; 1000]).unwrap();
                 comm.delay(Duration::from_millis(1500)).unwrap();
                 let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-                comm.all_reduce_sum_in_place(&mut buf, &opts).unwrap();
+                comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
                 queued.wait();
                 let err = comm.synchronize().unwrap_err();
                 assert!(
@@ -241,7 +241,7 @@ pub fn synchronize_reports_within_twice_barrier_timeout<B: Backend>(place: &Plac
                         comm.miss_next();
                     }
                     let started = Instant::now();
-                    comm.all_reduce_sum_in_place(&mut buf, &opts).unwrap();
+                    comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
                     let result = comm.synchronize();
                     let took = started.elapsed();
                     seen.wait();

@@ -122,7 +122,7 @@ fn check_sums_after<B: Backend>(
         let mut recv = B::alloc_from(dev, &vec![f32::NAN; n]).unwrap();
         let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
         for _ in 0..3 {
-            comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
+            comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
         }
         comm.synchronize().unwrap();
         recv.to_host(dev).unwrap()
@@ -140,13 +140,13 @@ fn all_reduce<B: Backend>(dtype: DType, n: usize, opts: AllReduceOptions) -> Cal
             DType::F32 => {
                 let send = B::alloc_from(dev, &vec![1.0f32; n])?;
                 let mut recv = B::alloc_from(dev, &vec![f32::NAN; n])?;
-                comm.all_reduce_sum(&send, &mut recv, &opts)?;
+                comm.all_reduce_sum_with(&send, &mut recv, &opts)?;
                 untouched(comm, &recv, f32::NAN.to_bits())
             }
             _ => {
                 let send = B::alloc_from(dev, &vec![half::bf16::ONE; n])?;
                 let mut recv = B::alloc_from(dev, &vec![half::bf16::NAN; n])?;
-                comm.all_reduce_sum(&send, &mut recv, &opts)?;
+                comm.all_reduce_sum_with(&send, &mut recv, &opts)?;
                 untouched(comm, &recv, u32::from(half::bf16::NAN.to_bits()))
             }
         }
@@ -384,7 +384,7 @@ pub fn the_rank_that_never_came_is_named<B: Backend>(place: &Placement) {
             comm.miss_next();
         }
         let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-        comm.all_reduce_sum_in_place(&mut buf, &opts).unwrap();
+        comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
         let mut r = comm.synchronize();
         meet.wait();
         if rank == 1 {
@@ -422,7 +422,7 @@ pub fn one_sign_of_zero<B: Backend>(place: &Placement, world: usize) {
         let zero = common::negative_zero::<T>();
         let send = B::alloc_from(dev, &vec![zero; n]).unwrap();
         let mut recv = B::alloc_from(dev, &vec![T::from_f32(7.0); n]).unwrap();
-        comm.all_reduce_sum(&send, &mut recv, &opts).unwrap();
+        comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
         comm.synchronize().unwrap();
         recv.to_host(dev)
             .unwrap()

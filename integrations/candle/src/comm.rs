@@ -102,19 +102,19 @@ impl CandleComm {
             CudaStorageSlice::BF16(s) => {
                 let mut out = unsafe { device.alloc::<bf16>(end - start) }?;
                 self.comm
-                    .all_reduce_sum(&s.slice(start..end), &mut out, options)?;
+                    .all_reduce_sum_with(&s.slice(start..end), &mut out, options)?;
                 CudaStorage::wrap_cuda_slice(out, device.clone())
             }
             CudaStorageSlice::F16(s) => {
                 let mut out = unsafe { device.alloc::<f16>(end - start) }?;
                 self.comm
-                    .all_reduce_sum(&s.slice(start..end), &mut out, options)?;
+                    .all_reduce_sum_with(&s.slice(start..end), &mut out, options)?;
                 CudaStorage::wrap_cuda_slice(out, device.clone())
             }
             CudaStorageSlice::F32(s) => {
                 let mut out = unsafe { device.alloc::<f32>(end - start) }?;
                 self.comm
-                    .all_reduce_sum(&s.slice(start..end), &mut out, options)?;
+                    .all_reduce_sum_with(&s.slice(start..end), &mut out, options)?;
                 CudaStorage::wrap_cuda_slice(out, device.clone())
             }
             _ => unreachable!("checked: a supported dtype"),
@@ -166,13 +166,13 @@ impl CandleComm {
         let algorithm = match &mut storage.slice {
             CudaStorageSlice::BF16(s) => self
                 .comm
-                .all_reduce_sum_in_place(&mut s.slice_mut(start..end), options)?,
+                .all_reduce_sum_in_place_with(&mut s.slice_mut(start..end), options)?,
             CudaStorageSlice::F16(s) => self
                 .comm
-                .all_reduce_sum_in_place(&mut s.slice_mut(start..end), options)?,
+                .all_reduce_sum_in_place_with(&mut s.slice_mut(start..end), options)?,
             CudaStorageSlice::F32(s) => self
                 .comm
-                .all_reduce_sum_in_place(&mut s.slice_mut(start..end), options)?,
+                .all_reduce_sum_in_place_with(&mut s.slice_mut(start..end), options)?,
             _ => unreachable!("checked: a supported dtype"),
         };
         Ok(algorithm)

@@ -207,9 +207,9 @@ pub(crate) fn mismatch_error(
 
 #[cfg(test)]
 mod tests {
+    use super::super::plan::CollectiveArgs;
     use super::*;
     use crate::backend::{Kernel, LaunchDims};
-    use super::super::plan::CollectiveArgs;
     use crate::dispatch::Algorithm;
 
     fn plan(kind: KernelKind, dtype: DType, width: usize, elements: usize, blocks: u32) -> Plan {

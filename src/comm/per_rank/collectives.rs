@@ -81,17 +81,16 @@ impl<B: Backend> Comm<B> {
     }
 
     /// Copies the input of the group's `root` (a group rank) into every member's
-    /// `recv`. The root passes `Some(send)` of `recv.len()` elements; the others may
-    /// pass `None` (what they pass is not read).
-    pub fn broadcast<S, R>(
+    /// `recv`. The root passes `Some(&send)` of `recv.len()` elements; the others
+    /// pass `None` (no turbofish needed; what a non-root passes is not read).
+    pub fn broadcast<R>(
         &self,
-        send: Option<&S>,
+        send: Option<&dyn DeviceBuffer<B>>,
         recv: &mut R,
         root: usize,
         options: &CollectiveOptions,
     ) -> Result<()>
     where
-        S: DeviceBuffer<B> + ?Sized,
         R: DeviceBufferMut<B> + ?Sized,
     {
         let core = &*self.core;
@@ -148,15 +147,14 @@ impl<B: Backend> Comm<B> {
     /// Scatters the root's `send` (`group width * recv.len()` elements): member q
     /// receives elements `[q * n, (q + 1) * n)`, `n = recv.len()`. The root passes
     /// `Some(send)`; the others may pass `None`.
-    pub fn scatter<S, R>(
+    pub fn scatter<R>(
         &self,
-        send: Option<&S>,
+        send: Option<&dyn DeviceBuffer<B>>,
         recv: &mut R,
         root: usize,
         options: &CollectiveOptions,
     ) -> Result<()>
     where
-        S: DeviceBuffer<B> + ?Sized,
         R: DeviceBufferMut<B> + ?Sized,
     {
         let core = &*self.core;

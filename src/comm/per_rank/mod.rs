@@ -15,13 +15,13 @@ use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
-use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
+use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut, IntoDevice};
 use crate::bootstrap::{Bootstrap, HostId, TcpBootstrap, UniqueId};
 use crate::dispatch::Algorithm;
 use crate::error::{Error, Result};
 use crate::SignalLayout;
 
-use super::config::config_checksum;
+use super::config::{compare_configs, encode_config};
 use super::core::check::{Meta, Routed};
 use super::core::connect;
 use super::core::launch::PeerInputs;
@@ -44,7 +44,7 @@ pub use parking::{free_expired_teardowns, parked_teardowns};
 /// ```
 /// use peercomm::backend::{host::Host, Backend};
 /// use peercomm::bootstrap::UniqueId;
-/// use peercomm::{AllReduceOptions, Comm, CommConfig};
+/// use peercomm::{Comm, CommConfig};
 ///
 /// let id = UniqueId::new()?; // made by rank 0, sent to the others (string or bytes)
 /// let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
@@ -56,7 +56,7 @@ pub use parking::{free_expired_teardowns, parked_teardowns};
 ///                 let mut send = Host::alloc_buffer::<f32>(comm.device(), 4).unwrap();
 ///                 Host::upload(comm.device(), &[rank as f32 + 1.0; 4], &mut send).unwrap();
 ///                 let mut recv = Host::alloc_buffer::<f32>(comm.device(), 4).unwrap();
-///                 comm.all_reduce_sum(&send, &mut recv, &AllReduceOptions::new()).unwrap();
+///                 comm.all_reduce_sum(&send, &mut recv).unwrap();
 ///                 comm.synchronize().unwrap();
 ///                 Host::download(comm.device(), &recv).unwrap()
 ///             })
@@ -95,6 +95,10 @@ pub struct Comm<B: Backend> {
     _one_issuing_thread: std::marker::PhantomData<std::cell::Cell<()>>,
 }
 
+/// The checksum [`Comm::from_rank`] gives the TCP handshake: the same for every
+/// configuration, since the ranks compare theirs field by field right after it.
+const CONFIG_COMPARED_AFTER_HANDSHAKE: u64 = 0x7065_6572_636f_6d6d;
+
 /// What [`Comm`] knows of a buffer.
 fn meta<B: Backend>(b: &(impl DeviceBuffer<B> + ?Sized)) -> Meta {
     Meta {
@@ -105,26 +109,29 @@ fn meta<B: Backend>(b: &(impl DeviceBuffer<B> + ?Sized)) -> Meta {
 }
 
 impl<B: Backend> Comm<B> {
-    /// Rank `rank` of `world_size`, on `device` (opened by this thread or process,
-    /// for CUDA with the stream collectives should run on:
-    /// `CudaDevice::from_stream`). Every rank calls this with the same `id` (made by
+    /// Rank `rank` of `world_size`, on `device`: the backend's device (opened by this
+    /// thread or process), or for CUDA cudarc's `Arc<CudaStream>` that collectives
+    /// should run on (no turbofish: the stream names its backend). Every rank calls this with the same `id` (made by
     /// rank 0 with [`UniqueId::new`] and sent to the others) and the same `config`;
     /// it returns once all ranks have joined, or with a typed error when one does not
     /// come within `config.bootstrap_timeout`.
-    pub fn from_rank(
-        device: B::Device,
+    pub fn from_rank<D: IntoDevice<Backend = B>>(
+        device: D,
         rank: usize,
         world_size: usize,
         id: &UniqueId,
         config: CommConfig,
     ) -> Result<Self> {
+        let device = device.into_device()?;
         route::check_world(world_size, &config)?;
         config.check_per_rank_timeouts()?;
+        // The configurations are compared field by field after the handshake (a
+        // mismatch names the fields), not by checksum in it.
         let bootstrap = TcpBootstrap::connect(
             id,
             rank,
             world_size,
-            config_checksum(&config),
+            CONFIG_COMPARED_AFTER_HANDSHAKE,
             config.bootstrap_timeout,
         )?;
         let hosts = bootstrap.host_ids().to_vec();
@@ -133,11 +140,12 @@ impl<B: Backend> Comm<B> {
 
     /// As [`Comm::from_rank`], over a bootstrap the engine brings (its own store:
     /// torch.distributed, MPI, an RPC layer): rank and world size come from it.
-    pub fn from_bootstrap(
-        device: B::Device,
+    pub fn from_bootstrap<D: IntoDevice<Backend = B>>(
+        device: D,
         bootstrap: Box<dyn Bootstrap>,
         config: CommConfig,
     ) -> Result<Self> {
+        let device = device.into_device()?;
         route::check_world(bootstrap.world_size(), &config)?;
         config.check_per_rank_timeouts()?;
         let hosts = bootstrap
@@ -155,6 +163,7 @@ impl<B: Backend> Comm<B> {
         config: CommConfig,
     ) -> Result<Self> {
         let bootstrap: Arc<dyn Bootstrap> = Arc::from(bootstrap);
+        compare_configs(&bootstrap.all_gather(&encode_config(&config))?)?;
         let hosts = match &config.simulate.hosts {
             Some(h) if h.len() != hosts.len() => {
                 return Err(Error::InvalidConfig(format!(
@@ -228,7 +237,19 @@ impl<B: Backend> Comm<B> {
     /// [`Comm::synchronize`] returns [`Error::CallMismatch`] naming the peer and the
     /// field on every rank, with nothing written. A rank whose peers never make the call
     /// gets [`Error::BarrierTimeout`] naming the rank it waited for.
-    pub fn all_reduce_sum<S, R>(
+    ///
+    /// Over the whole world with the algorithm peercomm chooses; see
+    /// [`Comm::all_reduce_sum_with`] for group sizes, algorithms and grids.
+    pub fn all_reduce_sum<S, R>(&self, send: &S, recv: &mut R) -> Result<Algorithm>
+    where
+        S: DeviceBuffer<B> + ?Sized,
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        self.all_reduce_sum_with(send, recv, &AllReduceOptions::new())
+    }
+
+    /// As [`Comm::all_reduce_sum`], with options (group size, algorithm, blocks).
+    pub fn all_reduce_sum_with<S, R>(
         &self,
         send: &S,
         recv: &mut R,
@@ -255,8 +276,17 @@ impl<B: Backend> Comm<B> {
         result
     }
 
-    /// Sums `buf` over each group in place. As [`Comm::all_reduce_sum`].
-    pub fn all_reduce_sum_in_place<R>(
+    /// Sums `buf` over the world in place. As [`Comm::all_reduce_sum`].
+    pub fn all_reduce_sum_in_place<R>(&self, buf: &mut R) -> Result<Algorithm>
+    where
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        self.all_reduce_sum_in_place_with(buf, &AllReduceOptions::new())
+    }
+
+    /// Sums `buf` over each group in place, with options. As
+    /// [`Comm::all_reduce_sum_with`].
+    pub fn all_reduce_sum_in_place_with<R>(
         &self,
         buf: &mut R,
         options: &AllReduceOptions,
