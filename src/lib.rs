@@ -1,14 +1,78 @@
-//! peercomm: multi-GPU intra-node all-reduce over peer-to-peer memory.
+//! peercomm: multi-GPU collectives inside one node over peer-to-peer memory (NVLink,
+//! xGMI), for Rust inference and training engines: all-reduce (sum), all-gather,
+//! reduce-scatter, broadcast, scatter and a fused all-reduce + residual + RMSNorm, over
+//! f32, f16 and bf16, on NVIDIA (`cuda` feature, on cudarc) and AMD (`hip` feature)
+//! GPUs, with NCCL/RCCL taking over where peer memory cannot serve.
 //!
 //! GPUs synchronise thread blocks directly through counters in each other's memory
 //! (the *signal counter-bank protocol*, defined once in `include/peercomm_signal.h`),
-//! with no host round trip. On top of it: all-reduce (sum) over f32, f16 and bf16 with
-//! one-stage, two-stage and barrier-free (Lamport) kernels, subgroups, and a dispatch
-//! table per architecture, GPU count and message size.
+//! with no host round trip; the all-reduce has one-stage, two-stage and barrier-free
+//! (Lamport) kernels and a dispatch table per architecture, group width and message
+//! size.
 //!
-//! Backends: [`backend::host::Host`] (always built; CPU threads over memory arenas,
-//! the reference the tests run everywhere), `backend::cuda::Cuda` (feature `cuda`) and
-//! `backend::hip::Hip` (feature `hip`).
+//! # One rank per thread or process: [`Comm`]
+//!
+//! The API engines use, shaped like cudarc's `nccl::Comm`: every rank builds its own
+//! [`Comm`] with [`Comm::from_rank`] from the [`UniqueId`] rank 0 made, and each call
+//! enqueues this rank's kernel on this rank's stream, with this rank's buffers. On the
+//! host reference backend (no GPU), two ranks in two threads:
+//!
+//! ```
+//! use peercomm::backend::{host::Host, Backend};
+//! use peercomm::{AllReduceOptions, Comm, CommConfig, UniqueId};
+//!
+//! // Rank 0 makes the id and hands it to the other ranks (here threads of one process;
+//! // between processes as text or bytes, see "Launching ranks" below).
+//! let id = UniqueId::new()?;
+//! let sums = std::thread::scope(|s| {
+//!     let ranks: Vec<_> = (0..2)
+//!         .map(|rank| {
+//!             let id = &id;
+//!             s.spawn(move || -> peercomm::Result<Vec<f32>> {
+//!                 // On CUDA: Comm::<Cuda> on CudaDevice::from_stream(the rank's stream).
+//!                 let device = Host::open(rank)?;
+//!                 let comm = Comm::<Host>::from_rank(device, rank, 2, id, CommConfig::default())?;
+//!                 let send = Host::alloc_from(comm.device(), &[rank as f32 + 1.0; 4])?;
+//!                 let mut recv = Host::alloc_buffer::<f32>(comm.device(), 4)?;
+//!                 comm.all_reduce_sum(&send, &mut recv, &AllReduceOptions::new())?; // returns at once
+//!                 comm.synchronize()?; // waits; a device-side timeout or mismatch is an Err here
+//!                 Host::download(comm.device(), &recv)
+//!             })
+//!         })
+//!         .collect();
+//!     ranks.into_iter().map(|r| r.join().unwrap()).collect::<peercomm::Result<Vec<_>>>()
+//! })?;
+//! assert_eq!(sums, vec![vec![3.0; 4]; 2]);
+//! # Ok::<(), peercomm::Error>(())
+//! ```
+//!
+//! On CUDA the buffers are cudarc `CudaSlice`s (or views) on the rank's
+//! `Arc<CudaStream>`; `examples/from-nccl.rs` sets a rank on cudarc's NCCL beside the
+//! same rank on peercomm.
+//!
+//! Every collective of [`Comm`] has a runnable example, checked, in
+//! `examples/collectives.rs` (`cargo run --release --example collectives`, two ranks on
+//! the host backend): [`Comm::all_reduce_sum`], [`Comm::all_reduce_sum_in_place`],
+//! [`Comm::all_gather`], [`Comm::reduce_scatter_sum`] (parts by
+//! [`reduce_scatter_part`]), [`Comm::broadcast`], [`Comm::broadcast_in_place`],
+//! [`Comm::scatter`] and [`Comm::all_reduce_residual_rms_norm`].
+//!
+//! # Launching ranks
+//!
+//! [`UniqueId::new`] binds rank 0's listener (on `127.0.0.1`, or on
+//! [`bootstrap::BOOTSTRAP_ADDR_ENV`] for ranks on other hosts) and draws a secret; its
+//! text form (`to_string`, 80 hex digits, parsed back with `str::parse`) or
+//! [`UniqueId::to_bytes`] reaches the other ranks the way NCCL's id does. A launcher
+//! that is not rank 0 makes the id, calls [`UniqueId::release`] (closing its listener,
+//! so rank 0's own process binds the address), then starts the ranks:
+//! `examples/launch.rs` does exactly that. Engines with their own store pass a
+//! [`Bootstrap`] to [`Comm::from_bootstrap`].
+//!
+//! # One process driving every GPU: [`Communicator`]
+//!
+//! The single controller: one communicator over several devices of this process, every
+//! collective enqueued on every rank at once, with the checks only it can make (every
+//! rank's shapes).
 //!
 //! ```
 //! use peercomm::backend::{host::Host, Backend, TypedBuffer};
@@ -37,6 +101,12 @@
 //! assert_eq!(outs[0].to_host(comm.rank(0).device())?, vec![3.0; 6]);
 //! # Ok::<(), peercomm::Error>(())
 //! ```
+//!
+//! # Backends
+//!
+//! [`backend::host::Host`] (always built; CPU threads over memory arenas, the reference
+//! the tests run everywhere), `backend::cuda::Cuda` (feature `cuda`) and
+//! `backend::hip::Hip` (feature `hip`).
 
 #![warn(missing_docs)]
 

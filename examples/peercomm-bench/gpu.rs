@@ -8,8 +8,6 @@ use cudarc::driver::{CudaGraph, CudaSlice, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::{group_end, group_start, Comm, NcclType, ReduceOp};
 use peercomm::backend::cuda::Cuda;
 
-use indicatif::{ProgressBar, ProgressStyle};
-
 use super::*;
 
 fn iters_for(bytes: usize) -> usize {
@@ -24,12 +22,6 @@ fn iters_for(bytes: usize) -> usize {
 /// Input sets per rank so that a batch cycles through more than the 60 MB L2.
 fn sets_for(bytes: usize) -> usize {
     (192usize << 20).div_ceil(bytes).clamp(2, 16)
-}
-
-fn progress(len: usize) -> ProgressBar {
-    let pb = ProgressBar::new(len as u64);
-    pb.set_style(ProgressStyle::with_template("{bar:40} {pos}/{len} {msg}").unwrap());
-    pb
 }
 
 pub struct Gpu {
@@ -80,6 +72,8 @@ pub fn run(args: &Args, world: usize, gpus: usize) -> Report {
     let mut report = Report {
         date: chrono_free_date(),
         backend: format!("cuda ({})", comm.architecture()),
+        api: "single-controller Communicator".into(),
+        gpu_of_rank: Some(ordinals.clone()),
         devices: comm
             .ranks()
             .iter()
@@ -88,9 +82,8 @@ pub fn run(args: &Args, world: usize, gpus: usize) -> Report {
         ..Report::default()
     };
     println!(
-        "peercomm-bench on {} x {} ({}), {}",
-        world,
-        report.devices[0],
+        "peercomm-bench: single-controller Communicator, {} ({}), {}",
+        machine_of(&report),
         comm.architecture(),
         report.date
     );
@@ -136,14 +129,17 @@ pub fn run(args: &Args, world: usize, gpus: usize) -> Report {
         super::host_cost::run(&gpu, args);
     }
     let sizes = sizes(args, args.min_bytes, max);
-    let pb = progress(args.dtypes.len() * groups.len() * sizes.len());
+    let mut pb = super::progress::Progress::new(
+        args.dtypes.len() * groups.len() * sizes.len(),
+        "all-reduce sweep",
+    );
     let mut rng = rand::rngs::StdRng::from_os_rng();
     print_header();
     for dt in &args.dtypes {
         let dtype = parse_dtype(dt);
         for &group in &groups {
             for &bytes in &sizes {
-                pb.set_message(format!("{dt} group {group} {bytes} B"));
+                pb.set_message(format!("{dt} group {group} {}", human_bytes(bytes as f64)));
                 let recs = match dtype {
                     DType::F32 => point::<f32>(&gpu, args, &mut rng, group, bytes),
                     DType::F16 => point::<half::f16>(&gpu, args, &mut rng, group, bytes),
@@ -151,11 +147,11 @@ pub fn run(args: &Args, world: usize, gpus: usize) -> Report {
                 };
                 pb.suspend(|| recs.iter().for_each(print_record));
                 report.records.extend(recs);
-                pb.inc(1);
+                pb.inc();
             }
         }
     }
-    pb.finish_and_clear();
+    pb.finish();
     if args.collectives {
         report
             .records

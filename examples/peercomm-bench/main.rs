@@ -11,10 +11,29 @@
 //!
 //! ```text
 //! cargo run --release --example peercomm-bench                      # host backend
-//! cargo run --release --features cuda --example peercomm-bench -- --out results/
+//! cargo run --release --features cuda --example peercomm-bench      # on GPUs
+//! cargo run --release --example peercomm-bench -- --replot results/h200x2/results.json
 //! ```
+//!
+//! What a run shows and leaves behind:
+//! - the first line of stdout names the folder the results go to (`--out`, else
+//!   `bench-out/<UTC date and time>/`); the folder always receives `results.json`
+//!   (every point), `results.csv` (the same, one row per point), `summary.txt` and
+//!   `results.png`;
+//! - a progress bar on stderr (a line at every tenth of the points when stderr is not a
+//!   terminal);
+//! - one line per point on stdout; each ratio column has one definition: `lat/nccl`,
+//!   `lat/sym`, `lat/floor` are latency ratios (this row's latency over NCCL's, over
+//!   NCCL's with symmetric windows, over the link's floor, at the same size and mode;
+//!   below 1 is faster), and bus bandwidth has its own column;
+//! - a closing summary at the sizes engines all-reduce (`summary.txt`).
+//!
+//! `--replot FILE` draws `results.png` again from a `results.json` of this benchmark
+//! (or `tp-mlp.png` from the candle example's `tp-mlp.json`), measuring nothing and
+//! leaving the JSON as it is.
 
-use std::path::PathBuf;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 use clap::Parser;
@@ -22,6 +41,7 @@ use peercomm::backend::Backend;
 use peercomm::{
     Algorithm, AllReduceOptions, CommConfig, Communicator, DType, Element, Tensor, TensorMut,
 };
+use progress::Progress;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
 
@@ -67,9 +87,14 @@ struct Args {
     /// Algorithms to run (auto, one_stage, two_stage, lamport); default all four.
     #[arg(long, value_delimiter = ',')]
     algorithms: Option<Vec<String>>,
-    /// Folder for results.json and results.png.
+    /// Folder for results.json, results.csv, summary.txt and results.png (default:
+    /// bench-out/<UTC date and time>/ in the current directory).
     #[arg(long)]
     out: Option<PathBuf>,
+    /// Draw the plot of a results.json of this benchmark (or of the candle example's
+    /// tp-mlp.json) again, beside it or into --out, without measuring anything.
+    #[arg(long, value_name = "JSON")]
+    replot: Option<PathBuf>,
     /// Measure the per-rank communicator instead: this many threads, one rank each
     /// (round-robin over the GPUs), against cudarc's NCCL `Comm::from_rank` (bf16,
     /// whole world, up to 1 MiB unless --max-bytes says otherwise).
@@ -126,11 +151,19 @@ struct Record {
     ratio_vs_floor: Option<f64>,
 }
 
-#[derive(Serialize, Debug, Default)]
+/// A run: what it ran on, the link figures, every point. Files written by older
+/// versions lack some fields (`serde(default)`), so `--replot` reads them too.
+#[derive(Serialize, serde::Deserialize, Debug, Default)]
+#[serde(default)]
 struct Report {
     date: String,
     backend: String,
+    /// "single-controller Communicator" or "per-rank Comm (threads|processes)".
+    api: String,
+    /// The device name of each rank.
     devices: Vec<String>,
+    /// The device ordinal of each rank (None in files from older versions).
+    gpu_of_rank: Option<Vec<usize>>,
     copy_engine_gbps_one_way: Option<f64>,
     copy_engine_gbps_both_ways: Option<f64>,
     flag_round_trip_us: Option<f64>,
@@ -237,9 +270,15 @@ fn check<T: Element>(
     Ok(())
 }
 
+/// What each ratio column means, printed above every table of points.
+const COLUMNS: &str = "lat/nccl, lat/sym, lat/floor: latency ratios at the same size and mode \
+(below 1 is faster): this row's latency over NCCL's, over NCCL's with symmetric windows, over the \
+link's floor\nbusbw: bus bandwidth in GB/s, bytes x 2(g-1)/g over the latency";
+
 fn print_header() {
+    println!("{COLUMNS}");
     println!(
-        "{:>5} {:>5} {:>12} {:>20} {:>10} {:>6} {:>11} {:>10} {:>10} {:>8} {:>8} {:>8}",
+        "{:>5} {:>5} {:>12} {:>20} {:>10} {:>6} {:>11} {:>10} {:>10} {:>9} {:>9} {:>9}",
         "dtype",
         "group",
         "bytes",
@@ -249,15 +288,15 @@ fn print_header() {
         "latency_us",
         "algbw_GB/s",
         "busbw_GB/s",
-        "vs_nccl",
-        "vs_sym",
-        "vs_floor"
+        "lat/nccl",
+        "lat/sym",
+        "lat/floor"
     );
 }
 
 fn print_record(r: &Record) {
     println!(
-        "{:>5} {:>5} {:>12} {:>20} {:>10} {:>6} {:>11.2} {:>10.2} {:>10.2} {:>8} {:>8} {:>8}",
+        "{:>5} {:>5} {:>12} {:>20} {:>10} {:>6} {:>11.2} {:>10.2} {:>10.2} {:>9} {:>9} {:>9}",
         r.dtype,
         r.group,
         r.bytes,
@@ -375,15 +414,255 @@ fn human_bytes(bytes: f64) -> String {
     }
 }
 
-fn write_outputs(args: &Args, report: &Report) {
-    let Some(dir) = &args.out else { return };
-    std::fs::create_dir_all(dir).expect("create output folder");
+/// The folder of a run without `--out`: bench-out/<UTC date and time>/ (a suffix when
+/// a folder of that second exists already).
+fn default_out() -> PathBuf {
+    let (date, time) = utc_now();
+    let base = Path::new("bench-out").join(format!("{date}_{time}"));
+    let mut dir = base.clone();
+    let mut n = 2;
+    while dir.exists() {
+        dir = PathBuf::from(format!("{}-{n}", base.display()));
+        n += 1;
+    }
+    dir
+}
+
+/// results.json, results.csv, summary.txt and results.png into `dir`.
+fn write_outputs(dir: &Path, report: &Report, summary: &str) {
+    std::fs::create_dir_all(dir).expect("create the output folder");
     let json = serde_json::to_string_pretty(report).unwrap();
     std::fs::write(dir.join("results.json"), json).expect("write results.json");
+    std::fs::write(dir.join("results.csv"), csv(report)).expect("write results.csv");
+    std::fs::write(dir.join("summary.txt"), summary).expect("write summary.txt");
     match plot::draw(report, &dir.join("results.png")) {
-        Ok(()) => println!("wrote {}/results.json and results.png", dir.display()),
-        Err(e) => println!("wrote {}/results.json; plot failed: {e}", dir.display()),
+        Ok(()) => println!(
+            "wrote {0}/results.json, {0}/results.csv, {0}/summary.txt and {0}/results.png",
+            dir.display()
+        ),
+        Err(e) => println!(
+            "wrote {0}/results.json, {0}/results.csv and {0}/summary.txt; the plot failed: {e}",
+            dir.display()
+        ),
     }
+}
+
+/// Every point, one row each; the ratio columns are latency ratios (see [`COLUMNS`]).
+fn csv(report: &Report) -> String {
+    let opt = |x: Option<f64>| x.map_or(String::new(), |v| format!("{v}"));
+    let mut out = String::from(
+        "dtype,world,group,bytes,implementation,algorithm,mode,latency_us,algbw_gbps,busbw_gbps,\
+         latency_ratio_vs_nccl,latency_ratio_vs_nccl_symmetric,floor_us,latency_ratio_vs_floor\n",
+    );
+    for r in &report.records {
+        writeln!(
+            out,
+            "{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
+            r.dtype,
+            r.world,
+            r.group,
+            r.bytes,
+            r.implementation,
+            r.algorithm,
+            r.mode,
+            r.latency_us,
+            r.algbw_gbps,
+            r.busbw_gbps,
+            opt(r.ratio_vs_nccl),
+            opt(r.ratio_vs_nccl_symmetric),
+            opt(r.floor_us),
+            opt(r.ratio_vs_floor)
+        )
+        .unwrap();
+    }
+    out
+}
+
+/// The API a report's all-reduce went through (older files do not say: their
+/// implementation names do).
+fn api_of(report: &Report) -> String {
+    if !report.api.is_empty() {
+        report.api.clone()
+    } else if report
+        .records
+        .iter()
+        .any(|r| r.implementation.starts_with("peercomm-per-rank"))
+    {
+        "per-rank Comm".into()
+    } else {
+        "single-controller Communicator".into()
+    }
+}
+
+/// The machine as the run knows it: ranks, devices, and whether ranks share one.
+fn machine_of(report: &Report) -> String {
+    let world = report
+        .records
+        .first()
+        .map_or(report.devices.len(), |r| r.world);
+    if report.backend == "host" {
+        return format!("{world} ranks on the host reference backend (CPU threads, no GPU)");
+    }
+    let name = report.devices.first().map_or("?", String::as_str);
+    match &report.gpu_of_rank {
+        Some(gpus) => {
+            let mut distinct = gpus.clone();
+            distinct.sort_unstable();
+            distinct.dedup();
+            match distinct.len() {
+                n if n == world && world == 1 => format!("1 {name}"),
+                n if n == world => format!("{world} x {name} (one GPU per rank)"),
+                1 => format!("{world} ranks sharing one {name}"),
+                n => format!("{world} ranks sharing {n} x {name}"),
+            }
+        }
+        // Files from before gpu_of_rank: the link figures are measured only between
+        // ranks on different GPUs.
+        None if report.copy_engine_gbps_one_way.is_some() => {
+            format!("{world} x {name} (one GPU per rank)")
+        }
+        None => format!("{world} ranks on {name} (the file does not say how many GPUs)"),
+    }
+}
+
+/// Whether ranks of this run share a GPU (timings then say nothing about a link).
+fn shares_gpus(report: &Report) -> bool {
+    report.gpu_of_rank.as_ref().is_some_and(|gpus| {
+        let mut distinct = gpus.clone();
+        distinct.sort_unstable();
+        distinct.dedup();
+        distinct.len() < gpus.len()
+    }) && report.backend != "host"
+}
+
+/// The all-reduce sizes of engines: hidden 4096 in bf16 (a Llama-3-8B layer, the candle
+/// example's shape) at 1, 8, 32 and 128 tokens (decode) and 2048 (prefill).
+const ENGINE_SIZES: [usize; 5] = [8 << 10, 64 << 10, 256 << 10, 1 << 20, 16 << 20];
+
+/// The closing summary: per dtype and mode, peercomm's all-reduce over the whole world
+/// at the engine sizes against NCCL, NCCL with symmetric windows and the floor.
+fn summary(report: &Report) -> String {
+    let mut out = String::new();
+    let world = report.records.first().map_or(0, |r| r.world);
+    let plain_mode = |r: &Record| r.mode == "eager" || r.mode == "graph";
+    let is_ours = |r: &Record| {
+        r.implementation == "peercomm-auto" || r.implementation.starts_with("peercomm-per-rank")
+    };
+    let ours: Vec<&Record> = report
+        .records
+        .iter()
+        .filter(|r| is_ours(r) && plain_mode(r) && r.group == world)
+        .collect();
+    writeln!(
+        out,
+        "summary: all-reduce over the whole world, {}, {}",
+        api_of(report),
+        machine_of(report)
+    )
+    .unwrap();
+    if ours.is_empty() {
+        writeln!(out, "(no whole-world all-reduce in this run)").unwrap();
+        return out;
+    }
+    let engine: Vec<&Record> = ours
+        .iter()
+        .copied()
+        .filter(|r| ENGINE_SIZES.contains(&r.bytes))
+        .collect();
+    let rows = if engine.is_empty() {
+        writeln!(out, "(none of the engine sizes ran: every size of the run)").unwrap();
+        ours
+    } else {
+        writeln!(
+            out,
+            "at the sizes engines all-reduce per rank: hidden 4096 in bf16 at 1, 8, 32, 128 \
+             tokens (decode: 8 KiB, 64 KiB, 256 KiB, 1 MiB) and 2048 (prefill: 16 MiB)"
+        )
+        .unwrap();
+        engine
+    };
+    if !report
+        .records
+        .iter()
+        .any(|r| r.implementation.starts_with("nccl"))
+    {
+        writeln!(
+            out,
+            "no NCCL in this run (host backend, ranks sharing a GPU, or --no-nccl): its columns are empty"
+        )
+        .unwrap();
+    }
+    if shares_gpus(report) {
+        writeln!(
+            out,
+            "ranks share a GPU: every rank's kernels run on one GPU, so these timings say nothing about a link"
+        )
+        .unwrap();
+    }
+    writeln!(out, "{COLUMNS}").unwrap();
+    writeln!(
+        out,
+        "{:>5} {:>5} {:>9} {:>11} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9} {:>15} {:>11}",
+        "dtype",
+        "mode",
+        "bytes",
+        "peercomm_us",
+        "nccl_us",
+        "lat/nccl",
+        "nccl_sym_us",
+        "lat/sym",
+        "floor_us",
+        "lat/floor",
+        "peercomm_busbw",
+        "nccl_busbw"
+    )
+    .unwrap();
+    let f2 = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.2}"));
+    let bw = |x: Option<f64>| {
+        x.map_or("-".to_string(), |v| {
+            if v < 10.0 {
+                format!("{v:.2}")
+            } else {
+                format!("{v:.1}")
+            }
+        })
+    };
+    let mut rows = rows;
+    rows.sort_by(|a, b| (&a.dtype, &a.mode, a.bytes).cmp(&(&b.dtype, &b.mode, b.bytes)));
+    for r in rows {
+        let partner = |name: &str| {
+            report.records.iter().find(|n| {
+                n.dtype == r.dtype
+                    && n.group == r.group
+                    && n.bytes == r.bytes
+                    && n.mode == r.mode
+                    && n.implementation
+                        .replace("-per-rank-thread", "")
+                        .replace("-per-rank-process", "")
+                        == name
+            })
+        };
+        let (nccl, sym) = (partner("nccl"), partner("nccl-symmetric"));
+        writeln!(
+            out,
+            "{:>5} {:>5} {:>9} {:>11.2} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9} {:>15} {:>11}",
+            r.dtype,
+            r.mode,
+            human_bytes(r.bytes as f64),
+            r.latency_us,
+            f2(nccl.map(|n| n.latency_us)),
+            f2(r.ratio_vs_nccl),
+            f2(sym.map(|n| n.latency_us)),
+            f2(r.ratio_vs_nccl_symmetric),
+            f2(r.floor_us),
+            f2(r.ratio_vs_floor),
+            bw(Some(r.busbw_gbps)),
+            bw(nccl.map(|n| n.busbw_gbps))
+        )
+        .unwrap();
+    }
+    writeln!(out, "(times in us, bus bandwidth in GB/s)").unwrap();
+    out
 }
 
 fn algorithms(args: &Args) -> Vec<Algorithm> {
@@ -438,16 +717,30 @@ fn run_host(args: &Args, why: &str) -> Report {
     let mut report = Report {
         date: chrono_free_date(),
         backend: "host".into(),
+        api: "single-controller Communicator".into(),
         devices: vec!["host arena 0".into(), "host arena 1".into()],
+        gpu_of_rank: Some(vec![0, 1]),
         ..Report::default()
     };
     let mut rng = rand::rngs::StdRng::from_os_rng();
+    let groups = group_list(args, world);
+    let sizes = sizes(args, args.min_bytes, max);
+    let algorithms = algorithms(args);
+    let mut progress = Progress::new(
+        args.dtypes.len() * groups.len() * sizes.len() * algorithms.len(),
+        "all-reduce sweep (host)",
+    );
     print_header();
     for dt in &args.dtypes {
         let dtype = parse_dtype(dt);
-        for group in group_list(args, world) {
-            for bytes in sizes(args, args.min_bytes, max) {
-                for alg in algorithms(args) {
+        for &group in &groups {
+            for &bytes in &sizes {
+                for &alg in &algorithms {
+                    progress.set_message(format!(
+                        "{dt} group {group} {} {}",
+                        human_bytes(bytes as f64),
+                        alg.name()
+                    ));
                     let r = match dtype {
                         DType::F32 => {
                             host_point::<f32>(&comm, &mut rng, alg, group, bytes, args.batches)
@@ -470,13 +763,15 @@ fn run_host(args: &Args, why: &str) -> Report {
                         ),
                     };
                     if let Some(r) = r {
-                        print_record(&r);
+                        progress.suspend(|| print_record(&r));
                         report.records.push(r);
                     }
+                    progress.inc();
                 }
             }
         }
     }
+    progress.finish();
     report
 }
 
@@ -549,11 +844,17 @@ fn host_point<T: Element>(
 
 /// Today's date (UTC) from the system clock, without a date crate.
 fn chrono_free_date() -> String {
+    utc_now().0
+}
+
+/// (date, time): "2026-12-01" and "09-30-00" (UTC) from the system clock.
+fn utc_now() -> (String, String) {
     let secs = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_secs() as i64;
     let days = secs.div_euclid(86_400);
+    let of_day = secs.rem_euclid(86_400);
     // Civil-from-days (proleptic Gregorian), after H. Hinnant's well-known derivation.
     let z = days + 719_468;
     let era = z.div_euclid(146_097);
@@ -564,7 +865,15 @@ fn chrono_free_date() -> String {
     let d = doy - (153 * mp + 2) / 5 + 1;
     let m = if mp < 10 { mp + 3 } else { mp - 9 };
     let y = yoe + era * 400 + i64::from(m <= 2);
-    format!("{y:04}-{m:02}-{d:02}")
+    (
+        format!("{y:04}-{m:02}-{d:02}"),
+        format!(
+            "{:02}-{:02}-{:02}",
+            of_day / 3600,
+            of_day / 60 % 60,
+            of_day % 60
+        ),
+    )
 }
 
 #[cfg(feature = "cuda")]
@@ -580,22 +889,47 @@ mod overlap;
 #[cfg(feature = "cuda")]
 mod per_rank;
 
+// Also compiled inside `replot`, through the candle example's plot (which includes it
+// by path), so that its plot is checked and drawn here: two copies, on purpose.
+#[allow(clippy::duplicate_mod)]
+mod chart;
 mod plot;
+
+mod progress;
+mod replot;
+
+/// Set in the rank processes of `--per-rank N --processes` (their rank): they print and
+/// write nothing of their own.
+const CHILD_RANK: &str = "PEERCOMM_BENCH_CHILD_RANK";
 
 fn main() {
     let args = Args::parse();
+    if let Some(json) = &args.replot {
+        match replot::run(json, args.out.as_deref()) {
+            Ok(png) => println!(
+                "peercomm-bench: drew {} from {}",
+                png.display(),
+                json.display()
+            ),
+            Err(e) => {
+                eprintln!("peercomm-bench: --replot {}: {e}", json.display());
+                std::process::exit(1);
+            }
+        }
+        return;
+    }
+    let out = args.out.clone().unwrap_or_else(default_out);
+    if std::env::var_os(CHILD_RANK).is_none() {
+        println!(
+            "peercomm-bench: results go to {}/ (results.json, results.csv, summary.txt, results.png)",
+            out.display()
+        );
+    }
     #[cfg(feature = "cuda")]
     let mut report = match peercomm::backend::cuda::Cuda::device_count() {
-        Ok(n) if n >= 1 && args.per_rank.is_some() => Report {
-            date: chrono_free_date(),
-            backend: if args.processes {
-                "cuda (per-rank processes)".into()
-            } else {
-                "cuda (per-rank threads)".into()
-            },
-            records: per_rank::run(&args, args.per_rank.unwrap(), n),
-            ..Report::default()
-        },
+        Ok(n) if n >= 1 && args.per_rank.is_some() => {
+            per_rank::report(&args, args.per_rank.unwrap(), n)
+        }
         Ok(n) if n >= 1 => gpu::run(&args, args.world.unwrap_or(n).min(peercomm::MAX_GPUS), n),
         Ok(_) => run_host(&args, "no CUDA device"),
         Err(e) => run_host(&args, &e.to_string()),
@@ -604,20 +938,7 @@ fn main() {
     let mut report = run_host(&args, "built without the `cuda` feature");
     attach_ratios(&mut report.records);
     attach_floors(&mut report);
-    if report
-        .records
-        .iter()
-        .any(|r| r.ratio_vs_nccl.is_some() || r.ratio_vs_floor.is_some())
-    {
-        println!("\nsummary (peercomm auto against NCCL and the link's floor, same run):");
-        print_header();
-        for r in report.records.iter().filter(|r| {
-            r.implementation == "peercomm-auto"
-                || r.implementation.starts_with("nccl")
-                || r.implementation.starts_with("peercomm-per-rank")
-        }) {
-            print_record(r);
-        }
-    }
-    write_outputs(&args, &report);
+    let summary = summary(&report);
+    println!("\n{summary}");
+    write_outputs(&out, &report, &summary);
 }

@@ -47,14 +47,39 @@ fn per_call_us(
     median(samples)
 }
 
-/// Set in the children of `--processes`: this child's rank.
-const CHILD_RANK: &str = "PEERCOMM_BENCH_CHILD_RANK";
 /// The peercomm `UniqueId` the parent made, as a string.
 const CHILD_ID: &str = "PEERCOMM_BENCH_UNIQUE_ID";
 /// The NCCL id the parent made, as hex (absent without NCCL).
 const CHILD_NCCL_ID: &str = "PEERCOMM_BENCH_NCCL_ID";
 /// Prefix of the line on which a child reports its records (JSON).
 const RECORDS_LINE: &str = "PEERCOMM_BENCH_RECORDS ";
+
+/// The per-rank run as a report: the sweep's records and the machine they ran on.
+pub fn report(args: &Args, world: usize, gpus: usize) -> Report {
+    let gpu_of_rank: Vec<usize> = (0..world).map(|r| r % gpus).collect();
+    // Names through the driver, without a context in this process (the children of
+    // --processes make their own).
+    let name = |ordinal: usize| {
+        cudarc::driver::result::init()
+            .and_then(|()| cudarc::driver::result::device::get(ordinal as i32))
+            .and_then(cudarc::driver::result::device::get_name)
+            .unwrap_or_else(|_| "?".into())
+    };
+    let how = if args.processes {
+        "processes"
+    } else {
+        "threads"
+    };
+    Report {
+        date: chrono_free_date(),
+        backend: format!("cuda (per-rank {how})"),
+        api: format!("per-rank Comm ({how})"),
+        devices: gpu_of_rank.iter().map(|&o| name(o)).collect(),
+        gpu_of_rank: Some(gpu_of_rank),
+        records: run(args, world, gpus),
+        ..Report::default()
+    }
+}
 
 /// Runs the per-rank sweep over `world` ranks on `gpus` GPUs (round-robin), in threads
 /// or (`--processes`) in child processes; in a child, runs that child's rank and exits.
@@ -215,7 +240,13 @@ fn sweep(
     let nccl = nccl_id
         .map(|i| NcclComm::from_rank(stream.clone(), rank, world, i).expect("NCCL from_rank"));
     let mut mine = Vec::new();
+    // Rank 0 shows the progress (its thread, or its process's stderr).
+    let mut progress =
+        (rank == 0).then(|| super::progress::Progress::new(sizes.len(), "per-rank sweep"));
     for &bytes in &sizes {
+        if let Some(p) = progress.as_mut() {
+            p.set_message(human_bytes(bytes as f64));
+        }
         let n = bytes / 2;
         let send: CudaSlice<half::bf16> = stream
             .clone_htod(&vec![half::bf16::from_f32(rank as f32 + 1.0); n])
@@ -287,6 +318,12 @@ fn sweep(
             }
         }
         comm.synchronize().unwrap();
+        if let Some(p) = progress.as_mut() {
+            p.inc();
+        }
+    }
+    if let Some(p) = progress {
+        p.finish();
     }
     mine
 }
