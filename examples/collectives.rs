@@ -15,7 +15,7 @@
 //! stream (`Comm::<Cuda>`, see examples/from-nccl.rs); the code is otherwise the same.
 
 use peercomm::backend::host::Host;
-use peercomm::backend::Backend;
+use peercomm::backend::{Backend, DeviceBuffer};
 use peercomm::bootstrap::UniqueId;
 use peercomm::{reduce_scatter_part, AllReduceOptions, CollectiveOptions, Comm, CommConfig};
 
@@ -53,7 +53,7 @@ fn check(what: &str, rank: usize, got: &[f32], want: &[f32]) -> Result<()> {
 fn all_reduce(comm: &Comm<Host>) -> Result<()> {
     let send = buffer(comm, &[comm.rank() as f32 + 1.0; 6])?;
     let mut recv = output(comm, 6)?;
-    comm.all_reduce_sum(&send, &mut recv, &AllReduceOptions::new())?;
+    comm.all_reduce_sum_with(&send, &mut recv, &AllReduceOptions::new())?;
     check(
         "all_reduce_sum",
         comm.rank(),
@@ -62,7 +62,7 @@ fn all_reduce(comm: &Comm<Host>) -> Result<()> {
     )?;
 
     let mut buf = buffer(comm, &[comm.rank() as f32 + 1.0; 6])?;
-    comm.all_reduce_sum_in_place(&mut buf, &AllReduceOptions::new())?;
+    comm.all_reduce_sum_in_place_with(&mut buf, &AllReduceOptions::new())?;
     check(
         "all_reduce_sum_in_place",
         comm.rank(),
@@ -107,7 +107,7 @@ fn broadcast(comm: &Comm<Host>) -> Result<()> {
     let message = [7.0, 8.0, 9.0, 10.0];
     let send = buffer(comm, &message)?;
     let mut recv = output(comm, message.len())?;
-    let input = (comm.rank() == root).then_some(&send);
+    let input = (comm.rank() == root).then_some(&send as &dyn DeviceBuffer<Host>);
     comm.broadcast(input, &mut recv, root, &CollectiveOptions::new())?;
     check("broadcast", comm.rank(), &read(comm, &recv)?, &message)?;
 
@@ -132,7 +132,7 @@ fn scatter(comm: &Comm<Host>) -> Result<()> {
     let root = 0;
     let send = buffer(comm, &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0])?; // width x output, on the root
     let mut recv = output(comm, 3)?;
-    let input = (comm.rank() == root).then_some(&send);
+    let input = (comm.rank() == root).then_some(&send as &dyn DeviceBuffer<Host>);
     comm.scatter(input, &mut recv, root, &CollectiveOptions::new())?;
     let first = 3.0 * comm.rank() as f32;
     let want = [first, first + 1.0, first + 2.0];

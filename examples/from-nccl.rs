@@ -79,9 +79,7 @@ mod ranks {
         send: &CudaSlice<bf16>,
         recv: &mut CudaSlice<bf16>,
     ) -> Result<()> {
-        use peercomm::backend::cuda::{Cuda, CudaDevice};
-        use peercomm::bootstrap::UniqueId;
-        use peercomm::{AllReduceOptions, Comm, CommConfig};
+        use peercomm::{Comm, CommConfig, UniqueId};
 
         let bytes = if rank == 0 {
             ids.send(UniqueId::new()?.to_bytes())
@@ -89,9 +87,8 @@ mod ranks {
             ids.receive()
         };
         let id = UniqueId::from_bytes(&bytes)?;
-        let device = CudaDevice::from_stream(stream.clone())?;
-        let comm = Comm::<Cuda>::from_rank(device, rank, world, &id, CommConfig::default())?;
-        comm.all_reduce_sum(send, recv, &AllReduceOptions::new())?;
+        let comm = Comm::from_rank(stream.clone(), rank, world, &id, CommConfig::default())?;
+        comm.all_reduce_sum(send, recv)?;
         comm.synchronize()?; // waits, and reports a device-side error if one happened
         Ok(())
     }

@@ -19,7 +19,7 @@
 //!
 //! ```
 //! use peercomm::backend::{host::Host, Backend};
-//! use peercomm::{AllReduceOptions, Comm, CommConfig, UniqueId};
+//! use peercomm::{Comm, CommConfig, UniqueId};
 //!
 //! // Rank 0 makes the id and hands it to the other ranks (here threads of one process;
 //! // between processes as text or bytes, see "Launching ranks" below).
@@ -29,12 +29,12 @@
 //!         .map(|rank| {
 //!             let id = &id;
 //!             s.spawn(move || -> peercomm::Result<Vec<f32>> {
-//!                 // On CUDA: Comm::<Cuda> on CudaDevice::from_stream(the rank's stream).
+//!                 // On CUDA: the rank's cudarc Arc<CudaStream> instead of the device.
 //!                 let device = Host::open(rank)?;
-//!                 let comm = Comm::<Host>::from_rank(device, rank, 2, id, CommConfig::default())?;
+//!                 let comm = Comm::from_rank(device, rank, 2, id, CommConfig::default())?;
 //!                 let send = Host::alloc_from(comm.device(), &[rank as f32 + 1.0; 4])?;
 //!                 let mut recv = Host::alloc_buffer::<f32>(comm.device(), 4)?;
-//!                 comm.all_reduce_sum(&send, &mut recv, &AllReduceOptions::new())?; // returns at once
+//!                 comm.all_reduce_sum(&send, &mut recv)?; // returns at once
 //!                 comm.synchronize()?; // waits; a device-side timeout or mismatch is an Err here
 //!                 Host::download(comm.device(), &recv)
 //!             })
