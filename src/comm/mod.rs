@@ -19,6 +19,7 @@ mod call;
 mod collective;
 mod config;
 mod fault;
+mod group_kernel;
 mod launch;
 mod parking;
 #[doc(hidden)]
