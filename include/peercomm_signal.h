@@ -198,9 +198,10 @@ typedef struct peercomm_group_entry {
 /*
  * Launch arguments of the batched all-reduce, passed by value. `all` is read as for the
  * one-stage kernel (signals, payloads, group, domain, timeout, and the call descriptor
- * in `all.call`, which is the batch's: see AllReduceGroup in src/comm/group_kernel.rs);
- * its local_input, output and inputs are not read (the entries say where the data is),
- * and a group wider than one always stages through the payloads.
+ * in `all.call`, which is the batch's: see src/comm/group_kernel.rs); its local_input,
+ * output, inputs, stage_input and num_elements (the batch's total elements) are not read:
+ * the entries say where the data is, and a group wider than one always stages through
+ * the payloads.
  */
 typedef struct peercomm_group_args {
     peercomm_allreduce_args all;

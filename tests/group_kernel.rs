@@ -47,7 +47,7 @@ fn batches() -> Vec<Vec<usize>> {
 }
 
 fn divisors(world: usize) -> Vec<usize> {
-    (1..=world).filter(|g| world % g == 0).collect()
+    (1..=world).filter(|&g| world.is_multiple_of(g)).collect()
 }
 
 fn config(blocks: u32) -> CommConfig {
