@@ -170,4 +170,45 @@ typedef struct peercomm_allreduce_args {
     uint32_t call[PEERCOMM_CALL_WORDS];
 } peercomm_allreduce_args;
 
+/*
+ * The batched all-reduce (kernel kind AllReduceGroup): up to PEERCOMM_MAX_GROUP_CALLS
+ * all-reduces of one dtype and one group width in one kernel, with one start and one end
+ * barrier. Its own struct, so that peercomm_allreduce_args (passed by value to every
+ * other launch) does not grow.
+ */
+#define PEERCOMM_MAX_GROUP_CALLS 8
+
+/* One all-reduce of a batch, on this rank. */
+typedef struct peercomm_group_entry {
+    /* This rank's input (its user buffer). */
+    uint64_t input;
+    /* This rank's output. */
+    uint64_t output;
+    /* Elements of the entry (0: the entry writes nothing). */
+    uint64_t elements;
+    /*
+     * Byte offset of the entry in every group member's payload: entry 0 at 0, each next
+     * one after the previous entry's elements rounded up to whole 16-byte packs (so
+     * offset / 16 is the entry's first pack in the batch's concatenated pack range).
+     * Computed by the host, the same on every rank of the group.
+     */
+    uint64_t offset;
+} peercomm_group_entry;
+
+/*
+ * Launch arguments of the batched all-reduce, passed by value. `all` is read as for the
+ * one-stage kernel (signals, payloads, group, domain, timeout, and the call descriptor
+ * in `all.call`, which is the batch's: see src/comm/group_kernel.rs); its local_input,
+ * output, inputs, stage_input and num_elements (the batch's total elements) are not read:
+ * the entries say where the data is, and a group wider than one always stages through
+ * the payloads.
+ */
+typedef struct peercomm_group_args {
+    peercomm_allreduce_args all;
+    /* Entries in use: 1 .. PEERCOMM_MAX_GROUP_CALLS. */
+    uint32_t count;
+    uint32_t pad;
+    peercomm_group_entry entries[PEERCOMM_MAX_GROUP_CALLS];
+} peercomm_group_args;
+
 #endif /* PEERCOMM_SIGNAL_H */

@@ -109,6 +109,7 @@ PC_INLINE uint16_t bf16_from_float(float x) { return __bfloat16_as_ushort(__floa
 
 #include "peercomm_kernels.h"
 #include "peercomm_collectives.h"
+#include "peercomm_group.h"
 
 // ---------------------------------------------------------------------------------
 // Entry points: the argument struct by value (288 bytes of kernel parameters, read
@@ -134,3 +135,12 @@ PC_INLINE void overlap_with_neighbours() {
 
 PEERCOMM_KERNELS(PC_CUDA_KERNEL)
 PEERCOMM_COLLECTIVE_KERNELS(PC_CUDA_KERNEL)
+
+// The batched all-reduce: its own argument struct by value (552 bytes).
+#define PC_CUDA_GROUP_KERNEL(symbol, body)                                                  \
+    extern "C" __global__ void __launch_bounds__(512) symbol(const peercomm_group_args g) { \
+        overlap_with_neighbours();                                                          \
+        body(g);                                                                            \
+    }
+
+PEERCOMM_GROUP_KERNELS(PC_CUDA_GROUP_KERNEL)

@@ -124,6 +124,7 @@ PC_INLINE uint16_t bf16_from_float(float x) {
 
 #include "peercomm_kernels.h"
 #include "peercomm_collectives.h"
+#include "peercomm_group.h"
 
 // ---------------------------------------------------------------------------------
 // Entry points. The argument struct (288 bytes) is the first and only explicit kernel
@@ -138,3 +139,15 @@ PC_INLINE const Args& kernel_args() { return *(const Args*)__builtin_amdgcn_kern
 
 PEERCOMM_KERNELS(PC_HIP_KERNEL)
 PEERCOMM_COLLECTIVE_KERNELS(PC_HIP_KERNEL)
+
+// The batched all-reduce: its own argument struct (552 bytes), read in place the same way.
+PC_INLINE const peercomm_group_args& group_kernel_args() {
+    return *(const peercomm_group_args*)__builtin_amdgcn_kernarg_segment_ptr();
+}
+
+#define PC_HIP_GROUP_KERNEL(symbol, body)                                                   \
+    extern "C" __global__ void __launch_bounds__(1024) symbol(const peercomm_group_args) { \
+        body(group_kernel_args());                                                          \
+    }
+
+PEERCOMM_GROUP_KERNELS(PC_HIP_GROUP_KERNEL)

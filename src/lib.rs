@@ -131,8 +131,8 @@ pub use bootstrap::{Bootstrap, BootstrapError, HostId, TcpBootstrap, UniqueId};
 #[doc(hidden)]
 pub use comm::{free_expired_teardowns, parked_teardowns};
 pub use comm::{
-    reduce_scatter_part, AllReduceOptions, CollectiveOptions, Comm, CommConfig, Communicator,
-    MemoryFootprint, Rank,
+    reduce_scatter_part, AllReduceOptions, CollectiveOptions, Comm, CommConfig, CommGroup,
+    Communicator, CommunicatorGroup, MemoryFootprint, Rank,
 };
 pub use dispatch::Algorithm;
 pub use dtype::{BackendElement, DType, Element};

@@ -8,7 +8,10 @@ mod bindings {
 }
 
 pub(crate) use bindings::peercomm_dtype as RawDType;
-pub use bindings::{peercomm_allreduce_args as AllReduceArgs, peercomm_signal as Signal};
+pub use bindings::{
+    peercomm_allreduce_args as AllReduceArgs, peercomm_group_args as GroupArgs,
+    peercomm_group_entry as GroupEntry, peercomm_signal as Signal,
+};
 
 /// Most GPUs one communicator spans.
 pub const MAX_GPUS: usize = bindings::PEERCOMM_MAX_GPUS as usize;
@@ -22,6 +25,8 @@ pub const NUM_BARRIER_DOMAINS: usize = bindings::PEERCOMM_NUM_BARRIER_DOMAINS as
 pub const LAMPORT_GENERATIONS: usize = bindings::PEERCOMM_LAMPORT_GENERATIONS as usize;
 /// Alignment of the Lamport region and of the payload inside a signal allocation.
 pub const REGION_ALIGN: usize = bindings::PEERCOMM_REGION_ALIGN as usize;
+/// Most all-reduces one batched all-reduce kernel runs ([`GroupArgs::entries`]).
+pub const MAX_GROUP_CALLS: usize = bindings::PEERCOMM_MAX_GROUP_CALLS as usize;
 /// Bytes of one vector pack: the unit of the main loops and of the Lamport readiness test.
 pub const PACK_BYTES: usize = 16;
 
@@ -233,6 +238,24 @@ mod tests {
         assert_eq!(offset_of!(AllReduceArgs, epsilon), 272);
         assert_eq!(offset_of!(AllReduceArgs, call), 276);
         assert_eq!(size_of::<AllReduceArgs>(), 288);
+    }
+
+    #[test]
+    fn group_args_layout_is_pinned() {
+        assert_eq!(MAX_GROUP_CALLS, 8);
+        assert_eq!(offset_of!(GroupEntry, input), 0);
+        assert_eq!(offset_of!(GroupEntry, output), 8);
+        assert_eq!(offset_of!(GroupEntry, elements), 16);
+        assert_eq!(offset_of!(GroupEntry, offset), 24);
+        assert_eq!(size_of::<GroupEntry>(), 32);
+        // The all-reduce arguments first, unchanged, so a kernel reads them in place.
+        assert_eq!(offset_of!(GroupArgs, all), 0);
+        assert_eq!(offset_of!(GroupArgs, count), 288);
+        assert_eq!(offset_of!(GroupArgs, pad), 292);
+        assert_eq!(offset_of!(GroupArgs, entries), 296);
+        assert_eq!(size_of::<GroupArgs>(), 296 + 8 * 32);
+        assert_eq!(size_of::<GroupArgs>(), 552);
+        assert_eq!(std::mem::align_of::<GroupArgs>(), 8);
     }
 
     #[test]

@@ -22,6 +22,7 @@ pub const PEERCOMM_DETAIL_AWAITED: u32 = 3;
 pub const PEERCOMM_DETAIL_THEIRS: u32 = 4;
 pub const PEERCOMM_DETAIL_THEIRS_VALID: u32 = 7;
 pub const PEERCOMM_CALL_WORDS: u32 = 3;
+pub const PEERCOMM_MAX_GROUP_CALLS: u32 = 8;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct peercomm_signal {
@@ -72,4 +73,20 @@ pub struct peercomm_allreduce_args {
     pub weight: u64,
     pub epsilon: f32,
     pub call: [u32; 3usize],
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct peercomm_group_entry {
+    pub input: u64,
+    pub output: u64,
+    pub elements: u64,
+    pub offset: u64,
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct peercomm_group_args {
+    pub all: peercomm_allreduce_args,
+    pub count: u32,
+    pub pad: u32,
+    pub entries: [peercomm_group_entry; 8usize],
 }

@@ -53,7 +53,7 @@ use super::handle::{import_error, process_token, Reader, Writer};
 use super::{Backend, DeviceBuffer, DeviceBufferMut, Kernel, LaunchDims, MemoryKind};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::signal::AllReduceArgs;
+use crate::signal::{AllReduceArgs, GroupArgs};
 
 /// The kernels of `kernels-cuda/`, compiled by build.rs into one fatbin.
 static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/peercomm_cuda.fatbin"));
@@ -61,6 +61,10 @@ static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/peercomm_cuda.f
 // SAFETY: AllReduceArgs is a #[repr(C)] plain-old-data struct of integers, passed by
 // value exactly as the kernels declare it (the same C header).
 unsafe impl DeviceRepr for AllReduceArgs {}
+// SAFETY: GroupArgs is a #[repr(C)] plain-old-data struct of integers (an
+// AllReduceArgs, two u32 and an array of u64 entries), passed by value exactly as the
+// batched all-reduce kernels declare it (the same C header).
+unsafe impl DeviceRepr for GroupArgs {}
 
 /// The CUDA backend (feature `cuda`).
 #[derive(Debug, Clone, Copy, Default)]
@@ -758,6 +762,7 @@ impl Backend for Cuda {
         dims: LaunchDims,
         args: &AllReduceArgs,
     ) -> Result<()> {
+        super::check_plain_kernel(Self::NAME, kernel)?;
         let func = dev.kernels.get(&kernel).expect("every kernel is loaded");
         let cfg = LaunchConfig {
             grid_dim: (dims.blocks, 1, 1),
@@ -779,6 +784,7 @@ impl Backend for Cuda {
         dims: LaunchDims,
         args: &AllReduceArgs,
     ) -> Result<()> {
+        super::check_plain_kernel(Self::NAME, kernel)?;
         // Programmatic dependent launch exists from sm_90 (and the kernels' wait for
         // the previous grid is compiled only there).
         let (major, _) = dev
@@ -826,6 +832,30 @@ impl Backend for Cuda {
         }
         .result()
         .map_err(driver_err("cuLaunchKernelEx"))
+    }
+
+    fn launch_group(
+        dev: &CudaDevice,
+        kernel: Kernel,
+        dims: LaunchDims,
+        args: &GroupArgs,
+    ) -> Result<()> {
+        super::check_group_kernel(Self::NAME, kernel, args)?;
+        let func = dev.kernels.get(&kernel).expect("every kernel is loaded");
+        let cfg = LaunchConfig {
+            grid_dim: (dims.blocks, 1, 1),
+            block_dim: (dims.threads, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        let mut builder = dev.stream.launch_builder(func);
+        builder.arg(args);
+        // SAFETY: the batched all-reduce kernel takes exactly one `peercomm_group_args`
+        // by value (552 bytes, within the 4 KiB of kernel parameters), and the
+        // communicator built it from live allocations of the documented layout and from
+        // buffers it holds for the call.
+        unsafe { builder.launch(cfg) }
+            .map(|_| ())
+            .map_err(driver_err("cuLaunchKernel"))
     }
 
     fn synchronize(dev: &CudaDevice) -> Result<()> {
@@ -893,9 +923,10 @@ mod tests {
     #[test]
     fn fatbin_exports_every_kernel() {
         let names: Vec<String> = Kernel::all().map(|k| k.symbol()).collect();
-        // Nine families (three all-reduces, the barrier, four other collectives, the
-        // fused all-reduce + RMSNorm) in three dtypes, plus ping-pong and delay.
-        assert_eq!(names.len(), 9 * 3 + 2);
+        // Ten families (three all-reduces, the barrier, four other collectives, the
+        // fused all-reduce + RMSNorm, the batched all-reduce) in three dtypes, plus
+        // ping-pong and delay.
+        assert_eq!(names.len(), 10 * 3 + 2);
         for name in names {
             assert!(
                 FATBIN.windows(name.len()).any(|w| w == name.as_bytes()),

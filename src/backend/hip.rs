@@ -59,7 +59,7 @@ use super::handle::{import_error, process_token, Reader, Writer};
 use super::{Backend, DeviceBuffer, DeviceBufferMut, Kernel, LaunchDims, MemoryKind};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::signal::{AllReduceArgs, MAX_NUM_BLOCKS_UPPER_BOUND};
+use crate::signal::{AllReduceArgs, GroupArgs, MAX_NUM_BLOCKS_UPPER_BOUND};
 
 mod embedded {
     include!(concat!(env!("OUT_DIR"), "/hip_code_objects.rs"));
@@ -745,6 +745,63 @@ fn allocate(ordinal: usize, bytes: usize, kind: MemoryKind) -> Result<HipMemory>
     })
 }
 
+/// Launches `kernel` on `dev`'s stream with `args` as its one by-value parameter, after
+/// checking the grid (`group_width`: the threads of a block's first wavefront that do
+/// the barrier's counter work must exist).
+///
+/// # Safety
+/// `A` must be the kernel's parameter type (`peercomm_allreduce_args` or
+/// `peercomm_group_args`), built from live allocations of the documented layout.
+unsafe fn launch_by_value<A: Copy>(
+    dev: &HipDevice,
+    kernel: Kernel,
+    dims: LaunchDims,
+    group_width: u32,
+    args: &A,
+) -> Result<()> {
+    if dims.blocks == 0
+        || dims.blocks as usize > MAX_NUM_BLOCKS_UPPER_BOUND
+        || dims.threads == 0
+        || dims.threads > 1024
+        || group_width > dims.threads
+    {
+        return Err(Error::Unsupported(format!(
+            "HIP launch of {} with {} blocks of {} threads: blocks must be in 1..={}, threads \
+             in 1..=1024 and at least the group width",
+            kernel.symbol(),
+            dims.blocks,
+            dims.threads,
+            MAX_NUM_BLOCKS_UPPER_BOUND
+        )));
+    }
+    let function = dev.function(kernel)?;
+    set_device(dev.ordinal)?;
+    // The kernels take the argument struct by value; HIP copies it at launch.
+    let mut by_value = *args;
+    let mut params = [(&mut by_value as *mut A).cast::<c_void>()];
+    // SAFETY: the function belongs to the device's loaded module, its one parameter is
+    // an `A` by value (the caller's contract), and `params` points at a live copy of it
+    // for the duration of the call.
+    check(
+        unsafe {
+            ffi::hipModuleLaunchKernel(
+                function,
+                dims.blocks,
+                1,
+                1,
+                dims.threads,
+                1,
+                1,
+                0,
+                dev.stream,
+                params.as_mut_ptr(),
+                null_mut(),
+            )
+        },
+        "hipModuleLaunchKernel",
+    )
+}
+
 impl Backend for Hip {
     const NAME: &'static str = "hip";
     type Device = HipDevice;
@@ -1086,47 +1143,22 @@ impl Backend for Hip {
         dims: LaunchDims,
         args: &AllReduceArgs,
     ) -> Result<()> {
-        if dims.blocks == 0
-            || dims.blocks as usize > MAX_NUM_BLOCKS_UPPER_BOUND
-            || dims.threads == 0
-            || dims.threads > 1024
-            || args.group_width > dims.threads
-        {
-            return Err(Error::Unsupported(format!(
-                "HIP launch of {} with {} blocks of {} threads: blocks must be in 1..={}, threads \
-                 in 1..=1024 and at least the group width",
-                kernel.symbol(),
-                dims.blocks,
-                dims.threads,
-                MAX_NUM_BLOCKS_UPPER_BOUND
-            )));
-        }
-        let function = dev.function(kernel)?;
-        set_device(dev.ordinal)?;
-        // The kernels take the argument struct by value; HIP copies it at launch.
-        let mut by_value = *args;
-        let mut params = [(&mut by_value as *mut AllReduceArgs).cast::<c_void>()];
-        // SAFETY: the function belongs to the device's loaded module, its one parameter
-        // is a `peercomm_allreduce_args` by value (the header both sides compile), and
-        // `params` points at a live copy of it for the duration of the call.
-        check(
-            unsafe {
-                ffi::hipModuleLaunchKernel(
-                    function,
-                    dims.blocks,
-                    1,
-                    1,
-                    dims.threads,
-                    1,
-                    1,
-                    0,
-                    dev.stream,
-                    params.as_mut_ptr(),
-                    null_mut(),
-                )
-            },
-            "hipModuleLaunchKernel",
-        )
+        super::check_plain_kernel(Self::NAME, kernel)?;
+        // SAFETY: every kernel but the batched all-reduce (refused above) takes one
+        // `peercomm_allreduce_args` by value (the header both sides compile).
+        unsafe { launch_by_value(dev, kernel, dims, args.group_width, args) }
+    }
+
+    fn launch_group(
+        dev: &HipDevice,
+        kernel: Kernel,
+        dims: LaunchDims,
+        args: &GroupArgs,
+    ) -> Result<()> {
+        super::check_group_kernel(Self::NAME, kernel, args)?;
+        // SAFETY: the batched all-reduce kernels (checked above) take one
+        // `peercomm_group_args` by value (the header both sides compile).
+        unsafe { launch_by_value(dev, kernel, dims, args.all.group_width, args) }
     }
 
     fn synchronize(dev: &HipDevice) -> Result<()> {

@@ -43,7 +43,7 @@ use std::thread::JoinHandle;
 use super::{Backend, DeviceBuffer, DeviceBufferMut, Kernel, LaunchDims, MemoryKind};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::signal::{AllReduceArgs, MAX_GPUS};
+use crate::signal::{AllReduceArgs, GroupArgs, MAX_GPUS};
 
 mod kernels;
 #[cfg(target_os = "linux")]
@@ -472,6 +472,7 @@ impl Backend for Host {
         dims: LaunchDims,
         args: &AllReduceArgs,
     ) -> Result<()> {
+        super::check_plain_kernel(Self::NAME, kernel)?;
         let args = *args;
         dev.stream.enqueue(Box::new(move || {
             std::thread::scope(|s| {
@@ -483,6 +484,33 @@ impl Backend for Host {
                             // SAFETY: the communicator built `args` from live
                             // allocations of the same layout the kernels expect.
                             unsafe { kernels::run_block(kernel, args, block, dims.blocks) }
+                        })
+                        .expect("spawn host block thread");
+                }
+            });
+        }));
+        Ok(())
+    }
+
+    fn launch_group(
+        dev: &HostDevice,
+        kernel: Kernel,
+        dims: LaunchDims,
+        args: &GroupArgs,
+    ) -> Result<()> {
+        super::check_group_kernel(Self::NAME, kernel, args)?;
+        let args = *args;
+        dev.stream.enqueue(Box::new(move || {
+            std::thread::scope(|s| {
+                for block in 0..dims.blocks {
+                    let args = &args;
+                    std::thread::Builder::new()
+                        .name(format!("peercomm-host-block-{block}"))
+                        .spawn_scoped(s, move || {
+                            // SAFETY: the communicator built `args` from live
+                            // allocations of the same layout the kernels expect, and
+                            // its entries from buffers it holds for the call.
+                            unsafe { kernels::run_group_block(kernel, args, block, dims.blocks) }
                         })
                         .expect("spawn host block thread");
                 }

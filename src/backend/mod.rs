@@ -8,7 +8,7 @@
 
 use crate::dtype::{DType, Element};
 use crate::error::Result;
-use crate::signal::AllReduceArgs;
+use crate::signal::{AllReduceArgs, GroupArgs};
 
 #[cfg(feature = "cuda")]
 pub mod cuda;
@@ -62,6 +62,13 @@ pub enum KernelKind {
     Scatter,
     /// All-reduce, residual add and RMSNorm in one kernel, row by row.
     AllReduceRmsNorm,
+    /// A batch of up to [`crate::signal::MAX_GROUP_CALLS`] all-reduces of one dtype and
+    /// one group width in one kernel, one start and one end barrier (NCCL-style group
+    /// calls). Staged like one-stage: each rank copies every entry's input into its own
+    /// payload, then reduces its share of every entry from the members' payloads, each
+    /// entry's bits those of a one-stage all-reduce of that entry alone. Launched with
+    /// [`Backend::launch_group`] (its arguments are a [`GroupArgs`]).
+    AllReduceGroup,
 }
 
 impl KernelKind {
@@ -79,6 +86,7 @@ impl KernelKind {
             KernelKind::Broadcast => "broadcast",
             KernelKind::Scatter => "scatter",
             KernelKind::AllReduceRmsNorm => "allreduce_rmsnorm",
+            KernelKind::AllReduceGroup => "allreduce_group",
         }
     }
 }
@@ -105,6 +113,7 @@ impl Kernel {
             KernelKind::Broadcast,
             KernelKind::Scatter,
             KernelKind::AllReduceRmsNorm,
+            KernelKind::AllReduceGroup,
         ]
         .into_iter()
         .flat_map(|kind| {
@@ -143,6 +152,41 @@ pub trait IntoDevice {
     /// The device, ready for collectives (for a stream: its context, with the kernels
     /// loaded).
     fn into_device(self) -> Result<<Self::Backend as Backend>::Device>;
+}
+
+/// Refuses a [`Backend::launch`] of the batched all-reduce, whose kernel takes a
+/// [`GroupArgs`], not an [`AllReduceArgs`].
+pub(crate) fn check_plain_kernel(backend: &'static str, kernel: Kernel) -> Result<()> {
+    if kernel.kind == KernelKind::AllReduceGroup {
+        return Err(crate::Error::Unsupported(format!(
+            "{backend}: {} takes group arguments: launch it with launch_group",
+            kernel.symbol()
+        )));
+    }
+    Ok(())
+}
+
+/// What [`Backend::launch_group`] checks before anything is enqueued: the kernel is
+/// the batched all-reduce and its entry count is in `1..=MAX_GROUP_CALLS`.
+pub(crate) fn check_group_kernel(
+    backend: &'static str,
+    kernel: Kernel,
+    args: &GroupArgs,
+) -> Result<()> {
+    let max = crate::signal::MAX_GROUP_CALLS;
+    if kernel.kind != KernelKind::AllReduceGroup {
+        return Err(crate::Error::Unsupported(format!(
+            "{backend}: launch_group runs the batched all-reduce, not {}",
+            kernel.symbol()
+        )));
+    }
+    if args.count == 0 || args.count as usize > max {
+        return Err(crate::Error::Unsupported(format!(
+            "{backend}: a batched all-reduce of {} entries (1..={max})",
+            args.count
+        )));
+    }
+    Ok(())
 }
 
 /// A vendor (or the host reference) as peercomm needs it.
@@ -243,7 +287,8 @@ pub trait Backend: Sized + Send + Sync + 'static {
         }
         Ok(())
     }
-    /// Enqueues `kernel` on the device's stream.
+    /// Enqueues `kernel` on the device's stream. Every kernel but
+    /// [`KernelKind::AllReduceGroup`] (which [`Backend::launch_group`] enqueues).
     fn launch(
         dev: &Self::Device,
         kernel: Kernel,
@@ -264,6 +309,15 @@ pub trait Backend: Sized + Send + Sync + 'static {
     ) -> Result<()> {
         Self::launch(dev, kernel, dims, args)
     }
+    /// Enqueues the batched all-reduce `kernel` ([`KernelKind::AllReduceGroup`] of one
+    /// dtype) on the device's stream, its [`GroupArgs`] passed by value (552 bytes of
+    /// kernel parameters, against the 288 of [`AllReduceArgs`]).
+    fn launch_group(
+        dev: &Self::Device,
+        kernel: Kernel,
+        dims: LaunchDims,
+        args: &GroupArgs,
+    ) -> Result<()>;
     /// Waits for everything enqueued on the device's stream.
     fn synchronize(dev: &Self::Device) -> Result<()>;
 

@@ -18,7 +18,7 @@ pub use self::core::collective::{reduce_scatter_part, CollectiveOptions};
 pub use self::core::sizing::MemoryFootprint;
 pub use self::core::Rank;
 pub use config::{AllReduceOptions, CommConfig};
-pub use per_rank::Comm;
 #[doc(hidden)]
 pub use per_rank::{free_expired_teardowns, parked_teardowns};
-pub use single::Communicator;
+pub use per_rank::{Comm, CommGroup};
+pub use single::{Communicator, CommunicatorGroup};

@@ -10,7 +10,7 @@ use crate::backend::{Kernel, KernelKind};
 use crate::dtype::{DType, Element};
 use crate::protocol::{self, Backoff, BarrierKind, BarrierSignals, BarrierSite, BarrierStop};
 use crate::signal::{
-    AllReduceArgs, Signal, SignalLayout, DETAIL_AWAITED, DETAIL_MINE, DETAIL_THEIRS,
+    AllReduceArgs, GroupArgs, Signal, SignalLayout, DETAIL_AWAITED, DETAIL_MINE, DETAIL_THEIRS,
     DETAIL_THEIRS_VALID, ERROR_BARRIER_TIMEOUT, ERROR_BLOCK, ERROR_CALL_MISMATCH, ERROR_CODE,
     ERROR_DOMAIN, ERROR_PEER_ABORTED, ERROR_RANK, ERROR_WRITING, LAMPORT_ARRIVALS, LAMPORT_FLAG,
     LAMPORT_GENERATIONS, LAMPORT_PREV_PACKS, LAMPORT_PREV_WIDTH, MAX_NUM_BLOCKS_UPPER_BOUND,
@@ -20,6 +20,7 @@ use crate::signal::{
 use crate::backend::LAMPORT_SENTINEL;
 
 mod collectives;
+mod group;
 
 /// Why a wait stopped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -380,6 +381,44 @@ pub(crate) unsafe fn run_block(kernel: Kernel, args: &AllReduceArgs, block: u32,
         let _ = run_typed::<f32>(kernel.kind, args, block, blocks);
         return;
     }
+    run_collective_block(
+        args,
+        block,
+        blocks,
+        peers_read_user_buffers(kernel.kind),
+        || match kernel.dtype {
+            DType::F32 => run_typed::<f32>(kernel.kind, args, block, blocks),
+            DType::F16 => run_typed::<half::f16>(kernel.kind, args, block, blocks),
+            DType::BF16 => run_typed::<half::bf16>(kernel.kind, args, block, blocks),
+        },
+    );
+}
+
+/// Runs block `block` of the batched all-reduce `kernel` ([`KernelKind::AllReduceGroup`]):
+/// the same entry, error and abandon machinery as every collective, over `args.all`.
+///
+/// # Safety
+/// As [`run_block`]; every entry's input and output must be live buffers of
+/// `entries[s].elements` elements of the kernel's dtype.
+pub(crate) unsafe fn run_group_block(kernel: Kernel, args: &GroupArgs, block: u32, blocks: u32) {
+    run_collective_block(&args.all, block, blocks, true, || match kernel.dtype {
+        DType::F32 => group::all_reduce_group::<f32>(args, block, blocks),
+        DType::F16 => group::all_reduce_group::<half::f16>(args, block, blocks),
+        DType::BF16 => group::all_reduce_group::<half::bf16>(args, block, blocks),
+    });
+}
+
+/// What every collective's block does around its algorithm `body`: block 0 publishes
+/// the call, a poisoned rank abandons at entry, a wait that stops is recorded and the
+/// block abandons (waiting for its peers when `wait_for_peers`), and block 0 marks the
+/// call done. The device's enter / abandon / finish.
+unsafe fn run_collective_block(
+    args: &AllReduceArgs,
+    block: u32,
+    blocks: u32,
+    wait_for_peers: bool,
+    body: impl FnOnce() -> Result<(), Stop>,
+) {
     // A group of one waits for nobody and nobody waits for it: it publishes nothing.
     let publishes = block == 0 && args.group_width > 1;
     if publishes {
@@ -393,18 +432,13 @@ pub(crate) unsafe fn run_block(kernel: Kernel, args: &AllReduceArgs, block: u32,
         abandon(args, block, blocks, false);
         return;
     }
-    let result = match kernel.dtype {
-        DType::F32 => run_typed::<f32>(kernel.kind, args, block, blocks),
-        DType::F16 => run_typed::<half::f16>(kernel.kind, args, block, blocks),
-        DType::BF16 => run_typed::<half::bf16>(kernel.kind, args, block, blocks),
-    };
-    if let Err(stop) = result {
+    if let Err(stop) = body() {
         match stop {
             Stop::TimedOut { awaited } => record_timeout(args, block, awaited),
             Stop::Mismatch { peer, theirs } => record_mismatch(args, block, peer, theirs),
             Stop::Aborted => {}
         }
-        abandon(args, block, blocks, peers_read_user_buffers(kernel.kind));
+        abandon(args, block, blocks, wait_for_peers);
     }
     // Block 0 marks the call done, unless the rank has an error record: an abandoned
     // call stays the rank's pending one, for a peer whose wait gives up later.
@@ -448,6 +482,9 @@ unsafe fn run_typed<T: Element>(
         KernelKind::Broadcast => collectives::broadcast::<T>(args, block, blocks),
         KernelKind::Scatter => collectives::scatter::<T>(args, block, blocks),
         KernelKind::AllReduceRmsNorm => collectives::allreduce_rmsnorm::<T>(args, block, blocks),
+        // Its arguments are a GroupArgs: `Host::launch` refuses it, `run_group_block`
+        // runs it.
+        KernelKind::AllReduceGroup => unreachable!("the batched all-reduce has its own entry"),
     }
 }
 

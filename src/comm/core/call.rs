@@ -33,7 +33,7 @@ use super::plan::Plan;
 const LOW31: u32 = 0x7fff_ffff;
 
 /// Every kernel kind, in the order of its discriminant (the descriptor's kind field).
-const KINDS: [KernelKind; 11] = [
+const KINDS: [KernelKind; 12] = [
     KernelKind::OneStage,
     KernelKind::TwoStage,
     KernelKind::Lamport,
@@ -45,6 +45,7 @@ const KINDS: [KernelKind; 11] = [
     KernelKind::Broadcast,
     KernelKind::Scatter,
     KernelKind::AllReduceRmsNorm,
+    KernelKind::AllReduceGroup,
 ];
 
 /// The descriptor of call number `seq` of a rank for `plan` (see the header).
@@ -97,6 +98,8 @@ fn collective_name(code: u32) -> String {
             "all-reduce".into()
         }
         Some(KernelKind::AllReduceRmsNorm) => "fused all-reduce + RMSNorm".into(),
+        // The root field holds the number of calls less one (see core/group.rs).
+        Some(KernelKind::AllReduceGroup) => "group of all-reduces".into(),
         Some(k) => k.name().replace('_', "-"),
         None => format!("unknown kernel {code}"),
     }

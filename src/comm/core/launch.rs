@@ -140,7 +140,7 @@ impl<B: Backend> Endpoint<B> {
     }
 
     /// Whether fault injection leaves this launch out (and clears the request).
-    fn take_missing(&self) -> bool {
+    pub(crate) fn take_missing(&self) -> bool {
         self.missing.load(Ordering::Relaxed) && self.missing.swap(false, Ordering::AcqRel)
     }
 

@@ -22,6 +22,7 @@ pub(crate) mod call;
 pub(crate) mod check;
 pub(crate) mod collective;
 pub(crate) mod connect;
+pub(crate) mod group;
 pub(crate) mod launch;
 pub(crate) mod peer_check;
 pub(crate) mod plan;

@@ -2,8 +2,6 @@
 //! tensors checked together, then routed and planned on the cores and launched on
 //! each (or handed to the external library). The flat form is in `slices.rs`.
 
-use std::sync::atomic::Ordering;
-
 use crate::backend::Backend;
 use crate::dispatch::Algorithm;
 use crate::dtype::DType;
@@ -148,19 +146,5 @@ impl<B: Backend> Communicator<B> {
                 "a single controller runs on one host: nothing is hierarchical".into(),
             )),
         }
-    }
-
-    /// Starts a batch of collectives. Collectives inside a batch are launched as they
-    /// are called (the batch is a correct no-op kept for NCCL-style call sites).
-    pub fn group_start(&self) {
-        self.group_depth.fetch_add(1, Ordering::AcqRel);
-    }
-
-    /// Ends a batch started by [`Communicator::group_start`].
-    pub fn group_end(&self) -> Result<()> {
-        self.group_depth
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |d| d.checked_sub(1))
-            .map(|_| ())
-            .map_err(|_| Error::Unsupported("group_end without group_start".into()))
     }
 }

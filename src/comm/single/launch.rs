@@ -6,9 +6,11 @@ use crate::backend::Backend;
 use crate::error::Result;
 use crate::signal::MAX_GPUS;
 
+use super::super::core::group::GroupPlan;
 use super::super::core::launch::{Fused, PeerInputs};
 use super::super::core::plan::Plan;
 use super::Communicator;
+use crate::signal::MAX_GROUP_CALLS;
 
 impl<B: Backend> Communicator<B> {
     pub(super) fn lock_launches(&self) -> MutexGuard<'_, ()> {
@@ -59,6 +61,26 @@ impl<B: Backend> Communicator<B> {
         for (r, core) in self.ranks.iter().enumerate() {
             if !ranks.contains(&r) {
                 core.count_call(plan);
+            }
+        }
+        Ok(())
+    }
+
+    /// Enqueues a batched all-reduce on every rank: `io[r]` holds rank r's (input,
+    /// output) pairs. Poisons on a failure after the first rank, as `launch_on`.
+    pub(super) fn launch_group_on_all(
+        &self,
+        plan: &GroupPlan,
+        io: &[[(u64, u64); MAX_GROUP_CALLS]],
+    ) -> Result<()> {
+        let _launches = self.lock_launches();
+        self.check_usable()?;
+        for (r, core) in self.ranks.iter().enumerate() {
+            if let Err(e) = core.launch_group(plan, &io[r][..plan.count]) {
+                if r > 0 {
+                    self.poison();
+                }
+                return Err(e);
             }
         }
         Ok(())

@@ -9,7 +9,6 @@
 //! other collectives, cross-rank validation, launching on several cores, the external
 //! library's single-controller form (`external.rs`), status and fault injection.
 
-use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -32,10 +31,13 @@ mod all_reduce;
 mod collectives;
 mod external;
 mod fault;
+mod group;
 mod launch;
 mod slices;
 mod status;
 mod validate;
+
+pub use group::CommunicatorGroup;
 
 /// A set of devices (at most 8, one process) that all-reduce together.
 ///
@@ -49,8 +51,6 @@ pub struct Communicator<B: Backend> {
     /// two threads sharing the communicator must not interleave their launches, or
     /// ranks would run collectives in different orders.
     launch_lock: Mutex<()>,
-    /// Depth of [`Communicator::group_start`] calls not yet ended.
-    group_depth: AtomicUsize,
 }
 
 impl<B: Backend> Communicator<B> {
@@ -142,7 +142,6 @@ impl<B: Backend> Communicator<B> {
         Ok(Communicator {
             ranks,
             launch_lock: Mutex::new(()),
-            group_depth: AtomicUsize::new(0),
         })
     }
 

@@ -58,16 +58,7 @@ impl<B: Backend> Communicator<B> {
         S: DeviceBuffer<B>,
         R: DeviceBufferMut<B>,
     {
-        self.check_usable()?;
-        self.check_count(inputs.len())?;
-        self.check_count(outputs.len())?;
-        let first = meta::<B>(&inputs[0]);
-        for (r, (i, o)) in inputs.iter().zip(outputs.iter()).enumerate() {
-            let (im, om) = (meta::<B>(i), meta::<B>(o));
-            self.check_flat(r, &im, &first, "input")?;
-            self.check_tensor(r, &om, &[om.len], "output")?;
-            self.ranks[r].check_all_reduce(&im, &om)?;
-        }
+        let first = self.check_slices(inputs, outputs)?;
         let routed = self.route_all_reduce(first.dtype, first.len, options, false)?;
         let mut in_ptrs = [0u64; MAX_GPUS];
         let mut out_ptrs = [0u64; MAX_GPUS];
@@ -101,12 +92,7 @@ impl<B: Backend> Communicator<B> {
     where
         R: DeviceBufferMut<B>,
     {
-        self.check_usable()?;
-        self.check_count(buffers.len())?;
-        let first = meta::<B>(&buffers[0]);
-        for (r, b) in buffers.iter().enumerate() {
-            self.check_flat(r, &meta::<B>(b), &first, "in-place")?;
-        }
+        let first = self.check_slices_in_place(buffers)?;
         let routed = self.route_all_reduce(first.dtype, first.len, options, true)?;
         let mut ptrs = [0u64; MAX_GPUS];
         let mut guards: [Option<B::Access<'_>>; MAX_GPUS] = std::array::from_fn(|_| None);
@@ -121,6 +107,40 @@ impl<B: Backend> Communicator<B> {
     }
 
     /// Rank `r`'s flat buffer against rank 0's: device, dtype, then length.
+    /// One input and one output per rank, flat, of one dtype and length everywhere,
+    /// each on its rank's device: rank 0's input.
+    pub(super) fn check_slices<S, R>(&self, inputs: &[S], outputs: &[R]) -> Result<Meta>
+    where
+        S: DeviceBuffer<B>,
+        R: DeviceBufferMut<B>,
+    {
+        self.check_usable()?;
+        self.check_count(inputs.len())?;
+        self.check_count(outputs.len())?;
+        let first = meta::<B>(&inputs[0]);
+        for (r, (i, o)) in inputs.iter().zip(outputs.iter()).enumerate() {
+            let (im, om) = (meta::<B>(i), meta::<B>(o));
+            self.check_flat(r, &im, &first, "input")?;
+            self.check_tensor(r, &om, &[om.len], "output")?;
+            self.ranks[r].check_all_reduce(&im, &om)?;
+        }
+        Ok(first)
+    }
+
+    /// One buffer per rank, flat, of one dtype and length everywhere: rank 0's.
+    pub(super) fn check_slices_in_place<R: DeviceBufferMut<B>>(
+        &self,
+        buffers: &[R],
+    ) -> Result<Meta> {
+        self.check_usable()?;
+        self.check_count(buffers.len())?;
+        let first = meta::<B>(&buffers[0]);
+        for (r, b) in buffers.iter().enumerate() {
+            self.check_flat(r, &meta::<B>(b), &first, "in-place")?;
+        }
+        Ok(first)
+    }
+
     fn check_flat(&self, r: usize, m: &Meta, first: &Meta, which: &'static str) -> Result<()> {
         self.check_tensor(r, m, &[m.len], which)?;
         if m.dtype != first.dtype {

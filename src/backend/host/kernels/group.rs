@@ -1,0 +1,119 @@
+//! Host port of kernels-common/peercomm_group.h: the batched all-reduce
+//! ([`crate::backend::KernelKind::AllReduceGroup`]). The entries' packs are one
+//! concatenated range (entry s's pack p is pack `offset_s / 16 + p` of the batch), given
+//! out block by block as the one-stage kernel gives out one message's packs: pack g to
+//! block g % blocks, for the staging copy and the reduce alike, so the per-block Publish
+//! barrier orders every read of a peer's payload after the peer's write. Each element
+//! is summed as the one-stage kernel sums it ([`reduce_element`]), so every entry's bits
+//! are those of a one-stage all-reduce of that entry alone.
+
+use super::{barrier, lanes, pack_range, reduce_element, store, Stop};
+use crate::dtype::Element;
+use crate::protocol::BarrierKind;
+use crate::signal::{GroupArgs, GroupEntry, MAX_GPUS, MAX_GROUP_CALLS, PACK_BYTES};
+
+/// This block's packs of entry `e` (local pack numbers): those whose batch-wide number
+/// `offset / 16 + p` is `block` modulo `blocks`.
+fn entry_packs<T>(e: &GroupEntry, block: u32, blocks: u32) -> impl Iterator<Item = usize> {
+    let packs = (e.elements as usize).div_ceil(lanes::<T>());
+    let base = e.offset as usize / PACK_BYTES;
+    let blocks = blocks as usize;
+    let first = (block as usize + blocks - base % blocks) % blocks;
+    (first..packs).step_by(blocks)
+}
+
+/// The entries in use (a count past the maximum is clipped, as on the devices).
+fn entries(args: &GroupArgs) -> &[GroupEntry] {
+    &args.entries[..(args.count as usize).min(MAX_GROUP_CALLS)]
+}
+
+pub(super) unsafe fn all_reduce_group<T: Element>(
+    args: &GroupArgs,
+    block: u32,
+    blocks: u32,
+) -> Result<(), Stop> {
+    let a = &args.all;
+    let (width, me) = (a.group_width as usize, a.group_rank as usize);
+    // A group wider than one always stages: the peers read the payloads only.
+    let staged = width > 1;
+    if staged {
+        // Phase 1: this block's share of every entry's input into the own payload.
+        for e in entries(args) {
+            let n = e.elements as usize;
+            let dst = (a.payloads[me] + e.offset) as *mut T;
+            for p in entry_packs::<T>(e, block, blocks) {
+                for i in pack_range::<T>(p, n) {
+                    dst.add(i).write((e.input as *const T).add(i).read());
+                }
+            }
+        }
+    }
+    // Phase 2: the start barrier (publishing the staged packs), with the batch's call
+    // descriptor.
+    let first = if staged {
+        BarrierKind::Publish
+    } else {
+        BarrierKind::Start
+    };
+    barrier(a, block, first)?;
+    // Phase 3: this block's share of every entry, summed over the members in group-rank
+    // order from their payloads (a group of one copies its input).
+    for e in entries(args) {
+        let n = e.elements as usize;
+        let mut srcs = [0u64; MAX_GPUS];
+        for (k, src) in srcs.iter_mut().enumerate().take(width) {
+            *src = if staged {
+                a.payloads[k] + e.offset
+            } else {
+                e.input
+            };
+        }
+        for p in entry_packs::<T>(e, block, blocks) {
+            for i in pack_range::<T>(p, n) {
+                store::<T>(e.output, i, reduce_element::<T>(&srcs[..width], i));
+            }
+        }
+    }
+    // Phase 4: no peer overwrites a payload this block still reads.
+    barrier(a, block, BarrierKind::End)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every pack of every entry goes to exactly one block, and block b gets the packs
+    /// g with g % blocks == b of the concatenated range.
+    #[test]
+    fn entry_packs_follow_the_concatenated_range() {
+        let lengths = [5usize, 0, 1, 8, 17, 4, 3, 1000];
+        let mut offset = 0u64;
+        let entries: Vec<GroupEntry> = lengths
+            .iter()
+            .map(|&n| {
+                let e = GroupEntry {
+                    input: 0,
+                    output: 0,
+                    elements: n as u64,
+                    offset,
+                };
+                offset += (n.div_ceil(4) * PACK_BYTES) as u64;
+                e
+            })
+            .collect();
+        for blocks in 1..=7u32 {
+            for e in &entries {
+                let base = e.offset as usize / PACK_BYTES;
+                let packs = (e.elements as usize).div_ceil(4);
+                let mut seen = vec![0; packs];
+                for block in 0..blocks {
+                    for p in entry_packs::<f32>(e, block, blocks) {
+                        assert_eq!((base + p) % blocks as usize, block as usize);
+                        seen[p] += 1;
+                    }
+                }
+                assert!(seen.iter().all(|&c| c == 1), "blocks {blocks}: {seen:?}");
+            }
+        }
+    }
+}

@@ -1,0 +1,243 @@
+//! Group calls on [`Comm`] (NCCL's `ncclGroupStart` / `ncclGroupEnd`, which cudarc
+//! exposes as `group_start` / `group_end`): a guard that collects all-reduces and
+//! launches them when it ends, as few kernels as the kernels allow.
+
+use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
+use crate::dispatch::Algorithm;
+use crate::error::Result;
+
+use super::super::core::group::{GroupStep, GroupedCall};
+use super::super::core::plan::PeerReads;
+use super::super::AllReduceOptions;
+use super::{meta, Comm};
+
+/// An open group of all-reduces on a [`Comm`] (see [`Comm::group`]). Each call is
+/// checked when it is made (a bad one is a typed error and is not kept); nothing is
+/// launched until [`CommGroup::end`]; dropping the guard without it discards the
+/// calls (nothing launched or written), so an early return cannot leave the group
+/// open. The buffers stay borrowed until then.
+pub struct CommGroup<'c, 'b, B: Backend> {
+    comm: &'c Comm<B>,
+    calls: Vec<Pending<'b, B>>,
+}
+
+enum Buffers<'b, B: Backend> {
+    Pair(&'b dyn DeviceBuffer<B>, &'b mut dyn DeviceBufferMut<B>),
+    InPlace(&'b mut dyn DeviceBufferMut<B>),
+}
+
+struct Pending<'b, B: Backend> {
+    buffers: Buffers<'b, B>,
+    call: GroupedCall,
+}
+
+impl<B: Backend> Comm<B> {
+    /// Opens a group: the all-reduces issued through the returned guard are launched
+    /// together when it ends, in the order they were issued, on every rank. Several
+    /// all-reduces of one dtype and group width (and the algorithm left to peercomm)
+    /// run as one kernel with one start and one end barrier, up to 8 at a time, as
+    /// long as their inputs fit `CommConfig::payload_bytes` together; every rank must
+    /// issue the same group (the call descriptor catches one that does not, as for
+    /// single calls). Each result is bit for bit what the call gives alone.
+    ///
+    /// ```
+    /// use peercomm::backend::{host::Host, Backend};
+    /// use peercomm::{Comm, CommConfig, UniqueId};
+    ///
+    /// let id = UniqueId::new()?;
+    /// std::thread::scope(|s| {
+    ///     for rank in 0..2 {
+    ///         let id = &id;
+    ///         s.spawn(move || {
+    ///             let comm = Comm::from_rank(Host::open(rank).unwrap(), rank, 2, id, CommConfig::default()).unwrap();
+    ///             let dev = comm.device();
+    ///             let a = Host::alloc_from(dev, &[1.0f32; 4]).unwrap();
+    ///             let b = Host::alloc_from(dev, &[2.0f32; 8]).unwrap();
+    ///             let (mut sa, mut sb) = (Host::alloc_buffer::<f32>(dev, 4).unwrap(), Host::alloc_buffer::<f32>(dev, 8).unwrap());
+    ///             let mut group = comm.group();
+    ///             group.all_reduce_sum(&a, &mut sa).unwrap();
+    ///             group.all_reduce_sum(&b, &mut sb).unwrap();
+    ///             group.end().unwrap(); // one kernel for both
+    ///             comm.synchronize().unwrap();
+    ///             assert_eq!(Host::download(dev, &sa).unwrap(), vec![2.0; 4]);
+    ///             assert_eq!(Host::download(dev, &sb).unwrap(), vec![4.0; 8]);
+    ///         });
+    ///     }
+    /// });
+    /// # Ok::<(), peercomm::Error>(())
+    /// ```
+    pub fn group<'b>(&self) -> CommGroup<'_, 'b, B> {
+        CommGroup {
+            comm: self,
+            calls: Vec::new(),
+        }
+    }
+}
+
+impl<'b, B: Backend> CommGroup<'_, 'b, B> {
+    /// Adds `send` summed over the world into `recv` (see [`Comm::all_reduce_sum`]).
+    pub fn all_reduce_sum<S, R>(&mut self, send: &'b S, recv: &'b mut R) -> Result<()>
+    where
+        S: DeviceBuffer<B>,
+        R: DeviceBufferMut<B>,
+    {
+        self.all_reduce_sum_with(send, recv, &AllReduceOptions::new())
+    }
+
+    /// As [`CommGroup::all_reduce_sum`], with options (see
+    /// [`Comm::all_reduce_sum_with`]).
+    pub fn all_reduce_sum_with<S, R>(
+        &mut self,
+        send: &'b S,
+        recv: &'b mut R,
+        options: &AllReduceOptions,
+    ) -> Result<()>
+    where
+        S: DeviceBuffer<B>,
+        R: DeviceBufferMut<B>,
+    {
+        let core = &*self.comm.core;
+        core.check_all_reduce(&meta(send), &meta(&*recv))?;
+        let call = GroupedCall {
+            dtype: send.dtype(),
+            elements: send.len(),
+            options: *options,
+            in_place: false,
+        };
+        self.check(&call)?;
+        self.calls.push(Pending {
+            buffers: Buffers::Pair(send, recv),
+            call,
+        });
+        Ok(())
+    }
+
+    /// Adds `buf` summed over the world in place.
+    pub fn all_reduce_sum_in_place<R: DeviceBufferMut<B>>(&mut self, buf: &'b mut R) -> Result<()> {
+        self.all_reduce_sum_in_place_with(buf, &AllReduceOptions::new())
+    }
+
+    /// As [`CommGroup::all_reduce_sum_in_place`], with options.
+    pub fn all_reduce_sum_in_place_with<R: DeviceBufferMut<B>>(
+        &mut self,
+        buf: &'b mut R,
+        options: &AllReduceOptions,
+    ) -> Result<()> {
+        let core = &*self.comm.core;
+        core.check_usable()?;
+        core.check_buffer(buf.device_ordinal(), "in-place")?;
+        let call = GroupedCall {
+            dtype: buf.dtype(),
+            elements: buf.len(),
+            options: *options,
+            in_place: true,
+        };
+        self.check(&call)?;
+        self.calls.push(Pending {
+            buffers: Buffers::InPlace(buf),
+            call,
+        });
+        Ok(())
+    }
+
+    /// Calls in the group so far.
+    pub fn len(&self) -> usize {
+        self.calls.len()
+    }
+
+    /// Whether no call was added yet.
+    pub fn is_empty(&self) -> bool {
+        self.calls.is_empty()
+    }
+
+    /// Ends the group: launches its calls (the algorithm of each, in order). An error
+    /// once some were launched poisons the communicator, as a failed launch does.
+    pub fn end(mut self) -> Result<Vec<Algorithm>> {
+        self.launch()
+    }
+
+    /// What the call would do alone: a typed error now rather than at the end.
+    fn check(&self, call: &GroupedCall) -> Result<()> {
+        self.comm
+            .core
+            .plan_all_reduce(
+                call.dtype,
+                call.elements,
+                &call.options,
+                call.in_place,
+                PeerReads::Payloads,
+            )
+            .map(|_| ())
+    }
+
+    fn launch(&mut self) -> Result<Vec<Algorithm>> {
+        let mut pending = std::mem::take(&mut self.calls);
+        if pending.is_empty() {
+            return Ok(Vec::new());
+        }
+        let comm = self.comm;
+        let core = &*comm.core;
+        let calls: Vec<GroupedCall> = pending.iter().map(|p| p.call).collect();
+        let steps = core.plan_grouped(&calls, PeerReads::Payloads)?;
+        let dev = core.device();
+        let mut io = Vec::with_capacity(pending.len());
+        let mut guards = Vec::with_capacity(2 * pending.len());
+        for p in pending.iter_mut() {
+            match &mut p.buffers {
+                Buffers::Pair(send, recv) => {
+                    let (input, g) = send.read_ptr(dev);
+                    guards.push(g);
+                    let (output, g) = recv.write_ptr(dev);
+                    guards.push(g);
+                    io.push((input, output));
+                }
+                Buffers::InPlace(buf) => {
+                    let (ptr, g) = buf.write_ptr(dev);
+                    guards.push(g);
+                    io.push((ptr, ptr));
+                }
+            }
+        }
+        let mut algorithms = vec![Algorithm::OneStage; calls.len()];
+        let mut launched = false;
+        let mut result = Ok(());
+        for step in steps {
+            let done = match step {
+                GroupStep::Batch { first, plan } => {
+                    let entries = &io[first..first + plan.count];
+                    if plan.total_elements == 0 {
+                        Ok(())
+                    } else {
+                        comm.lock()
+                            .and_then(|_launches| core.launch_group(&plan, entries))
+                    }
+                }
+                GroupStep::Alone { index, routed } => {
+                    let c = &calls[index];
+                    let (input, output) = io[index];
+                    comm.run(routed, input, output, c.elements, c.dtype, &c.options)
+                        .map(|a| algorithms[index] = a)
+                }
+            };
+            if let Err(e) = done {
+                if launched {
+                    core.poison();
+                }
+                result = Err(e);
+                break;
+            }
+            launched = true;
+        }
+        drop(guards);
+        result.map(|()| algorithms)
+    }
+}
+
+impl<B: Backend> Drop for CommGroup<'_, '_, B> {
+    /// A group dropped without [`CommGroup::end`] (an early return, a `?` on a call that
+    /// failed its checks) is discarded: none of its calls is launched, nothing is
+    /// written, and the group is closed.
+    fn drop(&mut self) {
+        self.calls.clear();
+    }
+}

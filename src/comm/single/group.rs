@@ -1,0 +1,249 @@
+//! Group calls on [`Communicator`]: a guard that collects all-reduces (every rank's
+//! buffers at once, as `all_reduce_sum_slices` takes them) and launches them when it
+//! ends, as few kernels per rank as the kernels allow.
+
+use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
+use crate::dispatch::Algorithm;
+use crate::error::Result;
+use crate::signal::{MAX_GPUS, MAX_GROUP_CALLS};
+
+use super::super::core::group::{GroupStep, GroupedCall};
+use super::super::core::plan::PeerReads;
+use super::super::AllReduceOptions;
+use super::Communicator;
+
+/// An open group of all-reduces on a [`Communicator`] (see [`Communicator::group`]).
+/// Each call is checked when it is made; nothing is launched until
+/// [`CommunicatorGroup::end`]; dropping the guard without it discards the calls
+/// (nothing launched or written), so an early return cannot leave the group open.
+pub struct CommunicatorGroup<'c, 'b, B: Backend> {
+    comm: &'c Communicator<B>,
+    calls: Vec<Pending<'b, B>>,
+}
+
+struct Pending<'b, B: Backend> {
+    /// Rank r's input (`None`: in place, the output is the input).
+    inputs: Vec<Option<&'b dyn DeviceBuffer<B>>>,
+    outputs: Vec<&'b mut dyn DeviceBufferMut<B>>,
+    call: GroupedCall,
+}
+
+impl<B: Backend> Communicator<B> {
+    /// Opens a group: the all-reduces issued through the returned guard are launched
+    /// together when it ends, in order, on every rank; several of one dtype and group
+    /// width (algorithm left to peercomm) run as one kernel per rank with one start and
+    /// one end barrier, up to 8 at a time while their inputs fit the payload together.
+    /// Each result is bit for bit what the call gives alone. Replaces `group_start` /
+    /// `group_end`, which launched every call at once.
+    ///
+    /// ```
+    /// use peercomm::backend::{host::Host, Backend};
+    /// use peercomm::{CommConfig, Communicator};
+    ///
+    /// let comm = Communicator::<Host>::new(&[0, 1], CommConfig::default())?;
+    /// let ins: Vec<_> = comm.ranks().iter().map(|r| Host::alloc_from(r.device(), &[1.0f32; 4]).unwrap()).collect();
+    /// let mut a: Vec<_> = comm.ranks().iter().map(|r| Host::alloc_buffer::<f32>(r.device(), 4).unwrap()).collect();
+    /// let mut b: Vec<_> = comm.ranks().iter().map(|r| Host::alloc_from(r.device(), &[3.0f32; 4]).unwrap()).collect();
+    /// let mut group = comm.group();
+    /// group.all_reduce_sum_slices(&ins, &mut a)?;
+    /// group.all_reduce_sum_slices_in_place(&mut b)?;
+    /// group.end()?; // one kernel per rank for both
+    /// comm.synchronize()?;
+    /// assert_eq!(Host::download(comm.rank(1).device(), &a[1])?, vec![2.0; 4]);
+    /// assert_eq!(Host::download(comm.rank(0).device(), &b[0])?, vec![6.0; 4]);
+    /// # Ok::<(), peercomm::Error>(())
+    /// ```
+    pub fn group<'b>(&self) -> CommunicatorGroup<'_, 'b, B> {
+        CommunicatorGroup {
+            comm: self,
+            calls: Vec::new(),
+        }
+    }
+}
+
+impl<'b, B: Backend> CommunicatorGroup<'_, 'b, B> {
+    /// Adds `inputs[r]` summed over the world into `outputs[r]` (see
+    /// [`Communicator::all_reduce_sum_slices`]).
+    pub fn all_reduce_sum_slices<S, R>(
+        &mut self,
+        inputs: &'b [S],
+        outputs: &'b mut [R],
+    ) -> Result<()>
+    where
+        S: DeviceBuffer<B>,
+        R: DeviceBufferMut<B>,
+    {
+        self.all_reduce_sum_slices_with(inputs, outputs, &AllReduceOptions::new())
+    }
+
+    /// As [`CommunicatorGroup::all_reduce_sum_slices`], with options.
+    pub fn all_reduce_sum_slices_with<S, R>(
+        &mut self,
+        inputs: &'b [S],
+        outputs: &'b mut [R],
+        options: &AllReduceOptions,
+    ) -> Result<()>
+    where
+        S: DeviceBuffer<B>,
+        R: DeviceBufferMut<B>,
+    {
+        let first = self.comm.check_slices(inputs, outputs)?;
+        let call = GroupedCall {
+            dtype: first.dtype,
+            elements: first.len,
+            options: *options,
+            in_place: false,
+        };
+        self.check(&call)?;
+        self.calls.push(Pending {
+            inputs: inputs
+                .iter()
+                .map(|b| Some(b as &dyn DeviceBuffer<B>))
+                .collect(),
+            outputs: outputs
+                .iter_mut()
+                .map(|b| b as &mut dyn DeviceBufferMut<B>)
+                .collect(),
+            call,
+        });
+        Ok(())
+    }
+
+    /// Adds every rank's `buffers[r]` summed over the world in place.
+    pub fn all_reduce_sum_slices_in_place<R: DeviceBufferMut<B>>(
+        &mut self,
+        buffers: &'b mut [R],
+    ) -> Result<()> {
+        self.all_reduce_sum_slices_in_place_with(buffers, &AllReduceOptions::new())
+    }
+
+    /// As [`CommunicatorGroup::all_reduce_sum_slices_in_place`], with options.
+    pub fn all_reduce_sum_slices_in_place_with<R: DeviceBufferMut<B>>(
+        &mut self,
+        buffers: &'b mut [R],
+        options: &AllReduceOptions,
+    ) -> Result<()> {
+        let first = self.comm.check_slices_in_place(buffers)?;
+        let call = GroupedCall {
+            dtype: first.dtype,
+            elements: first.len,
+            options: *options,
+            in_place: true,
+        };
+        self.check(&call)?;
+        self.calls.push(Pending {
+            inputs: buffers.iter().map(|_| None).collect(),
+            outputs: buffers
+                .iter_mut()
+                .map(|b| b as &mut dyn DeviceBufferMut<B>)
+                .collect(),
+            call,
+        });
+        Ok(())
+    }
+
+    /// Calls in the group so far.
+    pub fn len(&self) -> usize {
+        self.calls.len()
+    }
+
+    /// Whether no call was added yet.
+    pub fn is_empty(&self) -> bool {
+        self.calls.is_empty()
+    }
+
+    /// Ends the group: launches its calls (the algorithm of each, in order). An error
+    /// once some were launched poisons the communicator.
+    pub fn end(mut self) -> Result<Vec<Algorithm>> {
+        self.launch()
+    }
+
+    fn check(&self, call: &GroupedCall) -> Result<()> {
+        self.comm
+            .route_all_reduce(call.dtype, call.elements, &call.options, call.in_place)
+            .map(|_| ())
+    }
+
+    fn launch(&mut self) -> Result<Vec<Algorithm>> {
+        let mut pending = std::mem::take(&mut self.calls);
+        if pending.is_empty() {
+            return Ok(Vec::new());
+        }
+        let comm = self.comm;
+        let calls: Vec<GroupedCall> = pending.iter().map(|p| p.call).collect();
+        let steps = comm.ranks[0].plan_grouped(&calls, PeerReads::UserBuffers)?;
+        let world = comm.world_size();
+        // ins[s][r], outs[s][r]: call s's buffers on rank r.
+        let mut ins = vec![[0u64; MAX_GPUS]; calls.len()];
+        let mut outs = vec![[0u64; MAX_GPUS]; calls.len()];
+        let mut guards = Vec::with_capacity(2 * world * calls.len());
+        for (s, p) in pending.iter_mut().enumerate() {
+            for (r, output) in p.outputs.iter_mut().enumerate() {
+                let dev = comm.ranks[r].device();
+                let (out, g) = output.write_ptr(dev);
+                guards.push(g);
+                outs[s][r] = out;
+                ins[s][r] = match p.inputs[r] {
+                    Some(input) => {
+                        let (ptr, g) = input.read_ptr(dev);
+                        guards.push(g);
+                        ptr
+                    }
+                    None => out,
+                };
+            }
+        }
+        let mut algorithms = vec![Algorithm::OneStage; calls.len()];
+        let mut launched = false;
+        let mut result = Ok(());
+        for step in steps {
+            let done = match step {
+                GroupStep::Batch { first, plan } => {
+                    if plan.total_elements == 0 {
+                        Ok(())
+                    } else {
+                        let mut io = vec![[(0u64, 0u64); MAX_GROUP_CALLS]; world];
+                        for (k, s) in (first..first + plan.count).enumerate() {
+                            for (r, entry) in io.iter_mut().enumerate() {
+                                entry[k] = (ins[s][r], outs[s][r]);
+                            }
+                        }
+                        comm.launch_group_on_all(&plan, &io)
+                    }
+                }
+                GroupStep::Alone { index, routed } => {
+                    let c = &calls[index];
+                    let which = if c.in_place { "in-place" } else { "input" };
+                    comm.run_all_reduce(
+                        routed,
+                        &ins[index],
+                        &outs[index],
+                        c.elements,
+                        c.dtype,
+                        which,
+                    )
+                    .map(|a| algorithms[index] = a)
+                }
+            };
+            if let Err(e) = done {
+                if launched {
+                    comm.poison();
+                }
+                result = Err(e);
+                break;
+            }
+            launched = true;
+        }
+        drop(guards);
+        result.map(|()| algorithms)
+    }
+}
+
+impl<B: Backend> Drop for CommunicatorGroup<'_, '_, B> {
+    /// A group dropped without [`CommunicatorGroup::end`] (an early return, a `?` on a call that
+    /// failed its checks) is discarded: none of its calls is launched, nothing is
+    /// written, and the group is closed.
+    fn drop(&mut self) {
+        self.calls.clear();
+    }
+}

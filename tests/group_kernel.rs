@@ -1,0 +1,638 @@
+//! The batched all-reduce kernel (`KernelKind::AllReduceGroup`) on the host backend,
+//! through the group calls (`Communicator::group` and `Comm::group`, which batch the
+//! all-reduces issued in a group): worlds 2, 3 and 4,
+//! every group size dividing them, f32 / f16 / bf16, batches of 1, 2, 5 and 8 entries
+//! of 0, 1, 7, 8, 1000 and 4099 elements. Inputs are fresh random values with -0.0 and
+//! +0.0 lanes sprinkled in, outputs poisoned (NaN) before every call, and every entry is
+//! compared bit for bit with (a) the in-order CPU reference (the f32 sum from +0.0 in
+//! group-rank order rounded to T; a group of one: the input), besides the f64 check of
+//! tests/common, and (b) the same entry run alone through the ordinary one-stage
+//! all-reduce. Plus: a batch larger than the payload is `MessageTooLarge` with nothing
+//! written; ranks that disagree on a batch get `CallMismatch` on every rank with nothing
+//! written; the single controller checks every entry on the host and honours fault
+//! injection.
+
+mod common;
+
+use std::sync::Barrier;
+use std::time::Duration;
+
+use common::Zeros;
+use peercomm::backend::host::{Host, HostBuffer};
+use peercomm::backend::{Backend, DeviceBuffer, DeviceBufferMut, TypedBuffer};
+use peercomm::bootstrap::UniqueId;
+use peercomm::{
+    Algorithm, AllReduceOptions, CallField, Comm, CommConfig, Communicator, DType, Element, Error,
+};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+/// Entry lengths (0: an empty entry, which writes nothing).
+const LENGTHS: [usize; 6] = [0, 1, 7, 8, 1000, 4099];
+
+/// The batches of one (world, group size, dtype): every length alone, then batches of 2,
+/// 5 and 8 entries cycling through the lengths from two starting points.
+fn batches() -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = LENGTHS.iter().map(|&n| vec![n]).collect();
+    for count in [2, 5, 8] {
+        for start in [1, 4] {
+            out.push(
+                (0..count)
+                    .map(|s| LENGTHS[(start + s) % LENGTHS.len()])
+                    .collect(),
+            );
+        }
+    }
+    out
+}
+
+fn divisors(world: usize) -> Vec<usize> {
+    (1..=world).filter(|&g| world.is_multiple_of(g)).collect()
+}
+
+fn config(blocks: u32) -> CommConfig {
+    CommConfig {
+        lamport_slot_bytes: 1 << 20,
+        payload_bytes: 4 << 20,
+        barrier_timeout: Some(Duration::from_secs(30)),
+        max_blocks: Some(blocks),
+        bootstrap_timeout: Duration::from_secs(30),
+        ..CommConfig::default()
+    }
+}
+
+fn nan<T: Element>() -> T {
+    T::from_f32(f32::NAN)
+}
+
+/// Every rank's input of every entry of a batch: `[entry][rank]`, random with zeros.
+fn batch_inputs<T: Element>(rng: &mut StdRng, world: usize, lengths: &[usize]) -> Vec<Vec<Vec<T>>> {
+    lengths
+        .iter()
+        .map(|&n| {
+            let mut ins = common::random_inputs::<T>(rng, world, n);
+            if n > 0 {
+                common::sprinkle_zeros(rng, &mut ins, Zeros::ALL);
+            }
+            ins
+        })
+        .collect()
+}
+
+/// The in-order reference of rank `rank`'s output (bits): over two or more ranks the
+/// f32 sum from +0.0 in group-rank order, rounded to T; a group of one copies.
+fn reference_bits<T: Element>(ins: &[Vec<T>], width: usize, rank: usize) -> Vec<u32> {
+    let g = rank / width * width;
+    (0..ins[rank].len())
+        .map(|e| {
+            if width == 1 {
+                ins[rank][e].to_bits_u32()
+            } else {
+                let acc = (g..g + width).fold(0.0f32, |acc, r| acc + ins[r][e].to_f32());
+                T::from_f32(acc).to_bits_u32()
+            }
+        })
+        .collect()
+}
+
+fn bits<T: Element>(v: &[T]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits_u32()).collect()
+}
+
+/// Rank `rank`'s entry `got` against the in-order reference and the one-stage result
+/// `alone`, bit for bit.
+fn check_entry<T: Element>(
+    ins: &[Vec<T>],
+    width: usize,
+    rank: usize,
+    got: &[T],
+    alone: &[T],
+    what: &str,
+) {
+    let expected = reference_bits(ins, width, rank);
+    let got = bits(got);
+    assert_eq!(got.len(), expected.len(), "{what}: length");
+    if let Some(e) = (0..got.len()).find(|&e| got[e] != expected[e]) {
+        panic!(
+            "{what}: rank {rank}, element {e} of {}: {:#x}, the in-order reference {:#x}",
+            got.len(),
+            got[e],
+            expected[e]
+        );
+    }
+    assert_eq!(
+        got,
+        bits(alone),
+        "{what}: rank {rank}: not the bits of one-stage alone"
+    );
+}
+
+// ---------------------------------------------------------------------------------
+// Single controller.
+
+fn single_controller_case<T: Element>(
+    comm: &Communicator<Host>,
+    rng: &mut StdRng,
+    width: usize,
+    lengths: &[usize],
+) {
+    let world = comm.world_size();
+    let what = format!(
+        "single controller world {world}, groups of {width}, {:?} x {lengths:?}",
+        T::DTYPE
+    );
+    let ins = batch_inputs::<T>(rng, world, lengths);
+    let dev = |r: usize| comm.rank(r).device();
+    let sends: Vec<Vec<HostBuffer<T>>> = ins
+        .iter()
+        .map(|e| {
+            e.iter()
+                .enumerate()
+                .map(|(r, v)| Host::alloc_from(dev(r), v).unwrap())
+                .collect()
+        })
+        .collect();
+    let poisoned = || -> Vec<Vec<HostBuffer<T>>> {
+        lengths
+            .iter()
+            .map(|&n| {
+                (0..world)
+                    .map(|r| Host::alloc_from(dev(r), &vec![nan::<T>(); n]).unwrap())
+                    .collect()
+            })
+            .collect()
+    };
+    let mut recvs = poisoned();
+    single_group(comm, &sends, &mut recvs, width).unwrap_or_else(|e| panic!("{what}: {e}"));
+    comm.synchronize().unwrap_or_else(|e| panic!("{what}: {e}"));
+    let mut alone = poisoned();
+    let opts = AllReduceOptions::new()
+        .algorithm(Algorithm::OneStage)
+        .group_size(width);
+    for (s, out) in alone.iter_mut().enumerate() {
+        comm.all_reduce_sum_slices(&sends[s], out, &opts).unwrap();
+    }
+    comm.synchronize().unwrap();
+    for (s, entry) in ins.iter().enumerate() {
+        let got: Vec<Vec<T>> = (0..world)
+            .map(|r| recvs[s][r].to_host(dev(r)).unwrap())
+            .collect();
+        let what = format!("{what}, entry {s}");
+        if lengths[s] > 0 {
+            common::check_result(entry, &got, width, Algorithm::OneStage, &what);
+        }
+        for r in 0..world {
+            let one = alone[s][r].to_host(dev(r)).unwrap();
+            check_entry(entry, width, r, &got[r], &one, &what);
+        }
+    }
+}
+
+fn single_controller_batches(world: usize) {
+    let mut rng = common::rng(&format!("group_kernel_single_world_{world}"));
+    let ordinals: Vec<usize> = (0..world).collect();
+    let comm = Communicator::<Host>::new(&ordinals, config(3)).unwrap();
+    let mut batches_run = 0;
+    for width in divisors(world) {
+        for lengths in batches() {
+            single_controller_case::<f32>(&comm, &mut rng, width, &lengths);
+            single_controller_case::<half::f16>(&comm, &mut rng, width, &lengths);
+            single_controller_case::<half::bf16>(&comm, &mut rng, width, &lengths);
+            batches_run += 3;
+        }
+    }
+    eprintln!("single controller world {world}: {batches_run} batches checked");
+}
+
+#[test]
+fn single_controller_batches_world_2() {
+    single_controller_batches(2);
+}
+
+#[test]
+fn single_controller_batches_world_3() {
+    single_controller_batches(3);
+}
+
+#[test]
+fn single_controller_batches_world_4() {
+    single_controller_batches(4);
+}
+
+/// Host checks, the payload bound and fault injection on the single controller: an
+/// entry whose length differs on one rank is `LengthMismatch` before anything runs; a
+/// batch past the payload is `MessageTooLarge`; a rank whose descriptor is skewed
+/// (`mismatch_next`) makes every rank's record a `CallMismatch`; a rank left out
+/// (`miss_next`) is a timeout; nothing is written in any of them, and after
+/// `reinitialize` a batch works again.
+#[test]
+fn single_controller_refusals_and_faults() {
+    let world = 2;
+    let config = CommConfig {
+        payload_bytes: 64 << 10,
+        barrier_timeout: Some(Duration::from_millis(500)),
+        ..config(2)
+    };
+    let comm = Communicator::<Host>::new(&[0, 1], config).unwrap();
+    let dev = |r: usize| comm.rank(r).device();
+    let bufs = |lengths: &[Vec<usize>], value: f32| -> Vec<Vec<HostBuffer<f32>>> {
+        lengths
+            .iter()
+            .map(|per_rank| {
+                per_rank
+                    .iter()
+                    .enumerate()
+                    .map(|(r, &n)| Host::alloc_from(dev(r), &vec![value; n]).unwrap())
+                    .collect()
+            })
+            .collect()
+    };
+    let untouched = |recvs: &[Vec<HostBuffer<f32>>], what: &str| {
+        for (s, e) in recvs.iter().enumerate() {
+            for (r, b) in e.iter().enumerate() {
+                let host = b.to_host(dev(r)).unwrap();
+                assert!(
+                    host.iter().all(|x| x.is_nan()),
+                    "{what}: entry {s} of rank {r} was written"
+                );
+            }
+        }
+    };
+    // Rank 1's entry 1 is longer.
+    let uneven = vec![vec![10, 10], vec![20, 21]];
+    let mut recvs = bufs(&uneven, f32::NAN);
+    let got = single_group(&comm, &bufs(&uneven, 1.0), &mut recvs, 0);
+    assert!(
+        matches!(got, Err(Error::LengthMismatch { rank: 1, .. })),
+        "{got:?}"
+    );
+    untouched(&recvs, "uneven");
+    // 2 x 8192 f32 + 1: 64 KiB + 16 bytes, past the payload together: the group
+    // batches what fits and runs the rest alone, with the same results.
+    let big = vec![vec![8192; 2], vec![8192; 2], vec![1; 2]];
+    let mut recvs = bufs(&big, f32::NAN);
+    single_group(&comm, &bufs(&big, 1.0), &mut recvs, 0).unwrap();
+    comm.synchronize().unwrap();
+    for (s, e) in recvs.iter().enumerate() {
+        for (r, b) in e.iter().enumerate() {
+            let host = b.to_host(dev(r)).unwrap();
+            assert!(
+                host.iter().all(|&x| x == 2.0),
+                "too large: entry {s} of rank {r}"
+            );
+        }
+    }
+    let fits = vec![vec![8192; 2], vec![0; 2]];
+    let sends = bufs(&fits, 1.0);
+    // A skewed descriptor on rank 1.
+    let mut recvs = bufs(&fits, f32::NAN);
+    comm.mismatch_next(1).unwrap();
+    single_group(&comm, &sends, &mut recvs, 0).unwrap();
+    let got = comm.synchronize();
+    assert!(
+        matches!(
+            got,
+            Err(Error::CallMismatch {
+                field: CallField::Sequence,
+                ..
+            })
+        ),
+        "{got:?}"
+    );
+    for (r, e) in comm.rank_errors().unwrap().into_iter().enumerate() {
+        assert!(
+            matches!(e, Some(Error::CallMismatch { .. })),
+            "rank {r}: {e:?}"
+        );
+    }
+    untouched(&recvs, "skewed");
+    comm.reinitialize().unwrap();
+    // Rank 0 left out.
+    comm.miss_next(0).unwrap();
+    single_group(&comm, &sends, &mut recvs, 0).unwrap();
+    let got = comm.synchronize();
+    assert!(
+        matches!(
+            got,
+            Err(Error::BarrierTimeout {
+                waiting_for: Some(0),
+                ..
+            }) | Err(Error::PeerAborted { .. })
+        ),
+        "{got:?}"
+    );
+    untouched(&recvs, "left out");
+    comm.reinitialize().unwrap();
+    single_group(&comm, &sends, &mut recvs, 0).unwrap();
+    comm.synchronize().unwrap();
+    for (r, b) in recvs[0].iter().enumerate() {
+        assert_eq!(b.to_host(dev(r)).unwrap(), vec![world as f32; 8192]);
+    }
+}
+
+// ---------------------------------------------------------------------------------
+// Per rank: one thread per rank, `Comm` over the TCP bootstrap of a `UniqueId`.
+
+/// A batch through the single controller's group: entry s is one all-reduce of the
+/// group, over groups of `width`.
+fn single_group<S: DeviceBuffer<Host>, R: DeviceBufferMut<Host>>(
+    comm: &Communicator<Host>,
+    sends: &[Vec<S>],
+    recvs: &mut [Vec<R>],
+    width: usize,
+) -> peercomm::Result<()> {
+    let opts = AllReduceOptions::new().group_size(width);
+    let mut group = comm.group();
+    for (send, recv) in sends.iter().zip(recvs.iter_mut()) {
+        group.all_reduce_sum_slices_with(send, recv, &opts)?;
+    }
+    group.end().map(|_| ())
+}
+
+/// A batch through a per-rank group.
+fn rank_group<S: DeviceBuffer<Host>, R: DeviceBufferMut<Host>>(
+    comm: &Comm<Host>,
+    sends: &[S],
+    recvs: &mut [R],
+    width: usize,
+) -> peercomm::Result<()> {
+    let opts = AllReduceOptions::new().group_size(width);
+    let mut group = comm.group();
+    for (send, recv) in sends.iter().zip(recvs.iter_mut()) {
+        group.all_reduce_sum_with(send, recv, &opts)?;
+    }
+    group.end().map(|_| ())
+}
+
+/// Runs `body(rank, comm, meet)` on one thread per rank of a fresh world; `meet` is a
+/// barrier of the world's threads.
+fn per_rank<R: Send>(
+    world: usize,
+    config: &CommConfig,
+    body: impl Fn(usize, &Comm<Host>, &Barrier) -> R + Sync,
+) -> Vec<R> {
+    let id = UniqueId::new().unwrap();
+    let meet = Barrier::new(world);
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..world)
+            .map(|rank| {
+                let (id, body, meet, config) = (&id, &body, &meet, config.clone());
+                s.spawn(move || {
+                    let dev = Host::open(rank).unwrap();
+                    let comm = Comm::<Host>::from_rank(dev, rank, world, id, config).unwrap();
+                    body(rank, &comm, meet)
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).collect()
+    })
+}
+
+/// One batch on one rank: every rank draws every rank's inputs from the same seed.
+fn per_rank_case<T: Element>(comm: &Comm<Host>, seed: u64, width: usize, lengths: &[usize]) {
+    let (world, rank) = (comm.world_size(), comm.rank());
+    let what = format!(
+        "per rank world {world}, groups of {width}, {:?} x {lengths:?}",
+        T::DTYPE
+    );
+    let mut rng = StdRng::seed_from_u64(seed);
+    let ins = batch_inputs::<T>(&mut rng, world, lengths);
+    let dev = comm.device();
+    let sends: Vec<HostBuffer<T>> = ins
+        .iter()
+        .map(|e| Host::alloc_from(dev, &e[rank]).unwrap())
+        .collect();
+    let poisoned = || -> Vec<HostBuffer<T>> {
+        lengths
+            .iter()
+            .map(|&n| Host::alloc_from(dev, &vec![nan::<T>(); n]).unwrap())
+            .collect()
+    };
+    let mut recvs = poisoned();
+    rank_group(comm, &sends, &mut recvs, width).unwrap_or_else(|e| panic!("{what}: {e}"));
+    comm.synchronize()
+        .unwrap_or_else(|e| panic!("{what}: rank {rank}: {e}"));
+    let mut alone = poisoned();
+    let opts = AllReduceOptions::new()
+        .algorithm(Algorithm::OneStage)
+        .group_size(width);
+    for (send, out) in sends.iter().zip(alone.iter_mut()) {
+        comm.all_reduce_sum_with(send, out, &opts).unwrap();
+    }
+    comm.synchronize().unwrap();
+    for (s, entry) in ins.iter().enumerate() {
+        let got = recvs[s].to_host(dev).unwrap();
+        let one = alone[s].to_host(dev).unwrap();
+        check_entry(
+            entry,
+            width,
+            rank,
+            &got,
+            &one,
+            &format!("{what}, entry {s}"),
+        );
+    }
+}
+
+fn per_rank_batches(world: usize) {
+    let seed = common::seed(&format!("group_kernel_per_rank_world_{world}"));
+    let checked = per_rank(world, &config(2), |_rank, comm, _meet| {
+        let mut case = 0u64;
+        for width in divisors(world) {
+            for lengths in batches() {
+                let next = |case: &mut u64| {
+                    *case += 1;
+                    seed ^ case.wrapping_mul(0x9e37_79b9_7f4a_7c15)
+                };
+                per_rank_case::<f32>(comm, next(&mut case), width, &lengths);
+                per_rank_case::<half::f16>(comm, next(&mut case), width, &lengths);
+                per_rank_case::<half::bf16>(comm, next(&mut case), width, &lengths);
+            }
+        }
+        case
+    });
+    eprintln!(
+        "per rank world {world}: {} batches checked on every rank",
+        checked[0]
+    );
+}
+
+#[test]
+fn per_rank_batches_world_2() {
+    per_rank_batches(2);
+}
+
+#[test]
+fn per_rank_batches_world_3() {
+    per_rank_batches(3);
+}
+
+#[test]
+fn per_rank_batches_world_4() {
+    per_rank_batches(4);
+}
+
+/// Waits for this rank's batch, then checks nothing of its outputs was written when it
+/// failed.
+fn batch_untouched(comm: &Comm<Host>, lengths: &[usize]) -> peercomm::Result<()> {
+    let dev = comm.device();
+    let sends: Vec<HostBuffer<f32>> = lengths
+        .iter()
+        .map(|&n| Host::alloc_from(dev, &vec![1.0f32; n]).unwrap())
+        .collect();
+    let mut recvs: Vec<HostBuffer<f32>> = lengths
+        .iter()
+        .map(|&n| Host::alloc_from(dev, &vec![f32::NAN; n]).unwrap())
+        .collect();
+    rank_group(comm, &sends, &mut recvs, 0)?;
+    let result = comm.synchronize();
+    if result.is_err() {
+        for (s, b) in recvs.iter().enumerate() {
+            let written = b.to_host(dev)?.iter().filter(|x| !x.is_nan()).count();
+            assert_eq!(
+                written, 0,
+                "a failed batch wrote {written} elements of entry {s}"
+            );
+        }
+    } else {
+        let world = comm.world_size() as f32;
+        for b in &recvs {
+            assert!(b.to_host(dev)?.iter().all(|&x| x == world));
+        }
+    }
+    result
+}
+
+/// An ordinary one-stage all-reduce of `n` f32 on this rank, checked like a batch.
+fn plain_untouched(comm: &Comm<Host>, n: usize) -> peercomm::Result<()> {
+    let dev = comm.device();
+    let send = Host::alloc_from(dev, &vec![1.0f32; n])?;
+    let mut recv = Host::alloc_from(dev, &vec![f32::NAN; n])?;
+    let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+    comm.all_reduce_sum_with(&send, &mut recv, &opts)?;
+    let result = comm.synchronize();
+    if result.is_err() {
+        assert!(recv.to_host(dev)?.iter().all(|x| x.is_nan()));
+    }
+    result
+}
+
+type Call = Box<dyn Fn(&Comm<Host>) -> peercomm::Result<()> + Sync>;
+
+fn batch(lengths: &[usize]) -> Call {
+    let lengths = lengths.to_vec();
+    Box::new(move |comm: &Comm<Host>| batch_untouched(comm, &lengths))
+}
+
+/// The last rank makes another batch (or another call) than the others: every rank gets
+/// `CallMismatch` naming the field (the others naming the last rank, the last rank one
+/// of them), nothing written; after `reinitialize` a matching batch works again.
+fn per_rank_mismatches(world: usize) {
+    let config = CommConfig {
+        barrier_timeout: Some(Duration::from_millis(1500)),
+        ..config(2)
+    };
+    let usual = [300, 7, 1000, 0, 8];
+    let cases: Vec<(&str, CallField, Call, Call)> = vec![
+        (
+            "another length in entry 0",
+            CallField::Length,
+            batch(&usual),
+            batch(&[301, 7, 1000, 0, 8]),
+        ),
+        (
+            "another length in entry 2",
+            CallField::Length,
+            batch(&usual),
+            batch(&[300, 7, 999, 0, 8]),
+        ),
+        (
+            "another length in the last entry",
+            CallField::Length,
+            batch(&usual),
+            batch(&[300, 7, 1000, 0, 9]),
+        ),
+        (
+            "two entries swapped",
+            CallField::Length,
+            batch(&usual),
+            batch(&[300, 1000, 7, 0, 8]),
+        ),
+        (
+            "another count",
+            CallField::Root,
+            batch(&usual),
+            batch(&usual[..4]),
+        ),
+        (
+            "a batch against a plain all-reduce",
+            CallField::Collective,
+            batch(&[300, 7]),
+            Box::new(|comm: &Comm<Host>| plain_untouched(comm, 300)),
+        ),
+    ];
+    let odd = world - 1;
+    for (what, field, usual, other) in &cases {
+        let got = per_rank(world, &config, |rank, comm, meet| {
+            let call = if rank == odd { other } else { usual };
+            let got = call(comm);
+            meet.wait();
+            comm.reinitialize().unwrap();
+            batch_untouched(comm, &[5, 0, 4099]).unwrap();
+            got
+        });
+        for (rank, got) in got.into_iter().enumerate() {
+            match got {
+                Err(Error::CallMismatch {
+                    rank: r,
+                    peer,
+                    field: f,
+                    ref mine,
+                    ref theirs,
+                }) => {
+                    assert_eq!(r, rank, "{what}");
+                    assert_eq!(f, *field, "{what}: rank {rank}: {mine} / {theirs}");
+                    if rank == odd {
+                        assert_ne!(peer, odd, "{what}");
+                    } else {
+                        assert_eq!(peer, odd, "{what}: rank {rank}");
+                    }
+                }
+                other => panic!("{what}: rank {rank} got {other:?}, not a CallMismatch"),
+            }
+        }
+        eprintln!("world {world}, {what}: every rank got CallMismatch({field:?})");
+    }
+}
+
+#[test]
+fn per_rank_mismatches_world_2() {
+    per_rank_mismatches(2);
+}
+
+#[test]
+fn per_rank_mismatches_world_3() {
+    per_rank_mismatches(3);
+}
+
+/// Per rank: a group past the payload together batches what fits and runs the rest
+/// alone, with the same results on every rank; a batch that fits runs next.
+#[test]
+fn per_rank_group_past_the_payload_is_split() {
+    let config = CommConfig {
+        payload_bytes: 64 << 10,
+        ..config(2)
+    };
+    per_rank(2, &config, |_rank, comm, _meet| {
+        batch_untouched(comm, &[8192, 8192, 1]).unwrap();
+        batch_untouched(comm, &[8192, 8192]).unwrap();
+    });
+}
+
+/// The dtypes the batch checks use exist on the host backend (a guard against the
+/// matrix silently shrinking).
+#[test]
+fn the_matrix_covers_every_dtype() {
+    assert_eq!(DType::ALL.len(), 3);
+    assert_eq!(batches().len(), 12);
+}
