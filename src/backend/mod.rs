@@ -256,11 +256,6 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// Waits for everything enqueued on the device's stream.
     fn synchronize(dev: &Self::Device) -> Result<()>;
 
-    /// The external collective library that serves where peer memory cannot (NCCL on
-    /// CUDA, RCCL on AMD, the host stand-in on the host backend); see
-    /// [`crate::external`].
-    fn external_library() -> &'static dyn crate::external::ExternalLibrary<Self>;
-
     /// Allocates a typed buffer of `len` elements (contents unspecified).
     fn alloc_buffer<T: Element>(dev: &Self::Device, len: usize) -> Result<Self::Buffer<T>>;
     /// Copies `src` into `dst` (same length).

@@ -11,7 +11,7 @@ use crate::dispatch::{self, Algorithm};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::external::sub::SubBootstrap;
-use crate::external::{ExternalAllReduce, Fallback, SizeRouting};
+use crate::external::{library_of, ExternalAllReduce, Fallback, SizeRouting};
 use crate::signal::MAX_GPUS;
 
 use super::peer_setup::{self, Outcome, PeerCore};
@@ -142,7 +142,7 @@ pub(super) fn connect<B: Backend>(
     } else {
         (peer_setup::solo(device, config)?, Mode::External)
     };
-    let library = B::external_library();
+    let library = library_of::<B>();
     let external_group: Option<Vec<usize>> = match mode {
         Mode::External => Some((0..world).collect()),
         Mode::Hierarchical { local } => {

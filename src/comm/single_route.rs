@@ -9,7 +9,7 @@ use crate::backend::Backend;
 use crate::dispatch::{self, Algorithm};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::external::{ExternalAllReduce, Fallback, FallbackConfig, SizeRouting};
+use crate::external::{library_of, ExternalAllReduce, Fallback, FallbackConfig, SizeRouting};
 
 use super::{AllReduceOptions, Communicator};
 
@@ -59,7 +59,7 @@ impl<B: Backend> Communicator<B> {
         let need_external = !peer_world || fallback.by_size != SizeRouting::Never;
         let external = if need_external && self.world_size() > 1 {
             let devices: Vec<&B::Device> = self.ranks.iter().map(|r| r.device()).collect();
-            Some(B::external_library().single_controller(&devices)?)
+            Some(library_of::<B>().single_controller(&devices)?)
         } else {
             None
         };
@@ -140,7 +140,7 @@ impl<B: Backend> Communicator<B> {
         if elements == 0 {
             return Ok(Algorithm::Nccl);
         }
-        let library = B::external_library();
+        let library = library_of::<B>();
         library.group_start()?;
         let mut result = Ok(());
         for (r, h) in handles.iter().enumerate() {
