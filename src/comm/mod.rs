@@ -16,6 +16,8 @@ use crate::signal::{SignalLayout, MAX_GPUS, NUM_BARRIER_DOMAINS};
 use crate::tensor::{Tensor, TensorMut};
 
 mod call;
+#[cfg(feature = "cuda")]
+mod capture;
 mod collective;
 mod config;
 mod fault;
