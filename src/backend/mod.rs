@@ -6,6 +6,7 @@
 //! over its backend and pays no virtual call per launch. Raw FFI stays inside the
 //! backend modules.
 
+use crate::dispatch::Algorithm;
 use crate::dtype::{DType, Element};
 use crate::error::Result;
 use crate::signal::AllReduceArgs;
@@ -79,6 +80,20 @@ impl KernelKind {
             KernelKind::Broadcast => "broadcast",
             KernelKind::Scatter => "scatter",
             KernelKind::AllReduceRmsNorm => "allreduce_rmsnorm",
+        }
+    }
+}
+
+impl Algorithm {
+    /// The kernel family (`None` for `Auto` and the paths that are not one kernel).
+    /// (Defined with the kernels: the dispatch table that names algorithms is data and
+    /// knows nothing of kernels.)
+    pub const fn kernel_kind(self) -> Option<KernelKind> {
+        match self {
+            Algorithm::Auto | Algorithm::Nccl | Algorithm::Hierarchical => None,
+            Algorithm::OneStage => Some(KernelKind::OneStage),
+            Algorithm::TwoStage => Some(KernelKind::TwoStage),
+            Algorithm::Lamport => Some(KernelKind::Lamport),
         }
     }
 }
