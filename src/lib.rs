@@ -60,15 +60,14 @@ pub use bootstrap::{Bootstrap, BootstrapError, HostId, TcpBootstrap, UniqueId};
 #[doc(hidden)]
 pub use comm::{free_expired_teardowns, parked_teardowns};
 pub use comm::{
-    reduce_scatter_part, AllReduceOptions, CollectiveOptions, Comm, CommConfig, Communicator,
-    MemoryFootprint, Rank,
+    AllReduceOptions, CollectiveOptions, Comm, CommConfig, Communicator, MemoryFootprint, Rank,
 };
 pub use dispatch::Algorithm;
 pub use dtype::{BackendElement, DType, Element};
 pub use error::{CallField, Error, Result};
 pub use signal::{
-    barrier_domain, circular_add, SignalLayout, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
-    NUM_BARRIER_DOMAINS,
+    barrier_domain, circular_add, reduce_scatter_part, SignalLayout, MAX_GPUS,
+    MAX_NUM_BLOCKS_UPPER_BOUND, NUM_BARRIER_DOMAINS,
 };
 pub use tensor::{Tensor, TensorMut};
 

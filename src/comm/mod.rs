@@ -39,7 +39,7 @@ mod status;
 mod validate;
 
 use crate::{enable_p2p, init_signal_buffer_with_counter_base};
-pub use collective::{reduce_scatter_part, CollectiveOptions};
+pub use collective::CollectiveOptions;
 pub use config::{AllReduceOptions, CommConfig};
 pub use per_rank::Comm;
 use plan::Plan;
