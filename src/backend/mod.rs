@@ -20,6 +20,8 @@ pub(crate) mod handle;
 #[cfg(feature = "hip")]
 pub mod hip;
 pub mod host;
+pub(crate) mod p2p;
+pub(crate) mod signal_init;
 
 /// What a device allocation is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -38,7 +38,7 @@ mod slices;
 mod status;
 mod validate;
 
-use crate::{enable_p2p, init_signal_buffer_with_counter_base};
+use crate::backend::{p2p::enable_p2p, signal_init::init_signal_buffer_with_counter_base};
 pub use collective::CollectiveOptions;
 pub use config::{AllReduceOptions, CommConfig};
 pub use per_rank::Comm;

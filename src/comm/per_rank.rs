@@ -18,7 +18,7 @@ use crate::bootstrap::{Bootstrap, HostId, TcpBootstrap, UniqueId};
 use crate::dispatch::Algorithm;
 use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
-use crate::{init_signal_buffer_with_counter_base, SignalLayout};
+use crate::{backend::signal_init::init_signal_buffer_with_counter_base, SignalLayout};
 
 use super::route::{self, Path, RouteError, Router};
 use super::settings::Settings;
