@@ -37,6 +37,23 @@
 //! assert_eq!(outs[0].to_host(comm.rank(0).device())?, vec![3.0; 6]);
 //! # Ok::<(), peercomm::Error>(())
 //! ```
+//!
+//! # Layers
+//!
+//! A module imports only modules drawn below it, and the modules of one row import
+//! nothing of each other (`scripts/check-imports.py` checks it, in CI):
+//!
+//! ```text
+//!   comm                   the communicators: single controller, per rank, capture
+//!   external   tensor      NCCL / RCCL / host stand-in, per backend | shaped views
+//!   backend                the Backend trait; host, cuda, hip; peer access; signals
+//!   dispatch   protocol    the dispatch table (data) | the host model of the protocol
+//!   signal                 the signal layout, the kernels' arguments, protocol helpers
+//!   error                  Error, Result
+//!   dtype      bootstrap   element types | rendezvous between processes
+//! ```
+//!
+//! This crate root only declares the modules and re-exports what users name from it.
 
 #![warn(missing_docs)]
 
