@@ -3,9 +3,8 @@
 //! The table is data, not code paths: each row says up to how many bytes an algorithm
 //! is the fastest for a (architecture, group width) pair. The numbers behind each
 //! boundary are in `docs/dispatch.md` (measured with `peercomm-bench`); a pair that
-//! was never measured falls back to the generic row.
-
-use crate::backend::KernelKind;
+//! was never measured falls back to the generic row. Which kernel runs an algorithm is
+//! the backend's business (`Algorithm::kernel_kind`, defined in [`crate::backend`]).
 
 /// An all-reduce algorithm, or `Auto` to let the dispatch table choose.
 ///
@@ -58,15 +57,6 @@ impl Algorithm {
             Algorithm::Lamport => "lamport",
             Algorithm::Nccl => "nccl",
             Algorithm::Hierarchical => "hierarchical",
-        }
-    }
-    /// The kernel family (`None` for `Auto` and the paths that are not one kernel).
-    pub const fn kernel_kind(self) -> Option<KernelKind> {
-        match self {
-            Algorithm::Auto | Algorithm::Nccl | Algorithm::Hierarchical => None,
-            Algorithm::OneStage => Some(KernelKind::OneStage),
-            Algorithm::TwoStage => Some(KernelKind::TwoStage),
-            Algorithm::Lamport => Some(KernelKind::Lamport),
         }
     }
     /// The three peer-memory algorithms.

@@ -1,6 +1,5 @@
-//! Element types the all-reduce handles.
-
-use crate::signal::RawDType;
+//! Element types the all-reduce handles. (Their codes in the kernels' argument block
+//! are the signal layout's: `DType::raw` is defined in [`crate::signal`].)
 
 /// Element type of a tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -35,15 +34,6 @@ impl DType {
     }
     /// All supported dtypes.
     pub const ALL: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
-
-    #[allow(dead_code)]
-    pub(crate) fn raw(self) -> RawDType {
-        match self {
-            DType::F32 => RawDType::PEERCOMM_DTYPE_F32,
-            DType::F16 => RawDType::PEERCOMM_DTYPE_F16,
-            DType::BF16 => RawDType::PEERCOMM_DTYPE_BF16,
-        }
-    }
 }
 
 cfg_if::cfg_if! {

@@ -107,6 +107,23 @@
 //! [`backend::host::Host`] (always built; CPU threads over memory arenas, the reference
 //! the tests run everywhere), `backend::cuda::Cuda` (feature `cuda`) and
 //! `backend::hip::Hip` (feature `hip`).
+//!
+//! # Layers
+//!
+//! A module imports only modules drawn below it, and the modules of one row import
+//! nothing of each other (`scripts/check-imports.py` checks it, in CI):
+//!
+//! ```text
+//!   comm                   the communicators: single controller, per rank, capture
+//!   external   tensor      NCCL / RCCL / host stand-in, per backend | shaped views
+//!   backend                the Backend trait; host, cuda, hip; peer access; signals
+//!   dispatch   protocol    the dispatch table (data) | the host model of the protocol
+//!   signal                 the signal layout, the kernels' arguments, protocol helpers
+//!   error                  Error, Result
+//!   dtype      bootstrap   element types | rendezvous between processes
+//! ```
+//!
+//! This crate root only declares the modules and re-exports what users name from it.
 
 #![warn(missing_docs)]
 
@@ -122,17 +139,18 @@ pub mod protocol;
 pub mod signal;
 mod tensor;
 
-use std::collections::HashSet;
-use std::sync::Mutex;
-
+pub use backend::p2p::{enable_p2p, is_p2p_enabled};
+#[doc(hidden)]
+pub use backend::signal_init::init_signal_buffer_with_counter_base;
+pub use backend::signal_init::{create_signal_buffer, init_signal_buffer};
 pub use backend::Backend;
 pub use backend::IntoDevice;
 pub use bootstrap::{Bootstrap, BootstrapError, HostId, TcpBootstrap, UniqueId};
 #[doc(hidden)]
 pub use comm::{free_expired_teardowns, parked_teardowns};
 pub use comm::{
-    reduce_scatter_part, AllReduceOptions, CollectiveOptions, Comm, CommConfig, CommGroup,
-    Communicator, CommunicatorGroup, MemoryFootprint, Rank,
+    AllReduceOptions, CollectiveOptions, Comm, CommConfig, CommGroup, Communicator,
+    CommunicatorGroup, MemoryFootprint, Rank,
 };
 pub use dispatch::Algorithm;
 pub use dtype::{BackendElement, DType, Element};
@@ -142,97 +160,7 @@ pub use external::{Fallback, FallbackConfig, Simulation, SizeRouting};
 /// `half::bf16`), so callers need no version of their own to match.
 pub use half;
 pub use signal::{
-    barrier_domain, circular_add, SignalLayout, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
-    NUM_BARRIER_DOMAINS,
+    barrier_domain, circular_add, reduce_scatter_part, SignalLayout, MAX_GPUS,
+    MAX_NUM_BLOCKS_UPPER_BOUND, NUM_BARRIER_DOMAINS,
 };
 pub use tensor::{Tensor, TensorMut};
-
-use backend::MemoryKind;
-
-/// Pairs (backend, from, to) whose peer access this process has enabled.
-/// (backend name, from ordinal, to ordinal).
-type PeerPair = (&'static str, usize, usize);
-static ENABLED_PEERS: Mutex<Option<HashSet<PeerPair>>> = Mutex::new(None);
-
-/// Enables peer access between every ordered pair of `devices`. Returns `Ok(false)`
-/// (and enables nothing more) when some pair cannot reach each other; never panics.
-pub fn enable_p2p<B: Backend>(devices: &[B::Device]) -> Result<bool> {
-    for a in devices {
-        for b in devices {
-            if B::ordinal(a) != B::ordinal(b) && !B::can_access_peer(a, b)? {
-                return Ok(false);
-            }
-        }
-    }
-    let mut enabled = ENABLED_PEERS.lock().unwrap_or_else(|e| e.into_inner());
-    let set = enabled.get_or_insert_with(HashSet::new);
-    for a in devices {
-        for b in devices {
-            let (oa, ob) = (B::ordinal(a), B::ordinal(b));
-            if oa != ob {
-                B::enable_peer_access(a, b)?;
-                set.insert((B::NAME, oa, ob));
-            }
-        }
-    }
-    Ok(true)
-}
-
-/// Whether [`enable_p2p`] has enabled peer access between every ordered pair of these
-/// devices in this process.
-pub fn is_p2p_enabled<B: Backend>(devices: &[B::Device]) -> bool {
-    let enabled = ENABLED_PEERS.lock().unwrap_or_else(|e| e.into_inner());
-    let Some(set) = enabled.as_ref() else {
-        return devices.len() <= 1;
-    };
-    devices.iter().all(|a| {
-        devices.iter().all(|b| {
-            let (oa, ob) = (B::ordinal(a), B::ordinal(b));
-            oa == ob || set.contains(&(B::NAME, oa, ob))
-        })
-    })
-}
-
-/// Allocates one signal buffer of `layout` on `dev` (uncached / fine-grained where the
-/// vendor distinguishes) and initialises it.
-pub fn create_signal_buffer<B: Backend>(
-    dev: &B::Device,
-    layout: SignalLayout,
-) -> Result<B::Memory> {
-    let mem = B::alloc(dev, layout.checked_total_bytes()?, MemoryKind::Signal)?;
-    init_signal_buffer::<B>(dev, &mem, layout)?;
-    Ok(mem)
-}
-
-/// Zeroes a signal buffer's counters, Lamport state and error record, and fills its
-/// Lamport region with the -0.0 sentinel. Enqueued on the device's stream; every rank
-/// must be idle (no collective in flight) while any is re-initialised.
-pub fn init_signal_buffer<B: Backend>(
-    dev: &B::Device,
-    signal: &B::Memory,
-    layout: SignalLayout,
-) -> Result<()> {
-    init_signal_buffer_with_counter_base::<B>(dev, signal, layout, 0)
-}
-
-/// As [`init_signal_buffer`], with every barrier counter set to `base` instead of 0.
-#[doc(hidden)]
-pub fn init_signal_buffer_with_counter_base<B: Backend>(
-    dev: &B::Device,
-    signal: &B::Memory,
-    layout: SignalLayout,
-    base: u32,
-) -> Result<()> {
-    layout.validate()?;
-    let ptr = B::memory_ptr(signal);
-    let counters = std::mem::offset_of!(signal::Signal, lamport_state);
-    let header = std::mem::size_of::<signal::Signal>();
-    B::memset_d32(dev, ptr, base, counters / 4)?;
-    B::memset_d32(dev, ptr + counters as u64, 0, (header - counters) / 4)?;
-    B::memset_d32(
-        dev,
-        ptr + layout.lamport_offset() as u64,
-        backend::LAMPORT_SENTINEL,
-        layout.lamport_region_bytes() / 4,
-    )
-}

@@ -1,6 +1,6 @@
 //! The signal layout (mirrored from `include/peercomm_signal.h` by bindgen) and the
-//! small pure functions of the protocol: barrier domains, circular addition and the
-//! offsets inside one rank's signal allocation.
+//! small pure functions of the protocol: barrier domains, circular addition, the
+//! reduce-scatter split and the offsets inside one rank's signal allocation.
 
 #[allow(non_camel_case_types, non_upper_case_globals, dead_code, missing_docs)]
 mod bindings {
@@ -12,6 +12,24 @@ pub use bindings::{
     peercomm_allreduce_args as AllReduceArgs, peercomm_group_args as GroupArgs,
     peercomm_group_entry as GroupEntry, peercomm_signal as Signal,
 };
+
+use std::ops::Range;
+
+use crate::dtype::DType;
+
+impl DType {
+    /// The element type's code in the kernels' argument block (`peercomm_dtype`).
+    /// Defined here, with the layout it belongs to, so that `dtype` needs nothing of
+    /// this module.
+    #[allow(dead_code)]
+    pub(crate) fn raw(self) -> RawDType {
+        match self {
+            DType::F32 => RawDType::PEERCOMM_DTYPE_F32,
+            DType::F16 => RawDType::PEERCOMM_DTYPE_F16,
+            DType::BF16 => RawDType::PEERCOMM_DTYPE_BF16,
+        }
+    }
+}
 
 /// Most GPUs one communicator spans.
 pub const MAX_GPUS: usize = bindings::PEERCOMM_MAX_GPUS as usize;
@@ -98,6 +116,26 @@ pub const fn circular_add(a: usize, b: usize, n: usize) -> usize {
             a + b
         }
     }
+}
+
+/// The elements of an `n`-element reduce-scatter input that group rank `rank` of a
+/// group of `width` receives: part `rank` of `width` consecutive parts, the first
+/// `n % width` parts one element longer than the others. For `n = 10, width = 4` the
+/// parts are `0..3, 3..6, 6..8, 8..10`. Every `n` splits (a part may be empty).
+///
+/// ```
+/// assert_eq!(peercomm::reduce_scatter_part(10, 4, 1), 3..6);
+/// assert_eq!(peercomm::reduce_scatter_part(10, 4, 3), 8..10);
+/// assert_eq!(peercomm::reduce_scatter_part(2, 4, 3), 2..2);
+/// ```
+pub fn reduce_scatter_part(n: usize, width: usize, rank: usize) -> Range<usize> {
+    assert!(
+        width > 0 && rank < width,
+        "rank {rank} outside a group of {width}"
+    );
+    let (base, rem) = (n / width, n % width);
+    let first = rank * base + rank.min(rem);
+    first..first + base + usize::from(rank < rem)
 }
 
 /// Byte sizes and offsets of one rank's signal allocation:

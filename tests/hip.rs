@@ -12,6 +12,7 @@ use std::process::Command;
 
 use peercomm::backend::hip::{embedded_code_objects, skipped_architectures, Hip};
 use peercomm::backend::Backend;
+use peercomm::external::HasExternalLibrary;
 use peercomm::{CommConfig, Communicator, Error};
 
 /// The AMD GPUs HIP sees, or why there are none (what `hipGetDeviceCount` said).

@@ -864,10 +864,6 @@ impl Backend for Cuda {
             .map_err(driver_err("cuStreamSynchronize"))
     }
 
-    fn external_library() -> &'static dyn crate::external::ExternalLibrary<Self> {
-        &crate::external::nccl::Nccl
-    }
-
     fn alloc_buffer<T: Element>(dev: &CudaDevice, len: usize) -> Result<CudaSlice<T>> {
         // cudarc multiplies without checking: a wrapped size would allocate too little.
         if !matches!(len.checked_mul(std::mem::size_of::<T>()), Some(b) if b <= isize::MAX as usize)

@@ -1169,10 +1169,6 @@ impl Backend for Hip {
         )
     }
 
-    fn external_library() -> &'static dyn crate::external::ExternalLibrary<Self> {
-        &crate::external::rccl::Rccl
-    }
-
     fn alloc_buffer<T: Element>(dev: &HipDevice, len: usize) -> Result<HipBuffer<T>> {
         let bytes = len
             .checked_mul(std::mem::size_of::<T>())

@@ -524,10 +524,6 @@ impl Backend for Host {
         Ok(())
     }
 
-    fn external_library() -> &'static dyn crate::external::ExternalLibrary<Self> {
-        &crate::external::host::HostLibrary
-    }
-
     fn alloc_buffer<T: Element>(dev: &HostDevice, len: usize) -> Result<HostBuffer<T>> {
         let bytes = len
             .checked_mul(std::mem::size_of::<T>())

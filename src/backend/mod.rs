@@ -6,6 +6,7 @@
 //! over its backend and pays no virtual call per launch. Raw FFI stays inside the
 //! backend modules.
 
+use crate::dispatch::Algorithm;
 use crate::dtype::{DType, Element};
 use crate::error::Result;
 use crate::signal::{AllReduceArgs, GroupArgs};
@@ -19,6 +20,8 @@ pub(crate) mod handle;
 #[cfg(feature = "hip")]
 pub mod hip;
 pub mod host;
+pub(crate) mod p2p;
+pub(crate) mod signal_init;
 
 /// What a device allocation is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -87,6 +90,20 @@ impl KernelKind {
             KernelKind::Scatter => "scatter",
             KernelKind::AllReduceRmsNorm => "allreduce_rmsnorm",
             KernelKind::AllReduceGroup => "allreduce_group",
+        }
+    }
+}
+
+impl Algorithm {
+    /// The kernel family (`None` for `Auto` and the paths that are not one kernel).
+    /// (Defined with the kernels: the dispatch table that names algorithms is data and
+    /// knows nothing of kernels.)
+    pub const fn kernel_kind(self) -> Option<KernelKind> {
+        match self {
+            Algorithm::Auto | Algorithm::Nccl | Algorithm::Hierarchical => None,
+            Algorithm::OneStage => Some(KernelKind::OneStage),
+            Algorithm::TwoStage => Some(KernelKind::TwoStage),
+            Algorithm::Lamport => Some(KernelKind::Lamport),
         }
     }
 }
@@ -320,11 +337,6 @@ pub trait Backend: Sized + Send + Sync + 'static {
     ) -> Result<()>;
     /// Waits for everything enqueued on the device's stream.
     fn synchronize(dev: &Self::Device) -> Result<()>;
-
-    /// The external collective library that serves where peer memory cannot (NCCL on
-    /// CUDA, RCCL on AMD, the host stand-in on the host backend); see
-    /// [`crate::external`].
-    fn external_library() -> &'static dyn crate::external::ExternalLibrary<Self>;
 
     /// Allocates a typed buffer of `len` elements (contents unspecified).
     fn alloc_buffer<T: Element>(dev: &Self::Device, len: usize) -> Result<Self::Buffer<T>>;

@@ -9,16 +9,20 @@
 //!   its bootstrap, and its teardown.
 //! - `config.rs`: what both are built with ([`CommConfig`], [`AllReduceOptions`]).
 
+#[cfg(feature = "cuda")]
+mod capture;
 mod config;
 mod core;
 mod per_rank;
 mod single;
 
-pub use self::core::collective::{reduce_scatter_part, CollectiveOptions};
+pub use self::core::collective::CollectiveOptions;
 pub use self::core::sizing::MemoryFootprint;
 pub use self::core::Rank;
 pub use config::{AllReduceOptions, CommConfig};
+pub use per_rank::group::CommGroup;
+pub use per_rank::Comm;
 #[doc(hidden)]
 pub use per_rank::{free_expired_teardowns, parked_teardowns};
-pub use per_rank::{Comm, CommGroup};
-pub use single::{Communicator, CommunicatorGroup};
+pub use single::group::CommunicatorGroup;
+pub use single::Communicator;

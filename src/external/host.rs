@@ -12,7 +12,7 @@
 use std::sync::{Arc, Mutex};
 
 use super::local::LocalBootstrap;
-use super::{ExternalAllReduce, ExternalLibrary};
+use super::{ExternalAllReduce, ExternalLibrary, HasExternalLibrary};
 use crate::backend::host::{Host, HostDevice};
 use crate::bootstrap::Bootstrap;
 use crate::dtype::{DType, Element};
@@ -20,6 +20,13 @@ use crate::error::{Error, Result};
 
 /// The host stand-in library (see the module docs).
 pub struct HostLibrary;
+
+/// The host backend's external library is the stand-in.
+impl HasExternalLibrary for Host {
+    fn external_library() -> &'static dyn ExternalLibrary<Host> {
+        &HostLibrary
+    }
+}
 
 /// How long the single controller's in-process exchange waits for a rank.
 const LOCAL_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(120);

@@ -25,9 +25,16 @@
 //! The library is behind a trait ([`ExternalAllReduce`], one rank's handle; an
 //! [`ExternalLibrary`] makes them), so the routing is tested on the host backend in CI
 //! with the host stand-in ([`host`]), which sums in rank order like peercomm's kernels.
+//!
+//! Which library serves which backend is said here, not in the backends:
+//! [`HasExternalLibrary`] is implemented per backend next to its library (the host
+//! stand-in in [`host`], NCCL in `nccl`, RCCL in `rccl`), and [`library_of`] finds it
+//! for code generic over any [`Backend`].
 
+use std::any::Any;
 use std::sync::Arc;
 
+use crate::backend::host::Host;
 use crate::backend::Backend;
 use crate::bootstrap::Bootstrap;
 use crate::dtype::DType;
@@ -171,6 +178,57 @@ pub trait ExternalLibrary<B: Backend>: Send + Sync {
     }
 }
 
+/// The external collective library of a backend: the one that serves where peer memory
+/// cannot (NCCL on CUDA, RCCL on AMD, the host stand-in on the host backend).
+/// Implemented in this module's files, each beside the library it names ([`host`],
+/// `nccl`, `rccl`); the communicators, generic over any [`Backend`], reach it through
+/// [`library_of`].
+///
+/// ```
+/// use peercomm::backend::host::Host;
+/// use peercomm::external::HasExternalLibrary;
+///
+/// let library = Host::external_library();
+/// assert_eq!(library.name(), "host");
+/// library.check_available()?;
+/// # Ok::<(), peercomm::Error>(())
+/// ```
+pub trait HasExternalLibrary: Backend {
+    /// The backend's external library.
+    fn external_library() -> &'static dyn ExternalLibrary<Self>;
+}
+
+/// The external library of backend `B`: [`HasExternalLibrary::external_library`] for the
+/// backends of this crate (host, and CUDA and HIP when built), and for any other
+/// backend an [`Unavailable`] library (every use is
+/// [`crate::Error::ExternalUnavailable`]). Needs no more than `B: Backend`, so the
+/// communicators' generic signatures do not name this module's trait.
+///
+/// ```
+/// use peercomm::backend::host::Host;
+///
+/// assert_eq!(peercomm::external::library_of::<Host>().name(), "host");
+/// ```
+pub fn library_of<B: Backend>() -> &'static dyn ExternalLibrary<B> {
+    /// `L`'s library when `L` is `B` (a type comparison through [`Any`]).
+    fn registered<L: HasExternalLibrary, B: Backend>() -> Option<&'static dyn ExternalLibrary<B>> {
+        let library: &'static dyn ExternalLibrary<L> = L::external_library();
+        (&library as &dyn Any)
+            .downcast_ref::<&'static dyn ExternalLibrary<B>>()
+            .copied()
+    }
+    static NONE: Unavailable = Unavailable {
+        library: "none",
+        reason: "peercomm knows no external library for this backend",
+    };
+    let found = registered::<Host, B>();
+    #[cfg(feature = "cuda")]
+    let found = found.or_else(registered::<crate::backend::cuda::Cuda, B>);
+    #[cfg(feature = "hip")]
+    let found = found.or_else(registered::<crate::backend::hip::Hip, B>);
+    found.unwrap_or(&NONE)
+}
+
 /// A library that is not there: every use is
 /// [`crate::Error::ExternalUnavailable`] with the reason given.
 pub struct Unavailable {
@@ -209,5 +267,20 @@ impl<B: Backend> ExternalLibrary<B> for Unavailable {
         _devices: &[&B::Device],
     ) -> Result<Vec<Box<dyn ExternalAllReduce<B>>>> {
         Err(self.error())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every backend of the crate finds its own library through `library_of`.
+    #[test]
+    fn library_of_finds_each_backends_library() {
+        assert_eq!(library_of::<Host>().name(), "host");
+        #[cfg(feature = "cuda")]
+        assert_eq!(library_of::<crate::backend::cuda::Cuda>().name(), "nccl");
+        #[cfg(feature = "hip")]
+        assert_eq!(library_of::<crate::backend::hip::Hip>().name(), "rccl");
     }
 }

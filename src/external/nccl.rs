@@ -13,7 +13,7 @@ use std::sync::{Arc, OnceLock};
 
 use cudarc::nccl::{result, sys};
 
-use super::{ExternalAllReduce, ExternalLibrary};
+use super::{ExternalAllReduce, ExternalLibrary, HasExternalLibrary};
 use crate::backend::cuda::{Cuda, CudaDevice};
 use crate::bootstrap::Bootstrap;
 use crate::dtype::DType;
@@ -21,6 +21,13 @@ use crate::error::{Error, Result};
 
 /// NCCL (see the module docs).
 pub struct Nccl;
+
+/// The CUDA backend's external library is NCCL.
+impl HasExternalLibrary for Cuda {
+    fn external_library() -> &'static dyn ExternalLibrary<Cuda> {
+        &Nccl
+    }
+}
 
 fn describe(code: sys::ncclResult_t) -> String {
     // SAFETY: ncclGetErrorString returns a static NUL-terminated string for any code.

@@ -11,7 +11,7 @@
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::{Arc, OnceLock};
 
-use super::{ExternalAllReduce, ExternalLibrary};
+use super::{ExternalAllReduce, ExternalLibrary, HasExternalLibrary};
 use crate::backend::hip::{set_device, Hip, HipDevice};
 use crate::bootstrap::Bootstrap;
 use crate::dtype::DType;
@@ -22,6 +22,13 @@ pub const RCCL_LIBRARY_ENV: &str = "PEERCOMM_RCCL_LIBRARY";
 
 /// RCCL (see the module docs).
 pub struct Rccl;
+
+/// The HIP backend's external library is RCCL.
+impl HasExternalLibrary for Hip {
+    fn external_library() -> &'static dyn ExternalLibrary<Hip> {
+        &Rccl
+    }
+}
 
 /// `ncclUniqueId`: 128 opaque bytes, passed by value.
 #[repr(C)]

@@ -1,4 +1,7 @@
-//! Capturing collectives into CUDA graphs without `unsafe` at the call site.
+//! Capturing collectives into CUDA graphs without `unsafe` at the call site: the
+//! capture over a set of streams ([`capture`]), which knows nothing of communicators
+//! (their `capture` methods, over their ranks' streams, are built on it in the
+//! communicator module).
 //!
 //! cudarc records an event on every use of a buffer while its context tracks events
 //! (the default), and waits for the events of earlier uses; in a capturing stream those
@@ -17,8 +20,7 @@ use cudarc::driver::sys::{
 };
 use cudarc::driver::{CudaContext, CudaGraph, CudaStream};
 
-use super::{driver, driver_err, Cuda};
-use crate::comm::{Comm, Communicator};
+use super::{driver, driver_err};
 use crate::error::{Error, Result};
 
 /// Per context (by address): captures in progress, and whether tracking was on
@@ -173,46 +175,4 @@ pub fn is_capturing(stream: &CudaStream) -> Result<bool> {
         .capture_status()
         .map(|s| s != CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
         .map_err(driver_err("cuStreamIsCapturing"))
-}
-
-impl Communicator<Cuda> {
-    /// Captures what `f` enqueues on every rank's stream into one CUDA graph per rank
-    /// (rank order); see [`capture`] for the rules. Replay with `graph.launch()` for
-    /// every graph, then [`Communicator::synchronize`] as after eager calls.
-    ///
-    /// ```no_run
-    /// use peercomm::backend::{cuda::Cuda, Backend};
-    /// use peercomm::{AllReduceOptions, CommConfig, Communicator};
-    ///
-    /// let comm = Communicator::<Cuda>::new(&[0, 1], CommConfig::default())?;
-    /// let ins: Vec<_> = comm.ranks().iter().map(|r| Cuda::alloc_from(r.device(), &[1.0f32; 1024])).collect::<Result<_, _>>()?;
-    /// let mut outs: Vec<_> = comm.ranks().iter().map(|r| Cuda::alloc_buffer::<f32>(r.device(), 1024)).collect::<Result<_, _>>()?;
-    /// let (graphs, _algorithm) =
-    ///     comm.capture(|| comm.all_reduce_sum_slices(&ins, &mut outs, &AllReduceOptions::new()))?;
-    /// for _ in 0..100 {
-    ///     for g in &graphs {
-    ///         g.launch().map_err(|e| peercomm::Error::Unsupported(e.to_string()))?;
-    ///     }
-    /// }
-    /// comm.synchronize()?;
-    /// # Ok::<(), peercomm::Error>(())
-    /// ```
-    pub fn capture<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<(Vec<CudaGraph>, R)> {
-        let streams: Vec<Arc<CudaStream>> = self
-            .ranks()
-            .iter()
-            .map(|r| r.device().stream().clone())
-            .collect();
-        capture(&streams, f)
-    }
-}
-
-impl Comm<Cuda> {
-    /// Captures what `f` enqueues on this rank's stream into one CUDA graph; see
-    /// [`capture`] for the rules. Every rank captures its own calls, in the same order.
-    pub fn capture<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<(CudaGraph, R)> {
-        let streams = [self.device().stream().clone()];
-        let (mut graphs, value) = capture(&streams, f)?;
-        Ok((graphs.remove(0), value))
-    }
 }

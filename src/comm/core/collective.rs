@@ -10,8 +10,6 @@
 //! payload bounds the message ([`crate::Error::MessageTooLarge`]); in one process the
 //! peers read the user buffers directly and no scratch is needed.
 
-use std::ops::Range;
-
 use crate::backend::{Kernel, KernelKind, LaunchDims};
 use crate::dispatch::{self, Algorithm};
 use crate::dtype::DType;
@@ -48,25 +46,7 @@ impl CollectiveOptions {
     }
 }
 
-/// The elements of an `n`-element reduce-scatter input that group rank `rank` of a
-/// group of `width` receives: part `rank` of `width` consecutive parts, the first
-/// `n % width` parts one element longer than the others. For `n = 10, width = 4` the
-/// parts are `0..3, 3..6, 6..8, 8..10`. Every `n` splits (a part may be empty).
-///
-/// ```
-/// assert_eq!(peercomm::reduce_scatter_part(10, 4, 1), 3..6);
-/// assert_eq!(peercomm::reduce_scatter_part(10, 4, 3), 8..10);
-/// assert_eq!(peercomm::reduce_scatter_part(2, 4, 3), 2..2);
-/// ```
-pub fn reduce_scatter_part(n: usize, width: usize, rank: usize) -> Range<usize> {
-    assert!(
-        width > 0 && rank < width,
-        "rank {rank} outside a group of {width}"
-    );
-    let (base, rem) = (n / width, n % width);
-    let first = rank * base + rank.min(rem);
-    first..first + base + usize::from(rank < rem)
-}
+pub use crate::signal::reduce_scatter_part;
 
 /// Which collective a call runs, with what only it needs.
 #[derive(Clone, Copy, Debug, PartialEq)]

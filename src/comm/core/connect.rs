@@ -97,7 +97,7 @@ pub(crate) fn connect<B: Backend>(
     } else {
         (setup::solo(device, config)?, Mode::External)
     };
-    let library = B::external_library();
+    let library = crate::external::library_of::<B>();
     let external_group: Option<Vec<usize>> = match mode {
         Mode::External => Some((0..world).collect()),
         Mode::Hierarchical { local } => {

@@ -10,7 +10,7 @@ use crate::backend::{Backend, MemoryKind};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
-use crate::{init_signal_buffer_with_counter_base, SignalLayout};
+use crate::{backend::signal_init::init_signal_buffer_with_counter_base, SignalLayout};
 
 use super::settings::Settings;
 use super::{peer_check, Endpoint};

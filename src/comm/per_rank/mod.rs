@@ -33,12 +33,11 @@ use super::{AllReduceOptions, CommConfig};
 
 mod collectives;
 mod fault;
-mod group;
+pub(crate) mod group;
 mod parking;
 mod status;
 mod teardown;
 
-pub use group::CommGroup;
 pub use parking::{free_expired_teardowns, parked_teardowns};
 
 /// One rank of a communicator whose ranks live in different threads or processes.

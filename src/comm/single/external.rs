@@ -28,7 +28,7 @@ impl<B: Backend> Communicator<B> {
         if elements == 0 {
             return Ok(Algorithm::Nccl);
         }
-        let library = B::external_library();
+        let library = crate::external::library_of::<B>();
         library.group_start()?;
         let mut result = Ok(());
         for (r, core) in self.ranks.iter().enumerate() {

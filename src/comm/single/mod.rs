@@ -31,13 +31,11 @@ mod all_reduce;
 mod collectives;
 mod external;
 mod fault;
-mod group;
+pub(crate) mod group;
 mod launch;
 mod slices;
 mod status;
 mod validate;
-
-pub use group::CommunicatorGroup;
 
 /// A set of devices (at most 8, one process) that all-reduce together.
 ///
@@ -56,7 +54,7 @@ pub struct Communicator<B: Backend> {
 impl<B: Backend> Communicator<B> {
     /// Opens the devices with these ordinals and builds a communicator over them.
     pub fn new(ordinals: &[usize], config: CommConfig) -> Result<Self> {
-        validate::check_world(ordinals.len())?;
+        check_world(ordinals.len())?;
         let devices = ordinals
             .iter()
             .map(|&o| B::open(o))
@@ -70,7 +68,7 @@ impl<B: Backend> Communicator<B> {
     /// then the external library where peer memory does not serve.
     pub fn from_devices(devices: Vec<B::Device>, config: CommConfig) -> Result<Self> {
         let world = devices.len();
-        validate::check_world(world)?;
+        check_world(world)?;
         let mut ordinals: Vec<usize> = devices.iter().map(B::ordinal).collect();
         ordinals.sort_unstable();
         if ordinals.windows(2).any(|w| w[0] == w[1]) && !config.allow_shared_devices {
@@ -134,7 +132,7 @@ impl<B: Backend> Communicator<B> {
         }
         if connect::needs_external(&ranks[0], world) {
             let devices: Vec<&B::Device> = ranks.iter().map(Rank::device).collect();
-            let handles = B::external_library().single_controller(&devices)?;
+            let handles = crate::external::library_of::<B>().single_controller(&devices)?;
             for (core, handle) in ranks.iter_mut().zip(handles) {
                 core.route.external = Some(handle);
             }
@@ -336,4 +334,15 @@ impl<B: Backend> Communicator<B> {
         let zeros = [0u64; MAX_GPUS];
         self.launch_on(&plan, &[0, 1], PeerInputs::InPlace(&zeros), &zeros, None)
     }
+}
+
+/// A single controller drives 1 to `MAX_GPUS` devices.
+fn check_world(world: usize) -> Result<()> {
+    if world == 0 || world > MAX_GPUS {
+        return Err(Error::InvalidWorldSize {
+            got: world,
+            max: MAX_GPUS,
+        });
+    }
+    Ok(())
 }

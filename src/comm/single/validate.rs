@@ -142,13 +142,3 @@ impl<B: Backend> Communicator<B> {
         Ok(())
     }
 }
-
-pub(super) fn check_world(world: usize) -> Result<()> {
-    if world == 0 || world > MAX_GPUS {
-        return Err(Error::InvalidWorldSize {
-            got: world,
-            max: MAX_GPUS,
-        });
-    }
-    Ok(())
-}

@@ -6,8 +6,7 @@
 use super::{barrier, block_packs, lanes, pack_range, reduce_element, store, Stop};
 use crate::dtype::Element;
 use crate::protocol::BarrierKind;
-use crate::reduce_scatter_part;
-use crate::signal::{AllReduceArgs, MAX_GPUS, PACK_BYTES};
+use crate::signal::{reduce_scatter_part, AllReduceArgs, MAX_GPUS, PACK_BYTES};
 
 /// Address of element `e` of the `T` array at `base`.
 fn elem<T>(base: u64, e: usize) -> u64 {

@@ -1,0 +1,53 @@
+//! Peer access between the devices of one process, enabled once per ordered pair and
+//! remembered process-wide (re-exported at the crate root: [`crate::enable_p2p`],
+//! [`crate::is_p2p_enabled`]).
+
+use std::collections::HashSet;
+use std::sync::Mutex;
+
+use super::Backend;
+use crate::error::Result;
+
+/// Pairs (backend, from, to) whose peer access this process has enabled.
+/// (backend name, from ordinal, to ordinal).
+type PeerPair = (&'static str, usize, usize);
+static ENABLED_PEERS: Mutex<Option<HashSet<PeerPair>>> = Mutex::new(None);
+
+/// Enables peer access between every ordered pair of `devices`. Returns `Ok(false)`
+/// (and enables nothing more) when some pair cannot reach each other; never panics.
+pub fn enable_p2p<B: Backend>(devices: &[B::Device]) -> Result<bool> {
+    for a in devices {
+        for b in devices {
+            if B::ordinal(a) != B::ordinal(b) && !B::can_access_peer(a, b)? {
+                return Ok(false);
+            }
+        }
+    }
+    let mut enabled = ENABLED_PEERS.lock().unwrap_or_else(|e| e.into_inner());
+    let set = enabled.get_or_insert_with(HashSet::new);
+    for a in devices {
+        for b in devices {
+            let (oa, ob) = (B::ordinal(a), B::ordinal(b));
+            if oa != ob {
+                B::enable_peer_access(a, b)?;
+                set.insert((B::NAME, oa, ob));
+            }
+        }
+    }
+    Ok(true)
+}
+
+/// Whether [`enable_p2p`] has enabled peer access between every ordered pair of these
+/// devices in this process.
+pub fn is_p2p_enabled<B: Backend>(devices: &[B::Device]) -> bool {
+    let enabled = ENABLED_PEERS.lock().unwrap_or_else(|e| e.into_inner());
+    let Some(set) = enabled.as_ref() else {
+        return devices.len() <= 1;
+    };
+    devices.iter().all(|a| {
+        devices.iter().all(|b| {
+            let (oa, ob) = (B::ordinal(a), B::ordinal(b));
+            oa == ob || set.contains(&(B::NAME, oa, ob))
+        })
+    })
+}

@@ -1,0 +1,139 @@
+//! Running a call the router sent away from the peer-memory kernels, on one rank:
+//! the external library over the world, or across hosts (peer memory inside each
+//! host, the library across, peer memory again to gather).
+
+use crate::backend::Backend;
+use crate::dispatch::Algorithm;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+use super::launch::PeerInputs;
+use super::plan::PeerReads;
+use super::route::{Path, RouteError};
+use super::Rank;
+use crate::comm::AllReduceOptions;
+
+impl<B: Backend> Rank<B> {
+    /// Runs, on this rank, a call its router sent away from the peer-memory kernels:
+    /// `elements` elements of `dtype` from `input` into `output` (may be equal).
+    pub(crate) fn run_routed(
+        &self,
+        path: Path,
+        input: u64,
+        output: u64,
+        elements: usize,
+        dtype: DType,
+        blocks: Option<u32>,
+    ) -> std::result::Result<Algorithm, RouteError> {
+        let external = self.route.external.as_deref().ok_or_else(|| {
+            RouteError::Validation(Error::Unsupported("no external library".into()))
+        })?;
+        let dev = &self.endpoint.device;
+        let settings = &self.settings;
+        match path {
+            Path::Peer(_) => unreachable!("peer calls are not routed"),
+            Path::External => {
+                if elements > 0 {
+                    // SAFETY: the caller holds both buffers (and their access guards)
+                    // for the call, on this rank's device.
+                    unsafe { external.all_reduce_sum(dev, input, output, elements, dtype) }
+                        .map_err(RouteError::Launched)?;
+                }
+                Ok(Algorithm::Nccl)
+            }
+            Path::Hierarchical => {
+                if elements == 0 {
+                    return Ok(Algorithm::Hierarchical);
+                }
+                let mut opts = AllReduceOptions::new();
+                opts.blocks = blocks;
+                let reads = PeerReads::Payloads;
+                let first = settings
+                    .plan(dtype, elements, &opts, input == output, reads)
+                    .map_err(RouteError::Validation)?;
+                let gather = settings
+                    .plan(dtype, elements, &opts, true, reads)
+                    .map_err(RouteError::Validation)?;
+                let (lo, hi) = slice(elements, settings.world, self.endpoint.index);
+                let size = dtype.size() as u64;
+                // (a) the host's sum, over peer memory.
+                self.launch(&first, PeerInputs::Own(input), output)
+                    .map_err(RouteError::Launched)?;
+                // (b) this rank's slice across hosts, in the external library.
+                let step = || -> Result<()> {
+                    // Every rank makes the call, an empty slice too (a message shorter
+                    // than the grain), so that the library sees the same calls
+                    // everywhere.
+                    let at = output + lo as u64 * size;
+                    // SAFETY: [lo, hi) lies inside the output the caller holds.
+                    unsafe { external.all_reduce_sum(dev, at, at, hi - lo, dtype) }?;
+                    // (c) the gather inside the host: every other slice is the
+                    // additive identity -0.0, so the peer sum copies each slice from
+                    // its owner bit for bit (x + -0.0 == x for every x).
+                    fill_negative_zero::<B>(dev, output, 0, lo, dtype)?;
+                    fill_negative_zero::<B>(dev, output, hi, elements, dtype)?;
+                    self.launch(&gather, PeerInputs::Own(output), output)
+                };
+                step().map_err(RouteError::Launched)?;
+                Ok(Algorithm::Hierarchical)
+            }
+        }
+    }
+
+    /// Reports (once) an error the external library found after a call returned.
+    pub(crate) fn take_external_error(&self) -> Result<()> {
+        self.route.take_async_error()
+    }
+}
+
+/// The slice `[lo, hi)` of `elements` that local rank `k` of `local` reduces across
+/// hosts: whole 16-byte packs of 16-bit elements (8 elements), so every boundary is
+/// aligned.
+fn slice(elements: usize, local: usize, k: usize) -> (usize, usize) {
+    const GRAIN: usize = 8;
+    let chunk = elements.div_ceil(GRAIN).div_ceil(local) * GRAIN;
+    let lo = (k * chunk).min(elements);
+    (lo, (lo + chunk).min(elements))
+}
+
+/// Writes -0.0 into elements `[from, to)` of the buffer at `base`, on the stream.
+fn fill_negative_zero<B: Backend>(
+    dev: &B::Device,
+    base: u64,
+    from: usize,
+    to: usize,
+    dtype: DType,
+) -> Result<()> {
+    if to <= from {
+        return Ok(());
+    }
+    let at = base + (from * dtype.size()) as u64;
+    match dtype {
+        DType::F32 => B::memset_d32(dev, at, 0x8000_0000, to - from),
+        DType::F16 | DType::BF16 => B::memset_d16(dev, at, 0x8000, to - from),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_cover_every_element_once() {
+        for elements in [0, 1, 7, 8, 9, 63, 1000, 1027] {
+            for local in 1..=8 {
+                let mut next = 0;
+                for k in 0..local {
+                    let (lo, hi) = slice(elements, local, k);
+                    assert!(lo <= hi);
+                    if hi > lo {
+                        assert_eq!(lo, next);
+                        assert_eq!(lo % 8, 0);
+                        next = hi;
+                    }
+                }
+                assert_eq!(next, elements);
+            }
+        }
+    }
+}
