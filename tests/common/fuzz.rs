@@ -201,6 +201,8 @@ pub struct Report {
     pub bytes: usize,
     /// Mismatched calls made on purpose, each reported on every rank.
     pub mismatches: usize,
+    /// Batches issued through a group.
+    pub groups: usize,
     pub elapsed: Duration,
 }
 
@@ -298,20 +300,52 @@ pub fn fuzz<B: Backend>(
             });
             batch.push((call, delay, d));
         }
-        let mut outcomes: Vec<Result<Algorithm>> = Vec::with_capacity(n);
-        for (i, (call, delay, _)) in batch.iter_mut().enumerate() {
-            if let Some((rank, by)) = *delay {
-                comm.delay_rank(rank, by).expect("delay_rank");
+        // Every fourth batch goes through a group: its all-reduces are launched at
+        // the group's end (batched where they can be), the other collectives as they
+        // come.
+        let in_group = report.batches % 4 == 2;
+        let slots = {
+            let mut group = in_group.then(|| comm.group());
+            let mut grouped = Vec::new();
+            let mut slots: Vec<Option<Result<Algorithm>>> = Vec::with_capacity(n);
+            for (i, (call, delay, _)) in batch.iter_mut().enumerate() {
+                if let Some((rank, by)) = *delay {
+                    comm.delay_rank(rank, by).expect("delay_rank");
+                }
+                if trace {
+                    eprintln!(
+                        "{test}: batch {} call {i}: {}, delay {delay:?}{}",
+                        report.batches,
+                        call.describe(world),
+                        if group.is_some() { ", in a group" } else { "" }
+                    );
+                }
+                match group.as_mut() {
+                    Some(g) if call.groupable() => match call.add_to_group(g) {
+                        Ok(()) => {
+                            grouped.push(i);
+                            slots.push(None);
+                        }
+                        Err(e) => slots.push(Some(Err(e))),
+                    },
+                    _ => slots.push(Some(call.enqueue(&comm))),
+                }
             }
-            if trace {
-                eprintln!(
-                    "{test}: batch {} call {i}: {}, delay {delay:?}",
-                    report.batches,
-                    call.describe(world)
-                );
+            if let Some(g) = group {
+                let algorithms = g
+                    .end()
+                    .unwrap_or_else(|e| panic!("{test} (PEERCOMM_SEED={seed}): group end: {e}"));
+                for (&i, a) in grouped.iter().zip(algorithms) {
+                    slots[i] = Some(Ok(a));
+                }
             }
-            outcomes.push(call.enqueue(&comm));
-        }
+            slots
+        };
+        report.groups += usize::from(in_group);
+        let outcomes: Vec<Result<Algorithm>> = slots
+            .into_iter()
+            .map(|o| o.expect("every call ran"))
+            .collect();
         comm.synchronize().unwrap_or_else(|e| {
             panic!(
                 "{test} (PEERCOMM_SEED={seed}): synchronize after batch {} of {n} calls: {e}",
@@ -366,7 +400,7 @@ pub fn fuzz<B: Backend>(
         "{test}: PEERCOMM_SEED={} world {world} on devices {:?}{}: {} calls checked in {} batches \
          in {:.1?}; requested {:?}; ran {:?}; refused (Lamport over a subgroup) {}; other \
          collectives {:?}; delays {}; in place {}; with zeros {}; mismatched calls (each \
-         reported on every rank) {}; {:.1} MiB per rank",
+         reported on every rank) {}; batches in a group {}; {:.1} MiB per rank",
         report.seed,
         placement.ordinals,
         if placement.shared { " (shared)" } else { "" },
@@ -381,6 +415,7 @@ pub fn fuzz<B: Backend>(
         report.in_place,
         report.with_zeros,
         report.mismatches,
+        report.groups,
         report.bytes as f64 / (1 << 20) as f64
     );
     if knobs.calls >= 300 {
@@ -397,6 +432,7 @@ pub fn fuzz<B: Backend>(
             );
         }
         assert!(report.delays > 0, "{test}: no rank was ever delayed");
+        assert!(report.groups > 0, "{test}: no batch went through a group");
         if world >= 2 && knobs.mismatch_probability > 0.0 && report.batches >= 25 {
             assert!(report.mismatches > 0, "{test}: no mismatched call was made");
         }

@@ -525,6 +525,17 @@ pub trait Call<B: Backend> {
     fn collective(&self) -> Option<&'static str> {
         None
     }
+    /// Whether it can go into a group (the all-reduce).
+    fn groupable(&self) -> bool {
+        false
+    }
+    /// Adds it to an open group instead of enqueuing it (only where `groupable`).
+    fn add_to_group<'b>(
+        &'b mut self,
+        _group: &mut peercomm::CommunicatorGroup<'_, 'b, B>,
+    ) -> Result<()> {
+        unreachable!("not groupable")
+    }
 }
 
 impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
@@ -539,6 +550,19 @@ impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
     }
     fn bytes(&self) -> usize {
         self.len() * std::mem::size_of::<T>()
+    }
+    fn groupable(&self) -> bool {
+        true
+    }
+    fn add_to_group<'b>(
+        &'b mut self,
+        group: &mut peercomm::CommunicatorGroup<'_, 'b, B>,
+    ) -> Result<()> {
+        if self.in_place {
+            group.all_reduce_sum_slices_in_place_with(&mut self.in_bufs, &self.opts)
+        } else {
+            group.all_reduce_sum_slices_with(&self.in_bufs, &mut self.out_bufs, &self.opts)
+        }
     }
 }
 

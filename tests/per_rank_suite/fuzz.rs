@@ -254,35 +254,72 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                     (send, recv)
                 })
                 .collect();
-            let mut ran = Vec::new();
-            for (c, (send, recv)) in chunk.iter().zip(&mut bufs) {
-                if let Some((late, by)) = c.delay {
-                    if late == rank {
-                        comm.delay(by).unwrap();
+            // Every third batch goes through a group (the same on every rank): its
+            // all-reduces are launched at the group's end, batched where they can be;
+            // the other collectives are launched as they come.
+            let ran = {
+                let mut group = (first / batch % 3 == 1).then(|| comm.group());
+                let mut grouped = Vec::new();
+                let mut ran: Vec<Option<peercomm::Result<Algorithm>>> = Vec::new();
+                for (i, (c, (send, recv))) in chunk.iter().zip(&mut bufs).enumerate() {
+                    if let Some((late, by)) = c.delay {
+                        if late == rank {
+                            comm.delay(by).unwrap();
+                        }
+                    }
+                    if let Some(w) = c.collective {
+                        let recv = recv.as_mut().expect("collectives run out of place");
+                        let opts = CollectiveOptions::new().group_size(c.group);
+                        let root = |r: usize| {
+                            (rank % c.group == r).then_some(&*send as &dyn DeviceBuffer<B>)
+                        };
+                        let done = match w {
+                            Which::AllGather => comm.all_gather(send, recv, &opts),
+                            Which::ReduceScatter => comm.reduce_scatter_sum(send, recv, &opts),
+                            Which::Broadcast { root: r, .. } => {
+                                comm.broadcast(root(r), recv, r, &opts)
+                            }
+                            Which::Scatter { root: r } => comm.scatter(root(r), recv, r, &opts),
+                        };
+                        ran.push(Some(done.map(|()| Algorithm::OneStage)));
+                        continue;
+                    }
+                    let opts = AllReduceOptions::new()
+                        .group_size(c.group)
+                        .algorithm(c.algorithm);
+                    if let Some(g) = group.as_mut() {
+                        let added = match recv {
+                            None => g.all_reduce_sum_in_place_with(send, &opts),
+                            Some(recv) => g.all_reduce_sum_with(&*send, recv, &opts),
+                        };
+                        match added {
+                            Ok(()) => {
+                                grouped.push(i);
+                                ran.push(None);
+                            }
+                            Err(e) => ran.push(Some(Err(e))),
+                        }
+                        continue;
+                    }
+                    ran.push(Some(match recv {
+                        None => comm.all_reduce_sum_in_place_with(send, &opts),
+                        Some(recv) => comm.all_reduce_sum_with(send, recv, &opts),
+                    }));
+                }
+                if let Some(g) = group {
+                    let algorithms = g
+                        .end()
+                        .unwrap_or_else(|e| panic!("seed {seed}: group: {e}"));
+                    for (&i, a) in grouped.iter().zip(algorithms) {
+                        ran[i] = Some(Ok(a));
                     }
                 }
-                if let Some(w) = c.collective {
-                    let recv = recv.as_mut().expect("collectives run out of place");
-                    let opts = CollectiveOptions::new().group_size(c.group);
-                    let root =
-                        |r: usize| (rank % c.group == r).then_some(&*send as &dyn DeviceBuffer<B>);
-                    let done = match w {
-                        Which::AllGather => comm.all_gather(send, recv, &opts),
-                        Which::ReduceScatter => comm.reduce_scatter_sum(send, recv, &opts),
-                        Which::Broadcast { root: r, .. } => comm.broadcast(root(r), recv, r, &opts),
-                        Which::Scatter { root: r } => comm.scatter(root(r), recv, r, &opts),
-                    };
-                    ran.push(done.map(|()| Algorithm::OneStage));
-                    continue;
-                }
-                let opts = AllReduceOptions::new()
-                    .group_size(c.group)
-                    .algorithm(c.algorithm);
-                ran.push(match recv {
-                    None => comm.all_reduce_sum_in_place_with(send, &opts),
-                    Some(recv) => comm.all_reduce_sum_with(send, recv, &opts),
-                });
-            }
+                ran
+            };
+            let ran: Vec<peercomm::Result<Algorithm>> = ran
+                .into_iter()
+                .map(|o| o.expect("every call ran"))
+                .collect();
             comm.synchronize().unwrap();
             for (i, ((c, (send, recv)), outcome)) in chunk.iter().zip(&bufs).zip(ran).enumerate() {
                 let call = first + i;
