@@ -162,6 +162,9 @@ pub fn run(args: &Args, world: usize, gpus: usize) -> Report {
             .records
             .extend(super::overlap::run(&gpu, args, &sizes));
     }
+    if args.group_calls {
+        report.records.extend(super::group::run(&gpu, args));
+    }
     let peak = report.copy_engine_gbps_one_way.unwrap_or(0.0);
     if peak > 0.0 {
         let best = report

@@ -113,6 +113,11 @@ struct Args {
     /// (examples/peercomm-bench/collectives.rs).
     #[arg(long)]
     collectives: bool,
+    /// Also time a group of 8 all-reduces (one batched kernel per rank) against 8
+    /// separate calls and against one call (single controller, bf16, graph mode;
+    /// examples/peercomm-bench/group.rs).
+    #[arg(long)]
+    group_calls: bool,
     /// Also print where an eager call's host time goes (event tracking, validation and
     /// planning, launches), before the sweep.
     #[arg(long)]
@@ -880,6 +885,8 @@ fn utc_now() -> (String, String) {
 mod collectives;
 #[cfg(feature = "cuda")]
 mod gpu;
+#[cfg(feature = "cuda")]
+mod group;
 #[cfg(feature = "cuda")]
 mod host_cost;
 #[cfg(feature = "cuda")]
