@@ -9,14 +9,17 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::error::{io_error, BootstrapError, Result};
+use super::frame::{
+    check_frame_len, deadline_after, is_closed, is_resource_exhausted, is_timeout, read_frame,
+    recv_error, write_frame, write_full, RecvError,
+};
 use super::host::{host_identity, HostId};
 use super::id::{claim_listener, UniqueId};
+use super::mac::{check_challenge, encode_challenge, nonce, Nonces};
 use super::wire::{
-    check_challenge, check_frame_len, deadline_after, decode_error, decode_hello, decode_proof,
-    decode_welcome, encode_challenge, encode_hello, encode_proof, encode_welcome, expect_data,
-    explain_closed, farewell, is_closed, is_resource_exhausted, is_timeout, nonce, read_frame,
-    recv_error, welcome_frame, write_frame, write_full, HelloVerdict, Nonces, ProofVerdict,
-    RecvError,
+    decode_error, decode_hello, decode_proof, decode_welcome, encode_hello, encode_proof,
+    encode_welcome, expect_data, explain_closed, farewell, welcome_frame, HelloVerdict,
+    ProofVerdict,
 };
 use super::{
     Bootstrap, ACCEPT_BACKOFF, BOOTSTRAP_ADDR_ENV, HEADER_BYTES, HELLO_DEADLINE, KIND_CHALLENGE,

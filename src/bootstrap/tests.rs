@@ -2,12 +2,11 @@
 //! port 0, and the failure tests use short timeouts with bounded elapsed times.
 
 use super::error::Result;
+use super::frame::{deadline_after, frame, header, read_frame, RecvError};
 use super::host::host_identity_from;
 use super::id::{fnv1a32, parse_bootstrap_addr};
-use super::wire::{
-    check_challenge, deadline_after, decode_error, encode_hello, encode_proof, header, nonce,
-    read_frame, RecvError,
-};
+use super::mac::{check_challenge, nonce};
+use super::wire::{decode_error, encode_hello, encode_proof};
 use super::*;
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};
@@ -319,7 +318,7 @@ fn wrong_secret_and_strays_are_refused_while_real_ranks_complete() {
     let mut v1 = b"PCBS\x01\x00".to_vec();
     v1.extend_from_slice(&forged(&id).secret);
     v1.extend_from_slice(&[0; 20]);
-    old.write_all(&super::wire::frame(KIND_HELLO, &v1)).unwrap();
+    old.write_all(&frame(KIND_HELLO, &v1)).unwrap();
     let silent = TcpStream::connect(id.addr).unwrap();
     let fake_id = forged(&id);
     let impostor_done = Barrier::new(3);
@@ -856,7 +855,7 @@ fn a_rank_of_the_older_protocol_is_named() {
     v1.extend_from_slice(&0xABCDu64.to_le_bytes());
     v1.extend_from_slice(&0u16.to_le_bytes());
     let mut old = TcpStream::connect(id.addr).unwrap();
-    old.write_all(&super::wire::frame(KIND_HELLO, &v1)).unwrap();
+    old.write_all(&frame(KIND_HELLO, &v1)).unwrap();
     let e = connect(&id, 0, 2, LONG).unwrap_err();
     assert!(
         matches!(&e, BootstrapError::Protocol { detail } if detail.contains("version 1")),

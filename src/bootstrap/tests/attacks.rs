@@ -165,13 +165,13 @@ fn a_squatter_on_a_released_port_is_refused_and_learns_nothing() {
                 };
                 let mut got = read_all_until(&mut c, Duration::from_millis(300));
                 let reply = match play {
-                    Squat::Welcome => wire::frame(KIND_WELCOME, &forged_welcome),
+                    Squat::Welcome => frame(KIND_WELCOME, &forged_welcome),
                     Squat::Challenge => {
-                        let mut f = wire::frame(KIND_CHALLENGE, &[0x5a; CHALLENGE_BYTES]);
-                        f.extend(wire::frame(KIND_WELCOME, &forged_welcome));
+                        let mut f = frame(KIND_CHALLENGE, &[0x5a; CHALLENGE_BYTES]);
+                        f.extend(frame(KIND_WELCOME, &forged_welcome));
                         f
                     }
-                    Squat::Error => wire::frame(KIND_ERROR, b"\0\0\0\0you are rank 0 now"),
+                    Squat::Error => frame(KIND_ERROR, b"\0\0\0\0you are rank 0 now"),
                     Squat::Garbage => b"HTTP/1.1 200 OK\r\n\r\nhello".to_vec(),
                 };
                 let _ = c.write_all(&reply);
@@ -277,10 +277,7 @@ fn garbage_connections_do_not_disturb_real_ranks() {
         .map(|i| (i.wrapping_mul(2654435761) >> 13) as u8)
         .collect();
     send(&noise);
-    send(&wire::frame(
-        KIND_HELLO,
-        b"PCBS\xff\xffnot a peercomm hello",
-    ));
+    send(&frame(KIND_HELLO, b"PCBS\xff\xffnot a peercomm hello"));
     let start = Instant::now();
     let got = run(&[0, 1, 2], |r| {
         connect(&id, r, 3, LONG)
