@@ -4,6 +4,8 @@
 //! dropped before its welcome, and the handshake's one deadline.
 
 use super::*;
+use crate::bootstrap::frame::frame;
+use std::io::Read;
 use std::net::TcpListener;
 
 /// Connections of the flood test: more than rank 0's pending table holds.
