@@ -148,8 +148,10 @@
 //! [`BootstrapError::Store`].
 
 mod error;
+mod frame;
 mod host;
 mod id;
+mod mac;
 mod tcp;
 mod wire;
 

@@ -1,171 +1,20 @@
-//! The wire: deadlines on blocking sockets, frames, the encoding of hellos, challenges,
-//! proofs, welcomes and error frames, and the MACs of the challenge-response (see the
-//! module docs of `bootstrap` for the format).
+//! The messages on the wire (see the module docs of `bootstrap` for the format): rank
+//! r's hello and proof, rank 0's welcome, data and error frames, read and written; and
+//! how a failing rank tells its peers why (the farewell) or learns why rank 0 closed.
 
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::net::{Shutdown, TcpStream};
 use std::time::{Duration, Instant};
 
-use hmac::{Hmac, Mac};
-use sha2::Sha256;
-
-use super::error::{io_error, BootstrapError, Result};
+use super::error::{BootstrapError, Result};
+use super::frame::{deadline_after, frame, is_timeout, read_frame, write_full};
 use super::host::{truncate_utf8, HostId};
+use super::mac::{constant_time_eq, sign, verify, Label, Nonces};
 use super::{
-    CHALLENGE_BYTES, FAREWELL, HEADER_BYTES, HELLO_BYTES, KIND_CHALLENGE, KIND_DATA, KIND_ERROR,
-    KIND_HELLO, KIND_PROOF, KIND_WELCOME, MAC_BYTES, MAGIC, MAX_ERROR_MESSAGE_BYTES,
-    MAX_FRAME_BYTES, MIN_WAIT, NONCE_BYTES, PROOF_FIXED_BYTES, PROTOCOL_VERSION, SECRET_BYTES,
+    FAREWELL, HELLO_BYTES, KIND_DATA, KIND_ERROR, KIND_HELLO, KIND_PROOF, KIND_WELCOME, MAC_BYTES,
+    MAGIC, MAX_ERROR_MESSAGE_BYTES, MIN_WAIT, NONCE_BYTES, PROOF_FIXED_BYTES, PROTOCOL_VERSION,
+    SECRET_BYTES,
 };
-
-pub(super) fn deadline_after(timeout: Duration) -> Instant {
-    let now = Instant::now();
-    now.checked_add(timeout)
-        .or_else(|| now.checked_add(Duration::from_secs(365 * 24 * 3600)))
-        .unwrap_or(now)
-}
-
-pub(super) fn is_timeout(e: &io::Error) -> bool {
-    matches!(
-        e.kind(),
-        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
-    )
-}
-
-/// Errors that say the process or the system is out of descriptors, buffers or memory
-/// for now (`EMFILE`, `ENFILE`, `ENOBUFS`, `ENOMEM`): worth waiting out, not fatal.
-pub(super) fn is_resource_exhausted(e: &io::Error) -> bool {
-    if e.kind() == io::ErrorKind::OutOfMemory {
-        return true;
-    }
-    let Some(code) = e.raw_os_error() else {
-        return false;
-    };
-    #[cfg(target_os = "linux")]
-    let codes = [
-        rustix::io::Errno::MFILE,
-        rustix::io::Errno::NFILE,
-        rustix::io::Errno::NOBUFS,
-        rustix::io::Errno::NOMEM,
-    ]
-    .map(|e| e.raw_os_error());
-    // EMFILE, ENFILE, ENOBUFS and ENOMEM of the BSDs and macOS.
-    #[cfg(all(unix, not(target_os = "linux")))]
-    let codes = [24, 23, 55, 12];
-    // WSAEMFILE, WSAENOBUFS.
-    #[cfg(windows)]
-    let codes = [10024, 10055];
-    #[cfg(not(any(unix, windows)))]
-    let codes: [i32; 0] = [];
-    codes.contains(&code)
-}
-
-pub(super) fn is_closed(e: &io::Error) -> bool {
-    matches!(
-        e.kind(),
-        io::ErrorKind::UnexpectedEof
-            | io::ErrorKind::ConnectionReset
-            | io::ErrorKind::ConnectionAborted
-            | io::ErrorKind::BrokenPipe
-    )
-}
-
-/// Fills `buf` from a blocking stream by `deadline` (`TimedOut` after it,
-/// `UnexpectedEof` if the peer closes first).
-fn read_full(s: &mut TcpStream, buf: &mut [u8], deadline: Instant) -> io::Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::ErrorKind::TimedOut.into());
-        }
-        s.set_read_timeout(Some(left.max(MIN_WAIT)))?;
-        match s.read(&mut buf[done..]) {
-            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
-            Ok(n) => done += n,
-            Err(e) if is_timeout(&e) || e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-/// Writes all of `buf` to a blocking stream by `deadline`.
-pub(super) fn write_full(s: &mut TcpStream, buf: &[u8], deadline: Instant) -> io::Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(io::ErrorKind::TimedOut.into());
-        }
-        s.set_write_timeout(Some(left.max(MIN_WAIT)))?;
-        match s.write(&buf[done..]) {
-            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
-            Ok(n) => done += n,
-            Err(e) if is_timeout(&e) || e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-pub(super) fn header(kind: u8, len: usize) -> [u8; HEADER_BYTES] {
-    let mut h = [0u8; HEADER_BYTES];
-    h[0] = kind;
-    h[1..].copy_from_slice(
-        &u32::try_from(len)
-            .expect("frame length checked")
-            .to_le_bytes(),
-    );
-    h
-}
-
-pub(super) fn frame(kind: u8, body: &[u8]) -> Vec<u8> {
-    let mut f = Vec::with_capacity(HEADER_BYTES + body.len());
-    f.extend_from_slice(&header(kind, body.len()));
-    f.extend_from_slice(body);
-    f
-}
-
-pub(super) fn write_frame(
-    s: &mut TcpStream,
-    kind: u8,
-    body: &[u8],
-    deadline: Instant,
-) -> io::Result<()> {
-    if body.len() <= 64 << 10 {
-        write_full(s, &frame(kind, body), deadline)
-    } else {
-        write_full(s, &header(kind, body.len()), deadline)?;
-        write_full(s, body, deadline)
-    }
-}
-
-pub(super) enum RecvError {
-    Io(io::Error),
-    TooLarge(usize),
-}
-
-pub(super) fn read_frame(s: &mut TcpStream, deadline: Instant) -> Result<(u8, Vec<u8>), RecvError> {
-    let mut h = [0u8; HEADER_BYTES];
-    read_full(s, &mut h, deadline).map_err(RecvError::Io)?;
-    let len = u32::from_le_bytes(h[1..].try_into().expect("4 bytes")) as usize;
-    if len > MAX_FRAME_BYTES {
-        return Err(RecvError::TooLarge(len));
-    }
-    let mut body = vec![0u8; len];
-    read_full(s, &mut body, deadline).map_err(RecvError::Io)?;
-    Ok((h[0], body))
-}
-
-pub(super) fn check_frame_len(len: usize) -> Result<()> {
-    if len > MAX_FRAME_BYTES {
-        return Err(BootstrapError::FrameTooLarge {
-            len,
-            max: MAX_FRAME_BYTES,
-        });
-    }
-    Ok(())
-}
 
 /// Reads little-endian fields off a frame body, front to back.
 struct Fields<'a>(&'a [u8]);
@@ -194,67 +43,6 @@ impl<'a> Fields<'a> {
     }
 }
 
-/// A fresh random nonce from the OS.
-pub(super) fn nonce() -> Result<[u8; NONCE_BYTES]> {
-    let mut n = [0u8; NONCE_BYTES];
-    getrandom::fill(&mut n).map_err(|e| BootstrapError::Io {
-        step: "drawing a handshake nonce from the OS".into(),
-        kind: io::ErrorKind::Other,
-        detail: e.to_string(),
-    })?;
-    Ok(n)
-}
-
-/// Both sides' nonces of one handshake: every MAC covers both.
-#[derive(Clone, Copy)]
-pub(super) struct Nonces {
-    /// Drawn by rank r > 0, sent in its hello.
-    pub(super) leaf: [u8; NONCE_BYTES],
-    /// Drawn by rank 0, sent in its challenge.
-    pub(super) root: [u8; NONCE_BYTES],
-}
-
-/// What each MAC proves; distinct labels, so that no MAC serves as another.
-#[derive(Clone, Copy)]
-enum Label {
-    /// Rank 0's answer to a hello (in the challenge).
-    Root,
-    /// Rank r's answer to the challenge (in the proof), over its announcement.
-    Rank,
-    /// Rank 0's welcome, over its list of hosts.
-    Welcome,
-}
-
-impl Label {
-    fn bytes(self) -> &'static [u8] {
-        match self {
-            Label::Root => b"peercomm bootstrap v2: rank 0 knows the secret",
-            Label::Rank => b"peercomm bootstrap v2: a rank knows the secret",
-            Label::Welcome => b"peercomm bootstrap v2: rank 0 welcomes",
-        }
-    }
-}
-
-/// HMAC-SHA-256 keyed by the id's secret over the label, both nonces, then `tail`.
-fn mac(secret: &[u8; SECRET_BYTES], label: Label, n: &Nonces, tail: &[u8]) -> Hmac<Sha256> {
-    let mut m =
-        <Hmac<Sha256> as Mac>::new_from_slice(secret).expect("HMAC takes a key of any length");
-    m.update(label.bytes());
-    m.update(&n.leaf);
-    m.update(&n.root);
-    m.update(tail);
-    m
-}
-
-fn sign(secret: &[u8; SECRET_BYTES], label: Label, n: &Nonces, tail: &[u8]) -> [u8; MAC_BYTES] {
-    mac(secret, label, n, tail).finalize().into_bytes().into()
-}
-
-/// Checks `tag` in constant time.
-fn verify(secret: &[u8; SECRET_BYTES], label: Label, n: &Nonces, tail: &[u8], tag: &[u8]) -> bool {
-    mac(secret, label, n, tail).verify_slice(tag).is_ok()
-}
-
 /// Rank r's hello: the magic, the protocol version and its nonce; no secret.
 pub(super) fn encode_hello(leaf_nonce: &[u8; NONCE_BYTES]) -> Vec<u8> {
     let mut b = Vec::with_capacity(HELLO_BYTES);
@@ -274,10 +62,6 @@ pub(super) enum HelloVerdict {
     OtherVersion,
     /// A version-1 hello carrying this id's secret: a rank of an older peercomm.
     OlderRank(u16),
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// Reads a hello body. The magic and version sit at the front in every protocol version;
@@ -304,35 +88,6 @@ pub(super) fn decode_hello(body: &[u8], secret: &[u8; SECRET_BYTES]) -> HelloVer
         return HelloVerdict::OlderRank(version);
     }
     HelloVerdict::OtherVersion
-}
-
-/// Rank 0's challenge: its nonce and its proof of the secret over both nonces.
-pub(super) fn encode_challenge(secret: &[u8; SECRET_BYTES], n: &Nonces) -> Vec<u8> {
-    let mut b = Vec::with_capacity(CHALLENGE_BYTES);
-    b.extend_from_slice(&n.root);
-    b.extend_from_slice(&sign(secret, Label::Root, n, &[]));
-    frame(KIND_CHALLENGE, &b)
-}
-
-/// On rank r: rank 0's nonce from a challenge body, if rank 0's proof in it holds.
-pub(super) fn check_challenge(
-    body: &[u8],
-    secret: &[u8; SECRET_BYTES],
-    leaf_nonce: &[u8; NONCE_BYTES],
-) -> std::result::Result<Nonces, &'static str> {
-    if body.len() != CHALLENGE_BYTES {
-        return Err("its challenge has the wrong length");
-    }
-    let (root, tag) = body.split_at(NONCE_BYTES);
-    let n = Nonces {
-        leaf: *leaf_nonce,
-        root: root.try_into().expect("nonce length"),
-    };
-    if verify(secret, Label::Root, &n, &[], tag) {
-        Ok(n)
-    } else {
-        Err("its answer to this rank's nonce is not made with this id's secret")
-    }
 }
 
 /// What rank r announces once rank 0 has proven itself.
@@ -486,35 +241,6 @@ pub(super) fn expect_data(from: usize, (kind, body): (u8, Vec<u8>)) -> Result<Ve
         k => Err(BootstrapError::Protocol {
             detail: format!("rank {from} sent a frame of kind {k} where a data frame belongs"),
         }),
-    }
-}
-
-/// Maps a failure to hear from (or talk to) rank `peer` to a typed error.
-pub(super) fn recv_error(
-    peer: usize,
-    step: &str,
-    e: RecvError,
-    timeout: Duration,
-    timeout_hint: &str,
-    closed_hint: &str,
-) -> BootstrapError {
-    match e {
-        RecvError::TooLarge(len) => BootstrapError::FrameTooLarge {
-            len,
-            max: MAX_FRAME_BYTES,
-        },
-        RecvError::Io(e) if is_timeout(&e) => BootstrapError::Timeout {
-            step: step.into(),
-            waiting_for: vec![peer],
-            after: timeout,
-            hint: timeout_hint.into(),
-        },
-        RecvError::Io(e) if is_closed(&e) => BootstrapError::ConnectionClosed {
-            rank: peer,
-            step: step.into(),
-            hint: closed_hint.into(),
-        },
-        RecvError::Io(e) => io_error(format!("{step} (rank {peer})"), e),
     }
 }
 

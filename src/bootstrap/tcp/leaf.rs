@@ -1,0 +1,228 @@
+//! Rank r's side of the handshake (r > 0): connecting to rank 0 with retries, checking
+//! rank 0's challenge before proving the secret, being welcomed, connecting again when
+//! rank 0's port closes the connection before the welcome, and the hints of its
+//! timeouts.
+
+use std::io;
+use std::net::{SocketAddr, TcpStream};
+use std::time::{Duration, Instant};
+
+use crate::bootstrap::error::{io_error, BootstrapError, Result};
+use crate::bootstrap::frame::{
+    deadline_after, is_closed, is_resource_exhausted, read_frame, recv_error, write_full, RecvError,
+};
+use crate::bootstrap::host::HostId;
+use crate::bootstrap::id::UniqueId;
+use crate::bootstrap::mac::{check_challenge, nonce};
+use crate::bootstrap::wire::{decode_error, decode_welcome, encode_hello, encode_proof};
+use crate::bootstrap::{BOOTSTRAP_ADDR_ENV, KIND_CHALLENGE, KIND_ERROR, KIND_WELCOME, MIN_WAIT};
+
+/// Why a rank r > 0 failed to reach rank 0 by its deadline, with what it saw on the way.
+fn leaf_timeout_hint(addr: SocketAddr, refused: usize, dropped: usize, admitted: bool) -> String {
+    let mut hint = if admitted {
+        "rank 0 has not admitted every rank yet: some rank never came (rank 0's own error \
+         names it), or rank 0 never called connect; raise the timeout if ranks start far \
+         apart"
+            .to_string()
+    } else if refused > 0 {
+        format!(
+            "the connection was refused {refused} time(s), nothing listens there: the \
+             UniqueId is stale (its communicator already formed or ended; make a new one \
+             per communicator) or rank 0 never started"
+        )
+    } else {
+        "rank 0 could not be reached, or did not answer: check the address, routes and \
+         firewalls, that rank 0 called connect with this UniqueId, or raise the timeout"
+            .to_string()
+    };
+    if dropped > 0 {
+        hint.push_str(&format!(
+            "; rank 0's port closed this rank's connection {dropped} time(s) before \
+             welcoming it (rank 0 was flooded with connections, restarted, or failed: its \
+             own error says why; or it runs an older peercomm)"
+        ));
+    }
+    if addr.ip().is_loopback() {
+        hint.push_str(&format!(
+            "; the id names a loopback address, which only serves ranks on rank 0's host: \
+             for other hosts set {BOOTSTRAP_ADDR_ENV} on rank 0"
+        ));
+    }
+    hint
+}
+
+/// Tries to connect to rank 0 until `deadline`, retrying refusals with backoff (rank 0
+/// may not be listening yet when it runs in a process that did not make the id).
+fn connect_with_retry(
+    addr: SocketAddr,
+    deadline: Instant,
+    timeout: Duration,
+    dropped: usize,
+) -> Result<TcpStream> {
+    let step = format!("connecting to rank 0 at {addr}");
+    let mut refused = 0usize;
+    let mut backoff = Duration::from_millis(5);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(BootstrapError::Timeout {
+                step,
+                waiting_for: vec![0],
+                after: timeout,
+                hint: leaf_timeout_hint(addr, refused, dropped, false),
+            });
+        }
+        match TcpStream::connect_timeout(&addr, left.max(MIN_WAIT)) {
+            Ok(s) => return Ok(s),
+            Err(e) => match e.kind() {
+                io::ErrorKind::ConnectionRefused => refused += 1,
+                io::ErrorKind::ConnectionReset
+                | io::ErrorKind::ConnectionAborted
+                | io::ErrorKind::TimedOut
+                | io::ErrorKind::WouldBlock
+                | io::ErrorKind::Interrupted => {}
+                _ if is_resource_exhausted(&e) => {}
+                _ => return Err(io_error(step, e)),
+            },
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        std::thread::sleep(backoff.min(left));
+        backoff = (backoff * 2).min(Duration::from_millis(100));
+    }
+}
+
+/// Rank r's side of the handshake, all of it (connecting, proving, being welcomed) by one
+/// deadline `timeout` from now. Connects again when rank 0's port closes the connection
+/// before the welcome (rank 0 evicted it, or was not ready); refuses, without trying
+/// again, a listener that cannot prove it knows the secret.
+pub(super) fn leaf_handshake(
+    id: &UniqueId,
+    rank: usize,
+    world: usize,
+    checksum: u64,
+    host: &HostId,
+    timeout: Duration,
+) -> Result<(TcpStream, Vec<HostId>)> {
+    let deadline = deadline_after(timeout);
+    let mut dropped = 0usize;
+    let mut backoff = Duration::from_millis(5);
+    loop {
+        let mut s = connect_with_retry(id.addr, deadline, timeout, dropped)?;
+        let _ = s.set_nodelay(true);
+        let attempt = Attempt {
+            id,
+            deadline,
+            timeout,
+            dropped,
+        };
+        if let Some(hosts) = attempt.run(&mut s, rank, world, checksum, host)? {
+            return Ok((s, hosts));
+        }
+        dropped += 1;
+        drop(s);
+        let left = deadline.saturating_duration_since(Instant::now());
+        std::thread::sleep(backoff.min(left));
+        backoff = (backoff * 2).min(Duration::from_millis(100));
+    }
+}
+
+/// One connection's try at rank r's handshake.
+struct Attempt<'a> {
+    id: &'a UniqueId,
+    deadline: Instant,
+    timeout: Duration,
+    /// Earlier connections closed before the welcome.
+    dropped: usize,
+}
+
+impl Attempt<'_> {
+    const STEP: &'static str = "the handshake with rank 0";
+
+    /// The welcome's hosts, `None` when the connection closed before the welcome (try
+    /// again), or the error that ends the handshake.
+    fn run(
+        &self,
+        s: &mut TcpStream,
+        rank: usize,
+        world: usize,
+        checksum: u64,
+        host: &HostId,
+    ) -> Result<Option<Vec<HostId>>> {
+        let secret = &self.id.secret;
+        let leaf_nonce = nonce()?;
+        if !self.send(s, &encode_hello(&leaf_nonce), false)? {
+            return Ok(None);
+        }
+        let Some((kind, body)) = self.receive(s, false)? else {
+            return Ok(None);
+        };
+        let nonces = match kind {
+            KIND_CHALLENGE => check_challenge(&body, secret, &leaf_nonce)
+                .map_err(|detail| self.unverified(detail.to_string()))?,
+            KIND_ERROR => {
+                return Err(self.unverified(format!(
+                    "it sent an error frame instead of a challenge: {}",
+                    decode_error(0, &body)
+                )))
+            }
+            k => {
+                return Err(self.unverified(format!(
+                    "it sent a frame of kind {k} where rank 0's challenge belongs"
+                )))
+            }
+        };
+        let proof = encode_proof(secret, &nonces, rank, world, checksum, host);
+        if !self.send(s, &proof, true)? {
+            return Ok(None);
+        }
+        let Some((kind, body)) = self.receive(s, true)? else {
+            return Ok(None);
+        };
+        match kind {
+            KIND_WELCOME => Ok(Some(decode_welcome(&body, world, secret, &nonces)?)),
+            KIND_ERROR => Err(decode_error(0, &body)),
+            k => Err(BootstrapError::Protocol {
+                detail: format!("rank 0 sent a frame of kind {k} where a welcome belongs"),
+            }),
+        }
+    }
+
+    /// Writes `frame`; `false` when the connection was closed.
+    fn send(&self, s: &mut TcpStream, frame: &[u8], proven: bool) -> Result<bool> {
+        match write_full(s, frame, self.deadline) {
+            Ok(()) => Ok(true),
+            Err(e) if is_closed(&e) => Ok(false),
+            Err(e) => Err(self.failed(RecvError::Io(e), proven)),
+        }
+    }
+
+    /// Reads a frame; `None` when the connection was closed first.
+    fn receive(&self, s: &mut TcpStream, proven: bool) -> Result<Option<(u8, Vec<u8>)>> {
+        match read_frame(s, self.deadline) {
+            Ok(f) => Ok(Some(f)),
+            Err(RecvError::Io(e)) if is_closed(&e) => Ok(None),
+            Err(RecvError::TooLarge(len)) if !proven => Err(self.unverified(format!(
+                "it announced a frame of {len} bytes where rank 0's challenge belongs"
+            ))),
+            Err(e) => Err(self.failed(e, proven)),
+        }
+    }
+
+    fn failed(&self, e: RecvError, proven: bool) -> BootstrapError {
+        let hint = leaf_timeout_hint(self.id.addr, 0, self.dropped, proven);
+        recv_error(0, Self::STEP, e, self.timeout, &hint, "")
+    }
+
+    fn unverified(&self, detail: String) -> BootstrapError {
+        BootstrapError::UnverifiedRankZero {
+            addr: self.id.addr,
+            detail,
+            hint: "an impostor or a stale process holds rank 0's port (a program bound it \
+                   after the id was released, or an older communicator's rank 0 still runs \
+                   there), or this rank's UniqueId is not the one rank 0 made (stale or \
+                   mistyped); this rank sent nothing that reveals the secret: make a new \
+                   UniqueId, and check which process listens on that port"
+                .into(),
+        }
+    }
+}

@@ -1,0 +1,198 @@
+//! Whom rank 0 admits: wrong secrets and strays refused while the real ranks complete
+//! (and counted in the timeout's hint), duplicate ranks, rank 0 claimed, world size and
+//! configuration mismatches, a rank of the older protocol.
+
+use super::*;
+use crate::bootstrap::frame::frame;
+use crate::bootstrap::wire::decode_error;
+use std::io::Read;
+use std::sync::Barrier;
+
+#[test]
+fn wrong_secret_and_strays_are_refused_while_real_ranks_complete() {
+    let id = loopback_id();
+    // Strangers arrive first: garbage, a version-1 hello with a wrong secret, a silent
+    // connection.
+    let mut garbage = TcpStream::connect(id.addr).unwrap();
+    garbage.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+    let mut old = TcpStream::connect(id.addr).unwrap();
+    let mut v1 = b"PCBS\x01\x00".to_vec();
+    v1.extend_from_slice(&forged(&id).secret);
+    v1.extend_from_slice(&[0; 20]);
+    old.write_all(&frame(KIND_HELLO, &v1)).unwrap();
+    let silent = TcpStream::connect(id.addr).unwrap();
+    let fake_id = forged(&id);
+    let impostor_done = Barrier::new(3);
+    let got = run(&[0, 1, 8, 9], |r| {
+        if r == 8 {
+            // A hand-made rank that answers the challenge with a wrong secret.
+            let mut impostor = raw_rank(&id, &fake_id.secret, 1, 2);
+            impostor.set_read_timeout(Some(LONG)).unwrap();
+            let mut buf = [0u8; 16];
+            let read = impostor.read(&mut buf);
+            impostor_done.wait();
+            // It learnt nothing more: its connection was closed without a word.
+            assert!(matches!(read, Ok(0) | Err(_)), "{read:?}");
+            return None;
+        }
+        if r == 9 {
+            // A whole TcpBootstrap with the wrong secret refuses the real rank 0 (which
+            // cannot prove a secret it does not share) and is not admitted.
+            let start = Instant::now();
+            let e = connect(&fake_id, 1, 2, LONG).unwrap_err();
+            impostor_done.wait();
+            assert!(is_unverified(&e), "{e}");
+            assert!(start.elapsed() < SLACK, "refused promptly");
+            return None;
+        }
+        if r == 1 {
+            impostor_done.wait(); // the real rank 1 comes after the impostors were refused
+        }
+        let b = connect(&id, r, 2, LONG).unwrap();
+        Some(b.all_gather(&[r as u8]).unwrap())
+    });
+    assert_eq!(got[0], Some(vec![vec![0], vec![1]]));
+    assert_eq!(got[1], got[0]);
+    let mut buf = [0u8; 16];
+    for mut c in [garbage, old] {
+        c.set_read_timeout(Some(LONG)).unwrap();
+        assert!(matches!(c.read(&mut buf), Ok(0) | Err(_)));
+    }
+    drop(silent);
+}
+
+#[test]
+fn wrong_secrets_are_counted_in_the_timeout() {
+    let id = loopback_id();
+    let fake_id = forged(&id);
+    let got = run(&[0, 1], |r| {
+        let start = Instant::now();
+        let e = if r == 0 {
+            connect(&id, 0, 2, SHORT).unwrap_err()
+        } else {
+            connect(&fake_id, 1, 2, LONG).unwrap_err()
+        };
+        (e, start.elapsed())
+    });
+    match &got[0].0 {
+        BootstrapError::Timeout {
+            waiting_for, hint, ..
+        } => {
+            assert_eq!(waiting_for, &[1]);
+            assert!(
+                hint.contains("1 connection(s) with a wrong secret"),
+                "{hint}"
+            );
+        }
+        e => panic!("{e}"),
+    }
+    assert!(
+        got[0].1 >= SHORT && got[0].1 < SHORT + SLACK,
+        "{:?}",
+        got[0].1
+    );
+    assert!(is_unverified(&got[1].0), "{}", got[1].0);
+}
+
+#[test]
+fn duplicate_rank_fails_everyone() {
+    let id = loopback_id();
+    let start = Instant::now();
+    // Rank 2 never comes, so rank 0 cannot finish before it sees both rank 1s.
+    let got = run(&[0, 1, 1], |r| connect(&id, r, 3, LONG).unwrap_err());
+    assert_eq!(got[0], BootstrapError::DuplicateRank { rank: 1 });
+    for e in &got[1..] {
+        match e {
+            BootstrapError::PeerFailed { rank: 0, message } => {
+                assert!(message.contains("two processes claim rank 1"), "{message}")
+            }
+            e => panic!("{e}"),
+        }
+    }
+    assert!(start.elapsed() < SLACK, "fails at once, not at the timeout");
+    // A second rank 0 in the process that made the id.
+    assert_eq!(
+        connect(&id, 0, 3, SHORT).unwrap_err(),
+        BootstrapError::StaleId
+    );
+}
+
+#[test]
+fn a_connection_claiming_rank_zero_is_a_duplicate() {
+    let id = loopback_id();
+    let (e, mut fake) = thread::scope(|s| {
+        let fake = s.spawn(|| raw_rank(&id, &id.secret, 0, 2));
+        let e = connect(&id, 0, 2, LONG).unwrap_err();
+        (e, fake.join().unwrap())
+    });
+    assert_eq!(e, BootstrapError::DuplicateRank { rank: 0 });
+    let (kind, body) = raw_read(&mut fake);
+    assert_eq!(kind, KIND_ERROR);
+    assert!(matches!(
+        decode_error(0, &body),
+        BootstrapError::PeerFailed { rank: 0, .. }
+    ));
+}
+
+#[test]
+fn world_size_mismatch_fails_both_sides() {
+    let id = loopback_id();
+    let got = run(&[0, 1], |r| connect(&id, r, 3 + r, LONG).unwrap_err());
+    assert_eq!(
+        got[0],
+        BootstrapError::WorldSizeMismatch {
+            expected: 3,
+            got: 4,
+            rank: 1
+        }
+    );
+    assert!(
+        matches!(&got[1], BootstrapError::PeerFailed { rank: 0, message } if message.contains("world size 4")),
+        "{}",
+        got[1]
+    );
+}
+
+#[test]
+fn config_mismatch_fails_both_sides() {
+    let id = loopback_id();
+    let got = run(&[0, 1], |r| {
+        TcpBootstrap::connect(&id, r, 2, 100 + r as u64, LONG).unwrap_err()
+    });
+    assert_eq!(
+        got[0],
+        BootstrapError::ConfigMismatch {
+            rank: 1,
+            expected: 100,
+            got: 101
+        }
+    );
+    assert!(
+        matches!(got[1], BootstrapError::PeerFailed { rank: 0, .. }),
+        "{}",
+        got[1]
+    );
+}
+
+/// A rank of protocol version 1 (which sent the secret itself) with the right secret is
+/// told apart from a stranger: both sides learn that the versions differ.
+#[test]
+fn a_rank_of_the_older_protocol_is_named() {
+    let id = loopback_id();
+    let mut v1 = b"PCBS\x01\x00".to_vec();
+    v1.extend_from_slice(&id.secret);
+    v1.extend_from_slice(&1u32.to_le_bytes());
+    v1.extend_from_slice(&2u32.to_le_bytes());
+    v1.extend_from_slice(&0xABCDu64.to_le_bytes());
+    v1.extend_from_slice(&0u16.to_le_bytes());
+    let mut old = TcpStream::connect(id.addr).unwrap();
+    old.write_all(&frame(KIND_HELLO, &v1)).unwrap();
+    let e = connect(&id, 0, 2, LONG).unwrap_err();
+    assert!(
+        matches!(&e, BootstrapError::Protocol { detail } if detail.contains("version 1")),
+        "{e}"
+    );
+    let (kind, body) = raw_read(&mut old);
+    assert_eq!(kind, KIND_ERROR);
+    assert!(decode_error(0, &body).to_string().contains("version 1"));
+}
