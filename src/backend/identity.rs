@@ -59,7 +59,12 @@ impl DeviceIdentity {
         let mut uuid = [0u8; 16];
         uuid[..8].copy_from_slice(b"peercomm");
         uuid[8..].copy_from_slice(&(physical as u64).to_be_bytes());
-        let pci = pci_bus_id((physical >> 8) as u32 & 0xffff, (physical & 0xff) as u32, 0, 0);
+        let pci = pci_bus_id(
+            (physical >> 8) as u32 & 0xffff,
+            (physical & 0xff) as u32,
+            0,
+            0,
+        );
         DeviceIdentity::new(ordinal, Some(uuid), Some(&pci))
     }
 
@@ -217,7 +222,10 @@ mod tests {
 
     #[test]
     fn simulated_identities_are_deterministic_and_distinct() {
-        assert_eq!(DeviceIdentity::simulated(0, 5), DeviceIdentity::simulated(0, 5));
+        assert_eq!(
+            DeviceIdentity::simulated(0, 5),
+            DeviceIdentity::simulated(0, 5)
+        );
         assert_eq!(
             DeviceIdentity::simulated(0, 5).same_device(&DeviceIdentity::simulated(7, 5)),
             Some(true)

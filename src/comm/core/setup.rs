@@ -261,7 +261,7 @@ pub(crate) fn establish<B: Backend>(
                     "peer access between them is removed by Simulation::no_peer_access (a \
                      test switch)"
                         .into(),
-                    format!("unset it, or {FALLBACK_HINT}"),
+                    format!("Unset it, or {FALLBACK_HINT}"),
                 )
             });
         }
@@ -416,9 +416,8 @@ fn decode_unavailable(bytes: &[u8]) -> Option<Error> {
         rest = tail;
         Some(head)
     };
-    let mut number = || -> Option<usize> {
-        Some(u64::from_le_bytes(take(8)?.try_into().ok()?) as usize)
-    };
+    let mut number =
+        || -> Option<usize> { Some(u64::from_le_bytes(take(8)?.try_into().ok()?) as usize) };
     let (from, to, from_rank, to_rank) = (number()?, number()?, number()?, number()?);
     let mut text = || -> Option<String> {
         let n = u32::from_le_bytes(take(4)?.try_into().ok()?) as usize;
@@ -624,7 +623,10 @@ mod tests {
         let mut old = r.encode();
         old[0] = 2;
         let err = PeerRecord::decode(1, &old).unwrap_err();
-        assert!(err.to_string().contains("another peercomm version"), "{err}");
+        assert!(
+            err.to_string().contains("another peercomm version"),
+            "{err}"
+        );
         // A cut record is malformed, not a panic.
         let cut = &r.encode()[..40];
         assert!(PeerRecord::decode(1, cut).is_err());
@@ -642,11 +644,19 @@ mod tests {
         let shared = [on(1, 0, 4), on(2, 1, 5), on(3, 2, 4)];
         assert!(same_device(&shared[0], &shared[2]));
         assert_eq!(ranks_per_device(&shared), 2);
-        let refusal = first_shared_device(&shared, &[4, 5, 6]).unwrap().to_string();
+        let refusal = first_shared_device(&shared, &[4, 5, 6])
+            .unwrap()
+            .to_string();
         let uuid = DeviceIdentity::simulated(0, 4).uuid_string().unwrap();
         assert!(refusal.contains("ranks 4 and 6"), "{refusal}");
-        assert!(refusal.contains(&format!("rank 4 on device 0 ({uuid}")), "{refusal}");
-        assert!(refusal.contains(&format!("rank 6 on device 2 ({uuid}")), "{refusal}");
+        assert!(
+            refusal.contains(&format!("rank 4 on device 0 ({uuid}")),
+            "{refusal}"
+        );
+        assert!(
+            refusal.contains(&format!("rank 6 on device 2 ({uuid}")),
+            "{refusal}"
+        );
         assert!(refusal.contains("allow_shared_devices"), "{refusal}");
         // Nothing physical known: one process compares ordinals, two processes cannot.
         let blank = |process, ordinal| PeerRecord {
