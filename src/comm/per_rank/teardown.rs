@@ -38,7 +38,7 @@ impl<B: Backend> Drop for Comm<B> {
     ///
     /// 1. Waits for this rank's stream.
     /// 2. Meets the other ranks in a teardown barrier through the bootstrap
-    ///    ([`Bootstrap::barrier_within`]), bounded by `TEARDOWN_BARRIER_TIMEOUT` (1 s),
+    ///    ([`crate::Bootstrap::barrier_within`]), bounded by `TEARDOWN_BARRIER_TIMEOUT` (1 s),
     ///    not by `CommConfig::bootstrap_timeout`.
     /// 3. If every rank met it, every rank has drained its stream too, so no kernel of
     ///    the group runs or is queued: the signal allocation and the peer mappings are
@@ -68,7 +68,7 @@ impl<B: Backend> Drop for Comm<B> {
     /// Not guaranteed: a peer must not start new collectives after a rank of its group
     /// has dropped. Such a collective cannot complete: its waits for this rank give up
     /// after `barrier_timeout`, [`Comm::synchronize`] on that peer returns
-    /// [`Error::BarrierTimeout`] (or [`Error::PeerAborted`]) within 2 x
+    /// [`crate::Error::BarrierTimeout`] (or [`crate::Error::PeerAborted`]) within 2 x
     /// `barrier_timeout`, its communicator is poisoned, and [`Comm::reinitialize`]
     /// fails with a bootstrap error, so it must be dropped too. Its kernel stores into
     /// this rank's signal; that is safe while the signal is parked (it starts within
