@@ -176,14 +176,31 @@ pub enum Error {
     /// A configuration value is out of range (sizes that overflow, misaligned scratch).
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
-    /// Peer access is missing between two devices, and the fallback to the external
-    /// library is off ([`crate::external::Fallback::Refuse`]).
-    #[error("peer-to-peer access from device {from} to device {to} is not available")]
+    /// Peer access is missing between two ranks' devices (the driver reports no
+    /// peer-to-peer path between the physical devices, or mapping the peer's memory
+    /// into this process failed), and the fallback to the external library is off
+    /// ([`crate::external::Fallback::Refuse`]); with the default fallback the external
+    /// library serves such a group instead. The message names both ranks with their
+    /// devices' identities (ordinal, UUID, PCI bus id), the cause and what to do.
+    #[error(
+        "peer-to-peer access from rank {from_rank} (device {from}) to rank {to_rank} \
+         (device {to}) is not available: {detail}. {hint}"
+    )]
     P2pUnavailable {
-        /// Device that would access.
+        /// Device that would access: its ordinal in its own process.
         from: usize,
-        /// Device that would be accessed.
+        /// Device that would be accessed: its ordinal in its own process (under
+        /// `CUDA_VISIBLE_DEVICES` isolation every process calls its GPU 0; `detail`
+        /// names the physical devices).
         to: usize,
+        /// World rank that would access.
+        from_rank: usize,
+        /// World rank that would be accessed.
+        to_rank: usize,
+        /// Both devices' identities and what failed.
+        detail: String,
+        /// How to fix it, or what serves instead.
+        hint: String,
     },
     /// The external collective library (NCCL, RCCL) could not be loaded or has no
     /// symbol peercomm needs: install it, or keep peer memory only.

@@ -144,7 +144,7 @@ pub use backend::p2p::{enable_p2p, is_p2p_enabled};
 pub use backend::signal_init::init_signal_buffer_with_counter_base;
 pub use backend::signal_init::{create_signal_buffer, init_signal_buffer};
 pub use backend::Backend;
-pub use backend::IntoDevice;
+pub use backend::{DeviceIdentity, IntoDevice};
 pub use bootstrap::{Bootstrap, BootstrapError, HostId, TcpBootstrap, UniqueId};
 #[doc(hidden)]
 pub use comm::{free_expired_teardowns, parked_teardowns};

@@ -128,6 +128,21 @@ fn cuda_per_rank_processes_world_2() {
     }
 }
 
+/// Real CUDA_VISIBLE_DEVICES isolation: rank r's process sees only GPU r, as its
+/// device 0 (rank 0 is the test process, on its device 0). Needs two GPUs; not run in
+/// CI (no GPU) and not run yet on two GPUs (the GPU runs).
+#[test]
+fn cuda_per_rank_isolated_processes_world_2() {
+    let test = "cuda_per_rank_isolated_processes_world_2";
+    if let Some(d) = devices(test) {
+        if d.count < 2 {
+            common::announce_skip(test, "needs 2 CUDA devices");
+            return;
+        }
+        processes::isolated_world::<Cuda>(&d, 2, Some("CUDA_VISIBLE_DEVICES"));
+    }
+}
+
 #[test]
 fn cuda_per_rank_killed_process_gives_a_typed_error() {
     if let Some(d) = devices("cuda_per_rank_killed_process_gives_a_typed_error") {

@@ -178,6 +178,57 @@ fn per_rank_one_sign_of_zero() {
     per_rank_suite::trust::one_sign_of_zero::<Host>(&HOST, 3);
 }
 
+/// CUDA_VISIBLE_DEVICES isolation, simulated: every rank on device 0, each on its own
+/// physical device.
+#[test]
+fn per_rank_isolated_threads_world_2() {
+    per_rank_suite::identity::isolated_threads::<Host>(&HOST, 2);
+}
+
+#[test]
+fn per_rank_isolated_threads_world_4() {
+    per_rank_suite::identity::isolated_threads::<Host>(&HOST, 4);
+}
+
+#[test]
+fn per_rank_real_sharing_is_refused() {
+    per_rank_suite::identity::real_sharing_is_refused::<Host>(&HOST);
+}
+
+#[test]
+fn per_rank_allowed_sharing_caps_the_grid() {
+    per_rank_suite::identity::allowed_sharing_caps_the_grid::<Host>(&HOST);
+}
+
+#[test]
+fn single_controller_uses_identities() {
+    per_rank_suite::identity::single_controller_uses_identities::<Host>(&HOST);
+}
+
+/// The host backend's identity is deterministic per ordinal (the same in every process
+/// and every call) and distinct between ordinals.
+#[test]
+fn host_identity_is_stable() {
+    use peercomm::backend::Backend;
+    use peercomm::DeviceIdentity;
+    let ids: Vec<DeviceIdentity> = (0..peercomm::MAX_GPUS)
+        .map(|o| Host::identity(&Host::open(o).unwrap()).unwrap())
+        .collect();
+    for (o, id) in ids.iter().enumerate() {
+        assert_eq!(id.ordinal(), o);
+        assert_eq!(*id, Host::identity(&Host::open(o).unwrap()).unwrap());
+        assert_eq!(*id, DeviceIdentity::simulated(o, o));
+        assert_eq!(id.pci_bus_id(), Some(format!("0000:{o:02x}:00.0").as_str()));
+        assert_eq!(
+            id.uuid_string().unwrap(),
+            format!("GPU-70656572-636f-6d6d-0000-0000000000{o:02x}")
+        );
+        for other in &ids[o + 1..] {
+            assert_eq!(id.same_device(other), Some(false));
+        }
+    }
+}
+
 /// `Comm` moves to the thread that drives its rank (it is `Send`; that it is not
 /// `Sync` is a compile-fail doctest on `Comm`).
 #[test]

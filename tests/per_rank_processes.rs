@@ -39,6 +39,23 @@ fn per_rank_processes_world_8() {
     processes::checked_world::<Host>(&HOST, 8);
 }
 
+/// CUDA_VISIBLE_DEVICES isolation across processes, simulated: every rank's process
+/// opens device 0, each rank on its own physical device, signals mapped through IPC.
+#[test]
+fn per_rank_isolated_processes_world_2() {
+    processes::isolated_world::<Host>(&HOST, 2, None);
+}
+
+#[test]
+fn per_rank_isolated_processes_world_4() {
+    processes::isolated_world::<Host>(&HOST, 4, None);
+}
+
+#[test]
+fn per_rank_isolated_processes_without_peer_access() {
+    processes::isolated_without_peer_access::<Host>(&HOST);
+}
+
 #[test]
 fn per_rank_killed_process_gives_a_typed_error() {
     processes::killed_process_gives_a_typed_error::<Host>(&HOST);

@@ -18,8 +18,15 @@
 //! with no extra setup: the VMM route would need `cuMemCreate` allocations made
 //! shareable up front, mapped and access-granted range by range, and its POSIX fds
 //! would have to travel over a Unix socket instead of as plain bytes. Legacy IPC
-//! needs the processes on one host, seeing the exporting device (mind
-//! `CUDA_VISIBLE_DEVICES`), and cannot open a handle in the process that exported it:
+//! needs the processes on one host and a peer-to-peer path between the two GPUs (the
+//! open enables peer access lazily); the importer need not see the exporting device:
+//! CUDA's runtime documents that `cudaIpcOpenMemHandle` "can open handles to devices
+//! that may not be visible in the process calling the API", so processes isolated by
+//! `CUDA_VISIBLE_DEVICES` (each seeing its own GPU as device 0) map each other's
+//! signals, and nothing of the import uses the exporter's ordinal. Ranks are told apart
+//! by [`Backend::identity`] (the UUID, `cuDeviceGetUuid`, and the PCI attributes), not
+//! by ordinal. (Not run on two isolated GPUs yet: that run belongs to the GPU runs.)
+//! Legacy IPC cannot open a handle in the process that exported it:
 //! that is `Error::Unsupported`, and one process needs no import (peers' memory is
 //! reached at its own address, [`Backend::map_peer`]). Every allocation of this backend
 //! can be exported, not only [`MemoryKind::SharedSignal`] ones. Seen on an H200
@@ -411,6 +418,29 @@ impl Backend for Cuda {
         dev.ctx.ordinal()
     }
 
+    fn identity(dev: &CudaDevice) -> Result<super::DeviceIdentity> {
+        // cudarc calls cuDeviceGetUuid_v2 where the CUDA version has it (13.x), else
+        // cuDeviceGetUuid; both give the MIG instance's UUID on a MIG instance.
+        let uuid = dev.ctx.uuid().map_err(driver_err("cuDeviceGetUuid"))?;
+        let attribute = |a: CUdevice_attribute| {
+            dev.ctx
+                .attribute(a)
+                .map(|v| v.max(0) as u32)
+                .map_err(driver_err("cuDeviceGetAttribute"))
+        };
+        let pci = super::identity::pci_bus_id(
+            attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+            attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+            attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?,
+            0,
+        );
+        Ok(super::DeviceIdentity::new(
+            dev.ctx.ordinal(),
+            Some(uuid.bytes.map(|b| b as u8)),
+            Some(&pci),
+        ))
+    }
+
     fn multiprocessor_count(dev: &CudaDevice) -> Result<usize> {
         dev.ctx
             .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)
@@ -670,8 +700,8 @@ impl Backend for Cuda {
                     backend: "cuda",
                     call: "cuIpcOpenMemHandle",
                     detail: format!(
-                        "{other:?}: the exporter may have freed the memory or exited, or run \
-                         on another host or with other devices visible"
+                        "{other:?}: the exporter may have freed the memory or exited, run on \
+                         another host, or its GPU and this one have no peer-to-peer path"
                     ),
                 })
             }

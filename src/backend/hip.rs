@@ -24,8 +24,12 @@
 //! [`HipPeerMapping`] synchronises that device and calls `hipIpcCloseMemHandle`. ROCm 6
 //! and 7 define that flag as 1 and reject other values; the HIP 5 headers define it as
 //! 0, so an import the runtime answers with `hipErrorInvalidValue` is retried once with
-//! 0. The processes must be on one host and see the exporting GPU
-//! (`HIP_VISIBLE_DEVICES`); importing in the exporting process is `Error::Unsupported`
+//! 0. The processes must be on one host; whether the importer must see the exporting
+//! GPU (`HIP_VISIBLE_DEVICES`) is not documented by HIP, so isolated processes may
+//! fall back to the external library there (a typed `P2pUnavailable` under
+//! `Fallback::Refuse`). Ranks are told apart by [`Backend::identity`]
+//! (`hipDeviceGetUuid` where the runtime exports it, and `hipDeviceGetPCIBusId`), not
+//! by ordinal. Importing in the exporting process is `Error::Unsupported`
 //! (recognised by the handle's process token before the runtime is asked). Unlike the
 //! CUDA backend, the opened range is not compared with the handle's size: nothing of
 //! this was run on AMD hardware (docs/amd.md), and the less untested code the better.
@@ -116,6 +120,7 @@ mod ffi {
         pub fn hipGetErrorName(status: HipStatus) -> *const c_char;
         pub fn hipGetErrorString(status: HipStatus) -> *const c_char;
         pub fn hipDeviceCanAccessPeer(can: *mut c_int, device: c_int, peer: c_int) -> HipStatus;
+        pub fn hipDeviceGetPCIBusId(bus_id: *mut c_char, len: c_int, device: c_int) -> HipStatus;
         pub fn hipDeviceEnablePeerAccess(peer: c_int, flags: c_uint) -> HipStatus;
         pub fn hipMalloc(ptr: *mut *mut c_void, bytes: usize) -> HipStatus;
         pub fn hipExtMallocWithFlags(
@@ -263,6 +268,43 @@ fn attribute(ordinal: usize, attr: c_int) -> std::result::Result<c_int, HipStatu
 
 /// Signature shared by `hipGetDeviceProperties`, `...R0000` and `...R0600`.
 type GetDeviceProperties = unsafe extern "C" fn(*mut c_void, c_int) -> HipStatus;
+
+/// Signature of `hipDeviceGetUuid` (`hipError_t (hipUUID*, hipDevice_t)`; `hipUUID` is
+/// 16 bytes, `hipDevice_t` an `int`).
+type GetUuid = unsafe extern "C" fn(*mut [c_char; 16], c_int) -> HipStatus;
+
+/// The device's UUID, where the runtime exports `hipDeviceGetUuid` (looked up at run
+/// time, as it is absent from older runtimes) and answers it; `None` otherwise, and the
+/// PCI bus id tells devices apart.
+fn device_uuid(ordinal: usize) -> Option<[u8; 16]> {
+    // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name only reads.
+    let f = unsafe { ffi::dlsym(ffi::RTLD_DEFAULT, c"hipDeviceGetUuid".as_ptr()) };
+    if f.is_null() {
+        return None;
+    }
+    // SAFETY: the symbol is HIP's hipDeviceGetUuid, whose C signature is `GetUuid`.
+    let f: GetUuid = unsafe { std::mem::transmute(f) };
+    let mut uuid: [c_char; 16] = [0; 16];
+    // SAFETY: `uuid` is a writable 16-byte out pointer for the duration of the call.
+    let status = unsafe { f(&mut uuid, ordinal as c_int) };
+    (status == ffi::SUCCESS).then(|| uuid.map(|b| b as u8))
+}
+
+/// The device's PCI bus id as the runtime writes it (`0000:19:00.0`).
+fn pci_bus_id(ordinal: usize) -> Result<String> {
+    let mut text: [c_char; 64] = [0; 64];
+    // SAFETY: `text` is writable for the length passed; the runtime NUL-terminates
+    // what it writes within it.
+    check(
+        unsafe { ffi::hipDeviceGetPCIBusId(text.as_mut_ptr(), 64, ordinal as c_int) },
+        "hipDeviceGetPCIBusId",
+    )?;
+    text[63] = 0;
+    // SAFETY: NUL-terminated within the buffer (the last byte was just set to 0).
+    Ok(unsafe { CStr::from_ptr(text.as_ptr()) }
+        .to_string_lossy()
+        .into_owned())
+}
 
 /// The device's `gcnArchName` (e.g. `gfx942:sramecc+:xnack-`).
 ///
@@ -966,6 +1008,14 @@ impl Backend for Hip {
 
     fn ordinal(dev: &HipDevice) -> usize {
         dev.ordinal
+    }
+
+    fn identity(dev: &HipDevice) -> Result<super::DeviceIdentity> {
+        Ok(super::DeviceIdentity::new(
+            dev.ordinal,
+            device_uuid(dev.ordinal),
+            Some(&pci_bus_id(dev.ordinal)?),
+        ))
     }
 
     fn multiprocessor_count(dev: &HipDevice) -> Result<usize> {

@@ -6,6 +6,12 @@
 //! Addresses are plain process addresses, so every arena is reachable from every
 //! other: peer access is always available and `map_peer` is the identity.
 //!
+//! Device `o`'s identity ([`Backend::identity`]) is [`super::DeviceIdentity::simulated`]
+//! `(o, o)` in every process: the same ordinal in two processes is one "device" (as on a
+//! GPU host without `CUDA_VISIBLE_DEVICES`). `Simulation::physical_devices` gives ranks
+//! other physical devices, e.g. every rank on ordinal 0 but each on its own device (the
+//! isolation engines make with `CUDA_VISIBLE_DEVICES`).
+//!
 //! # IPC (Linux)
 //! So that the host backend can run the protocol with one process per rank, as engines
 //! do on GPUs, [`MemoryKind::SharedSignal`] memory is an anonymous shared memory file
@@ -370,6 +376,10 @@ impl Backend for Host {
 
     fn ordinal(dev: &HostDevice) -> usize {
         dev.ordinal
+    }
+
+    fn identity(dev: &HostDevice) -> Result<super::DeviceIdentity> {
+        Ok(super::DeviceIdentity::simulated(dev.ordinal, dev.ordinal))
     }
 
     fn multiprocessor_count(_dev: &HostDevice) -> Result<usize> {

@@ -11,6 +11,8 @@ use crate::dtype::{DType, Element};
 use crate::error::Result;
 use crate::signal::{AllReduceArgs, GroupArgs};
 
+pub use identity::DeviceIdentity;
+
 #[cfg(feature = "cuda")]
 pub mod cuda;
 // The exported-handle records: used by the host backend's shared memory (Linux) and by
@@ -20,6 +22,7 @@ pub(crate) mod handle;
 #[cfg(feature = "hip")]
 pub mod hip;
 pub mod host;
+mod identity;
 pub(crate) mod p2p;
 pub(crate) mod signal_init;
 
@@ -229,8 +232,19 @@ pub trait Backend: Sized + Send + Sync + 'static {
     fn device_count() -> Result<usize>;
     /// Opens device `ordinal` with a new stream.
     fn open(ordinal: usize) -> Result<Self::Device>;
-    /// The ordinal of a device.
+    /// The ordinal of a device (in this process: `CUDA_VISIBLE_DEVICES` renumbers).
     fn ordinal(dev: &Self::Device) -> usize;
+    /// What names the device physically, beside its ordinal here: its UUID and PCI bus
+    /// id (CUDA: `cuDeviceGetUuid` and the PCI attributes; HIP: `hipDeviceGetUuid`
+    /// where the runtime exports it, and `hipDeviceGetPCIBusId`; host: the
+    /// deterministic [`DeviceIdentity::simulated`] of the ordinal). Ranks compare
+    /// identities, not ordinals, to tell whether they share a device. The default
+    /// reports the ordinal only (nothing physical), so that ranks of one process are
+    /// told apart by ordinal and ranks of different processes are taken to be on
+    /// different devices.
+    fn identity(dev: &Self::Device) -> Result<DeviceIdentity> {
+        Ok(DeviceIdentity::new(Self::ordinal(dev), None, None))
+    }
     /// Streaming multiprocessors / compute units (sizes the grid).
     fn multiprocessor_count(dev: &Self::Device) -> Result<usize>;
     /// Architecture name, e.g. `sm_90`, `gfx942`, `host` (keys the dispatch table).

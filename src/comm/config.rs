@@ -60,7 +60,10 @@ pub struct CommConfig {
     /// Threads per block on GPUs (the host backend runs one thread per block).
     pub threads_per_block: u32,
     /// Testing aid: lets several ranks share one device, each with its own stream and
-    /// signal buffer, so 4- and 8-rank schedules run on fewer GPUs. Every rank's blocks
+    /// signal buffer, so 4- and 8-rank schedules run on fewer GPUs. "One device" is
+    /// one physical device, told by [`crate::Backend::identity`] (UUID, else PCI bus
+    /// id), not by ordinal: processes isolated by `CUDA_VISIBLE_DEVICES`, each on its
+    /// device 0, do not share and need no such permission. Every rank's blocks
     /// must be resident at once (ranks spin waiting for each other), so where k ranks
     /// share a device each gets at most multiprocessors / k blocks (whatever
     /// `max_blocks` says above that). Ranks in one process on one GPU also share its

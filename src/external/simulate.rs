@@ -3,6 +3,7 @@
 //! exercise every route. Every rank must pass the same [`Simulation`] (it is part of
 //! the configuration checksum).
 
+use crate::backend::DeviceIdentity;
 use crate::bootstrap::HostId;
 
 /// Test-only switches (part of [`crate::CommConfig`]; the default simulates nothing).
@@ -22,6 +23,16 @@ pub struct Simulation {
     /// its device's (as under MPS with different active-thread percentages, or two
     /// SKUs of one architecture): the grid must still be the same on every rank.
     pub multiprocessors: Option<Vec<usize>>,
+    /// The physical device every world rank runs on, in rank order, instead of what
+    /// its device reports: rank `r` gets the identity
+    /// [`DeviceIdentity::simulated`]`(ordinal, physical_devices[r])` and keeps the
+    /// ordinal its process sees. For example every rank opens device 0 and this is
+    /// `[0, 1, 2, 3]`: processes isolated by `CUDA_VISIBLE_DEVICES` (each sees its own
+    /// GPU as device 0), which peercomm must serve; `[0, 0]` with ordinals 0 and 1:
+    /// two ranks on one GPU that their ordinals do not tell, which it must refuse
+    /// without `CommConfig::allow_shared_devices`. Ranks that really share a device
+    /// but are told apart here lose the grid cap that sharing needs: set `max_blocks`.
+    pub physical_devices: Option<Vec<usize>>,
 }
 
 impl Simulation {
@@ -47,13 +58,14 @@ impl Simulation {
     /// A stable hash for the configuration checksum (FNV-1a over a textual form).
     pub(crate) fn code(&self) -> u64 {
         let text = format!(
-            "{:?}|{:?}|{:?}|{:?}",
+            "{:?}|{:?}|{:?}|{:?}|{:?}",
             self.no_peer_access,
             self.fail_peer_check,
             self.hosts
                 .as_ref()
                 .map(|h| h.iter().map(HostId::as_str).collect::<Vec<_>>()),
-            self.multiprocessors
+            self.multiprocessors,
+            self.physical_devices
         );
         text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
             (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
@@ -67,6 +79,15 @@ impl Simulation {
             .as_ref()
             .and_then(|m| m.get(rank).copied())
             .unwrap_or(real)
+    }
+
+    /// The identity world rank `rank` reports: the simulated physical device's, with
+    /// the ordinal of `real`, or `real`.
+    pub(crate) fn identity_of(&self, rank: usize, real: DeviceIdentity) -> DeviceIdentity {
+        match self.physical_devices.as_ref().and_then(|p| p.get(rank)) {
+            Some(&physical) => DeviceIdentity::simulated(real.ordinal(), physical),
+            None => real,
+        }
     }
 
     /// Whether the simulation removes peer access between world ranks `a` and `b`.

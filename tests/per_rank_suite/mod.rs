@@ -10,6 +10,7 @@ use super::common;
 pub mod collectives;
 pub mod fault;
 pub mod fuzz;
+pub mod identity;
 pub mod processes;
 pub mod sizing;
 pub mod teardown;

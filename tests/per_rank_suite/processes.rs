@@ -7,6 +7,11 @@
 //! Every rank checks its own outputs against the f64 reference (inputs are rebuilt
 //! from the shared seed) and prints a digest of each output's bits; rank 0 compares
 //! the digests of every group, so ranks agree bit for bit.
+//!
+//! Isolated processes (`isolated_world`, `isolated_without_peer_access`): every rank
+//! opens device 0, as under `CUDA_VISIBLE_DEVICES=<i>`; on the host backend the
+//! distinct physical devices are simulated (`Simulation::physical_devices`), on CUDA
+//! the children get the variable itself.
 
 use super::common;
 
@@ -18,7 +23,8 @@ use std::time::{Duration, Instant};
 
 use peercomm::backend::Backend;
 use peercomm::bootstrap::{TcpBootstrap, UniqueId};
-use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error};
+use peercomm::external::Simulation;
+use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error, FallbackConfig};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
@@ -27,6 +33,7 @@ const RANK: &str = "PEERCOMM_TEST_RANK";
 const WORLD: &str = "PEERCOMM_TEST_WORLD";
 const ID: &str = "PEERCOMM_TEST_ID";
 const SEED: &str = "PEERCOMM_TEST_SEED";
+const VARIANT: &str = "PEERCOMM_TEST_VARIANT";
 
 /// How a backend's ranks are placed: device of a rank, and blocks per launch.
 pub struct Devices {
@@ -70,7 +77,20 @@ fn env<T: std::str::FromStr>(name: &str) -> T {
 
 /// Starts rank `rank` of `world` in a child process running `role`.
 fn spawn(role: &str, rank: usize, world: usize, id: &str, seed: u64) -> Child {
+    spawn_with(role, rank, world, id, seed, &[])
+}
+
+/// As `spawn`, with more environment variables.
+fn spawn_with(
+    role: &str,
+    rank: usize,
+    world: usize,
+    id: &str,
+    seed: u64,
+    extra: &[(String, String)],
+) -> Child {
     Command::new(std::env::current_exe().unwrap())
+        .envs(extra.iter().map(|(k, v)| (k.as_str(), v.as_str())))
         .args([
             "--exact",
             "per_rank_child",
@@ -228,7 +248,209 @@ pub fn child_main<B: Backend>(devices: &Devices) {
                 before.0, before.1, after.0, after.1
             );
         }
+        "isolated" => {
+            let variant: String = env(VARIANT);
+            // Device 0, whatever the rank: the process sees only its own GPU.
+            let dev = B::open(0).unwrap();
+            match Comm::<B>::from_rank(
+                dev,
+                rank,
+                world,
+                &id,
+                isolated_config(devices, world, &variant),
+            ) {
+                Ok(comm) => {
+                    println!("PATH {}", comm.world_path().name());
+                    if variant.starts_with("blocked") {
+                        println!("SUM {}", simple_sum(&comm));
+                    } else {
+                        for (call, d) in run_checked(&comm, seed) {
+                            println!("DIGEST {call} {rank} {d}");
+                        }
+                    }
+                }
+                Err(e) => println!("ERROR {e}"),
+            }
+        }
         other => panic!("unknown role {other}"),
+    }
+}
+
+/// The configuration of the isolated-process runs (the same on every rank): no shared
+/// devices allowed, and peer memory or nothing, so that a wrong refusal or a silent
+/// fallback fails the test. `variant`: `simulated` (physical devices simulated),
+/// `visible` (real isolation by an environment variable), `blocked-refuse` and
+/// `blocked-fallback` (simulated, and ranks 0 and 1 without peer access, refused or
+/// handed to the external library).
+fn isolated_config(devices: &Devices, world: usize, variant: &str) -> CommConfig {
+    let blocked = variant.starts_with("blocked");
+    CommConfig {
+        max_blocks: Some(devices.max_blocks),
+        allow_shared_devices: false,
+        fallback: if variant == "blocked-fallback" {
+            FallbackConfig::default()
+        } else {
+            FallbackConfig::peer_memory_only()
+        },
+        simulate: Simulation {
+            physical_devices: (variant != "visible").then(|| (0..world).collect()),
+            no_peer_access: blocked.then_some((0, 1)),
+            ..Simulation::default()
+        },
+        ..config()
+    }
+}
+
+/// An in-place all-reduce of `rank + 1` over 4099 f32, checked; `"ok"`.
+fn simple_sum<B: Backend>(comm: &Comm<B>) -> &'static str {
+    let (rank, world) = (comm.rank(), comm.world_size());
+    let dev = comm.device();
+    let mut buf = B::alloc_from(dev, &vec![rank as f32 + 1.0; 4099]).unwrap();
+    comm.all_reduce_sum_in_place(&mut buf).unwrap();
+    comm.synchronize().unwrap();
+    let want = (world * (world + 1) / 2) as f32;
+    assert_eq!(B::download(dev, &buf).unwrap(), vec![want; 4099]);
+    "ok"
+}
+
+/// Every line a child printed (after the harness's own prefix, if any), until it exits.
+fn lines_of(child: &mut Child) -> Vec<String> {
+    BufReader::new(child.stdout.take().unwrap())
+        .lines()
+        .map_while(|l| l.ok())
+        .filter_map(|l| {
+            ["DIGEST ", "PATH ", "SUM ", "ERROR "]
+                .iter()
+                .filter_map(|tag| l.find(tag))
+                .min()
+                .map(|at| l[at..].to_string())
+        })
+        .collect()
+}
+
+/// `world` ranks in processes isolated as by `CUDA_VISIBLE_DEVICES`: every rank opens
+/// device 0, yet each is on its own physical device, so peercomm serves them with peer
+/// memory (IPC between the processes, no `allow_shared_devices`, no fallback) and
+/// every rank's sums are right and equal bit for bit. `visible`: `None` simulates the
+/// physical devices (host backend); `Some(var)` starts rank r's process with `var` set
+/// to the r-th device (of the test's own `var` list when it has one), rank 0 running in
+/// the test process on its device 0.
+pub fn isolated_world<B: Backend>(devices: &Devices, world: usize, visible: Option<&str>) {
+    let seed = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos() as u64;
+    let variant = if visible.is_some() {
+        "visible"
+    } else {
+        "simulated"
+    };
+    eprintln!("isolated_world {world} ({variant}): seed {seed}");
+    let id = UniqueId::new().unwrap();
+    let text = id.to_string();
+    let listed: Option<Vec<String>> = visible
+        .and_then(|var| std::env::var(var).ok())
+        .map(|v| v.split(',').map(|s| s.trim().to_string()).collect());
+    let mut children: Vec<Child> = (1..world)
+        .map(|r| {
+            let mut extra = vec![(VARIANT.to_string(), variant.to_string())];
+            if let Some(var) = visible {
+                let device = listed
+                    .as_ref()
+                    .map_or_else(|| r.to_string(), |l| l[r].clone());
+                extra.push((var.to_string(), device));
+            }
+            spawn_with("isolated", r, world, &text, seed, &extra)
+        })
+        .collect();
+    let dev = B::open(0).unwrap();
+    let comm =
+        Comm::<B>::from_rank(dev, 0, world, &id, isolated_config(devices, world, variant)).unwrap();
+    assert_eq!(
+        comm.world_path(),
+        Algorithm::Auto,
+        "peer memory serves them"
+    );
+    let mut all: Vec<(usize, usize, u64)> = run_checked(&comm, seed)
+        .into_iter()
+        .map(|(c, d)| (c, 0, d))
+        .collect();
+    for child in &mut children {
+        let lines = lines_of(child);
+        assert!(lines.contains(&"PATH auto".to_string()), "{lines:?}");
+        all.extend(lines.iter().filter_map(|l| {
+            let f: Vec<&str> = l.strip_prefix("DIGEST ")?.split_whitespace().collect();
+            Some((
+                f[0].parse().unwrap(),
+                f[1].parse().unwrap(),
+                f[2].parse().unwrap(),
+            ))
+        }));
+        let status = child.wait().unwrap();
+        assert!(status.success(), "a rank process failed: {status}");
+    }
+    drop(comm);
+    let calls = compare_groups(world, &all);
+    eprintln!("isolated_world {world} ({variant}): {calls} calls per rank checked");
+}
+
+/// Two isolated processes (simulated: both on device 0, distinct physical devices)
+/// without peer access between them: under `Fallback::Refuse` both ranks get
+/// `P2pUnavailable` naming both ranks and both devices' UUIDs, with the hint; under the
+/// default fallback the external library serves them and the sum is right.
+pub fn isolated_without_peer_access<B: Backend>(devices: &Devices) {
+    use peercomm::DeviceIdentity;
+    let uuids: Vec<String> = (0..2)
+        .map(|p| DeviceIdentity::simulated(0, p).uuid_string().unwrap())
+        .collect();
+    for variant in ["blocked-refuse", "blocked-fallback"] {
+        let id = UniqueId::new().unwrap();
+        let extra = [(VARIANT.to_string(), variant.to_string())];
+        let mut child = spawn_with("isolated", 1, 2, &id.to_string(), 1, &extra);
+        let made = Comm::<B>::from_rank(
+            B::open(0).unwrap(),
+            0,
+            2,
+            &id,
+            isolated_config(devices, 2, variant),
+        );
+        // The parent's part of the child's sum first: the child waits for it.
+        let summed = made.as_ref().ok().map(simple_sum::<B>);
+        let lines = lines_of(&mut child);
+        assert!(child.wait().unwrap().success());
+        if variant == "blocked-refuse" {
+            let err = made.err().expect("refused");
+            assert!(
+                matches!(
+                    err,
+                    Error::P2pUnavailable {
+                        from: 0,
+                        to: 0,
+                        from_rank: 0,
+                        to_rank: 1,
+                        ..
+                    }
+                ),
+                "{err:?}"
+            );
+            let theirs = lines
+                .iter()
+                .find_map(|l| l.strip_prefix("ERROR "))
+                .expect("the child's error");
+            for text in [err.to_string(), theirs.to_string()] {
+                assert!(text.contains("Simulation::no_peer_access"), "{text}");
+                for u in &uuids {
+                    assert!(text.contains(u.as_str()), "{u} missing from {text}");
+                }
+            }
+            eprintln!("isolated_without_peer_access: {err}");
+        } else {
+            let comm = made.unwrap();
+            assert_eq!(comm.world_path(), Algorithm::Nccl);
+            assert_eq!(summed, Some("ok"));
+            assert!(lines.contains(&"PATH nccl".to_string()), "{lines:?}");
+            assert!(lines.contains(&"SUM ok".to_string()), "{lines:?}");
+        }
     }
 }
 

@@ -115,6 +115,13 @@ impl<B: Backend> Rank<B> {
     pub fn ordinal(&self) -> usize {
         B::ordinal(&self.endpoint.device)
     }
+    /// The most blocks a peer-memory launch uses where the options leave the grid to
+    /// peercomm: the same on every rank of a peer-memory group, agreed at setup from
+    /// the fewest multiprocessors of its ranks (or `CommConfig::max_blocks`), and capped
+    /// where ranks share a physical device (multiprocessors / ranks on it).
+    pub fn max_blocks(&self) -> u32 {
+        self.settings.max_blocks
+    }
     /// Device address of this rank's signal buffer.
     pub fn signal_ptr(&self) -> u64 {
         B::memory_ptr(&self.endpoint.signal)

@@ -4,9 +4,17 @@
 //! access exists everywhere, and check that it works (see `peer_check`). When it
 //! cannot serve, every rank learns so at the same step and gets its device back, so
 //! that the communicator can fall back to the external library.
+//!
+//! Devices are told apart by their identity ([`DeviceIdentity`]: UUID, else PCI bus
+//! id), never by ordinal: processes isolated by `CUDA_VISIBLE_DEVICES` all call their
+//! GPU device 0. Two ranks are on one device when their identities say so
+//! (`same_device`): that is what `allow_shared_devices` must allow, what caps the grid
+//! and what makes a process prepare a shared device. Ranks of one process reach each
+//! other through peer access enabled by ordinal (an ordinal means something in its own
+//! process); ranks of different processes through IPC, whatever their ordinals.
 
 use crate::backend::handle::process_token;
-use crate::backend::{Backend, MemoryKind};
+use crate::backend::{Backend, DeviceIdentity, MemoryKind};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
@@ -18,7 +26,7 @@ use crate::comm::config::config_checksum;
 use crate::comm::CommConfig;
 
 /// Format version of the per-rank exchange record.
-const RECORD_VERSION: u8 = 2;
+const RECORD_VERSION: u8 = 3;
 
 /// Where the ranks being set up run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,7 +63,8 @@ struct PeerRecord {
     /// The device's multiprocessors (CPU cores on the host backend): the grid is
     /// sized from the fewest of the group.
     multiprocessors: u32,
-    ordinal: usize,
+    /// The device: its ordinal in the rank's process, its UUID and PCI bus id.
+    identity: DeviceIdentity,
     signal_addr: u64,
     arch: String,
     checksum: u64,
@@ -66,11 +75,13 @@ impl PeerRecord {
         let mut out = vec![RECORD_VERSION];
         out.extend_from_slice(&self.process.to_le_bytes());
         out.extend_from_slice(&self.multiprocessors.to_le_bytes());
-        out.extend_from_slice(&(self.ordinal as u64).to_le_bytes());
+        out.extend_from_slice(&(self.identity.ordinal() as u64).to_le_bytes());
         out.extend_from_slice(&self.signal_addr.to_le_bytes());
         out.extend_from_slice(&self.checksum.to_le_bytes());
-        out.extend_from_slice(&(self.arch.len() as u32).to_le_bytes());
-        out.extend_from_slice(self.arch.as_bytes());
+        // An unknown UUID travels as 16 zero bytes, an unknown PCI bus id as no text.
+        out.extend_from_slice(&self.identity.uuid().unwrap_or([0; 16]));
+        put_text(&mut out, self.identity.pci_bus_id().unwrap_or(""));
+        put_text(&mut out, &self.arch);
         out
     }
 
@@ -92,17 +103,41 @@ impl PeerRecord {
         let ordinal = u64::from_le_bytes(take(8)?.try_into().unwrap()) as usize;
         let signal_addr = u64::from_le_bytes(take(8)?.try_into().unwrap());
         let checksum = u64::from_le_bytes(take(8)?.try_into().unwrap());
-        let n = u32::from_le_bytes(take(4)?.try_into().unwrap()) as usize;
-        let arch = String::from_utf8(take(n)?.to_vec()).map_err(|_| bad())?;
+        let uuid: [u8; 16] = take(16)?.try_into().unwrap();
+        let mut text = || -> Result<String> {
+            let n = u32::from_le_bytes(take(4)?.try_into().unwrap()) as usize;
+            String::from_utf8(take(n)?.to_vec()).map_err(|_| bad())
+        };
+        let pci = text()?;
+        let arch = text()?;
+        let identity = DeviceIdentity::new(ordinal, Some(uuid), Some(&pci));
         Ok(PeerRecord {
             process,
             multiprocessors,
-            ordinal,
+            identity,
             signal_addr,
             arch,
             checksum,
         })
     }
+}
+
+/// Appends `text` with its length (`u32`, little-endian) first.
+fn put_text(out: &mut Vec<u8>, text: &str) {
+    out.extend_from_slice(&(text.len() as u32).to_le_bytes());
+    out.extend_from_slice(text.as_bytes());
+}
+
+/// The identity world rank `world_rank` reports for `device`: the backend's, or the
+/// one [`crate::Simulation::physical_devices`] gives it.
+pub(crate) fn identity_of<B: Backend>(
+    device: &B::Device,
+    world_rank: usize,
+    config: &CommConfig,
+) -> Result<DeviceIdentity> {
+    Ok(config
+        .simulate
+        .identity_of(world_rank, B::identity(device)?))
 }
 
 /// A core over this rank alone (no peers, no exchange): what a communicator whose
@@ -165,7 +200,7 @@ pub(crate) fn establish<B: Backend>(
     let mine = PeerRecord {
         process: process_token(),
         multiprocessors: u32::try_from(sms).unwrap_or(u32::MAX),
-        ordinal: B::ordinal(&device),
+        identity: identity_of::<B>(&device, members[me], config)?,
         signal_addr: B::memory_ptr(&signal),
         arch,
         checksum,
@@ -186,20 +221,25 @@ pub(crate) fn establish<B: Backend>(
         Vec::new()
     };
     let handles = group.all_gather(&mine_handle)?;
+    // Every rank checks every record (each has them all), so that every rank of the
+    // group gives the same answer at the same step.
+    for (r, peer) in records.iter().enumerate() {
+        check_peer_record(members[me], members[r], &mine, peer)?;
+    }
+    if !config.allow_shared_devices {
+        if let Some(refusal) = first_shared_device(&records, members) {
+            return Err(refusal);
+        }
+    }
     // The same grid on every rank of the group: from the fewest multiprocessors, then
-    // capped by the most ranks sharing one device.
+    // capped by the most ranks sharing one physical device.
     let fewest = fewest_multiprocessors(&records);
     settings.agree_on_grid(fewest);
-    let per_device = records
-        .iter()
-        .map(|p| records.iter().filter(|q| q.ordinal == p.ordinal).count())
-        .max()
-        .unwrap_or(1);
-    settings.limit_for_shared_devices(fewest, per_device);
+    settings.limit_for_shared_devices(fewest, ranks_per_device(&records));
     if records
         .iter()
         .enumerate()
-        .any(|(r, p)| r != me && same_process(p, &mine) && p.ordinal == mine.ordinal)
+        .any(|(r, p)| r != me && same_process(p, &mine) && same_device(p, &mine))
     {
         B::prepare_shared_device(&device)?;
     }
@@ -207,38 +247,63 @@ pub(crate) fn establish<B: Backend>(
     let mut mappings = Vec::new();
     let mut problem: Option<Error> = None;
     for (r, peer) in records.iter().enumerate() {
-        check_peer_record(members[me], members[r], &mine, peer, config)?;
-        peer_signals[r] = if r == me {
-            mine.signal_addr
-        } else if same_process(peer, &mine) {
-            // The same process: the address is valid here once peer access is on.
-            if peer.ordinal != mine.ordinal {
-                let reachable = !config.simulate.blocks_pair(members[me], members[r])
-                    && enable_peer_access_to::<B>(&device, peer.ordinal)?;
-                if !reachable {
-                    problem.get_or_insert(Error::P2pUnavailable {
-                        from: mine.ordinal,
-                        to: peer.ordinal,
-                    });
-                }
-            } else if config.simulate.blocks_pair(members[me], members[r]) {
-                problem.get_or_insert(Error::P2pUnavailable {
-                    from: mine.ordinal,
-                    to: peer.ordinal,
+        if r == me {
+            peer_signals[r] = mine.signal_addr;
+            continue;
+        }
+        let (a, b) = (members[me], members[r]);
+        let unavailable = |cause: String, hint: String| {
+            p2p_unavailable(a, &mine.identity, b, &peer.identity, cause, hint)
+        };
+        if config.simulate.blocks_pair(a, b) {
+            problem.get_or_insert_with(|| {
+                unavailable(
+                    "peer access between them is removed by Simulation::no_peer_access (a \
+                     test switch)"
+                        .into(),
+                    format!("Unset it, or {FALLBACK_HINT}"),
+                )
+            });
+        }
+        peer_signals[r] = if same_process(peer, &mine) {
+            // The same process: the address is valid here once peer access is on,
+            // which is enabled by ordinal (meaningful within one process).
+            let (theirs, ours) = (peer.identity.ordinal(), mine.identity.ordinal());
+            if theirs != ours
+                && !config.simulate.blocks_pair(a, b)
+                && !enable_peer_access_to::<B>(&device, theirs)?
+            {
+                problem.get_or_insert_with(|| {
+                    unavailable(
+                        format!("{} reports no peer access between these devices", B::NAME),
+                        no_path_hint(B::NAME),
+                    )
                 });
             }
             peer.signal_addr
         } else {
-            if config.simulate.blocks_pair(members[me], members[r]) {
-                problem.get_or_insert(Error::P2pUnavailable {
-                    from: mine.ordinal,
-                    to: peer.ordinal,
-                });
+            // Another process: its signal is mapped through IPC into this device's
+            // address space. Nothing of the import uses the peer's ordinal, which
+            // names nothing here (isolated processes all call their GPU 0).
+            match B::import_memory(&device, &handles[r]) {
+                Ok(mapping) => {
+                    let addr = B::mapping_ptr(&mapping);
+                    mappings.push(mapping);
+                    addr
+                }
+                Err(e) => {
+                    problem.get_or_insert_with(|| {
+                        unavailable(
+                            format!(
+                                "mapping rank {b}'s signal memory into rank {a}'s process \
+                                 failed ({e})"
+                            ),
+                            import_hint(B::NAME),
+                        )
+                    });
+                    0
+                }
             }
-            let mapping = B::import_memory(&device, &handles[r])?;
-            let addr = B::mapping_ptr(&mapping);
-            mappings.push(mapping);
-            addr
         };
     }
     // Every world rank learns whether any lacks peer access (this all-gather also
@@ -302,41 +367,189 @@ fn fewest_multiprocessors(records: &[PeerRecord]) -> usize {
 /// rank has one, is every rank's answer.
 fn agree(world: &dyn Bootstrap, problem: Option<Error>) -> Result<Option<Error>> {
     let code = match &problem {
-        Some(Error::P2pUnavailable { from, to }) => {
-            let mut v = vec![1u8];
-            v.extend_from_slice(&(*from as u64).to_le_bytes());
-            v.extend_from_slice(&(*to as u64).to_le_bytes());
-            v
-        }
+        Some(e @ Error::P2pUnavailable { .. }) => encode_unavailable(e),
         Some(_) => vec![2u8],
         None => Vec::new(),
     };
     for (r, bytes) in world.all_gather(&code)?.into_iter().enumerate() {
-        match bytes.first() {
-            Some(1) if bytes.len() == 17 => {
-                let from = u64::from_le_bytes(bytes[1..9].try_into().unwrap()) as usize;
-                let to = u64::from_le_bytes(bytes[9..17].try_into().unwrap()) as usize;
-                return Ok(Some(Error::P2pUnavailable { from, to }));
-            }
-            Some(_) => {
-                return Ok(Some(Error::InvalidDevices(format!(
-                    "rank {r} cannot reach a peer's memory"
-                ))))
-            }
-            None => {}
+        if bytes.is_empty() {
+            continue;
         }
+        return Ok(Some(decode_unavailable(&bytes).unwrap_or_else(|| {
+            Error::InvalidDevices(format!("rank {r} cannot reach a peer's memory"))
+        })));
     }
     Ok(None)
 }
 
+/// A [`Error::P2pUnavailable`] as bytes for [`agree`]: tag 1, the four numbers
+/// (`u64`), the detail and the hint (length-prefixed text).
+fn encode_unavailable(e: &Error) -> Vec<u8> {
+    let Error::P2pUnavailable {
+        from,
+        to,
+        from_rank,
+        to_rank,
+        detail,
+        hint,
+    } = e
+    else {
+        return vec![2u8];
+    };
+    let mut v = vec![1u8];
+    for n in [from, to, from_rank, to_rank] {
+        v.extend_from_slice(&(*n as u64).to_le_bytes());
+    }
+    put_text(&mut v, detail);
+    put_text(&mut v, hint);
+    v
+}
+
+/// The error [`encode_unavailable`] wrote, or `None` for anything else.
+fn decode_unavailable(bytes: &[u8]) -> Option<Error> {
+    let (&tag, mut rest) = bytes.split_first()?;
+    if tag != 1 {
+        return None;
+    }
+    let mut take = |n: usize| -> Option<&[u8]> {
+        let (head, tail) = rest.split_at_checked(n)?;
+        rest = tail;
+        Some(head)
+    };
+    let mut number =
+        || -> Option<usize> { Some(u64::from_le_bytes(take(8)?.try_into().ok()?) as usize) };
+    let (from, to, from_rank, to_rank) = (number()?, number()?, number()?, number()?);
+    let mut text = || -> Option<String> {
+        let n = u32::from_le_bytes(take(4)?.try_into().ok()?) as usize;
+        String::from_utf8(take(n)?.to_vec()).ok()
+    };
+    let (detail, hint) = (text()?, text()?);
+    Some(Error::P2pUnavailable {
+        from,
+        to,
+        from_rank,
+        to_rank,
+        detail,
+        hint,
+    })
+}
+
+/// What serves where peer memory cannot, for the hints.
+const FALLBACK_HINT: &str = "keep FallbackConfig::fallback = External (the default), under \
+                             which the external library (NCCL/RCCL) serves the group";
+
+/// Where to look at the links between GPUs, per backend.
+fn topology_tool(backend: &str) -> &'static str {
+    match backend {
+        "cuda" => "`nvidia-smi topo -p2p r`",
+        "hip" => "`rocm-smi --showtopo`",
+        _ => "the platform's topology tool",
+    }
+}
+
+/// The hint where the driver reports no peer access between two devices.
+fn no_path_hint(backend: &str) -> String {
+    format!(
+        "The two GPUs have no peer-to-peer path (see {}; PCIe P2P may be off in the BIOS \
+         or under an IOMMU, or unsupported across CPU sockets): place the group on GPUs with \
+         P2P between every pair, or {FALLBACK_HINT}",
+        topology_tool(backend)
+    )
+}
+
+/// The hint where mapping another process's memory failed.
+fn import_hint(backend: &str) -> String {
+    format!(
+        "Processes isolated by CUDA_VISIBLE_DEVICES are supported (devices are told apart \
+         by UUID); the mapping fails when the two GPUs have no peer-to-peer path (see {}), \
+         or when the processes may not share memory (run the ranks as one user, on one \
+         host, containers in one IPC namespace such as --ipc=host): fix that, or \
+         {FALLBACK_HINT}",
+        topology_tool(backend)
+    )
+}
+
+/// The typed error for missing peer access from rank `a` (on `ia`) to rank `b` (on
+/// `ib`), world ranks.
+fn p2p_unavailable(
+    a: usize,
+    ia: &DeviceIdentity,
+    b: usize,
+    ib: &DeviceIdentity,
+    cause: String,
+    hint: String,
+) -> Error {
+    Error::P2pUnavailable {
+        from: ia.ordinal(),
+        to: ib.ordinal(),
+        from_rank: a,
+        to_rank: b,
+        detail: format!(
+            "rank {a} is on {ia} and rank {b} on {ib} (ordinals as each rank's process sees \
+             them); {cause}"
+        ),
+        hint,
+    }
+}
+
+/// Whether two ranks are on one physical device: their identities say so (UUID, else
+/// PCI bus id). Where neither tells, ranks of one process are on one device when their
+/// ordinals agree (an ordinal names a device within its process), and ranks of
+/// different processes are taken to be on different devices.
+fn same_device(a: &PeerRecord, b: &PeerRecord) -> bool {
+    same_identity(&a.identity, &b.identity, same_process(a, b))
+}
+
+/// [`same_device`] over bare identities, `one_process` saying whether both were made
+/// by one process.
+pub(crate) fn same_identity(a: &DeviceIdentity, b: &DeviceIdentity, one_process: bool) -> bool {
+    a.same_device(b)
+        .unwrap_or(one_process && a.ordinal() == b.ordinal())
+}
+
+/// The most ranks of the group on one physical device (at least 1).
+fn ranks_per_device(records: &[PeerRecord]) -> usize {
+    records
+        .iter()
+        .map(|p| records.iter().filter(|q| same_device(p, q)).count())
+        .max()
+        .unwrap_or(1)
+}
+
+/// The refusal of the first two ranks (`members`: their world ranks) on one physical
+/// device, if any.
+fn first_shared_device(records: &[PeerRecord], members: &[usize]) -> Option<Error> {
+    for (i, p) in records.iter().enumerate() {
+        for (j, q) in records.iter().enumerate().skip(i + 1) {
+            if same_device(p, q) {
+                return Some(shared_device_error(
+                    members[i],
+                    &p.identity,
+                    members[j],
+                    &q.identity,
+                ));
+            }
+        }
+    }
+    None
+}
+
+/// Why ranks `a` (on `ia`) and `b` (on `ib`) may not share their device.
+pub(crate) fn shared_device_error(
+    a: usize,
+    ia: &DeviceIdentity,
+    b: usize,
+    ib: &DeviceIdentity,
+) -> Error {
+    Error::InvalidDevices(format!(
+        "ranks {a} and {b} are on the same physical device: rank {a} on {ia}, rank {b} on \
+         {ib} (ordinals as each rank's process sees them); give each rank its own GPU, or \
+         set CommConfig::allow_shared_devices to share one on purpose (tests, MPS)"
+    ))
+}
+
 /// Checks what rank `r` reported against this rank's own record.
-fn check_peer_record(
-    me: usize,
-    r: usize,
-    mine: &PeerRecord,
-    peer: &PeerRecord,
-    config: &CommConfig,
-) -> Result<()> {
+fn check_peer_record(me: usize, r: usize, mine: &PeerRecord, peer: &PeerRecord) -> Result<()> {
     if peer.checksum != mine.checksum {
         return Err(Error::InvalidConfig(format!(
             "rank {r}'s configuration differs from rank {me}'s: every rank must pass the same \
@@ -349,17 +562,11 @@ fn check_peer_record(
             peer.arch, mine.arch
         )));
     }
-    if r != me && peer.ordinal == mine.ordinal && !config.allow_shared_devices {
-        return Err(Error::InvalidDevices(format!(
-            "ranks {me} and {r} are both on device {} (set allow_shared_devices for tests)",
-            mine.ordinal
-        )));
-    }
     Ok(())
 }
 
-/// Lets `dev` reach memory of device `peer_ordinal` in this process; `false` when the
-/// devices have no peer access.
+/// Lets `dev` reach memory of device `peer_ordinal` in this process (an ordinal of this
+/// process); `false` when the devices have no peer access.
 fn enable_peer_access_to<B: Backend>(dev: &B::Device, peer_ordinal: usize) -> Result<bool> {
     let peer = B::open(peer_ordinal)?;
     if !B::can_access_peer(dev, &peer)? {
@@ -377,10 +584,19 @@ mod tests {
         PeerRecord {
             process,
             multiprocessors,
-            ordinal: 0,
+            identity: DeviceIdentity::simulated(0, 0),
             signal_addr: 0x1000,
             arch: "host".into(),
             checksum: 7,
+        }
+    }
+
+    /// A record of process `process` on ordinal `ordinal` of physical device
+    /// `physical`.
+    fn on(process: u64, ordinal: usize, physical: usize) -> PeerRecord {
+        PeerRecord {
+            identity: DeviceIdentity::simulated(ordinal, physical),
+            ..record(process, 4)
         }
     }
 
@@ -388,6 +604,94 @@ mod tests {
     fn records_round_trip() {
         let r = record(0xdead_beef_0123, 132);
         assert_eq!(PeerRecord::decode(1, &r.encode()).unwrap(), r);
+        let mut uuid = [0u8; 16];
+        uuid[15] = 0xab;
+        for identity in [
+            DeviceIdentity::new(3, Some(uuid), Some("0000:c1:00.0")),
+            DeviceIdentity::new(0, Some(uuid), None),
+            DeviceIdentity::new(1, None, Some("0001:02:03.4")),
+            DeviceIdentity::new(7, None, None),
+        ] {
+            let r = PeerRecord {
+                identity,
+                arch: "sm_90".into(),
+                ..record(5, 132)
+            };
+            assert_eq!(PeerRecord::decode(1, &r.encode()).unwrap(), r);
+        }
+        // A record of the previous format (no identity) is refused by its version.
+        let mut old = r.encode();
+        old[0] = 2;
+        let err = PeerRecord::decode(1, &old).unwrap_err();
+        assert!(
+            err.to_string().contains("another peercomm version"),
+            "{err}"
+        );
+        // A cut record is malformed, not a panic.
+        let cut = &r.encode()[..40];
+        assert!(PeerRecord::decode(1, cut).is_err());
+    }
+
+    /// Processes isolated by CUDA_VISIBLE_DEVICES all report ordinal 0: they are on
+    /// different devices when their UUIDs differ, on one when they agree.
+    #[test]
+    fn the_device_is_told_by_its_identity_not_its_ordinal() {
+        let isolated = [on(1, 0, 0), on(2, 0, 1), on(3, 0, 2)];
+        assert!(!same_device(&isolated[0], &isolated[1]));
+        assert_eq!(ranks_per_device(&isolated), 1);
+        assert_eq!(first_shared_device(&isolated, &[0, 1, 2]), None);
+        // One GPU behind two different ordinals (other visible sets).
+        let shared = [on(1, 0, 4), on(2, 1, 5), on(3, 2, 4)];
+        assert!(same_device(&shared[0], &shared[2]));
+        assert_eq!(ranks_per_device(&shared), 2);
+        let refusal = first_shared_device(&shared, &[4, 5, 6])
+            .unwrap()
+            .to_string();
+        let uuid = DeviceIdentity::simulated(0, 4).uuid_string().unwrap();
+        assert!(refusal.contains("ranks 4 and 6"), "{refusal}");
+        assert!(
+            refusal.contains(&format!("rank 4 on device 0 ({uuid}")),
+            "{refusal}"
+        );
+        assert!(
+            refusal.contains(&format!("rank 6 on device 2 ({uuid}")),
+            "{refusal}"
+        );
+        assert!(refusal.contains("allow_shared_devices"), "{refusal}");
+        // Nothing physical known: one process compares ordinals, two processes cannot.
+        let blank = |process, ordinal| PeerRecord {
+            identity: DeviceIdentity::new(ordinal, None, None),
+            ..record(process, 4)
+        };
+        assert!(same_device(&blank(1, 0), &blank(1, 0)));
+        assert!(!same_device(&blank(1, 0), &blank(1, 1)));
+        assert!(!same_device(&blank(1, 0), &blank(2, 0)));
+    }
+
+    #[test]
+    fn unavailable_peer_access_crosses_the_world_whole() {
+        let e = p2p_unavailable(
+            0,
+            &DeviceIdentity::simulated(0, 0),
+            3,
+            &DeviceIdentity::simulated(0, 1),
+            "the mapping failed".into(),
+            import_hint("cuda"),
+        );
+        assert_eq!(decode_unavailable(&encode_unavailable(&e)), Some(e.clone()));
+        assert_eq!(decode_unavailable(&[2]), None);
+        assert_eq!(decode_unavailable(&encode_unavailable(&e)[..20]), None);
+        let text = e.to_string();
+        for part in [
+            "from rank 0 (device 0) to rank 3 (device 0)",
+            &DeviceIdentity::simulated(0, 1).to_string(),
+            "the mapping failed",
+            "CUDA_VISIBLE_DEVICES",
+            "nvidia-smi topo -p2p r",
+            "FallbackConfig::fallback = External",
+        ] {
+            assert!(text.contains(part), "{part:?} missing from {text}");
+        }
     }
 
     /// Two containers of one pod can both be pid 1: the process is told by its token,

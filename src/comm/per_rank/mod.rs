@@ -221,6 +221,12 @@ impl<B: Backend> Comm<B> {
     pub fn layout(&self) -> SignalLayout {
         self.core.settings.layout
     }
+    /// The most blocks a peer-memory launch uses where the options leave the grid to
+    /// peercomm (the same on every rank of a peer-memory group: see
+    /// [`crate::Rank::max_blocks`]).
+    pub fn max_blocks(&self) -> u32 {
+        self.core.max_blocks()
+    }
     /// The configuration it was built with.
     pub fn config(&self) -> &CommConfig {
         &self.core.settings.config

@@ -23,7 +23,7 @@ use crate::signal::{SignalLayout, MAX_GPUS};
 use super::core::connect;
 use super::core::launch::PeerInputs;
 use super::core::plan::{CollectiveArgs, Plan};
-use super::core::setup::Placement;
+use super::core::setup::{self, Placement};
 use super::core::Rank;
 use super::CommConfig;
 
@@ -65,16 +65,28 @@ impl<B: Backend> Communicator<B> {
     /// Builds a communicator over already opened devices (rank i = `devices[i]`): the
     /// per-rank setup of every core at once, one thread per device over an in-process
     /// bootstrap (peer access between all pairs, the signal buffers, the peer check),
-    /// then the external library where peer memory does not serve.
+    /// then the external library where peer memory does not serve. One physical
+    /// device given twice (told by [`Backend::identity`], not by ordinal) is
+    /// `Error::InvalidDevices` naming both ranks' devices, unless
+    /// `CommConfig::allow_shared_devices`.
     pub fn from_devices(devices: Vec<B::Device>, config: CommConfig) -> Result<Self> {
         let world = devices.len();
         check_world(world)?;
-        let mut ordinals: Vec<usize> = devices.iter().map(B::ordinal).collect();
-        ordinals.sort_unstable();
-        if ordinals.windows(2).any(|w| w[0] == w[1]) && !config.allow_shared_devices {
-            return Err(Error::InvalidDevices(format!(
-                "a device appears twice: {ordinals:?}"
-            )));
+        // One physical device twice (by identity, as the setup checks it) is refused
+        // here already, before any thread starts.
+        if !config.allow_shared_devices {
+            let ids = devices
+                .iter()
+                .enumerate()
+                .map(|(r, d)| setup::identity_of::<B>(d, r, &config))
+                .collect::<Result<Vec<_>>>()?;
+            for (a, ia) in ids.iter().enumerate() {
+                for (b, ib) in ids.iter().enumerate().skip(a + 1) {
+                    if setup::same_identity(ia, ib, true) {
+                        return Err(setup::shared_device_error(a, ia, b, ib));
+                    }
+                }
+            }
         }
         let hosts = vec![HostId::new("this process"); world];
         let bootstraps = LocalBootstrap::world(world, config.bootstrap_timeout);
