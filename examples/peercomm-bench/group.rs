@@ -40,10 +40,15 @@ pub fn run(gpu: &Gpu, args: &Args) -> Vec<Record> {
             })
             .collect();
         let mut times = Vec::new();
-        for (imp, calls, grouped) in [
-            ("peercomm-1-call", 1, false),
-            ("peercomm-8-calls", GROUP, false),
-            ("peercomm-group-of-8", GROUP, true),
+        // Also one call forced to one-stage (the batched kernel's algorithm) and
+        // smaller groups, to tell a fixed cost of the batched kernel from a per-call one.
+        for (imp, calls, grouped, algorithm) in [
+            ("peercomm-1-call", 1, false, Algorithm::Auto),
+            ("peercomm-1-call-one_stage", 1, false, Algorithm::OneStage),
+            ("peercomm-8-calls", GROUP, false, Algorithm::Auto),
+            ("peercomm-group-of-2", 2, true, Algorithm::Auto),
+            ("peercomm-group-of-4", 4, true, Algorithm::Auto),
+            ("peercomm-group-of-8", GROUP, true, Algorithm::Auto),
         ] {
             for o in outs.iter_mut().flatten() {
                 Cuda::upload(
@@ -59,7 +64,7 @@ pub fn run(gpu: &Gpu, args: &Args) -> Vec<Record> {
                 for _ in 0..iterations {
                     if grouped {
                         let mut g = gpu.comm.group();
-                        for (i, o) in ins.iter().zip(outs.iter_mut()) {
+                        for (i, o) in ins.iter().zip(outs.iter_mut()).take(calls) {
                             g.all_reduce_sum_slices(i, o).unwrap();
                         }
                         ran = g.end().unwrap()[0];
@@ -67,7 +72,11 @@ pub fn run(gpu: &Gpu, args: &Args) -> Vec<Record> {
                         for (i, o) in ins.iter().zip(outs.iter_mut()).take(calls) {
                             ran = gpu
                                 .comm
-                                .all_reduce_sum_slices(i, o, &AllReduceOptions::new())
+                                .all_reduce_sum_slices(
+                                    i,
+                                    o,
+                                    &AllReduceOptions::new().algorithm(algorithm),
+                                )
                                 .unwrap();
                         }
                     }
@@ -103,7 +112,12 @@ pub fn run(gpu: &Gpu, args: &Args) -> Vec<Record> {
             };
             records.push(record(at, imp, ran.name(), "graph", t));
         }
-        if let [(_, one), (_, eight), (_, group)] = times[..] {
+        let time_of = |name: &str| times.iter().find(|(i, _)| *i == name).map(|t| t.1);
+        if let (Some(one), Some(eight), Some(group)) = (
+            time_of("peercomm-1-call"),
+            time_of("peercomm-8-calls"),
+            time_of("peercomm-group-of-8"),
+        ) {
             println!(
                 "  {bytes:>6} B per call  group of 8 / one call = {:.2}, group of 8 / 8 calls = {:.2}",
                 group / one,
