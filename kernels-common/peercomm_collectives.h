@@ -167,18 +167,31 @@ PC_INLINE void scatter(const Args& a) {
 
 // ---------------------------------------------------------------------------------
 // Fused all-reduce + residual add + RMSNorm over rows of `hidden` elements (a multiple
-// of the pack width), num_elements / hidden rows. Row t belongs to block t % gridDim.x;
-// pack k of a row to thread k % blockDim.x, for staging and reading alike. Per element,
-// the unfused sequence with its roundings to D:
-//   s = D(sum over members in group-rank order, f32)        the all-reduce
+// of the pack width), num_elements / hidden rows, in two kernels: one-stage
+// (allreduce_rmsnorm: barriers, the peers' inputs or payloads read in place) and Lamport
+// (lamport_rmsnorm: no barrier, the inputs pushed into the peers' Lamport regions). Row t
+// belongs to block t % gridDim.x; pack k of a row to thread k % blockDim.x, for staging,
+// pushing and reading alike. Both compute their rows with the one function
+// rmsnorm_rows; per element, the unfused sequence with its roundings to D:
+//   s = D(sum over members in group-rank order, f32)        the all-reduce (sum_packs)
 //   r = D(f32(s) + f32(residual))                           written back to residual
-// then per row ms = mean of f32(r)^2 (a fixed-shape tree in shared memory, the same on
-// every rank), inv = 1 / sqrt(ms + epsilon), and output = D(f32(r) * inv * f32(weight)).
-// Every rank computes every row, so every rank writes the same bits.
+// then per row ms = (sum of f32(r)^2) / hidden, where thread k's partial sum runs over
+// its packs k, k + blockDim, ... of the row, lane by lane, with an explicit fused
+// multiply-add (no contraction left to the compiler), and the block's partial sums go
+// through a fixed-shape tree in shared memory (block_sum); inv = 1 / sqrt(ms + epsilon),
+// and output = D(f32(r) * inv * f32(weight)). Every rank computes every row, so every
+// rank writes the same bits; and what a row gets depends only on its own data, the
+// hidden size, epsilon and the block size (threads_per_block, fixed per communicator),
+// never on the row count, the grid or the kernel: the two kernels give the same bits,
+// whatever the batch a row is in.
 
 // Sum of every thread's `x` in the block, by a tree over a power-of-two padded array:
-// the same order for every block and rank of one launch shape.
-PC_INLINE float block_sum(float x, volatile PC_SHARED float* red) {
+// the same order for every block and rank of one launch shape. With `abort` (a block's
+// abort flag), `stop` says whether it was set when every thread had arrived: read before
+// the last barrier, so every thread reads the same value, and no thread can set it
+// before all have read it (a wait comes only after that barrier).
+PC_INLINE float block_sum(float x, volatile PC_SHARED float* red, const volatile PC_SHARED uint32_t* abort,
+                          bool& stop) {
     const uint32_t t = threadIdx.x, n = blockDim.x;
     uint32_t p = 1;
     while (p < n) p <<= 1;
@@ -190,6 +203,7 @@ PC_INLINE float block_sum(float x, volatile PC_SHARED float* red) {
         __syncthreads();
     }
     const float total = red[0];
+    stop = abort != nullptr && *abort != 0u;
     __syncthreads();
     return total;
 }
@@ -218,8 +232,15 @@ PC_INLINE void store_pack(uint64_t base, uint64_t p, Pack<D> x, bool vec) {
     }
 }
 
-template <typename D, int W>
-PC_INLINE void rmsnorm_rows(const Args& a, const uint64_t* srcs, bool vec, volatile PC_SHARED float* red) {
+// The rows of this block in the fused kernels (row t = blockIdx.x, + gridDim.x, ...),
+// by every thread of the block together: `sources(p, x)` fills x[0..W) with pack p of
+// every member's input in group-rank order, or returns false when the block aborted
+// (set in `abort`); then this thread loads no more, and every thread of the block
+// returns false after the row's block_sum, having written part of that row's residual
+// and none of its output. Else true, every row written.
+template <typename D, int W, typename Sources>
+PC_INLINE bool rmsnorm_rows(const Args& a, bool vec, volatile PC_SHARED float* red,
+                            const volatile PC_SHARED uint32_t* abort, Sources&& sources) {
     constexpr int L = Pack<D>::kLanes;
     const uint64_t hidden = a.hidden, row_packs = hidden / L, rows = a.num_elements / hidden;
     for (uint64_t t = blockIdx.x; t < rows; t += gridDim.x) {
@@ -228,8 +249,7 @@ PC_INLINE void rmsnorm_rows(const Args& a, const uint64_t* srcs, bool vec, volat
         for (uint64_t k = threadIdx.x; k < row_packs; k += blockDim.x) {
             const uint64_t p = row + k;
             Vec16 x[W];
-#pragma unroll
-            for (int s = 0; s < W; ++s) x[s] = load_pack<D>(srcs[s], p, vec).v;
+            if (!sources(p, x)) break;
             Pack<D> sum{sum_packs<D, W>(x)};
             Pack<D> res = load_pack<D>(a.residual, p, vec);
 #pragma unroll
@@ -237,11 +257,14 @@ PC_INLINE void rmsnorm_rows(const Args& a, const uint64_t* srcs, bool vec, volat
                 const typename D::Bits r = D::from_float(D::to_float(sum.lane(j)) + D::to_float(res.lane(j)));
                 res.set_lane(j, r);
                 const float f = D::to_float(r);
-                sq += f * f;
+                sq = fmaf(f, f, sq);
             }
             store_pack<D>(a.residual, p, res, vec);
         }
-        const float inv = 1.0f / sqrtf(block_sum(sq, red) / (float)hidden + a.epsilon);
+        bool stop = false;
+        const float total = block_sum(sq, red, abort, stop);
+        if (stop) return false;
+        const float inv = 1.0f / sqrtf(total / (float)hidden + a.epsilon);
         for (uint64_t k = threadIdx.x; k < row_packs; k += blockDim.x) {
             const uint64_t p = row + k;
             // This thread wrote pack p of the residual above: it reads its own store.
@@ -254,6 +277,7 @@ PC_INLINE void rmsnorm_rows(const Args& a, const uint64_t* srcs, bool vec, volat
             store_pack<D>(a.output, p, out, vec);
         }
     }
+    return true;
 }
 
 template <typename D>
@@ -276,9 +300,68 @@ PC_INLINE void allreduce_rmsnorm(const Args& a) {
     }
     if (!first_barrier(c, staged)) return abandon(c, WaitForPeers::Yes);
     volatile PC_SHARED float* tree = (volatile PC_SHARED float*)red;
-    with_width(width, [&]<int W>() { rmsnorm_rows<D, W>(a, a.inputs, vec, tree); });
+    // Every member's pack read in place (their inputs, or the payloads staged into).
+    with_width(width, [&]<int W>() {
+        rmsnorm_rows<D, W>(a, vec, tree, nullptr, [&](uint64_t p, Vec16 (&x)[W]) {
+#pragma unroll
+            for (int s = 0; s < W; ++s) x[s] = load_pack<D>(a.inputs[s], p, vec).v;
+            return true;
+        });
+    });
     if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
     finish(c);
+}
+
+// Lamport fused all-reduce + residual add + RMSNorm: no barrier. The whole world of two
+// or more ranks, the message plus the header pack within one Lamport slot (the planner
+// checks both). It pushes, as the Lamport all-reduce does (kernels-common/
+// peercomm_kernels.h: header first, the sentinel protocol, the generations, the own-slot
+// rule, lamport_end), but by rows: block b pushes the packs of its own rows t = b,
+// b + gridDim, ..., pack k of a row by thread k % blockDim. Then it checks every
+// source's header (a mismatch stops every block before anything is written), and
+// computes its rows with rmsnorm_rows, each pack of each member as it arrives in
+// the own region (the own pack straight from the input, sent the same way). Inputs go
+// out with -0.0 lanes as +0.0 (the sentinel cannot travel), which leaves every sum
+// unchanged: sum_packs starts from +0.0 + x[0] and adds the rest, and neither that start
+// nor any later partial sum can be -0.0 (a round-to-nearest sum is -0.0 only when both
+// addends are), so adding -0.0 or +0.0 gives the same partial sum. So each row's bits
+// are the one-stage fused kernel's. Peers write only into this rank's signal, never
+// read its user buffers: a block that gives up does not wait for them.
+template <typename D>
+PC_INLINE void lamport_rmsnorm(const Args& a) {
+    __shared__ float red[1024];
+    Ctx c = make_ctx(a);
+    if (!enter(c)) return abandon(c, WaitForPeers::No);
+    constexpr int L = Pack<D>::kLanes;
+    const uint64_t n = a.num_elements, packs = n / L;  // hidden is whole packs
+    const uint64_t row_packs = a.hidden / L, rows = n / a.hidden;
+    const uint32_t width = a.group_width, me = a.group_rank;
+    const uint32_t gen = c.block->lamport[PEERCOMM_LAMPORT_FLAG];
+    const bool vec = aligned16(a.local_input) && aligned16(a.output) && aligned16(a.residual) && aligned16(a.weight);
+    lamport_push_header(c, gen);
+    for (uint64_t t = blockIdx.x; t < rows; t += gridDim.x)
+        for (uint64_t k = threadIdx.x; k < row_packs; k += blockDim.x) {
+            const uint64_t p = t * row_packs + k;
+            lamport_push_pack(a, gen, p, lamport_source_pack<D>(a, p, n, vec));
+        }
+    lamport_check_header(c, gen);
+    __syncthreads();
+    if (!c.block->abort) {
+        volatile PC_SHARED float* tree = (volatile PC_SHARED float*)red;
+        const volatile PC_SHARED uint32_t* abort = &c.block->abort;
+        with_width(width, [&]<int W>() {
+            rmsnorm_rows<D, W>(a, vec, tree, abort, [&](uint64_t p, Vec16 (&x)[W]) {
+                if (!lamport_wait_pack<W>(c, gen, p, x)) return false;
+#pragma unroll
+                for (int s = 0; s < W; ++s)
+                    if (s == (int)me) x[s] = lamport_source_pack<D>(a, p, n, vec);
+                return true;
+            });
+        });
+    }
+    // Clears the previous generation; abandons (the state not advanced) if the block
+    // aborted.
+    lamport_end(c, packs);
 }
 
 #define PEERCOMM_COLLECTIVE_KERNELS(X)                            \
@@ -296,6 +379,9 @@ PC_INLINE void allreduce_rmsnorm(const Args& a) {
     X(peercomm_scatter_bf16, scatter<BF16>)                       \
     X(peercomm_allreduce_rmsnorm_f32, allreduce_rmsnorm<F32>)     \
     X(peercomm_allreduce_rmsnorm_f16, allreduce_rmsnorm<F16>)     \
-    X(peercomm_allreduce_rmsnorm_bf16, allreduce_rmsnorm<BF16>)
+    X(peercomm_allreduce_rmsnorm_bf16, allreduce_rmsnorm<BF16>)   \
+    X(peercomm_lamport_rmsnorm_f32, lamport_rmsnorm<F32>)         \
+    X(peercomm_lamport_rmsnorm_f16, lamport_rmsnorm<F16>)         \
+    X(peercomm_lamport_rmsnorm_bf16, lamport_rmsnorm<BF16>)
 
 #endif  // PEERCOMM_COLLECTIVES_H

@@ -724,6 +724,68 @@ PC_INLINE void lamport_store(const Args& a, uint64_t p, uint64_t n, bool vec, Ve
     }
 }
 
+// Every block pushes this call's header (the same 16 bytes) into slot group_rank of
+// every other member's region of generation gen, first (thread 0): a block that starts
+// after another block of this rank found a mismatch returns at entry, so the header must
+// not wait for any one block, or a peer would wait for it until its timeout.
+PC_INLINE void lamport_push_header(Ctx& c, uint32_t gen) {
+    const Args& a = c.a;
+    if (threadIdx.x != 0) return;
+    const Vec16 header = make_vec16(a.call[0], a.call[1], a.call[2], 0u);
+    for (uint32_t q = 0; q < a.group_width; ++q)
+        if (q != a.group_rank)
+            st_volatile_vec16(lamport_header_at(a.signals[q], a.lamport_slot_bytes, a.group_width, gen, a.group_rank),
+                              header);
+}
+
+// Pack p of this rank's input, as lamport_source_pack made it, into slot group_rank of
+// every other member's region of generation gen (the own slot is never written).
+PC_INLINE void lamport_push_pack(const Args& a, uint32_t gen, uint64_t p, Vec16 x) {
+    for (uint32_t q = 0; q < a.group_width; ++q)
+        if (q != a.group_rank)
+            st_volatile_vec16(lamport_pack_at(a.signals[q], a.lamport_slot_bytes, a.group_width, gen, a.group_rank, p),
+                              x);
+}
+
+// The end of every Lamport kernel, called by every thread of every block: clears the
+// previous call's generation of the own region (its width x packs, headers included,
+// the own slot skipped) for the call after next; then, unless the block aborted (the
+// state is not advanced), the last block to arrive records this call's `packs` and width
+// and advances the flag; then finish().
+PC_INLINE void lamport_end(Ctx& c, uint64_t packs) {
+    const Args& a = c.a;
+    const uint32_t width = a.group_width, me = a.group_rank, slot = a.lamport_slot_bytes;
+    const uint64_t own = a.signals[me];
+    const LamportGeneration gen{c.block->lamport[PEERCOMM_LAMPORT_FLAG]};
+    const uint32_t prev_packs = c.block->lamport[PEERCOMM_LAMPORT_PREV_PACKS];
+    const uint32_t prev_width = c.block->lamport[PEERCOMM_LAMPORT_PREV_WIDTH];
+    const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
+    const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
+    const Vec16 sentinel = make_vec16(kLamportSentinel, kLamportSentinel, kLamportSentinel, kLamportSentinel);
+    const uint64_t clear_total = (uint64_t)prev_width * prev_packs;
+    for (uint64_t i = tid; i < clear_total; i += stride) {
+        const uint32_t src = (uint32_t)(i / prev_packs);
+        if (src == me) continue;
+        st_volatile_vec16(lamport_pack_at(own, slot, width, gen.clear(), src, i % prev_packs), sentinel);
+    }
+    if (tid < prev_width && tid != me)
+        st_volatile_vec16(lamport_header_at(own, slot, width, gen.clear(), (uint32_t)tid), sentinel);
+    __syncthreads();
+    if (c.block->abort) return abandon(c, WaitForPeers::No);  // the state is not advanced
+    if (threadIdx.x == 0) {
+        GlobalU32* s = c.own->lamport_state;
+        const bool last =
+            gridDim.x == 1 || atomic_add_relaxed_dev(&s[PEERCOMM_LAMPORT_ARRIVALS], 1u) == gridDim.x - 1;
+        if (last) {
+            s[PEERCOMM_LAMPORT_PREV_PACKS] = (uint32_t)packs;
+            s[PEERCOMM_LAMPORT_PREV_WIDTH] = width;
+            s[PEERCOMM_LAMPORT_ARRIVALS] = 0;
+            s[PEERCOMM_LAMPORT_FLAG] = gen.next();
+        }
+    }
+    finish(c);
+}
+
 // Thread blockDim - 1 - s checks source s's header (it may also reduce packs): a source
 // that runs another call is a mismatch. The last threads are the idle ones of a small
 // message, so the header wait overlaps the first packs' wait.
@@ -830,53 +892,18 @@ PC_INLINE void lamport(const Args& a) {
     if (!enter(c)) return abandon(c, WaitForPeers::No);
     constexpr int L = Pack<D>::kLanes;
     const uint64_t n = a.num_elements, packs = (n + L - 1) / L;
-    const uint32_t width = a.group_width, me = a.group_rank, slot = a.lamport_slot_bytes;
-    const uint64_t own = a.signals[me];
+    const uint32_t width = a.group_width;
     const LamportGeneration gen{c.block->lamport[PEERCOMM_LAMPORT_FLAG]};
-    const uint32_t prev_packs = c.block->lamport[PEERCOMM_LAMPORT_PREV_PACKS];
-    const uint32_t prev_width = c.block->lamport[PEERCOMM_LAMPORT_PREV_WIDTH];
     const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
     const bool vec = aligned16(a.local_input) && aligned16(a.output);
 
-    // Every block pushes the header (the same 16 bytes), first: a block that starts after
-    // another block of this rank found a mismatch returns at entry, so the header must
-    // not wait for any one block, or a peer would wait for it until its timeout.
-    if (threadIdx.x == 0) {
-        const Vec16 header = make_vec16(a.call[0], a.call[1], a.call[2], 0u);
-        for (uint32_t q = 0; q < width; ++q)
-            if (q != me) st_volatile_vec16(lamport_header_at(a.signals[q], slot, width, gen.data(), me), header);
-    }
-    for (uint64_t p = tid; p < packs; p += stride) {
-        const Vec16 x = lamport_source_pack<D>(a, p, n, vec);
-        for (uint32_t q = 0; q < width; ++q)
-            if (q != me) st_volatile_vec16(lamport_pack_at(a.signals[q], slot, width, gen.data(), me, p), x);
-    }
+    lamport_push_header(c, gen.data());
+    for (uint64_t p = tid; p < packs; p += stride)
+        lamport_push_pack(a, gen.data(), p, lamport_source_pack<D>(a, p, n, vec));
     // The headers are checked inside, before anything is stored.
     with_width(width, [&]<int W>() { lamport_reduce<D, W>(c, gen.data(), packs, n, vec, tid, stride); });
-    const Vec16 sentinel = make_vec16(kLamportSentinel, kLamportSentinel, kLamportSentinel, kLamportSentinel);
-    const uint64_t clear_total = (uint64_t)prev_width * prev_packs;
-    for (uint64_t i = tid; i < clear_total; i += stride) {
-        const uint32_t src = (uint32_t)(i / prev_packs);
-        if (src == me) continue;
-        st_volatile_vec16(lamport_pack_at(own, slot, width, gen.clear(), src, i % prev_packs), sentinel);
-    }
-    if (tid < prev_width && tid != me)
-        st_volatile_vec16(lamport_header_at(own, slot, width, gen.clear(), (uint32_t)tid), sentinel);
-    __syncthreads();
-    if (c.block->abort) return abandon(c, WaitForPeers::No);  // the state is not advanced
-    if (threadIdx.x == 0) {
-        GlobalU32* s = c.own->lamport_state;
-        const bool last =
-            gridDim.x == 1 || atomic_add_relaxed_dev(&s[PEERCOMM_LAMPORT_ARRIVALS], 1u) == gridDim.x - 1;
-        if (last) {
-            s[PEERCOMM_LAMPORT_PREV_PACKS] = (uint32_t)packs;
-            s[PEERCOMM_LAMPORT_PREV_WIDTH] = width;
-            s[PEERCOMM_LAMPORT_ARRIVALS] = 0;
-            s[PEERCOMM_LAMPORT_FLAG] = gen.next();
-        }
-    }
-    finish(c);
+    lamport_end(c, packs);
 }
 
 // Barrier only (the `barrier` collective and the timeout probe): arrival, then a

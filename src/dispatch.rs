@@ -20,6 +20,10 @@
 /// forced over a group of one it runs `OneStage` (the copy, reported as `OneStage`),
 /// and forced over a narrower subgroup it is refused with
 /// [`crate::Error::Unsupported`]. `Auto` never picks it there.
+///
+/// The fused all-reduce + residual + RMSNorm takes `OneStage` or `Lamport` (or `Auto`)
+/// through [`crate::CollectiveOptions::algorithm`], under the same rules; the two give
+/// the same bits there too.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub enum Algorithm {
     /// Choose by the dispatch table.

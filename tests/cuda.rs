@@ -225,6 +225,38 @@ fn collectives_on_shared_gpus() {
     }
 }
 
+/// The Lamport fused all-reduce + residual + RMSNorm against the one-stage one and batch
+/// invariance (tests/common/fused.rs: bf16 and f16, hidden 4096 and 8192, 1 to 256
+/// tokens, small rows and f32, then Lamport all-reduces and fused calls interleaved),
+/// single controller, worlds 2 and 4 round-robin over the GPUs there are (so one GPU
+/// checks them too; the host runs the same in tests/host.rs).
+#[test]
+fn lamport_fused_on_shared_gpus() {
+    let gpus = match cuda_devices() {
+        Ok(n) => n,
+        Err(why) => {
+            common::announce_skip("lamport_fused_on_shared_gpus", &why);
+            return;
+        }
+    };
+    for world in [2, 4] {
+        let placement = Placement::round_robin(world, gpus);
+        let config = common::fused::fused_config(common::suite_config(None));
+        let comm = placement.open::<Cuda>(config);
+        let mut rng = common::rng(&format!("lamport_fused_on_shared_gpus_world_{world}"));
+        let batches = common::fused::lamport_fused_matches_one_stage(
+            &comm,
+            &mut rng,
+            &common::fused::DECODE_CASES,
+        );
+        common::fused::lamport_kinds_interleave(&comm, &mut rng);
+        eprintln!(
+            "lamport_fused_on_shared_gpus: world {world} on GPUs {:?}: {batches} batches",
+            placement.ordinals
+        );
+    }
+}
+
 #[test]
 fn fuzz_schedule_world_2() {
     fuzz_cuda("fuzz_schedule_world_2", 2, true);

@@ -58,6 +58,36 @@ macro_rules! cuda_collectives_world {
 cuda_collectives_world!(cuda_per_rank_collectives_world_2, 2);
 cuda_collectives_world!(cuda_per_rank_collectives_world_4, 4);
 
+// The Lamport fused all-reduce + residual + RMSNorm against the one-stage one and batch
+// invariance (tests/per_rank_suite/fused.rs, the decode shapes of tests/common/fused.rs),
+// then mismatched fused calls, each a CallMismatch on every rank with nothing written.
+macro_rules! cuda_lamport_fused_world {
+    ($name:ident, $world:expr) => {
+        #[test]
+        fn $name() {
+            if let Some(place) = placement(stringify!($name)) {
+                let batches = per_rank_suite::fused::lamport_fused::<Cuda>(
+                    &place,
+                    $world,
+                    &common::fused::DECODE_CASES,
+                );
+                eprintln!("{}: {batches} batches per rank", stringify!($name));
+            }
+        }
+    };
+}
+
+cuda_lamport_fused_world!(cuda_per_rank_lamport_fused_world_2, 2);
+cuda_lamport_fused_world!(cuda_per_rank_lamport_fused_world_4, 4);
+
+#[test]
+fn cuda_per_rank_lamport_fused_mismatch() {
+    if let Some(place) = placement("cuda_per_rank_lamport_fused_mismatch") {
+        per_rank_suite::fused::lamport_fused_mismatch::<Cuda>(&place, 2);
+        per_rank_suite::fused::lamport_fused_mismatch::<Cuda>(&place, 4);
+    }
+}
+
 #[test]
 fn cuda_per_rank_collectives_bad_inputs() {
     if let Some(place) = placement("cuda_per_rank_collectives_bad_inputs") {

@@ -332,20 +332,25 @@ fn data_kernels_move_16_byte_packs_and_use_no_scratch() {
                     "{t}: {symbol} has no 16-byte stores"
                 );
             }
-            // Lamport spins with 16-byte loads that bypass the caches.
-            let symbol = format!("peercomm_lamport_{dtype}");
-            let lines = disassemble(&objdump, co.bytes, t, &symbol);
-            assert!(
-                lines
-                    .iter()
-                    .any(|l| l.starts_with("global_load_dwordx4 ") && has_bits(l, exp.system_bits)),
-                "{t}: {symbol} has no cache-bypassing 16-byte loads"
-            );
-            // Scratch would mean the 256-byte argument struct (or a pack) went to memory.
-            let scratch = lines.iter().any(|l| {
-                l.starts_with("scratch_") || (l.starts_with("buffer_store") && l.contains("s[0:3]"))
-            });
-            assert!(!scratch, "{t}: {symbol} spills to scratch");
+            // Lamport (the all-reduce and the fused kernel) spins with 16-byte loads that
+            // bypass the caches.
+            for family in ["lamport", "lamport_rmsnorm"] {
+                let symbol = format!("peercomm_{family}_{dtype}");
+                let lines = disassemble(&objdump, co.bytes, t, &symbol);
+                assert!(
+                    lines
+                        .iter()
+                        .any(|l| l.starts_with("global_load_dwordx4 ")
+                            && has_bits(l, exp.system_bits)),
+                    "{t}: {symbol} has no cache-bypassing 16-byte loads"
+                );
+                // Scratch would mean the argument struct (or a pack) went to memory.
+                let scratch = lines.iter().any(|l| {
+                    l.starts_with("scratch_")
+                        || (l.starts_with("buffer_store") && l.contains("s[0:3]"))
+                });
+                assert!(!scratch, "{t}: {symbol} spills to scratch");
+            }
             // The other collectives (kernels-common/peercomm_collectives.h): packs, no
             // scratch.
             for family in [

@@ -41,3 +41,37 @@ fn fuzz_schedule_world_4() {
 fn fuzz_schedule_world_8() {
     fuzz_host(8, 800, 2);
 }
+
+/// The Lamport fused all-reduce + residual + RMSNorm against the one-stage one and batch
+/// invariance (tests/common/fused.rs), single controller, worlds 2 and 4: the decode
+/// shapes (bf16 and f16, hidden 4096 and 8192, 1 to 256 tokens), small rows and f32;
+/// then Lamport all-reduces and fused calls interleaved on one Lamport state.
+fn lamport_fused_host(world: usize) {
+    let test = format!("lamport_fused_world_{world}");
+    let comm = common::open::<Host>(
+        world,
+        common::fused::fused_config(common::suite_config(Some(3))),
+    );
+    let mut rng = common::rng(&test);
+    let started = std::time::Instant::now();
+    let batches = common::fused::lamport_fused_matches_one_stage(
+        &comm,
+        &mut rng,
+        &common::fused::DECODE_CASES,
+    );
+    common::fused::lamport_kinds_interleave(&comm, &mut rng);
+    eprintln!(
+        "{test}: {batches} batches checked in {:?}",
+        started.elapsed()
+    );
+}
+
+#[test]
+fn lamport_fused_world_2() {
+    lamport_fused_host(2);
+}
+
+#[test]
+fn lamport_fused_world_4() {
+    lamport_fused_host(4);
+}

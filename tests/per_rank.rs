@@ -236,3 +236,27 @@ fn per_rank_comm_is_send() {
     fn send<T: Send>() {}
     send::<peercomm::Comm<Host>>();
 }
+
+/// The Lamport fused all-reduce + residual + RMSNorm against the one-stage one and batch
+/// invariance through the per-rank `Comm` (tests/per_rank_suite/fused.rs), worlds 2 and
+/// 4: the decode shapes (bf16 and f16, hidden 4096 and 8192, 1 to 256 tokens), small
+/// rows and f32.
+#[test]
+fn per_rank_lamport_fused_world_2() {
+    let batches =
+        per_rank_suite::fused::lamport_fused::<Host>(&HOST, 2, &common::fused::DECODE_CASES);
+    eprintln!("per_rank_lamport_fused_world_2: {batches} batches per rank");
+}
+
+#[test]
+fn per_rank_lamport_fused_world_4() {
+    let batches =
+        per_rank_suite::fused::lamport_fused::<Host>(&HOST, 4, &common::fused::DECODE_CASES);
+    eprintln!("per_rank_lamport_fused_world_4: {batches} batches per rank");
+}
+
+#[test]
+fn per_rank_lamport_fused_mismatch() {
+    per_rank_suite::fused::lamport_fused_mismatch::<Host>(&HOST, 2);
+    per_rank_suite::fused::lamport_fused_mismatch::<Host>(&HOST, 4);
+}

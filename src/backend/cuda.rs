@@ -949,10 +949,10 @@ mod tests {
     #[test]
     fn fatbin_exports_every_kernel() {
         let names: Vec<String> = Kernel::all().map(|k| k.symbol()).collect();
-        // Ten families (three all-reduces, the barrier, four other collectives, the
-        // fused all-reduce + RMSNorm, the batched all-reduce) in three dtypes, plus
-        // ping-pong and delay.
-        assert_eq!(names.len(), 10 * 3 + 2);
+        // Eleven families (three all-reduces, the barrier, four other collectives, the
+        // one-stage and Lamport fused all-reduce + RMSNorm, the batched all-reduce) in
+        // three dtypes, plus ping-pong and delay.
+        assert_eq!(names.len(), 11 * 3 + 2);
         for name in names {
             assert!(
                 FATBIN.windows(name.len()).any(|w| w == name.as_bytes()),

@@ -75,6 +75,12 @@ pub enum KernelKind {
     /// entry's bits those of a one-stage all-reduce of that entry alone. Launched with
     /// [`Backend::launch_group`] (its arguments are a [`GroupArgs`]).
     AllReduceGroup,
+    /// The fused all-reduce, residual add and RMSNorm without a barrier: each rank pushes
+    /// its input rows into every peer's Lamport slot (as [`KernelKind::Lamport`] does),
+    /// then each block computes whole rows as their packs arrive, with the row function
+    /// of [`KernelKind::AllReduceRmsNorm`], so both give the same bits. Whole world of
+    /// two or more ranks, the message plus the header pack within one Lamport slot.
+    LamportRmsNorm,
 }
 
 impl KernelKind {
@@ -93,6 +99,7 @@ impl KernelKind {
             KernelKind::Scatter => "scatter",
             KernelKind::AllReduceRmsNorm => "allreduce_rmsnorm",
             KernelKind::AllReduceGroup => "allreduce_group",
+            KernelKind::LamportRmsNorm => "lamport_rmsnorm",
         }
     }
 }
@@ -134,6 +141,7 @@ impl Kernel {
             KernelKind::Scatter,
             KernelKind::AllReduceRmsNorm,
             KernelKind::AllReduceGroup,
+            KernelKind::LamportRmsNorm,
         ]
         .into_iter()
         .flat_map(|kind| {

@@ -15,6 +15,7 @@
 pub mod collectives;
 pub mod ergonomics;
 pub mod errors;
+pub mod fused;
 pub mod fuzz;
 pub mod hazards;
 

@@ -9,6 +9,7 @@ use super::common;
 
 pub mod collectives;
 pub mod fault;
+pub mod fused;
 pub mod fuzz;
 pub mod identity;
 pub mod processes;

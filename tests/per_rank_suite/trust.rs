@@ -17,7 +17,7 @@ use peercomm::{
 use super::{common, Placement};
 
 /// A configuration with short waits, for the cases that end in a timeout.
-fn short_waits(place: &Placement, world: usize) -> CommConfig {
+pub fn short_waits(place: &Placement, world: usize) -> CommConfig {
     CommConfig {
         barrier_timeout: Some(Duration::from_millis(1500)),
         bootstrap_timeout: Duration::from_secs(30),
@@ -27,7 +27,7 @@ fn short_waits(place: &Placement, world: usize) -> CommConfig {
 
 /// Runs `body(rank, comm, meet)` on one thread per rank over `config`; `meet` is a
 /// barrier of the world's threads.
-fn run<B: Backend, R: Send>(
+pub fn run<B: Backend, R: Send>(
     place: &Placement,
     world: usize,
     config: &CommConfig,

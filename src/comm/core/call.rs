@@ -33,7 +33,7 @@ use super::plan::Plan;
 const LOW31: u32 = 0x7fff_ffff;
 
 /// Every kernel kind, in the order of its discriminant (the descriptor's kind field).
-const KINDS: [KernelKind; 12] = [
+const KINDS: [KernelKind; 13] = [
     KernelKind::OneStage,
     KernelKind::TwoStage,
     KernelKind::Lamport,
@@ -46,6 +46,7 @@ const KINDS: [KernelKind; 12] = [
     KernelKind::Scatter,
     KernelKind::AllReduceRmsNorm,
     KernelKind::AllReduceGroup,
+    KernelKind::LamportRmsNorm,
 ];
 
 /// The descriptor of call number `seq` of a rank for `plan` (see the header).
@@ -97,7 +98,11 @@ fn collective_name(code: u32) -> String {
         Some(KernelKind::OneStage | KernelKind::TwoStage | KernelKind::Lamport) => {
             "all-reduce".into()
         }
-        Some(KernelKind::AllReduceRmsNorm) => "fused all-reduce + RMSNorm".into(),
+        // One collective, two algorithms: a one-stage rank against a Lamport one is an
+        // algorithm mismatch.
+        Some(KernelKind::AllReduceRmsNorm | KernelKind::LamportRmsNorm) => {
+            "fused all-reduce + RMSNorm".into()
+        }
         // The root field holds the number of calls less one (see core/group.rs).
         Some(KernelKind::AllReduceGroup) => "group of all-reduces".into(),
         Some(k) => k.name().replace('_', "-"),
@@ -109,7 +114,7 @@ fn collective_name(code: u32) -> String {
 fn algorithm_name(code: u32) -> String {
     match kind_of(code) {
         Some(KernelKind::TwoStage) => "two-stage".into(),
-        Some(KernelKind::Lamport) => "Lamport".into(),
+        Some(KernelKind::Lamport | KernelKind::LamportRmsNorm) => "Lamport".into(),
         Some(_) => "one-stage".into(),
         None => format!("unknown kernel {code}"),
     }
@@ -321,6 +326,19 @@ mod tests {
             let got = first_difference(m, encode(&other, seq)).expect("differs");
             assert_eq!(got, (field, mine.to_string(), theirs.to_string()));
         }
+        // The fused collective's two algorithms are one collective: a one-stage rank
+        // against a Lamport one differs in the algorithm.
+        let fused = plan(KernelKind::AllReduceRmsNorm, DType::BF16, 2, 4096, 1);
+        let lamport = fused.clone_with(|p| p.kernel.kind = KernelKind::LamportRmsNorm);
+        assert_eq!(
+            first_difference(encode(&fused, 3), encode(&lamport, 3)),
+            Some((CallField::Algorithm, "one-stage".into(), "Lamport".into()))
+        );
+        let longer = lamport.clone_with(|p| p.elements = 8 * 4096);
+        assert_eq!(
+            first_difference(encode(&lamport, 3), encode(&longer, 3)).map(|d| d.0),
+            Some(CallField::Length)
+        );
         // Element counts past 2^31 keep their high bits.
         let big = base.clone_with(|p| p.elements = (1 << 33) + 5);
         let got = first_difference(

@@ -27,6 +27,19 @@ pub struct CollectiveOptions {
     pub group_size: usize,
     /// Blocks per launch; `None` lets peercomm choose.
     pub blocks: Option<u32>,
+    /// The algorithm of the fused all-reduce + residual + RMSNorm
+    /// (`all_reduce_residual_rms_norm`): [`Algorithm::Auto`] (the default) runs
+    /// [`Algorithm::Lamport`] (one kernel, no barrier) where it is allowed and fits,
+    /// that is over the whole world of two or more ranks with the message plus one
+    /// 16-byte header pack within [`crate::CommConfig::lamport_slot_bytes`], else
+    /// [`Algorithm::OneStage`]. Both give the same bits, so a row's output and new
+    /// residual do not depend on which one runs, nor on the token count of its batch.
+    /// Forced `Lamport` over a subgroup is [`crate::Error::Unsupported`], over a
+    /// message the slot cannot hold [`crate::Error::MessageTooLarge`]; over a group of
+    /// one it runs `OneStage` (the copy, as the all-reduce does). `TwoStage`, `Nccl` and
+    /// `Hierarchical` are `Unsupported`. The other collectives have one algorithm:
+    /// `Auto` or `OneStage`, anything else is `Unsupported`.
+    pub algorithm: Algorithm,
 }
 
 impl CollectiveOptions {
@@ -42,6 +55,11 @@ impl CollectiveOptions {
     /// With a block count.
     pub fn blocks(mut self, blocks: u32) -> Self {
         self.blocks = Some(blocks);
+        self
+    }
+    /// With an algorithm (see the field: it chooses between the fused kernels).
+    pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
+        self.algorithm = algorithm;
         self
     }
 }
@@ -101,7 +119,13 @@ impl Settings {
             }
             extra.root = root as u32;
         }
-        let staged = reads == PeerReads::Payloads && width > 1;
+        let algorithm = self.collective_algorithm(which, dtype, elements, width, options)?;
+        let kind = match (which, algorithm) {
+            (Collective::AllReduceRmsNorm { .. }, Algorithm::Lamport) => KernelKind::LamportRmsNorm,
+            _ => which.kind(),
+        };
+        // Lamport pushes into the peers' signals: nothing to stage.
+        let staged = reads == PeerReads::Payloads && width > 1 && algorithm == Algorithm::OneStage;
         let (scratch, work_packs) = match which {
             Collective::AllGather | Collective::Broadcast { .. } => {
                 (padded(dtype, elements), elements.div_ceil(lanes))
@@ -117,7 +141,7 @@ impl Settings {
                 elements.div_ceil(width).div_ceil(lanes),
             ),
             Collective::AllReduceRmsNorm { hidden, epsilon } => {
-                check_rms_norm(dtype, elements, hidden, epsilon)?;
+                // The shape rules were checked with the algorithm.
                 extra.hidden = hidden as u32;
                 extra.epsilon = epsilon;
                 (padded(dtype, elements), 0)
@@ -125,7 +149,7 @@ impl Settings {
         };
         if staged && scratch > self.layout.payload_bytes {
             return Err(Error::MessageTooLarge {
-                algorithm: which.kind().name(),
+                algorithm: kind.name(),
                 needed: scratch,
                 available: self.layout.payload_bytes,
                 setting: "payload_bytes",
@@ -149,11 +173,8 @@ impl Settings {
             },
         };
         Ok(Plan {
-            kernel: Kernel {
-                kind: which.kind(),
-                dtype,
-            },
-            algorithm: Algorithm::OneStage,
+            kernel: Kernel { kind, dtype },
+            algorithm,
             width,
             elements,
             stage_input: staged,
@@ -164,6 +185,62 @@ impl Settings {
             overlap_previous: false,
             collective: extra,
         })
+    }
+}
+
+impl Settings {
+    /// The algorithm a collective call runs (see [`CollectiveOptions::algorithm`]): the
+    /// fused call chooses between one-stage and Lamport, the others have one-stage only.
+    /// The fused shape rules are checked first, so a bad shape is named as such.
+    fn collective_algorithm(
+        &self,
+        which: Collective,
+        dtype: DType,
+        elements: usize,
+        width: usize,
+        options: &CollectiveOptions,
+    ) -> Result<Algorithm> {
+        let asked = options.algorithm;
+        let Collective::AllReduceRmsNorm { hidden, epsilon } = which else {
+            return match asked {
+                Algorithm::Auto | Algorithm::OneStage => Ok(Algorithm::OneStage),
+                a => Err(Error::Unsupported(format!(
+                    "{} has one algorithm (one-stage), not {}; use Auto or OneStage",
+                    which.kind().name(),
+                    a.name()
+                ))),
+            };
+        };
+        check_rms_norm(dtype, elements, hidden, epsilon)?;
+        // As the Lamport all-reduce: the whole world of at least two ranks (its state is
+        // per rank and shared by every width), and a slot that holds the packs and, last,
+        // the header pack.
+        let allowed = width == self.world && width > 1;
+        let need = padded(dtype, elements) + PACK_BYTES;
+        let slot = self.layout.lamport_slot_bytes;
+        match asked {
+            Algorithm::Auto if allowed && need <= slot => Ok(Algorithm::Lamport),
+            Algorithm::Auto | Algorithm::OneStage => Ok(Algorithm::OneStage),
+            // A group of one copies (one-stage), keeping the sign of zero.
+            Algorithm::Lamport if width == 1 => Ok(Algorithm::OneStage),
+            Algorithm::Lamport if !allowed => Err(Error::Unsupported(format!(
+                "the Lamport fused all-reduce + RMSNorm runs only over the whole world \
+                 (group_size 0 or {}), not over groups of {width}; use Auto or OneStage",
+                self.world
+            ))),
+            Algorithm::Lamport if need > slot => Err(Error::MessageTooLarge {
+                algorithm: KernelKind::LamportRmsNorm.name(),
+                needed: need,
+                available: slot,
+                setting: "lamport_slot_bytes",
+            }),
+            Algorithm::Lamport => Ok(Algorithm::Lamport),
+            a => Err(Error::Unsupported(format!(
+                "the fused all-reduce + RMSNorm runs one-stage or Lamport, not {}; use Auto, \
+                 OneStage or Lamport",
+                a.name()
+            ))),
+        }
     }
 }
 
@@ -194,7 +271,117 @@ fn check_rms_norm(dtype: DType, elements: usize, hidden: usize, epsilon: f32) ->
 
 #[cfg(test)]
 mod tests {
-    use super::reduce_scatter_part;
+    use super::*;
+    use crate::CommConfig;
+
+    fn settings(world: usize, slot: usize) -> Settings {
+        let config = CommConfig {
+            lamport_slot_bytes: slot,
+            ..CommConfig::default()
+        };
+        Settings::new(config, "sm_90".into(), 132, world).unwrap()
+    }
+
+    fn fused(
+        s: &Settings,
+        tokens: usize,
+        hidden: usize,
+        options: CollectiveOptions,
+        reads: PeerReads,
+    ) -> Result<Plan> {
+        let which = Collective::AllReduceRmsNorm {
+            hidden,
+            epsilon: 1e-5,
+        };
+        s.collective_plan(which, DType::BF16, tokens * hidden, &options, reads)
+    }
+
+    /// Auto runs the Lamport fused kernel over the whole world where the slot holds the
+    /// message and its header pack, else one-stage; forced algorithms are honoured or
+    /// refused with a typed error; the grid and the scratch are the one-stage ones.
+    #[test]
+    fn the_fused_call_chooses_lamport_where_it_fits() {
+        let auto = CollectiveOptions::new();
+        let forced = |a| CollectiveOptions::new().algorithm(a);
+        // 1 MiB slots: 63 tokens of 8192 bf16 and the header fit, 64 do not.
+        let s = settings(4, 1 << 20);
+        for reads in [PeerReads::UserBuffers, PeerReads::Payloads] {
+            for tokens in [1, 8, 32, 63] {
+                let p = fused(&s, tokens, 8192, auto, reads).unwrap();
+                assert_eq!(p.kernel.kind, KernelKind::LamportRmsNorm, "{tokens}");
+                assert_eq!(p.algorithm, Algorithm::Lamport);
+                assert!(!p.stage_input, "Lamport stages nothing");
+                let one = fused(&s, tokens, 8192, forced(Algorithm::OneStage), reads).unwrap();
+                assert_eq!(one.kernel.kind, KernelKind::AllReduceRmsNorm);
+                assert_eq!(one.algorithm, Algorithm::OneStage);
+                assert_eq!(one.stage_input, reads == PeerReads::Payloads);
+                assert_eq!(p.dims, one.dims, "one row per block either way");
+            }
+            let p = fused(&s, 64, 8192, auto, reads).unwrap();
+            assert_eq!(p.kernel.kind, KernelKind::AllReduceRmsNorm, "past the slot");
+            match fused(&s, 64, 8192, forced(Algorithm::Lamport), reads).map(|p| p.kernel) {
+                Err(Error::MessageTooLarge {
+                    needed,
+                    available,
+                    setting: "lamport_slot_bytes",
+                    ..
+                }) => assert_eq!((needed, available), ((1 << 20) + 16, 1 << 20)),
+                other => panic!("forced Lamport past the slot: {other:?}"),
+            }
+            // Subgroups: Auto runs one-stage, forced Lamport is refused.
+            let sub = CollectiveOptions::new().group_size(2);
+            let p = fused(&s, 8, 4096, sub, reads).unwrap();
+            assert_eq!(p.kernel.kind, KernelKind::AllReduceRmsNorm);
+            let e = fused(&s, 8, 4096, sub.algorithm(Algorithm::Lamport), reads).map(|p| p.kernel);
+            assert!(matches!(e, Err(Error::Unsupported(_))), "{e:?}");
+            // A group of one copies.
+            for a in [Algorithm::Auto, Algorithm::Lamport] {
+                let p = fused(&s, 8, 4096, forced(a).group_size(1), reads).unwrap();
+                assert_eq!(p.kernel.kind, KernelKind::AllReduceRmsNorm, "{a:?}");
+                assert_eq!(p.algorithm, Algorithm::OneStage);
+            }
+            for a in [
+                Algorithm::TwoStage,
+                Algorithm::Nccl,
+                Algorithm::Hierarchical,
+            ] {
+                let e = fused(&s, 8, 4096, forced(a), reads).map(|p| p.kernel);
+                assert!(matches!(e, Err(Error::Unsupported(_))), "{a:?}: {e:?}");
+            }
+            // A bad shape is named as such whatever the algorithm.
+            let e = fused(&s, 1, 12, forced(Algorithm::Lamport), reads).map(|p| p.kernel);
+            assert!(
+                matches!(&e, Err(Error::Unsupported(m)) if m.contains("hidden size")),
+                "{e:?}"
+            );
+        }
+        // A world of one: one-stage.
+        let p = fused(&settings(1, 1 << 20), 8, 4096, auto, PeerReads::Payloads).unwrap();
+        assert_eq!(p.kernel.kind, KernelKind::AllReduceRmsNorm);
+        // The other collectives: Auto or OneStage.
+        for a in [Algorithm::Auto, Algorithm::OneStage] {
+            let p = s
+                .collective_plan(
+                    Collective::AllGather,
+                    DType::F32,
+                    100,
+                    &forced(a),
+                    PeerReads::UserBuffers,
+                )
+                .unwrap();
+            assert_eq!(p.kernel.kind, KernelKind::AllGather);
+        }
+        let e = s
+            .collective_plan(
+                Collective::Broadcast { root: 0 },
+                DType::F32,
+                100,
+                &forced(Algorithm::Lamport),
+                PeerReads::UserBuffers,
+            )
+            .map(|p| p.kernel);
+        assert!(matches!(e, Err(Error::Unsupported(_))), "{e:?}");
+    }
 
     #[test]
     fn reduce_scatter_parts_tile_the_input() {

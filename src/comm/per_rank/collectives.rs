@@ -189,6 +189,14 @@ impl<B: Backend> Comm<B> {
     /// through the unfused sequence's roundings to the dtype (the sum, then the
     /// residual), with f32 arithmetic; every member gets the same bits. The hidden size
     /// must be a multiple of the pack width (8 for f16/bf16, 4 for f32).
+    ///
+    /// `options.algorithm` picks the kernel ([`CollectiveOptions::algorithm`]): `Auto`
+    /// runs the Lamport one (no barrier: each rank pushes its rows into its peers'
+    /// Lamport slots) over the whole world where the message and a 16-byte header fit
+    /// in `CommConfig::lamport_slot_bytes`, else the one-stage one (staged through the
+    /// payload here, so bounded by `payload_bytes`). Both write the same bits, and a
+    /// row's output and new residual depend only on that row's input, residual, the
+    /// weight and epsilon: not on the token count of its batch or the algorithm.
     #[allow(clippy::too_many_arguments)]
     pub fn all_reduce_residual_rms_norm<S, R, W, O>(
         &self,

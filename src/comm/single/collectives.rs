@@ -181,6 +181,8 @@ impl<B: Backend> Communicator<B> {
     /// activations, `residuals[r]` its residual (updated in place), `weights[r]` its
     /// RMSNorm weight (the hidden size is its length), `outputs[r]` the normalised
     /// activations. All of one dtype; inputs, residuals and outputs of one shape.
+    /// `options.algorithm` chooses between the one-stage and the Lamport kernel, which
+    /// give the same bits ([`CollectiveOptions::algorithm`]).
     pub fn all_reduce_residual_rms_norm(
         &self,
         inputs: &[Tensor<'_, B>],

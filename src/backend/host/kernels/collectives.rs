@@ -1,9 +1,14 @@
 //! Host ports of kernels-common/peercomm_collectives.h: all-gather, reduce-scatter,
-//! broadcast, scatter and the fused all-reduce + residual + RMSNorm, step by step. A
+//! broadcast, scatter and the fused all-reduce + residual + RMSNorm (one-stage and
+//! Lamport), step by step. A
 //! staged range gives pack k to block k % blocks for the staging copy and for the
 //! readers alike, so the per-block Publish barrier orders every read after its write.
 
-use super::{barrier, block_packs, lanes, pack_range, reduce_element, store, Stop};
+use super::{
+    abort_word, barrier, block_packs, lamport_check_headers, lamport_end, lamport_entry,
+    lamport_pack_sums, lamport_pack_words, lamport_push, lamport_push_header, lanes, pack_range,
+    reduce_element, store, Spinner, Stop,
+};
 use crate::dtype::Element;
 use crate::protocol::BarrierKind;
 use crate::signal::{reduce_scatter_part, AllReduceArgs, MAX_GPUS, PACK_BYTES};
@@ -161,10 +166,46 @@ pub(super) unsafe fn scatter<T: Element>(
     barrier(args, block, BarrierKind::End)
 }
 
-/// The fused all-reduce + residual add + RMSNorm: row t by block t % blocks. The
-/// unfused sequence's roundings (sum, then residual, to T), f32 arithmetic; the mean
-/// square in element order (the GPUs use a tree, so host and GPU bits may differ in
-/// the normalised output, while every rank of one backend agrees).
+/// Row `t` of both fused kernels: for each pack p of the row in order, `sums(p)` gives
+/// the pack's f32 sums over the group in group-rank order (the all-reduce before its
+/// rounding), or why the block stopped (then part of the row's residual is written and
+/// none of its output). The unfused sequence's roundings (sum, then residual, to T),
+/// f32 arithmetic; the mean square in element order (the GPUs sum each thread's packs,
+/// then a tree, so host and GPU bits may differ in the normalised output, while every
+/// rank and both kernels of one backend agree). Nothing but the row's own data, the
+/// hidden size and epsilon enters: not the row count, the grid or the kernel.
+unsafe fn rmsnorm_row<T: Element>(
+    args: &AllReduceArgs,
+    t: usize,
+    mut sums: impl FnMut(usize) -> Result<[f32; 8], Stop>,
+) -> Result<(), Stop> {
+    let hidden = args.hidden as usize;
+    let l = lanes::<T>();
+    let row = t * hidden;
+    let mut sq = 0f32;
+    // `hidden` is whole packs: every pack of the row is full.
+    for p in row / l..(row + hidden) / l {
+        let acc = sums(p)?;
+        for (j, e) in (p * l..(p + 1) * l).enumerate() {
+            let sum = T::from_f32(acc[j]).to_f32();
+            let res = (args.residual as *mut T).add(e);
+            let r = T::from_f32(sum + res.read().to_f32());
+            res.write(r);
+            sq += r.to_f32() * r.to_f32();
+        }
+    }
+    let inv = 1.0 / (sq / hidden as f32 + args.epsilon).sqrt();
+    for (k, e) in (row..row + hidden).enumerate() {
+        let r = (args.residual as *const T).add(e).read().to_f32();
+        let w = (args.weight as *const T).add(k).read().to_f32();
+        store::<T>(args.output, e, r * inv * w);
+    }
+    Ok(())
+}
+
+/// The one-stage fused all-reduce + residual add + RMSNorm: row t by block t % blocks,
+/// every member's element read in place from `inputs` (the user buffers, or the
+/// payloads they were staged into).
 pub(super) unsafe fn allreduce_rmsnorm<T: Element>(
     args: &AllReduceArgs,
     block: u32,
@@ -182,22 +223,55 @@ pub(super) unsafe fn allreduce_rmsnorm<T: Element>(
     }
     first_barrier(args, block)?;
     let srcs = &args.inputs[..width];
+    let l = lanes::<T>();
     for t in my_rows() {
-        let row = t * hidden;
-        let mut sq = 0f32;
-        for e in row..row + hidden {
-            let sum = T::from_f32(reduce_element::<T>(srcs, e)).to_f32();
-            let res = (args.residual as *mut T).add(e);
-            let r = T::from_f32(sum + res.read().to_f32());
-            res.write(r);
-            sq += r.to_f32() * r.to_f32();
-        }
-        let inv = 1.0 / (sq / hidden as f32 + args.epsilon).sqrt();
-        for (k, e) in (row..row + hidden).enumerate() {
-            let r = (args.residual as *const T).add(e).read().to_f32();
-            let w = (args.weight as *const T).add(k).read().to_f32();
-            store::<T>(args.output, e, r * inv * w);
-        }
+        rmsnorm_row::<T>(args, t, |p| {
+            let mut acc = [0f32; 8];
+            for (j, a) in acc.iter_mut().enumerate().take(l) {
+                *a = reduce_element::<T>(srcs, p * l + j);
+            }
+            Ok(acc)
+        })?;
     }
     barrier(args, block, BarrierKind::End)
+}
+
+/// The Lamport fused all-reduce + residual add + RMSNorm (no barrier): block b pushes
+/// the packs of its rows t = b, b + blocks, ... into every peer's Lamport slot, header
+/// first, as the Lamport all-reduce does; checks every source's header before writing
+/// anything; then computes each of its rows with [`rmsnorm_row`] as the packs arrive.
+/// The -0.0 lanes sent as +0.0 leave every sum unchanged (the sum starts at
+/// +0.0 + x0, and no partial sum is -0.0), so the bits are the one-stage kernel's. The
+/// device's `lamport_rmsnorm`.
+pub(super) unsafe fn lamport_rmsnorm<T: Element>(
+    args: &AllReduceArgs,
+    block: u32,
+    blocks: u32,
+) -> Result<(), Stop> {
+    let n = args.num_elements as usize;
+    let hidden = args.hidden as usize;
+    let l = lanes::<T>();
+    let (rows, row_packs) = (n / hidden, hidden / l);
+    let my_rows = || (block as usize..rows).step_by(blocks as usize);
+    let entry = lamport_entry(args);
+    lamport_push_header(args, entry.gen);
+    for t in my_rows() {
+        for p in t * row_packs..(t + 1) * row_packs {
+            lamport_push(
+                args,
+                entry.gen,
+                p,
+                lamport_pack_words::<T>(args.local_input, p, n),
+            );
+        }
+    }
+    let mut spin = Spinner::new(args.timeout_ns, abort_word(args));
+    lamport_check_headers(args, entry.gen, &mut spin)?;
+    for t in my_rows() {
+        rmsnorm_row::<T>(args, t, |p| {
+            lamport_pack_sums::<T>(args, entry.gen, p, n, &mut spin)
+        })?;
+    }
+    lamport_end(args, block, blocks, entry, n / l);
+    Ok(())
 }
