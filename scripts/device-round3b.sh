@@ -8,6 +8,7 @@
 #            (.device-bin/pre19) and of this tree, interleaved twice, world 2, bf16,
 #            graph and eager, auto dispatch, 1 KiB to 16 MiB
 #   group    a group of 8 all-reduces against 8 calls and one call (graph, world 2)
+#   fused    the fused all-reduce + RMSNorm, one-stage against Lamport against the pair
 #   tests    every CUDA test binary but the per-rank one (fuzzers at 2000 calls)
 #   perrank  the per-rank CUDA suite
 set -u
@@ -38,6 +39,14 @@ for stage in $stages; do
       --auto-only --batches 15 --group-calls --out "$OUT/group" > "$OUT/group.log" 2>&1
     summary+=("group rc=$?")
     ;;
+  fused)
+    # The fused all-reduce + residual + RMSNorm: one-stage, Lamport, and all-reduce then
+    # RMSNorm, 1-256 tokens of hidden 4096 and 8192 (collectives.rs; the other
+    # collectives only at 1 KiB).
+    timeout 200 .device-bin/peercomm-bench --world 2 --sizes 1024 --dtypes bf16 --no-nccl \
+      --auto-only --batches 15 --collectives --out "$OUT/fused" > "$OUT/fused.log" 2>&1
+    summary+=("fused rc=$?")
+    ;;
   tests)
     for t in .device-bin/test-*; do
       name=$(basename "$t")
@@ -54,5 +63,6 @@ for stage in $stages; do
 done
 grep -hE "FAILED|panicked|WRONG" "$OUT"/*.log 2>/dev/null | head -40
 grep -hE "group of 8 /" "$OUT"/group.log 2>/dev/null
+grep -hE "^fused .*graph" "$OUT"/fused.log 2>/dev/null
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
 tar czf "$FINAL_OUT/round3b-logs.tgz" -C "$OUT" . && rm -rf "$OUT"

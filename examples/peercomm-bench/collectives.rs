@@ -256,7 +256,9 @@ fn fused(gpu: &Gpu, args: &Args, nccl: Option<&[cudarc::nccl::Comm]>) -> Vec<Rec
     let world = gpu.comm.world_size();
     let mut records = Vec::new();
     let mut rng = rand::rngs::StdRng::from_os_rng();
-    let all = CollectiveOptions::new();
+    // The fused kernel forced to each algorithm (Auto picks Lamport where it fits).
+    let one_stage = CollectiveOptions::new().algorithm(Algorithm::OneStage);
+    let lamport = CollectiveOptions::new().algorithm(Algorithm::Lamport);
     let alone = CollectiveOptions::new().group_size(1);
     let shapes = [1usize, 2, 4, 8, 16, 32, 64, 128, 256]
         .into_iter()
@@ -283,7 +285,12 @@ fn fused(gpu: &Gpu, args: &Args, nccl: Option<&[cudarc::nccl::Comm]>) -> Vec<Rec
         let ws = buffers(gpu, hidden, Some(&w));
         let mut sum = buffers(gpu, n, None);
         let mut outs: Vec<Vec<Vec<T>>> = Vec::new();
-        let variants: [&str; 3] = ["peercomm-fused", "peercomm-unfused", "nccl"];
+        let variants: [&str; 4] = [
+            "peercomm-fused",
+            "peercomm-fused-lamport",
+            "peercomm-unfused",
+            "nccl",
+        ];
         for imp in variants {
             if imp == "nccl" && nccl.is_none() {
                 continue;
@@ -294,7 +301,7 @@ fn fused(gpu: &Gpu, args: &Args, nccl: Option<&[cudarc::nccl::Comm]>) -> Vec<Rec
                         out: &mut Vec<CudaSlice<T>>,
                         sum: &mut Vec<CudaSlice<T>>| {
                 let norm_input: &Vec<CudaSlice<T>> = match imp {
-                    "peercomm-fused" => &xs,
+                    "peercomm-fused" | "peercomm-fused-lamport" => &xs,
                     "peercomm-unfused" => {
                         let i: Vec<Tensor<Cuda>> = xs.iter().map(|b| Tensor::flat(b)).collect();
                         let mut o: Vec<TensorMut<Cuda>> =
@@ -319,10 +326,10 @@ fn fused(gpu: &Gpu, args: &Args, nccl: Option<&[cudarc::nccl::Comm]>) -> Vec<Rec
                     res.iter_mut().map(|b| TensorMut::flat(b)).collect();
                 let mut o: Vec<TensorMut<Cuda>> =
                     out.iter_mut().map(|b| TensorMut::flat(b)).collect();
-                let o2 = if imp == "peercomm-fused" {
-                    &all
-                } else {
-                    &alone
+                let o2 = match imp {
+                    "peercomm-fused" => &one_stage,
+                    "peercomm-fused-lamport" => &lamport,
+                    _ => &alone,
                 };
                 gpu.comm
                     .all_reduce_residual_rms_norm(&i, &mut rt, &wt, &mut o, 1e-6, o2)
@@ -336,11 +343,13 @@ fn fused(gpu: &Gpu, args: &Args, nccl: Option<&[cudarc::nccl::Comm]>) -> Vec<Rec
         }
         // The fused kernel and the peercomm pair give the same bits; NCCL's sum order
         // differs, so within bf16 rounding.
-        let same = outs[0]
-            .iter()
-            .zip(&outs[1])
-            .all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()));
-        let near = outs.get(2).is_none_or(|nc| {
+        let bitwise = |a: &Vec<Vec<T>>, b: &Vec<Vec<T>>| {
+            a.iter()
+                .zip(b)
+                .all(|(a, b)| a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()))
+        };
+        let same = bitwise(&outs[0], &outs[1]) && bitwise(&outs[0], &outs[2]);
+        let near = outs.get(3).is_none_or(|nc| {
             outs[0].iter().zip(nc).all(|(a, b)| {
                 a.iter().zip(b).all(|(x, y)| {
                     (x.to_f32() - y.to_f32()).abs() <= 0.05 * (1.0 + y.to_f32().abs())
@@ -359,10 +368,16 @@ fn fused(gpu: &Gpu, args: &Args, nccl: Option<&[cudarc::nccl::Comm]>) -> Vec<Rec
                 })
                 .map(|r| r.latency_us)
         };
-        if let (Some(f), Some(u)) = (t("peercomm-fused"), t("peercomm-unfused")) {
+        if let (Some(f), Some(l), Some(u)) = (
+            t("peercomm-fused"),
+            t("peercomm-fused-lamport"),
+            t("peercomm-unfused"),
+        ) {
             println!(
-                "fused {tokens}x{hidden}: {:.2}x faster than the peercomm pair (graph)",
-                u / f
+                "fused {tokens}x{hidden} (graph): one-stage fused {f:.2} us, Lamport fused {l:.2} us, \
+                 all-reduce + RMSNorm {u:.2} us; the pair / one-stage fused {:.2}, the pair / Lamport fused {:.2}",
+                u / f,
+                u / l
             );
         }
     }
