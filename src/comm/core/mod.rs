@@ -26,12 +26,14 @@ pub(crate) mod group;
 pub(crate) mod launch;
 pub(crate) mod peer_check;
 pub(crate) mod plan;
+pub(crate) mod record;
 pub(crate) mod route;
 pub(crate) mod routed;
 pub(crate) mod settings;
 pub(crate) mod setup;
 pub(crate) mod sizing;
 pub(crate) mod status;
+pub(crate) mod unavailable;
 
 use route::Router;
 use settings::Settings;

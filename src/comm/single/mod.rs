@@ -23,6 +23,7 @@ use crate::signal::{SignalLayout, MAX_GPUS};
 use super::core::connect;
 use super::core::launch::PeerInputs;
 use super::core::plan::{CollectiveArgs, Plan};
+use super::core::record;
 use super::core::setup::{self, Placement};
 use super::core::Rank;
 use super::CommConfig;
@@ -82,8 +83,8 @@ impl<B: Backend> Communicator<B> {
                 .collect::<Result<Vec<_>>>()?;
             for (a, ia) in ids.iter().enumerate() {
                 for (b, ib) in ids.iter().enumerate().skip(a + 1) {
-                    if setup::same_identity(ia, ib, true) {
-                        return Err(setup::shared_device_error(a, ia, b, ib));
+                    if record::same_identity(ia, ib, true) {
+                        return Err(record::shared_device_error(a, ia, b, ib));
                     }
                 }
             }
