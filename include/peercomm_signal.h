@@ -178,6 +178,19 @@ typedef struct peercomm_allreduce_args {
  */
 #define PEERCOMM_MAX_GROUP_CALLS 8
 
+/*
+ * The entry table of a batch over a group wider than one: every member writes its own at
+ * the start of its own payload (every block writes the same bytes, before its Publish
+ * barrier), and after that barrier every block compares every peer's table with its own
+ * before it stores anything; any difference is a call mismatch on every rank (see
+ * src/comm/core/group.rs). 32-bit words:
+ *   word 0:              count (entries in use); words 1-3: 0
+ *   words 4 + 2s, 5 + 2s: entry s's element count, low and high 32 bits (0 for s >= count)
+ * = 16 + 8 x PEERCOMM_MAX_GROUP_CALLS bytes, whole 16-byte packs. The staged entries
+ * follow it: entry 0's offset is PEERCOMM_GROUP_HEADER_BYTES.
+ */
+#define PEERCOMM_GROUP_HEADER_BYTES 80
+
 /* One all-reduce of a batch, on this rank. */
 typedef struct peercomm_group_entry {
     /* This rank's input (its user buffer). */
@@ -187,10 +200,11 @@ typedef struct peercomm_group_entry {
     /* Elements of the entry (0: the entry writes nothing). */
     uint64_t elements;
     /*
-     * Byte offset of the entry in every group member's payload: entry 0 at 0, each next
-     * one after the previous entry's elements rounded up to whole 16-byte packs (so
-     * offset / 16 is the entry's first pack in the batch's concatenated pack range).
-     * Computed by the host, the same on every rank of the group.
+     * Byte offset of the entry in every group member's payload: entry 0 after the entry
+     * table (at PEERCOMM_GROUP_HEADER_BYTES), each next one after the previous entry's
+     * elements rounded up to whole 16-byte packs (so offset / 16 is the entry's first
+     * pack in the batch's concatenated pack range). Computed by the host, the same on
+     * every rank of the group whose entry tables agree.
      */
     uint64_t offset;
 } peercomm_group_entry;
@@ -198,7 +212,7 @@ typedef struct peercomm_group_entry {
 /*
  * Launch arguments of the batched all-reduce, passed by value. `all` is read as for the
  * one-stage kernel (signals, payloads, group, domain, timeout, and the call descriptor
- * in `all.call`, which is the batch's: see src/comm/group_kernel.rs); its local_input,
+ * in `all.call`, which is the batch's: see src/comm/core/group.rs); its local_input,
  * output, inputs, stage_input and num_elements (the batch's total elements) are not read:
  * the entries say where the data is, and a group wider than one always stages through
  * the payloads.

@@ -7,21 +7,35 @@
 //
 // The batch is one concatenated pack range: entry s's pack p is pack
 // entries[s].offset / 16 + p of the batch (the host lays the entries out one after
-// another, each rounded up to whole 16-byte packs). Global thread t handles the packs g
-// with g % stride == t, for the staging copy and for the reduce alike, exactly as the
-// one-stage kernel hands out one message's packs; so block b reads only what block b of
-// each peer staged, and the per-block Publish barrier suffices. Each pack is reduced by
+// another after the entry table, each rounded up to whole 16-byte packs). Global thread
+// t handles the packs g with g % stride == t, for the staging copy and for the reduce
+// alike, exactly as the one-stage kernel hands out one message's packs; so block b
+// reads only what block b of each peer staged, and the per-block Publish barrier
+// suffices. Each pack is reduced by
 // reduce_range, the one-stage kernel's loop (same source order, the same sum_start sign
 // of zero, the same partial-pack and unaligned handling), so every entry's bits are
 // those of a one-stage (staged) all-reduce of that entry alone.
 //
-// Phases: (1) every block copies its share of every entry's input into the own payload
-// at the entry's offset; (2) the Publish barrier, carrying the batch's call descriptor
-// in `all.call` (mismatches are typed errors through the usual path); (3) every block
-// reduces its share of every entry from the members' payloads, in group-rank order,
-// into the entry's output; (4) the End barrier (no peer overwrites a payload this block
-// still reads), then finish(). A group of one waits for nobody: it copies each input to
-// its output directly (as one-stage does), between its own trivial barriers.
+// Phases: (1) every block writes the batch's entry table (PEERCOMM_GROUP_HEADER_BYTES)
+// at the start of the own payload, the same bytes in every block, and copies its share
+// of every entry's input into the own payload at the entry's offset; (2) the Publish
+// barrier, carrying the batch's call descriptor in `all.call` (mismatches are typed
+// errors through the usual path); (3) every block compares every peer's entry table
+// with this rank's (what the descriptor cannot hold: every entry's exact length); on a
+// difference it records a call mismatch and abandons before it stores anything, and
+// every block of every rank finds a difference on its side, so none stores anything;
+// (4) every block reduces its share of every entry from the members' payloads, in
+// group-rank order, into the entry's output; (5) the End barrier (no peer overwrites a
+// payload this block still reads), then finish(). A group of one waits for nobody: it
+// copies each input to its output directly (as one-stage does), between its own
+// trivial barriers, and has no peer to compare its table with.
+//
+// The table is read by other blocks than the one that wrote it (every block writes it,
+// every block reads it), yet each block's Publish barrier suffices: the same-index block
+// of the writer wrote the same bytes before its release. And no table is overwritten
+// while a peer still reads it: a rank's next kernel starts after this one has passed
+// every End barrier (or abandoned and waited for its peers), that is after every peer
+// block has read it.
 
 #ifndef PEERCOMM_GROUP_H
 #define PEERCOMM_GROUP_H
@@ -31,6 +45,70 @@ typedef peercomm_group_entry GroupEntry;
 
 static_assert(sizeof(peercomm_group_entry) == 32, "peercomm_group_entry layout changed");
 static_assert(sizeof(peercomm_group_args) == 552, "peercomm_group_args layout changed");
+static_assert(PEERCOMM_GROUP_HEADER_BYTES == 16 + 8 * PEERCOMM_MAX_GROUP_CALLS, "the entry table layout changed");
+
+// Packs of the entry table.
+constexpr uint32_t kGroupHeaderPacks = PEERCOMM_GROUP_HEADER_BYTES / 16;
+
+// Element count of entry s of this rank's table (0 past the count).
+PC_INLINE uint64_t table_elements(const GroupArgs& g, uint32_t count, uint32_t s) {
+    return s < count ? g.entries[s].elements : 0u;
+}
+
+// Pack i of this rank's entry table (see PEERCOMM_GROUP_HEADER_BYTES).
+PC_INLINE Vec16 group_header_pack(const GroupArgs& g, uint32_t count, uint32_t i) {
+    if (i == 0u) return make_vec16(count, 0u, 0u, 0u);
+    const uint64_t n0 = table_elements(g, count, 2u * (i - 1u));
+    const uint64_t n1 = table_elements(g, count, 2u * (i - 1u) + 1u);
+    return make_vec16((uint32_t)n0, (uint32_t)(n0 >> 32), (uint32_t)n1, (uint32_t)(n1 >> 32));
+}
+
+// The descriptor an error record shows for one side of a batch whose entry tables
+// differ: this batch's, with the root field (a batch's count less one, bits 10-12 of
+// word 1) set to `count - 1` and the element count (bits 31-38 in bits 23-30 of word 1,
+// bits 0-30 in word 2) to `n`, in words x, y, z. The host's signal::group_shown_call.
+PC_INLINE Vec16 group_shown_call(const Args& a, uint32_t count, uint64_t n) {
+    const uint32_t w1 = (a.call[1] & ~((7u << 10) | (0xffu << 23))) | (((count - 1u) & 7u) << 10) |
+                        (((uint32_t)(n >> 31) & 0xffu) << 23);
+    return make_vec16(a.call[0], w1, (uint32_t)n & 0x7fffffffu, 0u);
+}
+
+// After the Publish barrier: thread t < width, t != group_rank, compares group rank t's
+// entry table (the count, then every entry's element count) with this rank's. On a
+// difference it records a call mismatch naming that rank, showing both descriptors
+// with the count and the first differing entry's element count of each side
+// (group_shown_call), so the host names the element count (or, were only the counts to
+// differ, the root). False, for the whole block, when the block must leave: a
+// difference, or an abort seen meanwhile.
+PC_INLINE bool same_entry_tables(Ctx& c, const GroupArgs& g, uint32_t count) {
+    const Args& a = c.a;
+    const uint32_t t = threadIdx.x;
+    if (t < a.group_width && t != a.group_rank) {
+        Vec16 theirs[kGroupHeaderPacks];
+#pragma unroll
+        for (uint32_t i = 0; i < kGroupHeaderPacks; ++i) theirs[i] = load_vec16(a.payloads[t], i);
+        const uint32_t their_count = theirs[0].x;
+        bool differs = their_count != count;
+        uint64_t mine_n = table_elements(g, count, 0u), their_n = mine_n;
+        bool found = false;
+#pragma unroll
+        for (uint32_t s = 0; s < PEERCOMM_MAX_GROUP_CALLS; ++s) {
+            const Vec16 p = theirs[1u + s / 2u];
+            const uint64_t n = s % 2u == 0u ? ((uint64_t)p.y << 32 | p.x) : ((uint64_t)p.w << 32 | p.z);
+            const uint64_t own = table_elements(g, count, s);
+            if (!found && n != own) {
+                found = true;
+                mine_n = own;
+                their_n = n;
+            }
+        }
+        differs = differs || found;
+        if (differs)
+            record_mismatch(c, t, group_shown_call(a, count, mine_n), group_shown_call(a, their_count, their_n));
+    }
+    __syncthreads();
+    return c.block->abort == 0u;
+}
 
 // The first thread-relative pack of an entry whose first batch-wide pack is `base`:
 // this thread handles the entry's local packs p with (base + p) % stride == tid, the
@@ -55,6 +133,7 @@ PC_INLINE void all_reduce_group(const GroupArgs& g) {
     const bool staged = width > 1u;
     if (staged) {
         const uint64_t own = a.payloads[me];
+        if (threadIdx.x < kGroupHeaderPacks) store_vec16(own, threadIdx.x, group_header_pack(g, count, threadIdx.x));
         for (uint32_t s = 0; s < count; ++s) {
             const GroupEntry& e = g.entries[s];
             const uint64_t n = e.elements, dst = own + e.offset;
@@ -62,6 +141,8 @@ PC_INLINE void all_reduce_group(const GroupArgs& g) {
                           entry_first_pack(tid, stride, e.offset / 16u), stride);
         }
         if (!barrier<BarrierKind::Publish>(c)) return abandon(c, WaitForPeers::Yes);
+        // Nothing is stored before every peer's entry table matches this rank's.
+        if (!same_entry_tables(c, g, count)) return abandon(c, WaitForPeers::Yes);
     } else {
         if (!barrier<BarrierKind::Start>(c)) return abandon(c, WaitForPeers::Yes);
     }

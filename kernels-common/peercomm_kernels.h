@@ -270,15 +270,21 @@ PC_INLINE void record_timeout(Ctx& c, uint32_t awaited) {
     c.block->abort = 1u;
 }
 
-// A peer's arrival (or Lamport header) carries another call descriptor than this
-// rank's: record the mismatch on this rank, naming that peer, and leave. The peer finds
-// the same difference in this rank's arrival, so neither tells the other to stop.
-// `x` holds the peer's descriptor in words y, z, w.
-PC_INLINE void record_mismatch(Ctx& c, uint32_t peer, Vec16 x) {
+// Group rank `peer` makes another call than this rank: record the mismatch on this
+// rank, naming that peer, with `mine` and `theirs` (descriptors in words x, y, z) as
+// the two sides, and leave. The peer finds the same difference on its side, so neither
+// tells the other to stop.
+PC_INLINE void record_mismatch(Ctx& c, uint32_t peer, Vec16 mine, Vec16 theirs) {
     const uint32_t who = world_rank_of(c.a, peer);
-    write_error_record(c.own, PEERCOMM_ERROR_CALL_MISMATCH,
-                       ErrorDetail{who, c.a.domain, who + 1u, own_call(c.a), make_vec16(x.y, x.z, x.w, 0u), 1u});
+    write_error_record(c.own, PEERCOMM_ERROR_CALL_MISMATCH, ErrorDetail{who, c.a.domain, who + 1u, mine, theirs, 1u});
     c.block->abort = 1u;
+}
+
+// A peer's arrival (or Lamport header) carries another call descriptor than this
+// rank's: the mismatch of the two descriptors. `x` holds the peer's descriptor in words
+// y, z, w.
+PC_INLINE void record_mismatch(Ctx& c, uint32_t peer, Vec16 x) {
+    record_mismatch(c, peer, own_call(c.a), make_vec16(x.y, x.z, x.w, 0u));
 }
 
 // Bounds one wait. Call keep_waiting() after each failed test of the awaited condition,

@@ -47,6 +47,14 @@ pub const REGION_ALIGN: usize = bindings::PEERCOMM_REGION_ALIGN as usize;
 pub const MAX_GROUP_CALLS: usize = bindings::PEERCOMM_MAX_GROUP_CALLS as usize;
 /// Bytes of one vector pack: the unit of the main loops and of the Lamport readiness test.
 pub const PACK_BYTES: usize = 16;
+/// Bytes of a batch's entry table at the start of every member's payload (the count and
+/// every entry's element count; `PEERCOMM_GROUP_HEADER_BYTES`): the staged entries
+/// follow it.
+pub const GROUP_HEADER_BYTES: usize = bindings::PEERCOMM_GROUP_HEADER_BYTES as usize;
+const _: () = assert!(
+    GROUP_HEADER_BYTES == PACK_BYTES + 8 * MAX_GROUP_CALLS
+        && GROUP_HEADER_BYTES.is_multiple_of(PACK_BYTES)
+);
 
 /// Index of the generation flag in `Signal::lamport_state`.
 pub const LAMPORT_FLAG: usize = bindings::PEERCOMM_LAMPORT_FLAG as usize;
@@ -98,6 +106,39 @@ pub const fn barrier_domain(width: usize, world: usize) -> usize {
     } else {
         width
     }
+}
+
+/// The 32-bit words of a batch's entry table (see [`GROUP_HEADER_BYTES`]): word 0 the
+/// count, words 1-3 zero, words `4 + 2s` and `5 + 2s` the low and high halves of entry
+/// s's element count (0 for `s >= count`).
+pub(crate) fn group_header_words(
+    count: u32,
+    elements: impl Fn(usize) -> u64,
+) -> [u32; GROUP_HEADER_BYTES / 4] {
+    let mut w = [0u32; GROUP_HEADER_BYTES / 4];
+    w[0] = count;
+    for s in 0..(count as usize).min(MAX_GROUP_CALLS) {
+        let n = elements(s);
+        w[4 + 2 * s] = n as u32;
+        w[5 + 2 * s] = (n >> 32) as u32;
+    }
+    w
+}
+
+/// The descriptor an error record shows for one side of a batch whose entry tables
+/// differ: the batch's descriptor `call` with the root field (which holds a batch's
+/// count less one) set to `count - 1` and the element count to `elements` (word 1 bits
+/// 10-12 and 23-30, word 2; the layout of `PEERCOMM_CALL_WORDS`). The device's
+/// `group_shown_call`.
+pub(crate) fn group_shown_call(
+    call: [u32; CALL_WORDS],
+    count: u32,
+    elements: u64,
+) -> [u32; CALL_WORDS] {
+    let root = count.wrapping_sub(1) & 7;
+    let high = ((elements >> 31) & 0xff) as u32;
+    let w1 = (call[1] & !(7 << 10 | 0xff << 23)) | root << 10 | high << 23;
+    [call[0], w1, elements as u32 & 0x7fff_ffff]
 }
 
 /// `(a + b) mod n` without overflow for any `a, b < n`; `n` must not be 0.

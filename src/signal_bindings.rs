@@ -23,6 +23,7 @@ pub const PEERCOMM_DETAIL_THEIRS: u32 = 4;
 pub const PEERCOMM_DETAIL_THEIRS_VALID: u32 = 7;
 pub const PEERCOMM_CALL_WORDS: u32 = 3;
 pub const PEERCOMM_MAX_GROUP_CALLS: u32 = 8;
+pub const PEERCOMM_GROUP_HEADER_BYTES: u32 = 80;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct peercomm_signal {

@@ -9,8 +9,10 @@
 //! tests/common, and (b) the same entry run alone through the ordinary one-stage
 //! all-reduce. Plus: a batch larger than the payload is `MessageTooLarge` with nothing
 //! written; ranks that disagree on a batch get `CallMismatch` on every rank with nothing
-//! written; the single controller checks every entry on the host and honours fault
-//! injection.
+//! written, also for many pairs of batches that differ in one later entry only
+//! (including pairs the descriptor's former 8-bit digest could not tell apart: the
+//! kernel compares every entry's length exactly); the single controller checks every
+//! entry on the host and honours fault injection.
 
 mod common;
 
@@ -25,7 +27,7 @@ use peercomm::{
     Algorithm, AllReduceOptions, CallField, Comm, CommConfig, Communicator, DType, Element, Error,
 };
 use rand::rngs::StdRng;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 
 /// Entry lengths (0: an empty entry, which writes nothing).
 const LENGTHS: [usize; 6] = [0, 1, 7, 8, 1000, 4099];
@@ -267,8 +269,9 @@ fn single_controller_refusals_and_faults() {
         "{got:?}"
     );
     untouched(&recvs, "uneven");
-    // 2 x 8192 f32 + 1: 64 KiB + 16 bytes, past the payload together: the group
-    // batches what fits and runs the rest alone, with the same results.
+    // 2 x 8192 f32 + 1 after the 80-byte entry table: 64 KiB + 96 bytes, past the
+    // payload together: the group batches what fits and runs the rest alone, with the
+    // same results.
     let big = vec![vec![8192; 2], vec![8192; 2], vec![1; 2]];
     let mut recvs = bufs(&big, f32::NAN);
     single_group(&comm, &bufs(&big, 1.0), &mut recvs, 0).unwrap();
@@ -616,7 +619,8 @@ fn per_rank_mismatches_world_3() {
 }
 
 /// Per rank: a group past the payload together batches what fits and runs the rest
-/// alone, with the same results on every rank; a batch that fits runs next.
+/// alone, with the same results on every rank; a batch that fits (with the 80-byte
+/// entry table, exactly) runs next.
 #[test]
 fn per_rank_group_past_the_payload_is_split() {
     let config = CommConfig {
@@ -625,8 +629,208 @@ fn per_rank_group_past_the_payload_is_split() {
     };
     per_rank(2, &config, |_rank, comm, _meet| {
         batch_untouched(comm, &[8192, 8192, 1]).unwrap();
-        batch_untouched(comm, &[8192, 8192]).unwrap();
+        batch_untouched(comm, &[8192, 8192 - 20]).unwrap();
     });
+}
+
+// ---------------------------------------------------------------------------------
+// Every length, exactly: ranks whose batches differ in one later entry only.
+
+/// The 8-bit digest of the later entries' lengths that the batch's descriptor used to
+/// carry (FNV-1a folded; a copy of the former `core/group.rs` function): pairs it could
+/// not tell apart once passed unnoticed, with wrong sums.
+fn old_digest(later: &[usize]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    for byte in later.iter().flat_map(|&n| (n as u64).to_le_bytes()) {
+        h = (h ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
+    }
+    (h ^ (h >> 8) ^ (h >> 16) ^ (h >> 32)) & 0xff
+}
+
+/// Two entry tables that differ in entry `entry` (>= 1) only, and what the error shows.
+struct Pair {
+    usual: Vec<usize>,
+    other: Vec<usize>,
+    entry: usize,
+    /// The difference changes the grid too (the descriptors' block counts differ).
+    grid: bool,
+}
+
+/// A table of `count` entries whose first fills the grid (f32: more than 1024 packs at
+/// any width, so 2 blocks under `max_blocks` 2 whatever the later entries are).
+fn filling_table(rng: &mut StdRng, count: usize) -> Vec<usize> {
+    let mut t = vec![rng.random_range(4100..6000)];
+    t.extend((1..count).map(|_| rng.random_range(0..3000)));
+    t
+}
+
+/// `collisions` pairs whose differing entries the old digest cannot tell apart, then
+/// `random` random pairs (both with grids that agree), then `grids` pairs whose
+/// difference also changes the grid (1 block against 2).
+fn later_entry_pairs(
+    rng: &mut StdRng,
+    collisions: usize,
+    random: usize,
+    grids: usize,
+) -> Vec<Pair> {
+    let mut pairs = Vec::new();
+    while pairs.len() < collisions {
+        let count = rng.random_range(2..=8);
+        let usual = filling_table(rng, count);
+        let entry = rng.random_range(1..usual.len());
+        let digest = old_digest(&usual[1..]);
+        for _ in 0..10_000 {
+            let mut other = usual.clone();
+            other[entry] = rng.random_range(0..3000);
+            if other[entry] != usual[entry] && old_digest(&other[1..]) == digest {
+                pairs.push(Pair {
+                    usual,
+                    other,
+                    entry,
+                    grid: false,
+                });
+                break;
+            }
+        }
+    }
+    for _ in 0..random {
+        let count = rng.random_range(2..=8);
+        let usual = filling_table(rng, count);
+        let entry = rng.random_range(1..usual.len());
+        let mut other = usual.clone();
+        while other[entry] == usual[entry] {
+            other[entry] = rng.random_range(0..3000);
+        }
+        pairs.push(Pair {
+            usual,
+            other,
+            entry,
+            grid: false,
+        });
+    }
+    for _ in 0..grids {
+        // At most 8 x 25 packs: 1 block at width 2 and 3; the other's entry alone more
+        // than 512 packs: 2 blocks.
+        let usual: Vec<usize> = (0..rng.random_range(2..=8))
+            .map(|_| rng.random_range(0..100))
+            .collect();
+        let entry = rng.random_range(1..usual.len());
+        let mut other = usual.clone();
+        other[entry] = rng.random_range(2100..3000);
+        pairs.push(Pair {
+            usual,
+            other,
+            entry,
+            grid: true,
+        });
+    }
+    pairs
+}
+
+/// Per rank: for every pair, one rank (a different one from pair to pair) batches the
+/// other table. Every rank gets `CallMismatch` with `field: Length` naming the rank
+/// that differs (that rank naming another), showing the lengths of the entry that
+/// differs (or, where the grids differ, the grids the lengths size), nothing written;
+/// after `reinitialize` the next pair runs, and at the end a matching batch works.
+fn per_rank_later_entry_mismatches(world: usize) {
+    let mut rng = common::rng(&format!("group_kernel_later_entries_world_{world}"));
+    let pairs = later_entry_pairs(&mut rng, 12, 24, 4);
+    for p in pairs.iter().filter(|p| !p.grid) {
+        assert!(p.usual.len() >= 2 && p.usual[p.entry] != p.other[p.entry]);
+    }
+    let collisions = pairs
+        .iter()
+        .filter(|p| old_digest(&p.usual[1..]) == old_digest(&p.other[1..]))
+        .count();
+    assert!(collisions >= 12, "{collisions} digest collisions");
+    let config = CommConfig {
+        barrier_timeout: Some(Duration::from_millis(1500)),
+        ..config(2)
+    };
+    let got = per_rank(world, &config, |rank, comm, meet| {
+        let mut got = Vec::new();
+        for (i, p) in pairs.iter().enumerate() {
+            let odd = i % world;
+            let table = if rank == odd { &p.other } else { &p.usual };
+            // A failed check must not leave the other ranks waiting at `meet`.
+            let run = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                batch_untouched(comm, table)
+            }));
+            got.push(run.map_err(|e| {
+                e.downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default()
+            }));
+            meet.wait();
+            comm.reinitialize().unwrap();
+        }
+        batch_untouched(comm, &[5, 0, 4099]).unwrap();
+        got
+    });
+    for (rank, results) in got.into_iter().enumerate() {
+        for (i, (p, got)) in pairs.iter().zip(results).enumerate() {
+            let odd = i % world;
+            let what = format!(
+                "world {world}, pair {i} (rank {odd} batches {:?} against {:?})",
+                p.other, p.usual
+            );
+            let (mine, theirs) = if rank == odd {
+                (&p.other, &p.usual)
+            } else {
+                (&p.usual, &p.other)
+            };
+            let expected = if p.grid {
+                let sized = |t: &[usize]| {
+                    if t == p.usual.as_slice() {
+                        "entries sized for 1 block"
+                    } else {
+                        "entries sized for 2 blocks"
+                    }
+                };
+                (sized(mine).to_string(), sized(theirs).to_string())
+            } else {
+                (
+                    format!("{} elements", mine[p.entry]),
+                    format!("{} elements", theirs[p.entry]),
+                )
+            };
+            let got = got.unwrap_or_else(|e| panic!("{what}: rank {rank}: {e}"));
+            match got {
+                Err(Error::CallMismatch {
+                    rank: r,
+                    peer,
+                    field: CallField::Length,
+                    mine,
+                    theirs,
+                }) => {
+                    assert_eq!(r, rank, "{what}");
+                    if rank == odd {
+                        assert_ne!(peer, odd, "{what}: rank {rank}");
+                    } else {
+                        assert_eq!(peer, odd, "{what}: rank {rank}");
+                    }
+                    assert_eq!((mine, theirs), expected, "{what}: rank {rank}");
+                }
+                other => panic!("{what}: rank {rank} got {other:?}, not a length mismatch"),
+            }
+        }
+    }
+    eprintln!(
+        "world {world}: {} pairs ({collisions} old-digest collisions), every rank got \
+         CallMismatch(Length), nothing written",
+        pairs.len()
+    );
+}
+
+#[test]
+fn per_rank_later_entry_mismatches_world_2() {
+    per_rank_later_entry_mismatches(2);
+}
+
+#[test]
+fn per_rank_later_entry_mismatches_world_3() {
+    per_rank_later_entry_mismatches(3);
 }
 
 /// The dtypes the batch checks use exist on the host backend (a guard against the

@@ -29,8 +29,14 @@ enum Stop {
     TimedOut { awaited: usize },
     /// The rank's abort word is set (a peer gave up, or another block of this rank).
     Aborted,
-    /// Group rank `peer` runs another call (its descriptor words `theirs`).
-    Mismatch { peer: usize, theirs: [u32; 3] },
+    /// Group rank `peer` runs another call: the record shows `mine` for this rank and
+    /// `theirs` for the peer (the two descriptors, or for a batch whose entry tables
+    /// differ the descriptors with the differing lengths).
+    Mismatch {
+        peer: usize,
+        mine: [u32; 3],
+        theirs: [u32; 3],
+    },
 }
 
 /// Why a spin stopped: what [`Stop`] becomes once the awaited rank is known.
@@ -192,7 +198,7 @@ unsafe fn record_timeout(args: &AllReduceArgs, block: u32, awaited: usize) {
     let theirs = running.unwrap_or_default();
     let who = world_rank_of(args, awaited);
     if running.is_some_and(|c| c != args.call) {
-        record_mismatch(args, block, awaited, theirs);
+        record_mismatch(args, block, awaited, args.call, theirs);
         // The same, from their side, into the record of every group peer whose call
         // differs so: it may have completed the call with a subgroup of its own; its
         // next synchronize reports it.
@@ -233,14 +239,21 @@ unsafe fn record_timeout(args: &AllReduceArgs, block: u32, awaited: usize) {
     }
 }
 
-/// Group rank `peer` published another call descriptor: record the mismatch on this
-/// rank, naming the peer (which finds the same difference on its side).
-unsafe fn record_mismatch(args: &AllReduceArgs, block: u32, peer: usize, theirs: [u32; 3]) {
+/// Group rank `peer` makes another call: record the mismatch on this rank, naming the
+/// peer (which finds the same difference on its side), with `mine` and `theirs` as the
+/// two sides (the descriptors, unless a batch's entry tables differ).
+unsafe fn record_mismatch(
+    args: &AllReduceArgs,
+    block: u32,
+    peer: usize,
+    mine: [u32; 3],
+    theirs: [u32; 3],
+) {
     let who = world_rank_of(args, peer);
     let d = Detail {
         rank: who,
         awaited: who,
-        mine: args.call,
+        mine,
         theirs,
     };
     let me = args.group_rank as usize;
@@ -367,7 +380,11 @@ unsafe fn barrier(args: &AllReduceArgs, block: u32, kind: BarrierKind) -> Result
     protocol::barrier_with_call(&signals, site, kind.host_orderings(), call, &mut spin).map_err(
         |stop| match stop {
             BarrierStop::Gave { awaited, why } => why.waiting_for(awaited),
-            BarrierStop::Mismatch { peer, theirs } => Stop::Mismatch { peer, theirs },
+            BarrierStop::Mismatch { peer, theirs } => Stop::Mismatch {
+                peer,
+                mine: args.call,
+                theirs,
+            },
         },
     )
 }
@@ -435,7 +452,9 @@ unsafe fn run_collective_block(
     if let Err(stop) = body() {
         match stop {
             Stop::TimedOut { awaited } => record_timeout(args, block, awaited),
-            Stop::Mismatch { peer, theirs } => record_mismatch(args, block, peer, theirs),
+            Stop::Mismatch { peer, mine, theirs } => {
+                record_mismatch(args, block, peer, mine, theirs)
+            }
             Stop::Aborted => {}
         }
         abandon(args, block, blocks, wait_for_peers);
@@ -758,7 +777,11 @@ unsafe fn lamport_check_headers(
         let header = lamport_wait(args, gen, src, lamport_header_pack(args), spin)?;
         let theirs = [header[0], header[1], header[2]];
         if theirs != args.call {
-            return Err(Stop::Mismatch { peer: src, theirs });
+            return Err(Stop::Mismatch {
+                peer: src,
+                mine: args.call,
+                theirs,
+            });
         }
     }
     Ok(())

@@ -20,6 +20,12 @@
 //! world domain), and B's next world call has no partner. It is caught late: B's wait
 //! for A gives up, B reports `BarrierTimeout` naming A, and A gets `PeerAborted`, so
 //! both communicators are poisoned; the pairing itself returned `Ok`.
+//!
+//! A batch of all-reduces (`AllReduceGroup`) carries only its first entry's length
+//! here; its kernel compares every entry's exactly, and records a difference with the
+//! descriptors shown as [`crate::signal::group_shown_call`] makes them (see
+//! `core/group.rs`). Between two batches a block-count difference is named
+//! [`CallField::Length`]: a batch's grid follows its lengths alone.
 
 use crate::backend::KernelKind;
 use crate::dtype::DType;
@@ -90,6 +96,20 @@ fn decode(w: [u32; CALL_WORDS]) -> Fields {
 
 fn kind_of(code: u32) -> Option<KernelKind> {
     KINDS.get(code as usize).copied()
+}
+
+/// Whether a descriptor is a batch of all-reduces' (see core/group.rs).
+fn is_batch(f: &Fields) -> bool {
+    kind_of(f.kind) == Some(KernelKind::AllReduceGroup)
+}
+
+/// What a batch's grid says of its entries.
+fn sized_for(blocks: u32) -> String {
+    if blocks == 1 {
+        "entries sized for 1 block".into()
+    } else {
+        format!("entries sized for {blocks} blocks")
+    }
 }
 
 /// The collective a kernel kind runs.
@@ -167,6 +187,11 @@ pub(crate) fn first_difference(
             format!("{} elements", number(a.elements)),
             format!("{} elements", number(b.elements)),
         )
+    } else if a.blocks != b.blocks && is_batch(&a) && is_batch(&b) {
+        // A batch's grid follows its entries' packs (the settings it also depends on
+        // are agreed at setup, the count is the root field): another grid is another
+        // length in a later entry, which the descriptor does not hold.
+        (CallField::Length, sized_for(a.blocks), sized_for(b.blocks))
     } else if a.blocks != b.blocks {
         (
             CallField::Blocks,
@@ -346,6 +371,81 @@ mod tests {
             encode(&base.clone_with(|p| p.elements = 5), 1),
         );
         assert_eq!(got.map(|g| g.0), Some(CallField::Length));
+    }
+
+    /// What a batch's kernel shows when entry tables differ (signal::group_shown_call):
+    /// the batch's descriptor with the count and one entry's length of each side, so the
+    /// host names the length (or the count) and shows exactly those.
+    #[test]
+    fn a_batch_shows_the_differing_entry() {
+        let mut batch = plan(KernelKind::AllReduceGroup, DType::BF16, 4, 300, 7);
+        batch.collective.root = 4;
+        let call = encode(&batch, 41);
+        for (mine, theirs) in [
+            (999u64, 1000u64),
+            (0, 1),
+            ((1 << 31) + 3, 3),
+            ((1 << 39) - 1, (1 << 38) + 17),
+        ] {
+            let (m, t) = (
+                crate::signal::group_shown_call(call, 5, mine),
+                crate::signal::group_shown_call(call, 5, theirs),
+            );
+            for w in m.iter().chain(&t) {
+                assert_eq!(w & 0x8000_0000, 0);
+            }
+            let (dm, dc) = (decode(m), decode(call));
+            assert_eq!(dm.elements, mine);
+            assert_eq!(
+                Fields {
+                    elements: dc.elements,
+                    ..dm
+                },
+                dc,
+                "only the element count is replaced"
+            );
+            assert_eq!(
+                first_difference(m, t),
+                Some((
+                    CallField::Length,
+                    format!("{mine} elements"),
+                    format!("{theirs} elements")
+                ))
+            );
+        }
+        // Were the counts to differ, the root names them.
+        let got = first_difference(
+            crate::signal::group_shown_call(call, 5, 7),
+            crate::signal::group_shown_call(call, 2, 7),
+        );
+        assert_eq!(
+            got,
+            Some((CallField::Root, "root 4".into(), "root 1".into()))
+        );
+    }
+
+    /// Between two batches another grid is another length; between other calls it is
+    /// the block count.
+    #[test]
+    fn a_batch_grid_difference_is_a_length() {
+        let batch = |blocks| {
+            let mut p = plan(KernelKind::AllReduceGroup, DType::F32, 2, 300, blocks);
+            p.collective.root = 4;
+            encode(&p, 3)
+        };
+        assert_eq!(
+            first_difference(batch(1), batch(2)),
+            Some((
+                CallField::Length,
+                "entries sized for 1 block".into(),
+                "entries sized for 2 blocks".into()
+            ))
+        );
+        let single = |blocks| encode(&plan(KernelKind::OneStage, DType::F32, 2, 300, blocks), 3);
+        assert_eq!(
+            first_difference(single(1), single(2)).map(|d| d.0),
+            Some(CallField::Blocks)
+        );
     }
 
     trait CloneWith {

@@ -5,14 +5,17 @@
 //! # A batch
 //! 1 to [`MAX_GROUP_CALLS`] all-reduces (sum) of one dtype over groups of one width run
 //! as one kernel with one start and one end barrier. Entry s sits in every member's
-//! payload at byte offset `offset_s`: entry 0 at 0, each next one after the previous
-//! entry's elements rounded up to whole 16-byte packs. A group wider than one always
-//! stages through the payload (also in one process), so the padded total must fit
+//! payload at byte offset `offset_s`: entry 0 after the entry table (at
+//! [`GROUP_HEADER_BYTES`], 80), each next one after the previous entry's elements rounded
+//! up to whole 16-byte packs. A group wider than one always stages through the payload
+//! (also in one process), so the table and the padded entries together must fit
 //! `payload_bytes` ([`Error::MessageTooLarge`] naming it otherwise, nothing launched); a
 //! group of one copies each input to its output directly. A zero-length entry is allowed
 //! and writes nothing; a batch whose entries are all empty launches nothing (and, like an
 //! empty all-reduce, is not counted in the call sequence). Every entry's bits are those
-//! of a one-stage (staged) all-reduce of that entry alone.
+//! of a one-stage (staged) all-reduce of that entry alone. The grid follows the entries
+//! (the batch's packs, as the one-stage planner sizes one message's; a batch has no
+//! `blocks` option).
 //!
 //! # The batch's call descriptor
 //! One descriptor for the whole batch, built as [`super::call::encode`] builds any
@@ -22,29 +25,60 @@
 //! - the root field (3 bits, unused by an all-reduce) holds `count - 1`, so a rank that
 //!   batches another number of calls is a [`Error::CallMismatch`] with
 //!   `field: CallField::Root` (`"root 1"` against `"root 4"` for 2 against 5 entries);
-//! - the element field holds entry 0's element count, XOR-ed in its top 8 bits (element
-//!   count bits 31-38) with an 8-bit digest of the later entries' counts (0 for a batch
-//!   of one). A different length in entry 0 is a `CallField::Length` mismatch showing
-//!   entry 0's counts (plus the same digest times 2^31 on both sides, when there are
-//!   later entries); a different length in a later entry changes the digest, and is a
-//!   `CallField::Length` mismatch too, except for the 1 in 256 differences whose digests
-//!   collide, which pass unnoticed (each rank then reduces at its own offsets, within
-//!   the payloads: wrong sums, no fault). The descriptor has no room for more; the
-//!   single controller compares every entry exactly on the host before launching.
+//! - the element field holds entry 0's element count (exact below 2^39, as any call's),
+//!   so a different length in entry 0 is a `CallField::Length` mismatch showing entry 0's
+//!   counts (`"300 elements"` against `"301 elements"`).
 //!
-//! Those descriptor words travel and are compared as every call's do (barrier arrivals,
-//! `current_call`, the error record), so a mismatch is a typed error on every rank,
-//! nothing written. `call.rs` does not know the kind yet: a batch against another
-//! collective is named `CallField::Collective` with the batch shown as "unknown kernel
-//! 11".
+//! The descriptor has no room for the later entries' lengths; the kernel compares them
+//! exactly (next section). Those descriptor words travel and are compared as every
+//! call's do (barrier arrivals, `current_call`, the error record), so a mismatch is a
+//! typed error on every rank, nothing written. A batch against another collective is
+//! `CallField::Collective` ("group of all-reduces" against, say, "all-reduce").
+//!
+//! # The entry tables: every length, exactly
+//! In a group wider than one, every rank writes its entry table at the start of its own
+//! payload while it stages (`PEERCOMM_GROUP_HEADER_BYTES` = 80 bytes, 32-bit words: word
+//! 0 the count, words 1-3 zero, words 4 + 2s and 5 + 2s the low and high halves of entry
+//! s's element count, 0 past the count; every block writes the same words). The Publish
+//! barrier orders it before the peers read it, as it orders the staged data; after that
+//! barrier every block compares every group peer's table with its own, the count and all
+//! 8 lengths, before it stores anything.
+//!
+//! On any difference every rank finds one on its side (were each rank's table equal to
+//! all of its peers', all would be equal), so every block of every rank records
+//! [`Error::CallMismatch`] and abandons as on a barrier mismatch, skipping the reduce
+//! and the End barrier: it tells its peers' same-index blocks it is done with their
+//! payloads and waits (at most the barrier timeout; with none, not at all, as every
+//! abandon) until each has said the same, which each does as soon as it has compared
+//! the tables. So no rank's kernel ends, and no next call reuses its payload, while a
+//! peer still reads its table, and no output is written. (Passing the End barrier
+//! instead would not do: the record is the rank's abort word, which every wait polls.)
+//!
+//! The record names the first peer whose table differs (on a device, the first one
+//! found) and shows, on each side, the batch's descriptor with that side's count in the
+//! root field and the element count of the first entry whose lengths differ:
+//! `field: CallField::Length` with `mine` / `theirs` `"999 elements"` against `"1000
+//! elements"` for entry 2 of `[300, 7, 999, 0, 8]` against `[300, 7, 1000, 0, 8]`, exact
+//! below 2^39 elements (a payload holds far fewer). Counts cannot differ there (the root
+//! field holds them exactly); were they to, the root would be named.
+//!
+//! A later entry's difference that also changes the grid (the grid follows the batch's
+//! total packs) already differs in the descriptor's block count, and the Publish barrier
+//! finds it. Between two batches that can only come from their lengths (`max_blocks` and
+//! `threads_per_block` are agreed at setup; the count, width and dtype are compared
+//! first), so [`super::call::first_difference`] names it `CallField::Length` too,
+//! showing `"entries sized for 1 block"` against `"entries sized for 2 blocks"`.
+//!
+//! The single controller also compares every entry exactly on the host before
+//! launching ([`Error::LengthMismatch`]); a group of one has no peer to compare with.
 
 use crate::backend::{Backend, Kernel, KernelKind, LaunchDims};
 use crate::dispatch::{self, Algorithm};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::signal::{
-    barrier_domain, AllReduceArgs, GroupArgs, GroupEntry, MAX_GROUP_CALLS,
-    MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES,
+    barrier_domain, AllReduceArgs, GroupArgs, GroupEntry, GROUP_HEADER_BYTES, MAX_GROUP_CALLS,
+    PACK_BYTES,
 };
 
 use super::call;
@@ -59,38 +93,22 @@ pub(crate) struct GroupPlan {
     /// Entries: 1 ..= `MAX_GROUP_CALLS`.
     pub(crate) count: usize,
     pub(crate) lengths: [u64; MAX_GROUP_CALLS],
-    /// Byte offsets in the payload (whole packs).
+    /// Byte offsets in the payload (whole packs, after the entry table).
     pub(crate) offsets: [u64; MAX_GROUP_CALLS],
     /// Elements of every entry together (0: nothing to launch).
     pub(crate) total_elements: usize,
 }
 
-/// The element field of a batch's descriptor (see the module docs): entry 0's count,
-/// its bits 31-38 XOR-ed with an 8-bit digest (FNV-1a) of the later entries' counts.
-fn descriptor_elements(lengths: &[usize]) -> usize {
-    let first = lengths[0] as u64;
-    if lengths.len() == 1 {
-        return first as usize;
-    }
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for byte in lengths[1..].iter().flat_map(|&n| (n as u64).to_le_bytes()) {
-        h = (h ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
-    }
-    let digest = (h ^ (h >> 8) ^ (h >> 16) ^ (h >> 32)) & 0xff;
-    (first ^ (digest << 31)) as usize
-}
-
 impl Settings {
     /// Plans a batch of all-reduces of `dtype` with these element counts over groups of
-    /// `group_size` (0 = the world): payload offsets, the scratch check, the grid (from
-    /// the batch's packs, as the one-stage planner sizes one message's, capped alike),
-    /// and the plan the descriptor is built from.
+    /// `group_size` (0 = the world): payload offsets after the entry table, the scratch
+    /// check, the grid (from the batch's packs, as the one-stage planner sizes one
+    /// message's, capped alike) and the plan the descriptor is built from.
     pub(crate) fn group_plan(
         &self,
         dtype: DType,
         lengths: &[usize],
         group_size: usize,
-        blocks: Option<u32>,
     ) -> Result<GroupPlan> {
         let count = lengths.len();
         if count == 0 || count > MAX_GROUP_CALLS {
@@ -101,13 +119,15 @@ impl Settings {
         let width = self.group_width(group_size)?;
         let kind = KernelKind::AllReduceGroup;
         let mut offsets = [0u64; MAX_GROUP_CALLS];
-        let mut packs = 0usize;
         let too_large = || Error::MessageTooLarge {
             algorithm: kind.name(),
             needed: usize::MAX,
             available: self.layout.payload_bytes,
             setting: "payload_bytes",
         };
+        // The entries' packs, after the entry table's.
+        let header_packs = GROUP_HEADER_BYTES / PACK_BYTES;
+        let mut packs = header_packs;
         for (s, &n) in lengths.iter().enumerate() {
             offsets[s] = packs
                 .checked_mul(PACK_BYTES)
@@ -118,8 +138,8 @@ impl Settings {
                 .ok_or_else(too_large)?;
         }
         let needed = packs.checked_mul(PACK_BYTES).ok_or_else(too_large)?;
-        // A group wider than one stages every entry into the payload; a group of one
-        // copies directly.
+        // A group wider than one stages the table and every entry into the payload; a
+        // group of one copies directly.
         let staged = width > 1;
         if staged && needed > self.layout.payload_bytes {
             return Err(Error::MessageTooLarge {
@@ -129,20 +149,13 @@ impl Settings {
                 setting: "payload_bytes",
             });
         }
-        let blocks = match blocks {
-            Some(b) if b == 0 || b as usize > MAX_NUM_BLOCKS_UPPER_BOUND => {
-                return Err(Error::Unsupported(format!(
-                    "blocks must be in 1..={MAX_NUM_BLOCKS_UPPER_BOUND}, not {b}"
-                )))
-            }
-            Some(b) => b,
-            // As one-stage: each pack comes from width - 1 peers.
-            None => dispatch::blocks_for(
-                packs.saturating_mul((width - 1).max(1)),
-                self.config.threads_per_block,
-                self.max_blocks,
-            ),
-        };
+        // As one-stage: each of the entries' packs comes from width - 1 peers. From the
+        // entries alone, so two batches' grids differ only where their lengths do.
+        let blocks = dispatch::blocks_for(
+            (packs - header_packs).saturating_mul((width - 1).max(1)),
+            self.config.threads_per_block,
+            self.max_blocks,
+        );
         let mut lens = [0u64; MAX_GROUP_CALLS];
         for (l, &n) in lens.iter_mut().zip(lengths) {
             *l = n as u64;
@@ -152,7 +165,7 @@ impl Settings {
                 kernel: Kernel { kind, dtype },
                 algorithm: Algorithm::OneStage,
                 width,
-                elements: descriptor_elements(lengths),
+                elements: lengths[0],
                 stage_input: staged,
                 dims: LaunchDims {
                     blocks,
@@ -179,9 +192,8 @@ impl<B: Backend> Rank<B> {
         dtype: DType,
         lengths: &[usize],
         group_size: usize,
-        blocks: Option<u32>,
     ) -> Result<GroupPlan> {
-        self.settings.group_plan(dtype, lengths, group_size, blocks)
+        self.settings.group_plan(dtype, lengths, group_size)
     }
 
     /// Enqueues this rank's batched all-reduce of `group` (see
@@ -283,7 +295,8 @@ impl<B: Backend> Rank<B> {
     /// Splits a group's calls into launches: consecutive all-reduces that peer memory
     /// serves, of one dtype and one group width, with the algorithm and grid left to
     /// peercomm (`Auto` or `OneStage`, no `blocks`, no overlap), run as one batched
-    /// kernel of up to [`MAX_GROUP_CALLS`] whose staged inputs fit the payload; every
+    /// kernel of up to [`MAX_GROUP_CALLS`] whose entry table and staged inputs fit the
+    /// payload; every
     /// other call runs alone, as it would outside a group. Every rank decides the same,
     /// from the calls alone (the same on every rank, or the descriptors differ).
     pub(crate) fn plan_grouped(
@@ -318,7 +331,7 @@ impl<B: Backend> Rank<B> {
                         break;
                     }
                     lengths.push(next.elements);
-                    match self.plan_group(c.dtype, &lengths, group_size, None) {
+                    match self.plan_group(c.dtype, &lengths, group_size) {
                         Ok(p) => plan = Some(p),
                         Err(_) => {
                             lengths.pop();
@@ -339,5 +352,43 @@ impl<B: Backend> Rank<B> {
             i += 1;
         }
         Ok(steps)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::comm::CommConfig;
+
+    fn settings(payload_bytes: usize, world: usize) -> Settings {
+        let config = CommConfig {
+            payload_bytes,
+            max_blocks: Some(2),
+            ..CommConfig::default()
+        };
+        Settings::new(config, "sm_90".into(), 8, world).unwrap()
+    }
+
+    /// The entries follow the entry table, and the table counts in the payload bound of
+    /// a staged batch; the descriptor holds entry 0's exact length and the count.
+    #[test]
+    fn entries_follow_the_table_and_fit_with_it() {
+        let s = settings(64 << 10, 2);
+        let g = s.group_plan(DType::F32, &[5, 0, 8, 1], 0).unwrap();
+        assert_eq!(GROUP_HEADER_BYTES, 80);
+        assert_eq!(&g.offsets[..4], &[80, 112, 112, 144]);
+        assert_eq!(g.plan.elements, 5);
+        assert_eq!(g.plan.collective.root, 3);
+        let big = s.group_plan(DType::F32, &[(1 << 33) + 5, 1], 1).unwrap();
+        assert_eq!(big.plan.elements, (1 << 33) + 5);
+        // The table and the entries fill the payload exactly; one pack more does not fit.
+        let fill = ((64 << 10) - GROUP_HEADER_BYTES) / 4;
+        assert!(s.group_plan(DType::F32, &[fill - 4, 4], 0).is_ok());
+        match s.group_plan(DType::F32, &[fill - 4, 5], 0) {
+            Err(Error::MessageTooLarge { needed, .. }) => assert_eq!(needed, (64 << 10) + 16),
+            other => panic!("{:?}", other.map(|g| g.count)),
+        }
+        // A group of one stages nothing.
+        assert!(s.group_plan(DType::F32, &[fill, 5], 1).is_ok());
     }
 }

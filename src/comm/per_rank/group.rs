@@ -36,9 +36,11 @@ impl<B: Backend> Comm<B> {
     /// together when it ends, in the order they were issued, on every rank. Several
     /// all-reduces of one dtype and group width (and the algorithm left to peercomm)
     /// run as one kernel with one start and one end barrier, up to 8 at a time, as
-    /// long as their inputs fit `CommConfig::payload_bytes` together; every rank must
-    /// issue the same group (the call descriptor catches one that does not, as for
-    /// single calls). Each result is bit for bit what the call gives alone.
+    /// long as their inputs fit `CommConfig::payload_bytes` together (after an 80-byte
+    /// table of the entries' lengths); every rank must issue the same group (the call
+    /// descriptor catches one that does not, as for single calls, and the kernel
+    /// compares every entry's length exactly: `Error::CallMismatch` on every rank,
+    /// nothing written). Each result is bit for bit what the call gives alone.
     ///
     /// ```
     /// use peercomm::backend::{host::Host, Backend};

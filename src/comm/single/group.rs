@@ -32,8 +32,8 @@ impl<B: Backend> Communicator<B> {
     /// Opens a group: the all-reduces issued through the returned guard are launched
     /// together when it ends, in order, on every rank; several of one dtype and group
     /// width (algorithm left to peercomm) run as one kernel per rank with one start and
-    /// one end barrier, up to 8 at a time while their inputs fit the payload together.
-    /// Each result is bit for bit what the call gives alone. Replaces `group_start` /
+    /// one end barrier, up to 8 at a time while their inputs fit the payload together
+    /// (after an 80-byte table of the entries' lengths). Each result is bit for bit what the call gives alone. Replaces `group_start` /
     /// `group_end`, which launched every call at once.
     ///
     /// ```

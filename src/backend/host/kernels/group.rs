@@ -5,12 +5,20 @@
 //! block g % blocks, for the staging copy and the reduce alike, so the per-block Publish
 //! barrier orders every read of a peer's payload after the peer's write. Each element
 //! is summed as the one-stage kernel sums it ([`reduce_element`]), so every entry's bits
-//! are those of a one-stage all-reduce of that entry alone.
+//! are those of a one-stage all-reduce of that entry alone. Before the reduce, every
+//! block compares every peer's entry table (at the start of its payload: the count and
+//! every entry's exact length) with this rank's, and leaves on a difference with a call
+//! mismatch, nothing stored ([`same_entry_tables`]).
 
-use super::{barrier, lanes, pack_range, reduce_element, store, Stop};
+use std::sync::atomic::Ordering;
+
+use super::{atomic, barrier, lanes, pack_range, reduce_element, store, Stop};
 use crate::dtype::Element;
 use crate::protocol::BarrierKind;
-use crate::signal::{GroupArgs, GroupEntry, MAX_GPUS, MAX_GROUP_CALLS, PACK_BYTES};
+use crate::signal::{
+    group_header_words, group_shown_call, GroupArgs, GroupEntry, GROUP_HEADER_BYTES, MAX_GPUS,
+    MAX_GROUP_CALLS, PACK_BYTES,
+};
 
 /// This block's packs of entry `e` (local pack numbers): those whose batch-wide number
 /// `offset / 16 + p` is `block` modulo `blocks`.
@@ -27,6 +35,51 @@ fn entries(args: &GroupArgs) -> &[GroupEntry] {
     &args.entries[..(args.count as usize).min(MAX_GROUP_CALLS)]
 }
 
+/// Words of the entry table.
+const HEADER_WORDS: usize = GROUP_HEADER_BYTES / 4;
+
+/// This rank's entry table (see [`GROUP_HEADER_BYTES`]), from the entries in use.
+fn own_table(args: &GroupArgs) -> [u32; HEADER_WORDS] {
+    let entries = entries(args);
+    group_header_words(entries.len() as u32, |s| entries[s].elements)
+}
+
+/// Word `i` of the entry table at the start of the payload at `payload`. Atomic: every
+/// block of the rank writes the same table at once.
+unsafe fn table_word<'a>(payload: u64, i: usize) -> &'a std::sync::atomic::AtomicU32 {
+    atomic((payload as *mut u32).add(i))
+}
+
+/// The element count of entry `s` in a table.
+fn table_elements(table: &[u32; HEADER_WORDS], s: usize) -> u64 {
+    u64::from(table[5 + 2 * s]) << 32 | u64::from(table[4 + 2 * s])
+}
+
+/// After the Publish barrier: every peer's entry table against this rank's (the count,
+/// then every entry's element count), in group-rank order. The first peer whose table
+/// differs is a mismatch whose record shows, on each side, the batch's descriptor with
+/// that side's count and element count of the first entry that differs (the device's
+/// `same_entry_tables`).
+unsafe fn same_entry_tables(args: &GroupArgs) -> Result<(), Stop> {
+    let a = &args.all;
+    let mine = own_table(args);
+    for q in (0..a.group_width as usize).filter(|&q| q != a.group_rank as usize) {
+        let theirs: [u32; HEADER_WORDS] =
+            std::array::from_fn(|i| table_word(a.payloads[q], i).load(Ordering::Relaxed));
+        let first =
+            (0..MAX_GROUP_CALLS).find(|&s| table_elements(&theirs, s) != table_elements(&mine, s));
+        if theirs[0] != mine[0] || first.is_some() {
+            let first = first.unwrap_or(0);
+            return Err(Stop::Mismatch {
+                peer: q,
+                mine: group_shown_call(a.call, mine[0], table_elements(&mine, first)),
+                theirs: group_shown_call(a.call, theirs[0], table_elements(&theirs, first)),
+            });
+        }
+    }
+    Ok(())
+}
+
 pub(super) unsafe fn all_reduce_group<T: Element>(
     args: &GroupArgs,
     block: u32,
@@ -37,7 +90,11 @@ pub(super) unsafe fn all_reduce_group<T: Element>(
     // A group wider than one always stages: the peers read the payloads only.
     let staged = width > 1;
     if staged {
-        // Phase 1: this block's share of every entry's input into the own payload.
+        // Phase 1: the entry table (every block writes the same words), then this
+        // block's share of every entry's input into the own payload.
+        for (i, &w) in own_table(args).iter().enumerate() {
+            table_word(a.payloads[me], i).store(w, Ordering::Relaxed);
+        }
         for e in entries(args) {
             let n = e.elements as usize;
             let dst = (a.payloads[me] + e.offset) as *mut T;
@@ -56,7 +113,11 @@ pub(super) unsafe fn all_reduce_group<T: Element>(
         BarrierKind::Start
     };
     barrier(a, block, first)?;
-    // Phase 3: this block's share of every entry, summed over the members in group-rank
+    // Phase 3: nothing is stored before every peer's entry table matches this rank's.
+    if staged {
+        same_entry_tables(args)?;
+    }
+    // Phase 4: this block's share of every entry, summed over the members in group-rank
     // order from their payloads (a group of one copies its input).
     for e in entries(args) {
         let n = e.elements as usize;
@@ -74,7 +135,7 @@ pub(super) unsafe fn all_reduce_group<T: Element>(
             }
         }
     }
-    // Phase 4: no peer overwrites a payload this block still reads.
+    // Phase 5: no peer overwrites a payload this block still reads.
     barrier(a, block, BarrierKind::End)
 }
 
