@@ -295,6 +295,10 @@ fn fused(gpu: &Gpu, args: &Args, nccl: Option<&[cudarc::nccl::Comm]>) -> Vec<Rec
             if imp == "nccl" && nccl.is_none() {
                 continue;
             }
+            // The Lamport fused kernel needs the message and its header pack in one slot.
+            if imp == "peercomm-fused-lamport" && n * 2 + 16 > args.lamport_slot_bytes {
+                continue;
+            }
             let mut res = buffers(gpu, n, Some(&res0));
             let mut out = buffers(gpu, n, None);
             let call = |res: &mut Vec<CudaSlice<T>>,
