@@ -80,7 +80,7 @@ fn same_process_import(detail: &str) -> Error {
 }
 
 /// Another process's allocation mapped into this one with `cuIpcOpenMemHandle`
-/// ([`Backend::import_memory`]). Dropping it synchronises the importing context (kernels
+/// ([`Backend::import_memory`](super::super::Backend::import_memory)). Dropping it synchronises the importing context (kernels
 /// there may still use the memory, as [`CudaMemory`]'s drop does) and closes the
 /// mapping with `cuIpcCloseMemHandle`; errors are ignored there, never panicked on.
 pub struct CudaPeerMapping {
