@@ -1,0 +1,197 @@
+//! The CUDA device: the `Cuda` backend type, loading the driver library, the
+//! `CudaDevice` (context, stream, kernels table) with its `IntoDevice` conversions, and
+//! loading the embedded fatbin into the kernels table.
+
+use std::collections::HashMap;
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+
+use super::super::Kernel;
+use crate::error::{Error, Result};
+
+/// The kernels of `kernels-cuda/`, compiled by build.rs into one fatbin.
+static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/peercomm_cuda.fatbin"));
+
+/// The CUDA backend (feature `cuda`).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Cuda;
+
+pub(super) fn driver_err(call: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> Error {
+    move |e| Error::Backend {
+        backend: "cuda",
+        call,
+        detail: e.to_string(),
+    }
+}
+
+/// Loads libcuda once. cudarc's loader panics when the library is missing, so the
+/// library is looked for first (with libloading, under the names the driver is
+/// installed as): when it is missing, that is [`Error::NoDevice`] and cudarc is never
+/// asked. Nothing here touches the process-wide panic hook, so no other thread's panic
+/// message can be lost while the driver loads. (Should cudarc still panic, the panic is
+/// caught and reported as `NoDevice`; the default hook prints it once.)
+pub(super) fn driver() -> Result<()> {
+    static LOADED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
+    LOADED
+        .get_or_init(|| {
+            libcuda_present()?;
+            match std::panic::catch_unwind(CudaContext::device_count) {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(e.to_string()),
+                Err(_) => Err("the CUDA driver library (libcuda) could not be loaded".into()),
+            }
+        })
+        .clone()
+        .map_err(|detail| Error::NoDevice {
+            backend: "cuda",
+            detail,
+        })
+}
+
+/// Names the CUDA driver library is installed as.
+fn libcuda_names() -> Vec<String> {
+    use std::env::consts::{DLL_PREFIX, DLL_SUFFIX};
+    vec![
+        format!("{DLL_PREFIX}cuda{DLL_SUFFIX}.1"),
+        format!("{DLL_PREFIX}cuda{DLL_SUFFIX}"),
+        "nvcuda.dll".to_string(),
+    ]
+}
+
+/// Loads the first of `names` that loads and keeps it loaded for the process (cudarc
+/// loads the same library next and keeps its handle): whether one did. The check that
+/// keeps cudarc from panicking on a missing library (libcuda here, libnccl in
+/// `external::nccl`).
+pub(crate) fn load_first_of(names: &[String]) -> bool {
+    names.iter().any(|name| {
+        // SAFETY: loading the library runs its initialisers, which is what cudarc's own
+        // loader does next with the same library.
+        match unsafe { libloading::Library::new(name) } {
+            Ok(lib) => {
+                std::mem::forget(lib);
+                true
+            }
+            Err(_) => false,
+        }
+    })
+}
+
+/// Whether the driver library can be loaded (it stays loaded: cudarc loads it again).
+fn libcuda_present() -> std::result::Result<(), String> {
+    let names = libcuda_names();
+    if load_first_of(&names) {
+        return Ok(());
+    }
+    Err(format!(
+        "the CUDA driver library could not be loaded (looked for {names:?}; is the NVIDIA \
+         driver installed and on the library path?)"
+    ))
+}
+
+/// One GPU: its context, the stream collectives run on, and the loaded kernels.
+#[derive(Clone)]
+pub struct CudaDevice {
+    pub(super) ctx: Arc<CudaContext>,
+    pub(super) stream: Arc<CudaStream>,
+    pub(super) kernels: KernelTable,
+}
+
+/// Every kernel entry point, resolved in one context.
+type KernelTable = Arc<HashMap<Kernel, CudaFunction>>;
+
+impl super::super::IntoDevice for CudaDevice {
+    type Backend = Cuda;
+    fn into_device(self) -> Result<CudaDevice> {
+        Ok(self)
+    }
+}
+
+/// cudarc's stream: collectives run on it, ordered with the caller's other work (see
+/// [`CudaDevice::from_stream`]).
+impl super::super::IntoDevice for Arc<CudaStream> {
+    type Backend = Cuda;
+    fn into_device(self) -> Result<CudaDevice> {
+        CudaDevice::from_stream(self)
+    }
+}
+
+impl std::fmt::Debug for CudaDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaDevice")
+            .field("ordinal", &self.ctx.ordinal())
+            .finish()
+    }
+}
+
+impl CudaDevice {
+    /// Uses an existing stream (and its context): collectives on this rank are
+    /// enqueued on it, ordered with the caller's other work.
+    pub fn from_stream(stream: Arc<CudaStream>) -> Result<Self> {
+        driver()?;
+        let ctx = stream.context().clone();
+        let kernels = load_kernels(&ctx)?;
+        Ok(CudaDevice {
+            ctx,
+            stream,
+            kernels,
+        })
+    }
+    /// The context.
+    pub fn context(&self) -> &Arc<CudaContext> {
+        &self.ctx
+    }
+    /// The stream collectives of this rank run on.
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+/// Loads the embedded fatbin into a context once (per context) and resolves every
+/// kernel symbol.
+fn load_kernels(ctx: &Arc<CudaContext>) -> Result<KernelTable> {
+    static CACHE: OnceLock<std::sync::Mutex<HashMap<usize, KernelTable>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    let key = ctx.cu_ctx() as usize;
+    if let Some(k) = cache.lock().unwrap_or_else(|e| e.into_inner()).get(&key) {
+        return Ok(k.clone());
+    }
+    let module: Arc<CudaModule> = ctx
+        .load_module(cudarc::nvrtc::Ptx::from_binary(FATBIN.to_vec()))
+        .map_err(driver_err("cuModuleLoadData (embedded fatbin: rebuild with PEERCOMM_CUDA_ARCHS covering this GPU?)"))?;
+    let mut map = HashMap::new();
+    for k in Kernel::all() {
+        let f = module
+            .load_function(&k.symbol())
+            .map_err(driver_err("cuModuleGetFunction"))?;
+        map.insert(k, f);
+    }
+    let map = Arc::new(map);
+    cache
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .insert(key, map.clone());
+    Ok(map)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every symbol the backend resolves at run time is in the embedded fatbin (checked
+    /// without a GPU: the names are stored as strings in its ELF images).
+    #[test]
+    fn fatbin_exports_every_kernel() {
+        let names: Vec<String> = Kernel::all().map(|k| k.symbol()).collect();
+        // Eleven families (three all-reduces, the barrier, four other collectives, the
+        // one-stage and Lamport fused all-reduce + RMSNorm, the batched all-reduce) in
+        // three dtypes, plus ping-pong and delay.
+        assert_eq!(names.len(), 11 * 3 + 2);
+        for name in names {
+            assert!(
+                FATBIN.windows(name.len()).any(|w| w == name.as_bytes()),
+                "{name} is missing from the CUDA fatbin"
+            );
+        }
+    }
+}

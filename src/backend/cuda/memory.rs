@@ -1,0 +1,310 @@
+//! CUDA memory: signal allocations (`CudaMemory`), peer access to a shared device's
+//! pool, IPC export and import (`CudaPeerMapping`) and the peer-access diagnosis.
+
+use std::sync::{Arc, OnceLock};
+
+use cudarc::driver::sys;
+use cudarc::driver::CudaContext;
+
+use super::super::handle::{import_error, process_token, Reader, Writer};
+use super::device::{driver_err, CudaDevice};
+use crate::error::{Error, Result};
+
+/// The location of device `ordinal`, built the same way whatever CUDA version the
+/// application's cudarc binds: `CUmemLocation` is `{ CUmemLocationType type; int id; }`
+/// in every version, though from 13.2 the id sits in a union (and the bindings change
+/// shape with it), so the id is written at its C offset.
+pub(super) fn device_location(ordinal: usize) -> sys::CUmemLocation {
+    const _: () = assert!(std::mem::size_of::<sys::CUmemLocation>() == 8);
+    // SAFETY: all-zero bits are a valid CUmemLocation (a C enum and an int / a union of
+    // plain integers).
+    let mut location: sys::CUmemLocation = unsafe { std::mem::zeroed() };
+    location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+    // SAFETY: the id is the 4-byte int at offset 4 in every CUDA version's layout (the
+    // size assertion above pins the 8-byte struct); the write stays inside `location`.
+    unsafe {
+        (std::ptr::addr_of_mut!(location) as *mut i32)
+            .add(1)
+            .write(ordinal as i32)
+    };
+    location
+}
+
+/// Memory pools known to grant read-write access to a device: (pool, device ordinal).
+pub(super) fn granted_pools() -> &'static std::sync::Mutex<std::collections::HashSet<(usize, i32)>>
+{
+    static POOLS: OnceLock<std::sync::Mutex<std::collections::HashSet<(usize, i32)>>> =
+        OnceLock::new();
+    POOLS.get_or_init(Default::default)
+}
+
+/// A device allocation (signal buffers and other internal memory), freed on drop.
+pub struct CudaMemory {
+    pub(super) ctx: Arc<CudaContext>,
+    pub(super) ptr: u64,
+    pub(super) bytes: usize,
+}
+
+impl std::fmt::Debug for CudaMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaMemory")
+            .field("ptr", &self.ptr)
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+impl Drop for CudaMemory {
+    fn drop(&mut self) {
+        // Work that may still use the memory must finish first.
+        let _ = self.ctx.synchronize();
+        // SAFETY: `ptr` came from cuMemAlloc in this context and is freed once.
+        let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+    }
+}
+
+/// Magic of a CUDA IPC handle.
+const IPC_MAGIC: &[u8; 4] = b"pccu";
+/// Version of the CUDA IPC handle layout.
+const IPC_VERSION: u32 = 1;
+/// Bytes of a CUDA IPC handle: header 8, exporter's process token 8, size 8,
+/// `CUipcMemHandle` 64.
+const IPC_HANDLE_BYTES: usize = 88;
+
+/// The error for a handle this process exported itself.
+fn same_process_import(detail: &str) -> Error {
+    Error::Unsupported(format!(
+        "cuda: import_memory: {detail}: CUDA IPC cannot open a handle in the process that \
+         exported it; within one process use the allocation's own address (map_peer)"
+    ))
+}
+
+/// Another process's allocation mapped into this one with `cuIpcOpenMemHandle`
+/// ([`Backend::import_memory`](super::super::Backend::import_memory)). Dropping it synchronises the importing context (kernels
+/// there may still use the memory, as [`CudaMemory`]'s drop does) and closes the
+/// mapping with `cuIpcCloseMemHandle`; errors are ignored there, never panicked on.
+pub struct CudaPeerMapping {
+    pub(super) ctx: Arc<CudaContext>,
+    pub(super) ptr: u64,
+    pub(super) bytes: usize,
+}
+
+impl CudaPeerMapping {
+    /// Bytes of the exported allocation.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+}
+
+impl std::fmt::Debug for CudaPeerMapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CudaPeerMapping")
+            .field("ordinal", &self.ctx.ordinal())
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("bytes", &self.bytes)
+            .finish()
+    }
+}
+
+impl Drop for CudaPeerMapping {
+    fn drop(&mut self) {
+        // Work that may still use the mapping must finish first.
+        let _ = self.ctx.synchronize();
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: `ptr` came from cuIpcOpenMemHandle in this context and is closed once
+        // (drop), after the context's work.
+        let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+    }
+}
+
+pub(super) fn prepare_shared_device(dev: &CudaDevice) -> Result<()> {
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` outlives the call; the device handle comes from a live context.
+    unsafe { sys::cuDeviceGetMemPool(&mut pool, dev.ctx.cu_device()) }
+        .result()
+        .map_err(driver_err("cuDeviceGetMemPool"))?;
+    // No allocation waits, through the pool, for a free on another rank's stream.
+    let mut off: i32 = 0;
+    // SAFETY: the attribute takes an int; `off` outlives the call.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+            &mut off as *mut i32 as *mut std::ffi::c_void,
+        )
+    }
+    .result()
+    .map_err(driver_err("cuMemPoolSetAttribute"))?;
+    // Keep freed memory in the pool: giving it back to the system at a stream
+    // synchronisation can wait for the whole device, including another rank's
+    // kernel that waits for this rank's next launch.
+    let mut keep = u64::MAX;
+    // SAFETY: the attribute takes a cuuint64_t; `keep` outlives the call.
+    unsafe {
+        sys::cuMemPoolSetAttribute(
+            pool,
+            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            &mut keep as *mut u64 as *mut std::ffi::c_void,
+        )
+    }
+    .result()
+    .map_err(driver_err("cuMemPoolSetAttribute"))
+}
+
+pub(super) fn peer_access_problem(
+    dev: &CudaDevice,
+    ptr: u64,
+    peer: &CudaDevice,
+) -> Result<Option<String>> {
+    if dev.ctx.ordinal() == peer.ctx.ordinal() {
+        return Ok(None);
+    }
+    let peer_ordinal = peer.ctx.ordinal() as i32;
+    let location = device_location(peer.ctx.ordinal());
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is a valid out-pointer of the attribute's type for the call.
+    unsafe {
+        sys::cuPointerGetAttribute(
+            &mut pool as *mut _ as *mut std::ffi::c_void,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+            ptr,
+        )
+    }
+    .result()
+    .map_err(driver_err("cuPointerGetAttribute(MEMPOOL_HANDLE)"))?;
+    if !pool.is_null() {
+        if granted_pools()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .contains(&(pool as usize, peer_ordinal))
+        {
+            return Ok(None);
+        }
+        let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+        let mut loc = location;
+        // SAFETY: `pool` came from the driver for a live allocation; out-pointers are valid.
+        unsafe { sys::cuMemPoolGetAccess(&mut flags, pool, &mut loc) }
+            .result()
+            .map_err(driver_err("cuMemPoolGetAccess"))?;
+        return Ok(match flags {
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE => {
+                granted_pools()
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert((pool as usize, peer_ordinal));
+                None
+            }
+            other => Some(format!("its memory pool grants the peer {other:?}")),
+        });
+    }
+    let mut legacy: i32 = 0;
+    // SAFETY: `legacy` is a valid out-pointer of the attribute's type (int).
+    unsafe {
+        sys::cuPointerGetAttribute(
+            &mut legacy as *mut i32 as *mut std::ffi::c_void,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+            ptr,
+        )
+    }
+    .result()
+    .map_err(driver_err(
+        "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)",
+    ))?;
+    if legacy != 0 {
+        // cuMemAlloc memory: covered by the context's peer access.
+        return Ok(None);
+    }
+    // A virtual-memory mapping (cuMemCreate + cuMemMap): access is per range.
+    let mut flags: u64 = 0;
+    // SAFETY: `flags` and `location` are valid for the call; `ptr` is a mapped address.
+    let r = unsafe { sys::cuMemGetAccess(&mut flags, &location, ptr) };
+    Ok(match r {
+        sys::CUresult::CUDA_SUCCESS if flags & 1 != 0 => None,
+        sys::CUresult::CUDA_SUCCESS => Some(format!(
+            "its virtual-memory mapping grants the peer access flags {flags}"
+        )),
+        other => Some(format!(
+            "the driver cannot tell whether the peer may read it ({other:?})"
+        )),
+    })
+}
+
+pub(super) fn export_memory(_dev: &CudaDevice, mem: &CudaMemory) -> Result<Vec<u8>> {
+    mem.ctx
+        .bind_to_thread()
+        .map_err(driver_err("cuCtxSetCurrent"))?;
+    let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
+    // SAFETY: `handle` outlives the call; `ptr` is the base of a live cuMemAlloc
+    // allocation of the current context.
+    unsafe { sys::cuIpcGetMemHandle(&mut handle, mem.ptr) }
+        .result()
+        .map_err(driver_err("cuIpcGetMemHandle"))?;
+    Ok(Writer::new(IPC_MAGIC, IPC_VERSION)
+        .u64(process_token())
+        .u64(mem.bytes as u64)
+        .bytes(&handle.reserved.map(|c| c as u8))
+        .finish())
+}
+
+pub(super) fn import_memory(dev: &CudaDevice, handle: &[u8]) -> Result<CudaPeerMapping> {
+    let mut r = Reader::open("cuda", handle, IPC_MAGIC, IPC_VERSION, IPC_HANDLE_BYTES)?;
+    let (token, bytes, raw) = (r.u64(), r.u64(), r.array::<64>());
+    if token == process_token() {
+        return Err(same_process_import("this process exported the handle"));
+    }
+    let bytes = usize::try_from(bytes)
+        .map_err(|_| import_error("cuda", format!("size {bytes} does not fit here")))?;
+    dev.ctx
+        .bind_to_thread()
+        .map_err(driver_err("cuCtxSetCurrent"))?;
+    let ipc = sys::CUipcMemHandle {
+        reserved: raw.map(|b| b as std::ffi::c_char),
+    };
+    let mut ptr: sys::CUdeviceptr = 0;
+    // SAFETY: `ptr` outlives the call and `dev`'s context is current; the driver
+    // validates the handle's contents.
+    let opened = unsafe {
+        sys::cuIpcOpenMemHandle_v2(
+            &mut ptr,
+            ipc,
+            sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
+        )
+    };
+    match opened {
+        sys::CUresult::CUDA_SUCCESS => {}
+        sys::CUresult::CUDA_ERROR_INVALID_CONTEXT => {
+            return Err(same_process_import(
+                "cuIpcOpenMemHandle: CUDA_ERROR_INVALID_CONTEXT (the driver's answer to a \
+                 handle of this same process)",
+            ))
+        }
+        other => {
+            return Err(Error::Backend {
+                backend: "cuda",
+                call: "cuIpcOpenMemHandle",
+                detail: format!(
+                    "{other:?}: the exporter may have freed the memory or exited, run on \
+                     another host, or its GPU and this one have no peer-to-peer path"
+                ),
+            })
+        }
+    }
+    // From here on the mapping's drop closes it, on the error path too.
+    let mapping = CudaPeerMapping {
+        ctx: dev.ctx.clone(),
+        ptr,
+        bytes,
+    };
+    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: out-pointers valid for the call; `ptr` is a live mapping.
+    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+        .result()
+        .map_err(driver_err("cuMemGetAddressRange"))?;
+    if size < bytes {
+        return Err(import_error(
+            "cuda",
+            format!("the handle says {bytes} bytes, but the allocation it opens has {size}"),
+        ));
+    }
+    Ok(mapping)
+}

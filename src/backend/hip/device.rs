@@ -1,0 +1,299 @@
+//! The HIP device: the `Hip` backend type, `HipDevice` (stream, loaded kernels and
+//! what the runtime reports) with opening it, and `HipEvent`.
+
+use std::ffi::c_void;
+use std::ptr::null_mut;
+use std::sync::Mutex;
+
+use hip_sys::hiprt::{hipEvent_t, hipFunction_t, hipModule_t, hipStream_t};
+
+use super::super::{Backend, Kernel};
+use crate::error::{Error, Result};
+
+use super::ffi;
+use super::runtime::*;
+
+/// One AMD GPU: its stream, its loaded kernels and what the runtime reports about it.
+pub struct HipDevice {
+    pub(super) ordinal: usize,
+    pub(super) stream: hipStream_t,
+    pub(super) module: hipModule_t,
+    /// Every kernel of [`Kernel::all`], resolved when the device is opened.
+    pub(super) functions: Vec<(Kernel, hipFunction_t)>,
+    /// Other entry points (e.g. the flag ping-pong), resolved by symbol on first use.
+    pub(super) extra_functions: Mutex<Vec<(String, hipFunction_t)>>,
+    pub(super) gcn_arch_name: String,
+    pub(super) processor: String,
+    pub(super) code_object: EmbeddedCodeObject,
+    pub(super) compute_units: usize,
+    pub(super) wall_clock_khz: Option<u32>,
+}
+
+impl super::super::IntoDevice for HipDevice {
+    type Backend = Hip;
+    fn into_device(self) -> Result<HipDevice> {
+        Ok(self)
+    }
+}
+
+// SAFETY: the handles are owned by this value; HIP streams, modules and functions may be
+// used from any host thread (the runtime synchronises internally), and every call sets
+// the calling thread's current device first where HIP needs one.
+unsafe impl Send for HipDevice {}
+// SAFETY: as above; `&HipDevice` only enqueues work on the stream, which HIP allows
+// from several threads at once.
+unsafe impl Sync for HipDevice {}
+
+impl std::fmt::Debug for HipDevice {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HipDevice")
+            .field("ordinal", &self.ordinal)
+            .field("gcn_arch_name", &self.gcn_arch_name)
+            .field("code_object", &self.code_object.target)
+            .field("compute_units", &self.compute_units)
+            .finish()
+    }
+}
+
+impl HipDevice {
+    /// The device ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+    /// The full architecture name the runtime reports (e.g. `gfx942:sramecc+:xnack-`).
+    pub fn gcn_arch_name(&self) -> &str {
+        &self.gcn_arch_name
+    }
+    /// The target id of the embedded code object loaded on this device.
+    pub fn code_object_target(&self) -> &'static str {
+        self.code_object.target
+    }
+    /// Rate of the wall clock the kernels time barriers with, when the runtime
+    /// reports it (ROCm 6+); otherwise the kernels assume 100 MHz.
+    pub fn wall_clock_khz(&self) -> Option<u32> {
+        self.wall_clock_khz
+    }
+    /// The raw `hipStream_t` collectives run on, for interoperation (e.g. to make
+    /// another stream wait on it with the HIP API).
+    pub fn stream_handle(&self) -> *mut c_void {
+        self.stream.cast()
+    }
+    /// Records an event on this device's stream: it completes when everything
+    /// enqueued so far (collectives included) has.
+    pub fn record_event(&self) -> Result<HipEvent> {
+        set_device(self.ordinal)?;
+        let mut event: hipEvent_t = null_mut();
+        // SAFETY: `event` is a valid out pointer.
+        check(
+            unsafe { ffi::hipEventCreateWithFlags(&mut event, ffi::EVENT_DISABLE_TIMING) },
+            "hipEventCreateWithFlags",
+        )?;
+        let event = HipEvent { event };
+        // SAFETY: both handles are live.
+        check(
+            unsafe { ffi::hipEventRecord(event.event, self.stream) },
+            "hipEventRecord",
+        )?;
+        Ok(event)
+    }
+    /// Makes this device's stream wait (on the device, without blocking the host) until
+    /// `event` has completed: how a producer stream's tensor is handed to a collective.
+    pub fn wait_event(&self, event: &HipEvent) -> Result<()> {
+        // SAFETY: both handles are live.
+        check(
+            unsafe { ffi::hipStreamWaitEvent(self.stream, event.event, 0) },
+            "hipStreamWaitEvent",
+        )
+    }
+
+    /// The loaded entry point of `kernel`.
+    pub(super) fn function(&self, kernel: Kernel) -> Result<hipFunction_t> {
+        if let Some(&(_, f)) = self.functions.iter().find(|(k, _)| *k == kernel) {
+            return Ok(f);
+        }
+        let symbol = kernel.symbol();
+        let mut extra = self
+            .extra_functions
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(&(_, f)) = extra.iter().find(|(s, _)| *s == symbol) {
+            return Ok(f);
+        }
+        let f = module_function(self.module, &symbol)?;
+        extra.push((symbol, f));
+        Ok(f)
+    }
+}
+
+impl Drop for HipDevice {
+    fn drop(&mut self) {
+        // Errors cannot be reported from drop; the handles are released regardless.
+        let _ = set_device(self.ordinal);
+        // SAFETY: the stream and module are owned by this value and not used again.
+        unsafe {
+            ffi::hipStreamSynchronize(self.stream);
+            ffi::hipStreamDestroy(self.stream);
+            ffi::hipModuleUnload(self.module);
+        }
+    }
+}
+
+/// A HIP event (timing disabled) recorded by [`HipDevice::record_event`].
+pub struct HipEvent {
+    pub(super) event: hipEvent_t,
+}
+
+// SAFETY: HIP events may be recorded, waited on and destroyed from any thread.
+unsafe impl Send for HipEvent {}
+// SAFETY: as above; `&HipEvent` only waits on the event.
+unsafe impl Sync for HipEvent {}
+
+impl HipEvent {
+    /// Blocks the host until the event has completed.
+    pub fn synchronize(&self) -> Result<()> {
+        // SAFETY: the event is live.
+        check(
+            unsafe { ffi::hipEventSynchronize(self.event) },
+            "hipEventSynchronize",
+        )
+    }
+}
+
+impl Drop for HipEvent {
+    fn drop(&mut self) {
+        // SAFETY: owned by this value; HIP defers the release until the event completes.
+        unsafe { ffi::hipEventDestroy(self.event) };
+    }
+}
+
+pub(super) fn open(ordinal: usize) -> Result<HipDevice> {
+    let count = <Hip as Backend>::device_count()?;
+    if count == 0 {
+        return Err(Error::NoDevice {
+            backend: Hip::NAME,
+            detail: "hipGetDeviceCount reported 0 devices".into(),
+        });
+    }
+    if ordinal >= count {
+        return Err(Error::InvalidDevices(format!(
+            "HIP device {ordinal} does not exist ({count} visible)"
+        )));
+    }
+    set_device(ordinal)?;
+    let gcn_arch_name = gcn_arch_name(ordinal)?;
+    let processor = gcn_arch_name.split(':').next().unwrap_or("").to_string();
+    let code_object = code_object_for(&gcn_arch_name).ok_or_else(|| {
+        let built: Vec<&str> = embedded_code_objects().map(|c| c.target).collect();
+        let skipped: Vec<String> = skipped_architectures()
+            .iter()
+            .map(|(a, why)| format!("{a} ({why})"))
+            .collect();
+        Error::Unsupported(format!(
+            "HIP device {ordinal} is {gcn_arch_name}, and this build of peercomm embeds code \
+             objects for {built:?} only{}; rebuild with PEERCOMM_HIP_ARCHS={processor} \
+             (see docs/amd.md)",
+            if skipped.is_empty() {
+                String::new()
+            } else {
+                format!(" (not built: {})", skipped.join(", "))
+            }
+        ))
+    })?;
+    let compute_units = attribute(ordinal, ffi::ATTR_MULTIPROCESSOR_COUNT)
+        .map_err(|s| Error::Backend {
+            backend: Hip::NAME,
+            call: "hipDeviceGetAttribute(MultiprocessorCount)",
+            detail: describe(s),
+        })?
+        .max(1) as usize;
+
+    let mut stream: hipStream_t = null_mut();
+    // SAFETY: `stream` is a valid out pointer.
+    check(
+        unsafe { ffi::hipStreamCreateWithFlags(&mut stream, ffi::STREAM_NON_BLOCKING) },
+        "hipStreamCreateWithFlags",
+    )?;
+    // The ELF reader wants an aligned image; embedded bytes are only 1-aligned.
+    let mut image = vec![0u64; code_object.bytes.len().div_ceil(8)];
+    // SAFETY: `image` has room for all the bytes; the regions do not overlap.
+    unsafe {
+        std::ptr::copy_nonoverlapping(
+            code_object.bytes.as_ptr(),
+            image.as_mut_ptr().cast::<u8>(),
+            code_object.bytes.len(),
+        )
+    };
+    let mut module: hipModule_t = null_mut();
+    // SAFETY: `module` is a valid out pointer and `image` a complete code object
+    // that outlives the call (HIP copies it).
+    let loaded = unsafe { ffi::hipModuleLoadData(&mut module, image.as_ptr().cast()) };
+    if loaded != ffi::SUCCESS {
+        // SAFETY: created above, unused.
+        unsafe { ffi::hipStreamDestroy(stream) };
+        return Err(Error::Backend {
+            backend: Hip::NAME,
+            call: "hipModuleLoadData",
+            detail: format!(
+                "the {} code object on {gcn_arch_name}: {}",
+                code_object.target,
+                describe(loaded)
+            ),
+        });
+    }
+    let mut device = HipDevice {
+        ordinal,
+        stream,
+        module,
+        functions: Vec::new(),
+        extra_functions: Mutex::new(Vec::new()),
+        gcn_arch_name,
+        processor,
+        code_object,
+        compute_units,
+        wall_clock_khz: None,
+    };
+    // From here on `device`'s Drop releases the stream and module on any error.
+    for kernel in Kernel::all() {
+        let f = module_function(device.module, &kernel.symbol())?;
+        device.functions.push((kernel, f));
+    }
+    // The kernels time barriers with the constant-rate wall clock; tell them its rate
+    // where the runtime reports it (ROCm 6+), else they assume 100 MHz.
+    if let Ok(khz) = attribute(ordinal, ffi::ATTR_WALL_CLOCK_RATE) {
+        if khz > 0 {
+            let mut ptr: *mut c_void = null_mut();
+            let mut bytes = 0usize;
+            // SAFETY: valid out pointers, live module, NUL-terminated name.
+            check(
+                unsafe {
+                    ffi::hipModuleGetGlobal(
+                        &mut ptr,
+                        &mut bytes,
+                        device.module,
+                        c"peercomm_wall_clock_khz".as_ptr(),
+                    )
+                },
+                "hipModuleGetGlobal",
+            )?;
+            let value = khz as u32;
+            if bytes == std::mem::size_of::<u32>() {
+                // SAFETY: `ptr` is the 4-byte device global; `value` lives until the
+                // stream is synchronised below.
+                check(
+                    unsafe {
+                        ffi::hipMemcpyHtoDAsync(
+                            ptr,
+                            (&value as *const u32).cast(),
+                            bytes,
+                            device.stream,
+                        )
+                    },
+                    "hipMemcpyHtoDAsync",
+                )?;
+                <Hip as Backend>::synchronize(&device)?;
+                device.wall_clock_khz = Some(value);
+            }
+        }
+    }
+    Ok(device)
+}

@@ -1,0 +1,232 @@
+//! HIP memory: allocations (`HipMemory`, `HipAllocation`), IPC export and import
+//! (`HipPeerMapping`).
+
+use std::ffi::{c_char, c_uint, c_void};
+use std::ptr::null_mut;
+
+use super::super::handle::{import_error, process_token, Reader, Writer};
+use super::super::{Backend, MemoryKind};
+use crate::error::{Error, Result};
+
+use super::device::*;
+use super::ffi;
+use super::runtime::*;
+
+/// How an allocation was made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum HipAllocation {
+    /// `hipMalloc`: coarse-grained device memory (data buffers).
+    CoarseGrained,
+    /// `hipExtMallocWithFlags(hipDeviceMallocUncached)`: not cached, coherent with the
+    /// peers at every access (signal memory).
+    Uncached,
+    /// `hipExtMallocWithFlags(hipDeviceMallocFinegrained)`: the fallback for signal
+    /// memory where the runtime rejects the uncached flag.
+    FineGrained,
+}
+
+/// An owned device allocation.
+pub struct HipMemory {
+    pub(super) ptr: u64,
+    pub(super) bytes: usize,
+    pub(super) ordinal: usize,
+    pub(super) allocation: HipAllocation,
+}
+
+impl std::fmt::Debug for HipMemory {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HipMemory")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("bytes", &self.bytes)
+            .field("ordinal", &self.ordinal)
+            .field("allocation", &self.allocation)
+            .finish()
+    }
+}
+
+impl HipMemory {
+    /// Bytes allocated.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+    /// How it was allocated.
+    pub fn allocation(&self) -> HipAllocation {
+        self.allocation
+    }
+    /// Ordinal of the device holding it.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+}
+
+impl Drop for HipMemory {
+    fn drop(&mut self) {
+        // SAFETY: allocated by this backend and owned by this value; hipFree waits for
+        // the device work that may still use it.
+        unsafe { ffi::hipFree(self.ptr as *mut c_void) };
+    }
+}
+
+/// Magic of a HIP IPC handle.
+const IPC_MAGIC: &[u8; 4] = b"pchi";
+/// Version of the HIP IPC handle layout.
+const IPC_VERSION: u32 = 1;
+/// Bytes of a HIP IPC handle: header 8, exporter's process token 8, size 8,
+/// `hipIpcMemHandle_t` 64.
+const IPC_HANDLE_BYTES: usize = 88;
+
+/// Another process's allocation mapped into this one with `hipIpcOpenMemHandle`
+/// ([`Backend::import_memory`]). Dropping it synchronises the importing device (kernels
+/// there may still use the memory) and closes the mapping with `hipIpcCloseMemHandle`;
+/// errors are ignored there, never panicked on.
+pub struct HipPeerMapping {
+    pub(super) ptr: u64,
+    pub(super) bytes: usize,
+    pub(super) ordinal: usize,
+}
+
+impl HipPeerMapping {
+    /// Bytes of the exported allocation.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+    /// Ordinal of the importing device.
+    pub fn ordinal(&self) -> usize {
+        self.ordinal
+    }
+}
+
+impl std::fmt::Debug for HipPeerMapping {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HipPeerMapping")
+            .field("ptr", &format_args!("{:#x}", self.ptr))
+            .field("bytes", &self.bytes)
+            .field("ordinal", &self.ordinal)
+            .finish()
+    }
+}
+
+impl Drop for HipPeerMapping {
+    fn drop(&mut self) {
+        // Work that may still use the mapping must finish first. Errors cannot be
+        // reported from drop.
+        let _ = set_device(self.ordinal);
+        // SAFETY: `ptr` came from hipIpcOpenMemHandle on this device and is closed once
+        // (drop), after the device's work.
+        unsafe {
+            ffi::hipDeviceSynchronize();
+            ffi::hipIpcCloseMemHandle(self.ptr as *mut c_void);
+        }
+    }
+}
+
+pub(super) fn allocate(ordinal: usize, bytes: usize, kind: MemoryKind) -> Result<HipMemory> {
+    set_device(ordinal)?;
+    let bytes = bytes.max(1);
+    let mut ptr: *mut c_void = null_mut();
+    let allocation = match kind {
+        MemoryKind::Plain => {
+            // SAFETY: `ptr` is a valid out pointer.
+            check(unsafe { ffi::hipMalloc(&mut ptr, bytes) }, "hipMalloc")?;
+            HipAllocation::CoarseGrained
+        }
+        MemoryKind::Signal | MemoryKind::SharedSignal => {
+            // SAFETY: `ptr` is a valid out pointer.
+            let uncached =
+                unsafe { ffi::hipExtMallocWithFlags(&mut ptr, bytes, ffi::MALLOC_UNCACHED) };
+            if uncached == ffi::SUCCESS {
+                HipAllocation::Uncached
+            } else {
+                ptr = null_mut();
+                // SAFETY: as above.
+                let fine = unsafe {
+                    ffi::hipExtMallocWithFlags(&mut ptr, bytes, ffi::MALLOC_FINE_GRAINED)
+                };
+                if fine != ffi::SUCCESS {
+                    return Err(Error::Backend {
+                        backend: Hip::NAME,
+                        call: "hipExtMallocWithFlags",
+                        detail: format!(
+                            "{bytes} bytes of signal memory on device {ordinal}: uncached: {}; \
+                             fine-grained: {}",
+                            describe(uncached),
+                            describe(fine)
+                        ),
+                    });
+                }
+                HipAllocation::FineGrained
+            }
+        }
+    };
+    Ok(HipMemory {
+        ptr: ptr as u64,
+        bytes,
+        ordinal,
+        allocation,
+    })
+}
+
+pub(super) fn export_memory(_dev: &HipDevice, mem: &HipMemory) -> Result<Vec<u8>> {
+    set_device(mem.ordinal)?;
+    let mut handle = ffi::IpcMemHandle {
+        reserved: [0; ffi::IPC_HANDLE_SIZE],
+    };
+    // SAFETY: `handle` is a valid out pointer; `ptr` is the base of a live
+    // allocation of this device.
+    check(
+        unsafe { ffi::hipIpcGetMemHandle(&mut handle, mem.ptr as *mut c_void) },
+        "hipIpcGetMemHandle",
+    )?;
+    Ok(Writer::new(IPC_MAGIC, IPC_VERSION)
+        .u64(process_token())
+        .u64(mem.bytes as u64)
+        .bytes(&handle.reserved.map(|c| c as u8))
+        .finish())
+}
+
+pub(super) fn import_memory(dev: &HipDevice, handle: &[u8]) -> Result<HipPeerMapping> {
+    let mut r = Reader::open(Hip::NAME, handle, IPC_MAGIC, IPC_VERSION, IPC_HANDLE_BYTES)?;
+    let (token, bytes, raw) = (r.u64(), r.u64(), r.array::<{ ffi::IPC_HANDLE_SIZE }>());
+    if token == process_token() {
+        return Err(Error::Unsupported(
+            "hip: import_memory: this process exported the handle: HIP IPC cannot open a \
+             handle in the process that exported it; within one process use the \
+             allocation's own address (map_peer)"
+                .into(),
+        ));
+    }
+    let bytes = usize::try_from(bytes)
+        .map_err(|_| import_error(Hip::NAME, format!("size {bytes} does not fit here")))?;
+    set_device(dev.ordinal)?;
+    let ipc = ffi::IpcMemHandle {
+        reserved: raw.map(|b| b as c_char),
+    };
+    let open = |flags: c_uint| {
+        let mut ptr: *mut c_void = null_mut();
+        // SAFETY: `ptr` is a valid out pointer; the runtime validates the handle.
+        let status = unsafe { ffi::hipIpcOpenMemHandle(&mut ptr, ipc, flags) };
+        (status, ptr)
+    };
+    // ROCm 6 and 7 require the flag to be their hipIpcMemLazyEnablePeerAccess (1)
+    // and reject anything else as an invalid value; HIP 5.x headers define it as 0.
+    let (mut status, mut ptr) = open(ffi::IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
+    if status == ffi::ERROR_INVALID_VALUE {
+        (status, ptr) = open(ffi::IPC_MEM_LAZY_ENABLE_PEER_ACCESS_HIP5);
+    }
+    if status != ffi::SUCCESS {
+        return Err(Error::Backend {
+            backend: Hip::NAME,
+            call: "hipIpcOpenMemHandle",
+            detail: format!(
+                "{}: the exporter may have freed the memory or exited, or run on another \
+                 host or with other devices visible",
+                describe(status)
+            ),
+        });
+    }
+    Ok(HipPeerMapping {
+        ptr: ptr as u64,
+        bytes,
+        ordinal: dev.ordinal,
+    })
+}
