@@ -13,24 +13,8 @@ use super::super::core::check::Routed;
 use super::super::core::plan::PeerReads;
 use super::super::core::route::Path;
 use super::super::AllReduceOptions;
-use super::validate::Meta;
+use super::validate::{meta, meta_mut, Meta};
 use super::Communicator;
-
-fn meta<B: Backend>(t: &Tensor<'_, B>) -> Meta {
-    Meta {
-        dtype: t.data.dtype(),
-        len: t.data.len(),
-        ordinal: t.data.device_ordinal(),
-    }
-}
-
-fn meta_mut<B: Backend>(t: &TensorMut<'_, B>) -> Meta {
-    Meta {
-        dtype: t.data.dtype(),
-        len: t.data.len(),
-        ordinal: t.data.device_ordinal(),
-    }
-}
 
 impl<B: Backend> Communicator<B> {
     /// Sums `inputs[r]` over each group into `outputs[r]` (one tensor per rank, same

@@ -12,24 +12,8 @@ use crate::tensor::{Tensor, TensorMut};
 use super::super::core::collective::{reduce_scatter_part, Collective, CollectiveOptions};
 use super::super::core::launch::PeerInputs;
 use super::super::core::plan::{PeerReads, Plan};
-use super::validate::Meta;
+use super::validate::{meta, meta_mut, Meta};
 use super::Communicator;
-
-fn meta<B: Backend>(t: &Tensor<'_, B>) -> Meta {
-    Meta {
-        dtype: t.data.dtype(),
-        len: t.data.len(),
-        ordinal: t.data.device_ordinal(),
-    }
-}
-
-fn meta_mut<B: Backend>(t: &TensorMut<'_, B>) -> Meta {
-    Meta {
-        dtype: t.data.dtype(),
-        len: t.data.len(),
-        ordinal: t.data.device_ordinal(),
-    }
-}
 
 impl<B: Backend> Communicator<B> {
     /// Gathers `inputs[r]` (one per rank, same dtype and shape everywhere) over each

@@ -11,6 +11,25 @@ use crate::tensor::shape_elements;
 pub(super) use super::super::core::check::Meta;
 use super::super::core::plan::Plan;
 use super::Communicator;
+use crate::tensor::{Tensor, TensorMut};
+
+/// What the core checks of a shaped input.
+pub(super) fn meta<B: Backend>(t: &Tensor<'_, B>) -> Meta {
+    Meta {
+        dtype: t.data.dtype(),
+        len: t.data.len(),
+        ordinal: t.data.device_ordinal(),
+    }
+}
+
+/// What the core checks of a shaped output.
+pub(super) fn meta_mut<B: Backend>(t: &TensorMut<'_, B>) -> Meta {
+    Meta {
+        dtype: t.data.dtype(),
+        len: t.data.len(),
+        ordinal: t.data.device_ordinal(),
+    }
+}
 
 impl<B: Backend> Communicator<B> {
     pub(super) fn check_usable(&self) -> Result<()> {
