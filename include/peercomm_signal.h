@@ -211,11 +211,12 @@ typedef struct peercomm_group_entry {
 
 /*
  * Launch arguments of the batched all-reduce, passed by value. `all` is read as for the
- * one-stage kernel (signals, payloads, group, domain, timeout, and the call descriptor
- * in `all.call`, which is the batch's: see src/comm/core/group.rs); its local_input,
- * output, inputs, stage_input and num_elements (the batch's total elements) are not read:
- * the entries say where the data is, and a group wider than one always stages through
- * the payloads.
+ * one-stage kernel (signals, payloads, group, domain, timeout, stage_input, and the call
+ * descriptor in `all.call`, which is the batch's: see src/comm/core/group.rs); its
+ * local_input, output, inputs and num_elements (the batch's total elements) are not
+ * read: the entries say where the data is. A group wider than one stages through the
+ * payloads when all.stage_input is non-zero; otherwise it reads every member's input in
+ * place, from peer_inputs (where one process knows every rank's buffer).
  */
 typedef struct peercomm_group_args {
     peercomm_allreduce_args all;
@@ -223,6 +224,8 @@ typedef struct peercomm_group_args {
     uint32_t count;
     uint32_t pad;
     peercomm_group_entry entries[PEERCOMM_MAX_GROUP_CALLS];
+    /* In place (all.stage_input == 0): entry s's input on group member k; else unread. */
+    uint64_t peer_inputs[PEERCOMM_MAX_GROUP_CALLS][PEERCOMM_MAX_GPUS];
 } peercomm_group_args;
 
 #endif /* PEERCOMM_SIGNAL_H */

@@ -16,7 +16,8 @@
 // of zero, the same partial-pack and unaligned handling), so every entry's bits are
 // those of a one-stage (staged) all-reduce of that entry alone.
 //
-// Phases: (1) every block writes the batch's entry table (PEERCOMM_GROUP_HEADER_BYTES)
+// Staged (all.stage_input set: ranks that reach only each other's signals), in
+// phases: (1) every block writes the batch's entry table (PEERCOMM_GROUP_HEADER_BYTES)
 // at the start of the own payload, the same bytes in every block, and copies its share
 // of every entry's input into the own payload at the entry's offset; (2) the Publish
 // barrier, carrying the batch's call descriptor in `all.call` (mismatches are typed
@@ -26,7 +27,11 @@
 // every block of every rank finds a difference on its side, so none stores anything;
 // (4) every block reduces its share of every entry from the members' payloads, in
 // group-rank order, into the entry's output; (5) the End barrier (no peer overwrites a
-// payload this block still reads), then finish(). A group of one waits for nobody: it
+// payload this block still reads), then finish(). In place (all.stage_input clear: one
+// process, which checked every rank's entries on the host): the Start barrier, the
+// reduce from every member's input (peer_inputs), the End barrier (no peer overwrites
+// an input this block still reads), as the one-stage kernel does unstaged; no staging,
+// no system-scope release and no table to compare. A group of one waits for nobody: it
 // copies each input to its output directly (as one-stage does), between its own
 // trivial barriers, and has no peer to compare its table with.
 //
@@ -44,7 +49,7 @@ typedef peercomm_group_args GroupArgs;
 typedef peercomm_group_entry GroupEntry;
 
 static_assert(sizeof(peercomm_group_entry) == 32, "peercomm_group_entry layout changed");
-static_assert(sizeof(peercomm_group_args) == 552, "peercomm_group_args layout changed");
+static_assert(sizeof(peercomm_group_args) == 1064, "peercomm_group_args layout changed");
 static_assert(PEERCOMM_GROUP_HEADER_BYTES == 16 + 8 * PEERCOMM_MAX_GROUP_CALLS, "the entry table layout changed");
 
 // Packs of the entry table.
@@ -129,8 +134,9 @@ PC_INLINE void all_reduce_group(const GroupArgs& g) {
     const uint32_t count = g.count < PEERCOMM_MAX_GROUP_CALLS ? g.count : PEERCOMM_MAX_GROUP_CALLS;
     const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
-    // A group wider than one always stages: the peers read only the payloads.
-    const bool staged = width > 1u;
+    // A group wider than one stages where the peers can read only the payloads; where
+    // one process knows every member's buffers, it reads them in place.
+    const bool staged = width > 1u && a.stage_input != 0u;
     if (staged) {
         const uint64_t own = a.payloads[me];
         if (threadIdx.x < kGroupHeaderPacks) store_vec16(own, threadIdx.x, group_header_pack(g, count, threadIdx.x));
@@ -154,7 +160,7 @@ PC_INLINE void all_reduce_group(const GroupArgs& g) {
             bool vec = aligned16(e.output);
 #pragma unroll
             for (int k = 0; k < W; ++k) {
-                srcs[k] = staged ? a.payloads[k] + e.offset : e.input;
+                srcs[k] = staged ? a.payloads[k] + e.offset : width > 1u ? g.peer_inputs[s][k] : e.input;
                 vec = vec && aligned16(srcs[k]);
             }
             reduce_range<D, W>(srcs, 0, (n + L - 1) / L, n, e.output, 0, vec,

@@ -332,8 +332,9 @@ mod tests {
         assert_eq!(offset_of!(GroupArgs, count), 288);
         assert_eq!(offset_of!(GroupArgs, pad), 292);
         assert_eq!(offset_of!(GroupArgs, entries), 296);
-        assert_eq!(size_of::<GroupArgs>(), 296 + 8 * 32);
-        assert_eq!(size_of::<GroupArgs>(), 552);
+        assert_eq!(offset_of!(GroupArgs, peer_inputs), 296 + 8 * 32);
+        assert_eq!(size_of::<GroupArgs>(), 296 + 8 * 32 + 8 * 8 * 8);
+        assert_eq!(size_of::<GroupArgs>(), 1064);
         assert_eq!(std::mem::align_of::<GroupArgs>(), 8);
     }
 

@@ -90,4 +90,5 @@ pub struct peercomm_group_args {
     pub count: u32,
     pub pad: u32,
     pub entries: [peercomm_group_entry; 8usize],
+    pub peer_inputs: [[u64; 8usize]; 8usize],
 }

@@ -333,6 +333,92 @@ fn single_controller_refusals_and_faults() {
     }
 }
 
+/// The single controller reads a batch's inputs in place (no staging, so no payload
+/// bound) unless an entry is in place (its output is its input, which the peers would
+/// read while this rank overwrites it): then the batch stages. Both give every entry
+/// the bits of the in-order reference and of one-stage alone: here a batch of entries
+/// larger than the payload together (in place, one kernel), and batches that mix
+/// in-place entries with others, for every group size of world 4.
+#[test]
+fn single_controller_batches_read_in_place_or_stage_for_in_place_entries() {
+    let world = 4;
+    let config = CommConfig {
+        payload_bytes: 16 << 10,
+        ..config(2)
+    };
+    let comm = Communicator::<Host>::new(&[0, 1, 2, 3], config).unwrap();
+    let dev = |r: usize| comm.rank(r).device();
+    let mut rng = common::rng("group_kernel_single_in_place");
+    for width in divisors(world) {
+        // 3 x 4099 f32 = 48 KiB, three times the payload: read in place, one batch.
+        // [in place, out of place, in place]: staged, 3 x 1000 f32 fit.
+        for (lengths, in_place) in [
+            (vec![4099, 4099, 4099], vec![false, false, false]),
+            (vec![1000, 7, 1000], vec![true, false, true]),
+            (vec![8, 1, 0, 1000], vec![false, true, false, false]),
+        ] {
+            let what = format!("world 4, groups of {width}, {lengths:?}, in place {in_place:?}");
+            let ins = batch_inputs::<f32>(&mut rng, world, &lengths);
+            let upload = |e: &Vec<Vec<f32>>| -> Vec<HostBuffer<f32>> {
+                e.iter()
+                    .enumerate()
+                    .map(|(r, v)| Host::alloc_from(dev(r), v).unwrap())
+                    .collect()
+            };
+            let poisoned = |n: usize| -> Vec<HostBuffer<f32>> {
+                (0..world)
+                    .map(|r| Host::alloc_from(dev(r), &vec![f32::NAN; n]).unwrap())
+                    .collect()
+            };
+            let sends: Vec<Vec<HostBuffer<f32>>> = ins.iter().map(upload).collect();
+            // In-place entries start as their inputs; the others are poisoned.
+            let mut recvs: Vec<Vec<HostBuffer<f32>>> = (0..lengths.len())
+                .map(|s| {
+                    if in_place[s] {
+                        upload(&ins[s])
+                    } else {
+                        poisoned(lengths[s])
+                    }
+                })
+                .collect();
+            let opts = AllReduceOptions::new().group_size(width);
+            let mut group = comm.group();
+            for (s, recv) in recvs.iter_mut().enumerate() {
+                if in_place[s] {
+                    group
+                        .all_reduce_sum_slices_in_place_with(recv, &opts)
+                        .unwrap();
+                } else {
+                    group
+                        .all_reduce_sum_slices_with(&sends[s], recv, &opts)
+                        .unwrap();
+                }
+            }
+            let ran = group.end().unwrap_or_else(|e| panic!("{what}: {e}"));
+            assert_eq!(ran.len(), lengths.len());
+            comm.synchronize().unwrap();
+            let alone_opts = opts.algorithm(Algorithm::OneStage);
+            for (s, entry) in ins.iter().enumerate() {
+                let mut alone = poisoned(lengths[s]);
+                comm.all_reduce_sum_slices(&sends[s], &mut alone, &alone_opts)
+                    .unwrap();
+                comm.synchronize().unwrap();
+                let got: Vec<Vec<f32>> = (0..world)
+                    .map(|r| recvs[s][r].to_host(dev(r)).unwrap())
+                    .collect();
+                let what = format!("{what}, entry {s}");
+                if lengths[s] > 0 {
+                    common::check_result(entry, &got, width, Algorithm::OneStage, &what);
+                }
+                for r in 0..world {
+                    let one = alone[r].to_host(dev(r)).unwrap();
+                    check_entry(entry, width, r, &got[r], &one, &what);
+                }
+            }
+        }
+    }
+}
+
 // ---------------------------------------------------------------------------------
 // Per rank: one thread per rank, `Comm` over the TCP bootstrap of a `UniqueId`.
 

@@ -7,10 +7,16 @@
 //! as one kernel with one start and one end barrier. Entry s sits in every member's
 //! payload at byte offset `offset_s`: entry 0 after the entry table (at
 //! [`GROUP_HEADER_BYTES`], 80), each next one after the previous entry's elements rounded
-//! up to whole 16-byte packs. A group wider than one always stages through the payload
-//! (also in one process), so the table and the padded entries together must fit
-//! `payload_bytes` ([`Error::MessageTooLarge`] naming it otherwise, nothing launched); a
-//! group of one copies each input to its output directly. A zero-length entry is allowed
+//! up to whole 16-byte packs (the offsets also hand the packs out to the blocks). Where
+//! the peers reach only each other's signals (the per-rank `Comm`), or where an entry's
+//! output is its input, a group wider than one stages through the payload, so the table
+//! and the padded entries together must fit `payload_bytes` ([`Error::MessageTooLarge`]
+//! naming it otherwise, nothing launched). The single controller's batches of
+//! out-of-place entries read every member's input in place instead
+//! (`peercomm_group_args::peer_inputs`, its Start and End barriers as unstaged
+//! one-stage's): no copy, no system-scope release and no table, since its host has
+//! compared every rank's entries already. A group of one copies each input to its
+//! output directly. A zero-length entry is allowed
 //! and writes nothing; a batch whose entries are all empty launches nothing (and, like an
 //! empty all-reduce, is not counted in the call sequence). Every entry's bits are those
 //! of a one-stage (staged) all-reduce of that entry alone. The grid follows the entries
@@ -36,7 +42,7 @@
 //! `CallField::Collective` ("group of all-reduces" against, say, "all-reduce").
 //!
 //! # The entry tables: every length, exactly
-//! In a group wider than one, every rank writes its entry table at the start of its own
+//! In a staged group wider than one, every rank writes its entry table at the start of its own
 //! payload while it stages (`PEERCOMM_GROUP_HEADER_BYTES` = 80 bytes, 32-bit words: word
 //! 0 the count, words 1-3 zero, words 4 + 2s and 5 + 2s the low and high halves of entry
 //! s's element count, 0 past the count; every block writes the same words). The Publish
@@ -82,6 +88,7 @@ use crate::signal::{
 };
 
 use super::call;
+use super::launch::PeerInputs;
 use super::plan::{CollectiveArgs, Plan};
 use super::settings::Settings;
 use super::{Endpoint, Rank};
@@ -109,6 +116,7 @@ impl Settings {
         dtype: DType,
         lengths: &[usize],
         group_size: usize,
+        stage: bool,
     ) -> Result<GroupPlan> {
         let count = lengths.len();
         if count == 0 || count > MAX_GROUP_CALLS {
@@ -138,9 +146,9 @@ impl Settings {
                 .ok_or_else(too_large)?;
         }
         let needed = packs.checked_mul(PACK_BYTES).ok_or_else(too_large)?;
-        // A group wider than one stages the table and every entry into the payload; a
-        // group of one copies directly.
-        let staged = width > 1;
+        // A staged group wider than one stages the table and every entry into the
+        // payload; in place, or a group of one, needs no scratch.
+        let staged = stage && width > 1;
         if staged && needed > self.layout.payload_bytes {
             return Err(Error::MessageTooLarge {
                 algorithm: kind.name(),
@@ -192,26 +200,32 @@ impl<B: Backend> Rank<B> {
         dtype: DType,
         lengths: &[usize],
         group_size: usize,
+        stage: bool,
     ) -> Result<GroupPlan> {
-        self.settings.group_plan(dtype, lengths, group_size)
+        self.settings.group_plan(dtype, lengths, group_size, stage)
     }
 
     /// Enqueues this rank's batched all-reduce of `group` (see
     /// [`Endpoint::launch_group`]).
-    pub(crate) fn launch_group(&self, group: &GroupPlan, io: &[(u64, u64)]) -> Result<()> {
+    pub(crate) fn launch_group(
+        &self,
+        group: &GroupPlan,
+        io: &[(PeerInputs<'_>, u64)],
+    ) -> Result<()> {
         self.endpoint.launch_group(&self.settings, group, io)
     }
 }
 
 impl<B: Backend> Endpoint<B> {
-    /// Enqueues this rank's batched all-reduce of `group`: entry s reads `io[s].0` and
-    /// writes `io[s].1` (this rank's buffers). Counts the call in its barrier domain and
-    /// honours fault injection exactly as [`Rank::launch_fused`] does.
+    /// Enqueues this rank's batched all-reduce of `group`: entry s reads `io[s].0` (this
+    /// rank's input, or every world rank's where the batch reads in place) and writes
+    /// `io[s].1` (this rank's output). Counts the call in its barrier domain and honours
+    /// fault injection exactly as [`Rank::launch_fused`] does.
     pub(crate) fn launch_group(
         &self,
         settings: &Settings,
         group: &GroupPlan,
-        io: &[(u64, u64)],
+        io: &[(PeerInputs<'_>, u64)],
     ) -> Result<()> {
         if io.len() != group.count {
             return Err(Error::Unsupported(format!(
@@ -221,6 +235,12 @@ impl<B: Backend> Endpoint<B> {
             )));
         }
         let plan = &group.plan;
+        let in_place = plan.width > 1 && !plan.stage_input;
+        if in_place && io.iter().any(|(i, _)| matches!(i, PeerInputs::Own(_))) {
+            return Err(Error::Unsupported(
+                "a batch read in place needs every member's input".into(),
+            ));
+        }
         let r = self.index;
         let width = plan.width;
         let domain = barrier_domain(width, settings.world);
@@ -259,7 +279,14 @@ impl<B: Backend> Endpoint<B> {
             count: group.count as u32,
             ..Default::default()
         };
-        for (s, &(input, output)) in io.iter().enumerate() {
+        for (s, &(inputs, output)) in io.iter().enumerate() {
+            let input = match inputs {
+                PeerInputs::Own(p) => p,
+                PeerInputs::InPlace(all) => {
+                    args.peer_inputs[s][..width].copy_from_slice(&all[base..base + width]);
+                    all[r]
+                }
+            };
             args.entries[s] = GroupEntry {
                 input,
                 output,
@@ -295,10 +322,11 @@ impl<B: Backend> Rank<B> {
     /// Splits a group's calls into launches: consecutive all-reduces that peer memory
     /// serves, of one dtype and one group width, with the algorithm and grid left to
     /// peercomm (`Auto` or `OneStage`, no `blocks`, no overlap), run as one batched
-    /// kernel of up to [`MAX_GROUP_CALLS`] whose entry table and staged inputs fit the
-    /// payload; every
-    /// other call runs alone, as it would outside a group. Every rank decides the same,
-    /// from the calls alone (the same on every rank, or the descriptors differ).
+    /// kernel of up to [`MAX_GROUP_CALLS`] (whose entry table and staged inputs fit the
+    /// payload, where it stages); every other call runs alone, as it would outside a
+    /// group. A batch reads the inputs in place where `reads` allows and no entry is
+    /// in place. Every rank decides the same, from the calls alone (the same on every
+    /// rank, or the descriptors differ).
     pub(crate) fn plan_grouped(
         &self,
         calls: &[GroupedCall],
@@ -321,6 +349,9 @@ impl<B: Backend> Rank<B> {
             let c = &calls[i];
             if let (true, Some(group_size)) = (batchable(c), local_width(c)?) {
                 let mut lengths = vec![c.elements];
+                // Staged where the peers read only payloads, or where an entry's output
+                // is its input (the peers would read what this rank overwrites).
+                let mut stage = reads == super::plan::PeerReads::Payloads || c.in_place;
                 let mut plan = None;
                 for next in &calls[i + 1..] {
                     if lengths.len() == MAX_GROUP_CALLS
@@ -331,8 +362,12 @@ impl<B: Backend> Rank<B> {
                         break;
                     }
                     lengths.push(next.elements);
-                    match self.plan_group(c.dtype, &lengths, group_size) {
-                        Ok(p) => plan = Some(p),
+                    let stage_with = stage || next.in_place;
+                    match self.plan_group(c.dtype, &lengths, group_size, stage_with) {
+                        Ok(p) => {
+                            plan = Some(p);
+                            stage = stage_with;
+                        }
                         Err(_) => {
                             lengths.pop();
                             break;
@@ -374,21 +409,31 @@ mod tests {
     #[test]
     fn entries_follow_the_table_and_fit_with_it() {
         let s = settings(64 << 10, 2);
-        let g = s.group_plan(DType::F32, &[5, 0, 8, 1], 0).unwrap();
+        let g = s.group_plan(DType::F32, &[5, 0, 8, 1], 0, true).unwrap();
         assert_eq!(GROUP_HEADER_BYTES, 80);
         assert_eq!(&g.offsets[..4], &[80, 112, 112, 144]);
         assert_eq!(g.plan.elements, 5);
         assert_eq!(g.plan.collective.root, 3);
-        let big = s.group_plan(DType::F32, &[(1 << 33) + 5, 1], 1).unwrap();
+        let big = s
+            .group_plan(DType::F32, &[(1 << 33) + 5, 1], 1, true)
+            .unwrap();
         assert_eq!(big.plan.elements, (1 << 33) + 5);
         // The table and the entries fill the payload exactly; one pack more does not fit.
         let fill = ((64 << 10) - GROUP_HEADER_BYTES) / 4;
-        assert!(s.group_plan(DType::F32, &[fill - 4, 4], 0).is_ok());
-        match s.group_plan(DType::F32, &[fill - 4, 5], 0) {
+        assert!(s.group_plan(DType::F32, &[fill - 4, 4], 0, true).is_ok());
+        match s.group_plan(DType::F32, &[fill - 4, 5], 0, true) {
             Err(Error::MessageTooLarge { needed, .. }) => assert_eq!(needed, (64 << 10) + 16),
             other => panic!("{:?}", other.map(|g| g.count)),
         }
-        // A group of one stages nothing.
-        assert!(s.group_plan(DType::F32, &[fill, 5], 1).is_ok());
+        // A group of one stages nothing, nor does a batch read in place.
+        assert!(s.group_plan(DType::F32, &[fill, 5], 1, true).is_ok());
+        let in_place = s.group_plan(DType::F32, &[fill, 5], 0, false).unwrap();
+        assert!(!in_place.plan.stage_input);
+        assert!(
+            s.group_plan(DType::F32, &[fill - 4, 4], 0, true)
+                .unwrap()
+                .plan
+                .stage_input
+        );
     }
 }

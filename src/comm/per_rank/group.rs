@@ -7,6 +7,7 @@ use crate::dispatch::Algorithm;
 use crate::error::Result;
 
 use super::super::core::group::{GroupStep, GroupedCall};
+use super::super::core::launch::PeerInputs;
 use super::super::core::plan::PeerReads;
 use super::super::AllReduceOptions;
 use super::{meta, Comm};
@@ -206,12 +207,15 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
         for step in steps {
             let done = match step {
                 GroupStep::Batch { first, plan } => {
-                    let entries = &io[first..first + plan.count];
+                    let entries: Vec<_> = io[first..first + plan.count]
+                        .iter()
+                        .map(|&(input, output)| (PeerInputs::Own(input), output))
+                        .collect();
                     if plan.total_elements == 0 {
                         Ok(())
                     } else {
                         comm.lock()
-                            .and_then(|_launches| core.launch_group(&plan, entries))
+                            .and_then(|_launches| core.launch_group(&plan, &entries))
                     }
                 }
                 GroupStep::Alone { index, routed } => {

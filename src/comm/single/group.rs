@@ -5,7 +5,7 @@
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use crate::dispatch::Algorithm;
 use crate::error::Result;
-use crate::signal::{MAX_GPUS, MAX_GROUP_CALLS};
+use crate::signal::MAX_GPUS;
 
 use super::super::core::group::{GroupStep, GroupedCall};
 use super::super::core::plan::PeerReads;
@@ -202,12 +202,9 @@ impl<'b, B: Backend> CommunicatorGroup<'_, 'b, B> {
                     if plan.total_elements == 0 {
                         Ok(())
                     } else {
-                        let mut io = vec![[(0u64, 0u64); MAX_GROUP_CALLS]; world];
-                        for (k, s) in (first..first + plan.count).enumerate() {
-                            for (r, entry) in io.iter_mut().enumerate() {
-                                entry[k] = (ins[s][r], outs[s][r]);
-                            }
-                        }
+                        let io: Vec<_> = (first..first + plan.count)
+                            .map(|s| (&ins[s], &outs[s]))
+                            .collect();
                         comm.launch_group_on_all(&plan, &io)
                     }
                 }

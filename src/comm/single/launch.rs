@@ -10,7 +10,6 @@ use super::super::core::group::GroupPlan;
 use super::super::core::launch::{Fused, PeerInputs};
 use super::super::core::plan::Plan;
 use super::Communicator;
-use crate::signal::MAX_GROUP_CALLS;
 
 impl<B: Backend> Communicator<B> {
     pub(super) fn lock_launches(&self) -> MutexGuard<'_, ()> {
@@ -71,12 +70,25 @@ impl<B: Backend> Communicator<B> {
     pub(super) fn launch_group_on_all(
         &self,
         plan: &GroupPlan,
-        io: &[[(u64, u64); MAX_GROUP_CALLS]],
+        io: &[(&[u64; MAX_GPUS], &[u64; MAX_GPUS])],
     ) -> Result<()> {
         let _launches = self.lock_launches();
         self.check_usable()?;
         for (r, core) in self.ranks.iter().enumerate() {
-            if let Err(e) = core.launch_group(plan, &io[r][..plan.count]) {
+            // Entry s reads every rank's input in place (or stages its own, where the
+            // plan says so) and writes this rank's output.
+            let entries: Vec<(PeerInputs<'_>, u64)> = io
+                .iter()
+                .map(|&(ins, outs)| {
+                    let inputs = if plan.plan.stage_input {
+                        PeerInputs::Own(ins[r])
+                    } else {
+                        PeerInputs::InPlace(ins)
+                    };
+                    (inputs, outs[r])
+                })
+                .collect();
+            if let Err(e) = core.launch_group(plan, &entries) {
                 if r > 0 {
                     self.poison();
                 }

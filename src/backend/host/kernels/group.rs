@@ -8,7 +8,9 @@
 //! are those of a one-stage all-reduce of that entry alone. Before the reduce, every
 //! block compares every peer's entry table (at the start of its payload: the count and
 //! every entry's exact length) with this rank's, and leaves on a difference with a call
-//! mismatch, nothing stored ([`same_entry_tables`]).
+//! mismatch, nothing stored ([`same_entry_tables`]). In place (`stage_input` clear:
+//! one process, whose host checked every rank's entries), it reads every member's input
+//! from `peer_inputs` between the Start and End barriers, as unstaged one-stage does.
 
 use std::sync::atomic::Ordering;
 
@@ -87,8 +89,9 @@ pub(super) unsafe fn all_reduce_group<T: Element>(
 ) -> Result<(), Stop> {
     let a = &args.all;
     let (width, me) = (a.group_width as usize, a.group_rank as usize);
-    // A group wider than one always stages: the peers read the payloads only.
-    let staged = width > 1;
+    // A group wider than one stages where the peers can read only the payloads; where
+    // one process knows every member's buffers it reads them in place (`peer_inputs`).
+    let staged = width > 1 && a.stage_input != 0;
     if staged {
         // Phase 1: the entry table (every block writes the same words), then this
         // block's share of every entry's input into the own payload.
@@ -118,13 +121,16 @@ pub(super) unsafe fn all_reduce_group<T: Element>(
         same_entry_tables(args)?;
     }
     // Phase 4: this block's share of every entry, summed over the members in group-rank
-    // order from their payloads (a group of one copies its input).
-    for e in entries(args) {
+    // order from their payloads or, in place, their inputs (a group of one copies its
+    // input).
+    for (s, e) in entries(args).iter().enumerate() {
         let n = e.elements as usize;
         let mut srcs = [0u64; MAX_GPUS];
         for (k, src) in srcs.iter_mut().enumerate().take(width) {
             *src = if staged {
                 a.payloads[k] + e.offset
+            } else if width > 1 {
+                args.peer_inputs[s][k]
             } else {
                 e.input
             };
