@@ -31,6 +31,11 @@ pub enum CallField {
     Blocks,
     /// The algorithm (one-stage, two-stage, Lamport).
     Algorithm,
+    /// Where the peers read the input: staged through the payloads, or in place from a
+    /// buffer registered with the communicator (`Comm::register`, `Comm::alloc_symmetric`)
+    /// at an offset in it. Ranks that pass registered buffers at different offsets, or
+    /// one registered and one not, differ here.
+    Inputs,
 }
 
 impl std::fmt::Display for CallField {
@@ -44,6 +49,7 @@ impl std::fmt::Display for CallField {
             CallField::Length => "element count",
             CallField::Blocks => "block count",
             CallField::Algorithm => "algorithm",
+            CallField::Inputs => "where the peers read the input",
         })
     }
 }
@@ -156,6 +162,19 @@ pub enum Error {
     /// an explicit request that cannot be honoured lands here).
     #[error("{0}")]
     Unsupported(String),
+    /// A buffer cannot be registered with a communicator (`Comm::register`), or a
+    /// symmetric allocation (`Comm::alloc_symmetric`) cannot be made: the memory cannot
+    /// be exported to a peer process (a stream-ordered pool without an IPC handle type,
+    /// a virtual-memory range, host heap memory), the ranks disagree on the call, or a
+    /// peer failed. Every rank of the communicator gets it from the same call, and
+    /// nothing is registered on any of them.
+    #[error("rank {rank} cannot register the buffer: {reason}")]
+    CannotRegister {
+        /// The first rank that could not (a world rank).
+        rank: usize,
+        /// Why, and what to do instead.
+        reason: String,
+    },
     /// A user buffer the peers would read directly is in memory their device cannot
     /// reach (a memory pool or virtual-memory range without access granted to it).
     #[error(

@@ -150,7 +150,8 @@ pub use bootstrap::{Bootstrap, BootstrapError, HostId, TcpBootstrap, UniqueId};
 pub use comm::{free_expired_teardowns, parked_teardowns};
 pub use comm::{
     AllReduceOptions, CollectiveOptions, Comm, CommConfig, CommGroup, Communicator,
-    CommunicatorGroup, MemoryFootprint, Rank,
+    CommunicatorGroup, MemoryFootprint, Rank, RegisterError, Registered, SymmetricBuffer,
+    SYMMETRIC_SEGMENT_BYTES,
 };
 pub use dispatch::Algorithm;
 pub use dtype::{BackendElement, DType, Element};

@@ -70,6 +70,9 @@ impl Backend for Cuda {
     type Device = CudaDevice;
     type Memory = CudaMemory;
     type Access<'a> = SyncOnDrop<'a>;
+    fn untracked_access<'a>() -> Self::Access<'a> {
+        cudarc::driver::SyncOnDrop::Sync(None)
+    }
     type Buffer<T: Element> = CudaSlice<T>;
     type PeerMapping = CudaPeerMapping;
 
@@ -203,6 +206,7 @@ impl Backend for Cuda {
             .map_err(driver_err("cuMemAlloc"))?;
         Ok(CudaMemory {
             ctx: dev.ctx.clone(),
+            stream: dev.stream.clone(),
             ptr,
             bytes,
         })
@@ -232,6 +236,10 @@ impl Backend for Cuda {
 
     fn export_memory(_dev: &CudaDevice, mem: &CudaMemory) -> Result<Vec<u8>> {
         memory::export_memory(_dev, mem)
+    }
+
+    fn export_range(dev: &CudaDevice, ptr: u64, bytes: usize) -> Result<(Vec<u8>, u64)> {
+        memory::export_range(dev, ptr, bytes)
     }
 
     fn import_memory(dev: &CudaDevice, handle: &[u8]) -> Result<CudaPeerMapping> {
@@ -280,6 +288,27 @@ impl Backend for Cuda {
         }
         .result()
         .map_err(driver_err("cuMemcpyDtoHAsync"))?;
+        dev.stream
+            .synchronize()
+            .map_err(driver_err("cuStreamSynchronize"))
+    }
+
+    fn write(dev: &CudaDevice, ptr: u64, src: &[u8]) -> Result<()> {
+        dev.ctx
+            .bind_to_thread()
+            .map_err(driver_err("cuCtxSetCurrent"))?;
+        // SAFETY: the caller passes a range inside one of its live allocations; `src`
+        // outlives the copy (the stream is synchronised before returning).
+        unsafe {
+            sys::cuMemcpyHtoDAsync_v2(
+                ptr,
+                src.as_ptr() as *const _,
+                src.len(),
+                dev.stream.cu_stream(),
+            )
+        }
+        .result()
+        .map_err(driver_err("cuMemcpyHtoDAsync"))?;
         dev.stream
             .synchronize()
             .map_err(driver_err("cuStreamSynchronize"))

@@ -84,6 +84,7 @@ impl Backend for Hip {
     type Device = HipDevice;
     type Memory = HipMemory;
     type Access<'a> = ();
+    fn untracked_access<'a>() -> Self::Access<'a> {}
     type Buffer<T: Element> = HipBuffer<T>;
     type PeerMapping = HipPeerMapping;
 
@@ -172,6 +173,10 @@ impl Backend for Hip {
         memory::export_memory(_dev, mem)
     }
 
+    fn export_range(dev: &HipDevice, ptr: u64, bytes: usize) -> Result<(Vec<u8>, u64)> {
+        memory::export_range(dev, ptr, bytes)
+    }
+
     fn import_memory(dev: &HipDevice, handle: &[u8]) -> Result<HipPeerMapping> {
         memory::import_memory(dev, handle)
     }
@@ -216,6 +221,24 @@ impl Backend for Hip {
                 )
             },
             "hipMemcpyDtoHAsync",
+        )?;
+        Self::synchronize(dev)
+    }
+
+    fn write(dev: &HipDevice, ptr: u64, src: &[u8]) -> Result<()> {
+        set_device(dev.ordinal)?;
+        // SAFETY: the caller passes a device range of src.len() bytes; `src` stays
+        // borrowed until the stream is synchronised below.
+        check(
+            unsafe {
+                ffi::hipMemcpyHtoDAsync(
+                    ptr as *mut c_void,
+                    src.as_ptr().cast(),
+                    src.len(),
+                    dev.stream,
+                )
+            },
+            "hipMemcpyHtoDAsync",
         )?;
         Self::synchronize(dev)
     }

@@ -93,6 +93,9 @@ mod shm {
     pub(crate) fn import(_handle: &[u8]) -> Result<Mapping> {
         Err(unsupported())
     }
+    pub(crate) fn export_containing(_ptr: u64, _bytes: usize) -> Option<(Vec<u8>, u64)> {
+        None
+    }
 }
 
 /// The host reference backend (see the module docs).
@@ -283,7 +286,9 @@ impl HostMemory {
     fn new(dev: &HostDevice, bytes: usize, kind: MemoryKind) -> Result<Self> {
         let storage = match kind {
             MemoryKind::Plain | MemoryKind::Signal => Storage::Heap(HeapBlock::new(bytes)?),
-            MemoryKind::SharedSignal => Storage::Shared(shm::SharedFile::create(bytes)?),
+            MemoryKind::SharedSignal | MemoryKind::SharedData => {
+                Storage::Shared(shm::SharedFile::create(bytes)?)
+            }
         };
         Ok(HostMemory {
             storage: FreeOnStream::new(storage, &dev.stream),
@@ -355,6 +360,7 @@ impl Backend for Host {
     type Device = HostDevice;
     type Memory = HostMemory;
     type Access<'a> = ();
+    fn untracked_access<'a>() -> Self::Access<'a> {}
     type Buffer<T: Element> = HostBuffer<T>;
     type PeerMapping = HostPeerMapping;
 
@@ -423,6 +429,16 @@ impl Backend for Host {
         }
     }
 
+    fn export_range(_dev: &HostDevice, ptr: u64, bytes: usize) -> Result<(Vec<u8>, u64)> {
+        shm::export_containing(ptr, bytes).ok_or_else(|| Error::CannotRegister {
+            rank: 0,
+            reason: "host: the buffer is heap memory, which other processes cannot map; \
+                     allocate it with Comm::alloc_symmetric (ranks in one process can \
+                     register any buffer)"
+                .into(),
+        })
+    }
+
     fn import_memory(dev: &HostDevice, handle: &[u8]) -> Result<HostPeerMapping> {
         Ok(HostPeerMapping {
             mapping: FreeOnStream::new(shm::import(handle)?, &dev.stream),
@@ -462,6 +478,14 @@ impl Backend for Host {
         // SAFETY: the caller passes a range inside one of its allocations and the
         // stream is idle.
         unsafe { std::ptr::copy_nonoverlapping(ptr as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    fn write(dev: &HostDevice, ptr: u64, src: &[u8]) -> Result<()> {
+        dev.stream.synchronize();
+        // SAFETY: the caller passes a range inside one of its allocations and the
+        // stream is idle.
+        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), ptr as *mut u8, src.len()) };
         Ok(())
     }
 

@@ -38,6 +38,10 @@ pub enum MemoryKind {
     /// `Signal`, allocated so that it can be exported (on the host backend: a shared
     /// memory file instead of the heap).
     SharedSignal,
+    /// Ordinary (cached) device memory that other processes can map: the symmetric
+    /// buffers' pool (`Comm::alloc_symmetric`). `cuMemAlloc` / `hipMalloc` memory (IPC
+    /// capable); on the host backend a shared memory file.
+    SharedData,
 }
 
 /// Which kernel family a launch runs.
@@ -228,6 +232,9 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// Keeps a user buffer's synchronisation bookkeeping (cudarc's events) alive until
     /// the launch that uses the buffer has been enqueued.
     type Access<'a>;
+    /// The access of memory with no bookkeeping (a symmetric buffer, ordered on the
+    /// communicator's stream): records and waits for nothing.
+    fn untracked_access<'a>() -> Self::Access<'a>;
     /// A typed device buffer (what users hold: `CudaSlice<T>` for CUDA). Through
     /// [`TypedBuffer`] it names its element type, so generic code copies to and from it
     /// without a turbofish.
@@ -298,6 +305,14 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// backend, a little-endian `u32` version, then the backend's fields (each
     /// backend's module docs give its layout). The handle stays valid while `mem` lives.
     fn export_memory(dev: &Self::Device, mem: &Self::Memory) -> Result<Vec<u8>>;
+    /// Exports the allocation that holds `[ptr, ptr + bytes)` on `dev` so that another
+    /// process can map it with [`Backend::import_memory`]: the handle (as
+    /// [`Backend::export_memory`] makes them) and `ptr`'s offset in the allocation.
+    /// Memory the driver cannot export this way (CUDA: a stream-ordered pool such as
+    /// cudarc's default allocations, a virtual-memory mapping; host: heap memory) is
+    /// [`crate::Error::CannotRegister`] saying why (its `rank` is 0: the caller names the
+    /// rank).
+    fn export_range(dev: &Self::Device, ptr: u64, bytes: usize) -> Result<(Vec<u8>, u64)>;
     /// Maps memory that another process exported into `dev`'s address space. Importing
     /// in the exporting process itself is an error on the GPU backends (CUDA and HIP
     /// IPC refuse it; one process reaches its own memory through
@@ -314,6 +329,9 @@ pub trait Backend: Sized + Send + Sync + 'static {
     fn memset_d16(dev: &Self::Device, ptr: u64, value: u16, halves: usize) -> Result<()>;
     /// Copies device memory at `ptr` to the host, after the stream's earlier work.
     fn read(dev: &Self::Device, ptr: u64, dst: &mut [u8]) -> Result<()>;
+    /// Copies `src` to device memory at `ptr`, after the stream's earlier work; returns
+    /// once the copy is done.
+    fn write(dev: &Self::Device, ptr: u64, src: &[u8]) -> Result<()>;
     /// Reads `dst.len()` 32-bit words at `ptr` (4-byte aligned) without waiting for the
     /// work queued on the device's stream: the words may be read while a kernel that
     /// writes them runs (each word is read whole). Used to poll error records. The

@@ -24,5 +24,6 @@ pub use per_rank::group::CommGroup;
 pub use per_rank::Comm;
 #[doc(hidden)]
 pub use per_rank::{free_expired_teardowns, parked_teardowns};
+pub use per_rank::{RegisterError, Registered, SymmetricBuffer, SYMMETRIC_SEGMENT_BYTES};
 pub use single::group::CommunicatorGroup;
 pub use single::Communicator;

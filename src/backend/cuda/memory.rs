@@ -41,6 +41,9 @@ pub(super) fn granted_pools() -> &'static std::sync::Mutex<std::collections::Has
 /// A device allocation (signal buffers and other internal memory), freed on drop.
 pub struct CudaMemory {
     pub(super) ctx: Arc<CudaContext>,
+    /// The stream of the device it was allocated for (what cudarc's traits of a
+    /// symmetric buffer in it name).
+    pub(super) stream: Arc<cudarc::driver::CudaStream>,
     pub(super) ptr: u64,
     pub(super) bytes: usize,
 }
@@ -51,6 +54,13 @@ impl std::fmt::Debug for CudaMemory {
             .field("ptr", &self.ptr)
             .field("bytes", &self.bytes)
             .finish()
+    }
+}
+
+impl CudaMemory {
+    /// The stream of the device it was allocated for.
+    pub fn stream(&self) -> &Arc<cudarc::driver::CudaStream> {
+        &self.stream
     }
 }
 
@@ -244,6 +254,65 @@ pub(super) fn export_memory(_dev: &CudaDevice, mem: &CudaMemory) -> Result<Vec<u
         .u64(mem.bytes as u64)
         .bytes(&handle.reserved.map(|c| c as u8))
         .finish())
+}
+
+/// The refusal of [`export_range`].
+fn cannot_export(reason: String) -> Error {
+    Error::CannotRegister { rank: 0, reason }
+}
+
+pub(super) fn export_range(dev: &CudaDevice, ptr: u64, bytes: usize) -> Result<(Vec<u8>, u64)> {
+    dev.ctx
+        .bind_to_thread()
+        .map_err(driver_err("cuCtxSetCurrent"))?;
+    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
+    // SAFETY: out-pointers valid for the call; the driver checks `ptr`.
+    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
+        .result()
+        .map_err(|e| {
+            cannot_export(format!(
+                "{ptr:#x} is not device memory of this context ({e:?})"
+            ))
+        })?;
+    if ptr + bytes as u64 > base + size as u64 {
+        return Err(cannot_export(format!(
+            "{bytes} bytes at {ptr:#x} run past the end of its allocation ({size} bytes at {base:#x})"
+        )));
+    }
+    let mut legacy: i32 = 0;
+    // SAFETY: `legacy` is a valid out-pointer of the attribute's type (int).
+    unsafe {
+        sys::cuPointerGetAttribute(
+            &mut legacy as *mut i32 as *mut std::ffi::c_void,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+            ptr,
+        )
+    }
+    .result()
+    .map_err(driver_err(
+        "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)",
+    ))?;
+    if legacy == 0 {
+        return Err(cannot_export(
+            "the memory is not cuMemAlloc memory (a stream-ordered pool, as cudarc's \
+             allocations are where the driver has them, or a virtual-memory mapping), so \
+             CUDA IPC cannot export it to another process; allocate the buffer with \
+             Comm::alloc_symmetric instead (ranks in one process can register any buffer)"
+                .into(),
+        ));
+    }
+    let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
+    // SAFETY: `handle` outlives the call; `base` is the base of a live cuMemAlloc
+    // allocation of the current context.
+    unsafe { sys::cuIpcGetMemHandle(&mut handle, base) }
+        .result()
+        .map_err(|e| cannot_export(format!("cuIpcGetMemHandle: {e:?}")))?;
+    let exported = Writer::new(IPC_MAGIC, IPC_VERSION)
+        .u64(process_token())
+        .u64(size as u64)
+        .bytes(&handle.reserved.map(|c| c as u8))
+        .finish();
+    Ok((exported, ptr - base))
 }
 
 pub(super) fn import_memory(dev: &CudaDevice, handle: &[u8]) -> Result<CudaPeerMapping> {

@@ -97,6 +97,11 @@ extern "C" {
         stream: hipStream_t,
     ) -> HipStatus;
     pub fn hipMemcpyDtoH(dst: *mut c_void, src: *mut c_void, bytes: usize) -> HipStatus;
+    pub fn hipMemGetAddressRange(
+        base: *mut *mut c_void,
+        size: *mut usize,
+        ptr: *mut c_void,
+    ) -> HipStatus;
     pub fn hipModuleLoadData(module: *mut hipModule_t, image: *const c_void) -> HipStatus;
     pub fn hipModuleUnload(module: hipModule_t) -> HipStatus;
     pub fn hipModuleGetFunction(

@@ -125,7 +125,7 @@ pub(super) fn allocate(ordinal: usize, bytes: usize, kind: MemoryKind) -> Result
     let bytes = bytes.max(1);
     let mut ptr: *mut c_void = null_mut();
     let allocation = match kind {
-        MemoryKind::Plain => {
+        MemoryKind::Plain | MemoryKind::SharedData => {
             // SAFETY: `ptr` is a valid out pointer.
             check(unsafe { ffi::hipMalloc(&mut ptr, bytes) }, "hipMalloc")?;
             HipAllocation::CoarseGrained
@@ -182,6 +182,44 @@ pub(super) fn export_memory(_dev: &HipDevice, mem: &HipMemory) -> Result<Vec<u8>
         .u64(mem.bytes as u64)
         .bytes(&handle.reserved.map(|c| c as u8))
         .finish())
+}
+
+pub(super) fn export_range(dev: &HipDevice, ptr: u64, bytes: usize) -> Result<(Vec<u8>, u64)> {
+    set_device(dev.ordinal)?;
+    let cannot = |reason: String| Error::CannotRegister { rank: 0, reason };
+    let (mut base, mut size): (*mut c_void, usize) = (null_mut(), 0);
+    // SAFETY: out pointers valid for the call; the runtime checks `ptr`.
+    let status = unsafe { ffi::hipMemGetAddressRange(&mut base, &mut size, ptr as *mut c_void) };
+    if status != ffi::SUCCESS {
+        return Err(cannot(format!(
+            "{ptr:#x} is not device memory of this device ({})",
+            describe(status)
+        )));
+    }
+    let base = base as u64;
+    if ptr + bytes as u64 > base + size as u64 {
+        return Err(cannot(format!(
+            "{bytes} bytes at {ptr:#x} run past the end of its allocation ({size} bytes at {base:#x})"
+        )));
+    }
+    let mut handle = ffi::IpcMemHandle {
+        reserved: [0; ffi::IPC_HANDLE_SIZE],
+    };
+    // SAFETY: `handle` is a valid out pointer; `base` is the base of a live allocation.
+    let status = unsafe { ffi::hipIpcGetMemHandle(&mut handle, base as *mut c_void) };
+    if status != ffi::SUCCESS {
+        return Err(cannot(format!(
+            "hipIpcGetMemHandle: {} (memory from a pool or a virtual-memory mapping cannot \
+             be exported this way; allocate it with Comm::alloc_symmetric)",
+            describe(status)
+        )));
+    }
+    let exported = Writer::new(IPC_MAGIC, IPC_VERSION)
+        .u64(process_token())
+        .u64(size as u64)
+        .bytes(&handle.reserved.map(|c| c as u8))
+        .finish();
+    Ok((exported, ptr - base))
 }
 
 pub(super) fn import_memory(dev: &HipDevice, handle: &[u8]) -> Result<HipPeerMapping> {

@@ -112,12 +112,18 @@ impl SharedFile {
             .map_err(|e| alloc_error(format!("fstat of the shared file: {e}")))?;
         let mapping = Mapping::new(file.as_fd(), len)
             .map_err(|e| alloc_error(format!("mmap of {len} shared bytes: {e}")))?;
-        Ok(SharedFile {
+        let shared = SharedFile {
             mapping,
             file,
             dev: meta.dev(),
             ino: meta.ino(),
-        })
+        };
+        live().lock().unwrap_or_else(|e| e.into_inner()).push((
+            shared.addr(),
+            len,
+            shared.export(),
+        ));
+        Ok(shared)
     }
 
     /// Address of the mapping in this process.
@@ -135,6 +141,37 @@ impl SharedFile {
             .u64(self.ino)
             .finish()
     }
+}
+
+/// A live shared file: (address, bytes, handle).
+type LiveFile = (u64, usize, Vec<u8>);
+
+/// The live shared files of this process, so that a range
+/// inside one can be exported ([`export_containing`]).
+fn live() -> &'static std::sync::Mutex<Vec<LiveFile>> {
+    static LIVE: std::sync::OnceLock<std::sync::Mutex<Vec<LiveFile>>> = std::sync::OnceLock::new();
+    LIVE.get_or_init(Default::default)
+}
+
+impl Drop for SharedFile {
+    fn drop(&mut self) {
+        let addr = self.addr();
+        live()
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|(a, _, _)| *a != addr);
+    }
+}
+
+/// The handle of the live shared file of this process that holds `[ptr, ptr + bytes)`,
+/// and `ptr`'s offset in it; `None` when no shared file holds the range.
+pub(crate) fn export_containing(ptr: u64, bytes: usize) -> Option<(Vec<u8>, u64)> {
+    live()
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .iter()
+        .find(|(a, n, _)| ptr >= *a && ptr + bytes as u64 <= *a + *n as u64)
+        .map(|(a, _, h)| (h.clone(), ptr - a))
 }
 
 /// Maps the memory a handle from [`SharedFile::export`] names (any process, this one

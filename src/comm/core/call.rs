@@ -5,7 +5,8 @@
 //!
 //! Caught, on every path through [`super::Rank::launch_fused`] (both APIs): a different
 //! collective, element type, group width, root, element count (exact below 2^39
-//! elements), block count or algorithm, and a call made out of order within a group (the
+//! elements), block count, algorithm or input place (staged, or where in which
+//! registered buffer), and a call made out of order within a group (the
 //! sequence number counts the launches of each barrier domain, so sibling groups, which
 //! share a domain but never a barrier, may make different numbers of calls). Ranks in
 //! the same barrier domain find the difference when the arrival lands; ranks that the
@@ -13,7 +14,9 @@
 //! against a barrier) find it when their wait gives up, by reading the awaited peer's
 //! `current_call`: it runs another call. What stays the caller's contract: calls that
 //! agree in every field but pass buffers whose contents the caller did not mean to
-//! pair, calls whose element counts differ by a multiple of 2^39, and a group of one's
+//! pair, calls whose element counts differ by a multiple of 2^39 (or whose call numbers
+//! differ by a multiple of 2^20 - 1, or whose registered input places hash alike: see
+//! `registry.rs`), and a group of one's
 //! own calls, which have no peer to compare with. The case a per-domain count cannot
 //! see: rank A makes a group-of-one call where its peer B makes a world call, then a
 //! world call of its own; that one pairs with B's pending one (the same place in the
@@ -65,15 +68,23 @@ pub(crate) fn encode(plan: &Plan, seq: u32) -> [u32; CALL_WORDS] {
     let blocks = plan.dims.blocks.saturating_sub(1) & 0x3ff;
     let high = ((n >> 31) & 0xff) as u32;
     let w1 = kind | dtype << 5 | width << 7 | root << 10 | blocks << 13 | high << 23;
-    // 1 ..= 2^31 - 1: a zero sequence word is what an initialised signal's
-    // current_call holds before its rank has run any call.
-    [seq % LOW31 + 1, w1 & LOW31, (n as u32) & LOW31]
+    // Bits 0-19: the sequence number, 1 ..= 2^20 - 1 (a zero sequence word is what an
+    // initialised signal's current_call holds before its rank has run any call);
+    // bits 20-30: where the peers read the input (0 staged, else a registered place).
+    let w0 = (seq % SEQ_MASK + 1) | (plan.input_tag & INPUT_TAG_MASK) << 20;
+    [w0 & LOW31, w1 & LOW31, (n as u32) & LOW31]
 }
+
+/// The sequence number's bits in word 0 (its values are 1 ..= this).
+const SEQ_MASK: u32 = (1 << 20) - 1;
+/// The input place tag's bits (after shifting down by 20).
+const INPUT_TAG_MASK: u32 = 0x7ff;
 
 /// The fields of a descriptor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Fields {
     seq: u32,
+    input_tag: u32,
     kind: u32,
     dtype: u32,
     width: u32,
@@ -84,7 +95,8 @@ struct Fields {
 
 fn decode(w: [u32; CALL_WORDS]) -> Fields {
     Fields {
-        seq: w[0],
+        seq: w[0] & SEQ_MASK,
+        input_tag: (w[0] >> 20) & INPUT_TAG_MASK,
         kind: w[1] & 0x1f,
         dtype: (w[1] >> 5) & 3,
         width: ((w[1] >> 7) & 7) + 1,
@@ -204,6 +216,15 @@ pub(crate) fn first_difference(
             algorithm_name(a.kind),
             algorithm_name(b.kind),
         )
+    } else if a.input_tag != b.input_tag {
+        let place = |t: u32| {
+            if t == 0 {
+                "the input staged (not registered)".to_string()
+            } else {
+                format!("a registered input (place tag {t})")
+            }
+        };
+        (CallField::Inputs, place(a.input_tag), place(b.input_tag))
     } else if a.seq != b.seq {
         (
             CallField::Sequence,
@@ -257,6 +278,7 @@ mod tests {
                 threads: 512,
             },
             overlap_previous: false,
+            input_tag: 0,
             collective: CollectiveArgs::default(),
         }
     }

@@ -183,6 +183,7 @@ impl Settings {
                 threads: self.config.threads_per_block,
             },
             overlap_previous: false,
+            input_tag: 0,
             collective: extra,
         })
     }

@@ -180,6 +180,7 @@ impl Settings {
                     threads: self.config.threads_per_block,
                 },
                 overlap_previous: false,
+                input_tag: 0,
                 collective: CollectiveArgs {
                     root: (count - 1) as u32,
                     ..CollectiveArgs::default()

@@ -27,6 +27,7 @@ pub(crate) mod launch;
 pub(crate) mod peer_check;
 pub(crate) mod plan;
 pub(crate) mod record;
+pub(crate) mod registry;
 pub(crate) mod route;
 pub(crate) mod routed;
 pub(crate) mod settings;

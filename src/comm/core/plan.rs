@@ -41,6 +41,9 @@ pub(crate) struct Plan {
     pub(crate) overlap_previous: bool,
     /// Root, hidden size and epsilon of the collectives that have them.
     pub(crate) collective: CollectiveArgs,
+    /// Where the peers read the input, for the call descriptor: 0 staged (or not read
+    /// in place), else the registered place's tag (see `registry.rs`).
+    pub(crate) input_tag: u32,
 }
 
 impl Settings {
@@ -60,6 +63,7 @@ impl Settings {
                 threads: self.config.threads_per_block,
             },
             overlap_previous: false,
+            input_tag: 0,
             collective: CollectiveArgs::default(),
         })
     }
@@ -186,6 +190,7 @@ impl Settings {
                 threads: self.config.threads_per_block,
             },
             overlap_previous: options.overlap_previous,
+            input_tag: 0,
             collective: CollectiveArgs::default(),
         })
     }

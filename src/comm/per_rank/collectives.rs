@@ -13,7 +13,7 @@ use crate::error::Result;
 use super::super::core::collective::{Collective, CollectiveOptions};
 use super::super::core::launch::{Fused, PeerInputs};
 use super::super::core::plan::{PeerReads, Plan};
-use super::{meta, Comm};
+use super::{mark_place, meta, peer_inputs, reads, Comm};
 
 impl<B: Backend> Comm<B> {
     /// Gathers every group member's `send` into `recv` on every member: member q's
@@ -38,14 +38,16 @@ impl<B: Backend> Comm<B> {
             "output",
             "group width x input",
         )?;
-        let plan = core.plan_collective(
-            Collective::AllGather,
-            send.dtype(),
-            send.len(),
-            options,
-            PeerReads::Payloads,
-        )?;
-        self.enqueue_collective(&plan, Some(send), recv)
+        let plan = |reads| {
+            core.plan_collective(
+                Collective::AllGather,
+                send.dtype(),
+                send.len(),
+                options,
+                reads,
+            )
+        };
+        self.enqueue_collective(plan, Some(send), recv, true)
     }
 
     /// Sums `send` over the group; this rank receives part `group rank` of the sum
@@ -70,14 +72,16 @@ impl<B: Backend> Comm<B> {
             "output",
             "this rank's part of the input",
         )?;
-        let plan = core.plan_collective(
-            Collective::ReduceScatter,
-            send.dtype(),
-            send.len(),
-            options,
-            PeerReads::Payloads,
-        )?;
-        self.enqueue_collective(&plan, Some(send), recv)
+        let plan = |reads| {
+            core.plan_collective(
+                Collective::ReduceScatter,
+                send.dtype(),
+                send.len(),
+                options,
+                reads,
+            )
+        };
+        self.enqueue_collective(plan, Some(send), recv, true)
     }
 
     /// Copies the input of the group's `root` (a group rank) into every member's
@@ -102,14 +106,12 @@ impl<B: Backend> Comm<B> {
             core.check_pair(&meta(s), &meta(&*recv))?;
             core.check_len(recv.len(), Some(s.len()), "output", "the root's input")?;
         }
-        let plan = core.plan_collective(
-            Collective::Broadcast { root },
-            recv.dtype(),
-            recv.len(),
-            options,
-            PeerReads::Payloads,
-        )?;
-        self.enqueue_collective(&plan, send, recv)
+        // Only the root's input is read, at a place the others cannot know: staged.
+        let (dtype, len) = (recv.dtype(), recv.len());
+        let plan = |reads| {
+            core.plan_collective(Collective::Broadcast { root }, dtype, len, options, reads)
+        };
+        self.enqueue_collective(plan, send, recv, false)
     }
 
     /// Broadcast in place: the root's `buf` is the message, every other member's `buf`
@@ -172,14 +174,11 @@ impl<B: Backend> Comm<B> {
                 "group width x output",
             )?;
         }
-        let plan = core.plan_collective(
-            Collective::Scatter { root },
-            recv.dtype(),
-            recv.len(),
-            options,
-            PeerReads::Payloads,
-        )?;
-        self.enqueue_collective(&plan, send, recv)
+        // Only the root's input is read, at a place the others cannot know: staged.
+        let (dtype, len) = (recv.dtype(), recv.len());
+        let plan =
+            |reads| core.plan_collective(Collective::Scatter { root }, dtype, len, options, reads);
+        self.enqueue_collective(plan, send, recv, false)
     }
 
     /// The end of a tensor-parallel decoder layer in one kernel: sums `input` (this
@@ -222,7 +221,10 @@ impl<B: Backend> Comm<B> {
         }
         core.check_len(output.len(), Some(input.len()), "output", "input")?;
         core.check_len(residual.len(), Some(input.len()), "residual", "input")?;
-        let plan = core.plan_collective(
+        let dev = core.device();
+        let (i, ig) = input.read_ptr(dev);
+        let place = self.place_of(i, input.len() * input.dtype().size());
+        let mut plan = core.plan_collective(
             Collective::AllReduceRmsNorm {
                 hidden: weight.len(),
                 epsilon,
@@ -230,13 +232,12 @@ impl<B: Backend> Comm<B> {
             input.dtype(),
             input.len(),
             options,
-            PeerReads::Payloads,
+            reads(&place),
         )?;
         if plan.elements == 0 {
             return Ok(());
         }
-        let dev = core.device();
-        let (i, ig) = input.read_ptr(dev);
+        mark_place(&mut plan, &place);
         let (w, wg) = weight.read_ptr(dev);
         let (r, rg) = residual.write_ptr(dev);
         let (o, og) = output.write_ptr(dev);
@@ -246,33 +247,47 @@ impl<B: Backend> Comm<B> {
         };
         let result = self
             .lock()
-            .and_then(|_launches| core.launch_fused(&plan, PeerInputs::Own(i), o, fused));
+            .and_then(|_launches| core.launch_fused(&plan, peer_inputs(i, &place), o, fused));
         drop((ig, wg, rg, og));
         result
     }
 
-    /// Launches this rank's kernel of `plan` from `send` (if any) into `recv`.
-    fn enqueue_collective<S, R>(&self, plan: &Plan, send: Option<&S>, recv: &mut R) -> Result<()>
+    /// Plans (with `plan`, told where the peers read the input) and launches this
+    /// rank's kernel from `send` (if any) into `recv`. With `zero_copy`, an input in a
+    /// registered buffer is read in place by the peers.
+    fn enqueue_collective<S, R>(
+        &self,
+        plan: impl FnOnce(PeerReads) -> Result<Plan>,
+        send: Option<&S>,
+        recv: &mut R,
+        zero_copy: bool,
+    ) -> Result<()>
     where
         S: DeviceBuffer<B> + ?Sized,
         R: DeviceBufferMut<B> + ?Sized,
     {
-        if plan.elements == 0 {
-            return Ok(());
-        }
         let core = &*self.core;
         let dev = core.device();
         let (input, in_guard) = match send {
             Some(s) => {
                 let (p, g) = s.read_ptr(dev);
-                (p, Some(g))
+                (p, Some((g, s.len() * s.dtype().size())))
             }
             None => (0, None),
         };
+        let place = match &in_guard {
+            Some((_, bytes)) if zero_copy => self.place_of(input, *bytes),
+            _ => None,
+        };
+        let mut plan = plan(reads(&place))?;
+        if plan.elements == 0 {
+            return Ok(());
+        }
+        mark_place(&mut plan, &place);
         let (output, out_guard) = recv.write_ptr(dev);
         let result = self
             .lock()
-            .and_then(|_launches| core.launch(plan, PeerInputs::Own(input), output));
+            .and_then(|_launches| core.launch(&plan, peer_inputs(input, &place), output));
         drop((in_guard, out_guard));
         result
     }

@@ -221,8 +221,10 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
                 GroupStep::Alone { index, routed } => {
                     let c = &calls[index];
                     let (input, output) = io[index];
-                    comm.run(routed, input, output, c.elements, c.dtype, &c.options)
-                        .map(|a| algorithms[index] = a)
+                    comm.run(
+                        routed, input, &None, output, c.elements, c.dtype, &c.options,
+                    )
+                    .map(|a| algorithms[index] = a)
                 }
             };
             if let Err(e) = done {

@@ -26,19 +26,25 @@ use super::core::check::{Meta, Routed};
 use super::core::connect;
 use super::core::launch::PeerInputs;
 use super::core::plan::PeerReads;
+use super::core::registry::{InPlace, Registry};
 use super::core::route::{self, RouteError};
 use super::core::setup::Placement;
 use super::core::Rank;
 use super::{AllReduceOptions, CommConfig};
+use symmetric::SymmetricPool;
 
 mod collectives;
 mod fault;
 pub(crate) mod group;
 mod parking;
+mod registered;
 mod status;
+mod symmetric;
 mod teardown;
 
 pub use parking::{free_expired_teardowns, parked_teardowns};
+pub use registered::{RegisterError, Registered};
+pub use symmetric::{SymmetricBuffer, SYMMETRIC_SEGMENT_BYTES};
 
 /// One rank of a communicator whose ranks live in different threads or processes.
 ///
@@ -92,6 +98,11 @@ pub struct Comm<B: Backend> {
     /// re-initialisation.
     launch_lock: Mutex<()>,
     torn_down: AtomicBool,
+    /// Buffers registered with the peers (`registered.rs`), the symmetric pool's
+    /// segments among them.
+    registry: Arc<Registry<B>>,
+    /// The symmetric pool (`symmetric.rs`).
+    pool: SymmetricPool<B>,
     /// Makes `Comm` `Send` but not `Sync` (see "One issuing thread per rank").
     _one_issuing_thread: std::marker::PhantomData<std::cell::Cell<()>>,
 }
@@ -99,6 +110,54 @@ pub struct Comm<B: Backend> {
 /// The checksum [`Comm::from_rank`] gives the TCP handshake: the same for every
 /// configuration, since the ranks compare theirs field by field right after it.
 const CONFIG_COMPARED_AFTER_HANDSHAKE: u64 = 0x7065_6572_636f_6d6d;
+
+/// How the peers read an input whose place is `place` (see [`Comm::place_of`]).
+fn reads(place: &Option<InPlace>) -> PeerReads {
+    if place.is_some() {
+        PeerReads::UserBuffers
+    } else {
+        PeerReads::Payloads
+    }
+}
+
+/// The kernel's view of an input at `input` whose place is `place`.
+fn peer_inputs(input: u64, place: &Option<InPlace>) -> PeerInputs<'_> {
+    match place {
+        Some(p) => PeerInputs::InPlace(&p.inputs),
+        None => PeerInputs::Own(input),
+    }
+}
+
+/// Marks a plan that reads the peers' registered inputs in place with their place, so
+/// that a peer reading from elsewhere is a descriptor mismatch (see `registry.rs`).
+fn mark_place(plan: &mut super::core::plan::Plan, place: &Option<InPlace>) {
+    use crate::backend::KernelKind;
+    let in_place_reads = !plan.stage_input
+        && plan.width > 1
+        && !matches!(
+            plan.kernel.kind,
+            KernelKind::Lamport
+                | KernelKind::LamportRmsNorm
+                | KernelKind::Barrier
+                | KernelKind::PingPong
+                | KernelKind::Delay
+                | KernelKind::AllReduceGroup
+        );
+    if let (true, Some(p)) = (in_place_reads, place) {
+        plan.input_tag = p.tag;
+    }
+}
+
+/// [`mark_place`] on a routed all-reduce.
+fn with_place(routed: Routed, place: &Option<InPlace>) -> Routed {
+    match routed {
+        Routed::Peer(mut plan) => {
+            mark_place(&mut plan, place);
+            Routed::Peer(plan)
+        }
+        away => away,
+    }
+}
 
 /// What [`Comm`] knows of a buffer.
 fn meta<B: Backend>(b: &(impl DeviceBuffer<B> + ?Sized)) -> Meta {
@@ -191,6 +250,8 @@ impl<B: Backend> Comm<B> {
             hosts,
             launch_lock: Mutex::new(()),
             torn_down: AtomicBool::new(false),
+            registry: Arc::new(Registry::default()),
+            pool: SymmetricPool::default(),
             _one_issuing_thread: std::marker::PhantomData,
         })
     }
@@ -268,17 +329,24 @@ impl<B: Backend> Comm<B> {
     {
         let core = &*self.core;
         core.check_all_reduce(&meta(send), &meta(&*recv))?;
-        let routed = core.plan_all_reduce(
-            send.dtype(),
-            send.len(),
-            options,
-            false,
-            PeerReads::Payloads,
-        )?;
         let dev = core.device();
         let (input, in_guard) = send.read_ptr(dev);
         let (output, out_guard) = recv.write_ptr(dev);
-        let result = self.run(routed, input, output, send.len(), send.dtype(), options);
+        let place = self.place_of(input, send.len() * send.dtype().size());
+        let result = core
+            .plan_all_reduce(send.dtype(), send.len(), options, false, reads(&place))
+            .and_then(|routed| {
+                let routed = with_place(routed, &place);
+                self.run(
+                    routed,
+                    input,
+                    &place,
+                    output,
+                    send.len(),
+                    send.dtype(),
+                    options,
+                )
+            });
         drop((in_guard, out_guard));
         result
     }
@@ -305,18 +373,31 @@ impl<B: Backend> Comm<B> {
         core.check_usable()?;
         core.check_buffer(buf.device_ordinal(), "in-place")?;
         let (len, dtype) = (buf.len(), buf.dtype());
-        let routed = core.plan_all_reduce(dtype, len, options, true, PeerReads::Payloads)?;
         let (ptr, guard) = buf.write_ptr(core.device());
-        let result = self.run(routed, ptr, ptr, len, dtype, options);
+        let place = self.place_of(ptr, len * dtype.size());
+        let result = core
+            .plan_all_reduce(dtype, len, options, true, reads(&place))
+            .and_then(|routed| {
+                let routed = with_place(routed, &place);
+                self.run(routed, ptr, &place, ptr, len, dtype, options)
+            });
         drop(guard);
         result
     }
 
+    /// Where the peers read an input of `bytes` bytes at `ptr`: in place where a
+    /// registered buffer (or a symmetric one) holds it, else from this rank's payload.
+    pub(super) fn place_of(&self, ptr: u64, bytes: usize) -> Option<InPlace> {
+        self.registry.lookup(ptr, bytes)
+    }
+
     /// Launches a planned all-reduce, or runs it where the router sent it.
+    #[allow(clippy::too_many_arguments)]
     fn run(
         &self,
         routed: Routed,
         input: u64,
+        place: &Option<InPlace>,
         output: u64,
         elements: usize,
         dtype: crate::DType,
@@ -326,7 +407,7 @@ impl<B: Backend> Comm<B> {
         match routed {
             Routed::Peer(plan) => {
                 if plan.elements > 0 {
-                    self.core.launch(&plan, PeerInputs::Own(input), output)?;
+                    self.core.launch(&plan, peer_inputs(input, place), output)?;
                 }
                 Ok(plan.algorithm)
             }

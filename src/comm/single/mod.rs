@@ -342,6 +342,7 @@ impl<B: Backend> Communicator<B> {
                 threads: 32,
             },
             overlap_previous: false,
+            input_tag: 0,
             collective: CollectiveArgs::default(),
         };
         let zeros = [0u64; MAX_GPUS];

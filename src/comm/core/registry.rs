@@ -1,0 +1,344 @@
+//! Buffers registered with a per-rank communicator: for each one, where every group
+//! member's copy of it is reached from this rank, so that a call whose input lies in a
+//! registered buffer reads the peers' inputs in place (no staging copy, and two-stage
+//! becomes possible), with the kernels the single controller runs.
+//!
+//! Registration is collective ([`register_range`]): every rank registers one range of
+//! the same size, in the same order. The ranks gather their process tokens, sizes and
+//! addresses; a peer in this process is reached at its own address (peer access was
+//! enabled at setup), a peer in another process through the IPC handle of the
+//! allocation that holds its range ([`Backend::export_range`]), imported here once per
+//! allocation and peer however many of its ranges are registered. Any refusal (memory
+//! that cannot be exported, a failed import, ranks that disagree) is the same
+//! [`Error::CannotRegister`] on every rank, nothing registered anywhere.
+//!
+//! A call passes the peers its input's place as an 11-bit tag in its descriptor
+//! ([`InPlace::tag`]: registration number and offset, hashed; 0 = staged), so ranks that
+//! pass registered buffers at different offsets, or one registered and one not, get
+//! [`crate::CallField::Inputs`] at the first barrier, before anything is read: a
+//! difference escapes only where two places hash alike (1 in 2,047).
+
+use std::sync::{Arc, Mutex, Weak};
+
+use crate::backend::handle::process_token;
+use crate::backend::Backend;
+use crate::bootstrap::Bootstrap;
+use crate::error::{Error, Result};
+use crate::signal::MAX_GPUS;
+
+/// Where every group member's input of one call is, read in place.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct InPlace {
+    /// The call's input place for the descriptor (1..=2047).
+    pub(crate) tag: u32,
+    /// Member k's input, as this rank reaches it (world-indexed).
+    pub(crate) inputs: [u64; MAX_GPUS],
+}
+
+/// The descriptor tag of offset `offset` in registration `id`: 1..=2047.
+fn place_tag(id: u64, offset: u64) -> u32 {
+    let mut h = id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ offset.wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
+    h ^= h >> 29;
+    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h ^= h >> 32;
+    1 + (h % 2047) as u32
+}
+
+/// One registered range on this rank.
+struct Entry<B: Backend> {
+    id: u64,
+    base: u64,
+    bytes: usize,
+    /// `peers[k]`: group member k's range, as this rank reaches it.
+    peers: [u64; MAX_GPUS],
+    /// The imports it uses (shared with other entries of the same allocations).
+    _imports: Vec<Arc<Import<B>>>,
+}
+
+/// A peer allocation mapped here.
+struct Import<B: Backend> {
+    handle: Vec<u8>,
+    mapping: B::PeerMapping,
+}
+
+/// This rank's registered ranges.
+pub(crate) struct Registry<B: Backend> {
+    entries: Mutex<Vec<Entry<B>>>,
+    /// Live imports by handle, so that an allocation is opened once per peer.
+    imports: Mutex<Vec<Weak<Import<B>>>>,
+    /// Registrations made (the next one's number): the same on every rank that made
+    /// the same registrations.
+    made: Mutex<u64>,
+}
+
+impl<B: Backend> Default for Registry<B> {
+    fn default() -> Self {
+        Registry {
+            entries: Mutex::new(Vec::new()),
+            imports: Mutex::new(Vec::new()),
+            made: Mutex::new(0),
+        }
+    }
+}
+
+/// One rank's part of a registration, as gathered.
+struct Offer {
+    process: u64,
+    id: u64,
+    ptr: u64,
+    bytes: u64,
+}
+
+impl Offer {
+    fn encode(&self) -> Vec<u8> {
+        [self.process, self.id, self.ptr, self.bytes]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect()
+    }
+    fn decode(rank: usize, b: &[u8]) -> Result<Self> {
+        if b.len() != 32 {
+            return Err(refused(
+                rank,
+                format!("a malformed registration record ({} bytes)", b.len()),
+            ));
+        }
+        let word = |i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"));
+        Ok(Offer {
+            process: word(0),
+            id: word(1),
+            ptr: word(2),
+            bytes: word(3),
+        })
+    }
+}
+
+fn refused(rank: usize, reason: String) -> Error {
+    Error::CannotRegister { rank, reason }
+}
+
+/// A gathered status: empty = ok, else the reason.
+fn first_refusal(statuses: &[Vec<u8>]) -> Option<Error> {
+    statuses
+        .iter()
+        .enumerate()
+        .find(|(_, s)| !s.is_empty())
+        .map(|(r, s)| refused(r, String::from_utf8_lossy(s).into_owned()))
+}
+
+impl<B: Backend> Registry<B> {
+    /// The place of an input of `bytes` bytes at `ptr`, when a registered range holds
+    /// all of it.
+    pub(crate) fn lookup(&self, ptr: u64, bytes: usize) -> Option<InPlace> {
+        let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let e = entries
+            .iter()
+            .find(|e| ptr >= e.base && ptr + bytes as u64 <= e.base + e.bytes as u64)?;
+        let offset = ptr - e.base;
+        let mut inputs = [0u64; MAX_GPUS];
+        for (i, p) in inputs.iter_mut().zip(e.peers) {
+            *i = if p == 0 { 0 } else { p + offset };
+        }
+        Some(InPlace {
+            tag: place_tag(e.id, offset),
+            inputs,
+        })
+    }
+
+    /// Forgets registration `id` (this rank only): its imports are unmapped once no
+    /// other registration uses them, after this rank's queued work (the mappings' drop
+    /// is stream-ordered or synchronises).
+    pub(crate) fn remove(&self, id: u64) {
+        let gone: Vec<Entry<B>> = {
+            let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+            let (gone, kept) = std::mem::take(&mut *entries)
+                .into_iter()
+                .partition(|e| e.id == id);
+            *entries = kept;
+            gone
+        };
+        drop(gone);
+        self.imports
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|w| w.strong_count() > 0);
+    }
+
+    /// Registered ranges on this rank.
+    pub(crate) fn len(&self) -> usize {
+        self.entries.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    /// Peer allocations mapped here for the registrations.
+    pub(crate) fn imports(&self) -> usize {
+        self.imports
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .filter(|w| w.strong_count() > 0)
+            .count()
+    }
+
+    /// The live import of `handle`, or a new one.
+    fn import(&self, dev: &B::Device, handle: &[u8]) -> Result<Arc<Import<B>>> {
+        let mut imports = self.imports.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(live) = imports
+            .iter()
+            .filter_map(Weak::upgrade)
+            .find(|i| i.handle == handle)
+        {
+            return Ok(live);
+        }
+        let import = Arc::new(Import {
+            handle: handle.to_vec(),
+            mapping: B::import_memory(dev, handle)?,
+        });
+        imports.retain(|w| w.strong_count() > 0);
+        imports.push(Arc::downgrade(&import));
+        Ok(import)
+    }
+}
+
+/// Registers `[ptr, ptr + bytes)` of this rank with every rank of `group` (the ranks
+/// of the peer-memory group, in order; see the module docs). Returns the registration's
+/// number, the same on every rank.
+pub(crate) fn register_range<B: Backend>(
+    registry: &Registry<B>,
+    dev: &B::Device,
+    group: &dyn Bootstrap,
+    ptr: u64,
+    bytes: usize,
+) -> Result<u64> {
+    let (me, n) = (group.rank(), group.world_size());
+    let mut made = registry.made.lock().unwrap_or_else(|e| e.into_inner());
+    let mine = Offer {
+        process: process_token(),
+        id: *made,
+        ptr,
+        bytes: bytes as u64,
+    };
+    let offers = group
+        .all_gather(&mine.encode())?
+        .iter()
+        .enumerate()
+        .map(|(r, b)| Offer::decode(r, b))
+        .collect::<Result<Vec<_>>>()?;
+    // Every rank checks every offer, so every rank refuses alike.
+    for (r, o) in offers.iter().enumerate() {
+        if o.id != offers[0].id {
+            return Err(refused(
+                r,
+                format!(
+                    "it has made {} registrations where rank 0 has made {}: every rank \
+                     registers (and allocates symmetric buffers) in the same order",
+                    o.id, offers[0].id
+                ),
+            ));
+        }
+        if o.bytes != offers[0].bytes {
+            return Err(refused(
+                r,
+                format!(
+                    "it registers {} bytes where rank 0 registers {}: every rank registers \
+                     a buffer of the same size",
+                    o.bytes, offers[0].bytes
+                ),
+            ));
+        }
+    }
+    let remote = offers.iter().any(|o| o.process != mine.process);
+    // Handles only where some rank is in another process (every rank decides alike).
+    let handles: Vec<Vec<u8>> = if remote {
+        let (status, handle) = match B::export_range(dev, ptr, bytes) {
+            Ok((h, offset)) => {
+                let mut h = h;
+                h.extend_from_slice(&offset.to_le_bytes());
+                (Vec::new(), h)
+            }
+            Err(Error::CannotRegister { reason, .. }) => (reason.into_bytes(), Vec::new()),
+            Err(e) => (e.to_string().into_bytes(), Vec::new()),
+        };
+        let mut record = (status.len() as u32).to_le_bytes().to_vec();
+        record.extend_from_slice(&status);
+        record.extend_from_slice(&handle);
+        let gathered = group.all_gather(&record)?;
+        let mut statuses = Vec::with_capacity(n);
+        let mut handles = Vec::with_capacity(n);
+        for g in gathered {
+            let len = g
+                .get(..4)
+                .map_or(0, |b| u32::from_le_bytes(b.try_into().expect("4")) as usize);
+            let status = g.get(4..4 + len).unwrap_or(b"malformed").to_vec();
+            handles.push(g.get(4 + len..).unwrap_or_default().to_vec());
+            statuses.push(status);
+        }
+        if let Some(e) = first_refusal(&statuses) {
+            return Err(e);
+        }
+        handles
+    } else {
+        vec![Vec::new(); n]
+    };
+    let mut peers = [0u64; MAX_GPUS];
+    let mut imports = Vec::new();
+    let mut problem = String::new();
+    for (r, o) in offers.iter().enumerate() {
+        peers[r] = if r == me || o.process == mine.process {
+            o.ptr
+        } else {
+            let h = &handles[r];
+            let (handle, offset) = h.split_at(h.len().saturating_sub(8));
+            let offset = u64::from_le_bytes(offset.try_into().unwrap_or([0; 8]));
+            match registry.import(dev, handle) {
+                Ok(i) => {
+                    let addr = B::mapping_ptr(&i.mapping) + offset;
+                    imports.push(i);
+                    addr
+                }
+                Err(e) => {
+                    if problem.is_empty() {
+                        problem = format!("mapping rank {r}'s buffer here failed: {e}");
+                    }
+                    0
+                }
+            }
+        };
+    }
+    // Every rank learns whether any import failed.
+    if let Some(e) = first_refusal(&group.all_gather(problem.as_bytes())?) {
+        return Err(e);
+    }
+    let id = *made;
+    *made += 1;
+    registry
+        .entries
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .push(Entry {
+            id,
+            base: ptr,
+            bytes,
+            peers,
+            _imports: imports,
+        });
+    Ok(id)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tags_are_never_zero_and_tell_places_apart() {
+        let mut seen = std::collections::HashSet::new();
+        for id in 0..8 {
+            for offset in (0..256u64).map(|o| o * 16) {
+                let t = place_tag(id, offset);
+                assert!((1..=2047).contains(&t));
+                seen.insert(t);
+            }
+        }
+        // 2,048 places over 2,047 tags: most tags are hit.
+        assert!(seen.len() > 1200, "{}", seen.len());
+    }
+}

@@ -1,0 +1,183 @@
+//! Zero copy on the per-rank [`Comm`] with buffers the user already has:
+//! [`Comm::register`] (collective) maps every rank's buffer into every peer, and from
+//! then on a call whose input lies in a registered buffer reads the peers' inputs in
+//! place, with the single controller's kernels: no staging copy, two-stage offered,
+//! the same bits as the single controller for the same inputs. The registration lasts
+//! as long as the returned [`Registered`], which owns the buffer and gives it back
+//! with [`Registered::into_inner`].
+//!
+//! What can be registered: on the host backend and for ranks of one process, any
+//! buffer (the peers reach it at its own address); across processes, memory the driver
+//! can export ([`Backend::export_range`]: `cuMemAlloc` / `hipMalloc` memory, the host
+//! backend's shared memory, and every [`crate::SymmetricBuffer`]). Memory from a
+//! stream-ordered pool without an IPC handle type (cudarc's default allocations where
+//! the driver has pools) cannot be: that is [`Error::CannotRegister`] on every rank,
+//! and the buffer comes back in the [`RegisterError`].
+
+use std::sync::Arc;
+
+use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
+use crate::dispatch::Algorithm;
+use crate::dtype::DType;
+use crate::error::{Error, Result};
+
+use super::super::core::registry::{register_range, Registry};
+use super::Comm;
+
+/// A buffer registered with a per-rank [`Comm`] ([`Comm::register`]): the buffer
+/// itself (it derefs to it and passes for it in every call), while every peer reaches
+/// it in place. Dropping it (or [`Registered::into_inner`]) ends the registration on
+/// this rank; the peers' mappings of it close when they end theirs. A call that pairs a
+/// registered input on one rank with an unregistered one (or another place) on a peer
+/// is [`crate::CallField::Inputs`], nothing read or written.
+pub struct Registered<B: Backend, T> {
+    /// `Some` until taken back.
+    buffer: Option<T>,
+    registry: Arc<Registry<B>>,
+    id: u64,
+}
+
+/// A failed [`Comm::register`]: the error, and the buffer given back.
+pub struct RegisterError<T> {
+    /// Why (the same on every rank).
+    pub error: Error,
+    /// The buffer, unregistered.
+    pub buffer: T,
+}
+
+impl<T> std::fmt::Debug for RegisterError<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegisterError")
+            .field("error", &self.error)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<T> std::fmt::Display for RegisterError<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl<T> std::error::Error for RegisterError<T> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.error)
+    }
+}
+
+impl<T> From<RegisterError<T>> for Error {
+    fn from(e: RegisterError<T>) -> Error {
+        e.error
+    }
+}
+
+impl<B: Backend> Comm<B> {
+    /// Registers `buffer` with every rank (collective: every rank registers one buffer
+    /// of the same byte size, in the same order as its other registrations and
+    /// [`Comm::alloc_symmetric`] calls). From then on a collective whose input lies in
+    /// it (the whole buffer or a part at the same offset on every rank) reads it in
+    /// place on the peers. Refusals are [`Error::CannotRegister`] on every rank, with
+    /// the buffer given back. Needs peer memory across the whole world
+    /// ([`Comm::world_path`] is `Auto`).
+    pub fn register<T>(&self, buffer: T) -> std::result::Result<Registered<B, T>, RegisterError<T>>
+    where
+        T: DeviceBuffer<B>,
+    {
+        match self.register_buffer(&buffer) {
+            Ok(id) => Ok(Registered {
+                buffer: Some(buffer),
+                registry: self.registry.clone(),
+                id,
+            }),
+            Err(error) => Err(RegisterError { error, buffer }),
+        }
+    }
+
+    fn register_buffer<T: DeviceBuffer<B>>(&self, buffer: &T) -> Result<u64> {
+        let core = &*self.core;
+        core.check_usable()?;
+        core.check_buffer(buffer.device_ordinal(), "registered")?;
+        self.check_zero_copy()?;
+        let (ptr, guard) = buffer.read_ptr(core.device());
+        drop(guard);
+        let bytes = buffer.len() * buffer.dtype().size();
+        register_range(&self.registry, core.device(), &*self.bootstrap, ptr, bytes)
+    }
+
+    /// Registered buffers need peer memory across the whole world.
+    pub(super) fn check_zero_copy(&self) -> Result<()> {
+        if self.world_path() != Algorithm::Auto {
+            return Err(Error::Unsupported(format!(
+                "registered and symmetric buffers need peer memory across the whole world; \
+                 this communicator's world runs {}",
+                self.world_path().name()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Buffers registered on this rank (a [`Registered`] each, and one per pool segment
+    /// of the symmetric buffers), and the peer allocations mapped here for them: for
+    /// checking that nothing leaks.
+    pub fn registrations(&self) -> (usize, usize) {
+        (self.registry.len(), self.registry.imports())
+    }
+}
+
+impl<B: Backend, T> Registered<B, T> {
+    /// Ends the registration on this rank and gives the buffer back.
+    pub fn into_inner(mut self) -> T {
+        self.registry.remove(self.id);
+        self.buffer.take().expect("present until taken")
+    }
+    fn get(&self) -> &T {
+        self.buffer.as_ref().expect("present until taken")
+    }
+}
+
+impl<B: Backend, T> std::ops::Deref for Registered<B, T> {
+    type Target = T;
+    fn deref(&self) -> &T {
+        self.get()
+    }
+}
+
+impl<B: Backend, T> std::ops::DerefMut for Registered<B, T> {
+    fn deref_mut(&mut self) -> &mut T {
+        self.buffer.as_mut().expect("present until taken")
+    }
+}
+
+impl<B: Backend, T> Drop for Registered<B, T> {
+    fn drop(&mut self) {
+        if self.buffer.is_some() {
+            self.registry.remove(self.id);
+        }
+    }
+}
+
+// SAFETY: every answer is the wrapped buffer's, which upholds the trait's contract.
+unsafe impl<B: Backend, T: DeviceBuffer<B>> DeviceBuffer<B> for Registered<B, T> {
+    fn dtype(&self) -> DType {
+        self.get().dtype()
+    }
+    fn len(&self) -> usize {
+        self.get().len()
+    }
+    fn device_ordinal(&self) -> usize {
+        self.get().device_ordinal()
+    }
+    fn read_ptr<'a>(&'a self, dev: &'a B::Device) -> (u64, B::Access<'a>) {
+        self.get().read_ptr(dev)
+    }
+}
+
+// SAFETY: as above.
+unsafe impl<B: Backend, T: DeviceBufferMut<B>> DeviceBufferMut<B> for Registered<B, T> {
+    fn write_ptr<'a>(&'a mut self, dev: &'a B::Device) -> (u64, B::Access<'a>) {
+        self.buffer
+            .as_mut()
+            .expect("present until taken")
+            .write_ptr(dev)
+    }
+}

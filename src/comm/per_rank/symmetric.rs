@@ -1,0 +1,393 @@
+//! Symmetric buffers of a per-rank [`Comm`] ([`Comm::alloc_symmetric`]): memory that
+//! every peer has mapped, at the same offset of the communicator's pool on every rank,
+//! so that collectives on it read the peers' inputs in place (see `registered.rs`).
+//!
+//! The pool is a list of segments, each one exportable device allocation
+//! ([`MemoryKind::SharedData`]: `cuMemAlloc` / `hipMalloc` memory, a shared memory
+//! file on the host backend) registered with every peer once, when it is made. Why an
+//! IPC-exportable pool and not CUDA virtual memory with POSIX file descriptors: a
+//! file descriptor crosses processes only over a Unix socket (or `pidfd_getfd`, which
+//! needs ptrace rights), while an IPC handle is plain bytes that any bootstrap carries
+//! (our TCP one, or the engine's own store); and one import per peer and segment, not
+//! per buffer, keeps allocation cheap (an IPC import takes milliseconds).
+//!
+//! Allocation is collective and deterministic: every rank runs the same first-fit
+//! over the same segments, so a buffer lands at the same (segment, offset) on every
+//! rank that has made the same allocations and drops in the same order; the ranks
+//! compare their placements before using them, and a difference is
+//! [`Error::CannotRegister`] on every rank. A segment of [`SYMMETRIC_SEGMENT_BYTES`]
+//! (or one sized for a larger buffer) is added where none has room. A dropped buffer's
+//! range becomes free at this rank's next allocation, after this rank's stream has
+//! finished the work queued before it: the peers' kernels that read it were paired
+//! with this rank's, whose End barriers wait for those reads.
+
+use std::sync::{Arc, Mutex};
+
+use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut, MemoryKind, TypedBuffer};
+use crate::dtype::{DType, Element};
+use crate::error::{Error, Result};
+
+use super::super::core::registry::{register_range, Registry};
+use super::Comm;
+
+/// Bytes of a symmetric pool segment (a larger buffer gets a segment of its own size,
+/// rounded up to 2 MiB). Allocated when the first buffer that needs it is.
+pub const SYMMETRIC_SEGMENT_BYTES: usize = 64 << 20;
+
+/// Alignment of a symmetric buffer in its segment.
+const ALIGN: u64 = 256;
+
+/// One segment of the pool: its memory, registered with every peer.
+struct Segment<B: Backend> {
+    memory: B::Memory,
+    bytes: u64,
+    registration: u64,
+    registry: Arc<Registry<B>>,
+    /// Free ranges (offset, bytes), sorted and merged.
+    free: Mutex<Vec<(u64, u64)>>,
+    /// Ranges of dropped buffers, free from the next allocation on.
+    dropped: Mutex<Vec<(u64, u64)>>,
+}
+
+impl<B: Backend> Drop for Segment<B> {
+    fn drop(&mut self) {
+        self.registry.remove(self.registration);
+    }
+}
+
+impl<B: Backend> Segment<B> {
+    /// The first free range that holds `bytes`.
+    fn first_fit(&self, bytes: u64) -> Option<u64> {
+        self.free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|&&(_, n)| n >= bytes)
+            .map(|&(o, _)| o)
+    }
+    /// Takes `[offset, offset + bytes)` out of the free range that starts at `offset`.
+    fn take(&self, offset: u64, bytes: u64) {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = free.iter().position(|&(o, _)| o == offset) {
+            let (o, n) = free[i];
+            if n == bytes {
+                free.remove(i);
+            } else {
+                free[i] = (o + bytes, n - bytes);
+            }
+        }
+    }
+    /// Moves the dropped ranges into the free list (merging neighbours); whether there
+    /// were any.
+    fn reclaim(&self) -> bool {
+        let dropped = std::mem::take(&mut *self.dropped.lock().unwrap_or_else(|e| e.into_inner()));
+        if dropped.is_empty() {
+            return false;
+        }
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        free.extend(dropped);
+        free.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(free.len());
+        for &(o, n) in free.iter() {
+            match merged.last_mut() {
+                Some((lo, ln)) if *lo + *ln == o => *ln += n,
+                _ => merged.push((o, n)),
+            }
+        }
+        *free = merged;
+        true
+    }
+}
+
+/// The symmetric pool of one rank.
+pub(crate) struct SymmetricPool<B: Backend> {
+    segments: Mutex<Vec<Arc<Segment<B>>>>,
+}
+
+impl<B: Backend> Default for SymmetricPool<B> {
+    fn default() -> Self {
+        SymmetricPool {
+            segments: Mutex::new(Vec::new()),
+        }
+    }
+}
+
+/// A buffer of `len` elements of `T` in a per-rank communicator's symmetric pool
+/// ([`Comm::alloc_symmetric`]): at the same offset on every rank and mapped by every
+/// peer, so collectives whose input it holds read it in place (no staging copy;
+/// two-stage offered). Usable as any device buffer of the crate (and, on CUDA, through
+/// cudarc's `DevicePtr` / `DevicePtrMut`, so the user's kernels can write into it). It
+/// tracks no events: work on the communicator's stream is ordered with it; work on
+/// another stream orders itself with that stream, as with any raw allocation. Freed on
+/// drop (its range is reused only by a later allocation, after this rank's queued work
+/// is done); the pool's segments live while a buffer in them does.
+pub struct SymmetricBuffer<B: Backend, T: Element> {
+    segment: Arc<Segment<B>>,
+    offset: u64,
+    /// Bytes of the range (whole alignment units).
+    span: u64,
+    len: usize,
+    ordinal: usize,
+    _t: std::marker::PhantomData<T>,
+}
+
+impl<B: Backend, T: Element> SymmetricBuffer<B, T> {
+    /// The device address of the first element.
+    pub fn device_address(&self) -> u64 {
+        B::memory_ptr(&self.segment.memory) + self.offset
+    }
+    /// Where it lies in the pool: (segment, byte offset), the same on every rank.
+    pub fn placement(&self) -> (u64, u64) {
+        (self.segment.registration, self.offset)
+    }
+    /// The segment's memory (for the backends' own trait implementations).
+    #[allow(dead_code)]
+    pub(crate) fn memory(&self) -> &B::Memory {
+        &self.segment.memory
+    }
+}
+
+impl<B: Backend, T: Element> Drop for SymmetricBuffer<B, T> {
+    fn drop(&mut self) {
+        self.segment
+            .dropped
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .push((self.offset, self.span));
+    }
+}
+
+impl<B: Backend, T: Element> std::fmt::Debug for SymmetricBuffer<B, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SymmetricBuffer")
+            .field("dtype", &T::DTYPE)
+            .field("len", &self.len)
+            .field("segment", &self.segment.registration)
+            .field("offset", &self.offset)
+            .finish()
+    }
+}
+
+// SAFETY: the address is inside the live segment (held by the buffer), `len` elements
+// of `T` fit in the range taken for it, on the device the segment was allocated on;
+// the segment is mapped by every peer, so the peers' kernels reach it.
+unsafe impl<B: Backend, T: Element> DeviceBuffer<B> for SymmetricBuffer<B, T> {
+    fn dtype(&self) -> DType {
+        T::DTYPE
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn device_ordinal(&self) -> usize {
+        self.ordinal
+    }
+    fn read_ptr<'a>(&'a self, _dev: &'a B::Device) -> (u64, B::Access<'a>) {
+        (self.device_address(), B::untracked_access())
+    }
+}
+
+// SAFETY: as above; the range is this buffer's alone.
+unsafe impl<B: Backend, T: Element> DeviceBufferMut<B> for SymmetricBuffer<B, T> {
+    fn write_ptr<'a>(&'a mut self, _dev: &'a B::Device) -> (u64, B::Access<'a>) {
+        (self.device_address(), B::untracked_access())
+    }
+}
+
+/// The bytes of a slice of elements.
+fn as_bytes<T: Element>(v: &[T]) -> &[u8] {
+    // SAFETY: elements are plain numbers (f32, f16, bf16) with no padding; the byte
+    // view covers exactly the slice's memory, borrowed as long as it.
+    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
+}
+
+impl<B: Backend, T: Element> TypedBuffer<B> for SymmetricBuffer<B, T> {
+    type Elem = T;
+    fn copy_from_host(&mut self, dev: &B::Device, src: &[T]) -> Result<()> {
+        if src.len() != self.len {
+            return Err(Error::LengthMismatch {
+                rank: self.ordinal,
+                what: format!(
+                    "upload of {} elements into a symmetric buffer of {}",
+                    src.len(),
+                    self.len
+                ),
+            });
+        }
+        B::write(dev, self.device_address(), as_bytes(src))
+    }
+    fn to_host(&self, dev: &B::Device) -> Result<Vec<T>> {
+        let mut out = vec![T::from_f32(0.0); self.len];
+        // SAFETY: as in `as_bytes`, for the freshly made vector, borrowed mutably.
+        let bytes = unsafe {
+            std::slice::from_raw_parts_mut(
+                out.as_mut_ptr() as *mut u8,
+                std::mem::size_of_val(&out[..]),
+            )
+        };
+        B::read(dev, self.device_address(), bytes)?;
+        Ok(out)
+    }
+}
+
+/// One rank's placement of an allocation, as gathered.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+struct Placement {
+    segment: u64,
+    offset: u64,
+    span: u64,
+    new_segment_bytes: u64,
+}
+
+impl Placement {
+    fn encode(&self) -> Vec<u8> {
+        [self.segment, self.offset, self.span, self.new_segment_bytes]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect()
+    }
+    fn decode(b: &[u8]) -> Option<Self> {
+        let w = |i: usize| {
+            Some(u64::from_le_bytes(
+                b.get(8 * i..8 * i + 8)?.try_into().ok()?,
+            ))
+        };
+        Some(Placement {
+            segment: w(0)?,
+            offset: w(1)?,
+            span: w(2)?,
+            new_segment_bytes: w(3)?,
+        })
+    }
+}
+
+impl<B: Backend> Comm<B> {
+    /// Allocates `len` elements of `T` in the symmetric pool (collective: every rank
+    /// allocates the same length and type, in the same order as its other symmetric
+    /// allocations, drops and [`Comm::register`] calls). Collectives whose input lies
+    /// in the buffer read it in place on the peers. A placement that differs between
+    /// ranks (they allocated or dropped in different orders) is
+    /// [`Error::CannotRegister`] on every rank, nothing allocated. Needs peer memory
+    /// across the whole world.
+    pub fn alloc_symmetric<T: Element>(&self, len: usize) -> Result<SymmetricBuffer<B, T>> {
+        let core = &*self.core;
+        core.check_usable()?;
+        self.check_zero_copy()?;
+        let bytes = len
+            .checked_mul(T::DTYPE.size())
+            .ok_or_else(|| Error::Unsupported(format!("{len} elements overflow a byte count")))?;
+        let span = (bytes.max(1) as u64).div_ceil(ALIGN) * ALIGN;
+        let mut segments = self.pool.segments.lock().unwrap_or_else(|e| e.into_inner());
+        // Dropped ranges are reused only after the work queued before their drop.
+        let mut reclaimed = false;
+        for s in segments.iter() {
+            reclaimed |= s.reclaim();
+        }
+        if reclaimed {
+            B::synchronize(core.device())?;
+        }
+        let mine = segments
+            .iter()
+            .enumerate()
+            .find_map(|(i, s)| s.first_fit(span).map(|o| (i, o)))
+            .map_or(
+                Placement {
+                    segment: segments.len() as u64,
+                    offset: 0,
+                    span,
+                    new_segment_bytes: span.max(SYMMETRIC_SEGMENT_BYTES as u64).div_ceil(2 << 20)
+                        * (2 << 20),
+                },
+                |(i, o)| Placement {
+                    segment: i as u64,
+                    offset: o,
+                    span,
+                    new_segment_bytes: 0,
+                },
+            );
+        let gathered = self.bootstrap.all_gather(&mine.encode())?;
+        for (r, g) in gathered.iter().enumerate() {
+            let theirs = Placement::decode(g);
+            if theirs != Some(mine) {
+                return Err(Error::CannotRegister {
+                    rank: r,
+                    reason: format!(
+                        "its symmetric allocation would be {theirs:?} where rank {} places \
+                         it at {mine:?}: every rank allocates and drops symmetric buffers of \
+                         the same sizes in the same order",
+                        self.rank()
+                    ),
+                });
+            }
+        }
+        if mine.new_segment_bytes > 0 {
+            let seg_bytes = usize::try_from(mine.new_segment_bytes)
+                .map_err(|_| Error::Unsupported("a segment too large for this host".into()))?;
+            let memory = B::alloc(core.device(), seg_bytes, MemoryKind::SharedData)?;
+            let registration = register_range(
+                &self.registry,
+                core.device(),
+                &*self.bootstrap,
+                B::memory_ptr(&memory),
+                seg_bytes,
+            )?;
+            segments.push(Arc::new(Segment {
+                memory,
+                bytes: mine.new_segment_bytes,
+                registration,
+                registry: self.registry.clone(),
+                free: Mutex::new(vec![(0, mine.new_segment_bytes)]),
+                dropped: Mutex::new(Vec::new()),
+            }));
+        }
+        let segment = segments[mine.segment as usize].clone();
+        debug_assert!(mine.offset + span <= segment.bytes);
+        segment.take(mine.offset, span);
+        Ok(SymmetricBuffer {
+            segment,
+            offset: mine.offset,
+            span,
+            len,
+            ordinal: core.ordinal(),
+            _t: std::marker::PhantomData,
+        })
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda_traits {
+    //! cudarc's slice traits for symmetric buffers, so that the user's kernels (and
+    //! cudarc's copies) take them as they take a `CudaSlice`.
+    use std::sync::Arc;
+
+    use cudarc::driver::{sys, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+
+    use super::SymmetricBuffer;
+    use crate::backend::cuda::Cuda;
+    use crate::dtype::Element;
+
+    impl<T: Element> DeviceSlice<T> for SymmetricBuffer<Cuda, T> {
+        fn len(&self) -> usize {
+            self.len
+        }
+        fn stream(&self) -> &Arc<CudaStream> {
+            self.memory().stream()
+        }
+    }
+
+    impl<T: Element> DevicePtr<T> for SymmetricBuffer<Cuda, T> {
+        /// No event: the buffer tracks none (see the type's docs).
+        fn device_ptr<'a>(&'a self, _stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+            (self.device_address(), SyncOnDrop::Sync(None))
+        }
+    }
+
+    impl<T: Element> DevicePtrMut<T> for SymmetricBuffer<Cuda, T> {
+        /// No event: the buffer tracks none (see the type's docs).
+        fn device_ptr_mut<'a>(
+            &'a mut self,
+            _stream: &'a CudaStream,
+        ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+            (self.device_address(), SyncOnDrop::Sync(None))
+        }
+    }
+}
