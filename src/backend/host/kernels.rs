@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use crate::backend::{Kernel, KernelKind};
 use crate::dtype::{DType, Element};
-use crate::protocol::{self, Backoff, BarrierKind, BarrierSignals, BarrierSite, BarrierStop};
+use crate::protocol::{self, BarrierKind, BarrierSignals, BarrierSite, BarrierStop};
 use crate::signal::{
     AllReduceArgs, GroupArgs, Signal, SignalLayout, DETAIL_AWAITED, DETAIL_MINE, DETAIL_THEIRS,
     DETAIL_THEIRS_VALID, ERROR_BARRIER_TIMEOUT, ERROR_BLOCK, ERROR_CALL_MISMATCH, ERROR_CODE,
@@ -21,82 +21,9 @@ use crate::backend::LAMPORT_SENTINEL;
 
 mod collectives;
 mod group;
+mod wait;
 
-/// Why a wait stopped.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Stop {
-    /// This block waited longer than the timeout for group rank `awaited`.
-    TimedOut { awaited: usize },
-    /// The rank's abort word is set (a peer gave up, or another block of this rank).
-    Aborted,
-    /// Group rank `peer` runs another call: the record shows `mine` for this rank and
-    /// `theirs` for the peer (the two descriptors, or for a batch whose entry tables
-    /// differ the descriptors with the differing lengths).
-    Mismatch {
-        peer: usize,
-        mine: [u32; 3],
-        theirs: [u32; 3],
-    },
-}
-
-/// Why a spin stopped: what [`Stop`] becomes once the awaited rank is known.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Spun {
-    TimedOut,
-    Aborted,
-}
-
-impl Spun {
-    fn waiting_for(self, awaited: usize) -> Stop {
-        match self {
-            Spun::TimedOut => Stop::TimedOut { awaited },
-            Spun::Aborted => Stop::Aborted,
-        }
-    }
-}
-
-/// A spin that yields (CI has 2 cores and many block threads), polls the rank's abort
-/// word and gives up after the configured time.
-struct Spinner<'a> {
-    deadline: Option<Instant>,
-    spins: u32,
-    abort_word: &'a AtomicU32,
-}
-
-impl<'a> Spinner<'a> {
-    fn new(timeout_ns: u64, abort_word: &'a AtomicU32) -> Self {
-        Spinner {
-            deadline: deadline(timeout_ns),
-            spins: 0,
-            abort_word,
-        }
-    }
-    fn wait(&mut self) -> Result<(), Spun> {
-        self.spins = self.spins.wrapping_add(1);
-        if self.spins < 64 {
-            std::hint::spin_loop();
-        } else {
-            std::thread::yield_now();
-        }
-        if self.spins.is_multiple_of(64) {
-            if self.abort_word.load(Ordering::Relaxed) != 0 {
-                return Err(Spun::Aborted);
-            }
-            if matches!(self.deadline, Some(d) if Instant::now() > d) {
-                return Err(Spun::TimedOut);
-            }
-        }
-        Ok(())
-    }
-}
-
-/// `now + timeout_ns`, or `None` (never) for 0 or a time past what `Instant` holds.
-fn deadline(timeout_ns: u64) -> Option<Instant> {
-    if timeout_ns == 0 {
-        return None;
-    }
-    Instant::now().checked_add(Duration::from_nanos(timeout_ns))
-}
+use wait::{deadline, Spinner, Stop};
 
 fn atomic<'a>(p: *mut u32) -> &'a AtomicU32 {
     // SAFETY: callers pass 4-byte aligned addresses inside live signal allocations,
@@ -355,13 +282,6 @@ impl BarrierSignals for HostSignals<'_> {
                 std::ptr::addr_of_mut!((*s).peer_counter[domain][parity][block][writer][i + 1])
             })
         }))
-    }
-}
-
-impl Backoff for Spinner<'_> {
-    type Timeout = Spun;
-    fn wait(&mut self) -> Result<(), Spun> {
-        Spinner::wait(self)
     }
 }
 
