@@ -14,18 +14,22 @@ use crate::signal::{AllReduceArgs, GroupArgs};
 mod collectives;
 mod group;
 mod lamport;
+mod one_stage;
 mod packs;
 mod records;
 mod signals;
+mod two_stage;
 mod wait;
 
 use lamport::{
     lamport, lamport_check_headers, lamport_end, lamport_entry, lamport_pack_sums,
     lamport_pack_words, lamport_push, lamport_push_header,
 };
+use one_stage::one_stage;
 use packs::{block_packs, lanes, pack_range, reduce_element, store};
 use records::{abandon, publish_current_call, record_mismatch, record_timeout};
 use signals::{abort_word, atomic, barrier};
+use two_stage::two_stage;
 use wait::{Spinner, Stop};
 
 /// Runs block `block` of `kernel`.
@@ -149,79 +153,6 @@ unsafe fn run_typed<T: Element>(
         // runs it.
         KernelKind::AllReduceGroup => unreachable!("the batched all-reduce has its own entry"),
     }
-}
-
-unsafe fn one_stage<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -> Result<(), Stop> {
-    let n = args.num_elements as usize;
-    let packs = n.div_ceil(lanes::<T>());
-    let me = args.group_rank as usize;
-    let staged = args.stage_input != 0;
-    if staged {
-        // Copy this block's share of the own input into the own payload, which the
-        // peers read after the (then publishing) start barrier.
-        for p in block_packs(0, packs, block, blocks) {
-            for e in pack_range::<T>(p, n) {
-                (args.payloads[me] as *mut T)
-                    .add(e)
-                    .write((args.local_input as *const T).add(e).read());
-            }
-        }
-    }
-    let first = if staged {
-        BarrierKind::Publish
-    } else {
-        BarrierKind::Start
-    };
-    barrier(args, block, first)?;
-    let srcs = &args.inputs[..args.group_width as usize];
-    for p in block_packs(0, packs, block, blocks) {
-        for e in pack_range::<T>(p, n) {
-            store::<T>(args.output, e, reduce_element::<T>(srcs, e));
-        }
-    }
-    barrier(args, block, BarrierKind::End)
-}
-
-/// Packs per partition of the two-stage kernel.
-pub(crate) fn two_stage_partition(packs: usize, width: usize) -> usize {
-    packs.div_ceil(width)
-}
-
-unsafe fn two_stage<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -> Result<(), Stop> {
-    let n = args.num_elements as usize;
-    let l = lanes::<T>();
-    let packs = n.div_ceil(l);
-    let width = args.group_width as usize;
-    let me = args.group_rank as usize;
-    let part = two_stage_partition(packs, width);
-    barrier(args, block, BarrierKind::Start)?;
-    // Reduce-scatter: this rank reduces partition `me` into its own payload.
-    let srcs = &args.inputs[..width];
-    let first = me * part;
-    for p in block_packs(first, (first + part).min(packs), block, blocks) {
-        for e in pack_range::<T>(p, n) {
-            store::<T>(
-                args.payloads[me],
-                e - first * l,
-                reduce_element::<T>(srcs, e),
-            );
-        }
-    }
-    barrier(args, block, BarrierKind::Publish)?;
-    // All-gather: partition q comes from rank q's payload; block b reads what block b
-    // of rank q wrote, so the per-block barrier suffices. Each rank starts at its own
-    // partition and rotates (as the device kernel), so readers spread over the owners.
-    for i in 0..width {
-        let q = (me + i) % width;
-        let first = q * part;
-        for p in block_packs(first, (first + part).min(packs), block, blocks) {
-            for e in pack_range::<T>(p, n) {
-                let x = (args.payloads[q] as *const T).add(e - first * l).read();
-                (args.output as *mut T).add(e).write(x);
-            }
-        }
-    }
-    barrier(args, block, BarrierKind::End)
 }
 
 /// Ranks 0 and 1 bounce a flag through the first word of their payloads.
