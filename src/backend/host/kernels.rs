@@ -2,6 +2,16 @@
 //! a whole GPU block does (its "threads" run one after another), with the orderings
 //! the protocol documents: counters and Lamport packs are atomics, plain data is read
 //! only after an acquire that pairs with the writer's release.
+//!
+//! This file is the dispatch: [`run_block`] and [`run_group_block`] run one block of a
+//! kernel inside the entry, error and abandon steps every collective shares, and it holds
+//! the test kernels (ping-pong, delay, barrier). The rest lives in the submodules:
+//! `wait` (why a wait stops, the spinner), `signals` (signal words, the barrier over the
+//! group's counters), `records` (error records, `current_call`, abandoning), `packs`
+//! (pack ranges, element access, the group sum), `one_stage`, `two_stage` and `lamport`
+//! (the all-reduce algorithms, and the Lamport primitives), `collectives` (all-gather,
+//! reduce-scatter, broadcast, scatter, the fused all-reduce + RMSNorm) and `group` (the
+//! batched all-reduce).
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -21,6 +31,8 @@ mod signals;
 mod two_stage;
 mod wait;
 
+// The names the dispatch uses, and those collectives.rs and group.rs take through
+// `super::`.
 use lamport::{
     lamport, lamport_check_headers, lamport_end, lamport_entry, lamport_pack_sums,
     lamport_pack_words, lamport_push, lamport_push_header,
