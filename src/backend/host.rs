@@ -42,9 +42,7 @@
 use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::atomic::AtomicU32;
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::Arc;
 
 use super::{Backend, DeviceBuffer, DeviceBufferMut, Kernel, LaunchDims, MemoryKind};
 use crate::dtype::{DType, Element};
@@ -54,6 +52,9 @@ use crate::signal::{AllReduceArgs, GroupArgs, MAX_GPUS};
 mod kernels;
 #[cfg(target_os = "linux")]
 mod shm;
+mod stream;
+
+use stream::{FreeOnStream, Stream};
 
 /// Shared memory needs Linux (memfd, `/proc/<pid>/fd`); elsewhere `SharedSignal`
 /// allocation and import are `Error::Unsupported`, and these types are never built.
@@ -99,58 +100,6 @@ mod shm {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Host;
 
-type Job = Box<dyn FnOnce() + Send>;
-
-/// A stream: one worker thread running enqueued jobs in order.
-struct Stream {
-    tx: Mutex<Option<mpsc::Sender<Job>>>,
-    worker: Mutex<Option<JoinHandle<()>>>,
-}
-
-impl Stream {
-    fn new(ordinal: usize) -> Self {
-        let (tx, rx) = mpsc::channel::<Job>();
-        let worker = std::thread::Builder::new()
-            .name(format!("peercomm-host-stream-{ordinal}"))
-            .spawn(move || {
-                for job in rx {
-                    job();
-                }
-            })
-            .expect("spawn host stream thread");
-        Stream {
-            tx: Mutex::new(Some(tx)),
-            worker: Mutex::new(Some(worker)),
-        }
-    }
-
-    fn enqueue(&self, job: Job) {
-        let tx = self.tx.lock().expect("stream lock");
-        tx.as_ref()
-            .expect("stream open")
-            .send(job)
-            .expect("stream worker alive");
-    }
-
-    fn synchronize(&self) {
-        let (done_tx, done_rx) = mpsc::channel::<()>();
-        self.enqueue(Box::new(move || {
-            let _ = done_tx.send(());
-        }));
-        done_rx.recv().expect("stream worker alive");
-    }
-}
-
-impl Drop for Stream {
-    fn drop(&mut self) {
-        // Closing the channel ends the worker once its queue is drained.
-        self.tx.lock().expect("stream lock").take();
-        if let Some(w) = self.worker.lock().expect("stream lock").take() {
-            let _ = w.join();
-        }
-    }
-}
-
 /// One simulated device: an ordinal and its stream.
 pub struct HostDevice {
     ordinal: usize,
@@ -181,35 +130,6 @@ impl HostDevice {
     /// after the work enqueued before it, and later work waits for it.
     pub(crate) fn enqueue_host_fn(&self, f: impl FnOnce() + Send + 'static) {
         self.stream.enqueue(Box::new(f));
-    }
-}
-
-/// Owns a `T` whose drop must wait for the work already enqueued on a stream: dropping
-/// this enqueues `T`'s drop there, after every kernel enqueued before, as
-/// `cuMemFreeAsync` does.
-struct FreeOnStream<T: Send + 'static> {
-    /// `Some` until dropped.
-    value: Option<T>,
-    stream: Arc<Stream>,
-}
-
-impl<T: Send + 'static> FreeOnStream<T> {
-    fn new(value: T, stream: &Arc<Stream>) -> Self {
-        FreeOnStream {
-            value: Some(value),
-            stream: stream.clone(),
-        }
-    }
-    fn get(&self) -> &T {
-        self.value.as_ref().expect("present until dropped")
-    }
-}
-
-impl<T: Send + 'static> Drop for FreeOnStream<T> {
-    fn drop(&mut self) {
-        if let Some(value) = self.value.take() {
-            self.stream.enqueue(Box::new(move || drop(value)));
-        }
     }
 }
 
