@@ -49,11 +49,13 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 use crate::signal::{AllReduceArgs, GroupArgs, MAX_GPUS};
 
+mod device;
 mod kernels;
 #[cfg(target_os = "linux")]
 mod shm;
 mod stream;
 
+pub use device::HostDevice;
 use stream::{FreeOnStream, Stream};
 
 /// Shared memory needs Linux (memfd, `/proc/<pid>/fd`); elsewhere `SharedSignal`
@@ -99,39 +101,6 @@ mod shm {
 /// The host reference backend (see the module docs).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Host;
-
-/// One simulated device: an ordinal and its stream.
-pub struct HostDevice {
-    ordinal: usize,
-    stream: Arc<Stream>,
-}
-
-impl super::IntoDevice for HostDevice {
-    type Backend = Host;
-    fn into_device(self) -> Result<HostDevice> {
-        Ok(self)
-    }
-}
-
-impl std::fmt::Debug for HostDevice {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostDevice")
-            .field("ordinal", &self.ordinal)
-            .finish()
-    }
-}
-
-impl HostDevice {
-    /// The ordinal.
-    pub fn ordinal(&self) -> usize {
-        self.ordinal
-    }
-    /// Enqueues a host function on the device's stream (as `cuLaunchHostFunc`): it runs
-    /// after the work enqueued before it, and later work waits for it.
-    pub(crate) fn enqueue_host_fn(&self, f: impl FnOnce() + Send + 'static) {
-        self.stream.enqueue(Box::new(f));
-    }
-}
 
 /// A 256-byte aligned, zero-filled heap block; freed when dropped.
 struct HeapBlock {
