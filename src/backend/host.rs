@@ -39,8 +39,6 @@
 //! [`HostPeerMapping`] unmaps in order on the importing device's stream. Elsewhere than
 //! Linux, `SharedSignal` allocation and import are `Error::Unsupported`.
 
-use std::alloc::Layout;
-use std::ptr::NonNull;
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
@@ -51,11 +49,14 @@ use crate::signal::{AllReduceArgs, GroupArgs, MAX_GPUS};
 
 mod device;
 mod kernels;
+mod memory;
 #[cfg(target_os = "linux")]
 mod shm;
 mod stream;
 
 pub use device::HostDevice;
+use memory::Storage;
+pub use memory::{HostMemory, HostPeerMapping};
 use stream::{FreeOnStream, Stream};
 
 /// Shared memory needs Linux (memfd, `/proc/<pid>/fd`); elsewhere `SharedSignal`
@@ -101,111 +102,6 @@ mod shm {
 /// The host reference backend (see the module docs).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Host;
-
-/// A 256-byte aligned, zero-filled heap block; freed when dropped.
-struct HeapBlock {
-    ptr: NonNull<u8>,
-    layout: Layout,
-}
-
-// SAFETY: the block is owned by this value and only reached through raw addresses by
-// kernels whose synchronisation is the protocol under test; any thread may free it.
-unsafe impl Send for HeapBlock {}
-// SAFETY: as above; `&HeapBlock` exposes only the address.
-unsafe impl Sync for HeapBlock {}
-
-impl HeapBlock {
-    fn new(bytes: usize) -> Result<Self> {
-        let layout = Layout::from_size_align(bytes.max(1), 256).map_err(|_| Error::Backend {
-            backend: "host",
-            call: "alloc",
-            detail: format!("{bytes} bytes is more than an allocation can hold"),
-        })?;
-        // SAFETY: the layout has a non-zero size.
-        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).ok_or_else(|| Error::Backend {
-            backend: "host",
-            call: "alloc",
-            detail: format!("out of memory allocating {bytes} bytes"),
-        })?;
-        Ok(HeapBlock { ptr, layout })
-    }
-}
-
-impl Drop for HeapBlock {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout, freed once; owners drop it only
-        // after the kernels that used it (stream order).
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
-    }
-}
-
-/// What backs a [`HostMemory`].
-enum Storage {
-    /// The heap: [`MemoryKind::Plain`] and [`MemoryKind::Signal`].
-    Heap(HeapBlock),
-    /// A shared memory file other processes can map: [`MemoryKind::SharedSignal`].
-    Shared(shm::SharedFile),
-}
-
-impl Storage {
-    fn addr(&self) -> u64 {
-        match self {
-            Storage::Heap(b) => b.ptr.as_ptr() as u64,
-            Storage::Shared(f) => f.addr(),
-        }
-    }
-}
-
-/// An allocation in a host arena, 256-byte aligned and zero-filled: heap memory, or
-/// for [`MemoryKind::SharedSignal`] a shared memory file (see "IPC" in the module
-/// docs). Freed in stream order, as `cuMemFreeAsync` does: dropping it enqueues the
-/// free (for shared memory: unmap and close) on its device's stream, after every kernel
-/// already enqueued there (whose barriers span the peers' reads of it), so a buffer
-/// dropped right after a collective returns stays valid until that collective is done.
-pub struct HostMemory {
-    storage: FreeOnStream<Storage>,
-    ordinal: usize,
-}
-
-impl HostMemory {
-    fn new(dev: &HostDevice, bytes: usize, kind: MemoryKind) -> Result<Self> {
-        let storage = match kind {
-            MemoryKind::Plain | MemoryKind::Signal => Storage::Heap(HeapBlock::new(bytes)?),
-            MemoryKind::SharedSignal => Storage::Shared(shm::SharedFile::create(bytes)?),
-        };
-        Ok(HostMemory {
-            storage: FreeOnStream::new(storage, &dev.stream),
-            ordinal: dev.ordinal,
-        })
-    }
-    fn addr(&self) -> u64 {
-        self.storage.get().addr()
-    }
-}
-
-/// Memory another process (or this one) exported, mapped here by
-/// [`Backend::import_memory`]. Dropping it unmaps it in stream order on the importing
-/// device's stream, after the kernels already enqueued there, which may still use it.
-pub struct HostPeerMapping {
-    mapping: FreeOnStream<shm::Mapping>,
-}
-
-impl HostPeerMapping {
-    /// Bytes mapped (the exported allocation's size).
-    pub fn bytes(&self) -> usize {
-        self.mapping.get().len()
-    }
-}
-
-impl std::fmt::Debug for HostPeerMapping {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostPeerMapping")
-            .field("addr", &format_args!("{:#x}", self.mapping.get().addr()))
-            .field("bytes", &self.bytes())
-            .finish()
-    }
-}
 
 /// A typed buffer on a host device.
 pub struct HostBuffer<T: Element> {
