@@ -42,11 +42,12 @@
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
-use super::{Backend, DeviceBuffer, DeviceBufferMut, Kernel, LaunchDims, MemoryKind};
-use crate::dtype::{DType, Element};
+use super::{Backend, Kernel, LaunchDims, MemoryKind};
+use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::signal::{AllReduceArgs, GroupArgs, MAX_GPUS};
 
+mod buffers;
 mod device;
 mod kernels;
 mod memory;
@@ -54,6 +55,7 @@ mod memory;
 mod shm;
 mod stream;
 
+pub use buffers::HostBuffer;
 pub use device::HostDevice;
 use memory::Storage;
 pub use memory::{HostMemory, HostPeerMapping};
@@ -102,38 +104,6 @@ mod shm {
 /// The host reference backend (see the module docs).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Host;
-
-/// A typed buffer on a host device.
-pub struct HostBuffer<T: Element> {
-    mem: HostMemory,
-    len: usize,
-    _t: std::marker::PhantomData<T>,
-}
-
-// SAFETY: the pointer, length, dtype and device come from the allocation itself.
-
-unsafe impl<T: Element> DeviceBuffer<Host> for HostBuffer<T> {
-    fn dtype(&self) -> DType {
-        T::DTYPE
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn device_ordinal(&self) -> usize {
-        self.mem.ordinal
-    }
-    fn read_ptr<'a>(&'a self, _dev: &'a HostDevice) -> (u64, ()) {
-        (self.mem.addr(), ())
-    }
-}
-
-// SAFETY: the pointer, length, dtype and device come from the allocation itself.
-
-unsafe impl<T: Element> DeviceBufferMut<Host> for HostBuffer<T> {
-    fn write_ptr<'a>(&'a mut self, _dev: &'a HostDevice) -> (u64, ()) {
-        (self.mem.addr(), ())
-    }
-}
 
 impl Backend for Host {
     const NAME: &'static str = "host";
