@@ -47,6 +47,10 @@ use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::signal::{AllReduceArgs, GroupArgs, MAX_GPUS};
 
+// This file: the `Host` type and its `Backend` impl. Beside it in host/: the stream
+// worker (stream.rs), the device (device.rs), allocations and peer mappings (memory.rs),
+// the typed buffer (buffers.rs), Linux shared memory (shm.rs) and the kernels
+// (kernels.rs and kernels/).
 mod buffers;
 mod device;
 mod kernels;

@@ -1,6 +1,6 @@
 //! The Lamport kernels' primitives on the host, and the Lamport all-reduce built from
 //! them ([`lamport`]): the packs of a generation's slots in each signal's Lamport region,
-//! a pack as four words (-0.0 sent as +0.0, the sentinel never a value), the own
+//! a pack as four words (-0.0 sent as +0.0, so no word is the sentinel), the own
 //! `lamport_state` at entry, pushing packs and the call's header into the peers'
 //! regions, waiting for a source's pack, the header check, the per-pack sums in source
 //! order and the end (clearing the previous generation, advancing the flag). The fused
