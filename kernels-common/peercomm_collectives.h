@@ -2,7 +2,7 @@
 // reduce-scatter (sum), broadcast, scatter, and the fused all-reduce + residual add +
 // RMSNorm. Included by the vendor layers after peercomm_kernels.h, whose barrier, abort
 // protocol, range helpers and element types they use. The host backend's
-// src/backend/host/collectives.rs is the same algorithms step by step.
+// src/backend/host/kernels/collectives.rs is the same algorithms step by step.
 //
 // Every collective reads peer data from `a.inputs[q]`: the peers' user buffers where
 // they can be reached (one process, `stage_input == 0`), else the peers' payloads, into

@@ -10,9 +10,13 @@
 //   kernels-hip/peercomm.hip           scopes, timer, conversions, launch bounds, and how
 //                                      an entry point reads its arguments
 //
-// The host backend (src/backend/host/kernels.rs) is the executable specification: the
-// same pack distribution over blocks, the same reduction order, the same Lamport
-// generations, so every rank and every backend writes the same bits.
+// The host backend (src/backend/host/kernels.rs, the dispatch, and the files under
+// src/backend/host/kernels/: barrier glue and signal access in signals.rs, aborts and
+// error records in records.rs, ranges and the group sum in packs.rs, the Lamport
+// primitives in lamport.rs, one_stage.rs, two_stage.rs, collectives.rs, group.rs) is the
+// executable specification: the same pack distribution over blocks, the same reduction
+// order, the same Lamport generations, so every rank and every backend writes the same
+// bits.
 //
 // What the including vendor layer defines first (see either vendor file for the
 // semantics of each operation):

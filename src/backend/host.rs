@@ -39,21 +39,31 @@
 //! [`HostPeerMapping`] unmaps in order on the importing device's stream. Elsewhere than
 //! Linux, `SharedSignal` allocation and import are `Error::Unsupported`.
 
-use std::alloc::Layout;
-use std::ptr::NonNull;
 use std::sync::atomic::AtomicU32;
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
+use std::sync::Arc;
 
-use super::{Backend, DeviceBuffer, DeviceBufferMut, Kernel, LaunchDims, MemoryKind};
-use crate::dtype::{DType, Element};
+use super::{Backend, Kernel, LaunchDims, MemoryKind};
+use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::signal::{AllReduceArgs, GroupArgs, MAX_GPUS};
 
+// This file: the `Host` type and its `Backend` impl. Beside it in host/: the stream
+// worker (stream.rs), the device (device.rs), allocations and peer mappings (memory.rs),
+// the typed buffer (buffers.rs), Linux shared memory (shm.rs) and the kernels
+// (kernels.rs and kernels/).
+mod buffers;
+mod device;
 mod kernels;
+mod memory;
 #[cfg(target_os = "linux")]
 mod shm;
+mod stream;
+
+pub use buffers::HostBuffer;
+pub use device::{Host, HostDevice};
+use memory::Storage;
+pub use memory::{HostMemory, HostPeerMapping};
+use stream::{FreeOnStream, Stream};
 
 /// Shared memory needs Linux (memfd, `/proc/<pid>/fd`); elsewhere `SharedSignal`
 /// allocation and import are `Error::Unsupported`, and these types are never built.
@@ -95,263 +105,6 @@ mod shm {
     }
     pub(crate) fn export_containing(_ptr: u64, _bytes: usize) -> Option<(Vec<u8>, u64)> {
         None
-    }
-}
-
-/// The host reference backend (see the module docs).
-#[derive(Debug, Clone, Copy, Default)]
-pub struct Host;
-
-type Job = Box<dyn FnOnce() + Send>;
-
-/// A stream: one worker thread running enqueued jobs in order.
-struct Stream {
-    tx: Mutex<Option<mpsc::Sender<Job>>>,
-    worker: Mutex<Option<JoinHandle<()>>>,
-}
-
-impl Stream {
-    fn new(ordinal: usize) -> Self {
-        let (tx, rx) = mpsc::channel::<Job>();
-        let worker = std::thread::Builder::new()
-            .name(format!("peercomm-host-stream-{ordinal}"))
-            .spawn(move || {
-                for job in rx {
-                    job();
-                }
-            })
-            .expect("spawn host stream thread");
-        Stream {
-            tx: Mutex::new(Some(tx)),
-            worker: Mutex::new(Some(worker)),
-        }
-    }
-
-    fn enqueue(&self, job: Job) {
-        let tx = self.tx.lock().expect("stream lock");
-        tx.as_ref()
-            .expect("stream open")
-            .send(job)
-            .expect("stream worker alive");
-    }
-
-    fn synchronize(&self) {
-        let (done_tx, done_rx) = mpsc::channel::<()>();
-        self.enqueue(Box::new(move || {
-            let _ = done_tx.send(());
-        }));
-        done_rx.recv().expect("stream worker alive");
-    }
-}
-
-impl Drop for Stream {
-    fn drop(&mut self) {
-        // Closing the channel ends the worker once its queue is drained.
-        self.tx.lock().expect("stream lock").take();
-        if let Some(w) = self.worker.lock().expect("stream lock").take() {
-            let _ = w.join();
-        }
-    }
-}
-
-/// One simulated device: an ordinal and its stream.
-pub struct HostDevice {
-    ordinal: usize,
-    stream: Arc<Stream>,
-}
-
-impl super::IntoDevice for HostDevice {
-    type Backend = Host;
-    fn into_device(self) -> Result<HostDevice> {
-        Ok(self)
-    }
-}
-
-impl std::fmt::Debug for HostDevice {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostDevice")
-            .field("ordinal", &self.ordinal)
-            .finish()
-    }
-}
-
-impl HostDevice {
-    /// The ordinal.
-    pub fn ordinal(&self) -> usize {
-        self.ordinal
-    }
-    /// Enqueues a host function on the device's stream (as `cuLaunchHostFunc`): it runs
-    /// after the work enqueued before it, and later work waits for it.
-    pub(crate) fn enqueue_host_fn(&self, f: impl FnOnce() + Send + 'static) {
-        self.stream.enqueue(Box::new(f));
-    }
-}
-
-/// Owns a `T` whose drop must wait for the work already enqueued on a stream: dropping
-/// this enqueues `T`'s drop there, after every kernel enqueued before, as
-/// `cuMemFreeAsync` does.
-struct FreeOnStream<T: Send + 'static> {
-    /// `Some` until dropped.
-    value: Option<T>,
-    stream: Arc<Stream>,
-}
-
-impl<T: Send + 'static> FreeOnStream<T> {
-    fn new(value: T, stream: &Arc<Stream>) -> Self {
-        FreeOnStream {
-            value: Some(value),
-            stream: stream.clone(),
-        }
-    }
-    fn get(&self) -> &T {
-        self.value.as_ref().expect("present until dropped")
-    }
-}
-
-impl<T: Send + 'static> Drop for FreeOnStream<T> {
-    fn drop(&mut self) {
-        if let Some(value) = self.value.take() {
-            self.stream.enqueue(Box::new(move || drop(value)));
-        }
-    }
-}
-
-/// A 256-byte aligned, zero-filled heap block; freed when dropped.
-struct HeapBlock {
-    ptr: NonNull<u8>,
-    layout: Layout,
-}
-
-// SAFETY: the block is owned by this value and only reached through raw addresses by
-// kernels whose synchronisation is the protocol under test; any thread may free it.
-unsafe impl Send for HeapBlock {}
-// SAFETY: as above; `&HeapBlock` exposes only the address.
-unsafe impl Sync for HeapBlock {}
-
-impl HeapBlock {
-    fn new(bytes: usize) -> Result<Self> {
-        let layout = Layout::from_size_align(bytes.max(1), 256).map_err(|_| Error::Backend {
-            backend: "host",
-            call: "alloc",
-            detail: format!("{bytes} bytes is more than an allocation can hold"),
-        })?;
-        // SAFETY: the layout has a non-zero size.
-        let raw = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).ok_or_else(|| Error::Backend {
-            backend: "host",
-            call: "alloc",
-            detail: format!("out of memory allocating {bytes} bytes"),
-        })?;
-        Ok(HeapBlock { ptr, layout })
-    }
-}
-
-impl Drop for HeapBlock {
-    fn drop(&mut self) {
-        // SAFETY: allocated in `new` with this layout, freed once; owners drop it only
-        // after the kernels that used it (stream order).
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) };
-    }
-}
-
-/// What backs a [`HostMemory`].
-enum Storage {
-    /// The heap: [`MemoryKind::Plain`] and [`MemoryKind::Signal`].
-    Heap(HeapBlock),
-    /// A shared memory file other processes can map: [`MemoryKind::SharedSignal`].
-    Shared(shm::SharedFile),
-}
-
-impl Storage {
-    fn addr(&self) -> u64 {
-        match self {
-            Storage::Heap(b) => b.ptr.as_ptr() as u64,
-            Storage::Shared(f) => f.addr(),
-        }
-    }
-}
-
-/// An allocation in a host arena, 256-byte aligned and zero-filled: heap memory, or
-/// for [`MemoryKind::SharedSignal`] a shared memory file (see "IPC" in the module
-/// docs). Freed in stream order, as `cuMemFreeAsync` does: dropping it enqueues the
-/// free (for shared memory: unmap and close) on its device's stream, after every kernel
-/// already enqueued there (whose barriers span the peers' reads of it), so a buffer
-/// dropped right after a collective returns stays valid until that collective is done.
-pub struct HostMemory {
-    storage: FreeOnStream<Storage>,
-    ordinal: usize,
-}
-
-impl HostMemory {
-    fn new(dev: &HostDevice, bytes: usize, kind: MemoryKind) -> Result<Self> {
-        let storage = match kind {
-            MemoryKind::Plain | MemoryKind::Signal => Storage::Heap(HeapBlock::new(bytes)?),
-            MemoryKind::SharedSignal | MemoryKind::SharedData => {
-                Storage::Shared(shm::SharedFile::create(bytes)?)
-            }
-        };
-        Ok(HostMemory {
-            storage: FreeOnStream::new(storage, &dev.stream),
-            ordinal: dev.ordinal,
-        })
-    }
-    fn addr(&self) -> u64 {
-        self.storage.get().addr()
-    }
-}
-
-/// Memory another process (or this one) exported, mapped here by
-/// [`Backend::import_memory`]. Dropping it unmaps it in stream order on the importing
-/// device's stream, after the kernels already enqueued there, which may still use it.
-pub struct HostPeerMapping {
-    mapping: FreeOnStream<shm::Mapping>,
-}
-
-impl HostPeerMapping {
-    /// Bytes mapped (the exported allocation's size).
-    pub fn bytes(&self) -> usize {
-        self.mapping.get().len()
-    }
-}
-
-impl std::fmt::Debug for HostPeerMapping {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HostPeerMapping")
-            .field("addr", &format_args!("{:#x}", self.mapping.get().addr()))
-            .field("bytes", &self.bytes())
-            .finish()
-    }
-}
-
-/// A typed buffer on a host device.
-pub struct HostBuffer<T: Element> {
-    mem: HostMemory,
-    len: usize,
-    _t: std::marker::PhantomData<T>,
-}
-
-// SAFETY: the pointer, length, dtype and device come from the allocation itself.
-
-unsafe impl<T: Element> DeviceBuffer<Host> for HostBuffer<T> {
-    fn dtype(&self) -> DType {
-        T::DTYPE
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn device_ordinal(&self) -> usize {
-        self.mem.ordinal
-    }
-    fn read_ptr<'a>(&'a self, _dev: &'a HostDevice) -> (u64, ()) {
-        (self.mem.addr(), ())
-    }
-}
-
-// SAFETY: the pointer, length, dtype and device come from the allocation itself.
-
-unsafe impl<T: Element> DeviceBufferMut<Host> for HostBuffer<T> {
-    fn write_ptr<'a>(&'a mut self, _dev: &'a HostDevice) -> (u64, ()) {
-        (self.mem.addr(), ())
     }
 }
 

@@ -21,9 +21,10 @@ pub use self::core::sizing::MemoryFootprint;
 pub use self::core::Rank;
 pub use config::{AllReduceOptions, CommConfig};
 pub use per_rank::group::CommGroup;
+pub use per_rank::registered::{RegisterError, Registered};
+pub use per_rank::symmetric::{SymmetricBuffer, SYMMETRIC_SEGMENT_BYTES};
 pub use per_rank::Comm;
 #[doc(hidden)]
 pub use per_rank::{free_expired_teardowns, parked_teardowns};
-pub use per_rank::{RegisterError, Registered, SymmetricBuffer, SYMMETRIC_SEGMENT_BYTES};
 pub use single::group::CommunicatorGroup;
 pub use single::Communicator;

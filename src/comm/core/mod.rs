@@ -26,6 +26,7 @@ pub(crate) mod group;
 pub(crate) mod launch;
 pub(crate) mod peer_check;
 pub(crate) mod plan;
+pub(crate) mod pool;
 pub(crate) mod record;
 pub(crate) mod registry;
 pub(crate) mod route;

@@ -31,20 +31,17 @@ use super::core::route::{self, RouteError};
 use super::core::setup::Placement;
 use super::core::Rank;
 use super::{AllReduceOptions, CommConfig};
-use symmetric::SymmetricPool;
 
 mod collectives;
 mod fault;
 pub(crate) mod group;
 mod parking;
-mod registered;
+pub(crate) mod registered;
 mod status;
-mod symmetric;
+pub(crate) mod symmetric;
 mod teardown;
 
 pub use parking::{free_expired_teardowns, parked_teardowns};
-pub use registered::{RegisterError, Registered};
-pub use symmetric::{SymmetricBuffer, SYMMETRIC_SEGMENT_BYTES};
 
 /// One rank of a communicator whose ranks live in different threads or processes.
 ///
@@ -102,7 +99,7 @@ pub struct Comm<B: Backend> {
     /// segments among them.
     registry: Arc<Registry<B>>,
     /// The symmetric pool (`symmetric.rs`).
-    pool: SymmetricPool<B>,
+    pool: super::core::pool::SymmetricPool<B>,
     /// Makes `Comm` `Send` but not `Sync` (see "One issuing thread per rank").
     _one_issuing_thread: std::marker::PhantomData<std::cell::Cell<()>>,
 }
@@ -251,7 +248,7 @@ impl<B: Backend> Comm<B> {
             launch_lock: Mutex::new(()),
             torn_down: AtomicBool::new(false),
             registry: Arc::new(Registry::default()),
-            pool: SymmetricPool::default(),
+            pool: super::core::pool::SymmetricPool::default(),
             _one_issuing_thread: std::marker::PhantomData,
         })
     }

@@ -27,90 +27,13 @@ use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut, MemoryKind, TypedBu
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 
-use super::super::core::registry::{register_range, Registry};
+use super::super::core::pool::{Segment, ALIGN};
+use super::super::core::registry::register_range;
 use super::Comm;
 
 /// Bytes of a symmetric pool segment (a larger buffer gets a segment of its own size,
 /// rounded up to 2 MiB). Allocated when the first buffer that needs it is.
 pub const SYMMETRIC_SEGMENT_BYTES: usize = 64 << 20;
-
-/// Alignment of a symmetric buffer in its segment.
-const ALIGN: u64 = 256;
-
-/// One segment of the pool: its memory, registered with every peer.
-struct Segment<B: Backend> {
-    memory: B::Memory,
-    bytes: u64,
-    registration: u64,
-    registry: Arc<Registry<B>>,
-    /// Free ranges (offset, bytes), sorted and merged.
-    free: Mutex<Vec<(u64, u64)>>,
-    /// Ranges of dropped buffers, free from the next allocation on.
-    dropped: Mutex<Vec<(u64, u64)>>,
-}
-
-impl<B: Backend> Drop for Segment<B> {
-    fn drop(&mut self) {
-        self.registry.remove(self.registration);
-    }
-}
-
-impl<B: Backend> Segment<B> {
-    /// The first free range that holds `bytes`.
-    fn first_fit(&self, bytes: u64) -> Option<u64> {
-        self.free
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .iter()
-            .find(|&&(_, n)| n >= bytes)
-            .map(|&(o, _)| o)
-    }
-    /// Takes `[offset, offset + bytes)` out of the free range that starts at `offset`.
-    fn take(&self, offset: u64, bytes: u64) {
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(i) = free.iter().position(|&(o, _)| o == offset) {
-            let (o, n) = free[i];
-            if n == bytes {
-                free.remove(i);
-            } else {
-                free[i] = (o + bytes, n - bytes);
-            }
-        }
-    }
-    /// Moves the dropped ranges into the free list (merging neighbours); whether there
-    /// were any.
-    fn reclaim(&self) -> bool {
-        let dropped = std::mem::take(&mut *self.dropped.lock().unwrap_or_else(|e| e.into_inner()));
-        if dropped.is_empty() {
-            return false;
-        }
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
-        free.extend(dropped);
-        free.sort_unstable();
-        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(free.len());
-        for &(o, n) in free.iter() {
-            match merged.last_mut() {
-                Some((lo, ln)) if *lo + *ln == o => *ln += n,
-                _ => merged.push((o, n)),
-            }
-        }
-        *free = merged;
-        true
-    }
-}
-
-/// The symmetric pool of one rank.
-pub(crate) struct SymmetricPool<B: Backend> {
-    segments: Mutex<Vec<Arc<Segment<B>>>>,
-}
-
-impl<B: Backend> Default for SymmetricPool<B> {
-    fn default() -> Self {
-        SymmetricPool {
-            segments: Mutex::new(Vec::new()),
-        }
-    }
-}
 
 /// A buffer of `len` elements of `T` in a per-rank communicator's symmetric pool
 /// ([`Comm::alloc_symmetric`]): at the same offset on every rank and mapped by every

@@ -1,0 +1,186 @@
+//! Error records and leaving in the host kernels: the record a stopped wait writes
+//! (timeout, peer aborted, call mismatch) into the signals' error words, the call each
+//! rank publishes in its `current_call`, and [`abandon`] (the `quit` handshake with the
+//! peers' same-index blocks). The device's `record_timeout`, `record_mismatch`,
+//! `abandon`.
+
+use std::sync::atomic::Ordering;
+use std::time::Instant;
+
+use super::signals::{atomic, detail_word, error_word, quit_cell, signal};
+use super::wait::deadline;
+use crate::signal::{
+    AllReduceArgs, DETAIL_AWAITED, DETAIL_MINE, DETAIL_THEIRS, DETAIL_THEIRS_VALID,
+    ERROR_BARRIER_TIMEOUT, ERROR_BLOCK, ERROR_CALL_MISMATCH, ERROR_CODE, ERROR_DOMAIN,
+    ERROR_PEER_ABORTED, ERROR_RANK, ERROR_WRITING, MAX_NUM_BLOCKS_UPPER_BOUND,
+};
+
+/// What a record says beside its code (the device's `ErrorDetail`).
+struct Detail {
+    rank: u32,
+    awaited: u32,
+    mine: [u32; 3],
+    theirs: [u32; 3],
+}
+
+/// Writes an error record into the signal at `addr` unless it already holds one:
+/// claim the code word, fill in the fields, then release the code.
+unsafe fn write_record(addr: u64, code: u32, block: u32, domain: u32, d: &Detail) {
+    let claim = error_word(addr, ERROR_CODE).compare_exchange(
+        0,
+        ERROR_WRITING,
+        Ordering::AcqRel,
+        Ordering::Relaxed,
+    );
+    if claim.is_ok() {
+        error_word(addr, ERROR_RANK).store(d.rank, Ordering::Relaxed);
+        error_word(addr, ERROR_BLOCK).store(block, Ordering::Relaxed);
+        error_word(addr, ERROR_DOMAIN).store(domain, Ordering::Relaxed);
+        for i in 0..3 {
+            detail_word(addr, DETAIL_MINE + i).store(d.mine[i], Ordering::Relaxed);
+            detail_word(addr, DETAIL_THEIRS + i).store(d.theirs[i], Ordering::Relaxed);
+        }
+        detail_word(addr, DETAIL_AWAITED).store(d.awaited + 1, Ordering::Relaxed);
+        detail_word(addr, DETAIL_THEIRS_VALID).store(1, Ordering::Relaxed);
+        error_word(addr, ERROR_CODE).store(code, Ordering::Release);
+    }
+}
+
+/// World rank of group rank `q` of this rank's group (groups are consecutive ranks).
+fn world_rank_of(args: &AllReduceArgs, q: usize) -> u32 {
+    args.world_rank - args.group_rank + q as u32
+}
+
+/// The call the signal at `addr` says its rank runs now, if it runs one.
+unsafe fn current_call(addr: u64) -> Option<[u32; 3]> {
+    let s = signal(addr);
+    let words = std::ptr::addr_of_mut!((*s).current_call) as *mut u32;
+    let running = atomic(words.add(3)).load(Ordering::Acquire) != 0;
+    running.then(|| std::array::from_fn(|i| atomic(words.add(i)).load(Ordering::Relaxed)))
+}
+
+/// Publishes this rank's call in its own `current_call` (block 0: at entry `running`,
+/// at the end not).
+pub(super) unsafe fn publish_current_call(args: &AllReduceArgs, running: bool) {
+    let s = signal(args.signals[args.group_rank as usize]);
+    let words = std::ptr::addr_of_mut!((*s).current_call) as *mut u32;
+    if running {
+        for (i, &w) in args.call.iter().enumerate() {
+            atomic(words.add(i)).store(w, Ordering::Relaxed);
+        }
+    }
+    atomic(words.add(3)).store(u32::from(running), Ordering::Release);
+}
+
+/// A wait of this block for group rank `awaited` timed out. If that rank runs another
+/// call now (another width, algorithm or sequence number), record the mismatch; else record the timeout on the own rank, naming the rank waited for,
+/// and tell every group peer to stop (their abort word), so that none proceeds past the
+/// abandoned barrier. The device's `record_timeout`.
+pub(super) unsafe fn record_timeout(args: &AllReduceArgs, block: u32, awaited: usize) {
+    let me = args.group_rank as usize;
+    let running = current_call(args.signals[awaited]);
+    let theirs = running.unwrap_or_default();
+    let who = world_rank_of(args, awaited);
+    if running.is_some_and(|c| c != args.call) {
+        record_mismatch(args, block, awaited, args.call, theirs);
+        // The same, from their side, into the record of every group peer whose call
+        // differs so: it may have completed the call with a subgroup of its own; its
+        // next synchronize reports it.
+        for q in (0..args.group_width as usize).filter(|&q| q != me) {
+            if let Some(call) = current_call(args.signals[q]).filter(|c| *c != args.call) {
+                let their_side = Detail {
+                    rank: args.world_rank,
+                    awaited: args.world_rank,
+                    mine: call,
+                    theirs: args.call,
+                };
+                write_record(
+                    args.signals[q],
+                    ERROR_CALL_MISMATCH,
+                    block,
+                    args.domain,
+                    &their_side,
+                );
+            }
+        }
+        return;
+    }
+    let d = Detail {
+        rank: args.world_rank,
+        awaited: who,
+        mine: args.call,
+        theirs,
+    };
+    write_record(
+        args.signals[me],
+        ERROR_BARRIER_TIMEOUT,
+        block,
+        args.domain,
+        &d,
+    );
+    for q in (0..args.group_width as usize).filter(|&q| q != me) {
+        write_record(args.signals[q], ERROR_PEER_ABORTED, block, args.domain, &d);
+    }
+}
+
+/// Group rank `peer` makes another call: record the mismatch on this rank, naming the
+/// peer (which finds the same difference on its side), with `mine` and `theirs` as the
+/// two sides (the descriptors, unless a batch's entry tables differ).
+pub(super) unsafe fn record_mismatch(
+    args: &AllReduceArgs,
+    block: u32,
+    peer: usize,
+    mine: [u32; 3],
+    theirs: [u32; 3],
+) {
+    let who = world_rank_of(args, peer);
+    let d = Detail {
+        rank: who,
+        awaited: who,
+        mine,
+        theirs,
+    };
+    let me = args.group_rank as usize;
+    write_record(
+        args.signals[me],
+        ERROR_CALL_MISMATCH,
+        block,
+        args.domain,
+        &d,
+    );
+}
+
+/// This block leaves the collective: it tells every group peer that it will not touch
+/// their memory again (`quit`), then, when `wait_for_peers` (the peers read this rank's
+/// user buffers), waits until each peer's same-index block has said the same, at most
+/// `timeout_ns`. Only then may the kernel end and the user free its buffers: a late
+/// peer that passed the start barrier before the abort reached it finishes its reads
+/// and quits at its next wait.
+pub(super) unsafe fn abandon(args: &AllReduceArgs, block: u32, blocks: u32, wait_for_peers: bool) {
+    let me = args.group_rank as usize;
+    let width = args.group_width as usize;
+    for q in (0..width).filter(|&q| q != me) {
+        quit_cell(args.signals[q], block, me).store(1, Ordering::Release);
+        // Block 0 also speaks for the blocks this launch does not have: a peer launched
+        // with a larger grid (a block-count mismatch) must not wait for partners that
+        // never exist.
+        if block == 0 {
+            for x in blocks..MAX_NUM_BLOCKS_UPPER_BOUND as u32 {
+                quit_cell(args.signals[q], x, me).store(1, Ordering::Release);
+            }
+        }
+    }
+    if !wait_for_peers || args.timeout_ns == 0 {
+        return;
+    }
+    let until = deadline(args.timeout_ns);
+    for q in (0..width).filter(|&q| q != me) {
+        let cell = quit_cell(args.signals[me], block, q);
+        while cell.load(Ordering::Acquire) == 0 {
+            if matches!(until, Some(d) if Instant::now() > d) {
+                return;
+            }
+            std::thread::yield_now();
+        }
+    }
+}

@@ -1,0 +1,128 @@
+//! Signal access in the host kernels: a signal word as an atomic ([`atomic`]), the
+//! words of a signal's error record, detail and `quit` cells, the rank's abort word,
+//! the group's counters as the protocol's [`BarrierSignals`] ([`HostSignals`]), and the
+//! counter barrier of one block over them ([`barrier`]).
+
+use std::sync::atomic::AtomicU32;
+
+use super::wait::{Spinner, Stop};
+use crate::protocol::{self, BarrierKind, BarrierSignals, BarrierSite, BarrierStop};
+use crate::signal::{AllReduceArgs, Signal, ERROR_CODE};
+
+pub(super) fn atomic<'a>(p: *mut u32) -> &'a AtomicU32 {
+    // SAFETY: callers pass 4-byte aligned addresses inside live signal allocations,
+    // which are only ever accessed atomically while kernels run.
+    unsafe { AtomicU32::from_ptr(p) }
+}
+
+pub(super) fn signal(addr: u64) -> *mut Signal {
+    addr as *mut Signal
+}
+
+/// Word `i` of the error record of the signal at `addr`.
+pub(super) unsafe fn error_word<'a>(addr: u64, i: usize) -> &'a AtomicU32 {
+    let s = signal(addr);
+    atomic((std::ptr::addr_of_mut!((*s).error_state) as *mut u32).add(i))
+}
+
+/// The rank's abort word: its own error code (non-zero = stop).
+pub(super) unsafe fn abort_word<'a>(args: &AllReduceArgs) -> &'a AtomicU32 {
+    error_word(args.signals[args.group_rank as usize], ERROR_CODE)
+}
+
+/// `quit[block][writer]` of the signal at `addr`.
+pub(super) unsafe fn quit_cell<'a>(addr: u64, block: u32, writer: usize) -> &'a AtomicU32 {
+    let s = signal(addr);
+    atomic(std::ptr::addr_of_mut!((*s).quit[block as usize][writer]))
+}
+
+/// Word `i` of the error detail of the signal at `addr`.
+pub(super) unsafe fn detail_word<'a>(addr: u64, i: usize) -> &'a AtomicU32 {
+    let s = signal(addr);
+    atomic((std::ptr::addr_of_mut!((*s).error_detail) as *mut u32).add(i))
+}
+
+/// The signals of one launch's group, reached through the addresses in its arguments.
+struct HostSignals<'a> {
+    args: &'a AllReduceArgs,
+}
+
+impl<'a> HostSignals<'a> {
+    /// # Safety
+    /// `args.signals[..group_width]` must be live signal allocations laid out as
+    /// `include/peercomm_signal.h` says, accessed only atomically while kernels run.
+    unsafe fn new(args: &'a AllReduceArgs) -> Self {
+        HostSignals { args }
+    }
+    fn signal(&self, member: usize) -> *mut Signal {
+        signal(self.args.signals[member])
+    }
+}
+
+impl BarrierSignals for HostSignals<'_> {
+    type Cell = AtomicU32;
+    fn self_counter(&self, member: usize, domain: usize, block: usize, peer: usize) -> &AtomicU32 {
+        let s = self.signal(member);
+        // SAFETY: `new`'s contract: `s` is a live signal allocation; the place
+        // projection is bounds-checked.
+        atomic(unsafe { std::ptr::addr_of_mut!((*s).self_counter[domain][block][peer]) })
+    }
+    fn peer_counter(
+        &self,
+        member: usize,
+        domain: usize,
+        parity: usize,
+        block: usize,
+        writer: usize,
+    ) -> &AtomicU32 {
+        let s = self.signal(member);
+        // SAFETY: as in `self_counter`.
+        atomic(unsafe {
+            std::ptr::addr_of_mut!((*s).peer_counter[domain][parity][block][writer][0])
+        })
+    }
+    fn arrival_call(
+        &self,
+        member: usize,
+        domain: usize,
+        parity: usize,
+        block: usize,
+        writer: usize,
+    ) -> Option<[&AtomicU32; 3]> {
+        let s = self.signal(member);
+        Some(std::array::from_fn(|i| {
+            // SAFETY: as in `self_counter`.
+            atomic(unsafe {
+                std::ptr::addr_of_mut!((*s).peer_counter[domain][parity][block][writer][i + 1])
+            })
+        }))
+    }
+}
+
+/// The counter barrier of one block across its group ([`protocol::barrier`], the code
+/// the loom model checks), with the host's orderings for `kind`.
+pub(super) unsafe fn barrier(
+    args: &AllReduceArgs,
+    block: u32,
+    kind: BarrierKind,
+) -> Result<(), Stop> {
+    let signals = HostSignals::new(args);
+    let site = BarrierSite {
+        me: args.group_rank as usize,
+        width: args.group_width as usize,
+        domain: args.domain as usize,
+        block: block as usize,
+    };
+    let mut spin = Spinner::new(args.timeout_ns, abort_word(args));
+    let call = Some(args.call);
+    protocol::barrier_with_call(&signals, site, kind.host_orderings(), call, &mut spin).map_err(
+        |stop| match stop {
+            BarrierStop::Gave { awaited, why } => why.waiting_for(awaited),
+            BarrierStop::Mismatch { peer, theirs } => Stop::Mismatch {
+                peer,
+                mine: args.call,
+                theirs,
+            },
+        },
+    )
+}

@@ -1,0 +1,88 @@
+//! Host streams: a [`Stream`] is one worker thread running enqueued jobs in order (what
+//! a device's stream is here), and [`FreeOnStream`] drops a value in stream order, after
+//! the work enqueued before its drop (as `cuMemFreeAsync` frees).
+
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+
+pub(super) type Job = Box<dyn FnOnce() + Send>;
+
+/// A stream: one worker thread running enqueued jobs in order.
+pub(super) struct Stream {
+    tx: Mutex<Option<mpsc::Sender<Job>>>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl Stream {
+    pub(super) fn new(ordinal: usize) -> Self {
+        let (tx, rx) = mpsc::channel::<Job>();
+        let worker = std::thread::Builder::new()
+            .name(format!("peercomm-host-stream-{ordinal}"))
+            .spawn(move || {
+                for job in rx {
+                    job();
+                }
+            })
+            .expect("spawn host stream thread");
+        Stream {
+            tx: Mutex::new(Some(tx)),
+            worker: Mutex::new(Some(worker)),
+        }
+    }
+
+    pub(super) fn enqueue(&self, job: Job) {
+        let tx = self.tx.lock().expect("stream lock");
+        tx.as_ref()
+            .expect("stream open")
+            .send(job)
+            .expect("stream worker alive");
+    }
+
+    pub(super) fn synchronize(&self) {
+        let (done_tx, done_rx) = mpsc::channel::<()>();
+        self.enqueue(Box::new(move || {
+            let _ = done_tx.send(());
+        }));
+        done_rx.recv().expect("stream worker alive");
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        // Closing the channel ends the worker once its queue is drained.
+        self.tx.lock().expect("stream lock").take();
+        if let Some(w) = self.worker.lock().expect("stream lock").take() {
+            let _ = w.join();
+        }
+    }
+}
+
+/// Owns a `T` whose drop must wait for the work already enqueued on a stream: dropping
+/// this enqueues `T`'s drop there, after every kernel enqueued before, as
+/// `cuMemFreeAsync` does.
+pub(super) struct FreeOnStream<T: Send + 'static> {
+    /// `Some` until dropped.
+    value: Option<T>,
+    stream: Arc<Stream>,
+}
+
+impl<T: Send + 'static> FreeOnStream<T> {
+    pub(super) fn new(value: T, stream: &Arc<Stream>) -> Self {
+        FreeOnStream {
+            value: Some(value),
+            stream: stream.clone(),
+        }
+    }
+    pub(super) fn get(&self) -> &T {
+        self.value.as_ref().expect("present until dropped")
+    }
+}
+
+impl<T: Send + 'static> Drop for FreeOnStream<T> {
+    fn drop(&mut self) {
+        if let Some(value) = self.value.take() {
+            self.stream.enqueue(Box::new(move || drop(value)));
+        }
+    }
+}

@@ -1,0 +1,88 @@
+//! The symmetric pool's bookkeeping on one rank: its segments (each one exportable
+//! allocation, registered with every peer) and their free ranges, handed out first fit
+//! so that every rank that allocates and drops alike places a buffer alike. The
+//! per-rank front door (`per_rank/symmetric.rs`) allocates through it.
+
+use std::sync::{Arc, Mutex};
+
+use crate::backend::Backend;
+
+use super::registry::Registry;
+
+/// Alignment of a symmetric buffer in its segment.
+pub(crate) const ALIGN: u64 = 256;
+
+/// One segment of the pool: its memory, registered with every peer.
+pub(crate) struct Segment<B: Backend> {
+    pub(crate) memory: B::Memory,
+    pub(crate) bytes: u64,
+    pub(crate) registration: u64,
+    pub(crate) registry: Arc<Registry<B>>,
+    /// Free ranges (offset, bytes), sorted and merged.
+    pub(crate) free: Mutex<Vec<(u64, u64)>>,
+    /// Ranges of dropped buffers, free from the next allocation on.
+    pub(crate) dropped: Mutex<Vec<(u64, u64)>>,
+}
+
+impl<B: Backend> Drop for Segment<B> {
+    fn drop(&mut self) {
+        self.registry.remove(self.registration);
+    }
+}
+
+impl<B: Backend> Segment<B> {
+    /// The first free range that holds `bytes`.
+    pub(crate) fn first_fit(&self, bytes: u64) -> Option<u64> {
+        self.free
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|&&(_, n)| n >= bytes)
+            .map(|&(o, _)| o)
+    }
+    /// Takes `[offset, offset + bytes)` out of the free range that starts at `offset`.
+    pub(crate) fn take(&self, offset: u64, bytes: u64) {
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(i) = free.iter().position(|&(o, _)| o == offset) {
+            let (o, n) = free[i];
+            if n == bytes {
+                free.remove(i);
+            } else {
+                free[i] = (o + bytes, n - bytes);
+            }
+        }
+    }
+    /// Moves the dropped ranges into the free list (merging neighbours); whether there
+    /// were any.
+    pub(crate) fn reclaim(&self) -> bool {
+        let dropped = std::mem::take(&mut *self.dropped.lock().unwrap_or_else(|e| e.into_inner()));
+        if dropped.is_empty() {
+            return false;
+        }
+        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        free.extend(dropped);
+        free.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(free.len());
+        for &(o, n) in free.iter() {
+            match merged.last_mut() {
+                Some((lo, ln)) if *lo + *ln == o => *ln += n,
+                _ => merged.push((o, n)),
+            }
+        }
+        *free = merged;
+        true
+    }
+}
+
+/// The symmetric pool of one rank.
+pub(crate) struct SymmetricPool<B: Backend> {
+    pub(crate) segments: Mutex<Vec<Arc<Segment<B>>>>,
+}
+
+impl<B: Backend> Default for SymmetricPool<B> {
+    fn default() -> Self {
+        SymmetricPool {
+            segments: Mutex::new(Vec::new()),
+        }
+    }
+}
