@@ -100,6 +100,12 @@ struct Args {
     /// whole world, up to 1 MiB unless --max-bytes says otherwise).
     #[arg(long)]
     per_rank: Option<usize>,
+    /// With --per-rank: also run the single controller over the same ranks (auto
+    /// dispatch, the whole world) in the same run and put its records ("peercomm-auto")
+    /// in the same report, so that the per-rank paths (staged "peercomm-per-rank-thread"
+    /// and zero-copy "peercomm-per-rank-thread-symmetric") compare with it.
+    #[arg(long)]
+    with_single: bool,
     /// With --per-rank: one process per rank instead of one thread (the benchmark
     /// starts itself once per rank; ranks find each other through a UniqueId).
     #[arg(long)]
@@ -935,7 +941,24 @@ fn main() {
     #[cfg(feature = "cuda")]
     let mut report = match peercomm::backend::cuda::Cuda::device_count() {
         Ok(n) if n >= 1 && args.per_rank.is_some() => {
-            per_rank::report(&args, args.per_rank.unwrap(), n)
+            let world = args.per_rank.unwrap();
+            // The single controller first (its memory is freed before the ranks start).
+            let single = args.with_single.then(|| {
+                let single_args = Args {
+                    auto_only: true,
+                    no_nccl: true,
+                    groups: Some(vec![world]),
+                    dtypes: vec!["bf16".into()],
+                    ..args.clone()
+                };
+                gpu::run(&single_args, world.min(peercomm::MAX_GPUS), n).records
+            });
+            let mut report = per_rank::report(&args, world, n);
+            if let Some(single) = single {
+                report.api = format!("{} and single-controller Communicator", report.api);
+                report.records.extend(single);
+            }
+            report
         }
         Ok(n) if n >= 1 => gpu::run(&args, args.world.unwrap_or(n).min(peercomm::MAX_GPUS), n),
         Ok(_) => run_host(&args, "no CUDA device"),

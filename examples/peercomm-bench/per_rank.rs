@@ -16,6 +16,7 @@ use cudarc::driver::sys::CUevent_flags;
 use cudarc::driver::CudaSlice;
 use cudarc::nccl::{Comm as NcclComm, Id, ReduceOp};
 use peercomm::backend::cuda::Cuda;
+use peercomm::backend::TypedBuffer;
 use peercomm::bootstrap::UniqueId;
 use peercomm::Comm;
 
@@ -197,7 +198,14 @@ fn slowest_rank(per_rank: Vec<Vec<Record>>, world: usize, mode: &str) -> Vec<Rec
             group: world,
             bytes: r.bytes,
         };
-        let imp = format!("{}-{mode}", r.implementation);
+        // "peercomm-per-rank" -> "peercomm-per-rank-thread", and the symmetric-buffer
+        // variant -> "peercomm-per-rank-thread-symmetric".
+        let imp = if r.implementation.contains("per-rank") {
+            r.implementation
+                .replacen("per-rank", &format!("per-rank-{mode}"), 1)
+        } else {
+            format!("{}-{mode}", r.implementation)
+        };
         *r = record(a, &imp, &r.algorithm, &r.mode, slowest);
     }
     print_header();
@@ -252,16 +260,35 @@ fn sweep(
             .clone_htod(&vec![half::bf16::from_f32(rank as f32 + 1.0); n])
             .unwrap();
         let mut recv = stream.alloc_zeros::<half::bf16>(n).unwrap();
+        // The same input in the symmetric pool: the peers read it in place.
+        let mut symmetric = comm
+            .alloc_symmetric::<half::bf16>(n)
+            .expect("a symmetric buffer");
+        symmetric
+            .copy_from_host(
+                comm.device(),
+                &vec![half::bf16::from_f32(rank as f32 + 1.0); n],
+            )
+            .unwrap();
         let opts = AllReduceOptions::new();
         rendezvous(&comm);
+        let want = (world * (world + 1) / 2) as f32;
+        let check = |what: &str, recv: &mut CudaSlice<half::bf16>| {
+            let got = stream.clone_dtoh(recv).unwrap();
+            assert!(
+                got.iter().all(|x| x.to_f32() == want),
+                "rank {rank}: wrong sum at {bytes} B ({what})"
+            );
+            stream.memset_zeros(recv).unwrap();
+        };
         let algorithm = comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
         comm.synchronize().unwrap();
-        let want = (world * (world + 1) / 2) as f32;
-        let got = stream.clone_dtoh(&recv).unwrap();
-        assert!(
-            got.iter().all(|x| x.to_f32() == want),
-            "rank {rank}: wrong sum at {bytes} B"
-        );
+        check("staged", &mut recv);
+        let sym_algorithm = comm
+            .all_reduce_sum_with(&symmetric, &mut recv, &opts)
+            .unwrap();
+        comm.synchronize().unwrap();
+        check("symmetric", &mut recv);
         let at = |imp: &str, alg: &str, mode: &str, us| {
             let a = At {
                 dtype: DType::BF16,
@@ -278,6 +305,19 @@ fn sweep(
             }
         });
         mine.push(at("peercomm-per-rank", algorithm.name(), "eager", eager));
+        rendezvous(&comm);
+        let eager = per_call_us(&stream, args.batches, || {
+            for _ in 0..CALLS {
+                comm.all_reduce_sum_with(&symmetric, &mut recv, &opts)
+                    .unwrap();
+            }
+        });
+        mine.push(at(
+            "peercomm-per-rank-symmetric",
+            sym_algorithm.name(),
+            "eager",
+            eager,
+        ));
         if let Some(nccl) = &nccl {
             rendezvous(&comm);
             let eager = per_call_us(&stream, args.batches, || {
@@ -301,6 +341,12 @@ fn sweep(
                     comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
                 }
             });
+            let zero_copy = graph_of(&mut || {
+                for _ in 0..CALLS {
+                    comm.all_reduce_sum_with(&symmetric, &mut recv, &opts)
+                        .unwrap();
+                }
+            });
             let theirs = nccl.as_ref().map(|nccl| {
                 graph_of(&mut || {
                     for _ in 0..CALLS {
@@ -311,6 +357,14 @@ fn sweep(
             rendezvous(&comm);
             let graph = per_call_us(&stream, args.batches, || ours.launch().unwrap());
             mine.push(at("peercomm-per-rank", algorithm.name(), "graph", graph));
+            rendezvous(&comm);
+            let graph = per_call_us(&stream, args.batches, || zero_copy.launch().unwrap());
+            mine.push(at(
+                "peercomm-per-rank-symmetric",
+                sym_algorithm.name(),
+                "graph",
+                graph,
+            ));
             if let Some(theirs) = theirs {
                 rendezvous(&comm);
                 let graph = per_call_us(&stream, args.batches, || theirs.launch().unwrap());
