@@ -25,8 +25,13 @@ use super::*;
 /// Calls per timed batch.
 const CALLS: usize = 50;
 
-/// Median time per call over `batches` batches of `CALLS` calls, in us.
+/// Median time per call over `batches` batches of `CALLS` calls, in us. Each batch
+/// starts after a device-side barrier of every rank (`comm.barrier`, untimed), so that
+/// the ranks' batches start together on the GPU: without it, one rank's window would
+/// include the wait for a peer thread that started its batch late (a few percent at
+/// 5 us per call).
 fn per_call_us(
+    comm: &Comm<Cuda>,
     stream: &cudarc::driver::CudaStream,
     batches: usize,
     mut batch: impl FnMut(),
@@ -35,6 +40,7 @@ fn per_call_us(
     stream.synchronize().unwrap();
     let samples = (0..batches)
         .map(|_| {
+            comm.barrier(0).unwrap();
             let a = stream
                 .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                 .unwrap();
@@ -230,10 +236,10 @@ fn sweep(
     nccl_id: Option<Id>,
 ) -> Vec<Record> {
     let shared = gpus < world;
-    let max = args.max_bytes.unwrap_or(1 << 20);
-    let sizes = sizes(args, args.min_bytes, max);
+    let sizes = sizes(args, args.min_bytes, args.max_bytes.unwrap_or(1 << 20));
+    let largest = sizes.iter().copied().max().unwrap_or(0);
     let config = CommConfig {
-        payload_bytes: max.max(1 << 20),
+        payload_bytes: largest.max(1 << 20),
         // The slot holds the largest Lamport message and its 16-byte header.
         lamport_slot_bytes: args.lamport_slot_bytes + 16,
         barrier_timeout: Some(Duration::from_secs(30)),
@@ -299,14 +305,14 @@ fn sweep(
             record(a, imp, alg, mode, us)
         };
         rendezvous(&comm);
-        let eager = per_call_us(&stream, args.batches, || {
+        let eager = per_call_us(&comm, &stream, args.batches, || {
             for _ in 0..CALLS {
                 comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
             }
         });
         mine.push(at("peercomm-per-rank", algorithm.name(), "eager", eager));
         rendezvous(&comm);
-        let eager = per_call_us(&stream, args.batches, || {
+        let eager = per_call_us(&comm, &stream, args.batches, || {
             for _ in 0..CALLS {
                 comm.all_reduce_sum_with(&symmetric, &mut recv, &opts)
                     .unwrap();
@@ -320,7 +326,7 @@ fn sweep(
         ));
         if let Some(nccl) = &nccl {
             rendezvous(&comm);
-            let eager = per_call_us(&stream, args.batches, || {
+            let eager = per_call_us(&comm, &stream, args.batches, || {
                 for _ in 0..CALLS {
                     nccl.all_reduce(&send, &mut recv, &ReduceOp::Sum).unwrap();
                 }
@@ -355,10 +361,10 @@ fn sweep(
                 })
             });
             rendezvous(&comm);
-            let graph = per_call_us(&stream, args.batches, || ours.launch().unwrap());
+            let graph = per_call_us(&comm, &stream, args.batches, || ours.launch().unwrap());
             mine.push(at("peercomm-per-rank", algorithm.name(), "graph", graph));
             rendezvous(&comm);
-            let graph = per_call_us(&stream, args.batches, || zero_copy.launch().unwrap());
+            let graph = per_call_us(&comm, &stream, args.batches, || zero_copy.launch().unwrap());
             mine.push(at(
                 "peercomm-per-rank-symmetric",
                 sym_algorithm.name(),
@@ -367,7 +373,7 @@ fn sweep(
             ));
             if let Some(theirs) = theirs {
                 rendezvous(&comm);
-                let graph = per_call_us(&stream, args.batches, || theirs.launch().unwrap());
+                let graph = per_call_us(&comm, &stream, args.batches, || theirs.launch().unwrap());
                 mine.push(at("nccl-per-rank", "nccl", "graph", graph));
             }
         }
