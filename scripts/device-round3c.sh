@@ -7,6 +7,7 @@
 #   zc2, zc4  the single controller (peercomm-auto), the per-rank staged path and the
 #             per-rank zero-copy path (symmetric inputs) in one run and one JSON,
 #             world 2 / 4 sharing the GPU, bf16, graph and eager, 1 KiB to 64 MiB
+#   fused     the fused all-reduce + RMSNorm: one-stage, Lamport and the unfused pair
 #   zcproc    the per-rank sweep in processes (symmetric buffers mapped over CUDA IPC)
 #   smoke     the zero-copy smoke test binary, if built
 #   tests     every CUDA test binary but the per-rank one
@@ -34,6 +35,14 @@ for stage in $stages; do
     w=${stage#zc}
     timeout 280 $bench --per-rank "$w" --with-single $sweep --out "$OUT/$stage" > "$OUT/$stage.log" 2>&1
     summary+=("$stage rc=$?")
+    ;;
+  fused)
+    # The fused all-reduce + residual + RMSNorm: one-stage, Lamport, and all-reduce then
+    # RMSNorm, 1-256 tokens of hidden 4096 and 8192 (collectives.rs); the Lamport slot
+    # holds 256 x 8192 bf16 (4 MiB) and its header.
+    timeout 250 $bench --world 2 --sizes 1024 --dtypes bf16 --no-nccl --auto-only --batches 10 \
+      --collectives --lamport-slot-bytes 8388608 --out "$OUT/fused" > "$OUT/fused.log" 2>&1
+    summary+=("fused rc=$?")
     ;;
   zcproc)
     timeout 120 $bench --per-rank 2 --processes --sizes 1024,1048576,16777216 --dtypes bf16 \
@@ -63,5 +72,6 @@ for stage in $stages; do
 done
 grep -hE "FAILED|panicked|WRONG" "$OUT"/*.log 2>/dev/null | head -40
 grep -hE "group of 8 /" "$OUT"/group.log 2>/dev/null
+grep -hE "^fused .*graph" "$OUT"/fused.log 2>/dev/null
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
 tar czf "$FINAL_OUT/round3c-logs.tgz" -C "$OUT" . && rm -rf "$OUT"

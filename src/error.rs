@@ -10,8 +10,8 @@ fn waited_for(rank: Option<usize>) -> String {
 
 /// What a call descriptor holds, in the order a mismatch names it (the first that
 /// differs): the collective, the element type, the group width, the root, the element
-/// count, the block count, the algorithm, and the call's place in the rank's sequence
-/// of calls in its barrier domain.
+/// count, the block count, the algorithm, where the peers read the input, and the
+/// call's place in the rank's sequence of calls in its barrier domain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum CallField {
     /// The call's sequence number in its barrier domain: one rank of the group made
