@@ -124,33 +124,14 @@ PC_INLINE uint64_t entry_first_pack(uint64_t tid, uint64_t stride, uint64_t base
     return tid >= r ? tid - r : tid + stride - r;
 }
 
-// The entries and the in-place inputs, copied from the kernel parameters into shared
-// memory by many threads at once. Read one entry after another inside the loops, each
-// entry's parameters were a dependent constant-cache miss: about 0.25 us per entry on
-// H200 (a batch of 8 took 1.6x one call where a batch of 2 took 1.15x).
-struct GroupTable {
-    GroupEntry entries[PEERCOMM_MAX_GROUP_CALLS];
-    uint64_t peer_inputs[PEERCOMM_MAX_GROUP_CALLS][PEERCOMM_MAX_GPUS];
-};
-
-// Fills the block's table; it is read after the next __syncthreads (enter's).
-PC_INLINE const GroupTable& load_group_table(const GroupArgs& g, uint32_t count, uint32_t width) {
-    __shared__ GroupTable t;
-    const uint32_t i = threadIdx.x;
-    if (i < count) t.entries[i] = g.entries[i];
-    if (i < count * width) t.peer_inputs[i / width][i % width] = g.peer_inputs[i / width][i % width];
-    return t;
-}
-
 template <typename D>
 PC_INLINE void all_reduce_group(const GroupArgs& g) {
     const Args& a = g.all;
     Ctx c = make_ctx(a);
-    const uint32_t count = g.count < PEERCOMM_MAX_GROUP_CALLS ? g.count : PEERCOMM_MAX_GROUP_CALLS;
-    const GroupTable& table = load_group_table(g, count, a.group_width);
     if (!enter(c)) return abandon(c, WaitForPeers::No);
     constexpr int L = Pack<D>::kLanes;
     const uint32_t width = a.group_width, me = a.group_rank;
+    const uint32_t count = g.count < PEERCOMM_MAX_GROUP_CALLS ? g.count : PEERCOMM_MAX_GROUP_CALLS;
     const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
     // A group wider than one stages where the peers can read only the payloads; where
@@ -160,7 +141,7 @@ PC_INLINE void all_reduce_group(const GroupArgs& g) {
         const uint64_t own = a.payloads[me];
         if (threadIdx.x < kGroupHeaderPacks) store_vec16(own, threadIdx.x, group_header_pack(g, count, threadIdx.x));
         for (uint32_t s = 0; s < count; ++s) {
-            const GroupEntry& e = table.entries[s];
+            const GroupEntry& e = g.entries[s];
             const uint64_t n = e.elements, dst = own + e.offset;
             copy_range<D>(e.input, 0, dst, 0, 0, (n + L - 1) / L, n, aligned16(e.input) && aligned16(dst),
                           entry_first_pack(tid, stride, e.offset / 16u), stride);
@@ -173,13 +154,13 @@ PC_INLINE void all_reduce_group(const GroupArgs& g) {
     }
     with_width(width, [&]<int W>() {
         for (uint32_t s = 0; s < count; ++s) {
-            const GroupEntry& e = table.entries[s];
+            const GroupEntry& e = g.entries[s];
             const uint64_t n = e.elements;
             uint64_t srcs[W];
             bool vec = aligned16(e.output);
 #pragma unroll
             for (int k = 0; k < W; ++k) {
-                srcs[k] = staged ? a.payloads[k] + e.offset : width > 1u ? table.peer_inputs[s][k] : e.input;
+                srcs[k] = staged ? a.payloads[k] + e.offset : width > 1u ? g.peer_inputs[s][k] : e.input;
                 vec = vec && aligned16(srcs[k]);
             }
             reduce_range<D, W>(srcs, 0, (n + L - 1) / L, n, e.output, 0, vec,
