@@ -613,10 +613,11 @@ fn summary(report: &Report) -> String {
     writeln!(out, "{COLUMNS}").unwrap();
     writeln!(
         out,
-        "{:>5} {:>5} {:>9} {:>11} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9} {:>15} {:>11}",
+        "{:>5} {:>5} {:>9} {:>34} {:>11} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9} {:>15} {:>11}",
         "dtype",
         "mode",
         "bytes",
+        "implementation",
         "peercomm_us",
         "nccl_us",
         "lat/nccl",
@@ -639,7 +640,14 @@ fn summary(report: &Report) -> String {
         })
     };
     let mut rows = rows;
-    rows.sort_by(|a, b| (&a.dtype, &a.mode, a.bytes).cmp(&(&b.dtype, &b.mode, b.bytes)));
+    rows.sort_by(|a, b| {
+        (&a.dtype, &a.mode, a.bytes, &a.implementation).cmp(&(
+            &b.dtype,
+            &b.mode,
+            b.bytes,
+            &b.implementation,
+        ))
+    });
     for r in rows {
         let partner = |name: &str| {
             report.records.iter().find(|n| {
@@ -656,10 +664,11 @@ fn summary(report: &Report) -> String {
         let (nccl, sym) = (partner("nccl"), partner("nccl-symmetric"));
         writeln!(
             out,
-            "{:>5} {:>5} {:>9} {:>11.2} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9} {:>15} {:>11}",
+            "{:>5} {:>5} {:>9} {:>34} {:>11.2} {:>9} {:>9} {:>11} {:>9} {:>9} {:>9} {:>15} {:>11}",
             r.dtype,
             r.mode,
             human_bytes(r.bytes as f64),
+            r.implementation,
             r.latency_us,
             f2(nccl.map(|n| n.latency_us)),
             f2(r.ratio_vs_nccl),

@@ -1,6 +1,7 @@
 //! results.png: all-reduce latency and bus bandwidth against the message size, for the
-//! whole-world group of the first dtype: peercomm (the auto dispatch, or the per-rank
-//! `Comm`) and NCCL (plain, and with symmetric windows where it ran), CUDA-graph replays
+//! whole-world group of the first dtype: peercomm (the single controller's auto
+//! dispatch; the per-rank `Comm`, staged and with symmetric inputs) and NCCL (plain, and
+//! with symmetric windows where it ran), CUDA-graph replays
 //! (solid) and eager calls (dashed), and the link's floor where the run measured one.
 //!
 //! The x axis is in bytes per rank (KiB, MiB, GiB), ticks are spaced so that their
@@ -25,8 +26,12 @@ struct Line {
 /// ones the plot leaves to results.csv (peercomm's forced algorithms).
 fn family(implementation: &str) -> Option<(&'static str, RGBColor)> {
     match implementation {
-        "peercomm-auto" | "peercomm-per-rank-thread" | "peercomm-per-rank-process" => {
-            Some(("peercomm", RGBColor(214, 39, 40)))
+        "peercomm-auto" => Some(("peercomm", RGBColor(214, 39, 40))),
+        "peercomm-per-rank-thread" | "peercomm-per-rank-process" => {
+            Some(("peercomm per rank", RGBColor(255, 127, 14)))
+        }
+        "peercomm-per-rank-thread-symmetric" | "peercomm-per-rank-process-symmetric" => {
+            Some(("peercomm per rank, symmetric", RGBColor(148, 103, 189)))
         }
         "nccl-symmetric" => Some(("NCCL symmetric", RGBColor(44, 160, 44))),
         "nccl" | "nccl-per-rank-thread" | "nccl-per-rank-process" => {
@@ -44,7 +49,13 @@ pub fn draw(report: &Report, path: &std::path::Path) -> chart::DrawResult {
     let (dtype, world) = (first.dtype.clone(), first.world);
     let whole = |r: &&super::Record| r.dtype == dtype && r.group == world;
     let mut lines: Vec<Line> = Vec::new();
-    for imp in ["peercomm-auto", "nccl", "nccl-symmetric"] {
+    for imp in [
+        "peercomm-auto",
+        "peercomm-per-rank-thread",
+        "peercomm-per-rank-thread-symmetric",
+        "nccl",
+        "nccl-symmetric",
+    ] {
         let (name, color) = family(imp).expect("a plotted family");
         for (mode, stroke) in [("graph", Stroke::Solid), ("eager", Stroke::Dashed)] {
             let mut points: Vec<(f64, f64, f64)> = report
