@@ -26,7 +26,7 @@ struct Line {
 /// ones the plot leaves to results.csv (peercomm's forced algorithms).
 fn family(implementation: &str) -> Option<(&'static str, RGBColor)> {
     match implementation {
-        "peercomm-auto" => Some(("peercomm", RGBColor(214, 39, 40))),
+        "peercomm-auto" => Some(("peercomm single controller", RGBColor(214, 39, 40))),
         "peercomm-per-rank-thread" | "peercomm-per-rank-process" => {
             Some(("peercomm per rank", RGBColor(255, 127, 14)))
         }
