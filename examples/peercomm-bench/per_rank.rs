@@ -54,6 +54,55 @@ fn per_call_us(
     median(samples)
 }
 
+/// Host time per eager call, on the host clock (the GPU work drained outside the timed
+/// part): the staged call, the zero-copy call and an empty kernel launched through the
+/// same path (`Comm::delay` of zero: peercomm's launch without validation, planning or
+/// buffers). Every rank runs it (the calls are collective); rank 0 prints.
+#[allow(clippy::too_many_arguments)]
+fn host_cost(
+    comm: &Comm<Cuda>,
+    stream: &cudarc::driver::CudaStream,
+    rank: usize,
+    bytes: usize,
+    send: &CudaSlice<half::bf16>,
+    symmetric: &peercomm::SymmetricBuffer<Cuda, half::bf16>,
+    recv: &mut CudaSlice<half::bf16>,
+) {
+    const N: usize = 20;
+    let time = |f: &mut dyn FnMut()| {
+        let samples = (0..9)
+            .map(|_| {
+                rendezvous(comm);
+                let t = std::time::Instant::now();
+                for _ in 0..N {
+                    f();
+                }
+                let us = t.elapsed().as_secs_f64() * 1e6 / N as f64;
+                stream.synchronize().unwrap();
+                us
+            })
+            .collect();
+        median(samples)
+    };
+    let opts = AllReduceOptions::new();
+    let staged = time(&mut || {
+        comm.all_reduce_sum_with(send, recv, &opts).unwrap();
+    });
+    let zero_copy = time(&mut || {
+        comm.all_reduce_sum_with(symmetric, recv, &opts).unwrap();
+    });
+    let launch = time(&mut || comm.delay(Duration::ZERO).unwrap());
+    comm.synchronize().unwrap();
+    if rank == 0 {
+        println!(
+            "host cost {:>9}: staged call {staged:6.2} us, symmetric call {zero_copy:6.2} us, empty launch {launch:6.2} us: {:.2}x / {:.2}x the launch",
+            human_bytes(bytes as f64),
+            staged / launch,
+            zero_copy / launch
+        );
+    }
+}
+
 /// The peercomm `UniqueId` the parent made, as a string.
 const CHILD_ID: &str = "PEERCOMM_BENCH_UNIQUE_ID";
 /// The NCCL id the parent made, as hex (absent without NCCL).
@@ -278,6 +327,9 @@ fn sweep(
             .unwrap();
         let opts = AllReduceOptions::new();
         rendezvous(&comm);
+        if args.host_cost && bytes <= 256 << 10 {
+            host_cost(&comm, &stream, rank, bytes, &send, &symmetric, &mut recv);
+        }
         let want = (world * (world + 1) / 2) as f32;
         let check = |what: &str, recv: &mut CudaSlice<half::bf16>| {
             let got = stream.clone_dtoh(recv).unwrap();
