@@ -459,6 +459,10 @@ cuda_trust!(cuda_per_rank_zero_copy_mismatched_inputs, |place| {
     per_rank_suite::zero_copy::mismatched_inputs::<Cuda>(&place, 2);
     per_rank_suite::zero_copy::mismatched_inputs::<Cuda>(&place, 3);
 });
+cuda_trust!(cuda_per_rank_zero_copy_inputs_dropped_in_flight, |place| {
+    per_rank_suite::zero_copy::inputs_dropped_in_flight::<Cuda>(&place, 2);
+    per_rank_suite::zero_copy::inputs_dropped_in_flight::<Cuda>(&place, 4);
+});
 cuda_trust!(cuda_per_rank_zero_copy_register_drop_cycles, |place| {
     per_rank_suite::zero_copy::register_drop_cycles::<Cuda>(&place, 2, 1000)
 });

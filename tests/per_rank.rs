@@ -354,3 +354,9 @@ fn per_rank_zero_copy_symmetric_drop_cycles() {
 fn per_rank_zero_copy_stages_nothing() {
     per_rank_suite::zero_copy::stages_nothing::<Host>(&HOST);
 }
+
+#[test]
+fn per_rank_zero_copy_inputs_dropped_in_flight() {
+    per_rank_suite::zero_copy::inputs_dropped_in_flight::<Host>(&HOST, 2);
+    per_rank_suite::zero_copy::inputs_dropped_in_flight::<Host>(&HOST, 4);
+}

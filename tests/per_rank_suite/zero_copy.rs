@@ -1024,6 +1024,56 @@ pub fn mismatched_inputs<B: Backend>(place: &Placement, world: usize) {
     });
 }
 
+/// Case (c), inputs dropped while their collective is in flight: each rank enqueues a
+/// one-stage or two-stage all-reduce from a symmetric or registered input and drops
+/// the input at once; a symmetric input's range goes to the next allocation (the same
+/// placement), which is filled with NaN right away. The peers read the input in place,
+/// yet every output is right: the range is reused only after the rank's queued work,
+/// whose end barrier waits for the peers' reads, and a registered buffer is freed in
+/// stream order.
+pub fn inputs_dropped_in_flight<B: Backend>(place: &Placement, world: usize) {
+    let seed = seed(&format!(
+        "per_rank_zero_copy_inputs_dropped_in_flight_{world}"
+    ));
+    with_world::<B, _>(place, world, |rank, comm| {
+        let dev = comm.device();
+        let len = 65_537;
+        let mut case = 0;
+        for algorithm in [Algorithm::OneStage, Algorithm::TwoStage] {
+            for input in [Input::Symmetric, Input::Registered] {
+                let what = format!("rank {rank}: {algorithm:?} from a dropped {input:?} input");
+                let ins = inputs::<f32>(seed, case, world, len);
+                case += 1;
+                let opts = AllReduceOptions::new().algorithm(algorithm).blocks(2);
+                let mut out = B::alloc_from(dev, &nan::<f32>(len)).unwrap();
+                match input {
+                    Input::Symmetric => {
+                        let mut s = comm.alloc_symmetric::<f32>(len).unwrap();
+                        s.copy_from_host(dev, &ins[rank]).unwrap();
+                        let at = s.placement();
+                        comm.all_reduce_sum_with(&s, &mut out, &opts).expect(&what);
+                        drop(s);
+                        let mut next = comm.alloc_symmetric::<f32>(len).unwrap();
+                        assert_eq!(next.placement(), at, "{what}: the range is reused");
+                        next.copy_from_host(dev, &nan::<f32>(len)).unwrap();
+                    }
+                    Input::Registered => {
+                        let plain = B::alloc_from(dev, &ins[rank]).unwrap();
+                        let reg = comm.register(plain).unwrap();
+                        comm.all_reduce_sum_with(&reg, &mut out, &opts)
+                            .expect(&what);
+                        drop(reg);
+                    }
+                }
+                comm.synchronize().expect(&what);
+                let got = B::download(dev, &out).unwrap();
+                common::check_sums(&ins, &vec![got; world], world, &what);
+                assert_eq!(comm.registrations(), (1, 0), "{what}");
+            }
+        }
+    });
+}
+
 /// Open file descriptors of this process (Linux; `None` elsewhere).
 fn open_fds() -> Option<usize> {
     std::fs::read_dir("/proc/self/fd").ok().map(|d| d.count())
