@@ -1277,6 +1277,24 @@ pub fn symmetric_rank<B: Backend>(
         segments,
         "rank {rank}: nothing registered"
     );
+    if heap_refused {
+        // Rank 0 offers a symmetric buffer, the others heap buffers of the same size:
+        // refused on every rank, naming rank 1 (the first that cannot export).
+        let what = format!("rank {rank}: a symmetric buffer beside heap buffers");
+        let s = comm.alloc_symmetric::<f32>(256).unwrap();
+        let error = if rank == 0 {
+            comm.register(s).map(drop).map_err(|e| e.error)
+        } else {
+            comm.register(B::alloc_from(dev, &data).unwrap())
+                .map(drop)
+                .map_err(|e| e.error)
+        };
+        assert!(
+            matches!(error, Err(Error::CannotRegister { rank: 1, .. })),
+            "{what}: {error:?}"
+        );
+        assert_eq!(comm.registrations(), segments, "{what}: nothing registered");
+    }
     // A symmetric buffer can be registered again (its segment is exportable).
     let again = comm.alloc_symmetric::<f32>(100).unwrap();
     let mut again = comm.register(again).unwrap();
