@@ -415,3 +415,82 @@ cuda_trust!(cuda_per_rank_drop_while_peer_collective_queued, |place| {
 cuda_trust!(cuda_per_rank_drop_returns_while_peer_holds_on, |place| {
     per_rank_suite::teardown::drop_returns_while_peer_holds_on::<Cuda>(&place)
 });
+
+// Zero copy (tests/per_rank_suite/zero_copy.rs): all-reduces whose inputs lie in
+// symmetric and registered buffers (every algorithm at worlds 2 and 4, two-stage at 8),
+// in and out of place, every group size, bit for bit the single controller's over the
+// same devices; the other collectives on symmetric inputs; nothing staged; the
+// refusals, mismatched input places, and register/alloc cycles.
+cuda_trust!(cuda_per_rank_zero_copy_all_reduce_world_2, |place| {
+    per_rank_suite::zero_copy::all_reduce_matches_single_controller::<Cuda>(
+        &place,
+        2,
+        &ZERO_COPY_ALGORITHMS,
+    )
+});
+cuda_trust!(cuda_per_rank_zero_copy_all_reduce_world_4, |place| {
+    per_rank_suite::zero_copy::all_reduce_matches_single_controller::<Cuda>(
+        &place,
+        4,
+        &ZERO_COPY_ALGORITHMS,
+    )
+});
+cuda_trust!(cuda_per_rank_zero_copy_two_stage_world_8, |place| {
+    per_rank_suite::zero_copy::all_reduce_matches_single_controller::<Cuda>(
+        &place,
+        8,
+        &[peercomm::Algorithm::TwoStage],
+    )
+});
+cuda_trust!(cuda_per_rank_zero_copy_collectives_world_2, |place| {
+    per_rank_suite::zero_copy::collectives_match_single_controller::<Cuda>(&place, 2)
+});
+cuda_trust!(cuda_per_rank_zero_copy_collectives_world_4, |place| {
+    per_rank_suite::zero_copy::collectives_match_single_controller::<Cuda>(&place, 4)
+});
+cuda_trust!(cuda_per_rank_zero_copy_stages_nothing, |place| {
+    per_rank_suite::zero_copy::stages_nothing::<Cuda>(&place)
+});
+cuda_trust!(cuda_per_rank_zero_copy_registration_refusals, |place| {
+    per_rank_suite::zero_copy::registration_refusals::<Cuda>(&place, 2);
+    per_rank_suite::zero_copy::registration_refusals::<Cuda>(&place, 3);
+});
+cuda_trust!(cuda_per_rank_zero_copy_mismatched_inputs, |place| {
+    per_rank_suite::zero_copy::mismatched_inputs::<Cuda>(&place, 2);
+    per_rank_suite::zero_copy::mismatched_inputs::<Cuda>(&place, 3);
+});
+cuda_trust!(cuda_per_rank_zero_copy_inputs_dropped_in_flight, |place| {
+    per_rank_suite::zero_copy::inputs_dropped_in_flight::<Cuda>(&place, 2);
+    per_rank_suite::zero_copy::inputs_dropped_in_flight::<Cuda>(&place, 4);
+});
+cuda_trust!(cuda_per_rank_zero_copy_register_drop_cycles, |place| {
+    per_rank_suite::zero_copy::register_drop_cycles::<Cuda>(&place, 2, 1000)
+});
+cuda_trust!(cuda_per_rank_zero_copy_symmetric_drop_cycles, |place| {
+    per_rank_suite::zero_copy::symmetric_drop_cycles::<Cuda>(&place, 2, 1000)
+});
+
+const ZERO_COPY_ALGORITHMS: [peercomm::Algorithm; 4] = [
+    peercomm::Algorithm::OneStage,
+    peercomm::Algorithm::TwoStage,
+    peercomm::Algorithm::Lamport,
+    peercomm::Algorithm::Auto,
+];
+
+/// Symmetric inputs across processes through CUDA IPC (rank 0 in the test process; on
+/// one GPU the processes time-slice it). Whether cudarc's own allocations can be
+/// registered across processes depends on the driver's pools: either way is accepted
+/// (a refusal must be CannotRegister on every rank, with the buffer back).
+#[test]
+fn cuda_per_rank_zero_copy_processes_world_2() {
+    if let Some(d) = devices("cuda_per_rank_zero_copy_processes_world_2") {
+        per_rank_suite::zero_copy::symmetric_processes::<Cuda>(&d, 2, false);
+    }
+}
+
+#[test]
+fn cuda_per_rank_zero_copy_cycles_leak_nothing() {
+    if devices("cuda_per_rank_zero_copy_cycles_leak_nothing").is_some() {
+        per_rank_suite::zero_copy::cycles_leak_nothing::<Cuda>(200, false);
+    }
+}

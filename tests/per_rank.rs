@@ -260,3 +260,103 @@ fn per_rank_lamport_fused_mismatch() {
     per_rank_suite::fused::lamport_fused_mismatch::<Host>(&HOST, 2);
     per_rank_suite::fused::lamport_fused_mismatch::<Host>(&HOST, 4);
 }
+
+// Zero copy (tests/per_rank_suite/zero_copy.rs): all-reduces whose inputs lie in symmetric
+// and registered buffers, every algorithm, in and out of place, every group size, bit
+// for bit the single controller's; the other collectives on symmetric inputs; the
+// refusals, mismatched input places, and register/alloc cycles.
+const ZERO_COPY_ALGORITHMS: [peercomm::Algorithm; 4] = [
+    peercomm::Algorithm::OneStage,
+    peercomm::Algorithm::TwoStage,
+    peercomm::Algorithm::Lamport,
+    peercomm::Algorithm::Auto,
+];
+
+#[test]
+fn per_rank_zero_copy_all_reduce_world_2() {
+    per_rank_suite::zero_copy::all_reduce_matches_single_controller::<Host>(
+        &HOST,
+        2,
+        &ZERO_COPY_ALGORITHMS,
+    );
+}
+
+#[test]
+fn per_rank_zero_copy_all_reduce_world_3() {
+    per_rank_suite::zero_copy::all_reduce_matches_single_controller::<Host>(
+        &HOST,
+        3,
+        &ZERO_COPY_ALGORITHMS,
+    );
+}
+
+#[test]
+fn per_rank_zero_copy_all_reduce_world_4() {
+    per_rank_suite::zero_copy::all_reduce_matches_single_controller::<Host>(
+        &HOST,
+        4,
+        &ZERO_COPY_ALGORITHMS,
+    );
+}
+
+#[test]
+fn per_rank_zero_copy_all_reduce_world_8() {
+    per_rank_suite::zero_copy::all_reduce_matches_single_controller::<Host>(
+        &HOST,
+        8,
+        &ZERO_COPY_ALGORITHMS,
+    );
+}
+
+#[test]
+fn per_rank_zero_copy_collectives_world_2() {
+    per_rank_suite::zero_copy::collectives_match_single_controller::<Host>(&HOST, 2);
+}
+
+#[test]
+fn per_rank_zero_copy_collectives_world_3() {
+    per_rank_suite::zero_copy::collectives_match_single_controller::<Host>(&HOST, 3);
+}
+
+#[test]
+fn per_rank_zero_copy_collectives_world_4() {
+    per_rank_suite::zero_copy::collectives_match_single_controller::<Host>(&HOST, 4);
+}
+
+#[test]
+fn per_rank_zero_copy_collectives_world_8() {
+    per_rank_suite::zero_copy::collectives_match_single_controller::<Host>(&HOST, 8);
+}
+
+#[test]
+fn per_rank_zero_copy_registration_refusals() {
+    per_rank_suite::zero_copy::registration_refusals::<Host>(&HOST, 2);
+    per_rank_suite::zero_copy::registration_refusals::<Host>(&HOST, 3);
+}
+
+#[test]
+fn per_rank_zero_copy_mismatched_inputs() {
+    per_rank_suite::zero_copy::mismatched_inputs::<Host>(&HOST, 2);
+    per_rank_suite::zero_copy::mismatched_inputs::<Host>(&HOST, 3);
+}
+
+#[test]
+fn per_rank_zero_copy_register_drop_cycles() {
+    per_rank_suite::zero_copy::register_drop_cycles::<Host>(&HOST, 2, 1000);
+}
+
+#[test]
+fn per_rank_zero_copy_symmetric_drop_cycles() {
+    per_rank_suite::zero_copy::symmetric_drop_cycles::<Host>(&HOST, 2, 1000);
+}
+
+#[test]
+fn per_rank_zero_copy_stages_nothing() {
+    per_rank_suite::zero_copy::stages_nothing::<Host>(&HOST);
+}
+
+#[test]
+fn per_rank_zero_copy_inputs_dropped_in_flight() {
+    per_rank_suite::zero_copy::inputs_dropped_in_flight::<Host>(&HOST, 2);
+    per_rank_suite::zero_copy::inputs_dropped_in_flight::<Host>(&HOST, 4);
+}

@@ -65,3 +65,23 @@ fn per_rank_killed_process_gives_a_typed_error() {
 fn per_rank_create_drop_cycles_leak_nothing() {
     processes::create_drop_cycles_leak_nothing::<Host>(&HOST, 1000);
 }
+
+/// Zero copy across processes (tests/per_rank_suite/zero_copy.rs): symmetric inputs
+/// read in place through the host backend's IPC, one-stage and two-stage; a heap
+/// buffer cannot be registered across processes.
+#[test]
+fn per_rank_zero_copy_processes_world_2() {
+    per_rank_suite::zero_copy::symmetric_processes::<Host>(&HOST, 2, true);
+}
+
+#[test]
+fn per_rank_zero_copy_processes_world_4() {
+    per_rank_suite::zero_copy::symmetric_processes::<Host>(&HOST, 4, true);
+}
+
+/// Register/alloc cycles and communicators with symmetric buffers, in two processes:
+/// no registration, import, file descriptor or mapping leaks.
+#[test]
+fn per_rank_zero_copy_cycles_leak_nothing() {
+    per_rank_suite::zero_copy::cycles_leak_nothing::<Host>(1000, true);
+}

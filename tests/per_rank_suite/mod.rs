@@ -1,7 +1,8 @@
 //! The per-rank communicator (`peercomm::Comm`) with one thread per rank, generic over
 //! the backend: every rank checks its own outputs against the f64 reference of inputs
 //! that every rank can rebuild from a shared seed, and bitwise against its group's first
-//! rank. Instantiated by tests/per_rank.rs (host) and tests/cuda_per_rank.rs (CUDA).
+//! rank. Instantiated by tests/per_rank.rs (host) and tests/cuda_per_rank.rs (CUDA);
+//! zero copy (registered and symmetric inputs) is in zero_copy.rs.
 
 #![allow(dead_code)]
 
@@ -16,6 +17,7 @@ pub mod processes;
 pub mod sizing;
 pub mod teardown;
 pub mod trust;
+pub mod zero_copy;
 use std::sync::Barrier;
 use std::time::Duration;
 

@@ -33,7 +33,7 @@ const RANK: &str = "PEERCOMM_TEST_RANK";
 const WORLD: &str = "PEERCOMM_TEST_WORLD";
 const ID: &str = "PEERCOMM_TEST_ID";
 const SEED: &str = "PEERCOMM_TEST_SEED";
-const VARIANT: &str = "PEERCOMM_TEST_VARIANT";
+pub(super) const VARIANT: &str = "PEERCOMM_TEST_VARIANT";
 
 /// How a backend's ranks are placed: device of a rank, and blocks per launch.
 pub struct Devices {
@@ -49,7 +49,7 @@ impl Devices {
     }
 }
 
-fn config_for(devices: &Devices, world: usize) -> CommConfig {
+pub(super) fn config_for(devices: &Devices, world: usize) -> CommConfig {
     CommConfig {
         max_blocks: Some(devices.max_blocks),
         allow_shared_devices: world > devices.count,
@@ -81,7 +81,7 @@ fn spawn(role: &str, rank: usize, world: usize, id: &str, seed: u64) -> Child {
 }
 
 /// As `spawn`, with more environment variables.
-fn spawn_with(
+pub(super) fn spawn_with(
     role: &str,
     rank: usize,
     world: usize,
@@ -272,7 +272,11 @@ pub fn child_main<B: Backend>(devices: &Devices) {
                 Err(e) => println!("ERROR {e}"),
             }
         }
-        other => panic!("unknown role {other}"),
+        other => {
+            if !super::zero_copy::child_role::<B>(other, devices, rank, world, &id, seed) {
+                panic!("unknown role {other}")
+            }
+        }
     }
 }
 
@@ -576,7 +580,7 @@ pub fn killed_process_gives_a_typed_error<B: Backend>(devices: &Devices) {
 }
 
 /// Open file descriptors and mapped ranges of this process.
-fn open_files_and_maps() -> (usize, usize) {
+pub(super) fn open_files_and_maps() -> (usize, usize) {
     let fds = std::fs::read_dir("/proc/self/fd").unwrap().count();
     let maps = std::fs::read_to_string("/proc/self/maps")
         .unwrap()

@@ -10,7 +10,10 @@
 //! allocation that holds its range ([`Backend::export_range`]), imported here once per
 //! allocation and peer however many of its ranges are registered. Any refusal (memory
 //! that cannot be exported, a failed import, ranks that disagree) is the same
-//! [`Error::CannotRegister`] on every rank, nothing registered anywhere.
+//! [`Error::CannotRegister`] on every rank, nothing registered anywhere; a rank that
+//! refuses by itself (its buffer on another device, a poisoned communicator) still
+//! sends its record, so it returns its own error and its peers `CannotRegister` naming
+//! it, every rank still in step with the others' next collective.
 //!
 //! A call passes the peers its input's place as an 11-bit tag in its descriptor
 //! ([`InPlace::tag`]: registration number and offset, hashed; 0 = staged), so ranks that
@@ -81,35 +84,67 @@ impl<B: Backend> Default for Registry<B> {
     }
 }
 
-/// One rank's part of a registration, as gathered.
+/// The first word of a gathered registration record, and of a symmetric allocation's
+/// (`per_rank/symmetric.rs`): a rank that registers where a peer allocates (or the
+/// reverse) is refused on both at the first gather, and both stay in step.
+pub(crate) const REGISTER_RECORD: u64 = u64::from_le_bytes(*b"pcreg\0\0\x01");
+/// See [`REGISTER_RECORD`].
+pub(crate) const SYMMETRIC_RECORD: u64 = u64::from_le_bytes(*b"pcsym\0\0\x01");
+
+/// One rank's part of a registration, as gathered: where its range is, and why it
+/// cannot register it (empty: it can). A rank that refuses locally (its buffer on
+/// another device, a poisoned communicator, an allocation that failed) still sends its
+/// record, so that every rank refuses together and no rank's next collective record
+/// pairs with a peer's registration.
 struct Offer {
     process: u64,
     id: u64,
     ptr: u64,
     bytes: u64,
+    refusal: String,
 }
 
 impl Offer {
     fn encode(&self) -> Vec<u8> {
-        [self.process, self.id, self.ptr, self.bytes]
+        let mut record: Vec<u8> = [REGISTER_RECORD, self.process, self.id, self.ptr, self.bytes]
             .iter()
             .flat_map(|x| x.to_le_bytes())
-            .collect()
+            .collect();
+        record.extend_from_slice(self.refusal.as_bytes());
+        record
     }
     fn decode(rank: usize, b: &[u8]) -> Result<Self> {
-        if b.len() != 32 {
-            return Err(refused(
+        let word = |i: usize| {
+            b.get(8 * i..8 * i + 8)
+                .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+        };
+        match word(0) {
+            Some(REGISTER_RECORD) if b.len() >= 40 => Ok(Offer {
+                process: word(1).expect("40 bytes"),
+                id: word(2).expect("40 bytes"),
+                ptr: word(3).expect("40 bytes"),
+                bytes: word(4).expect("40 bytes"),
+                refusal: String::from_utf8_lossy(&b[40..]).into_owned(),
+            }),
+            Some(SYMMETRIC_RECORD) => Err(refused(
+                rank,
+                "it allocates a symmetric buffer where this rank registers one: every rank \
+                 registers and allocates symmetric buffers in the same order"
+                    .into(),
+            )),
+            _ => Err(refused(
                 rank,
                 format!("a malformed registration record ({} bytes)", b.len()),
-            ));
+            )),
         }
-        let word = |i: usize| u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"));
-        Ok(Offer {
-            process: word(0),
-            id: word(1),
-            ptr: word(2),
-            bytes: word(3),
-        })
+    }
+}
+
+/// What a rank's gathered record says of its own refusal (never empty).
+pub(crate) fn refusal_text(e: &Error) -> String {
+    match e.to_string() {
+        t if t.is_empty() => "it refused".into(),
+        t => t,
     }
 }
 
@@ -201,13 +236,16 @@ impl<B: Backend> Registry<B> {
 
 /// Registers `[ptr, ptr + bytes)` of this rank with every rank of `group` (the ranks
 /// of the peer-memory group, in order; see the module docs). Returns the registration's
-/// number, the same on every rank.
+/// number, the same on every rank. `local` is this rank's own verdict on the range
+/// (checked before): an error there is still gathered, so that this rank returns it
+/// and every peer returns [`Error::CannotRegister`] naming this rank.
 pub(crate) fn register_range<B: Backend>(
     registry: &Registry<B>,
     dev: &B::Device,
     group: &dyn Bootstrap,
     ptr: u64,
     bytes: usize,
+    local: Result<()>,
 ) -> Result<u64> {
     let (me, n) = (group.rank(), group.world_size());
     let mut made = registry.made.lock().unwrap_or_else(|e| e.into_inner());
@@ -216,13 +254,23 @@ pub(crate) fn register_range<B: Backend>(
         id: *made,
         ptr,
         bytes: bytes as u64,
+        refusal: local.as_ref().err().map(refusal_text).unwrap_or_default(),
     };
-    let offers = group
-        .all_gather(&mine.encode())?
+    let gathered = group.all_gather(&mine.encode());
+    // This rank's own refusal first: its peers learn it from its record.
+    local?;
+    let offers = gathered?
         .iter()
         .enumerate()
         .map(|(r, b)| Offer::decode(r, b))
         .collect::<Result<Vec<_>>>()?;
+    if let Some((r, o)) = offers
+        .iter()
+        .enumerate()
+        .find(|(_, o)| !o.refusal.is_empty())
+    {
+        return Err(refused(r, o.refusal.clone()));
+    }
     // Every rank checks every offer, so every rank refuses alike.
     for (r, o) in offers.iter().enumerate() {
         if o.id != offers[0].id {
@@ -327,6 +375,42 @@ pub(crate) fn register_range<B: Backend>(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A symmetric allocation's record where a registration's is expected is refused
+    /// (so a rank that registers where its peer allocates refuses at the first
+    /// gather), and a local refusal travels in the record.
+    #[test]
+    fn records_tell_their_kind_and_refusal() {
+        let offer = Offer {
+            process: 7,
+            id: 3,
+            ptr: 0x1000,
+            bytes: 256,
+            refusal: "on another device".into(),
+        };
+        let back = Offer::decode(1, &offer.encode()).unwrap();
+        assert_eq!(
+            (back.process, back.id, back.ptr, back.bytes),
+            (7, 3, 0x1000, 256)
+        );
+        assert_eq!(back.refusal, "on another device");
+        let mut other: Vec<u8> = [SYMMETRIC_RECORD, 0, 0, 256, 64 << 20]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        match Offer::decode(1, &other) {
+            Err(Error::CannotRegister { rank: 1, reason }) => {
+                assert!(reason.contains("symmetric"), "{reason}")
+            }
+            _ => panic!("a symmetric record decoded as a registration"),
+        }
+        other.truncate(32);
+        other[..8].copy_from_slice(&REGISTER_RECORD.to_le_bytes());
+        assert!(matches!(
+            Offer::decode(0, &other),
+            Err(Error::CannotRegister { rank: 0, .. })
+        ));
+    }
 
     #[test]
     fn tags_are_never_zero_and_tell_places_apart() {

@@ -77,8 +77,10 @@ impl<B: Backend> Comm<B> {
     /// [`Comm::alloc_symmetric`] calls). From then on a collective whose input lies in
     /// it (the whole buffer or a part at the same offset on every rank) reads it in
     /// place on the peers. Refusals are [`Error::CannotRegister`] on every rank, with
-    /// the buffer given back. Needs peer memory across the whole world
-    /// ([`Comm::world_path`] is `Auto`).
+    /// the buffer given back; a buffer this rank refuses by itself (on another device
+    /// than its own, or a poisoned communicator) is that error here and
+    /// `CannotRegister` naming this rank on the peers, which stay in step. Needs peer
+    /// memory across the whole world ([`Comm::world_path`] is `Auto`).
     pub fn register<T>(&self, buffer: T) -> std::result::Result<Registered<B, T>, RegisterError<T>>
     where
         T: DeviceBuffer<B>,
@@ -95,13 +97,24 @@ impl<B: Backend> Comm<B> {
 
     fn register_buffer<T: DeviceBuffer<B>>(&self, buffer: &T) -> Result<u64> {
         let core = &*self.core;
-        core.check_usable()?;
-        core.check_buffer(buffer.device_ordinal(), "registered")?;
-        self.check_zero_copy()?;
-        let (ptr, guard) = buffer.read_ptr(core.device());
-        drop(guard);
+        // A local refusal is still gathered, so that every rank refuses together.
+        let local = core
+            .check_usable()
+            .and_then(|_| core.check_buffer(buffer.device_ordinal(), "registered"))
+            .and_then(|_| self.check_zero_copy());
+        let ptr = match local {
+            Ok(()) => buffer.read_ptr(core.device()).0,
+            Err(_) => 0,
+        };
         let bytes = buffer.len() * buffer.dtype().size();
-        register_range(&self.registry, core.device(), &*self.bootstrap, ptr, bytes)
+        register_range(
+            &self.registry,
+            core.device(),
+            &*self.bootstrap,
+            ptr,
+            bytes,
+            local,
+        )
     }
 
     /// Registered buffers need peer memory across the whole world.

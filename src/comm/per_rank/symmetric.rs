@@ -28,7 +28,9 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 
 use super::super::core::pool::{Segment, ALIGN};
-use super::super::core::registry::register_range;
+use super::super::core::registry::{
+    refusal_text, register_range, REGISTER_RECORD, SYMMETRIC_RECORD,
+};
 use super::Comm;
 
 /// Bytes of a symmetric pool segment (a larger buffer gets a segment of its own size,
@@ -152,34 +154,73 @@ impl<B: Backend, T: Element> TypedBuffer<B> for SymmetricBuffer<B, T> {
     }
 }
 
-/// One rank's placement of an allocation, as gathered.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+/// One rank's placement of an allocation, as gathered, and why it cannot allocate
+/// (empty: it can): a rank that refuses locally still sends its record, so that every
+/// rank refuses together and stays in step (see `Offer` in `core/registry.rs`).
+#[derive(Clone, Debug)]
 struct Placement {
     segment: u64,
     offset: u64,
     span: u64,
     new_segment_bytes: u64,
+    refusal: String,
+}
+
+/// What a gathered record is.
+#[derive(Debug)]
+enum Record {
+    Symmetric(Placement),
+    /// A peer registers a buffer where this rank allocates.
+    Registration,
+    Malformed,
 }
 
 impl Placement {
     fn encode(&self) -> Vec<u8> {
-        [self.segment, self.offset, self.span, self.new_segment_bytes]
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect()
+        let mut record: Vec<u8> = [
+            SYMMETRIC_RECORD,
+            self.segment,
+            self.offset,
+            self.span,
+            self.new_segment_bytes,
+        ]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
+        record.extend_from_slice(self.refusal.as_bytes());
+        record
     }
-    fn decode(b: &[u8]) -> Option<Self> {
+    fn decode(b: &[u8]) -> Record {
         let w = |i: usize| {
-            Some(u64::from_le_bytes(
-                b.get(8 * i..8 * i + 8)?.try_into().ok()?,
-            ))
+            b.get(8 * i..8 * i + 8)
+                .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
         };
-        Some(Placement {
-            segment: w(0)?,
-            offset: w(1)?,
-            span: w(2)?,
-            new_segment_bytes: w(3)?,
-        })
+        match w(0) {
+            Some(SYMMETRIC_RECORD) if b.len() >= 40 => Record::Symmetric(Placement {
+                segment: w(1).expect("40 bytes"),
+                offset: w(2).expect("40 bytes"),
+                span: w(3).expect("40 bytes"),
+                new_segment_bytes: w(4).expect("40 bytes"),
+                refusal: String::from_utf8_lossy(&b[40..]).into_owned(),
+            }),
+            Some(REGISTER_RECORD) => Record::Registration,
+            _ => Record::Malformed,
+        }
+    }
+    /// Where it lies, without the refusal.
+    fn place(&self) -> (u64, u64, u64, u64) {
+        (self.segment, self.offset, self.span, self.new_segment_bytes)
+    }
+    /// Where it lies, in words.
+    fn describe(&self) -> String {
+        let new = match self.new_segment_bytes {
+            0 => String::new(),
+            n => format!(" (a new segment of {n} bytes)"),
+        };
+        format!(
+            "{} bytes at offset {} of segment {}{new}",
+            self.span, self.offset, self.segment
+        )
     }
 }
 
@@ -189,25 +230,36 @@ impl<B: Backend> Comm<B> {
     /// allocations, drops and [`Comm::register`] calls). Collectives whose input lies
     /// in the buffer read it in place on the peers. A placement that differs between
     /// ranks (they allocated or dropped in different orders) is
-    /// [`Error::CannotRegister`] on every rank, nothing allocated. Needs peer memory
-    /// across the whole world.
+    /// [`Error::CannotRegister`] on every rank, nothing allocated, as is a peer that
+    /// registers a buffer meanwhile; a refusal of this rank's own (a poisoned
+    /// communicator, a failed allocation) is that error here and `CannotRegister`
+    /// naming this rank on the peers. Needs peer memory across the whole world.
     pub fn alloc_symmetric<T: Element>(&self, len: usize) -> Result<SymmetricBuffer<B, T>> {
         let core = &*self.core;
-        core.check_usable()?;
-        self.check_zero_copy()?;
-        let bytes = len
-            .checked_mul(T::DTYPE.size())
-            .ok_or_else(|| Error::Unsupported(format!("{len} elements overflow a byte count")))?;
-        let span = (bytes.max(1) as u64).div_ceil(ALIGN) * ALIGN;
         let mut segments = self.pool.segments.lock().unwrap_or_else(|e| e.into_inner());
-        // Dropped ranges are reused only after the work queued before their drop.
-        let mut reclaimed = false;
-        for s in segments.iter() {
-            reclaimed |= s.reclaim();
-        }
-        if reclaimed {
-            B::synchronize(core.device())?;
-        }
+        // A local refusal is still gathered (see `Placement`).
+        let local = core
+            .check_usable()
+            .and_then(|_| self.check_zero_copy())
+            .and_then(|_| {
+                len.checked_mul(T::DTYPE.size()).ok_or_else(|| {
+                    Error::Unsupported(format!("{len} elements overflow a byte count"))
+                })
+            })
+            .map(|bytes| (bytes.max(1) as u64).div_ceil(ALIGN) * ALIGN)
+            .and_then(|span| {
+                // Dropped ranges are reused only after the work queued before their
+                // drop.
+                let mut reclaimed = false;
+                for s in segments.iter() {
+                    reclaimed |= s.reclaim();
+                }
+                if reclaimed {
+                    B::synchronize(core.device())?;
+                }
+                Ok(span)
+            });
+        let span = *local.as_ref().unwrap_or(&0);
         let mine = segments
             .iter()
             .enumerate()
@@ -219,40 +271,69 @@ impl<B: Backend> Comm<B> {
                     span,
                     new_segment_bytes: span.max(SYMMETRIC_SEGMENT_BYTES as u64).div_ceil(2 << 20)
                         * (2 << 20),
+                    refusal: String::new(),
                 },
                 |(i, o)| Placement {
                     segment: i as u64,
                     offset: o,
                     span,
                     new_segment_bytes: 0,
+                    refusal: String::new(),
                 },
             );
-        let gathered = self.bootstrap.all_gather(&mine.encode())?;
-        for (r, g) in gathered.iter().enumerate() {
-            let theirs = Placement::decode(g);
-            if theirs != Some(mine) {
-                return Err(Error::CannotRegister {
-                    rank: r,
-                    reason: format!(
-                        "its symmetric allocation would be {theirs:?} where rank {} places \
-                         it at {mine:?}: every rank allocates and drops symmetric buffers of \
-                         the same sizes in the same order",
-                        self.rank()
-                    ),
-                });
-            }
+        let mine = Placement {
+            refusal: local.as_ref().err().map(refusal_text).unwrap_or_default(),
+            ..mine
+        };
+        let gathered = self.bootstrap.all_gather(&mine.encode());
+        // This rank's own refusal first: its peers learn it from its record.
+        local?;
+        let gathered = gathered?;
+        let records: Vec<Record> = gathered.iter().map(|g| Placement::decode(g)).collect();
+        let refusal = |r: usize, reason: String| Error::CannotRegister { rank: r, reason };
+        for (r, record) in records.iter().enumerate() {
+            let reason = match record {
+                Record::Symmetric(theirs) if !theirs.refusal.is_empty() => theirs.refusal.clone(),
+                Record::Symmetric(theirs) if theirs.place() == mine.place() => continue,
+                Record::Symmetric(theirs) => format!(
+                    "its symmetric allocation would be {} where rank {} places it at {}: \
+                     every rank allocates and drops symmetric buffers of the same sizes in \
+                     the same order",
+                    theirs.describe(),
+                    self.rank(),
+                    mine.describe()
+                ),
+                Record::Registration => format!(
+                    "it registers a buffer where rank {} allocates a symmetric one: every \
+                     rank registers and allocates symmetric buffers in the same order",
+                    self.rank()
+                ),
+                Record::Malformed => format!(
+                    "a malformed symmetric allocation record ({} bytes)",
+                    gathered[r].len()
+                ),
+            };
+            return Err(refusal(r, reason));
         }
         if mine.new_segment_bytes > 0 {
-            let seg_bytes = usize::try_from(mine.new_segment_bytes)
-                .map_err(|_| Error::Unsupported("a segment too large for this host".into()))?;
-            let memory = B::alloc(core.device(), seg_bytes, MemoryKind::SharedData)?;
+            // A failed allocation is still gathered by the registration (every rank
+            // refuses together).
+            let memory = usize::try_from(mine.new_segment_bytes)
+                .map_err(|_| Error::Unsupported("a segment too large for this host".into()))
+                .and_then(|bytes| B::alloc(core.device(), bytes, MemoryKind::SharedData));
+            let (ptr, local) = match &memory {
+                Ok(m) => (B::memory_ptr(m), Ok(())),
+                Err(e) => (0, Err(e.clone())),
+            };
             let registration = register_range(
                 &self.registry,
                 core.device(),
                 &*self.bootstrap,
-                B::memory_ptr(&memory),
-                seg_bytes,
+                ptr,
+                mine.new_segment_bytes as usize,
+                local,
             )?;
+            let memory = memory.expect("registered only where allocated");
             segments.push(Arc::new(Segment {
                 memory,
                 bytes: mine.new_segment_bytes,
