@@ -1,8 +1,10 @@
 //! The per-rank [`Comm`]'s all-gather, reduce-scatter, broadcast, scatter and fused
 //! all-reduce + residual + RMSNorm. Like the all-reduce, each call checks this rank's
 //! buffers, plans, and launches only this rank's kernel; what the peers read is staged
-//! into this rank's payload, so user buffers need no registration and every call is
-//! capturable. Every rank of a group must make the same call (same dtype, lengths,
+//! into this rank's payload (so plain buffers need no registration and every call is
+//! capturable), except that the all-gather, reduce-scatter and fused inputs in
+//! registered or symmetric buffers are read in place (broadcast and scatter stage: only
+//! the root's input is read, at a place the others cannot know). Every rank of a group must make the same call (same dtype, lengths,
 //! root, options) in the same order: lengths cannot be compared across processes
 //! without a round trip, and a rank whose peers never come gets
 //! [`Error::BarrierTimeout`] from [`Comm::synchronize`].

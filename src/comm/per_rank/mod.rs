@@ -6,10 +6,13 @@
 //! allocations as IPC handles (or plain addresses when they share a process), and
 //! from then on each call launches only this rank's kernel on this rank's stream.
 //!
-//! Kernels read peer data only from the peers' signal allocations: an input the peers
-//! need is staged into this rank's payload first (one-stage), or pushed into the
-//! peers' Lamport regions (Lamport). User buffers are never exported, so they need no
-//! registration and every call is capturable in a CUDA graph.
+//! By default kernels read peer data only from the peers' signal allocations: an input
+//! the peers need is staged into this rank's payload first (one-stage, in chunks where
+//! it is larger than the payload), or pushed into the peers' Lamport regions (Lamport).
+//! Such buffers need no registration, and every call is capturable in a CUDA graph.
+//! Inputs in buffers registered with the peers (`registered.rs`) or allocated in the
+//! symmetric pool (`symmetric.rs`) are read in place instead: no staging copy, and
+//! two-stage is offered.
 
 use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex, MutexGuard};
