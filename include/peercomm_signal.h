@@ -120,6 +120,12 @@ typedef struct peercomm_signal {
  * waits for the header of each source before it reduces that source's packs.
  */
 
+/*
+ * stage_input of a staged one-stage all-reduce whose message fits the payload: staged
+ * whole (every message of fewer packs; the planner stages longer ones in chunks).
+ */
+#define PEERCOMM_STAGE_WHOLE 0xffffffffu
+
 /* Which data type a kernel reduces. */
 typedef enum peercomm_dtype {
     PEERCOMM_DTYPE_F32 = 0,
@@ -154,7 +160,20 @@ typedef struct peercomm_allreduce_args {
     uint32_t group_width;
     uint32_t domain;
     uint32_t world_rank;
-    /* Non-zero: copy local_input into the own payload before the start barrier. */
+    /*
+     * 0: the peers' inputs are read where `inputs` says. Non-zero: staged: this rank
+     * copies what its peers read (from local_input) into its own payload before the
+     * publishing first barrier, and they read it there. The other collectives read it
+     * as a flag (they stage the whole message). The one-stage all-reduce reads it as
+     * the chunk capacity C in 16-byte packs as well: a message of at most C packs is
+     * staged whole at the start of the payload (PEERCOMM_STAGE_WHOLE asks for that for
+     * any message of fewer packs); a longer one runs through the payload in chunks of
+     * C packs, chunk k in half k % 2 (from pack (k % 2) x C), pipelined: then C is at
+     * most payload_bytes / 32, computed alike on every rank from the agreed
+     * payload_bytes (see one_stage_chunked in kernels-common/peercomm_kernels.h).
+     * A field of its own would grow this struct, which every launch passes by value
+     * and peercomm_group_args embeds.
+     */
     uint32_t stage_input;
     /* Broadcast and scatter: the group rank whose input is sent. */
     uint32_t root;

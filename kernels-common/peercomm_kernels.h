@@ -834,6 +834,62 @@ PC_INLINE void lamport_reduce(Ctx& c, uint32_t gen, uint64_t packs, uint64_t n, 
 // Collectives. Each begins with enter() and gives up only through abandon(); the kind
 // of every barrier is named where it is used.
 
+// The staged one-stage all-reduce of a message longer than one chunk: through the
+// payload in chunks of C = a.stage_input packs (at most half the payload, the same on
+// every rank: it is computed from the agreed payload_bytes). Chunk k is the message's
+// packs [k*C, k*C + C) (the last one shorter) and goes into half k % 2 of the own
+// payload (from pack (k % 2) * C). Per block:
+//   stage 0, Publish, {stage k+1 into the other half, reduce k, Publish} for every k
+//   but the last, reduce the last chunk, End, finish.
+// Distribution: pack k*C + i of the message is staged and read by global thread
+// i % stride of every rank (one-stage's "pack g by thread g % stride", counted from the
+// chunk's first pack): so block b reads from each member's half exactly the packs block
+// b of that member staged, which that member's Publish barrier published, and a block
+// writes the same positions of a half for every chunk that uses it.
+// Reuse: chunk k+2 overwrites half k % 2 after the Publish barrier that follows this
+// block's reduce of chunk k. Each peer's block b arrives at that barrier only after
+// its own reduce of chunk k, that is after its last read of this rank's half k % 2 at
+// block b's positions, the only positions this block writes (the release / acquire
+// orders those reads before these writes); no other block of this rank writes them.
+// The payload is written again by the next kernel only after this one ended, every
+// block of it past the End barrier. In place (output == local_input), thread t stages
+// pack p of a chunk before it writes pack p of the output, and no other thread reads
+// it. Every element is summed by reduce_range, in source order from sum_start: the
+// bits are the unchunked kernel's.
+template <typename D>
+PC_INLINE void one_stage_chunked(Ctx& c, uint64_t n, uint64_t packs, bool vec, uint64_t tid, uint64_t stride) {
+    const Args& a = c.a;
+    constexpr int L = Pack<D>::kLanes;
+    const uint64_t cap = a.stage_input, chunks = (packs + cap - 1) / cap;
+    const uint32_t width = a.group_width;
+    // Chunk k seen as a message of its own: its packs, its elements, where it starts
+    // in a buffer (whole packs, so alignment is kept) and member q's half it uses.
+    auto chunk_packs = [&](uint64_t k) { return min_u64(cap, packs - k * cap); };
+    auto chunk_elems = [&](uint64_t k) { return min_u64(cap * L, n - k * cap * L); };
+    auto at = [&](uint64_t base, uint64_t k) { return base + k * cap * 16u; };
+    auto half = [&](uint32_t q, uint64_t k) { return a.payloads[q] + (k & 1u) * cap * 16u; };
+    auto stage = [&](uint64_t k) {
+        copy_range<D>(at(a.local_input, k), 0, half(a.group_rank, k), 0, 0, chunk_packs(k), chunk_elems(k), vec,
+                      tid, stride);
+    };
+    stage(0);
+    if (!barrier<BarrierKind::Publish>(c)) return abandon(c, WaitForPeers::Yes);
+    for (uint64_t k = 0; k < chunks; ++k) {
+        const bool last = k + 1 == chunks;
+        if (!last) stage(k + 1);
+        uint64_t srcs[PEERCOMM_MAX_GPUS];
+#pragma unroll
+        for (uint32_t s = 0; s < PEERCOMM_MAX_GPUS; ++s) srcs[s] = s < width ? half(s, k) : 0u;
+        with_width(width, [&]<int W>() {
+            reduce_range<D, W>(srcs, 0, chunk_packs(k), chunk_elems(k), at(a.output, k), 0, vec, tid, stride);
+        });
+        // Publishes chunk k + 1, and tells the peers this block is done with chunk k.
+        const bool passed = last ? barrier<BarrierKind::End>(c) : barrier<BarrierKind::Publish>(c);
+        if (!passed) return abandon(c, WaitForPeers::Yes);
+    }
+    finish(c);
+}
+
 // One-stage: every rank reads every peer's input and reduces the whole message.
 template <typename D>
 PC_INLINE void one_stage(const Args& a) {
@@ -846,8 +902,10 @@ PC_INLINE void one_stage(const Args& a) {
     bool vec = aligned16(a.output) && aligned16(a.local_input);
     for (uint32_t s = 0; s < a.group_width; ++s) vec = vec && aligned16(a.inputs[s]);
     if (a.stage_input) {
-        // In place: the peers read a copy in the own payload while this rank overwrites
-        // its buffer. Block b copies exactly the packs block b of every rank reads.
+        if (packs > a.stage_input) return one_stage_chunked<D>(c, n, packs, vec, tid, stride);
+        // The peers read a copy in the own payload (they cannot reach the buffer, or
+        // this rank overwrites it in place). Block b copies exactly the packs block b
+        // of every rank reads.
         copy_range<D>(a.local_input, 0, a.payloads[a.group_rank], 0, 0, packs, n, vec, tid, stride);
         if (!barrier<BarrierKind::Publish>(c)) return abandon(c, WaitForPeers::Yes);
     } else {

@@ -19,6 +19,7 @@ use crate::signal::{
 
 use crate::backend::LAMPORT_SENTINEL;
 
+mod chunked;
 mod collectives;
 mod group;
 
@@ -486,6 +487,9 @@ unsafe fn run_typed<T: Element>(
     blocks: u32,
 ) -> Result<(), Stop> {
     match kind {
+        KernelKind::OneStage if chunked::is_chunked::<T>(args) => {
+            chunked::one_stage_chunked::<T>(args, block, blocks)
+        }
         KernelKind::OneStage => one_stage::<T>(args, block, blocks),
         KernelKind::TwoStage => two_stage::<T>(args, block, blocks),
         KernelKind::Lamport => lamport::<T>(args, block, blocks),

@@ -73,6 +73,9 @@ impl<B: Backend> Endpoint<B> {
         let r = self.index;
         let width = plan.width;
         let domain = barrier_domain(width, settings.world);
+        // Before the call is counted: a plan the payload cannot take launches nothing
+        // (the planner refused it already; this is the same rule).
+        let stage_input = settings.stage_word(plan)?;
         let seq = self.next_call(domain);
         if self.take_missing() {
             // Fault injection: counted as made (a late rank, not one that skipped a
@@ -95,7 +98,7 @@ impl<B: Backend> Endpoint<B> {
             group_width: width as u32,
             domain: domain as u32,
             world_rank: r as u32,
-            stage_input: plan.stage_input as u32,
+            stage_input,
             root: plan.collective.root,
             hidden: plan.collective.hidden,
             residual: fused.residual,
