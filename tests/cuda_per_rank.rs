@@ -88,9 +88,9 @@ fn cuda_per_rank_lamport_fused_mismatch() {
     }
 }
 
-// The staged one-stage all-reduce in chunks through a small payload (halves of 129
-// packs, and of 2049: more than the grid's 2048 threads), bit for bit against the
-// unchunked call; then a late, a missing and a mismatched rank in chunks.
+// The staged all-reduce and collectives in chunks through a small payload (halves of
+// 129 packs, and of 2049: more than the grid's 2048 threads), bit for bit against the
+// unchunked calls; then a late, a missing and a mismatched rank in chunks.
 macro_rules! cuda_chunked_world {
     ($name:ident, $world:expr) => {
         #[test]
@@ -99,6 +99,7 @@ macro_rules! cuda_chunked_world {
                 use per_rank_suite::chunked;
                 for payload in [chunked::SMALL_PAYLOAD, chunked::GRID_PAYLOAD] {
                     chunked::chunked_all_reduce::<Cuda>(&place, $world, payload);
+                    chunked::chunked_collectives::<Cuda>(&place, $world, payload);
                 }
             }
         }

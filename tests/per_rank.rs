@@ -78,6 +78,21 @@ fn per_rank_chunked_world_4() {
 }
 
 #[test]
+fn per_rank_chunked_collectives_world_2() {
+    per_rank_suite::chunked::chunked_collectives::<Host>(&HOST, 2, chunked::SMALL_PAYLOAD);
+}
+
+#[test]
+fn per_rank_chunked_collectives_world_3() {
+    per_rank_suite::chunked::chunked_collectives::<Host>(&HOST, 3, chunked::SMALL_PAYLOAD);
+}
+
+#[test]
+fn per_rank_chunked_collectives_world_4() {
+    per_rank_suite::chunked::chunked_collectives::<Host>(&HOST, 4, chunked::SMALL_PAYLOAD);
+}
+
+#[test]
 fn per_rank_chunked_faults() {
     per_rank_suite::chunked::chunked_faults::<Host>(&HOST, 2);
 }

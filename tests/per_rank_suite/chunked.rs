@@ -14,6 +14,8 @@ use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, DType, Element, Er
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
+use super::collectives::{check_call, check_fused};
+use super::common::collectives::Which;
 use super::{common, seed, Placement};
 
 /// A small payload for the host: 4144 bytes, halves of C = 129 packs (an odd chunk,
@@ -42,7 +44,7 @@ fn small_config(place: &Placement, world: usize, payload: usize) -> CommConfig {
 /// Holds every message of the suite whole.
 fn big_config(place: &Placement, world: usize, payload: usize) -> CommConfig {
     CommConfig {
-        payload_bytes: 64 * payload,
+        payload_bytes: 128 * payload,
         lamport_slot_bytes: 1024,
         ..place.config(world)
     }
@@ -237,17 +239,19 @@ fn calls_of<B: Backend, T: Element>(
     digests
 }
 
-/// Every group width of `world` x f32/f16/bf16 x the lengths above (staged whole, 3, 4
-/// and 41 chunks) through `payload`, in and out of place, aligned and unaligned:
-/// checked against the reference, bit for bit against the unchunked call, and across
-/// each group.
-pub fn chunked_all_reduce<B: Backend>(place: &Placement, world: usize, payload: usize) {
-    let seed = seed(&format!("per_rank_chunked_world_{world}_payload_{payload}"));
+/// Runs `body(small, big)` on one thread per rank: each rank's communicators over the
+/// small payload and over one that holds every message of the suite whole.
+fn with_two_worlds<B: Backend, R: Send>(
+    place: &Placement,
+    world: usize,
+    payload: usize,
+    body: impl Fn(&Comm<B>, &Comm<B>) -> R + Sync,
+) -> Vec<R> {
     let (small_id, big_id) = (UniqueId::new().unwrap(), UniqueId::new().unwrap());
-    let digests: Vec<Vec<u64>> = std::thread::scope(|s| {
+    std::thread::scope(|s| {
         let workers: Vec<_> = (0..world)
             .map(|rank| {
-                let (small_id, big_id) = (&small_id, &big_id);
+                let (small_id, big_id, body) = (&small_id, &big_id, &body);
                 s.spawn(move || {
                     let open = |id, config| {
                         let dev = B::open(place.ordinal(rank)).unwrap();
@@ -255,34 +259,135 @@ pub fn chunked_all_reduce<B: Backend>(place: &Placement, world: usize, payload: 
                     };
                     let small = open(small_id, small_config(place, world, payload));
                     let big = open(big_id, big_config(place, world, payload));
-                    let mut call = 0;
-                    let mut d = calls_of::<B, f32>(&small, &big, seed, &mut call);
-                    d.extend(calls_of::<B, half::f16>(&small, &big, seed, &mut call));
-                    d.extend(calls_of::<B, half::bf16>(&small, &big, seed, &mut call));
-                    d
+                    body(&small, &big)
                 })
             })
             .collect();
         workers.into_iter().map(|w| w.join().unwrap()).collect()
+    })
+}
+
+/// Checks that every rank's `digests[rank][c]` equals its group lead's, the group of
+/// call `c` being `width_of(c)` wide.
+fn compare_groups(digests: &[Vec<u64>], width_of: impl Fn(usize) -> usize, what: &str) {
+    for (rank, mine) in digests.iter().enumerate() {
+        assert_eq!(mine.len(), digests[0].len(), "{what}: calls of rank {rank}");
+        for (c, &d) in mine.iter().enumerate() {
+            let width = width_of(c);
+            let lead = rank / width * width;
+            assert_eq!(
+                d, digests[lead][c],
+                "{what}: call {c}: rank {rank}'s bits differ from rank {lead}'s (group {width})"
+            );
+        }
+    }
+}
+
+/// Every group width of `world` x f32/f16/bf16 x the lengths above (staged whole, 3, 4
+/// and 41 chunks) through `payload`, in and out of place, aligned and unaligned:
+/// checked against the reference, bit for bit against the unchunked call, and across
+/// each group.
+pub fn chunked_all_reduce<B: Backend>(place: &Placement, world: usize, payload: usize) {
+    let seed = seed(&format!("per_rank_chunked_world_{world}_payload_{payload}"));
+    let digests = with_two_worlds::<B, _>(place, world, payload, |small, big| {
+        let mut call = 0;
+        let mut d = calls_of::<B, f32>(small, big, seed, &mut call);
+        d.extend(calls_of::<B, half::f16>(small, big, seed, &mut call));
+        d.extend(calls_of::<B, half::bf16>(small, big, seed, &mut call));
+        d
     });
     // The calls in order: per dtype, per width, per length, out of place then in place.
     let widths = common::group_sizes(world);
     let per_width = lengths(payload, 4).len() * 2;
-    for rank in 0..world {
-        assert_eq!(digests[rank].len(), digests[0].len());
-        for (c, &d) in digests[rank].iter().enumerate() {
-            let width = widths[c / per_width % widths.len()];
-            let lead = rank / width * width;
-            assert_eq!(
-                d, digests[lead][c],
-                "call {c}: rank {rank}'s bits differ from rank {lead}'s (group {width})"
-            );
-        }
-    }
+    compare_groups(
+        &digests,
+        |c| widths[c / per_width % widths.len()],
+        "chunked all-reduce",
+    );
     eprintln!(
         "per_rank_chunked world {world} payload {payload}: {} calls per rank checked",
         digests[0].len()
     );
+}
+
+/// The staged collectives through `payload`: all-gather, reduce-scatter, broadcast
+/// (out of place from root 0, in place from the last group rank), scatter (roots 0 and
+/// the last) x f32/f16/bf16 x the lengths above, every group width of `world`, each on
+/// both communicators against the exact reference (so the chunked bits are the
+/// unchunked ones); then the fused all-reduce + residual + RMSNorm over runs of rows
+/// (staged whole, chunks of 4 rows of 32 packs, chunks of one row), checked against the
+/// f64 reference and bit for bit against the unchunked call and across each group.
+pub fn chunked_collectives<B: Backend>(place: &Placement, world: usize, payload: usize) {
+    let seed = seed(&format!(
+        "per_rank_chunked_collectives_{world}_payload_{payload}"
+    ));
+    let widths = common::group_sizes(world);
+    let fused_cases: [(usize, usize); 4] = [(2, 256), (9, 256), (41, 256), (7, 1032)];
+    let digests = with_two_worlds::<B, _>(place, world, payload, |small, big| {
+        let mut call = 0;
+        for &width in &widths {
+            let mut whiches = vec![Which::AllGather, Which::ReduceScatter];
+            whiches.push(Which::Broadcast {
+                root: 0,
+                in_place: false,
+            });
+            whiches.push(Which::Broadcast {
+                root: width - 1,
+                in_place: true,
+            });
+            whiches.push(Which::Scatter { root: 0 });
+            whiches.push(Which::Scatter { root: width - 1 });
+            for &which in &whiches {
+                // The same calls (the same inputs) on both communicators.
+                let first = call;
+                for comm in [small, big] {
+                    call = first;
+                    for &n in &lengths(payload, 4) {
+                        check_call::<B, f32>(comm, seed, call, which, width, n);
+                        call += 1;
+                    }
+                    for &n in &lengths(payload, 8) {
+                        check_call::<B, half::f16>(comm, seed, call, which, width, n);
+                        check_call::<B, half::bf16>(comm, seed, call + 1, which, width, n);
+                        call += 2;
+                    }
+                }
+            }
+        }
+        let mut digests = Vec::new();
+        for &width in &widths {
+            for &(tokens, hidden) in &fused_cases {
+                for dtype in DType::ALL {
+                    let mut pair = [0u64; 2];
+                    for (d, comm) in pair.iter_mut().zip([small, big]) {
+                        *d = match dtype {
+                            DType::BF16 => check_fused::<B, half::bf16>(
+                                comm, seed, call, width, tokens, hidden,
+                            ),
+                            DType::F16 => {
+                                check_fused::<B, half::f16>(comm, seed, call, width, tokens, hidden)
+                            }
+                            // The same packs per row.
+                            DType::F32 => {
+                                check_fused::<B, f32>(comm, seed, call, width, tokens, hidden / 2)
+                            }
+                        };
+                    }
+                    assert_eq!(
+                        pair[0], pair[1],
+                        "fused {dtype:?} {tokens} rows of {hidden} x 16-bit group {width}: \
+                         chunked and whole bits differ"
+                    );
+                    digests.push(pair[0]);
+                    call += 1;
+                }
+            }
+        }
+        digests
+    });
+    let per_width = fused_cases.len() * DType::ALL.len();
+    compare_groups(&digests, |c| widths[c / per_width], "chunked fused");
+    eprintln!("per_rank_chunked_collectives world {world} payload {payload}: checked");
 }
 
 /// A chunked call (41 chunks of f32) with a rank that is late, missing or mismatched,

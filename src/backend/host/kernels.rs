@@ -487,8 +487,9 @@ unsafe fn run_typed<T: Element>(
     blocks: u32,
 ) -> Result<(), Stop> {
     match kind {
-        KernelKind::OneStage if chunked::is_chunked::<T>(args) => {
-            chunked::one_stage_chunked::<T>(args, block, blocks)
+        // A staged message larger than the payload holds whole.
+        kind if chunked::is_chunked::<T>(kind, args) => {
+            chunked::run::<T>(kind, args, block, blocks)
         }
         KernelKind::OneStage => one_stage::<T>(args, block, blocks),
         KernelKind::TwoStage => two_stage::<T>(args, block, blocks),

@@ -8,6 +8,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::signal::{MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES, STAGE_WHOLE};
 
+use super::collective::collective_staging;
 use super::settings::Settings;
 use crate::comm::AllReduceOptions;
 
@@ -64,21 +65,25 @@ pub(crate) struct Plan {
 }
 
 impl Settings {
-    /// The kernels' `stage_input` word for `plan`: 0 where nothing is staged; for the
-    /// staged one-stage all-reduce how it goes through the payload ([`staging`]); 1 (a
-    /// flag) for the other staged kernels, which stage whole.
+    /// The kernels' `stage_input` word for `plan`: 0 where nothing is staged; else how
+    /// the staged kernel goes through the payload: whole or in chunks ([`staging`] for
+    /// the all-reduce, [`super::collective::collective_staging`] for the collectives).
     pub(crate) fn stage_word(&self, plan: &Plan) -> Result<u32> {
         if !plan.stage_input {
             return Ok(0);
         }
-        if plan.kernel.kind != KernelKind::OneStage {
-            return Ok(1);
-        }
-        let packs = plan.elements.div_ceil(plan.kernel.dtype.lanes());
+        let (kind, dtype) = (plan.kernel.kind, plan.kernel.dtype);
         let payload = self.layout.payload_bytes;
-        staging(packs, payload).ok_or(Error::MessageTooLarge {
-            algorithm: plan.algorithm.name(),
-            needed: (packs * PACK_BYTES).min(2 * PACK_BYTES),
+        let word = if kind == KernelKind::OneStage {
+            let packs = plan.elements.div_ceil(dtype.lanes());
+            staging(packs, payload).ok_or((packs * PACK_BYTES).min(2 * PACK_BYTES))
+        } else {
+            let hidden = plan.collective.hidden as usize;
+            collective_staging(kind, dtype, plan.elements, plan.width, hidden, payload)
+        };
+        word.map_err(|needed| Error::MessageTooLarge {
+            algorithm: kind.name(),
+            needed,
             available: payload,
             setting: "payload_bytes",
         })
