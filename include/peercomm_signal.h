@@ -121,8 +121,8 @@ typedef struct peercomm_signal {
  */
 
 /*
- * stage_input of a staged one-stage all-reduce whose message fits the payload: staged
- * whole (every message of fewer packs; the planner stages longer ones in chunks).
+ * stage_input of a staged kernel whose message the payload holds: staged whole (any
+ * message of fewer units; the planner stages longer ones in chunks).
  */
 #define PEERCOMM_STAGE_WHOLE 0xffffffffu
 
@@ -163,16 +163,18 @@ typedef struct peercomm_allreduce_args {
     /*
      * 0: the peers' inputs are read where `inputs` says. Non-zero: staged: this rank
      * copies what its peers read (from local_input) into its own payload before the
-     * publishing first barrier, and they read it there. The other collectives read it
-     * as a flag (they stage the whole message). The one-stage all-reduce reads it as
-     * the chunk capacity C in 16-byte packs as well: a message of at most C packs is
-     * staged whole at the start of the payload (PEERCOMM_STAGE_WHOLE asks for that for
-     * any message of fewer packs); a longer one runs through the payload in chunks of
-     * C packs, chunk k in half k % 2 (from pack (k % 2) x C), pipelined: then C is at
-     * most payload_bytes / 32, computed alike on every rank from the agreed
-     * payload_bytes (see one_stage_chunked in kernels-common/peercomm_kernels.h).
-     * A field of its own would grow this struct, which every launch passes by value
-     * and peercomm_group_args embeds.
+     * publishing first barrier, and they read it there. The value is also the capacity
+     * C of one chunk: a message of at most C units is staged whole at the start of the
+     * payload (PEERCOMM_STAGE_WHOLE asks for that for any message); a longer one runs
+     * through the payload in chunks of C units, chunk k in half k % 2, pipelined (see
+     * run_chunks in kernels-common/peercomm_kernels.h). The unit is a 16-byte pack of
+     * the message (one-stage all-reduce, all-gather, broadcast), a pack of each part
+     * (reduce-scatter, scatter: a half holds the group width's parts' chunks), or a row
+     * (the fused all-reduce + RMSNorm). C is computed alike on every rank from the
+     * agreed payload_bytes (src/comm/core/plan.rs `staging`, collective.rs
+     * `collective_staging`), so that two chunks fit the payload. A field of its own
+     * would grow this struct, which every launch passes by value and
+     * peercomm_group_args embeds (the batched kernel does not read it).
      */
     uint32_t stage_input;
     /* Broadcast and scatter: the group rank whose input is sent. */
