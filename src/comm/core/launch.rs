@@ -6,11 +6,12 @@ use std::sync::atomic::Ordering;
 
 use crate::backend::{Backend, Kernel, KernelKind, LaunchDims};
 use crate::dtype::DType;
-use crate::error::Result;
-use crate::signal::{barrier_domain, AllReduceArgs, MAX_GPUS};
+use crate::error::{Error, Result};
+use crate::signal::{barrier_domain, AllReduceArgs, MAX_GPUS, PACK_BYTES};
 
 use super::call;
-use super::plan::Plan;
+use super::collective::collective_staging;
+use super::plan::{staging, Plan};
 use super::settings::Settings;
 use super::{Endpoint, Rank};
 
@@ -30,6 +31,33 @@ pub(crate) enum PeerInputs<'a> {
 pub(crate) struct Fused {
     pub(crate) residual: u64,
     pub(crate) weight: u64,
+}
+
+impl Settings {
+    /// The kernels' `stage_input` word for `plan`: 0 where nothing is staged; else how
+    /// the staged kernel goes through the payload: whole or in chunks ([`staging`] for
+    /// the all-reduce, [`collective_staging`] for the collectives), the rule the
+    /// planner checked.
+    pub(crate) fn stage_word(&self, plan: &Plan) -> Result<u32> {
+        if !plan.stage_input {
+            return Ok(0);
+        }
+        let (kind, dtype) = (plan.kernel.kind, plan.kernel.dtype);
+        let payload = self.layout.payload_bytes;
+        let word = if kind == KernelKind::OneStage {
+            let packs = plan.elements.div_ceil(dtype.lanes());
+            staging(packs, payload).ok_or((packs * PACK_BYTES).min(2 * PACK_BYTES))
+        } else {
+            let hidden = plan.collective.hidden as usize;
+            collective_staging(kind, dtype, plan.elements, plan.width, hidden, payload)
+        };
+        word.map_err(|needed| Error::MessageTooLarge {
+            algorithm: kind.name(),
+            needed,
+            available: payload,
+            setting: "payload_bytes",
+        })
+    }
 }
 
 impl<B: Backend> Rank<B> {

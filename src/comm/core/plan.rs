@@ -8,7 +8,6 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::signal::{MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES, STAGE_WHOLE};
 
-use super::collective::collective_staging;
 use super::settings::Settings;
 use crate::comm::AllReduceOptions;
 
@@ -65,30 +64,6 @@ pub(crate) struct Plan {
 }
 
 impl Settings {
-    /// The kernels' `stage_input` word for `plan`: 0 where nothing is staged; else how
-    /// the staged kernel goes through the payload: whole or in chunks ([`staging`] for
-    /// the all-reduce, [`super::collective::collective_staging`] for the collectives).
-    pub(crate) fn stage_word(&self, plan: &Plan) -> Result<u32> {
-        if !plan.stage_input {
-            return Ok(0);
-        }
-        let (kind, dtype) = (plan.kernel.kind, plan.kernel.dtype);
-        let payload = self.layout.payload_bytes;
-        let word = if kind == KernelKind::OneStage {
-            let packs = plan.elements.div_ceil(dtype.lanes());
-            staging(packs, payload).ok_or((packs * PACK_BYTES).min(2 * PACK_BYTES))
-        } else {
-            let hidden = plan.collective.hidden as usize;
-            collective_staging(kind, dtype, plan.elements, plan.width, hidden, payload)
-        };
-        word.map_err(|needed| Error::MessageTooLarge {
-            algorithm: kind.name(),
-            needed,
-            available: payload,
-            setting: "payload_bytes",
-        })
-    }
-
     /// The barrier kernel over groups of `group_size`: one block, no data.
     pub(crate) fn barrier_plan(&self, group_size: usize) -> Result<Plan> {
         Ok(Plan {
