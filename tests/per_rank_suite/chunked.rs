@@ -1,10 +1,15 @@
-//! The staged one-stage all-reduce of a message larger than the payload, per rank: it
-//! runs through the payload in chunks (two halves, pipelined; kernels-common/
-//! peercomm_kernels.h `one_stage_chunked`) instead of `MessageTooLarge`. Every call is
-//! checked against the f64 reference on fresh random data with the output poisoned,
-//! bit for bit against the same call on a communicator whose payload holds the whole
-//! message, and bit for bit across its group. Then a late rank, a missed call and a
-//! mismatched call in chunks: the usual typed errors, no hang, and recovery.
+//! Staged messages larger than the payload, per rank: they run through the payload in
+//! chunks (two halves, pipelined; kernels-common/peercomm_kernels.h `run_chunks`)
+//! instead of `MessageTooLarge`. The all-reduce: every call checked against the f64
+//! reference on fresh random data with the output poisoned, bit for bit against the
+//! same call on a communicator whose payload holds the whole message, and bit for bit
+//! across its group. The other collectives against their exact references on both
+//! communicators, the fused kernel against the f64 reference and bit for bit. Then a
+//! late rank, a missed call and a mismatched call in chunks: the usual typed errors,
+//! no hang, and recovery.
+//!
+//! A message never takes two chunks: one of at most two halves fits the payload whole
+//! and is staged whole, so the fewest chunks is three.
 
 use std::time::{Duration, Instant};
 
@@ -50,10 +55,10 @@ fn big_config(place: &Placement, world: usize, payload: usize) -> CommConfig {
     }
 }
 
-/// Element counts of `lanes`-wide packs: the largest message the small payload holds
-/// whole (the control), one element more (3 chunks, the last of 2 packs, one of them
-/// partial), three whole chunks exactly, three chunks and a partial pack (4 chunks,
-/// the last a partial pack), and many chunks with a partial last pack.
+/// Element counts of `lanes`-wide packs: the largest message the payload holds whole
+/// (the control), one element more (3 chunks, the last of 2 packs, the second
+/// partial), three whole chunks exactly, three chunks and 5 elements (4 chunks, the
+/// last ending in a partial pack), and 41 chunks, the last ending in a partial pack.
 fn lengths(payload: usize, lanes: usize) -> [usize; 5] {
     let whole = payload / 16 * lanes;
     let c = chunk_packs(payload) * lanes;
