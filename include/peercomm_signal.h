@@ -120,6 +120,12 @@ typedef struct peercomm_signal {
  * waits for the header of each source before it reduces that source's packs.
  */
 
+/*
+ * stage_input of a staged kernel whose message the payload holds: staged whole (any
+ * message of fewer units; the planner stages longer ones in chunks).
+ */
+#define PEERCOMM_STAGE_WHOLE 0xffffffffu
+
 /* Which data type a kernel reduces. */
 typedef enum peercomm_dtype {
     PEERCOMM_DTYPE_F32 = 0,
@@ -154,7 +160,22 @@ typedef struct peercomm_allreduce_args {
     uint32_t group_width;
     uint32_t domain;
     uint32_t world_rank;
-    /* Non-zero: copy local_input into the own payload before the start barrier. */
+    /*
+     * 0: the peers' inputs are read where `inputs` says. Non-zero: staged: this rank
+     * copies what its peers read (from local_input) into its own payload before the
+     * publishing first barrier, and they read it there. The value is also the capacity
+     * C of one chunk: a message of at most C units is staged whole at the start of the
+     * payload (PEERCOMM_STAGE_WHOLE asks for that for any message); a longer one runs
+     * through the payload in chunks of C units, chunk k in half k % 2, pipelined (see
+     * run_chunks in kernels-common/peercomm_kernels.h). The unit is a 16-byte pack of
+     * the message (one-stage all-reduce, all-gather, broadcast), a pack of each part
+     * (reduce-scatter, scatter: a half holds the group width's parts' chunks), or a row
+     * (the fused all-reduce + RMSNorm). C is computed alike on every rank from the
+     * agreed payload_bytes (src/comm/core/plan.rs `staging`, collective.rs
+     * `collective_staging`), so that two chunks fit the payload. A field of its own
+     * would grow this struct, which every launch passes by value and
+     * peercomm_group_args embeds (the batched kernel does not read it).
+     */
     uint32_t stage_input;
     /* Broadcast and scatter: the group rank whose input is sent. */
     uint32_t root;

@@ -11,7 +11,11 @@
 // block b reads only what block b of the owner wrote and the per-block Publish barrier
 // suffices. Every collective pairs its start barrier (Start, or Publish after staging)
 // with an End barrier, which keeps a peer from overwriting a payload or input this
-// block still reads.
+// block still reads. A staged message the payload cannot hold whole runs through it
+// in chunks (run_chunks in peercomm_kernels.h, with its barrier reasoning): a chunk of
+// the message (all-gather, broadcast), of every part (reduce-scatter, scatter), or a
+// run of rows (the fused kernel); stage_input is then the capacity of one chunk in
+// packs (per part) or rows, and larger than it the message is chunked.
 
 #ifndef PEERCOMM_COLLECTIVES_H
 #define PEERCOMM_COLLECTIVES_H
@@ -71,6 +75,24 @@ PC_INLINE void all_gather(const Args& a) {
     const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
     const bool staged = a.stage_input != 0u;
+    constexpr int L = Pack<D>::kLanes;
+    const uint64_t cap = a.stage_input, packs = div_ceil_u64(n, L);
+    if (staged && packs > cap) {
+        // Chunk k of every member's message, from its half into the member's place.
+        const Chunks chunks{div_ceil_u64(packs, cap), cap * 16u};
+        auto stage = [&](uint64_t k) {
+            const ChunkRange r = chunk_range<D>(n, cap, k);
+            copy_message<D>(elem_addr<D>(a.local_input, r.first), chunks.half(a, me, k), r.elems, tid, stride);
+        };
+        auto use = [&](uint64_t k) {
+            const ChunkRange r = chunk_range<D>(n, cap, k);
+            for (uint32_t i = 0; i < width; ++i) {
+                const uint32_t q = (me + i) % width;
+                copy_message<D>(chunks.half(a, q, k), elem_addr<D>(a.output, q * n + r.first), r.elems, tid, stride);
+            }
+        };
+        return run_chunks(c, chunks, stage, use);
+    }
     if (staged) copy_message<D>(a.local_input, a.payloads[me], n, tid, stride);
     if (!first_barrier(c, staged)) return abandon(c, WaitForPeers::Yes);
     for (uint32_t i = 0; i < width; ++i) {
@@ -95,6 +117,34 @@ PC_INLINE void reduce_scatter(const Args& a) {
     const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
     const bool staged = a.stage_input != 0u;
+    const uint64_t cap = a.stage_input, most = div_ceil_u64(split_part(n, width, 0).count, L);
+    if (staged && most > cap) {
+        // Chunk k of every part q (its packs [k*cap, k*cap + cap)) at pack q * cap of
+        // the half; rank me sums chunk k of part me from every member's half.
+        const Chunks chunks{div_ceil_u64(most, cap), width * cap * 16u};
+        auto stage = [&](uint64_t k) {
+            for (uint32_t q = 0; q < width; ++q) {
+                const Part part = split_part(n, width, q);
+                const ChunkRange r = chunk_range<D>(part.count, cap, k);
+                copy_message<D>(elem_addr<D>(a.local_input, part.first + r.first), chunks.half(a, me, k) + q * cap * 16u,
+                                r.elems, tid, stride);
+            }
+        };
+        auto use = [&](uint64_t k) {
+            const ChunkRange r = chunk_range<D>(split_part(n, width, me).count, cap, k);
+            uint64_t srcs[PEERCOMM_MAX_GPUS];
+            const uint64_t dst = elem_addr<D>(a.output, r.first);
+            bool vec = aligned16(dst);
+#pragma unroll
+            for (uint32_t s = 0; s < PEERCOMM_MAX_GPUS; ++s) {
+                srcs[s] = s < width ? chunks.half(a, s, k) + me * cap * 16u : 0u;
+                vec = vec && (s >= width || aligned16(srcs[s]));
+            }
+            with_width(width,
+                       [&]<int W>() { reduce_range<D, W>(srcs, 0, r.packs, r.elems, dst, 0, vec, tid, stride); });
+        };
+        return run_chunks(c, chunks, stage, use);
+    }
     if (staged) {
         for (uint32_t q = 0; q < width; ++q) {
             const Part part = split_part(n, width, q);
@@ -129,6 +179,27 @@ PC_INLINE void broadcast(const Args& a) {
     const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
     const bool staged = a.stage_input != 0u;
+    constexpr int L = Pack<D>::kLanes;
+    const uint64_t cap = a.stage_input, packs = div_ceil_u64(n, L);
+    if (staged && packs > cap) {
+        // The root stages chunk k; every member takes it (the root from its input).
+        const Chunks chunks{div_ceil_u64(packs, cap), cap * 16u};
+        auto stage = [&](uint64_t k) {
+            const ChunkRange r = chunk_range<D>(n, cap, k);
+            if (me == root)
+                copy_message<D>(elem_addr<D>(a.local_input, r.first), chunks.half(a, me, k), r.elems, tid, stride);
+        };
+        auto use = [&](uint64_t k) {
+            const ChunkRange r = chunk_range<D>(n, cap, k);
+            if (me != root) {
+                copy_message<D>(chunks.half(a, root, k), elem_addr<D>(a.output, r.first), r.elems, tid, stride);
+            } else if (a.output != a.local_input) {
+                copy_message<D>(elem_addr<D>(a.local_input, r.first), elem_addr<D>(a.output, r.first), r.elems, tid,
+                                stride);
+            }
+        };
+        return run_chunks(c, chunks, stage, use);
+    }
     if (staged && me == root) copy_message<D>(a.local_input, a.payloads[me], n, tid, stride);
     if (!first_barrier(c, staged)) return abandon(c, WaitForPeers::Yes);
     if (me != root) {
@@ -152,6 +223,26 @@ PC_INLINE void scatter(const Args& a) {
     const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
     const bool staged = a.stage_input != 0u;
+    const uint64_t cap = a.stage_input, packs = div_ceil_u64(n, L);
+    if (staged && packs > cap) {
+        // The root stages chunk k of every part q at pack q * cap of its half; member
+        // me takes chunk k of part me (the root from its input).
+        const Chunks chunks{div_ceil_u64(packs, cap), width * cap * 16u};
+        auto stage = [&](uint64_t k) {
+            if (me != root) return;
+            const ChunkRange r = chunk_range<D>(n, cap, k);
+            for (uint32_t q = 0; q < width; ++q)
+                copy_message<D>(elem_addr<D>(a.local_input, q * n + r.first), chunks.half(a, me, k) + q * cap * 16u,
+                                r.elems, tid, stride);
+        };
+        auto use = [&](uint64_t k) {
+            const ChunkRange r = chunk_range<D>(n, cap, k);
+            const uint64_t src = me == root ? elem_addr<D>(a.local_input, me * n + r.first)
+                                            : chunks.half(a, root, k) + me * cap * 16u;
+            copy_message<D>(src, elem_addr<D>(a.output, r.first), r.elems, tid, stride);
+        };
+        return run_chunks(c, chunks, stage, use);
+    }
     if (staged && me == root) {
         for (uint32_t q = 0; q < width; ++q)
             copy_message<D>(elem_addr<D>(a.local_input, q * n), a.payloads[me] + q * part_bytes, n, tid, stride);
@@ -280,6 +371,45 @@ PC_INLINE bool rmsnorm_rows(const Args& a, bool vec, volatile PC_SHARED float* r
     return true;
 }
 
+// The staged fused kernel of more rows than R = a.stage_input (the rows half the
+// payload holds): chunk k is rows [k*R, k*R + R), row k*R + i at row i of the half,
+// staged and computed by block i % gridDim.x (pack j of a row by thread j % blockDim.x),
+// by rmsnorm_rows on the chunk seen as a batch of its own. A row's bits depend only on
+// its own data, the hidden size, epsilon and the block size: they are the unchunked
+// kernel's.
+template <typename D>
+PC_INLINE void allreduce_rmsnorm_chunked(Ctx& c, volatile PC_SHARED float* tree, bool vec) {
+    const Args& a = c.a;
+    constexpr int L = Pack<D>::kLanes;
+    const uint32_t width = a.group_width, me = a.group_rank;
+    const uint64_t hidden = a.hidden, row_packs = hidden / L, rows = a.num_elements / hidden, cap = a.stage_input;
+    const Chunks chunks{div_ceil_u64(rows, cap), cap * row_packs * 16u};
+    auto chunk_rows = [&](uint64_t k) { return min_u64(cap, rows - k * cap); };
+    auto stage = [&](uint64_t k) {
+        const uint64_t first = k * cap * row_packs, dst = chunks.half(a, me, k);
+        for (uint64_t t = blockIdx.x; t < chunk_rows(k); t += gridDim.x)
+            for (uint64_t j = threadIdx.x; j < row_packs; j += blockDim.x) {
+                const uint64_t p = t * row_packs + j;
+                store_pack<D>(dst, p, load_pack<D>(a.local_input, first + p, vec), vec);
+            }
+    };
+    auto use = [&](uint64_t k) {
+        Args view = a;
+        const uint64_t first = k * cap * hidden;
+        view.num_elements = chunk_rows(k) * hidden;
+        view.residual = elem_addr<D>(a.residual, first);
+        view.output = elem_addr<D>(a.output, first);
+        with_width(width, [&]<int W>() {
+            rmsnorm_rows<D, W>(view, vec, tree, nullptr, [&](uint64_t p, Vec16 (&x)[W]) {
+#pragma unroll
+                for (int s = 0; s < W; ++s) x[s] = load_pack<D>(chunks.half(a, (uint32_t)s, k), p, vec).v;
+                return true;
+            });
+        });
+    };
+    run_chunks(c, chunks, stage, use);
+}
+
 template <typename D>
 PC_INLINE void allreduce_rmsnorm(const Args& a) {
     __shared__ float red[1024];
@@ -291,6 +421,7 @@ PC_INLINE void allreduce_rmsnorm(const Args& a) {
     const bool staged = a.stage_input != 0u;
     bool vec = aligned16(a.output) && aligned16(a.residual) && aligned16(a.weight) && aligned16(a.local_input);
     for (uint32_t s = 0; s < width; ++s) vec = vec && aligned16(a.inputs[s]);
+    if (staged && rows > a.stage_input) return allreduce_rmsnorm_chunked<D>(c, (volatile PC_SHARED float*)red, vec);
     if (staged) {
         for (uint64_t t = blockIdx.x; t < rows; t += gridDim.x)
             for (uint64_t k = threadIdx.x; k < row_packs; k += blockDim.x) {

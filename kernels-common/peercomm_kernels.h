@@ -838,6 +838,95 @@ PC_INLINE void lamport_reduce(Ctx& c, uint32_t gen, uint64_t packs, uint64_t n, 
 // Collectives. Each begins with enter() and gives up only through abandon(); the kind
 // of every barrier is named where it is used.
 
+// Staging in chunks. A staged kernel whose message the payload cannot hold whole runs
+// it through the payload in chunks (the planner's `staging`, src/comm/core/plan.rs, and
+// `collective_staging`, src/comm/core/collective.rs; stage_input carries the capacity
+// of a chunk). Chunk k goes into half k % 2 of the payload (`Chunks::half`); per block:
+//   stage 0, Publish, {stage k+1 into the other half, use k, Publish} for every k but
+//   the last, use the last chunk, End, finish.
+// Distribution: position i of a staged chunk (a pack, or a row of the fused kernel) is
+// written and read by the same thread of every rank (pack i by global thread
+// i % stride, as every kernel gives pack g of a message to thread g % stride, counted
+// from the chunk's first pack): so block b reads from each member's half exactly what
+// block b of that member staged, which that member's Publish barrier published, and a
+// block writes the same positions of a half for every chunk that uses it.
+// Reuse: chunk k+2 overwrites half k % 2 after the Publish barrier that follows this
+// block's use of chunk k. Each peer's block b arrives at that barrier only after its
+// own use of chunk k, its last read of this rank's half k % 2 at block b's positions,
+// the only positions this block writes (the release / acquire orders those reads
+// before these writes); no other block of this rank writes them. The payload is
+// written again by the next kernel only after this one ended, every block of it past
+// the End barrier. In place, a thread stages position i of a chunk before it writes
+// position i of the output, and no other thread reads it there.
+
+// The two halves of the staged chunks: chunk k in half k % 2 of every member's payload.
+struct Chunks {
+    uint64_t count;       // chunks in the message
+    uint64_t half_bytes;  // offset of the second half: what one chunk may fill
+    PC_INLINE uint64_t half(const Args& a, uint32_t q, uint64_t k) const {
+        return a.payloads[q] + (k & 1u) * half_bytes;
+    }
+};
+
+// The pipeline above: stage(k) writes chunk k into this rank's half, use(k) reads chunk
+// k from the members' halves; every barrier keeps the abort protocol.
+template <typename Stage, typename Use>
+PC_INLINE void run_chunks(Ctx& c, const Chunks& chunks, Stage&& stage, Use&& use) {
+    stage(0);
+    if (!barrier<BarrierKind::Publish>(c)) return abandon(c, WaitForPeers::Yes);
+    for (uint64_t k = 0; k < chunks.count; ++k) {
+        const bool last = k + 1 == chunks.count;
+        if (!last) stage(k + 1);
+        use(k);
+        // Publishes chunk k + 1, and tells the peers this block is done with chunk k.
+        const bool passed = last ? barrier<BarrierKind::End>(c) : barrier<BarrierKind::Publish>(c);
+        if (!passed) return abandon(c, WaitForPeers::Yes);
+    }
+    finish(c);
+}
+
+// Chunk k of a message of n elements in chunks of `cap` packs, as a message of its own:
+// its first element, its packs and its elements.
+struct ChunkRange {
+    uint64_t first, packs, elems;
+};
+template <typename D>
+PC_INLINE ChunkRange chunk_range(uint64_t n, uint64_t cap, uint64_t k) {
+    constexpr int L = Pack<D>::kLanes;
+    const uint64_t first = k * cap * L;
+    if (first >= n) return ChunkRange{first, 0, 0};
+    const uint64_t elems = min_u64(cap * L, n - first);
+    return ChunkRange{first, (elems + L - 1) / L, elems};
+}
+
+// The staged one-stage all-reduce of a message of more than C = a.stage_input packs (at
+// most half the payload): chunk k is the message's packs [k*C, k*C + C), staged by
+// copy_range and summed by reduce_range from every member's half, in source order from
+// sum_start: the bits are the unchunked kernel's.
+template <typename D>
+PC_INLINE void one_stage_chunked(Ctx& c, uint64_t n, uint64_t packs, bool vec, uint64_t tid, uint64_t stride) {
+    const Args& a = c.a;
+    const uint64_t cap = a.stage_input;
+    const uint32_t width = a.group_width;
+    const Chunks chunks{(packs + cap - 1) / cap, cap * 16u};
+    auto elem_at = [&](uint64_t base, uint64_t e) { return base + e * sizeof(typename D::Bits); };
+    auto stage = [&](uint64_t k) {
+        const ChunkRange r = chunk_range<D>(n, cap, k);
+        copy_range<D>(elem_at(a.local_input, r.first), 0, chunks.half(a, a.group_rank, k), 0, 0, r.packs, r.elems,
+                      vec, tid, stride);
+    };
+    auto use = [&](uint64_t k) {
+        const ChunkRange r = chunk_range<D>(n, cap, k);
+        uint64_t srcs[PEERCOMM_MAX_GPUS];
+#pragma unroll
+        for (uint32_t s = 0; s < PEERCOMM_MAX_GPUS; ++s) srcs[s] = s < width ? chunks.half(a, s, k) : 0u;
+        with_width(width, [&]<int W>() {
+            reduce_range<D, W>(srcs, 0, r.packs, r.elems, elem_at(a.output, r.first), 0, vec, tid, stride);
+        });
+    };
+    run_chunks(c, chunks, stage, use);
+}
+
 // One-stage: every rank reads every peer's input and reduces the whole message.
 template <typename D>
 PC_INLINE void one_stage(const Args& a) {
@@ -850,8 +939,10 @@ PC_INLINE void one_stage(const Args& a) {
     bool vec = aligned16(a.output) && aligned16(a.local_input);
     for (uint32_t s = 0; s < a.group_width; ++s) vec = vec && aligned16(a.inputs[s]);
     if (a.stage_input) {
-        // In place: the peers read a copy in the own payload while this rank overwrites
-        // its buffer. Block b copies exactly the packs block b of every rank reads.
+        if (packs > a.stage_input) return one_stage_chunked<D>(c, n, packs, vec, tid, stride);
+        // The peers read a copy in the own payload (they cannot reach the buffer, or
+        // this rank overwrites it in place). Block b copies exactly the packs block b
+        // of every rank reads.
         copy_range<D>(a.local_input, 0, a.payloads[a.group_rank], 0, 0, packs, n, vec, tid, stride);
         if (!barrier<BarrierKind::Publish>(c)) return abandon(c, WaitForPeers::Yes);
     } else {

@@ -143,6 +143,15 @@ pub enum Error {
     /// The chosen algorithm needs more scratch than the communicator has. Ask before
     /// calling with `Communicator::algorithm_for` / `Comm::algorithm_for`; size a
     /// communicator for a message with `CommConfig::for_largest_message`.
+    ///
+    /// A staged call (every call of the per-rank `Comm` whose peers read its input, and
+    /// an in-place one-stage call of the `Communicator`) that the payload cannot hold
+    /// whole does not get this error: it runs through the payload in chunks (see
+    /// `CommConfig::payload_bytes`). Staged, it remains only where half the payload
+    /// cannot hold one chunk: less than a 16-byte pack per half (per part and member
+    /// for reduce-scatter and scatter), or for the fused all-reduce + RMSNorm less than
+    /// one row; `needed` is then the bytes two such chunks take. Lamport (the slot), a
+    /// two-stage partition and a batch of group calls are not chunked.
     #[error(
         "{algorithm} needs {needed} bytes of scratch but the communicator has {available} \
          (CommConfig::{setting})"

@@ -47,6 +47,11 @@ pub const REGION_ALIGN: usize = bindings::PEERCOMM_REGION_ALIGN as usize;
 pub const MAX_GROUP_CALLS: usize = bindings::PEERCOMM_MAX_GROUP_CALLS as usize;
 /// Bytes of one vector pack: the unit of the main loops and of the Lamport readiness test.
 pub const PACK_BYTES: usize = 16;
+/// `stage_input` of a staged kernel that stages the whole message (any message of
+/// fewer units); a smaller non-zero value is the capacity of one chunk (in packs, packs
+/// per part, or rows) of one that runs through the payload in chunks
+/// (`PEERCOMM_STAGE_WHOLE`).
+pub const STAGE_WHOLE: u32 = bindings::PEERCOMM_STAGE_WHOLE;
 /// Bytes of a batch's entry table at the start of every member's payload (the count and
 /// every entry's element count; `PEERCOMM_GROUP_HEADER_BYTES`): the staged entries
 /// follow it.

@@ -88,6 +88,35 @@ fn cuda_per_rank_lamport_fused_mismatch() {
     }
 }
 
+// The staged all-reduce and collectives in chunks through a small payload (halves of
+// 129 packs, and of 2049: more than the grid's 2048 threads), bit for bit against the
+// unchunked calls; then a late, a missing and a mismatched rank in chunks.
+macro_rules! cuda_chunked_world {
+    ($name:ident, $world:expr) => {
+        #[test]
+        fn $name() {
+            if let Some(place) = placement(stringify!($name)) {
+                use per_rank_suite::chunked;
+                for payload in [chunked::SMALL_PAYLOAD, chunked::GRID_PAYLOAD] {
+                    chunked::chunked_all_reduce::<Cuda>(&place, $world, payload);
+                    chunked::chunked_collectives::<Cuda>(&place, $world, payload);
+                }
+            }
+        }
+    };
+}
+
+cuda_chunked_world!(cuda_per_rank_chunked_world_2, 2);
+cuda_chunked_world!(cuda_per_rank_chunked_world_3, 3);
+cuda_chunked_world!(cuda_per_rank_chunked_world_4, 4);
+
+#[test]
+fn cuda_per_rank_chunked_faults() {
+    if let Some(place) = placement("cuda_per_rank_chunked_faults") {
+        per_rank_suite::chunked::chunked_faults::<Cuda>(&place, 2);
+    }
+}
+
 #[test]
 fn cuda_per_rank_collectives_bad_inputs() {
     if let Some(place) = placement("cuda_per_rank_collectives_bad_inputs") {

@@ -5,7 +5,7 @@ mod common;
 mod per_rank_suite;
 
 use peercomm::backend::host::Host;
-use per_rank_suite::Placement;
+use per_rank_suite::{chunked, Placement};
 
 const HOST: Placement = Placement {
     devices: peercomm::MAX_GPUS,
@@ -60,6 +60,41 @@ fn per_rank_configuration_mismatch_names_the_fields() {
 #[test]
 fn per_rank_sized_for_the_largest_message() {
     per_rank_suite::sizing::sized_for_the_largest_message::<Host>(&HOST);
+}
+
+#[test]
+fn per_rank_chunked_world_2() {
+    per_rank_suite::chunked::chunked_all_reduce::<Host>(&HOST, 2, chunked::SMALL_PAYLOAD);
+}
+
+#[test]
+fn per_rank_chunked_world_3() {
+    per_rank_suite::chunked::chunked_all_reduce::<Host>(&HOST, 3, chunked::SMALL_PAYLOAD);
+}
+
+#[test]
+fn per_rank_chunked_world_4() {
+    per_rank_suite::chunked::chunked_all_reduce::<Host>(&HOST, 4, chunked::SMALL_PAYLOAD);
+}
+
+#[test]
+fn per_rank_chunked_collectives_world_2() {
+    per_rank_suite::chunked::chunked_collectives::<Host>(&HOST, 2, chunked::SMALL_PAYLOAD);
+}
+
+#[test]
+fn per_rank_chunked_collectives_world_3() {
+    per_rank_suite::chunked::chunked_collectives::<Host>(&HOST, 3, chunked::SMALL_PAYLOAD);
+}
+
+#[test]
+fn per_rank_chunked_collectives_world_4() {
+    per_rank_suite::chunked::chunked_collectives::<Host>(&HOST, 4, chunked::SMALL_PAYLOAD);
+}
+
+#[test]
+fn per_rank_chunked_faults() {
+    per_rank_suite::chunked::chunked_faults::<Host>(&HOST, 2);
 }
 
 #[test]

@@ -30,8 +30,17 @@ pub struct CommConfig {
     /// 16-byte packs) the Lamport algorithm takes. The region holds 3 x world-size slots
     /// per rank.
     pub lamport_slot_bytes: usize,
-    /// Bytes of scratch per rank: the staged one-stage kernel (in-place) needs the
-    /// whole message, the two-stage kernel one partition of it.
+    /// Bytes of scratch per rank. A staged kernel (every per-rank call whose peers
+    /// read its input, and an in-place one-stage call in one process) copies what its
+    /// peers read into it; a message larger than the payload runs through it in chunks
+    /// of half of it, pipelined (one half is staged while the peers read the other),
+    /// one barrier more per chunk, with the same bits as staged whole. Chunks are whole
+    /// 16-byte packs (per member's part for reduce-scatter and scatter) or, for the
+    /// fused all-reduce + RMSNorm, whole rows, so a payload below two of them refuses
+    /// the call ([`crate::Error::MessageTooLarge`]). The two-stage kernel needs one
+    /// partition of the message whole (`Auto` prefers an algorithm whose scratch holds
+    /// the message whole over chunks), and a batch of group calls all its entries
+    /// (else they run one by one).
     pub payload_bytes: usize,
     /// A barrier (or a Lamport wait) that spins longer than this gives up and records
     /// [`crate::Error::BarrierTimeout`]; `None` waits forever.

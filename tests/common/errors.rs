@@ -13,7 +13,7 @@ use peercomm::{
 };
 use rand::rngs::StdRng;
 
-use super::{open, random_values, rng, run_case};
+use super::{open, random_values, rng, run_case, run_case_dtype};
 
 /// Small scratch (the suite's 4 MiB slots would be refilled with the sentinel for
 /// every test) with a timeout that turns a hang into a failure.
@@ -466,9 +466,10 @@ pub fn device_listed_twice<B: Backend>(devices: Devices) {
     }
 }
 
-/// Scratch of 1 KiB (Lamport slot) and 4 KiB (payload), a message of 16 KiB: Lamport,
-/// two-stage and in-place one-stage are refused with the sizes; out-of-place one-stage
-/// needs no scratch and runs.
+/// Scratch of 1 KiB (Lamport slot) and 4 KiB (payload), a message of 16 KiB: Lamport
+/// and two-stage are refused with the sizes; out-of-place one-stage needs no scratch
+/// and runs; in-place one-stage stages, in chunks through the payload's halves (8 of
+/// 128 packs), and runs too.
 pub fn message_larger_than_scratch<B: Backend>(devices: Devices) {
     if !devices("message_larger_than_scratch", 2) {
         return;
@@ -499,11 +500,6 @@ pub fn message_larger_than_scratch<B: Backend>(devices: Devices) {
             false,
             too_large("two_stage", 8192, 4096),
         ),
-        (
-            Algorithm::OneStage,
-            true,
-            too_large("one_stage", 16384, 4096),
-        ),
     ] {
         let opts = AllReduceOptions::new().algorithm(algorithm);
         assert_eq!(
@@ -512,15 +508,17 @@ pub fn message_larger_than_scratch<B: Backend>(devices: Devices) {
             "algorithm_for {algorithm:?}, in place {in_place}"
         );
     }
-    assert_eq!(
-        comm.algorithm_for(
-            DType::F32,
-            n,
-            &AllReduceOptions::new().algorithm(Algorithm::OneStage),
-            false
-        ),
-        Ok(Algorithm::OneStage)
-    );
+    for in_place in [false, true] {
+        assert_eq!(
+            comm.algorithm_for(
+                DType::F32,
+                n,
+                &AllReduceOptions::new().algorithm(Algorithm::OneStage),
+                in_place
+            ),
+            Ok(Algorithm::OneStage)
+        );
+    }
     // 1024 bytes of Lamport slot hold 63 packs and the header: 252 f32 or 504 bf16
     // elements.
     let lamport = AllReduceOptions::new().algorithm(Algorithm::Lamport);
@@ -534,7 +532,6 @@ pub fn message_larger_than_scratch<B: Backend>(devices: Devices) {
     );
     let lamport = AllReduceOptions::new().algorithm(Algorithm::Lamport);
     let two_stage = AllReduceOptions::new().algorithm(Algorithm::TwoStage);
-    let one_stage = AllReduceOptions::new().algorithm(Algorithm::OneStage);
     assert_err(
         out_of_place(&comm, &mut bufs, None, None, &lamport),
         too_large("lamport", 16384 + 16, 1024),
@@ -556,24 +553,27 @@ pub fn message_larger_than_scratch<B: Backend>(devices: Devices) {
         too_large("two_stage", 8192, 4096),
         "two-stage, in-place",
     );
-    // In place, one-stage stages the whole message in the payload.
-    assert_err(
-        in_place(&comm, &mut bufs, None, &one_stage),
-        too_large("one_stage", 16384, 4096),
-        "one-stage, in-place",
-    );
     assert_nothing_written(&comm, &bufs, "message larger than scratch");
     assert_eq!(
         run_case::<B, f32>(&comm, &mut rng, Algorithm::OneStage, 0, n, false),
         Ok(Algorithm::OneStage)
     );
+    // In place, one-stage stages the message: in chunks, through the payload's halves.
+    for dtype in DType::ALL {
+        assert_eq!(
+            run_case_dtype::<B>(&comm, &mut rng, dtype, Algorithm::OneStage, 0, n + 3, true),
+            Ok(Algorithm::OneStage),
+            "{dtype:?}"
+        );
+    }
     assert_still_works(&comm, &mut rng);
 }
 
 /// `Auto` skips a preferred algorithm whose scratch is too small: with a 1 KiB Lamport
 /// slot and a 2 KiB payload, a 4 KiB message runs one-stage out of place and two-stage
-/// in place (one-stage in place would stage 4 KiB); a message no algorithm fits is
-/// refused with the preferred algorithm's sizes.
+/// in place (one-stage in place would stage 4 KiB: an algorithm the scratch holds
+/// whole comes first); a message no algorithm's scratch holds whole runs in place as
+/// one-stage in chunks through the payload's halves.
 pub fn auto_falls_back_to_what_fits<B: Backend>(devices: Devices) {
     if !devices("auto_falls_back_to_what_fits", 2) {
         return;
@@ -604,32 +604,16 @@ pub fn auto_falls_back_to_what_fits<B: Backend>(devices: Devices) {
         Ok(Algorithm::TwoStage),
         "in-place fallback"
     );
-    // 1 MiB fits nowhere: the error names the table's choice.
-    let big = 1 << 18;
-    let mut bufs = rank_bufs(&comm, &mut rng, &[big, big], &[big, big]);
-    let preferred = dispatch::choose(&arch, 2, 4 * big);
-    let available = match preferred {
-        Algorithm::Lamport => 1024,
-        _ => 2048,
-    };
-    let needed = match preferred {
-        Algorithm::TwoStage => 4 * big / 2,
-        _ => 4 * big,
-    };
-    assert_err(
-        in_place(&comm, &mut bufs, None, &AllReduceOptions::new()),
-        Error::MessageTooLarge {
-            algorithm: preferred.name(),
-            needed,
-            available,
-            setting: match preferred {
-                Algorithm::Lamport => "lamport_slot_bytes",
-                _ => "payload_bytes",
-            },
-        },
-        "auto, in-place, nothing fits",
+    // 256 KiB fits no scratch whole: in place, one-stage in chunks (of 64 packs).
+    assert_eq!(
+        comm.algorithm_for(DType::F32, 1 << 16, &AllReduceOptions::new(), true),
+        Ok(Algorithm::OneStage)
     );
-    assert_nothing_written(&comm, &bufs, "auto, nothing fits");
+    assert_eq!(
+        run_case::<B, f32>(&comm, &mut rng, Algorithm::Auto, 0, (1 << 16) + 1, true),
+        Ok(Algorithm::OneStage),
+        "auto, in-place, chunked"
+    );
     assert_still_works(&comm, &mut rng);
 }
 

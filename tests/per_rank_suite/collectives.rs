@@ -26,7 +26,7 @@ fn poisoned<B: Backend, T: Element>(dev: &B::Device, len: usize) -> B::Buffer<T>
 }
 
 /// One call of `which` on this rank, checked against the reference.
-fn check_call<B: Backend, T: Element>(
+pub(super) fn check_call<B: Backend, T: Element>(
     comm: &Comm<B>,
     seed: u64,
     call: usize,
@@ -81,7 +81,7 @@ fn check_call<B: Backend, T: Element>(
 }
 
 /// One fused call on this rank: the f64 reference, and a digest of its outputs.
-fn check_fused<B: Backend, T: Element>(
+pub(super) fn check_fused<B: Backend, T: Element>(
     comm: &Comm<B>,
     seed: u64,
     call: usize,
@@ -228,12 +228,34 @@ pub fn bad_inputs<B: Backend>(place: &Placement) {
             .unwrap_err();
         assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
         untouched(&part, "scatter output size");
-        // The staged all-gather needs the payload (4 MiB here): 1 Mi f32 + 1 is too much.
-        let big = upload::<B, f32>(dev, &vec![1.0; (1 << 20) + 1]);
-        let mut big_out = poisoned::<B, f32>(dev, 2 * ((1 << 20) + 1));
-        let e = comm.all_gather(&big, &mut big_out, &opts).unwrap_err();
-        assert!(matches!(e, Error::MessageTooLarge { .. }), "{e}");
-        untouched(&big_out, "all-gather larger than the payload");
+        // A staged message past the payload (4 MiB here) runs in chunks of half of it
+        // (tests/per_rank_suite/chunked.rs), but the fused kernel's chunks are whole
+        // rows: two rows of 2 MiB + 16 bytes neither fit whole nor a row per half.
+        let hidden = (1 << 20) + 8;
+        let x = upload::<B, half::bf16>(dev, &vec![half::bf16::ONE; 2 * hidden]);
+        let w = upload::<B, half::bf16>(dev, &vec![half::bf16::ONE; hidden]);
+        let mut res = poisoned::<B, half::bf16>(dev, 2 * hidden);
+        let mut out = poisoned::<B, half::bf16>(dev, 2 * hidden);
+        let e = comm
+            .all_reduce_residual_rms_norm(&x, &mut res, &w, &mut out, 1e-5, &opts)
+            .unwrap_err();
+        let two_rows = 2 * hidden * 2;
+        assert_eq!(
+            e,
+            Error::MessageTooLarge {
+                algorithm: "allreduce_rmsnorm",
+                needed: two_rows,
+                available: 4 << 20,
+                setting: "payload_bytes",
+            }
+        );
+        comm.synchronize().unwrap();
+        for b in [&res, &out] {
+            assert!(
+                B::download(dev, b).unwrap().iter().all(|x| x.is_nan()),
+                "fused rows larger than half the payload: written"
+            );
+        }
         // Fused: hidden not whole packs; residual of the wrong length.
         let x = upload::<B, half::bf16>(dev, &[half::bf16::ONE; 64]);
         let w12 = upload::<B, half::bf16>(dev, &[half::bf16::ONE; 12]);

@@ -8,6 +8,7 @@
 
 use super::common;
 
+pub mod chunked;
 pub mod collectives;
 pub mod fault;
 pub mod fused;

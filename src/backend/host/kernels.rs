@@ -21,6 +21,7 @@ use crate::dtype::{DType, Element};
 use crate::protocol::BarrierKind;
 use crate::signal::{AllReduceArgs, GroupArgs};
 
+mod chunked;
 mod collectives;
 mod group;
 mod lamport;
@@ -141,6 +142,10 @@ unsafe fn run_typed<T: Element>(
     blocks: u32,
 ) -> Result<(), Stop> {
     match kind {
+        // A staged message larger than the payload holds whole.
+        kind if chunked::is_chunked::<T>(kind, args) => {
+            chunked::run::<T>(kind, args, block, blocks)
+        }
         KernelKind::OneStage => one_stage::<T>(args, block, blocks),
         KernelKind::TwoStage => two_stage::<T>(args, block, blocks),
         KernelKind::Lamport => lamport::<T>(args, block, blocks),

@@ -6,11 +6,12 @@ use std::sync::atomic::Ordering;
 
 use crate::backend::{Backend, Kernel, KernelKind, LaunchDims};
 use crate::dtype::DType;
-use crate::error::Result;
-use crate::signal::{barrier_domain, AllReduceArgs, MAX_GPUS};
+use crate::error::{Error, Result};
+use crate::signal::{barrier_domain, AllReduceArgs, MAX_GPUS, PACK_BYTES};
 
 use super::call;
-use super::plan::Plan;
+use super::collective::collective_staging;
+use super::plan::{staging, Plan};
 use super::settings::Settings;
 use super::{Endpoint, Rank};
 
@@ -30,6 +31,33 @@ pub(crate) enum PeerInputs<'a> {
 pub(crate) struct Fused {
     pub(crate) residual: u64,
     pub(crate) weight: u64,
+}
+
+impl Settings {
+    /// The kernels' `stage_input` word for `plan`: 0 where nothing is staged; else how
+    /// the staged kernel goes through the payload: whole or in chunks ([`staging`] for
+    /// the all-reduce, [`collective_staging`] for the collectives), the rule the
+    /// planner checked.
+    pub(crate) fn stage_word(&self, plan: &Plan) -> Result<u32> {
+        if !plan.stage_input {
+            return Ok(0);
+        }
+        let (kind, dtype) = (plan.kernel.kind, plan.kernel.dtype);
+        let payload = self.layout.payload_bytes;
+        let word = if kind == KernelKind::OneStage {
+            let packs = plan.elements.div_ceil(dtype.lanes());
+            staging(packs, payload).ok_or((packs * PACK_BYTES).min(2 * PACK_BYTES))
+        } else {
+            let hidden = plan.collective.hidden as usize;
+            collective_staging(kind, dtype, plan.elements, plan.width, hidden, payload)
+        };
+        word.map_err(|needed| Error::MessageTooLarge {
+            algorithm: kind.name(),
+            needed,
+            available: payload,
+            setting: "payload_bytes",
+        })
+    }
 }
 
 impl<B: Backend> Rank<B> {
@@ -73,6 +101,9 @@ impl<B: Backend> Endpoint<B> {
         let r = self.index;
         let width = plan.width;
         let domain = barrier_domain(width, settings.world);
+        // Before the call is counted: a plan the payload cannot take launches nothing
+        // (the planner refused it already; this is the same rule).
+        let stage_input = settings.stage_word(plan)?;
         let seq = self.next_call(domain);
         if self.take_missing() {
             // Fault injection: counted as made (a late rank, not one that skipped a
@@ -95,7 +126,7 @@ impl<B: Backend> Endpoint<B> {
             group_width: width as u32,
             domain: domain as u32,
             world_rank: r as u32,
-            stage_input: plan.stage_input as u32,
+            stage_input,
             root: plan.collective.root,
             hidden: plan.collective.hidden,
             residual: fused.residual,

@@ -1,11 +1,12 @@
 //! Planning: which algorithm, kernel and grid a validated call runs, and whether the
-//! scratch can hold it.
+//! scratch can hold it. A staged one-stage all-reduce that the payload cannot hold
+//! whole runs through it in chunks ([`staging`]).
 
 use crate::backend::{Kernel, KernelKind, LaunchDims};
 use crate::dispatch::{self, Algorithm};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::signal::{MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES};
+use crate::signal::{MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES, STAGE_WHOLE};
 
 use super::settings::Settings;
 use crate::comm::AllReduceOptions;
@@ -27,6 +28,25 @@ pub(crate) struct CollectiveArgs {
     pub(crate) root: u32,
     pub(crate) hidden: u32,
     pub(crate) epsilon: f32,
+}
+
+/// How a staged one-stage all-reduce of `packs` 16-byte packs goes through a payload of
+/// `payload` bytes, as the kernels' `stage_input` word: [`STAGE_WHOLE`] where the payload
+/// holds the whole message (staged at its start); else chunks of C packs, C = half the
+/// payload (at most `STAGE_WHOLE - 1`), so that one half is staged while the other is
+/// read (kernels-common/peercomm_kernels.h, `one_stage_chunked`): the kernel chunks a
+/// message of more than C packs. Every rank computes the same C: `payload_bytes` is
+/// checked equal at setup and the element count is in the call descriptor. `None` where
+/// the payload holds neither the message nor a pack per half.
+pub(crate) fn staging(packs: usize, payload: usize) -> Option<u32> {
+    let whole = packs
+        .checked_mul(PACK_BYTES)
+        .is_some_and(|bytes| bytes <= payload);
+    if whole && packs <= STAGE_WHOLE as usize {
+        return Some(STAGE_WHOLE);
+    }
+    let half = payload / (2 * PACK_BYTES);
+    (half > 0).then(|| half.min(STAGE_WHOLE as usize - 1) as u32)
 }
 
 /// What validation learned about one call.
@@ -91,11 +111,16 @@ impl Settings {
         let stages = |in_place: bool| in_place || !direct;
         // A Lamport slot holds the packs and, last, the header pack (the descriptor).
         let lamport_need = padded + PACK_BYTES;
-        let fits = |a: Algorithm| match a {
+        // Whether the scratch holds what `a` needs of it at once; a staged one-stage
+        // call that it does not hold runs in chunks where the payload has room for two.
+        let fits_whole = |a: Algorithm| match a {
             Algorithm::Lamport => lamport_need <= slot,
             Algorithm::TwoStage => two_stage_need <= payload,
             Algorithm::OneStage => !stages(in_place) || width == 1 || padded <= payload,
             Algorithm::Auto | Algorithm::Nccl | Algorithm::Hierarchical => true,
+        };
+        let fits = |a: Algorithm| {
+            fits_whole(a) || (a == Algorithm::OneStage && staging(packs, payload).is_some())
         };
         // Lamport runs only over the whole world of at least two ranks: its state is
         // per rank and shared by every width, so a subgroup call would move one group's
@@ -110,11 +135,15 @@ impl Settings {
                 {
                     preferred = Algorithm::OneStage;
                 }
-                // Fall back towards the algorithms that need less scratch.
-                [preferred, Algorithm::OneStage, Algorithm::TwoStage]
+                // Fall back towards the algorithms that need less scratch: first one
+                // the scratch holds whole, then the chunked staged one-stage.
+                let candidates = [preferred, Algorithm::OneStage, Algorithm::TwoStage]
                     .into_iter()
-                    .filter(|&a| direct || a != Algorithm::TwoStage)
-                    .find(|&a| fits(a))
+                    .filter(|&a| direct || a != Algorithm::TwoStage);
+                candidates
+                    .clone()
+                    .find(|&a| fits_whole(a))
+                    .or_else(|| candidates.clone().find(|&a| fits(a)))
                     .unwrap_or(preferred)
             }
             Algorithm::Lamport if width == 1 => Algorithm::OneStage,
@@ -146,7 +175,8 @@ impl Settings {
             let (needed, available, setting) = match algorithm {
                 Algorithm::Lamport => (lamport_need, slot, "lamport_slot_bytes"),
                 Algorithm::TwoStage => (two_stage_need, payload, "payload_bytes"),
-                _ => (padded, payload, "payload_bytes"),
+                // Chunked, a pack in each half of the payload would do.
+                _ => (padded.min(2 * PACK_BYTES), payload, "payload_bytes"),
             };
             return Err(Error::MessageTooLarge {
                 algorithm: algorithm.name(),
@@ -263,6 +293,106 @@ mod tests {
             PeerReads::UserBuffers,
         );
         assert_eq!(big.unwrap().dims.blocks, 132);
+    }
+
+    /// The staging rule: whole where the payload holds the message, else chunks of half
+    /// the payload (so the kernel chunks exactly the messages that do not fit), none
+    /// where a half holds no pack.
+    #[test]
+    fn staging_is_whole_where_it_fits_else_half_the_payload() {
+        let whole = Some(STAGE_WHOLE);
+        assert_eq!(staging(0, 0), whole);
+        assert_eq!(staging(1, 16), whole);
+        assert_eq!(staging(259, 4144), whole);
+        // 4144 bytes: halves of 129 packs; a message of 260 packs takes 3 chunks.
+        assert_eq!(staging(260, 4144), Some(129));
+        assert_eq!(staging(1 << 30, 64 << 20), Some(1 << 21));
+        // A payload without a pack per half.
+        assert_eq!(staging(1, 0), None);
+        assert_eq!(staging(2, 16), None);
+        assert_eq!(staging(3, 31), None);
+        assert_eq!(staging(3, 32), Some(1));
+        assert_eq!(staging(3, 47), Some(1));
+        // No pack count the word cannot say: a message of 2^32 packs or more chunks.
+        assert_eq!(staging(u32::MAX as usize, usize::MAX), whole);
+        assert_eq!(
+            staging(1 << 33, usize::MAX),
+            Some(STAGE_WHOLE - 1),
+            "chunks of at most STAGE_WHOLE - 1 packs"
+        );
+        for payload in [32, 47, 4096, 4144, 65_584] {
+            for packs in 1..3 * payload / 16 {
+                let c = staging(packs, payload).unwrap();
+                // The kernel chunks a message of more than c packs: exactly those that
+                // do not fit, each chunk within half the payload.
+                assert_eq!(packs as u64 > u64::from(c), packs * 16 > payload);
+                if packs * 16 > payload {
+                    assert!(2 * c as usize * 16 <= payload);
+                }
+            }
+        }
+    }
+
+    /// Per rank (and in place in one process), a staged one-stage call the payload
+    /// cannot hold is planned in chunks instead of MessageTooLarge; Auto prefers an
+    /// algorithm whose scratch holds the message whole; a payload without a pack per
+    /// half still refuses it, naming the 32 bytes chunks would need.
+    #[test]
+    fn a_staged_call_past_the_payload_is_planned_in_chunks() {
+        let config = |payload_bytes| CommConfig {
+            payload_bytes,
+            lamport_slot_bytes: 1024,
+            ..CommConfig::default()
+        };
+        let s = Settings::new(config(4096), "sm_90".into(), 132, 2).unwrap();
+        let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+        for (reads, in_place) in [
+            (PeerReads::Payloads, false),
+            (PeerReads::Payloads, true),
+            (PeerReads::UserBuffers, true),
+        ] {
+            for (elements, word) in [(1024, STAGE_WHOLE), (1025, 128), (1 << 20, 128)] {
+                let p = s.plan(DType::F32, elements, &one, in_place, reads).unwrap();
+                assert_eq!(p.algorithm, Algorithm::OneStage);
+                assert!(p.stage_input);
+                assert_eq!(
+                    s.stage_word(&p),
+                    Ok(word),
+                    "{elements} {reads:?} {in_place}"
+                );
+            }
+        }
+        // Out of place in one process nothing is staged.
+        let p = s
+            .plan(DType::F32, 1 << 20, &one, false, PeerReads::UserBuffers)
+            .unwrap();
+        assert_eq!(s.stage_word(&p), Ok(0));
+        // Auto in place in one process: two-stage's partition fits whole, so it wins
+        // over chunks; past it, one-stage in chunks.
+        let auto = AllReduceOptions::new();
+        let p = s
+            .plan(DType::F32, 2048, &auto, true, PeerReads::UserBuffers)
+            .unwrap();
+        assert_eq!(p.algorithm, Algorithm::TwoStage);
+        let p = s
+            .plan(DType::F32, 4096, &auto, true, PeerReads::UserBuffers)
+            .unwrap();
+        assert_eq!(p.algorithm, Algorithm::OneStage);
+        assert_eq!(s.stage_word(&p), Ok(128));
+        // A half of no pack.
+        let tiny = Settings::new(config(16), "sm_90".into(), 132, 2).unwrap();
+        match tiny.plan(DType::F32, 8, &one, false, PeerReads::Payloads) {
+            Err(Error::MessageTooLarge {
+                needed: 32,
+                available: 16,
+                setting: "payload_bytes",
+                ..
+            }) => {}
+            other => panic!("a 16-byte payload: {:?}", other.map(|p| p.algorithm)),
+        }
+        assert!(tiny
+            .plan(DType::F32, 4, &one, false, PeerReads::Payloads)
+            .is_ok());
     }
 
     /// The sign-of-zero rule: in a group of one (a world of one, or `group_size` 1 in

@@ -68,7 +68,9 @@ impl CommConfig {
     /// A configuration (the defaults otherwise) whose scratch lets every algorithm
     /// that may run take messages of up to `max_elements` elements of `dtype` per
     /// rank, in place or not, through either communicator: the payload holds the
-    /// whole message (16-byte packs), and the Lamport slot holds it too, up to
+    /// whole message (16-byte packs), so nothing is staged in chunks (a larger message
+    /// still runs staged, in chunks; two-stage needs its partition whole), and the
+    /// Lamport slot holds it too, up to
     /// [`CommConfig::LAMPORT_SLOT_CAP`] (larger messages never want Lamport; `Auto`
     /// skips it when it does not fit, and a forced Lamport call gets
     /// [`crate::Error::MessageTooLarge`]). Fails only when the size overflows.

@@ -195,7 +195,8 @@ impl<B: Backend> Comm<B> {
     /// runs the Lamport one (no barrier: each rank pushes its rows into its peers'
     /// Lamport slots) over the whole world where the message and a 16-byte header fit
     /// in `CommConfig::lamport_slot_bytes`, else the one-stage one (staged through the
-    /// payload here, so bounded by `payload_bytes`). Both write the same bits, and a
+    /// payload here, in runs of whole rows where it cannot hold the message, so a row
+    /// must fit half of `payload_bytes`). Both write the same bits, and a
     /// row's output and new residual depend only on that row's input, residual, the
     /// weight and epsilon: not on the token count of its batch or the algorithm.
     #[allow(clippy::too_many_arguments)]

@@ -38,8 +38,9 @@ impl<B: Backend> Comm<B> {
     }
 
     /// As [`crate::Communicator::algorithm_for`], for this rank's calls (where peers
-    /// never read user buffers: inputs are staged, so one-stage needs the whole message
-    /// in the payload and two-stage is not offered).
+    /// never read user buffers: inputs are staged, so one-stage runs through the
+    /// payload in chunks where it cannot hold the whole message, and two-stage is not
+    /// offered).
     pub fn algorithm_for(
         &self,
         dtype: crate::DType,

@@ -174,7 +174,7 @@ pub(super) unsafe fn scatter<T: Element>(
 /// then a tree, so host and GPU bits may differ in the normalised output, while every
 /// rank and both kernels of one backend agree). Nothing but the row's own data, the
 /// hidden size and epsilon enters: not the row count, the grid or the kernel.
-unsafe fn rmsnorm_row<T: Element>(
+pub(super) unsafe fn rmsnorm_row<T: Element>(
     args: &AllReduceArgs,
     t: usize,
     mut sums: impl FnMut(usize) -> Result<[f32; 8], Stop>,

@@ -1,0 +1,522 @@
+//! Staged messages larger than the payload, per rank: they run through the payload in
+//! chunks (two halves, pipelined; kernels-common/peercomm_kernels.h `run_chunks`)
+//! instead of `MessageTooLarge`. The all-reduce: every call checked against the f64
+//! reference on fresh random data with the output poisoned, bit for bit against the
+//! same call on a communicator whose payload holds the whole message, and bit for bit
+//! across its group. The other collectives against their exact references on both
+//! communicators, the fused kernel against the f64 reference and bit for bit. Then a
+//! late rank, a missed call and a mismatched call in chunks: the usual typed errors,
+//! no hang, and recovery.
+//!
+//! A message never takes two chunks: one of at most two halves fits the payload whole
+//! and is staged whole, so the fewest chunks is three.
+
+use std::time::{Duration, Instant};
+
+use peercomm::backend::{Backend, DeviceBuffer, DeviceBufferMut};
+use peercomm::bootstrap::UniqueId;
+use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, DType, Element, Error};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use super::collectives::{check_call, check_fused};
+use super::common::collectives::Which;
+use super::{common, seed, Placement};
+
+/// A small payload for the host: 4144 bytes, halves of C = 129 packs (an odd chunk,
+/// and a payload that is no multiple of 32). A message of up to 259 packs is staged
+/// whole.
+pub const SMALL_PAYLOAD: usize = 4144;
+/// A payload whose halves (2049 packs) exceed the grid of 4 blocks of 512 threads, so
+/// that a thread handles several packs of a chunk and a chunk is no multiple of the
+/// grid (the GPU runs).
+pub const GRID_PAYLOAD: usize = 65_584;
+
+/// Packs in one chunk (half the payload).
+fn chunk_packs(payload: usize) -> usize {
+    payload / 32
+}
+
+fn small_config(place: &Placement, world: usize, payload: usize) -> CommConfig {
+    CommConfig {
+        payload_bytes: payload,
+        // Lamport never fits, so Auto runs one-stage here.
+        lamport_slot_bytes: 1024,
+        ..place.config(world)
+    }
+}
+
+/// Holds every message of the suite whole.
+fn big_config(place: &Placement, world: usize, payload: usize) -> CommConfig {
+    CommConfig {
+        payload_bytes: 128 * payload,
+        lamport_slot_bytes: 1024,
+        ..place.config(world)
+    }
+}
+
+/// Element counts of `lanes`-wide packs: the largest message the payload holds whole
+/// (the control), one element more (3 chunks, the last of 2 packs, the second
+/// partial), three whole chunks exactly, three chunks and 5 elements (4 chunks, the
+/// last ending in a partial pack), and 41 chunks, the last ending in a partial pack.
+fn lengths(payload: usize, lanes: usize) -> [usize; 5] {
+    let whole = payload / 16 * lanes;
+    let c = chunk_packs(payload) * lanes;
+    [whole, whole + 1, 3 * c, 3 * c + 5, 40 * c + lanes + 3]
+}
+
+/// Chunks a message of `n` elements takes through `payload` (1: staged whole).
+fn chunks(payload: usize, n: usize, lanes: usize) -> usize {
+    let packs = n.div_ceil(lanes);
+    if packs * 16 <= payload {
+        1
+    } else {
+        packs.div_ceil(chunk_packs(payload))
+    }
+}
+
+/// A buffer seen from element `by` on: an unaligned view (by 1: 2 or 4 bytes off).
+struct Shifted<'a, X: ?Sized> {
+    inner: &'a mut X,
+    by: usize,
+}
+
+// SAFETY: the view is elements [by, len) of the inner buffer, on its device, valid as
+// long as the inner buffer's guard (which it returns) lives.
+unsafe impl<B: Backend, X: DeviceBuffer<B> + ?Sized> DeviceBuffer<B> for Shifted<'_, X> {
+    fn dtype(&self) -> DType {
+        self.inner.dtype()
+    }
+    fn len(&self) -> usize {
+        self.inner.len() - self.by
+    }
+    fn device_ordinal(&self) -> usize {
+        self.inner.device_ordinal()
+    }
+    fn read_ptr<'a>(&'a self, dev: &'a B::Device) -> (u64, B::Access<'a>) {
+        let (p, guard) = self.inner.read_ptr(dev);
+        (p + (self.by * self.dtype().size()) as u64, guard)
+    }
+}
+
+// SAFETY: as above, for writes.
+unsafe impl<B: Backend, X: DeviceBufferMut<B> + ?Sized> DeviceBufferMut<B> for Shifted<'_, X> {
+    fn write_ptr<'a>(&'a mut self, dev: &'a B::Device) -> (u64, B::Access<'a>) {
+        let by = self.by * self.inner.dtype().size();
+        let (p, guard) = self.inner.write_ptr(dev);
+        (p + by as u64, guard)
+    }
+}
+
+fn digest<T: Element>(values: &[T]) -> u64 {
+    values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
+        (h ^ u64::from(v.to_bits_u32())).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// One all-reduce of `ins[rank]` (`shift` elements into its buffers) on `comm`, in place
+/// or into a poisoned output; returns the `n` elements of the result, after checking
+/// that the elements before the view were not written.
+#[allow(clippy::too_many_arguments)]
+fn run_one<B: Backend, T: Element>(
+    comm: &Comm<B>,
+    mine: &[T],
+    shift: usize,
+    in_place: bool,
+    opts: &AllReduceOptions,
+    expect: Algorithm,
+    what: &str,
+) -> Vec<T> {
+    let dev = comm.device();
+    let poison = T::from_f32(f32::NAN);
+    let padded: Vec<T> = std::iter::repeat_n(poison, shift)
+        .chain(mine.iter().copied())
+        .collect();
+    let mut send = B::alloc_from(dev, &padded).unwrap();
+    let out = if in_place {
+        let mut view = Shifted {
+            inner: &mut send,
+            by: shift,
+        };
+        let ran = comm.all_reduce_sum_in_place_with(&mut view, opts);
+        assert_eq!(ran, Ok(expect), "{what}");
+        comm.synchronize().expect(what);
+        B::download(dev, &send).unwrap()
+    } else {
+        let mut recv = B::alloc_from(dev, &vec![poison; shift + mine.len()]).unwrap();
+        let mut view_out = Shifted {
+            inner: &mut recv,
+            by: shift,
+        };
+        let view_in = Shifted {
+            inner: &mut send,
+            by: shift,
+        };
+        let ran = comm.all_reduce_sum_with(&view_in, &mut view_out, opts);
+        assert_eq!(ran, Ok(expect), "{what}");
+        comm.synchronize().expect(what);
+        let bits = |v: &[T]| v.iter().map(|x| x.to_bits_u32()).collect::<Vec<_>>();
+        let input = B::download(dev, &send).unwrap();
+        assert_eq!(bits(&input), bits(&padded), "{what}: the input changed");
+        B::download(dev, &recv).unwrap()
+    };
+    assert!(
+        out[..shift].iter().all(|x| x.to_f32().is_nan()),
+        "{what}: written before the view"
+    );
+    out[shift..].to_vec()
+}
+
+/// This rank's share of the suite for dtype T: every group width of the world, every
+/// length, in and out of place, aligned and not, Auto and forced one-stage, on the
+/// small payload (chunked) and on the big one (whole). Returns the digests of the
+/// chunked outputs, in call order.
+fn calls_of<B: Backend, T: Element>(
+    small: &Comm<B>,
+    big: &Comm<B>,
+    seed: u64,
+    call: &mut usize,
+) -> Vec<u64> {
+    let (world, rank) = (small.world_size(), small.rank());
+    let payload = small.config().payload_bytes;
+    let lanes = 16 / T::DTYPE.size();
+    let mut digests = Vec::new();
+    for width in common::group_sizes(world) {
+        for (i, &n) in lengths(payload, lanes).iter().enumerate() {
+            for in_place in [false, true] {
+                *call += 1;
+                let mut rng = StdRng::seed_from_u64(seed ^ ((*call as u64) << 24));
+                let ins: Vec<Vec<T>> = common::random_inputs::<T>(&mut rng, world, n);
+                let shift = (i + usize::from(in_place)) % 2;
+                let algorithm = if i % 2 == 0 {
+                    Algorithm::Auto
+                } else {
+                    Algorithm::OneStage
+                };
+                let opts = AllReduceOptions::new()
+                    .group_size(width)
+                    .algorithm(algorithm);
+                let k = chunks(payload, n, lanes);
+                let what = format!(
+                    "chunked {:?} world {world} group {width} n {n} ({k} chunks) in place \
+                     {in_place} shift {shift} {algorithm:?} rank {rank}",
+                    T::DTYPE
+                );
+                assert_eq!(
+                    small.algorithm_for(T::DTYPE, n, &opts, in_place),
+                    Ok(Algorithm::OneStage),
+                    "{what}"
+                );
+                let got = run_one(
+                    small,
+                    &ins[rank],
+                    shift,
+                    in_place,
+                    &opts,
+                    Algorithm::OneStage,
+                    &what,
+                );
+                let base = rank / width * width;
+                let group = &ins[base..base + width];
+                common::check_sums(group, &vec![got.clone(); width], width, &what);
+                let whole = run_one(
+                    big,
+                    &ins[rank],
+                    0,
+                    in_place,
+                    &AllReduceOptions::new()
+                        .group_size(width)
+                        .algorithm(Algorithm::OneStage),
+                    Algorithm::OneStage,
+                    &what,
+                );
+                for (e, (a, b)) in got.iter().zip(&whole).enumerate() {
+                    assert_eq!(
+                        a.to_bits_u32(),
+                        b.to_bits_u32(),
+                        "{what}: element {e} differs from the unchunked call"
+                    );
+                }
+                digests.push(digest(&got));
+            }
+        }
+    }
+    digests
+}
+
+/// Runs `body(small, big)` on one thread per rank: each rank's communicators over the
+/// small payload and over one that holds every message of the suite whole.
+fn with_two_worlds<B: Backend, R: Send>(
+    place: &Placement,
+    world: usize,
+    payload: usize,
+    body: impl Fn(&Comm<B>, &Comm<B>) -> R + Sync,
+) -> Vec<R> {
+    let (small_id, big_id) = (UniqueId::new().unwrap(), UniqueId::new().unwrap());
+    std::thread::scope(|s| {
+        let workers: Vec<_> = (0..world)
+            .map(|rank| {
+                let (small_id, big_id, body) = (&small_id, &big_id, &body);
+                s.spawn(move || {
+                    let open = |id, config| {
+                        let dev = B::open(place.ordinal(rank)).unwrap();
+                        Comm::<B>::from_rank(dev, rank, world, id, config).unwrap()
+                    };
+                    let small = open(small_id, small_config(place, world, payload));
+                    let big = open(big_id, big_config(place, world, payload));
+                    body(&small, &big)
+                })
+            })
+            .collect();
+        workers.into_iter().map(|w| w.join().unwrap()).collect()
+    })
+}
+
+/// Checks that every rank's `digests[rank][c]` equals its group lead's, the group of
+/// call `c` being `width_of(c)` wide.
+fn compare_groups(digests: &[Vec<u64>], width_of: impl Fn(usize) -> usize, what: &str) {
+    for (rank, mine) in digests.iter().enumerate() {
+        assert_eq!(mine.len(), digests[0].len(), "{what}: calls of rank {rank}");
+        for (c, &d) in mine.iter().enumerate() {
+            let width = width_of(c);
+            let lead = rank / width * width;
+            assert_eq!(
+                d, digests[lead][c],
+                "{what}: call {c}: rank {rank}'s bits differ from rank {lead}'s (group {width})"
+            );
+        }
+    }
+}
+
+/// Every group width of `world` x f32/f16/bf16 x the lengths above (staged whole, 3, 4
+/// and 41 chunks) through `payload`, in and out of place, aligned and unaligned:
+/// checked against the reference, bit for bit against the unchunked call, and across
+/// each group.
+pub fn chunked_all_reduce<B: Backend>(place: &Placement, world: usize, payload: usize) {
+    let seed = seed(&format!("per_rank_chunked_world_{world}_payload_{payload}"));
+    let digests = with_two_worlds::<B, _>(place, world, payload, |small, big| {
+        let mut call = 0;
+        let mut d = calls_of::<B, f32>(small, big, seed, &mut call);
+        d.extend(calls_of::<B, half::f16>(small, big, seed, &mut call));
+        d.extend(calls_of::<B, half::bf16>(small, big, seed, &mut call));
+        d
+    });
+    // The calls in order: per dtype, per width, per length, out of place then in place.
+    let widths = common::group_sizes(world);
+    let per_width = lengths(payload, 4).len() * 2;
+    compare_groups(
+        &digests,
+        |c| widths[c / per_width % widths.len()],
+        "chunked all-reduce",
+    );
+    eprintln!(
+        "per_rank_chunked world {world} payload {payload}: {} calls per rank checked",
+        digests[0].len()
+    );
+}
+
+/// The staged collectives through `payload`: all-gather, reduce-scatter, broadcast
+/// (out of place from root 0, in place from the last group rank), scatter (roots 0 and
+/// the last) x f32/f16/bf16 x the lengths above, every group width of `world`, each on
+/// both communicators against the exact reference (so the chunked bits are the
+/// unchunked ones); then the fused all-reduce + residual + RMSNorm over runs of rows
+/// (staged whole, chunks of 4 rows of 32 packs, chunks of one row), checked against the
+/// f64 reference and bit for bit against the unchunked call and across each group.
+pub fn chunked_collectives<B: Backend>(place: &Placement, world: usize, payload: usize) {
+    let seed = seed(&format!(
+        "per_rank_chunked_collectives_{world}_payload_{payload}"
+    ));
+    let widths = common::group_sizes(world);
+    let fused_cases: [(usize, usize); 4] = [(2, 256), (9, 256), (41, 256), (7, 1032)];
+    let digests = with_two_worlds::<B, _>(place, world, payload, |small, big| {
+        let mut call = 0;
+        for &width in &widths {
+            let mut whiches = vec![Which::AllGather, Which::ReduceScatter];
+            whiches.push(Which::Broadcast {
+                root: 0,
+                in_place: false,
+            });
+            whiches.push(Which::Broadcast {
+                root: width - 1,
+                in_place: true,
+            });
+            whiches.push(Which::Scatter { root: 0 });
+            whiches.push(Which::Scatter { root: width - 1 });
+            for &which in &whiches {
+                // The same calls (the same inputs) on both communicators.
+                let first = call;
+                for comm in [small, big] {
+                    call = first;
+                    for &n in &lengths(payload, 4) {
+                        check_call::<B, f32>(comm, seed, call, which, width, n);
+                        call += 1;
+                    }
+                    for &n in &lengths(payload, 8) {
+                        check_call::<B, half::f16>(comm, seed, call, which, width, n);
+                        check_call::<B, half::bf16>(comm, seed, call + 1, which, width, n);
+                        call += 2;
+                    }
+                }
+            }
+        }
+        let mut digests = Vec::new();
+        for &width in &widths {
+            for &(tokens, hidden) in &fused_cases {
+                for dtype in DType::ALL {
+                    let mut pair = [0u64; 2];
+                    for (d, comm) in pair.iter_mut().zip([small, big]) {
+                        *d = match dtype {
+                            DType::BF16 => check_fused::<B, half::bf16>(
+                                comm, seed, call, width, tokens, hidden,
+                            ),
+                            DType::F16 => {
+                                check_fused::<B, half::f16>(comm, seed, call, width, tokens, hidden)
+                            }
+                            // The same packs per row.
+                            DType::F32 => {
+                                check_fused::<B, f32>(comm, seed, call, width, tokens, hidden / 2)
+                            }
+                        };
+                    }
+                    assert_eq!(
+                        pair[0], pair[1],
+                        "fused {dtype:?} {tokens} rows of {hidden} x 16-bit group {width}: \
+                         chunked and whole bits differ"
+                    );
+                    digests.push(pair[0]);
+                    call += 1;
+                }
+            }
+        }
+        digests
+    });
+    let per_width = fused_cases.len() * DType::ALL.len();
+    compare_groups(&digests, |c| widths[c / per_width], "chunked fused");
+    eprintln!("per_rank_chunked_collectives world {world} payload {payload}: checked");
+}
+
+/// A chunked call (41 chunks of f32) with a rank that is late, missing or mismatched,
+/// over the whole world of `world`:
+/// - late by less than the timeout (its stream runs a delay first): the call completes
+///   on every rank and matches the reference;
+/// - rank 1 misses the call: rank 0 gets `BarrierTimeout` naming rank 1 within the
+///   documented 2 x `barrier_timeout` (plus slack), rank 1 `PeerAborted`; nothing was
+///   written; after `reinitialize` a chunked call runs again and matches the reference;
+/// - rank 1's call is one ahead in the sequence: `CallMismatch` on every rank.
+pub fn chunked_faults<B: Backend>(place: &Placement, world: usize) {
+    let timeout = Duration::from_millis(400);
+    let config = CommConfig {
+        barrier_timeout: Some(timeout),
+        ..small_config(place, world, SMALL_PAYLOAD)
+    };
+    let seed = seed("per_rank_chunked_faults");
+    let n = 40 * chunk_packs(SMALL_PAYLOAD) * 4 + 7;
+    assert!(chunks(SMALL_PAYLOAD, n, 4) > 40);
+    let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+    let id = UniqueId::new().unwrap();
+    std::thread::scope(|s| {
+        for rank in 0..world {
+            let (id, config, opts) = (&id, config.clone(), &opts);
+            s.spawn(move || {
+                let dev = B::open(place.ordinal(rank)).unwrap();
+                let comm = Comm::<B>::from_rank(dev, rank, world, id, config).unwrap();
+                let dev = comm.device();
+                let inputs = |call: u64| {
+                    let mut rng = StdRng::seed_from_u64(seed ^ (call << 24));
+                    common::random_inputs::<f32>(&mut rng, world, n)
+                };
+                let check = |ins: &[Vec<f32>], got: Vec<f32>, what: &str| {
+                    common::check_sums(ins, &vec![got; world], world, what);
+                };
+                // Late, within the timeout.
+                let ins = inputs(1);
+                let send = B::alloc_from(dev, &ins[rank]).unwrap();
+                let mut recv = B::alloc_from(dev, &vec![f32::NAN; n]).unwrap();
+                if rank == 1 {
+                    comm.delay(timeout / 2).unwrap();
+                }
+                comm.all_reduce_sum_with(&send, &mut recv, opts).unwrap();
+                comm.synchronize().unwrap();
+                check(
+                    &ins,
+                    B::download(dev, &recv).unwrap(),
+                    &format!("late, rank {rank}"),
+                );
+
+                // Rank 1 misses the call.
+                let ins = inputs(2);
+                let send = B::alloc_from(dev, &ins[rank]).unwrap();
+                let mut recv = B::alloc_from(dev, &vec![f32::NAN; n]).unwrap();
+                if rank == 1 {
+                    comm.miss_next();
+                }
+                let started = Instant::now();
+                assert_eq!(
+                    comm.all_reduce_sum_with(&send, &mut recv, opts),
+                    Ok(Algorithm::OneStage)
+                );
+                if rank != 1 {
+                    match comm.synchronize() {
+                        Err(Error::BarrierTimeout { waiting_for, .. }) => {
+                            assert_eq!(waiting_for, Some(1), "rank {rank}")
+                        }
+                        // A rank whose peer (not rank 1) timed out first.
+                        Err(Error::PeerAborted { .. }) if rank != 0 => {}
+                        other => panic!("rank {rank}: expected a timeout, got {other:?}"),
+                    }
+                    let elapsed = started.elapsed();
+                    assert!(
+                        elapsed < 2 * timeout + Duration::from_secs(2),
+                        "rank {rank}: the error came after {elapsed:?}"
+                    );
+                } else {
+                    // Rank 1 launched nothing; its record gets the abort.
+                    let err = loop {
+                        match comm.check_errors() {
+                            Ok(()) => {
+                                assert!(started.elapsed() < 10 * timeout, "no abort seen");
+                                std::thread::sleep(Duration::from_millis(5));
+                            }
+                            Err(e) => break e,
+                        }
+                    };
+                    assert!(matches!(err, Error::PeerAborted { rank: 1, .. }), "{err:?}");
+                }
+                assert!(
+                    B::download(dev, &recv).unwrap().iter().all(|x| x.is_nan()),
+                    "rank {rank}: a call that timed out wrote"
+                );
+                comm.reinitialize().unwrap();
+                let ins = inputs(3);
+                let mut buf = B::alloc_from(dev, &ins[rank]).unwrap();
+                comm.all_reduce_sum_in_place_with(&mut buf, opts).unwrap();
+                comm.synchronize().unwrap();
+                check(
+                    &ins,
+                    B::download(dev, &buf).unwrap(),
+                    &format!("recovered, rank {rank}"),
+                );
+
+                // Rank 1's call is one ahead in the sequence.
+                let ins = inputs(4);
+                let send = B::alloc_from(dev, &ins[rank]).unwrap();
+                let mut recv = B::alloc_from(dev, &vec![f32::NAN; n]).unwrap();
+                if rank == 1 {
+                    comm.mismatch_next();
+                }
+                comm.all_reduce_sum_with(&send, &mut recv, opts).unwrap();
+                match comm.synchronize() {
+                    Err(Error::CallMismatch { .. }) => {}
+                    // A rank that the mismatch reached only through a peer's abort.
+                    Err(Error::PeerAborted { .. }) if world > 2 => {}
+                    other => panic!("rank {rank}: expected a call mismatch, got {other:?}"),
+                }
+                assert!(
+                    B::download(dev, &recv).unwrap().iter().all(|x| x.is_nan()),
+                    "rank {rank}: a mismatched call wrote"
+                );
+                comm.reinitialize().unwrap();
+            });
+        }
+    });
+}
