@@ -8,6 +8,7 @@
 #             per-rank zero-copy path (symmetric inputs) in one run and one JSON,
 #             world 2 / 4 sharing the GPU, bf16, graph and eager, 1 KiB to 64 MiB
 #   fused     the fused all-reduce + RMSNorm: one-stage, Lamport and the unfused pair
+#   hostcost  per-rank eager host time against an empty launch (worlds 2, 4)
 #   zcproc    the per-rank sweep in processes (symmetric buffers mapped over CUDA IPC)
 #   smoke     the zero-copy smoke test binary, if built
 #   tests     every CUDA test binary but the per-rank one
@@ -44,6 +45,15 @@ for stage in $stages; do
       --collectives --lamport-slot-bytes 8388608 --out "$OUT/fused" > "$OUT/fused.log" 2>&1
     summary+=("fused rc=$?")
     ;;
+  hostcost)
+    # Host time of one per-rank eager call (staged and zero copy) against an empty
+    # launch through the same path, 1-256 KiB, worlds 2 and 4 (threads).
+    for w in 2 4; do
+      timeout 120 $bench --per-rank $w --host-cost --sizes 1024,8192,65536,262144 --dtypes bf16 \
+        --no-nccl --no-graph --batches 5 --out "$OUT/hostcost$w" > "$OUT/hostcost$w.log" 2>&1
+      summary+=("hostcost$w rc=$?")
+    done
+    ;;
   zcproc)
     timeout 120 $bench --per-rank 2 --processes --sizes 1024,1048576,16777216 --dtypes bf16 \
       --no-nccl --batches 5 --out "$OUT/zcproc" > "$OUT/zcproc.log" 2>&1
@@ -73,5 +83,6 @@ done
 grep -hE "FAILED|panicked|WRONG" "$OUT"/*.log 2>/dev/null | head -40
 grep -hE "group of 8 /" "$OUT"/group.log 2>/dev/null
 grep -hE "^fused .*graph" "$OUT"/fused.log 2>/dev/null
+grep -hE "^host cost" "$OUT"/hostcost*.log 2>/dev/null
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
 tar czf "$FINAL_OUT/round3c-logs.tgz" -C "$OUT" . && rm -rf "$OUT"
