@@ -153,12 +153,7 @@ PC_INLINE void all_reduce_group(const GroupArgs& g) {
         if (!barrier<BarrierKind::Start>(c)) return abandon(c, WaitForPeers::Yes);
     }
     with_width(width, [&]<int W>() {
-        // Unrolled over the most entries, so that every entry's parameters are read at
-        // constant offsets (operands of the instructions) rather than by a run-time
-        // index (a constant-cache load per entry, one after another).
-#pragma unroll
-        for (uint32_t s = 0; s < PEERCOMM_MAX_GROUP_CALLS; ++s) {
-            if (s >= count) break;
+        for (uint32_t s = 0; s < count; ++s) {
             const GroupEntry& e = g.entries[s];
             const uint64_t n = e.elements;
             uint64_t srcs[W];

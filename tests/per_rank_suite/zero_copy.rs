@@ -606,9 +606,10 @@ pub fn collectives_match_single_controller<B: Backend>(place: &Placement, world:
 
 /// Zero copy stages nothing: with a payload a quarter of the message, a one-stage
 /// all-reduce, an all-gather, a reduce-scatter and the one-stage fused call on symmetric
-/// inputs run and are right, where the same calls on plain inputs are
-/// `MessageTooLarge`, nothing written. In place the one-stage all-reduce still stages
-/// (the peers would read the input while it is overwritten): `MessageTooLarge` too.
+/// inputs run whole and are right, and the same calls on plain inputs (which stage, in
+/// chunks through the payload) give the same bits. In place the one-stage all-reduce
+/// still stages (the peers would read the input while it is overwritten): in chunks,
+/// right too.
 pub fn stages_nothing<B: Backend>(place: &Placement) {
     let world = 2;
     let config = CommConfig {
@@ -623,36 +624,35 @@ pub fn stages_nothing<B: Backend>(place: &Placement) {
         let mut sym = comm.alloc_symmetric::<f32>(n).unwrap();
         sym.copy_from_host(dev, &ins[rank]).unwrap();
         let plain = B::alloc_from(dev, &ins[rank]).unwrap();
-        let too_large = |r: peercomm::Result<()>, what: &str| {
-            assert!(
-                matches!(r, Err(Error::MessageTooLarge { .. })),
-                "rank {rank}: {what}: {r:?}"
-            );
-        };
-        let untouched = |b: &B::Buffer<f32>, what: &str| {
-            comm.synchronize().unwrap();
-            let host = B::download(dev, b).unwrap();
-            assert!(
-                host.iter().all(|x| x.is_nan()),
-                "rank {rank}: {what}: written"
-            );
-        };
-        // The all-reduce.
+        // The all-reduce: plain (staged in chunks), then symmetric (whole), same bits.
         let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
         let mut out = B::alloc_from(dev, &nan::<f32>(n)).unwrap();
-        too_large(
-            comm.all_reduce_sum_with(&plain, &mut out, &one).map(drop),
-            "a plain one-stage input",
-        );
-        untouched(&out, "a plain one-stage input");
+        comm.all_reduce_sum_with(&plain, &mut out, &one).unwrap();
+        comm.synchronize().unwrap();
+        let chunked = B::download(dev, &out).unwrap();
+        B::upload(dev, &nan::<f32>(n), &mut out).unwrap();
         comm.all_reduce_sum_with(&sym, &mut out, &one).unwrap();
         comm.synchronize().unwrap();
         let got = B::download(dev, &out).unwrap();
-        common::check_sums(&ins, &[got.clone(), got], world, "symmetric one-stage");
-        too_large(
-            comm.all_reduce_sum_in_place_with(&mut sym, &one).map(drop),
-            "in place",
+        common::check_sums(
+            &ins,
+            &[got.clone(), got.clone()],
+            world,
+            "symmetric one-stage",
         );
+        assert_bits(
+            &chunked,
+            &got,
+            "plain (chunked) against symmetric one-stage",
+        );
+        comm.all_reduce_sum_in_place_with(&mut sym, &one).unwrap();
+        comm.synchronize().unwrap();
+        assert_bits(
+            &sym.to_host(dev).unwrap(),
+            &got,
+            "in place (staged in chunks)",
+        );
+        sym.copy_from_host(dev, &ins[rank]).unwrap();
         // All-gather and reduce-scatter.
         let opts = CollectiveOptions::new();
         for which in [Which::AllGather, Which::ReduceScatter] {
@@ -663,8 +663,16 @@ pub fn stages_nothing<B: Backend>(place: &Placement) {
                 Which::AllGather => comm.all_gather(input, recv, &opts),
                 _ => comm.reduce_scatter_sum(input, recv, &opts),
             };
-            too_large(run(&plain, &mut recv), &format!("a plain {what} input"));
-            untouched(&recv, &what);
+            run(&plain, &mut recv).unwrap();
+            comm.synchronize().unwrap();
+            let chunked = B::download(dev, &recv).unwrap();
+            assert_bits(
+                &chunked,
+                &expect(which, &ins, world, rank),
+                &format!("plain {what}"),
+            );
+            let len = chunked.len();
+            B::upload(dev, &nan::<f32>(len), &mut recv).unwrap();
             run(&sym, &mut recv).unwrap();
             comm.synchronize().unwrap();
             let got = B::download(dev, &recv).unwrap();
@@ -682,19 +690,31 @@ pub fn stages_nothing<B: Backend>(place: &Placement) {
         let mut res = B::alloc_from(dev, &residual).unwrap();
         let mut normed = B::alloc_from(dev, &nan::<half::bf16>(tokens * hidden)).unwrap();
         let fused = CollectiveOptions::new().algorithm(Algorithm::OneStage);
-        too_large(
-            comm.all_reduce_residual_rms_norm(&plain_x, &mut res, &w, &mut normed, epsilon, &fused),
-            "a plain fused input",
-        );
-        comm.synchronize().unwrap();
-        let host = B::download(dev, &normed).unwrap();
-        assert!(
-            host.iter().all(|x| x.is_nan()),
-            "rank {rank}: fused: written"
-        );
+        // Plain (staged in chunks of rows) into its own residual and output.
+        let mut plain_res = B::alloc_from(dev, &residual).unwrap();
+        let mut plain_normed = B::alloc_from(dev, &nan::<half::bf16>(tokens * hidden)).unwrap();
+        comm.all_reduce_residual_rms_norm(
+            &plain_x,
+            &mut plain_res,
+            &w,
+            &mut plain_normed,
+            epsilon,
+            &fused,
+        )
+        .unwrap();
         comm.all_reduce_residual_rms_norm(&x, &mut res, &w, &mut normed, epsilon, &fused)
             .unwrap();
         comm.synchronize().unwrap();
+        assert_bits(
+            &B::download(dev, &plain_normed).unwrap(),
+            &B::download(dev, &normed).unwrap(),
+            "plain (chunked) fused output",
+        );
+        assert_bits(
+            &B::download(dev, &plain_res).unwrap(),
+            &B::download(dev, &res).unwrap(),
+            "plain (chunked) fused residual",
+        );
         check_rms_norm(
             &xs,
             &residual,
