@@ -207,20 +207,7 @@ pub(super) fn peer_access_problem(
             other => Some(format!("its memory pool grants the peer {other:?}")),
         });
     }
-    let mut legacy: i32 = 0;
-    // SAFETY: `legacy` is a valid out-pointer of the attribute's type (int).
-    unsafe {
-        sys::cuPointerGetAttribute(
-            &mut legacy as *mut i32 as *mut std::ffi::c_void,
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
-            ptr,
-        )
-    }
-    .result()
-    .map_err(driver_err(
-        "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)",
-    ))?;
-    if legacy != 0 {
+    if legacy_ipc_capable(ptr)? {
         // cuMemAlloc memory: covered by the context's peer access.
         return Ok(None);
     }
@@ -243,15 +230,40 @@ pub(super) fn export_memory(_dev: &CudaDevice, mem: &CudaMemory) -> Result<Vec<u
     mem.ctx
         .bind_to_thread()
         .map_err(driver_err("cuCtxSetCurrent"))?;
+    ipc_handle(mem.ptr, mem.bytes).map_err(driver_err("cuIpcGetMemHandle"))
+}
+
+/// Whether `ptr` is `cuMemAlloc` memory (legacy CUDA IPC can export it).
+fn legacy_ipc_capable(ptr: u64) -> Result<bool> {
+    let mut legacy: i32 = 0;
+    // SAFETY: `legacy` is a valid out-pointer of the attribute's type (int).
+    unsafe {
+        sys::cuPointerGetAttribute(
+            &mut legacy as *mut i32 as *mut std::ffi::c_void,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
+            ptr,
+        )
+    }
+    .result()
+    .map_err(driver_err(
+        "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)",
+    ))?;
+    Ok(legacy != 0)
+}
+
+/// The handle record of the `cuMemAlloc` allocation of `bytes` at `base` (of the
+/// current context).
+fn ipc_handle(
+    base: u64,
+    bytes: usize,
+) -> std::result::Result<Vec<u8>, cudarc::driver::DriverError> {
     let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
-    // SAFETY: `handle` outlives the call; `ptr` is the base of a live cuMemAlloc
-    // allocation of the current context.
-    unsafe { sys::cuIpcGetMemHandle(&mut handle, mem.ptr) }
-        .result()
-        .map_err(driver_err("cuIpcGetMemHandle"))?;
+    // SAFETY: `handle` outlives the call; `base` is the base of a live cuMemAlloc
+    // allocation of the current context (the callers' contract).
+    unsafe { sys::cuIpcGetMemHandle(&mut handle, base) }.result()?;
     Ok(Writer::new(IPC_MAGIC, IPC_VERSION)
         .u64(process_token())
-        .u64(mem.bytes as u64)
+        .u64(bytes as u64)
         .bytes(&handle.reserved.map(|c| c as u8))
         .finish())
 }
@@ -279,20 +291,7 @@ pub(super) fn export_range(dev: &CudaDevice, ptr: u64, bytes: usize) -> Result<(
             "{bytes} bytes at {ptr:#x} run past the end of its allocation ({size} bytes at {base:#x})"
         )));
     }
-    let mut legacy: i32 = 0;
-    // SAFETY: `legacy` is a valid out-pointer of the attribute's type (int).
-    unsafe {
-        sys::cuPointerGetAttribute(
-            &mut legacy as *mut i32 as *mut std::ffi::c_void,
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
-            ptr,
-        )
-    }
-    .result()
-    .map_err(driver_err(
-        "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)",
-    ))?;
-    if legacy == 0 {
+    if !legacy_ipc_capable(ptr)? {
         return Err(cannot_export(
             "the memory is not cuMemAlloc memory (a stream-ordered pool, as cudarc's \
              allocations are where the driver has them, or a virtual-memory mapping), so \
@@ -301,17 +300,8 @@ pub(super) fn export_range(dev: &CudaDevice, ptr: u64, bytes: usize) -> Result<(
                 .into(),
         ));
     }
-    let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
-    // SAFETY: `handle` outlives the call; `base` is the base of a live cuMemAlloc
-    // allocation of the current context.
-    unsafe { sys::cuIpcGetMemHandle(&mut handle, base) }
-        .result()
-        .map_err(|e| cannot_export(format!("cuIpcGetMemHandle: {e:?}")))?;
-    let exported = Writer::new(IPC_MAGIC, IPC_VERSION)
-        .u64(process_token())
-        .u64(size as u64)
-        .bytes(&handle.reserved.map(|c| c as u8))
-        .finish();
+    let exported =
+        ipc_handle(base, size).map_err(|e| cannot_export(format!("cuIpcGetMemHandle: {e:?}")))?;
     Ok((exported, ptr - base))
 }
 

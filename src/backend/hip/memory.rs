@@ -177,11 +177,16 @@ pub(super) fn export_memory(_dev: &HipDevice, mem: &HipMemory) -> Result<Vec<u8>
         unsafe { ffi::hipIpcGetMemHandle(&mut handle, mem.ptr as *mut c_void) },
         "hipIpcGetMemHandle",
     )?;
-    Ok(Writer::new(IPC_MAGIC, IPC_VERSION)
+    Ok(handle_record(&handle, mem.bytes))
+}
+
+/// The handle record of `handle`, an allocation of `bytes`.
+fn handle_record(handle: &ffi::IpcMemHandle, bytes: usize) -> Vec<u8> {
+    Writer::new(IPC_MAGIC, IPC_VERSION)
         .u64(process_token())
-        .u64(mem.bytes as u64)
+        .u64(bytes as u64)
         .bytes(&handle.reserved.map(|c| c as u8))
-        .finish())
+        .finish()
 }
 
 pub(super) fn export_range(dev: &HipDevice, ptr: u64, bytes: usize) -> Result<(Vec<u8>, u64)> {
@@ -214,12 +219,7 @@ pub(super) fn export_range(dev: &HipDevice, ptr: u64, bytes: usize) -> Result<(V
             describe(status)
         )));
     }
-    let exported = Writer::new(IPC_MAGIC, IPC_VERSION)
-        .u64(process_token())
-        .u64(size as u64)
-        .bytes(&handle.reserved.map(|c| c as u8))
-        .finish();
-    Ok((exported, ptr - base))
+    Ok((handle_record(&handle, size), ptr - base))
 }
 
 pub(super) fn import_memory(dev: &HipDevice, handle: &[u8]) -> Result<HipPeerMapping> {
