@@ -146,6 +146,35 @@ unsafe fn reduce<T: Element>(srcs: &[u64], dst: u64, n: usize, block: u32, block
     }
 }
 
+/// The chunks of a whole `n`-element message of `l` lanes per pack, `cap` packs each.
+fn message_chunks(n: usize, l: usize, cap: usize) -> Chunks {
+    Chunks {
+        count: n.div_ceil(l).div_ceil(cap),
+        half_bytes: cap * PACK_BYTES,
+    }
+}
+
+/// Stages this block's share of chunk `k` of the own input (a whole message of
+/// `num_elements`) into the own half of chunk `k`.
+unsafe fn stage_own<T: Element>(
+    args: &AllReduceArgs,
+    chunks: &Chunks,
+    cap: usize,
+    k: usize,
+    block: u32,
+    blocks: u32,
+) {
+    let r = chunk_elems(args.num_elements as usize, cap, lanes::<T>(), k);
+    let dst = chunks.half(args, args.group_rank as usize, k);
+    copy::<T>(
+        elem::<T>(args.local_input, r.start),
+        dst,
+        r.len(),
+        block,
+        blocks,
+    );
+}
+
 /// Member `q`'s halves of chunk `k`, each `at` bytes in, for `width` members.
 fn halves(chunks: &Chunks, args: &AllReduceArgs, k: usize, at: u64) -> [u64; MAX_GPUS] {
     let mut srcs = [0u64; MAX_GPUS];
@@ -158,22 +187,9 @@ fn halves(chunks: &Chunks, args: &AllReduceArgs, k: usize, at: u64) -> [u64; MAX
 unsafe fn one_stage<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -> Result<(), Stop> {
     let n = args.num_elements as usize;
     let (l, cap) = (lanes::<T>(), args.stage_input as usize);
-    let (me, width) = (args.group_rank as usize, args.group_width as usize);
-    let chunks = Chunks {
-        count: n.div_ceil(l).div_ceil(cap),
-        half_bytes: cap * PACK_BYTES,
-    };
-    let stage = |k| {
-        let r = chunk_elems(n, cap, l, k);
-        let dst = chunks.half(args, me, k);
-        copy::<T>(
-            elem::<T>(args.local_input, r.start),
-            dst,
-            r.len(),
-            block,
-            blocks,
-        );
-    };
+    let width = args.group_width as usize;
+    let chunks = message_chunks(n, l, cap);
+    let stage = |k| stage_own::<T>(args, &chunks, cap, k, block, blocks);
     let use_ = |k| {
         let r = chunk_elems(n, cap, l, k);
         let srcs = halves(&chunks, args, k, 0);
@@ -192,21 +208,8 @@ unsafe fn all_gather<T: Element>(
     let n = args.num_elements as usize;
     let (l, cap) = (lanes::<T>(), args.stage_input as usize);
     let (me, width) = (args.group_rank as usize, args.group_width as usize);
-    let chunks = Chunks {
-        count: n.div_ceil(l).div_ceil(cap),
-        half_bytes: cap * PACK_BYTES,
-    };
-    let stage = |k| {
-        let r = chunk_elems(n, cap, l, k);
-        let dst = chunks.half(args, me, k);
-        copy::<T>(
-            elem::<T>(args.local_input, r.start),
-            dst,
-            r.len(),
-            block,
-            blocks,
-        );
-    };
+    let chunks = message_chunks(n, l, cap);
+    let stage = |k| stage_own::<T>(args, &chunks, cap, k, block, blocks);
     let use_ = |k| {
         let r = chunk_elems(n, cap, l, k);
         for i in 0..width {
@@ -256,21 +259,10 @@ unsafe fn broadcast<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -
     let n = args.num_elements as usize;
     let (l, cap) = (lanes::<T>(), args.stage_input as usize);
     let (me, root) = (args.group_rank as usize, args.root as usize);
-    let chunks = Chunks {
-        count: n.div_ceil(l).div_ceil(cap),
-        half_bytes: cap * PACK_BYTES,
-    };
+    let chunks = message_chunks(n, l, cap);
     let stage = |k| {
         if me == root {
-            let r = chunk_elems(n, cap, l, k);
-            let dst = chunks.half(args, me, k);
-            copy::<T>(
-                elem::<T>(args.local_input, r.start),
-                dst,
-                r.len(),
-                block,
-                blocks,
-            );
+            stage_own::<T>(args, &chunks, cap, k, block, blocks);
         }
     };
     let use_ = |k| {
