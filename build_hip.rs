@@ -405,9 +405,14 @@ fn debian_device_lib_dir(
         .map_err(|e| format!("read {}: {e}", libs.system_dir.display()))?;
     for entry in entries.flatten() {
         let link = dir.join(entry.file_name());
+        // Architectures compile in parallel and fill the same folder: a link another
+        // thread made between the check and the call is fine.
         if std::fs::symlink_metadata(&link).is_err() {
-            std::os::unix::fs::symlink(entry.path(), &link)
-                .map_err(|e| format!("link {}: {e}", link.display()))?;
+            match std::os::unix::fs::symlink(entry.path(), &link) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(format!("link {}: {e}", link.display())),
+            }
         }
     }
     let isa_file = dir.join(format!("oclc_isa_version_{digits}.bc"));
