@@ -146,7 +146,7 @@ impl Default for CommConfig {
 }
 
 /// Options of one all-reduce.
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct AllReduceOptions {
     /// Width of the groups that reduce together: 0 means the whole world; otherwise it
     /// must divide the world size, and ranks `[k*w, (k+1)*w)` form group `k`.

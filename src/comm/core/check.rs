@@ -10,6 +10,7 @@ use crate::error::{Error, Result};
 
 use super::collective::{reduce_scatter_part, Collective, CollectiveOptions};
 use super::plan::{PeerReads, Plan};
+use super::plan_cache::Shape;
 use super::route::Path;
 use super::Rank;
 use crate::comm::AllReduceOptions;
@@ -114,11 +115,24 @@ impl<B: Backend> Rank<B> {
         in_place: bool,
         reads: PeerReads,
     ) -> Result<Routed> {
+        let shape = Shape {
+            dtype,
+            elements,
+            options: *options,
+            in_place,
+            reads,
+        };
+        if let Some(plan) = self.plans.get(&shape) {
+            return Ok(Routed::Peer(plan));
+        }
         match self.route.path(dtype, elements, options)? {
-            Path::Peer(local) => self
-                .settings
-                .plan(dtype, elements, &local, in_place, reads)
-                .map(Routed::Peer),
+            Path::Peer(local) => {
+                let plan = self
+                    .settings
+                    .plan(dtype, elements, &local, in_place, reads)?;
+                self.plans.put(shape, plan);
+                Ok(Routed::Peer(plan))
+            }
             path => Ok(Routed::Away(path)),
         }
     }

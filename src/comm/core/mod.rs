@@ -26,6 +26,7 @@ pub(crate) mod group;
 pub(crate) mod launch;
 pub(crate) mod peer_check;
 pub(crate) mod plan;
+pub(crate) mod plan_cache;
 pub(crate) mod pool;
 pub(crate) mod record;
 pub(crate) mod registry;
@@ -92,6 +93,8 @@ pub struct Rank<B: Backend> {
     /// Peer signals imported from other processes; unmapped on drop (or parked with
     /// the signal by the per-rank teardown).
     pub(crate) mappings: Vec<B::PeerMapping>,
+    /// The plans of recent all-reduce shapes (see `plan_cache.rs`).
+    pub(crate) plans: plan_cache::PlanCache,
     poisoned: AtomicBool,
 }
 
@@ -107,6 +110,7 @@ impl<B: Backend> Rank<B> {
             settings,
             route,
             mappings,
+            plans: plan_cache::PlanCache::default(),
             poisoned: AtomicBool::new(false),
         }
     }

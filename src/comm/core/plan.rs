@@ -50,6 +50,7 @@ pub(crate) fn staging(packs: usize, payload: usize) -> Option<u32> {
 }
 
 /// What validation learned about one call.
+#[derive(Clone, Copy)]
 pub(crate) struct Plan {
     pub(crate) kernel: Kernel,
     pub(crate) algorithm: Algorithm,
