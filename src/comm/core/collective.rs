@@ -7,7 +7,8 @@
 //!
 //! Where the peers cannot read user buffers (a rank per process or thread, the per-rank
 //! `Comm`), each rank first copies what its peers read into its own payload; a message
-//! the payload cannot hold whole runs through it in chunks ([`collective_staging`]),
+//! the payload cannot hold whole runs through it in chunks
+//! ([`super::collective_staging`] has the rule),
 //! so only a payload without room for two chunks (a pack per part, or a row of the
 //! fused kernel, per half) refuses it ([`crate::Error::MessageTooLarge`]). In one
 //! process the peers read the user buffers directly and no scratch is needed.
@@ -16,8 +17,9 @@ use crate::backend::{Kernel, KernelKind, LaunchDims};
 use crate::dispatch::{self, Algorithm};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::signal::{MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES, STAGE_WHOLE};
+use crate::signal::{MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES};
 
+use super::collective_staging::{collective_staging, padded};
 use super::plan::{CollectiveArgs, PeerReads, Plan};
 use super::settings::Settings;
 
@@ -92,59 +94,6 @@ impl Collective {
             Collective::Scatter { .. } => KernelKind::Scatter,
             Collective::AllReduceRmsNorm { .. } => KernelKind::AllReduceRmsNorm,
         }
-    }
-}
-
-/// Bytes of `n` elements rounded up to whole packs.
-fn padded(dtype: DType, n: usize) -> usize {
-    n.div_ceil(dtype.lanes()) * PACK_BYTES
-}
-
-/// How a staged collective of `elements` (as its plan counts them) goes through a
-/// payload of `payload` bytes, as the kernels' `stage_input` word: [`STAGE_WHOLE`] where
-/// the payload holds what the kernel stages whole (as [`super::plan::staging`] for the
-/// all-reduce); else the capacity of one chunk, half the payload: in packs of the
-/// message (all-gather, broadcast), in packs of each part (reduce-scatter, scatter: a
-/// half holds `width` parts' chunks), in rows (the fused kernel), at most
-/// `STAGE_WHOLE - 1`; the kernel chunks a message of more units than that
-/// (kernels-common/peercomm_collectives.h). `Err` with the bytes two chunks of one unit
-/// need where a half holds not one; 1 (a flag) for kinds that never chunk.
-pub(crate) fn collective_staging(
-    kind: KernelKind,
-    dtype: DType,
-    elements: usize,
-    width: usize,
-    hidden: usize,
-    payload: usize,
-) -> std::result::Result<u32, usize> {
-    let packs = elements.div_ceil(dtype.lanes());
-    let half_packs = payload / (2 * PACK_BYTES);
-    // What the kernel stages whole, the units it compares stage_input with, one
-    // unit's packs in a half.
-    let (scratch, units, unit_packs) = match kind {
-        KernelKind::AllGather | KernelKind::Broadcast => (padded(dtype, elements), packs, 1),
-        KernelKind::Scatter => (width.saturating_mul(padded(dtype, elements)), packs, width),
-        KernelKind::ReduceScatter => (
-            (0..width)
-                .map(|q| padded(dtype, reduce_scatter_part(elements, width, q).len()))
-                .sum(),
-            reduce_scatter_part(elements, width, 0)
-                .len()
-                .div_ceil(dtype.lanes()),
-            width,
-        ),
-        KernelKind::AllReduceRmsNorm => {
-            let row_packs = hidden / dtype.lanes();
-            (padded(dtype, elements), elements / hidden.max(1), row_packs)
-        }
-        _ => return Ok(1),
-    };
-    if scratch <= payload && units <= STAGE_WHOLE as usize {
-        return Ok(STAGE_WHOLE);
-    }
-    match half_packs / unit_packs.max(1) {
-        0 => Err(scratch.min(2 * unit_packs * PACK_BYTES)),
-        cap => Ok(cap.min(STAGE_WHOLE as usize - 1) as u32),
     }
 }
 
@@ -427,65 +376,6 @@ mod tests {
             )
             .map(|p| p.kernel);
         assert!(matches!(e, Err(Error::Unsupported(_))), "{e:?}");
-    }
-
-    /// Every staged collective: whole exactly where the payload holds what the kernel
-    /// stages whole; else chunks whose two halves fit the payload, and a message of
-    /// more units than a chunk holds (so the kernel chunks it); refused only where a
-    /// half holds no unit, with the bytes two would need.
-    #[test]
-    fn collective_staging_chunks_what_the_payload_cannot_hold() {
-        let kinds = [
-            KernelKind::AllGather,
-            KernelKind::Broadcast,
-            KernelKind::Scatter,
-            KernelKind::ReduceScatter,
-            KernelKind::AllReduceRmsNorm,
-        ];
-        for kind in kinds {
-            for dtype in DType::ALL {
-                let lanes = dtype.lanes();
-                for width in [2, 3, 4, 8] {
-                    for payload in [0, 16, 32, 100, 4144, 1 << 16] {
-                        for elements in (1..600).step_by(7).map(|e| e * lanes) {
-                            let hidden = 4 * lanes;
-                            let part = |q| reduce_scatter_part(elements, width, q).len();
-                            let (scratch, units, unit_packs) = match kind {
-                                KernelKind::Scatter => {
-                                    (width * padded(dtype, elements), elements / lanes, width)
-                                }
-                                KernelKind::ReduceScatter => (
-                                    (0..width).map(|q| padded(dtype, part(q))).sum(),
-                                    part(0).div_ceil(lanes),
-                                    width,
-                                ),
-                                KernelKind::AllReduceRmsNorm => {
-                                    (padded(dtype, elements), elements / hidden, 4)
-                                }
-                                _ => (padded(dtype, elements), elements / lanes, 1),
-                            };
-                            let got =
-                                collective_staging(kind, dtype, elements, width, hidden, payload);
-                            let what = format!("{kind:?} {dtype:?} w{width} {elements} {payload}");
-                            match got {
-                                Ok(STAGE_WHOLE) => assert!(scratch <= payload, "{what}"),
-                                Ok(c) => {
-                                    assert!(scratch > payload, "{what}");
-                                    assert!(units > c as usize, "{what}: not chunked");
-                                    let half = c as usize * unit_packs * PACK_BYTES;
-                                    assert!(2 * half <= payload, "{what}: halves overflow");
-                                }
-                                Err(needed) => {
-                                    assert!(scratch > payload, "{what}");
-                                    assert!(unit_packs * PACK_BYTES > payload / 2, "{what}");
-                                    assert!(needed > payload, "{what}: needs {needed}");
-                                }
-                            }
-                        }
-                    }
-                }
-            }
-        }
     }
 
     #[test]

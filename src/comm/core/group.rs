@@ -319,6 +319,35 @@ pub(crate) enum GroupStep {
     },
 }
 
+/// Runs a group's steps in order with `run`, which launches one step and returns the
+/// algorithm of a call run alone (`Some((index, algorithm))`; a batch's entries run
+/// one-stage). The first failure stops the group; where an earlier step was launched
+/// already, `poison` is called first: those launches wait for peers whose calls never
+/// come. The one step loop of both front doors' group guards.
+pub(crate) fn run_group_steps(
+    steps: Vec<GroupStep>,
+    calls: usize,
+    poison: impl FnOnce(),
+    mut run: impl FnMut(GroupStep) -> Result<Option<(usize, Algorithm)>>,
+) -> Result<Vec<Algorithm>> {
+    let mut algorithms = vec![Algorithm::OneStage; calls];
+    let mut launched = false;
+    for step in steps {
+        match run(step) {
+            Ok(Some((index, algorithm))) => algorithms[index] = algorithm,
+            Ok(None) => {}
+            Err(e) => {
+                if launched {
+                    poison();
+                }
+                return Err(e);
+            }
+        }
+        launched = true;
+    }
+    Ok(algorithms)
+}
+
 impl<B: Backend> Rank<B> {
     /// Splits a group's calls into launches: consecutive all-reduces that peer memory
     /// serves, of one dtype and one group width, with the algorithm and grid left to

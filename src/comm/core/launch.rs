@@ -10,7 +10,7 @@ use crate::error::{Error, Result};
 use crate::signal::{barrier_domain, AllReduceArgs, MAX_GPUS, PACK_BYTES};
 
 use super::call;
-use super::collective::collective_staging;
+use super::collective_staging::collective_staging;
 use super::plan::{staging, Plan};
 use super::settings::Settings;
 use super::{Endpoint, Rank};

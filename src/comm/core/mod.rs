@@ -21,6 +21,7 @@ use crate::signal::{MAX_GPUS, NUM_BARRIER_DOMAINS};
 pub(crate) mod call;
 pub(crate) mod check;
 pub(crate) mod collective;
+pub(crate) mod collective_staging;
 pub(crate) mod connect;
 pub(crate) mod group;
 pub(crate) mod launch;

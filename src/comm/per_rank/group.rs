@@ -6,7 +6,7 @@ use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use crate::dispatch::Algorithm;
 use crate::error::Result;
 
-use super::super::core::group::{GroupStep, GroupedCall};
+use super::super::core::group::{run_group_steps, GroupStep, GroupedCall};
 use super::super::core::launch::PeerInputs;
 use super::super::core::plan::PeerReads;
 use super::super::AllReduceOptions;
@@ -201,22 +201,21 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
                 }
             }
         }
-        let mut algorithms = vec![Algorithm::OneStage; calls.len()];
-        let mut launched = false;
-        let mut result = Ok(());
-        for step in steps {
-            let done = match step {
+        let result = run_group_steps(
+            steps,
+            calls.len(),
+            || core.poison(),
+            |step| match step {
                 GroupStep::Batch { first, plan } => {
-                    let entries: Vec<_> = io[first..first + plan.count]
-                        .iter()
-                        .map(|&(input, output)| (PeerInputs::Own(input), output))
-                        .collect();
-                    if plan.total_elements == 0 {
-                        Ok(())
-                    } else {
-                        comm.lock()
-                            .and_then(|_launches| core.launch_group(&plan, &entries))
+                    if plan.total_elements > 0 {
+                        let entries: Vec<_> = io[first..first + plan.count]
+                            .iter()
+                            .map(|&(input, output)| (PeerInputs::Own(input), output))
+                            .collect();
+                        let _launches = comm.lock()?;
+                        core.launch_group(&plan, &entries)?;
                     }
+                    Ok(None)
                 }
                 GroupStep::Alone { index, routed } => {
                     let c = &calls[index];
@@ -224,20 +223,12 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
                     comm.run(
                         routed, input, &None, output, c.elements, c.dtype, &c.options,
                     )
-                    .map(|a| algorithms[index] = a)
+                    .map(|a| Some((index, a)))
                 }
-            };
-            if let Err(e) = done {
-                if launched {
-                    core.poison();
-                }
-                result = Err(e);
-                break;
-            }
-            launched = true;
-        }
+            },
+        );
         drop(guards);
-        result.map(|()| algorithms)
+        result
     }
 }
 

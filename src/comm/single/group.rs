@@ -7,7 +7,7 @@ use crate::dispatch::Algorithm;
 use crate::error::Result;
 use crate::signal::MAX_GPUS;
 
-use super::super::core::group::{GroupStep, GroupedCall};
+use super::super::core::group::{run_group_steps, GroupStep, GroupedCall};
 use super::super::core::plan::PeerReads;
 use super::super::AllReduceOptions;
 use super::Communicator;
@@ -193,20 +193,19 @@ impl<'b, B: Backend> CommunicatorGroup<'_, 'b, B> {
                 };
             }
         }
-        let mut algorithms = vec![Algorithm::OneStage; calls.len()];
-        let mut launched = false;
-        let mut result = Ok(());
-        for step in steps {
-            let done = match step {
+        let result = run_group_steps(
+            steps,
+            calls.len(),
+            || comm.poison(),
+            |step| match step {
                 GroupStep::Batch { first, plan } => {
-                    if plan.total_elements == 0 {
-                        Ok(())
-                    } else {
+                    if plan.total_elements > 0 {
                         let io: Vec<_> = (first..first + plan.count)
                             .map(|s| (&ins[s], &outs[s]))
                             .collect();
-                        comm.launch_group_on_all(&plan, &io)
+                        comm.launch_group_on_all(&plan, &io)?;
                     }
+                    Ok(None)
                 }
                 GroupStep::Alone { index, routed } => {
                     let c = &calls[index];
@@ -219,20 +218,12 @@ impl<'b, B: Backend> CommunicatorGroup<'_, 'b, B> {
                         c.dtype,
                         which,
                     )
-                    .map(|a| algorithms[index] = a)
+                    .map(|a| Some((index, a)))
                 }
-            };
-            if let Err(e) = done {
-                if launched {
-                    comm.poison();
-                }
-                result = Err(e);
-                break;
-            }
-            launched = true;
-        }
+            },
+        );
         drop(guards);
-        result.map(|()| algorithms)
+        result
     }
 }
 
