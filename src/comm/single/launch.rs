@@ -4,7 +4,8 @@
 //! other from the calling thread. Either way under the launch lock, so that a
 //! collective is enqueued on every rank before another caller's is.
 
-use std::sync::MutexGuard;
+use std::any::Any;
+use std::sync::{MutexGuard, Weak};
 use std::time::Duration;
 
 use crate::backend::Backend;
@@ -16,7 +17,7 @@ use crate::CommConfig;
 use super::super::core::group::GroupPlan;
 use super::super::core::launch::{Fused, PeerInputs};
 use super::super::core::plan::Plan;
-use super::launcher::{LaunchFn, Launches, Outcomes};
+use super::launcher::{LaunchFn, Launcher, Launches, Outcomes};
 use super::Communicator;
 
 /// Every world rank, in order: `&ALL_RANKS[..world]` is the whole world.
@@ -65,6 +66,15 @@ impl<B: Backend> Communicator<B> {
     /// [`Communicator::set_parallel_launch`]).
     pub fn parallel_launch(&self) -> bool {
         self.lock_launches().parallel
+    }
+
+    /// For tests: a weak handle on the launch pool's shared state (`None` where no
+    /// launch thread was started). Every launch thread holds it until the thread ends,
+    /// so once the communicator is dropped it no longer upgrades: the threads were
+    /// joined.
+    #[doc(hidden)]
+    pub fn launch_pool_probe(&self) -> Option<Weak<dyn Any + Send + Sync>> {
+        self.lock_launches().pool.as_ref().map(Launcher::probe)
     }
 
     /// Enqueues `plan` on every rank, atomically with respect to other callers.

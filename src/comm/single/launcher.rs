@@ -19,7 +19,7 @@ use std::any::Any;
 use std::cell::UnsafeCell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Weak};
 use std::thread::{self, JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
@@ -174,6 +174,13 @@ impl Launcher {
             launcher.workers.push(worker);
         }
         Ok(launcher)
+    }
+
+    /// A weak handle on the state every worker holds until its thread ends (see
+    /// `Communicator::launch_pool_probe`).
+    pub(super) fn probe(&self) -> Weak<dyn Any + Send + Sync> {
+        let shared: Arc<dyn Any + Send + Sync> = self.shared.clone();
+        Arc::downgrade(&shared)
     }
 
     /// Runs `launch(r)` for every rank r whose bit is set in `ranks`: rank 0 on this
@@ -368,6 +375,7 @@ mod tests {
     #[test]
     fn many_jobs_back_to_back_and_after_sleeps() {
         let mut pool = Launcher::start(4).unwrap();
+        let probe = pool.probe();
         let total = AtomicU32::new(0);
         for i in 0..2000 {
             if i % 500 == 0 {
@@ -380,5 +388,7 @@ mod tests {
             assert!(out.results[..4].iter().all(|r| *r == Some(Ok(()))));
         }
         assert_eq!(total.load(Ordering::Relaxed), 8000);
+        drop(pool);
+        assert!(probe.upgrade().is_none(), "the workers were joined");
     }
 }
