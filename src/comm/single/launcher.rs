@@ -282,7 +282,7 @@ fn work(shared: &Shared, w: usize) {
     loop {
         let fresh = || shared.generation.load(Ordering::SeqCst) != seen;
         // Parks only after saying so (SeqCst, see `Launcher::run`), and re-checks.
-        wait(&fresh, || {
+        wait(fresh, || {
             slot.asleep.store(true, Ordering::SeqCst);
             if !fresh() {
                 thread::park();
@@ -345,7 +345,7 @@ mod tests {
             for (r, hit) in hits.iter().enumerate() {
                 let asked = ranks & (1 << r) != 0;
                 assert_eq!(hit.load(Ordering::Relaxed), u32::from(asked), "rank {r}");
-                let want = asked.then(|| if r == 5 { Err(Error::Poisoned) } else { Ok(()) });
+                let want = asked.then_some(if r == 5 { Err(Error::Poisoned) } else { Ok(()) });
                 assert_eq!(out.results[r], want, "rank {r}");
             }
         }
