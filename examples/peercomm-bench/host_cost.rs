@@ -5,9 +5,16 @@
 //! - "call, tracking on": `all_reduce_sum` as a cudarc user makes it by default;
 //! - "call, tracking off": the same with cudarc's event tracking disabled, so the
 //!   difference is what cudarc's per-buffer event records and waits cost;
-//! - "launch only": one `delay_rank(r, 0)` per rank (peercomm's launch path without
-//!   validation or planning: a near-empty kernel), so the rest of a call is
+//! - "launch only": `delay_all(0)`, a near-empty kernel on every rank through the
+//!   calls' launch path (in parallel, as the calls, unless the configuration turned
+//!   `parallel_launch` off) without validation or planning, so the rest of a call is
 //!   validation, planning and building the arguments.
+//!
+//! Then one greppable line per launch mode, parallel launch off then on
+//! (`Communicator::set_parallel_launch`, in the same run):
+//! `host cost (single, W ranks, parallel launch off|on): call X us, untracked call Y
+//! us, empty launch Z us: X/Zx / Y/Zx the launch`, where the empty launch goes through
+//! the same path in the same mode (`delay_all`).
 
 use std::time::{Duration, Instant};
 
@@ -58,11 +65,8 @@ pub fn run(gpu: &Gpu, args: &Args) {
     with_tracking(gpu, false);
     let untracked = host_us(gpu, batches, &mut call);
     with_tracking(gpu, true);
-    let launch_only = host_us(gpu, batches, || {
-        for r in 0..world {
-            gpu.comm.delay_rank(r, Duration::ZERO).unwrap();
-        }
-    });
+    let empty_launch = || gpu.comm.delay_all(Duration::ZERO).unwrap();
+    let launch_only = host_us(gpu, batches, empty_launch);
     println!(
         "\nhost time per eager call, {world} ranks on {} GPU(s), 1 KiB bf16 (median of {batches} x {CALLS}):",
         gpu.streams
@@ -80,4 +84,22 @@ pub fn run(gpu: &Gpu, args: &Args) {
         "  launch only, all ranks   {launch_only:6.2} us  (validation, planning, arguments: {:.2} us)",
         untracked - launch_only
     );
+    // Parallel launch off, then on, in the same run: the call (tracking on and off) and
+    // the empty launch through the same path in the same mode.
+    let configured = gpu.comm.parallel_launch();
+    for parallel in [false, true] {
+        gpu.comm.set_parallel_launch(parallel).unwrap();
+        let tracked = host_us(gpu, batches, &mut call);
+        with_tracking(gpu, false);
+        let untracked = host_us(gpu, batches, &mut call);
+        with_tracking(gpu, true);
+        let launch = host_us(gpu, batches, empty_launch);
+        println!(
+            "host cost (single, {world} ranks, parallel launch {}): call {tracked:6.2} us, untracked call {untracked:6.2} us, empty launch {launch:6.2} us: {:.2}x / {:.2}x the launch",
+            if parallel { "on" } else { "off" },
+            tracked / launch,
+            untracked / launch
+        );
+    }
+    gpu.comm.set_parallel_launch(configured).unwrap();
 }

@@ -18,6 +18,7 @@ pub mod errors;
 pub mod fused;
 pub mod fuzz;
 pub mod hazards;
+pub mod launch;
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -537,6 +538,11 @@ pub trait Call<B: Backend> {
     ) -> Result<()> {
         unreachable!("not groupable")
     }
+    /// Every rank's result as bits (after a synchronize), for bit-for-bit comparisons
+    /// of one call made two ways (the all-reduce).
+    fn result_bits(&self, _comm: &Communicator<B>) -> Vec<Vec<u32>> {
+        unimplemented!("no bits for {}", self.describe(0))
+    }
 }
 
 impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
@@ -554,6 +560,12 @@ impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
     }
     fn groupable(&self) -> bool {
         true
+    }
+    fn result_bits(&self, comm: &Communicator<B>) -> Vec<Vec<u32>> {
+        self.results(comm)
+            .into_iter()
+            .map(|v| v.into_iter().map(Element::to_bits_u32).collect())
+            .collect()
     }
     fn add_to_group<'b>(
         &'b mut self,
@@ -1070,6 +1082,22 @@ macro_rules! reference_suite {
         );
 
         ergonomics_tests!($backend);
+
+        // The single controller's parallel launch (tests/common/launch.rs).
+        #[test]
+        fn parallel_launch_matches_sequential() {
+            common::launch::parallel_matches_sequential::<$backend>(&place_or_skip, $max_blocks);
+        }
+
+        #[test]
+        fn parallel_launch_failure_poisons() {
+            common::launch::launch_failure_poisons::<$backend>(&place_or_skip, $max_blocks);
+        }
+
+        #[test]
+        fn parallel_launch_drop_joins_threads() {
+            common::launch::drop_joins_launch_threads::<$backend>(&place_or_skip, $max_blocks, 100);
+        }
     };
 }
 

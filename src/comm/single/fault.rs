@@ -1,5 +1,6 @@
 //! Fault injection on [`Communicator`] (feature `fault-injection`): making a rank miss
-//! a collective on purpose, so that users can test their own timeout handling.
+//! a collective on purpose, so that users can test their own timeout handling, or
+//! making a rank's launch fail.
 //! Without the feature nothing here is public and no launch is ever left out.
 
 use crate::backend::Backend;
@@ -52,6 +53,67 @@ impl<B: Backend> Communicator<B> {
     #[cfg(feature = "fault-injection")]
     pub fn mismatch_next(&self, rank: usize) -> Result<()> {
         self.fault_rank(rank)?.skew_next_call();
+        Ok(())
+    }
+
+    /// Fault injection (feature `fault-injection`): `rank`'s next launch (of a
+    /// collective, a barrier or a batch of group calls) fails before it is enqueued,
+    /// as a launch the driver refused would: the call returns [`Error::Backend`]
+    /// (`call: "launch"`) and, since the other ranks were launched (in parallel, or
+    /// before it in rank order), poisons the communicator until
+    /// [`Communicator::reinitialize`]. (A world of one launched nothing: no poison.)
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use peercomm::backend::{host::Host, Backend};
+    /// use peercomm::{AllReduceOptions, CommConfig, Communicator, Error};
+    ///
+    /// let config = CommConfig { barrier_timeout: Some(Duration::from_millis(200)), ..CommConfig::default() };
+    /// let comm = Communicator::<Host>::new(&[0, 1], config)?;
+    /// let mut bufs: Vec<_> = comm.ranks().iter().map(|r| Host::alloc_from(r.device(), &[1.0f32; 8]).unwrap()).collect();
+    /// comm.fail_next_launch(1)?;
+    /// let err = comm.all_reduce_sum_slices_in_place(&mut bufs, &AllReduceOptions::new());
+    /// assert!(matches!(err, Err(Error::Backend { call: "launch", .. })));
+    /// assert!(comm.is_poisoned());
+    /// # drop(comm.synchronize()); // rank 0 timed out waiting for rank 1
+    /// comm.reinitialize()?;
+    /// comm.all_reduce_sum_slices_in_place(&mut bufs, &AllReduceOptions::new())?;
+    /// comm.synchronize()?;
+    /// # Ok::<(), peercomm::Error>(())
+    /// ```
+    #[cfg(feature = "fault-injection")]
+    pub fn fail_next_launch(&self, rank: usize) -> Result<()> {
+        self.fault_rank(rank)?;
+        self.failing_launches
+            .fetch_or(1 << rank, std::sync::atomic::Ordering::AcqRel);
+        Ok(())
+    }
+
+    /// The injected failure of rank `r`'s launch, if one was asked for (and clears
+    /// the request).
+    #[cfg(feature = "fault-injection")]
+    pub(super) fn injected_launch_failure(&self, r: usize) -> Result<()> {
+        use std::sync::atomic::Ordering;
+        let bit = 1u32 << r;
+        if self.failing_launches.load(Ordering::Relaxed) & bit == 0
+            || self.failing_launches.fetch_and(!bit, Ordering::AcqRel) & bit == 0
+        {
+            return Ok(());
+        }
+        Err(Error::Backend {
+            backend: B::NAME,
+            call: "launch",
+            detail: format!(
+                "fault injection: rank {r}'s launch was made to fail \
+                 (Communicator::fail_next_launch)"
+            ),
+        })
+    }
+
+    /// Without fault injection no launch is made to fail.
+    #[cfg(not(feature = "fault-injection"))]
+    #[inline(always)]
+    pub(super) fn injected_launch_failure(&self, _r: usize) -> crate::error::Result<()> {
         Ok(())
     }
 

@@ -1,19 +1,80 @@
-//! Launching a planned collective on several cores of a [`Communicator`] at once.
+//! Launching a planned collective on several cores of a [`Communicator`] at once:
+//! every rank's kernel from its own thread of the launch pool (`launcher.rs`) where
+//! parallel launch is on ([`CommConfig::parallel_launch`]), else one rank after the
+//! other from the calling thread. Either way under the launch lock, so that a
+//! collective is enqueued on every rank before another caller's is.
 
-use std::sync::MutexGuard;
+use std::any::Any;
+use std::sync::{MutexGuard, Weak};
+use std::time::Duration;
 
 use crate::backend::Backend;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
+#[cfg(doc)]
+use crate::CommConfig;
 
 use super::super::core::group::GroupPlan;
 use super::super::core::launch::{Fused, PeerInputs};
 use super::super::core::plan::Plan;
+use super::launcher::{LaunchFn, Launcher, Launches, Outcomes};
 use super::Communicator;
 
+/// Every world rank, in order: `&ALL_RANKS[..world]` is the whole world.
+const ALL_RANKS: [usize; MAX_GPUS] = {
+    let mut all = [0; MAX_GPUS];
+    let mut r = 0;
+    while r < MAX_GPUS {
+        all[r] = r;
+        r += 1;
+    }
+    all
+};
+
+/// What starting the launch threads failing is reported as.
+pub(super) fn spawn_error(backend: &'static str, e: &std::io::Error) -> Error {
+    Error::Backend {
+        backend,
+        call: "std::thread::spawn",
+        detail: format!("starting the single controller's launch threads: {e}"),
+    }
+}
+
 impl<B: Backend> Communicator<B> {
-    pub(super) fn lock_launches(&self) -> MutexGuard<'_, ()> {
+    pub(super) fn lock_launches(&self) -> MutexGuard<'_, Launches> {
         self.launch_lock.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Turns parallel launch on or off for the calls that follow (it starts as
+    /// [`CommConfig::parallel_launch`] says): on, each rank's kernel of a collective is
+    /// enqueued by its own launch thread (rank 0's by the calling thread) and the call
+    /// returns once all are enqueued; off, the calling thread enqueues them one rank
+    /// after the other. Results, stream order and errors are the same either way;
+    /// only the host time of a call differs. Turning it on starts the launch threads if
+    /// they are not running ([`Error::Backend`] from `std::thread::spawn` if the
+    /// system refuses one); turning it off leaves them parked until the communicator is
+    /// dropped. Waits for a call in progress on another thread. A world of one has
+    /// nothing to launch in parallel: there the setting changes nothing.
+    pub fn set_parallel_launch(&self, on: bool) -> Result<()> {
+        let world = self.world_size();
+        self.lock_launches()
+            .set_parallel(world, on)
+            .map_err(|e| spawn_error(B::NAME, &e))
+    }
+
+    /// Whether calls launch on the ranks in parallel (see
+    /// [`Communicator::set_parallel_launch`]).
+    pub fn parallel_launch(&self) -> bool {
+        self.lock_launches().parallel
+    }
+
+    /// For tests: a weak handle on the launch pool's shared state (`None` where no
+    /// launch thread was started). Every launch thread holds it until the thread ends,
+    /// so once the communicator is dropped it no longer upgrades: the threads were
+    /// joined.
+    #[doc(hidden)]
+    pub fn launch_pool_probe(&self) -> Option<Weak<dyn Any + Send + Sync>> {
+        self.lock_launches().pool.as_ref().map(Launcher::probe)
     }
 
     /// Enqueues `plan` on every rank, atomically with respect to other callers.
@@ -23,15 +84,15 @@ impl<B: Backend> Communicator<B> {
         inputs: &[u64; MAX_GPUS],
         outputs: &[u64; MAX_GPUS],
     ) -> Result<()> {
-        let ranks: Vec<usize> = (0..self.world_size()).collect();
-        self.launch_on(plan, &ranks, PeerInputs::InPlace(inputs), outputs, None)
+        let ranks = &ALL_RANKS[..self.world_size()];
+        self.launch_on(plan, ranks, PeerInputs::InPlace(inputs), outputs, None)
     }
 
     /// Enqueues `plan` on the cores `ranks` (with every rank's residual and weight for
     /// the fused all-reduce + RMSNorm), atomically with respect to other callers. A
-    /// failure after some ranks were launched poisons the communicator: those ranks
-    /// wait for peers that will never come (until their timeout), so nothing may run
-    /// before [`Communicator::reinitialize`].
+    /// failure on some rank once another was launched poisons the communicator: the
+    /// launched ranks wait for peers that will never come (until their timeout), so
+    /// nothing may run before [`Communicator::reinitialize`].
     pub(super) fn launch_on(
         &self,
         plan: &Plan,
@@ -40,21 +101,18 @@ impl<B: Backend> Communicator<B> {
         outputs: &[u64; MAX_GPUS],
         fused: Option<(&[u64; MAX_GPUS], &[u64; MAX_GPUS])>,
     ) -> Result<()> {
-        let _launches = self.lock_launches();
+        let mut launches = self.lock_launches();
         self.check_usable()?;
-        for (i, &r) in ranks.iter().enumerate() {
-            let core = &self.ranks[r];
+        let launch = |r: usize| {
+            self.injected_launch_failure(r)?;
             let extra = fused.map_or(Fused::default(), |(residuals, weights)| Fused {
                 residual: residuals[r],
                 weight: weights[r],
             });
-            if let Err(e) = core.launch_fused(plan, inputs, outputs[r], extra) {
-                if i > 0 {
-                    self.poison();
-                }
-                return Err(e);
-            }
-        }
+            self.ranks[r].launch_fused(plan, inputs, outputs[r], extra)
+        };
+        let outcomes = self.launch_each(&mut launches, ranks, &launch);
+        self.settle(ranks, outcomes)?;
         // Ranks left out of this launch count it too, so that every rank's call
         // sequence stays the same.
         for (r, core) in self.ranks.iter().enumerate() {
@@ -66,15 +124,16 @@ impl<B: Backend> Communicator<B> {
     }
 
     /// Enqueues a batched all-reduce on every rank: `io[r]` holds rank r's (input,
-    /// output) pairs. Poisons on a failure after the first rank, as `launch_on`.
+    /// output) pairs. Poisons on a failure once some rank was launched, as `launch_on`.
     pub(super) fn launch_group_on_all(
         &self,
         plan: &GroupPlan,
         io: &[(&[u64; MAX_GPUS], &[u64; MAX_GPUS])],
     ) -> Result<()> {
-        let _launches = self.lock_launches();
+        let mut launches = self.lock_launches();
         self.check_usable()?;
-        for (r, core) in self.ranks.iter().enumerate() {
+        let launch = |r: usize| {
+            self.injected_launch_failure(r)?;
             // Entry s reads every rank's input in place (or stages its own, where the
             // plan says so) and writes this rank's output.
             let entries: Vec<(PeerInputs<'_>, u64)> = io
@@ -88,13 +147,89 @@ impl<B: Backend> Communicator<B> {
                     (inputs, outs[r])
                 })
                 .collect();
-            if let Err(e) = core.launch_group(plan, &entries) {
-                if r > 0 {
-                    self.poison();
-                }
-                return Err(e);
+            self.ranks[r].launch_group(plan, &entries)
+        };
+        let ranks = &ALL_RANKS[..self.world_size()];
+        let outcomes = self.launch_each(&mut launches, ranks, &launch);
+        self.settle(ranks, outcomes)
+    }
+
+    /// Fault injection's empty kernel ([`Communicator::delay_rank`]) on every rank,
+    /// launched as a collective is: by the launch threads where parallel launch is on
+    /// ([`Communicator::set_parallel_launch`]), else one rank after the other. With a
+    /// zero `delay` it times peercomm's launch path alone (no validation, no planning,
+    /// no buffers). Delays wait for nobody, so a failure poisons nothing: the first
+    /// failing rank's error is returned.
+    pub fn delay_all(&self, delay: Duration) -> Result<()> {
+        let mut launches = self.lock_launches();
+        let launch = |r: usize| self.ranks[r].endpoint.launch_delay(delay);
+        let ranks = &ALL_RANKS[..self.world_size()];
+        let outcomes = self.launch_each(&mut launches, ranks, &launch);
+        if let Some(panic) = outcomes.panic {
+            std::panic::resume_unwind(panic);
+        }
+        let mut results = outcomes.results;
+        ranks
+            .iter()
+            .find_map(|&r| results[r].take().and_then(Result::err))
+            .map_or(Ok(()), Err)
+    }
+
+    /// Runs `launch(r)` for every rank r of `ranks` (world ranks, each once) under the
+    /// launch lock (`launches`, held by the caller): at once through the pool where
+    /// parallel launch is on, each rank's outcome kept; else in order on this thread,
+    /// stopping at the first failure (the ranks after it are not launched), as a
+    /// single thread does.
+    fn launch_each(
+        &self,
+        launches: &mut Launches,
+        ranks: &[usize],
+        launch: &LaunchFn<'_>,
+    ) -> Outcomes {
+        if let Some(pool) = launches.parallel_pool() {
+            if ranks.len() > 1 {
+                let mask = ranks.iter().fold(0u32, |m, &r| m | 1 << r);
+                return pool.run(mask, launch);
             }
         }
-        Ok(())
+        let mut outcomes = Outcomes {
+            results: Default::default(),
+            panic: None,
+        };
+        for &r in ranks {
+            let result = launch(r);
+            let failed = result.is_err();
+            outcomes.results[r] = Some(result);
+            if failed {
+                break;
+            }
+        }
+        outcomes
+    }
+
+    /// What a launch on `ranks` returns: the first failing rank's error (in the order
+    /// of `ranks`), after poisoning the communicator if another rank was launched (a
+    /// launch that panicked counts as failed; its panic is resumed here, after the
+    /// poisoning).
+    fn settle(&self, ranks: &[usize], outcomes: Outcomes) -> Result<()> {
+        let mut results = outcomes.results;
+        let mut launched = false;
+        let mut first_error = None;
+        for &r in ranks {
+            match results[r].take() {
+                Some(Ok(())) => launched = true,
+                Some(Err(e)) => {
+                    first_error.get_or_insert(e);
+                }
+                None => {}
+            }
+        }
+        if launched && (first_error.is_some() || outcomes.panic.is_some()) {
+            self.poison();
+        }
+        if let Some(panic) = outcomes.panic {
+            std::panic::resume_unwind(panic);
+        }
+        first_error.map_or(Ok(()), Err)
     }
 }

@@ -2,13 +2,17 @@
 //! rank's device. It holds one per-rank core per device (`super::core`), made by the
 //! same setup as the per-rank [`crate::Comm`] over an in-process bootstrap; its calls
 //! check what only it can (every rank's tensors together), then plan on the cores and
-//! launch on each, under one lock, so that a collective is enqueued on every rank
-//! atomically. In one process the peers read each other's user buffers in place.
+//! launch on each (each rank from its own launch thread, see
+//! [`crate::CommConfig::parallel_launch`]), under one lock, so that a collective is
+//! enqueued on every rank atomically. In one process the peers read each other's user buffers in place.
 //!
 //! Here: setup and state (`mod.rs`), the all-reduce (`all_reduce.rs`, `slices.rs`), the
-//! other collectives, cross-rank validation, launching on several cores, the external
-//! library's single-controller form (`external.rs`), status and fault injection.
+//! other collectives, cross-rank validation, launching on several cores (`launch.rs`,
+//! in parallel through the launch pool of `launcher.rs`), the external library's
+//! single-controller form (`external.rs`), status and fault injection.
 
+#[cfg(feature = "fault-injection")]
+use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -34,6 +38,7 @@ mod external;
 mod fault;
 pub(crate) mod group;
 mod launch;
+mod launcher;
 mod slices;
 mod status;
 mod validate;
@@ -48,8 +53,13 @@ pub struct Communicator<B: Backend> {
     ranks: Vec<Rank<B>>,
     /// Held while a collective is enqueued on every rank (and while re-initialising):
     /// two threads sharing the communicator must not interleave their launches, or
-    /// ranks would run collectives in different orders.
-    launch_lock: Mutex<()>,
+    /// ranks would run collectives in different orders. It guards the launch pool
+    /// (one thread per rank but rank 0, joined on drop) and whether calls use it.
+    launch_lock: Mutex<launcher::Launches>,
+    /// Fault injection: bit r set makes rank r's next launch fail
+    /// ([`Communicator::fail_next_launch`]).
+    #[cfg(feature = "fault-injection")]
+    failing_launches: AtomicU32,
 }
 
 impl<B: Backend> Communicator<B> {
@@ -66,7 +76,9 @@ impl<B: Backend> Communicator<B> {
     /// Builds a communicator over already opened devices (rank i = `devices[i]`): the
     /// per-rank setup of every core at once, one thread per device over an in-process
     /// bootstrap (peer access between all pairs, the signal buffers, the peer check),
-    /// then the external library where peer memory does not serve. One physical
+    /// then the external library where peer memory does not serve, then (world > 1,
+    /// [`CommConfig::parallel_launch`]) the launch threads, one per rank but rank 0,
+    /// which live until the communicator is dropped. One physical
     /// device given twice (told by [`Backend::identity`], not by ordinal) is
     /// `Error::InvalidDevices` naming both ranks' devices, unless
     /// `CommConfig::allow_shared_devices`.
@@ -150,9 +162,13 @@ impl<B: Backend> Communicator<B> {
                 core.route.external = Some(handle);
             }
         }
+        let launches = launcher::Launches::new(world, config.parallel_launch)
+            .map_err(|e| launch::spawn_error(B::NAME, &e))?;
         Ok(Communicator {
             ranks,
-            launch_lock: Mutex::new(()),
+            launch_lock: Mutex::new(launches),
+            #[cfg(feature = "fault-injection")]
+            failing_launches: AtomicU32::new(0),
         })
     }
 
