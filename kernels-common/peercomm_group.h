@@ -169,6 +169,35 @@ PC_INLINE void all_reduce_group(const GroupArgs& g) {
     } else {
         if (!barrier<BarrierKind::Start>(c)) return abandon(c, WaitForPeers::Yes);
     }
+    if (!staged && width > 1u) {
+        // In place: no staging fixes which block reads which pack, so each thread takes
+        // its packs of the batch directly (pack-major) and finds the entry of each,
+        // instead of going through every entry.
+        with_width(width, [&]<int W>() {
+            const uint64_t first = g.entries[0].offset / 16u;
+            const GroupEntry& tail = g.entries[count - 1u];
+            const uint64_t end = tail.offset / 16u + (tail.elements + L - 1) / L;
+            for (uint64_t gp = first + tid; gp < end; gp += stride) {
+                uint32_t s = 0;
+#pragma unroll
+                for (uint32_t i = 1; i < PEERCOMM_MAX_GROUP_CALLS; ++i)
+                    if (i < count && g.entries[i].offset / 16u <= gp) s = i;
+                const GroupEntry& e = g.entries[s];
+                const uint64_t n = e.elements, packs = (n + L - 1) / L, p = gp - e.offset / 16u;
+                if (p >= packs) continue;
+                uint64_t srcs[W];
+                bool vec = aligned16(e.output);
+#pragma unroll
+                for (int k = 0; k < W; ++k) {
+                    srcs[k] = g.peer_inputs[s][k];
+                    vec = vec && aligned16(srcs[k]);
+                }
+                reduce_range<D, W>(srcs, 0, packs, n, e.output, 0, vec, p, packs);
+            }
+        });
+        if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
+        return finish(c);
+    }
     with_width(width, [&]<int W>() {
         for (uint32_t s = 0; s < count; ++s) {
             const GroupEntry& e = g.entries[s];

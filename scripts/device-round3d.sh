@@ -3,7 +3,8 @@
 # ranks on it), after scripts/device-build.sh with .device-bin carried. Logs are packed
 # into $OUT/round3d-logs.tgz; a summary is printed last. Stages, in the order given:
 #   bash scripts/device-round3d.sh [stages]
-#   group     a group of 8 all-reduces against 8 calls and one call (graph, world 2)
+#   group     a group of 8 all-reduces against 8 calls and one call (graph, world 2),
+#             with every variant bench binary present (peercomm-bench-<variant>)
 #   schost    single-controller eager host time, parallel launches off and on, against
 #             an empty launch through the same path (worlds 2, 4)
 #   hostcost  per-rank eager host time (staged, symmetric, staged with cudarc's event
@@ -24,9 +25,17 @@ for stage in $stages; do
   start=$(date +%s)
   case $stage in
   group)
-    timeout 150 $bench --world 2 --sizes 1024 --dtypes bf16 --no-nccl \
-      --auto-only --batches 15 --group-calls --out "$OUT/group" > "$OUT/group.log" 2>&1
-    summary+=("group rc=$?")
+    # The build's bench, then any variant builds beside it (peercomm-bench-<variant>:
+    # the same tree with another batched kernel), interleaved twice, in one run.
+    for round in ${GROUP_ROUNDS:-1 2}; do
+      for b in $bench .device-bin/peercomm-bench-*; do
+        [ -x "$b" ] || continue
+        v=$(basename "$b"); v=${v#peercomm-bench}; v=${v#-}; v=${v:-build}
+        timeout 60 $b --world 2 --sizes 1024 --dtypes bf16 --no-nccl \
+          --auto-only --batches 15 --group-calls --out "$OUT/group-$v-$round" > "$OUT/group-$v-$round.log" 2>&1
+        summary+=("group $v round $round rc=$?")
+      done
+    done
     ;;
   schost)
     for w in 2 4; do
@@ -46,17 +55,18 @@ for stage in $stages; do
     for t in .device-bin/test-*; do
       name=$(basename "$t")
       [ "$name" = test-cuda_per_rank ] && continue
-      PEERCOMM_FUZZ_CALLS=1000 timeout 200 "$t" --test-threads=1 > "$OUT/$name.log" 2>&1
+      case $name in test-cuda) limit=170;; test-cuda_overlap|test-cuda_driver_load) limit=40;; *) limit=70;; esac
+      PEERCOMM_FUZZ_CALLS=1000 timeout $limit "$t" --test-threads=1 > "$OUT/$name.log" 2>&1
       summary+=("$name rc=$?: $(result "$OUT/$name.log")")
     done
-    timeout 240 .device-bin/test-cuda_per_rank --test-threads=1 > "$OUT/test-cuda_per_rank.log" 2>&1
+    timeout 200 .device-bin/test-cuda_per_rank --test-threads=1 > "$OUT/test-cuda_per_rank.log" 2>&1
     summary+=("test-cuda_per_rank rc=$?: $(result "$OUT/test-cuda_per_rank.log")")
     ;;
   esac
   summary+=("  ($stage: $(( $(date +%s) - start )) s)")
 done
 grep -hE "FAILED|panicked|WRONG" "$OUT"/*.log 2>/dev/null | head -40
-grep -hE "group of 8 /|group-of-8|1-call " "$OUT"/group.log 2>/dev/null
+for f in "$OUT"/group-*.log; do [ -f "$f" ] && { echo "$(basename "$f"):"; grep -E "group of 8 /" "$f"; }; done
 grep -hE "^ *host cost|host time|launch only|tracking" "$OUT"/schost*.log 2>/dev/null
 grep -hE "^host cost" "$OUT"/hostcost*.log 2>/dev/null
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
