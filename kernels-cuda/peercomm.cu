@@ -23,9 +23,6 @@ PC_INLINE Vec16 make_vec16(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { ret
 // ---------------------------------------------------------------------------------
 // Signal words, system scope.
 
-// Keeps a computed value (and the loads behind it) without storing it anywhere.
-PC_INLINE void keep_value(uint64_t v) { asm volatile("" ::"l"(v)); }
-
 PC_INLINE uint32_t ld_relaxed_sys(const uint32_t* p) {
     uint32_t v;
     asm volatile("ld.relaxed.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");

@@ -43,9 +43,6 @@ extern "C" __device__ uint32_t peercomm_wall_clock_khz = 100000;
 // ---------------------------------------------------------------------------------
 // Signal words, system scope.
 
-// Keeps a computed value (and the loads behind it) without storing it anywhere.
-PC_INLINE void keep_value(uint64_t v) { __asm__ volatile("" ::"v"(v)); }
-
 PC_INLINE uint32_t ld_relaxed_sys(const PC_GLOBAL uint32_t* p) {
     return __hip_atomic_load(p, __ATOMIC_RELAXED, __HIP_MEMORY_SCOPE_SYSTEM);
 }
