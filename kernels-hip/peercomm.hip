@@ -134,8 +134,12 @@ PC_INLINE uint16_t bf16_from_float(float x) {
 
 PC_INLINE const Args& kernel_args() { return *(const Args*)__builtin_amdgcn_kernarg_segment_ptr(); }
 
+// 512 threads at most, as on CUDA (CommConfig::threads_per_block is at most 512): the
+// compiler then has 256 VGPRs a lane (two waves of a block per SIMD) instead of 128,
+// which the chunked collectives and one-stage need to keep their packs in registers
+// (tests/hip.rs checks for scratch).
 #define PC_HIP_KERNEL(symbol, body) \
-    extern "C" __global__ void __launch_bounds__(1024) symbol(const Args) { body(kernel_args()); }
+    extern "C" __global__ void __launch_bounds__(512) symbol(const Args) { body(kernel_args()); }
 
 PEERCOMM_KERNELS(PC_HIP_KERNEL)
 PEERCOMM_COLLECTIVE_KERNELS(PC_HIP_KERNEL)
@@ -146,7 +150,7 @@ PC_INLINE const peercomm_group_args& group_kernel_args() {
 }
 
 #define PC_HIP_GROUP_KERNEL(symbol, body)                                                   \
-    extern "C" __global__ void __launch_bounds__(1024) symbol(const peercomm_group_args) { \
+    extern "C" __global__ void __launch_bounds__(512) symbol(const peercomm_group_args) { \
         body(group_kernel_args());                                                          \
     }
 

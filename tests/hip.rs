@@ -305,6 +305,16 @@ fn barrier_disassembly_has_system_scope_ordering() {
     }
 }
 
+/// Whether a disassembled instruction touches scratch (private) memory: `scratch_*`
+/// (gfx940 and later) or the buffer instructions through the scratch resource that
+/// gfx90a spills with. The kernels move data with `global_*` only, so any buffer load
+/// or store is a spill (`buffer_wbl2`, a cache write-back, is neither).
+fn uses_scratch(line: &str) -> bool {
+    line.starts_with("scratch_")
+        || line.starts_with("buffer_store")
+        || line.starts_with("buffer_load")
+}
+
 #[test]
 fn data_kernels_move_16_byte_packs_and_use_no_scratch() {
     let Some(objdump) = find_tool("llvm-objdump") else {
@@ -320,9 +330,13 @@ fn data_kernels_move_16_byte_packs_and_use_no_scratch() {
         };
         let t = co.target;
         for dtype in ["f32", "f16", "bf16"] {
-            for family in ["one_stage", "two_stage"] {
+            for family in ["one_stage", "two_stage", "allreduce_group"] {
                 let symbol = format!("peercomm_{family}_{dtype}");
                 let lines = disassemble(&objdump, co.bytes, t, &symbol);
+                assert!(
+                    !lines.iter().any(|l| uses_scratch(l)),
+                    "{t}: {symbol} spills to scratch"
+                );
                 assert!(
                     lines.iter().any(|l| l.starts_with("global_load_dwordx4 ")),
                     "{t}: {symbol} has no 16-byte loads"
@@ -345,10 +359,7 @@ fn data_kernels_move_16_byte_packs_and_use_no_scratch() {
                     "{t}: {symbol} has no cache-bypassing 16-byte loads"
                 );
                 // Scratch would mean the argument struct (or a pack) went to memory.
-                let scratch = lines.iter().any(|l| {
-                    l.starts_with("scratch_")
-                        || (l.starts_with("buffer_store") && l.contains("s[0:3]"))
-                });
+                let scratch = lines.iter().any(|l| uses_scratch(l));
                 assert!(!scratch, "{t}: {symbol} spills to scratch");
             }
             // The other collectives (kernels-common/peercomm_collectives.h): packs, no
@@ -368,10 +379,7 @@ fn data_kernels_move_16_byte_packs_and_use_no_scratch() {
                         "{t}: {symbol} has no {op}"
                     );
                 }
-                let scratch = lines.iter().any(|l| {
-                    l.starts_with("scratch_")
-                        || (l.starts_with("buffer_store") && l.contains("s[0:3]"))
-                });
+                let scratch = lines.iter().any(|l| uses_scratch(l));
                 assert!(!scratch, "{t}: {symbol} spills to scratch");
             }
         }

@@ -28,12 +28,12 @@ pub(super) unsafe fn launch_by_value<A: Copy>(
     if dims.blocks == 0
         || dims.blocks as usize > MAX_NUM_BLOCKS_UPPER_BOUND
         || dims.threads == 0
-        || dims.threads > 1024
+        || dims.threads > 512
         || group_width > dims.threads
     {
         return Err(Error::Unsupported(format!(
             "HIP launch of {} with {} blocks of {} threads: blocks must be in 1..={}, threads \
-             in 1..=1024 and at least the group width",
+             in 1..=512 (the kernels' launch bound) and at least the group width",
             kernel.symbol(),
             dims.blocks,
             dims.threads,
