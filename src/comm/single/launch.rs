@@ -9,7 +9,7 @@ use std::sync::{MutexGuard, Weak};
 use std::time::Duration;
 
 use crate::backend::Backend;
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::signal::MAX_GPUS;
 #[cfg(doc)]
 use crate::CommConfig;
@@ -17,7 +17,7 @@ use crate::CommConfig;
 use super::super::core::group::GroupPlan;
 use super::super::core::launch::{Fused, PeerInputs};
 use super::super::core::plan::Plan;
-use super::launcher::{LaunchFn, Launcher, Launches, Outcomes};
+use super::launcher::{spawn_error, LaunchFn, Launcher, Launches, Outcomes};
 use super::Communicator;
 
 /// Every world rank, in order: `&ALL_RANKS[..world]` is the whole world.
@@ -30,15 +30,6 @@ const ALL_RANKS: [usize; MAX_GPUS] = {
     }
     all
 };
-
-/// What starting the launch threads failing is reported as.
-pub(super) fn spawn_error(backend: &'static str, e: &std::io::Error) -> Error {
-    Error::Backend {
-        backend,
-        call: "std::thread::spawn",
-        detail: format!("starting the single controller's launch threads: {e}"),
-    }
-}
 
 impl<B: Backend> Communicator<B> {
     pub(super) fn lock_launches(&self) -> MutexGuard<'_, Launches> {

@@ -23,12 +23,21 @@ use std::sync::{Arc, Weak};
 use std::thread::{self, JoinHandle, Thread};
 use std::time::{Duration, Instant};
 
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
 
 /// How long a worker (and the caller waiting for the workers) spins before parking:
 /// long enough that the calls of a decode step, back to back, find the workers awake.
 pub(super) const SPIN: Duration = Duration::from_micros(100);
+
+/// What starting the launch threads failing is reported as.
+pub(super) fn spawn_error(backend: &'static str, e: &std::io::Error) -> Error {
+    Error::Backend {
+        backend,
+        call: "std::thread::spawn",
+        detail: format!("starting the single controller's launch threads: {e}"),
+    }
+}
 
 /// One rank's launch: called with the world rank to launch on.
 pub(super) type LaunchFn<'a> = dyn Fn(usize) -> Result<()> + Sync + 'a;

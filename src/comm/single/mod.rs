@@ -163,7 +163,7 @@ impl<B: Backend> Communicator<B> {
             }
         }
         let launches = launcher::Launches::new(world, config.parallel_launch)
-            .map_err(|e| launch::spawn_error(B::NAME, &e))?;
+            .map_err(|e| launcher::spawn_error(B::NAME, &e))?;
         Ok(Communicator {
             ranks,
             launch_lock: Mutex::new(launches),
