@@ -43,8 +43,8 @@ impl<B: Backend> Communicator<B> {
     /// after the other. Results, stream order and errors are the same either way;
     /// only the host time of a call differs. Turning it on starts the launch threads if
     /// they are not running ([`crate::Error::Backend`] from `std::thread::spawn` if
-    /// the system refuses one); turning it off leaves them parked until the communicator is
-    /// dropped. Waits for a call in progress on another thread. A world of one has
+    /// the system refuses one); turning it off leaves them parked until the
+    /// communicator is dropped. Waits for a call in progress on another thread. A world of one has
     /// nothing to launch in parallel: there the setting changes nothing.
     pub fn set_parallel_launch(&self, on: bool) -> Result<()> {
         let world = self.world_size();

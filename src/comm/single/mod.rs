@@ -4,7 +4,8 @@
 //! check what only it can (every rank's tensors together), then plan on the cores and
 //! launch on each (each rank from its own launch thread, see
 //! [`crate::CommConfig::parallel_launch`]), under one lock, so that a collective is
-//! enqueued on every rank atomically. In one process the peers read each other's user buffers in place.
+//! enqueued on every rank atomically. In one process the peers read each other's user
+//! buffers in place.
 //!
 //! Here: setup and state (`mod.rs`), the all-reduce (`all_reduce.rs`, `slices.rs`), the
 //! other collectives, cross-rank validation, launching on several cores (`launch.rs`,
