@@ -146,10 +146,12 @@ pub use backend::signal_init::{create_signal_buffer, init_signal_buffer};
 pub use backend::Backend;
 pub use backend::{DeviceIdentity, IntoDevice};
 pub use bootstrap::{Bootstrap, BootstrapError, HostId, TcpBootstrap, UniqueId};
+#[cfg(feature = "cuda")]
+pub use comm::RegisteredGraph;
 #[doc(hidden)]
 pub use comm::{free_expired_teardowns, parked_teardowns};
 pub use comm::{
-    AllReduceOptions, CollectiveOptions, Comm, CommConfig, CommGroup, Communicator,
+    AllReduceOptions, CaptureInputs, CollectiveOptions, Comm, CommConfig, CommGroup, Communicator,
     CommunicatorGroup, MemoryFootprint, Rank, RegisterError, Registered, SymmetricBuffer,
     SYMMETRIC_SEGMENT_BYTES,
 };

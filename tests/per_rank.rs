@@ -395,3 +395,22 @@ fn per_rank_zero_copy_inputs_dropped_in_flight() {
     per_rank_suite::zero_copy::inputs_dropped_in_flight::<Host>(&HOST, 2);
     per_rank_suite::zero_copy::inputs_dropped_in_flight::<Host>(&HOST, 4);
 }
+
+// Registered passes (what a registered graph capture is on CUDA): the second pass reads
+// every input in place; disagreeing ranks refused in step; cycles leak nothing.
+#[test]
+fn per_rank_capture_inputs_second_pass_reads_in_place() {
+    per_rank_suite::capture_inputs::second_pass_reads_in_place::<Host>(&HOST, 2);
+    per_rank_suite::capture_inputs::second_pass_reads_in_place::<Host>(&HOST, 4);
+}
+
+#[test]
+fn per_rank_capture_inputs_disagreeing_passes_are_refused() {
+    per_rank_suite::capture_inputs::disagreeing_passes_are_refused::<Host>(&HOST, 2);
+    per_rank_suite::capture_inputs::disagreeing_passes_are_refused::<Host>(&HOST, 3);
+}
+
+#[test]
+fn per_rank_capture_inputs_cycles_leak_nothing() {
+    per_rank_suite::capture_inputs::pass_cycles_leak_nothing::<Host>(&HOST, 2, 300);
+}

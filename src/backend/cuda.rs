@@ -229,9 +229,9 @@ impl Backend for Cuda {
     fn peer_access_problem(
         dev: &CudaDevice,
         ptr: u64,
-        peer: &CudaDevice,
+        peer_ordinal: usize,
     ) -> Result<Option<String>> {
-        memory::peer_access_problem(dev, ptr, peer)
+        memory::peer_access_problem(dev, ptr, peer_ordinal)
     }
 
     fn export_memory(_dev: &CudaDevice, mem: &CudaMemory) -> Result<Vec<u8>> {

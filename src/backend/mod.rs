@@ -285,15 +285,16 @@ pub trait Backend: Sized + Send + Sync + 'static {
     fn prepare_shared_device(_dev: &Self::Device) -> Result<()> {
         Ok(())
     }
-    /// Why `peer`'s kernels could not reach the user memory at `ptr` on `dev` (which
-    /// they are about to read directly), or `None` when they can. Called before a
-    /// launch whose peers read user buffers, so that memory peer access does not cover
-    /// (a memory pool or a virtual-memory mapping without access for the peer) is a
-    /// typed error instead of a fault. The default: every address is reachable.
+    /// Why the kernels of device `peer_ordinal` (of this process) could not reach the
+    /// user memory at `ptr` on `dev` (which they are about to read directly), or `None`
+    /// when they can. Called before a launch whose peers read user buffers, and when a
+    /// per-rank buffer is registered, so that memory peer access does not cover (a
+    /// memory pool or a virtual-memory mapping without access for the peer) is a typed
+    /// error instead of a fault. The default: every address is reachable.
     fn peer_access_problem(
         _dev: &Self::Device,
         _ptr: u64,
-        _peer: &Self::Device,
+        _peer_ordinal: usize,
     ) -> Result<Option<String>> {
         Ok(None)
     }

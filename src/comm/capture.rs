@@ -1,15 +1,17 @@
 //! Capturing a communicator's calls into CUDA graphs: [`Communicator::capture`] over
 //! every rank's stream, [`Comm::capture`] over this rank's, both built on the
 //! backend's capture over a set of streams ([`capture`], which knows nothing of
-//! communicators).
+//! communicators), and [`Comm::capture_registered`], whose graph reads every input in
+//! place (`per_rank/capture_inputs.rs`).
 
 use std::sync::Arc;
 
 use cudarc::driver::{CudaGraph, CudaStream};
 
 use crate::backend::cuda::{capture, Cuda};
-use crate::error::Result;
+use crate::error::{Error, Result};
 
+use super::per_rank::capture_inputs::CaptureInputs;
 use super::{Comm, Communicator};
 
 impl Communicator<Cuda> {
@@ -51,5 +53,72 @@ impl Comm<Cuda> {
         let streams = [self.device().stream().clone()];
         let (mut graphs, value) = capture(&streams, f)?;
         Ok((graphs.remove(0), value))
+    }
+}
+
+/// A per-rank graph whose calls read the peers' inputs in place
+/// ([`Comm::capture_registered`]), with the registrations it reads them through: they
+/// end when it is dropped (the graph first), so it cannot be replayed without them.
+pub struct RegisteredGraph {
+    graph: CudaGraph,
+    inputs: CaptureInputs<Cuda>,
+}
+
+impl RegisteredGraph {
+    /// Replays the graph on the stream it was captured on (as `CudaGraph::launch`);
+    /// every rank replays its own, then waits as after eager calls
+    /// ([`Comm::synchronize`]).
+    pub fn launch(&self) -> Result<()> {
+        self.graph.launch().map_err(|e| Error::Backend {
+            backend: "cuda",
+            call: "cuGraphLaunch",
+            detail: e.to_string(),
+        })
+    }
+    /// The graph itself.
+    pub fn graph(&self) -> &CudaGraph {
+        &self.graph
+    }
+    /// What its calls read in place, and through how many registrations.
+    pub fn inputs(&self) -> &CaptureInputs<Cuda> {
+        &self.inputs
+    }
+}
+
+impl std::fmt::Debug for RegisteredGraph {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegisteredGraph")
+            .field("inputs", &self.inputs)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Comm<Cuda> {
+    /// Captures what `f` enqueues on this rank's stream into a graph whose calls read
+    /// their inputs in place, registered or not, so that no replay stages a byte (what
+    /// vLLM does with `register_graph_buffers` after a capture). Collective: every rank
+    /// captures the same calls, in the same order as its registrations and symmetric
+    /// allocations.
+    ///
+    /// `f` is captured twice ([`Comm::register_inputs_of`] over [`Comm::capture`]):
+    /// the first capture records the inputs its calls read from unregistered buffers
+    /// and is thrown away (nothing of it runs), those inputs are registered with
+    /// every peer, and the second capture is kept. So `f` must capture the same calls
+    /// on the same buffers each time (allocate them before; the capture rules say so
+    /// already); [`CaptureInputs::staged_calls`] says how many calls did not.
+    ///
+    /// Errors are [`Comm::register_inputs_of`]'s. Across processes an input must be
+    /// memory the driver can export (`cuMemAlloc` memory; not cudarc's stream-ordered
+    /// pool allocations): [`Error::CannotRegister`] on every rank says which rank's
+    /// cannot, and [`Comm::capture`] still captures the same calls staged.
+    pub fn capture_registered<R>(
+        &self,
+        mut f: impl FnMut() -> Result<R>,
+    ) -> Result<(RegisteredGraph, R)> {
+        let streams = [self.device().stream().clone()];
+        let ((mut graphs, value), inputs) =
+            self.register_inputs_of(|| capture(&streams, &mut f))?;
+        let graph = graphs.remove(0);
+        Ok((RegisteredGraph { graph, inputs }, value))
     }
 }

@@ -19,7 +19,10 @@ mod single;
 pub use self::core::collective::CollectiveOptions;
 pub use self::core::sizing::MemoryFootprint;
 pub use self::core::Rank;
+#[cfg(feature = "cuda")]
+pub use capture::RegisteredGraph;
 pub use config::{AllReduceOptions, CommConfig};
+pub use per_rank::capture_inputs::CaptureInputs;
 pub use per_rank::group::CommGroup;
 pub use per_rank::registered::{RegisterError, Registered};
 pub use per_rank::symmetric::{SymmetricBuffer, SYMMETRIC_SEGMENT_BYTES};

@@ -8,6 +8,7 @@
 
 use super::common;
 
+pub mod capture_inputs;
 pub mod chunked;
 pub mod collectives;
 pub mod fault;

@@ -1418,8 +1418,9 @@ pub fn symmetric_processes<B: Backend>(devices: &Devices, world: usize, heap_ref
 /// The cycles of one rank process (see `cycles_leak_nothing`): `cycles` times, a
 /// symmetric buffer allocated (at the range the last one freed), registered again
 /// (exported; its import is the segment's), given back and dropped, and a heap
-/// buffer's registration (refused where `heap_refused`); every 100th cycle an
-/// all-reduce reads the registered buffer in place.
+/// buffer's registration and a registered pass over a heap buffer (both refused where
+/// `heap_refused`); every 100th cycle an all-reduce reads the registered buffer in
+/// place.
 fn zero_copy_cycles<B: Backend>(comm: &Comm<B>, cycles: usize, heap_refused: bool) {
     let (rank, world) = (comm.rank(), comm.world_size());
     let dev = comm.device();
@@ -1442,6 +1443,23 @@ fn zero_copy_cycles<B: Backend>(comm: &Comm<B>, cycles: usize, heap_refused: boo
             assert_eq!(B::download(dev, &out).unwrap(), vec![want; 16]);
         }
         drop(reg.into_inner());
+        // A registered pass over a plain buffer: exported, mapped by the peer for the
+        // second pass and unmapped with the value (refused where heap memory is).
+        let plain = B::alloc_from(dev, &[rank as f32 + 1.0; 16]).unwrap();
+        let mut out = B::alloc_from(dev, &[f32::NAN; 16]).unwrap();
+        let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+        match comm.register_inputs_of(|| comm.all_reduce_sum_with(&plain, &mut out, &one)) {
+            Ok((_, inputs)) => {
+                assert!(!heap_refused, "rank {rank}: a heap buffer registered");
+                assert_eq!((inputs.registered(), inputs.in_place_calls()), (1, 1));
+                comm.synchronize().unwrap();
+                let want = (world * (world + 1) / 2) as f32;
+                assert_eq!(B::download(dev, &out).unwrap(), vec![want; 16]);
+            }
+            Err(Error::CannotRegister { .. }) => assert!(heap_refused, "rank {rank}"),
+            Err(e) => panic!("rank {rank}: {e:?}"),
+        }
+        comm.synchronize().unwrap();
         match comm.register(B::alloc_from(dev, &[1.0f32; 16]).unwrap()) {
             Ok(_registered) => assert!(!heap_refused, "rank {rank}: a heap buffer registered"),
             Err(peercomm::RegisterError {

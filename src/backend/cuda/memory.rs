@@ -164,13 +164,13 @@ pub(super) fn prepare_shared_device(dev: &CudaDevice) -> Result<()> {
 pub(super) fn peer_access_problem(
     dev: &CudaDevice,
     ptr: u64,
-    peer: &CudaDevice,
+    peer: usize,
 ) -> Result<Option<String>> {
-    if dev.ctx.ordinal() == peer.ctx.ordinal() {
+    if dev.ctx.ordinal() == peer {
         return Ok(None);
     }
-    let peer_ordinal = peer.ctx.ordinal() as i32;
-    let location = device_location(peer.ctx.ordinal());
+    let peer_ordinal = peer as i32;
+    let location = device_location(peer);
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     // SAFETY: `pool` is a valid out-pointer of the attribute's type for the call.
     unsafe {

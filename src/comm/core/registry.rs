@@ -54,8 +54,26 @@ struct Entry<B: Backend> {
     bytes: usize,
     /// `peers[k]`: group member k's range, as this rank reaches it.
     peers: [u64; MAX_GPUS],
+    /// Whether [`Registry::lookup`] finds it: a capture's registrations
+    /// (`per_rank/capture_inputs.rs`) are found only by number ([`Registry::place_in`]),
+    /// by the calls they were made for, so that they change no other call's place.
+    listed: bool,
     /// The imports it uses (shared with other entries of the same allocations).
     _imports: Vec<Arc<Import<B>>>,
+}
+
+impl<B: Backend> Entry<B> {
+    /// Every member's input at `offset` in this range.
+    fn place(&self, offset: u64) -> InPlace {
+        let mut inputs = [0u64; MAX_GPUS];
+        for (i, p) in inputs.iter_mut().zip(self.peers) {
+            *i = if p == 0 { 0 } else { p + offset };
+        }
+        InPlace {
+            tag: place_tag(self.id, offset),
+            inputs,
+        }
+    }
 }
 
 /// A peer allocation mapped here.
@@ -98,6 +116,9 @@ pub(crate) const SYMMETRIC_RECORD: u64 = u64::from_le_bytes(*b"pcsym\0\0\x01");
 /// pairs with a peer's registration.
 struct Offer {
     process: u64,
+    /// The rank's device ordinal (in its process), so that a peer in the same process
+    /// checks that this device may read its range.
+    ordinal: u64,
     id: u64,
     ptr: u64,
     bytes: u64,
@@ -106,10 +127,17 @@ struct Offer {
 
 impl Offer {
     fn encode(&self) -> Vec<u8> {
-        let mut record: Vec<u8> = [REGISTER_RECORD, self.process, self.id, self.ptr, self.bytes]
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect();
+        let mut record: Vec<u8> = [
+            REGISTER_RECORD,
+            self.process,
+            self.ordinal,
+            self.id,
+            self.ptr,
+            self.bytes,
+        ]
+        .iter()
+        .flat_map(|x| x.to_le_bytes())
+        .collect();
         record.extend_from_slice(self.refusal.as_bytes());
         record
     }
@@ -119,12 +147,13 @@ impl Offer {
                 .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
         };
         match word(0) {
-            Some(REGISTER_RECORD) if b.len() >= 40 => Ok(Offer {
-                process: word(1).expect("40 bytes"),
-                id: word(2).expect("40 bytes"),
-                ptr: word(3).expect("40 bytes"),
-                bytes: word(4).expect("40 bytes"),
-                refusal: String::from_utf8_lossy(&b[40..]).into_owned(),
+            Some(REGISTER_RECORD) if b.len() >= 48 => Ok(Offer {
+                process: word(1).expect("48 bytes"),
+                ordinal: word(2).expect("48 bytes"),
+                id: word(3).expect("48 bytes"),
+                ptr: word(4).expect("48 bytes"),
+                bytes: word(5).expect("48 bytes"),
+                refusal: String::from_utf8_lossy(&b[48..]).into_owned(),
             }),
             Some(SYMMETRIC_RECORD) => Err(refused(
                 rank,
@@ -162,22 +191,20 @@ fn first_refusal(statuses: &[Vec<u8>]) -> Option<Error> {
 }
 
 impl<B: Backend> Registry<B> {
-    /// The place of an input of `bytes` bytes at `ptr`, when a registered range holds
-    /// all of it.
+    /// The place of an input of `bytes` bytes at `ptr`, when a listed registered range
+    /// holds all of it.
     pub(crate) fn lookup(&self, ptr: u64, bytes: usize) -> Option<InPlace> {
         let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         let e = entries
             .iter()
-            .find(|e| ptr >= e.base && ptr + bytes as u64 <= e.base + e.bytes as u64)?;
-        let offset = ptr - e.base;
-        let mut inputs = [0u64; MAX_GPUS];
-        for (i, p) in inputs.iter_mut().zip(e.peers) {
-            *i = if p == 0 { 0 } else { p + offset };
-        }
-        Some(InPlace {
-            tag: place_tag(e.id, offset),
-            inputs,
-        })
+            .find(|e| e.listed && ptr >= e.base && ptr + bytes as u64 <= e.base + e.bytes as u64)?;
+        Some(e.place(ptr - e.base))
+    }
+
+    /// The place at `offset` in registration `id` (listed or not), if it is live.
+    pub(crate) fn place_in(&self, id: u64, offset: u64) -> Option<InPlace> {
+        let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        entries.iter().find(|e| e.id == id).map(|e| e.place(offset))
     }
 
     /// Forgets registration `id` (this rank only): its imports are unmapped once no
@@ -238,7 +265,13 @@ impl<B: Backend> Registry<B> {
 /// of the peer-memory group, in order; see the module docs). Returns the registration's
 /// number, the same on every rank. `local` is this rank's own verdict on the range
 /// (checked before): an error there is still gathered, so that this rank returns it
-/// and every peer returns [`Error::CannotRegister`] naming this rank.
+/// and every peer returns [`Error::CannotRegister`] naming this rank. `listed`: whether
+/// [`Registry::lookup`] finds the range (else only [`Registry::place_in`] does).
+///
+/// A peer in this process on another device reads the range at its own address, so
+/// the range must be in memory that device may reach ([`Backend::peer_access_problem`]:
+/// a memory pool or virtual-memory mapping without access for it is refused, on every
+/// rank, instead of faulting in a kernel).
 pub(crate) fn register_range<B: Backend>(
     registry: &Registry<B>,
     dev: &B::Device,
@@ -246,11 +279,13 @@ pub(crate) fn register_range<B: Backend>(
     ptr: u64,
     bytes: usize,
     local: Result<()>,
+    listed: bool,
 ) -> Result<u64> {
     let (me, n) = (group.rank(), group.world_size());
     let mut made = registry.made.lock().unwrap_or_else(|e| e.into_inner());
     let mine = Offer {
         process: process_token(),
+        ordinal: B::ordinal(dev) as u64,
         id: *made,
         ptr,
         bytes: bytes as u64,
@@ -331,7 +366,24 @@ pub(crate) fn register_range<B: Backend>(
     let mut imports = Vec::new();
     let mut problem = String::new();
     for (r, o) in offers.iter().enumerate() {
-        peers[r] = if r == me || o.process == mine.process {
+        peers[r] = if r == me {
+            o.ptr
+        } else if o.process == mine.process {
+            // The peer reads this rank's range at its address: may its device?
+            if problem.is_empty() {
+                match B::peer_access_problem(dev, ptr, o.ordinal as usize) {
+                    Ok(None) => {}
+                    Ok(Some(detail)) => {
+                        problem = format!(
+                            "its buffer is not reachable from device {} (rank {r}'s): \
+                             {detail}; allocate it with cuMemAlloc or from the device's \
+                             default memory pool, or grant the peer access",
+                            o.ordinal
+                        )
+                    }
+                    Err(e) => problem = format!("checking rank {r}'s access failed: {e}"),
+                }
+            }
             o.ptr
         } else {
             let h = &handles[r];
@@ -367,6 +419,7 @@ pub(crate) fn register_range<B: Backend>(
             base: ptr,
             bytes,
             peers,
+            listed,
             _imports: imports,
         });
     Ok(id)
@@ -383,6 +436,7 @@ mod tests {
     fn records_tell_their_kind_and_refusal() {
         let offer = Offer {
             process: 7,
+            ordinal: 2,
             id: 3,
             ptr: 0x1000,
             bytes: 256,
@@ -390,8 +444,8 @@ mod tests {
         };
         let back = Offer::decode(1, &offer.encode()).unwrap();
         assert_eq!(
-            (back.process, back.id, back.ptr, back.bytes),
-            (7, 3, 0x1000, 256)
+            (back.process, back.ordinal, back.id, back.ptr, back.bytes),
+            (7, 2, 3, 0x1000, 256)
         );
         assert_eq!(back.refusal, "on another device");
         let mut other: Vec<u8> = [SYMMETRIC_RECORD, 0, 0, 256, 64 << 20]
@@ -404,7 +458,7 @@ mod tests {
             }
             _ => panic!("a symmetric record decoded as a registration"),
         }
-        other.truncate(32);
+        other.truncate(40);
         other[..8].copy_from_slice(&REGISTER_RECORD.to_le_bytes());
         assert!(matches!(
             Offer::decode(0, &other),

@@ -35,6 +35,7 @@ use super::core::setup::Placement;
 use super::core::Rank;
 use super::{AllReduceOptions, CommConfig};
 
+pub(crate) mod capture_inputs;
 mod collectives;
 mod fault;
 pub(crate) mod group;
@@ -103,6 +104,8 @@ pub struct Comm<B: Backend> {
     registry: Arc<Registry<B>>,
     /// The symmetric pool (`symmetric.rs`).
     pool: super::core::pool::SymmetricPool<B>,
+    /// What a registered capture's passes do with the inputs (`capture_inputs.rs`).
+    script: std::cell::RefCell<capture_inputs::Script>,
     /// Makes `Comm` `Send` but not `Sync` (see "One issuing thread per rank").
     _one_issuing_thread: std::marker::PhantomData<std::cell::Cell<()>>,
 }
@@ -252,6 +255,7 @@ impl<B: Backend> Comm<B> {
             torn_down: AtomicBool::new(false),
             registry: Arc::new(Registry::default()),
             pool: super::core::pool::SymmetricPool::default(),
+            script: Default::default(),
             _one_issuing_thread: std::marker::PhantomData,
         })
     }
@@ -386,9 +390,14 @@ impl<B: Backend> Comm<B> {
     }
 
     /// Where the peers read an input of `bytes` bytes at `ptr`: in place where a
-    /// registered buffer (or a symmetric one) holds it, else from this rank's payload.
+    /// registered buffer (or a symmetric one) holds it, or during a registered
+    /// capture's second pass the registration made for it; else from this rank's
+    /// payload.
     pub(super) fn place_of(&self, ptr: u64, bytes: usize) -> Option<InPlace> {
-        self.registry.lookup(ptr, bytes)
+        let listed = self.registry.lookup(ptr, bytes);
+        self.script
+            .borrow_mut()
+            .place(&self.registry, ptr, bytes, listed)
     }
 
     /// Launches a planned all-reduce, or runs it where the router sent it.

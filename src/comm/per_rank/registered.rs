@@ -114,6 +114,7 @@ impl<B: Backend> Comm<B> {
             ptr,
             bytes,
             local,
+            true,
         )
     }
 

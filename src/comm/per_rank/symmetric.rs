@@ -332,6 +332,7 @@ impl<B: Backend> Comm<B> {
                 ptr,
                 mine.new_segment_bytes as usize,
                 local,
+                true,
             )?;
             let memory = memory.expect("registered only where allocated");
             segments.push(Arc::new(Segment {

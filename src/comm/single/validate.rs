@@ -147,12 +147,12 @@ impl<B: Backend> Communicator<B> {
         for (r, rank) in self.ranks.iter().enumerate().filter(|&(r, _)| ptrs[r] != 0) {
             let base = r / plan.width * plan.width;
             for peer in (base..base + plan.width).filter(|&p| p != r) {
-                let peer_dev = self.ranks[peer].device();
-                if let Some(detail) = B::peer_access_problem(rank.device(), ptrs[r], peer_dev)? {
+                let peer_device = B::ordinal(self.ranks[peer].device());
+                if let Some(detail) = B::peer_access_problem(rank.device(), ptrs[r], peer_device)? {
                     return Err(Error::BufferNotPeerAccessible {
                         rank: r,
                         which,
-                        peer_device: B::ordinal(peer_dev),
+                        peer_device,
                         detail,
                     });
                 }

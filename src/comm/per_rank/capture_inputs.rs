@@ -1,0 +1,470 @@
+//! Zero copy for the calls of a capture whose inputs are not registered (what vLLM's
+//! `register_graph_buffers` does after a capture): [`Comm::register_inputs_of`] runs
+//! a pass (on CUDA, a graph capture) once recording the unregistered inputs its calls
+//! read, registers those inputs with the peers (collective), and runs the pass again
+//! with each of those calls reading its input in place through the registration made
+//! for it. The kernels take the peers' addresses as arguments, so the second capture
+//! is what makes every replay read in place: no indirection table on the device.
+//!
+//! The registrations are made for the calls, not for the buffers: the second pass's
+//! k-th unregistered input is the k-th recorded one, found by number, never by
+//! [`Registry::lookup`], so they change the place of no other call (an eager call on
+//! the same buffer still stages), and ranks that alias buffers differently (rank 0
+//! passes one buffer to two calls, rank 1 two buffers) still pair call for call.
+//! Where every rank's input of a call lies at the same offset of an earlier call's
+//! recorded input, the call shares that registration.
+
+use std::sync::Arc;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+
+use super::super::core::registry::{
+    refusal_text, register_range, InPlace, Registry, REGISTER_RECORD, SYMMETRIC_RECORD,
+};
+use super::Comm;
+
+/// The first word of a registered capture's gathered record (see `REGISTER_RECORD`).
+const CAPTURE_RECORD: u64 = u64::from_le_bytes(*b"pccap\0\0\x01");
+
+/// What the current pass of [`Comm::register_inputs_of`] does with an input.
+#[derive(Default)]
+pub(crate) enum Script {
+    /// No registered capture: inputs are placed by the listed registrations only.
+    #[default]
+    Off,
+    /// The first pass: the unregistered inputs (address, bytes), in call order.
+    Record(Vec<(u64, usize)>),
+    /// The second pass: the recorded inputs' registrations, taken in order.
+    Follow(Follow),
+}
+
+/// The second pass's script and what it found.
+pub(crate) struct Follow {
+    steps: Vec<Step>,
+    next: usize,
+    in_place: usize,
+    staged: usize,
+}
+
+/// A recorded input and where it is read in place.
+struct Step {
+    ptr: u64,
+    bytes: usize,
+    id: u64,
+    offset: u64,
+}
+
+impl Script {
+    /// The place of an input of `bytes` bytes at `ptr`, given `listed`, what the listed
+    /// registrations say of it.
+    pub(crate) fn place<B: Backend>(
+        &mut self,
+        registry: &Registry<B>,
+        ptr: u64,
+        bytes: usize,
+        listed: Option<InPlace>,
+    ) -> Option<InPlace> {
+        match self {
+            Script::Off => listed,
+            Script::Record(inputs) => {
+                if listed.is_none() && bytes > 0 {
+                    inputs.push((ptr, bytes));
+                }
+                listed
+            }
+            Script::Follow(f) if listed.is_some() => {
+                f.in_place += 1;
+                listed
+            }
+            Script::Follow(_) if bytes == 0 => None,
+            Script::Follow(f) => {
+                let step = f
+                    .steps
+                    .get(f.next)
+                    .filter(|s| s.ptr == ptr && s.bytes == bytes);
+                match step.and_then(|s| registry.place_in(s.id, s.offset)) {
+                    Some(place) => {
+                        f.next += 1;
+                        f.in_place += 1;
+                        Some(place)
+                    }
+                    None => {
+                        f.staged += 1;
+                        None
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// The registrations that the calls of a registered capture read their inputs through
+/// ([`Comm::register_inputs_of`], [`Comm::capture_registered`]): they last as long as
+/// this value (the graph must not be replayed after it is dropped, which
+/// `RegisteredGraph` ensures by holding both). Dropping it ends them on this rank; the
+/// peers' mappings close when they drop theirs.
+pub struct CaptureInputs<B: Backend> {
+    registry: Arc<Registry<B>>,
+    ids: Vec<u64>,
+    in_place: usize,
+    staged: usize,
+}
+
+impl<B: Backend> CaptureInputs<B> {
+    /// Registrations made for the capture (inputs that every rank passes at the same
+    /// offset of an earlier call's input share one).
+    pub fn registered(&self) -> usize {
+        self.ids.len()
+    }
+    /// Calls of the kept pass whose peers read the input in place (through these
+    /// registrations, or because it was registered or symmetric already).
+    pub fn in_place_calls(&self) -> usize {
+        self.in_place
+    }
+    /// Calls of the kept pass whose input is staged all the same: the pass read an
+    /// input the first pass did not (a buffer allocated inside it, a different call
+    /// sequence). Such calls are still right, only not zero-copy; 0 when the pass
+    /// allocates nothing and issues the same calls each time.
+    pub fn staged_calls(&self) -> usize {
+        self.staged
+    }
+}
+
+impl<B: Backend> Drop for CaptureInputs<B> {
+    fn drop(&mut self) {
+        for &id in &self.ids {
+            self.registry.remove(id);
+        }
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for CaptureInputs<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CaptureInputs")
+            .field("registered", &self.ids.len())
+            .field("in_place_calls", &self.in_place)
+            .field("staged_calls", &self.staged)
+            .finish()
+    }
+}
+
+/// Puts the script back to `Off` however the pass ends (an error or a panic).
+struct ScriptOff<'a>(&'a std::cell::RefCell<Script>);
+
+impl Drop for ScriptOff<'_> {
+    fn drop(&mut self) {
+        *self.0.borrow_mut() = Script::Off;
+    }
+}
+
+/// One rank's gathered record: its recorded inputs, or why it refuses.
+fn encode(inputs: &[(u64, usize)], refusal: &str) -> Vec<u8> {
+    let mut words = vec![CAPTURE_RECORD, refusal.len() as u64, inputs.len() as u64];
+    for &(ptr, bytes) in inputs {
+        words.extend([ptr, bytes as u64]);
+    }
+    let mut record: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
+    record.extend_from_slice(refusal.as_bytes());
+    record
+}
+
+fn refused(rank: usize, reason: String) -> Error {
+    Error::CannotRegister { rank, reason }
+}
+
+/// Rank `rank`'s recorded inputs from its record.
+fn decode(rank: usize, b: &[u8]) -> Result<Vec<(u64, usize)>> {
+    let word = |i: usize| {
+        b.get(8 * i..8 * i + 8)
+            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+    };
+    match word(0) {
+        Some(CAPTURE_RECORD) => {}
+        Some(REGISTER_RECORD) | Some(SYMMETRIC_RECORD) => {
+            return Err(refused(
+                rank,
+                "it registers or allocates a symmetric buffer where this rank makes a \
+                 registered capture: every rank makes them in the same order"
+                    .into(),
+            ))
+        }
+        _ => {
+            return Err(refused(
+                rank,
+                format!("a malformed capture record ({} bytes)", b.len()),
+            ))
+        }
+    }
+    let malformed = || {
+        refused(
+            rank,
+            format!("a malformed capture record ({} bytes)", b.len()),
+        )
+    };
+    let (refusal_len, count) = (
+        word(1).ok_or_else(malformed)?,
+        word(2).ok_or_else(malformed)?,
+    );
+    let pairs_end = count
+        .checked_mul(16)
+        .and_then(|p| p.checked_add(24))
+        .filter(|&e| e <= b.len() as u64)
+        .ok_or_else(malformed)? as usize;
+    if refusal_len > 0 {
+        let text = b.get(pairs_end..).ok_or_else(malformed)?;
+        return Err(refused(rank, String::from_utf8_lossy(text).into_owned()));
+    }
+    Ok((0..count as usize)
+        .map(|k| {
+            let at = 3 + 2 * k;
+            (
+                word(at).expect("in range"),
+                word(at + 1).expect("in range") as usize,
+            )
+        })
+        .collect())
+}
+
+/// Which registration each recorded call reads through: `(kept index, offset)` per
+/// call, from every rank's list (`lists[rank][call]`, checked alike in length and
+/// sizes), and the calls whose ranges are registered (kept), in order. A call shares
+/// a kept call's registration where every rank's input lies inside that rank's kept
+/// input at one and the same offset; every rank computes the same answer.
+fn share(lists: &[Vec<(u64, usize)>]) -> (Vec<(usize, u64)>, Vec<usize>) {
+    let calls = lists.first().map_or(0, Vec::len);
+    let mut kept: Vec<usize> = Vec::new();
+    let mut uses = Vec::with_capacity(calls);
+    for k in 0..calls {
+        let inside = |j: usize| -> Option<u64> {
+            let (p0, _) = lists[0][j];
+            let offset = lists[0][k].0.checked_sub(p0)?;
+            lists
+                .iter()
+                .all(|l| {
+                    let ((pj, bj), (pk, bk)) = (l[j], l[k]);
+                    pk.checked_sub(pj) == Some(offset) && offset + bk as u64 <= bj as u64
+                })
+                .then_some(offset)
+        };
+        match kept
+            .iter()
+            .enumerate()
+            .find_map(|(i, &j)| inside(j).map(|o| (i, o)))
+        {
+            Some(shared) => uses.push(shared),
+            None => {
+                uses.push((kept.len(), 0));
+                kept.push(k);
+            }
+        }
+    }
+    (uses, kept)
+}
+
+/// Checks that every rank recorded the same number of inputs with the same sizes.
+fn check_lists(lists: &[Vec<(u64, usize)>]) -> Result<()> {
+    let first = &lists[0];
+    for (r, l) in lists.iter().enumerate() {
+        if l.len() != first.len() {
+            return Err(refused(
+                r,
+                format!(
+                    "its pass read {} unregistered inputs where rank 0's read {}: every rank \
+                     captures the same calls",
+                    l.len(),
+                    first.len()
+                ),
+            ));
+        }
+        if let Some(k) = (0..l.len()).find(|&k| l[k].1 != first[k].1) {
+            return Err(refused(
+                r,
+                format!(
+                    "the input of its pass's unregistered call {k} is {} bytes where rank \
+                     0's is {}: every rank captures the same calls",
+                    l[k].1, first[k].1
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+impl<B: Backend> Comm<B> {
+    /// Runs `pass` twice so that its calls read their inputs in place (collective:
+    /// every rank, with the same calls in the pass, in the same order as its other
+    /// registrations and symmetric allocations). The first time, the inputs its calls
+    /// read from unregistered buffers are recorded, and its value is dropped; they are
+    /// then registered with every peer; the second time, each of those calls reads its
+    /// input in place through the registration made for it. Returns the second pass's
+    /// value, and the registrations, which must outlive whatever the pass made of the
+    /// calls. Where no call read an unregistered input, the first pass's value is kept
+    /// and the pass runs once.
+    ///
+    /// Made for graph captures ([`Comm::capture_registered`] is this over a capture),
+    /// where the first pass enqueues nothing that runs. On a backend without capture
+    /// (the host backend) the first pass's calls run too: the pass must be safe to run
+    /// twice. It must read the same input buffers each time (allocate them before);
+    /// [`CaptureInputs::staged_calls`] counts the calls of the second pass that read
+    /// an input the first did not, which still run right but staged.
+    ///
+    /// Errors, on every rank: the pass's own error (on the rank where it failed;
+    /// [`Error::CannotRegister`] naming it on the others), [`Error::CannotRegister`]
+    /// where ranks recorded different calls or an input cannot be registered (memory
+    /// another process cannot import, as for [`Comm::register`]), and
+    /// [`Error::Unsupported`] where the world has no peer memory. Nothing stays
+    /// registered after an error.
+    pub fn register_inputs_of<T>(
+        &self,
+        mut pass: impl FnMut() -> Result<T>,
+    ) -> Result<(T, CaptureInputs<B>)> {
+        self.check_zero_copy()?;
+        let core = &*self.core;
+        let usable = core.check_usable();
+        let first = match &usable {
+            Ok(()) => {
+                let _off = ScriptOff(&self.script);
+                *self.script.borrow_mut() = Script::Record(Vec::new());
+                let value = pass();
+                let recorded = match std::mem::take(&mut *self.script.borrow_mut()) {
+                    Script::Record(inputs) => inputs,
+                    _ => Vec::new(),
+                };
+                value.map(|v| (v, recorded))
+            }
+            Err(e) => Err(e.clone()),
+        };
+        let (mine, refusal) = match &first {
+            Ok((_, inputs)) => (inputs.clone(), String::new()),
+            Err(e) => (Vec::new(), refusal_text(e)),
+        };
+        let gathered = self.bootstrap.all_gather(&encode(&mine, &refusal));
+        let (value, _) = first?;
+        let lists = gathered?
+            .iter()
+            .enumerate()
+            .map(|(r, b)| decode(r, b))
+            .collect::<Result<Vec<_>>>()?;
+        check_lists(&lists)?;
+        let mut inputs = CaptureInputs {
+            registry: self.registry.clone(),
+            ids: Vec::new(),
+            in_place: 0,
+            staged: 0,
+        };
+        if mine.is_empty() {
+            return Ok((value, inputs));
+        }
+        drop(value);
+        let (uses, kept) = share(&lists);
+        for &k in &kept {
+            let (ptr, bytes) = mine[k];
+            // Every rank fails the same registration alike; `inputs` ends the ones made.
+            let id = register_range(
+                &self.registry,
+                core.device(),
+                &*self.bootstrap,
+                ptr,
+                bytes,
+                Ok(()),
+                false,
+            )?;
+            inputs.ids.push(id);
+        }
+        let steps = mine
+            .iter()
+            .zip(&uses)
+            .map(|(&(ptr, bytes), &(kept, offset))| Step {
+                ptr,
+                bytes,
+                id: inputs.ids[kept],
+                offset,
+            })
+            .collect();
+        let _off = ScriptOff(&self.script);
+        *self.script.borrow_mut() = Script::Follow(Follow {
+            steps,
+            next: 0,
+            in_place: 0,
+            staged: 0,
+        });
+        let value = pass()?;
+        if let Script::Follow(f) = &*self.script.borrow() {
+            inputs.in_place = f.in_place;
+            inputs.staged = f.staged;
+        }
+        Ok((value, inputs))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip_and_carry_refusals() {
+        let inputs = vec![(0x1000, 256), (0x2000, 64)];
+        assert_eq!(decode(1, &encode(&inputs, "")).unwrap(), inputs);
+        match decode(2, &encode(&inputs, "it failed")) {
+            Err(Error::CannotRegister { rank: 2, reason }) => assert_eq!(reason, "it failed"),
+            other => panic!("{other:?}"),
+        }
+        let mut short = encode(&inputs, "");
+        short.truncate(40);
+        assert!(matches!(
+            decode(0, &short),
+            Err(Error::CannotRegister { rank: 0, .. })
+        ));
+        let register: Vec<u8> = [REGISTER_RECORD, 0, 0]
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect();
+        match decode(1, &register) {
+            Err(Error::CannotRegister { rank: 1, reason }) => {
+                assert!(reason.contains("registered capture"), "{reason}")
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Sharing: the same buffer on every rank shares; a rank that aliases where its
+    /// peer does not, or a different offset per rank, does not.
+    #[test]
+    fn calls_share_only_where_every_rank_agrees() {
+        // Call 1 is call 0's buffer on both ranks; call 2 is inside call 0's at 64 on
+        // both; call 3 aliases call 0 on rank 0 only; call 4 is inside at different
+        // offsets.
+        let rank0 = vec![
+            (0x1000, 256),
+            (0x1000, 256),
+            (0x1040, 64),
+            (0x1000, 256),
+            (0x1010, 16),
+        ];
+        let rank1 = vec![
+            (0x9000, 256),
+            (0x9000, 256),
+            (0x9040, 64),
+            (0x5000, 256),
+            (0x9020, 16),
+        ];
+        let (uses, kept) = share(&[rank0, rank1]);
+        assert_eq!(kept, vec![0, 3, 4]);
+        assert_eq!(uses, vec![(0, 0), (0, 0), (0, 64), (1, 0), (2, 0)]);
+    }
+
+    #[test]
+    fn lists_must_agree_in_length_and_sizes() {
+        let a = vec![(0x1000, 256)];
+        assert!(check_lists(&[a.clone(), a.clone()]).is_ok());
+        assert!(matches!(
+            check_lists(&[a.clone(), vec![]]),
+            Err(Error::CannotRegister { rank: 1, .. })
+        ));
+        assert!(matches!(
+            check_lists(&[a, vec![(0x1000, 128)]]),
+            Err(Error::CannotRegister { rank: 1, .. })
+        ));
+    }
+}

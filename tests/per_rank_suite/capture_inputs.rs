@@ -1,0 +1,250 @@
+//! Registered captures on the per-rank `Comm` (issue 20 item 2, graphs), generic over
+//! the backend: `Comm::register_inputs_of` runs a pass twice, registering between the
+//! passes the unregistered inputs that the first one's calls read, so that the second
+//! one's calls read them in place. On CUDA the pass is a graph capture
+//! (`Comm::capture_registered`, tested in tests/cuda_per_rank.rs with replays); here it
+//! runs its calls eagerly, which is what the host backend can do, and shows the same
+//! things: the second pass reads in place (a two-stage call, which staged inputs
+//! refuse, runs), every output is right (f64 reference, outputs poisoned first) and has
+//! the staged call's bits, the registrations change no other call's place and end
+//! with the value, and disagreeing ranks get typed errors on every rank, in step.
+
+use peercomm::backend::Backend;
+use peercomm::{Algorithm, AllReduceOptions, CollectiveOptions, Comm, Element, Error};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
+
+use super::common::collectives::{assert_bits, expect_all_gather};
+use super::common::{self, random_inputs};
+use super::{seed, with_world, Placement};
+
+fn inputs<T: Element>(seed: u64, case: usize, world: usize, len: usize) -> Vec<Vec<T>> {
+    let mut rng = StdRng::seed_from_u64(seed ^ ((case as u64) << 24));
+    random_inputs::<T>(&mut rng, world, len)
+}
+
+fn nan<T: Element>(len: usize) -> Vec<T> {
+    vec![T::from_f32(f32::NAN); len]
+}
+
+fn opts(a: Algorithm) -> AllReduceOptions {
+    AllReduceOptions::new().algorithm(a)
+}
+
+/// One pass of five calls: a one-stage all-reduce (f32), an all-reduce of bf16 run
+/// one-stage in the first pass and two-stage in the second (which only an input read
+/// in place can run), an all-reduce whose input rank 0 takes from the first call
+/// where the others take a buffer of their own (so rank 0's two calls share a buffer
+/// and the peers' do not), an all-gather, and an in-place two-stage all-reduce
+/// (refilled first). Every pass poisons the outputs before its calls.
+pub fn second_pass_reads_in_place<B: Backend>(place: &Placement, world: usize) {
+    let seed = seed("per_rank_capture_inputs_second_pass_reads_in_place");
+    let (n, m, g) = (4099, 65_537, 1023);
+    with_world::<B, _>(place, world, |rank, comm| {
+        let dev = comm.device();
+        let a_in = inputs::<f32>(seed, 0, world, n);
+        let b_in = inputs::<half::bf16>(seed, 1, world, m);
+        let c_in = inputs::<f32>(seed, 2, world, n);
+        let g_in = inputs::<f32>(seed, 3, world, g);
+        let e_in = inputs::<f32>(seed, 4, world, m);
+        let a = B::alloc_from(dev, &a_in[rank]).unwrap();
+        let b = B::alloc_from(dev, &b_in[rank]).unwrap();
+        let c = B::alloc_from(dev, &c_in[rank]).unwrap();
+        let gs = B::alloc_from(dev, &g_in[rank]).unwrap();
+        let mut e = B::alloc_from(dev, &e_in[rank]).unwrap();
+        let mut o1 = B::alloc_buffer::<f32>(dev, n).unwrap();
+        let mut o2 = B::alloc_buffer::<half::bf16>(dev, m).unwrap();
+        let mut o3 = B::alloc_buffer::<f32>(dev, n).unwrap();
+        let mut og = B::alloc_buffer::<f32>(dev, g * world).unwrap();
+        let third: Vec<Vec<f32>> = (0..world)
+            .map(|r| {
+                if r == 0 {
+                    a_in[0].clone()
+                } else {
+                    c_in[r].clone()
+                }
+            })
+            .collect();
+        let before = comm.registrations();
+        let mut pass = 0;
+        let (algorithms, registered) = comm
+            .register_inputs_of(|| {
+                pass += 1;
+                B::upload(dev, &nan::<f32>(n), &mut o1)?;
+                B::upload(dev, &nan::<half::bf16>(m), &mut o2)?;
+                B::upload(dev, &nan::<f32>(n), &mut o3)?;
+                B::upload(dev, &nan::<f32>(g * world), &mut og)?;
+                B::upload(dev, &e_in[rank], &mut e)?;
+                let second = if pass == 1 {
+                    Algorithm::OneStage
+                } else {
+                    Algorithm::TwoStage
+                };
+                comm.all_reduce_sum_with(&a, &mut o1, &opts(Algorithm::OneStage))?;
+                let b_ran = comm.all_reduce_sum_with(&b, &mut o2, &opts(second))?;
+                let third_input = if rank == 0 { &a } else { &c };
+                comm.all_reduce_sum_with(third_input, &mut o3, &AllReduceOptions::new())?;
+                comm.all_gather(&gs, &mut og, &CollectiveOptions::new())?;
+                let e_ran = comm.all_reduce_sum_in_place_with(&mut e, &opts(second))?;
+                comm.synchronize()?;
+                Ok((b_ran, e_ran))
+            })
+            .unwrap();
+        assert_eq!(pass, 2, "rank {rank}: the pass runs twice");
+        assert_eq!(
+            algorithms,
+            (Algorithm::TwoStage, Algorithm::TwoStage),
+            "rank {rank}"
+        );
+        // Rank 0's third call shares its first's buffer, its peers' do not: five.
+        assert_eq!(registered.registered(), 5, "rank {rank}");
+        assert_eq!(registered.in_place_calls(), 5, "rank {rank}");
+        assert_eq!(registered.staged_calls(), 0, "rank {rank}");
+        assert_eq!(comm.registrations().0, before.0 + 5, "rank {rank}");
+        let everyone = |v: Vec<f32>| vec![v; world];
+        let got1 = B::download(dev, &o1).unwrap();
+        common::check_sums(&a_in, &everyone(got1.clone()), world, "one-stage, in place");
+        let got2 = B::download(dev, &o2).unwrap();
+        common::check_sums(&b_in, &vec![got2; world], world, "two-stage, in place");
+        let got3 = B::download(dev, &o3).unwrap();
+        common::check_sums(&third, &everyone(got3.clone()), world, "aliased input");
+        assert_bits(
+            &B::download(dev, &og).unwrap(),
+            &expect_all_gather(&g_in, world, rank),
+            "all-gather",
+        );
+        let got_e = B::download(dev, &e).unwrap();
+        common::check_sums(&e_in, &everyone(got_e), world, "in-place two-stage");
+        // The capture's registrations are the calls': an eager call on the same buffer
+        // still stages (two-stage refused), and gives the same bits one-stage.
+        match comm.all_reduce_sum_with(&b, &mut o2, &opts(Algorithm::TwoStage)) {
+            Err(Error::Unsupported(_)) => {}
+            other => panic!("rank {rank}: an eager call read a capture's input: {other:?}"),
+        }
+        B::upload(dev, &nan::<f32>(n), &mut o1).unwrap();
+        comm.all_reduce_sum_with(&a, &mut o1, &opts(Algorithm::OneStage))
+            .unwrap();
+        B::upload(dev, &nan::<f32>(n), &mut o3).unwrap();
+        let third_input = if rank == 0 { &a } else { &c };
+        comm.all_reduce_sum(third_input, &mut o3).unwrap();
+        comm.synchronize().unwrap();
+        assert_bits(&B::download(dev, &o1).unwrap(), &got1, "staged one-stage");
+        assert_bits(&B::download(dev, &o3).unwrap(), &got3, "staged aliased");
+        drop(registered);
+        assert_eq!(
+            comm.registrations(),
+            before,
+            "rank {rank}: ended with the value"
+        );
+    });
+    eprintln!("per_rank_capture_inputs_second_pass_reads_in_place world {world}: 5 calls in place");
+}
+
+/// What one rank's pass does in a refusal case.
+#[derive(Clone, Copy, PartialEq)]
+enum Part {
+    /// One group-of-one all-reduce of 256 floats (no peer waits for it).
+    Solo,
+    /// Two of them.
+    TwoSolos,
+    /// One of 128 floats.
+    SmallSolo,
+    /// Fails before any call.
+    Fails,
+    /// Registers a buffer instead (`Comm::register`).
+    Registers,
+}
+
+fn run_part<B: Backend>(comm: &Comm<B>, part: Part) -> Result<(), Error> {
+    let dev = comm.device();
+    let solo = AllReduceOptions::new().group_size(1);
+    let len = if part == Part::SmallSolo { 128 } else { 256 };
+    let a = B::alloc_from(dev, &vec![1.0f32; len]).unwrap();
+    let b = B::alloc_from(dev, &vec![2.0f32; len]).unwrap();
+    let mut out = B::alloc_buffer::<f32>(dev, len).unwrap();
+    match part {
+        Part::Fails => {
+            return comm
+                .register_inputs_of(|| -> Result<(), Error> {
+                    Err(Error::InvalidConfig("this rank's pass failed".into()))
+                })
+                .map(drop)
+        }
+        Part::Registers => return comm.register(a).map(drop).map_err(|e| e.error),
+        _ => {}
+    }
+    comm.register_inputs_of(|| {
+        comm.all_reduce_sum_with(&a, &mut out, &solo)?;
+        if part == Part::TwoSolos {
+            comm.all_reduce_sum_with(&b, &mut out, &solo)?;
+        }
+        comm.synchronize()
+    })
+    .map(drop)
+}
+
+/// Ranks whose passes disagree (one more call, another size, a pass that fails, a
+/// registration where the peers capture) get typed errors on every rank: the rank whose
+/// pass failed its own error, every other rank `CannotRegister` naming the odd rank.
+/// Nothing stays registered, and a matching call works after each case.
+pub fn disagreeing_passes_are_refused<B: Backend>(place: &Placement, world: usize) {
+    let odd = world - 1;
+    let cases = [
+        (Part::TwoSolos, "one more call"),
+        (Part::SmallSolo, "another size"),
+        (Part::Fails, "a failed pass"),
+        (Part::Registers, "a registration"),
+    ];
+    with_world::<B, _>(place, world, |rank, comm| {
+        let before = comm.registrations();
+        let dev = comm.device();
+        for (odd_part, what) in cases {
+            let part = if rank == odd { odd_part } else { Part::Solo };
+            let got = run_part(&comm, part);
+            match (&got, rank == odd, odd_part) {
+                (Err(Error::InvalidConfig(_)), true, Part::Fails) => {}
+                (Err(Error::CannotRegister { .. }), true, Part::Registers) => {}
+                (Err(Error::CannotRegister { rank: r, .. }), _, _) if *r == odd || rank == odd => {}
+                _ => panic!("rank {rank}, {what}: {got:?}"),
+            }
+            assert_eq!(comm.registrations(), before, "rank {rank}, {what}");
+            // Every rank still in step: a matching world call.
+            let ones = B::alloc_from(dev, &[1.0f32; 64]).unwrap();
+            let mut out = B::alloc_from(dev, &[f32::NAN; 64]).unwrap();
+            comm.all_reduce_sum(&ones, &mut out).unwrap();
+            comm.synchronize().unwrap();
+            assert_eq!(B::download(dev, &out).unwrap(), vec![world as f32; 64]);
+        }
+        // The same passes on every rank register, and the value ends them.
+        let got = run_part(&comm, Part::TwoSolos);
+        assert!(got.is_ok(), "rank {rank}: {got:?}");
+        assert_eq!(comm.registrations(), before, "rank {rank}");
+    });
+}
+
+/// `cycles` registered passes of one all-reduce, each value dropped: the
+/// registrations end where they started, every sum right.
+pub fn pass_cycles_leak_nothing<B: Backend>(place: &Placement, world: usize, cycles: usize) {
+    with_world::<B, _>(place, world, |rank, comm| {
+        let dev = comm.device();
+        let before = comm.registrations();
+        let send = B::alloc_from(dev, &[rank as f32 + 1.0; 1000]).unwrap();
+        let mut out = B::alloc_buffer::<f32>(dev, 1000).unwrap();
+        let want = (world * (world + 1) / 2) as f32;
+        for cycle in 0..cycles {
+            let ((), inputs) = comm
+                .register_inputs_of(|| {
+                    comm.all_reduce_sum_with(&send, &mut out, &opts(Algorithm::OneStage))
+                        .map(drop)
+                })
+                .unwrap();
+            assert_eq!(inputs.in_place_calls(), 1);
+            if cycle % 50 == 0 {
+                comm.synchronize().unwrap();
+                assert_eq!(B::download(dev, &out).unwrap(), vec![want; 1000]);
+            }
+        }
+        comm.synchronize().unwrap();
+        assert_eq!(comm.registrations(), before, "rank {rank}");
+    });
+}
