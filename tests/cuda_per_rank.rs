@@ -523,3 +523,32 @@ fn cuda_per_rank_zero_copy_cycles_leak_nothing() {
         per_rank_suite::zero_copy::cycles_leak_nothing::<Cuda>(200, false);
     }
 }
+
+// Registered captures (tests/per_rank_suite/capture_inputs.rs): the generic passes run
+// eagerly, then graphs captured with `Comm::capture_registered` and replayed.
+cuda_trust!(
+    cuda_per_rank_capture_inputs_second_pass_reads_in_place,
+    |place| {
+        per_rank_suite::capture_inputs::second_pass_reads_in_place::<Cuda>(&place, 2);
+        per_rank_suite::capture_inputs::second_pass_reads_in_place::<Cuda>(&place, 4);
+    }
+);
+cuda_trust!(
+    cuda_per_rank_capture_inputs_disagreeing_passes_are_refused,
+    |place| {
+        per_rank_suite::capture_inputs::disagreeing_passes_are_refused::<Cuda>(&place, 2);
+        per_rank_suite::capture_inputs::disagreeing_passes_are_refused::<Cuda>(&place, 3);
+    }
+);
+cuda_trust!(cuda_per_rank_capture_inputs_cycles_leak_nothing, |place| {
+    per_rank_suite::capture_inputs::pass_cycles_leak_nothing::<Cuda>(&place, 2, 300)
+});
+cuda_trust!(cuda_per_rank_capture_registered_world_2, |place| {
+    per_rank_suite::capture_inputs::graphs::replays_read_in_place(&place, 2)
+});
+cuda_trust!(cuda_per_rank_capture_registered_world_4, |place| {
+    per_rank_suite::capture_inputs::graphs::replays_read_in_place(&place, 4)
+});
+cuda_trust!(cuda_per_rank_symmetric_trim, |place| {
+    per_rank_suite::symmetric_trim::frees_only_segments_empty_everywhere::<Cuda>(&place, 2)
+});

@@ -414,3 +414,9 @@ fn per_rank_capture_inputs_disagreeing_passes_are_refused() {
 fn per_rank_capture_inputs_cycles_leak_nothing() {
     per_rank_suite::capture_inputs::pass_cycles_leak_nothing::<Host>(&HOST, 2, 300);
 }
+
+#[test]
+fn per_rank_symmetric_trim_frees_only_segments_empty_everywhere() {
+    per_rank_suite::symmetric_trim::frees_only_segments_empty_everywhere::<Host>(&HOST, 2);
+    per_rank_suite::symmetric_trim::frees_only_segments_empty_everywhere::<Host>(&HOST, 3);
+}

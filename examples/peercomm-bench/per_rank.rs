@@ -18,7 +18,7 @@ use cudarc::nccl::{Comm as NcclComm, Id, ReduceOp};
 use peercomm::backend::cuda::Cuda;
 use peercomm::backend::TypedBuffer;
 use peercomm::bootstrap::UniqueId;
-use peercomm::Comm;
+use peercomm::{Algorithm, Comm};
 
 use super::*;
 
@@ -439,6 +439,17 @@ fn sweep(
                         .unwrap();
                 }
             });
+            // The staged call's plain buffers, captured registered: the graph reads them
+            // in place (one registration, shared by the 50 calls).
+            let (registered, registered_algorithm) = comm
+                .capture_registered(|| {
+                    let mut ran = Algorithm::Auto;
+                    for _ in 0..CALLS {
+                        ran = comm.all_reduce_sum_with(&send, &mut recv, &opts)?;
+                    }
+                    Ok(ran)
+                })
+                .expect("a registered capture");
             let theirs = nccl.as_ref().map(|nccl| {
                 graph_of(&mut || {
                     for _ in 0..CALLS {
@@ -457,6 +468,17 @@ fn sweep(
                 "graph",
                 graph,
             ));
+            rendezvous(&comm);
+            let graph = per_call_us(&comm, &stream, args.batches, || {
+                registered.launch().unwrap()
+            });
+            mine.push(at(
+                "peercomm-per-rank-registered",
+                registered_algorithm.name(),
+                "graph",
+                graph,
+            ));
+            drop(registered);
             if let Some(theirs) = theirs {
                 rendezvous(&comm);
                 let graph = per_call_us(&comm, &stream, args.batches, || theirs.launch().unwrap());

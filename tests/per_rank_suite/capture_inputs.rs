@@ -248,3 +248,115 @@ pub fn pass_cycles_leak_nothing<B: Backend>(place: &Placement, world: usize, cyc
         assert_eq!(comm.registrations(), before, "rank {rank}");
     });
 }
+
+/// The registered graph capture on CUDA (`Comm::capture_registered`).
+#[cfg(feature = "cuda")]
+pub mod graphs {
+    use peercomm::backend::cuda::Cuda;
+    use peercomm::backend::Backend;
+    use peercomm::{Algorithm, AllReduceOptions, CollectiveOptions};
+
+    use super::super::common::collectives::{assert_bits, expect_all_gather};
+    use super::super::{common, seed, with_world, Placement};
+    use super::{inputs, nan, opts};
+
+    /// A graph of four calls on plain (unregistered) inputs, captured registered: a
+    /// one-stage all-reduce (f32), a two-stage one (bf16, 2 MiB: only inputs read in
+    /// place run it), an `Auto` one, and an all-gather. It reads every input in place,
+    /// and three replays with fresh inputs (outputs poisoned before each) are right
+    /// against the f64 reference; the one-stage and `Auto` outputs have the bits of
+    /// the same calls captured staged (`Comm::capture`). Dropping the graph ends its
+    /// registrations.
+    pub fn replays_read_in_place(place: &Placement, world: usize) {
+        let seed = seed("cuda_per_rank_capture_registered");
+        let (n, m, g) = (4099, 1 << 20, 1023);
+        with_world::<Cuda, _>(place, world, |rank, comm| {
+            let dev = comm.device();
+            let mut a = Cuda::alloc_buffer::<f32>(dev, n).unwrap();
+            let mut b = Cuda::alloc_buffer::<half::bf16>(dev, m).unwrap();
+            let mut c = Cuda::alloc_buffer::<f32>(dev, m).unwrap();
+            let mut gs = Cuda::alloc_buffer::<f32>(dev, g).unwrap();
+            let mut o1 = Cuda::alloc_buffer::<f32>(dev, n).unwrap();
+            let mut o2 = Cuda::alloc_buffer::<half::bf16>(dev, m).unwrap();
+            let mut o3 = Cuda::alloc_buffer::<f32>(dev, m).unwrap();
+            let mut og = Cuda::alloc_buffer::<f32>(dev, g * world).unwrap();
+            let before = comm.registrations();
+            let (graph, ran) = comm
+                .capture_registered(|| {
+                    let one = comm.all_reduce_sum_with(&a, &mut o1, &opts(Algorithm::OneStage))?;
+                    let two = comm.all_reduce_sum_with(&b, &mut o2, &opts(Algorithm::TwoStage))?;
+                    let auto = comm.all_reduce_sum(&c, &mut o3)?;
+                    comm.all_gather(&gs, &mut og, &CollectiveOptions::new())?;
+                    Ok((one, two, auto))
+                })
+                .unwrap();
+            let inputs_of = graph.inputs();
+            assert_eq!(
+                (
+                    inputs_of.registered(),
+                    inputs_of.in_place_calls(),
+                    inputs_of.staged_calls()
+                ),
+                (4, 4, 0),
+                "rank {rank}"
+            );
+            assert_eq!(comm.registrations().0, before.0 + 4, "rank {rank}");
+            assert_eq!((ran.0, ran.1), (Algorithm::OneStage, Algorithm::TwoStage));
+            let mut kept = (Vec::new(), Vec::new());
+            for replay in 0..3 {
+                let case = 10 * replay;
+                let a_in = inputs::<f32>(seed, case, world, n);
+                let b_in = inputs::<half::bf16>(seed, case + 1, world, m);
+                let c_in = inputs::<f32>(seed, case + 2, world, m);
+                let g_in = inputs::<f32>(seed, case + 3, world, g);
+                Cuda::upload(dev, &a_in[rank], &mut a).unwrap();
+                Cuda::upload(dev, &b_in[rank], &mut b).unwrap();
+                Cuda::upload(dev, &c_in[rank], &mut c).unwrap();
+                Cuda::upload(dev, &g_in[rank], &mut gs).unwrap();
+                Cuda::upload(dev, &nan::<f32>(n), &mut o1).unwrap();
+                Cuda::upload(dev, &nan::<half::bf16>(m), &mut o2).unwrap();
+                Cuda::upload(dev, &nan::<f32>(m), &mut o3).unwrap();
+                Cuda::upload(dev, &nan::<f32>(g * world), &mut og).unwrap();
+                // Every rank's inputs are in place before any rank's replay reads them.
+                comm.synchronize().unwrap();
+                comm.barrier(0).unwrap();
+                graph.launch().unwrap();
+                comm.synchronize().unwrap();
+                let got1 = Cuda::download(dev, &o1).unwrap();
+                let got3 = Cuda::download(dev, &o3).unwrap();
+                common::check_sums(&a_in, &vec![got1.clone(); world], world, "one-stage");
+                let got2 = Cuda::download(dev, &o2).unwrap();
+                common::check_sums(&b_in, &vec![got2; world], world, "two-stage");
+                common::check_sums(&c_in, &vec![got3.clone(); world], world, "auto");
+                assert_bits(
+                    &Cuda::download(dev, &og).unwrap(),
+                    &expect_all_gather(&g_in, world, rank),
+                    "all-gather",
+                );
+                kept = (got1, got3);
+            }
+            // The same calls captured staged, over the last replay's inputs.
+            let (staged, _) = comm
+                .capture(|| {
+                    comm.all_reduce_sum_with(&a, &mut o1, &opts(Algorithm::OneStage))?;
+                    comm.all_reduce_sum_with(&c, &mut o3, &AllReduceOptions::new())
+                })
+                .unwrap();
+            Cuda::upload(dev, &nan::<f32>(n), &mut o1).unwrap();
+            Cuda::upload(dev, &nan::<f32>(m), &mut o3).unwrap();
+            comm.synchronize().unwrap();
+            comm.barrier(0).unwrap();
+            staged.launch().unwrap();
+            comm.synchronize().unwrap();
+            assert_bits(
+                &Cuda::download(dev, &o1).unwrap(),
+                &kept.0,
+                "staged one-stage",
+            );
+            assert_bits(&Cuda::download(dev, &o3).unwrap(), &kept.1, "staged auto");
+            drop(graph);
+            assert_eq!(comm.registrations(), before, "rank {rank}");
+        });
+        eprintln!("cuda_per_rank_capture_registered world {world}: 3 replays, 4 calls in place");
+    }
+}

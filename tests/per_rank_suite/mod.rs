@@ -17,6 +17,7 @@ pub mod fuzz;
 pub mod identity;
 pub mod processes;
 pub mod sizing;
+pub mod symmetric_trim;
 pub mod teardown;
 pub mod trust;
 pub mod zero_copy;

@@ -52,6 +52,10 @@ impl<B: Backend> Segment<B> {
             }
         }
     }
+    /// Whether all of it is free (after [`Segment::reclaim`]).
+    pub(crate) fn is_whole(&self) -> bool {
+        *self.free.lock().unwrap_or_else(|e| e.into_inner()) == [(0, self.bytes)]
+    }
     /// Moves the dropped ranges into the free list (merging neighbours); whether there
     /// were any.
     pub(crate) fn reclaim(&self) -> bool {

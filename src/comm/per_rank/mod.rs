@@ -43,6 +43,7 @@ mod parking;
 pub(crate) mod registered;
 mod status;
 pub(crate) mod symmetric;
+mod symmetric_trim;
 mod teardown;
 
 pub use parking::{free_expired_teardowns, parked_teardowns};

@@ -45,7 +45,8 @@ pub const SYMMETRIC_SEGMENT_BYTES: usize = 64 << 20;
 /// tracks no events: work on the communicator's stream is ordered with it; work on
 /// another stream orders itself with that stream, as with any raw allocation. Freed on
 /// drop (its range is reused only by a later allocation, after this rank's queued work
-/// is done); the pool's segments live while a buffer in them does.
+/// is done); a segment stays allocated and mapped after its last buffer is dropped,
+/// for the next allocation, until [`Comm::trim_symmetric`] or the communicator's drop.
 pub struct SymmetricBuffer<B: Backend, T: Element> {
     segment: Arc<Segment<B>>,
     offset: u64,

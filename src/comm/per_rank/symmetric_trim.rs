@@ -1,0 +1,159 @@
+//! Giving back the symmetric pool's empty segments ([`Comm::trim_symmetric`]): a
+//! segment stays allocated and mapped by every peer after its last buffer is dropped
+//! (so that the next allocation costs no export and no import); trimming frees the
+//! segments that no rank holds a buffer in, collectively, as `torch.cuda.empty_cache`
+//! gives back its cached blocks.
+
+use std::sync::Arc;
+
+use crate::backend::Backend;
+use crate::error::{Error, Result};
+
+use super::super::core::registry::{refusal_text, REGISTER_RECORD, SYMMETRIC_RECORD};
+use super::Comm;
+
+/// The first word of a trim's gathered record (see `REGISTER_RECORD`).
+const TRIM_RECORD: u64 = u64::from_le_bytes(*b"pctrim\0\x01");
+
+/// One rank's record: which of its segments are empty, or why it refuses.
+fn encode(empty: &[bool], refusal: &str) -> Vec<u8> {
+    let mut record: Vec<u8> = [TRIM_RECORD, empty.len() as u64, refusal.len() as u64]
+        .iter()
+        .flat_map(|w| w.to_le_bytes())
+        .collect();
+    record.extend(empty.iter().map(|&e| e as u8));
+    record.extend_from_slice(refusal.as_bytes());
+    record
+}
+
+/// Rank `rank`'s empty segments, from its record.
+fn decode(rank: usize, b: &[u8], segments: usize) -> Result<Vec<bool>> {
+    let refused = |reason: String| Error::CannotRegister { rank, reason };
+    let word = |i: usize| {
+        b.get(8 * i..8 * i + 8)
+            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
+    };
+    match word(0) {
+        Some(TRIM_RECORD) => {}
+        Some(REGISTER_RECORD) | Some(SYMMETRIC_RECORD) => {
+            return Err(refused(
+                "it registers or allocates a symmetric buffer where this rank trims the pool: \
+                 every rank makes them in the same order"
+                    .into(),
+            ))
+        }
+        _ => {
+            return Err(refused(format!(
+                "a malformed trim record ({} bytes)",
+                b.len()
+            )))
+        }
+    }
+    let malformed = || refused(format!("a malformed trim record ({} bytes)", b.len()));
+    let count = word(1).ok_or_else(malformed)? as usize;
+    let refusal_len = word(2).ok_or_else(malformed)? as usize;
+    let flags = b.get(24..24 + count).ok_or_else(malformed)?;
+    if refusal_len > 0 {
+        let text = b.get(24 + count..).ok_or_else(malformed)?;
+        return Err(refused(String::from_utf8_lossy(text).into_owned()));
+    }
+    if count != segments {
+        return Err(refused(format!(
+            "its symmetric pool has {count} segments where this rank's has {segments}: every \
+             rank allocates and drops symmetric buffers in the same order"
+        )));
+    }
+    Ok(flags.iter().map(|&f| f == 1).collect())
+}
+
+impl<B: Backend> Comm<B> {
+    /// Frees the symmetric pool's segments that hold no buffer on any rank (collective:
+    /// every rank calls it, in the same order as its symmetric allocations and
+    /// registrations), and returns the bytes this rank freed. A segment that a buffer of
+    /// any rank still lies in stays (its range placement is every rank's). This rank's
+    /// mappings of the peers' freed segments are closed, and every rank has closed
+    /// its own, before any rank frees the memory. Errors, on every rank alike:
+    /// [`Error::CannotRegister`] where a peer allocates or registers meanwhile, or its
+    /// pool differs; a poisoned communicator is [`Error::Poisoned`] here and
+    /// `CannotRegister` naming this rank on the peers, which stay in step.
+    pub fn trim_symmetric(&self) -> Result<u64> {
+        let core = &*self.core;
+        let mut segments = self.pool.segments.lock().unwrap_or_else(|e| e.into_inner());
+        let local = core.check_usable().and_then(|_| {
+            // Dropped ranges count as free once this rank's work before the drop is done.
+            let mut reclaimed = false;
+            for s in segments.iter() {
+                reclaimed |= s.reclaim();
+            }
+            if reclaimed {
+                B::synchronize(core.device())?;
+            }
+            Ok(())
+        });
+        // Empty: no buffer holds it (the pool's handle is the only one) and all of it
+        // is free.
+        let empty: Vec<bool> = segments
+            .iter()
+            .map(|s| local.is_ok() && Arc::strong_count(s) == 1 && s.is_whole())
+            .collect();
+        let refusal = local.as_ref().err().map(refusal_text).unwrap_or_default();
+        let gathered = self.bootstrap.all_gather(&encode(&empty, &refusal));
+        local?;
+        let lists = gathered?
+            .iter()
+            .enumerate()
+            .map(|(r, b)| decode(r, b, segments.len()))
+            .collect::<Result<Vec<_>>>()?;
+        let free_everywhere = |i: usize| lists.iter().all(|l| l[i]);
+        if !(0..segments.len()).any(free_everywhere) {
+            return Ok(0);
+        }
+        let (gone, kept): (Vec<_>, Vec<_>) = std::mem::take(&mut *segments)
+            .into_iter()
+            .enumerate()
+            .partition(|(i, _)| free_everywhere(*i));
+        *segments = kept.into_iter().map(|(_, s)| s).collect();
+        // First every rank closes its mappings of the peers' segments, then the memory
+        // goes: no rank frees what a peer still has mapped.
+        for (_, s) in &gone {
+            self.registry.remove(s.registration);
+        }
+        let closed = self.bootstrap.barrier();
+        let bytes = gone.iter().map(|(_, s)| s.bytes).sum();
+        drop(gone);
+        closed?;
+        Ok(bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn records_round_trip_and_refuse_other_kinds() {
+        assert_eq!(
+            decode(1, &encode(&[true, false], ""), 2).unwrap(),
+            vec![true, false]
+        );
+        for (record, what) in [
+            (encode(&[true], "poisoned"), "poisoned"),
+            (encode(&[true, true], ""), "2 segments"),
+        ] {
+            match decode(3, &record, 1) {
+                Err(Error::CannotRegister { rank: 3, reason }) => {
+                    assert!(reason.contains(what), "{reason}")
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+        let symmetric: Vec<u8> = [SYMMETRIC_RECORD, 0, 0]
+            .iter()
+            .flat_map(|w| w.to_le_bytes())
+            .collect();
+        assert!(matches!(
+            decode(0, &symmetric, 0),
+            Err(Error::CannotRegister { rank: 0, .. })
+        ));
+    }
+}
