@@ -11,7 +11,7 @@ use cudarc::driver::{CudaGraph, CudaStream};
 use crate::backend::cuda::{capture, Cuda};
 use crate::error::{Error, Result};
 
-use super::per_rank::capture_inputs::CaptureInputs;
+use super::per_rank::capture_inputs::{CaptureInputs, Planning};
 use super::{Comm, Communicator};
 
 impl Communicator<Cuda> {
@@ -101,9 +101,11 @@ impl Comm<Cuda> {
     /// allocations.
     ///
     /// `f` is captured twice ([`Comm::register_inputs_of`] over [`Comm::capture`]):
-    /// the first capture records the inputs its calls read from unregistered buffers
-    /// and is thrown away (nothing of it runs), those inputs are registered with
-    /// every peer, and the second capture is kept. So `f` must capture the same calls
+    /// the first capture records the inputs its calls read from unregistered buffers,
+    /// its calls planned as if they read in place (so every option the second capture
+    /// takes, two-stage included, is accepted), and is thrown away without ever being
+    /// launched; those inputs are registered with every peer, and the second capture
+    /// is kept. So `f` must capture the same calls
     /// on the same buffers each time (allocate them before; the capture rules say so
     /// already); [`CaptureInputs::staged_calls`] says how many calls did not.
     ///
@@ -116,8 +118,11 @@ impl Comm<Cuda> {
         mut f: impl FnMut() -> Result<R>,
     ) -> Result<(RegisteredGraph, R)> {
         let streams = [self.device().stream().clone()];
+        // The first capture is planned as the second (an explicit two-stage is
+        // accepted) and never launched: it is dropped inside.
+        let planning = Planning::InPlace(self.rank());
         let ((mut graphs, value), inputs) =
-            self.register_inputs_of(|| capture(&streams, &mut f))?;
+            self.register_passes(|| capture(&streams, &mut f), planning)?;
         let graph = graphs.remove(0);
         Ok((RegisteredGraph { graph, inputs }, value))
     }

@@ -33,10 +33,24 @@ pub(crate) enum Script {
     /// No registered capture: inputs are placed by the listed registrations only.
     #[default]
     Off,
-    /// The first pass: the unregistered inputs (address, bytes), in call order.
-    Record(Vec<(u64, usize)>),
+    /// The first pass: the unregistered inputs (address, bytes), in call order, and
+    /// whether the pass never runs (a capture that is thrown away), so that its calls
+    /// are planned as the second pass's will be, reading in place.
+    Record(Vec<(u64, usize)>, Planning),
     /// The second pass: the recorded inputs' registrations, taken in order.
     Follow(Follow),
+}
+
+/// How the first pass plans the calls it records.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Planning {
+    /// Staged, as they are: the pass runs (a backend without capture).
+    Staged,
+    /// As if read in place (rank `.0`'s own input at its own address, the peers' at
+    /// 0): the pass is a capture that is thrown away, never launched, so that an
+    /// option only in-place inputs allow (two-stage) is accepted in both passes.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    InPlace(usize),
 }
 
 /// The second pass's script and what it found.
@@ -67,11 +81,19 @@ impl Script {
     ) -> Option<InPlace> {
         match self {
             Script::Off => listed,
-            Script::Record(inputs) => {
-                if listed.is_none() && bytes > 0 {
-                    inputs.push((ptr, bytes));
+            Script::Record(inputs, planning) => {
+                if listed.is_some() || bytes == 0 {
+                    return listed;
                 }
-                listed
+                inputs.push((ptr, bytes));
+                match *planning {
+                    Planning::Staged => None,
+                    Planning::InPlace(rank) => {
+                        let mut inputs = [0u64; crate::signal::MAX_GPUS];
+                        inputs[rank] = ptr;
+                        Some(InPlace { tag: 1, inputs })
+                    }
+                }
             }
             Script::Follow(f) if listed.is_some() => {
                 f.in_place += 1;
@@ -303,9 +325,11 @@ impl<B: Backend> Comm<B> {
     /// and the pass runs once.
     ///
     /// Made for graph captures ([`Comm::capture_registered`] is this over a capture),
-    /// where the first pass enqueues nothing that runs. On a backend without capture
-    /// (the host backend) the first pass's calls run too: the pass must be safe to run
-    /// twice. It must read the same input buffers each time (allocate them before);
+    /// where the first pass enqueues nothing that runs. Here the first pass's calls
+    /// run, staged (on the host backend, which has no capture, or eagerly on CUDA): the
+    /// pass must be safe to run twice, and its first run's options must be ones staged
+    /// inputs allow (not an explicit two-stage; `Auto` picks it in the second pass
+    /// where it pays). It must read the same input buffers each time (allocate them before);
     /// [`CaptureInputs::staged_calls`] counts the calls of the second pass that read
     /// an input the first did not, which still run right but staged.
     ///
@@ -317,7 +341,16 @@ impl<B: Backend> Comm<B> {
     /// registered after an error.
     pub fn register_inputs_of<T>(
         &self,
+        pass: impl FnMut() -> Result<T>,
+    ) -> Result<(T, CaptureInputs<B>)> {
+        self.register_passes(pass, Planning::Staged)
+    }
+
+    /// [`Comm::register_inputs_of`], its first pass planned as `planning` says.
+    pub(crate) fn register_passes<T>(
+        &self,
         mut pass: impl FnMut() -> Result<T>,
+        planning: Planning,
     ) -> Result<(T, CaptureInputs<B>)> {
         self.check_zero_copy()?;
         let core = &*self.core;
@@ -325,10 +358,10 @@ impl<B: Backend> Comm<B> {
         let first = match &usable {
             Ok(()) => {
                 let _off = ScriptOff(&self.script);
-                *self.script.borrow_mut() = Script::Record(Vec::new());
+                *self.script.borrow_mut() = Script::Record(Vec::new(), planning);
                 let value = pass();
                 let recorded = match std::mem::take(&mut *self.script.borrow_mut()) {
-                    Script::Record(inputs) => inputs,
+                    Script::Record(inputs, _) => inputs,
                     _ => Vec::new(),
                 };
                 value.map(|v| (v, recorded))
