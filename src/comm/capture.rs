@@ -11,7 +11,8 @@ use cudarc::driver::{CudaGraph, CudaStream};
 use crate::backend::cuda::{capture, Cuda};
 use crate::error::{Error, Result};
 
-use super::per_rank::capture_inputs::{CaptureInputs, Planning};
+use super::core::capture_script::Planning;
+use super::per_rank::capture_inputs::CaptureInputs;
 use super::{Comm, Communicator};
 
 impl Communicator<Cuda> {

@@ -19,6 +19,7 @@ use crate::error::{Error, Result};
 use crate::signal::{MAX_GPUS, NUM_BARRIER_DOMAINS};
 
 pub(crate) mod call;
+pub(crate) mod capture_script;
 pub(crate) mod check;
 pub(crate) mod collective;
 pub(crate) mod collective_staging;

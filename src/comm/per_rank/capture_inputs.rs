@@ -19,107 +19,14 @@ use std::sync::Arc;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 
+use super::super::core::capture_script::{Follow, Planning, Script, Step};
 use super::super::core::registry::{
-    refusal_text, register_range, InPlace, Registry, REGISTER_RECORD, SYMMETRIC_RECORD,
+    refusal_text, register_range, Registry, REGISTER_RECORD, SYMMETRIC_RECORD,
 };
 use super::Comm;
 
 /// The first word of a registered capture's gathered record (see `REGISTER_RECORD`).
 const CAPTURE_RECORD: u64 = u64::from_le_bytes(*b"pccap\0\0\x01");
-
-/// What the current pass of [`Comm::register_inputs_of`] does with an input.
-#[derive(Default)]
-pub(crate) enum Script {
-    /// No registered capture: inputs are placed by the listed registrations only.
-    #[default]
-    Off,
-    /// The first pass: the unregistered inputs (address, bytes), in call order, and
-    /// whether the pass never runs (a capture that is thrown away), so that its calls
-    /// are planned as the second pass's will be, reading in place.
-    Record(Vec<(u64, usize)>, Planning),
-    /// The second pass: the recorded inputs' registrations, taken in order.
-    Follow(Follow),
-}
-
-/// How the first pass plans the calls it records.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-pub(crate) enum Planning {
-    /// Staged, as they are: the pass runs (a backend without capture).
-    Staged,
-    /// As if read in place (rank `.0`'s own input at its own address, the peers' at
-    /// 0): the pass is a capture that is thrown away, never launched, so that an
-    /// option only in-place inputs allow (two-stage) is accepted in both passes.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    InPlace(usize),
-}
-
-/// The second pass's script and what it found.
-pub(crate) struct Follow {
-    steps: Vec<Step>,
-    next: usize,
-    in_place: usize,
-    staged: usize,
-}
-
-/// A recorded input and where it is read in place.
-struct Step {
-    ptr: u64,
-    bytes: usize,
-    id: u64,
-    offset: u64,
-}
-
-impl Script {
-    /// The place of an input of `bytes` bytes at `ptr`, given `listed`, what the listed
-    /// registrations say of it.
-    pub(crate) fn place<B: Backend>(
-        &mut self,
-        registry: &Registry<B>,
-        ptr: u64,
-        bytes: usize,
-        listed: Option<InPlace>,
-    ) -> Option<InPlace> {
-        match self {
-            Script::Off => listed,
-            Script::Record(inputs, planning) => {
-                if listed.is_some() || bytes == 0 {
-                    return listed;
-                }
-                inputs.push((ptr, bytes));
-                match *planning {
-                    Planning::Staged => None,
-                    Planning::InPlace(rank) => {
-                        let mut inputs = [0u64; crate::signal::MAX_GPUS];
-                        inputs[rank] = ptr;
-                        Some(InPlace { tag: 1, inputs })
-                    }
-                }
-            }
-            Script::Follow(f) if listed.is_some() => {
-                f.in_place += 1;
-                listed
-            }
-            Script::Follow(_) if bytes == 0 => None,
-            Script::Follow(f) => {
-                let step = f
-                    .steps
-                    .get(f.next)
-                    .filter(|s| s.ptr == ptr && s.bytes == bytes);
-                match step.and_then(|s| registry.place_in(s.id, s.offset)) {
-                    Some(place) => {
-                        f.next += 1;
-                        f.in_place += 1;
-                        Some(place)
-                    }
-                    None => {
-                        f.staged += 1;
-                        None
-                    }
-                }
-            }
-        }
-    }
-}
 
 /// The registrations that the calls of a registered capture read their inputs through
 /// ([`Comm::register_inputs_of`], [`Comm::capture_registered`]): they last as long as
@@ -416,12 +323,7 @@ impl<B: Backend> Comm<B> {
             })
             .collect();
         let _off = ScriptOff(&self.script);
-        *self.script.borrow_mut() = Script::Follow(Follow {
-            steps,
-            next: 0,
-            in_place: 0,
-            staged: 0,
-        });
+        *self.script.borrow_mut() = Script::Follow(Follow::new(steps));
         let value = pass()?;
         if let Script::Follow(f) = &*self.script.borrow() {
             inputs.in_place = f.in_place;

@@ -106,7 +106,7 @@ pub struct Comm<B: Backend> {
     /// The symmetric pool (`symmetric.rs`).
     pool: super::core::pool::SymmetricPool<B>,
     /// What a registered capture's passes do with the inputs (`capture_inputs.rs`).
-    script: std::cell::RefCell<capture_inputs::Script>,
+    script: std::cell::RefCell<super::core::capture_script::Script>,
     /// Makes `Comm` `Send` but not `Sync` (see "One issuing thread per rank").
     _one_issuing_thread: std::marker::PhantomData<std::cell::Cell<()>>,
 }

@@ -1,0 +1,112 @@
+//! What the passes of a per-rank registered capture (`per_rank/capture_inputs.rs`) do
+//! with each call's input: the first records the unregistered inputs, the second
+//! reads each through the registration made for it, found by number.
+
+use super::registry::{InPlace, Registry};
+use crate::backend::Backend;
+
+/// What the current pass of `Comm::register_inputs_of` does with an input.
+#[derive(Default)]
+pub(crate) enum Script {
+    /// No registered capture: inputs are placed by the listed registrations only.
+    #[default]
+    Off,
+    /// The first pass: the unregistered inputs (address, bytes), in call order, and
+    /// whether the pass never runs (a capture that is thrown away), so that its calls
+    /// are planned as the second pass's will be, reading in place.
+    Record(Vec<(u64, usize)>, Planning),
+    /// The second pass: the recorded inputs' registrations, taken in order.
+    Follow(Follow),
+}
+
+/// How the first pass plans the calls it records.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(crate) enum Planning {
+    /// Staged, as they are: the pass runs (a backend without capture).
+    Staged,
+    /// As if read in place (rank `.0`'s own input at its own address, the peers' at
+    /// 0): the pass is a capture that is thrown away, never launched, so that an
+    /// option only in-place inputs allow (two-stage) is accepted in both passes.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    InPlace(usize),
+}
+
+/// The second pass's script and what it found.
+pub(crate) struct Follow {
+    steps: Vec<Step>,
+    next: usize,
+    pub(crate) in_place: usize,
+    pub(crate) staged: usize,
+}
+
+impl Follow {
+    /// The second pass of `steps`, nothing found yet.
+    pub(crate) fn new(steps: Vec<Step>) -> Self {
+        Follow {
+            steps,
+            next: 0,
+            in_place: 0,
+            staged: 0,
+        }
+    }
+}
+
+/// A recorded input and where it is read in place.
+pub(crate) struct Step {
+    pub(crate) ptr: u64,
+    pub(crate) bytes: usize,
+    pub(crate) id: u64,
+    pub(crate) offset: u64,
+}
+
+impl Script {
+    /// The place of an input of `bytes` bytes at `ptr`, given `listed`, what the listed
+    /// registrations say of it.
+    pub(crate) fn place<B: Backend>(
+        &mut self,
+        registry: &Registry<B>,
+        ptr: u64,
+        bytes: usize,
+        listed: Option<InPlace>,
+    ) -> Option<InPlace> {
+        match self {
+            Script::Off => listed,
+            Script::Record(inputs, planning) => {
+                if listed.is_some() || bytes == 0 {
+                    return listed;
+                }
+                inputs.push((ptr, bytes));
+                match *planning {
+                    Planning::Staged => None,
+                    Planning::InPlace(rank) => {
+                        let mut inputs = [0u64; crate::signal::MAX_GPUS];
+                        inputs[rank] = ptr;
+                        Some(InPlace { tag: 1, inputs })
+                    }
+                }
+            }
+            Script::Follow(f) if listed.is_some() => {
+                f.in_place += 1;
+                listed
+            }
+            Script::Follow(_) if bytes == 0 => None,
+            Script::Follow(f) => {
+                let step = f
+                    .steps
+                    .get(f.next)
+                    .filter(|s| s.ptr == ptr && s.bytes == bytes);
+                match step.and_then(|s| registry.place_in(s.id, s.offset)) {
+                    Some(place) => {
+                        f.next += 1;
+                        f.in_place += 1;
+                        Some(place)
+                    }
+                    None => {
+                        f.staged += 1;
+                        None
+                    }
+                }
+            }
+        }
+    }
+}
