@@ -142,10 +142,7 @@ impl Offer {
         record
     }
     fn decode(rank: usize, b: &[u8]) -> Result<Self> {
-        let word = |i: usize| {
-            b.get(8 * i..8 * i + 8)
-                .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
-        };
+        let word = |i: usize| record_word(b, i);
         match word(0) {
             Some(REGISTER_RECORD) if b.len() >= 48 => Ok(Offer {
                 process: word(1).expect("48 bytes"),
@@ -167,6 +164,13 @@ impl Offer {
             )),
         }
     }
+}
+
+/// Word `i` (little-endian u64) of a gathered record, if it has one: how every record
+/// kind here (registrations, symmetric allocations, captures, trims) is read.
+pub(crate) fn record_word(b: &[u8], i: usize) -> Option<u64> {
+    b.get(8 * i..8 * i + 8)
+        .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
 }
 
 /// What a rank's gathered record says of its own refusal (never empty).

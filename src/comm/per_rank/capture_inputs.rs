@@ -21,7 +21,7 @@ use crate::error::{Error, Result};
 
 use super::super::core::capture_script::{Follow, Planning, Script, Step};
 use super::super::core::registry::{
-    refusal_text, register_range, Registry, REGISTER_RECORD, SYMMETRIC_RECORD,
+    record_word, refusal_text, register_range, Registry, REGISTER_RECORD, SYMMETRIC_RECORD,
 };
 use super::Comm;
 
@@ -104,10 +104,7 @@ fn refused(rank: usize, reason: String) -> Error {
 
 /// Rank `rank`'s recorded inputs from its record.
 fn decode(rank: usize, b: &[u8]) -> Result<Vec<(u64, usize)>> {
-    let word = |i: usize| {
-        b.get(8 * i..8 * i + 8)
-            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
-    };
+    let word = |i: usize| record_word(b, i);
     match word(0) {
         Some(CAPTURE_RECORD) => {}
         Some(REGISTER_RECORD) | Some(SYMMETRIC_RECORD) => {

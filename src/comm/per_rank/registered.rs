@@ -130,9 +130,10 @@ impl<B: Backend> Comm<B> {
         Ok(())
     }
 
-    /// Buffers registered on this rank (a [`Registered`] each, and one per pool segment
-    /// of the symmetric buffers), and the peer allocations mapped here for them: for
-    /// checking that nothing leaks.
+    /// Buffers registered on this rank (a [`Registered`] each, one per pool segment of
+    /// the symmetric buffers, and those of live registered captures,
+    /// [`crate::CaptureInputs::registered`]), and the peer allocations mapped here for
+    /// them: for checking that nothing leaks.
     pub fn registrations(&self) -> (usize, usize) {
         (self.registry.len(), self.registry.imports())
     }

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 
-use super::super::core::registry::{refusal_text, REGISTER_RECORD, SYMMETRIC_RECORD};
+use super::super::core::registry::{record_word, refusal_text, REGISTER_RECORD, SYMMETRIC_RECORD};
 use super::Comm;
 
 /// The first word of a trim's gathered record (see `REGISTER_RECORD`).
@@ -29,10 +29,7 @@ fn encode(empty: &[bool], refusal: &str) -> Vec<u8> {
 /// Rank `rank`'s empty segments, from its record.
 fn decode(rank: usize, b: &[u8], segments: usize) -> Result<Vec<bool>> {
     let refused = |reason: String| Error::CannotRegister { rank, reason };
-    let word = |i: usize| {
-        b.get(8 * i..8 * i + 8)
-            .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
-    };
+    let word = |i: usize| record_word(b, i);
     match word(0) {
         Some(TRIM_RECORD) => {}
         Some(REGISTER_RECORD) | Some(SYMMETRIC_RECORD) => {
