@@ -10,7 +10,10 @@ use peercomm::backend::cuda::Cuda;
 
 use super::*;
 
-fn iters_for(bytes: usize) -> usize {
+fn iters_for(args: &Args, bytes: usize) -> usize {
+    if let Some(calls) = args.batch_calls {
+        return calls.max(1);
+    }
     match bytes {
         b if b <= 1 << 20 => 50,
         b if b <= 16 << 20 => 20,
@@ -192,14 +195,42 @@ pub fn time_batches(
     streams: &[Arc<CudaStream>],
     batches: usize,
     calls: usize,
+    launch: impl FnMut(),
+) -> f64 {
+    time_gated_batches(streams, batches, calls, || {}, launch)
+}
+
+/// The gate of `--gate-us` on every rank of `comm`, enqueued before a batch's start
+/// events: a barrier, a device-side wait of `gate_us`, a second barrier. The batch is
+/// enqueued while the GPU waits, and every rank's window opens when the second
+/// barrier lets go, so the window holds the GPU's work alone. Nothing with
+/// `gate_us == 0`.
+pub fn gate(comm: &Communicator<Cuda>, gate_us: u64) {
+    if gate_us > 0 {
+        comm.barrier(0).expect("gate barrier");
+        comm.delay_all(std::time::Duration::from_micros(gate_us))
+            .expect("gate wait");
+        comm.barrier(0).expect("gate barrier");
+    }
+}
+
+/// [`time_batches`] with `gate()` enqueued before each batch's start events (and
+/// before the warm-up batch).
+pub fn time_gated_batches(
+    streams: &[Arc<CudaStream>],
+    batches: usize,
+    calls: usize,
+    mut gate: impl FnMut(),
     mut launch: impl FnMut(),
 ) -> f64 {
+    gate();
     launch();
     for s in streams {
         s.synchronize().unwrap();
     }
     let samples = (0..batches)
         .map(|_| {
+            gate();
             let starts: Vec<_> = streams.iter().map(|s| event(s)).collect();
             launch();
             let ends: Vec<_> = streams.iter().map(|s| event(s)).collect();
@@ -342,7 +373,7 @@ fn point<T: Element + NcclType>(
     };
     let n = bytes / T::DTYPE.size();
     let sets = sets_for(bytes);
-    let iters = iters_for(bytes);
+    let iters = iters_for(args, bytes);
     let dev = |r: usize| gpu.comm.rank(r).device();
     let host: Vec<Vec<T>> = (0..world).map(|_| fill::<T>(rng, n)).collect();
     let mut ins: Vec<Vec<CudaSlice<T>>> = Vec::new();
@@ -395,6 +426,7 @@ fn point<T: Element + NcclType>(
             println!("WRONG SUM, not timed: {e}");
             continue;
         }
+        let gated = || gate(&gpu.comm, args.gate_us);
         let eager = time_batches(&gpu.streams, args.batches, iters, || {
             for i in 0..iters {
                 call(alg, i % sets, &mut outs).unwrap();
@@ -408,7 +440,7 @@ fn point<T: Element + NcclType>(
                     call(alg, i % sets, &mut outs).unwrap();
                 }
             });
-            let t = time_batches(&gpu.streams, args.batches, iters, || {
+            let t = time_gated_batches(&gpu.streams, args.batches, iters, gated, || {
                 graphs.iter().for_each(|g| g.launch().unwrap())
             });
             drop(graphs);
@@ -435,6 +467,7 @@ fn point<T: Element + NcclType>(
         match check(&host, &download(&outs), group, "nccl") {
             Err(e) => println!("NCCL WRONG SUM: {e}"),
             Ok(()) => {
+                let gated = || gate(&gpu.comm, args.gate_us);
                 let eager = time_batches(&gpu.streams, args.batches, iters, || {
                     for i in 0..iters {
                         nccl_call(i % sets, &mut outs);
@@ -448,7 +481,7 @@ fn point<T: Element + NcclType>(
                             nccl_call(i % sets, &mut outs);
                         }
                     });
-                    let t = time_batches(&gpu.streams, args.batches, iters, || {
+                    let t = time_gated_batches(&gpu.streams, args.batches, iters, gated, || {
                         graphs.iter().for_each(|g| g.launch().unwrap())
                     });
                     drop(graphs);

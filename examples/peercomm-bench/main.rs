@@ -132,6 +132,23 @@ struct Args {
     /// GPUs share them: a correctness and host-cost check, not a link measurement.
     #[arg(long)]
     world: Option<usize>,
+    /// Calls per timed batch, every size, for the single controller's all-reduce sweep
+    /// and the per-rank sweep (default: 50 up to 1 MiB, fewer above on the single
+    /// controller; 50 per rank). A cost paid once per batch shrinks per call as this
+    /// grows; one paid per call does not.
+    #[arg(long)]
+    batch_calls: Option<usize>,
+    /// Opens each timed batch's window on the GPU only after this many microseconds of
+    /// device-side wait that follows a barrier of every rank, and closes the wait with
+    /// a second barrier (0, the default: no gate). Every rank's batch is then enqueued
+    /// before any rank's window opens, and the windows open together: the figure is the
+    /// GPU's cost alone, without the host's launch latency or the spread between the
+    /// ranks' (threads', processes') launches. The graph rows of the all-reduce
+    /// sweeps, single controller and per rank, peercomm's and NCCL's alike (the gate
+    /// is peercomm's barrier and wait on the same streams); eager rows are never gated
+    /// (their host cost is what they measure).
+    #[arg(long, default_value_t = 0)]
+    gate_us: u64,
 }
 
 /// One measured point.

@@ -22,25 +22,39 @@ use peercomm::{Algorithm, Comm};
 
 use super::*;
 
-/// Calls per timed batch.
+/// Calls per timed batch (unless `--batch-calls` says otherwise).
 const CALLS: usize = 50;
 
-/// Median time per call over `batches` batches of `CALLS` calls, in us. Each batch
+/// How a rank times its batches: `calls` calls a batch, and the `--gate-us` wait.
+#[derive(Clone, Copy)]
+struct Timing {
+    batches: usize,
+    calls: usize,
+    gate_us: u64,
+}
+
+/// Median time per call over `batches` batches of `calls` calls, in us. Each batch
 /// starts after a device-side barrier of every rank (`comm.barrier`, untimed), so that
 /// the ranks' batches start together on the GPU: without it, one rank's window would
 /// include the wait for a peer thread that started its batch late (a few percent at
-/// 5 us per call).
+/// 5 us per call). With a gate (`--gate-us`) the barrier is followed by a device-side
+/// wait and a second barrier, so that every rank's batch is enqueued before any
+/// window opens (see `gpu::gate`).
 fn per_call_us(
     comm: &Comm<Cuda>,
     stream: &cudarc::driver::CudaStream,
-    batches: usize,
+    timing: Timing,
     mut batch: impl FnMut(),
 ) -> f64 {
     batch();
     stream.synchronize().unwrap();
-    let samples = (0..batches)
+    let samples = (0..timing.batches)
         .map(|_| {
             comm.barrier(0).unwrap();
+            if timing.gate_us > 0 {
+                comm.delay(Duration::from_micros(timing.gate_us)).unwrap();
+                comm.barrier(0).unwrap();
+            }
             let a = stream
                 .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                 .unwrap();
@@ -48,7 +62,7 @@ fn per_call_us(
             let b = stream
                 .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
                 .unwrap();
-            a.elapsed_ms(&b).unwrap() as f64 * 1e3 / CALLS as f64
+            a.elapsed_ms(&b).unwrap() as f64 * 1e3 / timing.calls as f64
         })
         .collect();
     median(samples)
@@ -336,6 +350,17 @@ fn sweep(
     let comm = Comm::<Cuda>::from_rank(dev, rank, world, id, config).expect("peercomm Comm");
     let nccl = nccl_id
         .map(|i| NcclComm::from_rank(stream.clone(), rank, world, i).expect("NCCL from_rank"));
+    let calls = args.batch_calls.unwrap_or(CALLS).max(1);
+    let timing = Timing {
+        batches: args.batches,
+        calls,
+        gate_us: args.gate_us,
+    };
+    // Eager batches are never gated: their host cost is what they measure.
+    let eager_timing = Timing {
+        gate_us: 0,
+        ..timing
+    };
     let mut mine = Vec::new();
     // Rank 0 shows the progress (its thread, or its process's stderr).
     let mut progress =
@@ -391,15 +416,15 @@ fn sweep(
             record(a, imp, alg, mode, us)
         };
         rendezvous(&comm);
-        let eager = per_call_us(&comm, &stream, args.batches, || {
-            for _ in 0..CALLS {
+        let eager = per_call_us(&comm, &stream, eager_timing, || {
+            for _ in 0..calls {
                 comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
             }
         });
         mine.push(at("peercomm-per-rank", algorithm.name(), "eager", eager));
         rendezvous(&comm);
-        let eager = per_call_us(&comm, &stream, args.batches, || {
-            for _ in 0..CALLS {
+        let eager = per_call_us(&comm, &stream, eager_timing, || {
+            for _ in 0..calls {
                 comm.all_reduce_sum_with(&symmetric, &mut recv, &opts)
                     .unwrap();
             }
@@ -412,8 +437,8 @@ fn sweep(
         ));
         if let Some(nccl) = &nccl {
             rendezvous(&comm);
-            let eager = per_call_us(&comm, &stream, args.batches, || {
-                for _ in 0..CALLS {
+            let eager = per_call_us(&comm, &stream, eager_timing, || {
+                for _ in 0..calls {
                     nccl.all_reduce(&send, &mut recv, &ReduceOp::Sum).unwrap();
                 }
             });
@@ -429,12 +454,12 @@ fn sweep(
                 .0
             };
             let ours = graph_of(&mut || {
-                for _ in 0..CALLS {
+                for _ in 0..calls {
                     comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
                 }
             });
             let zero_copy = graph_of(&mut || {
-                for _ in 0..CALLS {
+                for _ in 0..calls {
                     comm.all_reduce_sum_with(&symmetric, &mut recv, &opts)
                         .unwrap();
                 }
@@ -444,7 +469,7 @@ fn sweep(
             let (registered, registered_algorithm) = comm
                 .capture_registered(|| {
                     let mut ran = Algorithm::Auto;
-                    for _ in 0..CALLS {
+                    for _ in 0..calls {
                         ran = comm.all_reduce_sum_with(&send, &mut recv, &opts)?;
                     }
                     Ok(ran)
@@ -452,16 +477,16 @@ fn sweep(
                 .expect("a registered capture");
             let theirs = nccl.as_ref().map(|nccl| {
                 graph_of(&mut || {
-                    for _ in 0..CALLS {
+                    for _ in 0..calls {
                         nccl.all_reduce(&send, &mut recv, &ReduceOp::Sum).unwrap();
                     }
                 })
             });
             rendezvous(&comm);
-            let graph = per_call_us(&comm, &stream, args.batches, || ours.launch().unwrap());
+            let graph = per_call_us(&comm, &stream, timing, || ours.launch().unwrap());
             mine.push(at("peercomm-per-rank", algorithm.name(), "graph", graph));
             rendezvous(&comm);
-            let graph = per_call_us(&comm, &stream, args.batches, || zero_copy.launch().unwrap());
+            let graph = per_call_us(&comm, &stream, timing, || zero_copy.launch().unwrap());
             mine.push(at(
                 "peercomm-per-rank-symmetric",
                 sym_algorithm.name(),
@@ -469,9 +494,7 @@ fn sweep(
                 graph,
             ));
             rendezvous(&comm);
-            let graph = per_call_us(&comm, &stream, args.batches, || {
-                registered.launch().unwrap()
-            });
+            let graph = per_call_us(&comm, &stream, timing, || registered.launch().unwrap());
             mine.push(at(
                 "peercomm-per-rank-registered",
                 registered_algorithm.name(),
@@ -481,7 +504,7 @@ fn sweep(
             drop(registered);
             if let Some(theirs) = theirs {
                 rendezvous(&comm);
-                let graph = per_call_us(&comm, &stream, args.batches, || theirs.launch().unwrap());
+                let graph = per_call_us(&comm, &stream, timing, || theirs.launch().unwrap());
                 mine.push(at("nccl-per-rank", "nccl", "graph", graph));
             }
         }
