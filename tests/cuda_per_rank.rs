@@ -171,7 +171,10 @@ fn devices(test: &str) -> Option<Devices> {
 /// The child processes' entry point (does nothing when run as a normal test).
 #[test]
 fn per_rank_child() {
-    if std::env::var("PEERCOMM_TEST_ROLE").is_ok() {
+    if let Some((role, rank, world, id, seed)) = processes::child_args() {
+        if per_rank_suite::capture_inputs::graphs::child(&role, rank, world, &id, seed) {
+            return;
+        }
         let n = Cuda::device_count().expect("a CUDA device in the child");
         processes::child_main::<Cuda>(&Devices {
             count: n,
@@ -549,6 +552,17 @@ cuda_trust!(cuda_per_rank_capture_registered_world_2, |place| {
 cuda_trust!(cuda_per_rank_capture_registered_world_4, |place| {
     per_rank_suite::capture_inputs::graphs::replays_read_in_place(&place, 4)
 });
+
+/// `Comm::capture_registered` with one process per rank: `cuMemAlloc` inputs exported
+/// through CUDA IPC and read in place by every replay; cudarc's pool buffers refused
+/// alike on every rank (on one GPU the processes time-slice it).
+#[test]
+fn cuda_per_rank_capture_registered_processes_world_2() {
+    if devices("cuda_per_rank_capture_registered_processes_world_2").is_some() {
+        per_rank_suite::capture_inputs::graphs::processes_world(2);
+    }
+}
+
 cuda_trust!(cuda_per_rank_symmetric_trim, |place| {
     per_rank_suite::symmetric_trim::frees_only_segments_empty_everywhere::<Cuda>(&place, 2)
 });

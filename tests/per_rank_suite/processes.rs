@@ -198,6 +198,13 @@ pub fn run_checked<B: Backend>(comm: &Comm<B>, seed: u64) -> Vec<(usize, u64)> {
     digests
 }
 
+/// In a child process: its role, rank, world, id and seed (`None` in the parent).
+pub fn child_args() -> Option<(String, usize, usize, UniqueId, u64)> {
+    let role = std::env::var(ROLE).ok()?;
+    let id: UniqueId = env::<String>(ID).parse().unwrap();
+    Some((role, env(RANK), env(WORLD), id, env(SEED)))
+}
+
 /// The child side: what a rank in another process does, by role. Each test binary
 /// calls it from its `#[test] fn per_rank_child`; it does nothing in the parent.
 pub fn child_main<B: Backend>(devices: &Devices) {
@@ -315,6 +322,15 @@ fn simple_sum<B: Backend>(comm: &Comm<B>) -> &'static str {
     let want = (world * (world + 1) / 2) as f32;
     assert_eq!(B::download(dev, &buf).unwrap(), vec![want; 4099]);
     "ok"
+}
+
+/// Every line a child printed on its stdout, as printed, until it exits (the harness
+/// may have put its own text before the first: look tags up with `find`).
+pub(super) fn stdout_lines(child: &mut Child) -> Vec<String> {
+    BufReader::new(child.stdout.take().unwrap())
+        .lines()
+        .map_while(|l| l.ok())
+        .collect()
 }
 
 /// Every line a child printed (after the harness's own prefix, if any), until it exits.
