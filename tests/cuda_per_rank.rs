@@ -213,6 +213,13 @@ fn cuda_per_rank_killed_process_gives_a_typed_error() {
 }
 
 #[test]
+fn cuda_per_rank_registration_beside_a_killed_peer() {
+    if let Some(d) = devices("cuda_per_rank_registration_beside_a_killed_peer") {
+        processes::registration_beside_a_killed_peer::<Cuda>(&d);
+    }
+}
+
+#[test]
 fn cuda_per_rank_create_drop_cycles_leak_nothing() {
     if let Some(d) = devices("cuda_per_rank_create_drop_cycles_leak_nothing") {
         processes::create_drop_cycles_leak_nothing::<Cuda>(&d, 200);

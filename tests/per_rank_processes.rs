@@ -62,6 +62,11 @@ fn per_rank_killed_process_gives_a_typed_error() {
 }
 
 #[test]
+fn per_rank_registration_beside_a_killed_peer() {
+    processes::registration_beside_a_killed_peer::<Host>(&HOST);
+}
+
+#[test]
 fn per_rank_create_drop_cycles_leak_nothing() {
     processes::create_drop_cycles_leak_nothing::<Host>(&HOST, 1000);
 }

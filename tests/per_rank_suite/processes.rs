@@ -235,6 +235,14 @@ pub fn child_main<B: Backend>(devices: &Devices) {
             println!("READY");
             std::thread::sleep(Duration::from_secs(60));
         }
+        "idle" => {
+            // Joins, says so, and waits to be killed by the parent.
+            let dev = B::open(devices.ordinal(rank)).unwrap();
+            let _comm =
+                Comm::<B>::from_rank(dev, rank, world, &id, killed_config(devices)).unwrap();
+            println!("READY");
+            std::thread::sleep(Duration::from_secs(60));
+        }
         "cycles" => {
             let boot = Arc::new(
                 TcpBootstrap::connect(&id, rank, world, 7, Duration::from_secs(30)).unwrap(),
@@ -586,6 +594,66 @@ pub fn killed_process_gives_a_typed_error<B: Backend>(devices: &Devices) {
         comm.all_reduce_sum_with(&input, &mut out, &opts),
         Err(Error::Poisoned)
     );
+    let dropped = Instant::now();
+    drop(comm);
+    assert!(
+        dropped.elapsed() < Duration::from_secs(10),
+        "dropping beside a dead peer took {:?}",
+        dropped.elapsed()
+    );
+}
+
+/// A peer process killed before a collective registration (`Comm::register` and
+/// `Comm::register_inputs_of`, whose gathers it never joins): each returns a typed
+/// error within a bound (the bootstrap sees the closed connection, or the first pass's
+/// call gives up after `barrier_timeout`), hands the buffer back, leaves no
+/// registration behind, and the drop does not hang on the dead peer.
+pub fn registration_beside_a_killed_peer<B: Backend>(devices: &Devices) {
+    let id = UniqueId::new().unwrap();
+    let mut child = spawn("idle", 1, 2, &id.to_string(), 1);
+    let cfg = killed_config(devices);
+    let timeout = cfg.barrier_timeout.unwrap();
+    let comm = Comm::<B>::from_rank(B::open(devices.ordinal(0)).unwrap(), 0, 2, &id, cfg).unwrap();
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    assert!(lines.any(|l| l.map(|l| l.contains("READY")).unwrap_or(false)));
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let dev = comm.device();
+    let input = B::alloc_from(dev, &[1.0f32; 4096]).unwrap();
+    let mut out = B::alloc_from(dev, &[f32::NAN; 4096]).unwrap();
+    let bound = 2 * timeout + Duration::from_secs(5);
+
+    let start = Instant::now();
+    let refused = comm
+        .register(input)
+        .expect_err("a registration beside a dead peer");
+    assert!(
+        start.elapsed() < bound,
+        "register took {:?}",
+        start.elapsed()
+    );
+    eprintln!("register beside a killed peer: {}", refused.error);
+    let input = refused.buffer;
+    assert_eq!(comm.registrations(), (0, 0));
+
+    let start = Instant::now();
+    let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+    let outcome = comm.register_inputs_of(|| comm.all_reduce_sum_with(&input, &mut out, &opts));
+    let error = match outcome {
+        Ok(_) => panic!("register_inputs_of beside a dead peer returned Ok"),
+        Err(e) => e,
+    };
+    assert!(
+        start.elapsed() < bound,
+        "register_inputs_of took {:?}",
+        start.elapsed()
+    );
+    eprintln!("register_inputs_of beside a killed peer: {error}");
+    assert_eq!(comm.registrations(), (0, 0));
+    // Whatever the first pass enqueued gives up on the dead peer: a typed error, and
+    // nothing written into the output.
+    assert!(comm.synchronize().is_err());
+    assert!(B::download(dev, &out).unwrap().iter().all(|x| x.is_nan()));
     let dropped = Instant::now();
     drop(comm);
     assert!(

@@ -19,7 +19,7 @@ pub(super) fn root_all_gather(
 ) -> Result<Vec<Vec<u8>>> {
     check_frame_len(mine.len())?;
     let deadline = deadline_after(timeout);
-    let step = "rank 0 gathering every rank's bytes";
+    let step = "rank 0 was gathering every rank's bytes";
     let mut out = Vec::with_capacity(streams.len() + 1);
     out.push(mine.to_vec());
     // After the first rank that is late or fails, the later ranks get only a short grace,
@@ -117,7 +117,7 @@ pub(super) fn leaf_all_gather(
 ) -> Result<Vec<Vec<u8>>> {
     check_frame_len(mine.len())?;
     let deadline = deadline_after(timeout);
-    let step = "an all_gather through rank 0";
+    let step = "this rank was in an all_gather through rank 0";
     let timeout_hint = "rank 0 has not relayed every rank's bytes: rank 0 or another rank \
                         did not reach this all_gather (rank 0's own error names it); every \
                         rank must make the same sequence of bootstrap calls";

@@ -37,6 +37,14 @@ pub struct Registered<B: Backend, T> {
     id: u64,
 }
 
+impl<B: Backend, T> std::fmt::Debug for Registered<B, T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registered")
+            .field("id", &self.id)
+            .finish_non_exhaustive()
+    }
+}
+
 /// A failed [`Comm::register`]: the error, and the buffer given back.
 pub struct RegisterError<T> {
     /// Why (the same on every rank).
