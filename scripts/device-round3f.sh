@@ -57,13 +57,13 @@ for stage in $stages; do
   *) summary+=("unknown stage $stage") ;;
   esac
   summary+=("  ($stage: $(( $(date +%s) - start )) s)")
+  # Each stage's result as it ends, and the logs packed so far: a run cut short by the
+  # device's time limit still brings back what it finished.
+  echo "${summary[-2]}"
+  [ -f "$OUT/$stage/results.json" ] && python3 scripts/zero-copy-table.py "$OUT/$stage/results.json" graph
+  [ "$stage" = perrank ] && grep -E "capture_registered_processes|killed_peer|^test result" "$OUT/test-cuda_per_rank.log"
+  tar czf "$FINAL_OUT/round3f-logs.tgz" -C "$OUT" .
 done
 grep -hE "FAILED|panicked|WRONG|wrong sum" "$OUT"/*.log 2>/dev/null | head -40
-for z in base4 calls4 gate4 gatecalls4 base2 gate2; do
-  if [ -f "$OUT/$z/results.json" ]; then
-    echo "== $z"
-    python3 scripts/zero-copy-table.py "$OUT/$z/results.json" graph
-  fi
-done
 printf '%s\n' "${summary[@]}" | tee "$OUT/summary.txt"
 tar czf "$FINAL_OUT/round3f-logs.tgz" -C "$OUT" . && rm -rf "$OUT"
