@@ -3,8 +3,8 @@
 # ranks on it), after scripts/device-build.sh with .device-bin carried. Logs are packed
 # into $OUT/round3f-logs.tgz; a summary is printed last. Stages, in the order given:
 #   bash scripts/device-round3f.sh [stages]
-#   perrank       the per-rank CUDA suite (registered captures across processes included)
-#   tests         every other CUDA test binary
+#   perrank       the per-rank CUDA suite (registered captures across processes included;
+#                 the other CUDA suites are scripts/device-round3e.sh's `tests` stage)
 #   base4, base2  world 4 / 2: single controller against the per-rank paths, as the
 #                 fifth stop ran them (50 calls a batch, no gate), 1 KiB to 64 MiB
 #   calls4        world 4, 200 calls a batch (--batch-calls 200), 1 KiB to 1 MiB: a cost
@@ -38,15 +38,6 @@ for stage in $stages; do
   perrank)
     timeout 240 .device-bin/test-cuda_per_rank --test-threads=1 --nocapture > "$OUT/test-cuda_per_rank.log" 2>&1
     summary+=("test-cuda_per_rank rc=$?: $(result "$OUT/test-cuda_per_rank.log")")
-    ;;
-  tests)
-    for t in .device-bin/test-*; do
-      name=$(basename "$t")
-      [ "$name" = test-cuda_per_rank ] && continue
-      case $name in test-cuda) limit=170;; test-cuda_overlap|test-cuda_driver_load) limit=40;; *) limit=70;; esac
-      PEERCOMM_FUZZ_CALLS=1000 timeout $limit "$t" --test-threads=1 > "$OUT/$name.log" 2>&1
-      summary+=("$name rc=$?: $(result "$OUT/$name.log")")
-    done
     ;;
   base4) sweep base4 4 --max-bytes 67108864 ;;
   base2) sweep base2 2 --max-bytes 67108864 ;;

@@ -447,18 +447,12 @@ pub mod graphs {
         assert_bits(&Cuda::download(dev, &o3).unwrap(), &kept.2, "staged auto");
         drop(graph);
         assert_eq!(comm.registrations(), before, "rank {rank}");
-        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits() as u64).collect::<Vec<_>>();
-        let mut words = bits(&kept.0);
-        words.extend(kept.1.iter().map(|x| x.to_bits() as u64));
-        words.extend(bits(&kept.2));
-        words.extend(bits(&kept.3));
-        digest(&words)
-    }
-
-    fn digest(words: &[u64]) -> u64 {
-        words.iter().fold(0xcbf2_9ce4_8422_2325, |h, w| {
-            (h ^ w).wrapping_mul(0x0000_0100_0000_01b3)
-        })
+        // bf16 widens to f32 exactly: the digest sees every output's bits.
+        let mut values = kept.0;
+        values.extend(kept.1.iter().map(|x| x.to_f32()));
+        values.extend(kept.2);
+        values.extend(kept.3);
+        processes::digest(&values)
     }
 
     /// One rank of `processes_world_2`: first a capture over cudarc's own buffers
@@ -533,13 +527,13 @@ pub mod graphs {
         let comm = Comm::<Cuda>::from_rank(dev, 0, world, &id, place.config(world)).unwrap();
         let (pool, d) = process_rank(&comm, seed);
         for (i, child) in children.iter_mut().enumerate() {
-            let lines = processes::stdout_lines(child);
+            let lines = processes::lines_of(child);
             let status = child.wait().unwrap();
             assert!(status.success(), "rank {} failed: {status}", i + 1);
             let tag = |t: &str| {
                 lines
                     .iter()
-                    .find_map(|l| l.find(t).map(|at| l[at + t.len()..].to_string()))
+                    .find_map(|l| l.strip_prefix(t).map(str::to_string))
                     .unwrap_or_else(|| panic!("rank {} printed no {t}", i + 1))
             };
             assert_eq!(tag("POOL "), pool, "rank {}: cudarc's buffers", i + 1);

@@ -130,7 +130,7 @@ fn schedule(world: usize) -> Vec<(usize, usize, Algorithm, bool)> {
     calls
 }
 
-fn digest(values: &[f32]) -> u64 {
+pub(super) fn digest(values: &[f32]) -> u64 {
     values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
         (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3)
     })
@@ -208,12 +208,9 @@ pub fn child_args() -> Option<(String, usize, usize, UniqueId, u64)> {
 /// The child side: what a rank in another process does, by role. Each test binary
 /// calls it from its `#[test] fn per_rank_child`; it does nothing in the parent.
 pub fn child_main<B: Backend>(devices: &Devices) {
-    let Ok(role) = std::env::var(ROLE) else {
+    let Some((role, rank, world, id, seed)) = child_args() else {
         return; // not a child: nothing to do
     };
-    let (rank, world): (usize, usize) = (env(RANK), env(WORLD));
-    let id: UniqueId = env::<String>(ID).parse().unwrap();
-    let seed: u64 = env(SEED);
     match role.as_str() {
         "checked" => {
             let dev = B::open(devices.ordinal(rank)).unwrap();
@@ -332,22 +329,14 @@ fn simple_sum<B: Backend>(comm: &Comm<B>) -> &'static str {
     "ok"
 }
 
-/// Every line a child printed on its stdout, as printed, until it exits (the harness
-/// may have put its own text before the first: look tags up with `find`).
-pub(super) fn stdout_lines(child: &mut Child) -> Vec<String> {
-    BufReader::new(child.stdout.take().unwrap())
-        .lines()
-        .map_while(|l| l.ok())
-        .collect()
-}
-
-/// Every line a child printed (after the harness's own prefix, if any), until it exits.
-fn lines_of(child: &mut Child) -> Vec<String> {
+/// Every tagged line a child printed (from its tag on: the harness may have put its own
+/// text before it), until it exits.
+pub(super) fn lines_of(child: &mut Child) -> Vec<String> {
     BufReader::new(child.stdout.take().unwrap())
         .lines()
         .map_while(|l| l.ok())
         .filter_map(|l| {
-            ["DIGEST ", "PATH ", "SUM ", "ERROR "]
+            ["DIGEST ", "PATH ", "SUM ", "ERROR ", "POOL "]
                 .iter()
                 .filter_map(|tag| l.find(tag))
                 .min()
@@ -558,6 +547,23 @@ fn killed_config(devices: &Devices) -> CommConfig {
     }
 }
 
+/// Waits until `child` prints READY, so that it is where the test wants it.
+fn wait_for_ready(child: &mut Child) {
+    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
+    assert!(lines.any(|l| l.map(|l| l.contains("READY")).unwrap_or(false)));
+}
+
+/// Drops `comm` beside a dead peer: it must not hang on it.
+fn drop_beside_dead_peer<B: Backend>(comm: Comm<B>) {
+    let dropped = Instant::now();
+    drop(comm);
+    assert!(
+        dropped.elapsed() < Duration::from_secs(10),
+        "dropping beside a dead peer took {:?}",
+        dropped.elapsed()
+    );
+}
+
 /// A rank whose process is killed in the middle of a collective: the survivor gets
 /// `BarrierTimeout` within about twice the timeout, refuses further calls, writes
 /// nothing into its output, and its drop does not hang on the dead peer.
@@ -573,8 +579,7 @@ pub fn killed_process_gives_a_typed_error<B: Backend>(devices: &Devices) {
     let mut input = B::alloc_buffer::<f32>(dev, 4096).unwrap();
     B::upload(dev, &[1.0; 4096], &mut input).unwrap();
     // Wait until the child has queued its (late) collective, then kill it.
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    assert!(lines.any(|l| l.map(|l| l.contains("READY")).unwrap_or(false)));
+    wait_for_ready(&mut child);
     let start = Instant::now();
     let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
     comm.all_reduce_sum_with(&input, &mut out, &opts).unwrap();
@@ -594,13 +599,7 @@ pub fn killed_process_gives_a_typed_error<B: Backend>(devices: &Devices) {
         comm.all_reduce_sum_with(&input, &mut out, &opts),
         Err(Error::Poisoned)
     );
-    let dropped = Instant::now();
-    drop(comm);
-    assert!(
-        dropped.elapsed() < Duration::from_secs(10),
-        "dropping beside a dead peer took {:?}",
-        dropped.elapsed()
-    );
+    drop_beside_dead_peer(comm);
 }
 
 /// A peer process killed before a collective registration (`Comm::register` and
@@ -614,8 +613,7 @@ pub fn registration_beside_a_killed_peer<B: Backend>(devices: &Devices) {
     let cfg = killed_config(devices);
     let timeout = cfg.barrier_timeout.unwrap();
     let comm = Comm::<B>::from_rank(B::open(devices.ordinal(0)).unwrap(), 0, 2, &id, cfg).unwrap();
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    assert!(lines.any(|l| l.map(|l| l.contains("READY")).unwrap_or(false)));
+    wait_for_ready(&mut child);
     child.kill().unwrap();
     child.wait().unwrap();
     let dev = comm.device();
@@ -633,6 +631,11 @@ pub fn registration_beside_a_killed_peer<B: Backend>(devices: &Devices) {
         start.elapsed()
     );
     eprintln!("register beside a killed peer: {}", refused.error);
+    assert!(
+        matches!(refused.error, Error::Bootstrap(_)),
+        "register: the closed connection, got {:?}",
+        refused.error
+    );
     let input = refused.buffer;
     assert_eq!(comm.registrations(), (0, 0));
 
@@ -649,18 +652,19 @@ pub fn registration_beside_a_killed_peer<B: Backend>(devices: &Devices) {
         start.elapsed()
     );
     eprintln!("register_inputs_of beside a killed peer: {error}");
+    assert!(
+        matches!(
+            error,
+            Error::Bootstrap(_) | Error::BarrierTimeout { .. } | Error::PeerAborted { .. }
+        ),
+        "register_inputs_of: the dead peer named, got {error:?}"
+    );
     assert_eq!(comm.registrations(), (0, 0));
     // Whatever the first pass enqueued gives up on the dead peer: a typed error, and
     // nothing written into the output.
     assert!(comm.synchronize().is_err());
     assert!(B::download(dev, &out).unwrap().iter().all(|x| x.is_nan()));
-    let dropped = Instant::now();
-    drop(comm);
-    assert!(
-        dropped.elapsed() < Duration::from_secs(10),
-        "dropping beside a dead peer took {:?}",
-        dropped.elapsed()
-    );
+    drop_beside_dead_peer(comm);
 }
 
 /// Open file descriptors and mapped ranges of this process.
