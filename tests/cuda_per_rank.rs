@@ -570,6 +570,18 @@ fn cuda_per_rank_capture_registered_processes_world_2() {
     }
 }
 
+/// Registration across processes of memory CUDA exports only as a POSIX file
+/// descriptor (a pool made with that handle type, and virtual memory that requested
+/// it): read in place by the replays, right and bitwise equal on every rank; virtual
+/// memory without a shareable handle type refused alike; 1,000 register/drop cycles
+/// per kind leak no fd or mapping (two processes sharing one GPU).
+#[test]
+fn cuda_per_rank_register_shareable_processes_world_2() {
+    if devices("cuda_per_rank_register_shareable_processes_world_2").is_some() {
+        per_rank_suite::capture_inputs::graphs::shareable_processes_world(2);
+    }
+}
+
 cuda_trust!(cuda_per_rank_symmetric_trim, |place| {
     per_rank_suite::symmetric_trim::frees_only_segments_empty_everywhere::<Cuda>(&place, 2)
 });

@@ -49,6 +49,7 @@ mod device;
 mod graph;
 mod launch;
 mod memory;
+mod shareable;
 
 pub(crate) use device::load_first_of;
 use device::{driver, driver_err};
@@ -60,7 +61,7 @@ pub use memory::{CudaMemory, CudaPeerMapping};
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use cudarc::driver::{CudaContext, CudaSlice, SyncOnDrop};
 
-use super::{Backend, Kernel, LaunchDims, MemoryKind};
+use super::{Backend, Descriptor, ExportedRange, Kernel, LaunchDims, MemoryKind};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::signal::{AllReduceArgs, GroupArgs};
@@ -238,8 +239,25 @@ impl Backend for Cuda {
         memory::export_memory(_dev, mem)
     }
 
-    fn export_range(dev: &CudaDevice, ptr: u64, bytes: usize) -> Result<(Vec<u8>, u64)> {
+    fn export_range(dev: &CudaDevice, ptr: u64, bytes: usize) -> Result<ExportedRange> {
         memory::export_range(dev, ptr, bytes)
+    }
+
+    fn import_range(
+        dev: &CudaDevice,
+        handle: &[u8],
+        descriptor: Option<Descriptor>,
+    ) -> Result<CudaPeerMapping> {
+        if handle.starts_with(shareable::POOL_MAGIC) || handle.starts_with(shareable::VMM_MAGIC) {
+            return shareable::import(dev, handle, descriptor);
+        }
+        if descriptor.is_some() {
+            return Err(crate::backend::handle::import_error(
+                "cuda",
+                "a legacy IPC handle came with a descriptor".into(),
+            ));
+        }
+        memory::import_memory(dev, handle)
     }
 
     fn import_memory(dev: &CudaDevice, handle: &[u8]) -> Result<CudaPeerMapping> {

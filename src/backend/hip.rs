@@ -55,7 +55,7 @@
 use std::ffi::{c_int, c_void};
 use std::marker::PhantomData;
 
-use super::{Backend, Kernel, LaunchDims, MemoryKind};
+use super::{Backend, ExportedRange, Kernel, LaunchDims, MemoryKind};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::signal::{AllReduceArgs, GroupArgs};
@@ -173,8 +173,13 @@ impl Backend for Hip {
         memory::export_memory(_dev, mem)
     }
 
-    fn export_range(dev: &HipDevice, ptr: u64, bytes: usize) -> Result<(Vec<u8>, u64)> {
-        memory::export_range(dev, ptr, bytes)
+    fn export_range(dev: &HipDevice, ptr: u64, bytes: usize) -> Result<ExportedRange> {
+        let (handle, offset) = memory::export_range(dev, ptr, bytes)?;
+        Ok(ExportedRange {
+            handle,
+            offset,
+            descriptor: None,
+        })
     }
 
     fn import_memory(dev: &HipDevice, handle: &[u8]) -> Result<HipPeerMapping> {

@@ -34,6 +34,14 @@
 //! kernel's counter has not wrapped). Atomics across processes on `MAP_SHARED` memory
 //! are ordinary atomics on Linux, so the kernels need nothing new.
 //!
+//! A registered range ([`Backend::export_range`]: a symmetric buffer, or any range of
+//! a `SharedData` allocation) is exported instead the way CUDA exports memory pools
+//! and virtual-memory allocations: as a descriptor of the file, beside the same
+//! handle, that a Unix socket carries to the importer (`SCM_RIGHTS`, the per-rank
+//! communicator's descriptor channel); [`Backend::import_range`] checks that the
+//! descriptor is the file the handle names (identity and size) and maps it. So the
+//! processes tests that CI runs cover the path those GPU allocations take.
+//!
 //! Freeing is stream-ordered like every host allocation: dropping the exporter's
 //! [`HostMemory`] unmaps and closes in order on its device's stream, and dropping a
 //! [`HostPeerMapping`] unmaps in order on the importing device's stream. Elsewhere than
@@ -42,7 +50,7 @@
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
-use super::{Backend, Kernel, LaunchDims, MemoryKind};
+use super::{Backend, Descriptor, ExportedRange, Kernel, LaunchDims, MemoryKind};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::signal::{AllReduceArgs, GroupArgs, MAX_GPUS};
@@ -103,7 +111,17 @@ mod shm {
     pub(crate) fn import(_handle: &[u8]) -> Result<Mapping> {
         Err(unsupported())
     }
-    pub(crate) fn export_containing(_ptr: u64, _bytes: usize) -> Option<(Vec<u8>, u64)> {
+    pub(crate) fn import_descriptor(
+        _handle: &[u8],
+        descriptor: super::Descriptor,
+    ) -> Result<Mapping> {
+        drop(descriptor);
+        Err(unsupported())
+    }
+    pub(crate) fn export_containing(
+        _ptr: u64,
+        _bytes: usize,
+    ) -> Option<Result<(Vec<u8>, u64, super::Descriptor)>> {
         None
     }
 }
@@ -182,19 +200,39 @@ impl Backend for Host {
         }
     }
 
-    fn export_range(_dev: &HostDevice, ptr: u64, bytes: usize) -> Result<(Vec<u8>, u64)> {
-        shm::export_containing(ptr, bytes).ok_or_else(|| Error::CannotRegister {
-            rank: 0,
-            reason: "host: the buffer is heap memory, which other processes cannot map; \
-                     allocate it with Comm::alloc_symmetric (ranks in one process can \
-                     register any buffer)"
-                .into(),
+    fn export_range(_dev: &HostDevice, ptr: u64, bytes: usize) -> Result<ExportedRange> {
+        let (handle, offset, descriptor) =
+            shm::export_containing(ptr, bytes).ok_or_else(|| Error::CannotRegister {
+                rank: 0,
+                reason: "host: the buffer is heap memory, which other processes cannot map; \
+                         allocate it with Comm::alloc_symmetric (ranks in one process can \
+                         register any buffer)"
+                    .into(),
+            })??;
+        Ok(ExportedRange {
+            handle,
+            offset,
+            descriptor: Some(descriptor),
         })
     }
 
     fn import_memory(dev: &HostDevice, handle: &[u8]) -> Result<HostPeerMapping> {
         Ok(HostPeerMapping {
             mapping: FreeOnStream::new(shm::import(handle)?, &dev.stream),
+        })
+    }
+
+    fn import_range(
+        dev: &HostDevice,
+        handle: &[u8],
+        descriptor: Option<Descriptor>,
+    ) -> Result<HostPeerMapping> {
+        let mapping = match descriptor {
+            Some(d) => shm::import_descriptor(handle, d)?,
+            None => shm::import(handle)?,
+        };
+        Ok(HostPeerMapping {
+            mapping: FreeOnStream::new(mapping, &dev.stream),
         })
     }
 

@@ -8,7 +8,7 @@
 
 use crate::dispatch::Algorithm;
 use crate::dtype::{DType, Element};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::signal::{AllReduceArgs, GroupArgs};
 
 pub use identity::DeviceIdentity;
@@ -25,6 +25,30 @@ pub mod host;
 mod identity;
 pub(crate) mod p2p;
 pub(crate) mod signal_init;
+
+/// A file descriptor that travels between processes beside an exported handle
+/// ([`ExportedRange::descriptor`]).
+#[cfg(unix)]
+pub type Descriptor = std::os::fd::OwnedFd;
+/// Elsewhere than Unix no descriptor exists: an empty type.
+#[cfg(not(unix))]
+#[derive(Debug)]
+pub enum Descriptor {}
+
+/// A range of this process's memory exported for another process
+/// ([`Backend::export_range`]).
+#[derive(Debug)]
+pub struct ExportedRange {
+    /// The handle record, sent as bytes (as [`Backend::export_memory`] makes them).
+    pub handle: Vec<u8>,
+    /// The range's offset in the exported allocation.
+    pub offset: u64,
+    /// A descriptor to send beside the handle, where the driver exports the memory
+    /// only as one (CUDA: a memory pool made with a POSIX-fd handle type, a
+    /// virtual-memory allocation; the host backend: a shared memory file). `None`: the
+    /// handle alone maps it.
+    pub descriptor: Option<Descriptor>,
+}
 
 /// What a device allocation is for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -307,13 +331,15 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// backend's module docs give its layout). The handle stays valid while `mem` lives.
     fn export_memory(dev: &Self::Device, mem: &Self::Memory) -> Result<Vec<u8>>;
     /// Exports the allocation that holds `[ptr, ptr + bytes)` on `dev` so that another
-    /// process can map it with [`Backend::import_memory`]: the handle (as
-    /// [`Backend::export_memory`] makes them) and `ptr`'s offset in the allocation.
-    /// Memory the driver cannot export this way (CUDA: a stream-ordered pool such as
-    /// cudarc's default allocations, a virtual-memory mapping; host: heap memory) is
-    /// [`crate::Error::CannotRegister`] saying why (its `rank` is 0: the caller names the
-    /// rank).
-    fn export_range(dev: &Self::Device, ptr: u64, bytes: usize) -> Result<(Vec<u8>, u64)>;
+    /// process can map it with [`Backend::import_range`]: the handle (as
+    /// [`Backend::export_memory`] makes them), `ptr`'s offset in the allocation, and
+    /// where the driver exports the memory only as a file descriptor, the descriptor
+    /// (it travels beside the handle over a Unix socket). Memory the driver cannot
+    /// export (CUDA: a stream-ordered pool without an IPC handle type, such as cudarc's
+    /// default allocations, or a virtual-memory allocation made without one; host: heap
+    /// memory) is [`crate::Error::CannotRegister`] saying why (its `rank` is 0: the
+    /// caller names the rank).
+    fn export_range(dev: &Self::Device, ptr: u64, bytes: usize) -> Result<ExportedRange>;
     /// Maps memory that another process exported into `dev`'s address space. Importing
     /// in the exporting process itself is an error on the GPU backends (CUDA and HIP
     /// IPC refuse it; one process reaches its own memory through
@@ -321,6 +347,24 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// malformed, of another backend or version, or names memory that is gone is
     /// `Error::Backend { call: "import_memory", .. }` saying which.
     fn import_memory(dev: &Self::Device, handle: &[u8]) -> Result<Self::PeerMapping>;
+    /// Maps a range another process exported with [`Backend::export_range`]: its
+    /// handle, and the descriptor that came with it (closed here once the memory is
+    /// mapped, or on error). The default maps a handle without a descriptor with
+    /// [`Backend::import_memory`] and refuses one with a descriptor.
+    fn import_range(
+        dev: &Self::Device,
+        handle: &[u8],
+        descriptor: Option<Descriptor>,
+    ) -> Result<Self::PeerMapping> {
+        match descriptor {
+            None => Self::import_memory(dev, handle),
+            Some(_) => Err(Error::Backend {
+                backend: Self::NAME,
+                call: "import_memory",
+                detail: "this backend maps no memory exported as a file descriptor".into(),
+            }),
+        }
+    }
     /// Address of an imported mapping, valid for kernels on the importing device.
     fn mapping_ptr(mapping: &Self::PeerMapping) -> u64;
     /// Fills `words` 32-bit words at `ptr` with `value`, on the device's stream.

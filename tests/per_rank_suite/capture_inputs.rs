@@ -255,7 +255,7 @@ pub mod graphs {
     use std::ops::{Deref, DerefMut};
     use std::process::Child;
 
-    use cudarc::driver::CudaSlice;
+    use cudarc::driver::{sys, CudaSlice};
     use peercomm::backend::cuda::Cuda;
     use peercomm::backend::Backend;
     use peercomm::bootstrap::UniqueId;
@@ -274,13 +274,106 @@ pub mod graphs {
         /// Plain `cuMemAlloc` memory, which legacy CUDA IPC exports to other processes
         /// (as an engine's own allocator may hand out).
         CuMemAlloc,
+        /// A stream-ordered pool made with the POSIX file descriptor handle type (one
+        /// per process): exported as a descriptor.
+        PosixPool,
+        /// Virtual memory (`cuMemCreate`, reserved, mapped, access granted) that
+        /// requested POSIX file descriptor handles, or (`false`) none.
+        Vmm(bool),
+    }
+
+    /// What a `Buf`'s drop gives back.
+    enum Free {
+        /// cudarc frees it.
+        Cudarc,
+        /// `cuMemFree`.
+        Legacy,
+        /// `cuMemFreeAsync` on its stream.
+        Pool,
+        /// Unmapped and its address range freed (`bytes` reserved).
+        Vmm(usize),
+    }
+
+    const POSIX_FD: sys::CUmemAllocationHandleType =
+        sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+
+    /// Device 0's location (the test's processes each use their device 0).
+    fn location(ordinal: i32) -> sys::CUmemLocation {
+        // SAFETY: all-zero bits are a valid CUmemLocation; the id is the int at offset 4
+        // in every CUDA version's layout (as the backend writes it).
+        unsafe {
+            let mut l: sys::CUmemLocation = std::mem::zeroed();
+            l.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+            (std::ptr::addr_of_mut!(l) as *mut i32)
+                .add(1)
+                .write(ordinal);
+            l
+        }
+    }
+
+    /// This process's pool with the POSIX-fd handle type, made once.
+    fn posix_pool(ordinal: i32) -> sys::CUmemoryPool {
+        static POOL: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+        *POOL.get_or_init(|| {
+            // SAFETY: zeroed props are valid; the fields set are the documented ones.
+            let mut props: sys::CUmemPoolProps = unsafe { std::mem::zeroed() };
+            props.allocType = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+            props.handleTypes = POSIX_FD;
+            props.location = location(ordinal);
+            let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+            // SAFETY: out-pointer and props valid for the call.
+            unsafe { sys::cuMemPoolCreate(&mut pool, &props) }
+                .result()
+                .unwrap();
+            pool as usize
+        }) as sys::CUmemoryPool
+    }
+
+    /// `bytes` of virtual memory on device `ordinal`, mapped read-write: (address, size).
+    fn vmm_alloc(ordinal: i32, bytes: usize, shareable: bool) -> (u64, usize) {
+        // SAFETY: zeroed props are valid; the fields set are the documented ones.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.location = location(ordinal);
+        if shareable {
+            prop.requestedHandleTypes = POSIX_FD;
+        }
+        let mut granularity = 0usize;
+        // SAFETY: out-pointer and props valid for the calls below; every handle and
+        // range is used as the driver returned it.
+        unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut granularity,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+            .result()
+            .unwrap();
+            let size = bytes.div_ceil(granularity) * granularity;
+            let mut handle = 0;
+            sys::cuMemCreate(&mut handle, size, &prop, 0)
+                .result()
+                .unwrap();
+            let mut va = 0;
+            sys::cuMemAddressReserve(&mut va, size, 0, 0, 0)
+                .result()
+                .unwrap();
+            sys::cuMemMap(va, size, 0, handle, 0).result().unwrap();
+            sys::cuMemRelease(handle).result().unwrap();
+            let access = sys::CUmemAccessDesc {
+                location: location(ordinal),
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            sys::cuMemSetAccess(va, size, &access, 1).result().unwrap();
+            (va, size)
+        }
     }
 
     /// A `CudaSlice` over memory from `Memory`: `cuMemAlloc` memory is taken back from
     /// cudarc (`leak`) and given back with `cuMemFree` on drop.
     pub struct Buf<T> {
         slice: Option<CudaSlice<T>>,
-        legacy: bool,
+        free: Free,
     }
 
     impl<T> Deref for Buf<T> {
@@ -299,13 +392,29 @@ pub mod graphs {
     impl<T> Drop for Buf<T> {
         fn drop(&mut self) {
             let slice = self.slice.take().unwrap();
-            if self.legacy {
-                let stream = slice.stream().clone();
-                let ptr = slice.leak();
-                stream.synchronize().unwrap();
-                // SAFETY: `ptr` came from `malloc_sync` in `alloc` and no work that
-                // uses it is left on the stream.
-                unsafe { cudarc::driver::result::free_sync(ptr) }.unwrap();
+            if matches!(self.free, Free::Cudarc) {
+                return;
+            }
+            let stream = slice.stream().clone();
+            let ptr = slice.leak();
+            stream.synchronize().unwrap();
+            // SAFETY: `ptr` came from `alloc` as `free` says, and no work that uses it
+            // is left on the stream.
+            unsafe {
+                match self.free {
+                    Free::Cudarc => unreachable!(),
+                    Free::Legacy => cudarc::driver::result::free_sync(ptr).unwrap(),
+                    Free::Pool => {
+                        sys::cuMemFreeAsync(ptr, stream.cu_stream())
+                            .result()
+                            .unwrap();
+                        stream.synchronize().unwrap();
+                    }
+                    Free::Vmm(size) => {
+                        sys::cuMemUnmap(ptr, size).result().unwrap();
+                        sys::cuMemAddressFree(ptr, size).result().unwrap();
+                    }
+                }
             }
         }
     }
@@ -319,21 +428,45 @@ pub mod graphs {
         match memory {
             Memory::Cudarc => Buf {
                 slice: Some(Cuda::alloc_buffer::<T>(dev, len).unwrap()),
-                legacy: false,
+                free: Free::Cudarc,
             },
-            Memory::CuMemAlloc => {
+            memory => {
                 let stream = dev.stream().clone();
                 stream.context().bind_to_thread().unwrap();
+                let bytes = len * std::mem::size_of::<T>();
+                let ordinal = stream.context().ordinal() as i32;
                 // SAFETY: a fresh allocation of `len` elements, filled (poisoned)
                 // before any read; handed to cudarc for its length and stream only.
-                let slice = unsafe {
-                    let ptr = cudarc::driver::result::malloc_sync(len * std::mem::size_of::<T>())
-                        .unwrap();
-                    stream.upgrade_device_ptr::<T>(ptr, len)
+                let (ptr, free) = unsafe {
+                    match memory {
+                        Memory::PosixPool => {
+                            let mut ptr = 0;
+                            sys::cuMemAllocFromPoolAsync(
+                                &mut ptr,
+                                bytes,
+                                posix_pool(ordinal),
+                                stream.cu_stream(),
+                            )
+                            .result()
+                            .unwrap();
+                            stream.synchronize().unwrap();
+                            (ptr, Free::Pool)
+                        }
+                        Memory::Vmm(shareable) => {
+                            let (ptr, size) = vmm_alloc(ordinal, bytes, shareable);
+                            (ptr, Free::Vmm(size))
+                        }
+                        _ => (
+                            cudarc::driver::result::malloc_sync(bytes).unwrap(),
+                            Free::Legacy,
+                        ),
+                    }
                 };
+                // SAFETY: as above.
+                let slice = unsafe { stream.upgrade_device_ptr::<T>(ptr, len) };
                 let mut buf = Buf {
                     slice: Some(slice),
-                    legacy: true,
+                    free,
                 };
                 Cuda::upload(dev, &nan::<T>(len), &mut buf).unwrap();
                 buf
@@ -496,16 +629,146 @@ pub mod graphs {
     /// The child side of `processes_world_2`: true when this process is such a child
     /// (it has run its rank).
     pub fn child(role: &str, rank: usize, world: usize, id: &UniqueId, seed: u64) -> bool {
-        if role != "capture-registered" {
+        if role != "capture-registered" && role != "shareable" {
             return false;
         }
         let place = placement();
         let dev = Cuda::open(place.ordinal(rank)).unwrap();
         let comm = Comm::<Cuda>::from_rank(dev, rank, world, id, place.config(world)).unwrap();
+        if role == "shareable" {
+            for line in shareable_rank(&comm, seed) {
+                println!("{line}");
+            }
+            return true;
+        }
         let (pool, d) = process_rank(&comm, seed);
         println!("POOL {pool}");
         println!("DIGEST {d}");
         true
+    }
+
+    /// Register/drop cycles of one buffer from `memory` (each registration exports it
+    /// as a descriptor and maps every peer's): `(fds, maps)` of this process before and
+    /// after `cycles`, after one warm-up cycle.
+    fn register_cycles(comm: &Comm<Cuda>, memory: Memory, cycles: usize) -> [(usize, usize); 2] {
+        let buf = alloc::<f32>(comm, memory, 1 << 16);
+        let cycle = || {
+            let registered = comm.register(buf.as_view()).map_err(|e| e.error).unwrap();
+            assert_eq!(comm.registrations().0, 1);
+            drop(registered);
+            assert_eq!(comm.registrations(), (0, 0));
+        };
+        cycle();
+        let before = processes::open_files_and_maps();
+        (0..cycles).for_each(|_| cycle());
+        [before, processes::open_files_and_maps()]
+    }
+
+    /// One rank of `shareable_processes_world`: its output lines (tagged).
+    fn shareable_rank(comm: &Comm<Cuda>, seed: u64) -> Vec<String> {
+        let rank = comm.rank();
+        // Virtual memory made without a shareable handle type: refused alike, nothing
+        // registered, the communicator usable.
+        let plain = alloc::<f32>(comm, Memory::Vmm(false), 4099);
+        let refused = match comm.register(plain.as_view()) {
+            Err(e) => match e.error {
+                Error::CannotRegister { reason, .. } => {
+                    eprintln!("rank {rank}: plain virtual memory refused: {reason}");
+                    "refused"
+                }
+                other => panic!("rank {rank}: plain virtual memory: {other}"),
+            },
+            Ok(_) => "registered",
+        };
+        assert_eq!(comm.registrations(), (0, 0), "rank {rank}");
+        let pool = replay_rank(comm, seed, Memory::PosixPool);
+        let vmm = replay_rank(comm, seed, Memory::Vmm(true));
+        let mut lines = vec![
+            format!("PLAIN_VMM {refused}"),
+            format!("DIGEST_POOL {pool}"),
+            format!("DIGEST_VMM {vmm}"),
+        ];
+        for (name, memory) in [("POOL", Memory::PosixPool), ("VMM", Memory::Vmm(true))] {
+            let [(f0, m0), (f1, m1)] = register_cycles(comm, memory, SHAREABLE_CYCLES);
+            lines.push(format!("CYCLES_{name} {f0} {f1} {m0} {m1}"));
+        }
+        lines
+    }
+
+    /// Register/drop cycles per memory kind in `shareable_processes_world`.
+    const SHAREABLE_CYCLES: usize = 1000;
+
+    /// Registration across processes of memory CUDA exports only as a POSIX file
+    /// descriptor (rank 0 in the test process, the others in children; on one GPU
+    /// they time-slice it): the descriptors travel over the communicator's Unix-socket
+    /// channel. Virtual memory made without a shareable handle type is refused alike on
+    /// every rank; then the replays of `replays_read_in_place` run over buffers from a
+    /// pool with the POSIX-fd handle type and over shareable virtual memory, read in
+    /// place (4 calls, 0 staged), right against f64, bitwise equal to the staged
+    /// capture and on every rank (and equal between the two kinds: same inputs, same
+    /// kernels); 1,000 register/drop cycles of each kind leave every rank's open files
+    /// and mappings where they were.
+    pub fn shareable_processes_world(world: usize) {
+        let seed = seed("cuda_per_rank_register_shareable_processes");
+        let id = UniqueId::new().unwrap();
+        let text = id.to_string();
+        let mut children: Vec<Child> = (1..world)
+            .map(|r| processes::spawn_with("shareable", r, world, &text, seed, &[]))
+            .collect();
+        let place = placement();
+        let dev = Cuda::open(0).unwrap();
+        let comm = Comm::<Cuda>::from_rank(dev, 0, world, &id, place.config(world)).unwrap();
+        let mine = shareable_rank(&comm, seed);
+        let mut every = vec![mine.clone()];
+        for (i, child) in children.iter_mut().enumerate() {
+            let lines = processes::lines_of(child);
+            let status = child.wait().unwrap();
+            assert!(status.success(), "rank {} failed: {status}", i + 1);
+            every.push(lines);
+        }
+        let tag = |lines: &[String], t: &str| {
+            lines
+                .iter()
+                .find_map(|l| l.strip_prefix(t).map(str::to_string))
+                .unwrap_or_else(|| panic!("no {t} in {lines:?}"))
+        };
+        for (rank, lines) in every.iter().enumerate() {
+            assert_eq!(tag(lines, "PLAIN_VMM "), "refused", "rank {rank}");
+            assert_eq!(
+                tag(lines, "DIGEST_POOL "),
+                tag(&mine, "DIGEST_POOL "),
+                "rank {rank}"
+            );
+            assert_eq!(
+                tag(lines, "DIGEST_VMM "),
+                tag(&mine, "DIGEST_POOL "),
+                "rank {rank}"
+            );
+            for kind in ["POOL", "VMM"] {
+                let c: Vec<usize> = tag(lines, &format!("CYCLES_{kind} "))
+                    .split_whitespace()
+                    .map(|x| x.parse().unwrap())
+                    .collect();
+                eprintln!(
+                    "rank {rank}, {kind}: {SHAREABLE_CYCLES} register/drop cycles: fds {} -> \
+                     {}, maps {} -> {}",
+                    c[0], c[1], c[2], c[3]
+                );
+                assert!(c[1] <= c[0], "rank {rank} {kind}: fds {} -> {}", c[0], c[1]);
+                assert!(
+                    c[3] <= c[2] + 4,
+                    "rank {rank} {kind}: maps {} -> {}",
+                    c[2],
+                    c[3]
+                );
+            }
+        }
+        eprintln!(
+            "cuda_per_rank_register_shareable_processes world {world}: POSIX-fd pool and \
+             virtual memory read in place across processes, 3 replays each, bits equal on \
+             every rank; plain virtual memory refused alike; {SHAREABLE_CYCLES} cycles each \
+             leak no fd or mapping"
+        );
     }
 
     /// `Comm::capture_registered` across processes (rank 0 in the test process, the

@@ -7,7 +7,9 @@ use cudarc::driver::sys;
 use cudarc::driver::CudaContext;
 
 use super::super::handle::{import_error, process_token, Reader, Writer};
+use super::super::ExportedRange;
 use super::device::{driver_err, CudaDevice};
+use super::shareable;
 use crate::error::{Error, Result};
 
 /// The location of device `ordinal`, built the same way whatever CUDA version the
@@ -97,6 +99,19 @@ pub struct CudaPeerMapping {
     pub(super) ctx: Arc<CudaContext>,
     pub(super) ptr: u64,
     pub(super) bytes: usize,
+    pub(super) unmap: Unmap,
+}
+
+/// How an imported mapping is given back.
+#[derive(Debug)]
+pub(super) enum Unmap {
+    /// `cuIpcCloseMemHandle` (legacy IPC).
+    Ipc,
+    /// `cuMemFree` of a pointer imported from this pool (`shareable.rs`), then the
+    /// pool's release.
+    PoolPointer(usize),
+    /// `cuMemUnmap` where mapped, then `cuMemAddressFree` of the reservation.
+    Reserved { mapped: bool },
 }
 
 impl CudaPeerMapping {
@@ -121,9 +136,27 @@ impl Drop for CudaPeerMapping {
         // Work that may still use the mapping must finish first.
         let _ = self.ctx.synchronize();
         let _ = self.ctx.bind_to_thread();
-        // SAFETY: `ptr` came from cuIpcOpenMemHandle in this context and is closed once
-        // (drop), after the context's work.
-        let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+        match self.unmap {
+            Unmap::Ipc => {
+                // SAFETY: `ptr` came from cuIpcOpenMemHandle in this context and is
+                // closed once (drop), after the context's work.
+                let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
+            }
+            Unmap::PoolPointer(pool) => {
+                // SAFETY: `ptr` was imported from `pool` in this context and is freed
+                // once, after the context's work.
+                let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
+                super::shareable::release_pool(pool);
+            }
+            Unmap::Reserved { mapped } => {
+                if mapped {
+                    // SAFETY: `[ptr, ptr + bytes)` was mapped here, after the work.
+                    let _ = unsafe { sys::cuMemUnmap(self.ptr, self.bytes) };
+                }
+                // SAFETY: the range was reserved here and is freed once.
+                let _ = unsafe { sys::cuMemAddressFree(self.ptr, self.bytes) };
+            }
+        }
     }
 }
 
@@ -273,7 +306,7 @@ fn cannot_export(reason: String) -> Error {
     Error::CannotRegister { rank: 0, reason }
 }
 
-pub(super) fn export_range(dev: &CudaDevice, ptr: u64, bytes: usize) -> Result<(Vec<u8>, u64)> {
+pub(super) fn export_range(dev: &CudaDevice, ptr: u64, bytes: usize) -> Result<ExportedRange> {
     dev.ctx
         .bind_to_thread()
         .map_err(driver_err("cuCtxSetCurrent"))?;
@@ -292,17 +325,28 @@ pub(super) fn export_range(dev: &CudaDevice, ptr: u64, bytes: usize) -> Result<(
         )));
     }
     if !legacy_ipc_capable(ptr)? {
-        return Err(cannot_export(
-            "the memory is not cuMemAlloc memory (a stream-ordered pool, as cudarc's \
-             allocations are where the driver has them, or a virtual-memory mapping), so \
-             CUDA IPC cannot export it to another process; allocate the buffer with \
-             Comm::alloc_symmetric instead (ranks in one process can register any buffer)"
-                .into(),
-        ));
+        // Pool and virtual memory: exported as a file descriptor where it was made so.
+        let pool = shareable::pool_of(ptr)?;
+        if !pool.is_null() {
+            return shareable::export_pool(pool, base, size, ptr - base);
+        }
+        return shareable::export_vmm(ptr, bytes, base, size)?.ok_or_else(|| {
+            cannot_export(
+                "the memory is neither cuMemAlloc memory, nor from a memory pool, nor a \
+                 virtual-memory mapping, so CUDA cannot export it to another process; \
+                 allocate the buffer with Comm::alloc_symmetric instead (ranks in one \
+                 process can register any buffer)"
+                    .into(),
+            )
+        });
     }
-    let exported =
+    let handle =
         ipc_handle(base, size).map_err(|e| cannot_export(format!("cuIpcGetMemHandle: {e:?}")))?;
-    Ok((exported, ptr - base))
+    Ok(ExportedRange {
+        handle,
+        offset: ptr - base,
+        descriptor: None,
+    })
 }
 
 pub(super) fn import_memory(dev: &CudaDevice, handle: &[u8]) -> Result<CudaPeerMapping> {
@@ -353,6 +397,7 @@ pub(super) fn import_memory(dev: &CudaDevice, handle: &[u8]) -> Result<CudaPeerM
         ctx: dev.ctx.clone(),
         ptr,
         bytes,
+        unmap: Unmap::Ipc,
     };
     let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
     // SAFETY: out-pointers valid for the call; `ptr` is a live mapping.

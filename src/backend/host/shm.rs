@@ -164,14 +164,56 @@ impl Drop for SharedFile {
 }
 
 /// The handle of the live shared file of this process that holds `[ptr, ptr + bytes)`,
-/// and `ptr`'s offset in it; `None` when no shared file holds the range.
-pub(crate) fn export_containing(ptr: u64, bytes: usize) -> Option<(Vec<u8>, u64)> {
-    live()
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
+/// `ptr`'s offset in it and a descriptor of the file (to send beside the handle, see
+/// [`import_descriptor`]); `None` when no shared file holds the range.
+pub(crate) fn export_containing(
+    ptr: u64,
+    bytes: usize,
+) -> Option<Result<(Vec<u8>, u64, std::os::fd::OwnedFd)>> {
+    let live = live().lock().unwrap_or_else(|e| e.into_inner());
+    let (addr, _, handle) = live
         .iter()
-        .find(|(a, n, _)| ptr >= *a && ptr + bytes as u64 <= *a + *n as u64)
-        .map(|(a, _, h)| (h.clone(), ptr - a))
+        .find(|(a, n, _)| ptr >= *a && ptr + bytes as u64 <= *a + *n as u64)?;
+    let mut r = Reader::open("host", handle, MAGIC, VERSION, HANDLE_BYTES).ok()?;
+    let (_pid, fd) = (r.u32(), r.u32());
+    // SAFETY: the file of a listed shared file is open while it is listed: its drop
+    // unlists it (under this lock, held here) before its fields close the file.
+    let file = unsafe { BorrowedFd::borrow_raw(fd as std::os::fd::RawFd) };
+    Some(
+        rustix::io::fcntl_dupfd_cloexec(file, 0)
+            .map(|dup| (handle.clone(), ptr - addr, dup))
+            .map_err(|e| alloc_error(format!("duplicating a shared file's descriptor: {e}"))),
+    )
+}
+
+/// Maps the shared file that `descriptor` is and the handle from
+/// [`SharedFile::export`] names, checking that they agree (identity and size); the
+/// descriptor is closed when this returns.
+pub(crate) fn import_descriptor(
+    handle: &[u8],
+    descriptor: std::os::fd::OwnedFd,
+) -> Result<Mapping> {
+    let mut r = Reader::open("host", handle, MAGIC, VERSION, HANDLE_BYTES)?;
+    let (pid, _fd, size, dev, ino) = (r.u32(), r.u32(), r.u64(), r.u64(), r.u64());
+    let err = |what: String| import_error("host", format!("process {pid}'s shared file: {what}"));
+    let meta = rustix::fs::fstat(&descriptor).map_err(|e| err(format!("fstat: {e}")))?;
+    if (meta.st_dev, meta.st_ino) != (dev, ino) {
+        return Err(err(format!(
+            "the descriptor is device {}, inode {}, but the handle names device {dev}, inode              {ino}",
+            meta.st_dev, meta.st_ino
+        )));
+    }
+    if meta.st_size as u64 != size {
+        return Err(err(format!(
+            "size mismatch: the file has {} bytes, the handle says {size}",
+            meta.st_size
+        )));
+    }
+    let len = usize::try_from(size)
+        .ok()
+        .filter(|&n| n > 0)
+        .ok_or_else(|| err(format!("size {size} cannot be mapped")))?;
+    Mapping::new(descriptor.as_fd(), len).map_err(|e| err(format!("mmap: {e}")))
 }
 
 /// Maps the memory a handle from [`SharedFile::export`] names (any process, this one

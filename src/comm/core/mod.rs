@@ -24,6 +24,8 @@ pub(crate) mod check;
 pub(crate) mod collective;
 pub(crate) mod collective_staging;
 pub(crate) mod connect;
+pub(crate) mod descriptors;
+pub(crate) mod exchange;
 pub(crate) mod group;
 pub(crate) mod launch;
 pub(crate) mod peer_check;

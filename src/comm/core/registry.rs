@@ -23,8 +23,10 @@
 
 use std::sync::{Arc, Mutex, Weak};
 
+use super::descriptors::Listener;
+use super::exchange::exchange;
 use crate::backend::handle::process_token;
-use crate::backend::Backend;
+use crate::backend::{Backend, Descriptor};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
@@ -90,6 +92,8 @@ pub(crate) struct Registry<B: Backend> {
     /// Registrations made (the next one's number): the same on every rank that made
     /// the same registrations.
     made: Mutex<u64>,
+    /// Where peers in other processes send this rank descriptors (bound on first use).
+    channel: Mutex<Option<Listener>>,
 }
 
 impl<B: Backend> Default for Registry<B> {
@@ -98,6 +102,7 @@ impl<B: Backend> Default for Registry<B> {
             entries: Mutex::new(Vec::new()),
             imports: Mutex::new(Vec::new()),
             made: Mutex::new(0),
+            channel: Mutex::new(None),
         }
     }
 }
@@ -245,8 +250,14 @@ impl<B: Backend> Registry<B> {
             .count()
     }
 
-    /// The live import of `handle`, or a new one.
-    fn import(&self, dev: &B::Device, handle: &[u8]) -> Result<Arc<Import<B>>> {
+    /// The live import of `handle`, or a new one (`descriptor`: the one that came with
+    /// the handle; closed here when the allocation is already mapped).
+    fn import(
+        &self,
+        dev: &B::Device,
+        handle: &[u8],
+        descriptor: Option<Descriptor>,
+    ) -> Result<Arc<Import<B>>> {
         let mut imports = self.imports.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(live) = imports
             .iter()
@@ -257,7 +268,7 @@ impl<B: Backend> Registry<B> {
         }
         let import = Arc::new(Import {
             handle: handle.to_vec(),
-            mapping: B::import_memory(dev, handle)?,
+            mapping: B::import_range(dev, handle, descriptor)?,
         });
         imports.retain(|w| w.strong_count() > 0);
         imports.push(Arc::downgrade(&import));
@@ -333,42 +344,23 @@ pub(crate) fn register_range<B: Backend>(
             ));
         }
     }
-    let remote = offers.iter().any(|o| o.process != mine.process);
+    let remote: Vec<bool> = offers.iter().map(|o| o.process != mine.process).collect();
     // Handles only where some rank is in another process (every rank decides alike).
-    let handles: Vec<Vec<u8>> = if remote {
-        let (status, handle) = match B::export_range(dev, ptr, bytes) {
-            Ok((h, offset)) => {
-                let mut h = h;
-                h.extend_from_slice(&offset.to_le_bytes());
-                (Vec::new(), h)
-            }
-            Err(Error::CannotRegister { reason, .. }) => (reason.into_bytes(), Vec::new()),
-            Err(e) => (e.to_string().into_bytes(), Vec::new()),
-        };
-        let mut record = (status.len() as u32).to_le_bytes().to_vec();
-        record.extend_from_slice(&status);
-        record.extend_from_slice(&handle);
-        let gathered = group.all_gather(&record)?;
-        let mut statuses = Vec::with_capacity(n);
-        let mut handles = Vec::with_capacity(n);
-        for g in gathered {
-            let len = g
-                .get(..4)
-                .map_or(0, |b| u32::from_le_bytes(b.try_into().expect("4")) as usize);
-            let status = g.get(4..4 + len).unwrap_or(b"malformed").to_vec();
-            handles.push(g.get(4 + len..).unwrap_or_default().to_vec());
-            statuses.push(status);
-        }
-        if let Some(e) = first_refusal(&statuses) {
-            return Err(e);
-        }
-        handles
+    let (mut received, mut problem) = if remote.iter().any(|&r| r) {
+        let (received, problem) = exchange::<B>(
+            dev,
+            group,
+            &registry.channel,
+            mine.id,
+            (ptr, bytes),
+            &remote,
+        )?;
+        (received, problem.unwrap_or_default())
     } else {
-        vec![Vec::new(); n]
+        ((0..n).map(|_| None).collect(), String::new())
     };
     let mut peers = [0u64; MAX_GPUS];
     let mut imports = Vec::new();
-    let mut problem = String::new();
     for (r, o) in offers.iter().enumerate() {
         peers[r] = if r == me {
             o.ptr
@@ -390,20 +382,23 @@ pub(crate) fn register_range<B: Backend>(
             }
             o.ptr
         } else {
-            let h = &handles[r];
-            let (handle, offset) = h.split_at(h.len().saturating_sub(8));
-            let offset = u64::from_le_bytes(offset.try_into().unwrap_or([0; 8]));
-            match registry.import(dev, handle) {
-                Ok(i) => {
-                    let addr = B::mapping_ptr(&i.mapping) + offset;
-                    imports.push(i);
-                    addr
-                }
-                Err(e) => {
-                    if problem.is_empty() {
-                        problem = format!("mapping rank {r}'s buffer here failed: {e}");
+            let received = received[r]
+                .take()
+                .expect("every rank in another process sent");
+            if !problem.is_empty() {
+                // Its descriptor did not come: nothing to import (this rank refuses).
+                0
+            } else {
+                match registry.import(dev, &received.handle, received.descriptor) {
+                    Ok(i) => {
+                        let addr = B::mapping_ptr(&i.mapping) + received.offset;
+                        imports.push(i);
+                        addr
                     }
-                    0
+                    Err(e) => {
+                        problem = format!("mapping rank {r}'s buffer here failed: {e}");
+                        0
+                    }
                 }
             }
         };

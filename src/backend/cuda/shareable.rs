@@ -1,0 +1,369 @@
+//! Memory that CUDA exports to other processes only as a POSIX file descriptor: a
+//! stream-ordered memory pool made with the `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`
+//! handle type, and a virtual-memory allocation (`cuMemCreate`) that requested it.
+//! Registration of such buffers across processes (`Backend::export_range` /
+//! `Backend::import_range`): the handle record travels over the bootstrap, the
+//! descriptor over the per-rank communicator's descriptor channel.
+//!
+//! - Pool memory: the exporter sends the pool's descriptor
+//!   (`cuMemPoolExportToShareableHandle`) and the allocation's export data
+//!   (`cuMemPoolExportPointer`); the importer opens the pool once per exporter's pool
+//!   and context (`cuMemPoolImportFromShareableHandle`, then `cuMemPoolSetAccess` for
+//!   its device: imported pools grant no device access), and the allocation in it
+//!   (`cuMemPoolImportPointer`). Dropping the mapping frees the imported pointer
+//!   (`cuMemFree`) and, with the pool's last pointer, destroys the imported pool.
+//! - Virtual memory: the exporter sends the descriptor of the physical allocation that
+//!   backs the range (`cuMemRetainAllocationHandle`, `cuMemExportToShareableHandle`);
+//!   the importer imports it (`cuMemImportFromShareableHandle`), reserves an address
+//!   range, maps the allocation whole (`cuMemMap`), grants its device read-write access
+//!   (`cuMemSetAccess`) and releases the handle (the mapping keeps the memory). Dropping
+//!   the mapping unmaps it and frees the address range.
+//!
+//! Every descriptor is owned by the side holding it and closed once the driver has
+//! used it. Handle records (little-endian, framed as every CUDA handle): magic `pccp`
+//! (pool) or `pccv` (virtual memory), version 1, then the exporter's process token,
+//! the allocation's size, its base address and the pool's (or allocation handle's)
+//! value in the exporter (identities: one allocation is mapped once per peer), and
+//! for pools the 64 bytes of `CUmemPoolPtrExportData`.
+
+use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
+use std::sync::{Mutex, OnceLock};
+
+use cudarc::driver::sys;
+
+use super::super::handle::{import_error, process_token, Reader, Writer};
+use super::super::ExportedRange;
+use super::device::{driver_err, CudaDevice};
+use super::memory::{device_location, CudaPeerMapping, Unmap};
+use crate::error::{Error, Result};
+
+/// Magic of a pool allocation's handle.
+pub(super) const POOL_MAGIC: &[u8; 4] = b"pccp";
+/// Magic of a virtual-memory allocation's handle.
+pub(super) const VMM_MAGIC: &[u8; 4] = b"pccv";
+const VERSION: u32 = 1;
+/// Header 8, token 8, size 8, base 8, identity 8.
+const VMM_BYTES: usize = 40;
+/// As [`VMM_BYTES`], then the pool pointer's 64-byte export data.
+const POOL_BYTES: usize = VMM_BYTES + 64;
+
+const POSIX_FD: sys::CUmemAllocationHandleType =
+    sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+
+fn cannot(reason: String) -> Error {
+    Error::CannotRegister { rank: 0, reason }
+}
+
+/// Read-write access for device `ordinal`.
+fn read_write(ordinal: usize) -> sys::CUmemAccessDesc {
+    sys::CUmemAccessDesc {
+        location: device_location(ordinal),
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    }
+}
+
+/// The pool `ptr` was allocated from, or null.
+pub(super) fn pool_of(ptr: u64) -> Result<sys::CUmemoryPool> {
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    // SAFETY: `pool` is a valid out-pointer of the attribute's type for the call.
+    unsafe {
+        sys::cuPointerGetAttribute(
+            &mut pool as *mut _ as *mut std::ffi::c_void,
+            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
+            ptr,
+        )
+    }
+    .result()
+    .map_err(driver_err("cuPointerGetAttribute(MEMPOOL_HANDLE)"))?;
+    Ok(pool)
+}
+
+/// Exports the pool allocation of `size` bytes at `base` (holding the range at
+/// `offset`), from `pool`.
+pub(super) fn export_pool(
+    pool: sys::CUmemoryPool,
+    base: u64,
+    size: usize,
+    offset: u64,
+) -> Result<ExportedRange> {
+    let mut fd: i32 = -1;
+    // SAFETY: for the POSIX-fd type the out-value is an int, which `fd` is; `pool` is
+    // the live pool of an allocation of the current context.
+    let exported = unsafe {
+        sys::cuMemPoolExportToShareableHandle(
+            &mut fd as *mut i32 as *mut std::ffi::c_void,
+            pool,
+            POSIX_FD,
+            0,
+        )
+    };
+    if exported != sys::CUresult::CUDA_SUCCESS {
+        return Err(cannot(format!(
+            "the memory comes from a stream-ordered pool made without the POSIX file \
+             descriptor handle type (as cudarc's allocations and the device's default pool \
+             are), so no other process can map it ({exported:?}); allocate the buffer with \
+             Comm::alloc_symmetric, or from a pool created with handleTypes = \
+             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (ranks in one process can register any \
+             buffer)"
+        )));
+    }
+    // SAFETY: the driver returned a new descriptor that this process owns.
+    let descriptor = unsafe { OwnedFd::from_raw_fd(fd) };
+    let mut data = sys::CUmemPoolPtrExportData { reserved: [0; 64] };
+    // SAFETY: `data` outlives the call; `base` is the start of a live pool allocation.
+    unsafe { sys::cuMemPoolExportPointer(&mut data, base) }
+        .result()
+        .map_err(|e| cannot(format!("cuMemPoolExportPointer: {e:?}")))?;
+    let handle = Writer::new(POOL_MAGIC, VERSION)
+        .u64(process_token())
+        .u64(size as u64)
+        .u64(base)
+        .u64(pool as u64)
+        .bytes(&data.reserved)
+        .finish();
+    Ok(ExportedRange {
+        handle,
+        offset,
+        descriptor: Some(descriptor),
+    })
+}
+
+/// Releases a retained allocation handle on drop.
+struct Retained(sys::CUmemGenericAllocationHandle);
+
+impl Drop for Retained {
+    fn drop(&mut self) {
+        // SAFETY: the handle was retained (or imported) once by this process.
+        let _ = unsafe { sys::cuMemRelease(self.0) };
+    }
+}
+
+fn retain(ptr: u64) -> Option<Retained> {
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    // SAFETY: `handle` outlives the call; the driver checks that `ptr` is mapped.
+    let r = unsafe { sys::cuMemRetainAllocationHandle(&mut handle, ptr as *mut std::ffi::c_void) };
+    (r == sys::CUresult::CUDA_SUCCESS).then_some(Retained(handle))
+}
+
+/// Exports the virtual-memory allocation that backs `[ptr, ptr + bytes)` (mapped at
+/// `base`, `size` bytes); `Ok(None)` when `ptr` is no virtual-memory mapping.
+pub(super) fn export_vmm(
+    ptr: u64,
+    bytes: usize,
+    base: u64,
+    size: usize,
+) -> Result<Option<ExportedRange>> {
+    let Some(first) = retain(ptr) else {
+        return Ok(None);
+    };
+    let last = retain(ptr + bytes.max(1) as u64 - 1)
+        .ok_or_else(|| cannot(format!("{bytes} bytes at {ptr:#x} run past its mapping")))?;
+    if last.0 != first.0 {
+        return Err(cannot(format!(
+            "{bytes} bytes at {ptr:#x} span two virtual-memory allocations; register each \
+             allocation's range on its own"
+        )));
+    }
+    let mut fd: i32 = -1;
+    // SAFETY: for the POSIX-fd type the out-value is an int, which `fd` is; the handle
+    // is retained.
+    let exported = unsafe {
+        sys::cuMemExportToShareableHandle(
+            &mut fd as *mut i32 as *mut std::ffi::c_void,
+            first.0,
+            POSIX_FD,
+            0,
+        )
+    };
+    if exported != sys::CUresult::CUDA_SUCCESS {
+        return Err(cannot(format!(
+            "the memory is a virtual-memory allocation (cuMemCreate) made without \
+             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR in its requestedHandleTypes, so no other \
+             process can map it ({exported:?})"
+        )));
+    }
+    // SAFETY: the driver returned a new descriptor that this process owns.
+    let descriptor = unsafe { OwnedFd::from_raw_fd(fd) };
+    let handle = Writer::new(VMM_MAGIC, VERSION)
+        .u64(process_token())
+        .u64(size as u64)
+        .u64(base)
+        .u64(first.0)
+        .finish();
+    Ok(Some(ExportedRange {
+        handle,
+        offset: ptr - base,
+        descriptor: Some(descriptor),
+    }))
+}
+
+/// An imported pool, shared by the pointers imported from it in one context.
+struct ImportedPool {
+    /// (exporter's token, exporter's pool, importing ordinal).
+    key: (u64, u64, usize),
+    pool: usize,
+    pointers: usize,
+}
+
+fn imported_pools() -> &'static Mutex<Vec<ImportedPool>> {
+    static POOLS: OnceLock<Mutex<Vec<ImportedPool>>> = OnceLock::new();
+    POOLS.get_or_init(Default::default)
+}
+
+/// The imported pool of `key`, opened from `descriptor` when it is not open yet, with
+/// one more pointer counted (given back with [`release_pool`]).
+fn open_pool(key: (u64, u64, usize), descriptor: OwnedFd) -> Result<sys::CUmemoryPool> {
+    let mut pools = imported_pools().lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(p) = pools.iter_mut().find(|p| p.key == key) {
+        p.pointers += 1;
+        return Ok(p.pool as sys::CUmemoryPool);
+    }
+    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
+    let raw = descriptor.into_raw_fd();
+    // SAFETY: for the POSIX-fd type the handle is the descriptor's value; `pool`
+    // outlives the call.
+    let opened = unsafe {
+        sys::cuMemPoolImportFromShareableHandle(
+            &mut pool,
+            raw as usize as *mut std::ffi::c_void,
+            POSIX_FD,
+            0,
+        )
+    };
+    // SAFETY: `raw` is this process's descriptor, which the driver does not keep.
+    drop(unsafe { OwnedFd::from_raw_fd(raw) });
+    opened
+        .result()
+        .map_err(driver_err("cuMemPoolImportFromShareableHandle"))?;
+    let access = read_write(key.2);
+    // SAFETY: `pool` was just imported; `access` outlives the call.
+    if let Err(e) = unsafe { sys::cuMemPoolSetAccess(pool, &access, 1) }.result() {
+        // The driver may refuse to set what already holds (the pool's own device).
+        let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+        let mut location = access.location;
+        // SAFETY: out-pointers valid for the call; `pool` is imported.
+        let held = unsafe { sys::cuMemPoolGetAccess(&mut flags, pool, &mut location) };
+        if held != sys::CUresult::CUDA_SUCCESS
+            || flags != sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        {
+            // SAFETY: the pool was imported here and has no pointer yet.
+            let _ = unsafe { sys::cuMemPoolDestroy(pool) };
+            return Err(driver_err("cuMemPoolSetAccess")(e));
+        }
+    }
+    pools.push(ImportedPool {
+        key,
+        pool: pool as usize,
+        pointers: 1,
+    });
+    Ok(pool)
+}
+
+/// One pointer of imported pool `pool` given back: the pool is destroyed with its last.
+pub(super) fn release_pool(pool: usize) {
+    let mut pools = imported_pools().lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(k) = pools.iter().position(|p| p.pool == pool) {
+        pools[k].pointers -= 1;
+        if pools[k].pointers == 0 {
+            pools.remove(k);
+            // SAFETY: every pointer imported from the pool was freed.
+            let _ = unsafe { sys::cuMemPoolDestroy(pool as sys::CUmemoryPool) };
+        }
+    }
+}
+
+/// Maps a `pccp` or `pccv` handle with its descriptor into `dev`'s context.
+pub(super) fn import(
+    dev: &CudaDevice,
+    handle: &[u8],
+    descriptor: Option<OwnedFd>,
+) -> Result<CudaPeerMapping> {
+    let pool = handle.starts_with(POOL_MAGIC);
+    let (magic, bytes) = if pool {
+        (POOL_MAGIC, POOL_BYTES)
+    } else {
+        (VMM_MAGIC, VMM_BYTES)
+    };
+    let mut r = Reader::open("cuda", handle, magic, VERSION, bytes)?;
+    let (token, size, _base, identity) = (r.u64(), r.u64(), r.u64(), r.u64());
+    if token == process_token() {
+        return Err(Error::Unsupported(
+            "cuda: import_memory: this process exported the handle; within one process use \
+             the allocation's own address"
+                .into(),
+        ));
+    }
+    let descriptor = descriptor
+        .ok_or_else(|| import_error("cuda", "the handle came without its descriptor".into()))?;
+    let size = usize::try_from(size)
+        .map_err(|_| import_error("cuda", format!("size {size} does not fit here")))?;
+    dev.ctx
+        .bind_to_thread()
+        .map_err(driver_err("cuCtxSetCurrent"))?;
+    let ordinal = dev.ctx.ordinal();
+    if pool {
+        let mut data = sys::CUmemPoolPtrExportData {
+            reserved: r.array::<64>(),
+        };
+        let pool = open_pool((token, identity, ordinal), descriptor)?;
+        let mut ptr: sys::CUdeviceptr = 0;
+        // SAFETY: `pool` is an imported pool of this context; `data` and `ptr` outlive
+        // the call.
+        if let Err(e) = unsafe { sys::cuMemPoolImportPointer(&mut ptr, pool, &mut data) }.result() {
+            release_pool(pool as usize);
+            return Err(Error::Backend {
+                backend: "cuda",
+                call: "cuMemPoolImportPointer",
+                detail: format!("{e:?}: the exporter may have freed the memory or exited"),
+            });
+        }
+        return Ok(CudaPeerMapping {
+            ctx: dev.ctx.clone(),
+            ptr,
+            bytes: size,
+            unmap: Unmap::PoolPointer(pool as usize),
+        });
+    }
+    let mut generic: sys::CUmemGenericAllocationHandle = 0;
+    let raw = descriptor.into_raw_fd();
+    // SAFETY: for the POSIX-fd type the handle is the descriptor's value; `generic`
+    // outlives the call.
+    let imported = unsafe {
+        sys::cuMemImportFromShareableHandle(
+            &mut generic,
+            raw as usize as *mut std::ffi::c_void,
+            POSIX_FD,
+        )
+    };
+    // SAFETY: `raw` is this process's descriptor, which the driver does not keep.
+    drop(unsafe { OwnedFd::from_raw_fd(raw) });
+    imported
+        .result()
+        .map_err(driver_err("cuMemImportFromShareableHandle"))?;
+    // The mapping below keeps the memory; this reference goes at the end of scope.
+    let generic = Retained(generic);
+    let mut va: sys::CUdeviceptr = 0;
+    // SAFETY: `va` outlives the call; the driver picks the address.
+    unsafe { sys::cuMemAddressReserve(&mut va, size, 0, 0, 0) }
+        .result()
+        .map_err(driver_err("cuMemAddressReserve"))?;
+    // From here the mapping's drop unmaps and frees the range, on errors too.
+    let mapping = CudaPeerMapping {
+        ctx: dev.ctx.clone(),
+        ptr: va,
+        bytes: size,
+        unmap: Unmap::Reserved { mapped: false },
+    };
+    // SAFETY: `va` is a fresh reservation of `size` bytes; the handle is imported.
+    unsafe { sys::cuMemMap(va, size, 0, generic.0, 0) }
+        .result()
+        .map_err(driver_err("cuMemMap"))?;
+    let mut mapping = mapping;
+    mapping.unmap = Unmap::Reserved { mapped: true };
+    let access = read_write(ordinal);
+    // SAFETY: `[va, va + size)` is mapped; `access` outlives the call.
+    unsafe { sys::cuMemSetAccess(va, size, &access, 1) }
+        .result()
+        .map_err(driver_err("cuMemSetAccess"))?;
+    Ok(mapping)
+}
