@@ -38,6 +38,12 @@
 //! opened handles): what the driver does with a second open of one handle in one
 //! context is not relied on here.
 //!
+//! Registered user buffers ([`Backend::export_range`]) may also be memory that CUDA
+//! exports only as a POSIX file descriptor: a memory pool made with that handle type,
+//! or virtual memory (`cuMemCreate`) that requested it. Their descriptors travel beside
+//! the handle over the per-rank communicator's Unix-socket channel; the import side
+//! is in `cuda/shareable.rs`.
+//!
 //! The handle, 88 bytes, little-endian (framed as every backend's, see
 //! `Backend::export_memory`): magic `pccu`, version `u32` = 1, the exporting
 //! process's random token `u64` (to recognise an import in the exporting process

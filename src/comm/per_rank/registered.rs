@@ -8,11 +8,22 @@
 //!
 //! What can be registered: on the host backend and for ranks of one process, any
 //! buffer (the peers reach it at its own address); across processes, memory the driver
-//! can export ([`Backend::export_range`]: `cuMemAlloc` / `hipMalloc` memory, the host
-//! backend's shared memory, and every [`crate::SymmetricBuffer`]). Memory from a
-//! stream-ordered pool without an IPC handle type (cudarc's default allocations where
-//! the driver has pools) cannot be: that is [`Error::CannotRegister`] on every rank,
-//! and the buffer comes back in the [`RegisterError`].
+//! can export ([`Backend::export_range`]): `cuMemAlloc` / `hipMalloc` memory (IPC
+//! handles, sent as bytes), CUDA memory from a stream-ordered pool made with the POSIX
+//! file descriptor handle type and CUDA virtual memory (`cuMemCreate`) that requested
+//! it (file descriptors, sent over the communicator's Unix-socket channel, Linux), the
+//! host backend's shared memory (a descriptor as well), and every
+//! [`crate::SymmetricBuffer`]. Memory from a pool without a shareable handle type
+//! (cudarc's default allocations where the driver has pools), virtual memory made
+//! without one, and heap memory cannot be: that is [`Error::CannotRegister`] on every
+//! rank, and the buffer comes back in the [`RegisterError`].
+//!
+//! The descriptor channel: each rank listens on an abstract Unix socket of a random
+//! name, gathered over the bootstrap with its process id and a random nonce; a sender
+//! checks with `SO_PEERCRED` that the listener is the peer's process and of this user,
+//! and a receiver checks the same of the sender and the nonce it echoes, ignoring any
+//! other connection. Both sides give up after 30 s (a peer that dies mid-registration
+//! makes it fail on every rank instead of hanging).
 
 use std::sync::Arc;
 
