@@ -664,7 +664,7 @@ pub mod graphs {
         [before, processes::open_files_and_maps()]
     }
 
-    /// One rank of `shareable_processes_world`: its output lines (tagged).
+    /// One rank of `shareable_processes_world`: its output lines (`SHAREABLE <tag> ...`).
     fn shareable_rank(comm: &Comm<Cuda>, seed: u64) -> Vec<String> {
         let rank = comm.rank();
         // Virtual memory made without a shareable handle type: refused alike, nothing
@@ -684,13 +684,13 @@ pub mod graphs {
         let pool = replay_rank(comm, seed, Memory::PosixPool);
         let vmm = replay_rank(comm, seed, Memory::Vmm(true));
         let mut lines = vec![
-            format!("PLAIN_VMM {refused}"),
-            format!("DIGEST_POOL {pool}"),
-            format!("DIGEST_VMM {vmm}"),
+            format!("SHAREABLE PLAIN_VMM {refused}"),
+            format!("SHAREABLE DIGEST_POOL {pool}"),
+            format!("SHAREABLE DIGEST_VMM {vmm}"),
         ];
         for (name, memory) in [("POOL", Memory::PosixPool), ("VMM", Memory::Vmm(true))] {
             let [(f0, m0), (f1, m1)] = register_cycles(comm, memory, SHAREABLE_CYCLES);
-            lines.push(format!("CYCLES_{name} {f0} {f1} {m0} {m1}"));
+            lines.push(format!("SHAREABLE CYCLES_{name} {f0} {f1} {m0} {m1}"));
         }
         lines
     }
@@ -727,9 +727,10 @@ pub mod graphs {
             every.push(lines);
         }
         let tag = |lines: &[String], t: &str| {
+            let t = format!("SHAREABLE {t}");
             lines
                 .iter()
-                .find_map(|l| l.strip_prefix(t).map(str::to_string))
+                .find_map(|l| l.strip_prefix(&t).map(str::to_string))
                 .unwrap_or_else(|| panic!("no {t} in {lines:?}"))
         };
         for (rank, lines) in every.iter().enumerate() {

@@ -336,7 +336,7 @@ pub(super) fn lines_of(child: &mut Child) -> Vec<String> {
         .lines()
         .map_while(|l| l.ok())
         .filter_map(|l| {
-            ["DIGEST ", "PATH ", "SUM ", "ERROR ", "POOL "]
+            ["DIGEST ", "PATH ", "SUM ", "ERROR ", "POOL ", "SHAREABLE "]
                 .iter()
                 .filter_map(|tag| l.find(tag))
                 .min()
