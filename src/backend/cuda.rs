@@ -246,7 +246,10 @@ impl Backend for Cuda {
     }
 
     fn export_range(dev: &CudaDevice, ptr: u64, bytes: usize) -> Result<ExportedRange> {
-        memory::export_range(dev, ptr, bytes)
+        match memory::export_range(dev, ptr, bytes)? {
+            memory::Export::Legacy(exported) => Ok(exported),
+            memory::Export::Other { base, size } => shareable::export(ptr, bytes, base, size),
+        }
     }
 
     fn import_range(

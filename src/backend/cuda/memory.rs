@@ -1,7 +1,7 @@
 //! CUDA memory: signal allocations (`CudaMemory`), peer access to a shared device's
 //! pool, IPC export and import (`CudaPeerMapping`) and the peer-access diagnosis.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use cudarc::driver::sys;
 use cudarc::driver::CudaContext;
@@ -9,7 +9,6 @@ use cudarc::driver::CudaContext;
 use super::super::handle::{import_error, process_token, Reader, Writer};
 use super::super::ExportedRange;
 use super::device::{driver_err, CudaDevice};
-use super::shareable;
 use crate::error::{Error, Result};
 
 /// The location of device `ordinal`, built the same way whatever CUDA version the
@@ -146,7 +145,7 @@ impl Drop for CudaPeerMapping {
                 // SAFETY: `ptr` was imported from `pool` in this context and is freed
                 // once, after the context's work.
                 let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
-                super::shareable::release_pool(pool);
+                release_pool(pool);
             }
             Unmap::Reserved { mapped } => {
                 if mapped {
@@ -156,6 +155,32 @@ impl Drop for CudaPeerMapping {
                 // SAFETY: the range was reserved here and is freed once.
                 let _ = unsafe { sys::cuMemAddressFree(self.ptr, self.bytes) };
             }
+        }
+    }
+}
+
+/// An imported pool, shared by the pointers imported from it in one context.
+pub(super) struct ImportedPool {
+    /// (exporter's token, exporter's pool, importing ordinal).
+    pub(super) key: (u64, u64, usize),
+    pub(super) pool: usize,
+    pub(super) pointers: usize,
+}
+
+pub(super) fn imported_pools() -> &'static Mutex<Vec<ImportedPool>> {
+    static POOLS: OnceLock<Mutex<Vec<ImportedPool>>> = OnceLock::new();
+    POOLS.get_or_init(Default::default)
+}
+
+/// One pointer of imported pool `pool` given back: the pool is destroyed with its last.
+pub(super) fn release_pool(pool: usize) {
+    let mut pools = imported_pools().lock().unwrap_or_else(|e| e.into_inner());
+    if let Some(k) = pools.iter().position(|p| p.pool == pool) {
+        pools[k].pointers -= 1;
+        if pools[k].pointers == 0 {
+            pools.remove(k);
+            // SAFETY: every pointer imported from the pool was freed.
+            let _ = unsafe { sys::cuMemPoolDestroy(pool as sys::CUmemoryPool) };
         }
     }
 }
@@ -306,7 +331,14 @@ fn cannot_export(reason: String) -> Error {
     Error::CannotRegister { rank: 0, reason }
 }
 
-pub(super) fn export_range(dev: &CudaDevice, ptr: u64, bytes: usize) -> Result<ExportedRange> {
+/// What [`export_range`] found: a legacy IPC export, or memory that legacy IPC cannot
+/// export (its allocation or mapping: `size` bytes at `base`), for `shareable.rs`.
+pub(super) enum Export {
+    Legacy(ExportedRange),
+    Other { base: u64, size: usize },
+}
+
+pub(super) fn export_range(dev: &CudaDevice, ptr: u64, bytes: usize) -> Result<Export> {
     dev.ctx
         .bind_to_thread()
         .map_err(driver_err("cuCtxSetCurrent"))?;
@@ -326,27 +358,15 @@ pub(super) fn export_range(dev: &CudaDevice, ptr: u64, bytes: usize) -> Result<E
     }
     if !legacy_ipc_capable(ptr)? {
         // Pool and virtual memory: exported as a file descriptor where it was made so.
-        let pool = shareable::pool_of(ptr)?;
-        if !pool.is_null() {
-            return shareable::export_pool(pool, base, size, ptr - base);
-        }
-        return shareable::export_vmm(ptr, bytes, base, size)?.ok_or_else(|| {
-            cannot_export(
-                "the memory is neither cuMemAlloc memory, nor from a memory pool, nor a \
-                 virtual-memory mapping, so CUDA cannot export it to another process; \
-                 allocate the buffer with Comm::alloc_symmetric instead (ranks in one \
-                 process can register any buffer)"
-                    .into(),
-            )
-        });
+        return Ok(Export::Other { base, size });
     }
     let handle =
         ipc_handle(base, size).map_err(|e| cannot_export(format!("cuIpcGetMemHandle: {e:?}")))?;
-    Ok(ExportedRange {
+    Ok(Export::Legacy(ExportedRange {
         handle,
         offset: ptr - base,
         descriptor: None,
-    })
+    }))
 }
 
 pub(super) fn import_memory(dev: &CudaDevice, handle: &[u8]) -> Result<CudaPeerMapping> {

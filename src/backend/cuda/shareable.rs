@@ -27,14 +27,15 @@
 //! for pools the 64 bytes of `CUmemPoolPtrExportData`.
 
 use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
-use std::sync::{Mutex, OnceLock};
 
 use cudarc::driver::sys;
 
 use super::super::handle::{import_error, process_token, Reader, Writer};
 use super::super::ExportedRange;
 use super::device::{driver_err, CudaDevice};
-use super::memory::{device_location, CudaPeerMapping, Unmap};
+use super::memory::{
+    device_location, imported_pools, release_pool, CudaPeerMapping, ImportedPool, Unmap,
+};
 use crate::error::{Error, Result};
 
 /// Magic of a pool allocation's handle.
@@ -63,7 +64,7 @@ fn read_write(ordinal: usize) -> sys::CUmemAccessDesc {
 }
 
 /// The pool `ptr` was allocated from, or null.
-pub(super) fn pool_of(ptr: u64) -> Result<sys::CUmemoryPool> {
+fn pool_of(ptr: u64) -> Result<sys::CUmemoryPool> {
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     // SAFETY: `pool` is a valid out-pointer of the attribute's type for the call.
     unsafe {
@@ -78,9 +79,28 @@ pub(super) fn pool_of(ptr: u64) -> Result<sys::CUmemoryPool> {
     Ok(pool)
 }
 
+/// Exports `[ptr, ptr + bytes)` of memory that legacy IPC cannot export (its
+/// allocation, or mapping, is `size` bytes at `base`): pool memory and virtual memory
+/// made shareable, as a descriptor; anything else is refused.
+pub(super) fn export(ptr: u64, bytes: usize, base: u64, size: usize) -> Result<ExportedRange> {
+    let pool = pool_of(ptr)?;
+    if !pool.is_null() {
+        return export_pool(pool, base, size, ptr - base);
+    }
+    export_vmm(ptr, bytes, base, size)?.ok_or_else(|| {
+        cannot(
+            "the memory is neither cuMemAlloc memory, nor from a memory pool, nor a \
+             virtual-memory mapping, so CUDA cannot export it to another process; allocate \
+             the buffer with Comm::alloc_symmetric instead (ranks in one process can \
+             register any buffer)"
+                .into(),
+        )
+    })
+}
+
 /// Exports the pool allocation of `size` bytes at `base` (holding the range at
 /// `offset`), from `pool`.
-pub(super) fn export_pool(
+fn export_pool(
     pool: sys::CUmemoryPool,
     base: u64,
     size: usize,
@@ -147,12 +167,7 @@ fn retain(ptr: u64) -> Option<Retained> {
 
 /// Exports the virtual-memory allocation that backs `[ptr, ptr + bytes)` (mapped at
 /// `base`, `size` bytes); `Ok(None)` when `ptr` is no virtual-memory mapping.
-pub(super) fn export_vmm(
-    ptr: u64,
-    bytes: usize,
-    base: u64,
-    size: usize,
-) -> Result<Option<ExportedRange>> {
+fn export_vmm(ptr: u64, bytes: usize, base: u64, size: usize) -> Result<Option<ExportedRange>> {
     let Some(first) = retain(ptr) else {
         return Ok(None);
     };
@@ -195,19 +210,6 @@ pub(super) fn export_vmm(
         offset: ptr - base,
         descriptor: Some(descriptor),
     }))
-}
-
-/// An imported pool, shared by the pointers imported from it in one context.
-struct ImportedPool {
-    /// (exporter's token, exporter's pool, importing ordinal).
-    key: (u64, u64, usize),
-    pool: usize,
-    pointers: usize,
-}
-
-fn imported_pools() -> &'static Mutex<Vec<ImportedPool>> {
-    static POOLS: OnceLock<Mutex<Vec<ImportedPool>>> = OnceLock::new();
-    POOLS.get_or_init(Default::default)
 }
 
 /// The imported pool of `key`, opened from `descriptor` when it is not open yet, with
@@ -257,19 +259,6 @@ fn open_pool(key: (u64, u64, usize), descriptor: OwnedFd) -> Result<sys::CUmemor
         pointers: 1,
     });
     Ok(pool)
-}
-
-/// One pointer of imported pool `pool` given back: the pool is destroyed with its last.
-pub(super) fn release_pool(pool: usize) {
-    let mut pools = imported_pools().lock().unwrap_or_else(|e| e.into_inner());
-    if let Some(k) = pools.iter().position(|p| p.pool == pool) {
-        pools[k].pointers -= 1;
-        if pools[k].pointers == 0 {
-            pools.remove(k);
-            // SAFETY: every pointer imported from the pool was freed.
-            let _ = unsafe { sys::cuMemPoolDestroy(pool as sys::CUmemoryPool) };
-        }
-    }
 }
 
 /// Maps a `pccp` or `pccv` handle with its descriptor into `dev`'s context.
