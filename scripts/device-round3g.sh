@@ -6,7 +6,7 @@
 #   shareable   the per-rank test of memory CUDA exports only as a file descriptor (a
 #               POSIX-fd pool, shareable virtual memory) registered across processes
 #   perrank     the whole per-rank CUDA suite
-#   tests       every other CUDA suite (as scripts/device-round3e.sh's `tests`)
+#   tests       every other CUDA suite (runs scripts/device-round3e.sh's `tests`)
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 FINAL_OUT=${OUT:-/tmp/peercomm-out}
@@ -30,13 +30,9 @@ for stage in $stages; do
     summary+=("test-cuda_per_rank rc=$?: $(result "$OUT/test-cuda_per_rank.log")")
     ;;
   tests)
-    for t in .device-bin/test-*; do
-      name=$(basename "$t")
-      [ "$name" = test-cuda_per_rank ] && continue
-      case $name in test-cuda) limit=170;; test-cuda_overlap|test-cuda_driver_load) limit=40;; *) limit=70;; esac
-      PEERCOMM_FUZZ_CALLS=1000 timeout $limit "$t" --test-threads=1 > "$OUT/$name.log" 2>&1
-      summary+=("$name rc=$?: $(result "$OUT/$name.log")")
-    done
+    # scripts/device-round3e.sh's stage, its logs packed beside this script's.
+    OUT=$FINAL_OUT/round3e bash scripts/device-round3e.sh tests > "$OUT/tests.log" 2>&1
+    summary+=("tests rc=$? (each suite's result in $OUT/tests.log)")
     ;;
   *) summary+=("unknown stage $stage") ;;
   esac

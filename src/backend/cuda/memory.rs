@@ -219,16 +219,8 @@ pub(super) fn prepare_shared_device(dev: &CudaDevice) -> Result<()> {
     .map_err(driver_err("cuMemPoolSetAttribute"))
 }
 
-pub(super) fn peer_access_problem(
-    dev: &CudaDevice,
-    ptr: u64,
-    peer: usize,
-) -> Result<Option<String>> {
-    if dev.ctx.ordinal() == peer {
-        return Ok(None);
-    }
-    let peer_ordinal = peer as i32;
-    let location = device_location(peer);
+/// The pool `ptr` was allocated from, or null.
+pub(super) fn pool_of(ptr: u64) -> Result<sys::CUmemoryPool> {
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     // SAFETY: `pool` is a valid out-pointer of the attribute's type for the call.
     unsafe {
@@ -240,6 +232,20 @@ pub(super) fn peer_access_problem(
     }
     .result()
     .map_err(driver_err("cuPointerGetAttribute(MEMPOOL_HANDLE)"))?;
+    Ok(pool)
+}
+
+pub(super) fn peer_access_problem(
+    dev: &CudaDevice,
+    ptr: u64,
+    peer: usize,
+) -> Result<Option<String>> {
+    if dev.ctx.ordinal() == peer {
+        return Ok(None);
+    }
+    let peer_ordinal = peer as i32;
+    let location = device_location(peer);
+    let pool = pool_of(ptr)?;
     if !pool.is_null() {
         if granted_pools()
             .lock()

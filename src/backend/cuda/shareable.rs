@@ -26,7 +26,7 @@
 //! value in the exporter (identities: one allocation is mapped once per peer), and
 //! for pools the 64 bytes of `CUmemPoolPtrExportData`.
 
-use std::os::fd::{FromRawFd, IntoRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use cudarc::driver::sys;
 
@@ -34,7 +34,7 @@ use super::super::handle::{import_error, process_token, Reader, Writer};
 use super::super::ExportedRange;
 use super::device::{driver_err, CudaDevice};
 use super::memory::{
-    device_location, imported_pools, release_pool, CudaPeerMapping, ImportedPool, Unmap,
+    device_location, imported_pools, pool_of, release_pool, CudaPeerMapping, ImportedPool, Unmap,
 };
 use crate::error::{Error, Result};
 
@@ -61,22 +61,6 @@ fn read_write(ordinal: usize) -> sys::CUmemAccessDesc {
         location: device_location(ordinal),
         flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
     }
-}
-
-/// The pool `ptr` was allocated from, or null.
-fn pool_of(ptr: u64) -> Result<sys::CUmemoryPool> {
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: `pool` is a valid out-pointer of the attribute's type for the call.
-    unsafe {
-        sys::cuPointerGetAttribute(
-            &mut pool as *mut _ as *mut std::ffi::c_void,
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
-            ptr,
-        )
-    }
-    .result()
-    .map_err(driver_err("cuPointerGetAttribute(MEMPOOL_HANDLE)"))?;
-    Ok(pool)
 }
 
 /// Exports `[ptr, ptr + bytes)` of memory that legacy IPC cannot export (its
@@ -221,22 +205,19 @@ fn open_pool(key: (u64, u64, usize), descriptor: OwnedFd) -> Result<sys::CUmemor
         return Ok(p.pool as sys::CUmemoryPool);
     }
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    let raw = descriptor.into_raw_fd();
-    // SAFETY: for the POSIX-fd type the handle is the descriptor's value; `pool`
-    // outlives the call.
-    let opened = unsafe {
+    // SAFETY: for the POSIX-fd type the handle is the descriptor's value (the driver
+    // does not keep it: `descriptor` closes it when this returns); `pool` outlives the
+    // call.
+    unsafe {
         sys::cuMemPoolImportFromShareableHandle(
             &mut pool,
-            raw as usize as *mut std::ffi::c_void,
+            descriptor.as_raw_fd() as usize as *mut std::ffi::c_void,
             POSIX_FD,
             0,
         )
-    };
-    // SAFETY: `raw` is this process's descriptor, which the driver does not keep.
-    drop(unsafe { OwnedFd::from_raw_fd(raw) });
-    opened
-        .result()
-        .map_err(driver_err("cuMemPoolImportFromShareableHandle"))?;
+    }
+    .result()
+    .map_err(driver_err("cuMemPoolImportFromShareableHandle"))?;
     let access = read_write(key.2);
     // SAFETY: `pool` was just imported; `access` outlives the call.
     if let Err(e) = unsafe { sys::cuMemPoolSetAccess(pool, &access, 1) }.result() {
@@ -314,21 +295,18 @@ pub(super) fn import(
         });
     }
     let mut generic: sys::CUmemGenericAllocationHandle = 0;
-    let raw = descriptor.into_raw_fd();
-    // SAFETY: for the POSIX-fd type the handle is the descriptor's value; `generic`
-    // outlives the call.
-    let imported = unsafe {
+    // SAFETY: for the POSIX-fd type the handle is the descriptor's value (the driver
+    // does not keep it: `descriptor` closes it when this returns); `generic` outlives
+    // the call.
+    unsafe {
         sys::cuMemImportFromShareableHandle(
             &mut generic,
-            raw as usize as *mut std::ffi::c_void,
+            descriptor.as_raw_fd() as usize as *mut std::ffi::c_void,
             POSIX_FD,
         )
-    };
-    // SAFETY: `raw` is this process's descriptor, which the driver does not keep.
-    drop(unsafe { OwnedFd::from_raw_fd(raw) });
-    imported
-        .result()
-        .map_err(driver_err("cuMemImportFromShareableHandle"))?;
+    }
+    .result()
+    .map_err(driver_err("cuMemImportFromShareableHandle"))?;
     // The mapping below keeps the memory; this reference goes at the end of scope.
     let generic = Retained(generic);
     let mut va: sys::CUdeviceptr = 0;
