@@ -51,27 +51,43 @@
  * error_detail fields, filled in with the record (before its code is released):
  * the call descriptor of the rank that wrote the record, the world rank it waited for
  * (plus one; 0 = none), and that rank's descriptor as the writer saw it: published
- * beside the barrier arrival (CALL_MISMATCH) or read from its current_call when the
- * wait gave up (then THEIRS_VALID is 1).
+ * beside the barrier arrival or in the Lamport header (CALL_MISMATCH), or, when the
+ * wait gave up, its current_call summary merged into the writer's own descriptor (the
+ * words current_call does not hold are the writer's). THEIRS_VALID is 1 when THEIRS
+ * was read.
  */
 #define PEERCOMM_DETAIL_MINE 0         /* PEERCOMM_CALL_WORDS words */
-#define PEERCOMM_DETAIL_AWAITED 3      /* world rank waited for, plus one */
-#define PEERCOMM_DETAIL_THEIRS 4       /* PEERCOMM_CALL_WORDS words */
-#define PEERCOMM_DETAIL_THEIRS_VALID 7
+#define PEERCOMM_DETAIL_AWAITED 12     /* world rank waited for, plus one */
+#define PEERCOMM_DETAIL_THEIRS 13      /* PEERCOMM_CALL_WORDS words */
+#define PEERCOMM_DETAIL_THEIRS_VALID 25
+#define PEERCOMM_DETAIL_WORDS 28       /* whole 16-byte packs */
 
 /*
- * The call descriptor: three words that every rank of a group computes alike for the
- * same call, published with every barrier arrival (and in the Lamport header pack) and
- * compared by the peers. Bit 31 of every word is zero, so no word is the Lamport
- * sentinel.
- *   word 0: the rank's call sequence number in the call's barrier domain (every
- *           launch in that domain counts): 1 + the count modulo 2^31 - 1, so never 0
- *   word 1: kernel kind (bits 0-4: collective and algorithm), dtype (5-6), group
- *           width - 1 (7-9), root (10-12), blocks - 1 (13-22), element count bits
- *           31-38 (23-30)
- *   word 2: element count bits 0-30
+ * The call descriptor: twelve words that every rank of a group computes alike for the
+ * same call, published with every barrier arrival and in every Lamport header, and
+ * compared exactly by the peers before anything is stored. Every argument that changes
+ * a result is a field of its own. Bit 31 of every word is zero, so no word is the
+ * Lamport sentinel.
+ *   words 0-1:  the rank's call sequence number in the call's barrier domain (every
+ *               launch in that domain counts), 1 + the count, bits 0-30 and 31-61
+ *   word 2:     kernel kind (bits 0-4), dtype (5-8), group width - 1 (9-11), root (12-14),
+ *               blocks - 1 (15-24), reduction operator (25-27)
+ *   words 3-4:  element count, bits 0-30 and 31-61
+ *   word 5:     where the peers read the input: 0 staged (or not read), else the
+ *               registration number + 1 of the registered buffer it lies in
+ *   words 6-7:  the input's byte offset in that registration, bits 0-30 and 31-61
+ *   word 8:     elements per row (the fused all-reduce + RMSNorm; else 0)
+ *   words 9-10: epsilon's bits (the fused collective; else 0): bits 0-30, then bit 31
+ *   word 11:    0 (reserved)
+ * An arrival is PEERCOMM_CALL_PACKS 16-byte packs: pack k holds the counter value in
+ * word 0 and descriptor words 3k .. 3k + 2 in words 1-3. Each pack is one 16-byte
+ * store, so a reader that sees the counter value in every pack sees the descriptor of
+ * that barrier's call, with no fence between the stores.
  */
-#define PEERCOMM_CALL_WORDS 3
+#define PEERCOMM_CALL_WORDS 12
+#define PEERCOMM_CALL_PACKS 4
+/* A Lamport slot ends with the writer's descriptor: one pack per 3 words, lane 3 zero. */
+#define PEERCOMM_LAMPORT_HEADER_PACKS PEERCOMM_CALL_PACKS
 
 /* The per-GPU signal. Every peer of the group writes into it over P2P. */
 typedef struct peercomm_signal {
@@ -80,18 +96,18 @@ typedef struct peercomm_signal {
                          [PEERCOMM_MAX_GPUS];
     /*
      * Written by peers: [domain][generation parity][block][writer's group rank], one
-     * arrival of 16 bytes: the counter value (word 0) and the writer's call descriptor
-     * (words 1-3), written with one 16-byte store on the devices, so a reader that sees
-     * the counter sees the descriptor of the same call.
+     * arrival: PEERCOMM_CALL_PACKS packs, each the counter value (word 0) and three
+     * words of the writer's call descriptor (see PEERCOMM_CALL_WORDS).
      */
     uint32_t peer_counter[PEERCOMM_NUM_BARRIER_DOMAINS][2][PEERCOMM_MAX_NUM_BLOCKS_UPPER_BOUND]
-                         [PEERCOMM_MAX_GPUS][4];
+                         [PEERCOMM_MAX_GPUS][4 * PEERCOMM_CALL_PACKS];
     uint32_t lamport_state[4];
     uint32_t error_state[4];
-    uint32_t error_detail[8];
+    uint32_t error_detail[PEERCOMM_DETAIL_WORDS];
     /*
-     * The descriptor of the collective this rank's kernels run or ran last (words 0-2)
-     * and whether it still runs (word 3: 1 from block 0's entry to its end, then 0; it
+     * A summary of the collective this rank's kernels run or ran last (descriptor words
+     * 0, 2 and 3: the sequence number, the kind word, the element count's low bits) and
+     * whether it still runs (word 3: 1 from block 0's entry to its end, then 0; it
      * stays 1 when the rank has an error record: the abandoned call is still pending):
      * read by a peer whose wait for this rank gives up, to tell a rank that never came
      * (not running) from one that runs another call.
@@ -106,7 +122,7 @@ typedef struct peercomm_signal {
      */
     uint32_t quit[PEERCOMM_MAX_NUM_BLOCKS_UPPER_BOUND][PEERCOMM_MAX_GPUS];
     /* Pads the header to a multiple of PEERCOMM_REGION_ALIGN. */
-    uint32_t reserved[44];
+    uint32_t reserved[24];
 } peercomm_signal;
 
 /*
@@ -115,9 +131,10 @@ typedef struct peercomm_signal {
  * This is sound because the Lamport kernels run only over the whole world (domain 0),
  * so a rank's group rank is the same in every Lamport call on one signal buffer.
  *
- * Lamport header: the last 16-byte pack of every slot is not data but the writer's call
- * descriptor {word 0, word 1, word 2, 0}; data packs fill the slot up to it. A reader
- * waits for the header of each source before it reduces that source's packs.
+ * Lamport header: the last PEERCOMM_LAMPORT_HEADER_PACKS packs of every slot are not
+ * data but the writer's call descriptor, pack k = {word 3k, 3k + 1, 3k + 2, 0}; data
+ * packs fill the slot up to them. A reader checks every source's header before it
+ * stores anything.
  */
 
 /*

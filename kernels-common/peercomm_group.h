@@ -51,7 +51,7 @@ typedef peercomm_group_args GroupArgs;
 typedef peercomm_group_entry GroupEntry;
 
 static_assert(sizeof(peercomm_group_entry) == 32, "peercomm_group_entry layout changed");
-static_assert(sizeof(peercomm_group_args) == 1064, "peercomm_group_args layout changed");
+static_assert(sizeof(peercomm_group_args) == 1104, "peercomm_group_args layout changed");
 static_assert(PEERCOMM_GROUP_HEADER_BYTES == 16 + 8 * PEERCOMM_MAX_GROUP_CALLS, "the entry table layout changed");
 
 // Packs of the entry table.
@@ -71,13 +71,15 @@ PC_INLINE Vec16 group_header_pack(const GroupArgs& g, uint32_t count, uint32_t i
 }
 
 // The descriptor an error record shows for one side of a batch whose entry tables
-// differ: this batch's, with the root field (a batch's count less one, bits 10-12 of
-// word 1) set to `count - 1` and the element count (bits 31-38 in bits 23-30 of word 1,
-// bits 0-30 in word 2) to `n`, in words x, y, z. The host's signal::group_shown_call.
-PC_INLINE Vec16 group_shown_call(const Args& a, uint32_t count, uint64_t n) {
-    const uint32_t w1 = (a.call[1] & ~((7u << 10) | (0xffu << 23))) | (((count - 1u) & 7u) << 10) |
-                        (((uint32_t)(n >> 31) & 0xffu) << 23);
-    return make_vec16(a.call[0], w1, (uint32_t)n & 0x7fffffffu, 0u);
+// differ: this batch's, with the root field (a batch's count less one, bits 12-14 of
+// word 2) set to `count - 1` and the element count (words 3-4) to `n`. The host's
+// signal::group_shown_call.
+PC_INLINE CallWords group_shown_call(const Args& a, uint32_t count, uint64_t n) {
+    CallWords c = own_call(a);
+    c.w[2] = (c.w[2] & ~(7u << 12)) | (((count - 1u) & 7u) << 12);
+    c.w[3] = (uint32_t)n & 0x7fffffffu;
+    c.w[4] = (uint32_t)(n >> 31) & 0x7fffffffu;
+    return c;
 }
 
 // After the Publish barrier: thread t < width, t != group_rank, compares group rank t's

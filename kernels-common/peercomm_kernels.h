@@ -53,8 +53,8 @@ typedef peercomm_allreduce_args Args;
 typedef PC_GLOBAL peercomm_signal GlobalSignal;
 typedef PC_GLOBAL uint32_t GlobalU32;
 
-static_assert(sizeof(peercomm_signal) == 2392320, "peercomm_signal layout changed");
-static_assert(sizeof(peercomm_allreduce_args) == 288, "peercomm_allreduce_args layout changed");
+static_assert(sizeof(peercomm_signal) == 8683776, "peercomm_signal layout changed");
+static_assert(sizeof(peercomm_allreduce_args) == 328, "peercomm_allreduce_args layout changed");
 static_assert((PC_SPIN_CHECK_INTERVAL & (PC_SPIN_CHECK_INTERVAL - 1)) == 0,
               "PC_SPIN_CHECK_INTERVAL is a power of two");
 
@@ -153,12 +153,42 @@ PC_INLINE Ctx make_ctx(const Args& a) {
     return Ctx{a, signal_at(a.signals[a.group_rank]), (volatile PC_SHARED BlockState*)&state, 0};
 }
 
-// The call descriptor of these arguments as one 16-byte arrival, after the counter value.
-PC_INLINE Vec16 call_arrival(const Args& a, uint32_t v) { return make_vec16(v, a.call[0], a.call[1], a.call[2]); }
+// A call descriptor (PEERCOMM_CALL_WORDS words).
+struct CallWords {
+    uint32_t w[PEERCOMM_CALL_WORDS];
+};
 
-// Whether words 1-3 of `x` are this call's descriptor.
-PC_INLINE bool same_call(const Args& a, Vec16 x) {
-    return x.y == a.call[0] && x.z == a.call[1] && x.w == a.call[2];
+// Pack k of this call's arrival: the counter value, then descriptor words 3k .. 3k + 2.
+PC_INLINE Vec16 arrival_pack(const Args& a, uint32_t v, uint32_t k) {
+    return make_vec16(v, a.call[3u * k], a.call[3u * k + 1u], a.call[3u * k + 2u]);
+}
+
+// Whether words 1-3 of `x` are words 3k .. 3k + 2 of this call's descriptor.
+PC_INLINE bool same_pack(const Args& a, Vec16 x, uint32_t k) {
+    return x.y == a.call[3u * k] && x.z == a.call[3u * k + 1u] && x.w == a.call[3u * k + 2u];
+}
+
+// This call's descriptor.
+PC_INLINE CallWords own_call(const Args& a) {
+    CallWords c;
+#pragma unroll
+    for (uint32_t i = 0; i < PEERCOMM_CALL_WORDS; ++i) c.w[i] = a.call[i];
+    return c;
+}
+
+// The current_call summary of this call (descriptor words 0, 2, 3), running or not.
+PC_INLINE Vec16 call_summary(const Args& a, uint32_t running) {
+    return make_vec16(a.call[0], a.call[2], a.call[3], running);
+}
+
+// A peer's current_call summary `x` as a descriptor: this call's, with the words the
+// summary holds replaced by the peer's.
+PC_INLINE CallWords summary_call(const Args& a, Vec16 x) {
+    CallWords c = own_call(a);
+    c.w[0] = x.x;
+    c.w[2] = x.y;
+    c.w[3] = x.z;
+    return c;
 }
 
 // Reads, in one trip, this rank's Lamport state and abort word (thread 0, two adjacent
@@ -172,7 +202,7 @@ PC_INLINE bool enter(Ctx& c) {
     if (t < c.a.group_width) c.counter = c.own->self_counter[c.a.domain][blockIdx.x][t];
     // A group of one waits for nobody, and nobody waits for it: it publishes nothing.
     if (t == 0 && blockIdx.x == 0 && c.a.group_width > 1)
-        st_volatile_vec16((PC_GLOBAL Vec16*)c.own->current_call, make_vec16(c.a.call[0], c.a.call[1], c.a.call[2], 1u));
+        st_volatile_vec16((PC_GLOBAL Vec16*)c.own->current_call, call_summary(c.a, 1u));
     if (t == 0) {
         const Vec16 lamport = ld_volatile_vec16((const PC_GLOBAL Vec16*)c.own->lamport_state);
         const Vec16 error = ld_volatile_vec16((const PC_GLOBAL Vec16*)c.own->error_state);
@@ -192,8 +222,8 @@ struct ErrorDetail {
     uint32_t rank;
     uint32_t domain;
     uint32_t awaited_plus_one;  // 0: none
-    Vec16 mine;                 // words x, y, z: the writer's descriptor
-    Vec16 theirs;               // words x, y, z: a descriptor
+    CallWords mine;             // the writer's descriptor
+    CallWords theirs;           // the other side's descriptor
     uint32_t theirs_valid;
 };
 
@@ -207,13 +237,11 @@ PC_INLINE void write_error_record(GlobalSignal* s, uint32_t code, const ErrorDet
         st_relaxed_sys(&e[PEERCOMM_ERROR_RANK], d.rank);
         st_relaxed_sys(&e[PEERCOMM_ERROR_BLOCK], blockIdx.x);
         st_relaxed_sys(&e[PEERCOMM_ERROR_DOMAIN], d.domain);
-        st_relaxed_sys(&x[PEERCOMM_DETAIL_MINE + 0], d.mine.x);
-        st_relaxed_sys(&x[PEERCOMM_DETAIL_MINE + 1], d.mine.y);
-        st_relaxed_sys(&x[PEERCOMM_DETAIL_MINE + 2], d.mine.z);
+        for (uint32_t i = 0; i < PEERCOMM_CALL_WORDS; ++i) {
+            st_relaxed_sys(&x[PEERCOMM_DETAIL_MINE + i], d.mine.w[i]);
+            st_relaxed_sys(&x[PEERCOMM_DETAIL_THEIRS + i], d.theirs.w[i]);
+        }
         st_relaxed_sys(&x[PEERCOMM_DETAIL_AWAITED], d.awaited_plus_one);
-        st_relaxed_sys(&x[PEERCOMM_DETAIL_THEIRS + 0], d.theirs.x);
-        st_relaxed_sys(&x[PEERCOMM_DETAIL_THEIRS + 1], d.theirs.y);
-        st_relaxed_sys(&x[PEERCOMM_DETAIL_THEIRS + 2], d.theirs.z);
         st_relaxed_sys(&x[PEERCOMM_DETAIL_THEIRS_VALID], d.theirs_valid);
         st_release_sys(&e[PEERCOMM_ERROR_CODE], code);
     }
@@ -222,10 +250,12 @@ PC_INLINE void write_error_record(GlobalSignal* s, uint32_t code, const ErrorDet
 // World rank of group rank q of this rank's group (groups are consecutive world ranks).
 PC_INLINE uint32_t world_rank_of(const Args& a, uint32_t q) { return a.world_rank - a.group_rank + q; }
 
-// Whether a current_call `x` is another call that its rank runs now (word w: running):
-// a rank that a wait for it gave up on is running something else than this call.
+// Whether a current_call summary `x` is another call that its rank runs now (word w:
+// running): a rank that a wait for it gave up on is running something else than this
+// call.
 PC_INLINE bool other_call(const Args& a, Vec16 x) {
-    return x.w != 0u && (x.x != a.call[0] || x.y != a.call[1] || x.z != a.call[2]);
+    const Vec16 mine = call_summary(a, 1u);
+    return x.w != 0u && (x.x != mine.x || x.y != mine.y || x.z != mine.z);
 }
 
 // The end of every collective that completed: block 0 marks the own current_call as
@@ -235,9 +265,6 @@ PC_INLINE bool other_call(const Args& a, Vec16 x) {
 PC_INLINE void finish(Ctx& c) {
     if (threadIdx.x == 0 && blockIdx.x == 0 && c.a.group_width > 1) st_relaxed_sys(&c.own->current_call[3], 0u);
 }
-
-// This call's descriptor in words x, y, z.
-PC_INLINE Vec16 own_call(const Args& a) { return make_vec16(a.call[0], a.call[1], a.call[2], 0u); }
 
 // A wait of this block for group rank `awaited` gave up. If that rank runs another call
 // now (its current_call is running with another descriptor: another group width puts
@@ -255,17 +282,18 @@ PC_INLINE void record_timeout(Ctx& c, uint32_t awaited) {
     const uint32_t who = world_rank_of(a, awaited);
     if (other_call(a, theirs)) {
         write_error_record(c.own, PEERCOMM_ERROR_CALL_MISMATCH,
-                           ErrorDetail{who, a.domain, who + 1u, own_call(a), theirs, 1u});
+                           ErrorDetail{who, a.domain, who + 1u, own_call(a), summary_call(a, theirs), 1u});
         for (uint32_t q = 0; q < a.group_width; ++q) {
             if (q == a.group_rank) continue;
             GlobalSignal* peer = signal_at(a.signals[q]);
             const Vec16 call = ld_volatile_vec16((const PC_GLOBAL Vec16*)peer->current_call);
             if (other_call(a, call))
                 write_error_record(peer, PEERCOMM_ERROR_CALL_MISMATCH,
-                                   ErrorDetail{a.world_rank, a.domain, a.world_rank + 1u, call, own_call(a), 1u});
+                                   ErrorDetail{a.world_rank, a.domain, a.world_rank + 1u, summary_call(a, call),
+                                               own_call(a), 1u});
         }
     } else {
-        const ErrorDetail d{a.world_rank, a.domain, who + 1u, own_call(a), theirs, 1u};
+        const ErrorDetail d{a.world_rank, a.domain, who + 1u, own_call(a), summary_call(a, theirs), 1u};
         write_error_record(c.own, PEERCOMM_ERROR_BARRIER_TIMEOUT, d);
         for (uint32_t q = 0; q < a.group_width; ++q) {
             if (q != a.group_rank) write_error_record(signal_at(a.signals[q]), PEERCOMM_ERROR_PEER_ABORTED, d);
@@ -275,20 +303,18 @@ PC_INLINE void record_timeout(Ctx& c, uint32_t awaited) {
 }
 
 // Group rank `peer` makes another call than this rank: record the mismatch on this
-// rank, naming that peer, with `mine` and `theirs` (descriptors in words x, y, z) as
-// the two sides, and leave. The peer finds the same difference on its side, so neither
-// tells the other to stop.
-PC_INLINE void record_mismatch(Ctx& c, uint32_t peer, Vec16 mine, Vec16 theirs) {
+// rank, naming that peer, with `mine` and `theirs` as the two sides, and leave. The
+// peer finds the same difference on its side, so neither tells the other to stop.
+PC_INLINE void record_mismatch(Ctx& c, uint32_t peer, const CallWords& mine, const CallWords& theirs) {
     const uint32_t who = world_rank_of(c.a, peer);
     write_error_record(c.own, PEERCOMM_ERROR_CALL_MISMATCH, ErrorDetail{who, c.a.domain, who + 1u, mine, theirs, 1u});
     c.block->abort = 1u;
 }
 
 // A peer's arrival (or Lamport header) carries another call descriptor than this
-// rank's: the mismatch of the two descriptors. `x` holds the peer's descriptor in words
-// y, z, w.
-PC_INLINE void record_mismatch(Ctx& c, uint32_t peer, Vec16 x) {
-    record_mismatch(c, peer, own_call(c.a), make_vec16(x.y, x.z, x.w, 0u));
+// rank's: the mismatch of the two descriptors.
+PC_INLINE void record_mismatch(Ctx& c, uint32_t peer, const CallWords& theirs) {
+    record_mismatch(c, peer, own_call(c.a), theirs);
 }
 
 // Bounds one wait. Call keep_waiting() after each failed test of the awaited condition,
@@ -393,12 +419,15 @@ PC_INLINE bool barrier(Ctx& c) {
     if (t < a.group_width) {
         const uint32_t d = a.domain, b = blockIdx.x;
         const uint32_t v = ++c.counter;
-        // The arrival carries this call's descriptor in the same 16-byte store.
+        // The arrival: every pack carries v beside three descriptor words. Packs 1.. go
+        // first, pack 0 last, so that a publishing barrier's release (pack 0) covers them.
         PC_GLOBAL Vec16* to_peer = (PC_GLOBAL Vec16*)signal_at(a.signals[t])->peer_counter[d][v & 1u][b][a.group_rank];
+#pragma unroll
+        for (uint32_t k = 1; k < PEERCOMM_CALL_PACKS; ++k) st_relaxed_sys_vec16(to_peer + k, arrival_pack(a, v, k));
         if (kOrdered) {
-            st_release_sys_vec16(to_peer, call_arrival(a, v));
+            st_release_sys_vec16(to_peer, arrival_pack(a, v, 0u));
         } else {
-            st_relaxed_sys_vec16(to_peer, call_arrival(a, v));
+            st_relaxed_sys_vec16(to_peer, arrival_pack(a, v, 0u));
         }
         c.own->self_counter[d][b][t] = v;  // the next kernel's entry reads it
         const PC_GLOBAL Vec16* from_peer = (const PC_GLOBAL Vec16*)c.own->peer_counter[d][v & 1u][b][t];
@@ -409,12 +438,24 @@ PC_INLINE bool barrier(Ctx& c) {
         }
         // Once the counter is v this slot does not change before this block arrives
         // again: the acquire of a publishing barrier reads its counter word once (it can
-        // only read v, and pairs with the writer's release), and a descriptor read that
-        // could have been torn is settled by reading it again.
+        // only read v, and pairs with the writer's release). Relaxed packs 1.. may land
+        // after pack 0: each is waited for until it holds v too; a pack read that could
+        // have been torn is settled by reading it again.
         if (kOrdered && x.x == v) (void)ld_acquire_sys(&c.own->peer_counter[d][v & 1u][b][t][0]);
-        if (x.x == v && !same_call(a, x)) {
-            x = ld_relaxed_sys_vec16(from_peer);
-            if (!same_call(a, x)) record_mismatch(c, t, x);
+        if (x.x == v) {
+            CallWords theirs;
+            bool differs = false;
+#pragma unroll
+            for (uint32_t k = 0; k < PEERCOMM_CALL_PACKS; ++k) {
+                Vec16 p = k == 0u ? x : ld_relaxed_sys_vec16(from_peer + k);
+                while (p.x != v && w.keep_waiting(c, t)) p = ld_relaxed_sys_vec16(from_peer + k);
+                if (p.x == v && !same_pack(a, p, k)) p = ld_relaxed_sys_vec16(from_peer + k);
+                differs = differs || (p.x == v && !same_pack(a, p, k));
+                theirs.w[3u * k] = p.y;
+                theirs.w[3u * k + 1u] = p.z;
+                theirs.w[3u * k + 2u] = p.w;
+            }
+            if (differs) record_mismatch(c, t, theirs);
         }
     }
     __syncthreads();
@@ -657,10 +698,11 @@ PC_INLINE PC_GLOBAL Vec16* lamport_pack_at(uint64_t signal, uint32_t slot_bytes,
                               ((uint64_t)gen * slots + src) * slot_bytes + p * 16u);
 }
 
-// The header pack of slot (gen, src): the slot's last pack, the writer's call descriptor.
+// Header pack k of slot (gen, src): the slot's last PEERCOMM_LAMPORT_HEADER_PACKS packs
+// hold the writer's call descriptor.
 PC_INLINE PC_GLOBAL Vec16* lamport_header_at(uint64_t signal, uint32_t slot_bytes, uint32_t slots, uint32_t gen,
-                                             uint32_t src) {
-    return lamport_pack_at(signal, slot_bytes, slots, gen, src, slot_bytes / 16u - 1u);
+                                             uint32_t src, uint32_t k) {
+    return lamport_pack_at(signal, slot_bytes, slots, gen, src, slot_bytes / 16u - PEERCOMM_LAMPORT_HEADER_PACKS + k);
 }
 
 // True once every word of the pack has been written (none is the sentinel).
@@ -734,18 +776,19 @@ PC_INLINE void lamport_store(const Args& a, uint64_t p, uint64_t n, bool vec, Ve
     }
 }
 
-// Every block pushes this call's header (the same 16 bytes) into slot group_rank of
+// Every block pushes this call's header (the same bytes) into slot group_rank of
 // every other member's region of generation gen, first (thread 0): a block that starts
 // after another block of this rank found a mismatch returns at entry, so the header must
 // not wait for any one block, or a peer would wait for it until its timeout.
 PC_INLINE void lamport_push_header(Ctx& c, uint32_t gen) {
     const Args& a = c.a;
     if (threadIdx.x != 0) return;
-    const Vec16 header = make_vec16(a.call[0], a.call[1], a.call[2], 0u);
     for (uint32_t q = 0; q < a.group_width; ++q)
         if (q != a.group_rank)
-            st_volatile_vec16(lamport_header_at(a.signals[q], a.lamport_slot_bytes, a.group_width, gen, a.group_rank),
-                              header);
+            for (uint32_t k = 0; k < PEERCOMM_LAMPORT_HEADER_PACKS; ++k)
+                st_volatile_vec16(
+                    lamport_header_at(a.signals[q], a.lamport_slot_bytes, a.group_width, gen, a.group_rank, k),
+                    make_vec16(a.call[3u * k], a.call[3u * k + 1u], a.call[3u * k + 2u], 0u));
 }
 
 // Pack p of this rank's input, as lamport_source_pack made it, into slot group_rank of
@@ -779,7 +822,8 @@ PC_INLINE void lamport_end(Ctx& c, uint64_t packs) {
         st_volatile_vec16(lamport_pack_at(own, slot, width, gen.clear(), src, i % prev_packs), sentinel);
     }
     if (tid < prev_width && tid != me)
-        st_volatile_vec16(lamport_header_at(own, slot, width, gen.clear(), (uint32_t)tid), sentinel);
+        for (uint32_t k = 0; k < PEERCOMM_LAMPORT_HEADER_PACKS; ++k)
+            st_volatile_vec16(lamport_header_at(own, slot, width, gen.clear(), (uint32_t)tid, k), sentinel);
     __syncthreads();
     if (c.block->abort) return abandon(c, WaitForPeers::No);  // the state is not advanced
     if (threadIdx.x == 0) {
@@ -803,14 +847,23 @@ PC_INLINE void lamport_check_header(Ctx& c, uint32_t gen) {
     const Args& a = c.a;
     const uint32_t s = blockDim.x - 1u - threadIdx.x;
     if (s >= a.group_width || s == a.group_rank) return;
-    const PC_GLOBAL Vec16* at = lamport_header_at(a.signals[a.group_rank], a.lamport_slot_bytes, a.group_width, gen, s);
     Waiter w;
-    Vec16 h = ld_volatile_vec16(at);
-    while (!lamport_arrived(h)) {
-        if (!w.keep_waiting(c, s)) return;
-        h = ld_volatile_vec16(at);
+    CallWords theirs;
+    bool differs = false;
+    for (uint32_t k = 0; k < PEERCOMM_LAMPORT_HEADER_PACKS; ++k) {
+        const PC_GLOBAL Vec16* at =
+            lamport_header_at(a.signals[a.group_rank], a.lamport_slot_bytes, a.group_width, gen, s, k);
+        Vec16 h = ld_volatile_vec16(at);
+        while (!lamport_arrived(h)) {
+            if (!w.keep_waiting(c, s)) return;
+            h = ld_volatile_vec16(at);
+        }
+        theirs.w[3u * k] = h.x;
+        theirs.w[3u * k + 1u] = h.y;
+        theirs.w[3u * k + 2u] = h.z;
+        differs = differs || h.x != a.call[3u * k] || h.y != a.call[3u * k + 1u] || h.z != a.call[3u * k + 2u];
     }
-    if (h.x != a.call[0] || h.y != a.call[1] || h.z != a.call[2]) record_mismatch(c, s, make_vec16(0u, h.x, h.y, h.z));
+    if (differs) record_mismatch(c, s, theirs);
 }
 
 // Reduces, in source order, the packs of this thread as they arrive in the own region

@@ -36,6 +36,10 @@ pub enum CallField {
     /// at an offset in it. Ranks that pass registered buffers at different offsets, or
     /// one registered and one not, differ here.
     Inputs,
+    /// The row length of the fused all-reduce + RMSNorm (its weight's length).
+    Hidden,
+    /// The epsilon of the fused all-reduce + RMSNorm (compared bit for bit).
+    Epsilon,
 }
 
 impl std::fmt::Display for CallField {
@@ -50,6 +54,8 @@ impl std::fmt::Display for CallField {
             CallField::Blocks => "block count",
             CallField::Algorithm => "algorithm",
             CallField::Inputs => "where the peers read the input",
+            CallField::Hidden => "row length",
+            CallField::Epsilon => "epsilon",
         })
     }
 }

@@ -13,10 +13,10 @@
 //!    then store `v` into peer `t`'s `peer_counter[d][v % 2][b][me]`;
 //! 2. for every peer `t`: spin until the own `peer_counter[d][v % 2][b][t] == v`.
 //!
-//! An arrival also carries the writer's call descriptor (three words, see
-//! `PEERCOMM_CALL_WORDS` in the header) beside the counter: the devices write both with
-//! one 16-byte store, the host writes the descriptor words before the counter's
-//! (release) store. A reader that sees the counter compares the descriptor with its own
+//! An arrival also carries the writer's call descriptor ([`CALL_WORDS`] words, see
+//! `PEERCOMM_CALL_WORDS` in the header) beside the counter: the devices write it in
+//! 16-byte packs that each repeat the counter, the host writes the descriptor words
+//! before the counter's (release) store. A reader that sees the counter compares the descriptor with its own
 //! and stops with [`BarrierStop::Mismatch`] when they differ, so ranks that make
 //! different calls get a typed error instead of summing each other's stale data.
 //!
@@ -28,6 +28,8 @@
 //! [`BarrierKind::host_orderings`]).
 
 use std::sync::atomic::{AtomicU32, Ordering};
+
+use crate::signal::CALL_WORDS;
 
 /// One 32-bit counter of the signal memory: what the barrier needs of it.
 pub trait CounterCell {
@@ -66,8 +68,8 @@ pub trait BarrierSignals {
         block: usize,
         writer: usize,
     ) -> &Self::Cell;
-    /// The call-descriptor words of the same arrival (words 1-3), or `None` where the
-    /// signals carry none (the loom model checks the counters alone).
+    /// The call-descriptor words of the same arrival, in descriptor order, or `None`
+    /// where the signals carry none (the loom model checks the counters alone).
     fn arrival_call(
         &self,
         _member: usize,
@@ -75,7 +77,7 @@ pub trait BarrierSignals {
         _parity: usize,
         _block: usize,
         _writer: usize,
-    ) -> Option<[&Self::Cell; 3]> {
+    ) -> Option<[&Self::Cell; CALL_WORDS]> {
         None
     }
 }
@@ -95,7 +97,7 @@ pub enum BarrierStop<T> {
         /// The group rank whose call differs.
         peer: usize,
         /// Its descriptor words.
-        theirs: [u32; 3],
+        theirs: [u32; CALL_WORDS],
     },
 }
 
@@ -186,7 +188,7 @@ pub fn barrier_with_call<S, W>(
     signals: &S,
     site: BarrierSite,
     (store_order, load_order): (Ordering, Ordering),
-    call: Option<[u32; 3]>,
+    call: Option<[u32; CALL_WORDS]>,
     backoff: &mut W,
 ) -> Result<(), BarrierStop<W::Timeout>>
 where

@@ -88,6 +88,12 @@ pub const ERROR_CALL_MISMATCH: u32 = bindings::PEERCOMM_ERROR_CALL_MISMATCH;
 pub const ERROR_WRITING: u32 = bindings::PEERCOMM_ERROR_WRITING;
 /// Words of a call descriptor.
 pub const CALL_WORDS: usize = bindings::PEERCOMM_CALL_WORDS as usize;
+/// 16-byte packs of one barrier arrival (each: the counter, three descriptor words).
+pub const CALL_PACKS: usize = bindings::PEERCOMM_CALL_PACKS as usize;
+/// Packs at the end of every Lamport slot that hold the writer's descriptor.
+pub const LAMPORT_HEADER_PACKS: usize = bindings::PEERCOMM_LAMPORT_HEADER_PACKS as usize;
+/// Bytes of a Lamport slot's header (its last [`LAMPORT_HEADER_PACKS`] packs).
+pub const LAMPORT_HEADER_BYTES: usize = LAMPORT_HEADER_PACKS * PACK_BYTES;
 /// Index of the writer's descriptor in `Signal::error_detail`.
 pub const DETAIL_MINE: usize = bindings::PEERCOMM_DETAIL_MINE as usize;
 /// Index of the awaited world rank plus one in `Signal::error_detail`.
@@ -96,6 +102,8 @@ pub const DETAIL_AWAITED: usize = bindings::PEERCOMM_DETAIL_AWAITED as usize;
 pub const DETAIL_THEIRS: usize = bindings::PEERCOMM_DETAIL_THEIRS as usize;
 /// Index of the flag saying the awaited rank's descriptor was read.
 pub const DETAIL_THEIRS_VALID: usize = bindings::PEERCOMM_DETAIL_THEIRS_VALID as usize;
+/// Words of `Signal::error_detail`.
+pub const DETAIL_WORDS: usize = bindings::PEERCOMM_DETAIL_WORDS as usize;
 
 /// Where the bindings came from: `"bindgen"` (generated from the header in this build)
 /// or `"committed"` (libclang was missing; the committed copy was used).
@@ -132,18 +140,19 @@ pub(crate) fn group_header_words(
 
 /// The descriptor an error record shows for one side of a batch whose entry tables
 /// differ: the batch's descriptor `call` with the root field (which holds a batch's
-/// count less one) set to `count - 1` and the element count to `elements` (word 1 bits
-/// 10-12 and 23-30, word 2; the layout of `PEERCOMM_CALL_WORDS`). The device's
+/// count less one) set to `count - 1` and the element count to `elements` (word 2 bits
+/// 12-14, words 3-4; the layout of `PEERCOMM_CALL_WORDS`). The device's
 /// `group_shown_call`.
 pub(crate) fn group_shown_call(
     call: [u32; CALL_WORDS],
     count: u32,
     elements: u64,
 ) -> [u32; CALL_WORDS] {
-    let root = count.wrapping_sub(1) & 7;
-    let high = ((elements >> 31) & 0xff) as u32;
-    let w1 = (call[1] & !(7 << 10 | 0xff << 23)) | root << 10 | high << 23;
-    [call[0], w1, elements as u32 & 0x7fff_ffff]
+    let mut c = call;
+    c[2] = (c[2] & !(7 << 12)) | (count.wrapping_sub(1) & 7) << 12;
+    c[3] = elements as u32 & 0x7fff_ffff;
+    c[4] = (elements >> 31) as u32 & 0x7fff_ffff;
+    c
 }
 
 /// `(a + b) mod n` without overflow for any `a, b < n`; `n` must not be 0.
@@ -284,19 +293,21 @@ mod tests {
         assert_eq!(offset_of!(Signal, self_counter), 0);
         assert_eq!(offset_of!(Signal, peer_counter), d * b * g * 4);
         assert_eq!(offset_of!(Signal, peer_counter), 262_144);
-        // Arrivals of 16 bytes: counter and call descriptor.
+        // Arrivals of 4 packs of 16 bytes: counter and three descriptor words each.
+        assert_eq!((CALL_WORDS, CALL_PACKS, LAMPORT_HEADER_PACKS), (12, 4, 4));
         assert_eq!(offset_of!(Signal, peer_counter) % 16, 0);
         assert_eq!(
             offset_of!(Signal, lamport_state),
-            262_144 + d * 2 * b * g * 16
+            262_144 + d * 2 * b * g * 16 * CALL_PACKS
         );
-        assert_eq!(offset_of!(Signal, lamport_state), 2_359_296);
-        assert_eq!(offset_of!(Signal, error_state), 2_359_312);
-        assert_eq!(offset_of!(Signal, error_detail), 2_359_328);
-        assert_eq!(offset_of!(Signal, current_call), 2_359_360);
-        assert_eq!(offset_of!(Signal, quit), 2_359_376);
-        assert_eq!(offset_of!(Signal, reserved), 2_359_376 + b * g * 4);
-        assert_eq!(size_of::<Signal>(), 2_392_320);
+        assert_eq!(offset_of!(Signal, lamport_state), 8_650_752);
+        assert_eq!(offset_of!(Signal, error_state), 8_650_768);
+        assert_eq!(offset_of!(Signal, error_detail), 8_650_784);
+        assert_eq!(offset_of!(Signal, current_call), 8_650_896);
+        assert_eq!(offset_of!(Signal, current_call) % 16, 0);
+        assert_eq!(offset_of!(Signal, quit), 8_650_912);
+        assert_eq!(offset_of!(Signal, reserved), 8_650_912 + b * g * 4);
+        assert_eq!(size_of::<Signal>(), 8_683_776);
         assert_eq!(size_of::<Signal>() % REGION_ALIGN, 0);
     }
 
@@ -321,7 +332,7 @@ mod tests {
         assert_eq!(offset_of!(AllReduceArgs, weight), 264);
         assert_eq!(offset_of!(AllReduceArgs, epsilon), 272);
         assert_eq!(offset_of!(AllReduceArgs, call), 276);
-        assert_eq!(size_of::<AllReduceArgs>(), 288);
+        assert_eq!(size_of::<AllReduceArgs>(), 328);
     }
 
     #[test]
@@ -334,12 +345,12 @@ mod tests {
         assert_eq!(size_of::<GroupEntry>(), 32);
         // The all-reduce arguments first, unchanged, so a kernel reads them in place.
         assert_eq!(offset_of!(GroupArgs, all), 0);
-        assert_eq!(offset_of!(GroupArgs, count), 288);
-        assert_eq!(offset_of!(GroupArgs, pad), 292);
-        assert_eq!(offset_of!(GroupArgs, entries), 296);
-        assert_eq!(offset_of!(GroupArgs, peer_inputs), 296 + 8 * 32);
-        assert_eq!(size_of::<GroupArgs>(), 296 + 8 * 32 + 8 * 8 * 8);
-        assert_eq!(size_of::<GroupArgs>(), 1064);
+        assert_eq!(offset_of!(GroupArgs, count), 328);
+        assert_eq!(offset_of!(GroupArgs, pad), 332);
+        assert_eq!(offset_of!(GroupArgs, entries), 336);
+        assert_eq!(offset_of!(GroupArgs, peer_inputs), 336 + 8 * 32);
+        assert_eq!(size_of::<GroupArgs>(), 336 + 8 * 32 + 8 * 8 * 8);
+        assert_eq!(size_of::<GroupArgs>(), 1104);
         assert_eq!(std::mem::align_of::<GroupArgs>(), 8);
     }
 
@@ -351,9 +362,9 @@ mod tests {
                 lamport_slots: slots,
                 payload_bytes: 1000,
             };
-            assert_eq!(l.lamport_offset(), 2_392_320);
+            assert_eq!(l.lamport_offset(), 8_683_776);
             assert_eq!(l.lamport_region_bytes(), 3 * slots * 4096);
-            assert_eq!(l.payload_offset(), 2_392_320 + 3 * slots * 4096);
+            assert_eq!(l.payload_offset(), 8_683_776 + 3 * slots * 4096);
             assert_eq!(l.checked_total_bytes().unwrap(), l.payload_offset() + 1024);
         }
         for slots in [0, MAX_GPUS + 1] {

@@ -18,10 +18,13 @@ pub const PEERCOMM_ERROR_PEER_ABORTED: u32 = 2;
 pub const PEERCOMM_ERROR_CALL_MISMATCH: u32 = 3;
 pub const PEERCOMM_ERROR_WRITING: u32 = 4294967295;
 pub const PEERCOMM_DETAIL_MINE: u32 = 0;
-pub const PEERCOMM_DETAIL_AWAITED: u32 = 3;
-pub const PEERCOMM_DETAIL_THEIRS: u32 = 4;
-pub const PEERCOMM_DETAIL_THEIRS_VALID: u32 = 7;
-pub const PEERCOMM_CALL_WORDS: u32 = 3;
+pub const PEERCOMM_DETAIL_AWAITED: u32 = 12;
+pub const PEERCOMM_DETAIL_THEIRS: u32 = 13;
+pub const PEERCOMM_DETAIL_THEIRS_VALID: u32 = 25;
+pub const PEERCOMM_DETAIL_WORDS: u32 = 28;
+pub const PEERCOMM_CALL_WORDS: u32 = 12;
+pub const PEERCOMM_CALL_PACKS: u32 = 4;
+pub const PEERCOMM_LAMPORT_HEADER_PACKS: u32 = 4;
 pub const PEERCOMM_STAGE_WHOLE: u32 = 4294967295;
 pub const PEERCOMM_MAX_GROUP_CALLS: u32 = 8;
 pub const PEERCOMM_GROUP_HEADER_BYTES: u32 = 80;
@@ -29,13 +32,13 @@ pub const PEERCOMM_GROUP_HEADER_BYTES: u32 = 80;
 #[derive(Debug, Copy, Clone)]
 pub struct peercomm_signal {
     pub self_counter: [[[u32; 8usize]; 1024usize]; 8usize],
-    pub peer_counter: [[[[[u32; 4usize]; 8usize]; 1024usize]; 2usize]; 8usize],
+    pub peer_counter: [[[[[u32; 16usize]; 8usize]; 1024usize]; 2usize]; 8usize],
     pub lamport_state: [u32; 4usize],
     pub error_state: [u32; 4usize],
-    pub error_detail: [u32; 8usize],
+    pub error_detail: [u32; 28usize],
     pub current_call: [u32; 4usize],
     pub quit: [[u32; 8usize]; 1024usize],
-    pub reserved: [u32; 44usize],
+    pub reserved: [u32; 24usize],
 }
 impl Default for peercomm_signal {
     fn default() -> Self {
@@ -74,7 +77,7 @@ pub struct peercomm_allreduce_args {
     pub residual: u64,
     pub weight: u64,
     pub epsilon: f32,
-    pub call: [u32; 3usize],
+    pub call: [u32; 12usize],
 }
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]

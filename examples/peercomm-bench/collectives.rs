@@ -295,7 +295,7 @@ fn fused(gpu: &Gpu, args: &Args, nccl: Option<&[cudarc::nccl::Comm]>) -> Vec<Rec
             if imp == "nccl" && nccl.is_none() {
                 continue;
             }
-            // The Lamport fused kernel needs the message and its header pack in one slot.
+            // The Lamport fused kernel needs the message and its header in one slot.
             if imp == "peercomm-fused-lamport" && n * 2 + 16 > args.lamport_slot_bytes {
                 continue;
             }

@@ -54,8 +54,8 @@ pub fn run(args: &Args, world: usize, gpus: usize) -> Report {
     let shared = world > gpus;
     let config = CommConfig {
         payload_bytes: max.max(1 << 20),
-        // The slot holds the largest Lamport message and its 16-byte header.
-        lamport_slot_bytes: args.lamport_slot_bytes + 16,
+        // The slot holds the largest Lamport message and its 64-byte header.
+        lamport_slot_bytes: args.lamport_slot_bytes + 64,
         barrier_timeout: Some(std::time::Duration::from_secs(30)),
         max_blocks: if shared { Some(4) } else { args.max_blocks },
         threads_per_block: args.threads,

@@ -746,8 +746,8 @@ fn run_host(args: &Args, why: &str) -> Report {
     let max = args.max_bytes.unwrap_or(4 << 20);
     let config = CommConfig {
         payload_bytes: max,
-        // The slot holds the largest Lamport message and its 16-byte header.
-        lamport_slot_bytes: args.lamport_slot_bytes + 16,
+        // The slot holds the largest Lamport message and its 64-byte header.
+        lamport_slot_bytes: args.lamport_slot_bytes + 64,
         ..CommConfig::default()
     };
     let comm = Communicator::<Host>::new(&[0, 1], config).expect("host communicator");

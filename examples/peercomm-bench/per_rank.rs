@@ -337,8 +337,8 @@ fn sweep(
     let largest = sizes.iter().copied().max().unwrap_or(0);
     let config = CommConfig {
         payload_bytes: largest.max(1 << 20),
-        // The slot holds the largest Lamport message and its 16-byte header.
-        lamport_slot_bytes: args.lamport_slot_bytes + 16,
+        // The slot holds the largest Lamport message and its 64-byte header.
+        lamport_slot_bytes: args.lamport_slot_bytes + 64,
         barrier_timeout: Some(Duration::from_secs(30)),
         max_blocks: if shared { Some(4) } else { args.max_blocks },
         threads_per_block: args.threads,

@@ -107,7 +107,7 @@ pub enum KernelKind {
     /// its input rows into every peer's Lamport slot (as [`KernelKind::Lamport`] does),
     /// then each block computes whole rows as their packs arrive, with the row function
     /// of [`KernelKind::AllReduceRmsNorm`], so both give the same bits. Whole world of
-    /// two or more ranks, the message plus the header pack within one Lamport slot.
+    /// two or more ranks, the message plus its header within one Lamport slot.
     LamportRmsNorm,
 }
 

@@ -10,16 +10,16 @@ use crate::external::{FallbackConfig, Simulation};
 ///
 /// # Memory footprint
 /// Each rank allocates one signal allocation on its device and nothing else: a fixed
-/// 2.28 MiB header (counters, arrivals with their call descriptors, Lamport state, error record), a Lamport region of
+/// 8.28 MiB header (counters, arrivals with their call descriptors, Lamport state, error record), a Lamport region of
 /// 3 generations x world-size slots x `lamport_slot_bytes`, and `payload_bytes`.
 /// [`CommConfig::memory_footprint`] computes it before building,
 /// `Communicator::memory_footprint` / `Comm::memory_footprint` after. Per rank:
 ///
 /// | configuration | world 2 | world 4 | world 8 |
 /// |---|---|---|---|
-/// | default (1 MiB slot, 64 MiB payload) | 72.3 MiB | 78.3 MiB | 90.3 MiB |
-/// | `for_largest_message(1 << 20, BF16)` (2 MiB payload, 1 MiB + 16 B slot) | 10.3 MiB | 16.3 MiB | 28.3 MiB |
-/// | 48 MiB slot, 64 MiB payload (Lamport forced at 48 MiB) | 354.3 MiB | 642.3 MiB | 1218.3 MiB |
+/// | default (1 MiB slot, 64 MiB payload) | 78.3 MiB | 84.3 MiB | 96.3 MiB |
+/// | `for_largest_message(1 << 20, BF16)` (2 MiB payload, 1 MiB + 64 B slot) | 16.3 MiB | 22.3 MiB | 34.3 MiB |
+/// | 48 MiB slot, 64 MiB payload (Lamport forced at 48 MiB) | 360.3 MiB | 648.3 MiB | 1224.3 MiB |
 ///
 /// [`CommConfig::for_largest_message`] sizes the scratch from the largest message a
 /// user will send; `Communicator::algorithm_for` / `Comm::algorithm_for` say whether

@@ -493,7 +493,7 @@ pub fn message_larger_than_scratch<B: Backend>(devices: Devices) {
         (
             Algorithm::Lamport,
             false,
-            too_large("lamport", 16384 + 16, 1024),
+            too_large("lamport", 16384 + 64, 1024),
         ),
         (
             Algorithm::TwoStage,
@@ -519,27 +519,27 @@ pub fn message_larger_than_scratch<B: Backend>(devices: Devices) {
             Ok(Algorithm::OneStage)
         );
     }
-    // 1024 bytes of Lamport slot hold 63 packs and the header: 252 f32 or 504 bf16
-    // elements.
+    // 1024 bytes of Lamport slot hold 60 packs and the 4-pack header: 240 f32 or 480
+    // bf16 elements.
     let lamport = AllReduceOptions::new().algorithm(Algorithm::Lamport);
     assert_eq!(
-        comm.algorithm_for(DType::BF16, 504, &lamport, false),
+        comm.algorithm_for(DType::BF16, 480, &lamport, false),
         Ok(Algorithm::Lamport)
     );
     assert_eq!(
-        comm.algorithm_for(DType::BF16, 505, &lamport, false),
+        comm.algorithm_for(DType::BF16, 481, &lamport, false),
         Err(too_large("lamport", 1040, 1024))
     );
     let lamport = AllReduceOptions::new().algorithm(Algorithm::Lamport);
     let two_stage = AllReduceOptions::new().algorithm(Algorithm::TwoStage);
     assert_err(
         out_of_place(&comm, &mut bufs, None, None, &lamport),
-        too_large("lamport", 16384 + 16, 1024),
+        too_large("lamport", 16384 + 64, 1024),
         "lamport, out-of-place",
     );
     assert_err(
         in_place(&comm, &mut bufs, None, &lamport),
-        too_large("lamport", 16384 + 16, 1024),
+        too_large("lamport", 16384 + 64, 1024),
         "lamport, in-place",
     );
     // Two-stage keeps one partition of 16 KiB / 2 ranks in the payload.

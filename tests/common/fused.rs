@@ -77,7 +77,7 @@ pub const DECODE_CASES: [FusedCase; 7] = [
 ];
 
 /// A configuration whose Lamport slot holds the largest pool (256 x 8192 bf16 = 4 MiB,
-/// plus the header pack) and whose payload holds it staged (the per-rank one-stage
+/// plus its header) and whose payload holds it staged (the per-rank one-stage
 /// kernel), over `base`.
 pub fn fused_config(base: CommConfig) -> CommConfig {
     CommConfig {

@@ -49,7 +49,7 @@ pub const FUZZ_PAYLOAD: usize = 4 << 20;
 /// The fuzzer's communicator configuration.
 pub fn fuzz_config(max_blocks: Option<u32>) -> CommConfig {
     CommConfig {
-        lamport_slot_bytes: FUZZ_LAMPORT_SLOT + 16,
+        lamport_slot_bytes: FUZZ_LAMPORT_SLOT + 64,
         payload_bytes: FUZZ_PAYLOAD,
         barrier_timeout: Some(Duration::from_secs(30)),
         max_blocks,

@@ -1,28 +1,29 @@
 //! The per-call descriptor: what every rank of a group must agree on for one
-//! collective, packed into the three words (`PEERCOMM_CALL_WORDS`) that each barrier
-//! arrival and each Lamport header carries, and decoded again into a
-//! [`Error::CallMismatch`] that names the first field that differs.
+//! collective, packed into the twelve words (`PEERCOMM_CALL_WORDS`) that each barrier
+//! arrival and each Lamport header carries, compared exactly by the peers, and decoded
+//! again into a [`Error::CallMismatch`] that names the first field that differs.
 //!
-//! Caught, on every path through [`super::Rank::launch_fused`] (both APIs): a different
-//! collective, element type, group width, root, element count (exact below 2^39
-//! elements), block count, algorithm or input place (staged, or where in which
-//! registered buffer), and a call made out of order within a group (the
-//! sequence number counts the launches of each barrier domain, so sibling groups, which
-//! share a domain but never a barrier, may make different numbers of calls). Ranks in
-//! the same barrier domain find the difference when the arrival lands; ranks that the
-//! difference puts in different domains or kinds of wait (another group width, Lamport
-//! against a barrier) find it when their wait gives up, by reading the awaited peer's
-//! `current_call`: it runs another call. What stays the caller's contract: calls that
-//! agree in every field but pass buffers whose contents the caller did not mean to
-//! pair, calls whose element counts differ by a multiple of 2^39 (or whose call numbers
-//! differ by a multiple of 2^20 - 1, or whose registered input places hash alike: see
-//! `registry.rs`), and a group of one's
-//! own calls, which have no peer to compare with. The case a per-domain count cannot
-//! see: rank A makes a group-of-one call where its peer B makes a world call, then a
-//! world call of its own; that one pairs with B's pending one (the same place in the
-//! world domain), and B's next world call has no partner. It is caught late: B's wait
-//! for A gives up, B reports `BarrierTimeout` naming A, and A gets `PeerAborted`, so
-//! both communicators are poisoned; the pairing itself returned `Ok`.
+//! Caught, on every path through the core's launch (both APIs): a different
+//! collective, element type, group width, root, element count, block count,
+//! algorithm, input place (staged, or which registration and which byte offset in
+//! it), row length or epsilon of the fused collective, and a call made out of order
+//! within a group (the sequence number counts the launches of each barrier domain, so
+//! sibling groups, which share a domain but never a barrier, may make different
+//! numbers of calls). Every field is held whole (62 bits where a count or an offset
+//! needs it), so two different values never compare equal. Ranks in the same barrier
+//! domain find the difference when the arrival lands; ranks that the difference puts
+//! in different domains or kinds of wait (another group width, Lamport against a
+//! barrier) find it when their wait gives up, by reading the awaited peer's
+//! `current_call` summary: it runs another call.
+//!
+//! What stays the caller's contract: calls that agree in every field but pass buffers
+//! whose contents the caller did not mean to pair, and a group of one's own calls,
+//! which have no peer to compare with. The case a per-domain count cannot see: rank A
+//! makes a group-of-one call where its peer B makes a world call, then a world call of
+//! its own; that one pairs with B's pending one (the same place in the world domain),
+//! and B's next world call has no partner. It is caught late: B's wait for A gives up,
+//! B reports `BarrierTimeout` naming A, and A gets `PeerAborted`, so both
+//! communicators are poisoned; the pairing itself returned `Ok`.
 //!
 //! A batch of all-reduces (`AllReduceGroup`) carries only its first entry's length
 //! here; its kernel compares every entry's exactly, and records a difference with the
@@ -35,11 +36,10 @@ use crate::dtype::DType;
 use crate::error::{CallField, Error};
 use crate::signal::CALL_WORDS;
 
-use super::plan::Plan;
+use super::plan::{InputPlace, Plan};
 
-/// Bits of the sequence number, the element count's low word and every other word
-/// (bit 31 stays clear, so no word is the Lamport sentinel).
-const LOW31: u32 = 0x7fff_ffff;
+/// Bits of every word (bit 31 stays clear, so no word is the Lamport sentinel).
+const LOW31: u64 = 0x7fff_ffff;
 
 /// Every kernel kind, in the order of its discriminant (the descriptor's kind field).
 const KINDS: [KernelKind; 13] = [
@@ -58,52 +58,99 @@ const KINDS: [KernelKind; 13] = [
     KernelKind::LamportRmsNorm,
 ];
 
-/// The descriptor of call number `seq` of a rank for `plan` (see the header).
-pub(crate) fn encode(plan: &Plan, seq: u32) -> [u32; CALL_WORDS] {
-    let n = plan.elements as u64;
-    let kind = plan.kernel.kind as u32;
-    let dtype = plan.kernel.dtype.raw() as u32;
-    let width = (plan.width as u32).saturating_sub(1) & 7;
-    let root = plan.collective.root & 7;
-    let blocks = plan.dims.blocks.saturating_sub(1) & 0x3ff;
-    let high = ((n >> 31) & 0xff) as u32;
-    let w1 = kind | dtype << 5 | width << 7 | root << 10 | blocks << 13 | high << 23;
-    // Bits 0-19: the sequence number, 1 ..= 2^20 - 1 (a zero sequence word is what an
-    // initialised signal's current_call holds before its rank has run any call);
-    // bits 20-30: where the peers read the input (0 staged, else a registered place).
-    let w0 = (seq % SEQ_MASK + 1) | (plan.input_tag & INPUT_TAG_MASK) << 20;
-    [w0 & LOW31, w1 & LOW31, (n as u32) & LOW31]
-}
-
-/// The sequence number's bits in word 0 (its values are 1 ..= this).
-const SEQ_MASK: u32 = (1 << 20) - 1;
-/// The input place tag's bits (after shifting down by 20).
-const INPUT_TAG_MASK: u32 = 0x7ff;
-
-/// The fields of a descriptor.
+/// The fields of a descriptor, each whole.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Fields {
-    seq: u32,
-    input_tag: u32,
+    /// 1 + the rank's launches in the call's barrier domain before this one.
+    seq: u64,
     kind: u32,
     dtype: u32,
     width: u32,
     root: u32,
     blocks: u32,
+    /// 0: staged (or not read in place); else 1 + the registration number.
+    registration: u64,
+    /// The input's byte offset in that registration.
+    offset: u64,
     elements: u64,
+    hidden: u32,
+    epsilon: u32,
+}
+
+/// Splits `x` (at most 62 bits) into two 31-bit words.
+fn split(x: u64) -> [u32; 2] {
+    [(x & LOW31) as u32, ((x >> 31) & LOW31) as u32]
+}
+
+fn join(lo: u32, hi: u32) -> u64 {
+    u64::from(lo) | u64::from(hi) << 31
+}
+
+fn encode_fields(f: &Fields) -> [u32; CALL_WORDS] {
+    let [s0, s1] = split(f.seq);
+    let [e0, e1] = split(f.elements);
+    let [r0, r1] = split(f.registration);
+    let [o0, o1] = split(f.offset);
+    let kind = f.kind & 0x1f
+        | (f.dtype & 0xf) << 5
+        | (f.width.saturating_sub(1) & 7) << 9
+        | (f.root & 7) << 12
+        | (f.blocks.saturating_sub(1) & 0x3ff) << 15;
+    [
+        s0,
+        s1,
+        kind,
+        e0,
+        e1,
+        r0,
+        o0,
+        o1,
+        f.hidden & LOW31 as u32,
+        f.epsilon & LOW31 as u32,
+        f.epsilon >> 31,
+        r1,
+    ]
 }
 
 fn decode(w: [u32; CALL_WORDS]) -> Fields {
     Fields {
-        seq: w[0] & SEQ_MASK,
-        input_tag: (w[0] >> 20) & INPUT_TAG_MASK,
-        kind: w[1] & 0x1f,
-        dtype: (w[1] >> 5) & 3,
-        width: ((w[1] >> 7) & 7) + 1,
-        root: (w[1] >> 10) & 7,
-        blocks: ((w[1] >> 13) & 0x3ff) + 1,
-        elements: u64::from((w[1] >> 23) & 0xff) << 31 | u64::from(w[2]),
+        seq: join(w[0], w[1]),
+        kind: w[2] & 0x1f,
+        dtype: (w[2] >> 5) & 0xf,
+        width: ((w[2] >> 9) & 7) + 1,
+        root: (w[2] >> 12) & 7,
+        blocks: ((w[2] >> 15) & 0x3ff) + 1,
+        elements: join(w[3], w[4]),
+        registration: join(w[5], w[11]),
+        offset: join(w[6], w[7]),
+        hidden: w[8],
+        epsilon: w[9] | (w[10] & 1) << 31,
     }
+}
+
+/// The descriptor of a rank's call of `plan`, `launched` launches after the signal was
+/// last initialised in the call's barrier domain (see the header).
+pub(crate) fn encode(plan: &Plan, launched: u64) -> [u32; CALL_WORDS] {
+    let (registration, offset) = match plan.input_place {
+        InputPlace::Staged => (0, 0),
+        InputPlace::Registered {
+            registration,
+            offset,
+        } => (registration.wrapping_add(1), offset),
+    };
+    encode_fields(&Fields {
+        seq: launched.wrapping_add(1),
+        kind: plan.kernel.kind as u32,
+        dtype: plan.kernel.dtype.raw() as u32,
+        width: plan.width as u32,
+        root: plan.collective.root,
+        blocks: plan.dims.blocks,
+        registration,
+        offset,
+        elements: plan.elements as u64,
+        hidden: plan.collective.hidden,
+        epsilon: plan.collective.epsilon.to_bits(),
+    })
 }
 
 fn kind_of(code: u32) -> Option<KernelKind> {
@@ -159,12 +206,24 @@ fn dtype_name(code: u32) -> String {
         .map_or_else(|| format!("dtype {code}"), |d| d.name().to_string())
 }
 
-/// `call k`, or, for a zero sequence word, that the rank has run no call.
-fn call_number(seq: u32) -> String {
+/// `call k`, or, for a zero sequence number, that the rank has run no call.
+fn call_number(seq: u64) -> String {
     if seq == 0 {
         "no call yet".into()
     } else {
         format!("call {seq}")
+    }
+}
+
+/// Where a descriptor says the peers read the input.
+fn place_name(f: &Fields) -> String {
+    match f.registration {
+        0 => "the input staged (not registered)".to_string(),
+        r => format!(
+            "a registered input (registration {}, byte offset {})",
+            r - 1,
+            f.offset
+        ),
     }
 }
 
@@ -176,7 +235,6 @@ pub(crate) fn first_difference(
 ) -> Option<(CallField, String, String)> {
     let (a, b) = (decode(mine), decode(theirs));
     let collective = |f: &Fields| collective_name(f.kind);
-    let number = |x: u64| x.to_string();
     let field = if collective(&a) != collective(&b) {
         (CallField::Collective, collective(&a), collective(&b))
     } else if a.dtype != b.dtype {
@@ -196,8 +254,8 @@ pub(crate) fn first_difference(
     } else if a.elements != b.elements {
         (
             CallField::Length,
-            format!("{} elements", number(a.elements)),
-            format!("{} elements", number(b.elements)),
+            format!("{} elements", a.elements),
+            format!("{} elements", b.elements),
         )
     } else if a.blocks != b.blocks && is_batch(&a) && is_batch(&b) {
         // A batch's grid follows its entries' packs (the settings it also depends on
@@ -216,19 +274,21 @@ pub(crate) fn first_difference(
             algorithm_name(a.kind),
             algorithm_name(b.kind),
         )
-    } else if a.input_tag != b.input_tag {
-        let place = |t: u32| {
-            if t == 0 {
-                "the input staged (not registered)".to_string()
-            } else {
-                format!("a registered input (place tag {t})")
-            }
-        };
-        (CallField::Inputs, place(a.input_tag), place(b.input_tag))
+    } else if (a.registration, a.offset) != (b.registration, b.offset) {
+        (CallField::Inputs, place_name(&a), place_name(&b))
+    } else if a.hidden != b.hidden {
+        (
+            CallField::Hidden,
+            format!("rows of {} elements", a.hidden),
+            format!("rows of {} elements", b.hidden),
+        )
+    } else if a.epsilon != b.epsilon {
+        let eps = |bits: u32| format!("epsilon {:e}", f32::from_bits(bits));
+        (CallField::Epsilon, eps(a.epsilon), eps(b.epsilon))
     } else if a.seq != b.seq {
         (
             CallField::Sequence,
-            format!("call {}", a.seq),
+            call_number(a.seq),
             call_number(b.seq),
         )
     } else {
@@ -278,7 +338,7 @@ mod tests {
                 threads: 512,
             },
             overlap_previous: false,
-            input_tag: 0,
+            input_place: InputPlace::Staged,
             collective: CollectiveArgs::default(),
         }
     }
@@ -299,7 +359,14 @@ mod tests {
             usize::MAX >> 1,
             1024,
         );
-        for w in encode(&p, u32::MAX) {
+        let mut p = p;
+        p.input_place = InputPlace::Registered {
+            registration: u64::MAX >> 2,
+            offset: u64::MAX >> 2,
+        };
+        p.collective.epsilon = -f32::MAX;
+        p.collective.hidden = u32::MAX;
+        for w in encode(&p, u64::MAX) {
             assert_eq!(w & 0x8000_0000, 0);
         }
     }
@@ -309,7 +376,7 @@ mod tests {
         let base = plan(KernelKind::OneStage, DType::F32, 2, 1000, 16);
         let m = encode(&base, 7);
         assert_eq!(first_difference(m, m), None);
-        let cases: [(Plan, u32, CallField, &str, &str); 8] = [
+        let cases: [(Plan, u64, CallField, &str, &str); 8] = [
             (
                 base.clone_with(|p| p.elements = 500),
                 7,
@@ -395,6 +462,88 @@ mod tests {
         assert_eq!(got.map(|g| g.0), Some(CallField::Length));
     }
 
+    /// Every field is compared whole: values that a narrower field (or a digest) would
+    /// confuse are told apart, and decoding gives back what was encoded.
+    #[test]
+    fn fields_are_compared_exactly() {
+        let base = plan(KernelKind::OneStage, DType::BF16, 2, 256, 4);
+        let at = |registration: u64, offset: u64| {
+            base.clone_with(|p| {
+                p.input_place = InputPlace::Registered {
+                    registration,
+                    offset,
+                }
+            })
+        };
+        let differs = |a: &Plan, sa: u64, b: &Plan, sb: u64| {
+            first_difference(encode(a, sa), encode(b, sb)).map(|d| d.0)
+        };
+        // Offsets 0 and 39,328 of registration 0 shared an 11-bit tag.
+        assert_eq!(
+            differs(&at(0, 0), 3, &at(0, 39_328), 3),
+            Some(CallField::Inputs)
+        );
+        for (r0, o0, r1, o1) in [
+            (0, 0, 1, 0),
+            (0, 1 << 31, 0, 0),
+            (5, (1 << 40) + 16, 5, 16),
+            ((1 << 31) + 2, 0, 2, 0),
+        ] {
+            assert_eq!(
+                differs(&at(r0, o0), 3, &at(r1, o1), 3),
+                Some(CallField::Inputs),
+                "{r0}/{o0} against {r1}/{o1}"
+            );
+        }
+        assert_eq!(differs(&at(0, 0), 3, &base, 3), Some(CallField::Inputs));
+        assert_eq!(differs(&at(7, 4096), 3, &at(7, 4096), 3), None);
+        // Sequence numbers that differ by 2^20 - 1, 2^31 - 1 or 2^32 paired before.
+        for gap in [(1u64 << 20) - 1, (1 << 31) - 1, 1 << 31, 1 << 32, 1 << 40] {
+            assert_eq!(
+                differs(&base, 9, &base, 9 + gap),
+                Some(CallField::Sequence),
+                "{gap}"
+            );
+        }
+        // The fused collective's row length and epsilon.
+        let fused = |hidden: u32, epsilon: f32| {
+            let mut p = plan(KernelKind::AllReduceRmsNorm, DType::BF16, 2, 1920, 4);
+            p.collective.hidden = hidden;
+            p.collective.epsilon = epsilon;
+            p
+        };
+        assert_eq!(
+            first_difference(encode(&fused(64, 1e-5), 1), encode(&fused(96, 1e-5), 1)),
+            Some((
+                CallField::Hidden,
+                "rows of 64 elements".into(),
+                "rows of 96 elements".into()
+            ))
+        );
+        for (e0, e1) in [(1e-5, 1e-6), (0.0, -0.0), (1e-5, f32::from_bits(1e-5f32.to_bits() + 1))] {
+            assert_eq!(
+                differs(&fused(64, e0), 1, &fused(64, e1), 1),
+                Some(CallField::Epsilon),
+                "{e0} against {e1}"
+            );
+        }
+        // Round trip of every field at its widest.
+        let f = Fields {
+            seq: (1 << 62) - 1,
+            kind: 12,
+            dtype: 2,
+            width: 8,
+            root: 7,
+            blocks: 1024,
+            registration: (1 << 62) - 1,
+            offset: (1 << 62) - 3,
+            elements: (1 << 62) - 5,
+            hidden: (1 << 31) - 1,
+            epsilon: (-1e-5f32).to_bits(),
+        };
+        assert_eq!(decode(encode_fields(&f)), f);
+    }
+
     /// What a batch's kernel shows when entry tables differ (signal::group_shown_call):
     /// the batch's descriptor with the count and one entry's length of each side, so the
     /// host names the length (or the count) and shows exactly those.
@@ -408,6 +557,7 @@ mod tests {
             (0, 1),
             ((1 << 31) + 3, 3),
             ((1 << 39) - 1, (1 << 38) + 17),
+            ((1 << 62) - 1, 1 << 61),
         ] {
             let (m, t) = (
                 crate::signal::group_shown_call(call, 5, mine),

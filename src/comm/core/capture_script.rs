@@ -81,7 +81,9 @@ impl Script {
                     Planning::InPlace(rank) => {
                         let mut inputs = [0u64; crate::signal::MAX_GPUS];
                         inputs[rank] = ptr;
-                        Some(InPlace { tag: 1, inputs })
+                        // Planned as read in place; never launched.
+                        let place = Default::default();
+                        Some(InPlace { place, inputs })
                     }
                 }
             }

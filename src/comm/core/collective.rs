@@ -17,7 +17,7 @@ use crate::backend::{Kernel, KernelKind, LaunchDims};
 use crate::dispatch::{self, Algorithm};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::signal::{MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES};
+use crate::signal::{LAMPORT_HEADER_BYTES, MAX_NUM_BLOCKS_UPPER_BOUND};
 
 use super::collective_staging::{collective_staging, padded};
 use super::plan::{CollectiveArgs, PeerReads, Plan};
@@ -35,7 +35,7 @@ pub struct CollectiveOptions {
     /// (`all_reduce_residual_rms_norm`): [`Algorithm::Auto`] (the default) runs
     /// [`Algorithm::Lamport`] (one kernel, no barrier) where it is allowed and fits,
     /// that is over the whole world of two or more ranks with the message plus one
-    /// 16-byte header pack within [`crate::CommConfig::lamport_slot_bytes`], else
+    /// 64-byte header within [`crate::CommConfig::lamport_slot_bytes`], else
     /// [`Algorithm::OneStage`]. Both give the same bits, so a row's output and new
     /// residual do not depend on which one runs, nor on the token count of its batch.
     /// Forced `Lamport` over a subgroup is [`crate::Error::Unsupported`], over a
@@ -177,7 +177,7 @@ impl Settings {
                 threads: self.config.threads_per_block,
             },
             overlap_previous: false,
-            input_tag: 0,
+            input_place: Default::default(),
             collective: extra,
         })
     }
@@ -209,9 +209,9 @@ impl Settings {
         check_rms_norm(dtype, elements, hidden, epsilon)?;
         // As the Lamport all-reduce: the whole world of at least two ranks (its state is
         // per rank and shared by every width), and a slot that holds the packs and, last,
-        // the header pack.
+        // the header.
         let allowed = width == self.world && width > 1;
-        let need = padded(dtype, elements) + PACK_BYTES;
+        let need = padded(dtype, elements) + LAMPORT_HEADER_BYTES;
         let slot = self.layout.lamport_slot_bytes;
         match asked {
             Algorithm::Auto if allowed && need <= slot => Ok(Algorithm::Lamport),
@@ -292,7 +292,7 @@ mod tests {
     }
 
     /// Auto runs the Lamport fused kernel over the whole world where the slot holds the
-    /// message and its header pack, else one-stage; forced algorithms are honoured or
+    /// message and its header, else one-stage; forced algorithms are honoured or
     /// refused with a typed error; the grid and the scratch are the one-stage ones.
     #[test]
     fn the_fused_call_chooses_lamport_where_it_fits() {
@@ -320,7 +320,7 @@ mod tests {
                     available,
                     setting: "lamport_slot_bytes",
                     ..
-                }) => assert_eq!((needed, available), ((1 << 20) + 16, 1 << 20)),
+                }) => assert_eq!((needed, available), ((1 << 20) + 64, 1 << 20)),
                 other => panic!("forced Lamport past the slot: {other:?}"),
             }
             // Subgroups: Auto runs one-stage, forced Lamport is refused.

@@ -31,7 +31,7 @@
 //! - the root field (3 bits, unused by an all-reduce) holds `count - 1`, so a rank that
 //!   batches another number of calls is a [`Error::CallMismatch`] with
 //!   `field: CallField::Root` (`"root 1"` against `"root 4"` for 2 against 5 entries);
-//! - the element field holds entry 0's element count (exact below 2^39, as any call's),
+//! - the element field holds entry 0's element count (exact, as any call's),
 //!   so a different length in entry 0 is a `CallField::Length` mismatch showing entry 0's
 //!   counts (`"300 elements"` against `"301 elements"`).
 //!
@@ -64,8 +64,8 @@
 //! found) and shows, on each side, the batch's descriptor with that side's count in the
 //! root field and the element count of the first entry whose lengths differ:
 //! `field: CallField::Length` with `mine` / `theirs` `"999 elements"` against `"1000
-//! elements"` for entry 2 of `[300, 7, 999, 0, 8]` against `[300, 7, 1000, 0, 8]`, exact
-//! below 2^39 elements (a payload holds far fewer). Counts cannot differ there (the root
+//! elements"` for entry 2 of `[300, 7, 999, 0, 8]` against `[300, 7, 1000, 0, 8]`,
+//! exactly. Counts cannot differ there (the root
 //! field holds them exactly); were they to, the root would be named.
 //!
 //! A later entry's difference that also changes the grid (the grid follows the batch's
@@ -180,7 +180,7 @@ impl Settings {
                     threads: self.config.threads_per_block,
                 },
                 overlap_previous: false,
-                input_tag: 0,
+                input_place: Default::default(),
                 collective: CollectiveArgs {
                     root: (count - 1) as u32,
                     ..CollectiveArgs::default()

@@ -162,7 +162,7 @@ impl<B: Backend> Endpoint<B> {
 
     /// The sequence number of the next collective call in barrier `domain` (it counts
     /// every launch there).
-    pub(crate) fn next_call(&self, domain: usize) -> u32 {
+    pub(crate) fn next_call(&self, domain: usize) -> u64 {
         let seq = self.calls[domain].fetch_add(1, Ordering::Relaxed);
         if self.skew_next.load(Ordering::Relaxed) && self.skew_next.swap(false, Ordering::AcqRel) {
             return seq.wrapping_add(1);

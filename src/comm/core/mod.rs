@@ -12,7 +12,7 @@
 //! `check` (one rank's buffers), `launch` (the kernel arguments), `call` (the call
 //! descriptor), `status` (the error record), `settings` and `sizing`.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -58,7 +58,7 @@ pub(crate) struct Endpoint<B: Backend> {
     /// Collective launches per barrier domain since the signal was last initialised:
     /// the sequence number of the call descriptor (see `call.rs`), the same on every
     /// rank of a group that makes the same calls (sibling groups count apart).
-    pub(crate) calls: [AtomicU32; NUM_BARRIER_DOMAINS],
+    pub(crate) calls: [AtomicU64; NUM_BARRIER_DOMAINS],
     /// Fault injection: the next launch publishes the sequence number one ahead, as a
     /// rank that made one call more would.
     pub(crate) skew_next: AtomicBool,

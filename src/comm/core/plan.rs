@@ -6,7 +6,7 @@ use crate::backend::{Kernel, KernelKind, LaunchDims};
 use crate::dispatch::{self, Algorithm};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::signal::{MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES, STAGE_WHOLE};
+use crate::signal::{LAMPORT_HEADER_BYTES, MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES, STAGE_WHOLE};
 
 use super::settings::Settings;
 use crate::comm::AllReduceOptions;
@@ -62,9 +62,18 @@ pub(crate) struct Plan {
     pub(crate) overlap_previous: bool,
     /// Root, hidden size and epsilon of the collectives that have them.
     pub(crate) collective: CollectiveArgs,
-    /// Where the peers read the input, for the call descriptor: 0 staged (or not read
-    /// in place), else the registered place's tag (see `registry.rs`).
-    pub(crate) input_tag: u32,
+    /// Where the peers read the input, for the call descriptor.
+    pub(crate) input_place: InputPlace,
+}
+
+/// Where the peers read a call's input, compared exactly by the call descriptor.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) enum InputPlace {
+    /// Staged through the payloads, or not read in place by any peer.
+    #[default]
+    Staged,
+    /// In place, at byte `offset` of registration `registration` on every rank.
+    Registered { registration: u64, offset: u64 },
 }
 
 impl Settings {
@@ -84,7 +93,7 @@ impl Settings {
                 threads: self.config.threads_per_block,
             },
             overlap_previous: false,
-            input_tag: 0,
+            input_place: InputPlace::Staged,
             collective: CollectiveArgs::default(),
         })
     }
@@ -110,8 +119,8 @@ impl Settings {
         let two_stage_need = packs.div_ceil(width) * PACK_BYTES;
         let direct = reads == PeerReads::UserBuffers;
         let stages = |in_place: bool| in_place || !direct;
-        // A Lamport slot holds the packs and, last, the header pack (the descriptor).
-        let lamport_need = padded + PACK_BYTES;
+        // A Lamport slot holds the packs and, last, the header (the descriptor).
+        let lamport_need = padded + LAMPORT_HEADER_BYTES;
         // Whether the scratch holds what `a` needs of it at once; a staged one-stage
         // call that it does not hold runs in chunks where the payload has room for two.
         let fits_whole = |a: Algorithm| match a {
@@ -221,7 +230,7 @@ impl Settings {
                 threads: self.config.threads_per_block,
             },
             overlap_previous: options.overlap_previous,
-            input_tag: 0,
+            input_place: InputPlace::Staged,
             collective: CollectiveArgs::default(),
         })
     }

@@ -15,16 +15,16 @@
 //! sends its record, so it returns its own error and its peers `CannotRegister` naming
 //! it, every rank still in step with the others' next collective.
 //!
-//! A call passes the peers its input's place as an 11-bit tag in its descriptor
-//! ([`InPlace::tag`]: registration number and offset, hashed; 0 = staged), so ranks that
-//! pass registered buffers at different offsets, or one registered and one not, get
-//! [`crate::CallField::Inputs`] at the first barrier, before anything is read: a
-//! difference escapes only where two places hash alike (1 in 2,047).
+//! A call passes the peers its input's place in its descriptor ([`InPlace::place`]: the
+//! registration number and the byte offset, whole), so ranks that pass registered
+//! buffers at different places, or one registered and one not, get
+//! [`crate::CallField::Inputs`] at the first barrier, before anything is read.
 
 use std::sync::{Arc, Mutex, Weak};
 
 use super::descriptors::Listener;
 use super::exchange::exchange;
+use super::plan::InputPlace;
 use crate::backend::handle::process_token;
 use crate::backend::{Backend, Descriptor};
 use crate::bootstrap::Bootstrap;
@@ -34,19 +34,10 @@ use crate::signal::MAX_GPUS;
 /// Where every group member's input of one call is, read in place.
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct InPlace {
-    /// The call's input place for the descriptor (1..=2047).
-    pub(crate) tag: u32,
+    /// The call's input place for the descriptor.
+    pub(crate) place: InputPlace,
     /// Member k's input, as this rank reaches it (world-indexed).
     pub(crate) inputs: [u64; MAX_GPUS],
-}
-
-/// The descriptor tag of offset `offset` in registration `id`: 1..=2047.
-fn place_tag(id: u64, offset: u64) -> u32 {
-    let mut h = id.wrapping_mul(0x9e37_79b9_7f4a_7c15) ^ offset.wrapping_mul(0xc2b2_ae3d_27d4_eb4f);
-    h ^= h >> 29;
-    h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    h ^= h >> 32;
-    1 + (h % 2047) as u32
 }
 
 /// One registered range on this rank.
@@ -72,7 +63,10 @@ impl<B: Backend> Entry<B> {
             *i = if p == 0 { 0 } else { p + offset };
         }
         InPlace {
-            tag: place_tag(self.id, offset),
+            place: InputPlace::Registered {
+                registration: self.id,
+                offset,
+            },
             inputs,
         }
     }
@@ -463,19 +457,5 @@ mod tests {
             Offer::decode(0, &other),
             Err(Error::CannotRegister { rank: 0, .. })
         ));
-    }
-
-    #[test]
-    fn tags_are_never_zero_and_tell_places_apart() {
-        let mut seen = std::collections::HashSet::new();
-        for id in 0..8 {
-            for offset in (0..256u64).map(|o| o * 16) {
-                let t = place_tag(id, offset);
-                assert!((1..=2047).contains(&t));
-                seen.insert(t);
-            }
-        }
-        // 2,048 places over 2,047 tags: most tags are hit.
-        assert!(seen.len() > 1200, "{}", seen.len());
     }
 }

@@ -6,7 +6,7 @@ use crate::backend::Backend;
 use crate::dispatch::Algorithm;
 use crate::dtype::DType;
 use crate::error::Result;
-use crate::signal::{SignalLayout, PACK_BYTES};
+use crate::signal::{SignalLayout, LAMPORT_HEADER_BYTES, PACK_BYTES};
 
 use super::plan::PeerReads;
 use crate::comm::{AllReduceOptions, CommConfig};
@@ -60,7 +60,7 @@ pub(crate) fn padded_bytes(dtype: DType, elements: usize) -> Option<usize> {
 
 impl CommConfig {
     /// Largest Lamport message [`CommConfig::for_largest_message`] sets up a slot for
-    /// (the slot holds it and a 16-byte header): past a few hundred KiB the dispatch
+    /// (the slot holds it and a 64-byte header): past a few hundred KiB the dispatch
     /// table never prefers Lamport, and each slot byte costs 3 x world-size bytes of
     /// device memory per rank.
     pub const LAMPORT_SLOT_CAP: usize = 1 << 20;
@@ -82,8 +82,8 @@ impl CommConfig {
     /// // A decoder's tensor-parallel all-reduce: up to 64 tokens x 8192 hidden, bf16.
     /// let config = CommConfig::for_largest_message(64 * 8192, DType::BF16)?;
     /// assert_eq!(config.payload_bytes, 1 << 20);
-    /// // 2.28 MiB header + 3 x 2 x (1 MiB + 16 B) Lamport region + 1 MiB payload per rank:
-    /// assert_eq!(config.memory_footprint(2)?.total, 9_732_608);
+    /// // 8.28 MiB header + 3 x 2 x (1 MiB + 64 B) Lamport region + 1 MiB payload per rank:
+    /// assert_eq!(config.memory_footprint(2)?.total, 16_024_320);
     /// let comm = Communicator::<Host>::new(&[0, 1], config)?;
     /// for algorithm in [Algorithm::Auto, Algorithm::OneStage, Algorithm::TwoStage, Algorithm::Lamport] {
     ///     let opts = AllReduceOptions::new().algorithm(algorithm);
@@ -94,7 +94,7 @@ impl CommConfig {
     /// let err = comm.algorithm_for(DType::BF16, 64 * 8192 + 1, &lamport, false).unwrap_err();
     /// assert_eq!(
     ///     err.to_string(),
-    ///     "lamport needs 1048608 bytes of scratch but the communicator has 1048592 \
+    ///     "lamport needs 1048656 bytes of scratch but the communicator has 1048640 \
     ///      (CommConfig::lamport_slot_bytes)"
     /// );
     /// # Ok::<(), peercomm::Error>(())
@@ -107,8 +107,9 @@ impl CommConfig {
             ))
         })?;
         let config = CommConfig {
-            // The packs up to the cap, and the header pack.
-            lamport_slot_bytes: bytes.clamp(PACK_BYTES, Self::LAMPORT_SLOT_CAP) + PACK_BYTES,
+            // The packs up to the cap, and the header.
+            lamport_slot_bytes: bytes.clamp(PACK_BYTES, Self::LAMPORT_SLOT_CAP)
+                + LAMPORT_HEADER_BYTES,
             payload_bytes: bytes,
             ..CommConfig::default()
         };
@@ -175,17 +176,17 @@ mod tests {
         };
         let for_message = CommConfig::for_largest_message(1 << 20, DType::BF16).unwrap();
         assert_eq!(for_message.payload_bytes, 2 << 20);
-        assert_eq!(for_message.lamport_slot_bytes, (1 << 20) + 16);
+        assert_eq!(for_message.lamport_slot_bytes, (1 << 20) + 64);
         for (config, expected) in [
-            (CommConfig::default(), [72.3, 78.3, 90.3]),
-            (for_message, [10.3, 16.3, 28.3]),
-            (big_slot, [354.3, 642.3, 1218.3]),
+            (CommConfig::default(), [78.3, 84.3, 96.3]),
+            (for_message, [16.3, 22.3, 34.3]),
+            (big_slot, [360.3, 648.3, 1224.3]),
         ] {
             for (world, want) in [2, 4, 8].into_iter().zip(expected) {
                 let f = config.memory_footprint(world).unwrap();
                 assert_eq!(mib(f.total), want, "world {world}: {f}");
                 assert_eq!(f.lamport_region, 3 * world * config.lamport_slot_bytes);
-                assert_eq!(f.header, 2_392_320);
+                assert_eq!(f.header, 8_683_776);
                 assert!(f.total >= f.header + f.lamport_region + f.payload);
             }
         }
@@ -196,14 +197,14 @@ mod tests {
     #[test]
     fn for_largest_message_sizes() {
         let c = CommConfig::for_largest_message(1, DType::F32).unwrap();
-        assert_eq!((c.payload_bytes, c.lamport_slot_bytes), (16, 32));
+        assert_eq!((c.payload_bytes, c.lamport_slot_bytes), (16, 80));
         let c = CommConfig::for_largest_message(0, DType::F16).unwrap();
-        assert_eq!((c.payload_bytes, c.lamport_slot_bytes), (0, 32));
+        assert_eq!((c.payload_bytes, c.lamport_slot_bytes), (0, 80));
         let c = CommConfig::for_largest_message(9, DType::BF16).unwrap();
-        assert_eq!((c.payload_bytes, c.lamport_slot_bytes), (32, 48));
+        assert_eq!((c.payload_bytes, c.lamport_slot_bytes), (32, 96));
         let c = CommConfig::for_largest_message(1 << 28, DType::F32).unwrap();
         assert_eq!(c.payload_bytes, 1 << 30);
-        assert_eq!(c.lamport_slot_bytes, CommConfig::LAMPORT_SLOT_CAP + 16);
+        assert_eq!(c.lamport_slot_bytes, CommConfig::LAMPORT_SLOT_CAP + 64);
         assert!(CommConfig::for_largest_message(usize::MAX, DType::F32).is_err());
     }
 }

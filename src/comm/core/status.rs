@@ -4,7 +4,8 @@
 use crate::backend::Backend;
 use crate::error::{Error, Result};
 use crate::signal::{
-    Signal, DETAIL_AWAITED, DETAIL_MINE, DETAIL_THEIRS, ERROR_BLOCK, ERROR_CALL_MISMATCH,
+    Signal, CALL_WORDS, DETAIL_AWAITED, DETAIL_MINE, DETAIL_THEIRS, DETAIL_WORDS, ERROR_BLOCK,
+    ERROR_CALL_MISMATCH,
     ERROR_CODE, ERROR_DOMAIN, ERROR_PEER_ABORTED, ERROR_RANK, ERROR_WRITING,
 };
 
@@ -12,7 +13,7 @@ use super::{call, Endpoint};
 
 /// Words of an error record: `error_state`, then `error_detail` (adjacent in the
 /// signal).
-const RECORD_WORDS: usize = 12;
+const RECORD_WORDS: usize = DETAIL + DETAIL_WORDS;
 /// Where `error_detail` starts in a record.
 const DETAIL: usize = 4;
 const _: () = assert!(
@@ -46,7 +47,7 @@ fn decode(rank: usize, words: &[u32; RECORD_WORDS]) -> Option<Error> {
     let word = |i: usize| words[i] as usize;
     let detail = &words[DETAIL..];
     let waiting_for = detail[DETAIL_AWAITED].checked_sub(1).map(|r| r as usize);
-    let descriptor = |at: usize| [detail[at], detail[at + 1], detail[at + 2]];
+    let descriptor = |at: usize| -> [u32; CALL_WORDS] { std::array::from_fn(|i| detail[at + i]) };
     match words[ERROR_CODE] {
         0 | ERROR_WRITING => None,
         ERROR_PEER_ABORTED => Some(Error::PeerAborted {

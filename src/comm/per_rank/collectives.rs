@@ -193,7 +193,7 @@ impl<B: Backend> Comm<B> {
     ///
     /// `options.algorithm` picks the kernel ([`CollectiveOptions::algorithm`]): `Auto`
     /// runs the Lamport one (no barrier: each rank pushes its rows into its peers'
-    /// Lamport slots) over the whole world where the message and a 16-byte header fit
+    /// Lamport slots) over the whole world where the message and its 64-byte header fit
     /// in `CommConfig::lamport_slot_bytes`, else the one-stage one (staged through the
     /// payload here, in runs of whole rows where it cannot hold the message, so a row
     /// must fit half of `payload_bytes`). Both write the same bits, and a

@@ -148,7 +148,7 @@ fn mark_place(plan: &mut super::core::plan::Plan, place: &Option<InPlace>) {
                 | KernelKind::AllReduceGroup
         );
     if let (true, Some(p)) = (in_place_reads, place) {
-        plan.input_tag = p.tag;
+        plan.input_place = p.place;
     }
 }
 

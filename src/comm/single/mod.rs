@@ -359,7 +359,7 @@ impl<B: Backend> Communicator<B> {
                 threads: 32,
             },
             overlap_previous: false,
-            input_tag: 0,
+            input_place: Default::default(),
             collective: CollectiveArgs::default(),
         };
         let zeros = [0u64; MAX_GPUS];

@@ -15,7 +15,7 @@ use crate::backend::LAMPORT_SENTINEL;
 use crate::dtype::Element;
 use crate::signal::{
     AllReduceArgs, SignalLayout, LAMPORT_ARRIVALS, LAMPORT_FLAG, LAMPORT_GENERATIONS,
-    LAMPORT_PREV_PACKS, LAMPORT_PREV_WIDTH, PACK_BYTES,
+    LAMPORT_HEADER_PACKS, LAMPORT_PREV_PACKS, LAMPORT_PREV_WIDTH, PACK_BYTES, CALL_WORDS,
 };
 
 /// Address of pack `p` of slot `src` of generation `gen` in the Lamport region of the
@@ -96,9 +96,10 @@ pub(super) unsafe fn lamport_entry(args: &AllReduceArgs) -> LamportEntry {
     }
 }
 
-/// Index of the header pack of a slot: its last pack.
-fn lamport_header_pack(args: &AllReduceArgs) -> usize {
-    args.lamport_slot_bytes as usize / PACK_BYTES - 1
+/// Indexes of the header packs of a slot: its last [`LAMPORT_HEADER_PACKS`] packs.
+fn lamport_header_packs(args: &AllReduceArgs) -> std::ops::Range<usize> {
+    let end = args.lamport_slot_bytes as usize / PACK_BYTES;
+    end - LAMPORT_HEADER_PACKS..end
 }
 
 /// Stores `words` as pack `p` of slot `group_rank` of generation `gen` in every other
@@ -119,8 +120,10 @@ pub(super) unsafe fn lamport_push(args: &AllReduceArgs, gen: usize, p: usize, wo
 /// another block of this rank found a mismatch returns at entry, so the header must not
 /// wait for any one block (a peer would wait for it until its timeout).
 pub(super) unsafe fn lamport_push_header(args: &AllReduceArgs, gen: usize) {
-    let header = [args.call[0], args.call[1], args.call[2], 0];
-    lamport_push(args, gen, lamport_header_pack(args), header);
+    for (k, p) in lamport_header_packs(args).enumerate() {
+        let c = &args.call[3 * k..3 * k + 3];
+        lamport_push(args, gen, p, [c[0], c[1], c[2], 0]);
+    }
 }
 
 /// Waits until pack `p` of source `src` has arrived in the own region of generation
@@ -161,8 +164,11 @@ pub(super) unsafe fn lamport_check_headers(
 ) -> Result<(), Stop> {
     let me = args.group_rank as usize;
     for src in (0..args.group_width as usize).filter(|&s| s != me) {
-        let header = lamport_wait(args, gen, src, lamport_header_pack(args), spin)?;
-        let theirs = [header[0], header[1], header[2]];
+        let mut theirs = [0u32; CALL_WORDS];
+        for (k, p) in lamport_header_packs(args).enumerate() {
+            let pack = lamport_wait(args, gen, src, p, spin)?;
+            theirs[3 * k..3 * k + 3].copy_from_slice(&pack[..3]);
+        }
         if theirs != args.call {
             return Err(Stop::Mismatch {
                 peer: src,
@@ -221,9 +227,8 @@ pub(super) unsafe fn lamport_end(
     let slot = args.lamport_slot_bytes as usize;
     let own_addr = args.signals[me];
     let clear_gen = (entry.gen + LAMPORT_GENERATIONS - 1) % LAMPORT_GENERATIONS;
-    let header_pack = lamport_header_pack(args);
     for src in (0..entry.prev_width).filter(|&s| s != me) {
-        let header = (block == 0).then_some(header_pack);
+        let header = lamport_header_packs(args).filter(|_| block == 0);
         for p in block_packs(0, entry.prev_packs, block, blocks).chain(header) {
             let at = lamport_pack(own_addr, slot, width, clear_gen, src, p);
             for w in 0..4 {

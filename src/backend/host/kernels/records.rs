@@ -10,7 +10,7 @@ use std::time::Instant;
 use super::signals::{atomic, detail_word, error_word, quit_cell, signal};
 use super::wait::deadline;
 use crate::signal::{
-    AllReduceArgs, DETAIL_AWAITED, DETAIL_MINE, DETAIL_THEIRS, DETAIL_THEIRS_VALID,
+    AllReduceArgs, CALL_WORDS, DETAIL_AWAITED, DETAIL_MINE, DETAIL_THEIRS, DETAIL_THEIRS_VALID,
     ERROR_BARRIER_TIMEOUT, ERROR_BLOCK, ERROR_CALL_MISMATCH, ERROR_CODE, ERROR_DOMAIN,
     ERROR_PEER_ABORTED, ERROR_RANK, ERROR_WRITING, MAX_NUM_BLOCKS_UPPER_BOUND,
 };
@@ -19,8 +19,8 @@ use crate::signal::{
 struct Detail {
     rank: u32,
     awaited: u32,
-    mine: [u32; 3],
-    theirs: [u32; 3],
+    mine: [u32; CALL_WORDS],
+    theirs: [u32; CALL_WORDS],
 }
 
 /// Writes an error record into the signal at `addr` unless it already holds one:
@@ -36,7 +36,7 @@ unsafe fn write_record(addr: u64, code: u32, block: u32, domain: u32, d: &Detail
         error_word(addr, ERROR_RANK).store(d.rank, Ordering::Relaxed);
         error_word(addr, ERROR_BLOCK).store(block, Ordering::Relaxed);
         error_word(addr, ERROR_DOMAIN).store(domain, Ordering::Relaxed);
-        for i in 0..3 {
+        for i in 0..CALL_WORDS {
             detail_word(addr, DETAIL_MINE + i).store(d.mine[i], Ordering::Relaxed);
             detail_word(addr, DETAIL_THEIRS + i).store(d.theirs[i], Ordering::Relaxed);
         }
@@ -51,22 +51,32 @@ fn world_rank_of(args: &AllReduceArgs, q: usize) -> u32 {
     args.world_rank - args.group_rank + q as u32
 }
 
-/// The call the signal at `addr` says its rank runs now, if it runs one.
-unsafe fn current_call(addr: u64) -> Option<[u32; 3]> {
+/// The descriptor words a `current_call` summary holds (the device's `call_summary`).
+const SUMMARY: [usize; 3] = [0, 2, 3];
+
+/// The call the signal at `addr` says its rank runs now, if it runs one: its summary
+/// merged into this rank's own descriptor `mine` (the device's `summary_call`).
+unsafe fn current_call(addr: u64, mine: [u32; CALL_WORDS]) -> Option<[u32; CALL_WORDS]> {
     let s = signal(addr);
     let words = std::ptr::addr_of_mut!((*s).current_call) as *mut u32;
     let running = atomic(words.add(3)).load(Ordering::Acquire) != 0;
-    running.then(|| std::array::from_fn(|i| atomic(words.add(i)).load(Ordering::Relaxed)))
+    running.then(|| {
+        let mut call = mine;
+        for (i, &w) in SUMMARY.iter().enumerate() {
+            call[w] = atomic(words.add(i)).load(Ordering::Relaxed);
+        }
+        call
+    })
 }
 
-/// Publishes this rank's call in its own `current_call` (block 0: at entry `running`,
-/// at the end not).
+/// Publishes this rank's call summary in its own `current_call` (block 0: at entry
+/// `running`, at the end not).
 pub(super) unsafe fn publish_current_call(args: &AllReduceArgs, running: bool) {
     let s = signal(args.signals[args.group_rank as usize]);
     let words = std::ptr::addr_of_mut!((*s).current_call) as *mut u32;
     if running {
-        for (i, &w) in args.call.iter().enumerate() {
-            atomic(words.add(i)).store(w, Ordering::Relaxed);
+        for (i, &w) in SUMMARY.iter().enumerate() {
+            atomic(words.add(i)).store(args.call[w], Ordering::Relaxed);
         }
     }
     atomic(words.add(3)).store(u32::from(running), Ordering::Release);
@@ -78,8 +88,8 @@ pub(super) unsafe fn publish_current_call(args: &AllReduceArgs, running: bool) {
 /// abandoned barrier. The device's `record_timeout`.
 pub(super) unsafe fn record_timeout(args: &AllReduceArgs, block: u32, awaited: usize) {
     let me = args.group_rank as usize;
-    let running = current_call(args.signals[awaited]);
-    let theirs = running.unwrap_or_default();
+    let running = current_call(args.signals[awaited], args.call);
+    let theirs = running.unwrap_or([0; CALL_WORDS]);
     let who = world_rank_of(args, awaited);
     if running.is_some_and(|c| c != args.call) {
         record_mismatch(args, block, awaited, args.call, theirs);
@@ -87,7 +97,7 @@ pub(super) unsafe fn record_timeout(args: &AllReduceArgs, block: u32, awaited: u
         // differs so: it may have completed the call with a subgroup of its own; its
         // next synchronize reports it.
         for q in (0..args.group_width as usize).filter(|&q| q != me) {
-            if let Some(call) = current_call(args.signals[q]).filter(|c| *c != args.call) {
+            if let Some(call) = current_call(args.signals[q], args.call).filter(|c| *c != args.call) {
                 let their_side = Detail {
                     rank: args.world_rank,
                     awaited: args.world_rank,
@@ -130,8 +140,8 @@ pub(super) unsafe fn record_mismatch(
     args: &AllReduceArgs,
     block: u32,
     peer: usize,
-    mine: [u32; 3],
-    theirs: [u32; 3],
+    mine: [u32; CALL_WORDS],
+    theirs: [u32; CALL_WORDS],
 ) {
     let who = world_rank_of(args, peer);
     let d = Detail {

@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicU32;
 
 use super::wait::{Spinner, Stop};
 use crate::protocol::{self, BarrierKind, BarrierSignals, BarrierSite, BarrierStop};
-use crate::signal::{AllReduceArgs, Signal, ERROR_CODE};
+use crate::signal::{AllReduceArgs, Signal, CALL_WORDS, ERROR_CODE};
 
 pub(super) fn atomic<'a>(p: *mut u32) -> &'a AtomicU32 {
     // SAFETY: callers pass 4-byte aligned addresses inside live signal allocations,
@@ -88,12 +88,17 @@ impl BarrierSignals for HostSignals<'_> {
         parity: usize,
         block: usize,
         writer: usize,
-    ) -> Option<[&AtomicU32; 3]> {
+    ) -> Option<[&AtomicU32; CALL_WORDS]> {
         let s = self.signal(member);
+        // Word i of the descriptor is lane 1 + i % 3 of pack i / 3 (lane 0 of each pack
+        // is the devices' copy of the counter; the host orders by the counter word of
+        // pack 0 alone).
         Some(std::array::from_fn(|i| {
             // SAFETY: as in `self_counter`.
             atomic(unsafe {
-                std::ptr::addr_of_mut!((*s).peer_counter[domain][parity][block][writer][i + 1])
+                std::ptr::addr_of_mut!(
+                    (*s).peer_counter[domain][parity][block][writer][4 * (i / 3) + 1 + i % 3]
+                )
             })
         }))
     }

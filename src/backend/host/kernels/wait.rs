@@ -7,6 +7,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::protocol::Backoff;
+use crate::signal::CALL_WORDS;
 
 /// Why a wait stopped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -20,8 +21,8 @@ pub(super) enum Stop {
     /// differ the descriptors with the differing lengths).
     Mismatch {
         peer: usize,
-        mine: [u32; 3],
-        theirs: [u32; 3],
+        mine: [u32; CALL_WORDS],
+        theirs: [u32; CALL_WORDS],
     },
 }
 
