@@ -585,3 +585,11 @@ fn cuda_per_rank_register_shareable_processes_world_2() {
 cuda_trust!(cuda_per_rank_symmetric_trim, |place| {
     per_rank_suite::symmetric_trim::frees_only_segments_empty_everywhere::<Cuda>(&place, 2)
 });
+cuda_trust!(cuda_per_rank_places_compared_exactly, |place| {
+    per_rank_suite::zero_copy::places_compared_exactly::<Cuda>(&place, 2);
+    per_rank_suite::zero_copy::places_compared_exactly::<Cuda>(&place, 3);
+});
+cuda_trust!(cuda_per_rank_fused_arguments_mismatch, |place| {
+    per_rank_suite::fused::fused_arguments_mismatch::<Cuda>(&place, 2);
+    per_rank_suite::fused::fused_arguments_mismatch::<Cuda>(&place, 3);
+});

@@ -420,3 +420,15 @@ fn per_rank_symmetric_trim_frees_only_segments_empty_everywhere() {
     per_rank_suite::symmetric_trim::frees_only_segments_empty_everywhere::<Host>(&HOST, 2);
     per_rank_suite::symmetric_trim::frees_only_segments_empty_everywhere::<Host>(&HOST, 3);
 }
+
+#[test]
+fn per_rank_places_compared_exactly() {
+    per_rank_suite::zero_copy::places_compared_exactly::<Host>(&HOST, 2);
+    per_rank_suite::zero_copy::places_compared_exactly::<Host>(&HOST, 3);
+}
+
+#[test]
+fn per_rank_fused_arguments_mismatch() {
+    per_rank_suite::fused::fused_arguments_mismatch::<Host>(&HOST, 2);
+    per_rank_suite::fused::fused_arguments_mismatch::<Host>(&HOST, 3);
+}

@@ -8,7 +8,8 @@
 
 use peercomm::backend::{Backend, TypedBuffer};
 use peercomm::{
-    Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, DType, Element, Error,
+    Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, CommConfig, DType, Element,
+    Error,
 };
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -202,6 +203,111 @@ pub fn lamport_fused_mismatch<B: Backend>(place: &Placement, world: usize) {
             comm.reinitialize().unwrap();
             // A matching call works again (its new residual checked).
             fused::<B>(2, Algorithm::Auto)(comm).unwrap();
+            got
+        });
+        for (rank, got) in errors.into_iter().enumerate() {
+            match got {
+                Err(Error::CallMismatch {
+                    rank: r,
+                    peer,
+                    field: f,
+                    ref mine,
+                    ref theirs,
+                }) => {
+                    assert_eq!(r, rank, "{what}");
+                    assert_eq!(f, *field, "{what}: rank {rank}: {mine} / {theirs}");
+                    if rank == odd {
+                        assert_ne!(peer, odd, "{what}");
+                    } else {
+                        assert_eq!(peer, odd, "{what}: rank {rank}");
+                    }
+                }
+                other => panic!("{what}: rank {rank} got {other:?}, not a CallMismatch"),
+            }
+        }
+        eprintln!("{what}: every rank got CallMismatch({field:?}), nothing written");
+    }
+}
+
+/// A fused call of `total` elements in rows of `hidden` with `epsilon`, staged in
+/// chunks where the payload is small, under `algorithm`: the [`Call`] of one rank.
+fn fused_shaped<B: Backend>(
+    total: usize,
+    hidden: usize,
+    epsilon: f32,
+    algorithm: Algorithm,
+) -> Call<B> {
+    Box::new(move |comm: &Comm<B>| {
+        let dev = comm.device();
+        let bf = half::bf16::from_f32;
+        let residual: Vec<half::bf16> = (0..total).map(|e| bf(0.25 + (e % 7) as f32)).collect();
+        let input = B::alloc_from(dev, &vec![bf(1.0 + comm.rank() as f32); total])?;
+        let weight = B::alloc_from(dev, &vec![bf(0.5); hidden])?;
+        let mut res = B::alloc_from(dev, &residual)?;
+        let mut out = B::alloc_from(dev, &vec![half::bf16::NAN; total])?;
+        let opts = CollectiveOptions::new().algorithm(algorithm);
+        comm.all_reduce_residual_rms_norm(&input, &mut res, &weight, &mut out, epsilon, &opts)?;
+        let result = comm.synchronize();
+        let out = out.to_host(dev)?;
+        let res = res.to_host(dev)?;
+        let written = out.iter().filter(|x| !x.is_nan()).count();
+        let changed = (0..total)
+            .filter(|&e| res[e].to_bits() != residual[e].to_bits())
+            .count();
+        if result.is_err() {
+            assert_eq!(
+                (written, changed),
+                (0, 0),
+                "a mismatched fused call wrote {written} output and {changed} residual elements"
+            );
+        } else {
+            let world = comm.world_size();
+            let sum = (world * (world + 1) / 2) as f32;
+            let wrong = (0..total)
+                .filter(|&e| res[e] != bf(sum + residual[e].to_f32()))
+                .count();
+            assert_eq!(wrong, 0, "{wrong}/{total} residual elements wrong");
+        }
+        result
+    })
+}
+
+/// Ranks whose fused calls have the same element count but another row length (the
+/// weight's length) or another epsilon: `CallMismatch` naming that argument on every
+/// rank, nothing written, whether the one-stage kernel stages the rows in chunks
+/// through a small payload, or the Lamport kernel pushes them.
+pub fn fused_arguments_mismatch<B: Backend>(place: &Placement, world: usize) {
+    let config = CommConfig {
+        payload_bytes: 4096,
+        ..trust::short_waits(place, world)
+    };
+    let total = 1920;
+    let cases: Vec<(&str, CallField, Call<B>, Call<B>)> = [Algorithm::OneStage, Algorithm::Lamport]
+        .into_iter()
+        .flat_map(|algorithm| {
+            [
+                (
+                    "rows of 64 against rows of 96",
+                    CallField::Hidden,
+                    fused_shaped::<B>(total, 64, 1e-5, algorithm),
+                    fused_shaped::<B>(total, 96, 1e-5, algorithm),
+                ),
+                (
+                    "epsilon 1e-5 against 1e-6",
+                    CallField::Epsilon,
+                    fused_shaped::<B>(total, 64, 1e-5, algorithm),
+                    fused_shaped::<B>(total, 64, 1e-6, algorithm),
+                ),
+            ]
+        })
+        .collect();
+    let odd = world - 1;
+    for (what, field, usual, other) in &cases {
+        let errors = trust::run::<B, _>(place, world, &config, |rank, comm, meet| {
+            let got = if rank == odd { other(comm) } else { usual(comm) };
+            meet.wait();
+            comm.reinitialize().unwrap();
+            usual(comm).unwrap();
             got
         });
         for (rank, got) in errors.into_iter().enumerate() {

@@ -1619,3 +1619,80 @@ pub fn cycles_leak_nothing<B: Backend>(cycles: usize, heap_refused: bool) {
         );
     }
 }
+
+/// Elements `[at, at + len)` of a buffer, as a buffer of its own.
+struct Window<'a, X: ?Sized> {
+    inner: &'a X,
+    at: usize,
+    len: usize,
+}
+
+// SAFETY: the view is elements [at, at + len) of the inner buffer (the callers keep it
+// inside), on its device, valid as long as the inner buffer's guard (returned) lives.
+unsafe impl<B: Backend, X: DeviceBuffer<B> + ?Sized> DeviceBuffer<B> for Window<'_, X> {
+    fn dtype(&self) -> DType {
+        self.inner.dtype()
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn device_ordinal(&self) -> usize {
+        self.inner.device_ordinal()
+    }
+    fn read_ptr<'a>(&'a self, dev: &'a B::Device) -> (u64, B::Access<'a>) {
+        let (p, guard) = self.inner.read_ptr(dev);
+        (p + (self.at * self.dtype().size()) as u64, guard)
+    }
+}
+
+/// Places are compared exactly: one registered buffer, every rank's input a window of
+/// it, the last rank's at another offset than the others'. Offsets 0 and 39,328 bytes
+/// of a communicator's first registration are one pair among many that any digest of
+/// (registration, offset) narrower than the pair confuses; every other window offset
+/// is tried too. Each pair is `CallMismatch` naming `CallField::Inputs` on every rank,
+/// with the output untouched.
+pub fn places_compared_exactly<B: Backend>(place: &Placement, world: usize) {
+    let config = trust::short_waits(place, world);
+    let odd = world - 1;
+    let n = 256;
+    let far = 39_328 / 2; // bf16 elements
+    let offsets = [(0, far), (far, 0), (0, n), (n, 3 * n), (16, 0)];
+    trust::run::<B, _>(place, world, &config, |rank, comm, meet| {
+        let dev = comm.device();
+        // Every window holds a value of its own, so a sum over the wrong window shows.
+        let values: Vec<half::bf16> = (0..far + 4 * n)
+            .map(|e| half::bf16::from_f32((rank + 1) as f32 * if e < far { 1.0 } else { 100.0 }))
+            .collect();
+        let registered = comm.register(B::alloc_from(dev, &values).unwrap()).unwrap();
+        for &(usual, other) in &offsets {
+            let what = format!("rank {rank}: window at {usual} against {other}");
+            let at = if rank == odd { other } else { usual };
+            let input = Window {
+                inner: &*registered,
+                at,
+                len: n,
+            };
+            let mut out = B::alloc_from(dev, &nan::<half::bf16>(n)).unwrap();
+            let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+            comm.all_reduce_sum_with(&input, &mut out, &opts).unwrap();
+            let got = comm.synchronize();
+            let host = B::download(dev, &out).unwrap();
+            let wrong = host.iter().filter(|x| !x.is_nan()).count();
+            match got {
+                Err(Error::CallMismatch {
+                    rank: r,
+                    peer,
+                    field: CallField::Inputs,
+                    ..
+                }) => {
+                    assert_eq!(r, rank, "{what}");
+                    assert_eq!(peer == odd, rank != odd, "{what}");
+                    assert_eq!(wrong, 0, "{what}: a mismatched call wrote its output");
+                }
+                other => panic!("{what}: {other:?} with {wrong}/{n} elements written"),
+            }
+            meet.wait();
+            comm.reinitialize().unwrap();
+        }
+    });
+}
