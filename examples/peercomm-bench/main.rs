@@ -72,7 +72,7 @@ struct Args {
     /// Skip the forced algorithms (auto dispatch and NCCL only).
     #[arg(long)]
     auto_only: bool,
-    /// The largest Lamport message in bytes (its slot holds it and a 16-byte header).
+    /// The largest Lamport message in bytes (its slot holds it and a 64-byte header).
     #[arg(long, default_value_t = 1 << 20)]
     lamport_slot_bytes: usize,
     /// Upper bound of blocks per launch (default: one per multiprocessor).
