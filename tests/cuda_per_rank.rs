@@ -585,3 +585,11 @@ fn cuda_per_rank_register_shareable_processes_world_2() {
 cuda_trust!(cuda_per_rank_symmetric_trim, |place| {
     per_rank_suite::symmetric_trim::frees_only_segments_empty_everywhere::<Cuda>(&place, 2)
 });
+
+#[test]
+fn cuda_per_rank_misaligned_views() {
+    if let Some(place) = placement("cuda_per_rank_misaligned_views") {
+        // Element-aligned only: a CUDA kernel faults on a view misaligned for its type.
+        per_rank_suite::views::misaligned_views::<Cuda>(&place, 0);
+    }
+}

@@ -420,3 +420,13 @@ fn per_rank_symmetric_trim_frees_only_segments_empty_everywhere() {
     per_rank_suite::symmetric_trim::frees_only_segments_empty_everywhere::<Host>(&HOST, 2);
     per_rank_suite::symmetric_trim::frees_only_segments_empty_everywhere::<Host>(&HOST, 3);
 }
+
+#[test]
+fn per_rank_misaligned_views() {
+    per_rank_suite::views::misaligned_views::<Host>(&HOST, 0);
+}
+
+#[test]
+fn per_rank_views_misaligned_for_their_element_type() {
+    per_rank_suite::views::misaligned_views::<Host>(&HOST, 1);
+}

@@ -20,6 +20,7 @@ pub mod sizing;
 pub mod symmetric_trim;
 pub mod teardown;
 pub mod trust;
+pub mod views;
 pub mod zero_copy;
 use std::sync::Barrier;
 use std::time::Duration;
