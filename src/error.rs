@@ -321,9 +321,16 @@ pub enum Error {
         /// The peer's value of it.
         theirs: String,
     },
-    /// An earlier barrier timed out; collectives are refused until `reinitialize`.
-    #[error("the communicator is poisoned by an earlier barrier timeout; call reinitialize()")]
-    Poisoned,
+    /// An earlier error left the communicator's signals in an unknown state (a barrier
+    /// timeout, a peer's abort, a call mismatch, a launch that failed after others of
+    /// the same call were launched, an error of the external library): collectives are
+    /// refused until `reinitialize`. `first` is that error, the first one since the
+    /// communicator was last (re-)initialised.
+    #[error("the communicator is poisoned by an earlier error ({first}); call reinitialize()")]
+    Poisoned {
+        /// The error that poisoned the communicator.
+        first: Box<Error>,
+    },
     /// The backend has no device (no GPU, no driver).
     #[error("{backend}: no device available: {detail}")]
     NoDevice {

@@ -593,3 +593,10 @@ fn cuda_per_rank_misaligned_views() {
         per_rank_suite::views::misaligned_views::<Cuda>(&place, 0);
     }
 }
+
+#[test]
+fn cuda_per_rank_poisoned_names_its_cause() {
+    if let Some(place) = placement("cuda_per_rank_poisoned_names_its_cause") {
+        per_rank_suite::recovery::poisoned_names_its_cause::<Cuda>(&place);
+    }
+}

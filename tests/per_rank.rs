@@ -430,3 +430,8 @@ fn per_rank_misaligned_views() {
 fn per_rank_views_misaligned_for_their_element_type() {
     per_rank_suite::views::misaligned_views::<Host>(&HOST, 1);
 }
+
+#[test]
+fn per_rank_poisoned_names_its_cause() {
+    per_rank_suite::recovery::poisoned_names_its_cause::<Host>(&HOST);
+}

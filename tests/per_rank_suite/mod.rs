@@ -16,6 +16,7 @@ pub mod fused;
 pub mod fuzz;
 pub mod identity;
 pub mod processes;
+pub mod recovery;
 pub mod sizing;
 pub mod symmetric_trim;
 pub mod teardown;

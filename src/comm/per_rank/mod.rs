@@ -429,7 +429,7 @@ impl<B: Backend> Comm<B> {
                     Ok(a) => Ok(a),
                     Err(RouteError::Validation(e)) => Err(e),
                     Err(RouteError::Launched(e)) => {
-                        self.core.poison();
+                        self.core.poison(&e);
                         Err(e)
                     }
                 }
@@ -470,7 +470,7 @@ impl<B: Backend> Comm<B> {
     pub fn synchronize(&self) -> Result<()> {
         self.wait()?;
         if let Err(e) = self.core.take_external_error() {
-            self.core.poison();
+            self.core.poison(&e);
             return Err(e);
         }
         self.report(self.core.read_error()?)
