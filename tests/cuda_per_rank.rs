@@ -600,3 +600,10 @@ fn cuda_per_rank_poisoned_names_its_cause() {
         per_rank_suite::recovery::poisoned_names_its_cause::<Cuda>(&place);
     }
 }
+
+#[test]
+fn cuda_per_rank_a_leaf_without_rank_zero_names_real_functions() {
+    if let Some(place) = placement("cuda_per_rank_a_leaf_without_rank_zero_names_real_functions") {
+        per_rank_suite::recovery::a_leaf_without_rank_zero_names_real_functions::<Cuda>(&place);
+    }
+}

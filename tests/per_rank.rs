@@ -435,3 +435,8 @@ fn per_rank_views_misaligned_for_their_element_type() {
 fn per_rank_poisoned_names_its_cause() {
     per_rank_suite::recovery::poisoned_names_its_cause::<Host>(&HOST);
 }
+
+#[test]
+fn per_rank_a_leaf_without_rank_zero_names_real_functions() {
+    per_rank_suite::recovery::a_leaf_without_rank_zero_names_real_functions::<Host>(&HOST);
+}

@@ -132,7 +132,7 @@ impl TcpBootstrap {
                             format!(
                                 "rank 0 listening on {} (this id was made in another \
                                  process: rank 0 must run where UniqueId::new ran, or that \
-                                 process must release() the id first)",
+                                 process must call UniqueId::release first)",
                                 id.addr
                             ),
                             e,

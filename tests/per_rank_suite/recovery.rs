@@ -1,8 +1,12 @@
 //! What a rank does after an error, generic over the backend: the error a poisoned
-//! communicator returns names the error that poisoned it.
+//! communicator returns names the error that poisoned it; a bootstrap timeout's hint
+//! names functions the caller has.
+
+use std::time::{Duration, Instant};
 
 use peercomm::backend::Backend;
-use peercomm::{Algorithm, AllReduceOptions, Comm, Error, Result};
+use peercomm::bootstrap::{BootstrapError, UniqueId};
+use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error, Result};
 
 use super::trust::{run, short_waits};
 use super::Placement;
@@ -50,4 +54,43 @@ pub fn poisoned_names_its_cause<B: Backend>(place: &Placement) {
             other => panic!("rank {rank}: expected Poisoned, got {other:?}"),
         }
     }
+}
+
+/// A leaf whose rank 0 never joins, the id's maker (this process, standing for a
+/// launcher) holding the id's listener because it never called `UniqueId::release`:
+/// `Comm::from_rank` fails within `bootstrap_timeout` (+1 s), naming rank 0, and the
+/// hint names functions the caller has (`Comm::from_rank`, `UniqueId::release`), not
+/// a `connect` they never call.
+pub fn a_leaf_without_rank_zero_names_real_functions<B: Backend>(place: &Placement) {
+    let id = UniqueId::new().unwrap();
+    let timeout = Duration::from_secs(2);
+    let config = CommConfig {
+        bootstrap_timeout: timeout,
+        ..short_waits(place, 2)
+    };
+    let start = Instant::now();
+    let got = Comm::<B>::from_rank(B::open(place.ordinal(1)).unwrap(), 1, 2, &id, config);
+    let took = start.elapsed();
+    id.release();
+    let e = got.err().expect("no rank 0");
+    eprintln!("after {took:?}: {e}");
+    match &e {
+        Error::Bootstrap(BootstrapError::Timeout { waiting_for, .. }) => {
+            assert_eq!(waiting_for, &[0])
+        }
+        other => panic!("expected a bootstrap timeout, got {other:?}"),
+    }
+    assert!(
+        took < timeout + Duration::from_secs(1),
+        "waited {took:?} with a bootstrap_timeout of {timeout:?}"
+    );
+    let text = e.to_string();
+    for name in [
+        "Comm::from_rank",
+        "UniqueId::release",
+        "CommConfig::bootstrap_timeout",
+    ] {
+        assert!(text.contains(name), "the hint does not name {name}: {text}");
+    }
+    assert!(!text.contains("called connect"), "{text}");
 }
