@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut, IntoDevice};
-use crate::bootstrap::{Bootstrap, HostId, TcpBootstrap, UniqueId};
+use crate::bootstrap::{Bootstrap, ExchangeKind, Exchanges, HostId, TcpBootstrap, UniqueId};
 use crate::dispatch::Algorithm;
 use crate::error::{Error, Result};
 use crate::SignalLayout;
@@ -94,7 +94,9 @@ pub struct Comm<B: Backend> {
     /// The per-rank core. Taken out by `Drop` (freed, or its signal parked): never
     /// used after it.
     pub(super) core: std::mem::ManuallyDrop<Rank<B>>,
-    bootstrap: Arc<dyn Bootstrap>,
+    /// The bootstrap, through which every all-gather is tagged with its call's kind
+    /// and a sequence number (see `crate::bootstrap::Exchanges`).
+    exchanges: Exchanges,
     hosts: Vec<HostId>,
     /// Held while a collective is enqueued, so that a launch never interleaves with a
     /// re-initialisation.
@@ -199,7 +201,7 @@ impl<B: Backend> Comm<B> {
             config.bootstrap_timeout,
         )?;
         let hosts = bootstrap.host_ids().to_vec();
-        Self::setup(device, Box::new(bootstrap), hosts, config)
+        Self::setup(device, Exchanges::new(Arc::new(bootstrap)), hosts, config)
     }
 
     /// As [`Comm::from_rank`], over a bootstrap the engine brings (its own store:
@@ -212,21 +214,23 @@ impl<B: Backend> Comm<B> {
         let device = device.into_device()?;
         route::check_world(bootstrap.world_size(), &config)?;
         config.check_per_rank_timeouts()?;
-        let hosts = bootstrap
+        let exchanges = Exchanges::new(Arc::from(bootstrap));
+        let hosts = exchanges
+            .of(ExchangeKind::Setup)
             .all_gather(crate::bootstrap::host_identity().as_str().as_bytes())?
             .into_iter()
             .map(|h| HostId::new(String::from_utf8_lossy(&h).into_owned()))
             .collect();
-        Self::setup(device, bootstrap, hosts, config)
+        Self::setup(device, exchanges, hosts, config)
     }
 
     fn setup(
         device: B::Device,
-        bootstrap: Box<dyn Bootstrap>,
+        exchanges: Exchanges,
         hosts: Vec<HostId>,
         config: CommConfig,
     ) -> Result<Self> {
-        let bootstrap: Arc<dyn Bootstrap> = Arc::from(bootstrap);
+        let bootstrap = exchanges.of(ExchangeKind::Setup);
         compare_configs(&bootstrap.all_gather(&encode_config(&config))?)?;
         let hosts = match &config.simulate.hosts {
             Some(h) if h.len() != hosts.len() => {
@@ -241,7 +245,8 @@ impl<B: Backend> Comm<B> {
         };
         let core = connect::connect::<B>(
             device,
-            bootstrap.clone(),
+            Arc::new(bootstrap.clone()),
+            Arc::new(exchanges.of(ExchangeKind::External)),
             &hosts,
             &config,
             Placement::Anywhere,
@@ -250,7 +255,7 @@ impl<B: Backend> Comm<B> {
         bootstrap.barrier()?;
         Ok(Comm {
             core: std::mem::ManuallyDrop::new(core),
-            bootstrap,
+            exchanges,
             hosts,
             launch_lock: Mutex::new(()),
             torn_down: AtomicBool::new(false),
@@ -484,9 +489,10 @@ impl<B: Backend> Comm<B> {
         B::synchronize(self.core.device())?;
         // Nobody may still touch a signal while it is being reset, nor launch before
         // every signal is reset.
-        self.bootstrap.barrier()?;
+        let bootstrap = self.exchanges.of(ExchangeKind::Reinitialize);
+        bootstrap.barrier()?;
         self.core.reset_signal(0)?;
-        self.bootstrap.barrier()?;
+        bootstrap.barrier()?;
         self.core.unpoison();
         Ok(())
     }

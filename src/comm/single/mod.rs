@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::backend::{Backend, Kernel, KernelKind, LaunchDims};
-use crate::bootstrap::{Bootstrap, HostId};
+use crate::bootstrap::{ExchangeKind, Exchanges, HostId};
 use crate::dispatch::Algorithm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -112,10 +112,11 @@ impl<B: Backend> Communicator<B> {
                     let (hosts, config) = (&hosts, &config);
                     s.spawn(move || {
                         let bootstrap = Arc::new(bootstrap);
-                        let shared: Arc<dyn Bootstrap> = bootstrap.clone();
+                        let exchanges = Exchanges::new(bootstrap.clone());
                         let core = connect::connect::<B>(
                             device,
-                            shared,
+                            Arc::new(exchanges.of(ExchangeKind::Setup)),
+                            Arc::new(exchanges.of(ExchangeKind::External)),
                             hosts,
                             config,
                             Placement::OneProcess,
