@@ -74,7 +74,7 @@ mod tests {
     /// `values` written little-endian from byte `offset` of a fresh 8-aligned buffer.
     fn bytes_at<T: Element>(values: &[T], offset: usize) -> Vec<u64> {
         let size = std::mem::size_of::<T>();
-        let mut words = vec![0u64; (offset + values.len() * size).div_ceil(8) + 1];
+        let mut words = vec![0u64; (offset + std::mem::size_of_val(values)).div_ceil(8) + 1];
         // SAFETY: the words hold at least offset + len * size bytes.
         let bytes = unsafe {
             std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 8)
