@@ -3,6 +3,9 @@
 
 use crate::dtype::DType;
 
+mod recovery;
+pub use recovery::Recovery;
+
 /// `rank 3` or `an unknown rank`, for the timeout messages.
 fn waited_for(rank: Option<usize>) -> String {
     rank.map_or_else(|| "an unknown rank".to_string(), |r| format!("rank {r}"))
@@ -57,7 +60,7 @@ impl std::fmt::Display for CallField {
 /// Result with a peercomm [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Everything peercomm can report.
+/// Everything peercomm can report. [`Error::recovery`] says what the caller does next.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Error {

@@ -630,3 +630,17 @@ fn cuda_per_rank_a_leaf_without_rank_zero_names_real_functions() {
         per_rank_suite::recovery::a_leaf_without_rank_zero_names_real_functions::<Cuda>(&place);
     }
 }
+
+#[test]
+fn cuda_per_rank_a_skipped_call_is_caught_where_it_is_awaited() {
+    if let Some(place) = placement("cuda_per_rank_a_skipped_call_is_caught_where_it_is_awaited") {
+        per_rank_suite::recovery::a_skipped_call_is_caught_where_it_is_awaited::<Cuda>(&place);
+    }
+}
+
+#[test]
+fn cuda_per_rank_check_errors_is_a_per_step_poll() {
+    if let Some(place) = placement("cuda_per_rank_check_errors_is_a_per_step_poll") {
+        per_rank_suite::recovery::check_errors_is_a_per_step_poll::<Cuda>(&place);
+    }
+}

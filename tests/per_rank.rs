@@ -506,3 +506,13 @@ different_exchanges!(
     Register,
     AllocSymmetric
 );
+
+#[test]
+fn per_rank_a_skipped_call_is_caught_where_it_is_awaited() {
+    per_rank_suite::recovery::a_skipped_call_is_caught_where_it_is_awaited::<Host>(&HOST);
+}
+
+#[test]
+fn per_rank_check_errors_is_a_per_step_poll() {
+    per_rank_suite::recovery::check_errors_is_a_per_step_poll::<Host>(&HOST);
+}

@@ -8,9 +8,11 @@
 //! 1. Rank 0 calls [`UniqueId::new`]. That binds a TCP listener, kept in this process
 //!    until rank 0 joins, and draws a 128-bit secret from the operating system.
 //! 2. The id reaches every other process as text (`Display` / [`str::parse`]: 80
-//!    hexadecimal characters, fit for an environment variable or a command-line flag)
-//!    or as [`UniqueId::BYTES`] bytes ([`UniqueId::to_bytes`] /
-//!    [`UniqueId::from_bytes`], fit for MPI or a key-value store).
+//!    hexadecimal characters, fit for an environment variable or a file only the user
+//!    can read) or as [`UniqueId::BYTES`] bytes ([`UniqueId::to_bytes`] /
+//!    [`UniqueId::from_bytes`], fit for MPI or a key-value store). Never as a
+//!    command-line argument: the id holds the secret, and every local user can read a
+//!    process's arguments (`/proc/<pid>/cmdline`).
 //! 3. Every rank calls [`TcpBootstrap::connect`] with the id, its rank, the world size,
 //!    a checksum of its configuration and a timeout. The other ranks connect to rank 0
 //!    (a star: rank 0 relays everything, fine for worlds of a few hundred ranks); each

@@ -90,6 +90,37 @@ pub use parking::{free_expired_teardowns, parked_teardowns};
 /// fn shared<T: Sync>() {}
 /// shared::<peercomm::Comm<peercomm::backend::host::Host>>();
 /// ```
+///
+/// # Errors arrive late; check each step
+///
+/// A call returns once enqueued, so what the kernels find (a call that differs from a
+/// peer's, a peer that never comes) shows later, as with NCCL. Per step, an engine
+/// enqueues its collectives, then calls [`Comm::check_errors`], which reads this rank's
+/// error record without waiting for the stream (cheap: a few words read), and calls
+/// [`Comm::synchronize`] only where it waits anyway (before reading results on the
+/// host). On an error, [`Error::recovery`] says what to do: change the call, have every
+/// rank call [`Comm::reinitialize`], or rebuild the communicator.
+///
+/// ```
+/// # use peercomm::backend::{host::Host, Backend};
+/// # use peercomm::{Comm, Error, Recovery};
+/// fn step(comm: &Comm<Host>, buf: &mut <Host as Backend>::Buffer<f32>) -> Result<(), Error> {
+///     comm.all_reduce_sum_in_place(buf)?; // enqueued, not done
+///     // ... the engine's other work for this step ...
+///     comm.check_errors() // no wait: an error found so far, if any
+/// }
+/// # let id = peercomm::bootstrap::UniqueId::new()?;
+/// # let dev = Host::open(0)?;
+/// # let comm = Comm::<Host>::from_rank(dev, 0, 1, &id, Default::default())?;
+/// # let mut buf = Host::alloc_buffer::<f32>(comm.device(), 4)?;
+/// match step(&comm, &mut buf) {
+///     Ok(()) => {}
+///     Err(e) if e.recovery() == Recovery::Reinitialize => comm.reinitialize()?, // on every rank
+///     Err(e) => return Err(e), // FixCall, Rebuild, FixSetup: see Recovery
+/// }
+/// comm.synchronize()?; // where the engine waits anyway
+/// # Ok::<(), Error>(())
+/// ```
 pub struct Comm<B: Backend> {
     /// The per-rank core. Taken out by `Drop` (freed, or its signal parked): never
     /// used after it.
@@ -309,12 +340,16 @@ impl<B: Backend> Comm<B> {
 
     /// Sums `send` over each group into `recv`, on this rank's stream; returns at once
     /// with the algorithm that runs. Every rank of the group must make the same call
-    /// (same dtype, length, options) in the same order, as with NCCL. Unlike NCCL, a
-    /// rank that does not gets a typed error instead of a wrong sum: the kernels
-    /// compare each peer's call descriptor at the first barrier, and
-    /// [`Comm::synchronize`] returns [`Error::CallMismatch`] naming the peer and the
-    /// field on every rank, with nothing written. A rank whose peers never make the call
-    /// gets [`Error::BarrierTimeout`] naming the rank it waited for.
+    /// (same dtype, length, options) in the same order, as with NCCL. Unlike NCCL, calls
+    /// that differ at the same place of two ranks' sequences are a typed error instead
+    /// of a wrong sum: the kernels compare each peer's call descriptor at the first
+    /// barrier, and [`Comm::synchronize`] returns [`Error::CallMismatch`] naming the
+    /// peer and the field on every rank, with nothing written. A rank whose peers never
+    /// make the call gets [`Error::BarrierTimeout`] naming the rank it waited for, and
+    /// that rank [`Error::PeerAborted`] from its next call after it. Making as many
+    /// calls as the peers stays the caller's contract: a rank that skips a call, or
+    /// stops early, gets `Ok` from every call it made (they paired with its peers'
+    /// first ones).
     ///
     /// Over the whole world with the algorithm peercomm chooses; see
     /// [`Comm::all_reduce_sum_with`] for group sizes, algorithms and grids.
