@@ -17,8 +17,11 @@
 //! 2. **It starts one process per rank**, here its own binary again, with the rank, the
 //!    world size and the id in the environment (`PEERCOMM_LAUNCH_RANK`,
 //!    `PEERCOMM_LAUNCH_WORLD`, `PEERCOMM_LAUNCH_ID`: the id's text form, 80 hex
-//!    digits), as torchrun passes `RANK` and `WORLD_SIZE`. Any channel that carries the
-//!    text or [`UniqueId::to_bytes`] works (a key-value store, MPI).
+//!    digits), as torchrun passes `RANK` and `WORLD_SIZE`. Any private channel that
+//!    carries the text or [`UniqueId::to_bytes`] works (a key-value store, MPI, a file
+//!    of mode 0600), but not the command line: the id holds the secret, and every local
+//!    user can read a process's arguments in `/proc/<pid>/cmdline`. Each rank checks
+//!    that its own arguments do not hold the id.
 //! 3. **Each rank opens its own device and joins.** On CUDA: device `rank % device
 //!    count`, a stream of the rank's own, [`CudaDevice::from_stream`] (an engine passes
 //!    the stream its model runs on); `CommConfig::allow_shared_devices` when ranks
@@ -27,11 +30,18 @@
 //!    error after `CommConfig::bootstrap_timeout`.
 //! 4. **Collectives run on each rank's own stream**, with this rank's buffers only.
 //!    A rank that dies or stops calling makes its peers' calls end with a typed error
-//!    (a barrier timeout, a peer abort), not a hang. Here each rank all-reduces a
-//!    pattern with values fresh for every call and every run (drawn from a seed the
-//!    launcher passes), compares the sum with a CPU reference, and prints one result
-//!    line; the launcher prints one line per rank and exits non-zero if any rank failed
-//!    (or did not finish within `--timeout`).
+//!    (a barrier timeout, a peer abort), not a hang. Errors arrive late, as with NCCL,
+//!    so each step enqueues its all-reduce, then calls [`Comm::check_errors`] (no wait:
+//!    it reads the error record), and [`Comm::synchronize`] only where the rank waits
+//!    anyway, before reading the sum back. An error's [`peercomm::Error::recovery`]
+//!    says what to do: a rank that gets `Reinitialize` could have every rank call
+//!    `reinitialize` and go on; this example reports it and fails the job instead.
+//!    Here each rank all-reduces a pattern with values fresh for every call and every
+//!    run (drawn from a seed the launcher passes), compares the sum with a CPU
+//!    reference, and prints one result line; the launcher prints one line per rank and
+//!    exits non-zero if any rank failed (or did not finish within `--timeout`). A rank
+//!    that gets `Ok` while a peer fails is still a failed job: a rank that made fewer
+//!    calls than its peers gets `Ok` from each of them.
 //!
 //! Without the `cuda` feature (and with `--host`) the ranks run on the host reference
 //! backend, whose devices are memory shared between the processes.
@@ -46,7 +56,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use peercomm::backend::host::Host;
 use peercomm::backend::Backend;
 use peercomm::bootstrap::UniqueId;
-use peercomm::{AllReduceOptions, Comm, CommConfig, DType};
+use peercomm::{AllReduceOptions, Comm, CommConfig, DType, Recovery};
 
 /// Set in a rank's process: its rank. Its absence marks the launcher.
 const RANK_ENV: &str = "PEERCOMM_LAUNCH_RANK";
@@ -341,10 +351,11 @@ fn run_rank(args: &Args, rank: &str) -> Result<String, String> {
         .map_err(|_| format!("{RANK_ENV}: `{rank}` does not parse"))?;
     let world: usize = env(WORLD_ENV)?;
     let seed: u64 = env(SEED_ENV)?;
-    // Step 3: the id from the launcher, this rank's device.
-    let id: UniqueId = env::<String>(ID_ENV)?
-        .parse()
-        .map_err(|e| format!("{ID_ENV}: {e}"))?;
+    // Step 3: the id from the launcher (in the environment, which other users cannot
+    // read, unlike the command line), this rank's device.
+    let text = env::<String>(ID_ENV)?;
+    check_not_in_arguments(&text)?;
+    let id: UniqueId = text.parse().map_err(|e| format!("{ID_ENV}: {e}"))?;
     if use_cuda(args) {
         #[cfg(feature = "cuda")]
         return cuda::run(args, rank, world, &id, seed);
@@ -352,6 +363,36 @@ fn run_rank(args: &Args, rank: &str) -> Result<String, String> {
     let devices = Host::device_count().map_err(|e| e.to_string())?;
     let device = Host::open(rank % devices).map_err(|e| format!("opening host device: {e}"))?;
     all_reduce_checked::<Host>(device, args, rank, world, devices, &id, seed)
+}
+
+/// Fails if this process's command line holds `secret` (Linux: `/proc/self/cmdline`,
+/// which every local user can read).
+fn check_not_in_arguments(secret: &str) -> Result<(), String> {
+    match std::fs::read("/proc/self/cmdline") {
+        Ok(cmdline)
+            if cmdline
+                .windows(secret.len())
+                .any(|w| w == secret.as_bytes()) =>
+        {
+            Err(
+                "the UniqueId is on this rank's command line, where every local user can \
+                 read it: pass it in the environment or a file of mode 0600"
+                    .into(),
+            )
+        }
+        _ => Ok(()),
+    }
+}
+
+/// What a rank's error line says to do, from [`peercomm::Error::recovery`].
+fn advice(e: &peercomm::Error) -> &'static str {
+    match e.recovery() {
+        Recovery::FixCall => "FixCall: nothing ran; change the call",
+        Recovery::Reinitialize => "Reinitialize: every rank calls Comm::reinitialize",
+        Recovery::Rebuild => "Rebuild: every rank drops its Comm; relaunch with a new id",
+        Recovery::FixSetup => "FixSetup: change the configuration or the launch",
+        _ => "unknown: relaunch",
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -413,13 +454,15 @@ fn all_reduce_checked<B: Backend>(
         ..CommConfig::for_largest_message(n, DType::F32).map_err(|e| e.to_string())?
     };
     let comm = Comm::<B>::from_rank(device, rank, world, id, config)
-        .map_err(|e| format!("Comm::from_rank: {e}"))?;
+        .map_err(|e| format!("Comm::from_rank: {e} (recovery: {})", advice(&e)))?;
     let dev = comm.device();
     let where_ = match B::architecture(dev) {
         Ok(arch) if arch != B::NAME => format!("{} device {} ({arch})", B::NAME, B::ordinal(dev)),
         _ => format!("{} device {}", B::NAME, B::ordinal(dev)),
     };
-    let fail = |what: &str, e: peercomm::Error| format!("{what} on {where_}: {e}");
+    let fail = |what: &str, e: peercomm::Error| {
+        format!("{what} on {where_}: {e} (recovery: {})", advice(&e))
+    };
     // Buffers are made before the first collective (ranks sharing a GPU: an allocation
     // can wait for the device, and so for a peer that waits for this rank).
     let mut send = B::alloc_buffer::<f32>(dev, n).map_err(|e| fail("alloc", e))?;
@@ -437,6 +480,9 @@ fn all_reduce_checked<B: Backend>(
             comm.all_reduce_sum_with(&send, &mut recv, &options)
         }
         .map_err(|e| fail("all_reduce_sum", e))?;
+        // Each step: a check that does not wait (an engine does its other work here),
+        // then `synchronize` where the rank waits anyway, before reading the sum back.
+        comm.check_errors().map_err(|e| fail("check_errors", e))?;
         comm.synchronize().map_err(|e| fail("synchronize", e))?;
         let got = B::download(dev, if in_place { &send } else { &recv })
             .map_err(|e| fail("download", e))?;

@@ -3,6 +3,9 @@
 
 use crate::dtype::DType;
 
+mod recovery;
+pub use recovery::Recovery;
+
 /// `rank 3` or `an unknown rank`, for the timeout messages.
 fn waited_for(rank: Option<usize>) -> String {
     rank.map_or_else(|| "an unknown rank".to_string(), |r| format!("rank {r}"))
@@ -63,7 +66,7 @@ impl std::fmt::Display for CallField {
 /// Result with a peercomm [`Error`].
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Everything peercomm can report.
+/// Everything peercomm can report. [`Error::recovery`] says what the caller does next.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Error {
@@ -327,9 +330,16 @@ pub enum Error {
         /// The peer's value of it.
         theirs: String,
     },
-    /// An earlier barrier timed out; collectives are refused until `reinitialize`.
-    #[error("the communicator is poisoned by an earlier barrier timeout; call reinitialize()")]
-    Poisoned,
+    /// An earlier error left the communicator's signals in an unknown state (a barrier
+    /// timeout, a peer's abort, a call mismatch, a launch that failed after others of
+    /// the same call were launched, an error of the external library): collectives are
+    /// refused until `reinitialize`. `first` is that error, the first one since the
+    /// communicator was last (re-)initialised.
+    #[error("the communicator is poisoned by an earlier error ({first}); call reinitialize()")]
+    Poisoned {
+        /// The error that poisoned the communicator.
+        first: Box<Error>,
+    },
     /// The backend has no device (no GPU, no driver).
     #[error("{backend}: no device available: {detail}")]
     NoDevice {

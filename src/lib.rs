@@ -157,7 +157,7 @@ pub use comm::{
 };
 pub use dispatch::Algorithm;
 pub use dtype::{BackendElement, DType, Element};
-pub use error::{CallField, Error, Result};
+pub use error::{CallField, Error, Recovery, Result};
 pub use external::{Fallback, FallbackConfig, Simulation, SizeRouting};
 /// The `half` crate peercomm's 16-bit element types come from (`half::f16`,
 /// `half::bf16`), so callers need no version of their own to match.

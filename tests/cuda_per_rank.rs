@@ -454,6 +454,29 @@ cuda_trust!(cuda_per_rank_drop_while_peer_collective_queued, |place| {
 cuda_trust!(cuda_per_rank_drop_returns_while_peer_holds_on, |place| {
     per_rank_suite::teardown::drop_returns_while_peer_holds_on::<Cuda>(&place)
 });
+// A drop beside a peer's exchange (register, alloc_symmetric, trim_symmetric,
+// register_inputs_of, reinitialize while the peer's all-reduce is pending): the typed
+// mismatch on both ranks and the dropping rank's signal parked; and ranks making
+// different exchanges at once all get the mismatch, then go on in step.
+cuda_trust!(cuda_per_rank_drop_beside_a_peer_exchange, |place| {
+    for what in per_rank_suite::teardown::Exchange::ALL {
+        per_rank_suite::teardown::drop_beside_a_peer_exchange::<Cuda>(&place, what);
+    }
+});
+cuda_trust!(
+    cuda_per_rank_different_exchanges_are_typed_errors,
+    |place| {
+        use per_rank_suite::teardown::Exchange::*;
+        for kinds in [
+            [Register, AllocSymmetric].as_slice(),
+            &[TrimSymmetric, Reinitialize],
+            &[RegisterInputsOf, Register],
+            &[Register, Register, AllocSymmetric],
+        ] {
+            per_rank_suite::teardown::different_exchanges_are_typed_errors::<Cuda>(&place, kinds);
+        }
+    }
+);
 
 // Zero copy (tests/per_rank_suite/zero_copy.rs): all-reduces whose inputs lie in
 // symmetric and registered buffers (every algorithm at worlds 2 and 4, two-stage at 8),
@@ -593,3 +616,39 @@ cuda_trust!(cuda_per_rank_fused_arguments_mismatch, |place| {
     per_rank_suite::fused::fused_arguments_mismatch::<Cuda>(&place, 2);
     per_rank_suite::fused::fused_arguments_mismatch::<Cuda>(&place, 3);
 });
+
+#[test]
+fn cuda_per_rank_misaligned_views() {
+    if let Some(place) = placement("cuda_per_rank_misaligned_views") {
+        // Element-aligned only: a CUDA kernel faults on a view misaligned for its type.
+        per_rank_suite::views::misaligned_views::<Cuda>(&place, 0);
+    }
+}
+
+#[test]
+fn cuda_per_rank_poisoned_names_its_cause() {
+    if let Some(place) = placement("cuda_per_rank_poisoned_names_its_cause") {
+        per_rank_suite::recovery::poisoned_names_its_cause::<Cuda>(&place);
+    }
+}
+
+#[test]
+fn cuda_per_rank_a_leaf_without_rank_zero_names_real_functions() {
+    if let Some(place) = placement("cuda_per_rank_a_leaf_without_rank_zero_names_real_functions") {
+        per_rank_suite::recovery::a_leaf_without_rank_zero_names_real_functions::<Cuda>(&place);
+    }
+}
+
+#[test]
+fn cuda_per_rank_a_skipped_call_is_caught_where_it_is_awaited() {
+    if let Some(place) = placement("cuda_per_rank_a_skipped_call_is_caught_where_it_is_awaited") {
+        per_rank_suite::recovery::a_skipped_call_is_caught_where_it_is_awaited::<Cuda>(&place);
+    }
+}
+
+#[test]
+fn cuda_per_rank_check_errors_is_a_per_step_poll() {
+    if let Some(place) = placement("cuda_per_rank_check_errors_is_a_per_step_poll") {
+        per_rank_suite::recovery::check_errors_is_a_per_step_poll::<Cuda>(&place);
+    }
+}

@@ -5,6 +5,7 @@ mod common;
 mod per_rank_suite;
 
 use peercomm::backend::host::Host;
+use per_rank_suite::teardown::Exchange;
 use per_rank_suite::{chunked, Placement};
 
 const HOST: Placement = Placement {
@@ -431,4 +432,99 @@ fn per_rank_places_compared_exactly() {
 fn per_rank_fused_arguments_mismatch() {
     per_rank_suite::fused::fused_arguments_mismatch::<Host>(&HOST, 2);
     per_rank_suite::fused::fused_arguments_mismatch::<Host>(&HOST, 3);
+}
+
+#[test]
+fn per_rank_misaligned_views() {
+    per_rank_suite::views::misaligned_views::<Host>(&HOST, 0);
+}
+
+#[test]
+fn per_rank_views_misaligned_for_their_element_type() {
+    per_rank_suite::views::misaligned_views::<Host>(&HOST, 1);
+}
+
+#[test]
+fn per_rank_poisoned_names_its_cause() {
+    per_rank_suite::recovery::poisoned_names_its_cause::<Host>(&HOST);
+}
+
+#[test]
+fn per_rank_a_leaf_without_rank_zero_names_real_functions() {
+    per_rank_suite::recovery::a_leaf_without_rank_zero_names_real_functions::<Host>(&HOST);
+}
+
+// A drop beside a peer's exchange, and ranks making different exchanges at once
+// (tests/per_rank_suite/teardown.rs): the typed mismatch on every rank, the dropping
+// rank's memory parked.
+#[test]
+fn per_rank_drop_beside_a_peer_register() {
+    per_rank_suite::teardown::drop_beside_a_peer_exchange::<Host>(&HOST, Exchange::Register);
+}
+
+#[test]
+fn per_rank_drop_beside_a_peer_alloc_symmetric() {
+    per_rank_suite::teardown::drop_beside_a_peer_exchange::<Host>(&HOST, Exchange::AllocSymmetric);
+}
+
+#[test]
+fn per_rank_drop_beside_a_peer_trim_symmetric() {
+    per_rank_suite::teardown::drop_beside_a_peer_exchange::<Host>(&HOST, Exchange::TrimSymmetric);
+}
+
+#[test]
+fn per_rank_drop_beside_a_peer_register_inputs_of() {
+    per_rank_suite::teardown::drop_beside_a_peer_exchange::<Host>(
+        &HOST,
+        Exchange::RegisterInputsOf,
+    );
+}
+
+#[test]
+fn per_rank_drop_beside_a_peer_reinitialize() {
+    per_rank_suite::teardown::drop_beside_a_peer_exchange::<Host>(&HOST, Exchange::Reinitialize);
+}
+
+macro_rules! different_exchanges {
+    ($name:ident, $($kind:ident),+) => {
+        #[test]
+        fn $name() {
+            per_rank_suite::teardown::different_exchanges_are_typed_errors::<Host>(
+                &HOST,
+                &[$(Exchange::$kind),+],
+            );
+        }
+    };
+}
+
+different_exchanges!(
+    per_rank_different_exchanges_register_alloc,
+    Register,
+    AllocSymmetric
+);
+different_exchanges!(
+    per_rank_different_exchanges_trim_reinitialize,
+    TrimSymmetric,
+    Reinitialize
+);
+different_exchanges!(
+    per_rank_different_exchanges_capture_register,
+    RegisterInputsOf,
+    Register
+);
+different_exchanges!(
+    per_rank_different_exchanges_world_3,
+    Register,
+    Register,
+    AllocSymmetric
+);
+
+#[test]
+fn per_rank_a_skipped_call_is_caught_where_it_is_awaited() {
+    per_rank_suite::recovery::a_skipped_call_is_caught_where_it_is_awaited::<Host>(&HOST);
+}
+
+#[test]
+fn per_rank_check_errors_is_a_per_step_poll() {
+    per_rank_suite::recovery::check_errors_is_a_per_step_poll::<Host>(&HOST);
 }

@@ -177,6 +177,28 @@ pub enum BootstrapError {
         /// The first failure.
         first: Box<BootstrapError>,
     },
+    /// Ranks made different collective calls at the same time: this rank's all-gather
+    /// met `rank`'s record of another call (or of the same call out of step), for
+    /// example a registration on one rank and a teardown (a dropped communicator) on
+    /// another. Every rank that gathered the records returns it, each naming the first
+    /// rank whose record differs from its own; nothing of the call was done, and a
+    /// teardown that gets it keeps its memory for the peers (parks it) instead of
+    /// freeing it. The bootstrap stays usable: the next call that every rank makes
+    /// alike succeeds.
+    #[error(
+        "rank {rank} made {got} where this rank made {expected}: every rank must make the \
+         same collective calls (register, alloc_symmetric, trim_symmetric, \
+         register_inputs_of, reinitialize, dropping its Comm) in the same order, and \
+         none while a peer drops its Comm"
+    )]
+    ExchangeMismatch {
+        /// The first rank whose record differs from this rank's.
+        rank: usize,
+        /// This rank's call and the all-gather's number.
+        expected: String,
+        /// What `rank` sent instead.
+        got: String,
+    },
     /// An engine's own [`Bootstrap`] store failed.
     #[error("the bootstrap store failed: {message}")]
     Store {

@@ -160,6 +160,12 @@ pub(super) fn check_frame_len(len: usize) -> Result<()> {
     Ok(())
 }
 
+/// How a timeout's hint says to raise the timeout, naming the setting of either front
+/// door.
+pub(super) const RAISE_TIMEOUT: &str = "raise CommConfig::bootstrap_timeout (with \
+                                        TcpBootstrap: its timeout argument, or \
+                                        TcpBootstrap::set_timeout)";
+
 /// Maps a failure to hear from (or talk to) rank `peer` to a typed error.
 pub(super) fn recv_error(
     peer: usize,

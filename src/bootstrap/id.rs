@@ -23,6 +23,11 @@ use super::{BOOTSTRAP_ADDR_ENV, ID_FORMAT_VERSION, SECRET_BYTES};
 /// IPv6 scope ids are not carried.
 ///
 /// `Debug` shows the address and hides the secret.
+///
+/// The text and byte forms carry the secret: pass them to the other ranks through the
+/// environment (e.g. `PEERCOMM_ID`), a file only the user can read (mode 0600) or the
+/// engine's own store, never as a command-line argument, which every local user can
+/// read in `/proc/<pid>/cmdline`.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct UniqueId {
     pub(super) addr: SocketAddr,

@@ -8,9 +8,11 @@
 //! 1. Rank 0 calls [`UniqueId::new`]. That binds a TCP listener, kept in this process
 //!    until rank 0 joins, and draws a 128-bit secret from the operating system.
 //! 2. The id reaches every other process as text (`Display` / [`str::parse`]: 80
-//!    hexadecimal characters, fit for an environment variable or a command-line flag)
-//!    or as [`UniqueId::BYTES`] bytes ([`UniqueId::to_bytes`] /
-//!    [`UniqueId::from_bytes`], fit for MPI or a key-value store).
+//!    hexadecimal characters, fit for an environment variable or a file only the user
+//!    can read) or as [`UniqueId::BYTES`] bytes ([`UniqueId::to_bytes`] /
+//!    [`UniqueId::from_bytes`], fit for MPI or a key-value store). Never as a
+//!    command-line argument: the id holds the secret, and every local user can read a
+//!    process's arguments (`/proc/<pid>/cmdline`).
 //! 3. Every rank calls [`TcpBootstrap::connect`] with the id, its rank, the world size,
 //!    a checksum of its configuration and a timeout. The other ranks connect to rank 0
 //!    (a star: rank 0 relays everything, fine for worlds of a few hundred ranks); each
@@ -145,13 +147,22 @@
 //! An engine that already has a way for its processes to talk (torch.distributed, MPI,
 //! its own RPC) implements [`Bootstrap`] on top of it (an all-gather of bytes) and
 //! never opens a socket here; it reports its store's failures as
-//! [`BootstrapError::Store`].
+//! [`BootstrapError::Store`]. A store that can bound one call implements
+//! [`Bootstrap::all_gather_within`] too (dropping a [`crate::Comm`] waits about a second
+//! for its peers through it).
+//!
+//! A communicator tags every record it sends with a 10-byte header (the kind of
+//! collective call and a sequence number) and checks every record it gathers, so that
+//! ranks in different calls (one registers a buffer while its peer drops its
+//! communicator) get [`BootstrapError::ExchangeMismatch`] on every rank instead of
+//! taking each other's records for their own. A store carries the records as they are.
 
 mod error;
 mod frame;
 mod host;
 mod id;
 mod mac;
+mod tagged;
 mod tcp;
 mod wire;
 
@@ -164,6 +175,8 @@ pub use error::BootstrapError;
 pub use host::{host_identity, HostId};
 pub use id::UniqueId;
 pub use tcp::TcpBootstrap;
+
+pub(crate) use tagged::{ExchangeKind, Exchanges};
 
 use error::Result;
 
@@ -264,19 +277,29 @@ pub trait Bootstrap: Send + Sync {
     /// (`result[self.rank()] == mine`). Lengths may differ between ranks.
     fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, BootstrapError>;
 
+    /// As [`Bootstrap::all_gather`], giving up after `timeout` (at most), for teardown:
+    /// returns an error instead of waiting longer when a peer is gone or never comes.
+    /// The default calls [`Bootstrap::all_gather`], which waits as long as the store's
+    /// own deadline; stores that can bound one call should override it.
+    /// [`TcpBootstrap`] does (without changing the timeout of later calls).
+    fn all_gather_within(
+        &self,
+        mine: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>, BootstrapError> {
+        let _ = timeout;
+        self.all_gather(mine)
+    }
+
     /// Returns once every rank has called it. The default is an all-gather of nothing.
     fn barrier(&self) -> Result<(), BootstrapError> {
         self.all_gather(&[]).map(|_| ())
     }
 
-    /// A barrier that gives up after `timeout` (at most), for teardown: returns an error
-    /// instead of waiting longer when a peer is gone or never comes. The default calls
-    /// [`Bootstrap::barrier`], which waits as long as the store's own deadline; stores
-    /// that can bound one call should override it. [`TcpBootstrap`] does (without
-    /// changing the timeout of later calls).
+    /// A barrier that gives up after `timeout` (at most). The default is
+    /// [`Bootstrap::all_gather_within`] of nothing.
     fn barrier_within(&self, timeout: Duration) -> Result<(), BootstrapError> {
-        let _ = timeout;
-        self.barrier()
+        self.all_gather_within(&[], timeout).map(|_| ())
     }
 }
 
@@ -290,6 +313,9 @@ impl<B: Bootstrap + ?Sized> Bootstrap for &B {
     }
     fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         (**self).all_gather(mine)
+    }
+    fn all_gather_within(&self, mine: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        (**self).all_gather_within(mine, timeout)
     }
     fn barrier(&self) -> Result<()> {
         (**self).barrier()
@@ -310,6 +336,9 @@ impl<B: Bootstrap + ?Sized> Bootstrap for Box<B> {
     fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         (**self).all_gather(mine)
     }
+    fn all_gather_within(&self, mine: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        (**self).all_gather_within(mine, timeout)
+    }
     fn barrier(&self) -> Result<()> {
         (**self).barrier()
     }
@@ -328,6 +357,9 @@ impl<B: Bootstrap + ?Sized> Bootstrap for std::sync::Arc<B> {
     }
     fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
         (**self).all_gather(mine)
+    }
+    fn all_gather_within(&self, mine: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        (**self).all_gather_within(mine, timeout)
     }
     fn barrier(&self) -> Result<()> {
         (**self).barrier()

@@ -132,7 +132,7 @@ impl TcpBootstrap {
                             format!(
                                 "rank 0 listening on {} (this id was made in another \
                                  process: rank 0 must run where UniqueId::new ran, or that \
-                                 process must release() the id first)",
+                                 process must call UniqueId::release first)",
                                 id.addr
                             ),
                             e,
@@ -194,14 +194,14 @@ impl Bootstrap for TcpBootstrap {
         self.gather(mine, None)
     }
 
-    /// An all-gather of nothing under `timeout` instead of [`TcpBootstrap::timeout`]
-    /// (which stays as it was for later calls). It gives up after `timeout`, then spends
-    /// at most a further 200 ms telling the peers why; a peer that is gone (its
-    /// connection closed) fails it at once. A failure poisons the bootstrap, as any
-    /// failed operation does. It waits for the internal lock like every operation, so a
-    /// call running on another thread delays it.
-    fn barrier_within(&self, timeout: Duration) -> Result<()> {
-        self.gather(&[], Some(timeout)).map(|_| ())
+    /// An all-gather under `timeout` instead of [`TcpBootstrap::timeout`] (which stays
+    /// as it was for later calls). It gives up after `timeout`, then spends at most a
+    /// further 200 ms telling the peers why; a peer that is gone (its connection closed)
+    /// fails it at once. A failure poisons the bootstrap, as any failed operation does.
+    /// It waits for the internal lock like every operation, so a call running on
+    /// another thread delays it. ([`Bootstrap::barrier_within`] is this of nothing.)
+    fn all_gather_within(&self, mine: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+        self.gather(mine, Some(timeout))
     }
 }
 

@@ -4,6 +4,7 @@
 //! the ranks of one host this way.
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use crate::bootstrap::{Bootstrap, BootstrapError};
 
@@ -38,11 +39,25 @@ impl Bootstrap for SubBootstrap {
         self.members.len()
     }
     fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, BootstrapError> {
-        let mut all = self.parent.all_gather(mine)?;
-        Ok(self
-            .members
+        let all = self.parent.all_gather(mine)?;
+        Ok(self.pick(all))
+    }
+    fn all_gather_within(
+        &self,
+        mine: &[u8],
+        timeout: Duration,
+    ) -> Result<Vec<Vec<u8>>, BootstrapError> {
+        let all = self.parent.all_gather_within(mine, timeout)?;
+        Ok(self.pick(all))
+    }
+}
+
+impl SubBootstrap {
+    /// The members' records of a world all-gather, in group order.
+    fn pick(&self, mut all: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
+        self.members
             .iter()
             .map(|&m| std::mem::take(&mut all[m]))
-            .collect())
+            .collect()
     }
 }

@@ -10,6 +10,7 @@
 //! with the value, and disagreeing ranks get typed errors on every rank, in step.
 
 use peercomm::backend::Backend;
+use peercomm::bootstrap::BootstrapError;
 use peercomm::{Algorithm, AllReduceOptions, CollectiveOptions, Comm, Element, Error};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -185,7 +186,9 @@ fn run_part<B: Backend>(comm: &Comm<B>, part: Part) -> Result<(), Error> {
 
 /// Ranks whose passes disagree (one more call, another size, a pass that fails, a
 /// registration where the peers capture) get typed errors on every rank: the rank whose
-/// pass failed its own error, every other rank `CannotRegister` naming the odd rank.
+/// pass failed its own error, every other rank `CannotRegister` naming the odd rank; a
+/// registration where the peers capture is another collective call, the bootstrap's
+/// `ExchangeMismatch` on every rank (naming the odd rank, or on it rank 0).
 /// Nothing stays registered, and a matching call works after each case.
 pub fn disagreeing_passes_are_refused<B: Backend>(place: &Placement, world: usize) {
     let odd = world - 1;
@@ -203,7 +206,11 @@ pub fn disagreeing_passes_are_refused<B: Backend>(place: &Placement, world: usiz
             let got = run_part(&comm, part);
             match (&got, rank == odd, odd_part) {
                 (Err(Error::InvalidConfig(_)), true, Part::Fails) => {}
-                (Err(Error::CannotRegister { .. }), true, Part::Registers) => {}
+                (
+                    Err(Error::Bootstrap(BootstrapError::ExchangeMismatch { rank: r, .. })),
+                    _,
+                    Part::Registers,
+                ) if *r == if rank == odd { 0 } else { odd } => {}
                 (Err(Error::CannotRegister { rank: r, .. }), _, _) if *r == odd || rank == odd => {}
                 _ => panic!("rank {rank}, {what}: {got:?}"),
             }
@@ -419,7 +426,8 @@ pub mod graphs {
         }
     }
 
-    fn alloc<T: peercomm::Element + cudarc::driver::DeviceRepr>(
+    /// `len` elements from `memory`, poisoned (NaN bits), on `comm`'s device.
+    pub fn alloc<T: peercomm::Element + cudarc::driver::DeviceRepr>(
         comm: &Comm<Cuda>,
         memory: Memory,
         len: usize,

@@ -274,6 +274,201 @@ pub fn synchronize_reports_within_twice_barrier_timeout<B: Backend>(place: &Plac
     );
 }
 
+/// A collective host-side exchange of the per-rank `Comm`: what a live rank makes
+/// while its peer drops, or while its peers make another one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exchange {
+    /// `Comm::register` of a small buffer.
+    Register,
+    /// `Comm::alloc_symmetric` of a small buffer.
+    AllocSymmetric,
+    /// `Comm::trim_symmetric`.
+    TrimSymmetric,
+    /// `Comm::register_inputs_of` of a pass that makes no call.
+    RegisterInputsOf,
+    /// `Comm::reinitialize`.
+    Reinitialize,
+}
+
+impl Exchange {
+    /// Every kind.
+    pub const ALL: [Exchange; 5] = [
+        Exchange::Register,
+        Exchange::AllocSymmetric,
+        Exchange::TrimSymmetric,
+        Exchange::RegisterInputsOf,
+        Exchange::Reinitialize,
+    ];
+
+    /// Makes this exchange on `comm` (what it made is dropped at once).
+    fn make<B: Backend>(self, comm: &Comm<B>) -> peercomm::Result<()> {
+        match self {
+            Exchange::Register => {
+                let buf = B::alloc_buffer::<f32>(comm.device(), 256)?;
+                comm.register(buf).map(drop).map_err(|e| e.error)
+            }
+            Exchange::AllocSymmetric => comm.alloc_symmetric::<f32>(256).map(drop),
+            Exchange::TrimSymmetric => comm.trim_symmetric().map(drop),
+            Exchange::RegisterInputsOf => comm.register_inputs_of(|| Ok(())).map(drop),
+            Exchange::Reinitialize => comm.reinitialize(),
+        }
+    }
+}
+
+/// Whether `e` is the bootstrap's typed exchange mismatch naming `rank`.
+fn is_mismatch_naming(e: &Error, rank: usize) -> bool {
+    matches!(
+        e,
+        Error::Bootstrap(BootstrapError::ExchangeMismatch { rank: r, .. }) if *r == rank
+    )
+}
+
+/// A drop beside a peer's exchange: rank 1 enqueues an all-reduce that rank 0 never
+/// makes, then makes `what` (for `Reinitialize`, after its `synchronize` has reported
+/// the missing call, as an engine would); rank 0 closes its `Comm` 300 ms after rank 1
+/// began the exchange. Rank 0's teardown exchange meets rank 1's other exchange: both
+/// must get the typed mismatch (naming each other), rank 0's memory must be parked
+/// (`close` returns that error), not freed, and rank 1's kernel, which gives up after
+/// `barrier_timeout` and then writes into rank 0's signal, must find it still mapped
+/// (64 MiB payload: a freed signal is unmapped, so a late write faults); rank 1's
+/// `synchronize` reports the missing call as a timeout or abort.
+pub fn drop_beside_a_peer_exchange<B: Backend>(place: &Placement, what: Exchange) {
+    let config = CommConfig {
+        barrier_timeout: Some(Duration::from_secs(1)),
+        bootstrap_timeout: Duration::from_secs(3),
+        payload_bytes: 64 << 20,
+        ..place.config(2)
+    };
+    let id = UniqueId::new().unwrap();
+    let built = Barrier::new(2);
+    let (calling_tx, calling_rx) = mpsc::channel::<()>();
+    std::thread::scope(|s| {
+        let (id, config, built) = (&id, &config, &built);
+        let zero = s.spawn(move || {
+            let comm = open::<B>(place, 0, id, config.clone());
+            built.wait();
+            calling_rx
+                .recv_timeout(Duration::from_secs(10))
+                .expect("rank 1 began its exchange");
+            std::thread::sleep(Duration::from_millis(300));
+            let started = Instant::now();
+            let closed = comm.close();
+            eprintln!("{what:?}: rank 0's close returned {closed:?}");
+            (closed, started.elapsed())
+        });
+        let one = s.spawn(move || {
+            let comm = open::<B>(place, 1, id, config.clone());
+            let dev = comm.device();
+            let mut buf = B::alloc_from(dev, &[1.0f32; 1000]).unwrap();
+            built.wait();
+            let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+            comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
+            let missing = if what == Exchange::Reinitialize {
+                Some(comm.synchronize())
+            } else {
+                None
+            };
+            calling_tx.send(()).unwrap();
+            let made = what.make(&comm);
+            eprintln!("{what:?}: rank 1's exchange returned {made:?}");
+            let missing = missing.unwrap_or_else(|| comm.synchronize());
+            assert_eq!(B::download(dev, &buf).unwrap(), vec![1.0f32; 1000]);
+            (made, missing)
+        });
+        let (closed, took) = zero.join().unwrap();
+        let (made, missing) = one.join().unwrap();
+        eprintln!(
+            "{what:?}: rank 1's exchange: {made:?}\n  rank 1's synchronize: {missing:?}\n  \
+             rank 0's close (took {took:?}): {closed:?}"
+        );
+        match &made {
+            Err(e) if is_mismatch_naming(e, 0) => {}
+            other => panic!("{what:?}: rank 1's exchange returned {other:?}"),
+        }
+        match &closed {
+            Err(e) if is_mismatch_naming(e, 1) => {}
+            other => panic!("{what:?}: rank 0's teardown returned {other:?} (not parked)"),
+        }
+        assert!(
+            matches!(
+                missing,
+                Err(Error::BarrierTimeout { rank: 1, .. } | Error::PeerAborted { rank: 1, .. })
+            ),
+            "{what:?}: rank 1's synchronize returned {missing:?}"
+        );
+        assert!(
+            took < Duration::from_secs(3),
+            "{what:?}: close took {took:?}"
+        );
+    });
+}
+
+/// Ranks that make different exchanges at once (`kinds[r]` on rank `r`) all get the
+/// typed mismatch, each naming the first rank whose exchange differs from its own; the
+/// ranks stay in step, so that a following exchange every rank makes alike
+/// (`trim_symmetric`), an all-reduce and the teardown all succeed.
+pub fn different_exchanges_are_typed_errors<B: Backend>(place: &Placement, kinds: &[Exchange]) {
+    let world = kinds.len();
+    let config = CommConfig {
+        barrier_timeout: Some(Duration::from_secs(1)),
+        bootstrap_timeout: Duration::from_secs(3),
+        ..place.config(world)
+    };
+    let id = UniqueId::new().unwrap();
+    let outcomes = std::thread::scope(|s| {
+        let workers: Vec<_> = (0..world)
+            .map(|rank| {
+                let (id, config) = (&id, &config);
+                s.spawn(move || {
+                    let dev = B::open(place.ordinal(rank)).unwrap();
+                    let comm = Comm::<B>::from_rank(dev, rank, world, id, config.clone()).unwrap();
+                    let made = kinds[rank].make(&comm);
+                    eprintln!("rank {rank}: {:?} returned {made:?}", kinds[rank]);
+                    let trimmed = comm.trim_symmetric();
+                    eprintln!("rank {rank}: then trim_symmetric returned {trimmed:?}");
+                    let dev = comm.device();
+                    let mut buf = B::alloc_from(dev, &[rank as f32 + 1.0; 64]).unwrap();
+                    let summed = comm
+                        .all_reduce_sum_in_place(&mut buf)
+                        .and_then(|_| comm.synchronize())
+                        .and_then(|_| B::download(dev, &buf));
+                    (made, trimmed, summed, comm.close())
+                })
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().unwrap())
+            .collect::<Vec<_>>()
+    });
+    let sum = (1..=world).sum::<usize>() as f32;
+    for (rank, (made, trimmed, summed, closed)) in outcomes.iter().enumerate() {
+        eprintln!(
+            "{kinds:?}: rank {rank}: {made:?}; then trim {trimmed:?}, all-reduce ok: {}, \
+             close {closed:?}",
+            summed.is_ok()
+        );
+        let other = (0..world)
+            .find(|&r| kinds[r] != kinds[rank])
+            .expect("the kinds differ");
+        match made {
+            Err(e) if is_mismatch_naming(e, other) => {}
+            other_result => panic!(
+                "{kinds:?}: rank {rank} expected the mismatch naming rank {other}, got \
+                 {other_result:?}"
+            ),
+        }
+        // Nothing was allocated: the pool has no segment to free.
+        assert_eq!(trimmed, &Ok(0), "{kinds:?}: rank {rank}");
+        assert_eq!(
+            summed.as_ref().ok(),
+            Some(&vec![sum; 64]),
+            "{kinds:?}: rank {rank}"
+        );
+        assert!(closed.is_ok(), "{kinds:?}: rank {rank}: {closed:?}");
+    }
+}
+
 #[test]
 fn teardown_drop_while_peer_collective_queued() {
     if in_host_suite("teardown_drop_while_peer_collective_queued") {

@@ -8,6 +8,7 @@ use std::time::Duration;
 use crate::bootstrap::error::{BootstrapError, Result};
 use crate::bootstrap::frame::{
     check_frame_len, deadline_after, is_timeout, read_frame, recv_error, write_frame, RecvError,
+    RAISE_TIMEOUT,
 };
 use crate::bootstrap::wire::{expect_data, explain_closed};
 use crate::bootstrap::{KIND_DATA, LATE_GRACE, MIN_WAIT};
@@ -80,10 +81,11 @@ pub(super) fn root_all_gather(
                 step: step.into(),
                 waiting_for: missing,
                 after: timeout,
-                hint: "those ranks did not reach this all_gather: every rank must make the \
-                       same sequence of bootstrap calls; raise the timeout (set_timeout) if \
-                       a rank is legitimately slow"
-                    .into(),
+                hint: format!(
+                    "those ranks did not reach this all_gather: every rank must make the \
+                     same sequence of bootstrap calls; {RAISE_TIMEOUT} if a rank is \
+                     legitimately slow"
+                ),
             })
         }
         None => {}

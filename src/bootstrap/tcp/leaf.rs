@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 
 use crate::bootstrap::error::{io_error, BootstrapError, Result};
 use crate::bootstrap::frame::{
-    deadline_after, is_closed, is_resource_exhausted, read_frame, recv_error, write_full, RecvError,
+    deadline_after, is_closed, is_resource_exhausted, read_frame, recv_error, write_full,
+    RecvError, RAISE_TIMEOUT,
 };
 use crate::bootstrap::host::HostId;
 use crate::bootstrap::id::UniqueId;
@@ -17,23 +18,44 @@ use crate::bootstrap::mac::{check_challenge, nonce};
 use crate::bootstrap::wire::{decode_error, decode_welcome, encode_hello, encode_proof};
 use crate::bootstrap::{BOOTSTRAP_ADDR_ENV, KIND_CHALLENGE, KIND_ERROR, KIND_WELCOME, MIN_WAIT};
 
+/// How far a rank r > 0 got before its deadline passed.
+#[derive(Clone, Copy)]
+enum Reached {
+    /// No connection to rank 0's address (refused, or no answer to the connect).
+    Nothing,
+    /// Connected, but no challenge came.
+    Listener,
+    /// Proved the secret to rank 0, but no welcome came.
+    RankZero,
+}
+
 /// Why a rank r > 0 failed to reach rank 0 by its deadline, with what it saw on the way.
-fn leaf_timeout_hint(addr: SocketAddr, refused: usize, dropped: usize, admitted: bool) -> String {
-    let mut hint = if admitted {
-        "rank 0 has not admitted every rank yet: some rank never came (rank 0's own error \
-         names it), or rank 0 never called connect; raise the timeout if ranks start far \
-         apart"
-            .to_string()
-    } else if refused > 0 {
-        format!(
+/// Every function it names is one the caller has.
+fn leaf_timeout_hint(addr: SocketAddr, refused: usize, dropped: usize, reached: Reached) -> String {
+    let mut hint = match reached {
+        Reached::RankZero => format!(
+            "rank 0 has not admitted every rank yet: some rank never came (rank 0's own \
+             error names it); {RAISE_TIMEOUT} if ranks start far apart"
+        ),
+        Reached::Listener => format!(
+            "a process accepted the connection at {addr} but never answered as rank 0: the \
+             process that made the UniqueId (UniqueId::new) holds its listener until rank 0 \
+             joins in that same process, so where rank 0 runs in another process (a \
+             launcher made the id), the maker must call UniqueId::release before rank 0 \
+             calls Comm::from_rank (or TcpBootstrap::connect); else rank 0 has not reached \
+             Comm::from_rank yet: {RAISE_TIMEOUT}"
+        ),
+        Reached::Nothing if refused > 0 => format!(
             "the connection was refused {refused} time(s), nothing listens there: the \
              UniqueId is stale (its communicator already formed or ended; make a new one \
-             per communicator) or rank 0 never started"
-        )
-    } else {
-        "rank 0 could not be reached, or did not answer: check the address, routes and \
-         firewalls, that rank 0 called connect with this UniqueId, or raise the timeout"
-            .to_string()
+             per communicator) or rank 0 never called Comm::from_rank (or \
+             TcpBootstrap::connect) with it"
+        ),
+        Reached::Nothing => format!(
+            "rank 0 could not be reached: check the address, routes and firewalls, that \
+             rank 0 calls Comm::from_rank (or TcpBootstrap::connect) with this UniqueId, or \
+             {RAISE_TIMEOUT}"
+        ),
     };
     if dropped > 0 {
         hint.push_str(&format!(
@@ -69,7 +91,7 @@ fn connect_with_retry(
                 step,
                 waiting_for: vec![0],
                 after: timeout,
-                hint: leaf_timeout_hint(addr, refused, dropped, false),
+                hint: leaf_timeout_hint(addr, refused, dropped, Reached::Nothing),
             });
         }
         match TcpStream::connect_timeout(&addr, left.max(MIN_WAIT)) {
@@ -209,7 +231,12 @@ impl Attempt<'_> {
     }
 
     fn failed(&self, e: RecvError, proven: bool) -> BootstrapError {
-        let hint = leaf_timeout_hint(self.id.addr, 0, self.dropped, proven);
+        let reached = if proven {
+            Reached::RankZero
+        } else {
+            Reached::Listener
+        };
+        let hint = leaf_timeout_hint(self.id.addr, 0, self.dropped, reached);
         recv_error(0, Self::STEP, e, self.timeout, &hint, "")
     }
 

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use super::pending::{Pending, Polled, Refused};
 use crate::bootstrap::error::{io_error, BootstrapError, Result};
 use crate::bootstrap::frame::{
-    deadline_after, is_resource_exhausted, recv_error, write_full, RecvError,
+    deadline_after, is_resource_exhausted, recv_error, write_full, RecvError, RAISE_TIMEOUT,
 };
 use crate::bootstrap::host::HostId;
 use crate::bootstrap::id::UniqueId;
@@ -240,7 +240,7 @@ pub(super) fn root_handshake(
                     hint: format!(
                         "that rank gave up (its own error says why: often its timeout passed \
                          before the last rank came), while rank(s) {absent:?} had not come; \
-                         start ranks closer together or raise the timeout"
+                         start ranks closer together or {RAISE_TIMEOUT}"
                     ),
                 };
                 return Err(fail(err, &mut joined, None));
@@ -251,8 +251,9 @@ pub(super) fn root_handshake(
         if now >= deadline {
             let waiting_for = (1..world).filter(|&r| joined[r].is_none()).collect();
             let hint = format!(
-                "those ranks never connected: check that they were started, with this \
-                 UniqueId, and can reach rank 0's address, or raise the timeout{}",
+                "those ranks never connected: check that they were started and call \
+                 Comm::from_rank (or TcpBootstrap::connect) with this UniqueId, and can reach \
+                 rank 0's address, or {RAISE_TIMEOUT}{}",
                 refused.hint()
             );
             let err = BootstrapError::Timeout {
@@ -303,7 +304,7 @@ pub(super) fn root_handshake(
                     RecvError::Io(e),
                     timeout,
                     "that rank stopped reading",
-                    "that rank gave up before the last rank came; raise the timeout",
+                    &format!("that rank gave up before the last rank came; {RAISE_TIMEOUT}"),
                 ));
             }
         }

@@ -138,8 +138,9 @@ fn a_custom_store_gets_a_barrier() {
         .contains("store unreachable"));
 }
 
-/// `barrier_within` (for teardown): gives up by its own timeout when a peer never comes,
-/// at once when a peer is gone, and leaves the configured timeout as it was.
+/// `barrier_within` and `all_gather_within` (for teardown): give up by their own timeout
+/// when a peer never comes, at once when a peer is gone, and leave the configured
+/// timeout as it was.
 #[test]
 fn barrier_within_is_bounded_and_leaves_the_timeout_alone() {
     let t = Duration::from_secs(1);
@@ -155,6 +156,10 @@ fn barrier_within_is_bounded_and_leaves_the_timeout_alone() {
     run(&[0, 1], |r| {
         let b = connect(&id, r, 2, LONG).unwrap();
         b.barrier_within(SHORT).unwrap();
+        assert_eq!(b.timeout(), LONG);
+        // The bounded all-gather under it carries bytes.
+        let within = b.all_gather_within(&[r as u8, 7], SHORT).unwrap();
+        assert_eq!(within, vec![vec![0, 7], vec![1, 7]]);
         assert_eq!(b.timeout(), LONG);
         if r == 1 {
             thread::sleep(SHORT * 2);

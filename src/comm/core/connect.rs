@@ -41,12 +41,15 @@ fn host_layout(hosts: &[HostId]) -> (usize, Option<usize>) {
 
 /// Sets up one rank's core and routing: peer memory where it serves, the external
 /// library where it does not (or a typed error with [`Fallback::Refuse`]). Every
-/// world rank calls this at the same time. With [`Placement::OneProcess`] (the single
-/// controller) the external handles are not made here: one thread drives every rank,
-/// so the front door makes them together ([`needs_external`] says whether).
+/// world rank calls this at the same time. `bootstrap` carries the setup's exchanges,
+/// `external` the external library's (its handle keeps it; the host stand-in gathers
+/// over it for every call). With [`Placement::OneProcess`] (the single controller) the
+/// external handles are not made here: one thread drives every rank, so the front door
+/// makes them together ([`needs_external`] says whether).
 pub(crate) fn connect<B: Backend>(
     device: B::Device,
     bootstrap: Arc<dyn Bootstrap>,
+    external: Arc<dyn Bootstrap>,
     hosts: &[HostId],
     config: &CommConfig,
     placement: Placement,
@@ -109,7 +112,7 @@ pub(crate) fn connect<B: Backend>(
     };
     let external = match (external_group, placement) {
         (Some(group), Placement::Anywhere) => {
-            Some(library.per_rank(&core.endpoint.device, bootstrap.clone(), &group)?)
+            Some(library.per_rank(&core.endpoint.device, external, &group)?)
         }
         _ => None,
     };

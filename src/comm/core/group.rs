@@ -322,12 +322,12 @@ pub(crate) enum GroupStep {
 /// Runs a group's steps in order with `run`, which launches one step and returns the
 /// algorithm of a call run alone (`Some((index, algorithm))`; a batch's entries run
 /// one-stage). The first failure stops the group; where an earlier step was launched
-/// already, `poison` is called first: those launches wait for peers whose calls never
-/// come. The one step loop of both front doors' group guards.
+/// already, `poison` is called with it first: those launches wait for peers whose calls
+/// never come. The one step loop of both front doors' group guards.
 pub(crate) fn run_group_steps(
     steps: Vec<GroupStep>,
     calls: usize,
-    poison: impl FnOnce(),
+    poison: impl FnOnce(&Error),
     mut run: impl FnMut(GroupStep) -> Result<Option<(usize, Algorithm)>>,
 ) -> Result<Vec<Algorithm>> {
     let mut algorithms = vec![Algorithm::OneStage; calls];
@@ -338,7 +338,7 @@ pub(crate) fn run_group_steps(
             Ok(None) => {}
             Err(e) => {
                 if launched {
-                    poison();
+                    poison(&e);
                 }
                 return Err(e);
             }

@@ -13,6 +13,7 @@
 //! descriptor), `status` (the error record), `settings` and `sizing`.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -100,6 +101,8 @@ pub struct Rank<B: Backend> {
     /// The plans of recent all-reduce shapes (see `plan_cache.rs`).
     pub(crate) plans: plan_cache::PlanCache,
     poisoned: AtomicBool,
+    /// The error that poisoned the rank (set with `poisoned`, on the error path only).
+    poisoned_by: Mutex<Option<Error>>,
 }
 
 impl<B: Backend> Rank<B> {
@@ -116,6 +119,7 @@ impl<B: Backend> Rank<B> {
             mappings,
             plans: plan_cache::PlanCache::default(),
             poisoned: AtomicBool::new(false),
+            poisoned_by: Mutex::new(None),
         }
     }
 
@@ -143,16 +147,31 @@ impl<B: Backend> Rank<B> {
     pub(crate) fn is_poisoned(&self) -> bool {
         self.poisoned.load(Ordering::Acquire)
     }
-    /// Disables collectives until the signal is re-initialised.
-    pub(crate) fn poison(&self) {
+    /// Disables collectives until the signal is re-initialised; `cause` is kept (the
+    /// first one only) for the `Poisoned` errors that follow.
+    pub(crate) fn poison(&self, cause: &Error) {
+        let mut first = self.poisoned_by.lock().unwrap_or_else(|e| e.into_inner());
+        if first.is_none() {
+            *first = Some(match cause {
+                Error::Poisoned { first } => (**first).clone(),
+                other => other.clone(),
+            });
+        }
         self.poisoned.store(true, Ordering::Release);
     }
-    /// `Err(Poisoned)` once an error disabled collectives.
+    /// `Err(Poisoned)`, naming the error that poisoned the rank, once an error disabled
+    /// collectives.
     pub(crate) fn check_usable(&self) -> Result<()> {
-        if self.is_poisoned() {
-            Err(Error::Poisoned)
-        } else {
-            Ok(())
+        if !self.is_poisoned() {
+            return Ok(());
+        }
+        // No cause: `unpoison` cleared it after the flag was read (it clears the cause
+        // first), so the rank is usable again.
+        match &*self.poisoned_by.lock().unwrap_or_else(|e| e.into_inner()) {
+            Some(first) => Err(Error::Poisoned {
+                first: Box::new(first.clone()),
+            }),
+            None => Ok(()),
         }
     }
 
@@ -174,6 +193,7 @@ impl<B: Backend> Rank<B> {
 
     /// Collectives are allowed again (after every rank's signal was reset).
     pub(crate) fn unpoison(&self) {
+        *self.poisoned_by.lock().unwrap_or_else(|e| e.into_inner()) = None;
         self.poisoned.store(false, Ordering::Release);
     }
 }

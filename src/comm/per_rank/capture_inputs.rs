@@ -17,6 +17,7 @@
 use std::sync::Arc;
 
 use crate::backend::Backend;
+use crate::bootstrap::{Bootstrap, ExchangeKind};
 use crate::error::{Error, Result};
 
 use super::super::core::capture_script::{Follow, Planning, Script, Step};
@@ -276,7 +277,8 @@ impl<B: Backend> Comm<B> {
             Ok((_, inputs)) => (inputs.clone(), String::new()),
             Err(e) => (Vec::new(), refusal_text(e)),
         };
-        let gathered = self.bootstrap.all_gather(&encode(&mine, &refusal));
+        let bootstrap = self.exchanges.of(ExchangeKind::Capture);
+        let gathered = bootstrap.all_gather(&encode(&mine, &refusal));
         let (value, _) = first?;
         let lists = gathered?
             .iter()
@@ -301,7 +303,7 @@ impl<B: Backend> Comm<B> {
             let id = register_range(
                 &self.registry,
                 core.device(),
-                &*self.bootstrap,
+                &bootstrap,
                 ptr,
                 bytes,
                 Ok(()),

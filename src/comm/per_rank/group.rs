@@ -204,7 +204,7 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
         let result = run_group_steps(
             steps,
             calls.len(),
-            || core.poison(),
+            |e| core.poison(e),
             |step| match step {
                 GroupStep::Batch { first, plan } => {
                     if plan.total_elements > 0 {

@@ -19,7 +19,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut, IntoDevice};
-use crate::bootstrap::{Bootstrap, HostId, TcpBootstrap, UniqueId};
+use crate::bootstrap::{Bootstrap, ExchangeKind, Exchanges, HostId, TcpBootstrap, UniqueId};
 use crate::dispatch::Algorithm;
 use crate::error::{Error, Result};
 use crate::SignalLayout;
@@ -90,11 +90,44 @@ pub use parking::{free_expired_teardowns, parked_teardowns};
 /// fn shared<T: Sync>() {}
 /// shared::<peercomm::Comm<peercomm::backend::host::Host>>();
 /// ```
+///
+/// # Errors arrive late; check each step
+///
+/// A call returns once enqueued, so what the kernels find (a call that differs from a
+/// peer's, a peer that never comes) shows later, as with NCCL. Per step, an engine
+/// enqueues its collectives, then calls [`Comm::check_errors`], which reads this rank's
+/// error record without waiting for the stream (cheap: a few words read), and calls
+/// [`Comm::synchronize`] only where it waits anyway (before reading results on the
+/// host). On an error, [`Error::recovery`] says what to do: change the call, have every
+/// rank call [`Comm::reinitialize`], or rebuild the communicator.
+///
+/// ```
+/// # use peercomm::backend::{host::Host, Backend};
+/// # use peercomm::{Comm, Error, Recovery};
+/// fn step(comm: &Comm<Host>, buf: &mut <Host as Backend>::Buffer<f32>) -> Result<(), Error> {
+///     comm.all_reduce_sum_in_place(buf)?; // enqueued, not done
+///     // ... the engine's other work for this step ...
+///     comm.check_errors() // no wait: an error found so far, if any
+/// }
+/// # let id = peercomm::bootstrap::UniqueId::new()?;
+/// # let dev = Host::open(0)?;
+/// # let comm = Comm::<Host>::from_rank(dev, 0, 1, &id, Default::default())?;
+/// # let mut buf = Host::alloc_buffer::<f32>(comm.device(), 4)?;
+/// match step(&comm, &mut buf) {
+///     Ok(()) => {}
+///     Err(e) if e.recovery() == Recovery::Reinitialize => comm.reinitialize()?, // on every rank
+///     Err(e) => return Err(e), // FixCall, Rebuild, FixSetup: see Recovery
+/// }
+/// comm.synchronize()?; // where the engine waits anyway
+/// # Ok::<(), Error>(())
+/// ```
 pub struct Comm<B: Backend> {
     /// The per-rank core. Taken out by `Drop` (freed, or its signal parked): never
     /// used after it.
     pub(super) core: std::mem::ManuallyDrop<Rank<B>>,
-    bootstrap: Arc<dyn Bootstrap>,
+    /// The bootstrap, through which every all-gather is tagged with its call's kind
+    /// and a sequence number (see `crate::bootstrap::Exchanges`).
+    exchanges: Exchanges,
     hosts: Vec<HostId>,
     /// Held while a collective is enqueued, so that a launch never interleaves with a
     /// re-initialisation.
@@ -199,7 +232,7 @@ impl<B: Backend> Comm<B> {
             config.bootstrap_timeout,
         )?;
         let hosts = bootstrap.host_ids().to_vec();
-        Self::setup(device, Box::new(bootstrap), hosts, config)
+        Self::setup(device, Exchanges::new(Arc::new(bootstrap)), hosts, config)
     }
 
     /// As [`Comm::from_rank`], over a bootstrap the engine brings (its own store:
@@ -212,21 +245,23 @@ impl<B: Backend> Comm<B> {
         let device = device.into_device()?;
         route::check_world(bootstrap.world_size(), &config)?;
         config.check_per_rank_timeouts()?;
-        let hosts = bootstrap
+        let exchanges = Exchanges::new(Arc::from(bootstrap));
+        let hosts = exchanges
+            .of(ExchangeKind::Setup)
             .all_gather(crate::bootstrap::host_identity().as_str().as_bytes())?
             .into_iter()
             .map(|h| HostId::new(String::from_utf8_lossy(&h).into_owned()))
             .collect();
-        Self::setup(device, bootstrap, hosts, config)
+        Self::setup(device, exchanges, hosts, config)
     }
 
     fn setup(
         device: B::Device,
-        bootstrap: Box<dyn Bootstrap>,
+        exchanges: Exchanges,
         hosts: Vec<HostId>,
         config: CommConfig,
     ) -> Result<Self> {
-        let bootstrap: Arc<dyn Bootstrap> = Arc::from(bootstrap);
+        let bootstrap = exchanges.of(ExchangeKind::Setup);
         compare_configs(&bootstrap.all_gather(&encode_config(&config))?)?;
         let hosts = match &config.simulate.hosts {
             Some(h) if h.len() != hosts.len() => {
@@ -241,7 +276,8 @@ impl<B: Backend> Comm<B> {
         };
         let core = connect::connect::<B>(
             device,
-            bootstrap.clone(),
+            Arc::new(bootstrap.clone()),
+            Arc::new(exchanges.of(ExchangeKind::External)),
             &hosts,
             &config,
             Placement::Anywhere,
@@ -250,7 +286,7 @@ impl<B: Backend> Comm<B> {
         bootstrap.barrier()?;
         Ok(Comm {
             core: std::mem::ManuallyDrop::new(core),
-            bootstrap,
+            exchanges,
             hosts,
             launch_lock: Mutex::new(()),
             torn_down: AtomicBool::new(false),
@@ -304,12 +340,16 @@ impl<B: Backend> Comm<B> {
 
     /// Sums `send` over each group into `recv`, on this rank's stream; returns at once
     /// with the algorithm that runs. Every rank of the group must make the same call
-    /// (same dtype, length, options) in the same order, as with NCCL. Unlike NCCL, a
-    /// rank that does not gets a typed error instead of a wrong sum: the kernels
-    /// compare each peer's call descriptor at the first barrier, and
-    /// [`Comm::synchronize`] returns [`Error::CallMismatch`] naming the peer and the
-    /// field on every rank, with nothing written. A rank whose peers never make the call
-    /// gets [`Error::BarrierTimeout`] naming the rank it waited for.
+    /// (same dtype, length, options) in the same order, as with NCCL. Unlike NCCL, calls
+    /// that differ at the same place of two ranks' sequences are a typed error instead
+    /// of a wrong sum: the kernels compare each peer's call descriptor at the first
+    /// barrier, and [`Comm::synchronize`] returns [`Error::CallMismatch`] naming the
+    /// peer and the field on every rank, with nothing written. A rank whose peers never
+    /// make the call gets [`Error::BarrierTimeout`] naming the rank it waited for, and
+    /// that rank [`Error::PeerAborted`] from its next call after it. Making as many
+    /// calls as the peers stays the caller's contract: a rank that skips a call, or
+    /// stops early, gets `Ok` from every call it made (they paired with its peers'
+    /// first ones).
     ///
     /// Over the whole world with the algorithm peercomm chooses; see
     /// [`Comm::all_reduce_sum_with`] for group sizes, algorithms and grids.
@@ -429,7 +469,7 @@ impl<B: Backend> Comm<B> {
                     Ok(a) => Ok(a),
                     Err(RouteError::Validation(e)) => Err(e),
                     Err(RouteError::Launched(e)) => {
-                        self.core.poison();
+                        self.core.poison(&e);
                         Err(e)
                     }
                 }
@@ -470,7 +510,7 @@ impl<B: Backend> Comm<B> {
     pub fn synchronize(&self) -> Result<()> {
         self.wait()?;
         if let Err(e) = self.core.take_external_error() {
-            self.core.poison();
+            self.core.poison(&e);
             return Err(e);
         }
         self.report(self.core.read_error()?)
@@ -484,9 +524,10 @@ impl<B: Backend> Comm<B> {
         B::synchronize(self.core.device())?;
         // Nobody may still touch a signal while it is being reset, nor launch before
         // every signal is reset.
-        self.bootstrap.barrier()?;
+        let bootstrap = self.exchanges.of(ExchangeKind::Reinitialize);
+        bootstrap.barrier()?;
         self.core.reset_signal(0)?;
-        self.bootstrap.barrier()?;
+        bootstrap.barrier()?;
         self.core.unpoison();
         Ok(())
     }

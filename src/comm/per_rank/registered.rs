@@ -28,6 +28,7 @@
 use std::sync::Arc;
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
+use crate::bootstrap::ExchangeKind;
 use crate::dispatch::Algorithm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -129,7 +130,7 @@ impl<B: Backend> Comm<B> {
         register_range(
             &self.registry,
             core.device(),
-            &*self.bootstrap,
+            &self.exchanges.of(ExchangeKind::Register),
             ptr,
             bytes,
             local,

@@ -23,7 +23,7 @@ impl<B: Backend> Comm<B> {
     pub(super) fn report(&self, record: Option<Error>) -> Result<()> {
         match record {
             Some(e) => {
-                self.core.poison();
+                self.core.poison(&e);
                 Err(e)
             }
             None => Ok(()),

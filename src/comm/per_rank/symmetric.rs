@@ -24,6 +24,7 @@
 use std::sync::{Arc, Mutex};
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut, MemoryKind, TypedBuffer};
+use crate::bootstrap::{Bootstrap, ExchangeKind};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 
@@ -286,7 +287,8 @@ impl<B: Backend> Comm<B> {
             refusal: local.as_ref().err().map(refusal_text).unwrap_or_default(),
             ..mine
         };
-        let gathered = self.bootstrap.all_gather(&mine.encode());
+        let bootstrap = self.exchanges.of(ExchangeKind::Symmetric);
+        let gathered = bootstrap.all_gather(&mine.encode());
         // This rank's own refusal first: its peers learn it from its record.
         local?;
         let gathered = gathered?;
@@ -329,7 +331,7 @@ impl<B: Backend> Comm<B> {
             let registration = register_range(
                 &self.registry,
                 core.device(),
-                &*self.bootstrap,
+                &bootstrap,
                 ptr,
                 mine.new_segment_bytes as usize,
                 local,

@@ -7,6 +7,7 @@
 use std::sync::Arc;
 
 use crate::backend::Backend;
+use crate::bootstrap::{Bootstrap, ExchangeKind};
 use crate::error::{Error, Result};
 
 use super::super::core::registry::{record_word, refusal_text, REGISTER_RECORD, SYMMETRIC_RECORD};
@@ -94,7 +95,8 @@ impl<B: Backend> Comm<B> {
             .map(|s| local.is_ok() && Arc::strong_count(s) == 1 && s.is_whole())
             .collect();
         let refusal = local.as_ref().err().map(refusal_text).unwrap_or_default();
-        let gathered = self.bootstrap.all_gather(&encode(&empty, &refusal));
+        let bootstrap = self.exchanges.of(ExchangeKind::Trim);
+        let gathered = bootstrap.all_gather(&encode(&empty, &refusal));
         local?;
         let lists = gathered?
             .iter()
@@ -115,7 +117,7 @@ impl<B: Backend> Comm<B> {
         for (_, s) in &gone {
             self.registry.remove(s.registration);
         }
-        let closed = self.bootstrap.barrier();
+        let closed = bootstrap.barrier();
         let bytes = gone.iter().map(|(_, s)| s.bytes).sum();
         drop(gone);
         closed?;

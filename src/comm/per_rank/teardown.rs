@@ -5,6 +5,8 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::backend::Backend;
+use crate::bootstrap::{Bootstrap, ExchangeKind};
+use crate::error::{Error, Result};
 
 use super::super::core::{Endpoint, Rank};
 use super::Comm;
@@ -38,15 +40,19 @@ impl<B: Backend> Drop for Comm<B> {
     ///
     /// 1. Waits for this rank's stream.
     /// 2. Meets the other ranks in a teardown barrier through the bootstrap
-    ///    ([`crate::bootstrap::Bootstrap::barrier_within`]), bounded by `TEARDOWN_BARRIER_TIMEOUT` (1 s),
-    ///    not by `CommConfig::bootstrap_timeout`.
-    /// 3. If every rank met it, every rank has drained its stream too, so no kernel of
-    ///    the group runs or is queued: the signal allocation and the peer mappings are
-    ///    freed at once (in stream order). Likewise when no peer shares this rank's
-    ///    peer memory (a world of one, or calls served by the external library).
-    /// 4. Otherwise a peer is gone or late, and this rank cannot tell which: its kernels
-    ///    may still store into this rank's signal (barrier arrivals, Lamport data, the
-    ///    error record and abort word, the abandon protocol's confirmation). The signal
+    ///    ([`crate::bootstrap::Bootstrap::all_gather_within`] of a record tagged as a
+    ///    teardown), bounded by `TEARDOWN_BARRIER_TIMEOUT` (1 s), not by
+    ///    `CommConfig::bootstrap_timeout`.
+    /// 3. If every rank sent its teardown record, every rank has drained its stream
+    ///    too, so no kernel of the group runs or is queued: the signal allocation and
+    ///    the peer mappings are freed at once (in stream order). Likewise when no peer
+    ///    shares this rank's peer memory (a world of one, or calls served by the
+    ///    external library).
+    /// 4. Otherwise a peer is gone, late, or in another collective call (its record is
+    ///    a registration's, say: `BootstrapError::ExchangeMismatch` on both sides), and
+    ///    its kernels may still store into this rank's signal (barrier arrivals, Lamport
+    ///    data, the error record and abort word, the abandon protocol's confirmation).
+    ///    The signal
     ///    and the mappings are parked in a process-wide lot for 2 x
     ///    `CommConfig::barrier_timeout` + `PARK_MARGIN` (10 s) from the end of the
     ///    barrier, and freed by a later `Comm` drop once that has passed; with
@@ -76,8 +82,26 @@ impl<B: Backend> Drop for Comm<B> {
     /// writes memory this rank freed. With `barrier_timeout: None` such a kernel never
     /// ends.
     fn drop(&mut self) {
+        let _ = self.tear_down();
+    }
+}
+
+impl<B: Backend> Comm<B> {
+    /// Tears this rank down now, as dropping it does (see `Drop for Comm`), and says
+    /// how it went: `Ok(())` when this rank's stream drained and every rank met the
+    /// teardown, so that its memory was freed; otherwise the first thing that failed
+    /// (this rank's queued work, or the teardown exchange: a peer gone, late, or making
+    /// another collective call), and the memory a peer may still write into was parked
+    /// (where a peer shares it) instead of freed. Every rank calls it or drops its
+    /// `Comm`, like any collective call.
+    pub fn close(mut self) -> Result<()> {
+        self.tear_down().unwrap_or(Ok(()))
+    }
+
+    /// The teardown of `Drop for Comm`; `None` when it was done already.
+    fn tear_down(&mut self) -> Option<Result<()>> {
         if self.torn_down.swap(true, Ordering::AcqRel) {
-            return;
+            return None;
         }
         // SAFETY: taken here, once; nothing reads `self.core` after this (the other
         // fields' drops do not use it).
@@ -92,15 +116,27 @@ impl<B: Backend> Drop for Comm<B> {
         } = core;
         // The external handle (if any) is dropped last, when this function ends.
         let _external = route;
-        let bootstrap = &self.bootstrap;
-        let confirmed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            let idle = B::synchronize(&rank.device).is_ok();
+        let bootstrap = self.exchanges.of(ExchangeKind::Teardown);
+        let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            let idle = B::synchronize(&rank.device);
             // Always met, even after a failed wait: the peers are waiting for it.
-            let met = world == 1 || bootstrap.barrier_within(TEARDOWN_BARRIER_TIMEOUT).is_ok();
-            idle && met
+            let met = if world == 1 {
+                Ok(())
+            } else {
+                bootstrap
+                    .barrier_within(TEARDOWN_BARRIER_TIMEOUT)
+                    .map_err(Error::from)
+            };
+            idle.and(met)
         }))
-        .unwrap_or(false);
-        if confirmed || peers == 1 {
+        .unwrap_or_else(|_| {
+            Err(Error::Backend {
+                backend: B::NAME,
+                call: "teardown",
+                detail: "a panic while waiting for the stream or the peers".into(),
+            })
+        });
+        if outcome.is_ok() || peers == 1 {
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
                 drop(mappings);
                 drop(rank);
@@ -112,6 +148,7 @@ impl<B: Backend> Drop for Comm<B> {
             super::parking::park(Box::new((signal, mappings)), until);
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(device)));
         }
+        Some(outcome)
     }
 }
 

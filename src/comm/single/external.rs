@@ -48,7 +48,7 @@ impl<B: Backend> Communicator<B> {
         match result.and(ended) {
             Ok(()) => Ok(Algorithm::Nccl),
             Err(e) => {
-                self.poison();
+                self.poison(&e);
                 Err(e)
             }
         }

@@ -196,7 +196,7 @@ impl<'b, B: Backend> CommunicatorGroup<'_, 'b, B> {
         let result = run_group_steps(
             steps,
             calls.len(),
-            || comm.poison(),
+            |e| comm.poison(e),
             |step| match step {
                 GroupStep::Batch { first, plan } => {
                     if plan.total_elements > 0 {

@@ -9,7 +9,7 @@ use std::sync::{MutexGuard, Weak};
 use std::time::Duration;
 
 use crate::backend::Backend;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
 #[cfg(doc)]
 use crate::CommConfig;
@@ -215,8 +215,16 @@ impl<B: Backend> Communicator<B> {
                 None => {}
             }
         }
-        if launched && (first_error.is_some() || outcomes.panic.is_some()) {
-            self.poison();
+        if launched {
+            if let Some(e) = &first_error {
+                self.poison(e);
+            } else if outcomes.panic.is_some() {
+                self.poison(&Error::Backend {
+                    backend: B::NAME,
+                    call: "launch",
+                    detail: "a rank's launch panicked".into(),
+                });
+            }
         }
         if let Some(panic) = outcomes.panic {
             std::panic::resume_unwind(panic);

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use crate::backend::{Backend, Kernel, KernelKind, LaunchDims};
-use crate::bootstrap::{Bootstrap, HostId};
+use crate::bootstrap::{ExchangeKind, Exchanges, HostId};
 use crate::dispatch::Algorithm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -112,10 +112,11 @@ impl<B: Backend> Communicator<B> {
                     let (hosts, config) = (&hosts, &config);
                     s.spawn(move || {
                         let bootstrap = Arc::new(bootstrap);
-                        let shared: Arc<dyn Bootstrap> = bootstrap.clone();
+                        let exchanges = Exchanges::new(bootstrap.clone());
                         let core = connect::connect::<B>(
                             device,
-                            shared,
+                            Arc::new(exchanges.of(ExchangeKind::Setup)),
+                            Arc::new(exchanges.of(ExchangeKind::External)),
                             hosts,
                             config,
                             Placement::OneProcess,
@@ -197,7 +198,7 @@ impl<B: Backend> Communicator<B> {
     pub fn architecture(&self) -> &str {
         &self.ranks[0].settings.arch
     }
-    /// Whether an earlier barrier timeout has disabled collectives.
+    /// Whether an earlier error has disabled collectives (see [`Error::Poisoned`]).
     pub fn is_poisoned(&self) -> bool {
         self.ranks.iter().any(Rank::is_poisoned)
     }
@@ -207,10 +208,11 @@ impl<B: Backend> Communicator<B> {
         self.ranks[0].route.world_path()
     }
 
-    /// Disables collectives on every rank until [`Communicator::reinitialize`].
-    fn poison(&self) {
+    /// Disables collectives on every rank until [`Communicator::reinitialize`];
+    /// `cause` is what later calls' [`Error::Poisoned`] names.
+    fn poison(&self, cause: &Error) {
         for r in &self.ranks {
-            r.poison();
+            r.poison(cause);
         }
     }
 
@@ -232,7 +234,7 @@ impl<B: Backend> Communicator<B> {
         self.wait()?;
         for r in &self.ranks {
             if let Err(e) = r.take_external_error() {
-                self.poison();
+                self.poison(&e);
                 return Err(e);
             }
         }
@@ -248,7 +250,7 @@ impl<B: Backend> Communicator<B> {
                     first_abort.get_or_insert(e);
                 }
                 Some(e) => {
-                    self.poison();
+                    self.poison(&e);
                     return Err(e);
                 }
                 None => {}
@@ -256,7 +258,7 @@ impl<B: Backend> Communicator<B> {
         }
         match first_abort {
             Some(e) => {
-                self.poison();
+                self.poison(&e);
                 Err(e)
             }
             None => Ok(()),

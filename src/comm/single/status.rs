@@ -34,8 +34,14 @@ impl<B: Backend> Communicator<B> {
             .iter()
             .map(Rank::read_error)
             .collect::<Result<Vec<_>>>()?;
-        if errors.iter().any(Option::is_some) {
-            self.poison();
+        // The root cause, as `synchronize` reports it: a rank's own error before an
+        // abort a peer sent it.
+        let recorded = || errors.iter().flatten();
+        let cause = recorded()
+            .find(|e| !matches!(e, Error::PeerAborted { .. }))
+            .or_else(|| recorded().next());
+        if let Some(cause) = cause {
+            self.poison(cause);
         }
         Ok(errors)
     }

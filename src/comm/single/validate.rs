@@ -33,11 +33,7 @@ pub(super) fn meta_mut<B: Backend>(t: &TensorMut<'_, B>) -> Meta {
 
 impl<B: Backend> Communicator<B> {
     pub(super) fn check_usable(&self) -> Result<()> {
-        if self.is_poisoned() {
-            Err(Error::Poisoned)
-        } else {
-            Ok(())
-        }
+        self.ranks.iter().try_for_each(|r| r.check_usable())
     }
 
     pub(super) fn check_count(&self, got: usize) -> Result<()> {

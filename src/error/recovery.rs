@@ -1,0 +1,227 @@
+//! [`Recovery`]: what a caller does after an [`Error`] or a [`BootstrapError`]. Every
+//! variant is matched by name (no wildcard), so a new variant does not compile until
+//! someone decides its recovery.
+
+use super::Error;
+use crate::bootstrap::BootstrapError;
+
+/// What the caller does after an error ([`Error::recovery`],
+/// [`BootstrapError::recovery`]). No error of peercomm is cured by repeating the same
+/// call unchanged on the same communicator, so there is no "retry": a call that was
+/// refused needs another call, a poisoned communicator needs
+/// `reinitialize`, and a broken one needs replacing.
+///
+/// An engine's per-step handling:
+///
+/// ```
+/// use peercomm::{Error, Recovery};
+///
+/// fn after(e: &Error) -> &'static str {
+///     match e.recovery() {
+///         Recovery::FixCall => "drop this call: the communicator is as it was",
+///         Recovery::Reinitialize => "every rank calls reinitialize(), then goes on",
+///         Recovery::Rebuild => "every rank drops the communicator; build a new one",
+///         Recovery::FixSetup => "change what the message names, then build",
+///         _ => "a recovery this engine does not know: rebuild",
+///     }
+/// }
+/// # let e = Error::InvalidRoot { root: 2, width: 2 };
+/// # assert_eq!(after(&e), "drop this call: the communicator is as it was");
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Recovery {
+    /// The call was refused before anything ran, on this rank (its arguments, buffers
+    /// or options; for a collective registration, on every rank alike): nothing was
+    /// written or registered, and the communicator is usable as it was. Change the call
+    /// (what the message names) and go on; calling again unchanged fails again. Where
+    /// the peers made the call and only this rank refused it, their calls wait for
+    /// this rank's and give up ([`Error::BarrierTimeout`] on them, then
+    /// [`Error::PeerAborted`] here): [`Recovery::Reinitialize`] on every rank.
+    FixCall,
+    /// The communicator is poisoned (a barrier timeout, a peer's abort, a call
+    /// mismatch, a launch that failed part-way): its collectives are refused until
+    /// every rank calls `reinitialize` (a collective call through the bootstrap), after
+    /// which it works as new. A call mismatch is also a bug in the ranks' calls to fix.
+    /// Where `reinitialize` itself fails (a rank is gone), [`Recovery::Rebuild`].
+    Reinitialize,
+    /// The communicator, its bootstrap or its device is in a state it cannot be brought
+    /// back from (a rank is gone, the bootstrap failed, a driver or external-library
+    /// call failed): every rank drops it, and the job builds a new one with a new
+    /// `UniqueId` (`Comm::from_rank`, `Communicator::new`).
+    Rebuild,
+    /// The communicator cannot be built as asked: the configuration, the launch (rank,
+    /// world size, id, address) or the machine (devices, drivers, peer access, the
+    /// external library) is wrong for it. Change what the message names, then build;
+    /// building again unchanged fails again.
+    FixSetup,
+}
+
+impl Error {
+    /// What the caller does after this error (see [`Recovery`]).
+    pub fn recovery(&self) -> Recovery {
+        match self {
+            Error::InvalidGroupSize { .. }
+            | Error::WrongTensorCount { .. }
+            | Error::DTypeMismatch { .. }
+            | Error::ShapeMismatch { .. }
+            | Error::LengthMismatch { .. }
+            | Error::WrongDevice { .. }
+            | Error::InvalidRoot { .. }
+            | Error::MessageTooLarge { .. }
+            | Error::Unsupported(_)
+            | Error::CannotRegister { .. }
+            | Error::BufferNotPeerAccessible { .. } => Recovery::FixCall,
+            Error::BarrierTimeout { .. }
+            | Error::PeerAborted { .. }
+            | Error::CallMismatch { .. } => Recovery::Reinitialize,
+            // Poisoned by an error that `reinitialize` cannot cure: that error's.
+            Error::Poisoned { first } => match first.recovery() {
+                Recovery::Rebuild => Recovery::Rebuild,
+                _ => Recovery::Reinitialize,
+            },
+            // The external library's communicator or the device may be left broken
+            // (a sticky CUDA error, a failed NCCL call).
+            Error::External { .. } | Error::Backend { .. } => Recovery::Rebuild,
+            Error::InvalidWorldSize { .. }
+            | Error::InvalidDevices(_)
+            | Error::InvalidConfig(_)
+            | Error::P2pUnavailable { .. }
+            | Error::ExternalUnavailable { .. }
+            | Error::PeerCheckFailed { .. }
+            | Error::NoDevice { .. } => Recovery::FixSetup,
+            Error::Bootstrap(e) => e.recovery(),
+        }
+    }
+}
+
+impl BootstrapError {
+    /// What the caller does after this error (see [`Recovery`]). A bootstrap that
+    /// failed is poisoned for good ([`BootstrapError::Poisoned`]), so every failure
+    /// after the launch's own arguments were accepted is [`Recovery::Rebuild`].
+    pub fn recovery(&self) -> Recovery {
+        match self {
+            BootstrapError::RankOutOfRange { .. }
+            | BootstrapError::InvalidWorldSize { .. }
+            | BootstrapError::DuplicateRank { .. }
+            | BootstrapError::WorldSizeMismatch { .. }
+            | BootstrapError::ConfigMismatch { .. }
+            | BootstrapError::InvalidId { .. }
+            | BootstrapError::InvalidAddress { .. }
+            | BootstrapError::HostIdTooLong { .. } => Recovery::FixSetup,
+            BootstrapError::Io { .. }
+            | BootstrapError::Timeout { .. }
+            | BootstrapError::StaleId
+            | BootstrapError::FrameTooLarge { .. }
+            | BootstrapError::PeerFailed { .. }
+            | BootstrapError::ConnectionClosed { .. }
+            | BootstrapError::UnverifiedRankZero { .. }
+            | BootstrapError::Protocol { .. }
+            | BootstrapError::Poisoned { .. }
+            | BootstrapError::Store { .. } => Recovery::Rebuild,
+            // The ranks' host-side calls diverged (one may have dropped its
+            // communicator, or made a call the others did not): `reinitialize` is such
+            // a call itself and may meet the same divergence, so only a new
+            // communicator is certain to line the ranks up again.
+            BootstrapError::ExchangeMismatch { .. } => Recovery::Rebuild,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::error::CallField;
+    use crate::DType;
+    use std::time::Duration;
+
+    /// One error of every kind, with the recovery the docs give it.
+    #[test]
+    fn every_error_names_its_recovery() {
+        let s = || "x".to_string();
+        let timeout = Error::BarrierTimeout {
+            rank: 0,
+            block: 0,
+            domain: 0,
+            waiting_for: Some(1),
+        };
+        let cases = [
+            (Error::InvalidRoot { root: 3, width: 2 }, Recovery::FixCall),
+            (
+                Error::DTypeMismatch {
+                    rank: 1,
+                    expected: DType::F32,
+                    got: DType::BF16,
+                },
+                Recovery::FixCall,
+            ),
+            (
+                Error::CannotRegister {
+                    rank: 0,
+                    reason: s(),
+                },
+                Recovery::FixCall,
+            ),
+            (timeout.clone(), Recovery::Reinitialize),
+            (
+                Error::CallMismatch {
+                    rank: 0,
+                    peer: 1,
+                    field: CallField::Length,
+                    mine: s(),
+                    theirs: s(),
+                },
+                Recovery::Reinitialize,
+            ),
+            (
+                Error::Poisoned {
+                    first: Box::new(timeout),
+                },
+                Recovery::Reinitialize,
+            ),
+            (
+                Error::Poisoned {
+                    first: Box::new(Error::External {
+                        library: "nccl",
+                        call: "ncclAllReduce",
+                        detail: s(),
+                    }),
+                },
+                Recovery::Rebuild,
+            ),
+            (
+                Error::Backend {
+                    backend: "host",
+                    call: "launch",
+                    detail: s(),
+                },
+                Recovery::Rebuild,
+            ),
+            (Error::InvalidConfig(s()), Recovery::FixSetup),
+            (
+                Error::Bootstrap(BootstrapError::Timeout {
+                    step: s(),
+                    waiting_for: vec![0],
+                    after: Duration::from_secs(1),
+                    hint: s(),
+                }),
+                Recovery::Rebuild,
+            ),
+            (
+                Error::Bootstrap(BootstrapError::DuplicateRank { rank: 1 }),
+                Recovery::FixSetup,
+            ),
+            (
+                Error::Bootstrap(BootstrapError::ExchangeMismatch {
+                    rank: 1,
+                    expected: s(),
+                    got: s(),
+                }),
+                Recovery::Rebuild,
+            ),
+        ];
+        for (e, want) in cases {
+            assert_eq!(e.recovery(), want, "{e}");
+        }
+    }
+}

@@ -1,0 +1,146 @@
+//! Views that are not aligned: an all-reduce whose input starts at element 1 or 3 of
+//! its buffer (an f16 view there is not 16-byte aligned) and whose output starts at the
+//! same element or, on the host, one byte further (misaligned for the element type
+//! itself, which `DeviceBuffer` does not forbid; a CUDA kernel faults on such a view, so
+//! only the host runs it). Every rank checks its result against the f64 reference and
+//! that the bytes around the output view were not written.
+
+use peercomm::backend::{Backend, DeviceBuffer, DeviceBufferMut};
+use peercomm::half::f16;
+use peercomm::{Algorithm, AllReduceOptions, Comm, DType, Element};
+
+use super::Placement;
+
+/// `len` elements of the inner buffer's type from byte `bytes` of it.
+struct ByteView<'a, X: ?Sized> {
+    inner: &'a mut X,
+    bytes: usize,
+    len: usize,
+}
+
+// SAFETY: the view is `len` elements from byte `bytes` of the inner buffer (the callers
+// keep `bytes + len * size` within it), on its device, valid as long as the inner
+// buffer's guard (which it returns) lives.
+unsafe impl<B: Backend, X: DeviceBuffer<B> + ?Sized> DeviceBuffer<B> for ByteView<'_, X> {
+    fn dtype(&self) -> DType {
+        self.inner.dtype()
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn device_ordinal(&self) -> usize {
+        self.inner.device_ordinal()
+    }
+    fn read_ptr<'a>(&'a self, dev: &'a B::Device) -> (u64, B::Access<'a>) {
+        let (p, guard) = self.inner.read_ptr(dev);
+        (p + self.bytes as u64, guard)
+    }
+}
+
+// SAFETY: as above, for writes.
+unsafe impl<B: Backend, X: DeviceBufferMut<B> + ?Sized> DeviceBufferMut<B> for ByteView<'_, X> {
+    fn write_ptr<'a>(&'a mut self, dev: &'a B::Device) -> (u64, B::Access<'a>) {
+        let bytes = self.bytes as u64;
+        let (p, guard) = self.inner.write_ptr(dev);
+        (p + bytes, guard)
+    }
+}
+
+/// The little-endian bytes of `values`.
+fn bytes_of<T: Element>(values: &[T]) -> Vec<u8> {
+    let size = T::DTYPE.size();
+    values
+        .iter()
+        .flat_map(|v| v.to_bits_u32().to_le_bytes()[..size].to_vec())
+        .collect()
+}
+
+/// The values whose little-endian bytes are `bytes`.
+fn values_of<T: Element>(bytes: &[u8]) -> Vec<T> {
+    let size = T::DTYPE.size();
+    bytes
+        .chunks_exact(size)
+        .map(|b| {
+            let mut w = [0u8; 4];
+            w[..size].copy_from_slice(b);
+            T::from_bits_u32(u32::from_le_bytes(w))
+        })
+        .collect()
+}
+
+/// Rank `rank`'s element `i`: small integers, so every sum is exact in every type.
+fn input<T: Element>(rank: usize, i: usize) -> T {
+    T::from_f32(((i * 5 + rank * 3) % 17) as f32 - 8.0)
+}
+
+/// One all-reduce of `n` elements from element `first` of the input buffer into byte
+/// `first * size + extra` of the output buffer; checks the result and the bytes around
+/// it.
+fn one_call<B: Backend, T: Element>(
+    comm: &Comm<B>,
+    n: usize,
+    first: usize,
+    extra: usize,
+    algorithm: Algorithm,
+) {
+    let (dev, world, rank) = (comm.device(), comm.world_size(), comm.rank());
+    let size = T::DTYPE.size();
+    let what = format!(
+        "rank {rank}: {:?} {algorithm:?}, {n} elements, input from element {first}, output \
+         from byte {}",
+        T::DTYPE,
+        first * size + extra
+    );
+    let padded: Vec<T> = (0..first + n + 1)
+        .map(|i| {
+            i.checked_sub(first)
+                .filter(|&i| i < n)
+                .map_or(T::from_f32(99.0), |i| input(rank, i))
+        })
+        .collect();
+    let mut send = B::alloc_from(dev, &padded).unwrap();
+    let sentinel = vec![T::from_f32(99.0); first + n + 1];
+    let mut recv = B::alloc_from(dev, &sentinel).unwrap();
+    let at = first * size + extra;
+    let view_in = ByteView {
+        inner: &mut send,
+        bytes: first * size,
+        len: n,
+    };
+    let mut view_out = ByteView {
+        inner: &mut recv,
+        bytes: at,
+        len: n,
+    };
+    let opts = AllReduceOptions::new().algorithm(algorithm);
+    let ran = comm.all_reduce_sum_with(&view_in, &mut view_out, &opts);
+    assert_eq!(ran, Ok(algorithm), "{what}");
+    comm.synchronize().expect(&what);
+    let out = bytes_of(&B::download(dev, &recv).unwrap());
+    let before = bytes_of(&sentinel);
+    assert_eq!(out[..at], before[..at], "{what}: written before the view");
+    let end = at + n * size;
+    assert_eq!(out[end..], before[end..], "{what}: written after the view");
+    let got = values_of::<T>(&out[at..end]);
+    for (i, g) in got.iter().enumerate() {
+        let want: f64 = (0..world)
+            .map(|r| f64::from(input::<T>(r, i).to_f32()))
+            .sum();
+        assert_eq!(f64::from(g.to_f32()), want, "{what}: element {i}");
+    }
+}
+
+/// All-reduces over views from element 1 and 3 of their buffers (f16 and f32, one-stage
+/// and Lamport, a partial last pack), the output `extra` bytes further still (1 on the
+/// host: misaligned for the element type; 0 where the backend needs aligned elements),
+/// over a world of two.
+pub fn misaligned_views<B: Backend>(place: &Placement, extra: usize) {
+    super::with_world::<B, _>(place, 2, |_rank, comm| {
+        for first in [1, 3] {
+            for algorithm in [Algorithm::OneStage, Algorithm::Lamport] {
+                one_call::<B, f16>(&comm, 37, first, extra, algorithm);
+                one_call::<B, f32>(&comm, 37, first, extra, algorithm);
+            }
+        }
+    });
+}
