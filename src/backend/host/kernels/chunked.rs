@@ -132,7 +132,7 @@ unsafe fn copy<T: Element>(src: u64, dst: u64, n: usize, block: u32, blocks: u32
         for e in pack_range::<T>(p, n) {
             (dst as *mut T)
                 .add(e)
-                .write((src as *const T).add(e).read());
+                .write_unaligned((src as *const T).add(e).read_unaligned());
         }
     }
 }

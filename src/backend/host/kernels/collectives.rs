@@ -29,7 +29,7 @@ unsafe fn copy_message<T: Element>(src: u64, dst: u64, n: usize, block: u32, blo
         for e in pack_range::<T>(p, n) {
             (dst as *mut T)
                 .add(e)
-                .write((src as *const T).add(e).read());
+                .write_unaligned((src as *const T).add(e).read_unaligned());
         }
     }
 }
@@ -189,15 +189,15 @@ pub(super) unsafe fn rmsnorm_row<T: Element>(
         for (j, e) in (p * l..(p + 1) * l).enumerate() {
             let sum = T::from_f32(acc[j]).to_f32();
             let res = (args.residual as *mut T).add(e);
-            let r = T::from_f32(sum + res.read().to_f32());
-            res.write(r);
+            let r = T::from_f32(sum + res.read_unaligned().to_f32());
+            res.write_unaligned(r);
             sq += r.to_f32() * r.to_f32();
         }
     }
     let inv = 1.0 / (sq / hidden as f32 + args.epsilon).sqrt();
     for (k, e) in (row..row + hidden).enumerate() {
-        let r = (args.residual as *const T).add(e).read().to_f32();
-        let w = (args.weight as *const T).add(k).read().to_f32();
+        let r = (args.residual as *const T).add(e).read_unaligned().to_f32();
+        let w = (args.weight as *const T).add(k).read_unaligned().to_f32();
         store::<T>(args.output, e, r * inv * w);
     }
     Ok(())

@@ -103,7 +103,7 @@ pub(super) unsafe fn all_reduce_group<T: Element>(
             let dst = (a.payloads[me] + e.offset) as *mut T;
             for p in entry_packs::<T>(e, block, blocks) {
                 for i in pack_range::<T>(p, n) {
-                    dst.add(i).write((e.input as *const T).add(i).read());
+                    dst.add(i).write_unaligned((e.input as *const T).add(i).read_unaligned());
                 }
             }
         }

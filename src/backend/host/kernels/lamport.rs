@@ -45,7 +45,7 @@ pub(super) unsafe fn lamport_pack_words<T: Element>(input: u64, p: usize, n: usi
     let size = std::mem::size_of::<T>();
     let neg_zero: u32 = if size == 4 { 0x8000_0000 } else { 0x8000 };
     for (j, e) in pack_range::<T>(p, n).enumerate() {
-        let mut bits = (input as *const T).add(e).read().to_bits_u32();
+        let mut bits = (input as *const T).add(e).read_unaligned().to_bits_u32();
         if bits == neg_zero {
             bits = 0;
         }

@@ -27,7 +27,7 @@ pub(super) unsafe fn one_stage<T: Element>(
             for e in pack_range::<T>(p, n) {
                 (args.payloads[me] as *mut T)
                     .add(e)
-                    .write((args.local_input as *const T).add(e).read());
+                    .write_unaligned((args.local_input as *const T).add(e).read_unaligned());
             }
         }
     }
