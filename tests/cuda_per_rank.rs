@@ -9,6 +9,7 @@ mod per_rank_suite;
 
 use peercomm::backend::cuda::Cuda;
 use peercomm::backend::Backend;
+use per_rank_suite::descriptor_channel::{self, Strangers};
 use per_rank_suite::processes::{self, Devices};
 use per_rank_suite::Placement;
 
@@ -176,10 +177,43 @@ fn per_rank_child() {
             return;
         }
         let n = Cuda::device_count().expect("a CUDA device in the child");
-        processes::child_main::<Cuda>(&Devices {
+        let devices = Devices {
             count: n,
             max_blocks: 4,
-        });
+        };
+        if descriptor_channel::child::<Cuda>(&role, &devices, (rank, world, &id), registers) {
+            return;
+        }
+        processes::child_main::<Cuda>(&devices);
+    }
+}
+
+/// A registration whose memory CUDA exports only as a descriptor (a buffer from a pool
+/// made with the POSIX-fd handle type), dropped again.
+fn registers(comm: &peercomm::Comm<Cuda>) -> Result<(), peercomm::Error> {
+    use per_rank_suite::capture_inputs::graphs::{alloc, Memory};
+    let buffer = alloc::<f32>(comm, Memory::PosixPool, 4096);
+    let registered = comm.register(buffer.as_view()).map_err(|e| e.error);
+    registered.map(drop)
+}
+
+/// The descriptor channel beside an idle connection of another user (nobody): every
+/// rank registers a POSIX-fd pool buffer within the bound, alike (skipped where the
+/// test is not root).
+#[test]
+fn cuda_per_rank_descriptor_channel_beside_another_user() {
+    if let Some(d) = devices("cuda_per_rank_descriptor_channel_beside_another_user") {
+        descriptor_channel::beside_strangers::<Cuda>(&d, registers, Strangers::AnotherUser);
+    }
+}
+
+/// The descriptor channel beside idle, garbage and wrong-nonce connections of this
+/// user (other processes, and the peer's own process): ignored, every rank registers
+/// within the bound, alike.
+#[test]
+fn cuda_per_rank_descriptor_channel_beside_bogus_senders() {
+    if let Some(d) = devices("cuda_per_rank_descriptor_channel_beside_bogus_senders") {
+        descriptor_channel::beside_strangers::<Cuda>(&d, registers, Strangers::Bogus);
     }
 }
 

@@ -11,6 +11,7 @@ use super::common;
 pub mod capture_inputs;
 pub mod chunked;
 pub mod collectives;
+pub mod descriptor_channel;
 pub mod fault;
 pub mod fused;
 pub mod fuzz;

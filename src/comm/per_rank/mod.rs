@@ -290,7 +290,7 @@ impl<B: Backend> Comm<B> {
             hosts,
             launch_lock: Mutex::new(()),
             torn_down: AtomicBool::new(false),
-            registry: Arc::new(Registry::default()),
+            registry: Arc::new(Registry::new(config.bootstrap_timeout)),
             pool: super::core::pool::SymmetricPool::default(),
             script: Default::default(),
             _one_issuing_thread: std::marker::PhantomData,

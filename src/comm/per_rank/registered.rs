@@ -21,9 +21,16 @@
 //! The descriptor channel: each rank listens on an abstract Unix socket of a random
 //! name, gathered over the bootstrap with its process id and a random nonce; a sender
 //! checks with `SO_PEERCRED` that the listener is the peer's process and of this user,
-//! and a receiver checks the same of the sender and the nonce it echoes, ignoring any
-//! other connection. Both sides give up after 30 s (a peer that dies mid-registration
-//! makes it fail on every rank instead of hanging).
+//! and a receiver checks the same of each connection as soon as it accepts it (one of
+//! another user or process is closed unread), then the nonce it echoes, reading the
+//! connections side by side with a 2 s deadline each, so that no other connection (the
+//! socket's name is visible to every local user) can delay a registration. Both sides
+//! give up after 30 s, or half of `CommConfig::bootstrap_timeout` where that is
+//! shorter (a peer that dies mid-registration makes it fail on every rank instead of
+//! hanging). Whether every rank got its descriptors is gathered before any rank
+//! returns, so the outcome is the same on every rank; a registration that fails once
+//! every rank has gathered its records uses up its number, so nothing sent for it can
+//! pass for a later one's.
 
 use std::sync::Arc;
 
