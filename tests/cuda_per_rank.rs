@@ -658,6 +658,28 @@ fn cuda_per_rank_poisoned_names_its_cause() {
     }
 }
 
+// Sizes and ranges a call cannot trust (tests/per_rank_suite/bounds.rs): lengths whose
+// bytes overflow, writes into registered buffers, inputs overlapping outputs.
+cuda_trust!(cuda_per_rank_huge_lengths_are_refused, |place| {
+    per_rank_suite::bounds::huge_lengths_are_refused::<Cuda>(&place, 2)
+});
+cuda_trust!(
+    cuda_per_rank_huge_buffers_in_collectives_are_refused,
+    |place| { per_rank_suite::bounds::huge_buffers_in_collectives_are_refused::<Cuda>(&place, 2) }
+);
+cuda_trust!(cuda_per_rank_registered_writes_keep_the_range, |place| {
+    per_rank_suite::bounds::registered_writes_keep_the_range::<Cuda>(&place, 2)
+});
+cuda_trust!(cuda_per_rank_overlapping_buffers_are_refused, |place| {
+    per_rank_suite::bounds::overlapping_buffers_are_refused::<Cuda>(&place)
+});
+cuda_trust!(cuda_per_rank_overlap_on_one_rank, |place| {
+    per_rank_suite::bounds::overlap_on_one_rank::<Cuda>(&place)
+});
+cuda_trust!(cuda_single_controller_overlaps, |place| {
+    per_rank_suite::bounds::single_controller_overlaps::<Cuda>(&place)
+});
+
 #[test]
 fn cuda_per_rank_a_leaf_without_rank_zero_names_real_functions() {
     if let Some(place) = placement("cuda_per_rank_a_leaf_without_rank_zero_names_real_functions") {

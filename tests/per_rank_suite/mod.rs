@@ -8,6 +8,7 @@
 
 use super::common;
 
+pub mod bounds;
 pub mod capture_inputs;
 pub mod chunked;
 pub mod collectives;

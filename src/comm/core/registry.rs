@@ -226,9 +226,11 @@ impl<B: Backend> Registry<B> {
     /// holds all of it.
     pub(crate) fn lookup(&self, ptr: u64, bytes: usize) -> Option<InPlace> {
         let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        // In u128: no range wraps (registered ranges were checked, an input was not).
+        let end = u128::from(ptr) + bytes as u128;
         let e = entries
             .iter()
-            .find(|e| e.listed && ptr >= e.base && ptr + bytes as u64 <= e.base + e.bytes as u64)?;
+            .find(|e| e.listed && ptr >= e.base && end <= u128::from(e.base) + e.bytes as u128)?;
         Some(e.place(ptr - e.base))
     }
 

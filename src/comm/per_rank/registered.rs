@@ -123,8 +123,9 @@ impl<B: Backend> Comm<B> {
     /// place on the peers. Refusals are [`Error::CannotRegister`] on every rank, with
     /// the buffer given back; a buffer this rank refuses by itself (on another device
     /// than its own, or a poisoned communicator) is that error here and
-    /// `CannotRegister` naming this rank on the peers, which stay in step. Needs peer
-    /// memory across the whole world ([`Comm::world_path`] is `Auto`).
+    /// `CannotRegister` naming this rank on the peers, which stay in step; so is a
+    /// buffer whose length in bytes no buffer can span ([`Error::SizeOverflow`] here).
+    /// Needs peer memory across the whole world ([`Comm::world_path`] is `Auto`).
     pub fn register<T>(&self, buffer: T) -> std::result::Result<Registered<B, T>, RegisterError<T>>
     where
         T: DeviceBuffer<B>,
@@ -146,11 +147,26 @@ impl<B: Backend> Comm<B> {
             .check_usable()
             .and_then(|_| core.check_buffer(buffer.device_ordinal(), "registered"))
             .and_then(|_| self.check_zero_copy());
-        let ptr = match local {
-            Ok(()) => buffer.read_ptr(core.device()).0,
-            Err(_) => 0,
+        // Bytes that a buffer can span, in a range that does not wrap the address
+        // space (a wrapped size registered a few bytes of a huge buffer).
+        let (local, ptr, bytes) = match local.and_then(|_| {
+            let meta = super::meta(buffer);
+            let bytes = meta.bytes(self.rank(), "registered")?;
+            let ptr = buffer.read_ptr(core.device()).0;
+            match ptr.checked_add(bytes as u64) {
+                Some(_) => Ok((ptr, bytes)),
+                None => Err(Error::SizeOverflow {
+                    what: format!(
+                        "rank {}'s registered buffer of {bytes} bytes at {ptr:#x} (past the \
+                         end of the address space)",
+                        self.rank()
+                    ),
+                }),
+            }
+        }) {
+            Ok((ptr, bytes)) => (Ok(()), ptr, bytes),
+            Err(e) => (Err(e), 0, 0),
         };
-        let bytes = buffer.len() * buffer.dtype().size();
         register_range(
             &self.registry,
             core.device(),
