@@ -7,7 +7,7 @@
 //! exact alias runs in place.
 //!
 //! The buffers that lie (a huge length, an overlapping view) are `unsafe impl
-//! DeviceBuffer` over real allocations, as the reports reached them: nothing
+//! DeviceBuffer` over real allocations, as a user's code can make them: nothing
 //! dereferences them past their real range, since every call refuses them first.
 
 use std::time::Duration;

@@ -148,7 +148,7 @@ impl<B: Backend> Comm<B> {
             .and_then(|_| core.check_buffer(buffer.device_ordinal(), "registered"))
             .and_then(|_| self.check_zero_copy());
         // Bytes that a buffer can span, in a range that does not wrap the address
-        // space (a wrapped size registered a few bytes of a huge buffer).
+        // space (a wrapped size would register a few bytes of a huge buffer).
         let (local, ptr, bytes) = match local.and_then(|_| {
             let meta = super::meta(buffer);
             let bytes = meta.bytes(self.rank(), "registered")?;

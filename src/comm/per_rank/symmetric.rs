@@ -246,10 +246,10 @@ impl<B: Backend> Comm<B> {
             .check_usable()
             .and_then(|_| self.check_zero_copy())
             .and_then(|_| {
-                // Checked, so that no size below wraps (a wrapped span once gave a
-                // buffer of no bytes, and the next allocation the same address): at
-                // most isize::MAX bytes, rounded up to whole units of the alignment and
-                // of a segment stay within u64.
+                // Checked, so that no size below wraps (a wrapped span would give a
+                // buffer of no bytes at the next allocation's address): at most
+                // isize::MAX bytes, rounded up to whole units of the alignment and of a
+                // segment, stay within u64.
                 message_bytes(T::DTYPE, len, &|| "a symmetric buffer".into())?;
                 Ok(((len * T::DTYPE.size()).max(1) as u64).next_multiple_of(ALIGN))
             })
