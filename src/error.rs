@@ -213,6 +213,31 @@ pub enum Error {
     /// A configuration value is out of range (sizes that overflow, misaligned scratch).
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
+    /// A length whose bytes (elements x element size, rounded up to whole 16-byte packs
+    /// or to the symmetric pool's alignment) exceed what any buffer can span
+    /// (`isize::MAX` bytes): a symmetric allocation, a registration, a collective or
+    /// `algorithm_for` asked for it. Nothing was allocated, registered or launched. A
+    /// collective registration or allocation refuses it on every rank (this error on
+    /// the rank that asked, [`Error::CannotRegister`] naming it on the others).
+    #[error("{what}: more bytes than any buffer can span")]
+    SizeOverflow {
+        /// Which length, of what (with the rank where one is concerned).
+        what: String,
+    },
+    /// A call's buffers overlap (reachable only through an `unsafe impl` of
+    /// [`crate::backend::DeviceBuffer`] that reports overlapping ranges): an input and
+    /// an output that are not exactly the same range, or two outputs. The exact alias
+    /// of an all-reduce's input and output runs in place, as does a broadcast root's;
+    /// the other collectives have no in-place form. Refused before anything is
+    /// launched or written, on the rank whose buffers overlap (its peers' call is then
+    /// never met: see the collectives' docs).
+    #[error("rank {rank}: {what}")]
+    BuffersOverlap {
+        /// The rank whose buffers overlap (for the single controller, the first).
+        rank: usize,
+        /// Which buffers, and where.
+        what: String,
+    },
     /// Peer access is missing between two ranks' devices (the driver reports no
     /// peer-to-peer path between the physical devices, or mapping the peer's memory
     /// into this process failed), and the fallback to the external library is off

@@ -9,6 +9,7 @@ mod per_rank_suite;
 
 use peercomm::backend::cuda::Cuda;
 use peercomm::backend::Backend;
+use per_rank_suite::descriptor_channel::{self, Strangers};
 use per_rank_suite::processes::{self, Devices};
 use per_rank_suite::Placement;
 
@@ -176,10 +177,43 @@ fn per_rank_child() {
             return;
         }
         let n = Cuda::device_count().expect("a CUDA device in the child");
-        processes::child_main::<Cuda>(&Devices {
+        let devices = Devices {
             count: n,
             max_blocks: 4,
-        });
+        };
+        if descriptor_channel::child::<Cuda>(&role, &devices, (rank, world, &id), registers) {
+            return;
+        }
+        processes::child_main::<Cuda>(&devices);
+    }
+}
+
+/// A registration whose memory CUDA exports only as a descriptor (a buffer from a pool
+/// made with the POSIX-fd handle type), dropped again.
+fn registers(comm: &peercomm::Comm<Cuda>) -> Result<(), peercomm::Error> {
+    use per_rank_suite::capture_inputs::graphs::{alloc, Memory};
+    let buffer = alloc::<f32>(comm, Memory::PosixPool, 4096);
+    let registered = comm.register(buffer.as_view()).map_err(|e| e.error);
+    registered.map(drop)
+}
+
+/// The descriptor channel beside an idle connection of another user (nobody): every
+/// rank registers a POSIX-fd pool buffer within the bound, alike (skipped where the
+/// test is not root).
+#[test]
+fn cuda_per_rank_descriptor_channel_beside_another_user() {
+    if let Some(d) = devices("cuda_per_rank_descriptor_channel_beside_another_user") {
+        descriptor_channel::beside_strangers::<Cuda>(&d, registers, Strangers::AnotherUser);
+    }
+}
+
+/// The descriptor channel beside idle, garbage and wrong-nonce connections of this
+/// user (other processes, and the peer's own process): ignored, every rank registers
+/// within the bound, alike.
+#[test]
+fn cuda_per_rank_descriptor_channel_beside_bogus_senders() {
+    if let Some(d) = devices("cuda_per_rank_descriptor_channel_beside_bogus_senders") {
+        descriptor_channel::beside_strangers::<Cuda>(&d, registers, Strangers::Bogus);
     }
 }
 
@@ -631,6 +665,28 @@ fn cuda_per_rank_poisoned_names_its_cause() {
         per_rank_suite::recovery::poisoned_names_its_cause::<Cuda>(&place);
     }
 }
+
+// Sizes and ranges a call cannot trust (tests/per_rank_suite/bounds.rs): lengths whose
+// bytes overflow, writes into registered buffers, inputs overlapping outputs.
+cuda_trust!(cuda_per_rank_huge_lengths_are_refused, |place| {
+    per_rank_suite::bounds::huge_lengths_are_refused::<Cuda>(&place, 2)
+});
+cuda_trust!(
+    cuda_per_rank_huge_buffers_in_collectives_are_refused,
+    |place| { per_rank_suite::bounds::huge_buffers_in_collectives_are_refused::<Cuda>(&place, 2) }
+);
+cuda_trust!(cuda_per_rank_registered_writes_keep_the_range, |place| {
+    per_rank_suite::bounds::registered_writes_keep_the_range::<Cuda>(&place, 2)
+});
+cuda_trust!(cuda_per_rank_overlapping_buffers_are_refused, |place| {
+    per_rank_suite::bounds::overlapping_buffers_are_refused::<Cuda>(&place)
+});
+cuda_trust!(cuda_per_rank_overlap_on_one_rank, |place| {
+    per_rank_suite::bounds::overlap_on_one_rank::<Cuda>(&place)
+});
+cuda_trust!(cuda_single_controller_overlaps, |place| {
+    per_rank_suite::bounds::single_controller_overlaps::<Cuda>(&place)
+});
 
 #[test]
 fn cuda_per_rank_a_leaf_without_rank_zero_names_real_functions() {

@@ -528,3 +528,36 @@ fn per_rank_a_skipped_call_is_caught_where_it_is_awaited() {
 fn per_rank_check_errors_is_a_per_step_poll() {
     per_rank_suite::recovery::check_errors_is_a_per_step_poll::<Host>(&HOST);
 }
+
+// Sizes and ranges a call cannot trust (tests/per_rank_suite/bounds.rs): lengths whose
+// bytes overflow, writes into registered buffers, inputs overlapping outputs.
+#[test]
+fn per_rank_huge_lengths_are_refused() {
+    per_rank_suite::bounds::huge_lengths_are_refused::<Host>(&HOST, 2);
+}
+
+#[test]
+fn per_rank_huge_buffers_in_collectives_are_refused() {
+    per_rank_suite::bounds::huge_buffers_in_collectives_are_refused::<Host>(&HOST, 2);
+}
+
+#[test]
+fn per_rank_registered_writes_keep_the_range() {
+    per_rank_suite::bounds::registered_writes_keep_the_range::<Host>(&HOST, 2);
+    per_rank_suite::bounds::registered_writes_keep_the_range::<Host>(&HOST, 3);
+}
+
+#[test]
+fn per_rank_overlapping_buffers_are_refused() {
+    per_rank_suite::bounds::overlapping_buffers_are_refused::<Host>(&HOST);
+}
+
+#[test]
+fn per_rank_overlap_on_one_rank() {
+    per_rank_suite::bounds::overlap_on_one_rank::<Host>(&HOST);
+}
+
+#[test]
+fn single_controller_overlaps() {
+    per_rank_suite::bounds::single_controller_overlaps::<Host>(&HOST);
+}

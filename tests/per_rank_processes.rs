@@ -6,6 +6,7 @@ mod common;
 mod per_rank_suite;
 
 use peercomm::backend::host::Host;
+use per_rank_suite::descriptor_channel::{self, Strangers};
 use per_rank_suite::processes::{self, Devices};
 
 const HOST: Devices = Devices {
@@ -16,7 +17,34 @@ const HOST: Devices = Devices {
 /// The child processes' entry point (does nothing when run as a normal test).
 #[test]
 fn per_rank_child() {
+    if let Some((role, rank, world, id, _)) = processes::child_args() {
+        if descriptor_channel::child::<Host>(&role, &HOST, (rank, world, &id), registers) {
+            return;
+        }
+    }
     processes::child_main::<Host>(&HOST);
+}
+
+/// A registration whose memory the host backend exports as a descriptor (a symmetric
+/// buffer, a shared memory file), dropped again.
+fn registers(comm: &peercomm::Comm<Host>) -> Result<(), peercomm::Error> {
+    let buffer = comm.alloc_symmetric::<f32>(4096)?;
+    comm.register(buffer).map(drop).map_err(|e| e.error)
+}
+
+/// The descriptor channel beside an idle connection of another user (nobody): every
+/// rank registers within the bound, alike (skipped where the test is not root).
+#[test]
+fn per_rank_descriptor_channel_beside_another_user() {
+    descriptor_channel::beside_strangers::<Host>(&HOST, registers, Strangers::AnotherUser);
+}
+
+/// The descriptor channel beside idle, garbage and wrong-nonce connections of this
+/// user (other processes, and the peer's own process): ignored, every rank registers
+/// within the bound, alike.
+#[test]
+fn per_rank_descriptor_channel_beside_bogus_senders() {
+    descriptor_channel::beside_strangers::<Host>(&HOST, registers, Strangers::Bogus);
 }
 
 #[test]

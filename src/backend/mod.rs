@@ -492,13 +492,30 @@ pub(crate) use impl_typed_buffer;
 /// known at run time, so mismatches across ranks are reported, not compiled away.
 ///
 /// # Safety
-/// Kernels trust what this trait reports. An implementation must guarantee that the
-/// address returned by `read_ptr` (and `write_ptr`) points to at least `len()` elements
-/// of `dtype()` on device `device_ordinal()`, valid for as long as the returned guard
-/// lives and, through the backend's stream ordering, until the kernels enqueued while
-/// it lived have finished; and that the memory is reachable by the peers' kernels
-/// (on CUDA: `cuMemAlloc` memory or the device's default memory pool, which peercomm
-/// opens to the peers; on the host backend: any host memory).
+/// Kernels trust what this trait reports. An implementation must guarantee:
+///
+/// - that the address returned by `read_ptr` (and `write_ptr`) points to at least
+///   `len()` elements of `dtype()` on device `device_ordinal()` (so `len()` elements
+///   of `dtype()` are a byte count that fits the address space), valid for as long as
+///   the returned guard lives and, through the backend's stream ordering, until the
+///   kernels enqueued while it lived have finished;
+/// - that the memory is reachable by the peers' kernels (on CUDA: `cuMemAlloc` memory
+///   or the device's default memory pool, which peercomm opens to the peers; on the
+///   host backend: any host memory);
+/// - that the range it reports (`read_ptr`'s address, `len()`, `dtype()`,
+///   `device_ordinal()`) stays the same while the value is only shared: it changes only
+///   through `&mut self` or by moving or replacing the value. A registration
+///   ([`crate::Comm::register`]) relies on it: the peers keep reading the range it
+///   reported, which is why [`crate::Registered`] hands out no `&mut` to its buffer.
+///
+/// The trait does not promise that two buffers are disjoint: an implementation may
+/// report ranges that overlap (views of one allocation, say). peercomm checks a call's
+/// buffers instead: an input and an output that are the very same range run in place
+/// where the collective has an in-place form (the all-reduce; a broadcast root's
+/// input), and any other overlap between a buffer the call writes and another of its
+/// buffers (on any rank, for the single controller) is [`crate::Error::BuffersOverlap`]
+/// before anything is launched. A length whose bytes no buffer can span is
+/// [`crate::Error::SizeOverflow`].
 pub unsafe trait DeviceBuffer<B: Backend> {
     /// Element type.
     fn dtype(&self) -> DType;
@@ -518,7 +535,9 @@ pub unsafe trait DeviceBuffer<B: Backend> {
 /// A device buffer a collective can write.
 ///
 /// # Safety
-/// As for [`DeviceBuffer`], for writes through `write_ptr`.
+/// As for [`DeviceBuffer`], for writes through `write_ptr`: its address is
+/// `read_ptr`'s (the same range, writable), and its own methods that take `&mut self`
+/// (such as [`TypedBuffer::copy_from_host`]) write that range without moving it.
 pub unsafe trait DeviceBufferMut<B: Backend>: DeviceBuffer<B> {
     /// Address for a kernel on `dev` that writes it (and may read it).
     fn write_ptr<'a>(&'a mut self, dev: &'a B::Device) -> (u64, B::Access<'a>);

@@ -71,7 +71,9 @@ impl Error {
             | Error::MessageTooLarge { .. }
             | Error::Unsupported(_)
             | Error::CannotRegister { .. }
-            | Error::BufferNotPeerAccessible { .. } => Recovery::FixCall,
+            | Error::BufferNotPeerAccessible { .. }
+            | Error::SizeOverflow { .. }
+            | Error::BuffersOverlap { .. } => Recovery::FixCall,
             Error::BarrierTimeout { .. }
             | Error::PeerAborted { .. }
             | Error::CallMismatch { .. } => Recovery::Reinitialize,

@@ -8,9 +8,11 @@
 
 use super::common;
 
+pub mod bounds;
 pub mod capture_inputs;
 pub mod chunked;
 pub mod collectives;
+pub mod descriptor_channel;
 pub mod fault;
 pub mod fused;
 pub mod fuzz;

@@ -1322,7 +1322,7 @@ pub fn symmetric_rank<B: Backend>(
         .copy_from_host(dev, &[rank as f32 + 1.0; 100])
         .unwrap();
     comm.all_reduce_sum_in_place_with(
-        &mut *again,
+        &mut again,
         &AllReduceOptions::new().algorithm(Algorithm::OneStage),
     )
     .unwrap();

@@ -242,7 +242,67 @@ fn open_pool(key: (u64, u64, usize), descriptor: OwnedFd) -> Result<sys::CUmemor
     Ok(pool)
 }
 
-/// Maps a `pccp` or `pccv` handle with its descriptor into `dev`'s context.
+/// The refusal of an import whose descriptor is not the allocation its handle names.
+fn mismatch(detail: String) -> Error {
+    import_error(
+        "cuda",
+        format!("the descriptor received does not match its handle: {detail}"),
+    )
+}
+
+/// Checks that the allocation imported from a descriptor (`generic`) is what a `pccv`
+/// handle of `size` bytes names: pinned device memory of which `size` is a whole
+/// number of granules. (Its exact size is checked by mapping it: the driver maps an
+/// imported allocation only whole.)
+fn check_vmm_import(generic: sys::CUmemGenericAllocationHandle, size: usize) -> Result<()> {
+    // SAFETY: all-zero bits are a valid CUmemAllocationProp (C enums, integers, a null
+    // pointer and a union of integers); the driver fills it.
+    let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+    // SAFETY: `prop` outlives the call; `generic` is a live imported handle.
+    unsafe { sys::cuMemGetAllocationPropertiesFromHandle(&mut prop, generic) }
+        .result()
+        .map_err(driver_err("cuMemGetAllocationPropertiesFromHandle"))?;
+    // The allocation's type and its location's type, read as the C ints they are (a
+    // value this build's enums lack must not be read as one of them): the first word
+    // of the struct and of its location, at offset 8 in every CUDA version's layout.
+    const _: () = assert!(std::mem::size_of::<sys::CUmemLocation>() == 8);
+    // SAFETY: reads of two aligned 4-byte ints inside `prop` (at least 16 bytes: two
+    // enums then the 8-byte location).
+    let (kind, location) = unsafe {
+        let words = std::ptr::addr_of!(prop) as *const u32;
+        (words.read(), words.add(2).read())
+    };
+    let pinned = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED as u32;
+    let device = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE as u32;
+    if (kind, location) != (pinned, device) {
+        return Err(mismatch(format!(
+            "its allocation is of type {kind} at a location of type {location}, not pinned \
+             device memory"
+        )));
+    }
+    let mut granularity = 0usize;
+    // SAFETY: out-pointer and `prop` (as the driver returned it) valid for the call.
+    unsafe {
+        sys::cuMemGetAllocationGranularity(
+            &mut granularity,
+            &prop,
+            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+        )
+    }
+    .result()
+    .map_err(driver_err("cuMemGetAllocationGranularity"))?;
+    if size == 0 || granularity == 0 || !size.is_multiple_of(granularity) {
+        return Err(mismatch(format!(
+            "the handle says {size} bytes, which is no whole number of the allocation's \
+             {granularity}-byte granules"
+        )));
+    }
+    Ok(())
+}
+
+/// Maps a `pccp` or `pccv` handle with its descriptor into `dev`'s context, checking
+/// that the descriptor is the allocation the handle names (its size, and for virtual
+/// memory its kind; a pool's export data names its pointer), else a typed error.
 pub(super) fn import(
     dev: &CudaDevice,
     handle: &[u8],
@@ -287,12 +347,26 @@ pub(super) fn import(
                 detail: format!("{e:?}: the exporter may have freed the memory or exited"),
             });
         }
-        return Ok(CudaPeerMapping {
+        // From here the mapping's drop frees the pointer, on the error path too.
+        let mapping = CudaPeerMapping {
             ctx: dev.ctx.clone(),
             ptr,
             bytes: size,
             unmap: Unmap::PoolPointer(pool as usize),
-        });
+        };
+        let (mut base, mut bytes): (sys::CUdeviceptr, usize) = (0, 0);
+        // SAFETY: out-pointers valid for the call; `ptr` is a live imported pointer.
+        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut bytes, ptr) }
+            .result()
+            .map_err(driver_err("cuMemGetAddressRange"))?;
+        if (base, bytes) != (ptr, size) {
+            return Err(mismatch(format!(
+                "the pool allocation it opens is {bytes} bytes at offset {} of its range, \
+                 where the handle says {size} bytes at offset 0",
+                ptr.wrapping_sub(base)
+            )));
+        }
+        return Ok(mapping);
     }
     let mut generic: sys::CUmemGenericAllocationHandle = 0;
     // SAFETY: for the POSIX-fd type the handle is the descriptor's value (the driver
@@ -309,6 +383,7 @@ pub(super) fn import(
     .map_err(driver_err("cuMemImportFromShareableHandle"))?;
     // The mapping below keeps the memory; this reference goes at the end of scope.
     let generic = Retained(generic);
+    check_vmm_import(generic.0, size)?;
     let mut va: sys::CUdeviceptr = 0;
     // SAFETY: `va` outlives the call; the driver picks the address.
     unsafe { sys::cuMemAddressReserve(&mut va, size, 0, 0, 0) }
@@ -322,9 +397,16 @@ pub(super) fn import(
         unmap: Unmap::Reserved { mapped: false },
     };
     // SAFETY: `va` is a fresh reservation of `size` bytes; the handle is imported.
+    // The driver maps an imported allocation only whole: this fails unless the
+    // descriptor's allocation has exactly the handle's size.
     unsafe { sys::cuMemMap(va, size, 0, generic.0, 0) }
         .result()
-        .map_err(driver_err("cuMemMap"))?;
+        .map_err(|e| {
+            mismatch(format!(
+                "mapping the {size} bytes its handle says failed ({e:?}): the allocation is \
+                 of another size"
+            ))
+        })?;
     let mut mapping = mapping;
     mapping.unmap = Unmap::Reserved { mapped: true };
     let access = read_write(ordinal);

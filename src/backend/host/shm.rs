@@ -199,7 +199,8 @@ pub(crate) fn import_descriptor(
     let meta = rustix::fs::fstat(&descriptor).map_err(|e| err(format!("fstat: {e}")))?;
     if (meta.st_dev, meta.st_ino) != (dev, ino) {
         return Err(err(format!(
-            "the descriptor is device {}, inode {}, but the handle names device {dev}, inode              {ino}",
+            "the descriptor is device {}, inode {}, but the handle names device {dev}, \
+             inode {ino}",
             meta.st_dev, meta.st_ino
         )));
     }
@@ -255,4 +256,43 @@ pub(crate) fn import(handle: &[u8]) -> Result<Mapping> {
     let mapping = Mapping::new(file.as_fd(), len).map_err(|e| err(format!("mmap: {e}")))?;
     // `file` is closed here; the mapping keeps the memory alive.
     Ok(mapping)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A descriptor is mapped only where it is the file its handle names, of the size
+    /// the handle says: another shared file (of another size or the same), a file that
+    /// is no shared file, and a handle whose size was changed are refused, nothing
+    /// mapped.
+    #[test]
+    fn a_descriptor_that_is_not_the_handles_file_is_refused() {
+        let dup = |f: &SharedFile| rustix::io::fcntl_dupfd_cloexec(&f.file, 0).unwrap();
+        let (a, b, c) = (
+            SharedFile::create(4096).unwrap(),
+            SharedFile::create(8192).unwrap(),
+            SharedFile::create(4096).unwrap(),
+        );
+        let handle = a.export();
+        let plain = rustix::fs::memfd_create("plain", MemfdFlags::CLOEXEC).unwrap();
+        rustix::fs::ftruncate(&plain, 4096).unwrap();
+        for (what, descriptor) in [("larger", dup(&b)), ("alike", dup(&c)), ("plain", plain)] {
+            let e = import_descriptor(&handle, descriptor)
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(e.contains("but the handle names device"), "{what}: {e}");
+            assert!(!e.contains("  "), "{what}: {e}");
+        }
+        // The size field (bytes 16..24) says 8192 where the file has 4096.
+        let mut resized = handle.clone();
+        resized[16..24].copy_from_slice(&8192u64.to_le_bytes());
+        let e = import_descriptor(&resized, dup(&a))
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("size mismatch"), "{e}");
+        assert_eq!(import_descriptor(&handle, dup(&a)).unwrap().len(), 4096);
+    }
 }

@@ -12,8 +12,102 @@ use super::collective::{reduce_scatter_part, Collective, CollectiveOptions};
 use super::plan::{PeerReads, Plan};
 use super::plan_cache::Shape;
 use super::route::Path;
+use super::sizing::padded_bytes;
 use super::Rank;
 use crate::comm::AllReduceOptions;
+
+/// The most bytes any buffer spans (Rust's allocation limit). A length whose bytes, in
+/// whole 16-byte packs, stay within it leaves headroom for every size a call derives
+/// from it (a header pack, a partition, parts rounded up to packs) within `usize`.
+pub(crate) const MAX_BUFFER_BYTES: usize = isize::MAX as usize;
+
+/// The bytes of a message of `elements` x `dtype` in whole packs, checked against
+/// [`MAX_BUFFER_BYTES`]: [`Error::SizeOverflow`] naming `what` (a buffer, a message)
+/// where no buffer can be that large.
+pub(crate) fn message_bytes(
+    dtype: DType,
+    elements: usize,
+    what: &dyn Fn() -> String,
+) -> Result<usize> {
+    padded_bytes(dtype, elements)
+        .filter(|&b| b <= MAX_BUFFER_BYTES)
+        .ok_or_else(|| Error::SizeOverflow {
+            what: format!("{} of {elements} x {}", what(), dtype.name()),
+        })
+}
+
+/// One buffer of a call as [`check_overlaps`] sees it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Span {
+    /// The rank whose buffer it is.
+    pub(crate) rank: usize,
+    /// Its role (`"input"`, `"output"`, `"residual"`, `"weight"`).
+    pub(crate) which: &'static str,
+    pub(crate) ptr: u64,
+    pub(crate) bytes: usize,
+    /// Whether the call writes it.
+    pub(crate) written: bool,
+}
+
+impl Span {
+    fn end(&self) -> u128 {
+        u128::from(self.ptr) + self.bytes as u128
+    }
+    fn overlaps(&self, other: &Span) -> bool {
+        self.bytes > 0
+            && other.bytes > 0
+            && u128::from(self.ptr) < other.end()
+            && u128::from(other.ptr) < self.end()
+    }
+}
+
+/// Checks a call's buffers against each other before anything is launched: every pair
+/// of which one is written must be disjoint, except (with `in_place`) a rank's input
+/// and its output that are exactly the same range: the call then runs in place there.
+/// Returns whether such an exact alias was found; any other overlap (a partial one,
+/// another rank's buffer, two outputs) is [`Error::BuffersOverlap`]. Ranges the
+/// kernels would read while a peer or this rank writes them would otherwise give a
+/// wrong result with `Ok`.
+pub(crate) fn check_overlaps(spans: &[Span], in_place: bool) -> Result<bool> {
+    let mut aliased = false;
+    for (i, a) in spans.iter().enumerate() {
+        for b in spans[i + 1..].iter().filter(|b| a.written || b.written) {
+            if !a.overlaps(b) {
+                continue;
+            }
+            let exact = a.ptr == b.ptr && a.bytes == b.bytes;
+            let own_pair = a.rank == b.rank && a.written != b.written;
+            let input_output =
+                [a.which, b.which].contains(&"input") && [a.which, b.which].contains(&"output");
+            if in_place && exact && own_pair && input_output {
+                aliased = true;
+                continue;
+            }
+            let rank = a.rank.min(b.rank);
+            let name = |s: &Span| match spans.iter().any(|o| o.rank != s.rank) {
+                true => format!("rank {}'s {}", s.rank, s.which),
+                false => format!("its {}", s.which),
+            };
+            return Err(Error::BuffersOverlap {
+                rank,
+                what: format!(
+                    "{} ({} bytes at {:#x}) overlaps {} ({} bytes at {:#x}){}",
+                    name(a),
+                    a.bytes,
+                    a.ptr,
+                    name(b),
+                    b.bytes,
+                    b.ptr,
+                    match in_place && own_pair && input_output {
+                        true => ": only the very same range runs in place",
+                        false => ": the buffers of a call must not overlap",
+                    }
+                ),
+            });
+        }
+    }
+    Ok(aliased)
+}
 
 /// What a front door knows of one buffer of a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,6 +123,17 @@ pub(crate) enum Routed {
     Peer(Plan),
     /// Away from them (the external library, or across hosts).
     Away(Path),
+}
+
+impl Meta {
+    /// Its bytes, checked ([`message_bytes`]): `which` names it in the error, of
+    /// `rank`.
+    pub(crate) fn bytes(&self, rank: usize, which: &str) -> Result<usize> {
+        message_bytes(self.dtype, self.len, &|| {
+            format!("rank {rank}'s {which} buffer")
+        })?;
+        Ok(self.len * self.dtype.size())
+    }
 }
 
 impl<B: Backend> Rank<B> {
@@ -83,12 +188,16 @@ impl<B: Backend> Rank<B> {
         Ok(())
     }
 
-    /// Usable, both buffers on this rank's device, one dtype.
+    /// Usable, both buffers on this rank's device, one dtype, sizes that a buffer can
+    /// have.
     pub(crate) fn check_pair(&self, send: &Meta, recv: &Meta) -> Result<()> {
         self.check_usable()?;
         self.check_buffer(send.ordinal, "input")?;
         self.check_buffer(recv.ordinal, "output")?;
-        self.check_dtype(send.dtype, recv.dtype)
+        self.check_dtype(send.dtype, recv.dtype)?;
+        send.bytes(self.world_rank(), "input")?;
+        recv.bytes(self.world_rank(), "output")?;
+        Ok(())
     }
 
     /// An all-reduce's buffers: a pair of one length.
@@ -125,6 +234,8 @@ impl<B: Backend> Rank<B> {
         if let Some(plan) = self.plans.get(&shape) {
             return Ok(Routed::Peer(plan));
         }
+        // Before routing, which sizes the message.
+        message_bytes(dtype, elements, &|| "an all-reduce".into())?;
         match self.route.path(dtype, elements, options)? {
             Path::Peer(local) => {
                 let plan = self
@@ -204,6 +315,97 @@ impl<B: Backend> Rank<B> {
             _ => Err(Error::Unsupported(
                 "a device barrier needs peer memory between the group's ranks".into(),
             )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(rank: usize, which: &'static str, ptr: u64, bytes: usize) -> Span {
+        let written = which != "input" && which != "weight";
+        Span {
+            rank,
+            which,
+            ptr,
+            bytes,
+            written,
+        }
+    }
+
+    /// Disjoint ranges pass; the exact alias of a rank's input and output passes only
+    /// where the call has an in-place form (and says so); any other overlap, across
+    /// ranks and between outputs too, is refused; reads may overlap; empty ranges and
+    /// ranges at the top of the address space never wrap.
+    #[test]
+    fn overlaps_are_refused_but_the_exact_alias() {
+        let ok = |spans: &[Span], in_place| check_overlaps(spans, in_place);
+        let input = span(0, "input", 0x1000, 4096);
+        assert_eq!(
+            ok(&[input, span(0, "output", 0x2000, 4096)], true),
+            Ok(false)
+        );
+        assert_eq!(
+            ok(&[input, span(0, "output", 0x1000, 4096)], true),
+            Ok(true)
+        );
+        for (output, in_place) in [
+            (span(0, "output", 0x1000, 4096), false),
+            (span(0, "output", 0x1004, 4096), true),
+            (span(0, "output", 0x0ffc, 8), true),
+            (span(0, "output", 0x1000, 4092), true),
+            (span(1, "output", 0x1000, 4096), true),
+        ] {
+            match ok(&[input, output], in_place) {
+                Err(Error::BuffersOverlap { rank: 0, what }) => assert!(what.contains("input")),
+                other => panic!("{output:?} (in place {in_place}): {other:?}"),
+            }
+        }
+        // Two outputs, exact or not; a residual over a weight.
+        let out = span(0, "output", 0x8000, 64);
+        assert!(ok(&[out, span(1, "output", 0x8000, 64)], true).is_err());
+        assert!(ok(
+            &[span(0, "weight", 0x100, 64), span(0, "residual", 0x120, 64)],
+            true
+        )
+        .is_err());
+        // Reads overlap freely; empty ranges overlap nothing.
+        assert_eq!(
+            ok(&[input, span(1, "input", 0x1000, 4096)], false),
+            Ok(false)
+        );
+        assert_eq!(ok(&[input, span(0, "output", 0x1000, 0)], false), Ok(false));
+        let top = span(0, "input", u64::MAX - 15, 16);
+        assert_eq!(ok(&[top, span(0, "output", 0, 16)], false), Ok(false));
+        assert!(ok(&[top, span(0, "output", u64::MAX, 1)], false).is_err());
+    }
+
+    /// Messages whose bytes in whole packs pass isize::MAX are refused for every dtype;
+    /// the largest that fits is allowed.
+    #[test]
+    fn message_bytes_stop_at_the_largest_buffer() {
+        for dtype in DType::ALL {
+            let lanes = dtype.lanes();
+            let largest = MAX_BUFFER_BYTES / 16 * lanes;
+            assert_eq!(
+                message_bytes(dtype, largest, &String::new),
+                Ok(largest / lanes * 16)
+            );
+            for n in [
+                largest + 1,
+                usize::MAX / dtype.size(),
+                usize::MAX / 2,
+                usize::MAX,
+            ] {
+                assert!(
+                    matches!(
+                        message_bytes(dtype, n, &String::new),
+                        Err(Error::SizeOverflow { .. })
+                    ),
+                    "{n} x {dtype:?}"
+                );
+            }
         }
     }
 }

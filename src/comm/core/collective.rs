@@ -19,6 +19,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::signal::{LAMPORT_HEADER_BYTES, MAX_NUM_BLOCKS_UPPER_BOUND};
 
+use super::check::message_bytes;
 use super::collective_staging::{collective_staging, padded};
 use super::plan::{CollectiveArgs, PeerReads, Plan};
 use super::settings::Settings;
@@ -110,6 +111,8 @@ impl Settings {
         reads: PeerReads,
     ) -> Result<Plan> {
         let width = self.group_width(options.group_size)?;
+        // Every size below stays within usize once the padded message does.
+        message_bytes(dtype, elements, &|| format!("a {}", which.kind().name()))?;
         let lanes = dtype.lanes();
         let mut extra = CollectiveArgs::default();
         if let Collective::Broadcast { root } | Collective::Scatter { root } = which {

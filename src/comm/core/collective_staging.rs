@@ -9,9 +9,10 @@ use crate::backend::KernelKind;
 use crate::dtype::DType;
 use crate::signal::{reduce_scatter_part, PACK_BYTES, STAGE_WHOLE};
 
-/// Bytes of `n` elements rounded up to whole packs.
+/// Bytes of `n` elements rounded up to whole packs (saturating: the planner refuses a
+/// message whose bytes overflow before it sizes anything).
 pub(crate) fn padded(dtype: DType, n: usize) -> usize {
-    n.div_ceil(dtype.lanes()) * PACK_BYTES
+    n.div_ceil(dtype.lanes()).saturating_mul(PACK_BYTES)
 }
 
 /// How a staged collective of `elements` (as its plan counts them) goes through a

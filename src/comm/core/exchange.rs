@@ -14,7 +14,10 @@ use crate::backend::{Backend, Descriptor, ExportedRange};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 
-/// How long a rank waits for a peer's descriptor, or to hand one over.
+/// How long a rank waits for its peers' descriptors, or to hand one over, at most (a
+/// communicator waits less where its bootstrap timeout is short: see
+/// `Registry::new`). Only a dead or stuck peer makes a rank wait that long: a
+/// connection that is no peer's delays nothing (see [`super::descriptors`]).
 pub(crate) const DESCRIPTOR_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A peer's exported range, as received here.
@@ -106,15 +109,16 @@ fn listening(listener: &Mutex<Option<Listener>>) -> Result<(Vec<u8>, u64)> {
 }
 
 /// Exports `[ptr, ptr + bytes)` and exchanges every rank's export for registration
-/// `registration`: `Ok((received, problem))` with `received[r]` for each rank `r`
-/// that `remote[r]` marks (in another process), and this rank's own problem with the
-/// descriptors (to be gathered by the caller); `Err` alike on every rank where a rank
+/// `registration`, waiting at most `timeout` for the descriptors: `Ok((received,
+/// problem))` with `received[r]` for each rank `r` that `remote[r]` marks (in another
+/// process), and this rank's own problem with the descriptors (to be gathered by the
+/// caller, so that every rank fails alike); `Err` alike on every rank where a rank
 /// refused to export or the gather failed.
 pub(crate) fn exchange<B: Backend>(
     dev: &B::Device,
     group: &dyn Bootstrap,
     listener: &Mutex<Option<Listener>>,
-    registration: u64,
+    (registration, timeout): (u64, Duration),
     (ptr, bytes): (u64, usize),
     remote: &[bool],
 ) -> Result<(Vec<Option<Received>>, Option<String>)> {
@@ -175,44 +179,56 @@ pub(crate) fn exchange<B: Backend>(
         name: records[r].name.clone(),
         nonce: records[r].nonce,
     };
-    let deadline = Instant::now() + DESCRIPTOR_TIMEOUT;
-    let mut problem = None;
-    // Sends first: a connect to a listening socket and a small message complete
-    // without the receiver, so no order of ranks deadlocks.
-    if let Some(fd) = &my_descriptor {
-        for r in (0..records.len()).filter(|&r| r != me && remote[r]) {
-            if let Err(e) = descriptors::send(as_fd(fd), registration, me, &peer(r), deadline) {
-                problem.get_or_insert(e.to_string());
-            }
-        }
-    }
-    drop(my_descriptor);
+    let deadline = Instant::now() + timeout;
     let senders: Vec<usize> = (0..records.len())
         .filter(|&r| r != me && remote[r] && records[r].descriptor)
         .collect();
+    let from: Vec<Peer> = senders.iter().map(|&r| peer(r)).collect();
+    let to: Vec<Peer> = (0..records.len())
+        .filter(|&r| r != me && remote[r] && my_descriptor.is_some())
+        .map(peer)
+        .collect();
+    // Sends and the receive side by side: a send may wait for room in the peer's
+    // backlog (which anyone may fill between registrations), and only the peer's
+    // receive makes room, so no rank's send may wait for its own receive.
+    let (sent, received) = std::thread::scope(|s| {
+        let sending = my_descriptor.as_ref().map(|fd| {
+            s.spawn(move || {
+                to.iter()
+                    .find_map(|p| descriptors::send(as_fd(fd), registration, me, p, deadline).err())
+                    .map(|e| e.to_string())
+            })
+        });
+        let received = if from.is_empty() {
+            Ok(Vec::new())
+        } else {
+            listener
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .as_ref()
+                .ok_or_else(|| "this rank has no descriptor channel".to_string())
+                .and_then(|l| {
+                    l.receive(registration, &from, deadline)
+                        .map_err(|e| e.to_string())
+                })
+        };
+        let sent = sending.and_then(|h| {
+            h.join()
+                .unwrap_or_else(|_| Some("the sending thread panicked".into()))
+        });
+        (sent, received)
+    });
+    drop(my_descriptor);
     let mut descriptors: Vec<Option<Descriptor>> = (0..records.len()).map(|_| None).collect();
-    if !senders.is_empty() {
-        let from: Vec<Peer> = senders.iter().map(|&r| peer(r)).collect();
-        let received = listener
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .as_ref()
-            .ok_or_else(|| "this rank has no descriptor channel".to_string())
-            .and_then(|l| {
-                l.receive(registration, &from, deadline)
-                    .map_err(|e| e.to_string())
-            });
-        match received {
-            Ok(fds) => {
-                for (&r, fd) in senders.iter().zip(fds) {
-                    descriptors[r] = Some(fd);
-                }
+    let problem = match received {
+        Ok(fds) => {
+            for (&r, fd) in senders.iter().zip(fds) {
+                descriptors[r] = Some(fd);
             }
-            Err(e) => {
-                problem.get_or_insert(e);
-            }
+            sent
         }
-    }
+        Err(e) => Some(sent.unwrap_or(e)),
+    };
     let received = records
         .into_iter()
         .zip(descriptors)
@@ -270,5 +286,132 @@ mod tests {
         );
         assert!(Record::decode(&[1, 0]).is_err());
         assert!(Record::decode(&[0, 0, 0, 0, 1]).is_err());
+    }
+
+    /// Every rank's channel with its backlog full of connections nobody reads (anyone
+    /// may connect between registrations): no rank's send waits for its own receive, so
+    /// the ranks drain each other's backlog and the exchange ends at once, not at the
+    /// deadline.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn full_backlogs_stall_no_exchange() {
+        use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+
+        use crate::backend::host::Host;
+        use crate::backend::MemoryKind;
+        use crate::external::local::LocalBootstrap;
+
+        let world = LocalBootstrap::world(2, Duration::from_secs(30));
+        let channels: Vec<Mutex<Option<Listener>>> = (0..2)
+            .map(|_| Mutex::new(Some(Listener::bind().unwrap())))
+            .collect();
+        // Idle connections until each backlog is full (a connect would wait).
+        let mut idle = Vec::new();
+        for channel in &channels {
+            let name = channel.lock().unwrap().as_ref().unwrap().name().to_vec();
+            let addr = SocketAddrUnix::new_abstract_name(&name).unwrap();
+            for _ in 0..1000 {
+                let socket = rustix::net::socket_with(
+                    AddressFamily::UNIX,
+                    SocketType::STREAM,
+                    SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+                    None,
+                )
+                .unwrap();
+                match rustix::net::connect(&socket, &addr) {
+                    Ok(()) => idle.push(socket),
+                    Err(rustix::io::Errno::AGAIN) => break,
+                    Err(e) => panic!("{e}"),
+                }
+            }
+        }
+        let start = Instant::now();
+        let outcomes: Vec<Option<String>> = std::thread::scope(|s| {
+            let ranks: Vec<_> = world
+                .iter()
+                .zip(&channels)
+                .map(|(boot, channel)| {
+                    s.spawn(move || {
+                        let dev = Host::open(boot.rank()).unwrap();
+                        let memory = Host::alloc(&dev, 4096, MemoryKind::SharedData).unwrap();
+                        let range = (Host::memory_ptr(&memory), 4096);
+                        let timeout = Duration::from_secs(10);
+                        exchange::<Host>(&dev, boot, channel, (0, timeout), range, &[true, true])
+                            .unwrap()
+                            .1
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(outcomes, vec![None, None]);
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            start.elapsed()
+        );
+        drop(idle);
+    }
+
+    /// A descriptor tagged with an earlier registration's number (a late send of a
+    /// registration that failed), queued on a rank's channel ahead of the real one and
+    /// with the right nonce, is dropped: the exchange takes the real one, whose import
+    /// matches its handle.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn a_descriptor_of_an_earlier_registration_is_dropped() {
+        use std::os::fd::AsFd;
+
+        use crate::backend::host::Host;
+        use crate::backend::MemoryKind;
+        use crate::external::local::LocalBootstrap;
+
+        let world = LocalBootstrap::world(2, Duration::from_secs(10));
+        let channels: Vec<Mutex<Option<Listener>>> = (0..2)
+            .map(|_| Mutex::new(Some(Listener::bind().unwrap())))
+            .collect();
+        let to = |rank: usize| {
+            let l = channels[rank].lock().unwrap();
+            let l = l.as_ref().unwrap();
+            Peer {
+                rank,
+                pid: std::process::id(),
+                name: l.name().to_vec(),
+                nonce: l.nonce(),
+            }
+        };
+        let stale = rustix::fs::memfd_create("stale", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        for (from, rank) in [(0, 1), (1, 0)] {
+            descriptors::send(stale.as_fd(), 4, from, &to(rank), deadline).unwrap();
+        }
+        let outcomes: Vec<(Option<String>, bool)> = std::thread::scope(|s| {
+            let ranks: Vec<_> = world
+                .iter()
+                .zip(&channels)
+                .map(|(boot, channel)| {
+                    s.spawn(move || {
+                        let rank = boot.rank();
+                        let dev = Host::open(rank).unwrap();
+                        let memory = Host::alloc(&dev, 4096, MemoryKind::SharedData).unwrap();
+                        let range = (Host::memory_ptr(&memory), 4096);
+                        let (mut received, problem) = exchange::<Host>(
+                            &dev,
+                            boot,
+                            channel,
+                            (5, DESCRIPTOR_TIMEOUT),
+                            range,
+                            &[true, true],
+                        )
+                        .unwrap();
+                        let peer = received[1 - rank].take().unwrap();
+                        let imported = Host::import_range(&dev, &peer.handle, peer.descriptor);
+                        (problem, imported.is_ok())
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(outcomes, vec![(None, true), (None, true)]);
     }
 }

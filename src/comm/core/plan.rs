@@ -8,6 +8,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::signal::{LAMPORT_HEADER_BYTES, MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES, STAGE_WHOLE};
 
+use super::check::message_bytes;
 use super::settings::Settings;
 use crate::comm::AllReduceOptions;
 
@@ -111,9 +112,11 @@ impl Settings {
         reads: PeerReads,
     ) -> Result<Plan> {
         let width = self.group_width(options.group_size)?;
+        // Every size below stays within usize once the padded message does (with
+        // headroom: it is at most isize::MAX).
+        let padded = message_bytes(dtype, elements, &|| "an all-reduce".into())?;
         let bytes = elements * dtype.size();
         let packs = elements.div_ceil(dtype.lanes());
-        let padded = packs * PACK_BYTES;
         let slot = self.layout.lamport_slot_bytes;
         let payload = self.layout.payload_bytes;
         let two_stage_need = packs.div_ceil(width) * PACK_BYTES;
@@ -205,7 +208,8 @@ impl Settings {
         let work_packs = match kind {
             KernelKind::TwoStage => packs.div_ceil(width),
             _ => packs,
-        } * (width - 1).max(1);
+        }
+        .saturating_mul((width - 1).max(1));
         let blocks = match options.blocks {
             Some(b) => {
                 if b == 0 || b as usize > MAX_NUM_BLOCKS_UPPER_BOUND {

@@ -21,9 +21,10 @@
 //! [`crate::CallField::Inputs`] at the first barrier, before anything is read.
 
 use std::sync::{Arc, Mutex, Weak};
+use std::time::Duration;
 
 use super::descriptors::Listener;
-use super::exchange::exchange;
+use super::exchange::{exchange, DESCRIPTOR_TIMEOUT};
 use super::plan::InputPlace;
 use crate::backend::handle::process_token;
 use crate::backend::{Backend, Descriptor};
@@ -83,11 +84,17 @@ pub(crate) struct Registry<B: Backend> {
     entries: Mutex<Vec<Entry<B>>>,
     /// Live imports by handle, so that an allocation is opened once per peer.
     imports: Mutex<Vec<Weak<Import<B>>>>,
-    /// Registrations made (the next one's number): the same on every rank that made
-    /// the same registrations.
+    /// Registrations begun (the next one's number): a registration takes its number
+    /// once every rank has gathered its records, whatever its outcome after that (a
+    /// refusal, a descriptor that did not come, a failed import), so that nothing sent
+    /// for one that failed (a late descriptor) can pass for a later one's. A rank whose
+    /// gather failed (its peers made another call) takes none. The same on every rank
+    /// that made the same calls.
     made: Mutex<u64>,
     /// Where peers in other processes send this rank descriptors (bound on first use).
     channel: Mutex<Option<Listener>>,
+    /// How long a registration waits for its peers' descriptors ([`exchange`]).
+    descriptor_timeout: Duration,
 }
 
 impl<B: Backend> Default for Registry<B> {
@@ -97,6 +104,21 @@ impl<B: Backend> Default for Registry<B> {
             imports: Mutex::new(Vec::new()),
             made: Mutex::new(0),
             channel: Mutex::new(None),
+            descriptor_timeout: DESCRIPTOR_TIMEOUT,
+        }
+    }
+}
+
+impl<B: Backend> Registry<B> {
+    /// A registry of a communicator whose bootstrap steps wait `bootstrap_timeout`:
+    /// its registrations wait for descriptors at most half of that (and at most
+    /// [`DESCRIPTOR_TIMEOUT`]), so that a rank whose descriptor never came still
+    /// reaches the gather where its peers wait for its verdict, and every rank fails
+    /// alike.
+    pub(crate) fn new(bootstrap_timeout: Duration) -> Self {
+        Registry {
+            descriptor_timeout: DESCRIPTOR_TIMEOUT.min(bootstrap_timeout / 2),
+            ..Registry::default()
         }
     }
 }
@@ -198,9 +220,11 @@ impl<B: Backend> Registry<B> {
     /// holds all of it.
     pub(crate) fn lookup(&self, ptr: u64, bytes: usize) -> Option<InPlace> {
         let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        // In u128: no range wraps (registered ranges were checked, an input was not).
+        let end = u128::from(ptr) + bytes as u128;
         let e = entries
             .iter()
-            .find(|e| e.listed && ptr >= e.base && ptr + bytes as u64 <= e.base + e.bytes as u64)?;
+            .find(|e| e.listed && ptr >= e.base && end <= u128::from(e.base) + e.bytes as u128)?;
         Some(e.place(ptr - e.base))
     }
 
@@ -291,16 +315,23 @@ pub(crate) fn register_range<B: Backend>(
     listed: bool,
 ) -> Result<u64> {
     let (me, n) = (group.rank(), group.world_size());
+    // Held to the end: one registration at a time.
     let mut made = registry.made.lock().unwrap_or_else(|e| e.into_inner());
+    let id = *made;
     let mine = Offer {
         process: process_token(),
         ordinal: B::ordinal(dev) as u64,
-        id: *made,
+        id,
         ptr,
         bytes: bytes as u64,
         refusal: local.as_ref().err().map(refusal_text).unwrap_or_default(),
     };
     let gathered = group.all_gather(&mine.encode());
+    if gathered.is_ok() {
+        // Every rank gathered this registration's records: each takes its number,
+        // whatever comes next (see `Registry::made`).
+        *made += 1;
+    }
     // This rank's own refusal first: its peers learn it from its record.
     local?;
     let offers = gathered?
@@ -345,7 +376,7 @@ pub(crate) fn register_range<B: Backend>(
             dev,
             group,
             &registry.channel,
-            mine.id,
+            (mine.id, registry.descriptor_timeout),
             (ptr, bytes),
             &remote,
         )?;
@@ -401,8 +432,6 @@ pub(crate) fn register_range<B: Backend>(
     if let Some(e) = first_refusal(&group.all_gather(problem.as_bytes())?) {
         return Err(e);
     }
-    let id = *made;
-    *made += 1;
     registry
         .entries
         .lock()
@@ -457,5 +486,44 @@ mod tests {
             Offer::decode(0, &other),
             Err(Error::CannotRegister { rank: 0, .. })
         ));
+    }
+
+    /// A failed registration uses up its number on every rank: the next one gets the
+    /// number after it, so that nothing sent for the failed one (a late descriptor)
+    /// can pass for the next one's.
+    #[test]
+    fn a_failed_registration_uses_up_its_number() {
+        use crate::backend::host::Host;
+        use crate::external::local::LocalBootstrap;
+
+        let world = LocalBootstrap::world(2, std::time::Duration::from_secs(10));
+        let ids: Vec<(bool, bool, u64)> = std::thread::scope(|s| {
+            let ranks: Vec<_> = world
+                .iter()
+                .map(|boot| {
+                    s.spawn(move || {
+                        let rank = boot.rank();
+                        let dev = Host::open(rank).unwrap();
+                        let registry = Registry::<Host>::default();
+                        let memory = vec![0u8; 4096];
+                        let ptr = memory.as_ptr() as u64;
+                        // Sizes that differ: refused on every rank.
+                        let unequal =
+                            register_range(&registry, &dev, boot, ptr, 1024 + rank, Ok(()), true);
+                        // A local refusal on rank 1: refused on every rank.
+                        let local = if rank == 1 {
+                            Err(Error::Unsupported("a local refusal".into()))
+                        } else {
+                            Ok(())
+                        };
+                        let refused = register_range(&registry, &dev, boot, ptr, 1024, local, true);
+                        let next = register_range(&registry, &dev, boot, ptr, 1024, Ok(()), true);
+                        (unequal.is_err(), refused.is_err(), next.unwrap())
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|h| h.join().unwrap()).collect()
+        });
+        assert_eq!(ids, vec![(true, true, 2), (true, true, 2)]);
     }
 }

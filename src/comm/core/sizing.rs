@@ -207,4 +207,76 @@ mod tests {
         assert_eq!(c.lamport_slot_bytes, CommConfig::LAMPORT_SLOT_CAP + 64);
         assert!(CommConfig::for_largest_message(usize::MAX, DType::F32).is_err());
     }
+
+    /// Counts whose bytes overflow, or that no device allocation could hold, are
+    /// `InvalidConfig` for every dtype (nothing wraps into a small payload), and the
+    /// planners refuse such messages with `SizeOverflow` whatever the algorithm.
+    #[test]
+    fn huge_counts_are_refused() {
+        use crate::comm::core::collective::{Collective, CollectiveOptions};
+        use crate::comm::core::plan::PeerReads;
+        use crate::comm::core::settings::Settings;
+        use crate::dispatch::Algorithm;
+        use crate::Error;
+        for dtype in DType::ALL {
+            let size = dtype.size();
+            for n in [
+                usize::MAX,
+                usize::MAX / 2,
+                usize::MAX / size,
+                usize::MAX / size - 1,
+                (usize::MAX / 16) * dtype.lanes(),
+                isize::MAX as usize / size + 1,
+            ] {
+                match CommConfig::for_largest_message(n, dtype) {
+                    Err(Error::InvalidConfig(_)) => {}
+                    other => panic!("{n} x {dtype:?}: {:?}", other.map(|c| c.payload_bytes)),
+                }
+            }
+        }
+        let settings = Settings::new(CommConfig::default(), "sm_90".into(), 132, 4).unwrap();
+        for n in [usize::MAX, usize::MAX / 4, (1 << 62) + 1] {
+            for algorithm in [
+                Algorithm::Auto,
+                Algorithm::OneStage,
+                Algorithm::TwoStage,
+                Algorithm::Lamport,
+            ] {
+                for reads in [PeerReads::UserBuffers, PeerReads::Payloads] {
+                    let opts = AllReduceOptions::new().algorithm(algorithm);
+                    let got = settings
+                        .plan(DType::F32, n, &opts, false, reads)
+                        .map(|p| p.algorithm);
+                    assert!(
+                        matches!(got, Err(Error::SizeOverflow { .. })),
+                        "{n} {algorithm:?}: {got:?}"
+                    );
+                }
+            }
+            for which in [
+                Collective::AllGather,
+                Collective::ReduceScatter,
+                Collective::Broadcast { root: 0 },
+                Collective::Scatter { root: 0 },
+                Collective::AllReduceRmsNorm {
+                    hidden: 8,
+                    epsilon: 1e-5,
+                },
+            ] {
+                let got = settings
+                    .collective_plan(
+                        which,
+                        DType::F32,
+                        n,
+                        &CollectiveOptions::new(),
+                        PeerReads::Payloads,
+                    )
+                    .map(|p| p.algorithm);
+                assert!(
+                    matches!(got, Err(Error::SizeOverflow { .. })),
+                    "{which:?} {n}: {got:?}"
+                );
+            }
+        }
+    }
 }

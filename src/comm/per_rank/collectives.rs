@@ -8,6 +8,13 @@
 //! root, options) in the same order: lengths cannot be compared across processes
 //! without a round trip, and a rank whose peers never come gets
 //! [`Error::BarrierTimeout`] from [`Comm::synchronize`].
+//!
+//! A call's buffers must not overlap: an input and an output (or the fused call's
+//! residual, weight and output) whose ranges overlap, which only an `unsafe impl
+//! DeviceBuffer` can report, are [`crate::Error::BuffersOverlap`] before anything is
+//! launched, except a broadcast root's input that is its output, the very same range
+//! (it runs as [`Comm::broadcast_in_place`]). That error, like any other this rank
+//! finds in its own arguments, is this rank's alone: its peers' call is not met.
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use crate::error::Result;
@@ -49,7 +56,7 @@ impl<B: Backend> Comm<B> {
                 reads,
             )
         };
-        self.enqueue_collective(plan, Some(send), recv, true)
+        self.enqueue_collective(plan, Some(send), recv, (true, false))
     }
 
     /// Sums `send` over the group; this rank receives part `group rank` of the sum
@@ -83,7 +90,7 @@ impl<B: Backend> Comm<B> {
                 reads,
             )
         };
-        self.enqueue_collective(plan, Some(send), recv, true)
+        self.enqueue_collective(plan, Some(send), recv, (true, false))
     }
 
     /// Copies the input of the group's `root` (a group rank) into every member's
@@ -113,7 +120,7 @@ impl<B: Backend> Comm<B> {
         let plan = |reads| {
             core.plan_collective(Collective::Broadcast { root }, dtype, len, options, reads)
         };
-        self.enqueue_collective(plan, send, recv, false)
+        self.enqueue_collective(plan, send, recv, (false, true))
     }
 
     /// Broadcast in place: the root's `buf` is the message, every other member's `buf`
@@ -180,7 +187,7 @@ impl<B: Backend> Comm<B> {
         let (dtype, len) = (recv.dtype(), recv.len());
         let plan =
             |reads| core.plan_collective(Collective::Scatter { root }, dtype, len, options, reads);
-        self.enqueue_collective(plan, send, recv, false)
+        self.enqueue_collective(plan, send, recv, (false, false))
     }
 
     /// The end of a tensor-parallel decoder layer in one kernel: sums `input` (this
@@ -224,9 +231,26 @@ impl<B: Backend> Comm<B> {
         }
         core.check_len(output.len(), Some(input.len()), "output", "input")?;
         core.check_len(residual.len(), Some(input.len()), "residual", "input")?;
+        let rank = self.rank();
+        let bytes = meta(input).bytes(rank, "input")?;
+        let weight_bytes = meta(weight).bytes(rank, "weight")?;
         let dev = core.device();
         let (i, ig) = input.read_ptr(dev);
-        let place = self.place_of(i, input.len() * input.dtype().size());
+        let (w, wg) = weight.read_ptr(dev);
+        let (r, rg) = residual.write_ptr(dev);
+        let (o, og) = output.write_ptr(dev);
+        // No in-place form: the residual is read and written, the input read in
+        // place by the peers.
+        self.check_overlaps(
+            &[
+                (i, bytes, "input", false),
+                (w, weight_bytes, "weight", false),
+                (r, bytes, "residual", true),
+                (o, bytes, "output", true),
+            ],
+            false,
+        )?;
+        let place = self.place_of(i, bytes);
         let mut plan = core.plan_collective(
             Collective::AllReduceRmsNorm {
                 hidden: weight.len(),
@@ -241,9 +265,6 @@ impl<B: Backend> Comm<B> {
             return Ok(());
         }
         mark_place(&mut plan, &place);
-        let (w, wg) = weight.read_ptr(dev);
-        let (r, rg) = residual.write_ptr(dev);
-        let (o, og) = output.write_ptr(dev);
         let fused = Fused {
             residual: r,
             weight: w,
@@ -257,13 +278,15 @@ impl<B: Backend> Comm<B> {
 
     /// Plans (with `plan`, told where the peers read the input) and launches this
     /// rank's kernel from `send` (if any) into `recv`. With `zero_copy`, an input in a
-    /// registered buffer is read in place by the peers.
+    /// registered buffer is read in place by the peers. Overlapping buffers are
+    /// refused first, except (with `in_place`: a broadcast root's) an input that is
+    /// the very same range as the output.
     fn enqueue_collective<S, R>(
         &self,
         plan: impl FnOnce(PeerReads) -> Result<Plan>,
         send: Option<&S>,
         recv: &mut R,
-        zero_copy: bool,
+        (zero_copy, in_place): (bool, bool),
     ) -> Result<()>
     where
         S: DeviceBuffer<B> + ?Sized,
@@ -271,13 +294,25 @@ impl<B: Backend> Comm<B> {
     {
         let core = &*self.core;
         let dev = core.device();
+        let out_bytes = meta(&*recv).bytes(self.rank(), "output")?;
         let (input, in_guard) = match send {
             Some(s) => {
+                let bytes = meta(s).bytes(self.rank(), "input")?;
                 let (p, g) = s.read_ptr(dev);
-                (p, Some((g, s.len() * s.dtype().size())))
+                (p, Some((g, bytes)))
             }
             None => (0, None),
         };
+        let (output, out_guard) = recv.write_ptr(dev);
+        if let Some((_, in_bytes)) = &in_guard {
+            self.check_overlaps(
+                &[
+                    (input, *in_bytes, "input", false),
+                    (output, out_bytes, "output", true),
+                ],
+                in_place,
+            )?;
+        }
         let place = match &in_guard {
             Some((_, bytes)) if zero_copy => self.place_of(input, *bytes),
             _ => None,
@@ -287,7 +322,6 @@ impl<B: Backend> Comm<B> {
             return Ok(());
         }
         mark_place(&mut plan, &place);
-        let (output, out_guard) = recv.write_ptr(dev);
         let result = self
             .lock()
             .and_then(|_launches| core.launch(&plan, peer_inputs(input, &place), output));

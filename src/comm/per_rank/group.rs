@@ -14,7 +14,9 @@ use super::{meta, Comm};
 
 /// An open group of all-reduces on a [`Comm`] (see [`Comm::group`]). Each call is
 /// checked when it is made (a bad one is a typed error and is not kept); nothing is
-/// launched until [`CommGroup::end`]; dropping the guard without it discards the
+/// launched until [`CommGroup::end`], which first refuses a call whose input and
+/// output overlap without being the very same range ([`crate::Error::BuffersOverlap`],
+/// nothing of the group launched); dropping the guard without it discards the
 /// calls (nothing launched or written), so an early return cannot leave the group
 /// open. The buffers stay borrowed until then.
 pub struct CommGroup<'c, 'b, B: Backend> {
@@ -192,6 +194,15 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
                     guards.push(g);
                     let (output, g) = recv.write_ptr(dev);
                     guards.push(g);
+                    // Before anything is launched; sizes were checked with the call.
+                    let bytes = p.call.elements * p.call.dtype.size();
+                    comm.check_overlaps(
+                        &[
+                            (input, bytes, "input", false),
+                            (output, bytes, "output", true),
+                        ],
+                        true,
+                    )?;
                     io.push((input, output));
                 }
                 Buffers::InPlace(buf) => {

@@ -25,7 +25,7 @@ use crate::error::{Error, Result};
 use crate::SignalLayout;
 
 use super::config::{compare_configs, encode_config};
-use super::core::check::{Meta, Routed};
+use super::core::check::{check_overlaps, Meta, Routed, Span};
 use super::core::connect;
 use super::core::launch::PeerInputs;
 use super::core::plan::PeerReads;
@@ -290,7 +290,7 @@ impl<B: Backend> Comm<B> {
             hosts,
             launch_lock: Mutex::new(()),
             torn_down: AtomicBool::new(false),
-            registry: Arc::new(Registry::default()),
+            registry: Arc::new(Registry::new(config.bootstrap_timeout)),
             pool: super::core::pool::SymmetricPool::default(),
             script: Default::default(),
             _one_issuing_thread: std::marker::PhantomData,
@@ -362,6 +362,16 @@ impl<B: Backend> Comm<B> {
     }
 
     /// As [`Comm::all_reduce_sum`], with options (group size, algorithm, blocks).
+    ///
+    /// `send` and `recv` that are the very same range run in place (as
+    /// [`Comm::all_reduce_sum_in_place_with`]); ranges that overlap otherwise (only an
+    /// `unsafe impl DeviceBuffer` can report them) are [`Error::BuffersOverlap`] before
+    /// anything is launched. Such an error, like every other one this rank finds in
+    /// its own arguments (a wrong device, dtype or length, a length whose bytes no
+    /// buffer can span, [`Error::SizeOverflow`]), is this rank's alone: its peers'
+    /// call is not met, and they get [`Error::BarrierTimeout`] from
+    /// [`Comm::synchronize`] unless every rank refuses alike. Passing valid arguments on
+    /// every rank stays the caller's contract.
     pub fn all_reduce_sum_with<S, R>(
         &self,
         send: &S,
@@ -373,13 +383,22 @@ impl<B: Backend> Comm<B> {
         R: DeviceBufferMut<B> + ?Sized,
     {
         let core = &*self.core;
-        core.check_all_reduce(&meta(send), &meta(&*recv))?;
+        let sent = meta(send);
+        core.check_all_reduce(&sent, &meta(&*recv))?;
+        let bytes = sent.bytes(self.rank(), "input")?;
         let dev = core.device();
         let (input, in_guard) = send.read_ptr(dev);
         let (output, out_guard) = recv.write_ptr(dev);
-        let place = self.place_of(input, send.len() * send.dtype().size());
+        let in_place = self.check_overlaps(
+            &[
+                (input, bytes, "input", false),
+                (output, bytes, "output", true),
+            ],
+            true,
+        )?;
+        let place = self.place_of(input, bytes);
         let result = core
-            .plan_all_reduce(send.dtype(), send.len(), options, false, reads(&place))
+            .plan_all_reduce(send.dtype(), send.len(), options, in_place, reads(&place))
             .and_then(|routed| {
                 let routed = with_place(routed, &place);
                 self.run(
@@ -418,8 +437,9 @@ impl<B: Backend> Comm<B> {
         core.check_usable()?;
         core.check_buffer(buf.device_ordinal(), "in-place")?;
         let (len, dtype) = (buf.len(), buf.dtype());
+        let bytes = meta(&*buf).bytes(self.rank(), "in-place")?;
         let (ptr, guard) = buf.write_ptr(core.device());
-        let place = self.place_of(ptr, len * dtype.size());
+        let place = self.place_of(ptr, bytes);
         let result = core
             .plan_all_reduce(dtype, len, options, true, reads(&place))
             .and_then(|routed| {
@@ -428,6 +448,34 @@ impl<B: Backend> Comm<B> {
             });
         drop(guard);
         result
+    }
+
+    /// Checks this rank's buffers of a call, `(address, bytes, role, written)` (at most
+    /// four), against each other ([`check_overlaps`]): whether the input and the output
+    /// are the very same range (where `in_place` allows it: the call runs in place),
+    /// else disjoint, else [`Error::BuffersOverlap`].
+    pub(super) fn check_overlaps(
+        &self,
+        buffers: &[(u64, usize, &'static str, bool)],
+        in_place: bool,
+    ) -> Result<bool> {
+        let mut spans = [Span {
+            rank: self.rank(),
+            which: "",
+            ptr: 0,
+            bytes: 0,
+            written: false,
+        }; 4];
+        for (span, &(ptr, bytes, which, written)) in spans.iter_mut().zip(buffers) {
+            *span = Span {
+                ptr,
+                bytes,
+                which,
+                written,
+                ..*span
+            };
+        }
+        check_overlaps(&spans[..buffers.len()], in_place)
     }
 
     /// Where the peers read an input of `bytes` bytes at `ptr`: in place where a

@@ -21,13 +21,20 @@
 //! The descriptor channel: each rank listens on an abstract Unix socket of a random
 //! name, gathered over the bootstrap with its process id and a random nonce; a sender
 //! checks with `SO_PEERCRED` that the listener is the peer's process and of this user,
-//! and a receiver checks the same of the sender and the nonce it echoes, ignoring any
-//! other connection. Both sides give up after 30 s (a peer that dies mid-registration
-//! makes it fail on every rank instead of hanging).
+//! and a receiver checks the same of each connection as soon as it accepts it (one of
+//! another user or process is closed unread), then the nonce it echoes, reading the
+//! connections side by side with a 2 s deadline each, so that no other connection (the
+//! socket's name is visible to every local user) can delay a registration. Both sides
+//! give up after 30 s, or half of `CommConfig::bootstrap_timeout` where that is
+//! shorter (a peer that dies mid-registration makes it fail on every rank instead of
+//! hanging). Whether every rank got its descriptors is gathered before any rank
+//! returns, so the outcome is the same on every rank; a registration that fails once
+//! every rank has gathered its records uses up its number, so nothing sent for it can
+//! pass for a later one's.
 
 use std::sync::Arc;
 
-use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
+use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut, TypedBuffer};
 use crate::bootstrap::ExchangeKind;
 use crate::dispatch::Algorithm;
 use crate::dtype::DType;
@@ -37,11 +44,28 @@ use super::super::core::registry::{register_range, Registry};
 use super::Comm;
 
 /// A buffer registered with a per-rank [`Comm`] ([`Comm::register`]): the buffer
-/// itself (it derefs to it and passes for it in every call), while every peer reaches
-/// it in place. Dropping it (or [`Registered::into_inner`]) ends the registration on
-/// this rank; the peers' mappings of it close when they end theirs. A call that pairs a
-/// registered input on one rank with an unregistered one (or another place) on a peer
-/// is [`crate::CallField::Inputs`], nothing read or written.
+/// itself (it passes for it in every call, and derefs to it for reads), while every
+/// peer reaches it in place. Dropping it (or [`Registered::into_inner`]) ends the
+/// registration on this rank; the peers' mappings of it close when they end theirs. A
+/// call that pairs a registered input on one rank with an unregistered one (or another
+/// place) on a peer is [`crate::CallField::Inputs`], nothing read or written.
+///
+/// The registered range cannot change under the registration: there is no `&mut` to
+/// the buffer inside (no `DerefMut`), since safe code could then swap another buffer in
+/// while the peers still map the old range. Writes go through the buffer's range
+/// instead: pass `&mut registered` to a collective (it is a [`DeviceBufferMut`]), copy
+/// into it with [`TypedBuffer::copy_from_host`], or on CUDA hand it to cudarc (its
+/// `DevicePtrMut`, for copies and the user's kernels). To change the buffer, take it
+/// back with [`Registered::into_inner`] and register again.
+///
+/// ```compile_fail
+/// use peercomm::backend::{host::Host, Backend};
+/// fn swap(reg: &mut peercomm::Registered<Host, <Host as Backend>::Buffer<f32>>,
+///         other: <Host as Backend>::Buffer<f32>) {
+///     // Would leave the registration on the old range: does not compile.
+///     let _old = std::mem::replace(&mut **reg, other);
+/// }
+/// ```
 pub struct Registered<B: Backend, T> {
     /// `Some` until taken back.
     buffer: Option<T>,
@@ -99,8 +123,9 @@ impl<B: Backend> Comm<B> {
     /// place on the peers. Refusals are [`Error::CannotRegister`] on every rank, with
     /// the buffer given back; a buffer this rank refuses by itself (on another device
     /// than its own, or a poisoned communicator) is that error here and
-    /// `CannotRegister` naming this rank on the peers, which stay in step. Needs peer
-    /// memory across the whole world ([`Comm::world_path`] is `Auto`).
+    /// `CannotRegister` naming this rank on the peers, which stay in step; so is a
+    /// buffer whose length in bytes no buffer can span ([`Error::SizeOverflow`] here).
+    /// Needs peer memory across the whole world ([`Comm::world_path`] is `Auto`).
     pub fn register<T>(&self, buffer: T) -> std::result::Result<Registered<B, T>, RegisterError<T>>
     where
         T: DeviceBuffer<B>,
@@ -122,11 +147,26 @@ impl<B: Backend> Comm<B> {
             .check_usable()
             .and_then(|_| core.check_buffer(buffer.device_ordinal(), "registered"))
             .and_then(|_| self.check_zero_copy());
-        let ptr = match local {
-            Ok(()) => buffer.read_ptr(core.device()).0,
-            Err(_) => 0,
+        // Bytes that a buffer can span, in a range that does not wrap the address
+        // space (a wrapped size would register a few bytes of a huge buffer).
+        let (local, ptr, bytes) = match local.and_then(|_| {
+            let meta = super::meta(buffer);
+            let bytes = meta.bytes(self.rank(), "registered")?;
+            let ptr = buffer.read_ptr(core.device()).0;
+            match ptr.checked_add(bytes as u64) {
+                Some(_) => Ok((ptr, bytes)),
+                None => Err(Error::SizeOverflow {
+                    what: format!(
+                        "rank {}'s registered buffer of {bytes} bytes at {ptr:#x} (past the \
+                         end of the address space)",
+                        self.rank()
+                    ),
+                }),
+            }
+        }) {
+            Ok((ptr, bytes)) => (Ok(()), ptr, bytes),
+            Err(e) => (Err(e), 0, 0),
         };
-        let bytes = buffer.len() * buffer.dtype().size();
         register_range(
             &self.registry,
             core.device(),
@@ -168,18 +208,17 @@ impl<B: Backend, T> Registered<B, T> {
     fn get(&self) -> &T {
         self.buffer.as_ref().expect("present until taken")
     }
+    /// The buffer inside, for forwarding its own writing methods only: never handed
+    /// out (see the type's docs).
+    fn get_mut(&mut self) -> &mut T {
+        self.buffer.as_mut().expect("present until taken")
+    }
 }
 
 impl<B: Backend, T> std::ops::Deref for Registered<B, T> {
     type Target = T;
     fn deref(&self) -> &T {
         self.get()
-    }
-}
-
-impl<B: Backend, T> std::ops::DerefMut for Registered<B, T> {
-    fn deref_mut(&mut self) -> &mut T {
-        self.buffer.as_mut().expect("present until taken")
     }
 }
 
@@ -210,9 +249,55 @@ unsafe impl<B: Backend, T: DeviceBuffer<B>> DeviceBuffer<B> for Registered<B, T>
 // SAFETY: as above.
 unsafe impl<B: Backend, T: DeviceBufferMut<B>> DeviceBufferMut<B> for Registered<B, T> {
     fn write_ptr<'a>(&'a mut self, dev: &'a B::Device) -> (u64, B::Access<'a>) {
-        self.buffer
-            .as_mut()
-            .expect("present until taken")
-            .write_ptr(dev)
+        self.get_mut().write_ptr(dev)
+    }
+}
+
+/// Host copies into and out of the registered range (the wrapped buffer's own, which
+/// writes its range and cannot replace the buffer).
+impl<B: Backend, T: TypedBuffer<B>> TypedBuffer<B> for Registered<B, T> {
+    type Elem = T::Elem;
+    fn copy_from_host(&mut self, dev: &B::Device, src: &[T::Elem]) -> Result<()> {
+        self.get_mut().copy_from_host(dev, src)
+    }
+    fn to_host(&self, dev: &B::Device) -> Result<Vec<T::Elem>> {
+        self.get().to_host(dev)
+    }
+}
+
+#[cfg(feature = "cuda")]
+mod cuda_traits {
+    //! cudarc's slice traits for registered buffers, forwarded to the wrapped one, so
+    //! that cudarc's copies and the user's kernels write the registered range (the
+    //! buffer itself is never handed out mutably).
+    use std::sync::Arc;
+
+    use cudarc::driver::{sys, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+
+    use super::Registered;
+    use crate::backend::cuda::Cuda;
+
+    impl<E, T: DeviceSlice<E>> DeviceSlice<E> for Registered<Cuda, T> {
+        fn len(&self) -> usize {
+            self.get().len()
+        }
+        fn stream(&self) -> &Arc<CudaStream> {
+            self.get().stream()
+        }
+    }
+
+    impl<E, T: DevicePtr<E>> DevicePtr<E> for Registered<Cuda, T> {
+        fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+            self.get().device_ptr(stream)
+        }
+    }
+
+    impl<E, T: DevicePtrMut<E>> DevicePtrMut<E> for Registered<Cuda, T> {
+        fn device_ptr_mut<'a>(
+            &'a mut self,
+            stream: &'a CudaStream,
+        ) -> (sys::CUdeviceptr, SyncOnDrop<'a>) {
+            self.get_mut().device_ptr_mut(stream)
+        }
     }
 }

@@ -28,6 +28,7 @@ use crate::bootstrap::{Bootstrap, ExchangeKind};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 
+use super::super::core::check::message_bytes;
 use super::super::core::pool::{Segment, ALIGN};
 use super::super::core::registry::{
     refusal_text, register_range, REGISTER_RECORD, SYMMETRIC_RECORD,
@@ -234,8 +235,9 @@ impl<B: Backend> Comm<B> {
     /// ranks (they allocated or dropped in different orders) is
     /// [`Error::CannotRegister`] on every rank, nothing allocated, as is a peer that
     /// registers a buffer meanwhile; a refusal of this rank's own (a poisoned
-    /// communicator, a failed allocation) is that error here and `CannotRegister`
-    /// naming this rank on the peers. Needs peer memory across the whole world.
+    /// communicator, a length whose bytes no buffer can span, [`Error::SizeOverflow`],
+    /// a failed allocation) is that error here and `CannotRegister` naming this rank on
+    /// the peers, nothing allocated anywhere. Needs peer memory across the whole world.
     pub fn alloc_symmetric<T: Element>(&self, len: usize) -> Result<SymmetricBuffer<B, T>> {
         let core = &*self.core;
         let mut segments = self.pool.segments.lock().unwrap_or_else(|e| e.into_inner());
@@ -244,11 +246,13 @@ impl<B: Backend> Comm<B> {
             .check_usable()
             .and_then(|_| self.check_zero_copy())
             .and_then(|_| {
-                len.checked_mul(T::DTYPE.size()).ok_or_else(|| {
-                    Error::Unsupported(format!("{len} elements overflow a byte count"))
-                })
+                // Checked, so that no size below wraps (a wrapped span would give a
+                // buffer of no bytes at the next allocation's address): at most
+                // isize::MAX bytes, rounded up to whole units of the alignment and of a
+                // segment, stay within u64.
+                message_bytes(T::DTYPE, len, &|| "a symmetric buffer".into())?;
+                Ok(((len * T::DTYPE.size()).max(1) as u64).next_multiple_of(ALIGN))
             })
-            .map(|bytes| (bytes.max(1) as u64).div_ceil(ALIGN) * ALIGN)
             .and_then(|span| {
                 // Dropped ranges are reused only after the work queued before their
                 // drop.
@@ -271,8 +275,9 @@ impl<B: Backend> Comm<B> {
                     segment: segments.len() as u64,
                     offset: 0,
                     span,
-                    new_segment_bytes: span.max(SYMMETRIC_SEGMENT_BYTES as u64).div_ceil(2 << 20)
-                        * (2 << 20),
+                    new_segment_bytes: span
+                        .max(SYMMETRIC_SEGMENT_BYTES as u64)
+                        .next_multiple_of(2 << 20),
                     refusal: String::new(),
                 },
                 |(i, o)| Placement {

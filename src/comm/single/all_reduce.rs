@@ -13,12 +13,16 @@ use super::super::core::check::Routed;
 use super::super::core::plan::PeerReads;
 use super::super::core::route::Path;
 use super::super::AllReduceOptions;
-use super::validate::{meta, meta_mut, Meta};
+use super::validate::{bytes_of, meta, meta_mut, Meta};
 use super::Communicator;
 
 impl<B: Backend> Communicator<B> {
     /// Sums `inputs[r]` over each group into `outputs[r]` (one tensor per rank, same
-    /// dtype, shape and length everywhere). Returns the algorithm that ran.
+    /// dtype, shape and length everywhere). Returns the algorithm that ran. An input
+    /// that is its rank's output, the very same range, runs in place (as
+    /// [`Communicator::all_reduce_sum_in_place`]); buffers that overlap otherwise (a
+    /// partial overlap, another rank's buffer, two outputs: only an `unsafe impl
+    /// DeviceBuffer` can report them) are [`Error::BuffersOverlap`], nothing launched.
     pub fn all_reduce_sum(
         &self,
         inputs: &[Tensor<'_, B>],
@@ -44,7 +48,6 @@ impl<B: Backend> Communicator<B> {
             }
         }
         let (dtype, len) = (metas[0].dtype, metas[0].len);
-        let routed = self.route_all_reduce(dtype, len, options, false)?;
         let ranks = &self.ranks;
         let mut guards = Vec::with_capacity(2 * ranks.len());
         let mut ins = [0u64; MAX_GPUS];
@@ -59,6 +62,16 @@ impl<B: Backend> Communicator<B> {
             outs[r] = p;
             guards.push(g);
         }
+        // A rank whose input is its output runs in place (the plan stages).
+        let bytes = bytes_of(metas.iter().copied());
+        let in_place = self.check_overlaps(
+            &[
+                (&ins, &bytes, "input", false),
+                (&outs, &bytes, "output", true),
+            ],
+            true,
+        )?;
+        let routed = self.route_all_reduce(dtype, len, options, in_place)?;
         let result = self.run_all_reduce(routed, &ins, &outs, len, dtype, "input");
         drop(guards);
         result
@@ -86,6 +99,8 @@ impl<B: Backend> Communicator<B> {
             ptrs[r] = p;
             guards.push(g);
         }
+        let bytes = bytes_of(metas.iter().copied());
+        self.check_overlaps(&[(&ptrs, &bytes, "in-place", true)], false)?;
         let result = self.run_all_reduce(routed, &ptrs, &ptrs, len, dtype, "in-place");
         drop(guards);
         result

@@ -4,7 +4,7 @@
 //! then one kernel per rank. In one process the peers read the user buffers directly
 //! (their reach is checked); see `collective.rs` for the rules of each collective.
 
-use crate::backend::Backend;
+use crate::backend::{Backend, KernelKind};
 use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
 use crate::tensor::{Tensor, TensorMut};
@@ -12,7 +12,7 @@ use crate::tensor::{Tensor, TensorMut};
 use super::super::core::collective::{reduce_scatter_part, Collective, CollectiveOptions};
 use super::super::core::launch::PeerInputs;
 use super::super::core::plan::{PeerReads, Plan};
-use super::validate::{meta, meta_mut, Meta};
+use super::validate::{bytes_of, meta, meta_mut, Meta};
 use super::Communicator;
 
 impl<B: Backend> Communicator<B> {
@@ -117,6 +117,8 @@ impl<B: Backend> Communicator<B> {
             ptrs[r] = p;
             guards.push(g);
         }
+        let bytes = bytes_of(metas.iter().copied());
+        self.check_overlaps(&[(&ptrs, &bytes, "in-place", true)], false)?;
         let mut read = [0u64; MAX_GPUS];
         for r in (root..self.world_size()).step_by(plan.width) {
             read[r] = ptrs[r];
@@ -229,6 +231,19 @@ impl<B: Backend> Communicator<B> {
             outs[r] = p;
             guards.push(g);
         }
+        // No in-place form: the residual is read and written, the inputs read by
+        // every peer.
+        let bytes = bytes_of(metas.iter().copied());
+        let weight_bytes = bytes_of(wmetas.iter().copied());
+        self.check_overlaps(
+            &[
+                (&ins, &bytes, "input", false),
+                (&ws, &weight_bytes, "weight", false),
+                (&res, &bytes, "residual", true),
+                (&outs, &bytes, "output", true),
+            ],
+            false,
+        )?;
         let all: Vec<usize> = (0..self.world_size()).collect();
         let result = self.check_peers_reach(&plan, &ins, "input").and_then(|_| {
             self.launch_on(
@@ -351,6 +366,7 @@ impl<B: Backend> Communicator<B> {
         if plan.elements == 0 {
             return Ok(());
         }
+        let out_bytes = bytes_of(outputs.iter().map(meta_mut));
         let ranks = &self.ranks;
         let mut guards = Vec::with_capacity(2 * ranks.len());
         let mut in_ptrs = [0u64; MAX_GPUS];
@@ -365,6 +381,15 @@ impl<B: Backend> Communicator<B> {
             out_ptrs[r] = p;
             guards.push(g);
         }
+        // No in-place form: any overlap is refused.
+        let in_bytes = bytes_of(inputs.iter().map(meta));
+        self.check_overlaps(
+            &[
+                (&in_ptrs, &in_bytes, "input", false),
+                (&out_ptrs, &out_bytes, "output", true),
+            ],
+            false,
+        )?;
         let result = self
             .check_peers_reach(plan, &in_ptrs, "input")
             .and_then(|_| self.launch_all(plan, &in_ptrs, &out_ptrs));
@@ -385,6 +410,7 @@ impl<B: Backend> Communicator<B> {
         if plan.elements == 0 {
             return Ok(());
         }
+        let out_bytes = bytes_of(outputs.iter().map(meta_mut));
         let ranks = &self.ranks;
         let mut guards = Vec::with_capacity(inputs.len() + ranks.len());
         let mut in_ptrs = [0u64; MAX_GPUS];
@@ -400,6 +426,19 @@ impl<B: Backend> Communicator<B> {
             out_ptrs[r] = p;
             guards.push(g);
         }
+        // A broadcast root's input that is its output runs in place; a scatter has no
+        // in-place form.
+        let mut in_bytes = [0; MAX_GPUS];
+        for (k, t) in inputs.iter().enumerate() {
+            in_bytes[k * width + root] = t.data.len() * t.data.dtype().size();
+        }
+        self.check_overlaps(
+            &[
+                (&in_ptrs, &in_bytes, "input", false),
+                (&out_ptrs, &out_bytes, "output", true),
+            ],
+            plan.kernel.kind == KernelKind::Broadcast,
+        )?;
         let result = self
             .check_peers_reach(plan, &in_ptrs, "input")
             .and_then(|_| self.launch_all(plan, &in_ptrs, &out_ptrs));

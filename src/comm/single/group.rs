@@ -14,8 +14,11 @@ use super::Communicator;
 
 /// An open group of all-reduces on a [`Communicator`] (see [`Communicator::group`]).
 /// Each call is checked when it is made; nothing is launched until
-/// [`CommunicatorGroup::end`]; dropping the guard without it discards the calls
-/// (nothing launched or written), so an early return cannot leave the group open.
+/// [`CommunicatorGroup::end`], which first refuses a call whose buffers overlap (an
+/// input that is its rank's output, the very same range, runs in place; any other
+/// overlap is [`crate::Error::BuffersOverlap`], nothing of the group launched);
+/// dropping the guard without it discards the calls (nothing launched or written), so
+/// an early return cannot leave the group open.
 pub struct CommunicatorGroup<'c, 'b, B: Backend> {
     comm: &'c Communicator<B>,
     calls: Vec<Pending<'b, B>>,
@@ -170,8 +173,7 @@ impl<'b, B: Backend> CommunicatorGroup<'_, 'b, B> {
             return Ok(Vec::new());
         }
         let comm = self.comm;
-        let calls: Vec<GroupedCall> = pending.iter().map(|p| p.call).collect();
-        let steps = comm.ranks[0].plan_grouped(&calls, PeerReads::UserBuffers)?;
+        let mut calls: Vec<GroupedCall> = pending.iter().map(|p| p.call).collect();
         let world = comm.world_size();
         // ins[s][r], outs[s][r]: call s's buffers on rank r.
         let mut ins = vec![[0u64; MAX_GPUS]; calls.len()];
@@ -193,6 +195,21 @@ impl<'b, B: Backend> CommunicatorGroup<'_, 'b, B> {
                 };
             }
         }
+        // Before anything is planned or launched: a call whose input is its output on
+        // some rank, the very same range, runs in place; other overlaps are refused.
+        for (s, call) in calls.iter_mut().enumerate() {
+            let bytes = [call.elements * call.dtype.size(); MAX_GPUS];
+            let (outputs, inputs) = (
+                (&outs[s], &bytes, "output", true),
+                (&ins[s], &bytes, "input", false),
+            );
+            if call.in_place {
+                comm.check_overlaps(&[outputs], false)?;
+            } else {
+                call.in_place = comm.check_overlaps(&[inputs, outputs], true)?;
+            }
+        }
+        let steps = comm.ranks[0].plan_grouped(&calls, PeerReads::UserBuffers)?;
         let result = run_group_steps(
             steps,
             calls.len(),

@@ -24,8 +24,8 @@ impl<B: Backend> Communicator<B> {
     /// Sums `inputs[r]` over each group into `outputs[r]`: one buffer per rank, on
     /// that rank's device, all of one dtype and length (unequal lengths are
     /// [`Error::LengthMismatch`], as in the shaped form). Returns the algorithm that
-    /// ran. The same checks and launches as [`Communicator::all_reduce_sum`], without
-    /// building tensors.
+    /// ran. The same checks and launches as [`Communicator::all_reduce_sum`] (overlapping
+    /// buffers included), without building tensors.
     ///
     /// ```
     /// use peercomm::backend::{host::Host, Backend, TypedBuffer};
@@ -59,7 +59,6 @@ impl<B: Backend> Communicator<B> {
         R: DeviceBufferMut<B>,
     {
         let first = self.check_slices(inputs, outputs)?;
-        let routed = self.route_all_reduce(first.dtype, first.len, options, false)?;
         let mut in_ptrs = [0u64; MAX_GPUS];
         let mut out_ptrs = [0u64; MAX_GPUS];
         let mut in_guards: [Option<B::Access<'_>>; MAX_GPUS] = std::array::from_fn(|_| None);
@@ -75,6 +74,16 @@ impl<B: Backend> Communicator<B> {
             out_ptrs[r] = p;
             out_guards[r] = Some(g);
         }
+        // A rank whose input is its output runs in place (the plan stages).
+        let bytes = [first.len * first.dtype.size(); MAX_GPUS];
+        let in_place = self.check_overlaps(
+            &[
+                (&in_ptrs, &bytes, "input", false),
+                (&out_ptrs, &bytes, "output", true),
+            ],
+            true,
+        )?;
+        let routed = self.route_all_reduce(first.dtype, first.len, options, in_place)?;
         let result =
             self.run_all_reduce(routed, &in_ptrs, &out_ptrs, first.len, first.dtype, "input");
         drop((in_guards, out_guards));
@@ -101,6 +110,8 @@ impl<B: Backend> Communicator<B> {
             ptrs[r] = p;
             guards[r] = Some(g);
         }
+        let bytes = [first.len * first.dtype.size(); MAX_GPUS];
+        self.check_overlaps(&[(&ptrs, &bytes, "in-place", true)], false)?;
         let result = self.run_all_reduce(routed, &ptrs, &ptrs, first.len, first.dtype, "in-place");
         drop(guards);
         result

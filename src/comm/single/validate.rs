@@ -9,6 +9,26 @@ use crate::signal::MAX_GPUS;
 use crate::tensor::shape_elements;
 
 pub(super) use super::super::core::check::Meta;
+use super::super::core::check::{check_overlaps, Span};
+
+/// One role of a call's buffers for [`Communicator::check_overlaps`]: every rank's
+/// address and bytes, the role's name, and whether the call writes it (at most four
+/// roles a call).
+pub(super) type Role<'a> = (
+    &'a [u64; MAX_GPUS],
+    &'a [usize; MAX_GPUS],
+    &'static str,
+    bool,
+);
+
+/// Every rank's bytes of buffers described by `metas` (the sizes checked).
+pub(super) fn bytes_of(metas: impl IntoIterator<Item = Meta>) -> [usize; MAX_GPUS] {
+    let mut bytes = [0; MAX_GPUS];
+    for (b, m) in bytes.iter_mut().zip(metas) {
+        *b = m.len.saturating_mul(m.dtype.size());
+    }
+    bytes
+}
 use super::super::core::plan::Plan;
 use super::Communicator;
 use crate::tensor::{Tensor, TensorMut};
@@ -74,7 +94,39 @@ impl<B: Backend> Communicator<B> {
                 got: m.ordinal,
             });
         }
-        Ok(())
+        m.bytes(rank, which).map(drop)
+    }
+
+    /// Checks one call's buffers on every rank against each other before anything is
+    /// launched ([`check_overlaps`]): each role is every rank's address (0: the rank
+    /// has none), bytes, name, and whether the call writes it. Returns whether some
+    /// rank's input is its output, the very same range (allowed with `in_place`: the
+    /// call then runs in place); any other overlap, across ranks too (one address
+    /// space: the host backend, or devices that share memory), is
+    /// [`Error::BuffersOverlap`].
+    pub(super) fn check_overlaps(&self, roles: &[Role<'_>], in_place: bool) -> Result<bool> {
+        let none = Span {
+            rank: 0,
+            which: "",
+            ptr: 0,
+            bytes: 0,
+            written: false,
+        };
+        let mut spans = [none; 4 * MAX_GPUS];
+        let mut n = 0;
+        for &(ptrs, bytes, which, written) in roles {
+            for r in (0..self.world_size()).filter(|&r| ptrs[r] != 0 && bytes[r] > 0) {
+                spans[n] = Span {
+                    rank: r,
+                    which,
+                    ptr: ptrs[r],
+                    bytes: bytes[r],
+                    written,
+                };
+                n += 1;
+            }
+        }
+        check_overlaps(&spans[..n], in_place)
     }
 
     /// Checks every rank's tensor against its own buffer and against rank 0's. The

@@ -1,0 +1,359 @@
+//! The descriptor channel (the abstract Unix socket over which a registration's file
+//! descriptors travel between the ranks' processes) beside connections that are no
+//! peer's, generic over the backend: two ranks in two processes (rank 0 in the test
+//! process, rank 1 a child of the test binary) register memory that the backend
+//! exports only as a file descriptor, once to bind every rank's channel, then again
+//! with strangers queued on rank 1's channel ahead of the real sender:
+//!
+//! - `another-user`: a process of user nobody (65534) that connects and idles (the
+//!   socket's name is readable by every local user in `/proc/net/unix`);
+//! - `bogus`: a process of this user that fills both ranks' backlogs, processes of
+//!   this user that connect and idle or send garbage, and rank 0's own process (which
+//!   passes the credential check) with an idle connection, half a message, garbage and
+//!   whole messages with a wrong nonce and a descriptor.
+//!
+//! Every rank must finish the registration within [`BOUND`] with the same outcome
+//! (Ok), and the communicator must work after it.
+
+use std::io::{BufRead, BufReader};
+use std::os::fd::OwnedFd;
+use std::os::unix::process::CommandExt;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use peercomm::backend::Backend;
+use peercomm::bootstrap::UniqueId;
+use peercomm::{Comm, CommConfig, Error};
+use rustix::net::{AddressFamily, SendFlags, SocketAddrUnix, SocketFlags, SocketType};
+
+use super::common;
+use super::processes::{self, Devices};
+
+/// One collective registration of memory that the backend exports only as a file
+/// descriptor (host: a symmetric buffer; CUDA: a buffer from a pool made with the
+/// POSIX-fd handle type), dropped again: Ok, or the error.
+pub type Registers<B> = fn(&Comm<B>) -> Result<(), Error>;
+
+/// How long a registration beside the strangers may take on any rank (generous for a
+/// loaded CI machine: with the fix it takes milliseconds).
+const BOUND: Duration = Duration::from_secs(5);
+
+/// The uid (and gid) of user nobody.
+const NOBODY: u32 = 65534;
+
+/// Who connects to rank 1's descriptor channel before the measured registration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Strangers {
+    /// A process of user nobody that connects and idles.
+    AnotherUser,
+    /// Processes of this user, and rank 0's own process, with idle connections,
+    /// garbage and a message with a wrong nonce.
+    Bogus,
+}
+
+impl Strangers {
+    fn name(self) -> &'static str {
+        match self {
+            Strangers::AnotherUser => "another-user",
+            Strangers::Bogus => "bogus",
+        }
+    }
+}
+
+/// Both ranks: a bootstrap timeout shorter than the channel's old 30 s wait, so that a
+/// rank stalled on the channel shows as a peer's gather timeout.
+fn config(devices: &Devices) -> CommConfig {
+    CommConfig {
+        barrier_timeout: Some(Duration::from_secs(10)),
+        bootstrap_timeout: Duration::from_secs(20),
+        ..processes::config_for(devices, 2)
+    }
+}
+
+/// An all-reduce of 16 ones, synchronised: "ok" when it sums right, else why not.
+fn all_reduce_check<B: Backend>(comm: &Comm<B>) -> String {
+    let dev = comm.device();
+    let outcome = B::alloc_from(dev, &[1.0f32; 16]).and_then(|mut buf| {
+        comm.all_reduce_sum_in_place(&mut buf)?;
+        comm.synchronize()?;
+        B::download(dev, &buf)
+    });
+    match outcome {
+        Ok(v) if v == vec![2.0f32; 16] => "ok".into(),
+        Ok(v) => format!("wrong sum {:?}", &v[..2]),
+        Err(e) => format!("error {e}"),
+    }
+}
+
+/// One rank's part: the warm-up registration (binds every rank's channel), then
+/// `intrude` (rank 0 queues the strangers; what it returns stays open until the end),
+/// an all-reduce as a barrier, the measured registration and an all-reduce after it.
+/// Returns `OUTCOME ok <ms>` or `OUTCOME err <ms> <error>`, and `AFTER <check>`.
+fn rank_side<B: Backend>(
+    comm: &Comm<B>,
+    registers: Registers<B>,
+    intrude: impl FnOnce() -> Vec<OwnedFd>,
+) -> Vec<String> {
+    let rank = comm.rank();
+    registers(comm).unwrap_or_else(|e| panic!("rank {rank}: the warm-up registration: {e}"));
+    let _open = intrude();
+    assert_eq!(all_reduce_check(comm), "ok", "rank {rank}: the barrier");
+    let start = Instant::now();
+    let outcome = registers(comm);
+    let ms = start.elapsed().as_millis();
+    vec![
+        match outcome {
+            Ok(()) => format!("OUTCOME ok {ms}"),
+            Err(e) => format!("OUTCOME err {ms} {e}"),
+        },
+        format!("AFTER {}", all_reduce_check(comm)),
+    ]
+}
+
+/// The abstract socket names of `pid`'s descriptor channels, as every local user reads
+/// them in `/proc/net/unix`.
+fn channels_of(pid: u32) -> Vec<Vec<u8>> {
+    let prefix = format!("@peercomm-descriptors/{pid}/");
+    std::fs::read_to_string("/proc/net/unix")
+        .unwrap()
+        .lines()
+        .filter_map(|l| l.split_whitespace().last())
+        .filter(|path| path.starts_with(&prefix))
+        .map(|path| path.as_bytes()[1..].to_vec())
+        .collect::<std::collections::BTreeSet<_>>()
+        .into_iter()
+        .collect()
+}
+
+fn address(name: &[u8]) -> SocketAddrUnix {
+    SocketAddrUnix::new_abstract_name(name).unwrap()
+}
+
+/// A process (`sleep`) that connects to each of `names` (as `uid` where given), sends
+/// `payload` on each connection, and holds the connections open until it is killed;
+/// with `flood`, it connects to each until its backlog is full (a connect would wait).
+fn stranger_process(names: &[Vec<u8>], uid: Option<u32>, payload: &[u8], flood: bool) -> Child {
+    let addrs: Vec<SocketAddrUnix> = names.iter().map(|n| address(n)).collect();
+    let payload = payload.to_vec();
+    let mut command = Command::new("sleep");
+    command
+        .arg("60")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null());
+    if let Some(uid) = uid {
+        command.uid(uid).gid(uid);
+    }
+    // SAFETY: the closure runs in the forked child before `exec` (after the uid
+    // change) and makes only system calls, on memory allocated before the fork; the
+    // sockets are made without close-on-exec so that `sleep` keeps them open.
+    unsafe {
+        command.pre_exec(move || {
+            for addr in &addrs {
+                for _ in 0..if flood { 1000 } else { 1 } {
+                    let flags = if flood {
+                        SocketFlags::NONBLOCK
+                    } else {
+                        SocketFlags::empty()
+                    };
+                    let socket = rustix::net::socket_with(
+                        AddressFamily::UNIX,
+                        SocketType::STREAM,
+                        flags,
+                        None,
+                    )?;
+                    match rustix::net::connect(&socket, addr) {
+                        Ok(()) => {}
+                        Err(rustix::io::Errno::AGAIN) if flood => break,
+                        Err(e) => return Err(e.into()),
+                    }
+                    if !payload.is_empty() {
+                        rustix::net::send(&socket, &payload, SendFlags::empty())?;
+                    }
+                    std::mem::forget(socket);
+                }
+            }
+            Ok(())
+        });
+    }
+    command.spawn().expect("a stranger process")
+}
+
+/// A channel message as a sender writes it: magic, registration, rank, nonce.
+fn message(registration: u64, rank: u64, nonce: u64) -> [u8; 32] {
+    let mut m = [0u8; 32];
+    for (i, w) in [u64::from_le_bytes(*b"pcfdesc1"), registration, rank, nonce]
+        .iter()
+        .enumerate()
+    {
+        m[8 * i..8 * i + 8].copy_from_slice(&w.to_le_bytes());
+    }
+    m
+}
+
+/// Connections from this process (rank 0's: it passes the credential check of rank 1's
+/// channel) to each of `names`: one idle, one with half a message, one with garbage,
+/// and for registrations 0 to 7 a whole message with a wrong nonce and a descriptor.
+fn same_process_strangers(names: &[Vec<u8>]) -> Vec<OwnedFd> {
+    use std::io::IoSlice;
+    use std::mem::MaybeUninit;
+
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage};
+
+    let connect = |name: &[u8]| {
+        let socket = rustix::net::socket(AddressFamily::UNIX, SocketType::STREAM, None).unwrap();
+        rustix::net::connect(&socket, &address(name)).unwrap();
+        socket
+    };
+    let file =
+        rustix::fs::memfd_create("peercomm-stranger", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    let mut open = Vec::new();
+    for name in names {
+        open.push(connect(name));
+        let half = connect(name);
+        rustix::net::send(&half, &message(0, 0, 0)[..16], SendFlags::empty()).unwrap();
+        open.push(half);
+        let garbage = connect(name);
+        rustix::net::send(&garbage, &[0xab; 32], SendFlags::empty()).unwrap();
+        open.push(garbage);
+        for registration in 0..8 {
+            let wrong = connect(name);
+            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+            let mut control = SendAncillaryBuffer::new(&mut space);
+            let fds = [std::os::fd::AsFd::as_fd(&file)];
+            assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+            let bytes = message(registration, 0, 0x5eed_5eed_5eed_5eed);
+            rustix::net::sendmsg(
+                &wrong,
+                &[IoSlice::new(&bytes)],
+                &mut control,
+                SendFlags::empty(),
+            )
+            .unwrap();
+            open.push(wrong);
+        }
+    }
+    open
+}
+
+/// Lines a child printed with `CHANNEL ` (after the harness's own prefix), until it
+/// exits, without the tag.
+fn channel_lines(child: &mut Child) -> Vec<String> {
+    BufReader::new(child.stdout.take().unwrap())
+        .lines()
+        .map_while(|l| l.ok())
+        .filter_map(|l| l.find("CHANNEL ").map(|at| l[at + 8..].to_string()))
+        .collect()
+}
+
+/// The child side (rank 1): true when `role` is one of this module's.
+pub fn child<B: Backend>(
+    role: &str,
+    devices: &Devices,
+    (rank, world, id): (usize, usize, &UniqueId),
+    registers: Registers<B>,
+) -> bool {
+    if role.strip_prefix("channel-").is_none() {
+        return false;
+    }
+    let dev = B::open(rank % devices.count).unwrap();
+    let comm = Comm::<B>::from_rank(dev, rank, world, id, config(devices)).unwrap();
+    for line in rank_side(&comm, registers, Vec::new) {
+        println!("CHANNEL {line}");
+    }
+    true
+}
+
+/// Two ranks in two processes register beside `strangers` on rank 1's channel (see
+/// the module docs): the registration ends within [`BOUND`] on every rank, Ok on
+/// every rank, and an all-reduce after it sums right on both. `AnotherUser` needs
+/// root (to start a process as nobody): elsewhere it says it is skipped.
+pub fn beside_strangers<B: Backend>(
+    devices: &Devices,
+    registers: Registers<B>,
+    strangers: Strangers,
+) {
+    let test = format!("descriptor_channel::beside_strangers({})", strangers.name());
+    if strangers == Strangers::AnotherUser && !rustix::process::getuid().is_root() {
+        common::announce_skip(&test, "needs root to start a process as user nobody");
+        return;
+    }
+    let id = UniqueId::new().unwrap();
+    // This process's channels before rank 0's (other tests may run beside this one).
+    let others = channels_of(std::process::id());
+    let role = format!("channel-{}", strangers.name());
+    let mut child = processes::spawn_with(&role, 1, 2, &id.to_string(), 0, &[]);
+    let comm = Comm::<B>::from_rank(B::open(0).unwrap(), 0, 2, &id, config(devices)).unwrap();
+    let peer = child.id();
+    let mut processes = Vec::new();
+    let mine = rank_side(&comm, registers, || {
+        let names = channels_of(peer);
+        assert_eq!(
+            names.len(),
+            1,
+            "rank 1's channel in /proc/net/unix: {names:?}"
+        );
+        match strangers {
+            Strangers::AnotherUser => {
+                processes.push(stranger_process(&names, Some(NOBODY), &[], false));
+                Vec::new()
+            }
+            Strangers::Bogus => {
+                processes.push(stranger_process(&names, None, &[], false));
+                processes.push(stranger_process(&names, None, &[0xcd; 32], false));
+                processes.push(stranger_process(&names, None, &message(1, 0, 0), false));
+                let open = same_process_strangers(&names);
+                // Then both ranks' backlogs full: a rank whose send waited for room
+                // before its own receive would wait for its peer doing the same.
+                let mut both: Vec<Vec<u8>> = channels_of(std::process::id())
+                    .into_iter()
+                    .filter(|n| !others.contains(n))
+                    .collect();
+                assert!(!both.is_empty(), "rank 0's channel in /proc/net/unix");
+                both.extend(names.iter().cloned());
+                processes.push(stranger_process(&both, None, &[], true));
+                open
+            }
+        }
+    });
+    let theirs = channel_lines(&mut child);
+    let status = child.wait().unwrap();
+    for mut p in processes {
+        let _ = p.kill();
+        let _ = p.wait();
+    }
+    drop(comm);
+    eprintln!("{test}: rank 0 {mine:?}, rank 1 {theirs:?}");
+    assert!(status.success(), "rank 1's process failed: {status}");
+    let outcome = |lines: &[String], rank: usize| -> (String, Duration) {
+        let l = lines
+            .iter()
+            .find_map(|l| l.strip_prefix("OUTCOME "))
+            .unwrap_or_else(|| panic!("rank {rank} printed no outcome: {lines:?}"));
+        let f: Vec<&str> = l.splitn(3, ' ').collect();
+        (
+            f[0].to_string(),
+            Duration::from_millis(f[1].parse().unwrap()),
+        )
+    };
+    let (o0, t0) = outcome(&mine, 0);
+    let (o1, t1) = outcome(&theirs, 1);
+    assert_eq!(
+        o0, o1,
+        "ranks 0 and 1 disagree: {mine:?} against {theirs:?}"
+    );
+    assert_eq!(o0, "ok", "{mine:?} {theirs:?}");
+    for (rank, t) in [(0, t0), (1, t1)] {
+        assert!(
+            t < BOUND,
+            "rank {rank}'s registration took {t:?} beside {} strangers (bound {BOUND:?})",
+            strangers.name()
+        );
+    }
+    for (rank, lines) in [(0, &mine), (1, &theirs)] {
+        assert!(
+            lines.iter().any(|l| l == "AFTER ok"),
+            "rank {rank}: the communicator after the registration: {lines:?}"
+        );
+    }
+}
