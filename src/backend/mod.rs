@@ -499,6 +499,10 @@ pub(crate) use impl_typed_buffer;
 ///   of `dtype()` are a byte count that fits the address space), valid for as long as
 ///   the returned guard lives and, through the backend's stream ordering, until the
 ///   kernels enqueued while it lived have finished;
+/// - that the address is a multiple of `dtype()`'s size: the device kernels load and
+///   store whole elements (16-byte packs where the address allows, else element by
+///   element), and an element that straddles its natural alignment faults there (the
+///   host backend reads unaligned, so a test there would not see it);
 /// - that the memory is reachable by the peers' kernels (on CUDA: `cuMemAlloc` memory
 ///   or the device's default memory pool, which peercomm opens to the peers; on the
 ///   host backend: any host memory);

@@ -286,11 +286,7 @@ pub(crate) fn first_difference(
         let eps = |bits: u32| format!("epsilon {:e}", f32::from_bits(bits));
         (CallField::Epsilon, eps(a.epsilon), eps(b.epsilon))
     } else if a.seq != b.seq {
-        (
-            CallField::Sequence,
-            call_number(a.seq),
-            call_number(b.seq),
-        )
+        (CallField::Sequence, call_number(a.seq), call_number(b.seq))
     } else {
         return None;
     };
@@ -520,7 +516,11 @@ mod tests {
                 "rows of 96 elements".into()
             ))
         );
-        for (e0, e1) in [(1e-5, 1e-6), (0.0, -0.0), (1e-5, f32::from_bits(1e-5f32.to_bits() + 1))] {
+        for (e0, e1) in [
+            (1e-5, 1e-6),
+            (0.0, -0.0),
+            (1e-5, f32::from_bits(1e-5f32.to_bits() + 1)),
+        ] {
             assert_eq!(
                 differs(&fused(64, e0), 1, &fused(64, e1), 1),
                 Some(CallField::Epsilon),

@@ -103,7 +103,8 @@ pub(super) unsafe fn all_reduce_group<T: Element>(
             let dst = (a.payloads[me] + e.offset) as *mut T;
             for p in entry_packs::<T>(e, block, blocks) {
                 for i in pack_range::<T>(p, n) {
-                    dst.add(i).write_unaligned((e.input as *const T).add(i).read_unaligned());
+                    dst.add(i)
+                        .write_unaligned((e.input as *const T).add(i).read_unaligned());
                 }
             }
         }

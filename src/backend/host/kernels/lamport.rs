@@ -14,8 +14,8 @@ use super::wait::{Spinner, Stop};
 use crate::backend::LAMPORT_SENTINEL;
 use crate::dtype::Element;
 use crate::signal::{
-    AllReduceArgs, SignalLayout, LAMPORT_ARRIVALS, LAMPORT_FLAG, LAMPORT_GENERATIONS,
-    LAMPORT_HEADER_PACKS, LAMPORT_PREV_PACKS, LAMPORT_PREV_WIDTH, PACK_BYTES, CALL_WORDS,
+    AllReduceArgs, SignalLayout, CALL_WORDS, LAMPORT_ARRIVALS, LAMPORT_FLAG, LAMPORT_GENERATIONS,
+    LAMPORT_HEADER_PACKS, LAMPORT_PREV_PACKS, LAMPORT_PREV_WIDTH, PACK_BYTES,
 };
 
 /// Address of pack `p` of slot `src` of generation `gen` in the Lamport region of the

@@ -97,7 +97,8 @@ pub(super) unsafe fn record_timeout(args: &AllReduceArgs, block: u32, awaited: u
         // differs so: it may have completed the call with a subgroup of its own; its
         // next synchronize reports it.
         for q in (0..args.group_width as usize).filter(|&q| q != me) {
-            if let Some(call) = current_call(args.signals[q], args.call).filter(|c| *c != args.call) {
+            if let Some(call) = current_call(args.signals[q], args.call).filter(|c| *c != args.call)
+            {
                 let their_side = Detail {
                     rank: args.world_rank,
                     awaited: args.world_rank,

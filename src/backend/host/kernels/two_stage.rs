@@ -48,7 +48,9 @@ pub(super) unsafe fn two_stage<T: Element>(
         let first = q * part;
         for p in block_packs(first, (first + part).min(packs), block, blocks) {
             for e in pack_range::<T>(p, n) {
-                let x = (args.payloads[q] as *const T).add(e - first * l).read_unaligned();
+                let x = (args.payloads[q] as *const T)
+                    .add(e - first * l)
+                    .read_unaligned();
                 (args.output as *mut T).add(e).write_unaligned(x);
             }
         }

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# The GPU runs, in named stages. `build` runs here (no GPU needed) and packs what the GPU
+# machine runs into .device-pack/ (git-ignored; name it in the device tool's `carry`);
+# every other stage runs there, over the unpacked binaries, writing logs under $OUT.
+#
+#   bash scripts/device.sh build [BASE_REV]   here: CUDA test binaries and the bench, xz-packed;
+#                                             with BASE_REV, also that revision's bench (as
+#                                             peercomm-bench-base) for before/after rows
+#                                             (BASE_BENCH=path takes one already built)
+#   bash scripts/device.sh STAGE...           there, in the order given:
+#     tests      every CUDA test binary but the per-rank suite
+#     per-rank   the per-rank CUDA suite (ranks as threads and processes, sharing the GPU)
+#     memcheck   the per-rank CUDA suite under compute-sanitizer --tool memcheck
+#                (MEMCHECK_FILTER narrows it to tests whose names contain that text)
+#     bench      per-rank (threads) against the single controller at worlds 2 and 4, graph
+#                and eager, bf16; the base bench first where one was packed
+#
+# With one GPU every multi-rank test puts several ranks on it (allow_shared_devices).
+# NVLink multicast stays off. Each stage's summary line is printed as it ends, and the
+# logs are packed into $OUT/logs.tgz after every stage, so a run cut short keeps them.
+set -u
+cd "$(dirname "$0")/.."
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+PACK=.device-pack
+BIN=.device-bin
+
+build() {
+  set -e
+  # cudarc binds the CUDA version the application chooses; the GPU machine runs 13.0.
+  export CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
+  bash scripts/install-toolchains.sh >/dev/null
+  rm -rf "$BIN" "$PACK" && mkdir -p "$BIN" "$PACK"
+  cargo test --release --features cuda --no-run --message-format=json 2>/dev/null |
+    python3 -c '
+import json, sys, shutil
+for line in sys.stdin:
+    m = json.loads(line)
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
+        name = m["target"]["name"]
+        if name.startswith("cuda") or name == "peercomm":
+            shutil.copy(m["executable"], sys.argv[1] + "/test-" + name)
+' "$BIN"
+  cargo build --release --features cuda --example peercomm-bench
+  cp target/release/examples/peercomm-bench "$BIN/"
+  if [ -n "${BASE_BENCH:-}" ]; then
+    cp "$BASE_BENCH" "$BIN/peercomm-bench-base"
+  elif [ -n "${1:-}" ]; then
+    local tree
+    tree=$(mktemp -d)/base
+    git worktree add --detach "$tree" "$1" >/dev/null
+    ln -s "$PWD/.venv-cuda" "$tree/.venv-cuda"
+    (cd "$tree" && CARGO_TARGET_DIR=${BASE_TARGET:-$tree/target} \
+      cargo build --release --features cuda --example peercomm-bench)
+    cp "${BASE_TARGET:-$tree/target}/release/examples/peercomm-bench" "$BIN/peercomm-bench-base"
+    git worktree remove --force "$tree"
+  fi
+  tar cf - -C "$BIN" . | xz -6 -T2 > "$PACK/bins.tar.xz"
+  ls -la "$BIN" "$PACK"
+}
+
+if [ "${1:-}" = build ]; then
+  shift
+  build "$@"
+  exit
+fi
+
+OUT=${OUT:-/tmp/peercomm-out}
+LOGS=$OUT/logs
+mkdir -p "$LOGS"
+if [ ! -x "$BIN/peercomm-bench" ]; then
+  mkdir -p "$BIN" && xz -dc "$PACK/bins.tar.xz" | tar xf - -C "$BIN"
+fi
+nvidia-smi -L | tee "$LOGS/gpus.txt"
+git log -1 --format='%h %s' > "$LOGS/commit.txt" 2>/dev/null || true
+summary=()
+result() { grep -E '^test result' "$1" | tail -1; }
+note() {
+  summary+=("$1")
+  echo "$1"
+}
+sizes=1024,65536,1048576,16777216
+
+for stage in "$@"; do
+  start=$(date +%s)
+  case $stage in
+  tests)
+    for t in "$BIN"/test-*; do
+      name=$(basename "$t")
+      [ "$name" = test-cuda_per_rank ] && continue
+      case $name in test-cuda) limit=170 ;; test-cuda_overlap | test-cuda_driver_load) limit=40 ;; *) limit=90 ;; esac
+      PEERCOMM_FUZZ_CALLS=1000 timeout $limit "$t" --test-threads=1 >"$LOGS/$name.log" 2>&1
+      note "$name rc=$?: $(result "$LOGS/$name.log")"
+    done
+    ;;
+  per-rank)
+    timeout 300 "$BIN/test-cuda_per_rank" --test-threads=1 --nocapture >"$LOGS/test-cuda_per_rank.log" 2>&1
+    note "test-cuda_per_rank rc=$?: $(result "$LOGS/test-cuda_per_rank.log")"
+    ;;
+  memcheck)
+    timeout "${MEMCHECK_LIMIT:-520}" /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
+      --target-processes all --log-file "$LOGS/memcheck-%p.txt" \
+      "$BIN/test-cuda_per_rank" --test-threads=1 ${MEMCHECK_FILTER:-} >"$LOGS/memcheck-tests.log" 2>&1
+    rc=$?
+    errors=$(grep -h "ERROR SUMMARY" "$LOGS"/memcheck-*.txt | sort | uniq -c | tr '\n' ';')
+    note "memcheck rc=$rc: $(result "$LOGS/memcheck-tests.log"); $(grep -c '^test .* ok$' "$LOGS/memcheck-tests.log") tests ok; sanitizer: $errors"
+    ;;
+  bench)
+    for b in peercomm-bench-base peercomm-bench; do
+      [ -x "$BIN/$b" ] || continue
+      for w in 2 4; do
+        timeout 150 "$BIN/$b" --per-rank $w --with-single --sizes $sizes --dtypes bf16 --no-nccl \
+          --batches 10 --out "$LOGS/$b-w$w" >"$LOGS/$b-w$w.log" 2>&1
+        note "$b world $w rc=$?"
+      done
+    done
+    ;;
+  *) note "unknown stage $stage" ;;
+  esac
+  note "  ($stage: $(($(date +%s) - start)) s)"
+  tar czf "$OUT/logs.tgz" -C "$LOGS" .
+done
+grep -hE "FAILED|panicked|WRONG|wrong sum" "$LOGS"/*.log 2>/dev/null | head -40
+printf '%s\n' "${summary[@]}" | tee "$LOGS/summary.txt"
+tar czf "$OUT/logs.tgz" -C "$LOGS" .
