@@ -12,8 +12,9 @@
 #     per-rank   the per-rank CUDA suite (ranks as threads and processes, sharing the GPU)
 #     memcheck   the per-rank CUDA suite under compute-sanitizer --tool memcheck
 #                (MEMCHECK_FILTER narrows it to tests whose names contain that text)
-#     bench      per-rank (threads) against the single controller at worlds 2 and 4, graph
-#                and eager, bf16; the base bench first where one was packed
+#     bench      per-rank (threads) against the single controller at worlds 2 and 4
+#                (BENCH_WORLDS), graph and eager, bf16; the base bench first where one
+#                was packed
 #
 # With one GPU every multi-rank test puts several ranks on it (allow_shared_devices).
 # NVLink multicast stays off. Each stage's summary line is printed as it ends, and the
@@ -107,8 +108,8 @@ for stage in "$@"; do
   bench)
     for b in peercomm-bench-base peercomm-bench; do
       [ -x "$BIN/$b" ] || continue
-      for w in 2 4; do
-        timeout 150 "$BIN/$b" --per-rank $w --with-single --sizes $sizes --dtypes bf16 --no-nccl \
+      for w in ${BENCH_WORLDS:-2 4}; do
+        timeout "${BENCH_LIMIT:-150}" "$BIN/$b" --per-rank $w --with-single --sizes $sizes --dtypes bf16 --no-nccl \
           --batches 10 --out "$LOGS/$b-w$w" >"$LOGS/$b-w$w.log" 2>&1
         note "$b world $w rc=$?"
       done

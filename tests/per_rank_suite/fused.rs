@@ -304,7 +304,11 @@ pub fn fused_arguments_mismatch<B: Backend>(place: &Placement, world: usize) {
     let odd = world - 1;
     for (what, field, usual, other) in &cases {
         let errors = trust::run::<B, _>(place, world, &config, |rank, comm, meet| {
-            let got = if rank == odd { other(comm) } else { usual(comm) };
+            let got = if rank == odd {
+                other(comm)
+            } else {
+                usual(comm)
+            };
             meet.wait();
             comm.reinitialize().unwrap();
             usual(comm).unwrap();
