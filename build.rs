@@ -168,6 +168,10 @@ fn build_cuda_kernels(out_dir: &Path) {
         .expect("PEERCOMM_CUDA_ARCHS lists an architecture");
     let mut cmd = Command::new(&nvcc);
     cmd.arg("-fatbin")
+        // Uncompressed, as every nvcc before 13 left it: nvcc 13 compresses a large
+        // fatbin by its own measure, which hides the kernel names that
+        // `fatbin_exports_every_kernel` checks without a GPU.
+        .arg("--compress-mode=none")
         .arg("-O3")
         .arg("-std=c++20")
         .arg("-Iinclude")
