@@ -205,28 +205,35 @@ pub fn lamport_fused_mismatch<B: Backend>(place: &Placement, world: usize) {
             fused::<B>(2, Algorithm::Auto)(comm).unwrap();
             got
         });
-        for (rank, got) in errors.into_iter().enumerate() {
-            match got {
-                Err(Error::CallMismatch {
-                    rank: r,
-                    peer,
-                    field: f,
-                    ref mine,
-                    ref theirs,
-                }) => {
-                    assert_eq!(r, rank, "{what}");
-                    assert_eq!(f, *field, "{what}: rank {rank}: {mine} / {theirs}");
-                    if rank == odd {
-                        assert_ne!(peer, odd, "{what}");
-                    } else {
-                        assert_eq!(peer, odd, "{what}: rank {rank}");
-                    }
-                }
-                other => panic!("{what}: rank {rank} got {other:?}, not a CallMismatch"),
-            }
-        }
-        eprintln!("{what}: every rank got CallMismatch({field:?}), nothing written");
+        every_rank_mismatched(&errors, *field, odd, what);
     }
+}
+
+/// Every rank's error is `CallMismatch` naming `field`, the others naming `odd`, it
+/// naming one of them.
+fn every_rank_mismatched(
+    errors: &[peercomm::Result<()>],
+    field: CallField,
+    odd: usize,
+    what: &str,
+) {
+    for (rank, got) in errors.iter().enumerate() {
+        match got {
+            Err(Error::CallMismatch {
+                rank: r,
+                peer,
+                field: f,
+                mine,
+                theirs,
+            }) => {
+                assert_eq!(*r, rank, "{what}");
+                assert_eq!(*f, field, "{what}: rank {rank}: {mine} / {theirs}");
+                assert_eq!(*peer == odd, rank != odd, "{what}: rank {rank}");
+            }
+            other => panic!("{what}: rank {rank} got {other:?}, not a CallMismatch"),
+        }
+    }
+    eprintln!("{what}: every rank got CallMismatch({field:?}), nothing written");
 }
 
 /// A fused call of `total` elements in rows of `hidden` with `epsilon`, staged in
@@ -314,26 +321,6 @@ pub fn fused_arguments_mismatch<B: Backend>(place: &Placement, world: usize) {
             usual(comm).unwrap();
             got
         });
-        for (rank, got) in errors.into_iter().enumerate() {
-            match got {
-                Err(Error::CallMismatch {
-                    rank: r,
-                    peer,
-                    field: f,
-                    ref mine,
-                    ref theirs,
-                }) => {
-                    assert_eq!(r, rank, "{what}");
-                    assert_eq!(f, *field, "{what}: rank {rank}: {mine} / {theirs}");
-                    if rank == odd {
-                        assert_ne!(peer, odd, "{what}");
-                    } else {
-                        assert_eq!(peer, odd, "{what}: rank {rank}");
-                    }
-                }
-                other => panic!("{what}: rank {rank} got {other:?}, not a CallMismatch"),
-            }
-        }
-        eprintln!("{what}: every rank got CallMismatch({field:?}), nothing written");
+        every_rank_mismatched(&errors, *field, odd, what);
     }
 }
