@@ -9,10 +9,12 @@
 //! past which no such kernel can run any more (see `Drop for Comm`); `None` parks until
 //! the process exits.
 //!
-//! Nothing runs in the background: every later [`park`] and [`free_expired`] (each
-//! `Comm` drop calls one of them) first frees the entries whose deadline has passed.
-//! Freeing happens outside the lock, on the calling thread, and a panic in an item's
-//! drop is caught, so neither call panics. The lot is generic over the backend: it
+//! Nothing runs in the background: a drop that met its peers calls [`free_expired`],
+//! which frees the entries whose deadline has passed. [`park`] never frees: a drop that
+//! parks could not meet its peers and must return within its bound, and freeing device
+//! memory waits for every kernel on that device (where ranks share a GPU, a peer's
+//! kernel that is still waiting for this rank). Freeing happens outside the lock, on
+//! the calling thread, and a panic in an item's drop is caught, so neither call panics. The lot is generic over the backend: it
 //! holds boxed `dyn Send` items (for a `Comm<B>`: its `B::Memory` and its
 //! `B::PeerMapping`s). The process-wide lot is a static that is never dropped, so what
 //! is still parked at exit is never freed (the process's end releases it).
@@ -40,16 +42,10 @@ impl ParkingLot {
         }
     }
 
-    /// Frees what has expired at `now`, then keeps `item` until `until` (`None`: until
-    /// the process exits).
-    pub(crate) fn park_at(&self, now: Instant, item: Box<dyn Send>, until: Option<Instant>) {
-        let expired = {
-            let mut entries = self.lock();
-            let expired = take_expired(&mut entries, now);
-            entries.push(Entry { until, _item: item });
-            expired
-        };
-        free(expired);
+    /// Keeps `item` until `until` (`None`: until the process exits). Frees nothing (see
+    /// the module docs).
+    pub(crate) fn park(&self, item: Box<dyn Send>, until: Option<Instant>) {
+        self.lock().push(Entry { until, _item: item });
     }
 
     /// Frees the items whose deadline is at or before `now`; returns how many.
@@ -97,10 +93,9 @@ fn free(entries: Vec<Entry>) {
 /// The process-wide lot the per-rank communicators park in.
 static LOT: ParkingLot = ParkingLot::new();
 
-/// Parks `item` in the process-wide lot until `until` (`None`: process exit), freeing
-/// first whatever has expired.
+/// Parks `item` in the process-wide lot until `until` (`None`: process exit).
 pub(crate) fn park(item: Box<dyn Send>, until: Option<Instant>) {
-    LOT.park_at(Instant::now(), item, until);
+    LOT.park(item, until);
 }
 
 /// Frees what has expired in the process-wide lot.
@@ -159,9 +154,9 @@ mod tests {
         let t0 = Instant::now();
         let s = Duration::from_secs(1);
         let item = || Box::new(Counted(freed.clone())) as Box<dyn Send>;
-        lot.park_at(t0, item(), Some(t0 + 2 * s));
-        lot.park_at(t0, item(), Some(t0 + 5 * s));
-        lot.park_at(t0, item(), None);
+        lot.park(item(), Some(t0 + 2 * s));
+        lot.park(item(), Some(t0 + 5 * s));
+        lot.park(item(), None);
         assert_eq!((lot.len(), freed.load(Ordering::SeqCst)), (3, 0));
         // Nothing has expired yet.
         assert_eq!(lot.free_expired_at(t0 + s), 0);
@@ -169,11 +164,12 @@ mod tests {
         // The first deadline passes; a deadline is inclusive.
         assert_eq!(lot.free_expired_at(t0 + 2 * s), 1);
         assert_eq!((lot.len(), freed.load(Ordering::SeqCst)), (2, 1));
-        // Parking frees what has expired first, then keeps the new item.
-        lot.park_at(t0 + 6 * s, item(), Some(t0 + 7 * s));
-        assert_eq!((lot.len(), freed.load(Ordering::SeqCst)), (2, 2));
+        // Parking frees nothing, not even what has expired: a drop that parks must not
+        // wait for a device to go idle.
+        lot.park(item(), Some(t0 + 3 * s));
+        assert_eq!((lot.len(), freed.load(Ordering::SeqCst)), (3, 1));
         // An entry without a deadline stays however late it is.
-        assert_eq!(lot.free_expired_at(t0 + 1000 * s), 1);
+        assert_eq!(lot.free_expired_at(t0 + 1000 * s), 2);
         assert_eq!((lot.len(), freed.load(Ordering::SeqCst)), (1, 3));
         assert_eq!(lot.free_expired_at(t0 + 1_000_000 * s), 0);
     }
@@ -184,12 +180,12 @@ mod tests {
         let freed = Arc::new(AtomicUsize::new(0));
         let t0 = Instant::now();
         let t1 = t0 + Duration::from_secs(1);
-        lot.park_at(t0, Box::new(Bomb), Some(t1));
-        lot.park_at(t0, Box::new(Counted(freed.clone())), Some(t1));
+        lot.park(Box::new(Bomb), Some(t1));
+        lot.park(Box::new(Counted(freed.clone())), Some(t1));
         assert_eq!(lot.free_expired_at(t1), 2);
         assert_eq!((lot.len(), freed.load(Ordering::SeqCst)), (0, 1));
         // The lot still works after the panic.
-        lot.park_at(t0, Box::new(Counted(freed.clone())), Some(t1));
+        lot.park(Box::new(Counted(freed.clone())), Some(t1));
         assert_eq!(lot.free_expired_at(t1), 1);
         assert_eq!(freed.load(Ordering::SeqCst), 2);
     }
