@@ -172,6 +172,8 @@ fn build_cuda_kernels(out_dir: &Path) {
         // fatbin by its own measure, which hides the kernel names that
         // `fatbin_exports_every_kernel` checks without a GPU.
         .arg("--compress-mode=none")
+        // One thread per architecture: each takes minutes.
+        .args(["--threads", "0"])
         .arg("-O3")
         .arg("-std=c++20")
         .arg("-Iinclude")
@@ -185,7 +187,11 @@ fn build_cuda_kernels(out_dir: &Path) {
     cmd.arg("-gencode")
         .arg(format!("arch=compute_{newest},code=compute_{newest}"));
     cmd.arg("kernels-cuda/peercomm.cu");
-    run(cmd, "nvcc");
+    let output = out_dir.join("peercomm_cuda.fatbin");
+    if !kernel_cache::restore(&cmd, out_dir, &output) {
+        run(&mut cmd, "nvcc");
+        kernel_cache::store(&cmd, out_dir, &output);
+    }
 }
 
 fn build_hip_kernels(out_dir: &Path) {
@@ -194,7 +200,7 @@ fn build_hip_kernels(out_dir: &Path) {
     hip_build::build(out_dir);
 }
 
-fn run(mut cmd: Command, what: &str) {
+fn run(cmd: &mut Command, what: &str) {
     let status = cmd
         .status()
         .unwrap_or_else(|e| panic!("could not start {what} ({cmd:?}): {e}"));
@@ -205,3 +211,65 @@ fn run(mut cmd: Command, what: &str) {
 
 #[path = "build_hip.rs"]
 mod hip_build;
+
+/// `PEERCOMM_KERNEL_CACHE`, when set, names a folder that keeps compiled device code
+/// under a hash of the compiler command and every kernel source, so that builds of the
+/// same sources under other profiles or feature sets (CI's test and clippy passes)
+/// compile them once. Unset, nothing is kept.
+mod kernel_cache {
+    use std::path::{Path, PathBuf};
+    use std::process::Command;
+
+    /// The folders whose files the device code is built from.
+    const SOURCES: [&str; 4] = ["include", "kernels-common", "kernels-cuda", "kernels-hip"];
+
+    fn entry(cmd: &Command, out_dir: &Path, output: &Path) -> Option<PathBuf> {
+        println!("cargo:rerun-if-env-changed=PEERCOMM_KERNEL_CACHE");
+        let dir = PathBuf::from(std::env::var_os("PEERCOMM_KERNEL_CACHE")?);
+        // FNV-1a: stable across Rust releases, unlike std's hasher.
+        let mut hash = 0xcbf2_9ce4_8422_2325u64;
+        let mut feed = |bytes: &[u8]| {
+            for b in bytes {
+                hash = (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
+            }
+        };
+        // The command, with this build's own folder left out (it differs per profile).
+        feed(
+            format!("{cmd:?}")
+                .replace(&out_dir.display().to_string(), "")
+                .as_bytes(),
+        );
+        for folder in SOURCES {
+            let mut files: Vec<PathBuf> = std::fs::read_dir(folder)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path())
+                .collect();
+            files.sort();
+            for f in files {
+                feed(f.display().to_string().as_bytes());
+                feed(&std::fs::read(&f).unwrap_or_default());
+            }
+        }
+        let name = output.file_name()?.to_string_lossy().into_owned();
+        Some(dir.join(format!("{hash:016x}-{name}")))
+    }
+
+    /// Copies the kept output of `cmd` to `output`; false when there is none.
+    pub fn restore(cmd: &Command, out_dir: &Path, output: &Path) -> bool {
+        entry(cmd, out_dir, output).is_some_and(|kept| std::fs::copy(kept, output).is_ok())
+    }
+
+    /// Keeps `output`, which `cmd` has just written (best effort: a cache that cannot be
+    /// written only costs the next build a compile).
+    pub fn store(cmd: &Command, out_dir: &Path, output: &Path) {
+        if let Some(kept) = entry(cmd, out_dir, output) {
+            let _ = std::fs::create_dir_all(kept.parent().unwrap_or(Path::new(".")));
+            let partial = kept.with_extension("partial");
+            if std::fs::copy(output, &partial).is_ok() {
+                let _ = std::fs::rename(partial, kept);
+            }
+        }
+    }
+}

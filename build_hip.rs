@@ -353,8 +353,12 @@ fn compile_arch(
             .arg(source)
             .arg("-o")
             .arg(&output);
+        if super::kernel_cache::restore(&cmd, out_dir, &output) {
+            return Ok((output, tc.label.clone()));
+        }
         match cmd.output() {
             Ok(o) if o.status.success() && output.is_file() => {
+                super::kernel_cache::store(&cmd, out_dir, &output);
                 return Ok((output, tc.label.clone()));
             }
             Ok(o) => {

@@ -10,8 +10,9 @@
 #   bash scripts/device.sh STAGE...           there, in the order given:
 #     tests      every CUDA test binary but the per-rank suite
 #     per-rank   the per-rank CUDA suite (ranks as threads and processes, sharing the GPU)
-#     memcheck   the per-rank CUDA suite under compute-sanitizer --tool memcheck
-#                (MEMCHECK_FILTER narrows it to tests whose names contain that text)
+#     memcheck   the per-rank CUDA suite under compute-sanitizer --tool memcheck, in
+#                MEMCHECK_SHARDS parallel processes (MEMCHECK_FILTER: names containing it)
+#     repeat     one per-rank test (REPEAT_TEST) REPEAT_COUNT times
 #     bench      per-rank (threads) against the single controller at worlds 2 and 4
 #                (BENCH_WORLDS), graph and eager, bf16; the base bench first where one
 #                was packed
@@ -29,6 +30,7 @@ build() {
   set -e
   # cudarc binds the CUDA version the application chooses; the GPU machine runs 13.0.
   export CUDARC_CUDA_VERSION=${CUDARC_CUDA_VERSION:-13000}
+  export PEERCOMM_KERNEL_CACHE=${PEERCOMM_KERNEL_CACHE:-$PWD/target/kernel-cache}
   bash scripts/install-toolchains.sh >/dev/null
   rm -rf "$BIN" "$PACK" && mkdir -p "$BIN" "$PACK"
   cargo test --release --features cuda --no-run --message-format=json 2>/dev/null |
@@ -98,12 +100,34 @@ for stage in "$@"; do
     note "test-cuda_per_rank rc=$?: $(result "$LOGS/test-cuda_per_rank.log")"
     ;;
   memcheck)
-    timeout "${MEMCHECK_LIMIT:-520}" /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
-      --target-processes all --log-file "$LOGS/memcheck-%p.txt" \
-      "$BIN/test-cuda_per_rank" --test-threads=1 ${MEMCHECK_FILTER:-} >"$LOGS/memcheck-tests.log" 2>&1
-    rc=$?
-    errors=$(grep -h "ERROR SUMMARY" "$LOGS"/memcheck-*.txt | sort | uniq -c | tr '\n' ';')
-    note "memcheck rc=$rc: $(result "$LOGS/memcheck-tests.log"); $(grep -c '^test .* ok$' "$LOGS/memcheck-tests.log") tests ok; sanitizer: $errors"
+    # In MEMCHECK_SHARDS processes at once (default 8), each under its own sanitizer:
+    # the sanitizer slows every kernel, and most tests wait on peers.
+    shards=${MEMCHECK_SHARDS:-8}
+    "$BIN/test-cuda_per_rank" --list 2>/dev/null | sed -n 's/: test$//p' |
+      grep -- "${MEMCHECK_FILTER:-}" >"$LOGS/memcheck-list.txt"
+    for s in $(seq 0 $((shards - 1))); do
+      mapfile -t names < <(awk -v s="$s" -v n="$shards" '(NR - 1) % n == s' "$LOGS/memcheck-list.txt")
+      [ ${#names[@]} -gt 0 ] || continue
+      (
+        timeout "${MEMCHECK_LIMIT:-520}" /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
+          --target-processes all --log-file "$LOGS/memcheck-$s-%p.txt" \
+          "$BIN/test-cuda_per_rank" --test-threads=1 --nocapture --exact "${names[@]}" \
+          >"$LOGS/memcheck-tests-$s.log" 2>&1
+        echo "shard $s rc=$?" >>"$LOGS/memcheck-shards.txt"
+      ) &
+    done
+    wait
+    errors=$(grep -h "ERROR SUMMARY" "$LOGS"/memcheck-*-*.txt | sort | uniq -c | tr '\n' ';')
+    passed=$(cat "$LOGS"/memcheck-tests-*.log | grep -c '^test .* ok$')
+    failed=$(cat "$LOGS"/memcheck-tests-*.log | grep -E '^test .*FAILED$' | sed 's/^test //; s/ \.\.\. FAILED$//' | tr '\n' ' ')
+    note "memcheck: $(wc -l <"$LOGS/memcheck-list.txt") tests in $shards shards ($(sort "$LOGS/memcheck-shards.txt" | tr '\n' ' ')); $passed ok; failed: ${failed:-none}; sanitizer: $errors"
+    ;;
+  repeat)
+    # REPEAT_TEST (an exact per-rank test name) REPEAT_COUNT times (default 5).
+    for i in $(seq 1 "${REPEAT_COUNT:-5}"); do
+      timeout 120 "$BIN/test-cuda_per_rank" --test-threads=1 --nocapture --exact "$REPEAT_TEST" >"$LOGS/repeat-$i.log" 2>&1
+      note "repeat $i of $REPEAT_TEST rc=$?: $(grep -h "took" "$LOGS/repeat-$i.log" | tr '\n' ' ')"
+    done
     ;;
   bench)
     for b in peercomm-bench-base peercomm-bench; do
