@@ -8,7 +8,7 @@
 # point cudarc's driver bindings declare, each returning CUDA_ERROR_STUB_LIBRARY (34).
 # The binaries record only the libraries' sonames (libcuda.so.1, libcublas.so.13, ...):
 # on a GPU machine the driver's libcuda and the installed CUDA libraries serve them
-# (scripts/device-candle.sh sets LD_LIBRARY_PATH). Idempotent; prints nothing else
+# (scripts/device.sh's candle stage sets LD_LIBRARY_PATH). Idempotent; prints nothing else
 # than its progress. Then build with: CUDA_ROOT=$PWD/.candle-cuda (see
 # integrations/candle/README.md).
 set -euo pipefail

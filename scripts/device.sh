@@ -7,15 +7,27 @@
 #                                             with BASE_REV, also that revision's bench (as
 #                                             peercomm-bench-base) for before/after rows
 #                                             (BASE_BENCH=path takes one already built)
+#   bash scripts/device.sh build-candle       here, after `build`: the candle integration's
+#                                             test and tp-mlp example, xz-packed beside it
 #   bash scripts/device.sh STAGE...           there, in the order given:
 #     tests      every CUDA test binary but the per-rank suite
 #     per-rank   the per-rank CUDA suite (ranks as threads and processes, sharing the GPU)
+#     shareable  the per-rank tests of memory CUDA exports only as a file descriptor (a
+#                POSIX-fd pool, shareable virtual memory) registered across processes
 #     memcheck   the per-rank CUDA suite under compute-sanitizer --tool memcheck, in
 #                MEMCHECK_SHARDS parallel processes (MEMCHECK_FILTER: names containing it)
 #     repeat     one per-rank test (REPEAT_TEST) REPEAT_COUNT times
 #     bench      per-rank (threads) against the single controller at worlds 2 and 4
 #                (BENCH_WORLDS), graph and eager, bf16; the base bench first where one
 #                was packed
+#     zero-copy  per rank (threads) staged, symmetric and registered capture against the
+#                single controller, 1 KiB-64 MiB, graph and eager, bf16, at worlds
+#                ZC_WORLDS (2 4), one sweep per ZC_SWEEPS entry: base, gate (windows
+#                gated, --gate-us 500), calls and gatecalls (200 calls a batch, to
+#                1 MiB); each JSON's table by scripts/zero-copy-table.py
+#     candle     the candle integration's test and the tensor-parallel MLP example
+#                (on two GPUs where there are two, NCCL against peercomm; and two ranks
+#                sharing GPU 0); CANDLE_ARGS go to the two-GPU run
 #
 # With one GPU every multi-rank test puts several ranks on it (allow_shared_devices).
 # NVLink multicast stays off. Each stage's summary line is printed as it ends, and the
@@ -61,11 +73,44 @@ for line in sys.stdin:
   ls -la "$BIN" "$PACK"
 }
 
-if [ "${1:-}" = build ]; then
+# The candle binaries link candle's kernels (about 45 MB each, mostly shared): stripped
+# and packed together they take about 6 MB of the carry.
+build_candle() {
+  set -e
+  local dir=$BIN/candle
+  rm -rf "$dir" && mkdir -p "$dir" "$PACK"
+  bash scripts/build-candle.sh build --release --tests --example tp-mlp --message-format=json |
+    python3 -c '
+import json, os, shutil, sys
+for line in sys.stdin:
+    try:
+        m = json.loads(line)
+    except ValueError:
+        continue
+    if m.get("reason") != "compiler-artifact" or not m.get("executable"):
+        continue
+    name, kinds = m["target"]["name"], m["target"]["kind"]
+    if m["profile"]["test"] and name == "tp_mlp":
+        shutil.copy(m["executable"], os.path.join(sys.argv[1], "test-tp_mlp"))
+    elif "example" in kinds and name == "tp-mlp":
+        shutil.copy(m["executable"], os.path.join(sys.argv[1], "tp-mlp"))
+' "$dir"
+  strip "$dir/test-tp_mlp" "$dir/tp-mlp"
+  tar cf - -C "$dir" test-tp_mlp tp-mlp | xz -9 -T2 > "$PACK/candle-bins.tar.xz"
+  ls -la "$PACK"
+}
+
+case ${1:-} in
+build)
   shift
   build "$@"
   exit
-fi
+  ;;
+build-candle)
+  build_candle
+  exit
+  ;;
+esac
 
 OUT=${OUT:-/tmp/peercomm-out}
 LOGS=$OUT/logs
@@ -83,6 +128,48 @@ note() {
 }
 sizes=1024,65536,1048576,16777216
 
+# The candle integration's test and example (packed by `build-candle`).
+candle() {
+  local dir=$BIN/candle d libs=()
+  mkdir -p "$dir" "$LOGS/candle"
+  if ! xz -dc "$PACK/candle-bins.tar.xz" | tar xf - -C "$dir"; then
+    note "candle: no $PACK/candle-bins.tar.xz (run \`bash scripts/device.sh build-candle\` here first)"
+    return
+  fi
+  # The binaries link libcuda (the driver's), cudart, cuBLAS, cuBLASLt, cuRAND, NVRTC
+  # and NCCL by soname: the toolkit's folders first, then any pip wheel's.
+  for d in /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib; do
+    [ -d "$d" ] && libs+=("$d")
+  done
+  while IFS= read -r d; do libs+=("$d"); done < <(python3 -c '
+import glob, os, site
+for r in site.getsitepackages() + [site.getusersitepackages()]:
+    for d in sorted(glob.glob(os.path.join(r, "nvidia", "*", "lib"))):
+        print(d)
+' 2>/dev/null)
+  [ -n "${LD_LIBRARY_PATH:-}" ] && libs+=("$LD_LIBRARY_PATH")
+  LD_LIBRARY_PATH=$(
+    IFS=:
+    echo "${libs[*]}"
+  )
+  export LD_LIBRARY_PATH
+  ldd "$dir/test-tp_mlp" "$dir/tp-mlp" >"$LOGS/candle/libs.txt" 2>&1
+  grep 'not found' "$LOGS/candle/libs.txt" | sort -u
+  timeout 900 "$dir/test-tp_mlp" --test-threads=1 --nocapture >"$LOGS/candle/test.log" 2>&1
+  note "candle test-tp_mlp rc=$?: $(result "$LOGS/candle/test.log")"
+  if [ "$(nvidia-smi -L | grep -c '^GPU')" -ge 2 ]; then
+    # shellcheck disable=SC2086 # CANDLE_ARGS is a list of arguments
+    timeout 900 "$dir/tp-mlp" --ranks 2 --out "$LOGS/candle/two-gpus" ${CANDLE_ARGS:-} \
+      >"$LOGS/candle/two-gpus.log" 2>&1
+    note "candle tp-mlp on 2 GPUs rc=$?"
+  else
+    note "candle tp-mlp on 2 GPUs: skipped, one GPU here"
+  fi
+  timeout 900 "$dir/tp-mlp" --ranks 2 --gpus 1 --iters 20 --rounds 3 --out "$LOGS/candle/shared-1gpu" \
+    >"$LOGS/candle/shared-1gpu.log" 2>&1
+  note "candle tp-mlp, 2 ranks on GPU 0 rc=$?"
+}
+
 for stage in "$@"; do
   start=$(date +%s)
   case $stage in
@@ -98,6 +185,11 @@ for stage in "$@"; do
   per-rank)
     timeout 300 "$BIN/test-cuda_per_rank" --test-threads=1 --nocapture >"$LOGS/test-cuda_per_rank.log" 2>&1
     note "test-cuda_per_rank rc=$?: $(result "$LOGS/test-cuda_per_rank.log")"
+    ;;
+  shareable)
+    timeout 200 "$BIN/test-cuda_per_rank" --test-threads=1 --nocapture register_shareable \
+      >"$LOGS/shareable.log" 2>&1
+    note "shareable rc=$?: $(result "$LOGS/shareable.log")"
     ;;
   memcheck)
     # In MEMCHECK_SHARDS processes at once (default 8), each under its own sanitizer:
@@ -139,6 +231,30 @@ for stage in "$@"; do
       done
     done
     ;;
+  zero-copy)
+    for w in ${ZC_WORLDS:-2 4}; do
+      for sweep in ${ZC_SWEEPS:-base gate}; do
+        case $sweep in
+        base) extra=(--max-bytes 67108864) ;;
+        gate) extra=(--max-bytes 67108864 --gate-us 500) ;;
+        calls) extra=(--max-bytes 1048576 --batch-calls 200) ;;
+        gatecalls) extra=(--max-bytes 1048576 --gate-us 500 --batch-calls 200) ;;
+        *)
+          note "unknown zero-copy sweep $sweep"
+          continue
+          ;;
+        esac
+        name=zero-copy-$sweep-w$w
+        timeout "${ZC_LIMIT:-280}" "$BIN/peercomm-bench" --per-rank "$w" --with-single --min-bytes 1024 \
+          "${extra[@]}" --dtypes bf16 --no-nccl --batches "${ZC_BATCHES:-15}" --out "$LOGS/$name" \
+          >"$LOGS/$name.log" 2>&1
+        note "$name rc=$?"
+        [ -f "$LOGS/$name/results.json" ] &&
+          python3 scripts/zero-copy-table.py "$LOGS/$name/results.json" graph | tee "$LOGS/$name.md"
+      done
+    done
+    ;;
+  candle) candle ;;
   *) note "unknown stage $stage" ;;
   esac
   note "  ($stage: $(($(date +%s) - start)) s)"
