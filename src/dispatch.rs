@@ -168,9 +168,9 @@ pub fn choose(arch: &str, width: usize, bytes: usize) -> Algorithm {
 /// (bytes per rank) from which the external library beats peer memory over groups of
 /// `width` on `arch`, or `None` where it never does.
 ///
-/// - `sm_90`, two GPUs over NV18 (2x H200, `results/h200x2/`): peercomm is faster than
-///   NCCL 2.28 at every size measured, 1 KiB to 1 GiB (0.42x of NCCL's time at 1 KiB,
-///   1.01x its bus bandwidth at 1 GiB): never.
+/// - `sm_90`, two GPUs over NV18 (2x H200, `results/2026-12-01-h200x2/final/`):
+///   peercomm is faster than NCCL 2.28 at every size measured, 1 KiB to 1 GiB (0.42x of
+///   NCCL's time at 1 KiB, 1.01x its bus bandwidth at 1 GiB): never.
 /// - `host`: the host backend has no speed to measure; its row (1 MiB) exists so that
 ///   routing by the table runs in CI against the host stand-in.
 /// - Everything else is unmeasured: never (a row is added where a measurement shows

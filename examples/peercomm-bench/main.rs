@@ -12,7 +12,7 @@
 //! ```text
 //! cargo run --release --example peercomm-bench                      # host backend
 //! cargo run --release --features cuda --example peercomm-bench      # on GPUs
-//! cargo run --release --example peercomm-bench -- --replot results/h200x2/results.json
+//! cargo run --release --example peercomm-bench -- --replot results/2026-12-01-h200x2/final/results.json
 //! ```
 //!
 //! What a run shows and leaves behind:
