@@ -4,7 +4,9 @@
 # hidden lines left out, and every line of the ```diff block (the switch from cudarc's
 # NCCL) must be a line of examples/from-nccl.rs (built by clippy with `--features cuda`).
 # Blocks marked `rust,ignore` are excerpts and say where they come from. Also checks that
-# the README starts with the two commands of the task card.
+# the README starts with the two commands of the task card, and that its relative links
+# point at files the package ships (Cargo.toml's `include`): crates.io renders the packaged
+# README, so anything else is an absolute link.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 - <<'EOF'
@@ -52,6 +54,15 @@ for m in re.finditer(r"^```(\S*)\n(.*?)^```", readme, re.S | re.M):
             if code and code not in example:
                 print(f"check-readme: README.md:{line}: `{code}` is not a line of examples/from-nccl.rs")
                 failed = True
+shipped = re.findall(r'^\s*"/([^"]+)",?\s*$', open("Cargo.toml").read().split("include = [", 1)[1].split("]", 1)[0], re.M)
+for m in re.finditer(r"\]\(([^)\s]+)\)", readme):
+    target = m.group(1).split("#", 1)[0]
+    if not target or re.match(r"[a-z]+:", target):
+        continue
+    if not any(target == p or (p.endswith("/**") and target.startswith(p[:-2])) for p in shipped):
+        line = readme[: m.start()].count("\n") + 1
+        print(f"check-readme: README.md:{line}: `{target}` is not shipped by the package (link it absolutely)")
+        failed = True
 if failed:
     sys.exit(1)
 print(f"check-readme: passed ({len(docs)} crate doctests, README blocks found in them)")
