@@ -1,26 +1,30 @@
-//! Build script: the Rust mirror of the signal layout (bindgen over the one C header),
-//! and the embedded device code of each enabled backend (nvcc for `cuda`, hipcc/clang
-//! for `hip`).
+//! Build script: the embedded device code of each enabled backend (nvcc for `cuda`,
+//! a HIP compiler for `hip`). Without a GPU feature it does nothing: the signal layout's
+//! Rust mirror is the committed `src/signal_bindings.rs` (scripts/check-bindings.sh
+//! checks it against bindgen's output for the header).
 
 use std::env;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const HEADER: &str = "include/peercomm_signal.h";
-const COMMITTED_BINDINGS: &str = "src/signal_bindings.rs";
+/// The layout header the device code includes.
+const HEADERS: &str = "include";
 /// The device algorithms both kernel trees include (kernels-common/peercomm_kernels.h).
 const COMMON_KERNELS: &str = "kernels-common";
 
 fn main() {
-    println!("cargo:rerun-if-changed={HEADER}");
-    println!("cargo:rerun-if-changed={COMMITTED_BINDINGS}");
     println!("cargo:rerun-if-changed=build.rs");
+    let cuda = env::var_os("CARGO_FEATURE_CUDA").is_some();
+    let hip = env::var_os("CARGO_FEATURE_HIP").is_some();
+    if !cuda && !hip {
+        return;
+    }
+    println!("cargo:rerun-if-changed={HEADERS}");
     println!("cargo:rerun-if-changed={COMMON_KERNELS}");
     let out_dir = PathBuf::from(env::var("OUT_DIR").expect("OUT_DIR is set by cargo"));
     if docs_only() {
         // docs.rs: no device compiler there, and the API is all it needs.
-        use_committed_bindings(&out_dir);
-        if env::var_os("CARGO_FEATURE_CUDA").is_some() {
+        if cuda {
             std::fs::write(out_dir.join("peercomm_cuda.fatbin"), b"")
                 .expect("write the empty fatbin");
             println!(
@@ -28,7 +32,7 @@ fn main() {
                  fatbin is embedded; this build documents the API and cannot launch kernels)"
             );
         }
-        if env::var_os("CARGO_FEATURE_HIP").is_some() {
+        if hip {
             hip_build::write_docs_only_manifest(&out_dir);
             println!(
                 "cargo:warning=peercomm: DOCS_RS is set: HIP kernels not compiled (no code \
@@ -37,11 +41,10 @@ fn main() {
         }
         return;
     }
-    generate_signal_bindings(&out_dir);
-    if env::var_os("CARGO_FEATURE_CUDA").is_some() {
+    if cuda {
         build_cuda_kernels(&out_dir);
     }
-    if env::var_os("CARGO_FEATURE_HIP").is_some() {
+    if hip {
         build_hip_kernels(&out_dir);
     }
 }
@@ -51,55 +54,10 @@ fn main() {
 /// compiled: the CUDA fatbin and the HIP code-object list are embedded empty, which
 /// keeps every item of `--features cuda,hip` compiling and documented. Such a build
 /// cannot launch kernels (loading the empty fatbin is a driver error; HIP finds no code
-/// object). The signal bindings come from the committed copy, so no libclang is needed
-/// either. `scripts/check-docs.sh` runs this build with no device compiler reachable.
+/// object). `scripts/check-docs.sh` runs this build with no device compiler reachable.
 fn docs_only() -> bool {
     println!("cargo:rerun-if-env-changed=DOCS_RS");
     env::var_os("DOCS_RS").is_some()
-}
-
-/// The committed bindings for a documentation-only build (`docs_only`): docs.rs may
-/// lack libclang, and the committed copy is what bindgen produces (a test checks it).
-fn use_committed_bindings(out_dir: &Path) {
-    std::fs::copy(COMMITTED_BINDINGS, out_dir.join("signal_bindings.rs"))
-        .expect("copy committed bindings");
-    println!("cargo:rustc-env=PEERCOMM_BINDINGS_SOURCE=committed");
-}
-
-/// Runs bindgen over the header. Where libclang cannot be loaded (a fresh machine
-/// without `libclang-dev`), the committed copy is used instead; CI has libclang and
-/// a test checks that the committed copy equals bindgen's output.
-fn generate_signal_bindings(out_dir: &Path) {
-    let target = out_dir.join("signal_bindings.rs");
-    let generated = std::panic::catch_unwind(|| {
-        bindgen::Builder::default()
-            .header(HEADER)
-            .allowlist_type("peercomm_.*")
-            .allowlist_var("PEERCOMM_.*")
-            .layout_tests(false)
-            .derive_default(true)
-            .derive_debug(true)
-            .derive_copy(true)
-            .prepend_enum_name(false)
-            .rustified_enum("peercomm_dtype")
-            .generate()
-    });
-    match generated {
-        Ok(Ok(bindings)) => {
-            bindings
-                .write_to_file(&target)
-                .expect("write signal bindings");
-            println!("cargo:rustc-env=PEERCOMM_BINDINGS_SOURCE=bindgen");
-        }
-        _ => {
-            println!(
-                "cargo:warning=libclang not found: using the committed {COMMITTED_BINDINGS} \
-                 (install libclang-dev to regenerate it from {HEADER})"
-            );
-            std::fs::copy(COMMITTED_BINDINGS, &target).expect("copy committed bindings");
-            println!("cargo:rustc-env=PEERCOMM_BINDINGS_SOURCE=committed");
-        }
-    }
 }
 
 /// Finds nvcc: `NVCC`, then `CUDA_HOME`/`CUDA_PATH`, then `PATH`, then the pinned

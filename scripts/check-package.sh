@@ -18,6 +18,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# A dependent builds no build dependency of peercomm (the signal bindings are committed;
+# tools/signal-bindings regenerates them).
+build_deps=$(cargo metadata --no-deps --format-version 1 | python3 -c '
+import json, sys
+pkg = next(p for p in json.load(sys.stdin)["packages"] if p["name"] == "peercomm")
+print(" ".join(d["name"] for d in pkg["dependencies"] if d["kind"] == "build"))')
+if [ -n "$build_deps" ]; then
+  echo "check-package: peercomm has build dependencies: $build_deps" >&2
+  exit 1
+fi
 cargo package
 cargo publish --dry-run
 dirty=$(git status --porcelain -- integrations/candle ':!integrations/candle/Cargo.lock')
