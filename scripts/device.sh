@@ -56,7 +56,7 @@ for line in sys.stdin:
             shutil.copy(m["executable"], sys.argv[1] + "/test-" + name)
 ' "$BIN"
   cargo build --release --features cuda --example peercomm-bench
-  cp target/release/examples/peercomm-bench "$BIN/"
+  cp "${CARGO_TARGET_DIR:-target}/release/examples/peercomm-bench" "$BIN/"
   if [ -n "${BASE_BENCH:-}" ]; then
     cp "$BASE_BENCH" "$BIN/peercomm-bench-base"
   elif [ -n "${1:-}" ]; then
