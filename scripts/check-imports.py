@@ -50,6 +50,7 @@ SRC = os.path.join(ROOT, "src")
 #   external   the external libraries (NCCL, RCCL, the host stand-in), each with the
 #              backend it serves (external::HasExternalLibrary)
 #   tensor     shaped views over a backend's buffers
+#   os         operating-system plumbing (the descriptor channel between processes)
 #   backend    the vendor trait, the host, CUDA and HIP backends, peer access and the
 #              initialisation of signal buffers through a backend
 #   dispatch   the dispatch table: data (algorithm per architecture, width and size)
@@ -63,7 +64,7 @@ SRC = os.path.join(ROOT, "src")
 #              std error, and `external` and `comm` use bootstrap from above.
 LAYERS = [
     ["comm"],
-    ["external", "tensor"],
+    ["external", "tensor", "os"],
     ["backend"],
     ["dispatch", "protocol"],
     ["signal"],

@@ -134,6 +134,7 @@ pub mod dispatch;
 mod dtype;
 mod error;
 pub mod external;
+mod os;
 #[doc(hidden)]
 pub mod protocol;
 pub mod signal;

@@ -68,68 +68,77 @@ pub enum MemoryKind {
     SharedData,
 }
 
-/// Which kernel family a launch runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum KernelKind {
+/// Declares [`KernelKind`] from the one list of kernel families: each with its name in
+/// the kernels' symbols and whether it is exported for every [`DType`] or for f32 only.
+/// The discriminants (the call descriptor's kind field) follow the list's order.
+macro_rules! kernel_kinds {
+    ($($(#[$doc:meta])* $kind:ident = $name:literal, $every_dtype:literal;)*) => {
+        /// Which kernel family a launch runs.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum KernelKind {
+            $($(#[$doc])* $kind,)*
+        }
+
+        impl KernelKind {
+            /// Every kind, in the order of its discriminant.
+            pub(crate) const ALL: &'static [KernelKind] = &[$(KernelKind::$kind),*];
+
+            /// Name used in kernel symbols and reports.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(KernelKind::$kind => $name,)*
+                }
+            }
+
+            /// Whether the device code exports it for every dtype (else f32 only).
+            const fn every_dtype(self) -> bool {
+                match self {
+                    $(KernelKind::$kind => $every_dtype,)*
+                }
+            }
+        }
+    };
+}
+
+kernel_kinds! {
     /// Every rank reads every peer's input and reduces the whole message.
-    OneStage,
+    OneStage = "one_stage", true;
     /// Reduce-scatter into the payload, barrier, all-gather from the peers' payloads.
-    TwoStage,
+    TwoStage = "two_stage", true;
     /// Barrier-free: data carries its own readiness (the -0.0 sentinel).
-    Lamport,
+    Lamport = "lamport", true;
     /// A start and an end barrier and nothing else (also the timeout probe).
-    Barrier,
+    Barrier = "barrier", true;
     /// Ranks 0 and 1 bounce a flag `num_elements` times through their payloads (one
     /// thread each): measures the cross-GPU flag round trip. f32 only.
-    PingPong,
+    PingPong = "pingpong", false;
     /// One thread spins for `timeout_ns` nanoseconds and touches no memory: fault
     /// injection (a rank made late on purpose). f32 only.
-    Delay,
+    Delay = "delay", false;
     /// All-gather: every group member gets every member's input, in group-rank order.
-    AllGather,
+    AllGather = "all_gather", true;
     /// Reduce-scatter (sum): group rank r gets part r of the sum
     /// ([`crate::reduce_scatter_part`]).
-    ReduceScatter,
+    ReduceScatter = "reduce_scatter", true;
     /// Broadcast of the root's input to every group member.
-    Broadcast,
+    Broadcast = "broadcast", true;
     /// Scatter: group rank r gets part r of the root's input.
-    Scatter,
+    Scatter = "scatter", true;
     /// All-reduce, residual add and RMSNorm in one kernel, row by row.
-    AllReduceRmsNorm,
+    AllReduceRmsNorm = "allreduce_rmsnorm", true;
     /// A batch of up to [`crate::signal::MAX_GROUP_CALLS`] all-reduces of one dtype and
     /// one group width in one kernel, one start and one end barrier (NCCL-style group
     /// calls). Staged like one-stage: each rank copies every entry's input into its own
     /// payload, then reduces its share of every entry from the members' payloads, each
     /// entry's bits those of a one-stage all-reduce of that entry alone. Launched with
     /// [`Backend::launch_group`] (its arguments are a [`GroupArgs`]).
-    AllReduceGroup,
+    AllReduceGroup = "allreduce_group", true;
     /// The fused all-reduce, residual add and RMSNorm without a barrier: each rank pushes
     /// its input rows into every peer's Lamport slot (as [`KernelKind::Lamport`] does),
     /// then each block computes whole rows as their packs arrive, with the row function
     /// of [`KernelKind::AllReduceRmsNorm`], so both give the same bits. Whole world of
     /// two or more ranks, the message plus its header within one Lamport slot.
-    LamportRmsNorm,
-}
-
-impl KernelKind {
-    /// Name used in kernel symbols and reports.
-    pub const fn name(self) -> &'static str {
-        match self {
-            KernelKind::OneStage => "one_stage",
-            KernelKind::TwoStage => "two_stage",
-            KernelKind::Lamport => "lamport",
-            KernelKind::Barrier => "barrier",
-            KernelKind::PingPong => "pingpong",
-            KernelKind::Delay => "delay",
-            KernelKind::AllGather => "all_gather",
-            KernelKind::ReduceScatter => "reduce_scatter",
-            KernelKind::Broadcast => "broadcast",
-            KernelKind::Scatter => "scatter",
-            KernelKind::AllReduceRmsNorm => "allreduce_rmsnorm",
-            KernelKind::AllReduceGroup => "allreduce_group",
-            KernelKind::LamportRmsNorm => "lamport_rmsnorm",
-        }
-    }
+    LamportRmsNorm = "lamport_rmsnorm", true;
 }
 
 impl Algorithm {
@@ -158,31 +167,14 @@ pub struct Kernel {
 impl Kernel {
     /// Every kernel the device code must export.
     pub fn all() -> impl Iterator<Item = Kernel> {
-        [
-            KernelKind::OneStage,
-            KernelKind::TwoStage,
-            KernelKind::Lamport,
-            KernelKind::Barrier,
-            KernelKind::AllGather,
-            KernelKind::ReduceScatter,
-            KernelKind::Broadcast,
-            KernelKind::Scatter,
-            KernelKind::AllReduceRmsNorm,
-            KernelKind::AllReduceGroup,
-            KernelKind::LamportRmsNorm,
-        ]
-        .into_iter()
-        .flat_map(|kind| {
-            DType::ALL
-                .into_iter()
-                .map(move |dtype| Kernel { kind, dtype })
+        KernelKind::ALL.iter().flat_map(|&kind| {
+            let dtypes: &[DType] = if kind.every_dtype() {
+                &DType::ALL
+            } else {
+                &[DType::F32]
+            };
+            dtypes.iter().map(move |&dtype| Kernel { kind, dtype })
         })
-        .chain(
-            [KernelKind::PingPong, KernelKind::Delay].map(|kind| Kernel {
-                kind,
-                dtype: DType::F32,
-            }),
-        )
     }
     /// Its exported symbol, e.g. `peercomm_two_stage_bf16`.
     pub fn symbol(self) -> String {

@@ -9,25 +9,24 @@
 //!   its bootstrap, and its teardown.
 //! - `config.rs`: what both are built with ([`CommConfig`], [`AllReduceOptions`]).
 
-#[cfg(feature = "cuda")]
-mod capture;
 mod config;
 mod core;
 mod per_rank;
 mod single;
+mod zero_copy;
 
-pub use self::core::collective::CollectiveOptions;
-pub use self::core::sizing::MemoryFootprint;
+pub use self::core::planning::collective::CollectiveOptions;
+pub use self::core::planning::sizing::MemoryFootprint;
 pub use self::core::Rank;
-#[cfg(feature = "cuda")]
-pub use capture::RegisteredGraph;
 pub use config::{AllReduceOptions, CommConfig};
-pub use per_rank::capture_inputs::CaptureInputs;
 pub use per_rank::group::CommGroup;
-pub use per_rank::registered::{RegisterError, Registered};
-pub use per_rank::symmetric::{SymmetricBuffer, SYMMETRIC_SEGMENT_BYTES};
 pub use per_rank::Comm;
 #[doc(hidden)]
 pub use per_rank::{free_expired_teardowns, parked_teardowns};
 pub use single::group::CommunicatorGroup;
 pub use single::Communicator;
+#[cfg(feature = "cuda")]
+pub use zero_copy::capture::RegisteredGraph;
+pub use zero_copy::capture_inputs::CaptureInputs;
+pub use zero_copy::registered::{RegisterError, Registered};
+pub use zero_copy::symmetric::{SymmetricBuffer, SYMMETRIC_SEGMENT_BYTES};

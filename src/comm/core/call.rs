@@ -36,27 +36,10 @@ use crate::dtype::DType;
 use crate::error::{CallField, Error};
 use crate::signal::CALL_WORDS;
 
-use super::plan::{InputPlace, Plan};
+use crate::comm::core::planning::{InputPlace, Plan};
 
 /// Bits of every word (bit 31 stays clear, so no word is the Lamport sentinel).
 const LOW31: u64 = 0x7fff_ffff;
-
-/// Every kernel kind, in the order of its discriminant (the descriptor's kind field).
-const KINDS: [KernelKind; 13] = [
-    KernelKind::OneStage,
-    KernelKind::TwoStage,
-    KernelKind::Lamport,
-    KernelKind::Barrier,
-    KernelKind::PingPong,
-    KernelKind::Delay,
-    KernelKind::AllGather,
-    KernelKind::ReduceScatter,
-    KernelKind::Broadcast,
-    KernelKind::Scatter,
-    KernelKind::AllReduceRmsNorm,
-    KernelKind::AllReduceGroup,
-    KernelKind::LamportRmsNorm,
-];
 
 /// The fields of a descriptor, each whole.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -154,7 +137,7 @@ pub(crate) fn encode(plan: &Plan, launched: u64) -> [u32; CALL_WORDS] {
 }
 
 fn kind_of(code: u32) -> Option<KernelKind> {
-    KINDS.get(code as usize).copied()
+    KernelKind::ALL.get(code as usize).copied()
 }
 
 /// Whether a descriptor is a batch of all-reduces' (see core/group.rs).
@@ -317,9 +300,9 @@ pub(crate) fn mismatch_error(
 
 #[cfg(test)]
 mod tests {
-    use super::super::plan::CollectiveArgs;
     use super::*;
     use crate::backend::{Kernel, LaunchDims};
+    use crate::comm::core::planning::CollectiveArgs;
     use crate::dispatch::Algorithm;
 
     fn plan(kind: KernelKind, dtype: DType, width: usize, elements: usize, blocks: u32) -> Plan {
@@ -341,7 +324,7 @@ mod tests {
 
     #[test]
     fn kinds_table_follows_the_discriminants() {
-        for (i, k) in KINDS.iter().enumerate() {
+        for (i, k) in KernelKind::ALL.iter().enumerate() {
             assert_eq!(*k as usize, i, "{k:?}");
         }
     }

@@ -20,30 +20,13 @@ use crate::error::{Error, Result};
 use crate::signal::{MAX_GPUS, NUM_BARRIER_DOMAINS};
 
 pub(crate) mod call;
-pub(crate) mod capture_script;
-pub(crate) mod check;
-pub(crate) mod collective;
-pub(crate) mod collective_staging;
-pub(crate) mod connect;
-pub(crate) mod descriptors;
-pub(crate) mod exchange;
-pub(crate) mod group;
 pub(crate) mod launch;
-pub(crate) mod peer_check;
-pub(crate) mod plan;
-pub(crate) mod plan_cache;
-pub(crate) mod pool;
-pub(crate) mod record;
-pub(crate) mod registry;
-pub(crate) mod route;
-pub(crate) mod routed;
+pub(crate) mod planning;
+pub(crate) mod routing;
 pub(crate) mod settings;
 pub(crate) mod setup;
-pub(crate) mod sizing;
-pub(crate) mod status;
-pub(crate) mod unavailable;
 
-use route::Router;
+use routing::Router;
 use settings::Settings;
 
 /// Where one rank is: its device (with its stream), its signal buffer, where it
@@ -99,7 +82,7 @@ pub struct Rank<B: Backend> {
     /// the signal by the per-rank teardown).
     pub(crate) mappings: Vec<B::PeerMapping>,
     /// The plans of recent all-reduce shapes (see `plan_cache.rs`).
-    pub(crate) plans: plan_cache::PlanCache,
+    pub(crate) plans: planning::cache::PlanCache,
     poisoned: AtomicBool,
     /// The error that poisoned the rank (set with `poisoned`, on the error path only).
     poisoned_by: Mutex<Option<Error>>,
@@ -117,7 +100,7 @@ impl<B: Backend> Rank<B> {
             settings,
             route,
             mappings,
-            plans: plan_cache::PlanCache::default(),
+            plans: planning::cache::PlanCache::default(),
             poisoned: AtomicBool::new(false),
             poisoned_by: Mutex::new(None),
         }

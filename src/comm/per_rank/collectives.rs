@@ -19,10 +19,10 @@
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use crate::error::Result;
 
-use super::super::core::collective::{Collective, CollectiveOptions};
-use super::super::core::launch::{Fused, PeerInputs};
-use super::super::core::plan::{PeerReads, Plan};
 use super::{mark_place, meta, peer_inputs, reads, Comm};
+use crate::comm::core::launch::{Fused, PeerInputs};
+use crate::comm::core::planning::collective::{Collective, CollectiveOptions};
+use crate::comm::core::planning::{PeerReads, Plan};
 
 impl<B: Backend> Comm<B> {
     /// Gathers every group member's `send` into `recv` on every member: member q's

@@ -6,11 +6,11 @@ use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use crate::dispatch::Algorithm;
 use crate::error::Result;
 
-use super::super::core::group::{run_group_steps, GroupStep, GroupedCall};
-use super::super::core::launch::PeerInputs;
-use super::super::core::plan::PeerReads;
 use super::super::AllReduceOptions;
 use super::{meta, Comm};
+use crate::comm::core::launch::group::{run_group_steps, GroupStep, GroupedCall};
+use crate::comm::core::launch::PeerInputs;
+use crate::comm::core::planning::PeerReads;
 
 /// An open group of all-reduces on a [`Comm`] (see [`Comm::group`]). Each call is
 /// checked when it is made (a bad one is a typed error and is not kept); nothing is

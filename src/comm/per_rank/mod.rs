@@ -25,25 +25,21 @@ use crate::error::{Error, Result};
 use crate::SignalLayout;
 
 use super::config::{compare_configs, encode_config};
-use super::core::check::{check_overlaps, Meta, Routed, Span};
-use super::core::connect;
-use super::core::launch::PeerInputs;
-use super::core::plan::PeerReads;
-use super::core::registry::{InPlace, Registry};
-use super::core::route::{self, RouteError};
-use super::core::setup::Placement;
 use super::core::Rank;
 use super::{AllReduceOptions, CommConfig};
+use crate::comm::core::launch::PeerInputs;
+use crate::comm::core::planning::check::{check_overlaps, Meta, Routed, Span};
+use crate::comm::core::planning::PeerReads;
+use crate::comm::core::routing::{self as route, RouteError};
+use crate::comm::core::setup::connect;
+use crate::comm::core::setup::Placement;
+use crate::comm::zero_copy::registry::{InPlace, Registry};
 
-pub(crate) mod capture_inputs;
 mod collectives;
 mod fault;
 pub(crate) mod group;
 mod parking;
-pub(crate) mod registered;
 mod status;
-pub(crate) mod symmetric;
-mod symmetric_trim;
 mod teardown;
 
 pub use parking::{free_expired_teardowns, parked_teardowns};
@@ -124,10 +120,10 @@ pub use parking::{free_expired_teardowns, parked_teardowns};
 pub struct Comm<B: Backend> {
     /// The per-rank core. Taken out by `Drop` (freed, or its signal parked): never
     /// used after it.
-    pub(super) core: std::mem::ManuallyDrop<Rank<B>>,
+    pub(crate) core: std::mem::ManuallyDrop<Rank<B>>,
     /// The bootstrap, through which every all-gather is tagged with its call's kind
     /// and a sequence number (see `crate::bootstrap::Exchanges`).
-    exchanges: Exchanges,
+    pub(crate) exchanges: Exchanges,
     hosts: Vec<HostId>,
     /// Held while a collective is enqueued, so that a launch never interleaves with a
     /// re-initialisation.
@@ -135,11 +131,11 @@ pub struct Comm<B: Backend> {
     torn_down: AtomicBool,
     /// Buffers registered with the peers (`registered.rs`), the symmetric pool's
     /// segments among them.
-    registry: Arc<Registry<B>>,
+    pub(crate) registry: Arc<Registry<B>>,
     /// The symmetric pool (`symmetric.rs`).
-    pool: super::core::pool::SymmetricPool<B>,
+    pub(crate) pool: crate::comm::zero_copy::pool::SymmetricPool<B>,
     /// What a registered capture's passes do with the inputs (`capture_inputs.rs`).
-    script: std::cell::RefCell<super::core::capture_script::Script>,
+    pub(crate) script: std::cell::RefCell<crate::comm::zero_copy::script::Script>,
     /// Makes `Comm` `Send` but not `Sync` (see "One issuing thread per rank").
     _one_issuing_thread: std::marker::PhantomData<std::cell::Cell<()>>,
 }
@@ -167,7 +163,7 @@ fn peer_inputs(input: u64, place: &Option<InPlace>) -> PeerInputs<'_> {
 
 /// Marks a plan that reads the peers' registered inputs in place with their place, so
 /// that a peer reading from elsewhere is a descriptor mismatch (see `registry.rs`).
-fn mark_place(plan: &mut super::core::plan::Plan, place: &Option<InPlace>) {
+fn mark_place(plan: &mut crate::comm::core::planning::Plan, place: &Option<InPlace>) {
     use crate::backend::KernelKind;
     let in_place_reads = !plan.stage_input
         && plan.width > 1
@@ -197,7 +193,7 @@ fn with_place(routed: Routed, place: &Option<InPlace>) -> Routed {
 }
 
 /// What [`Comm`] knows of a buffer.
-fn meta<B: Backend>(b: &(impl DeviceBuffer<B> + ?Sized)) -> Meta {
+pub(crate) fn meta<B: Backend>(b: &(impl DeviceBuffer<B> + ?Sized)) -> Meta {
     Meta {
         dtype: b.dtype(),
         len: b.len(),
@@ -291,7 +287,7 @@ impl<B: Backend> Comm<B> {
             launch_lock: Mutex::new(()),
             torn_down: AtomicBool::new(false),
             registry: Arc::new(Registry::new(config.bootstrap_timeout)),
-            pool: super::core::pool::SymmetricPool::default(),
+            pool: crate::comm::zero_copy::pool::SymmetricPool::default(),
             script: Default::default(),
             _one_issuing_thread: std::marker::PhantomData,
         })

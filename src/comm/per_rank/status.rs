@@ -53,7 +53,7 @@ impl<B: Backend> Comm<B> {
             elements,
             options,
             in_place,
-            super::super::core::plan::PeerReads::Payloads,
+            crate::comm::core::planning::PeerReads::Payloads,
         )
     }
 }

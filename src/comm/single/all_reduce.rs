@@ -9,12 +9,12 @@ use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
 use crate::tensor::{Tensor, TensorMut};
 
-use super::super::core::check::Routed;
-use super::super::core::plan::PeerReads;
-use super::super::core::route::Path;
 use super::super::AllReduceOptions;
 use super::validate::{bytes_of, meta, meta_mut, Meta};
 use super::Communicator;
+use crate::comm::core::planning::check::Routed;
+use crate::comm::core::planning::PeerReads;
+use crate::comm::core::routing::Path;
 
 impl<B: Backend> Communicator<B> {
     /// Sums `inputs[r]` over each group into `outputs[r]` (one tensor per rank, same

@@ -9,11 +9,11 @@ use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
 use crate::tensor::{Tensor, TensorMut};
 
-use super::super::core::collective::{reduce_scatter_part, Collective, CollectiveOptions};
-use super::super::core::launch::PeerInputs;
-use super::super::core::plan::{PeerReads, Plan};
 use super::validate::{bytes_of, meta, meta_mut, Meta};
 use super::Communicator;
+use crate::comm::core::launch::PeerInputs;
+use crate::comm::core::planning::collective::{reduce_scatter_part, Collective, CollectiveOptions};
+use crate::comm::core::planning::{PeerReads, Plan};
 
 impl<B: Backend> Communicator<B> {
     /// Gathers `inputs[r]` (one per rank, same dtype and shape everywhere) over each

@@ -7,10 +7,10 @@ use crate::dispatch::Algorithm;
 use crate::error::Result;
 use crate::signal::MAX_GPUS;
 
-use super::super::core::group::{run_group_steps, GroupStep, GroupedCall};
-use super::super::core::plan::PeerReads;
 use super::super::AllReduceOptions;
 use super::Communicator;
+use crate::comm::core::launch::group::{run_group_steps, GroupStep, GroupedCall};
+use crate::comm::core::planning::PeerReads;
 
 /// An open group of all-reduces on a [`Communicator`] (see [`Communicator::group`]).
 /// Each call is checked when it is made; nothing is launched until

@@ -14,11 +14,11 @@ use crate::signal::MAX_GPUS;
 #[cfg(doc)]
 use crate::CommConfig;
 
-use super::super::core::group::GroupPlan;
-use super::super::core::launch::{Fused, PeerInputs};
-use super::super::core::plan::Plan;
 use super::launcher::{spawn_error, LaunchFn, Launcher, Launches, Outcomes};
 use super::Communicator;
+use crate::comm::core::launch::group::GroupPlan;
+use crate::comm::core::launch::{Fused, PeerInputs};
+use crate::comm::core::planning::Plan;
 
 /// Every world rank, in order: `&ALL_RANKS[..world]` is the whole world.
 const ALL_RANKS: [usize; MAX_GPUS] = {

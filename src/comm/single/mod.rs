@@ -25,13 +25,13 @@ use crate::error::{Error, Result};
 use crate::external::local::LocalBootstrap;
 use crate::signal::{SignalLayout, MAX_GPUS};
 
-use super::core::connect;
-use super::core::launch::PeerInputs;
-use super::core::plan::{CollectiveArgs, Plan};
-use super::core::record;
-use super::core::setup::{self, Placement};
 use super::core::Rank;
 use super::CommConfig;
+use crate::comm::core::launch::PeerInputs;
+use crate::comm::core::planning::{CollectiveArgs, Plan};
+use crate::comm::core::setup::connect;
+use crate::comm::core::setup::record;
+use crate::comm::core::setup::{self, Placement};
 
 mod all_reduce;
 mod collectives;

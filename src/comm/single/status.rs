@@ -6,10 +6,10 @@ use crate::dispatch::Algorithm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-use super::super::core::plan::PeerReads;
 use super::super::core::Rank;
 use super::super::{AllReduceOptions, MemoryFootprint};
 use super::Communicator;
+use crate::comm::core::planning::PeerReads;
 
 impl<B: Backend> Communicator<B> {
     /// Waits for every rank's queued work and nothing else: no error record is read,

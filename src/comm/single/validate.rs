@@ -8,8 +8,8 @@ use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
 use crate::tensor::shape_elements;
 
-pub(super) use super::super::core::check::Meta;
-use super::super::core::check::{check_overlaps, Span};
+pub(super) use crate::comm::core::planning::check::Meta;
+use crate::comm::core::planning::check::{check_overlaps, Span};
 
 /// One role of a call's buffers for [`Communicator::check_overlaps`]: every rank's
 /// address and bytes, the role's name, and whether the call writes it (at most four
@@ -29,8 +29,8 @@ pub(super) fn bytes_of(metas: impl IntoIterator<Item = Meta>) -> [usize; MAX_GPU
     }
     bytes
 }
-use super::super::core::plan::Plan;
 use super::Communicator;
+use crate::comm::core::planning::Plan;
 use crate::tensor::{Tensor, TensorMut};
 
 /// What the core checks of a shaped input.

@@ -11,9 +11,9 @@ use cudarc::driver::{CudaGraph, CudaStream};
 use crate::backend::cuda::{capture, Cuda};
 use crate::error::{Error, Result};
 
-use super::core::capture_script::Planning;
-use super::per_rank::capture_inputs::CaptureInputs;
-use super::{Comm, Communicator};
+use crate::comm::zero_copy::capture_inputs::CaptureInputs;
+use crate::comm::zero_copy::script::Planning;
+use crate::comm::{Comm, Communicator};
 
 impl Communicator<Cuda> {
     /// Captures what `f` enqueues on every rank's stream into one CUDA graph per rank

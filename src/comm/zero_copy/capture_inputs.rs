@@ -20,11 +20,11 @@ use crate::backend::Backend;
 use crate::bootstrap::{Bootstrap, ExchangeKind};
 use crate::error::{Error, Result};
 
-use super::super::core::capture_script::{Follow, Planning, Script, Step};
-use super::super::core::registry::{
+use crate::comm::per_rank::Comm;
+use crate::comm::zero_copy::registry::{
     record_word, refusal_text, register_range, Registry, REGISTER_RECORD, SYMMETRIC_RECORD,
 };
-use super::Comm;
+use crate::comm::zero_copy::script::{Follow, Planning, Script, Step};
 
 /// The first word of a registered capture's gathered record (see `REGISTER_RECORD`).
 const CAPTURE_RECORD: u64 = u64::from_le_bytes(*b"pccap\0\0\x01");

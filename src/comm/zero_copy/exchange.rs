@@ -2,22 +2,22 @@
 //! rank exports the allocation that holds its range ([`Backend::export_range`]) and
 //! gathers every rank's handle; where the driver exports memory only as a file
 //! descriptor, the descriptors follow over the descriptor channel
-//! ([`super::descriptors`]). A refusal to export is gathered, so every rank refuses
+//! ([`crate::os::descriptors`]). A refusal to export is gathered, so every rank refuses
 //! alike; a descriptor that does not arrive is this rank's own problem, which the
 //! registration then gathers with the import failures.
 
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use super::descriptors::{self, Listener, Peer};
 use crate::backend::{Backend, Descriptor, ExportedRange};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
+use crate::os::descriptors::{self, Listener, Peer};
 
 /// How long a rank waits for its peers' descriptors, or to hand one over, at most (a
 /// communicator waits less where its bootstrap timeout is short: see
 /// `Registry::new`). Only a dead or stuck peer makes a rank wait that long: a
-/// connection that is no peer's delays nothing (see [`super::descriptors`]).
+/// connection that is no peer's delays nothing (see [`crate::os::descriptors`]).
 pub(crate) const DESCRIPTOR_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A peer's exported range, as received here.

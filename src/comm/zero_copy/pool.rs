@@ -7,7 +7,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::backend::Backend;
 
-use super::registry::Registry;
+use crate::comm::zero_copy::registry::Registry;
 
 /// Alignment of a symmetric buffer in its segment.
 pub(crate) const ALIGN: u64 = 256;

@@ -40,8 +40,8 @@ use crate::dispatch::Algorithm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-use super::super::core::registry::{register_range, Registry};
-use super::Comm;
+use crate::comm::per_rank::Comm;
+use crate::comm::zero_copy::registry::{register_range, Registry};
 
 /// A buffer registered with a per-rank [`Comm`] ([`Comm::register`]): the buffer
 /// itself (it passes for it in every call, and derefs to it for reads), while every
@@ -150,7 +150,7 @@ impl<B: Backend> Comm<B> {
         // Bytes that a buffer can span, in a range that does not wrap the address
         // space (a wrapped size would register a few bytes of a huge buffer).
         let (local, ptr, bytes) = match local.and_then(|_| {
-            let meta = super::meta(buffer);
+            let meta = crate::comm::per_rank::meta(buffer);
             let bytes = meta.bytes(self.rank(), "registered")?;
             let ptr = buffer.read_ptr(core.device()).0;
             match ptr.checked_add(bytes as u64) {
@@ -179,7 +179,7 @@ impl<B: Backend> Comm<B> {
     }
 
     /// Registered buffers need peer memory across the whole world.
-    pub(super) fn check_zero_copy(&self) -> Result<()> {
+    pub(crate) fn check_zero_copy(&self) -> Result<()> {
         if self.world_path() != Algorithm::Auto {
             return Err(Error::Unsupported(format!(
                 "registered and symmetric buffers need peer memory across the whole world; \

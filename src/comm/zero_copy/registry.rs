@@ -23,13 +23,13 @@
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
-use super::descriptors::Listener;
-use super::exchange::{exchange, DESCRIPTOR_TIMEOUT};
-use super::plan::InputPlace;
 use crate::backend::handle::process_token;
 use crate::backend::{Backend, Descriptor};
 use crate::bootstrap::Bootstrap;
+use crate::comm::core::planning::InputPlace;
+use crate::comm::zero_copy::exchange::{exchange, DESCRIPTOR_TIMEOUT};
 use crate::error::{Error, Result};
+use crate::os::descriptors::Listener;
 use crate::signal::MAX_GPUS;
 
 /// Where every group member's input of one call is, read in place.

@@ -2,8 +2,8 @@
 //! with each call's input: the first records the unregistered inputs, the second
 //! reads each through the registration made for it, found by number.
 
-use super::registry::{InPlace, Registry};
 use crate::backend::Backend;
+use crate::comm::zero_copy::registry::{InPlace, Registry};
 
 /// What the current pass of `Comm::register_inputs_of` does with an input.
 #[derive(Default)]

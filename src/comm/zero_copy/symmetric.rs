@@ -28,12 +28,12 @@ use crate::bootstrap::{Bootstrap, ExchangeKind};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 
-use super::super::core::check::message_bytes;
-use super::super::core::pool::{Segment, ALIGN};
-use super::super::core::registry::{
+use crate::comm::core::planning::staging::message_bytes;
+use crate::comm::per_rank::Comm;
+use crate::comm::zero_copy::pool::{Segment, ALIGN};
+use crate::comm::zero_copy::registry::{
     refusal_text, register_range, REGISTER_RECORD, SYMMETRIC_RECORD,
 };
-use super::Comm;
 
 /// Bytes of a symmetric pool segment (a larger buffer gets a segment of its own size,
 /// rounded up to 2 MiB). Allocated when the first buffer that needs it is.

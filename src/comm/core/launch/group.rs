@@ -24,7 +24,7 @@
 //! `blocks` option).
 //!
 //! # The batch's call descriptor
-//! One descriptor for the whole batch, built as [`super::call::encode`] builds any
+//! One descriptor for the whole batch, built as [`crate::comm::core::call::encode`] builds any
 //! call's, from the first entry plus the count:
 //! - kind `AllReduceGroup`, the dtype, the group width, the blocks and the per-domain
 //!   sequence number as for any call (the batch is one call in its barrier domain);
@@ -72,7 +72,7 @@
 //! total packs) already differs in the descriptor's block count, and the Publish barrier
 //! finds it. Between two batches that can only come from their lengths (`max_blocks` and
 //! `threads_per_block` are agreed at setup; the count, width and dtype are compared
-//! first), so [`super::call::first_difference`] names it `CallField::Length` too,
+//! first), so [`crate::comm::core::call::first_difference`] names it `CallField::Length` too,
 //! showing `"entries sized for 1 block"` against `"entries sized for 2 blocks"`.
 //!
 //! The single controller also compares every entry exactly on the host before
@@ -87,11 +87,11 @@ use crate::signal::{
     PACK_BYTES,
 };
 
-use super::call;
-use super::launch::PeerInputs;
-use super::plan::{CollectiveArgs, Plan};
-use super::settings::Settings;
-use super::{Endpoint, Rank};
+use crate::comm::core::call;
+use crate::comm::core::launch::PeerInputs;
+use crate::comm::core::planning::{CollectiveArgs, Plan};
+use crate::comm::core::settings::Settings;
+use crate::comm::core::{Endpoint, Rank};
 
 /// A planned batch: the launch plan (what the descriptor is built from) and each
 /// entry's element count and payload offset.
@@ -315,7 +315,7 @@ pub(crate) enum GroupStep {
     /// Call `index` alone, as routed and planned.
     Alone {
         index: usize,
-        routed: super::check::Routed,
+        routed: crate::comm::core::planning::check::Routed,
     },
 }
 
@@ -360,7 +360,7 @@ impl<B: Backend> Rank<B> {
     pub(crate) fn plan_grouped(
         &self,
         calls: &[GroupedCall],
-        reads: super::plan::PeerReads,
+        reads: crate::comm::core::planning::PeerReads,
     ) -> Result<Vec<GroupStep>> {
         let batchable = |c: &GroupedCall| {
             matches!(c.options.algorithm, Algorithm::Auto | Algorithm::OneStage)
@@ -369,7 +369,7 @@ impl<B: Backend> Rank<B> {
         };
         let local_width = |c: &GroupedCall| -> Result<Option<usize>> {
             Ok(match self.route.path(c.dtype, c.elements, &c.options)? {
-                super::route::Path::Peer(local) => Some(local.group_size),
+                crate::comm::core::routing::Path::Peer(local) => Some(local.group_size),
                 _ => None,
             })
         };
@@ -381,7 +381,8 @@ impl<B: Backend> Rank<B> {
                 let mut lengths = vec![c.elements];
                 // Staged where the peers read only payloads, or where an entry's output
                 // is its input (the peers would read what this rank overwrites).
-                let mut stage = reads == super::plan::PeerReads::Payloads || c.in_place;
+                let mut stage =
+                    reads == crate::comm::core::planning::PeerReads::Payloads || c.in_place;
                 let mut plan = None;
                 for next in &calls[i + 1..] {
                     if lengths.len() == MAX_GROUP_CALLS

@@ -9,11 +9,13 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::signal::{barrier_domain, AllReduceArgs, MAX_GPUS, PACK_BYTES};
 
-use super::call;
-use super::collective_staging::collective_staging;
-use super::plan::{staging, Plan};
-use super::settings::Settings;
-use super::{Endpoint, Rank};
+use crate::comm::core::call;
+use crate::comm::core::planning::{staging, Plan};
+use crate::comm::core::settings::Settings;
+use crate::comm::core::{Endpoint, Rank};
+
+pub(crate) mod group;
+pub(crate) mod status;
 
 /// Where the peers read each rank's input.
 #[derive(Clone, Copy)]
@@ -35,8 +37,8 @@ pub(crate) struct Fused {
 
 impl Settings {
     /// The kernels' `stage_input` word for `plan`: 0 where nothing is staged; else how
-    /// the staged kernel goes through the payload: whole or in chunks ([`staging`] for
-    /// the all-reduce, [`collective_staging`] for the collectives), the rule the
+    /// the staged kernel goes through the payload: whole or in chunks ([`staging::all_reduce`] for
+    /// the all-reduce, [`staging::collective`] for the collectives), the rule the
     /// planner checked.
     pub(crate) fn stage_word(&self, plan: &Plan) -> Result<u32> {
         if !plan.stage_input {
@@ -46,10 +48,10 @@ impl Settings {
         let payload = self.layout.payload_bytes;
         let word = if kind == KernelKind::OneStage {
             let packs = plan.elements.div_ceil(dtype.lanes());
-            staging(packs, payload).ok_or((packs * PACK_BYTES).min(2 * PACK_BYTES))
+            staging::all_reduce(packs, payload).ok_or((packs * PACK_BYTES).min(2 * PACK_BYTES))
         } else {
             let hidden = plan.collective.hidden as usize;
-            collective_staging(kind, dtype, plan.elements, plan.width, hidden, payload)
+            staging::collective(kind, dtype, plan.elements, plan.width, hidden, payload)
         };
         word.map_err(|needed| Error::MessageTooLarge {
             algorithm: kind.name(),

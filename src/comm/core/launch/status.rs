@@ -8,7 +8,7 @@ use crate::signal::{
     ERROR_CALL_MISMATCH, ERROR_CODE, ERROR_DOMAIN, ERROR_PEER_ABORTED, ERROR_RANK, ERROR_WRITING,
 };
 
-use super::{call, Endpoint};
+use crate::comm::core::{call, Endpoint};
 
 /// Words of an error record: `error_state`, then `error_detail` (adjacent in the
 /// signal).
@@ -71,7 +71,7 @@ fn decode(rank: usize, words: &[u32; RECORD_WORDS]) -> Option<Error> {
     }
 }
 
-impl<B: Backend> super::Rank<B> {
+impl<B: Backend> crate::comm::core::Rank<B> {
     /// This rank's error record after its stream's earlier work.
     pub(crate) fn read_error(&self) -> Result<Option<Error>> {
         read_error_record(&self.endpoint)

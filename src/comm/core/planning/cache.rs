@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use crate::comm::AllReduceOptions;
 use crate::dtype::DType;
 
-use super::plan::{PeerReads, Plan};
+use crate::comm::core::planning::{PeerReads, Plan};
 
 /// Shapes kept: a transformer layer all-reduces one or two shapes per step.
 const SLOTS: usize = 4;

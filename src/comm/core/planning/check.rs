@@ -8,33 +8,13 @@ use crate::backend::Backend;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-use super::collective::{reduce_scatter_part, Collective, CollectiveOptions};
-use super::plan::{PeerReads, Plan};
-use super::plan_cache::Shape;
-use super::route::Path;
-use super::sizing::padded_bytes;
-use super::Rank;
+use super::staging::message_bytes;
+use crate::comm::core::planning::cache::Shape;
+use crate::comm::core::planning::collective::{reduce_scatter_part, Collective, CollectiveOptions};
+use crate::comm::core::planning::{PeerReads, Plan};
+use crate::comm::core::routing::Path;
+use crate::comm::core::Rank;
 use crate::comm::AllReduceOptions;
-
-/// The most bytes any buffer spans (Rust's allocation limit). A length whose bytes, in
-/// whole 16-byte packs, stay within it leaves headroom for every size a call derives
-/// from it (a header pack, a partition, parts rounded up to packs) within `usize`.
-pub(crate) const MAX_BUFFER_BYTES: usize = isize::MAX as usize;
-
-/// The bytes of a message of `elements` x `dtype` in whole packs, checked against
-/// [`MAX_BUFFER_BYTES`]: [`Error::SizeOverflow`] naming `what` (a buffer, a message)
-/// where no buffer can be that large.
-pub(crate) fn message_bytes(
-    dtype: DType,
-    elements: usize,
-    what: &dyn Fn() -> String,
-) -> Result<usize> {
-    padded_bytes(dtype, elements)
-        .filter(|&b| b <= MAX_BUFFER_BYTES)
-        .ok_or_else(|| Error::SizeOverflow {
-            what: format!("{} of {elements} x {}", what(), dtype.name()),
-        })
-}
 
 /// One buffer of a call as [`check_overlaps`] sees it.
 #[derive(Clone, Copy, Debug)]
@@ -379,33 +359,5 @@ mod tests {
         let top = span(0, "input", u64::MAX - 15, 16);
         assert_eq!(ok(&[top, span(0, "output", 0, 16)], false), Ok(false));
         assert!(ok(&[top, span(0, "output", u64::MAX, 1)], false).is_err());
-    }
-
-    /// Messages whose bytes in whole packs pass isize::MAX are refused for every dtype;
-    /// the largest that fits is allowed.
-    #[test]
-    fn message_bytes_stop_at_the_largest_buffer() {
-        for dtype in DType::ALL {
-            let lanes = dtype.lanes();
-            let largest = MAX_BUFFER_BYTES / 16 * lanes;
-            assert_eq!(
-                message_bytes(dtype, largest, &String::new),
-                Ok(largest / lanes * 16)
-            );
-            for n in [
-                largest + 1,
-                usize::MAX / dtype.size(),
-                usize::MAX / 2,
-                usize::MAX,
-            ] {
-                assert!(
-                    matches!(
-                        message_bytes(dtype, n, &String::new),
-                        Err(Error::SizeOverflow { .. })
-                    ),
-                    "{n} x {dtype:?}"
-                );
-            }
-        }
     }
 }

@@ -8,7 +8,7 @@
 //! Where the peers cannot read user buffers (a rank per process or thread, the per-rank
 //! `Comm`), each rank first copies what its peers read into its own payload; a message
 //! the payload cannot hold whole runs through it in chunks
-//! ([`super::collective_staging`] has the rule),
+//! ([`crate::comm::core::planning::staging`] has the rule),
 //! so only a payload without room for two chunks (a pack per part, or a row of the
 //! fused kernel, per half) refuses it ([`crate::Error::MessageTooLarge`]). In one
 //! process the peers read the user buffers directly and no scratch is needed.
@@ -19,10 +19,10 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::signal::{LAMPORT_HEADER_BYTES, MAX_NUM_BLOCKS_UPPER_BOUND};
 
-use super::check::message_bytes;
-use super::collective_staging::{collective_staging, padded};
-use super::plan::{CollectiveArgs, PeerReads, Plan};
-use super::settings::Settings;
+use super::staging::message_bytes;
+use super::staging::{self, padded};
+use crate::comm::core::planning::{CollectiveArgs, PeerReads, Plan};
+use crate::comm::core::settings::Settings;
 
 /// Options of one all-gather, reduce-scatter, broadcast, scatter or fused call.
 #[derive(Clone, Copy, Debug, Default)]
@@ -143,7 +143,8 @@ impl Settings {
         if staged {
             let payload = self.layout.payload_bytes;
             let hidden = extra.hidden as usize;
-            if let Err(needed) = collective_staging(kind, dtype, elements, width, hidden, payload) {
+            if let Err(needed) = staging::collective(kind, dtype, elements, width, hidden, payload)
+            {
                 return Err(Error::MessageTooLarge {
                     algorithm: kind.name(),
                     needed,

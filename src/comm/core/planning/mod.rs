@@ -6,11 +6,17 @@ use crate::backend::{Kernel, KernelKind, LaunchDims};
 use crate::dispatch::{self, Algorithm};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::signal::{LAMPORT_HEADER_BYTES, MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES, STAGE_WHOLE};
+use crate::signal::{LAMPORT_HEADER_BYTES, MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES};
 
-use super::check::message_bytes;
-use super::settings::Settings;
+use crate::comm::core::settings::Settings;
 use crate::comm::AllReduceOptions;
+use staging::message_bytes;
+
+pub(crate) mod cache;
+pub(crate) mod check;
+pub(crate) mod collective;
+pub(crate) mod sizing;
+pub(crate) mod staging;
 
 /// Where a call's kernels read the peers' inputs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -29,25 +35,6 @@ pub(crate) struct CollectiveArgs {
     pub(crate) root: u32,
     pub(crate) hidden: u32,
     pub(crate) epsilon: f32,
-}
-
-/// How a staged one-stage all-reduce of `packs` 16-byte packs goes through a payload of
-/// `payload` bytes, as the kernels' `stage_input` word: [`STAGE_WHOLE`] where the payload
-/// holds the whole message (staged at its start); else chunks of C packs, C = half the
-/// payload (at most `STAGE_WHOLE - 1`), so that one half is staged while the other is
-/// read (kernels-common/peercomm_kernels.h, `one_stage_chunked`): the kernel chunks a
-/// message of more than C packs. Every rank computes the same C: `payload_bytes` is
-/// checked equal at setup and the element count is in the call descriptor. `None` where
-/// the payload holds neither the message nor a pack per half.
-pub(crate) fn staging(packs: usize, payload: usize) -> Option<u32> {
-    let whole = packs
-        .checked_mul(PACK_BYTES)
-        .is_some_and(|bytes| bytes <= payload);
-    if whole && packs <= STAGE_WHOLE as usize {
-        return Some(STAGE_WHOLE);
-    }
-    let half = payload / (2 * PACK_BYTES);
-    (half > 0).then(|| half.min(STAGE_WHOLE as usize - 1) as u32)
 }
 
 /// What validation learned about one call.
@@ -133,7 +120,8 @@ impl Settings {
             Algorithm::Auto | Algorithm::Nccl | Algorithm::Hierarchical => true,
         };
         let fits = |a: Algorithm| {
-            fits_whole(a) || (a == Algorithm::OneStage && staging(packs, payload).is_some())
+            fits_whole(a)
+                || (a == Algorithm::OneStage && staging::all_reduce(packs, payload).is_some())
         };
         // Lamport runs only over the whole world of at least two ranks: its state is
         // per rank and shared by every width, so a subgroup call would move one group's
@@ -243,6 +231,7 @@ impl Settings {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::signal::STAGE_WHOLE;
     use crate::CommConfig;
 
     fn settings(world: usize) -> Settings {
@@ -307,44 +296,6 @@ mod tests {
             PeerReads::UserBuffers,
         );
         assert_eq!(big.unwrap().dims.blocks, 132);
-    }
-
-    /// The staging rule: whole where the payload holds the message, else chunks of half
-    /// the payload (so the kernel chunks exactly the messages that do not fit), none
-    /// where a half holds no pack.
-    #[test]
-    fn staging_is_whole_where_it_fits_else_half_the_payload() {
-        let whole = Some(STAGE_WHOLE);
-        assert_eq!(staging(0, 0), whole);
-        assert_eq!(staging(1, 16), whole);
-        assert_eq!(staging(259, 4144), whole);
-        // 4144 bytes: halves of 129 packs; a message of 260 packs takes 3 chunks.
-        assert_eq!(staging(260, 4144), Some(129));
-        assert_eq!(staging(1 << 30, 64 << 20), Some(1 << 21));
-        // A payload without a pack per half.
-        assert_eq!(staging(1, 0), None);
-        assert_eq!(staging(2, 16), None);
-        assert_eq!(staging(3, 31), None);
-        assert_eq!(staging(3, 32), Some(1));
-        assert_eq!(staging(3, 47), Some(1));
-        // No pack count the word cannot say: a message of 2^32 packs or more chunks.
-        assert_eq!(staging(u32::MAX as usize, usize::MAX), whole);
-        assert_eq!(
-            staging(1 << 33, usize::MAX),
-            Some(STAGE_WHOLE - 1),
-            "chunks of at most STAGE_WHOLE - 1 packs"
-        );
-        for payload in [32, 47, 4096, 4144, 65_584] {
-            for packs in 1..3 * payload / 16 {
-                let c = staging(packs, payload).unwrap();
-                // The kernel chunks a message of more than c packs: exactly those that
-                // do not fit, each chunk within half the payload.
-                assert_eq!(packs as u64 > u64::from(c), packs * 16 > payload);
-                if packs * 16 > payload {
-                    assert!(2 * c as usize * 16 <= payload);
-                }
-            }
-        }
     }
 
     /// Per rank (and in place in one process), a staged one-stage call the payload

@@ -8,7 +8,8 @@ use crate::dtype::DType;
 use crate::error::Result;
 use crate::signal::{SignalLayout, LAMPORT_HEADER_BYTES, PACK_BYTES};
 
-use super::plan::PeerReads;
+use super::staging::padded_bytes;
+use crate::comm::core::planning::PeerReads;
 use crate::comm::{AllReduceOptions, CommConfig};
 
 /// Device memory one rank of a communicator allocates (its signal allocation, the
@@ -51,11 +52,6 @@ impl std::fmt::Display for MemoryFootprint {
             mib(self.payload)
         )
     }
-}
-
-/// Bytes a message of `elements` x `dtype` occupies in scratch: whole 16-byte packs.
-pub(crate) fn padded_bytes(dtype: DType, elements: usize) -> Option<usize> {
-    elements.div_ceil(dtype.lanes()).checked_mul(PACK_BYTES)
 }
 
 impl CommConfig {
@@ -139,7 +135,7 @@ impl SignalLayout {
     }
 }
 
-impl<B: Backend> super::Rank<B> {
+impl<B: Backend> crate::comm::core::Rank<B> {
     /// The device memory this rank allocated.
     pub(crate) fn memory_footprint(&self) -> MemoryFootprint {
         MemoryFootprint::of(&self.settings.layout).expect("a validated layout")
@@ -213,8 +209,8 @@ mod tests {
     /// planners refuse such messages with `SizeOverflow` whatever the algorithm.
     #[test]
     fn huge_counts_are_refused() {
-        use crate::comm::core::collective::{Collective, CollectiveOptions};
-        use crate::comm::core::plan::PeerReads;
+        use crate::comm::core::planning::collective::{Collective, CollectiveOptions};
+        use crate::comm::core::planning::PeerReads;
         use crate::comm::core::settings::Settings;
         use crate::dispatch::Algorithm;
         use crate::Error;

@@ -1,13 +1,56 @@
-//! How a staged collective (all-gather, reduce-scatter, broadcast, scatter, the fused
-//! all-reduce + RMSNorm) goes through a rank's payload: whole where it fits, else in
-//! chunks of half the payload, as the kernels' `stage_input` word says
-//! (kernels-common/peercomm_collectives.h; the all-reduce's rule is
-//! [`super::plan::staging`]). The planner checks it, and the launch builds the word
-//! from it.
+//! How a message occupies scratch: its bytes in whole packs (checked against the
+//! largest buffer), and how a staged call goes through a rank's payload, whole where
+//! it fits, else in chunks of half the payload, as the kernels' `stage_input` word
+//! says. The planner checks it, and the launch builds the word from it.
 
 use crate::backend::KernelKind;
 use crate::dtype::DType;
+use crate::error::{Error, Result};
 use crate::signal::{reduce_scatter_part, PACK_BYTES, STAGE_WHOLE};
+
+/// The most bytes any buffer spans (Rust's allocation limit). A length whose bytes, in
+/// whole 16-byte packs, stay within it leaves headroom for every size a call derives
+/// from it (a header pack, a partition, parts rounded up to packs) within `usize`.
+pub(crate) const MAX_BUFFER_BYTES: usize = isize::MAX as usize;
+
+/// The bytes of a message of `elements` x `dtype` in whole packs, checked against
+/// [`MAX_BUFFER_BYTES`]: [`Error::SizeOverflow`] naming `what` (a buffer, a message)
+/// where no buffer can be that large.
+pub(crate) fn message_bytes(
+    dtype: DType,
+    elements: usize,
+    what: &dyn Fn() -> String,
+) -> Result<usize> {
+    padded_bytes(dtype, elements)
+        .filter(|&b| b <= MAX_BUFFER_BYTES)
+        .ok_or_else(|| Error::SizeOverflow {
+            what: format!("{} of {elements} x {}", what(), dtype.name()),
+        })
+}
+
+/// Bytes a message of `elements` x `dtype` occupies in scratch: whole 16-byte packs.
+pub(crate) fn padded_bytes(dtype: DType, elements: usize) -> Option<usize> {
+    elements.div_ceil(dtype.lanes()).checked_mul(PACK_BYTES)
+}
+
+/// How a staged one-stage all-reduce of `packs` 16-byte packs goes through a payload of
+/// `payload` bytes, as the kernels' `stage_input` word: [`STAGE_WHOLE`] where the payload
+/// holds the whole message (staged at its start); else chunks of C packs, C = half the
+/// payload (at most `STAGE_WHOLE - 1`), so that one half is staged while the other is
+/// read (kernels-common/peercomm_kernels.h, `one_stage_chunked`): the kernel chunks a
+/// message of more than C packs. Every rank computes the same C: `payload_bytes` is
+/// checked equal at setup and the element count is in the call descriptor. `None` where
+/// the payload holds neither the message nor a pack per half.
+pub(crate) fn all_reduce(packs: usize, payload: usize) -> Option<u32> {
+    let whole = packs
+        .checked_mul(PACK_BYTES)
+        .is_some_and(|bytes| bytes <= payload);
+    if whole && packs <= STAGE_WHOLE as usize {
+        return Some(STAGE_WHOLE);
+    }
+    let half = payload / (2 * PACK_BYTES);
+    (half > 0).then(|| half.min(STAGE_WHOLE as usize - 1) as u32)
+}
 
 /// Bytes of `n` elements rounded up to whole packs (saturating: the planner refuses a
 /// message whose bytes overflow before it sizes anything).
@@ -17,14 +60,14 @@ pub(crate) fn padded(dtype: DType, n: usize) -> usize {
 
 /// How a staged collective of `elements` (as its plan counts them) goes through a
 /// payload of `payload` bytes, as the kernels' `stage_input` word: [`STAGE_WHOLE`] where
-/// the payload holds what the kernel stages whole (as [`super::plan::staging`] for the
+/// the payload holds what the kernel stages whole (as [`all_reduce`] for the
 /// all-reduce); else the capacity of one chunk, half the payload: in packs of the
 /// message (all-gather, broadcast), in packs of each part (reduce-scatter, scatter: a
 /// half holds `width` parts' chunks), in rows (the fused kernel), at most
 /// `STAGE_WHOLE - 1`; the kernel chunks a message of more units than that
 /// (kernels-common/peercomm_collectives.h). `Err` with the bytes two chunks of one unit
 /// need where a half holds not one; 1 (a flag) for kinds that never chunk.
-pub(crate) fn collective_staging(
+pub(crate) fn collective(
     kind: KernelKind,
     dtype: DType,
     elements: usize,
@@ -67,6 +110,72 @@ pub(crate) fn collective_staging(
 mod tests {
     use super::*;
 
+    /// The staging rule: whole where the payload holds the message, else chunks of half
+    /// the payload (so the kernel chunks exactly the messages that do not fit), none
+    /// where a half holds no pack.
+    #[test]
+    fn staging_is_whole_where_it_fits_else_half_the_payload() {
+        let whole = Some(STAGE_WHOLE);
+        assert_eq!(all_reduce(0, 0), whole);
+        assert_eq!(all_reduce(1, 16), whole);
+        assert_eq!(all_reduce(259, 4144), whole);
+        // 4144 bytes: halves of 129 packs; a message of 260 packs takes 3 chunks.
+        assert_eq!(all_reduce(260, 4144), Some(129));
+        assert_eq!(all_reduce(1 << 30, 64 << 20), Some(1 << 21));
+        // A payload without a pack per half.
+        assert_eq!(all_reduce(1, 0), None);
+        assert_eq!(all_reduce(2, 16), None);
+        assert_eq!(all_reduce(3, 31), None);
+        assert_eq!(all_reduce(3, 32), Some(1));
+        assert_eq!(all_reduce(3, 47), Some(1));
+        // No pack count the word cannot say: a message of 2^32 packs or more chunks.
+        assert_eq!(all_reduce(u32::MAX as usize, usize::MAX), whole);
+        assert_eq!(
+            all_reduce(1 << 33, usize::MAX),
+            Some(STAGE_WHOLE - 1),
+            "chunks of at most STAGE_WHOLE - 1 packs"
+        );
+        for payload in [32, 47, 4096, 4144, 65_584] {
+            for packs in 1..3 * payload / 16 {
+                let c = all_reduce(packs, payload).unwrap();
+                // The kernel chunks a message of more than c packs: exactly those that
+                // do not fit, each chunk within half the payload.
+                assert_eq!(packs as u64 > u64::from(c), packs * 16 > payload);
+                if packs * 16 > payload {
+                    assert!(2 * c as usize * 16 <= payload);
+                }
+            }
+        }
+    }
+
+    /// Messages whose bytes in whole packs pass isize::MAX are refused for every dtype;
+    /// the largest that fits is allowed.
+    #[test]
+    fn message_bytes_stop_at_the_largest_buffer() {
+        for dtype in DType::ALL {
+            let lanes = dtype.lanes();
+            let largest = MAX_BUFFER_BYTES / 16 * lanes;
+            assert_eq!(
+                message_bytes(dtype, largest, &String::new),
+                Ok(largest / lanes * 16)
+            );
+            for n in [
+                largest + 1,
+                usize::MAX / dtype.size(),
+                usize::MAX / 2,
+                usize::MAX,
+            ] {
+                assert!(
+                    matches!(
+                        message_bytes(dtype, n, &String::new),
+                        Err(Error::SizeOverflow { .. })
+                    ),
+                    "{n} x {dtype:?}"
+                );
+            }
+        }
+    }
+
     /// Every staged collective: whole exactly where the payload holds what the kernel
     /// stages whole; else chunks whose two halves fit the payload, and a message of
     /// more units than a chunk holds (so the kernel chunks it); refused only where a
@@ -102,8 +211,7 @@ mod tests {
                                 }
                                 _ => (padded(dtype, elements), elements / lanes, 1),
                             };
-                            let got =
-                                collective_staging(kind, dtype, elements, width, hidden, payload);
+                            let got = collective(kind, dtype, elements, width, hidden, payload);
                             let what = format!("{kind:?} {dtype:?} w{width} {elements} {payload}");
                             match got {
                                 Ok(STAGE_WHOLE) => assert!(scratch <= payload, "{what}"),

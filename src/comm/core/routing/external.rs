@@ -7,10 +7,10 @@ use crate::dispatch::Algorithm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-use super::launch::PeerInputs;
-use super::plan::PeerReads;
-use super::route::{Path, RouteError};
-use super::Rank;
+use crate::comm::core::launch::PeerInputs;
+use crate::comm::core::planning::PeerReads;
+use crate::comm::core::routing::{Path, RouteError};
+use crate::comm::core::Rank;
 use crate::comm::AllReduceOptions;
 
 impl<B: Backend> Rank<B> {

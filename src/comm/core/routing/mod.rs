@@ -12,6 +12,8 @@ use crate::signal::MAX_GPUS;
 
 use crate::comm::{AllReduceOptions, CommConfig};
 
+pub(crate) mod external;
+
 /// How a communicator runs its whole-world calls.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Mode {

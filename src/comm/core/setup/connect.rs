@@ -11,9 +11,9 @@ use crate::external::sub::SubBootstrap;
 use crate::external::{Fallback, SizeRouting};
 use crate::signal::MAX_GPUS;
 
-use super::route::{Mode, Router};
-use super::setup::{self, Outcome, Placement};
-use super::Rank;
+use crate::comm::core::routing::{Mode, Router};
+use crate::comm::core::setup::{self, Outcome, Placement};
+use crate::comm::core::Rank;
 use crate::comm::CommConfig;
 
 /// The ranks grouped by host: `Some(local)` when every host holds `local` consecutive

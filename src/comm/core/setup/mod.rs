@@ -20,11 +20,11 @@ use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
 use crate::{backend::signal_init::init_signal_buffer_with_counter_base, SignalLayout};
 
-use super::record::*;
-use super::settings::Settings;
-use super::unavailable::*;
-use super::{peer_check, Endpoint};
 use crate::comm::config::config_checksum;
+use crate::comm::core::settings::Settings;
+use crate::comm::core::setup::record::*;
+use crate::comm::core::setup::unavailable::*;
+use crate::comm::core::Endpoint;
 use crate::comm::CommConfig;
 
 /// Where the ranks being set up run.
@@ -282,6 +282,11 @@ fn enable_peer_access_to<B: Backend>(dev: &B::Device, peer_ordinal: usize) -> Re
     B::enable_peer_access(dev, &peer)?;
     Ok(true)
 }
+
+pub(crate) mod connect;
+mod peer_check;
+pub(crate) mod record;
+pub(crate) mod unavailable;
 
 #[cfg(test)]
 mod tests {

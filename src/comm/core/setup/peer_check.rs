@@ -14,11 +14,11 @@ use crate::dispatch::Algorithm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-use super::launch::{Fused, PeerInputs};
-use super::plan::PeerReads;
-use super::settings::Settings;
-use super::status::read_error_record;
-use super::Endpoint;
+use crate::comm::core::launch::status::read_error_record;
+use crate::comm::core::launch::{Fused, PeerInputs};
+use crate::comm::core::planning::PeerReads;
+use crate::comm::core::settings::Settings;
+use crate::comm::core::Endpoint;
 use crate::comm::AllReduceOptions;
 
 /// Elements of the check: a vector loop and a scalar tail.
@@ -58,7 +58,7 @@ fn verdict(algorithm: Algorithm, mut got: Vec<f32>, width: usize, corrupt: bool)
 /// each from its own thread or process; the inputs are staged, as a rank that knows
 /// only its own buffers does). `Ok(Some(why))` when it failed; `Err` for failures
 /// that are not about the peers (an allocation).
-pub(super) fn check_rank<B: Backend>(
+pub(crate) fn check_rank<B: Backend>(
     rank: &Endpoint<B>,
     settings: &Settings,
     corrupt: bool,

@@ -7,27 +7,27 @@ use crate::backend::DeviceIdentity;
 use crate::error::{Error, Result};
 
 /// Format version of the per-rank exchange record.
-pub(super) const RECORD_VERSION: u8 = 3;
+pub(crate) const RECORD_VERSION: u8 = 3;
 
 /// What each rank tells the others at setup.
 #[derive(Clone, Debug, PartialEq)]
-pub(super) struct PeerRecord {
+pub(crate) struct PeerRecord {
     /// A random number drawn once per process (`process_token`): ranks with the same
     /// token share a process and reach each other's memory by address. A process id
     /// would not do: processes in different pid namespaces (containers) share ids.
-    pub(super) process: u64,
+    pub(crate) process: u64,
     /// The device's multiprocessors (CPU cores on the host backend): the grid is
     /// sized from the fewest of the group.
-    pub(super) multiprocessors: u32,
+    pub(crate) multiprocessors: u32,
     /// The device: its ordinal in the rank's process, its UUID and PCI bus id.
-    pub(super) identity: DeviceIdentity,
-    pub(super) signal_addr: u64,
-    pub(super) arch: String,
-    pub(super) checksum: u64,
+    pub(crate) identity: DeviceIdentity,
+    pub(crate) signal_addr: u64,
+    pub(crate) arch: String,
+    pub(crate) checksum: u64,
 }
 
 impl PeerRecord {
-    pub(super) fn encode(&self) -> Vec<u8> {
+    pub(crate) fn encode(&self) -> Vec<u8> {
         let mut out = vec![RECORD_VERSION];
         out.extend_from_slice(&self.process.to_le_bytes());
         out.extend_from_slice(&self.multiprocessors.to_le_bytes());
@@ -41,7 +41,7 @@ impl PeerRecord {
         out
     }
 
-    pub(super) fn decode(rank: usize, bytes: &[u8]) -> Result<Self> {
+    pub(crate) fn decode(rank: usize, bytes: &[u8]) -> Result<Self> {
         let bad = || Error::InvalidConfig(format!("rank {rank} sent a malformed setup record"));
         let mut at = 0usize;
         let mut take = |n: usize| -> Result<&[u8]> {
@@ -79,18 +79,18 @@ impl PeerRecord {
 }
 
 /// Appends `text` with its length (`u32`, little-endian) first.
-pub(super) fn put_text(out: &mut Vec<u8>, text: &str) {
+pub(crate) fn put_text(out: &mut Vec<u8>, text: &str) {
     out.extend_from_slice(&(text.len() as u32).to_le_bytes());
     out.extend_from_slice(text.as_bytes());
 }
 
 /// Whether two ranks run in one process (and reach each other's memory by address).
-pub(super) fn same_process(a: &PeerRecord, b: &PeerRecord) -> bool {
+pub(crate) fn same_process(a: &PeerRecord, b: &PeerRecord) -> bool {
     a.process == b.process
 }
 
 /// The fewest multiprocessors of any rank: the grid every rank of the group uses.
-pub(super) fn fewest_multiprocessors(records: &[PeerRecord]) -> usize {
+pub(crate) fn fewest_multiprocessors(records: &[PeerRecord]) -> usize {
     records
         .iter()
         .map(|p| p.multiprocessors as usize)
@@ -103,7 +103,7 @@ pub(super) fn fewest_multiprocessors(records: &[PeerRecord]) -> usize {
 /// PCI bus id). Where neither tells, ranks of one process are on one device when their
 /// ordinals agree (an ordinal names a device within its process), and ranks of
 /// different processes are taken to be on different devices.
-pub(super) fn same_device(a: &PeerRecord, b: &PeerRecord) -> bool {
+pub(crate) fn same_device(a: &PeerRecord, b: &PeerRecord) -> bool {
     same_identity(&a.identity, &b.identity, same_process(a, b))
 }
 
@@ -115,7 +115,7 @@ pub(crate) fn same_identity(a: &DeviceIdentity, b: &DeviceIdentity, one_process:
 }
 
 /// The most ranks of the group on one physical device (at least 1).
-pub(super) fn ranks_per_device(records: &[PeerRecord]) -> usize {
+pub(crate) fn ranks_per_device(records: &[PeerRecord]) -> usize {
     records
         .iter()
         .map(|p| records.iter().filter(|q| same_device(p, q)).count())
@@ -125,7 +125,7 @@ pub(super) fn ranks_per_device(records: &[PeerRecord]) -> usize {
 
 /// The refusal of the first two ranks (`members`: their world ranks) on one physical
 /// device, if any.
-pub(super) fn first_shared_device(records: &[PeerRecord], members: &[usize]) -> Option<Error> {
+pub(crate) fn first_shared_device(records: &[PeerRecord], members: &[usize]) -> Option<Error> {
     for (i, p) in records.iter().enumerate() {
         for (j, q) in records.iter().enumerate().skip(i + 1) {
             if same_device(p, q) {
@@ -156,7 +156,7 @@ pub(crate) fn shared_device_error(
 }
 
 /// Checks what rank `r` reported against this rank's own record.
-pub(super) fn check_peer_record(
+pub(crate) fn check_peer_record(
     me: usize,
     r: usize,
     mine: &PeerRecord,

@@ -6,11 +6,11 @@ use crate::backend::DeviceIdentity;
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 
-use super::record::put_text;
+use crate::comm::core::setup::record::put_text;
 
 /// All-gathers each rank's problem over the world; the first rank's problem, if any
 /// rank has one, is every rank's answer.
-pub(super) fn agree(world: &dyn Bootstrap, problem: Option<Error>) -> Result<Option<Error>> {
+pub(crate) fn agree(world: &dyn Bootstrap, problem: Option<Error>) -> Result<Option<Error>> {
     let code = match &problem {
         Some(e @ Error::P2pUnavailable { .. }) => encode_unavailable(e),
         Some(_) => vec![2u8],
@@ -29,7 +29,7 @@ pub(super) fn agree(world: &dyn Bootstrap, problem: Option<Error>) -> Result<Opt
 
 /// A [`Error::P2pUnavailable`] as bytes for [`agree`]: tag 1, the four numbers
 /// (`u64`), the detail and the hint (length-prefixed text).
-pub(super) fn encode_unavailable(e: &Error) -> Vec<u8> {
+pub(crate) fn encode_unavailable(e: &Error) -> Vec<u8> {
     let Error::P2pUnavailable {
         from,
         to,
@@ -51,7 +51,7 @@ pub(super) fn encode_unavailable(e: &Error) -> Vec<u8> {
 }
 
 /// The error [`encode_unavailable`] wrote, or `None` for anything else.
-pub(super) fn decode_unavailable(bytes: &[u8]) -> Option<Error> {
+pub(crate) fn decode_unavailable(bytes: &[u8]) -> Option<Error> {
     let (&tag, mut rest) = bytes.split_first()?;
     if tag != 1 {
         return None;
@@ -80,12 +80,12 @@ pub(super) fn decode_unavailable(bytes: &[u8]) -> Option<Error> {
 }
 
 /// What serves where peer memory cannot, for the hints.
-pub(super) const FALLBACK_HINT: &str =
+pub(crate) const FALLBACK_HINT: &str =
     "keep FallbackConfig::fallback = External (the default), under \
                              which the external library (NCCL/RCCL) serves the group";
 
 /// Where to look at the links between GPUs, per backend.
-pub(super) fn topology_tool(backend: &str) -> &'static str {
+pub(crate) fn topology_tool(backend: &str) -> &'static str {
     match backend {
         "cuda" => "`nvidia-smi topo -p2p r`",
         "hip" => "`rocm-smi --showtopo`",
@@ -94,7 +94,7 @@ pub(super) fn topology_tool(backend: &str) -> &'static str {
 }
 
 /// The hint where the driver reports no peer access between two devices.
-pub(super) fn no_path_hint(backend: &str) -> String {
+pub(crate) fn no_path_hint(backend: &str) -> String {
     format!(
         "The two GPUs have no peer-to-peer path (see {}; PCIe P2P may be off in the BIOS \
          or under an IOMMU, or unsupported across CPU sockets): place the group on GPUs with \
@@ -104,7 +104,7 @@ pub(super) fn no_path_hint(backend: &str) -> String {
 }
 
 /// The hint where mapping another process's memory failed.
-pub(super) fn import_hint(backend: &str) -> String {
+pub(crate) fn import_hint(backend: &str) -> String {
     format!(
         "Processes isolated by CUDA_VISIBLE_DEVICES are supported (devices are told apart \
          by UUID); the mapping fails when the two GPUs have no peer-to-peer path (see {}), \
@@ -117,7 +117,7 @@ pub(super) fn import_hint(backend: &str) -> String {
 
 /// The typed error for missing peer access from rank `a` (on `ia`) to rank `b` (on
 /// `ib`), world ranks.
-pub(super) fn p2p_unavailable(
+pub(crate) fn p2p_unavailable(
     a: usize,
     ia: &DeviceIdentity,
     b: usize,

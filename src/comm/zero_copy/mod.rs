@@ -1,0 +1,20 @@
+//! Zero copy: buffers that every peer has mapped, so that a call whose input lies in
+//! one reads the peers' inputs in place (no staging copy, two-stage offered).
+//!
+//! - `registry`, `exchange`: which ranges are registered and where each peer reaches
+//!   them; the collective export and import of their handles.
+//! - `registered`: [`crate::Comm::register`], buffers the user already has.
+//! - `pool`, `symmetric`, `trim`: the symmetric pool ([`crate::Comm::alloc_symmetric`]).
+//! - `capture`, `capture_inputs`, `script`: CUDA graph capture, and registering the
+//!   inputs of a captured pass ([`crate::Comm::register_inputs_of`]).
+
+#[cfg(feature = "cuda")]
+pub(crate) mod capture;
+pub(crate) mod capture_inputs;
+pub(crate) mod exchange;
+pub(crate) mod pool;
+pub(crate) mod registered;
+pub(crate) mod registry;
+pub(crate) mod script;
+pub(crate) mod symmetric;
+mod trim;

@@ -1,0 +1,3 @@
+//! Operating-system plumbing that is no part of a communicator's logic.
+
+pub(crate) mod descriptors;
