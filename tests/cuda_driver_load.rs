@@ -1,4 +1,4 @@
-//! Loading the CUDA driver leaves the process-wide panic hook alone (issue 14, item 8):
+//! Loading the CUDA driver leaves the process-wide panic hook alone:
 //! its own test binary, so that this is the process's first driver load.
 #![cfg(feature = "cuda")]
 
@@ -9,8 +9,8 @@ use peercomm::backend::{cuda::Cuda, Backend};
 
 /// A hook that counts the panics it sees is installed; another thread panics (and
 /// catches) in a loop while this thread loads the driver. Every one of those panics
-/// must reach the hook (the old loader swapped in a silent hook for the duration of
-/// the load, losing any panic message raised meanwhile), and the load itself must not
+/// must reach the hook (a loader that swaps in a silent hook for the duration of the
+/// load loses any panic message raised meanwhile), and the load itself must not
 /// panic: with no libcuda it is a typed `NoDevice`, with one a device count.
 #[test]
 fn driver_load_keeps_the_panic_hook() {

@@ -97,10 +97,6 @@ fn reference_bits<T: Element>(ins: &[Vec<T>], width: usize, rank: usize) -> Vec<
         .collect()
 }
 
-fn bits<T: Element>(v: &[T]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits_u32()).collect()
-}
-
 /// Rank `rank`'s entry `got` against the in-order reference and the one-stage result
 /// `alone`, bit for bit.
 fn check_entry<T: Element>(
@@ -112,7 +108,7 @@ fn check_entry<T: Element>(
     what: &str,
 ) {
     let expected = reference_bits(ins, width, rank);
-    let got = bits(got);
+    let got = common::bits(got);
     assert_eq!(got.len(), expected.len(), "{what}: length");
     if let Some(e) = (0..got.len()).find(|&e| got[e] != expected[e]) {
         panic!(
@@ -124,7 +120,7 @@ fn check_entry<T: Element>(
     }
     assert_eq!(
         got,
-        bits(alone),
+        common::bits(alone),
         "{what}: rank {rank}: not the bits of one-stage alone"
     );
 }
@@ -670,27 +666,7 @@ fn per_rank_mismatches(world: usize) {
             batch_untouched(comm, &[5, 0, 4099]).unwrap();
             got
         });
-        for (rank, got) in got.into_iter().enumerate() {
-            match got {
-                Err(Error::CallMismatch {
-                    rank: r,
-                    peer,
-                    field: f,
-                    ref mine,
-                    ref theirs,
-                }) => {
-                    assert_eq!(r, rank, "{what}");
-                    assert_eq!(f, *field, "{what}: rank {rank}: {mine} / {theirs}");
-                    if rank == odd {
-                        assert_ne!(peer, odd, "{what}");
-                    } else {
-                        assert_eq!(peer, odd, "{what}: rank {rank}");
-                    }
-                }
-                other => panic!("{what}: rank {rank} got {other:?}, not a CallMismatch"),
-            }
-        }
-        eprintln!("world {world}, {what}: every rank got CallMismatch({field:?})");
+        common::assert_every_rank_mismatched(&got, *field, odd, &format!("world {world}, {what}"));
     }
 }
 
@@ -750,7 +726,7 @@ fn filling_table(rng: &mut StdRng, count: usize) -> Vec<usize> {
     t
 }
 
-/// `collisions` pairs whose differing entries the old digest cannot tell apart, then
+/// `collisions` pairs whose differing entries a digest of the entries narrower than them cannot tell apart, then
 /// `random` random pairs (both with grids that agree), then `grids` pairs whose
 /// difference also changes the grid (1 block against 2).
 fn later_entry_pairs(

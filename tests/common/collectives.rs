@@ -10,7 +10,7 @@ use peercomm::{
 use rand::rngs::StdRng;
 use rand::Rng;
 
-use super::{group_sizes, random_inputs, random_values, rng, suite_config};
+use super::{bits, group_sizes, random_inputs, random_values, rng, suite_config};
 
 /// Lengths the collectives are checked at in the sweeps (odd ones exercise the tails).
 pub const COLLECTIVE_LENGTHS: [usize; 5] = [1, 7, 1023, 4099, 100_003];
@@ -30,10 +30,6 @@ fn eps(dtype: DType) -> f64 {
         DType::F16 => 2f64.powi(-10),
         DType::BF16 => 2f64.powi(-7),
     }
-}
-
-fn bits<T: Element>(v: &[T]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits_u32()).collect()
 }
 
 /// Rank r's all-gather output: the group's inputs in group-rank order.

@@ -1,4 +1,4 @@
-//! The public API as a user meets it (issue 14): waiting without the error read-back
+//! The public API as a user meets it: waiting without the error read-back
 //! and polling errors without waiting, element types inferred through the backend's
 //! buffers, and bits built with `Element::from_bits_u32`.
 
@@ -81,9 +81,7 @@ pub fn wait_and_check_errors<B: Backend>(world: usize) {
 /// read back with `to_host` (T from the buffer); -0.0, subnormals and NaN payloads
 /// built with `from_bits_u32`, which a group of one returns bit for bit (`Auto`).
 pub fn typed_buffers_need_no_turbofish<B: Backend>() {
-    fn bits<T: Element>(v: &[T]) -> Vec<u32> {
-        v.iter().map(|x| x.to_bits_u32()).collect()
-    }
+    use super::bits;
     fn case<B: Backend, T: Element>(comm: &peercomm::Communicator<B>, patterns: &[u32]) {
         let values: Vec<T> = patterns.iter().map(|&b| T::from_bits_u32(b)).collect();
         assert_eq!(bits(&values), patterns, "from_bits_u32 round trip");
@@ -281,7 +279,7 @@ pub fn miss_next_times_out_and_recovers<B: Backend>() {
     check_sums(&data, &got, 2, "after recovery from a missed call");
 }
 
-/// The issue-14 tests of one backend.
+/// The ergonomics tests of one backend.
 #[macro_export]
 macro_rules! ergonomics_tests {
     ($backend:ty) => {

@@ -797,8 +797,8 @@ pub fn block_count_out_of_range<B: Backend>(devices: Devices) {
     assert_still_works(&comm, &mut rng);
 }
 
-/// Whether `f` returned an error (as opposed to a value, or a panic), for sizes where
-/// the old code overflowed: a panic fails the test with its message.
+/// Whether `f` returned an error (as opposed to a value, or a panic), for sizes that
+/// overflow: a panic fails the test with its message.
 fn refused<T>(what: &str, f: impl FnOnce() -> Result<T>) {
     match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
         Ok(Err(e)) => eprintln!("{what}: refused: {e}"),
@@ -810,7 +810,8 @@ fn refused<T>(what: &str, f: impl FnOnce() -> Result<T>) {
 /// Lamport slot or payload sizes whose signal allocation size overflows `usize` are a
 /// typed error (the variant is not pinned), not a panic and not a wrapped, too small
 /// allocation. (The payload sizes chosen wrap to exactly the allocation without the
-/// payload on the old code, so its kernels and initialisation stay inside it.)
+/// payload, so that code missing the check would keep its kernels and initialisation
+/// inside it and pass silently.)
 pub fn signal_size_overflow_is_refused<B: Backend>(devices: Devices) {
     if !devices("signal_size_overflow_is_refused", 1) {
         return;

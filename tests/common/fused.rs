@@ -36,7 +36,7 @@ pub struct FusedCase {
 
 const DECODE_TOKENS: &[usize] = &[1, 8, 32, 128, 256];
 
-/// The decode shapes of the issue: bf16 and f16, hidden 4096 and 8192, 1 to 256 tokens;
+/// The decode shapes: bf16 and f16, hidden 4096 and 8192, 1 to 256 tokens;
 /// then small rows (fast, and more rows per block than blocks) and f32.
 pub const DECODE_CASES: [FusedCase; 7] = [
     FusedCase {

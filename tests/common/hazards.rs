@@ -1,5 +1,5 @@
-//! Regression tests for named defects, generic over the backend. Each one recreates
-//! the schedule that exposed a defect (ranks skewed in time, group widths changing
+//! Schedules that break a careless implementation, generic over the backend. Each one
+//! recreates a schedule (ranks skewed in time, group widths changing
 //! between calls, buffers freed early, threads racing on one communicator, a peer that
 //! arrives after its group gave up, the sign of zero) and checks every result.
 //!
@@ -47,8 +47,8 @@ macro_rules! hazard_tests {
 /// (a) Forced Lamport while the group width changes under it, with a late rank:
 /// widths `[world, 1, world, world]` five times over, 1024 fresh f32 per rank per call,
 /// rank 0 delayed by 20 ms before every call, all enqueued without synchronisation,
-/// every call checked. Width 1 runs (and returns) one-stage. On the old CUDA kernel the
-/// whole-world calls after a width change summed stale Lamport data (calls 3, 7, 11...).
+/// every call checked. Width 1 runs (and returns) one-stage. A kernel that keeps Lamport
+/// state across a width change sums stale data in the whole-world calls after it.
 pub fn lamport_after_width_change_with_late_rank<B: Backend>(
     place: Place,
     max_blocks: Option<u32>,
@@ -106,7 +106,7 @@ pub fn lamport_after_width_change_with_late_rank<B: Backend>(
 /// (b) Buffers dropped right after `all_reduce_sum` returns, with no synchronize:
 /// 40 rounds of fresh 1-4 MiB inputs and outputs, each dropped while its collective may
 /// still be queued or running (the free must be stream-ordered), then one checked
-/// call. On the old host backend the kernels read and wrote freed memory.
+/// call (a free that is not stream-ordered lets the kernels touch freed memory).
 pub fn drop_buffers_before_synchronize<B: Backend>(place: Place, max_blocks: Option<u32>) {
     let name = "drop_buffers_before_synchronize";
     let Some(placement) = place(name, 2) else {
@@ -315,7 +315,7 @@ pub fn late_peer_within_timeout_succeeds<B: Backend>(
 /// (e) In a group of one every algorithm returns the input bit for bit, -0.0 lanes
 /// included: a world of one, and groups of one in worlds of two and four; every forced
 /// algorithm and Auto, every dtype, in place and out of place. (Forced Lamport there runs
-/// the one-stage copy; the old Lamport kernel turned -0.0 into +0.0.)
+/// the one-stage copy; the Lamport kernel would turn -0.0 into +0.0.)
 pub fn sign_of_zero_in_groups_of_one<B: Backend>(place: Place, max_blocks: Option<u32>) {
     let name = "sign_of_zero_in_groups_of_one";
     let zeros = Zeros {

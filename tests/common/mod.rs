@@ -22,11 +22,11 @@ pub mod launch;
 
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use peercomm::backend::Backend;
+use peercomm::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use peercomm::signal::Signal;
 use peercomm::{
-    barrier_domain, dispatch, Algorithm, AllReduceOptions, CommConfig, Communicator, DType,
-    Element, Error, Result, Tensor, TensorMut, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
+    barrier_domain, dispatch, Algorithm, AllReduceOptions, CallField, CommConfig, Communicator,
+    DType, Element, Error, Result, Tensor, TensorMut, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -36,6 +36,113 @@ use rand::{Rng, SeedableRng};
 pub fn announce_skip(test: &str, why: &str) {
     use std::io::Write;
     let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
+}
+
+/// The bit patterns of `values`.
+pub fn bits<T: Element>(values: &[T]) -> Vec<u32> {
+    values.iter().map(|x| x.to_bits_u32()).collect()
+}
+
+/// An FNV-1a digest of the bit patterns of `values`: ranks compare results through it.
+pub fn digest<T: Element>(values: &[T]) -> u64 {
+    values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
+        (h ^ u64::from(v.to_bits_u32())).wrapping_mul(0x0100_0000_01b3)
+    })
+}
+
+/// Asserts that every rank's result is `CallMismatch` naming `field`: the ranks that
+/// agree name `odd`, `odd` names one of them, and the message has no stray spaces.
+pub fn assert_every_rank_mismatched<T: std::fmt::Debug>(
+    results: &[Result<T>],
+    field: CallField,
+    odd: usize,
+    what: &str,
+) {
+    for (rank, got) in results.iter().enumerate() {
+        match got {
+            Err(
+                e @ Error::CallMismatch {
+                    rank: r,
+                    peer,
+                    field: f,
+                    mine,
+                    theirs,
+                },
+            ) => {
+                assert_eq!(*r, rank, "{what}");
+                assert_eq!(*f, field, "{what}: rank {rank}: {mine} / {theirs}");
+                assert_eq!(
+                    *peer == odd,
+                    rank != odd,
+                    "{what}: rank {rank}: peer {peer}"
+                );
+                let text = e.to_string();
+                assert!(!text.contains("  "), "stray spaces: {text}");
+            }
+            other => panic!("{what}: rank {rank} got {other:?}, not a CallMismatch"),
+        }
+    }
+    eprintln!("{what}: every rank got CallMismatch({field:?})");
+}
+
+/// `len` elements of a buffer from byte `bytes` of it, as a buffer of its own: an
+/// unaligned or partial view. `R` is a reference to the buffer (`&mut` for writes).
+pub struct View<R> {
+    inner: R,
+    bytes: usize,
+    len: usize,
+}
+
+impl<R> View<R> {
+    /// `len` elements from byte `bytes` of `inner` (the caller keeps them inside it).
+    pub fn at_byte(inner: R, bytes: usize, len: usize) -> Self {
+        View { inner, bytes, len }
+    }
+}
+
+impl<R: std::ops::Deref> View<R> {
+    /// `len` elements from element `first` of `inner`.
+    pub fn elements<B: Backend>(inner: R, first: usize, len: usize) -> Self
+    where
+        R::Target: DeviceBuffer<B>,
+    {
+        let bytes = first * inner.dtype().size();
+        View { inner, bytes, len }
+    }
+}
+
+// SAFETY: the view is `len` elements from byte `bytes` of the inner buffer (the callers
+// keep them within it), on its device, valid as long as the inner buffer's guard (which
+// it returns) lives.
+unsafe impl<B: Backend, R: std::ops::Deref> DeviceBuffer<B> for View<R>
+where
+    R::Target: DeviceBuffer<B>,
+{
+    fn dtype(&self) -> DType {
+        self.inner.dtype()
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn device_ordinal(&self) -> usize {
+        self.inner.device_ordinal()
+    }
+    fn read_ptr<'a>(&'a self, dev: &'a B::Device) -> (u64, B::Access<'a>) {
+        let (p, guard) = self.inner.read_ptr(dev);
+        (p + self.bytes as u64, guard)
+    }
+}
+
+// SAFETY: as above, for writes.
+unsafe impl<B: Backend, R: std::ops::DerefMut> DeviceBufferMut<B> for View<R>
+where
+    R::Target: DeviceBufferMut<B>,
+{
+    fn write_ptr<'a>(&'a mut self, dev: &'a B::Device) -> (u64, B::Access<'a>) {
+        let bytes = self.bytes as u64;
+        let (p, guard) = self.inner.write_ptr(dev);
+        (p + bytes, guard)
+    }
 }
 
 /// Lengths every algorithm is checked at (odd ones exercise the scalar tail).
@@ -699,8 +806,8 @@ pub fn sweep_world<B: Backend>(world: usize, max_blocks: Option<u32>, lengths: &
 
 /// Subgroup calls of every width narrower than the world (1, 2 and 4 where they divide
 /// it) with whole-world Lamport calls between them, on one set of signal buffers: the
-/// Lamport state must survive the subgroups' barriers (and, on the old code, width
-/// changes of Lamport itself). Each call is synchronised and checked.
+/// Lamport state must survive the subgroups' barriers and width changes of Lamport
+/// itself. Each call is synchronised and checked.
 pub fn interleaved_subgroups<B: Backend>(world: usize, calls: usize, max_blocks: Option<u32>) {
     let mut rng = rng(&format!("interleaved_{world}"));
     let comm = open::<B>(world, suite_config(max_blocks));

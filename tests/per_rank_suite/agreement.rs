@@ -1,20 +1,18 @@
-//! Trust on the per-rank path (issue 18), generic over the backend: ranks that differ
+//! Ranks agree, on the per-rank path, generic over the backend: ranks that differ
 //! in their multiprocessor count still agree on the grid; ranks that make different
 //! calls get a typed `CallMismatch` naming the peer and the field on every rank, with
 //! nothing written; a rank that never arrives is named in every rank's error; and every
 //! multi-rank algorithm gives the same sign of zero.
 
-use std::sync::Barrier;
 use std::time::Duration;
 
 use peercomm::backend::{Backend, TypedBuffer};
-use peercomm::bootstrap::UniqueId;
 use peercomm::external::Simulation;
 use peercomm::{
     Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, CommConfig, DType, Error,
 };
 
-use super::{common, Placement};
+use super::{common, in_step, world_threads, Placement};
 
 /// A configuration with short waits, for the cases that end in a timeout.
 pub fn short_waits(place: &Placement, world: usize) -> CommConfig {
@@ -23,43 +21,6 @@ pub fn short_waits(place: &Placement, world: usize) -> CommConfig {
         bootstrap_timeout: Duration::from_secs(30),
         ..place.config(world)
     }
-}
-
-/// Runs `body(rank, comm, meet)` on one thread per rank over `config`; `meet` is a
-/// barrier of the world's threads.
-pub fn run<B: Backend, R: Send>(
-    place: &Placement,
-    world: usize,
-    config: &CommConfig,
-    body: impl Fn(usize, &Comm<B>, &Barrier) -> R + Sync,
-) -> Vec<R> {
-    run_after(place, world, config, &|_| {}, body)
-}
-
-/// As `run`, each thread calling `before(rank)` first.
-fn run_after<B: Backend, R: Send>(
-    place: &Placement,
-    world: usize,
-    config: &CommConfig,
-    before: &(dyn Fn(usize) + Sync),
-    body: impl Fn(usize, &Comm<B>, &Barrier) -> R + Sync,
-) -> Vec<R> {
-    let id = UniqueId::new().unwrap();
-    let meet = Barrier::new(world);
-    std::thread::scope(|s| {
-        let workers: Vec<_> = (0..world)
-            .map(|rank| {
-                let (id, body, meet, config) = (&id, &body, &meet, config.clone());
-                s.spawn(move || {
-                    before(rank);
-                    let dev = B::open(place.ordinal(rank)).unwrap();
-                    let comm = Comm::<B>::from_rank(dev, rank, world, id, config).unwrap();
-                    body(rank, &comm, meet)
-                })
-            })
-            .collect();
-        workers.into_iter().map(|w| w.join().unwrap()).collect()
-    })
 }
 
 /// Ranks that report different multiprocessor counts (simulated: as under MPS, or two
@@ -77,11 +38,6 @@ pub fn unequal_multiprocessors_agree_on_the_grid<B: Backend>(place: &Placement, 
         ..place.config(world)
     };
     check_one_stage_sums::<B>(place, world, &config, "unequal_multiprocessors");
-}
-
-/// The suite's configuration for `world` ranks.
-pub fn placement_config(place: &Placement, world: usize) -> CommConfig {
-    place.config(world)
 }
 
 /// One-stage over 65,536 f32 with fresh inputs, checked against the f64 reference on
@@ -116,7 +72,7 @@ fn check_sums_after<B: Backend>(
     let n = 65_536;
     let mut rng = common::rng(test);
     let ins = common::random_inputs::<f32>(&mut rng, world, n);
-    let outs = run_after::<B, _>(place, world, config, before, |rank, comm, _| {
+    let outs = world_threads::<B, _>(place, world, config, before, |rank, comm, _| {
         let dev = comm.device();
         let send = B::alloc_from(dev, &ins[rank]).unwrap();
         let mut recv = B::alloc_from(dev, &vec![f32::NAN; n]).unwrap();
@@ -191,7 +147,7 @@ fn all_gather<B: Backend>(n: usize) -> Call<B> {
     })
 }
 
-/// Every case of the issue: rank `odd` makes another call than the others; every rank
+/// Rank `odd` makes another call than the others; every rank
 /// gets `CallMismatch` naming the field, the ones that agree with each other naming
 /// `odd` and `odd` naming one of them. After each case every rank re-initialises and a
 /// matching call works again.
@@ -245,7 +201,7 @@ pub fn mismatched_calls_are_typed_errors<B: Backend>(place: &Placement, world: u
     ];
     let odd = world - 1;
     for (what, field, usual, other) in &cases {
-        let errors = run::<B, _>(place, world, &config, |rank, comm, meet| {
+        let errors = in_step::<B, _>(place, world, &config, |rank, comm, meet| {
             let call = if rank == odd { other } else { usual };
             let got = call(comm);
             meet.wait();
@@ -254,29 +210,7 @@ pub fn mismatched_calls_are_typed_errors<B: Backend>(place: &Placement, world: u
             all_reduce::<B>(DType::F32, 300, one)(comm).unwrap();
             got
         });
-        for (rank, got) in errors.into_iter().enumerate() {
-            match got {
-                Err(Error::CallMismatch {
-                    rank: r,
-                    peer,
-                    field: f,
-                    ref mine,
-                    ref theirs,
-                }) => {
-                    assert_eq!(r, rank, "{what}");
-                    assert_eq!(f, *field, "{what}: rank {rank}: {mine} / {theirs}");
-                    if rank == odd {
-                        assert_ne!(peer, odd, "{what}");
-                    } else {
-                        assert_eq!(peer, odd, "{what}: rank {rank}");
-                    }
-                    let text = got.as_ref().unwrap_err().to_string();
-                    assert!(!text.contains("  "), "stray spaces: {text}");
-                }
-                other => panic!("{what}: rank {rank} got {other:?}, not a CallMismatch"),
-            }
-        }
-        eprintln!("{what}: every rank got CallMismatch({field:?})");
+        common::assert_every_rank_mismatched(&errors, *field, odd, what);
     }
 }
 
@@ -290,7 +224,7 @@ pub fn a_group_of_one_against_a_world_call_is_caught_late<B: Backend>(place: &Pl
     let world = 2;
     let config = short_waits(place, world);
     let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-    let got = run::<B, _>(place, world, &config, |rank, comm, meet| {
+    let got = in_step::<B, _>(place, world, &config, |rank, comm, meet| {
         let first = if rank == 1 {
             all_reduce::<B>(DType::F32, 128, one.group_size(1))(comm)
         } else {
@@ -348,7 +282,7 @@ pub fn a_group_of_one_against_a_world_call_is_caught_late<B: Backend>(place: &Pl
 pub fn different_group_widths_are_caught<B: Backend>(place: &Placement) {
     let world = 4;
     let config = short_waits(place, world);
-    let got = run::<B, _>(place, world, &config, |rank, comm, meet| {
+    let got = in_step::<B, _>(place, world, &config, |rank, comm, meet| {
         let group = if rank == 0 { 2 } else { 4 };
         let opts = AllReduceOptions::new()
             .algorithm(Algorithm::OneStage)
@@ -377,7 +311,7 @@ pub fn different_group_widths_are_caught<B: Backend>(place: &Placement) {
 pub fn the_rank_that_never_came_is_named<B: Backend>(place: &Placement) {
     let world = 3;
     let config = short_waits(place, world);
-    let got = run::<B, _>(place, world, &config, |rank, comm, meet| {
+    let got = in_step::<B, _>(place, world, &config, |rank, comm, meet| {
         let dev = comm.device();
         let mut buf = B::alloc_from(dev, &[1.0f32; 1000]).unwrap();
         if rank == 1 {
@@ -431,7 +365,7 @@ pub fn one_sign_of_zero<B: Backend>(place: &Placement, world: usize) {
             .collect()
     }
     let config = place.config(world);
-    run::<B, _>(place, world, &config, |_rank, comm, _| {
+    in_step::<B, _>(place, world, &config, |_rank, comm, _| {
         for n in [1usize, 7, 1000, 70_000] {
             for algorithm in [Algorithm::Auto, Algorithm::OneStage, Algorithm::Lamport] {
                 let opts = AllReduceOptions::new().algorithm(algorithm);

@@ -13,7 +13,6 @@
 use std::time::Duration;
 
 use peercomm::backend::{Backend, DeviceBuffer, DeviceBufferMut, TypedBuffer};
-use peercomm::bootstrap::UniqueId;
 use peercomm::{
     Algorithm, AllReduceOptions, CollectiveOptions, Comm, CommConfig, Communicator, DType, Error,
     Tensor, TensorMut,
@@ -119,47 +118,56 @@ pub fn huge_lengths_are_refused<B: Backend>(place: &Placement, world: usize) {
     ];
     let outcomes = with_world::<B, _>(place, world, |rank, comm| {
         let dev = comm.device();
-        let mut seen = Vec::new();
+        let real = B::alloc_from(dev, &[1.0f32; 64]).unwrap();
+        let view = |len| View::<B>::new(address(&real, dev), 0, len, real.device_ordinal());
+        // Each call must be SizeOverflow, with nothing registered.
+        type Call<'a> = Box<dyn Fn() -> peercomm::Result<()> + 'a>;
+        let mut calls: Vec<(String, Call)> = Vec::new();
         for &(dtype, len) in &cases {
-            let before = comm.registrations();
-            let call = std::panic::AssertUnwindSafe(|| match dtype {
-                DType::F32 => comm.alloc_symmetric::<f32>(len).map(drop),
-                DType::F16 => comm.alloc_symmetric::<peercomm::half::f16>(len).map(drop),
-                _ => comm.alloc_symmetric::<peercomm::half::bf16>(len).map(drop),
-            });
-            let (got, refused) = outcome(std::panic::catch_unwind(call));
-            let now = comm.registrations();
-            let made = match now == before {
-                true => String::new(),
-                false => format!(" (registrations {before:?} -> {now:?}: allocated)"),
-            };
-            seen.push((
-                format!("alloc_symmetric::<{}>({len}): {got}{made}", dtype.name()),
-                refused && now == before,
+            let comm = &comm;
+            calls.push((
+                format!("alloc_symmetric::<{}>({len})", dtype.name()),
+                Box::new(move || match dtype {
+                    DType::F32 => comm.alloc_symmetric::<f32>(len).map(drop),
+                    DType::F16 => comm.alloc_symmetric::<peercomm::half::f16>(len).map(drop),
+                    _ => comm.alloc_symmetric::<peercomm::half::bf16>(len).map(drop),
+                }),
             ));
         }
-        let before = comm.registrations();
         // A registration whose bytes wrap to 4 (2^62 + 1 elements of 4 bytes).
-        let real = B::alloc_from(dev, &[1.0f32; 64]).unwrap();
-        let huge = View::<B>::new(address(&real, dev), 0, (1 << 62) + 1, real.device_ordinal());
-        let (got, refused) = outcome(Ok(comm.register(huge).map(drop).map_err(|e| e.error)));
-        let made = match comm.registrations() == before {
-            true => "",
-            false => " (registered)",
-        };
-        seen.push((
-            format!("register of {} f32: {got}{made}", (1u64 << 62) + 1),
-            refused && made.is_empty(),
+        calls.push((
+            format!("register of {} f32", (1u64 << 62) + 1),
+            Box::new(|| {
+                comm.register(view((1 << 62) + 1))
+                    .map(drop)
+                    .map_err(|e| e.error)
+            }),
         ));
         // algorithm_for with a message no buffer can hold.
         for (dtype, len) in [(DType::F32, usize::MAX), (DType::BF16, usize::MAX / 2 + 7)] {
-            let got = comm.algorithm_for(dtype, len, &AllReduceOptions::new(), false);
-            let (got, refused) = outcome(Ok(got));
-            seen.push((
-                format!("algorithm_for({}, {len}): {got}", dtype.name()),
-                refused,
+            let comm = &comm;
+            calls.push((
+                format!("algorithm_for({}, {len})", dtype.name()),
+                Box::new(move || {
+                    comm.algorithm_for(dtype, len, &AllReduceOptions::new(), false)
+                        .map(drop)
+                }),
             ));
         }
+        let mut seen: Vec<(String, bool)> = calls
+            .iter()
+            .map(|(what, call)| {
+                let before = comm.registrations();
+                let (got, refused) =
+                    outcome(std::panic::catch_unwind(std::panic::AssertUnwindSafe(call)));
+                let now = comm.registrations();
+                let made = match now == before {
+                    true => String::new(),
+                    false => format!(" (registrations {before:?} -> {now:?}: allocated)"),
+                };
+                (format!("{what}: {got}{made}"), refused && now == before)
+            })
+            .collect();
         // Only rank 0 asks for too much: SizeOverflow there, CannotRegister naming it on
         // the peers (its refusal travels in the gathered record), nothing anywhere.
         let before = comm.registrations();
@@ -167,12 +175,8 @@ pub fn huge_lengths_are_refused<B: Backend>(place: &Placement, world: usize) {
             0 => comm.alloc_symmetric::<f32>(usize::MAX / 4).map(drop),
             _ => comm.alloc_symmetric::<f32>(1000).map(drop),
         };
-        let huge = View::<B>::new(address(&real, dev), 0, (1 << 62) + 1, real.device_ordinal());
-        let small = View::<B>::new(address(&real, dev), 0, 64, real.device_ordinal());
-        let registered = match rank {
-            0 => comm.register(huge).map(drop).map_err(|e| e.error),
-            _ => comm.register(small).map(drop).map_err(|e| e.error),
-        };
+        let len = if rank == 0 { (1 << 62) + 1 } else { 64 };
+        let registered = comm.register(view(len)).map(drop).map_err(|e| e.error);
         for (what, r) in [("alloc_symmetric", one), ("register", registered)] {
             let refused = match (rank, &r) {
                 (0, Err(Error::SizeOverflow { .. })) => true,
@@ -271,12 +275,11 @@ fn huge_collectives_are_refused<B: Backend>(rank: usize, comm: &Comm<B>) {
             &opts,
         ),
     ));
-    for (what, r) in results {
-        assert!(
-            matches!(r, Err(Error::SizeOverflow { .. })),
-            "rank {rank}: {what} with 2^62 + 1 elements: {r:?}"
-        );
-    }
+    let wrong = not_refused(&results, |e| matches!(e, Error::SizeOverflow { .. }));
+    assert!(
+        wrong.is_empty(),
+        "rank {rank}, 2^62 + 1 elements: {wrong:#?}"
+    );
     comm.synchronize().unwrap();
     assert_eq!(
         real_out.to_host(dev).unwrap(),
@@ -364,6 +367,18 @@ fn is_overlap<T: std::fmt::Debug>(r: &peercomm::Result<T>) -> bool {
     matches!(r, Err(Error::BuffersOverlap { .. }))
 }
 
+/// The calls of `results` not refused with an error `refused` accepts, in words.
+fn not_refused<W: std::fmt::Display>(
+    results: &[(W, peercomm::Result<()>)],
+    refused: impl Fn(&Error) -> bool,
+) -> Vec<String> {
+    results
+        .iter()
+        .filter(|(_, r)| !r.as_ref().is_err_and(&refused))
+        .map(|(what, r)| format!("{what}: {r:?}"))
+        .collect()
+}
+
 /// Inputs that overlap outputs on every rank: each collective of the per-rank `Comm`
 /// is `BuffersOverlap` on every rank before launch, nothing written (the registered
 /// input overlapping its output among them); the exact alias of an out-of-place
@@ -443,12 +458,7 @@ pub fn overlapping_buffers_are_refused<B: Backend>(place: &Placement) {
                 ),
             ),
         ];
-        let mut wrong = Vec::new();
-        for (what, r) in &results {
-            if !is_overlap(r) {
-                wrong.push(format!("{what}: {r:?}"));
-            }
-        }
+        let wrong = not_refused(&results, |e| matches!(e, Error::BuffersOverlap { .. }));
         comm.synchronize().ok();
         let reg_now = reg.to_host(dev).unwrap();
         let written = (0..n)
@@ -508,82 +518,74 @@ pub fn overlap_on_one_rank<B: Backend>(place: &Placement) {
         barrier_timeout: Some(Duration::from_millis(300)),
         ..place.config(2)
     };
-    let id = UniqueId::new().unwrap();
-    std::thread::scope(|s| {
-        for rank in 0..2 {
-            let (config, id) = (config.clone(), &id);
-            s.spawn(move || {
-                let dev = B::open(place.ordinal(rank)).unwrap();
-                let comm = Comm::<B>::from_rank(dev, rank, 2, id, config).unwrap();
-                let dev = comm.device();
-                let ordinal = B::ordinal(comm.device());
-                let n = 2048;
-                let mut reg = comm
-                    .register(B::alloc_buffer::<f32>(dev, n).unwrap())
-                    .unwrap();
-                let at = address(&reg, dev);
-                let v = |off: usize, len: usize| View::<B>::new(at, off, len, ordinal);
-                for call in ["all_reduce", "broadcast"] {
-                    reg.copy_from_host(dev, &pattern(rank, n)).unwrap();
-                    comm.synchronize().unwrap();
-                    // Rank 0 overlaps (its output one element past its input); rank 1 not.
-                    let out_at = if rank == 0 { 1 } else { 1024 };
-                    let r = match call {
-                        "all_reduce" => comm
-                            .all_reduce_sum(&v(0, 1024), &mut v(out_at, 1024))
-                            .map(drop),
-                        _ => comm.broadcast(
-                            Some(&v(0, 1024)),
-                            &mut v(out_at, 1024),
-                            0,
-                            &CollectiveOptions::new(),
-                        ),
-                    };
-                    let s = comm.synchronize();
-                    let got = reg.to_host(dev).unwrap();
-                    let want = pattern(rank, n);
-                    // Where the call returned Ok: its output elements that are wrong.
-                    let (p0, p1) = (pattern(0, n), pattern(1, n));
-                    let right = |i: usize| match call {
-                        "all_reduce" => p0[i] + p1[i],
-                        _ => p0[i],
-                    };
-                    let wrong = (0..1024).filter(|&i| got[out_at + i] != right(i)).count();
-                    let outcome = match (&r, &s) {
-                        (Ok(_), Ok(_)) => format!("Ok with output {wrong}/1024 wrong"),
-                        _ => "no result".to_string(),
-                    };
-                    eprintln!("rank {rank}: {call}: {r:?}, synchronize {s:?}: {outcome}");
-                    if rank == 0 {
-                        let written = (0..n).filter(|&i| got[i] != want[i]).count();
-                        assert!(is_overlap(&r), "rank 0: {call}: {r:?}");
-                        assert_eq!(written, 0, "rank 0: {call}: refused but written");
-                    } else {
-                        assert!(r.is_ok(), "rank 1: {call}: {r:?}");
-                        assert!(
-                            matches!(
-                                s,
-                                Err(Error::BarrierTimeout { .. }) | Err(Error::PeerAborted { .. })
-                            ),
-                            "rank 1: {call}: the peer never came: {s:?}"
-                        );
-                    }
-                    // Rank 0 waits until rank 1 has given up and aborted.
-                    std::thread::sleep(Duration::from_millis(900));
-                    comm.synchronize().ok();
-                    comm.reinitialize().unwrap();
-                }
-                // Both work again.
-                reg.copy_from_host(dev, &pattern(rank, n)).unwrap();
-                let mut out = B::alloc_buffer::<f32>(dev, n).unwrap();
-                comm.all_reduce_sum(&reg, &mut out).unwrap();
-                comm.synchronize().unwrap();
-                let want: Vec<f32> = (0..n)
-                    .map(|i| pattern(0, n)[i] + pattern(1, n)[i])
-                    .collect();
-                assert_eq!(out.to_host(dev).unwrap(), want, "rank {rank}");
-            });
+    super::with_world_config::<B, _>(place, 2, &config, |rank, comm| {
+        let dev = comm.device();
+        let ordinal = B::ordinal(comm.device());
+        let n = 2048;
+        let mut reg = comm
+            .register(B::alloc_buffer::<f32>(dev, n).unwrap())
+            .unwrap();
+        let at = address(&reg, dev);
+        let v = |off: usize, len: usize| View::<B>::new(at, off, len, ordinal);
+        for call in ["all_reduce", "broadcast"] {
+            reg.copy_from_host(dev, &pattern(rank, n)).unwrap();
+            comm.synchronize().unwrap();
+            // Rank 0 overlaps (its output one element past its input); rank 1 not.
+            let out_at = if rank == 0 { 1 } else { 1024 };
+            let r = match call {
+                "all_reduce" => comm
+                    .all_reduce_sum(&v(0, 1024), &mut v(out_at, 1024))
+                    .map(drop),
+                _ => comm.broadcast(
+                    Some(&v(0, 1024)),
+                    &mut v(out_at, 1024),
+                    0,
+                    &CollectiveOptions::new(),
+                ),
+            };
+            let s = comm.synchronize();
+            let got = reg.to_host(dev).unwrap();
+            let want = pattern(rank, n);
+            // Where the call returned Ok: its output elements that are wrong.
+            let (p0, p1) = (pattern(0, n), pattern(1, n));
+            let right = |i: usize| match call {
+                "all_reduce" => p0[i] + p1[i],
+                _ => p0[i],
+            };
+            let wrong = (0..1024).filter(|&i| got[out_at + i] != right(i)).count();
+            let outcome = match (&r, &s) {
+                (Ok(_), Ok(_)) => format!("Ok with output {wrong}/1024 wrong"),
+                _ => "no result".to_string(),
+            };
+            eprintln!("rank {rank}: {call}: {r:?}, synchronize {s:?}: {outcome}");
+            if rank == 0 {
+                let written = (0..n).filter(|&i| got[i] != want[i]).count();
+                assert!(is_overlap(&r), "rank 0: {call}: {r:?}");
+                assert_eq!(written, 0, "rank 0: {call}: refused but written");
+            } else {
+                assert!(r.is_ok(), "rank 1: {call}: {r:?}");
+                assert!(
+                    matches!(
+                        s,
+                        Err(Error::BarrierTimeout { .. }) | Err(Error::PeerAborted { .. })
+                    ),
+                    "rank 1: {call}: the peer never came: {s:?}"
+                );
+            }
+            // Rank 0 waits until rank 1 has given up and aborted.
+            std::thread::sleep(Duration::from_millis(900));
+            comm.synchronize().ok();
+            comm.reinitialize().unwrap();
         }
+        // Both work again.
+        reg.copy_from_host(dev, &pattern(rank, n)).unwrap();
+        let mut out = B::alloc_buffer::<f32>(dev, n).unwrap();
+        comm.all_reduce_sum(&reg, &mut out).unwrap();
+        comm.synchronize().unwrap();
+        let want: Vec<f32> = (0..n)
+            .map(|i| pattern(0, n)[i] + pattern(1, n)[i])
+            .collect();
+        assert_eq!(out.to_host(dev).unwrap(), want, "rank {rank}");
     });
 }
 
@@ -687,12 +689,7 @@ pub fn single_controller_overlaps<B: Backend>(place: &Placement) {
         ));
     }
     comm.synchronize().ok();
-    let mut wrong = Vec::new();
-    for (what, r) in &results {
-        if !is_overlap(r) {
-            wrong.push(format!("{what}: {r:?}"));
-        }
-    }
+    let wrong = not_refused(&results, |e| matches!(e, Error::BuffersOverlap { .. }));
     let mut written = 0;
     for (r, b) in bases.iter().enumerate() {
         let got = b.to_host(comm.rank(r).device()).unwrap();

@@ -1,4 +1,4 @@
-//! Registered captures on the per-rank `Comm` (issue 20 item 2, graphs), generic over
+//! Registered captures on the per-rank `Comm` (graphs), generic over
 //! the backend: `Comm::register_inputs_of` runs a pass twice, registering between the
 //! passes the unregistered inputs that the first one's calls read, so that the second
 //! one's calls read them in place. On CUDA the pass is a graph capture
@@ -593,7 +593,7 @@ pub mod graphs {
         values.extend(kept.1.iter().map(|x| x.to_f32()));
         values.extend(kept.2);
         values.extend(kept.3);
-        processes::digest(&values)
+        crate::common::digest(&values)
     }
 
     /// One rank of `processes_world_2`: first a capture over cudarc's own buffers

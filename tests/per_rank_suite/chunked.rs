@@ -13,7 +13,7 @@
 
 use std::time::{Duration, Instant};
 
-use peercomm::backend::{Backend, DeviceBuffer, DeviceBufferMut};
+use peercomm::backend::Backend;
 use peercomm::bootstrap::UniqueId;
 use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, DType, Element, Error};
 use rand::rngs::StdRng;
@@ -21,7 +21,8 @@ use rand::SeedableRng;
 
 use super::collectives::{check_call, check_fused};
 use super::common::collectives::Which;
-use super::{common, seed, Placement};
+use super::common::{bits, digest, seed, View};
+use super::{common, Placement};
 
 /// A small payload for the host: 4144 bytes, halves of C = 129 packs (an odd chunk,
 /// and a payload that is no multiple of 32). A message of up to 259 packs is staged
@@ -75,45 +76,6 @@ fn chunks(payload: usize, n: usize, lanes: usize) -> usize {
     }
 }
 
-/// A buffer seen from element `by` on: an unaligned view (by 1: 2 or 4 bytes off).
-struct Shifted<'a, X: ?Sized> {
-    inner: &'a mut X,
-    by: usize,
-}
-
-// SAFETY: the view is elements [by, len) of the inner buffer, on its device, valid as
-// long as the inner buffer's guard (which it returns) lives.
-unsafe impl<B: Backend, X: DeviceBuffer<B> + ?Sized> DeviceBuffer<B> for Shifted<'_, X> {
-    fn dtype(&self) -> DType {
-        self.inner.dtype()
-    }
-    fn len(&self) -> usize {
-        self.inner.len() - self.by
-    }
-    fn device_ordinal(&self) -> usize {
-        self.inner.device_ordinal()
-    }
-    fn read_ptr<'a>(&'a self, dev: &'a B::Device) -> (u64, B::Access<'a>) {
-        let (p, guard) = self.inner.read_ptr(dev);
-        (p + (self.by * self.dtype().size()) as u64, guard)
-    }
-}
-
-// SAFETY: as above, for writes.
-unsafe impl<B: Backend, X: DeviceBufferMut<B> + ?Sized> DeviceBufferMut<B> for Shifted<'_, X> {
-    fn write_ptr<'a>(&'a mut self, dev: &'a B::Device) -> (u64, B::Access<'a>) {
-        let by = self.by * self.inner.dtype().size();
-        let (p, guard) = self.inner.write_ptr(dev);
-        (p + by as u64, guard)
-    }
-}
-
-fn digest<T: Element>(values: &[T]) -> u64 {
-    values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
-        (h ^ u64::from(v.to_bits_u32())).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
 /// One all-reduce of `ins[rank]` (`shift` elements into its buffers) on `comm`, in place
 /// or into a poisoned output; returns the `n` elements of the result, after checking
 /// that the elements before the view were not written.
@@ -134,28 +96,18 @@ fn run_one<B: Backend, T: Element>(
         .collect();
     let mut send = B::alloc_from(dev, &padded).unwrap();
     let out = if in_place {
-        let mut view = Shifted {
-            inner: &mut send,
-            by: shift,
-        };
+        let mut view = View::elements(&mut send, shift, mine.len());
         let ran = comm.all_reduce_sum_in_place_with(&mut view, opts);
         assert_eq!(ran, Ok(expect), "{what}");
         comm.synchronize().expect(what);
         B::download(dev, &send).unwrap()
     } else {
         let mut recv = B::alloc_from(dev, &vec![poison; shift + mine.len()]).unwrap();
-        let mut view_out = Shifted {
-            inner: &mut recv,
-            by: shift,
-        };
-        let view_in = Shifted {
-            inner: &mut send,
-            by: shift,
-        };
+        let mut view_out = View::elements(&mut recv, shift, mine.len());
+        let view_in = View::elements(&mut send, shift, mine.len());
         let ran = comm.all_reduce_sum_with(&view_in, &mut view_out, opts);
         assert_eq!(ran, Ok(expect), "{what}");
         comm.synchronize().expect(what);
-        let bits = |v: &[T]| v.iter().map(|x| x.to_bits_u32()).collect::<Vec<_>>();
         let input = B::download(dev, &send).unwrap();
         assert_eq!(bits(&input), bits(&padded), "{what}: the input changed");
         B::download(dev, &recv).unwrap()
@@ -412,111 +364,103 @@ pub fn chunked_faults<B: Backend>(place: &Placement, world: usize) {
     let seed = seed("per_rank_chunked_faults");
     let n = 40 * chunk_packs(SMALL_PAYLOAD) * 4 + 7;
     assert!(chunks(SMALL_PAYLOAD, n, 4) > 40);
-    let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-    let id = UniqueId::new().unwrap();
-    std::thread::scope(|s| {
-        for rank in 0..world {
-            let (id, config, opts) = (&id, config.clone(), &opts);
-            s.spawn(move || {
-                let dev = B::open(place.ordinal(rank)).unwrap();
-                let comm = Comm::<B>::from_rank(dev, rank, world, id, config).unwrap();
-                let dev = comm.device();
-                let inputs = |call: u64| {
-                    let mut rng = StdRng::seed_from_u64(seed ^ (call << 24));
-                    common::random_inputs::<f32>(&mut rng, world, n)
-                };
-                let check = |ins: &[Vec<f32>], got: Vec<f32>, what: &str| {
-                    common::check_sums(ins, &vec![got; world], world, what);
-                };
-                // Late, within the timeout.
-                let ins = inputs(1);
-                let send = B::alloc_from(dev, &ins[rank]).unwrap();
-                let mut recv = B::alloc_from(dev, &vec![f32::NAN; n]).unwrap();
-                if rank == 1 {
-                    comm.delay(timeout / 2).unwrap();
-                }
-                comm.all_reduce_sum_with(&send, &mut recv, opts).unwrap();
-                comm.synchronize().unwrap();
-                check(
-                    &ins,
-                    B::download(dev, &recv).unwrap(),
-                    &format!("late, rank {rank}"),
-                );
-
-                // Rank 1 misses the call.
-                let ins = inputs(2);
-                let send = B::alloc_from(dev, &ins[rank]).unwrap();
-                let mut recv = B::alloc_from(dev, &vec![f32::NAN; n]).unwrap();
-                if rank == 1 {
-                    comm.miss_next();
-                }
-                let started = Instant::now();
-                assert_eq!(
-                    comm.all_reduce_sum_with(&send, &mut recv, opts),
-                    Ok(Algorithm::OneStage)
-                );
-                if rank != 1 {
-                    match comm.synchronize() {
-                        Err(Error::BarrierTimeout { waiting_for, .. }) => {
-                            assert_eq!(waiting_for, Some(1), "rank {rank}")
-                        }
-                        // A rank whose peer (not rank 1) timed out first.
-                        Err(Error::PeerAborted { .. }) if rank != 0 => {}
-                        other => panic!("rank {rank}: expected a timeout, got {other:?}"),
-                    }
-                    let elapsed = started.elapsed();
-                    assert!(
-                        elapsed < 2 * timeout + Duration::from_secs(2),
-                        "rank {rank}: the error came after {elapsed:?}"
-                    );
-                } else {
-                    // Rank 1 launched nothing; its record gets the abort.
-                    let err = loop {
-                        match comm.check_errors() {
-                            Ok(()) => {
-                                assert!(started.elapsed() < 10 * timeout, "no abort seen");
-                                std::thread::sleep(Duration::from_millis(5));
-                            }
-                            Err(e) => break e,
-                        }
-                    };
-                    assert!(matches!(err, Error::PeerAborted { rank: 1, .. }), "{err:?}");
-                }
-                assert!(
-                    B::download(dev, &recv).unwrap().iter().all(|x| x.is_nan()),
-                    "rank {rank}: a call that timed out wrote"
-                );
-                comm.reinitialize().unwrap();
-                let ins = inputs(3);
-                let mut buf = B::alloc_from(dev, &ins[rank]).unwrap();
-                comm.all_reduce_sum_in_place_with(&mut buf, opts).unwrap();
-                comm.synchronize().unwrap();
-                check(
-                    &ins,
-                    B::download(dev, &buf).unwrap(),
-                    &format!("recovered, rank {rank}"),
-                );
-
-                // Rank 1's call is one ahead in the sequence.
-                let ins = inputs(4);
-                let send = B::alloc_from(dev, &ins[rank]).unwrap();
-                let mut recv = B::alloc_from(dev, &vec![f32::NAN; n]).unwrap();
-                if rank == 1 {
-                    comm.mismatch_next();
-                }
-                comm.all_reduce_sum_with(&send, &mut recv, opts).unwrap();
-                match comm.synchronize() {
-                    Err(Error::CallMismatch { .. }) => {}
-                    // A rank that the mismatch reached only through a peer's abort.
-                    Err(Error::PeerAborted { .. }) if world > 2 => {}
-                    other => panic!("rank {rank}: expected a call mismatch, got {other:?}"),
-                }
-                assert!(
-                    B::download(dev, &recv).unwrap().iter().all(|x| x.is_nan()),
-                    "rank {rank}: a mismatched call wrote"
-                );
-                comm.reinitialize().unwrap();
-            });
+    let opts = &AllReduceOptions::new().algorithm(Algorithm::OneStage);
+    super::with_world_config::<B, _>(place, world, &config, |rank, comm| {
+        let dev = comm.device();
+        let inputs = |call: u64| {
+            let mut rng = StdRng::seed_from_u64(seed ^ (call << 24));
+            common::random_inputs::<f32>(&mut rng, world, n)
+        };
+        let check = |ins: &[Vec<f32>], got: Vec<f32>, what: &str| {
+            common::check_sums(ins, &vec![got; world], world, what);
+        };
+        // Late, within the timeout.
+        let ins = inputs(1);
+        let send = B::alloc_from(dev, &ins[rank]).unwrap();
+        let mut recv = B::alloc_from(dev, &vec![f32::NAN; n]).unwrap();
+        if rank == 1 {
+            comm.delay(timeout / 2).unwrap();
         }
+        comm.all_reduce_sum_with(&send, &mut recv, opts).unwrap();
+        comm.synchronize().unwrap();
+        check(
+            &ins,
+            B::download(dev, &recv).unwrap(),
+            &format!("late, rank {rank}"),
+        );
+
+        // Rank 1 misses the call.
+        let ins = inputs(2);
+        let send = B::alloc_from(dev, &ins[rank]).unwrap();
+        let mut recv = B::alloc_from(dev, &vec![f32::NAN; n]).unwrap();
+        if rank == 1 {
+            comm.miss_next();
+        }
+        let started = Instant::now();
+        assert_eq!(
+            comm.all_reduce_sum_with(&send, &mut recv, opts),
+            Ok(Algorithm::OneStage)
+        );
+        if rank != 1 {
+            match comm.synchronize() {
+                Err(Error::BarrierTimeout { waiting_for, .. }) => {
+                    assert_eq!(waiting_for, Some(1), "rank {rank}")
+                }
+                // A rank whose peer (not rank 1) timed out first.
+                Err(Error::PeerAborted { .. }) if rank != 0 => {}
+                other => panic!("rank {rank}: expected a timeout, got {other:?}"),
+            }
+            let elapsed = started.elapsed();
+            assert!(
+                elapsed < 2 * timeout + Duration::from_secs(2),
+                "rank {rank}: the error came after {elapsed:?}"
+            );
+        } else {
+            // Rank 1 launched nothing; its record gets the abort.
+            let err = loop {
+                match comm.check_errors() {
+                    Ok(()) => {
+                        assert!(started.elapsed() < 10 * timeout, "no abort seen");
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    Err(e) => break e,
+                }
+            };
+            assert!(matches!(err, Error::PeerAborted { rank: 1, .. }), "{err:?}");
+        }
+        assert!(
+            B::download(dev, &recv).unwrap().iter().all(|x| x.is_nan()),
+            "rank {rank}: a call that timed out wrote"
+        );
+        comm.reinitialize().unwrap();
+        let ins = inputs(3);
+        let mut buf = B::alloc_from(dev, &ins[rank]).unwrap();
+        comm.all_reduce_sum_in_place_with(&mut buf, opts).unwrap();
+        comm.synchronize().unwrap();
+        check(
+            &ins,
+            B::download(dev, &buf).unwrap(),
+            &format!("recovered, rank {rank}"),
+        );
+
+        // Rank 1's call is one ahead in the sequence.
+        let ins = inputs(4);
+        let send = B::alloc_from(dev, &ins[rank]).unwrap();
+        let mut recv = B::alloc_from(dev, &vec![f32::NAN; n]).unwrap();
+        if rank == 1 {
+            comm.mismatch_next();
+        }
+        comm.all_reduce_sum_with(&send, &mut recv, opts).unwrap();
+        match comm.synchronize() {
+            Err(Error::CallMismatch { .. }) => {}
+            // A rank that the mismatch reached only through a peer's abort.
+            Err(Error::PeerAborted { .. }) if world > 2 => {}
+            other => panic!("rank {rank}: expected a call mismatch, got {other:?}"),
+        }
+        assert!(
+            B::download(dev, &recv).unwrap().iter().all(|x| x.is_nan()),
+            "rank {rank}: a mismatched call wrote"
+        );
+        comm.reinitialize().unwrap();
     });
 }

@@ -1,12 +1,10 @@
 //! Fault injection through the per-rank API (feature `fault-injection`, on in tests):
 //! one rank's `miss_next()` makes it skip a collective its peer makes.
 
-use std::sync::Barrier;
 use std::time::{Duration, Instant};
 
 use peercomm::backend::{Backend, TypedBuffer};
-use peercomm::bootstrap::UniqueId;
-use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error};
+use peercomm::{Algorithm, AllReduceOptions, CommConfig, Error};
 
 use super::{common, Placement};
 
@@ -20,73 +18,63 @@ pub fn miss_next_times_out_and_recovers<B: Backend>(place: &Placement) {
         barrier_timeout: Some(timeout),
         ..place.config(2)
     };
-    let id = UniqueId::new().unwrap();
     let mut rng = common::rng("miss_next_times_out_and_recovers");
     let first = common::random_inputs::<f32>(&mut rng, 2, 1000);
     let second = common::random_inputs::<f32>(&mut rng, 2, 1000);
-    let seen = Barrier::new(2);
-    std::thread::scope(|s| {
-        for rank in 0..2 {
-            let (cfg, id, seen) = (cfg.clone(), &id, &seen);
-            let (first, second) = (&first, &second);
-            s.spawn(move || {
-                let dev = B::open(place.ordinal(rank)).unwrap();
-                let comm = Comm::<B>::from_rank(dev, rank, 2, id, cfg).unwrap();
-                let dev = comm.device();
-                let mut buf = B::alloc_from(dev, &first[rank]).unwrap();
-                let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-                if rank == 1 {
-                    comm.miss_next();
-                }
-                let started = Instant::now();
-                assert_eq!(
-                    comm.all_reduce_sum_in_place_with(&mut buf, &opts),
-                    Ok(Algorithm::OneStage)
-                );
-                if rank == 0 {
-                    let err = loop {
-                        match comm.check_errors() {
-                            Ok(()) => {
-                                assert!(started.elapsed() < 10 * timeout, "no timeout seen");
-                                std::thread::sleep(Duration::from_millis(5));
-                            }
-                            Err(e) => break e,
-                        }
-                    };
-                    assert!(
-                        matches!(err, Error::BarrierTimeout { rank: 0, .. }),
-                        "{err:?}"
-                    );
-                    assert!(started.elapsed() >= timeout);
-                    assert!(comm.is_poisoned());
-                    comm.wait().unwrap();
-                } else {
-                    comm.wait().unwrap();
-                }
-                seen.wait();
-                if rank == 1 {
-                    match comm.synchronize() {
-                        Err(Error::PeerAborted { rank: 1, by: 0, .. }) => {}
-                        other => panic!("rank 1: expected PeerAborted, got {other:?}"),
-                    }
-                }
-                assert_eq!(
-                    buf.to_host(dev).unwrap(),
-                    first[rank],
-                    "rank {rank} was written"
-                );
-                comm.reinitialize().unwrap();
-                buf.copy_from_host(dev, &second[rank]).unwrap();
-                comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
-                comm.synchronize().unwrap();
-                let got = buf.to_host(dev).unwrap();
-                common::check_sums(
-                    second,
-                    &[got.clone(), got],
-                    2,
-                    &format!("rank {rank} after recovery"),
-                );
-            });
+    super::in_step::<B, _>(place, 2, &cfg, |rank, comm, seen| {
+        let dev = comm.device();
+        let mut buf = B::alloc_from(dev, &first[rank]).unwrap();
+        let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+        if rank == 1 {
+            comm.miss_next();
         }
+        let started = Instant::now();
+        assert_eq!(
+            comm.all_reduce_sum_in_place_with(&mut buf, &opts),
+            Ok(Algorithm::OneStage)
+        );
+        if rank == 0 {
+            let err = loop {
+                match comm.check_errors() {
+                    Ok(()) => {
+                        assert!(started.elapsed() < 10 * timeout, "no timeout seen");
+                        std::thread::sleep(Duration::from_millis(5));
+                    }
+                    Err(e) => break e,
+                }
+            };
+            assert!(
+                matches!(err, Error::BarrierTimeout { rank: 0, .. }),
+                "{err:?}"
+            );
+            assert!(started.elapsed() >= timeout);
+            assert!(comm.is_poisoned());
+            comm.wait().unwrap();
+        } else {
+            comm.wait().unwrap();
+        }
+        seen.wait();
+        if rank == 1 {
+            match comm.synchronize() {
+                Err(Error::PeerAborted { rank: 1, by: 0, .. }) => {}
+                other => panic!("rank 1: expected PeerAborted, got {other:?}"),
+            }
+        }
+        assert_eq!(
+            buf.to_host(dev).unwrap(),
+            first[rank],
+            "rank {rank} was written"
+        );
+        comm.reinitialize().unwrap();
+        buf.copy_from_host(dev, &second[rank]).unwrap();
+        comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
+        comm.synchronize().unwrap();
+        let got = buf.to_host(dev).unwrap();
+        common::check_sums(
+            &second,
+            &[got.clone(), got],
+            2,
+            &format!("rank {rank} after recovery"),
+        );
     });
 }

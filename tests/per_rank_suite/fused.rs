@@ -9,7 +9,6 @@
 use peercomm::backend::{Backend, TypedBuffer};
 use peercomm::{
     Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, CommConfig, DType, Element,
-    Error,
 };
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -18,7 +17,7 @@ use super::common::fused::{
     assert_golden, check_golden, digest, fused_config, offsets, FusedCase, FusedRows, Pool,
     ALGORITHMS,
 };
-use super::{seed, trust, with_world_config, Placement};
+use super::{agreement, in_step, seed, with_world_config, Placement};
 
 /// One fused call of this rank on rows `[first, first + tokens)` of the pool under
 /// `algorithm`, with fresh buffers (output NaN, the residual uploaded), after a
@@ -173,7 +172,7 @@ fn lamport_all_reduce<B: Backend>(n: usize) -> Call<B> {
 /// with nothing written; after each case every rank re-initialises and a fused call
 /// (Auto: Lamport) works again, its result checked.
 pub fn lamport_fused_mismatch<B: Backend>(place: &Placement, world: usize) {
-    let config = trust::short_waits(place, world);
+    let config = agreement::short_waits(place, world);
     let cases: Vec<(&str, CallField, Call<B>, Call<B>)> = vec![
         (
             "Lamport fused, 8 tokens against 1",
@@ -196,7 +195,7 @@ pub fn lamport_fused_mismatch<B: Backend>(place: &Placement, world: usize) {
     ];
     let odd = world - 1;
     for (what, field, usual, other) in &cases {
-        let errors = trust::run::<B, _>(place, world, &config, |rank, comm, meet| {
+        let errors = in_step::<B, _>(place, world, &config, |rank, comm, meet| {
             let call = if rank == odd { other } else { usual };
             let got = call(comm);
             meet.wait();
@@ -205,35 +204,8 @@ pub fn lamport_fused_mismatch<B: Backend>(place: &Placement, world: usize) {
             fused::<B>(2, Algorithm::Auto)(comm).unwrap();
             got
         });
-        every_rank_mismatched(&errors, *field, odd, what);
+        super::common::assert_every_rank_mismatched(&errors, *field, odd, what);
     }
-}
-
-/// Every rank's error is `CallMismatch` naming `field`, the others naming `odd`, it
-/// naming one of them.
-fn every_rank_mismatched(
-    errors: &[peercomm::Result<()>],
-    field: CallField,
-    odd: usize,
-    what: &str,
-) {
-    for (rank, got) in errors.iter().enumerate() {
-        match got {
-            Err(Error::CallMismatch {
-                rank: r,
-                peer,
-                field: f,
-                mine,
-                theirs,
-            }) => {
-                assert_eq!(*r, rank, "{what}");
-                assert_eq!(*f, field, "{what}: rank {rank}: {mine} / {theirs}");
-                assert_eq!(*peer == odd, rank != odd, "{what}: rank {rank}");
-            }
-            other => panic!("{what}: rank {rank} got {other:?}, not a CallMismatch"),
-        }
-    }
-    eprintln!("{what}: every rank got CallMismatch({field:?}), nothing written");
 }
 
 /// A fused call of `total` elements in rows of `hidden` with `epsilon`, staged in
@@ -286,7 +258,7 @@ fn fused_shaped<B: Backend>(
 pub fn fused_arguments_mismatch<B: Backend>(place: &Placement, world: usize) {
     let config = CommConfig {
         payload_bytes: 4096,
-        ..trust::short_waits(place, world)
+        ..agreement::short_waits(place, world)
     };
     let total = 1920;
     let cases: Vec<(&str, CallField, Call<B>, Call<B>)> = [Algorithm::OneStage, Algorithm::Lamport]
@@ -310,7 +282,7 @@ pub fn fused_arguments_mismatch<B: Backend>(place: &Placement, world: usize) {
         .collect();
     let odd = world - 1;
     for (what, field, usual, other) in &cases {
-        let errors = trust::run::<B, _>(place, world, &config, |rank, comm, meet| {
+        let errors = in_step::<B, _>(place, world, &config, |rank, comm, meet| {
             let got = if rank == odd {
                 other(comm)
             } else {
@@ -321,6 +293,6 @@ pub fn fused_arguments_mismatch<B: Backend>(place: &Placement, world: usize) {
             usual(comm).unwrap();
             got
         });
-        every_rank_mismatched(&errors, *field, odd, what);
+        super::common::assert_every_rank_mismatched(&errors, *field, odd, what);
     }
 }

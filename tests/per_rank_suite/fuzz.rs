@@ -358,7 +358,7 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                     .map(|r| input(seed, call, r, c.len))
                     .collect();
                 common::check_result(&ins, &vec![got.clone(); c.group], c.group, algorithm, &what);
-                digests.push((call, rank, bits_digest(&got)));
+                digests.push((call, rank, common::digest(&got)));
             }
             if let Some(m) = mismatch_after(seed, first / batch, world) {
                 let what = format!("seed {seed} after call {first}, rank {rank}: {m:?}");
@@ -411,10 +411,4 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
         config.simulate.multiprocessors,
         started.elapsed()
     );
-}
-
-fn bits_digest(values: &[f32]) -> u64 {
-    values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
-        (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3)
-    })
 }

@@ -1,13 +1,15 @@
 //! The per-rank communicator (`peercomm::Comm`) with one thread per rank, generic over
 //! the backend: every rank checks its own outputs against the f64 reference of inputs
 //! that every rank can rebuild from a shared seed, and bitwise against its group's first
-//! rank. Instantiated by tests/per_rank.rs (host) and tests/cuda_per_rank.rs (CUDA);
-//! zero copy (registered and symmetric inputs) is in zero_copy.rs.
+//! rank. `per_rank_suite!` instantiates every generic test for one backend
+//! (tests/per_rank.rs: host, tests/cuda_per_rank.rs: CUDA, tests/hip_per_rank.rs: HIP);
+//! a [`Scope`] says which worlds and sizes that backend's time allows.
 
 #![allow(dead_code)]
 
 use super::common;
 
+pub mod agreement;
 pub mod bounds;
 pub mod capture_inputs;
 pub mod chunked;
@@ -22,7 +24,6 @@ pub mod recovery;
 pub mod sizing;
 pub mod symmetric_trim;
 pub mod teardown;
-pub mod trust;
 pub mod views;
 pub mod zero_copy;
 use std::sync::Barrier;
@@ -42,10 +43,12 @@ pub struct Placement {
 }
 
 impl Placement {
-    fn ordinal(&self, rank: usize) -> usize {
+    /// Rank `rank`'s device ordinal.
+    pub fn ordinal(&self, rank: usize) -> usize {
         rank % self.devices
     }
-    fn config(&self, world: usize) -> CommConfig {
+    /// The suite's configuration for `world` ranks.
+    pub fn config(&self, world: usize) -> CommConfig {
         CommConfig {
             lamport_slot_bytes: 1 << 20,
             payload_bytes: 4 << 20,
@@ -58,20 +61,7 @@ impl Placement {
     }
 }
 
-/// A fresh seed per run, printed so a failure can be replayed with PEERCOMM_SEED.
-pub fn seed(test: &str) -> u64 {
-    let seed = std::env::var("PEERCOMM_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-        });
-    eprintln!("{test}: PEERCOMM_SEED={seed}");
-    seed
-}
+pub use common::seed;
 
 /// Runs `body(rank, comm)` on one thread per rank of a fresh world.
 pub fn with_world<B: Backend, R: Send>(
@@ -89,17 +79,45 @@ pub fn with_world_config<B: Backend, R: Send>(
     config: &CommConfig,
     body: impl Fn(usize, Comm<B>) -> R + Sync,
 ) -> Vec<R> {
+    world_threads(place, world, config, &|_| {}, |rank, comm, _| {
+        body(rank, comm)
+    })
+}
+
+/// Runs `body(rank, comm, meet)` on one thread per rank over `config`; `meet` is a
+/// barrier of the world's threads.
+pub fn in_step<B: Backend, R: Send>(
+    place: &Placement,
+    world: usize,
+    config: &CommConfig,
+    body: impl Fn(usize, &Comm<B>, &Barrier) -> R + Sync,
+) -> Vec<R> {
+    world_threads(place, world, config, &|_| {}, |rank, comm, meet| {
+        body(rank, &comm, meet)
+    })
+}
+
+/// The one world runner: one thread per rank, each calling `before(rank)`, then making
+/// its `Comm` over `config` and running `body(rank, comm, meet)`, `meet` a barrier of
+/// the world's threads.
+pub fn world_threads<B: Backend, R: Send>(
+    place: &Placement,
+    world: usize,
+    config: &CommConfig,
+    before: &(dyn Fn(usize) + Sync),
+    body: impl Fn(usize, Comm<B>, &Barrier) -> R + Sync,
+) -> Vec<R> {
     let id = UniqueId::new().unwrap();
-    let config = config.clone();
+    let meet = Barrier::new(world);
     std::thread::scope(|s| {
-        let body = &body;
-        let config = &config;
         let workers: Vec<_> = (0..world)
             .map(|rank| {
+                let (id, body, meet, config) = (&id, &body, &meet, config.clone());
                 s.spawn(move || {
+                    before(rank);
                     let dev = B::open(place.ordinal(rank)).unwrap();
-                    let comm = Comm::<B>::from_rank(dev, rank, world, &id, config.clone()).unwrap();
-                    body(rank, comm)
+                    let comm = Comm::<B>::from_rank(dev, rank, world, id, config).unwrap();
+                    body(rank, comm, meet)
                 })
             })
             .collect();
@@ -203,44 +221,278 @@ pub fn missing_call_times_out_and_recovers<B: Backend>(place: &Placement) {
         barrier_timeout: Some(Duration::from_millis(300)),
         ..place.config(2)
     };
-    let id = UniqueId::new().unwrap();
-    std::thread::scope(|s| {
-        for rank in 0..2 {
-            let cfg = cfg.clone();
-            let id = &id;
-            s.spawn(move || {
-                let dev = B::open(place.ordinal(rank)).unwrap();
-                let comm = Comm::<B>::from_rank(dev, rank, 2, id, cfg).unwrap();
-                let dev = comm.device();
-                let mut buf = B::alloc_buffer::<f32>(dev, 100).unwrap();
-                B::upload(dev, &[1.0; 100], &mut buf).unwrap();
-                if rank == 0 {
-                    let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-                    comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
-                    match comm.synchronize() {
-                        Err(Error::BarrierTimeout { rank: 0, .. }) => {}
-                        other => panic!("rank 0: expected a timeout, got {other:?}"),
-                    }
-                    match comm.all_reduce_sum_in_place_with(&mut buf, &opts) {
-                        Err(Error::Poisoned { first })
-                            if matches!(*first, Error::BarrierTimeout { rank: 0, .. }) => {}
-                        other => panic!("rank 0: expected Poisoned by the timeout, got {other:?}"),
-                    }
-                } else {
-                    // Rank 1 skips the call; rank 0's abort reaches its record.
-                    std::thread::sleep(Duration::from_millis(900));
-                    match comm.synchronize() {
-                        Err(Error::PeerAborted { rank: 1, by: 0, .. }) => {}
-                        other => panic!("rank 1: expected PeerAborted, got {other:?}"),
-                    }
-                }
-                comm.reinitialize().unwrap();
-                B::upload(dev, &[1.0; 100], &mut buf).unwrap();
-                comm.all_reduce_sum_in_place_with(&mut buf, &AllReduceOptions::new())
-                    .unwrap();
-                comm.synchronize().unwrap();
-                assert_eq!(B::download(dev, &buf).unwrap(), vec![2.0; 100]);
-            });
+    with_world_config::<B, _>(place, 2, &cfg, |rank, comm| {
+        let dev = comm.device();
+        let mut buf = B::alloc_buffer::<f32>(dev, 100).unwrap();
+        B::upload(dev, &[1.0; 100], &mut buf).unwrap();
+        if rank == 0 {
+            let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+            comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
+            match comm.synchronize() {
+                Err(Error::BarrierTimeout { rank: 0, .. }) => {}
+                other => panic!("rank 0: expected a timeout, got {other:?}"),
+            }
+            match comm.all_reduce_sum_in_place_with(&mut buf, &opts) {
+                Err(Error::Poisoned { first })
+                    if matches!(*first, Error::BarrierTimeout { rank: 0, .. }) => {}
+                other => panic!("rank 0: expected Poisoned by the timeout, got {other:?}"),
+            }
+        } else {
+            // Rank 1 skips the call; rank 0's abort reaches its record.
+            std::thread::sleep(Duration::from_millis(900));
+            match comm.synchronize() {
+                Err(Error::PeerAborted { rank: 1, by: 0, .. }) => {}
+                other => panic!("rank 1: expected PeerAborted, got {other:?}"),
+            }
         }
+        comm.reinitialize().unwrap();
+        B::upload(dev, &[1.0; 100], &mut buf).unwrap();
+        comm.all_reduce_sum_in_place_with(&mut buf, &AllReduceOptions::new())
+            .unwrap();
+        comm.synchronize().unwrap();
+        assert_eq!(B::download(dev, &buf).unwrap(), vec![2.0; 100]);
     });
+}
+
+/// What one backend runs of the suite: the worlds and sizes its time allows (a world
+/// outside them prints a skip).
+pub struct Scope {
+    /// Worlds of the checked calls and of the zero-copy all-reduce.
+    pub calls: &'static [usize],
+    /// Worlds of the other collectives, zero copy included.
+    pub collectives: &'static [usize],
+    /// The fuzzer's worlds: (world, calls unless PEERCOMM_FUZZ_CALLS says, batch).
+    pub fuzz: &'static [(usize, usize, usize)],
+    /// Payloads the chunked calls run through (`chunked::SMALL_PAYLOAD`, ...).
+    pub chunk_payloads: &'static [usize],
+    /// Simulated multiprocessor counts of two worlds whose ranks differ.
+    pub multiprocessors: [&'static [usize]; 2],
+    /// Whether views misaligned for their element type run (a GPU kernel faults on
+    /// them; the host runs them).
+    pub element_misaligned_views: bool,
+    /// Algorithms of the zero-copy all-reduce at world 8.
+    pub zero_copy_world_8: &'static [Algorithm],
+    /// Rounds of a drop while a peer's collective is queued.
+    pub drop_rounds: usize,
+}
+
+/// A GPU backend's placement for `test`: its devices shared round-robin, 4 blocks per
+/// launch so that every rank's blocks are resident; `None` after a printed skip where
+/// there is no device or no driver.
+pub fn gpu_placement<B: Backend>(test: &str) -> Option<Placement> {
+    match B::device_count() {
+        Ok(n) if n > 0 => Some(Placement {
+            devices: n,
+            max_blocks: 4,
+        }),
+        Ok(_) => {
+            common::announce_skip(test, &format!("no {} device", B::NAME));
+            None
+        }
+        Err(e) => {
+            common::announce_skip(test, &format!("no {} driver: {e}", B::NAME));
+            None
+        }
+    }
+}
+
+/// Every algorithm the zero-copy all-reduce runs.
+pub const ALL_ALGORITHMS: &[Algorithm] = &[
+    Algorithm::OneStage,
+    Algorithm::TwoStage,
+    Algorithm::Lamport,
+    Algorithm::Auto,
+];
+
+/// Runs `body(place, world)` for a test of `worlds` unless the world is outside the
+/// backend's scope or the backend has no device (both with a printed skip).
+pub fn in_scope(
+    test: &str,
+    world: usize,
+    worlds: &[usize],
+    place: impl Fn(&str) -> Option<Placement>,
+    body: impl FnOnce(&Placement),
+) {
+    if !worlds.contains(&world) {
+        common::announce_skip(
+            test,
+            &format!("world {world} is outside this backend's scope"),
+        );
+    } else if let Some(p) = place(test) {
+        body(&p);
+    }
+}
+
+/// One `#[test]` per world (a module named for the behaviour, a test per world), each
+/// running `body` where `$worlds` holds its world. Expanded inside `per_rank_suite!`.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! per_rank_worlds {
+    ($name:ident, $worlds:expr, [$($test:ident = $w:literal),+], |$p:ident, $world:ident| $body:expr) => {
+        mod $name {
+            #[allow(unused_imports)]
+            use super::*;
+            $(
+                #[test]
+                fn $test() {
+                    let test = concat!(stringify!($name), "::", stringify!($test));
+                    per_rank_suite::in_scope(test, $w, $worlds, suite_place, |$p| {
+                        let $world: usize = $w;
+                        $body;
+                    });
+                }
+            )+
+        }
+    };
+}
+
+/// One `#[test]` running `body` with the backend's placement. Expanded inside
+/// `per_rank_suite!`.
+#[macro_export]
+#[doc(hidden)]
+macro_rules! per_rank_test {
+    ($($name:ident: |$p:ident| $body:expr;)+) => {
+        $(
+            #[test]
+            fn $name() {
+                if let Some($p) = suite_place(stringify!($name)) {
+                    let $p = &$p;
+                    $body;
+                }
+            }
+        )+
+    };
+}
+
+/// Every generic per-rank test for backend `$b`: `$place` gives a test's placement (or
+/// `None` after a printed skip), `$scope` the [`Scope`].
+#[macro_export]
+macro_rules! per_rank_suite {
+    ($b:ty, $place:expr, $scope:expr) => {
+        type B = $b;
+        const SCOPE: per_rank_suite::Scope = $scope;
+
+        /// The placement of `test`'s world, or `None` after a printed skip.
+        fn suite_place(test: &str) -> Option<per_rank_suite::Placement> {
+            $place(test)
+        }
+
+        per_rank_worlds!(checked_calls, SCOPE.calls, [world_2 = 2, world_3 = 3, world_4 = 4, world_8 = 8],
+            |p, world| per_rank_suite::checked_calls::<B>(p, world));
+        per_rank_worlds!(collectives, SCOPE.collectives, [world_2 = 2, world_3 = 3, world_4 = 4, world_8 = 8],
+            |p, world| per_rank_suite::collectives::checked::<B>(p, world));
+        per_rank_worlds!(chunked_all_reduce, &[2, 3, 4], [world_2 = 2, world_3 = 3, world_4 = 4], |p, world| {
+            for &payload in SCOPE.chunk_payloads {
+                per_rank_suite::chunked::chunked_all_reduce::<B>(p, world, payload);
+            }
+        });
+        per_rank_worlds!(chunked_collectives, &[2, 3, 4], [world_2 = 2, world_3 = 3, world_4 = 4], |p, world| {
+            for &payload in SCOPE.chunk_payloads {
+                per_rank_suite::chunked::chunked_collectives::<B>(p, world, payload);
+            }
+        });
+        per_rank_worlds!(fuzz, &SCOPE.fuzz.iter().map(|f| f.0).collect::<Vec<_>>(),
+            [world_2 = 2, world_4 = 4, world_8 = 8], |p, world| {
+            let &(_, calls, batch) = SCOPE.fuzz.iter().find(|f| f.0 == world).unwrap();
+            let calls = common::fuzz::calls_from_env(calls);
+            per_rank_suite::fuzz::fuzz_threads::<B>(p, world, calls, batch)
+        });
+        per_rank_worlds!(lamport_fused, &[2, 4], [world_2 = 2, world_4 = 4], |p, world| {
+            let batches = per_rank_suite::fused::lamport_fused::<B>(p, world, &common::fused::DECODE_CASES);
+            eprintln!("lamport_fused world {world}: {batches} batches per rank");
+        });
+        per_rank_worlds!(zero_copy_all_reduce, SCOPE.calls, [world_2 = 2, world_3 = 3, world_4 = 4, world_8 = 8],
+            |p, world| {
+            let algorithms = if world == 8 { SCOPE.zero_copy_world_8 } else { per_rank_suite::ALL_ALGORITHMS };
+            per_rank_suite::zero_copy::all_reduce_matches_single_controller::<B>(p, world, algorithms)
+        });
+        per_rank_worlds!(zero_copy_collectives, SCOPE.collectives, [world_2 = 2, world_3 = 3, world_4 = 4, world_8 = 8],
+            |p, world| per_rank_suite::zero_copy::collectives_match_single_controller::<B>(p, world));
+
+        per_rank_worlds!(mismatched_calls_are_typed_errors, &[2, 3], [world_2 = 2, world_3 = 3],
+            |p, world| per_rank_suite::agreement::mismatched_calls_are_typed_errors::<B>(p, world));
+
+        per_rank_test! {
+            refuses_two_stage: |p| per_rank_suite::refuses_two_stage::<B>(p);
+            independent_sibling_groups: |p| per_rank_suite::independent_sibling_groups::<B>(p);
+            missing_call_times_out_and_recovers: |p| per_rank_suite::missing_call_times_out_and_recovers::<B>(p);
+            miss_next_times_out_and_recovers: |p| per_rank_suite::fault::miss_next_times_out_and_recovers::<B>(p);
+            configuration_mismatch_names_the_fields: |p| per_rank_suite::sizing::a_configuration_mismatch_names_the_fields::<B>(p);
+            sized_for_the_largest_message: |p| per_rank_suite::sizing::sized_for_the_largest_message::<B>(p);
+            chunked_faults: |p| per_rank_suite::chunked::chunked_faults::<B>(p, 2);
+            collectives_bad_inputs: |p| per_rank_suite::collectives::bad_inputs::<B>(p);
+            lamport_fused_mismatch: |p| for world in [2, 4] {
+                per_rank_suite::fused::lamport_fused_mismatch::<B>(p, world)
+            };
+            fused_arguments_mismatch: |p| for world in [2, 3] {
+                per_rank_suite::fused::fused_arguments_mismatch::<B>(p, world)
+            };
+            unequal_multiprocessors_agree_on_the_grid: |p| for counts in SCOPE.multiprocessors {
+                per_rank_suite::agreement::unequal_multiprocessors_agree_on_the_grid::<B>(p, counts)
+            };
+            group_of_one_against_a_world_call: |p| per_rank_suite::agreement::a_group_of_one_against_a_world_call_is_caught_late::<B>(p);
+            different_group_widths: |p| per_rank_suite::agreement::different_group_widths_are_caught::<B>(p);
+            the_rank_that_never_came_is_named: |p| per_rank_suite::agreement::the_rank_that_never_came_is_named::<B>(p);
+            one_sign_of_zero: |p| for world in [2, 3] {
+                per_rank_suite::agreement::one_sign_of_zero::<B>(p, world)
+            };
+            drop_while_peer_collective_queued: |p| per_rank_suite::teardown::drop_while_peer_collective_queued::<B>(p, SCOPE.drop_rounds);
+            drop_returns_while_peer_holds_on: |p| per_rank_suite::teardown::drop_returns_while_peer_holds_on::<B>(p);
+            drop_beside_a_peer_register: |p| per_rank_suite::teardown::drop_beside_a_peer_exchange::<B>(p, per_rank_suite::teardown::Exchange::Register);
+            drop_beside_a_peer_alloc_symmetric: |p| per_rank_suite::teardown::drop_beside_a_peer_exchange::<B>(p, per_rank_suite::teardown::Exchange::AllocSymmetric);
+            drop_beside_a_peer_trim_symmetric: |p| per_rank_suite::teardown::drop_beside_a_peer_exchange::<B>(p, per_rank_suite::teardown::Exchange::TrimSymmetric);
+            drop_beside_a_peer_register_inputs_of: |p| per_rank_suite::teardown::drop_beside_a_peer_exchange::<B>(p, per_rank_suite::teardown::Exchange::RegisterInputsOf);
+            drop_beside_a_peer_reinitialize: |p| per_rank_suite::teardown::drop_beside_a_peer_exchange::<B>(p, per_rank_suite::teardown::Exchange::Reinitialize);
+            different_exchanges_register_alloc: |p| per_rank_suite::teardown::different_exchanges_are_typed_errors::<B>(p, &[per_rank_suite::teardown::Exchange::Register, per_rank_suite::teardown::Exchange::AllocSymmetric]);
+            different_exchanges_trim_reinitialize: |p| per_rank_suite::teardown::different_exchanges_are_typed_errors::<B>(p, &[per_rank_suite::teardown::Exchange::TrimSymmetric, per_rank_suite::teardown::Exchange::Reinitialize]);
+            different_exchanges_capture_register: |p| per_rank_suite::teardown::different_exchanges_are_typed_errors::<B>(p, &[per_rank_suite::teardown::Exchange::RegisterInputsOf, per_rank_suite::teardown::Exchange::Register]);
+            different_exchanges_world_3: |p| per_rank_suite::teardown::different_exchanges_are_typed_errors::<B>(p, &[per_rank_suite::teardown::Exchange::Register, per_rank_suite::teardown::Exchange::Register, per_rank_suite::teardown::Exchange::AllocSymmetric]);
+            zero_copy_stages_nothing: |p| per_rank_suite::zero_copy::stages_nothing::<B>(p);
+            zero_copy_registration_refusals: |p| for world in [2, 3] {
+                per_rank_suite::zero_copy::registration_refusals::<B>(p, world)
+            };
+            zero_copy_mismatched_inputs: |p| for world in [2, 3] {
+                per_rank_suite::zero_copy::mismatched_inputs::<B>(p, world)
+            };
+            zero_copy_inputs_dropped_in_flight: |p| for world in [2, 4] {
+                per_rank_suite::zero_copy::inputs_dropped_in_flight::<B>(p, world)
+            };
+            zero_copy_register_drop_cycles: |p| per_rank_suite::zero_copy::register_drop_cycles::<B>(p, 2, 1000);
+            zero_copy_symmetric_drop_cycles: |p| per_rank_suite::zero_copy::symmetric_drop_cycles::<B>(p, 2, 1000);
+            places_compared_exactly: |p| for world in [2, 3] {
+                per_rank_suite::zero_copy::places_compared_exactly::<B>(p, world)
+            };
+            capture_inputs_second_pass_reads_in_place: |p| for world in [2, 4] {
+                per_rank_suite::capture_inputs::second_pass_reads_in_place::<B>(p, world)
+            };
+            capture_inputs_disagreeing_passes_are_refused: |p| for world in [2, 3] {
+                per_rank_suite::capture_inputs::disagreeing_passes_are_refused::<B>(p, world)
+            };
+            capture_inputs_cycles_leak_nothing: |p| per_rank_suite::capture_inputs::pass_cycles_leak_nothing::<B>(p, 2, 300);
+            symmetric_trim_frees_only_segments_empty_everywhere: |p| for world in [2, 3] {
+                per_rank_suite::symmetric_trim::frees_only_segments_empty_everywhere::<B>(p, world)
+            };
+            misaligned_views: |p| per_rank_suite::views::misaligned_views::<B>(p, 0);
+            views_misaligned_for_their_element_type: |p| if SCOPE.element_misaligned_views {
+                per_rank_suite::views::misaligned_views::<B>(p, 1)
+            } else {
+                common::announce_skip(
+                    "views_misaligned_for_their_element_type",
+                    "a GPU kernel faults on a view misaligned for its element type",
+                )
+            };
+            poisoned_names_its_cause: |p| per_rank_suite::recovery::poisoned_names_its_cause::<B>(p);
+            a_leaf_without_rank_zero_names_real_functions: |p| per_rank_suite::recovery::a_leaf_without_rank_zero_names_real_functions::<B>(p);
+            a_skipped_call_is_caught_where_it_is_awaited: |p| per_rank_suite::recovery::a_skipped_call_is_caught_where_it_is_awaited::<B>(p);
+            check_errors_is_a_per_step_poll: |p| per_rank_suite::recovery::check_errors_is_a_per_step_poll::<B>(p);
+            huge_lengths_are_refused: |p| per_rank_suite::bounds::huge_lengths_are_refused::<B>(p, 2);
+            huge_buffers_in_collectives_are_refused: |p| per_rank_suite::bounds::huge_buffers_in_collectives_are_refused::<B>(p, 2);
+            registered_writes_keep_the_range: |p| for world in [2, 3] {
+                per_rank_suite::bounds::registered_writes_keep_the_range::<B>(p, world)
+            };
+            overlapping_buffers_are_refused: |p| per_rank_suite::bounds::overlapping_buffers_are_refused::<B>(p);
+            overlap_on_one_rank: |p| per_rank_suite::bounds::overlap_on_one_rank::<B>(p);
+            single_controller_overlaps: |p| per_rank_suite::bounds::single_controller_overlaps::<B>(p);
+        }
+    };
 }

@@ -44,7 +44,7 @@ pub struct Devices {
 }
 
 impl Devices {
-    fn ordinal(&self, rank: usize) -> usize {
+    pub(super) fn ordinal(&self, rank: usize) -> usize {
         rank % self.count
     }
 }
@@ -130,12 +130,6 @@ fn schedule(world: usize) -> Vec<(usize, usize, Algorithm, bool)> {
     calls
 }
 
-pub(super) fn digest(values: &[f32]) -> u64 {
-    values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
-        (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
 /// A call's input, and its output unless it runs in place.
 pub type SendRecv<B> = (
     <B as Backend>::Buffer<f32>,
@@ -193,7 +187,7 @@ pub fn run_checked<B: Backend>(comm: &Comm<B>, seed: u64) -> Vec<(usize, u64)> {
             group,
             &format!("process rank {rank} call {call}"),
         );
-        digests.push((call, digest(&got)));
+        digests.push((call, common::digest(&got)));
     }
     digests
 }
@@ -395,14 +389,7 @@ pub fn isolated_world<B: Backend>(devices: &Devices, world: usize, visible: Opti
     for child in &mut children {
         let lines = lines_of(child);
         assert!(lines.contains(&"PATH auto".to_string()), "{lines:?}");
-        all.extend(lines.iter().filter_map(|l| {
-            let f: Vec<&str> = l.strip_prefix("DIGEST ")?.split_whitespace().collect();
-            Some((
-                f[0].parse().unwrap(),
-                f[1].parse().unwrap(),
-                f[2].parse().unwrap(),
-            ))
-        }));
+        all.extend(lines.iter().filter_map(|l| digest_line(l)));
         let status = child.wait().unwrap();
         assert!(status.success(), "a rank process failed: {status}");
     }
@@ -471,32 +458,37 @@ pub fn isolated_without_peer_access<B: Backend>(devices: &Devices) {
     }
 }
 
-/// Collects `DIGEST call rank digest` lines from a child's stdout.
-fn digests_of(child: &mut Child) -> Vec<(usize, usize, u64)> {
-    let out = child.stdout.take().unwrap();
-    BufReader::new(out)
-        .lines()
-        .map_while(|l| l.ok())
-        .filter_map(|l| {
-            // The harness may print "test per_rank_child ... " before the first line.
-            let at = l.find("DIGEST ")?;
-            let f: Vec<&str> = l[at..].split_whitespace().collect();
-            Some((
-                f[1].parse().unwrap(),
-                f[2].parse().unwrap(),
-                f[3].parse().unwrap(),
-            ))
-        })
+/// (call, rank, digest) of a `DIGEST call rank digest` line (the harness may print
+/// "test per_rank_child ... " before it).
+pub(super) fn digest_line(line: &str) -> Option<(usize, usize, u64)> {
+    let f: Vec<&str> = line[line.find("DIGEST ")?..].split_whitespace().collect();
+    Some((f[1].parse().ok()?, f[2].parse().ok()?, f[3].parse().ok()?))
+}
+
+/// Collects the `DIGEST` lines of a child's stdout, until it exits.
+pub(super) fn digests_of(child: &mut Child) -> Vec<(usize, usize, u64)> {
+    lines_of(child)
+        .iter()
+        .filter_map(|l| digest_line(l))
         .collect()
 }
 
 /// Checks that every rank of every call's group has the same digest as the group's
 /// first rank, given (call, rank, digest) of every rank; returns the calls per rank.
 pub fn compare_groups(world: usize, all: &[(usize, usize, u64)]) -> usize {
-    let calls = schedule(world);
+    let groups: Vec<usize> = schedule(world).iter().map(|c| c.1).collect();
+    compare_group_digests(world, &groups, all)
+}
+
+/// As `compare_groups`, call `c` over groups of `groups[c]`.
+pub(super) fn compare_group_digests(
+    world: usize,
+    groups: &[usize],
+    all: &[(usize, usize, u64)],
+) -> usize {
     let by_call: HashMap<(usize, usize), u64> = all.iter().map(|&(c, r, d)| ((c, r), d)).collect();
-    assert_eq!(by_call.len(), calls.len() * world, "a digest is missing");
-    for (call, &(_, group, _, _)) in calls.iter().enumerate() {
+    assert_eq!(by_call.len(), groups.len() * world, "a digest is missing");
+    for (call, &group) in groups.iter().enumerate() {
         for rank in 0..world {
             let lead = rank / group * group;
             assert_eq!(
@@ -506,33 +498,43 @@ pub fn compare_groups(world: usize, all: &[(usize, usize, u64)]) -> usize {
             );
         }
     }
-    calls.len()
+    groups.len()
 }
 
-/// Every rank checks the schedule; rank 0 compares the digests of every group.
-pub fn checked_world<B: Backend>(devices: &Devices, world: usize) {
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
-    eprintln!("per_rank_processes world {world}: seed {seed}");
+/// Ranks 1.. of `world` as child processes running `role` (with `extra` in their
+/// environment), rank 0 here running `rank0`; returns every rank's (call, rank,
+/// digest), after every child exited successfully.
+pub(super) fn digest_world<B: Backend>(
+    devices: &Devices,
+    world: usize,
+    role: &str,
+    seed: u64,
+    extra: &[(String, String)],
+    rank0: impl FnOnce(&Comm<B>) -> Vec<(usize, u64)>,
+) -> Vec<(usize, usize, u64)> {
     let id = UniqueId::new().unwrap();
     let text = id.to_string();
     let mut children: Vec<Child> = (1..world)
-        .map(|r| spawn("checked", r, world, &text, seed))
+        .map(|r| spawn_with(role, r, world, &text, seed, extra))
         .collect();
     let dev = B::open(devices.ordinal(0)).unwrap();
     let comm = Comm::<B>::from_rank(dev, 0, world, &id, config_for(devices, world)).unwrap();
-    let mut all: Vec<(usize, usize, u64)> = run_checked(&comm, seed)
-        .into_iter()
-        .map(|(c, d)| (c, 0, d))
-        .collect();
+    let mut all: Vec<(usize, usize, u64)> =
+        rank0(&comm).into_iter().map(|(c, d)| (c, 0, d)).collect();
     for child in &mut children {
         all.extend(digests_of(child));
         let status = child.wait().unwrap();
         assert!(status.success(), "a rank process failed: {status}");
     }
-    drop(comm);
+    all
+}
+
+/// Every rank checks the schedule; rank 0 compares the digests of every group.
+pub fn checked_world<B: Backend>(devices: &Devices, world: usize) {
+    let seed = common::seed(&format!("per_rank_processes world {world}"));
+    let all = digest_world::<B>(devices, world, "checked", seed, &[], |comm| {
+        run_checked(comm, seed)
+    });
     let calls = compare_groups(world, &all);
     eprintln!(
         "per_rank_processes world {world}: {calls} calls per rank checked, bits equal in every group"

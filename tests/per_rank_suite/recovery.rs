@@ -9,8 +9,8 @@ use peercomm::backend::Backend;
 use peercomm::bootstrap::{BootstrapError, UniqueId};
 use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error, Recovery, Result};
 
-use super::trust::{run, short_waits};
-use super::Placement;
+use super::agreement::short_waits;
+use super::{in_step, Placement};
 
 /// A one-stage all-reduce of `n` ones, then `synchronize`.
 fn sum_ones<B: Backend>(comm: &Comm<B>, n: usize) -> Result<()> {
@@ -28,7 +28,7 @@ fn sum_ones<B: Backend>(comm: &Comm<B>, n: usize) -> Result<()> {
 pub fn poisoned_names_its_cause<B: Backend>(place: &Placement) {
     let world = 2;
     let config = short_waits(place, world);
-    let got = run::<B, _>(place, world, &config, |rank, comm, meet| {
+    let got = in_step::<B, _>(place, world, &config, |rank, comm, meet| {
         let first = sum_ones(comm, if rank == 0 { 1000 } else { 500 });
         let next = sum_ones(comm, 300);
         meet.wait();
@@ -107,7 +107,7 @@ pub fn a_leaf_without_rank_zero_names_real_functions<B: Backend>(place: &Placeme
 pub fn a_skipped_call_is_caught_where_it_is_awaited<B: Backend>(place: &Placement) {
     let world = 2;
     let config = short_waits(place, world);
-    let got = run::<B, _>(place, world, &config, |rank, comm, meet| {
+    let got = in_step::<B, _>(place, world, &config, |rank, comm, meet| {
         let calls = if rank == 0 { 3 } else { 2 };
         let made: Vec<Result<()>> = (0..calls).map(|_| sum_ones(comm, 256)).collect();
         meet.wait();
@@ -152,7 +152,7 @@ pub fn a_skipped_call_is_caught_where_it_is_awaited<B: Backend>(place: &Placemen
 pub fn check_errors_is_a_per_step_poll<B: Backend>(place: &Placement) {
     let world = 2;
     let config = short_waits(place, world);
-    let got = run::<B, _>(place, world, &config, |rank, comm, meet| {
+    let got = in_step::<B, _>(place, world, &config, |rank, comm, meet| {
         // Not waiting: a queued 500 ms kernel does not delay it.
         comm.delay(Duration::from_millis(500)).unwrap();
         let start = Instant::now();

@@ -20,54 +20,46 @@ pub fn sized_for_the_largest_message<B: Backend>(place: &Placement) {
         barrier_timeout: base.barrier_timeout,
         ..CommConfig::for_largest_message(1000, DType::F32).unwrap()
     };
-    let id = UniqueId::new().unwrap();
     let mut rng = common::rng("sized_for_the_largest_message");
     let fits = common::random_inputs::<f32>(&mut rng, 2, 1000);
     let too_big = common::random_inputs::<f32>(&mut rng, 2, 1001);
-    std::thread::scope(|s| {
-        for rank in 0..2 {
-            let (config, id, fits, too_big) = (config.clone(), &id, &fits, &too_big);
-            s.spawn(move || {
-                let dev = B::open(place.ordinal(rank)).unwrap();
-                let comm = Comm::<B>::from_rank(dev, rank, 2, id, config.clone()).unwrap();
-                let dev = comm.device();
-                assert_eq!(comm.memory_footprint(), config.memory_footprint(2).unwrap());
-                let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-                assert_eq!(
-                    comm.algorithm_for(DType::F32, 1000, &one, false),
-                    Ok(Algorithm::OneStage)
-                );
-                for in_place in [false, true] {
-                    assert_eq!(
-                        comm.algorithm_for(DType::F32, 1001, &one, in_place),
-                        Ok(Algorithm::OneStage)
-                    );
-                }
-                let two = AllReduceOptions::new().algorithm(Algorithm::TwoStage);
-                assert!(matches!(
-                    comm.algorithm_for(DType::F32, 1000, &two, false),
-                    Err(Error::Unsupported(_))
-                ));
-                // The call agrees with the query, in chunks.
-                let send = B::alloc_from(dev, &too_big[rank]).unwrap();
-                let mut recv = B::alloc_from(dev, &vec![f32::NAN; 1001]).unwrap();
-                assert_eq!(
-                    comm.all_reduce_sum_with(&send, &mut recv, &one),
-                    Ok(Algorithm::OneStage)
-                );
-                comm.synchronize().unwrap();
-                let got = recv.to_host(dev).unwrap();
-                common::check_sums(too_big, &[got.clone(), got], 2, &format!("rank {rank}"));
-                // The largest message runs, under Auto and forced one-stage.
-                for opts in [AllReduceOptions::new(), one] {
-                    let send = B::alloc_from(dev, &fits[rank]).unwrap();
-                    let mut recv = B::alloc_from(dev, &vec![f32::NAN; 1000]).unwrap();
-                    comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
-                    comm.synchronize().unwrap();
-                    let got = recv.to_host(dev).unwrap();
-                    common::check_sums(fits, &[got.clone(), got], 2, &format!("rank {rank}"));
-                }
-            });
+    super::with_world_config::<B, _>(place, 2, &config, |rank, comm| {
+        let dev = comm.device();
+        assert_eq!(comm.memory_footprint(), config.memory_footprint(2).unwrap());
+        let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+        assert_eq!(
+            comm.algorithm_for(DType::F32, 1000, &one, false),
+            Ok(Algorithm::OneStage)
+        );
+        for in_place in [false, true] {
+            assert_eq!(
+                comm.algorithm_for(DType::F32, 1001, &one, in_place),
+                Ok(Algorithm::OneStage)
+            );
+        }
+        let two = AllReduceOptions::new().algorithm(Algorithm::TwoStage);
+        assert!(matches!(
+            comm.algorithm_for(DType::F32, 1000, &two, false),
+            Err(Error::Unsupported(_))
+        ));
+        // The call agrees with the query, in chunks.
+        let send = B::alloc_from(dev, &too_big[rank]).unwrap();
+        let mut recv = B::alloc_from(dev, &vec![f32::NAN; 1001]).unwrap();
+        assert_eq!(
+            comm.all_reduce_sum_with(&send, &mut recv, &one),
+            Ok(Algorithm::OneStage)
+        );
+        comm.synchronize().unwrap();
+        let got = recv.to_host(dev).unwrap();
+        common::check_sums(&too_big, &[got.clone(), got], 2, &format!("rank {rank}"));
+        // The largest message runs, under Auto and forced one-stage.
+        for opts in [AllReduceOptions::new(), one] {
+            let send = B::alloc_from(dev, &fits[rank]).unwrap();
+            let mut recv = B::alloc_from(dev, &vec![f32::NAN; 1000]).unwrap();
+            comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
+            comm.synchronize().unwrap();
+            let got = recv.to_host(dev).unwrap();
+            common::check_sums(&fits, &[got.clone(), got], 2, &format!("rank {rank}"));
         }
     });
 }

@@ -1,41 +1,16 @@
-//! Teardown and timeout bounds of the per-rank `Comm` (issue 18, items 4 and 7): a rank
+//! Teardown and timeout bounds of the per-rank `Comm`: a rank
 //! that drops its `Comm` while a peer's collective is queued or running, a drop whose
 //! peer holds on, the timeouts `CommConfig` refuses, and how long a timed-out rank's
 //! `synchronize()` takes.
-//!
-//! The bodies are generic over the backend; the `#[test]`s below run them on the host
-//! backend, in the `per_rank` test binary only (this module is part of every binary
-//! that includes the suite; elsewhere they print a skip notice and return).
 
 use std::sync::{mpsc, Barrier};
 use std::time::{Duration, Instant};
 
-use peercomm::backend::host::Host;
 use peercomm::backend::Backend;
 use peercomm::bootstrap::{Bootstrap, BootstrapError, UniqueId};
 use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error};
 
-use super::{common, Placement};
-
-const HOST: Placement = Placement {
-    devices: peercomm::MAX_GPUS,
-    max_blocks: 2,
-};
-
-/// Whether this is the host `per_rank` binary (cargo names it `per_rank-<hash>`).
-fn in_host_suite(test: &str) -> bool {
-    let stem = std::env::current_exe()
-        .ok()
-        .and_then(|p| p.file_stem().map(|s| s.to_string_lossy().into_owned()))
-        .unwrap_or_default();
-    let binary = stem.rsplit_once('-').map_or(stem.as_str(), |(b, _)| b);
-    if binary == "per_rank" {
-        true
-    } else {
-        common::announce_skip(test, "host teardown tests run in the per_rank binary");
-        false
-    }
-}
+use super::Placement;
 
 /// Builds rank `rank` of a world of 2 with `config`.
 fn open<B: Backend>(place: &Placement, rank: usize, id: &UniqueId, config: CommConfig) -> Comm<B> {
@@ -43,11 +18,11 @@ fn open<B: Backend>(place: &Placement, rank: usize, id: &UniqueId, config: CommC
     Comm::<B>::from_rank(dev, rank, 2, id, config).unwrap()
 }
 
-/// Item 4's schedule: rank 0 queues an all-reduce behind a 1.5 s delay, then rank 1
+/// The schedule: rank 0 queues an all-reduce behind a 1.5 s delay, then rank 1
 /// drops its `Comm` without making the call. Rank 0's kernel starts after rank 1 began
 /// dropping and gives up after `barrier_timeout` (1 s), writing its error record and
 /// abort into rank 1's signal at about 2.5 s: past the point (2 s, the bootstrap
-/// timeout) where the old drop freed that signal. Rank 0 must get its typed error, rank
+/// timeout), where a drop that freed the signal would fault. Rank 0 must get its typed error, rank
 /// 1's drop must return within the teardown bound, and the process must not crash.
 /// The 64 MiB payload puts the signal above glibc's largest mmap threshold, so a freed
 /// signal is unmapped and a late write faults instead of corrupting the heap quietly.
@@ -214,7 +189,7 @@ pub fn refuses_bootstrap_timeout_below_barrier_timeout<B: Backend>(place: &Place
     }
 }
 
-/// Item 7: rank 1 misses an all-reduce (`miss_next`); rank 0's `synchronize()` reports
+/// Rank 1 misses an all-reduce (`miss_next`); rank 0's `synchronize()` reports
 /// its `BarrierTimeout` after at least `barrier_timeout` (the wait that gives up) and
 /// at most 2 x `barrier_timeout` (that wait, then the abandon protocol's wait for the
 /// peer's confirmation), the bound the docs state, plus 1.5 s of slack for a loaded
@@ -414,32 +389,18 @@ pub fn different_exchanges_are_typed_errors<B: Backend>(place: &Placement, kinds
         bootstrap_timeout: Duration::from_secs(3),
         ..place.config(world)
     };
-    let id = UniqueId::new().unwrap();
-    let outcomes = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..world)
-            .map(|rank| {
-                let (id, config) = (&id, &config);
-                s.spawn(move || {
-                    let dev = B::open(place.ordinal(rank)).unwrap();
-                    let comm = Comm::<B>::from_rank(dev, rank, world, id, config.clone()).unwrap();
-                    let made = kinds[rank].make(&comm);
-                    eprintln!("rank {rank}: {:?} returned {made:?}", kinds[rank]);
-                    let trimmed = comm.trim_symmetric();
-                    eprintln!("rank {rank}: then trim_symmetric returned {trimmed:?}");
-                    let dev = comm.device();
-                    let mut buf = B::alloc_from(dev, &[rank as f32 + 1.0; 64]).unwrap();
-                    let summed = comm
-                        .all_reduce_sum_in_place(&mut buf)
-                        .and_then(|_| comm.synchronize())
-                        .and_then(|_| B::download(dev, &buf));
-                    (made, trimmed, summed, comm.close())
-                })
-            })
-            .collect();
-        workers
-            .into_iter()
-            .map(|w| w.join().unwrap())
-            .collect::<Vec<_>>()
+    let outcomes = super::with_world_config::<B, _>(place, world, &config, |rank, comm| {
+        let made = kinds[rank].make(&comm);
+        eprintln!("rank {rank}: {:?} returned {made:?}", kinds[rank]);
+        let trimmed = comm.trim_symmetric();
+        eprintln!("rank {rank}: then trim_symmetric returned {trimmed:?}");
+        let dev = comm.device();
+        let mut buf = B::alloc_from(dev, &[rank as f32 + 1.0; 64]).unwrap();
+        let summed = comm
+            .all_reduce_sum_in_place(&mut buf)
+            .and_then(|_| comm.synchronize())
+            .and_then(|_| B::download(dev, &buf));
+        (made, trimmed, summed, comm.close())
     });
     let sum = (1..=world).sum::<usize>() as f32;
     for (rank, (made, trimmed, summed, closed)) in outcomes.iter().enumerate() {
@@ -466,33 +427,5 @@ pub fn different_exchanges_are_typed_errors<B: Backend>(place: &Placement, kinds
             "{kinds:?}: rank {rank}"
         );
         assert!(closed.is_ok(), "{kinds:?}: rank {rank}: {closed:?}");
-    }
-}
-
-#[test]
-fn teardown_drop_while_peer_collective_queued() {
-    if in_host_suite("teardown_drop_while_peer_collective_queued") {
-        drop_while_peer_collective_queued::<Host>(&HOST, 3);
-    }
-}
-
-#[test]
-fn teardown_drop_returns_while_peer_holds_on() {
-    if in_host_suite("teardown_drop_returns_while_peer_holds_on") {
-        drop_returns_while_peer_holds_on::<Host>(&HOST);
-    }
-}
-
-#[test]
-fn teardown_refuses_bootstrap_timeout_below_barrier_timeout() {
-    if in_host_suite("teardown_refuses_bootstrap_timeout_below_barrier_timeout") {
-        refuses_bootstrap_timeout_below_barrier_timeout::<Host>(&HOST);
-    }
-}
-
-#[test]
-fn teardown_synchronize_reports_within_twice_barrier_timeout() {
-    if in_host_suite("teardown_synchronize_reports_within_twice_barrier_timeout") {
-        synchronize_reports_within_twice_barrier_timeout::<Host>(&HOST);
     }
 }

@@ -5,46 +5,12 @@
 //! only the host runs it). Every rank checks its result against the f64 reference and
 //! that the bytes around the output view were not written.
 
-use peercomm::backend::{Backend, DeviceBuffer, DeviceBufferMut};
+use peercomm::backend::Backend;
 use peercomm::half::f16;
-use peercomm::{Algorithm, AllReduceOptions, Comm, DType, Element};
+use peercomm::{Algorithm, AllReduceOptions, Comm, Element};
 
+use super::common::View;
 use super::Placement;
-
-/// `len` elements of the inner buffer's type from byte `bytes` of it.
-struct ByteView<'a, X: ?Sized> {
-    inner: &'a mut X,
-    bytes: usize,
-    len: usize,
-}
-
-// SAFETY: the view is `len` elements from byte `bytes` of the inner buffer (the callers
-// keep `bytes + len * size` within it), on its device, valid as long as the inner
-// buffer's guard (which it returns) lives.
-unsafe impl<B: Backend, X: DeviceBuffer<B> + ?Sized> DeviceBuffer<B> for ByteView<'_, X> {
-    fn dtype(&self) -> DType {
-        self.inner.dtype()
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn device_ordinal(&self) -> usize {
-        self.inner.device_ordinal()
-    }
-    fn read_ptr<'a>(&'a self, dev: &'a B::Device) -> (u64, B::Access<'a>) {
-        let (p, guard) = self.inner.read_ptr(dev);
-        (p + self.bytes as u64, guard)
-    }
-}
-
-// SAFETY: as above, for writes.
-unsafe impl<B: Backend, X: DeviceBufferMut<B> + ?Sized> DeviceBufferMut<B> for ByteView<'_, X> {
-    fn write_ptr<'a>(&'a mut self, dev: &'a B::Device) -> (u64, B::Access<'a>) {
-        let bytes = self.bytes as u64;
-        let (p, guard) = self.inner.write_ptr(dev);
-        (p + bytes, guard)
-    }
-}
 
 /// The little-endian bytes of `values`.
 fn bytes_of<T: Element>(values: &[T]) -> Vec<u8> {
@@ -98,20 +64,12 @@ fn one_call<B: Backend, T: Element>(
                 .map_or(T::from_f32(99.0), |i| input(rank, i))
         })
         .collect();
-    let mut send = B::alloc_from(dev, &padded).unwrap();
+    let send = B::alloc_from(dev, &padded).unwrap();
     let sentinel = vec![T::from_f32(99.0); first + n + 1];
     let mut recv = B::alloc_from(dev, &sentinel).unwrap();
     let at = first * size + extra;
-    let view_in = ByteView {
-        inner: &mut send,
-        bytes: first * size,
-        len: n,
-    };
-    let mut view_out = ByteView {
-        inner: &mut recv,
-        bytes: at,
-        len: n,
-    };
+    let view_in = View::at_byte(&send, first * size, n);
+    let mut view_out = View::at_byte(&mut recv, at, n);
     let opts = AllReduceOptions::new().algorithm(algorithm);
     let ran = comm.all_reduce_sum_with(&view_in, &mut view_out, &opts);
     assert_eq!(ran, Ok(algorithm), "{what}");

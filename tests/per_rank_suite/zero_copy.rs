@@ -1,4 +1,4 @@
-//! Zero copy on the per-rank `Comm` (issue 20), generic over the backend: inputs in
+//! Zero copy on the per-rank `Comm`, generic over the backend: inputs in
 //! symmetric buffers (`Comm::alloc_symmetric`) and registered ones (`Comm::register`)
 //! are read in place by the peers, with the single controller's kernels, so every
 //! output is checked against the f64 reference (outputs poisoned with NaN first) and
@@ -26,9 +26,9 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::common::collectives::{assert_bits, check_rms_norm, expect, output_len, Which};
-use super::common::{self, group_sizes, random_inputs, random_values};
+use super::common::{self, bits, digest, group_sizes, random_inputs, random_values, View};
 use super::processes::{self, Devices};
-use super::{seed, trust, with_world, with_world_config, Placement};
+use super::{agreement, in_step, seed, with_world, with_world_config, Placement};
 
 /// Where a call's input lies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,10 +42,6 @@ pub enum Input {
 /// Lengths the cases cycle through: odd, so the last pack is partial for every dtype.
 const LENGTHS: [usize; 5] = [1, 7, 1023, 4099, 65_537];
 const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
-
-fn bits<T: Element>(v: &[T]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits_u32()).collect()
-}
 
 fn nan<T: Element>(len: usize) -> Vec<T> {
     vec![T::from_f32(f32::NAN); len]
@@ -767,13 +763,13 @@ fn refused_alloc<B: Backend, T: Element>(
 /// symmetric buffer are `CannotRegister` on every rank (a registration's buffer comes
 /// back, unchanged); a buffer on another device than its rank's (where the backend has
 /// two) is `WrongDevice` there and `CannotRegister` naming that rank on the others.
-/// Nothing is registered anywhere, every rank stays in step (before the fix, the rank
-/// that refused by itself skipped the gather, and its next collective record paired
-/// with its peers' registration), and matching calls work after.
+/// Nothing is registered anywhere, every rank stays in step (a rank that refused by
+/// itself must still join the gather, or its next collective record would pair with
+/// its peers' registration), and matching calls work after.
 pub fn registration_refusals<B: Backend>(place: &Placement, world: usize) {
-    let config = trust::short_waits(place, world);
+    let config = agreement::short_waits(place, world);
     let odd = world - 1;
-    trust::run::<B, _>(place, world, &config, |rank, comm, meet| {
+    in_step::<B, _>(place, world, &config, |rank, comm, meet| {
         let dev = comm.device();
         let none = (0, 0);
         // Sizes that differ: every rank names the odd one (it differs from rank 0).
@@ -978,7 +974,7 @@ fn mismatch_call<B: Backend>(
 /// nothing written; after a collective `reinitialize` a matching call works. Lamport
 /// reads no peer input, so there a plain input beside registered ones is fine.
 pub fn mismatched_inputs<B: Backend>(place: &Placement, world: usize) {
-    let config = trust::short_waits(place, world);
+    let config = agreement::short_waits(place, world);
     let odd = world - 1;
     let n = 4096;
     let cases = [
@@ -994,7 +990,7 @@ pub fn mismatched_inputs<B: Backend>(place: &Placement, world: usize) {
         ),
         (Call::Fused, Pass::FirstSymmetric, Pass::Plain),
     ];
-    trust::run::<B, _>(place, world, &config, |rank, comm, meet| {
+    in_step::<B, _>(place, world, &config, |rank, comm, meet| {
         let dev = comm.device();
         let ones = vec![half::bf16::from_f32(rank as f32 + 1.0); n];
         let registered = comm.register(B::alloc_from(dev, &ones).unwrap()).unwrap();
@@ -1334,12 +1330,6 @@ pub fn symmetric_rank<B: Backend>(
     digests
 }
 
-fn digest(values: &[f32]) -> u64 {
-    values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
-        (h ^ u64::from(v.to_bits())).wrapping_mul(0x0100_0000_01b3)
-    })
-}
-
 /// Lines a child printed that start with `tag` (after the harness's own prefix, if
 /// any), read until it exits, without the tag.
 fn tagged(child: &mut Child, tag: &str) -> Vec<String> {
@@ -1360,58 +1350,27 @@ fn variant(heap_refused: bool) -> [(String, String); 1] {
     [(processes::VARIANT.to_string(), v.to_string())]
 }
 
-/// Item 2: `world` ranks in processes (rank 0 in the test process) all-reduce
+/// `world` ranks in processes (rank 0 in the test process) all-reduce
 /// symmetric inputs one-stage and two-stage over every group size, in and out of
 /// place: every rank checks its outputs against the f64 reference, and every group's
 /// ranks agree bit for bit. Each rank maps each peer's segment once; a heap buffer's
 /// registration is `CannotRegister` on every rank where `heap_refused` (host), with
 /// the buffer back; a symmetric buffer registers again across processes.
 pub fn symmetric_processes<B: Backend>(devices: &Devices, world: usize, heap_refused: bool) {
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
-    eprintln!("per_rank_zero_copy_processes world {world}: seed {seed}");
-    let id = UniqueId::new().unwrap();
-    let text = id.to_string();
-    let extra = variant(heap_refused);
-    let mut children: Vec<Child> = (1..world)
-        .map(|r| processes::spawn_with("zero-copy", r, world, &text, seed, &extra))
-        .collect();
-    let dev = B::open(0).unwrap();
-    let config = processes::config_for(devices, world);
-    let comm = Comm::<B>::from_rank(dev, 0, world, &id, config).unwrap();
-    let mut all: Vec<(usize, usize, u64)> = symmetric_rank(&comm, seed, heap_refused)
-        .into_iter()
-        .map(|(c, d)| (c, 0, d))
-        .collect();
-    for child in &mut children {
-        all.extend(tagged(child, "DIGEST ").iter().map(|l| {
-            let f: Vec<u64> = l.split_whitespace().map(|x| x.parse().unwrap()).collect();
-            (f[0] as usize, f[1] as usize, f[2])
-        }));
-        let status = child.wait().unwrap();
-        assert!(status.success(), "a rank process failed: {status}");
-    }
-    drop(comm);
-    let calls = process_schedule(world);
-    let by: std::collections::HashMap<(usize, usize), u64> =
-        all.iter().map(|&(c, r, d)| ((c, r), d)).collect();
-    assert_eq!(by.len(), calls.len() * world, "a digest is missing");
-    for (call, &(_, group, _, _)) in calls.iter().enumerate() {
-        for rank in 0..world {
-            let lead = rank / group * group;
-            assert_eq!(
-                by[&(call, rank)],
-                by[&(call, lead)],
-                "call {call}: rank {rank}'s bits differ from rank {lead}'s"
-            );
-        }
-    }
+    let seed = seed(&format!("per_rank_zero_copy_processes world {world}"));
+    let all = processes::digest_world::<B>(
+        devices,
+        world,
+        "zero-copy",
+        seed,
+        &variant(heap_refused),
+        |comm| symmetric_rank(comm, seed, heap_refused),
+    );
+    let groups: Vec<usize> = process_schedule(world).iter().map(|c| c.1).collect();
+    let calls = processes::compare_group_digests(world, &groups, &all);
     eprintln!(
-        "per_rank_zero_copy_processes world {world}: {} calls per rank on symmetric inputs, \
-         bits equal in every group",
-        calls.len()
+        "per_rank_zero_copy_processes world {world}: {calls} calls per rank on symmetric inputs, \
+         bits equal in every group"
     );
 }
 
@@ -1567,7 +1526,7 @@ pub fn child_role<B: Backend>(
     true
 }
 
-/// Item 2, lifetimes across processes: two rank processes (both children, so that the
+/// Lifetimes across processes: two rank processes (both children, so that the
 /// tests beside this one cannot change the counts) run `cycles` zero-copy cycles
 /// (`zero_copy_cycles`) and `cycles / 10` communicators with a symmetric buffer each
 /// (`comm_cycles`): the registrations and imports end where they started, and neither
@@ -1620,31 +1579,6 @@ pub fn cycles_leak_nothing<B: Backend>(cycles: usize, heap_refused: bool) {
     }
 }
 
-/// Elements `[at, at + len)` of a buffer, as a buffer of its own.
-struct Window<'a, X: ?Sized> {
-    inner: &'a X,
-    at: usize,
-    len: usize,
-}
-
-// SAFETY: the view is elements [at, at + len) of the inner buffer (the callers keep it
-// inside), on its device, valid as long as the inner buffer's guard (returned) lives.
-unsafe impl<B: Backend, X: DeviceBuffer<B> + ?Sized> DeviceBuffer<B> for Window<'_, X> {
-    fn dtype(&self) -> DType {
-        self.inner.dtype()
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-    fn device_ordinal(&self) -> usize {
-        self.inner.device_ordinal()
-    }
-    fn read_ptr<'a>(&'a self, dev: &'a B::Device) -> (u64, B::Access<'a>) {
-        let (p, guard) = self.inner.read_ptr(dev);
-        (p + (self.at * self.dtype().size()) as u64, guard)
-    }
-}
-
 /// Places are compared exactly: one registered buffer, every rank's input a window of
 /// it, the last rank's at another offset than the others'. Offsets 0 and 39,328 bytes
 /// of a communicator's first registration are one pair among many that any digest of
@@ -1652,12 +1586,12 @@ unsafe impl<B: Backend, X: DeviceBuffer<B> + ?Sized> DeviceBuffer<B> for Window<
 /// is tried too. Each pair is `CallMismatch` naming `CallField::Inputs` on every rank,
 /// with the output untouched.
 pub fn places_compared_exactly<B: Backend>(place: &Placement, world: usize) {
-    let config = trust::short_waits(place, world);
+    let config = agreement::short_waits(place, world);
     let odd = world - 1;
     let n = 256;
     let far = 39_328 / 2; // bf16 elements
     let offsets = [(0, far), (far, 0), (0, n), (n, 3 * n), (16, 0)];
-    trust::run::<B, _>(place, world, &config, |rank, comm, meet| {
+    in_step::<B, _>(place, world, &config, |rank, comm, meet| {
         let dev = comm.device();
         // Every window holds a value of its own, so a sum over the wrong window shows.
         let values: Vec<half::bf16> = (0..far + 4 * n)
@@ -1667,11 +1601,7 @@ pub fn places_compared_exactly<B: Backend>(place: &Placement, world: usize) {
         for &(usual, other) in &offsets {
             let what = format!("rank {rank}: window at {usual} against {other}");
             let at = if rank == odd { other } else { usual };
-            let input = Window {
-                inner: &*registered,
-                at,
-                len: n,
-            };
+            let input = View::elements(&*registered, at, n);
             let mut out = B::alloc_from(dev, &nan::<half::bf16>(n)).unwrap();
             let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
             comm.all_reduce_sum_with(&input, &mut out, &opts).unwrap();
