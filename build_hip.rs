@@ -12,11 +12,10 @@
 //! 1. `PEERCOMM_HIPCC`: a `hipcc` or a HIP-capable `clang++`, used as given;
 //! 2. the ROCm installations named by `HIP_PATH`, `ROCM_PATH`, then `/opt/rocm`:
 //!    `bin/hipcc`, else `llvm/bin/clang++ --rocm-path=<root>`;
-//! 3. `hipcc` on `PATH` (Debian's is HIP 5.2 on clang 15: gfx90a, not gfx942);
-//! 4. Debian's `clang++-19` with the system HIP headers and device libraries, for the
-//!    architectures clang 15 lacks: a device-library folder is generated in `OUT_DIR`
-//!    (links to the system bitcode plus `oclc_isa_version_<arch>.bc` derived from the
-//!    gfx940 one with `llvm-dis-19`/`llvm-as-19`).
+//! 3. `hipcc` on `PATH`.
+//!
+//! (A Debian machine without ROCm, as in CI, builds through the repository's
+//! `scripts/hipcc-debian.sh` given as `PEERCOMM_HIPCC`; see docs/amd.md.)
 //!
 //! `PEERCOMM_HIP_FLAGS` adds compiler flags (split at spaces) to every compile.
 
@@ -40,17 +39,6 @@ struct Toolchain {
     label: String,
     program: PathBuf,
     args: Vec<String>,
-    /// Debian clang-19 without ROCm: needs a device-library folder with the ISA file.
-    debian_device_libs: Option<DebianDeviceLibs>,
-}
-
-#[derive(Clone, Debug)]
-struct DebianDeviceLibs {
-    /// `/usr/lib/<multiarch>/amdgcn/bitcode`.
-    system_dir: PathBuf,
-    /// `llvm-dis` and `llvm-as` of the same LLVM as the compiler.
-    llvm_dis: PathBuf,
-    llvm_as: PathBuf,
 }
 
 /// A built code object and the label of the compiler that built it, or why no
@@ -84,13 +72,10 @@ pub fn build(out_dir: &Path) {
         panic!(
             "\n\nfeature `hip` needs a HIP compiler and none was found.\n\
              Looked at: PEERCOMM_HIPCC, $HIP_PATH/bin/hipcc, $ROCM_PATH/bin/hipcc, \
-             /opt/rocm/bin/hipcc (and llvm/bin/clang++ under each), hipcc on PATH, clang++-19 \
-             with Debian's HIP headers.\n\
+             /opt/rocm/bin/hipcc (and llvm/bin/clang++ under each), hipcc on PATH.\n\
              - On a ROCm 6/7 machine: set ROCM_PATH (e.g. /opt/rocm) or HIP_PATH.\n\
-             - On Debian 12: apt-get install hipcc libamdhip64-dev clang-19 lld-19 llvm-19 \
-             (or run scripts/install-toolchains.sh).\n\
              - Or point PEERCOMM_HIPCC at a hipcc or a HIP-capable clang++.\n\
-             See docs/amd.md.\n"
+             See docs/amd.md (it also covers Debian's packages without ROCm).\n"
         );
     }
     let extra_flags: Vec<String> = env::var("PEERCOMM_HIP_FLAGS")
@@ -207,7 +192,6 @@ fn find_toolchains() -> Vec<Toolchain> {
             label: format!("{} (PEERCOMM_HIPCC)", program.display()),
             program,
             args: Vec::new(),
-            debian_device_libs: None,
         });
     }
     let mut roots: Vec<(String, PathBuf)> = Vec::new();
@@ -225,14 +209,12 @@ fn find_toolchains() -> Vec<Toolchain> {
                 label: format!("{} ({name})", hipcc.display()),
                 program: hipcc,
                 args: Vec::new(),
-                debian_device_libs: None,
             });
         } else if clang.is_file() {
             out.push(Toolchain {
                 label: format!("{} ({name})", clang.display()),
                 program: clang,
                 args: vec![format!("--rocm-path={}", root.display())],
-                debian_device_libs: None,
             });
         }
     }
@@ -241,11 +223,7 @@ fn find_toolchains() -> Vec<Toolchain> {
             label: format!("{} (PATH)", hipcc.display()),
             program: hipcc,
             args: Vec::new(),
-            debian_device_libs: None,
         });
-    }
-    if let Some(tc) = debian_clang19() {
-        out.push(tc);
     }
     // The same program reached twice (e.g. HIP_PATH=/usr and PATH) is tried once.
     let mut seen = Vec::new();
@@ -262,42 +240,6 @@ fn find_toolchains() -> Vec<Toolchain> {
         }
     });
     out
-}
-
-/// Debian 12's clang-19 over the HIP 5.2 headers and device libraries in /usr.
-fn debian_clang19() -> Option<Toolchain> {
-    if !Path::new("/usr/include/hip/hip_runtime.h").is_file() {
-        return None;
-    }
-    let program = which("clang++-19").or_else(|| {
-        let p = PathBuf::from("/usr/lib/llvm-19/bin/clang++");
-        p.is_file().then_some(p)
-    })?;
-    let system_dir = std::fs::read_dir("/usr/lib")
-        .ok()?
-        .flatten()
-        .map(|e| e.path().join("amdgcn/bitcode"))
-        .find(|p| p.join("ocml.bc").is_file())?;
-    let tool = |name: &str| {
-        which(&format!("{name}-19")).or_else(|| {
-            let p = PathBuf::from(format!("/usr/lib/llvm-19/bin/{name}"));
-            p.is_file().then_some(p)
-        })
-    };
-    let (llvm_dis, llvm_as) = (tool("llvm-dis")?, tool("llvm-as")?);
-    Some(Toolchain {
-        label: format!(
-            "{} (Debian, generated device-library folder)",
-            program.display()
-        ),
-        program,
-        args: vec!["--rocm-path=/usr".into()],
-        debian_device_libs: Some(DebianDeviceLibs {
-            system_dir,
-            llvm_dis,
-            llvm_as,
-        }),
-    })
 }
 
 fn which(name: &str) -> Option<PathBuf> {
@@ -326,18 +268,8 @@ fn compile_arch(
     let output = out_dir.join(format!("peercomm_{}.co", file_stem(arch)));
     let mut failures = String::new();
     for tc in toolchains {
-        let mut args = tc.args.clone();
-        if let Some(libs) = &tc.debian_device_libs {
-            match debian_device_lib_dir(libs, arch, out_dir) {
-                Ok(dir) => args.push(format!("--rocm-device-lib-path={}", dir.display())),
-                Err(e) => {
-                    let _ = writeln!(failures, "  {}: {e}", tc.label);
-                    continue;
-                }
-            }
-        }
         let mut cmd = Command::new(&tc.program);
-        cmd.args(&args)
+        cmd.args(&tc.args)
             .arg(format!("--offload-arch={arch}"))
             .args([
                 "--cuda-device-only",
@@ -389,98 +321,6 @@ fn compile_arch(
         }
     }
     Err(failures)
-}
-
-/// `OUT_DIR/amdgcn-bitcode`: links to Debian's device libraries plus, where missing,
-/// `oclc_isa_version_<N>.bc` for `arch`, derived from the gfx940 file by changing the
-/// ISA version constant (e.g. 9400 -> 9402 for gfx942). Only gfx9 parts are derived.
-fn debian_device_lib_dir(
-    libs: &DebianDeviceLibs,
-    arch: &str,
-    out_dir: &Path,
-) -> Result<PathBuf, String> {
-    let processor = arch.split(':').next().unwrap_or(arch);
-    let digits = processor
-        .strip_prefix("gfx")
-        .ok_or_else(|| format!("`{arch}` is not a gfx target"))?;
-    let dir = out_dir.join("amdgcn-bitcode");
-    std::fs::create_dir_all(&dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
-    let entries = std::fs::read_dir(&libs.system_dir)
-        .map_err(|e| format!("read {}: {e}", libs.system_dir.display()))?;
-    for entry in entries.flatten() {
-        let link = dir.join(entry.file_name());
-        // Architectures compile in parallel and fill the same folder: a link another
-        // thread made between the check and the call is fine.
-        if std::fs::symlink_metadata(&link).is_err() {
-            match std::os::unix::fs::symlink(entry.path(), &link) {
-                Ok(()) => {}
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-                Err(e) => return Err(format!("link {}: {e}", link.display())),
-            }
-        }
-    }
-    let isa_file = dir.join(format!("oclc_isa_version_{digits}.bc"));
-    if isa_file.exists() {
-        return Ok(dir);
-    }
-    // gfx9XY: major 9, minor X, stepping Y (hex digits): version 9000 + 100*X + Y.
-    let chars: Vec<char> = digits.chars().collect();
-    let (minor, stepping) = match chars.as_slice() {
-        ['9', m, s] => (
-            m.to_digit(16).ok_or("bad minor digit")?,
-            s.to_digit(16).ok_or("bad stepping digit")?,
-        ),
-        _ => {
-            return Err(format!(
-                "no device library for {arch} and only gfx9 ones are derived"
-            ))
-        }
-    };
-    let version = 9000 + 100 * minor + stepping;
-    let template = libs.system_dir.join("oclc_isa_version_940.bc");
-    if !template.is_file() {
-        return Err(format!("{} is missing", template.display()));
-    }
-    let dis = Command::new(&libs.llvm_dis)
-        .arg(&template)
-        .arg("-o")
-        .arg("-")
-        .output()
-        .map_err(|e| format!("run {}: {e}", libs.llvm_dis.display()))?;
-    if !dis.status.success() {
-        return Err(format!(
-            "{} failed on {}",
-            libs.llvm_dis.display(),
-            template.display()
-        ));
-    }
-    let text = String::from_utf8_lossy(&dis.stdout);
-    if !text.contains("i32 9400") {
-        return Err(format!(
-            "{} does not hold the constant 9400",
-            template.display()
-        ));
-    }
-    let patched = text.replace("i32 9400", &format!("i32 {version}"));
-    // Written under a per-architecture temporary name, then renamed: compiles of
-    // several architectures run in parallel.
-    let tmp_ll = dir.join(format!("isa_{digits}.ll"));
-    let tmp_bc = dir.join(format!("isa_{digits}.bc.tmp"));
-    std::fs::write(&tmp_ll, patched.as_bytes())
-        .map_err(|e| format!("write {}: {e}", tmp_ll.display()))?;
-    let status = Command::new(&libs.llvm_as)
-        .arg(&tmp_ll)
-        .arg("-o")
-        .arg(&tmp_bc)
-        .status()
-        .map_err(|e| format!("run {}: {e}", libs.llvm_as.display()))?;
-    if !status.success() {
-        return Err(format!("{} failed ({status})", libs.llvm_as.display()));
-    }
-    std::fs::rename(&tmp_bc, &isa_file)
-        .map_err(|e| format!("rename to {}: {e}", isa_file.display()))?;
-    let _ = std::fs::remove_file(&tmp_ll);
-    Ok(dir)
 }
 
 /// `OUT_DIR/hip_code_objects.rs`: the embedded code objects and what was skipped.

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# Installs what the feature builds need on a Debian 12 machine (idempotent):
-# libclang (bindgen), the pinned PyPI nvcc (CUDA 13.0) in .venv-cuda, and Debian's
-# HIP toolchain plus clang-19 for gfx942 (see kernels-hip/README.md).
+# Installs what the feature builds and checks need on a Debian 12 machine (idempotent):
+# libclang (scripts/check-bindings.sh runs bindgen), the pinned PyPI nvcc (CUDA 13.0) in
+# .venv-cuda, and Debian's HIP toolchain plus clang-19 for gfx942, which the HIP build
+# reaches through PEERCOMM_HIPCC=scripts/hipcc-debian.sh (docs/amd.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 SUDO=""
@@ -22,4 +23,8 @@ if ! ls .venv-cuda/lib/python3*/site-packages/nvidia/cu13/bin/nvcc >/dev/null 2>
   .venv-cuda/bin/pip install -q "nvidia-cuda-nvcc==13.0.88" "nvidia-nvvm==13.0.88" \
     "nvidia-cuda-crt==13.0.88" "nvidia-cuda-runtime==13.0.96" "nvidia-cuda-cccl==13.0.85"
 fi
-echo "toolchains ready: $(ls .venv-cuda/lib/python3*/site-packages/nvidia/cu13/bin/nvcc)"
+# The device-library folder with the derived gfx942 ISA file (the wrapper also makes it
+# on demand).
+bash scripts/hipcc-debian.sh --prepare gfx942 >/dev/null
+echo "toolchains ready: $(ls .venv-cuda/lib/python3*/site-packages/nvidia/cu13/bin/nvcc)," \
+  "PEERCOMM_HIPCC=$PWD/scripts/hipcc-debian.sh for --features hip"
