@@ -1,13 +1,10 @@
 //! Communicators: one per-rank core and two front doors over it.
 //!
-//! - `core/`: one rank (its device, signal, peers, settings, routing) and the only
-//!   code that validates a rank's side of a call, plans it and launches kernels.
-//! - `single/`: the single-controller [`Communicator`], one process driving every
-//!   device: one core per device, calls checked across ranks, launched on each core
-//!   under one lock.
-//! - `per_rank/`: the per-rank [`Comm`], one rank per thread or process: a core plus
-//!   its bootstrap, and its teardown.
-//! - `config.rs`: what both are built with ([`CommConfig`], [`AllReduceOptions`]).
+//! - `core`: one rank (device, signal, peers, settings, routing) and the only code that
+//!   sets a rank up, routes, plans and launches its calls.
+//! - `single`: the single-controller [`Communicator`], one process driving every device.
+//! - `per_rank`: the per-rank [`Comm`], one rank per thread or process.
+//! - `zero_copy`: registered buffers, the symmetric pool and graph capture.
 
 mod config;
 mod core;

@@ -28,7 +28,7 @@
 //! A batch of all-reduces (`AllReduceGroup`) carries only its first entry's length
 //! here; its kernel compares every entry's exactly, and records a difference with the
 //! descriptors shown as [`crate::signal::group_shown_call`] makes them (see
-//! `core/group.rs`). Between two batches a block-count difference is named
+//! `launch::group`). Between two batches a block-count difference is named
 //! [`CallField::Length`]: a batch's grid follows its lengths alone.
 
 use crate::backend::KernelKind;
@@ -140,7 +140,7 @@ fn kind_of(code: u32) -> Option<KernelKind> {
     KernelKind::ALL.get(code as usize).copied()
 }
 
-/// Whether a descriptor is a batch of all-reduces' (see core/group.rs).
+/// Whether a descriptor is a batch of all-reduces' (see `launch::group`).
 fn is_batch(f: &Fields) -> bool {
     kind_of(f.kind) == Some(KernelKind::AllReduceGroup)
 }
@@ -165,7 +165,7 @@ fn collective_name(code: u32) -> String {
         Some(KernelKind::AllReduceRmsNorm | KernelKind::LamportRmsNorm) => {
             "fused all-reduce + RMSNorm".into()
         }
-        // The root field holds the number of calls less one (see core/group.rs).
+        // The root field holds the number of calls less one (see `launch::group`).
         Some(KernelKind::AllReduceGroup) => "group of all-reduces".into(),
         Some(k) => k.name().replace('_', "-"),
         None => format!("unknown kernel {code}"),

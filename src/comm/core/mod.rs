@@ -3,14 +3,13 @@
 //! settings every rank agreed on, the routing (peer memory or the external library),
 //! and the only code that plans and launches kernels. The single-controller
 //! [`crate::Communicator`] holds one core per device; the per-rank [`crate::Comm`]
-//! holds one core and its bootstrap. Both are set up by the same code (`setup`, over
-//! an in-process or a TCP bootstrap), so the checks of a call (its descriptor, the
-//! agreed grid) hold for both.
+//! holds one core and its bootstrap. Both are set up by the same code, so the checks
+//! of a call (its descriptor, the agreed grid) hold for both.
 //!
-//! Inside: `setup` (signals, records, mappings, the peer check), `route` (which path
-//! serves a call), `plan` and `collective` (algorithm, kernel, grid, scratch),
-//! `check` (one rank's buffers), `launch` (the kernel arguments), `call` (the call
-//! descriptor), `status` (the error record), `settings` and `sizing`.
+//! By phase: `setup` (signals, records, mappings, the peer check), `routing` (which
+//! path serves a call), `planning` (one rank's buffers checked; algorithm, kernel,
+//! grid, scratch), `launch` (kernel arguments, batches, the error record) with `call`
+//! (the call descriptor every rank compares).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -40,7 +39,7 @@ pub(crate) struct Endpoint<B: Backend> {
     /// `peer_signals[j]`: where this rank reaches group rank j's signal.
     pub(crate) peer_signals: [u64; MAX_GPUS],
     /// Collective launches per barrier domain since the signal was last initialised:
-    /// the sequence number of the call descriptor (see `call.rs`), the same on every
+    /// the sequence number of the call descriptor (see [`call`]), the same on every
     /// rank of a group that makes the same calls (sibling groups count apart).
     pub(crate) calls: [AtomicU64; NUM_BARRIER_DOMAINS],
     /// Fault injection: the next launch publishes the sequence number one ahead, as a
@@ -81,7 +80,7 @@ pub struct Rank<B: Backend> {
     /// Peer signals imported from other processes; unmapped on drop (or parked with
     /// the signal by the per-rank teardown).
     pub(crate) mappings: Vec<B::PeerMapping>,
-    /// The plans of recent all-reduce shapes (see `plan_cache.rs`).
+    /// The plans of recent all-reduce shapes.
     pub(crate) plans: planning::cache::PlanCache,
     poisoned: AtomicBool,
     /// The error that poisoned the rank (set with `poisoned`, on the error path only).

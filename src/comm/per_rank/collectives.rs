@@ -148,9 +148,9 @@ impl<B: Backend> Comm<B> {
             return Ok(());
         }
         let (ptr, guard) = buf.write_ptr(core.device());
-        let result = self
-            .lock()
-            .and_then(|_launches| core.launch(&plan, PeerInputs::Own(ptr), ptr));
+        let result = core
+            .check_usable()
+            .and_then(|()| core.launch(&plan, PeerInputs::Own(ptr), ptr));
         drop(guard);
         result
     }
@@ -269,9 +269,9 @@ impl<B: Backend> Comm<B> {
             residual: r,
             weight: w,
         };
-        let result = self
-            .lock()
-            .and_then(|_launches| core.launch_fused(&plan, peer_inputs(i, &place), o, fused));
+        let result = core
+            .check_usable()
+            .and_then(|()| core.launch_fused(&plan, peer_inputs(i, &place), o, fused));
         drop((ig, wg, rg, og));
         result
     }
@@ -322,9 +322,9 @@ impl<B: Backend> Comm<B> {
             return Ok(());
         }
         mark_place(&mut plan, &place);
-        let result = self
-            .lock()
-            .and_then(|_launches| core.launch(&plan, peer_inputs(input, &place), output));
+        let result = core
+            .check_usable()
+            .and_then(|()| core.launch(&plan, peer_inputs(input, &place), output));
         drop((in_guard, out_guard));
         result
     }

@@ -223,7 +223,7 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
                             .iter()
                             .map(|&(input, output)| (PeerInputs::Own(input), output))
                             .collect();
-                        let _launches = comm.lock()?;
+                        core.check_usable()?;
                         core.launch_group(&plan, &entries)?;
                     }
                     Ok(None)

@@ -1,7 +1,6 @@
 //! The per-rank front door: [`Comm`], one rank, created in the thread or process that
 //! owns its device, shaped like cudarc's `nccl::Comm`: a core (`super::core`) plus its
-//! bootstrap. Here: setup and the all-reduce (`mod.rs`), the other collectives,
-//! status, fault injection and teardown (their files). Ranks find each other through a
+//! bootstrap. Ranks find each other through a
 //! [`Bootstrap`] (by default TCP from a [`UniqueId`]), exchange their signal
 //! allocations as IPC handles (or plain addresses when they share a process), and
 //! from then on each call launches only this rank's kernel on this rank's stream.
@@ -10,19 +9,17 @@
 //! the peers need is staged into this rank's payload first (one-stage, in chunks where
 //! it is larger than the payload), or pushed into the peers' Lamport regions (Lamport).
 //! Such buffers need no registration, and every call is capturable in a CUDA graph.
-//! Inputs in buffers registered with the peers (`registered.rs`) or allocated in the
-//! symmetric pool (`symmetric.rs`) are read in place instead: no staging copy, and
+//! Inputs in buffers registered with the peers or allocated in the
+//! symmetric pool (`crate::comm::zero_copy`) are read in place instead: no staging copy, and
 //! two-stage is offered.
 
-use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 use std::time::Duration;
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut, IntoDevice};
 use crate::bootstrap::{Bootstrap, ExchangeKind, Exchanges, HostId, TcpBootstrap, UniqueId};
 use crate::dispatch::Algorithm;
 use crate::error::{Error, Result};
-use crate::SignalLayout;
 
 use super::config::{compare_configs, encode_config};
 use super::core::Rank;
@@ -32,7 +29,7 @@ use crate::comm::core::planning::check::{check_overlaps, Meta, Routed, Span};
 use crate::comm::core::planning::PeerReads;
 use crate::comm::core::routing::{self as route, RouteError};
 use crate::comm::core::setup::connect;
-use crate::comm::core::setup::Placement;
+use crate::comm::core::setup::RankProcesses;
 use crate::comm::zero_copy::registry::{InPlace, Registry};
 
 mod collectives;
@@ -44,34 +41,8 @@ mod teardown;
 
 pub use parking::{free_expired_teardowns, parked_teardowns};
 
-/// One rank of a communicator whose ranks live in different threads or processes.
-///
-/// ```
-/// use peercomm::backend::{host::Host, Backend};
-/// use peercomm::bootstrap::UniqueId;
-/// use peercomm::{Comm, CommConfig};
-///
-/// let id = UniqueId::new()?; // made by rank 0, sent to the others (string or bytes)
-/// let sums: Vec<Vec<f32>> = std::thread::scope(|s| {
-///     let workers: Vec<_> = (0..2)
-///         .map(|rank| {
-///             s.spawn(move || {
-///                 let dev = Host::open(rank).unwrap();
-///                 let comm = Comm::<Host>::from_rank(dev, rank, 2, &id, CommConfig::default()).unwrap();
-///                 let mut send = Host::alloc_buffer::<f32>(comm.device(), 4).unwrap();
-///                 Host::upload(comm.device(), &[rank as f32 + 1.0; 4], &mut send).unwrap();
-///                 let mut recv = Host::alloc_buffer::<f32>(comm.device(), 4).unwrap();
-///                 comm.all_reduce_sum(&send, &mut recv).unwrap();
-///                 comm.synchronize().unwrap();
-///                 Host::download(comm.device(), &recv).unwrap()
-///             })
-///         })
-///         .collect();
-///     workers.into_iter().map(|w| w.join().unwrap()).collect()
-/// });
-/// assert_eq!(sums, vec![vec![3.0; 4]; 2]);
-/// # Ok::<(), peercomm::bootstrap::BootstrapError>(())
-/// ```
+/// One rank of a communicator whose ranks live in different threads or processes
+/// (the crate docs show two ranks in two threads).
 ///
 /// # One issuing thread per rank
 ///
@@ -125,16 +96,14 @@ pub struct Comm<B: Backend> {
     /// and a sequence number (see `crate::bootstrap::Exchanges`).
     pub(crate) exchanges: Exchanges,
     hosts: Vec<HostId>,
-    /// Held while a collective is enqueued, so that a launch never interleaves with a
-    /// re-initialisation.
-    launch_lock: Mutex<()>,
-    torn_down: AtomicBool,
-    /// Buffers registered with the peers (`registered.rs`), the symmetric pool's
+    /// Set by the teardown, which `close` runs before `Drop` would run it again.
+    torn_down: bool,
+    /// Buffers registered with the peers, the symmetric pool's
     /// segments among them.
     pub(crate) registry: Arc<Registry<B>>,
-    /// The symmetric pool (`symmetric.rs`).
+    /// The symmetric pool.
     pub(crate) pool: crate::comm::zero_copy::pool::SymmetricPool<B>,
-    /// What a registered capture's passes do with the inputs (`capture_inputs.rs`).
+    /// What a registered capture's passes do with the inputs.
     pub(crate) script: std::cell::RefCell<crate::comm::zero_copy::script::Script>,
     /// Makes `Comm` `Send` but not `Sync` (see "One issuing thread per rank").
     _one_issuing_thread: std::marker::PhantomData<std::cell::Cell<()>>,
@@ -162,7 +131,7 @@ fn peer_inputs(input: u64, place: &Option<InPlace>) -> PeerInputs<'_> {
 }
 
 /// Marks a plan that reads the peers' registered inputs in place with their place, so
-/// that a peer reading from elsewhere is a descriptor mismatch (see `registry.rs`).
+/// that a peer reading from elsewhere is a descriptor mismatch.
 fn mark_place(plan: &mut crate::comm::core::planning::Plan, place: &Option<InPlace>) {
     use crate::backend::KernelKind;
     let in_place_reads = !plan.stage_input
@@ -276,7 +245,7 @@ impl<B: Backend> Comm<B> {
             Arc::new(exchanges.of(ExchangeKind::External)),
             &hosts,
             &config,
-            Placement::Anywhere,
+            RankProcesses::Anywhere,
         )?;
         // No rank launches before every rank is set up.
         bootstrap.barrier()?;
@@ -284,8 +253,7 @@ impl<B: Backend> Comm<B> {
             core: std::mem::ManuallyDrop::new(core),
             exchanges,
             hosts,
-            launch_lock: Mutex::new(()),
-            torn_down: AtomicBool::new(false),
+            torn_down: false,
             registry: Arc::new(Registry::new(config.bootstrap_timeout)),
             pool: crate::comm::zero_copy::pool::SymmetricPool::default(),
             script: Default::default(),
@@ -301,39 +269,6 @@ impl<B: Backend> Comm<B> {
     pub fn world_size(&self) -> usize {
         self.core.route.world
     }
-    /// How whole-world calls run: `OneStage`/`TwoStage`/`Lamport` are all possible
-    /// when this returns `Auto` (peer memory serves the world); `Nccl` when the
-    /// external library serves it; `Hierarchical` when the ranks span hosts.
-    pub fn world_path(&self) -> Algorithm {
-        self.core.route.world_path()
-    }
-    /// The device (for CUDA: its context and the stream collectives run on).
-    pub fn device(&self) -> &B::Device {
-        self.core.device()
-    }
-    /// Each rank's host identity, as the bootstrap saw it.
-    pub fn hosts(&self) -> &[HostId] {
-        &self.hosts
-    }
-    /// The signal layout (Lamport slot and payload sizes).
-    pub fn layout(&self) -> SignalLayout {
-        self.core.settings.layout
-    }
-    /// The most blocks a peer-memory launch uses where the options leave the grid to
-    /// peercomm (the same on every rank of a peer-memory group: see
-    /// [`crate::Rank::max_blocks`]).
-    pub fn max_blocks(&self) -> u32 {
-        self.core.max_blocks()
-    }
-    /// The configuration it was built with.
-    pub fn config(&self) -> &CommConfig {
-        &self.core.settings.config
-    }
-    /// Whether an earlier error has disabled collectives until [`Comm::reinitialize`].
-    pub fn is_poisoned(&self) -> bool {
-        self.core.is_poisoned()
-    }
-
     /// Sums `send` over each group into `recv`, on this rank's stream; returns at once
     /// with the algorithm that runs. Every rank of the group must make the same call
     /// (same dtype, length, options) in the same order, as with NCCL. Unlike NCCL, calls
@@ -497,7 +432,7 @@ impl<B: Backend> Comm<B> {
         dtype: crate::DType,
         options: &AllReduceOptions,
     ) -> Result<Algorithm> {
-        let _launches = self.lock()?;
+        self.core.check_usable()?;
         match routed {
             Routed::Peer(plan) => {
                 if plan.elements > 0 {
@@ -527,59 +462,13 @@ impl<B: Backend> Comm<B> {
         let core = &*self.core;
         core.check_usable()?;
         let plan = core.barrier_plan(group_size)?;
-        let _launches = self.lock()?;
         core.launch(&plan, PeerInputs::Own(0), 0)
     }
 
     /// Fault injection: this rank's next collective starts `delay` late (a kernel that
     /// spins on its stream). See [`crate::Communicator::delay_rank`].
     pub fn delay(&self, delay: Duration) -> Result<()> {
-        let _launches = self.lock()?;
-        self.core.endpoint.launch_delay(delay)
-    }
-
-    /// Waits for this rank's queued work, then reads its error record (a small
-    /// device-to-host copy, so this costs more than a stream synchronisation): a wait
-    /// that gave up on this rank returns [`Error::BarrierTimeout`], a peer that gave up
-    /// [`Error::PeerAborted`], and the communicator refuses collectives until
-    /// [`Comm::reinitialize`]. [`Comm::wait`] only waits; [`Comm::check_errors`] only
-    /// reads the record, without waiting.
-    ///
-    /// A collective that a peer never makes is reported within 2 x
-    /// [`CommConfig::barrier_timeout`] (+ launch and copy latency) of its start on
-    /// this rank's stream, not within `barrier_timeout`: the wait gives up after
-    /// `barrier_timeout`, then waits at most as long again for the peers to confirm
-    /// they no longer read this rank's buffers (see the field's docs). With
-    /// `barrier_timeout: None` it waits for as long as the peer stays away.
-    pub fn synchronize(&self) -> Result<()> {
-        self.wait()?;
-        if let Err(e) = self.core.take_external_error() {
-            self.core.poison(&e);
-            return Err(e);
-        }
-        self.report(self.core.read_error()?)
-    }
-
-    /// Brings every rank back to the state of a new communicator after an error: a
-    /// collective call (every rank calls it), through the bootstrap. Fails with a
-    /// bootstrap error when a rank is gone; then the communicator must be rebuilt.
-    pub fn reinitialize(&self) -> Result<()> {
-        let _launches = self.launch_lock.lock().unwrap_or_else(|e| e.into_inner());
-        B::synchronize(self.core.device())?;
-        // Nobody may still touch a signal while it is being reset, nor launch before
-        // every signal is reset.
-        let bootstrap = self.exchanges.of(ExchangeKind::Reinitialize);
-        bootstrap.barrier()?;
-        self.core.reset_signal(0)?;
-        bootstrap.barrier()?;
-        self.core.unpoison();
-        Ok(())
-    }
-
-    /// Takes the launch lock of a usable communicator.
-    fn lock(&self) -> Result<MutexGuard<'_, ()>> {
-        let guard = self.launch_lock.lock().unwrap_or_else(|e| e.into_inner());
         self.core.check_usable()?;
-        Ok(guard)
+        self.core.endpoint.launch_delay(delay)
     }
 }

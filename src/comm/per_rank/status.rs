@@ -1,11 +1,48 @@
-//! [`Comm`]'s view of its rank's state: waiting for its stream, and its error record.
+//! [`Comm`]'s state: what it was built with, waiting for its stream, its error record,
+//! and the recovery from an error.
 
 use crate::backend::Backend;
+use crate::bootstrap::{Bootstrap, ExchangeKind, HostId};
+use crate::dispatch::Algorithm;
 use crate::error::{Error, Result};
+use crate::{CommConfig, SignalLayout};
 
 use super::Comm;
 
 impl<B: Backend> Comm<B> {
+    /// How whole-world calls run: `OneStage`/`TwoStage`/`Lamport` are all possible
+    /// when this returns `Auto` (peer memory serves the world); `Nccl` when the
+    /// external library serves it; `Hierarchical` when the ranks span hosts.
+    pub fn world_path(&self) -> Algorithm {
+        self.core.route.world_path()
+    }
+    /// The device (for CUDA: its context and the stream collectives run on).
+    pub fn device(&self) -> &B::Device {
+        self.core.device()
+    }
+    /// Each rank's host identity, as the bootstrap saw it.
+    pub fn hosts(&self) -> &[HostId] {
+        &self.hosts
+    }
+    /// The signal layout (Lamport slot and payload sizes).
+    pub fn layout(&self) -> SignalLayout {
+        self.core.settings.layout
+    }
+    /// The most blocks a peer-memory launch uses where the options leave the grid to
+    /// peercomm (the same on every rank of a peer-memory group: see
+    /// [`crate::Rank::max_blocks`]).
+    pub fn max_blocks(&self) -> u32 {
+        self.core.max_blocks()
+    }
+    /// The configuration it was built with.
+    pub fn config(&self) -> &CommConfig {
+        &self.core.settings.config
+    }
+    /// Whether an earlier error has disabled collectives until [`Comm::reinitialize`].
+    pub fn is_poisoned(&self) -> bool {
+        self.core.is_poisoned()
+    }
+
     /// Waits for this rank's queued work and nothing else: no error record is read
     /// (see [`Comm::synchronize`] and [`Comm::check_errors`]).
     pub fn wait(&self) -> Result<()> {
@@ -28,6 +65,43 @@ impl<B: Backend> Comm<B> {
             }
             None => Ok(()),
         }
+    }
+
+    /// Waits for this rank's queued work, then reads its error record (a small
+    /// device-to-host copy, so this costs more than a stream synchronisation): a wait
+    /// that gave up on this rank returns [`Error::BarrierTimeout`], a peer that gave up
+    /// [`Error::PeerAborted`], and the communicator refuses collectives until
+    /// [`Comm::reinitialize`]. [`Comm::wait`] only waits; [`Comm::check_errors`] only
+    /// reads the record, without waiting.
+    ///
+    /// A collective that a peer never makes is reported within 2 x
+    /// [`CommConfig::barrier_timeout`] (+ launch and copy latency) of its start on
+    /// this rank's stream, not within `barrier_timeout`: the wait gives up after
+    /// `barrier_timeout`, then waits at most as long again for the peers to confirm
+    /// they no longer read this rank's buffers (see the field's docs). With
+    /// `barrier_timeout: None` it waits for as long as the peer stays away.
+    pub fn synchronize(&self) -> Result<()> {
+        self.wait()?;
+        if let Err(e) = self.core.take_external_error() {
+            self.core.poison(&e);
+            return Err(e);
+        }
+        self.report(self.core.read_error()?)
+    }
+
+    /// Brings every rank back to the state of a new communicator after an error: a
+    /// collective call (every rank calls it), through the bootstrap. Fails with a
+    /// bootstrap error when a rank is gone; then the communicator must be rebuilt.
+    pub fn reinitialize(&self) -> Result<()> {
+        B::synchronize(self.core.device())?;
+        // Nobody may still touch a signal while it is being reset, nor launch before
+        // every signal is reset.
+        let bootstrap = self.exchanges.of(ExchangeKind::Reinitialize);
+        bootstrap.barrier()?;
+        self.core.reset_signal(0)?;
+        bootstrap.barrier()?;
+        self.core.unpoison();
+        Ok(())
     }
 }
 

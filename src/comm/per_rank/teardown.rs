@@ -1,7 +1,6 @@
 //! Dropping a [`Comm`]: the teardown barrier, then freeing this rank's signal and
 //! mappings, or parking them where a peer may still write (see `Drop for Comm`).
 
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use crate::backend::Backend;
@@ -100,7 +99,7 @@ impl<B: Backend> Comm<B> {
 
     /// The teardown of `Drop for Comm`; `None` when it was done already.
     fn tear_down(&mut self) -> Option<Result<()>> {
-        if self.torn_down.swap(true, Ordering::AcqRel) {
+        if std::mem::replace(&mut self.torn_down, true) {
             return None;
         }
         // SAFETY: taken here, once; nothing reads `self.core` after this (the other

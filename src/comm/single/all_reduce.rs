@@ -1,6 +1,6 @@
 //! The single-controller all-reduce, shaped ([`Tensor`] per rank): every rank's
 //! tensors checked together, then routed and planned on the cores and launched on
-//! each (or handed to the external library). The flat form is in `slices.rs`.
+//! each (or handed to the external library).
 
 use crate::backend::Backend;
 use crate::dispatch::Algorithm;

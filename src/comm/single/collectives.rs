@@ -2,7 +2,7 @@
 //! scatter and fused all-reduce + residual + RMSNorm: one tensor per rank (per group
 //! for a broadcast's or scatter's input), validated together before anything runs,
 //! then one kernel per rank. In one process the peers read the user buffers directly
-//! (their reach is checked); see `collective.rs` for the rules of each collective.
+//! (their reach is checked).
 
 use crate::backend::{Backend, KernelKind};
 use crate::error::{Error, Result};

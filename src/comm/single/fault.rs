@@ -27,7 +27,7 @@ impl<B: Backend> Communicator<B> {
     ///
     /// let config = CommConfig { barrier_timeout: Some(Duration::from_millis(200)), ..CommConfig::default() };
     /// let comm = Communicator::<Host>::new(&[0, 1], config)?;
-    /// let mut bufs: Vec<_> = comm.ranks().iter().map(|r| Host::alloc_from(r.device(), &[1.0f32; 8]).unwrap()).collect();
+    /// let mut bufs: Vec<_> = comm.cores().iter().map(|r| Host::alloc_from(r.device(), &[1.0f32; 8]).unwrap()).collect();
     /// let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
     /// comm.miss_next(1)?;
     /// comm.all_reduce_sum_slices_in_place(&mut bufs, &opts)?; // rank 1 never launches
@@ -70,7 +70,7 @@ impl<B: Backend> Communicator<B> {
     ///
     /// let config = CommConfig { barrier_timeout: Some(Duration::from_millis(200)), ..CommConfig::default() };
     /// let comm = Communicator::<Host>::new(&[0, 1], config)?;
-    /// let mut bufs: Vec<_> = comm.ranks().iter().map(|r| Host::alloc_from(r.device(), &[1.0f32; 8]).unwrap()).collect();
+    /// let mut bufs: Vec<_> = comm.cores().iter().map(|r| Host::alloc_from(r.device(), &[1.0f32; 8]).unwrap()).collect();
     /// comm.fail_next_launch(1)?;
     /// let err = comm.all_reduce_sum_slices_in_place(&mut bufs, &AllReduceOptions::new());
     /// assert!(matches!(err, Err(Error::Backend { call: "launch", .. })));

@@ -44,16 +44,16 @@ impl<B: Backend> Communicator<B> {
     /// use peercomm::{CommConfig, Communicator};
     ///
     /// let comm = Communicator::<Host>::new(&[0, 1], CommConfig::default())?;
-    /// let ins: Vec<_> = comm.ranks().iter().map(|r| Host::alloc_from(r.device(), &[1.0f32; 4]).unwrap()).collect();
-    /// let mut a: Vec<_> = comm.ranks().iter().map(|r| Host::alloc_buffer::<f32>(r.device(), 4).unwrap()).collect();
-    /// let mut b: Vec<_> = comm.ranks().iter().map(|r| Host::alloc_from(r.device(), &[3.0f32; 4]).unwrap()).collect();
+    /// let ins: Vec<_> = comm.cores().iter().map(|r| Host::alloc_from(r.device(), &[1.0f32; 4]).unwrap()).collect();
+    /// let mut a: Vec<_> = comm.cores().iter().map(|r| Host::alloc_buffer::<f32>(r.device(), 4).unwrap()).collect();
+    /// let mut b: Vec<_> = comm.cores().iter().map(|r| Host::alloc_from(r.device(), &[3.0f32; 4]).unwrap()).collect();
     /// let mut group = comm.group();
     /// group.all_reduce_sum_slices(&ins, &mut a)?;
     /// group.all_reduce_sum_slices_in_place(&mut b)?;
     /// group.end()?; // one kernel per rank for both
     /// comm.synchronize()?;
-    /// assert_eq!(Host::download(comm.rank(1).device(), &a[1])?, vec![2.0; 4]);
-    /// assert_eq!(Host::download(comm.rank(0).device(), &b[0])?, vec![6.0; 4]);
+    /// assert_eq!(Host::download(comm.core(1).device(), &a[1])?, vec![2.0; 4]);
+    /// assert_eq!(Host::download(comm.core(0).device(), &b[0])?, vec![6.0; 4]);
     /// # Ok::<(), peercomm::Error>(())
     /// ```
     pub fn group<'b>(&self) -> CommunicatorGroup<'_, 'b, B> {

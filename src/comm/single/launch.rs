@@ -1,5 +1,5 @@
 //! Launching a planned collective on several cores of a [`Communicator`] at once:
-//! every rank's kernel from its own thread of the launch pool (`launcher.rs`) where
+//! every rank's kernel from its own thread of the launch pool where
 //! parallel launch is on ([`CommConfig::parallel_launch`]), else one rank after the
 //! other from the calling thread. Either way under the launch lock, so that a
 //! collective is enqueued on every rank before another caller's is.

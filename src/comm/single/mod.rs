@@ -6,11 +6,6 @@
 //! [`crate::CommConfig::parallel_launch`]), under one lock, so that a collective is
 //! enqueued on every rank atomically. In one process the peers read each other's user
 //! buffers in place.
-//!
-//! Here: setup and state (`mod.rs`), the all-reduce (`all_reduce.rs`, `slices.rs`), the
-//! other collectives, cross-rank validation, launching on several cores (`launch.rs`,
-//! in parallel through the launch pool of `launcher.rs`), the external library's
-//! single-controller form (`external.rs`), status and fault injection.
 
 #[cfg(feature = "fault-injection")]
 use std::sync::atomic::AtomicU32;
@@ -31,7 +26,7 @@ use crate::comm::core::launch::PeerInputs;
 use crate::comm::core::planning::{CollectiveArgs, Plan};
 use crate::comm::core::setup::connect;
 use crate::comm::core::setup::record;
-use crate::comm::core::setup::{self, Placement};
+use crate::comm::core::setup::{self, RankProcesses};
 
 mod all_reduce;
 mod collectives;
@@ -119,7 +114,7 @@ impl<B: Backend> Communicator<B> {
                             Arc::new(exchanges.of(ExchangeKind::External)),
                             hosts,
                             config,
-                            Placement::OneProcess,
+                            RankProcesses::OneProcess,
                         );
                         if core.is_err() {
                             bootstrap.abort();
@@ -178,13 +173,22 @@ impl<B: Backend> Communicator<B> {
     pub fn world_size(&self) -> usize {
         self.ranks.len()
     }
-    /// Rank `i`'s core.
-    pub fn rank(&self, i: usize) -> &Rank<B> {
+    /// Rank `i`'s core: its device, signal and grid (a per-rank [`crate::Comm::rank`]
+    /// is a number; this is the rank itself).
+    pub fn core(&self, i: usize) -> &Rank<B> {
         &self.ranks[i]
     }
     /// All ranks' cores.
-    pub fn ranks(&self) -> &[Rank<B>] {
+    pub fn cores(&self) -> &[Rank<B>] {
         &self.ranks
+    }
+    /// Rank `i`'s core: the older name of [`Communicator::core`].
+    pub fn rank(&self, i: usize) -> &Rank<B> {
+        self.core(i)
+    }
+    /// All ranks' cores: the older name of [`Communicator::cores`].
+    pub fn ranks(&self) -> &[Rank<B>] {
+        self.cores()
     }
     /// The signal layout (Lamport slot and payload sizes).
     pub fn layout(&self) -> SignalLayout {

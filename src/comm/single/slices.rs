@@ -34,7 +34,7 @@ impl<B: Backend> Communicator<B> {
     /// let comm = Communicator::<Host>::new(&[0, 1], CommConfig::default())?;
     /// let mut ins = Vec::new();
     /// let mut outs = Vec::new();
-    /// for (r, rank) in comm.ranks().iter().enumerate() {
+    /// for (r, rank) in comm.cores().iter().enumerate() {
     ///     ins.push(Host::alloc_from(rank.device(), &[r as f32 + 1.0; 5])?);
     ///     outs.push(Host::alloc_from(rank.device(), &[f32::NAN; 5])?);
     /// }
@@ -44,8 +44,8 @@ impl<B: Backend> Communicator<B> {
     /// }
     /// comm.all_reduce_sum_slices_in_place(&mut ins, &opts)?;
     /// comm.synchronize()?;
-    /// assert_eq!(outs[1].to_host(comm.rank(1).device())?, vec![3.0; 5]);
-    /// assert_eq!(ins[0].to_host(comm.rank(0).device())?, vec![3.0; 5]);
+    /// assert_eq!(outs[1].to_host(comm.core(1).device())?, vec![3.0; 5]);
+    /// assert_eq!(ins[0].to_host(comm.core(0).device())?, vec![3.0; 5]);
     /// # Ok::<(), peercomm::Error>(())
     /// ```
     pub fn all_reduce_sum_slices<S, R>(

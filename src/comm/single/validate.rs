@@ -1,7 +1,7 @@
 //! What only a single controller checks before anything is launched: one tensor per
 //! rank, the same dtype, shape and length everywhere, shapes that describe their
 //! buffers, and whether the peers can reach the user buffers. Each rank's own side
-//! (its device, its output's dtype and length) is the core's (`core/check.rs`).
+//! (its device, its output's dtype and length) is the core's.
 
 use crate::backend::{Backend, KernelKind};
 use crate::error::{Error, Result};

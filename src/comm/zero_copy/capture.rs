@@ -2,7 +2,7 @@
 //! every rank's stream, [`Comm::capture`] over this rank's, both built on the
 //! backend's capture over a set of streams ([`capture`], which knows nothing of
 //! communicators), and [`Comm::capture_registered`], whose graph reads every input in
-//! place (`per_rank/capture_inputs.rs`).
+//! place.
 
 use std::sync::Arc;
 
@@ -25,8 +25,8 @@ impl Communicator<Cuda> {
     /// use peercomm::{AllReduceOptions, CommConfig, Communicator};
     ///
     /// let comm = Communicator::<Cuda>::new(&[0, 1], CommConfig::default())?;
-    /// let ins: Vec<_> = comm.ranks().iter().map(|r| Cuda::alloc_from(r.device(), &[1.0f32; 1024])).collect::<Result<_, _>>()?;
-    /// let mut outs: Vec<_> = comm.ranks().iter().map(|r| Cuda::alloc_buffer::<f32>(r.device(), 1024)).collect::<Result<_, _>>()?;
+    /// let ins: Vec<_> = comm.cores().iter().map(|r| Cuda::alloc_from(r.device(), &[1.0f32; 1024])).collect::<Result<_, _>>()?;
+    /// let mut outs: Vec<_> = comm.cores().iter().map(|r| Cuda::alloc_buffer::<f32>(r.device(), 1024)).collect::<Result<_, _>>()?;
     /// let (graphs, _algorithm) =
     ///     comm.capture(|| comm.all_reduce_sum_slices(&ins, &mut outs, &AllReduceOptions::new()))?;
     /// for _ in 0..100 {
@@ -39,7 +39,7 @@ impl Communicator<Cuda> {
     /// ```
     pub fn capture<R>(&self, f: impl FnOnce() -> Result<R>) -> Result<(Vec<CudaGraph>, R)> {
         let streams: Vec<Arc<CudaStream>> = self
-            .ranks()
+            .cores()
             .iter()
             .map(|r| r.device().stream().clone())
             .collect();

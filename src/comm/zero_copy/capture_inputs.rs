@@ -20,10 +20,9 @@ use crate::backend::Backend;
 use crate::bootstrap::{Bootstrap, ExchangeKind};
 use crate::error::{Error, Result};
 
+use super::records::{record_word, refusal_text, REGISTER_RECORD, SYMMETRIC_RECORD};
+use super::registry::{register_range, Registry};
 use crate::comm::per_rank::Comm;
-use crate::comm::zero_copy::registry::{
-    record_word, refusal_text, register_range, Registry, REGISTER_RECORD, SYMMETRIC_RECORD,
-};
 use crate::comm::zero_copy::script::{Follow, Planning, Script, Step};
 
 /// The first word of a registered capture's gathered record (see `REGISTER_RECORD`).

@@ -13,6 +13,7 @@ pub(crate) mod capture;
 pub(crate) mod capture_inputs;
 pub(crate) mod exchange;
 pub(crate) mod pool;
+pub(crate) mod records;
 pub(crate) mod registered;
 pub(crate) mod registry;
 pub(crate) mod script;

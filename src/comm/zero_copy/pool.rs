@@ -1,7 +1,6 @@
 //! The symmetric pool's bookkeeping on one rank: its segments (each one exportable
 //! allocation, registered with every peer) and their free ranges, handed out first fit
-//! so that every rank that allocates and drops alike places a buffer alike. The
-//! per-rank front door (`per_rank/symmetric.rs`) allocates through it.
+//! so that every rank that allocates and drops alike places a buffer alike.
 
 use std::sync::{Arc, Mutex};
 

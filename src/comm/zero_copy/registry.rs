@@ -28,9 +28,11 @@ use crate::backend::{Backend, Descriptor};
 use crate::bootstrap::Bootstrap;
 use crate::comm::core::planning::InputPlace;
 use crate::comm::zero_copy::exchange::{exchange, DESCRIPTOR_TIMEOUT};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::os::descriptors::Listener;
 use crate::signal::MAX_GPUS;
+
+use super::records::{first_refusal, refusal_text, refused, Offer};
 
 /// Where every group member's input of one call is, read in place.
 #[derive(Clone, Copy, Debug)]
@@ -49,7 +51,7 @@ struct Entry<B: Backend> {
     /// `peers[k]`: group member k's range, as this rank reaches it.
     peers: [u64; MAX_GPUS],
     /// Whether [`Registry::lookup`] finds it: a capture's registrations
-    /// (`per_rank/capture_inputs.rs`) are found only by number ([`Registry::place_in`]),
+    /// are found only by number ([`Registry::place_in`]),
     /// by the calls they were made for, so that they change no other call's place.
     listed: bool,
     /// The imports it uses (shared with other entries of the same allocations).
@@ -121,98 +123,6 @@ impl<B: Backend> Registry<B> {
             ..Registry::default()
         }
     }
-}
-
-/// The first word of a gathered registration record, and of a symmetric allocation's
-/// (`per_rank/symmetric.rs`): a rank that registers where a peer allocates (or the
-/// reverse) is refused on both at the first gather, and both stay in step.
-pub(crate) const REGISTER_RECORD: u64 = u64::from_le_bytes(*b"pcreg\0\0\x01");
-/// See [`REGISTER_RECORD`].
-pub(crate) const SYMMETRIC_RECORD: u64 = u64::from_le_bytes(*b"pcsym\0\0\x01");
-
-/// One rank's part of a registration, as gathered: where its range is, and why it
-/// cannot register it (empty: it can). A rank that refuses locally (its buffer on
-/// another device, a poisoned communicator, an allocation that failed) still sends its
-/// record, so that every rank refuses together and no rank's next collective record
-/// pairs with a peer's registration.
-struct Offer {
-    process: u64,
-    /// The rank's device ordinal (in its process), so that a peer in the same process
-    /// checks that this device may read its range.
-    ordinal: u64,
-    id: u64,
-    ptr: u64,
-    bytes: u64,
-    refusal: String,
-}
-
-impl Offer {
-    fn encode(&self) -> Vec<u8> {
-        let mut record: Vec<u8> = [
-            REGISTER_RECORD,
-            self.process,
-            self.ordinal,
-            self.id,
-            self.ptr,
-            self.bytes,
-        ]
-        .iter()
-        .flat_map(|x| x.to_le_bytes())
-        .collect();
-        record.extend_from_slice(self.refusal.as_bytes());
-        record
-    }
-    fn decode(rank: usize, b: &[u8]) -> Result<Self> {
-        let word = |i: usize| record_word(b, i);
-        match word(0) {
-            Some(REGISTER_RECORD) if b.len() >= 48 => Ok(Offer {
-                process: word(1).expect("48 bytes"),
-                ordinal: word(2).expect("48 bytes"),
-                id: word(3).expect("48 bytes"),
-                ptr: word(4).expect("48 bytes"),
-                bytes: word(5).expect("48 bytes"),
-                refusal: String::from_utf8_lossy(&b[48..]).into_owned(),
-            }),
-            Some(SYMMETRIC_RECORD) => Err(refused(
-                rank,
-                "it allocates a symmetric buffer where this rank registers one: every rank \
-                 registers and allocates symmetric buffers in the same order"
-                    .into(),
-            )),
-            _ => Err(refused(
-                rank,
-                format!("a malformed registration record ({} bytes)", b.len()),
-            )),
-        }
-    }
-}
-
-/// Word `i` (little-endian u64) of a gathered record, if it has one: how every record
-/// kind here (registrations, symmetric allocations, captures, trims) is read.
-pub(crate) fn record_word(b: &[u8], i: usize) -> Option<u64> {
-    b.get(8 * i..8 * i + 8)
-        .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
-}
-
-/// What a rank's gathered record says of its own refusal (never empty).
-pub(crate) fn refusal_text(e: &Error) -> String {
-    match e.to_string() {
-        t if t.is_empty() => "it refused".into(),
-        t => t,
-    }
-}
-
-fn refused(rank: usize, reason: String) -> Error {
-    Error::CannotRegister { rank, reason }
-}
-
-/// A gathered status: empty = ok, else the reason.
-fn first_refusal(statuses: &[Vec<u8>]) -> Option<Error> {
-    statuses
-        .iter()
-        .enumerate()
-        .find(|(_, s)| !s.is_empty())
-        .map(|(r, s)| refused(r, String::from_utf8_lossy(s).into_owned()))
 }
 
 impl<B: Backend> Registry<B> {
@@ -450,6 +360,8 @@ pub(crate) fn register_range<B: Backend>(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::zero_copy::records::{REGISTER_RECORD, SYMMETRIC_RECORD};
+    use crate::error::Error;
 
     /// A symmetric allocation's record where a registration's is expected is refused
     /// (so a rank that registers where its peer allocates refuses at the first

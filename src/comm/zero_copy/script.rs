@@ -1,6 +1,6 @@
-//! What the passes of a per-rank registered capture (`per_rank/capture_inputs.rs`) do
-//! with each call's input: the first records the unregistered inputs, the second
-//! reads each through the registration made for it, found by number.
+//! What the passes of a registered capture ([`crate::Comm::register_inputs_of`]) do with
+//! each call's input: the first records the unregistered inputs, the second reads each
+//! through the registration made for it, found by number.
 
 use crate::backend::Backend;
 use crate::comm::zero_copy::registry::{InPlace, Registry};

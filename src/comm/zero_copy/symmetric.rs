@@ -1,6 +1,6 @@
 //! Symmetric buffers of a per-rank [`Comm`] ([`Comm::alloc_symmetric`]): memory that
 //! every peer has mapped, at the same offset of the communicator's pool on every rank,
-//! so that collectives on it read the peers' inputs in place (see `registered.rs`).
+//! so that collectives on it read the peers' inputs in place.
 //!
 //! The pool is a list of segments, each one exportable device allocation
 //! ([`MemoryKind::SharedData`]: `cuMemAlloc` / `hipMalloc` memory, a shared memory
@@ -28,12 +28,11 @@ use crate::bootstrap::{Bootstrap, ExchangeKind};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 
+use super::records::{refusal_text, REGISTER_RECORD, SYMMETRIC_RECORD};
+use super::registry::register_range;
 use crate::comm::core::planning::staging::message_bytes;
 use crate::comm::per_rank::Comm;
 use crate::comm::zero_copy::pool::{Segment, ALIGN};
-use crate::comm::zero_copy::registry::{
-    refusal_text, register_range, REGISTER_RECORD, SYMMETRIC_RECORD,
-};
 
 /// Bytes of a symmetric pool segment (a larger buffer gets a segment of its own size,
 /// rounded up to 2 MiB). Allocated when the first buffer that needs it is.
@@ -159,9 +158,9 @@ impl<B: Backend, T: Element> TypedBuffer<B> for SymmetricBuffer<B, T> {
 
 /// One rank's placement of an allocation, as gathered, and why it cannot allocate
 /// (empty: it can): a rank that refuses locally still sends its record, so that every
-/// rank refuses together and stays in step (see `Offer` in `core/registry.rs`).
+/// rank refuses together and stays in step, as a registration's offers do.
 #[derive(Clone, Debug)]
-struct Placement {
+struct SlotRecord {
     segment: u64,
     offset: u64,
     span: u64,
@@ -172,13 +171,13 @@ struct Placement {
 /// What a gathered record is.
 #[derive(Debug)]
 enum Record {
-    Symmetric(Placement),
+    Symmetric(SlotRecord),
     /// A peer registers a buffer where this rank allocates.
     Registration,
     Malformed,
 }
 
-impl Placement {
+impl SlotRecord {
     fn encode(&self) -> Vec<u8> {
         let mut record: Vec<u8> = [
             SYMMETRIC_RECORD,
@@ -199,7 +198,7 @@ impl Placement {
                 .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
         };
         match w(0) {
-            Some(SYMMETRIC_RECORD) if b.len() >= 40 => Record::Symmetric(Placement {
+            Some(SYMMETRIC_RECORD) if b.len() >= 40 => Record::Symmetric(SlotRecord {
                 segment: w(1).expect("40 bytes"),
                 offset: w(2).expect("40 bytes"),
                 span: w(3).expect("40 bytes"),
@@ -241,7 +240,7 @@ impl<B: Backend> Comm<B> {
     pub fn alloc_symmetric<T: Element>(&self, len: usize) -> Result<SymmetricBuffer<B, T>> {
         let core = &*self.core;
         let mut segments = self.pool.segments.lock().unwrap_or_else(|e| e.into_inner());
-        // A local refusal is still gathered (see `Placement`).
+        // A local refusal is still gathered (see `SlotRecord`).
         let local = core
             .check_usable()
             .and_then(|_| self.check_zero_copy())
@@ -271,7 +270,7 @@ impl<B: Backend> Comm<B> {
             .enumerate()
             .find_map(|(i, s)| s.first_fit(span).map(|o| (i, o)))
             .map_or(
-                Placement {
+                SlotRecord {
                     segment: segments.len() as u64,
                     offset: 0,
                     span,
@@ -280,7 +279,7 @@ impl<B: Backend> Comm<B> {
                         .next_multiple_of(2 << 20),
                     refusal: String::new(),
                 },
-                |(i, o)| Placement {
+                |(i, o)| SlotRecord {
                     segment: i as u64,
                     offset: o,
                     span,
@@ -288,7 +287,7 @@ impl<B: Backend> Comm<B> {
                     refusal: String::new(),
                 },
             );
-        let mine = Placement {
+        let mine = SlotRecord {
             refusal: local.as_ref().err().map(refusal_text).unwrap_or_default(),
             ..mine
         };
@@ -297,7 +296,7 @@ impl<B: Backend> Comm<B> {
         // This rank's own refusal first: its peers learn it from its record.
         local?;
         let gathered = gathered?;
-        let records: Vec<Record> = gathered.iter().map(|g| Placement::decode(g)).collect();
+        let records: Vec<Record> = gathered.iter().map(|g| SlotRecord::decode(g)).collect();
         let refusal = |r: usize, reason: String| Error::CannotRegister { rank: r, reason };
         for (r, record) in records.iter().enumerate() {
             let reason = match record {

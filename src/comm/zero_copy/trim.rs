@@ -10,10 +10,8 @@ use crate::backend::Backend;
 use crate::bootstrap::{Bootstrap, ExchangeKind};
 use crate::error::{Error, Result};
 
+use super::records::{record_word, refusal_text, REGISTER_RECORD, SYMMETRIC_RECORD};
 use crate::comm::per_rank::Comm;
-use crate::comm::zero_copy::registry::{
-    record_word, refusal_text, REGISTER_RECORD, SYMMETRIC_RECORD,
-};
 
 /// The first word of a trim's gathered record (see `REGISTER_RECORD`).
 const TRIM_RECORD: u64 = u64::from_le_bytes(*b"pctrim\0\x01");

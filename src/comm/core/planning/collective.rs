@@ -1,9 +1,6 @@
 //! The collectives beside the all-reduce: all-gather, reduce-scatter (sum), broadcast,
 //! scatter, and the fused all-reduce + residual add + RMSNorm. Their options, the
-//! reduce-scatter split, and their planning (kernel, grid, scratch). The algorithms are
-//! in kernels-common/peercomm_collectives.h (GPUs) and src/backend/host/collectives.rs
-//! (host); the calls in `per_rank/collectives.rs` (per-rank `Comm`) and
-//! `single_collectives.rs` (`Communicator`).
+//! reduce-scatter split, and their planning (kernel, grid, scratch).
 //!
 //! Where the peers cannot read user buffers (a rank per process or thread, the per-rank
 //! `Comm`), each rank first copies what its peers read into its own payload; a message

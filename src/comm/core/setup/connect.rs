@@ -12,7 +12,7 @@ use crate::external::{Fallback, SizeRouting};
 use crate::signal::MAX_GPUS;
 
 use crate::comm::core::routing::{Mode, Router};
-use crate::comm::core::setup::{self, Outcome, Placement};
+use crate::comm::core::setup::{self, Outcome, RankProcesses};
 use crate::comm::core::Rank;
 use crate::comm::CommConfig;
 
@@ -43,7 +43,7 @@ fn host_layout(hosts: &[HostId]) -> (usize, Option<usize>) {
 /// library where it does not (or a typed error with [`Fallback::Refuse`]). Every
 /// world rank calls this at the same time. `bootstrap` carries the setup's exchanges,
 /// `external` the external library's (its handle keeps it; the host stand-in gathers
-/// over it for every call). With [`Placement::OneProcess`] (the single controller) the
+/// over it for every call). With [`RankProcesses::OneProcess`] (the single controller) the
 /// external handles are not made here: one thread drives every rank, so the front door
 /// makes them together ([`needs_external`] says whether).
 pub(crate) fn connect<B: Backend>(
@@ -52,7 +52,7 @@ pub(crate) fn connect<B: Backend>(
     external: Arc<dyn Bootstrap>,
     hosts: &[HostId],
     config: &CommConfig,
-    placement: Placement,
+    placement: RankProcesses,
 ) -> Result<Rank<B>> {
     let (me, world) = (bootstrap.rank(), bootstrap.world_size());
     let refuse = config.fallback.fallback == Fallback::Refuse;
@@ -111,7 +111,7 @@ pub(crate) fn connect<B: Backend>(
         Mode::Peer => None,
     };
     let external = match (external_group, placement) {
-        (Some(group), Placement::Anywhere) => {
+        (Some(group), RankProcesses::Anywhere) => {
             Some(library.per_rank(&core.endpoint.device, external, &group)?)
         }
         _ => None,

@@ -1,7 +1,7 @@
 //! Setting up the peer-memory core of a per-rank communicator over a group of ranks
 //! (the whole world, or the ranks of one host): every rank allocates its signal, the
 //! ranks exchange records and IPC handles, map each other's signals, agree that peer
-//! access exists everywhere, and check that it works (see `peer_check`). When it
+//! access exists everywhere, and check that it works. When it
 //! cannot serve, every rank learns so at the same step and gets its device back, so
 //! that the communicator can fall back to the external library.
 //!
@@ -29,7 +29,7 @@ use crate::comm::CommConfig;
 
 /// Where the ranks being set up run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Placement {
+pub(crate) enum RankProcesses {
     /// All in this process (the single controller's cores): signals need no export.
     OneProcess,
     /// Each in its own thread or process (the per-rank `Comm`).
@@ -103,7 +103,7 @@ pub(crate) fn establish<B: Backend>(
     world: &dyn Bootstrap,
     members: &[usize],
     config: &CommConfig,
-    placement: Placement,
+    placement: RankProcesses,
 ) -> Result<Outcome<B>> {
     let (me, n) = (group.rank(), group.world_size());
     let checksum = config_checksum(config);
@@ -113,7 +113,7 @@ pub(crate) fn establish<B: Backend>(
         .multiprocessors_of(members[me], B::multiprocessor_count(&device)?);
     let mut settings = Settings::new(config.clone(), arch.clone(), sms, n)?;
     let layout = settings.layout;
-    let kind = if n > 1 && placement == Placement::Anywhere {
+    let kind = if n > 1 && placement == RankProcesses::Anywhere {
         MemoryKind::SharedSignal
     } else {
         MemoryKind::Signal
