@@ -10,8 +10,8 @@
 //! all-reduce. Plus: a batch larger than the payload is `MessageTooLarge` with nothing
 //! written; ranks that disagree on a batch get `CallMismatch` on every rank with nothing
 //! written, also for many pairs of batches that differ in one later entry only
-//! (including pairs the descriptor's former 8-bit digest could not tell apart: the
-//! kernel compares every entry's length exactly); the single controller checks every
+//! (including pairs an 8-bit digest of the entries cannot tell apart: the kernel
+//! compares every entry's length exactly); the single controller checks every
 //! entry on the host and honours fault injection.
 
 mod common;
@@ -698,10 +698,10 @@ fn per_rank_group_past_the_payload_is_split() {
 // ---------------------------------------------------------------------------------
 // Every length, exactly: ranks whose batches differ in one later entry only.
 
-/// The 8-bit digest of the later entries' lengths that the batch's descriptor used to
-/// carry (FNV-1a folded; a copy of the former `core/group.rs` function): pairs it could
-/// not tell apart once passed unnoticed, with wrong sums.
-fn old_digest(later: &[usize]) -> u64 {
+/// An 8-bit digest of the later entries' lengths (FNV-1a folded): a descriptor that
+/// carried only this would let pairs it cannot tell apart pass unnoticed, with wrong
+/// sums.
+fn narrow_digest(later: &[usize]) -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64;
     for byte in later.iter().flat_map(|&n| (n as u64).to_le_bytes()) {
         h = (h ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
@@ -726,7 +726,7 @@ fn filling_table(rng: &mut StdRng, count: usize) -> Vec<usize> {
     t
 }
 
-/// `collisions` pairs whose differing entries a digest of the entries narrower than them cannot tell apart, then
+/// `collisions` pairs whose differing entries `narrow_digest` cannot tell apart, then
 /// `random` random pairs (both with grids that agree), then `grids` pairs whose
 /// difference also changes the grid (1 block against 2).
 fn later_entry_pairs(
@@ -740,11 +740,11 @@ fn later_entry_pairs(
         let count = rng.random_range(2..=8);
         let usual = filling_table(rng, count);
         let entry = rng.random_range(1..usual.len());
-        let digest = old_digest(&usual[1..]);
+        let digest = narrow_digest(&usual[1..]);
         for _ in 0..10_000 {
             let mut other = usual.clone();
             other[entry] = rng.random_range(0..3000);
-            if other[entry] != usual[entry] && old_digest(&other[1..]) == digest {
+            if other[entry] != usual[entry] && narrow_digest(&other[1..]) == digest {
                 pairs.push(Pair {
                     usual,
                     other,
@@ -802,7 +802,7 @@ fn per_rank_later_entry_mismatches(world: usize) {
     }
     let collisions = pairs
         .iter()
-        .filter(|p| old_digest(&p.usual[1..]) == old_digest(&p.other[1..]))
+        .filter(|p| narrow_digest(&p.usual[1..]) == narrow_digest(&p.other[1..]))
         .count();
     assert!(collisions >= 12, "{collisions} digest collisions");
     let config = CommConfig {

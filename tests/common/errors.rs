@@ -863,8 +863,8 @@ pub fn buffer_of_overflowing_size_is_refused<B: Backend>(devices: Devices) {
 }
 
 /// A barrier timeout of `Duration::MAX` is accepted and waits "forever" (the
-/// nanoseconds saturate); so does one just past `u64::MAX` nanoseconds, which the old
-/// code truncated to about a millisecond. Rank 1 is delayed by 100 ms before every
+/// nanoseconds saturate); so does one just past `u64::MAX` nanoseconds, which a
+/// truncating conversion would make about a millisecond. Rank 1 is delayed by 100 ms before every
 /// algorithm: no rank may give up.
 pub fn huge_barrier_timeout_saturates<B: Backend>(devices: Devices) {
     if !devices("huge_barrier_timeout_saturates", 2) {

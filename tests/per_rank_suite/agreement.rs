@@ -25,8 +25,8 @@ pub fn short_waits(place: &Placement, world: usize) -> CommConfig {
 
 /// Ranks that report different multiprocessor counts (simulated: as under MPS, or two
 /// SKUs of one architecture) and leave the grid to peercomm: one-stage over 65,536 f32
-/// is right on every rank. Before the grid was agreed, each rank sized its own grid and
-/// half the elements were wrong while `synchronize()` returned `Ok`.
+/// is right on every rank (ranks that each sized their own grid would get half the
+/// elements wrong while `synchronize()` returned `Ok`).
 pub fn unequal_multiprocessors_agree_on_the_grid<B: Backend>(place: &Placement, counts: &[usize]) {
     let world = counts.len();
     let config = CommConfig {
