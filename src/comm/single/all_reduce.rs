@@ -50,18 +50,8 @@ impl<B: Backend> Communicator<B> {
         let (dtype, len) = (metas[0].dtype, metas[0].len);
         let ranks = &self.ranks;
         let mut guards = Vec::with_capacity(2 * ranks.len());
-        let mut ins = [0u64; MAX_GPUS];
-        let mut outs = [0u64; MAX_GPUS];
-        for (r, t) in inputs.iter().enumerate() {
-            let (p, g) = t.data.read_ptr(ranks[r].device());
-            ins[r] = p;
-            guards.push(g);
-        }
-        for (r, t) in outputs.iter_mut().enumerate() {
-            let (p, g) = t.data.write_ptr(ranks[r].device());
-            outs[r] = p;
-            guards.push(g);
-        }
+        let ins = self.read_ptrs(inputs, &mut guards);
+        let outs = self.write_ptrs(outputs, &mut guards);
         // A rank whose input is its output runs in place (the plan stages).
         let bytes = bytes_of(metas.iter().copied());
         let in_place = self.check_overlaps(
@@ -93,12 +83,7 @@ impl<B: Backend> Communicator<B> {
         let routed = self.route_all_reduce(dtype, len, options, true)?;
         let ranks = &self.ranks;
         let mut guards = Vec::with_capacity(ranks.len());
-        let mut ptrs = [0u64; MAX_GPUS];
-        for (r, t) in tensors.iter_mut().enumerate() {
-            let (p, g) = t.data.write_ptr(ranks[r].device());
-            ptrs[r] = p;
-            guards.push(g);
-        }
+        let ptrs = self.write_ptrs(tensors, &mut guards);
         let bytes = bytes_of(metas.iter().copied());
         self.check_overlaps(&[(&ptrs, &bytes, "in-place", true)], false)?;
         let result = self.run_all_reduce(routed, &ptrs, &ptrs, len, dtype, "in-place");

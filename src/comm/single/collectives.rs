@@ -111,12 +111,7 @@ impl<B: Backend> Communicator<B> {
             return Ok(());
         }
         let mut guards = Vec::with_capacity(tensors.len());
-        let mut ptrs = [0u64; MAX_GPUS];
-        for (r, t) in tensors.iter_mut().enumerate() {
-            let (p, g) = t.data.write_ptr(self.ranks[r].device());
-            ptrs[r] = p;
-            guards.push(g);
-        }
+        let ptrs = self.write_ptrs(tensors, &mut guards);
         let bytes = bytes_of(metas.iter().copied());
         self.check_overlaps(&[(&ptrs, &bytes, "in-place", true)], false)?;
         let mut read = [0u64; MAX_GPUS];
@@ -208,29 +203,10 @@ impl<B: Backend> Communicator<B> {
         }
         let ranks = &self.ranks;
         let mut guards = Vec::with_capacity(4 * ranks.len());
-        let mut ins = [0u64; MAX_GPUS];
-        let mut ws = [0u64; MAX_GPUS];
-        let mut res = [0u64; MAX_GPUS];
-        let mut outs = [0u64; MAX_GPUS];
-        for r in 0..ranks.len() {
-            let dev = ranks[r].device();
-            let (p, g) = inputs[r].data.read_ptr(dev);
-            ins[r] = p;
-            guards.push(g);
-            let (p, g) = weights[r].data.read_ptr(dev);
-            ws[r] = p;
-            guards.push(g);
-        }
-        for (r, t) in residuals.iter_mut().enumerate() {
-            let (p, g) = t.data.write_ptr(ranks[r].device());
-            res[r] = p;
-            guards.push(g);
-        }
-        for (r, t) in outputs.iter_mut().enumerate() {
-            let (p, g) = t.data.write_ptr(ranks[r].device());
-            outs[r] = p;
-            guards.push(g);
-        }
+        let ins = self.read_ptrs(inputs, &mut guards);
+        let ws = self.read_ptrs(weights, &mut guards);
+        let res = self.write_ptrs(residuals, &mut guards);
+        let outs = self.write_ptrs(outputs, &mut guards);
         // No in-place form: the residual is read and written, the inputs read by
         // every peer.
         let bytes = bytes_of(metas.iter().copied());
@@ -369,18 +345,8 @@ impl<B: Backend> Communicator<B> {
         let out_bytes = bytes_of(outputs.iter().map(meta_mut));
         let ranks = &self.ranks;
         let mut guards = Vec::with_capacity(2 * ranks.len());
-        let mut in_ptrs = [0u64; MAX_GPUS];
-        let mut out_ptrs = [0u64; MAX_GPUS];
-        for (r, t) in inputs.iter().enumerate() {
-            let (p, g) = t.data.read_ptr(ranks[r].device());
-            in_ptrs[r] = p;
-            guards.push(g);
-        }
-        for (r, t) in outputs.iter_mut().enumerate() {
-            let (p, g) = t.data.write_ptr(ranks[r].device());
-            out_ptrs[r] = p;
-            guards.push(g);
-        }
+        let in_ptrs = self.read_ptrs(inputs, &mut guards);
+        let out_ptrs = self.write_ptrs(outputs, &mut guards);
         // No in-place form: any overlap is refused.
         let in_bytes = bytes_of(inputs.iter().map(meta));
         self.check_overlaps(
@@ -414,18 +380,13 @@ impl<B: Backend> Communicator<B> {
         let ranks = &self.ranks;
         let mut guards = Vec::with_capacity(inputs.len() + ranks.len());
         let mut in_ptrs = [0u64; MAX_GPUS];
-        let mut out_ptrs = [0u64; MAX_GPUS];
         for (k, t) in inputs.iter().enumerate() {
             let r = k * width + root;
             let (p, g) = t.data.read_ptr(ranks[r].device());
             in_ptrs[r] = p;
             guards.push(g);
         }
-        for (r, t) in outputs.iter_mut().enumerate() {
-            let (p, g) = t.data.write_ptr(ranks[r].device());
-            out_ptrs[r] = p;
-            guards.push(g);
-        }
+        let out_ptrs = self.write_ptrs(outputs, &mut guards);
         // A broadcast root's input that is its output runs in place; a scatter has no
         // in-place form.
         let mut in_bytes = [0; MAX_GPUS];

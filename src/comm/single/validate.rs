@@ -170,6 +170,37 @@ impl<B: Backend> Communicator<B> {
         Ok(())
     }
 
+    /// Rank r's pointer into `tensors[r]`, for reading, by rank; the accesses that keep
+    /// the pointers valid go to `guards`.
+    pub(super) fn read_ptrs<'a>(
+        &'a self,
+        tensors: &'a [Tensor<'_, B>],
+        guards: &mut Vec<B::Access<'a>>,
+    ) -> [u64; MAX_GPUS] {
+        let mut ptrs = [0u64; MAX_GPUS];
+        for (r, t) in tensors.iter().enumerate() {
+            let (p, g) = t.data.read_ptr(self.ranks[r].device());
+            ptrs[r] = p;
+            guards.push(g);
+        }
+        ptrs
+    }
+
+    /// As [`Communicator::read_ptrs`], for writing.
+    pub(super) fn write_ptrs<'a>(
+        &'a self,
+        tensors: &'a mut [TensorMut<'_, B>],
+        guards: &mut Vec<B::Access<'a>>,
+    ) -> [u64; MAX_GPUS] {
+        let mut ptrs = [0u64; MAX_GPUS];
+        for (r, t) in tensors.iter_mut().enumerate() {
+            let (p, g) = t.data.write_ptr(self.ranks[r].device());
+            ptrs[r] = p;
+            guards.push(g);
+        }
+        ptrs
+    }
+
     /// When the plan's peers read the user buffers at `ptrs` directly (one-stage
     /// without staging, two-stage), checks that each group peer's device can reach them.
     pub(super) fn check_peers_reach(
