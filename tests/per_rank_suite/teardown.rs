@@ -60,8 +60,17 @@ pub fn drop_while_peer_collective_queued<B: Backend>(place: &Placement, rounds: 
                 let comm = open::<B>(place, 1, id, config.clone());
                 queued.wait();
                 let started = Instant::now();
-                drop(comm);
-                started.elapsed()
+                // The stream wait apart from the rest of the teardown, to tell where
+                // time goes if the bound is missed.
+                let waited = comm.wait();
+                let wait_took = started.elapsed();
+                let closed = comm.close();
+                let took = started.elapsed();
+                eprintln!(
+                    "round {round}: rank 1's wait returned {waited:?} after {wait_took:?}, \
+                     its close {closed:?}"
+                );
+                took
             });
             zero.join().unwrap();
             let dropped = one.join().unwrap();
