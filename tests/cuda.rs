@@ -1,7 +1,7 @@
 //! The reference suite on CUDA, plus CUDA-graph replay, the schedule fuzzer and a
 //! differential test against the host backend. Needs NVIDIA GPUs: with none (no
 //! driver, or no device) every test prints why it is skipped. Run the GPU part on the
-//! GPU machine with `scripts/device-test.sh` (one test thread: two communicators
+//! GPU machine with `scripts/device.sh tests` (one test thread: two communicators
 //! spinning on the same GPUs at once could starve each other of SMs).
 //!
 //! Worlds larger than the GPU count run with several ranks per GPU
