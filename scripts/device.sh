@@ -193,7 +193,8 @@ for stage in "$@"; do
     ;;
   memcheck)
     # In MEMCHECK_SHARDS processes at once (default 8), each under its own sanitizer:
-    # the sanitizer slows every kernel, and most tests wait on peers.
+    # the sanitizer slows every kernel, and most tests wait on peers. Without the NCCL
+    # fallback (PEERCOMM_TEST_NO_FALLBACK): NCCL's own kernels do not load under it.
     shards=${MEMCHECK_SHARDS:-8}
     "$BIN/test-cuda_per_rank" --list 2>/dev/null | sed -n 's/: test$//p' |
       grep -- "${MEMCHECK_FILTER:-}" >"$LOGS/memcheck-list.txt"
@@ -201,7 +202,7 @@ for stage in "$@"; do
       mapfile -t names < <(awk -v s="$s" -v n="$shards" '(NR - 1) % n == s' "$LOGS/memcheck-list.txt")
       [ ${#names[@]} -gt 0 ] || continue
       (
-        timeout "${MEMCHECK_LIMIT:-520}" /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
+        PEERCOMM_TEST_NO_FALLBACK=1 timeout "${MEMCHECK_LIMIT:-520}" /usr/local/cuda/bin/compute-sanitizer --tool memcheck \
           --print-limit 1000000 --target-processes all --log-file "$LOGS/memcheck-$s-%p.txt" \
           "$BIN/test-cuda_per_rank" --test-threads=1 --nocapture --exact "${names[@]}" \
           >"$LOGS/memcheck-tests-$s.log" 2>&1

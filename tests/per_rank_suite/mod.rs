@@ -56,6 +56,13 @@ impl Placement {
             max_blocks: Some(self.max_blocks),
             bootstrap_timeout: Duration::from_secs(30),
             allow_shared_devices: world > self.devices,
+            // The memcheck stage of scripts/device.sh sets it: NCCL cannot start under
+            // compute-sanitizer (its kernels do not load there).
+            fallback: if std::env::var_os("PEERCOMM_TEST_NO_FALLBACK").is_some() {
+                peercomm::external::FallbackConfig::peer_memory_only()
+            } else {
+                Default::default()
+            },
             ..CommConfig::default()
         }
     }
