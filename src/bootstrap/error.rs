@@ -78,19 +78,6 @@ pub enum BootstrapError {
         /// The rank that differs.
         rank: usize,
     },
-    /// A rank's configuration checksum differs from rank 0's.
-    #[error(
-        "rank {rank}'s configuration checksum {got:#018x} differs from rank 0's \
-         {expected:#018x}: every rank must be built and configured alike"
-    )]
-    ConfigMismatch {
-        /// The rank that differs.
-        rank: usize,
-        /// Rank 0's checksum.
-        expected: u64,
-        /// The other rank's.
-        got: u64,
-    },
     /// A [`UniqueId`] string or byte array could not be read.
     #[error("invalid UniqueId: {reason}; pass rank 0's UniqueId unchanged (its string or bytes)")]
     InvalidId {

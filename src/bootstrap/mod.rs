@@ -2,7 +2,7 @@
 //!
 //! Before ranks in different processes can map each other's memory they must agree on
 //! who is who and exchange what each needs (IPC handles, device identity, host
-//! identity, a configuration checksum). This module does that once, at setup, over
+//! identity). This module does that once, at setup, over
 //! TCP, in the manner of NCCL's `ncclUniqueId`:
 //!
 //! 1. Rank 0 calls [`UniqueId::new`]. That binds a TCP listener, kept in this process
@@ -13,11 +13,11 @@
 //!    [`UniqueId::from_bytes`], fit for MPI or a key-value store). Never as a
 //!    command-line argument: the id holds the secret, and every local user can read a
 //!    process's arguments (`/proc/<pid>/cmdline`).
-//! 3. Every rank calls [`TcpBootstrap::connect`] with the id, its rank, the world size,
-//!    a checksum of its configuration and a timeout. The other ranks connect to rank 0
-//!    (a star: rank 0 relays everything, fine for worlds of a few hundred ranks); each
-//!    side proves to the other that it knows the secret (without sending it), and rank
-//!    0 checks each rank before admitting it.
+//! 3. Every rank calls [`TcpBootstrap::connect`] with the id, its rank, the world size
+//!    and a timeout. The other ranks connect to rank 0 (a star: rank 0 relays
+//!    everything, fine for worlds of a few hundred ranks); each side proves to the
+//!    other that it knows the secret (without sending it), and rank 0 checks each rank
+//!    before admitting it.
 //! 4. Then [`Bootstrap::all_gather`] gives every rank every rank's bytes in rank order,
 //!    as many times as the caller needs (IPC handles, then checks, then a teardown
 //!    [`Bootstrap::barrier`]). Every rank must make the same sequence of calls.
@@ -30,10 +30,10 @@
 //! let text = id.to_string(); // e.g. exported as PEERCOMM_ID for the other processes
 //! let rank1 = std::thread::spawn(move || {
 //!     let id: UniqueId = text.parse().unwrap();
-//!     let boot = TcpBootstrap::connect(&id, 1, 2, 0xC0FFEE, Duration::from_secs(10)).unwrap();
+//!     let boot = TcpBootstrap::connect(&id, 1, 2, Duration::from_secs(10)).unwrap();
 //!     boot.all_gather(b"rank one").unwrap()
 //! });
-//! let boot = TcpBootstrap::connect(&id, 0, 2, 0xC0FFEE, Duration::from_secs(10))?;
+//! let boot = TcpBootstrap::connect(&id, 0, 2, Duration::from_secs(10))?;
 //! let all = boot.all_gather(b"zero")?;
 //! assert_eq!(all, vec![b"zero".to_vec(), b"rank one".to_vec()]);
 //! assert_eq!(rank1.join().unwrap(), all);
@@ -62,7 +62,7 @@
 //! the id's address itself when it calls `connect`; the other ranks retry a refused
 //! connection with backoff until their timeout, so it does not matter who comes first.
 //!
-//! # Wire format (protocol version 2)
+//! # Wire format (protocol version 3)
 //!
 //! Every message is a frame: one kind byte, a `u32` little-endian body length, the
 //! body. A body over [`MAX_FRAME_BYTES`] is refused with
@@ -77,7 +77,7 @@
 //! |------|-----------|------|
 //! | 1 hello | rank r → rank 0 | `"PCBS"`, protocol version `u16`, rank r's nonce |
 //! | 5 challenge | rank 0 → rank r | rank 0's nonce, MAC (label "rank 0 knows the secret") |
-//! | 6 proof | rank r → rank 0 | MAC (label "a rank knows the secret") over the rest: rank `u32`, world size `u32`, config checksum `u64`, host id length `u16`, host id (UTF-8) |
+//! | 6 proof | rank r → rank 0 | MAC (label "a rank knows the secret") over the rest: rank `u32`, world size `u32`, host id length `u16`, host id (UTF-8) |
 //! | 2 welcome | rank 0 → rank r | MAC (label "rank 0 welcomes") over the rest: world size `u32`, then per rank: host id length `u16`, host id |
 //! | 3 data | both ways | one rank's bytes for an all-gather |
 //! | 4 error | both ways | rank where the failure began `u32`, message (UTF-8) |
@@ -95,10 +95,10 @@
 //! answers it with a wrong proof, and keeps waiting for the real ranks (the timeout's
 //! hint counts them). A rank of protocol version 1 with the right secret is told that
 //! the versions differ ([`BootstrapError::Protocol`] on both sides). A right proof with
-//! a wrong rank, a rank claimed twice, a different world size or configuration checksum
-//! is fatal: rank 0 sends an error frame to that rank and to every rank already
-//! admitted, then returns the typed error ([`BootstrapError::DuplicateRank`], ...); the
-//! others return [`BootstrapError::PeerFailed`]. When every rank has come, rank 0
+//! a wrong rank, a rank claimed twice or a different world size is fatal: rank 0 sends
+//! an error frame to that rank and to every rank already admitted, then returns the
+//! typed error ([`BootstrapError::DuplicateRank`], ...); the others return
+//! [`BootstrapError::PeerFailed`]. When every rank has come, rank 0
 //! closes its listener and sends each rank a welcome carrying every rank's [`HostId`].
 //!
 //! All-gather: each rank r > 0 sends one data frame; rank 0 reads them in rank order,
@@ -212,8 +212,9 @@ pub const HELLO_DEADLINE: Duration = Duration::from_secs(2);
 /// Version of the [`UniqueId`] byte layout (its first byte).
 const ID_FORMAT_VERSION: u8 = 1;
 /// Version of the frames spoken after connecting (in the hello). Version 1 sent the
-/// secret itself in the hello; version 2 proves it by challenge-response.
-const PROTOCOL_VERSION: u16 = 2;
+/// secret itself in the hello; version 2 proves it by challenge-response; version 3
+/// carries no configuration checksum in the proof.
+const PROTOCOL_VERSION: u16 = 3;
 /// First bytes of every hello.
 const MAGIC: [u8; 4] = *b"PCBS";
 const SECRET_BYTES: usize = 16;
@@ -231,8 +232,8 @@ const HELLO_BYTES: usize = 4 + 2 + NONCE_BYTES;
 const MAX_HELLO_BYTES: usize = 4 + 2 + SECRET_BYTES + 4 + 4 + 8 + 2 + MAX_HOST_ID_BYTES;
 /// Rank 0's nonce and MAC.
 const CHALLENGE_BYTES: usize = NONCE_BYTES + MAC_BYTES;
-/// MAC, rank, world, checksum, host id length.
-const PROOF_FIXED_BYTES: usize = MAC_BYTES + 4 + 4 + 8 + 2;
+/// MAC, rank, world, host id length.
+const PROOF_FIXED_BYTES: usize = MAC_BYTES + 4 + 4 + 2;
 const MAX_PROOF_BYTES: usize = PROOF_FIXED_BYTES + MAX_HOST_ID_BYTES;
 /// Error messages sent to peers are cut to this many bytes.
 const MAX_ERROR_MESSAGE_BYTES: usize = 4096;

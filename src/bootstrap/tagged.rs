@@ -437,14 +437,9 @@ mod tests {
                 .map(|r| {
                     let id = &id;
                     s.spawn(move || {
-                        let tcp = super::super::TcpBootstrap::connect(
-                            id,
-                            r,
-                            2,
-                            1,
-                            Duration::from_secs(10),
-                        )
-                        .unwrap();
+                        let tcp =
+                            super::super::TcpBootstrap::connect(id, r, 2, Duration::from_secs(10))
+                                .unwrap();
                         let ex = Exchanges::new(Arc::new(tcp));
                         let kind = if r == 0 { Teardown } else { Register };
                         let first = ex.of(kind).all_gather_within(b"", Duration::from_secs(5));

@@ -23,8 +23,7 @@ use leaf::leaf_handshake;
 use root::root_handshake;
 
 /// The built-in [`Bootstrap`]: TCP connections from every rank to rank 0, on which both
-/// sides prove they know the [`UniqueId`]'s secret, then checked by the world size and
-/// a configuration checksum.
+/// sides prove they know the [`UniqueId`]'s secret, then checked by rank and world size.
 ///
 /// Thread-safe: operations are serialised on an internal lock (but every rank must
 /// still make the same sequence of calls). Dropping it closes its connections; a peer
@@ -67,8 +66,7 @@ impl TcpBootstrap {
     /// Joins the communicator `id` names as `rank` of `world_size` ranks, with this
     /// process's [`host_identity`]. Rank 0 must call it in the process that made `id`
     /// (or, for an id made elsewhere and released there, on the host whose address it
-    /// names). `config_checksum` is any digest of the configuration every rank must
-    /// share; rank 0 refuses ranks whose checksum differs. `timeout` bounds the whole
+    /// names). `timeout` bounds the whole
     /// handshake (from this call on: connecting, with retries, proving the secret both
     /// ways and the welcome, on every rank) and, afterwards, each operation
     /// ([`TcpBootstrap::set_timeout`] changes that).
@@ -82,17 +80,9 @@ impl TcpBootstrap {
         id: &UniqueId,
         rank: usize,
         world_size: usize,
-        config_checksum: u64,
         timeout: Duration,
     ) -> Result<Self> {
-        Self::connect_with_host(
-            id,
-            rank,
-            world_size,
-            config_checksum,
-            timeout,
-            host_identity(),
-        )
+        Self::connect_with_host(id, rank, world_size, timeout, host_identity())
     }
 
     /// As [`TcpBootstrap::connect`], announcing `host` as this rank's host (tests that
@@ -101,7 +91,6 @@ impl TcpBootstrap {
         id: &UniqueId,
         rank: usize,
         world_size: usize,
-        config_checksum: u64,
         timeout: Duration,
         host: HostId,
     ) -> Result<Self> {
@@ -139,13 +128,11 @@ impl TcpBootstrap {
                         )
                     })?,
                 };
-                let (streams, hosts) =
-                    root_handshake(listener, id, world_size, config_checksum, host, timeout)?;
+                let (streams, hosts) = root_handshake(listener, id, world_size, host, timeout)?;
                 (Links::Root(streams), hosts)
             }
         } else {
-            let (stream, hosts) =
-                leaf_handshake(id, rank, world_size, config_checksum, &host, timeout)?;
+            let (stream, hosts) = leaf_handshake(id, rank, world_size, &host, timeout)?;
             (Links::Leaf(stream), hosts)
         };
         Ok(Self {

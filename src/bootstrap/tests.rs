@@ -49,7 +49,7 @@ fn run<T: Send>(ranks: &[usize], f: impl Fn(usize) -> T + Sync) -> Vec<T> {
 }
 
 fn connect(id: &UniqueId, rank: usize, world: usize, timeout: Duration) -> Result<TcpBootstrap> {
-    TcpBootstrap::connect(id, rank, world, 0xABCD, timeout)
+    TcpBootstrap::connect(id, rank, world, timeout)
 }
 
 /// A hand-made rank speaking the wire format directly: a hello, rank 0's challenge
@@ -62,7 +62,7 @@ fn raw_rank(id: &UniqueId, secret: &[u8; SECRET_BYTES], rank: usize, world: usiz
     let (kind, body) = raw_read(&mut s);
     assert_eq!(kind, KIND_CHALLENGE);
     let n = check_challenge(&body, &id.secret, &leaf).expect("rank 0 proves the secret");
-    let proof = encode_proof(secret, &n, rank, world, 0xABCD, &HostId::new("raw"));
+    let proof = encode_proof(secret, &n, rank, world, &HostId::new("raw"));
     s.write_all(&proof).unwrap();
     s
 }

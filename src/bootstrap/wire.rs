@@ -34,9 +34,6 @@ impl<'a> Fields<'a> {
     fn u32(&mut self) -> Option<u32> {
         Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
     }
-    fn u64(&mut self) -> Option<u64> {
-        Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
-    }
     fn text_u16(&mut self) -> Option<String> {
         let n = self.u16()? as usize;
         Some(String::from_utf8_lossy(self.take(n)?).into_owned())
@@ -94,7 +91,6 @@ pub(super) fn decode_hello(body: &[u8], secret: &[u8; SECRET_BYTES]) -> HelloVer
 pub(super) struct Hello {
     pub(super) rank: usize,
     pub(super) world: usize,
-    pub(super) checksum: u64,
     pub(super) host: HostId,
 }
 
@@ -104,13 +100,11 @@ pub(super) fn encode_proof(
     n: &Nonces,
     rank: usize,
     world: usize,
-    checksum: u64,
     host: &HostId,
 ) -> Vec<u8> {
     let mut a = Vec::with_capacity(PROOF_FIXED_BYTES - MAC_BYTES + host.0.len());
     a.extend_from_slice(&(rank as u32).to_le_bytes());
     a.extend_from_slice(&(world as u32).to_le_bytes());
-    a.extend_from_slice(&checksum.to_le_bytes());
     a.extend_from_slice(&(host.0.len() as u16).to_le_bytes());
     a.extend_from_slice(host.0.as_bytes());
     let mut b = Vec::with_capacity(MAC_BYTES + a.len());
@@ -140,14 +134,8 @@ pub(super) fn decode_proof(body: &[u8], secret: &[u8; SECRET_BYTES], n: &Nonces)
     let hello = (|| {
         let rank = f.u32()? as usize;
         let world = f.u32()? as usize;
-        let checksum = f.u64()?;
         let host = HostId(f.text_u16()?);
-        f.0.is_empty().then_some(Hello {
-            rank,
-            world,
-            checksum,
-            host,
-        })
+        f.0.is_empty().then_some(Hello { rank, world, host })
     })();
     match hello {
         Some(h) => ProofVerdict::Ok(h),

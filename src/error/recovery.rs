@@ -107,7 +107,6 @@ impl BootstrapError {
             | BootstrapError::InvalidWorldSize { .. }
             | BootstrapError::DuplicateRank { .. }
             | BootstrapError::WorldSizeMismatch { .. }
-            | BootstrapError::ConfigMismatch { .. }
             | BootstrapError::InvalidId { .. }
             | BootstrapError::InvalidAddress { .. }
             | BootstrapError::HostIdTooLong { .. } => Recovery::FixSetup,

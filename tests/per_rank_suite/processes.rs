@@ -235,9 +235,8 @@ pub fn child_main<B: Backend>(devices: &Devices) {
             std::thread::sleep(Duration::from_secs(60));
         }
         "cycles" => {
-            let boot = Arc::new(
-                TcpBootstrap::connect(&id, rank, world, 7, Duration::from_secs(30)).unwrap(),
-            );
+            let boot =
+                Arc::new(TcpBootstrap::connect(&id, rank, world, Duration::from_secs(30)).unwrap());
             create_drop_cycles::<B>(devices, &boot, rank, WARM_UP);
             let before = open_files_and_maps();
             create_drop_cycles::<B>(devices, &boot, rank, seed as usize);

@@ -1481,8 +1481,7 @@ pub fn child_role<B: Backend>(
         "zero-copy-cycles" => {
             let cycles = seed as usize;
             let boot = std::sync::Arc::new(
-                peercomm::TcpBootstrap::connect(id, rank, world, 7, Duration::from_secs(30))
-                    .unwrap(),
+                peercomm::TcpBootstrap::connect(id, rank, world, Duration::from_secs(30)).unwrap(),
             );
             let config = CommConfig {
                 lamport_slot_bytes: 4096,

@@ -121,7 +121,6 @@ pub(super) fn leaf_handshake(
     id: &UniqueId,
     rank: usize,
     world: usize,
-    checksum: u64,
     host: &HostId,
     timeout: Duration,
 ) -> Result<(TcpStream, Vec<HostId>)> {
@@ -137,7 +136,7 @@ pub(super) fn leaf_handshake(
             timeout,
             dropped,
         };
-        if let Some(hosts) = attempt.run(&mut s, rank, world, checksum, host)? {
+        if let Some(hosts) = attempt.run(&mut s, rank, world, host)? {
             return Ok((s, hosts));
         }
         dropped += 1;
@@ -167,7 +166,6 @@ impl Attempt<'_> {
         s: &mut TcpStream,
         rank: usize,
         world: usize,
-        checksum: u64,
         host: &HostId,
     ) -> Result<Option<Vec<HostId>>> {
         let secret = &self.id.secret;
@@ -193,7 +191,7 @@ impl Attempt<'_> {
                 )))
             }
         };
-        let proof = encode_proof(secret, &nonces, rank, world, checksum, host);
+        let proof = encode_proof(secret, &nonces, rank, world, host);
         if !self.send(s, &proof, true)? {
             return Ok(None);
         }

@@ -37,7 +37,6 @@ pub(super) fn root_handshake(
     listener: TcpListener,
     id: &UniqueId,
     world: usize,
-    checksum: u64,
     host: HostId,
     timeout: Duration,
 ) -> Result<(Vec<TcpStream>, Vec<HostId>)> {
@@ -201,12 +200,6 @@ pub(super) fn root_handshake(
                 })
             } else if r == 0 || joined[r].is_some() {
                 Some(BootstrapError::DuplicateRank { rank: r })
-            } else if hello.checksum != checksum {
-                Some(BootstrapError::ConfigMismatch {
-                    rank: r,
-                    expected: checksum,
-                    got: hello.checksum,
-                })
             } else {
                 None
             };

@@ -11,7 +11,7 @@ fn worlds_gather_in_rank_order() {
         let id = loopback_id();
         let got = run(&(0..world).collect::<Vec<_>>(), |r| {
             let host = HostId::new(format!("host-{}", r / 2));
-            let b = TcpBootstrap::connect_with_host(&id, r, world, 9, LONG, host).unwrap();
+            let b = TcpBootstrap::connect_with_host(&id, r, world, LONG, host).unwrap();
             assert_eq!((b.rank(), b.world_size()), (r, world));
             let all = b
                 .all_gather(format!("rank {r} of {world}").as_bytes())

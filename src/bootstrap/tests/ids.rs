@@ -134,7 +134,7 @@ fn local_argument_errors_need_no_network() {
     ));
     let long = HostId::new("h".repeat(MAX_HOST_ID_BYTES + 1));
     assert!(matches!(
-        TcpBootstrap::connect_with_host(&id, 1, 2, 0, SHORT, long),
+        TcpBootstrap::connect_with_host(&id, 1, 2, SHORT, long),
         Err(BootstrapError::HostIdTooLong { .. })
     ));
 }

@@ -109,10 +109,6 @@ pub struct Comm<B: Backend> {
     _one_issuing_thread: std::marker::PhantomData<std::cell::Cell<()>>,
 }
 
-/// The checksum [`Comm::from_rank`] gives the TCP handshake: the same for every
-/// configuration, since the ranks compare theirs field by field right after it.
-const CONFIG_COMPARED_AFTER_HANDSHAKE: u64 = 0x7065_6572_636f_6d6d;
-
 /// How the peers read an input whose place is `place` (see [`Comm::place_of`]).
 fn reads(place: &Option<InPlace>) -> PeerReads {
     if place.is_some() {
@@ -187,15 +183,7 @@ impl<B: Backend> Comm<B> {
         let device = device.into_device()?;
         route::check_world(world_size, &config)?;
         config.check_per_rank_timeouts()?;
-        // The configurations are compared field by field after the handshake (a
-        // mismatch names the fields), not by checksum in it.
-        let bootstrap = TcpBootstrap::connect(
-            id,
-            rank,
-            world_size,
-            CONFIG_COMPARED_AFTER_HANDSHAKE,
-            config.bootstrap_timeout,
-        )?;
+        let bootstrap = TcpBootstrap::connect(id, rank, world_size, config.bootstrap_timeout)?;
         let hosts = bootstrap.host_ids().to_vec();
         Self::setup(device, Exchanges::new(Arc::new(bootstrap)), hosts, config)
     }
