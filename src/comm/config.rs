@@ -203,31 +203,6 @@ impl AllReduceOptions {
     }
 }
 
-/// A checksum of what every rank's configuration must agree on (FNV-1a).
-pub(crate) fn config_checksum(config: &CommConfig) -> u64 {
-    let timeout = config
-        .barrier_timeout
-        .map_or(0, |t| u64::try_from(t.as_nanos()).unwrap_or(u64::MAX));
-    let [fallback, by_size, above] = config.fallback.code();
-    let fields = [
-        config.lamport_slot_bytes as u64,
-        config.payload_bytes as u64,
-        timeout,
-        config.max_blocks.map_or(u64::MAX, u64::from),
-        u64::from(config.threads_per_block),
-        u64::from(config.allow_shared_devices),
-        fallback,
-        by_size,
-        above,
-        config.simulate.code(),
-    ];
-    let mut h = 0xcbf2_9ce4_8422_2325u64;
-    for byte in fields.iter().flat_map(|f| f.to_le_bytes()) {
-        h = (h ^ u64::from(byte)).wrapping_mul(0x0100_0000_01b3);
-    }
-    h
-}
-
 /// Every field the ranks must agree on, by name, with its value as text (what a
 /// mismatch names). Not `bootstrap_timeout` nor `parallel_launch`: each rank's host
 /// side, which its peers never see.

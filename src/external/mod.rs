@@ -97,16 +97,6 @@ impl FallbackConfig {
             by_size: SizeRouting::Never,
         }
     }
-
-    /// A stable encoding for the configuration checksum.
-    pub(crate) fn code(&self) -> [u64; 3] {
-        let (kind, bytes) = match self.by_size {
-            SizeRouting::Never => (0, 0),
-            SizeRouting::Table => (1, 0),
-            SizeRouting::Above(b) => (2, b as u64),
-        };
-        [u64::from(self.fallback == Fallback::Refuse), kind, bytes]
-    }
 }
 
 /// One rank's handle on an external all-reduce: the sum of this rank's buffer over

@@ -20,7 +20,6 @@ use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
 use crate::{backend::signal_init::init_signal_buffer_with_counter_base, SignalLayout};
 
-use crate::comm::config::config_checksum;
 use crate::comm::core::settings::Settings;
 use crate::comm::core::setup::record::*;
 use crate::comm::core::setup::unavailable::*;
@@ -106,7 +105,6 @@ pub(crate) fn establish<B: Backend>(
     placement: RankProcesses,
 ) -> Result<Outcome<B>> {
     let (me, n) = (group.rank(), group.world_size());
-    let checksum = config_checksum(config);
     let arch = B::architecture(&device)?;
     let sms = config
         .simulate
@@ -127,7 +125,6 @@ pub(crate) fn establish<B: Backend>(
         identity: identity_of::<B>(&device, members[me], config)?,
         signal_addr: B::memory_ptr(&signal),
         arch,
-        checksum,
     };
     let records = group
         .all_gather(&mine.encode())?
@@ -299,7 +296,6 @@ mod tests {
             identity: DeviceIdentity::simulated(0, 0),
             signal_addr: 0x1000,
             arch: "host".into(),
-            checksum: 7,
         }
     }
 

@@ -1,5 +1,5 @@
 //! The record every rank sends the others at setup (its process, device identity,
-//! multiprocessors, signal address, architecture, configuration checksum), its wire
+//! multiprocessors, signal address, architecture), its wire
 //! form, and the rules the records are checked by: which ranks share a process or a
 //! physical device, the grid the group agrees on, and the shared-device refusal.
 
@@ -7,7 +7,7 @@ use crate::backend::DeviceIdentity;
 use crate::error::{Error, Result};
 
 /// Format version of the per-rank exchange record.
-pub(crate) const RECORD_VERSION: u8 = 3;
+pub(crate) const RECORD_VERSION: u8 = 4;
 
 /// What each rank tells the others at setup.
 #[derive(Clone, Debug, PartialEq)]
@@ -23,7 +23,6 @@ pub(crate) struct PeerRecord {
     pub(crate) identity: DeviceIdentity,
     pub(crate) signal_addr: u64,
     pub(crate) arch: String,
-    pub(crate) checksum: u64,
 }
 
 impl PeerRecord {
@@ -33,7 +32,6 @@ impl PeerRecord {
         out.extend_from_slice(&self.multiprocessors.to_le_bytes());
         out.extend_from_slice(&(self.identity.ordinal() as u64).to_le_bytes());
         out.extend_from_slice(&self.signal_addr.to_le_bytes());
-        out.extend_from_slice(&self.checksum.to_le_bytes());
         // An unknown UUID travels as 16 zero bytes, an unknown PCI bus id as no text.
         out.extend_from_slice(&self.identity.uuid().unwrap_or([0; 16]));
         put_text(&mut out, self.identity.pci_bus_id().unwrap_or(""));
@@ -58,7 +56,6 @@ impl PeerRecord {
         let multiprocessors = u32::from_le_bytes(take(4)?.try_into().unwrap());
         let ordinal = u64::from_le_bytes(take(8)?.try_into().unwrap()) as usize;
         let signal_addr = u64::from_le_bytes(take(8)?.try_into().unwrap());
-        let checksum = u64::from_le_bytes(take(8)?.try_into().unwrap());
         let uuid: [u8; 16] = take(16)?.try_into().unwrap();
         let mut text = || -> Result<String> {
             let n = u32::from_le_bytes(take(4)?.try_into().unwrap()) as usize;
@@ -73,7 +70,6 @@ impl PeerRecord {
             identity,
             signal_addr,
             arch,
-            checksum,
         })
     }
 }
@@ -162,12 +158,6 @@ pub(crate) fn check_peer_record(
     mine: &PeerRecord,
     peer: &PeerRecord,
 ) -> Result<()> {
-    if peer.checksum != mine.checksum {
-        return Err(Error::InvalidConfig(format!(
-            "rank {r}'s configuration differs from rank {me}'s: every rank must pass the same \
-             CommConfig"
-        )));
-    }
     if peer.arch != mine.arch {
         return Err(Error::InvalidDevices(format!(
             "rank {r} runs on {} and rank {me} on {}: one architecture per communicator",
