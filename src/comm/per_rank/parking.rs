@@ -11,13 +11,14 @@
 //!
 //! Nothing runs in the background: a drop that met its peers calls [`free_expired`],
 //! which frees the entries whose deadline has passed. [`park`] never frees: a drop that
-//! parks could not meet its peers and must return within its bound, and freeing device
-//! memory waits for every kernel on that device (where ranks share a GPU, a peer's
-//! kernel that is still waiting for this rank). Freeing happens outside the lock, on
-//! the calling thread, and a panic in an item's drop is caught, so neither call panics. The lot is generic over the backend: it
-//! holds boxed `dyn Send` items (for a `Comm<B>`: its `B::Memory` and its
-//! `B::PeerMapping`s). The process-wide lot is a static that is never dropped, so what
-//! is still parked at exit is never freed (the process's end releases it).
+//! parks could not meet its peers and must return within its bound, and releasing a
+//! GPU's memory or stream can wait for the kernels on that GPU (where ranks share one,
+//! a peer's kernel still waiting for this rank). Freeing happens outside the lock, on
+//! the calling thread, and a panic in an item's drop is caught, so neither call panics.
+//! The lot is generic over the backend: it holds boxed `dyn Send` items (for a
+//! `Comm<B>`: its `B::Memory`, its `B::PeerMapping`s and its device). The process-wide
+//! lot is a static that is never dropped, so what is still parked at exit is never
+//! freed (the process's end releases it).
 
 use std::sync::Mutex;
 use std::time::Instant;
