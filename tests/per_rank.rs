@@ -126,6 +126,24 @@ fn comm_is_send() {
     send::<peercomm::Comm<Host>>();
 }
 
+/// `Comm` and `Communicator` print what they are, not their internals.
+#[test]
+fn comm_and_communicator_print_backend_rank_and_world() {
+    use peercomm::backend::Backend;
+    let id = peercomm::bootstrap::UniqueId::new().unwrap();
+    let comm = peercomm::Comm::<Host>::from_rank(Host::open(0).unwrap(), 0, 1, &id, HOST.config(1))
+        .unwrap();
+    assert_eq!(
+        format!("{comm:?}"),
+        r#"Comm { backend: "host", rank: 0, world_size: 1, .. }"#
+    );
+    let all = peercomm::Communicator::<Host>::new(&[0, 1], HOST.config(2)).unwrap();
+    assert_eq!(
+        format!("{all:?}"),
+        r#"Communicator { backend: "host", world_size: 2, .. }"#
+    );
+}
+
 #[test]
 fn refuses_bootstrap_timeout_below_barrier_timeout() {
     per_rank_suite::teardown::refuses_bootstrap_timeout_below_barrier_timeout::<Host>(&HOST);

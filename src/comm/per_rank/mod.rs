@@ -109,6 +109,17 @@ pub struct Comm<B: Backend> {
     _one_issuing_thread: std::marker::PhantomData<std::cell::Cell<()>>,
 }
 
+/// The backend, the rank and the world size (not the device state).
+impl<B: Backend> std::fmt::Debug for Comm<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Comm")
+            .field("backend", &B::NAME)
+            .field("rank", &self.rank())
+            .field("world_size", &self.world_size())
+            .finish_non_exhaustive()
+    }
+}
+
 /// How the peers read an input whose place is `place` (see [`Comm::place_of`]).
 fn reads(place: &Option<InPlace>) -> PeerReads {
     if place.is_some() {

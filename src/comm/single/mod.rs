@@ -58,6 +58,16 @@ pub struct Communicator<B: Backend> {
     failing_launches: AtomicU32,
 }
 
+/// The backend and the world size (not the devices' state).
+impl<B: Backend> std::fmt::Debug for Communicator<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Communicator")
+            .field("backend", &B::NAME)
+            .field("world_size", &self.world_size())
+            .finish_non_exhaustive()
+    }
+}
+
 impl<B: Backend> Communicator<B> {
     /// Opens the devices with these ordinals and builds a communicator over them.
     pub fn new(ordinals: &[usize], config: CommConfig) -> Result<Self> {
