@@ -188,9 +188,7 @@ pub fn single_controller_uses_identities<B: Backend>(place: &Placement) {
     }
     drop(bufs);
     drop(comm);
-    let err = Communicator::<B>::new(&[0, 1], config_on(place, 2, &[7, 7]))
-        .err()
-        .expect("refused");
+    let err = Communicator::<B>::new(&[0, 1], config_on(place, 2, &[7, 7])).expect_err("refused");
     let text = err.to_string();
     let uuid = DeviceIdentity::simulated(0, 7).uuid_string().unwrap();
     assert!(text.contains("ranks 0 and 1"), "{text}");

@@ -422,7 +422,7 @@ pub fn isolated_without_peer_access<B: Backend>(devices: &Devices) {
         let lines = lines_of(&mut child);
         assert!(child.wait().unwrap().success());
         if variant == "blocked-refuse" {
-            let err = made.err().expect("refused");
+            let err = made.expect_err("refused");
             assert!(
                 matches!(
                     err,

@@ -75,7 +75,7 @@ pub fn a_leaf_without_rank_zero_names_real_functions<B: Backend>(place: &Placeme
     let got = Comm::<B>::from_rank(B::open(place.ordinal(1)).unwrap(), 1, 2, &id, config);
     let took = start.elapsed();
     id.release();
-    let e = got.err().expect("no rank 0");
+    let e = got.expect_err("no rank 0");
     eprintln!("after {took:?}: {e}");
     match &e {
         Error::Bootstrap(BootstrapError::Timeout { waiting_for, .. }) => {
