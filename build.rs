@@ -191,12 +191,14 @@ mod kernel_cache {
                 hash = (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
             }
         };
-        // The command, with this build's own folder left out (it differs per profile).
+        // The command, with this build's own folder left out (it differs per profile),
+        // and the compiler's own file where it is one (a wrapper script may change).
         feed(
             format!("{cmd:?}")
                 .replace(&out_dir.display().to_string(), "")
                 .as_bytes(),
         );
+        feed(&std::fs::read(cmd.get_program()).unwrap_or_default());
         for folder in SOURCES {
             let mut files: Vec<PathBuf> = std::fs::read_dir(folder)
                 .into_iter()

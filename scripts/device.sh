@@ -215,8 +215,10 @@ for stage in "$@"; do
     # refusals the tests provoke on purpose.
     access=$(cat "$LOGS"/memcheck-*-*.txt | grep -cE '^========= (Invalid|Misaligned|Out-of-range|Cuda (illegal|misaligned)|Leaked|Malloc|Free)')
     api=$(cat "$LOGS"/memcheck-*-*.txt | grep -h '^========= Program hit' | sed 's/^========= Program hit //' | sort | uniq -c | sort -rn | tr '\n' ';')
-    passed=$(cat "$LOGS"/memcheck-tests-*.log | grep -c '^test .* ok$')
-    failed=$(cat "$LOGS"/memcheck-tests-*.log | grep -E '^test .*FAILED$' | sed 's/^test //; s/ \.\.\. FAILED$//' | tr '\n' ' ')
+    # From libtest's result lines and failure lists (--nocapture interleaves the rest).
+    passed=$(cat "$LOGS"/memcheck-tests-*.log | awk '/^test result/ {n += $4} END {print n + 0}')
+    failed=$(cat "$LOGS"/memcheck-tests-*.log | sed -n '/^failures:$/,/^test result/p' |
+      sed -n 's/^    \([^ ]\+\)$/\1/p' | sort -u | tr '\n' ' ')
     note "memcheck: $(wc -l <"$LOGS/memcheck-list.txt") tests in $shards shards ($(sort "$LOGS/memcheck-shards.txt" | tr '\n' ' ')); $passed ok; failed: ${failed:-none}; sanitizer: $errors memory errors: $access; failed API calls: $api"
     ;;
   repeat)

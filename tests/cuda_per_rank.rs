@@ -10,30 +10,15 @@ mod per_rank_suite;
 
 use peercomm::backend::cuda::Cuda;
 use peercomm::backend::Backend;
-use per_rank_suite::chunked::{GRID_PAYLOAD, SMALL_PAYLOAD};
 use per_rank_suite::descriptor_channel::{self, Strangers};
 use per_rank_suite::processes::{self, Devices};
-use per_rank_suite::{Placement, Scope};
+use per_rank_suite::Placement;
 
 fn placement(test: &str) -> Option<Placement> {
     per_rank_suite::gpu_placement::<Cuda>(test)
 }
 
-per_rank_suite!(
-    Cuda,
-    placement,
-    Scope {
-        calls: &[2, 4, 8],
-        collectives: &[2, 4],
-        fuzz: &[(2, 2000, 24), (4, 2000, 24)],
-        // Halves of 129 packs, and of 2049: more than the grid's 2048 threads.
-        chunk_payloads: &[SMALL_PAYLOAD, GRID_PAYLOAD],
-        multiprocessors: [&[4, 8], &[16, 3, 9]],
-        element_misaligned_views: false,
-        zero_copy_world_8: &[peercomm::Algorithm::TwoStage],
-        drop_rounds: 2,
-    }
-);
+per_rank_suite!(Cuda, placement, per_rank_suite::GPU_SCOPE);
 
 /// One process per rank: IPC handles between processes (on one GPU the two processes
 /// time-slice it, which is slow but exercises the same mapping).

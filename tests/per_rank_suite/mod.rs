@@ -283,6 +283,19 @@ pub struct Scope {
     pub drop_rounds: usize,
 }
 
+/// What a GPU backend runs of the suite (CUDA and HIP alike).
+pub const GPU_SCOPE: Scope = Scope {
+    calls: &[2, 4, 8],
+    collectives: &[2, 4],
+    fuzz: &[(2, 2000, 24), (4, 2000, 24)],
+    // Halves of 129 packs, and of 2049: more than the grid's 2048 threads.
+    chunk_payloads: &[chunked::SMALL_PAYLOAD, chunked::GRID_PAYLOAD],
+    multiprocessors: [&[4, 8], &[16, 3, 9]],
+    element_misaligned_views: false,
+    zero_copy_world_8: &[Algorithm::TwoStage],
+    drop_rounds: 2,
+};
+
 /// A GPU backend's placement for `test`: its devices shared round-robin, 4 blocks per
 /// launch so that every rank's blocks are resident; `None` after a printed skip where
 /// there is no device or no driver.
