@@ -11,23 +11,15 @@ use std::sync::{Mutex, MutexGuard, OnceLock};
 use super::error::{io_error, BootstrapError, Result};
 use super::{BOOTSTRAP_ADDR_ENV, ID_FORMAT_VERSION, SECRET_BYTES};
 
-/// What rank 0 hands every other rank so they can find it: rank 0's address and a
-/// 128-bit random secret that every connection must prove it knows (by
-/// challenge-response: the secret itself never crosses the wire).
+/// Rank 0's address and a 128-bit random secret that every connection must prove it
+/// knows (by challenge-response; the secret never crosses the wire).
 ///
-/// Text form (`Display`, [`str::parse`]): [`UniqueId::BYTES`] bytes as lowercase
-/// hexadecimal. Byte form: format version (1), address family (4 or 6), the IP address
-/// (16 bytes, an IPv4 address in the first 4), the port (big-endian `u16`), the secret
-/// (16 bytes), then an FNV-1a checksum (`u32`, little-endian) of the preceding 36 bytes,
-/// so a truncated or mistyped id is an [`BootstrapError::InvalidId`], not a wrong secret.
-/// IPv6 scope ids are not carried.
-///
-/// `Debug` shows the address and hides the secret.
-///
-/// The text and byte forms carry the secret: pass them to the other ranks through the
-/// environment (e.g. `PEERCOMM_ID`), a file only the user can read (mode 0600) or the
-/// engine's own store, never as a command-line argument, which every local user can
-/// read in `/proc/<pid>/cmdline`.
+/// Text form (`Display`, [`str::parse`]): [`UniqueId::BYTES`] bytes in hex. Byte form:
+/// format version (1), address family (4 or 6), IP address (16 bytes, IPv4 in the first
+/// 4), port (`u16` BE), secret (16 bytes), FNV-1a checksum (`u32` LE) of the first 36
+/// bytes, so a garbled id is [`BootstrapError::InvalidId`], not a wrong secret. IPv6
+/// scope ids are not carried. `Debug` hides the secret; both forms carry it, so pass them
+/// through the environment, a 0600 file or a store, never on the command line.
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct UniqueId {
     pub(super) addr: SocketAddr,
@@ -171,11 +163,9 @@ impl UniqueId {
         })
     }
 
-    /// Closes this id's listener if this process made the id and rank 0 has not joined
-    /// yet; returns whether it did. Afterwards rank 0 cannot use the id in this process
-    /// ([`BootstrapError::StaleId`]). For an id that will not be used, or for a launcher
-    /// that makes the id for a rank 0 in another process (which then binds the address
-    /// itself).
+    /// Closes this id's listener if this process made it and rank 0 has not joined;
+    /// returns whether it did. Rank 0 can then no longer use the id in this process
+    /// ([`BootstrapError::StaleId`]); a rank 0 elsewhere binds the address itself.
     pub fn release(&self) -> bool {
         matches!(
             registry().insert(self.secret, Slot::Used),

@@ -1,26 +1,18 @@
-//! Bootstrap: how the ranks of one communicator find each other and swap a few bytes.
+//! Bootstrap: how the ranks of one communicator find each other and swap a few bytes at
+//! setup (IPC handles, device and host identity), over TCP in the manner of NCCL's
+//! `ncclUniqueId`:
 //!
-//! Before ranks in different processes can map each other's memory they must agree on
-//! who is who and exchange what each needs (IPC handles, device identity, host
-//! identity). This module does that once, at setup, over
-//! TCP, in the manner of NCCL's `ncclUniqueId`:
-//!
-//! 1. Rank 0 calls [`UniqueId::new`]. That binds a TCP listener, kept in this process
-//!    until rank 0 joins, and draws a 128-bit secret from the operating system.
-//! 2. The id reaches every other process as text (`Display` / [`str::parse`]: 80
-//!    hexadecimal characters, fit for an environment variable or a file only the user
-//!    can read) or as [`UniqueId::BYTES`] bytes ([`UniqueId::to_bytes`] /
-//!    [`UniqueId::from_bytes`], fit for MPI or a key-value store). Never as a
-//!    command-line argument: the id holds the secret, and every local user can read a
-//!    process's arguments (`/proc/<pid>/cmdline`).
-//! 3. Every rank calls [`TcpBootstrap::connect`] with the id, its rank, the world size
-//!    and a timeout. The other ranks connect to rank 0 (a star: rank 0 relays
-//!    everything, fine for worlds of a few hundred ranks); each side proves to the
-//!    other that it knows the secret (without sending it), and rank 0 checks each rank
-//!    before admitting it.
-//! 4. Then [`Bootstrap::all_gather`] gives every rank every rank's bytes in rank order,
-//!    as many times as the caller needs (IPC handles, then checks, then a teardown
-//!    [`Bootstrap::barrier`]). Every rank must make the same sequence of calls.
+//! 1. Rank 0 calls [`UniqueId::new`]: it binds a TCP listener (kept in this process until
+//!    rank 0 joins) and draws a 128-bit secret from the operating system.
+//! 2. The id reaches the other processes as text (`Display` / [`str::parse`], 80 hex
+//!    characters) or as [`UniqueId::BYTES`] bytes ([`UniqueId::to_bytes`] /
+//!    [`UniqueId::from_bytes`]); never as a command-line argument, which every local user
+//!    can read (`/proc/<pid>/cmdline`).
+//! 3. Every rank calls [`TcpBootstrap::connect`]. The others connect to rank 0 (a star,
+//!    fine for a few hundred ranks); each side proves it knows the secret without sending
+//!    it, and rank 0 checks each rank before admitting it.
+//! 4. [`Bootstrap::all_gather`] then gives every rank every rank's bytes in rank order, as
+//!    often as needed. Every rank must make the same sequence of calls.
 //!
 //! ```
 //! use peercomm::bootstrap::{Bootstrap, BootstrapError, TcpBootstrap, UniqueId};
@@ -40,38 +32,26 @@
 //! # Ok::<(), BootstrapError>(())
 //! ```
 //!
-//! # Which address the id holds
+//! # Address and listener
 //!
-//! [`UniqueId::new`] binds the address in the environment variable
-//! `PEERCOMM_BOOTSTRAP_ADDR` ([`BOOTSTRAP_ADDR_ENV`]) when it is set (`10.0.0.5`,
-//! `10.0.0.5:29500`, `[fd00::5]:29500` or `node7:29500`; port 0 or none picks a free
-//! port), else `127.0.0.1:0`, which serves ranks on the same host only. For ranks on
-//! several hosts set it on rank 0 to an address of rank 0's host that the others can
-//! reach: peercomm does not guess among interfaces. [`UniqueId::bind`] takes the
-//! address directly. An unspecified address (`0.0.0.0`, `::`) is refused, since the id
-//! must name an address the others can connect to.
-//!
-//! The listener lives in a process-wide registry keyed by the id, from
-//! [`UniqueId::new`] until rank 0's [`TcpBootstrap::connect`] (in the same process)
-//! takes it, or [`UniqueId::release`] drops it. Ranks that connect before rank 0 calls
-//! `connect` wait in the listener's backlog. When rank 0's `connect` returns (success or
-//! failure) the listener is closed, so a stale id fails (connection refused, then a
-//! typed timeout) instead of hanging, and rank 0 using the same id twice gets
-//! [`BootstrapError::StaleId`]. If rank 0 runs in a process that did not make the id (a
-//! launcher made it, called [`UniqueId::release`] and started the ranks), rank 0 binds
-//! the id's address itself when it calls `connect`; the other ranks retry a refused
-//! connection with backoff until their timeout, so it does not matter who comes first.
+//! [`UniqueId::new`] binds [`BOOTSTRAP_ADDR_ENV`] when set (`10.0.0.5`, `[fd00::5]:29500`,
+//! `node7:29500`; no port or port 0 picks one), else `127.0.0.1:0` (this host only);
+//! peercomm does not guess among interfaces. [`UniqueId::bind`] takes the address
+//! directly; an unspecified address (`0.0.0.0`, `::`) is refused. The listener waits in a
+//! process-wide registry until rank 0's `connect` takes it (or [`UniqueId::release`]
+//! drops it) and is closed when that `connect` returns, so a stale id fails with a typed
+//! error instead of hanging ([`BootstrapError::StaleId`] for rank 0 reusing it). A rank 0
+//! in another process than the id's maker binds the address itself; the other ranks
+//! retry refused connections with backoff, so arrival order does not matter.
 //!
 //! # Wire format (protocol version 3)
 //!
-//! Every message is a frame: one kind byte, a `u32` little-endian body length, the
-//! body. A body over [`MAX_FRAME_BYTES`] is refused with
-//! [`BootstrapError::FrameTooLarge`] on whichever side sees it; hellos and proofs are
-//! capped much lower, so a stray connection cannot make rank 0 allocate. A MAC below is
-//! HMAC-SHA-256 keyed by the id's secret over a label naming the message (so that no MAC
-//! serves as another), rank r's nonce, rank 0's nonce, then the bytes named; nonces are
-//! 32 bytes fresh from the OS for every connection, MACs are 32 bytes and are checked in
-//! constant time.
+//! A frame is a kind byte, a `u32` little-endian body length and the body (at most
+//! [`MAX_FRAME_BYTES`], else [`BootstrapError::FrameTooLarge`]; hellos and proofs are
+//! capped much lower, so a stray connection cannot make rank 0 allocate). A MAC is
+//! HMAC-SHA-256 keyed by the secret over a label naming the message (so no MAC serves as
+//! another), rank r's nonce, rank 0's nonce, then the bytes named; nonces are 32 fresh
+//! bytes per connection, MACs are compared in constant time.
 //!
 //! | kind | direction | body |
 //! |------|-----------|------|
@@ -82,80 +62,43 @@
 //! | 3 data | both ways | one rank's bytes for an all-gather |
 //! | 4 error | both ways | rank where the failure began `u32`, message (UTF-8) |
 //!
-//! Handshake: each rank r > 0 connects and sends a hello; rank 0 answers with a
-//! challenge that proves it knows the secret; rank r checks that proof and only then
-//! sends its own, which also covers what it announces. The secret itself never crosses
-//! the wire (protocol version 1 sent it in the hello, so anything that listened on the
-//! id's port could read it). A rank r refuses a listener that does not prove the secret
-//! with [`BootstrapError::UnverifiedRankZero`] (an impostor or stale process holds the
-//! port, or rank r's own id is wrong: it cannot tell which), without trying again.
-//!
-//! Rank 0 drops, silently and without logging anything, a connection that is not a
-//! peercomm hello, speaks another protocol version, leaves after its challenge or
-//! answers it with a wrong proof, and keeps waiting for the real ranks (the timeout's
-//! hint counts them). A rank of protocol version 1 with the right secret is told that
-//! the versions differ ([`BootstrapError::Protocol`] on both sides). A right proof with
-//! a wrong rank, a rank claimed twice or a different world size is fatal: rank 0 sends
-//! an error frame to that rank and to every rank already admitted, then returns the
-//! typed error ([`BootstrapError::DuplicateRank`], ...); the others return
-//! [`BootstrapError::PeerFailed`]. When every rank has come, rank 0
-//! closes its listener and sends each rank a welcome carrying every rank's [`HostId`].
-//!
-//! All-gather: each rank r > 0 sends one data frame; rank 0 reads them in rank order,
-//! then sends each rank the other ranks' frames in rank order (rank 0 moves
-//! `world_size * (world_size - 1)` frames, which is why this is a setup path only).
+//! Rank r sends its proof only after checking rank 0's challenge, and refuses a listener
+//! that cannot prove the secret with [`BootstrapError::UnverifiedRankZero`]. Rank 0
+//! silently drops connections that are not hellos, speak another version, or fail their
+//! proof, and keeps waiting; a version-1 rank with the right secret gets
+//! [`BootstrapError::Protocol`]. A right proof with a wrong or duplicate rank or another
+//! world size is fatal: rank 0 sends error frames to it and to every admitted rank
+//! ([`BootstrapError::PeerFailed`] there). All-gather: each rank r > 0 sends one data
+//! frame; rank 0 reads them in rank order and sends each rank the others' (a setup path
+//! only: rank 0 moves `world_size * (world_size - 1)` frames).
 //!
 //! # What the handshake withstands
 //!
-//! Rank 0 serves many connections at once without blocking on any: a connection must
-//! have sent its hello and its proof within [`HELLO_DEADLINE`] (2 s) of being accepted
-//! or it is closed; at most 1,024 wait at a time, and when that many do the oldest is
-//! closed to make room; when `accept` reports that file descriptors, buffers or memory
-//! ran out (`EMFILE`, `ENFILE`, `ENOBUFS`, `ENOMEM`) rank 0 closes its oldest waiting
-//! connection, pauses accepting for 10 ms and goes on until its deadline. A rank r
-//! whose connection is closed before its welcome (for any of those reasons, or because
-//! rank 0 was not listening yet) connects again, within its own timeout. So idle
-//! connections, half-sent headers, garbage and strangers with the wrong secret lock no
-//! real rank out, and a program that took over the port after [`UniqueId::release`]
-//! learns nothing and is refused.
-//!
-//! Not covered: a flood that opens more than 1,024 connections within one round trip of
-//! a real rank can keep closing that rank's connection until its timeout; a connection
-//! that arrives while the kernel's accept queue is full (128 entries, the standard
-//! library's listen backlog) waits for TCP to retransmit its SYN (a second, then two,
-//! ...), which the rank's timeout must allow for under such a flood; and only the
-//! handshake is authenticated: later data frames are not, so the bootstrap does not
-//! withstand an attacker on the path between the ranks (who can alter TCP traffic),
-//! only one that can connect to rank 0's port or bind it.
+//! A connection must prove itself within [`HELLO_DEADLINE`]; at most 1,024 wait (the
+//! oldest is closed for a new one); when `accept` runs out of descriptors, buffers or
+//! memory rank 0 closes its oldest and pauses 10 ms. A real rank closed for any of these
+//! reasons reconnects within its timeout, so idle connections, garbage and strangers lock
+//! no rank out. Not covered: a flood of over 1,024 connections per round trip (it can
+//! starve a rank until its timeout), SYN retransmission delays while the 128-entry accept
+//! queue is full, and anyone on the path: only the handshake is authenticated.
 //!
 //! # Failures
 //!
-//! Every step has a deadline and ends in a [`BootstrapError`], never a hang. The
-//! `timeout` given to [`TcpBootstrap::connect`] bounds the whole handshake on every rank
-//! (connecting, with retries, the challenge, the proof and the welcome, all by one
-//! deadline); afterwards it bounds each operation (see [`TcpBootstrap::set_timeout`]),
-//! and [`Bootstrap::barrier_within`] takes its own. A rank that never comes is
-//! [`BootstrapError::Timeout`] naming it on rank 0. Any rank that fails sends an error
-//! frame to the ranks it talks to, so they fail at once with
-//! [`BootstrapError::PeerFailed`] instead of waiting out their own timeouts (which takes
-//! it at most a further 200 ms), and its bootstrap is poisoned
-//! ([`BootstrapError::Poisoned`]): frame boundaries are unknown after a failure, so the
-//! only way on is a new [`UniqueId`].
+//! Every step ends in a [`BootstrapError`], never a hang: `connect`'s timeout bounds the
+//! whole handshake, then each operation ([`TcpBootstrap::set_timeout`];
+//! [`Bootstrap::barrier_within`] takes its own). A rank that never comes is
+//! [`BootstrapError::Timeout`] naming it. A failing rank sends error frames so its peers
+//! fail at once ([`BootstrapError::PeerFailed`], within 200 ms) and is then
+//! [`BootstrapError::Poisoned`]: frame boundaries are lost, so go on with a new id.
 //!
 //! # Bringing your own store
 //!
-//! An engine that already has a way for its processes to talk (torch.distributed, MPI,
-//! its own RPC) implements [`Bootstrap`] on top of it (an all-gather of bytes) and
-//! never opens a socket here; it reports its store's failures as
-//! [`BootstrapError::Store`]. A store that can bound one call implements
-//! [`Bootstrap::all_gather_within`] too (dropping a [`crate::Comm`] waits about a second
-//! for its peers through it).
-//!
-//! A communicator tags every record it sends with a 10-byte header (the kind of
-//! collective call and a sequence number) and checks every record it gathers, so that
-//! ranks in different calls (one registers a buffer while its peer drops its
-//! communicator) get [`BootstrapError::ExchangeMismatch`] on every rank instead of
-//! taking each other's records for their own. A store carries the records as they are.
+//! An engine with its own transport (torch.distributed, MPI, RPC) implements
+//! [`Bootstrap`] and reports failures as [`BootstrapError::Store`]; implementing
+//! [`Bootstrap::all_gather_within`] bounds teardown (dropping a [`crate::Comm`] waits
+//! about a second for its peers). A communicator prefixes each record with a 10-byte
+//! header (call kind, sequence number) and checks every gathered record, so ranks in
+//! different calls get [`BootstrapError::ExchangeMismatch`] instead of each other's data.
 
 mod error;
 mod frame;
@@ -181,39 +124,32 @@ pub(crate) use tagged::{ExchangeKind, Exchanges};
 use error::Result;
 
 /// Environment variable naming the address [`UniqueId::new`] binds: an IP address or
-/// host name, with or without a port (`10.0.0.5`, `10.0.0.5:29500`, `node7:29500`).
-/// Unset means `127.0.0.1:0`: ranks on this host only.
+/// host name, with or without a port. Unset means `127.0.0.1:0`: ranks on this host only.
 pub const BOOTSTRAP_ADDR_ENV: &str = "PEERCOMM_BOOTSTRAP_ADDR";
 
 /// Environment variable that, when set and not empty, replaces what [`host_identity`]
-/// reads from the system. Meant for tests (pretending processes of one host run on
-/// different hosts) and for containers whose host identity misleads.
+/// reads from the system (for tests, and containers whose host identity misleads).
 pub const HOST_ID_OVERRIDE_ENV: &str = "PEERCOMM_HOST_ID_OVERRIDE";
 
-/// Largest frame body (one rank's bytes in one all-gather) the bootstrap sends or
-/// accepts: 64 MiB.
+/// Largest frame body (one rank's bytes in one all-gather): 64 MiB.
 pub const MAX_FRAME_BYTES: usize = 64 << 20;
 
 /// Longest [`HostId`] in bytes.
 pub const MAX_HOST_ID_BYTES: usize = 1024;
 
-/// Most ranks one [`TcpBootstrap`] serves (so that the welcome, which lists every
-/// rank's [`HostId`], always fits in a frame).
+/// Most ranks one [`TcpBootstrap`] serves, so the welcome (every rank's [`HostId`]) fits
+/// in a frame.
 pub const MAX_WORLD_SIZE: usize = 1 << 15;
 const _: () = assert!(MAC_BYTES + 4 + MAX_WORLD_SIZE * (2 + MAX_HOST_ID_BYTES) <= MAX_FRAME_BYTES);
 
-/// How long rank 0 keeps a connection that has not proven itself yet: from accepting it
-/// until its proof has come (hello, challenge, proof: one round trip for a real rank).
-/// A connection that takes longer is closed without a word, so idle or half-sent
-/// connections cannot hold rank 0's table of pending connections; a rank that was
-/// closed this way connects again (within its own timeout).
+/// How long rank 0 keeps a connection that has not proven itself (hello, challenge,
+/// proof: one round trip for a real rank); a slower one is closed silently, so idle
+/// connections cannot fill rank 0's pending table.
 pub const HELLO_DEADLINE: Duration = Duration::from_secs(2);
 
 /// Version of the [`UniqueId`] byte layout (its first byte).
 const ID_FORMAT_VERSION: u8 = 1;
-/// Version of the frames spoken after connecting (in the hello). Version 1 sent the
-/// secret itself in the hello; version 2 proves it by challenge-response; version 3
-/// carries no configuration checksum in the proof.
+/// Version of the frames spoken after connecting (in the hello).
 const PROTOCOL_VERSION: u16 = 3;
 /// First bytes of every hello.
 const MAGIC: [u8; 4] = *b"PCBS";
@@ -226,9 +162,8 @@ const MAC_BYTES: usize = 32;
 const HEADER_BYTES: usize = 5;
 /// Magic, version, rank r's nonce.
 const HELLO_BYTES: usize = 4 + 2 + NONCE_BYTES;
-/// The longest hello rank 0 reads: a version-1 hello (magic, version, secret, rank,
-/// world, checksum, host id length, host id), so that a rank of that version is still
-/// recognised.
+/// The longest hello rank 0 reads: a version-1 hello (which carried the secret, rank,
+/// world, checksum and host id), so that such a rank is still recognised.
 const MAX_HELLO_BYTES: usize = 4 + 2 + SECRET_BYTES + 4 + 4 + 8 + 2 + MAX_HOST_ID_BYTES;
 /// Rank 0's nonce and MAC.
 const CHALLENGE_BYTES: usize = NONCE_BYTES + MAC_BYTES;
@@ -237,20 +172,17 @@ const PROOF_FIXED_BYTES: usize = MAC_BYTES + 4 + 4 + 2;
 const MAX_PROOF_BYTES: usize = PROOF_FIXED_BYTES + MAX_HOST_ID_BYTES;
 /// Error messages sent to peers are cut to this many bytes.
 const MAX_ERROR_MESSAGE_BYTES: usize = 4096;
-/// Connections rank 0 holds before they have proven themselves; when it is full, the
-/// oldest is closed to make room for a new one.
+/// Unproven connections rank 0 holds; when full, the oldest is closed.
 const MAX_PENDING: usize = 1024;
-/// Connections rank 0 accepts in a row before it reads the pending ones again (so that
-/// a stream of connections cannot keep it from its deadline).
+/// Accepts in a row before rank 0 reads the pending ones (a stream of connections
+/// cannot keep it from its deadline).
 const MAX_ACCEPTS_PER_ROUND: usize = MAX_PENDING;
-/// How long rank 0 stops accepting after `accept` reported that descriptors, buffers or
-/// memory ran out (it closes its oldest pending connection first).
+/// Pause in accepting after `accept` ran out of descriptors, buffers or memory.
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(10);
 /// How long a failing rank spends telling its peers (write, then wait for them to close).
 const FAREWELL: Duration = Duration::from_millis(200);
 /// After one rank timed out in an all-gather, how long rank 0 still waits for the later
-/// ranks, all together (to name every missing rank, not only the first); each later rank
-/// still gets at least [`MIN_WAIT`].
+/// ranks together (to name every missing one); each still gets at least [`MIN_WAIT`].
 const LATE_GRACE: Duration = Duration::from_millis(5);
 /// Shortest socket timeout set (zero means "no timeout" to the OS).
 const MIN_WAIT: Duration = Duration::from_millis(1);
@@ -278,11 +210,9 @@ pub trait Bootstrap: Send + Sync {
     /// (`result[self.rank()] == mine`). Lengths may differ between ranks.
     fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>, BootstrapError>;
 
-    /// As [`Bootstrap::all_gather`], giving up after `timeout` (at most), for teardown:
-    /// returns an error instead of waiting longer when a peer is gone or never comes.
-    /// The default calls [`Bootstrap::all_gather`], which waits as long as the store's
-    /// own deadline; stores that can bound one call should override it.
-    /// [`TcpBootstrap`] does (without changing the timeout of later calls).
+    /// As [`Bootstrap::all_gather`], giving up after at most `timeout` (for teardown, when
+    /// a peer may be gone). The default ignores `timeout` and waits the store's own
+    /// deadline; stores that can bound one call should override it ([`TcpBootstrap`] does).
     fn all_gather_within(
         &self,
         mine: &[u8],
@@ -304,68 +234,29 @@ pub trait Bootstrap: Send + Sync {
     }
 }
 
-/// A shared or boxed bootstrap is one too (`Arc<dyn Bootstrap>` can be handed around).
-impl<B: Bootstrap + ?Sized> Bootstrap for &B {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
-    fn world_size(&self) -> usize {
-        (**self).world_size()
-    }
-    fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        (**self).all_gather(mine)
-    }
-    fn all_gather_within(&self, mine: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
-        (**self).all_gather_within(mine, timeout)
-    }
-    fn barrier(&self) -> Result<()> {
-        (**self).barrier()
-    }
-    fn barrier_within(&self, timeout: Duration) -> Result<()> {
-        (**self).barrier_within(timeout)
-    }
+/// Borrowed, boxed and shared bootstraps are bootstraps too (`Arc<dyn Bootstrap>`).
+macro_rules! forward_bootstrap {
+    ($($ty:ty),*) => {$(
+        impl<B: Bootstrap + ?Sized> Bootstrap for $ty {
+            fn rank(&self) -> usize {
+                (**self).rank()
+            }
+            fn world_size(&self) -> usize {
+                (**self).world_size()
+            }
+            fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
+                (**self).all_gather(mine)
+            }
+            fn all_gather_within(&self, mine: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
+                (**self).all_gather_within(mine, timeout)
+            }
+            fn barrier(&self) -> Result<()> {
+                (**self).barrier()
+            }
+            fn barrier_within(&self, timeout: Duration) -> Result<()> {
+                (**self).barrier_within(timeout)
+            }
+        }
+    )*};
 }
-
-/// See the impl for `&B`.
-impl<B: Bootstrap + ?Sized> Bootstrap for Box<B> {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
-    fn world_size(&self) -> usize {
-        (**self).world_size()
-    }
-    fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        (**self).all_gather(mine)
-    }
-    fn all_gather_within(&self, mine: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
-        (**self).all_gather_within(mine, timeout)
-    }
-    fn barrier(&self) -> Result<()> {
-        (**self).barrier()
-    }
-    fn barrier_within(&self, timeout: Duration) -> Result<()> {
-        (**self).barrier_within(timeout)
-    }
-}
-
-/// See the impl for `&B`.
-impl<B: Bootstrap + ?Sized> Bootstrap for std::sync::Arc<B> {
-    fn rank(&self) -> usize {
-        (**self).rank()
-    }
-    fn world_size(&self) -> usize {
-        (**self).world_size()
-    }
-    fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        (**self).all_gather(mine)
-    }
-    fn all_gather_within(&self, mine: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
-        (**self).all_gather_within(mine, timeout)
-    }
-    fn barrier(&self) -> Result<()> {
-        (**self).barrier()
-    }
-    fn barrier_within(&self, timeout: Duration) -> Result<()> {
-        (**self).barrier_within(timeout)
-    }
-}
+forward_bootstrap!(&B, Box<B>, std::sync::Arc<B>);

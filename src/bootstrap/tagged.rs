@@ -1,33 +1,17 @@
-//! Tagged exchanges: every all-gather a communicator makes through its bootstrap carries
-//! the kind of collective call it belongs to and a sequence number, and every rank
-//! checks every record it gathers against its own.
+//! Tagged exchanges: each all-gather a communicator makes carries the kind of call it
+//! belongs to and a sequence number, and every rank checks every gathered record.
 //!
-//! An all-gather pairs each rank's next record with the others' next records, whatever
-//! call each rank is in. Without a tag, a rank that registers a buffer while its peer
-//! drops its communicator would pair its registration record with the peer's teardown
-//! record, and each side would take the other's for its own: the teardown would see
-//! "every rank met" and free memory that the registering rank's kernels still write
-//! into. With the tag, both sides see the difference, on every rank alike (each gathers
-//! every record): the call returns [`BootstrapError::ExchangeMismatch`] naming the
-//! first rank whose record differs, and a teardown that gets it parks its memory.
+//! Without the tag, a rank registering a buffer while its peer drops its communicator
+//! would pair its record with the peer's teardown record, and the teardown would free
+//! memory the other rank's kernels still write. With it, every rank gets
+//! [`BootstrapError::ExchangeMismatch`] naming the first rank that differs.
 //!
-//! A record is its header, then the caller's bytes: the magic byte [`MAGIC`], the kind
-//! ([`ExchangeKind`] as a byte), the sequence number (`u64` little-endian), 10 bytes in
-//! all. The sequence numbers the communicator's all-gathers 0, 1, 2, ... (one per
-//! all-gather, not per call: a registration makes several). Its lock is held for the
-//! whole all-gather, so that two threads of one rank (the caller's, and the host
-//! stand-in's job on the stream) number their all-gathers in the order they make them.
-//!
-//! What becomes of the sequence:
-//! - after an all-gather whose records all match: the next number;
-//! - after a mismatch: the highest number any rank sent, plus one. Every rank gathered
-//!   the same records, so every rank continues from the same number: ranks whose
-//!   calls differed (a caller's bug, reported to each of them) stay in step, and the
-//!   next call that every rank makes alike succeeds;
-//! - after the store's own error (a timeout, a peer gone): the next number, as if it
-//!   had completed, so that a record of that all-gather that a store delivers late is a
-//!   mismatch in the next one instead of being taken for it. (The built-in
-//!   [`super::TcpBootstrap`] is unusable after an error anyway.)
+//! Header: [`MAGIC`], the kind byte, the sequence number (`u64` LE), numbering the
+//! all-gathers (not the calls) 0, 1, 2, ...; the lock is held for the whole all-gather so
+//! two threads of one rank number theirs in order. After a match the sequence moves on
+//! by one; after a mismatch to the highest gathered plus one (every rank saw the same
+//! records, so ranks stay in step); after a store error by one, so a late record of that
+//! all-gather is a mismatch next time rather than taken for it.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -40,58 +24,52 @@ pub(crate) const MAGIC: u8 = 0xC7;
 /// Magic, kind, sequence number.
 pub(crate) const HEADER_BYTES: usize = 1 + 1 + 8;
 
-/// Which collective call an all-gather belongs to.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[repr(u8)]
-pub(crate) enum ExchangeKind {
-    /// Building the communicator (configuration, peer records, handles, checks).
-    Setup = 1,
-    /// `Comm::register`.
-    Register = 2,
-    /// `Comm::alloc_symmetric` (its placement, and the registration of a new segment).
-    Symmetric = 3,
-    /// `Comm::trim_symmetric`.
-    Trim = 4,
-    /// `Comm::register_inputs_of` (and `Comm::capture_registered`).
-    Capture = 5,
-    /// `Comm::reinitialize`.
-    Reinitialize = 6,
-    /// Dropping (or closing) the communicator.
-    Teardown = 7,
-    /// The external library's exchanges (its id at setup; the host stand-in's
-    /// all-reduces).
-    External = 8,
+/// Declares [`ExchangeKind`]: variant, byte and how an error message names the call.
+macro_rules! exchange_kinds {
+    ($($(#[$doc:meta])* $kind:ident = $byte:literal, $what:literal;)*) => {
+        /// Which collective call an all-gather belongs to.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+        #[repr(u8)]
+        pub(crate) enum ExchangeKind {
+            $($(#[$doc])* $kind = $byte,)*
+        }
+
+        impl ExchangeKind {
+            fn from_byte(b: u8) -> Option<Self> {
+                match b {
+                    $($byte => Some(ExchangeKind::$kind),)*
+                    _ => None,
+                }
+            }
+
+            /// The call, as the error message names it.
+            fn describe(self) -> &'static str {
+                match self {
+                    $(ExchangeKind::$kind => $what,)*
+                }
+            }
+        }
+    };
 }
 
-impl ExchangeKind {
-    const ALL: [ExchangeKind; 8] = [
-        ExchangeKind::Setup,
-        ExchangeKind::Register,
-        ExchangeKind::Symmetric,
-        ExchangeKind::Trim,
-        ExchangeKind::Capture,
-        ExchangeKind::Reinitialize,
-        ExchangeKind::Teardown,
-        ExchangeKind::External,
-    ];
-
-    fn from_byte(b: u8) -> Option<Self> {
-        Self::ALL.into_iter().find(|k| *k as u8 == b)
-    }
-
-    /// The call, as the error message names it.
-    fn describe(self) -> &'static str {
-        match self {
-            ExchangeKind::Setup => "the communicator's setup",
-            ExchangeKind::Register => "a registration (register)",
-            ExchangeKind::Symmetric => "a symmetric allocation (alloc_symmetric)",
-            ExchangeKind::Trim => "a trim of the symmetric pool (trim_symmetric)",
-            ExchangeKind::Capture => "a registered capture (register_inputs_of)",
-            ExchangeKind::Reinitialize => "a re-initialisation (reinitialize)",
-            ExchangeKind::Teardown => "a teardown (its Comm dropped or closed)",
-            ExchangeKind::External => "an exchange of the external library",
-        }
-    }
+exchange_kinds! {
+    /// Building the communicator (configuration, peer records, handles, checks).
+    Setup = 1, "the communicator's setup";
+    /// `Comm::register`.
+    Register = 2, "a registration (register)";
+    /// `Comm::alloc_symmetric` (its placement, and the registration of a new segment).
+    Symmetric = 3, "a symmetric allocation (alloc_symmetric)";
+    /// `Comm::trim_symmetric`.
+    Trim = 4, "a trim of the symmetric pool (trim_symmetric)";
+    /// `Comm::register_inputs_of` (and `Comm::capture_registered`).
+    Capture = 5, "a registered capture (register_inputs_of)";
+    /// `Comm::reinitialize`.
+    Reinitialize = 6, "a re-initialisation (reinitialize)";
+    /// Dropping (or closing) the communicator.
+    Teardown = 7, "a teardown (its Comm dropped or closed)";
+    /// The external library's exchanges (its id at setup; the host stand-in's
+    /// all-reduces).
+    External = 8, "an exchange of the external library";
 }
 
 /// One communicator's all-gathers (see the module docs): the bootstrap, reachable only
