@@ -44,8 +44,10 @@ pub(crate) struct Endpoint<B: Backend> {
     pub(crate) calls: [AtomicU64; NUM_BARRIER_DOMAINS],
     /// Fault injection: the next launch publishes the sequence number one ahead, as a
     /// rank that made one call more would.
+    #[cfg(feature = "fault-injection")]
     pub(crate) skew_next: AtomicBool,
     /// Fault injection: the next launch is left out (counted as made).
+    #[cfg(feature = "fault-injection")]
     pub(crate) missing: AtomicBool,
 }
 
@@ -64,7 +66,9 @@ impl<B: Backend> Endpoint<B> {
             signal,
             peer_signals,
             calls: Default::default(),
+            #[cfg(feature = "fault-injection")]
             skew_next: AtomicBool::new(false),
+            #[cfg(feature = "fault-injection")]
             missing: AtomicBool::new(false),
         }
     }

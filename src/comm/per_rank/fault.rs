@@ -1,7 +1,13 @@
-//! Fault injection on [`Comm`] (feature `fault-injection`): see
-//! `crate::Communicator::miss_next` for what it is for.
+//! Fault injection on [`Comm`] (feature `fault-injection`): making this rank miss a
+//! collective, publish a mismatched call, or start late, so that users can test their
+//! own timeout and error handling. Without the feature nothing here exists.
+
+#[cfg(feature = "fault-injection")]
+use std::time::Duration;
 
 use crate::backend::Backend;
+#[cfg(feature = "fault-injection")]
+use crate::error::Result;
 
 use super::Comm;
 
@@ -24,5 +30,14 @@ impl<B: Backend> Comm<B> {
     #[cfg(feature = "fault-injection")]
     pub fn mismatch_next(&self) {
         self.core.endpoint.skew_next_call();
+    }
+
+    /// Fault injection (feature `fault-injection`): this rank's next collective starts
+    /// `delay` late (a kernel that spins on its stream and touches no memory). See
+    /// [`crate::Communicator::delay_rank`].
+    #[cfg(feature = "fault-injection")]
+    pub fn delay(&self, delay: Duration) -> Result<()> {
+        self.core.check_usable()?;
+        self.core.endpoint.launch_delay(delay)
     }
 }

@@ -14,7 +14,6 @@
 //! two-stage is offered.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut, IntoDevice};
 use crate::bootstrap::{Bootstrap, ExchangeKind, Exchanges, HostId, TcpBootstrap, UniqueId};
@@ -462,12 +461,5 @@ impl<B: Backend> Comm<B> {
         core.check_usable()?;
         let plan = core.barrier_plan(group_size)?;
         core.launch(&plan, PeerInputs::Own(0), 0)
-    }
-
-    /// Fault injection: this rank's next collective starts `delay` late (a kernel that
-    /// spins on its stream). See [`crate::Communicator::delay_rank`].
-    pub fn delay(&self, delay: Duration) -> Result<()> {
-        self.core.check_usable()?;
-        self.core.endpoint.launch_delay(delay)
     }
 }

@@ -1,12 +1,17 @@
 //! Fault injection on [`Communicator`] (feature `fault-injection`): making a rank miss
-//! a collective on purpose, so that users can test their own timeout handling, or
-//! making a rank's launch fail.
+//! a collective, publish a mismatched call, start late or fail its launch on purpose,
+//! so that users can test their own timeout and error handling.
 //! Without the feature nothing here is public and no launch is ever left out.
+
+#[cfg(feature = "fault-injection")]
+use std::time::Duration;
 
 use crate::backend::Backend;
 #[cfg(feature = "fault-injection")]
 use crate::error::{Error, Result};
 
+#[cfg(feature = "fault-injection")]
+use super::launch::ALL_RANKS;
 use super::Communicator;
 
 impl<B: Backend> Communicator<B> {
@@ -54,6 +59,42 @@ impl<B: Backend> Communicator<B> {
     pub fn mismatch_next(&self, rank: usize) -> Result<()> {
         self.fault_rank(rank)?.skew_next_call();
         Ok(())
+    }
+
+    /// Fault injection (feature `fault-injection`): enqueues on `rank`'s stream a
+    /// kernel that spins for `delay` and touches no memory, so that rank's next
+    /// collective starts late. This is how the tests skew ranks in time, and how a
+    /// user can test their own timeout handling (a delay longer than
+    /// [`crate::CommConfig::barrier_timeout`] makes the other ranks give up).
+    /// Capturable in a CUDA graph like any launch.
+    #[cfg(feature = "fault-injection")]
+    pub fn delay_rank(&self, rank: usize, delay: Duration) -> Result<()> {
+        let endpoint = self.fault_rank(rank)?;
+        let _launches = self.lock_launches();
+        endpoint.launch_delay(delay)
+    }
+
+    /// Fault injection (feature `fault-injection`): the delay kernel
+    /// ([`Communicator::delay_rank`]) on every rank, launched as a collective is: by
+    /// the launch threads where parallel launch is on
+    /// ([`Communicator::set_parallel_launch`]), else one rank after the other. With a
+    /// zero `delay` it times peercomm's launch path alone (no validation, no planning,
+    /// no buffers). Delays wait for nobody, so a failure poisons nothing: the first
+    /// failing rank's error is returned.
+    #[cfg(feature = "fault-injection")]
+    pub fn delay_all(&self, delay: Duration) -> Result<()> {
+        let mut launches = self.lock_launches();
+        let launch = |r: usize| self.ranks[r].endpoint.launch_delay(delay);
+        let ranks = &ALL_RANKS[..self.world_size()];
+        let outcomes = self.launch_each(&mut launches, ranks, &launch);
+        if let Some(panic) = outcomes.panic {
+            std::panic::resume_unwind(panic);
+        }
+        let mut results = outcomes.results;
+        ranks
+            .iter()
+            .find_map(|&r| results[r].take().and_then(Result::err))
+            .map_or(Ok(()), Err)
     }
 
     /// Fault injection (feature `fault-injection`): `rank`'s next launch (of a

@@ -6,7 +6,6 @@
 
 use std::any::Any;
 use std::sync::{MutexGuard, Weak};
-use std::time::Duration;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -21,7 +20,7 @@ use crate::comm::core::launch::{Fused, PeerInputs};
 use crate::comm::core::planning::Plan;
 
 /// Every world rank, in order: `&ALL_RANKS[..world]` is the whole world.
-const ALL_RANKS: [usize; MAX_GPUS] = {
+pub(super) const ALL_RANKS: [usize; MAX_GPUS] = {
     let mut all = [0; MAX_GPUS];
     let mut r = 0;
     while r < MAX_GPUS {
@@ -145,33 +144,12 @@ impl<B: Backend> Communicator<B> {
         self.settle(ranks, outcomes)
     }
 
-    /// Fault injection's empty kernel ([`Communicator::delay_rank`]) on every rank,
-    /// launched as a collective is: by the launch threads where parallel launch is on
-    /// ([`Communicator::set_parallel_launch`]), else one rank after the other. With a
-    /// zero `delay` it times peercomm's launch path alone (no validation, no planning,
-    /// no buffers). Delays wait for nobody, so a failure poisons nothing: the first
-    /// failing rank's error is returned.
-    pub fn delay_all(&self, delay: Duration) -> Result<()> {
-        let mut launches = self.lock_launches();
-        let launch = |r: usize| self.ranks[r].endpoint.launch_delay(delay);
-        let ranks = &ALL_RANKS[..self.world_size()];
-        let outcomes = self.launch_each(&mut launches, ranks, &launch);
-        if let Some(panic) = outcomes.panic {
-            std::panic::resume_unwind(panic);
-        }
-        let mut results = outcomes.results;
-        ranks
-            .iter()
-            .find_map(|&r| results[r].take().and_then(Result::err))
-            .map_or(Ok(()), Err)
-    }
-
     /// Runs `launch(r)` for every rank r of `ranks` (world ranks, each once) under the
     /// launch lock (`launches`, held by the caller): at once through the pool where
     /// parallel launch is on, each rank's outcome kept; else in order on this thread,
     /// stopping at the first failure (the ranks after it are not launched), as a
     /// single thread does.
-    fn launch_each(
+    pub(super) fn launch_each(
         &self,
         launches: &mut Launches,
         ranks: &[usize],

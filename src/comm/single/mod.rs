@@ -10,7 +10,6 @@
 #[cfg(feature = "fault-injection")]
 use std::sync::atomic::AtomicU32;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use crate::backend::{Backend, Kernel, KernelKind, LaunchDims};
 use crate::bootstrap::{ExchangeKind, Exchanges, HostId};
@@ -324,22 +323,6 @@ impl<B: Backend> Communicator<B> {
         }
         let zeros = [0u64; MAX_GPUS];
         self.launch_on(&plan, ranks, PeerInputs::InPlace(&zeros), &zeros, None)
-    }
-
-    /// Fault injection: enqueues on `rank`'s stream a kernel that spins for `delay` and
-    /// touches no memory, so that rank's next collective starts late. This is how the
-    /// tests skew ranks in time, and how a user can test their own timeout handling
-    /// (a delay longer than [`CommConfig::barrier_timeout`] makes the other ranks give
-    /// up). Capturable in a CUDA graph like any launch.
-    pub fn delay_rank(&self, rank: usize, delay: Duration) -> Result<()> {
-        if rank >= self.world_size() {
-            return Err(Error::InvalidDevices(format!(
-                "rank {rank} is outside the world of {}",
-                self.world_size()
-            )));
-        }
-        let _launches = self.lock_launches();
-        self.ranks[rank].endpoint.launch_delay(delay)
     }
 
     /// Enqueues `iters` flag round trips between ranks 0 and 1 (one thread each, through

@@ -4,8 +4,7 @@
 
 use std::sync::atomic::Ordering;
 
-use crate::backend::{Backend, Kernel, KernelKind, LaunchDims};
-use crate::dtype::DType;
+use crate::backend::{Backend, KernelKind};
 use crate::error::{Error, Result};
 use crate::signal::{barrier_domain, AllReduceArgs, MAX_GPUS, PACK_BYTES};
 
@@ -14,6 +13,7 @@ use crate::comm::core::planning::{staging, Plan};
 use crate::comm::core::settings::Settings;
 use crate::comm::core::{Endpoint, Rank};
 
+mod fault;
 pub(crate) mod group;
 pub(crate) mod status;
 
@@ -166,28 +166,7 @@ impl<B: Backend> Endpoint<B> {
     /// every launch there).
     pub(crate) fn next_call(&self, domain: usize) -> u64 {
         let seq = self.calls[domain].fetch_add(1, Ordering::Relaxed);
-        if self.skew_next.load(Ordering::Relaxed) && self.skew_next.swap(false, Ordering::AcqRel) {
-            return seq.wrapping_add(1);
-        }
-        seq
-    }
-
-    /// Whether fault injection leaves this launch out (and clears the request).
-    pub(crate) fn take_missing(&self) -> bool {
-        self.missing.load(Ordering::Relaxed) && self.missing.swap(false, Ordering::AcqRel)
-    }
-
-    /// Fault injection: this rank's next launch is left out.
-    #[cfg(feature = "fault-injection")]
-    pub(crate) fn miss_next_launch(&self) {
-        self.missing.store(true, Ordering::Release);
-    }
-
-    /// Fault injection: this rank's next launch publishes a call one ahead in the
-    /// sequence, so its group gets [`crate::Error::CallMismatch`].
-    #[cfg(feature = "fault-injection")]
-    pub(crate) fn skew_next_call(&self) {
-        self.skew_next.store(true, Ordering::Release);
+        self.skewed(seq)
     }
 
     /// Starts the call counts again (the signal was just initialised, on every rank).
@@ -195,25 +174,5 @@ impl<B: Backend> Endpoint<B> {
         for c in &self.calls {
             c.store(0, Ordering::Relaxed);
         }
-    }
-
-    /// Enqueues the fault-injection kernel: one thread spins for `delay`.
-    pub(crate) fn launch_delay(&self, delay: std::time::Duration) -> Result<()> {
-        let args = AllReduceArgs {
-            timeout_ns: u64::try_from(delay.as_nanos()).unwrap_or(u64::MAX),
-            ..Default::default()
-        };
-        B::launch(
-            &self.device,
-            Kernel {
-                kind: KernelKind::Delay,
-                dtype: DType::F32,
-            },
-            LaunchDims {
-                blocks: 1,
-                threads: 32,
-            },
-            &args,
-        )
     }
 }
