@@ -1,54 +1,25 @@
-//! The CUDA backend, on cudarc's driver API (dynamically loaded: it builds with no CUDA
-//! installed and finds libcuda at run time).
+//! The CUDA backend, on cudarc's driver API (loaded at run time: it builds without CUDA).
 //!
-//! Users hold cudarc `CudaSlice`/`CudaView`/`CudaViewMut` buffers; every launch goes
-//! on the rank's `Arc<CudaStream>`, and cudarc's event tracking is honoured: a
-//! collective waits for the last write of each buffer it reads and records its own
-//! read/write events on the rank's stream.
+//! Users hold cudarc `CudaSlice`/`CudaView`/`CudaViewMut` buffers; launches go on the
+//! rank's `Arc<CudaStream>` and honour cudarc's event tracking (a collective waits for
+//! the last write of each buffer it reads and records its own events).
 //!
 //! # IPC
-//! With one process per GPU, each rank maps its peers' signal memory through CUDA's
-//! legacy IPC handles: [`Backend::export_memory`] is `cuIpcGetMemHandle` and
-//! [`Backend::import_memory`] is `cuIpcOpenMemHandle` with
-//! `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, in the importing device's context; dropping the
-//! [`CudaPeerMapping`] synchronises that context and calls `cuIpcCloseMemHandle`.
-//! Legacy handles were chosen over the virtual memory management API (`cuMemCreate`
-//! with a POSIX-fd or fabric handle type, `cuMemExportToShareableHandle`) because they
-//! work on the plain `cuMemAlloc` memory this backend already allocates for signals,
-//! with no extra setup: the VMM route would need `cuMemCreate` allocations made
-//! shareable up front, mapped and access-granted range by range, and its POSIX fds
-//! would have to travel over a Unix socket instead of as plain bytes. Legacy IPC
-//! needs the processes on one host and a peer-to-peer path between the two GPUs (the
-//! open enables peer access lazily); the importer need not see the exporting device:
-//! CUDA's runtime documents that `cudaIpcOpenMemHandle` "can open handles to devices
-//! that may not be visible in the process calling the API", so processes isolated by
-//! `CUDA_VISIBLE_DEVICES` (each seeing its own GPU as device 0) map each other's
-//! signals, and nothing of the import uses the exporter's ordinal. Ranks are told apart
-//! by [`Backend::identity`] (the UUID, `cuDeviceGetUuid`, and the PCI attributes), not
-//! by ordinal. (Not run on two isolated GPUs yet: that run belongs to the GPU runs.)
-//! Legacy IPC cannot open a handle in the process that exported it:
-//! that is `Error::Unsupported`, and one process needs no import (peers' memory is
-//! reached at its own address, [`Backend::map_peer`]). Every allocation of this backend
-//! can be exported, not only [`MemoryKind::SharedSignal`] ones. Seen on an H200
-//! (driver 580, two processes on one GPU, `tests/ipc.rs`): the import works, a
-//! same-process import is answered `CUDA_ERROR_INVALID_CONTEXT` by the driver (the
-//! token check answers first), and a handle whose exporter freed the memory
-//! `CUDA_ERROR_INVALID_VALUE`.
-//! Import each handle once per process and share the mapping (as vLLM caches its
-//! opened handles): what the driver does with a second open of one handle in one
-//! context is not relied on here.
+//! One process per GPU maps peers' memory through legacy IPC handles
+//! (`cuIpcGetMemHandle`, `cuIpcOpenMemHandle` with lazy peer access; dropping the
+//! [`CudaPeerMapping`] synchronises and closes it). Legacy handles work on the plain
+//! `cuMemAlloc` memory used for signals with no setup, where VMM would need shareable
+//! allocations up front and fds over a socket. They need one host and a P2P path; the
+//! importer need not see the exporting device (`CUDA_VISIBLE_DEVICES` isolation works;
+//! ranks are told apart by [`Backend::identity`], not ordinal). A handle cannot be
+//! opened in its exporting process (`Error::Unsupported`: one process uses
+//! [`Backend::map_peer`]). Import each handle once per process and share the mapping.
+//! Registered buffers from fd-exportable pools or VMM travel with their descriptor over
+//! the Unix-socket channel (`cuda/shareable.rs`).
 //!
-//! Registered user buffers ([`Backend::export_range`]) may also be memory that CUDA
-//! exports only as a POSIX file descriptor: a memory pool made with that handle type,
-//! or virtual memory (`cuMemCreate`) that requested it. Their descriptors travel beside
-//! the handle over the per-rank communicator's Unix-socket channel; the import side
-//! is in `cuda/shareable.rs`.
-//!
-//! The handle, 88 bytes, little-endian (framed as every backend's, see
-//! `Backend::export_memory`): magic `pccu`, version `u32` = 1, the exporting
-//! process's random token `u64` (to recognise an import in the exporting process
-//! before the driver is asked), the allocation's size `u64` (the importer checks the
-//! range it opens is at least that large), then the 64-byte `CUipcMemHandle`.
+//! The legacy handle, 88 bytes LE: magic `pccu`, version `u32` = 1, the exporter's random
+//! token `u64` (to spot a same-process import before the driver does), the allocation
+//! size `u64` (checked against the opened range), the 64-byte `CUipcMemHandle`.
 
 mod buffers;
 mod device;
@@ -58,7 +29,7 @@ mod memory;
 mod shareable;
 
 pub(crate) use device::load_first_of;
-use device::{driver, driver_err};
+use device::{bind, driver, driver_err};
 pub use device::{Cuda, CudaDevice};
 pub use graph::{capture, is_capturing};
 use memory::{device_location, granted_pools};
@@ -160,9 +131,7 @@ impl Backend for Cuda {
     }
 
     fn enable_peer_access(dev: &CudaDevice, peer: &CudaDevice) -> Result<()> {
-        dev.ctx
-            .bind_to_thread()
-            .map_err(driver_err("cuCtxSetCurrent"))?;
+        bind(&dev.ctx)?;
         // SAFETY: the current context is `dev`'s and `peer`'s context is alive.
         let r = unsafe { sys::cuCtxEnablePeerAccess(peer.ctx.cu_ctx(), 0) };
         match r {
@@ -176,9 +145,8 @@ impl Backend for Cuda {
                 })
             }
         }
-        // Peer access does not cover stream-ordered allocations (cudarc allocates from
-        // the device's memory pool when it can): grant `dev` access to `peer`'s pool too,
-        // so the one-stage kernel can read user buffers of any origin.
+        // Peer access does not cover stream-ordered (pool) allocations, which cudarc
+        // uses: grant `dev` access to `peer`'s pool too.
         let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
         // SAFETY: `pool` outlives the call; the device handle comes from a live context.
         unsafe { sys::cuDeviceGetMemPool(&mut pool, peer.ctx.cu_device()) }
@@ -200,12 +168,9 @@ impl Backend for Cuda {
     }
 
     fn alloc(dev: &CudaDevice, bytes: usize, _kind: MemoryKind) -> Result<CudaMemory> {
-        // Plain cuMemAlloc (not the stream-ordered pool): peer access covers it once
-        // enabled, and it is coherent for NVLink/PCIe peers at the owner's L2, so signal
-        // memory needs no special flags on NVIDIA.
-        dev.ctx
-            .bind_to_thread()
-            .map_err(driver_err("cuCtxSetCurrent"))?;
+        // Plain cuMemAlloc: peer access covers it and it is coherent at the owner's L2,
+        // so signal memory needs no special flags.
+        bind(&dev.ctx)?;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: `ptr` outlives the call; the context is current.
         unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) }
@@ -224,8 +189,7 @@ impl Backend for Cuda {
     }
 
     fn map_peer(_dev: &CudaDevice, peer_mem: &CudaMemory) -> Result<u64> {
-        // One process with unified addressing and peer access on: the peer's address is
-        // valid here as it is. (One process per GPU would import an IPC handle.)
+        // One process with unified addressing: the peer's address is valid here.
         Ok(peer_mem.ptr)
     }
 
@@ -278,9 +242,7 @@ impl Backend for Cuda {
     }
 
     fn memset_d32(dev: &CudaDevice, ptr: u64, value: u32, words: usize) -> Result<()> {
-        dev.ctx
-            .bind_to_thread()
-            .map_err(driver_err("cuCtxSetCurrent"))?;
+        bind(&dev.ctx)?;
         // SAFETY: the caller passes a range inside one of its live allocations on this
         // device; the memset is ordered on the rank's stream.
         unsafe { sys::cuMemsetD32Async(ptr, value, words, dev.stream.cu_stream()) }
@@ -289,9 +251,7 @@ impl Backend for Cuda {
     }
 
     fn memset_d16(dev: &CudaDevice, ptr: u64, value: u16, halves: usize) -> Result<()> {
-        dev.ctx
-            .bind_to_thread()
-            .map_err(driver_err("cuCtxSetCurrent"))?;
+        bind(&dev.ctx)?;
         // SAFETY: the caller passes a 2-byte aligned range inside one of its live
         // allocations on this device; the memset is ordered on the rank's stream.
         unsafe { sys::cuMemsetD16Async(ptr, value, halves, dev.stream.cu_stream()) }
@@ -300,9 +260,7 @@ impl Backend for Cuda {
     }
 
     fn read(dev: &CudaDevice, ptr: u64, dst: &mut [u8]) -> Result<()> {
-        dev.ctx
-            .bind_to_thread()
-            .map_err(driver_err("cuCtxSetCurrent"))?;
+        bind(&dev.ctx)?;
         // SAFETY: the caller passes a range inside one of its live allocations; the
         // stream is synchronised before `dst` is read.
         unsafe {
@@ -321,9 +279,7 @@ impl Backend for Cuda {
     }
 
     fn write(dev: &CudaDevice, ptr: u64, src: &[u8]) -> Result<()> {
-        dev.ctx
-            .bind_to_thread()
-            .map_err(driver_err("cuCtxSetCurrent"))?;
+        bind(&dev.ctx)?;
         // SAFETY: the caller passes a range inside one of its live allocations; `src`
         // outlives the copy (the stream is synchronised before returning).
         unsafe {
@@ -342,13 +298,10 @@ impl Backend for Cuda {
     }
 
     fn read_words_now(dev: &CudaDevice, ptr: u64, dst: &mut [u32]) -> Result<()> {
-        dev.ctx
-            .bind_to_thread()
-            .map_err(driver_err("cuCtxSetCurrent"))?;
-        // SAFETY: the caller passes a range inside one of its live allocations. The
-        // synchronous copy runs on the legacy default stream, which does not wait for
-        // the rank's non-blocking stream (a rank built on the legacy default stream
-        // itself waits instead); `dst` is written before the call returns.
+        bind(&dev.ctx)?;
+        // SAFETY: the caller passes a range inside one of its live allocations; the
+        // synchronous copy (legacy default stream, which does not wait for the rank's
+        // non-blocking stream) writes `dst` before returning.
         unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut _, ptr, std::mem::size_of_val(dst)) }
             .result()
             .map_err(driver_err("cuMemcpyDtoH"))

@@ -1,56 +1,36 @@
 //! The HIP backend (feature `hip`): AMD Instinct GPUs through the HIP runtime
 //! (`libamdhip64`, linked by the `hip-sys` crate).
 //!
-//! - Devices: one [`HipDevice`] per GPU, with its own non-blocking stream and the
-//!   embedded code object for its architecture loaded as a module
-//!   (`hipModuleLoadData`); kernels run with `hipModuleLaunchKernel` on that stream.
-//! - Signal memory ([`MemoryKind::Signal`]) is uncached device memory
-//!   (`hipExtMallocWithFlags(.., hipDeviceMallocUncached)`), or fine-grained memory on
-//!   runtimes without the uncached flag (HIP 5.x); see [`HipAllocation`]. Spins on it
-//!   see the peers' stores, and the kernels' system-scope release/acquire sequences
-//!   order everything else.
-//! - Peer memory: one process, peer access on between every pair, unified addresses, so
-//!   a peer's allocation is reached at its own address ([`Backend::map_peer`]).
-//! - One process per GPU: IPC handles (see [IPC](#ipc)).
-//! - Code objects for gfx90a and gfx942 (and gfx950 where the compiler knew it) are
-//!   embedded at build time (build_hip.rs); the one whose processor matches the
-//!   device's `gcnArchName` is loaded, and a device none matches is a typed error.
+//! - Devices: one [`HipDevice`] per GPU with its own non-blocking stream and the
+//!   embedded code object for its `gcnArchName` (gfx90a, gfx942, gfx950 where the
+//!   compiler knew it; another is a typed error), launched with `hipModuleLaunchKernel`.
+//! - Signal memory ([`MemoryKind::Signal`]) is uncached device memory, or fine-grained
+//!   on HIP 5.x ([`HipAllocation`]): spins see peers' stores, and the kernels'
+//!   system-scope release/acquire order the rest.
+//! - One process: peer access between every pair and unified addresses, so a peer's
+//!   allocation is reached at its own address ([`Backend::map_peer`]).
 //!
 //! # IPC
-//! Shaped as the CUDA backend's legacy IPC: [`Backend::export_memory`] is
-//! `hipIpcGetMemHandle` on the allocation (for signal memory, the uncached or
-//! fine-grained allocation above), [`Backend::import_memory`] is `hipIpcOpenMemHandle`
-//! with `hipIpcMemLazyEnablePeerAccess` on the importing device, and dropping the
-//! [`HipPeerMapping`] synchronises that device and calls `hipIpcCloseMemHandle`. ROCm 6
-//! and 7 define that flag as 1 and reject other values; the HIP 5 headers define it as
-//! 0, so an import the runtime answers with `hipErrorInvalidValue` is retried once with
-//! 0. The processes must be on one host; whether the importer must see the exporting
-//! GPU (`HIP_VISIBLE_DEVICES`) is not documented by HIP, so isolated processes may
-//! fall back to the external library there (a typed `P2pUnavailable` under
-//! `Fallback::Refuse`). Ranks are told apart by [`Backend::identity`]
-//! (`hipDeviceGetUuid` where the runtime exports it, and `hipDeviceGetPCIBusId`), not
-//! by ordinal. Importing in the exporting process is `Error::Unsupported`
-//! (recognised by the handle's process token before the runtime is asked). Unlike the
-//! CUDA backend, the opened range is not compared with the handle's size: nothing of
-//! this was run on AMD hardware (docs/amd.md), and the less untested code the better.
-//! As on CUDA, import each handle once per process and share the mapping.
+//! As CUDA's legacy IPC: `hipIpcGetMemHandle`, `hipIpcOpenMemHandle` with
+//! `hipIpcMemLazyEnablePeerAccess` (1 on ROCm 6 and 7, 0 in HIP 5 headers: an import
+//! answered `hipErrorInvalidValue` is retried once with 0), `hipIpcCloseMemHandle` after
+//! synchronising on drop of the [`HipPeerMapping`]. One host only; whether the importer
+//! must see the exporting GPU is undocumented, so isolated processes may fall back to
+//! the external library. Ranks are told apart by [`Backend::identity`]. A same-process
+//! import is `Error::Unsupported` (by process token). The opened range is not checked
+//! against the handle's size (untested on AMD hardware, docs/amd.md: less code).
+//! Import each handle once per process and share the mapping.
 //!
-//! The handle, 88 bytes, little-endian (framed as every backend's, see
-//! `Backend::export_memory`): magic `pchi`, version `u32` = 1, the exporting
-//! process's random token `u64`, the allocation's size `u64`, then the 64-byte
-//! `hipIpcMemHandle_t`.
+//! The handle, 88 bytes LE: magic `pchi`, version `u32` = 1, the exporter's random
+//! token `u64`, the allocation's size `u64`, the 64-byte `hipIpcMemHandle_t`.
 //!
 //! # Why the HIP functions are declared here
-//! `hip-sys` 0.1.2 ships bindings generated from HIP 5.4 headers in which `hipError_t`
-//! is a Rust enum: a code the enum does not list (a newer ROCm adds some) would be
-//! undefined behaviour the moment it is returned. Its `bindgen` feature regenerates the
-//! bindings but writes them into the registry copy of the crate. So this module
-//! declares the few functions it needs itself, with the status as a plain `i32`
-//! ([`HipStatus`]), and takes only the opaque handle types and the link to
-//! `amdhip64` from `hip-sys`. Every declaration below has the same C signature in HIP
-//! 5.2 through 7.x. The device properties structure changed layout in ROCm 6, so the
-//! architecture name is read through whichever versioned entry point the loaded
-//! runtime exports (see `gcn_arch_name`).
+//! `hip-sys` 0.1.2's bindings (HIP 5.4) make `hipError_t` a Rust enum, so a code a newer
+//! ROCm adds would be undefined behaviour. This module declares the few functions it
+//! needs with the status as a plain `i32` ([`HipStatus`]), taking only opaque handle
+//! types and the link from `hip-sys`; each has the same C signature in HIP 5.2 to 7.x.
+//! The device properties changed layout in ROCm 6, so the architecture name is read
+//! through whichever versioned entry point the runtime exports (`gcn_arch_name`).
 
 use std::ffi::{c_int, c_void};
 use std::marker::PhantomData;
@@ -164,8 +144,7 @@ impl Backend for Hip {
     }
 
     fn map_peer(_dev: &HipDevice, peer_mem: &HipMemory) -> Result<u64> {
-        // One process, unified virtual addresses, peer access enabled by the
-        // communicator: the peer's allocation is reached at its own address.
+        // One process, unified addresses, peer access on: valid here as it is.
         Ok(peer_mem.ptr)
     }
 
@@ -213,39 +192,13 @@ impl Backend for Hip {
     }
 
     fn read(dev: &HipDevice, ptr: u64, dst: &mut [u8]) -> Result<()> {
-        set_device(dev.ordinal)?;
-        // SAFETY: the caller passes a device range of dst.len() bytes; `dst` stays
-        // borrowed until the stream is synchronised below.
-        check(
-            unsafe {
-                ffi::hipMemcpyDtoHAsync(
-                    dst.as_mut_ptr().cast(),
-                    ptr as *mut c_void,
-                    dst.len(),
-                    dev.stream,
-                )
-            },
-            "hipMemcpyDtoHAsync",
-        )?;
-        Self::synchronize(dev)
+        // SAFETY: the caller passes a device range of dst.len() bytes.
+        unsafe { dtoh(dev, dst.as_mut_ptr().cast(), ptr, dst.len()) }
     }
 
     fn write(dev: &HipDevice, ptr: u64, src: &[u8]) -> Result<()> {
-        set_device(dev.ordinal)?;
-        // SAFETY: the caller passes a device range of src.len() bytes; `src` stays
-        // borrowed until the stream is synchronised below.
-        check(
-            unsafe {
-                ffi::hipMemcpyHtoDAsync(
-                    ptr as *mut c_void,
-                    src.as_ptr().cast(),
-                    src.len(),
-                    dev.stream,
-                )
-            },
-            "hipMemcpyHtoDAsync",
-        )?;
-        Self::synchronize(dev)
+        // SAFETY: the caller passes a device range of src.len() bytes.
+        unsafe { htod(dev, ptr, src.as_ptr().cast(), src.len()) }
     }
 
     fn read_words_now(dev: &HipDevice, ptr: u64, dst: &mut [u32]) -> Result<()> {
@@ -319,42 +272,49 @@ impl Backend for Hip {
                 ),
             });
         }
-        set_device(dev.ordinal)?;
-        // SAFETY: `dst` holds `len` elements of T; `src` stays borrowed until the stream
-        // is synchronised below.
-        check(
-            unsafe {
-                ffi::hipMemcpyHtoDAsync(
-                    dst.mem.ptr as *mut c_void,
-                    src.as_ptr().cast(),
-                    std::mem::size_of_val(src),
-                    dev.stream,
-                )
-            },
-            "hipMemcpyHtoDAsync",
-        )?;
-        Self::synchronize(dev)
+        let bytes = std::mem::size_of_val(src);
+        // SAFETY: `dst` holds `len` elements of T, as many as `src`.
+        unsafe { htod(dev, dst.mem.ptr, src.as_ptr().cast(), bytes) }
     }
 
     fn download<T: Element>(dev: &HipDevice, src: &HipBuffer<T>) -> Result<Vec<T>> {
         let mut out = vec![T::default(); src.len];
-        set_device(dev.ordinal)?;
-        // SAFETY: `src` holds `len` elements of T; `out` has room for them and stays
-        // borrowed until the stream is synchronised below.
-        check(
-            unsafe {
-                ffi::hipMemcpyDtoHAsync(
-                    out.as_mut_ptr().cast(),
-                    src.mem.ptr as *mut c_void,
-                    std::mem::size_of_val(out.as_slice()),
-                    dev.stream,
-                )
-            },
-            "hipMemcpyDtoHAsync",
-        )?;
-        Self::synchronize(dev)?;
+        // SAFETY: `src` holds `len` elements of T; `out` has room for them.
+        unsafe {
+            dtoh(
+                dev,
+                out.as_mut_ptr().cast(),
+                src.mem.ptr,
+                std::mem::size_of_val(out.as_slice()),
+            )
+        }?;
         Ok(out)
     }
+}
+
+/// Copies `bytes` from device address `src` to `dst` on the rank's stream and waits.
+///
+/// # Safety
+/// `src` must be a device range and `dst` host memory of at least `bytes`.
+unsafe fn dtoh(dev: &HipDevice, dst: *mut c_void, src: u64, bytes: usize) -> Result<()> {
+    set_device(dev.ordinal)?;
+    // SAFETY: the caller's contract; `dst` is not used until the stream is synchronised.
+    let status = unsafe { ffi::hipMemcpyDtoHAsync(dst, src as *mut c_void, bytes, dev.stream) };
+    check(status, "hipMemcpyDtoHAsync")?;
+    Hip::synchronize(dev)
+}
+
+/// Copies `bytes` from host memory `src` to device address `dst` on the rank's stream
+/// and waits.
+///
+/// # Safety
+/// `dst` must be a device range and `src` host memory of at least `bytes`.
+unsafe fn htod(dev: &HipDevice, dst: u64, src: *const c_void, bytes: usize) -> Result<()> {
+    set_device(dev.ordinal)?;
+    // SAFETY: the caller's contract; `src` stays valid until the stream is synchronised.
+    let status = unsafe { ffi::hipMemcpyHtoDAsync(dst as *mut c_void, src, bytes, dev.stream) };
+    check(status, "hipMemcpyHtoDAsync")?;
+    Hip::synchronize(dev)
 }
 
 super::impl_typed_buffer!(Hip, HipBuffer);

@@ -1,15 +1,9 @@
-//! Which physical device a rank runs on, whatever ordinal its process gives it.
-//!
-//! Engines often start one process per GPU with `CUDA_VISIBLE_DEVICES=<i>` (or
-//! `HIP_VISIBLE_DEVICES`), so every process sees its own GPU as device 0: the ordinal
-//! names a device only inside one process. As NCCL does, peercomm tells devices apart
-//! by their UUID, and where a runtime reports none by their PCI bus id; two ranks are
-//! on the same device when those agree ([`DeviceIdentity::same_device`]), never
-//! because their ordinals do.
+//! Which physical device a rank runs on, whatever ordinal its process gives it: with
+//! `CUDA_VISIBLE_DEVICES` every process may see its GPU as device 0, so devices are told
+//! apart by UUID, else PCI bus id, as NCCL does ([`DeviceIdentity::same_device`]).
 
-/// The identity of one device as a process sees it: the ordinal it has in that
-/// process, and what names it physically (the UUID, the PCI location). Made by
-/// [`crate::Backend::identity`].
+/// One device as a process sees it: its ordinal there and what names it physically (UUID,
+/// PCI location). Made by [`crate::Backend::identity`].
 ///
 /// ```
 /// use peercomm::backend::{host::Host, Backend, DeviceIdentity};
@@ -32,11 +26,9 @@ pub struct DeviceIdentity {
 }
 
 impl DeviceIdentity {
-    /// An identity from what the runtime reported: the ordinal in this process, the
-    /// UUID (`None`, or all zero bytes, when unknown) and the PCI bus id as text
-    /// (`domain:bus:device.function` in hexadecimal, e.g. `0000:19:00.0`; an 8-digit
-    /// domain as NVML writes it, or no domain, is accepted and written with 4 digits;
-    /// text that does not parse is kept as it is, in lower case).
+    /// An identity from what the runtime reported: the ordinal, the UUID (`None` or all
+    /// zeros when unknown) and the PCI bus id (`0000:19:00.0`; an 8-digit or missing
+    /// domain is normalised to 4 digits, unparsable text kept in lower case).
     pub fn new(ordinal: usize, uuid: Option<[u8; 16]>, pci_bus_id: Option<&str>) -> Self {
         DeviceIdentity {
             ordinal,
@@ -48,13 +40,10 @@ impl DeviceIdentity {
         }
     }
 
-    /// The identity the host backend gives its device `ordinal` when it stands for
-    /// physical device `physical`: a UUID that spells `peercomm` followed by
-    /// `physical` (big-endian), and PCI bus id `dddd:bb:00.0` with `physical`'s low
-    /// byte as the bus and the next 16 bits as the domain. Deterministic: the same
-    /// numbers give the same identity in every process. The host backend's device `o`
-    /// is `simulated(o, o)`; [`crate::Simulation::physical_devices`] picks other
-    /// physical numbers (isolated processes, ranks sharing a device).
+    /// The host backend's deterministic identity for device `ordinal` standing for
+    /// physical device `physical`: UUID `peercomm` + `physical` (BE), PCI bus id with
+    /// `physical`'s low byte as bus and next 16 bits as domain. Device `o` is
+    /// `simulated(o, o)` unless `Simulation::physical_devices` (`fault-injection`) says.
     pub fn simulated(ordinal: usize, physical: usize) -> Self {
         let mut uuid = [0u8; 16];
         uuid[..8].copy_from_slice(b"peercomm");
@@ -68,8 +57,7 @@ impl DeviceIdentity {
         DeviceIdentity::new(ordinal, Some(uuid), Some(&pci))
     }
 
-    /// The ordinal of the device in the process that made this identity (what
-    /// `CUDA_VISIBLE_DEVICES` renumbers; meaningless in another process).
+    /// The ordinal in the process that made this identity (meaningless elsewhere).
     pub fn ordinal(&self) -> usize {
         self.ordinal
     }
@@ -79,8 +67,7 @@ impl DeviceIdentity {
         self.uuid
     }
 
-    /// The UUID as `nvidia-smi -L` writes it: `GPU-` and 32 hexadecimal digits in
-    /// groups of 8-4-4-4-12.
+    /// The UUID as `nvidia-smi -L` writes it (`GPU-` then 8-4-4-4-12 hex digits).
     pub fn uuid_string(&self) -> Option<String> {
         self.uuid.map(|u| {
             let hex = |r: std::ops::Range<usize>| {
@@ -102,12 +89,9 @@ impl DeviceIdentity {
         self.pci_bus_id.as_deref()
     }
 
-    /// Whether `self` and `other` (identities made by processes of one host) name the
-    /// same physical device: by UUID when both have one, else by PCI bus id when both
-    /// have one; `None` when they share neither, so nothing tells. The ordinals are
-    /// never compared: processes isolated by `CUDA_VISIBLE_DEVICES` all see device 0.
-    /// (A MIG instance has a UUID of its own, so two instances of one GPU differ,
-    /// though their PCI bus ids agree.)
+    /// Whether two identities of one host name the same physical device: by UUID when
+    /// both have one (MIG instances have their own), else by PCI bus id; `None` when
+    /// neither tells. Ordinals are never compared.
     pub fn same_device(&self, other: &DeviceIdentity) -> Option<bool> {
         match (self.uuid, other.uuid) {
             (Some(a), Some(b)) => Some(a == b),
@@ -118,8 +102,7 @@ impl DeviceIdentity {
         }
     }
 
-    /// The physical part of the identity, for messages: `GPU-..., PCI 0000:19:00.0`
-    /// (what is unknown is said so).
+    /// The physical part, for messages: `GPU-..., PCI 0000:19:00.0` (or "unknown").
     pub fn physical(&self) -> String {
         format!(
             "{}, PCI {}",
@@ -131,8 +114,7 @@ impl DeviceIdentity {
 }
 
 impl std::fmt::Display for DeviceIdentity {
-    /// `device 0 (GPU-..., PCI 0000:19:00.0)`: the ordinal as its process sees it,
-    /// then the physical identity.
+    /// `device 0 (GPU-..., PCI 0000:19:00.0)`.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "device {} ({})", self.ordinal, self.physical())
     }
@@ -143,8 +125,7 @@ pub(crate) fn pci_bus_id(domain: u32, bus: u32, device: u32, function: u32) -> S
     format!("{domain:04x}:{bus:02x}:{device:02x}.{function:x}")
 }
 
-/// `domain:bus:device.function` (the domain optional, of up to 8 digits) in the
-/// canonical form, or `None` when it does not parse.
+/// `[domain:]bus:device.function` in the canonical form, or `None`.
 fn normalize_pci_bus_id(text: &str) -> Option<String> {
     let hex = |s: &str, digits: usize| {
         (!s.is_empty() && s.len() <= digits)

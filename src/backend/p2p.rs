@@ -8,8 +8,7 @@ use std::sync::Mutex;
 use super::Backend;
 use crate::error::Result;
 
-/// Pairs (backend, from, to) whose peer access this process has enabled.
-/// (backend name, from ordinal, to ordinal).
+/// (backend name, from ordinal, to ordinal) whose peer access this process enabled.
 type PeerPair = (&'static str, usize, usize);
 static ENABLED_PEERS: Mutex<Option<HashSet<PeerPair>>> = Mutex::new(None);
 

@@ -34,18 +34,14 @@ macro_rules! impl_cuda_buffer {
 }
 impl_cuda_buffer!(CudaSlice<T>, CudaView<'_, T>, CudaViewMut<'_, T>);
 
-// SAFETY: the pointer, length, dtype and device come from the allocation itself.
-
-unsafe impl<T: Element> DeviceBufferMut<Cuda> for CudaSlice<T> {
-    fn write_ptr<'a>(&'a mut self, dev: &'a CudaDevice) -> (u64, SyncOnDrop<'a>) {
-        self.device_ptr_mut(&dev.stream)
-    }
+macro_rules! impl_cuda_buffer_mut {
+    ($($ty:ty),*) => {$(
+        // SAFETY: the pointer, length, dtype and device come from the allocation itself.
+        unsafe impl<T: Element> DeviceBufferMut<Cuda> for $ty {
+            fn write_ptr<'a>(&'a mut self, dev: &'a CudaDevice) -> (u64, SyncOnDrop<'a>) {
+                self.device_ptr_mut(&dev.stream)
+            }
+        }
+    )*};
 }
-
-// SAFETY: the pointer, length, dtype and device come from the allocation itself.
-
-unsafe impl<T: Element> DeviceBufferMut<Cuda> for CudaViewMut<'_, T> {
-    fn write_ptr<'a>(&'a mut self, dev: &'a CudaDevice) -> (u64, SyncOnDrop<'a>) {
-        self.device_ptr_mut(&dev.stream)
-    }
-}
+impl_cuda_buffer_mut!(CudaSlice<T>, CudaViewMut<'_, T>);

@@ -1,6 +1,4 @@
-//! The CUDA device: the `Cuda` backend type, loading the driver library, the
-//! `CudaDevice` (context, stream, kernels table) with its `IntoDevice` conversions, and
-//! loading the embedded fatbin into the kernels table.
+//! The `Cuda` backend type, loading the driver, and `CudaDevice` with its kernels.
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
@@ -25,12 +23,14 @@ pub(super) fn driver_err(call: &'static str) -> impl FnOnce(cudarc::driver::Driv
     }
 }
 
-/// Loads libcuda once. cudarc's loader panics when the library is missing, so the
-/// library is looked for first (with libloading, under the names the driver is
-/// installed as): when it is missing, that is [`Error::NoDevice`] and cudarc is never
-/// asked. Nothing here touches the process-wide panic hook, so no other thread's panic
-/// message can be lost while the driver loads. (Should cudarc still panic, the panic is
-/// caught and reported as `NoDevice`; the default hook prints it once.)
+/// Makes `ctx` current on this thread.
+pub(super) fn bind(ctx: &CudaContext) -> Result<()> {
+    ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))
+}
+
+/// Loads libcuda once. cudarc's loader panics on a missing library, so it is looked for
+/// first ([`Error::NoDevice`] if absent, cudarc never asked); the panic hook is never
+/// touched (a panic cudarc still raises is caught and reported as `NoDevice`).
 pub(super) fn driver() -> Result<()> {
     static LOADED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     LOADED
@@ -59,10 +59,8 @@ fn libcuda_names() -> Vec<String> {
     ]
 }
 
-/// Loads the first of `names` that loads and keeps it loaded for the process (cudarc
-/// loads the same library next and keeps its handle): whether one did. The check that
-/// keeps cudarc from panicking on a missing library (libcuda here, libnccl in
-/// `external::nccl`).
+/// Whether one of `names` loads; it stays loaded for cudarc, whose loader would panic on
+/// a missing library (libcuda here, libnccl in `external::nccl`).
 pub(crate) fn load_first_of(names: &[String]) -> bool {
     names.iter().any(|name| {
         // SAFETY: loading the library runs its initialisers, which is what cudarc's own
@@ -183,9 +181,7 @@ mod tests {
     #[test]
     fn fatbin_exports_every_kernel() {
         let names: Vec<String> = Kernel::all().map(|k| k.symbol()).collect();
-        // Eleven families (three all-reduces, the barrier, four other collectives, the
-        // one-stage and Lamport fused all-reduce + RMSNorm, the batched all-reduce) in
-        // three dtypes, plus ping-pong and delay.
+        // Eleven families in three dtypes, plus ping-pong and delay.
         assert_eq!(names.len(), 11 * 3 + 2);
         for name in names {
             assert!(

@@ -1,16 +1,10 @@
-//! Capturing collectives into CUDA graphs without `unsafe` at the call site: the
-//! capture over a set of streams ([`capture`]), which knows nothing of communicators
-//! (their `capture` methods, over their ranks' streams, are built on it in the
-//! communicator module).
+//! Capturing collectives into CUDA graphs without `unsafe` at the call site ([`capture`],
+//! over a set of streams; communicators build their `capture` on it).
 //!
-//! cudarc records an event on every use of a buffer while its context tracks events
-//! (the default), and waits for the events of earlier uses; in a capturing stream those
-//! waits and records would reach outside the capture. So the event tracking of every
-//! context involved is turned off for the capture (`CudaContext::disable_event_tracking`,
-//! an `unsafe` call), after every stream has been synchronised, and turned back on
-//! afterwards, also when the closure fails or panics. A process-wide count per context
-//! keeps concurrent captures (ranks on threads that share a GPU) from turning it back
-//! on under each other.
+//! cudarc's event records and waits on every buffer use would reach outside a capture,
+//! so event tracking is off on every context involved during it (after synchronising
+//! each stream) and restored afterwards, also on failure or panic; a process-wide count
+//! per context keeps concurrent captures on one GPU from restoring it under each other.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -47,12 +41,10 @@ impl TrackingPaused {
                 .entry(Arc::as_ptr(ctx) as usize)
                 .or_insert((0, ctx.is_event_tracking()));
             if entry.0 == 0 {
-                // SAFETY: cudarc's conditions concern buffers used while tracking is off.
-                // The caller synchronised every capturing stream first, so no tracked
-                // use is pending; while tracking is off, work on these streams is only
-                // recorded into graphs, not run; tracking comes back on (if it was on)
-                // when the last capture on this context ends. Buffers allocated inside
-                // the closure carry no events: the capture docs forbid allocating there.
+                // SAFETY: cudarc's conditions concern buffers used while tracking is off:
+                // every capturing stream was synchronised first (no tracked use pending),
+                // work is only recorded into graphs meanwhile, tracking is restored when
+                // the last capture here ends, and `capture`'s docs forbid allocating.
                 unsafe { ctx.disable_event_tracking() };
             }
             entry.0 += 1;
@@ -109,21 +101,14 @@ impl Drop for Capturing<'_> {
     }
 }
 
-/// Captures what `f` enqueues on `streams` into one CUDA graph per stream (in the
-/// streams' order), and returns the graphs with `f`'s value. Each graph replays on its
-/// own stream (`CudaGraph::launch`). The bookkeeping is done here: every stream is
-/// synchronised first, cudarc's event tracking is off on their contexts during the
-/// capture (relaxed mode) and restored afterwards, and when `f` fails or panics the
-/// captures are ended and discarded before the error (or the panic) goes on.
+/// Captures what `f` enqueues on `streams` (relaxed mode) into one CUDA graph per
+/// stream, in order, returned with `f`'s value; each replays on its own stream
+/// (`CudaGraph::launch`). If `f` fails or panics the captures are discarded first.
 ///
-/// Rules for `f`: enqueue work only on these streams (peercomm's collectives on a
-/// communicator over them, cudarc copies and kernels on them), and do not allocate
-/// buffers in it (they would carry no cudarc events). A stream on which `f` enqueued
-/// nothing is an error ([`Error::Unsupported`]). Buffers a graph uses must outlive
-/// it, and stay in use on the streams the graphs replay on (or be synchronised
-/// explicitly), as with any CUDA graph. While a capture runs, other threads must not
-/// use buffers of these contexts on other streams (the event tracking they would rely
-/// on is off).
+/// Rules for `f`: enqueue only on these streams and allocate no buffers (they would
+/// carry no cudarc events). A stream left empty is [`Error::Unsupported`]. Buffers must
+/// outlive the graphs, as with any CUDA graph, and other threads must not use these
+/// contexts' buffers on other streams meanwhile (event tracking is off).
 pub fn capture<R>(
     streams: &[Arc<CudaStream>],
     f: impl FnOnce() -> Result<R>,

@@ -5,16 +5,14 @@ use cudarc::driver::sys;
 use cudarc::driver::{DeviceRepr, LaunchConfig, PushKernelArg};
 
 use super::super::{Backend, Kernel, LaunchDims};
-use super::device::{driver_err, Cuda, CudaDevice};
+use super::device::{bind, driver_err, Cuda, CudaDevice};
 use crate::error::Result;
 use crate::signal::{AllReduceArgs, GroupArgs};
 
 // SAFETY: AllReduceArgs is a #[repr(C)] plain-old-data struct of integers, passed by
 // value exactly as the kernels declare it (the same C header).
 unsafe impl DeviceRepr for AllReduceArgs {}
-// SAFETY: GroupArgs is a #[repr(C)] plain-old-data struct of integers (an
-// AllReduceArgs, two u32 and an array of u64 entries), passed by value exactly as the
-// batched all-reduce kernels declare it (the same C header).
+// SAFETY: as above (an AllReduceArgs, two u32 and an array of u64 entries).
 unsafe impl DeviceRepr for GroupArgs {}
 
 pub(super) fn launch(
@@ -24,6 +22,16 @@ pub(super) fn launch(
     args: &AllReduceArgs,
 ) -> Result<()> {
     super::super::check_plain_kernel(<Cuda as Backend>::NAME, kernel)?;
+    launch_one(dev, kernel, dims, args)
+}
+
+/// Launches `kernel` with `args` as its one by-value parameter on the rank's stream.
+fn launch_one<A: DeviceRepr>(
+    dev: &CudaDevice,
+    kernel: Kernel,
+    dims: LaunchDims,
+    args: &A,
+) -> Result<()> {
     let func = dev.kernels.get(&kernel).expect("every kernel is loaded");
     let cfg = LaunchConfig {
         grid_dim: (dims.blocks, 1, 1),
@@ -32,8 +40,9 @@ pub(super) fn launch(
     };
     let mut builder = dev.stream.launch_builder(func);
     builder.arg(args);
-    // SAFETY: the kernel takes exactly one `peercomm_allreduce_args` by value, and
-    // the communicator built it from live allocations of the documented layout.
+    // SAFETY: each kernel takes exactly one argument struct by value (the callers check
+    // the kind: `peercomm_allreduce_args`, or `peercomm_group_args` at 552 bytes, within
+    // the 4 KiB of parameters), built by the communicator from live allocations.
     unsafe { builder.launch(cfg) }
         .map(|_| ())
         .map_err(driver_err("cuLaunchKernel"))
@@ -56,9 +65,7 @@ pub(super) fn launch_overlapping(
         return launch(dev, kernel, dims, args);
     }
     let func = dev.kernels.get(&kernel).expect("every kernel is loaded");
-    dev.ctx
-        .bind_to_thread()
-        .map_err(driver_err("cuCtxSetCurrent"))?;
+    bind(&dev.ctx)?;
     let mut attr: sys::CUlaunchAttribute = unsafe {
         // SAFETY: a plain C struct (an id, padding and a union of integers): all
         // zero bytes is a valid value, overwritten below.
@@ -79,10 +86,9 @@ pub(super) fn launch_overlapping(
         numAttrs: 1,
     };
     let mut params = [args as *const AllReduceArgs as *mut std::ffi::c_void];
-    // SAFETY: the kernel takes exactly one `peercomm_allreduce_args` by value
-    // (`params` points at it for the duration of the call, which copies it); the
-    // function belongs to this device's context, bound above; `attr` lives until
-    // the call returns.
+    // SAFETY: the kernel takes one `peercomm_allreduce_args` by value (`params` points at
+    // it during the call, which copies it); the function is of this device's context,
+    // bound above; `attr` outlives the call.
     unsafe {
         sys::cuLaunchKernelEx(
             &config,
@@ -102,19 +108,5 @@ pub(super) fn launch_group(
     args: &GroupArgs,
 ) -> Result<()> {
     super::super::check_group_kernel(<Cuda as Backend>::NAME, kernel, args)?;
-    let func = dev.kernels.get(&kernel).expect("every kernel is loaded");
-    let cfg = LaunchConfig {
-        grid_dim: (dims.blocks, 1, 1),
-        block_dim: (dims.threads, 1, 1),
-        shared_mem_bytes: 0,
-    };
-    let mut builder = dev.stream.launch_builder(func);
-    builder.arg(args);
-    // SAFETY: the batched all-reduce kernel takes exactly one `peercomm_group_args`
-    // by value (552 bytes, within the 4 KiB of kernel parameters), and the
-    // communicator built it from live allocations of the documented layout and from
-    // buffers it holds for the call.
-    unsafe { builder.launch(cfg) }
-        .map(|_| ())
-        .map_err(driver_err("cuLaunchKernel"))
+    launch_one(dev, kernel, dims, args)
 }

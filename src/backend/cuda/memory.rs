@@ -8,13 +8,12 @@ use cudarc::driver::CudaContext;
 
 use super::super::handle::{import_error, process_token, Reader, Writer};
 use super::super::ExportedRange;
-use super::device::{driver_err, CudaDevice};
+use super::device::{bind, driver_err, CudaDevice};
 use crate::error::{Error, Result};
 
-/// The location of device `ordinal`, built the same way whatever CUDA version the
-/// application's cudarc binds: `CUmemLocation` is `{ CUmemLocationType type; int id; }`
-/// in every version, though from 13.2 the id sits in a union (and the bindings change
-/// shape with it), so the id is written at its C offset.
+/// The location of device `ordinal`, for any CUDA version cudarc binds: from 13.2 the
+/// id of `{ CUmemLocationType type; int id; }` sits in a union, so it is written at its
+/// C offset.
 pub(super) fn device_location(ordinal: usize) -> sys::CUmemLocation {
     const _: () = assert!(std::mem::size_of::<sys::CUmemLocation>() == 8);
     // SAFETY: all-zero bits are a valid CUmemLocation (a C enum and an int / a union of
@@ -90,10 +89,8 @@ fn same_process_import(detail: &str) -> Error {
     ))
 }
 
-/// Another process's allocation mapped into this one with `cuIpcOpenMemHandle`
-/// ([`Backend::import_memory`](super::super::Backend::import_memory)). Dropping it synchronises the importing context (kernels
-/// there may still use the memory, as [`CudaMemory`]'s drop does) and closes the
-/// mapping with `cuIpcCloseMemHandle`; errors are ignored there, never panicked on.
+/// Another process's allocation mapped into this one. Dropping it synchronises the
+/// importing context, then unmaps (errors ignored, never panicked on).
 pub struct CudaPeerMapping {
     pub(super) ctx: Arc<CudaContext>,
     pub(super) ptr: u64,
@@ -203,9 +200,8 @@ pub(super) fn prepare_shared_device(dev: &CudaDevice) -> Result<()> {
     }
     .result()
     .map_err(driver_err("cuMemPoolSetAttribute"))?;
-    // Keep freed memory in the pool: giving it back to the system at a stream
-    // synchronisation can wait for the whole device, including another rank's
-    // kernel that waits for this rank's next launch.
+    // Keep freed memory in the pool: releasing it at a synchronisation can wait for the
+    // whole device, including another rank's kernel waiting for this rank.
     let mut keep = u64::MAX;
     // SAFETY: the attribute takes a cuuint64_t; `keep` outlives the call.
     unsafe {
@@ -291,9 +287,7 @@ pub(super) fn peer_access_problem(
 }
 
 pub(super) fn export_memory(_dev: &CudaDevice, mem: &CudaMemory) -> Result<Vec<u8>> {
-    mem.ctx
-        .bind_to_thread()
-        .map_err(driver_err("cuCtxSetCurrent"))?;
+    bind(&mem.ctx)?;
     ipc_handle(mem.ptr, mem.bytes).map_err(driver_err("cuIpcGetMemHandle"))
 }
 
@@ -345,9 +339,7 @@ pub(super) enum Export {
 }
 
 pub(super) fn export_range(dev: &CudaDevice, ptr: u64, bytes: usize) -> Result<Export> {
-    dev.ctx
-        .bind_to_thread()
-        .map_err(driver_err("cuCtxSetCurrent"))?;
+    bind(&dev.ctx)?;
     let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
     // SAFETY: out-pointers valid for the call; the driver checks `ptr`.
     unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
@@ -383,9 +375,7 @@ pub(super) fn import_memory(dev: &CudaDevice, handle: &[u8]) -> Result<CudaPeerM
     }
     let bytes = usize::try_from(bytes)
         .map_err(|_| import_error("cuda", format!("size {bytes} does not fit here")))?;
-    dev.ctx
-        .bind_to_thread()
-        .map_err(driver_err("cuCtxSetCurrent"))?;
+    bind(&dev.ctx)?;
     let ipc = sys::CUipcMemHandle {
         reserved: raw.map(|b| b as std::ffi::c_char),
     };

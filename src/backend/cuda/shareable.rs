@@ -1,30 +1,18 @@
-//! Memory that CUDA exports to other processes only as a POSIX file descriptor: a
-//! stream-ordered memory pool made with the `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`
-//! handle type, and a virtual-memory allocation (`cuMemCreate`) that requested it.
-//! Registration of such buffers across processes (`Backend::export_range` /
-//! `Backend::import_range`): the handle record travels over the bootstrap, the
-//! descriptor over the per-rank communicator's descriptor channel.
+//! Registering memory that CUDA exports only as a POSIX file descriptor (a pool made
+//! with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`, or `cuMemCreate` memory that asked
+//! for it): the handle record travels over the bootstrap, the descriptor over the
+//! descriptor channel. Each descriptor is owned by its holder and closed once used.
 //!
-//! - Pool memory: the exporter sends the pool's descriptor
-//!   (`cuMemPoolExportToShareableHandle`) and the allocation's export data
-//!   (`cuMemPoolExportPointer`); the importer opens the pool once per exporter's pool
-//!   and context (`cuMemPoolImportFromShareableHandle`, then `cuMemPoolSetAccess` for
-//!   its device: imported pools grant no device access), and the allocation in it
-//!   (`cuMemPoolImportPointer`). Dropping the mapping frees the imported pointer
-//!   (`cuMemFree`) and, with the pool's last pointer, destroys the imported pool.
-//! - Virtual memory: the exporter sends the descriptor of the physical allocation that
-//!   backs the range (`cuMemRetainAllocationHandle`, `cuMemExportToShareableHandle`);
-//!   the importer imports it (`cuMemImportFromShareableHandle`), reserves an address
-//!   range, maps the allocation whole (`cuMemMap`), grants its device read-write access
-//!   (`cuMemSetAccess`) and releases the handle (the mapping keeps the memory). Dropping
-//!   the mapping unmaps it and frees the address range.
+//! - Pool: the pool's fd and the pointer's export data; the importer opens the pool once
+//!   per exporter pool and context, grants its device access (imported pools grant none)
+//!   and imports the pointer. Drop frees the pointer, and the pool with its last one.
+//! - Virtual memory: the fd of the backing allocation; the importer reserves a range,
+//!   maps the allocation whole and grants access. Drop unmaps and frees the range.
 //!
-//! Every descriptor is owned by the side holding it and closed once the driver has
-//! used it. Handle records (little-endian, framed as every CUDA handle): magic `pccp`
-//! (pool) or `pccv` (virtual memory), version 1, then the exporter's process token,
-//! the allocation's size, its base address and the pool's (or allocation handle's)
-//! value in the exporter (identities: one allocation is mapped once per peer), and
-//! for pools the 64 bytes of `CUmemPoolPtrExportData`.
+//! Records (LE, framed as every CUDA handle): magic `pccp` (pool) or `pccv` (VMM),
+//! version 1, the exporter's token, the allocation's size, its base and the pool's (or
+//! allocation handle's) value in the exporter (one allocation is mapped once per peer),
+//! and for pools the 64-byte `CUmemPoolPtrExportData`.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
@@ -32,7 +20,7 @@ use cudarc::driver::sys;
 
 use super::super::handle::{import_error, process_token, Reader, Writer};
 use super::super::ExportedRange;
-use super::device::{driver_err, CudaDevice};
+use super::device::{bind, driver_err, CudaDevice};
 use super::memory::{
     device_location, imported_pools, pool_of, release_pool, CudaPeerMapping, ImportedPool, Unmap,
 };
@@ -327,9 +315,7 @@ pub(super) fn import(
         .ok_or_else(|| import_error("cuda", "the handle came without its descriptor".into()))?;
     let size = usize::try_from(size)
         .map_err(|_| import_error("cuda", format!("size {size} does not fit here")))?;
-    dev.ctx
-        .bind_to_thread()
-        .map_err(driver_err("cuCtxSetCurrent"))?;
+    bind(&dev.ctx)?;
     let ordinal = dev.ctx.ordinal();
     if pool {
         let mut data = sys::CUmemPoolPtrExportData {
