@@ -1,13 +1,10 @@
 //! NCCL through cudarc's `nccl` module: the external library of the CUDA backend.
 //!
-//! Per rank, the group's first rank makes an `ncclUniqueId` and the others receive it
-//! through peercomm's [`Bootstrap`] (one all-gather), then every rank calls
-//! `ncclCommInitRank` on its device. The single controller uses `ncclCommInitAll`
-//! (cudarc's `Comm::from_devices`) and launches its ranks' calls between
-//! `ncclGroupStart` and `ncclGroupEnd`. Calls go to `ncclAllReduce` on the rank's
-//! stream. cudarc loads libnccl at run time; peercomm looks for it first (with
-//! libloading), so a missing library is [`Error::ExternalUnavailable`], not a panic,
-//! and the process-wide panic hook is never touched. NCCL refuses two ranks on one GPU.
+//! Per rank, the group's first rank's `ncclUniqueId` reaches the others in one
+//! [`Bootstrap`] all-gather before `ncclCommInitRank`; the single controller uses
+//! `ncclCommInitAll` and groups its ranks' calls. libnccl is looked for before cudarc
+//! loads it, so a missing one is [`Error::ExternalUnavailable`], not a panic, and the
+//! panic hook is never touched. NCCL refuses two ranks on one GPU.
 
 use std::sync::{Arc, OnceLock};
 
@@ -69,13 +66,9 @@ fn loaded() -> Result<()> {
         })
 }
 
-/// Looks for libnccl first (with libloading, under the names cudarc loads it by, or
-/// already linked into the process): when it is missing, that is the error and cudarc
-/// is never asked, since cudarc's loader panics. Only then asks cudarc for NCCL's
-/// version. Nothing here touches the process-wide panic hook, so no other thread's panic
-/// is swallowed and a hook the application sets meanwhile stays set. (Should cudarc
-/// still panic, for a library found under a name cudarc does not try, the panic is
-/// caught and reported as the error; the hook prints it once.)
+/// Looks for libnccl (by cudarc's names, or linked into the process) before asking
+/// cudarc for its version, since cudarc's loader panics on a missing library. The panic
+/// hook is never touched; a panic cudarc still raises is caught and reported.
 fn load() -> std::result::Result<(), String> {
     libnccl_present()?;
     let r = std::panic::catch_unwind(|| {
@@ -90,8 +83,7 @@ fn load() -> std::result::Result<(), String> {
     }
 }
 
-/// Names cudarc's loader tries for NCCL (its candidates for this platform), then NCCL's
-/// own soname.
+/// Names cudarc's loader tries for NCCL on this platform.
 fn libnccl_names() -> Vec<String> {
     use std::env::consts::{DLL_PREFIX, DLL_SUFFIX};
     let mut names = vec![format!("{DLL_PREFIX}nccl{DLL_SUFFIX}")];
@@ -101,8 +93,8 @@ fn libnccl_names() -> Vec<String> {
     names
 }
 
-/// Whether NCCL's symbols are already in the process (linked at build time, as with
-/// cudarc's `dynamic-linking`, or loaded globally by another library).
+/// Whether NCCL's symbols are already in the process (cudarc's `dynamic-linking`, or
+/// loaded globally by another library).
 fn linked_into_process() -> bool {
     #[cfg(unix)]
     let this = Some(libloading::os::unix::Library::this());
@@ -307,10 +299,8 @@ mod tests {
     use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
     use std::sync::Arc;
 
-    /// Looking for NCCL leaves the panic hook alone: a hook the application installed is
-    /// still installed afterwards, and every panic another thread has meanwhile reaches
-    /// it (none is swallowed by a temporarily silent hook). On a host without NCCL the
-    /// probe fails without a panic.
+    /// Looking for NCCL leaves the panic hook alone (it stays installed and hears every
+    /// other thread's panic); without NCCL the probe fails without a panic.
     #[test]
     fn loading_nccl_leaves_the_panic_hook_alone() {
         const NAME: &str = "nccl-hook-test-panicker";

@@ -1,12 +1,9 @@
 //! RCCL, loaded at run time: the external library of the HIP backend.
 //!
-//! RCCL exports NCCL's C API (`ncclGetUniqueId`, `ncclCommInitRank`, `ncclAllReduce`,
-//! ...) from `librccl.so`. peercomm does not link it: the first use opens it with
-//! `dlopen` (the name in `PEERCOMM_RCCL_LIBRARY` if set, else `librccl.so.1`,
-//! `librccl.so`, then under `$ROCM_PATH/lib` and `/opt/rocm/lib`) and resolves each
-//! symbol, so a machine without RCCL builds and runs peercomm, and the fallback there
-//! is [`Error::ExternalUnavailable`] naming what is missing. Ids are exchanged as for
-//! NCCL (module `external::nccl` on CUDA).
+//! RCCL exports NCCL's C API from `librccl.so`. The first use `dlopen`s it
+//! ([`RCCL_LIBRARY_ENV`], else `librccl.so.1`, `librccl.so`, then under `$ROCM_PATH/lib`
+//! and `/opt/rocm/lib`), so a machine without RCCL builds and runs peercomm and gets
+//! [`Error::ExternalUnavailable`] naming what is missing. Ids are exchanged as for NCCL.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::{Arc, OnceLock};
@@ -109,8 +106,8 @@ fn default_names() -> Vec<String> {
     names
 }
 
-/// Opens the first of `names` that loads and resolves every symbol peercomm calls.
-/// The error names each library tried and why it failed.
+/// Opens the first of `names` that loads and resolves every symbol peercomm calls; the
+/// error names each library tried and why it failed.
 fn load_from(names: &[String]) -> std::result::Result<Api, String> {
     let mut tried = Vec::new();
     for name in names {
