@@ -1,7 +1,5 @@
-//! Frames on blocking sockets: deadlines over reads and writes, which I/O errors mean
-//! "timed out", "closed" or "out of resources", the frame header (kind byte, `u32`
-//! length), reading and writing whole frames under the [`MAX_FRAME_BYTES`] cap, and the
-//! typed error for a failure to hear from (or talk to) a peer.
+//! Whole frames on blocking sockets under deadlines, and the typed errors for I/O that
+//! timed out, closed or ran out of resources.
 
 use std::io::{self, Read, Write};
 use std::net::TcpStream;

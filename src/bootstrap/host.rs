@@ -33,10 +33,9 @@ impl fmt::Display for HostId {
 }
 
 /// This process's host: [`HOST_ID_OVERRIDE_ENV`] if set and not empty, else
-/// `hostname/boot-id` (Linux's `/proc/sys/kernel/random/boot_id`, which differs between
-/// machines and between boots even where host names repeat; else `/etc/machine-id`),
-/// or the host name alone where neither is readable. Containers sharing a kernel share
-/// the boot id but usually not the host name, so they count as different hosts.
+/// `hostname/boot-id` (`/proc/sys/kernel/random/boot_id`, else `/etc/machine-id`; unique
+/// even where host names repeat), else the host name. Containers sharing a kernel usually
+/// differ by host name, so they count as different hosts.
 pub fn host_identity() -> HostId {
     host_identity_from(std::env::var(HOST_ID_OVERRIDE_ENV).ok())
 }

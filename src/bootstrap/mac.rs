@@ -1,6 +1,5 @@
-//! What proves the id's secret without sending it: the nonces each side draws, the
-//! HMAC-SHA-256 tags under distinct labels (so that no MAC serves as another), checked
-//! in constant time, and rank 0's challenge, made on rank 0 and checked on rank r.
+//! Proving the id's secret without sending it: nonces, labelled HMAC-SHA-256 tags checked
+//! in constant time, and rank 0's challenge.
 
 use std::io;
 

@@ -1,7 +1,5 @@
 //! [`TcpBootstrap`]: the built-in [`Bootstrap`], a star of TCP connections through
-//! rank 0. This file owns the type, its checks of the arguments, its state (the links to
-//! the other ranks, the timeout, the first failure) and its [`Bootstrap`] impl; the
-//! handshake and the all-gather on either side of the star live in the submodules.
+//! rank 0: its arguments, state and first failure.
 
 mod gather;
 mod leaf;
@@ -64,18 +62,11 @@ impl fmt::Debug for TcpBootstrap {
 
 impl TcpBootstrap {
     /// Joins the communicator `id` names as `rank` of `world_size` ranks, with this
-    /// process's [`host_identity`]. Rank 0 must call it in the process that made `id`
-    /// (or, for an id made elsewhere and released there, on the host whose address it
-    /// names). `timeout` bounds the whole
-    /// handshake (from this call on: connecting, with retries, proving the secret both
-    /// ways and the welcome, on every rank) and, afterwards, each operation
-    /// ([`TcpBootstrap::set_timeout`] changes that).
-    ///
-    /// A rank r > 0 refuses a listener that cannot prove it knows the secret with
-    /// [`BootstrapError::UnverifiedRankZero`]; when rank 0's port closes its connection
-    /// before the welcome, it connects again within `timeout`.
-    ///
-    /// A world of one opens no connection.
+    /// process's [`host_identity`]. Rank 0 calls it in the process that made `id` (or, for
+    /// a released id, on the host it names). `timeout` bounds the whole handshake, with
+    /// retries, then each operation ([`TcpBootstrap::set_timeout`]). A listener that
+    /// cannot prove the secret is [`BootstrapError::UnverifiedRankZero`]. A world of one
+    /// opens no connection.
     pub fn connect(
         id: &UniqueId,
         rank: usize,
@@ -181,12 +172,9 @@ impl Bootstrap for TcpBootstrap {
         self.gather(mine, None)
     }
 
-    /// An all-gather under `timeout` instead of [`TcpBootstrap::timeout`] (which stays
-    /// as it was for later calls). It gives up after `timeout`, then spends at most a
-    /// further 200 ms telling the peers why; a peer that is gone (its connection closed)
-    /// fails it at once. A failure poisons the bootstrap, as any failed operation does.
-    /// It waits for the internal lock like every operation, so a call running on
-    /// another thread delays it. ([`Bootstrap::barrier_within`] is this of nothing.)
+    /// An all-gather under `timeout` instead of [`TcpBootstrap::timeout`] (unchanged for
+    /// later calls), plus at most 200 ms telling peers why on failure, which poisons the
+    /// bootstrap. A gone peer fails it at once; it waits for the internal lock.
     fn all_gather_within(&self, mine: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
         self.gather(mine, Some(timeout))
     }

@@ -1,6 +1,5 @@
-//! The messages on the wire (see the module docs of `bootstrap` for the format): rank
-//! r's hello and proof, rank 0's welcome, data and error frames, read and written; and
-//! how a failing rank tells its peers why (the farewell) or learns why rank 0 closed.
+//! The messages on the wire (format in the `bootstrap` module docs), and how a failing
+//! rank tells its peers why.
 
 use std::io::{self, Read};
 use std::net::{Shutdown, TcpStream};
@@ -244,10 +243,9 @@ pub(super) fn explain_closed(s: &mut TcpStream, err: BootstrapError) -> Bootstra
     }
 }
 
-/// Tells each peer why this rank fails (an error frame), then closes the connections
-/// gracefully: half-close, and read until the peer closes or [`FAREWELL`] passes, so
-/// that unread bytes do not turn the close into a reset that could destroy the error
-/// frame before the peer reads it.
+/// Tells each peer why this rank fails (an error frame), then half-closes and reads until
+/// the peer closes or [`FAREWELL`] passes (unread bytes would turn the close into a reset
+/// that can destroy the error frame).
 pub(super) fn farewell(mut streams: Vec<TcpStream>, me: usize, err: &BootstrapError) {
     let (origin, message) = match err {
         BootstrapError::PeerFailed { rank, message } => (*rank, message.clone()),

@@ -1,7 +1,5 @@
-//! Rank r's side of the handshake (r > 0): connecting to rank 0 with retries, checking
-//! rank 0's challenge before proving the secret, being welcomed, connecting again when
-//! rank 0's port closes the connection before the welcome, and the hints of its
-//! timeouts.
+//! Rank r's side of the handshake (r > 0): connecting with retries, checking rank 0's
+//! challenge before proving the secret, and the welcome.
 
 use std::io;
 use std::net::{SocketAddr, TcpStream};
@@ -113,10 +111,8 @@ fn connect_with_retry(
     }
 }
 
-/// Rank r's side of the handshake, all of it (connecting, proving, being welcomed) by one
-/// deadline `timeout` from now. Connects again when rank 0's port closes the connection
-/// before the welcome (rank 0 evicted it, or was not ready); refuses, without trying
-/// again, a listener that cannot prove it knows the secret.
+/// Rank r's whole handshake by one deadline `timeout` from now; reconnects when rank 0's
+/// port closes before the welcome, refuses a listener that cannot prove the secret.
 pub(super) fn leaf_handshake(
     id: &UniqueId,
     rank: usize,

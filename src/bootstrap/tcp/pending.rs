@@ -1,8 +1,5 @@
-//! The connections rank 0 has accepted that have not proven themselves yet: each read
-//! without blocking, a frame at a time, and closed when it sends the wrong kind or size
-//! of frame (rank 0's accept loop closes those past [`HELLO_DEADLINE`] and the oldest
-//! when the table is full); and the count of those it turned away, for the hint of its
-//! timeout.
+//! Connections rank 0 accepted that have not proven themselves yet, read a frame at a
+//! time without blocking, and the count of those turned away (for the timeout's hint).
 
 use std::io::{self, Read};
 use std::net::TcpStream;

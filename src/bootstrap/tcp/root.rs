@@ -1,7 +1,5 @@
-//! Rank 0's side of the handshake: the accept loop that reads, challenges and checks
-//! every connection without blocking on any (evicting the stalled and the oldest, backing
-//! off when descriptors run out), the checks of each proven rank against the others,
-//! failing everyone admitted when one is wrong, and the welcome.
+//! Rank 0's side of the handshake: the non-blocking accept loop, the checks of each
+//! proven rank, and the welcome.
 
 use std::collections::VecDeque;
 use std::io::{self, Write};

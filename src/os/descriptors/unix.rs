@@ -120,14 +120,8 @@ impl Listener {
     }
 
     /// One descriptor from each of `from` for registration `registration`, in the
-    /// order of `from`, or an error at `deadline` naming the ranks that sent none.
-    ///
-    /// Every connection is checked with `SO_PEERCRED` as soon as it is accepted: one
-    /// of another user, or of a process that is no expected sender's, is closed at
-    /// once, unread. The others are read side by side (never one at a time), each
-    /// within [`CONNECTION_READ_TIMEOUT`] of its accept, so that a stalled or bogus
-    /// connection delays no real sender; accepting goes on while a descriptor is
-    /// missing.
+    /// order of `from`, or an error at `deadline` naming the ranks that sent none
+    /// (connections are vetted and read as the module docs say).
     pub(crate) fn receive(
         &self,
         registration: u64,
