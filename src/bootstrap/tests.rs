@@ -1,8 +1,5 @@
-//! Loopback tests of the bootstrap: threads stand in for processes, every listener binds
-//! port 0, and the failure tests use short timeouts with bounded elapsed times. This file
-//! holds what the tests share (the timeouts, ids, one thread per rank, a hand-made rank
-//! speaking the wire format, bounds on elapsed time); the tests are in its submodules,
-//! by topic.
+//! Loopback tests of the bootstrap (threads stand in for processes, listeners bind port
+//! 0, failure tests use short timeouts with bounded elapsed times) and their helpers.
 
 use super::error::Result;
 use super::frame::{deadline_after, read_frame, RecvError};

@@ -1,5 +1,5 @@
-//! The HIP device: the `Hip` backend type, `HipDevice` (stream, loaded kernels and
-//! what the runtime reports) with opening it, and `HipEvent`.
+//! `HipDevice` (stream, loaded kernels, what the runtime reports), opening it, and
+//! `HipEvent`.
 
 use std::ffi::c_void;
 use std::ptr::null_mut;
@@ -277,20 +277,8 @@ pub(super) fn open(ordinal: usize) -> Result<HipDevice> {
             )?;
             let value = khz as u32;
             if bytes == std::mem::size_of::<u32>() {
-                // SAFETY: `ptr` is the 4-byte device global; `value` lives until the
-                // stream is synchronised below.
-                check(
-                    unsafe {
-                        ffi::hipMemcpyHtoDAsync(
-                            ptr,
-                            (&value as *const u32).cast(),
-                            bytes,
-                            device.stream,
-                        )
-                    },
-                    "hipMemcpyHtoDAsync",
-                )?;
-                <Hip as Backend>::synchronize(&device)?;
+                // SAFETY: `ptr` is the 4-byte device global; `value` is 4 bytes.
+                unsafe { super::htod(&device, ptr as u64, (&value as *const u32).cast(), bytes) }?;
                 device.wall_clock_khz = Some(value);
             }
         }

@@ -75,10 +75,8 @@ const IPC_VERSION: u32 = 1;
 /// `hipIpcMemHandle_t` 64.
 const IPC_HANDLE_BYTES: usize = 88;
 
-/// Another process's allocation mapped into this one with `hipIpcOpenMemHandle`
-/// ([`Backend::import_memory`]). Dropping it synchronises the importing device (kernels
-/// there may still use the memory) and closes the mapping with `hipIpcCloseMemHandle`;
-/// errors are ignored there, never panicked on.
+/// Another process's allocation mapped into this one ([`Backend::import_memory`]).
+/// Dropping it synchronises the importing device, then closes it (errors ignored).
 pub struct HipPeerMapping {
     pub(super) ptr: u64,
     pub(super) bytes: usize,

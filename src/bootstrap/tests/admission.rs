@@ -1,6 +1,4 @@
-//! Whom rank 0 admits: wrong secrets and strays refused while the real ranks complete
-//! (and counted in the timeout's hint), duplicate ranks, rank 0 claimed, world size
-//! mismatches, a rank of the older protocol.
+//! Whom rank 0 admits: wrong secrets, strays, duplicate or mismatched ranks, old versions.
 
 use super::*;
 use crate::bootstrap::frame::frame;

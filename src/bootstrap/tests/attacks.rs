@@ -1,9 +1,5 @@
-//! Attacks on the TCP bootstrap, over loopback only, each bounded in connections and
-//! time: a flood of idle connections, a squatter on a released id's port, garbage and
-//! half headers, fd exhaustion (in a child process with a low `RLIMIT_NOFILE`), a leaf
-//! dropped before its welcome, and the handshake's one deadline. This file holds what
-//! they share (reading a peer until it closes, accepting within a limit); the attacks
-//! are in its submodules.
+//! Attacks on the TCP bootstrap over loopback, each bounded in connections and time,
+//! and their shared helpers.
 
 use super::*;
 use std::io::Read;

@@ -1,6 +1,4 @@
-//! Failures that must end in a typed error, quickly: a rank or rank 0 that never comes,
-//! a leaf that gives up, a stale id, oversized frames on either side, a rank missing from
-//! an all-gather, a rank that drops its bootstrap.
+//! Failures that must end in a typed error, quickly.
 
 use super::*;
 use crate::bootstrap::frame::header;

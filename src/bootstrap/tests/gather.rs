@@ -1,6 +1,4 @@
-//! Successful all-gathers: every world size in rank order, rounds of different lengths, a
-//! world of one without a network, sharing a bootstrap between threads, a custom store's
-//! default barrier, and `barrier_within`.
+//! Successful all-gathers and barriers.
 
 use super::*;
 use std::sync::{Barrier, Mutex};

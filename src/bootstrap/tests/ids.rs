@@ -1,6 +1,4 @@
-//! The id and the local checks, no handshake: a [`UniqueId`] as bytes and text, garbled
-//! ids, bootstrap addresses, the address a new id binds, argument errors and the host
-//! identity override.
+//! The id and the local checks that need no handshake.
 
 use super::*;
 use crate::bootstrap::host::host_identity_from;

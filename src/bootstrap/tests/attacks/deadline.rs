@@ -1,6 +1,4 @@
-//! The handshake's one deadline: on either side it ends by its timeout whatever the
-//! other side does (nothing listening, a backlog, a mute listener, a listener that drops
-//! everyone; nobody connecting, a silent connection).
+//! The handshake ends by its timeout on either side, whatever the other side does.
 
 use super::*;
 use std::net::TcpListener;

@@ -1,6 +1,5 @@
-//! Rank 0 out of file descriptors (Linux only): a child process of the test binary runs
-//! rank 0 under a low `RLIMIT_NOFILE` while the parent piles up idle connections, then
-//! joins as rank 1.
+//! Rank 0 out of file descriptors: a child process runs rank 0 under a low
+//! `RLIMIT_NOFILE` while the parent piles up idle connections, then joins as rank 1.
 
 use super::*;
 use std::io::Read;

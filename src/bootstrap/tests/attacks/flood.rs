@@ -1,6 +1,4 @@
-//! Connections that are not ranks, before and beside the real ones: a flood of idle
-//! connections (more than rank 0's pending table holds), half-sent headers closed after
-//! the hello deadline, and garbage of every shape.
+//! Connections that are not ranks: idle floods, half-sent headers, garbage.
 
 use super::*;
 use crate::bootstrap::frame::frame;

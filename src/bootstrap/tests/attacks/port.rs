@@ -1,6 +1,5 @@
-//! What a leaf meets on rank 0's port when rank 0 is not there: a squatter that bound it
-//! after `release()` (refused, and it never sees the secret), and a port that drops the
-//! leaf before its welcome (the leaf connects again).
+//! A leaf on rank 0's port without rank 0: a squatter after `release()`, and a port that
+//! drops the leaf before its welcome.
 
 use super::*;
 use crate::bootstrap::frame::frame;
