@@ -4,7 +4,7 @@
 //! - Devices: one [`HipDevice`] per GPU with its own non-blocking stream and the
 //!   embedded code object for its `gcnArchName` (gfx90a, gfx942, gfx950 where the
 //!   compiler knew it; another is a typed error), launched with `hipModuleLaunchKernel`.
-//! - Signal memory ([`MemoryKind::Signal`]) is uncached device memory, or fine-grained
+//! - Signal memory (`MemoryKind::Signal`) is uncached device memory, or fine-grained
 //!   on HIP 5.x ([`HipAllocation`]): spins see peers' stores, and the kernels'
 //!   system-scope release/acquire order the rest.
 //! - One process: peer access between every pair and unified addresses, so a peer's
