@@ -32,7 +32,7 @@ pub(crate) use device::load_first_of;
 use device::{bind, driver, driver_err};
 pub use device::{Cuda, CudaDevice};
 pub use graph::{capture, is_capturing};
-use memory::{device_location, granted_pools};
+use memory::granted_pools;
 pub use memory::{CudaMemory, CudaPeerMapping};
 
 use cudarc::driver::sys::{self, CUdevice_attribute};
@@ -147,15 +147,8 @@ impl Backend for Cuda {
         }
         // Peer access does not cover stream-ordered (pool) allocations, which cudarc
         // uses: grant `dev` access to `peer`'s pool too.
-        let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-        // SAFETY: `pool` outlives the call; the device handle comes from a live context.
-        unsafe { sys::cuDeviceGetMemPool(&mut pool, peer.ctx.cu_device()) }
-            .result()
-            .map_err(driver_err("cuDeviceGetMemPool"))?;
-        let desc = sys::CUmemAccessDesc {
-            location: device_location(dev.ctx.ordinal()),
-            flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-        };
+        let pool = memory::device_pool(peer)?;
+        let desc = memory::read_write(dev.ctx.ordinal());
         // SAFETY: `desc` is one valid descriptor and outlives the call.
         unsafe { sys::cuMemPoolSetAccess(pool, &desc, 1) }
             .result()

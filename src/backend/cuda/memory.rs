@@ -182,12 +182,26 @@ pub(super) fn release_pool(pool: usize) {
     }
 }
 
-pub(super) fn prepare_shared_device(dev: &CudaDevice) -> Result<()> {
+/// The current memory pool of `dev`'s device (where cudarc allocates buffers).
+pub(super) fn device_pool(dev: &CudaDevice) -> Result<sys::CUmemoryPool> {
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     // SAFETY: `pool` outlives the call; the device handle comes from a live context.
     unsafe { sys::cuDeviceGetMemPool(&mut pool, dev.ctx.cu_device()) }
         .result()
         .map_err(driver_err("cuDeviceGetMemPool"))?;
+    Ok(pool)
+}
+
+/// Read-write access for device `ordinal`.
+pub(super) fn read_write(ordinal: usize) -> sys::CUmemAccessDesc {
+    sys::CUmemAccessDesc {
+        location: device_location(ordinal),
+        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    }
+}
+
+pub(super) fn prepare_shared_device(dev: &CudaDevice) -> Result<()> {
+    let pool = device_pool(dev)?;
     // No allocation waits, through the pool, for a free on another rank's stream.
     let mut off: i32 = 0;
     // SAFETY: the attribute takes an int; `off` outlives the call.

@@ -22,7 +22,7 @@ use super::super::handle::{import_error, process_token, Reader, Writer};
 use super::super::ExportedRange;
 use super::device::{bind, driver_err, CudaDevice};
 use super::memory::{
-    device_location, imported_pools, pool_of, release_pool, CudaPeerMapping, ImportedPool, Unmap,
+    imported_pools, pool_of, read_write, release_pool, CudaPeerMapping, ImportedPool, Unmap,
 };
 use crate::error::{Error, Result};
 
@@ -41,14 +41,6 @@ const POSIX_FD: sys::CUmemAllocationHandleType =
 
 fn cannot(reason: String) -> Error {
     Error::CannotRegister { rank: 0, reason }
-}
-
-/// Read-write access for device `ordinal`.
-fn read_write(ordinal: usize) -> sys::CUmemAccessDesc {
-    sys::CUmemAccessDesc {
-        location: device_location(ordinal),
-        flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-    }
 }
 
 /// Exports `[ptr, ptr + bytes)` of memory that legacy IPC cannot export (its

@@ -166,25 +166,29 @@ pub(super) fn allocate(ordinal: usize, bytes: usize, kind: MemoryKind) -> Result
 
 pub(super) fn export_memory(_dev: &HipDevice, mem: &HipMemory) -> Result<Vec<u8>> {
     set_device(mem.ordinal)?;
+    handle_record(mem.ptr, mem.bytes).map_err(|status| Error::Backend {
+        backend: Hip::NAME,
+        call: "hipIpcGetMemHandle",
+        detail: describe(status),
+    })
+}
+
+/// The handle record of the allocation of `bytes` at `base` (of the current device), or
+/// the runtime's status.
+fn handle_record(base: u64, bytes: usize) -> std::result::Result<Vec<u8>, ffi::HipStatus> {
     let mut handle = ffi::IpcMemHandle {
         reserved: [0; ffi::IPC_HANDLE_SIZE],
     };
-    // SAFETY: `handle` is a valid out pointer; `ptr` is the base of a live
-    // allocation of this device.
-    check(
-        unsafe { ffi::hipIpcGetMemHandle(&mut handle, mem.ptr as *mut c_void) },
-        "hipIpcGetMemHandle",
-    )?;
-    Ok(handle_record(&handle, mem.bytes))
-}
-
-/// The handle record of `handle`, an allocation of `bytes`.
-fn handle_record(handle: &ffi::IpcMemHandle, bytes: usize) -> Vec<u8> {
-    Writer::new(IPC_MAGIC, IPC_VERSION)
+    // SAFETY: `handle` is a valid out pointer; the runtime checks `base`.
+    let status = unsafe { ffi::hipIpcGetMemHandle(&mut handle, base as *mut c_void) };
+    if status != ffi::SUCCESS {
+        return Err(status);
+    }
+    Ok(Writer::new(IPC_MAGIC, IPC_VERSION)
         .u64(process_token())
         .u64(bytes as u64)
         .bytes(&handle.reserved.map(|c| c as u8))
-        .finish()
+        .finish())
 }
 
 pub(super) fn export_range(dev: &HipDevice, ptr: u64, bytes: usize) -> Result<(Vec<u8>, u64)> {
@@ -205,19 +209,14 @@ pub(super) fn export_range(dev: &HipDevice, ptr: u64, bytes: usize) -> Result<(V
             "{bytes} bytes at {ptr:#x} run past the end of its allocation ({size} bytes at {base:#x})"
         )));
     }
-    let mut handle = ffi::IpcMemHandle {
-        reserved: [0; ffi::IPC_HANDLE_SIZE],
-    };
-    // SAFETY: `handle` is a valid out pointer; `base` is the base of a live allocation.
-    let status = unsafe { ffi::hipIpcGetMemHandle(&mut handle, base as *mut c_void) };
-    if status != ffi::SUCCESS {
-        return Err(cannot(format!(
+    let handle = handle_record(base, size).map_err(|status| {
+        cannot(format!(
             "hipIpcGetMemHandle: {} (memory from a pool or a virtual-memory mapping cannot \
              be exported this way; allocate it with Comm::alloc_symmetric)",
             describe(status)
-        )));
-    }
-    Ok((handle_record(&handle, size), ptr - base))
+        ))
+    })?;
+    Ok((handle, ptr - base))
 }
 
 pub(super) fn import_memory(dev: &HipDevice, handle: &[u8]) -> Result<HipPeerMapping> {
