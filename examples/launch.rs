@@ -449,10 +449,9 @@ fn all_reduce_checked<B: Backend>(
 ) -> Result<String, String> {
     let start = Instant::now();
     let n = args.elements;
-    let config = CommConfig {
-        allow_shared_devices: world > devices,
-        ..CommConfig::for_largest_message(n, DType::F32).map_err(|e| e.to_string())?
-    };
+    let config = CommConfig::for_largest_message(n, DType::F32)
+        .map_err(|e| e.to_string())?
+        .with_allow_shared_devices(world > devices);
     let comm = Comm::<B>::from_rank(device, rank, world, id, config)
         .map_err(|e| format!("Comm::from_rank: {e} (recovery: {})", advice(&e)))?;
     let dev = comm.device();

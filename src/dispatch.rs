@@ -25,6 +25,7 @@
 /// through [`crate::CollectiveOptions::algorithm`], under the same rules; the two give
 /// the same bits there too.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum Algorithm {
     /// Choose by the dispatch table.
     #[default]
@@ -37,7 +38,7 @@ pub enum Algorithm {
     /// only).
     Lamport,
     /// The whole call ran in the external library (NCCL on CUDA, RCCL on AMD, the host
-    /// stand-in on the host backend): see [`crate::external`]. Returned when peer
+    /// stand-in on the host backend): see the `external` module. Returned when peer
     /// memory cannot serve the communicator (and its fallback is on), or when the user
     /// opted in to routing by size; forcing it needs the external library to be set up.
     Nccl,
@@ -135,6 +136,7 @@ pub fn table(arch: &str, width: usize) -> &'static [DispatchRow] {
 
 /// Where the rows of a table come from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(not(feature = "unstable"), allow(dead_code))]
 pub enum Provenance {
     /// Measured with `peercomm-bench` on this architecture and width (docs/dispatch.md).
     Measured,
@@ -147,6 +149,7 @@ pub enum Provenance {
 
 /// Whether the rows [`table`] returns for (`arch`, `width`) were measured, predicted
 /// or are the generic ones.
+#[cfg_attr(not(feature = "unstable"), allow(dead_code))]
 pub fn provenance(arch: &str, width: usize) -> Provenance {
     match (arch, width) {
         (_, 1) | ("sm_90", 2) => Provenance::Measured,

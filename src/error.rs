@@ -16,6 +16,7 @@ fn waited_for(rank: Option<usize>) -> String {
 /// count, the block count, the algorithm, where the peers read the input, and the
 /// call's place in the rank's sequence of calls in its barrier domain.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum CallField {
     /// The call's sequence number in its barrier domain: one rank of the group made
     /// more or fewer collective calls of this width before this one.
@@ -150,11 +151,11 @@ pub enum Error {
         width: usize,
     },
     /// The chosen algorithm needs more scratch than the communicator has. Ask before
-    /// calling with `Communicator::algorithm_for` / `Comm::algorithm_for`; size a
+    /// calling with `SingleController::algorithm_for` / `Comm::algorithm_for`; size a
     /// communicator for a message with `CommConfig::for_largest_message`.
     ///
     /// A staged call (every call of the per-rank `Comm` whose peers read its input, and
-    /// an in-place one-stage call of the `Communicator`) that the payload cannot hold
+    /// an in-place one-stage call of the `SingleController`) that the payload cannot hold
     /// whole does not get this error: it runs through the payload in chunks (see
     /// `CommConfig::payload_bytes`). Staged, it remains only where half the payload
     /// cannot hold one chunk: less than a 16-byte pack per half (per part and member

@@ -68,7 +68,7 @@
 //! `examples/launch.rs` does exactly that. Engines with their own store pass a
 //! [`Bootstrap`] to [`Comm::from_bootstrap`].
 //!
-//! # One process driving every GPU: [`Communicator`]
+//! # One process driving every GPU: [`SingleController`]
 //!
 //! The single controller: one communicator over several devices of this process, every
 //! collective enqueued on every rank at once, with the checks only it can make (every
@@ -76,29 +76,29 @@
 //!
 //! ```
 //! use peercomm::backend::{host::Host, Backend, TypedBuffer};
-//! use peercomm::{AllReduceOptions, CommConfig, Communicator, DType, Tensor, TensorMut};
+//! use peercomm::{AllReduceOptions, CommConfig, SingleController, DType, TensorView, TensorViewMut};
 //!
 //! // Scratch sized for the largest message (6 f32 per rank here).
 //! let config = CommConfig::for_largest_message(6, DType::F32)?;
-//! let comm = Communicator::<Host>::new(&[0, 1], config)?;
+//! let comm = SingleController::<Host>::new(&[0, 1], config)?;
 //! let mut ins = Vec::new();
 //! let mut outs = Vec::new();
-//! for (r, rank) in comm.ranks().iter().enumerate() {
+//! for (r, rank) in comm.cores().iter().enumerate() {
 //!     ins.push(Host::alloc_from(rank.device(), &[r as f32 + 1.0; 6])?);
 //!     outs.push(Host::alloc_buffer::<f32>(rank.device(), 6)?);
 //! }
 //! // The slice form: the buffers as they are, one per rank.
 //! comm.all_reduce_sum_slices(&ins, &mut outs, &AllReduceOptions::new())?;
 //! comm.synchronize()?; // waits, then reads every rank's error record
-//! assert_eq!(outs[1].to_host(comm.rank(1).device())?, vec![3.0; 6]);
+//! assert_eq!(outs[1].to_host(comm.core(1).device())?, vec![3.0; 6]);
 //!
 //! // The shaped form checks that every rank passes the same shape.
-//! let inputs: Vec<_> = ins.iter().map(|b| Tensor::new(b, &[2, 3])).collect();
-//! let mut outputs: Vec<_> = outs.iter_mut().map(|b| TensorMut::new(b, &[2, 3])).collect();
+//! let inputs: Vec<_> = ins.iter().map(|b| TensorView::new(b, &[2, 3])).collect();
+//! let mut outputs: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::new(b, &[2, 3])).collect();
 //! comm.all_reduce_sum(&inputs, &mut outputs, &AllReduceOptions::new())?;
 //! drop(outputs);
 //! comm.synchronize()?;
-//! assert_eq!(outs[0].to_host(comm.rank(0).device())?, vec![3.0; 6]);
+//! assert_eq!(outs[0].to_host(comm.core(0).device())?, vec![3.0; 6]);
 //! # Ok::<(), peercomm::Error>(())
 //! ```
 //!
@@ -130,41 +130,53 @@
 pub mod backend;
 pub mod bootstrap;
 mod comm;
-pub mod dispatch;
+mod dispatch;
 mod dtype;
 mod error;
-pub mod external;
+mod external;
 mod os;
-#[doc(hidden)]
-pub mod protocol;
-pub mod signal;
+mod protocol;
+mod signal;
 mod tensor;
+#[cfg(feature = "unstable")]
+pub mod unstable;
 
 pub use backend::p2p::{enable_p2p, is_p2p_enabled};
-#[doc(hidden)]
-pub use backend::signal_init::init_signal_buffer_with_counter_base;
 pub use backend::signal_init::{create_signal_buffer, init_signal_buffer};
 pub use backend::Backend;
 pub use backend::{DeviceIdentity, IntoDevice};
 pub use bootstrap::{Bootstrap, BootstrapError, HostId, TcpBootstrap, UniqueId};
 #[cfg(feature = "cuda")]
 pub use comm::RegisteredGraph;
-#[doc(hidden)]
-pub use comm::{free_expired_teardowns, parked_teardowns};
 pub use comm::{
-    AllReduceOptions, CaptureInputs, CollectiveOptions, Comm, CommConfig, CommGroup, Communicator,
-    CommunicatorGroup, MemoryFootprint, Rank, RegisterError, Registered, SymmetricBuffer,
-    SYMMETRIC_SEGMENT_BYTES,
+    AllReduceOptions, CaptureInputs, CollectiveOptions, Comm, CommConfig, CommGroup,
+    MemoryFootprint, Rank, RegisterError, Registered, SingleController, SingleControllerGroup,
+    SymmetricBuffer, SYMMETRIC_SEGMENT_BYTES,
 };
 pub use dispatch::Algorithm;
-pub use dtype::{BackendElement, DType, Element};
+pub use dtype::{DType, Element};
 pub use error::{CallField, Error, Recovery, Result};
-pub use external::{Fallback, FallbackConfig, Simulation, SizeRouting};
+#[cfg(feature = "fault-injection")]
+pub use external::Simulation;
+pub use external::{Fallback, FallbackConfig, SizeRouting};
 /// The `half` crate peercomm's 16-bit element types come from (`half::f16`,
 /// `half::bf16`), so callers need no version of their own to match.
 pub use half;
 pub use signal::{
-    barrier_domain, circular_add, reduce_scatter_part, SignalLayout, MAX_GPUS,
-    MAX_NUM_BLOCKS_UPPER_BOUND, NUM_BARRIER_DOMAINS,
+    circular_add, reduce_scatter_part, Signal, SignalLayout, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
+    NUM_BARRIER_DOMAINS,
 };
-pub use tensor::{Tensor, TensorMut};
+pub use tensor::{TensorView, TensorViewMut};
+
+/// The single controller's old name.
+#[deprecated(note = "renamed `SingleController` (one process driving every GPU)")]
+pub type Communicator<B> = SingleController<B>;
+/// The single controller's group guard's old name.
+#[deprecated(note = "renamed `SingleControllerGroup`")]
+pub type CommunicatorGroup<'c, 'b, B> = SingleControllerGroup<'c, 'b, B>;
+/// The shaped input view's old name (it clashed with candle's `Tensor`).
+#[deprecated(note = "renamed `TensorView`")]
+pub type Tensor<'a, B> = TensorView<'a, B>;
+/// The shaped output view's old name.
+#[deprecated(note = "renamed `TensorViewMut`")]
+pub type TensorMut<'a, B> = TensorViewMut<'a, B>;

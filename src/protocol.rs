@@ -130,6 +130,7 @@ pub enum BarrierKind {
 
 impl BarrierKind {
     /// Orderings of the arrival store and of the spin's loads on the devices.
+    #[cfg_attr(not(feature = "unstable"), allow(dead_code))]
     pub const fn device_orderings(self) -> (Ordering, Ordering) {
         match self {
             BarrierKind::Publish => (Ordering::Release, Ordering::Acquire),
@@ -165,6 +166,7 @@ pub struct BarrierSite {
 /// left mid-barrier and the signal must be re-initialised. This is
 /// [`barrier_with_call`] without a descriptor: the same steps.
 #[inline]
+#[cfg_attr(not(feature = "unstable"), allow(dead_code))]
 pub fn barrier<S, W>(
     signals: &S,
     site: BarrierSite,

@@ -91,6 +91,7 @@ pub const ERROR_WRITING: u32 = bindings::PEERCOMM_ERROR_WRITING;
 /// Words of a call descriptor.
 pub const CALL_WORDS: usize = bindings::PEERCOMM_CALL_WORDS as usize;
 /// 16-byte packs of one barrier arrival (each: the counter, three descriptor words).
+#[cfg_attr(not(feature = "unstable"), allow(dead_code))]
 pub const CALL_PACKS: usize = bindings::PEERCOMM_CALL_PACKS as usize;
 /// Packs at the end of every Lamport slot that hold the writer's descriptor.
 pub const LAMPORT_HEADER_PACKS: usize = bindings::PEERCOMM_LAMPORT_HEADER_PACKS as usize;

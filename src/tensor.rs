@@ -4,22 +4,22 @@
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 
 /// A read-only tensor: a borrowed device buffer and its shape.
-pub struct Tensor<'a, B: Backend> {
+pub struct TensorView<'a, B: Backend> {
     pub(crate) data: &'a dyn DeviceBuffer<B>,
     pub(crate) shape: Vec<usize>,
 }
 
-impl<'a, B: Backend> Tensor<'a, B> {
+impl<'a, B: Backend> TensorView<'a, B> {
     /// A tensor of the given shape over `data`.
     pub fn new(data: &'a dyn DeviceBuffer<B>, shape: &[usize]) -> Self {
-        Tensor {
+        TensorView {
             data,
             shape: shape.to_vec(),
         }
     }
     /// A rank-1 tensor over the whole buffer.
     pub fn flat(data: &'a dyn DeviceBuffer<B>) -> Self {
-        Tensor {
+        TensorView {
             data,
             shape: vec![data.len()],
         }
@@ -31,15 +31,15 @@ impl<'a, B: Backend> Tensor<'a, B> {
 }
 
 /// A writable tensor: a mutably borrowed device buffer and its shape.
-pub struct TensorMut<'a, B: Backend> {
+pub struct TensorViewMut<'a, B: Backend> {
     pub(crate) data: &'a mut dyn DeviceBufferMut<B>,
     pub(crate) shape: Vec<usize>,
 }
 
-impl<'a, B: Backend> TensorMut<'a, B> {
+impl<'a, B: Backend> TensorViewMut<'a, B> {
     /// A tensor of the given shape over `data`.
     pub fn new(data: &'a mut dyn DeviceBufferMut<B>, shape: &[usize]) -> Self {
-        TensorMut {
+        TensorViewMut {
             data,
             shape: shape.to_vec(),
         }
@@ -47,7 +47,7 @@ impl<'a, B: Backend> TensorMut<'a, B> {
     /// A rank-1 tensor over the whole buffer.
     pub fn flat(data: &'a mut dyn DeviceBufferMut<B>) -> Self {
         let len = data.len();
-        TensorMut {
+        TensorViewMut {
             data,
             shape: vec![len],
         }

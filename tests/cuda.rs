@@ -16,7 +16,7 @@ use common::Placement;
 use peercomm::backend::cuda::Cuda;
 use peercomm::backend::host::Host;
 use peercomm::backend::Backend;
-use peercomm::{Algorithm, AllReduceOptions, Communicator, Error};
+use peercomm::{Algorithm, AllReduceOptions, Error, SingleController};
 
 fn cuda_devices() -> Result<usize, String> {
     match Cuda::device_count() {
@@ -34,7 +34,7 @@ fn no_gpu_gives_a_typed_error() {
         common::announce_skip("no_gpu_gives_a_typed_error", "a CUDA device is present");
         return;
     }
-    match Communicator::<Cuda>::new(&[0], common::suite_config(None)) {
+    match SingleController::<Cuda>::new(&[0], common::suite_config(None)) {
         Err(Error::NoDevice { .. }) => {}
         Err(other) => panic!("expected NoDevice, got {other}"),
         Ok(_) => panic!("a communicator without a GPU"),
@@ -63,12 +63,12 @@ fn cuda_graph_replays_with_new_data() {
         (Algorithm::Lamport, 300),
     ] {
         let mut ins: Vec<_> = comm
-            .ranks()
+            .cores()
             .iter()
             .map(|r| Cuda::alloc_buffer::<half::bf16>(r.device(), len).unwrap())
             .collect();
         let mut outs: Vec<_> = comm
-            .ranks()
+            .cores()
             .iter()
             .map(|r| Cuda::alloc_buffer::<half::bf16>(r.device(), len).unwrap())
             .collect();
@@ -93,7 +93,7 @@ fn cuda_graph_replays_with_new_data() {
             algorithm == Algorithm::Auto || ran == expected,
             "{algorithm:?} ran {ran:?}"
         );
-        for r in comm.ranks() {
+        for r in comm.cores() {
             assert!(
                 r.device().context().is_event_tracking(),
                 "tracking restored"
@@ -105,7 +105,7 @@ fn cuda_graph_replays_with_new_data() {
                 .map(|_| common::random_values(&mut rng, len))
                 .collect();
             let poison = vec![half::bf16::NAN; len];
-            for (r, rank) in comm.ranks().iter().enumerate() {
+            for (r, rank) in comm.cores().iter().enumerate() {
                 Cuda::upload(rank.device(), &data[r], &mut ins[r]).unwrap();
                 Cuda::upload(rank.device(), &poison, &mut outs[r]).unwrap();
             }
@@ -114,7 +114,7 @@ fn cuda_graph_replays_with_new_data() {
             }
             comm.synchronize().unwrap();
             let got: Vec<Vec<half::bf16>> = comm
-                .ranks()
+                .cores()
                 .iter()
                 .zip(&outs)
                 .map(|(r, o)| Cuda::download(r.device(), o).unwrap())
@@ -149,7 +149,7 @@ fn cuda_capture_cleans_up_on_error_and_panic() {
     let comm = common::open::<Cuda>(world, common::suite_config(None));
     let mut rng = common::rng("cuda_capture_cleans_up_on_error_and_panic");
     let clean = |what: &str| {
-        for r in comm.ranks() {
+        for r in comm.cores() {
             assert!(
                 !is_capturing(r.device().stream()).unwrap(),
                 "{what}: still capturing"
@@ -292,7 +292,7 @@ fn host_and_cuda_agree_bitwise() {
     for placement in placements {
         let world = placement.world();
         let ordinals: Vec<usize> = (0..world).collect();
-        let host = Communicator::<Host>::new(&ordinals, fuzz_config(Some(3))).unwrap();
+        let host = SingleController::<Host>::new(&ordinals, fuzz_config(Some(3))).unwrap();
         let cuda = placement.open::<Cuda>(fuzz_config(None));
         differential(
             &format!(

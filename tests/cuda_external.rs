@@ -9,7 +9,7 @@ mod external_suite;
 use external_suite::Place;
 use peercomm::backend::cuda::Cuda;
 use peercomm::backend::Backend;
-use peercomm::external::HasExternalLibrary;
+use peercomm::unstable::HasExternalLibrary;
 
 /// A placement when at least `gpus` GPUs (and, when `nccl`, NCCL) are there.
 fn place(test: &str, gpus: usize, nccl: bool) -> Option<Place> {

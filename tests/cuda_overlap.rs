@@ -17,7 +17,7 @@ use common::Placement;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use peercomm::backend::cuda::Cuda;
 use peercomm::backend::Backend;
-use peercomm::{Algorithm, AllReduceOptions, Communicator, Tensor, TensorMut};
+use peercomm::{Algorithm, AllReduceOptions, SingleController, TensorView, TensorViewMut};
 
 const PRODUCER: &str = r#"
 extern "C" __global__ void produce(float* x, unsigned long long n, float base,
@@ -37,7 +37,7 @@ extern "C" __global__ void produce(float* x, unsigned long long n, float base,
 "#;
 
 /// The producer compiled for every rank's context, or why not.
-fn producers(comm: &Communicator<Cuda>) -> Result<Vec<CudaFunction>, String> {
+fn producers(comm: &SingleController<Cuda>) -> Result<Vec<CudaFunction>, String> {
     let arch = match comm.architecture() {
         "sm_80" => "compute_80",
         "sm_90" => "compute_90",
@@ -50,7 +50,7 @@ fn producers(comm: &Communicator<Cuda>) -> Result<Vec<CudaFunction>, String> {
     let ptx = std::panic::catch_unwind(|| cudarc::nvrtc::compile_ptx_with_opts(PRODUCER, opts))
         .map_err(|_| "NVRTC could not be loaded".to_string())?
         .map_err(|e| format!("NVRTC failed: {e:?}"))?;
-    comm.ranks()
+    comm.cores()
         .iter()
         .map(|r| {
             let module = r
@@ -80,8 +80,8 @@ fn produce(f: &CudaFunction, stream: &Arc<CudaStream>, x: &mut CudaSlice<f32>, b
 }
 
 /// One buffer of `n` floats per rank.
-fn buffers(comm: &Communicator<Cuda>, n: usize) -> Vec<CudaSlice<f32>> {
-    comm.ranks()
+fn buffers(comm: &SingleController<Cuda>, n: usize) -> Vec<CudaSlice<f32>> {
+    comm.cores()
         .iter()
         .map(|r| Cuda::alloc_buffer::<f32>(r.device(), n).unwrap())
         .collect()
@@ -93,7 +93,7 @@ fn expected(world: usize, base: impl Fn(usize) -> f32, n: usize) -> Vec<f32> {
         .collect()
 }
 
-fn setup(test: &str) -> Option<(Communicator<Cuda>, Vec<CudaFunction>)> {
+fn setup(test: &str) -> Option<(SingleController<Cuda>, Vec<CudaFunction>)> {
     let gpus = match Cuda::device_count() {
         Ok(n) if n > 0 => n,
         Ok(_) => {
@@ -123,7 +123,7 @@ fn overlapped_launch_reads_what_the_previous_kernel_wrote() {
     };
     let world = comm.world_size();
     let streams: Vec<_> = comm
-        .ranks()
+        .cores()
         .iter()
         .map(|r| r.device().stream().clone())
         .collect();
@@ -139,7 +139,7 @@ fn overlapped_launch_reads_what_the_previous_kernel_wrote() {
             .overlap_previous(true);
         for call in 0..20 {
             for r in 0..world {
-                let dev = comm.rank(r).device();
+                let dev = comm.core(r).device();
                 Cuda::upload(dev, &vec![f32::NAN; n], &mut ins[r]).unwrap();
                 Cuda::upload(dev, &vec![f32::NAN; n], &mut outs[r]).unwrap();
             }
@@ -147,15 +147,15 @@ fn overlapped_launch_reads_what_the_previous_kernel_wrote() {
             for r in 0..world {
                 produce(&producer[r], &streams[r], &mut ins[r], base(r));
             }
-            let it: Vec<Tensor<Cuda>> = ins.iter().map(|b| Tensor::flat(b)).collect();
-            let mut ot: Vec<TensorMut<Cuda>> =
-                outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+            let it: Vec<TensorView<Cuda>> = ins.iter().map(|b| TensorView::flat(b)).collect();
+            let mut ot: Vec<TensorViewMut<Cuda>> =
+                outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
             let ran = comm.all_reduce_sum(&it, &mut ot, &opts).unwrap();
             assert_eq!(ran, algorithm);
             comm.synchronize().unwrap();
             let want = expected(world, base, n);
             for r in 0..world {
-                let got = Cuda::download(comm.rank(r).device(), &outs[r]).unwrap();
+                let got = Cuda::download(comm.core(r).device(), &outs[r]).unwrap();
                 assert!(
                     got == want,
                     "{algorithm:?} n {n} call {call}: rank {r} summed something else than the \
@@ -178,7 +178,7 @@ fn overlapped_launch_inside_a_graph_reads_what_the_producer_wrote() {
     let world = comm.world_size();
     let n = 65_537usize;
     let streams: Vec<_> = comm
-        .ranks()
+        .cores()
         .iter()
         .map(|r| r.device().stream().clone())
         .collect();
@@ -196,7 +196,7 @@ fn overlapped_launch_inside_a_graph_reads_what_the_producer_wrote() {
     let want = expected(world, |r| r as f32 + 1.0, n);
     for replay in 0..50 {
         for r in 0..world {
-            let dev = comm.rank(r).device();
+            let dev = comm.core(r).device();
             Cuda::upload(dev, &vec![f32::NAN; n], &mut ins[r]).unwrap();
             Cuda::upload(dev, &vec![f32::NAN; n], &mut outs[r]).unwrap();
             streams[r].synchronize().unwrap();
@@ -204,7 +204,7 @@ fn overlapped_launch_inside_a_graph_reads_what_the_producer_wrote() {
         graphs.iter().for_each(|g| g.launch().unwrap());
         comm.synchronize().unwrap();
         for r in 0..world {
-            let got = Cuda::download(comm.rank(r).device(), &outs[r]).unwrap();
+            let got = Cuda::download(comm.core(r).device(), &outs[r]).unwrap();
             assert!(got == want, "replay {replay}: rank {r} summed the poison");
         }
     }

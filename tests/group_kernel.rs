@@ -1,5 +1,5 @@
 //! The batched all-reduce kernel (`KernelKind::AllReduceGroup`) on the host backend,
-//! through the group calls (`Communicator::group` and `Comm::group`, which batch the
+//! through the group calls (`SingleController::group` and `Comm::group`, which batch the
 //! all-reduces issued in a group): worlds 2, 3 and 4,
 //! every group size dividing them, f32 / f16 / bf16, batches of 1, 2, 5 and 8 entries
 //! of 0, 1, 7, 8, 1000 and 4099 elements. Inputs are fresh random values with -0.0 and
@@ -24,7 +24,8 @@ use peercomm::backend::host::{Host, HostBuffer};
 use peercomm::backend::{Backend, DeviceBuffer, DeviceBufferMut, TypedBuffer};
 use peercomm::bootstrap::UniqueId;
 use peercomm::{
-    Algorithm, AllReduceOptions, CallField, Comm, CommConfig, Communicator, DType, Element, Error,
+    Algorithm, AllReduceOptions, CallField, Comm, CommConfig, DType, Element, Error,
+    SingleController,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -53,14 +54,12 @@ fn divisors(world: usize) -> Vec<usize> {
 }
 
 fn config(blocks: u32) -> CommConfig {
-    CommConfig {
-        lamport_slot_bytes: 1 << 20,
-        payload_bytes: 4 << 20,
-        barrier_timeout: Some(Duration::from_secs(30)),
-        max_blocks: Some(blocks),
-        bootstrap_timeout: Duration::from_secs(30),
-        ..CommConfig::default()
-    }
+    CommConfig::default()
+        .with_lamport_slot_bytes(1 << 20)
+        .with_payload_bytes(4 << 20)
+        .with_barrier_timeout(Some(Duration::from_secs(30)))
+        .with_max_blocks(Some(blocks))
+        .with_bootstrap_timeout(Duration::from_secs(30))
 }
 
 fn nan<T: Element>() -> T {
@@ -129,7 +128,7 @@ fn check_entry<T: Element>(
 // Single controller.
 
 fn single_controller_case<T: Element>(
-    comm: &Communicator<Host>,
+    comm: &SingleController<Host>,
     rng: &mut StdRng,
     width: usize,
     lengths: &[usize],
@@ -140,7 +139,7 @@ fn single_controller_case<T: Element>(
         T::DTYPE
     );
     let ins = batch_inputs::<T>(rng, world, lengths);
-    let dev = |r: usize| comm.rank(r).device();
+    let dev = |r: usize| comm.core(r).device();
     let sends: Vec<Vec<HostBuffer<T>>> = ins
         .iter()
         .map(|e| {
@@ -189,7 +188,7 @@ fn single_controller_case<T: Element>(
 fn single_controller_batches(world: usize) {
     let mut rng = common::rng(&format!("group_kernel_single_world_{world}"));
     let ordinals: Vec<usize> = (0..world).collect();
-    let comm = Communicator::<Host>::new(&ordinals, config(3)).unwrap();
+    let comm = SingleController::<Host>::new(&ordinals, config(3)).unwrap();
     let mut batches_run = 0;
     for width in divisors(world) {
         for lengths in batches() {
@@ -226,13 +225,11 @@ fn single_controller_batches_world_4() {
 #[test]
 fn single_controller_refusals_and_faults() {
     let world = 2;
-    let config = CommConfig {
-        payload_bytes: 64 << 10,
-        barrier_timeout: Some(Duration::from_millis(500)),
-        ..config(2)
-    };
-    let comm = Communicator::<Host>::new(&[0, 1], config).unwrap();
-    let dev = |r: usize| comm.rank(r).device();
+    let config = config(2)
+        .with_payload_bytes(64 << 10)
+        .with_barrier_timeout(Some(Duration::from_millis(500)));
+    let comm = SingleController::<Host>::new(&[0, 1], config).unwrap();
+    let dev = |r: usize| comm.core(r).device();
     let bufs = |lengths: &[Vec<usize>], value: f32| -> Vec<Vec<HostBuffer<f32>>> {
         lengths
             .iter()
@@ -338,12 +335,9 @@ fn single_controller_refusals_and_faults() {
 #[test]
 fn single_controller_batches_read_in_place_or_stage_for_in_place_entries() {
     let world = 4;
-    let config = CommConfig {
-        payload_bytes: 16 << 10,
-        ..config(2)
-    };
-    let comm = Communicator::<Host>::new(&[0, 1, 2, 3], config).unwrap();
-    let dev = |r: usize| comm.rank(r).device();
+    let config = config(2).with_payload_bytes(16 << 10);
+    let comm = SingleController::<Host>::new(&[0, 1, 2, 3], config).unwrap();
+    let dev = |r: usize| comm.core(r).device();
     let mut rng = common::rng("group_kernel_single_in_place");
     for width in divisors(world) {
         // 3 x 4099 f32 = 48 KiB, three times the payload: read in place, one batch.
@@ -421,7 +415,7 @@ fn single_controller_batches_read_in_place_or_stage_for_in_place_entries() {
 /// A batch through the single controller's group: entry s is one all-reduce of the
 /// group, over groups of `width`.
 fn single_group<S: DeviceBuffer<Host>, R: DeviceBufferMut<Host>>(
-    comm: &Communicator<Host>,
+    comm: &SingleController<Host>,
     sends: &[Vec<S>],
     recvs: &mut [Vec<R>],
     width: usize,
@@ -613,10 +607,7 @@ fn batch(lengths: &[usize]) -> Call {
 /// `CallMismatch` naming the field (the others naming the last rank, the last rank one
 /// of them), nothing written; after `reinitialize` a matching batch works again.
 fn per_rank_mismatches(world: usize) {
-    let config = CommConfig {
-        barrier_timeout: Some(Duration::from_millis(1500)),
-        ..config(2)
-    };
+    let config = config(2).with_barrier_timeout(Some(Duration::from_millis(1500)));
     let usual = [300, 7, 1000, 0, 8];
     let cases: Vec<(&str, CallField, Call, Call)> = vec![
         (
@@ -685,10 +676,7 @@ fn per_rank_mismatches_world_3() {
 /// entry table, exactly) runs next.
 #[test]
 fn per_rank_group_past_the_payload_is_split() {
-    let config = CommConfig {
-        payload_bytes: 64 << 10,
-        ..config(2)
-    };
+    let config = config(2).with_payload_bytes(64 << 10);
     per_rank(2, &config, |_rank, comm, _meet| {
         batch_untouched(comm, &[8192, 8192, 1]).unwrap();
         batch_untouched(comm, &[8192, 8192 - 20]).unwrap();
@@ -805,10 +793,7 @@ fn per_rank_later_entry_mismatches(world: usize) {
         .filter(|p| narrow_digest(&p.usual[1..]) == narrow_digest(&p.other[1..]))
         .count();
     assert!(collisions >= 12, "{collisions} digest collisions");
-    let config = CommConfig {
-        barrier_timeout: Some(Duration::from_millis(1500)),
-        ..config(2)
-    };
+    let config = config(2).with_barrier_timeout(Some(Duration::from_millis(1500)));
     let got = per_rank(world, &config, |rank, comm, meet| {
         let mut got = Vec::new();
         for (i, p) in pairs.iter().enumerate() {

@@ -12,8 +12,8 @@ use std::process::Command;
 
 use peercomm::backend::hip::{embedded_code_objects, skipped_architectures, Hip};
 use peercomm::backend::Backend;
-use peercomm::external::HasExternalLibrary;
-use peercomm::{CommConfig, Communicator, Error};
+use peercomm::unstable::HasExternalLibrary;
+use peercomm::{CommConfig, Error, SingleController};
 
 /// The AMD GPUs HIP sees, or why there are none (what `hipGetDeviceCount` said).
 fn amd_gpus() -> Result<usize, String> {
@@ -36,7 +36,7 @@ fn no_gpu_gives_a_typed_error() {
         return;
     }
     for ordinals in [&[0usize][..], &[0, 1][..]] {
-        match Communicator::<Hip>::new(ordinals, CommConfig::default()) {
+        match SingleController::<Hip>::new(ordinals, CommConfig::default()) {
             Err(e @ Error::NoDevice { .. }) => {
                 eprintln!("no_gpu_gives_a_typed_error: {ordinals:?}: {e}");
                 assert!(e.to_string().contains("hip"), "{e}");
@@ -391,7 +391,7 @@ fn data_kernels_move_16_byte_packs_and_use_no_scratch() {
 /// tried, never a panic or a link failure: RCCL is opened at run time.
 #[test]
 fn missing_rccl_is_a_typed_error() {
-    use peercomm::external::rccl::RCCL_LIBRARY_ENV;
+    use peercomm::unstable::RCCL_LIBRARY_ENV;
     // The first use of RCCL in this process reads the variable: point it at nothing.
     std::env::set_var(RCCL_LIBRARY_ENV, "/nonexistent/librccl.so.1");
     let library = Hip::external_library();

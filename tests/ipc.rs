@@ -19,8 +19,9 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use peercomm::backend::host::Host;
-use peercomm::backend::{Backend, Kernel, KernelKind, LaunchDims, MemoryKind};
-use peercomm::signal::AllReduceArgs;
+use peercomm::backend::Backend;
+use peercomm::unstable::AllReduceArgs;
+use peercomm::unstable::{Kernel, KernelKind, LaunchDims, MemoryKind};
 use peercomm::{DType, Error};
 
 static SERIAL: Mutex<()> = Mutex::new(());

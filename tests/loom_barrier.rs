@@ -1,5 +1,5 @@
 //! A loom model check of the counter barrier: the very function the host backend runs
-//! (`peercomm::protocol::barrier`), instantiated over loom's atomics instead of the
+//! (`peercomm::unstable::protocol::barrier`), instantiated over loom's atomics instead of the
 //! signal memory, with the memory orderings the device kernels use for each kind of
 //! barrier (not the stronger ones the host asks for):
 //!
@@ -50,8 +50,10 @@ use std::sync::atomic::Ordering;
 use loom::cell::UnsafeCell;
 use loom::sync::atomic::AtomicU32;
 use loom::sync::Arc;
-use peercomm::barrier_domain;
-use peercomm::protocol::{barrier, Backoff, BarrierKind, BarrierSignals, BarrierSite, CounterCell};
+use peercomm::unstable::barrier_domain;
+use peercomm::unstable::protocol::{
+    barrier, Backoff, BarrierKind, BarrierSignals, BarrierSite, CounterCell,
+};
 
 /// Counters start here, so the three barriers of a domain cross `u32::MAX -> 0`.
 const COUNTER_BASE: u32 = u32::MAX - 1;

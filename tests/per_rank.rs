@@ -44,10 +44,7 @@ fn unequal_core_counts_agree_on_the_grid() {
         );
         return;
     }
-    let config = peercomm::CommConfig {
-        max_blocks: None,
-        ..HOST.config(2)
-    };
+    let config = HOST.config(2).with_max_blocks(None);
     // Pin in the worker threads: `with_affinity` sets the mask of the calling thread.
     per_rank_suite::agreement::check_one_stage_sums_pinned::<Host>(
         &HOST,
@@ -126,7 +123,7 @@ fn comm_is_send() {
     send::<peercomm::Comm<Host>>();
 }
 
-/// `Comm` and `Communicator` print what they are, not their internals.
+/// `Comm` and `SingleController` print what they are, not their internals.
 #[test]
 fn comm_and_communicator_print_backend_rank_and_world() {
     use peercomm::backend::Backend;
@@ -137,10 +134,10 @@ fn comm_and_communicator_print_backend_rank_and_world() {
         format!("{comm:?}"),
         r#"Comm { backend: "host", rank: 0, world_size: 1, .. }"#
     );
-    let all = peercomm::Communicator::<Host>::new(&[0, 1], HOST.config(2)).unwrap();
+    let all = peercomm::SingleController::<Host>::new(&[0, 1], HOST.config(2)).unwrap();
     assert_eq!(
         format!("{all:?}"),
-        r#"Communicator { backend: "host", world_size: 2, .. }"#
+        r#"SingleController { backend: "host", world_size: 2, .. }"#
     );
 }
 

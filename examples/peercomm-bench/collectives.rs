@@ -46,7 +46,7 @@ fn time_both(gpu: &Gpu, args: &Args, calls: usize, mut call: impl FnMut()) -> (f
 fn buffers(gpu: &Gpu, len: usize, values: Option<&[Vec<T>]>) -> Vec<CudaSlice<T>> {
     (0..gpu.comm.world_size())
         .map(|r| {
-            let dev = gpu.comm.rank(r).device();
+            let dev = gpu.comm.core(r).device();
             let mut b = Cuda::alloc_buffer::<T>(dev, len).unwrap();
             let fill = match values {
                 Some(v) => v[r].clone(),
@@ -61,7 +61,7 @@ fn buffers(gpu: &Gpu, len: usize, values: Option<&[Vec<T>]>) -> Vec<CudaSlice<T>
 fn download(gpu: &Gpu, bufs: &[CudaSlice<T>]) -> Vec<Vec<T>> {
     bufs.iter()
         .enumerate()
-        .map(|(r, b)| Cuda::download(gpu.comm.rank(r).device(), b).unwrap())
+        .map(|(r, b)| Cuda::download(gpu.comm.core(r).device(), b).unwrap())
         .collect()
 }
 
@@ -128,8 +128,9 @@ pub fn run(gpu: &Gpu, args: &Args, sizes: &[usize]) -> Vec<Record> {
         let send = buffers(gpu, n, Some(&ins));
         let mut recv = buffers(gpu, n * world, None);
         let ag = |recv: &mut Vec<CudaSlice<T>>| {
-            let i: Vec<Tensor<Cuda>> = send.iter().map(|b| Tensor::flat(b)).collect();
-            let mut o: Vec<TensorMut<Cuda>> = recv.iter_mut().map(|b| TensorMut::flat(b)).collect();
+            let i: Vec<TensorView<Cuda>> = send.iter().map(|b| TensorView::flat(b)).collect();
+            let mut o: Vec<TensorViewMut<Cuda>> =
+                recv.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
             gpu.comm.all_gather(&i, &mut o, &opts).unwrap();
         };
         ag(&mut recv);
@@ -167,8 +168,9 @@ pub fn run(gpu: &Gpu, args: &Args, sizes: &[usize]) -> Vec<Record> {
         let send = buffers(gpu, n * world, Some(&full));
         let mut recv = buffers(gpu, n, None);
         let rs = |recv: &mut Vec<CudaSlice<T>>| {
-            let i: Vec<Tensor<Cuda>> = send.iter().map(|b| Tensor::flat(b)).collect();
-            let mut o: Vec<TensorMut<Cuda>> = recv.iter_mut().map(|b| TensorMut::flat(b)).collect();
+            let i: Vec<TensorView<Cuda>> = send.iter().map(|b| TensorView::flat(b)).collect();
+            let mut o: Vec<TensorViewMut<Cuda>> =
+                recv.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
             gpu.comm.reduce_scatter_sum(&i, &mut o, &opts).unwrap();
         };
         rs(&mut recv);
@@ -206,8 +208,9 @@ pub fn run(gpu: &Gpu, args: &Args, sizes: &[usize]) -> Vec<Record> {
         // Broadcast from rank 0: n x world elements.
         let mut recv = buffers(gpu, n * world, None);
         let bc = |recv: &mut Vec<CudaSlice<T>>| {
-            let i = [Tensor::flat(&send[0])];
-            let mut o: Vec<TensorMut<Cuda>> = recv.iter_mut().map(|b| TensorMut::flat(b)).collect();
+            let i = [TensorView::flat(&send[0])];
+            let mut o: Vec<TensorViewMut<Cuda>> =
+                recv.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
             gpu.comm.broadcast(&i, &mut o, 0, &opts).unwrap();
         };
         bc(&mut recv);
@@ -307,9 +310,10 @@ fn fused(gpu: &Gpu, args: &Args, nccl: Option<&[cudarc::nccl::Comm]>) -> Vec<Rec
                 let norm_input: &Vec<CudaSlice<T>> = match imp {
                     "peercomm-fused" | "peercomm-fused-lamport" => &xs,
                     "peercomm-unfused" => {
-                        let i: Vec<Tensor<Cuda>> = xs.iter().map(|b| Tensor::flat(b)).collect();
-                        let mut o: Vec<TensorMut<Cuda>> =
-                            sum.iter_mut().map(|b| TensorMut::flat(b)).collect();
+                        let i: Vec<TensorView<Cuda>> =
+                            xs.iter().map(|b| TensorView::flat(b)).collect();
+                        let mut o: Vec<TensorViewMut<Cuda>> =
+                            sum.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
                         gpu.comm
                             .all_reduce_sum(&i, &mut o, &AllReduceOptions::new())
                             .unwrap();
@@ -324,12 +328,13 @@ fn fused(gpu: &Gpu, args: &Args, nccl: Option<&[cudarc::nccl::Comm]>) -> Vec<Rec
                         sum
                     }
                 };
-                let i: Vec<Tensor<Cuda>> = norm_input.iter().map(|b| Tensor::flat(b)).collect();
-                let wt: Vec<Tensor<Cuda>> = ws.iter().map(|b| Tensor::flat(b)).collect();
-                let mut rt: Vec<TensorMut<Cuda>> =
-                    res.iter_mut().map(|b| TensorMut::flat(b)).collect();
-                let mut o: Vec<TensorMut<Cuda>> =
-                    out.iter_mut().map(|b| TensorMut::flat(b)).collect();
+                let i: Vec<TensorView<Cuda>> =
+                    norm_input.iter().map(|b| TensorView::flat(b)).collect();
+                let wt: Vec<TensorView<Cuda>> = ws.iter().map(|b| TensorView::flat(b)).collect();
+                let mut rt: Vec<TensorViewMut<Cuda>> =
+                    res.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
+                let mut o: Vec<TensorViewMut<Cuda>> =
+                    out.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
                 let o2 = match imp {
                     "peercomm-fused" => &one_stage,
                     "peercomm-fused-lamport" => &lamport,

@@ -28,7 +28,7 @@ fn sets_for(bytes: usize) -> usize {
 }
 
 pub struct Gpu {
-    pub comm: Communicator<Cuda>,
+    pub comm: SingleController<Cuda>,
     pub streams: Vec<Arc<CudaStream>>,
     /// NCCL communicators per group size: `nccl[g][r]` for rank r.
     nccl: Vec<(usize, Vec<Comm>)>,
@@ -52,40 +52,38 @@ impl Gpu {
 pub fn run(args: &Args, world: usize, gpus: usize) -> Report {
     let max = args.max_bytes.unwrap_or(1 << 30);
     let shared = world > gpus;
-    let config = CommConfig {
-        payload_bytes: max.max(1 << 20),
+    let config = CommConfig::default()
+        .with_payload_bytes(max.max(1 << 20))
         // The slot holds the largest Lamport message and its 64-byte header.
-        lamport_slot_bytes: args.lamport_slot_bytes + 64,
-        barrier_timeout: Some(std::time::Duration::from_secs(30)),
-        max_blocks: if shared { Some(4) } else { args.max_blocks },
-        threads_per_block: args.threads,
-        allow_shared_devices: shared,
-        ..CommConfig::default()
-    };
+        .with_lamport_slot_bytes(args.lamport_slot_bytes + 64)
+        .with_barrier_timeout(Some(std::time::Duration::from_secs(30)))
+        .with_max_blocks(if shared { Some(4) } else { args.max_blocks })
+        .with_threads_per_block(args.threads)
+        .with_allow_shared_devices(shared);
     if shared {
         println!("{world} ranks share {gpus} GPU(s): no NCCL, no link figures; timings say nothing about a link");
     }
     let ordinals: Vec<usize> = (0..world).map(|r| r % gpus).collect();
-    let comm = Communicator::<Cuda>::new(&ordinals, config).expect("CUDA communicator");
+    let comm = SingleController::<Cuda>::new(&ordinals, config).expect("CUDA communicator");
     let streams: Vec<_> = comm
-        .ranks()
+        .cores()
         .iter()
         .map(|r| r.device().stream().clone())
         .collect();
     let mut report = Report {
         date: chrono_free_date(),
         backend: format!("cuda ({})", comm.architecture()),
-        api: "single-controller Communicator".into(),
+        api: "single-controller SingleController".into(),
         gpu_of_rank: Some(ordinals.clone()),
         devices: comm
-            .ranks()
+            .cores()
             .iter()
             .map(|r| r.device().context().name().unwrap_or_else(|_| "?".into()))
             .collect(),
         ..Report::default()
     };
     println!(
-        "peercomm-bench: single-controller Communicator, {} ({}), {}",
+        "peercomm-bench: single-controller SingleController, {} ({}), {}",
         machine_of(&report),
         comm.architecture(),
         report.date
@@ -205,7 +203,7 @@ pub fn time_batches(
 /// enqueued while the GPU waits, and every rank's window opens when the second
 /// barrier lets go, so the window holds the GPU's work alone. Nothing with
 /// `gate_us == 0`.
-pub fn gate(comm: &Communicator<Cuda>, gate_us: u64) {
+pub fn gate(comm: &SingleController<Cuda>, gate_us: u64) {
     if gate_us > 0 {
         comm.barrier(0).expect("gate barrier");
         comm.delay_all(std::time::Duration::from_micros(gate_us))
@@ -249,7 +247,7 @@ pub fn time_gated_batches(
 fn copy_engine_bandwidth(gpu: &Gpu) -> (f64, f64) {
     let bytes = 256usize << 20;
     let n = bytes / 4;
-    let dev = |r: usize| gpu.comm.rank(r).device();
+    let dev = |r: usize| gpu.comm.core(r).device();
     let a0 = Cuda::alloc_buffer::<f32>(dev(0), n).unwrap();
     let mut b1 = Cuda::alloc_buffer::<f32>(dev(1), n).unwrap();
     let a1 = Cuda::alloc_buffer::<f32>(dev(1), n).unwrap();
@@ -332,7 +330,7 @@ fn poison<T: Element>(stream: &CudaStream, buf: &mut CudaSlice<T>) {
 }
 
 pub fn with_tracking(gpu: &Gpu, on: bool) {
-    for r in gpu.comm.ranks() {
+    for r in gpu.comm.cores() {
         r.device().stream().synchronize().unwrap();
         // SAFETY: every stream is idle; while tracking is off the benchmark orders its
         // own work (graph capture and replay on the ranks' streams only).
@@ -374,7 +372,7 @@ fn point<T: Element + NcclType>(
     let n = bytes / T::DTYPE.size();
     let sets = sets_for(bytes);
     let iters = iters_for(args, bytes);
-    let dev = |r: usize| gpu.comm.rank(r).device();
+    let dev = |r: usize| gpu.comm.core(r).device();
     let host: Vec<Vec<T>> = (0..world).map(|_| fill::<T>(rng, n)).collect();
     let mut ins: Vec<Vec<CudaSlice<T>>> = Vec::new();
     let mut outs: Vec<Vec<CudaSlice<T>>> = Vec::new();
@@ -396,10 +394,10 @@ fn point<T: Element + NcclType>(
     }
     let mut records = Vec::new();
     let call = |alg: Algorithm, set: usize, outs: &mut Vec<Vec<CudaSlice<T>>>| {
-        let it: Vec<Tensor<Cuda>> = ins.iter().map(|v| Tensor::flat(&v[set])).collect();
-        let mut ot: Vec<TensorMut<Cuda>> = outs
+        let it: Vec<TensorView<Cuda>> = ins.iter().map(|v| TensorView::flat(&v[set])).collect();
+        let mut ot: Vec<TensorViewMut<Cuda>> = outs
             .iter_mut()
-            .map(|v| TensorMut::flat(&mut v[set]))
+            .map(|v| TensorViewMut::flat(&mut v[set]))
             .collect();
         gpu.comm.all_reduce_sum(
             &it,

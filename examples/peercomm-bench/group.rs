@@ -1,6 +1,6 @@
 //! `--group-calls`: what a group of all-reduces costs against the same calls made one
 //! by one and against one call (single controller, bf16, whole world, graph mode).
-//! Each graph iteration is one call, eight separate calls, or one `Communicator::group`
+//! Each graph iteration is one call, eight separate calls, or one `SingleController::group`
 //! of eight (one batched kernel per rank); the time per iteration is reported, and the
 //! ratio of a group of eight to one call.
 
@@ -23,7 +23,7 @@ pub fn run(gpu: &Gpu, args: &Args) -> Vec<Record> {
     println!("group calls (single controller, bf16, graph mode, {world} ranks):");
     for bytes in [1usize << 10, 4 << 10, 16 << 10] {
         let n = bytes / 2;
-        let dev = |r: usize| gpu.comm.rank(r).device();
+        let dev = |r: usize| gpu.comm.core(r).device();
         let value = |r: usize, s: usize| bf16::from_f32((r + s + 1) as f32);
         let ins: Vec<Vec<CudaSlice<bf16>>> = (0..GROUP)
             .map(|s| {
@@ -52,7 +52,7 @@ pub fn run(gpu: &Gpu, args: &Args) -> Vec<Record> {
         ] {
             for o in outs.iter_mut().flatten() {
                 Cuda::upload(
-                    gpu.comm.rank(0).device(),
+                    gpu.comm.core(0).device(),
                     &vec![bf16::from_f32(f32::NAN); n],
                     o,
                 )

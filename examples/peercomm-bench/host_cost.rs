@@ -11,7 +11,7 @@
 //!   validation, planning and building the arguments.
 //!
 //! Then one greppable line per launch mode, parallel launch off then on
-//! (`Communicator::set_parallel_launch`, in the same run):
+//! (`SingleController::set_parallel_launch`, in the same run):
 //! `host cost (single, W ranks, parallel launch off|on): call X us, untracked call Y
 //! us, empty launch Z us: X/Zx / Y/Zx the launch`, where the empty launch goes through
 //! the same path in the same mode (`delay_all`).
@@ -49,16 +49,17 @@ pub fn run(gpu: &Gpu, args: &Args) {
     let world = gpu.comm.world_size();
     let n = 512; // 1 KiB of bf16
     let ins: Vec<CudaSlice<half::bf16>> = (0..world)
-        .map(|r| Cuda::alloc_buffer(gpu.comm.rank(r).device(), n).unwrap())
+        .map(|r| Cuda::alloc_buffer(gpu.comm.core(r).device(), n).unwrap())
         .collect();
     let mut outs: Vec<CudaSlice<half::bf16>> = (0..world)
-        .map(|r| Cuda::alloc_buffer(gpu.comm.rank(r).device(), n).unwrap())
+        .map(|r| Cuda::alloc_buffer(gpu.comm.core(r).device(), n).unwrap())
         .collect();
     let opts = AllReduceOptions::new();
     let batches = args.batches.max(11);
     let mut call = || {
-        let it: Vec<Tensor<Cuda>> = ins.iter().map(|b| Tensor::flat(b)).collect();
-        let mut ot: Vec<TensorMut<Cuda>> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        let it: Vec<TensorView<Cuda>> = ins.iter().map(|b| TensorView::flat(b)).collect();
+        let mut ot: Vec<TensorViewMut<Cuda>> =
+            outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
         gpu.comm.all_reduce_sum(&it, &mut ot, &opts).unwrap();
     };
     let tracked = host_us(gpu, batches, &mut call);

@@ -39,7 +39,8 @@ use std::time::Instant;
 use clap::Parser;
 use peercomm::backend::Backend;
 use peercomm::{
-    Algorithm, AllReduceOptions, CommConfig, Communicator, DType, Element, Tensor, TensorMut,
+    Algorithm, AllReduceOptions, CommConfig, DType, Element, SingleController, TensorView,
+    TensorViewMut,
 };
 use progress::Progress;
 use rand::{Rng, SeedableRng};
@@ -186,7 +187,7 @@ struct Record {
 struct Report {
     date: String,
     backend: String,
-    /// "single-controller Communicator" or "per-rank Comm (threads|processes)".
+    /// "single-controller SingleController" or "per-rank Comm (threads|processes)".
     api: String,
     /// The device name of each rank.
     devices: Vec<String>,
@@ -518,7 +519,7 @@ fn api_of(report: &Report) -> String {
     {
         "per-rank Comm".into()
     } else {
-        "single-controller Communicator".into()
+        "single-controller SingleController".into()
     }
 }
 
@@ -744,17 +745,15 @@ fn run_host(args: &Args, why: &str) -> Report {
     println!("no GPU ({why}): running the host reference backend (CPU threads), no NCCL");
     let world = 2;
     let max = args.max_bytes.unwrap_or(4 << 20);
-    let config = CommConfig {
-        payload_bytes: max,
+    let config = CommConfig::default()
+        .with_payload_bytes(max)
         // The slot holds the largest Lamport message and its 64-byte header.
-        lamport_slot_bytes: args.lamport_slot_bytes + 64,
-        ..CommConfig::default()
-    };
-    let comm = Communicator::<Host>::new(&[0, 1], config).expect("host communicator");
+        .with_lamport_slot_bytes(args.lamport_slot_bytes + 64);
+    let comm = SingleController::<Host>::new(&[0, 1], config).expect("host communicator");
     let mut report = Report {
         date: chrono_free_date(),
         backend: "host".into(),
-        api: "single-controller Communicator".into(),
+        api: "single-controller SingleController".into(),
         devices: vec!["host arena 0".into(), "host arena 1".into()],
         gpu_of_rank: Some(vec![0, 1]),
         ..Report::default()
@@ -813,7 +812,7 @@ fn run_host(args: &Args, why: &str) -> Report {
 }
 
 fn host_point<T: Element>(
-    comm: &Communicator<peercomm::backend::host::Host>,
+    comm: &SingleController<peercomm::backend::host::Host>,
     rng: &mut rand::rngs::StdRng,
     alg: Algorithm,
     group: usize,
@@ -825,29 +824,30 @@ fn host_point<T: Element>(
     let world = comm.world_size();
     let ins: Vec<Vec<T>> = (0..world).map(|_| fill::<T>(rng, n)).collect();
     let mut ib: Vec<_> = comm
-        .ranks()
+        .cores()
         .iter()
         .map(|r| Host::alloc_buffer::<T>(r.device(), n).unwrap())
         .collect();
     let mut ob: Vec<_> = comm
-        .ranks()
+        .cores()
         .iter()
         .map(|r| Host::alloc_buffer::<T>(r.device(), n).unwrap())
         .collect();
-    for (r, rank) in comm.ranks().iter().enumerate() {
+    for (r, rank) in comm.cores().iter().enumerate() {
         Host::upload(rank.device(), &ins[r], &mut ib[r]).unwrap();
         Host::upload(rank.device(), &vec![T::from_f32(f32::NAN); n], &mut ob[r]).unwrap();
     }
     let opts = AllReduceOptions::new().group_size(group).algorithm(alg);
     let run = |ob: &mut Vec<<Host as Backend>::Buffer<T>>| {
-        let it: Vec<Tensor<Host>> = ib.iter().map(|b| Tensor::flat(b)).collect();
-        let mut ot: Vec<TensorMut<Host>> = ob.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        let it: Vec<TensorView<Host>> = ib.iter().map(|b| TensorView::flat(b)).collect();
+        let mut ot: Vec<TensorViewMut<Host>> =
+            ob.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
         comm.all_reduce_sum(&it, &mut ot, &opts)
     };
     let ran = run(&mut ob).ok()?;
     comm.synchronize().unwrap();
     let outs: Vec<Vec<T>> = comm
-        .ranks()
+        .cores()
         .iter()
         .zip(&ob)
         .map(|(r, b)| Host::download(r.device(), b).unwrap())
@@ -981,7 +981,7 @@ fn main() {
             });
             let mut report = per_rank::report(&args, world, n);
             if let Some(single) = single {
-                report.api = format!("{} and single-controller Communicator", report.api);
+                report.api = format!("{} and single-controller SingleController", report.api);
                 report.records.extend(single);
             }
             report

@@ -33,7 +33,7 @@ fn producers(gpu: &Gpu) -> Result<Vec<CudaFunction>, String> {
     };
     let ptx = cudarc::nvrtc::compile_ptx_with_opts(PRODUCER, opts).map_err(|e| format!("{e:?}"))?;
     gpu.comm
-        .ranks()
+        .cores()
         .iter()
         .map(|r| {
             r.device()
@@ -61,10 +61,10 @@ pub fn run(gpu: &Gpu, args: &Args, sizes: &[usize]) -> Vec<Record> {
     for &bytes in sizes.iter().filter(|&&b| b <= 16 << 20) {
         let n = bytes / 4;
         let mut ins: Vec<CudaSlice<f32>> = (0..world)
-            .map(|r| Cuda::alloc_buffer::<f32>(gpu.comm.rank(r).device(), n).unwrap())
+            .map(|r| Cuda::alloc_buffer::<f32>(gpu.comm.core(r).device(), n).unwrap())
             .collect();
         let mut outs: Vec<CudaSlice<f32>> = (0..world)
-            .map(|r| Cuda::alloc_buffer::<f32>(gpu.comm.rank(r).device(), n).unwrap())
+            .map(|r| Cuda::alloc_buffer::<f32>(gpu.comm.core(r).device(), n).unwrap())
             .collect();
         for overlap in [false, true] {
             let opts = AllReduceOptions::new().overlap_previous(overlap);
@@ -80,9 +80,10 @@ pub fn run(gpu: &Gpu, args: &Args, sizes: &[usize]) -> Vec<Record> {
                         // SAFETY: the arguments match write_input's signature.
                         unsafe { b.launch(cfg) }.expect("producer");
                     }
-                    let it: Vec<Tensor<Cuda>> = ins.iter().map(|b| Tensor::flat(b)).collect();
-                    let mut ot: Vec<TensorMut<Cuda>> =
-                        outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+                    let it: Vec<TensorView<Cuda>> =
+                        ins.iter().map(|b| TensorView::flat(b)).collect();
+                    let mut ot: Vec<TensorViewMut<Cuda>> =
+                        outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
                     ran = gpu.comm.all_reduce_sum(&it, &mut ot, &opts).unwrap();
                 }
             });
@@ -92,7 +93,7 @@ pub fn run(gpu: &Gpu, args: &Args, sizes: &[usize]) -> Vec<Record> {
             drop(graphs);
             with_tracking(gpu, true);
             let want = (world * (world + 1) / 2) as f32;
-            let got = Cuda::download(gpu.comm.rank(0).device(), &outs[0]).unwrap();
+            let got = Cuda::download(gpu.comm.core(0).device(), &outs[0]).unwrap();
             if got.iter().any(|&x| x != want) {
                 println!("--overlap {bytes} B overlap {overlap}: WRONG SUM, not reported");
                 continue;

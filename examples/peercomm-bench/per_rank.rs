@@ -335,16 +335,14 @@ fn sweep(
     let shared = gpus < world;
     let sizes = sizes(args, args.min_bytes, args.max_bytes.unwrap_or(1 << 20));
     let largest = sizes.iter().copied().max().unwrap_or(0);
-    let config = CommConfig {
-        payload_bytes: largest.max(1 << 20),
+    let config = CommConfig::default()
+        .with_payload_bytes(largest.max(1 << 20))
         // The slot holds the largest Lamport message and its 64-byte header.
-        lamport_slot_bytes: args.lamport_slot_bytes + 64,
-        barrier_timeout: Some(Duration::from_secs(30)),
-        max_blocks: if shared { Some(4) } else { args.max_blocks },
-        threads_per_block: args.threads,
-        allow_shared_devices: shared,
-        ..CommConfig::default()
-    };
+        .with_lamport_slot_bytes(args.lamport_slot_bytes + 64)
+        .with_barrier_timeout(Some(Duration::from_secs(30)))
+        .with_max_blocks(if shared { Some(4) } else { args.max_blocks })
+        .with_threads_per_block(args.threads)
+        .with_allow_shared_devices(shared);
     let dev = Cuda::open(rank % gpus).expect("device");
     let stream = dev.stream().clone();
     let comm = Comm::<Cuda>::from_rank(dev, rank, world, id, config).expect("peercomm Comm");

@@ -14,7 +14,7 @@
 //!
 //! # IPC (Linux)
 //! So that the host backend can run the protocol with one process per rank, as engines
-//! do on GPUs, [`MemoryKind::SharedSignal`] memory is an anonymous shared memory file
+//! do on GPUs, shared signal memory is an anonymous shared memory file
 //! (`memfd_create`, close-on-exec), sized, sealed against shrinking and growing (an
 //! importer's pages can never be truncated away under it, which would fault with
 //! SIGBUS), and mapped `MAP_SHARED` read/write; it is zero-filled and page aligned.
@@ -43,8 +43,8 @@
 //! processes tests that CI runs cover the path those GPU allocations take.
 //!
 //! Freeing is stream-ordered like every host allocation: dropping the exporter's
-//! [`HostMemory`] unmaps and closes in order on its device's stream, and dropping a
-//! [`HostPeerMapping`] unmaps in order on the importing device's stream. Elsewhere than
+//! `HostMemory` unmaps and closes in order on its device's stream, and dropping a
+//! `HostPeerMapping` unmaps in order on the importing device's stream. Elsewhere than
 //! Linux, `SharedSignal` allocation and import are `Error::Unsupported`.
 
 use std::sync::atomic::AtomicU32;
@@ -70,7 +70,7 @@ mod stream;
 pub use buffers::HostBuffer;
 pub use device::{Host, HostDevice};
 use memory::Storage;
-pub use memory::{HostMemory, HostPeerMapping};
+pub(crate) use memory::{HostMemory, HostPeerMapping};
 use stream::{FreeOnStream, Stream};
 
 /// Shared memory needs Linux (memfd, `/proc/<pid>/fd`); elsewhere `SharedSignal`

@@ -26,170 +26,194 @@ mod identity;
 pub(crate) mod p2p;
 pub(crate) mod signal_init;
 
-/// A file descriptor that travels between processes beside an exported handle
-/// ([`ExportedRange::descriptor`]).
-#[cfg(unix)]
-pub type Descriptor = std::os::fd::OwnedFd;
-/// Elsewhere than Unix no descriptor exists: an empty type.
-#[cfg(not(unix))]
-#[derive(Debug)]
-pub enum Descriptor {}
-
-/// A range of this process's memory exported for another process
-/// ([`Backend::export_range`]).
-#[derive(Debug)]
-pub struct ExportedRange {
-    /// The handle record, sent as bytes (as [`Backend::export_memory`] makes them).
-    pub handle: Vec<u8>,
-    /// The range's offset in the exported allocation.
-    pub offset: u64,
-    /// A descriptor to send beside the handle, where the driver exports the memory
-    /// only as one (CUDA: a memory pool made with a POSIX-fd handle type, a
-    /// virtual-memory allocation; the host backend: a shared memory file). `None`: the
-    /// handle alone maps it.
-    pub descriptor: Option<Descriptor>,
+/// Only peercomm's backends implement [`Backend`]: the trait's launch and memory
+/// methods follow the kernels, which change without notice.
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::host::Host {}
+    #[cfg(feature = "cuda")]
+    impl Sealed for super::cuda::Cuda {}
+    #[cfg(feature = "hip")]
+    impl Sealed for super::hip::Hip {}
 }
 
-/// What a device allocation is for.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum MemoryKind {
-    /// Ordinary device memory.
-    Plain,
-    /// Signal memory: counters and flags that peers write and spin on. Uncached or
-    /// fine-grained where the vendor distinguishes (AMD), so spins see peers' stores.
-    Signal,
-    /// Signal memory that other processes will map ([`Backend::export_memory`]): as
-    /// `Signal`, allocated so that it can be exported (on the host backend: a shared
-    /// memory file instead of the heap).
-    SharedSignal,
-    /// Ordinary (cached) device memory that other processes can map: the symmetric
-    /// buffers' pool (`Comm::alloc_symmetric`). `cuMemAlloc` / `hipMalloc` memory (IPC
-    /// capable); on the host backend a shared memory file.
-    SharedData,
-}
+/// What backends launch and export: kernel kinds, launch dimensions, memory kinds,
+/// exported ranges. Public only under the `unstable` feature (`crate::unstable`).
+pub(crate) mod launch_types {
+    use super::*;
 
-/// Declares [`KernelKind`] from the one list of kernel families: each with its name in
-/// the kernels' symbols and whether it is exported for every [`DType`] or for f32 only.
-/// The discriminants (the call descriptor's kind field) follow the list's order.
-macro_rules! kernel_kinds {
-    ($($(#[$doc:meta])* $kind:ident = $name:literal, $every_dtype:literal;)*) => {
-        /// Which kernel family a launch runs.
-        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-        pub enum KernelKind {
-            $($(#[$doc])* $kind,)*
-        }
+    /// A file descriptor that travels between processes beside an exported handle
+    /// ([`ExportedRange::descriptor`]).
+    #[cfg(unix)]
+    pub type Descriptor = std::os::fd::OwnedFd;
+    /// Elsewhere than Unix no descriptor exists: an empty type.
+    #[cfg(not(unix))]
+    #[derive(Debug)]
+    pub enum Descriptor {}
 
-        impl KernelKind {
-            /// Every kind, in the order of its discriminant.
-            pub(crate) const ALL: &'static [KernelKind] = &[$(KernelKind::$kind),*];
+    /// A range of this process's memory exported for another process
+    /// ([`Backend::export_range`]).
+    #[derive(Debug)]
+    pub struct ExportedRange {
+        /// The handle record, sent as bytes (as [`Backend::export_memory`] makes them).
+        pub handle: Vec<u8>,
+        /// The range's offset in the exported allocation.
+        pub offset: u64,
+        /// A descriptor to send beside the handle, where the driver exports the memory
+        /// only as one (CUDA: a memory pool made with a POSIX-fd handle type, a
+        /// virtual-memory allocation; the host backend: a shared memory file). `None`: the
+        /// handle alone maps it.
+        pub descriptor: Option<Descriptor>,
+    }
 
-            /// Name used in kernel symbols and reports.
-            pub const fn name(self) -> &'static str {
-                match self {
-                    $(KernelKind::$kind => $name,)*
-                }
+    /// What a device allocation is for.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub enum MemoryKind {
+        /// Ordinary device memory.
+        Plain,
+        /// Signal memory: counters and flags that peers write and spin on. Uncached or
+        /// fine-grained where the vendor distinguishes (AMD), so spins see peers' stores.
+        Signal,
+        /// Signal memory that other processes will map ([`Backend::export_memory`]): as
+        /// `Signal`, allocated so that it can be exported (on the host backend: a shared
+        /// memory file instead of the heap).
+        SharedSignal,
+        /// Ordinary (cached) device memory that other processes can map: the symmetric
+        /// buffers' pool (`Comm::alloc_symmetric`). `cuMemAlloc` / `hipMalloc` memory (IPC
+        /// capable); on the host backend a shared memory file.
+        SharedData,
+    }
+
+    /// Declares [`KernelKind`] from the one list of kernel families: each with its name in
+    /// the kernels' symbols and whether it is exported for every [`DType`] or for f32 only.
+    /// The discriminants (the call descriptor's kind field) follow the list's order.
+    macro_rules! kernel_kinds {
+        ($($(#[$doc:meta])* $kind:ident = $name:literal, $every_dtype:literal;)*) => {
+            /// Which kernel family a launch runs.
+            #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+            pub enum KernelKind {
+                $($(#[$doc])* $kind,)*
             }
 
-            /// Whether the device code exports it for every dtype (else f32 only).
-            const fn every_dtype(self) -> bool {
-                match self {
-                    $(KernelKind::$kind => $every_dtype,)*
+            impl KernelKind {
+                /// Every kind, in the order of its discriminant.
+                pub(crate) const ALL: &'static [KernelKind] = &[$(KernelKind::$kind),*];
+
+                /// Name used in kernel symbols and reports.
+                pub const fn name(self) -> &'static str {
+                    match self {
+                        $(KernelKind::$kind => $name,)*
+                    }
+                }
+
+                /// Whether the device code exports it for every dtype (else f32 only).
+                const fn every_dtype(self) -> bool {
+                    match self {
+                        $(KernelKind::$kind => $every_dtype,)*
+                    }
                 }
             }
+        };
+    }
+
+    kernel_kinds! {
+        /// Every rank reads every peer's input and reduces the whole message.
+        OneStage = "one_stage", true;
+        /// Reduce-scatter into the payload, barrier, all-gather from the peers' payloads.
+        TwoStage = "two_stage", true;
+        /// Barrier-free: data carries its own readiness (the -0.0 sentinel).
+        Lamport = "lamport", true;
+        /// A start and an end barrier and nothing else (also the timeout probe).
+        Barrier = "barrier", true;
+        /// Ranks 0 and 1 bounce a flag `num_elements` times through their payloads (one
+        /// thread each): measures the cross-GPU flag round trip. f32 only.
+        PingPong = "pingpong", false;
+        /// One thread spins for `timeout_ns` nanoseconds and touches no memory: fault
+        /// injection (a rank made late on purpose). f32 only.
+        Delay = "delay", false;
+        /// All-gather: every group member gets every member's input, in group-rank order.
+        AllGather = "all_gather", true;
+        /// Reduce-scatter (sum): group rank r gets part r of the sum
+        /// ([`crate::reduce_scatter_part`]).
+        ReduceScatter = "reduce_scatter", true;
+        /// Broadcast of the root's input to every group member.
+        Broadcast = "broadcast", true;
+        /// Scatter: group rank r gets part r of the root's input.
+        Scatter = "scatter", true;
+        /// All-reduce, residual add and RMSNorm in one kernel, row by row.
+        AllReduceRmsNorm = "allreduce_rmsnorm", true;
+        /// A batch of up to [`crate::signal::MAX_GROUP_CALLS`] all-reduces of one dtype and
+        /// one group width in one kernel, one start and one end barrier (NCCL-style group
+        /// calls). Staged like one-stage: each rank copies every entry's input into its own
+        /// payload, then reduces its share of every entry from the members' payloads, each
+        /// entry's bits those of a one-stage all-reduce of that entry alone. Launched with
+        /// [`Backend::launch_group`] (its arguments are a [`GroupArgs`]).
+        AllReduceGroup = "allreduce_group", true;
+        /// The fused all-reduce, residual add and RMSNorm without a barrier: each rank pushes
+        /// its input rows into every peer's Lamport slot (as [`KernelKind::Lamport`] does),
+        /// then each block computes whole rows as their packs arrive, with the row function
+        /// of [`KernelKind::AllReduceRmsNorm`], so both give the same bits. Whole world of
+        /// two or more ranks, the message plus its header within one Lamport slot.
+        LamportRmsNorm = "lamport_rmsnorm", true;
+    }
+
+    impl Algorithm {
+        /// The kernel family (`None` for `Auto` and the paths that are not one kernel).
+        /// (Defined with the kernels: the dispatch table that names algorithms is data and
+        /// knows nothing of kernels.)
+        pub(crate) const fn kernel_kind(self) -> Option<KernelKind> {
+            match self {
+                Algorithm::Auto | Algorithm::Nccl | Algorithm::Hierarchical => None,
+                Algorithm::OneStage => Some(KernelKind::OneStage),
+                Algorithm::TwoStage => Some(KernelKind::TwoStage),
+                Algorithm::Lamport => Some(KernelKind::Lamport),
+            }
         }
-    };
-}
+    }
 
-kernel_kinds! {
-    /// Every rank reads every peer's input and reduces the whole message.
-    OneStage = "one_stage", true;
-    /// Reduce-scatter into the payload, barrier, all-gather from the peers' payloads.
-    TwoStage = "two_stage", true;
-    /// Barrier-free: data carries its own readiness (the -0.0 sentinel).
-    Lamport = "lamport", true;
-    /// A start and an end barrier and nothing else (also the timeout probe).
-    Barrier = "barrier", true;
-    /// Ranks 0 and 1 bounce a flag `num_elements` times through their payloads (one
-    /// thread each): measures the cross-GPU flag round trip. f32 only.
-    PingPong = "pingpong", false;
-    /// One thread spins for `timeout_ns` nanoseconds and touches no memory: fault
-    /// injection (a rank made late on purpose). f32 only.
-    Delay = "delay", false;
-    /// All-gather: every group member gets every member's input, in group-rank order.
-    AllGather = "all_gather", true;
-    /// Reduce-scatter (sum): group rank r gets part r of the sum
-    /// ([`crate::reduce_scatter_part`]).
-    ReduceScatter = "reduce_scatter", true;
-    /// Broadcast of the root's input to every group member.
-    Broadcast = "broadcast", true;
-    /// Scatter: group rank r gets part r of the root's input.
-    Scatter = "scatter", true;
-    /// All-reduce, residual add and RMSNorm in one kernel, row by row.
-    AllReduceRmsNorm = "allreduce_rmsnorm", true;
-    /// A batch of up to [`crate::signal::MAX_GROUP_CALLS`] all-reduces of one dtype and
-    /// one group width in one kernel, one start and one end barrier (NCCL-style group
-    /// calls). Staged like one-stage: each rank copies every entry's input into its own
-    /// payload, then reduces its share of every entry from the members' payloads, each
-    /// entry's bits those of a one-stage all-reduce of that entry alone. Launched with
-    /// [`Backend::launch_group`] (its arguments are a [`GroupArgs`]).
-    AllReduceGroup = "allreduce_group", true;
-    /// The fused all-reduce, residual add and RMSNorm without a barrier: each rank pushes
-    /// its input rows into every peer's Lamport slot (as [`KernelKind::Lamport`] does),
-    /// then each block computes whole rows as their packs arrive, with the row function
-    /// of [`KernelKind::AllReduceRmsNorm`], so both give the same bits. Whole world of
-    /// two or more ranks, the message plus its header within one Lamport slot.
-    LamportRmsNorm = "lamport_rmsnorm", true;
-}
+    /// One kernel entry point: a family and an element type.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    pub struct Kernel {
+        /// The family.
+        pub kind: KernelKind,
+        /// The element type it reduces.
+        pub dtype: DType,
+    }
 
-impl Algorithm {
-    /// The kernel family (`None` for `Auto` and the paths that are not one kernel).
-    /// (Defined with the kernels: the dispatch table that names algorithms is data and
-    /// knows nothing of kernels.)
-    pub const fn kernel_kind(self) -> Option<KernelKind> {
-        match self {
-            Algorithm::Auto | Algorithm::Nccl | Algorithm::Hierarchical => None,
-            Algorithm::OneStage => Some(KernelKind::OneStage),
-            Algorithm::TwoStage => Some(KernelKind::TwoStage),
-            Algorithm::Lamport => Some(KernelKind::Lamport),
+    impl Kernel {
+        /// Every kernel the device code must export.
+        pub fn all() -> impl Iterator<Item = Kernel> {
+            KernelKind::ALL.iter().flat_map(|&kind| {
+                let dtypes: &[DType] = if kind.every_dtype() {
+                    &DType::ALL
+                } else {
+                    &[DType::F32]
+                };
+                dtypes.iter().map(move |&dtype| Kernel { kind, dtype })
+            })
+        }
+        /// Its exported symbol, e.g. `peercomm_two_stage_bf16`.
+        pub fn symbol(self) -> String {
+            format!("peercomm_{}_{}", self.kind.name(), self.dtype.name())
         }
     }
-}
 
-/// One kernel entry point: a family and an element type.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct Kernel {
-    /// The family.
-    pub kind: KernelKind,
-    /// The element type it reduces.
-    pub dtype: DType,
-}
-
-impl Kernel {
-    /// Every kernel the device code must export.
-    pub fn all() -> impl Iterator<Item = Kernel> {
-        KernelKind::ALL.iter().flat_map(|&kind| {
-            let dtypes: &[DType] = if kind.every_dtype() {
-                &DType::ALL
-            } else {
-                &[DType::F32]
-            };
-            dtypes.iter().map(move |&dtype| Kernel { kind, dtype })
-        })
+    /// Grid of a launch.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+    pub struct LaunchDims {
+        /// Blocks (at most `MAX_NUM_BLOCKS_UPPER_BOUND`).
+        pub blocks: u32,
+        /// Threads per block.
+        pub threads: u32,
     }
-    /// Its exported symbol, e.g. `peercomm_two_stage_bf16`.
-    pub fn symbol(self) -> String {
-        format!("peercomm_{}_{}", self.kind.name(), self.dtype.name())
-    }
-}
 
-/// Grid of a launch.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct LaunchDims {
-    /// Blocks (at most `MAX_NUM_BLOCKS_UPPER_BOUND`).
-    pub blocks: u32,
-    /// Threads per block.
-    pub threads: u32,
+    /// The 32-bit word the Lamport region is filled with: the f32 -0.0 pattern. No
+    /// producer writes it: f32 -0.0 is sent as +0.0, and for 16-bit types every -0.0 lane
+    /// is sent as +0.0, so the high half of a word is never 0x8000. Readiness is tested
+    /// per 32-bit word, which 16-byte stores never tear.
+    pub const LAMPORT_SENTINEL: u32 = 0x8000_0000;
 }
+pub(crate) use launch_types::*;
 
 /// What a communicator can be built on: a backend's device (with its stream), or for
 /// CUDA cudarc's `Arc<CudaStream>` itself. It names its backend, so
@@ -238,7 +262,7 @@ pub(crate) fn check_group_kernel(
 }
 
 /// A vendor (or the host reference) as peercomm needs it.
-pub trait Backend: Sized + Send + Sync + 'static {
+pub trait Backend: sealed::Sealed + Sized + Send + Sync + 'static {
     /// Short name for messages (`"host"`, `"cuda"`, `"hip"`).
     const NAME: &'static str;
     /// One GPU with the stream peercomm launches on.
@@ -250,11 +274,13 @@ pub trait Backend: Sized + Send + Sync + 'static {
     type Access<'a>;
     /// The access of memory with no bookkeeping (a symmetric buffer, ordered on the
     /// communicator's stream): records and waits for nothing.
+    #[doc(hidden)]
     fn untracked_access<'a>() -> Self::Access<'a>;
     /// A typed device buffer (what users hold: `CudaSlice<T>` for CUDA). Through
     /// [`TypedBuffer`] it names its element type, so generic code copies to and from it
-    /// without a turbofish.
-    type Buffer<T: Element>: TypedBuffer<Self, Elem = T>;
+    /// without a turbofish. Owned and `Send`, so that a dropped registration can keep
+    /// it while a peer may still read it (see [`crate::Registered`]).
+    type Buffer<T: Element>: TypedBuffer<Self, Elem = T> + Send + 'static;
     /// Another process's memory mapped into this one (an imported IPC handle). Dropping
     /// it unmaps it and closes what the import opened.
     type PeerMapping: Send + Sync;
@@ -291,6 +317,7 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// Address at which `dev` reaches `peer_mem` (another device's allocation). In one
     /// process with peer access on, that is the same address; a one-process-per-GPU
     /// backend would import an IPC handle here.
+    #[doc(hidden)]
     fn map_peer(dev: &Self::Device, peer_mem: &Self::Memory) -> Result<u64>;
     /// Prepares a device that several ranks share (`CommConfig::allow_shared_devices`):
     /// nothing may make one rank's stream wait for another's, since their collectives
@@ -298,6 +325,7 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// across streams through internal dependencies, which would otherwise let a
     /// buffer freed on one rank's stream delay another rank's allocation until that
     /// rank's earlier collectives finish. The default: nothing to do.
+    #[doc(hidden)]
     fn prepare_shared_device(_dev: &Self::Device) -> Result<()> {
         Ok(())
     }
@@ -307,6 +335,7 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// per-rank buffer is registered, so that memory peer access does not cover (a
     /// memory pool or a virtual-memory mapping without access for the peer) is a typed
     /// error instead of a fault. The default: every address is reachable.
+    #[doc(hidden)]
     fn peer_access_problem(
         _dev: &Self::Device,
         _ptr: u64,
@@ -321,6 +350,7 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// record to send as they are (over a bootstrap, say): a 4-byte magic naming the
     /// backend, a little-endian `u32` version, then the backend's fields (each
     /// backend's module docs give its layout). The handle stays valid while `mem` lives.
+    #[doc(hidden)]
     fn export_memory(dev: &Self::Device, mem: &Self::Memory) -> Result<Vec<u8>>;
     /// Exports the allocation that holds `[ptr, ptr + bytes)` on `dev` so that another
     /// process can map it with [`Backend::import_range`]: the handle (as
@@ -331,6 +361,7 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// default allocations, or a virtual-memory allocation made without one; host: heap
     /// memory) is [`crate::Error::CannotRegister`] saying why (its `rank` is 0: the
     /// caller names the rank).
+    #[doc(hidden)]
     fn export_range(dev: &Self::Device, ptr: u64, bytes: usize) -> Result<ExportedRange>;
     /// Maps memory that another process exported into `dev`'s address space. Importing
     /// in the exporting process itself is an error on the GPU backends (CUDA and HIP
@@ -338,11 +369,13 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// [`Backend::map_peer`]) and works on the host backend. A handle that is
     /// malformed, of another backend or version, or names memory that is gone is
     /// `Error::Backend { call: "import_memory", .. }` saying which.
+    #[doc(hidden)]
     fn import_memory(dev: &Self::Device, handle: &[u8]) -> Result<Self::PeerMapping>;
     /// Maps a range another process exported with [`Backend::export_range`]: its
     /// handle, and the descriptor that came with it (closed here once the memory is
     /// mapped, or on error). The default maps a handle without a descriptor with
     /// [`Backend::import_memory`] and refuses one with a descriptor.
+    #[doc(hidden)]
     fn import_range(
         dev: &Self::Device,
         handle: &[u8],
@@ -358,21 +391,27 @@ pub trait Backend: Sized + Send + Sync + 'static {
         }
     }
     /// Address of an imported mapping, valid for kernels on the importing device.
+    #[doc(hidden)]
     fn mapping_ptr(mapping: &Self::PeerMapping) -> u64;
     /// Fills `words` 32-bit words at `ptr` with `value`, on the device's stream.
+    #[doc(hidden)]
     fn memset_d32(dev: &Self::Device, ptr: u64, value: u32, words: usize) -> Result<()>;
     /// Fills `halves` 16-bit words at `ptr` (2-byte aligned) with `value`, on the
     /// device's stream.
+    #[doc(hidden)]
     fn memset_d16(dev: &Self::Device, ptr: u64, value: u16, halves: usize) -> Result<()>;
     /// Copies device memory at `ptr` to the host, after the stream's earlier work.
+    #[doc(hidden)]
     fn read(dev: &Self::Device, ptr: u64, dst: &mut [u8]) -> Result<()>;
     /// Copies `src` to device memory at `ptr`, after the stream's earlier work; returns
     /// once the copy is done.
+    #[doc(hidden)]
     fn write(dev: &Self::Device, ptr: u64, src: &[u8]) -> Result<()>;
     /// Reads `dst.len()` 32-bit words at `ptr` (4-byte aligned) without waiting for the
     /// work queued on the device's stream: the words may be read while a kernel that
     /// writes them runs (each word is read whole). Used to poll error records. The
     /// default waits, as [`Backend::read`] does; the host, CUDA and HIP backends do not.
+    #[doc(hidden)]
     fn read_words_now(dev: &Self::Device, ptr: u64, dst: &mut [u32]) -> Result<()> {
         let mut bytes = vec![0u8; dst.len() * 4];
         Self::read(dev, ptr, &mut bytes)?;
@@ -383,6 +422,7 @@ pub trait Backend: Sized + Send + Sync + 'static {
     }
     /// Enqueues `kernel` on the device's stream. Every kernel but
     /// [`KernelKind::AllReduceGroup`] (which [`Backend::launch_group`] enqueues).
+    #[doc(hidden)]
     fn launch(
         dev: &Self::Device,
         kernel: Kernel,
@@ -395,6 +435,7 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// peercomm kernel first waits, on the device, until the previous kernel's results
     /// are visible, so the result is the same. Backends and devices without such a
     /// launch run a plain [`Backend::launch`].
+    #[doc(hidden)]
     fn launch_overlapping(
         dev: &Self::Device,
         kernel: Kernel,
@@ -406,6 +447,7 @@ pub trait Backend: Sized + Send + Sync + 'static {
     /// Enqueues the batched all-reduce `kernel` ([`KernelKind::AllReduceGroup`] of one
     /// dtype) on the device's stream, its [`GroupArgs`] passed by value (552 bytes of
     /// kernel parameters, against the 288 of [`AllReduceArgs`]).
+    #[doc(hidden)]
     fn launch_group(
         dev: &Self::Device,
         kernel: Kernel,
@@ -538,9 +580,3 @@ pub unsafe trait DeviceBufferMut<B: Backend>: DeviceBuffer<B> {
     /// Address for a kernel on `dev` that writes it (and may read it).
     fn write_ptr<'a>(&'a mut self, dev: &'a B::Device) -> (u64, B::Access<'a>);
 }
-
-/// The 32-bit word the Lamport region is filled with: the f32 -0.0 pattern. No
-/// producer writes it: f32 -0.0 is sent as +0.0, and for 16-bit types every -0.0 lane
-/// is sent as +0.0, so the high half of a word is never 0x8000. Readiness is tested
-/// per 32-bit word, which 16-byte stores never tear.
-pub const LAMPORT_SENTINEL: u32 = 0x8000_0000;

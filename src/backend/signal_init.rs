@@ -1,6 +1,6 @@
 //! Signal buffers made and initialised through a backend (re-exported at the crate
 //! root: [`crate::create_signal_buffer`], [`crate::init_signal_buffer`]): the layout is
-//! [`crate::signal`]'s, the memory and the fills are the backend's.
+//! [`crate::SignalLayout`]'s, the memory and the fills are the backend's.
 
 use super::{Backend, MemoryKind, LAMPORT_SENTINEL};
 use crate::error::Result;
@@ -29,8 +29,7 @@ pub fn init_signal_buffer<B: Backend>(
 }
 
 /// As [`init_signal_buffer`], with every barrier counter set to `base` instead of 0.
-#[doc(hidden)]
-pub fn init_signal_buffer_with_counter_base<B: Backend>(
+pub(crate) fn init_signal_buffer_with_counter_base<B: Backend>(
     dev: &B::Device,
     signal: &B::Memory,
     layout: SignalLayout,

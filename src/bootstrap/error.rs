@@ -49,12 +49,12 @@ pub enum BootstrapError {
         /// The world size it was checked against.
         world_size: usize,
     },
-    /// A world size of 0 or over [`MAX_WORLD_SIZE`].
+    /// A world size of 0 or over `MAX_WORLD_SIZE` (32,768).
     #[error("a world of {world_size} ranks: the bootstrap serves 1 to {max}")]
     InvalidWorldSize {
         /// The world size asked for.
         world_size: usize,
-        /// [`MAX_WORLD_SIZE`].
+        /// `MAX_WORLD_SIZE` (32,768).
         max: usize,
     },
     /// Two processes claim one rank number.
@@ -98,7 +98,7 @@ pub enum BootstrapError {
          new UniqueId for every communicator, and run only one rank 0 per id"
     )]
     StaleId,
-    /// A frame body over [`MAX_FRAME_BYTES`].
+    /// A frame body over `MAX_FRAME_BYTES` (64 MiB).
     #[error(
         "a frame of {len} bytes exceeds the {max}-byte cap: split the bytes over several \
          all_gather calls"
@@ -106,15 +106,15 @@ pub enum BootstrapError {
     FrameTooLarge {
         /// The body length sent or announced.
         len: usize,
-        /// [`MAX_FRAME_BYTES`].
+        /// `MAX_FRAME_BYTES` (64 MiB).
         max: usize,
     },
-    /// A [`HostId`] over [`MAX_HOST_ID_BYTES`].
+    /// A [`HostId`] over `MAX_HOST_ID_BYTES` (1,024).
     #[error("a host identity of {len} bytes exceeds the {max}-byte cap: shorten it")]
     HostIdTooLong {
         /// Its length.
         len: usize,
-        /// [`MAX_HOST_ID_BYTES`].
+        /// `MAX_HOST_ID_BYTES` (1,024).
         max: usize,
     },
     /// Another rank failed and said so; `rank` is where the failure began and `message`

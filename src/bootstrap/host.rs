@@ -1,4 +1,4 @@
-//! [`HostId`] and [`host_identity`]: which machine a rank runs on.
+//! [`HostId`] and `host_identity`: which machine a rank runs on.
 
 use std::fmt;
 
@@ -9,7 +9,7 @@ use super::{HOST_ID_OVERRIDE_ENV, MAX_HOST_ID_BYTES};
 use super::TcpBootstrap;
 
 /// Which machine (operating-system instance) a rank runs on, as text; equal ids mean
-/// one host. Read with [`host_identity`]; exchanged by [`TcpBootstrap`] during the
+/// one host. Read with `host_identity`; exchanged by [`TcpBootstrap`] during the
 /// handshake ([`TcpBootstrap::host_ids`]).
 #[derive(Clone, PartialEq, Eq, Hash, Debug)]
 pub struct HostId(pub(super) String);

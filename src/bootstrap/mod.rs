@@ -47,7 +47,7 @@
 //! # Wire format (protocol version 3)
 //!
 //! A frame is a kind byte, a `u32` little-endian body length and the body (at most
-//! [`MAX_FRAME_BYTES`], else [`BootstrapError::FrameTooLarge`]; hellos and proofs are
+//! `MAX_FRAME_BYTES` (64 MiB), else [`BootstrapError::FrameTooLarge`]; hellos and proofs are
 //! capped much lower, so a stray connection cannot make rank 0 allocate). A MAC is
 //! HMAC-SHA-256 keyed by the secret over a label naming the message (so no MAC serves as
 //! another), rank r's nonce, rank 0's nonce, then the bytes named; nonces are 32 fresh
@@ -74,7 +74,7 @@
 //!
 //! # What the handshake withstands
 //!
-//! A connection must prove itself within [`HELLO_DEADLINE`]; at most 1,024 wait (the
+//! A connection must prove itself within `HELLO_DEADLINE` (2 s); at most 1,024 wait (the
 //! oldest is closed for a new one); when `accept` runs out of descriptors, buffers or
 //! memory rank 0 closes its oldest and pauses 10 ms. A real rank closed for any of these
 //! reasons reconnects within its timeout, so idle connections, garbage and strangers lock
@@ -115,7 +115,8 @@ mod tests;
 use std::time::Duration;
 
 pub use error::BootstrapError;
-pub use host::{host_identity, HostId};
+pub(crate) use host::host_identity;
+pub use host::HostId;
 pub use id::UniqueId;
 pub use tcp::TcpBootstrap;
 
@@ -127,25 +128,25 @@ use error::Result;
 /// host name, with or without a port. Unset means `127.0.0.1:0`: ranks on this host only.
 pub const BOOTSTRAP_ADDR_ENV: &str = "PEERCOMM_BOOTSTRAP_ADDR";
 
-/// Environment variable that, when set and not empty, replaces what [`host_identity`]
+/// Environment variable that, when set and not empty, replaces what `host_identity`
 /// reads from the system (for tests, and containers whose host identity misleads).
 pub const HOST_ID_OVERRIDE_ENV: &str = "PEERCOMM_HOST_ID_OVERRIDE";
 
 /// Largest frame body (one rank's bytes in one all-gather): 64 MiB.
-pub const MAX_FRAME_BYTES: usize = 64 << 20;
+pub(crate) const MAX_FRAME_BYTES: usize = 64 << 20;
 
 /// Longest [`HostId`] in bytes.
-pub const MAX_HOST_ID_BYTES: usize = 1024;
+pub(crate) const MAX_HOST_ID_BYTES: usize = 1024;
 
 /// Most ranks one [`TcpBootstrap`] serves, so the welcome (every rank's [`HostId`]) fits
 /// in a frame.
-pub const MAX_WORLD_SIZE: usize = 1 << 15;
+pub(crate) const MAX_WORLD_SIZE: usize = 1 << 15;
 const _: () = assert!(MAC_BYTES + 4 + MAX_WORLD_SIZE * (2 + MAX_HOST_ID_BYTES) <= MAX_FRAME_BYTES);
 
 /// How long rank 0 keeps a connection that has not proven itself (hello, challenge,
 /// proof: one round trip for a real rank); a slower one is closed silently, so idle
 /// connections cannot fill rank 0's pending table.
-pub const HELLO_DEADLINE: Duration = Duration::from_secs(2);
+pub(crate) const HELLO_DEADLINE: Duration = Duration::from_secs(2);
 
 /// Version of the [`UniqueId`] byte layout (its first byte).
 const ID_FORMAT_VERSION: u8 = 1;

@@ -62,7 +62,7 @@ impl fmt::Debug for TcpBootstrap {
 
 impl TcpBootstrap {
     /// Joins the communicator `id` names as `rank` of `world_size` ranks, with this
-    /// process's [`host_identity`]. Rank 0 calls it in the process that made `id` (or, for
+    /// process's `host_identity`. Rank 0 calls it in the process that made `id` (or, for
     /// a released id, on the host it names). `timeout` bounds the whole handshake, with
     /// retries, then each operation ([`TcpBootstrap::set_timeout`]). A listener that
     /// cannot prove the secret is [`BootstrapError::UnverifiedRankZero`]. A world of one

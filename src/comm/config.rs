@@ -2,9 +2,13 @@
 
 use std::time::Duration;
 
+use crate::backend::DeviceIdentity;
+use crate::bootstrap::HostId;
 use crate::dispatch::Algorithm;
 use crate::error::{Error, Result};
-use crate::external::{FallbackConfig, Simulation};
+use crate::external::FallbackConfig;
+#[cfg(feature = "fault-injection")]
+use crate::external::Simulation;
 
 /// Sizes and limits of a communicator.
 ///
@@ -13,7 +17,7 @@ use crate::external::{FallbackConfig, Simulation};
 /// 8.28 MiB header (counters, arrivals with their call descriptors, Lamport state, error record), a Lamport region of
 /// 3 generations x world-size slots x `lamport_slot_bytes`, and `payload_bytes`.
 /// [`CommConfig::memory_footprint`] computes it before building,
-/// `Communicator::memory_footprint` / `Comm::memory_footprint` after. Per rank:
+/// `SingleController::memory_footprint` / `Comm::memory_footprint` after. Per rank:
 ///
 /// | configuration | world 2 | world 4 | world 8 |
 /// |---|---|---|---|
@@ -22,9 +26,24 @@ use crate::external::{FallbackConfig, Simulation};
 /// | 48 MiB slot, 64 MiB payload (Lamport forced at 48 MiB) | 360.3 MiB | 648.3 MiB | 1224.3 MiB |
 ///
 /// [`CommConfig::for_largest_message`] sizes the scratch from the largest message a
-/// user will send; `Communicator::algorithm_for` / `Comm::algorithm_for` say whether
+/// user will send; `SingleController::algorithm_for` / `Comm::algorithm_for` say whether
 /// a message fits an algorithm, and if not, by how many bytes.
+///
+/// Built from [`CommConfig::default`] or [`CommConfig::for_largest_message`] and the
+/// `with_*` methods (the type may gain fields, so it has no struct literal outside
+/// the crate):
+///
+/// ```
+/// use std::time::Duration;
+/// use peercomm::CommConfig;
+///
+/// let config = CommConfig::default()
+///     .with_payload_bytes(8 << 20)
+///     .with_barrier_timeout(Some(Duration::from_secs(2)));
+/// assert_eq!(config.payload_bytes, 8 << 20);
+/// ```
 #[derive(Clone, Debug)]
+#[non_exhaustive]
 pub struct CommConfig {
     /// Bytes of one Lamport slot: the largest message (per rank, rounded up to whole
     /// 16-byte packs) the Lamport algorithm takes. The region holds 3 x world-size slots
@@ -96,26 +115,27 @@ pub struct CommConfig {
     /// [`crate::Error::InvalidConfig`] a `bootstrap_timeout` shorter than
     /// `barrier_timeout` (a `None` barrier timeout sets no floor): a rank that waits less
     /// on the host than its kernels wait on the device cannot tell a slow peer from a
-    /// gone one. The single-controller [`crate::Communicator`] has no bootstrap and
+    /// gone one. The single-controller [`crate::SingleController`] has no bootstrap and
     /// ignores this field.
     pub bootstrap_timeout: Duration,
     /// Where peer memory cannot serve (no working peer access, several hosts, more
     /// than `MAX_GPUS` ranks): hand the calls to NCCL/RCCL (the default) or refuse;
     /// and whether to route by message size (default: never). See
-    /// [`crate::external`].
+    /// the `external` module.
     pub fallback: FallbackConfig,
     /// For testing only: simulate missing peer access, a failed peer check, or ranks
-    /// on several hosts (see [`Simulation`]).
+    /// on several hosts (see [`Simulation`]). Only with the `fault-injection` feature.
+    #[cfg(feature = "fault-injection")]
     pub simulate: Simulation,
     /// Single controller only: enqueue each rank's kernel of a collective from its own
     /// launch thread (rank 0's from the calling thread), all at once, instead of one
     /// rank after the other from the calling thread (default: on). A kernel launch
     /// costs the host a few microseconds (~3.5 us with CUDA), so in a loop over the
     /// ranks an eager call's host time grows with the world; in parallel it stays near
-    /// one launch. The [`crate::Communicator`] starts one thread per rank but rank 0
+    /// one launch. The [`crate::SingleController`] starts one thread per rank but rank 0
     /// when it is built (world > 1), joined when it is dropped; between calls they
     /// spin for about 100 us, then sleep. Results, stream order and errors are the
-    /// same either way. [`crate::Communicator::set_parallel_launch`] switches it at
+    /// same either way. [`crate::SingleController::set_parallel_launch`] switches it at
     /// run time (this field is where it starts). The per-rank [`crate::Comm`] (one
     /// rank per thread or process, each launching its own) ignores it, and ranks need
     /// not agree on it (it is not among the fields they compare).
@@ -123,6 +143,122 @@ pub struct CommConfig {
 }
 
 impl CommConfig {
+    /// With [`CommConfig::lamport_slot_bytes`].
+    pub fn with_lamport_slot_bytes(mut self, bytes: usize) -> Self {
+        self.lamport_slot_bytes = bytes;
+        self
+    }
+    /// With [`CommConfig::payload_bytes`].
+    pub fn with_payload_bytes(mut self, bytes: usize) -> Self {
+        self.payload_bytes = bytes;
+        self
+    }
+    /// With [`CommConfig::barrier_timeout`] (`None` waits forever).
+    pub fn with_barrier_timeout(mut self, timeout: Option<Duration>) -> Self {
+        self.barrier_timeout = timeout;
+        self
+    }
+    /// With [`CommConfig::max_blocks`] (`None` derives it from the device).
+    pub fn with_max_blocks(mut self, max_blocks: Option<u32>) -> Self {
+        self.max_blocks = max_blocks;
+        self
+    }
+    /// With [`CommConfig::threads_per_block`].
+    pub fn with_threads_per_block(mut self, threads: u32) -> Self {
+        self.threads_per_block = threads;
+        self
+    }
+    /// With [`CommConfig::allow_shared_devices`] (a testing aid).
+    pub fn with_allow_shared_devices(mut self, allow: bool) -> Self {
+        self.allow_shared_devices = allow;
+        self
+    }
+    /// With [`CommConfig::bootstrap_timeout`].
+    pub fn with_bootstrap_timeout(mut self, timeout: Duration) -> Self {
+        self.bootstrap_timeout = timeout;
+        self
+    }
+    /// With [`CommConfig::fallback`].
+    pub fn with_fallback(mut self, fallback: FallbackConfig) -> Self {
+        self.fallback = fallback;
+        self
+    }
+    /// With [`CommConfig::simulate`] (testing only; `fault-injection` feature).
+    #[cfg(feature = "fault-injection")]
+    pub fn with_simulate(mut self, simulate: Simulation) -> Self {
+        self.simulate = simulate;
+        self
+    }
+    /// With [`CommConfig::parallel_launch`].
+    pub fn with_parallel_launch(mut self, parallel: bool) -> Self {
+        self.parallel_launch = parallel;
+        self
+    }
+
+    /// The host identities the simulation gives the world ranks, if any (none
+    /// without the `fault-injection` feature).
+    pub(crate) fn simulated_hosts(&self) -> Option<&[HostId]> {
+        #[cfg(feature = "fault-injection")]
+        return self.simulate.hosts.as_deref();
+        #[cfg(not(feature = "fault-injection"))]
+        None
+    }
+
+    /// The multiprocessor count world rank `rank` reports: the simulated one, or
+    /// `real`.
+    pub(crate) fn multiprocessors_of(&self, rank: usize, real: usize) -> usize {
+        #[cfg(feature = "fault-injection")]
+        return self.simulate.multiprocessors_of(rank, real);
+        #[cfg(not(feature = "fault-injection"))]
+        {
+            let _ = rank;
+            real
+        }
+    }
+
+    /// The identity world rank `rank` reports: the simulated physical device's (with
+    /// the ordinal of `real`), or `real`.
+    pub(crate) fn identity_of(&self, rank: usize, real: DeviceIdentity) -> DeviceIdentity {
+        #[cfg(feature = "fault-injection")]
+        return self.simulate.identity_of(rank, real);
+        #[cfg(not(feature = "fault-injection"))]
+        {
+            let _ = rank;
+            real
+        }
+    }
+
+    /// Whether the simulation removes peer access between world ranks `a` and `b`.
+    pub(crate) fn simulation_blocks_pair(&self, a: usize, b: usize) -> bool {
+        #[cfg(feature = "fault-injection")]
+        return self.simulate.blocks_pair(a, b);
+        #[cfg(not(feature = "fault-injection"))]
+        {
+            let _ = (a, b);
+            false
+        }
+    }
+
+    /// Whether the simulation corrupts the peer check of world rank `rank`.
+    pub(crate) fn simulation_fails_peer_check(&self, rank: usize) -> bool {
+        #[cfg(feature = "fault-injection")]
+        return self.simulate.fail_peer_check == Some(rank);
+        #[cfg(not(feature = "fault-injection"))]
+        {
+            let _ = rank;
+            false
+        }
+    }
+
+    /// The simulation as the ranks compare it: `none`, or a hash of the switches.
+    fn simulation_code(&self) -> String {
+        #[cfg(feature = "fault-injection")]
+        if self.simulate.is_active() {
+            return format!("{:?}", self.simulate.code());
+        }
+        "none".to_string()
+    }
+
     /// What the per-rank [`crate::Comm`] needs of the timeouts (see
     /// [`CommConfig::bootstrap_timeout`]): an [`Error::InvalidConfig`] naming the fields
     /// otherwise.
@@ -153,14 +289,17 @@ impl Default for CommConfig {
             allow_shared_devices: false,
             bootstrap_timeout: Duration::from_secs(120),
             fallback: FallbackConfig::default(),
+            #[cfg(feature = "fault-injection")]
             simulate: Simulation::default(),
             parallel_launch: true,
         }
     }
 }
 
-/// Options of one all-reduce.
+/// Options of one all-reduce, built from [`AllReduceOptions::new`] and its chained
+/// setters (the type may gain fields, so it has no struct literal outside the crate).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct AllReduceOptions {
     /// Width of the groups that reduce together: 0 means the whole world; otherwise it
     /// must divide the world size, and ranks `[k*w, (k+1)*w)` form group `k`.
@@ -218,7 +357,7 @@ pub(crate) fn config_fields(config: &CommConfig) -> Vec<(&'static str, String)> 
             config.allow_shared_devices.to_string(),
         ),
         ("fallback", format!("{:?}", config.fallback)),
-        ("simulate", format!("{:?}", config.simulate.code())),
+        ("simulate", config.simulation_code()),
     ]
 }
 
@@ -275,11 +414,10 @@ mod tests {
     #[test]
     fn a_configuration_mismatch_names_the_fields() {
         let a = CommConfig::default();
-        let b = CommConfig {
-            payload_bytes: a.payload_bytes * 2,
-            barrier_timeout: None,
-            ..a.clone()
-        };
+        let b = a
+            .clone()
+            .with_payload_bytes(a.payload_bytes * 2)
+            .with_barrier_timeout(None);
         assert_eq!(
             compare_configs(&[encode_config(&a), encode_config(&a)]),
             Ok(())

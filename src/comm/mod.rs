@@ -2,7 +2,7 @@
 //!
 //! - `core`: one rank (device, signal, peers, settings, routing) and the only code that
 //!   sets a rank up, routes, plans and launches its calls.
-//! - `single`: the single-controller [`Communicator`], one process driving every device.
+//! - `single`: the single-controller [`SingleController`], one process driving every device.
 //! - `per_rank`: the per-rank [`Comm`], one rank per thread or process.
 //! - `zero_copy`: registered buffers, the symmetric pool and graph capture.
 
@@ -19,9 +19,10 @@ pub use config::{AllReduceOptions, CommConfig};
 pub use per_rank::group::CommGroup;
 pub use per_rank::Comm;
 #[doc(hidden)]
+#[cfg(feature = "unstable")]
 pub use per_rank::{free_expired_teardowns, parked_teardowns};
-pub use single::group::CommunicatorGroup;
-pub use single::Communicator;
+pub use single::group::SingleControllerGroup;
+pub use single::SingleController;
 #[cfg(feature = "cuda")]
 pub use zero_copy::capture::RegisteredGraph;
 pub use zero_copy::capture_inputs::CaptureInputs;

@@ -48,7 +48,7 @@ pub enum Recovery {
     /// The communicator, its bootstrap or its device is in a state it cannot be brought
     /// back from (a rank is gone, the bootstrap failed, a driver or external-library
     /// call failed): every rank drops it, and the job builds a new one with a new
-    /// `UniqueId` (`Comm::from_rank`, `Communicator::new`).
+    /// `UniqueId` (`Comm::from_rank`, `SingleController::new`).
     Rebuild,
     /// The communicator cannot be built as asked: the configuration, the launch (rank,
     /// world size, id, address) or the machine (devices, drivers, peer access, the

@@ -46,13 +46,16 @@ pub(crate) mod local;
 pub mod nccl;
 #[cfg(feature = "hip")]
 pub mod rccl;
+#[cfg(feature = "fault-injection")]
 mod simulate;
 pub(crate) mod sub;
 
+#[cfg(feature = "fault-injection")]
 pub use simulate::Simulation;
 
 /// What a communicator does where peer memory cannot serve it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum Fallback {
     /// Hand those calls to the external library (NCCL, RCCL), visibly: they return
     /// [`crate::Algorithm::Nccl`] or [`crate::Algorithm::Hierarchical`].
@@ -65,11 +68,12 @@ pub enum Fallback {
 
 /// Whether calls that peer memory could serve go to the external library by size.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum SizeRouting {
     /// Never (the default): results do not depend on the message size.
     #[default]
     Never,
-    /// Where the dispatch table ([`crate::dispatch::external_from`]) says the external
+    /// Where the dispatch table (`external_from`) says the external
     /// library is faster for this architecture and group width. Opting in can change
     /// the last bits of a result with the message size (the library sums in another
     /// order).
@@ -80,8 +84,10 @@ pub enum SizeRouting {
 }
 
 /// The fallback settings of a communicator (part of [`crate::CommConfig`]; every rank
-/// must pass the same).
+/// must pass the same), built from [`FallbackConfig::default`] or
+/// [`FallbackConfig::peer_memory_only`] and the `with_*` methods.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct FallbackConfig {
     /// Fall back or refuse where peer memory cannot serve.
     pub fallback: Fallback,
@@ -97,12 +103,23 @@ impl FallbackConfig {
             by_size: SizeRouting::Never,
         }
     }
+    /// With [`FallbackConfig::fallback`].
+    pub fn with_fallback(mut self, fallback: Fallback) -> Self {
+        self.fallback = fallback;
+        self
+    }
+    /// With [`FallbackConfig::by_size`].
+    pub fn with_by_size(mut self, by_size: SizeRouting) -> Self {
+        self.by_size = by_size;
+        self
+    }
 }
 
 /// One rank's handle on an external all-reduce: the sum of this rank's buffer over
 /// the ranks of its group, on this rank's stream, as `ncclAllReduce` does.
 pub trait ExternalAllReduce<B: Backend>: Send + Sync {
     /// The library's name (`"nccl"`, `"rccl"`, `"host"`).
+    #[cfg_attr(not(feature = "unstable"), allow(dead_code))]
     fn library(&self) -> &'static str;
 
     /// Enqueues the sum of `elements` elements of `dtype` at `send` over the group into
@@ -132,10 +149,12 @@ pub trait ExternalAllReduce<B: Backend>: Send + Sync {
 /// A vendor's external collective library: makes the per-rank handles.
 pub trait ExternalLibrary<B: Backend>: Send + Sync {
     /// The library's name (`"nccl"`, `"rccl"`, `"host"`).
+    #[cfg_attr(not(feature = "unstable"), allow(dead_code))]
     fn name(&self) -> &'static str;
 
     /// Whether the library can be used here; an
     /// [`crate::Error::ExternalUnavailable`] saying why not.
+    #[cfg_attr(not(feature = "unstable"), allow(dead_code))]
     fn check_available(&self) -> Result<()>;
 
     /// This rank's handle for the group of world ranks `members` (in group rank order;
@@ -176,7 +195,7 @@ pub trait ExternalLibrary<B: Backend>: Send + Sync {
 ///
 /// ```
 /// use peercomm::backend::host::Host;
-/// use peercomm::external::HasExternalLibrary;
+/// use peercomm::unstable::HasExternalLibrary; // feature `unstable`
 ///
 /// let library = Host::external_library();
 /// assert_eq!(library.name(), "host");
@@ -197,7 +216,7 @@ pub trait HasExternalLibrary: Backend {
 /// ```
 /// use peercomm::backend::host::Host;
 ///
-/// assert_eq!(peercomm::external::library_of::<Host>().name(), "host");
+/// assert_eq!(peercomm::unstable::library_of::<Host>().name(), "host"); // feature `unstable`
 /// ```
 pub fn library_of<B: Backend>() -> &'static dyn ExternalLibrary<B> {
     /// `L`'s library when `L` is `B` (a type comparison through [`Any`]).

@@ -1,13 +1,22 @@
 //! Switches that make one machine look like the cases the fallback exists for. For
 //! testing only: they exist so that CI (host backend) and a one- or two-GPU machine can
 //! exercise every route. Every rank must pass the same [`Simulation`] (it is part of
-//! the configuration checksum).
+//! the configuration checksum). Only with the `fault-injection` feature.
 
 use crate::backend::DeviceIdentity;
 use crate::bootstrap::HostId;
 
-/// Test-only switches (part of [`crate::CommConfig`]; the default simulates nothing).
+/// Test-only switches (part of [`crate::CommConfig`]; the default simulates nothing),
+/// built from [`Simulation::default`] and the `with_*` methods:
+///
+/// ```
+/// use peercomm::{CommConfig, Simulation};
+///
+/// let config = CommConfig::default().with_simulate(Simulation::default().with_no_peer_access((0, 1)));
+/// assert!(config.simulate.is_active());
+/// ```
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub struct Simulation {
     /// Pretend that device-level peer access from world rank `.0` to world rank `.1`
     /// is unavailable (as on PCIe without P2P).
@@ -36,6 +45,32 @@ pub struct Simulation {
 }
 
 impl Simulation {
+    /// With [`Simulation::no_peer_access`] between world ranks `pair.0` and `pair.1`.
+    pub fn with_no_peer_access(mut self, pair: (usize, usize)) -> Self {
+        self.no_peer_access = Some(pair);
+        self
+    }
+    /// With [`Simulation::fail_peer_check`] on world rank `rank`.
+    pub fn with_fail_peer_check(mut self, rank: usize) -> Self {
+        self.fail_peer_check = Some(rank);
+        self
+    }
+    /// With [`Simulation::hosts`]: one host identity per world rank.
+    pub fn with_hosts(mut self, hosts: Vec<HostId>) -> Self {
+        self.hosts = Some(hosts);
+        self
+    }
+    /// With [`Simulation::multiprocessors`]: one count per world rank.
+    pub fn with_multiprocessors(mut self, multiprocessors: Vec<usize>) -> Self {
+        self.multiprocessors = Some(multiprocessors);
+        self
+    }
+    /// With [`Simulation::physical_devices`]: one physical device per world rank.
+    pub fn with_physical_devices(mut self, physical_devices: Vec<usize>) -> Self {
+        self.physical_devices = Some(physical_devices);
+        self
+    }
+
     /// Whether anything is simulated.
     pub fn is_active(&self) -> bool {
         *self != Simulation::default()

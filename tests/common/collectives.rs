@@ -5,7 +5,8 @@
 
 use peercomm::backend::Backend;
 use peercomm::{
-    reduce_scatter_part, CollectiveOptions, Communicator, DType, Element, Error, Tensor, TensorMut,
+    reduce_scatter_part, CollectiveOptions, DType, Element, Error, SingleController, TensorView,
+    TensorViewMut,
 };
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -186,7 +187,7 @@ fn poisoned<B: Backend, T: Element>(dev: &B::Device, len: usize) -> B::Buffer<T>
 
 /// One single-controller call of `which` on fresh inputs, outputs poisoned, checked.
 pub fn check_once<B: Backend, T: Element>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     rng: &mut StdRng,
     which: Which,
     width: usize,
@@ -201,17 +202,17 @@ pub fn check_once<B: Backend, T: Element>(
         opts = opts.blocks(b);
     }
     let what = format!("{which:?} {:?} world {world} group {width} n {n}", T::DTYPE);
-    let ranks = comm.ranks();
+    let ranks = comm.cores();
     let in_bufs: Vec<_> = (0..world)
         .map(|r| upload::<B, T>(ranks[r].device(), &ins[r]))
         .collect();
     let mut outs: Vec<_> = (0..world)
         .map(|r| poisoned::<B, T>(ranks[r].device(), output_len(which, width, r, len)))
         .collect();
-    let roots = |root: usize| -> Vec<Tensor<'_, B>> {
+    let roots = |root: usize| -> Vec<TensorView<'_, B>> {
         (root..world)
             .step_by(width)
-            .map(|r| Tensor::flat(&in_bufs[r]))
+            .map(|r| TensorView::flat(&in_bufs[r]))
             .collect()
     };
     let result = match which {
@@ -228,7 +229,7 @@ pub fn check_once<B: Backend, T: Element>(
                     }
                 })
                 .collect();
-            let mut ts: Vec<_> = bufs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+            let mut ts: Vec<_> = bufs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
             comm.broadcast_in_place(&mut ts, root, &opts).expect(&what);
             drop(ts);
             comm.synchronize().expect(&what);
@@ -236,10 +237,10 @@ pub fn check_once<B: Backend, T: Element>(
             Ok(())
         }
         _ => {
-            let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+            let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
             let r = match which {
                 Which::AllGather | Which::ReduceScatter => {
-                    let i: Vec<_> = in_bufs.iter().map(|b| Tensor::flat(b)).collect();
+                    let i: Vec<_> = in_bufs.iter().map(|b| TensorView::flat(b)).collect();
                     if which == Which::AllGather {
                         comm.all_gather(&i, &mut o, &opts)
                     } else {
@@ -271,7 +272,7 @@ pub fn sweep<B: Backend>(world: usize, max_blocks: Option<u32>, lengths: &[usize
 }
 
 /// As [`sweep`], over an open communicator (for example ranks sharing devices).
-pub fn sweep_on<B: Backend>(comm: &Communicator<B>, lengths: &[usize]) {
+pub fn sweep_on<B: Backend>(comm: &SingleController<B>, lengths: &[usize]) {
     let world = comm.world_size();
     let mut rng = rng(&format!("collectives_world_{world}"));
     for width in group_sizes(world) {
@@ -298,14 +299,14 @@ pub fn sweep_on<B: Backend>(comm: &Communicator<B>, lengths: &[usize]) {
 /// a reduce-scatter then an all-gather is the all-reduce (a hierarchical path relies on
 /// it).
 pub fn reduce_scatter_parts_are_the_all_reduce<B: Backend, T: Element>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     rng: &mut StdRng,
     width: usize,
     n: usize,
 ) {
     let world = comm.world_size();
     let ins: Vec<Vec<T>> = random_inputs::<T>(rng, world, n);
-    let ranks = comm.ranks();
+    let ranks = comm.cores();
     let dev = |r: usize| ranks[r].device();
     let in_bufs: Vec<_> = (0..world)
         .map(|r| upload::<B, T>(dev(r), &ins[r]))
@@ -320,10 +321,10 @@ pub fn reduce_scatter_parts_are_the_all_reduce<B: Backend, T: Element>(
         T::DTYPE
     );
     {
-        let i: Vec<_> = in_bufs.iter().map(|b| Tensor::flat(b)).collect();
-        let mut p: Vec<_> = parts.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        let i: Vec<_> = in_bufs.iter().map(|b| TensorView::flat(b)).collect();
+        let mut p: Vec<_> = parts.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
         comm.reduce_scatter_sum(&i, &mut p, &opts).expect(&what);
-        let mut o: Vec<_> = reduced.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        let mut o: Vec<_> = reduced.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
         let ar = peercomm::AllReduceOptions::new()
             .group_size(width)
             .algorithm(peercomm::Algorithm::OneStage);
@@ -341,7 +342,7 @@ pub fn reduce_scatter_parts_are_the_all_reduce<B: Backend, T: Element>(
 /// One fused call, single controller, checked against the f64 reference and across the
 /// group's ranks bit for bit.
 pub fn check_rms_norm_once<B: Backend, T: Element>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     rng: &mut StdRng,
     width: usize,
     tokens: usize,
@@ -353,7 +354,7 @@ pub fn check_rms_norm_once<B: Backend, T: Element>(
     let residual: Vec<T> = random_values::<T>(rng, n);
     let weight: Vec<T> = random_values::<T>(rng, hidden);
     let epsilon = rng.random_range(1e-6f32..1e-3);
-    let ranks = comm.ranks();
+    let ranks = comm.cores();
     let dev = |r: usize| ranks[r].device();
     let in_bufs: Vec<_> = (0..world)
         .map(|r| upload::<B, T>(dev(r), &ins[r]))
@@ -370,10 +371,16 @@ pub fn check_rms_norm_once<B: Backend, T: Element>(
         T::DTYPE
     );
     {
-        let i: Vec<_> = in_bufs.iter().map(|b| Tensor::flat(b)).collect();
-        let w: Vec<_> = w_bufs.iter().map(|b| Tensor::flat(b)).collect();
-        let mut res: Vec<_> = res_bufs.iter_mut().map(|b| TensorMut::flat(b)).collect();
-        let mut o: Vec<_> = out_bufs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        let i: Vec<_> = in_bufs.iter().map(|b| TensorView::flat(b)).collect();
+        let w: Vec<_> = w_bufs.iter().map(|b| TensorView::flat(b)).collect();
+        let mut res: Vec<_> = res_bufs
+            .iter_mut()
+            .map(|b| TensorViewMut::flat(b))
+            .collect();
+        let mut o: Vec<_> = out_bufs
+            .iter_mut()
+            .map(|b| TensorViewMut::flat(b))
+            .collect();
         comm.all_reduce_residual_rms_norm(
             &i,
             &mut res,
@@ -416,7 +423,7 @@ pub fn rms_norm_sweep<B: Backend>(world: usize, max_blocks: Option<u32>) {
 }
 
 /// As [`rms_norm_sweep`], over an open communicator.
-pub fn rms_norm_sweep_on<B: Backend>(comm: &Communicator<B>) {
+pub fn rms_norm_sweep_on<B: Backend>(comm: &SingleController<B>) {
     let world = comm.world_size();
     let mut rng = rng(&format!("rms_norm_world_{world}"));
     for width in group_sizes(world) {
@@ -431,7 +438,7 @@ pub fn rms_norm_sweep_on<B: Backend>(comm: &Communicator<B>) {
 /// Asserts that `result` is the error `matches` describes, and that `bufs` still hold
 /// their NaN poison (nothing was written).
 fn refused<B: Backend, T: Element>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     result: peercomm::Result<()>,
     matches: fn(&Error) -> bool,
     bufs: &[&B::Buffer<T>],
@@ -443,10 +450,14 @@ fn refused<B: Backend, T: Element>(
 }
 
 /// Asserts that `bufs` (rank r's at index r) still hold their NaN poison.
-fn untouched<B: Backend, T: Element>(comm: &Communicator<B>, bufs: &[&B::Buffer<T>], what: &str) {
+fn untouched<B: Backend, T: Element>(
+    comm: &SingleController<B>,
+    bufs: &[&B::Buffer<T>],
+    what: &str,
+) {
     comm.synchronize().unwrap();
     for (r, b) in bufs.iter().enumerate() {
-        let got = B::download(comm.rank(r).device(), b).unwrap();
+        let got = B::download(comm.core(r).device(), b).unwrap();
         assert!(
             got.iter().all(|x| x.to_f32().is_nan()),
             "{what}: rank {r}'s buffer was written"
@@ -458,18 +469,18 @@ fn untouched<B: Backend, T: Element>(comm: &Communicator<B>, bufs: &[&B::Buffer<
 /// error and writes nothing.
 pub fn bad_inputs<B: Backend>() {
     let comm = super::open::<B>(2, suite_config(None));
-    let dev = |r: usize| comm.rank(r).device();
+    let dev = |r: usize| comm.core(r).device();
     let ones = |r: usize, len: usize| upload::<B, f32>(dev(r), &vec![1.0; len]);
     let nan = |r: usize, len: usize| poisoned::<B, f32>(dev(r), len);
     let opts = CollectiveOptions::new();
     let ins = [ones(0, 10), ones(1, 10)];
     let short = ones(1, 9);
-    let i: Vec<_> = ins.iter().map(|b| Tensor::flat(b)).collect();
+    let i: Vec<_> = ins.iter().map(|b| TensorView::flat(b)).collect();
 
     // All-gather: an output of the wrong size; inputs of different lengths.
     let mut outs = [nan(0, 20), nan(1, 19)];
     let r = {
-        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
         comm.all_gather(&i, &mut o, &opts)
     };
     refused::<B, f32>(
@@ -481,8 +492,8 @@ pub fn bad_inputs<B: Backend>() {
     );
     let mut outs = [nan(0, 20), nan(1, 20)];
     let r = {
-        let uneven = [Tensor::flat(&ins[0]), Tensor::flat(&short)];
-        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        let uneven = [TensorView::flat(&ins[0]), TensorView::flat(&short)];
+        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
         comm.all_gather(&uneven, &mut o, &opts)
     };
     refused::<B, f32>(
@@ -496,7 +507,7 @@ pub fn bad_inputs<B: Backend>() {
     // Reduce-scatter: parts of 10 over 2 are 5 and 5.
     let mut outs = [nan(0, 5), nan(1, 6)];
     let r = {
-        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
         comm.reduce_scatter_sum(&i, &mut o, &opts)
     };
     refused::<B, f32>(
@@ -511,7 +522,7 @@ pub fn bad_inputs<B: Backend>() {
     for root in [2, 7] {
         let mut outs = [nan(0, 10), nan(1, 10)];
         let r = {
-            let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+            let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
             comm.broadcast(&i[..1], &mut o, root, &opts)
         };
         refused::<B, f32>(
@@ -523,7 +534,7 @@ pub fn bad_inputs<B: Backend>() {
         );
         let mut outs = [nan(0, 5), nan(1, 5)];
         let r = {
-            let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+            let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
             comm.scatter(&i[..1], &mut o, root, &opts)
         };
         refused::<B, f32>(
@@ -535,7 +546,7 @@ pub fn bad_inputs<B: Backend>() {
         );
         let mut bufs = [nan(0, 10), nan(1, 10)];
         let r = {
-            let mut o: Vec<_> = bufs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+            let mut o: Vec<_> = bufs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
             comm.broadcast_in_place(&mut o, root, &opts)
         };
         refused::<B, f32>(
@@ -548,7 +559,7 @@ pub fn bad_inputs<B: Backend>() {
     }
     let mut outs = [nan(0, 10), nan(1, 10)];
     let r = {
-        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
         comm.broadcast(&i, &mut o, 0, &opts)
     };
     refused::<B, f32>(
@@ -568,7 +579,7 @@ pub fn bad_inputs<B: Backend>() {
     );
     let mut outs = [nan(0, 10), nan(1, 9)];
     let r = {
-        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
         comm.broadcast(&i[..1], &mut o, 0, &opts)
     };
     refused::<B, f32>(
@@ -580,7 +591,7 @@ pub fn bad_inputs<B: Backend>() {
     );
     let mut outs = [nan(0, 4), nan(1, 4)];
     let r = {
-        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
         comm.scatter(&i[..1], &mut o, 0, &opts)
     };
     refused::<B, f32>(
@@ -594,15 +605,15 @@ pub fn bad_inputs<B: Backend>() {
     // Fused: a hidden size that is not whole packs, elements that are not whole rows,
     // a residual of the wrong length, a weight of another dtype, a bad epsilon.
     let x = [ones(0, 64), ones(1, 64)];
-    let xi: Vec<_> = x.iter().map(|b| Tensor::flat(b)).collect();
+    let xi: Vec<_> = x.iter().map(|b| TensorView::flat(b)).collect();
     let fused = |w_len: usize, res_len: usize, eps: f32| {
         let w = [ones(0, w_len), ones(1, w_len)];
-        let wi: Vec<_> = w.iter().map(|b| Tensor::flat(b)).collect();
+        let wi: Vec<_> = w.iter().map(|b| TensorView::flat(b)).collect();
         let mut res = [nan(0, res_len), nan(1, res_len)];
         let mut outs = [nan(0, 64), nan(1, 64)];
         let r = {
-            let mut rt: Vec<_> = res.iter_mut().map(|b| TensorMut::flat(b)).collect();
-            let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+            let mut rt: Vec<_> = res.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
+            let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
             comm.all_reduce_residual_rms_norm(&xi, &mut rt, &wi, &mut o, eps, &opts)
         };
         (r, res, outs)
@@ -636,12 +647,12 @@ pub fn bad_inputs<B: Backend>() {
         upload::<B, half::bf16>(dev(0), &[half::bf16::ONE; 16]),
         upload::<B, half::bf16>(dev(1), &[half::bf16::ONE; 16]),
     ];
-    let wi: Vec<_> = w16.iter().map(|b| Tensor::flat(b)).collect();
+    let wi: Vec<_> = w16.iter().map(|b| TensorView::flat(b)).collect();
     let mut res = [nan(0, 64), nan(1, 64)];
     let mut outs = [nan(0, 64), nan(1, 64)];
     let r = {
-        let mut rt: Vec<_> = res.iter_mut().map(|b| TensorMut::flat(b)).collect();
-        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        let mut rt: Vec<_> = res.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
+        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
         comm.all_reduce_residual_rms_norm(&xi, &mut rt, &wi, &mut o, 1e-5, &opts)
     };
     refused::<B, f32>(
@@ -668,7 +679,7 @@ pub struct FuzzCall<B: Backend, T: Element> {
 
 impl<B: Backend, T: Element> FuzzCall<B, T> {
     fn new(
-        comm: &Communicator<B>,
+        comm: &SingleController<B>,
         rng: &mut StdRng,
         which: Which,
         width: usize,
@@ -678,7 +689,7 @@ impl<B: Backend, T: Element> FuzzCall<B, T> {
         let world = comm.world_size();
         let len = input_len(which, width, n);
         let ins: Vec<Vec<T>> = random_inputs::<T>(rng, world, len);
-        let dev = |r: usize| comm.rank(r).device();
+        let dev = |r: usize| comm.core(r).device();
         let in_bufs = (0..world)
             .map(|r| upload::<B, T>(dev(r), &ins[r]))
             .collect();
@@ -705,7 +716,7 @@ impl<B: Backend, T: Element> FuzzCall<B, T> {
 /// Draws a collective over groups of `width` (`group_size` as the caller asks for it)
 /// with about `bytes` per rank, of a random kind, dtype and root.
 pub fn fuzz_call<B: Backend>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     rng: &mut StdRng,
     dtype: DType,
     width: usize,
@@ -741,17 +752,21 @@ pub fn fuzz_call<B: Backend>(
 }
 
 impl<B: Backend, T: Element> super::Call<B> for FuzzCall<B, T> {
-    fn enqueue(&mut self, comm: &Communicator<B>) -> peercomm::Result<peercomm::Algorithm> {
+    fn enqueue(&mut self, comm: &SingleController<B>) -> peercomm::Result<peercomm::Algorithm> {
         let world = comm.world_size();
         let width = self.width;
-        let roots = |root: usize| -> Vec<Tensor<'_, B>> {
+        let roots = |root: usize| -> Vec<TensorView<'_, B>> {
             (root..world)
                 .step_by(width)
-                .map(|r| Tensor::flat(&self.in_bufs[r]))
+                .map(|r| TensorView::flat(&self.in_bufs[r]))
                 .collect()
         };
-        let mut o: Vec<_> = self.outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
-        let i: Vec<_> = self.in_bufs.iter().map(|b| Tensor::flat(b)).collect();
+        let mut o: Vec<_> = self
+            .outs
+            .iter_mut()
+            .map(|b| TensorViewMut::flat(b))
+            .collect();
+        let i: Vec<_> = self.in_bufs.iter().map(|b| TensorView::flat(b)).collect();
         match self.which {
             Which::AllGather => comm.all_gather(&i, &mut o, &self.opts),
             Which::ReduceScatter => comm.reduce_scatter_sum(&i, &mut o, &self.opts),
@@ -766,7 +781,7 @@ impl<B: Backend, T: Element> super::Call<B> for FuzzCall<B, T> {
     }
     fn check(
         &self,
-        comm: &Communicator<B>,
+        comm: &SingleController<B>,
         outcome: &peercomm::Result<peercomm::Algorithm>,
         what: &str,
     ) {
@@ -774,7 +789,7 @@ impl<B: Backend, T: Element> super::Call<B> for FuzzCall<B, T> {
             panic!("{what}: refused: {e}");
         }
         for r in 0..comm.world_size() {
-            let got = B::download(comm.rank(r).device(), &self.outs[r]).expect("download");
+            let got = B::download(comm.core(r).device(), &self.outs[r]).expect("download");
             assert_bits(
                 &got,
                 &expect(self.which, &self.ins, self.width, r),

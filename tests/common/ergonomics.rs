@@ -5,7 +5,7 @@
 use std::time::{Duration, Instant};
 
 use peercomm::backend::{Backend, TypedBuffer};
-use peercomm::{AllReduceOptions, CommConfig, Element, Error, Tensor, TensorMut};
+use peercomm::{AllReduceOptions, Element, Error, TensorView, TensorViewMut};
 
 use super::{check_sums, open, random_inputs, rng, run_case, suite_config};
 
@@ -18,10 +18,7 @@ pub fn wait_and_check_errors<B: Backend>(world: usize) {
     let timeout = Duration::from_millis(1500);
     let comm = open::<B>(
         world,
-        CommConfig {
-            barrier_timeout: Some(timeout),
-            ..suite_config(Some(2))
-        },
+        suite_config(Some(2)).with_barrier_timeout(Some(timeout)),
     );
     let timed_out = Error::BarrierTimeout {
         rank: 0,
@@ -82,23 +79,24 @@ pub fn wait_and_check_errors<B: Backend>(world: usize) {
 /// built with `from_bits_u32`, which a group of one returns bit for bit (`Auto`).
 pub fn typed_buffers_need_no_turbofish<B: Backend>() {
     use super::bits;
-    fn case<B: Backend, T: Element>(comm: &peercomm::Communicator<B>, patterns: &[u32]) {
+    fn case<B: Backend, T: Element>(comm: &peercomm::SingleController<B>, patterns: &[u32]) {
         let values: Vec<T> = patterns.iter().map(|&b| T::from_bits_u32(b)).collect();
         assert_eq!(bits(&values), patterns, "from_bits_u32 round trip");
         let mut ins = Vec::new();
         let mut outs = Vec::new();
-        for rank in comm.ranks() {
+        for rank in comm.cores() {
             ins.push(B::alloc_from(rank.device(), &values).unwrap());
             let poison = vec![T::from_bits_u32(patterns[0] ^ 1); values.len()];
             outs.push(B::alloc_from(rank.device(), &poison).unwrap());
         }
-        let inputs: Vec<Tensor<B>> = ins.iter().map(|b| Tensor::flat(b)).collect();
-        let mut outputs: Vec<TensorMut<B>> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        let inputs: Vec<TensorView<B>> = ins.iter().map(|b| TensorView::flat(b)).collect();
+        let mut outputs: Vec<TensorViewMut<B>> =
+            outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
         let opts = AllReduceOptions::new().group_size(1);
         comm.all_reduce_sum(&inputs, &mut outputs, &opts).unwrap();
         drop(outputs);
         comm.synchronize().unwrap();
-        for (rank, out) in comm.ranks().iter().zip(&mut outs) {
+        for (rank, out) in comm.cores().iter().zip(&mut outs) {
             assert_eq!(bits(&out.to_host(rank.device()).unwrap()), patterns);
             out.copy_from_host(rank.device(), &values).unwrap();
             assert_eq!(bits(&out.to_host(rank.device()).unwrap()), patterns);
@@ -120,7 +118,7 @@ pub fn typed_buffers_need_no_turbofish<B: Backend>() {
 /// count are refused with the shaped form's errors, and nothing is written.
 pub fn slice_form<B: Backend>(world: usize) {
     fn run<B: Backend, T: Element>(
-        comm: &peercomm::Communicator<B>,
+        comm: &peercomm::SingleController<B>,
         rng: &mut rand::rngs::StdRng,
         len: usize,
     ) {
@@ -134,7 +132,7 @@ pub fn slice_form<B: Backend>(world: usize) {
             let opts = AllReduceOptions::new().algorithm(algorithm);
             let data = random_inputs::<T>(rng, world, len);
             let poison = vec![T::from_f32(f32::NAN); len];
-            let devs: Vec<&B::Device> = comm.ranks().iter().map(|r| r.device()).collect();
+            let devs: Vec<&B::Device> = comm.cores().iter().map(|r| r.device()).collect();
             let ins: Vec<B::Buffer<T>> = (0..world)
                 .map(|r| B::alloc_from(devs[r], &data[r]).unwrap())
                 .collect();
@@ -174,7 +172,7 @@ pub fn slice_form<B: Backend>(world: usize) {
     }
 
     // Refusals: nothing written.
-    let devs: Vec<&B::Device> = comm.ranks().iter().map(|r| r.device()).collect();
+    let devs: Vec<&B::Device> = comm.cores().iter().map(|r| r.device()).collect();
     let lens: Vec<usize> = (0..world).map(|r| if r == 1 { 7 } else { 6 }).collect();
     let values: Vec<Vec<f32>> = lens.iter().map(|&n| vec![1.5; n]).collect();
     let mut ins: Vec<B::Buffer<f32>> = (0..world)
@@ -235,13 +233,10 @@ pub fn slice_form<B: Backend>(world: usize) {
 pub fn miss_next_times_out_and_recovers<B: Backend>() {
     let comm = open::<B>(
         2,
-        CommConfig {
-            barrier_timeout: Some(Duration::from_millis(300)),
-            ..suite_config(Some(2))
-        },
+        suite_config(Some(2)).with_barrier_timeout(Some(Duration::from_millis(300))),
     );
     let mut rng = rng("miss_next_times_out_and_recovers");
-    let devs: Vec<&B::Device> = comm.ranks().iter().map(|r| r.device()).collect();
+    let devs: Vec<&B::Device> = comm.cores().iter().map(|r| r.device()).collect();
     let data = random_inputs::<f32>(&mut rng, 2, 777);
     let mut bufs: Vec<B::Buffer<f32>> = (0..2)
         .map(|r| B::alloc_from(devs[r], &data[r]).unwrap())

@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use peercomm::backend::Backend;
 use peercomm::{
-    dispatch, Algorithm, AllReduceOptions, CommConfig, Communicator, DType, Element, Error, Result,
-    Tensor, TensorMut, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
+    unstable, Algorithm, AllReduceOptions, CommConfig, DType, Element, Error, Result,
+    SingleController, TensorView, TensorViewMut, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
 };
 use rand::rngs::StdRng;
 
@@ -18,16 +18,14 @@ use super::{open, random_values, rng, run_case, run_case_dtype};
 /// Small scratch (the suite's 4 MiB slots would be refilled with the sentinel for
 /// every test) with a timeout that turns a hang into a failure.
 fn config(lamport_slot_bytes: usize, payload_bytes: usize) -> CommConfig {
-    CommConfig {
-        lamport_slot_bytes,
-        payload_bytes,
-        barrier_timeout: Some(Duration::from_secs(60)),
-        max_blocks: Some(3),
-        ..CommConfig::default()
-    }
+    CommConfig::default()
+        .with_lamport_slot_bytes(lamport_slot_bytes)
+        .with_payload_bytes(payload_bytes)
+        .with_barrier_timeout(Some(Duration::from_secs(60)))
+        .with_max_blocks(Some(3))
 }
 
-fn comm<B: Backend>(world: usize) -> Communicator<B> {
+fn comm<B: Backend>(world: usize) -> SingleController<B> {
     open::<B>(world, config(64 << 10, 64 << 10))
 }
 
@@ -76,12 +74,12 @@ impl<B: Backend, T: Element> RankBufs<B, T> {
 /// Random f32 buffers on every rank's own device, input length `lens[r]`, output
 /// length `out_lens[r]`.
 fn rank_bufs<B: Backend>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     rng: &mut StdRng,
     lens: &[usize],
     out_lens: &[usize],
 ) -> Vec<RankBufs<B, f32>> {
-    comm.ranks()
+    comm.cores()
         .iter()
         .enumerate()
         .map(|(r, rank)| RankBufs::new(rank.device(), rng, lens[r], out_lens[r]))
@@ -90,27 +88,27 @@ fn rank_bufs<B: Backend>(
 
 /// Out-of-place over `bufs` with the given shapes (`None`: flat).
 fn out_of_place<B: Backend>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     bufs: &mut [RankBufs<B, f32>],
     shapes: Option<&[&[usize]]>,
     out_shapes: Option<&[&[usize]]>,
     opts: &AllReduceOptions,
 ) -> Result<Algorithm> {
     let (ins, outs): (Vec<_>, Vec<_>) = bufs.iter_mut().map(|b| (&b.input, &mut b.output)).unzip();
-    let ins: Vec<Tensor<B>> = ins
+    let ins: Vec<TensorView<B>> = ins
         .into_iter()
         .enumerate()
         .map(|(r, b)| match shapes {
-            Some(s) => Tensor::new(b, s[r]),
-            None => Tensor::flat(b),
+            Some(s) => TensorView::new(b, s[r]),
+            None => TensorView::flat(b),
         })
         .collect();
-    let mut outs: Vec<TensorMut<B>> = outs
+    let mut outs: Vec<TensorViewMut<B>> = outs
         .into_iter()
         .enumerate()
         .map(|(r, b)| match out_shapes {
-            Some(s) => TensorMut::new(b, s[r]),
-            None => TensorMut::flat(b),
+            Some(s) => TensorViewMut::new(b, s[r]),
+            None => TensorViewMut::flat(b),
         })
         .collect();
     comm.all_reduce_sum(&ins, &mut outs, opts)
@@ -118,17 +116,17 @@ fn out_of_place<B: Backend>(
 
 /// In place over the inputs of `bufs` with the given shapes (`None`: flat).
 fn in_place<B: Backend>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     bufs: &mut [RankBufs<B, f32>],
     shapes: Option<&[&[usize]]>,
     opts: &AllReduceOptions,
 ) -> Result<Algorithm> {
-    let mut ts: Vec<TensorMut<B>> = bufs
+    let mut ts: Vec<TensorViewMut<B>> = bufs
         .iter_mut()
         .enumerate()
         .map(|(r, b)| match shapes {
-            Some(s) => TensorMut::new(&mut b.input, s[r]),
-            None => TensorMut::flat(&mut b.input),
+            Some(s) => TensorViewMut::new(&mut b.input, s[r]),
+            None => TensorViewMut::flat(&mut b.input),
         })
         .collect();
     comm.all_reduce_sum_in_place(&mut ts, opts)
@@ -137,18 +135,18 @@ fn in_place<B: Backend>(
 /// After a refused call: the queues are clean, nothing was written, and the
 /// communicator still runs a (checked) all-reduce.
 fn assert_nothing_written<B: Backend>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     bufs: &[RankBufs<B, f32>],
     what: &str,
 ) {
     comm.synchronize()
         .unwrap_or_else(|e| panic!("{what}: synchronize after a refused call: {e}"));
-    for (b, rank) in bufs.iter().zip(comm.ranks()) {
+    for (b, rank) in bufs.iter().zip(comm.cores()) {
         b.assert_untouched(rank.device(), what);
     }
 }
 
-fn assert_still_works<B: Backend>(comm: &Communicator<B>, rng: &mut StdRng) {
+fn assert_still_works<B: Backend>(comm: &SingleController<B>, rng: &mut StdRng) {
     run_case::<B, f32>(comm, rng, Algorithm::Auto, 0, 33, false).unwrap();
     run_case::<B, f32>(comm, rng, Algorithm::Auto, 0, 33, true).unwrap();
 }
@@ -260,7 +258,7 @@ pub fn dtypes_differ<B: Backend>(devices: Devices) {
     }
     let mut rng = rng("dtypes_differ");
     let comm = comm::<B>(2);
-    let (d0, d1) = (comm.rank(0).device(), comm.rank(1).device());
+    let (d0, d1) = (comm.core(0).device(), comm.core(1).device());
     let mut r0 = RankBufs::<B, f32>::new(d0, &mut rng, 8, 8);
     let mut r1 = RankBufs::<B, half::f16>::new(d1, &mut rng, 8, 8);
     let expected = Error::DTypeMismatch {
@@ -270,10 +268,11 @@ pub fn dtypes_differ<B: Backend>(devices: Devices) {
     };
     let opts = AllReduceOptions::new();
     {
-        let ins: Vec<Tensor<B>> = vec![Tensor::flat(&r0.input), Tensor::flat(&r1.input)];
-        let mut outs: Vec<TensorMut<B>> = vec![
-            TensorMut::flat(&mut r0.output),
-            TensorMut::flat(&mut r1.output),
+        let ins: Vec<TensorView<B>> =
+            vec![TensorView::flat(&r0.input), TensorView::flat(&r1.input)];
+        let mut outs: Vec<TensorViewMut<B>> = vec![
+            TensorViewMut::flat(&mut r0.output),
+            TensorViewMut::flat(&mut r1.output),
         ];
         assert_err(
             comm.all_reduce_sum(&ins, &mut outs, &opts),
@@ -282,9 +281,9 @@ pub fn dtypes_differ<B: Backend>(devices: Devices) {
         );
     }
     {
-        let mut ts: Vec<TensorMut<B>> = vec![
-            TensorMut::flat(&mut r0.input),
-            TensorMut::flat(&mut r1.input),
+        let mut ts: Vec<TensorViewMut<B>> = vec![
+            TensorViewMut::flat(&mut r0.input),
+            TensorViewMut::flat(&mut r1.input),
         ];
         assert_err(
             comm.all_reduce_sum_in_place(&mut ts, &opts),
@@ -303,9 +302,11 @@ pub fn dtypes_differ<B: Backend>(devices: Devices) {
         let [a, b] = &mut bufs[..] else {
             unreachable!("two ranks")
         };
-        let ins: Vec<Tensor<B>> = vec![Tensor::flat(&a.input), Tensor::flat(&b.input)];
-        let mut outs: Vec<TensorMut<B>> =
-            vec![TensorMut::flat(&mut a.output), TensorMut::flat(&mut bf_out)];
+        let ins: Vec<TensorView<B>> = vec![TensorView::flat(&a.input), TensorView::flat(&b.input)];
+        let mut outs: Vec<TensorViewMut<B>> = vec![
+            TensorViewMut::flat(&mut a.output),
+            TensorViewMut::flat(&mut bf_out),
+        ];
         assert_err(
             comm.all_reduce_sum(&ins, &mut outs, &opts),
             Error::DTypeMismatch {
@@ -429,7 +430,7 @@ pub fn group_size_must_divide_world<B: Backend>(devices: Devices) {
 pub fn world_of_zero_or_nine<B: Backend>(_devices: Devices) {
     let too_many: Vec<usize> = (0..=MAX_GPUS).collect();
     for ordinals in [&[][..], &too_many[..]] {
-        match Communicator::<B>::new(ordinals, CommConfig::default()) {
+        match SingleController::<B>::new(ordinals, CommConfig::default()) {
             Err(e) => assert_eq!(
                 e,
                 Error::InvalidWorldSize {
@@ -442,7 +443,7 @@ pub fn world_of_zero_or_nine<B: Backend>(_devices: Devices) {
             Ok(_) => panic!("a communicator over {} devices", ordinals.len()),
         }
     }
-    match Communicator::<B>::from_devices(Vec::new(), CommConfig::default()) {
+    match SingleController::<B>::from_devices(Vec::new(), CommConfig::default()) {
         Err(e) => assert_eq!(
             e,
             Error::InvalidWorldSize {
@@ -459,7 +460,7 @@ pub fn device_listed_twice<B: Backend>(devices: Devices) {
     if !devices("device_listed_twice", 1) {
         return;
     }
-    match Communicator::<B>::new(&[0, 0], config(64 << 10, 64 << 10)) {
+    match SingleController::<B>::new(&[0, 0], config(64 << 10, 64 << 10)) {
         Err(Error::InvalidDevices(_)) => {}
         Err(e) => panic!("expected InvalidDevices, got {e:?}"),
         Ok(_) => panic!("a communicator over device 0 twice"),
@@ -582,7 +583,7 @@ pub fn auto_falls_back_to_what_fits<B: Backend>(devices: Devices) {
     let comm = open::<B>(2, config(1024, 2048));
     let arch = comm.architecture().to_string();
     let n = 1024; // f32: 4 KiB
-    let preferred = dispatch::choose(&arch, 2, 4 * n);
+    let preferred = unstable::choose(&arch, 2, 4 * n);
     let out_of_place_ran =
         run_case::<B, f32>(&comm, &mut rng, Algorithm::Auto, 0, n, false).unwrap();
     if preferred == Algorithm::Lamport {
@@ -625,20 +626,23 @@ pub fn buffer_on_the_wrong_device<B: Backend>(devices: Devices) {
     }
     let mut rng = rng("buffer_on_the_wrong_device");
     let comm = comm::<B>(2);
-    let (o0, o1) = (comm.rank(0).ordinal(), comm.rank(1).ordinal());
+    let (o0, o1) = (comm.core(0).ordinal(), comm.core(1).ordinal());
     let mut bufs = rank_bufs(&comm, &mut rng, &[64, 64], &[64, 64]);
     let opts = AllReduceOptions::new();
     // Buffers of the same length and dtype, on the other rank's device.
-    let mut stray_in = RankBufs::<B, f32>::new(comm.rank(1).device(), &mut rng, 64, 64);
-    let mut stray_out = RankBufs::<B, f32>::new(comm.rank(0).device(), &mut rng, 64, 64);
+    let mut stray_in = RankBufs::<B, f32>::new(comm.core(1).device(), &mut rng, 64, 64);
+    let mut stray_out = RankBufs::<B, f32>::new(comm.core(0).device(), &mut rng, 64, 64);
     {
         let [a, b] = &mut bufs[..] else {
             unreachable!("two ranks")
         };
-        let ins: Vec<Tensor<B>> = vec![Tensor::flat(&stray_in.input), Tensor::flat(&b.input)];
-        let mut outs: Vec<TensorMut<B>> = vec![
-            TensorMut::flat(&mut a.output),
-            TensorMut::flat(&mut b.output),
+        let ins: Vec<TensorView<B>> = vec![
+            TensorView::flat(&stray_in.input),
+            TensorView::flat(&b.input),
+        ];
+        let mut outs: Vec<TensorViewMut<B>> = vec![
+            TensorViewMut::flat(&mut a.output),
+            TensorViewMut::flat(&mut b.output),
         ];
         assert_err(
             comm.all_reduce_sum(&ins, &mut outs, &opts),
@@ -655,10 +659,10 @@ pub fn buffer_on_the_wrong_device<B: Backend>(devices: Devices) {
         let [a, b] = &mut bufs[..] else {
             unreachable!("two ranks")
         };
-        let ins: Vec<Tensor<B>> = vec![Tensor::flat(&a.input), Tensor::flat(&b.input)];
-        let mut outs: Vec<TensorMut<B>> = vec![
-            TensorMut::flat(&mut a.output),
-            TensorMut::flat(&mut stray_out.output),
+        let ins: Vec<TensorView<B>> = vec![TensorView::flat(&a.input), TensorView::flat(&b.input)];
+        let mut outs: Vec<TensorViewMut<B>> = vec![
+            TensorViewMut::flat(&mut a.output),
+            TensorViewMut::flat(&mut stray_out.output),
         ];
         assert_err(
             comm.all_reduce_sum(&ins, &mut outs, &opts),
@@ -675,9 +679,9 @@ pub fn buffer_on_the_wrong_device<B: Backend>(devices: Devices) {
         let [_, b] = &mut bufs[..] else {
             unreachable!("two ranks")
         };
-        let mut ts: Vec<TensorMut<B>> = vec![
-            TensorMut::flat(&mut stray_in.input),
-            TensorMut::flat(&mut b.input),
+        let mut ts: Vec<TensorViewMut<B>> = vec![
+            TensorViewMut::flat(&mut stray_in.input),
+            TensorViewMut::flat(&mut b.input),
         ];
         assert_err(
             comm.all_reduce_sum_in_place(&mut ts, &opts),
@@ -691,8 +695,8 @@ pub fn buffer_on_the_wrong_device<B: Backend>(devices: Devices) {
         );
     }
     comm.synchronize().unwrap();
-    stray_in.assert_untouched(comm.rank(1).device(), "stray input");
-    stray_out.assert_untouched(comm.rank(0).device(), "stray output");
+    stray_in.assert_untouched(comm.core(1).device(), "stray input");
+    stray_out.assert_untouched(comm.core(0).device(), "stray output");
     assert_nothing_written(&comm, &bufs, "buffer on the wrong device");
     assert_still_works(&comm, &mut rng);
 }
@@ -705,7 +709,7 @@ pub fn wrong_number_of_tensors<B: Backend>(devices: Devices) {
     let mut rng = rng("wrong_number_of_tensors");
     let comm = comm::<B>(2);
     let mut bufs = rank_bufs(&comm, &mut rng, &[64, 64], &[64, 64]);
-    let mut extra = RankBufs::<B, f32>::new(comm.rank(0).device(), &mut rng, 64, 64);
+    let mut extra = RankBufs::<B, f32>::new(comm.core(0).device(), &mut rng, 64, 64);
     let opts = AllReduceOptions::new();
     let count = |got| Error::WrongTensorCount { expected: 2, got };
     {
@@ -713,10 +717,10 @@ pub fn wrong_number_of_tensors<B: Backend>(devices: Devices) {
             unreachable!("two ranks")
         };
         // One input, two outputs.
-        let ins: Vec<Tensor<B>> = vec![Tensor::flat(&a.input)];
-        let mut outs: Vec<TensorMut<B>> = vec![
-            TensorMut::flat(&mut a.output),
-            TensorMut::flat(&mut b.output),
+        let ins: Vec<TensorView<B>> = vec![TensorView::flat(&a.input)];
+        let mut outs: Vec<TensorViewMut<B>> = vec![
+            TensorViewMut::flat(&mut a.output),
+            TensorViewMut::flat(&mut b.output),
         ];
         assert_err(
             comm.all_reduce_sum(&ins, &mut outs, &opts),
@@ -724,8 +728,8 @@ pub fn wrong_number_of_tensors<B: Backend>(devices: Devices) {
             "1 input",
         );
         // Two inputs, one output.
-        let ins: Vec<Tensor<B>> = vec![Tensor::flat(&a.input), Tensor::flat(&b.input)];
-        let mut outs: Vec<TensorMut<B>> = vec![TensorMut::flat(&mut a.output)];
+        let ins: Vec<TensorView<B>> = vec![TensorView::flat(&a.input), TensorView::flat(&b.input)];
+        let mut outs: Vec<TensorViewMut<B>> = vec![TensorViewMut::flat(&mut a.output)];
         assert_err(
             comm.all_reduce_sum(&ins, &mut outs, &opts),
             count(1),
@@ -743,10 +747,10 @@ pub fn wrong_number_of_tensors<B: Backend>(devices: Devices) {
             unreachable!("two ranks")
         };
         // Three in-place tensors for two ranks.
-        let mut ts: Vec<TensorMut<B>> = vec![
-            TensorMut::flat(&mut a.input),
-            TensorMut::flat(&mut b.input),
-            TensorMut::flat(&mut extra.input),
+        let mut ts: Vec<TensorViewMut<B>> = vec![
+            TensorViewMut::flat(&mut a.input),
+            TensorViewMut::flat(&mut b.input),
+            TensorViewMut::flat(&mut extra.input),
         ];
         assert_err(
             comm.all_reduce_sum_in_place(&mut ts, &opts),
@@ -760,7 +764,7 @@ pub fn wrong_number_of_tensors<B: Backend>(devices: Devices) {
         );
     }
     comm.synchronize().unwrap();
-    extra.assert_untouched(comm.rank(0).device(), "extra tensor");
+    extra.assert_untouched(comm.core(0).device(), "extra tensor");
     assert_nothing_written(&comm, &bufs, "wrong number of tensors");
     assert_still_works(&comm, &mut rng);
 }
@@ -831,12 +835,10 @@ pub fn signal_size_overflow_is_refused<B: Backend>(devices: Devices) {
         ),
     ];
     for (what, lamport_slot_bytes, payload_bytes) in cases {
-        let config = CommConfig {
-            lamport_slot_bytes,
-            payload_bytes,
-            ..config(64 << 10, 64 << 10)
-        };
-        refused(what, || Communicator::<B>::new(&[0], config));
+        let config = config(64 << 10, 64 << 10)
+            .with_lamport_slot_bytes(lamport_slot_bytes)
+            .with_payload_bytes(payload_bytes);
+        refused(what, || SingleController::<B>::new(&[0], config));
     }
 }
 
@@ -848,7 +850,7 @@ pub fn buffer_of_overflowing_size_is_refused<B: Backend>(devices: Devices) {
         return;
     }
     let comm = comm::<B>(1);
-    let dev = comm.rank(0).device();
+    let dev = comm.core(0).device();
     refused("usize::MAX f32", || {
         B::alloc_buffer::<f32>(dev, usize::MAX).map(|_| ())
     });
@@ -875,12 +877,9 @@ pub fn huge_barrier_timeout_saturates<B: Backend>(devices: Devices) {
         Duration::MAX,
         Duration::from_nanos(u64::MAX) + Duration::from_millis(1),
     ] {
-        let comm = Communicator::<B>::new(
+        let comm = SingleController::<B>::new(
             &[0, 1],
-            CommConfig {
-                barrier_timeout: Some(timeout),
-                ..config(64 << 10, 64 << 10)
-            },
+            config(64 << 10, 64 << 10).with_barrier_timeout(Some(timeout)),
         )
         .unwrap_or_else(|e| panic!("barrier_timeout {timeout:?}: {e}"));
         for algorithm in Algorithm::ALL {

@@ -17,7 +17,8 @@
 
 use peercomm::backend::Backend;
 use peercomm::{
-    Algorithm, CollectiveOptions, CommConfig, Communicator, DType, Element, Tensor, TensorMut,
+    Algorithm, CollectiveOptions, CommConfig, DType, Element, SingleController, TensorView,
+    TensorViewMut,
 };
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -80,11 +81,8 @@ pub const DECODE_CASES: [FusedCase; 7] = [
 /// plus its header) and whose payload holds it staged (the per-rank one-stage
 /// kernel), over `base`.
 pub fn fused_config(base: CommConfig) -> CommConfig {
-    CommConfig {
-        lamport_slot_bytes: (4 << 20) + 256,
-        payload_bytes: 4 << 20,
-        ..base
-    }
+    base.with_lamport_slot_bytes((4 << 20) + 256)
+        .with_payload_bytes(4 << 20)
 }
 
 /// The rows a case draws, for every rank.
@@ -218,7 +216,7 @@ fn upload<B: Backend, T: Element>(dev: &B::Device, v: &[T]) -> B::Buffer<T> {
 /// `algorithm`, with fresh buffers (outputs NaN, the residual uploaded); every rank's
 /// rows after a synchronize.
 pub fn run_fused<B: Backend, T: Element>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     pool: &Pool<T>,
     first: usize,
     tokens: usize,
@@ -228,7 +226,7 @@ pub fn run_fused<B: Backend, T: Element>(
     let world = comm.world_size();
     let span = pool.span(first, tokens);
     let n = span.len();
-    let ranks = comm.ranks();
+    let ranks = comm.cores();
     let dev = |r: usize| ranks[r].device();
     let ins: Vec<_> = (0..world)
         .map(|r| upload::<B, T>(dev(r), &pool.ins[r][span.clone()]))
@@ -243,10 +241,10 @@ pub fn run_fused<B: Backend, T: Element>(
         .map(|r| upload::<B, T>(dev(r), &vec![T::from_f32(f32::NAN); n]))
         .collect();
     {
-        let i: Vec<_> = ins.iter().map(|b| Tensor::flat(b)).collect();
-        let w: Vec<_> = ws.iter().map(|b| Tensor::flat(b)).collect();
-        let mut rt: Vec<_> = res.iter_mut().map(|b| TensorMut::flat(b)).collect();
-        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        let i: Vec<_> = ins.iter().map(|b| TensorView::flat(b)).collect();
+        let w: Vec<_> = ws.iter().map(|b| TensorView::flat(b)).collect();
+        let mut rt: Vec<_> = res.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
+        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
         let opts = CollectiveOptions::new().algorithm(algorithm);
         comm.all_reduce_residual_rms_norm(&i, &mut rt, &w, &mut o, pool.epsilon, &opts)
             .expect(what);
@@ -266,7 +264,7 @@ pub const ALGORITHMS: [Algorithm; 3] = [Algorithm::OneStage, Algorithm::Lamport,
 /// Every case on an open communicator of two or more ranks (whole world: where Lamport
 /// runs), single controller. Returns the batches checked.
 pub fn lamport_fused_matches_one_stage<B: Backend>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     rng: &mut StdRng,
     cases: &[FusedCase],
 ) -> usize {
@@ -282,7 +280,7 @@ pub fn lamport_fused_matches_one_stage<B: Backend>(
 }
 
 fn check_case<B: Backend, T: Element>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     rng: &mut StdRng,
     case: &FusedCase,
 ) -> usize {
@@ -332,13 +330,13 @@ struct Pending<B: Backend, T: Element> {
 
 /// Enqueues a fused call over the whole pool under `algorithm`, without synchronizing.
 fn enqueue_fused<B: Backend, T: Element>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     pool: Pool<T>,
     algorithm: Algorithm,
 ) -> Pending<B, T> {
     let world = comm.world_size();
     let n = pool.rows * pool.hidden;
-    let ranks = comm.ranks();
+    let ranks = comm.cores();
     let dev = |r: usize| ranks[r].device();
     let mut keep: Vec<_> = (0..world)
         .map(|r| upload::<B, T>(dev(r), &pool.ins[r]))
@@ -351,10 +349,10 @@ fn enqueue_fused<B: Backend, T: Element>(
         .map(|r| upload::<B, T>(dev(r), &vec![T::from_f32(f32::NAN); n]))
         .collect();
     {
-        let i: Vec<_> = keep[..world].iter().map(|b| Tensor::flat(b)).collect();
-        let w: Vec<_> = keep[world..].iter().map(|b| Tensor::flat(b)).collect();
-        let mut rt: Vec<_> = res.iter_mut().map(|b| TensorMut::flat(b)).collect();
-        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+        let i: Vec<_> = keep[..world].iter().map(|b| TensorView::flat(b)).collect();
+        let w: Vec<_> = keep[world..].iter().map(|b| TensorView::flat(b)).collect();
+        let mut rt: Vec<_> = res.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
+        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
         let opts = CollectiveOptions::new().algorithm(algorithm);
         comm.all_reduce_residual_rms_norm(&i, &mut rt, &w, &mut o, pool.epsilon, &opts)
             .expect("enqueue a fused call");
@@ -372,9 +370,9 @@ fn enqueue_fused<B: Backend, T: Element>(
 /// rounds of both, of changing sizes, enqueued back to back with one synchronize at the
 /// end. Every all-reduce is checked against the f64 reference; every fused call against
 /// it and, bit for bit, against the same call run alone with the one-stage kernel.
-pub fn lamport_kinds_interleave<B: Backend>(comm: &Communicator<B>, rng: &mut StdRng) {
+pub fn lamport_kinds_interleave<B: Backend>(comm: &SingleController<B>, rng: &mut StdRng) {
     let world = comm.world_size();
-    let ranks = comm.ranks();
+    let ranks = comm.cores();
     let dev = |r: usize| ranks[r].device();
     let shapes = [(8, 4096), (1, 8192), (40, 64), (3, 1032), (32, 4096)];
     let lens = [100_003, 7, 65_536, 4099, 1];
@@ -392,8 +390,8 @@ pub fn lamport_kinds_interleave<B: Backend>(comm: &Communicator<B>, rng: &mut St
                 .map(|r| upload::<B, f32>(dev(r), &vec![f32::NAN; len]))
                 .collect();
             {
-                let s: Vec<_> = send.iter().map(|b| Tensor::flat(b)).collect();
-                let mut o: Vec<_> = recv.iter_mut().map(|b| TensorMut::flat(b)).collect();
+                let s: Vec<_> = send.iter().map(|b| TensorView::flat(b)).collect();
+                let mut o: Vec<_> = recv.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
                 let opts = peercomm::AllReduceOptions::new().algorithm(Algorithm::Lamport);
                 comm.all_reduce_sum(&s, &mut o, &opts)
                     .unwrap_or_else(|e| panic!("round {round} call {i}: {e}"));

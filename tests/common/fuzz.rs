@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 
 use peercomm::backend::{Backend, TypedBuffer};
 use peercomm::{
-    Algorithm, AllReduceOptions, CallField, CollectiveOptions, CommConfig, Communicator, DType,
-    Element, Error, Result,
+    Algorithm, AllReduceOptions, CallField, CollectiveOptions, CommConfig, DType, Element, Error,
+    Result, SingleController,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -48,13 +48,11 @@ pub const FUZZ_PAYLOAD: usize = 4 << 20;
 
 /// The fuzzer's communicator configuration.
 pub fn fuzz_config(max_blocks: Option<u32>) -> CommConfig {
-    CommConfig {
-        lamport_slot_bytes: FUZZ_LAMPORT_SLOT + 64,
-        payload_bytes: FUZZ_PAYLOAD,
-        barrier_timeout: Some(Duration::from_secs(30)),
-        max_blocks,
-        ..CommConfig::default()
-    }
+    CommConfig::default()
+        .with_lamport_slot_bytes(FUZZ_LAMPORT_SLOT + 64)
+        .with_payload_bytes(FUZZ_PAYLOAD)
+        .with_barrier_timeout(Some(Duration::from_secs(30)))
+        .with_max_blocks(max_blocks)
 }
 
 /// `PEERCOMM_FUZZ_CALLS` if set, else `default`.
@@ -209,7 +207,7 @@ pub struct Report {
 /// A whole-world all-reduce of fresh values in place in which rank `odd` publishes a
 /// call one ahead: every rank reports `CallMismatch { field: Sequence }`, no buffer is
 /// written, and `reinitialize()` recovers.
-fn mismatched_call<B: Backend>(comm: &Communicator<B>, rng: &mut StdRng, what: &str) {
+fn mismatched_call<B: Backend>(comm: &SingleController<B>, rng: &mut StdRng, what: &str) {
     let world = comm.world_size();
     let odd = rng.random_range(0..world);
     let len = rng.random_range(1..=5000usize);
@@ -221,7 +219,7 @@ fn mismatched_call<B: Backend>(comm: &Communicator<B>, rng: &mut StdRng, what: &
     ][rng.random_range(0..4usize)];
     let ins = random_inputs::<f32>(rng, world, len);
     let mut bufs: Vec<B::Buffer<f32>> = comm
-        .ranks()
+        .cores()
         .iter()
         .zip(&ins)
         .map(|(r, x)| B::alloc_from(r.device(), x).unwrap())
@@ -243,7 +241,7 @@ fn mismatched_call<B: Backend>(comm: &Communicator<B>, rng: &mut StdRng, what: &
             "{what}: rank {odd} one call ahead ({algorithm:?}, {len} f32): rank {rank} \
              reported {e:?}"
         );
-        let now = bufs[rank].to_host(comm.ranks()[rank].device()).unwrap();
+        let now = bufs[rank].to_host(comm.cores()[rank].device()).unwrap();
         assert!(
             now.iter()
                 .zip(&ins[rank])
@@ -446,8 +444,8 @@ pub fn fuzz<B: Backend>(
 /// architecture, so its inputs hold no all--0.0 elements (where Lamport's +0.0 differs).
 pub fn differential<A: Backend, B: Backend>(
     test: &str,
-    a: &Communicator<A>,
-    b: &Communicator<B>,
+    a: &SingleController<A>,
+    b: &SingleController<B>,
     calls: usize,
 ) {
     assert_eq!(a.world_size(), b.world_size());
@@ -477,8 +475,8 @@ pub fn differential<A: Backend, B: Backend>(
 }
 
 fn differential_call<A: Backend, B: Backend, T: Element>(
-    a: &Communicator<A>,
-    b: &Communicator<B>,
+    a: &SingleController<A>,
+    b: &SingleController<B>,
     rng: &mut StdRng,
     d: &Draw,
     what: &str,

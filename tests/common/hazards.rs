@@ -9,7 +9,7 @@
 use std::time::Duration;
 
 use peercomm::backend::Backend;
-use peercomm::{Algorithm, AllReduceOptions, CommConfig, Communicator, DType, Element, Error};
+use peercomm::{Algorithm, AllReduceOptions, CommConfig, DType, Element, Error, SingleController};
 use rand::rngs::StdRng;
 use rand::Rng;
 
@@ -21,13 +21,11 @@ use super::{
 /// Sized for the hazards' messages (Lamport up to 1 MiB, 4 MiB staged), with a timeout
 /// that turns a hang into a failure without waiting a minute.
 pub fn hazard_config(max_blocks: Option<u32>) -> CommConfig {
-    CommConfig {
-        lamport_slot_bytes: 1 << 20,
-        payload_bytes: 4 << 20,
-        barrier_timeout: Some(Duration::from_secs(20)),
-        max_blocks,
-        ..CommConfig::default()
-    }
+    CommConfig::default()
+        .with_lamport_slot_bytes(1 << 20)
+        .with_payload_bytes(4 << 20)
+        .with_barrier_timeout(Some(Duration::from_secs(20)))
+        .with_max_blocks(max_blocks)
 }
 
 /// One `#[test]` per hazard, each calling `common::hazards::<case>` with the suite's
@@ -124,7 +122,7 @@ pub fn drop_buffers_before_synchronize<B: Backend>(place: Place, max_blocks: Opt
         let in_place = round % 4 == 3;
         let mut ins: Vec<B::Buffer<f32>> = Vec::with_capacity(world);
         let mut outs: Vec<B::Buffer<f32>> = Vec::with_capacity(world);
-        for (r, rank) in comm.ranks().iter().enumerate() {
+        for (r, rank) in comm.cores().iter().enumerate() {
             let mut b = B::alloc_buffer::<f32>(rank.device(), len).unwrap();
             B::upload(rank.device(), &values[r][..len], &mut b).unwrap();
             ins.push(b);
@@ -136,14 +134,14 @@ pub fn drop_buffers_before_synchronize<B: Backend>(place: Place, max_blocks: Opt
         let outcome = if in_place {
             let mut ts: Vec<_> = ins
                 .iter_mut()
-                .map(|b| peercomm::TensorMut::flat(b))
+                .map(|b| peercomm::TensorViewMut::flat(b))
                 .collect();
             comm.all_reduce_sum_in_place(&mut ts, &opts)
         } else {
-            let ts: Vec<_> = ins.iter().map(|b| peercomm::Tensor::flat(b)).collect();
+            let ts: Vec<_> = ins.iter().map(|b| peercomm::TensorView::flat(b)).collect();
             let mut os: Vec<_> = outs
                 .iter_mut()
-                .map(|b| peercomm::TensorMut::flat(b))
+                .map(|b| peercomm::TensorViewMut::flat(b))
                 .collect();
             comm.all_reduce_sum(&ts, &mut os, &opts)
         };
@@ -162,7 +160,7 @@ pub fn drop_buffers_before_synchronize<B: Backend>(place: Place, max_blocks: Opt
     );
 }
 
-/// (c) Several threads share one `&Communicator` (it is `Sync`): each makes many calls
+/// (c) Several threads share one `&SingleController` (it is `Sync`): each makes many calls
 /// of its own (mixed algorithms, widths, dtypes, sizes, in place or not) and checks each
 /// result after its own synchronize. Each collective must be enqueued on all ranks
 /// atomically; interleaved launches pair one thread's kernel on rank 0 with another
@@ -222,10 +220,7 @@ pub fn late_peer_after_timeout<B: Backend>(place: Place, max_blocks: Option<u32>
         return;
     };
     let timeout = Duration::from_millis(250);
-    let comm = placement.open::<B>(CommConfig {
-        barrier_timeout: Some(timeout),
-        ..hazard_config(max_blocks)
-    });
+    let comm = placement.open::<B>(hazard_config(max_blocks).with_barrier_timeout(Some(timeout)));
     let mut rng = rng(name);
     late_peer_times_out_and_writes_nothing(&comm, &mut rng, timeout);
     late_peer_within_timeout_succeeds(&comm, &mut rng, timeout);
@@ -233,7 +228,7 @@ pub fn late_peer_after_timeout<B: Backend>(place: Place, max_blocks: Option<u32>
 
 /// The first half of (d), on a communicator whose barrier timeout is `timeout`.
 pub fn late_peer_times_out_and_writes_nothing<B: Backend>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     rng: &mut StdRng,
     timeout: Duration,
 ) {
@@ -275,7 +270,7 @@ pub fn late_peer_times_out_and_writes_nothing<B: Backend>(
 /// The second half of (d): rank 1 late by a quarter of the timeout; every algorithm
 /// succeeds and is checked.
 pub fn late_peer_within_timeout_succeeds<B: Backend>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     rng: &mut StdRng,
     timeout: Duration,
 ) {
@@ -386,7 +381,7 @@ pub fn algorithms_agree_bitwise_and_ignore_length<B: Backend>(
 /// Runs every algorithm allowed over `group_size` at lengths n and 2n on the same
 /// inputs, checks each call, and compares the first n elements of every result.
 fn agree<B: Backend, T: Element>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     rng: &mut StdRng,
     group_size: usize,
     n: usize,

@@ -1,5 +1,5 @@
 //! The single controller's parallel launch (`CommConfig::parallel_launch`, on by
-//! default; `Communicator::set_parallel_launch`): the same bits with it on and off, a
+//! default; `SingleController::set_parallel_launch`): the same bits with it on and off, a
 //! launch that fails on one rank poisons the communicator with a typed error (in both
 //! modes, as the rule says: once another rank was launched), and dropping a
 //! communicator joins its launch threads.
@@ -7,7 +7,7 @@
 use std::time::{Duration, Instant};
 
 use peercomm::backend::Backend;
-use peercomm::{Algorithm, AllReduceOptions, CommConfig, Communicator, DType, Error, Result};
+use peercomm::{Algorithm, AllReduceOptions, CommConfig, DType, Error, Result, SingleController};
 use rand::rngs::StdRng;
 
 use super::{
@@ -42,7 +42,7 @@ fn cases(world: usize) -> Vec<(DType, usize, bool, AllReduceOptions)> {
 /// synchronisation in between), then a group of them (one batched kernel), then checks
 /// each against the reference and returns every call's outcome and every rank's bits.
 fn run_cases<B: Backend>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     seed: u64,
     cases: &[(DType, usize, bool, AllReduceOptions)],
     what: &str,
@@ -106,10 +106,7 @@ pub fn parallel_matches_sequential<B: Backend>(place: Place, max_blocks: Option<
         assert!(!comm.parallel_launch());
         let sequential = run_cases(&comm, seed, &cases, &format!("{name}, world {world}, off"));
         drop(comm);
-        let config = CommConfig {
-            parallel_launch: false,
-            ..suite_config(max_blocks)
-        };
+        let config = suite_config(max_blocks).with_parallel_launch(false);
         let comm = placement.open::<B>(config);
         assert!(!comm.parallel_launch());
         let configured_off = run_cases(&comm, seed, &cases, &format!("{name}, world {world}, off"));
@@ -136,14 +133,11 @@ pub fn parallel_matches_sequential<B: Backend>(place: Place, max_blocks: Option<
 
 /// A short timeout: the ranks that were launched give up quickly.
 fn fault_config(max_blocks: Option<u32>) -> CommConfig {
-    CommConfig {
-        barrier_timeout: Some(Duration::from_millis(200)),
-        ..suite_config(max_blocks)
-    }
+    suite_config(max_blocks).with_barrier_timeout(Some(Duration::from_millis(200)))
 }
 
 /// One all-reduce (or, `grouped`, a group of two) of fresh data on every rank.
-fn call<B: Backend>(comm: &Communicator<B>, rng: &mut StdRng, grouped: bool) -> Result<()> {
+fn call<B: Backend>(comm: &SingleController<B>, rng: &mut StdRng, grouped: bool) -> Result<()> {
     let world = comm.world_size();
     let mut calls: Vec<Prepared<B, f32>> = (0..if grouped { 2 } else { 1 })
         .map(|_| {
@@ -222,13 +216,11 @@ pub fn launch_failure_poisons<B: Backend>(place: Place, max_blocks: Option<u32>)
 
 /// A small communicator: the drop test builds many.
 fn small_config(max_blocks: Option<u32>) -> CommConfig {
-    CommConfig {
-        lamport_slot_bytes: 64 << 10,
-        payload_bytes: 1 << 20,
-        barrier_timeout: Some(Duration::from_secs(60)),
-        max_blocks,
-        ..CommConfig::default()
-    }
+    CommConfig::default()
+        .with_lamport_slot_bytes(64 << 10)
+        .with_payload_bytes(1 << 20)
+        .with_barrier_timeout(Some(Duration::from_secs(60)))
+        .with_max_blocks(max_blocks)
 }
 
 /// Building and dropping `count` communicators of worlds 2 and 4 (parallel launch on,
@@ -267,10 +259,7 @@ pub fn drop_joins_launch_threads<B: Backend>(place: Place, max_blocks: Option<u3
     }
     // Off from the configuration: no threads at all.
     if let Some(placement) = place(name, 2) {
-        let comm = placement.open::<B>(CommConfig {
-            parallel_launch: false,
-            ..small_config(max_blocks)
-        });
+        let comm = placement.open::<B>(small_config(max_blocks).with_parallel_launch(false));
         assert!(comm.launch_pool_probe().is_none());
     }
 }

@@ -23,10 +23,10 @@ pub mod launch;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use peercomm::backend::{Backend, DeviceBuffer, DeviceBufferMut};
-use peercomm::signal::Signal;
+use peercomm::Signal;
 use peercomm::{
-    barrier_domain, dispatch, Algorithm, AllReduceOptions, CallField, CommConfig, Communicator,
-    DType, Element, Error, Result, Tensor, TensorMut, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
+    unstable, Algorithm, AllReduceOptions, CallField, CommConfig, DType, Element, Error, Result,
+    SingleController, TensorView, TensorViewMut, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -387,24 +387,23 @@ pub fn expected(requested: Algorithm, width: usize, world: usize) -> Expected {
         Algorithm::Auto => Expected::Runs(BARRIERED),
         // Served by the external library; the suite's communicators have not set it up.
         Algorithm::Nccl | Algorithm::Hierarchical => Expected::Unsupported,
+        other => panic!("the suite has no expectation for {other:?}"),
     }
 }
 
 /// A communicator for the suite: sized so that every algorithm takes the longest
 /// length, with a timeout that turns a hang into a failure.
 pub fn suite_config(max_blocks: Option<u32>) -> CommConfig {
-    CommConfig {
-        lamport_slot_bytes: 4 << 20,
-        payload_bytes: 4 << 20,
-        barrier_timeout: Some(Duration::from_secs(60)),
-        max_blocks,
-        ..CommConfig::default()
-    }
+    CommConfig::default()
+        .with_lamport_slot_bytes(4 << 20)
+        .with_payload_bytes(4 << 20)
+        .with_barrier_timeout(Some(Duration::from_secs(60)))
+        .with_max_blocks(max_blocks)
 }
 
-pub fn open<B: Backend>(world: usize, config: CommConfig) -> Communicator<B> {
+pub fn open<B: Backend>(world: usize, config: CommConfig) -> SingleController<B> {
     let ordinals: Vec<usize> = (0..world).collect();
-    Communicator::<B>::new(&ordinals, config).expect("communicator")
+    SingleController::<B>::new(&ordinals, config).expect("communicator")
 }
 
 /// Where the ranks of a world run: device ordinals, and whether some share a device.
@@ -440,8 +439,8 @@ impl Placement {
         config
     }
     /// Opens a communicator over the placement.
-    pub fn open<B: Backend>(&self, config: CommConfig) -> Communicator<B> {
-        Communicator::<B>::new(&self.ordinals, self.config(config))
+    pub fn open<B: Backend>(&self, config: CommConfig) -> SingleController<B> {
+        SingleController::<B>::new(&self.ordinals, self.config(config))
             .unwrap_or_else(|e| panic!("communicator over {:?}: {e}", self.ordinals))
     }
 }
@@ -468,7 +467,7 @@ pub struct Prepared<B: Backend, T: Element> {
 impl<B: Backend, T: Element> Prepared<B, T> {
     /// Uploads `ins` (one vector per rank) and poisons the outputs.
     pub fn new(
-        comm: &Communicator<B>,
+        comm: &SingleController<B>,
         ins: Vec<Vec<T>>,
         in_place: bool,
         opts: AllReduceOptions,
@@ -478,7 +477,7 @@ impl<B: Backend, T: Element> Prepared<B, T> {
         let poison = vec![T::from_f32(f32::NAN); len];
         let mut in_bufs = Vec::with_capacity(ins.len());
         let mut out_bufs = Vec::with_capacity(ins.len());
-        for (r, rank) in comm.ranks().iter().enumerate() {
+        for (r, rank) in comm.cores().iter().enumerate() {
             let dev = rank.device();
             let mut b = B::alloc_buffer::<T>(dev, len).expect("input buffer");
             B::upload(dev, &ins[r], &mut b).expect("upload input");
@@ -533,33 +532,34 @@ impl<B: Backend, T: Element> Prepared<B, T> {
     }
 
     /// Enqueues the all-reduce (no synchronisation).
-    pub fn enqueue(&mut self, comm: &Communicator<B>) -> Result<Algorithm> {
+    pub fn enqueue(&mut self, comm: &SingleController<B>) -> Result<Algorithm> {
         if self.in_place {
-            let mut ts: Vec<TensorMut<B>> = self
+            let mut ts: Vec<TensorViewMut<B>> = self
                 .in_bufs
                 .iter_mut()
-                .map(|b| TensorMut::flat(b))
+                .map(|b| TensorViewMut::flat(b))
                 .collect();
             comm.all_reduce_sum_in_place(&mut ts, &self.opts)
         } else {
-            let ins: Vec<Tensor<B>> = self.in_bufs.iter().map(|b| Tensor::flat(b)).collect();
-            let mut outs: Vec<TensorMut<B>> = self
+            let ins: Vec<TensorView<B>> =
+                self.in_bufs.iter().map(|b| TensorView::flat(b)).collect();
+            let mut outs: Vec<TensorViewMut<B>> = self
                 .out_bufs
                 .iter_mut()
-                .map(|b| TensorMut::flat(b))
+                .map(|b| TensorViewMut::flat(b))
                 .collect();
             comm.all_reduce_sum(&ins, &mut outs, &self.opts)
         }
     }
 
     /// Every rank's result (the output buffers, or the in-place buffers).
-    pub fn results(&self, comm: &Communicator<B>) -> Vec<Vec<T>> {
+    pub fn results(&self, comm: &SingleController<B>) -> Vec<Vec<T>> {
         let bufs = if self.in_place {
             &self.in_bufs
         } else {
             &self.out_bufs
         };
-        comm.ranks()
+        comm.cores()
             .iter()
             .zip(bufs)
             .map(|(rank, b)| B::download(rank.device(), b).expect("download"))
@@ -567,8 +567,8 @@ impl<B: Backend, T: Element> Prepared<B, T> {
     }
 
     /// Nothing was written: inputs hold their values bit for bit, outputs are all NaN.
-    pub fn assert_untouched(&self, comm: &Communicator<B>, what: &str) {
-        for (r, rank) in comm.ranks().iter().enumerate() {
+    pub fn assert_untouched(&self, comm: &SingleController<B>, what: &str) {
+        for (r, rank) in comm.cores().iter().enumerate() {
             let got = B::download(rank.device(), &self.in_bufs[r]).expect("download");
             assert!(
                 got.len() == self.ins[r].len()
@@ -590,7 +590,7 @@ impl<B: Backend, T: Element> Prepared<B, T> {
 
     /// Checks what the call returned and, if it ran, its result (after a synchronize):
     /// the outcome the rules of [`expected`] give, then [`check_result`].
-    pub fn check(&self, comm: &Communicator<B>, outcome: &Result<Algorithm>, what: &str) {
+    pub fn check(&self, comm: &SingleController<B>, outcome: &Result<Algorithm>, what: &str) {
         let world = comm.world_size();
         let width = self.width(world);
         match expected(self.opts.algorithm, width, world) {
@@ -623,9 +623,9 @@ impl<B: Backend, T: Element> Prepared<B, T> {
 /// A prepared call of any element type, so a batch can mix dtypes.
 pub trait Call<B: Backend> {
     /// Enqueues it.
-    fn enqueue(&mut self, comm: &Communicator<B>) -> Result<Algorithm>;
+    fn enqueue(&mut self, comm: &SingleController<B>) -> Result<Algorithm>;
     /// Checks it (after a synchronize).
-    fn check(&self, comm: &Communicator<B>, outcome: &Result<Algorithm>, what: &str);
+    fn check(&self, comm: &SingleController<B>, outcome: &Result<Algorithm>, what: &str);
     /// Describes it.
     fn describe(&self, world: usize) -> String;
     /// Bytes per rank.
@@ -641,22 +641,22 @@ pub trait Call<B: Backend> {
     /// Adds it to an open group instead of enqueuing it (only where `groupable`).
     fn add_to_group<'b>(
         &'b mut self,
-        _group: &mut peercomm::CommunicatorGroup<'_, 'b, B>,
+        _group: &mut peercomm::SingleControllerGroup<'_, 'b, B>,
     ) -> Result<()> {
         unreachable!("not groupable")
     }
     /// Every rank's result as bits (after a synchronize), for bit-for-bit comparisons
     /// of one call made two ways (the all-reduce).
-    fn result_bits(&self, _comm: &Communicator<B>) -> Vec<Vec<u32>> {
+    fn result_bits(&self, _comm: &SingleController<B>) -> Vec<Vec<u32>> {
         unimplemented!("no bits for {}", self.describe(0))
     }
 }
 
 impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
-    fn enqueue(&mut self, comm: &Communicator<B>) -> Result<Algorithm> {
+    fn enqueue(&mut self, comm: &SingleController<B>) -> Result<Algorithm> {
         Prepared::enqueue(self, comm)
     }
-    fn check(&self, comm: &Communicator<B>, outcome: &Result<Algorithm>, what: &str) {
+    fn check(&self, comm: &SingleController<B>, outcome: &Result<Algorithm>, what: &str) {
         Prepared::check(self, comm, outcome, what)
     }
     fn describe(&self, world: usize) -> String {
@@ -668,7 +668,7 @@ impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
     fn groupable(&self) -> bool {
         true
     }
-    fn result_bits(&self, comm: &Communicator<B>) -> Vec<Vec<u32>> {
+    fn result_bits(&self, comm: &SingleController<B>) -> Vec<Vec<u32>> {
         self.results(comm)
             .into_iter()
             .map(|v| v.into_iter().map(Element::to_bits_u32).collect())
@@ -676,7 +676,7 @@ impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
     }
     fn add_to_group<'b>(
         &'b mut self,
-        group: &mut peercomm::CommunicatorGroup<'_, 'b, B>,
+        group: &mut peercomm::SingleControllerGroup<'_, 'b, B>,
     ) -> Result<()> {
         if self.in_place {
             group.all_reduce_sum_slices_in_place_with(&mut self.in_bufs, &self.opts)
@@ -689,7 +689,7 @@ impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
 /// Random inputs of `dtype` (with `zeros`) for every rank, prepared as a [`Call`].
 #[allow(clippy::too_many_arguments)]
 pub fn prepare_random<B: Backend>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     rng: &mut StdRng,
     dtype: DType,
     len: usize,
@@ -698,7 +698,7 @@ pub fn prepare_random<B: Backend>(
     opts: AllReduceOptions,
 ) -> Box<dyn Call<B>> {
     fn typed<B: Backend, T: Element>(
-        comm: &Communicator<B>,
+        comm: &SingleController<B>,
         rng: &mut StdRng,
         len: usize,
         zeros: Zeros,
@@ -718,7 +718,11 @@ pub fn prepare_random<B: Backend>(
 
 /// Enqueues every call of a batch back to back (no synchronisation in between), then
 /// synchronises once and checks every call.
-pub fn run_batch<B: Backend>(comm: &Communicator<B>, calls: &mut [Box<dyn Call<B>>], what: &str) {
+pub fn run_batch<B: Backend>(
+    comm: &SingleController<B>,
+    calls: &mut [Box<dyn Call<B>>],
+    what: &str,
+) {
     let outcomes: Vec<Result<Algorithm>> = calls.iter_mut().map(|c| c.enqueue(comm)).collect();
     comm.synchronize()
         .unwrap_or_else(|e| panic!("{what}: synchronize after {} calls: {e}", calls.len()));
@@ -735,7 +739,7 @@ pub fn run_batch<B: Backend>(comm: &Communicator<B>, calls: &mut [Box<dyn Call<B
 /// One all-reduce of fresh random data of `len` elements of T, synchronised and
 /// checked (including what the call returned, per [`expected`]). Returns the outcome.
 pub fn run_case<B: Backend, T: Element>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     rng: &mut StdRng,
     algorithm: Algorithm,
     group_size: usize,
@@ -755,7 +759,7 @@ pub fn run_case<B: Backend, T: Element>(
 }
 
 pub fn run_case_dtype<B: Backend>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     rng: &mut StdRng,
     dtype: DType,
     algorithm: Algorithm,
@@ -879,7 +883,7 @@ fn len_for_all_blocks<T: Element>(
         _ => len.div_ceil(lanes),
     };
     assert_eq!(
-        dispatch::blocks_for(work, threads_per_block, max_blocks),
+        unstable::blocks_for(work, threads_per_block, max_blocks),
         max_blocks,
         "{} over {width}: {len} elements do not launch all {max_blocks} blocks",
         algorithm.name()
@@ -900,7 +904,7 @@ pub fn counter_wraparound<B: Backend>(world: usize, max_blocks: Option<u32>) {
     let blocks = config
         .max_blocks
         .map(|b| b as usize)
-        .unwrap_or_else(|| B::multiprocessor_count(comm.rank(0).device()).unwrap())
+        .unwrap_or_else(|| B::multiprocessor_count(comm.core(0).device()).unwrap())
         .clamp(1, MAX_NUM_BLOCKS_UPPER_BOUND) as u32;
     let tpb = config.threads_per_block;
     for i in 0..24 {
@@ -919,8 +923,8 @@ pub fn counter_wraparound<B: Backend>(world: usize, max_blocks: Option<u32>) {
     let counters = std::mem::offset_of!(Signal, self_counter);
     let mut checked = 0;
     for width in group_sizes(world).into_iter().filter(|&w| w >= 2) {
-        let d = barrier_domain(width, world);
-        for (r, rank) in comm.ranks().iter().enumerate() {
+        let d = unstable::barrier_domain(width, world);
+        for (r, rank) in comm.cores().iter().enumerate() {
             let row = MAX_NUM_BLOCKS_UPPER_BOUND * MAX_GPUS * 4;
             let mut raw = vec![0u8; row];
             B::read(
@@ -993,10 +997,7 @@ pub fn back_to_back<B: Backend>(world: usize, calls: usize, max_blocks: Option<u
 /// more than the timeout (see `hazards::late_peer_after_timeout`).
 pub fn barrier_timeout<B: Backend>(world: usize) {
     let timeout = Duration::from_millis(300);
-    let config = CommConfig {
-        barrier_timeout: Some(timeout),
-        ..suite_config(None)
-    };
+    let config = suite_config(None).with_barrier_timeout(Some(timeout));
     let comm = open::<B>(world, config);
     let started = Instant::now();
     comm.barrier_on_ranks(0, &[0]).unwrap();
@@ -1018,11 +1019,11 @@ pub fn barrier_timeout<B: Backend>(world: usize) {
     assert!(comm.is_poisoned());
     let mut rng = rng("barrier_timeout");
     let mut bufs: Vec<_> = comm
-        .ranks()
+        .cores()
         .iter()
         .map(|r| B::alloc_buffer::<f32>(r.device(), 4).unwrap())
         .collect();
-    let mut ts: Vec<TensorMut<B>> = bufs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+    let mut ts: Vec<TensorViewMut<B>> = bufs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
     match comm.all_reduce_sum_in_place(&mut ts, &AllReduceOptions::new()) {
         Err(Error::Poisoned { first }) if matches!(*first, Error::BarrierTimeout { .. }) => {}
         other => panic!("expected Poisoned by the barrier timeout, got {other:?}"),

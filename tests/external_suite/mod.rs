@@ -15,11 +15,11 @@ use rand::SeedableRng;
 
 use peercomm::backend::Backend;
 use peercomm::bootstrap::{HostId, UniqueId};
-use peercomm::external::{Fallback, FallbackConfig, Simulation, SizeRouting};
 use peercomm::{
-    dispatch, Algorithm, AllReduceOptions, Comm, CommConfig, Communicator, DType, Element, Error,
-    Tensor, TensorMut,
+    unstable, Algorithm, AllReduceOptions, Comm, CommConfig, DType, Element, Error,
+    SingleController, TensorView, TensorViewMut,
 };
+use peercomm::{Fallback, FallbackConfig, Simulation, SizeRouting};
 
 use super::common;
 
@@ -39,15 +39,13 @@ impl Place {
         }
     }
     pub fn config(&self, world: usize) -> CommConfig {
-        CommConfig {
-            lamport_slot_bytes: 1 << 20,
-            payload_bytes: 4 << 20,
-            barrier_timeout: Some(Duration::from_secs(30)),
-            max_blocks: Some(self.max_blocks),
-            bootstrap_timeout: Duration::from_secs(60),
-            allow_shared_devices: world > self.devices,
-            ..CommConfig::default()
-        }
+        CommConfig::default()
+            .with_lamport_slot_bytes(1 << 20)
+            .with_payload_bytes(4 << 20)
+            .with_barrier_timeout(Some(Duration::from_secs(30)))
+            .with_max_blocks(Some(self.max_blocks))
+            .with_bootstrap_timeout(Duration::from_secs(60))
+            .with_allow_shared_devices(world > self.devices)
     }
 }
 
@@ -225,19 +223,13 @@ pub fn checked_schedule<B: Backend>(
 }
 
 fn config_with(place: &Place, world: usize, simulate: Simulation) -> CommConfig {
-    CommConfig {
-        simulate,
-        ..place.config(world)
-    }
+    place.config(world).with_simulate(simulate)
 }
 
 /// Device-level peer access missing between ranks 0 and 1: the whole world runs in the
 /// external library (`Nccl`), groups of one still copy on the device.
 pub fn no_peer_access<B: Backend>(place: &Place, world: usize) {
-    let sim = Simulation {
-        no_peer_access: Some((0, 1)),
-        ..Simulation::default()
-    };
+    let sim = Simulation::default().with_no_peer_access((0, 1));
     let config = config_with(place, world, sim);
     checked_schedule::<B>(
         place,
@@ -251,10 +243,7 @@ pub fn no_peer_access<B: Backend>(place: &Place, world: usize) {
 
 /// The peer check reads garbage on rank 1: the same fallback.
 pub fn failed_peer_check<B: Backend>(place: &Place, world: usize) {
-    let sim = Simulation {
-        fail_peer_check: Some(1),
-        ..Simulation::default()
-    };
+    let sim = Simulation::default().with_fail_peer_check(1);
     let config = config_with(place, world, sim);
     checked_schedule::<B>(
         place,
@@ -283,17 +272,13 @@ pub fn simulated_hosts<B: Backend>(place: &Place, world: usize, hosts: usize) {
 /// "Peer memory or nothing": each capability case is a typed error on every rank.
 pub fn refuse_keeps_typed_errors<B: Backend>(place: &Place) {
     let world = 2;
-    let refuse = |simulate: Simulation| CommConfig {
-        fallback: FallbackConfig::peer_memory_only(),
-        ..config_with(place, world, simulate)
+    let refuse = |simulate: Simulation| {
+        config_with(place, world, simulate).with_fallback(FallbackConfig::peer_memory_only())
     };
     let errs = try_world::<B, _>(
         place,
         world,
-        &refuse(Simulation {
-            no_peer_access: Some((0, 1)),
-            ..Simulation::default()
-        }),
+        &refuse(Simulation::default().with_no_peer_access((0, 1))),
         |_, c| c.err(),
     );
     for e in errs {
@@ -302,10 +287,7 @@ pub fn refuse_keeps_typed_errors<B: Backend>(place: &Place) {
     let errs = try_world::<B, _>(
         place,
         world,
-        &refuse(Simulation {
-            fail_peer_check: Some(1),
-            ..Simulation::default()
-        }),
+        &refuse(Simulation::default().with_fail_peer_check(1)),
         |_, c| c.err(),
     );
     for e in errs {
@@ -376,18 +358,16 @@ pub fn by_size_when_opted_in<B: Backend>(place: &Place, world: usize) {
         .into_iter()
         .enumerate()
     {
-        let config = CommConfig {
-            fallback: FallbackConfig {
-                fallback: Fallback::External,
-                by_size,
-            },
-            ..place.config(world)
-        };
+        let config = place.config(world).with_fallback(
+            FallbackConfig::default()
+                .with_fallback(Fallback::External)
+                .with_by_size(by_size),
+        );
         let outs = with_world::<B, _>(place, world, &config, |rank, comm| {
             let arch = B::architecture(comm.device()).unwrap();
             let threshold = match by_size {
                 SizeRouting::Above(b) => Some(b),
-                _ => dispatch::external_from(&arch, world),
+                _ => unstable::external_from(&arch, world),
             };
             let mut outs = Vec::new();
             for (c, len) in [1027usize, 16_385, 300_001].into_iter().enumerate() {
@@ -431,24 +411,15 @@ pub fn single_controller<B: Backend>(ordinals: &[usize]) {
     for (name, sim) in [
         (
             "no peer access",
-            Simulation {
-                no_peer_access: Some((0, 1)),
-                ..Simulation::default()
-            },
+            Simulation::default().with_no_peer_access((0, 1)),
         ),
         (
             "failed peer check",
-            Simulation {
-                fail_peer_check: Some(world - 1),
-                ..Simulation::default()
-            },
+            Simulation::default().with_fail_peer_check(world - 1),
         ),
     ] {
-        let config = CommConfig {
-            simulate: sim.clone(),
-            ..common::suite_config(Some(4))
-        };
-        let comm = Communicator::<B>::new(ordinals, config.clone()).unwrap();
+        let config = common::suite_config(Some(4)).with_simulate(sim.clone());
+        let comm = SingleController::<B>::new(ordinals, config.clone()).unwrap();
         assert_eq!(comm.world_path(), Algorithm::Nccl, "{name}");
         // Device-side work over peer memory is refused, not launched.
         assert!(
@@ -458,7 +429,7 @@ pub fn single_controller<B: Backend>(ordinals: &[usize]) {
         for len in [1usize, 1027, 65_537] {
             let ins = common::random_inputs::<f32>(&mut rng, world, len);
             let bufs: Vec<_> = comm
-                .ranks()
+                .cores()
                 .iter()
                 .zip(&ins)
                 .map(|(r, x)| {
@@ -468,7 +439,7 @@ pub fn single_controller<B: Backend>(ordinals: &[usize]) {
                 })
                 .collect();
             let mut outs: Vec<_> = comm
-                .ranks()
+                .cores()
                 .iter()
                 .map(|r| {
                     let mut b = B::alloc_buffer::<f32>(r.device(), len).unwrap();
@@ -476,8 +447,9 @@ pub fn single_controller<B: Backend>(ordinals: &[usize]) {
                     b
                 })
                 .collect();
-            let ts: Vec<Tensor<B>> = bufs.iter().map(|b| Tensor::flat(b)).collect();
-            let mut os: Vec<TensorMut<B>> = outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+            let ts: Vec<TensorView<B>> = bufs.iter().map(|b| TensorView::flat(b)).collect();
+            let mut os: Vec<TensorViewMut<B>> =
+                outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
             let ran = comm
                 .all_reduce_sum(&ts, &mut os, &AllReduceOptions::new())
                 .unwrap();
@@ -485,7 +457,7 @@ pub fn single_controller<B: Backend>(ordinals: &[usize]) {
             drop(os);
             comm.synchronize().unwrap();
             let got: Vec<Vec<f32>> = comm
-                .ranks()
+                .cores()
                 .iter()
                 .zip(&outs)
                 .map(|(r, b)| B::download(r.device(), b).unwrap())
@@ -504,19 +476,16 @@ pub fn single_controller<B: Backend>(ordinals: &[usize]) {
             assert_eq!(ran, Algorithm::Nccl, "{name}: slice form");
             comm.synchronize().unwrap();
             let got: Vec<Vec<f32>> = comm
-                .ranks()
+                .cores()
                 .iter()
                 .zip(&bufs)
                 .map(|(r, b)| B::download(r.device(), b).unwrap())
                 .collect();
             check(&ins, &got, world, &format!("slice form, {name}, len {len}"));
         }
-        let refused = Communicator::<B>::new(
+        let refused = SingleController::<B>::new(
             ordinals,
-            CommConfig {
-                fallback: FallbackConfig::peer_memory_only(),
-                ..config
-            },
+            config.with_fallback(FallbackConfig::peer_memory_only()),
         );
         assert!(
             matches!(
@@ -549,10 +518,7 @@ pub fn world_beyond_max_gpus<B: Backend>(place: &Place) {
         0,
         world,
         &id,
-        CommConfig {
-            fallback: FallbackConfig::peer_memory_only(),
-            ..config
-        },
+        config.with_fallback(FallbackConfig::peer_memory_only()),
     );
     assert!(matches!(
         refused.err(),
@@ -564,10 +530,7 @@ pub fn world_beyond_max_gpus<B: Backend>(place: &Place) {
 /// Host identities really come from the bootstrap unless simulated: a simulation list
 /// of the wrong length is a typed error.
 pub fn simulated_hosts_must_name_every_rank<B: Backend>(place: &Place) {
-    let sim = Simulation {
-        hosts: Some(vec![HostId::new("a")]),
-        ..Simulation::default()
-    };
+    let sim = Simulation::default().with_hosts(vec![HostId::new("a")]);
     let errs = try_world::<B, _>(place, 2, &config_with(place, 2, sim), |_, c| c.err());
     for e in errs {
         assert!(matches!(e, Some(Error::InvalidConfig(_))), "{e:?}");

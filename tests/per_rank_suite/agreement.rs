@@ -7,7 +7,7 @@
 use std::time::Duration;
 
 use peercomm::backend::{Backend, TypedBuffer};
-use peercomm::external::Simulation;
+use peercomm::Simulation;
 use peercomm::{
     Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, CommConfig, DType, Error,
 };
@@ -16,11 +16,10 @@ use super::{common, in_step, world_threads, Placement};
 
 /// A configuration with short waits, for the cases that end in a timeout.
 pub fn short_waits(place: &Placement, world: usize) -> CommConfig {
-    CommConfig {
-        barrier_timeout: Some(Duration::from_millis(1500)),
-        bootstrap_timeout: Duration::from_secs(30),
-        ..place.config(world)
-    }
+    place
+        .config(world)
+        .with_barrier_timeout(Some(Duration::from_millis(1500)))
+        .with_bootstrap_timeout(Duration::from_secs(30))
 }
 
 /// Ranks that report different multiprocessor counts (simulated: as under MPS, or two
@@ -29,14 +28,10 @@ pub fn short_waits(place: &Placement, world: usize) -> CommConfig {
 /// elements wrong while `synchronize()` returned `Ok`).
 pub fn unequal_multiprocessors_agree_on_the_grid<B: Backend>(place: &Placement, counts: &[usize]) {
     let world = counts.len();
-    let config = CommConfig {
-        max_blocks: None,
-        simulate: Simulation {
-            multiprocessors: Some(counts.to_vec()),
-            ..Simulation::default()
-        },
-        ..place.config(world)
-    };
+    let config = place
+        .config(world)
+        .with_max_blocks(None)
+        .with_simulate(Simulation::default().with_multiprocessors(counts.to_vec()));
     check_one_stage_sums::<B>(place, world, &config, "unequal_multiprocessors");
 }
 

@@ -3,7 +3,7 @@
 //! typed error on every rank with nothing allocated or launched; a registered buffer
 //! is written through its range only (no `DerefMut`: the compile-fail doctest on
 //! `Registered`); and an input that overlaps an output without being exactly the same
-//! range is a typed error before launch (per-rank `Comm` and `Communicator`), while the
+//! range is a typed error before launch (per-rank `Comm` and `SingleController`), while the
 //! exact alias runs in place.
 //!
 //! The buffers that lie (a huge length, an overlapping view) are `unsafe impl
@@ -14,8 +14,8 @@ use std::time::Duration;
 
 use peercomm::backend::{Backend, DeviceBuffer, DeviceBufferMut, TypedBuffer};
 use peercomm::{
-    Algorithm, AllReduceOptions, CollectiveOptions, Comm, CommConfig, Communicator, DType, Error,
-    Tensor, TensorMut,
+    Algorithm, AllReduceOptions, CollectiveOptions, Comm, DType, Error, SingleController,
+    TensorView, TensorViewMut,
 };
 
 use super::{with_world, Placement};
@@ -514,10 +514,9 @@ pub fn overlapping_buffers_are_refused<B: Backend>(place: &Placement) {
 /// any error of one rank), and both work again after `reinitialize`. Then the same for
 /// a broadcast root whose input overlaps its output.
 pub fn overlap_on_one_rank<B: Backend>(place: &Placement) {
-    let config = CommConfig {
-        barrier_timeout: Some(Duration::from_millis(300)),
-        ..place.config(2)
-    };
+    let config = place
+        .config(2)
+        .with_barrier_timeout(Some(Duration::from_millis(300)));
     super::with_world_config::<B, _>(place, 2, &config, |rank, comm| {
         let dev = comm.device();
         let ordinal = B::ordinal(comm.device());
@@ -596,13 +595,13 @@ pub fn overlap_on_one_rank<B: Backend>(place: &Placement) {
 pub fn single_controller_overlaps<B: Backend>(place: &Placement) {
     let world = 2;
     let ordinals: Vec<usize> = (0..world).map(|r| place.ordinal(r)).collect();
-    let comm = Communicator::<B>::new(&ordinals, place.config(world)).unwrap();
+    let comm = SingleController::<B>::new(&ordinals, place.config(world)).unwrap();
     let n = 4096;
     let mut bases: Vec<_> = (0..world)
-        .map(|r| B::alloc_from(comm.rank(r).device(), &pattern(r, n)).unwrap())
+        .map(|r| B::alloc_from(comm.core(r).device(), &pattern(r, n)).unwrap())
         .collect();
     let at: Vec<u64> = (0..world)
-        .map(|r| address(&bases[r], comm.rank(r).device()))
+        .map(|r| address(&bases[r], comm.core(r).device()))
         .collect();
     let v = |r: usize, off: usize, len: usize| View::<B>::new(at[r], off, len, ordinals[r]);
     let ins = |off: [usize; 2]| vec![v(0, off[0], 1024), v(1, off[1], 1024)];
@@ -623,36 +622,42 @@ pub fn single_controller_overlaps<B: Backend>(place: &Placement) {
         let (i0, i1) = (v(0, 0, 1024), v(1, 0, 1024));
         let (mut o0, mut o1) = (v(0, 100, 1024), v(1, 2048, 1024));
         let inputs = [
-            Tensor::<B>::new(&i0, &[32, 32]),
-            Tensor::new(&i1, &[32, 32]),
+            TensorView::<B>::new(&i0, &[32, 32]),
+            TensorView::new(&i1, &[32, 32]),
         ];
         let mut outputs = [
-            TensorMut::<B>::new(&mut o0, &[32, 32]),
-            TensorMut::new(&mut o1, &[32, 32]),
+            TensorViewMut::<B>::new(&mut o0, &[32, 32]),
+            TensorViewMut::new(&mut o1, &[32, 32]),
         ];
         results.push((
             "shaped all-reduce".into(),
             comm.all_reduce_sum(&inputs, &mut outputs, &opts).map(drop),
         ));
         let (mut g0, mut g1) = (v(0, 512, 2048), v(1, 2048, 2048));
-        let mut gathered = [TensorMut::<B>::flat(&mut g0), TensorMut::flat(&mut g1)];
+        let mut gathered = [
+            TensorViewMut::<B>::flat(&mut g0),
+            TensorViewMut::flat(&mut g1),
+        ];
         results.push((
             "all_gather".into(),
             comm.all_gather(&inputs, &mut gathered, &CollectiveOptions::new()),
         ));
         let w: Vec<_> = (0..world)
-            .map(|r| B::alloc_from(comm.rank(r).device(), &[1.0f32; 32]).unwrap())
+            .map(|r| B::alloc_from(comm.core(r).device(), &[1.0f32; 32]).unwrap())
             .collect();
-        let weights = [Tensor::<B>::new(&w[0], &[32]), Tensor::new(&w[1], &[32])];
+        let weights = [
+            TensorView::<B>::new(&w[0], &[32]),
+            TensorView::new(&w[1], &[32]),
+        ];
         let (mut r0, mut r1) = (v(0, 3000, 1024), v(1, 3000, 1024));
         let mut residuals = [
-            TensorMut::<B>::new(&mut r0, &[32, 32]),
-            TensorMut::new(&mut r1, &[32, 32]),
+            TensorViewMut::<B>::new(&mut r0, &[32, 32]),
+            TensorViewMut::new(&mut r1, &[32, 32]),
         ];
         let (mut f0, mut f1) = (v(0, 1000, 1024), v(1, 1024, 1024));
         let mut fused_out = [
-            TensorMut::<B>::new(&mut f0, &[32, 32]),
-            TensorMut::new(&mut f1, &[32, 32]),
+            TensorViewMut::<B>::new(&mut f0, &[32, 32]),
+            TensorViewMut::new(&mut f1, &[32, 32]),
         ];
         results.push((
             "fused".into(),
@@ -692,7 +697,7 @@ pub fn single_controller_overlaps<B: Backend>(place: &Placement) {
     let wrong = not_refused(&results, |e| matches!(e, Error::BuffersOverlap { .. }));
     let mut written = 0;
     for (r, b) in bases.iter().enumerate() {
-        let got = b.to_host(comm.rank(r).device()).unwrap();
+        let got = b.to_host(comm.core(r).device()).unwrap();
         written += (0..n).filter(|&i| got[i] != pattern(r, n)[i]).count();
     }
     // The exact alias: planned in place, right sums for every algorithm.
@@ -704,14 +709,14 @@ pub fn single_controller_overlaps<B: Backend>(place: &Placement) {
         Algorithm::Auto,
     ] {
         for (r, b) in bases.iter_mut().enumerate() {
-            b.copy_from_host(comm.rank(r).device(), &pattern(r, n))
+            b.copy_from_host(comm.core(r).device(), &pattern(r, n))
                 .unwrap();
         }
         let opts = AllReduceOptions::new().algorithm(algorithm);
         let r = comm.all_reduce_sum_slices(&ins([0, 0]), &mut outs([0, 0]), &opts);
         comm.synchronize().unwrap();
         for (q, b) in bases.iter().enumerate() {
-            let got = b.to_host(comm.rank(q).device()).unwrap();
+            let got = b.to_host(comm.core(q).device()).unwrap();
             let bad = (0..1024)
                 .filter(|&i| got[i] != pattern(0, n)[i] + pattern(1, n)[i])
                 .count();

@@ -661,7 +661,10 @@ pub mod graphs {
     fn register_cycles(comm: &Comm<Cuda>, memory: Memory, cycles: usize) -> [(usize, usize); 2] {
         let buf = alloc::<f32>(comm, memory, 1 << 16);
         let cycle = || {
-            let registered = comm.register(buf.as_view()).map_err(|e| e.error).unwrap();
+            let registered = comm
+                .register_borrowed(buf.as_view())
+                .map_err(|e| e.error)
+                .unwrap();
             assert_eq!(comm.registrations().0, 1);
             drop(registered);
             assert_eq!(comm.registrations(), (0, 0));
@@ -678,7 +681,7 @@ pub mod graphs {
         // Virtual memory made without a shareable handle type: refused alike, nothing
         // registered, the communicator usable.
         let plain = alloc::<f32>(comm, Memory::Vmm(false), 4099);
-        let refused = match comm.register(plain.as_view()) {
+        let refused = match comm.register_borrowed(plain.as_view()) {
             Err(e) => match e.error {
                 Error::CannotRegister { reason, .. } => {
                     eprintln!("rank {rank}: plain virtual memory refused: {reason}");

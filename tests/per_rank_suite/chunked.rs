@@ -39,21 +39,19 @@ fn chunk_packs(payload: usize) -> usize {
 }
 
 fn small_config(place: &Placement, world: usize, payload: usize) -> CommConfig {
-    CommConfig {
-        payload_bytes: payload,
+    place
+        .config(world)
+        .with_payload_bytes(payload)
         // Lamport never fits, so Auto runs one-stage here.
-        lamport_slot_bytes: 1024,
-        ..place.config(world)
-    }
+        .with_lamport_slot_bytes(1024)
 }
 
 /// Holds every message of the suite whole.
 fn big_config(place: &Placement, world: usize, payload: usize) -> CommConfig {
-    CommConfig {
-        payload_bytes: 128 * payload,
-        lamport_slot_bytes: 1024,
-        ..place.config(world)
-    }
+    place
+        .config(world)
+        .with_payload_bytes(128 * payload)
+        .with_lamport_slot_bytes(1024)
 }
 
 /// Element counts of `lanes`-wide packs: the largest message the payload holds whole
@@ -357,10 +355,7 @@ pub fn chunked_collectives<B: Backend>(place: &Placement, world: usize, payload:
 /// - rank 1's call is one ahead in the sequence: `CallMismatch` on every rank.
 pub fn chunked_faults<B: Backend>(place: &Placement, world: usize) {
     let timeout = Duration::from_millis(400);
-    let config = CommConfig {
-        barrier_timeout: Some(timeout),
-        ..small_config(place, world, SMALL_PAYLOAD)
-    };
+    let config = small_config(place, world, SMALL_PAYLOAD).with_barrier_timeout(Some(timeout));
     let seed = seed("per_rank_chunked_faults");
     let n = 40 * chunk_packs(SMALL_PAYLOAD) * 4 + 7;
     assert!(chunks(SMALL_PAYLOAD, n, 4) > 40);

@@ -63,11 +63,9 @@ impl Strangers {
 /// Both ranks: a bootstrap timeout shorter than the channel's old 30 s wait, so that a
 /// rank stalled on the channel shows as a peer's gather timeout.
 fn config(devices: &Devices) -> CommConfig {
-    CommConfig {
-        barrier_timeout: Some(Duration::from_secs(10)),
-        bootstrap_timeout: Duration::from_secs(20),
-        ..processes::config_for(devices, 2)
-    }
+    processes::config_for(devices, 2)
+        .with_barrier_timeout(Some(Duration::from_secs(10)))
+        .with_bootstrap_timeout(Duration::from_secs(20))
 }
 
 /// An all-reduce of 16 ones, synchronised: "ok" when it sums right, else why not.

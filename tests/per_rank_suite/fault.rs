@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use peercomm::backend::{Backend, TypedBuffer};
-use peercomm::{Algorithm, AllReduceOptions, CommConfig, Error};
+use peercomm::{Algorithm, AllReduceOptions, Error};
 
 use super::{common, Placement};
 
@@ -14,10 +14,7 @@ use super::{common, Placement};
 /// runs on both ranks and matches the f64 reference: the switch is one-shot.
 pub fn miss_next_times_out_and_recovers<B: Backend>(place: &Placement) {
     let timeout = Duration::from_millis(400);
-    let cfg = CommConfig {
-        barrier_timeout: Some(timeout),
-        ..place.config(2)
-    };
+    let cfg = place.config(2).with_barrier_timeout(Some(timeout));
     let mut rng = common::rng("miss_next_times_out_and_recovers");
     let first = common::random_inputs::<f32>(&mut rng, 2, 1000);
     let second = common::random_inputs::<f32>(&mut rng, 2, 1000);

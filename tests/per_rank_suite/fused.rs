@@ -7,9 +7,7 @@
 //! every rank with nothing written.
 
 use peercomm::backend::{Backend, TypedBuffer};
-use peercomm::{
-    Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, CommConfig, DType, Element,
-};
+use peercomm::{Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, DType, Element};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
@@ -256,10 +254,7 @@ fn fused_shaped<B: Backend>(
 /// rank, nothing written, whether the one-stage kernel stages the rows in chunks
 /// through a small payload, or the Lamport kernel pushes them.
 pub fn fused_arguments_mismatch<B: Backend>(place: &Placement, world: usize) {
-    let config = CommConfig {
-        payload_bytes: 4096,
-        ..agreement::short_waits(place, world)
-    };
+    let config = agreement::short_waits(place, world).with_payload_bytes(4096);
     let total = 1920;
     let cases: Vec<(&str, CallField, Call<B>, Call<B>)> = [Algorithm::OneStage, Algorithm::Lamport]
         .into_iter()

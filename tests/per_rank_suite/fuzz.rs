@@ -21,7 +21,7 @@ use rand::{Rng, SeedableRng};
 use std::time::Duration;
 
 use peercomm::backend::{Backend, DeviceBuffer, TypedBuffer};
-use peercomm::external::Simulation;
+use peercomm::Simulation;
 use peercomm::{Algorithm, AllReduceOptions, CallField, Comm, CommConfig, Error};
 
 use super::common::collectives::{assert_bits, expect, input_len, output_len, Which};
@@ -210,14 +210,10 @@ fn recv_prefix<B: Backend>(dev: &B::Device, n: usize) -> B::Buffer<f32> {
 /// The fuzzer's configuration: the suite's, with simulated multiprocessor counts that
 /// differ between ranks and the grid left to peercomm.
 fn fuzz_config(place: &Placement, world: usize) -> CommConfig {
-    CommConfig {
-        max_blocks: None,
-        simulate: Simulation {
-            multiprocessors: Some((0..world).map(|r| 2 + (r * 5 + 1) % 3).collect()),
-            ..Simulation::default()
-        },
-        ..place.config(world)
-    }
+    place.config(world).with_max_blocks(None).with_simulate(
+        Simulation::default()
+            .with_multiprocessors((0..world).map(|r| 2 + (r * 5 + 1) % 3).collect()),
+    )
 }
 
 /// Runs `calls` calls in batches of up to `batch` on `world` threads.

@@ -7,10 +7,10 @@
 
 use peercomm::backend::Backend;
 use peercomm::bootstrap::UniqueId;
-use peercomm::external::Simulation;
+use peercomm::Simulation;
 use peercomm::{
-    Algorithm, AllReduceOptions, Comm, CommConfig, Communicator, DeviceIdentity, Error,
-    FallbackConfig,
+    Algorithm, AllReduceOptions, Comm, CommConfig, DeviceIdentity, Error, FallbackConfig,
+    SingleController,
 };
 
 use super::{common, processes, Placement};
@@ -44,15 +44,11 @@ fn try_world<B: Backend, R: Send>(
 /// The suite's configuration with these physical devices, no shared devices allowed
 /// and no fallback (a refusal or a silent fallback fails the test).
 fn config_on(place: &Placement, world: usize, physical: &[usize]) -> CommConfig {
-    CommConfig {
-        allow_shared_devices: false,
-        fallback: FallbackConfig::peer_memory_only(),
-        simulate: Simulation {
-            physical_devices: Some(physical.to_vec()),
-            ..Simulation::default()
-        },
-        ..place.config(world)
-    }
+    place
+        .config(world)
+        .with_allow_shared_devices(false)
+        .with_fallback(FallbackConfig::peer_memory_only())
+        .with_simulate(Simulation::default().with_physical_devices(physical.to_vec()))
 }
 
 /// Every rank opens device 0 but is on its own physical device: peer memory serves
@@ -118,10 +114,7 @@ pub fn real_sharing_is_refused<B: Backend>(place: &Placement) {
         }
     }
     // Without a simulation: one device opened twice is one identity.
-    let config = CommConfig {
-        allow_shared_devices: false,
-        ..place.config(2)
-    };
+    let config = place.config(2).with_allow_shared_devices(false);
     for made in try_world::<B, _>(&[0, 0], &config, |_, _| ()) {
         let text = made.expect_err("refused").to_string();
         assert!(text.contains("same physical device"), "{text}");
@@ -139,16 +132,14 @@ pub fn allowed_sharing_caps_the_grid<B: Backend>(place: &Placement) {
         (vec![0, 1, 2, 3], 1),
     ] {
         let world = physical.len();
-        let config = CommConfig {
-            allow_shared_devices: true,
-            max_blocks: None,
-            simulate: Simulation {
-                physical_devices: Some(physical.clone()),
-                multiprocessors: Some(vec![4; world]),
-                ..Simulation::default()
-            },
-            ..config_on(place, world, &physical)
-        };
+        let config = config_on(place, world, &physical)
+            .with_allow_shared_devices(true)
+            .with_max_blocks(None)
+            .with_simulate(
+                Simulation::default()
+                    .with_physical_devices(physical.clone())
+                    .with_multiprocessors(vec![4; world]),
+            );
         let n = 10_007;
         let mut rng = common::rng("allowed_sharing_caps_the_grid");
         let ins = common::random_inputs::<f32>(&mut rng, world, n);
@@ -171,9 +162,9 @@ pub fn allowed_sharing_caps_the_grid<B: Backend>(place: &Placement) {
 /// standing for two physical devices work (and sum right); devices 0 and 1 standing
 /// for one are refused, naming both ranks.
 pub fn single_controller_uses_identities<B: Backend>(place: &Placement) {
-    let comm = Communicator::<B>::new(&[0, 0], config_on(place, 2, &[0, 1])).unwrap();
+    let comm = SingleController::<B>::new(&[0, 0], config_on(place, 2, &[0, 1])).unwrap();
     let mut bufs: Vec<B::Buffer<f32>> = comm
-        .ranks()
+        .cores()
         .iter()
         .enumerate()
         .map(|(r, rank)| B::alloc_from(rank.device(), &[r as f32 + 1.0; 513]).unwrap())
@@ -183,12 +174,13 @@ pub fn single_controller_uses_identities<B: Backend>(place: &Placement) {
         .unwrap();
     assert_ne!(ran, Algorithm::Nccl);
     comm.synchronize().unwrap();
-    for (rank, buf) in comm.ranks().iter().zip(&bufs) {
+    for (rank, buf) in comm.cores().iter().zip(&bufs) {
         assert_eq!(B::download(rank.device(), buf).unwrap(), vec![3.0; 513]);
     }
     drop(bufs);
     drop(comm);
-    let err = Communicator::<B>::new(&[0, 1], config_on(place, 2, &[7, 7])).expect_err("refused");
+    let err =
+        SingleController::<B>::new(&[0, 1], config_on(place, 2, &[7, 7])).expect_err("refused");
     let text = err.to_string();
     let uuid = DeviceIdentity::simulated(0, 7).uuid_string().unwrap();
     assert!(text.contains("ranks 0 and 1"), "{text}");

@@ -49,22 +49,20 @@ impl Placement {
     }
     /// The suite's configuration for `world` ranks.
     pub fn config(&self, world: usize) -> CommConfig {
-        CommConfig {
-            lamport_slot_bytes: 1 << 20,
-            payload_bytes: 4 << 20,
-            barrier_timeout: Some(Duration::from_secs(30)),
-            max_blocks: Some(self.max_blocks),
-            bootstrap_timeout: Duration::from_secs(30),
-            allow_shared_devices: world > self.devices,
+        CommConfig::default()
+            .with_lamport_slot_bytes(1 << 20)
+            .with_payload_bytes(4 << 20)
+            .with_barrier_timeout(Some(Duration::from_secs(30)))
+            .with_max_blocks(Some(self.max_blocks))
+            .with_bootstrap_timeout(Duration::from_secs(30))
+            .with_allow_shared_devices(world > self.devices)
             // The memcheck stage of scripts/device.sh sets it: NCCL cannot start under
             // compute-sanitizer (its kernels do not load there).
-            fallback: if std::env::var_os("PEERCOMM_TEST_NO_FALLBACK").is_some() {
-                peercomm::external::FallbackConfig::peer_memory_only()
+            .with_fallback(if std::env::var_os("PEERCOMM_TEST_NO_FALLBACK").is_some() {
+                peercomm::FallbackConfig::peer_memory_only()
             } else {
                 Default::default()
-            },
-            ..CommConfig::default()
-        }
+            })
     }
 }
 
@@ -224,10 +222,9 @@ pub fn independent_sibling_groups<B: Backend>(place: &Placement) {
 /// A rank that never makes the call: the others time out with a typed error, refuse
 /// further calls, and work again after a collective reinitialize.
 pub fn missing_call_times_out_and_recovers<B: Backend>(place: &Placement) {
-    let cfg = CommConfig {
-        barrier_timeout: Some(Duration::from_millis(300)),
-        ..place.config(2)
-    };
+    let cfg = place
+        .config(2)
+        .with_barrier_timeout(Some(Duration::from_millis(300)));
     with_world_config::<B, _>(place, 2, &cfg, |rank, comm| {
         let dev = comm.device();
         let mut buf = B::alloc_buffer::<f32>(dev, 100).unwrap();
@@ -477,6 +474,7 @@ macro_rules! per_rank_suite {
             zero_copy_inputs_dropped_in_flight: |p| for world in [2, 4] {
                 per_rank_suite::zero_copy::inputs_dropped_in_flight::<B>(p, world)
             };
+            zero_copy_registered_input_retired_in_flight: |p| per_rank_suite::zero_copy::registered_input_retired_in_flight::<B>(p);
             zero_copy_register_drop_cycles: |p| per_rank_suite::zero_copy::register_drop_cycles::<B>(p, 2, 1000);
             zero_copy_symmetric_drop_cycles: |p| per_rank_suite::zero_copy::symmetric_drop_cycles::<B>(p, 2, 1000);
             places_compared_exactly: |p| for world in [2, 3] {

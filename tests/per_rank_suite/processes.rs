@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use peercomm::backend::Backend;
 use peercomm::bootstrap::{TcpBootstrap, UniqueId};
-use peercomm::external::Simulation;
+use peercomm::Simulation;
 use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error, FallbackConfig};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
@@ -50,22 +50,18 @@ impl Devices {
 }
 
 pub(super) fn config_for(devices: &Devices, world: usize) -> CommConfig {
-    CommConfig {
-        max_blocks: Some(devices.max_blocks),
-        allow_shared_devices: world > devices.count,
-        ..config()
-    }
+    config()
+        .with_max_blocks(Some(devices.max_blocks))
+        .with_allow_shared_devices(world > devices.count)
 }
 
 fn config() -> CommConfig {
-    CommConfig {
-        lamport_slot_bytes: 512 << 10,
-        payload_bytes: 1 << 20,
-        barrier_timeout: Some(Duration::from_secs(20)),
-        max_blocks: Some(2),
-        bootstrap_timeout: Duration::from_secs(30),
-        ..CommConfig::default()
-    }
+    CommConfig::default()
+        .with_lamport_slot_bytes(512 << 10)
+        .with_payload_bytes(1 << 20)
+        .with_barrier_timeout(Some(Duration::from_secs(20)))
+        .with_max_blocks(Some(2))
+        .with_bootstrap_timeout(Duration::from_secs(30))
 }
 
 fn env<T: std::str::FromStr>(name: &str) -> T {
@@ -241,10 +237,10 @@ pub fn child_main<B: Backend>(devices: &Devices) {
             let before = open_files_and_maps();
             create_drop_cycles::<B>(devices, &boot, rank, seed as usize);
             // Teardowns a starved drop parked are freed at their deadline, not leaked.
-            let (parked, until) = peercomm::parked_teardowns();
+            let (parked, until) = peercomm::unstable::parked_teardowns();
             if let Some(until) = until {
                 std::thread::sleep(until.saturating_duration_since(std::time::Instant::now()));
-                peercomm::free_expired_teardowns();
+                peercomm::unstable::free_expired_teardowns();
             }
             std::thread::sleep(Duration::from_millis(200)); // freed streams' threads exit
             let after = open_files_and_maps();
@@ -293,21 +289,22 @@ pub fn child_main<B: Backend>(devices: &Devices) {
 /// handed to the external library).
 fn isolated_config(devices: &Devices, world: usize, variant: &str) -> CommConfig {
     let blocked = variant.starts_with("blocked");
-    CommConfig {
-        max_blocks: Some(devices.max_blocks),
-        allow_shared_devices: false,
-        fallback: if variant == "blocked-fallback" {
+    let mut simulate = Simulation::default();
+    if variant != "visible" {
+        simulate = simulate.with_physical_devices((0..world).collect());
+    }
+    if blocked {
+        simulate = simulate.with_no_peer_access((0, 1));
+    }
+    config()
+        .with_max_blocks(Some(devices.max_blocks))
+        .with_allow_shared_devices(false)
+        .with_fallback(if variant == "blocked-fallback" {
             FallbackConfig::default()
         } else {
             FallbackConfig::peer_memory_only()
-        },
-        simulate: Simulation {
-            physical_devices: (variant != "visible").then(|| (0..world).collect()),
-            no_peer_access: blocked.then_some((0, 1)),
-            ..Simulation::default()
-        },
-        ..config()
-    }
+        })
+        .with_simulate(simulate)
 }
 
 /// An in-place all-reduce of `rank + 1` over 4099 f32, checked; `"ok"`.
@@ -542,10 +539,7 @@ pub fn checked_world<B: Backend>(devices: &Devices, world: usize) {
 
 /// Both sides of the killed-process test: a short timeout.
 fn killed_config(devices: &Devices) -> CommConfig {
-    CommConfig {
-        barrier_timeout: Some(Duration::from_millis(500)),
-        ..config_for(devices, 2)
-    }
+    config_for(devices, 2).with_barrier_timeout(Some(Duration::from_millis(500)))
 }
 
 /// Waits until `child` prints READY, so that it is where the test wants it.
@@ -686,13 +680,11 @@ fn create_drop_cycles<B: Backend>(
     rank: usize,
     cycles: usize,
 ) {
-    let cfg = CommConfig {
-        lamport_slot_bytes: 4096,
-        payload_bytes: 64 << 10,
+    let cfg = config_for(devices, 2)
+        .with_lamport_slot_bytes(4096)
+        .with_payload_bytes(64 << 10)
         // A short park (2 x 2 s + the margin) for a drop the machine starved.
-        barrier_timeout: Some(Duration::from_secs(2)),
-        ..config_for(devices, 2)
-    };
+        .with_barrier_timeout(Some(Duration::from_secs(2)));
     for _ in 0..cycles {
         let dev = B::open(devices.ordinal(rank)).unwrap();
         let comm = Comm::<B>::from_bootstrap(dev, Box::new(boot.clone()), cfg.clone()).unwrap();

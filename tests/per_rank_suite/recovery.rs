@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use peercomm::backend::Backend;
 use peercomm::bootstrap::{BootstrapError, UniqueId};
-use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error, Recovery, Result};
+use peercomm::{Algorithm, AllReduceOptions, Comm, Error, Recovery, Result};
 
 use super::agreement::short_waits;
 use super::{in_step, Placement};
@@ -67,10 +67,7 @@ pub fn poisoned_names_its_cause<B: Backend>(place: &Placement) {
 pub fn a_leaf_without_rank_zero_names_real_functions<B: Backend>(place: &Placement) {
     let id = UniqueId::new().unwrap();
     let timeout = Duration::from_secs(2);
-    let config = CommConfig {
-        bootstrap_timeout: timeout,
-        ..short_waits(place, 2)
-    };
+    let config = short_waits(place, 2).with_bootstrap_timeout(timeout);
     let start = Instant::now();
     let got = Comm::<B>::from_rank(B::open(place.ordinal(1)).unwrap(), 1, 2, &id, config);
     let took = start.elapsed();

@@ -14,12 +14,11 @@ use super::{common, Placement};
 /// rank; the footprint is the configuration's at world 2.
 pub fn sized_for_the_largest_message<B: Backend>(place: &Placement) {
     let base = place.config(2);
-    let config = CommConfig {
-        max_blocks: base.max_blocks,
-        allow_shared_devices: base.allow_shared_devices,
-        barrier_timeout: base.barrier_timeout,
-        ..CommConfig::for_largest_message(1000, DType::F32).unwrap()
-    };
+    let config = CommConfig::for_largest_message(1000, DType::F32)
+        .unwrap()
+        .with_max_blocks(base.max_blocks)
+        .with_allow_shared_devices(base.allow_shared_devices)
+        .with_barrier_timeout(base.barrier_timeout);
     let mut rng = common::rng("sized_for_the_largest_message");
     let fits = common::random_inputs::<f32>(&mut rng, 2, 1000);
     let too_big = common::random_inputs::<f32>(&mut rng, 2, 1001);
@@ -73,10 +72,9 @@ pub fn a_configuration_mismatch_names_the_fields<B: Backend>(place: &Placement) 
         let workers: Vec<_> = (0..2)
             .map(|rank| {
                 let id = &id;
-                let config = CommConfig {
-                    payload_bytes: base.payload_bytes + rank * 4096,
-                    ..base.clone()
-                };
+                let config = base
+                    .clone()
+                    .with_payload_bytes(base.payload_bytes + rank * 4096);
                 s.spawn(move || {
                     let dev = B::open(place.ordinal(rank)).unwrap();
                     Comm::<B>::from_rank(dev, rank, 2, id, config).err()

@@ -27,12 +27,11 @@ fn open<B: Backend>(place: &Placement, rank: usize, id: &UniqueId, config: CommC
 /// The 64 MiB payload puts the signal above glibc's largest mmap threshold, so a freed
 /// signal is unmapped and a late write faults instead of corrupting the heap quietly.
 pub fn drop_while_peer_collective_queued<B: Backend>(place: &Placement, rounds: usize) {
-    let config = CommConfig {
-        barrier_timeout: Some(Duration::from_secs(1)),
-        bootstrap_timeout: Duration::from_secs(2),
-        payload_bytes: 64 << 20,
-        ..place.config(2)
-    };
+    let config = place
+        .config(2)
+        .with_barrier_timeout(Some(Duration::from_secs(1)))
+        .with_bootstrap_timeout(Duration::from_secs(2))
+        .with_payload_bytes(64 << 20);
     for round in 0..rounds {
         let id = UniqueId::new().unwrap();
         let queued = Barrier::new(2);
@@ -88,11 +87,10 @@ pub fn drop_while_peer_collective_queued<B: Backend>(place: &Placement, rounds: 
 /// bootstrap timeout, and so does the peer's later drop. Both orders, so that either
 /// side of the TCP star drops first.
 pub fn drop_returns_while_peer_holds_on<B: Backend>(place: &Placement) {
-    let config = CommConfig {
-        barrier_timeout: Some(Duration::from_secs(1)),
-        bootstrap_timeout: Duration::from_secs(30),
-        ..place.config(2)
-    };
+    let config = place
+        .config(2)
+        .with_barrier_timeout(Some(Duration::from_secs(1)))
+        .with_bootstrap_timeout(Duration::from_secs(30));
     for first in 0..2 {
         let id = UniqueId::new().unwrap();
         let (done_tx, done_rx) = mpsc::channel::<()>();
@@ -154,11 +152,10 @@ impl Bootstrap for Alone {
 /// at once, before any peer is contacted, with an `InvalidConfig` naming both fields;
 /// equal timeouts and `barrier_timeout: None` are accepted.
 pub fn refuses_bootstrap_timeout_below_barrier_timeout<B: Backend>(place: &Placement) {
-    let bad = CommConfig {
-        barrier_timeout: Some(Duration::from_secs(3)),
-        bootstrap_timeout: Duration::from_secs(1),
-        ..place.config(2)
-    };
+    let bad = place
+        .config(2)
+        .with_barrier_timeout(Some(Duration::from_secs(3)))
+        .with_bootstrap_timeout(Duration::from_secs(1));
     let check = |result: peercomm::Result<Comm<B>>, how: &str| match result {
         Err(Error::InvalidConfig(msg)) => {
             for field in [
@@ -189,10 +186,7 @@ pub fn refuses_bootstrap_timeout_below_barrier_timeout<B: Backend>(place: &Place
         ("equal timeouts", Some(bad.bootstrap_timeout)),
         ("no barrier timeout", None),
     ] {
-        let ok = CommConfig {
-            barrier_timeout,
-            ..bad.clone()
-        };
+        let ok = bad.clone().with_barrier_timeout(barrier_timeout);
         Comm::<B>::from_bootstrap(B::open(0).unwrap(), Box::new(Alone), ok)
             .unwrap_or_else(|e| panic!("{what}: refused: {e}"));
     }
@@ -205,11 +199,10 @@ pub fn refuses_bootstrap_timeout_below_barrier_timeout<B: Backend>(place: &Place
 /// machine.
 pub fn synchronize_reports_within_twice_barrier_timeout<B: Backend>(place: &Placement) {
     let timeout = Duration::from_secs(1);
-    let config = CommConfig {
-        barrier_timeout: Some(timeout),
-        bootstrap_timeout: Duration::from_secs(30),
-        ..place.config(2)
-    };
+    let config = place
+        .config(2)
+        .with_barrier_timeout(Some(timeout))
+        .with_bootstrap_timeout(Duration::from_secs(30));
     let id = UniqueId::new().unwrap();
     let seen = Barrier::new(2);
     let took = std::thread::scope(|s| {
@@ -317,12 +310,11 @@ fn is_mismatch_naming(e: &Error, rank: usize) -> bool {
 /// (64 MiB payload: a freed signal is unmapped, so a late write faults); rank 1's
 /// `synchronize` reports the missing call as a timeout or abort.
 pub fn drop_beside_a_peer_exchange<B: Backend>(place: &Placement, what: Exchange) {
-    let config = CommConfig {
-        barrier_timeout: Some(Duration::from_secs(1)),
-        bootstrap_timeout: Duration::from_secs(3),
-        payload_bytes: 64 << 20,
-        ..place.config(2)
-    };
+    let config = place
+        .config(2)
+        .with_barrier_timeout(Some(Duration::from_secs(1)))
+        .with_bootstrap_timeout(Duration::from_secs(3))
+        .with_payload_bytes(64 << 20);
     let id = UniqueId::new().unwrap();
     let built = Barrier::new(2);
     let (calling_tx, calling_rx) = mpsc::channel::<()>();
@@ -393,11 +385,10 @@ pub fn drop_beside_a_peer_exchange<B: Backend>(place: &Placement, what: Exchange
 /// (`trim_symmetric`), an all-reduce and the teardown all succeed.
 pub fn different_exchanges_are_typed_errors<B: Backend>(place: &Placement, kinds: &[Exchange]) {
     let world = kinds.len();
-    let config = CommConfig {
-        barrier_timeout: Some(Duration::from_secs(1)),
-        bootstrap_timeout: Duration::from_secs(3),
-        ..place.config(world)
-    };
+    let config = place
+        .config(world)
+        .with_barrier_timeout(Some(Duration::from_secs(1)))
+        .with_bootstrap_timeout(Duration::from_secs(3));
     let outcomes = super::with_world_config::<B, _>(place, world, &config, |rank, comm| {
         let made = kinds[rank].make(&comm);
         eprintln!("rank {rank}: {:?} returned {made:?}", kinds[rank]);

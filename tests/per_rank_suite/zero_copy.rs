@@ -2,7 +2,7 @@
 //! symmetric buffers (`Comm::alloc_symmetric`) and registered ones (`Comm::register`)
 //! are read in place by the peers, with the single controller's kernels, so every
 //! output is checked against the f64 reference (outputs poisoned with NaN first) and
-//! bit for bit against a `Communicator` over the same devices, given the same inputs,
+//! bit for bit against a `SingleController` over the same devices, given the same inputs,
 //! algorithm and grid (`blocks` is always given, so the grids agree whatever each
 //! front door's cap). Then the refusals (typed, on every rank, nothing registered),
 //! calls whose input places differ (`CallMismatch` naming `CallField::Inputs`), and the
@@ -19,8 +19,8 @@ use std::time::Duration;
 use peercomm::backend::{Backend, DeviceBuffer, DeviceBufferMut, TypedBuffer};
 use peercomm::bootstrap::{BootstrapError, UniqueId};
 use peercomm::{
-    Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, CommConfig, Communicator,
-    DType, Element, Error, Tensor, TensorMut,
+    Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, CommConfig, DType, Element,
+    Error, SingleController, TensorView, TensorViewMut,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -63,9 +63,9 @@ fn assert_same_bits<T: Element>(got: &[T], want: &[u32], what: &str) {
 
 /// A single controller over the devices the per-rank world of `world` ranks uses,
 /// with the same configuration.
-fn single_controller<B: Backend>(place: &Placement, world: usize) -> Communicator<B> {
+fn single_controller<B: Backend>(place: &Placement, world: usize) -> SingleController<B> {
     let ordinals: Vec<usize> = (0..world).map(|r| place.ordinal(r)).collect();
-    Communicator::<B>::new(&ordinals, place.config(world)).expect("the single controller")
+    SingleController::<B>::new(&ordinals, place.config(world)).expect("the single controller")
 }
 
 /// Every rank's input of case `case`: the same in every thread.
@@ -137,11 +137,11 @@ fn reduce_cases(world: usize, algorithms: &[Algorithm]) -> Vec<ReduceCase> {
 type Single = (Algorithm, Vec<Vec<u32>>);
 
 fn single_reduce<B: Backend, T: Element>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     c: &ReduceCase,
     ins: &[Vec<T>],
 ) -> Single {
-    let ranks = comm.ranks();
+    let ranks = comm.cores();
     let dev = |r: usize| ranks[r].device();
     let mut bufs: Vec<B::Buffer<T>> = ins
         .iter()
@@ -366,20 +366,20 @@ fn fused_extras<T: Element>(
 /// The single controller's outputs of one collectives case (for the fused call: the
 /// output, then the new residual).
 fn single_coll<B: Backend, T: Element>(
-    comm: &Communicator<B>,
+    comm: &SingleController<B>,
     seed: u64,
     case: usize,
     c: &CollCase,
 ) -> Vec<Vec<u32>> {
     let world = comm.world_size();
-    let ranks = comm.ranks();
+    let ranks = comm.cores();
     let dev = |r: usize| ranks[r].device();
     let ins = inputs::<T>(seed, case, world, c.n);
     let in_bufs: Vec<B::Buffer<T>> = (0..world)
         .map(|r| B::alloc_from(dev(r), &ins[r]).unwrap())
         .collect();
     let what = format!("single controller {c:?}");
-    let i: Vec<Tensor<'_, B>> = in_bufs.iter().map(|b| Tensor::flat(b)).collect();
+    let i: Vec<TensorView<'_, B>> = in_bufs.iter().map(|b| TensorView::flat(b)).collect();
     match c.which {
         Coll::Gather(which) => {
             let mut outs: Vec<B::Buffer<T>> = (0..world)
@@ -387,8 +387,8 @@ fn single_coll<B: Backend, T: Element>(
                 .collect::<peercomm::Result<_>>()
                 .unwrap();
             {
-                let mut o: Vec<TensorMut<'_, B>> =
-                    outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+                let mut o: Vec<TensorViewMut<'_, B>> =
+                    outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
                 match which {
                     Which::AllGather => comm.all_gather(&i, &mut o, &c.options()),
                     _ => comm.reduce_scatter_sum(&i, &mut o, &c.options()),
@@ -412,11 +412,11 @@ fn single_coll<B: Backend, T: Element>(
                 .map(|r| B::alloc_from(dev(r), &nan::<T>(c.n)).unwrap())
                 .collect();
             {
-                let w: Vec<Tensor<'_, B>> = ws.iter().map(|b| Tensor::flat(b)).collect();
-                let mut r: Vec<TensorMut<'_, B>> =
-                    res.iter_mut().map(|b| TensorMut::flat(b)).collect();
-                let mut o: Vec<TensorMut<'_, B>> =
-                    outs.iter_mut().map(|b| TensorMut::flat(b)).collect();
+                let w: Vec<TensorView<'_, B>> = ws.iter().map(|b| TensorView::flat(b)).collect();
+                let mut r: Vec<TensorViewMut<'_, B>> =
+                    res.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
+                let mut o: Vec<TensorViewMut<'_, B>> =
+                    outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
                 comm.all_reduce_residual_rms_norm(&i, &mut r, &w, &mut o, epsilon, &c.options())
                     .expect(&what);
             }
@@ -608,10 +608,7 @@ pub fn collectives_match_single_controller<B: Backend>(place: &Placement, world:
 /// right too.
 pub fn stages_nothing<B: Backend>(place: &Placement) {
     let world = 2;
-    let config = CommConfig {
-        payload_bytes: 64 << 10,
-        ..place.config(world)
-    };
+    let config = place.config(world).with_payload_bytes(64 << 10);
     let seed = seed("per_rank_zero_copy_stages_nothing");
     with_world_config::<B, _>(place, world, &config, |rank, comm| {
         let dev = comm.device();
@@ -736,6 +733,7 @@ fn refused<B: Backend, T: DeviceBuffer<B>>(
         Err(peercomm::RegisterError {
             error: Error::CannotRegister { rank, reason },
             buffer,
+            ..
         }) => {
             if let Some(n) = named {
                 assert_eq!(rank, n, "{what}: {reason}");
@@ -1090,6 +1088,112 @@ pub fn inputs_dropped_in_flight<B: Backend>(place: &Placement, world: usize) {
     });
 }
 
+/// A buffer that says when it is dropped (its memory freed).
+struct Tracked<R> {
+    inner: R,
+    freed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl<R> Drop for Tracked<R> {
+    fn drop(&mut self) {
+        self.freed.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+// SAFETY: every answer is the inner buffer's.
+unsafe impl<B: Backend, R: DeviceBuffer<B>> DeviceBuffer<B> for Tracked<R> {
+    fn dtype(&self) -> DType {
+        self.inner.dtype()
+    }
+    fn len(&self) -> usize {
+        self.inner.len()
+    }
+    fn device_ordinal(&self) -> usize {
+        self.inner.device_ordinal()
+    }
+    fn read_ptr<'a>(&'a self, dev: &'a B::Device) -> (u64, B::Access<'a>) {
+        self.inner.read_ptr(dev)
+    }
+}
+
+/// A registered input dropped right after its call is enqueued is kept until every
+/// peer is known to have finished reading it: where the call times out (rank 1 misses
+/// it, rank 0 gives up), through the synchronize that reports the error, until
+/// `reinitialize`; where the call completes, until the synchronize. One dropped after
+/// a clean synchronize is freed at once.
+pub fn registered_input_retired_in_flight<B: Backend>(place: &Placement) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::sync::Arc;
+    let timeout = Duration::from_millis(400);
+    let config = place.config(2).with_barrier_timeout(Some(timeout));
+    in_step::<B, _>(place, 2, &config, |rank, comm, meet| {
+        let dev = comm.device();
+        let len = 4099;
+        let opts = AllReduceOptions::new()
+            .algorithm(Algorithm::OneStage)
+            .blocks(2);
+        let register = |value: f32| {
+            let freed = Arc::new(AtomicBool::new(false));
+            let inner = B::alloc_from(dev, &vec![value; len]).unwrap();
+            let tracked = Tracked {
+                inner,
+                freed: freed.clone(),
+            };
+            (comm.register(tracked).unwrap(), freed)
+        };
+        let freed = |f: &AtomicBool| f.load(Ordering::SeqCst);
+        let mut out = B::alloc_from(dev, &nan::<f32>(len)).unwrap();
+
+        // The call times out: rank 1 misses it.
+        let (reg, flag) = register(1.0);
+        if rank == 1 {
+            comm.miss_next();
+        }
+        comm.all_reduce_sum_with(&reg, &mut out, &opts).unwrap();
+        drop(reg);
+        assert!(
+            !freed(&flag),
+            "rank {rank}: freed while its call was in flight"
+        );
+        if rank == 0 {
+            let e = comm.synchronize().expect_err("rank 0: the call timed out");
+            assert!(matches!(e, Error::BarrierTimeout { .. }), "rank 0: {e:?}");
+        }
+        // Rank 1 reads the abort once rank 0 has sent it.
+        meet.wait();
+        if rank == 1 {
+            let e = comm.synchronize().expect_err("rank 1: its peer gave up");
+            assert!(matches!(e, Error::PeerAborted { .. }), "rank 1: {e:?}");
+        }
+        assert!(
+            !freed(&flag),
+            "rank {rank}: freed by a synchronize that reported an error"
+        );
+        comm.reinitialize().unwrap();
+        assert!(freed(&flag), "rank {rank}: kept past reinitialize");
+
+        // The call completes; the input is dropped before the synchronize.
+        let (reg, flag) = register(rank as f32 + 1.0);
+        comm.all_reduce_sum_with(&reg, &mut out, &opts).unwrap();
+        drop(reg);
+        assert!(
+            !freed(&flag),
+            "rank {rank}: freed while its call was in flight"
+        );
+        comm.synchronize().unwrap();
+        assert!(freed(&flag), "rank {rank}: kept past a clean synchronize");
+        assert_eq!(B::download(dev, &out).unwrap(), vec![3.0f32; len]);
+
+        // Dropped after a clean synchronize: freed at once.
+        let (reg, flag) = register(1.0);
+        comm.all_reduce_sum_with(&reg, &mut out, &opts).unwrap();
+        comm.synchronize().unwrap();
+        drop(reg);
+        assert!(freed(&flag), "rank {rank}: kept with nothing in flight");
+        assert_eq!(comm.registrations(), (0, 0), "rank {rank}");
+    });
+}
+
 /// Open file descriptors of this process (Linux; `None` elsewhere).
 fn open_fds() -> Option<usize> {
     std::fs::read_dir("/proc/self/fd").ok().map(|d| d.count())
@@ -1276,7 +1380,7 @@ pub fn symmetric_rank<B: Backend>(
             );
             drop(reg);
         }
-        Err(peercomm::RegisterError { error, buffer }) => {
+        Err(peercomm::RegisterError { error, buffer, .. }) => {
             assert!(
                 matches!(error, Error::CannotRegister { .. }),
                 "rank {rank}: {error:?}"
@@ -1425,6 +1529,7 @@ fn zero_copy_cycles<B: Backend>(comm: &Comm<B>, cycles: usize, heap_refused: boo
             Err(peercomm::RegisterError {
                 error: Error::CannotRegister { .. },
                 buffer,
+                ..
             }) => drop(buffer),
             Err(e) => panic!("rank {rank}: {e:?}"),
         }
@@ -1483,12 +1588,10 @@ pub fn child_role<B: Backend>(
             let boot = std::sync::Arc::new(
                 peercomm::TcpBootstrap::connect(id, rank, world, Duration::from_secs(30)).unwrap(),
             );
-            let config = CommConfig {
-                lamport_slot_bytes: 4096,
-                payload_bytes: 64 << 10,
-                barrier_timeout: Some(Duration::from_secs(2)),
-                ..processes::config_for(devices, world)
-            };
+            let config = processes::config_for(devices, world)
+                .with_lamport_slot_bytes(4096)
+                .with_payload_bytes(64 << 10)
+                .with_barrier_timeout(Some(Duration::from_secs(2)));
             let dev = B::open(rank % devices.count).unwrap();
             let comm =
                 Comm::<B>::from_bootstrap(dev, Box::new(boot.clone()), config.clone()).unwrap();
@@ -1508,10 +1611,10 @@ pub fn child_role<B: Backend>(
             assert!(comm.trim_symmetric().unwrap() > 0, "rank {rank}");
             assert_eq!(comm.registrations(), (0, 0), "rank {rank}");
             // Teardowns a starved drop parked are freed at their deadline, not leaked.
-            let (parked, until) = peercomm::parked_teardowns();
+            let (parked, until) = peercomm::unstable::parked_teardowns();
             if let Some(until) = until {
                 std::thread::sleep(until.saturating_duration_since(std::time::Instant::now()));
-                peercomm::free_expired_teardowns();
+                peercomm::unstable::free_expired_teardowns();
             }
             std::thread::sleep(Duration::from_millis(200)); // freed streams' threads exit
             let after = processes::open_files_and_maps();

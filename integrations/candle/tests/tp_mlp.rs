@@ -50,10 +50,7 @@ fn gpus(test: &str) -> Option<usize> {
 /// Two ranks on GPUs 0 and 1, or both on GPU 0 when there is one.
 fn placement(gpus: usize) -> (Vec<usize>, CommConfig) {
     let ordinals = if gpus >= 2 { vec![0, 1] } else { vec![0, 0] };
-    let config = CommConfig {
-        allow_shared_devices: gpus < 2,
-        ..CommConfig::default()
-    };
+    let config = CommConfig::default().with_allow_shared_devices(gpus < 2);
     (ordinals, config)
 }
 

@@ -1,6 +1,6 @@
 //! Host allocations: the zero-filled heap block ([`HeapBlock`]) or shared memory file
-//! behind a [`HostMemory`] ([`Storage`]), freed in stream order, and the mapping of
-//! exported memory, [`HostPeerMapping`].
+//! behind a `HostMemory` ([`Storage`]), freed in stream order, and the mapping of
+//! exported memory, `HostPeerMapping`.
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
@@ -49,11 +49,11 @@ impl Drop for HeapBlock {
     }
 }
 
-/// What backs a [`HostMemory`].
+/// What backs a `HostMemory`.
 pub(super) enum Storage {
     /// The heap: [`MemoryKind::Plain`] and [`MemoryKind::Signal`].
     Heap(HeapBlock),
-    /// A shared memory file other processes can map: [`MemoryKind::SharedSignal`] and
+    /// A shared memory file other processes can map: shared signal and
     /// [`MemoryKind::SharedData`].
     Shared(shm::SharedFile),
 }
@@ -68,7 +68,7 @@ impl Storage {
 }
 
 /// An allocation in a host arena, 256-byte aligned and zero-filled: heap memory, or
-/// for [`MemoryKind::SharedSignal`] a shared memory file (see "IPC" in the module
+/// for shared signal a shared memory file (see "IPC" in the module
 /// docs). Freed in stream order, as `cuMemFreeAsync` does: dropping it enqueues the
 /// free (for shared memory: unmap and close) on its device's stream, after every kernel
 /// already enqueued there (whose barriers span the peers' reads of it), so a buffer

@@ -2,7 +2,7 @@
 //! core owns the rank's device, its signal, where it reaches its peers' signals, the
 //! settings every rank agreed on, the routing (peer memory or the external library),
 //! and the only code that plans and launches kernels. The single-controller
-//! [`crate::Communicator`] holds one core per device; the per-rank [`crate::Comm`]
+//! [`crate::SingleController`] holds one core per device; the per-rank [`crate::Comm`]
 //! holds one core and its bootstrap. Both are set up by the same code, so the checks
 //! of a call (its descriptor, the agreed grid) hold for both.
 //!
@@ -75,8 +75,8 @@ impl<B: Backend> Endpoint<B> {
 }
 
 /// One rank of a communicator: the per-rank core (see the module docs). The
-/// single-controller [`crate::Communicator`] shows its cores
-/// ([`crate::Communicator::rank`]) for their devices and signals.
+/// single-controller [`crate::SingleController`] shows its cores
+/// ([`crate::SingleController::rank`]) for their devices and signals.
 pub struct Rank<B: Backend> {
     pub(crate) endpoint: Endpoint<B>,
     pub(crate) settings: Settings,
@@ -167,7 +167,7 @@ impl<B: Backend> Rank<B> {
     pub(crate) fn reset_signal(&self, base: u32) -> Result<()> {
         let e = &self.endpoint;
         B::synchronize(&e.device)?;
-        crate::init_signal_buffer_with_counter_base::<B>(
+        crate::backend::signal_init::init_signal_buffer_with_counter_base::<B>(
             &e.device,
             &e.signal,
             self.settings.layout,

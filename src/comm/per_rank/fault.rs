@@ -26,7 +26,7 @@ impl<B: Backend> Comm<B> {
 
     /// Fault injection (feature `fault-injection`): this rank's next collective
     /// publishes a call descriptor one ahead in the call sequence (see
-    /// [`crate::Communicator::mismatch_next`]): its group gets [`crate::Error::CallMismatch`].
+    /// [`crate::SingleController::mismatch_next`]): its group gets [`crate::Error::CallMismatch`].
     #[cfg(feature = "fault-injection")]
     pub fn mismatch_next(&self) {
         self.core.endpoint.skew_next_call();
@@ -34,7 +34,7 @@ impl<B: Backend> Comm<B> {
 
     /// Fault injection (feature `fault-injection`): this rank's next collective starts
     /// `delay` late (a kernel that spins on its stream and touches no memory). See
-    /// [`crate::Communicator::delay_rank`].
+    /// [`crate::SingleController::delay_rank`].
     #[cfg(feature = "fault-injection")]
     pub fn delay(&self, delay: Duration) -> Result<()> {
         self.core.check_usable()?;

@@ -38,6 +38,7 @@ mod parking;
 mod status;
 mod teardown;
 
+#[cfg(feature = "unstable")]
 pub use parking::{free_expired_teardowns, parked_teardowns};
 
 /// One rank of a communicator whose ranks live in different threads or processes
@@ -226,7 +227,7 @@ impl<B: Backend> Comm<B> {
     ) -> Result<Self> {
         let bootstrap = exchanges.of(ExchangeKind::Setup);
         compare_configs(&bootstrap.all_gather(&encode_config(&config))?)?;
-        let hosts = match &config.simulate.hosts {
+        let hosts = match config.simulated_hosts() {
             Some(h) if h.len() != hosts.len() => {
                 return Err(Error::InvalidConfig(format!(
                     "Simulation::hosts names {} hosts for {} ranks",
@@ -234,7 +235,7 @@ impl<B: Backend> Comm<B> {
                     hosts.len()
                 )))
             }
-            Some(h) => h.clone(),
+            Some(h) => h.to_vec(),
             None => hosts,
         };
         let core = connect::connect::<B>(

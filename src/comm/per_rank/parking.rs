@@ -108,6 +108,7 @@ pub(crate) fn free_expired() {
 /// (`None` when one is kept until exit, or nothing is parked). For leak checks: what a
 /// drop parked is not a leak until its deadline has passed.
 #[doc(hidden)]
+#[cfg_attr(not(feature = "unstable"), allow(dead_code))]
 pub fn parked_teardowns() -> (usize, Option<Instant>) {
     let entries = LOT.lock();
     let latest = entries
@@ -121,6 +122,7 @@ pub fn parked_teardowns() -> (usize, Option<Instant>) {
 
 /// Frees the expired teardowns of the process-wide lot now; returns how many.
 #[doc(hidden)]
+#[cfg_attr(not(feature = "unstable"), allow(dead_code))]
 pub fn free_expired_teardowns() -> usize {
     LOT.free_expired_at(Instant::now())
 }

@@ -86,7 +86,11 @@ impl<B: Backend> Comm<B> {
             self.core.poison(&e);
             return Err(e);
         }
-        self.report(self.core.read_error()?)
+        self.report(self.core.read_error()?)?;
+        // Every end barrier of this rank's calls completed: no peer reads its
+        // registered buffers any more.
+        self.registry.settle();
+        Ok(())
     }
 
     /// Brings every rank back to the state of a new communicator after an error: a
@@ -101,6 +105,8 @@ impl<B: Backend> Comm<B> {
         self.core.reset_signal(0)?;
         bootstrap.barrier()?;
         self.core.unpoison();
+        // Every rank's queued work was done before the first barrier.
+        self.registry.settle();
         Ok(())
     }
 }
@@ -111,7 +117,7 @@ impl<B: Backend> Comm<B> {
         self.core.memory_footprint()
     }
 
-    /// As [`crate::Communicator::algorithm_for`], for this rank's calls (where peers
+    /// As [`crate::SingleController::algorithm_for`], for this rank's calls (where peers
     /// never read user buffers: inputs are staged, so one-stage runs through the
     /// payload in chunks where it cannot hold the whole message, and two-stage is not
     /// offered).

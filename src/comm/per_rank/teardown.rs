@@ -43,18 +43,20 @@ impl<B: Backend> Drop for Comm<B> {
     ///    teardown), bounded by `TEARDOWN_BARRIER_TIMEOUT` (1 s), not by
     ///    `CommConfig::bootstrap_timeout`.
     /// 3. If every rank sent its teardown record, every rank has drained its stream
-    ///    too, so no kernel of the group runs or is queued: the signal allocation and
-    ///    the peer mappings are freed at once (in stream order). Likewise when no peer
+    ///    too, so no kernel of the group runs or is queued: the signal allocation, the
+    ///    peer mappings and the buffers of dropped registrations kept while a peer might
+    ///    read them (see [`crate::Registered`]) are freed at once (in stream order), and
+    ///    registered buffers dropped later are freed at once. Likewise when no peer
     ///    shares this rank's peer memory (a world of one, or calls served by the
     ///    external library).
     /// 4. Otherwise a peer is gone, late, or in another collective call (its record is
     ///    a registration's, say: `BootstrapError::ExchangeMismatch` on both sides), and
     ///    its kernels may still store into this rank's signal (barrier arrivals, Lamport
     ///    data, the error record and abort word, the abandon protocol's confirmation).
-    ///    The signal
-    ///    and the mappings are parked in a process-wide lot for 2 x
-    ///    `CommConfig::barrier_timeout` + `PARK_MARGIN` (10 s) from the end of the
-    ///    barrier, and freed by a later `Comm` drop once that has passed; with
+    ///    The signal, the mappings, the symmetric pool's segments and the kept
+    ///    registered buffers (and those dropped later) are parked in a process-wide lot
+    ///    for 2 x `CommConfig::barrier_timeout` + `PARK_MARGIN` (10 s) from the end of
+    ///    the barrier, and freed by a later `Comm` drop once that has passed; with
     ///    `barrier_timeout: None` (waits that never end) they stay until the process
     ///    exits. Nothing runs in the background, and the drop never waits for the
     ///    deadline.
@@ -136,7 +138,10 @@ impl<B: Backend> Comm<B> {
             })
         });
         if outcome.is_ok() || peers == 1 {
+            // No peer reads the retired registered buffers any more either.
+            let retired = self.registry.close(None);
             let _ = std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || {
+                drop(retired);
                 drop(mappings);
                 drop(rank);
             }));
@@ -144,10 +149,19 @@ impl<B: Backend> Comm<B> {
         } else {
             let Endpoint { device, signal, .. } = rank;
             let until = park_deadline(std::time::Instant::now(), barrier_timeout);
+            // Registered buffers that a peer may still read are parked alike, those
+            // dropped later included.
+            let retired = self.registry.close(Some(Box::new(move |buffer| {
+                super::parking::park(buffer, until)
+            })));
+            // So are the symmetric pool's segments, which the peers read in place too.
+            let segments =
+                std::mem::take(&mut *self.pool.segments.lock().unwrap_or_else(|e| e.into_inner()));
             // The device goes with its memory (freed first, in tuple order): releasing
             // its stream and context measured up to the peer kernel's end (2.3 s) where
             // ranks share a GPU, past this drop's bound.
-            super::parking::park(Box::new((signal, mappings, device)), until);
+            let memory = (retired, segments, signal, mappings, device);
+            super::parking::park(Box::new(memory), until);
         }
         Some(outcome)
     }

@@ -1,4 +1,4 @@
-//! The single-controller all-reduce, shaped ([`Tensor`] per rank): every rank's
+//! The single-controller all-reduce, shaped ([`TensorView`] per rank): every rank's
 //! tensors checked together, then routed and planned on the cores and launched on
 //! each (or handed to the external library).
 
@@ -7,26 +7,26 @@ use crate::dispatch::Algorithm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
-use crate::tensor::{Tensor, TensorMut};
+use crate::tensor::{TensorView, TensorViewMut};
 
 use super::super::AllReduceOptions;
 use super::validate::{bytes_of, meta, meta_mut, Meta};
-use super::Communicator;
+use super::SingleController;
 use crate::comm::core::planning::check::Routed;
 use crate::comm::core::planning::PeerReads;
 use crate::comm::core::routing::Path;
 
-impl<B: Backend> Communicator<B> {
+impl<B: Backend> SingleController<B> {
     /// Sums `inputs[r]` over each group into `outputs[r]` (one tensor per rank, same
     /// dtype, shape and length everywhere). Returns the algorithm that ran. An input
     /// that is its rank's output, the very same range, runs in place (as
-    /// [`Communicator::all_reduce_sum_in_place`]); buffers that overlap otherwise (a
+    /// [`SingleController::all_reduce_sum_in_place`]); buffers that overlap otherwise (a
     /// partial overlap, another rank's buffer, two outputs: only an `unsafe impl
     /// DeviceBuffer` can report them) are [`Error::BuffersOverlap`], nothing launched.
     pub fn all_reduce_sum(
         &self,
-        inputs: &[Tensor<'_, B>],
-        outputs: &mut [TensorMut<'_, B>],
+        inputs: &[TensorView<'_, B>],
+        outputs: &mut [TensorViewMut<'_, B>],
         options: &AllReduceOptions,
     ) -> Result<Algorithm> {
         self.check_usable()?;
@@ -70,7 +70,7 @@ impl<B: Backend> Communicator<B> {
     /// Sums `tensors[r]` over each group in place. Returns the algorithm that ran.
     pub fn all_reduce_sum_in_place(
         &self,
-        tensors: &mut [TensorMut<'_, B>],
+        tensors: &mut [TensorViewMut<'_, B>],
         options: &AllReduceOptions,
     ) -> Result<Algorithm> {
         self.check_usable()?;

@@ -1,4 +1,4 @@
-//! The single-controller [`Communicator`]'s all-gather, reduce-scatter, broadcast,
+//! The single-controller [`SingleController`]'s all-gather, reduce-scatter, broadcast,
 //! scatter and fused all-reduce + residual + RMSNorm: one tensor per rank (per group
 //! for a broadcast's or scatter's input), validated together before anything runs,
 //! then one kernel per rank. In one process the peers read the user buffers directly
@@ -7,22 +7,22 @@
 use crate::backend::{Backend, KernelKind};
 use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
-use crate::tensor::{Tensor, TensorMut};
+use crate::tensor::{TensorView, TensorViewMut};
 
 use super::validate::{bytes_of, meta, meta_mut, Meta};
-use super::Communicator;
+use super::SingleController;
 use crate::comm::core::launch::PeerInputs;
 use crate::comm::core::planning::collective::{reduce_scatter_part, Collective, CollectiveOptions};
 use crate::comm::core::planning::{PeerReads, Plan};
 
-impl<B: Backend> Communicator<B> {
+impl<B: Backend> SingleController<B> {
     /// Gathers `inputs[r]` (one per rank, same dtype and shape everywhere) over each
     /// group: member q's `n` elements land at `[q * n, (q + 1) * n)` of every member's
     /// output, which holds `group width * n` elements (any shape of that many).
     pub fn all_gather(
         &self,
-        inputs: &[Tensor<'_, B>],
-        outputs: &mut [TensorMut<'_, B>],
+        inputs: &[TensorView<'_, B>],
+        outputs: &mut [TensorViewMut<'_, B>],
         options: &CollectiveOptions,
     ) -> Result<()> {
         let metas = self.check_inputs(inputs)?;
@@ -43,8 +43,8 @@ impl<B: Backend> Communicator<B> {
     /// ([`crate::reduce_scatter_part`]), bit for bit what the all-reduce gives there.
     pub fn reduce_scatter_sum(
         &self,
-        inputs: &[Tensor<'_, B>],
-        outputs: &mut [TensorMut<'_, B>],
+        inputs: &[TensorView<'_, B>],
+        outputs: &mut [TensorViewMut<'_, B>],
         options: &CollectiveOptions,
     ) -> Result<()> {
         let metas = self.check_inputs(inputs)?;
@@ -68,8 +68,8 @@ impl<B: Backend> Communicator<B> {
     /// `outputs[r]` rank r's output of the same length.
     pub fn broadcast(
         &self,
-        inputs: &[Tensor<'_, B>],
-        outputs: &mut [TensorMut<'_, B>],
+        inputs: &[TensorView<'_, B>],
+        outputs: &mut [TensorViewMut<'_, B>],
         root: usize,
         options: &CollectiveOptions,
     ) -> Result<()> {
@@ -90,7 +90,7 @@ impl<B: Backend> Communicator<B> {
     /// member's tensor (same dtype and shape) is overwritten with it.
     pub fn broadcast_in_place(
         &self,
-        tensors: &mut [TensorMut<'_, B>],
+        tensors: &mut [TensorViewMut<'_, B>],
         root: usize,
         options: &CollectiveOptions,
     ) -> Result<()> {
@@ -130,8 +130,8 @@ impl<B: Backend> Communicator<B> {
     /// `n` is every output's length.
     pub fn scatter(
         &self,
-        inputs: &[Tensor<'_, B>],
-        outputs: &mut [TensorMut<'_, B>],
+        inputs: &[TensorView<'_, B>],
+        outputs: &mut [TensorViewMut<'_, B>],
         root: usize,
         options: &CollectiveOptions,
     ) -> Result<()> {
@@ -166,10 +166,10 @@ impl<B: Backend> Communicator<B> {
     /// give the same bits ([`CollectiveOptions::algorithm`]).
     pub fn all_reduce_residual_rms_norm(
         &self,
-        inputs: &[Tensor<'_, B>],
-        residuals: &mut [TensorMut<'_, B>],
-        weights: &[Tensor<'_, B>],
-        outputs: &mut [TensorMut<'_, B>],
+        inputs: &[TensorView<'_, B>],
+        residuals: &mut [TensorViewMut<'_, B>],
+        weights: &[TensorView<'_, B>],
+        outputs: &mut [TensorViewMut<'_, B>],
         epsilon: f32,
         options: &CollectiveOptions,
     ) -> Result<()> {
@@ -235,7 +235,7 @@ impl<B: Backend> Communicator<B> {
     }
 
     /// Usable, one input per rank, one dtype and shape everywhere, on its device.
-    fn check_inputs(&self, inputs: &[Tensor<'_, B>]) -> Result<Vec<Meta>> {
+    fn check_inputs(&self, inputs: &[TensorView<'_, B>]) -> Result<Vec<Meta>> {
         self.check_usable()?;
         self.check_count(inputs.len())?;
         let metas: Vec<Meta> = inputs.iter().map(meta).collect();
@@ -248,7 +248,7 @@ impl<B: Backend> Communicator<B> {
     /// elements, its shape describing its buffer.
     fn check_outputs(
         &self,
-        outputs: &[TensorMut<'_, B>],
+        outputs: &[TensorViewMut<'_, B>],
         inputs: &[Meta],
         len: impl Fn(usize) -> Option<usize>,
     ) -> Result<()> {
@@ -282,7 +282,7 @@ impl<B: Backend> Communicator<B> {
     /// metadata.
     fn check_root_inputs(
         &self,
-        inputs: &[Tensor<'_, B>],
+        inputs: &[TensorView<'_, B>],
         root: usize,
         options: &CollectiveOptions,
     ) -> Result<(usize, Vec<Meta>)> {
@@ -336,8 +336,8 @@ impl<B: Backend> Communicator<B> {
     pub(super) fn launch_collective(
         &self,
         plan: &Plan,
-        inputs: &[Tensor<'_, B>],
-        outputs: &mut [TensorMut<'_, B>],
+        inputs: &[TensorView<'_, B>],
+        outputs: &mut [TensorViewMut<'_, B>],
     ) -> Result<()> {
         if plan.elements == 0 {
             return Ok(());
@@ -368,8 +368,8 @@ impl<B: Backend> Communicator<B> {
     fn launch_root_collective(
         &self,
         plan: &Plan,
-        inputs: &[Tensor<'_, B>],
-        outputs: &mut [TensorMut<'_, B>],
+        inputs: &[TensorView<'_, B>],
+        outputs: &mut [TensorViewMut<'_, B>],
         width: usize,
         root: usize,
     ) -> Result<()> {

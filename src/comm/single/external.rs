@@ -8,9 +8,9 @@ use crate::dispatch::Algorithm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-use super::Communicator;
+use super::SingleController;
 
-impl<B: Backend> Communicator<B> {
+impl<B: Backend> SingleController<B> {
     /// Enqueues the external all-reduce on every rank (one batch); a failure once
     /// something was enqueued poisons the communicator.
     pub(super) fn run_external(

@@ -1,4 +1,4 @@
-//! Fault injection on [`Communicator`] (feature `fault-injection`): making a rank miss
+//! Fault injection on [`SingleController`] (feature `fault-injection`): making a rank miss
 //! a collective, publish a mismatched call, start late or fail its launch on purpose,
 //! so that users can test their own timeout and error handling.
 //! Without the feature nothing here is public and no launch is ever left out.
@@ -12,26 +12,26 @@ use crate::error::{Error, Result};
 
 #[cfg(feature = "fault-injection")]
 use super::launch::ALL_RANKS;
-use super::Communicator;
+use super::SingleController;
 
-impl<B: Backend> Communicator<B> {
+impl<B: Backend> SingleController<B> {
     /// Fault injection (feature `fault-injection`): the next collective launched
     /// through this communicator (an all-reduce or a barrier) is launched on every
     /// rank but `rank`. The others wait for it, give up after
-    /// [`crate::CommConfig::barrier_timeout`], and [`Communicator::synchronize`]
+    /// [`crate::CommConfig::barrier_timeout`], and [`SingleController::synchronize`]
     /// reports the timeout ([`Error::BarrierTimeout`], or [`Error::PeerAborted`] on a
-    /// rank its peer told); then [`Communicator::reinitialize`] recovers. The call
+    /// rank its peer told); then [`SingleController::reinitialize`] recovers. The call
     /// returns as if every rank had launched. Calling it for several ranks before one
     /// collective leaves all of them out. To make a rank late rather than absent, see
-    /// [`Communicator::delay_rank`].
+    /// [`SingleController::delay_rank`].
     ///
     /// ```
     /// use std::time::Duration;
     /// use peercomm::backend::{host::Host, Backend};
-    /// use peercomm::{Algorithm, AllReduceOptions, CommConfig, Communicator, Error};
+    /// use peercomm::{Algorithm, AllReduceOptions, CommConfig, SingleController, Error};
     ///
-    /// let config = CommConfig { barrier_timeout: Some(Duration::from_millis(200)), ..CommConfig::default() };
-    /// let comm = Communicator::<Host>::new(&[0, 1], config)?;
+    /// let config = CommConfig::default().with_barrier_timeout(Some(Duration::from_millis(200)));
+    /// let comm = SingleController::<Host>::new(&[0, 1], config)?;
     /// let mut bufs: Vec<_> = comm.cores().iter().map(|r| Host::alloc_from(r.device(), &[1.0f32; 8]).unwrap()).collect();
     /// let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
     /// comm.miss_next(1)?;
@@ -51,9 +51,9 @@ impl<B: Backend> Communicator<B> {
     /// Fault injection (feature `fault-injection`): `rank`'s next collective publishes
     /// a call descriptor one ahead in the call sequence, as a rank that made one call
     /// more than its peers would. The call's group finds the difference at its first
-    /// barrier (or Lamport header): [`Communicator::synchronize`] returns
-    /// [`Error::CallMismatch`] and [`Communicator::rank_errors`] shows it on every rank
-    /// of the group, nothing is written, and [`Communicator::reinitialize`] recovers. A
+    /// barrier (or Lamport header): [`SingleController::synchronize`] returns
+    /// [`Error::CallMismatch`] and [`SingleController::rank_errors`] shows it on every rank
+    /// of the group, nothing is written, and [`SingleController::reinitialize`] recovers. A
     /// group of one has nobody to compare with: its call runs as usual.
     #[cfg(feature = "fault-injection")]
     pub fn mismatch_next(&self, rank: usize) -> Result<()> {
@@ -75,9 +75,9 @@ impl<B: Backend> Communicator<B> {
     }
 
     /// Fault injection (feature `fault-injection`): the delay kernel
-    /// ([`Communicator::delay_rank`]) on every rank, launched as a collective is: by
+    /// ([`SingleController::delay_rank`]) on every rank, launched as a collective is: by
     /// the launch threads where parallel launch is on
-    /// ([`Communicator::set_parallel_launch`]), else one rank after the other. With a
+    /// ([`SingleController::set_parallel_launch`]), else one rank after the other. With a
     /// zero `delay` it times peercomm's launch path alone (no validation, no planning,
     /// no buffers). Delays wait for nobody, so a failure poisons nothing: the first
     /// failing rank's error is returned.
@@ -102,15 +102,15 @@ impl<B: Backend> Communicator<B> {
     /// as a launch the driver refused would: the call returns [`Error::Backend`]
     /// (`call: "launch"`) and, since the other ranks were launched (in parallel, or
     /// before it in rank order), poisons the communicator until
-    /// [`Communicator::reinitialize`]. (A world of one launched nothing: no poison.)
+    /// [`SingleController::reinitialize`]. (A world of one launched nothing: no poison.)
     ///
     /// ```
     /// use std::time::Duration;
     /// use peercomm::backend::{host::Host, Backend};
-    /// use peercomm::{AllReduceOptions, CommConfig, Communicator, Error};
+    /// use peercomm::{AllReduceOptions, CommConfig, SingleController, Error};
     ///
-    /// let config = CommConfig { barrier_timeout: Some(Duration::from_millis(200)), ..CommConfig::default() };
-    /// let comm = Communicator::<Host>::new(&[0, 1], config)?;
+    /// let config = CommConfig::default().with_barrier_timeout(Some(Duration::from_millis(200)));
+    /// let comm = SingleController::<Host>::new(&[0, 1], config)?;
     /// let mut bufs: Vec<_> = comm.cores().iter().map(|r| Host::alloc_from(r.device(), &[1.0f32; 8]).unwrap()).collect();
     /// comm.fail_next_launch(1)?;
     /// let err = comm.all_reduce_sum_slices_in_place(&mut bufs, &AllReduceOptions::new());
@@ -146,7 +146,7 @@ impl<B: Backend> Communicator<B> {
             call: "launch",
             detail: format!(
                 "fault injection: rank {r}'s launch was made to fail \
-                 (Communicator::fail_next_launch)"
+                 (SingleController::fail_next_launch)"
             ),
         })
     }

@@ -1,4 +1,4 @@
-//! Group calls on [`Communicator`]: a guard that collects all-reduces (every rank's
+//! Group calls on [`SingleController`]: a guard that collects all-reduces (every rank's
 //! buffers at once, as `all_reduce_sum_slices` takes them) and launches them when it
 //! ends, as few kernels per rank as the kernels allow.
 
@@ -8,19 +8,19 @@ use crate::error::Result;
 use crate::signal::MAX_GPUS;
 
 use super::super::AllReduceOptions;
-use super::Communicator;
+use super::SingleController;
 use crate::comm::core::launch::group::{run_group_steps, GroupStep, GroupedCall};
 use crate::comm::core::planning::PeerReads;
 
-/// An open group of all-reduces on a [`Communicator`] (see [`Communicator::group`]).
+/// An open group of all-reduces on a [`SingleController`] (see [`SingleController::group`]).
 /// Each call is checked when it is made; nothing is launched until
-/// [`CommunicatorGroup::end`], which first refuses a call whose buffers overlap (an
+/// [`SingleControllerGroup::end`], which first refuses a call whose buffers overlap (an
 /// input that is its rank's output, the very same range, runs in place; any other
 /// overlap is [`crate::Error::BuffersOverlap`], nothing of the group launched);
 /// dropping the guard without it discards the calls (nothing launched or written), so
 /// an early return cannot leave the group open.
-pub struct CommunicatorGroup<'c, 'b, B: Backend> {
-    comm: &'c Communicator<B>,
+pub struct SingleControllerGroup<'c, 'b, B: Backend> {
+    comm: &'c SingleController<B>,
     calls: Vec<Pending<'b, B>>,
 }
 
@@ -31,7 +31,7 @@ struct Pending<'b, B: Backend> {
     call: GroupedCall,
 }
 
-impl<B: Backend> Communicator<B> {
+impl<B: Backend> SingleController<B> {
     /// Opens a group: the all-reduces issued through the returned guard are launched
     /// together when it ends, in order, on every rank; several of one dtype and group
     /// width (algorithm left to peercomm) run as one kernel per rank with one start and
@@ -41,9 +41,9 @@ impl<B: Backend> Communicator<B> {
     ///
     /// ```
     /// use peercomm::backend::{host::Host, Backend};
-    /// use peercomm::{CommConfig, Communicator};
+    /// use peercomm::{CommConfig, SingleController};
     ///
-    /// let comm = Communicator::<Host>::new(&[0, 1], CommConfig::default())?;
+    /// let comm = SingleController::<Host>::new(&[0, 1], CommConfig::default())?;
     /// let ins: Vec<_> = comm.cores().iter().map(|r| Host::alloc_from(r.device(), &[1.0f32; 4]).unwrap()).collect();
     /// let mut a: Vec<_> = comm.cores().iter().map(|r| Host::alloc_buffer::<f32>(r.device(), 4).unwrap()).collect();
     /// let mut b: Vec<_> = comm.cores().iter().map(|r| Host::alloc_from(r.device(), &[3.0f32; 4]).unwrap()).collect();
@@ -56,17 +56,17 @@ impl<B: Backend> Communicator<B> {
     /// assert_eq!(Host::download(comm.core(0).device(), &b[0])?, vec![6.0; 4]);
     /// # Ok::<(), peercomm::Error>(())
     /// ```
-    pub fn group<'b>(&self) -> CommunicatorGroup<'_, 'b, B> {
-        CommunicatorGroup {
+    pub fn group<'b>(&self) -> SingleControllerGroup<'_, 'b, B> {
+        SingleControllerGroup {
             comm: self,
             calls: Vec::new(),
         }
     }
 }
 
-impl<'b, B: Backend> CommunicatorGroup<'_, 'b, B> {
+impl<'b, B: Backend> SingleControllerGroup<'_, 'b, B> {
     /// Adds `inputs[r]` summed over the world into `outputs[r]` (see
-    /// [`Communicator::all_reduce_sum_slices`]).
+    /// [`SingleController::all_reduce_sum_slices`]).
     pub fn all_reduce_sum_slices<S, R>(
         &mut self,
         inputs: &'b [S],
@@ -79,7 +79,7 @@ impl<'b, B: Backend> CommunicatorGroup<'_, 'b, B> {
         self.all_reduce_sum_slices_with(inputs, outputs, &AllReduceOptions::new())
     }
 
-    /// As [`CommunicatorGroup::all_reduce_sum_slices`], with options.
+    /// As [`SingleControllerGroup::all_reduce_sum_slices`], with options.
     pub fn all_reduce_sum_slices_with<S, R>(
         &mut self,
         inputs: &'b [S],
@@ -120,7 +120,7 @@ impl<'b, B: Backend> CommunicatorGroup<'_, 'b, B> {
         self.all_reduce_sum_slices_in_place_with(buffers, &AllReduceOptions::new())
     }
 
-    /// As [`CommunicatorGroup::all_reduce_sum_slices_in_place`], with options.
+    /// As [`SingleControllerGroup::all_reduce_sum_slices_in_place`], with options.
     pub fn all_reduce_sum_slices_in_place_with<R: DeviceBufferMut<B>>(
         &mut self,
         buffers: &'b mut [R],
@@ -244,8 +244,8 @@ impl<'b, B: Backend> CommunicatorGroup<'_, 'b, B> {
     }
 }
 
-impl<B: Backend> Drop for CommunicatorGroup<'_, '_, B> {
-    /// A group dropped without [`CommunicatorGroup::end`] (an early return, a `?` on a call that
+impl<B: Backend> Drop for SingleControllerGroup<'_, '_, B> {
+    /// A group dropped without [`SingleControllerGroup::end`] (an early return, a `?` on a call that
     /// failed its checks) is discarded: none of its calls is launched, nothing is
     /// written, and the group is closed.
     fn drop(&mut self) {

@@ -1,4 +1,4 @@
-//! Launching a planned collective on several cores of a [`Communicator`] at once:
+//! Launching a planned collective on several cores of a [`SingleController`] at once:
 //! every rank's kernel from its own thread of the launch pool where
 //! parallel launch is on ([`CommConfig::parallel_launch`]), else one rank after the
 //! other from the calling thread. Either way under the launch lock, so that a
@@ -14,7 +14,7 @@ use crate::signal::MAX_GPUS;
 use crate::CommConfig;
 
 use super::launcher::{spawn_error, LaunchFn, Launcher, Launches, Outcomes};
-use super::Communicator;
+use super::SingleController;
 use crate::comm::core::launch::group::GroupPlan;
 use crate::comm::core::launch::{Fused, PeerInputs};
 use crate::comm::core::planning::Plan;
@@ -30,7 +30,7 @@ pub(super) const ALL_RANKS: [usize; MAX_GPUS] = {
     all
 };
 
-impl<B: Backend> Communicator<B> {
+impl<B: Backend> SingleController<B> {
     pub(super) fn lock_launches(&self) -> MutexGuard<'_, Launches> {
         self.launch_lock.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -53,7 +53,7 @@ impl<B: Backend> Communicator<B> {
     }
 
     /// Whether calls launch on the ranks in parallel (see
-    /// [`Communicator::set_parallel_launch`]).
+    /// [`SingleController::set_parallel_launch`]).
     pub fn parallel_launch(&self) -> bool {
         self.lock_launches().parallel
     }
@@ -82,7 +82,7 @@ impl<B: Backend> Communicator<B> {
     /// the fused all-reduce + RMSNorm), atomically with respect to other callers. A
     /// failure on some rank once another was launched poisons the communicator: the
     /// launched ranks wait for peers that will never come (until their timeout), so
-    /// nothing may run before [`Communicator::reinitialize`].
+    /// nothing may run before [`SingleController::reinitialize`].
     pub(super) fn launch_on(
         &self,
         plan: &Plan,

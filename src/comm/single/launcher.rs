@@ -1,4 +1,4 @@
-//! The single-controller launch pool: what lets a [`super::Communicator`] enqueue
+//! The single-controller launch pool: what lets a [`super::SingleController`] enqueue
 //! every rank's kernel at once instead of one rank after the other. It owns one worker
 //! thread per rank but rank 0 (the calling thread launches rank 0 itself), started with
 //! the communicator (world > 1, [`crate::CommConfig::parallel_launch`]) and joined when
@@ -103,7 +103,7 @@ unsafe impl Send for Shared {}
 
 /// What a communicator's launch lock guards: its launch pool, if started, and whether
 /// launches go through it ([`crate::CommConfig::parallel_launch`],
-/// `Communicator::set_parallel_launch`).
+/// `SingleController::set_parallel_launch`).
 pub(super) struct Launches {
     /// The workers (world > 1, once parallel launch was first on).
     pub(super) pool: Option<Launcher>,
@@ -186,7 +186,7 @@ impl Launcher {
     }
 
     /// A weak handle on the state every worker holds until its thread ends (see
-    /// `Communicator::launch_pool_probe`).
+    /// `SingleController::launch_pool_probe`).
     pub(super) fn probe(&self) -> Weak<dyn Any + Send + Sync> {
         let shared: Arc<dyn Any + Send + Sync> = self.shared.clone();
         Arc::downgrade(&shared)

@@ -1,4 +1,4 @@
-//! The single-controller front door: [`Communicator`], one process that drives every
+//! The single-controller front door: [`SingleController`], one process that drives every
 //! rank's device. It holds one per-rank core per device (`super::core`), made by the
 //! same setup as the per-rank [`crate::Comm`] over an in-process bootstrap; its calls
 //! check what only it can (every rank's tensors together), then plan on the cores and
@@ -41,9 +41,9 @@ mod validate;
 /// A set of devices (at most 8, one process) that all-reduce together.
 ///
 /// Collectives are enqueued on each rank's stream and return without waiting; call
-/// [`Communicator::synchronize`] to wait and to collect device-side errors (a barrier
+/// [`SingleController::synchronize`] to wait and to collect device-side errors (a barrier
 /// timeout is reported there on GPUs).
-pub struct Communicator<B: Backend> {
+pub struct SingleController<B: Backend> {
     /// One core per device: rank i drives `ranks[i]`.
     ranks: Vec<Rank<B>>,
     /// Held while a collective is enqueued on every rank (and while re-initialising):
@@ -52,22 +52,22 @@ pub struct Communicator<B: Backend> {
     /// (one thread per rank but rank 0, joined on drop) and whether calls use it.
     launch_lock: Mutex<launcher::Launches>,
     /// Fault injection: bit r set makes rank r's next launch fail
-    /// ([`Communicator::fail_next_launch`]).
+    /// ([`SingleController::fail_next_launch`]).
     #[cfg(feature = "fault-injection")]
     failing_launches: AtomicU32,
 }
 
 /// The backend and the world size (not the devices' state).
-impl<B: Backend> std::fmt::Debug for Communicator<B> {
+impl<B: Backend> std::fmt::Debug for SingleController<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Communicator")
+        f.debug_struct("SingleController")
             .field("backend", &B::NAME)
             .field("world_size", &self.world_size())
             .finish_non_exhaustive()
     }
 }
 
-impl<B: Backend> Communicator<B> {
+impl<B: Backend> SingleController<B> {
     /// Opens the devices with these ordinals and builds a communicator over them.
     pub fn new(ordinals: &[usize], config: CommConfig) -> Result<Self> {
         check_world(ordinals.len())?;
@@ -170,7 +170,7 @@ impl<B: Backend> Communicator<B> {
         }
         let launches = launcher::Launches::new(world, config.parallel_launch)
             .map_err(|e| launcher::spawn_error(B::NAME, &e))?;
-        Ok(Communicator {
+        Ok(SingleController {
             ranks,
             launch_lock: Mutex::new(launches),
             #[cfg(feature = "fault-injection")]
@@ -191,11 +191,13 @@ impl<B: Backend> Communicator<B> {
     pub fn cores(&self) -> &[Rank<B>] {
         &self.ranks
     }
-    /// Rank `i`'s core: the older name of [`Communicator::core`].
+    /// Rank `i`'s core: the older name of [`SingleController::core`].
+    #[deprecated(note = "renamed `core` (a per-rank `Comm::rank` is a number)")]
     pub fn rank(&self, i: usize) -> &Rank<B> {
         self.core(i)
     }
-    /// All ranks' cores: the older name of [`Communicator::cores`].
+    /// All ranks' cores: the older name of [`SingleController::cores`].
+    #[deprecated(note = "renamed `cores`")]
     pub fn ranks(&self) -> &[Rank<B>] {
         self.cores()
     }
@@ -221,7 +223,7 @@ impl<B: Backend> Communicator<B> {
         self.ranks[0].route.world_path()
     }
 
-    /// Disables collectives on every rank until [`Communicator::reinitialize`];
+    /// Disables collectives on every rank until [`SingleController::reinitialize`];
     /// `cause` is what later calls' [`Error::Poisoned`] names.
     fn poison(&self, cause: &Error) {
         for r in &self.ranks {
@@ -234,8 +236,8 @@ impl<B: Backend> Communicator<B> {
     /// synchronisation. If a wait gave up, returns the root cause
     /// ([`Error::BarrierTimeout`] of the rank that timed out, else the
     /// [`Error::PeerAborted`] a rank was told) and poisons the communicator until
-    /// [`Communicator::reinitialize`]. [`Communicator::wait`] only waits;
-    /// [`Communicator::check_errors`] only reads the records, without waiting.
+    /// [`SingleController::reinitialize`]. [`SingleController::wait`] only waits;
+    /// [`SingleController::check_errors`] only reads the records, without waiting.
     ///
     /// A collective that a rank never makes (see `miss_next`) is reported within 2 x
     /// [`CommConfig::barrier_timeout`] (+ launch and copy latency) of its start on
@@ -285,7 +287,7 @@ impl<B: Backend> Communicator<B> {
         self.reinitialize_with_counter_base(0)
     }
 
-    /// As [`Communicator::reinitialize`], with every barrier counter starting at `base`
+    /// As [`SingleController::reinitialize`], with every barrier counter starting at `base`
     /// (tests start near `u32::MAX` to cross the wrap).
     #[doc(hidden)]
     pub fn reinitialize_with_counter_base(&self, base: u32) -> Result<()> {

@@ -1,7 +1,7 @@
 //! The slice form of the single-controller all-reduce: the users' buffers as they hold
-//! them (`&[CudaSlice<T>]`, one per rank), flat, with no `Tensor` wrappers and no heap
+//! them (`&[CudaSlice<T>]`, one per rank), flat, with no `TensorView` wrappers and no heap
 //! allocation per call. For a hot eager loop; the shaped form
-//! ([`Communicator::all_reduce_sum`]) stays for callers that want shapes checked.
+//! ([`SingleController::all_reduce_sum`]) stays for callers that want shapes checked.
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use crate::dispatch::Algorithm;
@@ -10,7 +10,7 @@ use crate::signal::MAX_GPUS;
 
 use super::super::AllReduceOptions;
 use super::validate::Meta;
-use super::Communicator;
+use super::SingleController;
 
 fn meta<B: Backend>(b: &(impl DeviceBuffer<B> + ?Sized)) -> Meta {
     Meta {
@@ -20,18 +20,18 @@ fn meta<B: Backend>(b: &(impl DeviceBuffer<B> + ?Sized)) -> Meta {
     }
 }
 
-impl<B: Backend> Communicator<B> {
+impl<B: Backend> SingleController<B> {
     /// Sums `inputs[r]` over each group into `outputs[r]`: one buffer per rank, on
     /// that rank's device, all of one dtype and length (unequal lengths are
     /// [`Error::LengthMismatch`], as in the shaped form). Returns the algorithm that
-    /// ran. The same checks and launches as [`Communicator::all_reduce_sum`] (overlapping
+    /// ran. The same checks and launches as [`SingleController::all_reduce_sum`] (overlapping
     /// buffers included), without building tensors.
     ///
     /// ```
     /// use peercomm::backend::{host::Host, Backend, TypedBuffer};
-    /// use peercomm::{AllReduceOptions, CommConfig, Communicator};
+    /// use peercomm::{AllReduceOptions, CommConfig, SingleController};
     ///
-    /// let comm = Communicator::<Host>::new(&[0, 1], CommConfig::default())?;
+    /// let comm = SingleController::<Host>::new(&[0, 1], CommConfig::default())?;
     /// let mut ins = Vec::new();
     /// let mut outs = Vec::new();
     /// for (r, rank) in comm.cores().iter().enumerate() {
@@ -91,8 +91,8 @@ impl<B: Backend> Communicator<B> {
     }
 
     /// Sums `buffers[r]` over each group in place: the slice form of
-    /// [`Communicator::all_reduce_sum_in_place`] (see
-    /// [`Communicator::all_reduce_sum_slices`]).
+    /// [`SingleController::all_reduce_sum_in_place`] (see
+    /// [`SingleController::all_reduce_sum_slices`]).
     pub fn all_reduce_sum_slices_in_place<R>(
         &self,
         buffers: &mut [R],

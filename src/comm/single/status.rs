@@ -1,4 +1,4 @@
-//! [`Communicator`]'s view of its ranks' state: waiting for their streams, their error
+//! [`SingleController`]'s view of its ranks' state: waiting for their streams, their error
 //! records, and the sizing questions answered without launching anything.
 
 use crate::backend::Backend;
@@ -8,13 +8,13 @@ use crate::error::{Error, Result};
 
 use super::super::core::Rank;
 use super::super::{AllReduceOptions, MemoryFootprint};
-use super::Communicator;
+use super::SingleController;
 use crate::comm::core::planning::PeerReads;
 
-impl<B: Backend> Communicator<B> {
+impl<B: Backend> SingleController<B> {
     /// Waits for every rank's queued work and nothing else: no error record is read,
-    /// so a barrier that gave up goes unnoticed until [`Communicator::synchronize`] or
-    /// [`Communicator::check_errors`]. Errors are the backend's own (a failed stream
+    /// so a barrier that gave up goes unnoticed until [`SingleController::synchronize`] or
+    /// [`SingleController::check_errors`]. Errors are the backend's own (a failed stream
     /// synchronisation).
     pub fn wait(&self) -> Result<()> {
         for r in &self.ranks {
@@ -25,7 +25,7 @@ impl<B: Backend> Communicator<B> {
 
     /// Waits for every rank's queued work, then reads every rank's error record: what
     /// each rank recorded, in rank order (`None`: clean). As
-    /// [`Communicator::synchronize`], an error poisons the communicator; this shows
+    /// [`SingleController::synchronize`], an error poisons the communicator; this shows
     /// every rank's view where `synchronize` returns the root cause.
     pub fn rank_errors(&self) -> Result<Vec<Option<Error>>> {
         self.wait()?;
@@ -50,7 +50,7 @@ impl<B: Backend> Communicator<B> {
     /// watchdog can call it while collectives run, like NCCL's `ncclCommGetAsyncError`).
     /// `Ok(())` means no rank has recorded an error yet; otherwise the root cause is
     /// returned and the communicator is poisoned, as by
-    /// [`Communicator::synchronize`]. On CUDA and HIP each read is a small synchronous
+    /// [`SingleController::synchronize`]. On CUDA and HIP each read is a small synchronous
     /// copy on the legacy default stream, which does not wait for the ranks'
     /// non-blocking streams (a rank built on the legacy default stream itself would
     /// wait); a record still being written reads as clean until the next poll.
@@ -59,14 +59,14 @@ impl<B: Backend> Communicator<B> {
     }
 }
 
-impl<B: Backend> Communicator<B> {
+impl<B: Backend> SingleController<B> {
     /// The device memory each rank allocated (the same on every rank).
     pub fn memory_footprint(&self) -> MemoryFootprint {
         self.ranks[0].memory_footprint()
     }
 
-    /// Answers, launching nothing, what [`Communicator::all_reduce_sum`] (or, with
-    /// `in_place`, [`Communicator::all_reduce_sum_in_place`]) would do with
+    /// Answers, launching nothing, what [`SingleController::all_reduce_sum`] (or, with
+    /// `in_place`, [`SingleController::all_reduce_sum_in_place`]) would do with
     /// `elements` elements of `dtype` per rank and these options: the algorithm that
     /// would run, or the typed error the call would get. A message too large for the
     /// scratch is [`crate::Error::MessageTooLarge`] with the bytes needed, the bytes

@@ -11,7 +11,7 @@ use crate::tensor::shape_elements;
 pub(super) use crate::comm::core::planning::check::Meta;
 use crate::comm::core::planning::check::{check_overlaps, Span};
 
-/// One role of a call's buffers for [`Communicator::check_overlaps`]: every rank's
+/// One role of a call's buffers for [`SingleController::check_overlaps`]: every rank's
 /// address and bytes, the role's name, and whether the call writes it (at most four
 /// roles a call).
 pub(super) type Role<'a> = (
@@ -29,12 +29,12 @@ pub(super) fn bytes_of(metas: impl IntoIterator<Item = Meta>) -> [usize; MAX_GPU
     }
     bytes
 }
-use super::Communicator;
+use super::SingleController;
 use crate::comm::core::planning::Plan;
-use crate::tensor::{Tensor, TensorMut};
+use crate::tensor::{TensorView, TensorViewMut};
 
 /// What the core checks of a shaped input.
-pub(super) fn meta<B: Backend>(t: &Tensor<'_, B>) -> Meta {
+pub(super) fn meta<B: Backend>(t: &TensorView<'_, B>) -> Meta {
     Meta {
         dtype: t.data.dtype(),
         len: t.data.len(),
@@ -43,7 +43,7 @@ pub(super) fn meta<B: Backend>(t: &Tensor<'_, B>) -> Meta {
 }
 
 /// What the core checks of a shaped output.
-pub(super) fn meta_mut<B: Backend>(t: &TensorMut<'_, B>) -> Meta {
+pub(super) fn meta_mut<B: Backend>(t: &TensorViewMut<'_, B>) -> Meta {
     Meta {
         dtype: t.data.dtype(),
         len: t.data.len(),
@@ -51,7 +51,7 @@ pub(super) fn meta_mut<B: Backend>(t: &TensorMut<'_, B>) -> Meta {
     }
 }
 
-impl<B: Backend> Communicator<B> {
+impl<B: Backend> SingleController<B> {
     pub(super) fn check_usable(&self) -> Result<()> {
         self.ranks.iter().try_for_each(|r| r.check_usable())
     }
@@ -174,7 +174,7 @@ impl<B: Backend> Communicator<B> {
     /// the pointers valid go to `guards`.
     pub(super) fn read_ptrs<'a>(
         &'a self,
-        tensors: &'a [Tensor<'_, B>],
+        tensors: &'a [TensorView<'_, B>],
         guards: &mut Vec<B::Access<'a>>,
     ) -> [u64; MAX_GPUS] {
         let mut ptrs = [0u64; MAX_GPUS];
@@ -186,10 +186,10 @@ impl<B: Backend> Communicator<B> {
         ptrs
     }
 
-    /// As [`Communicator::read_ptrs`], for writing.
+    /// As [`SingleController::read_ptrs`], for writing.
     pub(super) fn write_ptrs<'a>(
         &'a self,
-        tensors: &'a mut [TensorMut<'_, B>],
+        tensors: &'a mut [TensorViewMut<'_, B>],
         guards: &mut Vec<B::Access<'a>>,
     ) -> [u64; MAX_GPUS] {
         let mut ptrs = [0u64; MAX_GPUS];

@@ -1,4 +1,4 @@
-//! Capturing a communicator's calls into CUDA graphs: [`Communicator::capture`] over
+//! Capturing a communicator's calls into CUDA graphs: [`SingleController::capture`] over
 //! every rank's stream, [`Comm::capture`] over this rank's, both built on the
 //! backend's capture over a set of streams ([`capture`], which knows nothing of
 //! communicators), and [`Comm::capture_registered`], whose graph reads every input in
@@ -13,18 +13,18 @@ use crate::error::{Error, Result};
 
 use crate::comm::zero_copy::capture_inputs::CaptureInputs;
 use crate::comm::zero_copy::script::Planning;
-use crate::comm::{Comm, Communicator};
+use crate::comm::{Comm, SingleController};
 
-impl Communicator<Cuda> {
+impl SingleController<Cuda> {
     /// Captures what `f` enqueues on every rank's stream into one CUDA graph per rank
     /// (rank order); see [`capture`] for the rules. Replay with `graph.launch()` for
-    /// every graph, then [`Communicator::synchronize`] as after eager calls.
+    /// every graph, then [`SingleController::synchronize`] as after eager calls.
     ///
     /// ```no_run
     /// use peercomm::backend::{cuda::Cuda, Backend};
-    /// use peercomm::{AllReduceOptions, CommConfig, Communicator};
+    /// use peercomm::{AllReduceOptions, CommConfig, SingleController};
     ///
-    /// let comm = Communicator::<Cuda>::new(&[0, 1], CommConfig::default())?;
+    /// let comm = SingleController::<Cuda>::new(&[0, 1], CommConfig::default())?;
     /// let ins: Vec<_> = comm.cores().iter().map(|r| Cuda::alloc_from(r.device(), &[1.0f32; 1024])).collect::<Result<_, _>>()?;
     /// let mut outs: Vec<_> = comm.cores().iter().map(|r| Cuda::alloc_buffer::<f32>(r.device(), 1024)).collect::<Result<_, _>>()?;
     /// let (graphs, _algorithm) =
@@ -70,6 +70,8 @@ impl RegisteredGraph {
     /// every rank replays its own, then waits as after eager calls
     /// ([`Comm::synchronize`]).
     pub fn launch(&self) -> Result<()> {
+        // A buffer a replay reads may not be freed before the next clean synchronize.
+        self.inputs.note_replay();
         self.graph.launch().map_err(|e| Error::Backend {
             backend: "cuda",
             call: "cuGraphLaunch",

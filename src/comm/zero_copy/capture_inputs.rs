@@ -58,6 +58,12 @@ impl<B: Backend> CaptureInputs<B> {
     pub fn staged_calls(&self) -> usize {
         self.staged
     }
+    /// A replay of the graph they were made for is enqueued: its calls may read
+    /// registered memory in place (see `Registry::note_in_place`).
+    #[cfg(feature = "cuda")]
+    pub(crate) fn note_replay(&self) {
+        self.registry.note_in_place();
+    }
 }
 
 impl<B: Backend> Drop for CaptureInputs<B> {

@@ -4,7 +4,8 @@
 //! place, with the single controller's kernels: no staging copy, two-stage offered,
 //! the same bits as the single controller for the same inputs. The registration lasts
 //! as long as the returned [`Registered`], which owns the buffer and gives it back
-//! with [`Registered::into_inner`].
+//! with [`Registered::into_inner`]. A dropped `Registered` whose buffer a peer may
+//! still read is kept until that is over (see [`Registered`]).
 //!
 //! What can be registered: on the host backend and for ranks of one process, any
 //! buffer (the peers reach it at its own address); across processes, memory the driver
@@ -41,7 +42,7 @@ use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 use crate::comm::per_rank::Comm;
-use crate::comm::zero_copy::registry::{register_range, Registry};
+use crate::comm::zero_copy::registry::{register_range, Registry, RetiredBuffer};
 
 /// A buffer registered with a per-rank [`Comm`] ([`Comm::register`]): the buffer
 /// itself (it passes for it in every call, and derefs to it for reads), while every
@@ -58,6 +59,25 @@ use crate::comm::zero_copy::registry::{register_range, Registry};
 /// `DevicePtrMut`, for copies and the user's kernels). To change the buffer, take it
 /// back with [`Registered::into_inner`] and register again.
 ///
+/// # When the buffer is freed
+///
+/// A peer's kernel reads the buffer in place until it passes its end barrier, and
+/// this rank's kernel waits there for it, unless it gives up (a barrier timeout): then
+/// the peer may still be reading. So memory a peer may still read is not freed before
+/// this rank knows every peer finished reading it: dropping a `Registered` made by
+/// [`Comm::register`] after a call that may have read registered memory in place, and
+/// before the next [`Comm::synchronize`] that returns `Ok` (every end barrier of this
+/// rank's calls completed), keeps the buffer (retired) until that synchronize, a
+/// successful [`Comm::reinitialize`] (every rank's queued work is done), or the
+/// communicator's teardown (freed where every rank met it, else parked with the rest
+/// of this rank's memory; see `Drop for Comm`). [`Comm::check_errors`] does not wait,
+/// so it frees nothing. A drop with no such call since the last clean synchronize
+/// frees the buffer at once. [`Registered::into_inner`] and [`Comm::register_borrowed`]
+/// leave that to the caller. Replays of a CUDA graph from `Comm::capture` are not
+/// seen by the communicator (those of a `RegisteredGraph` are): drop a `Registered`
+/// that such a graph reads after a [`Comm::synchronize`] that returns `Ok` after the
+/// replays.
+///
 /// ```compile_fail
 /// use peercomm::backend::{host::Host, Backend};
 /// fn swap(reg: &mut peercomm::Registered<Host, <Host as Backend>::Buffer<f32>>,
@@ -71,6 +91,9 @@ pub struct Registered<B: Backend, T> {
     buffer: Option<T>,
     registry: Arc<Registry<B>>,
     id: u64,
+    /// Boxes the buffer for the registry's retired list on drop ([`Comm::register`]);
+    /// `None` where the caller keeps the memory ([`Comm::register_borrowed`]).
+    retire: Option<fn(T) -> RetiredBuffer>,
 }
 
 impl<B: Backend, T> std::fmt::Debug for Registered<B, T> {
@@ -82,6 +105,7 @@ impl<B: Backend, T> std::fmt::Debug for Registered<B, T> {
 }
 
 /// A failed [`Comm::register`]: the error, and the buffer given back.
+#[non_exhaustive]
 pub struct RegisterError<T> {
     /// Why (the same on every rank).
     pub error: Error,
@@ -126,15 +150,47 @@ impl<B: Backend> Comm<B> {
     /// `CannotRegister` naming this rank on the peers, which stay in step; so is a
     /// buffer whose length in bytes no buffer can span ([`Error::SizeOverflow`] here).
     /// Needs peer memory across the whole world ([`Comm::world_path`] is `Auto`).
+    ///
+    /// The buffer is owned (`'static`), so that a drop while a peer may still read it
+    /// can keep it until that is over (see [`Registered`]); a buffer that borrows
+    /// memory owned elsewhere (a cudarc view) is registered with
+    /// [`Comm::register_borrowed`].
     pub fn register<T>(&self, buffer: T) -> std::result::Result<Registered<B, T>, RegisterError<T>>
+    where
+        T: DeviceBuffer<B> + Send + 'static,
+    {
+        self.register_as(buffer, Some(|b: T| Box::new(b) as RetiredBuffer))
+    }
+
+    /// As [`Comm::register`], for a buffer that borrows memory owned elsewhere (a
+    /// cudarc view, a view of the engine's own allocator): dropping the returned
+    /// [`Registered`] ends the registration but cannot keep that memory. The caller
+    /// keeps it (neither freed nor reused) until this rank knows every peer finished
+    /// reading it: a [`Comm::synchronize`] that returns `Ok` after the last call that
+    /// read it, a successful [`Comm::reinitialize`], or a teardown that every rank met
+    /// ([`Comm::close`] returning `Ok`). Memory freed earlier may still be read by a
+    /// peer whose kernel this rank's timed-out call left running.
+    pub fn register_borrowed<T>(
+        &self,
+        buffer: T,
+    ) -> std::result::Result<Registered<B, T>, RegisterError<T>>
     where
         T: DeviceBuffer<B>,
     {
+        self.register_as(buffer, None)
+    }
+
+    fn register_as<T: DeviceBuffer<B>>(
+        &self,
+        buffer: T,
+        retire: Option<fn(T) -> RetiredBuffer>,
+    ) -> std::result::Result<Registered<B, T>, RegisterError<T>> {
         match self.register_buffer(&buffer) {
             Ok(id) => Ok(Registered {
                 buffer: Some(buffer),
                 registry: self.registry.clone(),
                 id,
+                retire,
             }),
             Err(error) => Err(RegisterError { error, buffer }),
         }
@@ -200,7 +256,13 @@ impl<B: Backend> Comm<B> {
 }
 
 impl<B: Backend, T> Registered<B, T> {
-    /// Ends the registration on this rank and gives the buffer back.
+    /// Ends the registration on this rank and gives the buffer back: it is then the
+    /// caller's, and so is the rule a drop of the `Registered` would have kept. A peer
+    /// may still read the buffer in place after a call of this rank that gave up (a
+    /// barrier timeout), so the caller keeps it (neither frees nor writes it) until a
+    /// [`Comm::synchronize`] that returns `Ok` after the last call that read it, a
+    /// successful [`Comm::reinitialize`], or a teardown that every rank met
+    /// ([`Comm::close`] returning `Ok`).
     pub fn into_inner(mut self) -> T {
         self.registry.remove(self.id);
         self.buffer.take().expect("present until taken")
@@ -222,10 +284,18 @@ impl<B: Backend, T> std::ops::Deref for Registered<B, T> {
     }
 }
 
+/// Ends the registration on this rank; the buffer is freed at once, or retired while
+/// a peer may still read it (see "When the buffer is freed").
 impl<B: Backend, T> Drop for Registered<B, T> {
     fn drop(&mut self) {
-        if self.buffer.is_some() {
-            self.registry.remove(self.id);
+        let Some(buffer) = self.buffer.take() else {
+            return;
+        };
+        self.registry.remove(self.id);
+        match self.retire {
+            // Freed outside the registry's lock.
+            Some(boxed) => drop(self.registry.retire(boxed(buffer))),
+            None => drop(buffer),
         }
     }
 }

@@ -19,7 +19,18 @@
 //! registration number and the byte offset, whole), so ranks that pass registered
 //! buffers at different places, or one registered and one not, get
 //! [`crate::CallField::Inputs`] at the first barrier, before anything is read.
+//!
+//! A registered buffer that a peer may still read in place is not freed before this
+//! rank knows that every peer finished reading it: a kernel's end barrier waits for
+//! the peers' reads, but a kernel that gives up there (a timeout) does not. So once a
+//! call may have read registered memory in place ([`Registry::lookup`] or
+//! [`Registry::place_in`] found it), a dropped [`crate::Registered`]'s buffer is
+//! retired here ([`Registry::retire`]) instead of freed, until a synchronize that
+//! found no error or a successful reinitialize ([`Registry::settle`]), or the
+//! communicator's teardown ([`Registry::close`]: freed where every rank met it, else
+//! parked with the rest of the rank's memory).
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
 
@@ -81,6 +92,22 @@ struct Import<B: Backend> {
     mapping: B::PeerMapping,
 }
 
+/// A retired buffer (held only to be dropped).
+pub(crate) type RetiredBuffer = Box<dyn Send>;
+
+/// Where buffers retired after the communicator's teardown go (the parking lot).
+pub(crate) type Parker = Box<dyn Fn(RetiredBuffer) + Send + Sync>;
+
+/// Buffers of dropped registrations that a peer may still read in place.
+#[derive(Default)]
+struct Retired {
+    buffers: Vec<RetiredBuffer>,
+    /// Set by [`Registry::close`]: `None` while the communicator lives; `Some(None)`
+    /// after a teardown that every rank met (nothing can read any more); `Some(Some)`
+    /// after one that parked its memory (later drops are parked alike).
+    closed: Option<Option<Parker>>,
+}
+
 /// This rank's registered ranges.
 pub(crate) struct Registry<B: Backend> {
     entries: Mutex<Vec<Entry<B>>>,
@@ -97,6 +124,11 @@ pub(crate) struct Registry<B: Backend> {
     channel: Mutex<Option<Listener>>,
     /// How long a registration waits for its peers' descriptors ([`exchange`]).
     descriptor_timeout: Duration,
+    /// Whether a call since the last [`Registry::settle`] may read registered memory
+    /// in place (set when a lookup finds a registration).
+    in_flight: AtomicBool,
+    /// Buffers kept until the peers' reads are known to be over.
+    retired: Mutex<Retired>,
 }
 
 impl<B: Backend> Default for Registry<B> {
@@ -107,6 +139,8 @@ impl<B: Backend> Default for Registry<B> {
             made: Mutex::new(0),
             channel: Mutex::new(None),
             descriptor_timeout: DESCRIPTOR_TIMEOUT,
+            in_flight: AtomicBool::new(false),
+            retired: Mutex::new(Retired::default()),
         }
     }
 }
@@ -127,7 +161,8 @@ impl<B: Backend> Registry<B> {
 
 impl<B: Backend> Registry<B> {
     /// The place of an input of `bytes` bytes at `ptr`, when a listed registered range
-    /// holds all of it.
+    /// holds all of it (then a call may read registered memory in place: see
+    /// [`Registry::note_in_place`]).
     pub(crate) fn lookup(&self, ptr: u64, bytes: usize) -> Option<InPlace> {
         let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
         // In u128: no range wraps (registered ranges were checked, an input was not).
@@ -135,13 +170,65 @@ impl<B: Backend> Registry<B> {
         let e = entries
             .iter()
             .find(|e| e.listed && ptr >= e.base && end <= u128::from(e.base) + e.bytes as u128)?;
+        self.note_in_place();
         Some(e.place(ptr - e.base))
     }
 
-    /// The place at `offset` in registration `id` (listed or not), if it is live.
+    /// The place at `offset` in registration `id` (listed or not), if it is live (as
+    /// [`Registry::lookup`], noted).
     pub(crate) fn place_in(&self, id: u64, offset: u64) -> Option<InPlace> {
         let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
-        entries.iter().find(|e| e.id == id).map(|e| e.place(offset))
+        let e = entries.iter().find(|e| e.id == id)?;
+        self.note_in_place();
+        Some(e.place(offset))
+    }
+
+    /// A call that may read registered memory in place is (about to be) enqueued: a
+    /// buffer dropped from now on is retired until [`Registry::settle`].
+    pub(crate) fn note_in_place(&self) {
+        self.in_flight.store(true, Ordering::SeqCst);
+    }
+
+    /// Takes `buffer` of a dropped registration: kept (retired) while a peer may
+    /// still read it in place, else given back to be freed by the caller (outside
+    /// the lock).
+    pub(crate) fn retire(&self, buffer: RetiredBuffer) -> Option<RetiredBuffer> {
+        let mut retired = self.retired.lock().unwrap_or_else(|e| e.into_inner());
+        match &retired.closed {
+            Some(Some(park)) => {
+                park(buffer);
+                None
+            }
+            Some(None) => Some(buffer),
+            None if self.in_flight.load(Ordering::SeqCst) => {
+                retired.buffers.push(buffer);
+                None
+            }
+            None => Some(buffer),
+        }
+    }
+
+    /// Every peer finished reading this rank's registered memory (a synchronize that
+    /// found no error, a successful reinitialize): frees the retired buffers. Called
+    /// on the issuing thread, so no call is enqueued meanwhile.
+    pub(crate) fn settle(&self) {
+        let freed = {
+            let mut retired = self.retired.lock().unwrap_or_else(|e| e.into_inner());
+            self.in_flight.store(false, Ordering::SeqCst);
+            std::mem::take(&mut retired.buffers)
+        };
+        drop(freed);
+    }
+
+    /// The communicator's teardown: gives back the retired buffers, for the caller to
+    /// free (`park` `None`: every rank met the teardown, so nothing reads them, and
+    /// later drops free at once) or to park with the rest of the rank's memory (a peer
+    /// may still read; buffers dropped later go to `park`).
+    pub(crate) fn close(&self, park: Option<Parker>) -> Vec<RetiredBuffer> {
+        let mut retired = self.retired.lock().unwrap_or_else(|e| e.into_inner());
+        self.in_flight.store(false, Ordering::SeqCst);
+        retired.closed = Some(park);
+        std::mem::take(&mut retired.buffers)
     }
 
     /// Forgets registration `id` (this rank only): its imports are unmapped once no

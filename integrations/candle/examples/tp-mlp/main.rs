@@ -167,10 +167,7 @@ fn main() -> BoxResult<()> {
     } else {
         None
     };
-    let config = CommConfig {
-        allow_shared_devices: shared,
-        ..CommConfig::default()
-    };
+    let config = CommConfig::default().with_allow_shared_devices(shared);
     let barrier = Barrier::new(args.ranks);
     let per_rank: Vec<Vec<RankPoint>> = std::thread::scope(|s| {
         let workers: Vec<_> = gpu_of_rank

@@ -1,6 +1,6 @@
 //! The batched all-reduce kernel ([`KernelKind::AllReduceGroup`]) on the host side:
 //! planning a batch and launching it on one rank. The group calls of both front doors
-//! (`Comm::group`, `Communicator::group`) batch through it.
+//! (`Comm::group`, `SingleController::group`) batch through it.
 //!
 //! # A batch
 //! 1 to [`MAX_GROUP_CALLS`] all-reduces (sum) of one dtype over groups of one width run

@@ -21,8 +21,11 @@ use super::staging::{self, padded};
 use crate::comm::core::planning::{CollectiveArgs, PeerReads, Plan};
 use crate::comm::core::settings::Settings;
 
-/// Options of one all-gather, reduce-scatter, broadcast, scatter or fused call.
+/// Options of one all-gather, reduce-scatter, broadcast, scatter or fused call, built
+/// from [`CollectiveOptions::new`] and its chained setters (the type may gain fields,
+/// so it has no struct literal outside the crate).
 #[derive(Clone, Copy, Debug, Default)]
+#[non_exhaustive]
 pub struct CollectiveOptions {
     /// Width of the groups that take part together: 0 means the whole world; otherwise
     /// it must divide the world size, and ranks `[k*w, (k+1)*w)` form group `k`.

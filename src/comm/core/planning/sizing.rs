@@ -15,6 +15,7 @@ use crate::comm::{AllReduceOptions, CommConfig};
 /// Device memory one rank of a communicator allocates (its signal allocation, the
 /// only memory peercomm allocates per rank), in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
 pub struct MemoryFootprint {
     /// The signal header: barrier counters, Lamport state, error record (800 KiB, the
     /// same for every configuration).
@@ -73,14 +74,14 @@ impl CommConfig {
     ///
     /// ```
     /// use peercomm::backend::host::Host;
-    /// use peercomm::{AllReduceOptions, Algorithm, CommConfig, Communicator, DType};
+    /// use peercomm::{AllReduceOptions, Algorithm, CommConfig, SingleController, DType};
     ///
     /// // A decoder's tensor-parallel all-reduce: up to 64 tokens x 8192 hidden, bf16.
     /// let config = CommConfig::for_largest_message(64 * 8192, DType::BF16)?;
     /// assert_eq!(config.payload_bytes, 1 << 20);
     /// // 8.28 MiB header + 3 x 2 x (1 MiB + 64 B) Lamport region + 1 MiB payload per rank:
     /// assert_eq!(config.memory_footprint(2)?.total, 16_024_320);
-    /// let comm = Communicator::<Host>::new(&[0, 1], config)?;
+    /// let comm = SingleController::<Host>::new(&[0, 1], config)?;
     /// for algorithm in [Algorithm::Auto, Algorithm::OneStage, Algorithm::TwoStage, Algorithm::Lamport] {
     ///     let opts = AllReduceOptions::new().algorithm(algorithm);
     ///     assert!(comm.algorithm_for(DType::BF16, 64 * 8192, &opts, true).is_ok());

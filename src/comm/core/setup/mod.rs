@@ -52,15 +52,13 @@ pub(crate) enum Outcome<B: Backend> {
 }
 
 /// The identity world rank `world_rank` reports for `device`: the backend's, or the
-/// one [`crate::Simulation::physical_devices`] gives it.
+/// one the `fault-injection` feature's `Simulation::physical_devices` gives it.
 pub(crate) fn identity_of<B: Backend>(
     device: &B::Device,
     world_rank: usize,
     config: &CommConfig,
 ) -> Result<DeviceIdentity> {
-    Ok(config
-        .simulate
-        .identity_of(world_rank, B::identity(device)?))
+    Ok(config.identity_of(world_rank, B::identity(device)?))
 }
 
 /// A core over this rank alone (no peers, no exchange): what a communicator whose
@@ -106,9 +104,7 @@ pub(crate) fn establish<B: Backend>(
 ) -> Result<Outcome<B>> {
     let (me, n) = (group.rank(), group.world_size());
     let arch = B::architecture(&device)?;
-    let sms = config
-        .simulate
-        .multiprocessors_of(members[me], B::multiprocessor_count(&device)?);
+    let sms = config.multiprocessors_of(members[me], B::multiprocessor_count(&device)?);
     let mut settings = Settings::new(config.clone(), arch.clone(), sms, n)?;
     let layout = settings.layout;
     let kind = if n > 1 && placement == RankProcesses::Anywhere {
@@ -176,7 +172,7 @@ pub(crate) fn establish<B: Backend>(
         let unavailable = |cause: String, hint: String| {
             p2p_unavailable(a, &mine.identity, b, &peer.identity, cause, hint)
         };
-        if config.simulate.blocks_pair(a, b) {
+        if config.simulation_blocks_pair(a, b) {
             problem.get_or_insert_with(|| {
                 unavailable(
                     "peer access between them is removed by Simulation::no_peer_access (a \
@@ -191,7 +187,7 @@ pub(crate) fn establish<B: Backend>(
             // which is enabled by ordinal (meaningful within one process).
             let (theirs, ours) = (peer.identity.ordinal(), mine.identity.ordinal());
             if theirs != ours
-                && !config.simulate.blocks_pair(a, b)
+                && !config.simulation_blocks_pair(a, b)
                 && !enable_peer_access_to::<B>(&device, theirs)?
             {
                 problem.get_or_insert_with(|| {
@@ -239,7 +235,7 @@ pub(crate) fn establish<B: Backend>(
         settings,
         mappings,
     };
-    let corrupt = config.simulate.fail_peer_check == Some(members[me]);
+    let corrupt = config.simulation_fails_peer_check(members[me]);
     let verdict = peer_check::check_rank(&core.endpoint, &core.settings, corrupt)?;
     let failed: Vec<(usize, String)> = world
         .all_gather(verdict.as_deref().unwrap_or("").as_bytes())?
