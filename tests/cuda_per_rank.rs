@@ -53,7 +53,9 @@ fn per_rank_child() {
 fn registers(comm: &peercomm::Comm<Cuda>) -> Result<(), peercomm::Error> {
     use per_rank_suite::capture_inputs::graphs::{alloc, Memory};
     let buffer = alloc::<f32>(comm, Memory::PosixPool, 4096);
-    let registered = comm.register_borrowed(buffer.as_view()).map_err(|e| e.error);
+    let registered = comm
+        .register_borrowed(buffer.as_view())
+        .map_err(|e| e.error);
     registered.map(drop)
 }
 
