@@ -1,15 +1,10 @@
-//! The per-rank core: one rank of a communicator, whatever front door drives it. A
-//! core owns the rank's device, its signal, where it reaches its peers' signals, the
-//! settings every rank agreed on, the routing (peer memory or the external library),
-//! and the only code that plans and launches kernels. The single-controller
-//! [`crate::SingleController`] holds one core per device; the per-rank [`crate::Comm`]
-//! holds one core and its bootstrap. Both are set up by the same code, so the checks
-//! of a call (its descriptor, the agreed grid) hold for both.
+//! The per-rank core: one rank of a communicator, whatever front door drives it (the
+//! single controller holds one per device, the per-rank `Comm` one). It owns the
+//! device, the signal, the peers' signals, the agreed settings, the routing, and the
+//! only code that plans and launches kernels, so a call's checks hold for both.
 //!
-//! By phase: `setup` (signals, records, mappings, the peer check), `routing` (which
-//! path serves a call), `planning` (one rank's buffers checked; algorithm, kernel,
-//! grid, scratch), `launch` (kernel arguments, batches, the error record) with `call`
-//! (the call descriptor every rank compares).
+//! By phase: `setup`, `routing`, `planning`, `launch`, and `call` (the descriptor every
+//! rank compares).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -28,9 +23,8 @@ pub(crate) mod setup;
 use routing::Router;
 use settings::Settings;
 
-/// Where one rank is: its device (with its stream), its signal buffer, where it
-/// reaches its peers' signals, and how many calls it has made. What a launch needs
-/// besides the settings.
+/// Where one rank is: device and stream, signal, its peers' signals, and its call
+/// counts. What a launch needs besides the settings.
 pub(crate) struct Endpoint<B: Backend> {
     /// Rank in its peer-memory group (the world, or its host's ranks).
     pub(crate) index: usize,
@@ -38,12 +32,10 @@ pub(crate) struct Endpoint<B: Backend> {
     pub(crate) signal: B::Memory,
     /// `peer_signals[j]`: where this rank reaches group rank j's signal.
     pub(crate) peer_signals: [u64; MAX_GPUS],
-    /// Collective launches per barrier domain since the signal was last initialised:
-    /// the sequence number of the call descriptor (see [`call`]), the same on every
-    /// rank of a group that makes the same calls (sibling groups count apart).
+    /// Launches per barrier domain since the signal was initialised: the descriptor's
+    /// sequence number (sibling groups count apart).
     pub(crate) calls: [AtomicU64; NUM_BARRIER_DOMAINS],
-    /// Fault injection: the next launch publishes the sequence number one ahead, as a
-    /// rank that made one call more would.
+    /// Fault injection: the next launch publishes the sequence number one ahead.
     #[cfg(feature = "fault-injection")]
     pub(crate) skew_next: AtomicBool,
     /// Fault injection: the next launch is left out (counted as made).
@@ -52,8 +44,7 @@ pub(crate) struct Endpoint<B: Backend> {
 }
 
 impl<B: Backend> Endpoint<B> {
-    /// A rank at `index` of its group, on `device` with `signal`, reaching its
-    /// group's signals at `peer_signals`.
+    /// A rank at `index` of its group, reaching its group's signals at `peer_signals`.
     pub(crate) fn new(
         index: usize,
         device: B::Device,
@@ -74,15 +65,13 @@ impl<B: Backend> Endpoint<B> {
     }
 }
 
-/// One rank of a communicator: the per-rank core (see the module docs). The
-/// single-controller [`crate::SingleController`] shows its cores
-/// ([`crate::SingleController::rank`]) for their devices and signals.
+/// One rank of a communicator: the per-rank core. [`crate::SingleController::rank`]
+/// shows its cores for their devices and signals.
 pub struct Rank<B: Backend> {
     pub(crate) endpoint: Endpoint<B>,
     pub(crate) settings: Settings,
     pub(crate) route: Router<B>,
-    /// Peer signals imported from other processes; unmapped on drop (or parked with
-    /// the signal by the per-rank teardown).
+    /// Peer signals imported from other processes; unmapped on drop (or parked).
     pub(crate) mappings: Vec<B::PeerMapping>,
     /// The plans of recent all-reduce shapes.
     pub(crate) plans: planning::cache::PlanCache,
@@ -117,10 +106,9 @@ impl<B: Backend> Rank<B> {
     pub fn ordinal(&self) -> usize {
         B::ordinal(&self.endpoint.device)
     }
-    /// The most blocks a peer-memory launch uses where the options leave the grid to
-    /// peercomm: the same on every rank of a peer-memory group, agreed at setup from
-    /// the fewest multiprocessors of its ranks (or `CommConfig::max_blocks`), and capped
-    /// where ranks share a physical device (multiprocessors / ranks on it).
+    /// The most blocks a peer-memory launch uses by default: agreed at setup from the
+    /// fewest multiprocessors of the group (or `CommConfig::max_blocks`), divided among
+    /// ranks sharing a physical device.
     pub fn max_blocks(&self) -> u32 {
         self.settings.max_blocks
     }
@@ -133,8 +121,8 @@ impl<B: Backend> Rank<B> {
     pub(crate) fn is_poisoned(&self) -> bool {
         self.poisoned.load(Ordering::Acquire)
     }
-    /// Disables collectives until the signal is re-initialised; `cause` is kept (the
-    /// first one only) for the `Poisoned` errors that follow.
+    /// Disables collectives until the signal is re-initialised, keeping the first
+    /// `cause` for the `Poisoned` errors that follow.
     pub(crate) fn poison(&self, cause: &Error) {
         let mut first = self.poisoned_by.lock().unwrap_or_else(|e| e.into_inner());
         if first.is_none() {
@@ -145,14 +133,12 @@ impl<B: Backend> Rank<B> {
         }
         self.poisoned.store(true, Ordering::Release);
     }
-    /// `Err(Poisoned)`, naming the error that poisoned the rank, once an error disabled
-    /// collectives.
+    /// `Err(Poisoned)`, naming the first error, once an error disabled collectives.
     pub(crate) fn check_usable(&self) -> Result<()> {
         if !self.is_poisoned() {
             return Ok(());
         }
-        // No cause: `unpoison` cleared it after the flag was read (it clears the cause
-        // first), so the rank is usable again.
+        // No cause: `unpoison` cleared it (cause first) after the flag was read.
         match &*self.poisoned_by.lock().unwrap_or_else(|e| e.into_inner()) {
             Some(first) => Err(Error::Poisoned {
                 first: Box::new(first.clone()),
@@ -161,9 +147,8 @@ impl<B: Backend> Rank<B> {
         }
     }
 
-    /// Waits for this rank's stream, zeroes its signal and refills the Lamport region
-    /// (every barrier counter at `base`) and restarts the call sequence. The front
-    /// door makes sure no peer touches the signal meanwhile, then clears the poison.
+    /// Waits for the stream, re-initialises the signal (barrier counters at `base`) and
+    /// restarts the call sequence; the front door keeps peers away meanwhile.
     pub(crate) fn reset_signal(&self, base: u32) -> Result<()> {
         let e = &self.endpoint;
         B::synchronize(&e.device)?;

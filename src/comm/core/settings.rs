@@ -1,5 +1,6 @@
 //! What every rank of a communicator shares: sizes, limits and the dispatch key.
 
+use crate::backend::KernelKind;
 use crate::error::{Error, Result};
 use crate::signal::{SignalLayout, MAX_NUM_BLOCKS_UPPER_BOUND};
 
@@ -54,9 +55,8 @@ impl Settings {
         })
     }
 
-    /// Sets the grid from the fewest multiprocessors any rank of the group has (the
-    /// kernels need the same grid on every rank: each block waits for the same-index
-    /// block of every peer), unless the configuration fixes it.
+    /// Sets the grid from the group's fewest multiprocessors unless the configuration
+    /// fixes it (each block waits for the same-index block of every peer).
     pub(crate) fn agree_on_grid(&mut self, fewest_multiprocessors: usize) {
         self.max_blocks = self
             .config
@@ -65,12 +65,10 @@ impl Settings {
             .clamp(1, MAX_NUM_BLOCKS_UPPER_BOUND as u32);
     }
 
-    /// Caps the grid where ranks share devices: every rank's blocks wait for its peers'
-    /// blocks, so all of them must be resident at once. With at most `ranks_per_device`
-    /// ranks on one device of `multiprocessors`, each rank gets at most
-    /// multiprocessors / ranks_per_device blocks (one block always fits a
-    /// multiprocessor: the kernels' launch bound). Every rank must pass the same
-    /// numbers, so that their grids match.
+    /// Caps the grid where ranks share devices: every block must be resident at once
+    /// (blocks wait for their peers'), so with `ranks_per_device` ranks on one device
+    /// each gets at most multiprocessors / ranks_per_device (at least one). Every rank
+    /// passes the same numbers.
     pub(crate) fn limit_for_shared_devices(
         &mut self,
         multiprocessors: usize,
@@ -79,6 +77,16 @@ impl Settings {
         if ranks_per_device > 1 {
             let share = u32::try_from(multiprocessors / ranks_per_device).unwrap_or(u32::MAX);
             self.max_blocks = self.max_blocks.min(share.max(1));
+        }
+    }
+
+    /// [`Error::MessageTooLarge`]: `kind` needs `needed` bytes of the payload.
+    pub(crate) fn payload_too_large(&self, kind: KernelKind, needed: usize) -> Error {
+        Error::MessageTooLarge {
+            algorithm: kind.name(),
+            needed,
+            available: self.layout.payload_bytes,
+            setting: "payload_bytes",
         }
     }
 

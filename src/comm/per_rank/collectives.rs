@@ -1,28 +1,22 @@
 //! The per-rank [`Comm`]'s all-gather, reduce-scatter, broadcast, scatter and fused
-//! all-reduce + residual + RMSNorm. Like the all-reduce, each call checks this rank's
-//! buffers, plans, and launches only this rank's kernel; what the peers read is staged
-//! into this rank's payload (so plain buffers need no registration and every call is
-//! capturable), except that the all-gather, reduce-scatter and fused inputs in
-//! registered or symmetric buffers are read in place (broadcast and scatter stage: only
-//! the root's input is read, at a place the others cannot know). Every rank of a group must make the same call (same dtype, lengths,
-//! root, options) in the same order: lengths cannot be compared across processes
-//! without a round trip, and a rank whose peers never come gets
-//! [`Error::BarrierTimeout`] from [`Comm::synchronize`].
+//! all-reduce + residual + RMSNorm. Each call checks this rank's buffers and launches
+//! only its kernel; what the peers read is staged into this rank's payload, except
+//! all-gather, reduce-scatter and fused inputs in registered or symmetric buffers, read
+//! in place (broadcast and scatter read only the root's input, at a place the others
+//! cannot know). Every rank of a group makes the same calls in the same order.
 //!
-//! A call's buffers must not overlap: an input and an output (or the fused call's
-//! residual, weight and output) whose ranges overlap, which only an `unsafe impl
-//! DeviceBuffer` can report, are [`crate::Error::BuffersOverlap`] before anything is
-//! launched, except a broadcast root's input that is its output, the very same range
-//! (it runs as [`Comm::broadcast_in_place`]). That error, like any other this rank
-//! finds in its own arguments, is this rank's alone: its peers' call is not met.
+//! Overlapping buffers are [`crate::Error::BuffersOverlap`] before anything launches,
+//! except a broadcast root's input that is its output (it runs in place). Such an
+//! argument error is this rank's alone: its peers' call is not met.
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
+use crate::dtype::DType;
 use crate::error::Result;
 
 use super::{mark_place, meta, peer_inputs, reads, Comm};
 use crate::comm::core::launch::{Fused, PeerInputs};
 use crate::comm::core::planning::collective::{Collective, CollectiveOptions};
-use crate::comm::core::planning::{PeerReads, Plan};
+use crate::comm::core::planning::PeerReads;
 
 impl<B: Backend> Comm<B> {
     /// Gathers every group member's `send` into `recv` on every member: member q's
@@ -47,16 +41,8 @@ impl<B: Backend> Comm<B> {
             "output",
             "group width x input",
         )?;
-        let plan = |reads| {
-            core.plan_collective(
-                Collective::AllGather,
-                send.dtype(),
-                send.len(),
-                options,
-                reads,
-            )
-        };
-        self.enqueue_collective(plan, Some(send), recv, (true, false))
+        let call = (Collective::AllGather, send.dtype(), send.len(), options);
+        self.enqueue_collective(call, Some(send), recv, (true, false))
     }
 
     /// Sums `send` over the group; this rank receives part `group rank` of the sum
@@ -81,16 +67,8 @@ impl<B: Backend> Comm<B> {
             "output",
             "this rank's part of the input",
         )?;
-        let plan = |reads| {
-            core.plan_collective(
-                Collective::ReduceScatter,
-                send.dtype(),
-                send.len(),
-                options,
-                reads,
-            )
-        };
-        self.enqueue_collective(plan, Some(send), recv, (true, false))
+        let call = (Collective::ReduceScatter, send.dtype(), send.len(), options);
+        self.enqueue_collective(call, Some(send), recv, (true, false))
     }
 
     /// Copies the input of the group's `root` (a group rank) into every member's
@@ -116,11 +94,13 @@ impl<B: Backend> Comm<B> {
             core.check_len(recv.len(), Some(s.len()), "output", "the root's input")?;
         }
         // Only the root's input is read, at a place the others cannot know: staged.
-        let (dtype, len) = (recv.dtype(), recv.len());
-        let plan = |reads| {
-            core.plan_collective(Collective::Broadcast { root }, dtype, len, options, reads)
-        };
-        self.enqueue_collective(plan, send, recv, (false, true))
+        let call = (
+            Collective::Broadcast { root },
+            recv.dtype(),
+            recv.len(),
+            options,
+        );
+        self.enqueue_collective(call, send, recv, (false, true))
     }
 
     /// Broadcast in place: the root's `buf` is the message, every other member's `buf`
@@ -184,28 +164,27 @@ impl<B: Backend> Comm<B> {
             )?;
         }
         // Only the root's input is read, at a place the others cannot know: staged.
-        let (dtype, len) = (recv.dtype(), recv.len());
-        let plan =
-            |reads| core.plan_collective(Collective::Scatter { root }, dtype, len, options, reads);
-        self.enqueue_collective(plan, send, recv, (false, false))
+        let call = (
+            Collective::Scatter { root },
+            recv.dtype(),
+            recv.len(),
+            options,
+        );
+        self.enqueue_collective(call, send, recv, (false, false))
     }
 
-    /// The end of a tensor-parallel decoder layer in one kernel: sums `input` (this
-    /// rank's partial activations, rows of `weight.len()` elements) over the group,
-    /// adds `residual` and writes the new residual back into it, then RMS-normalises
-    /// each row of it with `weight` and `epsilon` into `output`. Each element goes
-    /// through the unfused sequence's roundings to the dtype (the sum, then the
-    /// residual), with f32 arithmetic; every member gets the same bits. The hidden size
-    /// must be a multiple of the pack width (8 for f16/bf16, 4 for f32).
+    /// The end of a tensor-parallel decoder layer in one kernel: sums `input` (rows of
+    /// `weight.len()` elements) over the group, adds `residual` and writes the new
+    /// residual back, then RMS-normalises each row with `weight` and `epsilon` into
+    /// `output`. Each element goes through the unfused sequence's roundings with f32
+    /// arithmetic; every member gets the same bits. The hidden size must be a multiple
+    /// of the pack width (8 for f16/bf16, 4 for f32).
     ///
-    /// `options.algorithm` picks the kernel ([`CollectiveOptions::algorithm`]): `Auto`
-    /// runs the Lamport one (no barrier: each rank pushes its rows into its peers'
-    /// Lamport slots) over the whole world where the message and its 64-byte header fit
-    /// in `CommConfig::lamport_slot_bytes`, else the one-stage one (staged through the
-    /// payload here, in runs of whole rows where it cannot hold the message, so a row
-    /// must fit half of `payload_bytes`). Both write the same bits, and a
-    /// row's output and new residual depend only on that row's input, residual, the
-    /// weight and epsilon: not on the token count of its batch or the algorithm.
+    /// `Auto` ([`CollectiveOptions::algorithm`]) runs the Lamport kernel over the world
+    /// where the message and its 64-byte header fit `lamport_slot_bytes`, else the
+    /// one-stage one (staged in runs of whole rows: a row must fit half of
+    /// `payload_bytes`). A row's results depend only on that row's inputs, the weight
+    /// and epsilon: not on its batch's token count or the algorithm.
     #[allow(clippy::too_many_arguments)]
     pub fn all_reduce_residual_rms_norm<S, R, W, O>(
         &self,
@@ -276,14 +255,12 @@ impl<B: Backend> Comm<B> {
         result
     }
 
-    /// Plans (with `plan`, told where the peers read the input) and launches this
-    /// rank's kernel from `send` (if any) into `recv`. With `zero_copy`, an input in a
-    /// registered buffer is read in place by the peers. Overlapping buffers are
-    /// refused first, except (with `in_place`: a broadcast root's) an input that is
-    /// the very same range as the output.
+    /// Plans `(which, dtype, elements, options)` and launches this rank's kernel from
+    /// `send` into `recv`; with `zero_copy`, a registered input is read in place.
+    /// Overlaps are refused first, except (with `in_place`) the very same range.
     fn enqueue_collective<S, R>(
         &self,
-        plan: impl FnOnce(PeerReads) -> Result<Plan>,
+        (which, dtype, elements, options): (Collective, DType, usize, &CollectiveOptions),
         send: Option<&S>,
         recv: &mut R,
         (zero_copy, in_place): (bool, bool),
@@ -317,7 +294,7 @@ impl<B: Backend> Comm<B> {
             Some((_, bytes)) if zero_copy => self.place_of(input, *bytes),
             _ => None,
         };
-        let mut plan = plan(reads(&place))?;
+        let mut plan = core.plan_collective(which, dtype, elements, options, reads(&place))?;
         if plan.elements == 0 {
             return Ok(());
         }

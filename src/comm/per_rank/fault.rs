@@ -1,6 +1,5 @@
-//! Fault injection on [`Comm`] (feature `fault-injection`): making this rank miss a
-//! collective, publish a mismatched call, or start late, so that users can test their
-//! own timeout and error handling. Without the feature nothing here exists.
+//! Fault injection on [`Comm`] (feature `fault-injection`), so that users can test their
+//! own timeout and error handling.
 
 #[cfg(feature = "fault-injection")]
 use std::time::Duration;
@@ -12,29 +11,24 @@ use crate::error::Result;
 use super::Comm;
 
 impl<B: Backend> Comm<B> {
-    /// Fault injection (feature `fault-injection`): this rank's next collective call
-    /// (an all-reduce or a barrier) returns as if it had launched, and launches
-    /// nothing. Its group peers wait for it, give up after
-    /// [`crate::CommConfig::barrier_timeout`] and report the timeout from
-    /// [`Comm::synchronize`]; this rank's own record then holds the
-    /// [`crate::Error::PeerAborted`] a peer sent it. Every rank then calls
-    /// [`Comm::reinitialize`] to recover.
+    /// Fault injection: this rank's next collective returns as if launched and launches
+    /// nothing. Its peers time out ([`crate::CommConfig::barrier_timeout`]) and this rank
+    /// gets their [`crate::Error::PeerAborted`]; every rank then calls
+    /// [`Comm::reinitialize`].
     #[cfg(feature = "fault-injection")]
     pub fn miss_next(&self) {
         self.core.endpoint.miss_next_launch();
     }
 
-    /// Fault injection (feature `fault-injection`): this rank's next collective
-    /// publishes a call descriptor one ahead in the call sequence (see
-    /// [`crate::SingleController::mismatch_next`]): its group gets [`crate::Error::CallMismatch`].
+    /// Fault injection: this rank's next collective publishes a descriptor one ahead in
+    /// the sequence; its group gets [`crate::Error::CallMismatch`].
     #[cfg(feature = "fault-injection")]
     pub fn mismatch_next(&self) {
         self.core.endpoint.skew_next_call();
     }
 
-    /// Fault injection (feature `fault-injection`): this rank's next collective starts
-    /// `delay` late (a kernel that spins on its stream and touches no memory). See
-    /// [`crate::SingleController::delay_rank`].
+    /// Fault injection: this rank's next collective starts `delay` late (a kernel that
+    /// spins, touching no memory).
     #[cfg(feature = "fault-injection")]
     pub fn delay(&self, delay: Duration) -> Result<()> {
         self.core.check_usable()?;

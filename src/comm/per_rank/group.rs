@@ -1,6 +1,5 @@
-//! Group calls on [`Comm`] (NCCL's `ncclGroupStart` / `ncclGroupEnd`, which cudarc
-//! exposes as `group_start` / `group_end`): a guard that collects all-reduces and
-//! launches them when it ends, as few kernels as the kernels allow.
+//! Group calls on [`Comm`]: a guard that collects all-reduces and launches them when it
+//! ends, as few kernels as the kernels allow.
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use crate::dispatch::Algorithm;
@@ -13,12 +12,9 @@ use crate::comm::core::launch::PeerInputs;
 use crate::comm::core::planning::PeerReads;
 
 /// An open group of all-reduces on a [`Comm`] (see [`Comm::group`]). Each call is
-/// checked when it is made (a bad one is a typed error and is not kept); nothing is
-/// launched until [`CommGroup::end`], which first refuses a call whose input and
-/// output overlap without being the very same range ([`crate::Error::BuffersOverlap`],
-/// nothing of the group launched); dropping the guard without it discards the
-/// calls (nothing launched or written), so an early return cannot leave the group
-/// open. The buffers stay borrowed until then.
+/// checked when made; nothing launches until [`CommGroup::end`] (which first refuses
+/// overlapping buffers), and dropping the guard without it discards the calls. The
+/// buffers stay borrowed until then.
 pub struct CommGroup<'c, 'b, B: Backend> {
     comm: &'c Comm<B>,
     calls: Vec<Pending<'b, B>>,
@@ -35,15 +31,12 @@ struct Pending<'b, B: Backend> {
 }
 
 impl<B: Backend> Comm<B> {
-    /// Opens a group: the all-reduces issued through the returned guard are launched
-    /// together when it ends, in the order they were issued, on every rank. Several
-    /// all-reduces of one dtype and group width (and the algorithm left to peercomm)
-    /// run as one kernel with one start and one end barrier, up to 8 at a time, as
-    /// long as their inputs fit `CommConfig::payload_bytes` together (after an 80-byte
-    /// table of the entries' lengths); every rank must issue the same group (the call
-    /// descriptor catches one that does not, as for single calls, and the kernel
-    /// compares every entry's length exactly: `Error::CallMismatch` on every rank,
-    /// nothing written). Each result is bit for bit what the call gives alone.
+    /// Opens a group (NCCL's `group_start` / `group_end`): the all-reduces issued through
+    /// the guard launch when it ends, in order. Consecutive ones of one dtype and group
+    /// width, the algorithm left to peercomm, run as one kernel (up to 8 whose inputs
+    /// and an 80-byte entry table fit `payload_bytes`). Every rank issues the same
+    /// group: a difference is `Error::CallMismatch` on every rank, nothing written.
+    /// Each result is bit for bit what the call gives alone.
     ///
     /// ```
     /// use peercomm::backend::{host::Host, Backend};
@@ -101,20 +94,11 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
         S: DeviceBuffer<B>,
         R: DeviceBufferMut<B>,
     {
-        let core = &*self.comm.core;
-        core.check_all_reduce(&meta(send), &meta(&*recv))?;
-        let call = GroupedCall {
-            dtype: send.dtype(),
-            elements: send.len(),
-            options: *options,
-            in_place: false,
-        };
-        self.check(&call)?;
-        self.calls.push(Pending {
-            buffers: Buffers::Pair(send, recv),
-            call,
-        });
-        Ok(())
+        self.comm
+            .core
+            .check_all_reduce(&meta(send), &meta(&*recv))?;
+        let (dtype, elements) = (send.dtype(), send.len());
+        self.add(Buffers::Pair(send, recv), dtype, elements, options)
     }
 
     /// Adds `buf` summed over the world in place.
@@ -131,18 +115,8 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
         let core = &*self.comm.core;
         core.check_usable()?;
         core.check_buffer(buf.device_ordinal(), "in-place")?;
-        let call = GroupedCall {
-            dtype: buf.dtype(),
-            elements: buf.len(),
-            options: *options,
-            in_place: true,
-        };
-        self.check(&call)?;
-        self.calls.push(Pending {
-            buffers: Buffers::InPlace(buf),
-            call,
-        });
-        Ok(())
+        let (dtype, elements) = (buf.dtype(), buf.len());
+        self.add(Buffers::InPlace(buf), dtype, elements, options)
     }
 
     /// Calls in the group so far.
@@ -161,18 +135,26 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
         self.launch()
     }
 
-    /// What the call would do alone: a typed error now rather than at the end.
-    fn check(&self, call: &GroupedCall) -> Result<()> {
-        self.comm
-            .core
-            .plan_all_reduce(
-                call.dtype,
-                call.elements,
-                &call.options,
-                call.in_place,
-                PeerReads::Payloads,
-            )
-            .map(|_| ())
+    /// Keeps a call once planning it alone succeeds: a typed error now, not at the end.
+    fn add(
+        &mut self,
+        buffers: Buffers<'b, B>,
+        dtype: crate::DType,
+        elements: usize,
+        options: &AllReduceOptions,
+    ) -> Result<()> {
+        let in_place = matches!(buffers, Buffers::InPlace(_));
+        let reads = PeerReads::Payloads;
+        (self.comm.core).plan_all_reduce(dtype, elements, options, in_place, reads)?;
+        let options = *options;
+        let call = GroupedCall {
+            dtype,
+            elements,
+            options,
+            in_place,
+        };
+        self.calls.push(Pending { buffers, call });
+        Ok(())
     }
 
     fn launch(&mut self) -> Result<Vec<Algorithm>> {
@@ -244,9 +226,8 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
 }
 
 impl<B: Backend> Drop for CommGroup<'_, '_, B> {
-    /// A group dropped without [`CommGroup::end`] (an early return, a `?` on a call that
-    /// failed its checks) is discarded: none of its calls is launched, nothing is
-    /// written, and the group is closed.
+    /// A group dropped without [`CommGroup::end`] is discarded: nothing is launched or
+    /// written.
     fn drop(&mut self) {
         self.calls.clear();
     }

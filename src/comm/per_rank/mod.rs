@@ -1,17 +1,10 @@
-//! The per-rank front door: [`Comm`], one rank, created in the thread or process that
-//! owns its device, shaped like cudarc's `nccl::Comm`: a core (`super::core`) plus its
-//! bootstrap. Ranks find each other through a
-//! [`Bootstrap`] (by default TCP from a [`UniqueId`]), exchange their signal
-//! allocations as IPC handles (or plain addresses when they share a process), and
-//! from then on each call launches only this rank's kernel on this rank's stream.
+//! The per-rank front door: [`Comm`], one rank in the thread or process that owns its
+//! device, shaped like cudarc's `nccl::Comm`: a core plus its bootstrap. Each call
+//! launches only this rank's kernel on this rank's stream.
 //!
-//! By default kernels read peer data only from the peers' signal allocations: an input
-//! the peers need is staged into this rank's payload first (one-stage, in chunks where
-//! it is larger than the payload), or pushed into the peers' Lamport regions (Lamport).
-//! Such buffers need no registration, and every call is capturable in a CUDA graph.
-//! Inputs in buffers registered with the peers or allocated in the
-//! symmetric pool (`crate::comm::zero_copy`) are read in place instead: no staging copy, and
-//! two-stage is offered.
+//! Peers read only each other's signal allocations by default (inputs staged into the
+//! payload, or pushed into Lamport regions): no registration, every call capturable.
+//! Registered or symmetric inputs are read in place (no copy; two-stage offered).
 
 use std::sync::Arc;
 
@@ -46,12 +39,9 @@ pub use parking::{free_expired_teardowns, parked_teardowns};
 ///
 /// # One issuing thread per rank
 ///
-/// `Comm` is [`Send`] (move it to the thread that drives its rank) but not [`Sync`]:
-/// two threads issuing collectives on one rank would enqueue them in an order the
-/// peers cannot know, and pair one thread's call with another's on the peers. NCCL
-/// asks the same of its communicators; here the compiler enforces it. (A call made out
-/// of order still cannot pass silently: the call descriptor's sequence number makes it
-/// a [`Error::CallMismatch`].)
+/// `Comm` is [`Send`] but not [`Sync`]: two threads issuing collectives on one rank
+/// would enqueue them in an order the peers cannot know. NCCL asks the same; here the
+/// compiler enforces it.
 ///
 /// ```compile_fail
 /// fn shared<T: Sync>() {}
@@ -60,13 +50,10 @@ pub use parking::{free_expired_teardowns, parked_teardowns};
 ///
 /// # Errors arrive late; check each step
 ///
-/// A call returns once enqueued, so what the kernels find (a call that differs from a
-/// peer's, a peer that never comes) shows later, as with NCCL. Per step, an engine
-/// enqueues its collectives, then calls [`Comm::check_errors`], which reads this rank's
-/// error record without waiting for the stream (cheap: a few words read), and calls
-/// [`Comm::synchronize`] only where it waits anyway (before reading results on the
-/// host). On an error, [`Error::recovery`] says what to do: change the call, have every
-/// rank call [`Comm::reinitialize`], or rebuild the communicator.
+/// A call returns once enqueued, so what the kernels find shows later, as with NCCL.
+/// Per step, an engine enqueues its collectives, then calls [`Comm::check_errors`]
+/// (reads the error record without waiting), and [`Comm::synchronize`] only where it
+/// waits anyway. On an error, [`Error::recovery`] says what to do.
 ///
 /// ```
 /// # use peercomm::backend::{host::Host, Backend};
@@ -89,17 +76,14 @@ pub use parking::{free_expired_teardowns, parked_teardowns};
 /// # Ok::<(), Error>(())
 /// ```
 pub struct Comm<B: Backend> {
-    /// The per-rank core. Taken out by `Drop` (freed, or its signal parked): never
-    /// used after it.
+    /// The per-rank core; taken out by `Drop`, never used after.
     pub(crate) core: std::mem::ManuallyDrop<Rank<B>>,
-    /// The bootstrap, through which every all-gather is tagged with its call's kind
-    /// and a sequence number (see `crate::bootstrap::Exchanges`).
+    /// The bootstrap, its all-gathers tagged by kind and sequence number.
     pub(crate) exchanges: Exchanges,
     hosts: Vec<HostId>,
     /// Set by the teardown, which `close` runs before `Drop` would run it again.
     torn_down: bool,
-    /// Buffers registered with the peers, the symmetric pool's
-    /// segments among them.
+    /// Buffers registered with the peers, the symmetric pool's segments among them.
     pub(crate) registry: Arc<Registry<B>>,
     /// The symmetric pool.
     pub(crate) pool: crate::comm::zero_copy::pool::SymmetricPool<B>,
@@ -178,12 +162,10 @@ pub(crate) fn meta<B: Backend>(b: &(impl DeviceBuffer<B> + ?Sized)) -> Meta {
 }
 
 impl<B: Backend> Comm<B> {
-    /// Rank `rank` of `world_size`, on `device`: the backend's device (opened by this
-    /// thread or process), or for CUDA cudarc's `Arc<CudaStream>` that collectives
-    /// should run on (no turbofish: the stream names its backend). Every rank calls this with the same `id` (made by
-    /// rank 0 with [`UniqueId::new`] and sent to the others) and the same `config`;
-    /// it returns once all ranks have joined, or with a typed error when one does not
-    /// come within `config.bootstrap_timeout`.
+    /// Rank `rank` of `world_size`, on `device`: the backend's device, or for CUDA
+    /// cudarc's `Arc<CudaStream>` that collectives run on. Every rank passes the same
+    /// `id` (from rank 0's [`UniqueId::new`]) and `config`; returns once all ranks have
+    /// joined, or a typed error when one does not within `config.bootstrap_timeout`.
     pub fn from_rank<D: IntoDevice<Backend = B>>(
         device: D,
         rank: usize,
@@ -199,8 +181,8 @@ impl<B: Backend> Comm<B> {
         Self::setup(device, Exchanges::new(Arc::new(bootstrap)), hosts, config)
     }
 
-    /// As [`Comm::from_rank`], over a bootstrap the engine brings (its own store:
-    /// torch.distributed, MPI, an RPC layer): rank and world size come from it.
+    /// As [`Comm::from_rank`], over the engine's own bootstrap (torch.distributed, MPI,
+    /// an RPC layer), which gives the rank and world size.
     pub fn from_bootstrap<D: IntoDevice<Backend = B>>(
         device: D,
         bootstrap: Box<dyn Bootstrap>,
@@ -268,21 +250,12 @@ impl<B: Backend> Comm<B> {
     pub fn world_size(&self) -> usize {
         self.core.route.world
     }
-    /// Sums `send` over each group into `recv`, on this rank's stream; returns at once
-    /// with the algorithm that runs. Every rank of the group must make the same call
-    /// (same dtype, length, options) in the same order, as with NCCL. Unlike NCCL, calls
-    /// that differ at the same place of two ranks' sequences are a typed error instead
-    /// of a wrong sum: the kernels compare each peer's call descriptor at the first
-    /// barrier, and [`Comm::synchronize`] returns [`Error::CallMismatch`] naming the
-    /// peer and the field on every rank, with nothing written. A rank whose peers never
-    /// make the call gets [`Error::BarrierTimeout`] naming the rank it waited for, and
-    /// that rank [`Error::PeerAborted`] from its next call after it. Making as many
-    /// calls as the peers stays the caller's contract: a rank that skips a call, or
-    /// stops early, gets `Ok` from every call it made (they paired with its peers'
-    /// first ones).
-    ///
-    /// Over the whole world with the algorithm peercomm chooses; see
-    /// [`Comm::all_reduce_sum_with`] for group sizes, algorithms and grids.
+    /// Sums `send` over the world into `recv` on this rank's stream; returns at once with
+    /// the algorithm that runs. Every rank makes the same calls in the same order, as
+    /// with NCCL; calls that differ are [`Error::CallMismatch`] from
+    /// [`Comm::synchronize`] on every rank, nothing written. A rank whose peers never
+    /// make the call gets [`Error::BarrierTimeout`], that peer [`Error::PeerAborted`].
+    /// Making as many calls as the peers stays the caller's contract.
     pub fn all_reduce_sum<S, R>(&self, send: &S, recv: &mut R) -> Result<Algorithm>
     where
         S: DeviceBuffer<B> + ?Sized,
@@ -293,15 +266,10 @@ impl<B: Backend> Comm<B> {
 
     /// As [`Comm::all_reduce_sum`], with options (group size, algorithm, blocks).
     ///
-    /// `send` and `recv` that are the very same range run in place (as
-    /// [`Comm::all_reduce_sum_in_place_with`]); ranges that overlap otherwise (only an
-    /// `unsafe impl DeviceBuffer` can report them) are [`Error::BuffersOverlap`] before
-    /// anything is launched. Such an error, like every other one this rank finds in
-    /// its own arguments (a wrong device, dtype or length, a length whose bytes no
-    /// buffer can span, [`Error::SizeOverflow`]), is this rank's alone: its peers'
-    /// call is not met, and they get [`Error::BarrierTimeout`] from
-    /// [`Comm::synchronize`] unless every rank refuses alike. Passing valid arguments on
-    /// every rank stays the caller's contract.
+    /// The very same `send` and `recv` range runs in place; ranges that overlap
+    /// otherwise are [`Error::BuffersOverlap`], nothing launched. Such an argument
+    /// error is this rank's alone: its peers get [`Error::BarrierTimeout`] unless every
+    /// rank refuses alike.
     pub fn all_reduce_sum_with<S, R>(
         &self,
         send: &S,
@@ -326,21 +294,7 @@ impl<B: Backend> Comm<B> {
             ],
             true,
         )?;
-        let place = self.place_of(input, bytes);
-        let result = core
-            .plan_all_reduce(send.dtype(), send.len(), options, in_place, reads(&place))
-            .and_then(|routed| {
-                let routed = with_place(routed, &place);
-                self.run(
-                    routed,
-                    input,
-                    &place,
-                    output,
-                    send.len(),
-                    send.dtype(),
-                    options,
-                )
-            });
+        let result = self.plan_and_run(input, output, bytes, send.dtype(), options, in_place);
         drop((in_guard, out_guard));
         result
     }
@@ -366,24 +320,16 @@ impl<B: Backend> Comm<B> {
         let core = &*self.core;
         core.check_usable()?;
         core.check_buffer(buf.device_ordinal(), "in-place")?;
-        let (len, dtype) = (buf.len(), buf.dtype());
+        let dtype = buf.dtype();
         let bytes = meta(&*buf).bytes(self.rank(), "in-place")?;
         let (ptr, guard) = buf.write_ptr(core.device());
-        let place = self.place_of(ptr, bytes);
-        let result = core
-            .plan_all_reduce(dtype, len, options, true, reads(&place))
-            .and_then(|routed| {
-                let routed = with_place(routed, &place);
-                self.run(routed, ptr, &place, ptr, len, dtype, options)
-            });
+        let result = self.plan_and_run(ptr, ptr, bytes, dtype, options, true);
         drop(guard);
         result
     }
 
     /// Checks this rank's buffers of a call, `(address, bytes, role, written)` (at most
-    /// four), against each other ([`check_overlaps`]): whether the input and the output
-    /// are the very same range (where `in_place` allows it: the call runs in place),
-    /// else disjoint, else [`Error::BuffersOverlap`].
+    /// four), with [`check_overlaps`]: `true` where input and output are one range.
     pub(super) fn check_overlaps(
         &self,
         buffers: &[(u64, usize, &'static str, bool)],
@@ -408,15 +354,31 @@ impl<B: Backend> Comm<B> {
         check_overlaps(&spans[..buffers.len()], in_place)
     }
 
-    /// Where the peers read an input of `bytes` bytes at `ptr`: in place where a
-    /// registered buffer (or a symmetric one) holds it, or during a registered
-    /// capture's second pass the registration made for it; else from this rank's
-    /// payload.
+    /// Where the peers read an input of `bytes` bytes at `ptr`: in place from a
+    /// registered (or symmetric, or captured) buffer; `None`: from the payload.
     pub(super) fn place_of(&self, ptr: u64, bytes: usize) -> Option<InPlace> {
         let listed = self.registry.lookup(ptr, bytes);
         self.script
             .borrow_mut()
             .place(&self.registry, ptr, bytes, listed)
+    }
+
+    /// Routes, plans and runs an all-reduce of `bytes` bytes of `dtype`, finding where
+    /// the peers read its input.
+    fn plan_and_run(
+        &self,
+        input: u64,
+        output: u64,
+        bytes: usize,
+        dtype: crate::DType,
+        options: &AllReduceOptions,
+        in_place: bool,
+    ) -> Result<Algorithm> {
+        let place = self.place_of(input, bytes);
+        let len = bytes / dtype.size();
+        let routed = (self.core).plan_all_reduce(dtype, len, options, in_place, reads(&place))?;
+        let routed = with_place(routed, &place);
+        self.run(routed, input, &place, output, len, dtype, options)
     }
 
     /// Launches a planned all-reduce, or runs it where the router sent it.

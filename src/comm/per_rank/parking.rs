@@ -1,24 +1,12 @@
-//! The parking lot: memory that a peer's kernel may still write into, kept alive past
-//! the drop of the communicator that owned it.
+//! The parking lot: memory a peer's kernel may still write into, kept alive past the
+//! drop of the communicator that owned it, until a deadline past which no such kernel
+//! can run (`None`: until the process exits).
 //!
-//! A per-rank [`crate::Comm`] whose teardown barrier does not hear from every peer
-//! cannot tell a gone peer from a slow one, so it cannot free its signal allocation
-//! (and the peer mappings) without risking that a peer kernel, still running or still
-//! queued, writes into freed memory (a fault on the host backend, silent corruption of
-//! whatever reuses the memory on a GPU). It parks them here instead, with a deadline
-//! past which no such kernel can run any more (see `Drop for Comm`); `None` parks until
-//! the process exits.
-//!
-//! Nothing runs in the background: a drop that met its peers calls [`free_expired`],
-//! which frees the entries whose deadline has passed. [`park`] never frees: a drop that
-//! parks could not meet its peers and must return within its bound, and releasing a
-//! GPU's memory or stream can wait for the kernels on that GPU (where ranks share one,
-//! a peer's kernel still waiting for this rank). Freeing happens outside the lock, on
-//! the calling thread, and a panic in an item's drop is caught, so neither call panics.
-//! The lot is generic over the backend: it holds boxed `dyn Send` items (for a
-//! `Comm<B>`: its `B::Memory`, its `B::PeerMapping`s and its device). The process-wide
-//! lot is a static that is never dropped, so what is still parked at exit is never
-//! freed (the process's end releases it).
+//! Nothing runs in the background: a drop that met its peers calls [`free_expired`].
+//! [`park`] never frees: a parking drop must return within its bound, and releasing a
+//! GPU's memory can wait for that GPU's kernels. Freeing happens outside the lock and
+//! catches a panic in an item's drop, so neither call panics. Items are boxed
+//! `dyn Send`; the process-wide lot is a static, never dropped.
 
 use std::sync::Mutex;
 use std::time::Instant;

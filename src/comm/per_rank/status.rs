@@ -10,9 +10,8 @@ use crate::{CommConfig, SignalLayout};
 use super::Comm;
 
 impl<B: Backend> Comm<B> {
-    /// How whole-world calls run: `OneStage`/`TwoStage`/`Lamport` are all possible
-    /// when this returns `Auto` (peer memory serves the world); `Nccl` when the
-    /// external library serves it; `Hierarchical` when the ranks span hosts.
+    /// How whole-world calls run: `Auto` (peer memory serves the world), `Nccl` (the
+    /// external library) or `Hierarchical` (the ranks span hosts).
     pub fn world_path(&self) -> Algorithm {
         self.core.route.world_path()
     }
@@ -28,9 +27,7 @@ impl<B: Backend> Comm<B> {
     pub fn layout(&self) -> SignalLayout {
         self.core.settings.layout
     }
-    /// The most blocks a peer-memory launch uses where the options leave the grid to
-    /// peercomm (the same on every rank of a peer-memory group: see
-    /// [`crate::Rank::max_blocks`]).
+    /// The most blocks a peer-memory launch uses by default ([`crate::Rank::max_blocks`]).
     pub fn max_blocks(&self) -> u32 {
         self.core.max_blocks()
     }
@@ -49,9 +46,8 @@ impl<B: Backend> Comm<B> {
         B::synchronize(self.core.device())
     }
 
-    /// Reads this rank's error record now, without waiting for its queued work.
-    /// `Ok(())` means no error is recorded yet; otherwise the error is returned and
-    /// the communicator is poisoned, as by [`Comm::synchronize`].
+    /// Reads this rank's error record now, without waiting for its queued work; an
+    /// error poisons the communicator, as from [`Comm::synchronize`].
     pub fn check_errors(&self) -> Result<()> {
         self.report(self.core.peek_error()?)
     }
@@ -67,19 +63,14 @@ impl<B: Backend> Comm<B> {
         }
     }
 
-    /// Waits for this rank's queued work, then reads its error record (a small
-    /// device-to-host copy, so this costs more than a stream synchronisation): a wait
-    /// that gave up on this rank returns [`Error::BarrierTimeout`], a peer that gave up
-    /// [`Error::PeerAborted`], and the communicator refuses collectives until
-    /// [`Comm::reinitialize`]. [`Comm::wait`] only waits; [`Comm::check_errors`] only
-    /// reads the record, without waiting.
+    /// Waits for this rank's queued work, then reads its error record (a small copy):
+    /// [`Error::BarrierTimeout`] where a wait gave up, [`Error::PeerAborted`] where a peer
+    /// did, and collectives are refused until [`Comm::reinitialize`].
     ///
-    /// A collective that a peer never makes is reported within 2 x
-    /// [`CommConfig::barrier_timeout`] (+ launch and copy latency) of its start on
-    /// this rank's stream, not within `barrier_timeout`: the wait gives up after
-    /// `barrier_timeout`, then waits at most as long again for the peers to confirm
-    /// they no longer read this rank's buffers (see the field's docs). With
-    /// `barrier_timeout: None` it waits for as long as the peer stays away.
+    /// A call a peer never makes is reported within 2 x [`CommConfig::barrier_timeout`]
+    /// of its start: the wait gives up, then waits as long again for the peers to stop
+    /// reading this rank's buffers. With `barrier_timeout: None` it waits as long as
+    /// the peer stays away.
     pub fn synchronize(&self) -> Result<()> {
         self.wait()?;
         if let Err(e) = self.core.take_external_error() {
@@ -117,10 +108,8 @@ impl<B: Backend> Comm<B> {
         self.core.memory_footprint()
     }
 
-    /// As [`crate::SingleController::algorithm_for`], for this rank's calls (where peers
-    /// never read user buffers: inputs are staged, so one-stage runs through the
-    /// payload in chunks where it cannot hold the whole message, and two-stage is not
-    /// offered).
+    /// As [`crate::SingleController::algorithm_for`], for this rank's calls (inputs
+    /// staged: one-stage in chunks where the payload is short, no two-stage).
     pub fn algorithm_for(
         &self,
         dtype: crate::DType,

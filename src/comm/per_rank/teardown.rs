@@ -10,20 +10,17 @@ use crate::error::{Error, Result};
 use super::super::core::{Endpoint, Rank};
 use super::Comm;
 
-/// How long dropping a [`Comm`] waits for the other ranks' teardown: about a second,
-/// whatever `CommConfig::bootstrap_timeout` says, so that a drop whose peer is gone
-/// (or never drops) returns at once, as cudarc's does. A drop that does not hear from
-/// every rank in time parks its memory instead of freeing it (see `Drop for Comm`).
+/// How long a drop waits for the other ranks' teardown, whatever
+/// `CommConfig::bootstrap_timeout` says: a drop whose peer is gone returns at once, as
+/// cudarc's does, and parks its memory instead of freeing it.
 const TEARDOWN_BARRIER_TIMEOUT: Duration = Duration::from_secs(1);
 
-/// Margin past 2 x `barrier_timeout` that parked memory is kept: room for a peer's
-/// kernel that was queued (behind up to this much earlier work on its stream) when
-/// this rank dropped, and for host threads that a loaded machine schedules late.
+/// Margin past 2 x `barrier_timeout` that parked memory is kept: for a peer kernel
+/// queued behind earlier work, and host threads scheduled late.
 const PARK_MARGIN: Duration = Duration::from_secs(10);
 
-/// Until when memory parked at `now` is kept: 2 x `barrier_timeout` + [`PARK_MARGIN`]
-/// later; `None` (until the process exits) when the kernels' waits never end or the
-/// sum does not fit in an `Instant`.
+/// Until when memory parked at `now` is kept; `None` (until exit) when the kernels'
+/// waits never end or the sum overflows.
 fn park_deadline(
     now: std::time::Instant,
     barrier_timeout: Option<Duration>,
@@ -33,68 +30,41 @@ fn park_deadline(
 }
 
 impl<B: Backend> Drop for Comm<B> {
-    /// Tears this rank down without freeing memory that a peer's kernel may still write
-    /// into. Never panics, and returns within about a second (`TEARDOWN_BARRIER_TIMEOUT`)
-    /// after this rank's own queued work, whatever the peers do:
+    /// Tears this rank down without freeing memory a peer's kernel may still write.
+    /// Never panics; returns within about a second after this rank's own queued work:
     ///
     /// 1. Waits for this rank's stream.
-    /// 2. Meets the other ranks in a teardown barrier through the bootstrap
-    ///    ([`crate::bootstrap::Bootstrap::all_gather_within`] of a record tagged as a
-    ///    teardown), bounded by `TEARDOWN_BARRIER_TIMEOUT` (1 s), not by
-    ///    `CommConfig::bootstrap_timeout`.
-    /// 3. If every rank sent its teardown record, every rank has drained its stream
-    ///    too, so no kernel of the group runs or is queued: the signal allocation, the
-    ///    peer mappings and the buffers of dropped registrations kept while a peer might
-    ///    read them (see [`crate::Registered`]) are freed at once (in stream order), and
-    ///    registered buffers dropped later are freed at once. Likewise when no peer
-    ///    shares this rank's peer memory (a world of one, or calls served by the
-    ///    external library).
-    /// 4. Otherwise a peer is gone, late, or in another collective call (its record is
-    ///    a registration's, say: `BootstrapError::ExchangeMismatch` on both sides), and
-    ///    its kernels may still store into this rank's signal (barrier arrivals, Lamport
-    ///    data, the error record and abort word, the abandon protocol's confirmation).
-    ///    The signal, the mappings, the symmetric pool's segments and the kept
-    ///    registered buffers (and those dropped later) are parked in a process-wide lot
-    ///    for 2 x `CommConfig::barrier_timeout` + `PARK_MARGIN` (10 s) from the end of
-    ///    the barrier, and freed by a later `Comm` drop once that has passed; with
-    ///    `barrier_timeout: None` (waits that never end) they stay until the process
-    ///    exits. Nothing runs in the background, and the drop never waits for the
-    ///    deadline.
+    /// 2. Meets the other ranks in a teardown all-gather through the bootstrap, bounded
+    ///    by `TEARDOWN_BARRIER_TIMEOUT` (1 s), not `CommConfig::bootstrap_timeout`.
+    /// 3. If every rank came, every stream is drained: the signal, the mappings and the
+    ///    kept buffers of dropped registrations are freed at once, as are registrations
+    ///    dropped later. Likewise when no peer shares this rank's peer memory.
+    /// 4. Otherwise (a peer gone, late, or in another exchange) its kernels may still
+    ///    store into this rank's signal: signal, mappings, pool segments and kept
+    ///    registered buffers are parked process-wide for 2 x `barrier_timeout` +
+    ///    `PARK_MARGIN` (until exit with `barrier_timeout: None`), and freed by a later
+    ///    drop. Nothing runs in the background.
     ///
-    /// Guaranteed: a peer's kernel that is running when this rank drops, or that
-    /// starts within `PARK_MARGIN` of the park (it was queued behind less than that
-    /// much work), never writes memory this rank freed. Once this rank has stopped,
-    /// the first wait of that kernel that needs this rank gives up within
-    /// `barrier_timeout` (in a group of more than two, after at most one wait that
-    /// another peer satisfies late), and the block's last store into this rank's
-    /// signal is the abandon confirmation at that point: at most 2 x `barrier_timeout`
-    /// after the kernel started or this rank dropped, whichever is later. A peer that
-    /// also drops meets this rank in the barrier or finds it gone, and parks or frees
-    /// the same way.
+    /// Guaranteed: a peer's kernel running at the drop, or starting within
+    /// `PARK_MARGIN` of the park, never writes freed memory: its first wait on this rank
+    /// gives up within `barrier_timeout` (a group of more than two: after at most one
+    /// other late wait), its last store here being the abandon confirmation.
     ///
-    /// Not guaranteed: a peer must not start new collectives after a rank of its group
-    /// has dropped. Such a collective cannot complete: its waits for this rank give up
-    /// after `barrier_timeout`, [`Comm::synchronize`] on that peer returns
-    /// [`crate::Error::BarrierTimeout`] (or [`crate::Error::PeerAborted`]) within 2 x
-    /// `barrier_timeout`, its communicator is poisoned, and [`Comm::reinitialize`]
-    /// fails with a bootstrap error, so it must be dropped too. Its kernel stores into
-    /// this rank's signal; that is safe while the signal is parked (it starts within
-    /// `PARK_MARGIN` of the park), and afterwards, for ranks that share a process,
-    /// writes memory this rank freed. With `barrier_timeout: None` such a kernel never
-    /// ends.
+    /// Not guaranteed: a peer must not start collectives after a rank of its group
+    /// dropped. Such a call gets `BarrierTimeout` or `PeerAborted`, poisons its
+    /// communicator (which must be dropped too), and its stores into this rank's signal
+    /// are safe only while the signal is parked.
     fn drop(&mut self) {
         let _ = self.tear_down();
     }
 }
 
 impl<B: Backend> Comm<B> {
-    /// Tears this rank down now, as dropping it does (see `Drop for Comm`), and says
-    /// how it went: `Ok(())` when this rank's stream drained and every rank met the
-    /// teardown, so that its memory was freed; otherwise the first thing that failed
-    /// (this rank's queued work, or the teardown exchange: a peer gone, late, or making
-    /// another collective call), and the memory a peer may still write into was parked
-    /// (where a peer shares it) instead of freed. Every rank calls it or drops its
-    /// `Comm`, like any collective call.
+    /// Tears this rank down now, as dropping it does, and says how it went: `Ok(())`
+    /// when this rank's stream drained and every rank met the teardown (memory freed);
+    /// otherwise the first failure (this rank's queued work, or a peer gone, late or in
+    /// another call), with the memory a peer may still write parked instead. Every rank
+    /// calls it or drops its `Comm`, like any collective call.
     pub fn close(mut self) -> Result<()> {
         self.tear_down().unwrap_or(Ok(()))
     }

@@ -1,93 +1,34 @@
-//! The batched all-reduce kernel ([`KernelKind::AllReduceGroup`]) on the host side:
-//! planning a batch and launching it on one rank. The group calls of both front doors
-//! (`Comm::group`, `SingleController::group`) batch through it.
+//! The batched all-reduce ([`KernelKind::AllReduceGroup`]) on the host side: planning a
+//! batch and launching it on one rank, for the group calls of both front doors.
 //!
-//! # A batch
-//! 1 to [`MAX_GROUP_CALLS`] all-reduces (sum) of one dtype over groups of one width run
-//! as one kernel with one start and one end barrier. Entry s sits in every member's
-//! payload at byte offset `offset_s`: entry 0 after the entry table (at
-//! [`GROUP_HEADER_BYTES`], 80), each next one after the previous entry's elements rounded
-//! up to whole 16-byte packs (the offsets also hand the packs out to the blocks). Where
-//! the peers reach only each other's signals (the per-rank `Comm`), or where an entry's
-//! output is its input, a group wider than one stages through the payload, so the table
-//! and the padded entries together must fit `payload_bytes` ([`Error::MessageTooLarge`]
-//! naming it otherwise, nothing launched). The single controller's batches of
-//! out-of-place entries read every member's input in place instead
-//! (`peercomm_group_args::peer_inputs`, its Start and End barriers as unstaged
-//! one-stage's): no copy, no system-scope release and no table, since its host has
-//! compared every rank's entries already. A group of one copies each input to its
-//! output directly. A zero-length entry is allowed
-//! and writes nothing; a batch whose entries are all empty launches nothing (and, like an
-//! empty all-reduce, is not counted in the call sequence). Every entry's bits are those
-//! of a one-stage (staged) all-reduce of that entry alone. The grid follows the entries
-//! (the batch's packs, as the one-stage planner sizes one message's; a batch has no
-//! `blocks` option).
+//! A batch runs 1 to [`MAX_GROUP_CALLS`] all-reduces (sum) of one dtype over groups of
+//! one width as one kernel with one start and one end barrier. Entry s sits in the
+//! payload at `offset_s`: entry 0 after the entry table ([`GROUP_HEADER_BYTES`]), each
+//! next one after the previous rounded up to whole packs. A staged batch wider than one
+//! (the per-rank `Comm`, or an in-place entry) needs table and entries to fit
+//! `payload_bytes` ([`Error::MessageTooLarge`] otherwise); the single controller's
+//! out-of-place batches read every member's input in place, with no table (its host has
+//! compared the entries: [`Error::LengthMismatch`]). An empty batch launches nothing
+//! and is not counted. The grid follows the entries' packs (a batch has no `blocks`).
 //!
-//! # The batch's call descriptor
-//! One descriptor for the whole batch, built as [`crate::comm::core::call::encode`] builds any
-//! call's, from the first entry plus the count:
-//! - kind `AllReduceGroup`, the dtype, the group width, the blocks and the per-domain
-//!   sequence number as for any call (the batch is one call in its barrier domain);
-//! - the root field (3 bits, unused by an all-reduce) holds `count - 1`, so a rank that
-//!   batches another number of calls is a [`Error::CallMismatch`] with
-//!   `field: CallField::Root` (`"root 1"` against `"root 4"` for 2 against 5 entries);
-//! - the element field holds entry 0's element count (exact, as any call's),
-//!   so a different length in entry 0 is a `CallField::Length` mismatch showing entry 0's
-//!   counts (`"300 elements"` against `"301 elements"`).
-//!
-//! The descriptor has no room for the later entries' lengths; the kernel compares them
-//! exactly (next section). Those descriptor words travel and are compared as every
-//! call's do (barrier arrivals, `current_call`, the error record), so a mismatch is a
-//! typed error on every rank, nothing written. A batch against another collective is
-//! `CallField::Collective` ("group of all-reduces" against, say, "all-reduce").
-//!
-//! # The entry tables: every length, exactly
-//! In a staged group wider than one, every rank writes its entry table at the start of its own
-//! payload while it stages (`PEERCOMM_GROUP_HEADER_BYTES` = 80 bytes, 32-bit words: word
-//! 0 the count, words 1-3 zero, words 4 + 2s and 5 + 2s the low and high halves of entry
-//! s's element count, 0 past the count; every block writes the same words). The Publish
-//! barrier orders it before the peers read it, as it orders the staged data; after that
-//! barrier every block compares every group peer's table with its own, the count and all
-//! 8 lengths, before it stores anything.
-//!
-//! On any difference every rank finds one on its side (were each rank's table equal to
-//! all of its peers', all would be equal), so every block of every rank records
-//! [`Error::CallMismatch`] and abandons as on a barrier mismatch, skipping the reduce
-//! and the End barrier: it tells its peers' same-index blocks it is done with their
-//! payloads and waits (at most the barrier timeout; with none, not at all, as every
-//! abandon) until each has said the same, which each does as soon as it has compared
-//! the tables. So no rank's kernel ends, and no next call reuses its payload, while a
-//! peer still reads its table, and no output is written. (Passing the End barrier
-//! instead would not do: the record is the rank's abort word, which every wait polls.)
-//!
-//! The record names the first peer whose table differs (on a device, the first one
-//! found) and shows, on each side, the batch's descriptor with that side's count in the
-//! root field and the element count of the first entry whose lengths differ:
-//! `field: CallField::Length` with `mine` / `theirs` `"999 elements"` against `"1000
-//! elements"` for entry 2 of `[300, 7, 999, 0, 8]` against `[300, 7, 1000, 0, 8]`,
-//! exactly. Counts cannot differ there (the root
-//! field holds them exactly); were they to, the root would be named.
-//!
-//! A later entry's difference that also changes the grid (the grid follows the batch's
-//! total packs) already differs in the descriptor's block count, and the Publish barrier
-//! finds it. Between two batches that can only come from their lengths (`max_blocks` and
-//! `threads_per_block` are agreed at setup; the count, width and dtype are compared
-//! first), so [`crate::comm::core::call::first_difference`] names it `CallField::Length` too,
-//! showing `"entries sized for 1 block"` against `"entries sized for 2 blocks"`.
-//!
-//! The single controller also compares every entry exactly on the host before
-//! launching ([`Error::LengthMismatch`]); a group of one has no peer to compare with.
+//! The batch's one call descriptor (`call::encode`) is built from entry 0: the root
+//! field holds `count - 1` (another count is `CallField::Root`), the element field entry
+//! 0's length. Later lengths do not fit it: every rank writes its entry table (count,
+//! then each length as two 32-bit halves) at the start of its payload while it stages;
+//! after the Publish barrier every block compares every peer's table with its own
+//! before storing anything. On a difference each rank finds one on its side, records
+//! [`Error::CallMismatch`] (`CallField::Length`, the first differing entry's counts)
+//! and abandons as on a barrier mismatch, waiting until its peers have compared too,
+//! so no payload is reused while a peer still reads its table. A later length that
+//! changes the grid differs in the block count already, which `call::first_difference`
+//! names `CallField::Length` between two batches.
 
 use crate::backend::{Backend, Kernel, KernelKind, LaunchDims};
 use crate::dispatch::{self, Algorithm};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::signal::{
-    barrier_domain, AllReduceArgs, GroupArgs, GroupEntry, GROUP_HEADER_BYTES, MAX_GROUP_CALLS,
-    PACK_BYTES,
-};
+use crate::signal::{GroupArgs, GroupEntry, GROUP_HEADER_BYTES, MAX_GROUP_CALLS, PACK_BYTES};
 
-use crate::comm::core::call;
 use crate::comm::core::launch::PeerInputs;
 use crate::comm::core::planning::{CollectiveArgs, Plan};
 use crate::comm::core::settings::Settings;
@@ -108,9 +49,7 @@ pub(crate) struct GroupPlan {
 
 impl Settings {
     /// Plans a batch of all-reduces of `dtype` with these element counts over groups of
-    /// `group_size` (0 = the world): payload offsets after the entry table, the scratch
-    /// check, the grid (from the batch's packs, as the one-stage planner sizes one
-    /// message's, capped alike) and the plan the descriptor is built from.
+    /// `group_size` (0 = the world): payload offsets, the scratch check, the grid.
     pub(crate) fn group_plan(
         &self,
         dtype: DType,
@@ -127,12 +66,7 @@ impl Settings {
         let width = self.group_width(group_size)?;
         let kind = KernelKind::AllReduceGroup;
         let mut offsets = [0u64; MAX_GROUP_CALLS];
-        let too_large = || Error::MessageTooLarge {
-            algorithm: kind.name(),
-            needed: usize::MAX,
-            available: self.layout.payload_bytes,
-            setting: "payload_bytes",
-        };
+        let too_large = || self.payload_too_large(kind, usize::MAX);
         // The entries' packs, after the entry table's.
         let header_packs = GROUP_HEADER_BYTES / PACK_BYTES;
         let mut packs = header_packs;
@@ -150,12 +84,7 @@ impl Settings {
         // payload; in place, or a group of one, needs no scratch.
         let staged = stage && width > 1;
         if staged && needed > self.layout.payload_bytes {
-            return Err(Error::MessageTooLarge {
-                algorithm: kind.name(),
-                needed,
-                available: self.layout.payload_bytes,
-                setting: "payload_bytes",
-            });
+            return Err(self.payload_too_large(kind, needed));
         }
         // As one-stage: each of the entries' packs comes from width - 1 peers. From the
         // entries alone, so two batches' grids differ only where their lengths do.
@@ -195,19 +124,7 @@ impl Settings {
 }
 
 impl<B: Backend> Rank<B> {
-    /// Plans a batch of all-reduces on this rank (see [`Settings::group_plan`]).
-    pub(crate) fn plan_group(
-        &self,
-        dtype: DType,
-        lengths: &[usize],
-        group_size: usize,
-        stage: bool,
-    ) -> Result<GroupPlan> {
-        self.settings.group_plan(dtype, lengths, group_size, stage)
-    }
-
-    /// Enqueues this rank's batched all-reduce of `group` (see
-    /// [`Endpoint::launch_group`]).
+    /// Enqueues this rank's batched all-reduce of `group` ([`Endpoint::launch_group`]).
     pub(crate) fn launch_group(
         &self,
         group: &GroupPlan,
@@ -219,9 +136,7 @@ impl<B: Backend> Rank<B> {
 
 impl<B: Backend> Endpoint<B> {
     /// Enqueues this rank's batched all-reduce of `group`: entry s reads `io[s].0` (this
-    /// rank's input, or every world rank's where the batch reads in place) and writes
-    /// `io[s].1` (this rank's output). Counts the call in its barrier domain and honours
-    /// fault injection exactly as [`Rank::launch_fused`] does.
+    /// rank's input, or every rank's where the batch reads in place), writes `io[s].1`.
     pub(crate) fn launch_group(
         &self,
         settings: &Settings,
@@ -242,39 +157,11 @@ impl<B: Backend> Endpoint<B> {
                 "a batch read in place needs every member's input".into(),
             ));
         }
-        let r = self.index;
-        let width = plan.width;
-        let domain = barrier_domain(width, settings.world);
-        let seq = self.next_call(domain);
-        if self.take_missing() {
-            // Fault injection: counted as made, launched nowhere.
+        let Some((mut all, base)) = self.prologue(settings, plan, plan.stage_input as u32) else {
             return Ok(());
-        }
-        let base = r / width * width;
-        let layout = &settings.layout;
-        let payload_off = layout.payload_offset() as u64;
-        let mut all = AllReduceArgs {
-            num_elements: group.total_elements as u64,
-            timeout_ns: settings.timeout_ns(),
-            lamport_slot_bytes: layout.lamport_slot_bytes as u32,
-            group_rank: (r - base) as u32,
-            group_width: width as u32,
-            domain: domain as u32,
-            world_rank: r as u32,
-            stage_input: plan.stage_input as u32,
-            call: call::encode(plan, seq),
-            ..Default::default()
         };
-        for k in 0..width {
-            let signal = self.peer_signals[base + k];
-            all.signals[k] = signal;
-            all.payloads[k] = signal + payload_off;
-            all.inputs[k] = if plan.stage_input {
-                signal + payload_off
-            } else {
-                0
-            };
-        }
+        all.num_elements = group.total_elements as u64;
+        let (r, width) = (self.index, plan.width);
         let mut args = GroupArgs {
             all,
             count: group.count as u32,
@@ -319,11 +206,10 @@ pub(crate) enum GroupStep {
     },
 }
 
-/// Runs a group's steps in order with `run`, which launches one step and returns the
-/// algorithm of a call run alone (`Some((index, algorithm))`; a batch's entries run
-/// one-stage). The first failure stops the group; where an earlier step was launched
-/// already, `poison` is called with it first: those launches wait for peers whose calls
-/// never come. The one step loop of both front doors' group guards.
+/// Runs a group's steps in order with `run`, which launches one step and returns a
+/// lone call's algorithm (a batch's entries run one-stage). The first failure stops
+/// the group, calling `poison` first where an earlier step was launched: those launches
+/// wait for peers whose calls never come.
 pub(crate) fn run_group_steps(
     steps: Vec<GroupStep>,
     calls: usize,
@@ -349,14 +235,10 @@ pub(crate) fn run_group_steps(
 }
 
 impl<B: Backend> Rank<B> {
-    /// Splits a group's calls into launches: consecutive all-reduces that peer memory
-    /// serves, of one dtype and one group width, with the algorithm and grid left to
-    /// peercomm (`Auto` or `OneStage`, no `blocks`, no overlap), run as one batched
-    /// kernel of up to [`MAX_GROUP_CALLS`] (whose entry table and staged inputs fit the
-    /// payload, where it stages); every other call runs alone, as it would outside a
-    /// group. A batch reads the inputs in place where `reads` allows and no entry is
-    /// in place. Every rank decides the same, from the calls alone (the same on every
-    /// rank, or the descriptors differ).
+    /// Splits a group's calls into launches: consecutive peer-memory all-reduces of one
+    /// dtype and width with algorithm and grid left to peercomm run as one batch (up to
+    /// [`MAX_GROUP_CALLS`] that fit the payload); every other call runs alone. Every rank
+    /// decides the same, from the calls alone.
     pub(crate) fn plan_grouped(
         &self,
         calls: &[GroupedCall],
@@ -394,7 +276,10 @@ impl<B: Backend> Rank<B> {
                     }
                     lengths.push(next.elements);
                     let stage_with = stage || next.in_place;
-                    match self.plan_group(c.dtype, &lengths, group_size, stage_with) {
+                    match self
+                        .settings
+                        .group_plan(c.dtype, &lengths, group_size, stage_with)
+                    {
                         Ok(p) => {
                             plan = Some(p);
                             stage = stage_with;
@@ -435,8 +320,8 @@ mod tests {
         Settings::new(config, "sm_90".into(), 8, world).unwrap()
     }
 
-    /// The entries follow the entry table, and the table counts in the payload bound of
-    /// a staged batch; the descriptor holds entry 0's exact length and the count.
+    /// Entries follow the table, which counts in a staged batch's payload bound; the
+    /// descriptor holds entry 0's exact length and the count.
     #[test]
     fn entries_follow_the_table_and_fit_with_it() {
         let s = settings(64 << 10, 2);

@@ -1,11 +1,9 @@
 //! Launching: the one place where kernel arguments are built and kernels enqueued.
-//! Where each peer's input is comes in as an argument ([`PeerInputs`]): read in place
-//! (one process knows every rank's buffer), or staged into each rank's payload.
 
 use std::sync::atomic::Ordering;
 
 use crate::backend::{Backend, KernelKind};
-use crate::error::{Error, Result};
+use crate::error::Result;
 use crate::signal::{barrier_domain, AllReduceArgs, MAX_GPUS, PACK_BYTES};
 
 use crate::comm::core::call;
@@ -20,15 +18,13 @@ pub(crate) mod status;
 /// Where the peers read each rank's input.
 #[derive(Clone, Copy)]
 pub(crate) enum PeerInputs<'a> {
-    /// Only this rank's input is known (a rank per thread or process): what the peers
-    /// read is staged into this rank's payload (or pushed, Lamport).
+    /// Only this rank's input is known: what the peers read is staged (or pushed).
     Own(u64),
     /// Every world rank's input, read in place by the peers (one process).
     InPlace(&'a [u64; MAX_GPUS]),
 }
 
-/// What a launch writes besides its output: the fused all-reduce + RMSNorm's residual
-/// (updated in place) and weight; 0 for every other kernel.
+/// The fused all-reduce + RMSNorm's residual (updated in place) and weight; 0 for others.
 #[derive(Clone, Copy, Default)]
 pub(crate) struct Fused {
     pub(crate) residual: u64,
@@ -36,10 +32,8 @@ pub(crate) struct Fused {
 }
 
 impl Settings {
-    /// The kernels' `stage_input` word for `plan`: 0 where nothing is staged; else how
-    /// the staged kernel goes through the payload: whole or in chunks ([`staging::all_reduce`] for
-    /// the all-reduce, [`staging::collective`] for the collectives), the rule the
-    /// planner checked.
+    /// The kernels' `stage_input` word for `plan`: 0 where nothing is staged, else how
+    /// the kernel goes through the payload (the rule the planner checked).
     pub(crate) fn stage_word(&self, plan: &Plan) -> Result<u32> {
         if !plan.stage_input {
             return Ok(0);
@@ -53,20 +47,14 @@ impl Settings {
             let hidden = plan.collective.hidden as usize;
             staging::collective(kind, dtype, plan.elements, plan.width, hidden, payload)
         };
-        word.map_err(|needed| Error::MessageTooLarge {
-            algorithm: kind.name(),
-            needed,
-            available: payload,
-            setting: "payload_bytes",
-        })
+        word.map_err(|needed| self.payload_too_large(kind, needed))
     }
 }
 
 impl<B: Backend> Rank<B> {
     /// Enqueues this rank's kernel of `plan` from `inputs` into `output`.
     pub(crate) fn launch(&self, plan: &Plan, inputs: PeerInputs<'_>, output: u64) -> Result<()> {
-        self.endpoint
-            .launch(&self.settings, plan, inputs, output, Fused::default())
+        self.launch_fused(plan, inputs, output, Fused::default())
     }
 
     /// As [`Rank::launch`], for the fused all-reduce + RMSNorm.
@@ -81,8 +69,8 @@ impl<B: Backend> Rank<B> {
             .launch(&self.settings, plan, inputs, output, fused)
     }
 
-    /// Counts a call of `plan` that this rank does not launch (a single-controller
-    /// launch on some ranks only), so that every rank's call sequence stays the same.
+    /// Counts a call of `plan` this rank does not launch (a single-controller launch on
+    /// some ranks only), so every rank's call sequence stays the same.
     pub(crate) fn count_call(&self, plan: &Plan) {
         let domain = barrier_domain(plan.width, self.settings.world);
         self.endpoint.next_call(domain);
@@ -90,8 +78,7 @@ impl<B: Backend> Rank<B> {
 }
 
 impl<B: Backend> Endpoint<B> {
-    /// Enqueues this rank's kernel of `plan`: the one place kernel arguments are
-    /// built.
+    /// Enqueues this rank's kernel of `plan`: the one place kernel arguments are built.
     pub(crate) fn launch(
         &self,
         settings: &Settings,
@@ -100,60 +87,32 @@ impl<B: Backend> Endpoint<B> {
         output: u64,
         fused: Fused,
     ) -> Result<()> {
-        let r = self.index;
-        let width = plan.width;
-        let domain = barrier_domain(width, settings.world);
-        // Before the call is counted: a plan the payload cannot take launches nothing
-        // (the planner refused it already; this is the same rule).
+        // Before the call is counted: a plan the payload cannot take launches nothing.
         let stage_input = settings.stage_word(plan)?;
-        let seq = self.next_call(domain);
-        if self.take_missing() {
-            // Fault injection: counted as made (a late rank, not one that skipped a
-            // call), launched nowhere.
+        let Some((mut args, base)) = self.prologue(settings, plan, stage_input) else {
             return Ok(());
-        }
-        let base = r / width * width;
-        let layout = &settings.layout;
-        let payload_off = layout.payload_offset() as u64;
-        let mut args = AllReduceArgs {
-            local_input: match inputs {
-                PeerInputs::Own(p) => p,
-                PeerInputs::InPlace(all) => all[r],
-            },
-            output,
-            num_elements: plan.elements as u64,
-            timeout_ns: settings.timeout_ns(),
-            lamport_slot_bytes: layout.lamport_slot_bytes as u32,
-            group_rank: (r - base) as u32,
-            group_width: width as u32,
-            domain: domain as u32,
-            world_rank: r as u32,
-            stage_input,
-            root: plan.collective.root,
-            hidden: plan.collective.hidden,
-            residual: fused.residual,
-            weight: fused.weight,
-            epsilon: plan.collective.epsilon,
-            call: call::encode(plan, seq),
-            ..Default::default()
         };
-        for k in 0..width {
-            let signal = self.peer_signals[base + k];
-            args.signals[k] = signal;
-            args.payloads[k] = signal + payload_off;
-            args.inputs[k] = match (plan.stage_input, inputs) {
-                (true, _) => signal + payload_off,
-                (false, PeerInputs::InPlace(all)) => all[base + k],
-                // Kernels that read no peer input (a group of one, Lamport, barriers)
-                // get only their own.
-                (false, PeerInputs::Own(p)) => {
-                    if base + k == r {
-                        p
-                    } else {
-                        0
-                    }
-                }
-            };
+        let r = self.index;
+        args.local_input = match inputs {
+            PeerInputs::Own(p) => p,
+            PeerInputs::InPlace(all) => all[r],
+        };
+        args.output = output;
+        args.root = plan.collective.root;
+        args.hidden = plan.collective.hidden;
+        args.residual = fused.residual;
+        args.weight = fused.weight;
+        args.epsilon = plan.collective.epsilon;
+        if !plan.stage_input {
+            for k in 0..plan.width {
+                args.inputs[k] = match inputs {
+                    PeerInputs::InPlace(all) => all[base + k],
+                    // Kernels that read no peer input (a group of one, Lamport,
+                    // barriers) get only their own.
+                    PeerInputs::Own(p) if base + k == r => p,
+                    PeerInputs::Own(_) => 0,
+                };
+            }
         }
         if plan.overlap_previous {
             B::launch_overlapping(&self.device, plan.kernel, plan.dims, &args)
@@ -162,8 +121,51 @@ impl<B: Backend> Endpoint<B> {
         }
     }
 
-    /// The sequence number of the next collective call in barrier `domain` (it counts
-    /// every launch there).
+    /// The steps before every launch, plain or batched: counts the call in its barrier
+    /// domain and builds the shared arguments (descriptor, group, signals, payloads;
+    /// staged inputs read from the payloads). Returns them with the group's first world
+    /// rank, or `None` where fault injection leaves the launch out (counted as made: a
+    /// late rank, not one that skipped a call).
+    fn prologue(
+        &self,
+        settings: &Settings,
+        plan: &Plan,
+        stage_input: u32,
+    ) -> Option<(AllReduceArgs, usize)> {
+        let (r, width) = (self.index, plan.width);
+        let domain = barrier_domain(width, settings.world);
+        let seq = self.next_call(domain);
+        if self.take_missing() {
+            return None;
+        }
+        let base = r / width * width;
+        let layout = &settings.layout;
+        let payload_off = layout.payload_offset() as u64;
+        let mut args = AllReduceArgs {
+            num_elements: plan.elements as u64,
+            timeout_ns: settings.timeout_ns(),
+            lamport_slot_bytes: layout.lamport_slot_bytes as u32,
+            group_rank: (r - base) as u32,
+            group_width: width as u32,
+            domain: domain as u32,
+            world_rank: r as u32,
+            stage_input,
+            call: call::encode(plan, seq),
+            ..Default::default()
+        };
+        for k in 0..width {
+            let signal = self.peer_signals[base + k];
+            args.signals[k] = signal;
+            args.payloads[k] = signal + payload_off;
+            if plan.stage_input {
+                args.inputs[k] = signal + payload_off;
+            }
+        }
+        Some((args, base))
+    }
+
+    /// The sequence number of the next call in barrier `domain` (it counts every launch
+    /// there).
     pub(crate) fn next_call(&self, domain: usize) -> u64 {
         let seq = self.calls[domain].fetch_add(1, Ordering::Relaxed);
         self.skewed(seq)

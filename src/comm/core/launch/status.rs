@@ -1,5 +1,4 @@
-//! A rank's error record as the host sees it (a barrier timeout, a call mismatch or
-//! an abort a peer sent), read after the queued work or polled while it runs.
+//! A rank's error record as the host sees it, read after the queued work or polled.
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
@@ -10,8 +9,7 @@ use crate::signal::{
 
 use crate::comm::core::{call, Endpoint};
 
-/// Words of an error record: `error_state`, then `error_detail` (adjacent in the
-/// signal).
+/// Words of an error record: `error_state`, then `error_detail` (adjacent).
 const RECORD_WORDS: usize = DETAIL + DETAIL_WORDS;
 /// Where `error_detail` starts in a record.
 const DETAIL: usize = 4;
@@ -30,8 +28,8 @@ pub(crate) fn read_error_record<B: Backend>(rank: &Endpoint<B>) -> Result<Option
     Ok(decode(rank.index, &words))
 }
 
-/// Reads `rank`'s error record now, without waiting for its stream: a record still
-/// being written reads as clean (the next poll sees it).
+/// Reads `rank`'s error record now, without waiting; one still being written reads as
+/// clean (the next poll sees it).
 pub(crate) fn peek_error_record<B: Backend>(rank: &Endpoint<B>) -> Result<Option<Error>> {
     let mut words = [0u32; RECORD_WORDS];
     B::read_words_now(&rank.device, record_ptr(rank), &mut words)?;

@@ -1,9 +1,6 @@
-//! The all-reduce plans of the last few call shapes of one rank. A decode step repeats
-//! the same few shapes (one per layer kind) thousands of times, and a plan is a pure
-//! function of the shape and of the rank's settings and routing, which never change
-//! after setup: so the second call of a shape takes its plan from here instead of
-//! routing and planning again. Only plans that succeeded are kept (an error is planned
-//! again, and named again, every time).
+//! The all-reduce plans of one rank's last few call shapes: a decode step repeats a few
+//! shapes thousands of times, and a plan depends only on the shape and the fixed
+//! settings. Only plans that succeeded are kept (an error is planned again).
 
 use std::sync::Mutex;
 
@@ -38,8 +35,7 @@ struct Slots {
 }
 
 impl PlanCache {
-    /// The plan kept for `shape`, if any. Never waits: where another thread holds the
-    /// cache, the caller plans for itself.
+    /// The plan kept for `shape`, if any; never waits (the caller plans instead).
     pub(crate) fn get(&self, shape: &Shape) -> Option<Plan> {
         let slots = self.slots.try_lock().ok()?;
         slots
@@ -81,8 +77,7 @@ mod tests {
         }
     }
 
-    /// A kept plan is the one planned for exactly that shape; another length, another
-    /// algorithm or more shapes than slots (the oldest goes) plan again.
+    /// A kept plan serves exactly its shape; another shape, or one evicted, plans again.
     #[test]
     fn keeps_the_plans_of_the_last_shapes_only() {
         let settings = Settings::new(CommConfig::default(), "sm_90".into(), 8, 2).unwrap();

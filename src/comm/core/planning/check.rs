@@ -1,8 +1,5 @@
-//! One rank's side of a call, checked before anything is launched (its buffers'
-//! device, dtypes and lengths, a broadcast's root), and the two planning entry points
-//! every front door goes through: the all-reduce (routed, then planned) and the other
-//! collectives. What only a single controller can check (every rank's tensors
-//! together) is in its own front door.
+//! One rank's side of a call, checked before anything launches (its buffers' device,
+//! dtype and length, a root), and the planning entry points of both front doors.
 
 use crate::backend::Backend;
 use crate::dtype::DType;
@@ -41,13 +38,10 @@ impl Span {
     }
 }
 
-/// Checks a call's buffers against each other before anything is launched: every pair
-/// of which one is written must be disjoint, except (with `in_place`) a rank's input
-/// and its output that are exactly the same range: the call then runs in place there.
-/// Returns whether such an exact alias was found; any other overlap (a partial one,
-/// another rank's buffer, two outputs) is [`Error::BuffersOverlap`]. Ranges the
-/// kernels would read while a peer or this rank writes them would otherwise give a
-/// wrong result with `Ok`.
+/// Checks a call's buffers before anything launches: every pair with a written one must
+/// be disjoint, except (with `in_place`) a rank's input and output of exactly one range,
+/// which runs in place (returns whether found). Any other overlap is
+/// [`Error::BuffersOverlap`]: it would give a wrong result with `Ok`.
 pub(crate) fn check_overlaps(spans: &[Span], in_place: bool) -> Result<bool> {
     let mut aliased = false;
     for (i, a) in spans.iter().enumerate() {
@@ -106,8 +100,7 @@ pub(crate) enum Routed {
 }
 
 impl Meta {
-    /// Its bytes, checked ([`message_bytes`]): `which` names it in the error, of
-    /// `rank`.
+    /// Its bytes, checked ([`message_bytes`]); `rank` and `which` name it in the error.
     pub(crate) fn bytes(&self, rank: usize, which: &str) -> Result<usize> {
         message_bytes(self.dtype, self.len, &|| {
             format!("rank {rank}'s {which} buffer")
@@ -168,8 +161,7 @@ impl<B: Backend> Rank<B> {
         Ok(())
     }
 
-    /// Usable, both buffers on this rank's device, one dtype, sizes that a buffer can
-    /// have.
+    /// Usable, both buffers on this device, one dtype, sizes a buffer can have.
     pub(crate) fn check_pair(&self, send: &Meta, recv: &Meta) -> Result<()> {
         self.check_usable()?;
         self.check_buffer(send.ordinal, "input")?;

@@ -1,14 +1,8 @@
-//! The collectives beside the all-reduce: all-gather, reduce-scatter (sum), broadcast,
-//! scatter, and the fused all-reduce + residual add + RMSNorm. Their options, the
-//! reduce-scatter split, and their planning (kernel, grid, scratch).
-//!
-//! Where the peers cannot read user buffers (a rank per process or thread, the per-rank
-//! `Comm`), each rank first copies what its peers read into its own payload; a message
-//! the payload cannot hold whole runs through it in chunks
-//! ([`crate::comm::core::planning::staging`] has the rule),
-//! so only a payload without room for two chunks (a pack per part, or a row of the
-//! fused kernel, per half) refuses it ([`crate::Error::MessageTooLarge`]). In one
-//! process the peers read the user buffers directly and no scratch is needed.
+//! The collectives beside the all-reduce (all-gather, reduce-scatter, broadcast,
+//! scatter, fused all-reduce + residual + RMSNorm): options, the reduce-scatter split,
+//! and planning. Where the peers cannot read user buffers, what they read is staged into
+//! the own payload, in chunks where it does not fit whole ([`super::staging`]); only a
+//! payload without room for two chunks refuses it ([`crate::Error::MessageTooLarge`]).
 
 use crate::backend::{Kernel, KernelKind, LaunchDims};
 use crate::dispatch::{self, Algorithm};
@@ -22,8 +16,7 @@ use crate::comm::core::planning::{CollectiveArgs, PeerReads, Plan};
 use crate::comm::core::settings::Settings;
 
 /// Options of one all-gather, reduce-scatter, broadcast, scatter or fused call, built
-/// from [`CollectiveOptions::new`] and its chained setters (the type may gain fields,
-/// so it has no struct literal outside the crate).
+/// with [`CollectiveOptions::new`] and its setters.
 #[derive(Clone, Copy, Debug, Default)]
 #[non_exhaustive]
 pub struct CollectiveOptions {
@@ -32,18 +25,13 @@ pub struct CollectiveOptions {
     pub group_size: usize,
     /// Blocks per launch; `None` lets peercomm choose.
     pub blocks: Option<u32>,
-    /// The algorithm of the fused all-reduce + residual + RMSNorm
-    /// (`all_reduce_residual_rms_norm`): [`Algorithm::Auto`] (the default) runs
-    /// [`Algorithm::Lamport`] (one kernel, no barrier) where it is allowed and fits,
-    /// that is over the whole world of two or more ranks with the message plus one
-    /// 64-byte header within [`crate::CommConfig::lamport_slot_bytes`], else
-    /// [`Algorithm::OneStage`]. Both give the same bits, so a row's output and new
-    /// residual do not depend on which one runs, nor on the token count of its batch.
-    /// Forced `Lamport` over a subgroup is [`crate::Error::Unsupported`], over a
-    /// message the slot cannot hold [`crate::Error::MessageTooLarge`]; over a group of
-    /// one it runs `OneStage` (the copy, as the all-reduce does). `TwoStage`, `Nccl` and
-    /// `Hierarchical` are `Unsupported`. The other collectives have one algorithm:
-    /// `Auto` or `OneStage`, anything else is `Unsupported`.
+    /// The fused all-reduce + RMSNorm's algorithm: [`Algorithm::Auto`] runs
+    /// [`Algorithm::Lamport`] over the whole world of two or more ranks where the message
+    /// and a 64-byte header fit [`crate::CommConfig::lamport_slot_bytes`], else
+    /// [`Algorithm::OneStage`] (same bits either way). Forced `Lamport` over a subgroup
+    /// is [`crate::Error::Unsupported`], past the slot [`crate::Error::MessageTooLarge`];
+    /// a group of one runs `OneStage`. The other collectives take `Auto` or `OneStage`;
+    /// any other algorithm is `Unsupported`.
     pub algorithm: Algorithm,
 }
 
@@ -99,9 +87,8 @@ impl Collective {
 }
 
 impl Settings {
-    /// Checks a collective call's group, root and shape rules and plans its launch:
-    /// staging where the peers cannot read user buffers, the scratch that needs, and
-    /// the grid. `elements == 0` gives a plan that launches nothing.
+    /// Checks a collective call's group, root and shape and plans its launch (staging,
+    /// scratch, grid); `elements == 0` plans nothing to launch.
     pub(crate) fn collective_plan(
         &self,
         which: Collective,
@@ -143,15 +130,8 @@ impl Settings {
         if staged {
             let payload = self.layout.payload_bytes;
             let hidden = extra.hidden as usize;
-            if let Err(needed) = staging::collective(kind, dtype, elements, width, hidden, payload)
-            {
-                return Err(Error::MessageTooLarge {
-                    algorithm: kind.name(),
-                    needed,
-                    available: payload,
-                    setting: "payload_bytes",
-                });
-            }
+            staging::collective(kind, dtype, elements, width, hidden, payload)
+                .map_err(|needed| self.payload_too_large(kind, needed))?;
         }
         let blocks = match options.blocks {
             Some(b) if b == 0 || b as usize > MAX_NUM_BLOCKS_UPPER_BOUND => {
@@ -188,9 +168,8 @@ impl Settings {
 }
 
 impl Settings {
-    /// The algorithm a collective call runs (see [`CollectiveOptions::algorithm`]): the
-    /// fused call chooses between one-stage and Lamport, the others have one-stage only.
-    /// The fused shape rules are checked first, so a bad shape is named as such.
+    /// The algorithm a collective call runs: the fused call chooses between one-stage
+    /// and Lamport (its shape checked first), the others run one-stage.
     fn collective_algorithm(
         &self,
         which: Collective,
@@ -211,9 +190,8 @@ impl Settings {
             };
         };
         check_rms_norm(dtype, elements, hidden, epsilon)?;
-        // As the Lamport all-reduce: the whole world of at least two ranks (its state is
-        // per rank and shared by every width), and a slot that holds the packs and, last,
-        // the header.
+        // As the Lamport all-reduce: the whole world of at least two ranks, and a slot
+        // holding the packs and the header.
         let allowed = width == self.world && width > 1;
         let need = padded(dtype, elements) + LAMPORT_HEADER_BYTES;
         let slot = self.layout.lamport_slot_bytes;

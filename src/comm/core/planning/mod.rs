@@ -1,6 +1,5 @@
-//! Planning: which algorithm, kernel and grid a validated call runs, and whether the
-//! scratch can hold it. A staged one-stage all-reduce that the payload cannot hold
-//! whole runs through it in chunks ([`staging`]).
+//! Planning: the algorithm, kernel and grid a validated call runs, and whether the
+//! scratch holds it.
 
 use crate::backend::{Kernel, KernelKind, LaunchDims};
 use crate::dispatch::{self, Algorithm};
@@ -21,11 +20,9 @@ pub(crate) mod staging;
 /// Where a call's kernels read the peers' inputs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum PeerReads {
-    /// In the peers' user buffers (one process, peer access): no staging, two-stage
-    /// offered.
+    /// In the peers' user buffers (one process): no staging, two-stage offered.
     UserBuffers,
-    /// Only in the peers' signal allocations (ranks in other threads or processes):
-    /// an input the peers read is staged into the own payload first.
+    /// Only in the peers' signal allocations: inputs are staged into the payload.
     Payloads,
 }
 
@@ -54,7 +51,7 @@ pub(crate) struct Plan {
     pub(crate) input_place: InputPlace,
 }
 
-/// Where the peers read a call's input, compared exactly by the call descriptor.
+/// Where the peers read a call's input (compared by the call descriptor).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) enum InputPlace {
     /// Staged through the payloads, or not read in place by any peer.
@@ -86,10 +83,8 @@ impl Settings {
         })
     }
 
-    /// Chooses the algorithm and grid, and checks the scratch it needs. Where the
-    /// peers cannot read user buffers (`PeerReads::Payloads`), every input the peers
-    /// read is staged into the own payload first, and two-stage (which reads the
-    /// inputs in its reduce-scatter) is not offered.
+    /// Chooses the algorithm and grid and checks the scratch. With `PeerReads::Payloads`
+    /// every input the peers read is staged, and two-stage is not offered.
     pub(crate) fn plan(
         &self,
         dtype: DType,
@@ -99,8 +94,7 @@ impl Settings {
         reads: PeerReads,
     ) -> Result<Plan> {
         let width = self.group_width(options.group_size)?;
-        // Every size below stays within usize once the padded message does (with
-        // headroom: it is at most isize::MAX).
+        // Sizes below stay within usize once the padded message (<= isize::MAX) does.
         let padded = message_bytes(dtype, elements, &|| "an all-reduce".into())?;
         let bytes = elements * dtype.size();
         let packs = elements.div_ceil(dtype.lanes());
@@ -111,8 +105,8 @@ impl Settings {
         let stages = |in_place: bool| in_place || !direct;
         // A Lamport slot holds the packs and, last, the header (the descriptor).
         let lamport_need = padded + LAMPORT_HEADER_BYTES;
-        // Whether the scratch holds what `a` needs of it at once; a staged one-stage
-        // call that it does not hold runs in chunks where the payload has room for two.
+        // Whether the scratch holds what `a` needs at once (staged one-stage beyond it
+        // runs in chunks).
         let fits_whole = |a: Algorithm| match a {
             Algorithm::Lamport => lamport_need <= slot,
             Algorithm::TwoStage => two_stage_need <= payload,
@@ -123,10 +117,9 @@ impl Settings {
             fits_whole(a)
                 || (a == Algorithm::OneStage && staging::all_reduce(packs, payload).is_some())
         };
-        // Lamport runs only over the whole world of at least two ranks: its state is
-        // per rank and shared by every width, so a subgroup call would move one group's
-        // generations and not its siblings' (see the own-slot rule in the header). A
-        // group of one needs no peers: it copies, keeping the sign of zero.
+        // Lamport runs only over the whole world of at least two ranks: its state is per
+        // rank and shared by every width, so a subgroup would move its generations but not
+        // its siblings'. A group of one copies, keeping the sign of zero.
         let lamport_allowed = width == self.world && width > 1;
         let algorithm = match options.algorithm {
             Algorithm::Auto => {
@@ -136,8 +129,7 @@ impl Settings {
                 {
                     preferred = Algorithm::OneStage;
                 }
-                // Fall back towards the algorithms that need less scratch: first one
-                // the scratch holds whole, then the chunked staged one-stage.
+                // Fall back to one the scratch holds whole, then to chunked one-stage.
                 let candidates = [preferred, Algorithm::OneStage, Algorithm::TwoStage]
                     .into_iter()
                     .filter(|&a| direct || a != Algorithm::TwoStage);
@@ -187,11 +179,10 @@ impl Settings {
             });
         }
         let kind = algorithm.kernel_kind().expect("concrete algorithm");
-        // A group of one never waits for anyone; the staging copy is only needed when
-        // peers read the input while the own rank overwrites it.
+        // A group of one waits for no one; staging is needed only where peers read the
+        // input while this rank overwrites it.
         let stage_input = stages(in_place) && kind == KernelKind::OneStage && width > 1;
-        // The grid follows the remote traffic: each of a block's packs comes from (or
-        // goes to) width - 1 peers, so a wider group gets proportionally more blocks and
+        // The grid follows the remote traffic: each pack comes from width - 1 peers, so
         // each multiprocessor moves what it moves at width 2 (until every SM has one).
         let work_packs = match kind {
             KernelKind::TwoStage => packs.div_ceil(width),
@@ -298,10 +289,9 @@ mod tests {
         assert_eq!(big.unwrap().dims.blocks, 132);
     }
 
-    /// Per rank (and in place in one process), a staged one-stage call the payload
-    /// cannot hold is planned in chunks instead of MessageTooLarge; Auto prefers an
-    /// algorithm whose scratch holds the message whole; a payload without a pack per
-    /// half still refuses it, naming the 32 bytes chunks would need.
+    /// A staged one-stage call the payload cannot hold is planned in chunks; Auto prefers
+    /// an algorithm whose scratch holds it whole; a payload without a pack per half
+    /// refuses it, naming the 32 bytes chunks need.
     #[test]
     fn a_staged_call_past_the_payload_is_planned_in_chunks() {
         let config = |payload_bytes| CommConfig {
@@ -360,11 +350,8 @@ mod tests {
             .is_ok());
     }
 
-    /// The sign-of-zero rule: in a group of one (a world of one, or `group_size` 1 in
-    /// any world) no request, `Auto` included, runs Lamport (which sends -0.0 as +0.0):
-    /// the one-stage copy runs and keeps every bit. Checked for every architecture the
-    /// dispatch table knows, every world, and sizes from 1 element to past the Lamport
-    /// slot.
+    /// The sign-of-zero rule: a group of one never runs Lamport (which sends -0.0 as
+    /// +0.0), whatever the request, architecture, world or size: the copy keeps every bit.
     #[test]
     fn a_group_of_one_never_runs_lamport() {
         for arch in ["host", "sm_90", "sm_80", "gfx942", "gfx90a", "unknown"] {

@@ -1,21 +1,17 @@
-//! How a message occupies scratch: its bytes in whole packs (checked against the
-//! largest buffer), and how a staged call goes through a rank's payload, whole where
-//! it fits, else in chunks of half the payload, as the kernels' `stage_input` word
-//! says. The planner checks it, and the launch builds the word from it.
+//! How a message occupies scratch: its bytes in whole packs, and how a staged call goes
+//! through a payload (whole, or in chunks of half), as the `stage_input` word says.
 
 use crate::backend::KernelKind;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::signal::{reduce_scatter_part, PACK_BYTES, STAGE_WHOLE};
 
-/// The most bytes any buffer spans (Rust's allocation limit). A length whose bytes, in
-/// whole 16-byte packs, stay within it leaves headroom for every size a call derives
-/// from it (a header pack, a partition, parts rounded up to packs) within `usize`.
+/// The most bytes any buffer spans (Rust's allocation limit): within it, every size a
+/// call derives (a header pack, a partition, rounded parts) stays within `usize`.
 pub(crate) const MAX_BUFFER_BYTES: usize = isize::MAX as usize;
 
-/// The bytes of a message of `elements` x `dtype` in whole packs, checked against
-/// [`MAX_BUFFER_BYTES`]: [`Error::SizeOverflow`] naming `what` (a buffer, a message)
-/// where no buffer can be that large.
+/// The bytes of `elements` x `dtype` in whole packs, or [`Error::SizeOverflow`] naming
+/// `what` past [`MAX_BUFFER_BYTES`].
 pub(crate) fn message_bytes(
     dtype: DType,
     elements: usize,
@@ -33,14 +29,11 @@ pub(crate) fn padded_bytes(dtype: DType, elements: usize) -> Option<usize> {
     elements.div_ceil(dtype.lanes()).checked_mul(PACK_BYTES)
 }
 
-/// How a staged one-stage all-reduce of `packs` 16-byte packs goes through a payload of
-/// `payload` bytes, as the kernels' `stage_input` word: [`STAGE_WHOLE`] where the payload
-/// holds the whole message (staged at its start); else chunks of C packs, C = half the
-/// payload (at most `STAGE_WHOLE - 1`), so that one half is staged while the other is
-/// read (kernels-common/peercomm_kernels.h, `one_stage_chunked`): the kernel chunks a
-/// message of more than C packs. Every rank computes the same C: `payload_bytes` is
-/// checked equal at setup and the element count is in the call descriptor. `None` where
-/// the payload holds neither the message nor a pack per half.
+/// How a staged one-stage all-reduce of `packs` packs goes through a payload of
+/// `payload` bytes, as the `stage_input` word: [`STAGE_WHOLE`] where it holds the whole
+/// message; else chunks of half the payload (at most `STAGE_WHOLE - 1` packs), one half
+/// staged while the other is read. Every rank computes the same (`payload_bytes` agreed
+/// at setup, the length in the descriptor). `None` where a half holds no pack.
 pub(crate) fn all_reduce(packs: usize, payload: usize) -> Option<u32> {
     let whole = packs
         .checked_mul(PACK_BYTES)
@@ -52,21 +45,17 @@ pub(crate) fn all_reduce(packs: usize, payload: usize) -> Option<u32> {
     (half > 0).then(|| half.min(STAGE_WHOLE as usize - 1) as u32)
 }
 
-/// Bytes of `n` elements rounded up to whole packs (saturating: the planner refuses a
-/// message whose bytes overflow before it sizes anything).
+/// Bytes of `n` elements in whole packs (saturating: the planner refuses overflow first).
 pub(crate) fn padded(dtype: DType, n: usize) -> usize {
     n.div_ceil(dtype.lanes()).saturating_mul(PACK_BYTES)
 }
 
-/// How a staged collective of `elements` (as its plan counts them) goes through a
-/// payload of `payload` bytes, as the kernels' `stage_input` word: [`STAGE_WHOLE`] where
-/// the payload holds what the kernel stages whole (as [`all_reduce`] for the
-/// all-reduce); else the capacity of one chunk, half the payload: in packs of the
-/// message (all-gather, broadcast), in packs of each part (reduce-scatter, scatter: a
-/// half holds `width` parts' chunks), in rows (the fused kernel), at most
-/// `STAGE_WHOLE - 1`; the kernel chunks a message of more units than that
-/// (kernels-common/peercomm_collectives.h). `Err` with the bytes two chunks of one unit
-/// need where a half holds not one; 1 (a flag) for kinds that never chunk.
+/// How a staged collective of `elements` goes through a payload of `payload` bytes, as
+/// the `stage_input` word: [`STAGE_WHOLE`] where the payload holds what the kernel
+/// stages whole; else one chunk's capacity in half the payload (packs of the message
+/// for all-gather and broadcast, packs of each part for reduce-scatter and scatter,
+/// rows for the fused kernel), at most `STAGE_WHOLE - 1`. `Err` with the bytes two
+/// chunks of one unit need where a half holds none; 1 for kinds that never chunk.
 pub(crate) fn collective(
     kind: KernelKind,
     dtype: DType,
@@ -111,8 +100,7 @@ mod tests {
     use super::*;
 
     /// The staging rule: whole where the payload holds the message, else chunks of half
-    /// the payload (so the kernel chunks exactly the messages that do not fit), none
-    /// where a half holds no pack.
+    /// the payload; none where a half holds no pack.
     #[test]
     fn staging_is_whole_where_it_fits_else_half_the_payload() {
         let whole = Some(STAGE_WHOLE);
@@ -177,9 +165,8 @@ mod tests {
     }
 
     /// Every staged collective: whole exactly where the payload holds what the kernel
-    /// stages whole; else chunks whose two halves fit the payload, and a message of
-    /// more units than a chunk holds (so the kernel chunks it); refused only where a
-    /// half holds no unit, with the bytes two would need.
+    /// stages whole, else chunks whose two halves fit; refused only where a half holds
+    /// no unit, with the bytes two would need.
     #[test]
     fn collective_staging_chunks_what_the_payload_cannot_hold() {
         let kinds = [

@@ -1,6 +1,5 @@
-//! Running a call the router sent away from the peer-memory kernels, on one rank:
-//! the external library over the world, or across hosts (peer memory inside each
-//! host, the library across, peer memory again to gather).
+//! Running a call the router sent away from the peer-memory kernels: the external
+//! library over the world, or across hosts (peer memory inside each host).
 
 use crate::backend::Backend;
 use crate::dispatch::Algorithm;
@@ -61,15 +60,13 @@ impl<B: Backend> Rank<B> {
                     .map_err(RouteError::Launched)?;
                 // (b) this rank's slice across hosts, in the external library.
                 let step = || -> Result<()> {
-                    // Every rank makes the call, an empty slice too (a message shorter
-                    // than the grain), so that the library sees the same calls
-                    // everywhere.
+                    // Every rank makes the call, an empty slice too, so the library
+                    // sees the same calls everywhere.
                     let at = output + lo as u64 * size;
                     // SAFETY: [lo, hi) lies inside the output the caller holds.
                     unsafe { external.all_reduce_sum(dev, at, at, hi - lo, dtype) }?;
-                    // (c) the gather inside the host: every other slice is the
-                    // additive identity -0.0, so the peer sum copies each slice from
-                    // its owner bit for bit (x + -0.0 == x for every x).
+                    // (c) the gather inside the host: every other slice is -0.0, so
+                    // the peer sum copies each slice bit for bit (x + -0.0 == x).
                     fill_negative_zero::<B>(dev, output, 0, lo, dtype)?;
                     fill_negative_zero::<B>(dev, output, hi, elements, dtype)?;
                     self.launch(&gather, PeerInputs::Own(output), output)
@@ -87,8 +84,7 @@ impl<B: Backend> Rank<B> {
 }
 
 /// The slice `[lo, hi)` of `elements` that local rank `k` of `local` reduces across
-/// hosts: whole 16-byte packs of 16-bit elements (8 elements), so every boundary is
-/// aligned.
+/// hosts, in whole packs of 16-bit elements.
 fn slice(elements: usize, local: usize, k: usize) -> (usize, usize) {
     const GRAIN: usize = 8;
     let chunk = elements.div_ceil(GRAIN).div_ceil(local) * GRAIN;

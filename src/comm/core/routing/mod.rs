@@ -1,7 +1,5 @@
-//! Routing: which calls peer memory serves and which go to the external library
-//! (see [`crate::external`] for the rules a user sees). Decided once at setup, the
-//! same on every rank (from what every rank knows: host identities, world size, and
-//! what the peer setup agreed), then per call from the call's group width and size.
+//! Routing: which calls peer memory serves and which go to the external library,
+//! decided once at setup (the same on every rank), then per call from its width and size.
 
 use crate::backend::Backend;
 use crate::dispatch::{self, Algorithm};
@@ -69,23 +67,9 @@ impl<B: Backend> Router<B> {
         elements: usize,
         options: &AllReduceOptions,
     ) -> Result<Path> {
-        let width = if options.group_size == 0 {
-            self.world
-        } else {
-            options.group_size
-        };
-        if width > self.world || !self.world.is_multiple_of(width) {
-            return Err(Error::InvalidGroupSize {
-                group_size: options.group_size,
-                world: self.world,
-            });
-        }
+        let width = self.width(options.group_size)?;
         let forced_external = options.algorithm == Algorithm::Nccl;
-        let local = match self.mode {
-            Mode::Peer => self.world,
-            Mode::External => 1,
-            Mode::Hierarchical { local } => local,
-        };
+        let local = self.local();
         if width == self.world && self.world > local {
             // Peer memory cannot serve the whole world.
             return match (self.mode, options.algorithm) {
@@ -97,14 +81,11 @@ impl<B: Backend> Router<B> {
                 (_, a) => Err(Error::Unsupported(format!(
                     "{} cannot serve this communicator's whole world ({}); use Auto",
                     a.name(),
-                    match self.mode {
-                        Mode::Hierarchical { .. } => "its ranks span hosts",
-                        _ => "peer memory does not reach every rank",
-                    }
+                    self.why_not_world()
                 ))),
             };
         }
-        if local % width != 0 {
+        if !local.is_multiple_of(width) {
             return Err(Error::Unsupported(format!(
                 "groups of {width} would span ranks that peer memory does not connect \
                  (peer memory serves groups inside {local} consecutive ranks here); use \
@@ -136,38 +117,50 @@ impl<B: Backend> Router<B> {
         }))
     }
 
-    /// A collective other than the all-reduce (all-gather, reduce-scatter, broadcast,
-    /// scatter, fused): served by peer memory only, so its groups must stay inside
-    /// what peer memory connects; returns the options in the local core's numbering.
+    /// A collective other than the all-reduce: peer memory only, so its groups stay
+    /// inside what peer memory connects; returns the options in local numbering.
     pub(crate) fn local_collective(
         &self,
         options: &crate::CollectiveOptions,
     ) -> Result<crate::CollectiveOptions> {
-        let width = if options.group_size == 0 {
-            self.world
-        } else {
-            options.group_size
-        };
-        if width > self.world || !self.world.is_multiple_of(width) {
-            return Err(Error::InvalidGroupSize {
-                group_size: options.group_size,
-                world: self.world,
-            });
-        }
+        let width = self.width(options.group_size)?;
         let local = self.local();
         if !local.is_multiple_of(width) {
             return Err(Error::Unsupported(format!(
-                "this communicator's peer memory serves groups inside {local} consecutive                  ranks ({}), and only the all-reduce falls back to the external library:                  use a group size that divides {local}",
-                match self.mode {
-                    Mode::Hierarchical { .. } => "its ranks span hosts",
-                    _ => "peer memory does not reach every rank",
-                }
+                "this communicator's peer memory serves groups inside {local} consecutive \
+                 ranks ({}), and only the all-reduce falls back to the external library: \
+                 use a group size that divides {local}",
+                self.why_not_world()
             )));
         }
         Ok(crate::CollectiveOptions {
             group_size: if width == local { 0 } else { width },
             ..*options
         })
+    }
+
+    /// The width of groups of `group_size` (0: the world), which must divide the world.
+    fn width(&self, group_size: usize) -> Result<usize> {
+        let width = if group_size == 0 {
+            self.world
+        } else {
+            group_size
+        };
+        if width > self.world || !self.world.is_multiple_of(width) {
+            return Err(Error::InvalidGroupSize {
+                group_size,
+                world: self.world,
+            });
+        }
+        Ok(width)
+    }
+
+    /// Why peer memory does not serve the whole world.
+    fn why_not_world(&self) -> &'static str {
+        match self.mode {
+            Mode::Hierarchical { .. } => "its ranks span hosts",
+            _ => "peer memory does not reach every rank",
+        }
     }
 
     /// Ranks a peer-memory group may span here.

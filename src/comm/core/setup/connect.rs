@@ -1,6 +1,5 @@
 //! Connecting a rank: which mode serves its world (peer memory, the external library,
-//! or both across hosts), decided from what every rank knows (host identities, world
-//! size, what the peer setup agreed), then the peer setup and the external handles.
+//! or both across hosts), then the peer setup and the external handles.
 
 use std::sync::Arc;
 
@@ -40,12 +39,10 @@ fn host_layout(hosts: &[HostId]) -> (usize, Option<usize>) {
 }
 
 /// Sets up one rank's core and routing: peer memory where it serves, the external
-/// library where it does not (or a typed error with [`Fallback::Refuse`]). Every
-/// world rank calls this at the same time. `bootstrap` carries the setup's exchanges,
-/// `external` the external library's (its handle keeps it; the host stand-in gathers
-/// over it for every call). With [`RankProcesses::OneProcess`] (the single controller) the
-/// external handles are not made here: one thread drives every rank, so the front door
-/// makes them together ([`needs_external`] says whether).
+/// library where not (or a typed error with [`Fallback::Refuse`]); every world rank
+/// calls it at once. `bootstrap` carries the setup's exchanges, `external` the library's.
+/// With [`RankProcesses::OneProcess`] the front door makes the external handles
+/// ([`needs_external`]).
 pub(crate) fn connect<B: Backend>(
     device: B::Device,
     bootstrap: Arc<dyn Bootstrap>,

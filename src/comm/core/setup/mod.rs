@@ -1,17 +1,11 @@
-//! Setting up the peer-memory core of a per-rank communicator over a group of ranks
-//! (the whole world, or the ranks of one host): every rank allocates its signal, the
-//! ranks exchange records and IPC handles, map each other's signals, agree that peer
-//! access exists everywhere, and check that it works. When it
-//! cannot serve, every rank learns so at the same step and gets its device back, so
-//! that the communicator can fall back to the external library.
+//! Setting up the peer-memory core over a group of ranks (the world, or one host's):
+//! signals allocated, records and IPC handles exchanged, signals mapped, peer access
+//! agreed and checked. Where it cannot serve, every rank learns so at the same step and
+//! gets its device back, to fall back to the external library.
 //!
-//! Devices are told apart by their identity ([`DeviceIdentity`]: UUID, else PCI bus
-//! id), never by ordinal: processes isolated by `CUDA_VISIBLE_DEVICES` all call their
-//! GPU device 0. Two ranks are on one device when their identities say so
-//! (`same_device`): that is what `allow_shared_devices` must allow, what caps the grid
-//! and what makes a process prepare a shared device. Ranks of one process reach each
-//! other through peer access enabled by ordinal (an ordinal means something in its own
-//! process); ranks of different processes through IPC, whatever their ordinals.
+//! Devices are told apart by [`DeviceIdentity`] (UUID, else PCI bus id), never by
+//! ordinal: isolated processes all call their GPU 0. Ranks of one process reach each
+//! other through peer access (by ordinal), of different processes through IPC.
 
 use crate::backend::handle::process_token;
 use crate::backend::{Backend, DeviceIdentity, MemoryKind};
@@ -51,8 +45,7 @@ pub(crate) enum Outcome<B: Backend> {
     Refused { device: B::Device, reason: Error },
 }
 
-/// The identity world rank `world_rank` reports for `device`: the backend's, or the
-/// one the `fault-injection` feature's `Simulation::physical_devices` gives it.
+/// The identity world rank `world_rank` reports for `device` (or a simulated one).
 pub(crate) fn identity_of<B: Backend>(
     device: &B::Device,
     world_rank: usize,
@@ -61,9 +54,8 @@ pub(crate) fn identity_of<B: Backend>(
     Ok(config.identity_of(world_rank, B::identity(device)?))
 }
 
-/// A core over this rank alone (no peers, no exchange): what a communicator whose
-/// whole-world calls go to the external library keeps for groups of one. Its signal
-/// is small (its Lamport region and payload are never used by a group of one).
+/// A core over this rank alone, for groups of one where the world goes to the external
+/// library; its signal is small (a group of one uses no Lamport region or payload).
 pub(crate) fn solo<B: Backend>(device: B::Device, config: &CommConfig) -> Result<PeerSetup<B>> {
     let arch = B::architecture(&device)?;
     let sms = B::multiprocessor_count(&device)?;
@@ -89,11 +81,9 @@ pub(crate) fn solo<B: Backend>(device: B::Device, config: &CommConfig) -> Result
     })
 }
 
-/// Sets up the core over the ranks `members` (world ranks, in group order) that
-/// `group` connects; `world` is the whole world's bootstrap, over which every rank
-/// learns whether every group succeeded. Every world rank calls this at the same time.
-/// An `Err` is a failure that is not about peer access (a bad configuration, a failed
-/// allocation, a bootstrap failure).
+/// Sets up the core over the world ranks `members` that `group` connects; every rank
+/// learns over `world` whether every group succeeded. An `Err` is a failure not about
+/// peer access (configuration, allocation, bootstrap).
 pub(crate) fn establish<B: Backend>(
     device: B::Device,
     group: &dyn Bootstrap,
@@ -128,9 +118,8 @@ pub(crate) fn establish<B: Backend>(
         .enumerate()
         .map(|(r, bytes)| PeerRecord::decode(r, bytes))
         .collect::<Result<Vec<_>>>()?;
-    // IPC handles only when some rank is in another process. Every rank makes the
-    // exchange (empty when not needed): groups of different hosts may decide
-    // differently, and their all-gathers are one world all-gather.
+    // IPC handles only where some rank is in another process; every rank exchanges
+    // (empty if unneeded): the groups' all-gathers are one world all-gather.
     let need_handles = records.iter().any(|p| !same_process(p, &records[0]));
     let mine_handle = if need_handles {
         B::export_memory(&device, &signal)?
@@ -138,8 +127,7 @@ pub(crate) fn establish<B: Backend>(
         Vec::new()
     };
     let handles = group.all_gather(&mine_handle)?;
-    // Every rank checks every record (each has them all), so that every rank of the
-    // group gives the same answer at the same step.
+    // Every rank checks every record, so the group answers alike at the same step.
     for (r, peer) in records.iter().enumerate() {
         check_peer_record(members[me], members[r], &mine, peer)?;
     }
@@ -148,8 +136,7 @@ pub(crate) fn establish<B: Backend>(
             return Err(refusal);
         }
     }
-    // The same grid on every rank of the group: from the fewest multiprocessors, then
-    // capped by the most ranks sharing one physical device.
+    // One grid on every rank: from the fewest multiprocessors, capped by sharing.
     let fewest = fewest_multiprocessors(&records);
     settings.agree_on_grid(fewest);
     settings.limit_for_shared_devices(fewest, ranks_per_device(&records));
@@ -183,8 +170,7 @@ pub(crate) fn establish<B: Backend>(
             });
         }
         peer_signals[r] = if same_process(peer, &mine) {
-            // The same process: the address is valid here once peer access is on,
-            // which is enabled by ordinal (meaningful within one process).
+            // One process: the address is valid once peer access (by ordinal) is on.
             let (theirs, ours) = (peer.identity.ordinal(), mine.identity.ordinal());
             if theirs != ours
                 && !config.simulation_blocks_pair(a, b)
@@ -199,9 +185,7 @@ pub(crate) fn establish<B: Backend>(
             }
             peer.signal_addr
         } else {
-            // Another process: its signal is mapped through IPC into this device's
-            // address space. Nothing of the import uses the peer's ordinal, which
-            // names nothing here (isolated processes all call their GPU 0).
+            // Another process: mapped through IPC; the peer's ordinal names nothing here.
             match B::import_memory(&device, &handles[r]) {
                 Ok(mapping) => {
                     let addr = B::mapping_ptr(&mapping);
@@ -223,8 +207,8 @@ pub(crate) fn establish<B: Backend>(
             }
         };
     }
-    // Every world rank learns whether any lacks peer access (this all-gather also
-    // orders every mapping before any launch).
+    // Every world rank learns whether any lacks peer access (and every mapping is
+    // ordered before any launch).
     if let Some(reason) = agree(world, problem)? {
         drop(mappings);
         drop(signal);
@@ -252,8 +236,7 @@ pub(crate) fn establish<B: Backend>(
         mappings,
         ..
     } = core;
-    // Every kernel of the check has finished on every rank (each waited before its
-    // verdict), so the signals may go.
+    // Every rank waited for the check's kernels before its verdict: the signals may go.
     drop(mappings);
     drop(signal);
     Ok(Outcome::Refused {
@@ -265,8 +248,7 @@ pub(crate) fn establish<B: Backend>(
     })
 }
 
-/// Lets `dev` reach memory of device `peer_ordinal` in this process (an ordinal of this
-/// process); `false` when the devices have no peer access.
+/// Lets `dev` reach device `peer_ordinal` of this process; `false` without peer access.
 fn enable_peer_access_to<B: Backend>(dev: &B::Device, peer_ordinal: usize) -> Result<bool> {
     let peer = B::open(peer_ordinal)?;
     if !B::can_access_peer(dev, &peer)? {

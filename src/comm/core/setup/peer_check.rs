@@ -1,13 +1,9 @@
-//! The peer-access check at initialisation. A driver's peer report is not enough
-//! (links have been seen to report P2P and return garbage), so before a communicator
-//! trusts peer memory, every rank all-reduces a known pattern through every peer
-//! mapping on the kernels' own path: one-stage (each rank reads every peer's memory)
-//! and Lamport (each rank writes into every peer's memory), and compares every
-//! element bit for bit with the exact sum (small integers, exact in f32). A wrong value
-//! or a wait that times out is a failed check: the communicator then falls back to the
-//! external library, or refuses with [`crate::Error::PeerCheckFailed`]. A link that
-//! loses writes is caught by the barrier timeout, so a communicator whose
-//! `barrier_timeout` is `None` could wait forever on such a link.
+//! The peer-access check at initialisation: a driver's report is not enough (links have
+//! reported P2P and returned garbage), so every rank all-reduces a known pattern
+//! through every peer mapping on the kernels' own path, one-stage (peer reads) and
+//! Lamport (peer writes), comparing each element with the exact sum. A wrong value or a
+//! timeout fails the check (fallback, or [`crate::Error::PeerCheckFailed`]); with
+//! `barrier_timeout: None` a link that loses writes could wait forever.
 
 use crate::backend::Backend;
 use crate::dispatch::Algorithm;
@@ -54,10 +50,8 @@ fn verdict(algorithm: Algorithm, mut got: Vec<f32>, width: usize, corrupt: bool)
     })
 }
 
-/// Runs the check on one rank (every rank of the group calls it at the same time,
-/// each from its own thread or process; the inputs are staged, as a rank that knows
-/// only its own buffers does). `Ok(Some(why))` when it failed; `Err` for failures
-/// that are not about the peers (an allocation).
+/// Runs the check on one rank (the whole group at once; inputs staged). `Ok(Some(why))`
+/// when it failed; `Err` for failures not about the peers.
 pub(crate) fn check_rank<B: Backend>(
     rank: &Endpoint<B>,
     settings: &Settings,

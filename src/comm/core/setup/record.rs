@@ -1,7 +1,5 @@
-//! The record every rank sends the others at setup (its process, device identity,
-//! multiprocessors, signal address, architecture), its wire
-//! form, and the rules the records are checked by: which ranks share a process or a
-//! physical device, the grid the group agrees on, and the shared-device refusal.
+//! The record every rank sends the others at setup, its wire form, and the rules the
+//! records are checked by (shared process or device, the agreed grid).
 
 use crate::backend::DeviceIdentity;
 use crate::error::{Error, Result};
@@ -12,12 +10,10 @@ pub(crate) const RECORD_VERSION: u8 = 4;
 /// What each rank tells the others at setup.
 #[derive(Clone, Debug, PartialEq)]
 pub(crate) struct PeerRecord {
-    /// A random number drawn once per process (`process_token`): ranks with the same
-    /// token share a process and reach each other's memory by address. A process id
-    /// would not do: processes in different pid namespaces (containers) share ids.
+    /// Drawn once per process (`process_token`): equal tokens share a process and reach
+    /// each other's memory by address (pids repeat across containers).
     pub(crate) process: u64,
-    /// The device's multiprocessors (CPU cores on the host backend): the grid is
-    /// sized from the fewest of the group.
+    /// Multiprocessors (host: CPU cores); the grid follows the group's fewest.
     pub(crate) multiprocessors: u32,
     /// The device: its ordinal in the rank's process, its UUID and PCI bus id.
     pub(crate) identity: DeviceIdentity,
@@ -95,16 +91,13 @@ pub(crate) fn fewest_multiprocessors(records: &[PeerRecord]) -> usize {
         .max(1)
 }
 
-/// Whether two ranks are on one physical device: their identities say so (UUID, else
-/// PCI bus id). Where neither tells, ranks of one process are on one device when their
-/// ordinals agree (an ordinal names a device within its process), and ranks of
-/// different processes are taken to be on different devices.
+/// Whether two ranks are on one physical device by identity (UUID, else PCI bus id);
+/// with neither, ranks of one process compare ordinals, of two processes differ.
 pub(crate) fn same_device(a: &PeerRecord, b: &PeerRecord) -> bool {
     same_identity(&a.identity, &b.identity, same_process(a, b))
 }
 
-/// [`same_device`] over bare identities, `one_process` saying whether both were made
-/// by one process.
+/// [`same_device`] over bare identities (`one_process`: both made by one process).
 pub(crate) fn same_identity(a: &DeviceIdentity, b: &DeviceIdentity, one_process: bool) -> bool {
     a.same_device(b)
         .unwrap_or(one_process && a.ordinal() == b.ordinal())

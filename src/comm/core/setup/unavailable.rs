@@ -1,6 +1,5 @@
-//! When peer access is unavailable: the typed error with its cause and fix hint, and
-//! how every rank of the world learns the same answer (an all-gather of each rank's
-//! problem at setup).
+//! When peer access is unavailable: the typed error with its hint, agreed by every rank
+//! of the world.
 
 use crate::backend::DeviceIdentity;
 use crate::bootstrap::Bootstrap;
@@ -8,8 +7,7 @@ use crate::error::{Error, Result};
 
 use crate::comm::core::setup::record::put_text;
 
-/// All-gathers each rank's problem over the world; the first rank's problem, if any
-/// rank has one, is every rank's answer.
+/// All-gathers each rank's problem over the world; the first one is every rank's answer.
 pub(crate) fn agree(world: &dyn Bootstrap, problem: Option<Error>) -> Result<Option<Error>> {
     let code = match &problem {
         Some(e @ Error::P2pUnavailable { .. }) => encode_unavailable(e),
@@ -115,8 +113,7 @@ pub(crate) fn import_hint(backend: &str) -> String {
     )
 }
 
-/// The typed error for missing peer access from rank `a` (on `ia`) to rank `b` (on
-/// `ib`), world ranks.
+/// The typed error for missing peer access from world rank `a` (on `ia`) to `b` (`ib`).
 pub(crate) fn p2p_unavailable(
     a: usize,
     ia: &DeviceIdentity,
