@@ -221,7 +221,7 @@ impl<B: Backend> Comm<B> {
         // No in-place form: the residual is read and written, the input read in
         // place by the peers.
         self.check_overlaps(
-            &[
+            [
                 (i, bytes, "input", false),
                 (w, weight_bytes, "weight", false),
                 (r, bytes, "residual", true),
@@ -283,7 +283,7 @@ impl<B: Backend> Comm<B> {
         let (output, out_guard) = recv.write_ptr(dev);
         if let Some((_, in_bytes)) = &in_guard {
             self.check_overlaps(
-                &[
+                [
                     (input, *in_bytes, "input", false),
                     (output, out_bytes, "output", true),
                 ],

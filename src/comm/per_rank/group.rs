@@ -179,7 +179,7 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
                     // Before anything is launched; sizes were checked with the call.
                     let bytes = p.call.elements * p.call.dtype.size();
                     comm.check_overlaps(
-                        &[
+                        [
                             (input, bytes, "input", false),
                             (output, bytes, "output", true),
                         ],

@@ -288,7 +288,7 @@ impl<B: Backend> Comm<B> {
         let (input, in_guard) = send.read_ptr(dev);
         let (output, out_guard) = recv.write_ptr(dev);
         let in_place = self.check_overlaps(
-            &[
+            [
                 (input, bytes, "input", false),
                 (output, bytes, "output", true),
             ],
@@ -330,28 +330,20 @@ impl<B: Backend> Comm<B> {
 
     /// Checks this rank's buffers of a call, `(address, bytes, role, written)` (at most
     /// four), with [`check_overlaps`]: `true` where input and output are one range.
-    pub(super) fn check_overlaps(
+    pub(super) fn check_overlaps<const N: usize>(
         &self,
-        buffers: &[(u64, usize, &'static str, bool)],
+        buffers: [(u64, usize, &'static str, bool); N],
         in_place: bool,
     ) -> Result<bool> {
-        let mut spans = [Span {
-            rank: self.rank(),
-            which: "",
-            ptr: 0,
-            bytes: 0,
-            written: false,
-        }; 4];
-        for (span, &(ptr, bytes, which, written)) in spans.iter_mut().zip(buffers) {
-            *span = Span {
-                ptr,
-                bytes,
-                which,
-                written,
-                ..*span
-            };
-        }
-        check_overlaps(&spans[..buffers.len()], in_place)
+        let rank = self.rank();
+        let spans = buffers.map(|(ptr, bytes, which, written)| Span {
+            rank,
+            which,
+            ptr,
+            bytes,
+            written,
+        });
+        check_overlaps(&spans, in_place)
     }
 
     /// Where the peers read an input of `bytes` bytes at `ptr`: in place from a

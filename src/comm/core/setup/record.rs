@@ -36,37 +36,52 @@ impl PeerRecord {
     }
 
     pub(crate) fn decode(rank: usize, bytes: &[u8]) -> Result<Self> {
-        let bad = || Error::InvalidConfig(format!("rank {rank} sent a malformed setup record"));
-        let mut at = 0usize;
-        let mut take = |n: usize| -> Result<&[u8]> {
-            let field = bytes.get(at..at + n).ok_or_else(bad)?;
-            at += n;
-            Ok(field)
-        };
-        if take(1)?[0] != RECORD_VERSION {
+        let mut r = Reader(bytes);
+        if r.take(1).is_some_and(|v| v[0] != RECORD_VERSION) {
             return Err(Error::InvalidConfig(format!(
                 "rank {rank} runs another peercomm version (setup record format)"
             )));
         }
-        let process = u64::from_le_bytes(take(8)?.try_into().unwrap());
-        let multiprocessors = u32::from_le_bytes(take(4)?.try_into().unwrap());
-        let ordinal = u64::from_le_bytes(take(8)?.try_into().unwrap()) as usize;
-        let signal_addr = u64::from_le_bytes(take(8)?.try_into().unwrap());
-        let uuid: [u8; 16] = take(16)?.try_into().unwrap();
-        let mut text = || -> Result<String> {
-            let n = u32::from_le_bytes(take(4)?.try_into().unwrap()) as usize;
-            String::from_utf8(take(n)?.to_vec()).map_err(|_| bad())
+        let mut read = || -> Option<PeerRecord> {
+            let (process, multiprocessors) = (r.u64()?, r.u32()?);
+            let (ordinal, signal_addr) = (r.u64()? as usize, r.u64()?);
+            let uuid: [u8; 16] = r.take(16)?.try_into().ok()?;
+            let (pci, arch) = (r.text()?, r.text()?);
+            let identity = DeviceIdentity::new(ordinal, Some(uuid), Some(&pci));
+            Some(PeerRecord {
+                process,
+                multiprocessors,
+                identity,
+                signal_addr,
+                arch,
+            })
         };
-        let pci = text()?;
-        let arch = text()?;
-        let identity = DeviceIdentity::new(ordinal, Some(uuid), Some(&pci));
-        Ok(PeerRecord {
-            process,
-            multiprocessors,
-            identity,
-            signal_addr,
-            arch,
+        read().ok_or_else(|| {
+            Error::InvalidConfig(format!("rank {rank} sent a malformed setup record"))
         })
+    }
+}
+
+/// Reads little-endian fields off the front of a wire record; `None` past its end.
+pub(crate) struct Reader<'a>(pub(crate) &'a [u8]);
+
+impl<'a> Reader<'a> {
+    /// The next `n` bytes.
+    pub(crate) fn take(&mut self, n: usize) -> Option<&'a [u8]> {
+        let (head, tail) = self.0.split_at_checked(n)?;
+        self.0 = tail;
+        Some(head)
+    }
+    pub(crate) fn u32(&mut self) -> Option<u32> {
+        Some(u32::from_le_bytes(self.take(4)?.try_into().ok()?))
+    }
+    pub(crate) fn u64(&mut self) -> Option<u64> {
+        Some(u64::from_le_bytes(self.take(8)?.try_into().ok()?))
+    }
+    /// Text written by [`put_text`].
+    pub(crate) fn text(&mut self) -> Option<String> {
+        let n = self.u32()? as usize;
+        String::from_utf8(self.take(n)?.to_vec()).ok()
     }
 }
 

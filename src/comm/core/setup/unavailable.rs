@@ -5,7 +5,7 @@ use crate::backend::DeviceIdentity;
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 
-use crate::comm::core::setup::record::put_text;
+use crate::comm::core::setup::record::{put_text, Reader};
 
 /// All-gathers each rank's problem over the world; the first one is every rank's answer.
 pub(crate) fn agree(world: &dyn Bootstrap, problem: Option<Error>) -> Result<Option<Error>> {
@@ -50,23 +50,13 @@ pub(crate) fn encode_unavailable(e: &Error) -> Vec<u8> {
 
 /// The error [`encode_unavailable`] wrote, or `None` for anything else.
 pub(crate) fn decode_unavailable(bytes: &[u8]) -> Option<Error> {
-    let (&tag, mut rest) = bytes.split_first()?;
-    if tag != 1 {
+    let mut r = Reader(bytes);
+    if r.take(1)? != [1] {
         return None;
     }
-    let mut take = |n: usize| -> Option<&[u8]> {
-        let (head, tail) = rest.split_at_checked(n)?;
-        rest = tail;
-        Some(head)
-    };
-    let mut number =
-        || -> Option<usize> { Some(u64::from_le_bytes(take(8)?.try_into().ok()?) as usize) };
+    let mut number = || r.u64().map(|n| n as usize);
     let (from, to, from_rank, to_rank) = (number()?, number()?, number()?, number()?);
-    let mut text = || -> Option<String> {
-        let n = u32::from_le_bytes(take(4)?.try_into().ok()?) as usize;
-        String::from_utf8(take(n)?.to_vec()).ok()
-    };
-    let (detail, hint) = (text()?, text()?);
+    let (detail, hint) = (r.text()?, r.text()?);
     Some(Error::P2pUnavailable {
         from,
         to,
