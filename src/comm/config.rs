@@ -7,16 +7,15 @@ use crate::bootstrap::HostId;
 use crate::dispatch::Algorithm;
 use crate::error::{Error, Result};
 use crate::external::FallbackConfig;
-#[cfg(feature = "fault-injection")]
 use crate::external::Simulation;
 
 /// Sizes and limits of a communicator.
 ///
 /// # Memory footprint
 /// Each rank allocates one signal allocation on its device and nothing else: a fixed
-/// 8.28 MiB header (counters, arrivals with their call descriptors, Lamport state, error record), a Lamport region of
-/// 3 generations x world-size slots x `lamport_slot_bytes`, and `payload_bytes`.
-/// [`CommConfig::memory_footprint`] computes it before building,
+/// 8.28 MiB header (counters, arrivals with their call descriptors, Lamport state, error
+/// record), a Lamport region of 3 generations x world-size slots x `lamport_slot_bytes`,
+/// and `payload_bytes`. [`CommConfig::memory_footprint`] computes it before building,
 /// `SingleController::memory_footprint` / `Comm::memory_footprint` after. Per rank:
 ///
 /// | configuration | world 2 | world 4 | world 8 |
@@ -25,13 +24,10 @@ use crate::external::Simulation;
 /// | `for_largest_message(1 << 20, BF16)` (2 MiB payload, 1 MiB + 64 B slot) | 16.3 MiB | 22.3 MiB | 34.3 MiB |
 /// | 48 MiB slot, 64 MiB payload (Lamport forced at 48 MiB) | 360.3 MiB | 648.3 MiB | 1224.3 MiB |
 ///
-/// [`CommConfig::for_largest_message`] sizes the scratch from the largest message a
-/// user will send; `SingleController::algorithm_for` / `Comm::algorithm_for` say whether
-/// a message fits an algorithm, and if not, by how many bytes.
-///
+/// [`CommConfig::for_largest_message`] sizes the scratch from the largest message;
+/// `algorithm_for` says whether a message fits an algorithm, and if not, by how much.
 /// Built from [`CommConfig::default`] or [`CommConfig::for_largest_message`] and the
-/// `with_*` methods (the type may gain fields, so it has no struct literal outside
-/// the crate):
+/// `with_*` methods (no struct literal outside the crate):
 ///
 /// ```
 /// use std::time::Duration;
@@ -45,100 +41,67 @@ use crate::external::Simulation;
 #[derive(Clone, Debug)]
 #[non_exhaustive]
 pub struct CommConfig {
-    /// Bytes of one Lamport slot: the largest message (per rank, rounded up to whole
-    /// 16-byte packs) the Lamport algorithm takes. The region holds 3 x world-size slots
-    /// per rank.
+    /// Bytes of one Lamport slot: the largest message (per rank, in whole 16-byte
+    /// packs) the Lamport algorithm takes. The region holds 3 x world-size slots.
     pub lamport_slot_bytes: usize,
-    /// Bytes of scratch per rank. A staged kernel (every per-rank call whose peers
-    /// read its input, and an in-place one-stage call in one process) copies what its
-    /// peers read into it; a message larger than the payload runs through it in chunks
-    /// of half of it, pipelined (one half is staged while the peers read the other),
-    /// one barrier more per chunk, with the same bits as staged whole. Chunks are whole
-    /// 16-byte packs (per member's part for reduce-scatter and scatter) or, for the
-    /// fused all-reduce + RMSNorm, whole rows, so a payload below two of them refuses
-    /// the call ([`crate::Error::MessageTooLarge`]). The two-stage kernel needs one
-    /// partition of the message whole (`Auto` prefers an algorithm whose scratch holds
-    /// the message whole over chunks), and a batch of group calls all its entries
-    /// (else they run one by one).
+    /// Bytes of scratch per rank, into which a staged kernel copies what its peers
+    /// read. A larger message runs through it in pipelined chunks of half of it (one
+    /// barrier more per chunk, the same bits); chunks are whole 16-byte packs (per
+    /// member's part for reduce-scatter and scatter) or whole rows for the fused
+    /// RMSNorm, so a payload below two of them is [`crate::Error::MessageTooLarge`].
+    /// Two-stage needs one partition whole (`Auto` prefers an algorithm that holds the
+    /// message whole), and a batch of group calls all its entries (else one by one).
     pub payload_bytes: usize,
-    /// A barrier (or a Lamport wait) that spins longer than this gives up and records
+    /// A barrier (or Lamport wait) that spins longer than this gives up and records
     /// [`crate::Error::BarrierTimeout`]; `None` waits forever.
     ///
-    /// The error is reported within 2 x `barrier_timeout` (+ launch and copy latency),
-    /// not within `barrier_timeout`: the block that gave up tells its group peers it
-    /// will not touch their memory again, then waits at most one more
-    /// `barrier_timeout` for each peer to say the same (the abandon protocol), so that
-    /// its kernel cannot end, and the user free or reuse its buffers, while a late peer
-    /// still reads them. A collective that a peer never makes therefore ends, and
-    /// `synchronize` returns its error, at most 2 x `barrier_timeout` after the
-    /// collective started on the device (later only by the launch, the stream's
-    /// earlier work and the copy of the error record). Measured on one H200 with 2 s:
-    /// 4.00 s. Each wait that a peer does satisfy in time starts the next wait's clock
-    /// afresh, so a peer that is slow rather than absent can keep a collective running
-    /// longer.
-    ///
-    /// The per-rank [`crate::Comm`] also keeps memory that a peer's kernel may still
-    /// write into for 2 x `barrier_timeout` (plus a margin) past a drop whose peers did
-    /// not all confirm the teardown, and with `None` until the process exits (see
-    /// `Drop for Comm`). It requires `bootstrap_timeout >= barrier_timeout`.
+    /// The error comes within 2 x `barrier_timeout` (+ launch and copy latency): the
+    /// block that gave up tells its peers it will not touch their memory again, then
+    /// waits at most one more `barrier_timeout` for each peer to say the same, so that
+    /// its buffers are not freed while a late peer still reads them (measured on one
+    /// H200 with 2 s: 4.00 s). A wait satisfied in time restarts the clock, so a slow
+    /// peer can keep a collective running longer. The per-rank [`crate::Comm`] keeps
+    /// memory a peer may still write for 2 x `barrier_timeout` (plus a margin) past a
+    /// drop whose peers did not all confirm the teardown (`None`: until exit).
     pub barrier_timeout: Option<Duration>,
     /// Upper bound of blocks per launch (at most `MAX_NUM_BLOCKS_UPPER_BOUND`); `None`
     /// derives it from the device's multiprocessor count.
     pub max_blocks: Option<u32>,
     /// Threads per block on GPUs (the host backend runs one thread per block).
     pub threads_per_block: u32,
-    /// Testing aid: lets several ranks share one device, each with its own stream and
-    /// signal buffer, so 4- and 8-rank schedules run on fewer GPUs. "One device" is
-    /// one physical device, told by [`crate::Backend::identity`] (UUID, else PCI bus
-    /// id), not by ordinal: processes isolated by `CUDA_VISIBLE_DEVICES`, each on its
-    /// device 0, do not share and need no such permission. Every rank's blocks
-    /// must be resident at once (ranks spin waiting for each other), so where k ranks
-    /// share a device each gets at most multiprocessors / k blocks (whatever
-    /// `max_blocks` says above that). Ranks in one process on one GPU also share its
-    /// context: anything that waits for the whole context (a first use of a kernel
-    /// module, `cuCtxSynchronize`, a non-stream-ordered allocation) while a peer's
-    /// collective spins waiting for this rank stalls both until the barrier timeout, so
-    /// load kernels and allocate before the ranks' first collective. Timings mean
-    /// nothing then; ranks in different processes on one GPU time-slice (no MPS), a
-    /// scheduling slice per barrier.
-    /// On CUDA a shared GPU's default memory pool stops reusing memory across streams
-    /// through internal dependencies (see `Backend::prepare_shared_device`): with ranks
-    /// driven by different threads, such a dependency could make one rank's stream
-    /// wait for another's that waits for it.
+    /// Testing aid: lets several ranks share one physical device (told by
+    /// [`crate::Backend::identity`], not by ordinal), each with its own stream and
+    /// signal buffer. Ranks spin waiting for each other, so where k ranks share a
+    /// device each gets at most multiprocessors / k blocks. Ranks in one process on one
+    /// GPU share its context: anything that waits for the whole context (a kernel
+    /// module's first use, `cuCtxSynchronize`, a non-stream-ordered allocation) while a
+    /// peer spins stalls both until the barrier timeout, so load kernels and allocate
+    /// first. Timings mean nothing then. On CUDA a shared GPU's default memory pool
+    /// stops reusing memory across streams (`Backend::prepare_shared_device`), which
+    /// could make one rank's stream wait for another's that waits for it.
     pub allow_shared_devices: bool,
     /// How long the per-rank [`crate::Comm`] waits for the other ranks at setup and at
-    /// each bootstrap step of re-initialisation. Dropping a `Comm` waits for the peers'
-    /// teardown at most `TEARDOWN_BARRIER_TIMEOUT` (1 s), not this long (see
-    /// `Drop for Comm`).
-    ///
-    /// [`crate::Comm::from_rank`] and [`crate::Comm::from_bootstrap`] refuse with
-    /// [`crate::Error::InvalidConfig`] a `bootstrap_timeout` shorter than
-    /// `barrier_timeout` (a `None` barrier timeout sets no floor): a rank that waits less
-    /// on the host than its kernels wait on the device cannot tell a slow peer from a
-    /// gone one. The single-controller [`crate::SingleController`] has no bootstrap and
-    /// ignores this field.
+    /// each bootstrap step of re-initialisation (a drop waits for the peers' teardown
+    /// at most 1 s). Shorter than `barrier_timeout` is [`crate::Error::InvalidConfig`]:
+    /// a rank that waits less on the host than its kernels on the device cannot tell a
+    /// slow peer from a gone one. The [`crate::SingleController`] ignores it.
     pub bootstrap_timeout: Duration,
     /// Where peer memory cannot serve (no working peer access, several hosts, more
     /// than `MAX_GPUS` ranks): hand the calls to NCCL/RCCL (the default) or refuse;
-    /// and whether to route by message size (default: never). See
-    /// the `external` module.
+    /// and whether to route by message size (default: never).
     pub fallback: FallbackConfig,
     /// For testing only: simulate missing peer access, a failed peer check, or ranks
     /// on several hosts (see [`Simulation`]). Only with the `fault-injection` feature.
     #[cfg(feature = "fault-injection")]
     pub simulate: Simulation,
-    /// Single controller only: enqueue each rank's kernel of a collective from its own
-    /// launch thread (rank 0's from the calling thread), all at once, instead of one
-    /// rank after the other from the calling thread (default: on). A kernel launch
-    /// costs the host a few microseconds (~3.5 us with CUDA), so in a loop over the
-    /// ranks an eager call's host time grows with the world; in parallel it stays near
-    /// one launch. The [`crate::SingleController`] starts one thread per rank but rank 0
-    /// when it is built (world > 1), joined when it is dropped; between calls they
-    /// spin for about 100 us, then sleep. Results, stream order and errors are the
-    /// same either way. [`crate::SingleController::set_parallel_launch`] switches it at
-    /// run time (this field is where it starts). The per-rank [`crate::Comm`] (one
-    /// rank per thread or process, each launching its own) ignores it, and ranks need
-    /// not agree on it (it is not among the fields they compare).
+    /// Single controller only: enqueue each rank's kernel from its own launch thread
+    /// (rank 0's from the caller), all at once, instead of one after the other
+    /// (default: on). A launch costs the host a few microseconds (~3.5 us with CUDA),
+    /// so in a loop a call's host time grows with the world. The threads (one per rank
+    /// but rank 0) live as long as the controller and spin ~100 us between calls, then
+    /// sleep. Results, stream order and errors are the same either way;
+    /// [`crate::SingleController::set_parallel_launch`] switches it at run time. Ranks
+    /// need not agree on it.
     pub parallel_launch: bool,
 }
 
@@ -184,6 +147,13 @@ impl CommConfig {
         self
     }
     /// With [`CommConfig::simulate`] (testing only; `fault-injection` feature).
+    ///
+    /// ```
+    /// use peercomm::{CommConfig, Simulation};
+    ///
+    /// let config = CommConfig::default().with_simulate(Simulation::default().with_no_peer_access((0, 1)));
+    /// assert!(config.simulate.is_active());
+    /// ```
     #[cfg(feature = "fault-injection")]
     pub fn with_simulate(mut self, simulate: Simulation) -> Self {
         self.simulate = simulate;
@@ -195,68 +165,50 @@ impl CommConfig {
         self
     }
 
-    /// The host identities the simulation gives the world ranks, if any (none
-    /// without the `fault-injection` feature).
-    pub(crate) fn simulated_hosts(&self) -> Option<&[HostId]> {
+    /// The simulation (none without the `fault-injection` feature).
+    fn simulation(&self) -> Option<&Simulation> {
         #[cfg(feature = "fault-injection")]
-        return self.simulate.hosts.as_deref();
+        return Some(&self.simulate).filter(|s| s.is_active());
         #[cfg(not(feature = "fault-injection"))]
         None
+    }
+
+    /// The host identities the simulation gives the world ranks, if any.
+    pub(crate) fn simulated_hosts(&self) -> Option<&[HostId]> {
+        self.simulation()?.hosts.as_deref()
     }
 
     /// The multiprocessor count world rank `rank` reports: the simulated one, or
     /// `real`.
     pub(crate) fn multiprocessors_of(&self, rank: usize, real: usize) -> usize {
-        #[cfg(feature = "fault-injection")]
-        return self.simulate.multiprocessors_of(rank, real);
-        #[cfg(not(feature = "fault-injection"))]
-        {
-            let _ = rank;
-            real
-        }
+        self.simulation()
+            .map_or(real, |s| s.multiprocessors_of(rank, real))
     }
 
     /// The identity world rank `rank` reports: the simulated physical device's (with
     /// the ordinal of `real`), or `real`.
     pub(crate) fn identity_of(&self, rank: usize, real: DeviceIdentity) -> DeviceIdentity {
-        #[cfg(feature = "fault-injection")]
-        return self.simulate.identity_of(rank, real);
-        #[cfg(not(feature = "fault-injection"))]
-        {
-            let _ = rank;
-            real
+        match self.simulation() {
+            Some(s) => s.identity_of(rank, real),
+            None => real,
         }
     }
 
     /// Whether the simulation removes peer access between world ranks `a` and `b`.
     pub(crate) fn simulation_blocks_pair(&self, a: usize, b: usize) -> bool {
-        #[cfg(feature = "fault-injection")]
-        return self.simulate.blocks_pair(a, b);
-        #[cfg(not(feature = "fault-injection"))]
-        {
-            let _ = (a, b);
-            false
-        }
+        self.simulation().is_some_and(|s| s.blocks_pair(a, b))
     }
 
     /// Whether the simulation corrupts the peer check of world rank `rank`.
     pub(crate) fn simulation_fails_peer_check(&self, rank: usize) -> bool {
-        #[cfg(feature = "fault-injection")]
-        return self.simulate.fail_peer_check == Some(rank);
-        #[cfg(not(feature = "fault-injection"))]
-        {
-            let _ = rank;
-            false
-        }
+        self.simulation()
+            .is_some_and(|s| s.fail_peer_check == Some(rank))
     }
 
-    /// The simulation as the ranks compare it: `none`, or a hash of the switches.
-    fn simulation_code(&self) -> String {
-        #[cfg(feature = "fault-injection")]
-        if self.simulate.is_active() {
-            return format!("{:?}", self.simulate.code());
-        }
-        "none".to_string()
+    /// The simulation as the ranks compare it: `none`, or its switches.
+    fn simulation_text(&self) -> String {
+        self.simulation()
+            .map_or_else(|| "none".to_string(), |s| format!("{s:?}"))
     }
 
     /// What the per-rank [`crate::Comm`] needs of the timeouts (see
@@ -357,7 +309,7 @@ pub(crate) fn config_fields(config: &CommConfig) -> Vec<(&'static str, String)> 
             config.allow_shared_devices.to_string(),
         ),
         ("fallback", format!("{:?}", config.fallback)),
-        ("simulate", config.simulation_code()),
+        ("simulate", config.simulation_text()),
     ]
 }
 

@@ -1,13 +1,8 @@
-//! The host stand-in for NCCL: the external library of the host backend, so that the
-//! routing to an external library runs (and is tested) anywhere.
-//!
-//! A call is a job on the rank's host stream (like a kernel): it reads this rank's
-//! elements, all-gathers them over a [`Bootstrap`] (the per-rank communicator's own,
-//! or an in-process one for the single controller), sums the group's contributions in
-//! group rank order in f32 (f16 and bf16 widened), exactly as peercomm's kernels do,
-//! and writes the result. Every rank therefore gets identical bits, and the same bits
-//! as peercomm's own algorithms. An exchange that fails (a rank that never makes the
-//! call: the bootstrap's timeout) is reported by the next `synchronize`.
+//! The host stand-in for NCCL: the host backend's external library, so that the
+//! routing to an external library runs (and is tested) anywhere. A call is a job on the
+//! rank's host stream: it all-gathers this rank's elements over a [`Bootstrap`], sums
+//! them in group rank order in f32 as peercomm's kernels do (the same bits), and writes
+//! the result. A failed exchange is reported by the next `synchronize`.
 
 use std::sync::{Arc, Mutex};
 
@@ -139,51 +134,27 @@ impl ExternalAllReduce<Host> for HostAllReduce {
 
 /// The element-wise sum of `parts` (little-endian elements of `dtype`) in order, in f32.
 fn sum_in_order(dtype: DType, parts: &[&[u8]]) -> Vec<u8> {
-    fn typed<T: Element + ToBytes>(
-        parts: &[&[u8]],
-        width: usize,
-        from: impl Fn(&[u8]) -> T,
-    ) -> Vec<u8> {
-        let n = parts[0].len() / width;
-        let mut out = Vec::with_capacity(parts[0].len());
-        for e in 0..n {
-            let at = |p: &[u8]| from(&p[e * width..(e + 1) * width]).to_f32();
-            let mut acc = at(parts[0]);
-            for p in &parts[1..] {
-                acc += at(p);
-            }
-            out.extend_from_slice(&T::from_f32(acc).bytes());
-        }
-        out
+    fn typed<T: Element>(parts: &[&[u8]]) -> Vec<u8> {
+        let width = std::mem::size_of::<T>();
+        let at = |p: &[u8], e: usize| {
+            let mut bits = [0u8; 4];
+            bits[..width].copy_from_slice(&p[e * width..(e + 1) * width]);
+            T::from_bits_u32(u32::from_le_bytes(bits)).to_f32()
+        };
+        (0..parts[0].len() / width)
+            .flat_map(|e| {
+                let sum = parts[1..]
+                    .iter()
+                    .fold(at(parts[0], e), |acc, p| acc + at(p, e));
+                let bits = T::from_f32(sum).to_bits_u32().to_le_bytes();
+                bits.into_iter().take(width)
+            })
+            .collect()
     }
     match dtype {
-        DType::F32 => typed::<f32>(parts, 4, |b| f32::from_le_bytes(b.try_into().unwrap())),
-        DType::F16 => typed::<half::f16>(parts, 2, |b| {
-            half::f16::from_le_bytes(b.try_into().unwrap())
-        }),
-        DType::BF16 => typed::<half::bf16>(parts, 2, |b| {
-            half::bf16::from_le_bytes(b.try_into().unwrap())
-        }),
-    }
-}
-
-/// Little-endian bytes of an element.
-trait ToBytes {
-    fn bytes(self) -> Vec<u8>;
-}
-impl ToBytes for f32 {
-    fn bytes(self) -> Vec<u8> {
-        self.to_le_bytes().to_vec()
-    }
-}
-impl ToBytes for half::f16 {
-    fn bytes(self) -> Vec<u8> {
-        self.to_le_bytes().to_vec()
-    }
-}
-impl ToBytes for half::bf16 {
-    fn bytes(self) -> Vec<u8> {
-        self.to_le_bytes().to_vec()
+        DType::F32 => typed::<f32>(parts),
+        DType::F16 => typed::<half::f16>(parts),
+        DType::BF16 => typed::<half::bf16>(parts),
     }
 }
 
@@ -207,5 +178,8 @@ mod tests {
         assert_eq!(got[0].to_bits(), ((1e8f32 + 1.0) + -1e8f32).to_bits());
         assert_eq!(got[1].to_bits(), (-0.0f32).to_bits());
         assert!(got[2].is_nan());
+        let h = |v: f32| half::bf16::from_f32(v).to_le_bytes();
+        let out = sum_in_order(DType::BF16, &[&h(1.5)[..], &h(2.25)[..], &h(-0.25)[..]]);
+        assert_eq!(out, h(3.5));
     }
 }

@@ -1,35 +1,16 @@
 //! External collectives: another library (NCCL on CUDA, RCCL on AMD, a host stand-in
-//! on the host backend) that runs an all-reduce where peer memory cannot serve.
+//! on the host backend) that runs an all-reduce where peer memory cannot serve (no
+//! working peer access, several hosts, more than [`crate::MAX_GPUS`] ranks). Such
+//! calls say so: they return [`crate::Algorithm::Nccl`] (or
+//! [`crate::Algorithm::Hierarchical`]: peer memory inside each host, the library
+//! across hosts). [`FallbackConfig`] chooses: [`Fallback::Refuse`] makes those cases
+//! typed errors instead; [`SizeRouting`] (default: never) opts in to routing by size,
+//! where the library's other order of summation can change a result's last bits.
 //!
-//! peercomm's own kernels need every pair of ranks to reach each other's memory: one
-//! host, at most [`crate::MAX_GPUS`] ranks, peer access that works. Where that does
-//! not hold, the communicator hands the call to the external library instead of
-//! failing, and says so: the call returns [`crate::Algorithm::Nccl`] (or
-//! [`crate::Algorithm::Hierarchical`] when the ranks span hosts with several GPUs
-//! each: peer memory inside each host, the library across hosts).
-//! [`FallbackConfig`] in [`crate::CommConfig`] chooses:
-//!
-//! - [`Fallback::External`] (the default): fall back when some pair of ranks has no
-//!   peer access or fails the check at initialisation, when the ranks run on several
-//!   hosts, or when the world is larger than `MAX_GPUS`.
-//!   [`Fallback::Refuse`] keeps "peer memory or nothing": those cases are typed errors
-//!   ([`crate::Error::P2pUnavailable`], [`crate::Error::PeerCheckFailed`],
-//!   [`crate::Error::Unsupported`], [`crate::Error::InvalidWorldSize`]).
-//! - [`SizeRouting`]: by default a communicator on working peer memory never routes by
-//!   message size, so an element's result does not depend on the size of the message
-//!   it is in (peercomm sums every element in rank order whatever the algorithm).
-//!   Opting in ([`SizeRouting::Table`] or [`SizeRouting::Above`]) sends the sizes where
-//!   the external library is faster to it; its order of summation differs from
-//!   peercomm's, so the last bits of a result can then change with the message size.
-//!
-//! The library is behind a trait ([`ExternalAllReduce`], one rank's handle; an
-//! [`ExternalLibrary`] makes them), so the routing is tested on the host backend in CI
-//! with the host stand-in ([`host`]), which sums in rank order like peercomm's kernels.
-//!
-//! Which library serves which backend is said here, not in the backends:
-//! [`HasExternalLibrary`] is implemented per backend next to its library (the host
-//! stand-in in [`host`], NCCL in `nccl`, RCCL in `rccl`), and [`library_of`] finds it
-//! for code generic over any [`Backend`].
+//! The library sits behind [`ExternalLibrary`] / [`ExternalAllReduce`], so the routing
+//! is tested in CI with the host stand-in ([`host`]), which sums in rank order like
+//! peercomm's kernels. [`HasExternalLibrary`] names each backend's library;
+//! [`library_of`] finds it for code generic over any [`Backend`].
 
 use std::any::Any;
 use std::sync::Arc;
@@ -46,12 +27,14 @@ pub(crate) mod local;
 pub mod nccl;
 #[cfg(feature = "hip")]
 pub mod rccl;
-#[cfg(feature = "fault-injection")]
+#[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
 mod simulate;
 pub(crate) mod sub;
 
 #[cfg(feature = "fault-injection")]
 pub use simulate::Simulation;
+#[cfg(not(feature = "fault-injection"))]
+pub(crate) use simulate::Simulation;
 
 /// What a communicator does where peer memory cannot serve it.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -73,18 +56,16 @@ pub enum SizeRouting {
     /// Never (the default): results do not depend on the message size.
     #[default]
     Never,
-    /// Where the dispatch table (`external_from`) says the external
-    /// library is faster for this architecture and group width. Opting in can change
-    /// the last bits of a result with the message size (the library sums in another
-    /// order).
+    /// Where the dispatch table (`external_from`) says the external library is faster;
+    /// the last bits of a result can then change with the message size.
     Table,
-    /// Messages of at least this many bytes per rank (whole-world calls). The same
-    /// caveat as `Table`.
+    /// Messages of at least this many bytes per rank (whole-world calls), with the same
+    /// caveat.
     Above(usize),
 }
 
-/// The fallback settings of a communicator (part of [`crate::CommConfig`]; every rank
-/// must pass the same), built from [`FallbackConfig::default`] or
+/// The fallback settings of a communicator (part of [`crate::CommConfig`]; the same on
+/// every rank), built from [`FallbackConfig::default`] or
 /// [`FallbackConfig::peer_memory_only`] and the `with_*` methods.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -187,11 +168,8 @@ pub trait ExternalLibrary<B: Backend>: Send + Sync {
     }
 }
 
-/// The external collective library of a backend: the one that serves where peer memory
-/// cannot (NCCL on CUDA, RCCL on AMD, the host stand-in on the host backend).
-/// Implemented in this module's files, each beside the library it names ([`host`],
-/// `nccl`, `rccl`); the communicators, generic over any [`Backend`], reach it through
-/// [`library_of`].
+/// The external collective library of a backend (NCCL on CUDA, RCCL on AMD, the host
+/// stand-in on the host backend), implemented beside each library.
 ///
 /// ```
 /// use peercomm::backend::host::Host;
@@ -207,11 +185,9 @@ pub trait HasExternalLibrary: Backend {
     fn external_library() -> &'static dyn ExternalLibrary<Self>;
 }
 
-/// The external library of backend `B`: [`HasExternalLibrary::external_library`] for the
-/// backends of this crate (host, and CUDA and HIP when built), and for any other
-/// backend an [`Unavailable`] library (every use is
-/// [`crate::Error::ExternalUnavailable`]). Needs no more than `B: Backend`, so the
-/// communicators' generic signatures do not name this module's trait.
+/// The external library of backend `B`: [`HasExternalLibrary::external_library`] for
+/// this crate's backends, an [`Unavailable`] one for any other. Needs only
+/// `B: Backend`, so the communicators' signatures do not name this module's trait.
 ///
 /// ```
 /// use peercomm::backend::host::Host;
@@ -236,6 +212,43 @@ pub fn library_of<B: Backend>() -> &'static dyn ExternalLibrary<B> {
     #[cfg(feature = "hip")]
     let found = found.or_else(registered::<crate::backend::hip::Hip, B>);
     found.unwrap_or(&NONE)
+}
+
+/// The group leader's 128-byte unique id (made by `make_id` on the leader,
+/// `members[0]`), gathered in one all-gather, and this rank's index in `members`.
+/// Every rank takes part, even one whose library did not load (`loaded`), so that
+/// the others fail with a bootstrap error instead of waiting.
+#[cfg(any(feature = "cuda", feature = "hip"))]
+pub(crate) fn exchange_unique_id<T: Copy>(
+    library: &'static str,
+    bootstrap: &dyn Bootstrap,
+    members: &[usize],
+    loaded: Result<T>,
+    make_id: impl FnOnce(T) -> Result<[std::ffi::c_char; 128]>,
+) -> Result<(T, [std::ffi::c_char; 128], usize)> {
+    let (me, leader) = (bootstrap.rank(), members[0]);
+    let mine: Vec<u8> = match (&loaded, me == leader) {
+        (Ok(lib), true) => make_id(*lib)?.iter().map(|&c| c as u8).collect(),
+        _ => Vec::new(),
+    };
+    let ids = bootstrap.all_gather(&mine)?;
+    let lib = loaded?;
+    let mut id = [0 as std::ffi::c_char; 128];
+    if ids[leader].len() != id.len() {
+        return Err(crate::Error::External {
+            library,
+            call: "ncclCommInitRank",
+            detail: format!(
+                "rank {leader} could not make an {} unique id",
+                library.to_uppercase()
+            ),
+        });
+    }
+    for (d, &b) in id.iter_mut().zip(&ids[leader]) {
+        *d = b as std::ffi::c_char;
+    }
+    let index = members.iter().position(|&m| m == me).expect("member");
+    Ok((lib, id, index))
 }
 
 /// A library that is not there: every use is

@@ -213,33 +213,11 @@ impl ExternalLibrary<Cuda> for Nccl {
         bootstrap: Arc<dyn Bootstrap>,
         members: &[usize],
     ) -> Result<Box<dyn ExternalAllReduce<Cuda>>> {
-        let me = bootstrap.rank();
-        let leader = members[0];
-        // Every rank takes part in the exchange, even one that cannot load NCCL, so
-        // that the others fail with a bootstrap error instead of waiting.
-        let available = loaded();
-        let mine = match (&available, me == leader) {
-            (Ok(()), true) => {
+        let ((), internal, index) =
+            super::exchange_unique_id("nccl", &*bootstrap, members, loaded(), |()| {
                 let id = result::get_uniqueid().map_err(nccl_err("ncclGetUniqueId"))?;
-                id.internal.iter().map(|&c| c as u8).collect()
-            }
-            _ => Vec::new(),
-        };
-        let ids = bootstrap.all_gather(&mine)?;
-        available?;
-        let bytes = &ids[leader];
-        let mut internal = [0 as std::ffi::c_char; 128];
-        if bytes.len() != internal.len() {
-            return Err(Error::External {
-                library: "nccl",
-                call: "ncclCommInitRank",
-                detail: format!("rank {leader} could not make an NCCL unique id"),
-            });
-        }
-        for (d, &b) in internal.iter_mut().zip(bytes) {
-            *d = b as std::ffi::c_char;
-        }
-        let index = members.iter().position(|&m| m == me).expect("member");
+                Ok(id.internal)
+            })?;
         dev.context()
             .bind_to_thread()
             .map_err(driver_err("cuCtxSetCurrent"))?;

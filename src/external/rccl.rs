@@ -281,43 +281,25 @@ impl ExternalLibrary<Hip> for Rccl {
         bootstrap: Arc<dyn Bootstrap>,
         members: &[usize],
     ) -> Result<Box<dyn ExternalAllReduce<Hip>>> {
-        let me = bootstrap.rank();
-        let leader = members[0];
-        let loaded = api();
-        let mine = match (&loaded, me == leader) {
-            (Ok(api), true) => {
+        let (api, internal, index) =
+            super::exchange_unique_id("rccl", &*bootstrap, members, api(), |api| {
                 let mut id = UniqueId { internal: [0; 128] };
                 // SAFETY: RCCL writes one id.
-                check(
-                    api,
-                    unsafe { (api.get_unique_id)(&mut id) },
-                    "ncclGetUniqueId",
-                )?;
-                id.internal.iter().map(|&c| c as u8).collect()
-            }
-            _ => Vec::new(),
-        };
-        // Every rank takes part, so the others never wait for one that cannot load RCCL.
-        let ids = bootstrap.all_gather(&mine)?;
-        let api = loaded?;
-        let bytes = &ids[leader];
-        let mut id = UniqueId { internal: [0; 128] };
-        if bytes.len() != id.internal.len() {
-            return Err(Error::External {
-                library: "rccl",
-                call: "ncclCommInitRank",
-                detail: format!("rank {leader} could not make an RCCL unique id"),
-            });
-        }
-        for (d, &b) in id.internal.iter_mut().zip(bytes) {
-            *d = b as c_char;
-        }
-        let index = members.iter().position(|&m| m == me).expect("member");
+                let status = unsafe { (api.get_unique_id)(&mut id) };
+                check(api, status, "ncclGetUniqueId")?;
+                Ok(id.internal)
+            })?;
         set_device(dev.ordinal())?;
         let mut comm: Comm = std::ptr::null_mut();
         // SAFETY: RCCL initialises `comm` on success; the id came from the leader.
-        let status =
-            unsafe { (api.comm_init_rank)(&mut comm, members.len() as c_int, id, index as c_int) };
+        let status = unsafe {
+            (api.comm_init_rank)(
+                &mut comm,
+                members.len() as c_int,
+                UniqueId { internal },
+                index as c_int,
+            )
+        };
         check(api, status, "ncclCommInitRank")?;
         Ok(Box::new(RcclComm { api, comm }))
     }

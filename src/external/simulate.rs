@@ -1,20 +1,14 @@
-//! Switches that make one machine look like the cases the fallback exists for. For
-//! testing only: they exist so that CI (host backend) and a one- or two-GPU machine can
-//! exercise every route. Every rank must pass the same [`Simulation`] (it is part of
-//! the configuration checksum). Only with the `fault-injection` feature.
+//! Test-only switches that make one machine look like the cases the fallback exists
+//! for, so that CI (host backend) and a one- or two-GPU machine exercise every route.
+//! Every rank must pass the same [`Simulation`] (the ranks compare it with the rest of
+//! the configuration). Only with the `fault-injection` feature.
 
 use crate::backend::DeviceIdentity;
 use crate::bootstrap::HostId;
 
 /// Test-only switches (part of [`crate::CommConfig`]; the default simulates nothing),
-/// built from [`Simulation::default`] and the `with_*` methods:
-///
-/// ```
-/// use peercomm::{CommConfig, Simulation};
-///
-/// let config = CommConfig::default().with_simulate(Simulation::default().with_no_peer_access((0, 1)));
-/// assert!(config.simulate.is_active());
-/// ```
+/// built from [`Simulation::default`] and the `with_*` methods (example at
+/// `CommConfig::with_simulate`).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub struct Simulation {
@@ -32,15 +26,12 @@ pub struct Simulation {
     /// its device's (as under MPS with different active-thread percentages, or two
     /// SKUs of one architecture): the grid must still be the same on every rank.
     pub multiprocessors: Option<Vec<usize>>,
-    /// The physical device every world rank runs on, in rank order, instead of what
-    /// its device reports: rank `r` gets the identity
-    /// [`DeviceIdentity::simulated`]`(ordinal, physical_devices[r])` and keeps the
-    /// ordinal its process sees. For example every rank opens device 0 and this is
-    /// `[0, 1, 2, 3]`: processes isolated by `CUDA_VISIBLE_DEVICES` (each sees its own
-    /// GPU as device 0), which peercomm must serve; `[0, 0]` with ordinals 0 and 1:
-    /// two ranks on one GPU that their ordinals do not tell, which it must refuse
-    /// without `CommConfig::allow_shared_devices`. Ranks that really share a device
-    /// but are told apart here lose the grid cap that sharing needs: set `max_blocks`.
+    /// The physical device every world rank runs on, in rank order: rank `r` gets the
+    /// identity [`DeviceIdentity::simulated`]`(ordinal, physical_devices[r])`. Every
+    /// rank on device 0 with `[0, 1, 2, 3]` is processes isolated by
+    /// `CUDA_VISIBLE_DEVICES` (served); `[0, 0]` with ordinals 0 and 1 is two ranks on
+    /// one GPU (refused without `CommConfig::allow_shared_devices`). Ranks that really
+    /// share a device but are told apart here lose the grid cap: set `max_blocks`.
     pub physical_devices: Option<Vec<usize>>,
 }
 
@@ -88,23 +79,6 @@ impl Simulation {
             ),
             ..Simulation::default()
         }
-    }
-
-    /// A stable hash for the configuration checksum (FNV-1a over a textual form).
-    pub(crate) fn code(&self) -> u64 {
-        let text = format!(
-            "{:?}|{:?}|{:?}|{:?}|{:?}",
-            self.no_peer_access,
-            self.fail_peer_check,
-            self.hosts
-                .as_ref()
-                .map(|h| h.iter().map(HostId::as_str).collect::<Vec<_>>()),
-            self.multiprocessors,
-            self.physical_devices
-        );
-        text.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
-            (h ^ u64::from(b)).wrapping_mul(0x0100_0000_01b3)
-        })
     }
 
     /// The multiprocessor count world rank `rank` reports: the simulated one, or
