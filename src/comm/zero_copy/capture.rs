@@ -103,19 +103,14 @@ impl Comm<Cuda> {
     /// captures the same calls, in the same order as its registrations and symmetric
     /// allocations.
     ///
-    /// `f` is captured twice ([`Comm::register_inputs_of`] over [`Comm::capture`]):
-    /// the first capture records the inputs its calls read from unregistered buffers,
-    /// its calls planned as if they read in place (so every option the second capture
-    /// takes, two-stage included, is accepted), and is thrown away without ever being
-    /// launched; those inputs are registered with every peer, and the second capture
-    /// is kept. So `f` must capture the same calls
-    /// on the same buffers each time (allocate them before; the capture rules say so
-    /// already); [`CaptureInputs::staged_calls`] says how many calls did not.
-    ///
-    /// Errors are [`Comm::register_inputs_of`]'s. Across processes an input must be
-    /// memory the driver can export (`cuMemAlloc` memory; not cudarc's stream-ordered
-    /// pool allocations): [`Error::CannotRegister`] on every rank says which rank's
-    /// cannot, and [`Comm::capture`] still captures the same calls staged.
+    /// `f` is captured twice ([`Comm::register_inputs_of`] over [`Comm::capture`]): the
+    /// first capture, planned as if in place and never launched, records the
+    /// unregistered inputs, which are then registered with every peer; the second is
+    /// kept. So `f` must capture the same calls on the same buffers each time
+    /// ([`CaptureInputs::staged_calls`] counts those that did not). Errors are
+    /// [`Comm::register_inputs_of`]'s: across processes an input must be exportable
+    /// (`cuMemAlloc`, not cudarc's pool), else [`Error::CannotRegister`] on every rank
+    /// ([`Comm::capture`] still captures the calls staged).
     pub fn capture_registered<R>(
         &self,
         mut f: impl FnMut() -> Result<R>,

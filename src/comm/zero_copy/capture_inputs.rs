@@ -1,26 +1,22 @@
-//! Zero copy for the calls of a capture whose inputs are not registered (what vLLM's
-//! `register_graph_buffers` does after a capture): [`Comm::register_inputs_of`] runs
-//! a pass (on CUDA, a graph capture) once recording the unregistered inputs its calls
-//! read, registers those inputs with the peers (collective), and runs the pass again
-//! with each of those calls reading its input in place through the registration made
-//! for it. The kernels take the peers' addresses as arguments, so the second capture
-//! is what makes every replay read in place: no indirection table on the device.
+//! Zero copy for a capture's unregistered inputs (what vLLM's
+//! `register_graph_buffers` does): [`Comm::register_inputs_of`] runs a pass once to
+//! record those inputs, registers them with the peers (collective), and runs it again
+//! with each call reading its input in place (the kernels take the peers' addresses as
+//! arguments, so the second capture is what every replay reads through).
 //!
-//! The registrations are made for the calls, not for the buffers: the second pass's
-//! k-th unregistered input is the k-th recorded one, found by number, never by
-//! [`Registry::lookup`], so they change the place of no other call (an eager call on
-//! the same buffer still stages), and ranks that alias buffers differently (rank 0
-//! passes one buffer to two calls, rank 1 two buffers) still pair call for call.
-//! Where every rank's input of a call lies at the same offset of an earlier call's
-//! recorded input, the call shares that registration.
+//! The registrations are made for the calls, not the buffers: the second pass's k-th
+//! unregistered input is the k-th recorded one, found by number, never by
+//! [`Registry::lookup`], so no other call's place changes and ranks that alias buffers
+//! differently still pair call for call. A call whose input lies at the same offset of
+//! an earlier recorded input on every rank shares that registration.
 
 use std::sync::Arc;
 
 use crate::backend::Backend;
 use crate::bootstrap::{Bootstrap, ExchangeKind};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
-use super::records::{record_word, refusal_text, REGISTER_RECORD, SYMMETRIC_RECORD};
+use super::records::{expect_kind, malformed, record_word, refusal_text, refused};
 use super::registry::{register_range, Registry};
 use crate::comm::per_rank::Comm;
 use crate::comm::zero_copy::script::{Follow, Planning, Script, Step};
@@ -104,36 +100,17 @@ fn encode(inputs: &[(u64, usize)], refusal: &str) -> Vec<u8> {
     record
 }
 
-fn refused(rank: usize, reason: String) -> Error {
-    Error::CannotRegister { rank, reason }
-}
-
 /// Rank `rank`'s recorded inputs from its record.
 fn decode(rank: usize, b: &[u8]) -> Result<Vec<(u64, usize)>> {
+    expect_kind(
+        rank,
+        b,
+        CAPTURE_RECORD,
+        "capture",
+        "makes a registered capture",
+    )?;
     let word = |i: usize| record_word(b, i);
-    match word(0) {
-        Some(CAPTURE_RECORD) => {}
-        Some(REGISTER_RECORD) | Some(SYMMETRIC_RECORD) => {
-            return Err(refused(
-                rank,
-                "it registers or allocates a symmetric buffer where this rank makes a \
-                 registered capture: every rank makes them in the same order"
-                    .into(),
-            ))
-        }
-        _ => {
-            return Err(refused(
-                rank,
-                format!("a malformed capture record ({} bytes)", b.len()),
-            ))
-        }
-    }
-    let malformed = || {
-        refused(
-            rank,
-            format!("a malformed capture record ({} bytes)", b.len()),
-        )
-    };
+    let malformed = || malformed(rank, "capture", b);
     let (refusal_len, count) = (
         word(1).ok_or_else(malformed)?,
         word(2).ok_or_else(malformed)?,
@@ -225,30 +202,22 @@ fn check_lists(lists: &[Vec<(u64, usize)>]) -> Result<()> {
 
 impl<B: Backend> Comm<B> {
     /// Runs `pass` twice so that its calls read their inputs in place (collective:
-    /// every rank, with the same calls in the pass, in the same order as its other
-    /// registrations and symmetric allocations). The first time, the inputs its calls
-    /// read from unregistered buffers are recorded, and its value is dropped; they are
-    /// then registered with every peer; the second time, each of those calls reads its
-    /// input in place through the registration made for it. Returns the second pass's
-    /// value, and the registrations, which must outlive whatever the pass made of the
-    /// calls. Where no call read an unregistered input, the first pass's value is kept
-    /// and the pass runs once.
+    /// every rank, the same calls, in the same order as its other registrations and
+    /// symmetric allocations). The first run records the unregistered inputs its calls
+    /// read (its value is dropped), they are registered with every peer, and the second
+    /// run reads each through its registration. Returns the second value and the
+    /// registrations, which must outlive what the pass made of the calls. Where no call
+    /// read an unregistered input, the pass runs once.
     ///
-    /// Made for graph captures ([`Comm::capture_registered`] is this over a capture),
-    /// where the first pass enqueues nothing that runs. Here the first pass's calls
-    /// run, staged (on the host backend, which has no capture, or eagerly on CUDA): the
-    /// pass must be safe to run twice, and its first run's options must be ones staged
-    /// inputs allow (not an explicit two-stage; `Auto` picks it in the second pass
-    /// where it pays). It must read the same input buffers each time (allocate them before);
-    /// [`CaptureInputs::staged_calls`] counts the calls of the second pass that read
-    /// an input the first did not, which still run right but staged.
+    /// Made for graph captures ([`Comm::capture_registered`]). Here the first run's
+    /// calls run staged, so the pass must be safe to run twice with options staged
+    /// inputs allow (not an explicit two-stage), on the same input buffers each time
+    /// ([`CaptureInputs::staged_calls`] counts the calls that were not).
     ///
-    /// Errors, on every rank: the pass's own error (on the rank where it failed;
-    /// [`Error::CannotRegister`] naming it on the others), [`Error::CannotRegister`]
-    /// where ranks recorded different calls or an input cannot be registered (memory
-    /// another process cannot import, as for [`Comm::register`]), and
-    /// [`Error::Unsupported`] where the world has no peer memory. Nothing stays
-    /// registered after an error.
+    /// Errors, on every rank: the pass's own error (on its rank;
+    /// [`crate::Error::CannotRegister`] naming it on the others), `CannotRegister` where
+    /// ranks recorded different calls or an input cannot be registered, and
+    /// [`crate::Error::Unsupported`] without peer memory. Nothing stays registered.
     pub fn register_inputs_of<T>(
         &self,
         pass: impl FnMut() -> Result<T>,
@@ -340,6 +309,8 @@ impl<B: Backend> Comm<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::zero_copy::records::REGISTER_RECORD;
+    use crate::error::Error;
 
     #[test]
     fn records_round_trip_and_carry_refusals() {

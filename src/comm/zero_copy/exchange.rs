@@ -31,6 +31,7 @@ pub(crate) struct Received {
 }
 
 /// One rank's gathered export.
+#[derive(Default)]
 struct Record {
     /// Why it cannot export (empty: it can).
     refusal: String,
@@ -71,12 +72,7 @@ impl Record {
         if !refusal.is_empty() {
             return Ok(Record {
                 refusal,
-                pid: 0,
-                nonce: 0,
-                descriptor: false,
-                name: Vec::new(),
-                handle: Vec::new(),
-                offset: 0,
+                ..Record::default()
             });
         }
         let pid = u32::from_le_bytes(take(4)?.try_into().expect("4"));
@@ -124,13 +120,8 @@ pub(crate) fn exchange<B: Backend>(
 ) -> Result<(Vec<Option<Received>>, Option<String>)> {
     let me = group.rank();
     let mut mine = Record {
-        refusal: String::new(),
         pid: std::process::id(),
-        nonce: 0,
-        descriptor: false,
-        name: Vec::new(),
-        handle: Vec::new(),
-        offset: 0,
+        ..Record::default()
     };
     let mut my_descriptor = None;
     match B::export_range(dev, ptr, bytes) {

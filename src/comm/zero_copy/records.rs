@@ -88,6 +88,31 @@ pub(crate) fn refused(rank: usize, reason: String) -> Error {
     Error::CannotRegister { rank, reason }
 }
 
+/// Checks that rank `rank`'s gathered record `b` is of `kind` (`name`: "capture",
+/// "trim"): a registration's or symmetric allocation's is out of order (this rank
+/// `doing` something else), anything else malformed.
+pub(crate) fn expect_kind(rank: usize, b: &[u8], kind: u64, name: &str, doing: &str) -> Result<()> {
+    match record_word(b, 0) {
+        Some(k) if k == kind => Ok(()),
+        Some(REGISTER_RECORD | SYMMETRIC_RECORD) => Err(refused(
+            rank,
+            format!(
+                "it registers or allocates a symmetric buffer where this rank {doing}: every \
+                 rank makes them in the same order"
+            ),
+        )),
+        _ => Err(malformed(rank, name, b)),
+    }
+}
+
+/// A record of kind `name` that does not parse.
+pub(crate) fn malformed(rank: usize, name: &str, b: &[u8]) -> Error {
+    refused(
+        rank,
+        format!("a malformed {name} record ({} bytes)", b.len()),
+    )
+}
+
 /// A gathered status: empty = ok, else the reason.
 pub(crate) fn first_refusal(statuses: &[Vec<u8>]) -> Option<Error> {
     statuses
@@ -95,4 +120,46 @@ pub(crate) fn first_refusal(statuses: &[Vec<u8>]) -> Option<Error> {
         .enumerate()
         .find(|(_, s)| !s.is_empty())
         .map(|(r, s)| refused(r, String::from_utf8_lossy(s).into_owned()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A symmetric allocation's record where a registration's is expected is refused
+    /// (so a rank that registers where its peer allocates refuses at the first
+    /// gather), and a local refusal travels in the record.
+    #[test]
+    fn records_tell_their_kind_and_refusal() {
+        let offer = Offer {
+            process: 7,
+            ordinal: 2,
+            id: 3,
+            ptr: 0x1000,
+            bytes: 256,
+            refusal: "on another device".into(),
+        };
+        let back = Offer::decode(1, &offer.encode()).unwrap();
+        assert_eq!(
+            (back.process, back.ordinal, back.id, back.ptr, back.bytes),
+            (7, 2, 3, 0x1000, 256)
+        );
+        assert_eq!(back.refusal, "on another device");
+        let mut other: Vec<u8> = [SYMMETRIC_RECORD, 0, 0, 256, 64 << 20]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        match Offer::decode(1, &other) {
+            Err(Error::CannotRegister { rank: 1, reason }) => {
+                assert!(reason.contains("symmetric"), "{reason}")
+            }
+            _ => panic!("a symmetric record decoded as a registration"),
+        }
+        other.truncate(40);
+        other[..8].copy_from_slice(&REGISTER_RECORD.to_le_bytes());
+        assert!(matches!(
+            Offer::decode(0, &other),
+            Err(Error::CannotRegister { rank: 0, .. })
+        ));
+    }
 }

@@ -1,37 +1,15 @@
-//! Zero copy on the per-rank [`Comm`] with buffers the user already has:
-//! [`Comm::register`] (collective) maps every rank's buffer into every peer, and from
-//! then on a call whose input lies in a registered buffer reads the peers' inputs in
-//! place, with the single controller's kernels: no staging copy, two-stage offered,
-//! the same bits as the single controller for the same inputs. The registration lasts
-//! as long as the returned [`Registered`], which owns the buffer and gives it back
-//! with [`Registered::into_inner`]. A dropped `Registered` whose buffer a peer may
-//! still read is kept until that is over (see [`Registered`]).
+//! Zero copy with buffers the user already has: [`Comm::register`] (collective) maps
+//! every rank's buffer into every peer, so that a call whose input lies in it reads the
+//! peers' inputs in place (no staging copy, two-stage offered). The registration lasts
+//! as long as the returned [`Registered`].
 //!
-//! What can be registered: on the host backend and for ranks of one process, any
-//! buffer (the peers reach it at its own address); across processes, memory the driver
-//! can export ([`Backend::export_range`]): `cuMemAlloc` / `hipMalloc` memory (IPC
-//! handles, sent as bytes), CUDA memory from a stream-ordered pool made with the POSIX
-//! file descriptor handle type and CUDA virtual memory (`cuMemCreate`) that requested
-//! it (file descriptors, sent over the communicator's Unix-socket channel, Linux), the
-//! host backend's shared memory (a descriptor as well), and every
-//! [`crate::SymmetricBuffer`]. Memory from a pool without a shareable handle type
-//! (cudarc's default allocations where the driver has pools), virtual memory made
-//! without one, and heap memory cannot be: that is [`Error::CannotRegister`] on every
-//! rank, and the buffer comes back in the [`RegisterError`].
-//!
-//! The descriptor channel: each rank listens on an abstract Unix socket of a random
-//! name, gathered over the bootstrap with its process id and a random nonce; a sender
-//! checks with `SO_PEERCRED` that the listener is the peer's process and of this user,
-//! and a receiver checks the same of each connection as soon as it accepts it (one of
-//! another user or process is closed unread), then the nonce it echoes, reading the
-//! connections side by side with a 2 s deadline each, so that no other connection (the
-//! socket's name is visible to every local user) can delay a registration. Both sides
-//! give up after 30 s, or half of `CommConfig::bootstrap_timeout` where that is
-//! shorter (a peer that dies mid-registration makes it fail on every rank instead of
-//! hanging). Whether every rank got its descriptors is gathered before any rank
-//! returns, so the outcome is the same on every rank; a registration that fails once
-//! every rank has gathered its records uses up its number, so nothing sent for it can
-//! pass for a later one's.
+//! What can be registered: any buffer on the host backend and for ranks of one process
+//! (peers reach it at its own address); across processes, memory the driver can export
+//! ([`Backend::export_range`]: `cuMemAlloc` / `hipMalloc` memory, a CUDA pool or
+//! `cuMemCreate` memory made with the POSIX file-descriptor handle type, the host
+//! backend's shared memory, every [`crate::SymmetricBuffer`]). Anything else (cudarc's
+//! default pool allocations, heap memory) is [`Error::CannotRegister`] on every rank,
+//! the buffer given back in the [`RegisterError`].
 
 use std::sync::Arc;
 
@@ -44,39 +22,29 @@ use crate::error::{Error, Result};
 use crate::comm::per_rank::Comm;
 use crate::comm::zero_copy::registry::{register_range, Registry, RetiredBuffer};
 
-/// A buffer registered with a per-rank [`Comm`] ([`Comm::register`]): the buffer
-/// itself (it passes for it in every call, and derefs to it for reads), while every
-/// peer reaches it in place. Dropping it (or [`Registered::into_inner`]) ends the
-/// registration on this rank; the peers' mappings of it close when they end theirs. A
-/// call that pairs a registered input on one rank with an unregistered one (or another
+/// A buffer registered with a per-rank [`Comm`] ([`Comm::register`]): it passes for
+/// the buffer in every call (and derefs to it for reads) while every peer reaches it
+/// in place. Dropping it (or [`Registered::into_inner`]) ends the registration on this
+/// rank. A call pairing a registered input with an unregistered one (or another
 /// place) on a peer is [`crate::CallField::Inputs`], nothing read or written.
 ///
-/// The registered range cannot change under the registration: there is no `&mut` to
-/// the buffer inside (no `DerefMut`), since safe code could then swap another buffer in
-/// while the peers still map the old range. Writes go through the buffer's range
-/// instead: pass `&mut registered` to a collective (it is a [`DeviceBufferMut`]), copy
-/// into it with [`TypedBuffer::copy_from_host`], or on CUDA hand it to cudarc (its
-/// `DevicePtrMut`, for copies and the user's kernels). To change the buffer, take it
-/// back with [`Registered::into_inner`] and register again.
+/// There is no `DerefMut`: safe code could swap another buffer in while the peers
+/// still map the old range. Write through the range instead (`&mut registered` in a
+/// collective, [`TypedBuffer::copy_from_host`], cudarc's `DevicePtrMut`), or take the
+/// buffer back with [`Registered::into_inner`] and register again.
 ///
 /// # When the buffer is freed
 ///
-/// A peer's kernel reads the buffer in place until it passes its end barrier, and
-/// this rank's kernel waits there for it, unless it gives up (a barrier timeout): then
-/// the peer may still be reading. So memory a peer may still read is not freed before
-/// this rank knows every peer finished reading it: dropping a `Registered` made by
-/// [`Comm::register`] after a call that may have read registered memory in place, and
-/// before the next [`Comm::synchronize`] that returns `Ok` (every end barrier of this
-/// rank's calls completed), keeps the buffer (retired) until that synchronize, a
-/// successful [`Comm::reinitialize`] (every rank's queued work is done), or the
-/// communicator's teardown (freed where every rank met it, else parked with the rest
-/// of this rank's memory; see `Drop for Comm`). [`Comm::check_errors`] does not wait,
-/// so it frees nothing. A drop with no such call since the last clean synchronize
-/// frees the buffer at once. [`Registered::into_inner`] and [`Comm::register_borrowed`]
-/// leave that to the caller. Replays of a CUDA graph from `Comm::capture` are not
-/// seen by the communicator (those of a `RegisteredGraph` are): drop a `Registered`
-/// that such a graph reads after a [`Comm::synchronize`] that returns `Ok` after the
-/// replays.
+/// A kernel that gives up at its end barrier (a timeout) may leave a peer still
+/// reading. So a `Registered` from [`Comm::register`] dropped after a call that may
+/// have read registered memory in place is kept (retired) until the next
+/// [`Comm::synchronize`] that returns `Ok`, a successful [`Comm::reinitialize`], or the
+/// teardown (freed where every rank met it, else parked with this rank's memory); a
+/// drop with no such call since the last clean synchronize frees it at once.
+/// [`Comm::check_errors`] frees nothing. [`Registered::into_inner`] and
+/// [`Comm::register_borrowed`] leave that wait to the caller. Replays of a plain
+/// `Comm::capture` graph are not seen (a `RegisteredGraph`'s are): drop a buffer such
+/// a graph reads only after a clean synchronize following the replays.
 ///
 /// ```compile_fail
 /// use peercomm::backend::{host::Host, Backend};
@@ -142,19 +110,14 @@ impl<T> From<RegisterError<T>> for Error {
 impl<B: Backend> Comm<B> {
     /// Registers `buffer` with every rank (collective: every rank registers one buffer
     /// of the same byte size, in the same order as its other registrations and
-    /// [`Comm::alloc_symmetric`] calls). From then on a collective whose input lies in
-    /// it (the whole buffer or a part at the same offset on every rank) reads it in
-    /// place on the peers. Refusals are [`Error::CannotRegister`] on every rank, with
-    /// the buffer given back; a buffer this rank refuses by itself (on another device
-    /// than its own, or a poisoned communicator) is that error here and
-    /// `CannotRegister` naming this rank on the peers, which stay in step; so is a
-    /// buffer whose length in bytes no buffer can span ([`Error::SizeOverflow`] here).
-    /// Needs peer memory across the whole world ([`Comm::world_path`] is `Auto`).
-    ///
-    /// The buffer is owned (`'static`), so that a drop while a peer may still read it
-    /// can keep it until that is over (see [`Registered`]); a buffer that borrows
-    /// memory owned elsewhere (a cudarc view) is registered with
-    /// [`Comm::register_borrowed`].
+    /// [`Comm::alloc_symmetric`] calls). A collective whose input lies in it (at the
+    /// same offset on every rank) then reads it in place on the peers. Refusals are
+    /// [`Error::CannotRegister`] on every rank, the buffer given back; one this rank
+    /// refuses by itself (another device, a poisoned communicator,
+    /// [`Error::SizeOverflow`]) is that error here and `CannotRegister` naming this rank
+    /// on the peers. Needs peer memory across the whole world ([`Comm::world_path`]
+    /// `Auto`). The buffer is owned (`'static`) so that a drop can keep it while a peer
+    /// may still read it (see [`Registered`]); for views use [`Comm::register_borrowed`].
     pub fn register<T>(&self, buffer: T) -> std::result::Result<Registered<B, T>, RegisterError<T>>
     where
         T: DeviceBuffer<B> + Send + 'static,
@@ -163,13 +126,11 @@ impl<B: Backend> Comm<B> {
     }
 
     /// As [`Comm::register`], for a buffer that borrows memory owned elsewhere (a
-    /// cudarc view, a view of the engine's own allocator): dropping the returned
-    /// [`Registered`] ends the registration but cannot keep that memory. The caller
-    /// keeps it (neither freed nor reused) until this rank knows every peer finished
-    /// reading it: a [`Comm::synchronize`] that returns `Ok` after the last call that
-    /// read it, a successful [`Comm::reinitialize`], or a teardown that every rank met
-    /// ([`Comm::close`] returning `Ok`). Memory freed earlier may still be read by a
-    /// peer whose kernel this rank's timed-out call left running.
+    /// cudarc view, an engine's allocator): dropping the [`Registered`] cannot keep
+    /// that memory, so the caller keeps it (neither freed nor reused) until a
+    /// [`Comm::synchronize`] that returns `Ok` after the last call that read it, a
+    /// successful [`Comm::reinitialize`], or [`Comm::close`] returning `Ok`: a peer
+    /// left running by this rank's timed-out call may still read it.
     pub fn register_borrowed<T>(
         &self,
         buffer: T,
@@ -256,13 +217,9 @@ impl<B: Backend> Comm<B> {
 }
 
 impl<B: Backend, T> Registered<B, T> {
-    /// Ends the registration on this rank and gives the buffer back: it is then the
-    /// caller's, and so is the rule a drop of the `Registered` would have kept. A peer
-    /// may still read the buffer in place after a call of this rank that gave up (a
-    /// barrier timeout), so the caller keeps it (neither frees nor writes it) until a
-    /// [`Comm::synchronize`] that returns `Ok` after the last call that read it, a
-    /// successful [`Comm::reinitialize`], or a teardown that every rank met
-    /// ([`Comm::close`] returning `Ok`).
+    /// Ends the registration on this rank and gives the buffer back, with the wait a
+    /// drop would have kept: the caller neither frees nor writes it until the rule of
+    /// [`Comm::register_borrowed`] holds.
     pub fn into_inner(mut self) -> T {
         self.registry.remove(self.id);
         self.buffer.take().expect("present until taken")

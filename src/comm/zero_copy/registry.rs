@@ -1,34 +1,21 @@
-//! Buffers registered with a per-rank communicator: for each one, where every group
-//! member's copy of it is reached from this rank, so that a call whose input lies in a
-//! registered buffer reads the peers' inputs in place (no staging copy, and two-stage
-//! becomes possible), with the kernels the single controller runs.
+//! Buffers registered with a per-rank communicator: where every group member's copy
+//! of each is reached from this rank, so that a call whose input lies in one reads the
+//! peers' inputs in place.
 //!
-//! Registration is collective ([`register_range`]): every rank registers one range of
-//! the same size, in the same order. The ranks gather their process tokens, sizes and
-//! addresses; a peer in this process is reached at its own address (peer access was
-//! enabled at setup), a peer in another process through the IPC handle of the
-//! allocation that holds its range ([`Backend::export_range`]), imported here once per
-//! allocation and peer however many of its ranges are registered. Any refusal (memory
-//! that cannot be exported, a failed import, ranks that disagree) is the same
-//! [`Error::CannotRegister`] on every rank, nothing registered anywhere; a rank that
-//! refuses by itself (its buffer on another device, a poisoned communicator) still
-//! sends its record, so it returns its own error and its peers `CannotRegister` naming
-//! it, every rank still in step with the others' next collective.
+//! Registration is collective ([`register_range`]): the ranks gather their records; a
+//! peer in this process is reached at its own address, one in another process through
+//! the IPC handle of the allocation holding its range, imported once per allocation and
+//! peer. Any refusal is the same [`crate::Error::CannotRegister`] on every rank, nothing
+//! registered anywhere; a rank that refuses by itself still sends its record, so every
+//! rank stays in step. A call passes its input's place in its descriptor
+//! ([`InPlace::place`]), so ranks that disagree get [`crate::CallField::Inputs`]
+//! before anything is read.
 //!
-//! A call passes the peers its input's place in its descriptor ([`InPlace::place`]: the
-//! registration number and the byte offset, whole), so ranks that pass registered
-//! buffers at different places, or one registered and one not, get
-//! [`crate::CallField::Inputs`] at the first barrier, before anything is read.
-//!
-//! A registered buffer that a peer may still read in place is not freed before this
-//! rank knows that every peer finished reading it: a kernel's end barrier waits for
-//! the peers' reads, but a kernel that gives up there (a timeout) does not. So once a
-//! call may have read registered memory in place ([`Registry::lookup`] or
-//! [`Registry::place_in`] found it), a dropped [`crate::Registered`]'s buffer is
-//! retired here ([`Registry::retire`]) instead of freed, until a synchronize that
-//! found no error or a successful reinitialize ([`Registry::settle`]), or the
-//! communicator's teardown ([`Registry::close`]: freed where every rank met it, else
-//! parked with the rest of the rank's memory).
+//! A kernel that gives up at its end barrier (a timeout) does not wait for the peers'
+//! reads, so once a call may have read registered memory in place, a dropped
+//! [`crate::Registered`]'s buffer is retired ([`Registry::retire`]) until a clean
+//! synchronize or reinitialize ([`Registry::settle`]) or the teardown
+//! ([`Registry::close`]).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
@@ -295,7 +282,7 @@ impl<B: Backend> Registry<B> {
 /// of the peer-memory group, in order; see the module docs). Returns the registration's
 /// number, the same on every rank. `local` is this rank's own verdict on the range
 /// (checked before): an error there is still gathered, so that this rank returns it
-/// and every peer returns [`Error::CannotRegister`] naming this rank. `listed`: whether
+/// and every peer returns [`crate::Error::CannotRegister`] naming this rank. `listed`: whether
 /// [`Registry::lookup`] finds the range (else only [`Registry::place_in`] does).
 ///
 /// A peer in this process on another device reads the range at its own address, so
@@ -447,45 +434,7 @@ pub(crate) fn register_range<B: Backend>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::zero_copy::records::{REGISTER_RECORD, SYMMETRIC_RECORD};
     use crate::error::Error;
-
-    /// A symmetric allocation's record where a registration's is expected is refused
-    /// (so a rank that registers where its peer allocates refuses at the first
-    /// gather), and a local refusal travels in the record.
-    #[test]
-    fn records_tell_their_kind_and_refusal() {
-        let offer = Offer {
-            process: 7,
-            ordinal: 2,
-            id: 3,
-            ptr: 0x1000,
-            bytes: 256,
-            refusal: "on another device".into(),
-        };
-        let back = Offer::decode(1, &offer.encode()).unwrap();
-        assert_eq!(
-            (back.process, back.ordinal, back.id, back.ptr, back.bytes),
-            (7, 2, 3, 0x1000, 256)
-        );
-        assert_eq!(back.refusal, "on another device");
-        let mut other: Vec<u8> = [SYMMETRIC_RECORD, 0, 0, 256, 64 << 20]
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect();
-        match Offer::decode(1, &other) {
-            Err(Error::CannotRegister { rank: 1, reason }) => {
-                assert!(reason.contains("symmetric"), "{reason}")
-            }
-            _ => panic!("a symmetric record decoded as a registration"),
-        }
-        other.truncate(40);
-        other[..8].copy_from_slice(&REGISTER_RECORD.to_le_bytes());
-        assert!(matches!(
-            Offer::decode(0, &other),
-            Err(Error::CannotRegister { rank: 0, .. })
-        ));
-    }
 
     /// A failed registration uses up its number on every rank: the next one gets the
     /// number after it, so that nothing sent for the failed one (a late descriptor)

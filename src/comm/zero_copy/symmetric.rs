@@ -1,25 +1,15 @@
 //! Symmetric buffers of a per-rank [`Comm`] ([`Comm::alloc_symmetric`]): memory that
-//! every peer has mapped, at the same offset of the communicator's pool on every rank,
-//! so that collectives on it read the peers' inputs in place.
+//! every peer has mapped, at the same offset of the communicator's pool on every rank.
 //!
-//! The pool is a list of segments, each one exportable device allocation
-//! ([`MemoryKind::SharedData`]: `cuMemAlloc` / `hipMalloc` memory, a shared memory
-//! file on the host backend) registered with every peer once, when it is made. Why an
-//! IPC-exportable pool and not CUDA virtual memory with POSIX file descriptors: a
-//! file descriptor crosses processes only over a Unix socket (or `pidfd_getfd`, which
-//! needs ptrace rights), while an IPC handle is plain bytes that any bootstrap carries
-//! (our TCP one, or the engine's own store); and one import per peer and segment, not
-//! per buffer, keeps allocation cheap (an IPC import takes milliseconds).
-//!
-//! Allocation is collective and deterministic: every rank runs the same first-fit
-//! over the same segments, so a buffer lands at the same (segment, offset) on every
-//! rank that has made the same allocations and drops in the same order; the ranks
-//! compare their placements before using them, and a difference is
-//! [`Error::CannotRegister`] on every rank. A segment of [`SYMMETRIC_SEGMENT_BYTES`]
-//! (or one sized for a larger buffer) is added where none has room. A dropped buffer's
-//! range becomes free at this rank's next allocation, after this rank's stream has
-//! finished the work queued before it: the peers' kernels that read it were paired
-//! with this rank's, whose End barriers wait for those reads.
+//! The pool is a list of segments, each one exportable allocation
+//! ([`MemoryKind::SharedData`]) registered with every peer once. IPC handles, not
+//! virtual memory with file descriptors: a handle is plain bytes any bootstrap carries,
+//! and one import per peer and segment (milliseconds each) keeps allocation cheap.
+//! Allocation is a deterministic first-fit, so a buffer lands at the same (segment,
+//! offset) on every rank that made the same allocations and drops; the ranks compare
+//! placements, a difference is [`Error::CannotRegister`] everywhere. A dropped range is
+//! reused only after this rank's queued work is done: the peers' reads of it were
+//! paired with this rank's kernels, whose end barriers wait for them.
 
 use std::sync::{Arc, Mutex};
 
@@ -28,7 +18,7 @@ use crate::bootstrap::{Bootstrap, ExchangeKind};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 
-use super::records::{refusal_text, REGISTER_RECORD, SYMMETRIC_RECORD};
+use super::records::{record_word, refusal_text, REGISTER_RECORD, SYMMETRIC_RECORD};
 use super::registry::register_range;
 use crate::comm::core::planning::staging::message_bytes;
 use crate::comm::per_rank::Comm;
@@ -40,14 +30,12 @@ pub const SYMMETRIC_SEGMENT_BYTES: usize = 64 << 20;
 
 /// A buffer of `len` elements of `T` in a per-rank communicator's symmetric pool
 /// ([`Comm::alloc_symmetric`]): at the same offset on every rank and mapped by every
-/// peer, so collectives whose input it holds read it in place (no staging copy;
-/// two-stage offered). Usable as any device buffer of the crate (and, on CUDA, through
-/// cudarc's `DevicePtr` / `DevicePtrMut`, so the user's kernels can write into it). It
-/// tracks no events: work on the communicator's stream is ordered with it; work on
-/// another stream orders itself with that stream, as with any raw allocation. Freed on
-/// drop (its range is reused only by a later allocation, after this rank's queued work
-/// is done); a segment stays allocated and mapped after its last buffer is dropped,
-/// for the next allocation, until [`Comm::trim_symmetric`] or the communicator's drop.
+/// peer, so collectives whose input it holds read it in place. Usable as any device
+/// buffer of the crate (on CUDA also as cudarc's `DevicePtr` / `DevicePtrMut`). It
+/// tracks no events: work on another stream than the communicator's orders itself, as
+/// with any raw allocation. Its range is reused after the drop only by a later
+/// allocation, once this rank's queued work is done; an empty segment stays mapped
+/// until [`Comm::trim_symmetric`] or the communicator's drop.
 pub struct SymmetricBuffer<B: Backend, T: Element> {
     segment: Arc<Segment<B>>,
     offset: u64,
@@ -193,10 +181,7 @@ impl SlotRecord {
         record
     }
     fn decode(b: &[u8]) -> Record {
-        let w = |i: usize| {
-            b.get(8 * i..8 * i + 8)
-                .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
-        };
+        let w = |i: usize| record_word(b, i);
         match w(0) {
             Some(SYMMETRIC_RECORD) if b.len() >= 40 => Record::Symmetric(SlotRecord {
                 segment: w(1).expect("40 bytes"),
@@ -228,15 +213,12 @@ impl SlotRecord {
 
 impl<B: Backend> Comm<B> {
     /// Allocates `len` elements of `T` in the symmetric pool (collective: every rank
-    /// allocates the same length and type, in the same order as its other symmetric
-    /// allocations, drops and [`Comm::register`] calls). Collectives whose input lies
-    /// in the buffer read it in place on the peers. A placement that differs between
-    /// ranks (they allocated or dropped in different orders) is
-    /// [`Error::CannotRegister`] on every rank, nothing allocated, as is a peer that
-    /// registers a buffer meanwhile; a refusal of this rank's own (a poisoned
-    /// communicator, a length whose bytes no buffer can span, [`Error::SizeOverflow`],
-    /// a failed allocation) is that error here and `CannotRegister` naming this rank on
-    /// the peers, nothing allocated anywhere. Needs peer memory across the whole world.
+    /// the same length and type, in the same order as its other symmetric allocations,
+    /// drops and [`Comm::register`] calls). A placement that differs between ranks, or
+    /// a peer that registers meanwhile, is [`Error::CannotRegister`] on every rank; a
+    /// refusal of this rank's own (poisoned, [`Error::SizeOverflow`], a failed
+    /// allocation) is that error here and `CannotRegister` naming it on the peers.
+    /// Nothing is allocated anywhere on an error. Needs peer memory across the world.
     pub fn alloc_symmetric<T: Element>(&self, len: usize) -> Result<SymmetricBuffer<B, T>> {
         let core = &*self.core;
         let mut segments = self.pool.segments.lock().unwrap_or_else(|e| e.into_inner());

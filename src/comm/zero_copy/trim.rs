@@ -10,7 +10,7 @@ use crate::backend::Backend;
 use crate::bootstrap::{Bootstrap, ExchangeKind};
 use crate::error::{Error, Result};
 
-use super::records::{record_word, refusal_text, REGISTER_RECORD, SYMMETRIC_RECORD};
+use super::records::{expect_kind, malformed, record_word, refusal_text};
 use crate::comm::per_rank::Comm;
 
 /// The first word of a trim's gathered record (see `REGISTER_RECORD`).
@@ -29,25 +29,10 @@ fn encode(empty: &[bool], refusal: &str) -> Vec<u8> {
 
 /// Rank `rank`'s empty segments, from its record.
 fn decode(rank: usize, b: &[u8], segments: usize) -> Result<Vec<bool>> {
+    expect_kind(rank, b, TRIM_RECORD, "trim", "trims the pool")?;
     let refused = |reason: String| Error::CannotRegister { rank, reason };
     let word = |i: usize| record_word(b, i);
-    match word(0) {
-        Some(TRIM_RECORD) => {}
-        Some(REGISTER_RECORD) | Some(SYMMETRIC_RECORD) => {
-            return Err(refused(
-                "it registers or allocates a symmetric buffer where this rank trims the pool: \
-                 every rank makes them in the same order"
-                    .into(),
-            ))
-        }
-        _ => {
-            return Err(refused(format!(
-                "a malformed trim record ({} bytes)",
-                b.len()
-            )))
-        }
-    }
-    let malformed = || refused(format!("a malformed trim record ({} bytes)", b.len()));
+    let malformed = || malformed(rank, "trim", b);
     let count = word(1).ok_or_else(malformed)? as usize;
     let refusal_len = word(2).ok_or_else(malformed)? as usize;
     let flags = b.get(24..24 + count).ok_or_else(malformed)?;
@@ -66,14 +51,11 @@ fn decode(rank: usize, b: &[u8], segments: usize) -> Result<Vec<bool>> {
 
 impl<B: Backend> Comm<B> {
     /// Frees the symmetric pool's segments that hold no buffer on any rank (collective:
-    /// every rank calls it, in the same order as its symmetric allocations and
-    /// registrations), and returns the bytes this rank freed. A segment that a buffer of
-    /// any rank still lies in stays (its range placement is every rank's). This rank's
-    /// mappings of the peers' freed segments are closed, and every rank has closed
-    /// its own, before any rank frees the memory. Errors, on every rank alike:
-    /// [`Error::CannotRegister`] where a peer allocates or registers meanwhile, or its
-    /// pool differs; a poisoned communicator is [`Error::Poisoned`] here and
-    /// `CannotRegister` naming this rank on the peers, which stay in step.
+    /// in the same order as the symmetric allocations and registrations) and returns
+    /// the bytes this rank freed. Every rank closes its mappings of the freed segments
+    /// before any rank frees the memory. [`Error::CannotRegister`] on every rank where a
+    /// peer allocates or registers meanwhile, or its pool differs; a poisoned
+    /// communicator is [`Error::Poisoned`] here and `CannotRegister` on the peers.
     pub fn trim_symmetric(&self) -> Result<u64> {
         let core = &*self.core;
         let mut segments = self.pool.segments.lock().unwrap_or_else(|e| e.into_inner());
@@ -128,6 +110,7 @@ impl<B: Backend> Comm<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::zero_copy::records::SYMMETRIC_RECORD;
 
     #[test]
     fn records_round_trip_and_refuse_other_kinds() {
