@@ -52,17 +52,8 @@ impl<B: Backend> SingleController<B> {
         let mut guards = Vec::with_capacity(2 * ranks.len());
         let ins = self.read_ptrs(inputs, &mut guards);
         let outs = self.write_ptrs(outputs, &mut guards);
-        // A rank whose input is its output runs in place (the plan stages).
         let bytes = bytes_of(metas.iter().copied());
-        let in_place = self.check_overlaps(
-            &[
-                (&ins, &bytes, "input", false),
-                (&outs, &bytes, "output", true),
-            ],
-            true,
-        )?;
-        let routed = self.route_all_reduce(dtype, len, options, in_place)?;
-        let result = self.run_all_reduce(routed, &ins, &outs, len, dtype, "input");
+        let result = self.all_reduce_at(&ins, &outs, &bytes, dtype, len, options);
         drop(guards);
         result
     }
@@ -85,10 +76,40 @@ impl<B: Backend> SingleController<B> {
         let mut guards = Vec::with_capacity(ranks.len());
         let ptrs = self.write_ptrs(tensors, &mut guards);
         let bytes = bytes_of(metas.iter().copied());
-        self.check_overlaps(&[(&ptrs, &bytes, "in-place", true)], false)?;
-        let result = self.run_all_reduce(routed, &ptrs, &ptrs, len, dtype, "in-place");
+        let result = self.all_reduce_in_place_at(routed, &ptrs, &bytes, dtype, len);
         drop(guards);
         result
+    }
+
+    /// The all-reduce from `ins` into `outs` (`bytes` per rank): a rank whose input is
+    /// its output, the very same range, runs in place (the plan stages); other
+    /// overlaps are refused.
+    pub(super) fn all_reduce_at(
+        &self,
+        ins: &[u64; MAX_GPUS],
+        outs: &[u64; MAX_GPUS],
+        bytes: &[usize; MAX_GPUS],
+        dtype: DType,
+        len: usize,
+        options: &AllReduceOptions,
+    ) -> Result<Algorithm> {
+        let roles = [(ins, bytes, "input", false), (outs, bytes, "output", true)];
+        let in_place = self.check_overlaps(&roles, true)?;
+        let routed = self.route_all_reduce(dtype, len, options, in_place)?;
+        self.run_all_reduce(routed, ins, outs, len, dtype, "input")
+    }
+
+    /// The routed in-place all-reduce of `ptrs` (`bytes` per rank), overlaps refused.
+    pub(super) fn all_reduce_in_place_at(
+        &self,
+        routed: Routed,
+        ptrs: &[u64; MAX_GPUS],
+        bytes: &[usize; MAX_GPUS],
+        dtype: DType,
+        len: usize,
+    ) -> Result<Algorithm> {
+        self.check_overlaps(&[(ptrs, bytes, "in-place", true)], false)?;
+        self.run_all_reduce(routed, ptrs, ptrs, len, dtype, "in-place")
     }
 
     /// Routes and plans an all-reduce on the cores (every core decides the same: their

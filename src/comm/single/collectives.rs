@@ -349,16 +349,7 @@ impl<B: Backend> SingleController<B> {
         let out_ptrs = self.write_ptrs(outputs, &mut guards);
         // No in-place form: any overlap is refused.
         let in_bytes = bytes_of(inputs.iter().map(meta));
-        self.check_overlaps(
-            &[
-                (&in_ptrs, &in_bytes, "input", false),
-                (&out_ptrs, &out_bytes, "output", true),
-            ],
-            false,
-        )?;
-        let result = self
-            .check_peers_reach(plan, &in_ptrs, "input")
-            .and_then(|_| self.launch_all(plan, &in_ptrs, &out_ptrs));
+        let result = self.launch_checked(plan, (&in_ptrs, &in_bytes), (&out_ptrs, &out_bytes));
         drop(guards);
         result
     }
@@ -393,17 +384,25 @@ impl<B: Backend> SingleController<B> {
         for (k, t) in inputs.iter().enumerate() {
             in_bytes[k * width + root] = t.data.len() * t.data.dtype().size();
         }
-        self.check_overlaps(
-            &[
-                (&in_ptrs, &in_bytes, "input", false),
-                (&out_ptrs, &out_bytes, "output", true),
-            ],
-            plan.kernel.kind == KernelKind::Broadcast,
-        )?;
-        let result = self
-            .check_peers_reach(plan, &in_ptrs, "input")
-            .and_then(|_| self.launch_all(plan, &in_ptrs, &out_ptrs));
+        let result = self.launch_checked(plan, (&in_ptrs, &in_bytes), (&out_ptrs, &out_bytes));
         drop(guards);
         result
+    }
+
+    /// Refuses overlapping buffers (a broadcast root's exact alias runs in place),
+    /// checks that the peers reach the inputs, and launches on every rank.
+    fn launch_checked(
+        &self,
+        plan: &Plan,
+        (ins, in_bytes): (&[u64; MAX_GPUS], &[usize; MAX_GPUS]),
+        (outs, out_bytes): (&[u64; MAX_GPUS], &[usize; MAX_GPUS]),
+    ) -> Result<()> {
+        let roles = [
+            (ins, in_bytes, "input", false),
+            (outs, out_bytes, "output", true),
+        ];
+        self.check_overlaps(&roles, plan.kernel.kind == KernelKind::Broadcast)?;
+        self.check_peers_reach(plan, ins, "input")?;
+        self.launch_all(plan, ins, outs)
     }
 }

@@ -15,14 +15,12 @@ use super::launch::ALL_RANKS;
 use super::SingleController;
 
 impl<B: Backend> SingleController<B> {
-    /// Fault injection (feature `fault-injection`): the next collective launched
-    /// through this communicator (an all-reduce or a barrier) is launched on every
-    /// rank but `rank`. The others wait for it, give up after
-    /// [`crate::CommConfig::barrier_timeout`], and [`SingleController::synchronize`]
-    /// reports the timeout ([`Error::BarrierTimeout`], or [`Error::PeerAborted`] on a
-    /// rank its peer told); then [`SingleController::reinitialize`] recovers. The call
-    /// returns as if every rank had launched. Calling it for several ranks before one
-    /// collective leaves all of them out. To make a rank late rather than absent, see
+    /// Fault injection (feature `fault-injection`): the next collective (or barrier) is
+    /// launched on every rank but `rank` (several calls leave several out), returning
+    /// as if all had launched. The others give up after
+    /// [`crate::CommConfig::barrier_timeout`], [`SingleController::synchronize`]
+    /// reports [`Error::BarrierTimeout`] (or [`Error::PeerAborted`]), and
+    /// [`SingleController::reinitialize`] recovers. For a late rank see
     /// [`SingleController::delay_rank`].
     ///
     /// ```
@@ -49,12 +47,10 @@ impl<B: Backend> SingleController<B> {
     }
 
     /// Fault injection (feature `fault-injection`): `rank`'s next collective publishes
-    /// a call descriptor one ahead in the call sequence, as a rank that made one call
-    /// more than its peers would. The call's group finds the difference at its first
-    /// barrier (or Lamport header): [`SingleController::synchronize`] returns
-    /// [`Error::CallMismatch`] and [`SingleController::rank_errors`] shows it on every rank
-    /// of the group, nothing is written, and [`SingleController::reinitialize`] recovers. A
-    /// group of one has nobody to compare with: its call runs as usual.
+    /// a call descriptor one ahead in the sequence, as a rank that made one call more.
+    /// Its group finds it at the first barrier: [`Error::CallMismatch`] on every rank
+    /// of the group, nothing written, [`SingleController::reinitialize`] recovers (a
+    /// group of one runs as usual).
     #[cfg(feature = "fault-injection")]
     pub fn mismatch_next(&self, rank: usize) -> Result<()> {
         self.fault_rank(rank)?.skew_next_call();
@@ -62,11 +58,9 @@ impl<B: Backend> SingleController<B> {
     }
 
     /// Fault injection (feature `fault-injection`): enqueues on `rank`'s stream a
-    /// kernel that spins for `delay` and touches no memory, so that rank's next
-    /// collective starts late. This is how the tests skew ranks in time, and how a
-    /// user can test their own timeout handling (a delay longer than
-    /// [`crate::CommConfig::barrier_timeout`] makes the other ranks give up).
-    /// Capturable in a CUDA graph like any launch.
+    /// kernel that spins for `delay`, touching no memory, so its next collective
+    /// starts late (longer than [`crate::CommConfig::barrier_timeout`]: the others give
+    /// up). Capturable in a CUDA graph.
     #[cfg(feature = "fault-injection")]
     pub fn delay_rank(&self, rank: usize, delay: Duration) -> Result<()> {
         let endpoint = self.fault_rank(rank)?;
@@ -74,13 +68,10 @@ impl<B: Backend> SingleController<B> {
         endpoint.launch_delay(delay)
     }
 
-    /// Fault injection (feature `fault-injection`): the delay kernel
-    /// ([`SingleController::delay_rank`]) on every rank, launched as a collective is: by
-    /// the launch threads where parallel launch is on
-    /// ([`SingleController::set_parallel_launch`]), else one rank after the other. With a
-    /// zero `delay` it times peercomm's launch path alone (no validation, no planning,
-    /// no buffers). Delays wait for nobody, so a failure poisons nothing: the first
-    /// failing rank's error is returned.
+    /// Fault injection (feature `fault-injection`): the delay kernel on every rank,
+    /// launched as a collective is; with a zero `delay` it times the launch path alone.
+    /// Delays wait for nobody, so a failure poisons nothing: the first failing rank's
+    /// error is returned.
     #[cfg(feature = "fault-injection")]
     pub fn delay_all(&self, delay: Duration) -> Result<()> {
         let mut launches = self.lock_launches();
@@ -97,12 +88,10 @@ impl<B: Backend> SingleController<B> {
             .map_or(Ok(()), Err)
     }
 
-    /// Fault injection (feature `fault-injection`): `rank`'s next launch (of a
-    /// collective, a barrier or a batch of group calls) fails before it is enqueued,
-    /// as a launch the driver refused would: the call returns [`Error::Backend`]
-    /// (`call: "launch"`) and, since the other ranks were launched (in parallel, or
-    /// before it in rank order), poisons the communicator until
-    /// [`SingleController::reinitialize`]. (A world of one launched nothing: no poison.)
+    /// Fault injection (feature `fault-injection`): `rank`'s next launch fails before
+    /// it is enqueued, as one the driver refused: [`Error::Backend`] (`call:
+    /// "launch"`), and since other ranks were launched, the communicator is poisoned
+    /// until [`SingleController::reinitialize`] (not in a world of one).
     ///
     /// ```
     /// use std::time::Duration;

@@ -8,6 +8,7 @@ use crate::error::Result;
 use crate::signal::MAX_GPUS;
 
 use super::super::AllReduceOptions;
+use super::validate::Meta;
 use super::SingleController;
 use crate::comm::core::launch::group::{run_group_steps, GroupStep, GroupedCall};
 use crate::comm::core::planning::PeerReads;
@@ -36,8 +37,8 @@ impl<B: Backend> SingleController<B> {
     /// together when it ends, in order, on every rank; several of one dtype and group
     /// width (algorithm left to peercomm) run as one kernel per rank with one start and
     /// one end barrier, up to 8 at a time while their inputs fit the payload together
-    /// (after an 80-byte table of the entries' lengths). Each result is bit for bit what the call gives alone. Replaces `group_start` /
-    /// `group_end`, which launched every call at once.
+    /// (after an 80-byte table of the entries' lengths). Each result is bit for bit
+    /// what the call gives alone.
     ///
     /// ```
     /// use peercomm::backend::{host::Host, Backend};
@@ -91,25 +92,8 @@ impl<'b, B: Backend> SingleControllerGroup<'_, 'b, B> {
         R: DeviceBufferMut<B>,
     {
         let first = self.comm.check_slices(inputs, outputs)?;
-        let call = GroupedCall {
-            dtype: first.dtype,
-            elements: first.len,
-            options: *options,
-            in_place: false,
-        };
-        self.check(&call)?;
-        self.calls.push(Pending {
-            inputs: inputs
-                .iter()
-                .map(|b| Some(b as &dyn DeviceBuffer<B>))
-                .collect(),
-            outputs: outputs
-                .iter_mut()
-                .map(|b| b as &mut dyn DeviceBufferMut<B>)
-                .collect(),
-            call,
-        });
-        Ok(())
+        let inputs = inputs.iter().map(|b| Some(b as &dyn DeviceBuffer<B>));
+        self.add(first, options, inputs.collect(), outputs)
     }
 
     /// Adds every rank's `buffers[r]` summed over the world in place.
@@ -127,22 +111,8 @@ impl<'b, B: Backend> SingleControllerGroup<'_, 'b, B> {
         options: &AllReduceOptions,
     ) -> Result<()> {
         let first = self.comm.check_slices_in_place(buffers)?;
-        let call = GroupedCall {
-            dtype: first.dtype,
-            elements: first.len,
-            options: *options,
-            in_place: true,
-        };
-        self.check(&call)?;
-        self.calls.push(Pending {
-            inputs: buffers.iter().map(|_| None).collect(),
-            outputs: buffers
-                .iter_mut()
-                .map(|b| b as &mut dyn DeviceBufferMut<B>)
-                .collect(),
-            call,
-        });
-        Ok(())
+        let inputs = buffers.iter().map(|_| None).collect();
+        self.add(first, options, inputs, buffers)
     }
 
     /// Calls in the group so far.
@@ -161,10 +131,31 @@ impl<'b, B: Backend> SingleControllerGroup<'_, 'b, B> {
         self.launch()
     }
 
-    fn check(&self, call: &GroupedCall) -> Result<()> {
+    /// Routes the call now (refusing it here, not at `end`) and keeps it; `inputs[r]`
+    /// `None` is in place.
+    fn add<R: DeviceBufferMut<B>>(
+        &mut self,
+        first: Meta,
+        options: &AllReduceOptions,
+        inputs: Vec<Option<&'b dyn DeviceBuffer<B>>>,
+        outputs: &'b mut [R],
+    ) -> Result<()> {
+        let in_place = inputs.iter().all(Option::is_none);
+        let call = GroupedCall {
+            dtype: first.dtype,
+            elements: first.len,
+            options: *options,
+            in_place,
+        };
         self.comm
-            .route_all_reduce(call.dtype, call.elements, &call.options, call.in_place)
-            .map(|_| ())
+            .route_all_reduce(call.dtype, call.elements, &call.options, in_place)?;
+        let outputs = outputs.iter_mut().map(|b| b as &mut dyn DeviceBufferMut<B>);
+        self.calls.push(Pending {
+            inputs,
+            outputs: outputs.collect(),
+            call,
+        });
+        Ok(())
     }
 
     fn launch(&mut self) -> Result<Vec<Algorithm>> {

@@ -1,8 +1,6 @@
-//! Launching a planned collective on several cores of a [`SingleController`] at once:
-//! every rank's kernel from its own thread of the launch pool where
-//! parallel launch is on ([`CommConfig::parallel_launch`]), else one rank after the
-//! other from the calling thread. Either way under the launch lock, so that a
-//! collective is enqueued on every rank before another caller's is.
+//! Launching a planned collective on every core of a [`SingleController`]: from the
+//! launch pool ([`CommConfig::parallel_launch`]) or one rank after the other, under
+//! the launch lock, so that a collective is enqueued on every rank before another's.
 
 use std::any::Any;
 use std::sync::{MutexGuard, Weak};
@@ -35,16 +33,11 @@ impl<B: Backend> SingleController<B> {
         self.launch_lock.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Turns parallel launch on or off for the calls that follow (it starts as
-    /// [`CommConfig::parallel_launch`] says): on, each rank's kernel of a collective is
-    /// enqueued by its own launch thread (rank 0's by the calling thread) and the call
-    /// returns once all are enqueued; off, the calling thread enqueues them one rank
-    /// after the other. Results, stream order and errors are the same either way;
-    /// only the host time of a call differs. Turning it on starts the launch threads if
-    /// they are not running ([`crate::Error::Backend`] from `std::thread::spawn` if
-    /// the system refuses one); turning it off leaves them parked until the
-    /// communicator is dropped. Waits for a call in progress on another thread. A world of one has
-    /// nothing to launch in parallel: there the setting changes nothing.
+    /// Turns parallel launch ([`CommConfig::parallel_launch`]) on or off for the calls
+    /// that follow; only a call's host time differs. Turning it on starts the launch
+    /// threads if needed ([`crate::Error::Backend`] if the system refuses one); off
+    /// leaves them parked until the drop. Waits for a call in progress on another
+    /// thread; changes nothing in a world of one.
     pub fn set_parallel_launch(&self, on: bool) -> Result<()> {
         let world = self.world_size();
         self.lock_launches()
@@ -58,10 +51,8 @@ impl<B: Backend> SingleController<B> {
         self.lock_launches().parallel
     }
 
-    /// For tests: a weak handle on the launch pool's shared state (`None` where no
-    /// launch thread was started). Every launch thread holds it until the thread ends,
-    /// so once the communicator is dropped it no longer upgrades: the threads were
-    /// joined.
+    /// For tests: a weak handle on the launch pool's state (`None`: no pool), held by
+    /// every launch thread until it ends, so it stops upgrading once they are joined.
     #[doc(hidden)]
     pub fn launch_pool_probe(&self) -> Option<Weak<dyn Any + Send + Sync>> {
         self.lock_launches().pool.as_ref().map(Launcher::probe)

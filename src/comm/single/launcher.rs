@@ -1,19 +1,12 @@
-//! The single-controller launch pool: what lets a [`super::SingleController`] enqueue
-//! every rank's kernel at once instead of one rank after the other. It owns one worker
-//! thread per rank but rank 0 (the calling thread launches rank 0 itself), started with
-//! the communicator (world > 1, [`crate::CommConfig::parallel_launch`]) and joined when
-//! it is dropped, and the slot through which the caller hands them a launch.
+//! The single-controller launch pool: one worker thread per rank but rank 0 (the
+//! caller launches rank 0), so that every rank's kernel is enqueued at once.
 //!
-//! One launch at a time ([`Launcher::run`] takes `&mut self`; the communicator keeps the
-//! pool inside its launch lock): the caller publishes the job (a borrowed closure, which
-//! rank each worker runs) and bumps a generation counter; each worker, spinning on that
-//! counter for [`SPIN`] after its last job (so back-to-back calls need no futex wake)
-//! and parked after that, runs its rank's launch, stores the outcome and counts down;
-//! the caller launches rank 0 meanwhile, then waits until every worker has counted
-//! down. Nothing of the job outlives the call: it is a scoped job, borrowed from the
-//! caller's stack. A panic in a launch is caught where it happens and handed back to
-//! the caller ([`Outcomes::panic`]), so a worker never dies with a job and the caller
-//! never waits for one that will not come.
+//! One launch at a time ([`Launcher::run`] takes `&mut self`): the caller publishes a
+//! borrowed job and bumps a generation counter; each worker, spinning on it for
+//! [`SPIN`] (so back-to-back calls need no futex wake) and parked after that, runs its
+//! rank's launch, stores the outcome and counts down while the caller launches rank 0,
+//! then waits for the count. A panic in a launch is caught and handed back
+//! ([`Outcomes::panic`]), so no worker dies with a job and the caller never hangs.
 
 use std::any::Any;
 use std::cell::UnsafeCell;

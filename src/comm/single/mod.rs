@@ -1,11 +1,7 @@
 //! The single-controller front door: [`SingleController`], one process that drives every
-//! rank's device. It holds one per-rank core per device (`super::core`), made by the
-//! same setup as the per-rank [`crate::Comm`] over an in-process bootstrap; its calls
-//! check what only it can (every rank's tensors together), then plan on the cores and
-//! launch on each (each rank from its own launch thread, see
-//! [`crate::CommConfig::parallel_launch`]), under one lock, so that a collective is
-//! enqueued on every rank atomically. In one process the peers read each other's user
-//! buffers in place.
+//! rank's device through one core per device, made by the per-rank setup over an
+//! in-process bootstrap. Its calls check every rank's tensors together, plan on the
+//! cores and launch on each under one lock; the peers read user buffers in place.
 
 #[cfg(feature = "fault-injection")]
 use std::sync::atomic::AtomicU32;
@@ -46,10 +42,8 @@ mod validate;
 pub struct SingleController<B: Backend> {
     /// One core per device: rank i drives `ranks[i]`.
     ranks: Vec<Rank<B>>,
-    /// Held while a collective is enqueued on every rank (and while re-initialising):
-    /// two threads sharing the communicator must not interleave their launches, or
-    /// ranks would run collectives in different orders. It guards the launch pool
-    /// (one thread per rank but rank 0, joined on drop) and whether calls use it.
+    /// Held while a collective is enqueued on every rank (and while re-initialising),
+    /// so that two threads' launches never interleave; guards the launch pool.
     launch_lock: Mutex<launcher::Launches>,
     /// Fault injection: bit r set makes rank r's next launch fail
     /// ([`SingleController::fail_next_launch`]).
@@ -79,19 +73,15 @@ impl<B: Backend> SingleController<B> {
     }
 
     /// Builds a communicator over already opened devices (rank i = `devices[i]`): the
-    /// per-rank setup of every core at once, one thread per device over an in-process
-    /// bootstrap (peer access between all pairs, the signal buffers, the peer check),
-    /// then the external library where peer memory does not serve, then (world > 1,
-    /// [`CommConfig::parallel_launch`]) the launch threads, one per rank but rank 0,
-    /// which live until the communicator is dropped. One physical
-    /// device given twice (told by [`Backend::identity`], not by ordinal) is
-    /// `Error::InvalidDevices` naming both ranks' devices, unless
+    /// per-rank setup of every core at once, one thread per device, then the external
+    /// library where peer memory does not serve, then the launch threads
+    /// ([`CommConfig::parallel_launch`]). One physical device given twice (by
+    /// [`Backend::identity`]) is `Error::InvalidDevices`, unless
     /// `CommConfig::allow_shared_devices`.
     pub fn from_devices(devices: Vec<B::Device>, config: CommConfig) -> Result<Self> {
         let world = devices.len();
         check_world(world)?;
-        // One physical device twice (by identity, as the setup checks it) is refused
-        // here already, before any thread starts.
+        // One physical device twice is refused before any thread starts.
         if !config.allow_shared_devices {
             let ids = devices
                 .iter()
@@ -231,20 +221,13 @@ impl<B: Backend> SingleController<B> {
         }
     }
 
-    /// Waits for every rank's queued work, then reads every rank's error record: one
-    /// small device-to-host copy per rank, so this costs more than a plain stream
-    /// synchronisation. If a wait gave up, returns the root cause
+    /// Waits for every rank's queued work, then reads every rank's error record (one
+    /// small device-to-host copy per rank). If a wait gave up, returns the root cause
     /// ([`Error::BarrierTimeout`] of the rank that timed out, else the
     /// [`Error::PeerAborted`] a rank was told) and poisons the communicator until
     /// [`SingleController::reinitialize`]. [`SingleController::wait`] only waits;
-    /// [`SingleController::check_errors`] only reads the records, without waiting.
-    ///
-    /// A collective that a rank never makes (see `miss_next`) is reported within 2 x
-    /// [`CommConfig::barrier_timeout`] (+ launch and copy latency) of its start on
-    /// the streams, not within `barrier_timeout`: a wait gives up after
-    /// `barrier_timeout`, then waits at most as long again for the peers to confirm
-    /// they no longer read its rank's buffers (see the field's docs). With
-    /// `barrier_timeout: None` it waits for as long as the rank stays away.
+    /// [`SingleController::check_errors`] only reads. A collective a rank never makes
+    /// is reported within 2 x [`CommConfig::barrier_timeout`] of its start (see there).
     pub fn synchronize(&self) -> Result<()> {
         self.wait()?;
         for r in &self.ranks {

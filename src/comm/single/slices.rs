@@ -1,7 +1,6 @@
 //! The slice form of the single-controller all-reduce: the users' buffers as they hold
-//! them (`&[CudaSlice<T>]`, one per rank), flat, with no `TensorView` wrappers and no heap
-//! allocation per call. For a hot eager loop; the shaped form
-//! ([`SingleController::all_reduce_sum`]) stays for callers that want shapes checked.
+//! them (`&[CudaSlice<T>]`, one per rank), flat, with no heap allocation per call, for
+//! a hot eager loop.
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use crate::dispatch::Algorithm;
@@ -9,16 +8,8 @@ use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
 
 use super::super::AllReduceOptions;
-use super::validate::Meta;
+use super::validate::{meta_of as meta, Meta};
 use super::SingleController;
-
-fn meta<B: Backend>(b: &(impl DeviceBuffer<B> + ?Sized)) -> Meta {
-    Meta {
-        dtype: b.dtype(),
-        len: b.len(),
-        ordinal: b.device_ordinal(),
-    }
-}
 
 impl<B: Backend> SingleController<B> {
     /// Sums `inputs[r]` over each group into `outputs[r]`: one buffer per rank, on
@@ -74,18 +65,9 @@ impl<B: Backend> SingleController<B> {
             out_ptrs[r] = p;
             out_guards[r] = Some(g);
         }
-        // A rank whose input is its output runs in place (the plan stages).
         let bytes = [first.len * first.dtype.size(); MAX_GPUS];
-        let in_place = self.check_overlaps(
-            &[
-                (&in_ptrs, &bytes, "input", false),
-                (&out_ptrs, &bytes, "output", true),
-            ],
-            true,
-        )?;
-        let routed = self.route_all_reduce(first.dtype, first.len, options, in_place)?;
-        let result =
-            self.run_all_reduce(routed, &in_ptrs, &out_ptrs, first.len, first.dtype, "input");
+        let (dtype, len) = (first.dtype, first.len);
+        let result = self.all_reduce_at(&in_ptrs, &out_ptrs, &bytes, dtype, len, options);
         drop((in_guards, out_guards));
         result
     }
@@ -111,13 +93,11 @@ impl<B: Backend> SingleController<B> {
             guards[r] = Some(g);
         }
         let bytes = [first.len * first.dtype.size(); MAX_GPUS];
-        self.check_overlaps(&[(&ptrs, &bytes, "in-place", true)], false)?;
-        let result = self.run_all_reduce(routed, &ptrs, &ptrs, first.len, first.dtype, "in-place");
+        let result = self.all_reduce_in_place_at(routed, &ptrs, &bytes, first.dtype, first.len);
         drop(guards);
         result
     }
 
-    /// Rank `r`'s flat buffer against rank 0's: device, dtype, then length.
     /// One input and one output per rank, flat, of one dtype and length everywhere,
     /// each on its rank's device: rank 0's input.
     pub(super) fn check_slices<S, R>(&self, inputs: &[S], outputs: &[R]) -> Result<Meta>

@@ -46,14 +46,11 @@ impl<B: Backend> SingleController<B> {
         Ok(errors)
     }
 
-    /// Reads every rank's error record now, without waiting for queued work (a
-    /// watchdog can call it while collectives run, like NCCL's `ncclCommGetAsyncError`).
-    /// `Ok(())` means no rank has recorded an error yet; otherwise the root cause is
-    /// returned and the communicator is poisoned, as by
-    /// [`SingleController::synchronize`]. On CUDA and HIP each read is a small synchronous
-    /// copy on the legacy default stream, which does not wait for the ranks'
-    /// non-blocking streams (a rank built on the legacy default stream itself would
-    /// wait); a record still being written reads as clean until the next poll.
+    /// Reads every rank's error record now, without waiting (a watchdog's poll, like
+    /// `ncclCommGetAsyncError`): `Ok(())` if none has recorded an error yet, else the
+    /// root cause, poisoning as [`SingleController::synchronize`]. On GPUs each read is
+    /// a small copy on the legacy default stream, which does not wait for the ranks'
+    /// non-blocking streams; a record still being written reads clean until the next.
     pub fn check_errors(&self) -> Result<()> {
         self.report_records(Rank::peek_error)
     }
@@ -67,10 +64,8 @@ impl<B: Backend> SingleController<B> {
 
     /// Answers, launching nothing, what [`SingleController::all_reduce_sum`] (or, with
     /// `in_place`, [`SingleController::all_reduce_sum_in_place`]) would do with
-    /// `elements` elements of `dtype` per rank and these options: the algorithm that
-    /// would run, or the typed error the call would get. A message too large for the
-    /// scratch is [`crate::Error::MessageTooLarge`] with the bytes needed, the bytes
-    /// configured and the `CommConfig` field to raise.
+    /// `elements` of `dtype` per rank: the algorithm, or the call's typed error (e.g.
+    /// [`crate::Error::MessageTooLarge`] naming the `CommConfig` field to raise).
     pub fn algorithm_for(
         &self,
         dtype: DType,

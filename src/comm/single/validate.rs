@@ -3,7 +3,7 @@
 //! buffers, and whether the peers can reach the user buffers. Each rank's own side
 //! (its device, its output's dtype and length) is the core's.
 
-use crate::backend::{Backend, KernelKind};
+use crate::backend::{Backend, DeviceBuffer, KernelKind};
 use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
 use crate::tensor::shape_elements;
@@ -33,22 +33,23 @@ use super::SingleController;
 use crate::comm::core::planning::Plan;
 use crate::tensor::{TensorView, TensorViewMut};
 
+/// What the core checks of a buffer.
+pub(super) fn meta_of<B: Backend>(b: &(impl DeviceBuffer<B> + ?Sized)) -> Meta {
+    Meta {
+        dtype: b.dtype(),
+        len: b.len(),
+        ordinal: b.device_ordinal(),
+    }
+}
+
 /// What the core checks of a shaped input.
 pub(super) fn meta<B: Backend>(t: &TensorView<'_, B>) -> Meta {
-    Meta {
-        dtype: t.data.dtype(),
-        len: t.data.len(),
-        ordinal: t.data.device_ordinal(),
-    }
+    meta_of(t.data)
 }
 
 /// What the core checks of a shaped output.
 pub(super) fn meta_mut<B: Backend>(t: &TensorViewMut<'_, B>) -> Meta {
-    Meta {
-        dtype: t.data.dtype(),
-        len: t.data.len(),
-        ordinal: t.data.device_ordinal(),
-    }
+    meta_of(&*t.data)
 }
 
 impl<B: Backend> SingleController<B> {
