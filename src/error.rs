@@ -11,10 +11,7 @@ fn waited_for(rank: Option<usize>) -> String {
     rank.map_or_else(|| "an unknown rank".to_string(), |r| format!("rank {r}"))
 }
 
-/// What a call descriptor holds, in the order a mismatch names it (the first that
-/// differs): the collective, the element type, the group width, the root, the element
-/// count, the block count, the algorithm, where the peers read the input, and the
-/// call's place in the rank's sequence of calls in its barrier domain.
+/// A field of a call descriptor; a mismatch names the first that differs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum CallField {
@@ -35,10 +32,8 @@ pub enum CallField {
     Blocks,
     /// The algorithm (one-stage, two-stage, Lamport).
     Algorithm,
-    /// Where the peers read the input: staged through the payloads, or in place from a
-    /// buffer registered with the communicator (`Comm::register`, `Comm::alloc_symmetric`)
-    /// at an offset in it. Ranks that pass registered buffers at different offsets, or
-    /// one registered and one not, differ here.
+    /// Where the peers read the input: staged, or in place at an offset in a buffer
+    /// registered with the communicator (`Comm::register`, `Comm::alloc_symmetric`).
     Inputs,
     /// The row length of the fused all-reduce + RMSNorm (its weight's length).
     Hidden,
@@ -109,8 +104,7 @@ pub enum Error {
         got: DType,
     },
     /// Ranks (or an output and its input) passed tensors with the same element count
-    /// but different shapes. Differing element counts are [`Error::LengthMismatch`],
-    /// whatever the shapes say.
+    /// but different shapes (differing counts are [`Error::LengthMismatch`]).
     #[error("rank {rank} passed shape {got:?} where rank 0 passed {expected:?}")]
     ShapeMismatch {
         /// Rank whose tensor differs.
@@ -121,8 +115,7 @@ pub enum Error {
         got: Vec<usize>,
     },
     /// Element counts differ: across ranks, between a shape and its buffer, or between
-    /// an output and its input. The one error for unequal lengths, whether tensors are
-    /// flat, shaped or plain slices.
+    /// an output and its input.
     #[error("rank {rank}: {what}")]
     LengthMismatch {
         /// Rank concerned.
@@ -150,17 +143,10 @@ pub enum Error {
         /// Ranks per group.
         width: usize,
     },
-    /// The chosen algorithm needs more scratch than the communicator has. Ask before
-    /// calling with `SingleController::algorithm_for` / `Comm::algorithm_for`; size a
-    /// communicator for a message with `CommConfig::for_largest_message`.
-    ///
-    /// A staged call (every call of the per-rank `Comm` whose peers read its input, and
-    /// an in-place one-stage call of the `SingleController`) that the payload cannot hold
-    /// whole does not get this error: it runs through the payload in chunks (see
-    /// `CommConfig::payload_bytes`). Staged, it remains only where half the payload
-    /// cannot hold one chunk: less than a 16-byte pack per half (per part and member
-    /// for reduce-scatter and scatter), or for the fused all-reduce + RMSNorm less than
-    /// one row; `needed` is then the bytes two such chunks take. Lamport (the slot), a
+    /// The chosen algorithm needs more scratch than the communicator has (ask first
+    /// with `algorithm_for`; size with `CommConfig::for_largest_message`). A staged
+    /// call runs through the payload in chunks, so it gets this only where half the
+    /// payload cannot hold one chunk (`needed` is then two chunks); Lamport, a
     /// two-stage partition and a batch of group calls are not chunked.
     #[error(
         "{algorithm} needs {needed} bytes of scratch but the communicator has {available} \
@@ -177,16 +163,13 @@ pub enum Error {
         /// `"payload_bytes"`.
         setting: &'static str,
     },
-    /// An algorithm cannot run in this mode (e.g. Lamport over groups of 1 is fine, but
-    /// an explicit request that cannot be honoured lands here).
+    /// An explicit request that cannot be honoured in this mode.
     #[error("{0}")]
     Unsupported(String),
-    /// A buffer cannot be registered with a communicator (`Comm::register`), or a
-    /// symmetric allocation (`Comm::alloc_symmetric`) cannot be made: the memory cannot
-    /// be exported to a peer process (a stream-ordered pool without an IPC handle type,
-    /// a virtual-memory range, host heap memory), the ranks disagree on the call, or a
-    /// peer failed. Every rank of the communicator gets it from the same call, and
-    /// nothing is registered on any of them.
+    /// A buffer cannot be registered (`Comm::register`) or a symmetric allocation made
+    /// (`Comm::alloc_symmetric`): the memory cannot be exported to a peer process, the
+    /// ranks disagree on the call, or a peer failed. Every rank gets it from the same
+    /// call, and nothing is registered anywhere.
     #[error("rank {rank} cannot register the buffer: {reason}")]
     CannotRegister {
         /// The first rank that could not (a world rank).
@@ -214,24 +197,18 @@ pub enum Error {
     /// A configuration value is out of range (sizes that overflow, misaligned scratch).
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
-    /// A length whose bytes (elements x element size, rounded up to whole 16-byte packs
-    /// or to the symmetric pool's alignment) exceed what any buffer can span
-    /// (`isize::MAX` bytes): a symmetric allocation, a registration, a collective or
-    /// `algorithm_for` asked for it. Nothing was allocated, registered or launched. A
-    /// collective registration or allocation refuses it on every rank (this error on
-    /// the rank that asked, [`Error::CannotRegister`] naming it on the others).
+    /// A length whose bytes (rounded up to whole packs or the pool's alignment) exceed
+    /// `isize::MAX`. Nothing was allocated, registered or launched; a collective
+    /// registration refuses on every rank ([`Error::CannotRegister`] on the others).
     #[error("{what}: more bytes than any buffer can span")]
     SizeOverflow {
         /// Which length, of what (with the rank where one is concerned).
         what: String,
     },
-    /// A call's buffers overlap (reachable only through an `unsafe impl` of
-    /// [`crate::backend::DeviceBuffer`] that reports overlapping ranges): an input and
-    /// an output that are not exactly the same range, or two outputs. The exact alias
-    /// of an all-reduce's input and output runs in place, as does a broadcast root's;
-    /// the other collectives have no in-place form. Refused before anything is
-    /// launched or written, on the rank whose buffers overlap (its peers' call is then
-    /// never met: see the collectives' docs).
+    /// A call's buffers overlap (only through an `unsafe impl` of
+    /// [`crate::backend::DeviceBuffer`]): an input and an output that are not the same
+    /// range (an all-reduce's or a broadcast root's exact alias runs in place), or two
+    /// outputs. Refused before anything is launched, on the rank whose buffers overlap.
     #[error("rank {rank}: {what}")]
     BuffersOverlap {
         /// The rank whose buffers overlap (for the single controller, the first).
@@ -239,12 +216,10 @@ pub enum Error {
         /// Which buffers, and where.
         what: String,
     },
-    /// Peer access is missing between two ranks' devices (the driver reports no
-    /// peer-to-peer path between the physical devices, or mapping the peer's memory
-    /// into this process failed), and the fallback to the external library is off
-    /// ([`crate::external::Fallback::Refuse`]); with the default fallback the external
-    /// library serves such a group instead. The message names both ranks with their
-    /// devices' identities (ordinal, UUID, PCI bus id), the cause and what to do.
+    /// Peer access is missing between two ranks' devices (no peer-to-peer path, or
+    /// mapping the peer's memory failed) and the fallback is
+    /// [`crate::external::Fallback::Refuse`]. Names both ranks, their devices'
+    /// identities, the cause and what to do.
     #[error(
         "peer-to-peer access from rank {from_rank} (device {from}) to rank {to_rank} \
          (device {to}) is not available: {detail}. {hint}"
@@ -252,8 +227,7 @@ pub enum Error {
     P2pUnavailable {
         /// Device that would access: its ordinal in its own process.
         from: usize,
-        /// Device that would be accessed: its ordinal in its own process (under
-        /// `CUDA_VISIBLE_DEVICES` isolation every process calls its GPU 0; `detail`
+        /// Device that would be accessed: its ordinal in its own process (`detail`
         /// names the physical devices).
         to: usize,
         /// World rank that would access.
@@ -285,9 +259,8 @@ pub enum Error {
         detail: String,
     },
     /// The check at initialisation (a known pattern all-reduced through every peer
-    /// mapping, on the kernels' own path) gave a wrong result or timed out on these
-    /// ranks: the peer links cannot be trusted. Returned when the fallback to the
-    /// external library is off ([`crate::external::Fallback::Refuse`]).
+    /// mapping) gave a wrong result or timed out on these ranks, and the fallback is
+    /// [`crate::external::Fallback::Refuse`].
     #[error("the peer-memory check at initialisation failed on ranks {ranks:?}: {detail}")]
     PeerCheckFailed {
         /// World ranks whose check failed.
@@ -312,10 +285,9 @@ pub enum Error {
         /// does not say).
         waiting_for: Option<usize>,
     },
-    /// A peer of this rank gave up waiting (its own wait timed out) and told this rank
-    /// to stop: this rank abandoned its collective without writing its output. The
-    /// root cause is the [`Error::BarrierTimeout`] of rank `by`, which waited for rank
-    /// `waiting_for`.
+    /// A peer gave up waiting and told this rank to stop: it abandoned its collective
+    /// without writing its output. The root cause is rank `by`'s
+    /// [`Error::BarrierTimeout`].
     #[error(
         "rank {rank} stopped because rank {by} gave up waiting for {} (block {block}, \
          barrier domain {domain}); the communicator must be re-initialised",
@@ -334,11 +306,9 @@ pub enum Error {
         /// the record does not say).
         waiting_for: Option<usize>,
     },
-    /// Rank `rank` and its peer `peer` made different collective calls at the same
-    /// point of their sequences: the call descriptors they published beside the start
-    /// barrier differ in `field`. Every rank of the group gets this error (each finds
-    /// the difference on its side), nothing is written past the outputs, and the
-    /// communicator must be re-initialised. See [`CallField`] for what is compared.
+    /// Rank `rank` and its peer `peer` made different calls at the same point: their
+    /// call descriptors differ in `field`. Every rank of the group gets it, nothing is
+    /// written past the outputs, and the communicator must be re-initialised.
     #[error(
         "rank {rank} and rank {peer} made different calls: the {field} differs ({mine} on \
          rank {rank}, {theirs} on rank {peer}); every rank must make the same collective \
@@ -356,11 +326,9 @@ pub enum Error {
         /// The peer's value of it.
         theirs: String,
     },
-    /// An earlier error left the communicator's signals in an unknown state (a barrier
-    /// timeout, a peer's abort, a call mismatch, a launch that failed after others of
-    /// the same call were launched, an error of the external library): collectives are
-    /// refused until `reinitialize`. `first` is that error, the first one since the
-    /// communicator was last (re-)initialised.
+    /// An earlier error (a timeout, an abort, a mismatch, a partial launch, an external
+    /// library's error) left the signals in an unknown state: collectives are refused
+    /// until `reinitialize`. `first` is the first such error since (re-)initialising.
     #[error("the communicator is poisoned by an earlier error ({first}); call reinitialize()")]
     Poisoned {
         /// The error that poisoned the communicator.

@@ -1,15 +1,12 @@
-//! [`Recovery`]: what a caller does after an [`Error`] or a [`BootstrapError`]. Every
-//! variant is matched by name (no wildcard), so a new variant does not compile until
-//! someone decides its recovery.
+//! [`Recovery`]: what a caller does after an [`Error`] or a [`BootstrapError`]. No
+//! wildcard: a new variant does not compile until its recovery is decided.
 
 use super::Error;
 use crate::bootstrap::BootstrapError;
 
 /// What the caller does after an error ([`Error::recovery`],
-/// [`BootstrapError::recovery`]). No error of peercomm is cured by repeating the same
-/// call unchanged on the same communicator, so there is no "retry": a call that was
-/// refused needs another call, a poisoned communicator needs
-/// `reinitialize`, and a broken one needs replacing.
+/// [`BootstrapError::recovery`]). No error is cured by repeating the call unchanged,
+/// so there is no "retry".
 ///
 /// An engine's per-step handling:
 ///
@@ -31,29 +28,21 @@ use crate::bootstrap::BootstrapError;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum Recovery {
-    /// The call was refused before anything ran, on this rank (its arguments, buffers
-    /// or options; for a collective registration, on every rank alike): nothing was
-    /// written or registered, and the communicator is usable as it was. Change the call
-    /// (what the message names) and go on; calling again unchanged fails again. Where
-    /// the peers made the call and only this rank refused it, their calls wait for
-    /// this rank's and give up ([`Error::BarrierTimeout`] on them, then
-    /// [`Error::PeerAborted`] here): [`Recovery::Reinitialize`] on every rank.
+    /// The call was refused before anything ran (on this rank; a collective
+    /// registration on every rank): nothing written, the communicator as it was.
+    /// Change what the message names. Where only this rank refused a call its peers
+    /// made, they time out: then [`Recovery::Reinitialize`] on every rank.
     FixCall,
-    /// The communicator is poisoned (a barrier timeout, a peer's abort, a call
-    /// mismatch, a launch that failed part-way): its collectives are refused until
-    /// every rank calls `reinitialize` (a collective call through the bootstrap), after
-    /// which it works as new. A call mismatch is also a bug in the ranks' calls to fix.
-    /// Where `reinitialize` itself fails (a rank is gone), [`Recovery::Rebuild`].
+    /// The communicator is poisoned (a timeout, an abort, a call mismatch, a partial
+    /// launch): every rank calls `reinitialize` (collective), after which it works as
+    /// new. If that fails (a rank is gone), [`Recovery::Rebuild`].
     Reinitialize,
-    /// The communicator, its bootstrap or its device is in a state it cannot be brought
-    /// back from (a rank is gone, the bootstrap failed, a driver or external-library
-    /// call failed): every rank drops it, and the job builds a new one with a new
-    /// `UniqueId` (`Comm::from_rank`, `SingleController::new`).
+    /// The communicator, its bootstrap or its device cannot be brought back (a rank is
+    /// gone, the bootstrap or a driver or external-library call failed): every rank
+    /// drops it and the job builds a new one with a new `UniqueId`.
     Rebuild,
-    /// The communicator cannot be built as asked: the configuration, the launch (rank,
-    /// world size, id, address) or the machine (devices, drivers, peer access, the
-    /// external library) is wrong for it. Change what the message names, then build;
-    /// building again unchanged fails again.
+    /// The communicator cannot be built as asked (configuration, launch arguments or
+    /// machine): change what the message names, then build.
     FixSetup,
 }
 
