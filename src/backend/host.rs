@@ -1,51 +1,34 @@
 //! The host reference backend: each "device" is a memory arena with a stream thread,
 //! each block of a kernel an OS thread, and the kernels are Rust ports of the device
 //! code spinning on real atomics over the same signal layout. It makes the protocol
-//! testable on any machine and is what CI runs.
+//! testable on any machine and is what CI runs. Addresses are plain process addresses:
+//! peer access is always there and `map_peer` is the identity.
 //!
-//! Addresses are plain process addresses, so every arena is reachable from every
-//! other: peer access is always available and `map_peer` is the identity.
-//!
-//! Device `o`'s identity ([`Backend::identity`]) is [`super::DeviceIdentity::simulated`]
-//! `(o, o)` in every process: the same ordinal in two processes is one "device" (as on a
-//! GPU host without `CUDA_VISIBLE_DEVICES`). `Simulation::physical_devices` gives ranks
-//! other physical devices, e.g. every rank on ordinal 0 but each on its own device (the
-//! isolation engines make with `CUDA_VISIBLE_DEVICES`).
+//! Device `o`'s identity is [`super::DeviceIdentity::simulated`] `(o, o)` in every
+//! process (one ordinal in two processes is one "device");
+//! `Simulation::physical_devices` gives ranks other physical devices.
 //!
 //! # IPC (Linux)
-//! So that the host backend can run the protocol with one process per rank, as engines
-//! do on GPUs, shared signal memory is an anonymous shared memory file
-//! (`memfd_create`, close-on-exec), sized, sealed against shrinking and growing (an
-//! importer's pages can never be truncated away under it, which would fault with
-//! SIGBUS), and mapped `MAP_SHARED` read/write; it is zero-filled and page aligned.
-//! The exporter keeps the file open, and its handle names it by the exporter's
-//! process id and fd number: the importer opens `/proc/<pid>/fd/<fd>` read/write (the
-//! kernel allows that to processes that may inspect the exporter, e.g. the same user),
-//! checks the file's identity and size, maps it shared and closes the fd at once (the
-//! mapping keeps the file alive). Passing the fd itself over a Unix socket would need
-//! a socket between every pair of ranks; a path through `/proc` travels as plain bytes
-//! over any bootstrap. Importing in the exporting process works like any other import.
+//! So that ranks can run one per process, shared memory is an anonymous shared memory
+//! file (`memfd_create`, close-on-exec), sealed against shrinking and growing (an
+//! importer's pages can never be truncated away, which would fault with SIGBUS) and
+//! mapped `MAP_SHARED`. The exporter keeps the file open; its handle names it by pid
+//! and fd number, and the importer opens `/proc/<pid>/fd/<fd>` (allowed to processes
+//! that may inspect the exporter), checks the file's identity and size, and maps it.
+//! A path through `/proc` travels as plain bytes over any bootstrap, where passing the
+//! fd would need a socket between every pair of ranks.
 //!
-//! The handle, 40 bytes, little-endian (framed as every backend's, see
-//! `Backend::export_memory`): magic `pcho`, version `u32` = 1, exporter pid `u32`, fd
-//! number `u32`, size `u64`, then the file's `st_dev` `u64` and `st_ino` `u64`. The
-//! identity tells a freed allocation whose fd number was reused by another file from
-//! the file the handle names (shared memory inode numbers are not reused while the
-//! kernel's counter has not wrapped). Atomics across processes on `MAP_SHARED` memory
-//! are ordinary atomics on Linux, so the kernels need nothing new.
+//! The handle, 40 bytes, little-endian (framed as every backend's): magic `pcho`,
+//! version `u32` = 1, pid `u32`, fd `u32`, size `u64`, the file's `st_dev` `u64` and
+//! `st_ino` `u64`. The identity tells a freed allocation whose fd number was reused
+//! from the file the handle names.
 //!
-//! A registered range ([`Backend::export_range`]: a symmetric buffer, or any range of
-//! a `SharedData` allocation) is exported instead the way CUDA exports memory pools
-//! and virtual-memory allocations: as a descriptor of the file, beside the same
-//! handle, that a Unix socket carries to the importer (`SCM_RIGHTS`, the per-rank
-//! communicator's descriptor channel); [`Backend::import_range`] checks that the
-//! descriptor is the file the handle names (identity and size) and maps it. So the
-//! processes tests that CI runs cover the path those GPU allocations take.
-//!
-//! Freeing is stream-ordered like every host allocation: dropping the exporter's
-//! `HostMemory` unmaps and closes in order on its device's stream, and dropping a
-//! `HostPeerMapping` unmaps in order on the importing device's stream. Elsewhere than
-//! Linux, `SharedSignal` allocation and import are `Error::Unsupported`.
+//! A registered range ([`Backend::export_range`]) travels instead as CUDA's memory
+//! pools do: a descriptor of the file beside the same handle, over a Unix socket
+//! (`SCM_RIGHTS`), checked against the handle on import, so CI's process tests cover
+//! that path. Freeing is stream-ordered: dropping a `HostMemory` or `HostPeerMapping`
+//! unmaps (and closes) on its device's stream. Elsewhere than Linux, shared
+//! allocation and import are `Error::Unsupported`.
 
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
@@ -55,10 +38,6 @@ use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::signal::{AllReduceArgs, GroupArgs, MAX_GPUS};
 
-// This file: the `Host` type and its `Backend` impl. Beside it in host/: the stream
-// worker (stream.rs), the device (device.rs), allocations and peer mappings (memory.rs),
-// the typed buffer (buffers.rs), Linux shared memory (shm.rs) and the kernels
-// (kernels.rs and kernels/).
 mod buffers;
 mod device;
 mod kernels;
@@ -73,8 +52,7 @@ use memory::Storage;
 pub(crate) use memory::{HostMemory, HostPeerMapping};
 use stream::{FreeOnStream, Stream};
 
-/// Shared memory needs Linux (memfd, `/proc/<pid>/fd`); elsewhere `SharedSignal`
-/// allocation and import are `Error::Unsupported`, and these types are never built.
+/// Elsewhere than Linux: shared allocation and import are `Error::Unsupported`.
 #[cfg(not(target_os = "linux"))]
 mod shm {
     use crate::error::{Error, Result};
@@ -241,27 +219,11 @@ impl Backend for Host {
     }
 
     fn memset_d32(dev: &HostDevice, ptr: u64, value: u32, words: usize) -> Result<()> {
-        dev.stream.enqueue(Box::new(move || {
-            let p = ptr as *mut u32;
-            for i in 0..words {
-                // SAFETY: the caller passes a range inside one of its allocations;
-                // the stream orders this after earlier work on the device.
-                unsafe { p.add(i).write_volatile(value) };
-            }
-        }));
-        Ok(())
+        fill(dev, ptr, value, words)
     }
 
     fn memset_d16(dev: &HostDevice, ptr: u64, value: u16, halves: usize) -> Result<()> {
-        dev.stream.enqueue(Box::new(move || {
-            let p = ptr as *mut u16;
-            for i in 0..halves {
-                // SAFETY: the caller passes a range inside one of its allocations;
-                // the stream orders this after earlier work on the device.
-                unsafe { p.add(i).write_volatile(value) };
-            }
-        }));
-        Ok(())
+        fill(dev, ptr, value, halves)
     }
 
     fn read(dev: &HostDevice, ptr: u64, dst: &mut [u8]) -> Result<()> {
@@ -299,21 +261,11 @@ impl Backend for Host {
     ) -> Result<()> {
         super::check_plain_kernel(Self::NAME, kernel)?;
         let args = *args;
-        dev.stream.enqueue(Box::new(move || {
-            std::thread::scope(|s| {
-                for block in 0..dims.blocks {
-                    let args = &args;
-                    std::thread::Builder::new()
-                        .name(format!("peercomm-host-block-{block}"))
-                        .spawn_scoped(s, move || {
-                            // SAFETY: the communicator built `args` from live
-                            // allocations of the same layout the kernels expect.
-                            unsafe { kernels::run_block(kernel, args, block, dims.blocks) }
-                        })
-                        .expect("spawn host block thread");
-                }
-            });
-        }));
+        // SAFETY: the communicator built `args` from live allocations of the layout the
+        // kernels expect.
+        run_blocks(dev, dims.blocks, move |b| unsafe {
+            kernels::run_block(kernel, &args, b, dims.blocks)
+        });
         Ok(())
     }
 
@@ -325,22 +277,11 @@ impl Backend for Host {
     ) -> Result<()> {
         super::check_group_kernel(Self::NAME, kernel, args)?;
         let args = *args;
-        dev.stream.enqueue(Box::new(move || {
-            std::thread::scope(|s| {
-                for block in 0..dims.blocks {
-                    let args = &args;
-                    std::thread::Builder::new()
-                        .name(format!("peercomm-host-block-{block}"))
-                        .spawn_scoped(s, move || {
-                            // SAFETY: the communicator built `args` from live
-                            // allocations of the same layout the kernels expect, and
-                            // its entries from buffers it holds for the call.
-                            unsafe { kernels::run_group_block(kernel, args, block, dims.blocks) }
-                        })
-                        .expect("spawn host block thread");
-                }
-            });
-        }));
+        // SAFETY: as in `launch`; the entries come from buffers the communicator holds
+        // for the call.
+        run_blocks(dev, dims.blocks, move |b| unsafe {
+            kernels::run_group_block(kernel, &args, b, dims.blocks)
+        });
         Ok(())
     }
 
@@ -396,3 +337,31 @@ impl Backend for Host {
 }
 
 super::impl_typed_buffer!(Host, HostBuffer);
+
+/// Fills `n` values of `T` at `ptr` with `v`, on the device's stream.
+fn fill<T: Copy + Send + 'static>(dev: &HostDevice, ptr: u64, v: T, n: usize) -> Result<()> {
+    dev.stream.enqueue(Box::new(move || {
+        let p = ptr as *mut T;
+        for i in 0..n {
+            // SAFETY: the caller passes a range inside one of its allocations; the
+            // stream orders this after earlier work on the device.
+            unsafe { p.add(i).write_volatile(v) };
+        }
+    }));
+    Ok(())
+}
+
+/// Enqueues a kernel on the device's stream: one scoped thread per block runs `block`.
+fn run_blocks(dev: &HostDevice, blocks: u32, block: impl Fn(u32) + Send + Sync + 'static) {
+    dev.stream.enqueue(Box::new(move || {
+        std::thread::scope(|s| {
+            for b in 0..blocks {
+                let block = &block;
+                std::thread::Builder::new()
+                    .name(format!("peercomm-host-block-{b}"))
+                    .spawn_scoped(s, move || block(b))
+                    .expect("spawn host block thread");
+            }
+        });
+    }));
+}

@@ -1,17 +1,8 @@
-//! Rust ports of the device kernels, one OS thread per block. Each block does the work
-//! a whole GPU block does (its "threads" run one after another), with the orderings
-//! the protocol documents: counters and Lamport packs are atomics, plain data is read
-//! only after an acquire that pairs with the writer's release.
-//!
-//! This file is the dispatch: [`run_block`] and [`run_group_block`] run one block of a
-//! kernel inside the entry, error and abandon steps every collective shares, and it holds
-//! the test kernels (ping-pong, delay, barrier). The rest lives in the submodules:
-//! `wait` (why a wait stops, the spinner), `signals` (signal words, the barrier over the
-//! group's counters), `records` (error records, `current_call`, abandoning), `packs`
-//! (pack ranges, element access, the group sum), `one_stage`, `two_stage` and `lamport`
-//! (the all-reduce algorithms, and the Lamport primitives), `collectives` (all-gather,
-//! reduce-scatter, broadcast, scatter, the fused all-reduce + RMSNorm) and `group` (the
-//! batched all-reduce).
+//! Rust ports of the device kernels, one OS thread per block: each block does a GPU
+//! block's work (its "threads" one after another), with the protocol's orderings:
+//! counters and Lamport packs are atomics, plain data is read only after an acquire
+//! that pairs with the writer's release. Here: [`run_block`] and [`run_group_block`]
+//! (the entry, error and abandon steps every collective shares) and the test kernels.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -32,14 +23,8 @@ mod signals;
 mod two_stage;
 mod wait;
 
-// The names the dispatch uses, and those collectives.rs and group.rs take through
-// `super::`.
-use lamport::{
-    lamport, lamport_check_headers, lamport_end, lamport_entry, lamport_pack_sums,
-    lamport_pack_words, lamport_push, lamport_push_header,
-};
+use lamport::lamport;
 use one_stage::one_stage;
-use packs::{block_packs, lanes, pack_range, reduce_element, store};
 use records::{abandon, publish_current_call, record_mismatch, record_timeout};
 use signals::{abort_word, atomic, barrier};
 use two_stage::two_stage;
@@ -81,10 +66,9 @@ pub(crate) unsafe fn run_group_block(kernel: Kernel, args: &GroupArgs, block: u3
     });
 }
 
-/// What every collective's block does around its algorithm `body`: block 0 publishes
-/// the call, a poisoned rank abandons at entry, a wait that stops is recorded and the
-/// block abandons (waiting for its peers when `wait_for_peers`), and block 0 marks the
-/// call done. The device's enter / abandon / finish.
+/// What every collective's block does around its `body`: block 0 publishes the call, a
+/// poisoned rank abandons at entry, a stopped wait is recorded and the block abandons
+/// (waiting for its peers when `wait_for_peers`), block 0 marks the call done.
 unsafe fn run_collective_block(
     args: &AllReduceArgs,
     block: u32,
@@ -98,10 +82,8 @@ unsafe fn run_collective_block(
         publish_current_call(args, true);
     }
     if abort_word(args).load(Ordering::Acquire) != 0 {
-        // Poisoned (an earlier wait gave up, or a peer told this rank to stop): do
-        // nothing until re-initialisation but tell the peers' same-index blocks, which
-        // may be waiting for this one. The call stays this rank's pending one in its
-        // current_call.
+        // Poisoned: do nothing until re-initialisation but tell the peers' same-index
+        // blocks, which may wait for this one. The call stays this rank's pending one.
         abandon(args, block, blocks, false);
         return;
     }

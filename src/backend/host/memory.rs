@@ -67,12 +67,9 @@ impl Storage {
     }
 }
 
-/// An allocation in a host arena, 256-byte aligned and zero-filled: heap memory, or
-/// for shared signal a shared memory file (see "IPC" in the module
-/// docs). Freed in stream order, as `cuMemFreeAsync` does: dropping it enqueues the
-/// free (for shared memory: unmap and close) on its device's stream, after every kernel
-/// already enqueued there (whose barriers span the peers' reads of it), so a buffer
-/// dropped right after a collective returns stays valid until that collective is done.
+/// An allocation in a host arena, 256-byte aligned and zero-filled (heap, or a shared
+/// memory file). Freed in stream order, as `cuMemFreeAsync`: after every kernel already
+/// enqueued on its device (whose barriers span the peers' reads of it).
 pub struct HostMemory {
     pub(super) storage: FreeOnStream<Storage>,
     pub(super) ordinal: usize,
@@ -97,8 +94,8 @@ impl HostMemory {
 }
 
 /// Memory another process (or this one) exported, mapped here by
-/// [`Backend::import_memory`](crate::backend::Backend::import_memory). Dropping it unmaps it in stream order on the importing
-/// device's stream, after the kernels already enqueued there, which may still use it.
+/// [`Backend::import_memory`](crate::backend::Backend::import_memory); unmapped in
+/// stream order on the importing device's stream.
 pub struct HostPeerMapping {
     pub(super) mapping: FreeOnStream<shm::Mapping>,
 }

@@ -174,8 +174,7 @@ pub(crate) fn export_containing(
     let (addr, _, handle) = live
         .iter()
         .find(|(a, n, _)| ptr >= *a && ptr + bytes as u64 <= *a + *n as u64)?;
-    let mut r = Reader::open("host", handle, MAGIC, VERSION, HANDLE_BYTES).ok()?;
-    let (_pid, fd) = (r.u32(), r.u32());
+    let (_pid, fd, ..) = fields(handle).ok()?;
     // SAFETY: the file of a listed shared file is open while it is listed: its drop
     // unlists it (under this lock, held here) before its fields close the file.
     let file = unsafe { BorrowedFd::borrow_raw(fd as std::os::fd::RawFd) };
@@ -186,21 +185,25 @@ pub(crate) fn export_containing(
     )
 }
 
-/// Maps the shared file that `descriptor` is and the handle from
-/// [`SharedFile::export`] names, checking that they agree (identity and size); the
-/// descriptor is closed when this returns.
-pub(crate) fn import_descriptor(
-    handle: &[u8],
-    descriptor: std::os::fd::OwnedFd,
-) -> Result<Mapping> {
+/// The fields of a host handle: pid, fd number, size, `st_dev`, `st_ino`.
+fn fields(handle: &[u8]) -> Result<(u32, u32, u64, u64, u64)> {
     let mut r = Reader::open("host", handle, MAGIC, VERSION, HANDLE_BYTES)?;
-    let (pid, _fd, size, dev, ino) = (r.u32(), r.u32(), r.u64(), r.u64(), r.u64());
-    let err = |what: String| import_error("host", format!("process {pid}'s shared file: {what}"));
-    let meta = rustix::fs::fstat(&descriptor).map_err(|e| err(format!("fstat: {e}")))?;
+    Ok((r.u32(), r.u32(), r.u64(), r.u64(), r.u64()))
+}
+
+/// Maps the whole file `fd` once it is the file a handle names (`st_dev`, `st_ino`,
+/// size); `why` ends the message of an identity mismatch.
+fn map_named(
+    fd: BorrowedFd<'_>,
+    (size, dev, ino): (u64, u64, u64),
+    err: impl Fn(String) -> Error,
+    why: &str,
+) -> Result<Mapping> {
+    let meta = rustix::fs::fstat(fd).map_err(|e| err(format!("fstat: {e}")))?;
     if (meta.st_dev, meta.st_ino) != (dev, ino) {
         return Err(err(format!(
-            "the descriptor is device {}, inode {}, but the handle names device {dev}, \
-             inode {ino}",
+            "file identity mismatch: it is device {}, inode {}, but the handle names device \
+             {dev}, inode {ino}{why}",
             meta.st_dev, meta.st_ino
         )));
     }
@@ -214,14 +217,24 @@ pub(crate) fn import_descriptor(
         .ok()
         .filter(|&n| n > 0)
         .ok_or_else(|| err(format!("size {size} cannot be mapped")))?;
-    Mapping::new(descriptor.as_fd(), len).map_err(|e| err(format!("mmap: {e}")))
+    Mapping::new(fd, len).map_err(|e| err(format!("mmap: {e}")))
+}
+
+/// Maps the shared file that `descriptor` is, once it is the one the handle from
+/// [`SharedFile::export`] names; the descriptor is closed when this returns.
+pub(crate) fn import_descriptor(
+    handle: &[u8],
+    descriptor: std::os::fd::OwnedFd,
+) -> Result<Mapping> {
+    let (pid, _fd, size, dev, ino) = fields(handle)?;
+    let err = |what: String| import_error("host", format!("process {pid}'s shared file: {what}"));
+    map_named(descriptor.as_fd(), (size, dev, ino), err, "")
 }
 
 /// Maps the memory a handle from [`SharedFile::export`] names (any process, this one
-/// included).
+/// included). The file is closed on return; the mapping keeps the memory alive.
 pub(crate) fn import(handle: &[u8]) -> Result<Mapping> {
-    let mut r = Reader::open("host", handle, MAGIC, VERSION, HANDLE_BYTES)?;
-    let (pid, fd, size, dev, ino) = (r.u32(), r.u32(), r.u64(), r.u64(), r.u64());
+    let (pid, fd, size, dev, ino) = fields(handle)?;
     let path = format!("/proc/{pid}/fd/{fd}");
     let err = |what: String| import_error("host", format!("{path}: {what}"));
     let file = std::fs::OpenOptions::new()
@@ -234,28 +247,8 @@ pub(crate) fn import(handle: &[u8]) -> Result<Mapping> {
                  allocation, or this process may not inspect it"
             ))
         })?;
-    let meta = file.metadata().map_err(|e| err(format!("fstat: {e}")))?;
-    if (meta.dev(), meta.ino()) != (dev, ino) {
-        return Err(err(format!(
-            "file identity mismatch: it is device {}, inode {}, but the handle names device \
-             {dev}, inode {ino} (the exporter freed the allocation and reused its fd number)",
-            meta.dev(),
-            meta.ino()
-        )));
-    }
-    if meta.len() != size {
-        return Err(err(format!(
-            "size mismatch: the file has {} bytes, the handle says {size}",
-            meta.len()
-        )));
-    }
-    let len = usize::try_from(size)
-        .ok()
-        .filter(|&n| n > 0)
-        .ok_or_else(|| err(format!("size {size} cannot be mapped")))?;
-    let mapping = Mapping::new(file.as_fd(), len).map_err(|e| err(format!("mmap: {e}")))?;
-    // `file` is closed here; the mapping keeps the memory alive.
-    Ok(mapping)
+    let why = " (the exporter freed the allocation and reused its fd number)";
+    map_named(file.as_fd(), (size, dev, ino), err, why)
 }
 
 #[cfg(test)]

@@ -1,25 +1,21 @@
-//! Host ports of the chunked staging of kernels-common/peercomm_kernels.h (`run_chunks`,
-//! `one_stage_chunked`) and kernels-common/peercomm_collectives.h (the collectives'
-//! chunked paths): a staged kernel whose message the payload cannot hold whole runs it
-//! through the payload in chunks, chunk k in half k % 2 of every member's payload,
-//! `stage_input` being the capacity of one chunk (packs of the message, packs of each
-//! part, or rows). The same steps and barriers as the device, per block:
+//! Host ports of the chunked staging of kernels-common (`run_chunks`,
+//! `one_stage_chunked`, the collectives' chunked paths): a staged message larger than
+//! the payload runs through it in chunks of `stage_input` units (packs of the message,
+//! packs of each part, or rows), chunk k in half k % 2 of every member's payload:
 //!
 //! stage 0, Publish, {stage k+1 into the other half, use k, Publish} for every k but
 //! the last, use the last chunk, End.
 //!
-//! Position `i` of a chunk (a pack, or a row of the fused kernel) is staged and read by
-//! block `i % blocks` (the host's one thread per block: the device's thread
-//! `i % stride`, counted from the chunk's first pack), so a block reads from each
-//! member's half exactly what that member's same-index block staged and published, and
-//! writes the same positions of a half for every chunk that uses it. Chunk k+2
-//! overwrites half k % 2 only after the Publish barrier that follows this block's use
-//! of chunk k, at which every peer's same-index block arrives after its last read of
-//! chunk k there. Sums go through `reduce_element` (group-rank order from `sum_start`)
-//! and rows through `rmsnorm_row`, as the unchunked kernels do: the same bits.
+//! Position `i` of a chunk is staged and read by block `i % blocks`, so a block reads
+//! from each member's half exactly what that member's same-index block staged and
+//! published. Chunk k+2 overwrites half k % 2 only after the Publish barrier that
+//! follows every peer block's last read of chunk k. Sums go through `reduce_element`
+//! and rows through `rmsnorm_row`, as unchunked: the same bits.
 
 use super::collectives::rmsnorm_row;
-use super::{barrier, block_packs, lanes, pack_range, reduce_element, store, Stop};
+use super::packs::{copy_packs, elem, lanes, pack_sums, reduce_packs};
+use super::signals::barrier;
+use super::wait::Stop;
 use crate::backend::KernelKind;
 use crate::dtype::Element;
 use crate::protocol::BarrierKind;
@@ -121,31 +117,6 @@ fn chunk_elems(n: usize, cap: usize, lanes: usize, k: usize) -> std::ops::Range<
     first..((k + 1) * cap * lanes).min(n)
 }
 
-/// Address of element `e` of the `T` array at `base`.
-fn elem<T>(base: u64, e: usize) -> u64 {
-    base + (e * std::mem::size_of::<T>()) as u64
-}
-
-/// Copies this block's packs of an `n`-element message from `src` to `dst`.
-unsafe fn copy<T: Element>(src: u64, dst: u64, n: usize, block: u32, blocks: u32) {
-    for p in block_packs(0, n.div_ceil(lanes::<T>()), block, blocks) {
-        for e in pack_range::<T>(p, n) {
-            (dst as *mut T)
-                .add(e)
-                .write_unaligned((src as *const T).add(e).read_unaligned());
-        }
-    }
-}
-
-/// Sums this block's packs of an `n`-element message from `srcs` into `dst`.
-unsafe fn reduce<T: Element>(srcs: &[u64], dst: u64, n: usize, block: u32, blocks: u32) {
-    for p in block_packs(0, n.div_ceil(lanes::<T>()), block, blocks) {
-        for e in pack_range::<T>(p, n) {
-            store::<T>(dst, e, reduce_element::<T>(srcs, e));
-        }
-    }
-}
-
 /// The chunks of a whole `n`-element message of `l` lanes per pack, `cap` packs each.
 fn message_chunks(n: usize, l: usize, cap: usize) -> Chunks {
     Chunks {
@@ -166,7 +137,7 @@ unsafe fn stage_own<T: Element>(
 ) {
     let r = chunk_elems(args.num_elements as usize, cap, lanes::<T>(), k);
     let dst = chunks.half(args, args.group_rank as usize, k);
-    copy::<T>(
+    copy_packs::<T>(
         elem::<T>(args.local_input, r.start),
         dst,
         r.len(),
@@ -194,7 +165,7 @@ unsafe fn one_stage<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -
         let r = chunk_elems(n, cap, l, k);
         let srcs = halves(&chunks, args, k, 0);
         let dst = elem::<T>(args.output, r.start);
-        reduce::<T>(&srcs[..width], dst, r.len(), block, blocks);
+        reduce_packs::<T>(&srcs[..width], dst, r.len(), block, blocks);
         Ok(())
     };
     run_chunks(args, block, &chunks, stage, use_)
@@ -215,7 +186,7 @@ unsafe fn all_gather<T: Element>(
         for i in 0..width {
             let q = (me + i) % width;
             let dst = elem::<T>(args.output, q * n + r.start);
-            copy::<T>(chunks.half(args, q, k), dst, r.len(), block, blocks);
+            copy_packs::<T>(chunks.half(args, q, k), dst, r.len(), block, blocks);
         }
         Ok(())
     };
@@ -242,14 +213,14 @@ unsafe fn reduce_scatter<T: Element>(
             let (p, dst) = (part(q), chunks.half(args, me, k) + at(q));
             let r = chunk_elems(p.len(), cap, l, k);
             let src = elem::<T>(args.local_input, p.start + r.start);
-            copy::<T>(src, dst, r.len(), block, blocks);
+            copy_packs::<T>(src, dst, r.len(), block, blocks);
         }
     };
     let use_ = |k| {
         let r = chunk_elems(part(me).len(), cap, l, k);
         let srcs = halves(&chunks, args, k, at(me));
         let dst = elem::<T>(args.output, r.start);
-        reduce::<T>(&srcs[..width], dst, r.len(), block, blocks);
+        reduce_packs::<T>(&srcs[..width], dst, r.len(), block, blocks);
         Ok(())
     };
     run_chunks(args, block, &chunks, stage, use_)
@@ -269,10 +240,10 @@ unsafe fn broadcast<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -
         let r = chunk_elems(n, cap, l, k);
         let dst = elem::<T>(args.output, r.start);
         if me != root {
-            copy::<T>(chunks.half(args, root, k), dst, r.len(), block, blocks);
+            copy_packs::<T>(chunks.half(args, root, k), dst, r.len(), block, blocks);
         } else if args.output != args.local_input {
             let src = elem::<T>(args.local_input, r.start);
-            copy::<T>(src, dst, r.len(), block, blocks);
+            copy_packs::<T>(src, dst, r.len(), block, blocks);
         }
         Ok(())
     };
@@ -299,7 +270,7 @@ unsafe fn scatter<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -> 
             for q in 0..width {
                 let src = elem::<T>(args.local_input, q * n + r.start);
                 let dst = chunks.half(args, me, k) + at(q);
-                copy::<T>(src, dst, r.len(), block, blocks);
+                copy_packs::<T>(src, dst, r.len(), block, blocks);
             }
         }
     };
@@ -310,7 +281,7 @@ unsafe fn scatter<T: Element>(args: &AllReduceArgs, block: u32, blocks: u32) -> 
         } else {
             chunks.half(args, root, k) + at(me)
         };
-        copy::<T>(src, elem::<T>(args.output, r.start), r.len(), block, blocks);
+        copy_packs::<T>(src, elem::<T>(args.output, r.start), r.len(), block, blocks);
         Ok(())
     };
     run_chunks(args, block, &chunks, stage, use_)
@@ -343,7 +314,7 @@ unsafe fn allreduce_rmsnorm<T: Element>(
         for i in (block as usize..chunk_rows(k)).step_by(blocks as usize) {
             let src = elem::<T>(args.local_input, (k * cap + i) * hidden);
             let dst = elem::<T>(chunks.half(args, me, k), i * hidden);
-            copy::<T>(src, dst, hidden, 0, 1);
+            copy_packs::<T>(src, dst, hidden, 0, 1);
         }
     };
     let use_ = |k| {
@@ -356,13 +327,7 @@ unsafe fn allreduce_rmsnorm<T: Element>(
         };
         let srcs = halves(&chunks, args, k, 0);
         for i in (block as usize..chunk_rows(k)).step_by(blocks as usize) {
-            rmsnorm_row::<T>(&view, i, |p| {
-                let mut acc = [0f32; 8];
-                for (j, a) in acc.iter_mut().enumerate().take(l) {
-                    *a = reduce_element::<T>(&srcs[..width], p * l + j);
-                }
-                Ok(acc)
-            })?;
+            rmsnorm_row::<T>(&view, i, |p| Ok(pack_sums::<T>(&srcs[..width], p)))?;
         }
         Ok(())
     };

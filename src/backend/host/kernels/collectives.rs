@@ -1,47 +1,22 @@
 //! Host ports of kernels-common/peercomm_collectives.h: all-gather, reduce-scatter,
 //! broadcast, scatter and the fused all-reduce + residual + RMSNorm (one-stage and
-//! Lamport), step by step. A
-//! staged range gives pack k to block k % blocks for the staging copy and for the
-//! readers alike, so the per-block Publish barrier orders every read after its write.
+//! Lamport). A staged range gives pack k to block k % blocks for the staging copy and
+//! the readers alike, so the per-block Publish barrier orders every read after its write.
 
-use super::{
-    abort_word, barrier, block_packs, lamport_check_headers, lamport_end, lamport_entry,
-    lamport_pack_sums, lamport_pack_words, lamport_push, lamport_push_header, lanes, pack_range,
-    reduce_element, store, Spinner, Stop,
+use super::lamport::{
+    lamport_check_headers, lamport_end, lamport_entry, lamport_pack_sums, lamport_pack_words,
+    lamport_push, lamport_push_header,
 };
+use super::packs::{copy_packs, elem, lanes, pack_sums, reduce_packs, store};
+use super::signals::{abort_word, barrier, first_barrier};
+use super::wait::{Spinner, Stop};
 use crate::dtype::Element;
 use crate::protocol::BarrierKind;
 use crate::signal::{reduce_scatter_part, AllReduceArgs, MAX_GPUS, PACK_BYTES};
 
-/// Address of element `e` of the `T` array at `base`.
-fn elem<T>(base: u64, e: usize) -> u64 {
-    base + (e * std::mem::size_of::<T>()) as u64
-}
-
 /// Bytes of `n` elements rounded up to whole packs.
 fn padded<T>(n: usize) -> u64 {
     (n.div_ceil(lanes::<T>()) * PACK_BYTES) as u64
-}
-
-/// Copies this block's packs of an `n`-element message from `src` to `dst`.
-unsafe fn copy_message<T: Element>(src: u64, dst: u64, n: usize, block: u32, blocks: u32) {
-    for p in block_packs(0, n.div_ceil(lanes::<T>()), block, blocks) {
-        for e in pack_range::<T>(p, n) {
-            (dst as *mut T)
-                .add(e)
-                .write_unaligned((src as *const T).add(e).read_unaligned());
-        }
-    }
-}
-
-/// The first barrier: Publish after staging, else Start.
-unsafe fn first_barrier(args: &AllReduceArgs, block: u32) -> Result<(), Stop> {
-    let kind = if args.stage_input != 0 {
-        BarrierKind::Publish
-    } else {
-        BarrierKind::Start
-    };
-    barrier(args, block, kind)
 }
 
 /// Where part q of a reduce-scatter input starts in a staged payload: every part at a
@@ -60,12 +35,12 @@ pub(super) unsafe fn all_gather<T: Element>(
     let n = args.num_elements as usize;
     let (width, me) = (args.group_width as usize, args.group_rank as usize);
     if args.stage_input != 0 {
-        copy_message::<T>(args.local_input, args.payloads[me], n, block, blocks);
+        copy_packs::<T>(args.local_input, args.payloads[me], n, block, blocks);
     }
-    first_barrier(args, block)?;
+    first_barrier(args, block, args.stage_input != 0)?;
     for i in 0..width {
         let q = (me + i) % width;
-        copy_message::<T>(
+        copy_packs::<T>(
             args.inputs[q],
             elem::<T>(args.output, q * n),
             n,
@@ -88,7 +63,7 @@ pub(super) unsafe fn reduce_scatter<T: Element>(
         for q in 0..width {
             let part = reduce_scatter_part(n, width, q);
             let dst = args.payloads[me] + staged_part_offset::<T>(n, width, q);
-            copy_message::<T>(
+            copy_packs::<T>(
                 elem::<T>(args.local_input, part.start),
                 dst,
                 part.len(),
@@ -97,7 +72,7 @@ pub(super) unsafe fn reduce_scatter<T: Element>(
             );
         }
     }
-    first_barrier(args, block)?;
+    first_barrier(args, block, args.stage_input != 0)?;
     let mine = reduce_scatter_part(n, width, me);
     let mut srcs = [0u64; MAX_GPUS];
     for (s, src) in srcs.iter_mut().enumerate().take(width) {
@@ -107,12 +82,7 @@ pub(super) unsafe fn reduce_scatter<T: Element>(
             elem::<T>(args.inputs[s], mine.start)
         };
     }
-    let count = mine.len();
-    for p in block_packs(0, count.div_ceil(lanes::<T>()), block, blocks) {
-        for e in pack_range::<T>(p, count) {
-            store::<T>(args.output, e, reduce_element::<T>(&srcs[..width], e));
-        }
-    }
+    reduce_packs::<T>(&srcs[..width], args.output, mine.len(), block, blocks);
     barrier(args, block, BarrierKind::End)
 }
 
@@ -124,13 +94,13 @@ pub(super) unsafe fn broadcast<T: Element>(
     let n = args.num_elements as usize;
     let (me, root) = (args.group_rank as usize, args.root as usize);
     if args.stage_input != 0 && me == root {
-        copy_message::<T>(args.local_input, args.payloads[me], n, block, blocks);
+        copy_packs::<T>(args.local_input, args.payloads[me], n, block, blocks);
     }
-    first_barrier(args, block)?;
+    first_barrier(args, block, args.stage_input != 0)?;
     if me != root {
-        copy_message::<T>(args.inputs[root], args.output, n, block, blocks);
+        copy_packs::<T>(args.inputs[root], args.output, n, block, blocks);
     } else if args.output != args.local_input {
-        copy_message::<T>(args.local_input, args.output, n, block, blocks);
+        copy_packs::<T>(args.local_input, args.output, n, block, blocks);
     }
     barrier(args, block, BarrierKind::End)
 }
@@ -151,10 +121,10 @@ pub(super) unsafe fn scatter<T: Element>(
     if staged && me == root {
         for q in 0..width {
             let dst = args.payloads[me] + q as u64 * part_bytes;
-            copy_message::<T>(elem::<T>(args.local_input, q * n), dst, n, block, blocks);
+            copy_packs::<T>(elem::<T>(args.local_input, q * n), dst, n, block, blocks);
         }
     }
-    first_barrier(args, block)?;
+    first_barrier(args, block, args.stage_input != 0)?;
     let src = if me == root {
         elem::<T>(args.local_input, me * n)
     } else if staged {
@@ -162,18 +132,15 @@ pub(super) unsafe fn scatter<T: Element>(
     } else {
         elem::<T>(args.inputs[root], me * n)
     };
-    copy_message::<T>(src, args.output, n, block, blocks);
+    copy_packs::<T>(src, args.output, n, block, blocks);
     barrier(args, block, BarrierKind::End)
 }
 
-/// Row `t` of both fused kernels: for each pack p of the row in order, `sums(p)` gives
-/// the pack's f32 sums over the group in group-rank order (the all-reduce before its
-/// rounding), or why the block stopped (then part of the row's residual is written and
-/// none of its output). The unfused sequence's roundings (sum, then residual, to T),
-/// f32 arithmetic; the mean square in element order (the GPUs sum each thread's packs,
-/// then a tree, so host and GPU bits may differ in the normalised output, while every
-/// rank and both kernels of one backend agree). Nothing but the row's own data, the
-/// hidden size and epsilon enters: not the row count, the grid or the kernel.
+/// Row `t` of both fused kernels: `sums(p)` gives pack p's f32 sums over the group in
+/// group-rank order (or why the block stopped). The unfused sequence's roundings (sum,
+/// then residual, to T); the mean square in element order (the GPUs use a tree, so host
+/// and GPU bits may differ in the output, while ranks and kernels of one backend
+/// agree). Only the row's own data, the hidden size and epsilon enter.
 pub(super) unsafe fn rmsnorm_row<T: Element>(
     args: &AllReduceArgs,
     t: usize,
@@ -203,9 +170,8 @@ pub(super) unsafe fn rmsnorm_row<T: Element>(
     Ok(())
 }
 
-/// The one-stage fused all-reduce + residual add + RMSNorm: row t by block t % blocks,
-/// every member's element read in place from `inputs` (the user buffers, or the
-/// payloads they were staged into).
+/// The one-stage fused kernel: row t by block t % blocks, every member's elements read
+/// from `inputs` (the user buffers, or the payloads they were staged into).
 pub(super) unsafe fn allreduce_rmsnorm<T: Element>(
     args: &AllReduceArgs,
     block: u32,
@@ -218,31 +184,22 @@ pub(super) unsafe fn allreduce_rmsnorm<T: Element>(
     if args.stage_input != 0 {
         for t in my_rows() {
             let at = elem::<T>(0, t * hidden);
-            copy_message::<T>(args.local_input + at, args.payloads[me] + at, hidden, 0, 1);
+            copy_packs::<T>(args.local_input + at, args.payloads[me] + at, hidden, 0, 1);
         }
     }
-    first_barrier(args, block)?;
+    first_barrier(args, block, args.stage_input != 0)?;
     let srcs = &args.inputs[..width];
-    let l = lanes::<T>();
     for t in my_rows() {
-        rmsnorm_row::<T>(args, t, |p| {
-            let mut acc = [0f32; 8];
-            for (j, a) in acc.iter_mut().enumerate().take(l) {
-                *a = reduce_element::<T>(srcs, p * l + j);
-            }
-            Ok(acc)
-        })?;
+        rmsnorm_row::<T>(args, t, |p| Ok(pack_sums::<T>(srcs, p)))?;
     }
     barrier(args, block, BarrierKind::End)
 }
 
-/// The Lamport fused all-reduce + residual add + RMSNorm (no barrier): block b pushes
-/// the packs of its rows t = b, b + blocks, ... into every peer's Lamport slot, header
-/// first, as the Lamport all-reduce does; checks every source's header before writing
-/// anything; then computes each of its rows with [`rmsnorm_row`] as the packs arrive.
-/// The -0.0 lanes sent as +0.0 leave every sum unchanged (the sum starts at
-/// +0.0 + x0, and no partial sum is -0.0), so the bits are the one-stage kernel's. The
-/// device's `lamport_rmsnorm`.
+/// The Lamport fused kernel (no barrier): block b pushes its rows t = b, b + blocks, ...
+/// into every peer's Lamport slot, header first, checks every source's header, then
+/// computes its rows with [`rmsnorm_row`] as the packs arrive. -0.0 sent as +0.0 leaves
+/// every sum unchanged (sums start at +0.0 + x0), so the bits are the one-stage
+/// kernel's. The device's `lamport_rmsnorm`.
 pub(super) unsafe fn lamport_rmsnorm<T: Element>(
     args: &AllReduceArgs,
     block: u32,

@@ -1,20 +1,17 @@
-//! Host port of kernels-common/peercomm_group.h: the batched all-reduce
-//! ([`crate::backend::KernelKind::AllReduceGroup`]). The entries' packs are one
-//! concatenated range (entry s's pack p is pack `offset_s / 16 + p` of the batch), given
-//! out block by block as the one-stage kernel gives out one message's packs: pack g to
-//! block g % blocks, for the staging copy and the reduce alike, so the per-block Publish
-//! barrier orders every read of a peer's payload after the peer's write. Each element
-//! is summed as the one-stage kernel sums it ([`reduce_element`]), so every entry's bits
-//! are those of a one-stage all-reduce of that entry alone. Before the reduce, every
-//! block compares every peer's entry table (at the start of its payload: the count and
-//! every entry's exact length) with this rank's, and leaves on a difference with a call
-//! mismatch, nothing stored ([`same_entry_tables`]). In place (`stage_input` clear:
-//! one process, whose host checked every rank's entries), it reads every member's input
-//! from `peer_inputs` between the Start and End barriers, as unstaged one-stage does.
+//! Host port of kernels-common/peercomm_group.h: the batched all-reduce. The entries'
+//! packs are one concatenated range (entry s's pack p is pack `offset_s / 16 + p`),
+//! pack g to block g % blocks for the staging copy and the reduce alike, so the
+//! per-block Publish barrier orders every read after the peer's write. Each element is
+//! summed as one-stage sums it, so every entry's bits are those of a one-stage
+//! all-reduce of that entry alone. Before the reduce, every block compares every
+//! peer's entry table with its own and leaves with a call mismatch on a difference.
+//! Unstaged (one process), it reads every member's input from `peer_inputs`.
 
 use std::sync::atomic::Ordering;
 
-use super::{atomic, barrier, lanes, pack_range, reduce_element, store, Stop};
+use super::packs::{lanes, pack_range, reduce_element, store};
+use super::signals::{atomic, barrier, first_barrier};
+use super::wait::Stop;
 use crate::dtype::Element;
 use crate::protocol::BarrierKind;
 use crate::signal::{
@@ -57,11 +54,9 @@ fn table_elements(table: &[u32; HEADER_WORDS], s: usize) -> u64 {
     u64::from(table[5 + 2 * s]) << 32 | u64::from(table[4 + 2 * s])
 }
 
-/// After the Publish barrier: every peer's entry table against this rank's (the count,
-/// then every entry's element count), in group-rank order. The first peer whose table
-/// differs is a mismatch whose record shows, on each side, the batch's descriptor with
-/// that side's count and element count of the first entry that differs (the device's
-/// `same_entry_tables`).
+/// After the Publish barrier: every peer's entry table against this rank's, in
+/// group-rank order. The first that differs is a mismatch showing, on each side, the
+/// batch's descriptor with that side's count and first differing element count.
 unsafe fn same_entry_tables(args: &GroupArgs) -> Result<(), Stop> {
     let a = &args.all;
     let mine = own_table(args);
@@ -109,14 +104,8 @@ pub(super) unsafe fn all_reduce_group<T: Element>(
             }
         }
     }
-    // Phase 2: the start barrier (publishing the staged packs), with the batch's call
-    // descriptor.
-    let first = if staged {
-        BarrierKind::Publish
-    } else {
-        BarrierKind::Start
-    };
-    barrier(a, block, first)?;
+    // Phase 2: the start barrier (publishing the staged packs), with the batch's call.
+    first_barrier(a, block, staged)?;
     // Phase 3: nothing is stored before every peer's entry table matches this rank's.
     if staged {
         same_entry_tables(args)?;

@@ -1,10 +1,7 @@
-//! The Lamport kernels' primitives on the host, and the Lamport all-reduce built from
-//! them ([`lamport`]): the packs of a generation's slots in each signal's Lamport region,
-//! a pack as four words (-0.0 sent as +0.0, so no word is the sentinel), the own
-//! `lamport_state` at entry, pushing packs and the call's header into the peers'
-//! regions, waiting for a source's pack, the header check, the per-pack sums in source
-//! order and the end (clearing the previous generation, advancing the flag). The fused
-//! Lamport + RMSNorm kernel (collectives.rs) uses the same primitives.
+//! The Lamport primitives on the host (packs as four words, -0.0 sent as +0.0 so no
+//! word is the sentinel; pushing packs and headers into the peers' regions; waiting,
+//! the header check, the sums in source order; the end, which clears the previous
+//! generation and advances the flag) and the Lamport all-reduce built from them.
 
 use std::sync::atomic::Ordering;
 
@@ -19,8 +16,7 @@ use crate::signal::{
 };
 
 /// Address of pack `p` of slot `src` of generation `gen` in the Lamport region of the
-/// signal at `signal_addr`, whose generations hold `slots` slots (the world width:
-/// Lamport runs only over the whole world).
+/// signal at `signal_addr`, of `slots` slots per generation (the world width).
 fn lamport_pack(
     signal_addr: u64,
     slot_bytes: usize,
@@ -41,38 +37,22 @@ fn lamport_pack(
 /// Reads pack `p` of the own input as four words, -0.0 lanes turned into +0.0 and
 /// lanes past the end zero.
 pub(super) unsafe fn lamport_pack_words<T: Element>(input: u64, p: usize, n: usize) -> [u32; 4] {
-    let mut bytes = [0u8; PACK_BYTES];
-    let size = std::mem::size_of::<T>();
-    let neg_zero: u32 = if size == 4 { 0x8000_0000 } else { 0x8000 };
+    let bits = 8 * std::mem::size_of::<T>();
+    let neg_zero: u32 = 1 << (bits - 1);
+    let mut words = [0u32; 4];
     for (j, e) in pack_range::<T>(p, n).enumerate() {
-        let mut bits = (input as *const T).add(e).read_unaligned().to_bits_u32();
-        if bits == neg_zero {
-            bits = 0;
-        }
-        bytes[j * size..(j + 1) * size].copy_from_slice(&bits.to_le_bytes()[..size]);
+        let x = (input as *const T).add(e).read_unaligned().to_bits_u32();
+        let at = j * bits;
+        let x = if x == neg_zero { 0 } else { x };
+        words[at / 32] |= x << (at % 32);
     }
-    std::array::from_fn(|w| u32::from_le_bytes(bytes[w * 4..w * 4 + 4].try_into().unwrap()))
+    words
 }
 
+/// Lane `j` of a pack of four little-endian words, as f32.
 fn lane_from_words<T: Element>(words: &[u32; 4], j: usize) -> f32 {
-    let size = std::mem::size_of::<T>();
-    let mut bytes = [0u8; PACK_BYTES];
-    for (w, word) in words.iter().enumerate() {
-        bytes[w * 4..w * 4 + 4].copy_from_slice(&word.to_le_bytes());
-    }
-    let mut raw = [0u8; 4];
-    raw[..size].copy_from_slice(&bytes[j * size..(j + 1) * size]);
-    let bits = u32::from_le_bytes(raw);
-    match size {
-        4 => f32::from_bits(bits),
-        _ => {
-            // Rebuild T from its 16 bits through a read of the raw bytes.
-            let b16 = bits as u16;
-            // SAFETY: T is a 16-bit float here; any bit pattern is a valid value.
-            let t: T = unsafe { std::mem::transmute_copy(&b16) };
-            t.to_f32()
-        }
-    }
+    let at = j * 8 * std::mem::size_of::<T>();
+    T::from_bits_u32(words[at / 32] >> (at % 32)).to_f32()
 }
 
 /// What a Lamport kernel reads of the own `lamport_state` at entry.
@@ -103,8 +83,7 @@ fn lamport_header_packs(args: &AllReduceArgs) -> std::ops::Range<usize> {
 }
 
 /// Stores `words` as pack `p` of slot `group_rank` of generation `gen` in every other
-/// member's region (the own-slot rule of include/peercomm_signal.h: the own slot is
-/// never written).
+/// member's region (the own slot is never written).
 pub(super) unsafe fn lamport_push(args: &AllReduceArgs, gen: usize, p: usize, words: [u32; 4]) {
     let (width, me) = (args.group_width as usize, args.group_rank as usize);
     let slot = args.lamport_slot_bytes as usize;
@@ -117,8 +96,7 @@ pub(super) unsafe fn lamport_push(args: &AllReduceArgs, gen: usize, p: usize, wo
 }
 
 /// Pushes this call's header, which every block does first: a block that starts after
-/// another block of this rank found a mismatch returns at entry, so the header must not
-/// wait for any one block (a peer would wait for it until its timeout).
+/// another found a mismatch returns at entry, so the header waits for no one block.
 pub(super) unsafe fn lamport_push_header(args: &AllReduceArgs, gen: usize) {
     for (k, p) in lamport_header_packs(args).enumerate() {
         let c = &args.call[3 * k..3 * k + 3];
@@ -180,10 +158,8 @@ pub(super) unsafe fn lamport_check_headers(
     Ok(())
 }
 
-/// The f32 sums of pack `p` in source order (lanes past the message's `n` elements
-/// zero): the peers' packs from the own region of generation `gen` once they have
-/// arrived, the own pack straight from the input (sent the same way: -0.0 lanes as
-/// +0.0). The device's `lamport_wait_pack` + `sum_packs` before the rounding.
+/// The f32 sums of pack `p` in source order (lanes past `n` zero): the peers' packs
+/// from the own region once arrived, the own pack from the input (-0.0 lanes as +0.0).
 pub(super) unsafe fn lamport_pack_sums<T: Element>(
     args: &AllReduceArgs,
     gen: usize,
@@ -212,10 +188,9 @@ pub(super) unsafe fn lamport_pack_sums<T: Element>(
     Ok(acc)
 }
 
-/// The end of every Lamport kernel that did not stop: clears the previous call's
-/// generation of the own region for the call after next (every slot but the own one,
-/// never written; headers by block 0), then the last block to finish records this
-/// call's `packs` and width and advances the flag. The device's `lamport_end`.
+/// The end of every Lamport kernel that did not stop: clears the previous generation
+/// of the own region (every slot but the own; headers by block 0), then the last block
+/// records this call's `packs` and width and advances the flag.
 pub(super) unsafe fn lamport_end(
     args: &AllReduceArgs,
     block: u32,

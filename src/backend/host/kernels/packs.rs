@@ -1,7 +1,7 @@
-//! Packs and elements in the host kernels: lanes per 16-byte pack, a pack's element
-//! range, the packs a block handles (the device's grid stride, one thread per block),
-//! element loads and stores through f32, and the sum over the group in group-rank order
-//! ([`sum_start`], [`reduce_element`]) that every reducing kernel shares.
+//! Packs and elements in the host kernels: lanes per 16-byte pack, a pack's elements,
+//! a block's packs (the device's grid stride, one thread per block), loads and stores
+//! through f32, and the sum over the group in group-rank order every reducing kernel
+//! shares.
 
 use crate::dtype::Element;
 use crate::signal::PACK_BYTES;
@@ -27,12 +27,9 @@ pub(super) fn block_packs(
     (first + block as usize..end).step_by(blocks as usize)
 }
 
-// Element loads and stores take any address (`read_unaligned` / `write_unaligned`)
-// rather than refusing a misaligned view before launch: the device kernels serve views
-// that are not 16-byte aligned (lane by lane), so the host must not refuse them, and
-// `DeviceBuffer` promises `len()` elements at its address but no alignment, so a view
-// misaligned even for its element type stays defined behaviour here. The unaligned
-// forms cost nothing on the hosts this backend runs on.
+// Loads and stores take any address: the devices serve views that are not 16-byte
+// aligned (lane by lane), and a view misaligned even for its element type must stay
+// defined behaviour here. The unaligned forms cost nothing on the hosts.
 
 /// Element `i` of the `T`s at `base`, as f32 (`base` need not be aligned).
 unsafe fn load<T: Element>(base: u64, i: usize) -> f32 {
@@ -44,10 +41,9 @@ pub(super) unsafe fn store<T: Element>(base: u64, i: usize, x: f32) {
     (base as *mut T).add(i).write_unaligned(T::from_f32(x))
 }
 
-/// Where a sum over `width` ranks starts: the first addend, after +0.0 when `width > 1`
-/// (acc = +0.0 + x0), so an exact-zero sum is +0.0 on every algorithm (Lamport cannot
-/// carry -0.0, its sentinel) and every other sum is unchanged; a group of one stays an
-/// exact copy. The device's `sum_start`.
+/// Where a sum over `width` ranks starts: +0.0 + x0 when `width > 1`, so an exact-zero
+/// sum is +0.0 on every algorithm (Lamport cannot carry -0.0, its sentinel); a group of
+/// one stays an exact copy. The device's `sum_start`.
 pub(super) fn sum_start(x0: f32, width: usize) -> f32 {
     if width > 1 {
         0.0 + x0
@@ -62,6 +58,47 @@ pub(super) unsafe fn reduce_element<T: Element>(srcs: &[u64], e: usize) -> f32 {
     let mut acc = sum_start(load::<T>(srcs[0], e), srcs.len());
     for &s in &srcs[1..] {
         acc += load::<T>(s, e);
+    }
+    acc
+}
+
+/// Address of element `e` of the `T` array at `base`.
+pub(super) fn elem<T>(base: u64, e: usize) -> u64 {
+    base + (e * std::mem::size_of::<T>()) as u64
+}
+
+/// Copies this block's packs of an `n`-element message from `src` to `dst`.
+pub(super) unsafe fn copy_packs<T: Element>(src: u64, dst: u64, n: usize, block: u32, blocks: u32) {
+    for p in block_packs(0, n.div_ceil(lanes::<T>()), block, blocks) {
+        for e in pack_range::<T>(p, n) {
+            (dst as *mut T)
+                .add(e)
+                .write_unaligned((src as *const T).add(e).read_unaligned());
+        }
+    }
+}
+
+/// Sums this block's packs of an `n`-element message over `srcs` into `dst`.
+pub(super) unsafe fn reduce_packs<T: Element>(
+    srcs: &[u64],
+    dst: u64,
+    n: usize,
+    block: u32,
+    blocks: u32,
+) {
+    for p in block_packs(0, n.div_ceil(lanes::<T>()), block, blocks) {
+        for e in pack_range::<T>(p, n) {
+            store::<T>(dst, e, reduce_element::<T>(srcs, e));
+        }
+    }
+}
+
+/// The f32 sums over `srcs` of the lanes of the whole pack `p` (the fused kernels' rows).
+pub(super) unsafe fn pack_sums<T: Element>(srcs: &[u64], p: usize) -> [f32; 8] {
+    let l = lanes::<T>();
+    let mut acc = [0f32; 8];
+    for (j, a) in acc.iter_mut().enumerate().take(l) {
+        *a = reduce_element::<T>(srcs, p * l + j);
     }
     acc
 }

@@ -1,8 +1,6 @@
-//! Error records and leaving in the host kernels: the record a stopped wait writes
-//! (timeout, peer aborted, call mismatch) into the signals' error words, the call each
-//! rank publishes in its `current_call`, and [`abandon`] (the `quit` handshake with the
-//! peers' same-index blocks). The device's `record_timeout`, `record_mismatch`,
-//! `abandon`.
+//! Error records and leaving in the host kernels: the record a stopped wait writes, the
+//! call each rank publishes in its `current_call`, and [`abandon`] (the `quit`
+//! handshake with the peers' same-index blocks).
 
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -82,10 +80,9 @@ pub(super) unsafe fn publish_current_call(args: &AllReduceArgs, running: bool) {
     atomic(words.add(3)).store(u32::from(running), Ordering::Release);
 }
 
-/// A wait of this block for group rank `awaited` timed out. If that rank runs another
-/// call now (another width, algorithm or sequence number), record the mismatch; else record the timeout on the own rank, naming the rank waited for,
-/// and tell every group peer to stop (their abort word), so that none proceeds past the
-/// abandoned barrier. The device's `record_timeout`.
+/// A wait for group rank `awaited` timed out. If that rank runs another call now,
+/// record the mismatch; else record the timeout on the own rank, naming the rank waited
+/// for, and tell every group peer to stop, so none proceeds past the abandoned barrier.
 pub(super) unsafe fn record_timeout(args: &AllReduceArgs, block: u32, awaited: usize) {
     let me = args.group_rank as usize;
     let running = current_call(args.signals[awaited], args.call);
@@ -93,9 +90,8 @@ pub(super) unsafe fn record_timeout(args: &AllReduceArgs, block: u32, awaited: u
     let who = world_rank_of(args, awaited);
     if running.is_some_and(|c| c != args.call) {
         record_mismatch(args, block, awaited, args.call, theirs);
-        // The same, from their side, into the record of every group peer whose call
-        // differs so: it may have completed the call with a subgroup of its own; its
-        // next synchronize reports it.
+        // The same from their side, for every peer whose call differs: it may have
+        // completed its call with a subgroup; its next synchronize reports it.
         for q in (0..args.group_width as usize).filter(|&q| q != me) {
             if let Some(call) = current_call(args.signals[q], args.call).filter(|c| *c != args.call)
             {
@@ -135,8 +131,7 @@ pub(super) unsafe fn record_timeout(args: &AllReduceArgs, block: u32, awaited: u
 }
 
 /// Group rank `peer` makes another call: record the mismatch on this rank, naming the
-/// peer (which finds the same difference on its side), with `mine` and `theirs` as the
-/// two sides (the descriptors, unless a batch's entry tables differ).
+/// peer, with `mine` and `theirs` as the two sides.
 pub(super) unsafe fn record_mismatch(
     args: &AllReduceArgs,
     block: u32,
@@ -161,20 +156,17 @@ pub(super) unsafe fn record_mismatch(
     );
 }
 
-/// This block leaves the collective: it tells every group peer that it will not touch
-/// their memory again (`quit`), then, when `wait_for_peers` (the peers read this rank's
-/// user buffers), waits until each peer's same-index block has said the same, at most
-/// `timeout_ns`. Only then may the kernel end and the user free its buffers: a late
-/// peer that passed the start barrier before the abort reached it finishes its reads
-/// and quits at its next wait.
+/// This block leaves the collective: it tells every peer it will not touch their
+/// memory again (`quit`), then, when `wait_for_peers` (they read this rank's user
+/// buffers), waits up to `timeout_ns` until each peer's same-index block has said the
+/// same, so that the user may free its buffers only after a late peer's reads.
 pub(super) unsafe fn abandon(args: &AllReduceArgs, block: u32, blocks: u32, wait_for_peers: bool) {
     let me = args.group_rank as usize;
     let width = args.group_width as usize;
     for q in (0..width).filter(|&q| q != me) {
         quit_cell(args.signals[q], block, me).store(1, Ordering::Release);
-        // Block 0 also speaks for the blocks this launch does not have: a peer launched
-        // with a larger grid (a block-count mismatch) must not wait for partners that
-        // never exist.
+        // Block 0 also speaks for the blocks this launch lacks: a peer with a larger
+        // grid must not wait for partners that never exist.
         if block == 0 {
             for x in blocks..MAX_NUM_BLOCKS_UPPER_BOUND as u32 {
                 quit_cell(args.signals[q], x, me).store(1, Ordering::Release);

@@ -1,7 +1,6 @@
-//! Signal access in the host kernels: a signal word as an atomic ([`atomic`]), the
-//! words of a signal's error record, detail and `quit` cells, the rank's abort word,
-//! the group's counters as the protocol's [`BarrierSignals`] ([`HostSignals`]), and the
-//! counter barrier of one block over them ([`barrier`]).
+//! Signal access in the host kernels: signal words as atomics (error record, detail,
+//! `quit`, the abort word), and the counter barrier of one block over the group's
+//! counters ([`barrier`], through the protocol's [`BarrierSignals`]).
 
 use std::sync::atomic::AtomicU32;
 
@@ -130,4 +129,18 @@ pub(super) unsafe fn barrier(
             },
         },
     )
+}
+
+/// A kernel's first barrier: Publish when it staged data for the peers, else Start.
+pub(super) unsafe fn first_barrier(
+    args: &AllReduceArgs,
+    block: u32,
+    staged: bool,
+) -> Result<(), Stop> {
+    let kind = if staged {
+        BarrierKind::Publish
+    } else {
+        BarrierKind::Start
+    };
+    barrier(args, block, kind)
 }

@@ -1,7 +1,5 @@
-//! The two-stage all-reduce on the host ([`two_stage`]): a reduce-scatter of one
-//! partition per rank ([`two_stage_partition`] packs each) into the own payload, then
-//! an all-gather of every rank's partition from its payload, each rank starting at its
-//! own partition.
+//! The two-stage all-reduce on the host: a reduce-scatter of one partition per rank
+//! into the own payload, then an all-gather of every partition from its payload.
 
 use super::packs::{block_packs, lanes, pack_range, reduce_element, store};
 use super::signals::barrier;
@@ -40,9 +38,8 @@ pub(super) unsafe fn two_stage<T: Element>(
         }
     }
     barrier(args, block, BarrierKind::Publish)?;
-    // All-gather: partition q comes from rank q's payload; block b reads what block b
-    // of rank q wrote, so the per-block barrier suffices. Each rank starts at its own
-    // partition and rotates (as the device kernel), so readers spread over the owners.
+    // All-gather: block b reads what block b of rank q wrote (the per-block barrier
+    // suffices), each rank from its own partition on, so readers spread over owners.
     for i in 0..width {
         let q = (me + i) % width;
         let first = q * part;
