@@ -1,29 +1,20 @@
 //! Which algorithm and how many blocks, per architecture, group width and message size.
 //!
-//! The table is data, not code paths: each row says up to how many bytes an algorithm
-//! is the fastest for a (architecture, group width) pair. The numbers behind each
-//! boundary are in `docs/dispatch.md` (measured with `peercomm-bench`); a pair that
-//! was never measured falls back to the generic row. Which kernel runs an algorithm is
-//! the backend's business (`Algorithm::kernel_kind`, defined in [`crate::backend`]).
+//! The table is data: each row says up to how many bytes an algorithm is the fastest
+//! for an (architecture, group width) pair, measured in `docs/dispatch.md`; unmeasured
+//! pairs fall back to the generic rows.
 
 /// An all-reduce algorithm, or `Auto` to let the dispatch table choose.
 ///
-/// Every algorithm sums in the same order (group rank 0, 1, ... in f32), so they give
-/// bitwise-identical results, and an element's result does not depend on the length
-/// of the message it is in, the algorithm, or the API (single controller or per rank),
-/// with no exception. The sign of zero follows one rule: in a group of two or more the
-/// f32 sum starts at +0.0, so every exact-zero sum is +0.0 on every algorithm (Lamport
-/// cannot carry -0.0, its "not yet arrived" mark, so the others give +0.0 too, even
-/// where every input is -0.0), and a nonzero sum that rounds to zero keeps its sign; a
-/// group of one (a world of one, or `group_size` 1) returns its input bit for bit,
-/// -0.0 included. `Lamport` runs only over the whole world of two or more ranks:
-/// forced over a group of one it runs `OneStage` (the copy, reported as `OneStage`),
-/// and forced over a narrower subgroup it is refused with
-/// [`crate::Error::Unsupported`]. `Auto` never picks it there.
-///
-/// The fused all-reduce + residual + RMSNorm takes `OneStage` or `Lamport` (or `Auto`)
-/// through [`crate::CollectiveOptions::algorithm`], under the same rules; the two give
-/// the same bits there too.
+/// Every algorithm sums in the same order (group rank 0, 1, ... in f32), so results are
+/// bitwise identical whatever the algorithm, the message length or the API. In a group
+/// of two or more the sum starts at +0.0, so an exact-zero sum is +0.0 everywhere
+/// (Lamport cannot carry -0.0, its "not yet arrived" mark) and a nonzero sum that
+/// rounds to zero keeps its sign; a group of one returns its input bit for bit.
+/// `Lamport` runs only over the whole world of two or more ranks: forced over a group
+/// of one it runs `OneStage`, over a narrower subgroup it is
+/// [`crate::Error::Unsupported`]. The fused all-reduce + RMSNorm takes `OneStage` or
+/// `Lamport` ([`crate::CollectiveOptions::algorithm`]) under the same rules.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
 pub enum Algorithm {
@@ -37,18 +28,13 @@ pub enum Algorithm {
     /// Barrier-free push into the peers' Lamport regions (small messages; whole world
     /// only).
     Lamport,
-    /// The whole call ran in the external library (NCCL on CUDA, RCCL on AMD, the host
-    /// stand-in on the host backend): see the `external` module. Returned when peer
-    /// memory cannot serve the communicator (and its fallback is on), or when the user
-    /// opted in to routing by size; forcing it needs the external library to be set up.
+    /// The whole call ran in the external library (NCCL, RCCL, or the host stand-in):
+    /// when peer memory cannot serve (fallback on) or routing by size chose it; forcing
+    /// it needs the library set up.
     Nccl,
     /// Ranks span hosts: a sum over peer memory inside each host, the external library
-    /// across hosts (one slice per local rank), then a gather inside each host over
-    /// peer memory. Returned, never forced. Today the host's sum is a whole peer
-    /// all-reduce and the gather a second one in which every other slice is -0.0 (the
-    /// additive identity, so each slice is copied bit for bit): twice the intra-host
-    /// traffic of a reduce-scatter and an all-gather, which a measurement may justify
-    /// switching to.
+    /// across hosts (one slice per local rank), a gather inside each host (a second
+    /// all-reduce where the other slices are -0.0). Returned, never forced.
     Hierarchical,
 }
 
@@ -88,18 +74,15 @@ pub fn table(arch: &str, width: usize) -> &'static [DispatchRow] {
     }
     const KIB: usize = 1 << 10;
     const MIB: usize = 1 << 20;
-    // Hopper (sm_90), two GPUs over NV18, measured on 2x H200 (docs/dispatch.md, graph
-    // mode): Lamport is fastest up to 256 KiB (256 KiB bf16: 5.03 us against one-stage
-    // 5.15), the two are even at 512 KiB-1 MiB and one-stage wins above (2 MiB: 10.76
-    // against 12.31); two-stage never wins at two ranks (same link traffic, one more
-    // barrier: 1 MiB 10.29 against 7.31).
+    // sm_90, two GPUs over NV18 (2x H200, docs/dispatch.md): Lamport is fastest up to
+    // 256 KiB, one-stage above; two-stage never wins at two ranks (same traffic, one
+    // more barrier).
     static SM90_2: [DispatchRow; 2] = [
         row(256 * KIB, Algorithm::Lamport),
         row(usize::MAX, Algorithm::OneStage),
     ];
-    // Unmeasured pairs: Lamport while one launch and one trip dominate, one-stage while
-    // the extra barrier of two-stage costs more than the traffic it saves, then two-stage
-    // (each rank then moves 2(n-1)/n of the message instead of n-1 times it).
+    // Unmeasured pairs: Lamport while latency dominates, one-stage while two-stage's
+    // extra barrier costs more than the traffic it saves, then two-stage.
     static GENERIC_2: [DispatchRow; 2] = [
         row(256 * KIB, Algorithm::Lamport),
         row(usize::MAX, Algorithm::OneStage),
@@ -109,11 +92,9 @@ pub fn table(arch: &str, width: usize) -> &'static [DispatchRow] {
         row(MIB, Algorithm::OneStage),
         row(usize::MAX, Algorithm::TwoStage),
     ];
-    // Hopper at 4 and 8 GPUs (NVSwitch): PREDICTED, not measured. The crossovers of the
-    // model calibrated on the 2-GPU runs (shared/perf-model, nominal assumptions, with
-    // the rotated all-gather and the width-scaled grid): each rank takes in (W-1)N bytes
-    // with one-stage or Lamport but 2(W-1)N/W with two-stage, so two-stage takes over
-    // sooner the wider the group. Replace with measured rows (see `provenance`).
+    // sm_90 at 4 and 8 GPUs: PREDICTED by the model calibrated on the 2-GPU runs (each
+    // rank takes in (W-1)N bytes with one-stage or Lamport, 2(W-1)N/W with two-stage,
+    // so two-stage takes over sooner the wider the group). See `provenance`.
     static SM90_4: [DispatchRow; 3] = [
         row(440 * KIB, Algorithm::Lamport),
         row(810 * KIB, Algorithm::OneStage),
@@ -171,13 +152,8 @@ pub fn choose(arch: &str, width: usize, bytes: usize) -> Algorithm {
 /// (bytes per rank) from which the external library beats peer memory over groups of
 /// `width` on `arch`, or `None` where it never does.
 ///
-/// - `sm_90`, two GPUs over NV18 (2x H200, `results/2026-12-01-h200x2/final/`):
-///   peercomm is faster than NCCL 2.28 at every size measured, 1 KiB to 1 GiB (0.42x of
-///   NCCL's time at 1 KiB, 1.01x its bus bandwidth at 1 GiB): never.
-/// - `host`: the host backend has no speed to measure; its row (1 MiB) exists so that
-///   routing by the table runs in CI against the host stand-in.
-/// - Everything else is unmeasured: never (a row is added where a measurement shows
-///   the library faster, e.g. PCIe machines at large sizes).
+/// `sm_90` with two GPUs: never (peercomm beat NCCL 2.28 from 1 KiB to 1 GiB). `host`:
+/// 1 MiB, so that routing by the table runs in CI. Unmeasured pairs: never.
 pub fn external_from(arch: &str, width: usize) -> Option<usize> {
     match (arch, width) {
         (_, 1) => None,

@@ -1,5 +1,5 @@
-//! Element types the all-reduce handles. (Their codes in the kernels' argument block
-//! are the signal layout's: `DType::raw` is defined in [`crate::signal`].)
+//! Element types the collectives handle (their kernel codes: `DType::raw` in
+//! [`crate::signal`]).
 
 /// Element type of a tensor.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -91,34 +91,24 @@ impl Element for f32 {
     }
 }
 
-impl Element for half::f16 {
-    const DTYPE: DType = DType::F16;
-    fn to_f32(self) -> f32 {
-        half::f16::to_f32(self)
-    }
-    fn from_f32(x: f32) -> Self {
-        half::f16::from_f32(x)
-    }
-    fn to_bits_u32(self) -> u32 {
-        self.to_bits() as u32
-    }
-    fn from_bits_u32(bits: u32) -> Self {
-        half::f16::from_bits(bits as u16)
-    }
+/// The 16-bit element types, through `half`.
+macro_rules! half_element {
+    ($($t:ty => $dtype:ident),*) => {$(
+        impl Element for $t {
+            const DTYPE: DType = DType::$dtype;
+            fn to_f32(self) -> f32 {
+                <$t>::to_f32(self)
+            }
+            fn from_f32(x: f32) -> Self {
+                <$t>::from_f32(x)
+            }
+            fn to_bits_u32(self) -> u32 {
+                self.to_bits() as u32
+            }
+            fn from_bits_u32(bits: u32) -> Self {
+                <$t>::from_bits(bits as u16)
+            }
+        }
+    )*};
 }
-
-impl Element for half::bf16 {
-    const DTYPE: DType = DType::BF16;
-    fn to_f32(self) -> f32 {
-        half::bf16::to_f32(self)
-    }
-    fn from_f32(x: f32) -> Self {
-        half::bf16::from_f32(x)
-    }
-    fn to_bits_u32(self) -> u32 {
-        self.to_bits() as u32
-    }
-    fn from_bits_u32(bits: u32) -> Self {
-        half::bf16::from_bits(bits as u16)
-    }
-}
+half_element!(half::f16 => F16, half::bf16 => BF16);

@@ -5,17 +5,15 @@
 //! GPUs, with NCCL/RCCL taking over where peer memory cannot serve.
 //!
 //! GPUs synchronise thread blocks directly through counters in each other's memory
-//! (the *signal counter-bank protocol*, defined once in `include/peercomm_signal.h`),
-//! with no host round trip; the all-reduce has one-stage, two-stage and barrier-free
-//! (Lamport) kernels and a dispatch table per architecture, group width and message
-//! size.
+//! (the signal counter-bank protocol of `include/peercomm_signal.h`), with no host
+//! round trip; the all-reduce has one-stage, two-stage and barrier-free (Lamport)
+//! kernels and a dispatch table.
 //!
 //! # One rank per thread or process: [`Comm`]
 //!
-//! The API engines use, shaped like cudarc's `nccl::Comm`: every rank builds its own
-//! [`Comm`] with [`Comm::from_rank`] from the [`UniqueId`] rank 0 made, and each call
-//! enqueues this rank's kernel on this rank's stream, with this rank's buffers. On the
-//! host reference backend (no GPU), two ranks in two threads:
+//! Shaped like cudarc's `nccl::Comm`: every rank builds its own [`Comm`] with
+//! [`Comm::from_rank`] from the [`UniqueId`] rank 0 made; each call enqueues this rank's
+//! kernel on its stream. On the host reference backend, two ranks in two threads:
 //!
 //! ```
 //! use peercomm::backend::{host::Host, Backend};
@@ -46,33 +44,25 @@
 //! # Ok::<(), peercomm::Error>(())
 //! ```
 //!
-//! On CUDA the buffers are cudarc `CudaSlice`s (or views) on the rank's
-//! `Arc<CudaStream>`; `examples/from-nccl.rs` sets a rank on cudarc's NCCL beside the
-//! same rank on peercomm.
-//!
-//! Every collective of [`Comm`] has a runnable example, checked, in
-//! `examples/collectives.rs` (`cargo run --release --example collectives`, two ranks on
-//! the host backend): [`Comm::all_reduce_sum`], [`Comm::all_reduce_sum_in_place`],
-//! [`Comm::all_gather`], [`Comm::reduce_scatter_sum`] (parts by
-//! [`reduce_scatter_part`]), [`Comm::broadcast`], [`Comm::broadcast_in_place`],
-//! [`Comm::scatter`] and [`Comm::all_reduce_residual_rms_norm`].
+//! On CUDA the buffers are cudarc `CudaSlice`s on the rank's `Arc<CudaStream>`
+//! (`examples/from-nccl.rs`). Every collective of [`Comm`] has a checked example in
+//! `examples/collectives.rs`: [`Comm::all_reduce_sum`], [`Comm::all_gather`],
+//! [`Comm::reduce_scatter_sum`] (parts by [`reduce_scatter_part`]), [`Comm::broadcast`],
+//! [`Comm::scatter`], [`Comm::all_reduce_residual_rms_norm`] and the in-place forms.
 //!
 //! # Launching ranks
 //!
-//! [`UniqueId::new`] binds rank 0's listener (on `127.0.0.1`, or on
-//! [`bootstrap::BOOTSTRAP_ADDR_ENV`] for ranks on other hosts) and draws a secret; its
-//! text form (`to_string`, 80 hex digits, parsed back with `str::parse`) or
-//! [`UniqueId::to_bytes`] reaches the other ranks the way NCCL's id does. A launcher
-//! that is not rank 0 makes the id, calls [`UniqueId::release`] (closing its listener,
-//! so rank 0's own process binds the address), then starts the ranks:
-//! `examples/launch.rs` does exactly that. Engines with their own store pass a
-//! [`Bootstrap`] to [`Comm::from_bootstrap`].
+//! [`UniqueId::new`] binds rank 0's listener (on `127.0.0.1`, or
+//! [`bootstrap::BOOTSTRAP_ADDR_ENV`]) and draws a secret; its text form or
+//! [`UniqueId::to_bytes`] reaches the other ranks as NCCL's id does. A launcher that is
+//! not rank 0 calls [`UniqueId::release`] before starting the ranks
+//! (`examples/launch.rs`). Engines with their own store pass a [`Bootstrap`] to
+//! [`Comm::from_bootstrap`].
 //!
 //! # One process driving every GPU: [`SingleController`]
 //!
-//! The single controller: one communicator over several devices of this process, every
-//! collective enqueued on every rank at once, with the checks only it can make (every
-//! rank's shapes).
+//! One communicator over several devices of this process, every collective enqueued on
+//! every rank at once, with the checks only it can make (every rank's shapes).
 //!
 //! ```
 //! use peercomm::backend::{host::Host, Backend, TypedBuffer};

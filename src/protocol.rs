@@ -1,11 +1,9 @@
 //! The counter barrier of the signal protocol, written once and generic over how a
 //! counter cell is reached.
 //!
-//! The host backend runs [`barrier`] over `std` atomics in the signal memory of
-//! `include/peercomm_signal.h`; the loom model (`tests/loom_barrier.rs`) runs the very
-//! same function over loom's atomics, so the model checks the algorithm the host
-//! backend executes rather than a copy that could drift. The CUDA and HIP kernels
-//! implement the same steps in device code.
+//! The host backend runs it over `std` atomics in the signal memory; the loom model
+//! (`tests/loom_barrier.rs`) runs the very same function over loom's atomics, so it
+//! checks the code the host executes. The device kernels implement the same steps.
 //!
 //! One barrier of block `b` of group rank `me` in a group of `width` ranks, in barrier
 //! domain `d`:
@@ -13,19 +11,16 @@
 //!    then store `v` into peer `t`'s `peer_counter[d][v % 2][b][me]`;
 //! 2. for every peer `t`: spin until the own `peer_counter[d][v % 2][b][t] == v`.
 //!
-//! An arrival also carries the writer's call descriptor ([`CALL_WORDS`] words, see
-//! `PEERCOMM_CALL_WORDS` in the header) beside the counter: the devices write it in
-//! 16-byte packs that each repeat the counter, the host writes the descriptor words
-//! before the counter's (release) store. A reader that sees the counter compares the descriptor with its own
-//! and stops with [`BarrierStop::Mismatch`] when they differ, so ranks that make
-//! different calls get a typed error instead of summing each other's stale data.
+//! An arrival also carries the writer's call descriptor ([`CALL_WORDS`] words) beside
+//! the counter (the devices in 16-byte packs that each repeat the counter, the host
+//! before the counter's release store). A reader that sees the counter compares it with
+//! its own and stops with [`BarrierStop::Mismatch`], so ranks making different calls
+//! get a typed error instead of summing each other's stale data.
 //!
-//! The banks are double by generation parity: a fast peer that already reached the
-//! next barrier writes `v + 1` into the other bank, so it cannot overwrite the `v` a
-//! slow block is still waiting for. The orderings depend on the [`BarrierKind`]: a
-//! publishing barrier stores with `Release` and loads with `Acquire`, start and end
-//! barriers are relaxed on the devices (the host strengthens them, see
-//! [`BarrierKind::host_orderings`]).
+//! The banks are double by parity: a fast peer already at the next barrier writes
+//! `v + 1` into the other bank, never over the `v` a slow block still waits for. A
+//! publishing barrier stores `Release` and loads `Acquire`; start and end barriers are
+//! relaxed on the devices ([`BarrierKind::host_orderings`] strengthens them).
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -50,9 +45,8 @@ impl CounterCell for AtomicU32 {
     }
 }
 
-/// The signals of one group as the barrier sees them, indexed by group rank
-/// (`0 .. width`): member `m`'s counters as this rank reaches them (its own directly,
-/// the peers' over P2P).
+/// The signals of one group as the barrier sees them, indexed by group rank: member
+/// `m`'s counters as this rank reaches them (its own directly, the peers' over P2P).
 pub trait BarrierSignals {
     /// The counter cell type.
     type Cell: CounterCell + ?Sized;
@@ -120,11 +114,10 @@ pub enum BarrierKind {
     /// Publishes data: what any group member's same-index block wrote before it is
     /// visible to this block after it (release stores, acquire loads).
     Publish,
-    /// Ends a collective: publishes nothing, but keeps the peers from overwriting what
-    /// this block read before it. Relaxed on the devices: a load whose value has been
-    /// consumed before the barrier has been performed (no load value speculation on the
-    /// GPUs we target), although the PTX and HIP memory models formally ask for a
-    /// release here. The host, whose data reads are plain loads, strengthens it.
+    /// Ends a collective: keeps the peers from overwriting what this block read before
+    /// it. Relaxed on the devices (a consumed load has been performed: no load value
+    /// speculation on the GPUs targeted, though PTX and HIP formally ask for a release);
+    /// the host, whose data reads are plain loads, strengthens it.
     End,
 }
 
@@ -137,9 +130,8 @@ impl BarrierKind {
             BarrierKind::Start | BarrierKind::End => (Ordering::Relaxed, Ordering::Relaxed),
         }
     }
-    /// Orderings on the host backend: always release/acquire, because its kernels read
-    /// peer data with plain (non-atomic) loads, which Rust's memory model only allows
-    /// when a happens-before edge separates them from the peers' writes. Free on x86.
+    /// Orderings on the host: always release/acquire, since its kernels read peer data
+    /// with plain loads, which need a happens-before edge from the peers' writes.
     pub const fn host_orderings(self) -> (Ordering, Ordering) {
         (Ordering::Release, Ordering::Acquire)
     }
@@ -159,12 +151,10 @@ pub struct BarrierSite {
     pub block: usize,
 }
 
-/// The counter barrier (see the module docs), with the arrival store and the spin's
-/// loads at `orderings` (from [`BarrierKind::device_orderings`] or
-/// [`BarrierKind::host_orderings`]), carrying no call descriptor. Returns the backoff's
-/// error if it gives up (a timeout, or the rank's abort word); the counters are then
-/// left mid-barrier and the signal must be re-initialised. This is
-/// [`barrier_with_call`] without a descriptor: the same steps.
+/// The counter barrier (see the module docs) without a call descriptor, the arrival
+/// store and the spin's loads at `orderings`: [`barrier_with_call`]'s steps. Returns
+/// the backoff's error if it gives up; the counters are then left mid-barrier and the
+/// signal must be re-initialised.
 #[inline]
 #[cfg_attr(not(feature = "unstable"), allow(dead_code))]
 pub fn barrier<S, W>(

@@ -1,8 +1,7 @@
 //! The signal layout (bindgen's mirror of `include/peercomm_signal.h`, committed as
-//! `src/signal_bindings.rs` so that a build needs neither bindgen nor libclang;
-//! scripts/check-bindings.sh checks it against the header) and the small pure functions
-//! of the protocol: barrier domains, circular addition, the reduce-scatter split and the
-//! offsets inside one rank's signal allocation.
+//! `src/signal_bindings.rs`, checked by scripts/check-bindings.sh) and the protocol's
+//! small pure functions: barrier domains, circular addition, the reduce-scatter split,
+//! the offsets inside one rank's signal allocation.
 
 #[allow(non_camel_case_types, non_upper_case_globals, dead_code, missing_docs)]
 mod bindings {
@@ -21,8 +20,6 @@ use crate::dtype::DType;
 
 impl DType {
     /// The element type's code in the kernels' argument block (`peercomm_dtype`).
-    /// Defined here, with the layout it belongs to, so that `dtype` needs nothing of
-    /// this module.
     #[allow(dead_code)]
     pub(crate) fn raw(self) -> RawDType {
         match self {
@@ -49,14 +46,11 @@ pub const REGION_ALIGN: usize = bindings::PEERCOMM_REGION_ALIGN as usize;
 pub const MAX_GROUP_CALLS: usize = bindings::PEERCOMM_MAX_GROUP_CALLS as usize;
 /// Bytes of one vector pack: the unit of the main loops and of the Lamport readiness test.
 pub const PACK_BYTES: usize = 16;
-/// `stage_input` of a staged kernel that stages the whole message (any message of
-/// fewer units); a smaller non-zero value is the capacity of one chunk (in packs, packs
-/// per part, or rows) of one that runs through the payload in chunks
-/// (`PEERCOMM_STAGE_WHOLE`).
+/// `stage_input` of a kernel that stages the whole message; a smaller non-zero value is
+/// the capacity of one chunk (packs, packs per part, or rows) of a chunked one.
 pub const STAGE_WHOLE: u32 = bindings::PEERCOMM_STAGE_WHOLE;
-/// Bytes of a batch's entry table at the start of every member's payload (the count and
-/// every entry's element count; `PEERCOMM_GROUP_HEADER_BYTES`): the staged entries
-/// follow it.
+/// Bytes of a batch's entry table (the count and every entry's element count) at the
+/// start of every member's payload, before the staged entries.
 pub const GROUP_HEADER_BYTES: usize = bindings::PEERCOMM_GROUP_HEADER_BYTES as usize;
 const _: () = assert!(
     GROUP_HEADER_BYTES == PACK_BYTES + 8 * MAX_GROUP_CALLS
@@ -108,10 +102,8 @@ pub const DETAIL_THEIRS_VALID: usize = bindings::PEERCOMM_DETAIL_THEIRS_VALID as
 /// Words of `Signal::error_detail`.
 pub const DETAIL_WORDS: usize = bindings::PEERCOMM_DETAIL_WORDS as usize;
 
-/// The barrier domain (counter bank) of a collective over groups of `width` ranks in
-/// a world of `world` ranks: 0 for the whole world, else the width itself. Widths are
-/// at most `MAX_GPUS` and a subgroup is narrower than the world, so a subgroup never
-/// lands in bank 0 and two different widths never share a bank.
+/// The barrier domain (counter bank) of groups of `width` ranks in a world of `world`:
+/// 0 for the whole world, else the width, so two different widths never share a bank.
 pub const fn barrier_domain(width: usize, world: usize) -> usize {
     if width == world {
         0
@@ -138,10 +130,8 @@ pub(crate) fn group_header_words(
 }
 
 /// The descriptor an error record shows for one side of a batch whose entry tables
-/// differ: the batch's descriptor `call` with the root field (which holds a batch's
-/// count less one) set to `count - 1` and the element count to `elements` (word 2 bits
-/// 12-14, words 3-4; the layout of `PEERCOMM_CALL_WORDS`). The device's
-/// `group_shown_call`.
+/// differ: `call` with the root field (word 2 bits 12-14: the count less one) set to
+/// `count - 1` and the element count (words 3-4) to `elements`.
 pub(crate) fn group_shown_call(
     call: [u32; CALL_WORDS],
     count: u32,
@@ -172,10 +162,9 @@ pub const fn circular_add(a: usize, b: usize, n: usize) -> usize {
     }
 }
 
-/// The elements of an `n`-element reduce-scatter input that group rank `rank` of a
-/// group of `width` receives: part `rank` of `width` consecutive parts, the first
-/// `n % width` parts one element longer than the others. For `n = 10, width = 4` the
-/// parts are `0..3, 3..6, 6..8, 8..10`. Every `n` splits (a part may be empty).
+/// The elements of an `n`-element reduce-scatter input that group rank `rank` of
+/// `width` receives: part `rank` of `width` consecutive parts, the first `n % width`
+/// one element longer (a part may be empty).
 ///
 /// ```
 /// assert_eq!(peercomm::reduce_scatter_part(10, 4, 1), 3..6);
@@ -207,10 +196,9 @@ pub struct SignalLayout {
 }
 
 impl SignalLayout {
-    /// Checks the sizes: the Lamport slot is a multiple of 16 bytes below 4 GiB (the
-    /// kernels take it as a u32), and the whole
-    /// allocation fits in `isize::MAX` bytes. Every function that sizes or fills a
-    /// signal allocation calls it, so a wrapped size never reaches a device.
+    /// Checks the sizes: slots in `1..=MAX_GPUS`, the slot a multiple of 16 bytes below
+    /// 4 GiB (a u32 in the kernels), the whole within `isize::MAX` bytes. Whatever sizes
+    /// or fills a signal allocation calls it, so a wrapped size never reaches a device.
     pub fn validate(&self) -> crate::Result<()> {
         if self.lamport_slots == 0 || self.lamport_slots > MAX_GPUS {
             return Err(crate::Error::InvalidConfig(format!(
@@ -310,44 +298,31 @@ mod tests {
         assert_eq!(size_of::<Signal>() % REGION_ALIGN, 0);
     }
 
+    /// Asserts the offset of every named field of `$t`.
+    macro_rules! offsets {
+        ($t:ty; $($f:ident $o:expr),* $(,)?) => {
+            $(assert_eq!(offset_of!($t, $f), $o, stringify!($f));)*
+        };
+    }
+
     #[test]
     fn allreduce_args_layout_is_pinned() {
-        assert_eq!(offset_of!(AllReduceArgs, inputs), 0);
-        assert_eq!(offset_of!(AllReduceArgs, payloads), 64);
-        assert_eq!(offset_of!(AllReduceArgs, signals), 128);
-        assert_eq!(offset_of!(AllReduceArgs, local_input), 192);
-        assert_eq!(offset_of!(AllReduceArgs, output), 200);
-        assert_eq!(offset_of!(AllReduceArgs, num_elements), 208);
-        assert_eq!(offset_of!(AllReduceArgs, timeout_ns), 216);
-        assert_eq!(offset_of!(AllReduceArgs, lamport_slot_bytes), 224);
-        assert_eq!(offset_of!(AllReduceArgs, group_rank), 228);
-        assert_eq!(offset_of!(AllReduceArgs, group_width), 232);
-        assert_eq!(offset_of!(AllReduceArgs, domain), 236);
-        assert_eq!(offset_of!(AllReduceArgs, world_rank), 240);
-        assert_eq!(offset_of!(AllReduceArgs, stage_input), 244);
-        assert_eq!(offset_of!(AllReduceArgs, root), 248);
-        assert_eq!(offset_of!(AllReduceArgs, hidden), 252);
-        assert_eq!(offset_of!(AllReduceArgs, residual), 256);
-        assert_eq!(offset_of!(AllReduceArgs, weight), 264);
-        assert_eq!(offset_of!(AllReduceArgs, epsilon), 272);
-        assert_eq!(offset_of!(AllReduceArgs, call), 276);
+        offsets! { AllReduceArgs;
+            inputs 0, payloads 64, signals 128, local_input 192, output 200,
+            num_elements 208, timeout_ns 216, lamport_slot_bytes 224, group_rank 228,
+            group_width 232, domain 236, world_rank 240, stage_input 244, root 248,
+            hidden 252, residual 256, weight 264, epsilon 272, call 276,
+        }
         assert_eq!(size_of::<AllReduceArgs>(), 328);
     }
 
     #[test]
     fn group_args_layout_is_pinned() {
         assert_eq!(MAX_GROUP_CALLS, 8);
-        assert_eq!(offset_of!(GroupEntry, input), 0);
-        assert_eq!(offset_of!(GroupEntry, output), 8);
-        assert_eq!(offset_of!(GroupEntry, elements), 16);
-        assert_eq!(offset_of!(GroupEntry, offset), 24);
+        offsets! { GroupEntry; input 0, output 8, elements 16, offset 24 }
         assert_eq!(size_of::<GroupEntry>(), 32);
         // The all-reduce arguments first, unchanged, so a kernel reads them in place.
-        assert_eq!(offset_of!(GroupArgs, all), 0);
-        assert_eq!(offset_of!(GroupArgs, count), 328);
-        assert_eq!(offset_of!(GroupArgs, pad), 332);
-        assert_eq!(offset_of!(GroupArgs, entries), 336);
-        assert_eq!(offset_of!(GroupArgs, peer_inputs), 336 + 8 * 32);
+        offsets! { GroupArgs; all 0, count 328, pad 332, entries 336, peer_inputs 336 + 8 * 32 }
         assert_eq!(size_of::<GroupArgs>(), 336 + 8 * 32 + 8 * 8 * 8);
         assert_eq!(size_of::<GroupArgs>(), 1104);
         assert_eq!(std::mem::align_of::<GroupArgs>(), 8);

@@ -3,12 +3,9 @@
 //! checked in one place for every backend.
 //!
 //! A record is fixed-length and little-endian: a 4-byte magic naming the backend
-//! (`pcho` host, `pccu` CUDA, `pchi` HIP), a `u32` version, then the backend's fields
-//! (each backend's module docs give its layout). A reader checks, in this order, that
-//! the header is there, the magic, the version and then the exact length, so a handle
-//! from another backend or another version of peercomm is named as such instead of
-//! being read as garbage. Every failure is
-//! `Error::Backend { backend, call: "import_memory", detail }`.
+//! (`pcho`, `pccu`, `pchi`), a `u32` version, the backend's fields. A reader checks the
+//! header, magic, version, then the exact length, so a foreign or other-version handle
+//! is named as such. Every failure is `Error::Backend { call: "import_memory", .. }`.
 
 use crate::error::{Error, Result};
 
@@ -121,11 +118,9 @@ impl<'a> Reader<'a> {
     }
 }
 
-/// A random number drawn once per process: GPU handles carry their exporter's, so that
-/// importing in the exporting process (which CUDA and HIP IPC refuse) is recognised
-/// before the driver is asked, whatever error code the driver would give. A process id
-/// would not do: processes in different pid namespaces can share one. The per-rank
-/// setup compares it too, to tell ranks of this process from ranks of others.
+/// A random number drawn once per process (a pid is not unique across namespaces): GPU
+/// handles carry it, so importing in the exporting process (which CUDA and HIP refuse)
+/// is recognised before the driver is asked; the per-rank setup tells processes apart.
 pub(crate) fn process_token() -> u64 {
     use std::sync::OnceLock;
     static TOKEN: OnceLock<u64> = OnceLock::new();

@@ -1,0 +1,167 @@
+//! What backends launch and export: kernel kinds, launch dimensions, memory kinds,
+//! exported ranges. Public only under the `unstable` feature (`crate::unstable`).
+
+use crate::dispatch::Algorithm;
+use crate::dtype::DType;
+
+/// A file descriptor that travels between processes beside an exported handle
+/// ([`ExportedRange::descriptor`]).
+#[cfg(unix)]
+pub type Descriptor = std::os::fd::OwnedFd;
+/// Elsewhere than Unix no descriptor exists: an empty type.
+#[cfg(not(unix))]
+#[derive(Debug)]
+pub enum Descriptor {}
+
+/// A range of this process's memory exported for another process
+/// ([`Backend::export_range`](super::Backend::export_range)).
+#[derive(Debug)]
+pub struct ExportedRange {
+    /// The handle record, sent as bytes
+    /// ([`Backend::export_memory`](super::Backend::export_memory)'s).
+    pub handle: Vec<u8>,
+    /// The range's offset in the exported allocation.
+    pub offset: u64,
+    /// A descriptor to send beside the handle, where the memory is exported only as one
+    /// (CUDA pools and virtual-memory allocations, host shared files); `None`: the
+    /// handle alone maps it.
+    pub descriptor: Option<Descriptor>,
+}
+
+/// What a device allocation is for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MemoryKind {
+    /// Ordinary device memory.
+    Plain,
+    /// Signal memory: counters and flags that peers write and spin on. Uncached or
+    /// fine-grained where the vendor distinguishes (AMD), so spins see peers' stores.
+    Signal,
+    /// As `Signal`, allocated so that other processes can map it
+    /// ([`Backend::export_memory`](super::Backend::export_memory)).
+    SharedSignal,
+    /// Ordinary (cached) memory that other processes can map: the symmetric buffers'
+    /// pool (`Comm::alloc_symmetric`).
+    SharedData,
+}
+
+/// Declares [`KernelKind`] from the one list of kernel families: symbol name, and
+/// whether exported for every [`DType`] or f32 only. Discriminants (the call
+/// descriptor's kind field) follow the list's order.
+macro_rules! kernel_kinds {
+    ($($(#[$doc:meta])* $kind:ident = $name:literal, $every_dtype:literal;)*) => {
+        /// Which kernel family a launch runs.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum KernelKind {
+            $($(#[$doc])* $kind,)*
+        }
+
+        impl KernelKind {
+            /// Every kind, in the order of its discriminant.
+            pub(crate) const ALL: &'static [KernelKind] = &[$(KernelKind::$kind),*];
+
+            /// Name used in kernel symbols and reports.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $(KernelKind::$kind => $name,)*
+                }
+            }
+
+            /// Whether the device code exports it for every dtype (else f32 only).
+            const fn every_dtype(self) -> bool {
+                match self {
+                    $(KernelKind::$kind => $every_dtype,)*
+                }
+            }
+        }
+    };
+}
+
+kernel_kinds! {
+    /// Every rank reads every peer's input and reduces the whole message.
+    OneStage = "one_stage", true;
+    /// Reduce-scatter into the payload, barrier, all-gather from the peers' payloads.
+    TwoStage = "two_stage", true;
+    /// Barrier-free: data carries its own readiness (the -0.0 sentinel).
+    Lamport = "lamport", true;
+    /// A start and an end barrier and nothing else (also the timeout probe).
+    Barrier = "barrier", true;
+    /// Ranks 0 and 1 bounce a flag `num_elements` times through their payloads (one
+    /// thread each): measures the cross-GPU flag round trip. f32 only.
+    PingPong = "pingpong", false;
+    /// One thread spins for `timeout_ns` nanoseconds and touches no memory: fault
+    /// injection (a rank made late on purpose). f32 only.
+    Delay = "delay", false;
+    /// All-gather: every group member gets every member's input, in group-rank order.
+    AllGather = "all_gather", true;
+    /// Reduce-scatter (sum): group rank r gets part r of the sum
+    /// ([`crate::reduce_scatter_part`]).
+    ReduceScatter = "reduce_scatter", true;
+    /// Broadcast of the root's input to every group member.
+    Broadcast = "broadcast", true;
+    /// Scatter: group rank r gets part r of the root's input.
+    Scatter = "scatter", true;
+    /// All-reduce, residual add and RMSNorm in one kernel, row by row.
+    AllReduceRmsNorm = "allreduce_rmsnorm", true;
+    /// Up to [`crate::signal::MAX_GROUP_CALLS`] all-reduces of one dtype and width in
+    /// one kernel between one start and one end barrier, each entry's bits those of a
+    /// one-stage all-reduce of it alone. Launched with
+    /// [`Backend::launch_group`](super::Backend::launch_group).
+    AllReduceGroup = "allreduce_group", true;
+    /// The fused kernel without a barrier, through the Lamport slots, with the same bits
+    /// as [`KernelKind::AllReduceRmsNorm`]. Whole world of two or more ranks, the
+    /// message plus its header within one slot.
+    LamportRmsNorm = "lamport_rmsnorm", true;
+}
+
+impl Algorithm {
+    /// The kernel family (`None` for `Auto` and the paths that are not one kernel).
+    pub(crate) const fn kernel_kind(self) -> Option<KernelKind> {
+        match self {
+            Algorithm::Auto | Algorithm::Nccl | Algorithm::Hierarchical => None,
+            Algorithm::OneStage => Some(KernelKind::OneStage),
+            Algorithm::TwoStage => Some(KernelKind::TwoStage),
+            Algorithm::Lamport => Some(KernelKind::Lamport),
+        }
+    }
+}
+
+/// One kernel entry point: a family and an element type.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Kernel {
+    /// The family.
+    pub kind: KernelKind,
+    /// The element type it reduces.
+    pub dtype: DType,
+}
+
+impl Kernel {
+    /// Every kernel the device code must export.
+    pub fn all() -> impl Iterator<Item = Kernel> {
+        KernelKind::ALL.iter().flat_map(|&kind| {
+            let dtypes: &[DType] = if kind.every_dtype() {
+                &DType::ALL
+            } else {
+                &[DType::F32]
+            };
+            dtypes.iter().map(move |&dtype| Kernel { kind, dtype })
+        })
+    }
+    /// Its exported symbol, e.g. `peercomm_two_stage_bf16`.
+    pub fn symbol(self) -> String {
+        format!("peercomm_{}_{}", self.kind.name(), self.dtype.name())
+    }
+}
+
+/// Grid of a launch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LaunchDims {
+    /// Blocks (at most `MAX_NUM_BLOCKS_UPPER_BOUND`).
+    pub blocks: u32,
+    /// Threads per block.
+    pub threads: u32,
+}
+
+/// The 32-bit word the Lamport region is filled with: the f32 -0.0 pattern, which no
+/// producer writes (every -0.0 lane is sent as +0.0). Readiness is tested per 32-bit
+/// word, which 16-byte stores never tear.
+pub const LAMPORT_SENTINEL: u32 = 0x8000_0000;
