@@ -1,7 +1,6 @@
 //! Internals for peercomm's own tests, benchmarks and tools (feature `unstable`): the
-//! signal layout's constants and the kernels' argument blocks, the dispatch table, the
-//! host model of the barrier protocol, the backends' launch types and the process-wide
-//! lot of parked teardowns. They change with the kernels: no semver promise.
+//! signal layout, the dispatch table, the barrier protocol's host model, the launch
+//! types, the parked teardowns. They change with the kernels: no semver promise.
 
 pub use crate::backend::launch_types::{
     Descriptor, ExportedRange, Kernel, KernelKind, LaunchDims, MemoryKind, LAMPORT_SENTINEL,

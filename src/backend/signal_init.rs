@@ -1,6 +1,5 @@
-//! Signal buffers made and initialised through a backend (re-exported at the crate
-//! root: [`crate::create_signal_buffer`], [`crate::init_signal_buffer`]): the layout is
-//! [`crate::SignalLayout`]'s, the memory and the fills are the backend's.
+//! Signal buffers made and initialised through a backend, laid out as
+//! [`crate::SignalLayout`] says.
 
 use super::{Backend, MemoryKind, LAMPORT_SENTINEL};
 use crate::error::Result;

@@ -1,5 +1,4 @@
-//! The typed buffer of the host backend, [`HostBuffer`], and its `DeviceBuffer` /
-//! `DeviceBufferMut` impls.
+//! The typed buffer of the host backend, [`HostBuffer`].
 
 use super::device::{Host, HostDevice};
 use super::memory::HostMemory;
@@ -14,7 +13,6 @@ pub struct HostBuffer<T: Element> {
 }
 
 // SAFETY: the pointer, length, dtype and device come from the allocation itself.
-
 unsafe impl<T: Element> DeviceBuffer<Host> for HostBuffer<T> {
     fn dtype(&self) -> DType {
         T::DTYPE
@@ -30,8 +28,7 @@ unsafe impl<T: Element> DeviceBuffer<Host> for HostBuffer<T> {
     }
 }
 
-// SAFETY: the pointer, length, dtype and device come from the allocation itself.
-
+// SAFETY: as above.
 unsafe impl<T: Element> DeviceBufferMut<Host> for HostBuffer<T> {
     fn write_ptr<'a>(&'a mut self, _dev: &'a HostDevice) -> (u64, ()) {
         (self.mem.addr(), ())

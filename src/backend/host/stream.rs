@@ -1,6 +1,5 @@
-//! Host streams: a [`Stream`] is one worker thread running enqueued jobs in order (what
-//! a device's stream is here), and [`FreeOnStream`] drops a value in stream order, after
-//! the work enqueued before its drop (as `cuMemFreeAsync` frees).
+//! Host streams: one worker thread running enqueued jobs in order, and [`FreeOnStream`],
+//! which drops a value in stream order (as `cuMemFreeAsync` frees).
 
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex};
@@ -58,9 +57,7 @@ impl Drop for Stream {
     }
 }
 
-/// Owns a `T` whose drop must wait for the work already enqueued on a stream: dropping
-/// this enqueues `T`'s drop there, after every kernel enqueued before, as
-/// `cuMemFreeAsync` does.
+/// Owns a `T` whose drop is enqueued on a stream, after the work enqueued before it.
 pub(super) struct FreeOnStream<T: Send + 'static> {
     /// `Some` until dropped.
     value: Option<T>,

@@ -1,7 +1,5 @@
-//! Waiting in the host kernels: why a wait stopped ([`Stop`], [`Spun`]), the spinner
-//! every wait of a block thread goes through ([`Spinner`]: yields, polls the rank's
-//! abort word, gives up at the deadline) and its [`Backoff`] impl for the protocol's
-//! barrier.
+//! Waiting in the host kernels: why a wait stopped, and the spinner every wait goes
+//! through (yields, polls the rank's abort word, gives up at the deadline).
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -16,9 +14,7 @@ pub(super) enum Stop {
     TimedOut { awaited: usize },
     /// The rank's abort word is set (a peer gave up, or another block of this rank).
     Aborted,
-    /// Group rank `peer` runs another call: the record shows `mine` for this rank and
-    /// `theirs` for the peer (the two descriptors, or for a batch whose entry tables
-    /// differ the descriptors with the differing lengths).
+    /// Group rank `peer` runs another call: the record shows `mine` and `theirs`.
     Mismatch {
         peer: usize,
         mine: [u32; CALL_WORDS],
