@@ -12,59 +12,22 @@ const HOST: Place = Place {
     max_blocks: 2,
 };
 
-#[test]
-fn no_peer_access_world_2() {
-    external_suite::no_peer_access::<Host>(&HOST, 2);
-}
+tests! {
+    no_peer_access_world_2 => external_suite::no_peer_access::<Host>(&HOST, 2);
+    no_peer_access_world_4 => external_suite::no_peer_access::<Host>(&HOST, 4);
+    failed_peer_check_world_3 => external_suite::failed_peer_check::<Host>(&HOST, 3);
+    hierarchical_world_4_as_2_hosts => external_suite::simulated_hosts::<Host>(&HOST, 4, 2);
+    hierarchical_world_6_as_2_hosts => external_suite::simulated_hosts::<Host>(&HOST, 6, 2);
+    one_rank_per_simulated_host => external_suite::simulated_hosts::<Host>(&HOST, 2, 2);
+    refuse_keeps_typed_errors => external_suite::refuse_keeps_typed_errors::<Host>(&HOST);
+    size_invariant_by_default_world_2 =>
+        external_suite::size_invariant_by_default::<Host>(&HOST, 2);
 
-#[test]
-fn no_peer_access_world_4() {
-    external_suite::no_peer_access::<Host>(&HOST, 4);
-}
+    size_invariant_by_default_world_4 =>
+        external_suite::size_invariant_by_default::<Host>(&HOST, 4);
 
-#[test]
-fn failed_peer_check_world_3() {
-    external_suite::failed_peer_check::<Host>(&HOST, 3);
-}
-
-#[test]
-fn hierarchical_world_4_as_2_hosts() {
-    external_suite::simulated_hosts::<Host>(&HOST, 4, 2);
-}
-
-#[test]
-fn hierarchical_world_6_as_2_hosts() {
-    external_suite::simulated_hosts::<Host>(&HOST, 6, 2);
-}
-
-#[test]
-fn one_rank_per_simulated_host() {
-    external_suite::simulated_hosts::<Host>(&HOST, 2, 2);
-}
-
-#[test]
-fn refuse_keeps_typed_errors() {
-    external_suite::refuse_keeps_typed_errors::<Host>(&HOST);
-}
-
-#[test]
-fn size_invariant_by_default_world_2() {
-    external_suite::size_invariant_by_default::<Host>(&HOST, 2);
-}
-
-#[test]
-fn size_invariant_by_default_world_4() {
-    external_suite::size_invariant_by_default::<Host>(&HOST, 4);
-}
-
-#[test]
-fn by_size_when_opted_in() {
-    external_suite::by_size_when_opted_in::<Host>(&HOST, 2);
-}
-
-#[test]
-fn single_controller_fallback() {
-    external_suite::single_controller::<Host>(&[0, 1, 2]);
+    by_size_when_opted_in => external_suite::by_size_when_opted_in::<Host>(&HOST, 2);
+    single_controller_fallback => external_suite::single_controller::<Host>(&[0, 1, 2]);
 }
 
 #[test]
@@ -73,12 +36,10 @@ fn world_beyond_max_gpus() {
     external_suite::world_beyond_max_gpus::<Host>(&HOST);
 }
 
-#[test]
-fn simulated_hosts_must_name_every_rank() {
-    external_suite::simulated_hosts_must_name_every_rank::<Host>(&HOST);
-}
+tests! {
+    simulated_hosts_must_name_every_rank =>
+        external_suite::simulated_hosts_must_name_every_rank::<Host>(&HOST);
 
-#[test]
-fn other_collectives_stay_on_peer_memory() {
-    external_suite::other_collectives_stay_on_peer_memory::<Host>(&HOST);
+    other_collectives_stay_on_peer_memory =>
+        external_suite::other_collectives_stay_on_peer_memory::<Host>(&HOST);
 }

@@ -1,18 +1,7 @@
-//! The batched all-reduce kernel (`KernelKind::AllReduceGroup`) on the host backend,
-//! through the group calls (`SingleController::group` and `Comm::group`, which batch the
-//! all-reduces issued in a group): worlds 2, 3 and 4,
-//! every group size dividing them, f32 / f16 / bf16, batches of 1, 2, 5 and 8 entries
-//! of 0, 1, 7, 8, 1000 and 4099 elements. Inputs are fresh random values with -0.0 and
-//! +0.0 lanes sprinkled in, outputs poisoned (NaN) before every call, and every entry is
-//! compared bit for bit with (a) the in-order CPU reference (the f32 sum from +0.0 in
-//! group-rank order rounded to T; a group of one: the input), besides the f64 check of
-//! tests/common, and (b) the same entry run alone through the ordinary one-stage
-//! all-reduce. Plus: a batch larger than the payload is `MessageTooLarge` with nothing
-//! written; ranks that disagree on a batch get `CallMismatch` on every rank with nothing
-//! written, also for many pairs of batches that differ in one later entry only
-//! (including pairs an 8-bit digest of the entries cannot tell apart: the kernel
-//! compares every entry's length exactly); the single controller checks every
-//! entry on the host and honours fault injection.
+//! The batched all-reduce kernel on the host backend through `SingleController::group`
+//! and `Comm::group`: worlds 2-4, every group size, f32/f16/bf16, batches of 1-8 entries.
+//! Each entry must match, bit for bit, the in-order CPU reference and the same entry run
+//! alone; refusals and mismatches (also in later entries only) write nothing.
 
 mod common;
 
@@ -201,27 +190,14 @@ fn single_controller_batches(world: usize) {
     eprintln!("single controller world {world}: {batches_run} batches checked");
 }
 
-#[test]
-fn single_controller_batches_world_2() {
-    single_controller_batches(2);
+tests! {
+    single_controller_batches_world_2 => single_controller_batches(2);
+    single_controller_batches_world_3 => single_controller_batches(3);
+    single_controller_batches_world_4 => single_controller_batches(4);
 }
 
-#[test]
-fn single_controller_batches_world_3() {
-    single_controller_batches(3);
-}
-
-#[test]
-fn single_controller_batches_world_4() {
-    single_controller_batches(4);
-}
-
-/// Host checks, the payload bound and fault injection on the single controller: an
-/// entry whose length differs on one rank is `LengthMismatch` before anything runs; a
-/// batch past the payload is `MessageTooLarge`; a rank whose descriptor is skewed
-/// (`mismatch_next`) makes every rank's record a `CallMismatch`; a rank left out
-/// (`miss_next`) is a timeout; nothing is written in any of them, and after
-/// `reinitialize` a batch works again.
+/// Single controller: host checks (`LengthMismatch`), the payload bound, and fault
+/// injection (`mismatch_next`, `miss_next`) write nothing; `reinitialize` recovers.
 #[test]
 fn single_controller_refusals_and_faults() {
     let world = 2;
@@ -262,9 +238,8 @@ fn single_controller_refusals_and_faults() {
         "{got:?}"
     );
     untouched(&recvs, "uneven");
-    // 2 x 8192 f32 + 1 after the 80-byte entry table: 64 KiB + 96 bytes, past the
-    // payload together: the group batches what fits and runs the rest alone, with the
-    // same results.
+    // 2 x 8192 f32 + 1 after the 80-byte entry table: past the payload together, so
+    // the group batches what fits and runs the rest alone.
     let big = vec![vec![8192; 2], vec![8192; 2], vec![1; 2]];
     let mut recvs = bufs(&big, f32::NAN);
     single_group(&comm, &bufs(&big, 1.0), &mut recvs, 0).unwrap();
@@ -326,12 +301,9 @@ fn single_controller_refusals_and_faults() {
     }
 }
 
-/// The single controller reads a batch's inputs in place (no staging, so no payload
-/// bound) unless an entry is in place (its output is its input, which the peers would
-/// read while this rank overwrites it): then the batch stages. Both give every entry
-/// the bits of the in-order reference and of one-stage alone: here a batch of entries
-/// larger than the payload together (in place, one kernel), and batches that mix
-/// in-place entries with others, for every group size of world 4.
+/// The single controller reads a batch's inputs in place unless an entry is in place
+/// (peers would read what this rank overwrites), then it stages; both give the reference
+/// bits, for batches past the payload and mixed batches at every group size of world 4.
 #[test]
 fn single_controller_batches_read_in_place_or_stage_for_in_place_entries() {
     let world = 4;
@@ -443,8 +415,7 @@ fn rank_group<S: DeviceBuffer<Host>, R: DeviceBufferMut<Host>>(
     group.end().map(|_| ())
 }
 
-/// Runs `body(rank, comm, meet)` on one thread per rank of a fresh world; `meet` is a
-/// barrier of the world's threads.
+/// Runs `body(rank, comm, meet)` on one thread per rank; `meet` is a barrier of them.
 fn per_rank<R: Send>(
     world: usize,
     config: &CommConfig,
@@ -536,19 +507,10 @@ fn per_rank_batches(world: usize) {
     );
 }
 
-#[test]
-fn per_rank_batches_world_2() {
-    per_rank_batches(2);
-}
-
-#[test]
-fn per_rank_batches_world_3() {
-    per_rank_batches(3);
-}
-
-#[test]
-fn per_rank_batches_world_4() {
-    per_rank_batches(4);
+tests! {
+    per_rank_batches_world_2 => per_rank_batches(2);
+    per_rank_batches_world_3 => per_rank_batches(3);
+    per_rank_batches_world_4 => per_rank_batches(4);
 }
 
 /// Waits for this rank's batch, then checks nothing of its outputs was written when it
@@ -603,9 +565,8 @@ fn batch(lengths: &[usize]) -> Call {
     Box::new(move |comm: &Comm<Host>| batch_untouched(comm, &lengths))
 }
 
-/// The last rank makes another batch (or another call) than the others: every rank gets
-/// `CallMismatch` naming the field (the others naming the last rank, the last rank one
-/// of them), nothing written; after `reinitialize` a matching batch works again.
+/// The last rank makes another batch (or call): every rank gets `CallMismatch` naming the
+/// field, nothing written; `reinitialize` recovers.
 fn per_rank_mismatches(world: usize) {
     let config = config(2).with_barrier_timeout(Some(Duration::from_millis(1500)));
     let usual = [300, 7, 1000, 0, 8];
@@ -661,19 +622,13 @@ fn per_rank_mismatches(world: usize) {
     }
 }
 
-#[test]
-fn per_rank_mismatches_world_2() {
-    per_rank_mismatches(2);
+tests! {
+    per_rank_mismatches_world_2 => per_rank_mismatches(2);
+    per_rank_mismatches_world_3 => per_rank_mismatches(3);
 }
 
-#[test]
-fn per_rank_mismatches_world_3() {
-    per_rank_mismatches(3);
-}
-
-/// Per rank: a group past the payload together batches what fits and runs the rest
-/// alone, with the same results on every rank; a batch that fits (with the 80-byte
-/// entry table, exactly) runs next.
+/// Per rank: a group past the payload batches what fits and runs the rest alone; a batch
+/// that exactly fits (with the 80-byte entry table) runs next.
 #[test]
 fn per_rank_group_past_the_payload_is_split() {
     let config = config(2).with_payload_bytes(64 << 10);
@@ -686,9 +641,8 @@ fn per_rank_group_past_the_payload_is_split() {
 // ---------------------------------------------------------------------------------
 // Every length, exactly: ranks whose batches differ in one later entry only.
 
-/// An 8-bit digest of the later entries' lengths (FNV-1a folded): a descriptor that
-/// carried only this would let pairs it cannot tell apart pass unnoticed, with wrong
-/// sums.
+/// An 8-bit digest of the later entries' lengths (FNV-1a folded): pairs it cannot tell
+/// apart prove the kernel compares every length.
 fn narrow_digest(later: &[usize]) -> u64 {
     let mut h = 0xcbf2_9ce4_8422_2325u64;
     for byte in later.iter().flat_map(|&n| (n as u64).to_le_bytes()) {
@@ -714,9 +668,8 @@ fn filling_table(rng: &mut StdRng, count: usize) -> Vec<usize> {
     t
 }
 
-/// `collisions` pairs whose differing entries `narrow_digest` cannot tell apart, then
-/// `random` random pairs (both with grids that agree), then `grids` pairs whose
-/// difference also changes the grid (1 block against 2).
+/// `collisions` pairs `narrow_digest` cannot tell apart, `random` random pairs, then
+/// `grids` pairs whose difference also changes the grid (1 block against 2).
 fn later_entry_pairs(
     rng: &mut StdRng,
     collisions: usize,
@@ -777,11 +730,9 @@ fn later_entry_pairs(
     pairs
 }
 
-/// Per rank: for every pair, one rank (a different one from pair to pair) batches the
-/// other table. Every rank gets `CallMismatch` with `field: Length` naming the rank
-/// that differs (that rank naming another), showing the lengths of the entry that
-/// differs (or, where the grids differ, the grids the lengths size), nothing written;
-/// after `reinitialize` the next pair runs, and at the end a matching batch works.
+/// Per rank: for every pair, one rank batches the other table; every rank gets
+/// `CallMismatch(Length)` naming the odd rank and the differing lengths (or grids),
+/// nothing written; `reinitialize` recovers.
 fn per_rank_later_entry_mismatches(world: usize) {
     let mut rng = common::rng(&format!("group_kernel_later_entries_world_{world}"));
     let pairs = later_entry_pairs(&mut rng, 12, 24, 4);
@@ -870,18 +821,12 @@ fn per_rank_later_entry_mismatches(world: usize) {
     );
 }
 
-#[test]
-fn per_rank_later_entry_mismatches_world_2() {
-    per_rank_later_entry_mismatches(2);
+tests! {
+    per_rank_later_entry_mismatches_world_2 => per_rank_later_entry_mismatches(2);
+    per_rank_later_entry_mismatches_world_3 => per_rank_later_entry_mismatches(3);
 }
 
-#[test]
-fn per_rank_later_entry_mismatches_world_3() {
-    per_rank_later_entry_mismatches(3);
-}
-
-/// The dtypes the batch checks use exist on the host backend (a guard against the
-/// matrix silently shrinking).
+/// Guards against the matrix silently shrinking.
 #[test]
 fn the_matrix_covers_every_dtype() {
     assert_eq!(DType::ALL.len(), 3);

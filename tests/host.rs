@@ -1,7 +1,5 @@
-//! The reference suite on the host backend: 8 simulated devices, 3 blocks each (an odd
-//! count exercises uneven grid strides). Runs on any machine, and in CI. Plus the
-//! schedule fuzzer at worlds 2, 3, 4 and 8 (2 or 3 blocks per launch: the host backend
-//! runs one OS thread per block, and CI has 2 cores).
+//! The reference suite on the host backend (8 simulated devices, 3 blocks: an odd grid
+//! stride), plus the schedule fuzzer at worlds 2-8 (few blocks: one thread per block).
 
 mod common;
 
@@ -22,30 +20,15 @@ fn fuzz_host(world: usize, calls: usize, max_blocks: u32) {
     );
 }
 
-#[test]
-fn fuzz_schedule_world_2() {
-    fuzz_host(2, 3000, 3);
+tests! {
+    fuzz_schedule_world_2 => fuzz_host(2, 3000, 3);
+    fuzz_schedule_world_3 => fuzz_host(3, 2000, 3);
+    fuzz_schedule_world_4 => fuzz_host(4, 1600, 2);
+    fuzz_schedule_world_8 => fuzz_host(8, 800, 2);
 }
 
-#[test]
-fn fuzz_schedule_world_3() {
-    fuzz_host(3, 2000, 3);
-}
-
-#[test]
-fn fuzz_schedule_world_4() {
-    fuzz_host(4, 1600, 2);
-}
-
-#[test]
-fn fuzz_schedule_world_8() {
-    fuzz_host(8, 800, 2);
-}
-
-/// The Lamport fused all-reduce + residual + RMSNorm against the one-stage one and batch
-/// invariance (tests/common/fused.rs), single controller, worlds 2 and 4: the decode
-/// shapes (bf16 and f16, hidden 4096 and 8192, 1 to 256 tokens), small rows and f32;
-/// then Lamport all-reduces and fused calls interleaved on one Lamport state.
+/// The Lamport fused call against one-stage and batch invariance (tests/common/fused.rs),
+/// worlds 2 and 4.
 fn lamport_fused_host(world: usize) {
     let test = format!("lamport_fused_world_{world}");
     let comm = common::open::<Host>(
@@ -66,12 +49,7 @@ fn lamport_fused_host(world: usize) {
     );
 }
 
-#[test]
-fn lamport_fused_world_2() {
-    lamport_fused_host(2);
-}
-
-#[test]
-fn lamport_fused_world_4() {
-    lamport_fused_host(4);
+tests! {
+    lamport_fused_world_2 => lamport_fused_host(2);
+    lamport_fused_world_4 => lamport_fused_host(4);
 }

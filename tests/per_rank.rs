@@ -28,9 +28,8 @@ per_rank_suite!(
     }
 );
 
-/// Ranks whose threads are pinned to 1 and 2 cores (the host
-/// backend's multiprocessors are the cores its thread may run on) and a grid left to
-/// peercomm. Linux only (thread affinity); needs at least 2 cores.
+/// Ranks pinned to 1 and 2 cores (the host backend's multiprocessors) with the grid
+/// left to peercomm. Linux only; needs 2 cores.
 #[cfg(target_os = "linux")]
 #[test]
 fn unequal_core_counts_agree_on_the_grid() {
@@ -64,31 +63,17 @@ fn unequal_core_counts_agree_on_the_grid() {
     );
 }
 
-/// CUDA_VISIBLE_DEVICES isolation, simulated: every rank on device 0, each on its own
-/// physical device.
-#[test]
-fn isolated_threads_world_2() {
-    per_rank_suite::identity::isolated_threads::<Host>(&HOST, 2);
-}
+tests! {
+    /// CUDA_VISIBLE_DEVICES isolation, simulated: every rank on device 0, each on its own
+    /// physical device.
+    isolated_threads_world_2 => per_rank_suite::identity::isolated_threads::<Host>(&HOST, 2);
+    isolated_threads_world_4 => per_rank_suite::identity::isolated_threads::<Host>(&HOST, 4);
+    real_sharing_is_refused => per_rank_suite::identity::real_sharing_is_refused::<Host>(&HOST);
+    allowed_sharing_caps_the_grid =>
+        per_rank_suite::identity::allowed_sharing_caps_the_grid::<Host>(&HOST);
 
-#[test]
-fn isolated_threads_world_4() {
-    per_rank_suite::identity::isolated_threads::<Host>(&HOST, 4);
-}
-
-#[test]
-fn real_sharing_is_refused() {
-    per_rank_suite::identity::real_sharing_is_refused::<Host>(&HOST);
-}
-
-#[test]
-fn allowed_sharing_caps_the_grid() {
-    per_rank_suite::identity::allowed_sharing_caps_the_grid::<Host>(&HOST);
-}
-
-#[test]
-fn single_controller_uses_identities() {
-    per_rank_suite::identity::single_controller_uses_identities::<Host>(&HOST);
+    single_controller_uses_identities =>
+        per_rank_suite::identity::single_controller_uses_identities::<Host>(&HOST);
 }
 
 /// The host backend's identity is deterministic per ordinal (the same in every process
@@ -141,12 +126,10 @@ fn comm_and_communicator_print_backend_rank_and_world() {
     );
 }
 
-#[test]
-fn refuses_bootstrap_timeout_below_barrier_timeout() {
-    per_rank_suite::teardown::refuses_bootstrap_timeout_below_barrier_timeout::<Host>(&HOST);
-}
+tests! {
+    refuses_bootstrap_timeout_below_barrier_timeout =>
+        per_rank_suite::teardown::refuses_bootstrap_timeout_below_barrier_timeout::<Host>(&HOST);
 
-#[test]
-fn synchronize_reports_within_twice_barrier_timeout() {
-    per_rank_suite::teardown::synchronize_reports_within_twice_barrier_timeout::<Host>(&HOST);
+    synchronize_reports_within_twice_barrier_timeout =>
+        per_rank_suite::teardown::synchronize_reports_within_twice_barrier_timeout::<Host>(&HOST);
 }

@@ -1,7 +1,5 @@
 //! All-gather, reduce-scatter, broadcast, scatter and the fused all-reduce + residual +
-//! RMSNorm, generic over the backend: the references every suite checks against (exact
-//! bits where the collective copies or where the f32 reduction order is defined, the f64
-//! reference besides), the single-controller sweep, and the bad-input matrix.
+//! RMSNorm, generic over the backend: references, the single-controller sweep, bad inputs.
 
 use peercomm::backend::Backend;
 use peercomm::{
@@ -11,7 +9,7 @@ use peercomm::{
 use rand::rngs::StdRng;
 use rand::Rng;
 
-use super::{bits, group_sizes, random_inputs, random_values, rng, suite_config};
+use super::{bits, eps, group_sizes, random_inputs, random_values, rng, suite_config};
 
 /// Lengths the collectives are checked at in the sweeps (odd ones exercise the tails).
 pub const COLLECTIVE_LENGTHS: [usize; 5] = [1, 7, 1023, 4099, 100_003];
@@ -23,14 +21,6 @@ pub enum Which {
     ReduceScatter,
     Broadcast { root: usize, in_place: bool },
     Scatter { root: usize },
-}
-
-fn eps(dtype: DType) -> f64 {
-    match dtype {
-        DType::F32 => f32::EPSILON as f64,
-        DType::F16 => 2f64.powi(-10),
-        DType::BF16 => 2f64.powi(-7),
-    }
 }
 
 /// Rank r's all-gather output: the group's inputs in group-rank order.
@@ -125,9 +115,7 @@ pub fn expect<T: Element>(which: Which, ins: &[Vec<T>], width: usize, r: usize) 
     }
 }
 
-/// The f64 reference of the unfused all-reduce, residual add and RMSNorm, checked
-/// against one rank's outputs (`out`, `res_out`) with tolerances for the roundings to T
-/// in between.
+/// Checks one rank's fused outputs against the f64 reference of the unfused sequence.
 #[allow(clippy::too_many_arguments)]
 pub fn check_rms_norm<T: Element>(
     ins: &[Vec<T>],
@@ -295,9 +283,8 @@ pub fn sweep_on<B: Backend>(comm: &SingleController<B>, lengths: &[usize]) {
     }
 }
 
-/// Each reduce-scatter part holds the one-stage all-reduce's bits for its elements, so
-/// a reduce-scatter then an all-gather is the all-reduce (a hierarchical path relies on
-/// it).
+/// Each reduce-scatter part holds the one-stage all-reduce's bits, so a reduce-scatter
+/// then an all-gather is the all-reduce (a hierarchical path relies on it).
 pub fn reduce_scatter_parts_are_the_all_reduce<B: Backend, T: Element>(
     comm: &SingleController<B>,
     rng: &mut StdRng,
@@ -665,9 +652,8 @@ pub fn bad_inputs<B: Backend>() {
     untouched::<B, f32>(&comm, &[&res[0], &res[1]], "fused weight dtype (residual)");
 }
 
-/// A collective call for the schedule fuzzer ([`super::fuzz`]): every rank's input
-/// uploaded and its output poisoned when it is drawn, enqueued with the batch, checked
-/// bit for bit after the batch's synchronize.
+/// A collective call for the schedule fuzzer ([`super::fuzz`]): prepared when drawn,
+/// enqueued with the batch, checked bit for bit after the batch's synchronize.
 pub struct FuzzCall<B: Backend, T: Element> {
     which: Which,
     width: usize,

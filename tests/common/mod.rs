@@ -1,14 +1,7 @@
-//! The reference test suite, generic over the backend. Each backend's test file
-//! instantiates it with `reference_suite!(Backend, available, max_blocks, lengths)`; a
-//! backend with fewer devices than a test needs skips that part with a printed reason
-//! (the hazard tests run several ranks on one device instead, where the backend has at
-//! least one: `CommConfig::allow_shared_devices`).
-//!
-//! Every check compares against an f64 CPU reference on fresh random inputs, with the
-//! output poisoned (NaN) before each call, and asserts that all ranks of a group
-//! produced the same bits. Where inputs hold -0.0 lanes, the sign of a zero result is
-//! checked too ([`check_result`]); in a group of one the output must be the input, bit
-//! for bit.
+//! The reference test suite, generic over the backend: `reference_suite!(Backend,
+//! available, max_blocks, lengths)`; a test needing more devices skips with a reason.
+//! Checks use the f64 reference on fresh inputs, poisoned outputs, bitwise equality
+//! across each group and the sign of zero ([`check_result`]).
 
 #![allow(dead_code)]
 
@@ -229,10 +222,8 @@ impl Zeros {
     };
 }
 
-/// Overwrites lanes of `ins` (one vector per rank, one world) with zeros as `zeros`
-/// says. Columns are placed across the whole world, so they are all -0.0 in every group.
-/// With `zeros.column == 0`, no element is -0.0 on every rank of the world (in a world
-/// of more than one rank); a subgroup may still draw one.
+/// Overwrites lanes of `ins` with zeros as `zeros` says; columns span the whole world.
+/// With `zeros.column == 0`, no element is -0.0 on every rank (world > 1).
 pub fn sprinkle_zeros<T: Element>(rng: &mut StdRng, ins: &mut [Vec<T>], zeros: Zeros) {
     let n = ins[0].len();
     let world = ins.len();
@@ -243,9 +234,8 @@ pub fn sprinkle_zeros<T: Element>(rng: &mut StdRng, ins: &mut [Vec<T>], zeros: Z
             }
             continue;
         }
-        // Keep one rank (the "anchor") off -0.0 so the world never gets an accidental
-        // all--0.0 column when columns are not wanted; in a world of one every lane may
-        // be -0.0 (there it must come back as -0.0).
+        // One "anchor" rank stays off -0.0, so no accidental all--0.0 column (in a
+        // world of one every lane may be -0.0).
         let anchor = rng.random_range(0..world);
         for (r, rank) in ins.iter_mut().enumerate() {
             if zeros.lane > 0.0 && rng.random_bool(zeros.lane) && (r != anchor || world == 1) {
@@ -257,7 +247,8 @@ pub fn sprinkle_zeros<T: Element>(rng: &mut StdRng, ins: &mut [Vec<T>], zeros: Z
     }
 }
 
-fn eps(dtype: DType) -> f64 {
+/// The relative rounding error of `dtype`.
+pub fn eps(dtype: DType) -> f64 {
     match dtype {
         DType::F32 => f32::EPSILON as f64,
         DType::F16 => 2f64.powi(-10),
@@ -268,6 +259,20 @@ fn eps(dtype: DType) -> f64 {
 /// Checks `outs` (one per rank) against the f64 sums of `ins` over each group of
 /// `width`, and that every rank of a group has the same bits.
 pub fn check_sums<T: Element>(ins: &[Vec<T>], outs: &[Vec<T>], width: usize, what: &str) {
+    // Rounding of the result to T, plus the f32 accumulation of `width` terms.
+    check_sums_within(ins, outs, width, what, |sum, abs| {
+        0.5 * eps(T::DTYPE) * sum.abs() + width as f64 * f32::EPSILON as f64 * abs + 1e-7
+    });
+}
+
+/// [`check_sums`] with the tolerance `tol(sum, sum of magnitudes)` of each element.
+pub fn check_sums_within<T: Element>(
+    ins: &[Vec<T>],
+    outs: &[Vec<T>],
+    width: usize,
+    what: &str,
+    tol: impl Fn(f64, f64) -> f64,
+) {
     let world = ins.len();
     let n = ins[0].len();
     for g in (0..world).step_by(width) {
@@ -281,9 +286,7 @@ pub fn check_sums<T: Element>(ins: &[Vec<T>], outs: &[Vec<T>], width: usize, wha
                 sum += x;
                 abs += x.abs();
             }
-            // Rounding of the result to T, plus the f32 accumulation of `width` terms.
-            let tol =
-                0.5 * eps(T::DTYPE) * sum.abs() + width as f64 * f32::EPSILON as f64 * abs + 1e-7;
+            let tol = tol(sum, abs);
             let lead = outs[g][e];
             let got = lead.to_f32() as f64;
             assert!(
@@ -301,12 +304,9 @@ pub fn check_sums<T: Element>(ins: &[Vec<T>], outs: &[Vec<T>], width: usize, wha
     }
 }
 
-/// The full check of one call's result, given the algorithm that ran:
-/// - a group of one returns its input bit for bit (-0.0 included), whatever ran;
-/// - otherwise the f64 reference and cross-rank bit equality ([`check_sums`]), and the
-///   sign of zero: one rule for every algorithm, the f32 sum starts at +0.0, so an
-///   exact-zero sum is +0.0 (an element whose inputs are all -0.0 included; Lamport
-///   cannot carry -0.0) and a nonzero sum that rounds to zero in T keeps its sign.
+/// The full check of one call's result: a group of one returns its input bit for bit;
+/// otherwise [`check_sums`] and the sign of zero (the f32 sum starts at +0.0: an exact
+/// zero is +0.0, a nonzero sum rounding to zero keeps its sign).
 pub fn check_result<T: Element>(
     ins: &[Vec<T>],
     outs: &[Vec<T>],
@@ -367,9 +367,8 @@ pub enum Expected {
     Unsupported,
 }
 
-/// The rules: Lamport runs only over the whole world and only for width >= 2. Forced
-/// with width 1 it runs the one-stage copy (and says so); forced over a subgroup
-/// (1 < width < world) it is refused. `Auto` never picks it where it may not run.
+/// Lamport runs only over the whole world with width >= 2; forced at width 1 it runs
+/// one-stage, over a subgroup it is refused; `Auto` never picks it where it may not.
 pub fn expected(requested: Algorithm, width: usize, world: usize) -> Expected {
     const ONE: &[Algorithm] = &[Algorithm::OneStage];
     const TWO: &[Algorithm] = &[Algorithm::TwoStage];
@@ -449,10 +448,8 @@ impl Placement {
 /// printed skip. Backends with fewer devices than ranks share devices.
 pub type Place<'a> = &'a dyn Fn(&str, usize) -> Option<Placement>;
 
-/// One all-reduce with its buffers: every rank's input (the host copy and the device
-/// buffer) and, out of place, its output buffer poisoned with NaN. Built before any
-/// call of a batch is enqueued (uploads wait for the rank's stream), enqueued, then
-/// checked after a synchronize. The buffers live as long as this value.
+/// One all-reduce with its buffers (input, poisoned output), built before a batch is
+/// enqueued and checked after its synchronize.
 pub struct Prepared<B: Backend, T: Element> {
     /// Every rank's input values.
     pub ins: Vec<Vec<T>>,
@@ -778,9 +775,8 @@ pub fn group_sizes(world: usize) -> Vec<usize> {
     (1..=world).filter(|w| world.is_multiple_of(*w)).collect()
 }
 
-/// Every algorithm (and Auto) x dtype x valid group size x length, out-of-place and
-/// in-place, for one world size. Forced Lamport over a subgroup must be refused with
-/// `Error::Unsupported`; forced over groups of one it runs (and returns) one-stage.
+/// Every algorithm x dtype x group size x length, in and out of place, at one world
+/// size (forced Lamport over a subgroup: `Unsupported`).
 pub fn sweep_world<B: Backend>(world: usize, max_blocks: Option<u32>, lengths: &[usize]) {
     let mut rng = rng(&format!("sweep_world_{world}"));
     let comm = open::<B>(world, suite_config(max_blocks));
@@ -808,10 +804,8 @@ pub fn sweep_world<B: Backend>(world: usize, max_blocks: Option<u32>, lengths: &
     eprintln!("sweep_world_{world}: {cases} all-reduces checked ({refused} refused as specified)");
 }
 
-/// Subgroup calls of every width narrower than the world (1, 2 and 4 where they divide
-/// it) with whole-world Lamport calls between them, on one set of signal buffers: the
-/// Lamport state must survive the subgroups' barriers and width changes of Lamport
-/// itself. Each call is synchronised and checked.
+/// Subgroup calls of every narrower width with whole-world Lamport calls between them:
+/// the Lamport state must survive the subgroups' barriers; each call checked.
 pub fn interleaved_subgroups<B: Backend>(world: usize, calls: usize, max_blocks: Option<u32>) {
     let mut rng = rng(&format!("interleaved_{world}"));
     let comm = open::<B>(world, suite_config(max_blocks));
@@ -891,10 +885,8 @@ fn len_for_all_blocks<T: Element>(
     len
 }
 
-/// Counters start just below u32::MAX; every barrier domain in use wraps, in every
-/// block: the lengths make the planner launch all `max_blocks` blocks (asserted), and
-/// afterwards every block's counters of every domain with a barrier (groups of two or
-/// more) are read back from every rank's signal and must have wrapped, all equal.
+/// Counters start just below u32::MAX; every domain in use wraps in every block (all
+/// `max_blocks` launched, asserted), then read back equal on every rank.
 pub fn counter_wraparound<B: Backend>(world: usize, max_blocks: Option<u32>) {
     let mut rng = rng(&format!("wraparound_{world}"));
     let config = suite_config(max_blocks);
@@ -961,9 +953,8 @@ pub fn counter_wraparound<B: Backend>(world: usize, max_blocks: Option<u32>) {
     );
 }
 
-/// Thousands of collectives enqueued back to back with no host synchronisation in
-/// between: fresh random inputs per call over mixed sizes and dtypes, every output
-/// kept alive until the one synchronize, then every call checked.
+/// Thousands of calls back to back with no synchronisation, outputs kept alive until
+/// the one synchronize, then every call checked.
 pub fn back_to_back<B: Backend>(world: usize, calls: usize, max_blocks: Option<u32>) {
     let mut rng = rng(&format!("back_to_back_{world}"));
     let comm = open::<B>(world, suite_config(max_blocks));
@@ -991,10 +982,8 @@ pub fn back_to_back<B: Backend>(world: usize, calls: usize, max_blocks: Option<u
     eprintln!("back_to_back_{world}: {calls} calls enqueued without synchronisation, all checked");
 }
 
-/// A barrier whose peers never launch: the waiting rank records a timeout naming rank,
-/// block and domain within about twice the timeout; the communicator refuses
-/// collectives until re-initialised, then works again. Then a peer that is late by
-/// more than the timeout (see `hazards::late_peer_after_timeout`).
+/// A barrier whose peers never launch: a timeout naming rank, block and domain within
+/// twice the timeout; refused until `reinitialize`, then works.
 pub fn barrier_timeout<B: Backend>(world: usize) {
     let timeout = Duration::from_millis(300);
     let config = suite_config(None).with_barrier_timeout(Some(timeout));
@@ -1059,9 +1048,8 @@ macro_rules! reference_suite {
             }
         }
 
-        /// A placement of `world` ranks: one per device where there are enough, else
-        /// round-robin over the devices there are (shared); `None` after a printed
-        /// skip when the backend has no device.
+        /// A placement of `world` ranks (shared round-robin where devices are too few);
+        /// `None` after a printed skip when there is no device.
         fn place_or_skip(test: &str, world: usize) -> Option<common::Placement> {
             let available: Result<usize, String> = $available;
             match available {
@@ -1209,9 +1197,7 @@ macro_rules! reference_suite {
     };
 }
 
-/// One `#[test]` at one world size: every other collective, then the fused
-/// all-reduce + residual + RMSNorm. Expanded inside `reference_suite!` (it uses the
-/// suite's `devices_or_skip`).
+/// One `#[test]` at one world size: the collectives sweep, then the fused call.
 #[macro_export]
 macro_rules! collectives_test {
     ($backend:ty, $max_blocks:expr, $name:ident, $world:expr) => {
@@ -1239,5 +1225,20 @@ macro_rules! world_test {
                 common::sweep_world::<$backend>($world, $max_blocks, &$lengths);
             }
         }
+    };
+}
+
+/// `#[test]` functions of one expression each: `name => expr;`, docs and attributes
+/// allowed before a name.
+#[macro_export]
+macro_rules! tests {
+    ($($(#[$meta:meta])* $name:ident => $body:expr;)+) => {
+        $(
+            $(#[$meta])*
+            #[test]
+            fn $name() {
+                $body;
+            }
+        )+
     };
 }

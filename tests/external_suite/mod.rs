@@ -1,10 +1,7 @@
 //! The fallback to the external library (NCCL, RCCL, the host stand-in), generic over
-//! the backend: forced no-P2P, a failed peer check, simulated hosts (hierarchical), a
-//! size routed by the table when opted in, the "peer memory or nothing" typed errors,
-//! and that with the default configuration an element's result does not depend on the
-//! size of its message. Every result is checked against the f64 reference of fresh
-//! random inputs, with the output poisoned first, and bitwise across the ranks.
-//! Instantiated by tests/external.rs (host, CI) and tests/cuda_external.rs (CUDA).
+//! the backend: no P2P, failed peer checks, simulated hosts, size routing, "peer memory
+//! or nothing" errors, size-independent results. Results are checked against the f64
+//! reference and bitwise across ranks.
 
 #![allow(dead_code)]
 
@@ -16,8 +13,8 @@ use rand::SeedableRng;
 use peercomm::backend::Backend;
 use peercomm::bootstrap::{HostId, UniqueId};
 use peercomm::{
-    unstable, Algorithm, AllReduceOptions, Comm, CommConfig, DType, Element, Error,
-    SingleController, TensorView, TensorViewMut,
+    unstable, Algorithm, AllReduceOptions, Comm, CommConfig, Element, Error, SingleController,
+    TensorView, TensorViewMut,
 };
 use peercomm::{Fallback, FallbackConfig, Simulation, SizeRouting};
 
@@ -82,39 +79,12 @@ pub fn try_world<B: Backend, R: Send>(
     })
 }
 
-fn eps(dtype: DType) -> f64 {
-    match dtype {
-        DType::F32 => f32::EPSILON as f64,
-        DType::F16 => 2f64.powi(-10),
-        DType::BF16 => 2f64.powi(-7),
-    }
-}
-
-/// Checks every rank's output against the f64 sum over each group of `width`, with
-/// room for two roundings to T of partial sums (hierarchical: the host's sum, then the
-/// total), and bit for bit across each group.
+/// Checks outputs against the f64 group sums (room for two roundings, as hierarchical
+/// sums round twice) and bit for bit across each group.
 pub fn check<T: Element>(ins: &[Vec<T>], outs: &[Vec<T>], width: usize, what: &str) {
-    let n = ins[0].len();
-    for g in (0..ins.len()).step_by(width) {
-        for e in 0..n {
-            let xs: Vec<f64> = (g..g + width).map(|r| ins[r][e].to_f32() as f64).collect();
-            let sum: f64 = xs.iter().sum();
-            let abs: f64 = xs.iter().map(|x| x.abs()).sum();
-            let tol = eps(T::DTYPE) * abs + width as f64 * f32::EPSILON as f64 * abs + 1e-7;
-            let got = outs[g][e].to_f32() as f64;
-            assert!(
-                got.is_finite() && (got - sum).abs() <= tol,
-                "{what}: group at rank {g}, element {e} of {n}: got {got}, expected {sum}"
-            );
-            for r in g + 1..g + width {
-                assert_eq!(
-                    outs[r][e].to_bits_u32(),
-                    outs[g][e].to_bits_u32(),
-                    "{what}: rank {r} differs from rank {g} at element {e}"
-                );
-            }
-        }
-    }
+    common::check_sums_within(ins, outs, width, what, |_, abs| {
+        common::eps(T::DTYPE) * abs + width as f64 * f32::EPSILON as f64 * abs + 1e-7
+    });
 }
 
 /// Rank `rank`'s input of call `call` (fresh random values, every rank can rebuild).
@@ -149,9 +119,8 @@ pub fn call<B: Backend, T: Element>(
     Ok((ran, B::download(dev, &send)?))
 }
 
-/// A schedule of calls (lengths with scalar tails, three dtypes, in and out of place)
-/// on every rank, each checked against the reference; every whole-world call must
-/// return `world_algorithm`, every call over groups of `local` a peer algorithm.
+/// A checked schedule (scalar tails, three dtypes, in and out of place): whole-world
+/// calls return `world_algorithm`, calls over groups of `local` a peer algorithm.
 pub fn checked_schedule<B: Backend>(
     place: &Place,
     world: usize,
@@ -313,10 +282,8 @@ pub fn refuse_keeps_typed_errors<B: Backend>(place: &Place) {
     }
 }
 
-/// With the default configuration an element's result does not depend on the size of
-/// the message it is in: the first `n` elements of a message of `n` and of one of `k*n`
-/// (same values there) come out bit for bit equal, across the sizes where the dispatch
-/// table switches algorithm.
+/// With the default configuration the first `n` elements of messages of `n` and `k*n`
+/// come out bit for bit equal, across the sizes where the dispatch switches.
 pub fn size_invariant_by_default<B: Backend>(place: &Place, world: usize) {
     let seed = common::seed("size_invariant_by_default");
     let config = place.config(world);
@@ -349,9 +316,8 @@ pub fn size_invariant_by_default<B: Backend>(place: &Place, world: usize) {
     });
 }
 
-/// Opted-in routing by size: `Above(bytes)` sends whole-world messages of at least
-/// that size to the external library and smaller ones to peer memory; `Table` follows
-/// `dispatch::external_from`.
+/// Opted-in routing: `Above(bytes)` sends large whole-world messages to the external
+/// library; `Table` follows `dispatch::external_from`.
 pub fn by_size_when_opted_in<B: Backend>(place: &Place, world: usize) {
     let seed = common::seed("by_size_when_opted_in");
     for (t, by_size) in [SizeRouting::Above(64 << 10), SizeRouting::Table]
@@ -537,10 +503,8 @@ pub fn simulated_hosts_must_name_every_rank<B: Backend>(place: &Place) {
     }
 }
 
-/// The other collectives (all-gather here) are served by peer memory only: over two
-/// simulated hosts a group inside a host works (checked against the gathered inputs);
-/// the whole world is `Unsupported` with nothing written. The same for the single
-/// controller without peer access.
+/// The other collectives use peer memory only: a group inside a simulated host works;
+/// the whole world (or no peer access) is `Unsupported`, nothing written.
 pub fn other_collectives_stay_on_peer_memory<B: Backend>(place: &Place) {
     use peercomm::CollectiveOptions;
     let world = 4;
