@@ -1,16 +1,10 @@
-//! IPC of shared signal memory (`Backend::export_memory` / `import_memory`): the host
-//! backend (runs everywhere, and in CI) and, with the `cuda` feature, CUDA between two
-//! processes (skipped visibly without a GPU).
+//! IPC of shared signal memory (`export_memory` / `import_memory`): the host backend
+//! and, with `cuda`, CUDA between two processes (skipped visibly without a GPU).
 //!
-//! Two-process tests run a child process of this very test binary
-//! (`std::env::current_exe()`, `--exact <child test> --nocapture`), telling it which
-//! child test should act (`PEERCOMM_IPC_CHILD`) and handing it the export bytes as hex
-//! (`PEERCOMM_IPC_HANDLE`). The child tests (`*_child_*`) do nothing and pass when
-//! those variables do not name them, as in an ordinary run.
-//!
-//! Every test takes one lock: the leak test counts this process's fds and mappings,
-//! which a test running beside it would change, and the fd-reuse check relies on the
-//! kernel handing out the lowest free fd number to the next file opened.
+//! Two-process tests rerun this binary (`--exact <child test>`) with the child's name
+//! (`PEERCOMM_IPC_CHILD`) and the hex handle (`PEERCOMM_IPC_HANDLE`); child tests pass
+//! doing nothing otherwise. Every test takes one lock: the leak test counts this
+//! process's fds and mappings, and fd reuse relies on the lowest free fd.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -179,10 +173,8 @@ fn wait_for_line(child: &mut ChildProcess, marker: &str, limit: Duration) -> Vec
 // ---------------------------------------------------------------------------------------
 // Two processes, generic over the backend (host here, CUDA below).
 
-/// The parent allocates, writes its pattern into the first half, exports, and runs the
-/// child (`child_test`), which imports on device `child_ordinal`, checks the parent's
-/// half and writes its own pattern into the second half. The parent then sees the
-/// child's pattern, its own half intact, and the child's success.
+/// The parent writes the first half and exports; the child imports on
+/// `child_ordinal`, checks it and writes the second half, which the parent then sees.
 fn parent_and_child_share_memory<B: Backend>(
     dev: &B::Device,
     child_test: &str,
@@ -228,10 +220,8 @@ fn child_checks_and_writes<B: Backend>(test: &str) {
     println!("\n{DONE}");
 }
 
-/// A child that maps the parent's memory, writes its pattern, then writes a counter
-/// word in a loop until it is killed with SIGKILL. The parent's memory survives: still
-/// mapped, the child's last writes in it, nothing changing any more, writable, and
-/// freed normally.
+/// A child maps the parent's memory and writes until SIGKILLed; the parent's memory
+/// stays mapped, holds the child's writes, stays writable and frees normally.
 fn parent_survives_killed_child<B: Backend>(
     dev: &B::Device,
     child_test: &str,
@@ -338,9 +328,8 @@ fn host(ordinal: usize) -> <Host as Backend>::Device {
     Host::open(ordinal).unwrap()
 }
 
-/// One process, two simulated devices: the exporter's pattern is read through the
-/// importer's mapping (a second mapping of the same memory), and writes through the
-/// mapping are seen in the original.
+/// Two simulated devices in one process: each side sees the other's writes through the
+/// import.
 #[test]
 fn host_same_process_round_trip() {
     let _serial = serial();
@@ -401,9 +390,8 @@ fn host_mapping_outlives_the_exporters_allocation() {
     check_pattern::<Host>(&d1, mptr, 22, 0..16, "written after the exporter freed it");
 }
 
-/// Dropping a mapping unmaps it in stream order: a memset enqueued behind a 100 ms
-/// kernel on the importing device still lands (an immediate unmap would make it
-/// fault and kill this test binary).
+/// Dropping a mapping unmaps it in stream order: a memset queued behind a 100 ms kernel
+/// still lands (an immediate unmap would fault).
 #[test]
 fn host_mapping_is_unmapped_in_stream_order() {
     let _serial = serial();
@@ -488,13 +476,9 @@ fn count_maps() -> (usize, usize) {
     (maps.lines().count(), ours)
 }
 
-/// 1000 cycles of allocate + export + import + drop both leave no fd and no mapping
-/// behind: the shared memory files' fds and mappings return exactly to their count,
-/// and the process's totals grow by at most a small constant. Slack for the totals,
-/// because they move for reasons that are not leaks and do not grow with the cycles:
-/// the harness starts a thread (a stack and guard mapping) for each further test while
-/// this one runs (the others wait for the lock), and glibc may map another malloc
-/// arena or heap extension for a thread. A leak would show as about 1000 more of each.
+/// 1000 allocate/export/import/drop cycles leave no shm fd or mapping behind, and the
+/// process totals grow by a small constant at most (harness threads and malloc arenas
+/// move them; a leak would be about 1000).
 #[test]
 fn host_export_import_cycles_leak_nothing() {
     const SLACK_FDS: usize = 4;
@@ -646,8 +630,7 @@ fn host_bad_handles_are_typed_errors() {
 }
 
 // ---------------------------------------------------------------------------------------
-// GPU backends: two processes (CUDA and HIP IPC cannot open a handle in the process
-// that exported it). Without a GPU every test prints why it is skipped.
+// GPU backends: two processes (their IPC cannot open a handle in the exporter).
 
 /// The IPC tests of a GPU backend, in module `$module` (behind feature `$feature`).
 macro_rules! gpu_ipc_suite {

@@ -1,6 +1,5 @@
-//! The public API as a user meets it: waiting without the error read-back
-//! and polling errors without waiting, element types inferred through the backend's
-//! buffers, and bits built with `Element::from_bits_u32`.
+//! The public API as a user meets it: `wait` and `check_errors`, element types
+//! inferred from buffers, and bits built with `Element::from_bits_u32`.
 
 use std::time::{Duration, Instant};
 
@@ -9,11 +8,9 @@ use peercomm::{AllReduceOptions, Element, Error, TensorView, TensorViewMut};
 
 use super::{check_sums, open, random_inputs, rng, run_case, suite_config};
 
-/// `wait()` waits and reads no error record (a timeout goes unnoticed, nothing is
-/// poisoned); `synchronize()` then reports it. `check_errors()` reads the records
-/// without waiting: clean while rank 0 still waits for a peer that never comes, then
-/// the timeout, before the stream has finished. Both forms recover through
-/// `reinitialize()`.
+/// `wait()` reads no error record (a timeout goes unnoticed) and `synchronize()` then
+/// reports it; `check_errors()` reports it without waiting for the stream. Both recover
+/// through `reinitialize()`.
 pub fn wait_and_check_errors<B: Backend>(world: usize) {
     let timeout = Duration::from_millis(1500);
     let comm = open::<B>(
@@ -74,9 +71,8 @@ pub fn wait_and_check_errors<B: Backend>(world: usize) {
     comm.check_errors().unwrap();
 }
 
-/// Generic code with no turbofish: buffers made with `alloc_from` (T from the slice),
-/// read back with `to_host` (T from the buffer); -0.0, subnormals and NaN payloads
-/// built with `from_bits_u32`, which a group of one returns bit for bit (`Auto`).
+/// Generic code with no turbofish (`alloc_from`, `to_host`); -0.0, subnormals and NaN
+/// payloads from `from_bits_u32` come back bit for bit from a group of one.
 pub fn typed_buffers_need_no_turbofish<B: Backend>() {
     use super::bits;
     fn case<B: Backend, T: Element>(comm: &peercomm::SingleController<B>, patterns: &[u32]) {
@@ -112,10 +108,8 @@ pub fn typed_buffers_need_no_turbofish<B: Backend>() {
     case::<B, half::bf16>(&comm, &[0x8000, 1, 0x8001, 0x7fc1, 0, 0x3f80]);
 }
 
-/// The slice form (the users' buffers, flat, no tensors): every algorithm, in place and
-/// out of place, f32 and bf16, odd lengths, against the f64 reference with outputs
-/// poisoned; then unequal lengths, an output of another length and a wrong buffer
-/// count are refused with the shaped form's errors, and nothing is written.
+/// The slice form: every algorithm, in and out of place, f32 and bf16, odd lengths,
+/// against the reference; bad lengths and buffer counts get the shaped form's errors.
 pub fn slice_form<B: Backend>(world: usize) {
     fn run<B: Backend, T: Element>(
         comm: &peercomm::SingleController<B>,
@@ -226,10 +220,8 @@ pub fn slice_form<B: Backend>(world: usize) {
     }
 }
 
-/// `miss_next(1)` (feature `fault-injection`, on in tests): rank 1 misses one
-/// all-reduce, rank 0 times out and nothing is written; the switch is one-shot, so
-/// after `reinitialize()` the next call (fresh random data) runs everywhere and
-/// matches the reference. An out-of-range rank is refused.
+/// `miss_next(1)`: rank 0 times out with nothing written; the switch is one-shot, so
+/// after `reinitialize()` the next call is right. An out-of-range rank is refused.
 pub fn miss_next_times_out_and_recovers<B: Backend>() {
     let comm = open::<B>(
         2,

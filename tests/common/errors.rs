@@ -1,8 +1,6 @@
-//! Bad input, generic over the backend: each case asserts the exact typed
-//! [`peercomm::Error`] and that nothing was written (outputs poisoned with NaN are still
-//! NaN after the failed call, in-place data and inputs are bit-for-bit unchanged), then
-//! that the communicator still works (nothing was half-launched: a barrier launched on
-//! some ranks only would hang the next call).
+//! Bad input, generic over the backend: each case asserts the exact typed error, that
+//! nothing was written (poisoned outputs stay NaN, inputs unchanged), and that the
+//! communicator still works (nothing half-launched, which would hang the next call).
 
 use std::time::Duration;
 
@@ -182,9 +180,8 @@ macro_rules! bad_input_tests {
     };
 }
 
-/// Ranks pass tensors of different lengths: `LengthMismatch` on rank 1, found before
-/// any rank's launch, whether the tensors are flat or carry explicit shapes (the rule:
-/// differing element counts are a length mismatch, whatever the shapes say).
+/// Tensors of different lengths are `LengthMismatch` on rank 1 before any launch,
+/// whether flat or with shapes (element counts decide, whatever the shapes say).
 pub fn lengths_differ<B: Backend>(devices: Devices) {
     if !devices("lengths_differ", 2) {
         return;
@@ -424,9 +421,8 @@ pub fn group_size_must_divide_world<B: Backend>(devices: Devices) {
     assert_still_works(&comm, &mut rng);
 }
 
-/// No devices, and `MAX_GPUS + 1`: refused before any device is opened (with 9
-/// ordinals a backend would otherwise fail to open one, or report that it has no
-/// device). Needs no device, so it runs everywhere.
+/// No devices, and `MAX_GPUS + 1`, are refused before any device is opened; needs no
+/// device, so it runs everywhere.
 pub fn world_of_zero_or_nine<B: Backend>(_devices: Devices) {
     let too_many: Vec<usize> = (0..=MAX_GPUS).collect();
     for ordinals in [&[][..], &too_many[..]] {
@@ -467,10 +463,8 @@ pub fn device_listed_twice<B: Backend>(devices: Devices) {
     }
 }
 
-/// Scratch of 1 KiB (Lamport slot) and 4 KiB (payload), a message of 16 KiB: Lamport
-/// and two-stage are refused with the sizes; out-of-place one-stage needs no scratch
-/// and runs; in-place one-stage stages, in chunks through the payload's halves (8 of
-/// 128 packs), and runs too.
+/// Scratch of 1 KiB Lamport slot and 4 KiB payload, a 16 KiB message: Lamport and
+/// two-stage are refused with the sizes; one-stage runs (in place: in chunks).
 pub fn message_larger_than_scratch<B: Backend>(devices: Devices) {
     if !devices("message_larger_than_scratch", 2) {
         return;
@@ -570,11 +564,9 @@ pub fn message_larger_than_scratch<B: Backend>(devices: Devices) {
     assert_still_works(&comm, &mut rng);
 }
 
-/// `Auto` skips a preferred algorithm whose scratch is too small: with a 1 KiB Lamport
-/// slot and a 2 KiB payload, a 4 KiB message runs one-stage out of place and two-stage
-/// in place (one-stage in place would stage 4 KiB: an algorithm the scratch holds
-/// whole comes first); a message no algorithm's scratch holds whole runs in place as
-/// one-stage in chunks through the payload's halves.
+/// `Auto` skips an algorithm whose scratch is too small (1 KiB slot, 2 KiB payload):
+/// 4 KiB runs one-stage out of place and two-stage in place (whole scratch first); a
+/// message no scratch holds whole runs in place as one-stage in chunks.
 pub fn auto_falls_back_to_what_fits<B: Backend>(devices: Devices) {
     if !devices("auto_falls_back_to_what_fits", 2) {
         return;
@@ -811,11 +803,9 @@ fn refused<T>(what: &str, f: impl FnOnce() -> Result<T>) {
     }
 }
 
-/// Lamport slot or payload sizes whose signal allocation size overflows `usize` are a
-/// typed error (the variant is not pinned), not a panic and not a wrapped, too small
-/// allocation. (The payload sizes chosen wrap to exactly the allocation without the
-/// payload, so that code missing the check would keep its kernels and initialisation
-/// inside it and pass silently.)
+/// Slot or payload sizes whose signal size overflows `usize` are a typed error, not a
+/// panic or a wrapped allocation (the payloads wrap to exactly the size without them,
+/// so a missing check would pass silently).
 pub fn signal_size_overflow_is_refused<B: Backend>(devices: Devices) {
     if !devices("signal_size_overflow_is_refused", 1) {
         return;
@@ -842,9 +832,8 @@ pub fn signal_size_overflow_is_refused<B: Backend>(devices: Devices) {
     }
 }
 
-/// A typed buffer whose byte size overflows `usize` is an error from `alloc_buffer`,
-/// not a panic, not an abort, and not a buffer that claims more elements than it holds
-/// (usize::MAX / 4 + 1 f32 is 2^64 bytes: 0 once wrapped).
+/// A typed buffer whose byte size overflows `usize` is an error from `alloc_buffer`
+/// (usize::MAX / 4 + 1 f32 wraps to 0 bytes).
 pub fn buffer_of_overflowing_size_is_refused<B: Backend>(devices: Devices) {
     if !devices("buffer_of_overflowing_size_is_refused", 1) {
         return;
@@ -864,10 +853,8 @@ pub fn buffer_of_overflowing_size_is_refused<B: Backend>(devices: Devices) {
     run_case::<B, f32>(&comm, &mut rng, Algorithm::Auto, 0, 33, false).unwrap();
 }
 
-/// A barrier timeout of `Duration::MAX` is accepted and waits "forever" (the
-/// nanoseconds saturate); so does one just past `u64::MAX` nanoseconds, which a
-/// truncating conversion would make about a millisecond. Rank 1 is delayed by 100 ms before every
-/// algorithm: no rank may give up.
+/// Barrier timeouts of `Duration::MAX` and just past `u64::MAX` ns saturate (a truncating
+/// conversion would give about 1 ms): with rank 1 delayed 100 ms no rank gives up.
 pub fn huge_barrier_timeout_saturates<B: Backend>(devices: Devices) {
     if !devices("huge_barrier_timeout_saturates", 2) {
         return;

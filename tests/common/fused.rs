@@ -1,19 +1,11 @@
 //! The Lamport fused all-reduce + residual + RMSNorm against the one-stage one, and
-//! batch invariance, generic over the backend (single controller here; the per-rank
-//! `Comm` in tests/per_rank_suite/fused.rs uses the same pools and checks).
+//! batch invariance, generic over the backend (the per-rank suite shares the pools).
 //!
-//! Each case draws a pool of `rows` token rows: every rank's partial activations (fresh
-//! random values, with -0.0 and +0.0 lanes sprinkled in, and whole columns of -0.0 on
-//! every rank: the Lamport kernel sends -0.0 as +0.0, which must not change a bit), one
-//! residual and one weight (the same on every rank, as in tensor parallelism) and an
-//! epsilon. The whole pool is run once with the one-stage kernel and checked against
-//! the f64 reference of the unfused sequence ([`super::collectives::check_rms_norm`])
-//! and across ranks: the golden rows. Then batches of every token count of the case, at
-//! several offsets into the pool, run under OneStage, Lamport and Auto, each with fresh
-//! buffers (outputs poisoned with NaN, the residual uploaded anew), and every row of
-//! every batch must be the golden row bit for bit, output and new residual: the
-//! Lamport kernel gives the one-stage bits, and a row's bits do not depend on the token
-//! count of its batch, its place in it, or the algorithm.
+//! Each case draws a pool of token rows (random partials with -0.0 lanes and all--0.0
+//! columns, which Lamport sends as +0.0; one residual and weight for every rank). The
+//! pool runs once one-stage, checked against the f64 reference: the golden rows. Then
+//! batches of every token count at several offsets run under OneStage, Lamport and
+//! Auto, and every row must be its golden row bit for bit, output and residual.
 
 use peercomm::backend::Backend;
 use peercomm::{
@@ -77,9 +69,8 @@ pub const DECODE_CASES: [FusedCase; 7] = [
     },
 ];
 
-/// A configuration whose Lamport slot holds the largest pool (256 x 8192 bf16 = 4 MiB,
-/// plus its header) and whose payload holds it staged (the per-rank one-stage
-/// kernel), over `base`.
+/// A configuration whose Lamport slot and payload hold the largest pool (256 x 8192
+/// bf16), over `base`.
 pub fn fused_config(base: CommConfig) -> CommConfig {
     base.with_lamport_slot_bytes((4 << 20) + 256)
         .with_payload_bytes(4 << 20)
@@ -212,9 +203,8 @@ fn upload<B: Backend, T: Element>(dev: &B::Device, v: &[T]) -> B::Buffer<T> {
     b
 }
 
-/// One single-controller fused call on rows `[first, first + tokens)` of the pool under
-/// `algorithm`, with fresh buffers (outputs NaN, the residual uploaded); every rank's
-/// rows after a synchronize.
+/// One single-controller fused call on rows `[first, first + tokens)` under `algorithm`,
+/// fresh buffers; every rank's rows after a synchronize.
 pub fn run_fused<B: Backend, T: Element>(
     comm: &SingleController<B>,
     pool: &Pool<T>,
@@ -365,11 +355,9 @@ fn enqueue_fused<B: Backend, T: Element>(
     }
 }
 
-/// The Lamport all-reduce and the Lamport fused kernel share each rank's Lamport state
-/// (the generation, and what the previous call wrote, which the next one clears):
-/// rounds of both, of changing sizes, enqueued back to back with one synchronize at the
-/// end. Every all-reduce is checked against the f64 reference; every fused call against
-/// it and, bit for bit, against the same call run alone with the one-stage kernel.
+/// The Lamport all-reduce and fused kernel share each rank's Lamport state: rounds of
+/// both, of changing sizes, back to back, each checked against the reference (fused
+/// also against one-stage, bit for bit).
 pub fn lamport_kinds_interleave<B: Backend>(comm: &SingleController<B>, rng: &mut StdRng) {
     let world = comm.world_size();
     let ranks = comm.cores();

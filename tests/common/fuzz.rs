@@ -1,25 +1,13 @@
-//! The schedule fuzzer, generic over the backend: long seeded sequences of all-reduces
-//! that mix forced algorithms and `Auto`, every group width that divides the world
-//! (forced Lamport over a subgroup now and then, which must be refused with nothing
-//! written), all dtypes, lengths from 1 element to a few MiB (mostly small, many odd),
-//! -0.0 and +0.0 lanes, in place and out of place, explicit block counts, and ranks
-//! skewed in time (`delay_rank` before a call, now and then). About one call in five is
-//! an all-gather, reduce-scatter, broadcast (in or out of place) or scatter instead,
-//! with a random root, on the same barrier domains ([`COLLECTIVE_PROBABILITY`]).
-//! Between batches, now and then, one rank is made to publish a call one ahead of its
-//! peers (`mismatch_next`): every rank of the world must report `CallMismatch`, the
-//! buffers must be untouched, and `reinitialize()` must bring the schedule back
-//! ([`Knobs::mismatch_probability`]).
+//! The schedule fuzzer, generic over the backend: seeded sequences of all-reduces
+//! (forced algorithms and `Auto`, every group width, all dtypes, 1 element to a few MiB,
+//! -0.0 lanes, in and out of place, block counts, delayed ranks), one call in five
+//! another collective ([`COLLECTIVE_PROBABILITY`]), and now and then a rank a call ahead
+//! (`mismatch_next`: `CallMismatch` everywhere, nothing written, `reinitialize` recovers).
+//! Batches are enqueued with no host synchronisation, then checked
+//! ([`super::Prepared::check`]).
 //!
-//! Calls are enqueued in batches back to back with no host synchronisation: every
-//! buffer of a batch is allocated, filled and poisoned first (uploads wait for their
-//! rank's stream), then the whole batch is enqueued, then one synchronize, then every
-//! call is checked ([`super::Prepared::check`]: the f64 reference, bitwise equality
-//! across each group, the sign of zero, and what the call returned).
-//!
-//! Replay a failure with the seed it printed: `PEERCOMM_SEED=<seed>`. The number of
-//! calls comes from `PEERCOMM_FUZZ_CALLS` where set; `PEERCOMM_FUZZ_TRACE=1` prints
-//! each call as it is enqueued (to find the call a crash happened in).
+//! Replay with `PEERCOMM_SEED=<seed>`; `PEERCOMM_FUZZ_CALLS` sets the number of calls,
+//! `PEERCOMM_FUZZ_TRACE=1` prints each call as it is enqueued.
 
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -204,9 +192,8 @@ pub struct Report {
     pub elapsed: Duration,
 }
 
-/// A whole-world all-reduce of fresh values in place in which rank `odd` publishes a
-/// call one ahead: every rank reports `CallMismatch { field: Sequence }`, no buffer is
-/// written, and `reinitialize()` recovers.
+/// A whole-world in-place all-reduce where rank `odd` is a call ahead: `CallMismatch {
+/// field: Sequence }` everywhere, nothing written, `reinitialize()` recovers.
 fn mismatched_call<B: Backend>(comm: &SingleController<B>, rng: &mut StdRng, what: &str) {
     let world = comm.world_size();
     let odd = rng.random_range(0..world);
@@ -298,9 +285,7 @@ pub fn fuzz<B: Backend>(
             });
             batch.push((call, delay, d));
         }
-        // Every fourth batch goes through a group: its all-reduces are launched at
-        // the group's end (batched where they can be), the other collectives as they
-        // come.
+        // Every fourth batch goes through a group (all-reduces launched at its end).
         let in_group = report.batches % 4 == 2;
         let slots = {
             let mut group = in_group.then(|| comm.group());
@@ -438,10 +423,8 @@ pub fn fuzz<B: Backend>(
     report
 }
 
-/// The same schedule and the same inputs through two backends (the host reference and
-/// a GPU backend, say), compared bit for bit: every call is checked on each side, and
-/// the two sides' outputs must be identical. `Auto` may pick differently per
-/// architecture, so its inputs hold no all--0.0 elements (where Lamport's +0.0 differs).
+/// The same schedule and inputs through two backends, compared bit for bit. `Auto` may
+/// pick differently per architecture, so no all--0.0 elements (Lamport gives +0.0).
 pub fn differential<A: Backend, B: Backend>(
     test: &str,
     a: &SingleController<A>,

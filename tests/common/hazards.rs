@@ -1,10 +1,6 @@
-//! Schedules that break a careless implementation, generic over the backend. Each one
-//! recreates a schedule (ranks skewed in time, group widths changing
-//! between calls, buffers freed early, threads racing on one communicator, a peer that
-//! arrives after its group gave up, the sign of zero) and checks every result.
-//!
-//! Worlds larger than the backend's device count share devices (`place`), so the GPU
-//! backends run the 4-rank schedules on one or two GPUs.
+//! Schedules that break a careless implementation, generic over the backend: skewed
+//! ranks, changing widths, early frees, racing threads, late peers, the sign of zero.
+//! Worlds larger than the device count share devices.
 
 use std::time::Duration;
 
@@ -42,11 +38,8 @@ macro_rules! hazard_tests {
     };
 }
 
-/// (a) Forced Lamport while the group width changes under it, with a late rank:
-/// widths `[world, 1, world, world]` five times over, 1024 fresh f32 per rank per call,
-/// rank 0 delayed by 20 ms before every call, all enqueued without synchronisation,
-/// every call checked. Width 1 runs (and returns) one-stage. A kernel that keeps Lamport
-/// state across a width change sums stale data in the whole-world calls after it.
+/// (a) Forced Lamport while the width changes (`[world, 1, world, world]` x 5), rank 0
+/// 20 ms late, no synchronisation: stale Lamport state across a width change shows.
 pub fn lamport_after_width_change_with_late_rank<B: Backend>(
     place: Place,
     max_blocks: Option<u32>,
@@ -101,10 +94,8 @@ pub fn lamport_after_width_change_with_late_rank<B: Backend>(
     }
 }
 
-/// (b) Buffers dropped right after `all_reduce_sum` returns, with no synchronize:
-/// 40 rounds of fresh 1-4 MiB inputs and outputs, each dropped while its collective may
-/// still be queued or running (the free must be stream-ordered), then one checked
-/// call (a free that is not stream-ordered lets the kernels touch freed memory).
+/// (b) Buffers (1-4 MiB) dropped right after the call returns, 40 rounds, then one
+/// checked call: frees must be stream-ordered.
 pub fn drop_buffers_before_synchronize<B: Backend>(place: Place, max_blocks: Option<u32>) {
     let name = "drop_buffers_before_synchronize";
     let Some(placement) = place(name, 2) else {
@@ -160,11 +151,8 @@ pub fn drop_buffers_before_synchronize<B: Backend>(place: Place, max_blocks: Opt
     );
 }
 
-/// (c) Several threads share one `&SingleController` (it is `Sync`): each makes many calls
-/// of its own (mixed algorithms, widths, dtypes, sizes, in place or not) and checks each
-/// result after its own synchronize. Each collective must be enqueued on all ranks
-/// atomically; interleaved launches pair one thread's kernel on rank 0 with another
-/// thread's on rank 1 (wrong sums, or a timeout).
+/// (c) Threads share one `&SingleController`, each making and checking its own calls:
+/// every collective must be enqueued on all ranks atomically.
 pub fn concurrent_callers_share_one_communicator<B: Backend>(
     place: Place,
     max_blocks: Option<u32>,
@@ -209,11 +197,8 @@ pub fn concurrent_callers_share_one_communicator<B: Backend>(
     }
 }
 
-/// (d) A peer later than the timeout: rank 1 is delayed by three timeouts, so rank 0
-/// gives up at the start barrier of a one-stage all-reduce. `synchronize` reports rank
-/// 0's `BarrierTimeout` (the root cause) and poisons; no rank writes its output (rank 1
-/// starts after the abort and must not pass the abandoned barrier); `reinitialize`
-/// recovers. Then a peer late by a quarter of the timeout: the call succeeds.
+/// (d) Rank 1 three timeouts late: `synchronize` reports rank 0's `BarrierTimeout`, no
+/// rank writes its output, `reinitialize` recovers; a peer late by a quarter succeeds.
 pub fn late_peer_after_timeout<B: Backend>(place: Place, max_blocks: Option<u32>) {
     let name = "late_peer_after_timeout";
     let Some(placement) = place(name, 2) else {
@@ -307,10 +292,8 @@ pub fn late_peer_within_timeout_succeeds<B: Backend>(
     }
 }
 
-/// (e) In a group of one every algorithm returns the input bit for bit, -0.0 lanes
-/// included: a world of one, and groups of one in worlds of two and four; every forced
-/// algorithm and Auto, every dtype, in place and out of place. (Forced Lamport there runs
-/// the one-stage copy; the Lamport kernel would turn -0.0 into +0.0.)
+/// (e) A group of one returns its input bit for bit (-0.0 included) for every
+/// algorithm, dtype and placement, in worlds of one, two and four.
 pub fn sign_of_zero_in_groups_of_one<B: Backend>(place: Place, max_blocks: Option<u32>) {
     let name = "sign_of_zero_in_groups_of_one";
     let zeros = Zeros {
@@ -348,11 +331,8 @@ pub fn sign_of_zero_in_groups_of_one<B: Backend>(place: Place, max_blocks: Optio
     }
 }
 
-/// (f) One-stage, two-stage and Lamport give the same bits on the same inputs (with
-/// -0.0 lanes whose sums are not all -0.0), and an element's result does not depend on
-/// the message length: for each length n, the first n elements of a 2n-element call
-/// (whose first n inputs are the n-element call's) have the same bits. Whole worlds of
-/// 2, 3 and 4 (all three algorithms) and pairs in a world of 4 (the barrier algorithms).
+/// (f) The algorithms give the same bits on the same inputs, and an element's result
+/// does not depend on the message length (n against the first n of 2n).
 pub fn algorithms_agree_bitwise_and_ignore_length<B: Backend>(
     place: Place,
     max_blocks: Option<u32>,

@@ -1,8 +1,5 @@
-//! The single controller's parallel launch (`CommConfig::parallel_launch`, on by
-//! default; `SingleController::set_parallel_launch`): the same bits with it on and off, a
-//! launch that fails on one rank poisons the communicator with a typed error (in both
-//! modes, as the rule says: once another rank was launched), and dropping a
-//! communicator joins its launch threads.
+//! The single controller's parallel launch: the same bits on and off, a launch failing
+//! on one rank poisons (once another rank was launched), a drop joins the threads.
 
 use std::time::{Duration, Instant};
 
@@ -38,9 +35,8 @@ fn cases(world: usize) -> Vec<(DType, usize, bool, AllReduceOptions)> {
     cases
 }
 
-/// Runs `cases` with fresh random data drawn from `seed`: every call back to back (no
-/// synchronisation in between), then a group of them (one batched kernel), then checks
-/// each against the reference and returns every call's outcome and every rank's bits.
+/// Runs `cases` on fresh data back to back, then as a group; checks each and returns
+/// every outcome and every rank's bits.
 fn run_cases<B: Backend>(
     comm: &SingleController<B>,
     seed: u64,
@@ -88,9 +84,8 @@ fn run_cases<B: Backend>(
     out
 }
 
-/// Worlds 2 and 4: the same calls on the same fresh random data give the same bits
-/// (and the same algorithms) with parallel launch on and off, switched at run time
-/// and from the configuration.
+/// Worlds 2 and 4: the same bits and algorithms with parallel launch on and off
+/// (switched at run time and from the configuration).
 pub fn parallel_matches_sequential<B: Backend>(place: Place, max_blocks: Option<u32>) {
     let name = "parallel_launch_matches_sequential";
     for world in [2, 4] {
@@ -160,11 +155,9 @@ fn call<B: Backend>(comm: &SingleController<B>, rng: &mut StdRng, grouped: bool)
     }
 }
 
-/// A launch that fails on one rank (`fail_next_launch`) is a typed error; once another
-/// rank was launched it poisons the communicator (calls refused until
-/// `reinitialize`, which brings it back). With parallel launch every other rank was
-/// launched, so any failing rank poisons; one rank after the other, a failure on the
-/// first rank launched nothing and poisons nothing. For single calls and groups.
+/// `fail_next_launch` is a typed error that poisons once another rank was launched
+/// (always in parallel; sequentially not when the first rank fails). Single calls and
+/// groups; `reinitialize` recovers.
 pub fn launch_failure_poisons<B: Backend>(place: Place, max_blocks: Option<u32>) {
     let name = "parallel_launch_failure_poisons";
     let mut rng = rng(name);
@@ -223,10 +216,8 @@ fn small_config(max_blocks: Option<u32>) -> CommConfig {
         .with_max_blocks(max_blocks)
 }
 
-/// Building and dropping `count` communicators of worlds 2 and 4 (parallel launch on,
-/// some of them used) ends every launch thread: each pool's shared state is gone once
-/// its communicator is dropped (every worker held it until its thread ended, and the
-/// drop joined them), and the loop ends in bounded time.
+/// Building and dropping `count` communicators (worlds 2 and 4) ends every launch
+/// thread in bounded time.
 pub fn drop_joins_launch_threads<B: Backend>(place: Place, max_blocks: Option<u32>, count: usize) {
     let name = "parallel_launch_drop_joins_threads";
     for world in [2, 4] {

@@ -1,8 +1,6 @@
-//! Ranks agree, on the per-rank path, generic over the backend: ranks that differ
-//! in their multiprocessor count still agree on the grid; ranks that make different
-//! calls get a typed `CallMismatch` naming the peer and the field on every rank, with
-//! nothing written; a rank that never arrives is named in every rank's error; and every
-//! multi-rank algorithm gives the same sign of zero.
+//! Ranks agree on the per-rank path: on the grid despite different multiprocessor
+//! counts; on calls (`CallMismatch` naming peer and field, nothing written); on who
+//! never arrived; and on the sign of zero.
 
 use std::time::Duration;
 
@@ -22,10 +20,8 @@ pub fn short_waits(place: &Placement, world: usize) -> CommConfig {
         .with_bootstrap_timeout(Duration::from_secs(30))
 }
 
-/// Ranks that report different multiprocessor counts (simulated: as under MPS, or two
-/// SKUs of one architecture) and leave the grid to peercomm: one-stage over 65,536 f32
-/// is right on every rank (ranks that each sized their own grid would get half the
-/// elements wrong while `synchronize()` returned `Ok`).
+/// Ranks reporting different multiprocessor counts leave the grid to peercomm: one-stage
+/// over 65,536 f32 is right on every rank (own grids would get half of it wrong).
 pub fn unequal_multiprocessors_agree_on_the_grid<B: Backend>(place: &Placement, counts: &[usize]) {
     let world = counts.len();
     let config = place
@@ -142,10 +138,8 @@ fn all_gather<B: Backend>(n: usize) -> Call<B> {
     })
 }
 
-/// Rank `odd` makes another call than the others; every rank
-/// gets `CallMismatch` naming the field, the ones that agree with each other naming
-/// `odd` and `odd` naming one of them. After each case every rank re-initialises and a
-/// matching call works again.
+/// Rank `odd` makes another call: every rank gets `CallMismatch` naming the field (and
+/// `odd`, or `odd` one of the others); after `reinitialize` a matching call works.
 pub fn mismatched_calls_are_typed_errors<B: Backend>(place: &Placement, world: usize) {
     let config = short_waits(place, world);
     let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
@@ -209,12 +203,9 @@ pub fn mismatched_calls_are_typed_errors<B: Backend>(place: &Placement, world: u
     }
 }
 
-/// The case a per-domain sequence number cannot see, caught late as documented: rank 1
-/// makes a group-of-one call where rank 0 makes a world call, then a world call of its
-/// own, which pairs with rank 0's pending one (both return `Ok`: the same place in the
-/// world domain). Rank 0's next world call has no partner: its wait gives up with
-/// `BarrierTimeout` naming rank 1, and rank 1's record holds the `PeerAborted` rank 0
-/// sent, so both communicators are poisoned.
+/// Caught late, as documented: rank 1's group-of-one call then world call pair with
+/// rank 0's world call (both `Ok`); rank 0's next world call times out naming rank 1,
+/// and rank 1's record holds rank 0's `PeerAborted`: both poisoned.
 pub fn a_group_of_one_against_a_world_call_is_caught_late<B: Backend>(place: &Placement) {
     let world = 2;
     let config = short_waits(place, world);
@@ -268,12 +259,9 @@ pub fn a_group_of_one_against_a_world_call_is_caught_late<B: Backend>(place: &Pl
     );
 }
 
-/// Different group widths put the ranks in different barrier domains, so no arrival is
-/// ever compared; when the waits give up, each rank reads the awaited peer's current
-/// call, finds the same sequence number with another width, and reports
-/// `CallMismatch { field: GroupWidth }` instead of a bare timeout. Rank 0 asks for
-/// groups of two, the others for the whole world: rank 0 waits for rank 1, which runs
-/// the world call, and the others wait for rank 0, which runs its pair call.
+/// Different group widths wait in different domains; when the waits give up each rank
+/// finds the peer's call at the same sequence with another width: `CallMismatch {
+/// field: GroupWidth }`, not a bare timeout (rank 0 in pairs, the rest whole-world).
 pub fn different_group_widths_are_caught<B: Backend>(place: &Placement) {
     let world = 4;
     let config = short_waits(place, world);
@@ -337,10 +325,8 @@ pub fn the_rank_that_never_came_is_named<B: Backend>(place: &Placement) {
     }
 }
 
-/// One sign of zero: inputs that are -0.0 on every rank sum to +0.0 under every
-/// algorithm the per-rank path offers and at every size (Auto picks Lamport for small
-/// messages and one-stage for larger ones), for every dtype; a group of one is an
-/// exact copy (-0.0 stays -0.0).
+/// All--0.0 inputs sum to +0.0 under every per-rank algorithm, size and dtype; a group
+/// of one copies (-0.0 stays).
 pub fn one_sign_of_zero<B: Backend>(place: &Placement, world: usize) {
     fn case<B: Backend, T: peercomm::Element>(
         comm: &Comm<B>,

@@ -1,14 +1,8 @@
-//! Sizes and ranges a call cannot trust, generic over the backend: lengths whose bytes
-//! overflow (symmetric allocations, registrations, collectives, `algorithm_for`) are a
-//! typed error on every rank with nothing allocated or launched; a registered buffer
-//! is written through its range only (no `DerefMut`: the compile-fail doctest on
-//! `Registered`); and an input that overlaps an output without being exactly the same
-//! range is a typed error before launch (per-rank `Comm` and `SingleController`), while the
-//! exact alias runs in place.
-//!
-//! The buffers that lie (a huge length, an overlapping view) are `unsafe impl
-//! DeviceBuffer` over real allocations, as a user's code can make them: nothing
-//! dereferences them past their real range, since every call refuses them first.
+//! Sizes and ranges a call cannot trust: overflowing lengths are typed errors on every
+//! rank with nothing allocated or launched; a registered buffer is written through its
+//! range only; inputs overlapping outputs (not exactly aliased) are refused before
+//! launch, while the exact alias runs in place. The lying buffers are `unsafe impl
+//! DeviceBuffer` over real allocations, refused before anything dereferences them.
 
 use std::time::Duration;
 
@@ -97,14 +91,11 @@ fn outcome<T>(r: std::thread::Result<peercomm::Result<T>>) -> (String, bool) {
     }
 }
 
-/// Lengths whose bytes overflow (or exceed what any buffer can hold): symmetric
-/// allocations of every dtype, a registration, every collective and `algorithm_for`
-/// are a typed error on every rank, with nothing allocated or registered; the
-/// communicator then allocates, registers and all-reduces as before.
+/// Overflowing lengths: symmetric allocations (every dtype), a registration, every
+/// collective and `algorithm_for` are typed errors on every rank; all works after.
 pub fn huge_lengths_are_refused<B: Backend>(place: &Placement, world: usize) {
-    // (dtype, elements): usize::MAX / element size (the 0-byte span that aliased),
-    // usize::MAX / 2 and usize::MAX, and a length whose span rounds up to just under
-    // 2^64 so that the segment size wrapped to 0 (an index out of bounds).
+    // (dtype, elements): usize::MAX / size (a 0-byte span), usize::MAX / 2, usize::MAX,
+    // and a span rounding up to just under 2^64 (a segment size wrapping to 0).
     let near_top = |size: usize| (usize::MAX - 1024) / size;
     let cases: Vec<(DType, usize)> = vec![
         (DType::F32, usize::MAX / 4),
@@ -318,9 +309,8 @@ fn still_works<B: Backend>(rank: usize, world: usize, comm: &Comm<B>) {
     );
 }
 
-/// The sanctioned writes into a registered buffer (a collective's `&mut`, host copies
-/// through `TypedBuffer`) write its registered range: the address stays, the peers
-/// read the new data in place, and `into_inner` gives the buffer back with it.
+/// Sanctioned writes into a registered buffer (a collective's `&mut`, host copies) hit
+/// its registered range: peers read them in place, `into_inner` returns them.
 pub fn registered_writes_keep_the_range<B: Backend>(place: &Placement, world: usize) {
     with_world::<B, _>(place, world, |rank, comm| {
         let dev = comm.device();
@@ -379,10 +369,8 @@ fn not_refused<W: std::fmt::Display>(
         .collect()
 }
 
-/// Inputs that overlap outputs on every rank: each collective of the per-rank `Comm`
-/// is `BuffersOverlap` on every rank before launch, nothing written (the registered
-/// input overlapping its output among them); the exact alias of an out-of-place
-/// all-reduce runs in place, every algorithm, with the right sums.
+/// Inputs overlapping outputs on every rank: every per-rank collective is
+/// `BuffersOverlap` before launch, nothing written; the exact alias runs in place.
 pub fn overlapping_buffers_are_refused<B: Backend>(place: &Placement) {
     let world = 2;
     with_world::<B, _>(place, world, |rank, comm| {
@@ -509,10 +497,8 @@ pub fn overlapping_buffers_are_refused<B: Backend>(place: &Placement) {
     });
 }
 
-/// An overlap on one rank only: that rank refuses before launch (nothing written), its
-/// peer's call is never met (a timeout at `synchronize`, the caller's contract as with
-/// any error of one rank), and both work again after `reinitialize`. Then the same for
-/// a broadcast root whose input overlaps its output.
+/// An overlap on one rank only (also a broadcast root): it refuses before launch, the
+/// peer times out at `synchronize`, both work after `reinitialize`.
 pub fn overlap_on_one_rank<B: Backend>(place: &Placement) {
     let config = place
         .config(2)
@@ -588,10 +574,9 @@ pub fn overlap_on_one_rank<B: Backend>(place: &Placement) {
     });
 }
 
-/// The single controller: an input overlapping its own rank's output, another rank's
-/// output (one address space: host backend), or two ranks' outputs overlapping, is
-/// `BuffersOverlap` before launch, nothing written, for the all-reduce (flat and
-/// shaped), the all-gather and the fused call; the exact alias runs in place.
+/// The single controller: inputs overlapping own, another rank's or each other's
+/// outputs are `BuffersOverlap` before launch (all-reduce, all-gather, fused); the exact
+/// alias runs in place.
 pub fn single_controller_overlaps<B: Backend>(place: &Placement) {
     let world = 2;
     let ordinals: Vec<usize> = (0..world).map(|r| place.ordinal(r)).collect();

@@ -1,13 +1,8 @@
-//! Registered captures on the per-rank `Comm` (graphs), generic over
-//! the backend: `Comm::register_inputs_of` runs a pass twice, registering between the
-//! passes the unregistered inputs that the first one's calls read, so that the second
-//! one's calls read them in place. On CUDA the pass is a graph capture
-//! (`Comm::capture_registered`, tested in tests/cuda_per_rank.rs with replays); here it
-//! runs its calls eagerly, which is what the host backend can do, and shows the same
-//! things: the second pass reads in place (a two-stage call, which staged inputs
-//! refuse, runs), every output is right (f64 reference, outputs poisoned first) and has
-//! the staged call's bits, the registrations change no other call's place and end
-//! with the value, and disagreeing ranks get typed errors on every rank, in step.
+//! Registered captures on the per-rank `Comm`: `Comm::register_inputs_of` runs a pass
+//! twice, registering between them the inputs the first pass staged, so the second
+//! reads them in place (a graph capture on CUDA, eager calls here). Checked: in-place
+//! reads (two-stage runs), results against f64 and the staged bits, registrations
+//! ending with the value, and typed errors in step when ranks disagree.
 
 use peercomm::backend::Backend;
 use peercomm::bootstrap::BootstrapError;
@@ -32,12 +27,9 @@ fn opts(a: Algorithm) -> AllReduceOptions {
     AllReduceOptions::new().algorithm(a)
 }
 
-/// One pass of five calls: a one-stage all-reduce (f32), an all-reduce of bf16 run
-/// one-stage in the first pass and two-stage in the second (which only an input read
-/// in place can run), an all-reduce whose input rank 0 takes from the first call
-/// where the others take a buffer of their own (so rank 0's two calls share a buffer
-/// and the peers' do not), an all-gather, and an in-place two-stage all-reduce
-/// (refilled first). Every pass poisons the outputs before its calls.
+/// One pass of five calls, outputs poisoned: one-stage f32; bf16 one-stage then
+/// two-stage (only in-place reads run it); an input rank 0 shares with the first call;
+/// an all-gather; an in-place two-stage all-reduce (refilled first).
 pub fn second_pass_reads_in_place<B: Backend>(place: &Placement, world: usize) {
     let seed = seed("per_rank_capture_inputs_second_pass_reads_in_place");
     let (n, m, g) = (4099, 65_537, 1023);
@@ -184,12 +176,9 @@ fn run_part<B: Backend>(comm: &Comm<B>, part: Part) -> Result<(), Error> {
     .map(drop)
 }
 
-/// Ranks whose passes disagree (one more call, another size, a pass that fails, a
-/// registration where the peers capture) get typed errors on every rank: the rank whose
-/// pass failed its own error, every other rank `CannotRegister` naming the odd rank; a
-/// registration where the peers capture is another collective call, the bootstrap's
-/// `ExchangeMismatch` on every rank (naming the odd rank, or on it rank 0).
-/// Nothing stays registered, and a matching call works after each case.
+/// Disagreeing passes (one more call, another size, a failing pass, a registration
+/// against a capture): the failing rank its own error, the others `CannotRegister` (or
+/// `ExchangeMismatch`) naming it; nothing stays registered; a matching call works after.
 pub fn disagreeing_passes_are_refused<B: Backend>(place: &Placement, world: usize) {
     let odd = world - 1;
     let cases = [
@@ -482,13 +471,9 @@ pub mod graphs {
         }
     }
 
-    /// A graph of four calls on plain (unregistered) inputs, captured registered: a
-    /// one-stage all-reduce (f32), a two-stage one (bf16, 2 MiB: only inputs read in
-    /// place run it), an `Auto` one, and an all-gather. It reads every input in place,
-    /// and three replays with fresh inputs (outputs poisoned before each) are right
-    /// against the f64 reference; the one-stage and `Auto` outputs have the bits of
-    /// the same calls captured staged (`Comm::capture`). Dropping the graph ends its
-    /// registrations.
+    /// A graph of four calls on plain inputs, captured registered (one-stage f32,
+    /// two-stage bf16 2 MiB, `Auto`, all-gather): in-place reads, three checked replays
+    /// with the staged capture's bits; dropping the graph ends its registrations.
     pub fn replays_read_in_place(place: &Placement, world: usize) {
         let seed = seed("cuda_per_rank_capture_registered");
         with_world::<Cuda, _>(place, world, |_rank, comm| {
@@ -596,11 +581,9 @@ pub mod graphs {
         crate::common::digest(&values)
     }
 
-    /// One rank of `processes_world_2`: first a capture over cudarc's own buffers
-    /// (refused with `CannotRegister` on every rank where they come from a pool that
-    /// legacy IPC cannot export; read in place where they do not), then the replays
-    /// over `cuMemAlloc` buffers, read in place through IPC. Prints `POOL <outcome>`
-    /// and `DIGEST <digest>`.
+    /// One rank of `processes_world_2`: a capture over cudarc's buffers (refused alike
+    /// where legacy IPC cannot export them), then replays over `cuMemAlloc` buffers.
+    /// Prints `POOL <outcome>` and `DIGEST <digest>`.
     fn process_rank(comm: &Comm<Cuda>, seed: u64) -> (String, u64) {
         let rank = comm.rank();
         let before = comm.registrations();
@@ -655,9 +638,8 @@ pub mod graphs {
         true
     }
 
-    /// Register/drop cycles of one buffer from `memory` (each registration exports it
-    /// as a descriptor and maps every peer's): `(fds, maps)` of this process before and
-    /// after `cycles`, after one warm-up cycle.
+    /// `(fds, maps)` before and after `cycles` register/drop cycles of one buffer from
+    /// `memory`, after one warm-up cycle.
     fn register_cycles(comm: &Comm<Cuda>, memory: Memory, cycles: usize) -> [(usize, usize); 2] {
         let buf = alloc::<f32>(comm, memory, 1 << 16);
         let cycle = || {
@@ -709,16 +691,10 @@ pub mod graphs {
     /// Register/drop cycles per memory kind in `shareable_processes_world`.
     const SHAREABLE_CYCLES: usize = 1000;
 
-    /// Registration across processes of memory CUDA exports only as a POSIX file
-    /// descriptor (rank 0 in the test process, the others in children; on one GPU
-    /// they time-slice it): the descriptors travel over the communicator's Unix-socket
-    /// channel. Virtual memory made without a shareable handle type is refused alike on
-    /// every rank; then the replays of `replays_read_in_place` run over buffers from a
-    /// pool with the POSIX-fd handle type and over shareable virtual memory, read in
-    /// place (4 calls, 0 staged), right against f64, bitwise equal to the staged
-    /// capture and on every rank (and equal between the two kinds: same inputs, same
-    /// kernels); 1,000 register/drop cycles of each kind leave every rank's open files
-    /// and mappings where they were.
+    /// Registration across processes of POSIX-fd-only memory (descriptors over the
+    /// Unix-socket channel): virtual memory without a shareable type is refused alike;
+    /// pool and shareable virtual buffers are read in place by the replays, right and
+    /// bitwise equal everywhere; 1,000 cycles per kind leak no fd or mapping.
     pub fn shareable_processes_world(world: usize) {
         let seed = seed("cuda_per_rank_register_shareable_processes");
         let id = UniqueId::new().unwrap();
@@ -783,13 +759,9 @@ pub mod graphs {
         );
     }
 
-    /// `Comm::capture_registered` across processes (rank 0 in the test process, the
-    /// others in children; on one GPU they time-slice it): every rank's
-    /// `cuMemAlloc` inputs are exported through CUDA IPC and read in place by the
-    /// graph's replays, right against the f64 reference and bitwise equal on every
-    /// rank; cudarc's pool buffers are refused alike on every rank (or registered
-    /// alike where the driver has no pools), and the refusal leaves the communicator
-    /// usable.
+    /// `Comm::capture_registered` across processes: `cuMemAlloc` inputs exported by IPC
+    /// and read in place by the replays, right and bitwise equal; cudarc's pool buffers
+    /// refused (or registered) alike, leaving the communicator usable.
     pub fn processes_world(world: usize) {
         let seed = seed("cuda_per_rank_capture_registered_processes");
         let id = UniqueId::new().unwrap();

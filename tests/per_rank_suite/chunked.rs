@@ -1,15 +1,8 @@
-//! Staged messages larger than the payload, per rank: they run through the payload in
-//! chunks (two halves, pipelined; kernels-common/peercomm_kernels.h `run_chunks`)
-//! instead of `MessageTooLarge`. The all-reduce: every call checked against the f64
-//! reference on fresh random data with the output poisoned, bit for bit against the
-//! same call on a communicator whose payload holds the whole message, and bit for bit
-//! across its group. The other collectives against their exact references on both
-//! communicators, the fused kernel against the f64 reference and bit for bit. Then a
-//! late rank, a missed call and a mismatched call in chunks: the usual typed errors,
-//! no hang, and recovery.
-//!
-//! A message never takes two chunks: one of at most two halves fits the payload whole
-//! and is staged whole, so the fewest chunks is three.
+//! Staged messages past the payload run in chunks (two pipelined halves) instead of
+//! `MessageTooLarge`: all-reduces checked against f64, bit for bit against a payload
+//! holding the whole message and across the group; the other collectives and the
+//! fused call likewise; then late, missing and mismatched ranks. A staged message
+//! takes one chunk or at least three (two halves fit whole).
 
 use std::time::{Duration, Instant};
 
@@ -24,13 +17,11 @@ use super::common::collectives::Which;
 use super::common::{bits, digest, seed, View};
 use super::{common, Placement};
 
-/// A small payload for the host: 4144 bytes, halves of C = 129 packs (an odd chunk,
-/// and a payload that is no multiple of 32). A message of up to 259 packs is staged
-/// whole.
+/// A small payload for the host: 4144 bytes, halves of 129 packs (odd, not a multiple
+/// of 32); up to 259 packs are staged whole.
 pub const SMALL_PAYLOAD: usize = 4144;
-/// A payload whose halves (2049 packs) exceed the grid of 4 blocks of 512 threads, so
-/// that a thread handles several packs of a chunk and a chunk is no multiple of the
-/// grid (the GPU runs).
+/// Halves of 2049 packs, more than 4 blocks x 512 threads: threads take several packs
+/// and chunks are no multiple of the grid (the GPU runs).
 pub const GRID_PAYLOAD: usize = 65_584;
 
 /// Packs in one chunk (half the payload).
@@ -54,10 +45,8 @@ fn big_config(place: &Placement, world: usize, payload: usize) -> CommConfig {
         .with_lamport_slot_bytes(1024)
 }
 
-/// Element counts of `lanes`-wide packs: the largest message the payload holds whole
-/// (the control), one element more (3 chunks, the last of 2 packs, the second
-/// partial), three whole chunks exactly, three chunks and 5 elements (4 chunks, the
-/// last ending in a partial pack), and 41 chunks, the last ending in a partial pack.
+/// Element counts: the largest staged whole, one more (3 chunks), 3 chunks exactly,
+/// 3 chunks + 5 (4, partial last pack), and 41 chunks with a partial last pack.
 fn lengths(payload: usize, lanes: usize) -> [usize; 5] {
     let whole = payload / 16 * lanes;
     let c = chunk_packs(payload) * lanes;
@@ -74,9 +63,8 @@ fn chunks(payload: usize, n: usize, lanes: usize) -> usize {
     }
 }
 
-/// One all-reduce of `ins[rank]` (`shift` elements into its buffers) on `comm`, in place
-/// or into a poisoned output; returns the `n` elements of the result, after checking
-/// that the elements before the view were not written.
+/// One all-reduce of `ins[rank]` at `shift` elements into the buffers, in place or not;
+/// returns the `n` result elements after checking nothing before the view was written.
 #[allow(clippy::too_many_arguments)]
 fn run_one<B: Backend, T: Element>(
     comm: &Comm<B>,
@@ -117,10 +105,8 @@ fn run_one<B: Backend, T: Element>(
     out[shift..].to_vec()
 }
 
-/// This rank's share of the suite for dtype T: every group width of the world, every
-/// length, in and out of place, aligned and not, Auto and forced one-stage, on the
-/// small payload (chunked) and on the big one (whole). Returns the digests of the
-/// chunked outputs, in call order.
+/// This rank's share for dtype T (widths x lengths x in place x alignment x Auto and
+/// one-stage, on both payloads); the chunked outputs' digests in call order.
 fn calls_of<B: Backend, T: Element>(
     small: &Comm<B>,
     big: &Comm<B>,
@@ -238,10 +224,8 @@ fn compare_groups(digests: &[Vec<u64>], width_of: impl Fn(usize) -> usize, what:
     }
 }
 
-/// Every group width of `world` x f32/f16/bf16 x the lengths above (staged whole, 3, 4
-/// and 41 chunks) through `payload`, in and out of place, aligned and unaligned:
-/// checked against the reference, bit for bit against the unchunked call, and across
-/// each group.
+/// Every width x dtype x length through `payload`, in and out of place, aligned or
+/// not: against f64, the unchunked call and across the group.
 pub fn chunked_all_reduce<B: Backend>(place: &Placement, world: usize, payload: usize) {
     let seed = seed(&format!("per_rank_chunked_world_{world}_payload_{payload}"));
     let digests = with_two_worlds::<B, _>(place, world, payload, |small, big| {
@@ -265,13 +249,10 @@ pub fn chunked_all_reduce<B: Backend>(place: &Placement, world: usize, payload: 
     );
 }
 
-/// The staged collectives through `payload`: all-gather, reduce-scatter, broadcast
-/// (out of place from root 0, in place from the last group rank), scatter (roots 0 and
-/// the last) x f32/f16/bf16 x the lengths above, every group width of `world`, each on
-/// both communicators against the exact reference (so the chunked bits are the
-/// unchunked ones); then the fused all-reduce + residual + RMSNorm over runs of rows
-/// (staged whole, chunks of 4 rows of 32 packs, chunks of one row), checked against the
-/// f64 reference and bit for bit against the unchunked call and across each group.
+/// The staged collectives through `payload` (all-gather, reduce-scatter, broadcast,
+/// scatter; roots first and last) on both communicators against exact references, then
+/// the fused call over row runs (whole, 4-row chunks, 1-row chunks) against f64, the
+/// unchunked call and across the group.
 pub fn chunked_collectives<B: Backend>(place: &Placement, world: usize, payload: usize) {
     let seed = seed(&format!(
         "per_rank_chunked_collectives_{world}_payload_{payload}"
@@ -345,14 +326,9 @@ pub fn chunked_collectives<B: Backend>(place: &Placement, world: usize, payload:
     eprintln!("per_rank_chunked_collectives world {world} payload {payload}: checked");
 }
 
-/// A chunked call (41 chunks of f32) with a rank that is late, missing or mismatched,
-/// over the whole world of `world`:
-/// - late by less than the timeout (its stream runs a delay first): the call completes
-///   on every rank and matches the reference;
-/// - rank 1 misses the call: rank 0 gets `BarrierTimeout` naming rank 1 within the
-///   documented 2 x `barrier_timeout` (plus slack), rank 1 `PeerAborted`; nothing was
-///   written; after `reinitialize` a chunked call runs again and matches the reference;
-/// - rank 1's call is one ahead in the sequence: `CallMismatch` on every rank.
+/// A chunked call (41 chunks of f32) with a late rank (completes, right), a missing
+/// rank (rank 0 `BarrierTimeout` within 2 x timeout, rank 1 `PeerAborted`, nothing
+/// written, `reinitialize` recovers), and a rank one call ahead (`CallMismatch`).
 pub fn chunked_faults<B: Backend>(place: &Placement, world: usize) {
     let timeout = Duration::from_millis(400);
     let config = small_config(place, world, SMALL_PAYLOAD).with_barrier_timeout(Some(timeout));

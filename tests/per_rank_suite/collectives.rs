@@ -1,8 +1,6 @@
-//! The per-rank `Comm`'s all-gather, reduce-scatter, broadcast, scatter and fused
-//! all-reduce + residual + RMSNorm, one thread per rank: every rank rebuilds all ranks'
-//! inputs from a shared seed, poisons its outputs, makes the call, and checks its own
-//! outputs against the references of tests/common/collectives.rs; the fused outputs are
-//! compared bit for bit across each group through digests. Then the bad-input matrix.
+//! The per-rank `Comm`'s other collectives and the fused call, one thread per rank:
+//! inputs rebuilt from a shared seed, outputs poisoned and checked against
+//! tests/common/collectives.rs (fused bits compared by digest); then bad inputs.
 
 use peercomm::backend::Backend;
 use peercomm::{CollectiveOptions, Comm, Element, Error};
@@ -228,9 +226,8 @@ pub fn bad_inputs<B: Backend>(place: &Placement) {
             .unwrap_err();
         assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
         untouched(&part, "scatter output size");
-        // A staged message past the payload (4 MiB here) runs in chunks of half of it
-        // (tests/per_rank_suite/chunked.rs), but the fused kernel's chunks are whole
-        // rows: two rows of 2 MiB + 16 bytes neither fit whole nor a row per half.
+        // The fused kernel chunks by whole rows: two rows of 2 MiB + 16 bytes fit
+        // neither whole nor a row per half of the 4 MiB payload.
         let hidden = (1 << 20) + 8;
         let x = upload::<B, half::bf16>(dev, &vec![half::bf16::ONE; 2 * hidden]);
         let w = upload::<B, half::bf16>(dev, &vec![half::bf16::ONE; hidden]);

@@ -1,19 +1,11 @@
-//! The descriptor channel (the abstract Unix socket over which a registration's file
-//! descriptors travel between the ranks' processes) beside connections that are no
-//! peer's, generic over the backend: two ranks in two processes (rank 0 in the test
-//! process, rank 1 a child of the test binary) register memory that the backend
-//! exports only as a file descriptor, once to bind every rank's channel, then again
-//! with strangers queued on rank 1's channel ahead of the real sender:
+//! The descriptor channel (the abstract Unix socket carrying a registration's fds)
+//! beside connections that are no peer's: two ranks in two processes register fd-only
+//! memory once, then again with strangers queued on rank 1's channel:
+//! - `another-user`: a process of user nobody that connects and idles;
+//! - `bogus`: this user's processes flooding backlogs, idling or sending garbage, and
+//!   rank 0's own process with idle, partial, garbage and wrong-nonce messages.
 //!
-//! - `another-user`: a process of user nobody (65534) that connects and idles (the
-//!   socket's name is readable by every local user in `/proc/net/unix`);
-//! - `bogus`: a process of this user that fills both ranks' backlogs, processes of
-//!   this user that connect and idle or send garbage, and rank 0's own process (which
-//!   passes the credential check) with an idle connection, half a message, garbage and
-//!   whole messages with a wrong nonce and a descriptor.
-//!
-//! Every rank must finish the registration within [`BOUND`] with the same outcome
-//! (Ok), and the communicator must work after it.
+//! Every rank must register within [`BOUND`], Ok, and the communicator work after.
 
 use std::io::{BufRead, BufReader};
 use std::os::fd::OwnedFd;
@@ -29,9 +21,8 @@ use rustix::net::{AddressFamily, SendFlags, SocketAddrUnix, SocketFlags, SocketT
 use super::common;
 use super::processes::{self, Devices};
 
-/// One collective registration of memory that the backend exports only as a file
-/// descriptor (host: a symmetric buffer; CUDA: a buffer from a pool made with the
-/// POSIX-fd handle type), dropped again: Ok, or the error.
+/// One collective registration of fd-only memory (host: symmetric; CUDA: a POSIX-fd
+/// pool buffer), dropped again: Ok, or the error.
 pub type Registers<B> = fn(&Comm<B>) -> Result<(), Error>;
 
 /// How long a registration beside the strangers may take on any rank (generous for a
@@ -83,10 +74,9 @@ fn all_reduce_check<B: Backend>(comm: &Comm<B>) -> String {
     }
 }
 
-/// One rank's part: the warm-up registration (binds every rank's channel), then
-/// `intrude` (rank 0 queues the strangers; what it returns stays open until the end),
-/// an all-reduce as a barrier, the measured registration and an all-reduce after it.
-/// Returns `OUTCOME ok <ms>` or `OUTCOME err <ms> <error>`, and `AFTER <check>`.
+/// One rank's part: warm-up registration, `intrude` (kept open), an all-reduce as a
+/// barrier, the measured registration and an all-reduce. Returns `OUTCOME ok <ms>` or
+/// `OUTCOME err <ms> <error>`, and `AFTER <check>`.
 fn rank_side<B: Backend>(
     comm: &Comm<B>,
     registers: Registers<B>,
@@ -127,9 +117,8 @@ fn address(name: &[u8]) -> SocketAddrUnix {
     SocketAddrUnix::new_abstract_name(name).unwrap()
 }
 
-/// A process (`sleep`) that connects to each of `names` (as `uid` where given), sends
-/// `payload` on each connection, and holds the connections open until it is killed;
-/// with `flood`, it connects to each until its backlog is full (a connect would wait).
+/// A `sleep` process (as `uid` where given) connecting to each of `names` and sending
+/// `payload`, held until killed; `flood` fills each backlog.
 fn stranger_process(names: &[Vec<u8>], uid: Option<u32>, payload: &[u8], flood: bool) -> Child {
     let addrs: Vec<SocketAddrUnix> = names.iter().map(|n| address(n)).collect();
     let payload = payload.to_vec();
@@ -189,9 +178,8 @@ fn message(registration: u64, rank: u64, nonce: u64) -> [u8; 32] {
     m
 }
 
-/// Connections from this process (rank 0's: it passes the credential check of rank 1's
-/// channel) to each of `names`: one idle, one with half a message, one with garbage,
-/// and for registrations 0 to 7 a whole message with a wrong nonce and a descriptor.
+/// Connections from rank 0's process (it passes the credential check) to `names`:
+/// idle, half a message, garbage, and wrong-nonce messages with a descriptor.
 fn same_process_strangers(names: &[Vec<u8>]) -> Vec<OwnedFd> {
     use std::io::IoSlice;
     use std::mem::MaybeUninit;
@@ -262,10 +250,8 @@ pub fn child<B: Backend>(
     true
 }
 
-/// Two ranks in two processes register beside `strangers` on rank 1's channel (see
-/// the module docs): the registration ends within [`BOUND`] on every rank, Ok on
-/// every rank, and an all-reduce after it sums right on both. `AnotherUser` needs
-/// root (to start a process as nobody): elsewhere it says it is skipped.
+/// Two processes register beside `strangers`: within [`BOUND`], Ok everywhere, and an
+/// all-reduce after sums right. `AnotherUser` needs root, else skips.
 pub fn beside_strangers<B: Backend>(
     devices: &Devices,
     registers: Registers<B>,

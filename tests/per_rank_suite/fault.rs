@@ -8,10 +8,8 @@ use peercomm::{Algorithm, AllReduceOptions, Error};
 
 use super::{common, Placement};
 
-/// Rank 1 misses one all-reduce: rank 0 sees the timeout by polling `check_errors()`
-/// (no wait), rank 1's own record holds the abort rank 0 sent, neither buffer was
-/// written; after `reinitialize()` on both, the next all-reduce (fresh random data)
-/// runs on both ranks and matches the f64 reference: the switch is one-shot.
+/// Rank 1 misses one all-reduce: rank 0 sees the timeout by `check_errors()`, rank 1
+/// holds rank 0's abort, nothing written; after `reinitialize()` the next call is right.
 pub fn miss_next_times_out_and_recovers<B: Backend>(place: &Placement) {
     let timeout = Duration::from_millis(400);
     let cfg = place.config(2).with_barrier_timeout(Some(timeout));

@@ -1,10 +1,6 @@
-//! The Lamport fused all-reduce + residual + RMSNorm through the per-rank `Comm`, one
-//! thread per rank, generic over the backend: the pools and checks of
-//! tests/common/fused.rs (every rank rebuilds every rank's rows from a shared seed,
-//! checks its own golden rows against the f64 reference, every batch under OneStage,
-//! Lamport and Auto against them bit for bit, and the golden rows agree across ranks
-//! through digests); then calls that differ between ranks, each a `CallMismatch` on
-//! every rank with nothing written.
+//! The Lamport fused call through the per-rank `Comm` with the pools and checks of
+//! tests/common/fused.rs (golden rows compared by digest across ranks); then calls
+//! that differ between ranks: `CallMismatch` everywhere, nothing written.
 
 use peercomm::backend::{Backend, TypedBuffer};
 use peercomm::{Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, DType, Element};
@@ -17,9 +13,8 @@ use super::common::fused::{
 };
 use super::{agreement, in_step, seed, with_world_config, Placement};
 
-/// One fused call of this rank on rows `[first, first + tokens)` of the pool under
-/// `algorithm`, with fresh buffers (output NaN, the residual uploaded), after a
-/// synchronize.
+/// One fused call on rows `[first, first + tokens)` under `algorithm`, fresh buffers,
+/// after a synchronize.
 fn run_rank<B: Backend, T: Element>(
     comm: &Comm<B>,
     pool: &Pool<T>,
@@ -165,10 +160,8 @@ fn lamport_all_reduce<B: Backend>(n: usize) -> Call<B> {
     })
 }
 
-/// Rank `world - 1` makes another fused call than the others: every rank gets
-/// `CallMismatch` naming the field, the others naming it and it naming one of them,
-/// with nothing written; after each case every rank re-initialises and a fused call
-/// (Auto: Lamport) works again, its result checked.
+/// The last rank makes another fused call: `CallMismatch` naming the field everywhere,
+/// nothing written; after `reinitialize` a checked fused call works.
 pub fn lamport_fused_mismatch<B: Backend>(place: &Placement, world: usize) {
     let config = agreement::short_waits(place, world);
     let cases: Vec<(&str, CallField, Call<B>, Call<B>)> = vec![
@@ -249,10 +242,8 @@ fn fused_shaped<B: Backend>(
     })
 }
 
-/// Ranks whose fused calls have the same element count but another row length (the
-/// weight's length) or another epsilon: `CallMismatch` naming that argument on every
-/// rank, nothing written, whether the one-stage kernel stages the rows in chunks
-/// through a small payload, or the Lamport kernel pushes them.
+/// Same element count but another row length or epsilon: `CallMismatch` naming it on
+/// every rank, nothing written, both staged in chunks (one-stage) and pushed (Lamport).
 pub fn fused_arguments_mismatch<B: Backend>(place: &Placement, world: usize) {
     let config = agreement::short_waits(place, world).with_payload_bytes(4096);
     let total = 1920;

@@ -1,20 +1,9 @@
-//! The schedule fuzzer through the per-rank API: one thread per rank, each with its own
-//! `Comm`, racing ahead of the others. The schedule comes from one seed (printed,
-//! replayable with PEERCOMM_SEED), so every rank makes the same calls: random lengths
-//! (odd ones, up to 1 MiB), every group size, Auto and every algorithm the per-rank mode
-//! offers (and refused ones: forced two-stage, Lamport over a subgroup, which must fail
-//! with `Unsupported` and write nothing), in and out of place, -0.0 lanes, and random
-//! delays on random ranks; about one call in five is an all-gather, reduce-scatter,
-//! broadcast or scatter (random root) instead, checked bit for bit. Each batch is enqueued without synchronising; then every
-//! rank checks its outputs against the f64 reference (with the sign-of-zero rule) and
-//! the digests of every group are compared bit for bit.
-//!
-//! Between batches, now and then, the ranks make a mismatched call on purpose (one
-//! rank passes another length, root, collective or block count, or publishes a call
-//! out of sequence): every rank must get `CallMismatch` naming that field, with
-//! nothing written, and after `reinitialize()` the schedule goes on. The ranks report
-//! different multiprocessor counts (simulated) and leave the grid to peercomm, so the
-//! grid they agree on is what every kernel runs.
+//! The schedule fuzzer through the per-rank API, one thread and `Comm` per rank, one
+//! seed (`PEERCOMM_SEED`) for all: random lengths, widths, algorithms (refused ones
+//! write nothing), in and out of place, -0.0 lanes, delays, one call in five another
+//! collective. Batches run unsynchronised, then are checked against f64 and by group
+//! digests. Now and then a deliberate mismatch must give `CallMismatch` everywhere and
+//! `reinitialize()` recover. Ranks report different multiprocessor counts.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

@@ -1,9 +1,6 @@
-//! Devices told apart by identity (UUID, else PCI bus id), not ordinal, with one
-//! thread per rank; the physical devices are simulated (`Simulation::physical_devices`),
-//! so these run on the host backend. Isolation (every rank on device 0, as under
-//! `CUDA_VISIBLE_DEVICES=<i>`) is served by peer memory; one physical device behind
-//! two ranks is refused without `allow_shared_devices` (naming both ranks and the
-//! UUID) and caps the grid with it. The process forms are in `processes.rs`.
+//! Devices told apart by identity (UUID, else PCI bus id), not ordinal; physical
+//! devices simulated on the host backend. Isolation is served by peer memory; a shared
+//! physical device is refused without `allow_shared_devices` and caps the grid with it.
 
 use peercomm::backend::Backend;
 use peercomm::bootstrap::UniqueId;
@@ -15,9 +12,8 @@ use peercomm::{
 
 use super::{common, processes, Placement};
 
-/// Creates a communicator per rank on one thread each, rank r on device
-/// `ordinals[r]`, and runs `body` on those that were made; returns each rank's result
-/// or its creation error.
+/// A communicator per rank on one thread each (rank r on `ordinals[r]`), `body` run on
+/// those made; each rank's result or creation error.
 fn try_world<B: Backend, R: Send>(
     ordinals: &[usize],
     config: &CommConfig,
@@ -51,9 +47,8 @@ fn config_on(place: &Placement, world: usize, physical: &[usize]) -> CommConfig 
         .with_simulate(Simulation::default().with_physical_devices(physical.to_vec()))
 }
 
-/// Every rank opens device 0 but is on its own physical device: peer memory serves
-/// the world (no `allow_shared_devices`, no fallback), the grid is not capped, and the
-/// checked schedule is right on every rank and equal bit for bit in every group.
+/// Every rank on device 0 but its own physical device: peer memory serves the world,
+/// uncapped, and the checked schedule is right and bitwise equal.
 pub fn isolated_threads<B: Backend>(place: &Placement, world: usize) {
     let seed = super::seed("isolated_threads");
     let physical: Vec<usize> = (0..world).collect();
@@ -76,10 +71,8 @@ pub fn isolated_threads<B: Backend>(place: &Placement, world: usize) {
     eprintln!("isolated_threads world {world}: {calls} calls per rank checked");
 }
 
-/// Two ranks on one physical device that their ordinals do not tell (device 0 and
-/// device 1 of their processes) are refused on every rank without
-/// `allow_shared_devices`, naming both ranks, both ordinals and the UUID; so is a pair
-/// of a larger world, on every rank (those not in the pair too).
+/// Two ranks on one physical device that their ordinals hide are refused on every rank
+/// without `allow_shared_devices`, naming both ranks, ordinals and the UUID.
 pub fn real_sharing_is_refused<B: Backend>(place: &Placement) {
     let uuid = |p| DeviceIdentity::simulated(0, p).uuid_string().unwrap();
     for (ordinals, physical, pair, ords) in [
@@ -121,10 +114,8 @@ pub fn real_sharing_is_refused<B: Backend>(place: &Placement) {
     }
 }
 
-/// With `allow_shared_devices`, ranks that share physical devices work, and the grid
-/// is capped at multiprocessors / ranks per device on every rank (4 simulated
-/// multiprocessors: 2 blocks with two ranks per device, 4 with one, whatever the
-/// ordinals say).
+/// With `allow_shared_devices` shared devices work and the grid is capped at
+/// multiprocessors / ranks per device (4 simulated: 2 blocks shared, 4 alone).
 pub fn allowed_sharing_caps_the_grid<B: Backend>(place: &Placement) {
     for (physical, per_device) in [
         (vec![0, 0, 1, 1], 2),
@@ -158,9 +149,8 @@ pub fn allowed_sharing_caps_the_grid<B: Backend>(place: &Placement) {
     }
 }
 
-/// The single controller goes through the same identities: two handles of device 0
-/// standing for two physical devices work (and sum right); devices 0 and 1 standing
-/// for one are refused, naming both ranks.
+/// The single controller uses the same identities: two handles of device 0 as two
+/// devices work; devices 0 and 1 as one are refused, naming both ranks.
 pub fn single_controller_uses_identities<B: Backend>(place: &Placement) {
     let comm = SingleController::<B>::new(&[0, 0], config_on(place, 2, &[0, 1])).unwrap();
     let mut bufs: Vec<B::Buffer<f32>> = comm

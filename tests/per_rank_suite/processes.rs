@@ -1,17 +1,8 @@
-//! The per-rank communicator with one process per rank, generic over the backend: the
-//! test runs rank 0 itself and spawns the other ranks as child processes of the same
-//! test binary (`--exact per_rank_child`, with the role, rank, world, seed and the
-//! `UniqueId` in the environment). Signal memory crosses processes through the
-//! backend's IPC (host: shared memory files; CUDA: IPC handles).
-//!
-//! Every rank checks its own outputs against the f64 reference (inputs are rebuilt
-//! from the shared seed) and prints a digest of each output's bits; rank 0 compares
-//! the digests of every group, so ranks agree bit for bit.
-//!
-//! Isolated processes (`isolated_world`, `isolated_without_peer_access`): every rank
-//! opens device 0, as under `CUDA_VISIBLE_DEVICES=<i>`; on the host backend the
-//! distinct physical devices are simulated (`Simulation::physical_devices`), on CUDA
-//! the children get the variable itself.
+//! The per-rank communicator with one process per rank: rank 0 runs in the test, the
+//! others are child processes of the test binary (`--exact per_rank_child`, parameters
+//! in the environment); signal memory crosses through the backend's IPC. Each rank
+//! checks its outputs and prints digests, which rank 0 compares per group. Isolated
+//! processes open device 0 each (simulated on the host, `CUDA_VISIBLE_DEVICES` on CUDA).
 
 use super::common;
 
@@ -132,12 +123,9 @@ pub type SendRecv<B> = (
     Option<<B as Backend>::Buffer<f32>>,
 );
 
-/// One rank's part of the checked schedule: allocates and fills every call's buffers,
-/// then enqueues every call back to back (ranks race ahead of each other), then checks
-/// its outputs; returns (call, digest) per call. Buffers are made before the first
-/// collective: with several ranks on one GPU, an allocation made while other ranks'
-/// collectives are in flight can wait for the device (a memory pool growing), and so
-/// for a rank that waits for this one.
+/// One rank's part of the checked schedule: all buffers first (an allocation among
+/// in-flight collectives of ranks sharing a GPU can wait on them), then every call
+/// back to back, then the checks; returns (call, digest) per call.
 pub fn run_checked<B: Backend>(comm: &Comm<B>, seed: u64) -> Vec<(usize, u64)> {
     let (rank, world) = (comm.rank(), comm.world_size());
     let dev = comm.device();
@@ -281,12 +269,9 @@ pub fn child_main<B: Backend>(devices: &Devices) {
     }
 }
 
-/// The configuration of the isolated-process runs (the same on every rank): no shared
-/// devices allowed, and peer memory or nothing, so that a wrong refusal or a silent
-/// fallback fails the test. `variant`: `simulated` (physical devices simulated),
-/// `visible` (real isolation by an environment variable), `blocked-refuse` and
-/// `blocked-fallback` (simulated, and ranks 0 and 1 without peer access, refused or
-/// handed to the external library).
+/// The isolated runs' configuration: no shared devices, peer memory or nothing.
+/// `variant`: `simulated`, `visible`, `blocked-refuse`, `blocked-fallback` (ranks 0
+/// and 1 without peer access).
 fn isolated_config(devices: &Devices, world: usize, variant: &str) -> CommConfig {
     let blocked = variant.starts_with("blocked");
     let mut simulate = Simulation::default();
@@ -335,13 +320,9 @@ pub(super) fn lines_of(child: &mut Child) -> Vec<String> {
         .collect()
 }
 
-/// `world` ranks in processes isolated as by `CUDA_VISIBLE_DEVICES`: every rank opens
-/// device 0, yet each is on its own physical device, so peercomm serves them with peer
-/// memory (IPC between the processes, no `allow_shared_devices`, no fallback) and
-/// every rank's sums are right and equal bit for bit. `visible`: `None` simulates the
-/// physical devices (host backend); `Some(var)` starts rank r's process with `var` set
-/// to the r-th device (of the test's own `var` list when it has one), rank 0 running in
-/// the test process on its device 0.
+/// `world` isolated processes, each on device 0 but its own physical device: peer
+/// memory over IPC serves them, sums right and bitwise equal. `visible`: `None`
+/// simulates; `Some(var)` sets `var` to the r-th device for rank r's process.
 pub fn isolated_world<B: Backend>(devices: &Devices, world: usize, visible: Option<&str>) {
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -394,10 +375,8 @@ pub fn isolated_world<B: Backend>(devices: &Devices, world: usize, visible: Opti
     eprintln!("isolated_world {world} ({variant}): {calls} calls per rank checked");
 }
 
-/// Two isolated processes (simulated: both on device 0, distinct physical devices)
-/// without peer access between them: under `Fallback::Refuse` both ranks get
-/// `P2pUnavailable` naming both ranks and both devices' UUIDs, with the hint; under the
-/// default fallback the external library serves them and the sum is right.
+/// Two isolated processes without peer access: `Fallback::Refuse` gives both ranks
+/// `P2pUnavailable` naming both UUIDs; the default fallback sums right externally.
 pub fn isolated_without_peer_access<B: Backend>(devices: &Devices) {
     use peercomm::DeviceIdentity;
     let uuids: Vec<String> = (0..2)
@@ -497,9 +476,8 @@ pub(super) fn compare_group_digests(
     groups.len()
 }
 
-/// Ranks 1.. of `world` as child processes running `role` (with `extra` in their
-/// environment), rank 0 here running `rank0`; returns every rank's (call, rank,
-/// digest), after every child exited successfully.
+/// Ranks 1.. as child processes running `role` (with `extra`), rank 0 here; every
+/// rank's (call, rank, digest) once every child exited successfully.
 pub(super) fn digest_world<B: Backend>(
     devices: &Devices,
     world: usize,
@@ -559,9 +537,8 @@ fn drop_beside_dead_peer<B: Backend>(comm: Comm<B>) {
     );
 }
 
-/// A rank whose process is killed in the middle of a collective: the survivor gets
-/// `BarrierTimeout` within about twice the timeout, refuses further calls, writes
-/// nothing into its output, and its drop does not hang on the dead peer.
+/// A rank killed mid-collective: the survivor gets `BarrierTimeout` within twice the
+/// timeout, writes nothing, refuses further calls, and drops without hanging.
 pub fn killed_process_gives_a_typed_error<B: Backend>(devices: &Devices) {
     let id = UniqueId::new().unwrap();
     let mut child = spawn("killed", 1, 2, &id.to_string(), 1);
@@ -597,11 +574,8 @@ pub fn killed_process_gives_a_typed_error<B: Backend>(devices: &Devices) {
     drop_beside_dead_peer(comm);
 }
 
-/// A peer process killed before a collective registration (`Comm::register` and
-/// `Comm::register_inputs_of`, whose gathers it never joins): each returns a typed
-/// error within a bound (the bootstrap sees the closed connection, or the first pass's
-/// call gives up after `barrier_timeout`), hands the buffer back, leaves no
-/// registration behind, and the drop does not hang on the dead peer.
+/// A peer killed before `register` / `register_inputs_of`: each returns a typed error
+/// in bounded time, hands the buffer back, registers nothing; the drop does not hang.
 pub fn registration_beside_a_killed_peer<B: Backend>(devices: &Devices) {
     let id = UniqueId::new().unwrap();
     let mut child = spawn("idle", 1, 2, &id.to_string(), 1);
@@ -701,15 +675,10 @@ fn create_drop_cycles<B: Backend>(
 /// keeps the stacks of exited threads mapped for reuse, up to a bound).
 const WARM_UP: usize = 50;
 
-/// 1000 create/drop cycles of a two-process communicator leak no mapping and no file
-/// descriptor in either process (a small slack for the test harness's own threads).
-/// Both ranks run in child processes of their own, so that the tests running beside
-/// this one in the test process cannot change the counts. A drop whose teardown barrier
-/// did not hear from its peer in time (a starved machine) parks its memory until a
-/// deadline: that is not a leak, so a child with parked teardowns waits for their
-/// deadline and frees them before it counts (it reports how many there were).
-// `B` and `devices` are the children's: each rank process of this binary runs its role
-// on this binary's backend and placement.
+/// 1000 create/drop cycles of a two-process communicator leak no mapping or fd, both
+/// ranks in child processes (so tests beside it cannot move the counts); teardowns
+/// parked by a starved peer are freed at their deadline before counting.
+// `B` and `devices` are the children's.
 #[allow(clippy::extra_unused_type_parameters)]
 pub fn create_drop_cycles_leak_nothing<B: Backend>(_devices: &Devices, cycles: usize) {
     let id = UniqueId::new().unwrap();

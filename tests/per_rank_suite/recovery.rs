@@ -1,7 +1,5 @@
-//! What a rank does after an error, generic over the backend: the error a poisoned
-//! communicator returns names the error that poisoned it; a bootstrap timeout's hint
-//! names functions the caller has; what a skipped call gives each rank; the per-step
-//! `check_errors` poll; and each error's `recovery()`.
+//! After an error: a poisoned communicator names what poisoned it, bootstrap hints,
+//! skipped calls, the `check_errors` poll, and each error's `recovery()`.
 
 use std::time::{Duration, Instant};
 
@@ -22,9 +20,8 @@ fn sum_ones<B: Backend>(comm: &Comm<B>, n: usize) -> Result<()> {
     comm.synchronize()
 }
 
-/// Rank 1 sums 500 elements where rank 0 sums 1000: both get `CallMismatch` from
-/// `synchronize`; the next call on each is refused with an error that names that
-/// mismatch (not a barrier timeout); after `reinitialize` a matching call works.
+/// Lengths 500 against 1000: `CallMismatch` on both; the next call's error names that
+/// mismatch; `reinitialize` recovers.
 pub fn poisoned_names_its_cause<B: Backend>(place: &Placement) {
     let world = 2;
     let config = short_waits(place, world);
@@ -59,11 +56,8 @@ pub fn poisoned_names_its_cause<B: Backend>(place: &Placement) {
     }
 }
 
-/// A leaf whose rank 0 never joins, the id's maker (this process, standing for a
-/// launcher) holding the id's listener because it never called `UniqueId::release`:
-/// `Comm::from_rank` fails within `bootstrap_timeout` (+1 s), naming rank 0, and the
-/// hint names functions the caller has (`Comm::from_rank`, `UniqueId::release`), not
-/// a `connect` they never call.
+/// Rank 0 never joins while the id's maker holds its listener: `Comm::from_rank` fails
+/// within `bootstrap_timeout` naming rank 0, hinting `UniqueId::release`, not `connect`.
 pub fn a_leaf_without_rank_zero_names_real_functions<B: Backend>(place: &Placement) {
     let id = UniqueId::new().unwrap();
     let timeout = Duration::from_secs(2);
@@ -96,11 +90,8 @@ pub fn a_leaf_without_rank_zero_names_real_functions<B: Backend>(place: &Placeme
     assert_eq!(e.recovery(), Recovery::Rebuild);
 }
 
-/// What the docs promise of a skipped call: rank 1 makes two of the three identical
-/// all-reduces rank 0 makes. Its two pair with rank 0's first two, so rank 1 gets `Ok`
-/// from both calls and from `synchronize`; rank 0's third call has no partner and times
-/// out naming rank 1. Rank 1 hears of it at its next call: that call is refused or ends
-/// in an error (rank 0's abort reached it), never `Ok`.
+/// A skipped call: rank 1 makes two of rank 0's three calls and gets `Ok`; rank 0's
+/// third times out naming rank 1, and rank 1's next call is never `Ok`.
 pub fn a_skipped_call_is_caught_where_it_is_awaited<B: Backend>(place: &Placement) {
     let world = 2;
     let config = short_waits(place, world);
@@ -140,12 +131,9 @@ pub fn a_skipped_call_is_caught_where_it_is_awaited<B: Backend>(place: &Placemen
     );
 }
 
-/// The per-step pattern of an engine: after enqueueing each step's collective, a
-/// `check_errors()` that does not wait for the stream, and `synchronize` only where the
-/// engine waits anyway. `check_errors` returns at once while a 500 ms kernel is queued;
-/// in a loop of steps where rank 1's third call differs, it reports the
-/// `CallMismatch` on both ranks within a few steps, without any `synchronize`, and its
-/// recovery is `Reinitialize`, after which the ranks go on.
+/// The per-step pattern: `check_errors()` returns at once behind a 500 ms kernel, and
+/// reports a `CallMismatch` within a few steps without `synchronize`; its recovery is
+/// `Reinitialize`, after which the ranks go on.
 pub fn check_errors_is_a_per_step_poll<B: Backend>(place: &Placement) {
     let world = 2;
     let config = short_waits(place, world);

@@ -7,11 +7,9 @@ use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, DType, Error};
 
 use super::{common, Placement};
 
-/// With `for_largest_message(1000, F32)`: 1000 elements run one-stage (staged whole
-/// through the payload) and match the reference; 1001 do not fit whole and run in
-/// chunks through the payload's halves (3 chunks of up to 125 packs), as
-/// `algorithm_for` says, and match the reference too; two-stage is not offered per
-/// rank; the footprint is the configuration's at world 2.
+/// `for_largest_message(1000, F32)`: 1000 elements run one-stage whole, 1001 in 3
+/// chunks (as `algorithm_for` says), both right; no two-stage per rank; the footprint
+/// is the configuration's.
 pub fn sized_for_the_largest_message<B: Backend>(place: &Placement) {
     let base = place.config(2);
     let config = CommConfig::for_largest_message(1000, DType::F32)

@@ -1,7 +1,5 @@
-//! Trimming the symmetric pool (`Comm::trim_symmetric`), generic over the backend: a
-//! segment that holds a buffer on any rank stays on every rank; one that holds none
-//! anywhere is freed everywhere (its registration and the peers' mappings gone); the
-//! pool works after; a rank that allocates where its peers trim is refused in step.
+//! `Comm::trim_symmetric`: a segment holding a buffer on any rank stays, others are
+//! freed everywhere; the pool works after; an allocation against a trim is refused.
 
 use peercomm::backend::{Backend, TypedBuffer};
 use peercomm::bootstrap::BootstrapError;

@@ -1,7 +1,5 @@
-//! Teardown and timeout bounds of the per-rank `Comm`: a rank
-//! that drops its `Comm` while a peer's collective is queued or running, a drop whose
-//! peer holds on, the timeouts `CommConfig` refuses, and how long a timed-out rank's
-//! `synchronize()` takes.
+//! Teardown and timeout bounds of the per-rank `Comm`: drops beside a peer's work, the
+//! timeouts `CommConfig` refuses, and how long a timed-out `synchronize()` takes.
 
 use std::sync::{mpsc, Barrier};
 use std::time::{Duration, Instant};
@@ -18,14 +16,9 @@ fn open<B: Backend>(place: &Placement, rank: usize, id: &UniqueId, config: CommC
     Comm::<B>::from_rank(dev, rank, 2, id, config).unwrap()
 }
 
-/// The schedule: rank 0 queues an all-reduce behind a 1.5 s delay, then rank 1
-/// drops its `Comm` without making the call. Rank 0's kernel starts after rank 1 began
-/// dropping and gives up after `barrier_timeout` (1 s), writing its error record and
-/// abort into rank 1's signal at about 2.5 s: past the point (2 s, the bootstrap
-/// timeout), where a drop that freed the signal would fault. Rank 0 must get its typed error, rank
-/// 1's drop must return within the teardown bound, and the process must not crash.
-/// The 64 MiB payload puts the signal above glibc's largest mmap threshold, so a freed
-/// signal is unmapped and a late write faults instead of corrupting the heap quietly.
+/// Rank 0's all-reduce, queued behind 1.5 s, times out and writes into rank 1's signal
+/// at about 2.5 s, after rank 1 began dropping: rank 0 gets its typed error, rank 1's
+/// drop returns in bound, no crash (64 MiB payload: a freed signal would fault).
 pub fn drop_while_peer_collective_queued<B: Backend>(place: &Placement, rounds: usize) {
     let config = place
         .config(2)
@@ -82,10 +75,8 @@ pub fn drop_while_peer_collective_queued<B: Backend>(place: &Placement, rounds: 
     }
 }
 
-/// A rank drops while its peer holds on to its `Comm` (and drops only after the first
-/// rank's drop has returned): the drop returns within about a second, not the 30 s
-/// bootstrap timeout, and so does the peer's later drop. Both orders, so that either
-/// side of the TCP star drops first.
+/// A rank drops while its peer holds on: both drops return within about a second, not
+/// the bootstrap timeout, in both orders.
 pub fn drop_returns_while_peer_holds_on<B: Backend>(place: &Placement) {
     let config = place
         .config(2)
@@ -148,9 +139,8 @@ impl Bootstrap for Alone {
     }
 }
 
-/// A `bootstrap_timeout` shorter than `barrier_timeout` is refused by both entry points
-/// at once, before any peer is contacted, with an `InvalidConfig` naming both fields;
-/// equal timeouts and `barrier_timeout: None` are accepted.
+/// `bootstrap_timeout` below `barrier_timeout` is `InvalidConfig` from both entry
+/// points before any contact; equal and `None` are accepted.
 pub fn refuses_bootstrap_timeout_below_barrier_timeout<B: Backend>(place: &Placement) {
     let bad = place
         .config(2)
@@ -192,11 +182,8 @@ pub fn refuses_bootstrap_timeout_below_barrier_timeout<B: Backend>(place: &Place
     }
 }
 
-/// Rank 1 misses an all-reduce (`miss_next`); rank 0's `synchronize()` reports
-/// its `BarrierTimeout` after at least `barrier_timeout` (the wait that gives up) and
-/// at most 2 x `barrier_timeout` (that wait, then the abandon protocol's wait for the
-/// peer's confirmation), the bound the docs state, plus 1.5 s of slack for a loaded
-/// machine.
+/// After `miss_next`, rank 0's `synchronize()` reports `BarrierTimeout` within
+/// [timeout, 2 x timeout] (plus 1.5 s slack), the bound the docs state.
 pub fn synchronize_reports_within_twice_barrier_timeout<B: Backend>(place: &Placement) {
     let timeout = Duration::from_secs(1);
     let config = place
@@ -300,15 +287,9 @@ fn is_mismatch_naming(e: &Error, rank: usize) -> bool {
     )
 }
 
-/// A drop beside a peer's exchange: rank 1 enqueues an all-reduce that rank 0 never
-/// makes, then makes `what` (for `Reinitialize`, after its `synchronize` has reported
-/// the missing call, as an engine would); rank 0 closes its `Comm` 300 ms after rank 1
-/// began the exchange. Rank 0's teardown exchange meets rank 1's other exchange: both
-/// must get the typed mismatch (naming each other), rank 0's memory must be parked
-/// (`close` returns that error), not freed, and rank 1's kernel, which gives up after
-/// `barrier_timeout` and then writes into rank 0's signal, must find it still mapped
-/// (64 MiB payload: a freed signal is unmapped, so a late write faults); rank 1's
-/// `synchronize` reports the missing call as a timeout or abort.
+/// Rank 0 closes 300 ms into rank 1's exchange `what` (after a call rank 0 never
+/// makes): both get the typed mismatch, rank 0's memory is parked, not freed, so rank
+/// 1's late kernel writes into mapped memory; rank 1 sees a timeout or abort.
 pub fn drop_beside_a_peer_exchange<B: Backend>(place: &Placement, what: Exchange) {
     let config = place
         .config(2)
@@ -379,10 +360,8 @@ pub fn drop_beside_a_peer_exchange<B: Backend>(place: &Placement, what: Exchange
     });
 }
 
-/// Ranks that make different exchanges at once (`kinds[r]` on rank `r`) all get the
-/// typed mismatch, each naming the first rank whose exchange differs from its own; the
-/// ranks stay in step, so that a following exchange every rank makes alike
-/// (`trim_symmetric`), an all-reduce and the teardown all succeed.
+/// Different exchanges at once (`kinds[r]`): each rank gets the mismatch naming the
+/// first rank that differs; all stay in step for the next exchange, call and teardown.
 pub fn different_exchanges_are_typed_errors<B: Backend>(place: &Placement, kinds: &[Exchange]) {
     let world = kinds.len();
     let config = place

@@ -1,9 +1,6 @@
-//! Views that are not aligned: an all-reduce whose input starts at element 1 or 3 of
-//! its buffer (an f16 view there is not 16-byte aligned) and whose output starts at the
-//! same element or, on the host, one byte further (misaligned for the element type
-//! itself, which `DeviceBuffer` does not forbid; a CUDA kernel faults on such a view, so
-//! only the host runs it). Every rank checks its result against the f64 reference and
-//! that the bytes around the output view were not written.
+//! Unaligned views: all-reduces from element 1 or 3 of a buffer, the output one byte
+//! further on the host (misaligned for the type; CUDA would fault), checked against the
+//! reference with the bytes around the output view untouched.
 
 use peercomm::backend::Backend;
 use peercomm::half::f16;
@@ -39,9 +36,8 @@ fn input<T: Element>(rank: usize, i: usize) -> T {
     T::from_f32(((i * 5 + rank * 3) % 17) as f32 - 8.0)
 }
 
-/// One all-reduce of `n` elements from element `first` of the input buffer into byte
-/// `first * size + extra` of the output buffer; checks the result and the bytes around
-/// it.
+/// One all-reduce of `n` from element `first` into byte `first * size + extra`,
+/// checked with the bytes around it.
 fn one_call<B: Backend, T: Element>(
     comm: &Comm<B>,
     n: usize,
@@ -88,10 +84,8 @@ fn one_call<B: Backend, T: Element>(
     }
 }
 
-/// All-reduces over views from element 1 and 3 of their buffers (f16 and f32, one-stage
-/// and Lamport, a partial last pack), the output `extra` bytes further still (1 on the
-/// host: misaligned for the element type; 0 where the backend needs aligned elements),
-/// over a world of two.
+/// Views from elements 1 and 3 (f16, f32; one-stage, Lamport; partial last pack), the
+/// output `extra` bytes further, world 2.
 pub fn misaligned_views<B: Backend>(place: &Placement, extra: usize) {
     super::with_world::<B, _>(place, 2, |_rank, comm| {
         for first in [1, 3] {
