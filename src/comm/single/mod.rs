@@ -241,26 +241,30 @@ impl<B: Backend> SingleController<B> {
 
     /// Reads every rank's record with `read` and reports the root cause, poisoning.
     fn report_records(&self, read: impl Fn(&Rank<B>) -> Result<Option<Error>>) -> Result<()> {
+        // An aborting rank writes its own record before its peers' `PeerAborted`, so a
+        // scan that met only aborts may have passed the aborter's rank just before it
+        // wrote: one more scan then finds the cause.
         let mut first_abort = None;
-        for r in &self.ranks {
-            match read(r)? {
-                Some(e @ Error::PeerAborted { .. }) => {
-                    first_abort.get_or_insert(e);
+        for _ in 0..2 {
+            for r in &self.ranks {
+                match read(r)? {
+                    Some(e @ Error::PeerAborted { .. }) => {
+                        first_abort.get_or_insert(e);
+                    }
+                    Some(e) => {
+                        self.poison(&e);
+                        return Err(e);
+                    }
+                    None => {}
                 }
-                Some(e) => {
-                    self.poison(&e);
-                    return Err(e);
-                }
-                None => {}
+            }
+            if first_abort.is_none() {
+                return Ok(());
             }
         }
-        match first_abort {
-            Some(e) => {
-                self.poison(&e);
-                Err(e)
-            }
-            None => Ok(()),
-        }
+        let e = first_abort.expect("an abort was seen");
+        self.poison(&e);
+        Err(e)
     }
 
     /// Waits for all ranks, then zeroes every signal buffer and refills the Lamport
