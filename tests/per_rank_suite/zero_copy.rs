@@ -1,17 +1,9 @@
-//! Zero copy on the per-rank `Comm`, generic over the backend: inputs in
-//! symmetric buffers (`Comm::alloc_symmetric`) and registered ones (`Comm::register`)
-//! are read in place by the peers, with the single controller's kernels, so every
-//! output is checked against the f64 reference (outputs poisoned with NaN first) and
-//! bit for bit against a `SingleController` over the same devices, given the same inputs,
-//! algorithm and grid (`blocks` is always given, so the grids agree whatever each
-//! front door's cap). Then the refusals (typed, on every rank, nothing registered),
-//! calls whose input places differ (`CallMismatch` naming `CallField::Inputs`), and the
-//! lifetimes: register/drop and alloc/drop cycles leak no registration, no import and
-//! no file descriptor, and a dropped symmetric range is reused.
-//!
-//! Across processes (`symmetric_processes`, `cycles_leak_nothing`): the ranks are
-//! child processes of the test binary (see `processes.rs`), the symmetric segments
-//! mapped through the backend's IPC.
+//! Zero copy on the per-rank `Comm`: symmetric (`alloc_symmetric`) and registered
+//! (`register`) inputs read in place by the peers, every output checked against f64
+//! and bit for bit against a `SingleController` on the same devices, inputs, algorithm
+//! and grid. Then refusals (typed, everywhere, nothing registered), differing input
+//! places (`CallMismatch` on `Inputs`), and lifetimes (no leaked registration, import
+//! or fd; dropped ranges reused), also across processes (children of the test binary).
 
 use std::process::Child;
 use std::time::Duration;
@@ -236,10 +228,9 @@ fn check_reduce<B: Backend, T: Element>(
     assert_same_bits(&got, &single.1[rank], &what);
 }
 
-/// Case (a), all-reduce: every case of `reduce_cases(world, algorithms)` with fresh
-/// inputs, in a symmetric or registered buffer, on every rank; the outputs match the
-/// f64 reference and the single controller's, bit for bit, as does the algorithm that
-/// ran. Afterwards nothing is registered but the pool's one segment.
+/// Case (a), all-reduce: every case of `reduce_cases` from symmetric or registered
+/// inputs matches f64 and the single controller's bits and algorithm; afterwards only
+/// the pool's one segment is registered.
 pub fn all_reduce_matches_single_controller<B: Backend>(
     place: &Placement,
     world: usize,
@@ -536,10 +527,8 @@ fn check_rooted<B: Backend, T: Element>(
     assert_bits(&got, &expect(which, &ins, width, rank), &what);
 }
 
-/// Case (a), the other collectives: all-gather, reduce-scatter and the fused
-/// all-reduce + residual + RMSNorm on symmetric inputs, bit for bit the single
-/// controller's (and the references); broadcast and scatter from a symmetric root
-/// input right.
+/// Case (a), the other collectives: all-gather, reduce-scatter and fused on symmetric
+/// inputs match the single controller bit for bit; broadcast and scatter are right.
 pub fn collectives_match_single_controller<B: Backend>(place: &Placement, world: usize) {
     let seed = seed(&format!("per_rank_zero_copy_collectives_world_{world}"));
     let cases = coll_cases(world);
@@ -600,12 +589,9 @@ pub fn collectives_match_single_controller<B: Backend>(place: &Placement, world:
     );
 }
 
-/// Zero copy stages nothing: with a payload a quarter of the message, a one-stage
-/// all-reduce, an all-gather, a reduce-scatter and the one-stage fused call on symmetric
-/// inputs run whole and are right, and the same calls on plain inputs (which stage, in
-/// chunks through the payload) give the same bits. In place the one-stage all-reduce
-/// still stages (the peers would read the input while it is overwritten): in chunks,
-/// right too.
+/// Zero copy stages nothing: with a payload a quarter of the message, symmetric inputs
+/// run whole (one-stage, all-gather, reduce-scatter, fused) with the bits of plain,
+/// chunked inputs; in place one-stage still stages (peers would read overwritten data).
 pub fn stages_nothing<B: Backend>(place: &Placement) {
     let world = 2;
     let config = place.config(world).with_payload_bytes(64 << 10);
@@ -756,14 +742,11 @@ fn refused_alloc<B: Backend, T: Element>(
     }
 }
 
-/// Case (b), refusals: buffers of different sizes, symmetric allocations of different
-/// sizes or after different drops, and a registration where a peer allocates a
-/// symmetric buffer are `CannotRegister` on every rank (a registration's buffer comes
-/// back, unchanged); a buffer on another device than its rank's (where the backend has
-/// two) is `WrongDevice` there and `CannotRegister` naming that rank on the others.
-/// Nothing is registered anywhere, every rank stays in step (a rank that refused by
-/// itself must still join the gather, or its next collective record would pair with
-/// its peers' registration), and matching calls work after.
+/// Case (b), refusals: different sizes, allocations after different drops, and a
+/// registration against an allocation are refused on every rank (buffers come back
+/// unchanged); a buffer on the wrong device is `WrongDevice` there, `CannotRegister`
+/// elsewhere. Nothing registered, ranks in step (a refusing rank still joins the
+/// gather), matching calls work after.
 pub fn registration_refusals<B: Backend>(place: &Placement, world: usize) {
     let config = agreement::short_waits(place, world);
     let odd = world - 1;
@@ -965,12 +948,10 @@ fn mismatch_call<B: Backend>(
     result
 }
 
-/// Case (b), places that differ: a registered input on every rank but one, which
-/// passes a plain buffer, or symmetric inputs at another place on one rank, for the
-/// all-reduce, all-gather, reduce-scatter and fused calls: `CallMismatch` with field
-/// `Inputs` on every rank (the others naming the odd rank, it naming one of them),
-/// nothing written; after a collective `reinitialize` a matching call works. Lamport
-/// reads no peer input, so there a plain input beside registered ones is fine.
+/// Case (b), places that differ (a plain input among registered ones, a symmetric input
+/// elsewhere) for all-reduce, all-gather, reduce-scatter and fused: `CallMismatch` on
+/// `Inputs` everywhere, nothing written, `reinitialize` recovers. Lamport reads no peer
+/// input, so a plain input there is fine.
 pub fn mismatched_inputs<B: Backend>(place: &Placement, world: usize) {
     let config = agreement::short_waits(place, world);
     let odd = world - 1;
@@ -1038,13 +1019,9 @@ pub fn mismatched_inputs<B: Backend>(place: &Placement, world: usize) {
     });
 }
 
-/// Case (c), inputs dropped while their collective is in flight: each rank enqueues a
-/// one-stage or two-stage all-reduce from a symmetric or registered input and drops
-/// the input at once; a symmetric input's range goes to the next allocation (the same
-/// placement), which is filled with NaN right away. The peers read the input in place,
-/// yet every output is right: the range is reused only after the rank's queued work,
-/// whose end barrier waits for the peers' reads, and a registered buffer is freed in
-/// stream order.
+/// Case (c), inputs dropped in flight (one- or two-stage, symmetric or registered), the
+/// freed range refilled with NaN at once: outputs stay right, as ranges are reused only
+/// after the end barrier and registered buffers are freed in stream order.
 pub fn inputs_dropped_in_flight<B: Backend>(place: &Placement, world: usize) {
     let seed = seed(&format!(
         "per_rank_zero_copy_inputs_dropped_in_flight_{world}"
@@ -1116,11 +1093,9 @@ unsafe impl<B: Backend, R: DeviceBuffer<B>> DeviceBuffer<B> for Tracked<R> {
     }
 }
 
-/// A registered input dropped right after its call is enqueued is kept until every
-/// peer is known to have finished reading it: where the call times out (rank 1 misses
-/// it, rank 0 gives up), through the synchronize that reports the error, until
-/// `reinitialize`; where the call completes, until the synchronize. One dropped after
-/// a clean synchronize is freed at once.
+/// A registered input dropped right after its call is kept until the peers are done:
+/// on a timeout until `reinitialize`, else until the synchronize; one dropped after a
+/// clean synchronize is freed at once.
 pub fn registered_input_retired_in_flight<B: Backend>(place: &Placement) {
     use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::Arc;
@@ -1199,13 +1174,9 @@ fn open_fds() -> Option<usize> {
     std::fs::read_dir("/proc/self/fd").ok().map(|d| d.count())
 }
 
-/// Case (c), registrations: `cycles` register/drop cycles of a small buffer (every
-/// other one given back with `into_inner`, every 100th used by an all-reduce first)
-/// leave `registrations()` where it started on every rank, and the process's open
-/// file descriptors do not grow with the cycles. The test process runs other tests
-/// beside this one, so the descriptor bound is loose: a leak of one per cycle would
-/// exceed it many times over (the exact count is checked in processes, see
-/// `cycles_leak_nothing`).
+/// Case (c), registrations: `cycles` register/drop cycles (some via `into_inner`, some
+/// used) keep `registrations()` and open fds flat on every rank (loose bound: other
+/// tests run beside; `cycles_leak_nothing` counts exactly).
 pub fn register_drop_cycles<B: Backend>(place: &Placement, world: usize, cycles: usize) {
     let fds = open_fds();
     with_world::<B, _>(place, world, |rank, comm| {
@@ -1235,10 +1206,8 @@ pub fn register_drop_cycles<B: Backend>(place: &Placement, world: usize, cycles:
     check_fds(fds, cycles, "register/drop");
 }
 
-/// Case (c), symmetric buffers: a dropped buffer's range is the next allocation's of
-/// the same size (the same `placement()`, the second of two live ones included), and
-/// `cycles` alloc/drop cycles keep the pool at its one segment on every rank, with no
-/// file descriptor per cycle.
+/// Case (c), symmetric buffers: a dropped range is the next same-size allocation's, and
+/// `cycles` alloc/drop cycles keep one segment and no fd per cycle.
 pub fn symmetric_drop_cycles<B: Backend>(place: &Placement, world: usize, cycles: usize) {
     let fds = open_fds();
     with_world::<B, _>(place, world, |rank, comm| {
@@ -1454,12 +1423,9 @@ fn variant(heap_refused: bool) -> [(String, String); 1] {
     [(processes::VARIANT.to_string(), v.to_string())]
 }
 
-/// `world` ranks in processes (rank 0 in the test process) all-reduce
-/// symmetric inputs one-stage and two-stage over every group size, in and out of
-/// place: every rank checks its outputs against the f64 reference, and every group's
-/// ranks agree bit for bit. Each rank maps each peer's segment once; a heap buffer's
-/// registration is `CannotRegister` on every rank where `heap_refused` (host), with
-/// the buffer back; a symmetric buffer registers again across processes.
+/// `world` rank processes all-reduce symmetric inputs (one- and two-stage, every group
+/// size, in and out of place), checked and bitwise equal per group; each peer segment
+/// mapped once; heap registrations refused where `heap_refused`; symmetric ones work.
 pub fn symmetric_processes<B: Backend>(devices: &Devices, world: usize, heap_refused: bool) {
     let seed = seed(&format!("per_rank_zero_copy_processes world {world}"));
     let all = processes::digest_world::<B>(
@@ -1478,12 +1444,9 @@ pub fn symmetric_processes<B: Backend>(devices: &Devices, world: usize, heap_ref
     );
 }
 
-/// The cycles of one rank process (see `cycles_leak_nothing`): `cycles` times, a
-/// symmetric buffer allocated (at the range the last one freed), registered again
-/// (exported; its import is the segment's), given back and dropped, and a heap
-/// buffer's registration and a registered pass over a heap buffer (both refused where
-/// `heap_refused`); every 100th cycle an all-reduce reads the registered buffer in
-/// place.
+/// One rank process's cycles: a symmetric buffer allocated, registered, given back and
+/// dropped; heap registrations (refused where `heap_refused`); every 100th cycle an
+/// all-reduce reads the registered buffer in place.
 fn zero_copy_cycles<B: Backend>(comm: &Comm<B>, cycles: usize, heap_refused: bool) {
     let (rank, world) = (comm.rank(), comm.world_size());
     let dev = comm.device();
@@ -1628,13 +1591,10 @@ pub fn child_role<B: Backend>(
     true
 }
 
-/// Lifetimes across processes: two rank processes (both children, so that the
-/// tests beside this one cannot change the counts) run `cycles` zero-copy cycles
-/// (`zero_copy_cycles`) and `cycles / 10` communicators with a symmetric buffer each
-/// (`comm_cycles`): the registrations and imports end where they started, and neither
-/// process's open files or mappings grow (a small slack for the harness's threads).
-// `B` is the children's: each rank process of this binary runs its role on this
-// binary's backend.
+/// Lifetimes across processes: two child rank processes run `cycles` zero-copy cycles
+/// and `cycles / 10` communicators; registrations, imports, open files and mappings
+/// end where they started (small slack for harness threads).
+// `B` is the children's backend.
 #[allow(clippy::extra_unused_type_parameters)]
 pub fn cycles_leak_nothing<B: Backend>(cycles: usize, heap_refused: bool) {
     let id = UniqueId::new().unwrap();
@@ -1681,12 +1641,10 @@ pub fn cycles_leak_nothing<B: Backend>(cycles: usize, heap_refused: bool) {
     }
 }
 
-/// Places are compared exactly: one registered buffer, every rank's input a window of
-/// it, the last rank's at another offset than the others'. Offsets 0 and 39,328 bytes
-/// of a communicator's first registration are one pair among many that any digest of
-/// (registration, offset) narrower than the pair confuses; every other window offset
-/// is tried too. Each pair is `CallMismatch` naming `CallField::Inputs` on every rank,
-/// with the output untouched.
+/// Places are compared exactly: every rank's input a window of one registered buffer,
+/// the last rank's at another offset (0 against 39,328 bytes confuses any narrower
+/// digest; every other offset too): `CallMismatch` on `Inputs` everywhere, output
+/// untouched.
 pub fn places_compared_exactly<B: Backend>(place: &Placement, world: usize) {
     let config = agreement::short_waits(place, world);
     let odd = world - 1;
