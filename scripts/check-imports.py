@@ -46,6 +46,7 @@ SRC = os.path.join(ROOT, "src")
 # the modules of one layer import nothing of each other. The crate docs (src/lib.rs)
 # draw the same picture.
 #
+#   unstable   the internals re-exported for the crate's own tests (feature `unstable`)
 #   comm       the communicators: planning, launching, routing, capture, the per-rank API
 #   external   the external libraries (NCCL, RCCL, the host stand-in), each with the
 #              backend it serves (external::HasExternalLibrary)
@@ -63,6 +64,7 @@ SRC = os.path.join(ROOT, "src")
 #              bottom; `error` wraps BootstrapError in Error::Bootstrap as it would a
 #              std error, and `external` and `comm` use bootstrap from above.
 LAYERS = [
+    ["unstable"],
     ["comm"],
     ["external", "tensor", "os"],
     ["backend"],

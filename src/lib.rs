@@ -104,6 +104,7 @@
 //! nothing of each other (`scripts/check-imports.py` checks it, in CI):
 //!
 //! ```text
+//!   unstable               internals for the crate's own tests (feature `unstable`)
 //!   comm                   the communicators: single controller, per rank, capture
 //!   external   tensor      NCCL / RCCL / host stand-in, per backend | shaped views
 //!   backend                the Backend trait; host, cuda, hip; peer access; signals
@@ -143,6 +144,8 @@ pub use comm::{
     MemoryFootprint, Rank, RegisterError, Registered, SingleController, SingleControllerGroup,
     SymmetricBuffer, SYMMETRIC_SEGMENT_BYTES,
 };
+#[allow(deprecated)]
+pub use comm::{Communicator, CommunicatorGroup};
 pub use dispatch::Algorithm;
 pub use dtype::{DType, Element};
 pub use error::{CallField, Error, Recovery, Result};
@@ -156,17 +159,6 @@ pub use signal::{
     circular_add, reduce_scatter_part, Signal, SignalLayout, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
     NUM_BARRIER_DOMAINS,
 };
+#[allow(deprecated)]
+pub use tensor::{Tensor, TensorMut};
 pub use tensor::{TensorView, TensorViewMut};
-
-/// The single controller's old name.
-#[deprecated(note = "renamed `SingleController` (one process driving every GPU)")]
-pub type Communicator<B> = SingleController<B>;
-/// The single controller's group guard's old name.
-#[deprecated(note = "renamed `SingleControllerGroup`")]
-pub type CommunicatorGroup<'c, 'b, B> = SingleControllerGroup<'c, 'b, B>;
-/// The shaped input view's old name (it clashed with candle's `Tensor`).
-#[deprecated(note = "renamed `TensorView`")]
-pub type Tensor<'a, B> = TensorView<'a, B>;
-/// The shaped output view's old name.
-#[deprecated(note = "renamed `TensorViewMut`")]
-pub type TensorMut<'a, B> = TensorViewMut<'a, B>;

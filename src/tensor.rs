@@ -62,3 +62,10 @@ impl<'a, B: Backend> TensorViewMut<'a, B> {
 pub(crate) fn shape_elements(shape: &[usize]) -> Option<usize> {
     shape.iter().try_fold(1usize, |acc, &d| acc.checked_mul(d))
 }
+
+/// The shaped input view's old name (it clashed with candle's `Tensor`).
+#[deprecated(note = "renamed `TensorView`")]
+pub type Tensor<'a, B> = TensorView<'a, B>;
+/// The shaped output view's old name.
+#[deprecated(note = "renamed `TensorViewMut`")]
+pub type TensorMut<'a, B> = TensorViewMut<'a, B>;

@@ -43,6 +43,8 @@ use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::signal::{AllReduceArgs, GroupArgs};
 
+impl super::sealed::Sealed for Cuda {}
+
 impl Backend for Cuda {
     const NAME: &'static str = "cuda";
     type Device = CudaDevice;

@@ -48,6 +48,7 @@ mod memory;
 mod runtime;
 
 pub use buffers::HipBuffer;
+use device::{dtoh, htod};
 pub use device::{HipDevice, HipEvent};
 pub use ffi::HipStatus;
 use launch::*;
@@ -58,6 +59,8 @@ use runtime::*;
 pub use runtime::{
     embedded_code_objects, runtime_version, skipped_architectures, EmbeddedCodeObject, Hip,
 };
+
+impl super::sealed::Sealed for Hip {}
 
 impl Backend for Hip {
     const NAME: &'static str = "hip";
@@ -290,31 +293,6 @@ impl Backend for Hip {
         }?;
         Ok(out)
     }
-}
-
-/// Copies `bytes` from device address `src` to `dst` on the rank's stream and waits.
-///
-/// # Safety
-/// `src` must be a device range and `dst` host memory of at least `bytes`.
-unsafe fn dtoh(dev: &HipDevice, dst: *mut c_void, src: u64, bytes: usize) -> Result<()> {
-    set_device(dev.ordinal)?;
-    // SAFETY: the caller's contract; `dst` is not used until the stream is synchronised.
-    let status = unsafe { ffi::hipMemcpyDtoHAsync(dst, src as *mut c_void, bytes, dev.stream) };
-    check(status, "hipMemcpyDtoHAsync")?;
-    Hip::synchronize(dev)
-}
-
-/// Copies `bytes` from host memory `src` to device address `dst` on the rank's stream
-/// and waits.
-///
-/// # Safety
-/// `dst` must be a device range and `src` host memory of at least `bytes`.
-unsafe fn htod(dev: &HipDevice, dst: u64, src: *const c_void, bytes: usize) -> Result<()> {
-    set_device(dev.ordinal)?;
-    // SAFETY: the caller's contract; `src` stays valid until the stream is synchronised.
-    let status = unsafe { ffi::hipMemcpyHtoDAsync(dst as *mut c_void, src, bytes, dev.stream) };
-    check(status, "hipMemcpyHtoDAsync")?;
-    Hip::synchronize(dev)
 }
 
 super::impl_typed_buffer!(Hip, HipBuffer);

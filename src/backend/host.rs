@@ -104,6 +104,8 @@ mod shm {
     }
 }
 
+impl super::sealed::Sealed for Host {}
+
 impl Backend for Host {
     const NAME: &'static str = "host";
     type Device = HostDevice;

@@ -22,13 +22,9 @@ pub(crate) mod signal_init;
 
 /// Only peercomm's backends implement [`Backend`]: its launch and memory methods follow
 /// the kernels, which change without notice.
+/// Each backend's module implements it beside its `Backend` impl.
 mod sealed {
     pub trait Sealed {}
-    impl Sealed for super::host::Host {}
-    #[cfg(feature = "cuda")]
-    impl Sealed for super::cuda::Cuda {}
-    #[cfg(feature = "hip")]
-    impl Sealed for super::hip::Hip {}
 }
 
 pub(crate) mod launch_types;

@@ -21,7 +21,11 @@ pub use per_rank::Comm;
 #[doc(hidden)]
 #[cfg(feature = "unstable")]
 pub use per_rank::{free_expired_teardowns, parked_teardowns};
+#[allow(deprecated)]
+pub use single::group::CommunicatorGroup;
 pub use single::group::SingleControllerGroup;
+#[allow(deprecated)]
+pub use single::Communicator;
 pub use single::SingleController;
 #[cfg(feature = "cuda")]
 pub use zero_copy::capture::RegisteredGraph;

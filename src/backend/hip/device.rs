@@ -278,10 +278,48 @@ pub(super) fn open(ordinal: usize) -> Result<HipDevice> {
             let value = khz as u32;
             if bytes == std::mem::size_of::<u32>() {
                 // SAFETY: `ptr` is the 4-byte device global; `value` is 4 bytes.
-                unsafe { super::htod(&device, ptr as u64, (&value as *const u32).cast(), bytes) }?;
+                unsafe { htod(&device, ptr as u64, (&value as *const u32).cast(), bytes) }?;
                 device.wall_clock_khz = Some(value);
             }
         }
     }
     Ok(device)
+}
+
+/// Copies `bytes` from device address `src` to `dst` on the rank's stream and waits.
+///
+/// # Safety
+/// `src` must be a device range and `dst` host memory of at least `bytes`.
+pub(super) unsafe fn dtoh(dev: &HipDevice, dst: *mut c_void, src: u64, bytes: usize) -> Result<()> {
+    set_device(dev.ordinal)?;
+    // SAFETY: the caller's contract; `dst` is not used until the stream is synchronised.
+    let status = unsafe { ffi::hipMemcpyDtoHAsync(dst, src as *mut c_void, bytes, dev.stream) };
+    check(status, "hipMemcpyDtoHAsync")?;
+    // SAFETY: the stream is live.
+    check(
+        unsafe { ffi::hipStreamSynchronize(dev.stream) },
+        "hipStreamSynchronize",
+    )
+}
+
+/// Copies `bytes` from host memory `src` to device address `dst` on the rank's stream
+/// and waits.
+///
+/// # Safety
+/// `dst` must be a device range and `src` host memory of at least `bytes`.
+pub(super) unsafe fn htod(
+    dev: &HipDevice,
+    dst: u64,
+    src: *const c_void,
+    bytes: usize,
+) -> Result<()> {
+    set_device(dev.ordinal)?;
+    // SAFETY: the caller's contract; `src` stays valid until the stream is synchronised.
+    let status = unsafe { ffi::hipMemcpyHtoDAsync(dst as *mut c_void, src, bytes, dev.stream) };
+    check(status, "hipMemcpyHtoDAsync")?;
+    // SAFETY: the stream is live.
+    check(
+        unsafe { ffi::hipStreamSynchronize(dev.stream) },
+        "hipStreamSynchronize",
+    )
 }

@@ -243,3 +243,7 @@ impl<B: Backend> Drop for SingleControllerGroup<'_, '_, B> {
         self.calls.clear();
     }
 }
+
+/// The single controller's group guard's old name.
+#[deprecated(note = "renamed `SingleControllerGroup`")]
+pub type CommunicatorGroup<'c, 'b, B> = SingleControllerGroup<'c, 'b, B>;

@@ -365,3 +365,7 @@ fn check_world(world: usize) -> Result<()> {
     }
     Ok(())
 }
+
+/// The single controller's old name.
+#[deprecated(note = "renamed `SingleController` (one process driving every GPU)")]
+pub type Communicator<B> = SingleController<B>;
