@@ -25,7 +25,7 @@ use crate::comm::zero_copy::script::{Follow, Planning, Script, Step};
 const CAPTURE_RECORD: u64 = u64::from_le_bytes(*b"pccap\0\0\x01");
 
 /// The registrations that the calls of a registered capture read their inputs through
-/// ([`Comm::register_inputs_of`], [`Comm::capture_registered`]): they last as long as
+/// ([`Comm::register_inputs_of`], `Comm::capture_registered` (CUDA)): they last as long as
 /// this value (the graph must not be replayed after it is dropped, which
 /// `RegisteredGraph` ensures by holding both). Dropping it ends them on this rank; the
 /// peers' mappings close when they drop theirs.
@@ -209,7 +209,7 @@ impl<B: Backend> Comm<B> {
     /// registrations, which must outlive what the pass made of the calls. Where no call
     /// read an unregistered input, the pass runs once.
     ///
-    /// Made for graph captures ([`Comm::capture_registered`]). Here the first run's
+    /// Made for graph captures (`Comm::capture_registered` (CUDA)). Here the first run's
     /// calls run staged, so the pass must be safe to run twice with options staged
     /// inputs allow (not an explicit two-stage), on the same input buffers each time
     /// ([`CaptureInputs::staged_calls`] counts the calls that were not).
