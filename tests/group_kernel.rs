@@ -116,50 +116,56 @@ fn check_entry<T: Element>(
 // ---------------------------------------------------------------------------------
 // Single controller.
 
+/// One batch through the single controller's group, entries marked in `in_place`
+/// reducing their receive buffers in place; each entry checked against the references.
 fn single_controller_case<T: Element>(
     comm: &SingleController<Host>,
     rng: &mut StdRng,
     width: usize,
     lengths: &[usize],
+    in_place: &[bool],
 ) {
     let world = comm.world_size();
     let what = format!(
-        "single controller world {world}, groups of {width}, {:?} x {lengths:?}",
+        "single controller world {world}, groups of {width}, {:?} x {lengths:?}, in place \
+         {in_place:?}",
         T::DTYPE
     );
     let ins = batch_inputs::<T>(rng, world, lengths);
     let dev = |r: usize| comm.core(r).device();
-    let sends: Vec<Vec<HostBuffer<T>>> = ins
-        .iter()
-        .map(|e| {
-            e.iter()
-                .enumerate()
-                .map(|(r, v)| Host::alloc_from(dev(r), v).unwrap())
-                .collect()
-        })
-        .collect();
-    let poisoned = || -> Vec<Vec<HostBuffer<T>>> {
-        lengths
-            .iter()
-            .map(|&n| {
-                (0..world)
-                    .map(|r| Host::alloc_from(dev(r), &vec![nan::<T>(); n]).unwrap())
-                    .collect()
-            })
+    let upload = |e: &[Vec<T>]| -> Vec<HostBuffer<T>> {
+        e.iter()
+            .enumerate()
+            .map(|(r, v)| Host::alloc_from(dev(r), v).unwrap())
             .collect()
     };
-    let mut recvs = poisoned();
-    single_group(comm, &sends, &mut recvs, width).unwrap_or_else(|e| panic!("{what}: {e}"));
-    comm.synchronize().unwrap_or_else(|e| panic!("{what}: {e}"));
-    let mut alone = poisoned();
-    let opts = AllReduceOptions::new()
-        .algorithm(Algorithm::OneStage)
-        .group_size(width);
-    for (s, out) in alone.iter_mut().enumerate() {
-        comm.all_reduce_sum_slices(&sends[s], out, &opts).unwrap();
+    let poisoned = |n: usize| upload(&vec![vec![nan::<T>(); n]; world]);
+    let sends: Vec<_> = ins.iter().map(|e| upload(e)).collect();
+    // In-place entries start as their inputs; the others are poisoned.
+    let mut recvs: Vec<_> = (0..lengths.len())
+        .map(|s| match in_place[s] {
+            true => upload(&ins[s]),
+            false => poisoned(lengths[s]),
+        })
+        .collect();
+    let opts = AllReduceOptions::new().group_size(width);
+    let mut group = comm.group();
+    for (s, recv) in recvs.iter_mut().enumerate() {
+        match in_place[s] {
+            true => group.all_reduce_sum_slices_in_place_with(recv, &opts),
+            false => group.all_reduce_sum_slices_with(&sends[s], recv, &opts),
+        }
+        .unwrap_or_else(|e| panic!("{what}: {e}"));
     }
-    comm.synchronize().unwrap();
+    let ran = group.end().unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert_eq!(ran.len(), lengths.len(), "{what}");
+    comm.synchronize().unwrap_or_else(|e| panic!("{what}: {e}"));
+    let alone_opts = opts.algorithm(Algorithm::OneStage);
     for (s, entry) in ins.iter().enumerate() {
+        let mut alone = poisoned(lengths[s]);
+        comm.all_reduce_sum_slices(&sends[s], &mut alone, &alone_opts)
+            .unwrap();
+        comm.synchronize().unwrap();
         let got: Vec<Vec<T>> = (0..world)
             .map(|r| recvs[s][r].to_host(dev(r)).unwrap())
             .collect();
@@ -168,7 +174,7 @@ fn single_controller_case<T: Element>(
             common::check_result(entry, &got, width, Algorithm::OneStage, &what);
         }
         for r in 0..world {
-            let one = alone[s][r].to_host(dev(r)).unwrap();
+            let one = alone[r].to_host(dev(r)).unwrap();
             check_entry(entry, width, r, &got[r], &one, &what);
         }
     }
@@ -181,9 +187,10 @@ fn single_controller_batches(world: usize) {
     let mut batches_run = 0;
     for width in divisors(world) {
         for lengths in batches() {
-            single_controller_case::<f32>(&comm, &mut rng, width, &lengths);
-            single_controller_case::<half::f16>(&comm, &mut rng, width, &lengths);
-            single_controller_case::<half::bf16>(&comm, &mut rng, width, &lengths);
+            let flat = vec![false; lengths.len()];
+            single_controller_case::<f32>(&comm, &mut rng, width, &lengths, &flat);
+            single_controller_case::<half::f16>(&comm, &mut rng, width, &lengths, &flat);
+            single_controller_case::<half::bf16>(&comm, &mut rng, width, &lengths, &flat);
             batches_run += 3;
         }
     }
@@ -309,7 +316,6 @@ fn single_controller_batches_read_in_place_or_stage_for_in_place_entries() {
     let world = 4;
     let config = config(2).with_payload_bytes(16 << 10);
     let comm = SingleController::<Host>::new(&[0, 1, 2, 3], config).unwrap();
-    let dev = |r: usize| comm.core(r).device();
     let mut rng = common::rng("group_kernel_single_in_place");
     for width in divisors(world) {
         // 3 x 4099 f32 = 48 KiB, three times the payload: read in place, one batch.
@@ -319,64 +325,7 @@ fn single_controller_batches_read_in_place_or_stage_for_in_place_entries() {
             (vec![1000, 7, 1000], vec![true, false, true]),
             (vec![8, 1, 0, 1000], vec![false, true, false, false]),
         ] {
-            let what = format!("world 4, groups of {width}, {lengths:?}, in place {in_place:?}");
-            let ins = batch_inputs::<f32>(&mut rng, world, &lengths);
-            let upload = |e: &Vec<Vec<f32>>| -> Vec<HostBuffer<f32>> {
-                e.iter()
-                    .enumerate()
-                    .map(|(r, v)| Host::alloc_from(dev(r), v).unwrap())
-                    .collect()
-            };
-            let poisoned = |n: usize| -> Vec<HostBuffer<f32>> {
-                (0..world)
-                    .map(|r| Host::alloc_from(dev(r), &vec![f32::NAN; n]).unwrap())
-                    .collect()
-            };
-            let sends: Vec<Vec<HostBuffer<f32>>> = ins.iter().map(upload).collect();
-            // In-place entries start as their inputs; the others are poisoned.
-            let mut recvs: Vec<Vec<HostBuffer<f32>>> = (0..lengths.len())
-                .map(|s| {
-                    if in_place[s] {
-                        upload(&ins[s])
-                    } else {
-                        poisoned(lengths[s])
-                    }
-                })
-                .collect();
-            let opts = AllReduceOptions::new().group_size(width);
-            let mut group = comm.group();
-            for (s, recv) in recvs.iter_mut().enumerate() {
-                if in_place[s] {
-                    group
-                        .all_reduce_sum_slices_in_place_with(recv, &opts)
-                        .unwrap();
-                } else {
-                    group
-                        .all_reduce_sum_slices_with(&sends[s], recv, &opts)
-                        .unwrap();
-                }
-            }
-            let ran = group.end().unwrap_or_else(|e| panic!("{what}: {e}"));
-            assert_eq!(ran.len(), lengths.len());
-            comm.synchronize().unwrap();
-            let alone_opts = opts.algorithm(Algorithm::OneStage);
-            for (s, entry) in ins.iter().enumerate() {
-                let mut alone = poisoned(lengths[s]);
-                comm.all_reduce_sum_slices(&sends[s], &mut alone, &alone_opts)
-                    .unwrap();
-                comm.synchronize().unwrap();
-                let got: Vec<Vec<f32>> = (0..world)
-                    .map(|r| recvs[s][r].to_host(dev(r)).unwrap())
-                    .collect();
-                let what = format!("{what}, entry {s}");
-                if lengths[s] > 0 {
-                    common::check_result(entry, &got, width, Algorithm::OneStage, &what);
-                }
-                for r in 0..world {
-                    let one = alone[r].to_host(dev(r)).unwrap();
-                    check_entry(entry, width, r, &got[r], &one, &what);
-                }
-            }
+            single_controller_case::<f32>(&comm, &mut rng, width, &lengths, &in_place);
         }
     }
 }
@@ -558,61 +507,31 @@ fn plain_untouched(comm: &Comm<Host>, n: usize) -> peercomm::Result<()> {
     result
 }
 
-type Call = Box<dyn Fn(&Comm<Host>) -> peercomm::Result<()> + Sync>;
-
-fn batch(lengths: &[usize]) -> Call {
-    let lengths = lengths.to_vec();
-    Box::new(move |comm: &Comm<Host>| batch_untouched(comm, &lengths))
-}
-
 /// The last rank makes another batch (or call): every rank gets `CallMismatch` naming the
 /// field, nothing written; `reinitialize` recovers.
 fn per_rank_mismatches(world: usize) {
     let config = config(2).with_barrier_timeout(Some(Duration::from_millis(1500)));
     let usual = [300, 7, 1000, 0, 8];
-    let cases: Vec<(&str, CallField, Call, Call)> = vec![
-        (
-            "another length in entry 0",
-            CallField::Length,
-            batch(&usual),
-            batch(&[301, 7, 1000, 0, 8]),
-        ),
-        (
-            "another length in entry 2",
-            CallField::Length,
-            batch(&usual),
-            batch(&[300, 7, 999, 0, 8]),
-        ),
-        (
-            "another length in the last entry",
-            CallField::Length,
-            batch(&usual),
-            batch(&[300, 7, 1000, 0, 9]),
-        ),
-        (
-            "two entries swapped",
-            CallField::Length,
-            batch(&usual),
-            batch(&[300, 1000, 7, 0, 8]),
-        ),
-        (
-            "another count",
-            CallField::Root,
-            batch(&usual),
-            batch(&usual[..4]),
-        ),
-        (
-            "a batch against a plain all-reduce",
-            CallField::Collective,
-            batch(&[300, 7]),
-            Box::new(|comm: &Comm<Host>| plain_untouched(comm, 300)),
-        ),
+    // (what, the field named, the odd rank's batch); `None`: a plain all-reduce of 300
+    // against the others' batch [300, 7].
+    use CallField::{Collective, Length, Root};
+    let cases: [(&str, CallField, Option<&[usize]>); 6] = [
+        ("length of entry 0", Length, Some(&[301, 7, 1000, 0, 8])),
+        ("length of entry 2", Length, Some(&[300, 7, 999, 0, 8])),
+        ("last length", Length, Some(&[300, 7, 1000, 0, 9])),
+        ("entries swapped", Length, Some(&[300, 1000, 7, 0, 8])),
+        ("another count", Root, Some(&usual[..4])),
+        ("batch / plain", Collective, None),
     ];
     let odd = world - 1;
-    for (what, field, usual, other) in &cases {
+    for (what, field, other) in &cases {
         let got = per_rank(world, &config, |rank, comm, meet| {
-            let call = if rank == odd { other } else { usual };
-            let got = call(comm);
+            let got = match (rank == odd, other) {
+                (true, Some(other)) => batch_untouched(comm, other),
+                (true, None) => plain_untouched(comm, 300),
+                (false, Some(_)) => batch_untouched(comm, &usual),
+                (false, None) => batch_untouched(comm, &[300, 7]),
+            };
             meet.wait();
             comm.reinitialize().unwrap();
             batch_untouched(comm, &[5, 0, 4099]).unwrap();
@@ -677,15 +596,16 @@ fn later_entry_pairs(
     grids: usize,
 ) -> Vec<Pair> {
     let mut pairs = Vec::new();
-    while pairs.len() < collisions {
+    while pairs.len() < collisions + random {
         let count = rng.random_range(2..=8);
         let usual = filling_table(rng, count);
         let entry = rng.random_range(1..usual.len());
         let digest = narrow_digest(&usual[1..]);
+        let collide = pairs.len() < collisions;
         for _ in 0..10_000 {
             let mut other = usual.clone();
             other[entry] = rng.random_range(0..3000);
-            if other[entry] != usual[entry] && narrow_digest(&other[1..]) == digest {
+            if other[entry] != usual[entry] && (!collide || narrow_digest(&other[1..]) == digest) {
                 pairs.push(Pair {
                     usual,
                     other,
@@ -695,21 +615,6 @@ fn later_entry_pairs(
                 break;
             }
         }
-    }
-    for _ in 0..random {
-        let count = rng.random_range(2..=8);
-        let usual = filling_table(rng, count);
-        let entry = rng.random_range(1..usual.len());
-        let mut other = usual.clone();
-        while other[entry] == usual[entry] {
-            other[entry] = rng.random_range(0..3000);
-        }
-        pairs.push(Pair {
-            usual,
-            other,
-            entry,
-            grid: false,
-        });
     }
     for _ in 0..grids {
         // At most 8 x 25 packs: 1 block at width 2 and 3; the other's entry alone more

@@ -94,8 +94,8 @@ fn unhex(s: &str) -> Vec<u8> {
         .collect()
 }
 
-/// The handle and device ordinal when this process is the child `test`, else `None`.
-fn child_args(test: &str) -> Option<(Vec<u8>, usize)> {
+/// This process's device and the handle when it is the child `test`, else `None`.
+fn child_args<B: Backend>(test: &str) -> Option<(B::Device, Vec<u8>)> {
     if std::env::var(ENV_CHILD).ok()? != test {
         return None;
     }
@@ -104,7 +104,7 @@ fn child_args(test: &str) -> Option<(Vec<u8>, usize)> {
         .ok()
         .map(|o| o.parse().expect("PEERCOMM_IPC_ORDINAL"))
         .unwrap_or(0);
-    Some((handle, ordinal))
+    Some((B::open(ordinal).unwrap(), handle))
 }
 
 /// A child process of this test binary.
@@ -171,7 +171,22 @@ fn wait_for_line(child: &mut ChildProcess, marker: &str, limit: Duration) -> Vec
 }
 
 // ---------------------------------------------------------------------------------------
-// Two processes, generic over the backend (host here, CUDA below).
+// Two processes, generic over the backend.
+
+/// Runs the child test `test` on `handle` to its end; asserts it passed.
+fn child_passes(test: &str, handle: &[u8], ordinal: usize) {
+    let mut child = spawn_child(test, handle, ordinal);
+    let mut out = wait_for_line(&mut child, DONE, Duration::from_secs(60));
+    let status = child.child.wait().unwrap();
+    child.reader.join().unwrap();
+    out.extend(child.lines.try_iter());
+    assert!(status.success(), "child: {status}\n{}", out.join("\n"));
+    assert!(
+        out.iter()
+            .any(|l| l.starts_with("test result: ok. 1 passed")),
+        "the child test did not pass:\n{out:#?}"
+    );
+}
 
 /// The parent writes the first half and exports; the child imports on
 /// `child_ordinal`, checks it and writes the second half, which the parent then sees.
@@ -184,20 +199,11 @@ fn parent_and_child_share_memory<B: Backend>(
     let ptr = B::memory_ptr(&mem);
     write_pattern::<B>(dev, ptr, 1, 0..8);
     B::synchronize(dev).unwrap();
-    let handle = B::export_memory(dev, &mem).unwrap();
-
-    let mut child = spawn_child(child_test, &handle, child_ordinal);
-    let mut out = wait_for_line(&mut child, DONE, Duration::from_secs(60));
-    let status = child.child.wait().unwrap();
-    child.reader.join().unwrap();
-    out.extend(child.lines.try_iter());
-    assert!(status.success(), "child: {status}\n{}", out.join("\n"));
-    assert!(
-        out.iter()
-            .any(|l| l.starts_with("test result: ok. 1 passed")),
-        "the child test did not pass:\n{out:#?}"
+    child_passes(
+        child_test,
+        &B::export_memory(dev, &mem).unwrap(),
+        child_ordinal,
     );
-
     check_pattern::<B>(dev, ptr, 2, 8..16, "the child's half, seen by the parent");
     check_pattern::<B>(dev, ptr, 1, 0..8, "the parent's half after the child ran");
     drop(mem);
@@ -206,10 +212,9 @@ fn parent_and_child_share_memory<B: Backend>(
 
 /// The child of [`parent_and_child_share_memory`].
 fn child_checks_and_writes<B: Backend>(test: &str) {
-    let Some((handle, ordinal)) = child_args(test) else {
+    let Some((dev, handle)) = child_args::<B>(test) else {
         return; // Not the child process: nothing to do.
     };
-    let dev = B::open(ordinal).unwrap();
     let mapping = B::import_memory(&dev, &handle).unwrap();
     let ptr = B::mapping_ptr(&mapping);
     check_pattern::<B>(&dev, ptr, 1, 0..8, "the parent's half, seen by the child");
@@ -263,10 +268,9 @@ fn parent_survives_killed_child<B: Backend>(
 
 /// The child of [`parent_survives_killed_child`].
 fn child_writes_until_killed<B: Backend>(test: &str) {
-    let Some((handle, ordinal)) = child_args(test) else {
+    let Some((dev, handle)) = child_args::<B>(test) else {
         return; // Not the child process: nothing to do.
     };
-    let dev = B::open(ordinal).unwrap();
     let mapping = B::import_memory(&dev, &handle).unwrap();
     let ptr = B::mapping_ptr(&mapping);
     check_pattern::<B>(&dev, ptr, 3, 0..8, "the parent's half, seen by the child");
@@ -294,31 +298,56 @@ fn stale_handle_fails_in_another_process<B: Backend>(
     let handle = B::export_memory(dev, &mem).unwrap();
     drop(mem);
     B::synchronize(dev).unwrap();
-    let mut child = spawn_child(child_test, &handle, child_ordinal);
-    let mut out = wait_for_line(&mut child, DONE, Duration::from_secs(60));
-    let status = child.child.wait().unwrap();
-    child.reader.join().unwrap();
-    out.extend(child.lines.try_iter());
-    assert!(status.success(), "child: {status}\n{}", out.join("\n"));
-    assert!(
-        out.iter()
-            .any(|l| l.starts_with("test result: ok. 1 passed")),
-        "the child test did not pass:\n{out:#?}"
-    );
+    child_passes(child_test, &handle, child_ordinal);
 }
 
 /// The child of [`stale_handle_fails_in_another_process`].
 fn child_import_fails<B: Backend>(test: &str) {
-    let Some((handle, ordinal)) = child_args(test) else {
+    let Some((dev, handle)) = child_args::<B>(test) else {
         return; // Not the child process: nothing to do.
     };
-    let dev = B::open(ordinal).unwrap();
     match B::import_memory(&dev, &handle) {
         Err(e @ Error::Backend { .. }) => eprintln!("stale handle: {e}"),
         Err(other) => panic!("expected Error::Backend, got {other:?}"),
         Ok(_) => panic!("imported memory its exporter had freed"),
     }
     println!("\n{DONE}");
+}
+
+/// In module `$module` over backend `B`: `full(name)`, and each two-process test
+/// `$parent` running `$run` with its child test `$child` (a no-op in an ordinary run).
+macro_rules! two_process_tests {
+    ($module:ident: $($parent:ident($run:ident) => $child:ident;)+) => {
+        /// The full name of this module's test `name`.
+        fn full(name: &str) -> String {
+            format!("{}::{name}", stringify!($module))
+        }
+        $(
+            #[test]
+            fn $parent() {
+                let _serial = serial();
+                if let Some((dev, child)) = parent_device(&full(stringify!($parent))) {
+                    super::$run::<B>(&dev, &full(stringify!($child)), child);
+                }
+            }
+
+            #[test]
+            fn $child() {
+                super::$child::<B>(&full(stringify!($child)));
+            }
+        )+
+    };
+}
+
+/// The two-process tests of backend `B` in module `$module`.
+macro_rules! two_process_suite {
+    ($module:ident) => {
+        two_process_tests! { $module:
+            two_processes_share_signal_memory(parent_and_child_share_memory) => child_checks_and_writes;
+            killed_child_leaves_the_parents_memory_intact(parent_survives_killed_child) => child_writes_until_killed;
+            stale_handle_fails_in_another_process(stale_handle_fails_in_another_process) => child_import_fails;
+        }
+    };
 }
 
 // ---------------------------------------------------------------------------------------
@@ -418,41 +447,17 @@ fn host_mapping_is_unmapped_in_stream_order() {
     assert!(words.iter().all(|&w| w == 0x5EED));
 }
 
-#[test]
-fn host_two_processes_share_signal_memory() {
-    let _serial = serial();
-    parent_and_child_share_memory::<Host>(&host(0), "host_child_checks_and_writes", 1);
-}
+/// The host's two-process tests: device 0 exports, the child opens device 1.
+mod host {
+    use super::*;
 
-/// Child of `host_two_processes_share_signal_memory` (a no-op in an ordinary run).
-#[test]
-fn host_child_checks_and_writes() {
-    child_checks_and_writes::<Host>("host_child_checks_and_writes");
-}
+    type B = Host;
 
-#[test]
-fn host_killed_child_leaves_the_parents_memory_intact() {
-    let _serial = serial();
-    parent_survives_killed_child::<Host>(&host(0), "host_child_writes_until_killed", 1);
-}
+    fn parent_device(_test: &str) -> Option<(<B as Backend>::Device, usize)> {
+        Some((B::open(0).unwrap(), 1))
+    }
 
-/// Child of `host_killed_child_leaves_the_parents_memory_intact` (a no-op in an
-/// ordinary run).
-#[test]
-fn host_child_writes_until_killed() {
-    child_writes_until_killed::<Host>("host_child_writes_until_killed");
-}
-
-#[test]
-fn host_stale_handle_fails_in_another_process() {
-    let _serial = serial();
-    stale_handle_fails_in_another_process::<Host>(&host(0), "host_child_import_fails", 1);
-}
-
-/// Child of `host_stale_handle_fails_in_another_process` (a no-op in an ordinary run).
-#[test]
-fn host_child_import_fails() {
-    child_import_fails::<Host>("host_child_import_fails");
+    two_process_suite!(host);
 }
 
 /// Name of the shared memory files (`/memfd:peercomm-signal (deleted)` in /proc).
@@ -558,45 +563,20 @@ fn host_bad_handles_are_typed_errors() {
 
     let mem = Host::alloc(&d0, 4096, MemoryKind::SharedSignal).unwrap();
     let good = Host::export_memory(&d0, &mem).unwrap();
+    let at = |at: usize, bytes: &[u8]| patched(&good, at, bytes);
+    let inode = u64::from_le_bytes(good[32..40].try_into().unwrap());
+    let (huge, next_inode) = (0x7fff_fff0u32.to_le_bytes(), (inode + 1).to_le_bytes());
     let cases: Vec<(&str, Vec<u8>, &str)> = vec![
         ("empty", vec![], "too short"),
         ("header only", good[..8].to_vec(), "8 bytes where"),
-        ("one byte short", good[..39].to_vec(), "39 bytes where"),
-        (
-            "one byte long",
-            [&good[..], &[0]].concat(),
-            "41 bytes where",
-        ),
-        ("CUDA magic", patched(&good, 0, b"pccu"), "another backend"),
-        (
-            "version 2",
-            patched(&good, 4, &2u32.to_le_bytes()),
-            "handle version 2",
-        ),
-        (
-            "size",
-            patched(&good, 16, &8192u64.to_le_bytes()),
-            "size mismatch",
-        ),
-        (
-            "inode",
-            patched(
-                &good,
-                32,
-                &(u64::from_le_bytes(good[32..40].try_into().unwrap()) + 1).to_le_bytes(),
-            ),
-            "identity mismatch",
-        ),
-        (
-            "no such process",
-            patched(&good, 8, &0x7fff_fff0u32.to_le_bytes()),
-            "cannot open",
-        ),
-        (
-            "no such fd",
-            patched(&good, 12, &0x7fff_fff0u32.to_le_bytes()),
-            "cannot open",
-        ),
+        ("short", good[..39].to_vec(), "39 bytes where"),
+        ("long", [&good[..], &[0]].concat(), "41 bytes where"),
+        ("CUDA magic", at(0, b"pccu"), "another backend"),
+        ("v2", at(4, &2u32.to_le_bytes()), "handle version 2"),
+        ("size", at(16, &8192u64.to_le_bytes()), "size mismatch"),
+        ("inode", at(32, &next_inode), "identity mismatch"),
+        ("no such process", at(8, &huge), "cannot open"),
+        ("no such fd", at(12, &huge), "cannot open"),
     ];
     for (name, handle, expect) in cases {
         let detail = import_error_detail(&d1, &handle);
@@ -649,79 +629,13 @@ macro_rules! gpu_ipc_suite {
                     Ok(n) => return Some((B::open(0).unwrap(), usize::from(n > 1))),
                     Err(e) => e.to_string(),
                 };
-                // Straight to stderr, past the harness's output capture, so that the
-                // skip is visible in an ordinary run.
+                // Straight to stderr, past the harness's output capture.
                 use std::io::Write;
                 let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
                 None
             }
 
-            /// The full name of this module's test `name`.
-            fn full(name: &str) -> String {
-                format!("{}::{name}", stringify!($module))
-            }
-
-            #[test]
-            fn two_processes_share_signal_memory() {
-                let _serial = serial();
-                if let Some((dev, child)) =
-                    parent_device(&full("two_processes_share_signal_memory"))
-                {
-                    parent_and_child_share_memory::<B>(
-                        &dev,
-                        &full("child_checks_and_writes"),
-                        child,
-                    );
-                }
-            }
-
-            /// Child of `two_processes_share_signal_memory` (a no-op in an ordinary run).
-            #[test]
-            fn child_checks_and_writes() {
-                super::child_checks_and_writes::<B>(&full("child_checks_and_writes"));
-            }
-
-            #[test]
-            fn killed_child_leaves_the_parents_memory_intact() {
-                let _serial = serial();
-                if let Some((dev, child)) =
-                    parent_device(&full("killed_child_leaves_the_parents_memory_intact"))
-                {
-                    parent_survives_killed_child::<B>(
-                        &dev,
-                        &full("child_writes_until_killed"),
-                        child,
-                    );
-                }
-            }
-
-            /// Child of `killed_child_leaves_the_parents_memory_intact` (a no-op in an
-            /// ordinary run).
-            #[test]
-            fn child_writes_until_killed() {
-                super::child_writes_until_killed::<B>(&full("child_writes_until_killed"));
-            }
-
-            #[test]
-            fn stale_handle_fails_in_another_process() {
-                let _serial = serial();
-                if let Some((dev, child)) =
-                    parent_device(&full("stale_handle_fails_in_another_process"))
-                {
-                    super::stale_handle_fails_in_another_process::<B>(
-                        &dev,
-                        &full("child_import_fails"),
-                        child,
-                    );
-                }
-            }
-
-            /// Child of `stale_handle_fails_in_another_process` (a no-op in an ordinary
-            /// run).
-            #[test]
-            fn child_import_fails() {
-                super::child_import_fails::<B>(&full("child_import_fails"));
-            }
+            two_process_suite!($module);
 
             /// Importing in the exporting process is `Error::Unsupported` saying so;
             /// malformed handles are `Error::Backend` from `import_memory`.
@@ -748,11 +662,7 @@ macro_rules! gpu_ipc_suite {
                     ("empty", vec![], "too short"),
                     ("one byte short", good[..87].to_vec(), "87 bytes where"),
                     ("host magic", patched(&good, 0, b"pcho"), "another backend"),
-                    (
-                        "version 2",
-                        patched(&good, 4, &2u32.to_le_bytes()),
-                        "handle version 2",
-                    ),
+                    ("v2", patched(&good, 4, &[2, 0, 0, 0]), "handle version 2"),
                 ];
                 for (name, handle, expect) in cases {
                     match B::import_memory(&dev, &handle) {

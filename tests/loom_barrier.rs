@@ -1,44 +1,25 @@
-//! A loom model check of the counter barrier: the very function the host backend runs
-//! (`peercomm::unstable::protocol::barrier`), instantiated over loom's atomics instead of the
-//! signal memory, with the memory orderings the device kernels use for each kind of
-//! barrier (not the stronger ones the host asks for):
-//!
-//! - start barrier (orders arrival only): relaxed stores, relaxed spin loads;
+//! A loom model check of the counter barrier the host backend runs
+//! (`peercomm::unstable::protocol::barrier`), over loom's atomics with the device kernels'
+//! orderings ([`Ordered`] replaces the host's stronger ones), so the algorithm is checked
+//! under the weakest orderings any backend uses:
+//! - start barrier: relaxed stores and spin loads;
 //! - publishing barrier (data written before it is read after it): release stores,
-//!   acquire spin loads (what the function asks for when `publish` is set);
-//! - end barrier (after it, peers may overwrite what this block read before it):
-//!   relaxed stores, relaxed spin loads.
+//!   acquire spin loads;
+//! - end barrier (peers may then overwrite what this block read): relaxed.
 //!
-//! The function asks for `Release`/`Relaxed` stores and `Acquire` loads; the model's
-//! counter cells ([`Ordered`]) replace those orderings by the device's for the kind of
-//! barrier at hand, so the check is of the algorithm under the weakest orderings any
-//! backend runs it with.
+//! Ranks are loom threads (2, 3, and 4 with pair subgroups), 1 or 2 blocks each; each
+//! block passes 3 barriers mixing the world and a subgroup domain on the same signal
+//! memory, counters starting below `u32::MAX` to cross the wrap. Loom fails on deadlock,
+//! livelock, a data race or an assertion: after publishing barrier `k` every group
+//! member's "phase j <= k" write is visible; a peer cell read before an end barrier still
+//! holds its old value (its owner overwrites it only after that barrier).
 //!
-//! Ranks are loom threads (2 and 3 ranks, and 4 with pair subgroups); each runs 1 or 2
-//! blocks (a thread per block where loom's thread limit allows, else a loop over the
-//! blocks); each block passes 3 consecutive barriers that mix the whole-world domain
-//! and a subgroup domain on the same signal memory, with counters starting just below
-//! `u32::MAX` so every run crosses the wrap. Loom explores the interleavings (and the
-//! values relaxed and acquire loads may return) and fails on a deadlock or livelock (a
-//! spin that never ends), on a data race, or on a failed assertion. Checked:
-//! - after each publishing barrier `k`: every member of the group wrote its "phase j"
-//!   value (plain memory, for every `j <= k`) before its own barrier `k`, so this block
-//!   must see all of them;
-//! - around each end barrier (write after read): each block reads the next group
-//!   member's cell for that barrier before it, and every block overwrites its own cell
-//!   after it; the value read must be the old one (the peer may not have passed the
-//!   end barrier before this block arrived).
-//!
-//! Bounds: 2 ranks x 1 block is explored exhaustively (no preemption or spin bound).
-//! The larger shapes are bounded so that CI (2 cores) finishes in about a minute: a
-//! preemption bound (loom's `LOOM_MAX_PREEMPTIONS` overrides it) and a spin bound (see
-//! [`Spin`]; `PEERCOMM_LOOM_SPIN_BOUND` overrides it).
-//!
-//! Negative checks, each of which must be caught: a single-banked counter layout,
-//! counter banks shared between domains, a publishing barrier with relaxed stores, one
-//! with relaxed loads, a missing end barrier (the write-after-read check fires), and a
-//! relaxed end barrier guarding plain (non-atomic) memory (a data race under the
-//! language model; see [`end_barrier_relaxed_guards_plain_memory_badly`]).
+//! 2 ranks x 1 block is exhaustive; larger shapes bound preemptions
+//! (`LOOM_MAX_PREEMPTIONS`) and spins ([`Spin`], `PEERCOMM_LOOM_SPIN_BOUND`) to finish in
+//! about a minute on 2 cores. Negative checks, each caught: single-banked counters,
+//! banks shared between domains, a publishing barrier with relaxed stores or loads, no end
+//! barrier, and a relaxed end barrier over plain memory
+//! ([`end_barrier_relaxed_guards_plain_memory_badly`]).
 //!
 //! Run: `RUSTFLAGS="--cfg loom" cargo test --release --test loom_barrier`.
 
