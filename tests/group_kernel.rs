@@ -4,18 +4,18 @@
 //! alone; refusals and mismatches (also in later entries only) write nothing.
 
 mod common;
+mod per_rank_suite;
 
-use std::sync::Barrier;
 use std::time::Duration;
 
 use common::Zeros;
 use peercomm::backend::host::{Host, HostBuffer};
 use peercomm::backend::{Backend, DeviceBuffer, DeviceBufferMut, TypedBuffer};
-use peercomm::bootstrap::UniqueId;
 use peercomm::{
     Algorithm, AllReduceOptions, CallField, Comm, CommConfig, DType, Element, Error,
     SingleController,
 };
+use per_rank_suite::{in_step, Placement};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -225,16 +225,17 @@ fn single_controller_refusals_and_faults() {
             })
             .collect()
     };
-    let untouched = |recvs: &[Vec<HostBuffer<f32>>], what: &str| {
+    // Asserts `holds` of every element of every entry.
+    let every = |recvs: &[Vec<HostBuffer<f32>>], holds: fn(&f32) -> bool, what: &str| {
         for (s, e) in recvs.iter().enumerate() {
             for (r, b) in e.iter().enumerate() {
                 let host = b.to_host(dev(r)).unwrap();
-                assert!(
-                    host.iter().all(|x| x.is_nan()),
-                    "{what}: entry {s} of rank {r} was written"
-                );
+                assert!(host.iter().all(holds), "{what}: entry {s} of rank {r}");
             }
         }
+    };
+    let untouched = |recvs: &[Vec<HostBuffer<f32>>], what: &str| {
+        every(recvs, |x| x.is_nan(), &format!("{what}: written"))
     };
     // Rank 1's entry 1 is longer.
     let uneven = vec![vec![10, 10], vec![20, 21]];
@@ -251,15 +252,7 @@ fn single_controller_refusals_and_faults() {
     let mut recvs = bufs(&big, f32::NAN);
     single_group(&comm, &bufs(&big, 1.0), &mut recvs, 0).unwrap();
     comm.synchronize().unwrap();
-    for (s, e) in recvs.iter().enumerate() {
-        for (r, b) in e.iter().enumerate() {
-            let host = b.to_host(dev(r)).unwrap();
-            assert!(
-                host.iter().all(|&x| x == 2.0),
-                "too large: entry {s} of rank {r}"
-            );
-        }
-    }
+    every(&recvs, |&x| x == 2.0, "too large");
     let fits = vec![vec![8192; 2], vec![0; 2]];
     let sends = bufs(&fits, 1.0);
     // A skewed descriptor on rank 1.
@@ -364,28 +357,11 @@ fn rank_group<S: DeviceBuffer<Host>, R: DeviceBufferMut<Host>>(
     group.end().map(|_| ())
 }
 
-/// Runs `body(rank, comm, meet)` on one thread per rank; `meet` is a barrier of them.
-fn per_rank<R: Send>(
-    world: usize,
-    config: &CommConfig,
-    body: impl Fn(usize, &Comm<Host>, &Barrier) -> R + Sync,
-) -> Vec<R> {
-    let id = UniqueId::new().unwrap();
-    let meet = Barrier::new(world);
-    std::thread::scope(|s| {
-        let workers: Vec<_> = (0..world)
-            .map(|rank| {
-                let (id, body, meet, config) = (&id, &body, &meet, config.clone());
-                s.spawn(move || {
-                    let dev = Host::open(rank).unwrap();
-                    let comm = Comm::<Host>::from_rank(dev, rank, world, id, config).unwrap();
-                    body(rank, &comm, meet)
-                })
-            })
-            .collect();
-        workers.into_iter().map(|w| w.join().unwrap()).collect()
-    })
-}
+/// One thread per rank, rank r on host device r (`max_blocks` comes from `config`).
+const HOST: Placement = Placement {
+    devices: peercomm::MAX_GPUS,
+    max_blocks: 2,
+};
 
 /// One batch on one rank: every rank draws every rank's inputs from the same seed.
 fn per_rank_case<T: Element>(comm: &Comm<Host>, seed: u64, width: usize, lengths: &[usize]) {
@@ -435,7 +411,7 @@ fn per_rank_case<T: Element>(comm: &Comm<Host>, seed: u64, width: usize, lengths
 
 fn per_rank_batches(world: usize) {
     let seed = common::seed(&format!("group_kernel_per_rank_world_{world}"));
-    let checked = per_rank(world, &config(2), |_rank, comm, _meet| {
+    let checked = in_step::<Host, _>(&HOST, world, &config(2), |_rank, comm, _meet| {
         let mut case = 0u64;
         for width in divisors(world) {
             for lengths in batches() {
@@ -525,7 +501,7 @@ fn per_rank_mismatches(world: usize) {
     ];
     let odd = world - 1;
     for (what, field, other) in &cases {
-        let got = per_rank(world, &config, |rank, comm, meet| {
+        let got = in_step::<Host, _>(&HOST, world, &config, |rank, comm, meet| {
             let got = match (rank == odd, other) {
                 (true, Some(other)) => batch_untouched(comm, other),
                 (true, None) => plain_untouched(comm, 300),
@@ -551,7 +527,7 @@ tests! {
 #[test]
 fn per_rank_group_past_the_payload_is_split() {
     let config = config(2).with_payload_bytes(64 << 10);
-    per_rank(2, &config, |_rank, comm, _meet| {
+    in_step::<Host, _>(&HOST, 2, &config, |_rank, comm, _meet| {
         batch_untouched(comm, &[8192, 8192, 1]).unwrap();
         batch_untouched(comm, &[8192, 8192 - 20]).unwrap();
     });
@@ -650,7 +626,7 @@ fn per_rank_later_entry_mismatches(world: usize) {
         .count();
     assert!(collisions >= 12, "{collisions} digest collisions");
     let config = config(2).with_barrier_timeout(Some(Duration::from_millis(1500)));
-    let got = per_rank(world, &config, |rank, comm, meet| {
+    let got = in_step::<Host, _>(&HOST, world, &config, |rank, comm, meet| {
         let mut got = Vec::new();
         for (i, p) in pairs.iter().enumerate() {
             let odd = i % world;
@@ -683,21 +659,12 @@ fn per_rank_later_entry_mismatches(world: usize) {
             } else {
                 (&p.usual, &p.other)
             };
-            let expected = if p.grid {
-                let sized = |t: &[usize]| {
-                    if t == p.usual.as_slice() {
-                        "entries sized for 1 block"
-                    } else {
-                        "entries sized for 2 blocks"
-                    }
-                };
-                (sized(mine).to_string(), sized(theirs).to_string())
-            } else {
-                (
-                    format!("{} elements", mine[p.entry]),
-                    format!("{} elements", theirs[p.entry]),
-                )
+            let shown = |t: &Vec<usize>| match (p.grid, *t == p.usual) {
+                (true, true) => "entries sized for 1 block".to_string(),
+                (true, false) => "entries sized for 2 blocks".to_string(),
+                (false, _) => format!("{} elements", t[p.entry]),
             };
+            let expected = (shown(mine), shown(theirs));
             let got = got.unwrap_or_else(|e| panic!("{what}: rank {rank}: {e}"));
             match got {
                 Err(Error::CallMismatch {
@@ -708,11 +675,7 @@ fn per_rank_later_entry_mismatches(world: usize) {
                     theirs,
                 }) => {
                     assert_eq!(r, rank, "{what}");
-                    if rank == odd {
-                        assert_ne!(peer, odd, "{what}: rank {rank}");
-                    } else {
-                        assert_eq!(peer, odd, "{what}: rank {rank}");
-                    }
+                    assert_eq!(peer == odd, rank != odd, "{what}: rank {rank}: peer {peer}");
                     assert_eq!((mine, theirs), expected, "{what}: rank {rank}");
                 }
                 other => panic!("{what}: rank {rank} got {other:?}, not a length mismatch"),
@@ -720,7 +683,7 @@ fn per_rank_later_entry_mismatches(world: usize) {
         }
     }
     eprintln!(
-        "world {world}: {} pairs ({collisions} old-digest collisions), every rank got \
+        "world {world}: {} pairs ({collisions} narrow-digest collisions), every rank got \
          CallMismatch(Length), nothing written",
         pairs.len()
     );
