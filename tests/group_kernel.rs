@@ -9,7 +9,7 @@ mod per_rank_suite;
 use std::time::Duration;
 
 use common::Zeros;
-use peercomm::backend::host::{Host, HostBuffer};
+use peercomm::backend::host::{Host, HostBuffer, HostDevice};
 use peercomm::backend::{Backend, DeviceBuffer, DeviceBufferMut, TypedBuffer};
 use peercomm::{
     Algorithm, AllReduceOptions, CallField, Comm, CommConfig, DType, Element, Error,
@@ -357,6 +357,14 @@ fn rank_group<S: DeviceBuffer<Host>, R: DeviceBufferMut<Host>>(
     group.end().map(|_| ())
 }
 
+/// One host buffer per length, filled with `value`.
+fn filled<T: Element>(dev: &HostDevice, lengths: &[usize], value: T) -> Vec<HostBuffer<T>> {
+    lengths
+        .iter()
+        .map(|&n| Host::alloc_from(dev, &vec![value; n]).unwrap())
+        .collect()
+}
+
 /// One thread per rank, rank r on host device r (`max_blocks` comes from `config`).
 const HOST: Placement = Placement {
     devices: peercomm::MAX_GPUS,
@@ -377,17 +385,11 @@ fn per_rank_case<T: Element>(comm: &Comm<Host>, seed: u64, width: usize, lengths
         .iter()
         .map(|e| Host::alloc_from(dev, &e[rank]).unwrap())
         .collect();
-    let poisoned = || -> Vec<HostBuffer<T>> {
-        lengths
-            .iter()
-            .map(|&n| Host::alloc_from(dev, &vec![nan::<T>(); n]).unwrap())
-            .collect()
-    };
-    let mut recvs = poisoned();
+    let mut recvs = filled(dev, lengths, nan::<T>());
     rank_group(comm, &sends, &mut recvs, width).unwrap_or_else(|e| panic!("{what}: {e}"));
     comm.synchronize()
         .unwrap_or_else(|e| panic!("{what}: rank {rank}: {e}"));
-    let mut alone = poisoned();
+    let mut alone = filled(dev, lengths, nan::<T>());
     let opts = AllReduceOptions::new()
         .algorithm(Algorithm::OneStage)
         .group_size(width);
@@ -398,14 +400,8 @@ fn per_rank_case<T: Element>(comm: &Comm<Host>, seed: u64, width: usize, lengths
     for (s, entry) in ins.iter().enumerate() {
         let got = recvs[s].to_host(dev).unwrap();
         let one = alone[s].to_host(dev).unwrap();
-        check_entry(
-            entry,
-            width,
-            rank,
-            &got,
-            &one,
-            &format!("{what}, entry {s}"),
-        );
+        let what = format!("{what}, entry {s}");
+        check_entry(entry, width, rank, &got, &one, &what);
     }
 }
 
@@ -442,14 +438,7 @@ tests! {
 /// failed.
 fn batch_untouched(comm: &Comm<Host>, lengths: &[usize]) -> peercomm::Result<()> {
     let dev = comm.device();
-    let sends: Vec<HostBuffer<f32>> = lengths
-        .iter()
-        .map(|&n| Host::alloc_from(dev, &vec![1.0f32; n]).unwrap())
-        .collect();
-    let mut recvs: Vec<HostBuffer<f32>> = lengths
-        .iter()
-        .map(|&n| Host::alloc_from(dev, &vec![f32::NAN; n]).unwrap())
-        .collect();
+    let (sends, mut recvs) = (filled(dev, lengths, 1.0f32), filled(dev, lengths, f32::NAN));
     rank_group(comm, &sends, &mut recvs, 0)?;
     let result = comm.synchronize();
     if result.is_err() {

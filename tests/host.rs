@@ -3,6 +3,7 @@
 
 mod common;
 
+use common::fused::{self, fused_config, DECODE_CASES};
 use common::fuzz::{calls_from_env, fuzz, Knobs};
 use common::Placement;
 use peercomm::backend::host::Host;
@@ -31,22 +32,13 @@ tests! {
 /// worlds 2 and 4.
 fn lamport_fused_host(world: usize) {
     let test = format!("lamport_fused_world_{world}");
-    let comm = common::open::<Host>(
-        world,
-        common::fused::fused_config(common::suite_config(Some(3))),
-    );
+    let comm = common::open::<Host>(world, fused_config(common::suite_config(Some(3))));
     let mut rng = common::rng(&test);
     let started = std::time::Instant::now();
-    let batches = common::fused::lamport_fused_matches_one_stage(
-        &comm,
-        &mut rng,
-        &common::fused::DECODE_CASES,
-    );
-    common::fused::lamport_kinds_interleave(&comm, &mut rng);
-    eprintln!(
-        "{test}: {batches} batches checked in {:?}",
-        started.elapsed()
-    );
+    let batches = fused::lamport_fused_matches_one_stage(&comm, &mut rng, &DECODE_CASES);
+    fused::lamport_kinds_interleave(&comm, &mut rng);
+    let took = started.elapsed();
+    eprintln!("{test}: {batches} batches checked in {took:?}");
 }
 
 tests! {

@@ -491,12 +491,8 @@ fn host_export_import_cycles_leak_nothing() {
     let _serial = serial();
     let (d0, d1) = (host(0), host(1));
     let cycle = |i: u32| {
-        let mem = Host::alloc(
-            &d0,
-            4096 + (i as usize % 3) * 4000,
-            MemoryKind::SharedSignal,
-        )
-        .unwrap();
+        let bytes = 4096 + (i as usize % 3) * 4000;
+        let mem = Host::alloc(&d0, bytes, MemoryKind::SharedSignal).unwrap();
         let handle = Host::export_memory(&d0, &mem).unwrap();
         let mapping = Host::import_memory(&d1, &handle).unwrap();
         Host::memset_d32(&d1, Host::mapping_ptr(&mapping), i, 16).unwrap();
@@ -519,13 +515,10 @@ fn host_export_import_cycles_leak_nothing() {
     );
     assert_eq!(fds_after.1, fds.1, "shared signal fds leaked");
     assert_eq!(maps_after.1, maps.1, "shared signal mappings leaked");
-    assert!(
-        fds_after.0 <= fds.0 + SLACK_FDS,
-        "fds {fds:?} -> {fds_after:?}"
-    );
+    assert!(fds_after.0 <= fds.0 + SLACK_FDS, "{fds:?} -> {fds_after:?}");
     assert!(
         maps_after.0 <= maps.0 + SLACK_MAPS,
-        "maps {maps:?} -> {maps_after:?}"
+        "{maps:?} -> {maps_after:?}"
     );
 }
 
