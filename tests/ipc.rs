@@ -314,38 +314,30 @@ fn child_import_fails<B: Backend>(test: &str) {
     println!("\n{DONE}");
 }
 
-/// In module `$module` over backend `B`: `full(name)`, and each two-process test
-/// `$parent` running `$run` with its child test `$child` (a no-op in an ordinary run).
-macro_rules! two_process_tests {
-    ($module:ident: $($parent:ident($run:ident) => $child:ident;)+) => {
+/// In module `$module` over backend `B` (with its `parent_device`): each two-process
+/// test `$parent` running `$run`, with its child test `$child` (a no-op in an ordinary run).
+macro_rules! two_process_suite {
+    ($module:ident) => {
         /// The full name of this module's test `name`.
         fn full(name: &str) -> String {
             format!("{}::{name}", stringify!($module))
         }
-        $(
-            #[test]
-            fn $parent() {
-                let _serial = serial();
-                if let Some((dev, child)) = parent_device(&full(stringify!($parent))) {
-                    super::$run::<B>(&dev, &full(stringify!($child)), child);
-                }
-            }
-
-            #[test]
-            fn $child() {
-                super::$child::<B>(&full(stringify!($child)));
-            }
-        )+
+        two_process_suite!(@ two_processes_share_signal_memory(parent_and_child_share_memory) => child_checks_and_writes);
+        two_process_suite!(@ killed_child_leaves_the_parents_memory_intact(parent_survives_killed_child) => child_writes_until_killed);
+        two_process_suite!(@ stale_handle_fails_in_another_process(stale_handle_fails_in_another_process) => child_import_fails);
     };
-}
+    (@ $parent:ident($run:ident) => $child:ident) => {
+        #[test]
+        fn $parent() {
+            let _serial = serial();
+            if let Some((dev, child)) = parent_device(&full(stringify!($parent))) {
+                super::$run::<B>(&dev, &full(stringify!($child)), child);
+            }
+        }
 
-/// The two-process tests of backend `B` in module `$module`.
-macro_rules! two_process_suite {
-    ($module:ident) => {
-        two_process_tests! { $module:
-            two_processes_share_signal_memory(parent_and_child_share_memory) => child_checks_and_writes;
-            killed_child_leaves_the_parents_memory_intact(parent_survives_killed_child) => child_writes_until_killed;
-            stale_handle_fails_in_another_process(stale_handle_fails_in_another_process) => child_import_fails;
+        #[test]
+        fn $child() {
+            super::$child::<B>(&full(stringify!($child)));
         }
     };
 }
@@ -390,12 +382,10 @@ fn host_same_process_round_trip() {
     check_pattern::<Host>(&d0, ptr, 11, 0..4, "untouched");
     check_pattern::<Host>(&d0, ptr, 11, 12..16, "untouched");
     // The last bytes (past the last whole page) are reachable through both.
-    Host::memset_d32(&d1, mptr + (BYTES - 4) as u64, 0xABCD_0123, 1).unwrap();
+    let tail = (BYTES - 4) as u64;
+    Host::memset_d32(&d1, mptr + tail, 0xABCD_0123, 1).unwrap();
     Host::synchronize(&d1).unwrap();
-    assert_eq!(
-        read_words::<Host>(&d0, ptr + (BYTES - 4) as u64, 1),
-        [0xABCD_0123]
-    );
+    assert_eq!(read_words::<Host>(&d0, ptr + tail, 1), [0xABCD_0123]);
     drop(mapping);
     drop(mem);
     Host::synchronize(&d0).unwrap();
