@@ -92,18 +92,7 @@ impl Settings {
 
     /// The width of the groups of a call: `group_size`, or the world for 0.
     pub(crate) fn group_width(&self, group_size: usize) -> Result<usize> {
-        let width = if group_size == 0 {
-            self.world
-        } else {
-            group_size
-        };
-        if width > self.world || !self.world.is_multiple_of(width) {
-            return Err(Error::InvalidGroupSize {
-                group_size,
-                world: self.world,
-            });
-        }
-        Ok(width)
+        group_width(self.world, group_size)
     }
 
     /// The wait limit the kernels get, in nanoseconds (0 = never; saturates).
@@ -112,4 +101,14 @@ impl Settings {
             u64::try_from(t.as_nanos()).unwrap_or(u64::MAX).max(1)
         })
     }
+}
+
+/// The width of groups of `group_size` in a world of `world` ranks (0: the world), which
+/// must divide the world.
+pub(crate) fn group_width(world: usize, group_size: usize) -> Result<usize> {
+    let width = if group_size == 0 { world } else { group_size };
+    if width > world || !world.is_multiple_of(width) {
+        return Err(Error::InvalidGroupSize { group_size, world });
+    }
+    Ok(width)
 }

@@ -8,6 +8,7 @@ use crate::error::{Error, Result};
 use crate::external::{ExternalAllReduce, Fallback, SizeRouting};
 use crate::signal::MAX_GPUS;
 
+use super::settings::group_width;
 use crate::comm::{AllReduceOptions, CommConfig};
 
 pub(crate) mod external;
@@ -67,7 +68,7 @@ impl<B: Backend> Router<B> {
         elements: usize,
         options: &AllReduceOptions,
     ) -> Result<Path> {
-        let width = self.width(options.group_size)?;
+        let width = group_width(self.world, options.group_size)?;
         let forced_external = options.algorithm == Algorithm::Nccl;
         let local = self.local();
         if width == self.world && self.world > local {
@@ -123,7 +124,7 @@ impl<B: Backend> Router<B> {
         &self,
         options: &crate::CollectiveOptions,
     ) -> Result<crate::CollectiveOptions> {
-        let width = self.width(options.group_size)?;
+        let width = group_width(self.world, options.group_size)?;
         let local = self.local();
         if !local.is_multiple_of(width) {
             return Err(Error::Unsupported(format!(
@@ -137,22 +138,6 @@ impl<B: Backend> Router<B> {
             group_size: if width == local { 0 } else { width },
             ..*options
         })
-    }
-
-    /// The width of groups of `group_size` (0: the world), which must divide the world.
-    fn width(&self, group_size: usize) -> Result<usize> {
-        let width = if group_size == 0 {
-            self.world
-        } else {
-            group_size
-        };
-        if width > self.world || !self.world.is_multiple_of(width) {
-            return Err(Error::InvalidGroupSize {
-                group_size,
-                world: self.world,
-            });
-        }
-        Ok(width)
     }
 
     /// Why peer memory does not serve the whole world.
