@@ -1,24 +1,15 @@
-//! The per-call descriptor: what every rank of a group must agree on for one
-//! collective, packed into the [`CALL_WORDS`] words that each barrier arrival and
-//! Lamport header carries, compared exactly by the peers, and decoded into an
-//! [`Error::CallMismatch`] naming the first field that differs.
+//! The per-call descriptor: what every rank of a group must agree on for one collective,
+//! packed into the [`CALL_WORDS`] words each barrier arrival and Lamport header carries,
+//! compared exactly by the peers and decoded into an [`Error::CallMismatch`] naming the
+//! first differing field. Every field is held whole, so different values never compare
+//! equal; the sequence number counts launches per barrier domain, so sibling groups may
+//! make different numbers of calls.
 //!
-//! Caught on both APIs: another collective, dtype, group width, root, length, block
-//! count, algorithm, input place (staged, or which registration and offset), fused row
-//! length or epsilon, and a call out of order (the sequence number counts the launches
-//! of each barrier domain, so sibling groups may make different numbers of calls).
-//! Every field is held whole, so different values never compare equal. Ranks that a
-//! difference puts in different domains or kinds of wait find it when their wait gives
-//! up, by reading the awaited peer's `current_call`.
-//!
-//! Left to the caller: calls that agree in every field but pair unintended buffers, and
-//! a group of one's calls. A rank's group-of-one call where its peer makes a world call
-//! pairs its next world call with the peer's pending one; it is caught late, as a
-//! `BarrierTimeout` on the peer and `PeerAborted` here.
-//!
-//! A batch of all-reduces carries only entry 0's length here; its kernel compares every
-//! entry (see `launch::group`). Between two batches another block count is named
-//! [`CallField::Length`]: a batch's grid follows its lengths alone.
+//! Not caught: calls that agree in every field but pair unintended buffers, and a group
+//! of one's calls (one paired with a peer's world call shows up late, as a
+//! `BarrierTimeout` there and `PeerAborted` here). A batch carries only entry 0's length;
+//! its kernel compares the rest (`launch::group`), and another grid between two batches
+//! is named [`CallField::Length`] (a batch's grid follows its lengths alone).
 
 use crate::backend::KernelKind;
 use crate::dtype::DType;
@@ -68,20 +59,12 @@ fn encode_fields(f: &Fields) -> [u32; CALL_WORDS] {
         | (f.width.saturating_sub(1) & 7) << 9
         | (f.root & 7) << 12
         | (f.blocks.saturating_sub(1) & 0x3ff) << 15;
-    [
-        s0,
-        s1,
-        kind,
-        e0,
-        e1,
-        r0,
-        o0,
-        o1,
+    let (hidden, eps0, eps1) = (
         f.hidden & LOW31 as u32,
         f.epsilon & LOW31 as u32,
         f.epsilon >> 31,
-        r1,
-    ]
+    );
+    [s0, s1, kind, e0, e1, r0, o0, o1, hidden, eps0, eps1, r1]
 }
 
 fn decode(w: [u32; CALL_WORDS]) -> Fields {
@@ -129,20 +112,6 @@ fn kind_of(code: u32) -> Option<KernelKind> {
     KernelKind::ALL.get(code as usize).copied()
 }
 
-/// Whether a descriptor is a batch of all-reduces' (see `launch::group`).
-fn is_batch(f: &Fields) -> bool {
-    kind_of(f.kind) == Some(KernelKind::AllReduceGroup)
-}
-
-/// What a batch's grid says of its entries.
-fn sized_for(blocks: u32) -> String {
-    if blocks == 1 {
-        "entries sized for 1 block".into()
-    } else {
-        format!("entries sized for {blocks} blocks")
-    }
-}
-
 /// The collective a kernel kind runs.
 fn collective_name(code: u32) -> String {
     match kind_of(code) {
@@ -178,27 +147,6 @@ fn dtype_name(code: u32) -> String {
         .map_or_else(|| format!("dtype {code}"), |d| d.name().to_string())
 }
 
-/// `call k`, or, for a zero sequence number, that the rank has run no call.
-fn call_number(seq: u64) -> String {
-    if seq == 0 {
-        "no call yet".into()
-    } else {
-        format!("call {seq}")
-    }
-}
-
-/// Where a descriptor says the peers read the input.
-fn place_name(f: &Fields) -> String {
-    match f.registration {
-        0 => "the input staged (not registered)".to_string(),
-        r => format!(
-            "a registered input (registration {}, byte offset {})",
-            r - 1,
-            f.offset
-        ),
-    }
-}
-
 /// The first field in which `theirs` differs from `mine`, with both values as text;
 /// `None` when they agree.
 pub(crate) fn first_difference(
@@ -206,63 +154,52 @@ pub(crate) fn first_difference(
     theirs: [u32; CALL_WORDS],
 ) -> Option<(CallField, String, String)> {
     let (a, b) = (decode(mine), decode(theirs));
-    let collective = |f: &Fields| collective_name(f.kind);
-    let field = if collective(&a) != collective(&b) {
-        (CallField::Collective, collective(&a), collective(&b))
-    } else if a.dtype != b.dtype {
-        (CallField::DType, dtype_name(a.dtype), dtype_name(b.dtype))
-    } else if a.width != b.width {
-        (
-            CallField::GroupWidth,
-            format!("groups of {}", a.width),
-            format!("groups of {}", b.width),
-        )
-    } else if a.root != b.root {
-        (
-            CallField::Root,
-            format!("root {}", a.root),
-            format!("root {}", b.root),
-        )
-    } else if a.elements != b.elements {
-        (
-            CallField::Length,
-            format!("{} elements", a.elements),
-            format!("{} elements", b.elements),
-        )
-    } else if a.blocks != b.blocks && is_batch(&a) && is_batch(&b) {
-        // A batch's grid follows its entries' packs (the settings it also depends on
-        // are agreed at setup, the count is the root field): another grid is another
-        // length in a later entry, which the descriptor does not hold.
-        (CallField::Length, sized_for(a.blocks), sized_for(b.blocks))
-    } else if a.blocks != b.blocks {
-        (
-            CallField::Blocks,
-            format!("{} blocks", a.blocks),
-            format!("{} blocks", b.blocks),
-        )
-    } else if a.kind != b.kind {
-        (
-            CallField::Algorithm,
-            algorithm_name(a.kind),
-            algorithm_name(b.kind),
-        )
-    } else if (a.registration, a.offset) != (b.registration, b.offset) {
-        (CallField::Inputs, place_name(&a), place_name(&b))
-    } else if a.hidden != b.hidden {
-        (
-            CallField::Hidden,
-            format!("rows of {} elements", a.hidden),
-            format!("rows of {} elements", b.hidden),
-        )
-    } else if a.epsilon != b.epsilon {
-        let eps = |bits: u32| format!("epsilon {:e}", f32::from_bits(bits));
-        (CallField::Epsilon, eps(a.epsilon), eps(b.epsilon))
-    } else if a.seq != b.seq {
-        (CallField::Sequence, call_number(a.seq), call_number(b.seq))
-    } else {
-        return None;
+    let grid = a.blocks != b.blocks;
+    // In the order they are named. A batch's grid follows its entries' packs (its count
+    // is the root field): another grid between two batches is another later length.
+    let batch = |f: &Fields| kind_of(f.kind) == Some(KernelKind::AllReduceGroup);
+    let batch_grid = grid && batch(&a) && batch(&b);
+    let name = |f: &Fields| collective_name(f.kind);
+    let place = |f: &Fields| (f.registration, f.offset);
+    let (field, _) = [
+        (CallField::Collective, name(&a) != name(&b)),
+        (CallField::DType, a.dtype != b.dtype),
+        (CallField::GroupWidth, a.width != b.width),
+        (CallField::Root, a.root != b.root),
+        (CallField::Length, a.elements != b.elements || batch_grid),
+        (CallField::Blocks, grid),
+        (CallField::Algorithm, a.kind != b.kind),
+        (CallField::Inputs, place(&a) != place(&b)),
+        (CallField::Hidden, a.hidden != b.hidden),
+        (CallField::Epsilon, a.epsilon != b.epsilon),
+        (CallField::Sequence, a.seq != b.seq),
+    ]
+    .into_iter()
+    .find(|d| d.1)?;
+    let show = |f: &Fields| match field {
+        CallField::Collective => collective_name(f.kind),
+        CallField::DType => dtype_name(f.dtype),
+        CallField::GroupWidth => format!("groups of {}", f.width),
+        CallField::Root => format!("root {}", f.root),
+        CallField::Length if a.elements == b.elements => match f.blocks {
+            1 => "entries sized for 1 block".into(),
+            n => format!("entries sized for {n} blocks"),
+        },
+        CallField::Length => format!("{} elements", f.elements),
+        CallField::Blocks => format!("{} blocks", f.blocks),
+        CallField::Algorithm => algorithm_name(f.kind),
+        CallField::Inputs if f.registration == 0 => "the input staged (not registered)".into(),
+        CallField::Inputs => format!(
+            "a registered input (registration {}, byte offset {})",
+            f.registration - 1,
+            f.offset
+        ),
+        CallField::Hidden => format!("rows of {} elements", f.hidden),
+        CallField::Epsilon => format!("epsilon {:e}", f32::from_bits(f.epsilon)),
+        CallField::Sequence if f.seq == 0 => "no call yet".into(),
+        CallField::Sequence => format!("call {}", f.seq),
     };
-    Some(field)
+    Some((field, show(&a), show(&b)))
 }
 
 /// The typed error of rank `rank` whose peer `peer` published `theirs` against its own

@@ -23,7 +23,7 @@
 //! changes the grid differs in the block count already, which `call::first_difference`
 //! names `CallField::Length` between two batches.
 
-use crate::backend::{Backend, Kernel, KernelKind, LaunchDims};
+use crate::backend::{Backend, Kernel, KernelKind};
 use crate::dispatch::{self, Algorithm};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -93,27 +93,19 @@ impl Settings {
             self.config.threads_per_block,
             self.max_blocks,
         );
+        let (kernel, dims) = (Kernel { kind, dtype }, self.dims(blocks));
         let mut lens = [0u64; MAX_GROUP_CALLS];
         for (l, &n) in lens.iter_mut().zip(lengths) {
             *l = n as u64;
         }
         Ok(GroupPlan {
             plan: Plan {
-                kernel: Kernel { kind, dtype },
-                algorithm: Algorithm::OneStage,
-                width,
-                elements: lengths[0],
                 stage_input: staged,
-                dims: LaunchDims {
-                    blocks,
-                    threads: self.config.threads_per_block,
-                },
-                overlap_previous: false,
-                input_place: Default::default(),
                 collective: CollectiveArgs {
                     root: (count - 1) as u32,
                     ..CollectiveArgs::default()
                 },
+                ..Plan::new(kernel, Algorithm::OneStage, width, lengths[0], dims)
             },
             count,
             lengths: lens,

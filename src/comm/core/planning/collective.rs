@@ -4,11 +4,11 @@
 //! the own payload, in chunks where it does not fit whole ([`super::staging`]); only a
 //! payload without room for two chunks refuses it ([`crate::Error::MessageTooLarge`]).
 
-use crate::backend::{Kernel, KernelKind, LaunchDims};
+use crate::backend::{Kernel, KernelKind};
 use crate::dispatch::{self, Algorithm};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
-use crate::signal::{LAMPORT_HEADER_BYTES, MAX_NUM_BLOCKS_UPPER_BOUND};
+use crate::signal::LAMPORT_HEADER_BYTES;
 
 use super::staging::message_bytes;
 use super::staging::{self, padded};
@@ -133,41 +133,22 @@ impl Settings {
             staging::collective(kind, dtype, elements, width, hidden, payload)
                 .map_err(|needed| self.payload_too_large(kind, needed))?;
         }
-        let blocks = match options.blocks {
-            Some(b) if b == 0 || b as usize > MAX_NUM_BLOCKS_UPPER_BOUND => {
-                return Err(Error::Unsupported(format!(
-                    "blocks must be in 1..={MAX_NUM_BLOCKS_UPPER_BOUND}, not {b}"
-                )))
+        // One row per block for the fused kernel.
+        let blocks = self.blocks(options.blocks, || match which {
+            Collective::AllReduceRmsNorm { hidden, .. } => {
+                (elements / hidden).clamp(1, self.max_blocks as usize) as u32
             }
-            Some(b) => b,
-            None => match which {
-                // One row per block.
-                Collective::AllReduceRmsNorm { hidden, .. } => {
-                    (elements / hidden).clamp(1, self.max_blocks as usize) as u32
-                }
-                _ => {
-                    dispatch::blocks_for(work_packs, self.config.threads_per_block, self.max_blocks)
-                }
-            },
-        };
+            _ => dispatch::blocks_for(work_packs, self.config.threads_per_block, self.max_blocks),
+        })?;
+        let dims = self.dims(blocks);
         Ok(Plan {
-            kernel: Kernel { kind, dtype },
-            algorithm,
-            width,
-            elements,
             stage_input: staged,
-            dims: LaunchDims {
-                blocks,
-                threads: self.config.threads_per_block,
-            },
-            overlap_previous: false,
-            input_place: Default::default(),
             collective: extra,
+            ..Plan::new(Kernel { kind, dtype }, algorithm, width, elements, dims)
         })
     }
-}
 
-impl Settings {
+    /// The algorithm a collective call runsimpl Settings {
     /// The algorithm a collective call runs: the fused call chooses between one-stage
     /// and Lamport (its shape checked first), the others run one-stage.
     fn collective_algorithm(
@@ -192,7 +173,7 @@ impl Settings {
         check_rms_norm(dtype, elements, hidden, epsilon)?;
         // As the Lamport all-reduce: the whole world of at least two ranks, and a slot
         // holding the packs and the header.
-        let allowed = width == self.world && width > 1;
+        let allowed = self.lamport_allowed(width);
         let need = padded(dtype, elements) + LAMPORT_HEADER_BYTES;
         let slot = self.layout.lamport_slot_bytes;
         match asked {

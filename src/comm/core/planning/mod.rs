@@ -51,6 +51,30 @@ pub(crate) struct Plan {
     pub(crate) input_place: InputPlace,
 }
 
+impl Plan {
+    /// A plan of `kernel` on `dims` with nothing staged, no overlap and no collective
+    /// arguments (callers set what differs).
+    pub(crate) fn new(
+        kernel: Kernel,
+        algorithm: Algorithm,
+        width: usize,
+        elements: usize,
+        dims: LaunchDims,
+    ) -> Self {
+        Plan {
+            kernel,
+            algorithm,
+            width,
+            elements,
+            stage_input: false,
+            dims,
+            overlap_previous: false,
+            collective: CollectiveArgs::default(),
+            input_place: InputPlace::Staged,
+        }
+    }
+}
+
 /// Where the peers read a call's input (compared by the call descriptor).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) enum InputPlace {
@@ -64,23 +88,41 @@ pub(crate) enum InputPlace {
 impl Settings {
     /// The barrier kernel over groups of `group_size`: one block, no data.
     pub(crate) fn barrier_plan(&self, group_size: usize) -> Result<Plan> {
-        Ok(Plan {
-            kernel: Kernel {
-                kind: KernelKind::Barrier,
-                dtype: DType::F32,
-            },
-            algorithm: Algorithm::Auto,
-            width: self.group_width(group_size)?,
-            elements: 0,
-            stage_input: false,
-            dims: LaunchDims {
-                blocks: 1,
-                threads: self.config.threads_per_block,
-            },
-            overlap_previous: false,
-            input_place: InputPlace::Staged,
-            collective: CollectiveArgs::default(),
-        })
+        let kernel = Kernel {
+            kind: KernelKind::Barrier,
+            dtype: DType::F32,
+        };
+        let width = self.group_width(group_size)?;
+        Ok(Plan::new(kernel, Algorithm::Auto, width, 0, self.dims(1)))
+    }
+
+    /// `blocks` blocks of the configured threads.
+    pub(crate) fn dims(&self, blocks: u32) -> LaunchDims {
+        LaunchDims {
+            blocks,
+            threads: self.config.threads_per_block,
+        }
+    }
+
+    /// The blocks a call asked for (checked), else `chosen()`.
+    pub(crate) fn blocks(&self, asked: Option<u32>, chosen: impl FnOnce() -> u32) -> Result<u32> {
+        match asked {
+            Some(b) if b == 0 || b as usize > MAX_NUM_BLOCKS_UPPER_BOUND => {
+                Err(Error::Unsupported(format!(
+                    "blocks must be in 1..={MAX_NUM_BLOCKS_UPPER_BOUND}, not {b}"
+                )))
+            }
+            Some(b) => Ok(b),
+            None => Ok(chosen()),
+        }
+    }
+
+    /// Whether Lamport may run over groups of `width`: only over the whole world of at
+    /// least two ranks. Its state is per rank and shared by every width, so a subgroup
+    /// would move its generations but not its siblings'; a group of one copies, keeping
+    /// the sign of zero.
+    pub(crate) fn lamport_allowed(&self, width: usize) -> bool {
+        width == self.world && width > 1
     }
 
     /// Chooses the algorithm and grid and checks the scratch. With `PeerReads::Payloads`
@@ -117,10 +159,7 @@ impl Settings {
             fits_whole(a)
                 || (a == Algorithm::OneStage && staging::all_reduce(packs, payload).is_some())
         };
-        // Lamport runs only over the whole world of at least two ranks: its state is per
-        // rank and shared by every width, so a subgroup would move its generations but not
-        // its siblings'. A group of one copies, keeping the sign of zero.
-        let lamport_allowed = width == self.world && width > 1;
+        let lamport_allowed = self.lamport_allowed(width);
         let algorithm = match options.algorithm {
             Algorithm::Auto => {
                 let mut preferred = dispatch::choose(&self.arch, width, bytes);
@@ -189,32 +228,19 @@ impl Settings {
             _ => packs,
         }
         .saturating_mul((width - 1).max(1));
-        let blocks = match options.blocks {
-            Some(b) => {
-                if b == 0 || b as usize > MAX_NUM_BLOCKS_UPPER_BOUND {
-                    return Err(Error::Unsupported(format!(
-                        "blocks must be in 1..={MAX_NUM_BLOCKS_UPPER_BOUND}, not {b}"
-                    )));
-                }
-                b
-            }
-            None => {
-                dispatch::blocks_for(work_packs, self.config.threads_per_block, self.max_blocks)
-            }
-        };
+        let blocks = self.blocks(options.blocks, || {
+            dispatch::blocks_for(work_packs, self.config.threads_per_block, self.max_blocks)
+        })?;
         Ok(Plan {
-            kernel: Kernel { kind, dtype },
-            algorithm,
-            width,
-            elements,
             stage_input,
-            dims: LaunchDims {
-                blocks,
-                threads: self.config.threads_per_block,
-            },
             overlap_previous: options.overlap_previous,
-            input_place: InputPlace::Staged,
-            collective: CollectiveArgs::default(),
+            ..Plan::new(
+                Kernel { kind, dtype },
+                algorithm,
+                width,
+                elements,
+                self.dims(blocks),
+            )
         })
     }
 }
