@@ -16,13 +16,11 @@ use crate::backend::Backend;
 use crate::bootstrap::{Bootstrap, ExchangeKind};
 use crate::error::Result;
 
-use super::records::{expect_kind, malformed, record_word, refusal_text, refused};
+use super::records::{decode as decode_record, encode as encode_record, malformed, refused};
+use super::records::{record_word, refusal_of, take, CAPTURE_RECORD};
 use super::registry::{register_range, Registry};
 use crate::comm::per_rank::Comm;
 use crate::comm::zero_copy::script::{Follow, Planning, Script, Step};
-
-/// The first word of a registered capture's gathered record (see `REGISTER_RECORD`).
-const CAPTURE_RECORD: u64 = u64::from_le_bytes(*b"pccap\0\0\x01");
 
 /// The registrations that the calls of a registered capture read their inputs through
 /// ([`Comm::register_inputs_of`], `Comm::capture_registered` (CUDA)): they last as long as
@@ -91,46 +89,28 @@ impl Drop for ScriptOff<'_> {
 
 /// One rank's gathered record: its recorded inputs, or why it refuses.
 fn encode(inputs: &[(u64, usize)], refusal: &str) -> Vec<u8> {
-    let mut words = vec![CAPTURE_RECORD, refusal.len() as u64, inputs.len() as u64];
+    let mut words = vec![inputs.len() as u64];
     for &(ptr, bytes) in inputs {
         words.extend([ptr, bytes as u64]);
     }
-    let mut record: Vec<u8> = words.iter().flat_map(|w| w.to_le_bytes()).collect();
-    record.extend_from_slice(refusal.as_bytes());
-    record
+    encode_record(CAPTURE_RECORD, &words, refusal.as_bytes())
 }
 
 /// Rank `rank`'s recorded inputs from its record.
 fn decode(rank: usize, b: &[u8]) -> Result<Vec<(u64, usize)>> {
-    expect_kind(
-        rank,
-        b,
-        CAPTURE_RECORD,
-        "capture",
-        "makes a registered capture",
-    )?;
-    let word = |i: usize| record_word(b, i);
-    let malformed = || malformed(rank, "capture", b);
-    let (refusal_len, count) = (
-        word(1).ok_or_else(malformed)?,
-        word(2).ok_or_else(malformed)?,
-    );
-    let pairs_end = count
+    let ([count], rest) = decode_record(rank, b, CAPTURE_RECORD)?;
+    let (pairs, refusal) = count
         .checked_mul(16)
-        .and_then(|p| p.checked_add(24))
-        .filter(|&e| e <= b.len() as u64)
-        .ok_or_else(malformed)? as usize;
-    if refusal_len > 0 {
-        let text = b.get(pairs_end..).ok_or_else(malformed)?;
-        return Err(refused(rank, String::from_utf8_lossy(text).into_owned()));
+        .and_then(|n| take(rest, n))
+        .ok_or_else(|| malformed(rank, b))?;
+    if !refusal.is_empty() {
+        return Err(refused(rank, String::from_utf8_lossy(refusal).into_owned()));
     }
-    Ok((0..count as usize)
-        .map(|k| {
-            let at = 3 + 2 * k;
-            (
-                word(at).expect("in range"),
-                word(at + 1).expect("in range") as usize,
-            )
+    Ok(pairs
+        .chunks_exact(16)
+        .map(|p| {
+            let word = |i| record_word(p, i).expect("16 bytes");
+            (word(0), word(1) as usize)
         })
         .collect())
 }
@@ -247,12 +227,11 @@ impl<B: Backend> Comm<B> {
             }
             Err(e) => Err(e.clone()),
         };
-        let (mine, refusal) = match &first {
-            Ok((_, inputs)) => (inputs.clone(), String::new()),
-            Err(e) => (Vec::new(), refusal_text(e)),
-        };
+        let mine = first
+            .as_ref()
+            .map_or(Vec::new(), |(_, inputs)| inputs.clone());
         let bootstrap = self.exchanges.of(ExchangeKind::Capture);
-        let gathered = bootstrap.all_gather(&encode(&mine, &refusal));
+        let gathered = bootstrap.all_gather(&encode(&mine, &refusal_of(&first)));
         let (value, _) = first?;
         let lists = gathered?
             .iter()
@@ -326,10 +305,7 @@ mod tests {
             decode(0, &short),
             Err(Error::CannotRegister { rank: 0, .. })
         ));
-        let register: Vec<u8> = [REGISTER_RECORD, 0, 0]
-            .iter()
-            .flat_map(|w| w.to_le_bytes())
-            .collect();
+        let register = encode_record(REGISTER_RECORD, &[0, 0], b"");
         match decode(1, &register) {
             Err(Error::CannotRegister { rank: 1, reason }) => {
                 assert!(reason.contains("registered capture"), "{reason}")

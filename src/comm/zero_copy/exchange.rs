@@ -12,6 +12,8 @@ use std::time::{Duration, Instant};
 use crate::backend::{Backend, Descriptor, ExportedRange};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
+
+use super::records::{decode, encode, malformed, refused, take};
 use crate::os::descriptors::{self, Listener, Peer};
 
 /// How long a rank waits for its peers' descriptors, or to hand one over, at most (a
@@ -30,6 +32,9 @@ pub(crate) struct Received {
     pub(crate) descriptor: Option<Descriptor>,
 }
 
+/// The kind word of an export record (see [`super::records`]).
+const EXPORT_RECORD: u64 = u64::from_le_bytes(*b"pcexp\0\0\x01");
+
 /// One rank's gathered export.
 #[derive(Default)]
 struct Record {
@@ -46,49 +51,31 @@ struct Record {
 
 impl Record {
     fn encode(&self) -> Vec<u8> {
-        let mut b = (self.refusal.len() as u32).to_le_bytes().to_vec();
-        b.extend_from_slice(self.refusal.as_bytes());
-        b.extend_from_slice(&self.pid.to_le_bytes());
-        b.extend_from_slice(&self.nonce.to_le_bytes());
-        b.push(self.descriptor as u8);
-        b.extend_from_slice(&(self.name.len() as u16).to_le_bytes());
-        b.extend_from_slice(&self.name);
-        b.extend_from_slice(&self.offset.to_le_bytes());
-        b.extend_from_slice(&self.handle);
-        b
+        let (refusal, name) = (self.refusal.len() as u64, self.name.len() as u64);
+        let words = [
+            self.pid.into(),
+            self.nonce,
+            self.descriptor.into(),
+            self.offset,
+            refusal,
+            name,
+        ];
+        let text = [self.refusal.as_bytes(), &self.name, &self.handle].concat();
+        encode(EXPORT_RECORD, &words, &text)
     }
 
-    fn decode(b: &[u8]) -> std::result::Result<Record, String> {
-        let mut at = 0usize;
-        let mut take = |n: usize| -> std::result::Result<&[u8], String> {
-            let s = b
-                .get(at..at + n)
-                .ok_or_else(|| format!("a malformed export record ({} bytes)", b.len()))?;
-            at += n;
-            Ok(s)
-        };
-        let len = u32::from_le_bytes(take(4)?.try_into().expect("4")) as usize;
-        let refusal = String::from_utf8_lossy(take(len)?).into_owned();
-        if !refusal.is_empty() {
-            return Ok(Record {
-                refusal,
-                ..Record::default()
-            });
-        }
-        let pid = u32::from_le_bytes(take(4)?.try_into().expect("4"));
-        let nonce = u64::from_le_bytes(take(8)?.try_into().expect("8"));
-        let descriptor = take(1)?[0] != 0;
-        let name_len = u16::from_le_bytes(take(2)?.try_into().expect("2")) as usize;
-        let name = take(name_len)?.to_vec();
-        let offset = u64::from_le_bytes(take(8)?.try_into().expect("8"));
-        let handle = b[at..].to_vec();
+    fn decode(rank: usize, b: &[u8]) -> Result<Record> {
+        let ([pid, nonce, descriptor, offset, refusal_len, name_len], rest) =
+            decode(rank, b, EXPORT_RECORD)?;
+        let (refusal, rest) = take(rest, refusal_len).ok_or_else(|| malformed(rank, b))?;
+        let (name, handle) = take(rest, name_len).ok_or_else(|| malformed(rank, b))?;
         Ok(Record {
-            refusal,
-            pid,
+            refusal: String::from_utf8_lossy(refusal).into_owned(),
+            pid: pid as u32,
             nonce,
-            descriptor,
-            name,
-            handle,
+            descriptor: descriptor != 0,
+            name: name.to_vec(),
+            handle: handle.to_vec(),
             offset,
         })
     }
@@ -152,18 +139,14 @@ pub(crate) fn exchange<B: Backend>(
         }
     }
     let gathered = group.all_gather(&mine.encode())?;
-    let mut records = Vec::with_capacity(gathered.len());
-    for (r, g) in gathered.iter().enumerate() {
-        let record =
-            Record::decode(g).map_err(|reason| Error::CannotRegister { rank: r, reason })?;
-        if !record.refusal.is_empty() {
-            return Err(Error::CannotRegister {
-                rank: r,
-                reason: record.refusal,
-            });
-        }
-        records.push(record);
-    }
+    let records = gathered
+        .iter()
+        .enumerate()
+        .map(|(r, g)| match Record::decode(r, g)? {
+            Record { refusal, .. } if !refusal.is_empty() => Err(refused(r, refusal)),
+            record => Ok(record),
+        })
+        .collect::<Result<Vec<_>>>()?;
     let peer = |r: usize| Peer {
         rank: r,
         pid: records[r].pid,
@@ -261,7 +244,7 @@ mod tests {
             handle: vec![1, 2, 3],
             offset: 64,
         };
-        let back = Record::decode(&r.encode()).unwrap();
+        let back = Record::decode(0, &r.encode()).unwrap();
         assert_eq!(
             (back.pid, back.nonce, back.descriptor, back.offset),
             (42, 7, true, 64)
@@ -271,44 +254,83 @@ mod tests {
             refusal: "a pool without IPC".into(),
             ..r
         };
-        assert_eq!(
-            Record::decode(&refused.encode()).unwrap().refusal,
-            "a pool without IPC"
-        );
-        assert!(Record::decode(&[1, 0]).is_err());
-        assert!(Record::decode(&[0, 0, 0, 0, 1]).is_err());
+        let back = Record::decode(0, &refused.encode()).unwrap();
+        assert_eq!(back.refusal, "a pool without IPC");
+        let mut short = refused.encode();
+        short.truncate(60);
+        for b in [&[1, 0][..], &[0, 0, 0, 0, 1], &short] {
+            assert!(Record::decode(0, b).is_err());
+        }
     }
 
-    /// Every rank's channel with its backlog full of connections nobody reads (anyone
-    /// may connect between registrations): no rank's send waits for its own receive, so
-    /// the ranks drain each other's backlog and the exchange ends at once, not at the
-    /// deadline.
+    /// Registration `registration` exchanged between two ranks of this process on
+    /// `channels`, every rank's outcome (and whether it imports its peer's handle).
     #[cfg(target_os = "linux")]
-    #[test]
-    fn full_backlogs_stall_no_exchange() {
-        use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
-
+    fn two_ranks(
+        channels: &[Mutex<Option<Listener>>],
+        registration: u64,
+        timeout: Duration,
+    ) -> Vec<(Option<String>, bool)> {
         use crate::backend::host::Host;
         use crate::backend::MemoryKind;
         use crate::external::local::LocalBootstrap;
 
         let world = LocalBootstrap::world(2, Duration::from_secs(30));
-        let channels: Vec<Mutex<Option<Listener>>> = (0..2)
+        std::thread::scope(|s| {
+            let ranks: Vec<_> = world
+                .iter()
+                .zip(channels)
+                .map(|(boot, channel)| {
+                    s.spawn(move || {
+                        let rank = boot.rank();
+                        let dev = Host::open(rank).unwrap();
+                        let memory = Host::alloc(&dev, 4096, MemoryKind::SharedData).unwrap();
+                        let range = (Host::memory_ptr(&memory), 4096);
+                        let (mut received, problem) = exchange::<Host>(
+                            &dev,
+                            boot,
+                            channel,
+                            (registration, timeout),
+                            range,
+                            &[true, true],
+                        )
+                        .unwrap();
+                        let peer = received[1 - rank].take().unwrap();
+                        let imported = Host::import_range(&dev, &peer.handle, peer.descriptor);
+                        (problem, imported.is_ok())
+                    })
+                })
+                .collect();
+            ranks.into_iter().map(|h| h.join().unwrap()).collect()
+        })
+    }
+
+    #[cfg(target_os = "linux")]
+    fn channels() -> Vec<Mutex<Option<Listener>>> {
+        (0..2)
             .map(|_| Mutex::new(Some(Listener::bind().unwrap())))
-            .collect();
+            .collect()
+    }
+
+    /// Every rank's channel with its backlog full of connections nobody reads (anyone
+    /// may connect between registrations): no rank's send waits for its own receive, so
+    /// the ranks drain each other's backlog and the exchange ends at once.
+    #[cfg(target_os = "linux")]
+    #[test]
+    fn full_backlogs_stall_no_exchange() {
+        use rustix::net::{AddressFamily, SocketAddrUnix, SocketFlags, SocketType};
+
+        let channels = channels();
         // Idle connections until each backlog is full (a connect would wait).
         let mut idle = Vec::new();
         for channel in &channels {
             let name = channel.lock().unwrap().as_ref().unwrap().name().to_vec();
             let addr = SocketAddrUnix::new_abstract_name(&name).unwrap();
             for _ in 0..1000 {
-                let socket = rustix::net::socket_with(
-                    AddressFamily::UNIX,
-                    SocketType::STREAM,
-                    SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
-                    None,
-                )
-                .unwrap();
+                let flags = SocketFlags::CLOEXEC | SocketFlags::NONBLOCK;
+                let socket =
+                    rustix::net::socket_with(AddressFamily::UNIX, SocketType::STREAM, flags, None)
+                        .unwrap();
                 match rustix::net::connect(&socket, &addr) {
                     Ok(()) => idle.push(socket),
                     Err(rustix::io::Errno::AGAIN) => break,
@@ -317,25 +339,8 @@ mod tests {
             }
         }
         let start = Instant::now();
-        let outcomes: Vec<Option<String>> = std::thread::scope(|s| {
-            let ranks: Vec<_> = world
-                .iter()
-                .zip(&channels)
-                .map(|(boot, channel)| {
-                    s.spawn(move || {
-                        let dev = Host::open(boot.rank()).unwrap();
-                        let memory = Host::alloc(&dev, 4096, MemoryKind::SharedData).unwrap();
-                        let range = (Host::memory_ptr(&memory), 4096);
-                        let timeout = Duration::from_secs(10);
-                        exchange::<Host>(&dev, boot, channel, (0, timeout), range, &[true, true])
-                            .unwrap()
-                            .1
-                    })
-                })
-                .collect();
-            ranks.into_iter().map(|h| h.join().unwrap()).collect()
-        });
-        assert_eq!(outcomes, vec![None, None]);
+        let outcomes = two_ranks(&channels, 0, Duration::from_secs(10));
+        assert_eq!(outcomes, vec![(None, true), (None, true)]);
         assert!(
             start.elapsed() < Duration::from_secs(2),
             "{:?}",
@@ -345,22 +350,14 @@ mod tests {
     }
 
     /// A descriptor tagged with an earlier registration's number (a late send of a
-    /// registration that failed), queued on a rank's channel ahead of the real one and
-    /// with the right nonce, is dropped: the exchange takes the real one, whose import
-    /// matches its handle.
+    /// registration that failed), queued ahead of the real one with the right nonce, is
+    /// dropped: the exchange takes the real one, whose import matches its handle.
     #[cfg(target_os = "linux")]
     #[test]
     fn a_descriptor_of_an_earlier_registration_is_dropped() {
         use std::os::fd::AsFd;
 
-        use crate::backend::host::Host;
-        use crate::backend::MemoryKind;
-        use crate::external::local::LocalBootstrap;
-
-        let world = LocalBootstrap::world(2, Duration::from_secs(10));
-        let channels: Vec<Mutex<Option<Listener>>> = (0..2)
-            .map(|_| Mutex::new(Some(Listener::bind().unwrap())))
-            .collect();
+        let channels = channels();
         let to = |rank: usize| {
             let l = channels[rank].lock().unwrap();
             let l = l.as_ref().unwrap();
@@ -376,33 +373,7 @@ mod tests {
         for (from, rank) in [(0, 1), (1, 0)] {
             descriptors::send(stale.as_fd(), 4, from, &to(rank), deadline).unwrap();
         }
-        let outcomes: Vec<(Option<String>, bool)> = std::thread::scope(|s| {
-            let ranks: Vec<_> = world
-                .iter()
-                .zip(&channels)
-                .map(|(boot, channel)| {
-                    s.spawn(move || {
-                        let rank = boot.rank();
-                        let dev = Host::open(rank).unwrap();
-                        let memory = Host::alloc(&dev, 4096, MemoryKind::SharedData).unwrap();
-                        let range = (Host::memory_ptr(&memory), 4096);
-                        let (mut received, problem) = exchange::<Host>(
-                            &dev,
-                            boot,
-                            channel,
-                            (5, DESCRIPTOR_TIMEOUT),
-                            range,
-                            &[true, true],
-                        )
-                        .unwrap();
-                        let peer = received[1 - rank].take().unwrap();
-                        let imported = Host::import_range(&dev, &peer.handle, peer.descriptor);
-                        (problem, imported.is_ok())
-                    })
-                })
-                .collect();
-            ranks.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let outcomes = two_ranks(&channels, 5, DESCRIPTOR_TIMEOUT);
         assert_eq!(outcomes, vec![(None, true), (None, true)]);
     }
 }

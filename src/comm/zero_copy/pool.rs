@@ -5,6 +5,7 @@
 use std::sync::{Arc, Mutex};
 
 use crate::backend::Backend;
+use crate::error::Result;
 
 use crate::comm::zero_copy::registry::Registry;
 
@@ -75,6 +76,19 @@ impl<B: Backend> Segment<B> {
         *free = merged;
         true
     }
+}
+
+/// Moves every segment's dropped ranges into its free list, once this rank's work
+/// queued before their drop is done.
+pub(crate) fn reclaim<B: Backend>(segments: &[Arc<Segment<B>>], dev: &B::Device) -> Result<()> {
+    let mut reclaimed = false;
+    for s in segments {
+        reclaimed |= s.reclaim();
+    }
+    if reclaimed {
+        B::synchronize(dev)?;
+    }
+    Ok(())
 }
 
 /// The symmetric pool of one rank.

@@ -1,26 +1,33 @@
-//! The records ranks gather for a registration or a symmetric allocation: their first
-//! word says which, so that a rank that registers where a peer allocates is refused on
-//! both; a rank that refuses locally still sends its record, so every rank refuses
-//! together.
+//! The records ranks gather for a registration, a symmetric allocation, a registered
+//! capture or a trim: `[kind, words..., text]`, little-endian. The kind word makes ranks
+//! that make different calls refuse together; a rank that refuses locally still sends
+//! its record (the refusal as its text), so every rank stays in step.
 
 use crate::error::{Error, Result};
 
-/// The first word of a gathered registration record, and of a symmetric allocation's
-/// ([`crate::SymmetricBuffer`]): a rank that registers where a peer allocates (or the
-/// reverse) is refused on both at the first gather, and both stay in step.
+/// The kind words: a registration's, a symmetric allocation's, a registered capture's,
+/// a trim's.
 pub(crate) const REGISTER_RECORD: u64 = u64::from_le_bytes(*b"pcreg\0\0\x01");
 /// See [`REGISTER_RECORD`].
 pub(crate) const SYMMETRIC_RECORD: u64 = u64::from_le_bytes(*b"pcsym\0\0\x01");
+/// See [`REGISTER_RECORD`].
+pub(crate) const CAPTURE_RECORD: u64 = u64::from_le_bytes(*b"pccap\0\0\x01");
+/// See [`REGISTER_RECORD`].
+pub(crate) const TRIM_RECORD: u64 = u64::from_le_bytes(*b"pctrim\0\x01");
 
-/// One rank's part of a registration, as gathered: where its range is, and why it
-/// cannot register it (empty: it can). A rank that refuses locally (its buffer on
-/// another device, a poisoned communicator, an allocation that failed) still sends its
-/// record, so that every rank refuses together and no rank's next collective record
-/// pairs with a peer's registration.
+/// What the rank that sent a record of each kind is doing.
+const DOINGS: [(u64, &str); 4] = [
+    (REGISTER_RECORD, "registers a buffer"),
+    (SYMMETRIC_RECORD, "allocates a symmetric buffer"),
+    (CAPTURE_RECORD, "makes a registered capture"),
+    (TRIM_RECORD, "trims the symmetric pool"),
+];
+
+/// One rank's part of a registration: where its range is (`ordinal`: its device, so
+/// that a peer in the same process checks that it may read the range), and why it
+/// cannot register it (empty: it can).
 pub(crate) struct Offer {
     pub(crate) process: u64,
-    /// The rank's device ordinal (in its process), so that a peer in the same process
-    /// checks that this device may read its range.
     pub(crate) ordinal: u64,
     pub(crate) id: u64,
     pub(crate) ptr: u64,
@@ -30,57 +37,80 @@ pub(crate) struct Offer {
 
 impl Offer {
     pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut record: Vec<u8> = [
-            REGISTER_RECORD,
-            self.process,
-            self.ordinal,
-            self.id,
-            self.ptr,
-            self.bytes,
-        ]
-        .iter()
-        .flat_map(|x| x.to_le_bytes())
-        .collect();
-        record.extend_from_slice(self.refusal.as_bytes());
-        record
+        let words = [self.process, self.ordinal, self.id, self.ptr, self.bytes];
+        encode(REGISTER_RECORD, &words, self.refusal.as_bytes())
     }
     pub(crate) fn decode(rank: usize, b: &[u8]) -> Result<Self> {
-        let word = |i: usize| record_word(b, i);
-        match word(0) {
-            Some(REGISTER_RECORD) if b.len() >= 48 => Ok(Offer {
-                process: word(1).expect("48 bytes"),
-                ordinal: word(2).expect("48 bytes"),
-                id: word(3).expect("48 bytes"),
-                ptr: word(4).expect("48 bytes"),
-                bytes: word(5).expect("48 bytes"),
-                refusal: String::from_utf8_lossy(&b[48..]).into_owned(),
-            }),
-            Some(SYMMETRIC_RECORD) => Err(refused(
-                rank,
-                "it allocates a symmetric buffer where this rank registers one: every rank \
-                 registers and allocates symmetric buffers in the same order"
-                    .into(),
-            )),
-            _ => Err(refused(
-                rank,
-                format!("a malformed registration record ({} bytes)", b.len()),
-            )),
-        }
+        let ([process, ordinal, id, ptr, bytes], rest) = decode(rank, b, REGISTER_RECORD)?;
+        let refusal = String::from_utf8_lossy(rest).into_owned();
+        Ok(Offer {
+            process,
+            ordinal,
+            id,
+            ptr,
+            bytes,
+            refusal,
+        })
     }
 }
 
-/// Word `i` (little-endian u64) of a gathered record, if it has one: how every record
-/// kind here (registrations, symmetric allocations, captures, trims) is read.
+/// A record: `kind`, then `words`, then `text`.
+pub(crate) fn encode(kind: u64, words: &[u64], text: &[u8]) -> Vec<u8> {
+    let mut b: Vec<u8> = std::iter::once(kind)
+        .chain(words.iter().copied())
+        .flat_map(u64::to_le_bytes)
+        .collect();
+    b.extend_from_slice(text);
+    b
+}
+
+/// Rank `rank`'s record `b` of `kind`: its `N` words and the bytes after them. A record
+/// of another kind is out of order (the peer makes another call), one too short
+/// malformed.
+pub(crate) fn decode<const N: usize>(
+    rank: usize,
+    b: &[u8],
+    kind: u64,
+) -> Result<([u64; N], &[u8])> {
+    let doing = |k: u64| DOINGS.iter().find(|d| d.0 == k).map(|d| d.1);
+    let first = record_word(b, 0);
+    if first != Some(kind) {
+        return Err(match (first.and_then(doing), doing(kind)) {
+            (Some(theirs), Some(mine)) => refused(
+                rank,
+                format!(
+                    "it {theirs} where this rank {mine}: every rank registers, allocates \
+                     symmetric buffers, captures and trims in the same order"
+                ),
+            ),
+            _ => malformed(rank, b),
+        });
+    }
+    let mut words = [0u64; N];
+    for (i, w) in words.iter_mut().enumerate() {
+        *w = record_word(b, 1 + i).ok_or_else(|| malformed(rank, b))?;
+    }
+    Ok((words, &b[8 * (N + 1)..]))
+}
+
+/// The first `n` bytes of `b` and the rest, if it has them.
+pub(crate) fn take(b: &[u8], n: u64) -> Option<(&[u8], &[u8])> {
+    b.split_at_checked(usize::try_from(n).ok()?)
+}
+
+/// Word `i` (little-endian u64) of `b`, if it has one.
 pub(crate) fn record_word(b: &[u8], i: usize) -> Option<u64> {
     b.get(8 * i..8 * i + 8)
         .map(|w| u64::from_le_bytes(w.try_into().expect("8 bytes")))
 }
 
-/// What a rank's gathered record says of its own refusal (never empty).
-pub(crate) fn refusal_text(e: &Error) -> String {
-    match e.to_string() {
-        t if t.is_empty() => "it refused".into(),
-        t => t,
+/// What a rank's record says of its own verdict: empty for `Ok`, else the error
+/// (never empty).
+pub(crate) fn refusal_of<T>(verdict: &Result<T>) -> String {
+    match verdict.as_ref().map_err(Error::to_string) {
+        Ok(_) => String::new(),
+        Err(t) if t.is_empty() => "it refused".into(),
+        Err(t) => t,
     }
 }
 
@@ -88,29 +118,9 @@ pub(crate) fn refused(rank: usize, reason: String) -> Error {
     Error::CannotRegister { rank, reason }
 }
 
-/// Checks that rank `rank`'s gathered record `b` is of `kind` (`name`: "capture",
-/// "trim"): a registration's or symmetric allocation's is out of order (this rank
-/// `doing` something else), anything else malformed.
-pub(crate) fn expect_kind(rank: usize, b: &[u8], kind: u64, name: &str, doing: &str) -> Result<()> {
-    match record_word(b, 0) {
-        Some(k) if k == kind => Ok(()),
-        Some(REGISTER_RECORD | SYMMETRIC_RECORD) => Err(refused(
-            rank,
-            format!(
-                "it registers or allocates a symmetric buffer where this rank {doing}: every \
-                 rank makes them in the same order"
-            ),
-        )),
-        _ => Err(malformed(rank, name, b)),
-    }
-}
-
-/// A record of kind `name` that does not parse.
-pub(crate) fn malformed(rank: usize, name: &str, b: &[u8]) -> Error {
-    refused(
-        rank,
-        format!("a malformed {name} record ({} bytes)", b.len()),
-    )
+/// Rank `rank`'s record `b` does not parse.
+pub(crate) fn malformed(rank: usize, b: &[u8]) -> Error {
+    refused(rank, format!("a malformed record ({} bytes)", b.len()))
 }
 
 /// A gathered status: empty = ok, else the reason.
@@ -126,9 +136,8 @@ pub(crate) fn first_refusal(statuses: &[Vec<u8>]) -> Option<Error> {
 mod tests {
     use super::*;
 
-    /// A symmetric allocation's record where a registration's is expected is refused
-    /// (so a rank that registers where its peer allocates refuses at the first
-    /// gather), and a local refusal travels in the record.
+    /// A record of another kind is refused naming both calls, a short one is
+    /// malformed, and a local refusal travels in the record.
     #[test]
     fn records_tell_their_kind_and_refusal() {
         let offer = Offer {
@@ -145,10 +154,7 @@ mod tests {
             (7, 2, 3, 0x1000, 256)
         );
         assert_eq!(back.refusal, "on another device");
-        let mut other: Vec<u8> = [SYMMETRIC_RECORD, 0, 0, 256, 64 << 20]
-            .iter()
-            .flat_map(|x| x.to_le_bytes())
-            .collect();
+        let mut other = encode(SYMMETRIC_RECORD, &[0, 0, 256, 64 << 20], b"");
         match Offer::decode(1, &other) {
             Err(Error::CannotRegister { rank: 1, reason }) => {
                 assert!(reason.contains("symmetric"), "{reason}")

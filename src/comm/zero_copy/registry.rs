@@ -1,15 +1,8 @@
-//! Buffers registered with a per-rank communicator: where every group member's copy
-//! of each is reached from this rank, so that a call whose input lies in one reads the
-//! peers' inputs in place.
-//!
-//! Registration is collective ([`register_range`]): the ranks gather their records; a
-//! peer in this process is reached at its own address, one in another process through
-//! the IPC handle of the allocation holding its range, imported once per allocation and
-//! peer. Any refusal is the same [`crate::Error::CannotRegister`] on every rank, nothing
-//! registered anywhere; a rank that refuses by itself still sends its record, so every
-//! rank stays in step. A call passes its input's place in its descriptor
-//! ([`InPlace::place`]), so ranks that disagree get [`crate::CallField::Inputs`]
-//! before anything is read.
+//! Buffers registered with a per-rank communicator, and where every group member's copy
+//! of each is reached from this rank: a peer in this process at its own address, one in
+//! another process through the IPC handle of its allocation (imported once per
+//! allocation and peer). Registration ([`register_range`]) is collective, and so is any
+//! refusal ([`crate::Error::CannotRegister`] on every rank, nothing registered).
 //!
 //! A kernel that gives up at its end barrier (a timeout) does not wait for the peers'
 //! reads, so once a call may have read registered memory in place, a dropped
@@ -30,7 +23,7 @@ use crate::error::Result;
 use crate::os::descriptors::Listener;
 use crate::signal::MAX_GPUS;
 
-use super::records::{first_refusal, refusal_text, refused, Offer};
+use super::records::{first_refusal, refusal_of, refused, Offer};
 
 /// Where every group member's input of one call is, read in place.
 #[derive(Clone, Copy, Debug)]
@@ -48,9 +41,8 @@ struct Entry<B: Backend> {
     bytes: usize,
     /// `peers[k]`: group member k's range, as this rank reaches it.
     peers: [u64; MAX_GPUS],
-    /// Whether [`Registry::lookup`] finds it: a capture's registrations
-    /// are found only by number ([`Registry::place_in`]),
-    /// by the calls they were made for, so that they change no other call's place.
+    /// Whether [`Registry::lookup`] finds it: a capture's registrations are found only
+    /// by number ([`Registry::place_in`]), so that they change no other call's place.
     listed: bool,
     /// The imports it uses (shared with other entries of the same allocations).
     _imports: Vec<Arc<Import<B>>>,
@@ -100,12 +92,9 @@ pub(crate) struct Registry<B: Backend> {
     entries: Mutex<Vec<Entry<B>>>,
     /// Live imports by handle, so that an allocation is opened once per peer.
     imports: Mutex<Vec<Weak<Import<B>>>>,
-    /// Registrations begun (the next one's number): a registration takes its number
-    /// once every rank has gathered its records, whatever its outcome after that (a
-    /// refusal, a descriptor that did not come, a failed import), so that nothing sent
-    /// for one that failed (a late descriptor) can pass for a later one's. A rank whose
-    /// gather failed (its peers made another call) takes none. The same on every rank
-    /// that made the same calls.
+    /// Registrations begun (the next one's number): taken once every rank has gathered
+    /// its records, whatever the outcome after that, so that nothing sent for one that
+    /// failed (a late descriptor) can pass for a later one's.
     made: Mutex<u64>,
     /// Where peers in other processes send this rank descriptors (bound on first use).
     channel: Mutex<Option<Listener>>,
@@ -133,11 +122,9 @@ impl<B: Backend> Default for Registry<B> {
 }
 
 impl<B: Backend> Registry<B> {
-    /// A registry of a communicator whose bootstrap steps wait `bootstrap_timeout`:
-    /// its registrations wait for descriptors at most half of that (and at most
-    /// [`DESCRIPTOR_TIMEOUT`]), so that a rank whose descriptor never came still
-    /// reaches the gather where its peers wait for its verdict, and every rank fails
-    /// alike.
+    /// A registry whose registrations wait for descriptors at most half the bootstrap's
+    /// timeout (and at most [`DESCRIPTOR_TIMEOUT`]), so that a rank whose descriptor
+    /// never came still reaches the gather where its peers wait for its verdict.
     pub(crate) fn new(bootstrap_timeout: Duration) -> Self {
         Registry {
             descriptor_timeout: DESCRIPTOR_TIMEOUT.min(bootstrap_timeout / 2),
@@ -278,17 +265,12 @@ impl<B: Backend> Registry<B> {
     }
 }
 
-/// Registers `[ptr, ptr + bytes)` of this rank with every rank of `group` (the ranks
-/// of the peer-memory group, in order; see the module docs). Returns the registration's
-/// number, the same on every rank. `local` is this rank's own verdict on the range
-/// (checked before): an error there is still gathered, so that this rank returns it
-/// and every peer returns [`crate::Error::CannotRegister`] naming this rank. `listed`: whether
-/// [`Registry::lookup`] finds the range (else only [`Registry::place_in`] does).
-///
-/// A peer in this process on another device reads the range at its own address, so
-/// the range must be in memory that device may reach ([`Backend::peer_access_problem`]:
-/// a memory pool or virtual-memory mapping without access for it is refused, on every
-/// rank, instead of faulting in a kernel).
+/// Registers `[ptr, ptr + bytes)` of this rank with every rank of `group`; returns the
+/// registration's number, the same on every rank. `local` is this rank's own verdict on
+/// the range: an error there is still gathered, so that this rank returns it and every
+/// peer [`crate::Error::CannotRegister`] naming this rank. `listed`: whether
+/// [`Registry::lookup`] finds the range. A range a same-process peer's device cannot
+/// reach ([`Backend::peer_access_problem`]) is refused on every rank, not left to fault.
 pub(crate) fn register_range<B: Backend>(
     registry: &Registry<B>,
     dev: &B::Device,
@@ -308,7 +290,7 @@ pub(crate) fn register_range<B: Backend>(
         id,
         ptr,
         bytes: bytes as u64,
-        refusal: local.as_ref().err().map(refusal_text).unwrap_or_default(),
+        refusal: refusal_of(&local),
     };
     let gathered = group.all_gather(&mine.encode());
     if gathered.is_ok() {
@@ -331,27 +313,23 @@ pub(crate) fn register_range<B: Backend>(
         return Err(refused(r, o.refusal.clone()));
     }
     // Every rank checks every offer, so every rank refuses alike.
+    let first = &offers[0];
     for (r, o) in offers.iter().enumerate() {
-        if o.id != offers[0].id {
-            return Err(refused(
-                r,
-                format!(
-                    "it has made {} registrations where rank 0 has made {}: every rank \
-                     registers (and allocates symmetric buffers) in the same order",
-                    o.id, offers[0].id
-                ),
-            ));
-        }
-        if o.bytes != offers[0].bytes {
-            return Err(refused(
-                r,
-                format!(
-                    "it registers {} bytes where rank 0 registers {}: every rank registers \
-                     a buffer of the same size",
-                    o.bytes, offers[0].bytes
-                ),
-            ));
-        }
+        let (what, theirs, ours) = if o.id != first.id {
+            ("has made", o.id, first.id)
+        } else if o.bytes != first.bytes {
+            ("registers", o.bytes, first.bytes)
+        } else {
+            continue;
+        };
+        return Err(refused(
+            r,
+            format!(
+                "it {what} {theirs} (registrations, or bytes) where rank 0 {what} {ours}: \
+                 every rank registers (and allocates symmetric buffers) of the same sizes \
+                 in the same order"
+            ),
+        ));
     }
     let remote: Vec<bool> = offers.iter().map(|o| o.process != mine.process).collect();
     // Handles only where some rank is in another process (every rank decides alike).
@@ -371,46 +349,40 @@ pub(crate) fn register_range<B: Backend>(
     let mut peers = [0u64; MAX_GPUS];
     let mut imports = Vec::new();
     for (r, o) in offers.iter().enumerate() {
-        peers[r] = if r == me {
-            o.ptr
+        if !problem.is_empty() {
+            break; // This rank refuses: nothing more to check or import.
+        }
+        let reached = if r == me {
+            Ok(o.ptr)
         } else if o.process == mine.process {
             // The peer reads this rank's range at its address: may its device?
-            if problem.is_empty() {
-                match B::peer_access_problem(dev, ptr, o.ordinal as usize) {
-                    Ok(None) => {}
-                    Ok(Some(detail)) => {
-                        problem = format!(
-                            "its buffer is not reachable from device {} (rank {r}'s): \
-                             {detail}; allocate it with cuMemAlloc or from the device's \
-                             default memory pool, or grant the peer access",
-                            o.ordinal
-                        )
-                    }
-                    Err(e) => problem = format!("checking rank {r}'s access failed: {e}"),
-                }
+            match B::peer_access_problem(dev, ptr, o.ordinal as usize) {
+                Ok(None) => Ok(o.ptr),
+                Ok(Some(detail)) => Err(format!(
+                    "its buffer is not reachable from device {} (rank {r}'s): {detail}; \
+                     allocate it with cuMemAlloc or from the device's default memory pool, \
+                     or grant the peer access",
+                    o.ordinal
+                )),
+                Err(e) => Err(format!("checking rank {r}'s access failed: {e}")),
             }
-            o.ptr
         } else {
-            let received = received[r]
+            let got = received[r]
                 .take()
                 .expect("every rank in another process sent");
-            if !problem.is_empty() {
-                // Its descriptor did not come: nothing to import (this rank refuses).
-                0
-            } else {
-                match registry.import(dev, &received.handle, received.descriptor) {
-                    Ok(i) => {
-                        let addr = B::mapping_ptr(&i.mapping) + received.offset;
-                        imports.push(i);
-                        addr
-                    }
-                    Err(e) => {
-                        problem = format!("mapping rank {r}'s buffer here failed: {e}");
-                        0
-                    }
+            match registry.import(dev, &got.handle, got.descriptor) {
+                Ok(i) => {
+                    let addr = B::mapping_ptr(&i.mapping) + got.offset;
+                    imports.push(i);
+                    Ok(addr)
                 }
+                Err(e) => Err(format!("mapping rank {r}'s buffer here failed: {e}")),
             }
         };
+        match reached {
+            Ok(p) => peers[r] = p,
+            Err(e) => problem = e,
+        }
     }
     // Every rank learns whether any import failed.
     if let Some(e) = first_refusal(&group.all_gather(problem.as_bytes())?) {

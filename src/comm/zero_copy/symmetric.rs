@@ -18,11 +18,11 @@ use crate::bootstrap::{Bootstrap, ExchangeKind};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 
-use super::records::{record_word, refusal_text, REGISTER_RECORD, SYMMETRIC_RECORD};
+use super::records::{decode, encode, refusal_of, refused, SYMMETRIC_RECORD};
 use super::registry::register_range;
 use crate::comm::core::planning::staging::message_bytes;
 use crate::comm::per_rank::Comm;
-use crate::comm::zero_copy::pool::{Segment, ALIGN};
+use crate::comm::zero_copy::pool::{reclaim, Segment, ALIGN};
 
 /// Bytes of a symmetric pool segment (a larger buffer gets a segment of its own size,
 /// rounded up to 2 MiB). Allocated when the first buffer that needs it is.
@@ -145,8 +145,7 @@ impl<B: Backend, T: Element> TypedBuffer<B> for SymmetricBuffer<B, T> {
 }
 
 /// One rank's placement of an allocation, as gathered, and why it cannot allocate
-/// (empty: it can): a rank that refuses locally still sends its record, so that every
-/// rank refuses together and stays in step, as a registration's offers do.
+/// (empty: it can; see [`super::records`]).
 #[derive(Clone, Debug)]
 struct SlotRecord {
     segment: u64,
@@ -156,47 +155,24 @@ struct SlotRecord {
     refusal: String,
 }
 
-/// What a gathered record is.
-#[derive(Debug)]
-enum Record {
-    Symmetric(SlotRecord),
-    /// A peer registers a buffer where this rank allocates.
-    Registration,
-    Malformed,
-}
-
 impl SlotRecord {
     fn encode(&self) -> Vec<u8> {
-        let mut record: Vec<u8> = [
-            SYMMETRIC_RECORD,
-            self.segment,
-            self.offset,
-            self.span,
-            self.new_segment_bytes,
-        ]
-        .iter()
-        .flat_map(|x| x.to_le_bytes())
-        .collect();
-        record.extend_from_slice(self.refusal.as_bytes());
-        record
+        encode(SYMMETRIC_RECORD, &self.place(), self.refusal.as_bytes())
     }
-    fn decode(b: &[u8]) -> Record {
-        let w = |i: usize| record_word(b, i);
-        match w(0) {
-            Some(SYMMETRIC_RECORD) if b.len() >= 40 => Record::Symmetric(SlotRecord {
-                segment: w(1).expect("40 bytes"),
-                offset: w(2).expect("40 bytes"),
-                span: w(3).expect("40 bytes"),
-                new_segment_bytes: w(4).expect("40 bytes"),
-                refusal: String::from_utf8_lossy(&b[40..]).into_owned(),
-            }),
-            Some(REGISTER_RECORD) => Record::Registration,
-            _ => Record::Malformed,
-        }
+    fn decode(rank: usize, b: &[u8]) -> Result<Self> {
+        let ([segment, offset, span, new_segment_bytes], rest) = decode(rank, b, SYMMETRIC_RECORD)?;
+        let refusal = String::from_utf8_lossy(rest).into_owned();
+        Ok(SlotRecord {
+            segment,
+            offset,
+            span,
+            new_segment_bytes,
+            refusal,
+        })
     }
     /// Where it lies, without the refusal.
-    fn place(&self) -> (u64, u64, u64, u64) {
-        (self.segment, self.offset, self.span, self.new_segment_bytes)
+    fn place(&self) -> [u64; 4] {
+        [self.segment, self.offset, self.span, self.new_segment_bytes]
     }
     /// Where it lies, in words.
     fn describe(&self) -> String {
@@ -234,75 +210,46 @@ impl<B: Backend> Comm<B> {
                 message_bytes(T::DTYPE, len, &|| "a symmetric buffer".into())?;
                 Ok(((len * T::DTYPE.size()).max(1) as u64).next_multiple_of(ALIGN))
             })
-            .and_then(|span| {
-                // Dropped ranges are reused only after the work queued before their
-                // drop.
-                let mut reclaimed = false;
-                for s in segments.iter() {
-                    reclaimed |= s.reclaim();
-                }
-                if reclaimed {
-                    B::synchronize(core.device())?;
-                }
-                Ok(span)
-            });
+            // Dropped ranges are reused only after the work queued before their drop.
+            .and_then(|span| reclaim(&segments, core.device()).map(|_| span));
         let span = *local.as_ref().unwrap_or(&0);
-        let mine = segments
+        let (segment, offset, new_segment_bytes) = segments
             .iter()
             .enumerate()
-            .find_map(|(i, s)| s.first_fit(span).map(|o| (i, o)))
-            .map_or(
-                SlotRecord {
-                    segment: segments.len() as u64,
-                    offset: 0,
-                    span,
-                    new_segment_bytes: span
-                        .max(SYMMETRIC_SEGMENT_BYTES as u64)
-                        .next_multiple_of(2 << 20),
-                    refusal: String::new(),
-                },
-                |(i, o)| SlotRecord {
-                    segment: i as u64,
-                    offset: o,
-                    span,
-                    new_segment_bytes: 0,
-                    refusal: String::new(),
-                },
-            );
+            .find_map(|(i, s)| s.first_fit(span).map(|o| (i as u64, o, 0)))
+            .unwrap_or_else(|| {
+                let bytes = span.max(SYMMETRIC_SEGMENT_BYTES as u64);
+                (segments.len() as u64, 0, bytes.next_multiple_of(2 << 20))
+            });
         let mine = SlotRecord {
-            refusal: local.as_ref().err().map(refusal_text).unwrap_or_default(),
-            ..mine
+            segment,
+            offset,
+            span,
+            new_segment_bytes,
+            refusal: refusal_of(&local),
         };
         let bootstrap = self.exchanges.of(ExchangeKind::Symmetric);
         let gathered = bootstrap.all_gather(&mine.encode());
         // This rank's own refusal first: its peers learn it from its record.
         local?;
-        let gathered = gathered?;
-        let records: Vec<Record> = gathered.iter().map(|g| SlotRecord::decode(g)).collect();
-        let refusal = |r: usize, reason: String| Error::CannotRegister { rank: r, reason };
-        for (r, record) in records.iter().enumerate() {
-            let reason = match record {
-                Record::Symmetric(theirs) if !theirs.refusal.is_empty() => theirs.refusal.clone(),
-                Record::Symmetric(theirs) if theirs.place() == mine.place() => continue,
-                Record::Symmetric(theirs) => format!(
-                    "its symmetric allocation would be {} where rank {} places it at {}: \
-                     every rank allocates and drops symmetric buffers of the same sizes in \
-                     the same order",
-                    theirs.describe(),
-                    self.rank(),
-                    mine.describe()
-                ),
-                Record::Registration => format!(
-                    "it registers a buffer where rank {} allocates a symmetric one: every \
-                     rank registers and allocates symmetric buffers in the same order",
-                    self.rank()
-                ),
-                Record::Malformed => format!(
-                    "a malformed symmetric allocation record ({} bytes)",
-                    gathered[r].len()
-                ),
-            };
-            return Err(refusal(r, reason));
+        for (r, g) in gathered?.iter().enumerate() {
+            let theirs = SlotRecord::decode(r, g)?;
+            if !theirs.refusal.is_empty() {
+                return Err(refused(r, theirs.refusal));
+            }
+            if theirs.place() != mine.place() {
+                return Err(refused(
+                    r,
+                    format!(
+                        "its symmetric allocation would be {} where rank {} places it at {}: \
+                         every rank allocates and drops symmetric buffers of the same sizes \
+                         in the same order",
+                        theirs.describe(),
+                        self.rank(),
+                        mine.describe()
+                    ),
+                ));
+            }
         }
         if mine.new_segment_bytes > 0 {
             // A failed allocation is still gathered by the registration (every rank

@@ -8,43 +8,38 @@ use std::sync::Arc;
 
 use crate::backend::Backend;
 use crate::bootstrap::{Bootstrap, ExchangeKind};
-use crate::error::{Error, Result};
+use crate::error::Result;
 
-use super::records::{expect_kind, malformed, record_word, refusal_text};
+use super::pool::reclaim;
+use super::records::{decode as decode_record, encode as encode_record, malformed, refused};
+use super::records::{refusal_of, take, TRIM_RECORD};
 use crate::comm::per_rank::Comm;
-
-/// The first word of a trim's gathered record (see `REGISTER_RECORD`).
-const TRIM_RECORD: u64 = u64::from_le_bytes(*b"pctrim\0\x01");
 
 /// One rank's record: which of its segments are empty, or why it refuses.
 fn encode(empty: &[bool], refusal: &str) -> Vec<u8> {
-    let mut record: Vec<u8> = [TRIM_RECORD, empty.len() as u64, refusal.len() as u64]
+    let text: Vec<u8> = empty
         .iter()
-        .flat_map(|w| w.to_le_bytes())
+        .map(|&e| e as u8)
+        .chain(refusal.bytes())
         .collect();
-    record.extend(empty.iter().map(|&e| e as u8));
-    record.extend_from_slice(refusal.as_bytes());
-    record
+    encode_record(TRIM_RECORD, &[empty.len() as u64], &text)
 }
 
 /// Rank `rank`'s empty segments, from its record.
 fn decode(rank: usize, b: &[u8], segments: usize) -> Result<Vec<bool>> {
-    expect_kind(rank, b, TRIM_RECORD, "trim", "trims the pool")?;
-    let refused = |reason: String| Error::CannotRegister { rank, reason };
-    let word = |i: usize| record_word(b, i);
-    let malformed = || malformed(rank, "trim", b);
-    let count = word(1).ok_or_else(malformed)? as usize;
-    let refusal_len = word(2).ok_or_else(malformed)? as usize;
-    let flags = b.get(24..24 + count).ok_or_else(malformed)?;
-    if refusal_len > 0 {
-        let text = b.get(24 + count..).ok_or_else(malformed)?;
-        return Err(refused(String::from_utf8_lossy(text).into_owned()));
+    let ([count], rest) = decode_record(rank, b, TRIM_RECORD)?;
+    let (flags, refusal) = take(rest, count).ok_or_else(|| malformed(rank, b))?;
+    if !refusal.is_empty() {
+        return Err(refused(rank, String::from_utf8_lossy(refusal).into_owned()));
     }
-    if count != segments {
-        return Err(refused(format!(
-            "its symmetric pool has {count} segments where this rank's has {segments}: every \
-             rank allocates and drops symmetric buffers in the same order"
-        )));
+    if count != segments as u64 {
+        return Err(refused(
+            rank,
+            format!(
+                "its symmetric pool has {count} segments where this rank's has {segments}: \
+                 every rank allocates and drops symmetric buffers in the same order"
+            ),
+        ));
     }
     Ok(flags.iter().map(|&f| f == 1).collect())
 }
@@ -59,26 +54,18 @@ impl<B: Backend> Comm<B> {
     pub fn trim_symmetric(&self) -> Result<u64> {
         let core = &*self.core;
         let mut segments = self.pool.segments.lock().unwrap_or_else(|e| e.into_inner());
-        let local = core.check_usable().and_then(|_| {
-            // Dropped ranges count as free once this rank's work before the drop is done.
-            let mut reclaimed = false;
-            for s in segments.iter() {
-                reclaimed |= s.reclaim();
-            }
-            if reclaimed {
-                B::synchronize(core.device())?;
-            }
-            Ok(())
-        });
+        // Dropped ranges count as free once this rank's work before the drop is done.
+        let local = core
+            .check_usable()
+            .and_then(|_| reclaim(&segments, core.device()));
         // Empty: no buffer holds it (the pool's handle is the only one) and all of it
         // is free.
         let empty: Vec<bool> = segments
             .iter()
             .map(|s| local.is_ok() && Arc::strong_count(s) == 1 && s.is_whole())
             .collect();
-        let refusal = local.as_ref().err().map(refusal_text).unwrap_or_default();
         let bootstrap = self.exchanges.of(ExchangeKind::Trim);
-        let gathered = bootstrap.all_gather(&encode(&empty, &refusal));
+        let gathered = bootstrap.all_gather(&encode(&empty, &refusal_of(&local)));
         local?;
         let lists = gathered?
             .iter()
@@ -111,6 +98,7 @@ impl<B: Backend> Comm<B> {
 mod tests {
     use super::*;
     use crate::comm::zero_copy::records::SYMMETRIC_RECORD;
+    use crate::error::Error;
 
     #[test]
     fn records_round_trip_and_refuse_other_kinds() {
@@ -129,10 +117,7 @@ mod tests {
                 other => panic!("{other:?}"),
             }
         }
-        let symmetric: Vec<u8> = [SYMMETRIC_RECORD, 0, 0]
-            .iter()
-            .flat_map(|w| w.to_le_bytes())
-            .collect();
+        let symmetric = encode_record(SYMMETRIC_RECORD, &[0, 0], b"");
         assert!(matches!(
             decode(0, &symmetric, 0),
             Err(Error::CannotRegister { rank: 0, .. })

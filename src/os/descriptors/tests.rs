@@ -1,12 +1,9 @@
-use std::io::IoSlice;
-use std::mem::MaybeUninit;
-use std::os::fd::AsFd;
+use std::os::fd::{AsFd, OwnedFd};
 use std::time::{Duration, Instant};
 
-use rustix::net::{
-    RecvFlags, SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketAddrUnix,
-};
+use rustix::net::{sockopt, RecvFlags, SendFlags, SocketAddrUnix};
 
+use super::unix::{connect, message, send_with_fd};
 use super::*;
 
 fn me(rank: usize, listener: &Listener) -> Peer {
@@ -18,19 +15,54 @@ fn me(rank: usize, listener: &Listener) -> Peer {
     }
 }
 
-/// A descriptor sent arrives as a descriptor of the same file.
+fn after(ms: u64) -> Instant {
+    Instant::now() + Duration::from_millis(ms)
+}
+
+fn memfd() -> OwnedFd {
+    rustix::fs::memfd_create("peercomm-test", rustix::fs::MemfdFlags::CLOEXEC).unwrap()
+}
+
+/// A connection to `listener` from this thread, with nothing sent.
+fn client(listener: &Listener) -> OwnedFd {
+    let addr = SocketAddrUnix::new_abstract_name(listener.name()).unwrap();
+    connect(&addr, after(5000)).unwrap()
+}
+
+/// Waits (at most 20 s) for the other end to close `socket`; the bytes that came.
+fn until_closed(socket: &OwnedFd) -> Option<usize> {
+    let long = Some(Duration::from_secs(20));
+    sockopt::set_socket_timeout(socket, sockopt::Timeout::Recv, long).unwrap();
+    rustix::net::recv(socket, &mut [0u8; 8], RecvFlags::empty())
+        .ok()
+        .map(|r| r.0)
+}
+
+/// A descriptor sent arrives as a descriptor of the same file, and connections that
+/// stall ahead of it (idle, or half a message) from a sender's own process (so past the
+/// credential check) delay it by nothing: the receiver reads connections side by side.
 #[test]
-fn a_descriptor_travels() {
+fn a_descriptor_travels_past_stalled_connections() {
     let listener = Listener::bind().unwrap();
-    let file = tempfile_fd();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    send(file.as_fd(), 3, 1, &me(0, &listener), deadline).unwrap();
-    let got = listener.receive(3, &[me(1, &listener)], deadline).unwrap();
+    let (idle, half) = (client(&listener), client(&listener));
+    rustix::net::send(&half, &MAGIC.to_le_bytes(), SendFlags::empty()).unwrap();
+    let file = memfd();
+    let start = Instant::now();
+    send(file.as_fd(), 3, 1, &me(0, &listener), after(20_000)).unwrap();
+    let got = listener
+        .receive(3, &[me(1, &listener)], after(20_000))
+        .unwrap();
+    assert!(
+        start.elapsed() < CONNECTION_READ_TIMEOUT / 2,
+        "{:?}",
+        start.elapsed()
+    );
     let (a, b) = (
         rustix::fs::fstat(&file).unwrap(),
         rustix::fs::fstat(&got[0]).unwrap(),
     );
     assert_eq!((a.st_dev, a.st_ino), (b.st_dev, b.st_ino));
+    drop((idle, half));
 }
 
 /// A message for another registration, with a wrong nonce, or from an unexpected
@@ -39,16 +71,15 @@ fn a_descriptor_travels() {
 #[test]
 fn wrong_messages_are_ignored_and_a_missing_one_times_out() {
     let listener = Listener::bind().unwrap();
-    let file = tempfile_fd();
-    let deadline = Instant::now() + Duration::from_secs(5);
+    let file = memfd();
     let mut stale = me(0, &listener);
-    send(file.as_fd(), 2, 1, &stale, deadline).unwrap();
+    send(file.as_fd(), 2, 1, &stale, after(5000)).unwrap();
     stale.nonce ^= 1;
-    send(file.as_fd(), 3, 1, &stale, deadline).unwrap();
-    send(file.as_fd(), 3, 5, &me(0, &listener), deadline).unwrap();
+    send(file.as_fd(), 3, 1, &stale, after(5000)).unwrap();
+    send(file.as_fd(), 3, 5, &me(0, &listener), after(5000)).unwrap();
     let start = Instant::now();
     let e = listener
-        .receive(3, &[me(1, &listener)], start + Duration::from_millis(300))
+        .receive(3, &[me(1, &listener)], after(300))
         .unwrap_err()
         .to_string();
     assert!(
@@ -56,80 +87,38 @@ fn wrong_messages_are_ignored_and_a_missing_one_times_out() {
         "{:?}",
         start.elapsed()
     );
-    assert!(e.contains("rank(s) [1]"), "{e}");
-    assert!(e.contains("registration 2, not 3"), "{e}");
-    assert!(e.contains("nonce"), "{e}");
-    assert!(e.contains("rank 5"), "{e}");
+    for want in ["rank(s) [1]", "registration 2, not 3", "nonce", "rank 5"] {
+        assert!(e.contains(want), "{e}");
+    }
 }
 
-/// A sender whose process id is not the one gathered for it is refused.
+/// A sender whose process id is not the one gathered for it is refused, at the accept
+/// (no sender runs in its process) or at its message (a process that sends for one
+/// rank may not send for another); a listener that is not the peer's process gets
+/// nothing.
 #[test]
 fn a_sender_of_another_process_is_refused() {
     let listener = Listener::bind().unwrap();
-    let file = tempfile_fd();
-    let deadline = Instant::now() + Duration::from_secs(5);
-    send(file.as_fd(), 0, 1, &me(0, &listener), deadline).unwrap();
+    let file = memfd();
     let mut other = me(1, &listener);
     other.pid = other.pid.wrapping_add(1);
-    let e = listener
-        .receive(
-            0,
-            &[other.clone()],
-            Instant::now() + Duration::from_millis(200),
-        )
-        .unwrap_err()
-        .to_string();
-    // Closed at the accept: no sender runs in this process.
-    assert!(e.contains("which is no sender's"), "{e}");
-    // A process that sends for one rank may not send for another.
-    send(file.as_fd(), 0, 1, &me(0, &listener), deadline).unwrap();
-    let e = listener
-        .receive(
-            0,
-            &[other, me(2, &listener)],
-            Instant::now() + Duration::from_millis(200),
-        )
-        .unwrap_err()
-        .to_string();
-    assert!(e.contains("not the peer's process"), "{e}");
-    // And a listener that is not the peer's process gets nothing.
+    for (from, want) in [
+        (vec![other.clone()], "which is no sender's"),
+        (vec![other, me(2, &listener)], "not the peer's process"),
+    ] {
+        send(file.as_fd(), 0, 1, &me(0, &listener), after(5000)).unwrap();
+        let e = listener
+            .receive(0, &from, after(200))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains(want), "{e}");
+    }
     let mut wrong = me(0, &listener);
     wrong.pid = wrong.pid.wrapping_add(1);
-    let e = send(file.as_fd(), 0, 1, &wrong, deadline)
+    let e = send(file.as_fd(), 0, 1, &wrong, after(5000))
         .unwrap_err()
         .to_string();
     assert!(e.contains("not the peer's process"), "{e}");
-}
-
-/// Connections that stall (idle, or half a message) ahead of the real sender, from
-/// a sender's own process (so past the credential check), delay it by nothing: the
-/// receiver reads connections side by side.
-#[test]
-fn a_stalled_connection_delays_no_sender() {
-    let listener = Listener::bind().unwrap();
-    let addr = SocketAddrUnix::new_abstract_name(listener.name()).unwrap();
-    let idle = client(&addr);
-    let half = client(&addr);
-    rustix::net::send(&half, &MAGIC.to_le_bytes(), SendFlags::empty()).unwrap();
-    let file = tempfile_fd();
-    let start = Instant::now();
-    send(
-        file.as_fd(),
-        3,
-        1,
-        &me(0, &listener),
-        start + Duration::from_secs(20),
-    )
-    .unwrap();
-    listener
-        .receive(3, &[me(1, &listener)], start + Duration::from_secs(20))
-        .unwrap();
-    assert!(
-        start.elapsed() < CONNECTION_READ_TIMEOUT / 2,
-        "{:?}",
-        start.elapsed()
-    );
-    drop((idle, half));
 }
 
 /// A connection that sends no whole message is closed at its read deadline
@@ -138,33 +127,19 @@ fn a_stalled_connection_delays_no_sender() {
 #[test]
 fn a_stalled_connection_is_closed_at_its_read_deadline() {
     let listener = Listener::bind().unwrap();
-    let addr = SocketAddrUnix::new_abstract_name(listener.name()).unwrap();
-    let idle = client(&addr);
-    rustix::net::sockopt::set_socket_timeout(
-        &idle,
-        rustix::net::sockopt::Timeout::Recv,
-        Some(Duration::from_secs(20)),
-    )
-    .unwrap();
+    let idle = client(&listener);
     let start = Instant::now();
+    let deadline = start + CONNECTION_READ_TIMEOUT + Duration::from_secs(2);
+    let from = [me(1, &listener)];
     let e = std::thread::scope(|s| {
         let receiver = s.spawn(|| {
             listener
-                .receive(
-                    3,
-                    &[me(1, &listener)],
-                    start + CONNECTION_READ_TIMEOUT + Duration::from_secs(2),
-                )
+                .receive(3, &from, deadline)
                 .unwrap_err()
                 .to_string()
         });
         // The receiver closes it (end of file here) at its read deadline.
-        assert_eq!(
-            rustix::net::recv(&idle, &mut [0u8; 8], RecvFlags::empty())
-                .unwrap()
-                .0,
-            0
-        );
+        assert_eq!(until_closed(&idle), Some(0));
         let closed = start.elapsed();
         assert!(
             closed >= CONNECTION_READ_TIMEOUT - Duration::from_millis(50)
@@ -188,43 +163,20 @@ fn another_user_is_closed_unread() {
         return;
     }
     let listener = Listener::bind().unwrap();
-    let addr = SocketAddrUnix::new_abstract_name(listener.name()).unwrap();
-    let file = tempfile_fd();
+    let file = memfd();
     let start = Instant::now();
     let deadline = start + Duration::from_secs(20);
     let received = std::thread::scope(|s| {
         let receiver = s.spawn(|| listener.receive(3, &[me(1, &listener)], deadline));
         let stranger = s.spawn(|| {
             rustix::thread::set_thread_uid(rustix::process::Uid::from_raw(65534)).unwrap();
-            let idle = client(&addr);
-            let socket = client(&addr);
-            let mut to = me(0, &listener);
-            to.nonce = listener.nonce();
+            let (idle, socket) = (client(&listener), client(&listener));
             // What a sender writes, from a socket of user nobody.
-            let mut message = [0u8; MESSAGE_BYTES];
-            for (i, w) in [MAGIC, 3, 1, listener.nonce()].iter().enumerate() {
-                message[8 * i..8 * i + 8].copy_from_slice(&w.to_le_bytes());
-            }
-            let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
-            let mut control = SendAncillaryBuffer::new(&mut space);
-            let fds = [file.as_fd()];
-            assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
-            let _ = rustix::net::sendmsg(
-                &socket,
-                &[IoSlice::new(&message)],
-                &mut control,
-                SendFlags::NOSIGNAL,
-            );
-            // Both closed by the receiver: end of file (or a reset), well before
-            // any read deadline.
+            let _ = send_with_fd(&socket, &message(3, 1, listener.nonce()), file.as_fd());
+            // Both closed by the receiver (end of file or a reset), well before any
+            // read deadline.
             for s in [&idle, &socket] {
-                rustix::net::sockopt::set_socket_timeout(
-                    s,
-                    rustix::net::sockopt::Timeout::Recv,
-                    Some(Duration::from_secs(20)),
-                )
-                .unwrap();
-                let _ = rustix::net::recv(s, &mut [0u8; 8], RecvFlags::empty());
+                until_closed(s);
             }
             start.elapsed()
         });
@@ -242,35 +194,11 @@ fn another_user_is_closed_unread() {
     );
 }
 
-fn client(addr: &SocketAddrUnix) -> std::os::fd::OwnedFd {
-    let socket = rustix::net::socket_with(
-        rustix::net::AddressFamily::UNIX,
-        rustix::net::SocketType::STREAM,
-        rustix::net::SocketFlags::CLOEXEC,
-        None,
-    )
-    .unwrap();
-    rustix::net::connect(&socket, addr).unwrap();
-    socket
-}
-
 /// Nobody listening (the peer has ended): the sender fails at once.
 #[test]
 fn a_missing_listener_times_out() {
-    let name = Listener::bind().unwrap().name().to_vec();
-    let file = tempfile_fd();
-    let to = Peer {
-        rank: 0,
-        pid: std::process::id(),
-        name,
-        nonce: 0,
-    };
+    let to = me(0, &Listener::bind().unwrap());
     let start = Instant::now();
-    let e = send(file.as_fd(), 0, 1, &to, start + Duration::from_millis(200));
-    assert!(e.is_err());
+    assert!(send(memfd().as_fd(), 0, 1, &to, after(200)).is_err());
     assert!(start.elapsed() < Duration::from_secs(3));
-}
-
-fn tempfile_fd() -> std::os::fd::OwnedFd {
-    rustix::fs::memfd_create("peercomm-test", rustix::fs::MemfdFlags::CLOEXEC).unwrap()
 }

@@ -26,14 +26,10 @@ fn random_u64() -> Result<u64> {
     getrandom::u64().map_err(|e| channel_error(format!("no random bytes: {e}")))
 }
 
-fn unix_socket(flags: SocketFlags) -> Result<OwnedFd> {
-    net::socket_with(
-        AddressFamily::UNIX,
-        SocketType::STREAM,
-        SocketFlags::CLOEXEC | flags,
-        None,
-    )
-    .map_err(|e| channel_error(format!("a Unix socket: {e}")))
+fn unix_socket(flags: SocketFlags) -> std::result::Result<OwnedFd, String> {
+    let flags = SocketFlags::CLOEXEC | flags;
+    net::socket_with(AddressFamily::UNIX, SocketType::STREAM, flags, None)
+        .map_err(|e| format!("a Unix socket: {e}"))
 }
 
 /// Time left to `deadline`, at least 1 ms (a zero timeout means none to the kernel).
@@ -91,7 +87,7 @@ fn peer_is(socket: BorrowedFd<'_>, pid: u32) -> std::result::Result<(), String> 
 impl Listener {
     /// A listener on a fresh random abstract name.
     pub(crate) fn bind() -> Result<Self> {
-        let socket = unix_socket(SocketFlags::NONBLOCK)?;
+        let socket = unix_socket(SocketFlags::NONBLOCK).map_err(channel_error)?;
         let name = format!(
             "peercomm-descriptors/{}/{:016x}",
             std::process::id(),
@@ -382,28 +378,11 @@ pub(crate) fn send(
         |what: String| channel_error(format!("sending rank {} a descriptor: {what}", to.rank));
     let addr = SocketAddrUnix::new_abstract_name(&to.name)
         .map_err(|e| fail(format!("its socket name: {e}")))?;
-    let mut message = [0u8; MESSAGE_BYTES];
-    for (i, w) in [MAGIC, registration, me as u64, to.nonce]
-        .iter()
-        .enumerate()
-    {
-        message[8 * i..8 * i + 8].copy_from_slice(&w.to_le_bytes());
-    }
+    let message = message(registration, me, to.nonce);
     loop {
         let socket = connect(&addr, deadline).map_err(&fail)?;
         peer_is(socket.as_fd(), to.pid).map_err(&fail)?;
-        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
-        let mut control = SendAncillaryBuffer::new(&mut space);
-        let fds = [fd];
-        if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
-            return Err(fail("no room for the descriptor".into()));
-        }
-        match net::sendmsg(
-            &socket,
-            &[IoSlice::new(&message)],
-            &mut control,
-            SendFlags::NOSIGNAL,
-        ) {
+        match send_with_fd(&socket, &message, fd) {
             Ok(MESSAGE_BYTES) => return Ok(()),
             Ok(sent) => {
                 return Err(fail(format!(
@@ -423,17 +402,45 @@ pub(crate) fn send(
     }
 }
 
+/// What a sender writes beside its descriptor: magic, registration, its rank, the
+/// receiver's nonce.
+pub(super) fn message(registration: u64, rank: usize, nonce: u64) -> [u8; MESSAGE_BYTES] {
+    let mut m = [0u8; MESSAGE_BYTES];
+    let words = [MAGIC, registration, rank as u64, nonce];
+    for (chunk, w) in m.chunks_exact_mut(8).zip(words) {
+        chunk.copy_from_slice(&w.to_le_bytes());
+    }
+    m
+}
+
+/// Writes `message` on `socket` with `fd` beside it (`SCM_RIGHTS`).
+pub(super) fn send_with_fd(
+    socket: &OwnedFd,
+    message: &[u8],
+    fd: BorrowedFd<'_>,
+) -> std::result::Result<usize, Errno> {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    let fds = [fd];
+    if !control.push(SendAncillaryMessage::ScmRights(&fds)) {
+        return Err(Errno::NOBUFS);
+    }
+    net::sendmsg(
+        socket,
+        &[IoSlice::new(message)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )
+}
+
 /// A connection to the listener at `addr`, waiting out a full backlog until
 /// `deadline`.
-fn connect(addr: &SocketAddrUnix, deadline: Instant) -> std::result::Result<OwnedFd, String> {
+pub(super) fn connect(
+    addr: &SocketAddrUnix,
+    deadline: Instant,
+) -> std::result::Result<OwnedFd, String> {
     loop {
-        let socket = net::socket_with(
-            AddressFamily::UNIX,
-            SocketType::STREAM,
-            SocketFlags::CLOEXEC,
-            None,
-        )
-        .map_err(|e| format!("a Unix socket: {e}"))?;
+        let socket = unix_socket(SocketFlags::empty())?;
         // A full backlog makes a Unix connect wait up to the send timeout.
         sockopt::set_socket_timeout(&socket, sockopt::Timeout::Send, Some(left(deadline)))
             .map_err(|e| format!("SO_SNDTIMEO: {e}"))?;
