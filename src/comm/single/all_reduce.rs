@@ -1,8 +1,9 @@
-//! The single-controller all-reduce, shaped ([`TensorView`] per rank): every rank's
-//! tensors checked together, then routed and planned on the cores and launched on
-//! each (or handed to the external library).
+//! The single-controller all-reduce, shaped ([`TensorView`] per rank) or on the users'
+//! flat buffers (`&[CudaSlice<T>]`, no heap allocation per call): every rank's buffers
+//! checked together, then routed and planned on the cores and launched on each (or
+//! handed to the external library).
 
-use crate::backend::Backend;
+use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use crate::dispatch::Algorithm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
@@ -10,7 +11,7 @@ use crate::signal::MAX_GPUS;
 use crate::tensor::{TensorView, TensorViewMut};
 
 use super::super::AllReduceOptions;
-use super::validate::{bytes_of, meta, meta_mut, Meta};
+use super::validate::{meta, Meta, Ptrs};
 use super::SingleController;
 use crate::comm::core::planning::check::Routed;
 use crate::comm::core::planning::PeerReads;
@@ -19,26 +20,20 @@ use crate::comm::core::routing::Path;
 impl<B: Backend> SingleController<B> {
     /// Sums `inputs[r]` over each group into `outputs[r]` (one tensor per rank, same
     /// dtype, shape and length everywhere). Returns the algorithm that ran. An input
-    /// that is its rank's output, the very same range, runs in place (as
-    /// [`SingleController::all_reduce_sum_in_place`]); buffers that overlap otherwise (a
-    /// partial overlap, another rank's buffer, two outputs: only an `unsafe impl
-    /// DeviceBuffer` can report them) are [`Error::BuffersOverlap`], nothing launched.
+    /// that is its rank's output, the very same range, runs in place; buffers that
+    /// overlap otherwise (only an `unsafe impl DeviceBuffer` can report them) are
+    /// [`Error::BuffersOverlap`], nothing launched.
     pub fn all_reduce_sum(
         &self,
         inputs: &[TensorView<'_, B>],
         outputs: &mut [TensorViewMut<'_, B>],
         options: &AllReduceOptions,
     ) -> Result<Algorithm> {
-        self.check_usable()?;
-        self.check_count(inputs.len())?;
+        let first = self.check_inputs(inputs, "input")?;
         self.check_count(outputs.len())?;
-        let metas: Vec<Meta> = inputs.iter().map(meta).collect();
-        let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
-        self.check_tensors(&metas, &shapes, "input")?;
         for (r, (o, i)) in outputs.iter().zip(inputs).enumerate() {
-            let om = meta_mut(o);
-            self.check_tensor(r, &om, &o.shape, "output")?;
-            self.ranks[r].check_all_reduce(&metas[r], &om)?;
+            self.ranks[r].check_all_reduce(&meta(i.data), &meta(&*o.data))?;
+            Self::check_shape(r, o.data.len(), &o.shape, "output")?;
             if o.shape != i.shape {
                 return Err(Error::ShapeMismatch {
                     rank: r,
@@ -47,15 +42,9 @@ impl<B: Backend> SingleController<B> {
                 });
             }
         }
-        let (dtype, len) = (metas[0].dtype, metas[0].len);
-        let ranks = &self.ranks;
-        let mut guards = Vec::with_capacity(2 * ranks.len());
-        let ins = self.read_ptrs(inputs, &mut guards);
-        let outs = self.write_ptrs(outputs, &mut guards);
-        let bytes = bytes_of(metas.iter().copied());
-        let result = self.all_reduce_at(&ins, &outs, &bytes, dtype, len, options);
-        drop(guards);
-        result
+        let ins = self.reads(inputs.iter().map(|t| t.data).enumerate());
+        let outs = self.writes(outputs.iter_mut().map(|t| &mut *t.data).enumerate());
+        self.all_reduce_at(&ins, &outs, first, options)
     }
 
     /// Sums `tensors[r]` over each group in place. Returns the algorithm that ran.
@@ -64,56 +53,97 @@ impl<B: Backend> SingleController<B> {
         tensors: &mut [TensorViewMut<'_, B>],
         options: &AllReduceOptions,
     ) -> Result<Algorithm> {
-        self.check_usable()?;
-        self.check_count(tensors.len())?;
-        let metas: Vec<Meta> = tensors.iter().map(meta_mut).collect();
-        let shapes: Vec<Vec<usize>> = tensors.iter().map(|t| t.shape.clone()).collect();
-        let shape_refs: Vec<&[usize]> = shapes.iter().map(|s| s.as_slice()).collect();
-        self.check_tensors(&metas, &shape_refs, "in-place")?;
-        let (dtype, len) = (metas[0].dtype, metas[0].len);
-        let routed = self.route_all_reduce(dtype, len, options, true)?;
-        let ranks = &self.ranks;
-        let mut guards = Vec::with_capacity(ranks.len());
-        let ptrs = self.write_ptrs(tensors, &mut guards);
-        let bytes = bytes_of(metas.iter().copied());
-        let result = self.all_reduce_in_place_at(routed, &ptrs, &bytes, dtype, len);
-        drop(guards);
-        result
+        let first = self.check_in_place(tensors)?;
+        let routed = self.route_all_reduce(first.dtype, first.len, options, true)?;
+        let ptrs = self.writes(tensors.iter_mut().map(|t| &mut *t.data).enumerate());
+        self.all_reduce_in_place_at(routed, &ptrs, first)
     }
 
-    /// The all-reduce from `ins` into `outs` (`bytes` per rank): a rank whose input is
-    /// its output, the very same range, runs in place (the plan stages); other
-    /// overlaps are refused.
-    pub(super) fn all_reduce_at(
+    /// The flat form of [`SingleController::all_reduce_sum`]: one buffer per rank, on that
+    /// rank's device, all of one dtype and length; the same checks and launches.
+    ///
+    /// ```
+    /// use peercomm::backend::{host::Host, Backend, TypedBuffer};
+    /// use peercomm::{AllReduceOptions, CommConfig, SingleController};
+    ///
+    /// let comm = SingleController::<Host>::new(&[0, 1], CommConfig::default())?;
+    /// let mut ins = Vec::new();
+    /// let mut outs = Vec::new();
+    /// for (r, rank) in comm.cores().iter().enumerate() {
+    ///     ins.push(Host::alloc_from(rank.device(), &[r as f32 + 1.0; 5])?);
+    ///     outs.push(Host::alloc_from(rank.device(), &[f32::NAN; 5])?);
+    /// }
+    /// let opts = AllReduceOptions::new();
+    /// for _ in 0..3 {
+    ///     comm.all_reduce_sum_slices(&ins, &mut outs, &opts)?; // no per-call Vec
+    /// }
+    /// comm.all_reduce_sum_slices_in_place(&mut ins, &opts)?;
+    /// comm.synchronize()?;
+    /// assert_eq!(outs[1].to_host(comm.core(1).device())?, vec![3.0; 5]);
+    /// assert_eq!(ins[0].to_host(comm.core(0).device())?, vec![3.0; 5]);
+    /// # Ok::<(), peercomm::Error>(())
+    /// ```
+    pub fn all_reduce_sum_slices<S, R>(
         &self,
-        ins: &[u64; MAX_GPUS],
-        outs: &[u64; MAX_GPUS],
-        bytes: &[usize; MAX_GPUS],
-        dtype: DType,
-        len: usize,
+        inputs: &[S],
+        outputs: &mut [R],
+        options: &AllReduceOptions,
+    ) -> Result<Algorithm>
+    where
+        S: DeviceBuffer<B>,
+        R: DeviceBufferMut<B>,
+    {
+        let first = self.check_slices(inputs, outputs)?;
+        let ins = self.reads(inputs.iter().enumerate());
+        let outs = self.writes(outputs.iter_mut().enumerate());
+        self.all_reduce_at(&ins, &outs, first, options)
+    }
+
+    /// The flat form of [`SingleController::all_reduce_sum_in_place`].
+    pub fn all_reduce_sum_slices_in_place<R>(
+        &self,
+        buffers: &mut [R],
+        options: &AllReduceOptions,
+    ) -> Result<Algorithm>
+    where
+        R: DeviceBufferMut<B>,
+    {
+        let first = self.check_flat(buffers, "in-place")?;
+        let routed = self.route_all_reduce(first.dtype, first.len, options, true)?;
+        let ptrs = self.writes(buffers.iter_mut().enumerate());
+        self.all_reduce_in_place_at(routed, &ptrs, first)
+    }
+
+    /// The all-reduce from `ins` into `outs` (`first`: rank 0's input): a rank whose
+    /// input is its output, the very same range, runs in place; other overlaps are
+    /// refused.
+    fn all_reduce_at(
+        &self,
+        ins: &Ptrs<'_, B>,
+        outs: &Ptrs<'_, B>,
+        first: Meta,
         options: &AllReduceOptions,
     ) -> Result<Algorithm> {
-        let roles = [(ins, bytes, "input", false), (outs, bytes, "output", true)];
+        let roles = [ins.role("input", false), outs.role("output", true)];
         let in_place = self.check_overlaps(&roles, true)?;
-        let routed = self.route_all_reduce(dtype, len, options, in_place)?;
-        self.run_all_reduce(routed, ins, outs, len, dtype, "input")
+        let routed = self.route_all_reduce(first.dtype, first.len, options, in_place)?;
+        self.run_all_reduce(routed, &ins.at, &outs.at, first.len, first.dtype, "input")
     }
 
-    /// The routed in-place all-reduce of `ptrs` (`bytes` per rank), overlaps refused.
-    pub(super) fn all_reduce_in_place_at(
+    /// The routed in-place all-reduce of `ptrs`, overlaps refused.
+    fn all_reduce_in_place_at(
         &self,
         routed: Routed,
-        ptrs: &[u64; MAX_GPUS],
-        bytes: &[usize; MAX_GPUS],
-        dtype: DType,
-        len: usize,
+        ptrs: &Ptrs<'_, B>,
+        first: Meta,
     ) -> Result<Algorithm> {
-        self.check_overlaps(&[(ptrs, bytes, "in-place", true)], false)?;
-        self.run_all_reduce(routed, ptrs, ptrs, len, dtype, "in-place")
+        self.check_overlaps(&[ptrs.role("in-place", true)], false)?;
+        let (at, len, dtype) = (&ptrs.at, first.len, first.dtype);
+        self.run_all_reduce(routed, at, at, len, dtype, "in-place")
     }
 
-    /// Routes and plans an all-reduce on the cores (every core decides the same: their
-    /// settings and routing were agreed at setup, so rank 0's answer is every rank's).
+    /// Routes and plans an all-reduce on rank 0's core: the settings and routing were
+    /// agreed at setup, so its answer is every rank's.
     pub(super) fn route_all_reduce(
         &self,
         dtype: DType,
@@ -137,11 +167,10 @@ impl<B: Backend> SingleController<B> {
         let world = self.world_size();
         match routed {
             Routed::Peer(plan) => {
-                if plan.elements == 0 {
-                    return Ok(plan.algorithm);
+                if plan.elements > 0 {
+                    self.check_peers_reach(&plan, inputs, which)?;
+                    self.launch_all(&plan, inputs, outputs)?;
                 }
-                self.check_peers_reach(&plan, inputs, which)?;
-                self.launch_all(&plan, inputs, outputs)?;
                 Ok(plan.algorithm)
             }
             Routed::Away(Path::External) => {

@@ -1,19 +1,20 @@
-//! The single-controller [`SingleController`]'s all-gather, reduce-scatter, broadcast,
-//! scatter and fused all-reduce + residual + RMSNorm: one tensor per rank (per group
-//! for a broadcast's or scatter's input), validated together before anything runs,
-//! then one kernel per rank. In one process the peers read the user buffers directly
-//! (their reach is checked).
+//! The single controller's all-gather, reduce-scatter, broadcast, scatter and fused
+//! all-reduce + residual + RMSNorm: one tensor per rank (per group for a broadcast's or
+//! scatter's input), checked together before anything runs, then one kernel per rank;
+//! the peers read the user buffers in place (their reach is checked).
 
 use crate::backend::{Backend, KernelKind};
+use crate::dtype::DType;
 use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
 use crate::tensor::{TensorView, TensorViewMut};
 
-use super::validate::{bytes_of, meta, meta_mut, Meta};
+use super::launch::ALL_RANKS;
+use super::validate::{meta, Meta};
 use super::SingleController;
 use crate::comm::core::launch::PeerInputs;
 use crate::comm::core::planning::collective::{reduce_scatter_part, Collective, CollectiveOptions};
-use crate::comm::core::planning::{PeerReads, Plan};
+use crate::comm::core::planning::PeerReads;
 
 impl<B: Backend> SingleController<B> {
     /// Gathers `inputs[r]` (one per rank, same dtype and shape everywhere) over each
@@ -25,18 +26,17 @@ impl<B: Backend> SingleController<B> {
         outputs: &mut [TensorViewMut<'_, B>],
         options: &CollectiveOptions,
     ) -> Result<()> {
-        let metas = self.check_inputs(inputs)?;
+        let first = self.check_inputs(inputs, "input")?;
         let width = self.ranks[0].collective_width(options)?.0;
-        let n = metas[0].len;
-        self.check_outputs(outputs, &metas, |_| n.checked_mul(width))?;
-        let plan = self.ranks[0].plan_collective(
-            Collective::AllGather,
-            metas[0].dtype,
-            n,
-            options,
-            PeerReads::UserBuffers,
+        let n = first.len;
+        self.check_outputs(
+            outputs,
+            first,
+            |_| n.checked_mul(width),
+            "group width x input",
         )?;
-        self.launch_collective(&plan, inputs, outputs)
+        let call = (Collective::AllGather, first.dtype, n);
+        self.run_collective(call, options, inputs, outputs, |k| k)
     }
 
     /// Sums `inputs[r]` over each group; rank r receives part `r % width` of the sum
@@ -47,20 +47,13 @@ impl<B: Backend> SingleController<B> {
         outputs: &mut [TensorViewMut<'_, B>],
         options: &CollectiveOptions,
     ) -> Result<()> {
-        let metas = self.check_inputs(inputs)?;
+        let first = self.check_inputs(inputs, "input")?;
         let width = self.ranks[0].collective_width(options)?.0;
-        let n = metas[0].len;
-        self.check_outputs(outputs, &metas, |r| {
-            Some(reduce_scatter_part(n, width, r % width).len())
-        })?;
-        let plan = self.ranks[0].plan_collective(
-            Collective::ReduceScatter,
-            metas[0].dtype,
-            n,
-            options,
-            PeerReads::UserBuffers,
-        )?;
-        self.launch_collective(&plan, inputs, outputs)
+        let n = first.len;
+        let part = |r: usize| Some(reduce_scatter_part(n, width, r % width).len());
+        self.check_outputs(outputs, first, part, "this rank's part of the input")?;
+        let call = (Collective::ReduceScatter, first.dtype, n);
+        self.run_collective(call, options, inputs, outputs, |k| k)
     }
 
     /// Copies each group's root input into every member's output: `inputs[k]` is the
@@ -73,17 +66,10 @@ impl<B: Backend> SingleController<B> {
         root: usize,
         options: &CollectiveOptions,
     ) -> Result<()> {
-        let (width, roots) = self.check_root_inputs(inputs, root, options)?;
-        let n = roots[0].len;
-        self.check_outputs(outputs, &roots, |_| Some(n))?;
-        let plan = self.ranks[0].plan_collective(
-            Collective::Broadcast { root },
-            roots[0].dtype,
-            n,
-            options,
-            PeerReads::UserBuffers,
-        )?;
-        self.launch_root_collective(&plan, inputs, outputs, width, root)
+        let (width, first) = self.check_root_inputs(inputs, root, options)?;
+        self.check_outputs(outputs, first, |_| Some(first.len), "the root's input")?;
+        let call = (Collective::Broadcast { root }, first.dtype, first.len);
+        self.run_collective(call, options, inputs, outputs, |k| k * width + root)
     }
 
     /// Broadcast in place: each group root's tensor is the message, every other
@@ -94,35 +80,25 @@ impl<B: Backend> SingleController<B> {
         root: usize,
         options: &CollectiveOptions,
     ) -> Result<()> {
-        self.check_usable()?;
-        self.check_count(tensors.len())?;
-        let metas: Vec<Meta> = tensors.iter().map(meta_mut).collect();
-        let shapes: Vec<Vec<usize>> = tensors.iter().map(|t| t.shape.clone()).collect();
-        let shape_refs: Vec<&[usize]> = shapes.iter().map(Vec::as_slice).collect();
-        self.check_tensors(&metas, &shape_refs, "in-place")?;
+        let first = self.check_in_place(tensors)?;
         let plan = self.ranks[0].plan_collective(
             Collective::Broadcast { root },
-            metas[0].dtype,
-            metas[0].len,
+            first.dtype,
+            first.len,
             options,
             PeerReads::UserBuffers,
         )?;
         if plan.elements == 0 {
             return Ok(());
         }
-        let mut guards = Vec::with_capacity(tensors.len());
-        let ptrs = self.write_ptrs(tensors, &mut guards);
-        let bytes = bytes_of(metas.iter().copied());
-        self.check_overlaps(&[(&ptrs, &bytes, "in-place", true)], false)?;
+        let ptrs = self.writes(tensors.iter_mut().map(|t| &mut *t.data).enumerate());
+        self.check_overlaps(&[ptrs.role("in-place", true)], false)?;
         let mut read = [0u64; MAX_GPUS];
         for r in (root..self.world_size()).step_by(plan.width) {
-            read[r] = ptrs[r];
+            read[r] = ptrs.at[r];
         }
-        let result = self
-            .check_peers_reach(&plan, &read, "in-place")
-            .and_then(|_| self.launch_all(&plan, &ptrs, &ptrs));
-        drop(guards);
-        result
+        self.check_peers_reach(&plan, &read, "in-place")?;
+        self.launch_all(&plan, &ptrs.at, &ptrs.at)
     }
 
     /// Scatters each group root's input: `inputs[k]` (group k's root, `width * n`
@@ -135,26 +111,25 @@ impl<B: Backend> SingleController<B> {
         root: usize,
         options: &CollectiveOptions,
     ) -> Result<()> {
-        let (width, roots) = self.check_root_inputs(inputs, root, options)?;
-        if roots[0].len % width != 0 {
+        let (width, first) = self.check_root_inputs(inputs, root, options)?;
+        if first.len % width != 0 {
             return Err(Error::LengthMismatch {
                 rank: root,
                 what: format!(
                     "the root's input has {} elements, not a multiple of the group width {width}",
-                    roots[0].len
+                    first.len
                 ),
             });
         }
-        let n = roots[0].len / width;
-        self.check_outputs(outputs, &roots, |_| Some(n))?;
-        let plan = self.ranks[0].plan_collective(
-            Collective::Scatter { root },
-            roots[0].dtype,
-            n,
-            options,
-            PeerReads::UserBuffers,
+        let n = first.len / width;
+        self.check_outputs(
+            outputs,
+            first,
+            |_| Some(n),
+            "the root's input / group width",
         )?;
-        self.launch_root_collective(&plan, inputs, outputs, width, root)
+        let call = (Collective::Scatter { root }, first.dtype, n);
+        self.run_collective(call, options, inputs, outputs, |k| k * width + root)
     }
 
     /// The fused all-reduce + residual add + RMSNorm on every rank (see
@@ -173,27 +148,16 @@ impl<B: Backend> SingleController<B> {
         epsilon: f32,
         options: &CollectiveOptions,
     ) -> Result<()> {
-        let metas = self.check_inputs(inputs)?;
-        self.check_count(weights.len())?;
-        let wmetas: Vec<Meta> = weights.iter().map(meta).collect();
-        let wshapes: Vec<&[usize]> = weights.iter().map(|t| t.shape.as_slice()).collect();
-        self.check_tensors(&wmetas, &wshapes, "weight")?;
-        if wmetas[0].dtype != metas[0].dtype {
-            return Err(Error::DTypeMismatch {
-                rank: 0,
-                expected: metas[0].dtype,
-                got: wmetas[0].dtype,
-            });
-        }
-        let n = metas[0].len;
-        self.check_outputs(residuals, &metas, |_| Some(n))?;
-        self.check_outputs(outputs, &metas, |_| Some(n))?;
+        let first = self.check_inputs(inputs, "input")?;
+        let weight = self.check_inputs(weights, "weight")?;
+        self.ranks[0].check_dtype(first.dtype, weight.dtype)?;
+        let n = first.len;
+        self.check_outputs(residuals, first, |_| Some(n), "input")?;
+        self.check_outputs(outputs, first, |_| Some(n), "input")?;
+        let hidden = weight.len;
         let plan = self.ranks[0].plan_collective(
-            Collective::AllReduceRmsNorm {
-                hidden: wmetas[0].len,
-                epsilon,
-            },
-            metas[0].dtype,
+            Collective::AllReduceRmsNorm { hidden, epsilon },
+            first.dtype,
             n,
             options,
             PeerReads::UserBuffers,
@@ -201,91 +165,51 @@ impl<B: Backend> SingleController<B> {
         if plan.elements == 0 {
             return Ok(());
         }
-        let ranks = &self.ranks;
-        let mut guards = Vec::with_capacity(4 * ranks.len());
-        let ins = self.read_ptrs(inputs, &mut guards);
-        let ws = self.read_ptrs(weights, &mut guards);
-        let res = self.write_ptrs(residuals, &mut guards);
-        let outs = self.write_ptrs(outputs, &mut guards);
+        let ins = self.reads(inputs.iter().map(|t| t.data).enumerate());
+        let ws = self.reads(weights.iter().map(|t| t.data).enumerate());
+        let res = self.writes(residuals.iter_mut().map(|t| &mut *t.data).enumerate());
+        let outs = self.writes(outputs.iter_mut().map(|t| &mut *t.data).enumerate());
         // No in-place form: the residual is read and written, the inputs read by
         // every peer.
-        let bytes = bytes_of(metas.iter().copied());
-        let weight_bytes = bytes_of(wmetas.iter().copied());
-        self.check_overlaps(
-            &[
-                (&ins, &bytes, "input", false),
-                (&ws, &weight_bytes, "weight", false),
-                (&res, &bytes, "residual", true),
-                (&outs, &bytes, "output", true),
-            ],
-            false,
-        )?;
-        let all: Vec<usize> = (0..self.world_size()).collect();
-        let result = self.check_peers_reach(&plan, &ins, "input").and_then(|_| {
-            self.launch_on(
-                &plan,
-                &all,
-                PeerInputs::InPlace(&ins),
-                &outs,
-                Some((&res, &ws)),
-            )
-        });
-        drop(guards);
-        result
-    }
-
-    /// Usable, one input per rank, one dtype and shape everywhere, on its device.
-    fn check_inputs(&self, inputs: &[TensorView<'_, B>]) -> Result<Vec<Meta>> {
-        self.check_usable()?;
-        self.check_count(inputs.len())?;
-        let metas: Vec<Meta> = inputs.iter().map(meta).collect();
-        let shapes: Vec<&[usize]> = inputs.iter().map(|t| t.shape.as_slice()).collect();
-        self.check_tensors(&metas, &shapes, "input")?;
-        Ok(metas)
+        let roles = [
+            ins.role("input", false),
+            ws.role("weight", false),
+            res.role("residual", true),
+            outs.role("output", true),
+        ];
+        self.check_overlaps(&roles, false)?;
+        self.check_peers_reach(&plan, &ins.at, "input")?;
+        let (all, fused) = (&ALL_RANKS[..self.world_size()], Some((&res.at, &ws.at)));
+        self.launch_on(&plan, all, PeerInputs::InPlace(&ins.at), &outs.at, fused)
     }
 
     /// One output per rank, of its rank's device, the inputs' dtype and `len(r)`
-    /// elements, its shape describing its buffer.
+    /// elements (`rule` says why), its shape describing its buffer.
     fn check_outputs(
         &self,
         outputs: &[TensorViewMut<'_, B>],
-        inputs: &[Meta],
+        first: Meta,
         len: impl Fn(usize) -> Option<usize>,
+        rule: &str,
     ) -> Result<()> {
         self.check_count(outputs.len())?;
         for (r, o) in outputs.iter().enumerate() {
-            let om = meta_mut(o);
+            let om = meta(&*o.data);
             self.check_tensor(r, &om, &o.shape, "output")?;
-            if om.dtype != inputs[0].dtype {
-                return Err(Error::DTypeMismatch {
-                    rank: r,
-                    expected: inputs[0].dtype,
-                    got: om.dtype,
-                });
-            }
-            let expected = len(r);
-            if expected != Some(om.len) {
-                return Err(Error::LengthMismatch {
-                    rank: r,
-                    what: match expected {
-                        Some(e) => format!("output has {} elements but must have {e}", om.len),
-                        None => "the output length overflows usize".into(),
-                    },
-                });
-            }
+            self.ranks[r].check_dtype(first.dtype, om.dtype)?;
+            self.ranks[r].check_len(om.len, len(r), "output", rule)?;
         }
         Ok(())
     }
 
     /// The roots' inputs of a broadcast or scatter: a valid root, one input per group,
-    /// one dtype and shape, each on its root's device. Returns the width and their
-    /// metadata.
+    /// alike, each on its root's device. Returns the width and group 0's root's input.
     fn check_root_inputs(
         &self,
         inputs: &[TensorView<'_, B>],
         root: usize,
         options: &CollectiveOptions,
-    ) -> Result<(usize, Vec<Meta>)> {
+    ) -> Result<(usize, Meta)> {
         self.check_usable()?;
         let width = self.ranks[0].collective_width(options)?.0;
         if root >= width {
@@ -298,111 +222,37 @@ impl<B: Backend> SingleController<B> {
                 got: inputs.len(),
             });
         }
-        let metas: Vec<Meta> = inputs.iter().map(meta).collect();
-        for (k, (m, t)) in metas.iter().zip(inputs).enumerate() {
-            let r = k * width + root;
-            if m.dtype != metas[0].dtype {
-                return Err(Error::DTypeMismatch {
-                    rank: r,
-                    expected: metas[0].dtype,
-                    got: m.dtype,
-                });
-            }
-            self.check_tensor(r, m, &t.shape, "input")?;
-            if m.len != metas[0].len {
-                return Err(Error::LengthMismatch {
-                    rank: r,
-                    what: format!(
-                        "the root's input has {} elements but group 0's root's {}",
-                        m.len, metas[0].len
-                    ),
-                });
-            }
-            if t.shape != inputs[0].shape {
-                return Err(Error::ShapeMismatch {
-                    rank: r,
-                    expected: inputs[0].shape.clone(),
-                    got: t.shape.clone(),
-                });
-            }
-        }
-        Ok((width, metas))
+        let roots = inputs.iter().enumerate();
+        let roots = roots.map(|(k, t)| (k * width + root, meta(t.data), Some(&t.shape[..])));
+        Ok((width, self.check_alike(roots, "input", "group 0's root's")?))
     }
 
-    /// Launches a collective whose every rank has an input (the all-reduce too): each
-    /// buffer is tracked on its own rank's stream only, since peers read rank j's input
-    /// between their start and end barriers, which rank j's kernel spans, so the waits
-    /// and records on rank j's stream also cover the peers' reads.
-    pub(super) fn launch_collective(
+    /// Plans `call` on the cores and launches it from every rank's input (group k's at
+    /// world rank `input_rank(k)`) into its output. Overlaps are refused, but for a
+    /// broadcast root's input that is its output (it runs in place).
+    fn run_collective(
         &self,
-        plan: &Plan,
+        (which, dtype, n): (Collective, DType, usize),
+        options: &CollectiveOptions,
         inputs: &[TensorView<'_, B>],
         outputs: &mut [TensorViewMut<'_, B>],
+        input_rank: impl Fn(usize) -> usize,
     ) -> Result<()> {
+        let reads = PeerReads::UserBuffers;
+        let plan = self.ranks[0].plan_collective(which, dtype, n, options, reads)?;
         if plan.elements == 0 {
             return Ok(());
         }
-        let out_bytes = bytes_of(outputs.iter().map(meta_mut));
-        let ranks = &self.ranks;
-        let mut guards = Vec::with_capacity(2 * ranks.len());
-        let in_ptrs = self.read_ptrs(inputs, &mut guards);
-        let out_ptrs = self.write_ptrs(outputs, &mut guards);
-        // No in-place form: any overlap is refused.
-        let in_bytes = bytes_of(inputs.iter().map(meta));
-        let result = self.launch_checked(plan, (&in_ptrs, &in_bytes), (&out_ptrs, &out_bytes));
-        drop(guards);
-        result
-    }
-
-    /// Launches a broadcast or scatter: group k's input is at world rank
-    /// `k * width + root`; the other ranks have none.
-    fn launch_root_collective(
-        &self,
-        plan: &Plan,
-        inputs: &[TensorView<'_, B>],
-        outputs: &mut [TensorViewMut<'_, B>],
-        width: usize,
-        root: usize,
-    ) -> Result<()> {
-        if plan.elements == 0 {
-            return Ok(());
-        }
-        let out_bytes = bytes_of(outputs.iter().map(meta_mut));
-        let ranks = &self.ranks;
-        let mut guards = Vec::with_capacity(inputs.len() + ranks.len());
-        let mut in_ptrs = [0u64; MAX_GPUS];
-        for (k, t) in inputs.iter().enumerate() {
-            let r = k * width + root;
-            let (p, g) = t.data.read_ptr(ranks[r].device());
-            in_ptrs[r] = p;
-            guards.push(g);
-        }
-        let out_ptrs = self.write_ptrs(outputs, &mut guards);
-        // A broadcast root's input that is its output runs in place; a scatter has no
-        // in-place form.
-        let mut in_bytes = [0; MAX_GPUS];
-        for (k, t) in inputs.iter().enumerate() {
-            in_bytes[k * width + root] = t.data.len() * t.data.dtype().size();
-        }
-        let result = self.launch_checked(plan, (&in_ptrs, &in_bytes), (&out_ptrs, &out_bytes));
-        drop(guards);
-        result
-    }
-
-    /// Refuses overlapping buffers (a broadcast root's exact alias runs in place),
-    /// checks that the peers reach the inputs, and launches on every rank.
-    fn launch_checked(
-        &self,
-        plan: &Plan,
-        (ins, in_bytes): (&[u64; MAX_GPUS], &[usize; MAX_GPUS]),
-        (outs, out_bytes): (&[u64; MAX_GPUS], &[usize; MAX_GPUS]),
-    ) -> Result<()> {
-        let roles = [
-            (ins, in_bytes, "input", false),
-            (outs, out_bytes, "output", true),
-        ];
+        let ins = self.reads(
+            inputs
+                .iter()
+                .enumerate()
+                .map(|(k, t)| (input_rank(k), t.data)),
+        );
+        let outs = self.writes(outputs.iter_mut().map(|t| &mut *t.data).enumerate());
+        let roles = [ins.role("input", false), outs.role("output", true)];
         self.check_overlaps(&roles, plan.kernel.kind == KernelKind::Broadcast)?;
-        self.check_peers_reach(plan, ins, "input")?;
-        self.launch_all(plan, ins, outs)
+        self.check_peers_reach(&plan, &ins.at, "input")?;
+        self.launch_all(&plan, &ins.at, &outs.at)
     }
 }

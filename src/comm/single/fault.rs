@@ -1,7 +1,6 @@
-//! Fault injection on [`SingleController`] (feature `fault-injection`): making a rank miss
-//! a collective, publish a mismatched call, start late or fail its launch on purpose,
-//! so that users can test their own timeout and error handling.
-//! Without the feature nothing here is public and no launch is ever left out.
+//! Fault injection on [`SingleController`] (feature `fault-injection`): a rank misses a
+//! collective, publishes a mismatched call, starts late or fails its launch, so that
+//! users can test their own error handling. Without the feature none of it exists.
 
 #[cfg(feature = "fault-injection")]
 use std::time::Duration;
@@ -14,6 +13,7 @@ use crate::error::{Error, Result};
 use super::launch::ALL_RANKS;
 use super::SingleController;
 
+#[cfg(feature = "fault-injection")]
 impl<B: Backend> SingleController<B> {
     /// Fault injection (feature `fault-injection`): the next collective (or barrier) is
     /// launched on every rank but `rank` (several calls leave several out), returning
@@ -40,7 +40,6 @@ impl<B: Backend> SingleController<B> {
     /// comm.synchronize()?;
     /// # Ok::<(), peercomm::Error>(())
     /// ```
-    #[cfg(feature = "fault-injection")]
     pub fn miss_next(&self, rank: usize) -> Result<()> {
         self.fault_rank(rank)?.miss_next_launch();
         Ok(())
@@ -51,7 +50,6 @@ impl<B: Backend> SingleController<B> {
     /// Its group finds it at the first barrier: [`Error::CallMismatch`] on every rank
     /// of the group, nothing written, [`SingleController::reinitialize`] recovers (a
     /// group of one runs as usual).
-    #[cfg(feature = "fault-injection")]
     pub fn mismatch_next(&self, rank: usize) -> Result<()> {
         self.fault_rank(rank)?.skew_next_call();
         Ok(())
@@ -61,7 +59,6 @@ impl<B: Backend> SingleController<B> {
     /// kernel that spins for `delay`, touching no memory, so its next collective
     /// starts late (longer than [`crate::CommConfig::barrier_timeout`]: the others give
     /// up). Capturable in a CUDA graph.
-    #[cfg(feature = "fault-injection")]
     pub fn delay_rank(&self, rank: usize, delay: Duration) -> Result<()> {
         let endpoint = self.fault_rank(rank)?;
         let _launches = self.lock_launches();
@@ -72,12 +69,11 @@ impl<B: Backend> SingleController<B> {
     /// launched as a collective is; with a zero `delay` it times the launch path alone.
     /// Delays wait for nobody, so a failure poisons nothing: the first failing rank's
     /// error is returned.
-    #[cfg(feature = "fault-injection")]
     pub fn delay_all(&self, delay: Duration) -> Result<()> {
         let mut launches = self.lock_launches();
         let launch = |r: usize| self.ranks[r].endpoint.launch_delay(delay);
         let ranks = &ALL_RANKS[..self.world_size()];
-        let outcomes = self.launch_each(&mut launches, ranks, &launch);
+        let outcomes = launches.run(ranks, &launch);
         if let Some(panic) = outcomes.panic {
             std::panic::resume_unwind(panic);
         }
@@ -92,26 +88,6 @@ impl<B: Backend> SingleController<B> {
     /// it is enqueued, as one the driver refused: [`Error::Backend`] (`call:
     /// "launch"`), and since other ranks were launched, the communicator is poisoned
     /// until [`SingleController::reinitialize`] (not in a world of one).
-    ///
-    /// ```
-    /// use std::time::Duration;
-    /// use peercomm::backend::{host::Host, Backend};
-    /// use peercomm::{AllReduceOptions, CommConfig, SingleController, Error};
-    ///
-    /// let config = CommConfig::default().with_barrier_timeout(Some(Duration::from_millis(200)));
-    /// let comm = SingleController::<Host>::new(&[0, 1], config)?;
-    /// let mut bufs: Vec<_> = comm.cores().iter().map(|r| Host::alloc_from(r.device(), &[1.0f32; 8]).unwrap()).collect();
-    /// comm.fail_next_launch(1)?;
-    /// let err = comm.all_reduce_sum_slices_in_place(&mut bufs, &AllReduceOptions::new());
-    /// assert!(matches!(err, Err(Error::Backend { call: "launch", .. })));
-    /// assert!(comm.is_poisoned());
-    /// # drop(comm.synchronize()); // rank 0 timed out waiting for rank 1
-    /// comm.reinitialize()?;
-    /// comm.all_reduce_sum_slices_in_place(&mut bufs, &AllReduceOptions::new())?;
-    /// comm.synchronize()?;
-    /// # Ok::<(), peercomm::Error>(())
-    /// ```
-    #[cfg(feature = "fault-injection")]
     pub fn fail_next_launch(&self, rank: usize) -> Result<()> {
         self.fault_rank(rank)?;
         self.failing_launches
@@ -119,9 +95,7 @@ impl<B: Backend> SingleController<B> {
         Ok(())
     }
 
-    /// The injected failure of rank `r`'s launch, if one was asked for (and clears
-    /// the request).
-    #[cfg(feature = "fault-injection")]
+    /// The injected failure of rank `r`'s launch, if asked for (clearing the request).
     pub(super) fn injected_launch_failure(&self, r: usize) -> Result<()> {
         use std::sync::atomic::Ordering;
         let bit = 1u32 << r;
@@ -140,15 +114,7 @@ impl<B: Backend> SingleController<B> {
         })
     }
 
-    /// Without fault injection no launch is made to fail.
-    #[cfg(not(feature = "fault-injection"))]
-    #[inline(always)]
-    pub(super) fn injected_launch_failure(&self, _r: usize) -> crate::error::Result<()> {
-        Ok(())
-    }
-
     /// Rank `rank`, or the typed error for a rank outside the world.
-    #[cfg(feature = "fault-injection")]
     fn fault_rank(&self, rank: usize) -> Result<&super::super::core::Endpoint<B>> {
         self.ranks.get(rank).map(|r| &r.endpoint).ok_or_else(|| {
             Error::InvalidDevices(format!(
@@ -156,5 +122,14 @@ impl<B: Backend> SingleController<B> {
                 self.world_size()
             ))
         })
+    }
+}
+
+#[cfg(not(feature = "fault-injection"))]
+impl<B: Backend> SingleController<B> {
+    /// Without fault injection no launch is made to fail.
+    #[inline(always)]
+    pub(super) fn injected_launch_failure(&self, _r: usize) -> crate::error::Result<()> {
+        Ok(())
     }
 }

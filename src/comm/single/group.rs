@@ -5,7 +5,6 @@
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use crate::dispatch::Algorithm;
 use crate::error::Result;
-use crate::signal::MAX_GPUS;
 
 use super::super::AllReduceOptions;
 use super::validate::Meta;
@@ -26,8 +25,8 @@ pub struct SingleControllerGroup<'c, 'b, B: Backend> {
 }
 
 struct Pending<'b, B: Backend> {
-    /// Rank r's input (`None`: in place, the output is the input).
-    inputs: Vec<Option<&'b dyn DeviceBuffer<B>>>,
+    /// Every rank's input (`None`: in place, the output is the input).
+    inputs: Option<Vec<&'b dyn DeviceBuffer<B>>>,
     outputs: Vec<&'b mut dyn DeviceBufferMut<B>>,
     call: GroupedCall,
 }
@@ -92,8 +91,8 @@ impl<'b, B: Backend> SingleControllerGroup<'_, 'b, B> {
         R: DeviceBufferMut<B>,
     {
         let first = self.comm.check_slices(inputs, outputs)?;
-        let inputs = inputs.iter().map(|b| Some(b as &dyn DeviceBuffer<B>));
-        self.add(first, options, inputs.collect(), outputs)
+        let inputs = inputs.iter().map(|b| b as &dyn DeviceBuffer<B>);
+        self.add(first, options, Some(inputs.collect()), outputs)
     }
 
     /// Adds every rank's `buffers[r]` summed over the world in place.
@@ -110,9 +109,8 @@ impl<'b, B: Backend> SingleControllerGroup<'_, 'b, B> {
         buffers: &'b mut [R],
         options: &AllReduceOptions,
     ) -> Result<()> {
-        let first = self.comm.check_slices_in_place(buffers)?;
-        let inputs = buffers.iter().map(|_| None).collect();
-        self.add(first, options, inputs, buffers)
+        let first = self.comm.check_flat(buffers, "in-place")?;
+        self.add(first, options, None, buffers)
     }
 
     /// Calls in the group so far.
@@ -131,16 +129,16 @@ impl<'b, B: Backend> SingleControllerGroup<'_, 'b, B> {
         self.launch()
     }
 
-    /// Routes the call now (refusing it here, not at `end`) and keeps it; `inputs[r]`
+    /// Routes the call now (refusing it here, not at `end`) and keeps it; `inputs`
     /// `None` is in place.
     fn add<R: DeviceBufferMut<B>>(
         &mut self,
         first: Meta,
         options: &AllReduceOptions,
-        inputs: Vec<Option<&'b dyn DeviceBuffer<B>>>,
+        inputs: Option<Vec<&'b dyn DeviceBuffer<B>>>,
         outputs: &'b mut [R],
     ) -> Result<()> {
-        let in_place = inputs.iter().all(Option::is_none);
+        let in_place = inputs.is_none();
         let call = GroupedCall {
             dtype: first.dtype,
             elements: first.len,
@@ -165,43 +163,33 @@ impl<'b, B: Backend> SingleControllerGroup<'_, 'b, B> {
         }
         let comm = self.comm;
         let mut calls: Vec<GroupedCall> = pending.iter().map(|p| p.call).collect();
-        let world = comm.world_size();
-        // ins[s][r], outs[s][r]: call s's buffers on rank r.
-        let mut ins = vec![[0u64; MAX_GPUS]; calls.len()];
-        let mut outs = vec![[0u64; MAX_GPUS]; calls.len()];
-        let mut guards = Vec::with_capacity(2 * world * calls.len());
-        for (s, p) in pending.iter_mut().enumerate() {
-            for (r, output) in p.outputs.iter_mut().enumerate() {
-                let dev = comm.ranks[r].device();
-                let (out, g) = output.write_ptr(dev);
-                guards.push(g);
-                outs[s][r] = out;
-                ins[s][r] = match p.inputs[r] {
-                    Some(input) => {
-                        let (ptr, g) = input.read_ptr(dev);
-                        guards.push(g);
-                        ptr
-                    }
-                    None => out,
-                };
-            }
-        }
+        // Call s's outputs and inputs on every rank (`None`: its outputs, in place).
+        let io: Vec<_> = pending
+            .iter_mut()
+            .map(|p| {
+                let outs = comm.writes(p.outputs.iter_mut().map(|b| &mut **b).enumerate());
+                let ins = p
+                    .inputs
+                    .as_ref()
+                    .map(|i| comm.reads(i.iter().copied().enumerate()));
+                (outs, ins)
+            })
+            .collect();
+        let ins = |s: usize| io[s].1.as_ref().map_or(&io[s].0.at, |i| &i.at);
         // Before anything is planned or launched: a call whose input is its output on
         // some rank, the very same range, runs in place; other overlaps are refused.
-        for (s, call) in calls.iter_mut().enumerate() {
-            let bytes = [call.elements * call.dtype.size(); MAX_GPUS];
-            let (outputs, inputs) = (
-                (&outs[s], &bytes, "output", true),
-                (&ins[s], &bytes, "input", false),
-            );
-            if call.in_place {
-                comm.check_overlaps(&[outputs], false)?;
-            } else {
-                call.in_place = comm.check_overlaps(&[inputs, outputs], true)?;
+        for (call, (outs, ins)) in calls.iter_mut().zip(&io) {
+            let outputs = outs.role("output", true);
+            match ins {
+                None => drop(comm.check_overlaps(&[outputs], false)?),
+                Some(ins) => {
+                    call.in_place =
+                        comm.check_overlaps(&[ins.role("input", false), outputs], true)?
+                }
             }
         }
         let steps = comm.ranks[0].plan_grouped(&calls, PeerReads::UserBuffers)?;
-        let result = run_group_steps(
+        run_group_steps(
             steps,
             calls.len(),
             |e| comm.poison(e),
@@ -209,7 +197,7 @@ impl<'b, B: Backend> SingleControllerGroup<'_, 'b, B> {
                 GroupStep::Batch { first, plan } => {
                     if plan.total_elements > 0 {
                         let io: Vec<_> = (first..first + plan.count)
-                            .map(|s| (&ins[s], &outs[s]))
+                            .map(|s| (ins(s), &io[s].0.at))
                             .collect();
                         comm.launch_group_on_all(&plan, &io)?;
                     }
@@ -220,8 +208,8 @@ impl<'b, B: Backend> SingleControllerGroup<'_, 'b, B> {
                     let which = if c.in_place { "in-place" } else { "input" };
                     comm.run_all_reduce(
                         routed,
-                        &ins[index],
-                        &outs[index],
+                        ins(index),
+                        &io[index].0.at,
                         c.elements,
                         c.dtype,
                         which,
@@ -229,9 +217,7 @@ impl<'b, B: Backend> SingleControllerGroup<'_, 'b, B> {
                     .map(|a| Some((index, a)))
                 }
             },
-        );
-        drop(guards);
-        result
+        )
     }
 }
 

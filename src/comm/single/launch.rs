@@ -1,6 +1,6 @@
-//! Launching a planned collective on every core of a [`SingleController`]: from the
-//! launch pool ([`CommConfig::parallel_launch`]) or one rank after the other, under
-//! the launch lock, so that a collective is enqueued on every rank before another's.
+//! Launching a planned collective on every core of a [`SingleController`], from the
+//! launch pool ([`CommConfig::parallel_launch`]) or one rank after the other, under the
+//! launch lock: a collective is enqueued on every rank before another's.
 
 use std::any::Any;
 use std::sync::{MutexGuard, Weak};
@@ -17,16 +17,8 @@ use crate::comm::core::launch::group::GroupPlan;
 use crate::comm::core::launch::{Fused, PeerInputs};
 use crate::comm::core::planning::Plan;
 
-/// Every world rank, in order: `&ALL_RANKS[..world]` is the whole world.
-pub(super) const ALL_RANKS: [usize; MAX_GPUS] = {
-    let mut all = [0; MAX_GPUS];
-    let mut r = 0;
-    while r < MAX_GPUS {
-        all[r] = r;
-        r += 1;
-    }
-    all
-};
+/// Every world rank, in order (the array's type keeps it `MAX_GPUS` long).
+pub(super) const ALL_RANKS: [usize; MAX_GPUS] = [0, 1, 2, 3, 4, 5, 6, 7];
 
 impl<B: Backend> SingleController<B> {
     pub(super) fn lock_launches(&self) -> MutexGuard<'_, Launches> {
@@ -34,10 +26,9 @@ impl<B: Backend> SingleController<B> {
     }
 
     /// Turns parallel launch ([`CommConfig::parallel_launch`]) on or off for the calls
-    /// that follow; only a call's host time differs. Turning it on starts the launch
-    /// threads if needed ([`crate::Error::Backend`] if the system refuses one); off
-    /// leaves them parked until the drop. Waits for a call in progress on another
-    /// thread; changes nothing in a world of one.
+    /// that follow; only a call's host time differs. On starts the launch threads if
+    /// needed ([`crate::Error::Backend`] if the system refuses one); off leaves them
+    /// parked until the drop. Waits for a call in progress on another thread.
     pub fn set_parallel_launch(&self, on: bool) -> Result<()> {
         let world = self.world_size();
         self.lock_launches()
@@ -58,7 +49,7 @@ impl<B: Backend> SingleController<B> {
         self.lock_launches().pool.as_ref().map(Launcher::probe)
     }
 
-    /// Enqueues `plan` on every rank, atomically with respect to other callers.
+    /// Enqueues `plan` on every rank.
     pub(super) fn launch_all(
         &self,
         plan: &Plan,
@@ -70,10 +61,8 @@ impl<B: Backend> SingleController<B> {
     }
 
     /// Enqueues `plan` on the cores `ranks` (with every rank's residual and weight for
-    /// the fused all-reduce + RMSNorm), atomically with respect to other callers. A
-    /// failure on some rank once another was launched poisons the communicator: the
-    /// launched ranks wait for peers that will never come (until their timeout), so
-    /// nothing may run before [`SingleController::reinitialize`].
+    /// the fused all-reduce + RMSNorm); the others count the call, so that every rank's
+    /// call sequence stays the same.
     pub(super) fn launch_on(
         &self,
         plan: &Plan,
@@ -82,20 +71,13 @@ impl<B: Backend> SingleController<B> {
         outputs: &[u64; MAX_GPUS],
         fused: Option<(&[u64; MAX_GPUS], &[u64; MAX_GPUS])>,
     ) -> Result<()> {
-        let mut launches = self.lock_launches();
-        self.check_usable()?;
-        let launch = |r: usize| {
-            self.injected_launch_failure(r)?;
+        self.launch_ranks(ranks, &|r| {
             let extra = fused.map_or(Fused::default(), |(residuals, weights)| Fused {
                 residual: residuals[r],
                 weight: weights[r],
             });
             self.ranks[r].launch_fused(plan, inputs, outputs[r], extra)
-        };
-        let outcomes = self.launch_each(&mut launches, ranks, &launch);
-        self.settle(ranks, outcomes)?;
-        // Ranks left out of this launch count it too, so that every rank's call
-        // sequence stays the same.
+        })?;
         for (r, core) in self.ranks.iter().enumerate() {
             if !ranks.contains(&r) {
                 core.count_call(plan);
@@ -104,75 +86,38 @@ impl<B: Backend> SingleController<B> {
         Ok(())
     }
 
-    /// Enqueues a batched all-reduce on every rank: `io[r]` holds rank r's (input,
-    /// output) pairs. Poisons on a failure once some rank was launched, as `launch_on`.
+    /// Enqueues a batched all-reduce on every rank: `io[s]` holds entry s's inputs and
+    /// outputs on every rank.
     pub(super) fn launch_group_on_all(
         &self,
         plan: &GroupPlan,
         io: &[(&[u64; MAX_GPUS], &[u64; MAX_GPUS])],
     ) -> Result<()> {
-        let mut launches = self.lock_launches();
-        self.check_usable()?;
-        let launch = |r: usize| {
-            self.injected_launch_failure(r)?;
+        self.launch_ranks(&ALL_RANKS[..self.world_size()], &|r| {
             // Entry s reads every rank's input in place (or stages its own, where the
             // plan says so) and writes this rank's output.
             let entries: Vec<(PeerInputs<'_>, u64)> = io
                 .iter()
-                .map(|&(ins, outs)| {
-                    let inputs = if plan.plan.stage_input {
-                        PeerInputs::Own(ins[r])
-                    } else {
-                        PeerInputs::InPlace(ins)
-                    };
-                    (inputs, outs[r])
+                .map(|&(ins, outs)| match plan.plan.stage_input {
+                    true => (PeerInputs::Own(ins[r]), outs[r]),
+                    false => (PeerInputs::InPlace(ins), outs[r]),
                 })
                 .collect();
             self.ranks[r].launch_group(plan, &entries)
-        };
-        let ranks = &ALL_RANKS[..self.world_size()];
-        let outcomes = self.launch_each(&mut launches, ranks, &launch);
-        self.settle(ranks, outcomes)
+        })
     }
 
-    /// Runs `launch(r)` for every rank r of `ranks` (world ranks, each once) under the
-    /// launch lock (`launches`, held by the caller): at once through the pool where
-    /// parallel launch is on, each rank's outcome kept; else in order on this thread,
-    /// stopping at the first failure (the ranks after it are not launched), as a
-    /// single thread does.
-    pub(super) fn launch_each(
-        &self,
-        launches: &mut Launches,
-        ranks: &[usize],
-        launch: &LaunchFn<'_>,
-    ) -> Outcomes {
-        if let Some(pool) = launches.parallel_pool() {
-            if ranks.len() > 1 {
-                let mask = ranks.iter().fold(0u32, |m, &r| m | 1 << r);
-                return pool.run(mask, launch);
-            }
-        }
-        let mut outcomes = Outcomes {
-            results: Default::default(),
-            panic: None,
-        };
-        for &r in ranks {
-            let result = launch(r);
-            let failed = result.is_err();
-            outcomes.results[r] = Some(result);
-            if failed {
-                break;
-            }
-        }
-        outcomes
-    }
-
-    /// What a launch on `ranks` returns: the first failing rank's error (in the order
-    /// of `ranks`), after poisoning the communicator if another rank was launched (a
-    /// launch that panicked counts as failed; its panic is resumed here, after the
-    /// poisoning).
-    fn settle(&self, ranks: &[usize], outcomes: Outcomes) -> Result<()> {
-        let mut results = outcomes.results;
+    /// Runs `launch(r)` (after any injected failure) on every rank of `ranks` under the
+    /// launch lock, atomically with respect to other callers. A failure on some rank once
+    /// another was launched poisons the communicator: the launched ranks wait for peers
+    /// that never come (until their timeout), so nothing may run before
+    /// [`SingleController::reinitialize`]. A launch that panicked counts as failed; its
+    /// panic is resumed after the poisoning. Returns the first failing rank's error.
+    fn launch_ranks(&self, ranks: &[usize], launch: &LaunchFn<'_>) -> Result<()> {
+        let mut launches = self.lock_launches();
+        self.check_usable()?;
+        let launch = |r: usize| self.injected_launch_failure(r).and_then(|()| launch(r));
+        let Outcomes { mut results, panic } = launches.run(ranks, &launch);
         let mut launched = false;
         let mut first_error = None;
         for &r in ranks {
@@ -187,7 +132,7 @@ impl<B: Backend> SingleController<B> {
         if launched {
             if let Some(e) = &first_error {
                 self.poison(e);
-            } else if outcomes.panic.is_some() {
+            } else if panic.is_some() {
                 self.poison(&Error::Backend {
                     backend: B::NAME,
                     call: "launch",
@@ -195,7 +140,7 @@ impl<B: Backend> SingleController<B> {
                 });
             }
         }
-        if let Some(panic) = outcomes.panic {
+        if let Some(panic) = panic {
             std::panic::resume_unwind(panic);
         }
         first_error.map_or(Ok(()), Err)

@@ -126,13 +126,31 @@ impl Launches {
         Ok(())
     }
 
-    /// The pool, where launches go through it.
-    pub(super) fn parallel_pool(&mut self) -> Option<&mut Launcher> {
-        if self.parallel {
-            self.pool.as_mut()
-        } else {
-            None
+    /// Runs `launch(r)` for every rank r of `ranks` (each once): at once through the
+    /// pool where parallel launch is on, each rank's outcome kept; else in order on
+    /// this thread, stopping at the first failure, as a single thread does.
+    pub(super) fn run(&mut self, ranks: &[usize], launch: &LaunchFn<'_>) -> Outcomes {
+        if let Some(pool) = self
+            .pool
+            .as_mut()
+            .filter(|_| self.parallel && ranks.len() > 1)
+        {
+            let mask = ranks.iter().fold(0u32, |m, &r| m | 1 << r);
+            return pool.run(mask, launch);
         }
+        let mut outcomes = Outcomes {
+            results: Default::default(),
+            panic: None,
+        };
+        for &r in ranks {
+            let result = launch(r);
+            let failed = result.is_err();
+            outcomes.results[r] = Some(result);
+            if failed {
+                break;
+            }
+        }
+        outcomes
     }
 }
 

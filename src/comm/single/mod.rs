@@ -1,7 +1,7 @@
-//! The single-controller front door: [`SingleController`], one process that drives every
-//! rank's device through one core per device, made by the per-rank setup over an
-//! in-process bootstrap. Its calls check every rank's tensors together, plan on the
-//! cores and launch on each under one lock; the peers read user buffers in place.
+//! The single-controller front door: [`SingleController`], one process driving every
+//! rank's device through one core each (the per-rank setup over an in-process
+//! bootstrap). Calls check every rank's buffers together, plan on the cores and launch
+//! on each under one lock; the peers read user buffers in place.
 
 #[cfg(feature = "fault-injection")]
 use std::sync::atomic::AtomicU32;
@@ -30,7 +30,6 @@ mod fault;
 pub(crate) mod group;
 mod launch;
 mod launcher;
-mod slices;
 mod status;
 mod validate;
 
@@ -42,8 +41,8 @@ mod validate;
 pub struct SingleController<B: Backend> {
     /// One core per device: rank i drives `ranks[i]`.
     ranks: Vec<Rank<B>>,
-    /// Held while a collective is enqueued on every rank (and while re-initialising),
-    /// so that two threads' launches never interleave; guards the launch pool.
+    /// Held while a collective is enqueued on every rank (or re-initialising), so that
+    /// two threads' launches never interleave; guards the launch pool.
     launch_lock: Mutex<launcher::Launches>,
     /// Fault injection: bit r set makes rank r's next launch fail
     /// ([`SingleController::fail_next_launch`]).
@@ -72,16 +71,13 @@ impl<B: Backend> SingleController<B> {
         Self::from_devices(devices, config)
     }
 
-    /// Builds a communicator over already opened devices (rank i = `devices[i]`): the
-    /// per-rank setup of every core at once, one thread per device, then the external
-    /// library where peer memory does not serve, then the launch threads
-    /// ([`CommConfig::parallel_launch`]). One physical device given twice (by
+    /// Builds a communicator over opened devices (rank i = `devices[i]`), setting up
+    /// every core at once, one thread each. One physical device given twice (by
     /// [`Backend::identity`]) is `Error::InvalidDevices`, unless
     /// `CommConfig::allow_shared_devices`.
     pub fn from_devices(devices: Vec<B::Device>, config: CommConfig) -> Result<Self> {
         let world = devices.len();
         check_world(world)?;
-        // One physical device twice is refused before any thread starts.
         if !config.allow_shared_devices {
             let ids = devices
                 .iter()
@@ -221,13 +217,11 @@ impl<B: Backend> SingleController<B> {
         }
     }
 
-    /// Waits for every rank's queued work, then reads every rank's error record (one
-    /// small device-to-host copy per rank). If a wait gave up, returns the root cause
-    /// ([`Error::BarrierTimeout`] of the rank that timed out, else the
-    /// [`Error::PeerAborted`] a rank was told) and poisons the communicator until
-    /// [`SingleController::reinitialize`]. [`SingleController::wait`] only waits;
-    /// [`SingleController::check_errors`] only reads. A collective a rank never makes
-    /// is reported within 2 x [`CommConfig::barrier_timeout`] of its start (see there).
+    /// Waits for every rank's queued work, then reads every rank's error record. If a
+    /// wait gave up, returns the root cause ([`Error::BarrierTimeout`] of the rank that
+    /// timed out, else the [`Error::PeerAborted`] a rank was told) and poisons the
+    /// communicator until [`SingleController::reinitialize`]. A collective a rank never
+    /// makes is reported within 2 x [`CommConfig::barrier_timeout`] of its start.
     pub fn synchronize(&self) -> Result<()> {
         self.wait()?;
         for r in &self.ranks {
@@ -267,9 +261,8 @@ impl<B: Backend> SingleController<B> {
         Err(e)
     }
 
-    /// Waits for all ranks, then zeroes every signal buffer and refills the Lamport
-    /// regions with the sentinel: the state of a new communicator. This is how a
-    /// communicator poisoned by a timeout is brought back.
+    /// Waits for all ranks, then resets every signal buffer to a new communicator's
+    /// state: how a poisoned communicator is brought back.
     pub fn reinitialize(&self) -> Result<()> {
         self.reinitialize_with_counter_base(0)
     }
@@ -297,8 +290,8 @@ impl<B: Backend> SingleController<B> {
         self.barrier_on_ranks(group_size, &ranks)
     }
 
-    /// Launches the barrier kernel on the listed ranks only: the others never arrive,
-    /// which is how the timeout path is tested.
+    /// The barrier kernel on the listed ranks only (the others never arrive: the
+    /// timeout path's test).
     #[doc(hidden)]
     pub fn barrier_on_ranks(&self, group_size: usize, ranks: &[usize]) -> Result<()> {
         self.check_usable()?;
@@ -314,9 +307,8 @@ impl<B: Backend> SingleController<B> {
         self.launch_on(&plan, ranks, PeerInputs::InPlace(&zeros), &zeros, None)
     }
 
-    /// Enqueues `iters` flag round trips between ranks 0 and 1 (one thread each, through
-    /// the first word of their payloads): time it with the backend's events to measure
-    /// the cross-GPU flag latency. Needs a world of at least 2.
+    /// Enqueues `iters` flag round trips between ranks 0 and 1 (through the first word
+    /// of their payloads), to time the cross-GPU flag latency. Needs a world of 2 or more.
     #[doc(hidden)]
     pub fn launch_flag_ping_pong(&self, iters: u32) -> Result<()> {
         self.check_usable()?;

@@ -1,19 +1,20 @@
-//! What only a single controller checks before anything is launched: one tensor per
-//! rank, the same dtype, shape and length everywhere, shapes that describe their
-//! buffers, and whether the peers can reach the user buffers. Each rank's own side
-//! (its device, its output's dtype and length) is the core's.
+//! What only a single controller checks (every rank's tensors against each other, shapes
+//! against buffers, the peers' reach of user buffers), and every rank's pointers of one
+//! role of a call. Each rank's own side (device, dtype, sizes) is the core's check.
 
-use crate::backend::{Backend, DeviceBuffer, KernelKind};
+use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut, KernelKind};
 use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
-use crate::tensor::shape_elements;
+use crate::tensor::{shape_elements, TensorView, TensorViewMut};
 
+use super::SingleController;
 pub(super) use crate::comm::core::planning::check::Meta;
 use crate::comm::core::planning::check::{check_overlaps, Span};
+use crate::comm::core::planning::Plan;
+pub(super) use crate::comm::per_rank::meta;
 
 /// One role of a call's buffers for [`SingleController::check_overlaps`]: every rank's
-/// address and bytes, the role's name, and whether the call writes it (at most four
-/// roles a call).
+/// address and bytes, the role's name, and whether the call writes it.
 pub(super) type Role<'a> = (
     &'a [u64; MAX_GPUS],
     &'a [usize; MAX_GPUS],
@@ -21,35 +22,35 @@ pub(super) type Role<'a> = (
     bool,
 );
 
-/// Every rank's bytes of buffers described by `metas` (the sizes checked).
-pub(super) fn bytes_of(metas: impl IntoIterator<Item = Meta>) -> [usize; MAX_GPUS] {
-    let mut bytes = [0; MAX_GPUS];
-    for (b, m) in bytes.iter_mut().zip(metas) {
-        *b = m.len.saturating_mul(m.dtype.size());
+/// Every rank's address and bytes of one role of a call (0: the rank has none), and the
+/// accesses that keep the addresses valid until it drops. Each buffer is tracked on its
+/// own rank's stream only: the peers read rank j's buffer between their start and end
+/// barriers, which rank j's kernel spans, so rank j's waits and records cover them.
+pub(super) struct Ptrs<'a, B: Backend> {
+    pub(super) at: [u64; MAX_GPUS],
+    pub(super) bytes: [usize; MAX_GPUS],
+    _access: [Option<B::Access<'a>>; MAX_GPUS],
+}
+
+impl<'a, B: Backend> Ptrs<'a, B> {
+    fn new() -> Self {
+        Ptrs {
+            at: [0; MAX_GPUS],
+            bytes: [0; MAX_GPUS],
+            _access: std::array::from_fn(|_| None),
+        }
     }
-    bytes
-}
-use super::SingleController;
-use crate::comm::core::planning::Plan;
-use crate::tensor::{TensorView, TensorViewMut};
 
-/// What the core checks of a buffer.
-pub(super) fn meta_of<B: Backend>(b: &(impl DeviceBuffer<B> + ?Sized)) -> Meta {
-    Meta {
-        dtype: b.dtype(),
-        len: b.len(),
-        ordinal: b.device_ordinal(),
+    /// This role for [`SingleController::check_overlaps`].
+    pub(super) fn role(&self, which: &'static str, written: bool) -> Role<'_> {
+        (&self.at, &self.bytes, which, written)
     }
-}
 
-/// What the core checks of a shaped input.
-pub(super) fn meta<B: Backend>(t: &TensorView<'_, B>) -> Meta {
-    meta_of(t.data)
-}
-
-/// What the core checks of a shaped output.
-pub(super) fn meta_mut<B: Backend>(t: &TensorViewMut<'_, B>) -> Meta {
-    meta_of(&*t.data)
+    fn set(&mut self, r: usize, m: Meta, (ptr, access): (u64, B::Access<'a>)) {
+        self.at[r] = ptr;
+        self.bytes[r] = m.len.saturating_mul(m.dtype.size());
+        self._access[r] = Some(access);
+    }
 }
 
 impl<B: Backend> SingleController<B> {
@@ -67,6 +68,24 @@ impl<B: Backend> SingleController<B> {
         Ok(())
     }
 
+    /// Rank `rank`'s tensor: its shape describes its buffer (`len` elements).
+    pub(super) fn check_shape(rank: usize, len: usize, shape: &[usize], which: &str) -> Result<()> {
+        match shape_elements(shape) {
+            Some(n) if n == len => Ok(()),
+            n => Err(Error::LengthMismatch {
+                rank,
+                what: match n {
+                    Some(n) => {
+                        format!("{which} shape {shape:?} has {n} elements but its buffer {len}")
+                    }
+                    None => format!("{which} shape {shape:?} overflows usize"),
+                },
+            }),
+        }
+    }
+
+    /// Rank `rank`'s tensor: its shape describes its buffer, on its rank's device, of a
+    /// size a buffer can have.
     pub(super) fn check_tensor(
         &self,
         rank: usize,
@@ -74,37 +93,104 @@ impl<B: Backend> SingleController<B> {
         shape: &[usize],
         which: &'static str,
     ) -> Result<()> {
-        if shape_elements(shape) != Some(m.len) {
-            return Err(Error::LengthMismatch {
-                rank,
-                what: match shape_elements(shape) {
-                    Some(n) => format!(
-                        "{which} shape {shape:?} has {n} elements but its buffer {}",
-                        m.len
-                    ),
-                    None => format!("{which} shape {shape:?} overflows usize"),
-                },
-            });
-        }
-        let expected = self.ranks[rank].ordinal();
-        if m.ordinal != expected {
-            return Err(Error::WrongDevice {
-                rank,
-                which,
-                expected,
-                got: m.ordinal,
-            });
-        }
+        Self::check_shape(rank, m.len, shape, which)?;
+        self.ranks[rank].check_buffer(m.ordinal, which)?;
         m.bytes(rank, which).map(drop)
     }
 
+    /// Checks each `(rank, buffer, shape)` ([`None`]: flat) with
+    /// [`SingleController::check_tensor`] and against the first one (`first`, say "rank
+    /// 0's"); returns the first's metadata. Element counts that differ (across ranks,
+    /// or a shape against its buffer) are [`Error::LengthMismatch`];
+    /// [`Error::ShapeMismatch`] means the counts agree and only the shapes differ, so
+    /// flat and shaped tensors give the same error for the same cause.
+    pub(super) fn check_alike<'s>(
+        &self,
+        tensors: impl IntoIterator<Item = (usize, Meta, Option<&'s [usize]>)>,
+        which: &'static str,
+        first: &str,
+    ) -> Result<Meta> {
+        let mut tensors = tensors.into_iter().peekable();
+        let Some(&(_, m0, s0)) = tensors.peek() else {
+            return Err(Error::WrongTensorCount {
+                expected: self.world_size(),
+                got: 0,
+            });
+        };
+        for (r, m, s) in tensors {
+            self.ranks[r].check_dtype(m0.dtype, m.dtype)?;
+            self.check_tensor(r, &m, s.unwrap_or(&[m.len]), which)?;
+            if m.len != m0.len {
+                return Err(Error::LengthMismatch {
+                    rank: r,
+                    what: format!("{which} has {} elements but {first} {}", m.len, m0.len),
+                });
+            }
+            if s != s0 {
+                return Err(Error::ShapeMismatch {
+                    rank: r,
+                    expected: s0.unwrap_or_default().to_vec(),
+                    got: s.unwrap_or_default().to_vec(),
+                });
+            }
+        }
+        Ok(m0)
+    }
+
+    /// Usable, one tensor per rank, alike ([`SingleController::check_alike`]): rank 0's.
+    pub(super) fn check_inputs(
+        &self,
+        tensors: &[TensorView<'_, B>],
+        which: &'static str,
+    ) -> Result<Meta> {
+        self.check_usable()?;
+        self.check_count(tensors.len())?;
+        let shaped = tensors.iter().enumerate();
+        let all = shaped.map(|(r, t)| (r, meta(t.data), Some(&t.shape[..])));
+        self.check_alike(all, which, "rank 0's")
+    }
+
+    /// As [`SingleController::check_inputs`], for tensors a call writes in place.
+    pub(super) fn check_in_place(&self, tensors: &[TensorViewMut<'_, B>]) -> Result<Meta> {
+        self.check_usable()?;
+        self.check_count(tensors.len())?;
+        let shaped = tensors.iter().enumerate();
+        let all = shaped.map(|(r, t)| (r, meta(&*t.data), Some(&t.shape[..])));
+        self.check_alike(all, "in-place", "rank 0's")
+    }
+
+    /// As [`SingleController::check_inputs`], for flat buffers.
+    pub(super) fn check_flat<T: DeviceBuffer<B>>(
+        &self,
+        bufs: &[T],
+        which: &'static str,
+    ) -> Result<Meta> {
+        self.check_usable()?;
+        self.check_count(bufs.len())?;
+        let flat = bufs.iter().enumerate().map(|(r, b)| (r, meta(b), None));
+        self.check_alike(flat, which, "rank 0's")
+    }
+
+    /// An all-reduce's flat buffers: inputs alike, each output its input's pair (the
+    /// core's check). Returns rank 0's input.
+    pub(super) fn check_slices<S, R>(&self, inputs: &[S], outputs: &[R]) -> Result<Meta>
+    where
+        S: DeviceBuffer<B>,
+        R: DeviceBufferMut<B>,
+    {
+        let first = self.check_flat(inputs, "input")?;
+        self.check_count(outputs.len())?;
+        for (r, (i, o)) in inputs.iter().zip(outputs).enumerate() {
+            self.ranks[r].check_all_reduce(&meta(i), &meta(o))?;
+        }
+        Ok(first)
+    }
+
     /// Checks one call's buffers on every rank against each other before anything is
-    /// launched ([`check_overlaps`]): each role is every rank's address (0: the rank
-    /// has none), bytes, name, and whether the call writes it. Returns whether some
-    /// rank's input is its output, the very same range (allowed with `in_place`: the
-    /// call then runs in place); any other overlap, across ranks too (one address
-    /// space: the host backend, or devices that share memory), is
-    /// [`Error::BuffersOverlap`].
+    /// launched ([`check_overlaps`]). Returns whether some rank's input is its output,
+    /// the very same range (allowed with `in_place`: the call runs in place); any other
+    /// overlap, across ranks too (one address space: the host backend, or devices that
+    /// share memory), is [`Error::BuffersOverlap`].
     pub(super) fn check_overlaps(&self, roles: &[Role<'_>], in_place: bool) -> Result<bool> {
         let none = Span {
             rank: 0,
@@ -130,80 +216,40 @@ impl<B: Backend> SingleController<B> {
         check_overlaps(&spans[..n], in_place)
     }
 
-    /// Checks every rank's tensor against its own buffer and against rank 0's. The
-    /// rule for unequal sizes: element counts that differ (across ranks, between a
-    /// shape and its buffer, or between an output and its input) are
-    /// [`Error::LengthMismatch`]; [`Error::ShapeMismatch`] means the counts agree and
-    /// only the shapes differ. So flat and shaped tensors give the same error for the
-    /// same cause.
-    pub(super) fn check_tensors(
-        &self,
-        metas: &[Meta],
-        shapes: &[&[usize]],
-        which: &'static str,
-    ) -> Result<()> {
-        for (r, (m, s)) in metas.iter().zip(shapes).enumerate() {
-            if m.dtype != metas[0].dtype {
-                return Err(Error::DTypeMismatch {
-                    rank: r,
-                    expected: metas[0].dtype,
-                    got: m.dtype,
-                });
-            }
-            self.check_tensor(r, m, s, which)?;
-            if m.len != metas[0].len {
-                return Err(Error::LengthMismatch {
-                    rank: r,
-                    what: format!(
-                        "{which} has {} elements but rank 0's {}",
-                        m.len, metas[0].len
-                    ),
-                });
-            }
-            if *s != shapes[0] {
-                return Err(Error::ShapeMismatch {
-                    rank: r,
-                    expected: shapes[0].to_vec(),
-                    got: s.to_vec(),
-                });
-            }
-        }
-        Ok(())
-    }
-
-    /// Rank r's pointer into `tensors[r]`, for reading, by rank; the accesses that keep
-    /// the pointers valid go to `guards`.
-    pub(super) fn read_ptrs<'a>(
+    /// Each `(rank, buffer)`'s address for reading, on that rank's device.
+    pub(super) fn reads<'a, T>(
         &'a self,
-        tensors: &'a [TensorView<'_, B>],
-        guards: &mut Vec<B::Access<'a>>,
-    ) -> [u64; MAX_GPUS] {
-        let mut ptrs = [0u64; MAX_GPUS];
-        for (r, t) in tensors.iter().enumerate() {
-            let (p, g) = t.data.read_ptr(self.ranks[r].device());
-            ptrs[r] = p;
-            guards.push(g);
+        bufs: impl IntoIterator<Item = (usize, &'a T)>,
+    ) -> Ptrs<'a, B>
+    where
+        T: DeviceBuffer<B> + ?Sized + 'a,
+    {
+        let mut ptrs = Ptrs::new();
+        for (r, b) in bufs {
+            ptrs.set(r, meta(b), b.read_ptr(self.ranks[r].device()));
         }
         ptrs
     }
 
-    /// As [`SingleController::read_ptrs`], for writing.
-    pub(super) fn write_ptrs<'a>(
+    /// As [`SingleController::reads`], for writing.
+    pub(super) fn writes<'a, T>(
         &'a self,
-        tensors: &'a mut [TensorViewMut<'_, B>],
-        guards: &mut Vec<B::Access<'a>>,
-    ) -> [u64; MAX_GPUS] {
-        let mut ptrs = [0u64; MAX_GPUS];
-        for (r, t) in tensors.iter_mut().enumerate() {
-            let (p, g) = t.data.write_ptr(self.ranks[r].device());
-            ptrs[r] = p;
-            guards.push(g);
+        bufs: impl IntoIterator<Item = (usize, &'a mut T)>,
+    ) -> Ptrs<'a, B>
+    where
+        T: DeviceBufferMut<B> + ?Sized + 'a,
+    {
+        let mut ptrs = Ptrs::new();
+        for (r, b) in bufs {
+            let m = meta(&*b);
+            ptrs.set(r, m, b.write_ptr(self.ranks[r].device()));
         }
         ptrs
     }
 
-    /// When the plan's peers read the user buffers at `ptrs` directly (one-stage
-    /// without staging, two-stage), checks that each group peer's device can reach them.
+    /// Where the plan's peers read the user buffers at `ptrs` directly (one-stage or a
+    /// collective without staging, two-stage), checks that each group peer's device can
+    /// reach them. Ranks whose buffer nobody reads (a broadcast's non-roots) pass 0.
     pub(super) fn check_peers_reach(
         &self,
         plan: &Plan,
@@ -211,9 +257,9 @@ impl<B: Backend> SingleController<B> {
         which: &'static str,
     ) -> Result<()> {
         let direct = match plan.kernel.kind {
-            KernelKind::OneStage => !plan.stage_input,
             KernelKind::TwoStage => true,
-            KernelKind::AllGather
+            KernelKind::OneStage
+            | KernelKind::AllGather
             | KernelKind::ReduceScatter
             | KernelKind::Broadcast
             | KernelKind::Scatter
@@ -223,7 +269,6 @@ impl<B: Backend> SingleController<B> {
         if !direct || plan.width == 1 {
             return Ok(());
         }
-        // Ranks whose buffer nobody reads (the non-roots of a broadcast) pass 0.
         for (r, rank) in self.ranks.iter().enumerate().filter(|&(r, _)| ptrs[r] != 0) {
             let base = r / plan.width * plan.width;
             for peer in (base..base + plan.width).filter(|&p| p != r) {
