@@ -16,10 +16,8 @@ pub(super) fn deadline_after(timeout: Duration) -> Instant {
 }
 
 pub(super) fn is_timeout(e: &io::Error) -> bool {
-    matches!(
-        e.kind(),
-        io::ErrorKind::TimedOut | io::ErrorKind::WouldBlock
-    )
+    use io::ErrorKind::*;
+    matches!(e.kind(), TimedOut | WouldBlock)
 }
 
 /// Errors that say the process or the system is out of descriptors, buffers or memory
@@ -51,12 +49,10 @@ pub(super) fn is_resource_exhausted(e: &io::Error) -> bool {
 }
 
 pub(super) fn is_closed(e: &io::Error) -> bool {
+    use io::ErrorKind::*;
     matches!(
         e.kind(),
-        io::ErrorKind::UnexpectedEof
-            | io::ErrorKind::ConnectionReset
-            | io::ErrorKind::ConnectionAborted
-            | io::ErrorKind::BrokenPipe
+        UnexpectedEof | ConnectionReset | ConnectionAborted | BrokenPipe
     )
 }
 
@@ -100,14 +96,10 @@ pub(super) fn write_full(s: &mut TcpStream, buf: &[u8], deadline: Instant) -> io
 }
 
 pub(super) fn header(kind: u8, len: usize) -> [u8; HEADER_BYTES] {
-    let mut h = [0u8; HEADER_BYTES];
-    h[0] = kind;
-    h[1..].copy_from_slice(
-        &u32::try_from(len)
-            .expect("frame length checked")
-            .to_le_bytes(),
-    );
-    h
+    let len = u32::try_from(len)
+        .expect("frame length checked")
+        .to_le_bytes();
+    [kind, len[0], len[1], len[2], len[3]]
 }
 
 pub(super) fn frame(kind: u8, body: &[u8]) -> Vec<u8> {
@@ -149,13 +141,15 @@ pub(super) fn read_frame(s: &mut TcpStream, deadline: Instant) -> Result<(u8, Ve
 }
 
 pub(super) fn check_frame_len(len: usize) -> Result<()> {
-    if len > MAX_FRAME_BYTES {
-        return Err(BootstrapError::FrameTooLarge {
-            len,
-            max: MAX_FRAME_BYTES,
-        });
+    match len > MAX_FRAME_BYTES {
+        true => Err(too_large(len)),
+        false => Ok(()),
     }
-    Ok(())
+}
+
+fn too_large(len: usize) -> BootstrapError {
+    let max = MAX_FRAME_BYTES;
+    BootstrapError::FrameTooLarge { len, max }
 }
 
 /// How a timeout's hint says to raise the timeout, naming the setting of either front
@@ -174,10 +168,7 @@ pub(super) fn recv_error(
     closed_hint: &str,
 ) -> BootstrapError {
     match e {
-        RecvError::TooLarge(len) => BootstrapError::FrameTooLarge {
-            len,
-            max: MAX_FRAME_BYTES,
-        },
+        RecvError::TooLarge(len) => too_large(len),
         RecvError::Io(e) if is_timeout(&e) => BootstrapError::Timeout {
             step: step.into(),
             waiting_for: vec![peer],

@@ -3,12 +3,12 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::io;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::str::FromStr;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
 use super::error::{io_error, BootstrapError, Result};
+use super::mac::random;
 use super::{BOOTSTRAP_ADDR_ENV, ID_FORMAT_VERSION, SECRET_BYTES};
 
 /// Rank 0's address and a 128-bit random secret that every connection must prove it
@@ -79,12 +79,7 @@ impl UniqueId {
         let addr = listener
             .local_addr()
             .map_err(|e| io_error("reading the bootstrap listener's address", e))?;
-        let mut secret = [0u8; SECRET_BYTES];
-        getrandom::fill(&mut secret).map_err(|e| BootstrapError::Io {
-            step: "drawing the bootstrap secret from the OS".into(),
-            kind: io::ErrorKind::Other,
-            detail: e.to_string(),
-        })?;
+        let secret = random("the bootstrap secret")?;
         registry().insert(secret, Slot::Listening(listener));
         Ok(Self { addr, secret })
     }

@@ -35,23 +35,21 @@
 //! # Address and listener
 //!
 //! [`UniqueId::new`] binds [`BOOTSTRAP_ADDR_ENV`] when set (`10.0.0.5`, `[fd00::5]:29500`,
-//! `node7:29500`; no port or port 0 picks one), else `127.0.0.1:0` (this host only);
-//! peercomm does not guess among interfaces. [`UniqueId::bind`] takes the address
-//! directly; an unspecified address (`0.0.0.0`, `::`) is refused. The listener waits in a
-//! process-wide registry until rank 0's `connect` takes it (or [`UniqueId::release`]
-//! drops it) and is closed when that `connect` returns, so a stale id fails with a typed
-//! error instead of hanging ([`BootstrapError::StaleId`] for rank 0 reusing it). A rank 0
-//! in another process than the id's maker binds the address itself; the other ranks
-//! retry refused connections with backoff, so arrival order does not matter.
+//! `node7:29500`; no port picks one), else `127.0.0.1:0` (this host only); peercomm does
+//! not guess among interfaces, and [`UniqueId::bind`] refuses `0.0.0.0` and `::`. The
+//! listener waits in a process-wide registry until rank 0's `connect` takes it (or
+//! [`UniqueId::release`] drops it) and closes when that `connect` returns, so a stale id
+//! fails with a typed error ([`BootstrapError::StaleId`] for rank 0 reusing it). A rank 0
+//! in another process binds the address itself; the others retry refused connections.
 //!
 //! # Wire format (protocol version 3)
 //!
-//! A frame is a kind byte, a `u32` little-endian body length and the body (at most
-//! `MAX_FRAME_BYTES` (64 MiB), else [`BootstrapError::FrameTooLarge`]; hellos and proofs are
-//! capped much lower, so a stray connection cannot make rank 0 allocate). A MAC is
-//! HMAC-SHA-256 keyed by the secret over a label naming the message (so no MAC serves as
-//! another), rank r's nonce, rank 0's nonce, then the bytes named; nonces are 32 fresh
-//! bytes per connection, MACs are compared in constant time.
+//! A frame is a kind byte, a `u32` LE body length and the body (at most `MAX_FRAME_BYTES`,
+//! 64 MiB, else [`BootstrapError::FrameTooLarge`]; hellos and proofs are capped far lower,
+//! so a stray connection cannot make rank 0 allocate). A MAC is HMAC-SHA-256 keyed by the
+//! secret over a label naming the message (so no MAC serves as another), rank r's nonce,
+//! rank 0's nonce, then the bytes named; nonces are 32 fresh bytes per connection, MACs
+//! are compared in constant time.
 //!
 //! | kind | direction | body |
 //! |------|-----------|------|
@@ -62,31 +60,30 @@
 //! | 3 data | both ways | one rank's bytes for an all-gather |
 //! | 4 error | both ways | rank where the failure began `u32`, message (UTF-8) |
 //!
-//! Rank r sends its proof only after checking rank 0's challenge, and refuses a listener
-//! that cannot prove the secret with [`BootstrapError::UnverifiedRankZero`]. Rank 0
-//! silently drops connections that are not hellos, speak another version, or fail their
-//! proof, and keeps waiting; a version-1 rank with the right secret gets
-//! [`BootstrapError::Protocol`]. A right proof with a wrong or duplicate rank or another
-//! world size is fatal: rank 0 sends error frames to it and to every admitted rank
-//! ([`BootstrapError::PeerFailed`] there). All-gather: each rank r > 0 sends one data
-//! frame; rank 0 reads them in rank order and sends each rank the others' (a setup path
-//! only: rank 0 moves `world_size * (world_size - 1)` frames).
+//! Rank r proves the secret only after checking rank 0's challenge, and refuses a
+//! listener that cannot prove it ([`BootstrapError::UnverifiedRankZero`]). Rank 0 silently
+//! drops connections that are not hellos, speak another version or fail their proof; a
+//! version-1 rank with the right secret gets [`BootstrapError::Protocol`]. A right proof
+//! with a wrong or duplicate rank or another world size is fatal: rank 0 sends error
+//! frames to it and to every admitted rank ([`BootstrapError::PeerFailed`] there). In an
+//! all-gather each rank r > 0 sends one data frame; rank 0 reads them in rank order and
+//! relays the others' to each (a setup path: `world_size * (world_size - 1)` frames).
 //!
 //! # What the handshake withstands
 //!
 //! A connection must prove itself within `HELLO_DEADLINE` (2 s); at most 1,024 wait (the
 //! oldest is closed for a new one); when `accept` runs out of descriptors, buffers or
 //! memory rank 0 closes its oldest and pauses 10 ms. A real rank closed for any of these
-//! reasons reconnects within its timeout, so idle connections, garbage and strangers lock
-//! no rank out. Not covered: a flood of over 1,024 connections per round trip (it can
-//! starve a rank until its timeout), SYN retransmission delays while the 128-entry accept
-//! queue is full, and anyone on the path: only the handshake is authenticated.
+//! reconnects within its timeout, so idle connections, garbage and strangers lock no rank
+//! out. Not covered: over 1,024 connections per round trip (they can starve a rank until
+//! its timeout), SYN retransmission while the accept queue is full, and anyone on the
+//! path: only the handshake is authenticated.
 //!
 //! # Failures
 //!
 //! Every step ends in a [`BootstrapError`], never a hang: `connect`'s timeout bounds the
-//! whole handshake, then each operation ([`TcpBootstrap::set_timeout`];
-//! [`Bootstrap::barrier_within`] takes its own). A rank that never comes is
+//! handshake, then each operation ([`TcpBootstrap::set_timeout`];
+//! [`Bootstrap::barrier_within`] takes its own); a rank that never comes is
 //! [`BootstrapError::Timeout`] naming it. A failing rank sends error frames so its peers
 //! fail at once ([`BootstrapError::PeerFailed`], within 200 ms) and is then
 //! [`BootstrapError::Poisoned`]: frame boundaries are lost, so go on with a new id.
@@ -94,10 +91,9 @@
 //! # Bringing your own store
 //!
 //! An engine with its own transport (torch.distributed, MPI, RPC) implements
-//! [`Bootstrap`] and reports failures as [`BootstrapError::Store`]; implementing
-//! [`Bootstrap::all_gather_within`] bounds teardown (dropping a [`crate::Comm`] waits
-//! about a second for its peers). A communicator prefixes each record with a 10-byte
-//! header (call kind, sequence number) and checks every gathered record, so ranks in
+//! [`Bootstrap`], reports failures as [`BootstrapError::Store`], and implements
+//! [`Bootstrap::all_gather_within`] to bound teardown. A communicator tags each record
+//! with its call kind and sequence number and checks every gathered one, so ranks in
 //! different calls get [`BootstrapError::ExchangeMismatch`] instead of each other's data.
 
 mod error;
@@ -132,20 +128,15 @@ pub const BOOTSTRAP_ADDR_ENV: &str = "PEERCOMM_BOOTSTRAP_ADDR";
 /// reads from the system (for tests, and containers whose host identity misleads).
 pub const HOST_ID_OVERRIDE_ENV: &str = "PEERCOMM_HOST_ID_OVERRIDE";
 
-/// Largest frame body (one rank's bytes in one all-gather): 64 MiB.
+/// Largest frame body (one rank's bytes in one all-gather).
 pub(crate) const MAX_FRAME_BYTES: usize = 64 << 20;
-
 /// Longest [`HostId`] in bytes.
 pub(crate) const MAX_HOST_ID_BYTES: usize = 1024;
-
-/// Most ranks one [`TcpBootstrap`] serves, so the welcome (every rank's [`HostId`]) fits
-/// in a frame.
+/// Most ranks one [`TcpBootstrap`] serves, so the welcome (every [`HostId`]) fits a frame.
 pub(crate) const MAX_WORLD_SIZE: usize = 1 << 15;
 const _: () = assert!(MAC_BYTES + 4 + MAX_WORLD_SIZE * (2 + MAX_HOST_ID_BYTES) <= MAX_FRAME_BYTES);
-
-/// How long rank 0 keeps a connection that has not proven itself (hello, challenge,
-/// proof: one round trip for a real rank); a slower one is closed silently, so idle
-/// connections cannot fill rank 0's pending table.
+/// How long rank 0 keeps a connection that has not proven itself (one round trip for a
+/// real rank), so idle connections cannot fill its pending table.
 pub(crate) const HELLO_DEADLINE: Duration = Duration::from_secs(2);
 
 /// Version of the [`UniqueId`] byte layout (its first byte).
@@ -163,8 +154,8 @@ const MAC_BYTES: usize = 32;
 const HEADER_BYTES: usize = 5;
 /// Magic, version, rank r's nonce.
 const HELLO_BYTES: usize = 4 + 2 + NONCE_BYTES;
-/// The longest hello rank 0 reads: a version-1 hello (which carried the secret, rank,
-/// world, checksum and host id), so that such a rank is still recognised.
+/// The longest hello rank 0 reads: version 1's (secret, rank, world, checksum, host id),
+/// so that such a rank is still recognised.
 const MAX_HELLO_BYTES: usize = 4 + 2 + SECRET_BYTES + 4 + 4 + 8 + 2 + MAX_HOST_ID_BYTES;
 /// Rank 0's nonce and MAC.
 const CHALLENGE_BYTES: usize = NONCE_BYTES + MAC_BYTES;
@@ -196,10 +187,8 @@ const KIND_CHALLENGE: u8 = 5;
 const KIND_PROOF: u8 = 6;
 
 /// An all-gather of bytes among the ranks of one communicator: what peercomm needs from
-/// whatever connects its processes. [`TcpBootstrap`] is the built-in one; an engine
-/// with its own store (torch.distributed, MPI, an RPC layer) implements this instead.
-///
-/// Every rank must make the same sequence of calls.
+/// whatever connects its processes. [`TcpBootstrap`] is the built-in one; an engine with
+/// its own store implements this instead. Every rank must make the same sequence of calls.
 pub trait Bootstrap: Send + Sync {
     /// This process's rank, in `0..world_size()`.
     fn rank(&self) -> usize;

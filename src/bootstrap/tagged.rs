@@ -1,17 +1,13 @@
-//! Tagged exchanges: each all-gather a communicator makes carries the kind of call it
-//! belongs to and a sequence number, and every rank checks every gathered record.
+//! Tagged exchanges: every all-gather of a communicator carries the kind of call it
+//! belongs to and a sequence number, and every rank checks every gathered record, so a
+//! registration meeting a peer's teardown is [`BootstrapError::ExchangeMismatch`] on
+//! every rank instead of one rank freeing memory the other's kernels still write.
 //!
-//! Without the tag, a rank registering a buffer while its peer drops its communicator
-//! would pair its record with the peer's teardown record, and the teardown would free
-//! memory the other rank's kernels still write. With it, every rank gets
-//! [`BootstrapError::ExchangeMismatch`] naming the first rank that differs.
-//!
-//! Header: [`MAGIC`], the kind byte, the sequence number (`u64` LE), numbering the
-//! all-gathers (not the calls) 0, 1, 2, ...; the lock is held for the whole all-gather so
-//! two threads of one rank number theirs in order. After a match the sequence moves on
-//! by one; after a mismatch to the highest gathered plus one (every rank saw the same
-//! records, so ranks stay in step); after a store error by one, so a late record of that
-//! all-gather is a mismatch next time rather than taken for it.
+//! Header: [`MAGIC`], the kind byte, the sequence number (`u64` LE) of the all-gather. The
+//! lock is held for the whole all-gather, so two threads of one rank number theirs in
+//! order. The number moves on by one after a match or a store error (a late record of a
+//! failed all-gather is a mismatch next time), and to the highest gathered plus one after
+//! a mismatch (every rank saw the same records, so ranks stay in step).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -87,20 +83,16 @@ struct Shared {
 impl Exchanges {
     /// Tags the all-gathers made over `inner` from now on; the first is number 0.
     pub(crate) fn new(inner: Arc<dyn Bootstrap>) -> Self {
+        let next = Mutex::new(0);
         Exchanges {
-            shared: Arc::new(Shared {
-                inner,
-                next: Mutex::new(0),
-            }),
+            shared: Arc::new(Shared { inner, next }),
         }
     }
 
     /// The bootstrap for the all-gathers of one kind of call.
     pub(crate) fn of(&self, kind: ExchangeKind) -> Tagged {
-        Tagged {
-            shared: self.shared.clone(),
-            kind,
-        }
+        let shared = self.shared.clone();
+        Tagged { shared, kind }
     }
 }
 
@@ -118,31 +110,22 @@ impl Tagged {
         let mut next = self.shared.next.lock().unwrap_or_else(|e| e.into_inner());
         let sequence = *next;
         *next = sequence.wrapping_add(1);
-        let mut record = Vec::with_capacity(HEADER_BYTES + mine.len());
-        record.push(MAGIC);
-        record.push(self.kind as u8);
-        record.extend_from_slice(&sequence.to_le_bytes());
-        record.extend_from_slice(mine);
+        let record = tag(self.kind, sequence, mine);
         let gathered = match timeout {
             Some(t) => inner.all_gather_within(&record, t)?,
             None => inner.all_gather(&record)?,
         };
         if gathered.len() != inner.world_size() {
+            let (got, world) = (gathered.len(), inner.world_size());
             return Err(BootstrapError::Protocol {
                 detail: format!(
-                    "an all-gather returned {} records for a world of {} ranks",
-                    gathered.len(),
-                    inner.world_size()
+                    "an all-gather returned {got} records for a world of {world} ranks"
                 ),
             });
         }
         let headers: Vec<Option<(u8, u64)>> = gathered.iter().map(|g| header_of(g)).collect();
-        if let Some(r) = headers
-            .iter()
-            .position(|h| *h != Some((self.kind as u8, sequence)))
-        {
-            // Every rank has the same records, so every rank continues from the same
-            // number.
+        let mine = Some((self.kind as u8, sequence));
+        if let Some(r) = headers.iter().position(|h| *h != mine) {
             let highest = headers.iter().flatten().map(|&(_, s)| s).max();
             *next = highest.unwrap_or(sequence).max(sequence).wrapping_add(1);
             return Err(BootstrapError::ExchangeMismatch {
@@ -151,23 +134,26 @@ impl Tagged {
                 got: describe_record(&gathered[r]),
             });
         }
-        Ok(gathered
-            .into_iter()
-            .map(|mut g| {
-                g.drain(..HEADER_BYTES);
-                g
-            })
-            .collect())
+        let strip = |g: Vec<u8>| g[HEADER_BYTES..].to_vec();
+        Ok(gathered.into_iter().map(strip).collect())
     }
+}
+
+/// `payload` behind the header of the all-gather numbered `sequence` of `kind`.
+fn tag(kind: ExchangeKind, sequence: u64, payload: &[u8]) -> Vec<u8> {
+    let mut record = Vec::with_capacity(HEADER_BYTES + payload.len());
+    record.extend_from_slice(&[MAGIC, kind as u8]);
+    record.extend_from_slice(&sequence.to_le_bytes());
+    record.extend_from_slice(payload);
+    record
 }
 
 /// The kind byte and sequence number of a record, if it has a tagged header.
 fn header_of(record: &[u8]) -> Option<(u8, u64)> {
     match record {
-        [MAGIC, kind, rest @ ..] if rest.len() >= 8 => Some((
-            *kind,
-            u64::from_le_bytes(rest[..8].try_into().expect("8 bytes")),
-        )),
+        [MAGIC, kind, rest @ ..] => {
+            Some((*kind, u64::from_le_bytes(rest.get(..8)?.try_into().ok()?)))
+        }
         _ => None,
     }
 }
@@ -204,28 +190,24 @@ impl Bootstrap for Tagged {
 
 #[cfg(test)]
 mod tests {
+    use super::tag as record;
     use super::*;
     use std::collections::VecDeque;
+    use ExchangeKind::*;
+
+    type Sent = Vec<(Vec<u8>, Option<Duration>)>;
 
     /// Rank `rank` of a scripted world: each all-gather returns the next scripted round
-    /// with this rank's own record put in its place, and remembers what was sent and
-    /// the timeout it was given.
+    /// with this rank's own record in its place, and records what was sent and the
+    /// timeout given.
     struct Scripted {
         rank: usize,
         world: usize,
         rounds: Mutex<VecDeque<Result<Vec<Vec<u8>>>>>,
-        sent: Mutex<Vec<(Vec<u8>, Option<Duration>)>>,
+        sent: Mutex<Sent>,
     }
 
     impl Scripted {
-        fn new(rank: usize, world: usize, rounds: Vec<Result<Vec<Vec<u8>>>>) -> Arc<Self> {
-            Arc::new(Scripted {
-                rank,
-                world,
-                rounds: Mutex::new(rounds.into()),
-                sent: Mutex::new(Vec::new()),
-            })
-        }
         fn gather(&self, mine: &[u8], timeout: Option<Duration>) -> Result<Vec<Vec<u8>>> {
             self.sent.lock().unwrap().push((mine.to_vec(), timeout));
             let mut round = self.rounds.lock().unwrap().pop_front().expect("scripted")?;
@@ -233,9 +215,6 @@ mod tests {
                 round[self.rank] = mine.to_vec();
             }
             Ok(round)
-        }
-        fn sent(&self) -> Vec<(Vec<u8>, Option<Duration>)> {
-            self.sent.lock().unwrap().clone()
         }
     }
 
@@ -254,22 +233,26 @@ mod tests {
         }
     }
 
-    fn record(kind: ExchangeKind, sequence: u64, payload: &[u8]) -> Vec<u8> {
-        let mut r = vec![MAGIC, kind as u8];
-        r.extend_from_slice(&sequence.to_le_bytes());
-        r.extend_from_slice(payload);
-        r
+    /// Exchanges over rank `rank` of a scripted world of `world`, and what it sent.
+    fn scripted(
+        rank: usize,
+        world: usize,
+        rounds: Vec<Result<Vec<Vec<u8>>>>,
+    ) -> (Exchanges, impl Fn() -> Sent) {
+        let store = Arc::new(Scripted {
+            rank,
+            world,
+            rounds: Mutex::new(rounds.into()),
+            sent: Mutex::default(),
+        });
+        (Exchanges::new(store.clone()), move || {
+            store.sent.lock().unwrap().clone()
+        })
     }
-
-    fn exchanges(store: &Arc<Scripted>) -> Exchanges {
-        Exchanges::new(store.clone())
-    }
-
-    use ExchangeKind::*;
 
     #[test]
     fn matching_records_come_back_without_headers_and_number_the_gathers() {
-        let store = Scripted::new(
+        let (ex, sent) = scripted(
             1,
             3,
             vec![
@@ -285,41 +268,48 @@ mod tests {
                 ]),
             ],
         );
-        let ex = exchanges(&store);
-        assert_eq!(
-            ex.of(Register).all_gather(b"one").unwrap(),
-            vec![b"zero".to_vec(), b"one".to_vec(), vec![]]
-        );
-        ex.of(Teardown)
-            .barrier_within(Duration::from_millis(250))
-            .unwrap();
-        let sent = store.sent();
-        assert_eq!(sent[0], (record(Register, 0, b"one"), None));
+        let got = ex.of(Register).all_gather(b"one").unwrap();
+        assert_eq!(got, vec![b"zero".to_vec(), b"one".to_vec(), vec![]]);
+        let quarter = Duration::from_millis(250);
+        ex.of(Teardown).barrier_within(quarter).unwrap();
         // The teardown's bounded barrier is a bounded all-gather of a header.
-        assert_eq!(
-            sent[1],
-            (record(Teardown, 1, b""), Some(Duration::from_millis(250)))
-        );
+        let bounded = (record(Teardown, 1, b""), Some(quarter));
+        assert_eq!(sent(), vec![(record(Register, 0, b"one"), None), bounded]);
     }
 
-    /// Rank 0 tears down where rank 1 (this rank) registers: the mismatch names rank 0
-    /// and both kinds.
+    /// A record of another kind, without a header (empty, short, another magic byte) or
+    /// of an unknown kind is a mismatch naming the first rank that differs, this rank's
+    /// call and what that rank sent.
     #[test]
-    fn another_kind_is_a_mismatch_naming_the_rank_and_both_kinds() {
-        let store = Scripted::new(1, 2, vec![Ok(vec![record(Teardown, 0, b""), vec![]])]);
-        match exchanges(&store).of(Register).all_gather(b"offer") {
-            Err(BootstrapError::ExchangeMismatch {
-                rank: 0,
-                expected,
-                got,
-            }) => {
-                assert!(
-                    expected.contains("register") && expected.contains("#0"),
-                    "{expected}"
-                );
-                assert!(got.contains("teardown") && got.contains("#0"), "{got}");
+    fn other_kinds_garbage_and_short_records_are_mismatches() {
+        let mut wrong_magic = record(Symmetric, 0, b"");
+        wrong_magic[0] ^= 0xff;
+        let mut unknown = record(Symmetric, 0, b"");
+        unknown[1] = 200;
+        let short = vec![MAGIC, Symmetric as u8, 0, 0, 0];
+        for (theirs, says) in [
+            (
+                record(Teardown, 0, b""),
+                "a teardown (its Comm dropped or closed) (all-gather #0)",
+            ),
+            (Vec::new(), "without an exchange header (0 bytes"),
+            (short, "without an exchange header (5 bytes"),
+            (wrong_magic, "without an exchange header (10 bytes"),
+            (unknown, "unknown kind 200"),
+        ] {
+            let round = vec![vec![], theirs.clone(), b"junk".to_vec()];
+            let (ex, _) = scripted(0, 3, vec![Ok(round)]);
+            match ex.of(Symmetric).all_gather(b"") {
+                Err(BootstrapError::ExchangeMismatch {
+                    rank: 1,
+                    expected,
+                    got,
+                }) => {
+                    assert!(expected.contains("alloc_symmetric") && expected.contains("#0"));
+                    assert!(got.contains(says), "{theirs:?}: {got}")
+                }
+                other => panic!("{theirs:?}: {other:?}"),
             }
-            other => panic!("{other:?}"),
         }
     }
 
@@ -327,7 +317,7 @@ mod tests {
     /// continues from the highest number gathered, plus one.
     #[test]
     fn another_sequence_is_a_mismatch_and_the_ranks_continue_from_the_highest() {
-        let store = Scripted::new(
+        let (ex, sent) = scripted(
             0,
             3,
             vec![
@@ -335,49 +325,15 @@ mod tests {
                 Ok(vec![vec![], record(Trim, 5, b"a"), record(Trim, 5, b"b")]),
             ],
         );
-        let ex = exchanges(&store);
         match ex.of(Trim).all_gather(b"") {
             Err(BootstrapError::ExchangeMismatch { rank: 2, got, .. }) => {
                 assert!(got.contains("#4"), "{got}")
             }
             other => panic!("{other:?}"),
         }
-        assert_eq!(
-            ex.of(Trim).all_gather(b"c").unwrap(),
-            vec![b"c".to_vec(), b"a".to_vec(), b"b".to_vec()]
-        );
-        assert_eq!(store.sent()[1].0, record(Trim, 5, b"c"));
-    }
-
-    /// Records without a header (empty, short, another magic byte) and headers of an
-    /// unknown kind are mismatches, named as such; the first rank that differs is named.
-    #[test]
-    fn garbage_and_short_records_are_mismatches() {
-        let mut wrong_magic = record(Symmetric, 0, b"");
-        wrong_magic[0] ^= 0xff;
-        let mut unknown = record(Symmetric, 0, b"");
-        unknown[1] = 200;
-        for (theirs, says) in [
-            (Vec::new(), "without an exchange header (0 bytes"),
-            (
-                vec![MAGIC, Symmetric as u8, 0, 0, 0],
-                "without an exchange header (5 bytes",
-            ),
-            (wrong_magic, "without an exchange header (10 bytes"),
-            (unknown, "unknown kind 200"),
-        ] {
-            let store = Scripted::new(
-                0,
-                3,
-                vec![Ok(vec![vec![], theirs.clone(), b"junk".to_vec()])],
-            );
-            match exchanges(&store).of(Symmetric).all_gather(b"") {
-                Err(BootstrapError::ExchangeMismatch { rank: 1, got, .. }) => {
-                    assert!(got.contains(says), "{theirs:?}: {got}")
-                }
-                other => panic!("{theirs:?}: {other:?}"),
-            }
-        }
+        let got = ex.of(Trim).all_gather(b"c").unwrap();
+        assert_eq!(got, vec![b"c".to_vec(), b"a".to_vec(), b"b".to_vec()]);
+        assert_eq!(sent()[1].0, record(Trim, 5, b"c"));
     }
 
     /// The store's error comes back as it is, and uses up a number; a store that
@@ -387,7 +343,7 @@ mod tests {
         let failed = BootstrapError::Store {
             message: "down".into(),
         };
-        let store = Scripted::new(
+        let (ex, _) = scripted(
             0,
             2,
             vec![
@@ -396,33 +352,28 @@ mod tests {
                 Ok(vec![vec![]]),
             ],
         );
-        let ex = exchanges(&store);
         assert_eq!(ex.of(Reinitialize).barrier(), Err(failed));
         ex.of(Reinitialize).barrier().unwrap();
-        assert!(matches!(
-            ex.of(Reinitialize).barrier(),
-            Err(BootstrapError::Protocol { .. })
-        ));
+        let wrong_count = ex.of(Reinitialize).barrier();
+        assert!(matches!(wrong_count, Err(BootstrapError::Protocol { .. })));
     }
 
     /// Over the built-in bootstrap: rank 0 tears down while rank 1 registers; both get
     /// the mismatch naming the other, and then make matching exchanges again.
     #[test]
     fn over_tcp_both_ranks_see_the_mismatch_and_stay_in_step() {
-        let id = super::super::UniqueId::bind("127.0.0.1:0".parse().unwrap()).unwrap();
+        use super::super::{TcpBootstrap, UniqueId};
+        let id = UniqueId::bind("127.0.0.1:0".parse().unwrap()).unwrap();
         let got: Vec<_> = std::thread::scope(|s| {
             let workers: Vec<_> = (0..2)
                 .map(|r| {
                     let id = &id;
                     s.spawn(move || {
-                        let tcp =
-                            super::super::TcpBootstrap::connect(id, r, 2, Duration::from_secs(10))
-                                .unwrap();
-                        let ex = Exchanges::new(Arc::new(tcp));
+                        let tcp = TcpBootstrap::connect(id, r, 2, Duration::from_secs(10));
+                        let ex = Exchanges::new(Arc::new(tcp.unwrap()));
                         let kind = if r == 0 { Teardown } else { Register };
                         let first = ex.of(kind).all_gather_within(b"", Duration::from_secs(5));
-                        let then = ex.of(Setup).all_gather(&[r as u8]);
-                        (first, then)
+                        (first, ex.of(Setup).all_gather(&[r as u8]))
                     })
                 })
                 .collect();

@@ -85,56 +85,46 @@ impl TcpBootstrap {
         timeout: Duration,
         host: HostId,
     ) -> Result<Self> {
+        let (len, max) = (host.0.len(), MAX_HOST_ID_BYTES);
         if world_size == 0 || world_size > MAX_WORLD_SIZE {
-            return Err(BootstrapError::InvalidWorldSize {
-                world_size,
-                max: MAX_WORLD_SIZE,
-            });
-        }
-        if rank >= world_size {
+            let max = MAX_WORLD_SIZE;
+            return Err(BootstrapError::InvalidWorldSize { world_size, max });
+        } else if rank >= world_size {
             return Err(BootstrapError::RankOutOfRange { rank, world_size });
+        } else if len > max {
+            return Err(BootstrapError::HostIdTooLong { len, max });
         }
-        if host.0.len() > MAX_HOST_ID_BYTES {
-            return Err(BootstrapError::HostIdTooLong {
-                len: host.0.len(),
-                max: MAX_HOST_ID_BYTES,
-            });
-        }
-        let (links, host_ids) = if rank == 0 {
-            let listener = claim_listener(id)?;
-            if world_size == 1 {
-                (Links::Alone, vec![host])
-            } else {
-                let listener = match listener {
-                    Some(l) => l,
-                    None => TcpListener::bind(id.addr).map_err(|e| {
-                        io_error(
-                            format!(
-                                "rank 0 listening on {} (this id was made in another \
-                                 process: rank 0 must run where UniqueId::new ran, or that \
-                                 process must call UniqueId::release first)",
-                                id.addr
-                            ),
-                            e,
-                        )
-                    })?,
-                };
-                let (streams, hosts) = root_handshake(listener, id, world_size, host, timeout)?;
-                (Links::Root(streams), hosts)
-            }
-        } else {
+        let (links, host_ids) = if rank > 0 {
             let (stream, hosts) = leaf_handshake(id, rank, world_size, &host, timeout)?;
             (Links::Leaf(stream), hosts)
+        } else if world_size == 1 {
+            claim_listener(id)?; // closes the listener of an id made here
+            (Links::Alone, vec![host])
+        } else {
+            let listener = claim_listener(id)?.map_or_else(|| TcpListener::bind(id.addr), Ok);
+            let listener = listener.map_err(|e| {
+                let step = format!(
+                    "rank 0 listening on {} (this id was made in another process: rank 0 must \
+                     run where UniqueId::new ran, or that process must call UniqueId::release \
+                     first)",
+                    id.addr
+                );
+                io_error(step, e)
+            })?;
+            let (streams, hosts) = root_handshake(listener, id, world_size, host, timeout)?;
+            (Links::Root(streams), hosts)
         };
+        let poisoned = None;
+        let state = Mutex::new(State {
+            links,
+            timeout,
+            poisoned,
+        });
         Ok(Self {
             rank,
             world_size,
             host_ids,
-            state: Mutex::new(State {
-                links,
-                timeout,
-                poisoned: None,
-            }),
+            state,
         })
     }
 

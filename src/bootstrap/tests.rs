@@ -3,7 +3,7 @@
 
 use super::error::Result;
 use super::frame::{deadline_after, read_frame, RecvError};
-use super::mac::{check_challenge, nonce};
+use super::mac::{self, check_challenge, nonce};
 use super::wire::{encode_hello, encode_proof};
 use super::*;
 use std::io::Write;
@@ -58,9 +58,13 @@ fn raw_rank(id: &UniqueId, secret: &[u8; SECRET_BYTES], rank: usize, world: usiz
     s.write_all(&encode_hello(&leaf)).unwrap();
     let (kind, body) = raw_read(&mut s);
     assert_eq!(kind, KIND_CHALLENGE);
-    let n = check_challenge(&body, &id.secret, &leaf).expect("rank 0 proves the secret");
-    let proof = encode_proof(secret, &n, rank, world, &HostId::new("raw"));
-    s.write_all(&proof).unwrap();
+    let keys = check_challenge(&body, &id.secret, &leaf).expect("rank 0 proves the secret");
+    let keys = mac::Keys {
+        secret: *secret,
+        ..keys
+    };
+    s.write_all(&encode_proof(&keys, rank, world, &HostId::new("raw")))
+        .unwrap();
     s
 }
 

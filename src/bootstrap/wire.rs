@@ -8,10 +8,10 @@ use std::time::{Duration, Instant};
 use super::error::{BootstrapError, Result};
 use super::frame::{deadline_after, frame, is_timeout, read_frame, write_full};
 use super::host::{truncate_utf8, HostId};
-use super::mac::{constant_time_eq, sign, verify, Label, Nonces};
+use super::mac::{constant_time_eq, Keys, Label};
 use super::{
-    FAREWELL, HELLO_BYTES, KIND_DATA, KIND_ERROR, KIND_HELLO, KIND_PROOF, KIND_WELCOME, MAC_BYTES,
-    MAGIC, MAX_ERROR_MESSAGE_BYTES, MIN_WAIT, NONCE_BYTES, PROOF_FIXED_BYTES, PROTOCOL_VERSION,
+    FAREWELL, HELLO_BYTES, KIND_DATA, KIND_ERROR, KIND_HELLO, KIND_PROOF, MAC_BYTES, MAGIC,
+    MAX_ERROR_MESSAGE_BYTES, MIN_WAIT, NONCE_BYTES, PROOF_FIXED_BYTES, PROTOCOL_VERSION,
     SECRET_BYTES,
 };
 
@@ -20,10 +20,7 @@ struct Fields<'a>(&'a [u8]);
 
 impl<'a> Fields<'a> {
     fn take(&mut self, n: usize) -> Option<&'a [u8]> {
-        if self.0.len() < n {
-            return None;
-        }
-        let (head, rest) = self.0.split_at(n);
+        let (head, rest) = self.0.split_at_checked(n)?;
         self.0 = rest;
         Some(head)
     }
@@ -41,10 +38,8 @@ impl<'a> Fields<'a> {
 
 /// Rank r's hello: the magic, the protocol version and its nonce; no secret.
 pub(super) fn encode_hello(leaf_nonce: &[u8; NONCE_BYTES]) -> Vec<u8> {
-    let mut b = Vec::with_capacity(HELLO_BYTES);
-    b.extend_from_slice(&MAGIC);
-    b.extend_from_slice(&PROTOCOL_VERSION.to_le_bytes());
-    b.extend_from_slice(leaf_nonce);
+    let b = [&MAGIC[..], &PROTOCOL_VERSION.to_le_bytes(), leaf_nonce].concat();
+    debug_assert_eq!(b.len(), HELLO_BYTES);
     frame(KIND_HELLO, &b)
 }
 
@@ -65,10 +60,7 @@ pub(super) enum HelloVerdict {
 /// right secret is still told apart from a stranger.
 pub(super) fn decode_hello(body: &[u8], secret: &[u8; SECRET_BYTES]) -> HelloVerdict {
     let mut f = Fields(body);
-    if f.take(4) != Some(&MAGIC[..]) {
-        return HelloVerdict::Stray;
-    }
-    let Some(version) = f.u16() else {
+    let Some(version) = f.take(4).filter(|m| *m == MAGIC).and_then(|_| f.u16()) else {
         return HelloVerdict::Stray;
     };
     if version == PROTOCOL_VERSION {
@@ -77,13 +69,11 @@ pub(super) fn decode_hello(body: &[u8], secret: &[u8; SECRET_BYTES]) -> HelloVer
             Err(_) => HelloVerdict::Stray,
         };
     }
-    if version == 1
-        && f.take(SECRET_BYTES)
-            .is_some_and(|s| constant_time_eq(s, secret))
-    {
-        return HelloVerdict::OlderRank(version);
+    let theirs = f.take(SECRET_BYTES).filter(|_| version == 1);
+    match theirs.is_some_and(|s| constant_time_eq(s, secret)) {
+        true => HelloVerdict::OlderRank(version),
+        false => HelloVerdict::OtherVersion,
     }
-    HelloVerdict::OtherVersion
 }
 
 /// What rank r announces once rank 0 has proven itself.
@@ -94,22 +84,12 @@ pub(super) struct Hello {
 }
 
 /// Rank r's proof: its MAC over both nonces and its announcement, then the announcement.
-pub(super) fn encode_proof(
-    secret: &[u8; SECRET_BYTES],
-    n: &Nonces,
-    rank: usize,
-    world: usize,
-    host: &HostId,
-) -> Vec<u8> {
+pub(super) fn encode_proof(keys: &Keys, rank: usize, world: usize, host: &HostId) -> Vec<u8> {
     let mut a = Vec::with_capacity(PROOF_FIXED_BYTES - MAC_BYTES + host.0.len());
     a.extend_from_slice(&(rank as u32).to_le_bytes());
     a.extend_from_slice(&(world as u32).to_le_bytes());
-    a.extend_from_slice(&(host.0.len() as u16).to_le_bytes());
-    a.extend_from_slice(host.0.as_bytes());
-    let mut b = Vec::with_capacity(MAC_BYTES + a.len());
-    b.extend_from_slice(&sign(secret, Label::Rank, n, &a));
-    b.extend_from_slice(&a);
-    frame(KIND_PROOF, &b)
+    put_text(&mut a, host);
+    keys.signed(Label::Rank, KIND_PROOF, &a)
 }
 
 /// What rank 0 makes of a proof.
@@ -121,18 +101,16 @@ pub(super) enum ProofVerdict {
     Ok(Hello),
 }
 
-pub(super) fn decode_proof(body: &[u8], secret: &[u8; SECRET_BYTES], n: &Nonces) -> ProofVerdict {
-    if body.len() < PROOF_FIXED_BYTES {
+pub(super) fn decode_proof(body: &[u8], keys: &Keys) -> ProofVerdict {
+    let proven = keys.open(Label::Rank, body);
+    let Some(mut f) = proven
+        .filter(|_| body.len() >= PROOF_FIXED_BYTES)
+        .map(Fields)
+    else {
         return ProofVerdict::Unproven;
-    }
-    let (tag, announcement) = body.split_at(MAC_BYTES);
-    if !verify(secret, Label::Rank, n, announcement, tag) {
-        return ProofVerdict::Unproven;
-    }
-    let mut f = Fields(announcement);
+    };
     let hello = (|| {
-        let rank = f.u32()? as usize;
-        let world = f.u32()? as usize;
+        let (rank, world) = (f.u32()? as usize, f.u32()? as usize);
         let host = HostId(f.text_u16()?);
         f.0.is_empty().then_some(Hello { rank, world, host })
     })();
@@ -142,54 +120,31 @@ pub(super) fn decode_proof(body: &[u8], secret: &[u8; SECRET_BYTES], n: &Nonces)
     }
 }
 
-/// The list of hosts a welcome carries (the same for every rank).
+/// The list of hosts a welcome carries (the same for every rank), signed for each rank
+/// with [`Keys::signed`].
 pub(super) fn encode_welcome(hosts: &[HostId]) -> Vec<u8> {
-    let mut b = Vec::new();
-    b.extend_from_slice(&(hosts.len() as u32).to_le_bytes());
-    for h in hosts {
-        b.extend_from_slice(&(h.0.len() as u16).to_le_bytes());
-        b.extend_from_slice(h.0.as_bytes());
-    }
+    let mut b = (hosts.len() as u32).to_le_bytes().to_vec();
+    hosts.iter().for_each(|h| put_text(&mut b, h));
     b
 }
 
-/// One rank's welcome frame: a MAC over that rank's nonces and the list, then the list.
-pub(super) fn welcome_frame(secret: &[u8; SECRET_BYTES], n: &Nonces, hosts: &[u8]) -> Vec<u8> {
-    let mut b = Vec::with_capacity(MAC_BYTES + hosts.len());
-    b.extend_from_slice(&sign(secret, Label::Welcome, n, hosts));
-    b.extend_from_slice(hosts);
-    frame(KIND_WELCOME, &b)
+fn put_text(b: &mut Vec<u8>, host: &HostId) {
+    b.extend_from_slice(&(host.0.len() as u16).to_le_bytes());
+    b.extend_from_slice(host.0.as_bytes());
 }
 
-pub(super) fn decode_welcome(
-    body: &[u8],
-    world: usize,
-    secret: &[u8; SECRET_BYTES],
-    n: &Nonces,
-) -> Result<Vec<HostId>> {
-    if body.len() < MAC_BYTES
-        || !verify(
-            secret,
-            Label::Welcome,
-            n,
-            &body[MAC_BYTES..],
-            &body[..MAC_BYTES],
-        )
-    {
+pub(super) fn decode_welcome(body: &[u8], world: usize, keys: &Keys) -> Result<Vec<HostId>> {
+    let Some(list) = keys.open(Label::Welcome, body) else {
         return Err(BootstrapError::Protocol {
             detail: "rank 0's welcome does not carry a valid MAC (it was altered in transit)"
                 .into(),
         });
-    }
-    let mut f = Fields(&body[MAC_BYTES..]);
+    };
+    let mut f = Fields(list);
     let hosts = (|| {
-        let n = f.u32()? as usize;
-        if n != world {
-            return None;
-        }
-        let hosts = (0..n)
-            .map(|_| f.text_u16().map(HostId))
-            .collect::<Option<Vec<_>>>()?;
+        let n = f.u32().filter(|&n| n as usize == world)?;
+        let hosts = (0..n).map(|_| f.text_u16().map(HostId));
+        let hosts = hosts.collect::<Option<Vec<_>>>()?;
         f.0.is_empty().then_some(hosts)
     })();
     hosts.ok_or_else(|| BootstrapError::Protocol {
@@ -200,24 +155,19 @@ pub(super) fn decode_welcome(
 fn encode_error(origin: usize, message: &str) -> Vec<u8> {
     let mut m = message.to_string();
     truncate_utf8(&mut m, MAX_ERROR_MESSAGE_BYTES);
-    let mut b = Vec::with_capacity(4 + m.len());
-    b.extend_from_slice(&(origin as u32).to_le_bytes());
-    b.extend_from_slice(m.as_bytes());
-    frame(KIND_ERROR, &b)
+    frame(
+        KIND_ERROR,
+        &[&(origin as u32).to_le_bytes()[..], m.as_bytes()].concat(),
+    )
 }
 
 pub(super) fn decode_error(from: usize, body: &[u8]) -> BootstrapError {
     let mut f = Fields(body);
-    match f.u32() {
-        Some(origin) => BootstrapError::PeerFailed {
-            rank: origin as usize,
-            message: String::from_utf8_lossy(f.0).into_owned(),
-        },
-        None => BootstrapError::PeerFailed {
-            rank: from,
-            message: "(an unreadable error frame)".into(),
-        },
-    }
+    let (rank, message) = match f.u32() {
+        Some(origin) => (origin as usize, String::from_utf8_lossy(f.0).into_owned()),
+        None => (from, "(an unreadable error frame)".into()),
+    };
+    BootstrapError::PeerFailed { rank, message }
 }
 
 /// A data frame's body, or the error the frame carries instead.

@@ -13,6 +13,10 @@ use crate::bootstrap::frame::{
 use crate::bootstrap::wire::{expect_data, explain_closed};
 use crate::bootstrap::{KIND_DATA, LATE_GRACE, MIN_WAIT};
 
+/// Why a rank's connection closed, or its writes timed out, mid all-gather.
+const GONE: &str = "that rank's process ended or dropped its bootstrap";
+const STOPPED: &str = "that rank stopped reading";
+
 pub(super) fn root_all_gather(
     streams: &mut [TcpStream],
     mine: &[u8],
@@ -42,67 +46,42 @@ pub(super) fn root_all_gather(
                 missing.push(r);
                 Ok(Vec::new())
             }
-            Err(e) => Err(recv_error(
-                r,
-                step,
-                e,
-                timeout,
-                "",
-                "that rank's process ended or dropped its bootstrap",
-            )),
+            Err(e) => Err(recv_error(r, step, e, timeout, "", GONE)),
         };
-        match got {
-            Ok(bytes) => out.push(bytes),
-            Err(e) => {
-                failure.get_or_insert(e);
-                out.push(Vec::new());
+        out.push(got.unwrap_or_else(|e| {
+            failure.get_or_insert(e);
+            Vec::new()
+        }));
+    }
+    if let Some(mut e) = failure {
+        if let BootstrapError::PeerFailed { message: m, .. }
+        | BootstrapError::ConnectionClosed { hint: m, .. } = &mut e
+        {
+            if !missing.is_empty() {
+                let late = "; rank 0 had not heard from rank(s)";
+                m.push_str(&format!("{late} {missing:?} in this all_gather by then"));
             }
         }
+        return Err(e);
     }
-    let late =
-        format!("; rank 0 had not heard from rank(s) {missing:?} in this all_gather by then");
-    match failure {
-        Some(BootstrapError::PeerFailed { rank, message }) if !missing.is_empty() => {
-            return Err(BootstrapError::PeerFailed {
-                rank,
-                message: message + &late,
-            })
-        }
-        Some(BootstrapError::ConnectionClosed { rank, step, hint }) if !missing.is_empty() => {
-            return Err(BootstrapError::ConnectionClosed {
-                rank,
-                step,
-                hint: hint + &late,
-            })
-        }
-        Some(e) => return Err(e),
-        None if !missing.is_empty() => {
-            return Err(BootstrapError::Timeout {
-                step: step.into(),
-                waiting_for: missing,
-                after: timeout,
-                hint: format!(
-                    "those ranks did not reach this all_gather: every rank must make the \
-                     same sequence of bootstrap calls; {RAISE_TIMEOUT} if a rank is \
-                     legitimately slow"
-                ),
-            })
-        }
-        None => {}
+    if !missing.is_empty() {
+        return Err(BootstrapError::Timeout {
+            step: step.into(),
+            waiting_for: missing,
+            after: timeout,
+            hint: format!(
+                "those ranks did not reach this all_gather: every rank must make the same \
+                 sequence of bootstrap calls; {RAISE_TIMEOUT} if a rank is legitimately slow"
+            ),
+        });
     }
     for (i, s) in streams.iter_mut().enumerate() {
         let r = i + 1;
         for (src, bytes) in out.iter().enumerate() {
             if src != r {
                 write_frame(s, KIND_DATA, bytes, deadline).map_err(|e| {
-                    recv_error(
-                        r,
-                        "rank 0 sending the gathered bytes",
-                        RecvError::Io(e),
-                        timeout,
-                        "that rank stopped reading",
-                        "that rank's process ended or dropped its bootstrap",
-                    )
+                    let (step, stopped) = ("rank 0 sending the gathered bytes", STOPPED);
+                    recv_error(r, step, RecvError::Io(e), timeout, stopped, GONE)
                 })?;
             }
         }
@@ -124,28 +103,16 @@ pub(super) fn leaf_all_gather(
                         did not reach this all_gather (rank 0's own error names it); every \
                         rank must make the same sequence of bootstrap calls";
     let closed_hint = "rank 0's process ended or dropped its bootstrap";
-    write_frame(s, KIND_DATA, mine, deadline).map_err(|e| {
-        explain_closed(
-            s,
-            recv_error(
-                0,
-                step,
-                RecvError::Io(e),
-                timeout,
-                timeout_hint,
-                closed_hint,
-            ),
-        )
-    })?;
+    let failed = |e| recv_error(0, step, e, timeout, timeout_hint, closed_hint);
+    if let Err(e) = write_frame(s, KIND_DATA, mine, deadline) {
+        return Err(explain_closed(s, failed(RecvError::Io(e))));
+    }
     let mut out = Vec::with_capacity(world);
     for src in 0..world {
-        if src == rank {
-            out.push(mine.to_vec());
-            continue;
-        }
-        let f = read_frame(s, deadline)
-            .map_err(|e| recv_error(0, step, e, timeout, timeout_hint, closed_hint))?;
-        out.push(expect_data(0, f)?);
+        out.push(match src == rank {
+            true => mine.to_vec(),
+            false => expect_data(0, read_frame(s, deadline).map_err(failed)?)?,
+        });
     }
     Ok(out)
 }

@@ -71,46 +71,6 @@ fn leaf_timeout_hint(addr: SocketAddr, refused: usize, dropped: usize, reached: 
     hint
 }
 
-/// Tries to connect to rank 0 until `deadline`, retrying refusals with backoff (rank 0
-/// may not be listening yet when it runs in a process that did not make the id).
-fn connect_with_retry(
-    addr: SocketAddr,
-    deadline: Instant,
-    timeout: Duration,
-    dropped: usize,
-) -> Result<TcpStream> {
-    let step = format!("connecting to rank 0 at {addr}");
-    let mut refused = 0usize;
-    let mut backoff = Duration::from_millis(5);
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        if left.is_zero() {
-            return Err(BootstrapError::Timeout {
-                step,
-                waiting_for: vec![0],
-                after: timeout,
-                hint: leaf_timeout_hint(addr, refused, dropped, Reached::Nothing),
-            });
-        }
-        match TcpStream::connect_timeout(&addr, left.max(MIN_WAIT)) {
-            Ok(s) => return Ok(s),
-            Err(e) => match e.kind() {
-                io::ErrorKind::ConnectionRefused => refused += 1,
-                io::ErrorKind::ConnectionReset
-                | io::ErrorKind::ConnectionAborted
-                | io::ErrorKind::TimedOut
-                | io::ErrorKind::WouldBlock
-                | io::ErrorKind::Interrupted => {}
-                _ if is_resource_exhausted(&e) => {}
-                _ => return Err(io_error(step, e)),
-            },
-        }
-        let left = deadline.saturating_duration_since(Instant::now());
-        std::thread::sleep(backoff.min(left));
-        backoff = (backoff * 2).min(Duration::from_millis(100));
-    }
-}
-
 /// Rank r's whole handshake by one deadline `timeout` from now; reconnects when rank 0's
 /// port closes before the welcome, refuses a listener that cannot prove the secret.
 pub(super) fn leaf_handshake(
@@ -121,29 +81,32 @@ pub(super) fn leaf_handshake(
     timeout: Duration,
 ) -> Result<(TcpStream, Vec<HostId>)> {
     let deadline = deadline_after(timeout);
-    let mut dropped = 0usize;
+    let mut attempt = Attempt {
+        id,
+        deadline,
+        timeout,
+        dropped: 0,
+    };
     let mut backoff = Duration::from_millis(5);
     loop {
-        let mut s = connect_with_retry(id.addr, deadline, timeout, dropped)?;
+        let mut s = attempt.connect()?;
         let _ = s.set_nodelay(true);
-        let attempt = Attempt {
-            id,
-            deadline,
-            timeout,
-            dropped,
-        };
         if let Some(hosts) = attempt.run(&mut s, rank, world, host)? {
             return Ok((s, hosts));
         }
-        dropped += 1;
+        attempt.dropped += 1;
         drop(s);
-        let left = deadline.saturating_duration_since(Instant::now());
-        std::thread::sleep(backoff.min(left));
-        backoff = (backoff * 2).min(Duration::from_millis(100));
+        backoff = back_off(backoff, deadline);
     }
 }
 
-/// One connection's try at rank r's handshake.
+/// Sleeps `backoff` (at most until `deadline`); returns the next, doubled up to 100 ms.
+fn back_off(backoff: Duration, deadline: Instant) -> Duration {
+    std::thread::sleep(backoff.min(deadline.saturating_duration_since(Instant::now())));
+    (backoff * 2).min(Duration::from_millis(100))
+}
+
+/// Rank r's handshake, one connection at a time.
 struct Attempt<'a> {
     id: &'a UniqueId,
     deadline: Instant,
@@ -155,6 +118,36 @@ struct Attempt<'a> {
 impl Attempt<'_> {
     const STEP: &'static str = "the handshake with rank 0";
 
+    /// Connects to rank 0 by the deadline, retrying refusals with backoff (rank 0 may not
+    /// listen yet when it runs in a process that did not make the id).
+    fn connect(&self) -> Result<TcpStream> {
+        use io::ErrorKind::*;
+        let addr = self.id.addr;
+        let step = format!("connecting to rank 0 at {addr}");
+        let mut refused = 0usize;
+        let mut backoff = Duration::from_millis(5);
+        loop {
+            let left = self.deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(BootstrapError::Timeout {
+                    step,
+                    waiting_for: vec![0],
+                    after: self.timeout,
+                    hint: leaf_timeout_hint(addr, refused, self.dropped, Reached::Nothing),
+                });
+            }
+            match TcpStream::connect_timeout(&addr, left.max(MIN_WAIT)) {
+                Ok(s) => return Ok(s),
+                Err(e) if e.kind() == ConnectionRefused => refused += 1,
+                Err(e) if matches!(e.kind(), ConnectionReset | ConnectionAborted) => {}
+                Err(e) if matches!(e.kind(), TimedOut | WouldBlock | Interrupted) => {}
+                Err(e) if is_resource_exhausted(&e) => {}
+                Err(e) => return Err(io_error(step, e)),
+            }
+            backoff = back_off(backoff, self.deadline);
+        }
+    }
+
     /// The welcome's hosts, `None` when the connection closed before the welcome (try
     /// again), or the error that ends the handshake.
     fn run(
@@ -164,7 +157,6 @@ impl Attempt<'_> {
         world: usize,
         host: &HostId,
     ) -> Result<Option<Vec<HostId>>> {
-        let secret = &self.id.secret;
         let leaf_nonce = nonce()?;
         if !self.send(s, &encode_hello(&leaf_nonce), false)? {
             return Ok(None);
@@ -172,8 +164,8 @@ impl Attempt<'_> {
         let Some((kind, body)) = self.receive(s, false)? else {
             return Ok(None);
         };
-        let nonces = match kind {
-            KIND_CHALLENGE => check_challenge(&body, secret, &leaf_nonce)
+        let keys = match kind {
+            KIND_CHALLENGE => check_challenge(&body, &self.id.secret, &leaf_nonce)
                 .map_err(|detail| self.unverified(detail.to_string()))?,
             KIND_ERROR => {
                 return Err(self.unverified(format!(
@@ -187,15 +179,14 @@ impl Attempt<'_> {
                 )))
             }
         };
-        let proof = encode_proof(secret, &nonces, rank, world, host);
-        if !self.send(s, &proof, true)? {
+        if !self.send(s, &encode_proof(&keys, rank, world, host), true)? {
             return Ok(None);
         }
         let Some((kind, body)) = self.receive(s, true)? else {
             return Ok(None);
         };
         match kind {
-            KIND_WELCOME => Ok(Some(decode_welcome(&body, world, secret, &nonces)?)),
+            KIND_WELCOME => Ok(Some(decode_welcome(&body, world, &keys)?)),
             KIND_ERROR => Err(decode_error(0, &body)),
             k => Err(BootstrapError::Protocol {
                 detail: format!("rank 0 sent a frame of kind {k} where a welcome belongs"),
@@ -225,11 +216,7 @@ impl Attempt<'_> {
     }
 
     fn failed(&self, e: RecvError, proven: bool) -> BootstrapError {
-        let reached = if proven {
-            Reached::RankZero
-        } else {
-            Reached::Listener
-        };
+        let reached = [Reached::Listener, Reached::RankZero][usize::from(proven)];
         let hint = leaf_timeout_hint(self.id.addr, 0, self.dropped, reached);
         recv_error(0, Self::STEP, e, self.timeout, &hint, "")
     }

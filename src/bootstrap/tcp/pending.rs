@@ -5,7 +5,7 @@ use std::io::{self, Read};
 use std::net::TcpStream;
 use std::time::Instant;
 
-use crate::bootstrap::mac::Nonces;
+use crate::bootstrap::mac::Keys;
 use crate::bootstrap::{
     HEADER_BYTES, HELLO_DEADLINE, KIND_HELLO, KIND_PROOF, MAX_HELLO_BYTES, MAX_PROOF_BYTES,
     PROOF_FIXED_BYTES,
@@ -18,8 +18,8 @@ pub(super) struct Pending {
     pub(super) since: Instant,
     buf: Vec<u8>,
     want: usize,
-    /// `None` until its hello came; then the nonces of the challenge sent to it.
-    pub(super) nonces: Option<Nonces>,
+    /// `None` until its hello came; then the keys of the challenge sent to it.
+    pub(super) keys: Option<Keys>,
 }
 
 pub(super) enum Polled {
@@ -36,12 +36,12 @@ impl Pending {
             since,
             buf: Vec::new(),
             want: HEADER_BYTES,
-            nonces: None,
+            keys: None,
         }
     }
 
     pub(super) fn poll(&mut self) -> Polled {
-        let (kind, min, max) = match self.nonces {
+        let (kind, min, max) = match self.keys {
             None => (KIND_HELLO, 1, MAX_HELLO_BYTES),
             Some(_) => (KIND_PROOF, PROOF_FIXED_BYTES, MAX_PROOF_BYTES),
         };

@@ -13,19 +13,20 @@ use crate::bootstrap::frame::{
 };
 use crate::bootstrap::host::HostId;
 use crate::bootstrap::id::UniqueId;
-use crate::bootstrap::mac::{encode_challenge, nonce, Nonces};
+use crate::bootstrap::mac::{nonce, Keys, Label};
 use crate::bootstrap::wire::{
-    decode_hello, decode_proof, encode_welcome, farewell, welcome_frame, HelloVerdict, ProofVerdict,
+    decode_hello, decode_proof, encode_welcome, farewell, HelloVerdict, ProofVerdict,
 };
 use crate::bootstrap::{
-    ACCEPT_BACKOFF, HELLO_DEADLINE, MAX_ACCEPTS_PER_ROUND, MAX_PENDING, MIN_WAIT, PROTOCOL_VERSION,
+    ACCEPT_BACKOFF, HELLO_DEADLINE, KIND_WELCOME, MAX_ACCEPTS_PER_ROUND, MAX_PENDING, MIN_WAIT,
+    PROTOCOL_VERSION,
 };
 
 /// A rank rank 0 has admitted.
 struct Joined {
     stream: TcpStream,
     host: HostId,
-    nonces: Nonces,
+    keys: Keys,
 }
 
 /// Rank 0's side of the handshake: accepts, challenges and checks connections (without
@@ -48,18 +49,15 @@ pub(super) fn root_handshake(
     let mut accept_after: Option<Instant> = None;
     let mut idle = Duration::from_micros(50);
     let mut last_liveness = Instant::now();
-
+    let absent = |joined: &[Option<Joined>]| -> Vec<usize> {
+        (1..world).filter(|&r| joined[r].is_none()).collect()
+    };
     // Gives up: tells every admitted rank (and `offender`) why, then returns `err`.
-    let fail =
-        |err: BootstrapError, joined: &mut Vec<Option<Joined>>, offender: Option<TcpStream>| {
-            let streams = joined
-                .iter_mut()
-                .filter_map(|j| j.take().map(|j| j.stream))
-                .chain(offender)
-                .collect();
-            farewell(streams, 0, &err);
-            err
-        };
+    let fail = |err: BootstrapError, joined: &mut [Option<Joined>], offender: Option<TcpStream>| {
+        let admitted = joined.iter_mut().filter_map(|j| j.take().map(|j| j.stream));
+        farewell(admitted.chain(offender).collect(), 0, &err);
+        Err(err)
+    };
 
     listener
         .set_nonblocking(true)
@@ -67,16 +65,14 @@ pub(super) fn root_handshake(
     while missing > 0 {
         let mut progress = false;
         let now = Instant::now();
-        if accept_after.is_some_and(|t| now >= t) {
-            accept_after = None;
-        }
-        let mut accepts = if accept_after.is_some() {
+        accept_after = accept_after.filter(|&t| now < t);
+        let accepts = if accept_after.is_some() {
             0
         } else {
             MAX_ACCEPTS_PER_ROUND
         };
-        while accepts > 0 {
-            accepts -= 1;
+        for _ in 0..accepts {
+            use io::ErrorKind::*;
             match listener.accept() {
                 Ok((s, _)) => {
                     progress = true;
@@ -89,27 +85,20 @@ pub(super) fn root_handshake(
                     }
                     pending.push_back(Pending::new(s, now));
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
-                Err(e)
-                    if matches!(
-                        e.kind(),
-                        io::ErrorKind::Interrupted
-                            | io::ErrorKind::ConnectionAborted
-                            | io::ErrorKind::ConnectionReset
-                    ) => {}
+                Err(e) if e.kind() == WouldBlock => break,
+                Err(e) if matches!(e.kind(), Interrupted | ConnectionAborted | ConnectionReset) => {
+                }
                 Err(e) if is_resource_exhausted(&e) => {
                     // Out of descriptors (or memory) for now: close the oldest pending
                     // connection, which frees one, and accept again a little later.
                     refused.exhausted += 1;
-                    if pending.pop_front().is_some() {
-                        refused.stalled += 1;
-                    }
+                    refused.stalled += usize::from(pending.pop_front().is_some());
                     accept_after = Some(now + ACCEPT_BACKOFF);
                     break;
                 }
                 Err(e) => {
                     let err = io_error(format!("rank 0 accepting connections on {}", id.addr), e);
-                    return Err(fail(err, &mut joined, None));
+                    return fail(err, &mut joined, None);
                 }
             }
         }
@@ -126,18 +115,16 @@ pub(super) fn root_handshake(
                     continue;
                 }
                 Polled::Gone => {
-                    if p.nonces.is_some() {
-                        // Challenged, then left: a rank that could not check rank 0's
-                        // proof, so most likely one with another secret.
-                        refused.wrong_secret += 1;
-                    }
+                    // Challenged, then left: a rank that could not check rank 0's proof,
+                    // so most likely one with another secret.
+                    refused.wrong_secret += usize::from(p.keys.is_some());
                     progress = true;
                     continue;
                 }
                 Polled::Frame(body) => body,
             };
             progress = true;
-            let Some(nonces) = p.nonces else {
+            let Some(keys) = p.keys else {
                 match decode_hello(&body, &id.secret) {
                     HelloVerdict::Stray => {}
                     HelloVerdict::OtherVersion => refused.other_version += 1,
@@ -150,45 +137,46 @@ pub(super) fn root_handshake(
                                  peercomm"
                             ),
                         };
-                        return Err(fail(err, &mut joined, Some(p.stream)));
+                        return fail(err, &mut joined, Some(p.stream));
                     }
                     HelloVerdict::Challenge(leaf) => {
-                        let nonces = Nonces {
+                        let root = match nonce() {
+                            Ok(n) => n,
+                            Err(e) => return fail(e, &mut joined, None),
+                        };
+                        let keys = Keys {
+                            secret: id.secret,
                             leaf,
-                            root: match nonce() {
-                                Ok(n) => n,
-                                Err(e) => return Err(fail(e, &mut joined, None)),
-                            },
+                            root,
                         };
                         // A fresh connection's send buffer takes the whole challenge; one
                         // that does not is dropped.
-                        let challenge = encode_challenge(&id.secret, &nonces);
+                        let challenge = keys.challenge();
                         if matches!(p.stream.write(&challenge), Ok(n) if n == challenge.len()) {
-                            p.nonces = Some(nonces);
+                            p.keys = Some(keys);
                             pending.push_back(p);
                         }
                     }
                 }
                 continue;
             };
-            let hello = match decode_proof(&body, &id.secret, &nonces) {
+            let hello = match decode_proof(&body, &keys) {
                 ProofVerdict::Unproven => {
                     refused.wrong_secret += 1;
                     continue;
                 }
                 ProofVerdict::Malformed(detail) => {
-                    let err = BootstrapError::Protocol {
-                        detail: format!("a connection with the right secret: {detail}"),
-                    };
-                    return Err(fail(err, &mut joined, Some(p.stream)));
+                    let detail = format!("a connection with the right secret: {detail}");
+                    let err = BootstrapError::Protocol { detail };
+                    return fail(err, &mut joined, Some(p.stream));
                 }
                 ProofVerdict::Ok(h) => h,
             };
-            let r = hello.rank;
-            let err = if hello.world != world {
+            let (r, got) = (hello.rank, hello.world);
+            let err = if got != world {
                 Some(BootstrapError::WorldSizeMismatch {
                     expected: world,
-                    got: hello.world,
+                    got,
                     rank: r,
                 })
             } else if r >= world {
@@ -202,12 +190,12 @@ pub(super) fn root_handshake(
                 None
             };
             if let Some(err) = err {
-                return Err(fail(err, &mut joined, Some(p.stream)));
+                return fail(err, &mut joined, Some(p.stream));
             }
             joined[r] = Some(Joined {
                 stream: p.stream,
                 host: hello.host,
-                nonces,
+                keys,
             });
             missing -= 1;
         }
@@ -224,23 +212,22 @@ pub(super) fn root_handshake(
                     .is_some_and(|j| matches!(j.stream.peek(&mut [0u8; 1]), Ok(0)))
             });
             if let Some(r) = gone {
-                let absent: Vec<usize> = (1..world).filter(|&r| joined[r].is_none()).collect();
                 let err = BootstrapError::ConnectionClosed {
                     rank: r,
                     step: "waiting for every rank to join".into(),
                     hint: format!(
                         "that rank gave up (its own error says why: often its timeout passed \
-                         before the last rank came), while rank(s) {absent:?} had not come; \
-                         start ranks closer together or {RAISE_TIMEOUT}"
+                         before the last rank came), while rank(s) {:?} had not come; \
+                         start ranks closer together or {RAISE_TIMEOUT}",
+                        absent(&joined)
                     ),
                 };
-                return Err(fail(err, &mut joined, None));
+                return fail(err, &mut joined, None);
             }
         }
 
         let now = Instant::now();
         if now >= deadline {
-            let waiting_for = (1..world).filter(|&r| joined[r].is_none()).collect();
             let hint = format!(
                 "those ranks never connected: check that they were started and call \
                  Comm::from_rank (or TcpBootstrap::connect) with this UniqueId, and can reach \
@@ -249,55 +236,49 @@ pub(super) fn root_handshake(
             );
             let err = BootstrapError::Timeout {
                 step: format!("rank 0 waiting for every rank to join at {}", id.addr),
-                waiting_for,
+                waiting_for: absent(&joined),
                 after: timeout,
                 hint,
             };
-            return Err(fail(err, &mut joined, None));
+            return fail(err, &mut joined, None);
         }
         if progress {
             idle = Duration::from_micros(50);
         } else {
-            let mut wake = deadline;
-            if let Some(t) = accept_after {
-                wake = wake.min(t);
-            }
+            let wake = accept_after.map_or(deadline, |t| t.min(deadline));
             std::thread::sleep(idle.min(wake.saturating_duration_since(now)));
             idle = (idle * 2).min(Duration::from_millis(2));
         }
     }
-    drop(listener);
-    drop(pending);
+    drop((listener, pending));
 
+    let joined: Vec<Joined> = joined.into_iter().skip(1).flatten().collect();
     let mut hosts = vec![host];
-    let mut admitted = Vec::with_capacity(world - 1);
-    for j in joined.into_iter().skip(1).flatten() {
-        hosts.push(j.host);
-        admitted.push((j.stream, j.nonces));
-    }
+    hosts.extend(joined.iter().map(|j| j.host.clone()));
     let list = encode_welcome(&hosts);
     // The handshake's own deadline; a last rank that came just before it still gets its
     // welcome written.
     let send_deadline = deadline.max(deadline_after(MIN_WAIT));
     let mut streams = Vec::with_capacity(world - 1);
     let mut failure = None;
-    for (i, (mut s, nonces)) in admitted.into_iter().enumerate() {
+    for (i, j) in joined.into_iter().enumerate() {
+        let mut s = j.stream;
         if failure.is_none() {
-            let welcome = welcome_frame(&id.secret, &nonces, &list);
+            let welcome = j.keys.signed(Label::Welcome, KIND_WELCOME, &list);
             let sent = s
                 .set_nonblocking(false)
                 .and_then(|()| s.set_nodelay(true))
                 .and_then(|()| write_full(&mut s, &welcome, send_deadline));
-            if let Err(e) = sent {
-                failure = Some(recv_error(
+            failure = sent.err().map(|e| {
+                recv_error(
                     i + 1,
                     "welcoming every rank",
                     RecvError::Io(e),
                     timeout,
                     "that rank stopped reading",
                     &format!("that rank gave up before the last rank came; {RAISE_TIMEOUT}"),
-                ));
-            }
+                )
+            });
         }
         streams.push(s);
     }
