@@ -136,9 +136,8 @@ pub enum BootstrapError {
         /// Likely causes and fixes.
         hint: String,
     },
-    /// The process listening at the [`UniqueId`]'s address did not prove that it knows
-    /// the id's secret, so this rank (r > 0) refused it as rank 0. It sent that process
-    /// nothing that reveals the secret (only a random nonce), and did not try again.
+    /// The process at the [`UniqueId`]'s address did not prove that it knows the secret,
+    /// so this rank refused it as rank 0, having sent it only a nonce, and gave up.
     #[error("the process at {addr} did not prove it is rank 0 ({detail}): {hint}")]
     UnverifiedRankZero {
         /// The address the id names.
@@ -148,8 +147,7 @@ pub enum BootstrapError {
         /// Likely causes and fixes.
         hint: String,
     },
-    /// A peer sent something the protocol does not allow (mixed peercomm versions, or a
-    /// bug).
+    /// A peer broke the protocol (mixed peercomm versions, or a bug).
     #[error("bootstrap protocol error: {detail}")]
     Protocol {
         /// What was wrong, and from which rank.
@@ -164,14 +162,10 @@ pub enum BootstrapError {
         /// The first failure.
         first: Box<BootstrapError>,
     },
-    /// Ranks made different collective calls at the same time: this rank's all-gather
-    /// met `rank`'s record of another call (or of the same call out of step), for
-    /// example a registration on one rank and a teardown (a dropped communicator) on
-    /// another. Every rank that gathered the records returns it, each naming the first
-    /// rank whose record differs from its own; nothing of the call was done, and a
-    /// teardown that gets it keeps its memory for the peers (parks it) instead of
-    /// freeing it. The bootstrap stays usable: the next call that every rank makes
-    /// alike succeeds.
+    /// Ranks made different collective calls at once (say a registration and a teardown):
+    /// every rank names the first rank whose record differs from its own. Nothing of the
+    /// call was done (a teardown parks its memory for the peers instead of freeing it);
+    /// the next call that every rank makes alike succeeds.
     #[error(
         "rank {rank} made {got} where this rank made {expected}: every rank must make the \
          same collective calls (register, alloc_symmetric, trim_symmetric, \

@@ -103,10 +103,7 @@ pub(super) fn header(kind: u8, len: usize) -> [u8; HEADER_BYTES] {
 }
 
 pub(super) fn frame(kind: u8, body: &[u8]) -> Vec<u8> {
-    let mut f = Vec::with_capacity(HEADER_BYTES + body.len());
-    f.extend_from_slice(&header(kind, body.len()));
-    f.extend_from_slice(body);
-    f
+    [&header(kind, body.len())[..], body].concat()
 }
 
 pub(super) fn write_frame(

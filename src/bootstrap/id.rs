@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, ToSocketAddrs};
+use std::net::{IpAddr, Ipv4Addr, SocketAddr, TcpListener, ToSocketAddrs};
 use std::str::FromStr;
 use std::sync::{Mutex, MutexGuard, OnceLock};
 
@@ -68,12 +68,7 @@ impl UniqueId {
     /// As [`UniqueId::new`], listening on `addr` (port 0 picks a free port). `addr` must
     /// be one the other ranks can connect to, not `0.0.0.0` or `::`.
     pub fn bind(addr: SocketAddr) -> Result<Self> {
-        if addr.ip().is_unspecified() {
-            return Err(BootstrapError::InvalidAddress {
-                value: addr.to_string(),
-                reason: unspecified_reason(),
-            });
-        }
+        specified(addr, &addr.to_string())?;
         let listener = TcpListener::bind(addr)
             .map_err(|e| io_error(format!("binding the bootstrap listener on {addr}"), e))?;
         let addr = listener
@@ -91,34 +86,21 @@ impl UniqueId {
 
     /// The id as bytes, for a transport that carries bytes (MPI, a key-value store).
     pub fn to_bytes(&self) -> [u8; Self::BYTES] {
-        let mut b = [0u8; Self::BYTES];
-        b[0] = ID_FORMAT_VERSION;
-        match self.addr.ip() {
-            IpAddr::V4(ip) => {
-                b[1] = 4;
-                b[2..6].copy_from_slice(&ip.octets());
-            }
-            IpAddr::V6(ip) => {
-                b[1] = 6;
-                b[2..18].copy_from_slice(&ip.octets());
-            }
-        }
-        b[18..20].copy_from_slice(&self.addr.port().to_be_bytes());
-        b[20..36].copy_from_slice(&self.secret);
-        let sum = fnv1a32(&b[..36]);
-        b[36..40].copy_from_slice(&sum.to_le_bytes());
-        b
+        let head = match self.addr.ip() {
+            IpAddr::V4(ip) => [&[ID_FORMAT_VERSION, 4], &ip.octets()[..], &[0; 12]].concat(),
+            IpAddr::V6(ip) => [&[ID_FORMAT_VERSION, 6], &ip.octets()[..]].concat(),
+        };
+        let mut b = [&head[..], &self.addr.port().to_be_bytes(), &self.secret].concat();
+        b.extend_from_slice(&fnv1a32(&b).to_le_bytes());
+        b.try_into().expect("40 bytes")
     }
 
     /// Reads an id written by [`UniqueId::to_bytes`].
     pub fn from_bytes(bytes: &[u8]) -> Result<Self> {
         let invalid = |reason: String| Err(BootstrapError::InvalidId { reason });
-        if bytes.len() != Self::BYTES {
-            return invalid(format!(
-                "{} bytes where a UniqueId has {}",
-                bytes.len(),
-                Self::BYTES
-            ));
+        let (len, want) = (bytes.len(), Self::BYTES);
+        if len != want {
+            return invalid(format!("{len} bytes where a UniqueId has {want}"));
         }
         if bytes[0] != ID_FORMAT_VERSION {
             return invalid(format!(
@@ -131,31 +113,22 @@ impl UniqueId {
         if sum != fnv1a32(&bytes[..36]) {
             return invalid("its checksum does not match: it was garbled in transit".into());
         }
+        let ip: [u8; 16] = bytes[2..18].try_into().expect("16 bytes");
         let ip = match bytes[1] {
-            4 if bytes[6..18].iter().all(|&x| x == 0) => IpAddr::V4(Ipv4Addr::from(
-                <[u8; 4]>::try_from(&bytes[2..6]).expect("4"),
-            )),
-            6 => IpAddr::V6(Ipv6Addr::from(
-                <[u8; 16]>::try_from(&bytes[2..18]).expect("16"),
-            )),
+            4 if ip[4..].iter().all(|&x| x == 0) => IpAddr::from([ip[0], ip[1], ip[2], ip[3]]),
+            6 => IpAddr::from(ip),
             f => {
                 return invalid(format!(
                     "address family {f} (with its padding) is not 4 or 6"
                 ))
             }
         };
-        let port = u16::from_be_bytes([bytes[18], bytes[19]]);
-        if port == 0 || ip.is_unspecified() {
-            return invalid(format!(
-                "address {} cannot be connected to",
-                SocketAddr::new(ip, port)
-            ));
+        let addr = SocketAddr::new(ip, u16::from_be_bytes([bytes[18], bytes[19]]));
+        if addr.port() == 0 || ip.is_unspecified() {
+            return invalid(format!("address {addr} cannot be connected to"));
         }
         let secret = bytes[20..36].try_into().expect("16 bytes");
-        Ok(Self {
-            addr: SocketAddr::new(ip, port),
-            secret,
-        })
+        Ok(Self { addr, secret })
     }
 
     /// Closes this id's listener if this process made it and rank 0 has not joined;
@@ -171,19 +144,19 @@ impl UniqueId {
 
 impl fmt::Debug for UniqueId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("UniqueId")
-            .field("addr", &self.addr)
-            .field("secret", &format_args!("<hidden>"))
+        let hidden = format_args!("<hidden>");
+        let mut d = f.debug_struct("UniqueId");
+        d.field("addr", &self.addr)
+            .field("secret", &hidden)
             .finish()
     }
 }
 
 impl fmt::Display for UniqueId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        for b in self.to_bytes() {
-            write!(f, "{b:02x}")?;
-        }
-        Ok(())
+        self.to_bytes()
+            .iter()
+            .try_for_each(|b| write!(f, "{b:02x}"))
     }
 }
 
@@ -193,40 +166,26 @@ impl FromStr for UniqueId {
     /// Reads the text form (surrounding whitespace is ignored; either case of hex).
     fn from_str(s: &str) -> Result<Self> {
         let s = s.trim();
-        if s.len() != 2 * Self::BYTES {
-            return Err(BootstrapError::InvalidId {
-                reason: format!(
-                    "{} characters where a UniqueId has {} hexadecimal ones",
-                    s.chars().count(),
-                    2 * Self::BYTES
-                ),
-            });
+        let invalid = |reason| Err(BootstrapError::InvalidId { reason });
+        let len = 2 * Self::BYTES;
+        if s.len() != len {
+            let n = s.chars().count();
+            return invalid(format!(
+                "{n} characters where a UniqueId has {len} hexadecimal ones"
+            ));
         }
-        let digits = s.as_bytes();
+        let hex = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
         let mut bytes = [0u8; Self::BYTES];
-        for (i, b) in bytes.iter_mut().enumerate() {
-            match (hex_value(digits[2 * i]), hex_value(digits[2 * i + 1])) {
-                (Some(hi), Some(lo)) => *b = hi << 4 | lo,
-                _ => {
-                    return Err(BootstrapError::InvalidId {
-                        reason: format!(
-                            "a character that is not hexadecimal near position {}",
-                            2 * i
-                        ),
-                    })
-                }
-            }
+        for (i, pair) in s.as_bytes().chunks(2).enumerate() {
+            let (Some(hi), Some(lo)) = (hex(pair[0]), hex(pair[1])) else {
+                let at = 2 * i;
+                return invalid(format!(
+                    "a character that is not hexadecimal near position {at}"
+                ));
+            };
+            bytes[i] = hi << 4 | lo;
         }
         Self::from_bytes(&bytes)
-    }
-}
-
-fn hex_value(c: u8) -> Option<u8> {
-    match c {
-        b'0'..=b'9' => Some(c - b'0'),
-        b'a'..=b'f' => Some(c - b'a' + 10),
-        b'A'..=b'F' => Some(c - b'A' + 10),
-        _ => None,
     }
 }
 
@@ -236,29 +195,34 @@ pub(super) fn fnv1a32(bytes: &[u8]) -> u32 {
     })
 }
 
-fn unspecified_reason() -> String {
-    format!(
-        "an unspecified address cannot be connected to: name an address of rank 0's host \
-         that the other ranks can reach (e.g. 10.0.0.5 or 10.0.0.5:29500) in \
-         {BOOTSTRAP_ADDR_ENV}"
-    )
+/// `addr`, unless it is unspecified (`0.0.0.0`, `::`): no rank can connect to that.
+fn specified(addr: SocketAddr, value: &str) -> Result<SocketAddr> {
+    if !addr.ip().is_unspecified() {
+        return Ok(addr);
+    }
+    Err(BootstrapError::InvalidAddress {
+        value: value.to_string(),
+        reason: format!(
+            "an unspecified address cannot be connected to: name an address of rank 0's \
+             host that the other ranks can reach (e.g. 10.0.0.5 or 10.0.0.5:29500) in \
+             {BOOTSTRAP_ADDR_ENV}"
+        ),
+    })
 }
 
 /// Reads a bootstrap address: `ip:port`, `ip`, `host:port` or `host` (a missing port is
 /// port 0, a free one).
 pub(super) fn parse_bootstrap_addr(value: &str) -> Result<SocketAddr> {
     let v = value.trim();
-    let invalid = |reason: String| BootstrapError::InvalidAddress {
-        value: value.to_string(),
+    let value = value.to_string();
+    let invalid = |reason| BootstrapError::InvalidAddress {
+        value: value.clone(),
         reason,
     };
+    let bare = v.trim_start_matches('[').trim_end_matches(']');
     let addr = if let Ok(a) = v.parse::<SocketAddr>() {
         a
-    } else if let Ok(ip) = v
-        .trim_start_matches('[')
-        .trim_end_matches(']')
-        .parse::<IpAddr>()
-    {
+    } else if let Ok(ip) = bare.parse::<IpAddr>() {
         SocketAddr::new(ip, 0)
     } else {
         let resolved = if v.contains(':') {
@@ -276,10 +240,7 @@ pub(super) fn parse_bootstrap_addr(value: &str) -> Result<SocketAddr> {
             .next()
             .ok_or_else(|| invalid("the host name resolves to no address".into()))?
     };
-    if addr.ip().is_unspecified() {
-        return Err(invalid(unspecified_reason()));
-    }
-    Ok(addr)
+    specified(addr, &value)
 }
 
 /// Takes the listener of an id rank 0 is about to use: `Some` if this process made the

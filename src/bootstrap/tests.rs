@@ -11,6 +11,15 @@ use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::thread;
 use std::time::{Duration, Instant};
 
+/// Asserts that `$e` matches the pattern (a guard may follow), printing `$e` if not.
+macro_rules! assert_is {
+    ($e:expr, $p:pat $(if $g:expr)?) => {
+        match &$e {
+            e => assert!(matches!(e, $p $(if $g)?), "{e:?}"),
+        }
+    };
+}
+
 mod admission;
 mod attacks;
 mod failures;
@@ -28,12 +37,9 @@ fn loopback_id() -> UniqueId {
 
 /// The same address with another secret: what a stale or mistyped id looks like.
 fn forged(id: &UniqueId) -> UniqueId {
-    let mut secret = id.secret;
-    secret[0] ^= 0xff;
-    UniqueId {
-        addr: id.addr,
-        secret,
-    }
+    let mut forged = *id;
+    forged.secret[0] ^= 0xff;
+    forged
 }
 
 /// Runs `f(rank)` on one thread per entry of `ranks`; results in the same order.
@@ -66,11 +72,6 @@ fn raw_rank(id: &UniqueId, secret: &[u8; SECRET_BYTES], rank: usize, world: usiz
     s.write_all(&encode_proof(&keys, rank, world, &HostId::new("raw")))
         .unwrap();
     s
-}
-
-/// What a rank with a wrong secret sees: rank 0 cannot prove *its* secret.
-fn is_unverified(e: &BootstrapError) -> bool {
-    matches!(e, BootstrapError::UnverifiedRankZero { .. })
 }
 
 fn raw_read(s: &mut TcpStream) -> (u8, Vec<u8>) {

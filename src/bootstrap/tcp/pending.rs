@@ -87,36 +87,25 @@ pub(super) struct Refused {
 
 impl Refused {
     pub(super) fn hint(&self) -> String {
-        let mut hint = String::new();
-        if self.wrong_secret > 0 {
-            hint.push_str(&format!(
-                "; {} connection(s) with a wrong secret were refused (a stale or mistyped \
-                 UniqueId?)",
-                self.wrong_secret
-            ));
-        }
-        if self.other_version > 0 {
-            hint.push_str(&format!(
-                "; {} connection(s) spoke another bootstrap protocol version (every process \
-                 must run the same peercomm)",
-                self.other_version
-            ));
-        }
-        if self.stalled > 0 {
-            hint.push_str(&format!(
-                "; {} connection(s) were closed for not finishing their hello within \
-                 {HELLO_DEADLINE:?} or to make room for newer ones (a flood of connections, \
-                 or something other than peercomm ranks uses this port)",
-                self.stalled
-            ));
-        }
-        if self.exhausted > 0 {
-            hint.push_str(&format!(
-                "; accepting failed {} time(s) for want of file descriptors or memory \
-                 (raise the process's open-file limit)",
-                self.exhausted
-            ));
-        }
-        hint
+        let stalled = format!(
+            "{{n}} connection(s) were closed for not finishing their hello within \
+             {HELLO_DEADLINE:?} or to make room for newer ones (a flood of connections, or \
+             something other than peercomm ranks uses this port)"
+        );
+        let wrong = "{n} connection(s) with a wrong secret were refused (a stale or mistyped \
+                     UniqueId?)";
+        let version = "{n} connection(s) spoke another bootstrap protocol version (every \
+                       process must run the same peercomm)";
+        let exhausted = "accepting failed {n} time(s) for want of file descriptors or memory \
+                         (raise the process's open-file limit)";
+        let counts = [
+            (self.wrong_secret, wrong),
+            (self.other_version, version),
+            (self.stalled, &stalled),
+            (self.exhausted, exhausted),
+        ];
+        let said = counts.iter().filter(|(n, _)| *n > 0);
+        said.map(|(n, what)| format!("; {}", what.replace("{n}", &n.to_string())))
+            .collect()
     }
 }

@@ -66,13 +66,11 @@ pub(super) fn root_handshake(
         let mut progress = false;
         let now = Instant::now();
         accept_after = accept_after.filter(|&t| now < t);
-        let accepts = if accept_after.is_some() {
-            0
-        } else {
-            MAX_ACCEPTS_PER_ROUND
-        };
-        for _ in 0..accepts {
+        for _ in 0..MAX_ACCEPTS_PER_ROUND {
             use io::ErrorKind::*;
+            if accept_after.is_some() {
+                break;
+            }
             match listener.accept() {
                 Ok((s, _)) => {
                     progress = true;

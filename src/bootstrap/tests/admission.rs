@@ -6,6 +6,17 @@ use crate::bootstrap::wire::decode_error;
 use std::io::Read;
 use std::sync::Barrier;
 
+/// A rank of protocol version 1, which sent `secret` itself in its hello (then rank 1,
+/// world 2, a config checksum and an empty host id).
+fn v1_rank(id: &UniqueId, secret: &[u8; SECRET_BYTES]) -> TcpStream {
+    let mut v1 = [&b"PCBS\x01\x00"[..], secret, &[1, 0, 0, 0, 2, 0, 0, 0]].concat();
+    v1.extend_from_slice(&0xABCDu64.to_le_bytes());
+    v1.extend_from_slice(&[0, 0]);
+    let mut s = TcpStream::connect(id.addr).unwrap();
+    s.write_all(&frame(KIND_HELLO, &v1)).unwrap();
+    s
+}
+
 #[test]
 fn wrong_secret_and_strays_are_refused_while_real_ranks_complete() {
     let id = loopback_id();
@@ -13,11 +24,7 @@ fn wrong_secret_and_strays_are_refused_while_real_ranks_complete() {
     // connection.
     let mut garbage = TcpStream::connect(id.addr).unwrap();
     garbage.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
-    let mut old = TcpStream::connect(id.addr).unwrap();
-    let mut v1 = b"PCBS\x01\x00".to_vec();
-    v1.extend_from_slice(&forged(&id).secret);
-    v1.extend_from_slice(&[0; 20]);
-    old.write_all(&frame(KIND_HELLO, &v1)).unwrap();
+    let old = v1_rank(&id, &forged(&id).secret);
     let silent = TcpStream::connect(id.addr).unwrap();
     let fake_id = forged(&id);
     let impostor_done = Barrier::new(3);
@@ -39,7 +46,7 @@ fn wrong_secret_and_strays_are_refused_while_real_ranks_complete() {
             let start = Instant::now();
             let e = connect(&fake_id, 1, 2, LONG).unwrap_err();
             impostor_done.wait();
-            assert!(is_unverified(&e), "{e}");
+            assert_is!(e, BootstrapError::UnverifiedRankZero { .. });
             assert!(start.elapsed() < SLACK, "refused promptly");
             return None;
         }
@@ -72,24 +79,12 @@ fn wrong_secrets_are_counted_in_the_timeout() {
         };
         (e, start.elapsed())
     });
-    match &got[0].0 {
-        BootstrapError::Timeout {
-            waiting_for, hint, ..
-        } => {
-            assert_eq!(waiting_for, &[1]);
-            assert!(
-                hint.contains("1 connection(s) with a wrong secret"),
-                "{hint}"
-            );
-        }
-        e => panic!("{e}"),
-    }
-    assert!(
-        got[0].1 >= SHORT && got[0].1 < SHORT + SLACK,
-        "{:?}",
-        got[0].1
-    );
-    assert!(is_unverified(&got[1].0), "{}", got[1].0);
+    let counted = |h: &str| h.contains("1 connection(s) with a wrong secret");
+    assert_is!(got[0].0, BootstrapError::Timeout { waiting_for, hint, .. }
+        if *waiting_for == [1] && counted(hint));
+    let took = got[0].1;
+    assert!(took >= SHORT && took < SHORT + SLACK, "{took:?}");
+    assert_is!(got[1].0, BootstrapError::UnverifiedRankZero { .. });
 }
 
 #[test]
@@ -100,19 +95,12 @@ fn duplicate_rank_fails_everyone() {
     let got = run(&[0, 1, 1], |r| connect(&id, r, 3, LONG).unwrap_err());
     assert_eq!(got[0], BootstrapError::DuplicateRank { rank: 1 });
     for e in &got[1..] {
-        match e {
-            BootstrapError::PeerFailed { rank: 0, message } => {
-                assert!(message.contains("two processes claim rank 1"), "{message}")
-            }
-            e => panic!("{e}"),
-        }
+        let says = |m: &str| m.contains("two processes claim rank 1");
+        assert_is!(e, BootstrapError::PeerFailed { rank: 0, message } if says(message));
     }
     assert!(start.elapsed() < SLACK, "fails at once, not at the timeout");
     // A second rank 0 in the process that made the id.
-    assert_eq!(
-        connect(&id, 0, 3, SHORT).unwrap_err(),
-        BootstrapError::StaleId
-    );
+    assert_is!(connect(&id, 0, 3, SHORT), Err(BootstrapError::StaleId));
 }
 
 #[test]
@@ -126,10 +114,10 @@ fn a_connection_claiming_rank_zero_is_a_duplicate() {
     assert_eq!(e, BootstrapError::DuplicateRank { rank: 0 });
     let (kind, body) = raw_read(&mut fake);
     assert_eq!(kind, KIND_ERROR);
-    assert!(matches!(
+    assert_is!(
         decode_error(0, &body),
         BootstrapError::PeerFailed { rank: 0, .. }
-    ));
+    );
 }
 
 #[test]
@@ -144,11 +132,8 @@ fn world_size_mismatch_fails_both_sides() {
             rank: 1
         }
     );
-    assert!(
-        matches!(&got[1], BootstrapError::PeerFailed { rank: 0, message } if message.contains("world size 4")),
-        "{}",
-        got[1]
-    );
+    let says = |m: &str| m.contains("world size 4");
+    assert_is!(got[1], BootstrapError::PeerFailed { rank: 0, message } if says(message));
 }
 
 /// A rank of protocol version 1 (which sent the secret itself) with the right secret is
@@ -156,19 +141,9 @@ fn world_size_mismatch_fails_both_sides() {
 #[test]
 fn a_rank_of_the_older_protocol_is_named() {
     let id = loopback_id();
-    let mut v1 = b"PCBS\x01\x00".to_vec();
-    v1.extend_from_slice(&id.secret);
-    v1.extend_from_slice(&1u32.to_le_bytes());
-    v1.extend_from_slice(&2u32.to_le_bytes());
-    v1.extend_from_slice(&0xABCDu64.to_le_bytes());
-    v1.extend_from_slice(&0u16.to_le_bytes());
-    let mut old = TcpStream::connect(id.addr).unwrap();
-    old.write_all(&frame(KIND_HELLO, &v1)).unwrap();
+    let mut old = v1_rank(&id, &id.secret);
     let e = connect(&id, 0, 2, LONG).unwrap_err();
-    assert!(
-        matches!(&e, BootstrapError::Protocol { detail } if detail.contains("version 1")),
-        "{e}"
-    );
+    assert_is!(e, BootstrapError::Protocol { detail } if detail.contains("version 1"));
     let (kind, body) = raw_read(&mut old);
     assert_eq!(kind, KIND_ERROR);
     assert!(decode_error(0, &body).to_string().contains("version 1"));

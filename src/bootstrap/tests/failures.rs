@@ -4,6 +4,7 @@ use super::*;
 use crate::bootstrap::frame::header;
 use crate::bootstrap::wire::decode_error;
 use std::sync::Barrier;
+use BootstrapError::{ConnectionClosed, PeerFailed, Poisoned, StaleId, Timeout};
 
 #[test]
 fn a_rank_that_never_comes_times_out_on_rank_zero() {
@@ -14,20 +15,11 @@ fn a_rank_that_never_comes_times_out_on_rank_zero() {
         let e = connect(&id, r, 3, if r == 0 { SHORT } else { LONG }).unwrap_err();
         (e, start)
     });
-    match &got[0].0 {
-        BootstrapError::Timeout {
-            waiting_for, after, ..
-        } => assert_eq!((waiting_for.as_slice(), *after), (&[2][..], SHORT)),
-        e => panic!("{e}"),
-    }
+    let e = &got[0].0;
+    assert_is!(e, Timeout { waiting_for, after, .. } if *waiting_for == [2] && *after == SHORT);
     assert!(got[0].1.elapsed() >= SHORT);
     bounded(got[0].1, SHORT);
-    match &got[1].0 {
-        BootstrapError::PeerFailed { rank: 0, message } => {
-            assert!(message.contains("[2]"), "{message}")
-        }
-        e => panic!("{e}"),
-    }
+    assert_is!(got[1].0, PeerFailed { rank: 0, message } if message.contains("[2]"));
     bounded(got[1].1, SHORT);
 }
 
@@ -35,10 +27,8 @@ fn a_rank_that_never_comes_times_out_on_rank_zero() {
 fn rank_zero_that_never_comes_times_out_elsewhere() {
     let id = loopback_id(); // listening, but rank 0 never calls connect
     let start = Instant::now();
-    match connect(&id, 1, 2, SHORT).unwrap_err() {
-        BootstrapError::Timeout { waiting_for, .. } => assert_eq!(waiting_for, [0]),
-        e => panic!("{e}"),
-    }
+    let e = connect(&id, 1, 2, SHORT).unwrap_err();
+    assert_is!(e, Timeout { waiting_for, .. } if *waiting_for == [0]);
     bounded(start, SHORT);
     id.release();
 }
@@ -51,20 +41,12 @@ fn a_leaf_that_gives_up_fails_rank_zero_at_once() {
         let e = connect(&id, r, 3, if r == 0 { LONG } else { SHORT }).unwrap_err();
         (e, start.elapsed())
     });
-    assert!(
-        matches!(&got[0].0, BootstrapError::ConnectionClosed { rank: 1, hint, .. } if hint.contains("[2]")),
-        "{}",
-        got[0].0
-    );
+    assert_is!(got[0].0, ConnectionClosed { rank: 1, hint, .. } if hint.contains("[2]"));
     assert!(
         got[0].1 < SHORT + SLACK,
-        "rank 0 did not wait out its own timeout"
+        "rank 0 waited out its own timeout"
     );
-    assert!(
-        matches!(got[1].0, BootstrapError::Timeout { .. }),
-        "{}",
-        got[1].0
-    );
+    assert_is!(got[1].0, Timeout { .. });
 }
 
 #[test]
@@ -74,65 +56,42 @@ fn a_stale_id_fails_instead_of_hanging() {
         connect(&id, r, 2, LONG).unwrap().all_gather(b"x").unwrap()
     });
     assert_eq!(got[0], got[1]);
-    // The communicator is gone; a rank reusing its id finds nobody listening.
-    let start = Instant::now();
-    match connect(&id, 1, 2, SHORT).unwrap_err() {
-        BootstrapError::Timeout {
-            waiting_for, hint, ..
-        } => {
-            assert_eq!(waiting_for, [0]);
-            assert!(hint.contains("refused") && hint.contains("stale"), "{hint}");
-        }
-        e => panic!("{e}"),
+    // The communicator is gone; a rank reusing its id finds nobody listening. A released
+    // id is as stale.
+    let released = loopback_id();
+    assert!(released.release());
+    for (id, hint_names_it) in [(id, true), (released, false)] {
+        let start = Instant::now();
+        let e = connect(&id, 1, 2, SHORT).unwrap_err();
+        let says = |h: &str| !hint_names_it || h.contains("refused") && h.contains("stale");
+        assert_is!(e, Timeout { waiting_for, hint, .. } if *waiting_for == [0] && says(hint));
+        bounded(start, SHORT);
+        assert_eq!(connect(&id, 0, 2, SHORT).unwrap_err(), StaleId);
     }
-    bounded(start, SHORT);
-    assert_eq!(
-        connect(&id, 0, 2, SHORT).unwrap_err(),
-        BootstrapError::StaleId
-    );
-    // A released id is as stale.
-    let id = loopback_id();
-    assert!(id.release());
-    let start = Instant::now();
-    assert!(matches!(
-        connect(&id, 1, 2, SHORT),
-        Err(BootstrapError::Timeout { .. })
-    ));
-    bounded(start, SHORT);
-    assert_eq!(
-        connect(&id, 0, 2, SHORT).unwrap_err(),
-        BootstrapError::StaleId
-    );
 }
 
+/// A frame over the cap, refused on send by its sender (the others hear why) or, when a
+/// raw rank announces it, on receive by rank 0.
 #[test]
-fn an_oversized_frame_is_refused_on_send() {
+fn an_oversized_frame_is_refused_on_send_and_on_receive() {
+    let too_large = BootstrapError::FrameTooLarge {
+        len: MAX_FRAME_BYTES + 1,
+        max: MAX_FRAME_BYTES,
+    };
     let id = loopback_id();
     let got = run(&[0, 1], |r| {
         let b = connect(&id, r, 2, LONG).unwrap();
-        let e = if r == 1 {
-            b.all_gather(&vec![0u8; MAX_FRAME_BYTES + 1]).unwrap_err()
-        } else {
-            b.all_gather(b"fine").unwrap_err()
+        let e = match r {
+            1 => b.all_gather(&vec![0u8; MAX_FRAME_BYTES + 1]).unwrap_err(),
+            _ => b.all_gather(b"fine").unwrap_err(),
         };
         let again = b.barrier().unwrap_err();
-        assert!(matches!(&again, BootstrapError::Poisoned { first } if **first == e));
+        assert_is!(again, Poisoned { first } if **first == e);
         e
     });
-    assert_eq!(
-        got[1],
-        BootstrapError::FrameTooLarge {
-            len: MAX_FRAME_BYTES + 1,
-            max: MAX_FRAME_BYTES
-        }
-    );
-    assert!(
-        matches!(&got[0], BootstrapError::PeerFailed { rank: 1, message } if message.contains("exceeds"))
-    );
-}
+    assert_eq!(got[1], too_large);
+    assert_is!(got[0], PeerFailed { rank: 1, message } if message.contains("exceeds"));
 
-#[test]
-fn an_oversized_frame_is_refused_on_receive() {
     let id = loopback_id();
     let got = run(&[0, 1, 2], |r| {
         if r == 1 {
@@ -145,19 +104,14 @@ fn an_oversized_frame_is_refused_on_receive() {
             assert_eq!(kind, KIND_ERROR);
             return decode_error(0, &body);
         }
-        let b = connect(&id, r, 3, LONG).unwrap();
-        b.all_gather(b"ok").unwrap_err()
+        connect(&id, r, 3, LONG)
+            .unwrap()
+            .all_gather(b"ok")
+            .unwrap_err()
     });
-    let too_large = BootstrapError::FrameTooLarge {
-        len: MAX_FRAME_BYTES + 1,
-        max: MAX_FRAME_BYTES,
-    };
     assert_eq!(got[0], too_large);
     for e in &got[1..] {
-        assert!(
-            matches!(e, BootstrapError::PeerFailed { rank: 0, message } if *message == too_large.to_string()),
-            "{e}"
-        );
+        assert_is!(e, PeerFailed { rank: 0, message } if *message == too_large.to_string());
     }
 }
 
@@ -174,10 +128,7 @@ fn a_rank_missing_from_an_all_gather_is_named() {
                 assert_eq!(b.timeout(), SHORT);
                 let e = b.all_gather(b"zero").unwrap_err();
                 bounded(start, SHORT);
-                assert!(matches!(
-                    b.all_gather(b""),
-                    Err(BootstrapError::Poisoned { .. })
-                ));
+                assert_is!(b.all_gather(b""), Err(Poisoned { .. }));
                 e
             }
             1 => b.all_gather(b"one").unwrap_err(),
@@ -191,22 +142,12 @@ fn a_rank_missing_from_an_all_gather_is_named() {
         }
         e
     });
-    match &got[0] {
-        BootstrapError::Timeout { waiting_for, .. } => assert_eq!(waiting_for, &[2]),
-        e => panic!("{e}"),
-    }
-    assert!(
-        matches!(&got[1], BootstrapError::PeerFailed { rank: 0, message } if message.contains("[2]"))
-    );
+    assert_is!(got[0], Timeout { waiting_for, .. } if *waiting_for == [2]);
+    assert_is!(got[1], PeerFailed { rank: 0, message } if message.contains("[2]"));
     // Rank 2 comes late and learns why at once.
-    assert!(
-        matches!(
-            got[2],
-            BootstrapError::PeerFailed { rank: 0, .. }
-                | BootstrapError::ConnectionClosed { rank: 0, .. }
-        ),
-        "{}",
-        got[2]
+    assert_is!(
+        got[2],
+        PeerFailed { rank: 0, .. } | ConnectionClosed { rank: 0, .. }
     );
 }
 
@@ -216,23 +157,9 @@ fn a_dropped_rank_fails_the_others_fast() {
     let start = Instant::now();
     let got = run(&[0, 1, 2], |r| {
         let b = connect(&id, r, 3, LONG).unwrap();
-        if r == 2 {
-            return None;
-        }
-        Some(b.all_gather(b"still here").unwrap_err())
+        (r < 2).then(|| b.all_gather(b"still here").unwrap_err())
     });
     assert!(start.elapsed() < SLACK, "no one waited out the timeout");
-    assert!(
-        matches!(
-            got[0],
-            Some(BootstrapError::ConnectionClosed { rank: 2, .. })
-        ),
-        "{:?}",
-        got[0]
-    );
-    assert!(
-        matches!(&got[1], Some(BootstrapError::PeerFailed { rank: 0, message }) if message.contains("rank 2")),
-        "{:?}",
-        got[1]
-    );
+    assert_is!(got[0], Some(ConnectionClosed { rank: 2, .. }));
+    assert_is!(got[1], Some(PeerFailed { rank: 0, message }) if message.contains("rank 2"));
 }

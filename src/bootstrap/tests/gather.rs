@@ -1,31 +1,24 @@
 //! Successful all-gathers and barriers.
 
 use super::*;
-use std::sync::{Barrier, Mutex};
+use std::sync::{Arc, Barrier, Mutex};
 
 #[test]
 fn worlds_gather_in_rank_order() {
     for world in [1, 2, 3, 8] {
         let id = loopback_id();
+        let host = |r: usize| HostId::new(format!("host-{}", r / 2));
+        let bytes = |r: usize| format!("rank {r} of {world}").into_bytes();
         let got = run(&(0..world).collect::<Vec<_>>(), |r| {
-            let host = HostId::new(format!("host-{}", r / 2));
-            let b = TcpBootstrap::connect_with_host(&id, r, world, LONG, host).unwrap();
+            let b = TcpBootstrap::connect_with_host(&id, r, world, LONG, host(r)).unwrap();
             assert_eq!((b.rank(), b.world_size()), (r, world));
-            let all = b
-                .all_gather(format!("rank {r} of {world}").as_bytes())
-                .unwrap();
-            (all, b.host_ids().to_vec())
+            (b.all_gather(&bytes(r)).unwrap(), b.host_ids().to_vec())
         });
-        let want: Vec<Vec<u8>> = (0..world)
-            .map(|r| format!("rank {r} of {world}").into_bytes())
-            .collect();
-        let hosts: Vec<HostId> = (0..world)
-            .map(|r| HostId::new(format!("host-{}", r / 2)))
-            .collect();
-        for (all, h) in got {
-            assert_eq!(all, want);
-            assert_eq!(h, hosts);
-        }
+        let want = (
+            (0..world).map(bytes).collect(),
+            (0..world).map(host).collect(),
+        );
+        assert_eq!(got, vec![want; world]);
     }
 }
 
@@ -75,10 +68,7 @@ fn world_of_one_needs_no_network() {
     let id = loopback_id();
     let b: Box<dyn Bootstrap> = Box::new(connect(&id, 0, 1, SHORT).unwrap());
     b.barrier().unwrap();
-    assert_eq!(
-        connect(&id, 0, 1, SHORT).unwrap_err(),
-        BootstrapError::StaleId
-    );
+    assert_is!(connect(&id, 0, 1, SHORT), Err(BootstrapError::StaleId));
 }
 
 #[test]
@@ -92,8 +82,7 @@ fn bootstrap_is_shareable_between_threads() {
     }
     let id = loopback_id();
     let got = run(&[0, 1], |r| {
-        let b: std::sync::Arc<dyn Bootstrap> =
-            std::sync::Arc::new(connect(&id, r, 2, LONG).unwrap());
+        let b: Arc<dyn Bootstrap> = Arc::new(connect(&id, r, 2, LONG).unwrap());
         let by_ref = gather_all(&*b);
         assert_eq!(gather_all(b.clone()), by_ref);
         by_ref
@@ -115,12 +104,11 @@ fn a_custom_store_gets_a_barrier() {
         }
         fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
             *self.0.lock().unwrap() += 1;
-            if mine == b"fail" {
-                return Err(BootstrapError::Store {
-                    message: "store unreachable".into(),
-                });
+            let message = "store unreachable".into();
+            match mine {
+                b"fail" => Err(BootstrapError::Store { message }),
+                _ => Ok(vec![mine.to_vec()]),
             }
-            Ok(vec![mine.to_vec()])
         }
     }
     let store = Store(Mutex::new(0));
@@ -129,11 +117,8 @@ fn a_custom_store_gets_a_barrier() {
     // The default barrier_within is that barrier.
     store.barrier_within(Duration::from_millis(1)).unwrap();
     assert_eq!(*store.0.lock().unwrap(), 2);
-    assert!(store
-        .all_gather(b"fail")
-        .unwrap_err()
-        .to_string()
-        .contains("store unreachable"));
+    let e = store.all_gather(b"fail").unwrap_err();
+    assert!(e.to_string().contains("store unreachable"));
 }
 
 /// `barrier_within` and `all_gather_within` (for teardown): give up by their own timeout
@@ -142,12 +127,6 @@ fn a_custom_store_gets_a_barrier() {
 #[test]
 fn barrier_within_is_bounded_and_leaves_the_timeout_alone() {
     let t = Duration::from_secs(1);
-    let within = |what: &str, took: Duration, t: Duration| {
-        assert!(
-            took <= t.mul_f64(1.5),
-            "{what}: took {took:?} for a {t:?} barrier"
-        );
-    };
     // Both ranks come: it succeeds, and later calls keep the configured timeout (a rank
     // late by more than the barrier's timeout is still waited for).
     let id = loopback_id();
@@ -182,13 +161,13 @@ fn barrier_within_is_bounded_and_leaves_the_timeout_alone() {
             out
         });
         let (e, took) = got[waiter].clone().unwrap();
+        assert_is!(e, BootstrapError::Timeout { waiting_for, after, .. }
+            if waiting_for == &[1 - waiter] && *after == t);
+        let bounded = took >= t && took <= t.mul_f64(1.5);
         assert!(
-            matches!(&e, BootstrapError::Timeout { waiting_for, after, .. }
-                if waiting_for == &[1 - waiter] && *after == t),
-            "rank {waiter}: {e}"
+            bounded,
+            "rank {waiter}, peer absent: took {took:?} for a {t:?} barrier"
         );
-        assert!(took >= t, "rank {waiter} gave up early: {took:?}");
-        within(&format!("rank {waiter}, peer absent"), took, t);
     }
     // A peer that is gone: it fails at once, not after its (long) timeout.
     for waiter in [0, 1] {
@@ -207,19 +186,13 @@ fn barrier_within_is_bounded_and_leaves_the_timeout_alone() {
             Some((e, start.elapsed()))
         });
         let (e, took) = got[waiter].clone().unwrap();
-        assert!(
-            matches!(
-                e,
-                BootstrapError::ConnectionClosed { .. } | BootstrapError::PeerFailed { .. }
-            ),
-            "rank {waiter}: {e}"
+        assert_is!(
+            e,
+            BootstrapError::ConnectionClosed { .. } | BootstrapError::PeerFailed { .. }
         );
         assert!(took < SLACK, "rank {waiter}, peer gone: took {took:?}");
     }
     // A world of one has nobody to wait for.
-    let id = loopback_id();
-    connect(&id, 0, 1, SHORT)
-        .unwrap()
-        .barrier_within(Duration::ZERO)
-        .unwrap();
+    let alone = connect(&loopback_id(), 0, 1, SHORT).unwrap();
+    alone.barrier_within(Duration::ZERO).unwrap();
 }

@@ -11,16 +11,11 @@ fn id_round_trips_as_bytes_and_text() {
     assert_eq!(UniqueId::from_bytes(&id.to_bytes()).unwrap(), id);
     let text = id.to_string();
     assert_eq!(text.len(), 2 * UniqueId::BYTES);
-    assert!(text
-        .bytes()
-        .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()));
+    let lower_hex = |c: u8| c.is_ascii_hexdigit() && !c.is_ascii_uppercase();
+    assert!(text.bytes().all(lower_hex));
     assert_eq!(text.parse::<UniqueId>().unwrap(), id);
-    assert_eq!(
-        format!(" {}\n", text.to_uppercase())
-            .parse::<UniqueId>()
-            .unwrap(),
-        id
-    );
+    let spaced_upper = format!(" {}\n", text.to_uppercase());
+    assert_eq!(spaced_upper.parse::<UniqueId>().unwrap(), id);
     let v6 = UniqueId {
         addr: "[fd00::5]:29500".parse().unwrap(),
         secret: *b"0123456789abcdef",
@@ -55,22 +50,18 @@ fn garbled_ids_are_typed_errors() {
     }
     assert!(invalid(&format!("02{}", &text[2..])).contains("format version 2"));
     // Well-formed checksums over bad contents.
-    let resum = |mut b: [u8; UniqueId::BYTES]| {
-        let sum = fnv1a32(&b[..36]);
-        b[36..].copy_from_slice(&sum.to_le_bytes());
-        b
-    };
     let reason = |b: &[u8]| match UniqueId::from_bytes(b) {
         Err(BootstrapError::InvalidId { reason }) => reason,
         other => panic!("parsed as {other:?}"),
     };
-    let mut b = id.to_bytes();
-    b[1] = 5;
-    assert!(reason(&resum(b)).contains("family 5"));
-    let mut b = id.to_bytes();
-    b[18] = 0;
-    b[19] = 0;
-    assert!(reason(&resum(b)).contains("cannot be connected to"));
+    // The address family, then the port.
+    for (field, value, says) in [(1..2, 5, "family 5"), (18..20, 0, "cannot be connected to")] {
+        let mut b = id.to_bytes();
+        b[field].fill(value);
+        let sum = fnv1a32(&b[..36]);
+        b[36..].copy_from_slice(&sum.to_le_bytes());
+        assert!(reason(&b).contains(says), "{says}");
+    }
     assert!(reason(&id.to_bytes()[..39]).contains("39 bytes"));
 }
 
@@ -90,18 +81,13 @@ fn addresses_are_parsed_and_unspecified_ones_refused() {
         "10.0.0.5:99999",
         "no such host!",
     ] {
-        assert!(
-            matches!(
-                parse_bootstrap_addr(bad),
-                Err(BootstrapError::InvalidAddress { .. })
-            ),
-            "{bad}"
+        assert_is!(
+            parse_bootstrap_addr(bad),
+            Err(BootstrapError::InvalidAddress { .. })
         );
     }
-    assert!(matches!(
-        UniqueId::bind("0.0.0.0:0".parse().unwrap()),
-        Err(BootstrapError::InvalidAddress { .. })
-    ));
+    let unspecified = UniqueId::bind("0.0.0.0:0".parse().unwrap());
+    assert_is!(unspecified, Err(BootstrapError::InvalidAddress { .. }));
 }
 
 #[test]
@@ -119,22 +105,21 @@ fn new_id_listens_on_loopback_unless_told() {
 fn local_argument_errors_need_no_network() {
     let id = loopback_id();
     id.release();
-    assert_eq!(
-        connect(&id, 2, 2, SHORT).unwrap_err(),
-        BootstrapError::RankOutOfRange {
+    use BootstrapError::{HostIdTooLong, InvalidWorldSize, RankOutOfRange};
+    assert_is!(
+        connect(&id, 2, 2, SHORT),
+        Err(RankOutOfRange {
             rank: 2,
             world_size: 2
-        }
+        })
     );
-    assert!(matches!(
+    assert_is!(
         connect(&id, 0, 0, SHORT),
-        Err(BootstrapError::InvalidWorldSize { world_size: 0, .. })
-    ));
+        Err(InvalidWorldSize { world_size: 0, .. })
+    );
     let long = HostId::new("h".repeat(MAX_HOST_ID_BYTES + 1));
-    assert!(matches!(
-        TcpBootstrap::connect_with_host(&id, 1, 2, SHORT, long),
-        Err(BootstrapError::HostIdTooLong { .. })
-    ));
+    let e = TcpBootstrap::connect_with_host(&id, 1, 2, SHORT, long);
+    assert_is!(e, Err(HostIdTooLong { .. }));
 }
 
 #[test]

@@ -3,15 +3,6 @@
 use super::*;
 use std::net::TcpListener;
 
-/// The elapsed time of a handshake that must fail at its deadline: at least the
-/// timeout, and at most 1.5 times it.
-fn within_bound(what: &str, took: Duration, timeout: Duration) {
-    assert!(
-        took >= timeout.mul_f64(0.95) && took <= timeout.mul_f64(1.5),
-        "{what}: took {took:?} for a {timeout:?} timeout"
-    );
-}
-
 /// The whole handshake, on either side, ends by its one timeout whatever the other side
 /// does (or does not do).
 #[test]
@@ -87,10 +78,12 @@ fn the_handshake_is_bounded_by_its_timeout() {
             drop(c);
             ("rank 0, a silent connection", e, start.elapsed())
         }));
+        // Each fails at its deadline: after at least the timeout, at most 1.5 times it.
         for case in cases {
             let (what, e, took) = case.join().unwrap();
             assert!(matches!(e, BootstrapError::Timeout { .. }), "{what}: {e:?}");
-            within_bound(what, took, t);
+            let bounded = took >= t.mul_f64(0.95) && took <= t.mul_f64(1.5);
+            assert!(bounded, "{what}: took {took:?} for a {t:?} timeout");
         }
     });
 }

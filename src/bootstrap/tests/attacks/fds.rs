@@ -15,14 +15,8 @@ fn fd_exhaustion_child() {
     let id = loopback_id();
     let open = std::fs::read_dir("/proc/self/fd").unwrap().count() as u64;
     let low = open + 12;
-    setrlimit(
-        Resource::Nofile,
-        Rlimit {
-            current: Some(low),
-            maximum: Some(low),
-        },
-    )
-    .unwrap();
+    let (current, maximum) = (Some(low), Some(low));
+    setrlimit(Resource::Nofile, Rlimit { current, maximum }).unwrap();
     println!("FD_CHILD_ID {id}");
     std::io::stdout().flush().unwrap();
     match connect(&id, 0, 2, Duration::from_secs(8)).and_then(|b| b.all_gather(b"child")) {
@@ -77,9 +71,7 @@ fn fd_exhaustion_does_not_end_rank_zero() {
         }
     };
     // More idle connections than the child has descriptors left.
-    let idle: Vec<TcpStream> = (0..48)
-        .map(|_| TcpStream::connect(id.addr).unwrap())
-        .collect();
+    let idle = [(); 48].map(|()| TcpStream::connect(id.addr).unwrap());
     let leaf = connect(&id, 1, 2, Duration::from_secs(8)).and_then(|b| b.all_gather(b"parent"));
     drop(idle);
     // The child has stopped by itself by now (its own 8 s deadline); bound the wait.

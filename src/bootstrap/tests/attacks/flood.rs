@@ -71,10 +71,7 @@ fn a_flood_of_idle_connections_does_not_lock_out_rank_one() {
         (root, leaf, took)
     });
     let want = vec![b"0".to_vec(), b"1".to_vec()];
-    match (&root, &leaf) {
-        (Ok(Ok(r)), Ok(Ok(l))) => assert_eq!((r, l), (&want, &want)),
-        _ => panic!("flooded handshake failed: rank 0: {root:?}; rank 1: {leaf:?}"),
-    }
+    assert_is!((root, leaf), (Ok(Ok(r)), Ok(Ok(l))) if *r == want && *l == want);
     assert!(took < timeout, "rank 1 took {took:?}");
 }
 
@@ -94,14 +91,11 @@ fn half_headers_are_closed_after_the_hello_deadline() {
         let root = s.spawn(|| connect(&id, 0, 3, long).map(|b| b.all_gather(b"0")));
         let leaf1 = s.spawn(|| connect(&id, 1, 3, long).map(|b| b.all_gather(b"1")));
         let start = Instant::now();
-        let mut conns: Vec<TcpStream> = halves
-            .iter()
-            .map(|h| {
-                let mut c = TcpStream::connect(id.addr).unwrap();
-                c.write_all(h).unwrap();
-                c
-            })
-            .collect();
+        let mut conns = halves.map(|h| {
+            let mut c = TcpStream::connect(id.addr).unwrap();
+            c.write_all(h).unwrap();
+            c
+        });
         for (c, h) in conns.iter_mut().zip(halves) {
             let got = read_all_until(c, Duration::from_secs(5));
             assert!(got.is_empty(), "{h:?}: rank 0 answered {got:?}");
@@ -114,10 +108,8 @@ fn half_headers_are_closed_after_the_hello_deadline() {
         // Rank 2 comes now; the handshake completes.
         let leaf2 = connect(&id, 2, 3, long).map(|b| b.all_gather(b"2"));
         let want = vec![b"0".to_vec(), b"1".to_vec(), b"2".to_vec()];
-        for (r, got) in [root.join().unwrap(), leaf1.join().unwrap(), leaf2]
-            .into_iter()
-            .enumerate()
-        {
+        let got = [root.join().unwrap(), leaf1.join().unwrap(), leaf2];
+        for (r, got) in got.into_iter().enumerate() {
             assert_eq!(got.expect("joined").expect("gathered"), want, "rank {r}");
         }
     });
@@ -143,10 +135,8 @@ fn garbage_connections_do_not_disturb_real_ranks() {
     send(&frame(KIND_HELLO, b"PCBS\xff\xffnot a peercomm hello"));
     let start = Instant::now();
     let got = run(&[0, 1, 2], |r| {
-        connect(&id, r, 3, LONG)
-            .unwrap()
-            .all_gather(&[r as u8])
-            .unwrap()
+        let b = connect(&id, r, 3, LONG).unwrap();
+        b.all_gather(&[r as u8]).unwrap()
     });
     assert!(start.elapsed() < SLACK, "took {:?}", start.elapsed());
     assert_eq!(got, vec![vec![vec![0], vec![1], vec![2]]; 3]);
