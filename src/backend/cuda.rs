@@ -1,25 +1,32 @@
 //! The CUDA backend, on cudarc's driver API (loaded at run time: it builds without CUDA).
-//!
 //! Users hold cudarc `CudaSlice`/`CudaView`/`CudaViewMut` buffers; launches go on the
-//! rank's `Arc<CudaStream>` and honour cudarc's event tracking (a collective waits for
-//! the last write of each buffer it reads and records its own events).
+//! rank's `Arc<CudaStream>` and honour cudarc's event tracking.
 //!
 //! # IPC
-//! One process per GPU maps peers' memory through legacy IPC handles
-//! (`cuIpcGetMemHandle`, `cuIpcOpenMemHandle` with lazy peer access; dropping the
-//! [`CudaPeerMapping`] synchronises and closes it). Legacy handles work on the plain
-//! `cuMemAlloc` memory used for signals with no setup, where VMM would need shareable
-//! allocations up front and fds over a socket. They need one host and a P2P path; the
-//! importer need not see the exporting device (`CUDA_VISIBLE_DEVICES` isolation works;
-//! ranks are told apart by [`Backend::identity`], not ordinal). A handle cannot be
-//! opened in its exporting process (`Error::Unsupported`: one process uses
-//! [`Backend::map_peer`]). Import each handle once per process and share the mapping.
-//! Registered buffers from fd-exportable pools or VMM travel with their descriptor over
-//! the Unix-socket channel (`cuda/shareable.rs`).
+//! One process per GPU maps peers' `cuMemAlloc` memory (signals) through legacy IPC
+//! handles, opened with lazy peer access and closed after synchronising when the
+//! [`CudaPeerMapping`] drops: no setup, where VMM would need shareable allocations and
+//! fds over a socket. One host and a P2P path; the importer need not see the exporting
+//! device (ranks are told apart by [`Backend::identity`]). A handle cannot be opened in
+//! its exporting process (`Error::Unsupported`: use [`Backend::map_peer`]). Pool and VMM
+//! memory travels with its descriptor (`cuda/shareable.rs`).
 //!
 //! The legacy handle, 88 bytes LE: magic `pccu`, version `u32` = 1, the exporter's random
-//! token `u64` (to spot a same-process import before the driver does), the allocation
-//! size `u64` (checked against the opened range), the 64-byte `CUipcMemHandle`.
+//! token `u64` (spots a same-process import), the allocation size `u64` (checked against
+//! the opened range), the 64-byte `CUipcMemHandle`.
+
+/// One driver call (`unsafe`: the site's `// SAFETY:` note covers it), its error
+/// mapped to [`Error::Backend`] naming the call (the function, or the name given).
+macro_rules! cu {
+    ($f:ident($($a:expr),* $(,)?)) => {
+        cu!(stringify!($f), $f($($a),*))
+    };
+    ($name:expr, $f:ident($($a:expr),* $(,)?)) => {
+        unsafe { cudarc::driver::sys::$f($($a),*) }
+            .result()
+            .map_err($crate::backend::cuda::driver_err($name))
+    };
+}
 
 mod buffers;
 mod device;
@@ -32,7 +39,7 @@ pub(crate) use device::load_first_of;
 use device::{bind, driver, driver_err};
 pub use device::{Cuda, CudaDevice};
 pub use graph::{capture, is_capturing};
-use memory::granted_pools;
+use memory::GRANTED_POOLS;
 pub use memory::{CudaMemory, CudaPeerMapping};
 
 use cudarc::driver::sys::{self, CUdevice_attribute};
@@ -126,9 +133,11 @@ impl Backend for Cuda {
     fn can_access_peer(dev: &CudaDevice, peer: &CudaDevice) -> Result<bool> {
         let mut can = 0i32;
         // SAFETY: both CUdevice handles come from live contexts; `can` outlives the call.
-        unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev.ctx.cu_device(), peer.ctx.cu_device()) }
-            .result()
-            .map_err(driver_err("cuDeviceCanAccessPeer"))?;
+        cu!(cuDeviceCanAccessPeer(
+            &mut can,
+            dev.ctx.cu_device(),
+            peer.ctx.cu_device()
+        ))?;
         Ok(can != 0)
     }
 
@@ -152,10 +161,8 @@ impl Backend for Cuda {
         let pool = memory::device_pool(peer)?;
         let desc = memory::read_write(dev.ctx.ordinal());
         // SAFETY: `desc` is one valid descriptor and outlives the call.
-        unsafe { sys::cuMemPoolSetAccess(pool, &desc, 1) }
-            .result()
-            .map_err(driver_err("cuMemPoolSetAccess"))?;
-        granted_pools()
+        cu!(cuMemPoolSetAccess(pool, &desc, 1))?;
+        GRANTED_POOLS
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert((pool as usize, dev.ctx.ordinal() as i32));
@@ -163,14 +170,11 @@ impl Backend for Cuda {
     }
 
     fn alloc(dev: &CudaDevice, bytes: usize, _kind: MemoryKind) -> Result<CudaMemory> {
-        // Plain cuMemAlloc: peer access covers it and it is coherent at the owner's L2,
-        // so signal memory needs no special flags.
+        // Plain cuMemAlloc: covered by peer access and coherent at the owner's L2.
         bind(&dev.ctx)?;
         let mut ptr: sys::CUdeviceptr = 0;
         // SAFETY: `ptr` outlives the call; the context is current.
-        unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) }
-            .result()
-            .map_err(driver_err("cuMemAlloc"))?;
+        cu!("cuMemAlloc", cuMemAlloc_v2(&mut ptr, bytes.max(1)))?;
         Ok(CudaMemory {
             ctx: dev.ctx.clone(),
             stream: dev.stream.clone(),
@@ -238,68 +242,54 @@ impl Backend for Cuda {
 
     fn memset_d32(dev: &CudaDevice, ptr: u64, value: u32, words: usize) -> Result<()> {
         bind(&dev.ctx)?;
-        // SAFETY: the caller passes a range inside one of its live allocations on this
-        // device; the memset is ordered on the rank's stream.
-        unsafe { sys::cuMemsetD32Async(ptr, value, words, dev.stream.cu_stream()) }
-            .result()
-            .map_err(driver_err("cuMemsetD32Async"))
+        // SAFETY: a range of the caller's live allocation, ordered on the rank's stream.
+        cu!(cuMemsetD32Async(ptr, value, words, dev.stream.cu_stream()))
     }
 
     fn memset_d16(dev: &CudaDevice, ptr: u64, value: u16, halves: usize) -> Result<()> {
         bind(&dev.ctx)?;
-        // SAFETY: the caller passes a 2-byte aligned range inside one of its live
-        // allocations on this device; the memset is ordered on the rank's stream.
-        unsafe { sys::cuMemsetD16Async(ptr, value, halves, dev.stream.cu_stream()) }
-            .result()
-            .map_err(driver_err("cuMemsetD16Async"))
+        // SAFETY: as for memset_d32 (and 2-byte aligned).
+        cu!(cuMemsetD16Async(ptr, value, halves, dev.stream.cu_stream()))
     }
 
     fn read(dev: &CudaDevice, ptr: u64, dst: &mut [u8]) -> Result<()> {
         bind(&dev.ctx)?;
-        // SAFETY: the caller passes a range inside one of its live allocations; the
-        // stream is synchronised before `dst` is read.
-        unsafe {
-            sys::cuMemcpyDtoHAsync_v2(
+        // SAFETY: a range of the caller's live allocation; synchronised before `dst` is read.
+        cu!(
+            "cuMemcpyDtoHAsync",
+            cuMemcpyDtoHAsync_v2(
                 dst.as_mut_ptr() as *mut _,
                 ptr,
                 dst.len(),
-                dev.stream.cu_stream(),
+                dev.stream.cu_stream()
             )
-        }
-        .result()
-        .map_err(driver_err("cuMemcpyDtoHAsync"))?;
-        dev.stream
-            .synchronize()
-            .map_err(driver_err("cuStreamSynchronize"))
+        )?;
+        Self::synchronize(dev)
     }
 
     fn write(dev: &CudaDevice, ptr: u64, src: &[u8]) -> Result<()> {
         bind(&dev.ctx)?;
-        // SAFETY: the caller passes a range inside one of its live allocations; `src`
-        // outlives the copy (the stream is synchronised before returning).
-        unsafe {
-            sys::cuMemcpyHtoDAsync_v2(
+        // SAFETY: a range of the caller's live allocation; synchronised before returning.
+        cu!(
+            "cuMemcpyHtoDAsync",
+            cuMemcpyHtoDAsync_v2(
                 ptr,
                 src.as_ptr() as *const _,
                 src.len(),
-                dev.stream.cu_stream(),
+                dev.stream.cu_stream()
             )
-        }
-        .result()
-        .map_err(driver_err("cuMemcpyHtoDAsync"))?;
-        dev.stream
-            .synchronize()
-            .map_err(driver_err("cuStreamSynchronize"))
+        )?;
+        Self::synchronize(dev)
     }
 
     fn read_words_now(dev: &CudaDevice, ptr: u64, dst: &mut [u32]) -> Result<()> {
         bind(&dev.ctx)?;
-        // SAFETY: the caller passes a range inside one of its live allocations; the
-        // synchronous copy (legacy default stream, which does not wait for the rank's
-        // non-blocking stream) writes `dst` before returning.
-        unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut _, ptr, std::mem::size_of_val(dst)) }
-            .result()
-            .map_err(driver_err("cuMemcpyDtoH"))
+        // SAFETY: a range of the caller's live allocation; this synchronous copy (legacy
+        // default stream: it does not wait for the rank's stream) writes `dst` at once.
+        cu!(
+            "cuMemcpyDtoH",
+            cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut _, ptr, std::mem::size_of_val(dst))
+        )
     }
 
     fn launch(
@@ -367,9 +357,7 @@ impl Backend for Cuda {
         dev.stream
             .memcpy_htod(src, dst)
             .map_err(driver_err("cuMemcpyHtoDAsync"))?;
-        dev.stream
-            .synchronize()
-            .map_err(driver_err("cuStreamSynchronize"))
+        Self::synchronize(dev)
     }
 
     fn download<T: Element>(dev: &CudaDevice, src: &CudaSlice<T>) -> Result<Vec<T>> {

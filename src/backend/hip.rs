@@ -1,36 +1,24 @@
-//! The HIP backend (feature `hip`): AMD Instinct GPUs through the HIP runtime
-//! (`libamdhip64`, linked by the `hip-sys` crate).
-//!
-//! - Devices: one [`HipDevice`] per GPU with its own non-blocking stream and the
-//!   embedded code object for its `gcnArchName` (gfx90a, gfx942, gfx950 where the
-//!   compiler knew it; another is a typed error), launched with `hipModuleLaunchKernel`.
-//! - Signal memory (`MemoryKind::Signal`) is uncached device memory, or fine-grained
-//!   on HIP 5.x ([`HipAllocation`]): spins see peers' stores, and the kernels'
-//!   system-scope release/acquire order the rest.
-//! - One process: peer access between every pair and unified addresses, so a peer's
-//!   allocation is reached at its own address ([`Backend::map_peer`]).
+//! The HIP backend (feature `hip`): AMD GPUs through the HIP runtime (`libamdhip64`,
+//! linked by `hip-sys`). Each [`HipDevice`] has its own non-blocking stream and the
+//! embedded code object for its `gcnArchName` (another architecture is a typed error).
+//! Signal memory is uncached, or fine-grained on HIP 5.x ([`HipAllocation`]). One
+//! process reaches a peer's allocation at its own address ([`Backend::map_peer`]).
 //!
 //! # IPC
-//! As CUDA's legacy IPC: `hipIpcGetMemHandle`, `hipIpcOpenMemHandle` with
-//! `hipIpcMemLazyEnablePeerAccess` (1 on ROCm 6 and 7, 0 in HIP 5 headers: an import
-//! answered `hipErrorInvalidValue` is retried once with 0), `hipIpcCloseMemHandle` after
-//! synchronising on drop of the [`HipPeerMapping`]. One host only; whether the importer
-//! must see the exporting GPU is undocumented, so isolated processes may fall back to
-//! the external library. Ranks are told apart by [`Backend::identity`]. A same-process
-//! import is `Error::Unsupported` (by process token). The opened range is not checked
-//! against the handle's size (untested on AMD hardware, docs/amd.md: less code).
-//! Import each handle once per process and share the mapping.
-//!
-//! The handle, 88 bytes LE: magic `pchi`, version `u32` = 1, the exporter's random
-//! token `u64`, the allocation's size `u64`, the 64-byte `hipIpcMemHandle_t`.
+//! As CUDA's legacy IPC, closed after synchronising when the [`HipPeerMapping`] drops.
+//! `hipIpcMemLazyEnablePeerAccess` is 1 on ROCm 6 and 7, 0 in HIP 5 headers: an import
+//! answered `hipErrorInvalidValue` is retried once with 0. One host only; a
+//! same-process import is `Error::Unsupported`; the opened range is not checked against
+//! the handle's size. The handle, 88 bytes LE: magic `pchi`, version `u32` = 1, the
+//! exporter's random token `u64`, the allocation's size `u64`, the 64-byte
+//! `hipIpcMemHandle_t`.
 //!
 //! # Why the HIP functions are declared here
-//! `hip-sys` 0.1.2's bindings (HIP 5.4) make `hipError_t` a Rust enum, so a code a newer
-//! ROCm adds would be undefined behaviour. This module declares the few functions it
-//! needs with the status as a plain `i32` ([`HipStatus`]), taking only opaque handle
-//! types and the link from `hip-sys`; each has the same C signature in HIP 5.2 to 7.x.
-//! The device properties changed layout in ROCm 6, so the architecture name is read
-//! through whichever versioned entry point the runtime exports (`gcn_arch_name`).
+//! `hip-sys` 0.1.2 makes `hipError_t` a Rust enum, so a code a newer ROCm adds would be
+//! undefined behaviour: `ffi` declares the functions with the status as a plain `i32`
+//! ([`HipStatus`]), each with the same C signature in HIP 5.2 to 7.x. The device
+//! properties changed layout in ROCm 6, so the architecture name is read through
+//! whichever versioned entry point the runtime exports.
 
 use std::ffi::{c_int, c_void};
 use std::marker::PhantomData;
@@ -40,6 +28,17 @@ use crate::dtype::Element;
 use crate::error::{Error, Result};
 use crate::signal::{AllReduceArgs, GroupArgs};
 
+/// One HIP call (`unsafe`: the site's `// SAFETY:` note covers it), its status checked
+/// and named after the function.
+macro_rules! hip {
+    ($f:ident($($a:expr),* $(,)?)) => {
+        $crate::backend::hip::check(
+            unsafe { $crate::backend::hip::ffi::$f($($a),*) },
+            stringify!($f),
+        )
+    };
+}
+
 mod buffers;
 mod device;
 mod ffi;
@@ -48,7 +47,7 @@ mod memory;
 mod runtime;
 
 pub use buffers::HipBuffer;
-use device::{dtoh, htod};
+use device::copy;
 pub use device::{HipDevice, HipEvent};
 pub use ffi::HipStatus;
 use launch::*;
@@ -71,8 +70,7 @@ impl Backend for Hip {
     type Buffer<T: Element> = HipBuffer<T>;
     type PeerMapping = HipPeerMapping;
 
-    /// Devices visible to HIP. With no AMD GPU (or no driver) this is
-    /// [`Error::NoDevice`] carrying what `hipGetDeviceCount` said.
+    /// Devices visible to HIP; [`Error::NoDevice`] without a GPU or driver.
     fn device_count() -> Result<usize> {
         let mut n: c_int = 0;
         // SAFETY: `n` is a valid out pointer.
@@ -120,12 +118,11 @@ impl Backend for Hip {
     fn can_access_peer(dev: &HipDevice, peer: &HipDevice) -> Result<bool> {
         let mut can: c_int = 0;
         // SAFETY: `can` is a valid out pointer.
-        check(
-            unsafe {
-                ffi::hipDeviceCanAccessPeer(&mut can, dev.ordinal as c_int, peer.ordinal as c_int)
-            },
-            "hipDeviceCanAccessPeer",
-        )?;
+        hip!(hipDeviceCanAccessPeer(
+            &mut can,
+            dev.ordinal as c_int,
+            peer.ordinal as c_int
+        ))?;
         Ok(can != 0)
     }
 
@@ -176,32 +173,34 @@ impl Backend for Hip {
         set_device(dev.ordinal)?;
         // SAFETY: the caller passes a range inside one of its allocations; the write is
         // ordered on the device's stream.
-        check(
-            unsafe {
-                ffi::hipMemsetD32Async(ptr as *mut c_void, value as c_int, words, dev.stream)
-            },
-            "hipMemsetD32Async",
-        )
+        hip!(hipMemsetD32Async(
+            ptr as *mut c_void,
+            value as c_int,
+            words,
+            dev.stream
+        ))
     }
 
     fn memset_d16(dev: &HipDevice, ptr: u64, value: u16, halves: usize) -> Result<()> {
         set_device(dev.ordinal)?;
         // SAFETY: the caller passes a range inside one of its allocations; the write is
         // ordered on the device's stream.
-        check(
-            unsafe { ffi::hipMemsetD16Async(ptr as *mut c_void, value, halves, dev.stream) },
-            "hipMemsetD16Async",
-        )
+        hip!(hipMemsetD16Async(
+            ptr as *mut c_void,
+            value,
+            halves,
+            dev.stream
+        ))
     }
 
     fn read(dev: &HipDevice, ptr: u64, dst: &mut [u8]) -> Result<()> {
         // SAFETY: the caller passes a device range of dst.len() bytes.
-        unsafe { dtoh(dev, dst.as_mut_ptr().cast(), ptr, dst.len()) }
+        unsafe { copy(dev, ptr, dst.as_mut_ptr().cast(), dst.len(), true) }
     }
 
     fn write(dev: &HipDevice, ptr: u64, src: &[u8]) -> Result<()> {
         // SAFETY: the caller passes a device range of src.len() bytes.
-        unsafe { htod(dev, ptr, src.as_ptr().cast(), src.len()) }
+        unsafe { copy(dev, ptr, src.as_ptr().cast_mut().cast(), src.len(), false) }
     }
 
     fn read_words_now(dev: &HipDevice, ptr: u64, dst: &mut [u32]) -> Result<()> {
@@ -209,16 +208,11 @@ impl Backend for Hip {
         // SAFETY: the caller passes a device range of dst.len() words. The synchronous
         // copy runs on the null stream, which does not wait for the rank's
         // non-blocking stream; `dst` is written before the call returns.
-        check(
-            unsafe {
-                ffi::hipMemcpyDtoH(
-                    dst.as_mut_ptr().cast(),
-                    ptr as *mut c_void,
-                    std::mem::size_of_val(dst),
-                )
-            },
-            "hipMemcpyDtoH",
-        )
+        hip!(hipMemcpyDtoH(
+            dst.as_mut_ptr().cast(),
+            ptr as *mut c_void,
+            std::mem::size_of_val(dst)
+        ))
     }
 
     fn launch(
@@ -247,10 +241,7 @@ impl Backend for Hip {
 
     fn synchronize(dev: &HipDevice) -> Result<()> {
         // SAFETY: the stream is live.
-        check(
-            unsafe { ffi::hipStreamSynchronize(dev.stream) },
-            "hipStreamSynchronize",
-        )
+        hip!(hipStreamSynchronize(dev.stream))
     }
 
     fn alloc_buffer<T: Element>(dev: &HipDevice, len: usize) -> Result<HipBuffer<T>> {
@@ -277,19 +268,23 @@ impl Backend for Hip {
         }
         let bytes = std::mem::size_of_val(src);
         // SAFETY: `dst` holds `len` elements of T, as many as `src`.
-        unsafe { htod(dev, dst.mem.ptr, src.as_ptr().cast(), bytes) }
+        unsafe {
+            copy(
+                dev,
+                dst.mem.ptr,
+                src.as_ptr().cast_mut().cast(),
+                bytes,
+                false,
+            )
+        }
     }
 
     fn download<T: Element>(dev: &HipDevice, src: &HipBuffer<T>) -> Result<Vec<T>> {
         let mut out = vec![T::default(); src.len];
         // SAFETY: `src` holds `len` elements of T; `out` has room for them.
         unsafe {
-            dtoh(
-                dev,
-                out.as_mut_ptr().cast(),
-                src.mem.ptr,
-                std::mem::size_of_val(out.as_slice()),
-            )
+            let bytes = std::mem::size_of_val(out.as_slice());
+            copy(dev, src.mem.ptr, out.as_mut_ptr().cast(), bytes, true)
         }?;
         Ok(out)
     }

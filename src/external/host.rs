@@ -1,8 +1,7 @@
-//! The host stand-in for NCCL: the host backend's external library, so that the
-//! routing to an external library runs (and is tested) anywhere. A call is a job on the
-//! rank's host stream: it all-gathers this rank's elements over a [`Bootstrap`], sums
-//! them in group rank order in f32 as peercomm's kernels do (the same bits), and writes
-//! the result. A failed exchange is reported by the next `synchronize`.
+//! The host backend's stand-in for NCCL, so the routing runs (and is tested) anywhere:
+//! a job on the rank's host stream all-gathers the elements over a [`Bootstrap`] and
+//! sums them in group rank order in f32, as the kernels do. A failed exchange is
+//! reported by the next `synchronize`.
 
 use std::sync::{Arc, Mutex};
 

@@ -52,9 +52,7 @@ impl LocalBootstrap {
             })
             .collect()
     }
-}
 
-impl LocalBootstrap {
     /// Ends every rank's wait at once, now and in later rounds: this rank will not
     /// come (its side of a collective setup failed).
     pub(crate) fn abort(&self) {

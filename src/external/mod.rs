@@ -1,16 +1,9 @@
-//! External collectives: another library (NCCL on CUDA, RCCL on AMD, a host stand-in
-//! on the host backend) that runs an all-reduce where peer memory cannot serve (no
-//! working peer access, several hosts, more than [`crate::MAX_GPUS`] ranks). Such
-//! calls say so: they return [`crate::Algorithm::Nccl`] (or
-//! [`crate::Algorithm::Hierarchical`]: peer memory inside each host, the library
-//! across hosts). [`FallbackConfig`] chooses: [`Fallback::Refuse`] makes those cases
-//! typed errors instead; [`SizeRouting`] (default: never) opts in to routing by size,
-//! where the library's other order of summation can change a result's last bits.
-//!
-//! The library sits behind [`ExternalLibrary`] / [`ExternalAllReduce`], so the routing
-//! is tested in CI with the host stand-in ([`host`]), which sums in rank order like
-//! peercomm's kernels. [`HasExternalLibrary`] names each backend's library;
-//! [`library_of`] finds it for code generic over any [`Backend`].
+//! External collectives: a library (NCCL on CUDA, RCCL on AMD, a host stand-in on the
+//! host backend) runs the all-reduce where peer memory cannot serve (no peer access,
+//! several hosts, more than [`crate::MAX_GPUS`] ranks), visibly: such calls return
+//! [`crate::Algorithm::Nccl`] or [`crate::Algorithm::Hierarchical`]. [`FallbackConfig`]
+//! can refuse those cases instead, or opt in to routing by size. The host stand-in
+//! ([`host`]) sums in rank order like the kernels, so CI tests the routing.
 
 use std::any::Any;
 use std::sync::Arc;
@@ -24,7 +17,9 @@ use crate::error::Result;
 pub mod host;
 pub(crate) mod local;
 #[cfg(feature = "cuda")]
-pub mod nccl;
+mod nccl;
+#[cfg(any(feature = "cuda", feature = "hip"))]
+mod nccl_api;
 #[cfg(feature = "hip")]
 pub mod rccl;
 #[cfg_attr(not(feature = "fault-injection"), allow(dead_code))]
@@ -138,10 +133,9 @@ pub trait ExternalLibrary<B: Backend>: Send + Sync {
     #[cfg_attr(not(feature = "unstable"), allow(dead_code))]
     fn check_available(&self) -> Result<()>;
 
-    /// This rank's handle for the group of world ranks `members` (in group rank order;
-    /// it contains `bootstrap.rank()`). Every rank of the world calls this at the same
-    /// time, each with its own group (groups are disjoint), since setting up makes one
-    /// all-gather over `bootstrap`. The handle may keep `bootstrap`.
+    /// This rank's handle for the group of world ranks `members` (in group order, with
+    /// `bootstrap.rank()`). Every world rank calls it at once, each with its own
+    /// (disjoint) group: setting up makes one all-gather over `bootstrap`.
     fn per_rank(
         &self,
         dev: &B::Device,
@@ -185,9 +179,8 @@ pub trait HasExternalLibrary: Backend {
     fn external_library() -> &'static dyn ExternalLibrary<Self>;
 }
 
-/// The external library of backend `B`: [`HasExternalLibrary::external_library`] for
-/// this crate's backends, an [`Unavailable`] one for any other. Needs only
-/// `B: Backend`, so the communicators' signatures do not name this module's trait.
+/// The external library of backend `B` ([`HasExternalLibrary::external_library`], or
+/// [`Unavailable`]); needs only `B: Backend`, so communicators need not name the trait.
 ///
 /// ```
 /// use peercomm::backend::host::Host;
@@ -212,43 +205,6 @@ pub fn library_of<B: Backend>() -> &'static dyn ExternalLibrary<B> {
     #[cfg(feature = "hip")]
     let found = found.or_else(registered::<crate::backend::hip::Hip, B>);
     found.unwrap_or(&NONE)
-}
-
-/// The group leader's 128-byte unique id (made by `make_id` on the leader,
-/// `members[0]`), gathered in one all-gather, and this rank's index in `members`.
-/// Every rank takes part, even one whose library did not load (`loaded`), so that
-/// the others fail with a bootstrap error instead of waiting.
-#[cfg(any(feature = "cuda", feature = "hip"))]
-pub(crate) fn exchange_unique_id<T: Copy>(
-    library: &'static str,
-    bootstrap: &dyn Bootstrap,
-    members: &[usize],
-    loaded: Result<T>,
-    make_id: impl FnOnce(T) -> Result<[std::ffi::c_char; 128]>,
-) -> Result<(T, [std::ffi::c_char; 128], usize)> {
-    let (me, leader) = (bootstrap.rank(), members[0]);
-    let mine: Vec<u8> = match (&loaded, me == leader) {
-        (Ok(lib), true) => make_id(*lib)?.iter().map(|&c| c as u8).collect(),
-        _ => Vec::new(),
-    };
-    let ids = bootstrap.all_gather(&mine)?;
-    let lib = loaded?;
-    let mut id = [0 as std::ffi::c_char; 128];
-    if ids[leader].len() != id.len() {
-        return Err(crate::Error::External {
-            library,
-            call: "ncclCommInitRank",
-            detail: format!(
-                "rank {leader} could not make an {} unique id",
-                library.to_uppercase()
-            ),
-        });
-    }
-    for (d, &b) in id.iter_mut().zip(&ids[leader]) {
-        *d = b as std::ffi::c_char;
-    }
-    let index = members.iter().position(|&m| m == me).expect("member");
-    Ok((lib, id, index))
 }
 
 /// A library that is not there: every use is

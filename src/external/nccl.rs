@@ -1,28 +1,27 @@
 //! NCCL through cudarc's `nccl` module: the external library of the CUDA backend.
-//!
-//! Per rank, the group's first rank's `ncclUniqueId` reaches the others in one
-//! [`Bootstrap`] all-gather before `ncclCommInitRank`; the single controller uses
-//! `ncclCommInitAll` and groups its ranks' calls. libnccl is looked for before cudarc
-//! loads it, so a missing one is [`Error::ExternalUnavailable`], not a panic, and the
-//! panic hook is never touched. NCCL refuses two ranks on one GPU.
+//! libnccl is looked for before cudarc loads it, so a missing one is
+//! [`Error::ExternalUnavailable`], not a panic, and the panic hook is never touched.
+//! NCCL refuses two ranks on one GPU.
 
-use std::sync::{Arc, OnceLock};
+use std::ffi::{c_char, c_int};
+use std::marker::PhantomData;
+use std::sync::OnceLock;
 
 use cudarc::nccl::{result, sys};
 
-use super::{ExternalAllReduce, ExternalLibrary, HasExternalLibrary};
-use crate::backend::cuda::{Cuda, CudaDevice};
-use crate::bootstrap::Bootstrap;
+use super::nccl_api::{Call, NcclApi, NcclLike};
+use super::{ExternalLibrary, HasExternalLibrary};
+use crate::backend::cuda::{load_first_of, Cuda, CudaDevice};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 /// NCCL (see the module docs).
-pub struct Nccl;
+pub(crate) struct Nccl;
 
 /// The CUDA backend's external library is NCCL.
 impl HasExternalLibrary for Cuda {
     fn external_library() -> &'static dyn ExternalLibrary<Cuda> {
-        &Nccl
+        &NcclLike::<Nccl>(PhantomData)
     }
 }
 
@@ -66,11 +65,12 @@ fn loaded() -> Result<()> {
         })
 }
 
-/// Looks for libnccl (by cudarc's names, or linked into the process) before asking
-/// cudarc for its version, since cudarc's loader panics on a missing library. The panic
-/// hook is never touched; a panic cudarc still raises is caught and reported.
+/// Looks for libnccl before asking cudarc (whose loader panics on a missing library)
+/// for its version; a panic cudarc still raises is caught and reported.
 fn load() -> std::result::Result<(), String> {
-    libnccl_present()?;
+    if !linked_into_process() {
+        load_first_of("NCCL", "NCCL", &libnccl_names())?;
+    }
     let r = std::panic::catch_unwind(|| {
         let mut version = 0;
         // SAFETY: ncclGetVersion writes one int.
@@ -93,8 +93,7 @@ fn libnccl_names() -> Vec<String> {
     names
 }
 
-/// Whether NCCL's symbols are already in the process (cudarc's `dynamic-linking`, or
-/// loaded globally by another library).
+/// Whether NCCL's symbols are already in the process.
 fn linked_into_process() -> bool {
     #[cfg(unix)]
     let this = Some(libloading::os::unix::Library::this());
@@ -106,21 +105,6 @@ fn linked_into_process() -> bool {
     this.is_some_and(|lib| unsafe { lib.get::<*const ()>(b"ncclGetVersion\0") }.is_ok())
 }
 
-/// Whether libnccl can be loaded (it stays loaded: cudarc loads it again).
-fn libnccl_present() -> std::result::Result<(), String> {
-    if linked_into_process() {
-        return Ok(());
-    }
-    let names = libnccl_names();
-    if crate::backend::cuda::load_first_of(&names) {
-        return Ok(());
-    }
-    Err(format!(
-        "the NCCL library could not be loaded (looked for {names:?}; is NCCL installed \
-         and on the library path?)"
-    ))
-}
-
 fn nccl_dtype(dtype: DType) -> sys::ncclDataType_t {
     match dtype {
         DType::F32 => sys::ncclDataType_t::ncclFloat32,
@@ -129,43 +113,55 @@ fn nccl_dtype(dtype: DType) -> sys::ncclDataType_t {
     }
 }
 
-/// One rank's NCCL communicator; aborted (never blocking, never panicking) on drop.
-struct NcclComm {
-    comm: sys::ncclComm_t,
-}
+impl NcclApi for Nccl {
+    type B = Cuda;
+    type Comm = sys::ncclComm_t;
+    const NAME: &'static str = "nccl";
 
-// SAFETY: an NCCL communicator may be used from any thread; peercomm's communicators
-// serialise the calls on one rank (their launch lock), as NCCL requires.
-unsafe impl Send for NcclComm {}
-// SAFETY: as above.
-unsafe impl Sync for NcclComm {}
-
-impl Drop for NcclComm {
-    fn drop(&mut self) {
-        // SAFETY: the communicator was initialised and is dropped once; its owner has
-        // waited for its stream.
-        let _ = unsafe { result::comm_abort(self.comm) };
-    }
-}
-
-impl ExternalAllReduce<Cuda> for NcclComm {
-    fn library(&self) -> &'static str {
-        "nccl"
+    fn load() -> Result<&'static Self> {
+        loaded().map(|()| &Nccl)
     }
 
-    unsafe fn all_reduce_sum(
-        &self,
-        dev: &CudaDevice,
-        send: u64,
-        recv: u64,
-        elements: usize,
-        dtype: DType,
-    ) -> Result<()> {
+    fn bind(dev: &CudaDevice) -> Result<()> {
         dev.context()
             .bind_to_thread()
-            .map_err(driver_err("cuCtxSetCurrent"))?;
-        // SAFETY: the caller guarantees both ranges on this device for the call's
-        // duration on the stream; the communicator was made for this device.
+            .map_err(driver_err("cuCtxSetCurrent"))
+    }
+
+    fn unique_id(&self) -> Result<[c_char; 128]> {
+        let id = result::get_uniqueid().map_err(nccl_err("ncclGetUniqueId"))?;
+        Ok(id.internal)
+    }
+
+    fn init_rank(&self, world: c_int, internal: [c_char; 128], rank: c_int) -> Result<Self::Comm> {
+        let mut comm = std::mem::MaybeUninit::uninit();
+        // SAFETY: NCCL initialises `comm` on success.
+        unsafe {
+            result::comm_init_rank(
+                comm.as_mut_ptr(),
+                world,
+                sys::ncclUniqueId { internal },
+                rank,
+            )
+        }
+        .map_err(nccl_err("ncclCommInitRank"))?;
+        // SAFETY: initialised by the successful call above.
+        Ok(unsafe { comm.assume_init() })
+    }
+
+    fn init_all(&self, ordinals: &[c_int]) -> Result<Vec<Self::Comm>> {
+        let mut comms = vec![std::ptr::null_mut(); ordinals.len()];
+        // SAFETY: `comms` has one slot per device in `ordinals`.
+        unsafe {
+            result::comm_init_all(comms.as_mut_ptr(), ordinals.len() as i32, ordinals.as_ptr())
+        }
+        .map_err(nccl_err("ncclCommInitAll"))?;
+        Ok(comms)
+    }
+
+    unsafe fn all_reduce(&self, comm: Self::Comm, dev: &CudaDevice, call: Call) -> Result<()> {
+        let (send, recv, elements, dtype) = call;
+        // SAFETY: the caller's contract (both ranges on this device, `comm` made for it).
         unsafe {
             result::all_reduce(
                 send as *const _,
@@ -173,7 +169,7 @@ impl ExternalAllReduce<Cuda> for NcclComm {
                 elements,
                 nccl_dtype(dtype),
                 sys::ncclRedOp_t::ncclSum,
-                self.comm,
+                comm,
                 dev.stream().cu_stream() as _,
             )
         }
@@ -181,94 +177,30 @@ impl ExternalAllReduce<Cuda> for NcclComm {
         .map_err(nccl_err("ncclAllReduce"))
     }
 
-    fn take_async_error(&self) -> Result<()> {
+    unsafe fn abort(&self, comm: Self::Comm) {
+        // SAFETY: the caller's contract.
+        let _ = unsafe { result::comm_abort(comm) };
+    }
+
+    fn async_error(&self, comm: Self::Comm) -> Result<()> {
         let mut code = sys::ncclResult_t::ncclSuccess;
         // SAFETY: a live communicator; NCCL writes one result code.
-        let r = unsafe { sys::ncclCommGetAsyncError(self.comm, &mut code) };
+        let r = unsafe { sys::ncclCommGetAsyncError(comm, &mut code) };
         for c in [r, code] {
             if c != sys::ncclResult_t::ncclSuccess && c != sys::ncclResult_t::ncclInProgress {
-                return Err(Error::External {
-                    library: "nccl",
-                    call: "ncclCommGetAsyncError",
-                    detail: describe(c),
-                });
+                return Err(nccl_err("ncclCommGetAsyncError")(result::NcclError(c)));
             }
         }
         Ok(())
     }
-}
 
-impl ExternalLibrary<Cuda> for Nccl {
-    fn name(&self) -> &'static str {
-        "nccl"
-    }
-
-    fn check_available(&self) -> Result<()> {
-        loaded()
-    }
-
-    fn per_rank(
-        &self,
-        dev: &CudaDevice,
-        bootstrap: Arc<dyn Bootstrap>,
-        members: &[usize],
-    ) -> Result<Box<dyn ExternalAllReduce<Cuda>>> {
-        let ((), internal, index) =
-            super::exchange_unique_id("nccl", &*bootstrap, members, loaded(), |()| {
-                let id = result::get_uniqueid().map_err(nccl_err("ncclGetUniqueId"))?;
-                Ok(id.internal)
-            })?;
-        dev.context()
-            .bind_to_thread()
-            .map_err(driver_err("cuCtxSetCurrent"))?;
-        let mut comm = std::mem::MaybeUninit::uninit();
-        // SAFETY: NCCL initialises `comm` on success; the id came from the leader.
-        unsafe {
-            result::comm_init_rank(
-                comm.as_mut_ptr(),
-                members.len() as i32,
-                sys::ncclUniqueId { internal },
-                index as i32,
-            )
+    fn group(&self, end: bool) -> Result<()> {
+        if end {
+            result::group_end().map_err(nccl_err("ncclGroupEnd"))?;
+        } else {
+            result::group_start().map_err(nccl_err("ncclGroupStart"))?;
         }
-        .map_err(nccl_err("ncclCommInitRank"))?;
-        Ok(Box::new(NcclComm {
-            // SAFETY: initialised by the successful call above.
-            comm: unsafe { comm.assume_init() },
-        }))
-    }
-
-    fn single_controller(
-        &self,
-        devices: &[&CudaDevice],
-    ) -> Result<Vec<Box<dyn ExternalAllReduce<Cuda>>>> {
-        loaded()?;
-        let ordinals: Vec<i32> = devices
-            .iter()
-            .map(|d| d.context().ordinal() as i32)
-            .collect();
-        let mut comms = vec![std::ptr::null_mut(); devices.len()];
-        // SAFETY: `comms` has one slot per device in `ordinals`.
-        unsafe {
-            result::comm_init_all(comms.as_mut_ptr(), ordinals.len() as i32, ordinals.as_ptr())
-        }
-        .map_err(nccl_err("ncclCommInitAll"))?;
-        Ok(comms
-            .into_iter()
-            .map(|comm| Box::new(NcclComm { comm }) as Box<dyn ExternalAllReduce<Cuda>>)
-            .collect())
-    }
-
-    fn group_start(&self) -> Result<()> {
-        result::group_start()
-            .map(|_| ())
-            .map_err(nccl_err("ncclGroupStart"))
-    }
-
-    fn group_end(&self) -> Result<()> {
-        result::group_end()
-            .map(|_| ())
-            .map_err(nccl_err("ncclGroupEnd"))
+        Ok(())
     }
 }
 

@@ -1,29 +1,25 @@
-//! RCCL, loaded at run time: the external library of the HIP backend.
-//!
-//! RCCL exports NCCL's C API from `librccl.so`. The first use `dlopen`s it
-//! ([`RCCL_LIBRARY_ENV`], else `librccl.so.1`, `librccl.so`, then under `$ROCM_PATH/lib`
-//! and `/opt/rocm/lib`), so a machine without RCCL builds and runs peercomm and gets
-//! [`Error::ExternalUnavailable`] naming what is missing. Ids are exchanged as for NCCL.
+//! RCCL (NCCL's C API in `librccl.so`), the HIP backend's external library. The first
+//! use `dlopen`s it ([`RCCL_LIBRARY_ENV`], else `librccl.so.1`, `librccl.so`, then under
+//! `$ROCM_PATH/lib` and `/opt/rocm/lib`): without RCCL, peercomm builds and runs and
+//! gets [`Error::ExternalUnavailable`] naming what is missing.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
-use std::sync::{Arc, OnceLock};
+use std::marker::PhantomData;
+use std::sync::OnceLock;
 
-use super::{ExternalAllReduce, ExternalLibrary, HasExternalLibrary};
+use super::nccl_api::{Call, NcclApi, NcclLike};
+use super::{ExternalLibrary, HasExternalLibrary};
 use crate::backend::hip::{set_device, Hip, HipDevice};
-use crate::bootstrap::Bootstrap;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 /// Environment variable naming the RCCL library to open instead of the defaults.
 pub const RCCL_LIBRARY_ENV: &str = "PEERCOMM_RCCL_LIBRARY";
 
-/// RCCL (see the module docs).
-pub struct Rccl;
-
-/// The HIP backend's external library is RCCL.
+/// The HIP backend's external library is RCCL (see the module docs).
 impl HasExternalLibrary for Hip {
     fn external_library() -> &'static dyn ExternalLibrary<Hip> {
-        &Rccl
+        &NcclLike::<Api>(PhantomData)
     }
 }
 
@@ -41,25 +37,35 @@ const IN_PROGRESS: Status = 7;
 /// `ncclSum`.
 const SUM: c_int = 0;
 
-/// The entry points peercomm calls, resolved once.
-struct Api {
-    get_unique_id: unsafe extern "C" fn(*mut UniqueId) -> Status,
-    comm_init_rank: unsafe extern "C" fn(*mut Comm, c_int, UniqueId, c_int) -> Status,
-    comm_init_all: unsafe extern "C" fn(*mut Comm, c_int, *const c_int) -> Status,
-    all_reduce: unsafe extern "C" fn(
-        *const c_void,
-        *mut c_void,
-        usize,
-        c_int,
-        c_int,
-        Comm,
-        *mut c_void,
-    ) -> Status,
-    comm_abort: unsafe extern "C" fn(Comm) -> Status,
-    comm_get_async_error: unsafe extern "C" fn(Comm, *mut Status) -> Status,
-    group_start: unsafe extern "C" fn() -> Status,
-    group_end: unsafe extern "C" fn() -> Status,
-    get_error_string: unsafe extern "C" fn(Status) -> *const c_char,
+/// Declares [`Api`] and `resolve`, which looks its entry points up by name in order.
+macro_rules! api {
+    ($($field:ident: $sym:literal fn($($a:ty),*) -> $r:ty;)*) => {
+        /// RCCL: the entry points peercomm calls, resolved once.
+        pub(crate) struct Api {
+            $($field: unsafe extern "C" fn($($a),*) -> $r,)*
+        }
+
+        fn resolve(
+            sym: impl Fn(&str) -> std::result::Result<*mut c_void, String>,
+        ) -> std::result::Result<Api, String> {
+            // SAFETY: each symbol is RCCL's (NCCL's C API), whose C signature the field's
+            // type spells; a library of that name exporting these symbols is RCCL.
+            unsafe { Ok(Api { $($field: cast(sym($sym)?),)* }) }
+        }
+    };
+}
+
+api! {
+    get_unique_id: "ncclGetUniqueId" fn(*mut UniqueId) -> Status;
+    comm_init_rank: "ncclCommInitRank" fn(*mut Comm, c_int, UniqueId, c_int) -> Status;
+    comm_init_all: "ncclCommInitAll" fn(*mut Comm, c_int, *const c_int) -> Status;
+    all_reduce: "ncclAllReduce"
+        fn(*const c_void, *mut c_void, usize, c_int, c_int, Comm, *mut c_void) -> Status;
+    comm_abort: "ncclCommAbort" fn(Comm) -> Status;
+    comm_get_async_error: "ncclCommGetAsyncError" fn(Comm, *mut Status) -> Status;
+    group_start: "ncclGroupStart" fn() -> Status;
+    group_end: "ncclGroupEnd" fn() -> Status;
+    get_error_string: "ncclGetErrorString" fn(Status) -> *const c_char;
 }
 
 extern "C" {
@@ -132,24 +138,7 @@ fn load_from(names: &[String]) -> std::result::Result<Api, String> {
                 Ok(p)
             }
         };
-        let resolve = || -> std::result::Result<Api, String> {
-            // SAFETY: each symbol is RCCL's (NCCL's C API), whose C signature the field's
-            // type spells; a library of that name exporting these symbols is RCCL.
-            unsafe {
-                Ok(Api {
-                    get_unique_id: cast(sym("ncclGetUniqueId")?),
-                    comm_init_rank: cast(sym("ncclCommInitRank")?),
-                    comm_init_all: cast(sym("ncclCommInitAll")?),
-                    all_reduce: cast(sym("ncclAllReduce")?),
-                    comm_abort: cast(sym("ncclCommAbort")?),
-                    comm_get_async_error: cast(sym("ncclCommGetAsyncError")?),
-                    group_start: cast(sym("ncclGroupStart")?),
-                    group_end: cast(sym("ncclGroupEnd")?),
-                    get_error_string: cast(sym("ncclGetErrorString")?),
-                })
-            }
-        };
-        match resolve() {
+        match resolve(sym) {
             Ok(api) => return Ok(api),
             Err(e) => tried.push(e),
         }
@@ -204,138 +193,93 @@ fn rccl_dtype(dtype: DType) -> c_int {
     }
 }
 
-/// One rank's RCCL communicator; aborted on drop (never blocking).
-struct RcclComm {
-    api: &'static Api,
-    comm: Comm,
-}
+impl NcclApi for Api {
+    type B = Hip;
+    type Comm = Comm;
+    const NAME: &'static str = "rccl";
 
-// SAFETY: an RCCL communicator may be used from any thread; peercomm serialises the
-// calls on one rank.
-unsafe impl Send for RcclComm {}
-// SAFETY: as above.
-unsafe impl Sync for RcclComm {}
-
-impl Drop for RcclComm {
-    fn drop(&mut self) {
-        // SAFETY: initialised, dropped once, after its owner waited for its stream.
-        let _ = unsafe { (self.api.comm_abort)(self.comm) };
-    }
-}
-
-impl ExternalAllReduce<Hip> for RcclComm {
-    fn library(&self) -> &'static str {
-        "rccl"
+    fn load() -> Result<&'static Self> {
+        api()
     }
 
-    unsafe fn all_reduce_sum(
-        &self,
-        dev: &HipDevice,
-        send: u64,
-        recv: u64,
-        elements: usize,
-        dtype: DType,
-    ) -> Result<()> {
-        set_device(dev.ordinal())?;
-        // SAFETY: the caller guarantees both ranges on this device; the communicator
-        // was made for it; the stream is the device's.
-        let status = unsafe {
-            (self.api.all_reduce)(
-                send as *const c_void,
-                recv as *mut c_void,
-                elements,
-                rccl_dtype(dtype),
-                SUM,
-                self.comm,
-                dev.stream_handle(),
-            )
-        };
-        check(self.api, status, "ncclAllReduce")
+    fn bind(dev: &HipDevice) -> Result<()> {
+        set_device(dev.ordinal())
     }
 
-    fn take_async_error(&self) -> Result<()> {
-        let mut code = SUCCESS;
-        // SAFETY: a live communicator; RCCL writes one status.
-        let r = unsafe { (self.api.comm_get_async_error)(self.comm, &mut code) };
-        for c in [r, code] {
-            if c != SUCCESS && c != IN_PROGRESS {
-                check(self.api, c, "ncclCommGetAsyncError")?;
-            }
-        }
-        Ok(())
-    }
-}
-
-impl ExternalLibrary<Hip> for Rccl {
-    fn name(&self) -> &'static str {
-        "rccl"
+    fn unique_id(&self) -> Result<[c_char; 128]> {
+        let mut id = UniqueId { internal: [0; 128] };
+        // SAFETY: RCCL writes one id.
+        check(
+            self,
+            unsafe { (self.get_unique_id)(&mut id) },
+            "ncclGetUniqueId",
+        )?;
+        Ok(id.internal)
     }
 
-    fn check_available(&self) -> Result<()> {
-        api().map(|_| ())
-    }
-
-    fn per_rank(
-        &self,
-        dev: &HipDevice,
-        bootstrap: Arc<dyn Bootstrap>,
-        members: &[usize],
-    ) -> Result<Box<dyn ExternalAllReduce<Hip>>> {
-        let (api, internal, index) =
-            super::exchange_unique_id("rccl", &*bootstrap, members, api(), |api| {
-                let mut id = UniqueId { internal: [0; 128] };
-                // SAFETY: RCCL writes one id.
-                let status = unsafe { (api.get_unique_id)(&mut id) };
-                check(api, status, "ncclGetUniqueId")?;
-                Ok(id.internal)
-            })?;
-        set_device(dev.ordinal())?;
+    fn init_rank(&self, world: c_int, internal: [c_char; 128], rank: c_int) -> Result<Comm> {
         let mut comm: Comm = std::ptr::null_mut();
-        // SAFETY: RCCL initialises `comm` on success; the id came from the leader.
-        let status = unsafe {
-            (api.comm_init_rank)(
-                &mut comm,
-                members.len() as c_int,
-                UniqueId { internal },
-                index as c_int,
-            )
-        };
-        check(api, status, "ncclCommInitRank")?;
-        Ok(Box::new(RcclComm { api, comm }))
+        // SAFETY: RCCL initialises `comm` on success.
+        let status =
+            unsafe { (self.comm_init_rank)(&mut comm, world, UniqueId { internal }, rank) };
+        check(self, status, "ncclCommInitRank")?;
+        Ok(comm)
     }
 
-    fn single_controller(
-        &self,
-        devices: &[&HipDevice],
-    ) -> Result<Vec<Box<dyn ExternalAllReduce<Hip>>>> {
-        let api = api()?;
-        let ordinals: Vec<c_int> = devices.iter().map(|d| d.ordinal() as c_int).collect();
-        let mut comms: Vec<Comm> = vec![std::ptr::null_mut(); devices.len()];
+    fn init_all(&self, ordinals: &[c_int]) -> Result<Vec<Comm>> {
+        let mut comms: Vec<Comm> = vec![std::ptr::null_mut(); ordinals.len()];
         // SAFETY: one slot per device.
         let status = unsafe {
-            (api.comm_init_all)(
+            (self.comm_init_all)(
                 comms.as_mut_ptr(),
                 ordinals.len() as c_int,
                 ordinals.as_ptr(),
             )
         };
-        check(api, status, "ncclCommInitAll")?;
-        Ok(comms
-            .into_iter()
-            .map(|comm| Box::new(RcclComm { api, comm }) as Box<dyn ExternalAllReduce<Hip>>)
-            .collect())
+        check(self, status, "ncclCommInitAll")?;
+        Ok(comms)
     }
 
-    fn group_start(&self) -> Result<()> {
-        let api = api()?;
-        // SAFETY: no arguments.
-        check(api, unsafe { (api.group_start)() }, "ncclGroupStart")
+    unsafe fn all_reduce(&self, comm: Self::Comm, dev: &HipDevice, call: Call) -> Result<()> {
+        let (send, recv, elements, dtype) = call;
+        // SAFETY: the caller's contract (both ranges on this device, `comm` made for it).
+        let status = unsafe {
+            (self.all_reduce)(
+                send as *const c_void,
+                recv as *mut c_void,
+                elements,
+                rccl_dtype(dtype),
+                SUM,
+                comm,
+                dev.stream_handle(),
+            )
+        };
+        check(self, status, "ncclAllReduce")
     }
 
-    fn group_end(&self) -> Result<()> {
-        let api = api()?;
+    unsafe fn abort(&self, comm: Comm) {
+        // SAFETY: the caller's contract.
+        let _ = unsafe { (self.comm_abort)(comm) };
+    }
+
+    fn async_error(&self, comm: Comm) -> Result<()> {
+        let mut code = SUCCESS;
+        // SAFETY: a live communicator; RCCL writes one status.
+        let r = unsafe { (self.comm_get_async_error)(comm, &mut code) };
+        for c in [r, code] {
+            if c != SUCCESS && c != IN_PROGRESS {
+                check(self, c, "ncclCommGetAsyncError")?;
+            }
+        }
+        Ok(())
+    }
+
+    fn group(&self, end: bool) -> Result<()> {
         // SAFETY: no arguments.
-        check(api, unsafe { (api.group_end)() }, "ncclGroupEnd")
+        match end {
+            false => check(self, unsafe { (self.group_start)() }, "ncclGroupStart"),
+            true => check(self, unsafe { (self.group_end)() }, "ncclGroupEnd"),
+        }
     }
 }
 

@@ -1,7 +1,6 @@
-//! Test-only switches that make one machine look like the cases the fallback exists
-//! for, so that CI (host backend) and a one- or two-GPU machine exercise every route.
-//! Every rank must pass the same [`Simulation`] (the ranks compare it with the rest of
-//! the configuration). Only with the `fault-injection` feature.
+//! Test-only switches (feature `fault-injection`) that make one machine look like the
+//! cases the fallback exists for, so that CI and a one- or two-GPU machine exercise
+//! every route. Every rank must pass the same [`Simulation`].
 
 use crate::backend::DeviceIdentity;
 use crate::bootstrap::HostId;
@@ -15,23 +14,20 @@ pub struct Simulation {
     /// Pretend that device-level peer access from world rank `.0` to world rank `.1`
     /// is unavailable (as on PCIe without P2P).
     pub no_peer_access: Option<(usize, usize)>,
-    /// Pretend the peer check at initialisation read a wrong value on this world rank
-    /// (as on a link that reports P2P and returns garbage): the value the check read
-    /// back is corrupted before it is compared, so the detection itself is exercised.
+    /// Corrupt the value the peer check reads back on this world rank before it is
+    /// compared (as on a link that reports P2P and returns garbage).
     pub fail_peer_check: Option<usize>,
     /// The host identity of every world rank, in rank order, instead of what the
     /// bootstrap found (for example `["a", "a", "b", "b"]`: two hosts of two ranks).
     pub hosts: Option<Vec<HostId>>,
-    /// The multiprocessor count every world rank reports, in rank order, instead of
-    /// its device's (as under MPS with different active-thread percentages, or two
-    /// SKUs of one architecture): the grid must still be the same on every rank.
+    /// The multiprocessor count every world rank reports, in rank order (as under MPS
+    /// with different thread percentages): the grid must still match on every rank.
     pub multiprocessors: Option<Vec<usize>>,
-    /// The physical device every world rank runs on, in rank order: rank `r` gets the
-    /// identity [`DeviceIdentity::simulated`]`(ordinal, physical_devices[r])`. Every
-    /// rank on device 0 with `[0, 1, 2, 3]` is processes isolated by
-    /// `CUDA_VISIBLE_DEVICES` (served); `[0, 0]` with ordinals 0 and 1 is two ranks on
-    /// one GPU (refused without `CommConfig::allow_shared_devices`). Ranks that really
-    /// share a device but are told apart here lose the grid cap: set `max_blocks`.
+    /// The physical device of every world rank, in rank order (identity
+    /// [`DeviceIdentity::simulated`]`(ordinal, physical_devices[r])`): `[0, 1, 2, 3]` on
+    /// device 0 is processes isolated by `CUDA_VISIBLE_DEVICES`; `[0, 0]` on ordinals 0
+    /// and 1 is two ranks on one GPU. Ranks really sharing a device but told apart here
+    /// lose the grid cap: set `max_blocks`.
     pub physical_devices: Option<Vec<usize>>,
 }
 

@@ -29,6 +29,14 @@ impl SubBootstrap {
             index,
         }
     }
+
+    /// The members' records of a world all-gather, in group order.
+    fn pick(&self, mut all: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
+        self.members
+            .iter()
+            .map(|&m| std::mem::take(&mut all[m]))
+            .collect()
+    }
 }
 
 impl Bootstrap for SubBootstrap {
@@ -49,15 +57,5 @@ impl Bootstrap for SubBootstrap {
     ) -> Result<Vec<Vec<u8>>, BootstrapError> {
         let all = self.parent.all_gather_within(mine, timeout)?;
         Ok(self.pick(all))
-    }
-}
-
-impl SubBootstrap {
-    /// The members' records of a world all-gather, in group order.
-    fn pick(&self, mut all: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
-        self.members
-            .iter()
-            .map(|&m| std::mem::take(&mut all[m]))
-            .collect()
     }
 }

@@ -28,14 +28,19 @@ pub(super) fn bind(ctx: &CudaContext) -> Result<()> {
     ctx.bind_to_thread().map_err(driver_err("cuCtxSetCurrent"))
 }
 
-/// Loads libcuda once. cudarc's loader panics on a missing library, so it is looked for
-/// first ([`Error::NoDevice`] if absent, cudarc never asked); the panic hook is never
-/// touched (a panic cudarc still raises is caught and reported as `NoDevice`).
+/// Loads libcuda once, looked for before cudarc's loader (which panics) is asked:
+/// [`Error::NoDevice`] if absent; a panic cudarc still raises is caught, never hooked.
 pub(super) fn driver() -> Result<()> {
     static LOADED: OnceLock<std::result::Result<(), String>> = OnceLock::new();
     LOADED
         .get_or_init(|| {
-            libcuda_present()?;
+            let (p, s) = (std::env::consts::DLL_PREFIX, std::env::consts::DLL_SUFFIX);
+            let names = [
+                format!("{p}cuda{s}.1"),
+                format!("{p}cuda{s}"),
+                "nvcuda.dll".into(),
+            ];
+            load_first_of("CUDA driver", "the NVIDIA driver", &names)?;
             match std::panic::catch_unwind(CudaContext::device_count) {
                 Ok(Ok(_)) => Ok(()),
                 Ok(Err(e)) => Err(e.to_string()),
@@ -49,41 +54,24 @@ pub(super) fn driver() -> Result<()> {
         })
 }
 
-/// Names the CUDA driver library is installed as.
-fn libcuda_names() -> Vec<String> {
-    use std::env::consts::{DLL_PREFIX, DLL_SUFFIX};
-    vec![
-        format!("{DLL_PREFIX}cuda{DLL_SUFFIX}.1"),
-        format!("{DLL_PREFIX}cuda{DLL_SUFFIX}"),
-        "nvcuda.dll".to_string(),
-    ]
-}
-
-/// Whether one of `names` loads; it stays loaded for cudarc, whose loader would panic on
-/// a missing library (libcuda here, libnccl in `external::nccl`).
-pub(crate) fn load_first_of(names: &[String]) -> bool {
-    names.iter().any(|name| {
-        // SAFETY: loading the library runs its initialisers, which is what cudarc's own
-        // loader does next with the same library.
-        match unsafe { libloading::Library::new(name) } {
-            Ok(lib) => {
-                std::mem::forget(lib);
-                true
-            }
-            Err(_) => false,
-        }
-    })
-}
-
-/// Whether the driver library can be loaded (it stays loaded: cudarc loads it again).
-fn libcuda_present() -> std::result::Result<(), String> {
-    let names = libcuda_names();
-    if load_first_of(&names) {
+/// Loads the first of `names` that loads, kept loaded for cudarc (whose loader panics on
+/// a missing library); else says the `what` library (installed with `from`) is missing.
+pub(crate) fn load_first_of(
+    what: &str,
+    from: &str,
+    names: &[String],
+) -> std::result::Result<(), String> {
+    // SAFETY: loading a library runs its initialisers, as cudarc's loader does next.
+    if names.iter().any(|name| {
+        unsafe { libloading::Library::new(name) }
+            .map(std::mem::forget)
+            .is_ok()
+    }) {
         return Ok(());
     }
     Err(format!(
-        "the CUDA driver library could not be loaded (looked for {names:?}; is the NVIDIA \
-         driver installed and on the library path?)"
+        "the {what} library could not be loaded (looked for {names:?}; is {from} installed \
+         and on the library path?)"
     ))
 }
 

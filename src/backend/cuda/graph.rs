@@ -1,17 +1,12 @@
-//! Capturing collectives into CUDA graphs without `unsafe` at the call site ([`capture`],
-//! over a set of streams; communicators build their `capture` on it).
-//!
-//! cudarc's event records and waits on every buffer use would reach outside a capture,
-//! so event tracking is off on every context involved during it (after synchronising
-//! each stream) and restored afterwards, also on failure or panic; a process-wide count
-//! per context keeps concurrent captures on one GPU from restoring it under each other.
+//! Capturing collectives into CUDA graphs without `unsafe` at the call site. cudarc's
+//! per-use event records and waits would reach outside a capture, so event tracking is
+//! off on every context involved (after synchronising each stream) and restored after,
+//! also on failure or panic; a count per context keeps concurrent captures apart.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use cudarc::driver::sys::{
-    self, CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus,
-};
+use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus};
 use cudarc::driver::{CudaContext, CudaGraph, CudaStream};
 
 use super::{driver, driver_err};
@@ -41,10 +36,9 @@ impl TrackingPaused {
                 .entry(Arc::as_ptr(ctx) as usize)
                 .or_insert((0, ctx.is_event_tracking()));
             if entry.0 == 0 {
-                // SAFETY: cudarc's conditions concern buffers used while tracking is off:
-                // every capturing stream was synchronised first (no tracked use pending),
-                // work is only recorded into graphs meanwhile, tracking is restored when
-                // the last capture here ends, and `capture`'s docs forbid allocating.
+                // SAFETY: every capturing stream was synchronised first (no tracked use
+                // pending), work is only recorded into graphs meanwhile, tracking comes
+                // back with the last capture here, and `capture` forbids allocating.
                 unsafe { ctx.disable_event_tracking() };
             }
             entry.0 += 1;
@@ -63,9 +57,8 @@ impl Drop for TrackingPaused {
                 entry.0 -= 1;
                 if entry.0 == 0 {
                     if entry.1 {
-                        // SAFETY: buffers made while tracking was off stay untracked
-                        // (cudarc's condition); none were made by this module, and the
-                        // capture docs forbid allocating in the closure.
+                        // SAFETY: no buffer was made while tracking was off (`capture`
+                        // forbids allocating), so none stays untracked.
                         unsafe { ctx.enable_event_tracking() };
                     }
                     map.remove(&key);
@@ -131,8 +124,7 @@ pub fn capture<R>(
         .into_iter()
         .enumerate()
         .map(|(i, g)| {
-            // Drivers differ: some end an empty capture with no graph, others with a
-            // graph of no nodes. Both are the same error here.
+            // Drivers end an empty capture with no graph or with one of no nodes.
             let empty = || {
                 Error::Unsupported(format!(
                     "nothing was enqueued on stream {i} during the capture"
@@ -142,9 +134,11 @@ pub fn capture<R>(
             let mut nodes = 0usize;
             // SAFETY: the graph is live (owned by `graph`); a null node array asks only
             // for the count.
-            unsafe { sys::cuGraphGetNodes(graph.cu_graph(), std::ptr::null_mut(), &mut nodes) }
-                .result()
-                .map_err(driver_err("cuGraphGetNodes"))?;
+            cu!(cuGraphGetNodes(
+                graph.cu_graph(),
+                std::ptr::null_mut(),
+                &mut nodes
+            ))?;
             if nodes == 0 {
                 return Err(empty());
             }

@@ -89,16 +89,12 @@ pub(super) fn launch_overlapping(
     // SAFETY: the kernel takes one `peercomm_allreduce_args` by value (`params` points at
     // it during the call, which copies it); the function is of this device's context,
     // bound above; `attr` outlives the call.
-    unsafe {
-        sys::cuLaunchKernelEx(
-            &config,
-            func.cu_function(),
-            params.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-    }
-    .result()
-    .map_err(driver_err("cuLaunchKernelEx"))
+    cu!(cuLaunchKernelEx(
+        &config,
+        func.cu_function(),
+        params.as_mut_ptr(),
+        std::ptr::null_mut()
+    ))
 }
 
 pub(super) fn launch_group(

@@ -1,7 +1,8 @@
 //! CUDA memory: signal allocations (`CudaMemory`), peer access to a shared device's
 //! pool, IPC export and import (`CudaPeerMapping`) and the peer-access diagnosis.
 
-use std::sync::{Arc, Mutex, OnceLock};
+use std::collections::BTreeSet;
+use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
 use cudarc::driver::CudaContext;
@@ -31,12 +32,7 @@ pub(super) fn device_location(ordinal: usize) -> sys::CUmemLocation {
 }
 
 /// Memory pools known to grant read-write access to a device: (pool, device ordinal).
-pub(super) fn granted_pools() -> &'static std::sync::Mutex<std::collections::HashSet<(usize, i32)>>
-{
-    static POOLS: OnceLock<std::sync::Mutex<std::collections::HashSet<(usize, i32)>>> =
-        OnceLock::new();
-    POOLS.get_or_init(Default::default)
-}
+pub(super) static GRANTED_POOLS: Mutex<BTreeSet<(usize, i32)>> = Mutex::new(BTreeSet::new());
 
 /// A device allocation (signal buffers and other internal memory), freed on drop.
 pub struct CudaMemory {
@@ -164,14 +160,12 @@ pub(super) struct ImportedPool {
     pub(super) pointers: usize,
 }
 
-pub(super) fn imported_pools() -> &'static Mutex<Vec<ImportedPool>> {
-    static POOLS: OnceLock<Mutex<Vec<ImportedPool>>> = OnceLock::new();
-    POOLS.get_or_init(Default::default)
-}
+/// The pools imported in this process.
+pub(super) static IMPORTED_POOLS: Mutex<Vec<ImportedPool>> = Mutex::new(Vec::new());
 
 /// One pointer of imported pool `pool` given back: the pool is destroyed with its last.
 pub(super) fn release_pool(pool: usize) {
-    let mut pools = imported_pools().lock().unwrap_or_else(|e| e.into_inner());
+    let mut pools = IMPORTED_POOLS.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(k) = pools.iter().position(|p| p.pool == pool) {
         pools[k].pointers -= 1;
         if pools[k].pointers == 0 {
@@ -186,9 +180,7 @@ pub(super) fn release_pool(pool: usize) {
 pub(super) fn device_pool(dev: &CudaDevice) -> Result<sys::CUmemoryPool> {
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     // SAFETY: `pool` outlives the call; the device handle comes from a live context.
-    unsafe { sys::cuDeviceGetMemPool(&mut pool, dev.ctx.cu_device()) }
-        .result()
-        .map_err(driver_err("cuDeviceGetMemPool"))?;
+    cu!(cuDeviceGetMemPool(&mut pool, dev.ctx.cu_device()))?;
     Ok(pool)
 }
 
@@ -205,43 +197,34 @@ pub(super) fn prepare_shared_device(dev: &CudaDevice) -> Result<()> {
     // No allocation waits, through the pool, for a free on another rank's stream.
     let mut off: i32 = 0;
     // SAFETY: the attribute takes an int; `off` outlives the call.
-    unsafe {
-        sys::cuMemPoolSetAttribute(
-            pool,
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
-            &mut off as *mut i32 as *mut std::ffi::c_void,
-        )
-    }
-    .result()
-    .map_err(driver_err("cuMemPoolSetAttribute"))?;
+    cu!(cuMemPoolSetAttribute(
+        pool,
+        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+        &mut off as *mut i32 as *mut std::ffi::c_void
+    ))?;
     // Keep freed memory in the pool: releasing it at a synchronisation can wait for the
     // whole device, including another rank's kernel waiting for this rank.
     let mut keep = u64::MAX;
     // SAFETY: the attribute takes a cuuint64_t; `keep` outlives the call.
-    unsafe {
-        sys::cuMemPoolSetAttribute(
-            pool,
-            sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-            &mut keep as *mut u64 as *mut std::ffi::c_void,
-        )
-    }
-    .result()
-    .map_err(driver_err("cuMemPoolSetAttribute"))
+    cu!(cuMemPoolSetAttribute(
+        pool,
+        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+        &mut keep as *mut u64 as *mut std::ffi::c_void
+    ))
 }
 
 /// The pool `ptr` was allocated from, or null.
 pub(super) fn pool_of(ptr: u64) -> Result<sys::CUmemoryPool> {
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     // SAFETY: `pool` is a valid out-pointer of the attribute's type for the call.
-    unsafe {
-        sys::cuPointerGetAttribute(
+    cu!(
+        "cuPointerGetAttribute(MEMPOOL_HANDLE)",
+        cuPointerGetAttribute(
             &mut pool as *mut _ as *mut std::ffi::c_void,
             sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
-            ptr,
+            ptr
         )
-    }
-    .result()
-    .map_err(driver_err("cuPointerGetAttribute(MEMPOOL_HANDLE)"))?;
+    )?;
     Ok(pool)
 }
 
@@ -257,7 +240,7 @@ pub(super) fn peer_access_problem(
     let location = device_location(peer);
     let pool = pool_of(ptr)?;
     if !pool.is_null() {
-        if granted_pools()
+        if GRANTED_POOLS
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .contains(&(pool as usize, peer_ordinal))
@@ -267,12 +250,10 @@ pub(super) fn peer_access_problem(
         let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
         let mut loc = location;
         // SAFETY: `pool` came from the driver for a live allocation; out-pointers are valid.
-        unsafe { sys::cuMemPoolGetAccess(&mut flags, pool, &mut loc) }
-            .result()
-            .map_err(driver_err("cuMemPoolGetAccess"))?;
+        cu!(cuMemPoolGetAccess(&mut flags, pool, &mut loc))?;
         return Ok(match flags {
             sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE => {
-                granted_pools()
+                GRANTED_POOLS
                     .lock()
                     .unwrap_or_else(|e| e.into_inner())
                     .insert((pool as usize, peer_ordinal));
@@ -309,17 +290,14 @@ pub(super) fn export_memory(_dev: &CudaDevice, mem: &CudaMemory) -> Result<Vec<u
 fn legacy_ipc_capable(ptr: u64) -> Result<bool> {
     let mut legacy: i32 = 0;
     // SAFETY: `legacy` is a valid out-pointer of the attribute's type (int).
-    unsafe {
-        sys::cuPointerGetAttribute(
+    cu!(
+        "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)",
+        cuPointerGetAttribute(
             &mut legacy as *mut i32 as *mut std::ffi::c_void,
             sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
-            ptr,
+            ptr
         )
-    }
-    .result()
-    .map_err(driver_err(
-        "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)",
-    ))?;
+    )?;
     Ok(legacy != 0)
 }
 
@@ -431,9 +409,10 @@ pub(super) fn import_memory(dev: &CudaDevice, handle: &[u8]) -> Result<CudaPeerM
     };
     let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
     // SAFETY: out-pointers valid for the call; `ptr` is a live mapping.
-    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
-        .result()
-        .map_err(driver_err("cuMemGetAddressRange"))?;
+    cu!(
+        "cuMemGetAddressRange",
+        cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
+    )?;
     if size < bytes {
         return Err(import_error(
             "cuda",

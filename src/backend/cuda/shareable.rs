@@ -1,18 +1,14 @@
-//! Registering memory that CUDA exports only as a POSIX file descriptor (a pool made
-//! with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`, or `cuMemCreate` memory that asked
-//! for it): the handle record travels over the bootstrap, the descriptor over the
-//! descriptor channel. Each descriptor is owned by its holder and closed once used.
+//! Memory CUDA exports only as a POSIX file descriptor (a pool, or `cuMemCreate` memory,
+//! made with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`): the record travels over the
+//! bootstrap, the descriptor over the descriptor channel (closed once used).
+//! A pool is opened once per exporter pool and context, granted access (imported pools
+//! grant none), and its pointer imported; drop frees the pointer, and the pool with its
+//! last one. A VMM allocation is mapped whole into a reserved range and granted access;
+//! drop unmaps and frees the range.
 //!
-//! - Pool: the pool's fd and the pointer's export data; the importer opens the pool once
-//!   per exporter pool and context, grants its device access (imported pools grant none)
-//!   and imports the pointer. Drop frees the pointer, and the pool with its last one.
-//! - Virtual memory: the fd of the backing allocation; the importer reserves a range,
-//!   maps the allocation whole and grants access. Drop unmaps and frees the range.
-//!
-//! Records (LE, framed as every CUDA handle): magic `pccp` (pool) or `pccv` (VMM),
-//! version 1, the exporter's token, the allocation's size, its base and the pool's (or
-//! allocation handle's) value in the exporter (one allocation is mapped once per peer),
-//! and for pools the 64-byte `CUmemPoolPtrExportData`.
+//! Records (LE): magic `pccp` (pool) or `pccv` (VMM), version 1, the exporter's token,
+//! the allocation's size, its base, the pool's (or allocation handle's) value in the
+//! exporter, and for pools the 64-byte `CUmemPoolPtrExportData`.
 
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
@@ -22,7 +18,7 @@ use super::super::handle::{import_error, process_token, Reader, Writer};
 use super::super::ExportedRange;
 use super::device::{bind, driver_err, CudaDevice};
 use super::memory::{
-    imported_pools, pool_of, read_write, release_pool, CudaPeerMapping, ImportedPool, Unmap,
+    pool_of, read_write, release_pool, CudaPeerMapping, ImportedPool, Unmap, IMPORTED_POOLS,
 };
 use crate::error::{Error, Result};
 
@@ -179,7 +175,7 @@ fn export_vmm(ptr: u64, bytes: usize, base: u64, size: usize) -> Result<Option<E
 /// The imported pool of `key`, opened from `descriptor` when it is not open yet, with
 /// one more pointer counted (given back with [`release_pool`]).
 fn open_pool(key: (u64, u64, usize), descriptor: OwnedFd) -> Result<sys::CUmemoryPool> {
-    let mut pools = imported_pools().lock().unwrap_or_else(|e| e.into_inner());
+    let mut pools = IMPORTED_POOLS.lock().unwrap_or_else(|e| e.into_inner());
     if let Some(p) = pools.iter_mut().find(|p| p.key == key) {
         p.pointers += 1;
         return Ok(p.pool as sys::CUmemoryPool);
@@ -188,16 +184,12 @@ fn open_pool(key: (u64, u64, usize), descriptor: OwnedFd) -> Result<sys::CUmemor
     // SAFETY: for the POSIX-fd type the handle is the descriptor's value (the driver
     // does not keep it: `descriptor` closes it when this returns); `pool` outlives the
     // call.
-    unsafe {
-        sys::cuMemPoolImportFromShareableHandle(
-            &mut pool,
-            descriptor.as_raw_fd() as usize as *mut std::ffi::c_void,
-            POSIX_FD,
-            0,
-        )
-    }
-    .result()
-    .map_err(driver_err("cuMemPoolImportFromShareableHandle"))?;
+    cu!(cuMemPoolImportFromShareableHandle(
+        &mut pool,
+        descriptor.as_raw_fd() as usize as *mut std::ffi::c_void,
+        POSIX_FD,
+        0
+    ))?;
     let access = read_write(key.2);
     // SAFETY: `pool` was just imported; `access` outlives the call.
     if let Err(e) = unsafe { sys::cuMemPoolSetAccess(pool, &access, 1) }.result() {
@@ -239,9 +231,7 @@ fn check_vmm_import(generic: sys::CUmemGenericAllocationHandle, size: usize) -> 
     // pointer and a union of integers); the driver fills it.
     let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
     // SAFETY: `prop` outlives the call; `generic` is a live imported handle.
-    unsafe { sys::cuMemGetAllocationPropertiesFromHandle(&mut prop, generic) }
-        .result()
-        .map_err(driver_err("cuMemGetAllocationPropertiesFromHandle"))?;
+    cu!(cuMemGetAllocationPropertiesFromHandle(&mut prop, generic))?;
     // The allocation's type and its location's type, read as the C ints they are (a
     // value this build's enums lack must not be read as one of them): the first word
     // of the struct and of its location, at offset 8 in every CUDA version's layout.
@@ -262,15 +252,11 @@ fn check_vmm_import(generic: sys::CUmemGenericAllocationHandle, size: usize) -> 
     }
     let mut granularity = 0usize;
     // SAFETY: out-pointer and `prop` (as the driver returned it) valid for the call.
-    unsafe {
-        sys::cuMemGetAllocationGranularity(
-            &mut granularity,
-            &prop,
-            sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
-        )
-    }
-    .result()
-    .map_err(driver_err("cuMemGetAllocationGranularity"))?;
+    cu!(cuMemGetAllocationGranularity(
+        &mut granularity,
+        &prop,
+        sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM
+    ))?;
     if size == 0 || granularity == 0 || !size.is_multiple_of(granularity) {
         return Err(mismatch(format!(
             "the handle says {size} bytes, which is no whole number of the allocation's \
@@ -334,9 +320,10 @@ pub(super) fn import(
         };
         let (mut base, mut bytes): (sys::CUdeviceptr, usize) = (0, 0);
         // SAFETY: out-pointers valid for the call; `ptr` is a live imported pointer.
-        unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut bytes, ptr) }
-            .result()
-            .map_err(driver_err("cuMemGetAddressRange"))?;
+        cu!(
+            "cuMemGetAddressRange",
+            cuMemGetAddressRange_v2(&mut base, &mut bytes, ptr)
+        )?;
         if (base, bytes) != (ptr, size) {
             return Err(mismatch(format!(
                 "the pool allocation it opens is {bytes} bytes at offset {} of its range, \
@@ -350,23 +337,17 @@ pub(super) fn import(
     // SAFETY: for the POSIX-fd type the handle is the descriptor's value (the driver
     // does not keep it: `descriptor` closes it when this returns); `generic` outlives
     // the call.
-    unsafe {
-        sys::cuMemImportFromShareableHandle(
-            &mut generic,
-            descriptor.as_raw_fd() as usize as *mut std::ffi::c_void,
-            POSIX_FD,
-        )
-    }
-    .result()
-    .map_err(driver_err("cuMemImportFromShareableHandle"))?;
+    cu!(cuMemImportFromShareableHandle(
+        &mut generic,
+        descriptor.as_raw_fd() as usize as *mut std::ffi::c_void,
+        POSIX_FD
+    ))?;
     // The mapping below keeps the memory; this reference goes at the end of scope.
     let generic = Retained(generic);
     check_vmm_import(generic.0, size)?;
     let mut va: sys::CUdeviceptr = 0;
     // SAFETY: `va` outlives the call; the driver picks the address.
-    unsafe { sys::cuMemAddressReserve(&mut va, size, 0, 0, 0) }
-        .result()
-        .map_err(driver_err("cuMemAddressReserve"))?;
+    cu!(cuMemAddressReserve(&mut va, size, 0, 0, 0))?;
     // From here the mapping's drop unmaps and frees the range, on errors too.
     let mapping = CudaPeerMapping {
         ctx: dev.ctx.clone(),
@@ -389,8 +370,6 @@ pub(super) fn import(
     mapping.unmap = Unmap::Reserved { mapped: true };
     let access = read_write(ordinal);
     // SAFETY: `[va, va + size)` is mapped; `access` outlives the call.
-    unsafe { sys::cuMemSetAccess(va, size, &access, 1) }
-        .result()
-        .map_err(driver_err("cuMemSetAccess"))?;
+    cu!(cuMemSetAccess(va, size, &access, 1))?;
     Ok(mapping)
 }

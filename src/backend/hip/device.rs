@@ -84,26 +84,20 @@ impl HipDevice {
         set_device(self.ordinal)?;
         let mut event: hipEvent_t = null_mut();
         // SAFETY: `event` is a valid out pointer.
-        check(
-            unsafe { ffi::hipEventCreateWithFlags(&mut event, ffi::EVENT_DISABLE_TIMING) },
-            "hipEventCreateWithFlags",
-        )?;
+        hip!(hipEventCreateWithFlags(
+            &mut event,
+            ffi::EVENT_DISABLE_TIMING
+        ))?;
         let event = HipEvent { event };
         // SAFETY: both handles are live.
-        check(
-            unsafe { ffi::hipEventRecord(event.event, self.stream) },
-            "hipEventRecord",
-        )?;
+        hip!(hipEventRecord(event.event, self.stream))?;
         Ok(event)
     }
     /// Makes this device's stream wait (on the device, without blocking the host) until
     /// `event` has completed: how a producer stream's tensor is handed to a collective.
     pub fn wait_event(&self, event: &HipEvent) -> Result<()> {
         // SAFETY: both handles are live.
-        check(
-            unsafe { ffi::hipStreamWaitEvent(self.stream, event.event, 0) },
-            "hipStreamWaitEvent",
-        )
+        hip!(hipStreamWaitEvent(self.stream, event.event, 0))
     }
 
     /// The loaded entry point of `kernel`.
@@ -152,10 +146,7 @@ impl HipEvent {
     /// Blocks the host until the event has completed.
     pub fn synchronize(&self) -> Result<()> {
         // SAFETY: the event is live.
-        check(
-            unsafe { ffi::hipEventSynchronize(self.event) },
-            "hipEventSynchronize",
-        )
+        hip!(hipEventSynchronize(self.event))
     }
 }
 
@@ -209,10 +200,10 @@ pub(super) fn open(ordinal: usize) -> Result<HipDevice> {
 
     let mut stream: hipStream_t = null_mut();
     // SAFETY: `stream` is a valid out pointer.
-    check(
-        unsafe { ffi::hipStreamCreateWithFlags(&mut stream, ffi::STREAM_NON_BLOCKING) },
-        "hipStreamCreateWithFlags",
-    )?;
+    hip!(hipStreamCreateWithFlags(
+        &mut stream,
+        ffi::STREAM_NON_BLOCKING
+    ))?;
     // The ELF reader wants an aligned image; embedded bytes are only 1-aligned.
     let mut image = vec![0u64; code_object.bytes.len().div_ceil(8)];
     // SAFETY: `image` has room for all the bytes; the regions do not overlap.
@@ -264,21 +255,24 @@ pub(super) fn open(ordinal: usize) -> Result<HipDevice> {
             let mut ptr: *mut c_void = null_mut();
             let mut bytes = 0usize;
             // SAFETY: valid out pointers, live module, NUL-terminated name.
-            check(
-                unsafe {
-                    ffi::hipModuleGetGlobal(
-                        &mut ptr,
-                        &mut bytes,
-                        device.module,
-                        c"peercomm_wall_clock_khz".as_ptr(),
-                    )
-                },
-                "hipModuleGetGlobal",
-            )?;
+            hip!(hipModuleGetGlobal(
+                &mut ptr,
+                &mut bytes,
+                device.module,
+                c"peercomm_wall_clock_khz".as_ptr()
+            ))?;
             let value = khz as u32;
             if bytes == std::mem::size_of::<u32>() {
                 // SAFETY: `ptr` is the 4-byte device global; `value` is 4 bytes.
-                unsafe { htod(&device, ptr as u64, (&value as *const u32).cast(), bytes) }?;
+                unsafe {
+                    copy(
+                        &device,
+                        ptr as u64,
+                        (&value as *const u32).cast_mut().cast(),
+                        bytes,
+                        false,
+                    )
+                }?;
                 device.wall_clock_khz = Some(value);
             }
         }
@@ -286,40 +280,25 @@ pub(super) fn open(ordinal: usize) -> Result<HipDevice> {
     Ok(device)
 }
 
-/// Copies `bytes` from device address `src` to `dst` on the rank's stream and waits.
+/// Copies `bytes` between device address `device` and host memory `host` (to the host
+/// when `to_host`) on the rank's stream, and waits.
 ///
 /// # Safety
-/// `src` must be a device range and `dst` host memory of at least `bytes`.
-pub(super) unsafe fn dtoh(dev: &HipDevice, dst: *mut c_void, src: u64, bytes: usize) -> Result<()> {
-    set_device(dev.ordinal)?;
-    // SAFETY: the caller's contract; `dst` is not used until the stream is synchronised.
-    let status = unsafe { ffi::hipMemcpyDtoHAsync(dst, src as *mut c_void, bytes, dev.stream) };
-    check(status, "hipMemcpyDtoHAsync")?;
-    // SAFETY: the stream is live.
-    check(
-        unsafe { ffi::hipStreamSynchronize(dev.stream) },
-        "hipStreamSynchronize",
-    )
-}
-
-/// Copies `bytes` from host memory `src` to device address `dst` on the rank's stream
-/// and waits.
-///
-/// # Safety
-/// `dst` must be a device range and `src` host memory of at least `bytes`.
-pub(super) unsafe fn htod(
+/// `device` must be a device range and `host` host memory of at least `bytes`.
+pub(super) unsafe fn copy(
     dev: &HipDevice,
-    dst: u64,
-    src: *const c_void,
+    device: u64,
+    host: *mut c_void,
     bytes: usize,
+    to_host: bool,
 ) -> Result<()> {
     set_device(dev.ordinal)?;
-    // SAFETY: the caller's contract; `src` stays valid until the stream is synchronised.
-    let status = unsafe { ffi::hipMemcpyHtoDAsync(dst as *mut c_void, src, bytes, dev.stream) };
-    check(status, "hipMemcpyHtoDAsync")?;
+    let (d, s) = (device as *mut c_void, dev.stream);
+    // SAFETY: the caller's contract; `host` is not used until the stream is synchronised.
+    match to_host {
+        true => hip!(hipMemcpyDtoHAsync(host, d, bytes, s)),
+        false => hip!(hipMemcpyHtoDAsync(d, host, bytes, s)),
+    }?;
     // SAFETY: the stream is live.
-    check(
-        unsafe { ffi::hipStreamSynchronize(dev.stream) },
-        "hipStreamSynchronize",
-    )
+    hip!(hipStreamSynchronize(dev.stream))
 }

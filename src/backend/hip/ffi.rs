@@ -42,6 +42,9 @@ pub const ATTR_MULTIPROCESSOR_COUNT: c_int = 63;
 /// `hipDeviceAttributeWallClockRate` in kHz (ROCm 6+; 10017 there).
 pub const ATTR_WALL_CLOCK_RATE: c_int = 10017;
 
+/// A device or host address.
+type Ptr = *mut c_void;
+
 #[link(name = "amdhip64")]
 extern "C" {
     pub fn hipGetDeviceCount(count: *mut c_int) -> HipStatus;
@@ -54,16 +57,12 @@ extern "C" {
     pub fn hipDeviceCanAccessPeer(can: *mut c_int, device: c_int, peer: c_int) -> HipStatus;
     pub fn hipDeviceGetPCIBusId(bus_id: *mut c_char, len: c_int, device: c_int) -> HipStatus;
     pub fn hipDeviceEnablePeerAccess(peer: c_int, flags: c_uint) -> HipStatus;
-    pub fn hipMalloc(ptr: *mut *mut c_void, bytes: usize) -> HipStatus;
-    pub fn hipExtMallocWithFlags(ptr: *mut *mut c_void, bytes: usize, flags: c_uint) -> HipStatus;
-    pub fn hipFree(ptr: *mut c_void) -> HipStatus;
-    pub fn hipIpcGetMemHandle(handle: *mut IpcMemHandle, ptr: *mut c_void) -> HipStatus;
-    pub fn hipIpcOpenMemHandle(
-        ptr: *mut *mut c_void,
-        handle: IpcMemHandle,
-        flags: c_uint,
-    ) -> HipStatus;
-    pub fn hipIpcCloseMemHandle(ptr: *mut c_void) -> HipStatus;
+    pub fn hipMalloc(ptr: *mut Ptr, bytes: usize) -> HipStatus;
+    pub fn hipExtMallocWithFlags(ptr: *mut Ptr, bytes: usize, flags: c_uint) -> HipStatus;
+    pub fn hipFree(ptr: Ptr) -> HipStatus;
+    pub fn hipIpcGetMemHandle(handle: *mut IpcMemHandle, ptr: Ptr) -> HipStatus;
+    pub fn hipIpcOpenMemHandle(ptr: *mut Ptr, handle: IpcMemHandle, flags: c_uint) -> HipStatus;
+    pub fn hipIpcCloseMemHandle(ptr: Ptr) -> HipStatus;
     pub fn hipStreamCreateWithFlags(stream: *mut hipStream_t, flags: c_uint) -> HipStatus;
     pub fn hipStreamDestroy(stream: hipStream_t) -> HipStatus;
     pub fn hipStreamSynchronize(stream: hipStream_t) -> HipStatus;
@@ -72,36 +71,22 @@ extern "C" {
     pub fn hipEventRecord(event: hipEvent_t, stream: hipStream_t) -> HipStatus;
     pub fn hipEventSynchronize(event: hipEvent_t) -> HipStatus;
     pub fn hipEventDestroy(event: hipEvent_t) -> HipStatus;
-    pub fn hipMemsetD16Async(
-        dst: *mut c_void,
-        value: u16,
-        count: usize,
-        stream: hipStream_t,
-    ) -> HipStatus;
+    pub fn hipMemsetD16Async(dst: Ptr, value: u16, count: usize, stream: hipStream_t) -> HipStatus;
     pub fn hipMemsetD32Async(
-        dst: *mut c_void,
+        dst: Ptr,
         value: c_int,
         count: usize,
         stream: hipStream_t,
     ) -> HipStatus;
     pub fn hipMemcpyHtoDAsync(
-        dst: *mut c_void,
+        dst: Ptr,
         src: *const c_void,
         bytes: usize,
         stream: hipStream_t,
     ) -> HipStatus;
-    pub fn hipMemcpyDtoHAsync(
-        dst: *mut c_void,
-        src: *mut c_void,
-        bytes: usize,
-        stream: hipStream_t,
-    ) -> HipStatus;
-    pub fn hipMemcpyDtoH(dst: *mut c_void, src: *mut c_void, bytes: usize) -> HipStatus;
-    pub fn hipMemGetAddressRange(
-        base: *mut *mut c_void,
-        size: *mut usize,
-        ptr: *mut c_void,
-    ) -> HipStatus;
+    pub fn hipMemcpyDtoHAsync(dst: Ptr, src: Ptr, bytes: usize, stream: hipStream_t) -> HipStatus;
+    pub fn hipMemcpyDtoH(dst: Ptr, src: Ptr, bytes: usize) -> HipStatus;
+    pub fn hipMemGetAddressRange(base: *mut Ptr, size: *mut usize, ptr: Ptr) -> HipStatus;
     pub fn hipModuleLoadData(module: *mut hipModule_t, image: *const c_void) -> HipStatus;
     pub fn hipModuleUnload(module: hipModule_t) -> HipStatus;
     pub fn hipModuleGetFunction(
@@ -110,7 +95,7 @@ extern "C" {
         name: *const c_char,
     ) -> HipStatus;
     pub fn hipModuleGetGlobal(
-        ptr: *mut *mut c_void,
+        ptr: *mut Ptr,
         bytes: *mut usize,
         module: hipModule_t,
         name: *const c_char,
@@ -126,8 +111,8 @@ extern "C" {
         block_z: c_uint,
         shared_bytes: c_uint,
         stream: hipStream_t,
-        params: *mut *mut c_void,
-        extra: *mut *mut c_void,
+        params: *mut Ptr,
+        extra: *mut Ptr,
     ) -> HipStatus;
 }
 

@@ -8,7 +8,6 @@ use crate::error::{Error, Result};
 use crate::signal::MAX_NUM_BLOCKS_UPPER_BOUND;
 
 use super::device::*;
-use super::ffi;
 use super::runtime::*;
 
 /// Launches `kernel` on `dev`'s stream with `args` as its one by-value parameter, after
@@ -48,22 +47,17 @@ pub(super) unsafe fn launch_by_value<A: Copy>(
     // SAFETY: the function belongs to the device's loaded module, its one parameter is
     // an `A` by value (the caller's contract), and `params` points at a live copy of it
     // for the duration of the call.
-    check(
-        unsafe {
-            ffi::hipModuleLaunchKernel(
-                function,
-                dims.blocks,
-                1,
-                1,
-                dims.threads,
-                1,
-                1,
-                0,
-                dev.stream,
-                params.as_mut_ptr(),
-                null_mut(),
-            )
-        },
-        "hipModuleLaunchKernel",
-    )
+    hip!(hipModuleLaunchKernel(
+        function,
+        dims.blocks,
+        1,
+        1,
+        dims.threads,
+        1,
+        1,
+        0,
+        dev.stream,
+        params.as_mut_ptr(),
+        null_mut()
+    ))
 }

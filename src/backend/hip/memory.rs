@@ -125,7 +125,7 @@ pub(super) fn allocate(ordinal: usize, bytes: usize, kind: MemoryKind) -> Result
     let allocation = match kind {
         MemoryKind::Plain | MemoryKind::SharedData => {
             // SAFETY: `ptr` is a valid out pointer.
-            check(unsafe { ffi::hipMalloc(&mut ptr, bytes) }, "hipMalloc")?;
+            hip!(hipMalloc(&mut ptr, bytes))?;
             HipAllocation::CoarseGrained
         }
         MemoryKind::Signal | MemoryKind::SharedSignal => {

@@ -1,6 +1,4 @@
-//! The HIP runtime around the raw calls: status descriptions and checks, device
-//! attributes and identity queries, and the embedded code objects chosen per GPU; and
-//! the `Hip` backend type itself (its `Backend` impl is in the parent).
+//! The `Hip` backend type, status checks, device queries and the embedded code objects.
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::ptr::null_mut;
@@ -57,10 +55,7 @@ pub(super) fn check(status: HipStatus, call: &'static str) -> Result<()> {
 
 pub(crate) fn set_device(ordinal: usize) -> Result<()> {
     // SAFETY: plain value argument; an invalid ordinal is reported as a status.
-    check(
-        unsafe { ffi::hipSetDevice(ordinal as c_int) },
-        "hipSetDevice",
-    )
+    hip!(hipSetDevice(ordinal as c_int))
 }
 
 pub(super) fn attribute(ordinal: usize, attr: c_int) -> std::result::Result<c_int, HipStatus> {
@@ -77,13 +72,11 @@ pub(super) fn attribute(ordinal: usize, attr: c_int) -> std::result::Result<c_in
 /// Signature shared by `hipGetDeviceProperties`, `...R0000` and `...R0600`.
 type GetDeviceProperties = unsafe extern "C" fn(*mut c_void, c_int) -> HipStatus;
 
-/// Signature of `hipDeviceGetUuid` (`hipError_t (hipUUID*, hipDevice_t)`; `hipUUID` is
-/// 16 bytes, `hipDevice_t` an `int`).
+/// Signature of `hipDeviceGetUuid` (`hipUUID` is 16 bytes, `hipDevice_t` an `int`).
 type GetUuid = unsafe extern "C" fn(*mut [c_char; 16], c_int) -> HipStatus;
 
-/// The device's UUID, where the runtime exports `hipDeviceGetUuid` (looked up at run
-/// time, as it is absent from older runtimes) and answers it; `None` otherwise, and the
-/// PCI bus id tells devices apart.
+/// The device's UUID where the runtime exports `hipDeviceGetUuid` (older ones do not)
+/// and answers it; else `None`, and the PCI bus id tells devices apart.
 pub(super) fn device_uuid(ordinal: usize) -> Option<[u8; 16]> {
     // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name only reads.
     let f = unsafe { ffi::dlsym(ffi::RTLD_DEFAULT, c"hipDeviceGetUuid".as_ptr()) };
@@ -103,10 +96,11 @@ pub(super) fn pci_bus_id(ordinal: usize) -> Result<String> {
     let mut text: [c_char; 64] = [0; 64];
     // SAFETY: `text` is writable for the length passed; the runtime NUL-terminates
     // what it writes within it.
-    check(
-        unsafe { ffi::hipDeviceGetPCIBusId(text.as_mut_ptr(), 64, ordinal as c_int) },
-        "hipDeviceGetPCIBusId",
-    )?;
+    hip!(hipDeviceGetPCIBusId(
+        text.as_mut_ptr(),
+        64,
+        ordinal as c_int
+    ))?;
     text[63] = 0;
     // SAFETY: NUL-terminated within the buffer (the last byte was just set to 0).
     Ok(unsafe { CStr::from_ptr(text.as_ptr()) }
@@ -116,12 +110,9 @@ pub(super) fn pci_bus_id(ordinal: usize) -> Result<String> {
 
 /// The device's `gcnArchName` (e.g. `gfx942:sramecc+:xnack-`).
 ///
-/// `hipDeviceProp_t` was rearranged in ROCm 6: `hipGetDevicePropertiesR0600` fills
-/// the new layout (name at byte 1160), while `hipGetDevicePropertiesR0000` and the
-/// unversioned `hipGetDeviceProperties` symbol of the shared library fill the HIP 5
-/// layout (name at byte 396). The entry points are looked up at run time, newest
-/// first, and filled into a buffer larger than either layout, so neither a ROCm 5 nor
-/// a ROCm 7 runtime can write past it.
+/// `hipDeviceProp_t` was rearranged in ROCm 6: `hipGetDevicePropertiesR0600` puts the
+/// name at byte 1160; `...R0000` and the unversioned symbol at byte 396 (HIP 5). The
+/// entry points are tried newest first, into a buffer larger than either layout.
 pub(super) fn gcn_arch_name(ordinal: usize) -> Result<String> {
     const CANDIDATES: [(&CStr, usize); 3] = [
         (c"hipGetDevicePropertiesR0600", 1160),
@@ -194,9 +185,8 @@ pub fn skipped_architectures() -> &'static [(&'static str, &'static str)] {
     embedded::SKIPPED_ARCHS
 }
 
-/// The embedded code object for a device reporting `gcn_arch_name`: same processor,
-/// and every target feature the code object was built with (`:xnack+` ...) present in
-/// the device's name. Code objects built without features run in either mode.
+/// The embedded code object for `gcn_arch_name`: same processor, and every feature it
+/// was built with (`:xnack+` ...) in the device's name (none: either mode).
 pub(super) fn code_object_for(gcn_arch_name: &str) -> Option<EmbeddedCodeObject> {
     let mut device = gcn_arch_name.split(':');
     let processor = device.next().unwrap_or("");
@@ -211,10 +201,7 @@ pub(super) fn code_object_for(gcn_arch_name: &str) -> Option<EmbeddedCodeObject>
 pub fn runtime_version() -> Result<i32> {
     let mut v: c_int = 0;
     // SAFETY: `v` is a valid out pointer.
-    check(
-        unsafe { ffi::hipRuntimeGetVersion(&mut v) },
-        "hipRuntimeGetVersion",
-    )?;
+    hip!(hipRuntimeGetVersion(&mut v))?;
     Ok(v)
 }
 
