@@ -1,20 +1,16 @@
 //! The per-rank [`Comm`]'s all-gather, reduce-scatter, broadcast, scatter and fused
-//! all-reduce + residual + RMSNorm. Each call checks this rank's buffers and launches
-//! only its kernel; what the peers read is staged into this rank's payload, except
-//! all-gather, reduce-scatter and fused inputs in registered or symmetric buffers, read
-//! in place (broadcast and scatter read only the root's input, at a place the others
-//! cannot know). Every rank of a group makes the same calls in the same order.
-//!
-//! Overlapping buffers are [`crate::Error::BuffersOverlap`] before anything launches,
-//! except a broadcast root's input that is its output (it runs in place). Such an
-//! argument error is this rank's alone: its peers' call is not met.
+//! all-reduce + residual + RMSNorm: this rank's buffers checked, then its kernel
+//! launched. The peers read staged inputs, or registered and symmetric ones in place
+//! (not a broadcast's or scatter's root input: the others cannot know its place).
+//! Overlapping buffers are [`crate::Error::BuffersOverlap`], except a broadcast root's
+//! input that is its output (in place); such an error is this rank's alone.
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use crate::dtype::DType;
 use crate::error::Result;
 
-use super::{mark_place, meta, peer_inputs, reads, Comm};
-use crate::comm::core::launch::{Fused, PeerInputs};
+use super::{meta, reads, Comm};
+use crate::comm::core::launch::Fused;
 use crate::comm::core::planning::collective::{Collective, CollectiveOptions};
 use crate::comm::core::planning::PeerReads;
 
@@ -84,16 +80,10 @@ impl<B: Backend> Comm<B> {
     where
         R: DeviceBufferMut<B> + ?Sized,
     {
-        let core = &*self.core;
-        let is_root = core.check_root(send.is_some(), root, options)?;
-        let send = send.filter(|_| is_root);
-        core.check_usable()?;
-        core.check_buffer(recv.device_ordinal(), "output")?;
+        let send = self.root_send(send, recv, root, options)?;
         if let Some(s) = send {
-            core.check_pair(&meta(s), &meta(&*recv))?;
-            core.check_len(recv.len(), Some(s.len()), "output", "the root's input")?;
+            (self.core).check_len(recv.len(), Some(s.len()), "output", "the root's input")?;
         }
-        // Only the root's input is read, at a place the others cannot know: staged.
         let call = (
             Collective::Broadcast { root },
             recv.dtype(),
@@ -124,15 +114,8 @@ impl<B: Backend> Comm<B> {
             options,
             PeerReads::Payloads,
         )?;
-        if plan.elements == 0 {
-            return Ok(());
-        }
-        let (ptr, guard) = buf.write_ptr(core.device());
-        let result = core
-            .check_usable()
-            .and_then(|()| core.launch(&plan, PeerInputs::Own(ptr), ptr));
-        drop(guard);
-        result
+        let (ptr, _access) = buf.write_ptr(core.device());
+        self.enqueue(plan, ptr, &None, ptr, Fused::default())
     }
 
     /// Scatters the root's `send` (`group width * recv.len()` elements): member q
@@ -149,13 +132,9 @@ impl<B: Backend> Comm<B> {
         R: DeviceBufferMut<B> + ?Sized,
     {
         let core = &*self.core;
-        let is_root = core.check_root(send.is_some(), root, options)?;
-        let send = send.filter(|_| is_root);
-        core.check_usable()?;
-        core.check_buffer(recv.device_ordinal(), "output")?;
+        let send = self.root_send(send, recv, root, options)?;
         if let Some(s) = send {
             let (width, _) = core.collective_width(options)?;
-            core.check_pair(&meta(s), &meta(&*recv))?;
             core.check_len(
                 s.len(),
                 recv.len().checked_mul(width),
@@ -163,7 +142,6 @@ impl<B: Backend> Comm<B> {
                 "group width x output",
             )?;
         }
-        // Only the root's input is read, at a place the others cannot know: staged.
         let call = (
             Collective::Scatter { root },
             recv.dtype(),
@@ -174,17 +152,12 @@ impl<B: Backend> Comm<B> {
     }
 
     /// The end of a tensor-parallel decoder layer in one kernel: sums `input` (rows of
-    /// `weight.len()` elements) over the group, adds `residual` and writes the new
-    /// residual back, then RMS-normalises each row with `weight` and `epsilon` into
-    /// `output`. Each element goes through the unfused sequence's roundings with f32
-    /// arithmetic; every member gets the same bits. The hidden size must be a multiple
-    /// of the pack width (8 for f16/bf16, 4 for f32).
-    ///
-    /// `Auto` ([`CollectiveOptions::algorithm`]) runs the Lamport kernel over the world
-    /// where the message and its 64-byte header fit `lamport_slot_bytes`, else the
-    /// one-stage one (staged in runs of whole rows: a row must fit half of
-    /// `payload_bytes`). A row's results depend only on that row's inputs, the weight
-    /// and epsilon: not on its batch's token count or the algorithm.
+    /// `weight.len()` elements, a multiple of 8 for f16/bf16, 4 for f32) over the group,
+    /// adds `residual` and writes the new residual back, then RMS-normalises each row
+    /// with `weight` and `epsilon` into `output`, with the unfused sequence's roundings.
+    /// `Auto` runs the Lamport kernel where the message and its 64-byte header fit
+    /// `lamport_slot_bytes`, else the one-stage one (a row must fit half of
+    /// `payload_bytes`); a row's bits depend only on its inputs, weight and epsilon.
     #[allow(clippy::too_many_arguments)]
     pub fn all_reduce_residual_rms_norm<S, R, W, O>(
         &self,
@@ -214,10 +187,10 @@ impl<B: Backend> Comm<B> {
         let bytes = meta(input).bytes(rank, "input")?;
         let weight_bytes = meta(weight).bytes(rank, "weight")?;
         let dev = core.device();
-        let (i, ig) = input.read_ptr(dev);
-        let (w, wg) = weight.read_ptr(dev);
-        let (r, rg) = residual.write_ptr(dev);
-        let (o, og) = output.write_ptr(dev);
+        let (i, _ia) = input.read_ptr(dev);
+        let (w, _wa) = weight.read_ptr(dev);
+        let (r, _ra) = residual.write_ptr(dev);
+        let (o, _oa) = output.write_ptr(dev);
         // No in-place form: the residual is read and written, the input read in
         // place by the peers.
         self.check_overlaps(
@@ -230,7 +203,7 @@ impl<B: Backend> Comm<B> {
             false,
         )?;
         let place = self.place_of(i, bytes);
-        let mut plan = core.plan_collective(
+        let plan = core.plan_collective(
             Collective::AllReduceRmsNorm {
                 hidden: weight.len(),
                 epsilon,
@@ -240,19 +213,34 @@ impl<B: Backend> Comm<B> {
             options,
             reads(&place),
         )?;
-        if plan.elements == 0 {
-            return Ok(());
-        }
-        mark_place(&mut plan, &place);
         let fused = Fused {
             residual: r,
             weight: w,
         };
-        let result = core
-            .check_usable()
-            .and_then(|()| core.launch_fused(&plan, peer_inputs(i, &place), o, fused));
-        drop((ig, wg, rg, og));
-        result
+        self.enqueue(plan, i, &place, o, fused)
+    }
+
+    /// A broadcast's or scatter's `send` where this rank is the root (which must pass
+    /// it), checked against `recv`; `None` elsewhere (what a non-root passes is unread).
+    fn root_send<'s, R>(
+        &self,
+        send: Option<&'s dyn DeviceBuffer<B>>,
+        recv: &R,
+        root: usize,
+        options: &CollectiveOptions,
+    ) -> Result<Option<&'s dyn DeviceBuffer<B>>>
+    where
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        let core = &*self.core;
+        let is_root = core.check_root(send.is_some(), root, options)?;
+        let send = send.filter(|_| is_root);
+        core.check_usable()?;
+        core.check_buffer(recv.device_ordinal(), "output")?;
+        if let Some(s) = send {
+            core.check_pair(&meta(s), &meta(recv))?;
+        }
+        Ok(send)
     }
 
     /// Plans `(which, dtype, elements, options)` and launches this rank's kernel from
@@ -270,39 +258,24 @@ impl<B: Backend> Comm<B> {
         R: DeviceBufferMut<B> + ?Sized,
     {
         let core = &*self.core;
-        let dev = core.device();
-        let out_bytes = meta(&*recv).bytes(self.rank(), "output")?;
-        let (input, in_guard) = match send {
-            Some(s) => {
-                let bytes = meta(s).bytes(self.rank(), "input")?;
-                let (p, g) = s.read_ptr(dev);
-                (p, Some((g, bytes)))
+        let rank = self.rank();
+        let out_bytes = meta(&*recv).bytes(rank, "output")?;
+        let in_bytes = send.map(|s| meta(s).bytes(rank, "input")).transpose()?;
+        let (input, _in_access) = send.map(|s| s.read_ptr(core.device())).unzip();
+        let input = input.unwrap_or(0);
+        let (output, _out_access) = recv.write_ptr(core.device());
+        let mut place = None;
+        if let Some(bytes) = in_bytes {
+            let roles = [
+                (input, bytes, "input", false),
+                (output, out_bytes, "output", true),
+            ];
+            self.check_overlaps(roles, in_place)?;
+            if zero_copy {
+                place = self.place_of(input, bytes);
             }
-            None => (0, None),
-        };
-        let (output, out_guard) = recv.write_ptr(dev);
-        if let Some((_, in_bytes)) = &in_guard {
-            self.check_overlaps(
-                [
-                    (input, *in_bytes, "input", false),
-                    (output, out_bytes, "output", true),
-                ],
-                in_place,
-            )?;
         }
-        let place = match &in_guard {
-            Some((_, bytes)) if zero_copy => self.place_of(input, *bytes),
-            _ => None,
-        };
-        let mut plan = core.plan_collective(which, dtype, elements, options, reads(&place))?;
-        if plan.elements == 0 {
-            return Ok(());
-        }
-        mark_place(&mut plan, &place);
-        let result = core
-            .check_usable()
-            .and_then(|()| core.launch(&plan, peer_inputs(input, &place), output));
-        drop((in_guard, out_guard));
-        result
+        let plan = core.plan_collective(which, dtype, elements, options, reads(&place))?;
+        self.enqueue(plan, input, &place, output, Fused::default())
     }
 }

@@ -1,11 +1,9 @@
 //! Fault injection on [`Comm`] (feature `fault-injection`), so that users can test their
 //! own timeout and error handling.
 
-#[cfg(feature = "fault-injection")]
 use std::time::Duration;
 
 use crate::backend::Backend;
-#[cfg(feature = "fault-injection")]
 use crate::error::Result;
 
 use super::Comm;
@@ -15,21 +13,18 @@ impl<B: Backend> Comm<B> {
     /// nothing. Its peers time out ([`crate::CommConfig::barrier_timeout`]) and this rank
     /// gets their [`crate::Error::PeerAborted`]; every rank then calls
     /// [`Comm::reinitialize`].
-    #[cfg(feature = "fault-injection")]
     pub fn miss_next(&self) {
         self.core.endpoint.miss_next_launch();
     }
 
     /// Fault injection: this rank's next collective publishes a descriptor one ahead in
     /// the sequence; its group gets [`crate::Error::CallMismatch`].
-    #[cfg(feature = "fault-injection")]
     pub fn mismatch_next(&self) {
         self.core.endpoint.skew_next_call();
     }
 
     /// Fault injection: this rank's next collective starts `delay` late (a kernel that
     /// spins, touching no memory).
-    #[cfg(feature = "fault-injection")]
     pub fn delay(&self, delay: Duration) -> Result<()> {
         self.core.check_usable()?;
         self.core.endpoint.launch_delay(delay)

@@ -20,23 +20,17 @@ pub struct CommGroup<'c, 'b, B: Backend> {
     calls: Vec<Pending<'b, B>>,
 }
 
-enum Buffers<'b, B: Backend> {
-    Pair(&'b dyn DeviceBuffer<B>, &'b mut dyn DeviceBufferMut<B>),
-    InPlace(&'b mut dyn DeviceBufferMut<B>),
-}
-
 struct Pending<'b, B: Backend> {
-    buffers: Buffers<'b, B>,
+    /// `None`: in place.
+    send: Option<&'b dyn DeviceBuffer<B>>,
+    recv: &'b mut dyn DeviceBufferMut<B>,
     call: GroupedCall,
 }
 
 impl<B: Backend> Comm<B> {
-    /// Opens a group (NCCL's `group_start` / `group_end`): the all-reduces issued through
-    /// the guard launch when it ends, in order. Consecutive ones of one dtype and group
-    /// width, the algorithm left to peercomm, run as one kernel (up to 8 whose inputs
-    /// and an 80-byte entry table fit `payload_bytes`). Every rank issues the same
-    /// group: a difference is `Error::CallMismatch` on every rank, nothing written.
-    /// Each result is bit for bit what the call gives alone.
+    /// Opens a group (NCCL's `group_start` / `group_end`), as
+    /// [`crate::SingleController::group`]. Every rank issues the same group: a
+    /// difference is `Error::CallMismatch` on every rank, nothing written.
     ///
     /// ```
     /// use peercomm::backend::{host::Host, Backend};
@@ -82,8 +76,7 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
         self.all_reduce_sum_with(send, recv, &AllReduceOptions::new())
     }
 
-    /// As [`CommGroup::all_reduce_sum`], with options (see
-    /// [`Comm::all_reduce_sum_with`]).
+    /// As [`CommGroup::all_reduce_sum`], with options.
     pub fn all_reduce_sum_with<S, R>(
         &mut self,
         send: &'b S,
@@ -98,7 +91,12 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
             .core
             .check_all_reduce(&meta(send), &meta(&*recv))?;
         let (dtype, elements) = (send.dtype(), send.len());
-        self.add(Buffers::Pair(send, recv), dtype, elements, options)
+        self.add(
+            Some(send as &dyn DeviceBuffer<B>),
+            recv,
+            (dtype, elements),
+            options,
+        )
     }
 
     /// Adds `buf` summed over the world in place.
@@ -116,7 +114,7 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
         core.check_usable()?;
         core.check_buffer(buf.device_ordinal(), "in-place")?;
         let (dtype, elements) = (buf.dtype(), buf.len());
-        self.add(Buffers::InPlace(buf), dtype, elements, options)
+        self.add(None, buf, (dtype, elements), options)
     }
 
     /// Calls in the group so far.
@@ -129,21 +127,15 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
         self.calls.is_empty()
     }
 
-    /// Ends the group: launches its calls (the algorithm of each, in order). An error
-    /// once some were launched poisons the communicator, as a failed launch does.
-    pub fn end(mut self) -> Result<Vec<Algorithm>> {
-        self.launch()
-    }
-
     /// Keeps a call once planning it alone succeeds: a typed error now, not at the end.
     fn add(
         &mut self,
-        buffers: Buffers<'b, B>,
-        dtype: crate::DType,
-        elements: usize,
+        send: Option<&'b dyn DeviceBuffer<B>>,
+        recv: &'b mut dyn DeviceBufferMut<B>,
+        (dtype, elements): (crate::DType, usize),
         options: &AllReduceOptions,
     ) -> Result<()> {
-        let in_place = matches!(buffers, Buffers::InPlace(_));
+        let in_place = send.is_none();
         let reads = PeerReads::Payloads;
         (self.comm.core).plan_all_reduce(dtype, elements, options, in_place, reads)?;
         let options = *options;
@@ -153,12 +145,14 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
             options,
             in_place,
         };
-        self.calls.push(Pending { buffers, call });
+        self.calls.push(Pending { send, recv, call });
         Ok(())
     }
 
-    fn launch(&mut self) -> Result<Vec<Algorithm>> {
-        let mut pending = std::mem::take(&mut self.calls);
+    /// Ends the group: launches its calls (the algorithm of each, in order). An error
+    /// once some were launched poisons the communicator, as a failed launch does.
+    pub fn end(self) -> Result<Vec<Algorithm>> {
+        let mut pending = self.calls;
         if pending.is_empty() {
             return Ok(Vec::new());
         }
@@ -170,31 +164,26 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
         let mut io = Vec::with_capacity(pending.len());
         let mut guards = Vec::with_capacity(2 * pending.len());
         for p in pending.iter_mut() {
-            match &mut p.buffers {
-                Buffers::Pair(send, recv) => {
-                    let (input, g) = send.read_ptr(dev);
-                    guards.push(g);
-                    let (output, g) = recv.write_ptr(dev);
-                    guards.push(g);
+            let input = p.send.map(|send| send.read_ptr(dev));
+            let (output, out_access) = p.recv.write_ptr(dev);
+            guards.push(out_access);
+            let input = match input {
+                Some((input, access)) => {
+                    guards.push(access);
                     // Before anything is launched; sizes were checked with the call.
                     let bytes = p.call.elements * p.call.dtype.size();
-                    comm.check_overlaps(
-                        [
-                            (input, bytes, "input", false),
-                            (output, bytes, "output", true),
-                        ],
-                        true,
-                    )?;
-                    io.push((input, output));
+                    let roles = [
+                        (input, bytes, "input", false),
+                        (output, bytes, "output", true),
+                    ];
+                    comm.check_overlaps(roles, true)?;
+                    input
                 }
-                Buffers::InPlace(buf) => {
-                    let (ptr, g) = buf.write_ptr(dev);
-                    guards.push(g);
-                    io.push((ptr, ptr));
-                }
-            }
+                None => output,
+            };
+            io.push((input, output));
         }
-        let result = run_group_steps(
+        run_group_steps(
             steps,
             calls.len(),
             |e| core.poison(e),
@@ -219,16 +208,6 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
                     .map(|a| Some((index, a)))
                 }
             },
-        );
-        drop(guards);
-        result
-    }
-}
-
-impl<B: Backend> Drop for CommGroup<'_, '_, B> {
-    /// A group dropped without [`CommGroup::end`] is discarded: nothing is launched or
-    /// written.
-    fn drop(&mut self) {
-        self.calls.clear();
+        )
     }
 }

@@ -1,14 +1,11 @@
 //! The per-rank front door: [`Comm`], one rank in the thread or process that owns its
 //! device, shaped like cudarc's `nccl::Comm`: a core plus its bootstrap. Each call
-//! launches only this rank's kernel on this rank's stream.
-//!
-//! Peers read only each other's signal allocations by default (inputs staged into the
-//! payload, or pushed into Lamport regions): no registration, every call capturable.
-//! Registered or symmetric inputs are read in place (no copy; two-stage offered).
+//! launches only this rank's kernel on its stream. Peers read each other's signal
+//! allocations (inputs staged or pushed), or registered and symmetric inputs in place.
 
 use std::sync::Arc;
 
-use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut, IntoDevice};
+use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut, IntoDevice, KernelKind};
 use crate::bootstrap::{Bootstrap, ExchangeKind, Exchanges, HostId, TcpBootstrap, UniqueId};
 use crate::dispatch::Algorithm;
 use crate::error::{Error, Result};
@@ -16,15 +13,16 @@ use crate::error::{Error, Result};
 use super::config::{compare_configs, encode_config};
 use super::core::Rank;
 use super::{AllReduceOptions, CommConfig};
-use crate::comm::core::launch::PeerInputs;
+use crate::comm::core::launch::{Fused, PeerInputs};
 use crate::comm::core::planning::check::{check_overlaps, Meta, Routed, Span};
-use crate::comm::core::planning::PeerReads;
+use crate::comm::core::planning::{PeerReads, Plan};
 use crate::comm::core::routing::{self as route, RouteError};
 use crate::comm::core::setup::connect;
 use crate::comm::core::setup::RankProcesses;
 use crate::comm::zero_copy::registry::{InPlace, Registry};
 
 mod collectives;
+#[cfg(feature = "fault-injection")]
 mod fault;
 pub(crate) mod group;
 mod parking;
@@ -37,23 +35,17 @@ pub use parking::{free_expired_teardowns, parked_teardowns};
 /// One rank of a communicator whose ranks live in different threads or processes
 /// (the crate docs show two ranks in two threads).
 ///
-/// # One issuing thread per rank
-///
 /// `Comm` is [`Send`] but not [`Sync`]: two threads issuing collectives on one rank
-/// would enqueue them in an order the peers cannot know. NCCL asks the same; here the
-/// compiler enforces it.
+/// would enqueue them in an order the peers cannot know (NCCL asks the same).
 ///
 /// ```compile_fail
 /// fn shared<T: Sync>() {}
 /// shared::<peercomm::Comm<peercomm::backend::host::Host>>();
 /// ```
 ///
-/// # Errors arrive late; check each step
-///
-/// A call returns once enqueued, so what the kernels find shows later, as with NCCL.
-/// Per step, an engine enqueues its collectives, then calls [`Comm::check_errors`]
-/// (reads the error record without waiting), and [`Comm::synchronize`] only where it
-/// waits anyway. On an error, [`Error::recovery`] says what to do.
+/// A call returns once enqueued, so what the kernels find shows later, as with NCCL:
+/// per step, [`Comm::check_errors`] (no wait), [`Comm::synchronize`] only where the
+/// engine waits anyway; [`Error::recovery`] says what to do on an error.
 ///
 /// ```
 /// # use peercomm::backend::{host::Host, Backend};
@@ -78,7 +70,6 @@ pub use parking::{free_expired_teardowns, parked_teardowns};
 pub struct Comm<B: Backend> {
     /// The per-rank core; taken out by `Drop`, never used after.
     pub(crate) core: std::mem::ManuallyDrop<Rank<B>>,
-    /// The bootstrap, its all-gathers tagged by kind and sequence number.
     pub(crate) exchanges: Exchanges,
     hosts: Vec<HostId>,
     /// Set by the teardown, which `close` runs before `Drop` would run it again.
@@ -89,7 +80,7 @@ pub struct Comm<B: Backend> {
     pub(crate) pool: crate::comm::zero_copy::pool::SymmetricPool<B>,
     /// What a registered capture's passes do with the inputs.
     pub(crate) script: std::cell::RefCell<crate::comm::zero_copy::script::Script>,
-    /// Makes `Comm` `Send` but not `Sync` (see "One issuing thread per rank").
+    /// Makes `Comm` `Send` but not `Sync`.
     _one_issuing_thread: std::marker::PhantomData<std::cell::Cell<()>>,
 }
 
@@ -104,52 +95,11 @@ impl<B: Backend> std::fmt::Debug for Comm<B> {
     }
 }
 
-/// How the peers read an input whose place is `place` (see [`Comm::place_of`]).
+/// How the peers read an input whose place is `place` ([`Comm::place_of`]).
 fn reads(place: &Option<InPlace>) -> PeerReads {
-    if place.is_some() {
-        PeerReads::UserBuffers
-    } else {
-        PeerReads::Payloads
-    }
-}
-
-/// The kernel's view of an input at `input` whose place is `place`.
-fn peer_inputs(input: u64, place: &Option<InPlace>) -> PeerInputs<'_> {
-    match place {
-        Some(p) => PeerInputs::InPlace(&p.inputs),
-        None => PeerInputs::Own(input),
-    }
-}
-
-/// Marks a plan that reads the peers' registered inputs in place with their place, so
-/// that a peer reading from elsewhere is a descriptor mismatch.
-fn mark_place(plan: &mut crate::comm::core::planning::Plan, place: &Option<InPlace>) {
-    use crate::backend::KernelKind;
-    let in_place_reads = !plan.stage_input
-        && plan.width > 1
-        && !matches!(
-            plan.kernel.kind,
-            KernelKind::Lamport
-                | KernelKind::LamportRmsNorm
-                | KernelKind::Barrier
-                | KernelKind::PingPong
-                | KernelKind::Delay
-                | KernelKind::AllReduceGroup
-        );
-    if let (true, Some(p)) = (in_place_reads, place) {
-        plan.input_place = p.place;
-    }
-}
-
-/// [`mark_place`] on a routed all-reduce.
-fn with_place(routed: Routed, place: &Option<InPlace>) -> Routed {
-    match routed {
-        Routed::Peer(mut plan) => {
-            mark_place(&mut plan, place);
-            Routed::Peer(plan)
-        }
-        away => away,
-    }
+    place
+        .as_ref()
+        .map_or(PeerReads::Payloads, |_| PeerReads::UserBuffers)
 }
 
 /// What [`Comm`] knows of a buffer.
@@ -181,8 +131,8 @@ impl<B: Backend> Comm<B> {
         Self::setup(device, Exchanges::new(Arc::new(bootstrap)), hosts, config)
     }
 
-    /// As [`Comm::from_rank`], over the engine's own bootstrap (torch.distributed, MPI,
-    /// an RPC layer), which gives the rank and world size.
+    /// As [`Comm::from_rank`], over the engine's own bootstrap (torch.distributed, MPI),
+    /// which gives the rank and world size.
     pub fn from_bootstrap<D: IntoDevice<Backend = B>>(
         device: D,
         bootstrap: Box<dyn Bootstrap>,
@@ -252,10 +202,8 @@ impl<B: Backend> Comm<B> {
     }
     /// Sums `send` over the world into `recv` on this rank's stream; returns at once with
     /// the algorithm that runs. Every rank makes the same calls in the same order, as
-    /// with NCCL; calls that differ are [`Error::CallMismatch`] from
-    /// [`Comm::synchronize`] on every rank, nothing written. A rank whose peers never
-    /// make the call gets [`Error::BarrierTimeout`], that peer [`Error::PeerAborted`].
-    /// Making as many calls as the peers stays the caller's contract.
+    /// with NCCL: calls that differ are [`Error::CallMismatch`] on every rank, nothing
+    /// written; a call the peers never make is [`Error::BarrierTimeout`] here.
     pub fn all_reduce_sum<S, R>(&self, send: &S, recv: &mut R) -> Result<Algorithm>
     where
         S: DeviceBuffer<B> + ?Sized,
@@ -264,12 +212,9 @@ impl<B: Backend> Comm<B> {
         self.all_reduce_sum_with(send, recv, &AllReduceOptions::new())
     }
 
-    /// As [`Comm::all_reduce_sum`], with options (group size, algorithm, blocks).
-    ///
-    /// The very same `send` and `recv` range runs in place; ranges that overlap
-    /// otherwise are [`Error::BuffersOverlap`], nothing launched. Such an argument
-    /// error is this rank's alone: its peers get [`Error::BarrierTimeout`] unless every
-    /// rank refuses alike.
+    /// As [`Comm::all_reduce_sum`], with options (group size, algorithm, blocks). The
+    /// very same `send` and `recv` range runs in place; ranges that overlap otherwise
+    /// are [`Error::BuffersOverlap`], this rank's alone (its peers time out).
     pub fn all_reduce_sum_with<S, R>(
         &self,
         send: &S,
@@ -281,22 +226,16 @@ impl<B: Backend> Comm<B> {
         R: DeviceBufferMut<B> + ?Sized,
     {
         let core = &*self.core;
-        let sent = meta(send);
-        core.check_all_reduce(&sent, &meta(&*recv))?;
-        let bytes = sent.bytes(self.rank(), "input")?;
-        let dev = core.device();
-        let (input, in_guard) = send.read_ptr(dev);
-        let (output, out_guard) = recv.write_ptr(dev);
-        let in_place = self.check_overlaps(
-            [
-                (input, bytes, "input", false),
-                (output, bytes, "output", true),
-            ],
-            true,
-        )?;
-        let result = self.plan_and_run(input, output, bytes, send.dtype(), options, in_place);
-        drop((in_guard, out_guard));
-        result
+        core.check_all_reduce(&meta(send), &meta(&*recv))?;
+        let bytes = send.len() * send.dtype().size();
+        let (input, _in_access) = send.read_ptr(core.device());
+        let (output, _out_access) = recv.write_ptr(core.device());
+        let roles = [
+            (input, bytes, "input", false),
+            (output, bytes, "output", true),
+        ];
+        let in_place = self.check_overlaps(roles, true)?;
+        self.plan_and_run(input, output, bytes, send.dtype(), options, in_place)
     }
 
     /// Sums `buf` over the world in place. As [`Comm::all_reduce_sum`].
@@ -322,14 +261,11 @@ impl<B: Backend> Comm<B> {
         core.check_buffer(buf.device_ordinal(), "in-place")?;
         let dtype = buf.dtype();
         let bytes = meta(&*buf).bytes(self.rank(), "in-place")?;
-        let (ptr, guard) = buf.write_ptr(core.device());
-        let result = self.plan_and_run(ptr, ptr, bytes, dtype, options, true);
-        drop(guard);
-        result
+        let (ptr, _access) = buf.write_ptr(core.device());
+        self.plan_and_run(ptr, ptr, bytes, dtype, options, true)
     }
 
-    /// Checks this rank's buffers of a call, `(address, bytes, role, written)` (at most
-    /// four), with [`check_overlaps`]: `true` where input and output are one range.
+    /// [`check_overlaps`] on this rank's `(address, bytes, role, written)` buffers.
     pub(super) fn check_overlaps<const N: usize>(
         &self,
         buffers: [(u64, usize, &'static str, bool); N],
@@ -355,8 +291,7 @@ impl<B: Backend> Comm<B> {
             .place(&self.registry, ptr, bytes, listed)
     }
 
-    /// Routes, plans and runs an all-reduce of `bytes` bytes of `dtype`, finding where
-    /// the peers read its input.
+    /// Routes, plans and runs an all-reduce of `bytes` bytes of `dtype`.
     fn plan_and_run(
         &self,
         input: u64,
@@ -369,7 +304,6 @@ impl<B: Backend> Comm<B> {
         let place = self.place_of(input, bytes);
         let len = bytes / dtype.size();
         let routed = (self.core).plan_all_reduce(dtype, len, options, in_place, reads(&place))?;
-        let routed = with_place(routed, &place);
         self.run(routed, input, &place, output, len, dtype, options)
     }
 
@@ -388,9 +322,7 @@ impl<B: Backend> Comm<B> {
         self.core.check_usable()?;
         match routed {
             Routed::Peer(plan) => {
-                if plan.elements > 0 {
-                    self.core.launch(&plan, peer_inputs(input, place), output)?;
-                }
+                self.enqueue(plan, input, place, output, Fused::default())?;
                 Ok(plan.algorithm)
             }
             Routed::Away(path) => {
@@ -407,6 +339,43 @@ impl<B: Backend> Comm<B> {
                 }
             }
         }
+    }
+
+    /// Launches this rank's kernel of `plan` (nothing for an empty one) from `input`,
+    /// which the peers read where `place` says, into `output`.
+    fn enqueue(
+        &self,
+        mut plan: Plan,
+        input: u64,
+        place: &Option<InPlace>,
+        output: u64,
+        fused: Fused,
+    ) -> Result<()> {
+        if plan.elements == 0 {
+            return Ok(());
+        }
+        let inputs = match place {
+            Some(p) => PeerInputs::InPlace(&p.inputs),
+            None => PeerInputs::Own(input),
+        };
+        // A plan whose peers read registered inputs in place carries their place, so
+        // that a peer reading from elsewhere is a descriptor mismatch.
+        let in_place_reads = !plan.stage_input
+            && plan.width > 1
+            && !matches!(
+                plan.kernel.kind,
+                KernelKind::Lamport
+                    | KernelKind::LamportRmsNorm
+                    | KernelKind::Barrier
+                    | KernelKind::PingPong
+                    | KernelKind::Delay
+                    | KernelKind::AllReduceGroup
+            );
+        if let (true, Some(p)) = (in_place_reads, place) {
+            plan.input_place = p.place;
+        }
+        self.core.check_usable()?;
+        self.core.launch_fused(&plan, inputs, output, fused)
     }
 
     /// A start and an end barrier over this rank's group, on its stream (groups that

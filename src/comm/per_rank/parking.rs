@@ -1,12 +1,9 @@
-//! The parking lot: memory a peer's kernel may still write into, kept alive past the
-//! drop of the communicator that owned it, until a deadline past which no such kernel
-//! can run (`None`: until the process exits).
-//!
-//! Nothing runs in the background: a drop that met its peers calls [`free_expired`].
-//! [`park`] never frees: a parking drop must return within its bound, and releasing a
-//! GPU's memory can wait for that GPU's kernels. Freeing happens outside the lock and
-//! catches a panic in an item's drop, so neither call panics. Items are boxed
-//! `dyn Send`; the process-wide lot is a static, never dropped.
+//! The parking lot: memory a peer's kernel may still write into, kept past the drop of
+//! its communicator until a deadline past which no such kernel runs (`None`: process
+//! exit). Nothing runs in the background: a drop that met its peers calls
+//! [`free_expired_teardowns`]. [`park`] never frees (releasing a GPU's memory can wait for its
+//! kernels, past a parking drop's bound). Freeing happens outside the lock and catches
+//! a panic in an item's drop.
 
 use std::sync::Mutex;
 use std::time::Instant;
@@ -31,8 +28,7 @@ impl ParkingLot {
         }
     }
 
-    /// Keeps `item` until `until` (`None`: until the process exits). Frees nothing (see
-    /// the module docs).
+    /// Keeps `item` until `until` (`None`: until the process exits); frees nothing.
     pub(crate) fn park(&self, item: Box<dyn Send>, until: Option<Instant>) {
         self.lock().push(Entry { until, _item: item });
     }
@@ -60,15 +56,9 @@ impl ParkingLot {
 
 /// Moves the entries expired at `now` out of `entries`.
 fn take_expired(entries: &mut Vec<Entry>, now: Instant) -> Vec<Entry> {
-    let mut expired = Vec::new();
-    let mut i = 0;
-    while i < entries.len() {
-        if entries[i].until.is_some_and(|t| t <= now) {
-            expired.push(entries.swap_remove(i));
-        } else {
-            i += 1;
-        }
-    }
+    let all = std::mem::take(entries).into_iter();
+    let (expired, kept) = all.partition(|e| e.until.is_some_and(|t| t <= now));
+    *entries = kept;
     expired
 }
 
@@ -85,11 +75,6 @@ static LOT: ParkingLot = ParkingLot::new();
 /// Parks `item` in the process-wide lot until `until` (`None`: process exit).
 pub(crate) fn park(item: Box<dyn Send>, until: Option<Instant>) {
     LOT.park(item, until);
-}
-
-/// Frees what has expired in the process-wide lot.
-pub(crate) fn free_expired() {
-    LOT.free_expired_at(Instant::now());
 }
 
 /// How many teardowns the process-wide lot holds, and the latest deadline among them
@@ -110,7 +95,6 @@ pub fn parked_teardowns() -> (usize, Option<Instant>) {
 
 /// Frees the expired teardowns of the process-wide lot now; returns how many.
 #[doc(hidden)]
-#[cfg_attr(not(feature = "unstable"), allow(dead_code))]
 pub fn free_expired_teardowns() -> usize {
     LOT.free_expired_at(Instant::now())
 }
@@ -188,10 +172,10 @@ mod tests {
             Box::new(Counted(freed.clone())),
             Some(Instant::now() + Duration::from_millis(50)),
         );
-        free_expired();
+        free_expired_teardowns();
         assert_eq!(freed.load(Ordering::SeqCst), 0);
         std::thread::sleep(Duration::from_millis(60));
-        free_expired();
+        free_expired_teardowns();
         assert_eq!(freed.load(Ordering::SeqCst), 1);
     }
 }

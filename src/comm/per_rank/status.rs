@@ -52,15 +52,12 @@ impl<B: Backend> Comm<B> {
         self.report(self.core.peek_error()?)
     }
 
-    /// Poisons on an error record and returns it.
-    pub(super) fn report(&self, record: Option<Error>) -> Result<()> {
-        match record {
-            Some(e) => {
-                self.core.poison(&e);
-                Err(e)
-            }
-            None => Ok(()),
-        }
+    /// Poisons on an error and returns it.
+    fn report(&self, error: Option<Error>) -> Result<()> {
+        error.map_or(Ok(()), |e| {
+            self.core.poison(&e);
+            Err(e)
+        })
     }
 
     /// Waits for this rank's queued work, then reads its error record (a small copy):
@@ -73,10 +70,7 @@ impl<B: Backend> Comm<B> {
     /// the peer stays away.
     pub fn synchronize(&self) -> Result<()> {
         self.wait()?;
-        if let Err(e) = self.core.take_external_error() {
-            self.core.poison(&e);
-            return Err(e);
-        }
+        self.report(self.core.take_external_error().err())?;
         self.report(self.core.read_error()?)?;
         // Every end barrier of this rank's calls completed: no peer reads its
         // registered buffers any more.
@@ -100,9 +94,7 @@ impl<B: Backend> Comm<B> {
         self.registry.settle();
         Ok(())
     }
-}
 
-impl<B: Backend> Comm<B> {
     /// The device memory this rank allocated.
     pub fn memory_footprint(&self) -> crate::MemoryFootprint {
         self.core.memory_footprint()
@@ -116,13 +108,8 @@ impl<B: Backend> Comm<B> {
         elements: usize,
         options: &crate::AllReduceOptions,
         in_place: bool,
-    ) -> Result<crate::Algorithm> {
-        self.core.algorithm_for(
-            dtype,
-            elements,
-            options,
-            in_place,
-            crate::comm::core::planning::PeerReads::Payloads,
-        )
+    ) -> Result<Algorithm> {
+        let reads = crate::comm::core::planning::PeerReads::Payloads;
+        (self.core).algorithm_for(dtype, elements, options, in_place, reads)
     }
 }

@@ -30,30 +30,21 @@ fn park_deadline(
 }
 
 impl<B: Backend> Drop for Comm<B> {
-    /// Tears this rank down without freeing memory a peer's kernel may still write.
-    /// Never panics; returns within about a second after this rank's own queued work:
-    ///
-    /// 1. Waits for this rank's stream.
-    /// 2. Meets the other ranks in a teardown all-gather through the bootstrap, bounded
-    ///    by `TEARDOWN_BARRIER_TIMEOUT` (1 s), not `CommConfig::bootstrap_timeout`.
-    /// 3. If every rank came, every stream is drained: the signal, the mappings and the
-    ///    kept buffers of dropped registrations are freed at once, as are registrations
-    ///    dropped later. Likewise when no peer shares this rank's peer memory.
-    /// 4. Otherwise (a peer gone, late, or in another exchange) its kernels may still
-    ///    store into this rank's signal: signal, mappings, pool segments and kept
-    ///    registered buffers are parked process-wide for 2 x `barrier_timeout` +
-    ///    `PARK_MARGIN` (until exit with `barrier_timeout: None`), and freed by a later
-    ///    drop. Nothing runs in the background.
+    /// Tears this rank down without freeing memory a peer's kernel may still write;
+    /// never panics, returns within about a second after this rank's queued work. It
+    /// waits for the stream, then meets the other ranks through the bootstrap (bounded
+    /// by `TEARDOWN_BARRIER_TIMEOUT`). If all came (or no peer shares its memory),
+    /// every stream is drained and the signal, mappings and kept registered buffers are
+    /// freed. Otherwise a peer's kernels may still store here: that memory is parked
+    /// process-wide for 2 x `barrier_timeout` + `PARK_MARGIN` (until exit without a
+    /// timeout) and freed by a later drop; nothing runs in the background.
     ///
     /// Guaranteed: a peer's kernel running at the drop, or starting within
-    /// `PARK_MARGIN` of the park, never writes freed memory: its first wait on this rank
-    /// gives up within `barrier_timeout` (a group of more than two: after at most one
-    /// other late wait), its last store here being the abandon confirmation.
-    ///
-    /// Not guaranteed: a peer must not start collectives after a rank of its group
-    /// dropped. Such a call gets `BarrierTimeout` or `PeerAborted`, poisons its
-    /// communicator (which must be dropped too), and its stores into this rank's signal
-    /// are safe only while the signal is parked.
+    /// `PARK_MARGIN` of the park, never writes freed memory (its first wait on this rank
+    /// gives up within `barrier_timeout`, in a group of more than two after at most one
+    /// other late wait). Not guaranteed: a peer starting collectives after a rank of its
+    /// group dropped gets `BarrierTimeout` or `PeerAborted` and must drop too; its
+    /// stores here are safe only while the signal is parked.
     fn drop(&mut self) {
         let _ = self.tear_down();
     }
@@ -115,7 +106,7 @@ impl<B: Backend> Comm<B> {
                 drop(mappings);
                 drop(rank);
             }));
-            super::parking::free_expired();
+            super::parking::free_expired_teardowns();
         } else {
             let Endpoint { device, signal, .. } = rank;
             let until = park_deadline(std::time::Instant::now(), barrier_timeout);

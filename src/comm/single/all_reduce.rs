@@ -117,14 +117,14 @@ impl<B: Backend> SingleController<B> {
     /// The all-reduce from `ins` into `outs` (`first`: rank 0's input): a rank whose
     /// input is its output, the very same range, runs in place; other overlaps are
     /// refused.
-    fn all_reduce_at(
+    fn all_reduce_at<'a>(
         &self,
-        ins: &Ptrs<'_, B>,
-        outs: &Ptrs<'_, B>,
+        ins: &Ptrs<'a, B>,
+        outs: &Ptrs<'a, B>,
         first: Meta,
         options: &AllReduceOptions,
     ) -> Result<Algorithm> {
-        let roles = [ins.role("input", false), outs.role("output", true)];
+        let roles = [(ins, "input", false), (outs, "output", true)];
         let in_place = self.check_overlaps(&roles, true)?;
         let routed = self.route_all_reduce(first.dtype, first.len, options, in_place)?;
         self.run_all_reduce(routed, &ins.at, &outs.at, first.len, first.dtype, "input")
@@ -137,7 +137,7 @@ impl<B: Backend> SingleController<B> {
         ptrs: &Ptrs<'_, B>,
         first: Meta,
     ) -> Result<Algorithm> {
-        self.check_overlaps(&[ptrs.role("in-place", true)], false)?;
+        self.check_overlaps(&[(ptrs, "in-place", true)], false)?;
         let (at, len, dtype) = (&ptrs.at, first.len, first.dtype);
         self.run_all_reduce(routed, at, at, len, dtype, "in-place")
     }

@@ -92,7 +92,7 @@ impl<B: Backend> SingleController<B> {
             return Ok(());
         }
         let ptrs = self.writes(tensors.iter_mut().map(|t| &mut *t.data).enumerate());
-        self.check_overlaps(&[ptrs.role("in-place", true)], false)?;
+        self.check_overlaps(&[(&ptrs, "in-place", true)], false)?;
         let mut read = [0u64; MAX_GPUS];
         for r in (root..self.world_size()).step_by(plan.width) {
             read[r] = ptrs.at[r];
@@ -132,13 +132,10 @@ impl<B: Backend> SingleController<B> {
         self.run_collective(call, options, inputs, outputs, |k| k * width + root)
     }
 
-    /// The fused all-reduce + residual add + RMSNorm on every rank (see
-    /// [`crate::Comm::all_reduce_residual_rms_norm`]): `inputs[r]` rank r's partial
-    /// activations, `residuals[r]` its residual (updated in place), `weights[r]` its
-    /// RMSNorm weight (the hidden size is its length), `outputs[r]` the normalised
-    /// activations. All of one dtype; inputs, residuals and outputs of one shape.
-    /// `options.algorithm` chooses between the one-stage and the Lamport kernel, which
-    /// give the same bits ([`CollectiveOptions::algorithm`]).
+    /// [`crate::Comm::all_reduce_residual_rms_norm`] on every rank: `inputs[r]` rank r's
+    /// partial activations, `residuals[r]` its residual (updated in place), `weights[r]`
+    /// its RMSNorm weight, `outputs[r]` the normalised activations. All of one dtype;
+    /// inputs, residuals and outputs of one shape.
     pub fn all_reduce_residual_rms_norm(
         &self,
         inputs: &[TensorView<'_, B>],
@@ -172,10 +169,10 @@ impl<B: Backend> SingleController<B> {
         // No in-place form: the residual is read and written, the inputs read by
         // every peer.
         let roles = [
-            ins.role("input", false),
-            ws.role("weight", false),
-            res.role("residual", true),
-            outs.role("output", true),
+            (&ins, "input", false),
+            (&ws, "weight", false),
+            (&res, "residual", true),
+            (&outs, "output", true),
         ];
         self.check_overlaps(&roles, false)?;
         self.check_peers_reach(&plan, &ins.at, "input")?;
@@ -250,7 +247,7 @@ impl<B: Backend> SingleController<B> {
                 .map(|(k, t)| (input_rank(k), t.data)),
         );
         let outs = self.writes(outputs.iter_mut().map(|t| &mut *t.data).enumerate());
-        let roles = [ins.role("input", false), outs.role("output", true)];
+        let roles = [(&ins, "input", false), (&outs, "output", true)];
         self.check_overlaps(&roles, plan.kernel.kind == KernelKind::Broadcast)?;
         self.check_peers_reach(&plan, &ins.at, "input")?;
         self.launch_all(&plan, &ins.at, &outs.at)

@@ -1,6 +1,5 @@
-//! The external library in a single controller: where the cores' routing sends a
-//! whole-world call away from peer memory (no peer access, a failed peer check, or
-//! routing by size), one thread enqueues it on every rank's handle inside one batch
+//! The external library in a single controller: where routing sends a whole-world call
+//! away from peer memory, one thread enqueues it on every rank's handle in one batch
 //! (NCCL's `ncclCommInitAll` handles and group calls).
 
 use crate::backend::Backend;

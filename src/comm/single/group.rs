@@ -1,6 +1,5 @@
 //! Group calls on [`SingleController`]: a guard that collects all-reduces (every rank's
-//! buffers at once, as `all_reduce_sum_slices` takes them) and launches them when it
-//! ends, as few kernels per rank as the kernels allow.
+//! buffers, as `all_reduce_sum_slices` takes them) and launches them when it ends.
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use crate::dispatch::Algorithm;
@@ -12,13 +11,11 @@ use super::SingleController;
 use crate::comm::core::launch::group::{run_group_steps, GroupStep, GroupedCall};
 use crate::comm::core::planning::PeerReads;
 
-/// An open group of all-reduces on a [`SingleController`] (see [`SingleController::group`]).
-/// Each call is checked when it is made; nothing is launched until
-/// [`SingleControllerGroup::end`], which first refuses a call whose buffers overlap (an
-/// input that is its rank's output, the very same range, runs in place; any other
-/// overlap is [`crate::Error::BuffersOverlap`], nothing of the group launched);
-/// dropping the guard without it discards the calls (nothing launched or written), so
-/// an early return cannot leave the group open.
+/// An open group of all-reduces on a [`SingleController`] (see
+/// [`SingleController::group`]). Each call is checked when made; nothing launches until
+/// [`SingleControllerGroup::end`], which first refuses overlapping buffers (but an input
+/// that is its output, the very same range, runs in place). Dropping the guard without
+/// it discards the calls, so an early return cannot leave the group open.
 pub struct SingleControllerGroup<'c, 'b, B: Backend> {
     comm: &'c SingleController<B>,
     calls: Vec<Pending<'b, B>>,
@@ -32,12 +29,10 @@ struct Pending<'b, B: Backend> {
 }
 
 impl<B: Backend> SingleController<B> {
-    /// Opens a group: the all-reduces issued through the returned guard are launched
-    /// together when it ends, in order, on every rank; several of one dtype and group
-    /// width (algorithm left to peercomm) run as one kernel per rank with one start and
-    /// one end barrier, up to 8 at a time while their inputs fit the payload together
-    /// (after an 80-byte table of the entries' lengths). Each result is bit for bit
-    /// what the call gives alone.
+    /// Opens a group: the all-reduces issued through the guard launch when it ends, in
+    /// order; consecutive ones of one dtype and group width (algorithm left to peercomm)
+    /// run as one kernel per rank, up to 8 whose inputs and an 80-byte entry table fit
+    /// the payload. Each result is bit for bit what the call gives alone.
     ///
     /// ```
     /// use peercomm::backend::{host::Host, Backend};
@@ -65,8 +60,7 @@ impl<B: Backend> SingleController<B> {
 }
 
 impl<'b, B: Backend> SingleControllerGroup<'_, 'b, B> {
-    /// Adds `inputs[r]` summed over the world into `outputs[r]` (see
-    /// [`SingleController::all_reduce_sum_slices`]).
+    /// Adds [`SingleController::all_reduce_sum_slices`] of `inputs` into `outputs`.
     pub fn all_reduce_sum_slices<S, R>(
         &mut self,
         inputs: &'b [S],
@@ -123,12 +117,6 @@ impl<'b, B: Backend> SingleControllerGroup<'_, 'b, B> {
         self.calls.is_empty()
     }
 
-    /// Ends the group: launches its calls (the algorithm of each, in order). An error
-    /// once some were launched poisons the communicator.
-    pub fn end(mut self) -> Result<Vec<Algorithm>> {
-        self.launch()
-    }
-
     /// Routes the call now (refusing it here, not at `end`) and keeps it; `inputs`
     /// `None` is in place.
     fn add<R: DeviceBufferMut<B>>(
@@ -156,8 +144,10 @@ impl<'b, B: Backend> SingleControllerGroup<'_, 'b, B> {
         Ok(())
     }
 
-    fn launch(&mut self) -> Result<Vec<Algorithm>> {
-        let mut pending = std::mem::take(&mut self.calls);
+    /// Ends the group: launches its calls (the algorithm of each, in order). An error
+    /// once some were launched poisons the communicator.
+    pub fn end(self) -> Result<Vec<Algorithm>> {
+        let mut pending = self.calls;
         if pending.is_empty() {
             return Ok(Vec::new());
         }
@@ -179,12 +169,11 @@ impl<'b, B: Backend> SingleControllerGroup<'_, 'b, B> {
         // Before anything is planned or launched: a call whose input is its output on
         // some rank, the very same range, runs in place; other overlaps are refused.
         for (call, (outs, ins)) in calls.iter_mut().zip(&io) {
-            let outputs = outs.role("output", true);
+            let outputs = (outs, "output", true);
             match ins {
                 None => drop(comm.check_overlaps(&[outputs], false)?),
                 Some(ins) => {
-                    call.in_place =
-                        comm.check_overlaps(&[ins.role("input", false), outputs], true)?
+                    call.in_place = comm.check_overlaps(&[(ins, "input", false), outputs], true)?
                 }
             }
         }
@@ -218,15 +207,6 @@ impl<'b, B: Backend> SingleControllerGroup<'_, 'b, B> {
                 }
             },
         )
-    }
-}
-
-impl<B: Backend> Drop for SingleControllerGroup<'_, '_, B> {
-    /// A group dropped without [`SingleControllerGroup::end`] (an early return, a `?` on a call that
-    /// failed its checks) is discarded: none of its calls is launched, nothing is
-    /// written, and the group is closed.
-    fn drop(&mut self) {
-        self.calls.clear();
     }
 }
 

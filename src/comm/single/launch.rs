@@ -11,7 +11,7 @@ use crate::signal::MAX_GPUS;
 #[cfg(doc)]
 use crate::CommConfig;
 
-use super::launcher::{spawn_error, LaunchFn, Launcher, Launches, Outcomes};
+use super::launcher::{LaunchFn, Launcher, Launches, Outcomes};
 use super::SingleController;
 use crate::comm::core::launch::group::GroupPlan;
 use crate::comm::core::launch::{Fused, PeerInputs};
@@ -31,9 +31,7 @@ impl<B: Backend> SingleController<B> {
     /// parked until the drop. Waits for a call in progress on another thread.
     pub fn set_parallel_launch(&self, on: bool) -> Result<()> {
         let world = self.world_size();
-        self.lock_launches()
-            .set_parallel(world, on)
-            .map_err(|e| spawn_error(B::NAME, &e))
+        self.lock_launches().set_parallel(world, on, B::NAME)
     }
 
     /// Whether calls launch on the ranks in parallel (see

@@ -1,12 +1,8 @@
 //! The single-controller launch pool: one worker thread per rank but rank 0 (the
-//! caller launches rank 0), so that every rank's kernel is enqueued at once.
-//!
-//! One launch at a time ([`Launcher::run`] takes `&mut self`): the caller publishes a
-//! borrowed job and bumps a generation counter; each worker, spinning on it for
-//! [`SPIN`] (so back-to-back calls need no futex wake) and parked after that, runs its
-//! rank's launch, stores the outcome and counts down while the caller launches rank 0,
-//! then waits for the count. A panic in a launch is caught and handed back
-//! ([`Outcomes::panic`]), so no worker dies with a job and the caller never hangs.
+//! caller's), so that every rank's kernel is enqueued at once. The caller publishes a
+//! borrowed job and bumps a generation counter; each worker, spinning for [`SPIN`] then
+//! parked, runs its rank's launch and counts down. A panic in a launch is caught and
+//! handed back ([`Outcomes::panic`]), so no worker dies with a job.
 
 use std::any::Any;
 use std::cell::UnsafeCell;
@@ -22,15 +18,6 @@ use crate::signal::MAX_GPUS;
 /// How long a worker (and the caller waiting for the workers) spins before parking:
 /// long enough that the calls of a decode step, back to back, find the workers awake.
 pub(super) const SPIN: Duration = Duration::from_micros(100);
-
-/// What starting the launch threads failing is reported as.
-pub(super) fn spawn_error(backend: &'static str, e: &std::io::Error) -> Error {
-    Error::Backend {
-        backend,
-        call: "std::thread::spawn",
-        detail: format!("starting the single controller's launch threads: {e}"),
-    }
-}
 
 /// One rank's launch: called with the world rank to launch on.
 pub(super) type LaunchFn<'a> = dyn Fn(usize) -> Result<()> + Sync + 'a;
@@ -94,33 +81,31 @@ unsafe impl Sync for Shared {}
 // pointer to a `Sync` closure) may be used from another thread.
 unsafe impl Send for Shared {}
 
-/// What a communicator's launch lock guards: its launch pool, if started, and whether
-/// launches go through it ([`crate::CommConfig::parallel_launch`],
-/// `SingleController::set_parallel_launch`).
+/// What a communicator's launch lock guards: its launch pool (world > 1, once parallel
+/// launch was first on) and whether launches go through it
+/// ([`crate::CommConfig::parallel_launch`]).
 pub(super) struct Launches {
-    /// The workers (world > 1, once parallel launch was first on).
     pub(super) pool: Option<Launcher>,
-    /// Launch through the pool (else one rank after the other on the caller).
     pub(super) parallel: bool,
 }
 
 impl Launches {
-    /// The launch state of a communicator of `world` ranks: the pool started when
-    /// `parallel` (and world > 1).
-    pub(super) fn new(world: usize, parallel: bool) -> std::io::Result<Launches> {
-        let mut launches = Launches {
-            pool: None,
-            parallel: false,
-        };
-        launches.set_parallel(world, parallel)?;
-        Ok(launches)
-    }
-
     /// Turns parallel launch on (starting the pool if it is not running yet) or off
-    /// (the pool stays, parked, for a later switch back on).
-    pub(super) fn set_parallel(&mut self, world: usize, on: bool) -> std::io::Result<()> {
+    /// (the pool stays, parked, for a later switch back on); `backend` names a failed
+    /// thread start.
+    pub(super) fn set_parallel(
+        &mut self,
+        world: usize,
+        on: bool,
+        backend: &'static str,
+    ) -> Result<()> {
         if on && world > 1 && self.pool.is_none() {
-            self.pool = Some(Launcher::start(world)?);
+            let pool = Launcher::start(world).map_err(|e| Error::Backend {
+                backend,
+                call: "std::thread::spawn",
+                detail: format!("starting the single controller's launch threads: {e}"),
+            })?;
+            self.pool = Some(pool);
         }
         self.parallel = on;
         Ok(())
@@ -203,10 +188,9 @@ impl Launcher {
         Arc::downgrade(&shared)
     }
 
-    /// Runs `launch(r)` for every rank r whose bit is set in `ranks`: rank 0 on this
-    /// thread, the others on their workers, all at once; returns when every one has
-    /// returned (or panicked), with what each did. Launches on ranks past the world are
-    /// not made.
+    /// Runs `launch(r)` for every rank r whose bit is set in `ranks` (within the world):
+    /// rank 0 on this thread, the others on their workers, all at once; returns when
+    /// every one has returned or panicked.
     pub(super) fn run(&mut self, ranks: u32, launch: &LaunchFn<'_>) -> Outcomes {
         let shared = &*self.shared;
         // SAFETY: only the lifetime changes (the same fat pointer). The workers
@@ -263,8 +247,7 @@ impl Launcher {
 }
 
 impl Drop for Launcher {
-    /// Tells the workers to stop and joins them (a worker that panicked outside a
-    /// launch, which does not happen, is joined all the same).
+    /// Tells the workers to stop and joins them.
     fn drop(&mut self) {
         self.shared.shutdown.store(true, Ordering::Release);
         self.shared.generation.fetch_add(1, Ordering::SeqCst);

@@ -18,10 +18,8 @@ use crate::signal::{SignalLayout, MAX_GPUS};
 use super::core::Rank;
 use super::CommConfig;
 use crate::comm::core::launch::PeerInputs;
-use crate::comm::core::planning::{CollectiveArgs, Plan};
-use crate::comm::core::setup::connect;
-use crate::comm::core::setup::record;
-use crate::comm::core::setup::{self, RankProcesses};
+use crate::comm::core::planning::Plan;
+use crate::comm::core::setup::{self, connect, record, RankProcesses};
 
 mod all_reduce;
 mod collectives;
@@ -33,11 +31,9 @@ mod launcher;
 mod status;
 mod validate;
 
-/// A set of devices (at most 8, one process) that all-reduce together.
-///
-/// Collectives are enqueued on each rank's stream and return without waiting; call
-/// [`SingleController::synchronize`] to wait and to collect device-side errors (a barrier
-/// timeout is reported there on GPUs).
+/// A set of devices (at most 8, one process) that all-reduce together. Collectives are
+/// enqueued on each rank's stream and return without waiting;
+/// [`SingleController::synchronize`] waits and reports device-side errors.
 pub struct SingleController<B: Backend> {
     /// One core per device: rank i drives `ranks[i]`.
     ranks: Vec<Rank<B>>,
@@ -94,7 +90,7 @@ impl<B: Backend> SingleController<B> {
         }
         let hosts = vec![HostId::new("this process"); world];
         let bootstraps = LocalBootstrap::world(world, config.bootstrap_timeout);
-        let made: Vec<Result<Rank<B>>> = std::thread::scope(|s| {
+        let mut made: Vec<Result<Rank<B>>> = std::thread::scope(|s| {
             let workers: Vec<_> = devices
                 .into_iter()
                 .zip(bootstraps)
@@ -127,26 +123,12 @@ impl<B: Backend> SingleController<B> {
                 })
                 .collect()
         });
-        let mut ranks = Vec::with_capacity(world);
-        let mut first_error: Option<Error> = None;
-        for core in made {
-            match core {
-                Ok(c) => ranks.push(c),
-                // A rank that gave up ends its peers' waits: report its cause, not
-                // theirs.
-                Err(e @ Error::Bootstrap(_)) => {
-                    first_error.get_or_insert(e);
-                }
-                Err(e) => {
-                    if matches!(first_error, None | Some(Error::Bootstrap(_))) {
-                        first_error = Some(e);
-                    }
-                }
-            }
+        // A rank that gave up ends its peers' waits: report its cause, not theirs.
+        let cause = |c: &Result<Rank<B>>| matches!(c, Err(e) if !matches!(e, Error::Bootstrap(_)));
+        if let Some(i) = made.iter().position(cause) {
+            made.swap(0, i);
         }
-        if let Some(e) = first_error {
-            return Err(e);
-        }
+        let mut ranks = made.into_iter().collect::<Result<Vec<_>>>()?;
         if connect::needs_external(&ranks[0], world) {
             let devices: Vec<&B::Device> = ranks.iter().map(Rank::device).collect();
             let handles = crate::external::library_of::<B>().single_controller(&devices)?;
@@ -154,8 +136,11 @@ impl<B: Backend> SingleController<B> {
                 core.route.external = Some(handle);
             }
         }
-        let launches = launcher::Launches::new(world, config.parallel_launch)
-            .map_err(|e| launcher::spawn_error(B::NAME, &e))?;
+        let mut launches = launcher::Launches {
+            pool: None,
+            parallel: false,
+        };
+        launches.set_parallel(world, config.parallel_launch, B::NAME)?;
         Ok(SingleController {
             ranks,
             launch_lock: Mutex::new(launches),
@@ -224,11 +209,13 @@ impl<B: Backend> SingleController<B> {
     /// makes is reported within 2 x [`CommConfig::barrier_timeout`] of its start.
     pub fn synchronize(&self) -> Result<()> {
         self.wait()?;
-        for r in &self.ranks {
-            if let Err(e) = r.take_external_error() {
-                self.poison(&e);
-                return Err(e);
-            }
+        if let Some(e) = self
+            .ranks
+            .iter()
+            .find_map(|r| r.take_external_error().err())
+        {
+            self.poison(&e);
+            return Err(e);
         }
         self.report_records(Rank::read_error)
     }
@@ -296,12 +283,9 @@ impl<B: Backend> SingleController<B> {
     pub fn barrier_on_ranks(&self, group_size: usize, ranks: &[usize]) -> Result<()> {
         self.check_usable()?;
         let plan = self.ranks[0].barrier_plan(group_size)?;
-        for &r in ranks {
-            if r >= self.world_size() {
-                return Err(Error::InvalidDevices(format!(
-                    "rank {r} is outside the world"
-                )));
-            }
+        if let Some(r) = ranks.iter().find(|&&r| r >= self.world_size()) {
+            let outside = format!("rank {r} is outside the world");
+            return Err(Error::InvalidDevices(outside));
         }
         let zeros = [0u64; MAX_GPUS];
         self.launch_on(&plan, ranks, PeerInputs::InPlace(&zeros), &zeros, None)
@@ -325,23 +309,16 @@ impl<B: Backend> SingleController<B> {
         for r in &self.ranks[..2] {
             B::synchronize(r.device())?;
         }
-        let plan = Plan {
-            kernel: Kernel {
-                kind: KernelKind::PingPong,
-                dtype: DType::F32,
-            },
-            algorithm: Algorithm::Auto,
-            width: 2,
-            elements: iters as usize,
-            stage_input: false,
-            dims: LaunchDims {
-                blocks: 1,
-                threads: 32,
-            },
-            overlap_previous: false,
-            input_place: Default::default(),
-            collective: CollectiveArgs::default(),
+        let kind = KernelKind::PingPong;
+        let kernel = Kernel {
+            kind,
+            dtype: DType::F32,
         };
+        let dims = LaunchDims {
+            blocks: 1,
+            threads: 32,
+        };
+        let plan = Plan::new(kernel, Algorithm::Auto, 2, iters as usize, dims);
         let zeros = [0u64; MAX_GPUS];
         self.launch_on(&plan, &[0, 1], PeerInputs::InPlace(&zeros), &zeros, None)
     }

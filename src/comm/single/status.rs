@@ -1,5 +1,5 @@
-//! [`SingleController`]'s view of its ranks' state: waiting for their streams, their error
-//! records, and the sizing questions answered without launching anything.
+//! [`SingleController`]'s view of its ranks: waiting for their streams, their error
+//! records, and sizing answered without launching anything.
 
 use crate::backend::Backend;
 use crate::dispatch::Algorithm;
@@ -12,10 +12,8 @@ use super::SingleController;
 use crate::comm::core::planning::PeerReads;
 
 impl<B: Backend> SingleController<B> {
-    /// Waits for every rank's queued work and nothing else: no error record is read,
-    /// so a barrier that gave up goes unnoticed until [`SingleController::synchronize`] or
-    /// [`SingleController::check_errors`]. Errors are the backend's own (a failed stream
-    /// synchronisation).
+    /// Waits for every rank's queued work and nothing else: no error record is read
+    /// (see [`SingleController::synchronize`] and [`SingleController::check_errors`]).
     pub fn wait(&self) -> Result<()> {
         for r in &self.ranks {
             B::synchronize(r.device())?;
@@ -23,10 +21,8 @@ impl<B: Backend> SingleController<B> {
         Ok(())
     }
 
-    /// Waits for every rank's queued work, then reads every rank's error record: what
-    /// each rank recorded, in rank order (`None`: clean). As
-    /// [`SingleController::synchronize`], an error poisons the communicator; this shows
-    /// every rank's view where `synchronize` returns the root cause.
+    /// As [`SingleController::synchronize`] (an error poisons), but every rank's record
+    /// in rank order (`None`: clean) where `synchronize` returns the root cause.
     pub fn rank_errors(&self) -> Result<Vec<Option<Error>>> {
         self.wait()?;
         let errors = self
@@ -34,8 +30,7 @@ impl<B: Backend> SingleController<B> {
             .iter()
             .map(Rank::read_error)
             .collect::<Result<Vec<_>>>()?;
-        // The root cause, as `synchronize` reports it: a rank's own error before an
-        // abort a peer sent it.
+        // The root cause: a rank's own error before an abort a peer sent it.
         let recorded = || errors.iter().flatten();
         let cause = recorded()
             .find(|e| !matches!(e, Error::PeerAborted { .. }))
@@ -47,25 +42,21 @@ impl<B: Backend> SingleController<B> {
     }
 
     /// Reads every rank's error record now, without waiting (a watchdog's poll, like
-    /// `ncclCommGetAsyncError`): `Ok(())` if none has recorded an error yet, else the
-    /// root cause, poisoning as [`SingleController::synchronize`]. On GPUs each read is
-    /// a small copy on the legacy default stream, which does not wait for the ranks'
-    /// non-blocking streams; a record still being written reads clean until the next.
+    /// `ncclCommGetAsyncError`): the root cause, poisoning as
+    /// [`SingleController::synchronize`], or `Ok(())`. A record still being written
+    /// reads clean until the next poll.
     pub fn check_errors(&self) -> Result<()> {
         self.report_records(Rank::peek_error)
     }
-}
 
-impl<B: Backend> SingleController<B> {
     /// The device memory each rank allocated (the same on every rank).
     pub fn memory_footprint(&self) -> MemoryFootprint {
         self.ranks[0].memory_footprint()
     }
 
-    /// Answers, launching nothing, what [`SingleController::all_reduce_sum`] (or, with
-    /// `in_place`, [`SingleController::all_reduce_sum_in_place`]) would do with
-    /// `elements` of `dtype` per rank: the algorithm, or the call's typed error (e.g.
-    /// [`crate::Error::MessageTooLarge`] naming the `CommConfig` field to raise).
+    /// What [`SingleController::all_reduce_sum`] (`in_place`: `_in_place`) would do with
+    /// `elements` of `dtype` per rank, launching nothing: the algorithm, or the call's
+    /// typed error (e.g. [`crate::Error::MessageTooLarge`] naming the field to raise).
     pub fn algorithm_for(
         &self,
         dtype: DType,

@@ -13,15 +13,6 @@ use crate::comm::core::planning::check::{check_overlaps, Span};
 use crate::comm::core::planning::Plan;
 pub(super) use crate::comm::per_rank::meta;
 
-/// One role of a call's buffers for [`SingleController::check_overlaps`]: every rank's
-/// address and bytes, the role's name, and whether the call writes it.
-pub(super) type Role<'a> = (
-    &'a [u64; MAX_GPUS],
-    &'a [usize; MAX_GPUS],
-    &'static str,
-    bool,
-);
-
 /// Every rank's address and bytes of one role of a call (0: the rank has none), and the
 /// accesses that keep the addresses valid until it drops. Each buffer is tracked on its
 /// own rank's stream only: the peers read rank j's buffer between their start and end
@@ -39,11 +30,6 @@ impl<'a, B: Backend> Ptrs<'a, B> {
             bytes: [0; MAX_GPUS],
             _access: std::array::from_fn(|_| None),
         }
-    }
-
-    /// This role for [`SingleController::check_overlaps`].
-    pub(super) fn role(&self, which: &'static str, written: bool) -> Role<'_> {
-        (&self.at, &self.bytes, which, written)
     }
 
     fn set(&mut self, r: usize, m: Meta, (ptr, access): (u64, B::Access<'a>)) {
@@ -187,11 +173,16 @@ impl<B: Backend> SingleController<B> {
     }
 
     /// Checks one call's buffers on every rank against each other before anything is
-    /// launched ([`check_overlaps`]). Returns whether some rank's input is its output,
+    /// launched ([`check_overlaps`]): each role is its buffers, name, and whether the
+    /// call writes it. Returns whether some rank's input is its output,
     /// the very same range (allowed with `in_place`: the call runs in place); any other
     /// overlap, across ranks too (one address space: the host backend, or devices that
     /// share memory), is [`Error::BuffersOverlap`].
-    pub(super) fn check_overlaps(&self, roles: &[Role<'_>], in_place: bool) -> Result<bool> {
+    pub(super) fn check_overlaps(
+        &self,
+        roles: &[(&Ptrs<'_, B>, &'static str, bool)],
+        in_place: bool,
+    ) -> Result<bool> {
         let none = Span {
             rank: 0,
             which: "",
@@ -201,13 +192,13 @@ impl<B: Backend> SingleController<B> {
         };
         let mut spans = [none; 4 * MAX_GPUS];
         let mut n = 0;
-        for &(ptrs, bytes, which, written) in roles {
-            for r in (0..self.world_size()).filter(|&r| ptrs[r] != 0 && bytes[r] > 0) {
+        for &(p, which, written) in roles {
+            for r in (0..self.world_size()).filter(|&r| p.at[r] != 0 && p.bytes[r] > 0) {
                 spans[n] = Span {
                     rank: r,
                     which,
-                    ptr: ptrs[r],
-                    bytes: bytes[r],
+                    ptr: p.at[r],
+                    bytes: p.bytes[r],
                     written,
                 };
                 n += 1;
