@@ -5,7 +5,7 @@ use hmac::{Hmac, Mac};
 use sha2::Sha256;
 
 use super::error::{BootstrapError, Result};
-use super::frame::frame;
+use super::wire::frame;
 use super::{CHALLENGE_BYTES, KIND_CHALLENGE, MAC_BYTES, NONCE_BYTES, SECRET_BYTES};
 
 /// `N` fresh random bytes from the OS (`what` names them in the error).

@@ -97,7 +97,6 @@
 //! different calls get [`BootstrapError::ExchangeMismatch`] instead of each other's data.
 
 mod error;
-mod frame;
 mod host;
 mod id;
 mod mac;

@@ -2,7 +2,6 @@
 //! rank 0: its arguments, state, first failure and the all-gather over the star.
 
 mod leaf;
-mod pending;
 mod root;
 
 use std::fmt;
@@ -11,13 +10,12 @@ use std::sync::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use super::error::{io_error, BootstrapError, Result};
-use super::frame::{
-    check_frame_len, deadline_after, is_timeout, read_frame, recv_error, write_frame, RecvError,
-    RAISE_TIMEOUT,
-};
 use super::host::{host_identity, HostId};
 use super::id::{claim_listener, UniqueId};
-use super::wire::{expect_data, explain_closed, farewell};
+use super::wire::{
+    check_frame_len, deadline_after, expect_data, explain_closed, farewell, is_timeout, read_frame,
+    recv_error, write_frame, RecvError, RAISE_TIMEOUT,
+};
 use super::{Bootstrap, KIND_DATA, LATE_GRACE, MAX_HOST_ID_BYTES, MAX_WORLD_SIZE, MIN_WAIT};
 use leaf::leaf_handshake;
 use root::root_handshake;

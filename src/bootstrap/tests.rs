@@ -2,9 +2,8 @@
 //! 0, failure tests use short timeouts with bounded elapsed times) and their helpers.
 
 use super::error::Result;
-use super::frame::{deadline_after, read_frame, RecvError};
 use super::mac::{self, check_challenge, nonce};
-use super::wire::{encode_hello, encode_proof};
+use super::wire::{deadline_after, encode_hello, encode_proof, read_frame, RecvError};
 use super::*;
 use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddr, TcpStream};

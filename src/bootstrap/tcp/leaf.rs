@@ -6,14 +6,13 @@ use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
 use crate::bootstrap::error::{io_error, BootstrapError, Result};
-use crate::bootstrap::frame::{
-    deadline_after, is_closed, is_resource_exhausted, read_frame, recv_error, write_full,
-    RecvError, RAISE_TIMEOUT,
-};
 use crate::bootstrap::host::HostId;
 use crate::bootstrap::id::UniqueId;
 use crate::bootstrap::mac::{check_challenge, nonce};
-use crate::bootstrap::wire::{decode_error, decode_welcome, encode_hello, encode_proof};
+use crate::bootstrap::wire::{
+    deadline_after, decode_error, decode_welcome, encode_hello, encode_proof, is_closed,
+    is_resource_exhausted, read_frame, recv_error, write_full, RecvError, RAISE_TIMEOUT,
+};
 use crate::bootstrap::{BOOTSTRAP_ADDR_ENV, KIND_CHALLENGE, KIND_ERROR, KIND_WELCOME, MIN_WAIT};
 
 /// How far a rank r > 0 got before its deadline passed.

@@ -1,25 +1,23 @@
-//! Rank 0's side of the handshake: the non-blocking accept loop, the checks of each
-//! proven rank, and the welcome.
+//! Rank 0's side of the handshake: the non-blocking accept loop, the connections not yet
+//! proven (read a frame at a time), the checks of each proven rank, and the welcome.
 
 use std::collections::VecDeque;
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::time::{Duration, Instant};
 
-use super::pending::{Pending, Polled, Refused};
 use crate::bootstrap::error::{io_error, BootstrapError, Result};
-use crate::bootstrap::frame::{
-    deadline_after, is_resource_exhausted, recv_error, write_full, RecvError, RAISE_TIMEOUT,
-};
 use crate::bootstrap::host::HostId;
 use crate::bootstrap::id::UniqueId;
 use crate::bootstrap::mac::{nonce, Keys, Label};
 use crate::bootstrap::wire::{
-    decode_hello, decode_proof, encode_welcome, farewell, HelloVerdict, ProofVerdict,
+    deadline_after, decode_hello, decode_proof, encode_welcome, farewell, is_resource_exhausted,
+    recv_error, write_full, HelloVerdict, ProofVerdict, RecvError, RAISE_TIMEOUT,
 };
 use crate::bootstrap::{
-    ACCEPT_BACKOFF, HELLO_DEADLINE, KIND_WELCOME, MAX_ACCEPTS_PER_ROUND, MAX_PENDING, MIN_WAIT,
-    PROTOCOL_VERSION,
+    ACCEPT_BACKOFF, HEADER_BYTES, HELLO_DEADLINE, KIND_HELLO, KIND_PROOF, KIND_WELCOME,
+    MAX_ACCEPTS_PER_ROUND, MAX_HELLO_BYTES, MAX_PENDING, MAX_PROOF_BYTES, MIN_WAIT,
+    PROOF_FIXED_BYTES, PROTOCOL_VERSION,
 };
 
 /// A rank rank 0 has admitted.
@@ -285,4 +283,103 @@ pub(super) fn root_handshake(
         return Err(err);
     }
     Ok((streams, hosts))
+}
+
+/// A connection rank 0 has accepted that has not proven itself yet (non-blocking).
+struct Pending {
+    stream: TcpStream,
+    /// When it was accepted: it must have proven itself by [`HELLO_DEADLINE`] after.
+    since: Instant,
+    buf: Vec<u8>,
+    want: usize,
+    /// `None` until its hello came; then the keys of the challenge sent to it.
+    keys: Option<Keys>,
+}
+
+enum Polled {
+    Waiting,
+    Gone,
+    /// The body of the frame this stage expects (a hello, then a proof).
+    Frame(Vec<u8>),
+}
+
+impl Pending {
+    fn new(stream: TcpStream, since: Instant) -> Self {
+        Self {
+            stream,
+            since,
+            buf: Vec::new(),
+            want: HEADER_BYTES,
+            keys: None,
+        }
+    }
+
+    fn poll(&mut self) -> Polled {
+        let (kind, min, max) = match self.keys {
+            None => (KIND_HELLO, 1, MAX_HELLO_BYTES),
+            Some(_) => (KIND_PROOF, PROOF_FIXED_BYTES, MAX_PROOF_BYTES),
+        };
+        let mut chunk = [0u8; 512];
+        loop {
+            if self.buf.len() == self.want {
+                if self.want > HEADER_BYTES {
+                    let body = self.buf.split_off(HEADER_BYTES);
+                    self.buf.clear();
+                    self.want = HEADER_BYTES;
+                    return Polled::Frame(body);
+                }
+                let len = u32::from_le_bytes(self.buf[1..].try_into().expect("4")) as usize;
+                if self.buf[0] != kind || len < min || len > max {
+                    return Polled::Gone;
+                }
+                self.want = HEADER_BYTES + len;
+            }
+            let n = (self.want - self.buf.len()).min(chunk.len());
+            match self.stream.read(&mut chunk[..n]) {
+                Ok(0) => return Polled::Gone,
+                Ok(k) => self.buf.extend_from_slice(&chunk[..k]),
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Polled::Waiting,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(_) => return Polled::Gone,
+            }
+        }
+    }
+}
+
+/// Connections rank 0 turned away, for the timeout's hint.
+#[derive(Default)]
+struct Refused {
+    /// Challenged, then gave a wrong proof or closed (a rank with another secret).
+    wrong_secret: usize,
+    /// Spoke another protocol version.
+    other_version: usize,
+    /// Had not proven themselves by [`HELLO_DEADLINE`], or were closed to make room.
+    stalled: usize,
+    /// Times `accept` reported that descriptors, buffers or memory ran out.
+    exhausted: usize,
+}
+
+impl Refused {
+    fn hint(&self) -> String {
+        let stalled = format!(
+            "{{n}} connection(s) were closed for not finishing their hello within \
+             {HELLO_DEADLINE:?} or to make room for newer ones (a flood of connections, or \
+             something other than peercomm ranks uses this port)"
+        );
+        let wrong = "{n} connection(s) with a wrong secret were refused (a stale or mistyped \
+                     UniqueId?)";
+        let version = "{n} connection(s) spoke another bootstrap protocol version (every \
+                       process must run the same peercomm)";
+        let exhausted = "accepting failed {n} time(s) for want of file descriptors or memory \
+                         (raise the process's open-file limit)";
+        let counts = [
+            (self.wrong_secret, wrong),
+            (self.other_version, version),
+            (self.stalled, &stalled),
+            (self.exhausted, exhausted),
+        ];
+        let said = counts.iter().filter(|(n, _)| *n > 0);
+        said.map(|(n, what)| format!("; {}", what.replace("{n}", &n.to_string())))
+            .collect()
+    }
 }

@@ -1,8 +1,7 @@
 //! Whom rank 0 admits: wrong secrets, strays, duplicate or mismatched ranks, old versions.
 
 use super::*;
-use crate::bootstrap::frame::frame;
-use crate::bootstrap::wire::decode_error;
+use crate::bootstrap::wire::{decode_error, frame};
 use std::io::Read;
 use std::sync::Barrier;
 

@@ -1,8 +1,7 @@
 //! Failures that must end in a typed error, quickly.
 
 use super::*;
-use crate::bootstrap::frame::header;
-use crate::bootstrap::wire::decode_error;
+use crate::bootstrap::wire::{decode_error, header};
 use std::sync::Barrier;
 use BootstrapError::{ConnectionClosed, PeerFailed, Poisoned, StaleId, Timeout};
 

@@ -143,54 +143,45 @@ fn barrier_within_is_bounded_and_leaves_the_timeout_alone() {
         }
         assert_eq!(b.all_gather(&[r as u8]).unwrap(), vec![vec![0], vec![1]]);
     });
-    // A peer that is alive but never calls it: each side gives up by the timeout (through
-    // a trait object, which must reach the bounded version, not the default).
-    for waiter in [0, 1] {
+    // A peer alive that never calls it: the waiter gives up by the timeout (through a
+    // trait object, which must reach the bounded version, not the default). A peer gone:
+    // it fails at once, not after its (long) timeout.
+    use BootstrapError::{ConnectionClosed, PeerFailed, Timeout};
+    for (waiter, gone) in [(0, false), (1, false), (0, true), (1, true)] {
         let id = loopback_id();
         let gate = Barrier::new(2);
         let got = run(&[0, 1], |r| {
             let b: Box<dyn Bootstrap> = Box::new(connect(&id, r, 2, LONG).unwrap());
-            let out = if r == waiter {
-                let start = Instant::now();
-                let e = b.barrier_within(t).unwrap_err();
-                Some((e, start.elapsed()))
-            } else {
-                None
-            };
-            gate.wait(); // the other rank stays until the waiter has given up
-            out
-        });
-        let (e, took) = got[waiter].clone().unwrap();
-        assert_is!(e, BootstrapError::Timeout { waiting_for, after, .. }
-            if waiting_for == &[1 - waiter] && *after == t);
-        let bounded = took >= t && took <= t.mul_f64(1.5);
-        assert!(
-            bounded,
-            "rank {waiter}, peer absent: took {took:?} for a {t:?} barrier"
-        );
-    }
-    // A peer that is gone: it fails at once, not after its (long) timeout.
-    for waiter in [0, 1] {
-        let id = loopback_id();
-        let gate = Barrier::new(2);
-        let got = run(&[0, 1], |r| {
-            let b = connect(&id, r, 2, LONG).unwrap();
             if r != waiter {
-                drop(b);
-                gate.wait();
+                if gone {
+                    drop(b);
+                }
+                gate.wait(); // gone before the waiter starts; else alive until it gave up
                 return None;
             }
-            gate.wait();
+            if gone {
+                gate.wait();
+            }
             let start = Instant::now();
-            let e = b.barrier_within(LONG).unwrap_err();
+            let e = b.barrier_within(if gone { LONG } else { t }).unwrap_err();
+            if !gone {
+                gate.wait();
+            }
             Some((e, start.elapsed()))
         });
         let (e, took) = got[waiter].clone().unwrap();
-        assert_is!(
-            e,
-            BootstrapError::ConnectionClosed { .. } | BootstrapError::PeerFailed { .. }
-        );
-        assert!(took < SLACK, "rank {waiter}, peer gone: took {took:?}");
+        if gone {
+            assert_is!(e, ConnectionClosed { .. } | PeerFailed { .. });
+            assert!(took < SLACK, "rank {waiter}, peer gone: took {took:?}");
+        } else {
+            assert_is!(e, Timeout { waiting_for, after, .. }
+                if waiting_for == &[1 - waiter] && *after == t);
+            let bounded = took >= t && took <= t.mul_f64(1.5);
+            assert!(
+                bounded,
+                "rank {waiter}, peer absent: took {took:?} for {t:?}"
+            );
+        }
     }
     // A world of one has nobody to wait for.
     let alone = connect(&loopback_id(), 0, 1, SHORT).unwrap();

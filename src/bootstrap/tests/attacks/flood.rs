@@ -1,7 +1,7 @@
 //! Connections that are not ranks: idle floods, half-sent headers, garbage.
 
 use super::*;
-use crate::bootstrap::frame::frame;
+use crate::bootstrap::wire::frame;
 
 /// Connections of the flood test: more than rank 0's pending table holds.
 const FLOOD: usize = 1100;
@@ -12,22 +12,15 @@ fn room_for_fds(fds: u64) -> bool {
     #[cfg(target_os = "linux")]
     {
         use rustix::process::{getrlimit, setrlimit, Resource};
-        let lim = getrlimit(Resource::Nofile);
+        let mut lim = getrlimit(Resource::Nofile);
         let open = std::fs::read_dir("/proc/self/fd").map_or(64, |d| d.count()) as u64;
         let want = open + fds + 256;
-        match lim.current {
-            Some(cur) if cur < want => {
-                let raised = rustix::process::Rlimit {
-                    current: Some(lim.maximum.map_or(want, |m| m.min(want))),
-                    maximum: lim.maximum,
-                };
-                let _ = setrlimit(Resource::Nofile, raised);
-                getrlimit(Resource::Nofile)
-                    .current
-                    .is_none_or(|c| c >= want)
-            }
-            _ => true,
+        if lim.current.is_some_and(|cur| cur < want) {
+            lim.current = Some(lim.maximum.map_or(want, |m| m.min(want)));
+            let _ = setrlimit(Resource::Nofile, lim);
         }
+        let now = getrlimit(Resource::Nofile).current;
+        now.is_none_or(|c| c >= want)
     }
     #[cfg(not(target_os = "linux"))]
     {

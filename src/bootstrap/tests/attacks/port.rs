@@ -2,8 +2,7 @@
 //! drops the leaf before its welcome.
 
 use super::*;
-use crate::bootstrap::frame::frame;
-use crate::bootstrap::wire::encode_welcome;
+use crate::bootstrap::wire::{encode_welcome, frame};
 use std::net::TcpListener;
 
 fn contains(haystack: &[u8], needle: &[u8]) -> bool {
