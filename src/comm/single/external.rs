@@ -29,27 +29,16 @@ impl<B: Backend> SingleController<B> {
         }
         let library = crate::external::library_of::<B>();
         library.group_start()?;
-        let mut result = Ok(());
-        for (r, core) in self.ranks.iter().enumerate() {
+        let result = self.ranks.iter().enumerate().try_for_each(|(r, core)| {
             let Some(handle) = core.route.external.as_deref() else {
-                continue;
+                return Ok(());
             };
             // SAFETY: the caller holds every rank's buffers (and their access guards)
             // for the call; handle r was made for rank r's device.
-            result = unsafe {
-                handle.all_reduce_sum(core.device(), inputs[r], outputs[r], elements, dtype)
-            };
-            if result.is_err() {
-                break;
-            }
-        }
+            unsafe { handle.all_reduce_sum(core.device(), inputs[r], outputs[r], elements, dtype) }
+        });
         let ended = library.group_end();
-        match result.and(ended) {
-            Ok(()) => Ok(Algorithm::Nccl),
-            Err(e) => {
-                self.poison(&e);
-                Err(e)
-            }
-        }
+        let result = result.and(ended).map(|()| Algorithm::Nccl);
+        result.inspect_err(|e| self.poison(e))
     }
 }

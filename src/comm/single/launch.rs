@@ -116,17 +116,11 @@ impl<B: Backend> SingleController<B> {
         self.check_usable()?;
         let launch = |r: usize| self.injected_launch_failure(r).and_then(|()| launch(r));
         let Outcomes { mut results, panic } = launches.run(ranks, &launch);
-        let mut launched = false;
-        let mut first_error = None;
-        for &r in ranks {
-            match results[r].take() {
-                Some(Ok(())) => launched = true,
-                Some(Err(e)) => {
-                    first_error.get_or_insert(e);
-                }
-                None => {}
-            }
-        }
+        let results = ranks.iter().filter_map(|&r| results[r].take());
+        let (launched, first_error) = results.fold((false, None), |(l, first), res| match res {
+            Ok(()) => (true, first),
+            Err(e) => (l, first.or(Some(e))),
+        });
         if launched {
             if let Some(e) = &first_error {
                 self.poison(e);

@@ -26,6 +26,7 @@ pub(super) type LaunchFn<'a> = dyn Fn(usize) -> Result<()> + Sync + 'a;
 pub(super) type Panic = Box<dyn Any + Send + 'static>;
 
 /// What a parallel launch did on each rank.
+#[derive(Default)]
 pub(super) struct Outcomes {
     /// `results[r]`: rank r's launch, `None` where it was not asked for (or panicked).
     pub(super) results: [Option<Result<()>>; MAX_GPUS],
@@ -123,10 +124,7 @@ impl Launches {
             let mask = ranks.iter().fold(0u32, |m, &r| m | 1 << r);
             return pool.run(mask, launch);
         }
-        let mut outcomes = Outcomes {
-            results: Default::default(),
-            panic: None,
-        };
+        let mut outcomes = Outcomes::default();
         for &r in ranks {
             let result = launch(r);
             let failed = result.is_err();
@@ -224,10 +222,7 @@ impl Launcher {
         wait(|| shared.done.load(Ordering::Acquire), thread::park);
         // SAFETY: the caller handle is not read past `done`.
         unsafe { *shared.caller.get() = None };
-        let mut outcomes = Outcomes {
-            results: Default::default(),
-            panic: None,
-        };
+        let mut outcomes = Outcomes::default();
         let all = std::iter::once(own).chain(shared.slots.iter().map(|slot| {
             // SAFETY: written by its worker before `done` (Acquire above); no worker
             // writes it again before the next job.

@@ -209,14 +209,10 @@ impl<B: Backend> SingleController<B> {
     /// makes is reported within 2 x [`CommConfig::barrier_timeout`] of its start.
     pub fn synchronize(&self) -> Result<()> {
         self.wait()?;
-        if let Some(e) = self
-            .ranks
-            .iter()
-            .find_map(|r| r.take_external_error().err())
-        {
-            self.poison(&e);
-            return Err(e);
-        }
+        let external = self.ranks.iter().map(Rank::take_external_error);
+        external
+            .collect::<Result<()>>()
+            .inspect_err(|e| self.poison(e))?;
         self.report_records(Rank::read_error)
     }
 
