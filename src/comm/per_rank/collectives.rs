@@ -31,12 +31,8 @@ impl<B: Backend> Comm<B> {
         let core = &*self.core;
         core.check_pair(&meta(send), &meta(&*recv))?;
         let (width, _) = core.collective_width(options)?;
-        core.check_len(
-            recv.len(),
-            send.len().checked_mul(width),
-            "output",
-            "group width x input",
-        )?;
+        let n = send.len().checked_mul(width);
+        core.check_len(recv.len(), n, "output", "group width x input")?;
         let call = (Collective::AllGather, send.dtype(), send.len(), options);
         self.enqueue_collective(call, Some(send), recv, (true, false))
     }
@@ -57,12 +53,8 @@ impl<B: Backend> Comm<B> {
         let core = &*self.core;
         core.check_pair(&meta(send), &meta(&*recv))?;
         let part = core.reduce_scatter_len(send.len(), options)?;
-        core.check_len(
-            recv.len(),
-            Some(part),
-            "output",
-            "this rank's part of the input",
-        )?;
+        let rule = "this rank's part of the input";
+        core.check_len(recv.len(), Some(part), "output", rule)?;
         let call = (Collective::ReduceScatter, send.dtype(), send.len(), options);
         self.enqueue_collective(call, Some(send), recv, (true, false))
     }
@@ -84,12 +76,8 @@ impl<B: Backend> Comm<B> {
         if let Some(s) = send {
             (self.core).check_len(recv.len(), Some(s.len()), "output", "the root's input")?;
         }
-        let call = (
-            Collective::Broadcast { root },
-            recv.dtype(),
-            recv.len(),
-            options,
-        );
+        let which = Collective::Broadcast { root };
+        let call = (which, recv.dtype(), recv.len(), options);
         self.enqueue_collective(call, send, recv, (false, true))
     }
 
@@ -135,19 +123,11 @@ impl<B: Backend> Comm<B> {
         let send = self.root_send(send, recv, root, options)?;
         if let Some(s) = send {
             let (width, _) = core.collective_width(options)?;
-            core.check_len(
-                s.len(),
-                recv.len().checked_mul(width),
-                "root's input",
-                "group width x output",
-            )?;
+            let n = recv.len().checked_mul(width);
+            core.check_len(s.len(), n, "root's input", "group width x output")?;
         }
-        let call = (
-            Collective::Scatter { root },
-            recv.dtype(),
-            recv.len(),
-            options,
-        );
+        let which = Collective::Scatter { root };
+        let call = (which, recv.dtype(), recv.len(), options);
         self.enqueue_collective(call, send, recv, (false, false))
     }
 

@@ -329,26 +329,21 @@ mod tests {
     #[test]
     fn every_asked_rank_runs_once_per_job() {
         let mut pool = Launcher::start(8).unwrap();
+        let result = |r: usize| match r {
+            5 => Err(Error::Unsupported("rank 5".into())),
+            _ => Ok(()),
+        };
         for ranks in [0xffu32, 0b1010_0110, 0b1, 0b1000_0000, 0] {
             let hits: Vec<AtomicU32> = (0..8).map(|_| AtomicU32::new(0)).collect();
             let out = pool.run(ranks, &|r| {
                 hits[r].fetch_add(1, Ordering::Relaxed);
-                if r == 5 {
-                    Err(Error::Unsupported("rank 5".into()))
-                } else {
-                    Ok(())
-                }
+                result(r)
             });
             assert!(out.panic.is_none());
             for (r, hit) in hits.iter().enumerate() {
                 let asked = ranks & (1 << r) != 0;
                 assert_eq!(hit.load(Ordering::Relaxed), u32::from(asked), "rank {r}");
-                let want = asked.then_some(if r == 5 {
-                    Err(Error::Unsupported("rank 5".into()))
-                } else {
-                    Ok(())
-                });
-                assert_eq!(out.results[r], want, "rank {r}");
+                assert_eq!(out.results[r], asked.then(|| result(r)), "rank {r}");
             }
         }
     }
