@@ -1,10 +1,6 @@
-//! The per-rank core: one rank of a communicator, whatever front door drives it (the
-//! single controller holds one per device, the per-rank `Comm` one). It owns the
-//! device, the signal, the peers' signals, the agreed settings, the routing, and the
+//! The per-rank core behind both front doors (the single controller holds one per
+//! device, the per-rank `Comm` one): device, signals, agreed settings, routing, and the
 //! only code that plans and launches kernels, so a call's checks hold for both.
-//!
-//! By phase: `setup`, `routing`, `planning`, `launch`, and `call` (the descriptor every
-//! rank compares).
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -23,8 +19,7 @@ pub(crate) mod setup;
 use routing::Router;
 use settings::Settings;
 
-/// Where one rank is: device and stream, signal, its peers' signals, and its call
-/// counts. What a launch needs besides the settings.
+/// Where one rank is: device and stream, signal, its peers' signals, its call counts.
 pub(crate) struct Endpoint<B: Backend> {
     /// Rank in its peer-memory group (the world, or its host's ranks).
     pub(crate) index: usize,
@@ -32,15 +27,11 @@ pub(crate) struct Endpoint<B: Backend> {
     pub(crate) signal: B::Memory,
     /// `peer_signals[j]`: where this rank reaches group rank j's signal.
     pub(crate) peer_signals: [u64; MAX_GPUS],
-    /// Launches per barrier domain since the signal was initialised: the descriptor's
-    /// sequence number (sibling groups count apart).
+    /// Launches per barrier domain since the signal was initialised (the descriptor's
+    /// sequence number).
     pub(crate) calls: [AtomicU64; NUM_BARRIER_DOMAINS],
-    /// Fault injection: the next launch publishes the sequence number one ahead.
     #[cfg(feature = "fault-injection")]
-    pub(crate) skew_next: AtomicBool,
-    /// Fault injection: the next launch is left out (counted as made).
-    #[cfg(feature = "fault-injection")]
-    pub(crate) missing: AtomicBool,
+    pub(crate) faults: launch::fault::Faults,
 }
 
 impl<B: Backend> Endpoint<B> {
@@ -58,40 +49,32 @@ impl<B: Backend> Endpoint<B> {
             peer_signals,
             calls: Default::default(),
             #[cfg(feature = "fault-injection")]
-            skew_next: AtomicBool::new(false),
-            #[cfg(feature = "fault-injection")]
-            missing: AtomicBool::new(false),
+            faults: Default::default(),
         }
     }
 }
 
-/// One rank of a communicator: the per-rank core. [`crate::SingleController::rank`]
-/// shows its cores for their devices and signals.
+/// One rank of a communicator ([`crate::SingleController::rank`] shows its devices and
+/// signals).
 pub struct Rank<B: Backend> {
     pub(crate) endpoint: Endpoint<B>,
     pub(crate) settings: Settings,
     pub(crate) route: Router<B>,
     /// Peer signals imported from other processes; unmapped on drop (or parked).
     pub(crate) mappings: Vec<B::PeerMapping>,
-    /// The plans of recent all-reduce shapes.
     pub(crate) plans: planning::cache::PlanCache,
     poisoned: AtomicBool,
-    /// The error that poisoned the rank (set with `poisoned`, on the error path only).
+    /// The error that poisoned the rank (set with `poisoned`).
     poisoned_by: Mutex<Option<Error>>,
 }
 
 impl<B: Backend> Rank<B> {
-    pub(crate) fn new(
-        endpoint: Endpoint<B>,
-        settings: Settings,
-        route: Router<B>,
-        mappings: Vec<B::PeerMapping>,
-    ) -> Self {
+    pub(crate) fn new(core: setup::PeerSetup<B>, route: Router<B>) -> Self {
         Rank {
-            endpoint,
-            settings,
+            endpoint: core.endpoint,
+            settings: core.settings,
             route,
-            mappings,
+            mappings: core.mappings,
             plans: planning::cache::PlanCache::default(),
             poisoned: AtomicBool::new(false),
             poisoned_by: Mutex::new(None),
@@ -106,9 +89,8 @@ impl<B: Backend> Rank<B> {
     pub fn ordinal(&self) -> usize {
         B::ordinal(&self.endpoint.device)
     }
-    /// The most blocks a peer-memory launch uses by default: agreed at setup from the
-    /// fewest multiprocessors of the group (or `CommConfig::max_blocks`), divided among
-    /// ranks sharing a physical device.
+    /// The most blocks a peer-memory launch uses by default: the group's fewest
+    /// multiprocessors (or `CommConfig::max_blocks`), shared among ranks of one device.
     pub fn max_blocks(&self) -> u32 {
         self.settings.max_blocks
     }

@@ -42,17 +42,15 @@ impl Settings {
                 config.threads_per_block
             )));
         }
-        let max_blocks = config
-            .max_blocks
-            .unwrap_or(u32::try_from(multiprocessors).unwrap_or(u32::MAX))
-            .clamp(1, MAX_NUM_BLOCKS_UPPER_BOUND as u32);
-        Ok(Settings {
+        let mut settings = Settings {
             layout,
             config,
             arch,
-            max_blocks,
+            max_blocks: 0,
             world,
-        })
+        };
+        settings.agree_on_grid(multiprocessors);
+        Ok(settings)
     }
 
     /// Sets the grid from the group's fewest multiprocessors unless the configuration
@@ -65,10 +63,9 @@ impl Settings {
             .clamp(1, MAX_NUM_BLOCKS_UPPER_BOUND as u32);
     }
 
-    /// Caps the grid where ranks share devices: every block must be resident at once
-    /// (blocks wait for their peers'), so with `ranks_per_device` ranks on one device
-    /// each gets at most multiprocessors / ranks_per_device (at least one). Every rank
-    /// passes the same numbers.
+    /// Caps the grid where `ranks_per_device` ranks share a device: every block must be
+    /// resident at once (blocks wait for their peers'), so each gets at most its share of
+    /// the multiprocessors (at least one). Every rank passes the same numbers.
     pub(crate) fn limit_for_shared_devices(
         &mut self,
         multiprocessors: usize,

@@ -1,10 +1,9 @@
 //! Fault injection on one rank's launches (feature `fault-injection`): a launch left
-//! out, a call published one ahead in the sequence, a kernel that only waits. Without
-//! the feature the launch path's two hooks are constants: a launch reads no
-//! fault-injection state.
+//! out, a call published one ahead, a kernel that only waits. Without the feature the
+//! launch path's two hooks are constants.
 
 #[cfg(feature = "fault-injection")]
-use std::{sync::atomic::Ordering, time::Duration};
+use std::{sync::atomic::AtomicBool, sync::atomic::Ordering, time::Duration};
 
 use crate::backend::Backend;
 #[cfg(feature = "fault-injection")]
@@ -13,34 +12,46 @@ use crate::comm::core::Endpoint;
 #[cfg(feature = "fault-injection")]
 use crate::{dtype::DType, error::Result, signal::AllReduceArgs};
 
+/// A rank's pending faults.
+#[cfg(feature = "fault-injection")]
+#[derive(Default)]
+pub(crate) struct Faults {
+    /// The next launch publishes the sequence number one ahead.
+    skew_next: AtomicBool,
+    /// The next launch is left out (counted as made).
+    missing: AtomicBool,
+}
+
+/// Clears `flag`, returning whether it was set (a plain load first: the common path
+/// writes nothing).
+#[cfg(feature = "fault-injection")]
+fn take(flag: &AtomicBool) -> bool {
+    flag.load(Ordering::Relaxed) && flag.swap(false, Ordering::AcqRel)
+}
+
 #[cfg(feature = "fault-injection")]
 impl<B: Backend> Endpoint<B> {
-    /// `seq`, or one ahead of it if a skewed call was asked for (the request is
-    /// cleared).
+    /// `seq`, or one ahead of it if a skewed call was asked for (the request is cleared).
     #[inline]
     pub(super) fn skewed(&self, seq: u64) -> u64 {
-        let skew = &self.skew_next;
-        if skew.load(Ordering::Relaxed) && skew.swap(false, Ordering::AcqRel) {
-            return seq.wrapping_add(1);
-        }
-        seq
+        seq.wrapping_add(take(&self.faults.skew_next).into())
     }
 
     /// Whether this launch is left out (the request is cleared).
     #[inline]
     pub(super) fn take_missing(&self) -> bool {
-        self.missing.load(Ordering::Relaxed) && self.missing.swap(false, Ordering::AcqRel)
+        take(&self.faults.missing)
     }
 
     /// This rank's next launch is left out.
     pub(crate) fn miss_next_launch(&self) {
-        self.missing.store(true, Ordering::Release);
+        self.faults.missing.store(true, Ordering::Release);
     }
 
     /// This rank's next launch publishes a call one ahead in the sequence, so its
     /// group gets [`crate::Error::CallMismatch`].
     pub(crate) fn skew_next_call(&self) {
-        self.skew_next.store(true, Ordering::Release);
+        self.faults.skew_next.store(true, Ordering::Release);
     }
 
     /// Enqueues the delay kernel: one thread spins for `delay`, touching no memory.

@@ -11,7 +11,7 @@ use crate::comm::core::planning::{staging, Plan};
 use crate::comm::core::settings::Settings;
 use crate::comm::core::{Endpoint, Rank};
 
-mod fault;
+pub(crate) mod fault;
 pub(crate) mod group;
 pub(crate) mod status;
 
@@ -92,17 +92,14 @@ impl<B: Backend> Endpoint<B> {
         let Some((mut args, base)) = self.prologue(settings, plan, stage_input) else {
             return Ok(());
         };
-        let r = self.index;
+        let (r, c) = (self.index, plan.collective);
         args.local_input = match inputs {
             PeerInputs::Own(p) => p,
             PeerInputs::InPlace(all) => all[r],
         };
         args.output = output;
-        args.root = plan.collective.root;
-        args.hidden = plan.collective.hidden;
-        args.residual = fused.residual;
-        args.weight = fused.weight;
-        args.epsilon = plan.collective.epsilon;
+        (args.root, args.hidden, args.epsilon) = (c.root, c.hidden, c.epsilon);
+        (args.residual, args.weight) = (fused.residual, fused.weight);
         if !plan.stage_input {
             for k in 0..plan.width {
                 args.inputs[k] = match inputs {
@@ -121,11 +118,10 @@ impl<B: Backend> Endpoint<B> {
         }
     }
 
-    /// The steps before every launch, plain or batched: counts the call in its barrier
-    /// domain and builds the shared arguments (descriptor, group, signals, payloads;
-    /// staged inputs read from the payloads). Returns them with the group's first world
-    /// rank, or `None` where fault injection leaves the launch out (counted as made: a
-    /// late rank, not one that skipped a call).
+    /// What every launch does first: counts the call in its barrier domain and builds
+    /// the shared arguments (descriptor, group, signals, payloads; staged inputs read
+    /// from the payloads), returned with the group's first world rank. `None` where fault
+    /// injection leaves the launch out (counted as made: a late rank, not a skipped call).
     fn prologue(
         &self,
         settings: &Settings,
@@ -164,8 +160,7 @@ impl<B: Backend> Endpoint<B> {
         Some((args, base))
     }
 
-    /// The sequence number of the next call in barrier `domain` (it counts every launch
-    /// there).
+    /// The sequence number of the next call in barrier `domain`.
     pub(crate) fn next_call(&self, domain: usize) -> u64 {
         let seq = self.calls[domain].fetch_add(1, Ordering::Relaxed);
         self.skewed(seq)

@@ -17,27 +17,29 @@ const _: () = assert!(
     std::mem::offset_of!(Signal, error_detail) == std::mem::offset_of!(Signal, error_state) + 16
 );
 
-/// Reads `rank`'s error record after its stream's earlier work: `None` when clean.
-pub(crate) fn read_error_record<B: Backend>(rank: &Endpoint<B>) -> Result<Option<Error>> {
-    let mut raw = [0u8; RECORD_WORDS * 4];
-    B::read(&rank.device, record_ptr(rank), &mut raw)?;
-    let mut words = [0u32; RECORD_WORDS];
-    for (w, b) in words.iter_mut().zip(raw.chunks_exact(4)) {
-        *w = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+impl<B: Backend> Endpoint<B> {
+    /// This rank's error record after its stream's earlier work: `None` when clean.
+    pub(crate) fn read_error(&self) -> Result<Option<Error>> {
+        let mut raw = [0u8; RECORD_WORDS * 4];
+        B::read(&self.device, self.record_ptr(), &mut raw)?;
+        let mut words = [0u32; RECORD_WORDS];
+        for (w, b) in words.iter_mut().zip(raw.chunks_exact(4)) {
+            *w = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
+        }
+        Ok(decode(self.index, &words))
     }
-    Ok(decode(rank.index, &words))
-}
 
-/// Reads `rank`'s error record now, without waiting; one still being written reads as
-/// clean (the next poll sees it).
-pub(crate) fn peek_error_record<B: Backend>(rank: &Endpoint<B>) -> Result<Option<Error>> {
-    let mut words = [0u32; RECORD_WORDS];
-    B::read_words_now(&rank.device, record_ptr(rank), &mut words)?;
-    Ok(decode(rank.index, &words))
-}
+    /// This rank's error record now, without waiting for its stream; one still being
+    /// written reads as clean (the next poll sees it).
+    pub(crate) fn peek_error(&self) -> Result<Option<Error>> {
+        let mut words = [0u32; RECORD_WORDS];
+        B::read_words_now(&self.device, self.record_ptr(), &mut words)?;
+        Ok(decode(self.index, &words))
+    }
 
-fn record_ptr<B: Backend>(rank: &Endpoint<B>) -> u64 {
-    B::memory_ptr(&rank.signal) + std::mem::offset_of!(Signal, error_state) as u64
+    fn record_ptr(&self) -> u64 {
+        B::memory_ptr(&self.signal) + std::mem::offset_of!(Signal, error_state) as u64
+    }
 }
 
 fn decode(rank: usize, words: &[u32; RECORD_WORDS]) -> Option<Error> {
@@ -70,12 +72,12 @@ fn decode(rank: usize, words: &[u32; RECORD_WORDS]) -> Option<Error> {
 }
 
 impl<B: Backend> crate::comm::core::Rank<B> {
-    /// This rank's error record after its stream's earlier work.
+    /// [`Endpoint::read_error`] of this rank.
     pub(crate) fn read_error(&self) -> Result<Option<Error>> {
-        read_error_record(&self.endpoint)
+        self.endpoint.read_error()
     }
-    /// This rank's error record now, without waiting for its stream.
+    /// [`Endpoint::peek_error`] of this rank.
     pub(crate) fn peek_error(&self) -> Result<Option<Error>> {
-        peek_error_record(&self.endpoint)
+        self.endpoint.peek_error()
     }
 }

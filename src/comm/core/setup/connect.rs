@@ -29,20 +29,16 @@ fn host_layout(hosts: &[HostId]) -> (usize, Option<usize>) {
     if !world.is_multiple_of(n) {
         return (n, None);
     }
+    // n uniform chunks over n distinct hosts: each host is one chunk.
     let local = world / n;
-    let regular = hosts.chunks(local).all(|c| c.iter().all(|h| *h == c[0]))
-        && hosts
-            .chunks(local)
-            .enumerate()
-            .all(|(i, c)| hosts.chunks(local).take(i).all(|d| d[0] != c[0]));
+    let regular = hosts.chunks(local).all(|c| c.iter().all(|h| *h == c[0]));
     (n, regular.then_some(local))
 }
 
-/// Sets up one rank's core and routing: peer memory where it serves, the external
-/// library where not (or a typed error with [`Fallback::Refuse`]); every world rank
-/// calls it at once. `bootstrap` carries the setup's exchanges, `external` the library's.
-/// With [`RankProcesses::OneProcess`] the front door makes the external handles
-/// ([`needs_external`]).
+/// Sets up one rank's core and routing, every world rank at once: peer memory where it
+/// serves, the external library where not (or a typed error with [`Fallback::Refuse`]).
+/// `bootstrap` carries the setup's exchanges, `external` the library's; with
+/// [`RankProcesses::OneProcess`] the front door makes the external handles.
 pub(crate) fn connect<B: Backend>(
     device: B::Device,
     bootstrap: Arc<dyn Bootstrap>,
@@ -121,12 +117,7 @@ pub(crate) fn connect<B: Backend>(
         by_size: config.fallback.by_size,
         arch: core.settings.arch.clone(),
     };
-    Ok(Rank::new(
-        core.endpoint,
-        core.settings,
-        route,
-        core.mappings,
-    ))
+    Ok(Rank::new(core, route))
 }
 
 /// Whether a single controller's cores over `world` devices need external handles:

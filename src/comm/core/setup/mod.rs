@@ -1,11 +1,8 @@
-//! Setting up the peer-memory core over a group of ranks (the world, or one host's):
+//! Setting up the peer-memory core over a group (the world, or one host's ranks):
 //! signals allocated, records and IPC handles exchanged, signals mapped, peer access
 //! agreed and checked. Where it cannot serve, every rank learns so at the same step and
-//! gets its device back, to fall back to the external library.
-//!
-//! Devices are told apart by [`DeviceIdentity`] (UUID, else PCI bus id), never by
-//! ordinal: isolated processes all call their GPU 0. Ranks of one process reach each
-//! other through peer access (by ordinal), of different processes through IPC.
+//! gets its device back for the external library. Devices are told apart by
+//! [`DeviceIdentity`], never by ordinal (isolated processes all call their GPU 0).
 
 use crate::backend::handle::process_token;
 use crate::backend::{Backend, DeviceIdentity, MemoryKind};
@@ -54,6 +51,18 @@ pub(crate) fn identity_of<B: Backend>(
     Ok(config.identity_of(world_rank, B::identity(device)?))
 }
 
+/// A signal of `layout` on `device`, initialised.
+fn new_signal<B: Backend>(
+    dev: &B::Device,
+    layout: SignalLayout,
+    kind: MemoryKind,
+) -> Result<B::Memory> {
+    let signal = B::alloc(dev, layout.checked_total_bytes()?, kind)?;
+    init_signal_buffer_with_counter_base::<B>(dev, &signal, layout, 0)?;
+    B::synchronize(dev)?;
+    Ok(signal)
+}
+
 /// A core over this rank alone, for groups of one where the world goes to the external
 /// library; its signal is small (a group of one uses no Lamport region or payload).
 pub(crate) fn solo<B: Backend>(device: B::Device, config: &CommConfig) -> Result<PeerSetup<B>> {
@@ -65,13 +74,7 @@ pub(crate) fn solo<B: Backend>(device: B::Device, config: &CommConfig) -> Result
         lamport_slots: 1,
         payload_bytes: 4096,
     };
-    let signal = B::alloc(
-        &device,
-        settings.layout.checked_total_bytes()?,
-        MemoryKind::Signal,
-    )?;
-    init_signal_buffer_with_counter_base::<B>(&device, &signal, settings.layout, 0)?;
-    B::synchronize(&device)?;
+    let signal = new_signal::<B>(&device, settings.layout, MemoryKind::Signal)?;
     let mut peer_signals = [0u64; MAX_GPUS];
     peer_signals[0] = B::memory_ptr(&signal);
     Ok(PeerSetup {
@@ -96,15 +99,12 @@ pub(crate) fn establish<B: Backend>(
     let arch = B::architecture(&device)?;
     let sms = config.multiprocessors_of(members[me], B::multiprocessor_count(&device)?);
     let mut settings = Settings::new(config.clone(), arch.clone(), sms, n)?;
-    let layout = settings.layout;
     let kind = if n > 1 && placement == RankProcesses::Anywhere {
         MemoryKind::SharedSignal
     } else {
         MemoryKind::Signal
     };
-    let signal = B::alloc(&device, layout.checked_total_bytes()?, kind)?;
-    init_signal_buffer_with_counter_base::<B>(&device, &signal, layout, 0)?;
-    B::synchronize(&device)?;
+    let signal = new_signal::<B>(&device, settings.layout, kind)?;
     let mine = PeerRecord {
         process: process_token(),
         multiprocessors: u32::try_from(sms).unwrap_or(u32::MAX),
@@ -156,32 +156,28 @@ pub(crate) fn establish<B: Backend>(
             continue;
         }
         let (a, b) = (members[me], members[r]);
-        let unavailable = |cause: String, hint: String| {
-            p2p_unavailable(a, &mine.identity, b, &peer.identity, cause, hint)
+        let blocked = config.simulation_blocks_pair(a, b);
+        let mut refuse = |cause: String, hint: String| {
+            let (ia, ib) = (&mine.identity, &peer.identity);
+            problem.get_or_insert_with(|| p2p_unavailable(a, ia, b, ib, cause, hint));
         };
-        if config.simulation_blocks_pair(a, b) {
-            problem.get_or_insert_with(|| {
-                unavailable(
-                    "peer access between them is removed by Simulation::no_peer_access (a \
-                     test switch)"
-                        .into(),
-                    format!("Unset it, or {FALLBACK_HINT}"),
-                )
-            });
+        if blocked {
+            refuse(
+                "peer access between them is removed by Simulation::no_peer_access (a test \
+                 switch)"
+                    .into(),
+                format!("Unset it, or {FALLBACK_HINT}"),
+            );
         }
         peer_signals[r] = if same_process(peer, &mine) {
             // One process: the address is valid once peer access (by ordinal) is on.
-            let (theirs, ours) = (peer.identity.ordinal(), mine.identity.ordinal());
-            if theirs != ours
-                && !config.simulation_blocks_pair(a, b)
+            let theirs = peer.identity.ordinal();
+            if theirs != mine.identity.ordinal()
+                && !blocked
                 && !enable_peer_access_to::<B>(&device, theirs)?
             {
-                problem.get_or_insert_with(|| {
-                    unavailable(
-                        format!("{} reports no peer access between these devices", B::NAME),
-                        no_path_hint(B::NAME),
-                    )
-                });
+                let cause = format!("{} reports no peer access between these devices", B::NAME);
+                refuse(cause, no_path_hint(B::NAME));
             }
             peer.signal_addr
         } else {
@@ -193,59 +189,52 @@ pub(crate) fn establish<B: Backend>(
                     addr
                 }
                 Err(e) => {
-                    problem.get_or_insert_with(|| {
-                        unavailable(
-                            format!(
-                                "mapping rank {b}'s signal memory into rank {a}'s process \
-                                 failed ({e})"
-                            ),
-                            import_hint(B::NAME),
-                        )
-                    });
+                    let cause = format!(
+                        "mapping rank {b}'s signal memory into rank {a}'s process failed ({e})"
+                    );
+                    refuse(cause, import_hint(B::NAME));
                     0
                 }
             }
         };
-    }
-    // Every world rank learns whether any lacks peer access (and every mapping is
-    // ordered before any launch).
-    if let Some(reason) = agree(world, problem)? {
-        drop(mappings);
-        drop(signal);
-        return Ok(Outcome::Refused { device, reason });
     }
     let core = PeerSetup {
         endpoint: Endpoint::new(me, device, signal, peer_signals),
         settings,
         mappings,
     };
-    let corrupt = config.simulation_fails_peer_check(members[me]);
-    let verdict = peer_check::check_rank(&core.endpoint, &core.settings, corrupt)?;
-    let failed: Vec<(usize, String)> = world
-        .all_gather(verdict.as_deref().unwrap_or("").as_bytes())?
-        .into_iter()
-        .enumerate()
-        .filter(|(_, v)| !v.is_empty())
-        .map(|(r, v)| (r, String::from_utf8_lossy(&v).into_owned()))
-        .collect();
-    if failed.is_empty() {
-        return Ok(Outcome::Ready(Box::new(core)));
-    }
+    // Every world rank learns whether any lacks peer access (and every mapping is
+    // ordered before any launch); then whether the check passed everywhere.
+    let reason = match agree(world, problem)? {
+        Some(reason) => reason,
+        None => {
+            let corrupt = config.simulation_fails_peer_check(members[me]);
+            let verdict = peer_check::check_rank(&core.endpoint, &core.settings, corrupt)?;
+            let failed: Vec<(usize, String)> = world
+                .all_gather(verdict.as_deref().unwrap_or("").as_bytes())?
+                .into_iter()
+                .enumerate()
+                .filter(|(_, v)| !v.is_empty())
+                .map(|(r, v)| (r, String::from_utf8_lossy(&v).into_owned()))
+                .collect();
+            if failed.is_empty() {
+                return Ok(Outcome::Ready(Box::new(core)));
+            }
+            Error::PeerCheckFailed {
+                ranks: failed.iter().map(|(r, _)| *r).collect(),
+                detail: failed[0].1.clone(),
+            }
+        }
+    };
+    // No kernel uses the signals now (every rank waited for the check's): they may go.
     let PeerSetup {
         endpoint: Endpoint { device, signal, .. },
         mappings,
         ..
     } = core;
-    // Every rank waited for the check's kernels before its verdict: the signals may go.
     drop(mappings);
     drop(signal);
-    Ok(Outcome::Refused {
-        device,
-        reason: Error::PeerCheckFailed {
-            ranks: failed.iter().map(|(r, _)| *r).collect(),
-            detail: failed[0].1.clone(),
-        },
-    })
+    Ok(Outcome::Refused { device, reason })
 }
 
 /// Lets `dev` reach device `peer_ordinal` of this process; `false` without peer access.
@@ -267,55 +256,51 @@ pub(crate) mod unavailable;
 mod tests {
     use super::*;
 
-    fn record(process: u64, multiprocessors: u32) -> PeerRecord {
+    /// A record of process `process` on ordinal `ordinal` of simulated device `physical`.
+    fn on(process: u64, ordinal: usize, physical: usize) -> PeerRecord {
         PeerRecord {
             process,
-            multiprocessors,
-            identity: DeviceIdentity::simulated(0, 0),
+            multiprocessors: 4,
+            identity: DeviceIdentity::simulated(ordinal, physical),
             signal_addr: 0x1000,
             arch: "host".into(),
         }
     }
 
-    /// A record of process `process` on ordinal `ordinal` of physical device
-    /// `physical`.
-    fn on(process: u64, ordinal: usize, physical: usize) -> PeerRecord {
+    fn with_sms(process: u64, multiprocessors: u32) -> PeerRecord {
         PeerRecord {
-            identity: DeviceIdentity::simulated(ordinal, physical),
-            ..record(process, 4)
+            multiprocessors,
+            ..on(process, 0, 0)
         }
     }
 
+    /// Records round-trip with every identity; another version or a cut record is
+    /// refused, not a panic.
     #[test]
     fn records_round_trip() {
-        let r = record(0xdead_beef_0123, 132);
-        assert_eq!(PeerRecord::decode(1, &r.encode()).unwrap(), r);
         let mut uuid = [0u8; 16];
         uuid[15] = 0xab;
+        let r = with_sms(0xdead_beef_0123, 132);
+        assert_eq!(PeerRecord::decode(1, &r.encode()).unwrap(), r);
         for identity in [
             DeviceIdentity::new(3, Some(uuid), Some("0000:c1:00.0")),
             DeviceIdentity::new(0, Some(uuid), None),
             DeviceIdentity::new(1, None, Some("0001:02:03.4")),
             DeviceIdentity::new(7, None, None),
         ] {
+            let arch = "sm_90".into();
             let r = PeerRecord {
                 identity,
-                arch: "sm_90".into(),
-                ..record(5, 132)
+                arch,
+                ..with_sms(5, 132)
             };
             assert_eq!(PeerRecord::decode(1, &r.encode()).unwrap(), r);
         }
-        // A record of the previous format (no identity) is refused by its version.
         let mut old = r.encode();
         old[0] = 2;
-        let err = PeerRecord::decode(1, &old).unwrap_err();
-        assert!(
-            err.to_string().contains("another peercomm version"),
-            "{err}"
-        );
-        // A cut record is malformed, not a panic.
-        let cut = &r.encode()[..40];
-        assert!(PeerRecord::decode(1, cut).is_err());
+        let err = PeerRecord::decode(1, &old).unwrap_err().to_string();
+        assert!(err.contains("another peercomm version"), "{err}");
+        assert!(PeerRecord::decode(1, &r.encode()[..40]).is_err());
     }
 
     /// Processes isolated by CUDA_VISIBLE_DEVICES all report ordinal 0: they are on
@@ -334,20 +319,18 @@ mod tests {
             .unwrap()
             .to_string();
         let uuid = DeviceIdentity::simulated(0, 4).uuid_string().unwrap();
-        assert!(refusal.contains("ranks 4 and 6"), "{refusal}");
-        assert!(
-            refusal.contains(&format!("rank 4 on device 0 ({uuid}")),
-            "{refusal}"
-        );
-        assert!(
-            refusal.contains(&format!("rank 6 on device 2 ({uuid}")),
-            "{refusal}"
-        );
-        assert!(refusal.contains("allow_shared_devices"), "{refusal}");
+        for part in [
+            "ranks 4 and 6".to_string(),
+            format!("rank 4 on device 0 ({uuid}"),
+            format!("rank 6 on device 2 ({uuid}"),
+            "allow_shared_devices".into(),
+        ] {
+            assert!(refusal.contains(&part), "{part:?} missing from {refusal}");
+        }
         // Nothing physical known: one process compares ordinals, two processes cannot.
         let blank = |process, ordinal| PeerRecord {
             identity: DeviceIdentity::new(ordinal, None, None),
-            ..record(process, 4)
+            ..on(process, 0, 0)
         };
         assert!(same_device(&blank(1, 0), &blank(1, 0)));
         assert!(!same_device(&blank(1, 0), &blank(1, 1)));
@@ -356,11 +339,15 @@ mod tests {
 
     #[test]
     fn unavailable_peer_access_crosses_the_world_whole() {
+        let (ia, ib) = (
+            DeviceIdentity::simulated(0, 0),
+            DeviceIdentity::simulated(0, 1),
+        );
         let e = p2p_unavailable(
             0,
-            &DeviceIdentity::simulated(0, 0),
+            &ia,
             3,
-            &DeviceIdentity::simulated(0, 1),
+            &ib,
             "the mapping failed".into(),
             import_hint("cuda"),
         );
@@ -370,7 +357,7 @@ mod tests {
         let text = e.to_string();
         for part in [
             "from rank 0 (device 0) to rank 3 (device 0)",
-            &DeviceIdentity::simulated(0, 1).to_string(),
+            &ib.to_string(),
             "the mapping failed",
             "CUDA_VISIBLE_DEVICES",
             "nvidia-smi topo -p2p r",
@@ -381,21 +368,16 @@ mod tests {
     }
 
     /// Two containers of one pod can both be pid 1: the process is told by its token,
-    /// so such ranks import each other's memory instead of using raw addresses.
+    /// so such ranks import each other's memory instead of using raw addresses. The
+    /// grid comes from the fewest multiprocessors (at least one).
     #[test]
-    fn the_process_is_told_by_its_token_not_its_pid() {
-        let a = record(1, 4);
-        let b = record(2, 4);
-        assert!(!same_process(&a, &b));
-        assert!(same_process(&a, &record(1, 8)));
+    fn the_process_is_told_by_its_token_and_the_grid_by_the_fewest_sms() {
+        assert!(!same_process(&with_sms(1, 4), &with_sms(2, 4)));
+        assert!(same_process(&with_sms(1, 4), &with_sms(1, 8)));
         assert_ne!(process_token(), 0);
         assert_eq!(process_token(), process_token());
-    }
-
-    #[test]
-    fn the_grid_comes_from_the_fewest_multiprocessors() {
-        let records = [record(1, 2), record(2, 1), record(3, 132)];
+        let records = [with_sms(1, 2), with_sms(2, 1), with_sms(3, 132)];
         assert_eq!(fewest_multiprocessors(&records), 1);
-        assert_eq!(fewest_multiprocessors(&[record(1, 0)]), 1);
+        assert_eq!(fewest_multiprocessors(&[with_sms(1, 0)]), 1);
     }
 }

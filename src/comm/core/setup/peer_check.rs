@@ -1,16 +1,14 @@
-//! The peer-access check at initialisation: a driver's report is not enough (links have
-//! reported P2P and returned garbage), so every rank all-reduces a known pattern
-//! through every peer mapping on the kernels' own path, one-stage (peer reads) and
-//! Lamport (peer writes), comparing each element with the exact sum. A wrong value or a
-//! timeout fails the check (fallback, or [`crate::Error::PeerCheckFailed`]); with
-//! `barrier_timeout: None` a link that loses writes could wait forever.
+//! The peer-access check at setup: links have reported P2P and returned garbage, so every
+//! rank all-reduces a known pattern one-stage (peer reads) and Lamport (peer writes) and
+//! compares each element with the exact sum. A wrong value or a timeout fails the check
+//! (fallback, or [`crate::Error::PeerCheckFailed`]); with `barrier_timeout: None` a link
+//! that loses writes could wait forever.
 
 use crate::backend::Backend;
 use crate::dispatch::Algorithm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-use crate::comm::core::launch::status::read_error_record;
 use crate::comm::core::launch::{Fused, PeerInputs};
 use crate::comm::core::planning::PeerReads;
 use crate::comm::core::settings::Settings;
@@ -29,9 +27,6 @@ fn pattern(r: usize, i: usize) -> f32 {
 fn expected(width: usize, i: usize) -> f32 {
     (0..width).map(|r| pattern(r, i)).sum()
 }
-
-/// The algorithms the check runs, each with a reason to: peer reads, then peer writes.
-const ALGORITHMS: [Algorithm; 2] = [Algorithm::OneStage, Algorithm::Lamport];
 
 /// Compares a result with the exact sums; `corrupt` flips a bit of what was read first
 /// (the test-only simulation of a bad link).
@@ -67,7 +62,10 @@ pub(crate) fn check_rank<B: Backend>(
     let mut send = B::alloc_buffer::<f32>(dev, ELEMENTS)?;
     B::upload(dev, &mine, &mut send)?;
     let mut failure = None;
-    for (k, algorithm) in ALGORITHMS.into_iter().enumerate() {
+    for (k, algorithm) in [Algorithm::OneStage, Algorithm::Lamport]
+        .into_iter()
+        .enumerate()
+    {
         let opts = AllReduceOptions::new().algorithm(algorithm);
         let plan = match settings.plan(DType::F32, ELEMENTS, &opts, false, PeerReads::Payloads) {
             Ok(p) => p,
@@ -89,7 +87,7 @@ pub(crate) fn check_rank<B: Backend>(
         drop((in_guard, out_guard));
         launched?;
         B::synchronize(dev)?;
-        if let Some(e) = read_error_record::<B>(rank)? {
+        if let Some(e) = rank.read_error()? {
             return Ok(Some(format!("{}: {e}", algorithm.name())));
         }
         let got = B::download(dev, &recv)?;

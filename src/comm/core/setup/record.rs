@@ -1,5 +1,5 @@
-//! The record every rank sends the others at setup, its wire form, and the rules the
-//! records are checked by (shared process or device, the agreed grid).
+//! The record every rank sends the others at setup, its wire form, and the rules it is
+//! checked by (shared process or device, the agreed grid).
 
 use crate::backend::DeviceIdentity;
 use crate::error::{Error, Result};
@@ -106,8 +106,8 @@ pub(crate) fn fewest_multiprocessors(records: &[PeerRecord]) -> usize {
         .max(1)
 }
 
-/// Whether two ranks are on one physical device by identity (UUID, else PCI bus id);
-/// with neither, ranks of one process compare ordinals, of two processes differ.
+/// Whether two ranks are on one physical device by identity (UUID, else PCI bus id); with
+/// neither, ranks of one process compare ordinals, of two processes differ.
 pub(crate) fn same_device(a: &PeerRecord, b: &PeerRecord) -> bool {
     same_identity(&a.identity, &b.identity, same_process(a, b))
 }
@@ -133,12 +133,8 @@ pub(crate) fn first_shared_device(records: &[PeerRecord], members: &[usize]) -> 
     for (i, p) in records.iter().enumerate() {
         for (j, q) in records.iter().enumerate().skip(i + 1) {
             if same_device(p, q) {
-                return Some(shared_device_error(
-                    members[i],
-                    &p.identity,
-                    members[j],
-                    &q.identity,
-                ));
+                let (a, b) = (members[i], members[j]);
+                return Some(shared_device_error(a, &p.identity, b, &q.identity));
             }
         }
     }
