@@ -1,27 +1,20 @@
-//! The batched all-reduce ([`KernelKind::AllReduceGroup`]) on the host side: planning a
-//! batch and launching it on one rank, for the group calls of both front doors.
+//! The batched all-reduce ([`KernelKind::AllReduceGroup`]): planning a batch and
+//! launching it on one rank, for the group calls of both front doors.
 //!
-//! A batch runs 1 to [`MAX_GROUP_CALLS`] all-reduces (sum) of one dtype over groups of
-//! one width as one kernel with one start and one end barrier. Entry s sits in the
-//! payload at `offset_s`: entry 0 after the entry table ([`GROUP_HEADER_BYTES`]), each
-//! next one after the previous rounded up to whole packs. A staged batch wider than one
-//! (the per-rank `Comm`, or an in-place entry) needs table and entries to fit
-//! `payload_bytes` ([`Error::MessageTooLarge`] otherwise); the single controller's
-//! out-of-place batches read every member's input in place, with no table (its host has
-//! compared the entries: [`Error::LengthMismatch`]). An empty batch launches nothing
-//! and is not counted. The grid follows the entries' packs (a batch has no `blocks`).
+//! A batch runs 1 to [`MAX_GROUP_CALLS`] sum all-reduces of one dtype and width as one
+//! kernel with one start and one end barrier. Entry s sits in the payload at
+//! `offset_s`: entry 0 after the entry table ([`GROUP_HEADER_BYTES`]), each next one after
+//! the previous in whole packs. A staged batch wider than one needs table and entries to
+//! fit `payload_bytes`; the single controller's out-of-place batches read every input in
+//! place, with no table. The grid follows the entries' packs.
 //!
-//! The batch's one call descriptor (`call::encode`) is built from entry 0: the root
-//! field holds `count - 1` (another count is `CallField::Root`), the element field entry
-//! 0's length. Later lengths do not fit it: every rank writes its entry table (count,
-//! then each length as two 32-bit halves) at the start of its payload while it stages;
-//! after the Publish barrier every block compares every peer's table with its own
-//! before storing anything. On a difference each rank finds one on its side, records
-//! [`Error::CallMismatch`] (`CallField::Length`, the first differing entry's counts)
-//! and abandons as on a barrier mismatch, waiting until its peers have compared too,
-//! so no payload is reused while a peer still reads its table. A later length that
-//! changes the grid differs in the block count already, which `call::first_difference`
-//! names `CallField::Length` between two batches.
+//! The call descriptor is entry 0's, its root field holding `count - 1`. Later lengths
+//! do not fit it: each rank writes its entry table (count, then each length as two
+//! 32-bit halves) into its payload while it stages, and after the Publish barrier every
+//! block compares every peer's table with its own before storing anything. On a
+//! difference each rank records [`Error::CallMismatch`] (`CallField::Length`) and
+//! abandons as on a barrier mismatch, waiting until its peers have compared too, so no
+//! payload is reused while a peer still reads its table.
 
 use crate::backend::{Backend, Kernel, KernelKind};
 use crate::dispatch::{self, Algorithm};
@@ -30,12 +23,15 @@ use crate::error::{Error, Result};
 use crate::signal::{GroupArgs, GroupEntry, GROUP_HEADER_BYTES, MAX_GROUP_CALLS, PACK_BYTES};
 
 use crate::comm::core::launch::PeerInputs;
-use crate::comm::core::planning::{CollectiveArgs, Plan};
+use crate::comm::core::planning::check::Routed;
+use crate::comm::core::planning::{CollectiveArgs, PeerReads, Plan};
+use crate::comm::core::routing::Path;
 use crate::comm::core::settings::Settings;
-use crate::comm::core::{Endpoint, Rank};
+use crate::comm::core::Rank;
+use crate::comm::AllReduceOptions;
 
-/// A planned batch: the launch plan (what the descriptor is built from) and each
-/// entry's element count and payload offset.
+/// A planned batch: the launch plan (the descriptor's source) and each entry's length
+/// and payload offset.
 pub(crate) struct GroupPlan {
     pub(crate) plan: Plan,
     /// Entries: 1 ..= `MAX_GROUP_CALLS`.
@@ -67,7 +63,6 @@ impl Settings {
         let kind = KernelKind::AllReduceGroup;
         let mut offsets = [0u64; MAX_GROUP_CALLS];
         let too_large = || self.payload_too_large(kind, usize::MAX);
-        // The entries' packs, after the entry table's.
         let header_packs = GROUP_HEADER_BYTES / PACK_BYTES;
         let mut packs = header_packs;
         for (s, &n) in lengths.iter().enumerate() {
@@ -80,24 +75,19 @@ impl Settings {
                 .ok_or_else(too_large)?;
         }
         let needed = packs.checked_mul(PACK_BYTES).ok_or_else(too_large)?;
-        // A staged group wider than one stages the table and every entry into the
-        // payload; in place, or a group of one, needs no scratch.
+        // In place, or a group of one, needs no scratch.
         let staged = stage && width > 1;
         if staged && needed > self.layout.payload_bytes {
             return Err(self.payload_too_large(kind, needed));
         }
-        // As one-stage: each of the entries' packs comes from width - 1 peers. From the
-        // entries alone, so two batches' grids differ only where their lengths do.
+        // As one-stage, from the entries alone: two batches' grids differ only where their
+        // lengths do.
         let blocks = dispatch::blocks_for(
             (packs - header_packs).saturating_mul((width - 1).max(1)),
             self.config.threads_per_block,
             self.max_blocks,
         );
         let (kernel, dims) = (Kernel { kind, dtype }, self.dims(blocks));
-        let mut lens = [0u64; MAX_GROUP_CALLS];
-        for (l, &n) in lens.iter_mut().zip(lengths) {
-            *l = n as u64;
-        }
         Ok(GroupPlan {
             plan: Plan {
                 stage_input: staged,
@@ -108,7 +98,7 @@ impl Settings {
                 ..Plan::new(kernel, Algorithm::OneStage, width, lengths[0], dims)
             },
             count,
-            lengths: lens,
+            lengths: std::array::from_fn(|s| lengths.get(s).map_or(0, |&n| n as u64)),
             offsets,
             total_elements: lengths.iter().sum(),
         })
@@ -116,22 +106,10 @@ impl Settings {
 }
 
 impl<B: Backend> Rank<B> {
-    /// Enqueues this rank's batched all-reduce of `group` ([`Endpoint::launch_group`]).
-    pub(crate) fn launch_group(
-        &self,
-        group: &GroupPlan,
-        io: &[(PeerInputs<'_>, u64)],
-    ) -> Result<()> {
-        self.endpoint.launch_group(&self.settings, group, io)
-    }
-}
-
-impl<B: Backend> Endpoint<B> {
     /// Enqueues this rank's batched all-reduce of `group`: entry s reads `io[s].0` (this
     /// rank's input, or every rank's where the batch reads in place), writes `io[s].1`.
     pub(crate) fn launch_group(
         &self,
-        settings: &Settings,
         group: &GroupPlan,
         io: &[(PeerInputs<'_>, u64)],
     ) -> Result<()> {
@@ -149,11 +127,13 @@ impl<B: Backend> Endpoint<B> {
                 "a batch read in place needs every member's input".into(),
             ));
         }
-        let Some((mut all, base)) = self.prologue(settings, plan, plan.stage_input as u32) else {
+        let e = &self.endpoint;
+        let Some((mut all, base)) = e.prologue(&self.settings, plan, plan.stage_input as u32)
+        else {
             return Ok(());
         };
         all.num_elements = group.total_elements as u64;
-        let (r, width) = (self.index, plan.width);
+        let (r, width) = (e.index, plan.width);
         let mut args = GroupArgs {
             all,
             count: group.count as u32,
@@ -174,7 +154,7 @@ impl<B: Backend> Endpoint<B> {
                 offset: group.offsets[s],
             };
         }
-        B::launch_group(&self.device, plan.kernel, plan.dims, &args)
+        B::launch_group(&e.device, plan.kernel, plan.dims, &args)
     }
 }
 
@@ -183,7 +163,7 @@ impl<B: Backend> Endpoint<B> {
 pub(crate) struct GroupedCall {
     pub(crate) dtype: DType,
     pub(crate) elements: usize,
-    pub(crate) options: crate::comm::AllReduceOptions,
+    pub(crate) options: AllReduceOptions,
     pub(crate) in_place: bool,
 }
 
@@ -192,10 +172,7 @@ pub(crate) enum GroupStep {
     /// Calls `first .. first + plan.count` in one batched kernel.
     Batch { first: usize, plan: GroupPlan },
     /// Call `index` alone, as routed and planned.
-    Alone {
-        index: usize,
-        routed: crate::comm::core::planning::check::Routed,
-    },
+    Alone { index: usize, routed: Routed },
 }
 
 /// Runs a group's steps in order with `run`, which launches one step and returns a
@@ -234,7 +211,7 @@ impl<B: Backend> Rank<B> {
     pub(crate) fn plan_grouped(
         &self,
         calls: &[GroupedCall],
-        reads: crate::comm::core::planning::PeerReads,
+        reads: PeerReads,
     ) -> Result<Vec<GroupStep>> {
         let batchable = |c: &GroupedCall| {
             matches!(c.options.algorithm, Algorithm::Auto | Algorithm::OneStage)
@@ -243,7 +220,7 @@ impl<B: Backend> Rank<B> {
         };
         let local_width = |c: &GroupedCall| -> Result<Option<usize>> {
             Ok(match self.route.path(c.dtype, c.elements, &c.options)? {
-                crate::comm::core::routing::Path::Peer(local) => Some(local.group_size),
+                Path::Peer(local) => Some(local.group_size),
                 _ => None,
             })
         };
@@ -255,8 +232,7 @@ impl<B: Backend> Rank<B> {
                 let mut lengths = vec![c.elements];
                 // Staged where the peers read only payloads, or where an entry's output
                 // is its input (the peers would read what this rank overwrites).
-                let mut stage =
-                    reads == crate::comm::core::planning::PeerReads::Payloads || c.in_place;
+                let mut stage = reads == PeerReads::Payloads || c.in_place;
                 let mut plan = None;
                 for next in &calls[i + 1..] {
                     if lengths.len() == MAX_GROUP_CALLS
@@ -317,31 +293,24 @@ mod tests {
     #[test]
     fn entries_follow_the_table_and_fit_with_it() {
         let s = settings(64 << 10, 2);
-        let g = s.group_plan(DType::F32, &[5, 0, 8, 1], 0, true).unwrap();
+        let plan = |lengths: &[usize], group_size, stage| {
+            s.group_plan(DType::F32, lengths, group_size, stage)
+        };
+        let g = plan(&[5, 0, 8, 1], 0, true).unwrap();
         assert_eq!(GROUP_HEADER_BYTES, 80);
         assert_eq!(&g.offsets[..4], &[80, 112, 112, 144]);
-        assert_eq!(g.plan.elements, 5);
-        assert_eq!(g.plan.collective.root, 3);
-        let big = s
-            .group_plan(DType::F32, &[(1 << 33) + 5, 1], 1, true)
-            .unwrap();
+        assert_eq!((g.plan.elements, g.plan.collective.root), (5, 3));
+        let big = plan(&[(1 << 33) + 5, 1], 1, true).unwrap();
         assert_eq!(big.plan.elements, (1 << 33) + 5);
         // The table and the entries fill the payload exactly; one pack more does not fit.
         let fill = ((64 << 10) - GROUP_HEADER_BYTES) / 4;
-        assert!(s.group_plan(DType::F32, &[fill - 4, 4], 0, true).is_ok());
-        match s.group_plan(DType::F32, &[fill - 4, 5], 0, true) {
+        assert!(plan(&[fill - 4, 4], 0, true).unwrap().plan.stage_input);
+        match plan(&[fill - 4, 5], 0, true) {
             Err(Error::MessageTooLarge { needed, .. }) => assert_eq!(needed, (64 << 10) + 16),
             other => panic!("{:?}", other.map(|g| g.count)),
         }
         // A group of one stages nothing, nor does a batch read in place.
-        assert!(s.group_plan(DType::F32, &[fill, 5], 1, true).is_ok());
-        let in_place = s.group_plan(DType::F32, &[fill, 5], 0, false).unwrap();
-        assert!(!in_place.plan.stage_input);
-        assert!(
-            s.group_plan(DType::F32, &[fill - 4, 4], 0, true)
-                .unwrap()
-                .plan
-                .stage_input
-        );
+        assert!(plan(&[fill, 5], 1, true).is_ok());
+        assert!(!plan(&[fill, 5], 0, false).unwrap().plan.stage_input);
     }
 }

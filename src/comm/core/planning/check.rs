@@ -1,5 +1,5 @@
-//! One rank's side of a call, checked before anything launches (its buffers' device,
-//! dtype and length, a root), and the planning entry points of both front doors.
+//! One rank's side of a call, checked before anything launches (buffers' device, dtype,
+//! length and overlaps, a root), and the planning entry points of both front doors.
 
 use crate::backend::Backend;
 use crate::dtype::DType;
@@ -38,10 +38,10 @@ impl Span {
     }
 }
 
-/// Checks a call's buffers before anything launches: every pair with a written one must
-/// be disjoint, except (with `in_place`) a rank's input and output of exactly one range,
-/// which runs in place (returns whether found). Any other overlap is
-/// [`Error::BuffersOverlap`]: it would give a wrong result with `Ok`.
+/// Every pair of a call's buffers with a written one must be disjoint, except (with
+/// `in_place`) a rank's input and output of exactly one range, which runs in place
+/// (returns whether found). Any other overlap is [`Error::BuffersOverlap`] (it would give
+/// a wrong result with `Ok`).
 pub(crate) fn check_overlaps(spans: &[Span], in_place: bool) -> Result<bool> {
     let mut aliased = false;
     for (i, a) in spans.iter().enumerate() {
@@ -57,26 +57,20 @@ pub(crate) fn check_overlaps(spans: &[Span], in_place: bool) -> Result<bool> {
                 aliased = true;
                 continue;
             }
-            let rank = a.rank.min(b.rank);
-            let name = |s: &Span| match spans.iter().any(|o| o.rank != s.rank) {
-                true => format!("rank {}'s {}", s.rank, s.which),
-                false => format!("its {}", s.which),
+            let shown = |s: &Span| match spans.iter().any(|o| o.rank != s.rank) {
+                true => format!(
+                    "rank {}'s {} ({} bytes at {:#x})",
+                    s.rank, s.which, s.bytes, s.ptr
+                ),
+                false => format!("its {} ({} bytes at {:#x})", s.which, s.bytes, s.ptr),
+            };
+            let why = match in_place && own_pair && input_output {
+                true => "only the very same range runs in place",
+                false => "the buffers of a call must not overlap",
             };
             return Err(Error::BuffersOverlap {
-                rank,
-                what: format!(
-                    "{} ({} bytes at {:#x}) overlaps {} ({} bytes at {:#x}){}",
-                    name(a),
-                    a.bytes,
-                    a.ptr,
-                    name(b),
-                    b.bytes,
-                    b.ptr,
-                    match in_place && own_pair && input_output {
-                        true => ": only the very same range runs in place",
-                        false => ": the buffers of a call must not overlap",
-                    }
-                ),
+                rank: a.rank.min(b.rank),
+                what: format!("{} overlaps {}: {why}", shown(a), shown(b)),
             });
         }
     }
@@ -187,7 +181,7 @@ impl<B: Backend> Rank<B> {
         Ok(())
     }
 
-    /// Routes and plans an all-reduce of `elements` of `dtype` on this rank.
+    /// Routes and plans an all-reduce of `elements` of `dtype` on this rank (cached).
     pub(crate) fn plan_all_reduce(
         &self,
         dtype: DType,
@@ -206,7 +200,7 @@ impl<B: Backend> Rank<B> {
         if let Some(plan) = self.plans.get(&shape) {
             return Ok(Routed::Peer(plan));
         }
-        // Before routing, which sizes the message.
+        // Before routing, which multiplies the length by the element size.
         message_bytes(dtype, elements, &|| "an all-reduce".into())?;
         match self.route.path(dtype, elements, options)? {
             Path::Peer(local) => {
@@ -244,8 +238,8 @@ impl<B: Backend> Rank<B> {
             .collective_plan(which, dtype, elements, &local, reads)
     }
 
-    /// Whether this rank is the root of its broadcast or scatter group (a valid root
-    /// is checked first); a root must pass its input.
+    /// Whether this rank is the root of its broadcast or scatter group (the root checked
+    /// first); a root must pass its input.
     pub(crate) fn check_root(
         &self,
         has_input: bool,
@@ -275,9 +269,7 @@ impl<B: Backend> Rank<B> {
         let (width, _) = self.collective_width(options)?;
         Ok(reduce_scatter_part(n, width, self.world_rank() % width).len())
     }
-}
 
-impl<B: Backend> Rank<B> {
     /// The barrier kernel over groups of `group_size` (groups that peer memory serves
     /// only).
     pub(crate) fn barrier_plan(&self, group_size: usize) -> Result<Plan> {
@@ -312,44 +304,35 @@ mod tests {
     /// ranges at the top of the address space never wrap.
     #[test]
     fn overlaps_are_refused_but_the_exact_alias() {
-        let ok = |spans: &[Span], in_place| check_overlaps(spans, in_place);
         let input = span(0, "input", 0x1000, 4096);
-        assert_eq!(
-            ok(&[input, span(0, "output", 0x2000, 4096)], true),
-            Ok(false)
-        );
-        assert_eq!(
-            ok(&[input, span(0, "output", 0x1000, 4096)], true),
-            Ok(true)
-        );
-        for (output, in_place) in [
-            (span(0, "output", 0x1000, 4096), false),
-            (span(0, "output", 0x1004, 4096), true),
-            (span(0, "output", 0x0ffc, 8), true),
-            (span(0, "output", 0x1000, 4092), true),
-            (span(1, "output", 0x1000, 4096), true),
+        let top = span(0, "input", u64::MAX - 15, 16);
+        let weight = span(0, "weight", 0x100, 64);
+        let out = |rank, ptr, bytes| span(rank, "output", ptr, bytes);
+        // Two spans, in place, and whether the input and output alias where it passes.
+        for ([a, b], in_place, want) in [
+            ([input, out(0, 0x2000, 4096)], true, Some(false)),
+            ([input, out(0, 0x1000, 4096)], true, Some(true)),
+            ([input, out(0, 0x1000, 4096)], false, None),
+            ([input, out(0, 0x1004, 4096)], true, None),
+            ([input, out(0, 0x0ffc, 8)], true, None),
+            ([input, out(0, 0x1000, 4092)], true, None),
+            ([input, out(1, 0x1000, 4096)], true, None),
+            // Two outputs, exact or not; a residual over a weight.
+            ([out(0, 0x8000, 64), out(1, 0x8000, 64)], true, None),
+            ([weight, span(0, "residual", 0x120, 64)], true, None),
+            // Reads overlap freely; empty ranges overlap nothing; nothing wraps.
+            ([input, span(1, "input", 0x1000, 4096)], false, Some(false)),
+            ([input, out(0, 0x1000, 0)], false, Some(false)),
+            ([top, out(0, 0, 16)], false, Some(false)),
+            ([top, out(0, u64::MAX, 1)], false, None),
         ] {
-            match ok(&[input, output], in_place) {
-                Err(Error::BuffersOverlap { rank: 0, what }) => assert!(what.contains("input")),
-                other => panic!("{output:?} (in place {in_place}): {other:?}"),
+            match (check_overlaps(&[a, b], in_place), want) {
+                (Ok(aliased), Some(w)) => assert_eq!(aliased, w, "{a:?} {b:?}"),
+                (Err(Error::BuffersOverlap { rank: 0, what }), None) => {
+                    assert!(what.contains(a.which), "{what}")
+                }
+                (got, _) => panic!("{a:?} {b:?} (in place {in_place}): {got:?}"),
             }
         }
-        // Two outputs, exact or not; a residual over a weight.
-        let out = span(0, "output", 0x8000, 64);
-        assert!(ok(&[out, span(1, "output", 0x8000, 64)], true).is_err());
-        assert!(ok(
-            &[span(0, "weight", 0x100, 64), span(0, "residual", 0x120, 64)],
-            true
-        )
-        .is_err());
-        // Reads overlap freely; empty ranges overlap nothing.
-        assert_eq!(
-            ok(&[input, span(1, "input", 0x1000, 4096)], false),
-            Ok(false)
-        );
-        assert_eq!(ok(&[input, span(0, "output", 0x1000, 0)], false), Ok(false));
-        let top = span(0, "input", u64::MAX - 15, 16);
-        assert_eq!(ok(&[top, span(0, "output", 0, 16)], false), Ok(false));
-        assert!(ok(&[top, span(0, "output", u64::MAX, 1)], false).is_err());
     }
 }

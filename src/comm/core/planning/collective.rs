@@ -1,8 +1,6 @@
-//! The collectives beside the all-reduce (all-gather, reduce-scatter, broadcast,
-//! scatter, fused all-reduce + residual + RMSNorm): options, the reduce-scatter split,
-//! and planning. Where the peers cannot read user buffers, what they read is staged into
-//! the own payload, in chunks where it does not fit whole ([`super::staging`]); only a
-//! payload without room for two chunks refuses it ([`crate::Error::MessageTooLarge`]).
+//! The collectives beside the all-reduce (all-gather, reduce-scatter, broadcast, scatter,
+//! fused all-reduce + residual + RMSNorm): options and planning. What peers cannot read
+//! in place is staged through the payload, in chunks where it does not fit whole.
 
 use crate::backend::{Kernel, KernelKind};
 use crate::dispatch::{self, Algorithm};
@@ -231,27 +229,21 @@ fn check_rms_norm(dtype: DType, elements: usize, hidden: usize, epsilon: f32) ->
 mod tests {
     use super::*;
     use crate::CommConfig;
+    use Algorithm::{Auto, Hierarchical, Lamport, Nccl, OneStage, TwoStage};
+    use KernelKind::{AllReduceRmsNorm, LamportRmsNorm};
 
-    fn settings(world: usize, slot: usize) -> Settings {
+    fn settings(world: usize) -> Settings {
         let config = CommConfig {
-            lamport_slot_bytes: slot,
+            lamport_slot_bytes: 1 << 20,
             ..CommConfig::default()
         };
         Settings::new(config, "sm_90".into(), 132, world).unwrap()
     }
 
-    fn fused(
-        s: &Settings,
-        tokens: usize,
-        hidden: usize,
-        options: CollectiveOptions,
-        reads: PeerReads,
-    ) -> Result<Plan> {
-        let which = Collective::AllReduceRmsNorm {
-            hidden,
-            epsilon: 1e-5,
-        };
-        s.collective_plan(which, DType::BF16, tokens * hidden, &options, reads)
+    fn opts(algorithm: Algorithm, group_size: usize) -> CollectiveOptions {
+        CollectiveOptions::new()
+            .algorithm(algorithm)
+            .group_size(group_size)
     }
 
     /// Auto runs the Lamport fused kernel over the whole world where the slot holds the
@@ -259,25 +251,39 @@ mod tests {
     /// refused with a typed error; the grid and the scratch are the one-stage ones.
     #[test]
     fn the_fused_call_chooses_lamport_where_it_fits() {
-        let auto = CollectiveOptions::new();
-        let forced = |a| CollectiveOptions::new().algorithm(a);
-        // 1 MiB slots: 63 tokens of 8192 bf16 and the header fit, 64 do not.
-        let s = settings(4, 1 << 20);
+        let s = settings(4);
         for reads in [PeerReads::UserBuffers, PeerReads::Payloads] {
+            let fused = |tokens: usize, hidden: usize, o: CollectiveOptions| {
+                let which = Collective::AllReduceRmsNorm {
+                    hidden,
+                    epsilon: 1e-5,
+                };
+                s.collective_plan(which, DType::BF16, tokens * hidden, &o, reads)
+            };
+            // 1 MiB slots: 63 tokens of 8192 bf16 and the header fit, 64 do not.
             for tokens in [1, 8, 32, 63] {
-                let p = fused(&s, tokens, 8192, auto, reads).unwrap();
-                assert_eq!(p.kernel.kind, KernelKind::LamportRmsNorm, "{tokens}");
-                assert_eq!(p.algorithm, Algorithm::Lamport);
+                let p = fused(tokens, 8192, opts(Auto, 0)).unwrap();
+                assert_eq!((p.kernel.kind, p.algorithm), (LamportRmsNorm, Lamport));
                 assert!(!p.stage_input, "Lamport stages nothing");
-                let one = fused(&s, tokens, 8192, forced(Algorithm::OneStage), reads).unwrap();
-                assert_eq!(one.kernel.kind, KernelKind::AllReduceRmsNorm);
-                assert_eq!(one.algorithm, Algorithm::OneStage);
+                let one = fused(tokens, 8192, opts(OneStage, 0)).unwrap();
+                assert_eq!(
+                    (one.kernel.kind, one.algorithm),
+                    (AllReduceRmsNorm, OneStage)
+                );
                 assert_eq!(one.stage_input, reads == PeerReads::Payloads);
                 assert_eq!(p.dims, one.dims, "one row per block either way");
             }
-            let p = fused(&s, 64, 8192, auto, reads).unwrap();
-            assert_eq!(p.kernel.kind, KernelKind::AllReduceRmsNorm, "past the slot");
-            match fused(&s, 64, 8192, forced(Algorithm::Lamport), reads).map(|p| p.kernel) {
+            let kind = |tokens, hidden, o| fused(tokens, hidden, o).map(|p| p.kernel.kind);
+            // Past the slot, in a subgroup (2 of 4), and in a group of one: one-stage.
+            for (tokens, hidden, o) in [
+                (64, 8192, opts(Auto, 0)),
+                (8, 4096, opts(Auto, 2)),
+                (8, 4096, opts(Auto, 1)),
+                (8, 4096, opts(Lamport, 1)),
+            ] {
+                assert_eq!(kind(tokens, hidden, o), Ok(AllReduceRmsNorm), "{o:?}");
+            }
+            match kind(64, 8192, opts(Lamport, 0)) {
                 Err(Error::MessageTooLarge {
                     needed,
                     available,
@@ -286,58 +292,51 @@ mod tests {
                 }) => assert_eq!((needed, available), ((1 << 20) + 64, 1 << 20)),
                 other => panic!("forced Lamport past the slot: {other:?}"),
             }
-            // Subgroups: Auto runs one-stage, forced Lamport is refused.
-            let sub = CollectiveOptions::new().group_size(2);
-            let p = fused(&s, 8, 4096, sub, reads).unwrap();
-            assert_eq!(p.kernel.kind, KernelKind::AllReduceRmsNorm);
-            let e = fused(&s, 8, 4096, sub.algorithm(Algorithm::Lamport), reads).map(|p| p.kernel);
-            assert!(matches!(e, Err(Error::Unsupported(_))), "{e:?}");
-            // A group of one copies.
-            for a in [Algorithm::Auto, Algorithm::Lamport] {
-                let p = fused(&s, 8, 4096, forced(a).group_size(1), reads).unwrap();
-                assert_eq!(p.kernel.kind, KernelKind::AllReduceRmsNorm, "{a:?}");
-                assert_eq!(p.algorithm, Algorithm::OneStage);
-            }
-            for a in [
-                Algorithm::TwoStage,
-                Algorithm::Nccl,
-                Algorithm::Hierarchical,
+            // Forced Lamport in a subgroup, and the algorithms the fused call lacks.
+            for o in [
+                opts(Lamport, 2),
+                opts(TwoStage, 0),
+                opts(Nccl, 0),
+                opts(Hierarchical, 0),
             ] {
-                let e = fused(&s, 8, 4096, forced(a), reads).map(|p| p.kernel);
-                assert!(matches!(e, Err(Error::Unsupported(_))), "{a:?}: {e:?}");
+                let e = kind(8, 4096, o);
+                assert!(matches!(e, Err(Error::Unsupported(_))), "{o:?}: {e:?}");
             }
             // A bad shape is named as such whatever the algorithm.
-            let e = fused(&s, 1, 12, forced(Algorithm::Lamport), reads).map(|p| p.kernel);
+            let e = kind(1, 12, opts(Lamport, 0));
             assert!(
                 matches!(&e, Err(Error::Unsupported(m)) if m.contains("hidden size")),
                 "{e:?}"
             );
         }
         // A world of one: one-stage.
-        let p = fused(&settings(1, 1 << 20), 8, 4096, auto, PeerReads::Payloads).unwrap();
-        assert_eq!(p.kernel.kind, KernelKind::AllReduceRmsNorm);
+        let which = Collective::AllReduceRmsNorm {
+            hidden: 4096,
+            epsilon: 1e-5,
+        };
+        let p = settings(1).collective_plan(
+            which,
+            DType::BF16,
+            8 * 4096,
+            &opts(Auto, 0),
+            PeerReads::Payloads,
+        );
+        assert_eq!(p.unwrap().kernel.kind, AllReduceRmsNorm);
         // The other collectives: Auto or OneStage.
-        for a in [Algorithm::Auto, Algorithm::OneStage] {
-            let p = s
-                .collective_plan(
-                    Collective::AllGather,
-                    DType::F32,
-                    100,
-                    &forced(a),
-                    PeerReads::UserBuffers,
-                )
-                .unwrap();
-            assert_eq!(p.kernel.kind, KernelKind::AllGather);
-        }
-        let e = s
-            .collective_plan(
-                Collective::Broadcast { root: 0 },
+        let other = |which, algorithm| {
+            s.collective_plan(
+                which,
                 DType::F32,
                 100,
-                &forced(Algorithm::Lamport),
+                &opts(algorithm, 0),
                 PeerReads::UserBuffers,
             )
-            .map(|p| p.kernel);
+            .map(|p| p.kernel.kind)
+        };
+        for a in [Auto, OneStage] {
+            assert_eq!(other(Collective::AllGather, a), Ok(KernelKind::AllGather));
+        }
+        let e = other(Collective::Broadcast { root: 0 }, Lamport);
         assert!(matches!(e, Err(Error::Unsupported(_))), "{e:?}");
     }
 

@@ -138,13 +138,12 @@ impl Settings {
         let width = self.group_width(options.group_size)?;
         // Sizes below stay within usize once the padded message (<= isize::MAX) does.
         let padded = message_bytes(dtype, elements, &|| "an all-reduce".into())?;
-        let bytes = elements * dtype.size();
         let packs = elements.div_ceil(dtype.lanes());
-        let slot = self.layout.lamport_slot_bytes;
-        let payload = self.layout.payload_bytes;
+        let (slot, payload) = (self.layout.lamport_slot_bytes, self.layout.payload_bytes);
         let two_stage_need = packs.div_ceil(width) * PACK_BYTES;
         let direct = reads == PeerReads::UserBuffers;
-        let stages = |in_place: bool| in_place || !direct;
+        // Where the peers would read what this rank overwrites, or cannot reach it.
+        let stages = in_place || !direct;
         // A Lamport slot holds the packs and, last, the header (the descriptor).
         let lamport_need = padded + LAMPORT_HEADER_BYTES;
         // Whether the scratch holds what `a` needs at once (staged one-stage beyond it
@@ -152,7 +151,7 @@ impl Settings {
         let fits_whole = |a: Algorithm| match a {
             Algorithm::Lamport => lamport_need <= slot,
             Algorithm::TwoStage => two_stage_need <= payload,
-            Algorithm::OneStage => !stages(in_place) || width == 1 || padded <= payload,
+            Algorithm::OneStage => !stages || width == 1 || padded <= payload,
             Algorithm::Auto | Algorithm::Nccl | Algorithm::Hierarchical => true,
         };
         let fits = |a: Algorithm| {
@@ -162,7 +161,7 @@ impl Settings {
         let lamport_allowed = self.lamport_allowed(width);
         let algorithm = match options.algorithm {
             Algorithm::Auto => {
-                let mut preferred = dispatch::choose(&self.arch, width, bytes);
+                let mut preferred = dispatch::choose(&self.arch, width, elements * dtype.size());
                 if (preferred == Algorithm::Lamport && !lamport_allowed)
                     || (preferred == Algorithm::TwoStage && !direct)
                 {
@@ -218,9 +217,8 @@ impl Settings {
             });
         }
         let kind = algorithm.kernel_kind().expect("concrete algorithm");
-        // A group of one waits for no one; staging is needed only where peers read the
-        // input while this rank overwrites it.
-        let stage_input = stages(in_place) && kind == KernelKind::OneStage && width > 1;
+        // A group of one waits for no one.
+        let stage_input = stages && kind == KernelKind::OneStage && width > 1;
         // The grid follows the remote traffic: each pack comes from width - 1 peers, so
         // each multiprocessor moves what it moves at width 2 (until every SM has one).
         let work_packs = match kind {
@@ -250,9 +248,18 @@ mod tests {
     use super::*;
     use crate::signal::STAGE_WHOLE;
     use crate::CommConfig;
+    use Algorithm::{Auto, Lamport, OneStage, TwoStage};
+    use PeerReads::{Payloads, UserBuffers};
 
     fn settings(world: usize) -> Settings {
         Settings::new(CommConfig::default(), "sm_90".into(), 132, world).unwrap()
+    }
+
+    /// The plan of an f32 all-reduce of `elements` run by `algorithm`.
+    fn plan(s: &Settings, elements: usize, algorithm: Algorithm, in_place: bool) -> Plan {
+        let opts = AllReduceOptions::new().algorithm(algorithm);
+        s.plan(DType::F32, elements, &opts, in_place, UserBuffers)
+            .unwrap()
     }
 
     #[test]
@@ -262,11 +269,7 @@ mod tests {
         assert_eq!(s.max_blocks, 132);
         s.limit_for_shared_devices(132, 2);
         assert_eq!(s.max_blocks, 66);
-        let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-        let big = s
-            .plan(DType::F32, 1 << 24, &opts, false, PeerReads::UserBuffers)
-            .unwrap();
-        assert_eq!(big.dims.blocks, 66);
+        assert_eq!(plan(&s, 1 << 24, OneStage, false).dims.blocks, 66);
         let mut few = settings(2);
         few.max_blocks = 4;
         few.limit_for_shared_devices(132, 2);
@@ -276,43 +279,22 @@ mod tests {
         assert_eq!(crowded.max_blocks, 1, "at least one block");
     }
 
+    /// 64 KiB of f32 (4096 packs) is 8 blocks of 512 threads at width 2, growing with the
+    /// peers each pack comes from; two-stage works on a partition of packs / width; capped
+    /// at one block per multiprocessor.
     #[test]
     fn the_grid_grows_with_the_remote_traffic_of_the_width() {
-        // 64 KiB of f32: 4096 packs, 8 blocks of 512 threads at width 2.
-        let opts = |a| AllReduceOptions::new().algorithm(a);
-        for alg in [Algorithm::OneStage, Algorithm::Lamport] {
-            let blocks = |w: usize| {
-                let p = settings(w)
-                    .plan(DType::F32, 16384, &opts(alg), false, PeerReads::UserBuffers)
-                    .unwrap();
-                p.dims.blocks
-            };
-            assert_eq!(blocks(2), 8, "{alg:?}");
-            assert_eq!(blocks(4), 24, "{alg:?}");
-            assert_eq!(blocks(8), 56, "{alg:?}");
+        for (algorithm, elements, per_width) in [
+            (OneStage, 16384, &[(2, 8), (4, 24), (8, 56)][..]),
+            (Lamport, 16384, &[(2, 8), (4, 24), (8, 56)]),
+            (TwoStage, 16384, &[(2, 4), (8, 7)]),
+            (OneStage, 1 << 24, &[(8, 132)]),
+        ] {
+            for &(width, blocks) in per_width {
+                let p = plan(&settings(width), elements, algorithm, false);
+                assert_eq!(p.dims.blocks, blocks, "{algorithm:?} {elements} at {width}");
+            }
         }
-        // Two-stage works on a partition of packs / width, each from width - 1 peers.
-        let two = |w: usize| {
-            let p = settings(w).plan(
-                DType::F32,
-                16384,
-                &opts(Algorithm::TwoStage),
-                false,
-                PeerReads::UserBuffers,
-            );
-            p.unwrap().dims.blocks
-        };
-        assert_eq!(two(2), 4);
-        assert_eq!(two(8), 7);
-        // Capped at one block per multiprocessor.
-        let big = settings(8).plan(
-            DType::F32,
-            1 << 24,
-            &opts(Algorithm::OneStage),
-            false,
-            PeerReads::UserBuffers,
-        );
-        assert_eq!(big.unwrap().dims.blocks, 132);
     }
 
     /// A staged one-stage call the payload cannot hold is planned in chunks; Auto prefers
@@ -326,43 +308,26 @@ mod tests {
             ..CommConfig::default()
         };
         let s = Settings::new(config(4096), "sm_90".into(), 132, 2).unwrap();
-        let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-        for (reads, in_place) in [
-            (PeerReads::Payloads, false),
-            (PeerReads::Payloads, true),
-            (PeerReads::UserBuffers, true),
-        ] {
+        let one = AllReduceOptions::new().algorithm(OneStage);
+        for (reads, in_place) in [(Payloads, false), (Payloads, true), (UserBuffers, true)] {
             for (elements, word) in [(1024, STAGE_WHOLE), (1025, 128), (1 << 20, 128)] {
                 let p = s.plan(DType::F32, elements, &one, in_place, reads).unwrap();
-                assert_eq!(p.algorithm, Algorithm::OneStage);
-                assert!(p.stage_input);
-                assert_eq!(
-                    s.stage_word(&p),
-                    Ok(word),
-                    "{elements} {reads:?} {in_place}"
-                );
+                assert_eq!((p.algorithm, p.stage_input), (OneStage, true));
+                let what = format!("{elements} {reads:?} {in_place}");
+                assert_eq!(s.stage_word(&p), Ok(word), "{what}");
             }
         }
         // Out of place in one process nothing is staged.
-        let p = s
-            .plan(DType::F32, 1 << 20, &one, false, PeerReads::UserBuffers)
-            .unwrap();
-        assert_eq!(s.stage_word(&p), Ok(0));
+        assert_eq!(s.stage_word(&plan(&s, 1 << 20, OneStage, false)), Ok(0));
         // Auto in place in one process: two-stage's partition fits whole, so it wins
         // over chunks; past it, one-stage in chunks.
-        let auto = AllReduceOptions::new();
-        let p = s
-            .plan(DType::F32, 2048, &auto, true, PeerReads::UserBuffers)
-            .unwrap();
-        assert_eq!(p.algorithm, Algorithm::TwoStage);
-        let p = s
-            .plan(DType::F32, 4096, &auto, true, PeerReads::UserBuffers)
-            .unwrap();
-        assert_eq!(p.algorithm, Algorithm::OneStage);
+        assert_eq!(plan(&s, 2048, Auto, true).algorithm, TwoStage);
+        let p = plan(&s, 4096, Auto, true);
+        assert_eq!(p.algorithm, OneStage);
         assert_eq!(s.stage_word(&p), Ok(128));
         // A half of no pack.
         let tiny = Settings::new(config(16), "sm_90".into(), 132, 2).unwrap();
-        match tiny.plan(DType::F32, 8, &one, false, PeerReads::Payloads) {
+        match tiny.plan(DType::F32, 8, &one, false, Payloads) {
             Err(Error::MessageTooLarge {
                 needed: 32,
                 available: 16,
@@ -371,9 +336,7 @@ mod tests {
             }) => {}
             other => panic!("a 16-byte payload: {:?}", other.map(|p| p.algorithm)),
         }
-        assert!(tiny
-            .plan(DType::F32, 4, &one, false, PeerReads::Payloads)
-            .is_ok());
+        assert!(tiny.plan(DType::F32, 4, &one, false, Payloads).is_ok());
     }
 
     /// The sign-of-zero rule: a group of one never runs Lamport (which sends -0.0 as
@@ -385,19 +348,19 @@ mod tests {
                 let settings = Settings::new(CommConfig::default(), arch.into(), 8, world).unwrap();
                 for dtype in DType::ALL {
                     for elements in [1, 7, 4096, 65_536, 1 << 20] {
-                        for algorithm in [Algorithm::Auto, Algorithm::Lamport] {
+                        for (algorithm, in_place) in [
+                            (Auto, false),
+                            (Auto, true),
+                            (Lamport, false),
+                            (Lamport, true),
+                        ] {
                             let opts = AllReduceOptions::new().group_size(1).algorithm(algorithm);
-                            for in_place in [false, true] {
-                                let plan = settings
-                                    .plan(dtype, elements, &opts, in_place, PeerReads::UserBuffers)
-                                    .unwrap();
-                                assert_eq!(
-                                    plan.algorithm,
-                                    Algorithm::OneStage,
-                                    "{arch}, world {world}, {elements} x {dtype:?}, {algorithm:?}"
-                                );
-                                assert!(!plan.stage_input, "a group of one copies directly");
-                            }
+                            let plan = settings
+                                .plan(dtype, elements, &opts, in_place, UserBuffers)
+                                .unwrap();
+                            let what = format!("{arch}, world {world}, {elements} x {dtype:?}");
+                            assert_eq!(plan.algorithm, OneStage, "{what}, {algorithm:?}");
+                            assert!(!plan.stage_input, "a group of one copies directly");
                         }
                     }
                 }

@@ -1,6 +1,5 @@
-//! Sizing a communicator: its memory footprint, a configuration made from the largest
-//! message a user will send, and the question "would this call fit, and with which
-//! algorithm" answered without launching anything.
+//! Sizing a communicator: its memory footprint, a configuration from the largest
+//! message, and which algorithm a call would run, answered without launching.
 
 use crate::backend::Backend;
 use crate::dispatch::Algorithm;
@@ -12,12 +11,12 @@ use super::staging::padded_bytes;
 use crate::comm::core::planning::PeerReads;
 use crate::comm::{AllReduceOptions, CommConfig};
 
-/// Device memory one rank of a communicator allocates (its signal allocation, the
-/// only memory peercomm allocates per rank), in bytes.
+/// Device memory one rank of a communicator allocates (its signal allocation, the only
+/// memory peercomm allocates per rank), in bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct MemoryFootprint {
-    /// The signal header: barrier counters, Lamport state, error record (800 KiB, the
+    /// The signal header: barrier counters, Lamport state, error record (8.28 MiB, the
     /// same for every configuration).
     pub header: usize,
     /// The Lamport region: 3 generations x world-size slots x
@@ -56,21 +55,17 @@ impl std::fmt::Display for MemoryFootprint {
 }
 
 impl CommConfig {
-    /// Largest Lamport message [`CommConfig::for_largest_message`] sets up a slot for
-    /// (the slot holds it and a 64-byte header): past a few hundred KiB the dispatch
-    /// table never prefers Lamport, and each slot byte costs 3 x world-size bytes of
-    /// device memory per rank.
+    /// Largest Lamport message [`CommConfig::for_largest_message`] sizes a slot for: past
+    /// a few hundred KiB the dispatch table never prefers Lamport, and each slot byte
+    /// costs 3 x world-size bytes of device memory per rank.
     pub const LAMPORT_SLOT_CAP: usize = 1 << 20;
 
-    /// A configuration (the defaults otherwise) whose scratch lets every algorithm
-    /// that may run take messages of up to `max_elements` elements of `dtype` per
-    /// rank, in place or not, through either communicator: the payload holds the
-    /// whole message (16-byte packs), so nothing is staged in chunks (a larger message
-    /// still runs staged, in chunks; two-stage needs its partition whole), and the
-    /// Lamport slot holds it too, up to
-    /// [`CommConfig::LAMPORT_SLOT_CAP`] (larger messages never want Lamport; `Auto`
-    /// skips it when it does not fit, and a forced Lamport call gets
-    /// [`crate::Error::MessageTooLarge`]). Fails only when the size overflows.
+    /// A configuration (the defaults otherwise) whose scratch takes messages of up to
+    /// `max_elements` x `dtype` per rank whole, in place or not, through either
+    /// communicator: the payload holds the message (larger ones run staged in chunks),
+    /// the Lamport slot too, up to [`CommConfig::LAMPORT_SLOT_CAP`] (past it `Auto` skips
+    /// Lamport and a forced one is [`crate::Error::MessageTooLarge`]). Fails only when the
+    /// size overflows.
     ///
     /// ```
     /// use peercomm::backend::host::Host;
@@ -104,7 +99,6 @@ impl CommConfig {
             ))
         })?;
         let config = CommConfig {
-            // The packs up to the cap, and the header.
             lamport_slot_bytes: bytes.clamp(PACK_BYTES, Self::LAMPORT_SLOT_CAP)
                 + LAMPORT_HEADER_BYTES,
             payload_bytes: bytes,
@@ -116,23 +110,15 @@ impl CommConfig {
 
     /// The device memory each rank of a `world`-rank communicator with this
     /// configuration allocates. With the defaults (1 MiB Lamport slot, 64 MiB payload):
-    /// 2.3 MiB of header, 3 x world MiB of Lamport region (6 MiB at world 2, 24 MiB at
-    /// world 8) and the 64 MiB payload.
+    /// 8.3 MiB of header, 3 x world MiB of Lamport region and the 64 MiB payload.
     pub fn memory_footprint(&self, world: usize) -> Result<MemoryFootprint> {
-        MemoryFootprint::of(
-            &SignalLayout {
-                lamport_slot_bytes: self.lamport_slot_bytes,
-                lamport_slots: world,
-                payload_bytes: self.payload_bytes,
-            }
-            .validated()?,
-        )
-    }
-}
-
-impl SignalLayout {
-    fn validated(self) -> Result<Self> {
-        self.validate().map(|_| self)
+        let layout = SignalLayout {
+            lamport_slot_bytes: self.lamport_slot_bytes,
+            lamport_slots: world,
+            payload_bytes: self.payload_bytes,
+        };
+        layout.validate()?;
+        MemoryFootprint::of(&layout)
     }
 }
 
@@ -162,8 +148,7 @@ impl<B: Backend> crate::comm::core::Rank<B> {
 mod tests {
     use super::*;
 
-    /// The table in `CommConfig`'s docs, and the Lamport region growing with the world
-    /// (it was 3 x 8 slots whatever the world).
+    /// The table in `CommConfig`'s docs; the Lamport region grows with the world.
     #[test]
     fn footprints_in_the_docs() {
         let mib = |b: usize| (b as f64 / (1 << 20) as f64 * 10.0).round() / 10.0;
@@ -193,15 +178,16 @@ mod tests {
     /// overflowing size.
     #[test]
     fn for_largest_message_sizes() {
-        let c = CommConfig::for_largest_message(1, DType::F32).unwrap();
-        assert_eq!((c.payload_bytes, c.lamport_slot_bytes), (16, 80));
-        let c = CommConfig::for_largest_message(0, DType::F16).unwrap();
-        assert_eq!((c.payload_bytes, c.lamport_slot_bytes), (0, 80));
-        let c = CommConfig::for_largest_message(9, DType::BF16).unwrap();
-        assert_eq!((c.payload_bytes, c.lamport_slot_bytes), (32, 96));
-        let c = CommConfig::for_largest_message(1 << 28, DType::F32).unwrap();
-        assert_eq!(c.payload_bytes, 1 << 30);
-        assert_eq!(c.lamport_slot_bytes, CommConfig::LAMPORT_SLOT_CAP + 64);
+        let cap = CommConfig::LAMPORT_SLOT_CAP + 64;
+        for (n, dtype, payload, slot) in [
+            (1, DType::F32, 16, 80),
+            (0, DType::F16, 0, 80),
+            (9, DType::BF16, 32, 96),
+            (1 << 28, DType::F32, 1 << 30, cap),
+        ] {
+            let c = CommConfig::for_largest_message(n, dtype).unwrap();
+            assert_eq!((c.payload_bytes, c.lamport_slot_bytes), (payload, slot));
+        }
         assert!(CommConfig::for_largest_message(usize::MAX, DType::F32).is_err());
     }
 
@@ -211,9 +197,7 @@ mod tests {
     #[test]
     fn huge_counts_are_refused() {
         use crate::comm::core::planning::collective::{Collective, CollectiveOptions};
-        use crate::comm::core::planning::PeerReads;
         use crate::comm::core::settings::Settings;
-        use crate::dispatch::Algorithm;
         use crate::Error;
         for dtype in DType::ALL {
             let size = dtype.size();
@@ -232,47 +216,31 @@ mod tests {
             }
         }
         let settings = Settings::new(CommConfig::default(), "sm_90".into(), 132, 4).unwrap();
+        let overflows = |got: Result<Algorithm>| matches!(got, Err(Error::SizeOverflow { .. }));
         for n in [usize::MAX, usize::MAX / 4, (1 << 62) + 1] {
-            for algorithm in [
-                Algorithm::Auto,
-                Algorithm::OneStage,
-                Algorithm::TwoStage,
-                Algorithm::Lamport,
-            ] {
+            use Algorithm::{Auto, Lamport, OneStage, TwoStage};
+            for algorithm in [Auto, OneStage, TwoStage, Lamport] {
                 for reads in [PeerReads::UserBuffers, PeerReads::Payloads] {
                     let opts = AllReduceOptions::new().algorithm(algorithm);
-                    let got = settings
-                        .plan(DType::F32, n, &opts, false, reads)
-                        .map(|p| p.algorithm);
-                    assert!(
-                        matches!(got, Err(Error::SizeOverflow { .. })),
-                        "{n} {algorithm:?}: {got:?}"
-                    );
+                    let got = settings.plan(DType::F32, n, &opts, false, reads);
+                    assert!(overflows(got.map(|p| p.algorithm)), "{n} {algorithm:?}");
                 }
             }
+            let fused = Collective::AllReduceRmsNorm {
+                hidden: 8,
+                epsilon: 1e-5,
+            };
             for which in [
                 Collective::AllGather,
                 Collective::ReduceScatter,
                 Collective::Broadcast { root: 0 },
                 Collective::Scatter { root: 0 },
-                Collective::AllReduceRmsNorm {
-                    hidden: 8,
-                    epsilon: 1e-5,
-                },
+                fused,
             ] {
-                let got = settings
-                    .collective_plan(
-                        which,
-                        DType::F32,
-                        n,
-                        &CollectiveOptions::new(),
-                        PeerReads::Payloads,
-                    )
-                    .map(|p| p.algorithm);
-                assert!(
-                    matches!(got, Err(Error::SizeOverflow { .. })),
-                    "{which:?} {n}: {got:?}"
-                );
+                let opts = CollectiveOptions::new();
+                let got =
+                    settings.collective_plan(which, DType::F32, n, &opts, PeerReads::Payloads);
+                assert!(overflows(got.map(|p| p.algorithm)), "{which:?} {n}");
             }
         }
     }

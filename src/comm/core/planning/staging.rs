@@ -1,5 +1,5 @@
-//! How a message occupies scratch: its bytes in whole packs, and how a staged call goes
-//! through a payload (whole, or in chunks of half), as the `stage_input` word says.
+//! How a message occupies scratch (whole packs) and how a staged call goes through a
+//! payload, whole or in chunks of half, as the `stage_input` word says.
 
 use crate::backend::KernelKind;
 use crate::dtype::DType;
@@ -29,11 +29,11 @@ pub(crate) fn padded_bytes(dtype: DType, elements: usize) -> Option<usize> {
     elements.div_ceil(dtype.lanes()).checked_mul(PACK_BYTES)
 }
 
-/// How a staged one-stage all-reduce of `packs` packs goes through a payload of
-/// `payload` bytes, as the `stage_input` word: [`STAGE_WHOLE`] where it holds the whole
-/// message; else chunks of half the payload (at most `STAGE_WHOLE - 1` packs), one half
-/// staged while the other is read. Every rank computes the same (`payload_bytes` agreed
-/// at setup, the length in the descriptor). `None` where a half holds no pack.
+/// The `stage_input` word of a staged one-stage all-reduce of `packs` through `payload`
+/// bytes: [`STAGE_WHOLE`] where it holds the message, else chunks of half the payload
+/// (at most `STAGE_WHOLE - 1` packs), one half staged while the other is read; `None`
+/// where a half holds no pack. Every rank computes the same (agreed payload, the length
+/// in the descriptor).
 pub(crate) fn all_reduce(packs: usize, payload: usize) -> Option<u32> {
     let whole = packs
         .checked_mul(PACK_BYTES)
@@ -50,12 +50,12 @@ pub(crate) fn padded(dtype: DType, n: usize) -> usize {
     n.div_ceil(dtype.lanes()).saturating_mul(PACK_BYTES)
 }
 
-/// How a staged collective of `elements` goes through a payload of `payload` bytes, as
-/// the `stage_input` word: [`STAGE_WHOLE`] where the payload holds what the kernel
-/// stages whole; else one chunk's capacity in half the payload (packs of the message
-/// for all-gather and broadcast, packs of each part for reduce-scatter and scatter,
-/// rows for the fused kernel), at most `STAGE_WHOLE - 1`. `Err` with the bytes two
-/// chunks of one unit need where a half holds none; 1 for kinds that never chunk.
+/// The `stage_input` word of a staged collective of `elements` through `payload` bytes:
+/// [`STAGE_WHOLE`] where it holds what the kernel stages, else a chunk's units in half
+/// the payload (packs of the message for all-gather and broadcast, of each part for
+/// reduce-scatter and scatter, rows for the fused kernel), at most `STAGE_WHOLE - 1`.
+/// `Err` with the bytes two one-unit chunks need where a half holds none; 1 for kinds
+/// that never chunk.
 pub(crate) fn collective(
     kind: KernelKind,
     dtype: DType,
@@ -66,8 +66,7 @@ pub(crate) fn collective(
 ) -> std::result::Result<u32, usize> {
     let packs = elements.div_ceil(dtype.lanes());
     let half_packs = payload / (2 * PACK_BYTES);
-    // What the kernel stages whole, the units it compares stage_input with, one
-    // unit's packs in a half.
+    // What the kernel stages whole, the units it compares stage_input with, a unit's packs.
     let (scratch, units, unit_packs) = match kind {
         KernelKind::AllGather | KernelKind::Broadcast => (padded(dtype, elements), packs, 1),
         KernelKind::Scatter => (width.saturating_mul(padded(dtype, elements)), packs, width),
@@ -104,25 +103,26 @@ mod tests {
     #[test]
     fn staging_is_whole_where_it_fits_else_half_the_payload() {
         let whole = Some(STAGE_WHOLE);
-        assert_eq!(all_reduce(0, 0), whole);
-        assert_eq!(all_reduce(1, 16), whole);
-        assert_eq!(all_reduce(259, 4144), whole);
-        // 4144 bytes: halves of 129 packs; a message of 260 packs takes 3 chunks.
-        assert_eq!(all_reduce(260, 4144), Some(129));
-        assert_eq!(all_reduce(1 << 30, 64 << 20), Some(1 << 21));
-        // A payload without a pack per half.
-        assert_eq!(all_reduce(1, 0), None);
-        assert_eq!(all_reduce(2, 16), None);
-        assert_eq!(all_reduce(3, 31), None);
-        assert_eq!(all_reduce(3, 32), Some(1));
-        assert_eq!(all_reduce(3, 47), Some(1));
-        // No pack count the word cannot say: a message of 2^32 packs or more chunks.
-        assert_eq!(all_reduce(u32::MAX as usize, usize::MAX), whole);
-        assert_eq!(
-            all_reduce(1 << 33, usize::MAX),
-            Some(STAGE_WHOLE - 1),
-            "chunks of at most STAGE_WHOLE - 1 packs"
-        );
+        for (packs, payload, word) in [
+            (0, 0, whole),
+            (1, 16, whole),
+            (259, 4144, whole),
+            // 4144 bytes: halves of 129 packs; a message of 260 packs takes 3 chunks.
+            (260, 4144, Some(129)),
+            (1 << 30, 64 << 20, Some(1 << 21)),
+            // A payload without a pack per half.
+            (1, 0, None),
+            (2, 16, None),
+            (3, 31, None),
+            (3, 32, Some(1)),
+            (3, 47, Some(1)),
+            // No pack count the word cannot say: 2^32 packs or more go in chunks of at
+            // most STAGE_WHOLE - 1.
+            (u32::MAX as usize, usize::MAX, whole),
+            (1 << 33, usize::MAX, Some(STAGE_WHOLE - 1)),
+        ] {
+            assert_eq!(all_reduce(packs, payload), word, "{packs} {payload}");
+        }
         for payload in [32, 47, 4096, 4144, 65_584] {
             for packs in 1..3 * payload / 16 {
                 let c = all_reduce(packs, payload).unwrap();
@@ -143,21 +143,17 @@ mod tests {
         for dtype in DType::ALL {
             let lanes = dtype.lanes();
             let largest = MAX_BUFFER_BYTES / 16 * lanes;
-            assert_eq!(
-                message_bytes(dtype, largest, &String::new),
-                Ok(largest / lanes * 16)
-            );
+            let bytes = |n| message_bytes(dtype, n, &String::new);
+            assert_eq!(bytes(largest), Ok(largest / lanes * 16));
             for n in [
                 largest + 1,
                 usize::MAX / dtype.size(),
                 usize::MAX / 2,
                 usize::MAX,
             ] {
+                let got = bytes(n);
                 assert!(
-                    matches!(
-                        message_bytes(dtype, n, &String::new),
-                        Err(Error::SizeOverflow { .. })
-                    ),
+                    matches!(got, Err(Error::SizeOverflow { .. })),
                     "{n} x {dtype:?}"
                 );
             }
@@ -169,14 +165,14 @@ mod tests {
     /// no unit, with the bytes two would need.
     #[test]
     fn collective_staging_chunks_what_the_payload_cannot_hold() {
-        let kinds = [
-            KernelKind::AllGather,
-            KernelKind::Broadcast,
-            KernelKind::Scatter,
-            KernelKind::ReduceScatter,
-            KernelKind::AllReduceRmsNorm,
-        ];
-        for kind in kinds {
+        use KernelKind::{AllGather, AllReduceRmsNorm, Broadcast, ReduceScatter, Scatter};
+        for kind in [
+            AllGather,
+            Broadcast,
+            Scatter,
+            ReduceScatter,
+            AllReduceRmsNorm,
+        ] {
             for dtype in DType::ALL {
                 let lanes = dtype.lanes();
                 for width in [2, 3, 4, 8] {
@@ -185,17 +181,15 @@ mod tests {
                             let hidden = 4 * lanes;
                             let part = |q| reduce_scatter_part(elements, width, q).len();
                             let (scratch, units, unit_packs) = match kind {
-                                KernelKind::Scatter => {
+                                Scatter => {
                                     (width * padded(dtype, elements), elements / lanes, width)
                                 }
-                                KernelKind::ReduceScatter => (
+                                ReduceScatter => (
                                     (0..width).map(|q| padded(dtype, part(q))).sum(),
                                     part(0).div_ceil(lanes),
                                     width,
                                 ),
-                                KernelKind::AllReduceRmsNorm => {
-                                    (padded(dtype, elements), elements / hidden, 4)
-                                }
+                                AllReduceRmsNorm => (padded(dtype, elements), elements / hidden, 4),
                                 _ => (padded(dtype, elements), elements / lanes, 1),
                             };
                             let got = collective(kind, dtype, elements, width, hidden, payload);

@@ -46,13 +46,12 @@ impl<B: Backend> Rank<B> {
                 }
                 let mut opts = AllReduceOptions::new();
                 opts.blocks = blocks;
-                let reads = PeerReads::Payloads;
-                let first = settings
-                    .plan(dtype, elements, &opts, input == output, reads)
-                    .map_err(RouteError::Validation)?;
-                let gather = settings
-                    .plan(dtype, elements, &opts, true, reads)
-                    .map_err(RouteError::Validation)?;
+                let plan = |in_place| {
+                    let reads = PeerReads::Payloads;
+                    let p = settings.plan(dtype, elements, &opts, in_place, reads);
+                    p.map_err(RouteError::Validation)
+                };
+                let (first, gather) = (plan(input == output)?, plan(true)?);
                 let (lo, hi) = slice(elements, settings.world, self.endpoint.index);
                 let size = dtype.size() as u64;
                 // (a) the host's sum, over peer memory.
@@ -79,7 +78,10 @@ impl<B: Backend> Rank<B> {
 
     /// Reports (once) an error the external library found after a call returned.
     pub(crate) fn take_external_error(&self) -> Result<()> {
-        self.route.take_async_error()
+        self.route
+            .external
+            .as_ref()
+            .map_or(Ok(()), |e| e.take_async_error())
     }
 }
 

@@ -175,14 +175,6 @@ impl<B: Backend> Router<B> {
             }
         }
     }
-
-    /// Reports (once) an error the external library found after a call returned.
-    pub(crate) fn take_async_error(&self) -> Result<()> {
-        match &self.external {
-            Some(e) => e.take_async_error(),
-            None => Ok(()),
-        }
-    }
 }
 
 /// Where a routed call failed: before anything was enqueued (nothing written), or
