@@ -82,14 +82,8 @@ impl<B: Backend> Comm<B> {
         let outcome = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             let idle = B::synchronize(&rank.device);
             // Always met, even after a failed wait: the peers are waiting for it.
-            let met = if world == 1 {
-                Ok(())
-            } else {
-                bootstrap
-                    .barrier_within(TEARDOWN_BARRIER_TIMEOUT)
-                    .map_err(Error::from)
-            };
-            idle.and(met)
+            let met = (world > 1).then(|| bootstrap.barrier_within(TEARDOWN_BARRIER_TIMEOUT));
+            idle.and(met.unwrap_or(Ok(())).map_err(Error::from))
         }))
         .unwrap_or_else(|_| {
             Err(Error::Backend {
