@@ -32,15 +32,12 @@ impl Writer {
         buf.extend_from_slice(&version.to_le_bytes());
         Writer(buf)
     }
-    pub(crate) fn u32(mut self, v: u32) -> Self {
-        self.0.extend_from_slice(&v.to_le_bytes());
-        self
+    pub(crate) fn u32(self, v: u32) -> Self {
+        self.bytes(&v.to_le_bytes())
     }
-    pub(crate) fn u64(mut self, v: u64) -> Self {
-        self.0.extend_from_slice(&v.to_le_bytes());
-        self
+    pub(crate) fn u64(self, v: u64) -> Self {
+        self.bytes(&v.to_le_bytes())
     }
-    #[cfg(any(feature = "cuda", feature = "hip", test))]
     pub(crate) fn bytes(mut self, b: &[u8]) -> Self {
         self.0.extend_from_slice(b);
         self
@@ -64,39 +61,28 @@ impl<'a> Reader<'a> {
         len: usize,
     ) -> Result<Self> {
         let what = format!("a peercomm {backend} IPC handle (version {version}, {len} bytes)");
+        let fail = |detail: String| Err(import_error(backend, detail));
         if handle.len() < HEADER {
-            return Err(import_error(
-                backend,
-                format!("{} bytes is too short for {what}", handle.len()),
-            ));
+            return fail(format!("{} bytes is too short for {what}", handle.len()));
         }
         let (head, rest) = handle.split_at(HEADER);
         if head[..4] != magic[..] {
-            return Err(import_error(
-                backend,
-                format!(
-                    "the handle starts with {:02x?}, not the magic {:?} of {what}: a handle \
-                     of another backend, or not a peercomm handle",
-                    &head[..4],
-                    String::from_utf8_lossy(magic)
-                ),
+            return fail(format!(
+                "the handle starts with {:02x?}, not the magic {:?} of {what}: a handle of \
+                 another backend, or not a peercomm handle",
+                &head[..4],
+                String::from_utf8_lossy(magic)
             ));
         }
         let got = u32::from_le_bytes([head[4], head[5], head[6], head[7]]);
         if got != version {
-            return Err(import_error(
-                backend,
-                format!(
-                    "handle version {got}, but this build of peercomm reads {what}: exporter \
-                     and importer must run the same peercomm"
-                ),
+            return fail(format!(
+                "handle version {got}, but this build of peercomm reads {what}: exporter and \
+                 importer must run the same peercomm"
             ));
         }
         if handle.len() != len {
-            return Err(import_error(
-                backend,
-                format!("{} bytes where {what} was expected", handle.len()),
-            ));
+            return fail(format!("{} bytes where {what} was expected", handle.len()));
         }
         Ok(Reader(rest))
     }
@@ -157,8 +143,8 @@ mod tests {
         assert_eq!(rd.array::<2>(), [1, 2]);
     }
 
-    fn detail(e: Error) -> String {
-        match e {
+    fn detail(e: Option<Error>) -> String {
+        match e.expect("refused") {
             Error::Backend {
                 backend: "host",
                 call: "import_memory",
@@ -172,20 +158,15 @@ mod tests {
     fn header_magic_version_and_length_are_checked() {
         let r = record();
         let n = r.len();
-        let short = detail(Reader::open("host", &r[..5], MAGIC, 3, n).err().unwrap());
-        assert!(short.contains("too short"), "{short}");
-        let magic = detail(Reader::open("host", &r, b"pccu", 3, n).err().unwrap());
-        assert!(magic.contains("another backend"), "{magic}");
-        let version = detail(Reader::open("host", &r, MAGIC, 4, n).err().unwrap());
-        assert!(version.contains("handle version 3"), "{version}");
-        let length = detail(
-            Reader::open("host", &r[..n - 1], MAGIC, 3, n)
-                .err()
-                .unwrap(),
-        );
-        assert!(
-            length.contains(&format!("{} bytes where", n - 1)),
-            "{length}"
-        );
+        let cases: [(&[u8], &[u8; 4], u32, String); 4] = [
+            (&r[..5], MAGIC, 3, "too short".into()),
+            (&r, b"pccu", 3, "another backend".into()),
+            (&r, MAGIC, 4, "handle version 3".into()),
+            (&r[..n - 1], MAGIC, 3, format!("{} bytes where", n - 1)),
+        ];
+        for (bytes, magic, version, want) in cases {
+            let got = detail(Reader::open("host", bytes, magic, version, n).err());
+            assert!(got.contains(&want), "{got}");
+        }
     }
 }

@@ -1,34 +1,20 @@
 //! The host reference backend: each "device" is a memory arena with a stream thread,
 //! each block of a kernel an OS thread, and the kernels are Rust ports of the device
-//! code spinning on real atomics over the same signal layout. It makes the protocol
-//! testable on any machine and is what CI runs. Addresses are plain process addresses:
-//! peer access is always there and `map_peer` is the identity.
-//!
-//! Device `o`'s identity is [`super::DeviceIdentity::simulated`] `(o, o)` in every
-//! process (one ordinal in two processes is one "device");
-//! `Simulation::physical_devices` gives ranks other physical devices.
+//! code spinning on real atomics over the same signal layout, so the protocol runs (and
+//! CI tests it) on any machine. Addresses are process addresses: peer access is always
+//! on and `map_peer` is the identity. Device `o`'s identity is
+//! [`super::DeviceIdentity::simulated`] `(o, o)` in every process.
 //!
 //! # IPC (Linux)
-//! So that ranks can run one per process, shared memory is an anonymous shared memory
-//! file (`memfd_create`, close-on-exec), sealed against shrinking and growing (an
-//! importer's pages can never be truncated away, which would fault with SIGBUS) and
-//! mapped `MAP_SHARED`. The exporter keeps the file open; its handle names it by pid
-//! and fd number, and the importer opens `/proc/<pid>/fd/<fd>` (allowed to processes
-//! that may inspect the exporter), checks the file's identity and size, and maps it.
-//! A path through `/proc` travels as plain bytes over any bootstrap, where passing the
-//! fd would need a socket between every pair of ranks.
-//!
-//! The handle, 40 bytes, little-endian (framed as every backend's): magic `pcho`,
-//! version `u32` = 1, pid `u32`, fd `u32`, size `u64`, the file's `st_dev` `u64` and
-//! `st_ino` `u64`. The identity tells a freed allocation whose fd number was reused
-//! from the file the handle names.
-//!
-//! A registered range ([`Backend::export_range`]) travels instead as CUDA's memory
-//! pools do: a descriptor of the file beside the same handle, over a Unix socket
-//! (`SCM_RIGHTS`), checked against the handle on import, so CI's process tests cover
-//! that path. Freeing is stream-ordered: dropping a `HostMemory` or `HostPeerMapping`
-//! unmaps (and closes) on its device's stream. Elsewhere than Linux, shared
-//! allocation and import are `Error::Unsupported`.
+//! Shared memory is a sealed (fixed-size, so an importer never faults on a truncation)
+//! `memfd` mapped `MAP_SHARED`. Its 40-byte handle (magic `pcho`, version 1, pid, fd,
+//! size, `st_dev`, `st_ino`, little-endian) names it by pid and fd: the importer opens
+//! `/proc/<pid>/fd/<fd>`, a path any bootstrap carries as bytes, and checks the file's
+//! identity (a reused fd number names another file) and size before mapping it. A
+//! registered range ([`Backend::export_range`]) travels instead as CUDA's pools do, a
+//! descriptor beside the handle over a Unix socket, so CI covers that path too. Freeing
+//! is stream-ordered. Elsewhere than Linux, shared allocation and import are
+//! `Error::Unsupported`.
 
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
@@ -59,11 +45,7 @@ mod shm {
     use std::convert::Infallible;
 
     fn unsupported() -> Error {
-        Error::Unsupported(
-            "host: shared signal memory (MemoryKind::SharedSignal, IPC export/import) needs \
-             Linux"
-                .into(),
-        )
+        Error::Unsupported("host: shared memory (MemoryKind::Shared*, IPC) needs Linux".into())
     }
     pub(crate) struct SharedFile(Infallible);
     impl SharedFile {
@@ -89,11 +71,7 @@ mod shm {
     pub(crate) fn import(_handle: &[u8]) -> Result<Mapping> {
         Err(unsupported())
     }
-    pub(crate) fn import_descriptor(
-        _handle: &[u8],
-        descriptor: super::Descriptor,
-    ) -> Result<Mapping> {
-        drop(descriptor);
+    pub(crate) fn import_descriptor(_: &[u8], _: super::Descriptor) -> Result<Mapping> {
         Err(unsupported())
     }
     pub(crate) fn export_containing(
@@ -197,9 +175,7 @@ impl Backend for Host {
     }
 
     fn import_memory(dev: &HostDevice, handle: &[u8]) -> Result<HostPeerMapping> {
-        Ok(HostPeerMapping {
-            mapping: FreeOnStream::new(shm::import(handle)?, &dev.stream),
-        })
+        Self::import_range(dev, handle, None)
     }
 
     fn import_range(
@@ -229,19 +205,13 @@ impl Backend for Host {
     }
 
     fn read(dev: &HostDevice, ptr: u64, dst: &mut [u8]) -> Result<()> {
-        dev.stream.synchronize();
-        // SAFETY: the caller passes a range inside one of its allocations and the
-        // stream is idle.
-        unsafe { std::ptr::copy_nonoverlapping(ptr as *const u8, dst.as_mut_ptr(), dst.len()) };
-        Ok(())
+        // SAFETY: the caller passes a range inside one of its allocations.
+        unsafe { copy_idle(dev, ptr as *const u8, dst.as_mut_ptr(), dst.len()) }
     }
 
     fn write(dev: &HostDevice, ptr: u64, src: &[u8]) -> Result<()> {
-        dev.stream.synchronize();
-        // SAFETY: the caller passes a range inside one of its allocations and the
-        // stream is idle.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), ptr as *mut u8, src.len()) };
-        Ok(())
+        // SAFETY: as in `read`.
+        unsafe { copy_idle(dev, src.as_ptr(), ptr as *mut u8, src.len()) }
     }
 
     fn read_words_now(_dev: &HostDevice, ptr: u64, dst: &mut [u32]) -> Result<()> {
@@ -293,16 +263,12 @@ impl Backend for Host {
     }
 
     fn alloc_buffer<T: Element>(dev: &HostDevice, len: usize) -> Result<HostBuffer<T>> {
-        let bytes = len
-            .checked_mul(std::mem::size_of::<T>())
-            .ok_or_else(|| Error::Backend {
-                backend: "host",
-                call: "alloc",
-                detail: format!(
-                    "{len} elements of {:?} overflow the address space",
-                    T::DTYPE
-                ),
-            })?;
+        let dtype = T::DTYPE;
+        let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| {
+            memory::alloc_error(format!(
+                "{len} elements of {dtype:?} overflow the address space"
+            ))
+        })?;
         Ok(HostBuffer {
             mem: HostMemory::new(dev, bytes, MemoryKind::Plain)?,
             len,
@@ -312,33 +278,39 @@ impl Backend for Host {
 
     fn upload<T: Element>(dev: &HostDevice, src: &[T], dst: &mut HostBuffer<T>) -> Result<()> {
         if src.len() != dst.len {
+            let what = format!(
+                "upload of {} elements into a buffer of {}",
+                src.len(),
+                dst.len
+            );
             return Err(Error::LengthMismatch {
                 rank: dev.ordinal,
-                what: format!(
-                    "upload of {} elements into a buffer of {}",
-                    src.len(),
-                    dst.len
-                ),
+                what,
             });
         }
-        dev.stream.synchronize();
-        // SAFETY: dst holds `len` elements of T and the stream is idle.
-        unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst.mem.addr() as *mut T, src.len()) };
-        Ok(())
+        // SAFETY: dst holds `len` elements of T.
+        unsafe { copy_idle(dev, src.as_ptr(), dst.mem.addr() as *mut T, src.len()) }
     }
 
     fn download<T: Element>(dev: &HostDevice, src: &HostBuffer<T>) -> Result<Vec<T>> {
-        dev.stream.synchronize();
         let mut out = vec![T::default(); src.len];
-        // SAFETY: src holds `len` elements of T and the stream is idle.
-        unsafe {
-            std::ptr::copy_nonoverlapping(src.mem.addr() as *const T, out.as_mut_ptr(), src.len)
-        };
+        // SAFETY: src holds `len` elements of T.
+        unsafe { copy_idle(dev, src.mem.addr() as *const T, out.as_mut_ptr(), src.len)? };
         Ok(out)
     }
 }
 
 super::impl_typed_buffer!(Host, HostBuffer);
+
+/// Copies `n` values once the device's stream is idle.
+///
+/// # Safety
+/// `src` and `dst` are valid for `n` values and do not overlap.
+unsafe fn copy_idle<T>(dev: &HostDevice, src: *const T, dst: *mut T, n: usize) -> Result<()> {
+    dev.stream.synchronize();
+    std::ptr::copy_nonoverlapping(src, dst, n);
+    Ok(())
+}
 
 /// Fills `n` values of `T` at `ptr` with `v`, on the device's stream.
 fn fill<T: Copy + Send + 'static>(dev: &HostDevice, ptr: u64, v: T, n: usize) -> Result<()> {

@@ -48,12 +48,8 @@ impl DeviceIdentity {
         let mut uuid = [0u8; 16];
         uuid[..8].copy_from_slice(b"peercomm");
         uuid[8..].copy_from_slice(&(physical as u64).to_be_bytes());
-        let pci = pci_bus_id(
-            (physical >> 8) as u32 & 0xffff,
-            (physical & 0xff) as u32,
-            0,
-            0,
-        );
+        let (domain, bus) = ((physical >> 8) as u32 & 0xffff, (physical & 0xff) as u32);
+        let pci = pci_bus_id(domain, bus, 0, 0);
         DeviceIdentity::new(ordinal, Some(uuid), Some(&pci))
     }
 
@@ -70,17 +66,11 @@ impl DeviceIdentity {
     /// The UUID as `nvidia-smi -L` writes it (`GPU-` then 8-4-4-4-12 hex digits).
     pub fn uuid_string(&self) -> Option<String> {
         self.uuid.map(|u| {
-            let hex = |r: std::ops::Range<usize>| {
-                u[r].iter().map(|b| format!("{b:02x}")).collect::<String>()
+            let hex = |r: std::ops::Range<usize>| -> String {
+                u[r].iter().map(|b| format!("{b:02x}")).collect()
             };
-            format!(
-                "GPU-{}-{}-{}-{}-{}",
-                hex(0..4),
-                hex(4..6),
-                hex(6..8),
-                hex(8..10),
-                hex(10..16)
-            )
+            let groups = [0..4, 4..6, 6..8, 8..10, 10..16].map(hex);
+            format!("GPU-{}", groups.join("-"))
         })
     }
 
@@ -95,21 +85,15 @@ impl DeviceIdentity {
     pub fn same_device(&self, other: &DeviceIdentity) -> Option<bool> {
         match (self.uuid, other.uuid) {
             (Some(a), Some(b)) => Some(a == b),
-            _ => match (&self.pci_bus_id, &other.pci_bus_id) {
-                (Some(a), Some(b)) => Some(a == b),
-                _ => None,
-            },
+            _ => Some(self.pci_bus_id.as_ref()? == other.pci_bus_id.as_ref()?),
         }
     }
 
     /// The physical part, for messages: `GPU-..., PCI 0000:19:00.0` (or "unknown").
     pub fn physical(&self) -> String {
-        format!(
-            "{}, PCI {}",
-            self.uuid_string()
-                .unwrap_or_else(|| "UUID unknown".to_string()),
-            self.pci_bus_id.as_deref().unwrap_or("unknown")
-        )
+        let uuid = self.uuid_string();
+        let pci = self.pci_bus_id.as_deref().unwrap_or("unknown");
+        format!("{}, PCI {pci}", uuid.as_deref().unwrap_or("UUID unknown"))
     }
 }
 
@@ -182,10 +166,7 @@ mod tests {
 
     #[test]
     fn texts() {
-        let mut u = [0u8; 16];
-        for (i, b) in u.iter_mut().enumerate() {
-            *b = i as u8 * 0x11;
-        }
+        let u: [u8; 16] = std::array::from_fn(|i| i as u8 * 0x11);
         let id = DeviceIdentity::new(2, Some(u), Some("0000:19:00.0"));
         assert_eq!(
             id.uuid_string().unwrap(),
@@ -203,24 +184,16 @@ mod tests {
 
     #[test]
     fn simulated_identities_are_deterministic_and_distinct() {
-        assert_eq!(
-            DeviceIdentity::simulated(0, 5),
-            DeviceIdentity::simulated(0, 5)
-        );
-        assert_eq!(
-            DeviceIdentity::simulated(0, 5).same_device(&DeviceIdentity::simulated(7, 5)),
-            Some(true)
-        );
-        let ids: Vec<_> = (0..600).map(|p| DeviceIdentity::simulated(0, p)).collect();
+        let sim = DeviceIdentity::simulated;
+        assert_eq!(sim(0, 5), sim(0, 5));
+        assert_eq!(sim(0, 5).same_device(&sim(7, 5)), Some(true));
+        let ids: Vec<_> = (0..600).map(|p| sim(0, p)).collect();
         for (i, a) in ids.iter().enumerate() {
             for b in &ids[i + 1..] {
                 assert_ne!(a.uuid(), b.uuid());
                 assert_ne!(a.pci_bus_id(), b.pci_bus_id());
             }
         }
-        assert_eq!(
-            DeviceIdentity::simulated(0, 0x1_23).pci_bus_id(),
-            Some("0001:23:00.0")
-        );
+        assert_eq!(sim(0, 0x1_23).pci_bus_id(), Some("0001:23:00.0"));
     }
 }

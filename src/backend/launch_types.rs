@@ -44,9 +44,8 @@ pub enum MemoryKind {
     SharedData,
 }
 
-/// Declares [`KernelKind`] from the one list of kernel families: symbol name, and
-/// whether exported for every [`DType`] or f32 only. Discriminants (the call
-/// descriptor's kind field) follow the list's order.
+/// Declares [`KernelKind`] from the one list of kernel families (symbol name, whether
+/// exported for every [`DType`]); discriminants (the descriptor's kind) follow its order.
 macro_rules! kernel_kinds {
     ($($(#[$doc:meta])* $kind:ident = $name:literal, $every_dtype:literal;)*) => {
         /// Which kernel family a launch runs.
@@ -85,11 +84,11 @@ kernel_kinds! {
     Lamport = "lamport", true;
     /// A start and an end barrier and nothing else (also the timeout probe).
     Barrier = "barrier", true;
-    /// Ranks 0 and 1 bounce a flag `num_elements` times through their payloads (one
-    /// thread each): measures the cross-GPU flag round trip. f32 only.
+    /// Ranks 0 and 1 bounce a flag `num_elements` times through their payloads: the
+    /// cross-GPU flag round trip. f32 only.
     PingPong = "pingpong", false;
-    /// One thread spins for `timeout_ns` nanoseconds and touches no memory: fault
-    /// injection (a rank made late on purpose). f32 only.
+    /// Spins for `timeout_ns` nanoseconds, touching no memory: a rank made late on
+    /// purpose (fault injection). f32 only.
     Delay = "delay", false;
     /// All-gather: every group member gets every member's input, in group-rank order.
     AllGather = "all_gather", true;
@@ -102,10 +101,9 @@ kernel_kinds! {
     Scatter = "scatter", true;
     /// All-reduce, residual add and RMSNorm in one kernel, row by row.
     AllReduceRmsNorm = "allreduce_rmsnorm", true;
-    /// Up to [`crate::signal::MAX_GROUP_CALLS`] all-reduces of one dtype and width in
-    /// one kernel between one start and one end barrier, each entry's bits those of a
-    /// one-stage all-reduce of it alone. Launched with
-    /// [`Backend::launch_group`](super::Backend::launch_group).
+    /// Up to [`crate::signal::MAX_GROUP_CALLS`] all-reduces of one dtype in one kernel,
+    /// each entry's bits those of a one-stage all-reduce of it alone
+    /// ([`Backend::launch_group`](super::Backend::launch_group)).
     AllReduceGroup = "allreduce_group", true;
     /// The fused kernel without a barrier, through the Lamport slots, with the same bits
     /// as [`KernelKind::AllReduceRmsNorm`]. Whole world of two or more ranks, the

@@ -22,7 +22,6 @@ pub(crate) mod signal_init;
 
 /// Only peercomm's backends implement [`Backend`]: its launch and memory methods follow
 /// the kernels, which change without notice.
-/// Each backend's module implements it beside its `Backend` impl.
 mod sealed {
     pub trait Sealed {}
 }
@@ -40,8 +39,7 @@ pub trait IntoDevice {
     fn into_device(self) -> Result<<Self::Backend as Backend>::Device>;
 }
 
-/// Refuses a [`Backend::launch`] of the batched all-reduce, whose kernel takes a
-/// [`GroupArgs`], not an [`AllReduceArgs`].
+/// Refuses a [`Backend::launch`] of the batched all-reduce (it takes [`GroupArgs`]).
 pub(crate) fn check_plain_kernel(backend: &'static str, kernel: Kernel) -> Result<()> {
     if kernel.kind == KernelKind::AllReduceGroup {
         return Err(crate::Error::Unsupported(format!(
@@ -52,8 +50,7 @@ pub(crate) fn check_plain_kernel(backend: &'static str, kernel: Kernel) -> Resul
     Ok(())
 }
 
-/// What [`Backend::launch_group`] checks first: the kernel is the batched all-reduce and
-/// its entry count is in `1..=MAX_GROUP_CALLS`.
+/// [`Backend::launch_group`]'s checks: the batched all-reduce, `1..=MAX_GROUP_CALLS` entries.
 pub(crate) fn check_group_kernel(
     backend: &'static str,
     kernel: Kernel,
@@ -89,9 +86,8 @@ pub trait Backend: sealed::Sealed + Sized + Send + Sync + 'static {
     /// The access of memory with no bookkeeping (ordered on the communicator's stream).
     #[doc(hidden)]
     fn untracked_access<'a>() -> Self::Access<'a>;
-    /// A typed device buffer (`CudaSlice<T>` for CUDA), naming its element type through
-    /// [`TypedBuffer`]. Owned and `Send`, so that a dropped registration can keep it
-    /// while a peer may still read it ([`crate::Registered`]).
+    /// A typed device buffer (`CudaSlice<T>` for CUDA). Owned and `Send`: a dropped
+    /// registration keeps it while a peer may still read it ([`crate::Registered`]).
     type Buffer<T: Element>: TypedBuffer<Self, Elem = T> + Send + 'static;
     /// Another process's memory mapped into this one; dropping it unmaps it.
     type PeerMapping: Send + Sync;
@@ -102,10 +98,8 @@ pub trait Backend: sealed::Sealed + Sized + Send + Sync + 'static {
     fn open(ordinal: usize) -> Result<Self::Device>;
     /// The ordinal of a device (in this process: `CUDA_VISIBLE_DEVICES` renumbers).
     fn ordinal(dev: &Self::Device) -> usize;
-    /// What names the device physically (UUID, PCI bus id; host:
-    /// [`DeviceIdentity::simulated`]): ranks compare identities, not ordinals, to tell
-    /// whether they share a device. The default reports the ordinal only, so ranks of
-    /// different processes are taken to be on different devices.
+    /// What names the device physically (UUID, PCI bus id): ranks compare identities,
+    /// not ordinals, to tell whether they share a device. Default: the ordinal only.
     fn identity(dev: &Self::Device) -> Result<DeviceIdentity> {
         Ok(DeviceIdentity::new(Self::ordinal(dev), None, None))
     }
@@ -125,16 +119,14 @@ pub trait Backend: sealed::Sealed + Sized + Send + Sync + 'static {
     /// process (with peer access on, the same address).
     #[doc(hidden)]
     fn map_peer(dev: &Self::Device, peer_mem: &Self::Memory) -> Result<u64>;
-    /// Prepares a device that several ranks share (`CommConfig::allow_shared_devices`):
-    /// nothing may make one rank's stream wait for another's, since their collectives
-    /// wait for each other (CUDA: no memory pool reuse across streams). Default: nothing.
+    /// Prepares a device several ranks share: no rank's stream may wait for another's,
+    /// since their collectives wait for each other (CUDA: no pool reuse across streams).
     #[doc(hidden)]
     fn prepare_shared_device(_dev: &Self::Device) -> Result<()> {
         Ok(())
     }
-    /// Why device `peer_ordinal`'s kernels could not reach the user memory at `ptr` on
-    /// `dev`, or `None` when they can: memory peer access does not cover (a pool or a
-    /// virtual-memory mapping without access for the peer) becomes a typed error
+    /// Why device `peer_ordinal`'s kernels could not reach the user memory at `ptr`
+    /// (a pool or mapping peer access does not cover), or `None`: a typed error
     /// instead of a fault. Default: every address is reachable.
     #[doc(hidden)]
     fn peer_access_problem(
@@ -144,27 +136,23 @@ pub trait Backend: sealed::Sealed + Sized + Send + Sync + 'static {
     ) -> Result<Option<String>> {
         Ok(None)
     }
-    /// Exports an allocation made with [`MemoryKind::SharedSignal`] for another process
-    /// of this host to map with [`Backend::import_memory`]: a fixed-length record (a
-    /// 4-byte magic naming the backend, a `u32` version, the backend's fields), valid
-    /// while `mem` lives.
+    /// Exports a [`MemoryKind::SharedSignal`] allocation for another process of this
+    /// host to map with [`Backend::import_memory`] (a `handle` record, valid while `mem`
+    /// lives).
     #[doc(hidden)]
     fn export_memory(dev: &Self::Device, mem: &Self::Memory) -> Result<Vec<u8>>;
-    /// Exports the allocation holding `[ptr, ptr + bytes)` for [`Backend::import_range`]:
-    /// the handle, `ptr`'s offset in it, and a descriptor where the driver exports the
-    /// memory only as one. Memory that cannot be exported (a pool without an IPC handle
-    /// type, host heap memory) is [`crate::Error::CannotRegister`] (`rank` 0: the caller
-    /// names it).
+    /// Exports the allocation holding `[ptr, ptr + bytes)` for [`Backend::import_range`].
+    /// Memory that cannot be exported (a pool without an IPC handle type, host heap) is
+    /// [`crate::Error::CannotRegister`] (`rank` 0: the caller names it).
     #[doc(hidden)]
     fn export_range(dev: &Self::Device, ptr: u64, bytes: usize) -> Result<ExportedRange>;
     /// Maps memory another process exported into `dev`'s address space (the GPU
-    /// backends refuse the exporting process itself: it uses [`Backend::map_peer`]). A
-    /// malformed, foreign or stale handle is `Error::Backend { call: "import_memory", .. }`.
+    /// backends refuse the exporter itself: it uses [`Backend::map_peer`]). A bad handle
+    /// is `Error::Backend { call: "import_memory", .. }`.
     #[doc(hidden)]
     fn import_memory(dev: &Self::Device, handle: &[u8]) -> Result<Self::PeerMapping>;
-    /// Maps a range exported with [`Backend::export_range`] (the descriptor is closed
-    /// once mapped, or on error). Default: [`Backend::import_memory`] without a
-    /// descriptor, refused with one.
+    /// Maps a range exported with [`Backend::export_range`], closing the descriptor.
+    /// Default: [`Backend::import_memory`] without a descriptor, refused with one.
     #[doc(hidden)]
     fn import_range(
         dev: &Self::Device,
@@ -196,8 +184,8 @@ pub trait Backend: sealed::Sealed + Sized + Send + Sync + 'static {
     /// once done.
     #[doc(hidden)]
     fn write(dev: &Self::Device, ptr: u64, src: &[u8]) -> Result<()>;
-    /// Reads 32-bit words at `ptr` without waiting for the stream (each word whole, while
-    /// a kernel may write them): polls error records. The default waits ([`Backend::read`]).
+    /// Reads 32-bit words at `ptr` without waiting for the stream, each word whole while
+    /// a kernel may write them (polls error records). Default: [`Backend::read`].
     #[doc(hidden)]
     fn read_words_now(dev: &Self::Device, ptr: u64, dst: &mut [u32]) -> Result<()> {
         let mut bytes = vec![0u8; dst.len() * 4];
@@ -207,8 +195,7 @@ pub trait Backend: sealed::Sealed + Sized + Send + Sync + 'static {
         }
         Ok(())
     }
-    /// Enqueues `kernel` on the device's stream. Every kernel but
-    /// [`KernelKind::AllReduceGroup`] (which [`Backend::launch_group`] enqueues).
+    /// Enqueues `kernel` (any but [`KernelKind::AllReduceGroup`]) on the device's stream.
     #[doc(hidden)]
     fn launch(
         dev: &Self::Device,
@@ -216,9 +203,9 @@ pub trait Backend: sealed::Sealed + Sized + Send + Sync + 'static {
         dims: LaunchDims,
         args: &AllReduceArgs,
     ) -> Result<()>;
-    /// As [`Backend::launch`], but overlapping the previous kernel's tail (programmatic
-    /// dependent launch, NVIDIA sm_90+); every kernel first waits on the device for the
-    /// previous one's results, so the result is the same. Default: a plain launch.
+    /// As [`Backend::launch`], overlapping the previous kernel's tail (NVIDIA sm_90+
+    /// programmatic dependent launch; kernels wait for the previous one's results).
+    /// Default: a plain launch.
     #[doc(hidden)]
     fn launch_overlapping(
         dev: &Self::Device,
@@ -228,8 +215,7 @@ pub trait Backend: sealed::Sealed + Sized + Send + Sync + 'static {
     ) -> Result<()> {
         Self::launch(dev, kernel, dims, args)
     }
-    /// Enqueues the batched all-reduce `kernel` ([`KernelKind::AllReduceGroup`]), its
-    /// [`GroupArgs`] passed by value.
+    /// Enqueues the batched all-reduce ([`KernelKind::AllReduceGroup`]).
     #[doc(hidden)]
     fn launch_group(
         dev: &Self::Device,

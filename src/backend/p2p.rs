@@ -12,26 +12,28 @@ use crate::error::Result;
 type PeerPair = (&'static str, usize, usize);
 static ENABLED_PEERS: Mutex<Option<HashSet<PeerPair>>> = Mutex::new(None);
 
+/// The ordered pairs of distinct devices (by ordinal) of `devices`.
+fn pairs<B: Backend>(devices: &[B::Device]) -> impl Iterator<Item = (&B::Device, &B::Device)> {
+    let all = move |a| devices.iter().map(move |b| (a, b));
+    devices
+        .iter()
+        .flat_map(all)
+        .filter(|(a, b)| B::ordinal(a) != B::ordinal(b))
+}
+
 /// Enables peer access between every ordered pair of `devices`. Returns `Ok(false)`
 /// (and enables nothing more) when some pair cannot reach each other; never panics.
 pub fn enable_p2p<B: Backend>(devices: &[B::Device]) -> Result<bool> {
-    for a in devices {
-        for b in devices {
-            if B::ordinal(a) != B::ordinal(b) && !B::can_access_peer(a, b)? {
-                return Ok(false);
-            }
+    for (a, b) in pairs::<B>(devices) {
+        if !B::can_access_peer(a, b)? {
+            return Ok(false);
         }
     }
     let mut enabled = ENABLED_PEERS.lock().unwrap_or_else(|e| e.into_inner());
     let set = enabled.get_or_insert_with(HashSet::new);
-    for a in devices {
-        for b in devices {
-            let (oa, ob) = (B::ordinal(a), B::ordinal(b));
-            if oa != ob {
-                B::enable_peer_access(a, b)?;
-                set.insert((B::NAME, oa, ob));
-            }
-        }
+    for (a, b) in pairs::<B>(devices) {
+        B::enable_peer_access(a, b)?;
+        set.insert((B::NAME, B::ordinal(a), B::ordinal(b)));
     }
     Ok(true)
 }
@@ -43,10 +45,5 @@ pub fn is_p2p_enabled<B: Backend>(devices: &[B::Device]) -> bool {
     let Some(set) = enabled.as_ref() else {
         return devices.len() <= 1;
     };
-    devices.iter().all(|a| {
-        devices.iter().all(|b| {
-            let (oa, ob) = (B::ordinal(a), B::ordinal(b));
-            oa == ob || set.contains(&(B::NAME, oa, ob))
-        })
-    })
+    pairs::<B>(devices).all(|(a, b)| set.contains(&(B::NAME, B::ordinal(a), B::ordinal(b))))
 }

@@ -1,8 +1,7 @@
-//! Rust ports of the device kernels, one OS thread per block: each block does a GPU
-//! block's work (its "threads" one after another), with the protocol's orderings:
-//! counters and Lamport packs are atomics, plain data is read only after an acquire
-//! that pairs with the writer's release. Here: [`run_block`] and [`run_group_block`]
-//! (the entry, error and abandon steps every collective shares) and the test kernels.
+//! Rust ports of the device kernels, one OS thread per block doing a GPU block's work
+//! with the protocol's orderings: counters and Lamport packs are atomics, plain data is
+//! read only after an acquire that pairs with the writer's release. Here: the entry,
+//! error and abandon steps every collective shares, and the test kernels.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
@@ -12,44 +11,36 @@ use crate::dtype::{DType, Element};
 use crate::protocol::BarrierKind;
 use crate::signal::{AllReduceArgs, GroupArgs};
 
-mod chunked;
 mod collectives;
 mod group;
 mod lamport;
-mod one_stage;
 mod packs;
 mod records;
 mod signals;
-mod two_stage;
 mod wait;
 
-use lamport::lamport;
-use one_stage::one_stage;
+use packs::Grid;
 use records::{abandon, publish_current_call, record_mismatch, record_timeout};
 use signals::{abort_word, atomic, barrier};
-use two_stage::two_stage;
-use wait::{Spinner, Stop};
+use wait::{Flow, Spinner, Stop};
 
 /// Runs block `block` of `kernel`.
 ///
 /// # Safety
 /// `args` must describe live allocations laid out as `include/peercomm_signal.h` says.
 pub(crate) unsafe fn run_block(kernel: Kernel, args: &AllReduceArgs, block: u32, blocks: u32) {
-    if matches!(kernel.kind, KernelKind::Delay | KernelKind::PingPong) {
-        let _ = run_typed::<f32>(kernel.kind, args, block, blocks);
+    let (kind, g) = (kernel.kind, Grid { block, blocks });
+    if matches!(kind, KernelKind::Delay | KernelKind::PingPong) {
+        let _ = run_typed::<f32>(kind, args, g);
         return;
     }
-    run_collective_block(
-        args,
-        block,
-        blocks,
-        peers_read_user_buffers(kernel.kind),
-        || match kernel.dtype {
-            DType::F32 => run_typed::<f32>(kernel.kind, args, block, blocks),
-            DType::F16 => run_typed::<half::f16>(kernel.kind, args, block, blocks),
-            DType::BF16 => run_typed::<half::bf16>(kernel.kind, args, block, blocks),
-        },
-    );
+    run_collective_block(args, g, peers_read_user_buffers(kind), || {
+        match kernel.dtype {
+            DType::F32 => run_typed::<f32>(kind, args, g),
+            DType::F16 => run_typed::<half::f16>(kind, args, g),
+            DType::BF16 => run_typed::<half::bf16>(kind, args, g),
+        }
+    });
 }
 
 /// Runs block `block` of the batched all-reduce `kernel` ([`KernelKind::AllReduceGroup`]):
@@ -59,10 +50,11 @@ pub(crate) unsafe fn run_block(kernel: Kernel, args: &AllReduceArgs, block: u32,
 /// As [`run_block`]; every entry's input and output must be live buffers of
 /// `entries[s].elements` elements of the kernel's dtype.
 pub(crate) unsafe fn run_group_block(kernel: Kernel, args: &GroupArgs, block: u32, blocks: u32) {
-    run_collective_block(&args.all, block, blocks, true, || match kernel.dtype {
-        DType::F32 => group::all_reduce_group::<f32>(args, block, blocks),
-        DType::F16 => group::all_reduce_group::<half::f16>(args, block, blocks),
-        DType::BF16 => group::all_reduce_group::<half::bf16>(args, block, blocks),
+    let g = Grid { block, blocks };
+    run_collective_block(&args.all, g, true, || match kernel.dtype {
+        DType::F32 => group::all_reduce_group::<f32>(args, g),
+        DType::F16 => group::all_reduce_group::<half::f16>(args, g),
+        DType::BF16 => group::all_reduce_group::<half::bf16>(args, g),
     });
 }
 
@@ -71,11 +63,11 @@ pub(crate) unsafe fn run_group_block(kernel: Kernel, args: &GroupArgs, block: u3
 /// (waiting for its peers when `wait_for_peers`), block 0 marks the call done.
 unsafe fn run_collective_block(
     args: &AllReduceArgs,
-    block: u32,
-    blocks: u32,
+    g: Grid,
     wait_for_peers: bool,
-    body: impl FnOnce() -> Result<(), Stop>,
+    body: impl FnOnce() -> Flow,
 ) {
+    let Grid { block, blocks } = g;
     // A group of one waits for nobody and nobody waits for it: it publishes nothing.
     let publishes = block == 0 && args.group_width > 1;
     if publishes {
@@ -107,47 +99,35 @@ unsafe fn run_collective_block(
 /// Whether the peers of a kernel read this rank's user buffers (then a rank that gives
 /// up must wait for them to quit before its kernel may end).
 fn peers_read_user_buffers(kind: KernelKind) -> bool {
+    use KernelKind as K;
     !matches!(
         kind,
-        KernelKind::Lamport
-            | KernelKind::LamportRmsNorm
-            | KernelKind::Barrier
-            | KernelKind::PingPong
-            | KernelKind::Delay
+        K::Lamport | K::LamportRmsNorm | K::Barrier | K::PingPong | K::Delay
     )
 }
 
-unsafe fn run_typed<T: Element>(
-    kind: KernelKind,
-    args: &AllReduceArgs,
-    block: u32,
-    blocks: u32,
-) -> Result<(), Stop> {
+unsafe fn run_typed<T: Element>(kind: KernelKind, args: &AllReduceArgs, g: Grid) -> Flow {
     match kind {
-        // A staged message larger than the payload holds whole.
-        kind if chunked::is_chunked::<T>(kind, args) => {
-            chunked::run::<T>(kind, args, block, blocks)
-        }
-        KernelKind::OneStage => one_stage::<T>(args, block, blocks),
-        KernelKind::TwoStage => two_stage::<T>(args, block, blocks),
-        KernelKind::Lamport => lamport::<T>(args, block, blocks),
+        KernelKind::OneStage => collectives::one_stage::<T>(args, g),
+        KernelKind::TwoStage => collectives::two_stage::<T>(args, g),
+        KernelKind::Lamport => lamport::lamport::<T>(args, g),
         KernelKind::PingPong => ping_pong(args),
         KernelKind::Delay => {
-            if block == 0 {
+            if g.block == 0 {
                 std::thread::sleep(Duration::from_nanos(args.timeout_ns));
             }
             Ok(())
         }
         KernelKind::Barrier => {
-            barrier(args, block, BarrierKind::Start)?;
-            barrier(args, block, BarrierKind::Publish)
+            barrier(args, g, BarrierKind::Start)?;
+            barrier(args, g, BarrierKind::Publish)
         }
-        KernelKind::AllGather => collectives::all_gather::<T>(args, block, blocks),
-        KernelKind::ReduceScatter => collectives::reduce_scatter::<T>(args, block, blocks),
-        KernelKind::Broadcast => collectives::broadcast::<T>(args, block, blocks),
-        KernelKind::Scatter => collectives::scatter::<T>(args, block, blocks),
-        KernelKind::AllReduceRmsNorm => collectives::allreduce_rmsnorm::<T>(args, block, blocks),
-        KernelKind::LamportRmsNorm => collectives::lamport_rmsnorm::<T>(args, block, blocks),
+        KernelKind::AllGather => collectives::all_gather::<T>(args, g),
+        KernelKind::ReduceScatter => collectives::reduce_scatter::<T>(args, g),
+        KernelKind::Broadcast => collectives::broadcast::<T>(args, g),
+        KernelKind::Scatter => collectives::scatter::<T>(args, g),
+        KernelKind::AllReduceRmsNorm => collectives::allreduce_rmsnorm::<T>(args, g),
+        KernelKind::LamportRmsNorm => lamport::lamport_rmsnorm::<T>(args, g),
         // Its arguments are a GroupArgs: `Host::launch` refuses it, `run_group_block`
         // runs it.
         KernelKind::AllReduceGroup => unreachable!("the batched all-reduce has its own entry"),
@@ -155,7 +135,7 @@ unsafe fn run_typed<T: Element>(
 }
 
 /// Ranks 0 and 1 bounce a flag through the first word of their payloads.
-unsafe fn ping_pong(args: &AllReduceArgs) -> Result<(), Stop> {
+unsafe fn ping_pong(args: &AllReduceArgs) -> Flow {
     let me = args.group_rank as usize;
     if me > 1 || args.group_width < 2 {
         return Ok(());

@@ -1,6 +1,5 @@
-//! Host allocations: the zero-filled heap block ([`HeapBlock`]) or shared memory file
-//! behind a `HostMemory` ([`Storage`]), freed in stream order, and the mapping of
-//! exported memory, `HostPeerMapping`.
+//! Host allocations (heap or shared memory file, freed in stream order) and mappings of
+//! exported memory.
 
 use std::alloc::Layout;
 use std::ptr::NonNull;
@@ -10,6 +9,15 @@ use super::shm;
 use super::stream::FreeOnStream;
 use crate::backend::MemoryKind;
 use crate::error::{Error, Result};
+
+/// A failed host allocation.
+pub(super) fn alloc_error(detail: String) -> Error {
+    Error::Backend {
+        backend: "host",
+        call: "alloc",
+        detail,
+    }
+}
 
 /// A 256-byte aligned, zero-filled heap block; freed when dropped.
 pub(super) struct HeapBlock {
@@ -25,18 +33,13 @@ unsafe impl Sync for HeapBlock {}
 
 impl HeapBlock {
     fn new(bytes: usize) -> Result<Self> {
-        let layout = Layout::from_size_align(bytes.max(1), 256).map_err(|_| Error::Backend {
-            backend: "host",
-            call: "alloc",
-            detail: format!("{bytes} bytes is more than an allocation can hold"),
+        let layout = Layout::from_size_align(bytes.max(1), 256).map_err(|_| {
+            alloc_error(format!("{bytes} bytes is more than an allocation can hold"))
         })?;
         // SAFETY: the layout has a non-zero size.
         let raw = unsafe { std::alloc::alloc_zeroed(layout) };
-        let ptr = NonNull::new(raw).ok_or_else(|| Error::Backend {
-            backend: "host",
-            call: "alloc",
-            detail: format!("out of memory allocating {bytes} bytes"),
-        })?;
+        let ptr = NonNull::new(raw)
+            .ok_or_else(|| alloc_error(format!("out of memory allocating {bytes} bytes")))?;
         Ok(HeapBlock { ptr, layout })
     }
 }

@@ -7,10 +7,12 @@ use std::fs::File;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::os::unix::fs::MetadataExt;
 use std::ptr::NonNull;
+use std::sync::{Mutex, MutexGuard};
 
 use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::mm::{MapFlags, ProtFlags};
 
+use super::memory::alloc_error;
 use crate::backend::handle::{import_error, Reader, Writer};
 use crate::error::{Error, Result};
 
@@ -20,14 +22,6 @@ const MAGIC: &[u8; 4] = b"pcho";
 const VERSION: u32 = 1;
 /// Bytes of a host handle: header 8, pid 4, fd 4, size 8, st_dev 8, st_ino 8.
 const HANDLE_BYTES: usize = 40;
-
-fn alloc_error(detail: String) -> Error {
-    Error::Backend {
-        backend: "host",
-        call: "alloc",
-        detail,
-    }
-}
 
 /// A read/write `MAP_SHARED` mapping of a whole file; unmapped when dropped.
 pub(crate) struct Mapping {
@@ -118,11 +112,7 @@ impl SharedFile {
             dev: meta.dev(),
             ino: meta.ino(),
         };
-        live().lock().unwrap_or_else(|e| e.into_inner()).push((
-            shared.addr(),
-            len,
-            shared.export(),
-        ));
+        live().push((shared.addr(), len, shared.export()));
         Ok(shared)
     }
 
@@ -143,23 +133,17 @@ impl SharedFile {
     }
 }
 
-/// A live shared file: (address, bytes, handle).
-type LiveFile = (u64, usize, Vec<u8>);
-
-/// The live shared files of this process, so that a range
+/// The live shared files of this process (address, bytes, handle), so that a range
 /// inside one can be exported ([`export_containing`]).
-fn live() -> &'static std::sync::Mutex<Vec<LiveFile>> {
-    static LIVE: std::sync::OnceLock<std::sync::Mutex<Vec<LiveFile>>> = std::sync::OnceLock::new();
-    LIVE.get_or_init(Default::default)
+fn live() -> MutexGuard<'static, Vec<(u64, usize, Vec<u8>)>> {
+    static LIVE: Mutex<Vec<(u64, usize, Vec<u8>)>> = Mutex::new(Vec::new());
+    LIVE.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Drop for SharedFile {
     fn drop(&mut self) {
         let addr = self.addr();
-        live()
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|(a, _, _)| *a != addr);
+        live().retain(|(a, _, _)| *a != addr);
     }
 }
 
@@ -170,7 +154,7 @@ pub(crate) fn export_containing(
     ptr: u64,
     bytes: usize,
 ) -> Option<Result<(Vec<u8>, u64, std::os::fd::OwnedFd)>> {
-    let live = live().lock().unwrap_or_else(|e| e.into_inner());
+    let live = live();
     let (addr, _, handle) = live
         .iter()
         .find(|(a, n, _)| ptr >= *a && ptr + bytes as u64 <= *a + *n as u64)?;
@@ -271,21 +255,20 @@ mod tests {
         let plain = rustix::fs::memfd_create("plain", MemfdFlags::CLOEXEC).unwrap();
         rustix::fs::ftruncate(&plain, 4096).unwrap();
         for (what, descriptor) in [("larger", dup(&b)), ("alike", dup(&c)), ("plain", plain)] {
-            let e = import_descriptor(&handle, descriptor)
-                .err()
-                .unwrap()
-                .to_string();
+            let Err(e) = import_descriptor(&handle, descriptor) else {
+                panic!("{what}: mapped");
+            };
+            let e = e.to_string();
             assert!(e.contains("but the handle names device"), "{what}: {e}");
             assert!(!e.contains("  "), "{what}: {e}");
         }
         // The size field (bytes 16..24) says 8192 where the file has 4096.
         let mut resized = handle.clone();
         resized[16..24].copy_from_slice(&8192u64.to_le_bytes());
-        let e = import_descriptor(&resized, dup(&a))
-            .err()
-            .unwrap()
-            .to_string();
-        assert!(e.contains("size mismatch"), "{e}");
+        let Err(e) = import_descriptor(&resized, dup(&a)) else {
+            panic!("resized: mapped");
+        };
+        assert!(e.to_string().contains("size mismatch"), "{e}");
         assert_eq!(import_descriptor(&handle, dup(&a)).unwrap().len(), 4096);
     }
 }

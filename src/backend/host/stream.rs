@@ -1,16 +1,16 @@
 //! Host streams: one worker thread running enqueued jobs in order, and [`FreeOnStream`],
 //! which drops a value in stream order (as `cuMemFreeAsync` frees).
 
-use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
 
 pub(super) type Job = Box<dyn FnOnce() + Send>;
 
 /// A stream: one worker thread running enqueued jobs in order.
 pub(super) struct Stream {
-    tx: Mutex<Option<mpsc::Sender<Job>>>,
-    worker: Mutex<Option<JoinHandle<()>>>,
+    /// `Some` until dropped; closing it ends the worker once its queue is drained.
+    tx: Option<mpsc::Sender<Job>>,
+    worker: Option<JoinHandle<()>>,
 }
 
 impl Stream {
@@ -25,14 +25,14 @@ impl Stream {
             })
             .expect("spawn host stream thread");
         Stream {
-            tx: Mutex::new(Some(tx)),
-            worker: Mutex::new(Some(worker)),
+            tx: Some(tx),
+            worker: Some(worker),
         }
     }
 
     pub(super) fn enqueue(&self, job: Job) {
-        let tx = self.tx.lock().expect("stream lock");
-        tx.as_ref()
+        self.tx
+            .as_ref()
             .expect("stream open")
             .send(job)
             .expect("stream worker alive");
@@ -49,9 +49,8 @@ impl Stream {
 
 impl Drop for Stream {
     fn drop(&mut self) {
-        // Closing the channel ends the worker once its queue is drained.
-        self.tx.lock().expect("stream lock").take();
-        if let Some(w) = self.worker.lock().expect("stream lock").take() {
+        self.tx.take();
+        if let Some(w) = self.worker.take() {
             let _ = w.join();
         }
     }

@@ -1,139 +1,264 @@
-//! Host ports of kernels-common/peercomm_collectives.h: all-gather, reduce-scatter,
-//! broadcast, scatter and the fused all-reduce + residual + RMSNorm (one-stage and
-//! Lamport). A staged range gives pack k to block k % blocks for the staging copy and
-//! the readers alike, so the per-block Publish barrier orders every read after its write.
+//! Host ports of the one- and two-stage all-reduces (kernels-common/peercomm_kernels.h)
+//! and of peercomm_collectives.h. Each reads every member's data from `inputs` (user
+//! buffers, or the payloads each rank staged into), or, where a staged message holds
+//! more units than `stage_input`, in chunks ([`run_chunks`]): chunk k in half k % 2 of
+//! every payload, overwritten by chunk k+2 only after the Publish barrier that follows
+//! every peer block's last read of chunk k. Position `i` of a range is staged and read
+//! by block `i % blocks`, so a block reads what the peers' same-index blocks staged
+//! before the barrier. Chunked or not, the sums and rows are the same bits.
 
-use super::lamport::{
-    lamport_check_headers, lamport_end, lamport_entry, lamport_pack_sums, lamport_pack_words,
-    lamport_push, lamport_push_header,
-};
-use super::packs::{copy_packs, elem, lanes, pack_sums, reduce_packs, store};
-use super::signals::{abort_word, barrier, first_barrier};
-use super::wait::{Spinner, Stop};
+use super::packs::{copy_packs, elem, lanes, pack_sums, reduce_packs, store, Grid};
+use super::signals::{barrier, first_barrier};
+use super::wait::{Flow, Stop};
 use crate::dtype::Element;
 use crate::protocol::BarrierKind;
 use crate::signal::{reduce_scatter_part, AllReduceArgs, MAX_GPUS, PACK_BYTES};
 
-/// Bytes of `n` elements rounded up to whole packs.
-fn padded<T>(n: usize) -> u64 {
-    (n.div_ceil(lanes::<T>()) * PACK_BYTES) as u64
+/// Where a launch's data lives: one chunk read from `inputs` (the device's unchunked
+/// path), or `count` chunks of `cap` units in the payloads' halves (its `Chunks`).
+struct Chunks {
+    count: usize,
+    cap: usize,
+    half_bytes: usize,
+    staged: bool,
 }
 
-/// Where part q of a reduce-scatter input starts in a staged payload: every part at a
-/// pack boundary.
-fn staged_part_offset<T>(n: usize, width: usize, q: usize) -> u64 {
-    (0..q)
-        .map(|s| padded::<T>(reduce_scatter_part(n, width, s).len()))
-        .sum()
-}
-
-pub(super) unsafe fn all_gather<T: Element>(
-    args: &AllReduceArgs,
-    block: u32,
-    blocks: u32,
-) -> Result<(), Stop> {
-    let n = args.num_elements as usize;
-    let (width, me) = (args.group_width as usize, args.group_rank as usize);
-    if args.stage_input != 0 {
-        copy_packs::<T>(args.local_input, args.payloads[me], n, block, blocks);
-    }
-    first_barrier(args, block, args.stage_input != 0)?;
-    for i in 0..width {
-        let q = (me + i) % width;
-        copy_packs::<T>(
-            args.inputs[q],
-            elem::<T>(args.output, q * n),
-            n,
-            block,
-            blocks,
-        );
-    }
-    barrier(args, block, BarrierKind::End)
-}
-
-pub(super) unsafe fn reduce_scatter<T: Element>(
-    args: &AllReduceArgs,
-    block: u32,
-    blocks: u32,
-) -> Result<(), Stop> {
-    let n = args.num_elements as usize;
-    let (width, me) = (args.group_width as usize, args.group_rank as usize);
-    let staged = args.stage_input != 0;
-    if staged {
-        for q in 0..width {
-            let part = reduce_scatter_part(n, width, q);
-            let dst = args.payloads[me] + staged_part_offset::<T>(n, width, q);
-            copy_packs::<T>(
-                elem::<T>(args.local_input, part.start),
-                dst,
-                part.len(),
-                block,
-                blocks,
-            );
+impl Chunks {
+    /// A message of `units` units (packs or rows), each `unit_bytes` of a half: in
+    /// chunks of `stage_input` units where staged and larger, else one chunk of all.
+    fn new(args: &AllReduceArgs, units: usize, unit_bytes: usize) -> Self {
+        let (staged, cap) = (args.stage_input != 0, args.stage_input as usize);
+        if staged && units > cap {
+            let half_bytes = cap * unit_bytes;
+            return Chunks {
+                count: units.div_ceil(cap),
+                cap,
+                half_bytes,
+                staged,
+            };
+        }
+        Chunks {
+            count: 1,
+            cap: units,
+            half_bytes: 0,
+            staged,
         }
     }
-    first_barrier(args, block, args.stage_input != 0)?;
-    let mine = reduce_scatter_part(n, width, me);
-    let mut srcs = [0u64; MAX_GPUS];
-    for (s, src) in srcs.iter_mut().enumerate().take(width) {
-        *src = if staged {
-            args.inputs[s] + staged_part_offset::<T>(n, width, me)
-        } else {
-            elem::<T>(args.inputs[s], mine.start)
-        };
+    fn chunked(&self) -> bool {
+        self.count > 1
     }
-    reduce_packs::<T>(&srcs[..width], args.output, mine.len(), block, blocks);
-    barrier(args, block, BarrierKind::End)
+    /// Where this rank stages chunk `k`.
+    fn own(&self, args: &AllReduceArgs, k: usize) -> u64 {
+        args.payloads[args.group_rank as usize] + ((k % 2) * self.half_bytes) as u64
+    }
+    /// Member `q`'s chunk `k`.
+    fn src(&self, args: &AllReduceArgs, q: usize, k: usize) -> u64 {
+        if self.chunked() {
+            args.payloads[q] + ((k % 2) * self.half_bytes) as u64
+        } else {
+            args.inputs[q]
+        }
+    }
+    /// Every member's chunk `k`, `at(q)` bytes in.
+    fn srcs(&self, args: &AllReduceArgs, k: usize, at: u64) -> [u64; MAX_GPUS] {
+        let width = args.group_width as usize;
+        std::array::from_fn(|q| {
+            if q < width {
+                self.src(args, q, k) + at
+            } else {
+                0
+            }
+        })
+    }
+    /// Stages this block's share of chunk `k` of the own input (a whole message).
+    unsafe fn stage_own<T: Element>(&self, args: &AllReduceArgs, k: usize, g: Grid) {
+        let r = self.elems::<T>(args.num_elements as usize, k);
+        let src = elem::<T>(args.local_input, r.start);
+        copy_packs::<T>(src, self.own(args, k), r.len(), g);
+    }
+    /// Elements of chunk `k` of an `n`-element range (the device's `chunk_range`).
+    fn elems<T>(&self, n: usize, k: usize) -> std::ops::Range<usize> {
+        let l = lanes::<T>();
+        (k * self.cap * l).min(n)..((k + 1) * self.cap * l).min(n)
+    }
 }
 
-pub(super) unsafe fn broadcast<T: Element>(
+/// The pipeline (the device's `run_chunks`): `stage(k)` writes this block's share of
+/// chunk k where [`Chunks::own`] says, `use_(k)` reads chunk k. Unchunked: stage, the
+/// first barrier, use, End.
+unsafe fn run_chunks(
     args: &AllReduceArgs,
-    block: u32,
-    blocks: u32,
-) -> Result<(), Stop> {
+    g: Grid,
+    chunks: &Chunks,
+    mut stage: impl FnMut(usize),
+    mut use_: impl FnMut(usize) -> Flow,
+) -> Flow {
+    use BarrierKind::{End, Publish};
+    if chunks.staged {
+        stage(0);
+    }
+    first_barrier(args, g, chunks.staged)?;
+    for k in 0..chunks.count {
+        let last = k + 1 == chunks.count;
+        if !last {
+            stage(k + 1);
+        }
+        use_(k)?;
+        // Publishes chunk k + 1, and tells the peers this block is done with chunk k.
+        barrier(args, g, if last { End } else { Publish })?;
+    }
+    Ok(())
+}
+
+/// Each rank sums every element of the group's data in group-rank order.
+pub(super) unsafe fn one_stage<T: Element>(args: &AllReduceArgs, g: Grid) -> Flow {
+    let n = args.num_elements as usize;
+    let width = args.group_width as usize;
+    let c = Chunks::new(args, n.div_ceil(lanes::<T>()), PACK_BYTES);
+    let stage = |k| c.stage_own::<T>(args, k, g);
+    let use_ = |k| {
+        let r = c.elems::<T>(n, k);
+        let srcs = c.srcs(args, k, 0);
+        let dst = elem::<T>(args.output, r.start);
+        reduce_packs::<T>(&srcs[..width], dst, r.len(), g);
+        Ok(())
+    };
+    run_chunks(args, g, &c, stage, use_)
+}
+
+/// The two-stage all-reduce: rank r sums partition r (`ceil(packs / width)` packs) into
+/// its own payload, then gathers every partition from its owner's payload, starting
+/// with its own so readers spread over owners. Block b reads what block b of the owner
+/// wrote, so the per-block barrier suffices.
+pub(super) unsafe fn two_stage<T: Element>(args: &AllReduceArgs, g: Grid) -> Flow {
+    let (n, l) = (args.num_elements as usize, lanes::<T>());
+    let (me, width) = (args.group_rank as usize, args.group_width as usize);
+    let part = n.div_ceil(l).div_ceil(width) * l;
+    let range = |q: usize| (q * part).min(n)..((q + 1) * part).min(n);
+    barrier(args, g, BarrierKind::Start)?;
+    let r = range(me);
+    let srcs: [u64; MAX_GPUS] = std::array::from_fn(|q| elem::<T>(args.inputs[q], r.start));
+    reduce_packs::<T>(&srcs[..width], args.payloads[me], r.len(), g);
+    barrier(args, g, BarrierKind::Publish)?;
+    for q in (0..width).map(|i| (me + i) % width) {
+        let r = range(q);
+        let dst = elem::<T>(args.output, r.start);
+        copy_packs::<T>(args.payloads[q], dst, r.len(), g);
+    }
+    barrier(args, g, BarrierKind::End)
+}
+
+/// Every member's input lands at `[q * n, (q + 1) * n)` of the output; members read the
+/// sources starting with their own group rank, so the peers' links share the load.
+pub(super) unsafe fn all_gather<T: Element>(args: &AllReduceArgs, g: Grid) -> Flow {
+    let n = args.num_elements as usize;
+    let (me, width) = (args.group_rank as usize, args.group_width as usize);
+    let c = Chunks::new(args, n.div_ceil(lanes::<T>()), PACK_BYTES);
+    let stage = |k| c.stage_own::<T>(args, k, g);
+    let use_ = |k| {
+        let r = c.elems::<T>(n, k);
+        for q in (0..width).map(|i| (me + i) % width) {
+            let dst = elem::<T>(args.output, q * n + r.start);
+            copy_packs::<T>(c.src(args, q, k), dst, r.len(), g);
+        }
+        Ok(())
+    };
+    run_chunks(args, g, &c, stage, use_)
+}
+
+/// Group rank r sums part r of every member's input. Staged, part q sits at a pack
+/// boundary: whole, after the parts before it; chunked, at pack `q * cap` of a half.
+pub(super) unsafe fn reduce_scatter<T: Element>(args: &AllReduceArgs, g: Grid) -> Flow {
+    let n = args.num_elements as usize;
+    let l = lanes::<T>();
+    let (me, width) = (args.group_rank as usize, args.group_width as usize);
+    let part = |q| reduce_scatter_part(n, width, q);
+    let c = Chunks::new(args, part(0).len().div_ceil(l), width * PACK_BYTES);
+    let at = |q: usize| -> u64 {
+        if c.chunked() {
+            (q * c.cap * PACK_BYTES) as u64
+        } else if c.staged {
+            (0..q)
+                .map(|s| (part(s).len().div_ceil(l) * PACK_BYTES) as u64)
+                .sum()
+        } else {
+            elem::<T>(0, part(q).start)
+        }
+    };
+    let stage = |k| {
+        for q in 0..width {
+            let (p, dst) = (part(q), c.own(args, k) + at(q));
+            let r = c.elems::<T>(p.len(), k);
+            let src = elem::<T>(args.local_input, p.start + r.start);
+            copy_packs::<T>(src, dst, r.len(), g);
+        }
+    };
+    let use_ = |k| {
+        let r = c.elems::<T>(part(me).len(), k);
+        let srcs = c.srcs(args, k, at(me));
+        let dst = elem::<T>(args.output, r.start);
+        reduce_packs::<T>(&srcs[..width], dst, r.len(), g);
+        Ok(())
+    };
+    run_chunks(args, g, &c, stage, use_)
+}
+
+/// The root's input to every member's output (the root copies its own, unless in place).
+pub(super) unsafe fn broadcast<T: Element>(args: &AllReduceArgs, g: Grid) -> Flow {
     let n = args.num_elements as usize;
     let (me, root) = (args.group_rank as usize, args.root as usize);
-    if args.stage_input != 0 && me == root {
-        copy_packs::<T>(args.local_input, args.payloads[me], n, block, blocks);
-    }
-    first_barrier(args, block, args.stage_input != 0)?;
-    if me != root {
-        copy_packs::<T>(args.inputs[root], args.output, n, block, blocks);
-    } else if args.output != args.local_input {
-        copy_packs::<T>(args.local_input, args.output, n, block, blocks);
-    }
-    barrier(args, block, BarrierKind::End)
+    let c = Chunks::new(args, n.div_ceil(lanes::<T>()), PACK_BYTES);
+    let stage = |k| {
+        if me == root {
+            c.stage_own::<T>(args, k, g);
+        }
+    };
+    let use_ = |k| {
+        let r = c.elems::<T>(n, k);
+        let dst = elem::<T>(args.output, r.start);
+        if me != root {
+            copy_packs::<T>(c.src(args, root, k), dst, r.len(), g);
+        } else if args.output != args.local_input {
+            let src = elem::<T>(args.local_input, r.start);
+            copy_packs::<T>(src, dst, r.len(), g);
+        }
+        Ok(())
+    };
+    run_chunks(args, g, &c, stage, use_)
 }
 
-pub(super) unsafe fn scatter<T: Element>(
-    args: &AllReduceArgs,
-    block: u32,
-    blocks: u32,
-) -> Result<(), Stop> {
+/// Member q gets `[q * n, (q + 1) * n)` of the root's input (the root from its input);
+/// staged, the root puts part q at pack `q * cap` of its payload or half.
+pub(super) unsafe fn scatter<T: Element>(args: &AllReduceArgs, g: Grid) -> Flow {
     let n = args.num_elements as usize;
-    let (width, me, root) = (
-        args.group_width as usize,
-        args.group_rank as usize,
-        args.root as usize,
-    );
-    let part_bytes = padded::<T>(n);
-    let staged = args.stage_input != 0;
-    if staged && me == root {
-        for q in 0..width {
-            let dst = args.payloads[me] + q as u64 * part_bytes;
-            copy_packs::<T>(elem::<T>(args.local_input, q * n), dst, n, block, blocks);
+    let (me, root) = (args.group_rank as usize, args.root as usize);
+    let width = args.group_width as usize;
+    let c = Chunks::new(args, n.div_ceil(lanes::<T>()), width * PACK_BYTES);
+    let at = |q: usize| {
+        if c.staged {
+            (q * c.cap * PACK_BYTES) as u64
+        } else {
+            elem::<T>(0, q * n)
         }
-    }
-    first_barrier(args, block, args.stage_input != 0)?;
-    let src = if me == root {
-        elem::<T>(args.local_input, me * n)
-    } else if staged {
-        args.inputs[root] + me as u64 * part_bytes
-    } else {
-        elem::<T>(args.inputs[root], me * n)
     };
-    copy_packs::<T>(src, args.output, n, block, blocks);
-    barrier(args, block, BarrierKind::End)
+    let stage = |k| {
+        let r = c.elems::<T>(n, k);
+        for q in (0..width).filter(|_| me == root) {
+            let src = elem::<T>(args.local_input, q * n + r.start);
+            copy_packs::<T>(src, c.own(args, k) + at(q), r.len(), g);
+        }
+    };
+    let use_ = |k| {
+        let r = c.elems::<T>(n, k);
+        let src = if me == root {
+            elem::<T>(args.local_input, me * n + r.start)
+        } else {
+            c.src(args, root, k) + at(me)
+        };
+        copy_packs::<T>(src, elem::<T>(args.output, r.start), r.len(), g);
+        Ok(())
+    };
+    run_chunks(args, g, &c, stage, use_)
 }
 
 /// Row `t` of both fused kernels: `sums(p)` gives pack p's f32 sums over the group in
@@ -145,7 +270,7 @@ pub(super) unsafe fn rmsnorm_row<T: Element>(
     args: &AllReduceArgs,
     t: usize,
     mut sums: impl FnMut(usize) -> Result<[f32; 8], Stop>,
-) -> Result<(), Stop> {
+) -> Flow {
     let hidden = args.hidden as usize;
     let l = lanes::<T>();
     let row = t * hidden;
@@ -170,65 +295,43 @@ pub(super) unsafe fn rmsnorm_row<T: Element>(
     Ok(())
 }
 
-/// The one-stage fused kernel: row t by block t % blocks, every member's elements read
-/// from `inputs` (the user buffers, or the payloads they were staged into).
-pub(super) unsafe fn allreduce_rmsnorm<T: Element>(
-    args: &AllReduceArgs,
-    block: u32,
-    blocks: u32,
-) -> Result<(), Stop> {
+/// The fused kernel: row i of a chunk by block `i % blocks`, through [`rmsnorm_row`] on
+/// the chunk seen as a batch of its own (a row's bits depend only on its own data).
+pub(super) unsafe fn allreduce_rmsnorm<T: Element>(args: &AllReduceArgs, g: Grid) -> Flow {
     let hidden = args.hidden as usize;
     let rows = args.num_elements as usize / hidden;
-    let (width, me) = (args.group_width as usize, args.group_rank as usize);
-    let my_rows = || (block as usize..rows).step_by(blocks as usize);
-    if args.stage_input != 0 {
-        for t in my_rows() {
-            let at = elem::<T>(0, t * hidden);
-            copy_packs::<T>(args.local_input + at, args.payloads[me] + at, hidden, 0, 1);
-        }
-    }
-    first_barrier(args, block, args.stage_input != 0)?;
-    let srcs = &args.inputs[..width];
-    for t in my_rows() {
-        rmsnorm_row::<T>(args, t, |p| Ok(pack_sums::<T>(srcs, p)))?;
-    }
-    barrier(args, block, BarrierKind::End)
-}
-
-/// The Lamport fused kernel (no barrier): block b pushes its rows t = b, b + blocks, ...
-/// into every peer's Lamport slot, header first, checks every source's header, then
-/// computes its rows with [`rmsnorm_row`] as the packs arrive. -0.0 sent as +0.0 leaves
-/// every sum unchanged (sums start at +0.0 + x0), so the bits are the one-stage
-/// kernel's. The device's `lamport_rmsnorm`.
-pub(super) unsafe fn lamport_rmsnorm<T: Element>(
-    args: &AllReduceArgs,
-    block: u32,
-    blocks: u32,
-) -> Result<(), Stop> {
-    let n = args.num_elements as usize;
-    let hidden = args.hidden as usize;
-    let l = lanes::<T>();
-    let (rows, row_packs) = (n / hidden, hidden / l);
-    let my_rows = || (block as usize..rows).step_by(blocks as usize);
-    let entry = lamport_entry(args);
-    lamport_push_header(args, entry.gen);
-    for t in my_rows() {
-        for p in t * row_packs..(t + 1) * row_packs {
-            lamport_push(
-                args,
-                entry.gen,
-                p,
-                lamport_pack_words::<T>(args.local_input, p, n),
+    let width = args.group_width as usize;
+    let c = Chunks::new(args, rows, elem::<T>(0, hidden) as usize);
+    let chunk_rows = |k: usize| c.cap.min(rows - k * c.cap);
+    let my_rows = move |k| (g.block as usize..chunk_rows(k)).step_by(g.blocks as usize);
+    let stage = |k| {
+        for i in my_rows(k) {
+            let src = elem::<T>(args.local_input, (k * c.cap + i) * hidden);
+            let dst = elem::<T>(c.own(args, k), i * hidden);
+            copy_packs::<T>(
+                src,
+                dst,
+                hidden,
+                Grid {
+                    block: 0,
+                    blocks: 1,
+                },
             );
         }
-    }
-    let mut spin = Spinner::new(args.timeout_ns, abort_word(args));
-    lamport_check_headers(args, entry.gen, &mut spin)?;
-    for t in my_rows() {
-        rmsnorm_row::<T>(args, t, |p| {
-            lamport_pack_sums::<T>(args, entry.gen, p, n, &mut spin)
-        })?;
-    }
-    lamport_end(args, block, blocks, entry, n / l);
-    Ok(())
+    };
+    let use_ = |k| {
+        let first = k * c.cap * hidden;
+        let view = AllReduceArgs {
+            num_elements: (chunk_rows(k) * hidden) as u64,
+            residual: elem::<T>(args.residual, first),
+            output: elem::<T>(args.output, first),
+            ..*args
+        };
+        let srcs = c.srcs(args, k, 0);
+        for i in my_rows(k) {
+            rmsnorm_row::<T>(&view, i, |p| Ok(pack_sums::<T>(&srcs[..width], p)))?;
+        }
+        Ok(())
+    };
+    run_chunks(args, g, &c, stage, use_)
 }

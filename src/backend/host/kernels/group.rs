@@ -1,17 +1,14 @@
 //! Host port of kernels-common/peercomm_group.h: the batched all-reduce. The entries'
-//! packs are one concatenated range (entry s's pack p is pack `offset_s / 16 + p`),
-//! pack g to block g % blocks for the staging copy and the reduce alike, so the
-//! per-block Publish barrier orders every read after the peer's write. Each element is
-//! summed as one-stage sums it, so every entry's bits are those of a one-stage
-//! all-reduce of that entry alone. Before the reduce, every block compares every
-//! peer's entry table with its own and leaves with a call mismatch on a difference.
-//! Unstaged (one process), it reads every member's input from `peer_inputs`.
+//! packs are one concatenated range (entry s's pack p is pack `offset_s / 16 + p`), pack
+//! g to block g % blocks for the staging copy and the reduce alike, so the per-block
+//! Publish barrier orders every read after the peer's write. Each element is summed as
+//! one-stage sums it: every entry's bits are those of a one-stage all-reduce of it alone.
 
 use std::sync::atomic::Ordering;
 
-use super::packs::{lanes, pack_range, reduce_element, store};
+use super::packs::{lanes, pack_range, reduce_element, store, Grid};
 use super::signals::{atomic, barrier, first_barrier};
-use super::wait::Stop;
+use super::wait::{Flow, Stop};
 use crate::dtype::Element;
 use crate::protocol::BarrierKind;
 use crate::signal::{
@@ -57,7 +54,7 @@ fn table_elements(table: &[u32; HEADER_WORDS], s: usize) -> u64 {
 /// After the Publish barrier: every peer's entry table against this rank's, in
 /// group-rank order. The first that differs is a mismatch showing, on each side, the
 /// batch's descriptor with that side's count and first differing element count.
-unsafe fn same_entry_tables(args: &GroupArgs) -> Result<(), Stop> {
+unsafe fn same_entry_tables(args: &GroupArgs) -> Flow {
     let a = &args.all;
     let mine = own_table(args);
     for q in (0..a.group_width as usize).filter(|&q| q != a.group_rank as usize) {
@@ -77,26 +74,22 @@ unsafe fn same_entry_tables(args: &GroupArgs) -> Result<(), Stop> {
     Ok(())
 }
 
-pub(super) unsafe fn all_reduce_group<T: Element>(
-    args: &GroupArgs,
-    block: u32,
-    blocks: u32,
-) -> Result<(), Stop> {
+pub(super) unsafe fn all_reduce_group<T: Element>(args: &GroupArgs, g: Grid) -> Flow {
     let a = &args.all;
     let (width, me) = (a.group_width as usize, a.group_rank as usize);
-    // A group wider than one stages where the peers can read only the payloads; where
-    // one process knows every member's buffers it reads them in place (`peer_inputs`).
+    // Staged where the peers can read only the payloads; else (one process) every
+    // member's input in place (`peer_inputs`).
     let staged = width > 1 && a.stage_input != 0;
     if staged {
-        // Phase 1: the entry table (every block writes the same words), then this
-        // block's share of every entry's input into the own payload.
+        // The entry table (every block writes the same words), then this block's share
+        // of every entry's input into the own payload.
         for (i, &w) in own_table(args).iter().enumerate() {
             table_word(a.payloads[me], i).store(w, Ordering::Relaxed);
         }
         for e in entries(args) {
             let n = e.elements as usize;
             let dst = (a.payloads[me] + e.offset) as *mut T;
-            for p in entry_packs::<T>(e, block, blocks) {
+            for p in entry_packs::<T>(e, g.block, g.blocks) {
                 for i in pack_range::<T>(p, n) {
                     dst.add(i)
                         .write_unaligned((e.input as *const T).add(i).read_unaligned());
@@ -104,15 +97,13 @@ pub(super) unsafe fn all_reduce_group<T: Element>(
             }
         }
     }
-    // Phase 2: the start barrier (publishing the staged packs), with the batch's call.
-    first_barrier(a, block, staged)?;
-    // Phase 3: nothing is stored before every peer's entry table matches this rank's.
+    first_barrier(a, g, staged)?;
+    // Nothing is stored before every peer's entry table matches this rank's.
     if staged {
         same_entry_tables(args)?;
     }
-    // Phase 4: this block's share of every entry, summed over the members in group-rank
-    // order from their payloads or, in place, their inputs (a group of one copies its
-    // input).
+    // This block's share of every entry, summed in group-rank order (a group of one
+    // copies its input).
     for (s, e) in entries(args).iter().enumerate() {
         let n = e.elements as usize;
         let mut srcs = [0u64; MAX_GPUS];
@@ -125,14 +116,14 @@ pub(super) unsafe fn all_reduce_group<T: Element>(
                 e.input
             };
         }
-        for p in entry_packs::<T>(e, block, blocks) {
+        for p in entry_packs::<T>(e, g.block, g.blocks) {
             for i in pack_range::<T>(p, n) {
                 store::<T>(e.output, i, reduce_element::<T>(&srcs[..width], i));
             }
         }
     }
-    // Phase 5: no peer overwrites a payload this block still reads.
-    barrier(a, block, BarrierKind::End)
+    // No peer overwrites a payload this block still reads.
+    barrier(a, g, BarrierKind::End)
 }
 
 #[cfg(test)]
@@ -143,33 +134,25 @@ mod tests {
     /// g with g % blocks == b of the concatenated range.
     #[test]
     fn entry_packs_follow_the_concatenated_range() {
-        let lengths = [5usize, 0, 1, 8, 17, 4, 3, 1000];
-        let mut offset = 0u64;
-        let entries: Vec<GroupEntry> = lengths
-            .iter()
-            .map(|&n| {
+        for blocks in 1..=7u32 {
+            // `base`: the entry's first pack in the concatenated range.
+            let mut base = 0;
+            for n in [5usize, 0, 1, 8, 17, 4, 3, 1000] {
                 let e = GroupEntry {
                     input: 0,
                     output: 0,
                     elements: n as u64,
-                    offset,
+                    offset: (base * PACK_BYTES) as u64,
                 };
-                offset += (n.div_ceil(4) * PACK_BYTES) as u64;
-                e
-            })
-            .collect();
-        for blocks in 1..=7u32 {
-            for e in &entries {
-                let base = e.offset as usize / PACK_BYTES;
-                let packs = (e.elements as usize).div_ceil(4);
-                let mut seen = vec![0; packs];
+                let mut seen = vec![0; n.div_ceil(4)];
                 for block in 0..blocks {
-                    for p in entry_packs::<f32>(e, block, blocks) {
+                    for p in entry_packs::<f32>(&e, block, blocks) {
                         assert_eq!((base + p) % blocks as usize, block as usize);
                         seen[p] += 1;
                     }
                 }
                 assert!(seen.iter().all(|&c| c == 1), "blocks {blocks}: {seen:?}");
+                base += seen.len();
             }
         }
     }

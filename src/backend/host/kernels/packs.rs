@@ -16,15 +16,16 @@ pub(super) fn pack_range<T>(p: usize, n: usize) -> std::ops::Range<usize> {
     p * l..((p + 1) * l).min(n)
 }
 
-/// Packs handled by `block`: the same grid-stride pattern as the device code, with one
-/// thread per block.
-pub(super) fn block_packs(
-    first: usize,
-    end: usize,
-    block: u32,
-    blocks: u32,
-) -> impl Iterator<Item = usize> {
-    (first + block as usize..end).step_by(blocks as usize)
+/// Block `block` of a launch of `blocks` (one OS thread each).
+#[derive(Clone, Copy)]
+pub(super) struct Grid {
+    pub(super) block: u32,
+    pub(super) blocks: u32,
+}
+
+/// Packs handled by a block: the device code's grid stride, one thread per block.
+pub(super) fn block_packs(first: usize, end: usize, g: Grid) -> impl Iterator<Item = usize> {
+    (first + g.block as usize..end).step_by(g.blocks as usize)
 }
 
 // Loads and stores take any address: the devices serve views that are not 16-byte
@@ -68,8 +69,8 @@ pub(super) fn elem<T>(base: u64, e: usize) -> u64 {
 }
 
 /// Copies this block's packs of an `n`-element message from `src` to `dst`.
-pub(super) unsafe fn copy_packs<T: Element>(src: u64, dst: u64, n: usize, block: u32, blocks: u32) {
-    for p in block_packs(0, n.div_ceil(lanes::<T>()), block, blocks) {
+pub(super) unsafe fn copy_packs<T: Element>(src: u64, dst: u64, n: usize, g: Grid) {
+    for p in block_packs(0, n.div_ceil(lanes::<T>()), g) {
         for e in pack_range::<T>(p, n) {
             (dst as *mut T)
                 .add(e)
@@ -79,14 +80,8 @@ pub(super) unsafe fn copy_packs<T: Element>(src: u64, dst: u64, n: usize, block:
 }
 
 /// Sums this block's packs of an `n`-element message over `srcs` into `dst`.
-pub(super) unsafe fn reduce_packs<T: Element>(
-    srcs: &[u64],
-    dst: u64,
-    n: usize,
-    block: u32,
-    blocks: u32,
-) {
-    for p in block_packs(0, n.div_ceil(lanes::<T>()), block, blocks) {
+pub(super) unsafe fn reduce_packs<T: Element>(srcs: &[u64], dst: u64, n: usize, g: Grid) {
+    for p in block_packs(0, n.div_ceil(lanes::<T>()), g) {
         for e in pack_range::<T>(p, n) {
             store::<T>(dst, e, reduce_element::<T>(srcs, e));
         }
@@ -108,63 +103,32 @@ mod tests {
     use super::*;
     use half::f16;
 
-    /// `values` written little-endian from byte `offset` of a fresh 8-aligned buffer.
-    fn bytes_at<T: Element>(values: &[T], offset: usize) -> Vec<u64> {
-        let size = std::mem::size_of::<T>();
-        let mut words = vec![0u64; (offset + std::mem::size_of_val(values)).div_ceil(8) + 1];
-        // SAFETY: the words hold at least offset + len * size bytes.
-        let bytes = unsafe {
-            std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 8)
-        };
-        for (i, v) in values.iter().enumerate() {
-            let b = v.to_bits_u32().to_le_bytes();
-            bytes[offset + i * size..offset + (i + 1) * size].copy_from_slice(&b[..size]);
-        }
-        words
-    }
-
-    /// The `n` values of type `T` stored little-endian from byte `offset` of `words`.
-    fn values_at<T: Element>(words: &[u64], offset: usize, n: usize) -> Vec<T> {
-        let size = std::mem::size_of::<T>();
-        // SAFETY: reads bytes of the words only.
-        let bytes =
-            unsafe { std::slice::from_raw_parts(words.as_ptr().cast::<u8>(), words.len() * 8) };
-        (0..n)
-            .map(|i| {
-                let mut b = [0u8; 4];
-                b[..size].copy_from_slice(&bytes[offset + i * size..offset + (i + 1) * size]);
-                T::from_bits_u32(u32::from_le_bytes(b))
-            })
-            .collect()
-    }
-
-    /// Sums over three sources, each at byte `offset` of its buffer, stored at byte
-    /// `offset` of the output: the f64 sum of the inputs, exactly (small integers).
+    /// Sums over three sources, each at byte `offset` of an 8-aligned buffer, stored at
+    /// byte `offset` of the output: the f64 sum of the inputs, exactly (small integers).
     fn sums_at<T: Element>(offset: usize) {
         let n = 19;
-        let inputs: Vec<Vec<T>> = (0..3)
-            .map(|s| {
-                (0..n)
-                    .map(|i| T::from_f32(((i * 7 + s * 3) % 23) as f32 - 11.0))
-                    .collect()
-            })
+        let value = |s: usize, i: usize| T::from_f32(((i * 7 + s * 3) % 23) as f32 - 11.0);
+        let words = (offset + n * std::mem::size_of::<T>()).div_ceil(8) + 1;
+        let mut mem = vec![vec![0u64; words]; 4];
+        let at: Vec<u64> = mem
+            .iter_mut()
+            .map(|w| w.as_mut_ptr() as u64 + offset as u64)
             .collect();
-        let srcs_mem: Vec<Vec<u64>> = inputs.iter().map(|v| bytes_at(v, offset)).collect();
-        let srcs: Vec<u64> = srcs_mem
-            .iter()
-            .map(|w| w.as_ptr() as u64 + offset as u64)
-            .collect();
-        let mut out = bytes_at(&vec![T::from_f32(0.0); n], offset);
-        let dst = out.as_mut_ptr() as u64 + offset as u64;
+        for (s, &base) in at[..3].iter().enumerate() {
+            for i in 0..n {
+                // SAFETY: each buffer holds n elements of T from `base`.
+                unsafe { (base as *mut T).add(i).write_unaligned(value(s, i)) };
+            }
+        }
         for e in 0..n {
             // SAFETY: every source and the output hold n elements of T from its address.
-            unsafe { store::<T>(dst, e, reduce_element::<T>(&srcs, e)) };
-        }
-        let got = values_at::<T>(&out, offset, n);
-        for (e, g) in got.iter().enumerate() {
-            let want: f64 = inputs.iter().map(|v| f64::from(v[e].to_f32())).sum();
+            let got = unsafe {
+                store::<T>(at[3], e, reduce_element::<T>(&at[..3], e));
+                (at[3] as *const T).add(e).read_unaligned()
+            };
+            let want: f64 = (0..3).map(|s| f64::from(value(s, e).to_f32())).sum();
             assert_eq!(
-                f64::from(g.to_f32()),
+                f64::from(got.to_f32()),
                 want,
                 "{:?} at byte offset {offset}, element {e}",
                 T::DTYPE

@@ -13,17 +13,15 @@ use crate::signal::{
     ERROR_PEER_ABORTED, ERROR_RANK, ERROR_WRITING, MAX_NUM_BLOCKS_UPPER_BOUND,
 };
 
-/// What a record says beside its code (the device's `ErrorDetail`).
-struct Detail {
-    rank: u32,
-    awaited: u32,
-    mine: [u32; CALL_WORDS],
-    theirs: [u32; CALL_WORDS],
-}
+/// What a record says beside its code (the device's `ErrorDetail`): the rank it names,
+/// the rank awaited, and the two sides' call descriptors (`mine`, `theirs`).
+#[derive(Clone, Copy)]
+struct Detail(u32, u32, [u32; CALL_WORDS], [u32; CALL_WORDS]);
 
-/// Writes an error record into the signal at `addr` unless it already holds one:
+/// Writes an error record into group rank `q`'s signal unless it already holds one:
 /// claim the code word, fill in the fields, then release the code.
-unsafe fn write_record(addr: u64, code: u32, block: u32, domain: u32, d: &Detail) {
+unsafe fn write_record(args: &AllReduceArgs, q: usize, code: u32, block: u32, d: &Detail) {
+    let addr = args.signals[q];
     let claim = error_word(addr, ERROR_CODE).compare_exchange(
         0,
         ERROR_WRITING,
@@ -31,14 +29,15 @@ unsafe fn write_record(addr: u64, code: u32, block: u32, domain: u32, d: &Detail
         Ordering::Relaxed,
     );
     if claim.is_ok() {
-        error_word(addr, ERROR_RANK).store(d.rank, Ordering::Relaxed);
+        let Detail(rank, awaited, mine, theirs) = *d;
+        error_word(addr, ERROR_RANK).store(rank, Ordering::Relaxed);
         error_word(addr, ERROR_BLOCK).store(block, Ordering::Relaxed);
-        error_word(addr, ERROR_DOMAIN).store(domain, Ordering::Relaxed);
+        error_word(addr, ERROR_DOMAIN).store(args.domain, Ordering::Relaxed);
         for i in 0..CALL_WORDS {
-            detail_word(addr, DETAIL_MINE + i).store(d.mine[i], Ordering::Relaxed);
-            detail_word(addr, DETAIL_THEIRS + i).store(d.theirs[i], Ordering::Relaxed);
+            detail_word(addr, DETAIL_MINE + i).store(mine[i], Ordering::Relaxed);
+            detail_word(addr, DETAIL_THEIRS + i).store(theirs[i], Ordering::Relaxed);
         }
-        detail_word(addr, DETAIL_AWAITED).store(d.awaited + 1, Ordering::Relaxed);
+        detail_word(addr, DETAIL_AWAITED).store(awaited + 1, Ordering::Relaxed);
         detail_word(addr, DETAIL_THEIRS_VALID).store(1, Ordering::Relaxed);
         error_word(addr, ERROR_CODE).store(code, Ordering::Release);
     }
@@ -84,49 +83,28 @@ pub(super) unsafe fn publish_current_call(args: &AllReduceArgs, running: bool) {
 /// record the mismatch; else record the timeout on the own rank, naming the rank waited
 /// for, and tell every group peer to stop, so none proceeds past the abandoned barrier.
 pub(super) unsafe fn record_timeout(args: &AllReduceArgs, block: u32, awaited: usize) {
-    let me = args.group_rank as usize;
+    let (me, rank) = (args.group_rank as usize, args.world_rank);
+    let peers = (0..args.group_width as usize).filter(|&q| q != me);
     let running = current_call(args.signals[awaited], args.call);
     let theirs = running.unwrap_or([0; CALL_WORDS]);
-    let who = world_rank_of(args, awaited);
     if running.is_some_and(|c| c != args.call) {
         record_mismatch(args, block, awaited, args.call, theirs);
         // The same from their side, for every peer whose call differs: it may have
         // completed its call with a subgroup; its next synchronize reports it.
-        for q in (0..args.group_width as usize).filter(|&q| q != me) {
-            if let Some(call) = current_call(args.signals[q], args.call).filter(|c| *c != args.call)
+        for q in peers {
+            if let Some(mine) = current_call(args.signals[q], args.call).filter(|c| *c != args.call)
             {
-                let their_side = Detail {
-                    rank: args.world_rank,
-                    awaited: args.world_rank,
-                    mine: call,
-                    theirs: args.call,
-                };
-                write_record(
-                    args.signals[q],
-                    ERROR_CALL_MISMATCH,
-                    block,
-                    args.domain,
-                    &their_side,
-                );
+                let d = Detail(rank, rank, mine, args.call);
+                write_record(args, q, ERROR_CALL_MISMATCH, block, &d);
             }
         }
         return;
     }
-    let d = Detail {
-        rank: args.world_rank,
-        awaited: who,
-        mine: args.call,
-        theirs,
-    };
-    write_record(
-        args.signals[me],
-        ERROR_BARRIER_TIMEOUT,
-        block,
-        args.domain,
-        &d,
-    );
-    for q in (0..args.group_width as usize).filter(|&q| q != me) {
-        write_record(args.signals[q], ERROR_PEER_ABORTED, block, args.domain, &d);
+    let awaited = world_rank_of(args, awaited);
+    let d = Detail(rank, awaited, args.call, theirs);
+    write_record(args, me, ERROR_BARRIER_TIMEOUT, block, &d);
+    for q in peers {
+        write_record(args, q, ERROR_PEER_ABORTED, block, &d);
     }
 }
 
@@ -140,19 +118,13 @@ pub(super) unsafe fn record_mismatch(
     theirs: [u32; CALL_WORDS],
 ) {
     let who = world_rank_of(args, peer);
-    let d = Detail {
-        rank: who,
-        awaited: who,
-        mine,
-        theirs,
-    };
     let me = args.group_rank as usize;
     write_record(
-        args.signals[me],
+        args,
+        me,
         ERROR_CALL_MISMATCH,
         block,
-        args.domain,
-        &d,
+        &Detail(who, who, mine, theirs),
     );
 }
 

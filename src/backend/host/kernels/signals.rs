@@ -4,7 +4,8 @@
 
 use std::sync::atomic::AtomicU32;
 
-use super::wait::{Spinner, Stop};
+use super::packs::Grid;
+use super::wait::{Flow, Spinner, Stop};
 use crate::protocol::{self, BarrierKind, BarrierSignals, BarrierSite, BarrierStop};
 use crate::signal::{AllReduceArgs, Signal, CALL_WORDS, ERROR_CODE};
 
@@ -41,20 +42,15 @@ pub(super) unsafe fn detail_word<'a>(addr: u64, i: usize) -> &'a AtomicU32 {
     atomic((std::ptr::addr_of_mut!((*s).error_detail) as *mut u32).add(i))
 }
 
-/// The signals of one launch's group, reached through the addresses in its arguments.
-struct HostSignals<'a> {
-    args: &'a AllReduceArgs,
-}
+/// The signals of one launch's group, reached through the addresses in its arguments:
+/// built only by [`barrier`], whose caller guarantees that `args.signals[..group_width]`
+/// are live signal allocations laid out as `include/peercomm_signal.h` says, accessed
+/// only atomically while kernels run.
+struct HostSignals<'a>(&'a AllReduceArgs);
 
-impl<'a> HostSignals<'a> {
-    /// # Safety
-    /// `args.signals[..group_width]` must be live signal allocations laid out as
-    /// `include/peercomm_signal.h` says, accessed only atomically while kernels run.
-    unsafe fn new(args: &'a AllReduceArgs) -> Self {
-        HostSignals { args }
-    }
+impl HostSignals<'_> {
     fn signal(&self, member: usize) -> *mut Signal {
-        signal(self.args.signals[member])
+        signal(self.0.signals[member])
     }
 }
 
@@ -62,7 +58,7 @@ impl BarrierSignals for HostSignals<'_> {
     type Cell = AtomicU32;
     fn self_counter(&self, member: usize, domain: usize, block: usize, peer: usize) -> &AtomicU32 {
         let s = self.signal(member);
-        // SAFETY: `new`'s contract: `s` is a live signal allocation; the place
+        // SAFETY: `s` is a live signal allocation (see `HostSignals`); the place
         // projection is bounds-checked.
         atomic(unsafe { std::ptr::addr_of_mut!((*s).self_counter[domain][block][peer]) })
     }
@@ -105,17 +101,13 @@ impl BarrierSignals for HostSignals<'_> {
 
 /// The counter barrier of one block across its group ([`protocol::barrier`], the code
 /// the loom model checks), with the host's orderings for `kind`.
-pub(super) unsafe fn barrier(
-    args: &AllReduceArgs,
-    block: u32,
-    kind: BarrierKind,
-) -> Result<(), Stop> {
-    let signals = HostSignals::new(args);
+pub(super) unsafe fn barrier(args: &AllReduceArgs, g: Grid, kind: BarrierKind) -> Flow {
+    let signals = HostSignals(args);
     let site = BarrierSite {
         me: args.group_rank as usize,
         width: args.group_width as usize,
         domain: args.domain as usize,
-        block: block as usize,
+        block: g.block as usize,
     };
     let mut spin = Spinner::new(args.timeout_ns, abort_word(args));
     let call = Some(args.call);
@@ -132,15 +124,7 @@ pub(super) unsafe fn barrier(
 }
 
 /// A kernel's first barrier: Publish when it staged data for the peers, else Start.
-pub(super) unsafe fn first_barrier(
-    args: &AllReduceArgs,
-    block: u32,
-    staged: bool,
-) -> Result<(), Stop> {
-    let kind = if staged {
-        BarrierKind::Publish
-    } else {
-        BarrierKind::Start
-    };
-    barrier(args, block, kind)
+pub(super) unsafe fn first_barrier(args: &AllReduceArgs, g: Grid, staged: bool) -> Flow {
+    use BarrierKind::{Publish, Start};
+    barrier(args, g, if staged { Publish } else { Start })
 }

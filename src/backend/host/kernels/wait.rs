@@ -22,6 +22,9 @@ pub(super) enum Stop {
     },
 }
 
+/// How a kernel's block ended: at its end, or stopped.
+pub(super) type Flow = Result<(), Stop>;
+
 /// Why a spin stopped: what [`Stop`] becomes once the awaited rank is known.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Spun {
