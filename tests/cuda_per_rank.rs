@@ -10,116 +10,79 @@ mod per_rank_suite;
 
 use peercomm::backend::cuda::Cuda;
 use peercomm::backend::Backend;
+use per_rank_suite::capture_graphs as graphs;
 use per_rank_suite::descriptor_channel::{self, Strangers};
-use per_rank_suite::processes::{self, Devices};
-use per_rank_suite::Placement;
+use per_rank_suite::{process_faults, processes};
 
-fn placement(test: &str) -> Option<Placement> {
-    per_rank_suite::gpu_placement::<Cuda>(test)
-}
-
-per_rank_suite!(Cuda, placement, per_rank_suite::GPU_SCOPE);
-
-/// One process per rank: IPC handles between processes (on one GPU the two processes
-/// time-slice it, which is slow but exercises the same mapping).
-fn devices(test: &str) -> Option<Devices> {
-    placement(test).map(|p| Devices {
-        count: p.devices,
-        max_blocks: 4,
-    })
-}
+per_rank_suite!(
+    Cuda,
+    per_rank_suite::gpu_placement::<Cuda>,
+    per_rank_suite::GPU_SCOPE
+);
 
 /// The child processes' entry point (does nothing when run as a normal test).
 #[test]
 fn per_rank_child() {
     if let Some((role, rank, world, id, seed)) = processes::child_args() {
-        if per_rank_suite::capture_inputs::graphs::child(&role, rank, world, &id, seed) {
+        if graphs::child(&role, rank, world, &id, seed) {
             return;
         }
-        let n = Cuda::device_count().expect("a CUDA device in the child");
-        let devices = Devices {
-            count: n,
-            max_blocks: 4,
-        };
-        if descriptor_channel::child::<Cuda>(&role, &devices, (rank, world, &id), registers) {
+        let place = suite_place("per_rank_child").expect("a CUDA device in the child");
+        if descriptor_channel::child::<Cuda>(&role, &place, (rank, world, &id), registers) {
             return;
         }
-        processes::child_main::<Cuda>(&devices);
+        processes::child_main::<Cuda>(&place);
     }
 }
 
 /// A registration whose memory CUDA exports only as a descriptor (a buffer from a pool
 /// made with the POSIX-fd handle type), dropped again.
 fn registers(comm: &peercomm::Comm<Cuda>) -> Result<(), peercomm::Error> {
-    use per_rank_suite::capture_inputs::graphs::{alloc, Memory};
-    let buffer = alloc::<f32>(comm, Memory::PosixPool, 4096);
-    let registered = comm
-        .register_borrowed(buffer.as_view())
-        .map_err(|e| e.error);
-    registered.map(drop)
+    let buffer = graphs::alloc::<f32>(comm, graphs::Memory::PosixPool, 4096);
+    comm.register_borrowed(buffer.as_view())
+        .map(drop)
+        .map_err(|e| e.error)
 }
 
-/// The descriptor channel beside an idle connection of another user (nobody): every
-/// rank registers a POSIX-fd pool buffer within the bound, alike (skipped where the
-/// test is not root).
-#[test]
-fn descriptor_channel_beside_another_user() {
-    if let Some(d) = devices("descriptor_channel_beside_another_user") {
-        descriptor_channel::beside_strangers::<Cuda>(&d, registers, Strangers::AnotherUser);
-    }
-}
-
-/// The descriptor channel beside idle, garbage and wrong-nonce connections of this
-/// user (other processes, and the peer's own process): ignored, every rank registers
-/// within the bound, alike.
-#[test]
-fn descriptor_channel_beside_bogus_senders() {
-    if let Some(d) = devices("descriptor_channel_beside_bogus_senders") {
-        descriptor_channel::beside_strangers::<Cuda>(&d, registers, Strangers::Bogus);
-    }
-}
-
-#[test]
-fn processes_world_2() {
-    if let Some(d) = devices("processes_world_2") {
-        processes::checked_world::<Cuda>(&d, 2);
-    }
-}
-
-/// Real CUDA_VISIBLE_DEVICES isolation: rank r's process sees only GPU r, as its
-/// device 0 (rank 0 is the test process, on its device 0). Needs two GPUs; not run in
-/// CI (no GPU) and not run yet on two GPUs (the GPU runs).
-#[test]
-fn isolated_processes_world_2() {
-    let test = "isolated_processes_world_2";
-    if let Some(d) = devices(test) {
-        if d.count < 2 {
-            common::announce_skip(test, "needs 2 CUDA devices");
-            return;
-        }
-        processes::isolated_world::<Cuda>(&d, 2, Some("CUDA_VISIBLE_DEVICES"));
-    }
-}
-
-#[test]
-fn killed_process_gives_a_typed_error() {
-    if let Some(d) = devices("killed_process_gives_a_typed_error") {
-        processes::killed_process_gives_a_typed_error::<Cuda>(&d);
-    }
-}
-
-#[test]
-fn registration_beside_a_killed_peer() {
-    if let Some(d) = devices("registration_beside_a_killed_peer") {
-        processes::registration_beside_a_killed_peer::<Cuda>(&d);
-    }
-}
-
-#[test]
-fn create_drop_cycles_leak_nothing() {
-    if let Some(d) = devices("create_drop_cycles_leak_nothing") {
-        processes::create_drop_cycles_leak_nothing::<Cuda>(&d, 200);
-    }
+// One process per rank: IPC handles between processes (on one GPU the two processes
+// time-slice it, which is slow but exercises the same mapping).
+per_rank_test! {
+    /// The descriptor channel beside an idle connection of another user (nobody): every
+    /// rank registers a POSIX-fd pool buffer within the bound, alike (skipped where the
+    /// test is not root).
+    descriptor_channel_beside_another_user: |p| descriptor_channel::beside_strangers::<Cuda>(p, registers, Strangers::AnotherUser);
+    /// The descriptor channel beside idle, garbage and wrong-nonce connections of this
+    /// user (other processes, and the peer's own process): ignored, every rank registers
+    /// within the bound, alike.
+    descriptor_channel_beside_bogus_senders: |p| descriptor_channel::beside_strangers::<Cuda>(p, registers, Strangers::Bogus);
+    processes_world_2: |p| processes::checked_world::<Cuda>(p, 2);
+    /// Real CUDA_VISIBLE_DEVICES isolation: rank r's process sees only GPU r, as its
+    /// device 0 (rank 0 is the test process, on its device 0). Needs two GPUs.
+    isolated_processes_world_2: |p| if p.devices < 2 {
+        common::announce_skip("isolated_processes_world_2", "needs 2 CUDA devices")
+    } else {
+        processes::isolated_world::<Cuda>(p, 2, Some("CUDA_VISIBLE_DEVICES"))
+    };
+    killed_process_gives_a_typed_error: |p| process_faults::killed_process_gives_a_typed_error::<Cuda>(p);
+    registration_beside_a_killed_peer: |p| process_faults::registration_beside_a_killed_peer::<Cuda>(p);
+    create_drop_cycles_leak_nothing: |p| process_faults::create_drop_cycles_leak_nothing::<Cuda>(p, 200);
+    /// Symmetric inputs across processes through CUDA IPC. Whether cudarc's own
+    /// allocations can be registered across processes depends on the driver's pools:
+    /// either way is accepted (a refusal is CannotRegister on every rank, buffer back).
+    zero_copy_processes_world_2: |p| per_rank_suite::zero_copy::processes::symmetric_processes::<Cuda>(p, 2, false);
+    zero_copy_cycles_leak_nothing: |_p| per_rank_suite::zero_copy::processes::cycles_leak_nothing::<Cuda>(200, false);
+    capture_registered_world_2: |p| graphs::replays_read_in_place(p, 2);
+    capture_registered_world_4: |p| graphs::replays_read_in_place(p, 4);
+    /// `Comm::capture_registered` with one process per rank: `cuMemAlloc` inputs exported
+    /// through CUDA IPC and read in place by every replay; cudarc's pool buffers refused
+    /// alike on every rank.
+    capture_registered_processes_world_2: |_p| graphs::processes_world(2);
+    /// Registration across processes of memory CUDA exports only as a POSIX file
+    /// descriptor (a pool made with that handle type, and virtual memory that requested
+    /// it): read in place, bitwise equal on every rank; virtual memory without a
+    /// shareable handle type refused alike; 1,000 register/drop cycles per kind leak no
+    /// fd or mapping.
+    register_shareable_processes_world_2: |_p| graphs::shareable_processes_world(2);
 }
 
 /// Each rank captures its own all-reduce into a CUDA graph on its own stream and
@@ -128,7 +91,7 @@ fn create_drop_cycles_leak_nothing() {
 #[test]
 fn graph_replays() {
     use peercomm::{Algorithm, AllReduceOptions};
-    let Some(place) = placement("graph_replays") else {
+    let Some(place) = suite_place("graph_replays") else {
         return;
     };
     let seed = common::seed("graph_replays");
@@ -180,7 +143,7 @@ fn collectives_graph_replays() {
     use half::bf16;
     use peercomm::CollectiveOptions;
     use rand::SeedableRng;
-    let Some(place) = placement("collectives_graph_replays") else {
+    let Some(place) = suite_place("collectives_graph_replays") else {
         return;
     };
     let seed = common::seed("collectives_graph_replays");
@@ -227,13 +190,14 @@ fn collectives_graph_replays() {
             Cuda::upload(dev, &partials[rank], &mut partial).unwrap();
             Cuda::upload(dev, &residual, &mut res).unwrap();
             Cuda::upload(dev, &w, &mut weight).unwrap();
-            for out in [
+            let outs = [
                 &mut gathered,
                 &mut part,
                 &mut bcast,
                 &mut piece,
                 &mut normed,
-            ] {
+            ];
+            for out in outs {
                 let len = out.len();
                 Cuda::upload(dev, &vec![bf16::NAN; len], out).unwrap();
             }
@@ -241,95 +205,25 @@ fn collectives_graph_replays() {
             comm.synchronize().unwrap();
             let what = |c: &str| format!("rank {rank} replay {i} {c}");
             let get = |b: &cudarc::driver::CudaSlice<bf16>| Cuda::download(dev, b).unwrap();
-            assert_bits(
-                &get(&gathered),
-                &expect(Which::AllGather, &xs, world, rank),
-                &what("all-gather"),
+            let (bcast_from_1, scatter_from_0) = (
+                Which::Broadcast {
+                    root: 1,
+                    in_place: false,
+                },
+                Which::Scatter { root: 0 },
             );
-            assert_bits(
-                &get(&part),
-                &expect(Which::ReduceScatter, &wides, world, rank),
-                &what("reduce-scatter"),
-            );
-            let b = Which::Broadcast {
-                root: 1,
-                in_place: false,
-            };
-            assert_bits(
-                &get(&bcast),
-                &expect(b, &xs, world, rank),
-                &what("broadcast"),
-            );
-            assert_bits(
-                &get(&piece),
-                &expect(Which::Scatter { root: 0 }, &wides, world, rank),
-                &what("scatter"),
-            );
+            for (out, which, ins, name) in [
+                (&gathered, Which::AllGather, &xs, "all-gather"),
+                (&part, Which::ReduceScatter, &wides, "reduce-scatter"),
+                (&bcast, bcast_from_1, &xs, "broadcast"),
+                (&piece, scatter_from_0, &wides, "scatter"),
+            ] {
+                assert_bits(&get(out), &expect(which, ins, world, rank), &what(name));
+            }
+            let (normed, res, what) = (get(&normed), get(&res), what("fused"));
             check_rms_norm(
-                &partials,
-                &residual,
-                &w,
-                world,
-                rank,
-                1e-5,
-                &get(&normed),
-                &get(&res),
-                &what("fused"),
+                &partials, &residual, &w, world, rank, 1e-5, &normed, &res, &what,
             );
         }
     });
-}
-
-/// Symmetric inputs across processes through CUDA IPC (rank 0 in the test process; on
-/// one GPU the processes time-slice it). Whether cudarc's own allocations can be
-/// registered across processes depends on the driver's pools: either way is accepted
-/// (a refusal must be CannotRegister on every rank, with the buffer back).
-#[test]
-fn zero_copy_processes_world_2() {
-    if let Some(d) = devices("zero_copy_processes_world_2") {
-        per_rank_suite::zero_copy::symmetric_processes::<Cuda>(&d, 2, false);
-    }
-}
-
-#[test]
-fn zero_copy_cycles_leak_nothing() {
-    if devices("zero_copy_cycles_leak_nothing").is_some() {
-        per_rank_suite::zero_copy::cycles_leak_nothing::<Cuda>(200, false);
-    }
-}
-
-#[test]
-fn capture_registered_world_2() {
-    if let Some(place) = placement("capture_registered_world_2") {
-        per_rank_suite::capture_inputs::graphs::replays_read_in_place(&place, 2);
-    }
-}
-
-#[test]
-fn capture_registered_world_4() {
-    if let Some(place) = placement("capture_registered_world_4") {
-        per_rank_suite::capture_inputs::graphs::replays_read_in_place(&place, 4);
-    }
-}
-
-/// `Comm::capture_registered` with one process per rank: `cuMemAlloc` inputs exported
-/// through CUDA IPC and read in place by every replay; cudarc's pool buffers refused
-/// alike on every rank (on one GPU the processes time-slice it).
-#[test]
-fn capture_registered_processes_world_2() {
-    if devices("capture_registered_processes_world_2").is_some() {
-        per_rank_suite::capture_inputs::graphs::processes_world(2);
-    }
-}
-
-/// Registration across processes of memory CUDA exports only as a POSIX file
-/// descriptor (a pool made with that handle type, and virtual memory that requested
-/// it): read in place by the replays, right and bitwise equal on every rank; virtual
-/// memory without a shareable handle type refused alike; 1,000 register/drop cycles
-/// per kind leak no fd or mapping (two processes sharing one GPU).
-#[test]
-fn register_shareable_processes_world_2() {
-    if devices("register_shareable_processes_world_2").is_some() {
-        per_rank_suite::capture_inputs::graphs::shareable_processes_world(2);
-    }
 }

@@ -45,8 +45,9 @@ fn unequal_core_counts_agree_on_the_grid() {
     }
     let config = HOST.config(2).with_max_blocks(None);
     // Pin in the worker threads: `with_affinity` sets the mask of the calling thread.
-    per_rank_suite::agreement::check_one_stage_sums_pinned::<Host>(
+    per_rank_suite::agreement::check_one_stage_sums::<Host>(
         &HOST,
+        2,
         &config,
         &|rank| {
             let mut set = CpuSet::new();

@@ -6,10 +6,11 @@ mod per_rank_suite;
 
 use peercomm::backend::host::Host;
 use per_rank_suite::descriptor_channel::{self, Strangers};
-use per_rank_suite::processes::{self, Devices};
+use per_rank_suite::Placement;
+use per_rank_suite::{process_faults, processes};
 
-const HOST: Devices = Devices {
-    count: peercomm::MAX_GPUS,
+const HOST: Placement = Placement {
+    devices: peercomm::MAX_GPUS,
     max_blocks: 2,
 };
 
@@ -55,24 +56,24 @@ tests! {
         processes::isolated_without_peer_access::<Host>(&HOST);
 
     per_rank_killed_process_gives_a_typed_error =>
-        processes::killed_process_gives_a_typed_error::<Host>(&HOST);
+        process_faults::killed_process_gives_a_typed_error::<Host>(&HOST);
 
     per_rank_registration_beside_a_killed_peer =>
-        processes::registration_beside_a_killed_peer::<Host>(&HOST);
+        process_faults::registration_beside_a_killed_peer::<Host>(&HOST);
 
     per_rank_create_drop_cycles_leak_nothing =>
-        processes::create_drop_cycles_leak_nothing::<Host>(&HOST, 1000);
+        process_faults::create_drop_cycles_leak_nothing::<Host>(&HOST, 1000);
 
     /// Zero copy across processes: symmetric inputs read in place through IPC; a heap
     /// buffer cannot be registered across processes.
     per_rank_zero_copy_processes_world_2 =>
-        per_rank_suite::zero_copy::symmetric_processes::<Host>(&HOST, 2, true);
+        per_rank_suite::zero_copy::processes::symmetric_processes::<Host>(&HOST, 2, true);
 
     per_rank_zero_copy_processes_world_4 =>
-        per_rank_suite::zero_copy::symmetric_processes::<Host>(&HOST, 4, true);
+        per_rank_suite::zero_copy::processes::symmetric_processes::<Host>(&HOST, 4, true);
 
     /// Register/alloc cycles and communicators with symmetric buffers, in two processes:
     /// no registration, import, file descriptor or mapping leaks.
     per_rank_zero_copy_cycles_leak_nothing =>
-        per_rank_suite::zero_copy::cycles_leak_nothing::<Host>(1000, true);
+        per_rank_suite::zero_copy::processes::cycles_leak_nothing::<Host>(1000, true);
 }

@@ -7,10 +7,11 @@ use std::time::Duration;
 use peercomm::backend::{Backend, TypedBuffer};
 use peercomm::Simulation;
 use peercomm::{
-    Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, CommConfig, DType, Error,
+    Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, CommConfig, DType, Element,
+    Error,
 };
 
-use super::{common, in_step, world_threads, Placement};
+use super::{common, in_step, nan, world_threads, Placement};
 
 /// A configuration with short waits, for the cases that end in a timeout.
 pub fn short_waits(place: &Placement, world: usize) -> CommConfig {
@@ -28,32 +29,13 @@ pub fn unequal_multiprocessors_agree_on_the_grid<B: Backend>(place: &Placement, 
         .config(world)
         .with_max_blocks(None)
         .with_simulate(Simulation::default().with_multiprocessors(counts.to_vec()));
-    check_one_stage_sums::<B>(place, world, &config, "unequal_multiprocessors");
+    check_one_stage_sums::<B>(place, world, &config, &|_| {}, "unequal_multiprocessors");
 }
 
 /// One-stage over 65,536 f32 with fresh inputs, checked against the f64 reference on
-/// every rank, every rank's `synchronize()` `Ok`.
+/// every rank, every rank's `synchronize()` `Ok`; each thread first calls
+/// `before(rank)` (before its communicator exists).
 pub fn check_one_stage_sums<B: Backend>(
-    place: &Placement,
-    world: usize,
-    config: &CommConfig,
-    test: &str,
-) {
-    check_sums_after::<B>(place, world, config, &|_| {}, test);
-}
-
-/// As `check_one_stage_sums` over two ranks, each thread first calling `pin(rank)`
-/// (before its communicator exists).
-pub fn check_one_stage_sums_pinned<B: Backend>(
-    place: &Placement,
-    config: &CommConfig,
-    pin: &(dyn Fn(usize) + Sync),
-    test: &str,
-) {
-    check_sums_after::<B>(place, 2, config, pin, test);
-}
-
-fn check_sums_after<B: Backend>(
     place: &Placement,
     world: usize,
     config: &CommConfig,
@@ -77,46 +59,61 @@ fn check_sums_after<B: Backend>(
     common::check_sums(&ins, &outs, world, test);
 }
 
-/// What one rank does in a mismatch case: its call, enqueued without waiting.
-type Call<B> = Box<dyn Fn(&Comm<B>) -> peercomm::Result<()> + Sync>;
+/// What one rank does in a mismatch case: its call, enqueued and waited for.
+pub type Call<B> = Box<dyn Fn(&Comm<B>) -> peercomm::Result<()> + Sync>;
 
-fn all_reduce<B: Backend>(dtype: DType, n: usize, opts: AllReduceOptions) -> Call<B> {
-    Box::new(move |comm: &Comm<B>| {
-        let dev = comm.device();
-        match dtype {
-            DType::F32 => {
-                let send = B::alloc_from(dev, &vec![1.0f32; n])?;
-                let mut recv = B::alloc_from(dev, &vec![f32::NAN; n])?;
-                comm.all_reduce_sum_with(&send, &mut recv, &opts)?;
-                untouched(comm, &recv, f32::NAN.to_bits())
-            }
-            _ => {
-                let send = B::alloc_from(dev, &vec![half::bf16::ONE; n])?;
-                let mut recv = B::alloc_from(dev, &vec![half::bf16::NAN; n])?;
-                comm.all_reduce_sum_with(&send, &mut recv, &opts)?;
-                untouched(comm, &recv, u32::from(half::bf16::NAN.to_bits()))
-            }
-        }
-    })
+/// A mismatch case: what it is, the field every rank must name, every rank's call but
+/// the last rank's, and the last rank's.
+pub type Case<'a, B> = (&'a str, CallField, Call<B>, Call<B>);
+
+/// Each case in step: every rank gets `CallMismatch` on its field (naming the last
+/// rank, which names another); after `reinitialize`, `again(comm, usual)` works.
+pub fn every_rank_mismatched<B: Backend>(
+    place: &Placement,
+    world: usize,
+    config: &CommConfig,
+    cases: &[Case<B>],
+    again: impl Fn(&Comm<B>, &Call<B>) + Sync,
+) {
+    let odd = world - 1;
+    for (what, field, usual, other) in cases {
+        let errors = in_step::<B, _>(place, world, config, |rank, comm, meet| {
+            let got = if rank == odd {
+                other(comm)
+            } else {
+                usual(comm)
+            };
+            meet.wait();
+            comm.reinitialize().unwrap();
+            again(comm, usual);
+            got
+        });
+        common::assert_every_rank_mismatched(&errors, *field, odd, what);
+    }
 }
 
-/// Waits, then checks the output still holds the poison: a mismatch is found at the
-/// first barrier, before any output is written.
-fn untouched<B: Backend, T: peercomm::Element>(
-    comm: &Comm<B>,
-    recv: &B::Buffer<T>,
-    poison: u32,
-) -> peercomm::Result<()> {
-    let result = comm.synchronize();
-    let host = recv.to_host(comm.device())?;
-    if result.is_err() {
-        let written = host.iter().filter(|x| x.to_bits_u32() != poison).count();
-        assert_eq!(
-            written, 0,
-            "a mismatched call wrote {written} output elements"
-        );
+fn all_reduce<B: Backend>(dtype: DType, n: usize, opts: AllReduceOptions) -> Call<B> {
+    fn typed<B: Backend, T: Element>(
+        comm: &Comm<B>,
+        n: usize,
+        opts: &AllReduceOptions,
+    ) -> peercomm::Result<()> {
+        let dev = comm.device();
+        let send = B::alloc_from(dev, &vec![T::from_f32(1.0); n])?;
+        let mut recv = B::alloc_from(dev, &nan::<T>(n))?;
+        comm.all_reduce_sum_with(&send, &mut recv, opts)?;
+        // Waits: a mismatch is found at the first barrier, before any output is written.
+        let result = comm.synchronize();
+        let host = recv.to_host(comm.device())?;
+        if result.is_err() {
+            let poison = nan::<T>(1)[0].to_bits_u32();
+            let written = host.iter().filter(|x| x.to_bits_u32() != poison).count();
+            let note = format!("a mismatched call wrote {written} output elements");
+            assert_eq!(written, 0, "{note}");
+        }
+        result
     }
-    result
+    Box::new(move |comm: &Comm<B>| by_dtype!(dtype, typed::<B>(comm, n, &opts)))
 }
 
 fn broadcast<B: Backend>(n: usize, root: usize) -> Call<B> {
@@ -144,7 +141,7 @@ pub fn mismatched_calls_are_typed_errors<B: Backend>(place: &Placement, world: u
     let config = short_waits(place, world);
     let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
     let lamport = AllReduceOptions::new().algorithm(Algorithm::Lamport);
-    let cases: Vec<(&str, CallField, Call<B>, Call<B>)> = vec![
+    let cases: Vec<Case<B>> = vec![
         (
             "1000 against 500 elements",
             CallField::Length,
@@ -188,19 +185,9 @@ pub fn mismatched_calls_are_typed_errors<B: Backend>(place: &Placement, world: u
             all_reduce::<B>(DType::F32, 200, lamport.blocks(1)),
         ),
     ];
-    let odd = world - 1;
-    for (what, field, usual, other) in &cases {
-        let errors = in_step::<B, _>(place, world, &config, |rank, comm, meet| {
-            let call = if rank == odd { other } else { usual };
-            let got = call(comm);
-            meet.wait();
-            comm.reinitialize().unwrap();
-            // A matching call works again.
-            all_reduce::<B>(DType::F32, 300, one)(comm).unwrap();
-            got
-        });
-        common::assert_every_rank_mismatched(&errors, *field, odd, what);
-    }
+    // A matching call works again.
+    let again = |comm: &Comm<B>, _: &Call<B>| all_reduce::<B>(DType::F32, 300, one)(comm).unwrap();
+    every_rank_mismatched(place, world, &config, &cases, again);
 }
 
 /// Caught late, as documented: rank 1's group-of-one call then world call pair with
@@ -223,40 +210,35 @@ pub fn a_group_of_one_against_a_world_call_is_caught_late<B: Backend>(place: &Pl
         comm.reinitialize().unwrap();
         (first, second, late)
     });
-    assert_eq!(got[1].0, Ok(()), "a group of one runs alone");
-    assert_eq!(
-        got[0].0,
-        Ok(()),
-        "rank 0's world call paired with rank 1's second"
-    );
-    assert_eq!(
-        got[1].1,
-        Ok(()),
-        "rank 1's world call paired with rank 0's first"
-    );
-    assert!(
+    let ((zero, zero_next, _), (one, one_next, late)) = (&got[0], &got[1]);
+    assert_eq!(*one, Ok(()), "a group of one runs alone");
+    let note = "rank 0's world call paired with rank 1's second";
+    assert_eq!(*zero, Ok(()), "{note}");
+    let note = "rank 1's world call paired with rank 0's first";
+    assert_eq!(*one_next, Ok(()), "{note}");
+    let timeout = |e: &Error| {
         matches!(
-            got[0].1,
-            Err(Error::BarrierTimeout {
+            e,
+            Error::BarrierTimeout {
                 waiting_for: Some(1),
                 ..
-            })
-        ),
-        "rank 0's second world call: {:?}",
-        got[0].1
-    );
-    assert!(
+            }
+        )
+    };
+    let holds = zero_next.as_ref().is_err_and(timeout);
+    assert!(holds, "rank 0's second world call: {zero_next:?}");
+    let aborted = |e: &Error| {
         matches!(
-            got[1].2,
-            Err(Error::PeerAborted {
+            e,
+            Error::PeerAborted {
                 by: 0,
                 waiting_for: Some(1),
                 ..
-            })
-        ),
-        "rank 1 afterwards: {:?}",
-        got[1].2
-    );
+            }
+        )
+    };
+    let holds = late.as_ref().is_err_and(aborted);
+    assert!(holds, "rank 1 afterwards: {late:?}");
 }
 
 /// Different group widths wait in different domains; when the waits give up each rank
@@ -276,16 +258,14 @@ pub fn different_group_widths_are_caught<B: Backend>(place: &Placement) {
         r
     });
     for (rank, r) in got.iter().enumerate() {
-        assert!(
-            matches!(
-                r,
-                Err(Error::CallMismatch {
-                    field: CallField::GroupWidth,
-                    ..
-                })
-            ),
-            "rank {rank}: {r:?}"
+        let holds = matches!(
+            r,
+            Err(Error::CallMismatch {
+                field: CallField::GroupWidth,
+                ..
+            })
         );
+        assert!(holds, "rank {rank}: {r:?}");
     }
 }
 
@@ -328,22 +308,14 @@ pub fn the_rank_that_never_came_is_named<B: Backend>(place: &Placement) {
 /// All--0.0 inputs sum to +0.0 under every per-rank algorithm, size and dtype; a group
 /// of one copies (-0.0 stays).
 pub fn one_sign_of_zero<B: Backend>(place: &Placement, world: usize) {
-    fn case<B: Backend, T: peercomm::Element>(
-        comm: &Comm<B>,
-        n: usize,
-        opts: AllReduceOptions,
-    ) -> Vec<u32> {
+    fn case<B: Backend, T: Element>(comm: &Comm<B>, n: usize, opts: AllReduceOptions) -> Vec<u32> {
         let dev = comm.device();
         let zero = common::negative_zero::<T>();
         let send = B::alloc_from(dev, &vec![zero; n]).unwrap();
         let mut recv = B::alloc_from(dev, &vec![T::from_f32(7.0); n]).unwrap();
         comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
         comm.synchronize().unwrap();
-        recv.to_host(dev)
-            .unwrap()
-            .iter()
-            .map(|x| x.to_bits_u32())
-            .collect()
+        common::bits(&recv.to_host(dev).unwrap())
     }
     let config = place.config(world);
     in_step::<B, _>(place, world, &config, |_rank, comm, _| {
@@ -353,29 +325,17 @@ pub fn one_sign_of_zero<B: Backend>(place: &Placement, world: usize) {
                 if comm.algorithm_for(DType::F32, n, &opts, false).is_err() {
                     continue;
                 }
-                let f = case::<B, f32>(comm, n, opts);
-                assert!(
-                    f.iter().all(|&b| b == 0),
-                    "f32 {algorithm:?} n {n}: not +0.0"
-                );
-                let h = case::<B, half::f16>(comm, n, opts);
-                assert!(
-                    h.iter().all(|&b| b == 0),
-                    "f16 {algorithm:?} n {n}: not +0.0"
-                );
-                let b = case::<B, half::bf16>(comm, n, opts);
-                assert!(
-                    b.iter().all(|&b| b == 0),
-                    "bf16 {algorithm:?} n {n}: not +0.0"
-                );
+                for dtype in [DType::F32, DType::F16, DType::BF16] {
+                    let bits = by_dtype!(dtype, case::<B>(comm, n, opts));
+                    let what = format!("{dtype:?} {algorithm:?} n {n}: not +0.0");
+                    assert!(bits.iter().all(|&b| b == 0), "{what}");
+                }
             }
             // A group of one copies exactly.
             let alone = AllReduceOptions::new().group_size(1);
             let f = case::<B, f32>(comm, n, alone);
-            assert!(
-                f.iter().all(|&b| b == 0x8000_0000),
-                "group of one must keep -0.0"
-            );
+            let holds = f.iter().all(|&b| b == 0x8000_0000);
+            assert!(holds, "group of one must keep -0.0");
         }
     });
 }

@@ -9,13 +9,11 @@ use std::time::{Duration, Instant};
 use peercomm::backend::Backend;
 use peercomm::bootstrap::UniqueId;
 use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, DType, Element, Error};
-use rand::rngs::StdRng;
-use rand::SeedableRng;
 
 use super::collectives::{check_call, check_fused};
-use super::common::collectives::Which;
+use super::common::collectives::{assert_bits, Which};
 use super::common::{bits, digest, seed, View};
-use super::{common, Placement};
+use super::{common, inputs, Placement};
 
 /// A small payload for the host: 4144 bytes, halves of 129 packs (odd, not a multiple
 /// of 32); up to 259 packs are staged whole.
@@ -98,10 +96,8 @@ fn run_one<B: Backend, T: Element>(
         assert_eq!(bits(&input), bits(&padded), "{what}: the input changed");
         B::download(dev, &recv).unwrap()
     };
-    assert!(
-        out[..shift].iter().all(|x| x.to_f32().is_nan()),
-        "{what}: written before the view"
-    );
+    let holds = out[..shift].iter().all(|x| x.to_f32().is_nan());
+    assert!(holds, "{what}: written before the view");
     out[shift..].to_vec()
 }
 
@@ -121,17 +117,14 @@ fn calls_of<B: Backend, T: Element>(
         for (i, &n) in lengths(payload, lanes).iter().enumerate() {
             for in_place in [false, true] {
                 *call += 1;
-                let mut rng = StdRng::seed_from_u64(seed ^ ((*call as u64) << 24));
-                let ins: Vec<Vec<T>> = common::random_inputs::<T>(&mut rng, world, n);
+                let ins = inputs::<T>(seed, *call, world, n);
                 let shift = (i + usize::from(in_place)) % 2;
-                let algorithm = if i % 2 == 0 {
-                    Algorithm::Auto
-                } else {
-                    Algorithm::OneStage
-                };
-                let opts = AllReduceOptions::new()
-                    .group_size(width)
-                    .algorithm(algorithm);
+                let algorithm = [Algorithm::Auto, Algorithm::OneStage][i % 2];
+                let opts = AllReduceOptions::new().group_size(width);
+                let (opts, one) = (
+                    opts.algorithm(algorithm),
+                    opts.algorithm(Algorithm::OneStage),
+                );
                 let k = chunks(payload, n, lanes);
                 let what = format!(
                     "chunked {:?} world {world} group {width} n {n} ({k} chunks) in place \
@@ -143,36 +136,13 @@ fn calls_of<B: Backend, T: Element>(
                     Ok(Algorithm::OneStage),
                     "{what}"
                 );
-                let got = run_one(
-                    small,
-                    &ins[rank],
-                    shift,
-                    in_place,
-                    &opts,
-                    Algorithm::OneStage,
-                    &what,
-                );
+                let one_stage = Algorithm::OneStage;
+                let got = run_one(small, &ins[rank], shift, in_place, &opts, one_stage, &what);
                 let base = rank / width * width;
                 let group = &ins[base..base + width];
                 common::check_sums(group, &vec![got.clone(); width], width, &what);
-                let whole = run_one(
-                    big,
-                    &ins[rank],
-                    0,
-                    in_place,
-                    &AllReduceOptions::new()
-                        .group_size(width)
-                        .algorithm(Algorithm::OneStage),
-                    Algorithm::OneStage,
-                    &what,
-                );
-                for (e, (a, b)) in got.iter().zip(&whole).enumerate() {
-                    assert_eq!(
-                        a.to_bits_u32(),
-                        b.to_bits_u32(),
-                        "{what}: element {e} differs from the unchunked call"
-                    );
-                }
+                let whole = run_one(big, &ins[rank], 0, in_place, &one, one_stage, &what);
+                assert_bits(&got, &whole, &format!("{what}: against the unchunked call"));
                 digests.push(digest(&got));
             }
         }
@@ -188,23 +158,17 @@ fn with_two_worlds<B: Backend, R: Send>(
     payload: usize,
     body: impl Fn(&Comm<B>, &Comm<B>) -> R + Sync,
 ) -> Vec<R> {
-    let (small_id, big_id) = (UniqueId::new().unwrap(), UniqueId::new().unwrap());
-    std::thread::scope(|s| {
-        let workers: Vec<_> = (0..world)
-            .map(|rank| {
-                let (small_id, big_id, body) = (&small_id, &big_id, &body);
-                s.spawn(move || {
-                    let open = |id, config| {
-                        let dev = B::open(place.ordinal(rank)).unwrap();
-                        Comm::<B>::from_rank(dev, rank, world, id, config).unwrap()
-                    };
-                    let small = open(small_id, small_config(place, world, payload));
-                    let big = open(big_id, big_config(place, world, payload));
-                    body(&small, &big)
-                })
-            })
-            .collect();
-        workers.into_iter().map(|w| w.join().unwrap()).collect()
+    let big_id = UniqueId::new().unwrap();
+    let small = small_config(place, world, payload);
+    super::world_threads(place, world, &small, &|_| {}, |rank, small, _| {
+        let (dev, config) = (
+            B::open(place.ordinal(rank)).unwrap(),
+            big_config(place, world, payload),
+        );
+        body(
+            &small,
+            &Comm::<B>::from_rank(dev, rank, world, &big_id, config).unwrap(),
+        )
     })
 }
 
@@ -262,18 +226,15 @@ pub fn chunked_collectives<B: Backend>(place: &Placement, world: usize, payload:
     let digests = with_two_worlds::<B, _>(place, world, payload, |small, big| {
         let mut call = 0;
         for &width in &widths {
-            let mut whiches = vec![Which::AllGather, Which::ReduceScatter];
-            whiches.push(Which::Broadcast {
-                root: 0,
-                in_place: false,
-            });
-            whiches.push(Which::Broadcast {
-                root: width - 1,
-                in_place: true,
-            });
-            whiches.push(Which::Scatter { root: 0 });
-            whiches.push(Which::Scatter { root: width - 1 });
-            for &which in &whiches {
+            let last = width - 1;
+            let broadcast = |root, in_place| Which::Broadcast { root, in_place };
+            let (first, last_root) = (broadcast(0, false), broadcast(last, true));
+            let scatters = [Which::Scatter { root: 0 }, Which::Scatter { root: last }];
+            let roots = [first, last_root, scatters[0], scatters[1]];
+            for which in [Which::AllGather, Which::ReduceScatter]
+                .into_iter()
+                .chain(roots)
+            {
                 // The same calls (the same inputs) on both communicators.
                 let first = call;
                 for comm in [small, big] {
@@ -294,21 +255,11 @@ pub fn chunked_collectives<B: Backend>(place: &Placement, world: usize, payload:
         for &width in &widths {
             for &(tokens, hidden) in &fused_cases {
                 for dtype in DType::ALL {
-                    let mut pair = [0u64; 2];
-                    for (d, comm) in pair.iter_mut().zip([small, big]) {
-                        *d = match dtype {
-                            DType::BF16 => check_fused::<B, half::bf16>(
-                                comm, seed, call, width, tokens, hidden,
-                            ),
-                            DType::F16 => {
-                                check_fused::<B, half::f16>(comm, seed, call, width, tokens, hidden)
-                            }
-                            // The same packs per row.
-                            DType::F32 => {
-                                check_fused::<B, f32>(comm, seed, call, width, tokens, hidden / 2)
-                            }
-                        };
-                    }
+                    // f32 rows of half the elements: the same packs per row.
+                    let row = hidden / if dtype == DType::F32 { 2 } else { 1 };
+                    let fused =
+                        |c| by_dtype!(dtype, check_fused::<B>(c, seed, call, width, tokens, row));
+                    let pair = [small, big].map(fused);
                     assert_eq!(
                         pair[0], pair[1],
                         "fused {dtype:?} {tokens} rows of {hidden} x 16-bit group {width}: \
@@ -338,12 +289,15 @@ pub fn chunked_faults<B: Backend>(place: &Placement, world: usize) {
     let opts = &AllReduceOptions::new().algorithm(Algorithm::OneStage);
     super::with_world_config::<B, _>(place, world, &config, |rank, comm| {
         let dev = comm.device();
-        let inputs = |call: u64| {
-            let mut rng = StdRng::seed_from_u64(seed ^ (call << 24));
-            common::random_inputs::<f32>(&mut rng, world, n)
-        };
-        let check = |ins: &[Vec<f32>], got: Vec<f32>, what: &str| {
-            common::check_sums(ins, &vec![got; world], world, what);
+        let inputs = |call| inputs::<f32>(seed, call, world, n);
+        let check = |ins: &[Vec<f32>], got: &B::Buffer<f32>, what: &str| {
+            let got = B::download(dev, got).unwrap();
+            common::check_sums(
+                ins,
+                &vec![got; world],
+                world,
+                &format!("{what}, rank {rank}"),
+            );
         };
         // Late, within the timeout.
         let ins = inputs(1);
@@ -354,11 +308,7 @@ pub fn chunked_faults<B: Backend>(place: &Placement, world: usize) {
         }
         comm.all_reduce_sum_with(&send, &mut recv, opts).unwrap();
         comm.synchronize().unwrap();
-        check(
-            &ins,
-            B::download(dev, &recv).unwrap(),
-            &format!("late, rank {rank}"),
-        );
+        check(&ins, &recv, "late");
 
         // Rank 1 misses the call.
         let ins = inputs(2);
@@ -382,37 +332,21 @@ pub fn chunked_faults<B: Backend>(place: &Placement, world: usize) {
                 other => panic!("rank {rank}: expected a timeout, got {other:?}"),
             }
             let elapsed = started.elapsed();
-            assert!(
-                elapsed < 2 * timeout + Duration::from_secs(2),
-                "rank {rank}: the error came after {elapsed:?}"
-            );
+            let holds = elapsed < 2 * timeout + Duration::from_secs(2);
+            assert!(holds, "rank {rank}: the error came after {elapsed:?}");
         } else {
             // Rank 1 launched nothing; its record gets the abort.
-            let err = loop {
-                match comm.check_errors() {
-                    Ok(()) => {
-                        assert!(started.elapsed() < 10 * timeout, "no abort seen");
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
-                    Err(e) => break e,
-                }
-            };
+            let err = super::first_error(&comm, started + 10 * timeout);
             assert!(matches!(err, Error::PeerAborted { rank: 1, .. }), "{err:?}");
         }
-        assert!(
-            B::download(dev, &recv).unwrap().iter().all(|x| x.is_nan()),
-            "rank {rank}: a call that timed out wrote"
-        );
+        let holds = B::download(dev, &recv).unwrap().iter().all(|x| x.is_nan());
+        assert!(holds, "rank {rank}: a call that timed out wrote");
         comm.reinitialize().unwrap();
         let ins = inputs(3);
         let mut buf = B::alloc_from(dev, &ins[rank]).unwrap();
         comm.all_reduce_sum_in_place_with(&mut buf, opts).unwrap();
         comm.synchronize().unwrap();
-        check(
-            &ins,
-            B::download(dev, &buf).unwrap(),
-            &format!("recovered, rank {rank}"),
-        );
+        check(&ins, &buf, "recovered");
 
         // Rank 1's call is one ahead in the sequence.
         let ins = inputs(4);
@@ -428,10 +362,8 @@ pub fn chunked_faults<B: Backend>(place: &Placement, world: usize) {
             Err(Error::PeerAborted { .. }) if world > 2 => {}
             other => panic!("rank {rank}: expected a call mismatch, got {other:?}"),
         }
-        assert!(
-            B::download(dev, &recv).unwrap().iter().all(|x| x.is_nan()),
-            "rank {rank}: a mismatched call wrote"
-        );
+        let holds = B::download(dev, &recv).unwrap().iter().all(|x| x.is_nan());
+        assert!(holds, "rank {rank}: a mismatched call wrote");
         comm.reinitialize().unwrap();
     });
 }

@@ -10,17 +10,15 @@ use rand::{Rng, SeedableRng};
 use super::common::collectives::{
     assert_bits, check_rms_norm, expect, input_len, output_len, Which,
 };
-use super::common::{group_sizes, random_inputs, random_values};
-use super::{seed, with_world, Placement};
+use super::common::{digest, group_sizes, random_inputs, random_values};
+use super::{inputs, nan, seed, with_world, Placement};
 
 fn upload<B: Backend, T: Element>(dev: &B::Device, v: &[T]) -> B::Buffer<T> {
-    let mut b = B::alloc_buffer::<T>(dev, v.len()).expect("alloc");
-    B::upload(dev, v, &mut b).expect("upload");
-    b
+    B::alloc_from(dev, v).expect("alloc")
 }
 
 fn poisoned<B: Backend, T: Element>(dev: &B::Device, len: usize) -> B::Buffer<T> {
-    upload::<B, T>(dev, &vec![T::from_f32(f32::NAN); len])
+    upload::<B, T>(dev, &nan(len))
 }
 
 /// One call of `which` on this rank, checked against the reference.
@@ -33,9 +31,8 @@ pub(super) fn check_call<B: Backend, T: Element>(
     n: usize,
 ) {
     let (world, rank) = (comm.world_size(), comm.rank());
-    let mut rng = StdRng::seed_from_u64(seed ^ ((call as u64) << 24));
     let len = input_len(which, width, n);
-    let ins: Vec<Vec<T>> = random_inputs::<T>(&mut rng, world, len);
+    let ins = inputs::<T>(seed, call, world, len);
     let dev = comm.device();
     let send = upload::<B, T>(dev, &ins[rank]);
     let opts = CollectiveOptions::new().group_size(width);
@@ -103,26 +100,18 @@ pub(super) fn check_fused<B: Backend, T: Element>(
         "per-rank fused {:?} world {world} group {width} {tokens}x{hidden} rank {rank}",
         T::DTYPE
     );
-    comm.all_reduce_residual_rms_norm(
-        &input,
-        &mut res,
-        &w,
-        &mut out,
-        epsilon,
-        &CollectiveOptions::new().group_size(width),
-    )
-    .expect(&what);
+    let opts = CollectiveOptions::new().group_size(width);
+    comm.all_reduce_residual_rms_norm(&input, &mut res, &w, &mut out, epsilon, &opts)
+        .expect(&what);
     comm.synchronize().expect(&what);
-    let out = B::download(dev, &out).unwrap();
-    let res = B::download(dev, &res).unwrap();
+    let (out, res) = (
+        B::download(dev, &out).unwrap(),
+        B::download(dev, &res).unwrap(),
+    );
     check_rms_norm(
         &ins, &residual, &weight, width, rank, epsilon, &out, &res, &what,
     );
-    out.iter()
-        .chain(&res)
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
-            (h ^ u64::from(v.to_bits_u32())).wrapping_mul(0x0100_0000_01b3)
-        })
+    digest(&[out, res].concat())
 }
 
 /// Every collective x dtype x group size x odd lengths, then the fused kernel; the
@@ -134,11 +123,8 @@ pub fn checked<B: Backend>(place: &Placement, world: usize) {
         for width in group_sizes(world) {
             let mut whiches = vec![Which::AllGather, Which::ReduceScatter];
             for root in [0, width - 1] {
-                whiches.push(Which::Broadcast {
-                    root,
-                    in_place: root != 0,
-                });
-                whiches.push(Which::Scatter { root });
+                let in_place = root != 0;
+                whiches.extend([Which::Broadcast { root, in_place }, Which::Scatter { root }]);
             }
             for n in [1usize, 7, 1023, 4099, 65_537] {
                 for &which in &whiches {
@@ -152,16 +138,17 @@ pub fn checked<B: Backend>(place: &Placement, world: usize) {
         let mut digests = Vec::new();
         for width in group_sizes(world) {
             for (tokens, hidden) in [(1, 4096), (7, 1032), (2, 16384)] {
+                let (rows, c) = ((tokens, hidden), &comm);
                 digests.push(check_fused::<B, half::bf16>(
-                    &comm, seed, call, width, tokens, hidden,
+                    c, seed, call, width, rows.0, rows.1,
                 ));
                 digests.push(check_fused::<B, half::f16>(
-                    &comm,
+                    c,
                     seed,
                     call + 1,
                     width,
-                    tokens,
-                    hidden,
+                    rows.0,
+                    rows.1,
                 ));
                 call += 2;
             }
@@ -190,10 +177,8 @@ pub fn bad_inputs<B: Backend>(place: &Placement) {
         let send = upload::<B, f32>(dev, &[1.0 + rank as f32; 10]);
         let untouched = |b: &B::Buffer<f32>, what: &str| {
             comm.synchronize().unwrap();
-            assert!(
-                B::download(dev, b).unwrap().iter().all(|x| x.is_nan()),
-                "{what}: written"
-            );
+            let nans = B::download(dev, b).unwrap().iter().all(|x| x.is_nan());
+            assert!(nans, "{what}: written");
         };
         let mut recv = poisoned::<B, f32>(dev, 19);
         let e = comm.all_gather(&send, &mut recv, &opts).unwrap_err();
@@ -213,10 +198,8 @@ pub fn bad_inputs<B: Backend>(place: &Placement) {
         let e = comm.scatter(Some(&send), &mut recv, 9, &opts).unwrap_err();
         assert!(matches!(e, Error::InvalidRoot { root: 9, width: 2 }), "{e}");
         let e = comm.broadcast(None, &mut recv, rank, &opts).unwrap_err();
-        assert!(
-            matches!(e, Error::Unsupported(_)),
-            "the root without input: {e}"
-        );
+        let holds = matches!(e, Error::Unsupported(_));
+        assert!(holds, "the root without input: {e}");
         let e = comm.broadcast(Some(&send), &mut poisoned::<B, f32>(dev, 9), rank, &opts);
         assert!(matches!(e, Err(Error::LengthMismatch { .. })), "{e:?}");
         untouched(&recv, "broadcast refusals");
@@ -248,10 +231,8 @@ pub fn bad_inputs<B: Backend>(place: &Placement) {
         );
         comm.synchronize().unwrap();
         for b in [&res, &out] {
-            assert!(
-                B::download(dev, b).unwrap().iter().all(|x| x.is_nan()),
-                "fused rows larger than half the payload: written"
-            );
+            let nans = B::download(dev, b).unwrap().iter().all(|x| x.is_nan());
+            assert!(nans, "fused rows larger than half the payload: written");
         }
         // Fused: hidden not whole packs; residual of the wrong length.
         let x = upload::<B, half::bf16>(dev, &[half::bf16::ONE; 64]);
@@ -270,10 +251,8 @@ pub fn bad_inputs<B: Backend>(place: &Placement) {
         assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
         comm.synchronize().unwrap();
         for b in [&res, &out, &short] {
-            assert!(
-                B::download(dev, b).unwrap().iter().all(|x| x.is_nan()),
-                "fused refusal wrote"
-            );
+            let nans = B::download(dev, b).unwrap().iter().all(|x| x.is_nan());
+            assert!(nans, "fused refusal wrote");
         }
         // Still usable: a good all-gather.
         let mut recv = poisoned::<B, f32>(dev, 20);

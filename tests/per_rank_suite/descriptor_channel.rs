@@ -1,13 +1,8 @@
 //! The descriptor channel (the abstract Unix socket carrying a registration's fds)
-//! beside connections that are no peer's: two ranks in two processes register fd-only
-//! memory once, then again with strangers queued on rank 1's channel:
-//! - `another-user`: a process of user nobody that connects and idles;
-//! - `bogus`: this user's processes flooding backlogs, idling or sending garbage, and
-//!   rank 0's own process with idle, partial, garbage and wrong-nonce messages.
-//!
-//! Every rank must register within [`BOUND`], Ok, and the communicator work after.
+//! beside connections that are no peer's ([`Strangers`]): two ranks in two processes
+//! register fd-only memory, then again with strangers queued on rank 1's channel;
+//! every rank must register within [`BOUND`], Ok, and the communicator work after.
 
-use std::io::{BufRead, BufReader};
 use std::os::fd::OwnedFd;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
@@ -19,14 +14,14 @@ use peercomm::{Comm, CommConfig, Error};
 use rustix::net::{AddressFamily, SendFlags, SocketAddrUnix, SocketFlags, SocketType};
 
 use super::common;
-use super::processes::{self, Devices};
+use super::{processes, Placement};
 
 /// One collective registration of fd-only memory (host: symmetric; CUDA: a POSIX-fd
 /// pool buffer), dropped again: Ok, or the error.
 pub type Registers<B> = fn(&Comm<B>) -> Result<(), Error>;
 
-/// How long a registration beside the strangers may take on any rank (generous for a
-/// loaded CI machine: with the fix it takes milliseconds).
+/// How long a registration beside the strangers may take on any rank (it takes
+/// milliseconds; generous for a loaded CI machine).
 const BOUND: Duration = Duration::from_secs(5);
 
 /// The uid (and gid) of user nobody.
@@ -37,23 +32,20 @@ const NOBODY: u32 = 65534;
 pub enum Strangers {
     /// A process of user nobody that connects and idles.
     AnotherUser,
-    /// Processes of this user, and rank 0's own process, with idle connections,
-    /// garbage and a message with a wrong nonce.
+    /// Processes of this user flooding backlogs, idling or sending garbage, and rank 0's
+    /// own process with idle, partial, garbage and wrong-nonce messages.
     Bogus,
 }
 
 impl Strangers {
     fn name(self) -> &'static str {
-        match self {
-            Strangers::AnotherUser => "another-user",
-            Strangers::Bogus => "bogus",
-        }
+        ["another-user", "bogus"][self as usize]
     }
 }
 
-/// Both ranks: a bootstrap timeout shorter than the channel's old 30 s wait, so that a
-/// rank stalled on the channel shows as a peer's gather timeout.
-fn config(devices: &Devices) -> CommConfig {
+/// Both ranks: a bootstrap timeout under 30 s, so that a rank stalled on the channel
+/// shows as a peer's gather timeout.
+fn config(devices: &Placement) -> CommConfig {
     processes::config_for(devices, 2)
         .with_barrier_timeout(Some(Duration::from_secs(10)))
         .with_bootstrap_timeout(Duration::from_secs(20))
@@ -138,17 +130,9 @@ fn stranger_process(names: &[Vec<u8>], uid: Option<u32>, payload: &[u8], flood: 
         command.pre_exec(move || {
             for addr in &addrs {
                 for _ in 0..if flood { 1000 } else { 1 } {
-                    let flags = if flood {
-                        SocketFlags::NONBLOCK
-                    } else {
-                        SocketFlags::empty()
-                    };
-                    let socket = rustix::net::socket_with(
-                        AddressFamily::UNIX,
-                        SocketType::STREAM,
-                        flags,
-                        None,
-                    )?;
+                    let flags = [SocketFlags::empty(), SocketFlags::NONBLOCK][flood as usize];
+                    let (unix, stream) = (AddressFamily::UNIX, SocketType::STREAM);
+                    let socket = rustix::net::socket_with(unix, stream, flags, None)?;
                     match rustix::net::connect(&socket, addr) {
                         Ok(()) => {}
                         Err(rustix::io::Errno::AGAIN) if flood => break,
@@ -209,40 +193,25 @@ fn same_process_strangers(names: &[Vec<u8>]) -> Vec<OwnedFd> {
             let fds = [std::os::fd::AsFd::as_fd(&file)];
             assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
             let bytes = message(registration, 0, 0x5eed_5eed_5eed_5eed);
-            rustix::net::sendmsg(
-                &wrong,
-                &[IoSlice::new(&bytes)],
-                &mut control,
-                SendFlags::empty(),
-            )
-            .unwrap();
+            let bytes = [IoSlice::new(&bytes)];
+            rustix::net::sendmsg(&wrong, &bytes, &mut control, SendFlags::empty()).unwrap();
             open.push(wrong);
         }
     }
     open
 }
 
-/// Lines a child printed with `CHANNEL ` (after the harness's own prefix), until it
-/// exits, without the tag.
-fn channel_lines(child: &mut Child) -> Vec<String> {
-    BufReader::new(child.stdout.take().unwrap())
-        .lines()
-        .map_while(|l| l.ok())
-        .filter_map(|l| l.find("CHANNEL ").map(|at| l[at + 8..].to_string()))
-        .collect()
-}
-
 /// The child side (rank 1): true when `role` is one of this module's.
 pub fn child<B: Backend>(
     role: &str,
-    devices: &Devices,
+    devices: &Placement,
     (rank, world, id): (usize, usize, &UniqueId),
     registers: Registers<B>,
 ) -> bool {
     if role.strip_prefix("channel-").is_none() {
         return false;
     }
-    let dev = B::open(rank % devices.count).unwrap();
+    let dev = B::open(devices.ordinal(rank)).unwrap();
     let comm = Comm::<B>::from_rank(dev, rank, world, id, config(devices)).unwrap();
     for line in rank_side(&comm, registers, Vec::new) {
         println!("CHANNEL {line}");
@@ -253,7 +222,7 @@ pub fn child<B: Backend>(
 /// Two processes register beside `strangers`: within [`BOUND`], Ok everywhere, and an
 /// all-reduce after sums right. `AnotherUser` needs root, else skips.
 pub fn beside_strangers<B: Backend>(
-    devices: &Devices,
+    devices: &Placement,
     registers: Registers<B>,
     strangers: Strangers,
 ) {
@@ -272,11 +241,8 @@ pub fn beside_strangers<B: Backend>(
     let mut processes = Vec::new();
     let mine = rank_side(&comm, registers, || {
         let names = channels_of(peer);
-        assert_eq!(
-            names.len(),
-            1,
-            "rank 1's channel in /proc/net/unix: {names:?}"
-        );
+        let note = format!("rank 1's channel in /proc/net/unix: {names:?}");
+        assert_eq!(names.len(), 1, "{note}");
         match strangers {
             Strangers::AnotherUser => {
                 processes.push(stranger_process(&names, Some(NOBODY), &[], false));
@@ -300,7 +266,12 @@ pub fn beside_strangers<B: Backend>(
             }
         }
     });
-    let theirs = channel_lines(&mut child);
+    let theirs = processes::lines_of(&mut child);
+    let theirs: Vec<String> = theirs
+        .iter()
+        .filter_map(|l| l.strip_prefix("CHANNEL "))
+        .map(str::to_string)
+        .collect();
     let status = child.wait().unwrap();
     for mut p in processes {
         let _ = p.kill();
@@ -310,11 +281,11 @@ pub fn beside_strangers<B: Backend>(
     eprintln!("{test}: rank 0 {mine:?}, rank 1 {theirs:?}");
     assert!(status.success(), "rank 1's process failed: {status}");
     let outcome = |lines: &[String], rank: usize| -> (String, Duration) {
-        let l = lines
-            .iter()
-            .find_map(|l| l.strip_prefix("OUTCOME "))
-            .unwrap_or_else(|| panic!("rank {rank} printed no outcome: {lines:?}"));
-        let f: Vec<&str> = l.splitn(3, ' ').collect();
+        let l = lines.iter().find_map(|l| l.strip_prefix("OUTCOME "));
+        let f: Vec<&str> = l
+            .unwrap_or_else(|| panic!("rank {rank}: {lines:?}"))
+            .splitn(3, ' ')
+            .collect();
         (
             f[0].to_string(),
             Duration::from_millis(f[1].parse().unwrap()),
@@ -322,10 +293,8 @@ pub fn beside_strangers<B: Backend>(
     };
     let (o0, t0) = outcome(&mine, 0);
     let (o1, t1) = outcome(&theirs, 1);
-    assert_eq!(
-        o0, o1,
-        "ranks 0 and 1 disagree: {mine:?} against {theirs:?}"
-    );
+    let note = format!("ranks 0 and 1 disagree: {mine:?} against {theirs:?}");
+    assert_eq!(o0, o1, "{note}");
     assert_eq!(o0, "ok", "{mine:?} {theirs:?}");
     for (rank, t) in [(0, t0), (1, t1)] {
         assert!(

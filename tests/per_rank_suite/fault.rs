@@ -24,24 +24,12 @@ pub fn miss_next_times_out_and_recovers<B: Backend>(place: &Placement) {
             comm.miss_next();
         }
         let started = Instant::now();
-        assert_eq!(
-            comm.all_reduce_sum_in_place_with(&mut buf, &opts),
-            Ok(Algorithm::OneStage)
-        );
+        let ran = comm.all_reduce_sum_in_place_with(&mut buf, &opts);
+        assert_eq!(ran, Ok(Algorithm::OneStage));
         if rank == 0 {
-            let err = loop {
-                match comm.check_errors() {
-                    Ok(()) => {
-                        assert!(started.elapsed() < 10 * timeout, "no timeout seen");
-                        std::thread::sleep(Duration::from_millis(5));
-                    }
-                    Err(e) => break e,
-                }
-            };
-            assert!(
-                matches!(err, Error::BarrierTimeout { rank: 0, .. }),
-                "{err:?}"
-            );
+            let err = super::first_error(comm, started + 10 * timeout);
+            let holds = matches!(err, Error::BarrierTimeout { rank: 0, .. });
+            assert!(holds, "{err:?}");
             assert!(started.elapsed() >= timeout);
             assert!(comm.is_poisoned());
             comm.wait().unwrap();
@@ -55,21 +43,16 @@ pub fn miss_next_times_out_and_recovers<B: Backend>(place: &Placement) {
                 other => panic!("rank 1: expected PeerAborted, got {other:?}"),
             }
         }
-        assert_eq!(
-            buf.to_host(dev).unwrap(),
-            first[rank],
-            "rank {rank} was written"
-        );
+        let note = format!("rank {rank} was written");
+        assert_eq!(buf.to_host(dev).unwrap(), first[rank], "{note}");
         comm.reinitialize().unwrap();
         buf.copy_from_host(dev, &second[rank]).unwrap();
         comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
         comm.synchronize().unwrap();
-        let got = buf.to_host(dev).unwrap();
-        common::check_sums(
-            &second,
-            &[got.clone(), got],
-            2,
-            &format!("rank {rank} after recovery"),
+        let (got, what) = (
+            buf.to_host(dev).unwrap(),
+            format!("rank {rank} after recovery"),
         );
+        common::check_sums(&second, &[got.clone(), got], 2, &what);
     });
 }

@@ -3,15 +3,16 @@
 //! that differ between ranks: `CallMismatch` everywhere, nothing written.
 
 use peercomm::backend::{Backend, TypedBuffer};
-use peercomm::{Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, DType, Element};
+use peercomm::{Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, Element};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
+use super::agreement::{self, Call, Case};
 use super::common::fused::{
     assert_golden, check_golden, digest, fused_config, offsets, FusedCase, FusedRows, Pool,
     ALGORITHMS,
 };
-use super::{agreement, in_step, seed, with_world_config, Placement};
+use super::{nan, seed, with_world_config, Placement};
 
 /// One fused call on rows `[first, first + tokens)` under `algorithm`, fresh buffers,
 /// after a synchronize.
@@ -29,7 +30,7 @@ fn run_rank<B: Backend, T: Element>(
     let input = B::alloc_from(dev, &pool.ins[rank][span.clone()]).unwrap();
     let weight = B::alloc_from(dev, &pool.weight).unwrap();
     let mut res = B::alloc_from(dev, &pool.residual[span.clone()]).unwrap();
-    let mut out = B::alloc_from(dev, &vec![T::from_f32(f32::NAN); span.len()]).unwrap();
+    let mut out = B::alloc_from(dev, &nan::<T>(span.len())).unwrap();
     let opts = CollectiveOptions::new().algorithm(algorithm);
     comm.all_reduce_residual_rms_norm(&input, &mut res, &weight, &mut out, pool.epsilon, &opts)
         .expect(what);
@@ -50,21 +51,15 @@ pub fn lamport_fused<B: Backend>(place: &Placement, world: usize, cases: &[Fused
         let mut batches = 0;
         for (i, case) in cases.iter().enumerate() {
             let mut rng = StdRng::seed_from_u64(seed ^ ((i as u64) << 40));
-            let (d, b) = match case.dtype {
-                DType::F32 => check_case::<B, f32>(&comm, &mut rng, case),
-                DType::F16 => check_case::<B, half::f16>(&comm, &mut rng, case),
-                DType::BF16 => check_case::<B, half::bf16>(&comm, &mut rng, case),
-            };
+            let (d, b) = by_dtype!(case.dtype, check_case::<B>(&comm, &mut rng, case));
             digests.push(d);
             batches += b;
         }
         (digests, batches)
     });
     for (r, (digests, _)) in results.iter().enumerate() {
-        assert_eq!(
-            digests, &results[0].0,
-            "{test}: rank {r}'s golden rows differ from rank 0's"
-        );
+        let note = format!("{test}: rank {r}'s golden rows differ from rank 0's");
+        assert_eq!(digests, &results[0].0, "{note}");
     }
     results[0].1
 }
@@ -104,49 +99,11 @@ fn check_case<B: Backend, T: Element>(
     (digest(&golden), batches)
 }
 
-/// What one rank calls in a mismatch case: enqueued, then synchronized; on an error its
-/// output must still be NaN and its residual as uploaded.
-type Call<B> = Box<dyn Fn(&Comm<B>) -> peercomm::Result<()> + Sync>;
-
 const HIDDEN: usize = 4096;
 
+/// Every rank's fused call of `tokens` rows of [`HIDDEN`] under `algorithm`.
 fn fused<B: Backend>(tokens: usize, algorithm: Algorithm) -> Call<B> {
-    Box::new(move |comm: &Comm<B>| {
-        let dev = comm.device();
-        let n = tokens * HIDDEN;
-        let bf = half::bf16::from_f32;
-        let residual: Vec<half::bf16> = (0..n).map(|e| bf(0.25 + (e % 7) as f32)).collect();
-        let input = B::alloc_from(dev, &vec![bf(1.0 + comm.rank() as f32); n])?;
-        let weight = B::alloc_from(dev, &vec![bf(0.5); HIDDEN])?;
-        let mut res = B::alloc_from(dev, &residual)?;
-        let mut out = B::alloc_from(dev, &vec![half::bf16::NAN; n])?;
-        let opts = CollectiveOptions::new().algorithm(algorithm);
-        comm.all_reduce_residual_rms_norm(&input, &mut res, &weight, &mut out, 1e-5, &opts)?;
-        let result = comm.synchronize();
-        if result.is_err() {
-            let out = out.to_host(dev)?;
-            assert!(
-                out.iter().all(|x| x.is_nan()),
-                "a mismatched fused call wrote {} output elements",
-                out.iter().filter(|x| !x.is_nan()).count()
-            );
-            let res = res.to_host(dev)?;
-            let changed = (0..n)
-                .filter(|&e| res[e].to_bits() != residual[e].to_bits())
-                .count();
-            assert_eq!(changed, 0, "a mismatched fused call wrote the residual");
-        } else {
-            // Every element's sum is 1 + 2 + ... + world, and sum + residual is exact.
-            let world = comm.world_size();
-            let sum = (world * (world + 1) / 2) as f32;
-            let res = res.to_host(dev)?;
-            for e in 0..n {
-                assert_eq!(res[e], bf(sum + residual[e].to_f32()), "new residual {e}");
-            }
-            assert!(out.to_host(dev)?.iter().all(|x| x.is_finite()));
-        }
-        result
-    })
+    fused_shaped::<B>(tokens * HIDDEN, HIDDEN, 1e-5, algorithm)
 }
 
 fn lamport_all_reduce<B: Backend>(n: usize) -> Call<B> {
@@ -164,7 +121,7 @@ fn lamport_all_reduce<B: Backend>(n: usize) -> Call<B> {
 /// nothing written; after `reinitialize` a checked fused call works.
 pub fn lamport_fused_mismatch<B: Backend>(place: &Placement, world: usize) {
     let config = agreement::short_waits(place, world);
-    let cases: Vec<(&str, CallField, Call<B>, Call<B>)> = vec![
+    let cases: Vec<Case<B>> = vec![
         (
             "Lamport fused, 8 tokens against 1",
             CallField::Length,
@@ -184,19 +141,9 @@ pub fn lamport_fused_mismatch<B: Backend>(place: &Placement, world: usize) {
             lamport_all_reduce::<B>(HIDDEN),
         ),
     ];
-    let odd = world - 1;
-    for (what, field, usual, other) in &cases {
-        let errors = in_step::<B, _>(place, world, &config, |rank, comm, meet| {
-            let call = if rank == odd { other } else { usual };
-            let got = call(comm);
-            meet.wait();
-            comm.reinitialize().unwrap();
-            // A matching call works again (its new residual checked).
-            fused::<B>(2, Algorithm::Auto)(comm).unwrap();
-            got
-        });
-        super::common::assert_every_rank_mismatched(&errors, *field, odd, what);
-    }
+    // A matching call works again (its new residual checked).
+    let again = |comm: &Comm<B>, _: &Call<B>| fused::<B>(2, Algorithm::Auto)(comm).unwrap();
+    agreement::every_rank_mismatched(place, world, &config, &cases, again);
 }
 
 /// A fused call of `total` elements in rows of `hidden` with `epsilon`, staged in
@@ -218,8 +165,7 @@ fn fused_shaped<B: Backend>(
         let opts = CollectiveOptions::new().algorithm(algorithm);
         comm.all_reduce_residual_rms_norm(&input, &mut res, &weight, &mut out, epsilon, &opts)?;
         let result = comm.synchronize();
-        let out = out.to_host(dev)?;
-        let res = res.to_host(dev)?;
+        let (out, res) = (out.to_host(dev)?, res.to_host(dev)?);
         let written = out.iter().filter(|x| !x.is_nan()).count();
         let changed = (0..total)
             .filter(|&e| res[e].to_bits() != residual[e].to_bits())
@@ -237,6 +183,8 @@ fn fused_shaped<B: Backend>(
                 .filter(|&e| res[e] != bf(sum + residual[e].to_f32()))
                 .count();
             assert_eq!(wrong, 0, "{wrong}/{total} residual elements wrong");
+            let holds = out.iter().all(|x| x.is_finite());
+            assert!(holds, "a fused output is not finite");
         }
         result
     })
@@ -247,7 +195,7 @@ fn fused_shaped<B: Backend>(
 pub fn fused_arguments_mismatch<B: Backend>(place: &Placement, world: usize) {
     let config = agreement::short_waits(place, world).with_payload_bytes(4096);
     let total = 1920;
-    let cases: Vec<(&str, CallField, Call<B>, Call<B>)> = [Algorithm::OneStage, Algorithm::Lamport]
+    let cases: Vec<Case<B>> = [Algorithm::OneStage, Algorithm::Lamport]
         .into_iter()
         .flat_map(|algorithm| {
             [
@@ -266,19 +214,6 @@ pub fn fused_arguments_mismatch<B: Backend>(place: &Placement, world: usize) {
             ]
         })
         .collect();
-    let odd = world - 1;
-    for (what, field, usual, other) in &cases {
-        let errors = in_step::<B, _>(place, world, &config, |rank, comm, meet| {
-            let got = if rank == odd {
-                other(comm)
-            } else {
-                usual(comm)
-            };
-            meet.wait();
-            comm.reinitialize().unwrap();
-            usual(comm).unwrap();
-            got
-        });
-        super::common::assert_every_rank_mismatched(&errors, *field, odd, what);
-    }
+    let again = |comm: &Comm<B>, usual: &Call<B>| usual(comm).unwrap();
+    agreement::every_rank_mismatched(place, world, &config, &cases, again);
 }

@@ -11,11 +11,12 @@ use std::time::Duration;
 
 use peercomm::backend::{Backend, DeviceBuffer, TypedBuffer};
 use peercomm::Simulation;
-use peercomm::{Algorithm, AllReduceOptions, CallField, Comm, CommConfig, Error};
+use peercomm::{
+    Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, CommConfig, Error,
+};
 
 use super::common::collectives::{assert_bits, expect, input_len, output_len, Which};
-use super::{common, processes, seed, with_world_config, Placement};
-use peercomm::CollectiveOptions;
+use super::{common, nan, processes, seed, with_world_config, Placement};
 
 /// One call of the schedule, the same on every rank.
 #[derive(Clone, Debug)]
@@ -43,12 +44,7 @@ fn schedule(seed: u64, world: usize, calls: usize) -> Vec<Call> {
                 _ => rng.random_range(65_536..262_144),
             };
             let group = groups[rng.random_range(0..groups.len())];
-            let algorithm = [
-                Algorithm::Auto,
-                Algorithm::OneStage,
-                Algorithm::Lamport,
-                Algorithm::TwoStage,
-            ][rng.random_range(0..4)];
+            let algorithm = super::ALL_ALGORITHMS[rng.random_range(0..4)];
             let refused = match algorithm {
                 Algorithm::TwoStage => group > 1,
                 Algorithm::Lamport => group > 1 && group < world,
@@ -62,15 +58,16 @@ fn schedule(seed: u64, world: usize, calls: usize) -> Vec<Call> {
             });
             let collective = rng.random_bool(0.2).then(|| {
                 let root = rng.random_range(0..group);
-                match rng.random_range(0..4) {
-                    0 => Which::AllGather,
-                    1 => Which::ReduceScatter,
-                    2 => Which::Broadcast {
-                        root,
-                        in_place: false,
-                    },
-                    _ => Which::Scatter { root },
-                }
+                let broadcast = Which::Broadcast {
+                    root,
+                    in_place: false,
+                };
+                [
+                    Which::AllGather,
+                    Which::ReduceScatter,
+                    broadcast,
+                    Which::Scatter { root },
+                ][rng.random_range(0..4)]
             });
             // A scatter's root stages group x len elements: keep them within the payload.
             let len = match collective {
@@ -136,64 +133,41 @@ fn mismatch_after(seed: u64, batch: usize, world: usize) -> Option<Mismatch> {
 fn mismatched_call<B: Backend>(comm: &Comm<B>, rank: usize, m: Mismatch) -> peercomm::Result<()> {
     let dev = comm.device();
     let odd = rank == m.odd;
-    let world = comm.world_size();
     let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
     let opts = CollectiveOptions::new();
-    let send = B::alloc_from(dev, &vec![rank as f32 + 0.5; m.len]).unwrap();
-    // An all-gather's output holds every member's part; a broadcast's one message.
+    let len = if m.field == CallField::Length && odd {
+        m.len - 1
+    } else {
+        m.len
+    };
+    let send = B::alloc_from(dev, &vec![rank as f32 + 0.5; len]).unwrap();
+    // An all-gather's output holds every member's part; the others' one message.
     let gathers = m.field == CallField::Collective && !odd;
-    let poison = vec![f32::NAN; if gathers { m.len * world } else { m.len }];
-    let mut recv = B::alloc_from(dev, &poison).unwrap();
+    let out_len = len * if gathers { comm.world_size() } else { 1 };
+    let mut recv = B::alloc_from(dev, &nan::<f32>(out_len)).unwrap();
     let enqueued = match m.field {
-        CallField::Length => {
-            let len = if odd { m.len - 1 } else { m.len };
-            let send = B::alloc_from(dev, &vec![1.0f32; len]).unwrap();
-            let mut out = B::alloc_from(dev, &vec![f32::NAN; len]).unwrap();
-            let r = comm.all_reduce_sum_with(&send, &mut out, &one).map(|_| ());
-            let e = comm.synchronize();
-            assert!(
-                e.is_ok() || out.to_host(dev).unwrap().iter().all(|x| x.is_nan()),
-                "rank {rank}: a mismatched all-reduce wrote its output"
-            );
-            return r.and(e);
-        }
         CallField::Root => comm.broadcast(Some(&send), &mut recv, usize::from(odd), &opts),
         CallField::Collective if odd => comm.broadcast(Some(&send), &mut recv, 0, &opts),
         CallField::Collective => comm.all_gather(&send, &mut recv, &opts),
         field => {
-            let opts = if field == CallField::Blocks {
-                one.blocks(if odd { 1 } else { 2 })
-            } else {
-                if odd {
-                    comm.mismatch_next();
-                }
-                one
+            if field == CallField::Sequence && odd {
+                comm.mismatch_next();
+            }
+            let opts = match field {
+                CallField::Blocks => one.blocks(if odd { 1 } else { 2 }),
+                _ => one,
             };
-            let mut out = recv_prefix::<B>(dev, m.len);
-            let r = comm.all_reduce_sum_with(&send, &mut out, &opts).map(|_| ());
-            let e = comm.synchronize();
-            assert!(
-                e.is_ok() || out.to_host(dev).unwrap().iter().all(|x| x.is_nan()),
-                "rank {rank}: a mismatched all-reduce wrote its output"
-            );
-            return r.and(e);
+            comm.all_reduce_sum_with(&send, &mut recv, &opts).map(drop)
         }
     };
-    enqueued.unwrap();
+    // The other collectives must enqueue; an all-reduce may refuse at once.
+    let all_reduce = !matches!(m.field, CallField::Root | CallField::Collective);
+    assert!(all_reduce || enqueued.is_ok(), "rank {rank}: {enqueued:?}");
     let e = comm.synchronize();
-    if e.is_err() {
-        let now = recv.to_host(dev).unwrap();
-        assert!(
-            now.iter().all(|x| x.is_nan()),
-            "rank {rank}: a mismatched call wrote"
-        );
-    }
-    e
-}
-
-/// A poisoned output of `n` f32.
-fn recv_prefix<B: Backend>(dev: &B::Device, n: usize) -> B::Buffer<f32> {
-    B::alloc_from(dev, &vec![f32::NAN; n]).unwrap()
+    let untouched = || recv.to_host(dev).unwrap().iter().all(|x| x.is_nan());
+    let holds = e.is_ok() || untouched();
+    assert!(holds, "rank {rank}: a mismatched call wrote its output");
+    enqueued.and(e)
 }
 
 /// The fuzzer's configuration: the suite's, with simulated multiprocessor counts that
@@ -229,13 +203,8 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                         }
                         None => (c.len, c.len, c.in_place),
                     };
-                    let mut send = B::alloc_buffer::<f32>(dev, len).unwrap();
-                    B::upload(dev, &input(seed, first + i, rank, len), &mut send).unwrap();
-                    let recv = (!in_place).then(|| {
-                        let mut r = B::alloc_buffer::<f32>(dev, out_len).unwrap();
-                        B::upload(dev, &vec![f32::NAN; out_len], &mut r).unwrap();
-                        r
-                    });
+                    let send = B::alloc_from(dev, &input(seed, first + i, rank, len)).unwrap();
+                    let recv = (!in_place).then(|| B::alloc_from(dev, &nan(out_len)).unwrap());
                     (send, recv)
                 })
                 .collect();
@@ -320,21 +289,14 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                     continue;
                 }
                 if c.refused {
-                    assert!(
-                        matches!(outcome, Err(Error::Unsupported(_))),
-                        "{what}: {outcome:?}"
-                    );
+                    let holds = matches!(outcome, Err(Error::Unsupported(_)));
+                    assert!(holds, "{what}: {outcome:?}");
                     let untouched = if c.in_place {
                         input(seed, call, rank, c.len)
                     } else {
                         vec![f32::NAN; c.len]
                     };
-                    assert!(
-                        got.iter()
-                            .zip(&untouched)
-                            .all(|(a, b)| a.to_bits() == b.to_bits()),
-                        "{what}: a refused call wrote"
-                    );
+                    assert_bits(&got, &untouched, &format!("{what}: a refused call wrote"));
                     continue;
                 }
                 let algorithm = outcome.unwrap_or_else(|e| panic!("{what}: {e}"));
@@ -355,10 +317,8 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                 match got {
                     Err(Error::CallMismatch { field, peer, .. }) => {
                         assert_eq!(field, m.field, "{what}");
-                        assert!(
-                            (rank == m.odd) != (peer == m.odd),
-                            "{what}: names rank {peer}"
-                        );
+                        let holds = (rank == m.odd) != (peer == m.odd);
+                        assert!(holds, "{what}: names rank {peer}");
                     }
                     other => panic!("{what}: got {other:?}, not a CallMismatch"),
                 }
@@ -382,11 +342,8 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
     {
         for rank in 0..world {
             let lead = rank / c.group * c.group;
-            assert_eq!(
-                all[&(call, rank)],
-                all[&(call, lead)],
-                "seed {seed} call {call}: rank {rank} differs from {lead}"
-            );
+            let note = format!("seed {seed} call {call}: rank {rank} differs from {lead}");
+            assert_eq!(all[&(call, rank)], all[&(call, lead)], "{note}");
         }
         checked += 1;
     }

@@ -58,16 +58,11 @@ pub fn isolated_threads<B: Backend>(place: &Placement, world: usize) {
         assert_eq!(comm.max_blocks(), place.max_blocks);
         processes::run_checked(&comm, seed)
     });
-    let by_call: Vec<(usize, usize, u64)> = digests
-        .into_iter()
-        .enumerate()
-        .flat_map(|(rank, d)| {
-            d.unwrap_or_else(|e| panic!("rank {rank}: {e}"))
-                .into_iter()
-                .map(move |(call, h)| (call, rank, h))
-        })
+    let digests = digests.into_iter().enumerate();
+    let digests: Vec<_> = digests
+        .map(|(r, d)| d.unwrap_or_else(|e| panic!("rank {r}: {e}")))
         .collect();
-    let calls = processes::compare_groups(world, &by_call);
+    let calls = processes::compare_ranks(world, &digests);
     eprintln!("isolated_threads world {world}: {calls} calls per rank checked");
 }
 
@@ -89,20 +84,15 @@ pub fn real_sharing_is_refused<B: Backend>(place: &Placement) {
         {
             let err = made.expect_err("refused");
             let text = err.to_string();
-            assert!(
-                matches!(err, Error::InvalidDevices(_)),
-                "rank {rank}: {err:?}"
-            );
+            let invalid = matches!(err, Error::InvalidDevices(_));
+            assert!(invalid, "rank {rank}: {err:?}");
             for part in [
                 format!("ranks {} and {}", pair.0, pair.1),
                 format!("rank {} on device {} ({}", pair.0, ords.0, uuid(shared)),
                 format!("rank {} on device {} ({}", pair.1, ords.1, uuid(shared)),
                 "allow_shared_devices".to_string(),
             ] {
-                assert!(
-                    text.contains(&part),
-                    "rank {rank}: {part:?} missing from {text}"
-                );
+                assert!(text.contains(&part), "rank {rank}: {part:?} not in {text}");
             }
         }
     }

@@ -9,8 +9,31 @@
 
 use super::common;
 
+// The suite's macros come before its modules, which use them.
+
+/// `$f::<$b, T>(args)`, `T` the element type of `$dtype`.
+macro_rules! by_dtype {
+    ($dtype:expr, $f:ident::<$b:ty>($($arg:expr),* $(,)?)) => {
+        match $dtype {
+            peercomm::DType::F32 => $f::<$b, f32>($($arg),*),
+            peercomm::DType::F16 => $f::<$b, half::f16>($($arg),*),
+            peercomm::DType::BF16 => $f::<$b, half::bf16>($($arg),*),
+        }
+    };
+}
+
+/// `(what, call)` rows: `what => call, ...`.
+macro_rules! rows {
+    ($($what:expr => $call:expr),+ $(,)?) => {
+        vec![$(($what, $call)),+]
+    };
+}
+
 pub mod agreement;
+pub mod all_reduce;
 pub mod bounds;
+#[cfg(feature = "cuda")]
+pub mod capture_graphs;
 pub mod capture_inputs;
 pub mod chunked;
 pub mod collectives;
@@ -19,6 +42,8 @@ pub mod fault;
 pub mod fused;
 pub mod fuzz;
 pub mod identity;
+pub mod overlaps;
+pub mod process_faults;
 pub mod processes;
 pub mod recovery;
 pub mod sizing;
@@ -26,12 +51,15 @@ pub mod symmetric_trim;
 pub mod teardown;
 pub mod views;
 pub mod zero_copy;
+
 use std::sync::Barrier;
 use std::time::Duration;
 
-use peercomm::backend::Backend;
+use peercomm::backend::{Backend, DeviceBuffer};
 use peercomm::bootstrap::UniqueId;
-use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error};
+use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Element, Error};
+use rand::rngs::StdRng;
+use rand::SeedableRng;
 
 /// Where rank `r` of a world runs: its device ordinal, and the communicator settings
 /// (several ranks may share a device when the backend has fewer than the world).
@@ -67,6 +95,41 @@ impl Placement {
 }
 
 pub use common::seed;
+
+/// Every rank's input of case `case`: the same in every thread.
+pub fn inputs<T: Element>(seed: u64, case: usize, world: usize, len: usize) -> Vec<Vec<T>> {
+    let mut rng = StdRng::seed_from_u64(seed ^ ((case as u64) << 24));
+    common::random_inputs::<T>(&mut rng, world, len)
+}
+
+/// A one-stage all-reduce from `input` (all `rank + 1` on every rank) into a poisoned
+/// output, waited for: every element must be the sum over the ranks.
+pub fn check_rank_sum<B: Backend>(comm: &Comm<B>, input: &dyn DeviceBuffer<B>) {
+    let (dev, world, n) = (comm.device(), comm.world_size(), input.len());
+    let mut out = B::alloc_from(dev, &nan::<f32>(n)).unwrap();
+    let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+    comm.all_reduce_sum_with(input, &mut out, &one).unwrap();
+    comm.synchronize().unwrap();
+    let want = vec![(world * (world + 1) / 2) as f32; n];
+    let note = format!("rank {}", comm.rank());
+    assert_eq!(B::download(dev, &out).unwrap(), want, "{note}");
+}
+
+/// Polls `check_errors` until it reports an error (before `deadline`), which it returns.
+pub fn first_error<B: Backend>(comm: &Comm<B>, deadline: std::time::Instant) -> Error {
+    loop {
+        match comm.check_errors() {
+            Ok(()) => assert!(std::time::Instant::now() < deadline, "no error seen"),
+            Err(e) => return e,
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// `len` NaNs: a poisoned output.
+pub fn nan<T: Element>(len: usize) -> Vec<T> {
+    vec![T::from_f32(f32::NAN); len]
+}
 
 /// Runs `body(rank, comm)` on one thread per rank of a fresh world.
 pub fn with_world<B: Backend, R: Send>(
@@ -128,134 +191,6 @@ pub fn world_threads<B: Backend, R: Send>(
             .collect();
         workers.into_iter().map(|w| w.join().unwrap()).collect()
     })
-}
-
-/// Calls of every algorithm the per-rank mode offers, every group size, odd lengths,
-/// in and out of place, enqueued back to back; each rank checks each of its outputs
-/// against the f64 reference, and every group's ranks agree bit for bit.
-pub fn checked_calls<B: Backend>(place: &Placement, world: usize) {
-    let seed = seed("per_rank_threads");
-    let digests = with_world::<B, _>(place, world, |_rank, comm| {
-        processes::run_checked(&comm, seed)
-    });
-    let by_call: Vec<(usize, usize, u64)> = digests
-        .iter()
-        .enumerate()
-        .flat_map(|(rank, d)| d.iter().map(move |&(call, h)| (call, rank, h)))
-        .collect();
-    let calls = processes::compare_groups(world, &by_call);
-    eprintln!("per_rank_threads world {world}: {calls} calls per rank checked");
-}
-
-/// Forced two-stage is refused per rank (it reads the peers' user buffers), with
-/// nothing written; Auto still works.
-pub fn refuses_two_stage<B: Backend>(place: &Placement) {
-    with_world::<B, _>(place, 2, |_rank, comm| {
-        let dev = comm.device();
-        let mut send = B::alloc_buffer::<f32>(dev, 64).unwrap();
-        B::upload(dev, &[1.0; 64], &mut send).unwrap();
-        let mut recv = B::alloc_buffer::<f32>(dev, 64).unwrap();
-        B::upload(dev, &[f32::NAN; 64], &mut recv).unwrap();
-        let err = comm
-            .all_reduce_sum_with(
-                &send,
-                &mut recv,
-                &AllReduceOptions::new().algorithm(Algorithm::TwoStage),
-            )
-            .unwrap_err();
-        assert!(matches!(err, Error::Unsupported(_)), "{err}");
-        assert!(B::download(dev, &recv).unwrap().iter().all(|x| x.is_nan()));
-        comm.all_reduce_sum_with(&send, &mut recv, &AllReduceOptions::new())
-            .unwrap();
-        comm.synchronize().unwrap();
-        assert_eq!(B::download(dev, &recv).unwrap(), vec![2.0; 64]);
-    });
-}
-
-/// Sibling groups make unequal numbers of subgroup calls, then the whole world
-/// all-reduces (Lamport and one-stage): the per-domain counters and the world-only
-/// Lamport state keep them consistent.
-pub fn independent_sibling_groups<B: Backend>(place: &Placement) {
-    let world = 4;
-    let seed = seed("per_rank_independent_sibling_groups");
-    let start = Barrier::new(world);
-    with_world::<B, _>(place, world, |rank, comm| {
-        let dev = comm.device();
-        let extra = if rank < 2 { 7 } else { 2 };
-        start.wait();
-        for call in 0..extra {
-            let len = 333 + call;
-            let mut buf = B::alloc_buffer::<f32>(dev, len).unwrap();
-            B::upload(dev, &[1.0 + rank as f32; 1][..].repeat(len), &mut buf).unwrap();
-            comm.all_reduce_sum_in_place_with(&mut buf, &AllReduceOptions::new().group_size(2))
-                .unwrap();
-            comm.synchronize().unwrap();
-            let pair = (rank / 2 * 2) as f32;
-            let expect = (1.0 + pair) + (2.0 + pair);
-            assert!(B::download(dev, &buf).unwrap().iter().all(|&x| x == expect));
-        }
-        for (call, algorithm) in [Algorithm::Lamport, Algorithm::OneStage, Algorithm::Lamport]
-            .into_iter()
-            .enumerate()
-        {
-            let len = 4099;
-            let mine = processes::input(seed, call, rank, len);
-            let mut buf = B::alloc_buffer::<f32>(dev, len).unwrap();
-            B::upload(dev, &mine, &mut buf).unwrap();
-            let opts = AllReduceOptions::new().algorithm(algorithm);
-            comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
-            comm.synchronize().unwrap();
-            let ins: Vec<Vec<f32>> = (0..world)
-                .map(|r| processes::input(seed, call, r, len))
-                .collect();
-            let got = B::download(dev, &buf).unwrap();
-            common::check_sums(
-                &ins,
-                &vec![got; world],
-                world,
-                &format!("rank {rank} world call {call}"),
-            );
-        }
-    });
-}
-
-/// A rank that never makes the call: the others time out with a typed error, refuse
-/// further calls, and work again after a collective reinitialize.
-pub fn missing_call_times_out_and_recovers<B: Backend>(place: &Placement) {
-    let cfg = place
-        .config(2)
-        .with_barrier_timeout(Some(Duration::from_millis(300)));
-    with_world_config::<B, _>(place, 2, &cfg, |rank, comm| {
-        let dev = comm.device();
-        let mut buf = B::alloc_buffer::<f32>(dev, 100).unwrap();
-        B::upload(dev, &[1.0; 100], &mut buf).unwrap();
-        if rank == 0 {
-            let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-            comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
-            match comm.synchronize() {
-                Err(Error::BarrierTimeout { rank: 0, .. }) => {}
-                other => panic!("rank 0: expected a timeout, got {other:?}"),
-            }
-            match comm.all_reduce_sum_in_place_with(&mut buf, &opts) {
-                Err(Error::Poisoned { first })
-                    if matches!(*first, Error::BarrierTimeout { rank: 0, .. }) => {}
-                other => panic!("rank 0: expected Poisoned by the timeout, got {other:?}"),
-            }
-        } else {
-            // Rank 1 skips the call; rank 0's abort reaches its record.
-            std::thread::sleep(Duration::from_millis(900));
-            match comm.synchronize() {
-                Err(Error::PeerAborted { rank: 1, by: 0, .. }) => {}
-                other => panic!("rank 1: expected PeerAborted, got {other:?}"),
-            }
-        }
-        comm.reinitialize().unwrap();
-        B::upload(dev, &[1.0; 100], &mut buf).unwrap();
-        comm.all_reduce_sum_in_place_with(&mut buf, &AllReduceOptions::new())
-            .unwrap();
-        comm.synchronize().unwrap();
-        assert_eq!(B::download(dev, &buf).unwrap(), vec![2.0; 100]);
-    });
 }
 
 /// What one backend runs of the suite: the worlds and sizes its time allows (a world
@@ -368,8 +303,9 @@ macro_rules! per_rank_worlds {
 #[macro_export]
 #[doc(hidden)]
 macro_rules! per_rank_test {
-    ($($name:ident: |$p:ident| $body:expr;)+) => {
+    ($($(#[$meta:meta])* $name:ident: |$p:ident| $body:expr;)+) => {
         $(
+            $(#[$meta])*
             #[test]
             fn $name() {
                 if let Some($p) = suite_place(stringify!($name)) {
@@ -395,7 +331,7 @@ macro_rules! per_rank_suite {
         }
 
         per_rank_worlds!(checked_calls, SCOPE.calls, [world_2 = 2, world_3 = 3, world_4 = 4, world_8 = 8],
-            |p, world| per_rank_suite::checked_calls::<B>(p, world));
+            |p, world| per_rank_suite::all_reduce::checked_calls::<B>(p, world));
         per_rank_worlds!(collectives, SCOPE.collectives, [world_2 = 2, world_3 = 3, world_4 = 4, world_8 = 8],
             |p, world| per_rank_suite::collectives::checked::<B>(p, world));
         per_rank_worlds!(chunked_all_reduce, &[2, 3, 4], [world_2 = 2, world_3 = 3, world_4 = 4], |p, world| {
@@ -424,35 +360,27 @@ macro_rules! per_rank_suite {
             per_rank_suite::zero_copy::all_reduce_matches_single_controller::<B>(p, world, algorithms)
         });
         per_rank_worlds!(zero_copy_collectives, SCOPE.collectives, [world_2 = 2, world_3 = 3, world_4 = 4, world_8 = 8],
-            |p, world| per_rank_suite::zero_copy::collectives_match_single_controller::<B>(p, world));
+            |p, world| per_rank_suite::zero_copy::collectives::collectives_match_single_controller::<B>(p, world));
 
         per_rank_worlds!(mismatched_calls_are_typed_errors, &[2, 3], [world_2 = 2, world_3 = 3],
             |p, world| per_rank_suite::agreement::mismatched_calls_are_typed_errors::<B>(p, world));
 
         per_rank_test! {
-            refuses_two_stage: |p| per_rank_suite::refuses_two_stage::<B>(p);
-            independent_sibling_groups: |p| per_rank_suite::independent_sibling_groups::<B>(p);
-            missing_call_times_out_and_recovers: |p| per_rank_suite::missing_call_times_out_and_recovers::<B>(p);
+            refuses_two_stage: |p| per_rank_suite::all_reduce::refuses_two_stage::<B>(p);
+            independent_sibling_groups: |p| per_rank_suite::all_reduce::independent_sibling_groups::<B>(p);
+            missing_call_times_out_and_recovers: |p| per_rank_suite::all_reduce::missing_call_times_out_and_recovers::<B>(p);
             miss_next_times_out_and_recovers: |p| per_rank_suite::fault::miss_next_times_out_and_recovers::<B>(p);
             configuration_mismatch_names_the_fields: |p| per_rank_suite::sizing::a_configuration_mismatch_names_the_fields::<B>(p);
             sized_for_the_largest_message: |p| per_rank_suite::sizing::sized_for_the_largest_message::<B>(p);
             chunked_faults: |p| per_rank_suite::chunked::chunked_faults::<B>(p, 2);
             collectives_bad_inputs: |p| per_rank_suite::collectives::bad_inputs::<B>(p);
-            lamport_fused_mismatch: |p| for world in [2, 4] {
-                per_rank_suite::fused::lamport_fused_mismatch::<B>(p, world)
-            };
-            fused_arguments_mismatch: |p| for world in [2, 3] {
-                per_rank_suite::fused::fused_arguments_mismatch::<B>(p, world)
-            };
-            unequal_multiprocessors_agree_on_the_grid: |p| for counts in SCOPE.multiprocessors {
-                per_rank_suite::agreement::unequal_multiprocessors_agree_on_the_grid::<B>(p, counts)
-            };
+            lamport_fused_mismatch: |p| for world in [2, 4] { per_rank_suite::fused::lamport_fused_mismatch::<B>(p, world) };
+            fused_arguments_mismatch: |p| for world in [2, 3] { per_rank_suite::fused::fused_arguments_mismatch::<B>(p, world) };
+            unequal_multiprocessors_agree_on_the_grid: |p| for counts in SCOPE.multiprocessors { per_rank_suite::agreement::unequal_multiprocessors_agree_on_the_grid::<B>(p, counts) };
             group_of_one_against_a_world_call: |p| per_rank_suite::agreement::a_group_of_one_against_a_world_call_is_caught_late::<B>(p);
             different_group_widths: |p| per_rank_suite::agreement::different_group_widths_are_caught::<B>(p);
             the_rank_that_never_came_is_named: |p| per_rank_suite::agreement::the_rank_that_never_came_is_named::<B>(p);
-            one_sign_of_zero: |p| for world in [2, 3] {
-                per_rank_suite::agreement::one_sign_of_zero::<B>(p, world)
-            };
+            one_sign_of_zero: |p| for world in [2, 3] { per_rank_suite::agreement::one_sign_of_zero::<B>(p, world) };
             drop_while_peer_collective_queued: |p| per_rank_suite::teardown::drop_while_peer_collective_queued::<B>(p, SCOPE.drop_rounds);
             drop_returns_while_peer_holds_on: |p| per_rank_suite::teardown::drop_returns_while_peer_holds_on::<B>(p);
             drop_beside_a_peer_register: |p| per_rank_suite::teardown::drop_beside_a_peer_exchange::<B>(p, per_rank_suite::teardown::Exchange::Register);
@@ -464,40 +392,21 @@ macro_rules! per_rank_suite {
             different_exchanges_trim_reinitialize: |p| per_rank_suite::teardown::different_exchanges_are_typed_errors::<B>(p, &[per_rank_suite::teardown::Exchange::TrimSymmetric, per_rank_suite::teardown::Exchange::Reinitialize]);
             different_exchanges_capture_register: |p| per_rank_suite::teardown::different_exchanges_are_typed_errors::<B>(p, &[per_rank_suite::teardown::Exchange::RegisterInputsOf, per_rank_suite::teardown::Exchange::Register]);
             different_exchanges_world_3: |p| per_rank_suite::teardown::different_exchanges_are_typed_errors::<B>(p, &[per_rank_suite::teardown::Exchange::Register, per_rank_suite::teardown::Exchange::Register, per_rank_suite::teardown::Exchange::AllocSymmetric]);
-            zero_copy_stages_nothing: |p| per_rank_suite::zero_copy::stages_nothing::<B>(p);
-            zero_copy_registration_refusals: |p| for world in [2, 3] {
-                per_rank_suite::zero_copy::registration_refusals::<B>(p, world)
-            };
-            zero_copy_mismatched_inputs: |p| for world in [2, 3] {
-                per_rank_suite::zero_copy::mismatched_inputs::<B>(p, world)
-            };
-            zero_copy_inputs_dropped_in_flight: |p| for world in [2, 4] {
-                per_rank_suite::zero_copy::inputs_dropped_in_flight::<B>(p, world)
-            };
-            zero_copy_registered_input_retired_in_flight: |p| per_rank_suite::zero_copy::registered_input_retired_in_flight::<B>(p);
-            zero_copy_register_drop_cycles: |p| per_rank_suite::zero_copy::register_drop_cycles::<B>(p, 2, 1000);
-            zero_copy_symmetric_drop_cycles: |p| per_rank_suite::zero_copy::symmetric_drop_cycles::<B>(p, 2, 1000);
-            places_compared_exactly: |p| for world in [2, 3] {
-                per_rank_suite::zero_copy::places_compared_exactly::<B>(p, world)
-            };
-            capture_inputs_second_pass_reads_in_place: |p| for world in [2, 4] {
-                per_rank_suite::capture_inputs::second_pass_reads_in_place::<B>(p, world)
-            };
-            capture_inputs_disagreeing_passes_are_refused: |p| for world in [2, 3] {
-                per_rank_suite::capture_inputs::disagreeing_passes_are_refused::<B>(p, world)
-            };
+            zero_copy_stages_nothing: |p| per_rank_suite::zero_copy::collectives::stages_nothing::<B>(p);
+            zero_copy_registration_refusals: |p| for world in [2, 3] { per_rank_suite::zero_copy::refusals::registration_refusals::<B>(p, world) };
+            zero_copy_mismatched_inputs: |p| for world in [2, 3] { per_rank_suite::zero_copy::refusals::mismatched_inputs::<B>(p, world) };
+            zero_copy_inputs_dropped_in_flight: |p| for world in [2, 4] { per_rank_suite::zero_copy::lifetimes::inputs_dropped_in_flight::<B>(p, world) };
+            zero_copy_registered_input_retired_in_flight: |p| per_rank_suite::zero_copy::lifetimes::registered_input_retired_in_flight::<B>(p);
+            zero_copy_register_drop_cycles: |p| per_rank_suite::zero_copy::lifetimes::register_drop_cycles::<B>(p, 2, 1000);
+            zero_copy_symmetric_drop_cycles: |p| per_rank_suite::zero_copy::lifetimes::symmetric_drop_cycles::<B>(p, 2, 1000);
+            places_compared_exactly: |p| for world in [2, 3] { per_rank_suite::zero_copy::refusals::places_compared_exactly::<B>(p, world) };
+            capture_inputs_second_pass_reads_in_place: |p| for world in [2, 4] { per_rank_suite::capture_inputs::second_pass_reads_in_place::<B>(p, world) };
+            capture_inputs_disagreeing_passes_are_refused: |p| for world in [2, 3] { per_rank_suite::capture_inputs::disagreeing_passes_are_refused::<B>(p, world) };
             capture_inputs_cycles_leak_nothing: |p| per_rank_suite::capture_inputs::pass_cycles_leak_nothing::<B>(p, 2, 300);
-            symmetric_trim_frees_only_segments_empty_everywhere: |p| for world in [2, 3] {
-                per_rank_suite::symmetric_trim::frees_only_segments_empty_everywhere::<B>(p, world)
-            };
+            symmetric_trim_frees_only_segments_empty_everywhere: |p| for world in [2, 3] { per_rank_suite::symmetric_trim::frees_only_segments_empty_everywhere::<B>(p, world) };
             misaligned_views: |p| per_rank_suite::views::misaligned_views::<B>(p, 0);
-            views_misaligned_for_their_element_type: |p| if SCOPE.element_misaligned_views {
-                per_rank_suite::views::misaligned_views::<B>(p, 1)
-            } else {
-                common::announce_skip(
-                    "views_misaligned_for_their_element_type",
-                    "a GPU kernel faults on a view misaligned for its element type",
-                )
+            views_misaligned_for_their_element_type: |p| if SCOPE.element_misaligned_views { per_rank_suite::views::misaligned_views::<B>(p, 1) } else {
+                common::announce_skip("views_misaligned_for_their_element_type", "a GPU kernel faults on a view misaligned for its element type")
             };
             poisoned_names_its_cause: |p| per_rank_suite::recovery::poisoned_names_its_cause::<B>(p);
             a_leaf_without_rank_zero_names_real_functions: |p| per_rank_suite::recovery::a_leaf_without_rank_zero_names_real_functions::<B>(p);
@@ -505,12 +414,10 @@ macro_rules! per_rank_suite {
             check_errors_is_a_per_step_poll: |p| per_rank_suite::recovery::check_errors_is_a_per_step_poll::<B>(p);
             huge_lengths_are_refused: |p| per_rank_suite::bounds::huge_lengths_are_refused::<B>(p, 2);
             huge_buffers_in_collectives_are_refused: |p| per_rank_suite::bounds::huge_buffers_in_collectives_are_refused::<B>(p, 2);
-            registered_writes_keep_the_range: |p| for world in [2, 3] {
-                per_rank_suite::bounds::registered_writes_keep_the_range::<B>(p, world)
-            };
-            overlapping_buffers_are_refused: |p| per_rank_suite::bounds::overlapping_buffers_are_refused::<B>(p);
-            overlap_on_one_rank: |p| per_rank_suite::bounds::overlap_on_one_rank::<B>(p);
-            single_controller_overlaps: |p| per_rank_suite::bounds::single_controller_overlaps::<B>(p);
+            registered_writes_keep_the_range: |p| for world in [2, 3] { per_rank_suite::bounds::registered_writes_keep_the_range::<B>(p, world) };
+            overlapping_buffers_are_refused: |p| per_rank_suite::overlaps::overlapping_buffers_are_refused::<B>(p);
+            overlap_on_one_rank: |p| per_rank_suite::overlaps::overlap_on_one_rank::<B>(p);
+            single_controller_overlaps: |p| per_rank_suite::overlaps::single_controller_overlaps::<B>(p);
         }
     };
 }

@@ -4,20 +4,18 @@
 //! checks its outputs and prints digests, which rank 0 compares per group. Isolated
 //! processes open device 0 each (simulated on the host, `CUDA_VISIBLE_DEVICES` on CUDA).
 
-use super::common;
-
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use peercomm::backend::Backend;
-use peercomm::bootstrap::{TcpBootstrap, UniqueId};
-use peercomm::Simulation;
-use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error, FallbackConfig};
+use peercomm::bootstrap::UniqueId;
+use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error, FallbackConfig, Simulation};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
+
+use super::{common, Placement};
 
 const ROLE: &str = "PEERCOMM_TEST_ROLE";
 const RANK: &str = "PEERCOMM_TEST_RANK";
@@ -26,24 +24,11 @@ const ID: &str = "PEERCOMM_TEST_ID";
 const SEED: &str = "PEERCOMM_TEST_SEED";
 pub(super) const VARIANT: &str = "PEERCOMM_TEST_VARIANT";
 
-/// How a backend's ranks are placed: device of a rank, and blocks per launch.
-pub struct Devices {
-    /// Devices the backend has (ranks go round-robin over them).
-    pub count: usize,
-    /// Blocks per launch.
-    pub max_blocks: u32,
-}
-
-impl Devices {
-    pub(super) fn ordinal(&self, rank: usize) -> usize {
-        rank % self.count
-    }
-}
-
-pub(super) fn config_for(devices: &Devices, world: usize) -> CommConfig {
+/// The process runs' configuration for `world` ranks placed by `devices`.
+pub(super) fn config_for(devices: &Placement, world: usize) -> CommConfig {
     config()
         .with_max_blocks(Some(devices.max_blocks))
-        .with_allow_shared_devices(world > devices.count)
+        .with_allow_shared_devices(world > devices.devices)
 }
 
 fn config() -> CommConfig {
@@ -62,12 +47,8 @@ fn env<T: std::str::FromStr>(name: &str) -> T {
         .unwrap_or_else(|| panic!("{name} is not set"))
 }
 
-/// Starts rank `rank` of `world` in a child process running `role`.
-fn spawn(role: &str, rank: usize, world: usize, id: &str, seed: u64) -> Child {
-    spawn_with(role, rank, world, id, seed, &[])
-}
-
-/// As `spawn`, with more environment variables.
+/// Starts rank `rank` of `world` in a child process running `role`, with `extra` in
+/// its environment.
 pub(super) fn spawn_with(
     role: &str,
     rank: usize,
@@ -176,6 +157,9 @@ pub fn run_checked<B: Backend>(comm: &Comm<B>, seed: u64) -> Vec<(usize, u64)> {
     digests
 }
 
+/// What a child role runs on: the placement, its rank, the world, the id and the seed.
+pub(super) type ChildArgs<'a> = (&'a Placement, usize, usize, &'a UniqueId, u64);
+
 /// In a child process: its role, rank, world, id and seed (`None` in the parent).
 pub fn child_args() -> Option<(String, usize, usize, UniqueId, u64)> {
     let role = std::env::var(ROLE).ok()?;
@@ -185,69 +169,29 @@ pub fn child_args() -> Option<(String, usize, usize, UniqueId, u64)> {
 
 /// The child side: what a rank in another process does, by role. Each test binary
 /// calls it from its `#[test] fn per_rank_child`; it does nothing in the parent.
-pub fn child_main<B: Backend>(devices: &Devices) {
+pub fn child_main<B: Backend>(devices: &Placement) {
     let Some((role, rank, world, id, seed)) = child_args() else {
         return; // not a child: nothing to do
     };
     match role.as_str() {
         "checked" => {
-            let dev = B::open(devices.ordinal(rank)).unwrap();
-            let comm =
-                Comm::<B>::from_rank(dev, rank, world, &id, config_for(devices, world)).unwrap();
+            let (dev, config) = (
+                B::open(devices.ordinal(rank)).unwrap(),
+                config_for(devices, world),
+            );
+            let comm = Comm::<B>::from_rank(dev, rank, world, &id, config).unwrap();
             for (call, d) in run_checked(&comm, seed) {
                 println!("DIGEST {call} {rank} {d}");
             }
         }
-        "killed" => {
-            let dev = B::open(devices.ordinal(rank)).unwrap();
-            let comm = Comm::<B>::from_rank(dev, rank, world, &id, killed_config(devices)).unwrap();
-            let dev = comm.device();
-            let mut buf = B::alloc_buffer::<f32>(dev, 4096).unwrap();
-            // Late into the collective, then killed by the parent while rank 0 waits.
-            comm.delay(Duration::from_secs(30)).unwrap();
-            let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-            comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
-            println!("READY");
-            std::thread::sleep(Duration::from_secs(60));
-        }
-        "idle" => {
-            // Joins, says so, and waits to be killed by the parent.
-            let dev = B::open(devices.ordinal(rank)).unwrap();
-            let _comm =
-                Comm::<B>::from_rank(dev, rank, world, &id, killed_config(devices)).unwrap();
-            println!("READY");
-            std::thread::sleep(Duration::from_secs(60));
-        }
-        "cycles" => {
-            let boot =
-                Arc::new(TcpBootstrap::connect(&id, rank, world, Duration::from_secs(30)).unwrap());
-            create_drop_cycles::<B>(devices, &boot, rank, WARM_UP);
-            let before = open_files_and_maps();
-            create_drop_cycles::<B>(devices, &boot, rank, seed as usize);
-            // Teardowns a starved drop parked are freed at their deadline, not leaked.
-            let (parked, until) = peercomm::unstable::parked_teardowns();
-            if let Some(until) = until {
-                std::thread::sleep(until.saturating_duration_since(std::time::Instant::now()));
-                peercomm::unstable::free_expired_teardowns();
-            }
-            std::thread::sleep(Duration::from_millis(200)); // freed streams' threads exit
-            let after = open_files_and_maps();
-            println!(
-                "COUNTS {} {} {} {} {parked}",
-                before.0, before.1, after.0, after.1
-            );
-        }
         "isolated" => {
             let variant: String = env(VARIANT);
             // Device 0, whatever the rank: the process sees only its own GPU.
-            let dev = B::open(0).unwrap();
-            match Comm::<B>::from_rank(
-                dev,
-                rank,
-                world,
-                &id,
+            let (dev, config) = (
+                B::open(0).unwrap(),
                 isolated_config(devices, world, &variant),
-            ) {
+            );
+            match Comm::<B>::from_rank(dev, rank, world, &id, config) {
                 Ok(comm) => {
                     println!("PATH {}", comm.world_path().name());
                     if variant.starts_with("blocked") {
@@ -262,9 +206,10 @@ pub fn child_main<B: Backend>(devices: &Devices) {
             }
         }
         other => {
-            if !super::zero_copy::child_role::<B>(other, devices, rank, world, &id, seed) {
-                panic!("unknown role {other}")
-            }
+            let args = (devices, rank, world, &id, seed);
+            let known = super::process_faults::child_role::<B>(other, args)
+                || super::zero_copy::processes::child_role::<B>(other, args);
+            assert!(known, "unknown role {other}");
         }
     }
 }
@@ -272,7 +217,7 @@ pub fn child_main<B: Backend>(devices: &Devices) {
 /// The isolated runs' configuration: no shared devices, peer memory or nothing.
 /// `variant`: `simulated`, `visible`, `blocked-refuse`, `blocked-fallback` (ranks 0
 /// and 1 without peer access).
-fn isolated_config(devices: &Devices, world: usize, variant: &str) -> CommConfig {
+fn isolated_config(devices: &Placement, world: usize, variant: &str) -> CommConfig {
     let blocked = variant.starts_with("blocked");
     let mut simulate = Simulation::default();
     if variant != "visible" {
@@ -307,15 +252,16 @@ fn simple_sum<B: Backend>(comm: &Comm<B>) -> &'static str {
 /// Every tagged line a child printed (from its tag on: the harness may have put its own
 /// text before it), until it exits.
 pub(super) fn lines_of(child: &mut Child) -> Vec<String> {
+    let tags = "DIGEST PATH SUM ERROR POOL SHAREABLE COUNTS CHANNEL";
     BufReader::new(child.stdout.take().unwrap())
         .lines()
         .map_while(|l| l.ok())
         .filter_map(|l| {
-            ["DIGEST ", "PATH ", "SUM ", "ERROR ", "POOL ", "SHAREABLE "]
-                .iter()
-                .filter_map(|tag| l.find(tag))
-                .min()
-                .map(|at| l[at..].to_string())
+            let at = tags
+                .split(' ')
+                .filter_map(|t| l.find(&format!("{t} ")))
+                .min();
+            at.map(|at| l[at..].to_string())
         })
         .collect()
 }
@@ -323,7 +269,7 @@ pub(super) fn lines_of(child: &mut Child) -> Vec<String> {
 /// `world` isolated processes, each on device 0 but its own physical device: peer
 /// memory over IPC serves them, sums right and bitwise equal. `visible`: `None`
 /// simulates; `Some(var)` sets `var` to the r-th device for rank r's process.
-pub fn isolated_world<B: Backend>(devices: &Devices, world: usize, visible: Option<&str>) {
+pub fn isolated_world<B: Backend>(devices: &Placement, world: usize, visible: Option<&str>) {
     let seed = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
@@ -354,11 +300,8 @@ pub fn isolated_world<B: Backend>(devices: &Devices, world: usize, visible: Opti
     let dev = B::open(0).unwrap();
     let comm =
         Comm::<B>::from_rank(dev, 0, world, &id, isolated_config(devices, world, variant)).unwrap();
-    assert_eq!(
-        comm.world_path(),
-        Algorithm::Auto,
-        "peer memory serves them"
-    );
+    let note = "peer memory serves them";
+    assert_eq!(comm.world_path(), Algorithm::Auto, "{note}");
     let mut all: Vec<(usize, usize, u64)> = run_checked(&comm, seed)
         .into_iter()
         .map(|(c, d)| (c, 0, d))
@@ -377,7 +320,7 @@ pub fn isolated_world<B: Backend>(devices: &Devices, world: usize, visible: Opti
 
 /// Two isolated processes without peer access: `Fallback::Refuse` gives both ranks
 /// `P2pUnavailable` naming both UUIDs; the default fallback sums right externally.
-pub fn isolated_without_peer_access<B: Backend>(devices: &Devices) {
+pub fn isolated_without_peer_access<B: Backend>(devices: &Placement) {
     use peercomm::DeviceIdentity;
     let uuids: Vec<String> = (0..2)
         .map(|p| DeviceIdentity::simulated(0, p).uuid_string().unwrap())
@@ -455,6 +398,15 @@ pub fn compare_groups(world: usize, all: &[(usize, usize, u64)]) -> usize {
     compare_group_digests(world, &groups, all)
 }
 
+/// As `compare_groups`, given each rank's (call, digest).
+pub fn compare_ranks(world: usize, per_rank: &[Vec<(usize, u64)>]) -> usize {
+    let all = per_rank.iter().enumerate();
+    let all: Vec<_> = all
+        .flat_map(|(r, d)| d.iter().map(move |&(c, h)| (c, r, h)))
+        .collect();
+    compare_groups(world, &all)
+}
+
 /// As `compare_groups`, call `c` over groups of `groups[c]`.
 pub(super) fn compare_group_digests(
     world: usize,
@@ -466,11 +418,8 @@ pub(super) fn compare_group_digests(
     for (call, &group) in groups.iter().enumerate() {
         for rank in 0..world {
             let lead = rank / group * group;
-            assert_eq!(
-                by_call[&(call, rank)],
-                by_call[&(call, lead)],
-                "call {call}: rank {rank}'s bits differ from rank {lead}'s"
-            );
+            let note = format!("call {call}: rank {rank}'s bits differ from rank {lead}'s");
+            assert_eq!(by_call[&(call, rank)], by_call[&(call, lead)], "{note}");
         }
     }
     groups.len()
@@ -479,7 +428,7 @@ pub(super) fn compare_group_digests(
 /// Ranks 1.. as child processes running `role` (with `extra`), rank 0 here; every
 /// rank's (call, rank, digest) once every child exited successfully.
 pub(super) fn digest_world<B: Backend>(
-    devices: &Devices,
+    devices: &Placement,
     world: usize,
     role: &str,
     seed: u64,
@@ -504,7 +453,7 @@ pub(super) fn digest_world<B: Backend>(
 }
 
 /// Every rank checks the schedule; rank 0 compares the digests of every group.
-pub fn checked_world<B: Backend>(devices: &Devices, world: usize) {
+pub fn checked_world<B: Backend>(devices: &Placement, world: usize) {
     let seed = common::seed(&format!("per_rank_processes world {world}"));
     let all = digest_world::<B>(devices, world, "checked", seed, &[], |comm| {
         run_checked(comm, seed)
@@ -513,219 +462,4 @@ pub fn checked_world<B: Backend>(devices: &Devices, world: usize) {
     eprintln!(
         "per_rank_processes world {world}: {calls} calls per rank checked, bits equal in every group"
     );
-}
-
-/// Both sides of the killed-process test: a short timeout.
-fn killed_config(devices: &Devices) -> CommConfig {
-    config_for(devices, 2).with_barrier_timeout(Some(Duration::from_millis(500)))
-}
-
-/// Waits until `child` prints READY, so that it is where the test wants it.
-fn wait_for_ready(child: &mut Child) {
-    let mut lines = BufReader::new(child.stdout.take().unwrap()).lines();
-    assert!(lines.any(|l| l.map(|l| l.contains("READY")).unwrap_or(false)));
-}
-
-/// Drops `comm` beside a dead peer: it must not hang on it.
-fn drop_beside_dead_peer<B: Backend>(comm: Comm<B>) {
-    let dropped = Instant::now();
-    drop(comm);
-    assert!(
-        dropped.elapsed() < Duration::from_secs(10),
-        "dropping beside a dead peer took {:?}",
-        dropped.elapsed()
-    );
-}
-
-/// A rank killed mid-collective: the survivor gets `BarrierTimeout` within twice the
-/// timeout, writes nothing, refuses further calls, and drops without hanging.
-pub fn killed_process_gives_a_typed_error<B: Backend>(devices: &Devices) {
-    let id = UniqueId::new().unwrap();
-    let mut child = spawn("killed", 1, 2, &id.to_string(), 1);
-    let cfg = killed_config(devices);
-    let timeout = cfg.barrier_timeout.unwrap();
-    let comm = Comm::<B>::from_rank(B::open(devices.ordinal(0)).unwrap(), 0, 2, &id, cfg).unwrap();
-    let dev = comm.device();
-    let mut out = B::alloc_buffer::<f32>(dev, 4096).unwrap();
-    B::upload(dev, &[f32::NAN; 4096], &mut out).unwrap();
-    let mut input = B::alloc_buffer::<f32>(dev, 4096).unwrap();
-    B::upload(dev, &[1.0; 4096], &mut input).unwrap();
-    // Wait until the child has queued its (late) collective, then kill it.
-    wait_for_ready(&mut child);
-    let start = Instant::now();
-    let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-    comm.all_reduce_sum_with(&input, &mut out, &opts).unwrap();
-    child.kill().unwrap();
-    child.wait().unwrap();
-    match comm.synchronize() {
-        Err(Error::BarrierTimeout { rank: 0, .. }) => {}
-        other => panic!("expected a barrier timeout on rank 0, got {other:?}"),
-    }
-    let elapsed = start.elapsed();
-    assert!(
-        elapsed < 2 * timeout + Duration::from_secs(2),
-        "the timeout took {elapsed:?}"
-    );
-    assert!(B::download(dev, &out).unwrap().iter().all(|x| x.is_nan()));
-    match comm.all_reduce_sum_with(&input, &mut out, &opts) {
-        Err(Error::Poisoned { first }) if matches!(*first, Error::BarrierTimeout { .. }) => {}
-        other => panic!("expected Poisoned by the barrier timeout, got {other:?}"),
-    }
-    drop_beside_dead_peer(comm);
-}
-
-/// A peer killed before `register` / `register_inputs_of`: each returns a typed error
-/// in bounded time, hands the buffer back, registers nothing; the drop does not hang.
-pub fn registration_beside_a_killed_peer<B: Backend>(devices: &Devices) {
-    let id = UniqueId::new().unwrap();
-    let mut child = spawn("idle", 1, 2, &id.to_string(), 1);
-    let cfg = killed_config(devices);
-    let timeout = cfg.barrier_timeout.unwrap();
-    let comm = Comm::<B>::from_rank(B::open(devices.ordinal(0)).unwrap(), 0, 2, &id, cfg).unwrap();
-    wait_for_ready(&mut child);
-    child.kill().unwrap();
-    child.wait().unwrap();
-    let dev = comm.device();
-    let input = B::alloc_from(dev, &[1.0f32; 4096]).unwrap();
-    let mut out = B::alloc_from(dev, &[f32::NAN; 4096]).unwrap();
-    let bound = 2 * timeout + Duration::from_secs(5);
-
-    let start = Instant::now();
-    let refused = comm
-        .register(input)
-        .expect_err("a registration beside a dead peer");
-    assert!(
-        start.elapsed() < bound,
-        "register took {:?}",
-        start.elapsed()
-    );
-    eprintln!("register beside a killed peer: {}", refused.error);
-    assert!(
-        matches!(refused.error, Error::Bootstrap(_)),
-        "register: the closed connection, got {:?}",
-        refused.error
-    );
-    let input = refused.buffer;
-    assert_eq!(comm.registrations(), (0, 0));
-
-    let start = Instant::now();
-    let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-    let outcome = comm.register_inputs_of(|| comm.all_reduce_sum_with(&input, &mut out, &opts));
-    let error = match outcome {
-        Ok(_) => panic!("register_inputs_of beside a dead peer returned Ok"),
-        Err(e) => e,
-    };
-    assert!(
-        start.elapsed() < bound,
-        "register_inputs_of took {:?}",
-        start.elapsed()
-    );
-    eprintln!("register_inputs_of beside a killed peer: {error}");
-    assert!(
-        matches!(
-            error,
-            Error::Bootstrap(_) | Error::BarrierTimeout { .. } | Error::PeerAborted { .. }
-        ),
-        "register_inputs_of: the dead peer named, got {error:?}"
-    );
-    assert_eq!(comm.registrations(), (0, 0));
-    // Whatever the first pass enqueued gives up on the dead peer: a typed error, and
-    // nothing written into the output.
-    assert!(comm.synchronize().is_err());
-    assert!(B::download(dev, &out).unwrap().iter().all(|x| x.is_nan()));
-    drop_beside_dead_peer(comm);
-}
-
-/// Open file descriptors and mapped ranges of this process.
-pub(super) fn open_files_and_maps() -> (usize, usize) {
-    let fds = std::fs::read_dir("/proc/self/fd").unwrap().count();
-    let maps = std::fs::read_to_string("/proc/self/maps")
-        .unwrap()
-        .lines()
-        .count();
-    (fds, maps)
-}
-
-/// 1000 communicators built and dropped over one bootstrap, each with a small
-/// all-reduce, by `rank` in lock step with its peer.
-fn create_drop_cycles<B: Backend>(
-    devices: &Devices,
-    boot: &Arc<TcpBootstrap>,
-    rank: usize,
-    cycles: usize,
-) {
-    let cfg = config_for(devices, 2)
-        .with_lamport_slot_bytes(4096)
-        .with_payload_bytes(64 << 10)
-        // A short park (2 x 2 s + the margin) for a drop the machine starved.
-        .with_barrier_timeout(Some(Duration::from_secs(2)));
-    for _ in 0..cycles {
-        let dev = B::open(devices.ordinal(rank)).unwrap();
-        let comm = Comm::<B>::from_bootstrap(dev, Box::new(boot.clone()), cfg.clone()).unwrap();
-        let mut local = B::alloc_buffer::<f32>(comm.device(), 16).unwrap();
-        B::upload(comm.device(), &[1.0; 16], &mut local).unwrap();
-        comm.all_reduce_sum_in_place_with(&mut local, &AllReduceOptions::new())
-            .unwrap();
-        comm.synchronize().unwrap();
-        assert_eq!(B::download(comm.device(), &local).unwrap(), vec![2.0; 16]);
-    }
-}
-
-/// Cycles before the counts are taken: the first ones fill caches that stay (glibc
-/// keeps the stacks of exited threads mapped for reuse, up to a bound).
-const WARM_UP: usize = 50;
-
-/// 1000 create/drop cycles of a two-process communicator leak no mapping or fd, both
-/// ranks in child processes (so tests beside it cannot move the counts); teardowns
-/// parked by a starved peer are freed at their deadline before counting.
-// `B` and `devices` are the children's.
-#[allow(clippy::extra_unused_type_parameters)]
-pub fn create_drop_cycles_leak_nothing<B: Backend>(_devices: &Devices, cycles: usize) {
-    let id = UniqueId::new().unwrap();
-    let _ = id.release(); // rank 0 runs in a child: it binds the address itself
-    let mut children: Vec<Child> = (0..2)
-        .map(|rank| spawn("cycles", rank, 2, &id.to_string(), cycles as u64))
-        .collect();
-    let counts: Vec<Vec<usize>> = children
-        .iter_mut()
-        .map(|child| {
-            // Read the child's whole output (stopping early would break its pipe).
-            let lines: Vec<String> = BufReader::new(child.stdout.take().unwrap())
-                .lines()
-                .map_while(|l| l.ok())
-                .collect();
-            lines
-                .iter()
-                .find_map(|l| l.find("COUNTS ").map(|at| l[at..].to_string()))
-                .expect("the child's counts")
-                .split_whitespace()
-                .skip(1)
-                .map(|x| x.parse().unwrap())
-                .collect()
-        })
-        .collect();
-    for child in &mut children {
-        assert!(child.wait().unwrap().success());
-    }
-    for (rank, c) in counts.iter().enumerate() {
-        eprintln!(
-            "per_rank_create_drop_cycles_leak_nothing: {cycles} cycles; rank {rank} fds {} -> {}, \
-             maps {} -> {}, teardowns parked (then freed at their deadline) {}",
-            c[0], c[2], c[1], c[3], c[4]
-        );
-        // A leak would grow by about `cycles` (a mapping per import, a file per export);
-        // after the warm-up the thread-stack cache and malloc arenas are in place.
-        assert!(
-            c[2] <= c[0] + 16,
-            "rank {rank} fds: {} -> {} after {cycles} cycles",
-            c[0],
-            c[2]
-        );
-        assert!(
-            c[3] <= c[1] + 16,
-            "rank {rank} maps: {} -> {} after {cycles} cycles",
-            c[1],
-            c[3]
-        );
-    }
 }

@@ -35,10 +35,8 @@ pub fn poisoned_names_its_cause<B: Backend>(place: &Placement) {
     });
     for (rank, (first, next)) in got.into_iter().enumerate() {
         let first = first.expect_err("a mismatched call");
-        assert!(
-            matches!(first, Error::CallMismatch { .. }),
-            "rank {rank}: {first}"
-        );
+        let holds = matches!(first, Error::CallMismatch { .. });
+        assert!(holds, "rank {rank}: {first}");
         let next = next.expect_err("a call on a poisoned communicator");
         let text = next.to_string();
         eprintln!("rank {rank}: {text}");
@@ -49,10 +47,10 @@ pub fn poisoned_names_its_cause<B: Backend>(place: &Placement) {
         assert!(!text.contains("barrier timeout"), "rank {rank}: {text}");
         assert_eq!(first.recovery(), Recovery::Reinitialize, "rank {rank}");
         assert_eq!(next.recovery(), Recovery::Reinitialize, "rank {rank}");
-        match next {
-            Error::Poisoned { first: cause } => assert_eq!(*cause, first, "rank {rank}"),
-            other => panic!("rank {rank}: expected Poisoned, got {other:?}"),
-        }
+        let Error::Poisoned { first: cause } = next else {
+            panic!("rank {rank}: expected Poisoned, got {next:?}");
+        };
+        assert_eq!(*cause, first, "rank {rank}");
     }
 }
 
@@ -68,22 +66,16 @@ pub fn a_leaf_without_rank_zero_names_real_functions<B: Backend>(place: &Placeme
     id.release();
     let e = got.expect_err("no rank 0");
     eprintln!("after {took:?}: {e}");
-    match &e {
-        Error::Bootstrap(BootstrapError::Timeout { waiting_for, .. }) => {
-            assert_eq!(waiting_for, &[0])
-        }
-        other => panic!("expected a bootstrap timeout, got {other:?}"),
-    }
+    let Error::Bootstrap(BootstrapError::Timeout { waiting_for, .. }) = &e else {
+        panic!("expected a bootstrap timeout, got {e:?}");
+    };
+    assert_eq!(waiting_for, &[0]);
     assert!(
         took < timeout + Duration::from_secs(1),
         "waited {took:?} with a bootstrap_timeout of {timeout:?}"
     );
     let text = e.to_string();
-    for name in [
-        "Comm::from_rank",
-        "UniqueId::release",
-        "CommConfig::bootstrap_timeout",
-    ] {
+    for name in "Comm::from_rank UniqueId::release CommConfig::bootstrap_timeout".split(' ') {
         assert!(text.contains(name), "the hint does not name {name}: {text}");
     }
     assert!(!text.contains("called connect"), "{text}");
@@ -116,19 +108,14 @@ pub fn a_skipped_call_is_caught_where_it_is_awaited<B: Backend>(place: &Placemen
         }) => {}
         other => panic!("rank 0's third call: expected a timeout naming rank 1, got {other:?}"),
     }
-    assert_eq!(
-        zero[2].as_ref().unwrap_err().recovery(),
-        Recovery::Reinitialize
-    );
+    let recovery = zero[2].as_ref().unwrap_err().recovery();
+    assert_eq!(recovery, Recovery::Reinitialize);
     let (one, next) = &got[1];
     assert!(one.iter().all(Result::is_ok), "rank 1: {one:?}");
     let next = next.as_ref().unwrap();
     eprintln!("rank 1's next call: {next:?}");
-    assert_eq!(
-        next.as_ref().map_err(Error::recovery),
-        Err(Recovery::Reinitialize),
-        "rank 1's next call"
-    );
+    let recovery = next.as_ref().map_err(Error::recovery);
+    assert_eq!(recovery, Err(Recovery::Reinitialize), "rank 1's next call");
 }
 
 /// The per-step pattern: `check_errors()` returns at once behind a 500 ms kernel, and
@@ -143,10 +130,8 @@ pub fn check_errors_is_a_per_step_poll<B: Backend>(place: &Placement) {
         let start = Instant::now();
         assert_eq!(comm.check_errors(), Ok(()), "rank {rank}");
         let polled = start.elapsed();
-        assert!(
-            polled < Duration::from_millis(200),
-            "check_errors took {polled:?}"
-        );
+        let holds = polled < Duration::from_millis(200);
+        assert!(holds, "check_errors took {polled:?}");
         comm.synchronize().unwrap();
         meet.wait();
 
@@ -169,10 +154,8 @@ pub fn check_errors_is_a_per_step_poll<B: Backend>(place: &Placement) {
                 seen = Some((step, e));
                 break;
             }
-            assert!(
-                Instant::now() < deadline,
-                "rank {rank}: no error by step {step}"
-            );
+            let holds = Instant::now() < deadline;
+            assert!(holds, "rank {rank}: no error by step {step}");
             // The engine's own work between steps.
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -185,10 +168,8 @@ pub fn check_errors_is_a_per_step_poll<B: Backend>(place: &Placement) {
         let (step, e) = seen.unwrap_or_else(|| panic!("rank {rank} saw no error"));
         eprintln!("rank {rank}: step {step}: {e}");
         assert!(step >= 2, "rank {rank}: an error at step {step}: {e}");
-        assert!(
-            matches!(e, Error::CallMismatch { .. }),
-            "rank {rank}: {e:?}"
-        );
+        let holds = matches!(e, Error::CallMismatch { .. });
+        assert!(holds, "rank {rank}: {e:?}");
         assert_eq!(e.recovery(), Recovery::Reinitialize, "rank {rank}");
     }
 }

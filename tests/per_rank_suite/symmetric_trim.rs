@@ -3,19 +3,16 @@
 
 use peercomm::backend::{Backend, TypedBuffer};
 use peercomm::bootstrap::BootstrapError;
-use peercomm::{Algorithm, AllReduceOptions, Error, SYMMETRIC_SEGMENT_BYTES};
+use peercomm::{Error, SYMMETRIC_SEGMENT_BYTES};
 
-use super::{with_world, Placement};
+use super::{check_rank_sum, with_world, Placement};
 
 pub fn frees_only_segments_empty_everywhere<B: Backend>(place: &Placement, world: usize) {
     with_world::<B, _>(place, world, |rank, comm| {
         let dev = comm.device();
         let segment = SYMMETRIC_SEGMENT_BYTES as u64;
-        assert_eq!(
-            comm.trim_symmetric().unwrap(),
-            0,
-            "rank {rank}: an empty pool"
-        );
+        let note = format!("rank {rank}: an empty pool");
+        assert_eq!(comm.trim_symmetric().unwrap(), 0, "{note}");
         let a = comm.alloc_symmetric::<f32>(16).unwrap();
         let held = comm.registrations();
         assert_eq!(held.0, 1, "rank {rank}: one segment");
@@ -23,17 +20,9 @@ pub fn frees_only_segments_empty_everywhere<B: Backend>(place: &Placement, world
         assert_eq!(comm.trim_symmetric().unwrap(), 0, "rank {rank}");
         assert_eq!(comm.registrations(), held, "rank {rank}");
         // Dropped on every rank but rank 0: still nothing freed, on any rank.
-        let a = if rank == 0 {
-            Some(a)
-        } else {
-            drop(a);
-            None
-        };
-        assert_eq!(
-            comm.trim_symmetric().unwrap(),
-            0,
-            "rank {rank}: rank 0 holds one"
-        );
+        let a = (rank == 0).then_some(a);
+        let note = format!("rank {rank}: rank 0 holds one");
+        assert_eq!(comm.trim_symmetric().unwrap(), 0, "{note}");
         assert_eq!(comm.registrations(), held, "rank {rank}");
         drop(a);
         // Empty everywhere: freed everywhere, mappings of the peers' segments too.
@@ -46,23 +35,16 @@ pub fn frees_only_segments_empty_everywhere<B: Backend>(place: &Placement, world
         } else {
             comm.trim_symmetric().map(drop)
         };
-        assert!(
-            matches!(
-                got,
-                Err(Error::Bootstrap(BootstrapError::ExchangeMismatch { .. }))
-            ),
-            "rank {rank}: {got:?}"
+        let holds = matches!(
+            got,
+            Err(Error::Bootstrap(BootstrapError::ExchangeMismatch { .. }))
         );
+        assert!(holds, "rank {rank}: {got:?}");
         assert_eq!(comm.registrations(), (0, 0), "rank {rank}");
         // The pool works after: a new segment, read in place.
         let mut s = comm.alloc_symmetric::<f32>(1000).unwrap();
         s.copy_from_host(dev, &[rank as f32 + 1.0; 1000]).unwrap();
-        let mut out = B::alloc_from(dev, &[f32::NAN; 1000]).unwrap();
-        let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-        comm.all_reduce_sum_with(&s, &mut out, &one).unwrap();
-        comm.synchronize().unwrap();
-        let want = (world * (world + 1) / 2) as f32;
-        assert_eq!(out.to_host(dev).unwrap(), vec![want; 1000], "rank {rank}");
+        check_rank_sum(&comm, &s);
         drop(s);
         assert_eq!(comm.trim_symmetric().unwrap(), segment, "rank {rank}");
     });

@@ -1,20 +1,14 @@
 //! Teardown and timeout bounds of the per-rank `Comm`: drops beside a peer's work, the
 //! timeouts `CommConfig` refuses, and how long a timed-out `synchronize()` takes.
 
-use std::sync::{mpsc, Barrier};
+use std::sync::{mpsc, Mutex};
 use std::time::{Duration, Instant};
 
 use peercomm::backend::Backend;
 use peercomm::bootstrap::{Bootstrap, BootstrapError, UniqueId};
-use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error};
+use peercomm::{Algorithm, AllReduceOptions, Comm, Error};
 
-use super::Placement;
-
-/// Builds rank `rank` of a world of 2 with `config`.
-fn open<B: Backend>(place: &Placement, rank: usize, id: &UniqueId, config: CommConfig) -> Comm<B> {
-    let dev = B::open(place.ordinal(rank)).unwrap();
-    Comm::<B>::from_rank(dev, rank, 2, id, config).unwrap()
-}
+use super::{world_threads, Placement};
 
 /// Rank 0's all-reduce, queued behind 1.5 s, times out and writes into rank 1's signal
 /// at about 2.5 s, after rank 1 began dropping: rank 0 gets its typed error, rank 1's
@@ -26,12 +20,8 @@ pub fn drop_while_peer_collective_queued<B: Backend>(place: &Placement, rounds: 
         .with_bootstrap_timeout(Duration::from_secs(2))
         .with_payload_bytes(64 << 20);
     for round in 0..rounds {
-        let id = UniqueId::new().unwrap();
-        let queued = Barrier::new(2);
-        std::thread::scope(|s| {
-            let (id, queued, config) = (&id, &queued, &config);
-            let zero = s.spawn(move || {
-                let comm = open::<B>(place, 0, id, config.clone());
+        let took = world_threads::<B, _>(place, 2, &config, &|_| {}, |rank, comm, queued| {
+            if rank == 0 {
                 let dev = comm.device();
                 let mut buf = B::alloc_from(dev, &[1.0f32; 1000]).unwrap();
                 comm.delay(Duration::from_millis(1500)).unwrap();
@@ -47,31 +37,26 @@ pub fn drop_while_peer_collective_queued<B: Backend>(place: &Placement, rounds: 
                     "round {round}: rank 0 got {err:?}"
                 );
                 assert_eq!(B::download(dev, &buf).unwrap(), vec![1.0f32; 1000]);
-            });
-            let one = s.spawn(move || {
-                let comm = open::<B>(place, 1, id, config.clone());
-                queued.wait();
-                let started = Instant::now();
-                // The stream wait apart from the rest of the teardown, to tell where
-                // time goes if the bound is missed.
-                let waited = comm.wait();
-                let wait_took = started.elapsed();
-                let closed = comm.close();
-                let took = started.elapsed();
-                eprintln!(
-                    "round {round}: rank 1's wait returned {waited:?} after {wait_took:?}, \
-                     its close {closed:?}"
-                );
-                took
-            });
-            zero.join().unwrap();
-            let dropped = one.join().unwrap();
-            eprintln!("round {round}: rank 1's drop took {dropped:?}");
-            assert!(
-                dropped < Duration::from_secs(3),
-                "round {round}: rank 1's drop took {dropped:?}"
+                return Duration::ZERO;
+            }
+            queued.wait();
+            let started = Instant::now();
+            // The stream wait apart from the rest of the teardown, to tell where time
+            // goes if the bound is missed.
+            let waited = comm.wait();
+            let wait_took = started.elapsed();
+            let closed = comm.close();
+            eprintln!(
+                "round {round}: rank 1's wait returned {waited:?} after {wait_took:?}, its \
+                 close {closed:?}"
             );
+            started.elapsed()
         });
+        let dropped = took[1];
+        eprintln!("round {round}: rank 1's drop took {dropped:?}");
+        let bound = Duration::from_secs(3);
+        let holds = dropped < bound;
+        assert!(holds, "round {round}: rank 1's drop took {dropped:?}");
     }
 }
 
@@ -83,43 +68,26 @@ pub fn drop_returns_while_peer_holds_on<B: Backend>(place: &Placement) {
         .with_barrier_timeout(Some(Duration::from_secs(1)))
         .with_bootstrap_timeout(Duration::from_secs(30));
     for first in 0..2 {
-        let id = UniqueId::new().unwrap();
         let (done_tx, done_rx) = mpsc::channel::<()>();
-        let done_rx = std::sync::Mutex::new(done_rx);
-        let built = Barrier::new(2);
-        let took: Vec<Duration> = std::thread::scope(|s| {
-            let workers: Vec<_> = (0..2)
-                .map(|rank| {
-                    let (id, config, built) = (&id, &config, &built);
-                    let (done_tx, done_rx) = (done_tx.clone(), &done_rx);
-                    s.spawn(move || {
-                        let comm = open::<B>(place, rank, id, config.clone());
-                        built.wait();
-                        if rank != first {
-                            // Holds on until the first rank's drop has returned (or 10 s).
-                            let _ = done_rx
-                                .lock()
-                                .unwrap()
-                                .recv_timeout(Duration::from_secs(10));
-                        }
-                        let started = Instant::now();
-                        drop(comm);
-                        let took = started.elapsed();
-                        if rank == first {
-                            done_tx.send(()).unwrap();
-                        }
-                        took
-                    })
-                })
-                .collect();
-            workers.into_iter().map(|w| w.join().unwrap()).collect()
+        let done = (Mutex::new(done_tx), Mutex::new(done_rx));
+        let took = world_threads::<B, _>(place, 2, &config, &|_| {}, |rank, comm, built| {
+            built.wait();
+            if rank != first {
+                // Holds on until the first rank's drop has returned (or 10 s).
+                let _ = done.1.lock().unwrap().recv_timeout(Duration::from_secs(10));
+            }
+            let started = Instant::now();
+            drop(comm);
+            let took = started.elapsed();
+            if rank == first {
+                done.0.lock().unwrap().send(()).unwrap();
+            }
+            took
         });
         eprintln!("rank {first} dropped first: drops took {took:?}");
         for (rank, t) in took.iter().enumerate() {
-            assert!(
-                *t < Duration::from_secs(3),
-                "rank {first} dropped first: rank {rank}'s drop took {t:?}"
-            );
+            let what = format!("rank {first} dropped first: rank {rank}'s drop took {t:?}");
+            assert!(*t < Duration::from_secs(3), "{what}");
         }
     }
 }
@@ -190,47 +158,29 @@ pub fn synchronize_reports_within_twice_barrier_timeout<B: Backend>(place: &Plac
         .config(2)
         .with_barrier_timeout(Some(timeout))
         .with_bootstrap_timeout(Duration::from_secs(30));
-    let id = UniqueId::new().unwrap();
-    let seen = Barrier::new(2);
-    let took = std::thread::scope(|s| {
-        let workers: Vec<_> = (0..2)
-            .map(|rank| {
-                let (id, config, seen) = (&id, &config, &seen);
-                s.spawn(move || {
-                    let comm = open::<B>(place, rank, id, config.clone());
-                    let dev = comm.device();
-                    let mut buf = B::alloc_from(dev, &[1.0f32; 1000]).unwrap();
-                    let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-                    if rank == 1 {
-                        comm.miss_next();
-                    }
-                    let started = Instant::now();
-                    comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
-                    let result = comm.synchronize();
-                    let took = started.elapsed();
-                    seen.wait();
-                    if rank == 0 {
-                        assert!(
-                            matches!(result, Err(Error::BarrierTimeout { rank: 0, .. })),
-                            "rank 0: {result:?}"
-                        );
-                        Some(took)
-                    } else {
-                        None
-                    }
-                })
-            })
-            .collect();
-        let took: Vec<_> = workers.into_iter().map(|w| w.join().unwrap()).collect();
-        took[0].unwrap()
-    });
+    let took = world_threads::<B, _>(place, 2, &config, &|_| {}, |rank, comm, seen| {
+        let dev = comm.device();
+        let mut buf = B::alloc_from(dev, &[1.0f32; 1000]).unwrap();
+        let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+        if rank == 1 {
+            comm.miss_next();
+        }
+        let started = Instant::now();
+        comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
+        let result = comm.synchronize();
+        let took = started.elapsed();
+        seen.wait();
+        if rank == 0 {
+            let timed_out = matches!(result, Err(Error::BarrierTimeout { rank: 0, .. }));
+            assert!(timed_out, "rank 0: {result:?}");
+        }
+        took
+    })[0];
     eprintln!(
         "rank 0's synchronize reported the timeout after {took:?} (barrier_timeout {timeout:?})"
     );
-    assert!(
-        took >= timeout,
-        "reported after {took:?}, before the timeout"
-    );
+    let holds = took >= timeout;
+    assert!(holds, "reported after {took:?}, before the timeout");
     let bound = 2 * timeout + Duration::from_millis(1500);
     assert!(
         took <= bound,
@@ -255,15 +205,6 @@ pub enum Exchange {
 }
 
 impl Exchange {
-    /// Every kind.
-    pub const ALL: [Exchange; 5] = [
-        Exchange::Register,
-        Exchange::AllocSymmetric,
-        Exchange::TrimSymmetric,
-        Exchange::RegisterInputsOf,
-        Exchange::Reinitialize,
-    ];
-
     /// Makes this exchange on `comm` (what it made is dropped at once).
     fn make<B: Backend>(self, comm: &Comm<B>) -> peercomm::Result<()> {
         match self {
@@ -296,68 +237,59 @@ pub fn drop_beside_a_peer_exchange<B: Backend>(place: &Placement, what: Exchange
         .with_barrier_timeout(Some(Duration::from_secs(1)))
         .with_bootstrap_timeout(Duration::from_secs(3))
         .with_payload_bytes(64 << 20);
-    let id = UniqueId::new().unwrap();
-    let built = Barrier::new(2);
     let (calling_tx, calling_rx) = mpsc::channel::<()>();
-    std::thread::scope(|s| {
-        let (id, config, built) = (&id, &config, &built);
-        let zero = s.spawn(move || {
-            let comm = open::<B>(place, 0, id, config.clone());
+    let calling = (Mutex::new(calling_tx), Mutex::new(calling_rx));
+    // Rank 0: its close and how long it took; rank 1: its exchange and synchronize.
+    let got = world_threads::<B, _>(place, 2, &config, &|_| {}, |rank, comm, built| {
+        if rank == 0 {
             built.wait();
-            calling_rx
-                .recv_timeout(Duration::from_secs(10))
-                .expect("rank 1 began its exchange");
+            let began = calling
+                .1
+                .lock()
+                .unwrap()
+                .recv_timeout(Duration::from_secs(10));
+            began.expect("rank 1 began its exchange");
             std::thread::sleep(Duration::from_millis(300));
             let started = Instant::now();
             let closed = comm.close();
             eprintln!("{what:?}: rank 0's close returned {closed:?}");
-            (closed, started.elapsed())
-        });
-        let one = s.spawn(move || {
-            let comm = open::<B>(place, 1, id, config.clone());
-            let dev = comm.device();
-            let mut buf = B::alloc_from(dev, &[1.0f32; 1000]).unwrap();
-            built.wait();
-            let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-            comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
-            let missing = if what == Exchange::Reinitialize {
-                Some(comm.synchronize())
-            } else {
-                None
-            };
-            calling_tx.send(()).unwrap();
-            let made = what.make(&comm);
-            eprintln!("{what:?}: rank 1's exchange returned {made:?}");
-            let missing = missing.unwrap_or_else(|| comm.synchronize());
-            assert_eq!(B::download(dev, &buf).unwrap(), vec![1.0f32; 1000]);
-            (made, missing)
-        });
-        let (closed, took) = zero.join().unwrap();
-        let (made, missing) = one.join().unwrap();
-        eprintln!(
-            "{what:?}: rank 1's exchange: {made:?}\n  rank 1's synchronize: {missing:?}\n  \
-             rank 0's close (took {took:?}): {closed:?}"
-        );
-        match &made {
-            Err(e) if is_mismatch_naming(e, 0) => {}
-            other => panic!("{what:?}: rank 1's exchange returned {other:?}"),
+            return (closed, Ok(started.elapsed()));
         }
-        match &closed {
-            Err(e) if is_mismatch_naming(e, 1) => {}
-            other => panic!("{what:?}: rank 0's teardown returned {other:?} (not parked)"),
-        }
-        assert!(
-            matches!(
-                missing,
-                Err(Error::BarrierTimeout { rank: 1, .. } | Error::PeerAborted { rank: 1, .. })
-            ),
-            "{what:?}: rank 1's synchronize returned {missing:?}"
-        );
-        assert!(
-            took < Duration::from_secs(3),
-            "{what:?}: close took {took:?}"
-        );
+        let dev = comm.device();
+        let mut buf = B::alloc_from(dev, &[1.0f32; 1000]).unwrap();
+        built.wait();
+        let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+        comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
+        let missing = (what == Exchange::Reinitialize).then(|| comm.synchronize());
+        calling.0.lock().unwrap().send(()).unwrap();
+        let made = what.make(&comm);
+        eprintln!("{what:?}: rank 1's exchange returned {made:?}");
+        let missing = missing.unwrap_or_else(|| comm.synchronize());
+        assert_eq!(B::download(dev, &buf).unwrap(), vec![1.0f32; 1000]);
+        (made, missing.map(|()| Duration::ZERO))
     });
+    let [(closed, took), (made, missing)] = [&got[0], &got[1]];
+    let took = took.as_ref().unwrap();
+    eprintln!(
+        "{what:?}: rank 1's exchange: {made:?}\n  rank 1's synchronize: {missing:?}\n  \
+         rank 0's close (took {took:?}): {closed:?}"
+    );
+    let mismatch =
+        |r: &peercomm::Result<()>, rank| r.as_ref().is_err_and(|e| is_mismatch_naming(e, rank));
+    let holds = mismatch(made, 0);
+    assert!(holds, "{what:?}: rank 1's exchange returned {made:?}");
+    let holds = mismatch(closed, 1);
+    assert!(
+        holds,
+        "{what:?}: rank 0's teardown returned {closed:?} (not parked)"
+    );
+    let holds = matches!(
+        missing,
+        Err(Error::BarrierTimeout { rank: 1, .. } | Error::PeerAborted { rank: 1, .. })
+    );
+    assert!(holds, "{what:?}: rank 1's synchronize returned {missing:?}");
+    let holds = *took < Duration::from_secs(3);
+    assert!(holds, "{what:?}: close took {took:?}");
 }
 
 /// Different exchanges at once (`kinds[r]`): each rank gets the mismatch naming the
@@ -391,20 +323,15 @@ pub fn different_exchanges_are_typed_errors<B: Backend>(place: &Placement, kinds
         let other = (0..world)
             .find(|&r| kinds[r] != kinds[rank])
             .expect("the kinds differ");
-        match made {
-            Err(e) if is_mismatch_naming(e, other) => {}
-            other_result => panic!(
-                "{kinds:?}: rank {rank} expected the mismatch naming rank {other}, got \
-                 {other_result:?}"
-            ),
-        }
+        let named = made.as_ref().is_err_and(|e| is_mismatch_naming(e, other));
+        assert!(
+            named,
+            "{kinds:?}: rank {rank}: not the mismatch naming rank {other}: {made:?}"
+        );
         // Nothing was allocated: the pool has no segment to free.
         assert_eq!(trimmed, &Ok(0), "{kinds:?}: rank {rank}");
-        assert_eq!(
-            summed.as_ref().ok(),
-            Some(&vec![sum; 64]),
-            "{kinds:?}: rank {rank}"
-        );
+        let note = format!("{kinds:?}: rank {rank}");
+        assert_eq!(summed.as_ref().ok(), Some(&vec![sum; 64]), "{note}");
         assert!(closed.is_ok(), "{kinds:?}: rank {rank}: {closed:?}");
     }
 }
