@@ -84,13 +84,8 @@ pub(crate) fn park(item: Box<dyn Send>, until: Option<Instant>) {
 #[cfg_attr(not(feature = "unstable"), allow(dead_code))]
 pub fn parked_teardowns() -> (usize, Option<Instant>) {
     let entries = LOT.lock();
-    let latest = entries
-        .iter()
-        .map(|e| e.until)
-        .try_fold(None, |acc: Option<Instant>, u| {
-            u.map(|u| Some(acc.map_or(u, |a| a.max(u))))
-        });
-    (entries.len(), latest.flatten())
+    let untils = entries.iter().map(|e| e.until).collect::<Option<Vec<_>>>();
+    (entries.len(), untils.and_then(|u| u.into_iter().max()))
 }
 
 /// Frees the expired teardowns of the process-wide lot now; returns how many.
