@@ -9,7 +9,10 @@ use peercomm::{
 use rand::rngs::StdRng;
 use rand::Rng;
 
-use super::{bits, eps, group_sizes, random_inputs, random_values, rng, suite_config};
+use super::{
+    bits, eps, group_sizes, poisoned, random_inputs, random_values, rng, suite_config, upload,
+    views, views_mut, Call,
+};
 
 /// Lengths the collectives are checked at in the sweeps (odd ones exercise the tails).
 pub const COLLECTIVE_LENGTHS: [usize; 5] = [1, 7, 1023, 4099, 100_003];
@@ -163,16 +166,6 @@ pub fn check_rms_norm<T: Element>(
     }
 }
 
-fn upload<B: Backend, T: Element>(dev: &B::Device, v: &[T]) -> B::Buffer<T> {
-    let mut b = B::alloc_buffer::<T>(dev, v.len()).expect("alloc");
-    B::upload(dev, v, &mut b).expect("upload");
-    b
-}
-
-fn poisoned<B: Backend, T: Element>(dev: &B::Device, len: usize) -> B::Buffer<T> {
-    upload::<B, T>(dev, &vec![T::from_f32(f32::NAN); len])
-}
-
 /// One single-controller call of `which` on fresh inputs, outputs poisoned, checked.
 pub fn check_once<B: Backend, T: Element>(
     comm: &SingleController<B>,
@@ -182,76 +175,16 @@ pub fn check_once<B: Backend, T: Element>(
     n: usize,
     blocks: Option<u32>,
 ) {
-    let world = comm.world_size();
-    let len = input_len(which, width, n);
-    let ins: Vec<Vec<T>> = random_inputs::<T>(rng, world, len);
     let mut opts = CollectiveOptions::new().group_size(width);
     if let Some(b) = blocks {
         opts = opts.blocks(b);
     }
+    let world = comm.world_size();
     let what = format!("{which:?} {:?} world {world} group {width} n {n}", T::DTYPE);
-    let ranks = comm.cores();
-    let in_bufs: Vec<_> = (0..world)
-        .map(|r| upload::<B, T>(ranks[r].device(), &ins[r]))
-        .collect();
-    let mut outs: Vec<_> = (0..world)
-        .map(|r| poisoned::<B, T>(ranks[r].device(), output_len(which, width, r, len)))
-        .collect();
-    let roots = |root: usize| -> Vec<TensorView<'_, B>> {
-        (root..world)
-            .step_by(width)
-            .map(|r| TensorView::flat(&in_bufs[r]))
-            .collect()
-    };
-    let result = match which {
-        Which::Broadcast {
-            root,
-            in_place: true,
-        } => {
-            let mut bufs: Vec<_> = (0..world)
-                .map(|r| {
-                    if r % width == root {
-                        upload::<B, T>(ranks[r].device(), &ins[r])
-                    } else {
-                        poisoned::<B, T>(ranks[r].device(), len)
-                    }
-                })
-                .collect();
-            let mut ts: Vec<_> = bufs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-            comm.broadcast_in_place(&mut ts, root, &opts).expect(&what);
-            drop(ts);
-            comm.synchronize().expect(&what);
-            outs = bufs;
-            Ok(())
-        }
-        _ => {
-            let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-            let r = match which {
-                Which::AllGather | Which::ReduceScatter => {
-                    let i: Vec<_> = in_bufs.iter().map(|b| TensorView::flat(b)).collect();
-                    if which == Which::AllGather {
-                        comm.all_gather(&i, &mut o, &opts)
-                    } else {
-                        comm.reduce_scatter_sum(&i, &mut o, &opts)
-                    }
-                }
-                Which::Broadcast { root, .. } => comm.broadcast(&roots(root), &mut o, root, &opts),
-                Which::Scatter { root } => comm.scatter(&roots(root), &mut o, root, &opts),
-            };
-            drop(o);
-            r
-        }
-    };
-    result.expect(&what);
+    let mut call = FuzzCall::<B, T>::new(comm, rng, which, width, n, opts);
+    let outcome = call.enqueue(comm);
     comm.synchronize().expect(&what);
-    for r in 0..world {
-        let got = B::download(ranks[r].device(), &outs[r]).expect("download");
-        assert_bits(
-            &got,
-            &expect(which, &ins, width, r),
-            &format!("{what} rank {r}"),
-        );
-    }
+    call.check(comm, &outcome, &what);
 }
 
 /// Every collective x dtype x group size x length at one world size, single controller.
@@ -307,16 +240,14 @@ pub fn reduce_scatter_parts_are_the_all_reduce<B: Backend, T: Element>(
         "reduce-scatter vs all-reduce {:?} world {world} group {width} n {n}",
         T::DTYPE
     );
-    {
-        let i: Vec<_> = in_bufs.iter().map(|b| TensorView::flat(b)).collect();
-        let mut p: Vec<_> = parts.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-        comm.reduce_scatter_sum(&i, &mut p, &opts).expect(&what);
-        let mut o: Vec<_> = reduced.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-        let ar = peercomm::AllReduceOptions::new()
-            .group_size(width)
-            .algorithm(peercomm::Algorithm::OneStage);
-        comm.all_reduce_sum(&i, &mut o, &ar).expect(&what);
-    }
+    let i = views(&in_bufs);
+    comm.reduce_scatter_sum(&i, &mut views_mut(&mut parts), &opts)
+        .expect(&what);
+    let ar = peercomm::AllReduceOptions::new()
+        .group_size(width)
+        .algorithm(peercomm::Algorithm::OneStage);
+    comm.all_reduce_sum(&i, &mut views_mut(&mut reduced), &ar)
+        .expect(&what);
     comm.synchronize().expect(&what);
     for r in 0..world {
         let part = B::download(dev(r), &parts[r]).unwrap();
@@ -357,27 +288,12 @@ pub fn check_rms_norm_once<B: Backend, T: Element>(
         "fused {:?} world {world} group {width} {tokens}x{hidden}",
         T::DTYPE
     );
-    {
-        let i: Vec<_> = in_bufs.iter().map(|b| TensorView::flat(b)).collect();
-        let w: Vec<_> = w_bufs.iter().map(|b| TensorView::flat(b)).collect();
-        let mut res: Vec<_> = res_bufs
-            .iter_mut()
-            .map(|b| TensorViewMut::flat(b))
-            .collect();
-        let mut o: Vec<_> = out_bufs
-            .iter_mut()
-            .map(|b| TensorViewMut::flat(b))
-            .collect();
-        comm.all_reduce_residual_rms_norm(
-            &i,
-            &mut res,
-            &w,
-            &mut o,
-            epsilon,
-            &CollectiveOptions::new().group_size(width),
-        )
+    let (i, w) = (views(&in_bufs), views(&w_bufs));
+    let (mut res, mut o) = (views_mut(&mut res_bufs), views_mut(&mut out_bufs));
+    let opts = CollectiveOptions::new().group_size(width);
+    comm.all_reduce_residual_rms_norm(&i, &mut res, &w, &mut o, epsilon, &opts)
         .expect(&what);
-    }
+    drop((i, w, res, o));
     comm.synchronize().expect(&what);
     let outs: Vec<Vec<T>> = (0..world)
         .map(|r| B::download(dev(r), &out_bufs[r]).unwrap())
@@ -422,31 +338,27 @@ pub fn rms_norm_sweep_on<B: Backend>(comm: &SingleController<B>) {
     }
 }
 
-/// Asserts that `result` is the error `matches` describes, and that `bufs` still hold
-/// their NaN poison (nothing was written).
-fn refused<B: Backend, T: Element>(
+/// Asserts that `call` over flat views of `outs` (rank r's at index r) is refused with
+/// the error `matches` describes and leaves `outs` NaN.
+fn refused<B: Backend>(
     comm: &SingleController<B>,
-    result: peercomm::Result<()>,
+    outs: &mut [B::Buffer<f32>],
+    call: impl FnOnce(&mut [TensorViewMut<'_, B>]) -> peercomm::Result<()>,
     matches: fn(&Error) -> bool,
-    bufs: &[&B::Buffer<T>],
     what: &str,
 ) {
-    let err = result.expect_err(what);
+    let err = call(&mut views_mut(outs)).expect_err(what);
     assert!(matches(&err), "{what}: unexpected error {err}");
-    untouched::<B, T>(comm, bufs, what);
+    untouched::<B>(comm, outs, what);
 }
 
 /// Asserts that `bufs` (rank r's at index r) still hold their NaN poison.
-fn untouched<B: Backend, T: Element>(
-    comm: &SingleController<B>,
-    bufs: &[&B::Buffer<T>],
-    what: &str,
-) {
+fn untouched<B: Backend>(comm: &SingleController<B>, bufs: &[B::Buffer<f32>], what: &str) {
     comm.synchronize().unwrap();
     for (r, b) in bufs.iter().enumerate() {
         let got = B::download(comm.core(r).device(), b).unwrap();
         assert!(
-            got.iter().all(|x| x.to_f32().is_nan()),
+            got.iter().all(|x| x.is_nan()),
             "{what}: rank {r}'s buffer was written"
         );
     }
@@ -458,153 +370,88 @@ pub fn bad_inputs<B: Backend>() {
     let comm = super::open::<B>(2, suite_config(None));
     let dev = |r: usize| comm.core(r).device();
     let ones = |r: usize, len: usize| upload::<B, f32>(dev(r), &vec![1.0; len]);
-    let nan = |r: usize, len: usize| poisoned::<B, f32>(dev(r), len);
+    let nan = |a: usize, b: usize| [poisoned::<B, f32>(dev(0), a), poisoned::<B, f32>(dev(1), b)];
     let opts = CollectiveOptions::new();
     let ins = [ones(0, 10), ones(1, 10)];
     let short = ones(1, 9);
-    let i: Vec<_> = ins.iter().map(|b| TensorView::flat(b)).collect();
+    let i = views(&ins);
+    let rank1_length = |e: &Error| matches!(e, Error::LengthMismatch { rank: 1, .. });
+    let bad_root = |e: &Error| matches!(e, Error::InvalidRoot { width: 2, .. });
 
     // All-gather: an output of the wrong size; inputs of different lengths.
-    let mut outs = [nan(0, 20), nan(1, 19)];
-    let r = {
-        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-        comm.all_gather(&i, &mut o, &opts)
-    };
-    refused::<B, f32>(
+    let what = "all-gather output size";
+    refused(
         &comm,
-        r,
-        |e| matches!(e, Error::LengthMismatch { rank: 1, .. }),
-        &[&outs[0], &outs[1]],
-        "all-gather output size",
+        &mut nan(20, 19),
+        |o| comm.all_gather(&i, o, &opts),
+        rank1_length,
+        what,
     );
-    let mut outs = [nan(0, 20), nan(1, 20)];
-    let r = {
-        let uneven = [TensorView::flat(&ins[0]), TensorView::flat(&short)];
-        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-        comm.all_gather(&uneven, &mut o, &opts)
-    };
-    refused::<B, f32>(
+    let uneven = [TensorView::flat(&ins[0]), TensorView::flat(&short)];
+    let what = "all-gather uneven inputs";
+    refused(
         &comm,
-        r,
-        |e| matches!(e, Error::LengthMismatch { rank: 1, .. }),
-        &[&outs[0], &outs[1]],
-        "all-gather uneven inputs",
+        &mut nan(20, 20),
+        |o| comm.all_gather(&uneven, o, &opts),
+        rank1_length,
+        what,
     );
 
     // Reduce-scatter: parts of 10 over 2 are 5 and 5.
-    let mut outs = [nan(0, 5), nan(1, 6)];
-    let r = {
-        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-        comm.reduce_scatter_sum(&i, &mut o, &opts)
-    };
-    refused::<B, f32>(
+    let rs = |o: &mut [TensorViewMut<'_, B>]| comm.reduce_scatter_sum(&i, o, &opts);
+    refused(
         &comm,
-        r,
-        |e| matches!(e, Error::LengthMismatch { rank: 1, .. }),
-        &[&outs[0], &outs[1]],
+        &mut nan(5, 6),
+        rs,
+        rank1_length,
         "reduce-scatter output size",
     );
 
     // Broadcast and scatter: a root outside the group, a wrong input count, sizes.
     for root in [2, 7] {
-        let mut outs = [nan(0, 10), nan(1, 10)];
-        let r = {
-            let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-            comm.broadcast(&i[..1], &mut o, root, &opts)
-        };
-        refused::<B, f32>(
+        let bc = |o: &mut [TensorViewMut<'_, B>]| comm.broadcast(&i[..1], o, root, &opts);
+        refused(&comm, &mut nan(10, 10), bc, bad_root, "broadcast root");
+        let sc = |o: &mut [TensorViewMut<'_, B>]| comm.scatter(&i[..1], o, root, &opts);
+        refused(&comm, &mut nan(5, 5), sc, bad_root, "scatter root");
+        let bip = |o: &mut [TensorViewMut<'_, B>]| comm.broadcast_in_place(o, root, &opts);
+        refused(
             &comm,
-            r,
-            |e| matches!(e, Error::InvalidRoot { width: 2, .. }),
-            &[&outs[0], &outs[1]],
-            "broadcast root",
-        );
-        let mut outs = [nan(0, 5), nan(1, 5)];
-        let r = {
-            let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-            comm.scatter(&i[..1], &mut o, root, &opts)
-        };
-        refused::<B, f32>(
-            &comm,
-            r,
-            |e| matches!(e, Error::InvalidRoot { width: 2, .. }),
-            &[&outs[0], &outs[1]],
-            "scatter root",
-        );
-        let mut bufs = [nan(0, 10), nan(1, 10)];
-        let r = {
-            let mut o: Vec<_> = bufs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-            comm.broadcast_in_place(&mut o, root, &opts)
-        };
-        refused::<B, f32>(
-            &comm,
-            r,
-            |e| matches!(e, Error::InvalidRoot { width: 2, .. }),
-            &[&bufs[0], &bufs[1]],
+            &mut nan(10, 10),
+            bip,
+            bad_root,
             "broadcast in place root",
         );
     }
-    let mut outs = [nan(0, 10), nan(1, 10)];
-    let r = {
-        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-        comm.broadcast(&i, &mut o, 0, &opts)
+    let count = |e: &Error| {
+        *e == Error::WrongTensorCount {
+            expected: 1,
+            got: 2,
+        }
     };
-    refused::<B, f32>(
+    let bc = |o: &mut [TensorViewMut<'_, B>]| comm.broadcast(&i, o, 0, &opts);
+    refused(&comm, &mut nan(10, 10), bc, count, "broadcast input count");
+    let bc = |o: &mut [TensorViewMut<'_, B>]| comm.broadcast(&i[..1], o, 0, &opts);
+    refused(
         &comm,
-        r,
-        |e| {
-            matches!(
-                e,
-                Error::WrongTensorCount {
-                    expected: 1,
-                    got: 2
-                }
-            )
-        },
-        &[&outs[0], &outs[1]],
-        "broadcast input count",
-    );
-    let mut outs = [nan(0, 10), nan(1, 9)];
-    let r = {
-        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-        comm.broadcast(&i[..1], &mut o, 0, &opts)
-    };
-    refused::<B, f32>(
-        &comm,
-        r,
-        |e| matches!(e, Error::LengthMismatch { rank: 1, .. }),
-        &[&outs[0], &outs[1]],
+        &mut nan(10, 9),
+        bc,
+        rank1_length,
         "broadcast output size",
     );
-    let mut outs = [nan(0, 4), nan(1, 4)];
-    let r = {
-        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-        comm.scatter(&i[..1], &mut o, 0, &opts)
-    };
-    refused::<B, f32>(
+    let rank0_length = |e: &Error| matches!(e, Error::LengthMismatch { rank: 0, .. });
+    let sc = |o: &mut [TensorViewMut<'_, B>]| comm.scatter(&i[..1], o, 0, &opts);
+    refused(
         &comm,
-        r,
-        |e| matches!(e, Error::LengthMismatch { rank: 0, .. }),
-        &[&outs[0], &outs[1]],
+        &mut nan(4, 4),
+        sc,
+        rank0_length,
         "scatter output size",
     );
 
     // Fused: a hidden size that is not whole packs, elements that are not whole rows,
     // a residual of the wrong length, a weight of another dtype, a bad epsilon.
     let x = [ones(0, 64), ones(1, 64)];
-    let xi: Vec<_> = x.iter().map(|b| TensorView::flat(b)).collect();
-    let fused = |w_len: usize, res_len: usize, eps: f32| {
-        let w = [ones(0, w_len), ones(1, w_len)];
-        let wi: Vec<_> = w.iter().map(|b| TensorView::flat(b)).collect();
-        let mut res = [nan(0, res_len), nan(1, res_len)];
-        let mut outs = [nan(0, 64), nan(1, 64)];
-        let r = {
-            let mut rt: Vec<_> = res.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-            let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-            comm.all_reduce_residual_rms_norm(&xi, &mut rt, &wi, &mut o, eps, &opts)
-        };
-        (r, res, outs)
-    };
+    let xi = views(&x);
     for (w_len, res_len, eps, want, what) in [
         (6, 64, 1e-5, "Unsupported", "hidden not whole packs"),
         (24, 64, 1e-5, "Unsupported", "not whole rows"),
@@ -612,44 +459,30 @@ pub fn bad_inputs<B: Backend>() {
         (16, 64, f32::NAN, "Unsupported", "epsilon NaN"),
         (16, 64, -1.0, "Unsupported", "negative epsilon"),
     ] {
-        let (r, res, outs) = fused(w_len, res_len, eps);
-        let err = r.expect_err(what);
-        let ok = match want {
-            "Unsupported" => matches!(err, Error::Unsupported(_)),
-            _ => matches!(err, Error::LengthMismatch { .. }),
+        let w = [ones(0, w_len), ones(1, w_len)];
+        let mut res = nan(res_len, res_len);
+        let fused = |o: &mut [TensorViewMut<'_, B>]| {
+            let mut rt = views_mut(&mut res);
+            comm.all_reduce_residual_rms_norm(&xi, &mut rt, &views(&w), o, eps, &opts)
         };
-        assert!(ok, "fused {what}: unexpected error {err}");
-        comm.synchronize().unwrap();
-        for r in 0..2 {
-            for b in [&res[r], &outs[r]] {
-                let got = B::download(dev(r), b).unwrap();
-                assert!(
-                    got.iter().all(|x| x.is_nan()),
-                    "fused {what}: rank {r} was written"
-                );
-            }
-        }
+        let what = format!("fused {what}");
+        let matches: fn(&Error) -> bool = match want {
+            "Unsupported" => |e| matches!(e, Error::Unsupported(_)),
+            _ => |e| matches!(e, Error::LengthMismatch { .. }),
+        };
+        refused(&comm, &mut nan(64, 64), fused, matches, &what);
+        untouched::<B>(&comm, &res, &format!("{what} (residual)"));
     }
-    let w16 = [
-        upload::<B, half::bf16>(dev(0), &[half::bf16::ONE; 16]),
-        upload::<B, half::bf16>(dev(1), &[half::bf16::ONE; 16]),
-    ];
-    let wi: Vec<_> = w16.iter().map(|b| TensorView::flat(b)).collect();
-    let mut res = [nan(0, 64), nan(1, 64)];
-    let mut outs = [nan(0, 64), nan(1, 64)];
-    let r = {
-        let mut rt: Vec<_> = res.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-        comm.all_reduce_residual_rms_norm(&xi, &mut rt, &wi, &mut o, 1e-5, &opts)
+    let w16 = [half::bf16::ONE; 16];
+    let w16 = [upload::<B, _>(dev(0), &w16), upload::<B, _>(dev(1), &w16)];
+    let mut res = nan(64, 64);
+    let fused = |o: &mut [TensorViewMut<'_, B>]| {
+        let (rt, wi) = (&mut views_mut(&mut res), &views(&w16));
+        comm.all_reduce_residual_rms_norm(&xi, rt, wi, o, 1e-5, &opts)
     };
-    refused::<B, f32>(
-        &comm,
-        r,
-        |e| matches!(e, Error::DTypeMismatch { .. }),
-        &[&outs[0], &outs[1]],
-        "fused weight dtype",
-    );
-    untouched::<B, f32>(&comm, &[&res[0], &res[1]], "fused weight dtype (residual)");
+    let dtype = |e: &Error| matches!(e, Error::DTypeMismatch { .. });
+    refused(&comm, &mut nan(64, 64), fused, dtype, "fused weight dtype");
+    untouched::<B>(&comm, &res, "fused weight dtype (residual)");
 }
 
 /// A collective call for the schedule fuzzer ([`super::fuzz`]): prepared when drawn,
@@ -708,7 +541,7 @@ pub fn fuzz_call<B: Backend>(
     width: usize,
     opts: CollectiveOptions,
     bytes: usize,
-) -> Box<dyn super::Call<B>> {
+) -> Box<dyn Call<B>> {
     let root = rng.random_range(0..width);
     let which = match rng.random_range(0..5) {
         0 => Which::AllGather,
@@ -737,7 +570,7 @@ pub fn fuzz_call<B: Backend>(
     }
 }
 
-impl<B: Backend, T: Element> super::Call<B> for FuzzCall<B, T> {
+impl<B: Backend, T: Element> Call<B> for FuzzCall<B, T> {
     fn enqueue(&mut self, comm: &SingleController<B>) -> peercomm::Result<peercomm::Algorithm> {
         let world = comm.world_size();
         let width = self.width;
@@ -747,12 +580,8 @@ impl<B: Backend, T: Element> super::Call<B> for FuzzCall<B, T> {
                 .map(|r| TensorView::flat(&self.in_bufs[r]))
                 .collect()
         };
-        let mut o: Vec<_> = self
-            .outs
-            .iter_mut()
-            .map(|b| TensorViewMut::flat(b))
-            .collect();
-        let i: Vec<_> = self.in_bufs.iter().map(|b| TensorView::flat(b)).collect();
+        let mut o = views_mut(&mut self.outs);
+        let i = views(&self.in_bufs);
         match self.which {
             Which::AllGather => comm.all_gather(&i, &mut o, &self.opts),
             Which::ReduceScatter => comm.reduce_scatter_sum(&i, &mut o, &self.opts),

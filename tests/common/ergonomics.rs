@@ -4,9 +4,9 @@
 use std::time::{Duration, Instant};
 
 use peercomm::backend::{Backend, TypedBuffer};
-use peercomm::{AllReduceOptions, Element, Error, TensorView, TensorViewMut};
+use peercomm::{AllReduceOptions, Element, Error};
 
-use super::{check_sums, open, random_inputs, rng, run_case, suite_config};
+use super::{check_sums, open, random_inputs, rng, run_case, suite_config, views, views_mut};
 
 /// `wait()` reads no error record (a timeout goes unnoticed) and `synchronize()` then
 /// reports it; `check_errors()` reports it without waiting for the stream. Both recover
@@ -78,19 +78,17 @@ pub fn typed_buffers_need_no_turbofish<B: Backend>() {
     fn case<B: Backend, T: Element>(comm: &peercomm::SingleController<B>, patterns: &[u32]) {
         let values: Vec<T> = patterns.iter().map(|&b| T::from_bits_u32(b)).collect();
         assert_eq!(bits(&values), patterns, "from_bits_u32 round trip");
-        let mut ins = Vec::new();
-        let mut outs = Vec::new();
-        for rank in comm.cores() {
-            ins.push(B::alloc_from(rank.device(), &values).unwrap());
-            let poison = vec![T::from_bits_u32(patterns[0] ^ 1); values.len()];
-            outs.push(B::alloc_from(rank.device(), &poison).unwrap());
-        }
-        let inputs: Vec<TensorView<B>> = ins.iter().map(|b| TensorView::flat(b)).collect();
-        let mut outputs: Vec<TensorViewMut<B>> =
-            outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
+        let poison = vec![T::from_bits_u32(patterns[0] ^ 1); values.len()];
+        let alloc = |v: &[T]| -> Vec<B::Buffer<T>> {
+            comm.cores()
+                .iter()
+                .map(|r| B::alloc_from(r.device(), v).unwrap())
+                .collect()
+        };
+        let (ins, mut outs) = (alloc(&values), alloc(&poison));
         let opts = AllReduceOptions::new().group_size(1);
-        comm.all_reduce_sum(&inputs, &mut outputs, &opts).unwrap();
-        drop(outputs);
+        comm.all_reduce_sum(&views(&ins), &mut views_mut(&mut outs), &opts)
+            .unwrap();
         comm.synchronize().unwrap();
         for (rank, out) in comm.cores().iter().zip(&mut outs) {
             assert_eq!(bits(&out.to_host(rank.device()).unwrap()), patterns);
@@ -117,12 +115,7 @@ pub fn slice_form<B: Backend>(world: usize) {
         len: usize,
     ) {
         let world = comm.world_size();
-        for algorithm in [
-            peercomm::Algorithm::Auto,
-            peercomm::Algorithm::OneStage,
-            peercomm::Algorithm::TwoStage,
-            peercomm::Algorithm::Lamport,
-        ] {
+        for algorithm in super::REQUESTS {
             let opts = AllReduceOptions::new().algorithm(algorithm);
             let data = random_inputs::<T>(rng, world, len);
             let poison = vec![T::from_f32(f32::NAN); len];
@@ -266,36 +259,16 @@ pub fn miss_next_times_out_and_recovers<B: Backend>() {
     check_sums(&data, &got, 2, "after recovery from a missed call");
 }
 
-/// The ergonomics tests of one backend.
+/// The ergonomics tests of one backend, each on two devices.
 #[macro_export]
 macro_rules! ergonomics_tests {
     ($backend:ty) => {
-        #[test]
-        fn wait_and_check_errors() {
-            if devices_or_skip("wait_and_check_errors", 2) {
-                common::ergonomics::wait_and_check_errors::<$backend>(2);
-            }
-        }
-
-        #[test]
-        fn miss_next_times_out_and_recovers() {
-            if devices_or_skip("miss_next_times_out_and_recovers", 2) {
-                common::ergonomics::miss_next_times_out_and_recovers::<$backend>();
-            }
-        }
-
-        #[test]
-        fn slice_form() {
-            if devices_or_skip("slice_form", 2) {
-                common::ergonomics::slice_form::<$backend>(2);
-            }
-        }
-
-        #[test]
-        fn typed_buffers_need_no_turbofish() {
-            if devices_or_skip("typed_buffers_need_no_turbofish", 2) {
-                common::ergonomics::typed_buffers_need_no_turbofish::<$backend>();
-            }
-        }
+        sized_tests!(|w| common::ergonomics::wait_and_check_errors::<$backend>(w);
+            wait_and_check_errors: 2);
+        sized_tests!(|w| common::ergonomics::slice_form::<$backend>(w); slice_form: 2);
+        sized_tests!(|_: usize| common::ergonomics::miss_next_times_out_and_recovers::<$backend>();
+            miss_next_times_out_and_recovers: 2);
+        sized_tests!(|_: usize| common::ergonomics::typed_buffers_need_no_turbofish::<$backend>();
+            typed_buffers_need_no_turbofish: 2);
     };
 }

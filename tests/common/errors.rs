@@ -4,14 +4,14 @@
 
 use std::time::Duration;
 
-use peercomm::backend::Backend;
+use peercomm::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use peercomm::{
     unstable, Algorithm, AllReduceOptions, CommConfig, DType, Element, Error, Result,
     SingleController, TensorView, TensorViewMut, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
 };
 use rand::rngs::StdRng;
 
-use super::{open, random_values, rng, run_case, run_case_dtype};
+use super::{open, poisoned, random_values, rng, run_case, run_case_dtype, upload, Call};
 
 /// Small scratch (the suite's 4 MiB slots would be refilled with the sentinel for
 /// every test) with a timeout that turns a hang into a failure.
@@ -27,13 +27,6 @@ fn comm<B: Backend>(world: usize) -> SingleController<B> {
     open::<B>(world, config(64 << 10, 64 << 10))
 }
 
-/// A buffer on `dev` holding `values`.
-fn filled<B: Backend, T: Element>(dev: &B::Device, values: &[T]) -> B::Buffer<T> {
-    let mut b = B::alloc_buffer::<T>(dev, values.len()).unwrap();
-    B::upload(dev, values, &mut b).unwrap();
-    b
-}
-
 /// One rank's buffers: a random input (and the values it holds), a NaN output.
 struct RankBufs<B: Backend, T: Element> {
     input: B::Buffer<T>,
@@ -45,9 +38,9 @@ impl<B: Backend, T: Element> RankBufs<B, T> {
     fn new(dev: &B::Device, rng: &mut StdRng, len: usize, out_len: usize) -> Self {
         let values = random_values::<T>(rng, len);
         RankBufs {
-            input: filled::<B, T>(dev, &values),
+            input: upload::<B, T>(dev, &values),
             values,
-            output: filled::<B, T>(dev, &vec![T::from_f32(f32::NAN); out_len]),
+            output: poisoned::<B, T>(dev, out_len),
         }
     }
 
@@ -84,6 +77,16 @@ fn rank_bufs<B: Backend>(
         .collect()
 }
 
+/// The two ranks' buffers of a world of two.
+fn pair<B: Backend>(
+    bufs: &mut [RankBufs<B, f32>],
+) -> (&mut RankBufs<B, f32>, &mut RankBufs<B, f32>) {
+    let [a, b] = bufs else {
+        unreachable!("two ranks")
+    };
+    (a, b)
+}
+
 /// Out-of-place over `bufs` with the given shapes (`None`: flat).
 fn out_of_place<B: Backend>(
     comm: &SingleController<B>,
@@ -110,6 +113,26 @@ fn out_of_place<B: Backend>(
         })
         .collect();
     comm.all_reduce_sum(&ins, &mut outs, opts)
+}
+
+/// A flat out-of-place all-reduce over `ins` and `outs`, one per rank.
+fn sum<B: Backend>(
+    comm: &SingleController<B>,
+    ins: &[&dyn DeviceBuffer<B>],
+    outs: &mut [&mut dyn DeviceBufferMut<B>],
+) -> Result<Algorithm> {
+    let ins: Vec<_> = ins.iter().map(|b| TensorView::flat(*b)).collect();
+    let mut outs: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(*b)).collect();
+    comm.all_reduce_sum(&ins, &mut outs, &AllReduceOptions::new())
+}
+
+/// A flat in-place all-reduce over `ts`, one per rank.
+fn sum_in_place<B: Backend>(
+    comm: &SingleController<B>,
+    ts: &mut [&mut dyn DeviceBufferMut<B>],
+) -> Result<Algorithm> {
+    let mut ts: Vec<_> = ts.iter_mut().map(|b| TensorViewMut::flat(*b)).collect();
+    comm.all_reduce_sum_in_place(&mut ts, &AllReduceOptions::new())
 }
 
 /// In place over the inputs of `bufs` with the given shapes (`None`: flat).
@@ -162,30 +185,23 @@ fn assert_length_mismatch(got: Result<Algorithm>, rank: usize, what: &str) {
     }
 }
 
-/// What each case gets to decide whether the backend has enough devices: the suite's
-/// `devices_or_skip(test, need)`, which prints why a test is skipped.
-pub type Devices<'a> = &'a dyn Fn(&str, usize) -> bool;
-
-/// One `#[test]` per bad-input case, each calling `common::errors::<case>` with the
-/// suite's `devices_or_skip`. Used inside `reference_suite!`.
+/// One `#[test]` per bad-input case `case: devices it needs`, calling
+/// `common::errors::<case>`. Used inside `reference_suite!`.
 #[macro_export]
 macro_rules! bad_input_tests {
-    ($backend:ty, $($case:ident),+ $(,)?) => {
-        $(
-            #[test]
-            fn $case() {
-                common::errors::$case::<$backend>(&devices_or_skip);
+    ($backend:ty, $($case:ident: $need:expr),+ $(,)?) => {$(
+        #[test]
+        fn $case() {
+            if devices_or_skip(stringify!($case), $need) {
+                common::errors::$case::<$backend>();
             }
-        )+
-    };
+        }
+    )+};
 }
 
 /// Tensors of different lengths are `LengthMismatch` on rank 1 before any launch,
 /// whether flat or with shapes (element counts decide, whatever the shapes say).
-pub fn lengths_differ<B: Backend>(devices: Devices) {
-    if !devices("lengths_differ", 2) {
-        return;
-    }
+pub fn lengths_differ<B: Backend>() {
     let mut rng = rng("lengths_differ");
     let comm = comm::<B>(2);
     let mut bufs = rank_bufs(&comm, &mut rng, &[6, 7], &[6, 7]);
@@ -218,10 +234,7 @@ pub fn lengths_differ<B: Backend>(devices: Devices) {
 }
 
 /// Same element count, different shapes ([2, 3] and [3, 2]).
-pub fn shapes_differ<B: Backend>(devices: Devices) {
-    if !devices("shapes_differ", 2) {
-        return;
-    }
+pub fn shapes_differ<B: Backend>() {
     let mut rng = rng("shapes_differ");
     let comm = comm::<B>(2);
     let expected = Error::ShapeMismatch {
@@ -249,71 +262,46 @@ pub fn shapes_differ<B: Backend>(devices: Devices) {
 
 /// Rank 0 passes f32, rank 1 f16; and, separately, an output whose dtype differs from
 /// its input.
-pub fn dtypes_differ<B: Backend>(devices: Devices) {
-    if !devices("dtypes_differ", 2) {
-        return;
-    }
+pub fn dtypes_differ<B: Backend>() {
     let mut rng = rng("dtypes_differ");
     let comm = comm::<B>(2);
     let (d0, d1) = (comm.core(0).device(), comm.core(1).device());
     let mut r0 = RankBufs::<B, f32>::new(d0, &mut rng, 8, 8);
     let mut r1 = RankBufs::<B, half::f16>::new(d1, &mut rng, 8, 8);
+    let (expected, got) = (DType::F32, DType::F16);
     let expected = Error::DTypeMismatch {
         rank: 1,
-        expected: DType::F32,
-        got: DType::F16,
+        expected,
+        got,
     };
-    let opts = AllReduceOptions::new();
-    {
-        let ins: Vec<TensorView<B>> =
-            vec![TensorView::flat(&r0.input), TensorView::flat(&r1.input)];
-        let mut outs: Vec<TensorViewMut<B>> = vec![
-            TensorViewMut::flat(&mut r0.output),
-            TensorViewMut::flat(&mut r1.output),
-        ];
-        assert_err(
-            comm.all_reduce_sum(&ins, &mut outs, &opts),
-            expected.clone(),
-            "out-of-place",
-        );
-    }
-    {
-        let mut ts: Vec<TensorViewMut<B>> = vec![
-            TensorViewMut::flat(&mut r0.input),
-            TensorViewMut::flat(&mut r1.input),
-        ];
-        assert_err(
-            comm.all_reduce_sum_in_place(&mut ts, &opts),
-            expected,
-            "in-place",
-        );
-    }
+    let got = sum(
+        &comm,
+        &[&r0.input, &r1.input],
+        &mut [&mut r0.output, &mut r1.output],
+    );
+    assert_err(got, expected.clone(), "out-of-place");
+    let got = sum_in_place(&comm, &mut [&mut r0.input, &mut r1.input]);
+    assert_err(got, expected, "in-place");
     comm.synchronize().unwrap();
     r0.assert_untouched(d0, "dtypes differ (rank 0)");
     r1.assert_untouched(d1, "dtypes differ (rank 1)");
 
     // All inputs f32, rank 1's output bf16.
     let mut bufs = rank_bufs(&comm, &mut rng, &[8, 8], &[8, 8]);
-    let mut bf_out = filled::<B, half::bf16>(d1, &[half::bf16::NAN; 8]);
-    {
-        let [a, b] = &mut bufs[..] else {
-            unreachable!("two ranks")
-        };
-        let ins: Vec<TensorView<B>> = vec![TensorView::flat(&a.input), TensorView::flat(&b.input)];
-        let mut outs: Vec<TensorViewMut<B>> = vec![
-            TensorViewMut::flat(&mut a.output),
-            TensorViewMut::flat(&mut bf_out),
-        ];
-        assert_err(
-            comm.all_reduce_sum(&ins, &mut outs, &opts),
-            Error::DTypeMismatch {
-                rank: 1,
-                expected: DType::F32,
-                got: DType::BF16,
-            },
-            "output dtype differs from input",
-        );
-    }
+    let mut bf_out = poisoned::<B, half::bf16>(d1, 8);
+    let (a, b) = pair(&mut bufs);
+    let got = sum(
+        &comm,
+        &[&a.input, &b.input],
+        &mut [&mut a.output, &mut bf_out],
+    );
+    let (expected, got_dtype) = (DType::F32, DType::BF16);
+    let expected = Error::DTypeMismatch {
+        rank: 1,
+        expected,
+        got: got_dtype,
+    };
+    assert_err(got, expected, "output dtype differs from input");
     assert_nothing_written(&comm, &bufs, "output dtype differs");
     assert!(
         B::download(d1, &bf_out).unwrap().iter().all(|x| x.is_nan()),
@@ -323,10 +311,7 @@ pub fn dtypes_differ<B: Backend>(devices: Devices) {
 }
 
 /// An output longer or shorter than its input.
-pub fn output_length_differs_from_input<B: Backend>(devices: Devices) {
-    if !devices("output_length_differs_from_input", 2) {
-        return;
-    }
+pub fn output_length_differs_from_input<B: Backend>() {
     let mut rng = rng("output_length_differs_from_input");
     let comm = comm::<B>(2);
     for out_len in [9, 7] {
@@ -343,10 +328,7 @@ pub fn output_length_differs_from_input<B: Backend>(devices: Devices) {
 
 /// A shape whose element count is not its buffer's length: on every rank, on one rank,
 /// and on an output only.
-pub fn shape_does_not_describe_buffer<B: Backend>(devices: Devices) {
-    if !devices("shape_does_not_describe_buffer", 2) {
-        return;
-    }
+pub fn shape_does_not_describe_buffer<B: Backend>() {
     let mut rng = rng("shape_does_not_describe_buffer");
     let comm = comm::<B>(2);
     let opts = AllReduceOptions::new();
@@ -391,10 +373,7 @@ pub fn shape_does_not_describe_buffer<B: Backend>(devices: Devices) {
 
 /// group_size 3 (does not divide 2), 4 and 16 (larger than the world), for both kinds
 /// of all-reduce and the barrier.
-pub fn group_size_must_divide_world<B: Backend>(devices: Devices) {
-    if !devices("group_size_must_divide_world", 2) {
-        return;
-    }
+pub fn group_size_must_divide_world<B: Backend>() {
     let mut rng = rng("group_size_must_divide_world");
     let comm = comm::<B>(2);
     let mut bufs = rank_bufs(&comm, &mut rng, &[64, 64], &[64, 64]);
@@ -423,7 +402,7 @@ pub fn group_size_must_divide_world<B: Backend>(devices: Devices) {
 
 /// No devices, and `MAX_GPUS + 1`, are refused before any device is opened; needs no
 /// device, so it runs everywhere.
-pub fn world_of_zero_or_nine<B: Backend>(_devices: Devices) {
+pub fn world_of_zero_or_nine<B: Backend>() {
     let too_many: Vec<usize> = (0..=MAX_GPUS).collect();
     for ordinals in [&[][..], &too_many[..]] {
         match SingleController::<B>::new(ordinals, CommConfig::default()) {
@@ -452,10 +431,7 @@ pub fn world_of_zero_or_nine<B: Backend>(_devices: Devices) {
 }
 
 /// The same ordinal twice.
-pub fn device_listed_twice<B: Backend>(devices: Devices) {
-    if !devices("device_listed_twice", 1) {
-        return;
-    }
+pub fn device_listed_twice<B: Backend>() {
     match SingleController::<B>::new(&[0, 0], config(64 << 10, 64 << 10)) {
         Err(Error::InvalidDevices(_)) => {}
         Err(e) => panic!("expected InvalidDevices, got {e:?}"),
@@ -465,10 +441,7 @@ pub fn device_listed_twice<B: Backend>(devices: Devices) {
 
 /// Scratch of 1 KiB Lamport slot and 4 KiB payload, a 16 KiB message: Lamport and
 /// two-stage are refused with the sizes; one-stage runs (in place: in chunks).
-pub fn message_larger_than_scratch<B: Backend>(devices: Devices) {
-    if !devices("message_larger_than_scratch", 2) {
-        return;
-    }
+pub fn message_larger_than_scratch<B: Backend>() {
     let mut rng = rng("message_larger_than_scratch");
     let comm = open::<B>(2, config(1024, 4096));
     let n = 4096; // f32: 16 KiB
@@ -484,33 +457,17 @@ pub fn message_larger_than_scratch<B: Backend>(devices: Devices) {
         },
     };
     // The query answers the same, launching nothing.
-    for (algorithm, in_place, expected) in [
-        (
-            Algorithm::Lamport,
-            false,
-            too_large("lamport", 16384 + 64, 1024),
-        ),
-        (
-            Algorithm::TwoStage,
-            false,
-            too_large("two_stage", 8192, 4096),
-        ),
-    ] {
+    let query = |algorithm, in_place| {
         let opts = AllReduceOptions::new().algorithm(algorithm);
-        assert_eq!(
-            comm.algorithm_for(DType::F32, n, &opts, in_place),
-            Err(expected),
-            "algorithm_for {algorithm:?}, in place {in_place}"
-        );
-    }
+        comm.algorithm_for(DType::F32, n, &opts, in_place)
+    };
+    let lamport_too_large = too_large("lamport", 16384 + 64, 1024);
+    assert_eq!(query(Algorithm::Lamport, false), Err(lamport_too_large));
+    let two_stage_too_large = too_large("two_stage", 8192, 4096);
+    assert_eq!(query(Algorithm::TwoStage, false), Err(two_stage_too_large));
     for in_place in [false, true] {
         assert_eq!(
-            comm.algorithm_for(
-                DType::F32,
-                n,
-                &AllReduceOptions::new().algorithm(Algorithm::OneStage),
-                in_place
-            ),
+            query(Algorithm::OneStage, in_place),
             Ok(Algorithm::OneStage)
         );
     }
@@ -525,29 +482,20 @@ pub fn message_larger_than_scratch<B: Backend>(devices: Devices) {
         comm.algorithm_for(DType::BF16, 481, &lamport, false),
         Err(too_large("lamport", 1040, 1024))
     );
-    let lamport = AllReduceOptions::new().algorithm(Algorithm::Lamport);
-    let two_stage = AllReduceOptions::new().algorithm(Algorithm::TwoStage);
-    assert_err(
-        out_of_place(&comm, &mut bufs, None, None, &lamport),
-        too_large("lamport", 16384 + 64, 1024),
-        "lamport, out-of-place",
-    );
-    assert_err(
-        in_place(&comm, &mut bufs, None, &lamport),
-        too_large("lamport", 16384 + 64, 1024),
-        "lamport, in-place",
-    );
     // Two-stage keeps one partition of 16 KiB / 2 ranks in the payload.
-    assert_err(
-        out_of_place(&comm, &mut bufs, None, None, &two_stage),
-        too_large("two_stage", 8192, 4096),
-        "two-stage, out-of-place",
-    );
-    assert_err(
-        in_place(&comm, &mut bufs, None, &two_stage),
-        too_large("two_stage", 8192, 4096),
-        "two-stage, in-place",
-    );
+    for (algorithm, expected) in [
+        (Algorithm::Lamport, too_large("lamport", 16384 + 64, 1024)),
+        (Algorithm::TwoStage, too_large("two_stage", 8192, 4096)),
+    ] {
+        let (opts, what) = (
+            AllReduceOptions::new().algorithm(algorithm),
+            algorithm.name(),
+        );
+        let got = out_of_place(&comm, &mut bufs, None, None, &opts);
+        assert_err(got, expected.clone(), &format!("{what}, out-of-place"));
+        let got = in_place(&comm, &mut bufs, None, &opts);
+        assert_err(got, expected, &format!("{what}, in-place"));
+    }
     assert_nothing_written(&comm, &bufs, "message larger than scratch");
     assert_eq!(
         run_case::<B, f32>(&comm, &mut rng, Algorithm::OneStage, 0, n, false),
@@ -567,10 +515,7 @@ pub fn message_larger_than_scratch<B: Backend>(devices: Devices) {
 /// `Auto` skips an algorithm whose scratch is too small (1 KiB slot, 2 KiB payload):
 /// 4 KiB runs one-stage out of place and two-stage in place (whole scratch first); a
 /// message no scratch holds whole runs in place as one-stage in chunks.
-pub fn auto_falls_back_to_what_fits<B: Backend>(devices: Devices) {
-    if !devices("auto_falls_back_to_what_fits", 2) {
-        return;
-    }
+pub fn auto_falls_back_to_what_fits<B: Backend>() {
     let mut rng = rng("auto_falls_back_to_what_fits");
     let comm = open::<B>(2, config(1024, 2048));
     let arch = comm.architecture().to_string();
@@ -612,80 +557,38 @@ pub fn auto_falls_back_to_what_fits<B: Backend>(devices: Devices) {
 
 /// Rank 0's input (then rank 1's output, then rank 0's in-place tensor) allocated on
 /// the other rank's device.
-pub fn buffer_on_the_wrong_device<B: Backend>(devices: Devices) {
-    if !devices("buffer_on_the_wrong_device", 2) {
-        return;
-    }
+pub fn buffer_on_the_wrong_device<B: Backend>() {
     let mut rng = rng("buffer_on_the_wrong_device");
     let comm = comm::<B>(2);
     let (o0, o1) = (comm.core(0).ordinal(), comm.core(1).ordinal());
     let mut bufs = rank_bufs(&comm, &mut rng, &[64, 64], &[64, 64]);
-    let opts = AllReduceOptions::new();
     // Buffers of the same length and dtype, on the other rank's device.
     let mut stray_in = RankBufs::<B, f32>::new(comm.core(1).device(), &mut rng, 64, 64);
     let mut stray_out = RankBufs::<B, f32>::new(comm.core(0).device(), &mut rng, 64, 64);
-    {
-        let [a, b] = &mut bufs[..] else {
-            unreachable!("two ranks")
-        };
-        let ins: Vec<TensorView<B>> = vec![
-            TensorView::flat(&stray_in.input),
-            TensorView::flat(&b.input),
-        ];
-        let mut outs: Vec<TensorViewMut<B>> = vec![
-            TensorViewMut::flat(&mut a.output),
-            TensorViewMut::flat(&mut b.output),
-        ];
-        assert_err(
-            comm.all_reduce_sum(&ins, &mut outs, &opts),
-            Error::WrongDevice {
-                rank: 0,
-                which: "input",
-                expected: o0,
-                got: o1,
-            },
-            "rank 0's input on rank 1's device",
-        );
-    }
-    {
-        let [a, b] = &mut bufs[..] else {
-            unreachable!("two ranks")
-        };
-        let ins: Vec<TensorView<B>> = vec![TensorView::flat(&a.input), TensorView::flat(&b.input)];
-        let mut outs: Vec<TensorViewMut<B>> = vec![
-            TensorViewMut::flat(&mut a.output),
-            TensorViewMut::flat(&mut stray_out.output),
-        ];
-        assert_err(
-            comm.all_reduce_sum(&ins, &mut outs, &opts),
-            Error::WrongDevice {
-                rank: 1,
-                which: "output",
-                expected: o1,
-                got: o0,
-            },
-            "rank 1's output on rank 0's device",
-        );
-    }
-    {
-        let [_, b] = &mut bufs[..] else {
-            unreachable!("two ranks")
-        };
-        let mut ts: Vec<TensorViewMut<B>> = vec![
-            TensorViewMut::flat(&mut stray_in.input),
-            TensorViewMut::flat(&mut b.input),
-        ];
-        assert_err(
-            comm.all_reduce_sum_in_place(&mut ts, &opts),
-            Error::WrongDevice {
-                rank: 0,
-                which: "in-place",
-                expected: o0,
-                got: o1,
-            },
-            "rank 0's in-place tensor on rank 1's device",
-        );
-    }
+    let wrong = |rank, which, expected, got| Error::WrongDevice {
+        rank,
+        which,
+        expected,
+        got,
+    };
+    let (a, b) = pair(&mut bufs);
+    let got = sum(
+        &comm,
+        &[&stray_in.input, &b.input],
+        &mut [&mut a.output, &mut b.output],
+    );
+    let what = "rank 0's input on rank 1's device";
+    assert_err(got, wrong(0, "input", o0, o1), what);
+    let got = sum(
+        &comm,
+        &[&a.input, &b.input],
+        &mut [&mut a.output, &mut stray_out.output],
+    );
+    let what = "rank 1's output on rank 0's device";
+    assert_err(got, wrong(1, "output", o1, o0), what);
+    let got = sum_in_place(&comm, &mut [&mut stray_in.input, &mut b.input]);
+    let what = "rank 0's in-place tensor on rank 1's device";
+    assert_err(got, wrong(0, "in-place", o0, o1), what);
     comm.synchronize().unwrap();
     stray_in.assert_untouched(comm.core(1).device(), "stray input");
     stray_out.assert_untouched(comm.core(0).device(), "stray output");
@@ -694,67 +597,26 @@ pub fn buffer_on_the_wrong_device<B: Backend>(devices: Devices) {
 }
 
 /// Fewer or more tensors than ranks, inputs or outputs.
-pub fn wrong_number_of_tensors<B: Backend>(devices: Devices) {
-    if !devices("wrong_number_of_tensors", 2) {
-        return;
-    }
+pub fn wrong_number_of_tensors<B: Backend>() {
     let mut rng = rng("wrong_number_of_tensors");
     let comm = comm::<B>(2);
     let mut bufs = rank_bufs(&comm, &mut rng, &[64, 64], &[64, 64]);
     let mut extra = RankBufs::<B, f32>::new(comm.core(0).device(), &mut rng, 64, 64);
-    let opts = AllReduceOptions::new();
     let count = |got| Error::WrongTensorCount { expected: 2, got };
-    {
-        let [a, b] = &mut bufs[..] else {
-            unreachable!("two ranks")
-        };
-        // One input, two outputs.
-        let ins: Vec<TensorView<B>> = vec![TensorView::flat(&a.input)];
-        let mut outs: Vec<TensorViewMut<B>> = vec![
-            TensorViewMut::flat(&mut a.output),
-            TensorViewMut::flat(&mut b.output),
-        ];
-        assert_err(
-            comm.all_reduce_sum(&ins, &mut outs, &opts),
-            count(1),
-            "1 input",
-        );
-        // Two inputs, one output.
-        let ins: Vec<TensorView<B>> = vec![TensorView::flat(&a.input), TensorView::flat(&b.input)];
-        let mut outs: Vec<TensorViewMut<B>> = vec![TensorViewMut::flat(&mut a.output)];
-        assert_err(
-            comm.all_reduce_sum(&ins, &mut outs, &opts),
-            count(1),
-            "1 output",
-        );
-        // None at all.
-        assert_err(
-            comm.all_reduce_sum(&[], &mut [], &opts),
-            count(0),
-            "no tensors",
-        );
-    }
-    {
-        let [a, b] = &mut bufs[..] else {
-            unreachable!("two ranks")
-        };
-        // Three in-place tensors for two ranks.
-        let mut ts: Vec<TensorViewMut<B>> = vec![
-            TensorViewMut::flat(&mut a.input),
-            TensorViewMut::flat(&mut b.input),
-            TensorViewMut::flat(&mut extra.input),
-        ];
-        assert_err(
-            comm.all_reduce_sum_in_place(&mut ts, &opts),
-            count(3),
-            "3 in-place tensors",
-        );
-        assert_err(
-            comm.all_reduce_sum_in_place(&mut ts[..1], &opts),
-            count(1),
-            "1 in-place tensor",
-        );
-    }
+    let (a, b) = pair(&mut bufs);
+    let got = sum(&comm, &[&a.input], &mut [&mut a.output, &mut b.output]);
+    assert_err(got, count(1), "1 input");
+    let got = sum(&comm, &[&a.input, &b.input], &mut [&mut a.output]);
+    assert_err(got, count(1), "1 output");
+    assert_err(sum(&comm, &[], &mut []), count(0), "no tensors");
+    let ts: &mut [&mut dyn DeviceBufferMut<B>] =
+        &mut [&mut a.input, &mut b.input, &mut extra.input];
+    assert_err(sum_in_place(&comm, ts), count(3), "3 in-place tensors");
+    assert_err(
+        sum_in_place(&comm, &mut ts[..1]),
+        count(1),
+        "1 in-place tensor",
+    );
     comm.synchronize().unwrap();
     extra.assert_untouched(comm.core(0).device(), "extra tensor");
     assert_nothing_written(&comm, &bufs, "wrong number of tensors");
@@ -762,20 +624,12 @@ pub fn wrong_number_of_tensors<B: Backend>(devices: Devices) {
 }
 
 /// `blocks` of 0 and above `MAX_NUM_BLOCKS_UPPER_BOUND`, for every algorithm.
-pub fn block_count_out_of_range<B: Backend>(devices: Devices) {
-    if !devices("block_count_out_of_range", 2) {
-        return;
-    }
+pub fn block_count_out_of_range<B: Backend>() {
     let mut rng = rng("block_count_out_of_range");
     let comm = comm::<B>(2);
     let mut bufs = rank_bufs(&comm, &mut rng, &[64, 64], &[64, 64]);
     for blocks in [0, MAX_NUM_BLOCKS_UPPER_BOUND as u32 + 1, u32::MAX] {
-        for algorithm in [
-            Algorithm::Auto,
-            Algorithm::OneStage,
-            Algorithm::TwoStage,
-            Algorithm::Lamport,
-        ] {
+        for algorithm in super::REQUESTS {
             let opts = AllReduceOptions::new().algorithm(algorithm).blocks(blocks);
             let what = format!("{} with {blocks} blocks", algorithm.name());
             for got in [
@@ -806,10 +660,7 @@ fn refused<T>(what: &str, f: impl FnOnce() -> Result<T>) {
 /// Slot or payload sizes whose signal size overflows `usize` are a typed error, not a
 /// panic or a wrapped allocation (the payloads wrap to exactly the size without them,
 /// so a missing check would pass silently).
-pub fn signal_size_overflow_is_refused<B: Backend>(devices: Devices) {
-    if !devices("signal_size_overflow_is_refused", 1) {
-        return;
-    }
+pub fn signal_size_overflow_is_refused<B: Backend>() {
     let cases = [
         ("payload_bytes = usize::MAX", 64 << 10, usize::MAX),
         ("payload_bytes = usize::MAX - 15", 64 << 10, usize::MAX - 15),
@@ -834,10 +685,7 @@ pub fn signal_size_overflow_is_refused<B: Backend>(devices: Devices) {
 
 /// A typed buffer whose byte size overflows `usize` is an error from `alloc_buffer`
 /// (usize::MAX / 4 + 1 f32 wraps to 0 bytes).
-pub fn buffer_of_overflowing_size_is_refused<B: Backend>(devices: Devices) {
-    if !devices("buffer_of_overflowing_size_is_refused", 1) {
-        return;
-    }
+pub fn buffer_of_overflowing_size_is_refused<B: Backend>() {
     let comm = comm::<B>(1);
     let dev = comm.core(0).device();
     refused("usize::MAX f32", || {
@@ -855,10 +703,7 @@ pub fn buffer_of_overflowing_size_is_refused<B: Backend>(devices: Devices) {
 
 /// Barrier timeouts of `Duration::MAX` and just past `u64::MAX` ns saturate (a truncating
 /// conversion would give about 1 ms): with rank 1 delayed 100 ms no rank gives up.
-pub fn huge_barrier_timeout_saturates<B: Backend>(devices: Devices) {
-    if !devices("huge_barrier_timeout_saturates", 2) {
-        return;
-    }
+pub fn huge_barrier_timeout_saturates<B: Backend>() {
     let mut rng = rng("huge_barrier_timeout_saturates");
     for timeout in [
         Duration::MAX,

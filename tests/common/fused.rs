@@ -8,15 +8,12 @@
 //! Auto, and every row must be its golden row bit for bit, output and residual.
 
 use peercomm::backend::Backend;
-use peercomm::{
-    Algorithm, CollectiveOptions, CommConfig, DType, Element, SingleController, TensorView,
-    TensorViewMut,
-};
+use peercomm::{Algorithm, CollectiveOptions, CommConfig, DType, Element, SingleController};
 use rand::rngs::StdRng;
 use rand::Rng;
 
 use super::collectives::{assert_bits, check_rms_norm};
-use super::random_values;
+use super::{poisoned, random_values, upload, views, views_mut};
 
 /// One shape family: a dtype, a hidden size and the token counts its batches take (the
 /// largest is the pool).
@@ -189,18 +186,31 @@ pub fn assert_golden<T: Element>(
 
 /// A digest of rows, to compare ranks that live in other threads.
 pub fn digest<T: Element>(rows: &FusedRows<T>) -> u64 {
-    rows.out
-        .iter()
-        .chain(&rows.res)
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
-            (h ^ u64::from(v.to_bits_u32())).wrapping_mul(0x0100_0000_01b3)
-        })
+    super::digest(&[&rows.out[..], &rows.res[..]].concat())
 }
 
-fn upload<B: Backend, T: Element>(dev: &B::Device, v: &[T]) -> B::Buffer<T> {
-    let mut b = B::alloc_buffer::<T>(dev, v.len()).expect("alloc");
-    B::upload(dev, v, &mut b).expect("upload");
-    b
+/// Enqueues a fused call on rows `span` of `pool` under `algorithm`, fresh buffers:
+/// `[inputs, weights, residuals, outputs]` (the kernel reads all until the synchronize).
+fn enqueue_rows<B: Backend, T: Element>(
+    comm: &SingleController<B>,
+    pool: &Pool<T>,
+    span: std::ops::Range<usize>,
+    algorithm: Algorithm,
+    what: &str,
+) -> [Vec<B::Buffer<T>>; 4] {
+    let each = |rows: &dyn Fn(usize) -> Vec<T>| -> Vec<B::Buffer<T>> {
+        let upload = |r| upload::<B, T>(comm.core(r).device(), &rows(r));
+        (0..comm.world_size()).map(upload).collect()
+    };
+    let ins = each(&|r| pool.ins[r][span.clone()].to_vec());
+    let ws = each(&|_| pool.weight.clone());
+    let mut res = each(&|_| pool.residual[span.clone()].to_vec());
+    let mut outs = each(&|_| vec![T::from_f32(f32::NAN); span.len()]);
+    let (rt, o) = (&mut views_mut(&mut res), &mut views_mut(&mut outs));
+    let opts = CollectiveOptions::new().algorithm(algorithm);
+    comm.all_reduce_residual_rms_norm(&views(&ins), rt, &views(&ws), o, pool.epsilon, &opts)
+        .expect(what);
+    [ins, ws, res, outs]
 }
 
 /// One single-controller fused call on rows `[first, first + tokens)` under `algorithm`,
@@ -213,34 +223,10 @@ pub fn run_fused<B: Backend, T: Element>(
     algorithm: Algorithm,
     what: &str,
 ) -> Vec<FusedRows<T>> {
-    let world = comm.world_size();
-    let span = pool.span(first, tokens);
-    let n = span.len();
-    let ranks = comm.cores();
-    let dev = |r: usize| ranks[r].device();
-    let ins: Vec<_> = (0..world)
-        .map(|r| upload::<B, T>(dev(r), &pool.ins[r][span.clone()]))
-        .collect();
-    let ws: Vec<_> = (0..world)
-        .map(|r| upload::<B, T>(dev(r), &pool.weight))
-        .collect();
-    let mut res: Vec<_> = (0..world)
-        .map(|r| upload::<B, T>(dev(r), &pool.residual[span.clone()]))
-        .collect();
-    let mut outs: Vec<_> = (0..world)
-        .map(|r| upload::<B, T>(dev(r), &vec![T::from_f32(f32::NAN); n]))
-        .collect();
-    {
-        let i: Vec<_> = ins.iter().map(|b| TensorView::flat(b)).collect();
-        let w: Vec<_> = ws.iter().map(|b| TensorView::flat(b)).collect();
-        let mut rt: Vec<_> = res.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-        let opts = CollectiveOptions::new().algorithm(algorithm);
-        comm.all_reduce_residual_rms_norm(&i, &mut rt, &w, &mut o, pool.epsilon, &opts)
-            .expect(what);
-    }
+    let [_, _, res, outs] = enqueue_rows(comm, pool, pool.span(first, tokens), algorithm, what);
     comm.synchronize().expect(what);
-    (0..world)
+    let dev = |r: usize| comm.core(r).device();
+    (0..comm.world_size())
         .map(|r| FusedRows {
             out: B::download(dev(r), &outs[r]).expect("download"),
             res: B::download(dev(r), &res[r]).expect("download"),
@@ -315,7 +301,7 @@ struct Pending<B: Backend, T: Element> {
     res: Vec<B::Buffer<T>>,
     outs: Vec<B::Buffer<T>>,
     // Read by the kernel until the synchronize.
-    _keep: Vec<B::Buffer<T>>,
+    _keep: [Vec<B::Buffer<T>>; 2],
 }
 
 /// Enqueues a fused call over the whole pool under `algorithm`, without synchronizing.
@@ -324,34 +310,13 @@ fn enqueue_fused<B: Backend, T: Element>(
     pool: Pool<T>,
     algorithm: Algorithm,
 ) -> Pending<B, T> {
-    let world = comm.world_size();
-    let n = pool.rows * pool.hidden;
-    let ranks = comm.cores();
-    let dev = |r: usize| ranks[r].device();
-    let mut keep: Vec<_> = (0..world)
-        .map(|r| upload::<B, T>(dev(r), &pool.ins[r]))
-        .collect();
-    keep.extend((0..world).map(|r| upload::<B, T>(dev(r), &pool.weight)));
-    let mut res: Vec<_> = (0..world)
-        .map(|r| upload::<B, T>(dev(r), &pool.residual))
-        .collect();
-    let mut outs: Vec<_> = (0..world)
-        .map(|r| upload::<B, T>(dev(r), &vec![T::from_f32(f32::NAN); n]))
-        .collect();
-    {
-        let i: Vec<_> = keep[..world].iter().map(|b| TensorView::flat(b)).collect();
-        let w: Vec<_> = keep[world..].iter().map(|b| TensorView::flat(b)).collect();
-        let mut rt: Vec<_> = res.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-        let mut o: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-        let opts = CollectiveOptions::new().algorithm(algorithm);
-        comm.all_reduce_residual_rms_norm(&i, &mut rt, &w, &mut o, pool.epsilon, &opts)
-            .expect("enqueue a fused call");
-    }
+    let span = pool.span(0, pool.rows);
+    let [ins, ws, res, outs] = enqueue_rows(comm, &pool, span, algorithm, "enqueue a fused call");
     Pending {
         pool,
         res,
         outs,
-        _keep: keep,
+        _keep: [ins, ws],
     }
 }
 
@@ -375,15 +340,11 @@ pub fn lamport_kinds_interleave<B: Backend>(comm: &SingleController<B>, rng: &mu
                 .map(|r| upload::<B, f32>(dev(r), &ins[r]))
                 .collect();
             let mut recv: Vec<_> = (0..world)
-                .map(|r| upload::<B, f32>(dev(r), &vec![f32::NAN; len]))
+                .map(|r| poisoned::<B, f32>(dev(r), len))
                 .collect();
-            {
-                let s: Vec<_> = send.iter().map(|b| TensorView::flat(b)).collect();
-                let mut o: Vec<_> = recv.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-                let opts = peercomm::AllReduceOptions::new().algorithm(Algorithm::Lamport);
-                comm.all_reduce_sum(&s, &mut o, &opts)
-                    .unwrap_or_else(|e| panic!("round {round} call {i}: {e}"));
-            }
+            let opts = peercomm::AllReduceOptions::new().algorithm(Algorithm::Lamport);
+            comm.all_reduce_sum(&views(&send), &mut views_mut(&mut recv), &opts)
+                .unwrap_or_else(|e| panic!("round {round} call {i}: {e}"));
             reduced.push((ins, send, recv));
         }
     }

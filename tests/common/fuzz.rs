@@ -4,7 +4,7 @@
 //! another collective ([`COLLECTIVE_PROBABILITY`]), and now and then a rank a call ahead
 //! (`mismatch_next`: `CallMismatch` everywhere, nothing written, `reinitialize` recovers).
 //! Batches are enqueued with no host synchronisation, then checked
-//! ([`super::Prepared::check`]).
+//! ([`super::Call::check`]).
 //!
 //! Replay with `PEERCOMM_SEED=<seed>`; `PEERCOMM_FUZZ_CALLS` sets the number of calls,
 //! `PEERCOMM_FUZZ_TRACE=1` prints each call as it is enqueued.
@@ -198,12 +198,7 @@ fn mismatched_call<B: Backend>(comm: &SingleController<B>, rng: &mut StdRng, wha
     let world = comm.world_size();
     let odd = rng.random_range(0..world);
     let len = rng.random_range(1..=5000usize);
-    let algorithm = [
-        Algorithm::Auto,
-        Algorithm::OneStage,
-        Algorithm::TwoStage,
-        Algorithm::Lamport,
-    ][rng.random_range(0..4usize)];
+    let algorithm = super::REQUESTS[rng.random_range(0..4usize)];
     let ins = random_inputs::<f32>(rng, world, len);
     let mut bufs: Vec<B::Buffer<f32>> = comm
         .cores()

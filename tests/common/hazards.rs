@@ -10,8 +10,8 @@ use rand::rngs::StdRng;
 use rand::Rng;
 
 use super::{
-    prepare_random, random_inputs, rng, run_batch, run_case, sprinkle_zeros, Call, Place, Prepared,
-    Zeros,
+    prepare_random, random_inputs, rng, run_batch, run_case, sprinkle_zeros, upload, views,
+    views_mut, Call, Place, Prepared, Zeros,
 };
 
 /// Sized for the hazards' messages (Lamport up to 1 MiB, 4 MiB staged), with a timeout
@@ -28,14 +28,12 @@ pub fn hazard_config(max_blocks: Option<u32>) -> CommConfig {
 /// `place_or_skip` and block bound. Used inside `reference_suite!`.
 #[macro_export]
 macro_rules! hazard_tests {
-    ($backend:ty, $max_blocks:expr, $($case:ident),+ $(,)?) => {
-        $(
-            #[test]
-            fn $case() {
-                common::hazards::$case::<$backend>(&place_or_skip, $max_blocks);
-            }
-        )+
-    };
+    ($backend:ty, $max_blocks:expr, $($case:ident),+ $(,)?) => {$(
+        #[test]
+        fn $case() {
+            common::hazards::$case::<$backend>(&place_or_skip, $max_blocks);
+        }
+    )+};
 }
 
 /// (a) Forced Lamport while the width changes (`[world, 1, world, world]` x 5), rank 0
@@ -111,30 +109,19 @@ pub fn drop_buffers_before_synchronize<B: Backend>(place: Place, max_blocks: Opt
         let len = rng.random_range(most / 4..=most);
         let algorithm = [Algorithm::OneStage, Algorithm::TwoStage, Algorithm::Auto][round % 3];
         let in_place = round % 4 == 3;
-        let mut ins: Vec<B::Buffer<f32>> = Vec::with_capacity(world);
-        let mut outs: Vec<B::Buffer<f32>> = Vec::with_capacity(world);
-        for (r, rank) in comm.cores().iter().enumerate() {
-            let mut b = B::alloc_buffer::<f32>(rank.device(), len).unwrap();
-            B::upload(rank.device(), &values[r][..len], &mut b).unwrap();
-            ins.push(b);
-            if !in_place {
-                outs.push(B::alloc_buffer::<f32>(rank.device(), len).unwrap());
-            }
-        }
+        let ranks = comm.cores().iter();
+        let ins = ranks.clone().zip(&values);
+        let mut ins: Vec<_> = ins
+            .map(|(k, v)| upload::<B, f32>(k.device(), &v[..len]))
+            .collect();
+        let outs = ranks.filter(|_| !in_place);
+        let outs = outs.map(|k| B::alloc_buffer::<f32>(k.device(), len).unwrap());
+        let mut outs: Vec<_> = outs.collect();
         let opts = AllReduceOptions::new().algorithm(algorithm);
         let outcome = if in_place {
-            let mut ts: Vec<_> = ins
-                .iter_mut()
-                .map(|b| peercomm::TensorViewMut::flat(b))
-                .collect();
-            comm.all_reduce_sum_in_place(&mut ts, &opts)
+            comm.all_reduce_sum_in_place(&mut views_mut(&mut ins), &opts)
         } else {
-            let ts: Vec<_> = ins.iter().map(|b| peercomm::TensorView::flat(b)).collect();
-            let mut os: Vec<_> = outs
-                .iter_mut()
-                .map(|b| peercomm::TensorViewMut::flat(b))
-                .collect();
-            comm.all_reduce_sum(&ts, &mut os, &opts)
+            comm.all_reduce_sum(&views(&ins), &mut views_mut(&mut outs), &opts)
         };
         outcome.unwrap_or_else(|e| panic!("{name}, round {round}: {e}"));
         drop(ins);
@@ -308,12 +295,7 @@ pub fn sign_of_zero_in_groups_of_one<B: Backend>(place: Place, max_blocks: Optio
         let comm = placement.open::<B>(hazard_config(max_blocks));
         let mut rng = rng(&format!("{name}_world_{world}"));
         let mut calls: Vec<Box<dyn Call<B>>> = Vec::new();
-        for algorithm in [
-            Algorithm::Auto,
-            Algorithm::OneStage,
-            Algorithm::TwoStage,
-            Algorithm::Lamport,
-        ] {
+        for algorithm in super::REQUESTS {
             for dtype in DType::ALL {
                 for len in [1, 7, 33, 1000, 4099] {
                     for in_place in [false, true] {

@@ -31,6 +31,32 @@ pub fn announce_skip(test: &str, why: &str) {
     let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
 }
 
+/// The devices `available` reports where there are at least `need`; else `None` after
+/// a printed skip.
+pub fn devices(
+    test: &str,
+    available: std::result::Result<usize, String>,
+    need: usize,
+) -> Option<usize> {
+    let why = match available {
+        Ok(n) if n >= need => return Some(n),
+        Ok(n) => format!("needs {need} devices, has {n}"),
+        Err(why) => why,
+    };
+    announce_skip(test, &why);
+    None
+}
+
+/// The CUDA devices there are, or why none (no driver, or no device).
+#[cfg(feature = "cuda")]
+pub fn cuda_devices() -> std::result::Result<usize, String> {
+    match peercomm::backend::cuda::Cuda::device_count() {
+        Ok(0) => Err("no CUDA device".into()),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("no CUDA driver: {e}")),
+    }
+}
+
 /// The bit patterns of `values`.
 pub fn bits<T: Element>(values: &[T]) -> Vec<u32> {
     values.iter().map(|x| x.to_bits_u32()).collect()
@@ -76,6 +102,28 @@ pub fn assert_every_rank_mismatched<T: std::fmt::Debug>(
         }
     }
     eprintln!("{what}: every rank got CallMismatch({field:?})");
+}
+
+/// A buffer on `dev` holding `values`.
+pub fn upload<B: Backend, T: Element>(dev: &B::Device, values: &[T]) -> B::Buffer<T> {
+    let mut b = B::alloc_buffer::<T>(dev, values.len()).expect("alloc");
+    B::upload(dev, values, &mut b).expect("upload");
+    b
+}
+
+/// `len` NaNs on `dev`: an output that shows whether anything was written.
+pub fn poisoned<B: Backend, T: Element>(dev: &B::Device, len: usize) -> B::Buffer<T> {
+    upload::<B, T>(dev, &vec![T::from_f32(f32::NAN); len])
+}
+
+/// Flat views of `bufs`, one per rank.
+pub fn views<B: Backend, D: DeviceBuffer<B>>(bufs: &[D]) -> Vec<TensorView<'_, B>> {
+    bufs.iter().map(|b| TensorView::flat(b)).collect()
+}
+
+/// Flat mutable views of `bufs`, one per rank.
+pub fn views_mut<B: Backend, D: DeviceBufferMut<B>>(bufs: &mut [D]) -> Vec<TensorViewMut<'_, B>> {
+    bufs.iter_mut().map(|b| TensorViewMut::flat(b)).collect()
 }
 
 /// `len` elements of a buffer from byte `bytes` of it, as a buffer of its own: an
@@ -137,6 +185,15 @@ where
         (p + bytes, guard)
     }
 }
+
+/// Every algorithm a call may ask for on the suite's communicators: `Auto` and each
+/// forced one.
+pub const REQUESTS: [Algorithm; 4] = [
+    Algorithm::Auto,
+    Algorithm::OneStage,
+    Algorithm::TwoStage,
+    Algorithm::Lamport,
+];
 
 /// Lengths every algorithm is checked at (odd ones exercise the scalar tail).
 pub const LENGTHS: [usize; 5] = [1, 7, 1023, 4096, 1_000_003];
@@ -470,24 +527,18 @@ impl<B: Backend, T: Element> Prepared<B, T> {
         opts: AllReduceOptions,
     ) -> Self {
         assert_eq!(ins.len(), comm.world_size());
-        let len = ins[0].len();
-        let poison = vec![T::from_f32(f32::NAN); len];
-        let mut in_bufs = Vec::with_capacity(ins.len());
-        let mut out_bufs = Vec::with_capacity(ins.len());
-        for (r, rank) in comm.cores().iter().enumerate() {
-            let dev = rank.device();
-            let mut b = B::alloc_buffer::<T>(dev, len).expect("input buffer");
-            B::upload(dev, &ins[r], &mut b).expect("upload input");
-            in_bufs.push(b);
-            if !in_place {
-                let mut o = B::alloc_buffer::<T>(dev, len).expect("output buffer");
-                B::upload(dev, &poison, &mut o).expect("poison output");
-                out_bufs.push(o);
-            }
-        }
+        let (ranks, len) = (comm.cores(), ins[0].len());
+        let in_bufs = ranks
+            .iter()
+            .zip(&ins)
+            .map(|(r, v)| upload::<B, T>(r.device(), v));
+        let out_bufs = ranks.iter().filter(|_| !in_place);
+        let out_bufs = out_bufs
+            .map(|r| poisoned::<B, T>(r.device(), len))
+            .collect();
         Prepared {
+            in_bufs: in_bufs.collect(),
             ins,
-            in_bufs,
             out_bufs,
             in_place,
             opts,
@@ -505,47 +556,6 @@ impl<B: Backend, T: Element> Prepared<B, T> {
             world
         } else {
             self.opts.group_size
-        }
-    }
-
-    /// A description for failure messages.
-    pub fn describe(&self, world: usize) -> String {
-        format!(
-            "{} {:?} world {world} group {} len {} {}{}",
-            self.opts.algorithm.name(),
-            T::DTYPE,
-            self.width(world),
-            self.len(),
-            if self.in_place {
-                "in-place"
-            } else {
-                "out-of-place"
-            },
-            match self.opts.blocks {
-                Some(b) => format!(" blocks {b}"),
-                None => String::new(),
-            }
-        )
-    }
-
-    /// Enqueues the all-reduce (no synchronisation).
-    pub fn enqueue(&mut self, comm: &SingleController<B>) -> Result<Algorithm> {
-        if self.in_place {
-            let mut ts: Vec<TensorViewMut<B>> = self
-                .in_bufs
-                .iter_mut()
-                .map(|b| TensorViewMut::flat(b))
-                .collect();
-            comm.all_reduce_sum_in_place(&mut ts, &self.opts)
-        } else {
-            let ins: Vec<TensorView<B>> =
-                self.in_bufs.iter().map(|b| TensorView::flat(b)).collect();
-            let mut outs: Vec<TensorViewMut<B>> = self
-                .out_bufs
-                .iter_mut()
-                .map(|b| TensorViewMut::flat(b))
-                .collect();
-            comm.all_reduce_sum(&ins, &mut outs, &self.opts)
         }
     }
 
@@ -580,37 +590,6 @@ impl<B: Backend, T: Element> Prepared<B, T> {
                 assert!(
                     out.iter().all(|x| x.to_f32().is_nan()),
                     "{what}: rank {r}'s output was written"
-                );
-            }
-        }
-    }
-
-    /// Checks what the call returned and, if it ran, its result (after a synchronize):
-    /// the outcome the rules of [`expected`] give, then [`check_result`].
-    pub fn check(&self, comm: &SingleController<B>, outcome: &Result<Algorithm>, what: &str) {
-        let world = comm.world_size();
-        let width = self.width(world);
-        match expected(self.opts.algorithm, width, world) {
-            Expected::Unsupported => match outcome {
-                Err(Error::Unsupported(_)) => self.assert_untouched(comm, what),
-                other => panic!(
-                    "{what}: Lamport over a subgroup must be refused with Error::Unsupported \
-                     and nothing written; got {other:?}"
-                ),
-            },
-            Expected::Runs(allowed) => {
-                let ran = match outcome {
-                    Ok(a) => *a,
-                    Err(e) => panic!("{what}: {e}"),
-                };
-                let results = self.results(comm);
-                check_result(&self.ins, &results, width, ran, what);
-                assert!(
-                    allowed.contains(&ran),
-                    "{what}: returned {} but may only run {:?} (Lamport runs only over \
-                     the whole world of width >= 2; forced with width 1 it runs one-stage)",
-                    ran.name(),
-                    allowed.iter().map(|a| a.name()).collect::<Vec<_>>()
                 );
             }
         }
@@ -650,14 +629,63 @@ pub trait Call<B: Backend> {
 }
 
 impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
+    /// Enqueues the all-reduce (no synchronisation).
     fn enqueue(&mut self, comm: &SingleController<B>) -> Result<Algorithm> {
-        Prepared::enqueue(self, comm)
+        if self.in_place {
+            comm.all_reduce_sum_in_place(&mut views_mut(&mut self.in_bufs), &self.opts)
+        } else {
+            let outs = &mut views_mut(&mut self.out_bufs);
+            comm.all_reduce_sum(&views(&self.in_bufs), outs, &self.opts)
+        }
     }
+    /// Checks what the call returned and, if it ran, its result (after a synchronize):
+    /// the outcome the rules of [`expected`] give, then [`check_result`].
     fn check(&self, comm: &SingleController<B>, outcome: &Result<Algorithm>, what: &str) {
-        Prepared::check(self, comm, outcome, what)
+        let world = comm.world_size();
+        let width = self.width(world);
+        match expected(self.opts.algorithm, width, world) {
+            Expected::Unsupported => match outcome {
+                Err(Error::Unsupported(_)) => self.assert_untouched(comm, what),
+                other => panic!(
+                    "{what}: Lamport over a subgroup must be refused with Error::Unsupported \
+                     and nothing written; got {other:?}"
+                ),
+            },
+            Expected::Runs(allowed) => {
+                let ran = match outcome {
+                    Ok(a) => *a,
+                    Err(e) => panic!("{what}: {e}"),
+                };
+                let results = self.results(comm);
+                check_result(&self.ins, &results, width, ran, what);
+                assert!(
+                    allowed.contains(&ran),
+                    "{what}: returned {} but may only run {:?} (Lamport runs only over \
+                     the whole world of width >= 2; forced with width 1 it runs one-stage)",
+                    ran.name(),
+                    allowed.iter().map(|a| a.name()).collect::<Vec<_>>()
+                );
+            }
+        }
     }
+    /// A description for failure messages.
     fn describe(&self, world: usize) -> String {
-        Prepared::describe(self, world)
+        format!(
+            "{} {:?} world {world} group {} len {} {}{}",
+            self.opts.algorithm.name(),
+            T::DTYPE,
+            self.width(world),
+            self.len(),
+            if self.in_place {
+                "in-place"
+            } else {
+                "out-of-place"
+            },
+            match self.opts.blocks {
+                Some(b) => format!(" blocks {b}"),
+                None => String::new(),
+            }
+        )
     }
     fn bytes(&self) -> usize {
         self.len() * std::mem::size_of::<T>()
@@ -783,12 +811,7 @@ pub fn sweep_world<B: Backend>(world: usize, max_blocks: Option<u32>, lengths: &
     let mut cases = 0;
     let mut refused = 0;
     for group in group_sizes(world) {
-        for algorithm in [
-            Algorithm::Auto,
-            Algorithm::OneStage,
-            Algorithm::TwoStage,
-            Algorithm::Lamport,
-        ] {
+        for algorithm in REQUESTS {
             for dtype in DType::ALL {
                 for &len in lengths {
                     for in_place in [false, true] {
@@ -1031,90 +1054,41 @@ pub fn barrier_timeout<B: Backend>(world: usize) {
 macro_rules! reference_suite {
     ($backend:ty, $available:expr, $max_blocks:expr, $lengths:expr) => {
         fn devices_or_skip(test: &str, need: usize) -> bool {
-            let available: Result<usize, String> = $available;
-            match available {
-                Ok(n) if n >= need => true,
-                Ok(n) => {
-                    common::announce_skip(
-                        test,
-                        &format!("needs {need} devices, {} has {n}", stringify!($backend)),
-                    );
-                    false
-                }
-                Err(why) => {
-                    common::announce_skip(test, &why);
-                    false
-                }
-            }
+            common::devices(test, $available, need).is_some()
         }
 
         /// A placement of `world` ranks (shared round-robin where devices are too few);
         /// `None` after a printed skip when there is no device.
         fn place_or_skip(test: &str, world: usize) -> Option<common::Placement> {
-            let available: Result<usize, String> = $available;
-            match available {
-                Ok(n) if n >= 1 => {
-                    let p = common::Placement::round_robin(world, n);
-                    if p.shared {
-                        eprintln!(
-                            "{test}: {world} ranks share {n} device(s): {:?}",
-                            p.ordinals
-                        );
-                    }
-                    Some(p)
-                }
-                Ok(_) => {
-                    common::announce_skip(test, "no device");
-                    None
-                }
-                Err(why) => {
-                    common::announce_skip(test, &why);
-                    None
-                }
+            let p = common::Placement::round_robin(world, common::devices(test, $available, 1)?);
+            if p.shared {
+                eprintln!("{test}: {world} ranks share devices: {:?}", p.ordinals);
             }
-        }
-
-        world_test!($backend, $max_blocks, $lengths, sweep_world_1, 1);
-        world_test!($backend, $max_blocks, $lengths, sweep_world_2, 2);
-        world_test!($backend, $max_blocks, $lengths, sweep_world_3, 3);
-        world_test!($backend, $max_blocks, $lengths, sweep_world_4, 4);
-        world_test!($backend, $max_blocks, $lengths, sweep_world_5, 5);
-        world_test!($backend, $max_blocks, $lengths, sweep_world_6, 6);
-        world_test!($backend, $max_blocks, $lengths, sweep_world_7, 7);
-        world_test!($backend, $max_blocks, $lengths, sweep_world_8, 8);
-
-        collectives_test!($backend, $max_blocks, collectives_world_1, 1);
-        collectives_test!($backend, $max_blocks, collectives_world_2, 2);
-        collectives_test!($backend, $max_blocks, collectives_world_3, 3);
-        collectives_test!($backend, $max_blocks, collectives_world_4, 4);
-        collectives_test!($backend, $max_blocks, collectives_world_8, 8);
-
-        #[test]
-        fn collectives_bad_inputs() {
-            if devices_or_skip("collectives_bad_inputs", 2) {
-                common::collectives::bad_inputs::<$backend>();
-            }
+            Some(p)
         }
 
         /// The largest of `worlds` (descending) this backend has devices for, or a
         /// printed skip.
         fn largest_world(test: &str, worlds: &[usize]) -> Option<usize> {
-            let available: Result<usize, String> = $available;
-            match available {
-                Ok(n) => match worlds.iter().copied().find(|&w| w <= n) {
-                    Some(w) => Some(w),
-                    None => {
-                        common::announce_skip(
-                            test,
-                            &format!("needs {} devices, has {n}", worlds[worlds.len() - 1]),
-                        );
-                        None
-                    }
-                },
-                Err(why) => {
-                    common::announce_skip(test, &why);
-                    None
-                }
+            let n = common::devices(test, $available, worlds[worlds.len() - 1])?;
+            worlds.iter().copied().find(|&w| w <= n)
+        }
+
+        sized_tests!(|w| common::sweep_world::<$backend>(w, $max_blocks, &$lengths);
+            sweep_world_1: 1, sweep_world_2: 2, sweep_world_3: 3, sweep_world_4: 4,
+            sweep_world_5: 5, sweep_world_6: 6, sweep_world_7: 7, sweep_world_8: 8);
+        // The collectives sweep, then the fused call.
+        sized_tests!(|w| {
+            let lengths = &common::collectives::COLLECTIVE_LENGTHS;
+            common::collectives::sweep::<$backend>(w, $max_blocks, lengths);
+            common::collectives::rms_norm_sweep::<$backend>(w, $max_blocks);
+        }; collectives_world_1: 1, collectives_world_2: 2, collectives_world_3: 3,
+            collectives_world_4: 4, collectives_world_8: 8);
+
+        #[test]
+        fn collectives_bad_inputs() {
+            if devices_or_skip("collectives_bad_inputs", 2) {
+                common::collectives::bad_inputs::<$backend>();
             }
         }
 
@@ -1139,25 +1113,19 @@ macro_rules! reference_suite {
             }
         }
 
-        bad_input_tests!(
-            $backend,
-            lengths_differ,
-            shapes_differ,
-            dtypes_differ,
-            output_length_differs_from_input,
-            shape_does_not_describe_buffer,
-            group_size_must_divide_world,
-            world_of_zero_or_nine,
-            device_listed_twice,
-            message_larger_than_scratch,
-            auto_falls_back_to_what_fits,
-            buffer_on_the_wrong_device,
-            wrong_number_of_tensors,
-            block_count_out_of_range,
-            signal_size_overflow_is_refused,
-            buffer_of_overflowing_size_is_refused,
-            huge_barrier_timeout_saturates,
-        );
+        bad_input_tests!($backend, lengths_differ: 2, shapes_differ: 2, dtypes_differ: 2,
+            output_length_differs_from_input: 2, shape_does_not_describe_buffer: 2,
+            group_size_must_divide_world: 2, device_listed_twice: 1,
+            message_larger_than_scratch: 2, auto_falls_back_to_what_fits: 2,
+            buffer_on_the_wrong_device: 2, wrong_number_of_tensors: 2,
+            block_count_out_of_range: 2, signal_size_overflow_is_refused: 1,
+            buffer_of_overflowing_size_is_refused: 1, huge_barrier_timeout_saturates: 2);
+
+        /// Needs no device, so it runs everywhere.
+        #[test]
+        fn world_of_zero_or_nine() {
+            common::errors::world_of_zero_or_nine::<$backend>();
+        }
 
         #[test]
         fn barrier_timeout_is_reported_and_recoverable() {
@@ -1179,7 +1147,7 @@ macro_rules! reference_suite {
 
         ergonomics_tests!($backend);
 
-        // The single controller's parallel launch (tests/common/launch.rs).
+        // The single controller's parallel launch.
         #[test]
         fn parallel_launch_matches_sequential() {
             common::launch::parallel_matches_sequential::<$backend>(&place_or_skip, $max_blocks);
@@ -1197,35 +1165,18 @@ macro_rules! reference_suite {
     };
 }
 
-/// One `#[test]` at one world size: the collectives sweep, then the fused call.
+/// `#[test]`s each running `$run(world)` at one world size, or a printed skip where
+/// the backend has fewer devices.
 #[macro_export]
-macro_rules! collectives_test {
-    ($backend:ty, $max_blocks:expr, $name:ident, $world:expr) => {
+macro_rules! sized_tests {
+    ($run:expr; $($name:ident: $world:expr),+ $(,)?) => {$(
         #[test]
         fn $name() {
             if devices_or_skip(stringify!($name), $world) {
-                common::collectives::sweep::<$backend>(
-                    $world,
-                    $max_blocks,
-                    &common::collectives::COLLECTIVE_LENGTHS,
-                );
-                common::collectives::rms_norm_sweep::<$backend>($world, $max_blocks);
+                ($run)($world);
             }
         }
-    };
-}
-
-/// One `#[test]` running the full sweep at one world size.
-#[macro_export]
-macro_rules! world_test {
-    ($backend:ty, $max_blocks:expr, $lengths:expr, $name:ident, $world:expr) => {
-        #[test]
-        fn $name() {
-            if devices_or_skip(stringify!($name), $world) {
-                common::sweep_world::<$backend>($world, $max_blocks, &$lengths);
-            }
-        }
-    };
+    )+};
 }
 
 /// `#[test]` functions of one expression each: `name => expr;`, docs and attributes
