@@ -38,10 +38,6 @@ fn batches() -> Vec<Vec<usize>> {
     out
 }
 
-fn divisors(world: usize) -> Vec<usize> {
-    (1..=world).filter(|&g| world.is_multiple_of(g)).collect()
-}
-
 fn config(blocks: u32) -> CommConfig {
     CommConfig::default()
         .with_lamport_slot_bytes(1 << 20)
@@ -185,7 +181,7 @@ fn single_controller_batches(world: usize) {
     let ordinals: Vec<usize> = (0..world).collect();
     let comm = SingleController::<Host>::new(&ordinals, config(3)).unwrap();
     let mut batches_run = 0;
-    for width in divisors(world) {
+    for width in common::group_sizes(world) {
         for lengths in batches() {
             let flat = vec![false; lengths.len()];
             single_controller_case::<f32>(&comm, &mut rng, width, &lengths, &flat);
@@ -310,7 +306,7 @@ fn single_controller_batches_read_in_place_or_stage_for_in_place_entries() {
     let config = config(2).with_payload_bytes(16 << 10);
     let comm = SingleController::<Host>::new(&[0, 1, 2, 3], config).unwrap();
     let mut rng = common::rng("group_kernel_single_in_place");
-    for width in divisors(world) {
+    for width in common::group_sizes(world) {
         // 3 x 4099 f32 = 48 KiB, three times the payload: read in place, one batch.
         // [in place, out of place, in place]: staged, 3 x 1000 f32 fit.
         for (lengths, in_place) in [
@@ -410,7 +406,7 @@ fn per_rank_batches(world: usize) {
     let checked = in_step::<Host, _>(&HOST, world, &config(2), |_rank, comm, _meet| {
         // Every rank derives the same seed for each case.
         let mut seeds = (1u64..).map(|case| seed ^ case.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        for width in divisors(world) {
+        for width in common::group_sizes(world) {
             for lengths in batches() {
                 let mut next = || seeds.next().unwrap();
                 per_rank_case::<f32>(comm, next(), width, &lengths);
@@ -418,7 +414,7 @@ fn per_rank_batches(world: usize) {
                 per_rank_case::<half::bf16>(comm, next(), width, &lengths);
             }
         }
-        divisors(world).len() * batches().len() * 3
+        common::group_sizes(world).len() * batches().len() * 3
     });
     let checked = checked[0];
     eprintln!("per rank world {world}: {checked} batches checked on every rank");

@@ -14,7 +14,6 @@ use peercomm::backend::Backend;
 use peercomm::bootstrap::{HostId, UniqueId};
 use peercomm::{
     unstable, Algorithm, AllReduceOptions, Comm, CommConfig, Element, Error, SingleController,
-    TensorView, TensorViewMut,
 };
 use peercomm::{Fallback, FallbackConfig, Simulation, SizeRouting};
 
@@ -198,30 +197,20 @@ fn config_with(place: &Place, world: usize, simulate: Simulation) -> CommConfig 
 /// Device-level peer access missing between ranks 0 and 1: the whole world runs in the
 /// external library (`Nccl`), groups of one still copy on the device.
 pub fn no_peer_access<B: Backend>(place: &Place, world: usize) {
-    let sim = Simulation::default().with_no_peer_access((0, 1));
-    let config = config_with(place, world, sim);
-    checked_schedule::<B>(
+    let config = config_with(
         place,
         world,
-        &config,
-        Algorithm::Nccl,
-        Some(1),
-        "no_peer_access",
+        Simulation::default().with_no_peer_access((0, 1)),
     );
+    let test = "no_peer_access";
+    checked_schedule::<B>(place, world, &config, Algorithm::Nccl, Some(1), test);
 }
 
 /// The peer check reads garbage on rank 1: the same fallback.
 pub fn failed_peer_check<B: Backend>(place: &Place, world: usize) {
-    let sim = Simulation::default().with_fail_peer_check(1);
-    let config = config_with(place, world, sim);
-    checked_schedule::<B>(
-        place,
-        world,
-        &config,
-        Algorithm::Nccl,
-        Some(1),
-        "failed_peer_check",
-    );
+    let config = config_with(place, world, Simulation::default().with_fail_peer_check(1));
+    let test = "failed_peer_check";
+    checked_schedule::<B>(place, world, &config, Algorithm::Nccl, Some(1), test);
 }
 
 /// Ranks on `hosts` simulated hosts of `world / hosts` ranks each: hierarchical when a
@@ -244,22 +233,11 @@ pub fn refuse_keeps_typed_errors<B: Backend>(place: &Place) {
     let refuse = |simulate: Simulation| {
         config_with(place, world, simulate).with_fallback(FallbackConfig::peer_memory_only())
     };
-    let errs = try_world::<B, _>(
-        place,
-        world,
-        &refuse(Simulation::default().with_no_peer_access((0, 1))),
-        |_, c| c.err(),
-    );
-    for e in errs {
+    let errors = |simulate| try_world::<B, _>(place, world, &refuse(simulate), |_, c| c.err());
+    for e in errors(Simulation::default().with_no_peer_access((0, 1))) {
         assert!(matches!(e, Some(Error::P2pUnavailable { .. })), "{e:?}");
     }
-    let errs = try_world::<B, _>(
-        place,
-        world,
-        &refuse(Simulation::default().with_fail_peer_check(1)),
-        |_, c| c.err(),
-    );
-    for e in errs {
+    for e in errors(Simulation::default().with_fail_peer_check(1)) {
         match e {
             Some(Error::PeerCheckFailed { ranks, detail }) => {
                 assert_eq!(ranks, vec![1]);
@@ -268,17 +246,10 @@ pub fn refuse_keeps_typed_errors<B: Backend>(place: &Place) {
             other => panic!("expected PeerCheckFailed, got {other:?}"),
         }
     }
-    let errs = try_world::<B, _>(
-        place,
-        world,
-        &refuse(Simulation::split_hosts(2, 2)),
-        |_, c| c.err(),
-    );
-    for e in errs {
-        assert!(
-            matches!(&e, Some(Error::Unsupported(m)) if m.contains("several hosts")),
-            "{e:?}"
-        );
+    for e in errors(Simulation::split_hosts(2, 2)) {
+        let several_hosts =
+            matches!(&e, Some(Error::Unsupported(m)) if m.contains("several hosts"));
+        assert!(several_hosts, "{e:?}");
     }
 }
 
@@ -374,15 +345,11 @@ pub fn by_size_when_opted_in<B: Backend>(place: &Place, world: usize) {
 pub fn single_controller<B: Backend>(ordinals: &[usize]) {
     let world = ordinals.len();
     let mut rng = common::rng("single_controller_fallback");
+    let no_peer_access = Simulation::default().with_no_peer_access((0, 1));
+    let failed_check = Simulation::default().with_fail_peer_check(world - 1);
     for (name, sim) in [
-        (
-            "no peer access",
-            Simulation::default().with_no_peer_access((0, 1)),
-        ),
-        (
-            "failed peer check",
-            Simulation::default().with_fail_peer_check(world - 1),
-        ),
+        ("no peer access", no_peer_access),
+        ("failed peer check", failed_check),
     ] {
         let config = common::suite_config(Some(4)).with_simulate(sim.clone());
         let comm = SingleController::<B>::new(ordinals, config.clone()).unwrap();
@@ -394,60 +361,33 @@ pub fn single_controller<B: Backend>(ordinals: &[usize]) {
         );
         for len in [1usize, 1027, 65_537] {
             let ins = common::random_inputs::<f32>(&mut rng, world, len);
-            let bufs: Vec<_> = comm
-                .cores()
-                .iter()
-                .zip(&ins)
-                .map(|(r, x)| {
-                    let mut b = B::alloc_buffer::<f32>(r.device(), len).unwrap();
-                    B::upload(r.device(), x, &mut b).unwrap();
-                    b
-                })
+            let dev = |r: usize| comm.core(r).device();
+            let mut bufs: Vec<_> = (0..world)
+                .map(|r| common::upload::<B, f32>(dev(r), &ins[r]))
                 .collect();
-            let mut outs: Vec<_> = comm
-                .cores()
-                .iter()
-                .map(|r| {
-                    let mut b = B::alloc_buffer::<f32>(r.device(), len).unwrap();
-                    B::upload(r.device(), &vec![f32::NAN; len], &mut b).unwrap();
-                    b
-                })
+            let mut outs: Vec<_> = (0..world)
+                .map(|r| common::poisoned::<B, f32>(dev(r), len))
                 .collect();
-            let ts: Vec<TensorView<B>> = bufs.iter().map(|b| TensorView::flat(b)).collect();
-            let mut os: Vec<TensorViewMut<B>> =
-                outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-            let ran = comm
-                .all_reduce_sum(&ts, &mut os, &AllReduceOptions::new())
-                .unwrap();
+            let download = |bufs: &[B::Buffer<f32>]| -> Vec<Vec<f32>> {
+                (0..world)
+                    .map(|r| B::download(dev(r), &bufs[r]).unwrap())
+                    .collect()
+            };
+            let os = &mut common::views_mut(&mut outs);
+            let ran = comm.all_reduce_sum(&common::views(&bufs), os, &AllReduceOptions::new());
+            let ran = ran.unwrap();
             assert_eq!(ran, Algorithm::Nccl, "{name}");
-            drop(os);
             comm.synchronize().unwrap();
-            let got: Vec<Vec<f32>> = comm
-                .cores()
-                .iter()
-                .zip(&outs)
-                .map(|(r, b)| B::download(r.device(), b).unwrap())
-                .collect();
-            check(
-                &ins,
-                &got,
-                world,
-                &format!("single controller, {name}, len {len}"),
-            );
+            let what = format!("single controller, {name}, len {len}");
+            check(&ins, &download(&outs), world, &what);
             // The slice form routes the same way (in place, on the inputs).
-            let mut bufs = bufs;
             let ran = comm
                 .all_reduce_sum_slices_in_place(&mut bufs, &AllReduceOptions::new())
                 .unwrap();
             assert_eq!(ran, Algorithm::Nccl, "{name}: slice form");
             comm.synchronize().unwrap();
-            let got: Vec<Vec<f32>> = comm
-                .cores()
-                .iter()
-                .zip(&bufs)
-                .map(|(r, b)| B::download(r.device(), b).unwrap())
-                .collect();
-            check(&ins, &got, world, &format!("slice form, {name}, len {len}"));
+            let what = format!("slice form, {name}, len {len}");
+            check(&ins, &download(&bufs), world, &what);
         }
         let refused = SingleController::<B>::new(
             ordinals,
@@ -469,23 +409,11 @@ pub fn single_controller<B: Backend>(ordinals: &[usize]) {
 pub fn world_beyond_max_gpus<B: Backend>(place: &Place) {
     let world = peercomm::MAX_GPUS + 1;
     let config = place.config(world);
-    checked_schedule::<B>(
-        place,
-        world,
-        &config,
-        Algorithm::Nccl,
-        Some(1),
-        "world_beyond_max_gpus",
-    );
+    let test = "world_beyond_max_gpus";
+    checked_schedule::<B>(place, world, &config, Algorithm::Nccl, Some(1), test);
     let id = UniqueId::new().unwrap();
-    let dev = B::open(0).unwrap();
-    let refused = Comm::<B>::from_rank(
-        dev,
-        0,
-        world,
-        &id,
-        config.with_fallback(FallbackConfig::peer_memory_only()),
-    );
+    let config = config.with_fallback(FallbackConfig::peer_memory_only());
+    let refused = Comm::<B>::from_rank(B::open(0).unwrap(), 0, world, &id, config);
     assert!(matches!(
         refused.err(),
         Some(Error::InvalidWorldSize { .. })
@@ -513,13 +441,9 @@ pub fn other_collectives_stay_on_peer_memory<B: Backend>(place: &Place) {
     let n = 37;
     with_world::<B, _>(place, world, &config, |rank, comm| {
         let dev = comm.device();
-        let mine = input::<f32>(seed, 0, rank, n);
-        let mut send = B::alloc_buffer::<f32>(dev, n).unwrap();
-        B::upload(dev, &mine, &mut send).unwrap();
-        let mut recv = B::alloc_buffer::<f32>(dev, 2 * n).unwrap();
-        B::upload(dev, &vec![f32::NAN; 2 * n], &mut recv).unwrap();
-        let mut wide = B::alloc_buffer::<f32>(dev, world * n).unwrap();
-        B::upload(dev, &vec![f32::NAN; world * n], &mut wide).unwrap();
+        let send = common::upload::<B, f32>(dev, &input::<f32>(seed, 0, rank, n));
+        let mut recv = common::poisoned::<B, f32>(dev, 2 * n);
+        let mut wide = common::poisoned::<B, f32>(dev, world * n);
         let err = comm
             .all_gather(&send, &mut wide, &CollectiveOptions::new())
             .unwrap_err();
