@@ -35,12 +35,11 @@
 //! # Address and listener
 //!
 //! [`UniqueId::new`] binds [`BOOTSTRAP_ADDR_ENV`] when set (`10.0.0.5`, `[fd00::5]:29500`,
-//! `node7:29500`; no port picks one), else `127.0.0.1:0` (this host only); peercomm does
-//! not guess among interfaces, and [`UniqueId::bind`] refuses `0.0.0.0` and `::`. The
-//! listener waits in a process-wide registry until rank 0's `connect` takes it (or
-//! [`UniqueId::release`] drops it) and closes when that `connect` returns, so a stale id
-//! fails with a typed error ([`BootstrapError::StaleId`] for rank 0 reusing it). A rank 0
-//! in another process binds the address itself; the others retry refused connections.
+//! `node7:29500`), else `127.0.0.1:0` (this host only): peercomm does not guess among
+//! interfaces. The listener closes when rank 0's `connect` returns (or at
+//! [`UniqueId::release`]), so a stale id fails with a typed error instead of hanging. A
+//! rank 0 in another process binds the address itself; the others retry refused
+//! connections, so arrival order does not matter.
 //!
 //! # Wire format (protocol version 3)
 //!
@@ -72,21 +71,20 @@
 //! # What the handshake withstands
 //!
 //! A connection must prove itself within `HELLO_DEADLINE` (2 s); at most 1,024 wait (the
-//! oldest is closed for a new one); when `accept` runs out of descriptors, buffers or
-//! memory rank 0 closes its oldest and pauses 10 ms. A real rank closed for any of these
-//! reconnects within its timeout, so idle connections, garbage and strangers lock no rank
-//! out. Not covered: over 1,024 connections per round trip (they can starve a rank until
-//! its timeout), SYN retransmission while the accept queue is full, and anyone on the
-//! path: only the handshake is authenticated.
+//! oldest is closed for a new one); when `accept` runs out of descriptors or memory, rank
+//! 0 closes its oldest and pauses 10 ms. A real rank closed for any of these reconnects,
+//! so idle connections, garbage and strangers lock no rank out. Not covered: over 1,024
+//! connections per round trip, SYN retransmission while the accept queue is full, and
+//! anyone on the path: only the handshake is authenticated.
 //!
 //! # Failures
 //!
 //! Every step ends in a [`BootstrapError`], never a hang: `connect`'s timeout bounds the
 //! handshake, then each operation ([`TcpBootstrap::set_timeout`];
 //! [`Bootstrap::barrier_within`] takes its own); a rank that never comes is
-//! [`BootstrapError::Timeout`] naming it. A failing rank sends error frames so its peers
-//! fail at once ([`BootstrapError::PeerFailed`], within 200 ms) and is then
-//! [`BootstrapError::Poisoned`]: frame boundaries are lost, so go on with a new id.
+//! [`BootstrapError::Timeout`] naming it. A failing rank tells its peers
+//! ([`BootstrapError::PeerFailed`], within 200 ms) and is then [`BootstrapError::Poisoned`]:
+//! frame boundaries are lost, so go on with a new id.
 //!
 //! # Bringing your own store
 //!

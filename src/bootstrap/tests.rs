@@ -24,6 +24,7 @@ mod attacks;
 mod failures;
 mod gather;
 mod ids;
+mod tagged;
 
 const LONG: Duration = Duration::from_secs(10);
 const SHORT: Duration = Duration::from_millis(300);
