@@ -1,20 +1,14 @@
-//! Which algorithm and how many blocks, per architecture, group width and message size.
-//!
-//! The table is data: each row says up to how many bytes an algorithm is the fastest
-//! for an (architecture, group width) pair, measured in `docs/dispatch.md`; unmeasured
-//! pairs fall back to the generic rows.
+//! Which algorithm and how many blocks, per architecture, group width and message size:
+//! data, measured in `docs/dispatch.md`; unmeasured pairs take the generic rows.
 
 /// An all-reduce algorithm, or `Auto` to let the dispatch table choose.
 ///
 /// Every algorithm sums in the same order (group rank 0, 1, ... in f32), so results are
-/// bitwise identical whatever the algorithm, the message length or the API. In a group
-/// of two or more the sum starts at +0.0, so an exact-zero sum is +0.0 everywhere
-/// (Lamport cannot carry -0.0, its "not yet arrived" mark) and a nonzero sum that
-/// rounds to zero keeps its sign; a group of one returns its input bit for bit.
-/// `Lamport` runs only over the whole world of two or more ranks: forced over a group
-/// of one it runs `OneStage`, over a narrower subgroup it is
-/// [`crate::Error::Unsupported`]. The fused all-reduce + RMSNorm takes `OneStage` or
-/// `Lamport` ([`crate::CollectiveOptions::algorithm`]) under the same rules.
+/// bitwise identical whatever the algorithm, length or API; an exact-zero sum is +0.0
+/// (Lamport cannot carry -0.0, its "not yet arrived" mark), and a group of one returns
+/// its input bit for bit. `Lamport` runs only over the whole world (forced over a group
+/// of one it runs `OneStage`, over a subgroup it is [`crate::Error::Unsupported`]). The
+/// fused all-reduce + RMSNorm takes `OneStage` or `Lamport`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
 pub enum Algorithm {
@@ -29,8 +23,7 @@ pub enum Algorithm {
     /// only).
     Lamport,
     /// The whole call ran in the external library (NCCL, RCCL, or the host stand-in):
-    /// when peer memory cannot serve (fallback on) or routing by size chose it; forcing
-    /// it needs the library set up.
+    /// where peer memory cannot serve or routing by size chose it.
     Nccl,
     /// Ranks span hosts: a sum over peer memory inside each host, the external library
     /// across hosts (one slice per local rank), a gather inside each host (a second
@@ -74,16 +67,11 @@ pub fn table(arch: &str, width: usize) -> &'static [DispatchRow] {
     }
     const KIB: usize = 1 << 10;
     const MIB: usize = 1 << 20;
-    // sm_90, two GPUs over NV18 (2x H200, docs/dispatch.md): Lamport is fastest up to
-    // 256 KiB, one-stage above; two-stage never wins at two ranks (same traffic, one
-    // more barrier).
-    static SM90_2: [DispatchRow; 2] = [
-        row(256 * KIB, Algorithm::Lamport),
-        row(usize::MAX, Algorithm::OneStage),
-    ];
-    // Unmeasured pairs: Lamport while latency dominates, one-stage while two-stage's
-    // extra barrier costs more than the traffic it saves, then two-stage.
-    static GENERIC_2: [DispatchRow; 2] = [
+    // Two GPUs: measured on sm_90 over NV18 (2x H200, docs/dispatch.md), and the generic
+    // rows elsewhere: Lamport up to 256 KiB, one-stage above (two-stage never wins at two
+    // ranks: same traffic, one more barrier). Wider unmeasured groups: two-stage once its
+    // extra barrier costs less than the traffic it saves.
+    static TWO: [DispatchRow; 2] = [
         row(256 * KIB, Algorithm::Lamport),
         row(usize::MAX, Algorithm::OneStage),
     ];
@@ -92,9 +80,8 @@ pub fn table(arch: &str, width: usize) -> &'static [DispatchRow] {
         row(MIB, Algorithm::OneStage),
         row(usize::MAX, Algorithm::TwoStage),
     ];
-    // sm_90 at 4 and 8 GPUs: PREDICTED by the model calibrated on the 2-GPU runs (each
-    // rank takes in (W-1)N bytes with one-stage or Lamport, 2(W-1)N/W with two-stage,
-    // so two-stage takes over sooner the wider the group). See `provenance`.
+    // sm_90 at 4 and 8 GPUs: predicted by the model calibrated on the 2-GPU runs (a rank
+    // takes in (W-1)N bytes with one-stage or Lamport, 2(W-1)N/W with two-stage).
     static SM90_4: [DispatchRow; 3] = [
         row(440 * KIB, Algorithm::Lamport),
         row(810 * KIB, Algorithm::OneStage),
@@ -107,10 +94,9 @@ pub fn table(arch: &str, width: usize) -> &'static [DispatchRow] {
     static SINGLE: [DispatchRow; 1] = [row(usize::MAX, Algorithm::OneStage)];
     match (arch, width) {
         (_, 1) => &SINGLE,
-        ("sm_90", 2) => &SM90_2,
         ("sm_90", 4) => &SM90_4,
         ("sm_90", 8) => &SM90_8,
-        (_, 2) => &GENERIC_2,
+        (_, 2) => &TWO,
         _ => &GENERIC_N,
     }
 }
@@ -148,12 +134,10 @@ pub fn choose(arch: &str, width: usize, bytes: usize) -> Algorithm {
         .unwrap_or(Algorithm::OneStage)
 }
 
-/// Opt-in routing by size ([`crate::external::SizeRouting::Table`]): the message size
-/// (bytes per rank) from which the external library beats peer memory over groups of
-/// `width` on `arch`, or `None` where it never does.
-///
-/// `sm_90` with two GPUs: never (peercomm beat NCCL 2.28 from 1 KiB to 1 GiB). `host`:
-/// 1 MiB, so that routing by the table runs in CI. Unmeasured pairs: never.
+/// Opt-in routing by size ([`crate::external::SizeRouting::Table`]): the bytes per rank
+/// from which the external library beats peer memory over `width` ranks on `arch`:
+/// never on `sm_90` x2 (peercomm beat NCCL 2.28 from 1 KiB to 1 GiB) nor where
+/// unmeasured; 1 MiB on `host`, so that routing by the table runs in CI.
 pub fn external_from(arch: &str, width: usize) -> Option<usize> {
     match (arch, width) {
         (_, 1) => None,

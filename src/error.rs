@@ -6,9 +6,13 @@ use crate::dtype::DType;
 mod recovery;
 pub use recovery::Recovery;
 
-/// `rank 3` or `an unknown rank`, for the timeout messages.
-fn waited_for(rank: Option<usize>) -> String {
-    rank.map_or_else(|| "an unknown rank".to_string(), |r| format!("rank {r}"))
+/// What a timeout's rank waited for, and where: `rank 3 (block 0, barrier domain 0)...`.
+fn waited_for(rank: Option<usize>, block: usize, domain: usize) -> String {
+    let rank = rank.map_or_else(|| "an unknown rank".to_string(), |r| format!("rank {r}"));
+    format!(
+        "{rank} (block {block}, barrier domain {domain}); the communicator must be \
+         re-initialised"
+    )
 }
 
 /// A field of a call descriptor; a mismatch names the first that differs.
@@ -144,10 +148,8 @@ pub enum Error {
         width: usize,
     },
     /// The chosen algorithm needs more scratch than the communicator has (ask first
-    /// with `algorithm_for`; size with `CommConfig::for_largest_message`). A staged
-    /// call runs through the payload in chunks, so it gets this only where half the
-    /// payload cannot hold one chunk (`needed` is then two chunks); Lamport, a
-    /// two-stage partition and a batch of group calls are not chunked.
+    /// with `algorithm_for`; size with `CommConfig::for_largest_message`): a staged call
+    /// only where half the payload cannot hold one chunk (`needed` is then two).
     #[error(
         "{algorithm} needs {needed} bytes of scratch but the communicator has {available} \
          (CommConfig::{setting})"
@@ -166,10 +168,9 @@ pub enum Error {
     /// An explicit request that cannot be honoured in this mode.
     #[error("{0}")]
     Unsupported(String),
-    /// A buffer cannot be registered (`Comm::register`) or a symmetric allocation made
-    /// (`Comm::alloc_symmetric`): the memory cannot be exported to a peer process, the
-    /// ranks disagree on the call, or a peer failed. Every rank gets it from the same
-    /// call, and nothing is registered anywhere.
+    /// A buffer cannot be registered or a symmetric buffer allocated: the memory cannot
+    /// be exported, the ranks disagree on the call, or a peer failed. Every rank gets it
+    /// from the same call, and nothing is registered anywhere.
     #[error("rank {rank} cannot register the buffer: {reason}")]
     CannotRegister {
         /// The first rank that could not (a world rank).
@@ -198,8 +199,7 @@ pub enum Error {
     #[error("invalid configuration: {0}")]
     InvalidConfig(String),
     /// A length whose bytes (rounded up to whole packs or the pool's alignment) exceed
-    /// `isize::MAX`. Nothing was allocated, registered or launched; a collective
-    /// registration refuses on every rank ([`Error::CannotRegister`] on the others).
+    /// `isize::MAX`. Nothing was allocated, registered or launched.
     #[error("{what}: more bytes than any buffer can span")]
     SizeOverflow {
         /// Which length, of what (with the rank where one is concerned).
@@ -207,8 +207,7 @@ pub enum Error {
     },
     /// A call's buffers overlap (only through an `unsafe impl` of
     /// [`crate::backend::DeviceBuffer`]): an input and an output that are not the same
-    /// range (an all-reduce's or a broadcast root's exact alias runs in place), or two
-    /// outputs. Refused before anything is launched, on the rank whose buffers overlap.
+    /// range (an exact alias runs in place where the call allows it), or two outputs.
     #[error("rank {rank}: {what}")]
     BuffersOverlap {
         /// The rank whose buffers overlap (for the single controller, the first).
@@ -218,8 +217,7 @@ pub enum Error {
     },
     /// Peer access is missing between two ranks' devices (no peer-to-peer path, or
     /// mapping the peer's memory failed) and the fallback is
-    /// [`crate::external::Fallback::Refuse`]. Names both ranks, their devices'
-    /// identities, the cause and what to do.
+    /// [`crate::external::Fallback::Refuse`].
     #[error(
         "peer-to-peer access from rank {from_rank} (device {from}) to rank {to_rank} \
          (device {to}) is not available: {detail}. {hint}"
@@ -259,7 +257,7 @@ pub enum Error {
         detail: String,
     },
     /// The check at initialisation (a known pattern all-reduced through every peer
-    /// mapping) gave a wrong result or timed out on these ranks, and the fallback is
+    /// mapping) failed on these ranks, and the fallback is
     /// [`crate::external::Fallback::Refuse`].
     #[error("the peer-memory check at initialisation failed on ranks {ranks:?}: {detail}")]
     PeerCheckFailed {
@@ -270,9 +268,8 @@ pub enum Error {
     },
     /// A barrier waited longer than the configured timeout: a peer never arrived.
     #[error(
-        "barrier timeout on rank {rank}: it waited for {} (block {block}, barrier domain \
-         {domain}); the communicator must be re-initialised",
-        waited_for(*waiting_for)
+        "barrier timeout on rank {rank}: it waited for {}",
+        waited_for(*waiting_for, *block, *domain)
     )]
     BarrierTimeout {
         /// World rank that gave up.
@@ -289,9 +286,8 @@ pub enum Error {
     /// without writing its output. The root cause is rank `by`'s
     /// [`Error::BarrierTimeout`].
     #[error(
-        "rank {rank} stopped because rank {by} gave up waiting for {} (block {block}, \
-         barrier domain {domain}); the communicator must be re-initialised",
-        waited_for(*waiting_for)
+        "rank {rank} stopped because rank {by} gave up waiting for {}",
+        waited_for(*waiting_for, *block, *domain)
     )]
     PeerAborted {
         /// World rank that was told to stop.
@@ -306,9 +302,8 @@ pub enum Error {
         /// the record does not say).
         waiting_for: Option<usize>,
     },
-    /// Rank `rank` and its peer `peer` made different calls at the same point: their
-    /// call descriptors differ in `field`. Every rank of the group gets it, nothing is
-    /// written past the outputs, and the communicator must be re-initialised.
+    /// Rank `rank` and its peer `peer` made different calls at the same point (their
+    /// call descriptors differ in `field`). Every rank of the group gets it.
     #[error(
         "rank {rank} and rank {peer} made different calls: the {field} differs ({mine} on \
          rank {rank}, {theirs} on rank {peer}); every rank must make the same collective \
@@ -328,10 +323,10 @@ pub enum Error {
     },
     /// An earlier error (a timeout, an abort, a mismatch, a partial launch, an external
     /// library's error) left the signals in an unknown state: collectives are refused
-    /// until `reinitialize`. `first` is the first such error since (re-)initialising.
+    /// until `reinitialize`.
     #[error("the communicator is poisoned by an earlier error ({first}); call reinitialize()")]
     Poisoned {
-        /// The error that poisoned the communicator.
+        /// The first error that poisoned the communicator since (re-)initialising.
         first: Box<Error>,
     },
     /// The backend has no device (no GPU, no driver).

@@ -4,10 +4,8 @@
 //! f32, f16 and bf16, on NVIDIA (`cuda` feature, on cudarc) and AMD (`hip` feature)
 //! GPUs, with NCCL/RCCL taking over where peer memory cannot serve.
 //!
-//! GPUs synchronise thread blocks directly through counters in each other's memory
-//! (the signal counter-bank protocol of `include/peercomm_signal.h`), with no host
-//! round trip; the all-reduce has one-stage, two-stage and barrier-free (Lamport)
-//! kernels and a dispatch table.
+//! GPUs synchronise thread blocks through counters in each other's memory
+//! (`include/peercomm_signal.h`), with no host round trip.
 //!
 //! # One rank per thread or process: [`Comm`]
 //!
@@ -71,37 +69,30 @@
 //! // Scratch sized for the largest message (6 f32 per rank here).
 //! let config = CommConfig::for_largest_message(6, DType::F32)?;
 //! let comm = SingleController::<Host>::new(&[0, 1], config)?;
-//! let mut ins = Vec::new();
-//! let mut outs = Vec::new();
+//! let (mut ins, mut outs) = (Vec::new(), Vec::new());
 //! for (r, rank) in comm.cores().iter().enumerate() {
 //!     ins.push(Host::alloc_from(rank.device(), &[r as f32 + 1.0; 6])?);
 //!     outs.push(Host::alloc_buffer::<f32>(rank.device(), 6)?);
 //! }
-//! // The slice form: the buffers as they are, one per rank.
-//! comm.all_reduce_sum_slices(&ins, &mut outs, &AllReduceOptions::new())?;
-//! comm.synchronize()?; // waits, then reads every rank's error record
-//! assert_eq!(outs[1].to_host(comm.core(1).device())?, vec![3.0; 6]);
-//!
-//! // The shaped form checks that every rank passes the same shape.
+//! // Shaped views, checked alike on every rank (`all_reduce_sum_slices` takes the buffers).
 //! let inputs: Vec<_> = ins.iter().map(|b| TensorView::new(b, &[2, 3])).collect();
 //! let mut outputs: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::new(b, &[2, 3])).collect();
 //! comm.all_reduce_sum(&inputs, &mut outputs, &AllReduceOptions::new())?;
 //! drop(outputs);
-//! comm.synchronize()?;
-//! assert_eq!(outs[0].to_host(comm.core(0).device())?, vec![3.0; 6]);
+//! comm.synchronize()?; // waits, then reads every rank's error record
+//! assert_eq!(outs[1].to_host(comm.core(1).device())?, vec![3.0; 6]);
 //! # Ok::<(), peercomm::Error>(())
 //! ```
 //!
 //! # Backends
 //!
-//! [`backend::host::Host`] (always built; CPU threads over memory arenas, the reference
-//! the tests run everywhere), `backend::cuda::Cuda` (feature `cuda`) and
-//! `backend::hip::Hip` (feature `hip`).
+//! [`backend::host::Host`] (always built: CPU threads, the reference the tests run
+//! everywhere), `backend::cuda::Cuda` (feature `cuda`), `backend::hip::Hip` (`hip`).
 //!
 //! # Layers
 //!
-//! A module imports only modules drawn below it, and the modules of one row import
-//! nothing of each other (`scripts/check-imports.py` checks it, in CI):
+//! A module imports only modules drawn below it, and the modules of one row nothing of
+//! each other (`scripts/check-imports.py`):
 //!
 //! ```text
 //!   unstable               internals for the crate's own tests (feature `unstable`)
@@ -113,8 +104,6 @@
 //!   error                  Error, Result
 //!   dtype      bootstrap   element types | rendezvous between processes
 //! ```
-//!
-//! This crate root only declares the modules and re-exports what users name from it.
 
 #![warn(missing_docs)]
 

@@ -1,26 +1,17 @@
-//! The counter barrier of the signal protocol, written once and generic over how a
-//! counter cell is reached.
+//! The counter barrier of the signal protocol, generic over how a counter cell is
+//! reached: the host backend runs it over `std` atomics, the loom model
+//! (`tests/loom_barrier.rs`) over loom's, and the device kernels implement the same steps.
 //!
-//! The host backend runs it over `std` atomics in the signal memory; the loom model
-//! (`tests/loom_barrier.rs`) runs the very same function over loom's atomics, so it
-//! checks the code the host executes. The device kernels implement the same steps.
-//!
-//! One barrier of block `b` of group rank `me` in a group of `width` ranks, in barrier
-//! domain `d`:
+//! One barrier of block `b` of group rank `me`, in barrier domain `d`:
 //! 1. for every peer `t` (itself included): `v = ++self_counter[d][b][t]` (wrapping),
 //!    then store `v` into peer `t`'s `peer_counter[d][v % 2][b][me]`;
 //! 2. for every peer `t`: spin until the own `peer_counter[d][v % 2][b][t] == v`.
 //!
-//! An arrival also carries the writer's call descriptor ([`CALL_WORDS`] words) beside
-//! the counter (the devices in 16-byte packs that each repeat the counter, the host
-//! before the counter's release store). A reader that sees the counter compares it with
-//! its own and stops with [`BarrierStop::Mismatch`], so ranks making different calls
-//! get a typed error instead of summing each other's stale data.
-//!
-//! The banks are double by parity: a fast peer already at the next barrier writes
-//! `v + 1` into the other bank, never over the `v` a slow block still waits for. A
-//! publishing barrier stores `Release` and loads `Acquire`; start and end barriers are
-//! relaxed on the devices ([`BarrierKind::host_orderings`] strengthens them).
+//! An arrival also carries the writer's call descriptor ([`CALL_WORDS`] words); a reader
+//! compares it with its own and stops with [`BarrierStop::Mismatch`], so ranks making
+//! different calls get a typed error instead of each other's stale data. The banks are
+//! double by parity: a fast peer already at the next barrier writes `v + 1` into the
+//! other bank, never over the `v` a slow block still waits for.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -105,8 +96,7 @@ pub trait Backoff {
     fn wait(&mut self) -> Result<(), Self::Timeout>;
 }
 
-/// What a barrier orders, named at every call site (the device source has the same
-/// enum). Every collective pairs a start barrier with an end barrier.
+/// What a barrier orders, named at every call site (as in the device source).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BarrierKind {
     /// Orders arrival only: no data is published, so relaxed stores and loads.
@@ -115,9 +105,8 @@ pub enum BarrierKind {
     /// visible to this block after it (release stores, acquire loads).
     Publish,
     /// Ends a collective: keeps the peers from overwriting what this block read before
-    /// it. Relaxed on the devices (a consumed load has been performed: no load value
-    /// speculation on the GPUs targeted, though PTX and HIP formally ask for a release);
-    /// the host, whose data reads are plain loads, strengthens it.
+    /// it. Relaxed on the devices (no load value speculation on the GPUs targeted,
+    /// though PTX and HIP formally ask for a release); the host strengthens it.
     End,
 }
 
@@ -131,14 +120,13 @@ impl BarrierKind {
         }
     }
     /// Orderings on the host: always release/acquire, since its kernels read peer data
-    /// with plain loads, which need a happens-before edge from the peers' writes.
+    /// with plain loads.
     pub const fn host_orderings(self) -> (Ordering, Ordering) {
         (Ordering::Release, Ordering::Acquire)
     }
 }
 
-/// Which barrier of a group this is: the group rank of the caller, the group width,
-/// the barrier domain (counter bank) and the block.
+/// Which barrier of a group this is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct BarrierSite {
     /// The caller's rank within its group.
@@ -151,10 +139,8 @@ pub struct BarrierSite {
     pub block: usize,
 }
 
-/// The counter barrier (see the module docs) without a call descriptor, the arrival
-/// store and the spin's loads at `orderings`: [`barrier_with_call`]'s steps. Returns
-/// the backoff's error if it gives up; the counters are then left mid-barrier and the
-/// signal must be re-initialised.
+/// [`barrier_with_call`] without a call descriptor. Returns the backoff's error if it
+/// gives up (the signal must then be re-initialised).
 #[inline]
 #[cfg_attr(not(feature = "unstable"), allow(dead_code))]
 pub fn barrier<S, W>(

@@ -1,7 +1,5 @@
 //! The signal layout (bindgen's mirror of `include/peercomm_signal.h`, committed as
-//! `src/signal_bindings.rs`, checked by scripts/check-bindings.sh) and the protocol's
-//! small pure functions: barrier domains, circular addition, the reduce-scatter split,
-//! the offsets inside one rank's signal allocation.
+//! `src/signal_bindings.rs`) and the protocol's small pure functions.
 
 #[allow(non_camel_case_types, non_upper_case_globals, dead_code, missing_docs)]
 mod bindings {
@@ -112,9 +110,8 @@ pub const fn barrier_domain(width: usize, world: usize) -> usize {
     }
 }
 
-/// The 32-bit words of a batch's entry table (see [`GROUP_HEADER_BYTES`]): word 0 the
-/// count, words 1-3 zero, words `4 + 2s` and `5 + 2s` the low and high halves of entry
-/// s's element count (0 for `s >= count`).
+/// The 32-bit words of a batch's entry table (see [`GROUP_HEADER_BYTES`]): the count,
+/// three zeros, then each entry's element count (low, high half).
 pub(crate) fn group_header_words(
     count: u32,
     elements: impl Fn(usize) -> u64,
@@ -145,7 +142,6 @@ pub(crate) fn group_shown_call(
 }
 
 /// `(a + b) mod n` without overflow for any `a, b < n`; `n` must not be 0.
-/// Powers of two take a mask; other `n` a compare-and-subtract.
 pub const fn circular_add(a: usize, b: usize, n: usize) -> usize {
     debug_assert!(n > 0);
     if n.is_power_of_two() {
@@ -188,8 +184,7 @@ pub fn reduce_scatter_part(n: usize, width: usize, rank: usize) -> Range<usize> 
 pub struct SignalLayout {
     /// Bytes of one Lamport slot (one source rank, one generation); a multiple of 16.
     pub lamport_slot_bytes: usize,
-    /// Slots per Lamport generation: the world size (1..=`MAX_GPUS`). Lamport runs only
-    /// over the whole world, so a rank receives from at most that many sources.
+    /// Slots per Lamport generation: the world size (1..=`MAX_GPUS`).
     pub lamport_slots: usize,
     /// Bytes of the payload (scratch of the staged and two-stage kernels).
     pub payload_bytes: usize,
@@ -197,8 +192,7 @@ pub struct SignalLayout {
 
 impl SignalLayout {
     /// Checks the sizes: slots in `1..=MAX_GPUS`, the slot a multiple of 16 bytes below
-    /// 4 GiB (a u32 in the kernels), the whole within `isize::MAX` bytes. Whatever sizes
-    /// or fills a signal allocation calls it, so a wrapped size never reaches a device.
+    /// 4 GiB (a u32 in the kernels), the whole within `isize::MAX` bytes.
     pub fn validate(&self) -> crate::Result<()> {
         if self.lamport_slots == 0 || self.lamport_slots > MAX_GPUS {
             return Err(crate::Error::InvalidConfig(format!(
@@ -271,38 +265,29 @@ mod tests {
     use super::*;
     use std::mem::{offset_of, size_of};
 
-    #[test]
-    fn signal_layout_is_pinned() {
-        let d = NUM_BARRIER_DOMAINS;
-        let b = MAX_NUM_BLOCKS_UPPER_BOUND;
-        let g = MAX_GPUS;
-        assert_eq!((g, b, d), (8, 1024, 8));
-        assert_eq!(offset_of!(Signal, self_counter), 0);
-        assert_eq!(offset_of!(Signal, peer_counter), d * b * g * 4);
-        assert_eq!(offset_of!(Signal, peer_counter), 262_144);
-        // Arrivals of 4 packs of 16 bytes: counter and three descriptor words each.
-        assert_eq!((CALL_WORDS, CALL_PACKS, LAMPORT_HEADER_PACKS), (12, 4, 4));
-        assert_eq!(offset_of!(Signal, peer_counter) % 16, 0);
-        assert_eq!(
-            offset_of!(Signal, lamport_state),
-            262_144 + d * 2 * b * g * 16 * CALL_PACKS
-        );
-        assert_eq!(offset_of!(Signal, lamport_state), 8_650_752);
-        assert_eq!(offset_of!(Signal, error_state), 8_650_768);
-        assert_eq!(offset_of!(Signal, error_detail), 8_650_784);
-        assert_eq!(offset_of!(Signal, current_call), 8_650_896);
-        assert_eq!(offset_of!(Signal, current_call) % 16, 0);
-        assert_eq!(offset_of!(Signal, quit), 8_650_912);
-        assert_eq!(offset_of!(Signal, reserved), 8_650_912 + b * g * 4);
-        assert_eq!(size_of::<Signal>(), 8_683_776);
-        assert_eq!(size_of::<Signal>() % REGION_ALIGN, 0);
-    }
-
     /// Asserts the offset of every named field of `$t`.
     macro_rules! offsets {
         ($t:ty; $($f:ident $o:expr),* $(,)?) => {
             $(assert_eq!(offset_of!($t, $f), $o, stringify!($f));)*
         };
+    }
+
+    #[test]
+    fn signal_layout_is_pinned() {
+        let (d, b, g) = (NUM_BARRIER_DOMAINS, MAX_NUM_BLOCKS_UPPER_BOUND, MAX_GPUS);
+        assert_eq!((g, b, d), (8, 1024, 8));
+        // Arrivals of 4 packs of 16 bytes: counter and three descriptor words each.
+        assert_eq!((CALL_WORDS, CALL_PACKS, LAMPORT_HEADER_PACKS), (12, 4, 4));
+        offsets! { Signal;
+            self_counter 0, peer_counter d * b * g * 4, peer_counter 262_144,
+            lamport_state 262_144 + d * 2 * b * g * 16 * CALL_PACKS, lamport_state 8_650_752,
+            error_state 8_650_768, error_detail 8_650_784, current_call 8_650_896,
+            quit 8_650_912, reserved 8_650_912 + b * g * 4,
+        }
+        assert_eq!(offset_of!(Signal, peer_counter) % 16, 0);
+        assert_eq!(offset_of!(Signal, current_call) % 16, 0);
+        assert_eq!(size_of::<Signal>(), 8_683_776);
+        assert_eq!(size_of::<Signal>() % REGION_ALIGN, 0);
     }
 
     #[test]
@@ -330,24 +315,20 @@ mod tests {
 
     #[test]
     fn region_offsets() {
-        for slots in [2, 8] {
+        for slots in [0, 2, 8, MAX_GPUS + 1] {
             let l = SignalLayout {
                 lamport_slot_bytes: 4096,
                 lamport_slots: slots,
                 payload_bytes: 1000,
             };
+            if slots == 0 || slots > MAX_GPUS {
+                assert!(l.validate().is_err(), "{slots} slots");
+                continue;
+            }
             assert_eq!(l.lamport_offset(), 8_683_776);
             assert_eq!(l.lamport_region_bytes(), 3 * slots * 4096);
             assert_eq!(l.payload_offset(), 8_683_776 + 3 * slots * 4096);
             assert_eq!(l.checked_total_bytes().unwrap(), l.payload_offset() + 1024);
-        }
-        for slots in [0, MAX_GPUS + 1] {
-            let l = SignalLayout {
-                lamport_slot_bytes: 4096,
-                lamport_slots: slots,
-                payload_bytes: 1000,
-            };
-            assert!(l.validate().is_err(), "{slots} slots");
         }
     }
 

@@ -3,60 +3,44 @@
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 
-/// A read-only tensor: a borrowed device buffer and its shape.
-pub struct TensorView<'a, B: Backend> {
-    pub(crate) data: &'a dyn DeviceBuffer<B>,
-    pub(crate) shape: Vec<usize>,
+/// A shaped view over a borrowed buffer (`$data`: how it is borrowed).
+macro_rules! view {
+    ($(#[$doc:meta])* $name:ident, $data:ty) => {
+        $(#[$doc])*
+        pub struct $name<'a, B: Backend> {
+            pub(crate) data: $data,
+            pub(crate) shape: Vec<usize>,
+        }
+
+        impl<'a, B: Backend> $name<'a, B> {
+            /// A tensor of the given shape over `data`.
+            pub fn new(data: $data, shape: &[usize]) -> Self {
+                let shape = shape.to_vec();
+                $name { data, shape }
+            }
+            /// A rank-1 tensor over the whole buffer.
+            pub fn flat(data: $data) -> Self {
+                let shape = vec![data.len()];
+                $name { data, shape }
+            }
+            /// Its shape.
+            pub fn shape(&self) -> &[usize] {
+                &self.shape
+            }
+        }
+    };
 }
 
-impl<'a, B: Backend> TensorView<'a, B> {
-    /// A tensor of the given shape over `data`.
-    pub fn new(data: &'a dyn DeviceBuffer<B>, shape: &[usize]) -> Self {
-        TensorView {
-            data,
-            shape: shape.to_vec(),
-        }
-    }
-    /// A rank-1 tensor over the whole buffer.
-    pub fn flat(data: &'a dyn DeviceBuffer<B>) -> Self {
-        TensorView {
-            data,
-            shape: vec![data.len()],
-        }
-    }
-    /// Its shape.
-    pub fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-}
-
-/// A writable tensor: a mutably borrowed device buffer and its shape.
-pub struct TensorViewMut<'a, B: Backend> {
-    pub(crate) data: &'a mut dyn DeviceBufferMut<B>,
-    pub(crate) shape: Vec<usize>,
-}
-
-impl<'a, B: Backend> TensorViewMut<'a, B> {
-    /// A tensor of the given shape over `data`.
-    pub fn new(data: &'a mut dyn DeviceBufferMut<B>, shape: &[usize]) -> Self {
-        TensorViewMut {
-            data,
-            shape: shape.to_vec(),
-        }
-    }
-    /// A rank-1 tensor over the whole buffer.
-    pub fn flat(data: &'a mut dyn DeviceBufferMut<B>) -> Self {
-        let len = data.len();
-        TensorViewMut {
-            data,
-            shape: vec![len],
-        }
-    }
-    /// Its shape.
-    pub fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-}
+view!(
+    /// A read-only tensor: a borrowed device buffer and its shape.
+    TensorView,
+    &'a dyn DeviceBuffer<B>
+);
+view!(
+    /// A writable tensor: a mutably borrowed device buffer and its shape.
+    TensorViewMut,
+    &'a mut dyn DeviceBufferMut<B>
+);
 
 /// Elements a shape describes (`None` when the product overflows).
 pub(crate) fn shape_elements(shape: &[usize]) -> Option<usize> {

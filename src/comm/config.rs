@@ -24,10 +24,8 @@ use crate::external::Simulation;
 /// | `for_largest_message(1 << 20, BF16)` (2 MiB payload, 1 MiB + 64 B slot) | 16.3 MiB | 22.3 MiB | 34.3 MiB |
 /// | 48 MiB slot, 64 MiB payload (Lamport forced at 48 MiB) | 360.3 MiB | 648.3 MiB | 1224.3 MiB |
 ///
-/// [`CommConfig::for_largest_message`] sizes the scratch from the largest message;
-/// `algorithm_for` says whether a message fits an algorithm, and if not, by how much.
-/// Built from [`CommConfig::default`] or [`CommConfig::for_largest_message`] and the
-/// `with_*` methods (no struct literal outside the crate):
+/// Built from [`CommConfig::default`] or [`CommConfig::for_largest_message`] (scratch
+/// sized for the largest message) and the `with_*` methods:
 ///
 /// ```
 /// use std::time::Duration;
@@ -45,23 +43,18 @@ pub struct CommConfig {
     /// packs) the Lamport algorithm takes. The region holds 3 x world-size slots.
     pub lamport_slot_bytes: usize,
     /// Bytes of scratch per rank, into which a staged kernel copies what its peers
-    /// read. A larger message runs through it in pipelined chunks of half of it (one
-    /// barrier more per chunk, the same bits); chunks are whole 16-byte packs (per
-    /// member's part for reduce-scatter and scatter) or whole rows for the fused
-    /// RMSNorm, so a payload below two of them is [`crate::Error::MessageTooLarge`].
-    /// Two-stage needs one partition whole (`Auto` prefers an algorithm that holds the
-    /// message whole), and a batch of group calls all its entries (else one by one).
+    /// read. A larger message runs through it in chunks of half of it (whole packs, or
+    /// rows for the fused RMSNorm; a payload below two is
+    /// [`crate::Error::MessageTooLarge`]). Two-stage needs one partition whole, and a
+    /// batch of group calls all its entries (else one by one).
     pub payload_bytes: usize,
     /// A barrier (or Lamport wait) that spins longer than this gives up and records
     /// [`crate::Error::BarrierTimeout`]; `None` waits forever.
     ///
-    /// The error comes within 2 x `barrier_timeout` (+ launch and copy latency): the
-    /// block that gave up tells its peers it will not touch their memory again, then
-    /// waits at most one more `barrier_timeout` for each peer to say the same, so that
-    /// its buffers are not freed while a late peer still reads them (measured on one
-    /// H200 with 2 s: 4.00 s). A wait satisfied in time restarts the clock, so a slow
-    /// peer can keep a collective running longer. The per-rank [`crate::Comm`] keeps
-    /// memory a peer may still write for 2 x `barrier_timeout` (plus a margin) past a
+    /// The error comes within 2 x `barrier_timeout` (+ launch latency): the block that
+    /// gave up waits one more `barrier_timeout` for its peers to stop touching its
+    /// memory (one H200, 2 s: 4.00 s). A wait satisfied in time restarts the clock. The
+    /// per-rank [`crate::Comm`] keeps memory a peer may still write for that long past a
     /// drop whose peers did not all confirm the teardown (`None`: until exit).
     pub barrier_timeout: Option<Duration>,
     /// Upper bound of blocks per launch (at most `MAX_NUM_BLOCKS_UPPER_BOUND`); `None`
@@ -70,21 +63,16 @@ pub struct CommConfig {
     /// Threads per block on GPUs (the host backend runs one thread per block).
     pub threads_per_block: u32,
     /// Testing aid: lets several ranks share one physical device (told by
-    /// [`crate::Backend::identity`], not by ordinal), each with its own stream and
-    /// signal buffer. Ranks spin waiting for each other, so where k ranks share a
-    /// device each gets at most multiprocessors / k blocks. Ranks in one process on one
-    /// GPU share its context: anything that waits for the whole context (a kernel
-    /// module's first use, `cuCtxSynchronize`, a non-stream-ordered allocation) while a
-    /// peer spins stalls both until the barrier timeout, so load kernels and allocate
-    /// first. Timings mean nothing then. On CUDA a shared GPU's default memory pool
-    /// stops reusing memory across streams (`Backend::prepare_shared_device`), which
-    /// could make one rank's stream wait for another's that waits for it.
+    /// [`crate::Backend::identity`]), each with its own stream and signal buffer, and
+    /// at most multiprocessors / k blocks where k share it (ranks spin for each other).
+    /// Anything that waits for the whole context (a module's first use,
+    /// `cuCtxSynchronize`) while a peer spins stalls both until the barrier timeout, so
+    /// load kernels and allocate first. Timings mean nothing then.
     pub allow_shared_devices: bool,
-    /// How long the per-rank [`crate::Comm`] waits for the other ranks at setup and at
-    /// each bootstrap step of re-initialisation (a drop waits for the peers' teardown
-    /// at most 1 s). Shorter than `barrier_timeout` is [`crate::Error::InvalidConfig`]:
-    /// a rank that waits less on the host than its kernels on the device cannot tell a
-    /// slow peer from a gone one. The [`crate::SingleController`] ignores it.
+    /// How long the per-rank [`crate::Comm`] waits for the other ranks at each
+    /// bootstrap step (a drop at most 1 s); at least `barrier_timeout`
+    /// ([`crate::Error::InvalidConfig`] otherwise), so that a rank tells a slow peer
+    /// from a gone one. The [`crate::SingleController`] ignores it.
     pub bootstrap_timeout: Duration,
     /// Where peer memory cannot serve (no working peer access, several hosts, more
     /// than `MAX_GPUS` ranks): hand the calls to NCCL/RCCL (the default) or refuse;
@@ -95,74 +83,53 @@ pub struct CommConfig {
     #[cfg(feature = "fault-injection")]
     pub simulate: Simulation,
     /// Single controller only: enqueue each rank's kernel from its own launch thread
-    /// (rank 0's from the caller), all at once, instead of one after the other
-    /// (default: on). A launch costs the host a few microseconds (~3.5 us with CUDA),
-    /// so in a loop a call's host time grows with the world. The threads (one per rank
-    /// but rank 0) live as long as the controller and spin ~100 us between calls, then
-    /// sleep. Results, stream order and errors are the same either way;
-    /// [`crate::SingleController::set_parallel_launch`] switches it at run time. Ranks
-    /// need not agree on it.
+    /// (rank 0's from the caller), all at once (default: on), so that a call's host
+    /// time (~3.5 us a launch on CUDA) does not grow with the world. The threads spin
+    /// ~100 us between calls, then sleep. Results and errors are the same either way;
+    /// [`crate::SingleController::set_parallel_launch`] switches it at run time.
     pub parallel_launch: bool,
 }
 
+/// Chained setters: `fn name(arg: T) => field = value;` each.
+macro_rules! setters {
+    ($($(#[$m:meta])* fn $name:ident($arg:ident: $t:ty) => $field:ident = $value:expr;)*) => {
+        $($(#[$m])* pub fn $name(mut self, $arg: $t) -> Self {
+            self.$field = $value;
+            self
+        })*
+    };
+}
+
 impl CommConfig {
-    /// With [`CommConfig::lamport_slot_bytes`].
-    pub fn with_lamport_slot_bytes(mut self, bytes: usize) -> Self {
-        self.lamport_slot_bytes = bytes;
-        self
-    }
-    /// With [`CommConfig::payload_bytes`].
-    pub fn with_payload_bytes(mut self, bytes: usize) -> Self {
-        self.payload_bytes = bytes;
-        self
-    }
-    /// With [`CommConfig::barrier_timeout`] (`None` waits forever).
-    pub fn with_barrier_timeout(mut self, timeout: Option<Duration>) -> Self {
-        self.barrier_timeout = timeout;
-        self
-    }
-    /// With [`CommConfig::max_blocks`] (`None` derives it from the device).
-    pub fn with_max_blocks(mut self, max_blocks: Option<u32>) -> Self {
-        self.max_blocks = max_blocks;
-        self
-    }
-    /// With [`CommConfig::threads_per_block`].
-    pub fn with_threads_per_block(mut self, threads: u32) -> Self {
-        self.threads_per_block = threads;
-        self
-    }
-    /// With [`CommConfig::allow_shared_devices`] (a testing aid).
-    pub fn with_allow_shared_devices(mut self, allow: bool) -> Self {
-        self.allow_shared_devices = allow;
-        self
-    }
-    /// With [`CommConfig::bootstrap_timeout`].
-    pub fn with_bootstrap_timeout(mut self, timeout: Duration) -> Self {
-        self.bootstrap_timeout = timeout;
-        self
-    }
-    /// With [`CommConfig::fallback`].
-    pub fn with_fallback(mut self, fallback: FallbackConfig) -> Self {
-        self.fallback = fallback;
-        self
-    }
-    /// With [`CommConfig::simulate`] (testing only; `fault-injection` feature).
-    ///
-    /// ```
-    /// use peercomm::{CommConfig, Simulation};
-    ///
-    /// let config = CommConfig::default().with_simulate(Simulation::default().with_no_peer_access((0, 1)));
-    /// assert!(config.simulate.is_active());
-    /// ```
-    #[cfg(feature = "fault-injection")]
-    pub fn with_simulate(mut self, simulate: Simulation) -> Self {
-        self.simulate = simulate;
-        self
-    }
-    /// With [`CommConfig::parallel_launch`].
-    pub fn with_parallel_launch(mut self, parallel: bool) -> Self {
-        self.parallel_launch = parallel;
-        self
+    setters! {
+        /// With [`CommConfig::lamport_slot_bytes`].
+        fn with_lamport_slot_bytes(bytes: usize) => lamport_slot_bytes = bytes;
+        /// With [`CommConfig::payload_bytes`].
+        fn with_payload_bytes(bytes: usize) => payload_bytes = bytes;
+        /// With [`CommConfig::barrier_timeout`] (`None` waits forever).
+        fn with_barrier_timeout(timeout: Option<Duration>) => barrier_timeout = timeout;
+        /// With [`CommConfig::max_blocks`] (`None` derives it from the device).
+        fn with_max_blocks(max_blocks: Option<u32>) => max_blocks = max_blocks;
+        /// With [`CommConfig::threads_per_block`].
+        fn with_threads_per_block(threads: u32) => threads_per_block = threads;
+        /// With [`CommConfig::allow_shared_devices`] (a testing aid).
+        fn with_allow_shared_devices(allow: bool) => allow_shared_devices = allow;
+        /// With [`CommConfig::bootstrap_timeout`].
+        fn with_bootstrap_timeout(timeout: Duration) => bootstrap_timeout = timeout;
+        /// With [`CommConfig::fallback`].
+        fn with_fallback(fallback: FallbackConfig) => fallback = fallback;
+        /// With [`CommConfig::simulate`] (testing only; `fault-injection` feature).
+        ///
+        /// ```
+        /// use peercomm::{CommConfig, Simulation};
+        ///
+        /// let config = CommConfig::default().with_simulate(Simulation::default().with_no_peer_access((0, 1)));
+        /// assert!(config.simulate.is_active());
+        /// ```
+        #[cfg(feature = "fault-injection")]
+        fn with_simulate(simulate: Simulation) => simulate = simulate;
+        /// With [`CommConfig::parallel_launch`].
+        fn with_parallel_launch(parallel: bool) => parallel_launch = parallel;
     }
 
     /// The simulation (none without the `fault-injection` feature).
@@ -178,15 +145,13 @@ impl CommConfig {
         self.simulation()?.hosts.as_deref()
     }
 
-    /// The multiprocessor count world rank `rank` reports: the simulated one, or
-    /// `real`.
+    /// The multiprocessor count world rank `rank` reports (simulated, or `real`).
     pub(crate) fn multiprocessors_of(&self, rank: usize, real: usize) -> usize {
         self.simulation()
             .map_or(real, |s| s.multiprocessors_of(rank, real))
     }
 
-    /// The identity world rank `rank` reports: the simulated physical device's (with
-    /// the ordinal of `real`), or `real`.
+    /// The identity world rank `rank` reports (simulated, or `real`).
     pub(crate) fn identity_of(&self, rank: usize, real: DeviceIdentity) -> DeviceIdentity {
         match self.simulation() {
             Some(s) => s.identity_of(rank, real),
@@ -211,9 +176,8 @@ impl CommConfig {
             .map_or_else(|| "none".to_string(), |s| format!("{s:?}"))
     }
 
-    /// What the per-rank [`crate::Comm`] needs of the timeouts (see
-    /// [`CommConfig::bootstrap_timeout`]): an [`Error::InvalidConfig`] naming the fields
-    /// otherwise.
+    /// [`CommConfig::bootstrap_timeout`] at least `barrier_timeout`, for the per-rank
+    /// [`crate::Comm`].
     pub(crate) fn check_per_rank_timeouts(&self) -> Result<()> {
         match self.barrier_timeout {
             Some(barrier) if self.bootstrap_timeout < barrier => {
@@ -248,8 +212,7 @@ impl Default for CommConfig {
     }
 }
 
-/// Options of one all-reduce, built from [`AllReduceOptions::new`] and its chained
-/// setters (the type may gain fields, so it has no struct literal outside the crate).
+/// Options of one all-reduce, built from [`AllReduceOptions::new`] and its setters.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct AllReduceOptions {
@@ -260,10 +223,9 @@ pub struct AllReduceOptions {
     pub algorithm: Algorithm,
     /// Blocks per launch; `None` lets peercomm choose.
     pub blocks: Option<u32>,
-    /// Let the collective's launch overlap the tail of the kernel before it on the
-    /// stream (programmatic dependent launch, NVIDIA sm_90+; elsewhere a plain launch).
-    /// The collective still waits for that kernel's results before reading anything,
-    /// so results are unchanged. Off by default.
+    /// Let the launch overlap the tail of the kernel before it on the stream
+    /// (programmatic dependent launch, NVIDIA sm_90+), which it still waits for before
+    /// reading anything. Off by default.
     pub overlap_previous: bool,
 }
 
@@ -272,25 +234,15 @@ impl AllReduceOptions {
     pub fn new() -> Self {
         Self::default()
     }
-    /// With a group size.
-    pub fn group_size(mut self, group_size: usize) -> Self {
-        self.group_size = group_size;
-        self
-    }
-    /// With an algorithm.
-    pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
-        self.algorithm = algorithm;
-        self
-    }
-    /// With a block count.
-    pub fn blocks(mut self, blocks: u32) -> Self {
-        self.blocks = Some(blocks);
-        self
-    }
-    /// Whether the launch may overlap the previous kernel's tail (see the field).
-    pub fn overlap_previous(mut self, overlap: bool) -> Self {
-        self.overlap_previous = overlap;
-        self
+    setters! {
+        /// With a group size.
+        fn group_size(group_size: usize) => group_size = group_size;
+        /// With an algorithm.
+        fn algorithm(algorithm: Algorithm) => algorithm = algorithm;
+        /// With a block count.
+        fn blocks(blocks: u32) => blocks = Some(blocks);
+        /// Whether the launch may overlap the previous kernel's tail (see the field).
+        fn overlap_previous(overlap: bool) => overlap_previous = overlap;
     }
 }
 

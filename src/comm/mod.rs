@@ -1,10 +1,7 @@
-//! Communicators: one per-rank core and two front doors over it.
-//!
-//! - `core`: one rank (device, signal, peers, settings, routing) and the only code that
-//!   sets a rank up, routes, plans and launches its calls.
-//! - `single`: the single-controller [`SingleController`], one process driving every device.
-//! - `per_rank`: the per-rank [`Comm`], one rank per thread or process.
-//! - `zero_copy`: registered buffers, the symmetric pool and graph capture.
+//! Communicators: one per-rank core (`core`: setup, routing, planning, launch) and two
+//! front doors over it, [`SingleController`] (`single`: one process driving every
+//! device) and [`Comm`] (`per_rank`: one rank per thread or process); `zero_copy`:
+//! registered buffers, the symmetric pool and graph capture.
 
 mod config;
 mod core;

@@ -1,18 +1,14 @@
 //! File descriptors between the ranks' processes, for memory the driver exports only as
-//! one ([`crate::backend::ExportedRange::descriptor`]: CUDA fd pools and VMM, the host
-//! backend's shared memory files). They travel over a Unix socket (`SCM_RIGHTS`, Linux).
+//! one (CUDA fd pools and VMM, the host backend's shared memory), over a Unix socket
+//! (`SCM_RIGHTS`, Linux).
 //!
 //! Each rank listens on an abstract socket of a random name ([`Listener`]), bound before
-//! the name is gathered so no one holds it first; the gathered records ([`Peer`]: pid,
-//! name, nonce) are authenticated by the bootstrap. A sender checks with `SO_PEERCRED`
-//! that the listener is the peer's process and user, then sends the registration, its
-//! rank and the peer's nonce with the descriptor ([`send`]).
-//!
-//! The name is public (`/proc/net/unix`), so the receiver ([`Listener::receive`]) closes
-//! unread any connection of another user or of no expected sender, reads the rest side
-//! by side within [`CONNECTION_READ_TIMEOUT`] each (a stalled one delays no real sender),
-//! and drops anything wrong (registration, nonce, rank, a second descriptor). Both sides
-//! give up at a deadline: a dead peer fails the registration, never hangs it.
+//! its record ([`Peer`]: pid, name, nonce) is gathered through the authenticated
+//! bootstrap. A sender checks with `SO_PEERCRED` that the listener is the peer's process
+//! and user ([`send`]). The name is public, so the receiver ([`Listener::receive`])
+//! closes unread any connection of another user or of no expected sender, reads the
+//! rest side by side within [`CONNECTION_READ_TIMEOUT`] each, and drops anything wrong
+//! (registration, nonce, rank, a second descriptor). Both sides give up at a deadline.
 
 #[cfg(not(target_os = "linux"))]
 use std::time::Instant;
@@ -26,7 +22,7 @@ const MAGIC: u64 = u64::from_le_bytes(*b"pcfdesc1");
 /// Bytes of one message: magic, registration, sender rank, receiver's nonce.
 const MESSAGE_BYTES: usize = 32;
 /// How long a receiver waits for an accepted connection's message (a sender writes it
-/// right after connecting, so a slower one is stalled or bogus and is closed).
+/// right after connecting: a slower one is closed).
 pub(crate) const CONNECTION_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(2);
 /// Connections of expected senders' processes that a receiver holds unread at once;
 /// beyond that the oldest is closed.

@@ -1,8 +1,6 @@
-//! Capturing a communicator's calls into CUDA graphs: [`SingleController::capture`] over
-//! every rank's stream, [`Comm::capture`] over this rank's, both built on the
-//! backend's capture over a set of streams ([`capture`], which knows nothing of
-//! communicators), and [`Comm::capture_registered`], whose graph reads every input in
-//! place.
+//! Capturing a communicator's calls into CUDA graphs (the backend's [`capture`] over
+//! every rank's stream, or this rank's), and [`Comm::capture_registered`], whose graph
+//! reads every input in place.
 
 use std::sync::Arc;
 
@@ -98,26 +96,21 @@ impl std::fmt::Debug for RegisteredGraph {
 
 impl Comm<Cuda> {
     /// Captures what `f` enqueues on this rank's stream into a graph whose calls read
-    /// their inputs in place, registered or not, so that no replay stages a byte (what
-    /// vLLM does with `register_graph_buffers` after a capture). Collective: every rank
-    /// captures the same calls, in the same order as its registrations and symmetric
-    /// allocations.
+    /// their inputs in place, registered or not (vLLM's `register_graph_buffers`).
+    /// Collective, in the same order as the registrations and symmetric allocations.
     ///
     /// `f` is captured twice ([`Comm::register_inputs_of`] over [`Comm::capture`]): the
-    /// first capture, planned as if in place and never launched, records the
-    /// unregistered inputs, which are then registered with every peer; the second is
-    /// kept. So `f` must capture the same calls on the same buffers each time
-    /// ([`CaptureInputs::staged_calls`] counts those that did not). Errors are
-    /// [`Comm::register_inputs_of`]'s: across processes an input must be exportable
-    /// (`cuMemAlloc`, not cudarc's pool), else [`Error::CannotRegister`] on every rank
-    /// ([`Comm::capture`] still captures the calls staged).
+    /// first capture, planned as if in place and never launched, records the inputs to
+    /// register; the second is kept. So `f` must capture the same calls on the same
+    /// buffers each time ([`CaptureInputs::staged_calls`] counts those that did not).
+    /// Across processes an input must be exportable (`cuMemAlloc`, not cudarc's pool),
+    /// else [`Error::CannotRegister`] on every rank.
     pub fn capture_registered<R>(
         &self,
         mut f: impl FnMut() -> Result<R>,
     ) -> Result<(RegisteredGraph, R)> {
         let streams = [self.device().stream().clone()];
-        // The first capture is planned as the second (an explicit two-stage is
-        // accepted) and never launched: it is dropped inside.
+        // The first capture is planned as the second and dropped unlaunched.
         let planning = Planning::InPlace(self.rank());
         let ((mut graphs, value), inputs) =
             self.register_passes(|| capture(&streams, &mut f), planning)?;

@@ -1,14 +1,9 @@
-//! Zero copy for a capture's unregistered inputs (what vLLM's
-//! `register_graph_buffers` does): [`Comm::register_inputs_of`] runs a pass once to
-//! record those inputs, registers them with the peers (collective), and runs it again
-//! with each call reading its input in place (the kernels take the peers' addresses as
-//! arguments, so the second capture is what every replay reads through).
-//!
-//! The registrations are made for the calls, not the buffers: the second pass's k-th
-//! unregistered input is the k-th recorded one, found by number, never by
-//! [`Registry::lookup`], so no other call's place changes and ranks that alias buffers
-//! differently still pair call for call. A call whose input lies at the same offset of
-//! an earlier recorded input on every rank shares that registration.
+//! Zero copy for a capture's unregistered inputs (vLLM's `register_graph_buffers`):
+//! [`Comm::register_inputs_of`] runs a pass to record them, registers them, and runs
+//! it again with each call reading its input in place. The registrations are made for
+//! the calls, not the buffers: the second pass's k-th unregistered input is the k-th
+//! recorded one, found by number (never by [`Registry::lookup`]), so no other call's
+//! place changes and ranks that alias buffers differently still pair call for call.
 
 use std::sync::Arc;
 
@@ -17,16 +12,15 @@ use crate::bootstrap::{Bootstrap, ExchangeKind};
 use crate::error::Result;
 
 use super::records::{decode as decode_record, encode as encode_record, malformed, refused};
-use super::records::{record_word, refusal_of, take, CAPTURE_RECORD};
+use super::records::{decode_all, record_word, refusal_of, take, CAPTURE_RECORD};
 use super::registry::{register_range, Registry};
 use crate::comm::per_rank::Comm;
 use crate::comm::zero_copy::script::{Follow, Planning, Script, Step};
 
 /// The registrations that the calls of a registered capture read their inputs through
-/// ([`Comm::register_inputs_of`], `Comm::capture_registered` (CUDA)): they last as long as
-/// this value (the graph must not be replayed after it is dropped, which
-/// `RegisteredGraph` ensures by holding both). Dropping it ends them on this rank; the
-/// peers' mappings close when they drop theirs.
+/// ([`Comm::register_inputs_of`], `Comm::capture_registered` on CUDA): dropping it ends
+/// them on this rank, so the graph must not be replayed after (`RegisteredGraph` holds
+/// both).
 pub struct CaptureInputs<B: Backend> {
     registry: Arc<Registry<B>>,
     ids: Vec<u64>,
@@ -45,10 +39,9 @@ impl<B: Backend> CaptureInputs<B> {
     pub fn in_place_calls(&self) -> usize {
         self.in_place
     }
-    /// Calls of the kept pass whose input is staged all the same: the pass read an
-    /// input the first pass did not (a buffer allocated inside it, a different call
-    /// sequence). Such calls are still right, only not zero-copy; 0 when the pass
-    /// allocates nothing and issues the same calls each time.
+    /// Calls of the kept pass whose input is staged all the same (still right, only not
+    /// zero-copy): the pass read an input the first did not (a buffer allocated inside
+    /// it, other calls).
     pub fn staged_calls(&self) -> usize {
         self.staged
     }
@@ -116,10 +109,9 @@ fn decode(rank: usize, b: &[u8]) -> Result<Vec<(u64, usize)>> {
 }
 
 /// Which registration each recorded call reads through: `(kept index, offset)` per
-/// call, from every rank's list (`lists[rank][call]`, checked alike in length and
-/// sizes), and the calls whose ranges are registered (kept), in order. A call shares
-/// a kept call's registration where every rank's input lies inside that rank's kept
-/// input at one and the same offset; every rank computes the same answer.
+/// call of every rank's list (`lists[rank][call]`, checked alike), and the calls whose
+/// ranges are registered (kept). A call shares a kept call's registration where every
+/// rank's input lies inside that rank's kept input at one and the same offset.
 fn share(lists: &[Vec<(u64, usize)>]) -> (Vec<(usize, u64)>, Vec<usize>) {
     let calls = lists.first().map_or(0, Vec::len);
     let mut kept: Vec<usize> = Vec::new();
@@ -155,46 +147,35 @@ fn share(lists: &[Vec<(u64, usize)>]) -> (Vec<(usize, u64)>, Vec<usize>) {
 fn check_lists(lists: &[Vec<(u64, usize)>]) -> Result<()> {
     let first = &lists[0];
     for (r, l) in lists.iter().enumerate() {
-        if l.len() != first.len() {
-            return Err(refused(
-                r,
-                format!(
-                    "its pass read {} unregistered inputs where rank 0's read {}: every rank \
-                     captures the same calls",
-                    l.len(),
-                    first.len()
-                ),
-            ));
-        }
-        if let Some(k) = (0..l.len()).find(|&k| l[k].1 != first[k].1) {
-            return Err(refused(
-                r,
-                format!(
-                    "the input of its pass's unregistered call {k} is {} bytes where rank \
-                     0's is {}: every rank captures the same calls",
-                    l[k].1, first[k].1
-                ),
-            ));
-        }
+        let why = if l.len() != first.len() {
+            let (n, n0) = (l.len(), first.len());
+            format!("its pass read {n} unregistered inputs where rank 0's read {n0}")
+        } else if let Some(k) = (0..l.len()).find(|&k| l[k].1 != first[k].1) {
+            let (b, b0) = (l[k].1, first[k].1);
+            format!(
+                "the input of its pass's unregistered call {k} is {b} bytes where rank 0's is {b0}"
+            )
+        } else {
+            continue;
+        };
+        return Err(refused(
+            r,
+            format!("{why}: every rank captures the same calls"),
+        ));
     }
     Ok(())
 }
 
 impl<B: Backend> Comm<B> {
-    /// Runs `pass` twice so that its calls read their inputs in place (collective:
-    /// every rank, the same calls, in the same order as its other registrations and
-    /// symmetric allocations). The first run records the unregistered inputs its calls
-    /// read (its value is dropped), they are registered with every peer, and the second
-    /// run reads each through its registration. Returns the second value and the
-    /// registrations, which must outlive what the pass made of the calls. Where no call
-    /// read an unregistered input, the pass runs once.
+    /// Runs `pass` twice so that its calls read their inputs in place (collective, in
+    /// the same order as the registrations and symmetric allocations): the first run
+    /// (staged, its value dropped) records the unregistered inputs, they are registered
+    /// with every peer, and the second reads each through its registration. Returns the
+    /// second value and the registrations, which must outlive what the pass made of the
+    /// calls. Where no call read an unregistered input, the pass runs once. The pass
+    /// must be safe to run twice on the same buffers (not an explicit two-stage).
     ///
-    /// Made for graph captures (`Comm::capture_registered` (CUDA)). Here the first run's
-    /// calls run staged, so the pass must be safe to run twice with options staged
-    /// inputs allow (not an explicit two-stage), on the same input buffers each time
-    /// ([`CaptureInputs::staged_calls`] counts the calls that were not).
-    ///
-    /// Errors, on every rank: the pass's own error (on its rank;
+    /// Errors, on every rank: the pass's own (on its rank;
     /// [`crate::Error::CannotRegister`] naming it on the others), `CannotRegister` where
     /// ranks recorded different calls or an input cannot be registered, and
     /// [`crate::Error::Unsupported`] without peer memory. Nothing stays registered.
@@ -213,31 +194,23 @@ impl<B: Backend> Comm<B> {
     ) -> Result<(T, CaptureInputs<B>)> {
         self.check_zero_copy()?;
         let core = &*self.core;
-        let usable = core.check_usable();
-        let first = match &usable {
-            Ok(()) => {
-                let _off = ScriptOff(&self.script);
-                *self.script.borrow_mut() = Script::Record(Vec::new(), planning);
-                let value = pass();
-                let recorded = match std::mem::take(&mut *self.script.borrow_mut()) {
-                    Script::Record(inputs, _) => inputs,
-                    _ => Vec::new(),
-                };
-                value.map(|v| (v, recorded))
-            }
-            Err(e) => Err(e.clone()),
-        };
+        let first = core.check_usable().and_then(|()| {
+            let _off = ScriptOff(&self.script);
+            *self.script.borrow_mut() = Script::Record(Vec::new(), planning);
+            let value = pass();
+            let recorded = match std::mem::take(&mut *self.script.borrow_mut()) {
+                Script::Record(inputs, _) => inputs,
+                _ => Vec::new(),
+            };
+            value.map(|v| (v, recorded))
+        });
         let mine = first
             .as_ref()
             .map_or(Vec::new(), |(_, inputs)| inputs.clone());
         let bootstrap = self.exchanges.of(ExchangeKind::Capture);
         let gathered = bootstrap.all_gather(&encode(&mine, &refusal_of(&first)));
         let (value, _) = first?;
-        let lists = gathered?
-            .iter()
-            .enumerate()
-            .map(|(r, b)| decode(r, b))
-            .collect::<Result<Vec<_>>>()?;
+        let lists = decode_all(gathered, Ok(()), decode)?;
         check_lists(&lists)?;
         let mut inputs = CaptureInputs {
             registry: self.registry.clone(),

@@ -1,11 +1,9 @@
 //! The handles of one registration, exchanged among ranks in different processes: each
 //! rank exports the allocation that holds its range ([`Backend::export_range`]) and
-//! gathers every rank's handle; where the driver exports memory only as a file
-//! descriptor, the descriptors follow over the descriptor channel
-//! ([`crate::os::descriptors`]). A refusal to export is gathered, so every rank refuses
-//! alike; a descriptor that does not arrive is this rank's own problem, which the
-//! registration then gathers with the import failures.
+//! gathers every rank's handle; file descriptors follow over the descriptor channel
+//! ([`crate::os::descriptors`]).
 
+use super::lock;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
@@ -16,10 +14,9 @@ use crate::error::{Error, Result};
 use super::records::{decode, encode, malformed, refused, take};
 use crate::os::descriptors::{self, Listener, Peer};
 
-/// How long a rank waits for its peers' descriptors, or to hand one over, at most (a
-/// communicator waits less where its bootstrap timeout is short: see
-/// `Registry::new`). Only a dead or stuck peer makes a rank wait that long: a
-/// connection that is no peer's delays nothing (see [`crate::os::descriptors`]).
+/// How long a rank waits for its peers' descriptors, or to hand one over, at most (less
+/// where the bootstrap timeout is short: `Registry::new`). Only a dead or stuck peer
+/// makes a rank wait that long.
 pub(crate) const DESCRIPTOR_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// A peer's exported range, as received here.
@@ -83,7 +80,7 @@ impl Record {
 
 /// This rank's listener, bound on first use (see [`descriptors`]).
 fn listening(listener: &Mutex<Option<Listener>>) -> Result<(Vec<u8>, u64)> {
-    let mut l = listener.lock().unwrap_or_else(|e| e.into_inner());
+    let mut l = lock(listener);
     if l.is_none() {
         *l = Some(Listener::bind()?);
     }
@@ -92,11 +89,10 @@ fn listening(listener: &Mutex<Option<Listener>>) -> Result<(Vec<u8>, u64)> {
 }
 
 /// Exports `[ptr, ptr + bytes)` and exchanges every rank's export for registration
-/// `registration`, waiting at most `timeout` for the descriptors: `Ok((received,
-/// problem))` with `received[r]` for each rank `r` that `remote[r]` marks (in another
-/// process), and this rank's own problem with the descriptors (to be gathered by the
-/// caller, so that every rank fails alike); `Err` alike on every rank where a rank
-/// refused to export or the gather failed.
+/// `registration`, waiting at most `timeout` for the descriptors: `received[r]` for each
+/// rank `r` that `remote[r]` marks (in another process), and this rank's own problem
+/// with the descriptors (for the caller to gather); `Err` alike on every rank where a
+/// rank refused to export or the gather failed.
 pub(crate) fn exchange<B: Backend>(
     dev: &B::Device,
     group: &dyn Bootstrap,
@@ -110,21 +106,24 @@ pub(crate) fn exchange<B: Backend>(
         pid: std::process::id(),
         ..Record::default()
     };
-    let mut my_descriptor = None;
-    match B::export_range(dev, ptr, bytes) {
+    let my_descriptor = match B::export_range(dev, ptr, bytes) {
         Ok(ExportedRange {
             handle,
             offset,
             descriptor,
         }) => {
-            mine.handle = handle;
-            mine.offset = offset;
+            (mine.handle, mine.offset) = (handle, offset);
             mine.descriptor = descriptor.is_some();
-            my_descriptor = descriptor;
+            descriptor
         }
-        Err(Error::CannotRegister { reason, .. }) => mine.refusal = reason,
-        Err(e) => mine.refusal = e.to_string(),
-    }
+        Err(e) => {
+            mine.refusal = match e {
+                Error::CannotRegister { reason, .. } => reason,
+                e => e.to_string(),
+            };
+            None
+        }
+    };
     // Every rank listens, whether or not a peer turns out to send it a descriptor: the
     // name must be in the record before anyone knows.
     if mine.refusal.is_empty() {
@@ -176,9 +175,7 @@ pub(crate) fn exchange<B: Backend>(
         let received = if from.is_empty() {
             Ok(Vec::new())
         } else {
-            listener
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
+            lock(listener)
                 .as_ref()
                 .ok_or_else(|| "this rank has no descriptor channel".to_string())
                 .and_then(|l| {
@@ -193,25 +190,19 @@ pub(crate) fn exchange<B: Backend>(
         (sent, received)
     });
     drop(my_descriptor);
-    let mut descriptors: Vec<Option<Descriptor>> = (0..records.len()).map(|_| None).collect();
-    let problem = match received {
-        Ok(fds) => {
-            for (&r, fd) in senders.iter().zip(fds) {
-                descriptors[r] = Some(fd);
-            }
-            sent
-        }
-        Err(e) => Some(sent.unwrap_or(e)),
+    // The descriptors came in the order of `senders`.
+    let (mut fds, problem) = match received {
+        Ok(fds) => (fds.into_iter(), sent),
+        Err(e) => (Vec::new().into_iter(), Some(sent.unwrap_or(e))),
     };
     let received = records
         .into_iter()
-        .zip(descriptors)
         .enumerate()
-        .map(|(r, (record, descriptor))| {
-            (r != me && remote[r]).then_some(Received {
+        .map(|(r, record)| {
+            (r != me && remote[r]).then(|| Received {
                 handle: record.handle,
                 offset: record.offset,
-                descriptor,
+                descriptor: senders.contains(&r).then(|| fds.next()).flatten(),
             })
         })
         .collect();

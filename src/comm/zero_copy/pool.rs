@@ -1,7 +1,7 @@
-//! The symmetric pool's bookkeeping on one rank: its segments (each one exportable
-//! allocation, registered with every peer) and their free ranges, handed out first fit
-//! so that every rank that allocates and drops alike places a buffer alike.
+//! The symmetric pool's bookkeeping on one rank: its segments (each registered with every
+//! peer) and their free ranges, handed out first fit.
 
+use super::lock;
 use std::sync::{Arc, Mutex};
 
 use crate::backend::Backend;
@@ -33,16 +33,14 @@ impl<B: Backend> Drop for Segment<B> {
 impl<B: Backend> Segment<B> {
     /// The first free range that holds `bytes`.
     pub(crate) fn first_fit(&self, bytes: u64) -> Option<u64> {
-        self.free
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        lock(&self.free)
             .iter()
             .find(|&&(_, n)| n >= bytes)
             .map(|&(o, _)| o)
     }
     /// Takes `[offset, offset + bytes)` out of the free range that starts at `offset`.
     pub(crate) fn take(&self, offset: u64, bytes: u64) {
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let mut free = lock(&self.free);
         if let Some(i) = free.iter().position(|&(o, _)| o == offset) {
             let (o, n) = free[i];
             if n == bytes {
@@ -54,16 +52,16 @@ impl<B: Backend> Segment<B> {
     }
     /// Whether all of it is free (after [`Segment::reclaim`]).
     pub(crate) fn is_whole(&self) -> bool {
-        *self.free.lock().unwrap_or_else(|e| e.into_inner()) == [(0, self.bytes)]
+        *lock(&self.free) == [(0, self.bytes)]
     }
     /// Moves the dropped ranges into the free list (merging neighbours); whether there
     /// were any.
     pub(crate) fn reclaim(&self) -> bool {
-        let dropped = std::mem::take(&mut *self.dropped.lock().unwrap_or_else(|e| e.into_inner()));
+        let dropped = std::mem::take(&mut *lock(&self.dropped));
         if dropped.is_empty() {
             return false;
         }
-        let mut free = self.free.lock().unwrap_or_else(|e| e.into_inner());
+        let mut free = lock(&self.free);
         free.extend(dropped);
         free.sort_unstable();
         let mut merged: Vec<(u64, u64)> = Vec::with_capacity(free.len());

@@ -93,6 +93,22 @@ pub(crate) fn decode<const N: usize>(
     Ok((words, &b[8 * (N + 1)..]))
 }
 
+/// Every rank's gathered record, decoded, after this rank's own refusal `local` (which
+/// its peers learn from its record).
+pub(crate) fn decode_all<T, E: Into<Error>>(
+    gathered: std::result::Result<Vec<Vec<u8>>, E>,
+    local: Result<()>,
+    decode: impl Fn(usize, &[u8]) -> Result<T>,
+) -> Result<Vec<T>> {
+    local?;
+    let gathered = gathered.map_err(Into::into)?;
+    gathered
+        .iter()
+        .enumerate()
+        .map(|(r, b)| decode(r, b))
+        .collect()
+}
+
 /// The first `n` bytes of `b` and the rest, if it has them.
 pub(crate) fn take(b: &[u8], n: u64) -> Option<(&[u8], &[u8])> {
     b.split_at_checked(usize::try_from(n).ok()?)

@@ -1,15 +1,9 @@
-//! Zero copy with buffers the user already has: [`Comm::register`] (collective) maps
-//! every rank's buffer into every peer, so that a call whose input lies in it reads the
-//! peers' inputs in place (no staging copy, two-stage offered). The registration lasts
-//! as long as the returned [`Registered`].
-//!
-//! What can be registered: any buffer on the host backend and for ranks of one process
-//! (peers reach it at its own address); across processes, memory the driver can export
-//! ([`Backend::export_range`]: `cuMemAlloc` / `hipMalloc` memory, a CUDA pool or
-//! `cuMemCreate` memory made with the POSIX file-descriptor handle type, the host
-//! backend's shared memory, every [`crate::SymmetricBuffer`]). Anything else (cudarc's
-//! default pool allocations, heap memory) is [`Error::CannotRegister`] on every rank,
-//! the buffer given back in the [`RegisterError`].
+//! Zero copy with buffers the user already has ([`Comm::register`]). Any buffer can be
+//! registered on the host backend and among ranks of one process; across processes,
+//! memory the driver can export ([`Backend::export_range`]: `cuMemAlloc` / `hipMalloc`,
+//! a CUDA pool or `cuMemCreate` memory with the POSIX file-descriptor handle type, the
+//! host backend's shared memory, every [`crate::SymmetricBuffer`]). Anything else is
+//! [`Error::CannotRegister`] on every rank, the buffer given back.
 
 use std::sync::Arc;
 
@@ -25,23 +19,20 @@ use crate::comm::zero_copy::registry::{register_range, Registry, RetiredBuffer};
 /// A buffer registered with a per-rank [`Comm`] ([`Comm::register`]): it passes for
 /// the buffer in every call (and derefs to it for reads) while every peer reaches it
 /// in place. Dropping it (or [`Registered::into_inner`]) ends the registration on this
-/// rank. A call pairing a registered input with an unregistered one (or another
-/// place) on a peer is [`crate::CallField::Inputs`], nothing read or written.
+/// rank. A call pairing a registered input with another place on a peer is
+/// [`crate::CallField::Inputs`], nothing read or written.
 ///
-/// There is no `DerefMut`: safe code could swap another buffer in while the peers
-/// still map the old range. Write through the range instead (`&mut registered` in a
-/// collective, [`TypedBuffer::copy_from_host`], cudarc's `DevicePtrMut`), or take the
-/// buffer back with [`Registered::into_inner`] and register again.
+/// There is no `DerefMut` (safe code could swap another buffer in while the peers map
+/// the old range): write through the range (`&mut registered` in a collective,
+/// [`TypedBuffer::copy_from_host`], cudarc's `DevicePtrMut`), or take it back.
 ///
 /// # When the buffer is freed
 ///
 /// A kernel that gives up at its end barrier (a timeout) may leave a peer still
-/// reading. So a `Registered` from [`Comm::register`] dropped after a call that may
-/// have read registered memory in place is kept (retired) until the next
-/// [`Comm::synchronize`] that returns `Ok`, a successful [`Comm::reinitialize`], or the
-/// teardown (freed where every rank met it, else parked with this rank's memory); a
-/// drop with no such call since the last clean synchronize frees it at once.
-/// [`Comm::check_errors`] frees nothing. [`Registered::into_inner`] and
+/// reading. So a `Registered` dropped after a call that may have read registered memory
+/// in place is kept until the next [`Comm::synchronize`] that returns `Ok`, a
+/// successful [`Comm::reinitialize`], or the teardown (freed where every rank met it,
+/// else parked); otherwise it is freed at once. [`Registered::into_inner`] and
 /// [`Comm::register_borrowed`] leave that wait to the caller. Replays of a plain
 /// `Comm::capture` graph are not seen (a `RegisteredGraph`'s are): drop a buffer such
 /// a graph reads only after a clean synchronize following the replays.
@@ -73,9 +64,12 @@ impl<B: Backend, T> std::fmt::Debug for Registered<B, T> {
 }
 
 /// A failed [`Comm::register`]: the error, and the buffer given back.
+#[derive(thiserror::Error)]
+#[error("{error}")]
 #[non_exhaustive]
 pub struct RegisterError<T> {
     /// Why (the same on every rank).
+    #[source]
     pub error: Error,
     /// The buffer, unregistered.
     pub buffer: T,
@@ -89,18 +83,6 @@ impl<T> std::fmt::Debug for RegisterError<T> {
     }
 }
 
-impl<T> std::fmt::Display for RegisterError<T> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        self.error.fmt(f)
-    }
-}
-
-impl<T> std::error::Error for RegisterError<T> {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        Some(&self.error)
-    }
-}
-
 impl<T> From<RegisterError<T>> for Error {
     fn from(e: RegisterError<T>) -> Error {
         e.error
@@ -108,16 +90,14 @@ impl<T> From<RegisterError<T>> for Error {
 }
 
 impl<B: Backend> Comm<B> {
-    /// Registers `buffer` with every rank (collective: every rank registers one buffer
-    /// of the same byte size, in the same order as its other registrations and
-    /// [`Comm::alloc_symmetric`] calls). A collective whose input lies in it (at the
-    /// same offset on every rank) then reads it in place on the peers. Refusals are
-    /// [`Error::CannotRegister`] on every rank, the buffer given back; one this rank
-    /// refuses by itself (another device, a poisoned communicator,
-    /// [`Error::SizeOverflow`]) is that error here and `CannotRegister` naming this rank
-    /// on the peers. Needs peer memory across the whole world ([`Comm::world_path`]
-    /// `Auto`). The buffer is owned (`'static`) so that a drop can keep it while a peer
-    /// may still read it (see [`Registered`]); for views use [`Comm::register_borrowed`].
+    /// Registers `buffer` with every rank (collective: one buffer of the same byte size
+    /// on every rank, in the same order as the other registrations and
+    /// [`Comm::alloc_symmetric`] calls), so that a collective whose input lies in it at
+    /// the same offset on every rank reads it in place. Refusals are
+    /// [`Error::CannotRegister`] on every rank, the buffer given back; one of this rank's
+    /// own (another device, poisoned, [`Error::SizeOverflow`]) is that error here. Needs
+    /// peer memory across the whole world. The buffer is owned so that a drop can keep
+    /// it while a peer may still read it; for views use [`Comm::register_borrowed`].
     pub fn register<T>(&self, buffer: T) -> std::result::Result<Registered<B, T>, RegisterError<T>>
     where
         T: DeviceBuffer<B> + Send + 'static,
@@ -126,11 +106,9 @@ impl<B: Backend> Comm<B> {
     }
 
     /// As [`Comm::register`], for a buffer that borrows memory owned elsewhere (a
-    /// cudarc view, an engine's allocator): dropping the [`Registered`] cannot keep
-    /// that memory, so the caller keeps it (neither freed nor reused) until a
+    /// cudarc view): the caller keeps that memory (neither freed nor reused) until a
     /// [`Comm::synchronize`] that returns `Ok` after the last call that read it, a
-    /// successful [`Comm::reinitialize`], or [`Comm::close`] returning `Ok`: a peer
-    /// left running by this rank's timed-out call may still read it.
+    /// successful [`Comm::reinitialize`], or [`Comm::close`] returning `Ok`.
     pub fn register_borrowed<T>(
         &self,
         buffer: T,
@@ -159,13 +137,12 @@ impl<B: Backend> Comm<B> {
 
     fn register_buffer<T: DeviceBuffer<B>>(&self, buffer: &T) -> Result<u64> {
         let core = &*self.core;
-        // A local refusal is still gathered, so that every rank refuses together.
+        // A local refusal is still gathered, so that every rank refuses together. The
+        // range must not wrap (that would register a few bytes of a huge buffer).
         let local = core
             .check_usable()
             .and_then(|_| core.check_buffer(buffer.device_ordinal(), "registered"))
             .and_then(|_| self.check_zero_copy());
-        // Bytes that a buffer can span, in a range that does not wrap the address
-        // space (a wrapped size would register a few bytes of a huge buffer).
         let (local, ptr, bytes) = match local.and_then(|_| {
             let meta = crate::comm::per_rank::meta(buffer);
             let bytes = meta.bytes(self.rank(), "registered")?;
@@ -207,9 +184,8 @@ impl<B: Backend> Comm<B> {
         Ok(())
     }
 
-    /// Buffers registered on this rank (a [`Registered`] each, one per pool segment of
-    /// the symmetric buffers, and those of live registered captures,
-    /// [`crate::CaptureInputs::registered`]), and the peer allocations mapped here for
+    /// Registrations on this rank (a [`Registered`] each, one per symmetric pool
+    /// segment, those of live registered captures) and the peer allocations mapped for
     /// them: for checking that nothing leaks.
     pub fn registrations(&self) -> (usize, usize) {
         (self.registry.len(), self.registry.imports())
@@ -217,9 +193,8 @@ impl<B: Backend> Comm<B> {
 }
 
 impl<B: Backend, T> Registered<B, T> {
-    /// Ends the registration on this rank and gives the buffer back, with the wait a
-    /// drop would have kept: the caller neither frees nor writes it until the rule of
-    /// [`Comm::register_borrowed`] holds.
+    /// Ends the registration on this rank and gives the buffer back: the caller neither
+    /// frees nor writes it until the rule of [`Comm::register_borrowed`] holds.
     pub fn into_inner(mut self) -> T {
         self.registry.remove(self.id);
         self.buffer.take().expect("present until taken")
@@ -280,8 +255,7 @@ unsafe impl<B: Backend, T: DeviceBufferMut<B>> DeviceBufferMut<B> for Registered
     }
 }
 
-/// Host copies into and out of the registered range (the wrapped buffer's own, which
-/// writes its range and cannot replace the buffer).
+/// Host copies into and out of the registered range (the wrapped buffer's own).
 impl<B: Backend, T: TypedBuffer<B>> TypedBuffer<B> for Registered<B, T> {
     type Elem = T::Elem;
     fn copy_from_host(&mut self, dev: &B::Device, src: &[T::Elem]) -> Result<()> {
@@ -294,9 +268,7 @@ impl<B: Backend, T: TypedBuffer<B>> TypedBuffer<B> for Registered<B, T> {
 
 #[cfg(feature = "cuda")]
 mod cuda_traits {
-    //! cudarc's slice traits for registered buffers, forwarded to the wrapped one, so
-    //! that cudarc's copies and the user's kernels write the registered range (the
-    //! buffer itself is never handed out mutably).
+    //! cudarc's slice traits for registered buffers, forwarded to the wrapped one.
     use std::sync::Arc;
 
     use cudarc::driver::{sys, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};

@@ -10,6 +10,7 @@
 //! synchronize or reinitialize ([`Registry::settle`]) or the teardown
 //! ([`Registry::close`]).
 
+use super::lock;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
@@ -23,7 +24,7 @@ use crate::error::Result;
 use crate::os::descriptors::Listener;
 use crate::signal::MAX_GPUS;
 
-use super::records::{first_refusal, refusal_of, refused, Offer};
+use super::records::{decode_all, first_refusal, refusal_of, refused, Offer};
 
 /// Where every group member's input of one call is, read in place.
 #[derive(Clone, Copy, Debug)]
@@ -101,24 +102,10 @@ pub(crate) struct Registry<B: Backend> {
     /// How long a registration waits for its peers' descriptors ([`exchange`]).
     descriptor_timeout: Duration,
     /// Whether a call since the last [`Registry::settle`] may read registered memory
-    /// in place (set when a lookup finds a registration).
+    /// in place.
     in_flight: AtomicBool,
     /// Buffers kept until the peers' reads are known to be over.
     retired: Mutex<Retired>,
-}
-
-impl<B: Backend> Default for Registry<B> {
-    fn default() -> Self {
-        Registry {
-            entries: Mutex::new(Vec::new()),
-            imports: Mutex::new(Vec::new()),
-            made: Mutex::new(0),
-            channel: Mutex::new(None),
-            descriptor_timeout: DESCRIPTOR_TIMEOUT,
-            in_flight: AtomicBool::new(false),
-            retired: Mutex::new(Retired::default()),
-        }
-    }
 }
 
 impl<B: Backend> Registry<B> {
@@ -127,18 +114,20 @@ impl<B: Backend> Registry<B> {
     /// never came still reaches the gather where its peers wait for its verdict.
     pub(crate) fn new(bootstrap_timeout: Duration) -> Self {
         Registry {
+            entries: Mutex::new(Vec::new()),
+            imports: Mutex::new(Vec::new()),
+            made: Mutex::new(0),
+            channel: Mutex::new(None),
             descriptor_timeout: DESCRIPTOR_TIMEOUT.min(bootstrap_timeout / 2),
-            ..Registry::default()
+            in_flight: AtomicBool::new(false),
+            retired: Mutex::new(Retired::default()),
         }
     }
-}
 
-impl<B: Backend> Registry<B> {
     /// The place of an input of `bytes` bytes at `ptr`, when a listed registered range
-    /// holds all of it (then a call may read registered memory in place: see
-    /// [`Registry::note_in_place`]).
+    /// holds all of it ([`Registry::note_in_place`]d).
     pub(crate) fn lookup(&self, ptr: u64, bytes: usize) -> Option<InPlace> {
-        let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let entries = lock(&self.entries);
         // In u128: no range wraps (registered ranges were checked, an input was not).
         let end = u128::from(ptr) + bytes as u128;
         let e = entries
@@ -149,9 +138,9 @@ impl<B: Backend> Registry<B> {
     }
 
     /// The place at `offset` in registration `id` (listed or not), if it is live (as
-    /// [`Registry::lookup`], noted).
+    /// [`Registry::lookup`]).
     pub(crate) fn place_in(&self, id: u64, offset: u64) -> Option<InPlace> {
-        let entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let entries = lock(&self.entries);
         let e = entries.iter().find(|e| e.id == id)?;
         self.note_in_place();
         Some(e.place(offset))
@@ -163,11 +152,10 @@ impl<B: Backend> Registry<B> {
         self.in_flight.store(true, Ordering::SeqCst);
     }
 
-    /// Takes `buffer` of a dropped registration: kept (retired) while a peer may
-    /// still read it in place, else given back to be freed by the caller (outside
-    /// the lock).
+    /// Takes `buffer` of a dropped registration: kept while a peer may still read it in
+    /// place, else given back to be freed by the caller (outside the lock).
     pub(crate) fn retire(&self, buffer: RetiredBuffer) -> Option<RetiredBuffer> {
-        let mut retired = self.retired.lock().unwrap_or_else(|e| e.into_inner());
+        let mut retired = lock(&self.retired);
         match &retired.closed {
             Some(Some(park)) => {
                 park(buffer);
@@ -182,12 +170,11 @@ impl<B: Backend> Registry<B> {
         }
     }
 
-    /// Every peer finished reading this rank's registered memory (a synchronize that
-    /// found no error, a successful reinitialize): frees the retired buffers. Called
-    /// on the issuing thread, so no call is enqueued meanwhile.
+    /// Every peer finished reading this rank's registered memory (a clean synchronize or
+    /// reinitialize, on the issuing thread): frees the retired buffers.
     pub(crate) fn settle(&self) {
         let freed = {
-            let mut retired = self.retired.lock().unwrap_or_else(|e| e.into_inner());
+            let mut retired = lock(&self.retired);
             self.in_flight.store(false, Ordering::SeqCst);
             std::mem::take(&mut retired.buffers)
         };
@@ -195,22 +182,20 @@ impl<B: Backend> Registry<B> {
     }
 
     /// The communicator's teardown: gives back the retired buffers, for the caller to
-    /// free (`park` `None`: every rank met the teardown, so nothing reads them, and
-    /// later drops free at once) or to park with the rest of the rank's memory (a peer
-    /// may still read; buffers dropped later go to `park`).
+    /// free (`park` `None`: every rank met the teardown; later drops free at once) or to
+    /// park with the rank's memory (later drops go to `park`).
     pub(crate) fn close(&self, park: Option<Parker>) -> Vec<RetiredBuffer> {
-        let mut retired = self.retired.lock().unwrap_or_else(|e| e.into_inner());
+        let mut retired = lock(&self.retired);
         self.in_flight.store(false, Ordering::SeqCst);
         retired.closed = Some(park);
         std::mem::take(&mut retired.buffers)
     }
 
     /// Forgets registration `id` (this rank only): its imports are unmapped once no
-    /// other registration uses them, after this rank's queued work (the mappings' drop
-    /// is stream-ordered or synchronises).
+    /// other registration uses them, after this rank's queued work.
     pub(crate) fn remove(&self, id: u64) {
         let gone: Vec<Entry<B>> = {
-            let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+            let mut entries = lock(&self.entries);
             let (gone, kept) = std::mem::take(&mut *entries)
                 .into_iter()
                 .partition(|e| e.id == id);
@@ -218,22 +203,17 @@ impl<B: Backend> Registry<B> {
             gone
         };
         drop(gone);
-        self.imports
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .retain(|w| w.strong_count() > 0);
+        lock(&self.imports).retain(|w| w.strong_count() > 0);
     }
 
     /// Registered ranges on this rank.
     pub(crate) fn len(&self) -> usize {
-        self.entries.lock().unwrap_or_else(|e| e.into_inner()).len()
+        lock(&self.entries).len()
     }
 
     /// Peer allocations mapped here for the registrations.
     pub(crate) fn imports(&self) -> usize {
-        self.imports
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
+        lock(&self.imports)
             .iter()
             .filter(|w| w.strong_count() > 0)
             .count()
@@ -247,7 +227,7 @@ impl<B: Backend> Registry<B> {
         handle: &[u8],
         descriptor: Option<Descriptor>,
     ) -> Result<Arc<Import<B>>> {
-        let mut imports = self.imports.lock().unwrap_or_else(|e| e.into_inner());
+        let mut imports = lock(&self.imports);
         if let Some(live) = imports
             .iter()
             .filter_map(Weak::upgrade)
@@ -282,7 +262,7 @@ pub(crate) fn register_range<B: Backend>(
 ) -> Result<u64> {
     let (me, n) = (group.rank(), group.world_size());
     // Held to the end: one registration at a time.
-    let mut made = registry.made.lock().unwrap_or_else(|e| e.into_inner());
+    let mut made = lock(&registry.made);
     let id = *made;
     let mine = Offer {
         process: process_token(),
@@ -298,13 +278,7 @@ pub(crate) fn register_range<B: Backend>(
         // whatever comes next (see `Registry::made`).
         *made += 1;
     }
-    // This rank's own refusal first: its peers learn it from its record.
-    local?;
-    let offers = gathered?
-        .iter()
-        .enumerate()
-        .map(|(r, b)| Offer::decode(r, b))
-        .collect::<Result<Vec<_>>>()?;
+    let offers = decode_all(gathered, local, Offer::decode)?;
     if let Some((r, o)) = offers
         .iter()
         .enumerate()
@@ -388,18 +362,14 @@ pub(crate) fn register_range<B: Backend>(
     if let Some(e) = first_refusal(&group.all_gather(problem.as_bytes())?) {
         return Err(e);
     }
-    registry
-        .entries
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .push(Entry {
-            id,
-            base: ptr,
-            bytes,
-            peers,
-            listed,
-            _imports: imports,
-        });
+    lock(&registry.entries).push(Entry {
+        id,
+        base: ptr,
+        bytes,
+        peers,
+        listed,
+        _imports: imports,
+    });
     Ok(id)
 }
 
@@ -408,9 +378,7 @@ mod tests {
     use super::*;
     use crate::error::Error;
 
-    /// A failed registration uses up its number on every rank: the next one gets the
-    /// number after it, so that nothing sent for the failed one (a late descriptor)
-    /// can pass for the next one's.
+    /// A failed registration uses up its number on every rank.
     #[test]
     fn a_failed_registration_uses_up_its_number() {
         use crate::backend::host::Host;
@@ -424,7 +392,7 @@ mod tests {
                     s.spawn(move || {
                         let rank = boot.rank();
                         let dev = Host::open(rank).unwrap();
-                        let registry = Registry::<Host>::default();
+                        let registry = Registry::<Host>::new(Duration::from_secs(60));
                         let memory = vec![0u8; 4096];
                         let ptr = memory.as_ptr() as u64;
                         // Sizes that differ: refused on every rank.

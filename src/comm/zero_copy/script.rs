@@ -1,6 +1,5 @@
 //! What the passes of a registered capture ([`crate::Comm::register_inputs_of`]) do with
-//! each call's input: the first records the unregistered inputs, the second reads each
-//! through the registration made for it, found by number.
+//! each call's input: the first records it, the second reads it through its registration.
 
 use crate::backend::Backend;
 use crate::comm::zero_copy::registry::{InPlace, Registry};
@@ -11,9 +10,8 @@ pub(crate) enum Script {
     /// No registered capture: inputs are placed by the listed registrations only.
     #[default]
     Off,
-    /// The first pass: the unregistered inputs (address, bytes), in call order, and
-    /// whether the pass never runs (a capture that is thrown away), so that its calls
-    /// are planned as the second pass's will be, reading in place.
+    /// The first pass: the unregistered inputs (address, bytes), in call order, and how
+    /// its calls are planned.
     Record(Vec<(u64, usize)>, Planning),
     /// The second pass: the recorded inputs' registrations, taken in order.
     Follow(Follow),
@@ -24,9 +22,8 @@ pub(crate) enum Script {
 pub(crate) enum Planning {
     /// Staged, as they are: the pass runs (a backend without capture).
     Staged,
-    /// As if read in place (rank `.0`'s own input at its own address, the peers' at
-    /// 0): the pass is a capture that is thrown away, never launched, so that an
-    /// option only in-place inputs allow (two-stage) is accepted in both passes.
+    /// As if read in place (rank `.0`'s own input at its address, the peers' at 0): the
+    /// pass is a capture thrown away unlaunched, so that two-stage is accepted in both.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     InPlace(usize),
 }

@@ -1,16 +1,11 @@
-//! Symmetric buffers of a per-rank [`Comm`] ([`Comm::alloc_symmetric`]): memory that
-//! every peer has mapped, at the same offset of the communicator's pool on every rank.
-//!
-//! The pool is a list of segments, each one exportable allocation
-//! ([`MemoryKind::SharedData`]) registered with every peer once. IPC handles, not
-//! virtual memory with file descriptors: a handle is plain bytes any bootstrap carries,
-//! and one import per peer and segment (milliseconds each) keeps allocation cheap.
-//! Allocation is a deterministic first-fit, so a buffer lands at the same (segment,
-//! offset) on every rank that made the same allocations and drops; the ranks compare
-//! placements, a difference is [`Error::CannotRegister`] everywhere. A dropped range is
-//! reused only after this rank's queued work is done: the peers' reads of it were
-//! paired with this rank's kernels, whose end barriers wait for them.
+//! Symmetric buffers ([`Comm::alloc_symmetric`]): memory every peer has mapped, at the
+//! same offset of the communicator's pool on every rank. The pool's segments are
+//! exportable allocations ([`MemoryKind::SharedData`]) registered with every peer once;
+//! a deterministic first fit places a buffer alike on every rank that allocated and
+//! dropped alike (the ranks compare placements). A dropped range is reused only after
+//! this rank's queued work, whose end barriers waited for the peers' reads.
 
+use super::lock;
 use std::sync::{Arc, Mutex};
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut, MemoryKind, TypedBuffer};
@@ -18,7 +13,7 @@ use crate::bootstrap::{Bootstrap, ExchangeKind};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 
-use super::records::{decode, encode, refusal_of, refused, SYMMETRIC_RECORD};
+use super::records::{decode, decode_all, encode, refusal_of, refused, SYMMETRIC_RECORD};
 use super::registry::register_range;
 use crate::comm::core::planning::staging::message_bytes;
 use crate::comm::per_rank::Comm;
@@ -28,14 +23,12 @@ use crate::comm::zero_copy::pool::{reclaim, Segment, ALIGN};
 /// rounded up to 2 MiB). Allocated when the first buffer that needs it is.
 pub const SYMMETRIC_SEGMENT_BYTES: usize = 64 << 20;
 
-/// A buffer of `len` elements of `T` in a per-rank communicator's symmetric pool
+/// `len` elements of `T` in a per-rank communicator's symmetric pool
 /// ([`Comm::alloc_symmetric`]): at the same offset on every rank and mapped by every
-/// peer, so collectives whose input it holds read it in place. Usable as any device
-/// buffer of the crate (on CUDA also as cudarc's `DevicePtr` / `DevicePtrMut`). It
-/// tracks no events: work on another stream than the communicator's orders itself, as
-/// with any raw allocation. Its range is reused after the drop only by a later
-/// allocation, once this rank's queued work is done; an empty segment stays mapped
-/// until [`Comm::trim_symmetric`] or the communicator's drop.
+/// peer, so collectives whose input it holds read it in place. A device buffer of the
+/// crate (on CUDA also cudarc's `DevicePtr` / `DevicePtrMut`) that tracks no events:
+/// work on another stream orders itself. An empty segment stays mapped until
+/// [`Comm::trim_symmetric`] or the communicator's drop.
 pub struct SymmetricBuffer<B: Backend, T: Element> {
     segment: Arc<Segment<B>>,
     offset: u64,
@@ -64,11 +57,7 @@ impl<B: Backend, T: Element> SymmetricBuffer<B, T> {
 
 impl<B: Backend, T: Element> Drop for SymmetricBuffer<B, T> {
     fn drop(&mut self) {
-        self.segment
-            .dropped
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .push((self.offset, self.span));
+        lock(&self.segment.dropped).push((self.offset, self.span));
     }
 }
 
@@ -188,25 +177,22 @@ impl SlotRecord {
 }
 
 impl<B: Backend> Comm<B> {
-    /// Allocates `len` elements of `T` in the symmetric pool (collective: every rank
-    /// the same length and type, in the same order as its other symmetric allocations,
-    /// drops and [`Comm::register`] calls). A placement that differs between ranks, or
-    /// a peer that registers meanwhile, is [`Error::CannotRegister`] on every rank; a
-    /// refusal of this rank's own (poisoned, [`Error::SizeOverflow`], a failed
-    /// allocation) is that error here and `CannotRegister` naming it on the peers.
+    /// Allocates `len` elements of `T` in the symmetric pool (collective: the same length
+    /// and type on every rank, in the same order as the other allocations, drops and
+    /// [`Comm::register`] calls). Placements that differ, or a peer that registers
+    /// meanwhile, are [`Error::CannotRegister`] on every rank; a refusal of this rank's
+    /// own (poisoned, [`Error::SizeOverflow`], a failed allocation) is that error here.
     /// Nothing is allocated anywhere on an error. Needs peer memory across the world.
     pub fn alloc_symmetric<T: Element>(&self, len: usize) -> Result<SymmetricBuffer<B, T>> {
         let core = &*self.core;
-        let mut segments = self.pool.segments.lock().unwrap_or_else(|e| e.into_inner());
+        let mut segments = lock(&self.pool.segments);
         // A local refusal is still gathered (see `SlotRecord`).
         let local = core
             .check_usable()
             .and_then(|_| self.check_zero_copy())
             .and_then(|_| {
-                // Checked, so that no size below wraps (a wrapped span would give a
-                // buffer of no bytes at the next allocation's address): at most
-                // isize::MAX bytes, rounded up to whole units of the alignment and of a
-                // segment, stay within u64.
+                // Checked, so that no size below wraps: isize::MAX bytes, rounded up to
+                // the alignment and a segment, stay within u64.
                 message_bytes(T::DTYPE, len, &|| "a symmetric buffer".into())?;
                 Ok(((len * T::DTYPE.size()).max(1) as u64).next_multiple_of(ALIGN))
             })
@@ -230,10 +216,10 @@ impl<B: Backend> Comm<B> {
         };
         let bootstrap = self.exchanges.of(ExchangeKind::Symmetric);
         let gathered = bootstrap.all_gather(&mine.encode());
-        // This rank's own refusal first: its peers learn it from its record.
-        local?;
-        for (r, g) in gathered?.iter().enumerate() {
-            let theirs = SlotRecord::decode(r, g)?;
+        for (r, theirs) in decode_all(gathered, local.map(drop), SlotRecord::decode)?
+            .into_iter()
+            .enumerate()
+        {
             if !theirs.refusal.is_empty() {
                 return Err(refused(r, theirs.refusal));
             }
@@ -296,8 +282,7 @@ impl<B: Backend> Comm<B> {
 
 #[cfg(feature = "cuda")]
 mod cuda_traits {
-    //! cudarc's slice traits for symmetric buffers, so that the user's kernels (and
-    //! cudarc's copies) take them as they take a `CudaSlice`.
+    //! cudarc's slice traits for symmetric buffers, taken as a `CudaSlice` is.
     use std::sync::Arc;
 
     use cudarc::driver::{sys, CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};

@@ -4,6 +4,7 @@
 //! segments that no rank holds a buffer in, collectively, as `torch.cuda.empty_cache`
 //! gives back its cached blocks.
 
+use super::lock;
 use std::sync::Arc;
 
 use crate::backend::Backend;
@@ -12,7 +13,7 @@ use crate::error::Result;
 
 use super::pool::reclaim;
 use super::records::{decode as decode_record, encode as encode_record, malformed, refused};
-use super::records::{refusal_of, take, TRIM_RECORD};
+use super::records::{decode_all, refusal_of, take, TRIM_RECORD};
 use crate::comm::per_rank::Comm;
 
 /// One rank's record: which of its segments are empty, or why it refuses.
@@ -53,7 +54,7 @@ impl<B: Backend> Comm<B> {
     /// communicator is [`Error::Poisoned`] here and `CannotRegister` on the peers.
     pub fn trim_symmetric(&self) -> Result<u64> {
         let core = &*self.core;
-        let mut segments = self.pool.segments.lock().unwrap_or_else(|e| e.into_inner());
+        let mut segments = lock(&self.pool.segments);
         // Dropped ranges count as free once this rank's work before the drop is done.
         let local = core
             .check_usable()
@@ -66,12 +67,7 @@ impl<B: Backend> Comm<B> {
             .collect();
         let bootstrap = self.exchanges.of(ExchangeKind::Trim);
         let gathered = bootstrap.all_gather(&encode(&empty, &refusal_of(&local)));
-        local?;
-        let lists = gathered?
-            .iter()
-            .enumerate()
-            .map(|(r, b)| decode(r, b, segments.len()))
-            .collect::<Result<Vec<_>>>()?;
+        let lists = decode_all(gathered, local, |r, b| decode(r, b, segments.len()))?;
         let free_everywhere = |i: usize| lists.iter().all(|l| l[i]);
         if !(0..segments.len()).any(free_everywhere) {
             return Ok(0);

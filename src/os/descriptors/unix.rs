@@ -22,10 +22,6 @@ pub(crate) struct Listener {
     nonce: u64,
 }
 
-fn random_u64() -> Result<u64> {
-    getrandom::u64().map_err(|e| channel_error(format!("no random bytes: {e}")))
-}
-
 fn unix_socket(flags: SocketFlags) -> std::result::Result<OwnedFd, String> {
     let flags = SocketFlags::CLOEXEC | flags;
     net::socket_with(AddressFamily::UNIX, SocketType::STREAM, flags, None)
@@ -39,9 +35,8 @@ fn left(deadline: Instant) -> Duration {
         .max(Duration::from_millis(1))
 }
 
-/// The process id and user id of the process at the other end of `socket`
-/// (`SO_PEERCRED`, as of its connect or listen). The pid is 0 where that process
-/// is in a pid namespace this one cannot see.
+/// The process and user ids at the other end of `socket` (`SO_PEERCRED`; pid 0 where
+/// that process is in a pid namespace this one cannot see).
 fn peer_credentials(socket: BorrowedFd<'_>) -> std::result::Result<(u32, u32), String> {
     use std::os::fd::AsRawFd;
     let mut cred = libc::ucred {
@@ -87,24 +82,23 @@ fn peer_is(socket: BorrowedFd<'_>, pid: u32) -> std::result::Result<(), String> 
 impl Listener {
     /// A listener on a fresh random abstract name.
     pub(crate) fn bind() -> Result<Self> {
-        let socket = unix_socket(SocketFlags::NONBLOCK).map_err(channel_error)?;
-        let name = format!(
-            "peercomm-descriptors/{}/{:016x}",
-            std::process::id(),
-            random_u64()?
-        )
-        .into_bytes();
-        let addr = SocketAddrUnix::new_abstract_name(&name)
-            .map_err(|e| channel_error(format!("an abstract socket name: {e}")))?;
-        net::bind(&socket, &addr)
-            .map_err(|e| channel_error(format!("binding a Unix socket: {e}")))?;
-        net::listen(&socket, 64)
-            .map_err(|e| channel_error(format!("listening on a Unix socket: {e}")))?;
-        Ok(Listener {
-            socket,
-            name,
-            nonce: random_u64()?,
-        })
+        let random = || getrandom::u64().map_err(|e| format!("no random bytes: {e}"));
+        let bound = || {
+            let socket = unix_socket(SocketFlags::NONBLOCK)?;
+            let pid = std::process::id();
+            let name = format!("peercomm-descriptors/{pid}/{:016x}", random()?).into_bytes();
+            let addr = SocketAddrUnix::new_abstract_name(&name)
+                .map_err(|e| format!("an abstract socket name: {e}"))?;
+            net::bind(&socket, &addr).map_err(|e| format!("binding a Unix socket: {e}"))?;
+            net::listen(&socket, 64).map_err(|e| format!("listening on a Unix socket: {e}"))?;
+            let nonce = random()?;
+            Ok(Listener {
+                socket,
+                name,
+                nonce,
+            })
+        };
+        bound().map_err(channel_error)
     }
 
     pub(crate) fn name(&self) -> &[u8] {
@@ -116,8 +110,7 @@ impl Listener {
     }
 
     /// One descriptor from each of `from` for registration `registration`, in the
-    /// order of `from`, or an error at `deadline` naming the ranks that sent none
-    /// (connections are vetted and read as the module docs say).
+    /// order of `from`, or an error at `deadline` naming the ranks that sent none.
     pub(crate) fn receive(
         &self,
         registration: u64,
@@ -190,9 +183,8 @@ impl Listener {
             .collect())
     }
 
-    /// Accepts every connection waiting on the listener: those of this user and of
-    /// an expected sender's process join `pending` (read later, without
-    /// blocking); every other one is closed at once, unread.
+    /// Accepts every waiting connection: those of this user and of an expected sender's
+    /// process join `pending`; every other one is closed at once, unread.
     fn admit(
         &self,
         me: u32,
@@ -210,38 +202,31 @@ impl Listener {
                 Err(Errno::INTR) | Err(Errno::CONNABORTED) => continue,
                 Err(e) => return Err(channel_error(format!("accept: {e}"))),
             };
-            let (pid, uid) = match peer_credentials(socket.as_fd()) {
-                Ok(c) => c,
-                Err(e) => {
-                    ignored.note(format!("a connection without credentials ({e})"));
+            let why = match peer_credentials(socket.as_fd()) {
+                Err(e) => format!("a connection without credentials ({e})"),
+                Ok((_, uid)) if uid != me => {
+                    format!("a connection of user {uid} (this rank runs as {me})")
+                }
+                Ok((pid, _)) if !from.iter().any(|p| p.pid == pid) => {
+                    format!("a connection of process {pid}, which is no sender's")
+                }
+                Ok((pid, _)) => {
+                    if pending.len() >= MAX_PENDING {
+                        // The oldest goes: a sender writes right after its connect, so
+                        // the newest is the likeliest to be one.
+                        let oldest = pending.remove(0);
+                        ignored.note(format!(
+                            "a connection of process {} closed unread to make room (over \
+                             {MAX_PENDING} unread ones)",
+                            oldest.pid
+                        ));
+                    }
+                    let until = Instant::now() + CONNECTION_READ_TIMEOUT;
+                    pending.push(Pending { socket, pid, until });
                     continue;
                 }
             };
-            if uid != me {
-                ignored.note(format!(
-                    "a connection of user {uid} (this rank runs as {me})"
-                ));
-            } else if !from.iter().any(|p| p.pid == pid) {
-                ignored.note(format!(
-                    "a connection of process {pid}, which is no sender's"
-                ));
-            } else {
-                if pending.len() >= MAX_PENDING {
-                    // The oldest goes: a sender writes right after its connect, so
-                    // the newest is the likeliest to be one.
-                    let oldest = pending.remove(0);
-                    ignored.note(format!(
-                        "a connection of process {} closed unread to make room (over \
-                         {MAX_PENDING} unread ones)",
-                        oldest.pid
-                    ));
-                }
-                pending.push(Pending {
-                    socket,
-                    pid,
-                    until: Instant::now() + CONNECTION_READ_TIMEOUT,
-                });
-            }
+            ignored.note(why);
         }
     }
 }
@@ -255,8 +240,7 @@ struct Pending {
     until: Instant,
 }
 
-/// Why connections were ignored, for the error that names the missing ranks (the
-/// first few reasons, and how many in all).
+/// Why connections were ignored (the first few reasons, and how many in all).
 #[derive(Default)]
 struct Ignored {
     reasons: Vec<String>,
@@ -312,9 +296,8 @@ enum Read {
     Refused(String),
 }
 
-/// Reads the message `p` brings, without blocking: the descriptor of one of
-/// `from` for `registration`, with this listener's `nonce`, from that sender's
-/// process.
+/// Reads the message `p` brings, without blocking: the descriptor of one of `from` for
+/// `registration`, with this listener's `nonce`, from that sender's process.
 fn read_message(p: &Pending, registration: u64, from: &[Peer], nonce: u64) -> Read {
     let mut bytes = [0u8; MESSAGE_BYTES];
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
