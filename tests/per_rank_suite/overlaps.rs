@@ -10,7 +10,7 @@ use peercomm::{
 };
 
 use super::bounds::{address, not_refused, pattern, View};
-use super::{with_world, with_world_config, Placement};
+use super::{with_world, with_world_config, Placement, ALL_ALGORITHMS};
 
 fn is_overlap<T: std::fmt::Debug>(r: &peercomm::Result<T>) -> bool {
     matches!(r, Err(Error::BuffersOverlap { .. }))
@@ -63,12 +63,7 @@ pub fn overlapping_buffers_are_refused<B: Backend>(place: &Placement) {
             .map(|i| (0..world).map(|r| pattern(r, 1024)[i]).sum())
             .collect();
         let mut alias = Vec::new();
-        for algorithm in [
-            Algorithm::OneStage,
-            Algorithm::TwoStage,
-            Algorithm::Lamport,
-            Algorithm::Auto,
-        ] {
+        for &algorithm in ALL_ALGORITHMS {
             reg.copy_from_host(dev, &pattern(rank, n)).unwrap();
             let opts = AllReduceOptions::new().algorithm(algorithm);
             let r = comm.all_reduce_sum_with(&v(at, 0, 1024), &mut v(at, 0, 1024), &opts);
@@ -257,12 +252,7 @@ pub fn single_controller_overlaps<B: Backend>(place: &Placement) {
     }
     // The exact alias: planned in place, right sums for every algorithm.
     let mut alias = Vec::new();
-    for algorithm in [
-        Algorithm::OneStage,
-        Algorithm::TwoStage,
-        Algorithm::Lamport,
-        Algorithm::Auto,
-    ] {
+    for &algorithm in ALL_ALGORITHMS {
         for (r, b) in bases.iter_mut().enumerate() {
             b.copy_from_host(comm.core(r).device(), &pattern(r, n))
                 .unwrap();
