@@ -12,19 +12,11 @@
 mod common;
 
 use common::fuzz::{calls_from_env, differential, fuzz, fuzz_config, Knobs};
-use common::Placement;
+use common::{cuda_devices, Placement};
 use peercomm::backend::cuda::Cuda;
 use peercomm::backend::host::Host;
 use peercomm::backend::Backend;
 use peercomm::{Algorithm, AllReduceOptions, Error, SingleController};
-
-fn cuda_devices() -> Result<usize, String> {
-    match Cuda::device_count() {
-        Ok(0) => Err("no CUDA device".into()),
-        Ok(n) => Ok(n),
-        Err(e) => Err(format!("no CUDA driver: {e}")),
-    }
-}
 
 reference_suite!(Cuda, cuda_devices(), None, common::LENGTHS);
 
@@ -45,13 +37,10 @@ fn no_gpu_gives_a_typed_error() {
 /// with new inputs uploaded between replays; every replay is checked.
 #[test]
 fn cuda_graph_replays_with_new_data() {
-    let world = match cuda_devices() {
-        Ok(n) => n.min(2),
-        Err(why) => {
-            common::announce_skip("cuda_graph_replays_with_new_data", &why);
-            return;
-        }
+    let Some(gpus) = common::devices("cuda_graph_replays_with_new_data", cuda_devices(), 1) else {
+        return;
     };
+    let world = gpus.min(2);
     let mut rng = common::rng("cuda_graph_replays_with_new_data");
     let comm = common::open::<Cuda>(world, common::suite_config(None));
     let len = 12_345;
@@ -139,13 +128,14 @@ fn cuda_graph_replays_with_new_data() {
 #[test]
 fn cuda_capture_cleans_up_on_error_and_panic() {
     use peercomm::backend::cuda::is_capturing;
-    let world = match cuda_devices() {
-        Ok(n) => n.min(2),
-        Err(why) => {
-            common::announce_skip("cuda_capture_cleans_up_on_error_and_panic", &why);
-            return;
-        }
+    let Some(gpus) = common::devices(
+        "cuda_capture_cleans_up_on_error_and_panic",
+        cuda_devices(),
+        1,
+    ) else {
+        return;
     };
+    let world = gpus.min(2);
     let comm = common::open::<Cuda>(world, common::suite_config(None));
     let mut rng = common::rng("cuda_capture_cleans_up_on_error_and_panic");
     let clean = |what: &str| {
@@ -181,21 +171,13 @@ fn cuda_capture_cleans_up_on_error_and_panic() {
     }
 }
 
-/// The schedule fuzzer over `world` ranks: on `world` GPUs where there are enough, or,
-/// with `share`, round-robin over the GPUs there are. Calls: `PEERCOMM_FUZZ_CALLS`, or
-/// 2000.
-fn fuzz_cuda(test: &str, world: usize, share: bool) {
-    let gpus = match cuda_devices() {
-        Ok(n) => n,
-        Err(why) => {
-            common::announce_skip(test, &why);
-            return;
-        }
-    };
-    if gpus < world && !share {
-        common::announce_skip(test, &format!("needs {world} GPUs, has {gpus}"));
+/// The schedule fuzzer over `world` ranks, round-robin over the GPUs there are (on one
+/// GPU every rank shares it: the sums are what this checks, the timings mean nothing
+/// then). Calls: `PEERCOMM_FUZZ_CALLS`, or 2000.
+fn fuzz_cuda(test: &str, world: usize) {
+    let Some(gpus) = common::devices(test, cuda_devices(), 1) else {
         return;
-    }
+    };
     let placement = Placement::round_robin(world, gpus);
     let knobs = Knobs {
         max_delay_ms: 2,
@@ -205,18 +187,12 @@ fn fuzz_cuda(test: &str, world: usize, share: bool) {
     fuzz::<Cuda>(test, &placement, None, &knobs);
 }
 
-/// World 2 on two GPUs; on a machine with one GPU, both ranks share it (the sums are
-/// what this checks; the timings mean nothing then).
 /// The collectives sweep and the fused kernel with ranks sharing the GPUs (worlds 2 and
 /// 4 round-robin over however many there are), so one GPU checks them too.
 #[test]
 fn collectives_on_shared_gpus() {
-    let gpus = match cuda_devices() {
-        Ok(n) => n,
-        Err(why) => {
-            common::announce_skip("collectives_on_shared_gpus", &why);
-            return;
-        }
+    let Some(gpus) = common::devices("collectives_on_shared_gpus", cuda_devices(), 1) else {
+        return;
     };
     for world in [2, 4] {
         let comm = Placement::round_robin(world, gpus).open::<Cuda>(common::suite_config(None));
@@ -226,18 +202,12 @@ fn collectives_on_shared_gpus() {
 }
 
 /// The Lamport fused all-reduce + residual + RMSNorm against the one-stage one and batch
-/// invariance (tests/common/fused.rs: bf16 and f16, hidden 4096 and 8192, 1 to 256
-/// tokens, small rows and f32, then Lamport all-reduces and fused calls interleaved),
-/// single controller, worlds 2 and 4 round-robin over the GPUs there are (so one GPU
-/// checks them too; the host runs the same in tests/host.rs).
+/// invariance, then Lamport all-reduces and fused calls interleaved: single controller,
+/// worlds 2 and 4 round-robin over the GPUs there are (so one GPU checks them too).
 #[test]
 fn lamport_fused_on_shared_gpus() {
-    let gpus = match cuda_devices() {
-        Ok(n) => n,
-        Err(why) => {
-            common::announce_skip("lamport_fused_on_shared_gpus", &why);
-            return;
-        }
+    let Some(gpus) = common::devices("lamport_fused_on_shared_gpus", cuda_devices(), 1) else {
+        return;
     };
     for world in [2, 4] {
         let placement = Placement::round_robin(world, gpus);
@@ -257,19 +227,10 @@ fn lamport_fused_on_shared_gpus() {
     }
 }
 
-#[test]
-fn fuzz_schedule_world_2() {
-    fuzz_cuda("fuzz_schedule_world_2", 2, true);
-}
-
-#[test]
-fn fuzz_schedule_world_4_shared_gpus() {
-    fuzz_cuda("fuzz_schedule_world_4_shared_gpus", 4, true);
-}
-
-#[test]
-fn fuzz_schedule_world_8_shared_gpus() {
-    fuzz_cuda("fuzz_schedule_world_8_shared_gpus", 8, true);
+tests! {
+    fuzz_schedule_world_2 => fuzz_cuda("fuzz_schedule_world_2", 2);
+    fuzz_schedule_world_4_shared_gpus => fuzz_cuda("fuzz_schedule_world_4_shared_gpus", 4);
+    fuzz_schedule_world_8_shared_gpus => fuzz_cuda("fuzz_schedule_world_8_shared_gpus", 8);
 }
 
 /// The same schedule and the same random inputs through the host reference backend and
@@ -277,12 +238,8 @@ fn fuzz_schedule_world_8_shared_gpus() {
 /// worlds 2 and 4 sharing GPU 0.
 #[test]
 fn host_and_cuda_agree_bitwise() {
-    let gpus = match cuda_devices() {
-        Ok(n) => n,
-        Err(why) => {
-            common::announce_skip("host_and_cuda_agree_bitwise", &why);
-            return;
-        }
+    let Some(gpus) = common::devices("host_and_cuda_agree_bitwise", cuda_devices(), 1) else {
+        return;
     };
     let placements = [
         Placement::round_robin(gpus.min(2), gpus),

@@ -41,69 +41,38 @@ fn place(test: &str, gpus: usize, nccl: bool) -> Option<Place> {
     })
 }
 
-#[test]
-fn cuda_no_peer_access_world_2() {
-    if let Some(p) = place("cuda_no_peer_access_world_2", 2, true) {
-        external_suite::no_peer_access::<Cuda>(&p, 2);
-    }
+/// `#[test]`s running `$body` with the placement `place(name, gpus, nccl)` gives, or
+/// skipping.
+macro_rules! placed_tests {
+    ($($name:ident($gpus:expr, $nccl:expr) => |$p:ident| $body:expr;)+) => {$(
+        #[test]
+        fn $name() {
+            if let Some($p) = place(stringify!($name), $gpus, $nccl) {
+                $body;
+            }
+        }
+    )+};
 }
 
-#[test]
-fn cuda_failed_peer_check_world_2() {
-    if let Some(p) = place("cuda_failed_peer_check_world_2", 2, true) {
-        external_suite::failed_peer_check::<Cuda>(&p, 2);
-    }
-}
-
-#[test]
-fn cuda_hierarchical_world_4_as_2_hosts() {
+placed_tests! {
+    cuda_no_peer_access_world_2(2, true) => |p| external_suite::no_peer_access::<Cuda>(&p, 2);
+    cuda_failed_peer_check_world_2(2, true) =>
+        |p| external_suite::failed_peer_check::<Cuda>(&p, 2);
     // Ranks 0, 1 share GPU 0 as one "host", ranks 2, 3 GPU 1 as the other; NCCL joins
     // ranks {0, 2} and {1, 3}, each across both GPUs.
-    if let Some(p) = place("cuda_hierarchical_world_4_as_2_hosts", 2, true) {
-        let p = Place { devices: 2, ..p };
-        external_suite::simulated_hosts::<Cuda>(&p, 4, 2);
-    }
-}
-
-#[test]
-fn cuda_one_rank_per_simulated_host() {
-    if let Some(p) = place("cuda_one_rank_per_simulated_host", 2, true) {
-        external_suite::simulated_hosts::<Cuda>(&p, 2, 2);
-    }
-}
-
-#[test]
-fn cuda_refuse_keeps_typed_errors() {
-    if let Some(p) = place("cuda_refuse_keeps_typed_errors", 1, false) {
-        external_suite::refuse_keeps_typed_errors::<Cuda>(&p);
-    }
-}
-
-#[test]
-fn cuda_size_invariant_by_default() {
-    if let Some(p) = place("cuda_size_invariant_by_default", 1, false) {
-        external_suite::size_invariant_by_default::<Cuda>(&p, 2);
-    }
-}
-
-#[test]
-fn cuda_by_size_when_opted_in() {
-    if let Some(p) = place("cuda_by_size_when_opted_in", 2, true) {
-        external_suite::by_size_when_opted_in::<Cuda>(&p, 2);
-    }
-}
-
-#[test]
-fn cuda_single_controller_fallback() {
-    if place("cuda_single_controller_fallback", 2, true).is_some() {
-        external_suite::single_controller::<Cuda>(&[0, 1]);
-    }
-}
-
-#[test]
-fn cuda_other_collectives_stay_on_peer_memory() {
-    if let Some(p) = place("cuda_other_collectives_stay_on_peer_memory", 2, true) {
-        let p = Place { devices: 2, ..p };
-        external_suite::other_collectives_stay_on_peer_memory::<Cuda>(&p);
-    }
+    cuda_hierarchical_world_4_as_2_hosts(2, true) =>
+        |p| external_suite::simulated_hosts::<Cuda>(&Place { devices: 2, ..p }, 4, 2);
+    cuda_one_rank_per_simulated_host(2, true) =>
+        |p| external_suite::simulated_hosts::<Cuda>(&p, 2, 2);
+    cuda_refuse_keeps_typed_errors(1, false) =>
+        |p| external_suite::refuse_keeps_typed_errors::<Cuda>(&p);
+    cuda_size_invariant_by_default(1, false) =>
+        |p| external_suite::size_invariant_by_default::<Cuda>(&p, 2);
+    cuda_by_size_when_opted_in(2, true) =>
+        |p| external_suite::by_size_when_opted_in::<Cuda>(&p, 2);
+    cuda_single_controller_fallback(2, true) =>
+        |_p| external_suite::single_controller::<Cuda>(&[0, 1]);
+    cuda_other_collectives_stay_on_peer_memory(2, true) => |p| {
+        external_suite::other_collectives_stay_on_peer_memory::<Cuda>(&Place { devices: 2, ..p })
+    };
 }

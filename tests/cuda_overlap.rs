@@ -94,17 +94,7 @@ fn expected(world: usize, base: impl Fn(usize) -> f32, n: usize) -> Vec<f32> {
 }
 
 fn setup(test: &str) -> Option<(SingleController<Cuda>, Vec<CudaFunction>)> {
-    let gpus = match Cuda::device_count() {
-        Ok(n) if n > 0 => n,
-        Ok(_) => {
-            common::announce_skip(test, "no CUDA device");
-            return None;
-        }
-        Err(e) => {
-            common::announce_skip(test, &format!("no CUDA driver: {e}"));
-            return None;
-        }
-    };
+    let gpus = common::devices(test, common::cuda_devices(), 1)?;
     let comm = Placement::round_robin(2, gpus).open::<Cuda>(common::suite_config(None));
     match producers(&comm) {
         Ok(f) => Some((comm, f)),
