@@ -1,25 +1,16 @@
-//! A loom model check of the counter barrier the host backend runs
-//! (`peercomm::unstable::protocol::barrier`), over loom's atomics with the device kernels'
-//! orderings ([`Ordered`] replaces the host's stronger ones), so the algorithm is checked
-//! under the weakest orderings any backend uses:
-//! - start barrier: relaxed stores and spin loads;
-//! - publishing barrier (data written before it is read after it): release stores,
-//!   acquire spin loads;
-//! - end barrier (peers may then overwrite what this block read): relaxed.
+//! A loom model check of the host backend's counter barrier
+//! (`peercomm::unstable::protocol::barrier`) under the device kernels' orderings, the
+//! weakest any backend uses ([`Ordered`]): start barrier relaxed; publishing barrier
+//! release stores and acquire spin loads; end barrier relaxed.
 //!
-//! Ranks are loom threads (2, 3, and 4 with pair subgroups), 1 or 2 blocks each; each
-//! block passes 3 barriers mixing the world and a subgroup domain on the same signal
-//! memory, counters starting below `u32::MAX` to cross the wrap. Loom fails on deadlock,
-//! livelock, a data race or an assertion: after publishing barrier `k` every group
-//! member's "phase j <= k" write is visible; a peer cell read before an end barrier still
-//! holds its old value (its owner overwrites it only after that barrier).
-//!
+//! Ranks are loom threads (2, 3, and 4 with pair subgroups), 1 or 2 blocks each, passing
+//! 3 barriers that mix the world and a subgroup domain on one signal memory, counters
+//! starting below `u32::MAX` to cross the wrap. Loom fails on deadlock, livelock, a data
+//! race or an assertion: after publishing barrier `k` every member's "phase j <= k" write
+//! is visible; a peer cell read before an end barrier still holds its old value.
 //! 2 ranks x 1 block is exhaustive; larger shapes bound preemptions
-//! (`LOOM_MAX_PREEMPTIONS`) and spins ([`Spin`], `PEERCOMM_LOOM_SPIN_BOUND`) to finish in
-//! about a minute on 2 cores. Negative checks, each caught: single-banked counters,
-//! banks shared between domains, a publishing barrier with relaxed stores or loads, no end
-//! barrier, and a relaxed end barrier over plain memory
-//! ([`end_barrier_relaxed_guards_plain_memory_badly`]).
+//! (`LOOM_MAX_PREEMPTIONS`) and spins ([`Spin`], `PEERCOMM_LOOM_SPIN_BOUND`). Negative
+//! checks catch each broken [`Variant`].
 //!
 //! Run: `RUSTFLAGS="--cfg loom" cargo test --release --test loom_barrier`.
 
@@ -397,22 +388,13 @@ fn run_rank(world: &World, rank: usize, blocks: &[usize]) {
                 Kind::Start => pass::<START>(world, base, site, BarrierKind::Start),
                 Kind::Publish => pass::<PUBLISH>(world, base, site, BarrierKind::Publish),
                 Kind::End => {
-                    // Write after read: this block reads the next member's cell before
-                    // the end barrier; every member overwrites its own after it. The
-                    // read must return the old value: the member cannot have passed the
-                    // barrier before this block arrived at it.
-                    //
-                    // Loom does not model load buffering: it never lets a load return a
-                    // store that comes later in the execution, so with relaxed end
-                    // barriers this check shows that no member leaves the barrier early,
-                    // not that the orderings forbid the load-buffering outcome (read the
-                    // peer's later write; store the own arrival) that the C++ model
-                    // allows for relaxed atomics. A device kernel with a relaxed end
-                    // barrier relies on its hardware not letting a load be satisfied
-                    // after a later store of the same thread became visible, which this
-                    // model cannot check; plain memory under the language model needs
-                    // release/acquire here (variants `PlainWarCells` and
-                    // `EndReleaseAcquire`).
+                    // Write after read: this block reads the next member's cell before the
+                    // end barrier, every member overwrites its own after it, so the read
+                    // must return the old value. Loom does not model load buffering, so
+                    // with relaxed end barriers this shows that no member leaves early, not
+                    // that the orderings forbid that outcome: devices rely on their
+                    // hardware there; plain memory needs release/acquire (variants
+                    // `PlainWarCells`, `EndReleaseAcquire`).
                     let peer = base + (me + 1) % width;
                     let seen = world.read_war(peer, step, block);
                     if s.variant != Variant::MissingEndBarrier {
@@ -569,6 +551,14 @@ fn bounded(
     }
 }
 
+/// Runs `scenario` with the barrier's `variant`.
+fn broken(variant: Variant, scenario: Scenario) {
+    check(Scenario {
+        variant,
+        ..scenario
+    });
+}
+
 /// Exhaustive: every interleaving and every value the loads may return.
 #[test]
 fn two_ranks_one_block() {
@@ -604,10 +594,10 @@ fn three_ranks_two_blocks() {
 #[test]
 #[should_panic(expected = "maximum number of branches")]
 fn single_banked_counters_are_caught() {
-    check(Scenario {
-        variant: Variant::SingleBank,
-        ..scenario(2, 1, [(Span::World, Kind::Publish); 3])
-    });
+    broken(
+        Variant::SingleBank,
+        scenario(2, 1, [(Span::World, Kind::Publish); 3]),
+    );
 }
 
 /// Negative check: subgroup and world barriers on shared counters (the bug the
@@ -615,30 +605,21 @@ fn single_banked_counters_are_caught() {
 #[test]
 #[should_panic(expected = "maximum number of branches")]
 fn shared_domains_are_caught() {
-    check(Scenario {
-        variant: Variant::SharedDomains,
-        ..scenario(2, 1, steps_kernel(1))
-    });
+    broken(Variant::SharedDomains, scenario(2, 1, steps_kernel(1)));
 }
 
 /// Negative check: a publishing barrier that stores relaxed publishes nothing.
 #[test]
 #[should_panic(expected = "Causality violation")]
 fn relaxed_publishing_stores_are_caught() {
-    check(Scenario {
-        variant: Variant::RelaxedStores,
-        ..scenario(2, 1, steps_two_stage())
-    });
+    broken(Variant::RelaxedStores, scenario(2, 1, steps_two_stage()));
 }
 
 /// Negative check: a publishing wait that loads relaxed acquires nothing.
 #[test]
 #[should_panic(expected = "Causality violation")]
 fn relaxed_waits_are_caught() {
-    check(Scenario {
-        variant: Variant::RelaxedLoads,
-        ..scenario(2, 1, steps_two_stage())
-    });
+    broken(Variant::RelaxedLoads, scenario(2, 1, steps_two_stage()));
 }
 
 /// Negative check: without the end barrier a peer overwrites what this block is about
@@ -646,10 +627,7 @@ fn relaxed_waits_are_caught() {
 #[test]
 #[should_panic(expected = "write-after-read")]
 fn missing_end_barrier_is_caught() {
-    check(Scenario {
-        variant: Variant::MissingEndBarrier,
-        ..scenario(2, 1, steps_kernel(1))
-    });
+    broken(Variant::MissingEndBarrier, scenario(2, 1, steps_kernel(1)));
 }
 
 /// Negative check (documents the limit of relaxed end barriers): a relaxed end barrier
@@ -660,24 +638,18 @@ fn missing_end_barrier_is_caught() {
 #[test]
 #[should_panic(expected = "Causality violation")]
 fn end_barrier_relaxed_guards_plain_memory_badly() {
-    check(Scenario {
-        variant: Variant::PlainWarCells,
-        ..scenario(2, 1, steps_kernel(1))
-    });
+    broken(Variant::PlainWarCells, scenario(2, 1, steps_kernel(1)));
 }
 
 /// An end barrier with release stores and acquire loads orders plain reads before the
 /// peers' later plain writes.
 #[test]
 fn end_barrier_release_acquire_guards_plain_memory() {
-    check(Scenario {
-        variant: Variant::EndReleaseAcquire,
-        ..scenario(2, 1, steps_kernel(1))
-    });
-    check(Scenario {
-        variant: Variant::EndReleaseAcquire,
-        ..bounded(3, 1, steps_two_stage(), 1, 2)
-    });
+    broken(Variant::EndReleaseAcquire, scenario(2, 1, steps_kernel(1)));
+    broken(
+        Variant::EndReleaseAcquire,
+        bounded(3, 1, steps_two_stage(), 1, 2),
+    );
 }
 
 /// Beyond the brief's shapes: subgroups of two ranks (sibling groups {0,1} and {2,3},
@@ -695,8 +667,5 @@ fn four_ranks_pair_subgroups() {
 #[test]
 #[should_panic]
 fn shared_domains_are_caught_with_pairs() {
-    check(Scenario {
-        variant: Variant::SharedDomains,
-        ..bounded(4, 1, steps_kernel(2), 0, 2)
-    });
+    broken(Variant::SharedDomains, bounded(4, 1, steps_kernel(2), 0, 2));
 }
