@@ -265,7 +265,7 @@ impl Backend for Host {
     fn alloc_buffer<T: Element>(dev: &HostDevice, len: usize) -> Result<HostBuffer<T>> {
         let dtype = T::DTYPE;
         let bytes = len.checked_mul(std::mem::size_of::<T>()).ok_or_else(|| {
-            memory::alloc_error(format!(
+            device::alloc_error(format!(
                 "{len} elements of {dtype:?} overflow the address space"
             ))
         })?;

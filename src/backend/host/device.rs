@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use super::stream::Stream;
-use crate::error::Result;
+use crate::error::{Error, Result};
 
 /// The host reference backend (see the module docs of `backend::host`).
 #[derive(Debug, Clone, Copy, Default)]
@@ -39,5 +39,14 @@ impl HostDevice {
     /// after the work enqueued before it, and later work waits for it.
     pub(crate) fn enqueue_host_fn(&self, f: impl FnOnce() + Send + 'static) {
         self.stream.enqueue(Box::new(f));
+    }
+}
+
+/// A failed host allocation (heap or shared file).
+pub(super) fn alloc_error(detail: String) -> Error {
+    Error::Backend {
+        backend: "host",
+        call: "alloc",
+        detail,
     }
 }

@@ -4,20 +4,11 @@
 use std::alloc::Layout;
 use std::ptr::NonNull;
 
-use super::device::HostDevice;
+use super::device::{alloc_error, HostDevice};
 use super::shm;
 use super::stream::FreeOnStream;
 use crate::backend::MemoryKind;
-use crate::error::{Error, Result};
-
-/// A failed host allocation.
-pub(super) fn alloc_error(detail: String) -> Error {
-    Error::Backend {
-        backend: "host",
-        call: "alloc",
-        detail,
-    }
-}
+use crate::error::Result;
 
 /// A 256-byte aligned, zero-filled heap block; freed when dropped.
 pub(super) struct HeapBlock {

@@ -12,7 +12,7 @@ use std::sync::{Mutex, MutexGuard};
 use rustix::fs::{MemfdFlags, SealFlags};
 use rustix::mm::{MapFlags, ProtFlags};
 
-use super::memory::alloc_error;
+use super::device::alloc_error;
 use crate::backend::handle::{import_error, Reader, Writer};
 use crate::error::{Error, Result};
 
