@@ -3,17 +3,11 @@
 //! rank's `Arc<CudaStream>` and honour cudarc's event tracking.
 //!
 //! # IPC
-//! One process per GPU maps peers' `cuMemAlloc` memory (signals) through legacy IPC
-//! handles, opened with lazy peer access and closed after synchronising when the
-//! [`CudaPeerMapping`] drops: no setup, where VMM would need shareable allocations and
-//! fds over a socket. One host and a P2P path; the importer need not see the exporting
-//! device (ranks are told apart by [`Backend::identity`]). A handle cannot be opened in
-//! its exporting process (`Error::Unsupported`: use [`Backend::map_peer`]). Pool and VMM
-//! memory travels with its descriptor (`cuda/shareable.rs`).
-//!
-//! The legacy handle, 88 bytes LE: magic `pccu`, version `u32` = 1, the exporter's random
-//! token `u64` (spots a same-process import), the allocation size `u64` (checked against
-//! the opened range), the 64-byte `CUipcMemHandle`.
+//! `cuMemAlloc` memory (signals) travels as a legacy IPC handle, opened with lazy peer
+//! access and closed after synchronising when the [`CudaPeerMapping`] drops: no setup.
+//! One host and a P2P path; the importer need not see the exporting device. A handle
+//! cannot be opened in its exporting process (`Error::Unsupported`: use
+//! [`Backend::map_peer`]). Pool and VMM memory travels with a file descriptor.
 
 /// One driver call (`unsafe`: the site's `// SAFETY:` note covers it), its error
 /// mapped to [`Error::Backend`] naming the call (the function, or the name given).
@@ -31,15 +25,15 @@ macro_rules! cu {
 mod buffers;
 mod device;
 mod graph;
+pub(crate) mod ipc;
 mod launch;
 mod memory;
 mod shareable;
 
 pub(crate) use device::load_first_of;
-use device::{bind, driver, driver_err};
+use device::{backend_err, bind, driver, driver_err};
 pub use device::{Cuda, CudaDevice};
 pub use graph::{capture, is_capturing};
-use memory::GRANTED_POOLS;
 pub use memory::{CudaMemory, CudaPeerMapping};
 
 use cudarc::driver::sys::{self, CUdevice_attribute};
@@ -148,13 +142,7 @@ impl Backend for Cuda {
         match r {
             sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
             }
-            other => {
-                return Err(Error::Backend {
-                    backend: "cuda",
-                    call: "cuCtxEnablePeerAccess",
-                    detail: format!("{other:?}"),
-                })
-            }
+            other => return Err(backend_err("cuCtxEnablePeerAccess", format!("{other:?}"))),
         }
         // Peer access does not cover stream-ordered (pool) allocations, which cudarc
         // uses: grant `dev` access to `peer`'s pool too.
@@ -162,10 +150,7 @@ impl Backend for Cuda {
         let desc = memory::read_write(dev.ctx.ordinal());
         // SAFETY: `desc` is one valid descriptor and outlives the call.
         cu!(cuMemPoolSetAccess(pool, &desc, 1))?;
-        GRANTED_POOLS
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert((pool as usize, dev.ctx.ordinal() as i32));
+        memory::granted_pools().insert((pool as usize, dev.ctx.ordinal() as i32));
         Ok(())
     }
 
@@ -205,7 +190,8 @@ impl Backend for Cuda {
     }
 
     fn export_memory(_dev: &CudaDevice, mem: &CudaMemory) -> Result<Vec<u8>> {
-        memory::export_memory(_dev, mem)
+        bind(&mem.ctx)?;
+        memory::ipc_handle(mem.ptr, mem.bytes).map_err(driver_err("cuIpcGetMemHandle"))
     }
 
     fn export_range(dev: &CudaDevice, ptr: u64, bytes: usize) -> Result<ExportedRange> {
@@ -298,7 +284,8 @@ impl Backend for Cuda {
         dims: LaunchDims,
         args: &AllReduceArgs,
     ) -> Result<()> {
-        launch::launch(dev, kernel, dims, args)
+        super::check_plain_kernel(Self::NAME, kernel)?;
+        launch::launch_one(dev, kernel, dims, args)
     }
 
     fn launch_overlapping(
@@ -316,7 +303,8 @@ impl Backend for Cuda {
         dims: LaunchDims,
         args: &GroupArgs,
     ) -> Result<()> {
-        launch::launch_group(dev, kernel, dims, args)
+        super::check_group_kernel(Self::NAME, kernel, args)?;
+        launch::launch_one(dev, kernel, dims, args)
     }
 
     fn synchronize(dev: &CudaDevice) -> Result<()> {
@@ -329,14 +317,11 @@ impl Backend for Cuda {
         // cudarc multiplies without checking: a wrapped size would allocate too little.
         if !matches!(len.checked_mul(std::mem::size_of::<T>()), Some(b) if b <= isize::MAX as usize)
         {
-            return Err(Error::Backend {
-                backend: "cuda",
-                call: "cuMemAllocAsync",
-                detail: format!(
-                    "{len} elements of {:?} overflow the address space",
-                    T::DTYPE
-                ),
-            });
+            let detail = format!(
+                "{len} elements of {:?} overflow the address space",
+                T::DTYPE
+            );
+            return Err(backend_err("cuMemAllocAsync", detail));
         }
         dev.stream
             .alloc_zeros::<T>(len)

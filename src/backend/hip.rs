@@ -5,20 +5,12 @@
 //! process reaches a peer's allocation at its own address ([`Backend::map_peer`]).
 //!
 //! # IPC
-//! As CUDA's legacy IPC, closed after synchronising when the [`HipPeerMapping`] drops.
-//! `hipIpcMemLazyEnablePeerAccess` is 1 on ROCm 6 and 7, 0 in HIP 5 headers: an import
-//! answered `hipErrorInvalidValue` is retried once with 0. One host only; a
-//! same-process import is `Error::Unsupported`; the opened range is not checked against
-//! the handle's size. The handle, 88 bytes LE: magic `pchi`, version `u32` = 1, the
-//! exporter's random token `u64`, the allocation's size `u64`, the 64-byte
-//! `hipIpcMemHandle_t`.
+//! As CUDA's legacy IPC (the same record), closed after synchronising when the
+//! [`HipPeerMapping`] drops; a same-process import is `Error::Unsupported`, and the
+//! opened range is not checked against the handle's size.
 //!
-//! # Why the HIP functions are declared here
-//! `hip-sys` 0.1.2 makes `hipError_t` a Rust enum, so a code a newer ROCm adds would be
-//! undefined behaviour: `ffi` declares the functions with the status as a plain `i32`
-//! ([`HipStatus`]), each with the same C signature in HIP 5.2 to 7.x. The device
-//! properties changed layout in ROCm 6, so the architecture name is read through
-//! whichever versioned entry point the runtime exports.
+//! `ffi` declares the HIP functions with the status as a plain `i32` ([`HipStatus`]):
+//! `hip-sys` makes `hipError_t` a Rust enum, so a code a newer ROCm adds would be UB.
 
 use std::ffi::{c_int, c_void};
 use std::marker::PhantomData;
@@ -42,6 +34,11 @@ macro_rules! hip {
 mod buffers;
 mod device;
 mod ffi;
+#[cfg(feature = "cuda")]
+use super::cuda::ipc;
+#[cfg(not(feature = "cuda"))]
+#[path = "cuda/ipc.rs"]
+mod ipc;
 mod launch;
 mod memory;
 mod runtime;
@@ -83,11 +80,7 @@ impl Backend for Hip {
                     detail: format!("hipGetDeviceCount: {}", describe(status)),
                 })
             }
-            other => Err(Error::Backend {
-                backend: Hip::NAME,
-                call: "hipGetDeviceCount",
-                detail: describe(other),
-            }),
+            other => Err(backend_err("hipGetDeviceCount", describe(other))),
         }
     }
 
@@ -183,8 +176,7 @@ impl Backend for Hip {
 
     fn memset_d16(dev: &HipDevice, ptr: u64, value: u16, halves: usize) -> Result<()> {
         set_device(dev.ordinal)?;
-        // SAFETY: the caller passes a range inside one of its allocations; the write is
-        // ordered on the device's stream.
+        // SAFETY: as for memset_d32.
         hip!(hipMemsetD16Async(
             ptr as *mut c_void,
             value,
@@ -266,17 +258,9 @@ impl Backend for Hip {
                 ),
             });
         }
-        let bytes = std::mem::size_of_val(src);
+        let (bytes, host) = (std::mem::size_of_val(src), src.as_ptr().cast_mut().cast());
         // SAFETY: `dst` holds `len` elements of T, as many as `src`.
-        unsafe {
-            copy(
-                dev,
-                dst.mem.ptr,
-                src.as_ptr().cast_mut().cast(),
-                bytes,
-                false,
-            )
-        }
+        unsafe { copy(dev, dst.mem.ptr, host, bytes, false) }
     }
 
     fn download<T: Element>(dev: &HipDevice, src: &HipBuffer<T>) -> Result<Vec<T>> {

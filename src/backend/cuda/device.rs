@@ -15,12 +15,18 @@ static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/peercomm_cuda.f
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Cuda;
 
-pub(super) fn driver_err(call: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> Error {
-    move |e| Error::Backend {
+/// An [`Error::Backend`] of CUDA's `call`.
+pub(super) fn backend_err(call: &'static str, detail: String) -> Error {
+    Error::Backend {
         backend: "cuda",
         call,
-        detail: e.to_string(),
+        detail,
     }
+}
+
+/// Maps a driver error of `call`.
+pub(super) fn driver_err(call: &'static str) -> impl FnOnce(cudarc::driver::DriverError) -> Error {
+    move |e| backend_err(call, e.to_string())
 }
 
 /// Makes `ctx` current on this thread.
@@ -83,7 +89,6 @@ pub struct CudaDevice {
     pub(super) kernels: KernelTable,
 }
 
-/// Every kernel entry point, resolved in one context.
 type KernelTable = Arc<HashMap<Kernel, CudaFunction>>;
 
 impl super::super::IntoDevice for CudaDevice {
@@ -145,18 +150,13 @@ fn load_kernels(ctx: &Arc<CudaContext>) -> Result<KernelTable> {
     let module: Arc<CudaModule> = ctx
         .load_module(cudarc::nvrtc::Ptx::from_binary(FATBIN.to_vec()))
         .map_err(driver_err("cuModuleLoadData (embedded fatbin: rebuild with PEERCOMM_CUDA_ARCHS covering this GPU?)"))?;
-    let mut map = HashMap::new();
-    for k in Kernel::all() {
-        let f = module
-            .load_function(&k.symbol())
-            .map_err(driver_err("cuModuleGetFunction"))?;
-        map.insert(k, f);
-    }
+    let map = Kernel::all()
+        .map(|k| Ok((k, module.load_function(&k.symbol())?)))
+        .collect::<std::result::Result<HashMap<_, _>, _>>()
+        .map_err(driver_err("cuModuleGetFunction"))?;
     let map = Arc::new(map);
-    cache
-        .lock()
-        .unwrap_or_else(|e| e.into_inner())
-        .insert(key, map.clone());
+    let mut cache = cache.lock().unwrap_or_else(|e| e.into_inner());
+    cache.insert(key, map.clone());
     Ok(map)
 }
 

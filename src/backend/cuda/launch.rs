@@ -15,18 +15,8 @@ unsafe impl DeviceRepr for AllReduceArgs {}
 // SAFETY: as above (an AllReduceArgs, two u32 and an array of u64 entries).
 unsafe impl DeviceRepr for GroupArgs {}
 
-pub(super) fn launch(
-    dev: &CudaDevice,
-    kernel: Kernel,
-    dims: LaunchDims,
-    args: &AllReduceArgs,
-) -> Result<()> {
-    super::super::check_plain_kernel(<Cuda as Backend>::NAME, kernel)?;
-    launch_one(dev, kernel, dims, args)
-}
-
 /// Launches `kernel` with `args` as its one by-value parameter on the rank's stream.
-fn launch_one<A: DeviceRepr>(
+pub(super) fn launch_one<A: DeviceRepr>(
     dev: &CudaDevice,
     kernel: Kernel,
     dims: LaunchDims,
@@ -62,7 +52,7 @@ pub(super) fn launch_overlapping(
         .compute_capability()
         .map_err(driver_err("cuDeviceGetAttribute"))?;
     if major < 9 {
-        return launch(dev, kernel, dims, args);
+        return launch_one(dev, kernel, dims, args);
     }
     let func = dev.kernels.get(&kernel).expect("every kernel is loaded");
     bind(&dev.ctx)?;
@@ -95,14 +85,4 @@ pub(super) fn launch_overlapping(
         params.as_mut_ptr(),
         std::ptr::null_mut()
     ))
-}
-
-pub(super) fn launch_group(
-    dev: &CudaDevice,
-    kernel: Kernel,
-    dims: LaunchDims,
-    args: &GroupArgs,
-) -> Result<()> {
-    super::super::check_group_kernel(<Cuda as Backend>::NAME, kernel, args)?;
-    launch_one(dev, kernel, dims, args)
 }

@@ -1,15 +1,15 @@
-//! CUDA memory: signal allocations (`CudaMemory`), peer access to a shared device's
-//! pool, IPC export and import (`CudaPeerMapping`) and the peer-access diagnosis.
+//! CUDA memory: allocations (`CudaMemory`), pool access, legacy IPC (`CudaPeerMapping`).
 
 use std::collections::BTreeSet;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
-use cudarc::driver::CudaContext;
+use cudarc::driver::{CudaContext, DriverError};
 
-use super::super::handle::{import_error, process_token, Reader, Writer};
+use super::super::handle::import_error;
 use super::super::ExportedRange;
-use super::device::{bind, driver_err, CudaDevice};
+use super::device::{backend_err, bind, driver_err, CudaDevice};
+use super::ipc;
 use crate::error::{Error, Result};
 
 /// The location of device `ordinal`, for any CUDA version cudarc binds: from 13.2 the
@@ -32,13 +32,16 @@ pub(super) fn device_location(ordinal: usize) -> sys::CUmemLocation {
 }
 
 /// Memory pools known to grant read-write access to a device: (pool, device ordinal).
-pub(super) static GRANTED_POOLS: Mutex<BTreeSet<(usize, i32)>> = Mutex::new(BTreeSet::new());
+static GRANTED_POOLS: Mutex<BTreeSet<(usize, i32)>> = Mutex::new(BTreeSet::new());
+
+/// [`GRANTED_POOLS`], locked.
+pub(super) fn granted_pools() -> std::sync::MutexGuard<'static, BTreeSet<(usize, i32)>> {
+    GRANTED_POOLS.lock().unwrap_or_else(|e| e.into_inner())
+}
 
 /// A device allocation (signal buffers and other internal memory), freed on drop.
 pub struct CudaMemory {
     pub(super) ctx: Arc<CudaContext>,
-    /// The stream of the device it was allocated for (what cudarc's traits of a
-    /// symmetric buffer in it name).
     pub(super) stream: Arc<cudarc::driver::CudaStream>,
     pub(super) ptr: u64,
     pub(super) bytes: usize,
@@ -69,21 +72,8 @@ impl Drop for CudaMemory {
     }
 }
 
-/// Magic of a CUDA IPC handle.
+/// Magic of a CUDA legacy IPC record ([`ipc`]).
 const IPC_MAGIC: &[u8; 4] = b"pccu";
-/// Version of the CUDA IPC handle layout.
-const IPC_VERSION: u32 = 1;
-/// Bytes of a CUDA IPC handle: header 8, exporter's process token 8, size 8,
-/// `CUipcMemHandle` 64.
-const IPC_HANDLE_BYTES: usize = 88;
-
-/// The error for a handle this process exported itself.
-fn same_process_import(detail: &str) -> Error {
-    Error::Unsupported(format!(
-        "cuda: import_memory: {detail}: CUDA IPC cannot open a handle in the process that \
-         exported it; within one process use the allocation's own address (map_peer)"
-    ))
-}
 
 /// Another process's allocation mapped into this one. Dropping it synchronises the
 /// importing context, then unmaps (errors ignored, never panicked on).
@@ -99,14 +89,23 @@ pub struct CudaPeerMapping {
 pub(super) enum Unmap {
     /// `cuIpcCloseMemHandle` (legacy IPC).
     Ipc,
-    /// `cuMemFree` of a pointer imported from this pool (`shareable.rs`), then the
-    /// pool's release.
+    /// `cuMemFree` of a pointer imported from this pool, then the pool's release.
     PoolPointer(usize),
     /// `cuMemUnmap` where mapped, then `cuMemAddressFree` of the reservation.
     Reserved { mapped: bool },
 }
 
 impl CudaPeerMapping {
+    /// The mapping of `bytes` at `ptr` in `dev`'s context, given back by `unmap` on drop.
+    pub(super) fn new(dev: &CudaDevice, ptr: u64, bytes: usize, unmap: Unmap) -> Self {
+        let ctx = dev.ctx.clone();
+        CudaPeerMapping {
+            ctx,
+            ptr,
+            bytes,
+            unmap,
+        }
+    }
     /// Bytes of the exported allocation.
     pub fn bytes(&self) -> usize {
         self.bytes
@@ -240,11 +239,7 @@ pub(super) fn peer_access_problem(
     let location = device_location(peer);
     let pool = pool_of(ptr)?;
     if !pool.is_null() {
-        if GRANTED_POOLS
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .contains(&(pool as usize, peer_ordinal))
-        {
+        if granted_pools().contains(&(pool as usize, peer_ordinal)) {
             return Ok(None);
         }
         let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
@@ -253,10 +248,7 @@ pub(super) fn peer_access_problem(
         cu!(cuMemPoolGetAccess(&mut flags, pool, &mut loc))?;
         return Ok(match flags {
             sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE => {
-                GRANTED_POOLS
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert((pool as usize, peer_ordinal));
+                granted_pools().insert((pool as usize, peer_ordinal));
                 None
             }
             other => Some(format!("its memory pool grants the peer {other:?}")),
@@ -281,11 +273,6 @@ pub(super) fn peer_access_problem(
     })
 }
 
-pub(super) fn export_memory(_dev: &CudaDevice, mem: &CudaMemory) -> Result<Vec<u8>> {
-    bind(&mem.ctx)?;
-    ipc_handle(mem.ptr, mem.bytes).map_err(driver_err("cuIpcGetMemHandle"))
-}
-
 /// Whether `ptr` is `cuMemAlloc` memory (legacy CUDA IPC can export it).
 fn legacy_ipc_capable(ptr: u64) -> Result<bool> {
     let mut legacy: i32 = 0;
@@ -301,30 +288,35 @@ fn legacy_ipc_capable(ptr: u64) -> Result<bool> {
     Ok(legacy != 0)
 }
 
-/// The handle record of the `cuMemAlloc` allocation of `bytes` at `base` (of the
-/// current context).
-fn ipc_handle(
-    base: u64,
-    bytes: usize,
-) -> std::result::Result<Vec<u8>, cudarc::driver::DriverError> {
+/// The record of the `cuMemAlloc` allocation of `bytes` at `base` (of the current
+/// context).
+pub(super) fn ipc_handle(base: u64, bytes: usize) -> std::result::Result<Vec<u8>, DriverError> {
     let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
     // SAFETY: `handle` outlives the call; `base` is the base of a live cuMemAlloc
     // allocation of the current context (the callers' contract).
     unsafe { sys::cuIpcGetMemHandle(&mut handle, base) }.result()?;
-    Ok(Writer::new(IPC_MAGIC, IPC_VERSION)
-        .u64(process_token())
-        .u64(bytes as u64)
-        .bytes(&handle.reserved.map(|c| c as u8))
-        .finish())
+    Ok(ipc::write(
+        IPC_MAGIC,
+        bytes,
+        handle.reserved.map(|c| c as u8),
+    ))
 }
 
-/// The refusal of [`export_range`].
-fn cannot_export(reason: String) -> Error {
+/// The allocation holding `ptr`: its base and size.
+pub(super) fn address_range(ptr: u64) -> std::result::Result<(u64, usize), DriverError> {
+    let (mut base, mut size) = (0, 0);
+    // SAFETY: out-pointers valid for the call; the driver checks `ptr`.
+    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }.result()?;
+    Ok((base, size))
+}
+
+/// A refused export.
+pub(super) fn cannot(reason: String) -> Error {
     Error::CannotRegister { rank: 0, reason }
 }
 
 /// What [`export_range`] found: a legacy IPC export, or memory that legacy IPC cannot
-/// export (its allocation or mapping: `size` bytes at `base`), for `shareable.rs`.
+/// export (its allocation or mapping: `size` bytes at `base`).
 pub(super) enum Export {
     Legacy(ExportedRange),
     Other { base: u64, size: usize },
@@ -332,17 +324,13 @@ pub(super) enum Export {
 
 pub(super) fn export_range(dev: &CudaDevice, ptr: u64, bytes: usize) -> Result<Export> {
     bind(&dev.ctx)?;
-    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
-    // SAFETY: out-pointers valid for the call; the driver checks `ptr`.
-    unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) }
-        .result()
-        .map_err(|e| {
-            cannot_export(format!(
-                "{ptr:#x} is not device memory of this context ({e:?})"
-            ))
-        })?;
+    let (base, size) = address_range(ptr).map_err(|e| {
+        cannot(format!(
+            "{ptr:#x} is not device memory of this context ({e:?})"
+        ))
+    })?;
     if ptr + bytes as u64 > base + size as u64 {
-        return Err(cannot_export(format!(
+        return Err(cannot(format!(
             "{bytes} bytes at {ptr:#x} run past the end of its allocation ({size} bytes at {base:#x})"
         )));
     }
@@ -350,8 +338,7 @@ pub(super) fn export_range(dev: &CudaDevice, ptr: u64, bytes: usize) -> Result<E
         // Pool and virtual memory: exported as a file descriptor where it was made so.
         return Ok(Export::Other { base, size });
     }
-    let handle =
-        ipc_handle(base, size).map_err(|e| cannot_export(format!("cuIpcGetMemHandle: {e:?}")))?;
+    let handle = ipc_handle(base, size).map_err(|e| cannot(format!("cuIpcGetMemHandle: {e:?}")))?;
     Ok(Export::Legacy(ExportedRange {
         handle,
         offset: ptr - base,
@@ -360,13 +347,7 @@ pub(super) fn export_range(dev: &CudaDevice, ptr: u64, bytes: usize) -> Result<E
 }
 
 pub(super) fn import_memory(dev: &CudaDevice, handle: &[u8]) -> Result<CudaPeerMapping> {
-    let mut r = Reader::open("cuda", handle, IPC_MAGIC, IPC_VERSION, IPC_HANDLE_BYTES)?;
-    let (token, bytes, raw) = (r.u64(), r.u64(), r.array::<64>());
-    if token == process_token() {
-        return Err(same_process_import("this process exported the handle"));
-    }
-    let bytes = usize::try_from(bytes)
-        .map_err(|_| import_error("cuda", format!("size {bytes} does not fit here")))?;
+    let (bytes, raw) = ipc::read("cuda", IPC_MAGIC, handle)?;
     bind(&dev.ctx)?;
     let ipc = sys::CUipcMemHandle {
         reserved: raw.map(|b| b as std::ffi::c_char),
@@ -384,35 +365,25 @@ pub(super) fn import_memory(dev: &CudaDevice, handle: &[u8]) -> Result<CudaPeerM
     match opened {
         sys::CUresult::CUDA_SUCCESS => {}
         sys::CUresult::CUDA_ERROR_INVALID_CONTEXT => {
-            return Err(same_process_import(
+            return Err(ipc::same_process(
+                "cuda",
                 "cuIpcOpenMemHandle: CUDA_ERROR_INVALID_CONTEXT (the driver's answer to a \
                  handle of this same process)",
             ))
         }
         other => {
-            return Err(Error::Backend {
-                backend: "cuda",
-                call: "cuIpcOpenMemHandle",
-                detail: format!(
+            return Err(backend_err(
+                "cuIpcOpenMemHandle",
+                format!(
                     "{other:?}: the exporter may have freed the memory or exited, run on \
                      another host, or its GPU and this one have no peer-to-peer path"
                 ),
-            })
+            ))
         }
     }
     // From here on the mapping's drop closes it, on the error path too.
-    let mapping = CudaPeerMapping {
-        ctx: dev.ctx.clone(),
-        ptr,
-        bytes,
-        unmap: Unmap::Ipc,
-    };
-    let (mut base, mut size): (sys::CUdeviceptr, usize) = (0, 0);
-    // SAFETY: out-pointers valid for the call; `ptr` is a live mapping.
-    cu!(
-        "cuMemGetAddressRange",
-        cuMemGetAddressRange_v2(&mut base, &mut size, ptr)
-    )?;
+    let mapping = CudaPeerMapping::new(dev, ptr, bytes, Unmap::Ipc);
+    let (_, size) = address_range(ptr).map_err(driver_err("cuMemGetAddressRange"))?;
     if size < bytes {
         return Err(import_error(
             "cuda",

@@ -1,24 +1,21 @@
-//! Memory CUDA exports only as a POSIX file descriptor (a pool, or `cuMemCreate` memory,
-//! made with `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`): the record travels over the
-//! bootstrap, the descriptor over the descriptor channel (closed once used).
-//! A pool is opened once per exporter pool and context, granted access (imported pools
-//! grant none), and its pointer imported; drop frees the pointer, and the pool with its
-//! last one. A VMM allocation is mapped whole into a reserved range and granted access;
-//! drop unmaps and frees the range.
-//!
+//! Pool and `cuMemCreate` memory, exported as a POSIX file descriptor (sent beside the
+//! record). An imported pool is opened once per exporter pool and context and destroyed
+//! with its last pointer; a VMM allocation is mapped whole into a reserved range.
 //! Records (LE): magic `pccp` (pool) or `pccv` (VMM), version 1, the exporter's token,
 //! the allocation's size, its base, the pool's (or allocation handle's) value in the
 //! exporter, and for pools the 64-byte `CUmemPoolPtrExportData`.
 
+use std::ffi::c_void;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 
 use cudarc::driver::sys;
 
 use super::super::handle::{import_error, process_token, Reader, Writer};
 use super::super::ExportedRange;
-use super::device::{bind, driver_err, CudaDevice};
+use super::device::{backend_err, bind, driver_err, CudaDevice};
 use super::memory::{
-    pool_of, read_write, release_pool, CudaPeerMapping, ImportedPool, Unmap, IMPORTED_POOLS,
+    address_range, cannot, pool_of, read_write, release_pool, CudaPeerMapping, ImportedPool, Unmap,
+    IMPORTED_POOLS,
 };
 use crate::error::{Error, Result};
 
@@ -35,8 +32,19 @@ const POOL_BYTES: usize = VMM_BYTES + 64;
 const POSIX_FD: sys::CUmemAllocationHandleType =
     sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
 
-fn cannot(reason: String) -> Error {
-    Error::CannotRegister { rank: 0, reason }
+/// The descriptor `export` writes to its out-value (an int for the POSIX-fd type), or
+/// the refusal `refused` words from the driver's answer.
+fn export_fd(
+    export: impl FnOnce(*mut c_void) -> sys::CUresult,
+    refused: impl FnOnce(sys::CUresult) -> String,
+) -> Result<OwnedFd> {
+    let mut fd: i32 = -1;
+    let r = export(&mut fd as *mut i32 as *mut c_void);
+    if r != sys::CUresult::CUDA_SUCCESS {
+        return Err(cannot(refused(r)));
+    }
+    // SAFETY: the driver returned a new descriptor that this process owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
 
 /// Exports `[ptr, ptr + bytes)` of memory that legacy IPC cannot export (its
@@ -66,46 +74,52 @@ fn export_pool(
     size: usize,
     offset: u64,
 ) -> Result<ExportedRange> {
-    let mut fd: i32 = -1;
-    // SAFETY: for the POSIX-fd type the out-value is an int, which `fd` is; `pool` is
-    // the live pool of an allocation of the current context.
-    let exported = unsafe {
-        sys::cuMemPoolExportToShareableHandle(
-            &mut fd as *mut i32 as *mut std::ffi::c_void,
-            pool,
-            POSIX_FD,
-            0,
-        )
-    };
-    if exported != sys::CUresult::CUDA_SUCCESS {
-        return Err(cannot(format!(
-            "the memory comes from a stream-ordered pool made without the POSIX file \
-             descriptor handle type (as cudarc's allocations and the device's default pool \
-             are), so no other process can map it ({exported:?}); allocate the buffer with \
-             Comm::alloc_symmetric, or from a pool created with handleTypes = \
-             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (ranks in one process can register any \
-             buffer)"
-        )));
-    }
-    // SAFETY: the driver returned a new descriptor that this process owns.
-    let descriptor = unsafe { OwnedFd::from_raw_fd(fd) };
+    let descriptor = export_fd(
+        // SAFETY: `out` is an int; `pool` is the live pool of an allocation of this context.
+        |out| unsafe { sys::cuMemPoolExportToShareableHandle(out, pool, POSIX_FD, 0) },
+        |r| {
+            format!(
+                "the memory comes from a stream-ordered pool made without the POSIX file \
+                 descriptor handle type (as cudarc's allocations and the device's default \
+                 pool are), so no other process can map it ({r:?}); allocate the buffer with \
+                 Comm::alloc_symmetric, or from a pool created with handleTypes = \
+                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR (ranks in one process can register \
+                 any buffer)"
+            )
+        },
+    )?;
     let mut data = sys::CUmemPoolPtrExportData { reserved: [0; 64] };
     // SAFETY: `data` outlives the call; `base` is the start of a live pool allocation.
     unsafe { sys::cuMemPoolExportPointer(&mut data, base) }
         .result()
         .map_err(|e| cannot(format!("cuMemPoolExportPointer: {e:?}")))?;
-    let handle = Writer::new(POOL_MAGIC, VERSION)
+    let fields = (size, base, pool as u64);
+    Ok(exported(
+        POOL_MAGIC,
+        fields,
+        &data.reserved,
+        offset,
+        descriptor,
+    ))
+}
+
+/// The range at `offset` of an allocation, `(size, base, identity)` in the exporter, with
+/// its descriptor and its record (of `magic`, ending with `tail`).
+fn exported(
+    magic: &[u8; 4],
+    (size, base, identity): (usize, u64, u64),
+    tail: &[u8],
+    offset: u64,
+    descriptor: OwnedFd,
+) -> ExportedRange {
+    let handle = Writer::new(magic, VERSION)
         .u64(process_token())
-        .u64(size as u64)
-        .u64(base)
-        .u64(pool as u64)
-        .bytes(&data.reserved)
-        .finish();
-    Ok(ExportedRange {
-        handle,
+        .u64(size as u64);
+    ExportedRange {
+        handle: handle.u64(base).u64(identity).bytes(tail).finish(),
         offset,
         descriptor: Some(descriptor),
-    })
+    }
 }
 
 /// Releases a retained allocation handle on drop.
@@ -121,7 +135,7 @@ impl Drop for Retained {
 fn retain(ptr: u64) -> Option<Retained> {
     let mut handle: sys::CUmemGenericAllocationHandle = 0;
     // SAFETY: `handle` outlives the call; the driver checks that `ptr` is mapped.
-    let r = unsafe { sys::cuMemRetainAllocationHandle(&mut handle, ptr as *mut std::ffi::c_void) };
+    let r = unsafe { sys::cuMemRetainAllocationHandle(&mut handle, ptr as *mut c_void) };
     (r == sys::CUresult::CUDA_SUCCESS).then_some(Retained(handle))
 }
 
@@ -139,37 +153,25 @@ fn export_vmm(ptr: u64, bytes: usize, base: u64, size: usize) -> Result<Option<E
              allocation's range on its own"
         )));
     }
-    let mut fd: i32 = -1;
-    // SAFETY: for the POSIX-fd type the out-value is an int, which `fd` is; the handle
-    // is retained.
-    let exported = unsafe {
-        sys::cuMemExportToShareableHandle(
-            &mut fd as *mut i32 as *mut std::ffi::c_void,
-            first.0,
-            POSIX_FD,
-            0,
-        )
-    };
-    if exported != sys::CUresult::CUDA_SUCCESS {
-        return Err(cannot(format!(
-            "the memory is a virtual-memory allocation (cuMemCreate) made without \
-             CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR in its requestedHandleTypes, so no other \
-             process can map it ({exported:?})"
-        )));
-    }
-    // SAFETY: the driver returned a new descriptor that this process owns.
-    let descriptor = unsafe { OwnedFd::from_raw_fd(fd) };
-    let handle = Writer::new(VMM_MAGIC, VERSION)
-        .u64(process_token())
-        .u64(size as u64)
-        .u64(base)
-        .u64(first.0)
-        .finish();
-    Ok(Some(ExportedRange {
-        handle,
-        offset: ptr - base,
-        descriptor: Some(descriptor),
-    }))
+    let descriptor = export_fd(
+        // SAFETY: `out` is an int; the handle is retained.
+        |out| unsafe { sys::cuMemExportToShareableHandle(out, first.0, POSIX_FD, 0) },
+        |r| {
+            format!(
+                "the memory is a virtual-memory allocation (cuMemCreate) made without \
+                 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR in its requestedHandleTypes, so no \
+                 other process can map it ({r:?})"
+            )
+        },
+    )?;
+    let fields = (size, base, first.0);
+    Ok(Some(exported(
+        VMM_MAGIC,
+        fields,
+        &[],
+        ptr - base,
+        descriptor,
+    )))
 }
 
 /// The imported pool of `key`, opened from `descriptor` when it is not open yet, with
@@ -186,7 +188,7 @@ fn open_pool(key: (u64, u64, usize), descriptor: OwnedFd) -> Result<sys::CUmemor
     // call.
     cu!(cuMemPoolImportFromShareableHandle(
         &mut pool,
-        descriptor.as_raw_fd() as usize as *mut std::ffi::c_void,
+        descriptor.as_raw_fd() as usize as *mut c_void,
         POSIX_FD,
         0
     ))?;
@@ -223,18 +225,16 @@ fn mismatch(detail: String) -> Error {
 }
 
 /// Checks that the allocation imported from a descriptor (`generic`) is what a `pccv`
-/// handle of `size` bytes names: pinned device memory of which `size` is a whole
-/// number of granules. (Its exact size is checked by mapping it: the driver maps an
-/// imported allocation only whole.)
+/// handle of `size` bytes names: pinned device memory, `size` a whole number of granules
+/// (mapping it checks the exact size: the driver maps an imported allocation only whole).
 fn check_vmm_import(generic: sys::CUmemGenericAllocationHandle, size: usize) -> Result<()> {
     // SAFETY: all-zero bits are a valid CUmemAllocationProp (C enums, integers, a null
     // pointer and a union of integers); the driver fills it.
     let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
     // SAFETY: `prop` outlives the call; `generic` is a live imported handle.
     cu!(cuMemGetAllocationPropertiesFromHandle(&mut prop, generic))?;
-    // The allocation's type and its location's type, read as the C ints they are (a
-    // value this build's enums lack must not be read as one of them): the first word
-    // of the struct and of its location, at offset 8 in every CUDA version's layout.
+    // The allocation's type and its location's type, read as C ints (a value this
+    // build's enums lack must not be read as one): words 0 and 2 in every CUDA layout.
     const _: () = assert!(std::mem::size_of::<sys::CUmemLocation>() == 8);
     // SAFETY: reads of two aligned 4-byte ints inside `prop` (at least 16 bytes: two
     // enums then the 8-byte location).
@@ -275,11 +275,7 @@ pub(super) fn import(
     descriptor: Option<OwnedFd>,
 ) -> Result<CudaPeerMapping> {
     let pool = handle.starts_with(POOL_MAGIC);
-    let (magic, bytes) = if pool {
-        (POOL_MAGIC, POOL_BYTES)
-    } else {
-        (VMM_MAGIC, VMM_BYTES)
-    };
+    let (magic, bytes) = [(VMM_MAGIC, VMM_BYTES), (POOL_MAGIC, POOL_BYTES)][pool as usize];
     let mut r = Reader::open("cuda", handle, magic, VERSION, bytes)?;
     let (token, size, _base, identity) = (r.u64(), r.u64(), r.u64(), r.u64());
     if token == process_token() {
@@ -305,25 +301,14 @@ pub(super) fn import(
         // the call.
         if let Err(e) = unsafe { sys::cuMemPoolImportPointer(&mut ptr, pool, &mut data) }.result() {
             release_pool(pool as usize);
-            return Err(Error::Backend {
-                backend: "cuda",
-                call: "cuMemPoolImportPointer",
-                detail: format!("{e:?}: the exporter may have freed the memory or exited"),
-            });
+            return Err(backend_err(
+                "cuMemPoolImportPointer",
+                format!("{e:?}: the exporter may have freed the memory or exited"),
+            ));
         }
         // From here the mapping's drop frees the pointer, on the error path too.
-        let mapping = CudaPeerMapping {
-            ctx: dev.ctx.clone(),
-            ptr,
-            bytes: size,
-            unmap: Unmap::PoolPointer(pool as usize),
-        };
-        let (mut base, mut bytes): (sys::CUdeviceptr, usize) = (0, 0);
-        // SAFETY: out-pointers valid for the call; `ptr` is a live imported pointer.
-        cu!(
-            "cuMemGetAddressRange",
-            cuMemGetAddressRange_v2(&mut base, &mut bytes, ptr)
-        )?;
+        let mapping = CudaPeerMapping::new(dev, ptr, size, Unmap::PoolPointer(pool as usize));
+        let (base, bytes) = address_range(ptr).map_err(driver_err("cuMemGetAddressRange"))?;
         if (base, bytes) != (ptr, size) {
             return Err(mismatch(format!(
                 "the pool allocation it opens is {bytes} bytes at offset {} of its range, \
@@ -339,7 +324,7 @@ pub(super) fn import(
     // the call.
     cu!(cuMemImportFromShareableHandle(
         &mut generic,
-        descriptor.as_raw_fd() as usize as *mut std::ffi::c_void,
+        descriptor.as_raw_fd() as usize as *mut c_void,
         POSIX_FD
     ))?;
     // The mapping below keeps the memory; this reference goes at the end of scope.
@@ -349,15 +334,9 @@ pub(super) fn import(
     // SAFETY: `va` outlives the call; the driver picks the address.
     cu!(cuMemAddressReserve(&mut va, size, 0, 0, 0))?;
     // From here the mapping's drop unmaps and frees the range, on errors too.
-    let mapping = CudaPeerMapping {
-        ctx: dev.ctx.clone(),
-        ptr: va,
-        bytes: size,
-        unmap: Unmap::Reserved { mapped: false },
-    };
-    // SAFETY: `va` is a fresh reservation of `size` bytes; the handle is imported.
-    // The driver maps an imported allocation only whole: this fails unless the
-    // descriptor's allocation has exactly the handle's size.
+    let mut mapping = CudaPeerMapping::new(dev, va, size, Unmap::Reserved { mapped: false });
+    // SAFETY: `va` is a fresh reservation of `size` bytes; the handle is imported. The
+    // driver maps an imported allocation only whole: this checks its exact size.
     unsafe { sys::cuMemMap(va, size, 0, generic.0, 0) }
         .result()
         .map_err(|e| {
@@ -366,7 +345,6 @@ pub(super) fn import(
                  of another size"
             ))
         })?;
-    let mut mapping = mapping;
     mapping.unmap = Unmap::Reserved { mapped: true };
     let access = read_write(ordinal);
     // SAFETY: `[va, va + size)` is mapped; `access` outlives the call.

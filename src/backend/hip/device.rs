@@ -1,5 +1,4 @@
-//! `HipDevice` (stream, loaded kernels, what the runtime reports), opening it, and
-//! `HipEvent`.
+//! `HipDevice` (stream, loaded kernels, what the runtime reports), opening it; `HipEvent`.
 
 use std::ffi::c_void;
 use std::ptr::null_mut;
@@ -175,28 +174,22 @@ pub(super) fn open(ordinal: usize) -> Result<HipDevice> {
     let processor = gcn_arch_name.split(':').next().unwrap_or("").to_string();
     let code_object = code_object_for(&gcn_arch_name).ok_or_else(|| {
         let built: Vec<&str> = embedded_code_objects().map(|c| c.target).collect();
-        let skipped: Vec<String> = skipped_architectures()
+        let skipped = skipped_architectures()
             .iter()
-            .map(|(a, why)| format!("{a} ({why})"))
-            .collect();
+            .map(|(a, why)| format!("{a} ({why})"));
+        let skipped = skipped.collect::<Vec<_>>().join(", ");
+        let skipped = match skipped.is_empty() {
+            true => skipped,
+            false => format!(" (not built: {skipped})"),
+        };
         Error::Unsupported(format!(
             "HIP device {ordinal} is {gcn_arch_name}, and this build of peercomm embeds code \
-             objects for {built:?} only{}; rebuild with PEERCOMM_HIP_ARCHS={processor} \
-             (see docs/amd.md)",
-            if skipped.is_empty() {
-                String::new()
-            } else {
-                format!(" (not built: {})", skipped.join(", "))
-            }
+             objects for {built:?} only{skipped}; rebuild with PEERCOMM_HIP_ARCHS={processor} \
+             (see docs/amd.md)"
         ))
     })?;
     let compute_units = attribute(ordinal, ffi::ATTR_MULTIPROCESSOR_COUNT)
-        .map_err(|s| Error::Backend {
-            backend: Hip::NAME,
-            call: "hipDeviceGetAttribute(MultiprocessorCount)",
-            detail: describe(s),
-        })?
-        .max(1) as usize;
+        .map_err(|s| backend_err("hipDeviceGetAttribute(MultiprocessorCount)", describe(s)))?;
 
     let mut stream: hipStream_t = null_mut();
     // SAFETY: `stream` is a valid out pointer.
@@ -205,15 +198,9 @@ pub(super) fn open(ordinal: usize) -> Result<HipDevice> {
         ffi::STREAM_NON_BLOCKING
     ))?;
     // The ELF reader wants an aligned image; embedded bytes are only 1-aligned.
-    let mut image = vec![0u64; code_object.bytes.len().div_ceil(8)];
-    // SAFETY: `image` has room for all the bytes; the regions do not overlap.
-    unsafe {
-        std::ptr::copy_nonoverlapping(
-            code_object.bytes.as_ptr(),
-            image.as_mut_ptr().cast::<u8>(),
-            code_object.bytes.len(),
-        )
-    };
+    let image: Vec<u64> = (code_object.bytes.chunks(8))
+        .map(|c| u64::from_ne_bytes(std::array::from_fn(|i| c.get(i).copied().unwrap_or(0))))
+        .collect();
     let mut module: hipModule_t = null_mut();
     // SAFETY: `module` is a valid out pointer and `image` a complete code object
     // that outlives the call (HIP copies it).
@@ -221,15 +208,9 @@ pub(super) fn open(ordinal: usize) -> Result<HipDevice> {
     if loaded != ffi::SUCCESS {
         // SAFETY: created above, unused.
         unsafe { ffi::hipStreamDestroy(stream) };
-        return Err(Error::Backend {
-            backend: Hip::NAME,
-            call: "hipModuleLoadData",
-            detail: format!(
-                "the {} code object on {gcn_arch_name}: {}",
-                code_object.target,
-                describe(loaded)
-            ),
-        });
+        let (target, loaded) = (code_object.target, describe(loaded));
+        let detail = format!("the {target} code object on {gcn_arch_name}: {loaded}");
+        return Err(backend_err("hipModuleLoadData", detail));
     }
     let mut device = HipDevice {
         ordinal,
@@ -240,7 +221,7 @@ pub(super) fn open(ordinal: usize) -> Result<HipDevice> {
         gcn_arch_name,
         processor,
         code_object,
-        compute_units,
+        compute_units: compute_units.max(1) as usize,
         wall_clock_khz: None,
     };
     // From here on `device`'s Drop releases the stream and module on any error.

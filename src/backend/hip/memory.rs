@@ -4,13 +4,12 @@
 use std::ffi::{c_char, c_uint, c_void};
 use std::ptr::null_mut;
 
-use super::super::handle::{import_error, process_token, Reader, Writer};
 use super::super::{Backend, MemoryKind};
 use crate::error::{Error, Result};
 
 use super::device::*;
-use super::ffi;
 use super::runtime::*;
+use super::{ffi, ipc};
 
 /// How an allocation was made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -67,13 +66,8 @@ impl Drop for HipMemory {
     }
 }
 
-/// Magic of a HIP IPC handle.
+/// Magic of a HIP legacy IPC record ([`ipc`]).
 const IPC_MAGIC: &[u8; 4] = b"pchi";
-/// Version of the HIP IPC handle layout.
-const IPC_VERSION: u32 = 1;
-/// Bytes of a HIP IPC handle: header 8, exporter's process token 8, size 8,
-/// `hipIpcMemHandle_t` 64.
-const IPC_HANDLE_BYTES: usize = 88;
 
 /// Another process's allocation mapped into this one ([`Backend::import_memory`]).
 /// Dropping it synchronises the importing device, then closes it (errors ignored).
@@ -106,8 +100,7 @@ impl std::fmt::Debug for HipPeerMapping {
 
 impl Drop for HipPeerMapping {
     fn drop(&mut self) {
-        // Work that may still use the mapping must finish first. Errors cannot be
-        // reported from drop.
+        // Work that may still use the mapping must finish first.
         let _ = set_device(self.ordinal);
         // SAFETY: `ptr` came from hipIpcOpenMemHandle on this device and is closed once
         // (drop), after the device's work.
@@ -141,16 +134,14 @@ pub(super) fn allocate(ordinal: usize, bytes: usize, kind: MemoryKind) -> Result
                     ffi::hipExtMallocWithFlags(&mut ptr, bytes, ffi::MALLOC_FINE_GRAINED)
                 };
                 if fine != ffi::SUCCESS {
-                    return Err(Error::Backend {
-                        backend: Hip::NAME,
-                        call: "hipExtMallocWithFlags",
-                        detail: format!(
-                            "{bytes} bytes of signal memory on device {ordinal}: uncached: {}; \
-                             fine-grained: {}",
-                            describe(uncached),
-                            describe(fine)
+                    let (uncached, fine) = (describe(uncached), describe(fine));
+                    return Err(backend_err(
+                        "hipExtMallocWithFlags",
+                        format!(
+                            "{bytes} bytes of signal memory on device {ordinal}: uncached: \
+                             {uncached}; fine-grained: {fine}"
                         ),
-                    });
+                    ));
                 }
                 HipAllocation::FineGrained
             }
@@ -166,11 +157,7 @@ pub(super) fn allocate(ordinal: usize, bytes: usize, kind: MemoryKind) -> Result
 
 pub(super) fn export_memory(_dev: &HipDevice, mem: &HipMemory) -> Result<Vec<u8>> {
     set_device(mem.ordinal)?;
-    handle_record(mem.ptr, mem.bytes).map_err(|status| Error::Backend {
-        backend: Hip::NAME,
-        call: "hipIpcGetMemHandle",
-        detail: describe(status),
-    })
+    handle_record(mem.ptr, mem.bytes).map_err(|s| backend_err("hipIpcGetMemHandle", describe(s)))
 }
 
 /// The handle record of the allocation of `bytes` at `base` (of the current device), or
@@ -184,11 +171,11 @@ fn handle_record(base: u64, bytes: usize) -> std::result::Result<Vec<u8>, ffi::H
     if status != ffi::SUCCESS {
         return Err(status);
     }
-    Ok(Writer::new(IPC_MAGIC, IPC_VERSION)
-        .u64(process_token())
-        .u64(bytes as u64)
-        .bytes(&handle.reserved.map(|c| c as u8))
-        .finish())
+    Ok(ipc::write(
+        IPC_MAGIC,
+        bytes,
+        handle.reserved.map(|c| c as u8),
+    ))
 }
 
 pub(super) fn export_range(dev: &HipDevice, ptr: u64, bytes: usize) -> Result<(Vec<u8>, u64)> {
@@ -220,18 +207,7 @@ pub(super) fn export_range(dev: &HipDevice, ptr: u64, bytes: usize) -> Result<(V
 }
 
 pub(super) fn import_memory(dev: &HipDevice, handle: &[u8]) -> Result<HipPeerMapping> {
-    let mut r = Reader::open(Hip::NAME, handle, IPC_MAGIC, IPC_VERSION, IPC_HANDLE_BYTES)?;
-    let (token, bytes, raw) = (r.u64(), r.u64(), r.array::<{ ffi::IPC_HANDLE_SIZE }>());
-    if token == process_token() {
-        return Err(Error::Unsupported(
-            "hip: import_memory: this process exported the handle: HIP IPC cannot open a \
-             handle in the process that exported it; within one process use the \
-             allocation's own address (map_peer)"
-                .into(),
-        ));
-    }
-    let bytes = usize::try_from(bytes)
-        .map_err(|_| import_error(Hip::NAME, format!("size {bytes} does not fit here")))?;
+    let (bytes, raw) = ipc::read(Hip::NAME, IPC_MAGIC, handle)?;
     set_device(dev.ordinal)?;
     let ipc = ffi::IpcMemHandle {
         reserved: raw.map(|b| b as c_char),
@@ -249,15 +225,14 @@ pub(super) fn import_memory(dev: &HipDevice, handle: &[u8]) -> Result<HipPeerMap
         (status, ptr) = open(ffi::IPC_MEM_LAZY_ENABLE_PEER_ACCESS_HIP5);
     }
     if status != ffi::SUCCESS {
-        return Err(Error::Backend {
-            backend: Hip::NAME,
-            call: "hipIpcOpenMemHandle",
-            detail: format!(
+        return Err(backend_err(
+            "hipIpcOpenMemHandle",
+            format!(
                 "{}: the exporter may have freed the memory or exited, or run on another \
                  host or with other devices visible",
                 describe(status)
             ),
-        });
+        ));
     }
     Ok(HipPeerMapping {
         ptr: ptr as u64,

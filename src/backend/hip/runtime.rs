@@ -41,15 +41,20 @@ pub(super) fn describe(status: HipStatus) -> String {
     }
 }
 
+/// An [`Error::Backend`] of HIP's `call`.
+pub(super) fn backend_err(call: &'static str, detail: String) -> Error {
+    Error::Backend {
+        backend: Hip::NAME,
+        call,
+        detail,
+    }
+}
+
+/// `Ok` for success, else the error of `call` answering `status`.
 pub(super) fn check(status: HipStatus, call: &'static str) -> Result<()> {
-    if status == ffi::SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::Backend {
-            backend: Hip::NAME,
-            call,
-            detail: describe(status),
-        })
+    match status {
+        ffi::SUCCESS => Ok(()),
+        _ => Err(backend_err(call, describe(status))),
     }
 }
 
@@ -62,11 +67,7 @@ pub(super) fn attribute(ordinal: usize, attr: c_int) -> std::result::Result<c_in
     let mut value: c_int = 0;
     // SAFETY: `value` is a valid out pointer for the duration of the call.
     let status = unsafe { ffi::hipDeviceGetAttribute(&mut value, attr, ordinal as c_int) };
-    if status == ffi::SUCCESS {
-        Ok(value)
-    } else {
-        Err(status)
-    }
+    (status == ffi::SUCCESS).then_some(value).ok_or(status)
 }
 
 /// Signature shared by `hipGetDeviceProperties`, `...R0000` and `...R0600`.
@@ -108,19 +109,19 @@ pub(super) fn pci_bus_id(ordinal: usize) -> Result<String> {
         .into_owned())
 }
 
-/// The device's `gcnArchName` (e.g. `gfx942:sramecc+:xnack-`).
-///
-/// `hipDeviceProp_t` was rearranged in ROCm 6: `hipGetDevicePropertiesR0600` puts the
-/// name at byte 1160; `...R0000` and the unversioned symbol at byte 396 (HIP 5). The
-/// entry points are tried newest first, into a buffer larger than either layout.
+/// The device-properties entry points, newest first, with the offset of `gcnArchName`
+/// in the `hipDeviceProp_t` each writes (ROCm 6 rearranged it).
+const PROPERTIES: [(&CStr, usize); 3] = [
+    (c"hipGetDevicePropertiesR0600", 1160),
+    (c"hipGetDevicePropertiesR0000", 396),
+    (c"hipGetDeviceProperties", 396),
+];
+
+/// The device's `gcnArchName` (e.g. `gfx942:sramecc+:xnack-`), through the first entry
+/// point of [`PROPERTIES`] the runtime exports, into a buffer larger than every layout.
 pub(super) fn gcn_arch_name(ordinal: usize) -> Result<String> {
-    const CANDIDATES: [(&CStr, usize); 3] = [
-        (c"hipGetDevicePropertiesR0600", 1160),
-        (c"hipGetDevicePropertiesR0000", 396),
-        (c"hipGetDeviceProperties", 396),
-    ];
     let mut last = String::from("the HIP runtime exports no hipGetDeviceProperties* function");
-    for (symbol, offset) in CANDIDATES {
+    for (symbol, offset) in PROPERTIES {
         // SAFETY: dlsym with RTLD_DEFAULT and a NUL-terminated name only reads.
         let f = unsafe { ffi::dlsym(ffi::RTLD_DEFAULT, symbol.as_ptr()) };
         if f.is_null() {
@@ -150,11 +151,7 @@ pub(super) fn gcn_arch_name(ordinal: usize) -> Result<String> {
             symbol.to_string_lossy()
         );
     }
-    Err(Error::Backend {
-        backend: Hip::NAME,
-        call: "hipGetDeviceProperties",
-        detail: last,
-    })
+    Err(backend_err("hipGetDeviceProperties", last))
 }
 
 /// A code object embedded in this build.
@@ -212,14 +209,13 @@ pub(super) fn module_function(module: hipModule_t, symbol: &str) -> Result<hipFu
     let mut f: hipFunction_t = null_mut();
     // SAFETY: valid out pointer, live module, NUL-terminated name.
     let status = unsafe { ffi::hipModuleGetFunction(&mut f, module, name.as_ptr()) };
-    if status != ffi::SUCCESS {
-        return Err(Error::Backend {
-            backend: Hip::NAME,
-            call: "hipModuleGetFunction",
-            detail: format!("{symbol}: {}", describe(status)),
-        });
+    match status {
+        ffi::SUCCESS => Ok(f),
+        _ => Err(backend_err(
+            "hipModuleGetFunction",
+            format!("{symbol}: {}", describe(status)),
+        )),
     }
-    Ok(f)
 }
 
 #[cfg(test)]
@@ -269,16 +265,13 @@ mod tests {
     fn a_device_properties_entry_point_resolves() {
         // The runtime is linked, so at least one versioned or unversioned entry point
         // is found through the dynamic linker.
-        let found: Vec<String> = [
-            c"hipGetDevicePropertiesR0600",
-            c"hipGetDevicePropertiesR0000",
-            c"hipGetDeviceProperties",
-        ]
-        .into_iter()
-        // SAFETY: dlsym only reads the NUL-terminated name.
-        .filter(|s| !unsafe { ffi::dlsym(ffi::RTLD_DEFAULT, s.as_ptr()) }.is_null())
-        .map(|s| s.to_string_lossy().into_owned())
-        .collect();
+        let found: Vec<String> = PROPERTIES
+            .map(|(s, _)| s)
+            .into_iter()
+            // SAFETY: dlsym only reads the NUL-terminated name.
+            .filter(|s| !unsafe { ffi::dlsym(ffi::RTLD_DEFAULT, s.as_ptr()) }.is_null())
+            .map(|s| s.to_string_lossy().into_owned())
+            .collect();
         eprintln!("device-properties entry points: {found:?}");
         assert!(!found.is_empty());
         if Hip::device_count().is_err() {
