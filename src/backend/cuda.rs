@@ -65,17 +65,15 @@ impl Backend for Cuda {
 
     fn open(ordinal: usize) -> Result<CudaDevice> {
         let count = Self::device_count()?;
-        if ordinal >= count {
-            return Err(if count == 0 {
-                Error::NoDevice {
-                    backend: "cuda",
-                    detail: "no CUDA device".into(),
-                }
-            } else {
-                Error::InvalidDevices(format!(
-                    "CUDA device {ordinal} does not exist ({count} present)"
-                ))
+        if count == 0 {
+            let detail = "no CUDA device".into();
+            return Err(Error::NoDevice {
+                backend: "cuda",
+                detail,
             });
+        } else if ordinal >= count {
+            let e = format!("CUDA device {ordinal} does not exist ({count} present)");
+            return Err(Error::InvalidDevices(e));
         }
         let ctx = CudaContext::new(ordinal).map_err(driver_err("cuDevicePrimaryCtxRetain"))?;
         let stream = ctx.new_stream().map_err(driver_err("cuStreamCreate"))?;
@@ -240,42 +238,26 @@ impl Backend for Cuda {
 
     fn read(dev: &CudaDevice, ptr: u64, dst: &mut [u8]) -> Result<()> {
         bind(&dev.ctx)?;
+        let (host, n, s) = (dst.as_mut_ptr().cast(), dst.len(), dev.stream.cu_stream());
         // SAFETY: a range of the caller's live allocation; synchronised before `dst` is read.
-        cu!(
-            "cuMemcpyDtoHAsync",
-            cuMemcpyDtoHAsync_v2(
-                dst.as_mut_ptr() as *mut _,
-                ptr,
-                dst.len(),
-                dev.stream.cu_stream()
-            )
-        )?;
+        cu!("cuMemcpyDtoHAsync", cuMemcpyDtoHAsync_v2(host, ptr, n, s))?;
         Self::synchronize(dev)
     }
 
     fn write(dev: &CudaDevice, ptr: u64, src: &[u8]) -> Result<()> {
         bind(&dev.ctx)?;
+        let (host, n, s) = (src.as_ptr().cast(), src.len(), dev.stream.cu_stream());
         // SAFETY: a range of the caller's live allocation; synchronised before returning.
-        cu!(
-            "cuMemcpyHtoDAsync",
-            cuMemcpyHtoDAsync_v2(
-                ptr,
-                src.as_ptr() as *const _,
-                src.len(),
-                dev.stream.cu_stream()
-            )
-        )?;
+        cu!("cuMemcpyHtoDAsync", cuMemcpyHtoDAsync_v2(ptr, host, n, s))?;
         Self::synchronize(dev)
     }
 
     fn read_words_now(dev: &CudaDevice, ptr: u64, dst: &mut [u32]) -> Result<()> {
         bind(&dev.ctx)?;
+        let (host, n) = (dst.as_mut_ptr().cast(), std::mem::size_of_val(dst));
         // SAFETY: a range of the caller's live allocation; this synchronous copy (legacy
         // default stream: it does not wait for the rank's stream) writes `dst` at once.
-        cu!(
-            "cuMemcpyDtoH",
-            cuMemcpyDtoH_v2(dst.as_mut_ptr() as *mut _, ptr, std::mem::size_of_val(dst))
-        )
+        cu!("cuMemcpyDtoH", cuMemcpyDtoH_v2(host, ptr, n))
     }
 
     fn launch(
@@ -329,14 +311,12 @@ impl Backend for Cuda {
     }
 
     fn upload<T: Element>(dev: &CudaDevice, src: &[T], dst: &mut CudaSlice<T>) -> Result<()> {
-        if src.len() != dst.len() {
+        let (n, len) = (src.len(), dst.len());
+        if n != len {
+            let what = format!("upload of {n} elements into a buffer of {len}");
             return Err(Error::LengthMismatch {
                 rank: dev.ctx.ordinal(),
-                what: format!(
-                    "upload of {} elements into a buffer of {}",
-                    src.len(),
-                    dst.len()
-                ),
+                what,
             });
         }
         dev.stream

@@ -248,14 +248,12 @@ impl Backend for Hip {
     }
 
     fn upload<T: Element>(dev: &HipDevice, src: &[T], dst: &mut HipBuffer<T>) -> Result<()> {
-        if src.len() != dst.len {
+        let (n, len) = (src.len(), dst.len);
+        if n != len {
+            let what = format!("upload of {n} elements into a buffer of {len}");
             return Err(Error::LengthMismatch {
                 rank: dev.ordinal,
-                what: format!(
-                    "upload of {} elements into a buffer of {}",
-                    src.len(),
-                    dst.len
-                ),
+                what,
             });
         }
         let (bytes, host) = (std::mem::size_of_val(src), src.as_ptr().cast_mut().cast());

@@ -14,6 +14,16 @@ use crate::bootstrap::Bootstrap;
 use crate::dtype::DType;
 use crate::error::Result;
 
+/// Chained setters of a config: `fn name(arg: T) => field = value;` each.
+macro_rules! setters {
+    ($($(#[$m:meta])* fn $name:ident($arg:ident: $t:ty) => $field:ident = $value:expr;)*) => {
+        $($(#[$m])* pub fn $name(mut self, $arg: $t) -> Self {
+            self.$field = $value;
+            self
+        })*
+    };
+}
+
 pub mod host;
 pub(crate) mod local;
 #[cfg(feature = "cuda")]
@@ -79,15 +89,11 @@ impl FallbackConfig {
             by_size: SizeRouting::Never,
         }
     }
-    /// With [`FallbackConfig::fallback`].
-    pub fn with_fallback(mut self, fallback: Fallback) -> Self {
-        self.fallback = fallback;
-        self
-    }
-    /// With [`FallbackConfig::by_size`].
-    pub fn with_by_size(mut self, by_size: SizeRouting) -> Self {
-        self.by_size = by_size;
-        self
+    setters! {
+        /// With [`FallbackConfig::fallback`].
+        fn with_fallback(fallback: Fallback) => fallback = fallback;
+        /// With [`FallbackConfig::by_size`].
+        fn with_by_size(by_size: SizeRouting) => by_size = by_size;
     }
 }
 

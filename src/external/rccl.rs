@@ -86,16 +86,18 @@ unsafe fn cast<F: Copy>(p: *mut c_void) -> F {
     unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) }
 }
 
+/// A C string's text, copied (`None` for NULL).
+///
+/// # Safety
+/// `p` is NULL or a NUL-terminated string valid for the call.
+unsafe fn c_text(p: *const c_char) -> Option<String> {
+    // SAFETY: the caller's contract.
+    (!p.is_null()).then(|| unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+}
+
 fn last_dl_error() -> String {
-    // SAFETY: dlerror returns NULL or a NUL-terminated string valid until the next dl
-    // call on this thread; it is copied at once.
-    let e = unsafe { dlerror() };
-    if e.is_null() {
-        "unknown error".into()
-    } else {
-        // SAFETY: as above.
-        unsafe { CStr::from_ptr(e) }.to_string_lossy().into_owned()
-    }
+    // SAFETY: dlerror returns NULL or a string valid until the next dl call on this thread.
+    unsafe { c_text(dlerror()) }.unwrap_or_else(|| "unknown error".into())
 }
 
 /// The names tried in order when `PEERCOMM_RCCL_LIBRARY` is not set.
@@ -170,13 +172,9 @@ fn check(api: &Api, status: Status, call: &'static str) -> Result<()> {
         return Ok(());
     }
     // SAFETY: ncclGetErrorString returns a static string (or NULL) for any code.
-    let text = unsafe { (api.get_error_string)(status) };
-    let detail = if text.is_null() {
-        format!("status {status}")
-    } else {
-        // SAFETY: non-null and NUL-terminated.
-        let s = unsafe { CStr::from_ptr(text) };
-        format!("status {status}: {}", s.to_string_lossy())
+    let detail = match unsafe { c_text((api.get_error_string)(status)) } {
+        Some(text) => format!("status {status}: {text}"),
+        None => format!("status {status}"),
     };
     Err(Error::External {
         library: "rccl",
@@ -209,12 +207,8 @@ impl NcclApi for Api {
     fn unique_id(&self) -> Result<[c_char; 128]> {
         let mut id = UniqueId { internal: [0; 128] };
         // SAFETY: RCCL writes one id.
-        check(
-            self,
-            unsafe { (self.get_unique_id)(&mut id) },
-            "ncclGetUniqueId",
-        )?;
-        Ok(id.internal)
+        let status = unsafe { (self.get_unique_id)(&mut id) };
+        check(self, status, "ncclGetUniqueId").map(|()| id.internal)
     }
 
     fn init_rank(&self, world: c_int, internal: [c_char; 128], rank: c_int) -> Result<Comm> {
@@ -222,22 +216,15 @@ impl NcclApi for Api {
         // SAFETY: RCCL initialises `comm` on success.
         let status =
             unsafe { (self.comm_init_rank)(&mut comm, world, UniqueId { internal }, rank) };
-        check(self, status, "ncclCommInitRank")?;
-        Ok(comm)
+        check(self, status, "ncclCommInitRank").map(|()| comm)
     }
 
     fn init_all(&self, ordinals: &[c_int]) -> Result<Vec<Comm>> {
-        let mut comms: Vec<Comm> = vec![std::ptr::null_mut(); ordinals.len()];
+        let (mut comms, n) = (vec![std::ptr::null_mut(); ordinals.len()], ordinals.len());
         // SAFETY: one slot per device.
-        let status = unsafe {
-            (self.comm_init_all)(
-                comms.as_mut_ptr(),
-                ordinals.len() as c_int,
-                ordinals.as_ptr(),
-            )
-        };
-        check(self, status, "ncclCommInitAll")?;
-        Ok(comms)
+        let status =
+            unsafe { (self.comm_init_all)(comms.as_mut_ptr(), n as c_int, ordinals.as_ptr()) };
+        check(self, status, "ncclCommInitAll").map(|()| comms)
     }
 
     unsafe fn all_reduce(&self, comm: Self::Comm, dev: &HipDevice, call: Call) -> Result<()> {

@@ -32,30 +32,17 @@ pub struct Simulation {
 }
 
 impl Simulation {
-    /// With [`Simulation::no_peer_access`] between world ranks `pair.0` and `pair.1`.
-    pub fn with_no_peer_access(mut self, pair: (usize, usize)) -> Self {
-        self.no_peer_access = Some(pair);
-        self
-    }
-    /// With [`Simulation::fail_peer_check`] on world rank `rank`.
-    pub fn with_fail_peer_check(mut self, rank: usize) -> Self {
-        self.fail_peer_check = Some(rank);
-        self
-    }
-    /// With [`Simulation::hosts`]: one host identity per world rank.
-    pub fn with_hosts(mut self, hosts: Vec<HostId>) -> Self {
-        self.hosts = Some(hosts);
-        self
-    }
-    /// With [`Simulation::multiprocessors`]: one count per world rank.
-    pub fn with_multiprocessors(mut self, multiprocessors: Vec<usize>) -> Self {
-        self.multiprocessors = Some(multiprocessors);
-        self
-    }
-    /// With [`Simulation::physical_devices`]: one physical device per world rank.
-    pub fn with_physical_devices(mut self, physical_devices: Vec<usize>) -> Self {
-        self.physical_devices = Some(physical_devices);
-        self
+    setters! {
+        /// With [`Simulation::no_peer_access`] between world ranks `pair.0` and `pair.1`.
+        fn with_no_peer_access(pair: (usize, usize)) => no_peer_access = Some(pair);
+        /// With [`Simulation::fail_peer_check`] on world rank `rank`.
+        fn with_fail_peer_check(rank: usize) => fail_peer_check = Some(rank);
+        /// With [`Simulation::hosts`]: one host identity per world rank.
+        fn with_hosts(hosts: Vec<HostId>) => hosts = Some(hosts);
+        /// With [`Simulation::multiprocessors`]: one count per world rank.
+        fn with_multiprocessors(counts: Vec<usize>) => multiprocessors = Some(counts);
+        /// With [`Simulation::physical_devices`]: one physical device per world rank.
+        fn with_physical_devices(devices: Vec<usize>) => physical_devices = Some(devices);
     }
 
     /// Whether anything is simulated.

@@ -1,6 +1,7 @@
 //! CUDA memory: allocations (`CudaMemory`), pool access, legacy IPC (`CudaPeerMapping`).
 
 use std::collections::BTreeSet;
+use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys;
@@ -12,9 +13,8 @@ use super::device::{backend_err, bind, driver_err, CudaDevice};
 use super::ipc;
 use crate::error::{Error, Result};
 
-/// The location of device `ordinal`, for any CUDA version cudarc binds: from 13.2 the
-/// id of `{ CUmemLocationType type; int id; }` sits in a union, so it is written at its
-/// C offset.
+/// The location of device `ordinal`, for any CUDA version cudarc binds: the id of
+/// `{ CUmemLocationType type; int id; }` (in a union from 13.2) is written at its C offset.
 pub(super) fn device_location(ordinal: usize) -> sys::CUmemLocation {
     const _: () = assert!(std::mem::size_of::<sys::CUmemLocation>() == 8);
     // SAFETY: all-zero bits are a valid CUmemLocation (a C enum and an int / a union of
@@ -24,7 +24,8 @@ pub(super) fn device_location(ordinal: usize) -> sys::CUmemLocation {
     // SAFETY: the id is the 4-byte int at offset 4 in every CUDA version's layout (the
     // size assertion above pins the 8-byte struct); the write stays inside `location`.
     unsafe {
-        (std::ptr::addr_of_mut!(location) as *mut i32)
+        std::ptr::addr_of_mut!(location)
+            .cast::<i32>()
             .add(1)
             .write(ordinal as i32)
     };
@@ -98,9 +99,8 @@ pub(super) enum Unmap {
 impl CudaPeerMapping {
     /// The mapping of `bytes` at `ptr` in `dev`'s context, given back by `unmap` on drop.
     pub(super) fn new(dev: &CudaDevice, ptr: u64, bytes: usize, unmap: Unmap) -> Self {
-        let ctx = dev.ctx.clone();
         CudaPeerMapping {
-            ctx,
+            ctx: dev.ctx.clone(),
             ptr,
             bytes,
             unmap,
@@ -129,13 +129,11 @@ impl Drop for CudaPeerMapping {
         let _ = self.ctx.bind_to_thread();
         match self.unmap {
             Unmap::Ipc => {
-                // SAFETY: `ptr` came from cuIpcOpenMemHandle in this context and is
-                // closed once (drop), after the context's work.
+                // SAFETY: opened here by cuIpcOpenMemHandle, closed once, after the work.
                 let _ = unsafe { sys::cuIpcCloseMemHandle(self.ptr) };
             }
             Unmap::PoolPointer(pool) => {
-                // SAFETY: `ptr` was imported from `pool` in this context and is freed
-                // once, after the context's work.
+                // SAFETY: imported here from `pool`, freed once, after the work.
                 let _ = unsafe { sys::cuMemFree_v2(self.ptr) };
                 release_pool(pool);
             }
@@ -192,39 +190,45 @@ pub(super) fn read_write(ordinal: usize) -> sys::CUmemAccessDesc {
 }
 
 pub(super) fn prepare_shared_device(dev: &CudaDevice) -> Result<()> {
+    use sys::CUmemPool_attribute::*;
     let pool = device_pool(dev)?;
+    let (mut off, mut keep) = (0i32, u64::MAX);
+    // SAFETY: `value` points at the attribute's C type (an int, a cuuint64_t) and
+    // outlives the call.
+    let set = |attr, value: *mut c_void| cu!(cuMemPoolSetAttribute(pool, attr, value));
     // No allocation waits, through the pool, for a free on another rank's stream.
-    let mut off: i32 = 0;
-    // SAFETY: the attribute takes an int; `off` outlives the call.
-    cu!(cuMemPoolSetAttribute(
-        pool,
-        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
-        &mut off as *mut i32 as *mut std::ffi::c_void
-    ))?;
+    set(
+        CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+        (&mut off as *mut i32).cast(),
+    )?;
     // Keep freed memory in the pool: releasing it at a synchronisation can wait for the
     // whole device, including another rank's kernel waiting for this rank.
-    let mut keep = u64::MAX;
-    // SAFETY: the attribute takes a cuuint64_t; `keep` outlives the call.
-    cu!(cuMemPoolSetAttribute(
-        pool,
-        sys::CUmemPool_attribute::CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-        &mut keep as *mut u64 as *mut std::ffi::c_void
-    ))
+    set(
+        CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+        (&mut keep as *mut u64).cast(),
+    )
+}
+
+/// Attribute `attr` (named `name`) of `ptr`, read as a `T` (its C type's size).
+fn pointer_attribute<T: Default>(
+    name: &'static str,
+    attr: sys::CUpointer_attribute,
+    ptr: u64,
+) -> Result<T> {
+    let mut value = T::default();
+    // SAFETY: `value` is a valid out-pointer of the attribute's size for the call.
+    cu!(
+        name,
+        cuPointerGetAttribute(&mut value as *mut T as *mut c_void, attr, ptr)
+    )?;
+    Ok(value)
 }
 
 /// The pool `ptr` was allocated from, or null.
 pub(super) fn pool_of(ptr: u64) -> Result<sys::CUmemoryPool> {
-    let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: `pool` is a valid out-pointer of the attribute's type for the call.
-    cu!(
-        "cuPointerGetAttribute(MEMPOOL_HANDLE)",
-        cuPointerGetAttribute(
-            &mut pool as *mut _ as *mut std::ffi::c_void,
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE,
-            ptr
-        )
-    )?;
-    Ok(pool)
+    let name = "cuPointerGetAttribute(MEMPOOL_HANDLE)";
+    let attr = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_MEMPOOL_HANDLE;
+    Ok(pointer_attribute::<usize>(name, attr, ptr)? as sys::CUmemoryPool)
 }
 
 pub(super) fn peer_access_problem(
@@ -275,17 +279,9 @@ pub(super) fn peer_access_problem(
 
 /// Whether `ptr` is `cuMemAlloc` memory (legacy CUDA IPC can export it).
 fn legacy_ipc_capable(ptr: u64) -> Result<bool> {
-    let mut legacy: i32 = 0;
-    // SAFETY: `legacy` is a valid out-pointer of the attribute's type (int).
-    cu!(
-        "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)",
-        cuPointerGetAttribute(
-            &mut legacy as *mut i32 as *mut std::ffi::c_void,
-            sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE,
-            ptr
-        )
-    )?;
-    Ok(legacy != 0)
+    let name = "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)";
+    let attr = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE;
+    Ok(pointer_attribute::<i32>(name, attr, ptr)? != 0)
 }
 
 /// The record of the `cuMemAlloc` allocation of `bytes` at `base` (of the current
@@ -295,11 +291,8 @@ pub(super) fn ipc_handle(base: u64, bytes: usize) -> std::result::Result<Vec<u8>
     // SAFETY: `handle` outlives the call; `base` is the base of a live cuMemAlloc
     // allocation of the current context (the callers' contract).
     unsafe { sys::cuIpcGetMemHandle(&mut handle, base) }.result()?;
-    Ok(ipc::write(
-        IPC_MAGIC,
-        bytes,
-        handle.reserved.map(|c| c as u8),
-    ))
+    let raw = handle.reserved.map(|c| c as u8);
+    Ok(ipc::write(IPC_MAGIC, bytes, raw))
 }
 
 /// The allocation holding `ptr`: its base and size.

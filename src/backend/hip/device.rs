@@ -242,19 +242,9 @@ pub(super) fn open(ordinal: usize) -> Result<HipDevice> {
                 device.module,
                 c"peercomm_wall_clock_khz".as_ptr()
             ))?;
-            let value = khz as u32;
             if bytes == std::mem::size_of::<u32>() {
-                // SAFETY: `ptr` is the 4-byte device global; `value` is 4 bytes.
-                unsafe {
-                    copy(
-                        &device,
-                        ptr as u64,
-                        (&value as *const u32).cast_mut().cast(),
-                        bytes,
-                        false,
-                    )
-                }?;
-                device.wall_clock_khz = Some(value);
+                Hip::write(&device, ptr as u64, &(khz as u32).to_ne_bytes())?;
+                device.wall_clock_khz = Some(khz as u32);
             }
         }
     }

@@ -1,5 +1,4 @@
-//! Raw declarations of the HIP runtime functions this backend calls (and of the
-//! status type they return), with the `// SAFETY:` notes of their callers nearby.
+//! Raw declarations of the HIP runtime functions this backend calls and their status type.
 
 use std::ffi::{c_char, c_int, c_uint, c_void};
 
@@ -44,6 +43,8 @@ pub const ATTR_WALL_CLOCK_RATE: c_int = 10017;
 
 /// A device or host address.
 type Ptr = *mut c_void;
+type Stream = hipStream_t;
+type Name = *const c_char;
 
 #[link(name = "amdhip64")]
 extern "C" {
@@ -71,35 +72,16 @@ extern "C" {
     pub fn hipEventRecord(event: hipEvent_t, stream: hipStream_t) -> HipStatus;
     pub fn hipEventSynchronize(event: hipEvent_t) -> HipStatus;
     pub fn hipEventDestroy(event: hipEvent_t) -> HipStatus;
-    pub fn hipMemsetD16Async(dst: Ptr, value: u16, count: usize, stream: hipStream_t) -> HipStatus;
-    pub fn hipMemsetD32Async(
-        dst: Ptr,
-        value: c_int,
-        count: usize,
-        stream: hipStream_t,
-    ) -> HipStatus;
-    pub fn hipMemcpyHtoDAsync(
-        dst: Ptr,
-        src: *const c_void,
-        bytes: usize,
-        stream: hipStream_t,
-    ) -> HipStatus;
-    pub fn hipMemcpyDtoHAsync(dst: Ptr, src: Ptr, bytes: usize, stream: hipStream_t) -> HipStatus;
+    pub fn hipMemsetD16Async(dst: Ptr, value: u16, count: usize, stream: Stream) -> HipStatus;
+    pub fn hipMemsetD32Async(dst: Ptr, value: c_int, count: usize, stream: Stream) -> HipStatus;
+    pub fn hipMemcpyHtoDAsync(dst: Ptr, src: *const c_void, n: usize, s: Stream) -> HipStatus;
+    pub fn hipMemcpyDtoHAsync(dst: Ptr, src: Ptr, bytes: usize, stream: Stream) -> HipStatus;
     pub fn hipMemcpyDtoH(dst: Ptr, src: Ptr, bytes: usize) -> HipStatus;
     pub fn hipMemGetAddressRange(base: *mut Ptr, size: *mut usize, ptr: Ptr) -> HipStatus;
     pub fn hipModuleLoadData(module: *mut hipModule_t, image: *const c_void) -> HipStatus;
     pub fn hipModuleUnload(module: hipModule_t) -> HipStatus;
-    pub fn hipModuleGetFunction(
-        function: *mut hipFunction_t,
-        module: hipModule_t,
-        name: *const c_char,
-    ) -> HipStatus;
-    pub fn hipModuleGetGlobal(
-        ptr: *mut Ptr,
-        bytes: *mut usize,
-        module: hipModule_t,
-        name: *const c_char,
-    ) -> HipStatus;
+    pub fn hipModuleGetFunction(f: *mut hipFunction_t, m: hipModule_t, name: Name) -> HipStatus;
+    pub fn hipModuleGetGlobal(p: *mut Ptr, n: *mut usize, m: hipModule_t, name: Name) -> HipStatus;
     #[allow(clippy::too_many_arguments)]
     pub fn hipModuleLaunchKernel(
         function: hipFunction_t,
@@ -116,9 +98,8 @@ extern "C" {
     ) -> HipStatus;
 }
 
-// The dynamic linker: finds the versioned device-properties entry points of
-// whichever libamdhip64 is loaded (glibc exports dlsym from libc.so.6, and Rust's
-// std links libdl on older glibc).
+// The dynamic linker finds the versioned device-properties entry points (glibc's libc
+// exports dlsym; std links libdl on older glibc).
 extern "C" {
     pub fn dlsym(handle: *mut c_void, symbol: *const c_char) -> *mut c_void;
 }
