@@ -22,11 +22,9 @@ macro_rules! cu {
     };
 }
 
-mod buffers;
 mod device;
 mod graph;
 pub(crate) mod ipc;
-mod launch;
 mod memory;
 mod shareable;
 
@@ -267,7 +265,7 @@ impl Backend for Cuda {
         args: &AllReduceArgs,
     ) -> Result<()> {
         super::check_plain_kernel(Self::NAME, kernel)?;
-        launch::launch_one(dev, kernel, dims, args)
+        device::launch_one(dev, kernel, dims, args)
     }
 
     fn launch_overlapping(
@@ -276,7 +274,7 @@ impl Backend for Cuda {
         dims: LaunchDims,
         args: &AllReduceArgs,
     ) -> Result<()> {
-        launch::launch_overlapping(dev, kernel, dims, args)
+        device::launch_overlapping(dev, kernel, dims, args)
     }
 
     fn launch_group(
@@ -286,7 +284,7 @@ impl Backend for Cuda {
         args: &GroupArgs,
     ) -> Result<()> {
         super::check_group_kernel(Self::NAME, kernel, args)?;
-        launch::launch_one(dev, kernel, dims, args)
+        device::launch_one(dev, kernel, dims, args)
     }
 
     fn synchronize(dev: &CudaDevice) -> Result<()> {

@@ -31,7 +31,6 @@ macro_rules! hip {
     };
 }
 
-mod buffers;
 mod device;
 mod ffi;
 #[cfg(feature = "cuda")]
@@ -39,17 +38,14 @@ use super::cuda::ipc;
 #[cfg(not(feature = "cuda"))]
 #[path = "cuda/ipc.rs"]
 mod ipc;
-mod launch;
 mod memory;
 mod runtime;
 
-pub use buffers::HipBuffer;
-use device::copy;
+use device::{copy, launch_by_value};
 pub use device::{HipDevice, HipEvent};
 pub use ffi::HipStatus;
-use launch::*;
 use memory::*;
-pub use memory::{HipAllocation, HipMemory, HipPeerMapping};
+pub use memory::{HipAllocation, HipBuffer, HipMemory, HipPeerMapping};
 pub(crate) use runtime::set_device;
 use runtime::*;
 pub use runtime::{
@@ -164,8 +160,7 @@ impl Backend for Hip {
 
     fn memset_d32(dev: &HipDevice, ptr: u64, value: u32, words: usize) -> Result<()> {
         set_device(dev.ordinal)?;
-        // SAFETY: the caller passes a range inside one of its allocations; the write is
-        // ordered on the device's stream.
+        // SAFETY: a range of the caller's allocation, written in order on the device's stream.
         hip!(hipMemsetD32Async(
             ptr as *mut c_void,
             value as c_int,
@@ -214,8 +209,7 @@ impl Backend for Hip {
         args: &AllReduceArgs,
     ) -> Result<()> {
         super::check_plain_kernel(Self::NAME, kernel)?;
-        // SAFETY: every kernel but the batched all-reduce (refused above) takes one
-        // `peercomm_allreduce_args` by value (the header both sides compile).
+        // SAFETY: the other kernels (checked above) take one `peercomm_allreduce_args` by value.
         unsafe { launch_by_value(dev, kernel, dims, args.group_width, args) }
     }
 
@@ -226,8 +220,7 @@ impl Backend for Hip {
         args: &GroupArgs,
     ) -> Result<()> {
         super::check_group_kernel(Self::NAME, kernel, args)?;
-        // SAFETY: the batched all-reduce kernels (checked above) take one
-        // `peercomm_group_args` by value (the header both sides compile).
+        // SAFETY: the batched kernels (checked above) take one `peercomm_group_args` by value.
         unsafe { launch_by_value(dev, kernel, dims, args.all.group_width, args) }
     }
 

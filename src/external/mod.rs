@@ -1,9 +1,6 @@
-//! External collectives: a library (NCCL on CUDA, RCCL on AMD, a host stand-in on the
-//! host backend) runs the all-reduce where peer memory cannot serve (no peer access,
-//! several hosts, more than [`crate::MAX_GPUS`] ranks), visibly: such calls return
-//! [`crate::Algorithm::Nccl`] or [`crate::Algorithm::Hierarchical`]. [`FallbackConfig`]
-//! can refuse those cases instead, or opt in to routing by size. The host stand-in
-//! ([`host`]) sums in rank order like the kernels, so CI tests the routing.
+//! External collectives: a library (NCCL, RCCL, or the [`host`] stand-in that CI tests
+//! the routing with) runs the all-reduce where peer memory cannot serve (no peer access,
+//! several hosts, more than [`crate::MAX_GPUS`] ranks), visibly (see [`Fallback`]).
 
 use std::any::Any;
 use std::sync::Arc;
@@ -50,7 +47,7 @@ pub enum Fallback {
     #[default]
     External,
     /// "Peer memory or nothing": a communicator peer memory cannot serve is a typed
-    /// error at creation, as before the fallback existed.
+    /// error at creation.
     Refuse,
 }
 
@@ -64,14 +61,12 @@ pub enum SizeRouting {
     /// Where the dispatch table (`external_from`) says the external library is faster;
     /// the last bits of a result can then change with the message size.
     Table,
-    /// Messages of at least this many bytes per rank (whole-world calls), with the same
-    /// caveat.
+    /// Messages of at least this many bytes per rank (whole-world calls); same caveat.
     Above(usize),
 }
 
 /// The fallback settings of a communicator (part of [`crate::CommConfig`]; the same on
-/// every rank), built from [`FallbackConfig::default`] or
-/// [`FallbackConfig::peer_memory_only`] and the `with_*` methods.
+/// every rank).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub struct FallbackConfig {
@@ -97,16 +92,14 @@ impl FallbackConfig {
     }
 }
 
-/// One rank's handle on an external all-reduce: the sum of this rank's buffer over
-/// the ranks of its group, on this rank's stream, as `ncclAllReduce` does.
+/// One rank's handle on an external all-reduce over its group, as `ncclAllReduce`.
 pub trait ExternalAllReduce<B: Backend>: Send + Sync {
     /// The library's name (`"nccl"`, `"rccl"`, `"host"`).
     #[cfg_attr(not(feature = "unstable"), allow(dead_code))]
     fn library(&self) -> &'static str;
 
-    /// Enqueues the sum of `elements` elements of `dtype` at `send` over the group into
-    /// `recv` (which may equal `send`), on `dev`'s stream, and returns without waiting.
-    /// Every rank of the group makes the same calls in the same order.
+    /// Enqueues the group's sum of `elements` elements of `dtype` at `send` into `recv`
+    /// (may equal `send`) on `dev`'s stream. Every rank makes the same calls in order.
     ///
     /// # Safety
     /// `send` and `recv` must be addresses of at least `elements` elements of `dtype`
@@ -121,8 +114,7 @@ pub trait ExternalAllReduce<B: Backend>: Send + Sync {
         dtype: DType,
     ) -> Result<()>;
 
-    /// An error the library found after a call returned (a failed exchange, a
-    /// library's asynchronous error); reported once. Called by `synchronize`.
+    /// An error found after a call returned (reported once, by `synchronize`).
     fn take_async_error(&self) -> Result<()> {
         Ok(())
     }
@@ -134,14 +126,12 @@ pub trait ExternalLibrary<B: Backend>: Send + Sync {
     #[cfg_attr(not(feature = "unstable"), allow(dead_code))]
     fn name(&self) -> &'static str;
 
-    /// Whether the library can be used here; an
-    /// [`crate::Error::ExternalUnavailable`] saying why not.
+    /// Whether the library can be used here ([`crate::Error::ExternalUnavailable`] if not).
     #[cfg_attr(not(feature = "unstable"), allow(dead_code))]
     fn check_available(&self) -> Result<()>;
 
-    /// This rank's handle for the group of world ranks `members` (in group order, with
-    /// `bootstrap.rank()`). Every world rank calls it at once, each with its own
-    /// (disjoint) group: setting up makes one all-gather over `bootstrap`.
+    /// This rank's handle for the group of world ranks `members` (in group order).
+    /// Every world rank calls it at once, each with its own group (one all-gather).
     fn per_rank(
         &self,
         dev: &B::Device,
@@ -149,9 +139,8 @@ pub trait ExternalLibrary<B: Backend>: Send + Sync {
         members: &[usize],
     ) -> Result<Box<dyn ExternalAllReduce<B>>>;
 
-    /// One handle per device, for a single controller that drives all of them from
-    /// one thread (rank i = `devices[i]`). Calls on them are made between
-    /// [`ExternalLibrary::group_start`] and [`ExternalLibrary::group_end`].
+    /// One handle per device (rank i = `devices[i]`) for a single controller, called
+    /// between [`ExternalLibrary::group_start`] and [`ExternalLibrary::group_end`].
     fn single_controller(
         &self,
         devices: &[&B::Device],
@@ -168,8 +157,7 @@ pub trait ExternalLibrary<B: Backend>: Send + Sync {
     }
 }
 
-/// The external collective library of a backend (NCCL on CUDA, RCCL on AMD, the host
-/// stand-in on the host backend), implemented beside each library.
+/// The external collective library of a backend (NCCL, RCCL, the host stand-in).
 ///
 /// ```
 /// use peercomm::backend::host::Host;
@@ -185,8 +173,7 @@ pub trait HasExternalLibrary: Backend {
     fn external_library() -> &'static dyn ExternalLibrary<Self>;
 }
 
-/// The external library of backend `B` ([`HasExternalLibrary::external_library`], or
-/// [`Unavailable`]); needs only `B: Backend`, so communicators need not name the trait.
+/// The external library of backend `B`, or [`Unavailable`] (needs only `B: Backend`).
 ///
 /// ```
 /// use peercomm::backend::host::Host;
@@ -213,8 +200,7 @@ pub fn library_of<B: Backend>() -> &'static dyn ExternalLibrary<B> {
     found.unwrap_or(&NONE)
 }
 
-/// A library that is not there: every use is
-/// [`crate::Error::ExternalUnavailable`] with the reason given.
+/// A library that is not there: every use is [`crate::Error::ExternalUnavailable`].
 pub struct Unavailable {
     /// The library's name.
     pub library: &'static str,

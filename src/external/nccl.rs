@@ -1,7 +1,5 @@
-//! NCCL through cudarc's `nccl` module: the external library of the CUDA backend.
-//! libnccl is looked for before cudarc loads it, so a missing one is
-//! [`Error::ExternalUnavailable`], not a panic, and the panic hook is never touched.
-//! NCCL refuses two ranks on one GPU.
+//! NCCL through cudarc, the CUDA backend's external library. libnccl is looked for
+//! before cudarc loads it: a missing one is [`Error::ExternalUnavailable`], not a panic.
 
 use std::ffi::{c_char, c_int};
 use std::marker::PhantomData;
@@ -195,12 +193,11 @@ impl NcclApi for Nccl {
     }
 
     fn group(&self, end: bool) -> Result<()> {
-        if end {
-            result::group_end().map_err(nccl_err("ncclGroupEnd"))?;
-        } else {
-            result::group_start().map_err(nccl_err("ncclGroupStart"))?;
-        }
-        Ok(())
+        let (r, call) = match end {
+            true => (result::group_end(), "ncclGroupEnd"),
+            false => (result::group_start(), "ncclGroupStart"),
+        };
+        r.map(drop).map_err(nccl_err(call))
     }
 }
 
@@ -215,45 +212,35 @@ mod tests {
     fn loading_nccl_leaves_the_panic_hook_alone() {
         const NAME: &str = "nccl-hook-test-panicker";
         let previous = Arc::new(std::panic::take_hook());
-        let heard = Arc::new(AtomicUsize::new(0));
-        let from_loader = Arc::new(AtomicUsize::new(0));
+        let (heard, from_loader) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
         let loader_id = std::thread::current().id();
-        {
-            let (previous, heard, from_loader) =
-                (previous.clone(), heard.clone(), from_loader.clone());
-            std::panic::set_hook(Box::new(move |info| {
-                let me = std::thread::current();
-                if me.name() == Some(NAME) {
-                    heard.fetch_add(1, Ordering::SeqCst);
-                } else {
-                    if me.id() == loader_id {
-                        from_loader.fetch_add(1, Ordering::SeqCst);
-                    }
-                    previous(info);
-                }
-            }));
-        }
+        let (hook_previous, hook_heard, hook_loader) =
+            (previous.clone(), heard.clone(), from_loader.clone());
+        std::panic::set_hook(Box::new(move |info| {
+            let me = std::thread::current();
+            if me.name() == Some(NAME) {
+                hook_heard.fetch_add(1, Ordering::SeqCst);
+                return;
+            }
+            if me.id() == loader_id {
+                hook_loader.fetch_add(1, Ordering::SeqCst);
+            }
+            hook_previous(info);
+        }));
         let stop = Arc::new(AtomicBool::new(false));
-        let panicker = {
-            let stop = stop.clone();
-            std::thread::Builder::new()
-                .name(NAME.into())
-                .spawn(move || {
-                    let mut thrown = 0usize;
-                    while !stop.load(Ordering::SeqCst) || thrown == 0 {
-                        let _ = std::panic::catch_unwind(|| panic!("expected"));
-                        thrown += 1;
-                    }
-                    thrown
-                })
-                .unwrap()
-        };
-        let mut results = Vec::new();
-        for _ in 0..20 {
-            results.push(super::load());
-        }
+        let until = stop.clone();
+        let panicker = std::thread::Builder::new().name(NAME.into());
+        let panicker = panicker.spawn(move || {
+            let mut thrown = 0usize;
+            while !until.load(Ordering::SeqCst) || thrown == 0 {
+                let _ = std::panic::catch_unwind(|| panic!("expected"));
+                thrown += 1;
+            }
+            thrown
+        });
+        let results: Vec<_> = (0..20).map(|_| super::load()).collect();
         stop.store(true, Ordering::SeqCst);
-        let thrown = panicker.join().unwrap();
+        let thrown = panicker.unwrap().join().unwrap();
         let heard_during = heard.load(Ordering::SeqCst);
         // The hook is still ours: one more panic reaches it.
         let _ = std::thread::Builder::new()

@@ -102,16 +102,15 @@ fn last_dl_error() -> String {
 
 /// The names tried in order when `PEERCOMM_RCCL_LIBRARY` is not set.
 fn default_names() -> Vec<String> {
-    let mut names = vec!["librccl.so.1".to_string(), "librccl.so".to_string()];
-    for root in std::env::var("ROCM_PATH")
+    let roots = std::env::var("ROCM_PATH")
         .ok()
         .into_iter()
-        .chain(["/opt/rocm".to_string()])
-    {
-        names.push(format!("{root}/lib/librccl.so.1"));
-        names.push(format!("{root}/lib/librccl.so"));
-    }
-    names
+        .chain(["/opt/rocm".into()]);
+    let dirs = [String::new()]
+        .into_iter()
+        .chain(roots.map(|root| format!("{root}/lib/")));
+    dirs.flat_map(|d| [format!("{d}librccl.so.1"), format!("{d}librccl.so")])
+        .collect()
 }
 
 /// Opens the first of `names` that loads and resolves every symbol peercomm calls; the
@@ -123,8 +122,7 @@ fn load_from(names: &[String]) -> std::result::Result<Api, String> {
             tried.push(format!("{name:?}: not a valid file name"));
             continue;
         };
-        // SAFETY: a NUL-terminated name; the handle is never closed (the library stays
-        // loaded for the process, as the resolved functions are kept).
+        // SAFETY: a NUL-terminated name; the handle is never closed (the functions are kept).
         let handle = unsafe { dlopen(c_name.as_ptr(), RTLD_NOW) };
         if handle.is_null() {
             tried.push(format!("{name}: {}", last_dl_error()));

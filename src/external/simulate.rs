@@ -1,13 +1,10 @@
 //! Test-only switches (feature `fault-injection`) that make one machine look like the
-//! cases the fallback exists for, so that CI and a one- or two-GPU machine exercise
-//! every route. Every rank must pass the same [`Simulation`].
+//! cases the fallback exists for. Every rank must pass the same [`Simulation`].
 
 use crate::backend::DeviceIdentity;
 use crate::bootstrap::HostId;
 
-/// Test-only switches (part of [`crate::CommConfig`]; the default simulates nothing),
-/// built from [`Simulation::default`] and the `with_*` methods (example at
-/// `CommConfig::with_simulate`).
+/// Test-only switches (part of [`crate::CommConfig`]; the default simulates nothing).
 #[derive(Clone, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub struct Simulation {

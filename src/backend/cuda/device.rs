@@ -1,12 +1,19 @@
-//! The `Cuda` backend type, loading the driver, and `CudaDevice` with its kernels.
+//! The `Cuda` backend type, loading the driver, `CudaDevice` with its kernels and their
+//! launches, and the buffer traits of cudarc's slices.
 
 use std::collections::HashMap;
 use std::sync::{Arc, OnceLock};
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaStream};
+use cudarc::driver::sys;
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, CudaView, CudaViewMut, DevicePtr,
+    DevicePtrMut, DeviceRepr, DeviceSlice, LaunchConfig, PushKernelArg, SyncOnDrop,
+};
 
-use super::super::Kernel;
+use super::super::{Backend, DeviceBuffer, DeviceBufferMut, Kernel, LaunchDims};
+use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
+use crate::signal::{AllReduceArgs, GroupArgs};
 
 /// The kernels of `kernels-cuda/`, compiled by build.rs into one fatbin.
 static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/peercomm_cuda.fatbin"));
@@ -159,6 +166,120 @@ fn load_kernels(ctx: &Arc<CudaContext>) -> Result<KernelTable> {
     cache.insert(key, map.clone());
     Ok(map)
 }
+
+// SAFETY: AllReduceArgs is a #[repr(C)] plain-old-data struct of integers, passed by
+// value exactly as the kernels declare it (the same C header).
+unsafe impl DeviceRepr for AllReduceArgs {}
+// SAFETY: as above (an AllReduceArgs, two u32 and an array of u64 entries).
+unsafe impl DeviceRepr for GroupArgs {}
+
+/// Launches `kernel` with `args` as its one by-value parameter on the rank's stream.
+pub(super) fn launch_one<A: DeviceRepr>(
+    dev: &CudaDevice,
+    kernel: Kernel,
+    dims: LaunchDims,
+    args: &A,
+) -> Result<()> {
+    let func = dev.kernels.get(&kernel).expect("every kernel is loaded");
+    let cfg = LaunchConfig {
+        grid_dim: (dims.blocks, 1, 1),
+        block_dim: (dims.threads, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let mut builder = dev.stream.launch_builder(func);
+    builder.arg(args);
+    // SAFETY: each kernel takes exactly one argument struct by value (the callers check
+    // the kind: `peercomm_allreduce_args`, or `peercomm_group_args` at 552 bytes, within
+    // the 4 KiB of parameters), built by the communicator from live allocations.
+    unsafe { builder.launch(cfg) }
+        .map(|_| ())
+        .map_err(driver_err("cuLaunchKernel"))
+}
+
+pub(super) fn launch_overlapping(
+    dev: &CudaDevice,
+    kernel: Kernel,
+    dims: LaunchDims,
+    args: &AllReduceArgs,
+) -> Result<()> {
+    super::super::check_plain_kernel(<Cuda as Backend>::NAME, kernel)?;
+    // Programmatic dependent launch exists from sm_90 (and the kernels' wait for
+    // the previous grid is compiled only there).
+    let (major, _) = dev
+        .ctx
+        .compute_capability()
+        .map_err(driver_err("cuDeviceGetAttribute"))?;
+    if major < 9 {
+        return launch_one(dev, kernel, dims, args);
+    }
+    let func = dev.kernels.get(&kernel).expect("every kernel is loaded");
+    bind(&dev.ctx)?;
+    let mut attr: sys::CUlaunchAttribute = unsafe {
+        // SAFETY: a plain C struct (id, padding, union of integers): all zeros is valid.
+        std::mem::zeroed()
+    };
+    attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+    attr.value.programmaticStreamSerializationAllowed = 1;
+    let config = sys::CUlaunchConfig {
+        gridDimX: dims.blocks,
+        gridDimY: 1,
+        gridDimZ: 1,
+        blockDimX: dims.threads,
+        blockDimY: 1,
+        blockDimZ: 1,
+        sharedMemBytes: 0,
+        hStream: dev.stream.cu_stream(),
+        attrs: &mut attr,
+        numAttrs: 1,
+    };
+    let mut params = [args as *const AllReduceArgs as *mut std::ffi::c_void];
+    // SAFETY: the kernel takes one `peercomm_allreduce_args` by value (`params` points at
+    // it during the call, which copies it); the function is of this device's context,
+    // bound above; `attr` outlives the call.
+    cu!(cuLaunchKernelEx(
+        &config,
+        func.cu_function(),
+        params.as_mut_ptr(),
+        std::ptr::null_mut()
+    ))
+}
+
+fn ordinal_of<T>(s: &impl DeviceSlice<T>) -> usize {
+    s.stream().context().ordinal()
+}
+
+macro_rules! impl_cuda_buffer {
+    ($($ty:ty),*) => {$(
+        // SAFETY: the pointer, length, dtype and device come from the allocation itself.
+        unsafe impl<T: Element> DeviceBuffer<Cuda> for $ty {
+            fn dtype(&self) -> DType {
+                T::DTYPE
+            }
+            fn len(&self) -> usize {
+                DeviceSlice::len(self)
+            }
+            fn device_ordinal(&self) -> usize {
+                ordinal_of(self)
+            }
+            fn read_ptr<'a>(&'a self, dev: &'a CudaDevice) -> (u64, SyncOnDrop<'a>) {
+                self.device_ptr(&dev.stream)
+            }
+        }
+    )*};
+}
+impl_cuda_buffer!(CudaSlice<T>, CudaView<'_, T>, CudaViewMut<'_, T>);
+
+macro_rules! impl_cuda_buffer_mut {
+    ($($ty:ty),*) => {$(
+        // SAFETY: the pointer, length, dtype and device come from the allocation itself.
+        unsafe impl<T: Element> DeviceBufferMut<Cuda> for $ty {
+            fn write_ptr<'a>(&'a mut self, dev: &'a CudaDevice) -> (u64, SyncOnDrop<'a>) {
+                self.device_ptr_mut(&dev.stream)
+            }
+        }
+    )*};
+}
+impl_cuda_buffer_mut!(CudaSlice<T>, CudaViewMut<'_, T>);
 
 #[cfg(test)]
 mod tests {

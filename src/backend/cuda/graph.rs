@@ -57,8 +57,7 @@ impl Drop for TrackingPaused {
                 entry.0 -= 1;
                 if entry.0 == 0 {
                     if entry.1 {
-                        // SAFETY: no buffer was made while tracking was off (`capture`
-                        // forbids allocating), so none stays untracked.
+                        // SAFETY: `capture` forbids allocating, so no buffer stays untracked.
                         unsafe { ctx.enable_event_tracking() };
                     }
                     map.remove(&key);
@@ -132,8 +131,7 @@ pub fn capture<R>(
             };
             let graph = g?.ok_or_else(empty)?;
             let mut nodes = 0usize;
-            // SAFETY: the graph is live (owned by `graph`); a null node array asks only
-            // for the count.
+            // SAFETY: the graph is live; a null node array asks only for the count.
             cu!(cuGraphGetNodes(
                 graph.cu_graph(),
                 std::ptr::null_mut(),

@@ -193,8 +193,7 @@ pub(super) fn prepare_shared_device(dev: &CudaDevice) -> Result<()> {
     use sys::CUmemPool_attribute::*;
     let pool = device_pool(dev)?;
     let (mut off, mut keep) = (0i32, u64::MAX);
-    // SAFETY: `value` points at the attribute's C type (an int, a cuuint64_t) and
-    // outlives the call.
+    // SAFETY: `value` points at the attribute's C type (int, cuuint64_t), live for the call.
     let set = |attr, value: *mut c_void| cu!(cuMemPoolSetAttribute(pool, attr, value));
     // No allocation waits, through the pool, for a free on another rank's stream.
     set(
@@ -288,8 +287,7 @@ fn legacy_ipc_capable(ptr: u64) -> Result<bool> {
 /// context).
 pub(super) fn ipc_handle(base: u64, bytes: usize) -> std::result::Result<Vec<u8>, DriverError> {
     let mut handle = sys::CUipcMemHandle { reserved: [0; 64] };
-    // SAFETY: `handle` outlives the call; `base` is the base of a live cuMemAlloc
-    // allocation of the current context (the callers' contract).
+    // SAFETY: `handle` outlives the call; `base` starts a live cuMemAlloc allocation here.
     unsafe { sys::cuIpcGetMemHandle(&mut handle, base) }.result()?;
     let raw = handle.reserved.map(|c| c as u8);
     Ok(ipc::write(IPC_MAGIC, bytes, raw))
@@ -346,8 +344,7 @@ pub(super) fn import_memory(dev: &CudaDevice, handle: &[u8]) -> Result<CudaPeerM
         reserved: raw.map(|b| b as std::ffi::c_char),
     };
     let mut ptr: sys::CUdeviceptr = 0;
-    // SAFETY: `ptr` outlives the call and `dev`'s context is current; the driver
-    // validates the handle's contents.
+    // SAFETY: `ptr` outlives the call; the context is current; the driver checks the handle.
     let opened = unsafe {
         sys::cuIpcOpenMemHandle_v2(
             &mut ptr,

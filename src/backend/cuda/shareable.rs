@@ -183,9 +183,7 @@ fn open_pool(key: (u64, u64, usize), descriptor: OwnedFd) -> Result<sys::CUmemor
         return Ok(p.pool as sys::CUmemoryPool);
     }
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
-    // SAFETY: for the POSIX-fd type the handle is the descriptor's value (the driver
-    // does not keep it: `descriptor` closes it when this returns); `pool` outlives the
-    // call.
+    // SAFETY: the handle is the fd's value (the driver does not keep it); `pool` outlives it.
     cu!(cuMemPoolImportFromShareableHandle(
         &mut pool,
         descriptor.as_raw_fd() as usize as *mut c_void,
@@ -297,8 +295,7 @@ pub(super) fn import(
         };
         let pool = open_pool((token, identity, ordinal), descriptor)?;
         let mut ptr: sys::CUdeviceptr = 0;
-        // SAFETY: `pool` is an imported pool of this context; `data` and `ptr` outlive
-        // the call.
+        // SAFETY: `pool` is imported in this context; `data` and `ptr` outlive the call.
         if let Err(e) = unsafe { sys::cuMemPoolImportPointer(&mut ptr, pool, &mut data) }.result() {
             release_pool(pool as usize);
             return Err(backend_err(
@@ -319,9 +316,7 @@ pub(super) fn import(
         return Ok(mapping);
     }
     let mut generic: sys::CUmemGenericAllocationHandle = 0;
-    // SAFETY: for the POSIX-fd type the handle is the descriptor's value (the driver
-    // does not keep it: `descriptor` closes it when this returns); `generic` outlives
-    // the call.
+    // SAFETY: the handle is the fd's value (the driver does not keep it); `generic` outlives it.
     cu!(cuMemImportFromShareableHandle(
         &mut generic,
         descriptor.as_raw_fd() as usize as *mut c_void,

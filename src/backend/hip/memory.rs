@@ -1,10 +1,12 @@
-//! HIP memory: allocations (`HipMemory`, `HipAllocation`), IPC export and import
-//! (`HipPeerMapping`).
+//! HIP memory: allocations (`HipMemory`, `HipAllocation`, the typed `HipBuffer`), IPC
+//! export and import (`HipPeerMapping`).
 
 use std::ffi::{c_char, c_uint, c_void};
+use std::marker::PhantomData;
 use std::ptr::null_mut;
 
-use super::super::{Backend, MemoryKind};
+use super::super::{Backend, DeviceBuffer, DeviceBufferMut, MemoryKind};
+use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 
 use super::device::*;
@@ -60,8 +62,7 @@ impl HipMemory {
 
 impl Drop for HipMemory {
     fn drop(&mut self) {
-        // SAFETY: allocated by this backend and owned by this value; hipFree waits for
-        // the device work that may still use it.
+        // SAFETY: owned by this value; hipFree waits for device work that may still use it.
         unsafe { ffi::hipFree(self.ptr as *mut c_void) };
     }
 }
@@ -102,8 +103,7 @@ impl Drop for HipPeerMapping {
     fn drop(&mut self) {
         // Work that may still use the mapping must finish first.
         let _ = set_device(self.ordinal);
-        // SAFETY: `ptr` came from hipIpcOpenMemHandle on this device and is closed once
-        // (drop), after the device's work.
+        // SAFETY: opened here by hipIpcOpenMemHandle, closed once, after the device's work.
         unsafe {
             ffi::hipDeviceSynchronize();
             ffi::hipIpcCloseMemHandle(self.ptr as *mut c_void);
@@ -239,4 +239,53 @@ pub(super) fn import_memory(dev: &HipDevice, handle: &[u8]) -> Result<HipPeerMap
         bytes,
         ordinal: dev.ordinal,
     })
+}
+
+/// A typed device buffer on one AMD GPU.
+pub struct HipBuffer<T: Element> {
+    pub(super) mem: HipMemory,
+    pub(super) len: usize,
+    pub(super) _t: PhantomData<T>,
+}
+
+impl<T: Element> std::fmt::Debug for HipBuffer<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HipBuffer")
+            .field("dtype", &T::DTYPE)
+            .field("len", &self.len)
+            .field("mem", &self.mem)
+            .finish()
+    }
+}
+
+impl<T: Element> HipBuffer<T> {
+    /// Device address of the first element.
+    pub fn device_ptr(&self) -> u64 {
+        self.mem.ptr
+    }
+}
+
+// SAFETY: the pointer, length, dtype and device come from the allocation itself.
+
+unsafe impl<T: Element> DeviceBuffer<Hip> for HipBuffer<T> {
+    fn dtype(&self) -> DType {
+        T::DTYPE
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn device_ordinal(&self) -> usize {
+        self.mem.ordinal
+    }
+    fn read_ptr<'a>(&'a self, _dev: &'a HipDevice) -> (u64, ()) {
+        (self.mem.ptr, ())
+    }
+}
+
+// SAFETY: the pointer, length, dtype and device come from the allocation itself.
+
+unsafe impl<T: Element> DeviceBufferMut<Hip> for HipBuffer<T> {
+    fn write_ptr<'a>(&'a mut self, _dev: &'a HipDevice) -> (u64, ()) {
+        (self.mem.ptr, ())
+    }
 }

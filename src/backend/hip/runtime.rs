@@ -21,8 +21,7 @@ pub struct Hip;
 /// Name and message of a status, for any value (the runtime answers unknown codes
 /// with its "unknown error" strings).
 pub(super) fn describe(status: HipStatus) -> String {
-    // SAFETY: both functions accept any integer and return a pointer to a static
-    // NUL-terminated string (or null, handled).
+    // SAFETY: both accept any integer and return a static C string (or null, handled).
     let (name, text) = unsafe { (ffi::hipGetErrorName(status), ffi::hipGetErrorString(status)) };
     let read = |p: *const c_char| {
         if p.is_null() {
@@ -95,8 +94,7 @@ pub(super) fn device_uuid(ordinal: usize) -> Option<[u8; 16]> {
 /// The device's PCI bus id as the runtime writes it (`0000:19:00.0`).
 pub(super) fn pci_bus_id(ordinal: usize) -> Result<String> {
     let mut text: [c_char; 64] = [0; 64];
-    // SAFETY: `text` is writable for the length passed; the runtime NUL-terminates
-    // what it writes within it.
+    // SAFETY: `text` is writable for the length passed; the runtime NUL-terminates in it.
     hip!(hipDeviceGetPCIBusId(
         text.as_mut_ptr(),
         64,
@@ -127,8 +125,7 @@ pub(super) fn gcn_arch_name(ordinal: usize) -> Result<String> {
         if f.is_null() {
             continue;
         }
-        // SAFETY: the symbol is one of HIP's device-properties functions, all of which
-        // have the C signature `hipError_t (void* props, int device)`.
+        // SAFETY: each device-properties entry point is `hipError_t (void* props, int dev)`.
         let f: GetDeviceProperties = unsafe { std::mem::transmute(f) };
         // 8 KiB, 8-byte aligned: larger than every hipDeviceProp_t layout (about 1.5 KiB).
         let mut props = vec![0u64; 1024];
