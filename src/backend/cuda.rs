@@ -32,6 +32,7 @@ pub(crate) use device::load_first_of;
 use device::{backend_err, bind, driver, driver_err};
 pub use device::{Cuda, CudaDevice};
 pub use graph::{capture, is_capturing};
+use memory::{device_location, device_pool, granted_pools, legacy_ipc_capable, pool_of};
 pub use memory::{CudaMemory, CudaPeerMapping};
 
 use cudarc::driver::sys::{self, CUdevice_attribute};
@@ -121,13 +122,9 @@ impl Backend for Cuda {
     }
 
     fn can_access_peer(dev: &CudaDevice, peer: &CudaDevice) -> Result<bool> {
-        let mut can = 0i32;
+        let (mut can, a, b) = (0i32, dev.ctx.cu_device(), peer.ctx.cu_device());
         // SAFETY: both CUdevice handles come from live contexts; `can` outlives the call.
-        cu!(cuDeviceCanAccessPeer(
-            &mut can,
-            dev.ctx.cu_device(),
-            peer.ctx.cu_device()
-        ))?;
+        cu!(cuDeviceCanAccessPeer(&mut can, a, b))?;
         Ok(can != 0)
     }
 
@@ -135,18 +132,17 @@ impl Backend for Cuda {
         bind(&dev.ctx)?;
         // SAFETY: the current context is `dev`'s and `peer`'s context is alive.
         let r = unsafe { sys::cuCtxEnablePeerAccess(peer.ctx.cu_ctx(), 0) };
-        match r {
-            sys::CUresult::CUDA_SUCCESS | sys::CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED => {
-            }
-            other => return Err(backend_err("cuCtxEnablePeerAccess", format!("{other:?}"))),
+        use sys::CUresult::{CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED as ENABLED, CUDA_SUCCESS};
+        if !matches!(r, CUDA_SUCCESS | ENABLED) {
+            return Err(backend_err("cuCtxEnablePeerAccess", format!("{r:?}")));
         }
         // Peer access does not cover stream-ordered (pool) allocations, which cudarc
         // uses: grant `dev` access to `peer`'s pool too.
-        let pool = memory::device_pool(peer)?;
+        let pool = device_pool(peer)?;
         let desc = memory::read_write(dev.ctx.ordinal());
         // SAFETY: `desc` is one valid descriptor and outlives the call.
         cu!(cuMemPoolSetAccess(pool, &desc, 1))?;
-        memory::granted_pools().insert((pool as usize, dev.ctx.ordinal() as i32));
+        granted_pools().insert((pool as usize, dev.ctx.ordinal() as i32));
         Ok(())
     }
 
@@ -174,15 +170,65 @@ impl Backend for Cuda {
     }
 
     fn prepare_shared_device(dev: &CudaDevice) -> Result<()> {
-        memory::prepare_shared_device(dev)
+        use sys::CUmemPool_attribute::*;
+        let pool = device_pool(dev)?;
+        let (mut off, mut keep) = (0i32, u64::MAX);
+        // SAFETY: `value` points at the attribute's C type (int, cuuint64_t), live for the call.
+        let set =
+            |attr, value: *mut std::ffi::c_void| cu!(cuMemPoolSetAttribute(pool, attr, value));
+        // No allocation waits, through the pool, for a free on another rank's stream.
+        set(
+            CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
+            (&mut off as *mut i32).cast(),
+        )?;
+        // Keep freed memory in the pool: releasing it at a synchronisation can wait for the
+        // whole device, including another rank's kernel waiting for this rank.
+        set(
+            CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
+            (&mut keep as *mut u64).cast(),
+        )
     }
 
-    fn peer_access_problem(
-        dev: &CudaDevice,
-        ptr: u64,
-        peer_ordinal: usize,
-    ) -> Result<Option<String>> {
-        memory::peer_access_problem(dev, ptr, peer_ordinal)
+    fn peer_access_problem(dev: &CudaDevice, ptr: u64, peer: usize) -> Result<Option<String>> {
+        if dev.ctx.ordinal() == peer {
+            return Ok(None);
+        }
+        let peer_ordinal = peer as i32;
+        let location = device_location(peer);
+        let pool = pool_of(ptr)?;
+        if !pool.is_null() {
+            if granted_pools().contains(&(pool as usize, peer_ordinal)) {
+                return Ok(None);
+            }
+            let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
+            let mut loc = location;
+            // SAFETY: `pool` came from the driver for a live allocation; out-pointers are valid.
+            cu!(cuMemPoolGetAccess(&mut flags, pool, &mut loc))?;
+            return Ok(match flags {
+                sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE => {
+                    granted_pools().insert((pool as usize, peer_ordinal));
+                    None
+                }
+                other => Some(format!("its memory pool grants the peer {other:?}")),
+            });
+        }
+        if legacy_ipc_capable(ptr)? {
+            // cuMemAlloc memory: covered by the context's peer access.
+            return Ok(None);
+        }
+        // A virtual-memory mapping (cuMemCreate + cuMemMap): access is per range.
+        let mut flags: u64 = 0;
+        // SAFETY: `flags` and `location` are valid for the call; `ptr` is a mapped address.
+        let r = unsafe { sys::cuMemGetAccess(&mut flags, &location, ptr) };
+        Ok(match r {
+            sys::CUresult::CUDA_SUCCESS if flags & 1 != 0 => None,
+            sys::CUresult::CUDA_SUCCESS => Some(format!(
+                "its virtual-memory mapping grants the peer access flags {flags}"
+            )),
+            other => Some(format!(
+                "the driver cannot tell whether the peer may read it ({other:?})"
+            )),
+        })
     }
 
     fn export_memory(_dev: &CudaDevice, mem: &CudaMemory) -> Result<Vec<u8>> {
@@ -206,10 +252,8 @@ impl Backend for Cuda {
             return shareable::import(dev, handle, descriptor);
         }
         if descriptor.is_some() {
-            return Err(crate::backend::handle::import_error(
-                "cuda",
-                "a legacy IPC handle came with a descriptor".into(),
-            ));
+            let detail = "a legacy IPC handle came with a descriptor".into();
+            return Err(super::handle::import_error("cuda", detail));
         }
         memory::import_memory(dev, handle)
     }

@@ -105,13 +105,9 @@ impl Backend for Hip {
     }
 
     fn can_access_peer(dev: &HipDevice, peer: &HipDevice) -> Result<bool> {
-        let mut can: c_int = 0;
+        let (mut can, a, b) = (0, dev.ordinal as c_int, peer.ordinal as c_int);
         // SAFETY: `can` is a valid out pointer.
-        hip!(hipDeviceCanAccessPeer(
-            &mut can,
-            dev.ordinal as c_int,
-            peer.ordinal as c_int
-        ))?;
+        hip!(hipDeviceCanAccessPeer(&mut can, a, b))?;
         Ok(can != 0)
     }
 
@@ -138,7 +134,9 @@ impl Backend for Hip {
     }
 
     fn export_memory(_dev: &HipDevice, mem: &HipMemory) -> Result<Vec<u8>> {
-        memory::export_memory(_dev, mem)
+        set_device(mem.ordinal)?;
+        let record = handle_record(mem.ptr, mem.bytes);
+        record.map_err(|s| backend_err("hipIpcGetMemHandle", describe(s)))
     }
 
     fn export_range(dev: &HipDevice, ptr: u64, bytes: usize) -> Result<ExportedRange> {
@@ -160,13 +158,9 @@ impl Backend for Hip {
 
     fn memset_d32(dev: &HipDevice, ptr: u64, value: u32, words: usize) -> Result<()> {
         set_device(dev.ordinal)?;
+        let (dst, value) = (ptr as *mut c_void, value as c_int);
         // SAFETY: a range of the caller's allocation, written in order on the device's stream.
-        hip!(hipMemsetD32Async(
-            ptr as *mut c_void,
-            value as c_int,
-            words,
-            dev.stream
-        ))
+        hip!(hipMemsetD32Async(dst, value, words, dev.stream))
     }
 
     fn memset_d16(dev: &HipDevice, ptr: u64, value: u16, halves: usize) -> Result<()> {
@@ -192,14 +186,10 @@ impl Backend for Hip {
 
     fn read_words_now(dev: &HipDevice, ptr: u64, dst: &mut [u32]) -> Result<()> {
         set_device(dev.ordinal)?;
-        // SAFETY: the caller passes a device range of dst.len() words. The synchronous
-        // copy runs on the null stream, which does not wait for the rank's
-        // non-blocking stream; `dst` is written before the call returns.
-        hip!(hipMemcpyDtoH(
-            dst.as_mut_ptr().cast(),
-            ptr as *mut c_void,
-            std::mem::size_of_val(dst)
-        ))
+        let (host, n) = (dst.as_mut_ptr().cast(), std::mem::size_of_val(dst));
+        // SAFETY: a device range of dst.len() words; this synchronous copy (null stream: it
+        // does not wait for the rank's stream) writes `dst` before returning.
+        hip!(hipMemcpyDtoH(host, ptr as *mut c_void, n))
     }
 
     fn launch(

@@ -87,8 +87,7 @@ impl ExternalAllReduce<Host> for HostAllReduce {
         elements: usize,
         dtype: DType,
     ) -> Result<()> {
-        let bootstrap = self.bootstrap.clone();
-        let members = self.members.clone();
+        let (bootstrap, members) = (self.bootstrap.clone(), self.members.clone());
         let error = self.error.clone();
         let bytes = elements * dtype.size();
         dev.enqueue_host_fn(move || {
@@ -124,10 +123,8 @@ impl ExternalAllReduce<Host> for HostAllReduce {
     }
 
     fn take_async_error(&self) -> Result<()> {
-        match self.error.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            Some(e) => Err(e),
-            None => Ok(()),
-        }
+        let error = self.error.lock().unwrap_or_else(|p| p.into_inner()).take();
+        error.map_or(Ok(()), Err)
     }
 }
 

@@ -148,8 +148,7 @@ fn exchange_unique_id<T: Copy>(
     };
     let ids = bootstrap.all_gather(&mine)?;
     let lib = loaded?;
-    let mut id = [0 as c_char; 128];
-    if ids[leader].len() != id.len() {
+    if ids[leader].len() != 128 {
         return Err(Error::External {
             library,
             call: "ncclCommInitRank",
@@ -159,9 +158,7 @@ fn exchange_unique_id<T: Copy>(
             ),
         });
     }
-    for (d, &b) in id.iter_mut().zip(&ids[leader]) {
-        *d = b as c_char;
-    }
+    let id = std::array::from_fn(|i| ids[leader][i] as c_char);
     let index = members.iter().position(|&m| m == me).expect("member");
     Ok((lib, id, index))
 }

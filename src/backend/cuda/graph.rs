@@ -3,7 +3,7 @@
 //! off on every context involved (after synchronising each stream) and restored after,
 //! also on failure or panic; a count per context keeps concurrent captures apart.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode, CUstreamCaptureStatus};
@@ -14,7 +14,7 @@ use crate::error::{Error, Result};
 
 /// Per context (by address): captures in progress, and whether tracking was on
 /// before the first of them.
-static PAUSED: Mutex<Option<HashMap<usize, (usize, bool)>>> = Mutex::new(None);
+static PAUSED: Mutex<BTreeMap<usize, (usize, bool)>> = Mutex::new(BTreeMap::new());
 
 /// Event tracking turned off on some contexts for as long as this lives.
 struct TrackingPaused {
@@ -29,8 +29,7 @@ impl TrackingPaused {
                 contexts.push(s.context().clone());
             }
         }
-        let mut paused = PAUSED.lock().unwrap_or_else(|e| e.into_inner());
-        let map = paused.get_or_insert_with(HashMap::new);
+        let mut map = PAUSED.lock().unwrap_or_else(|e| e.into_inner());
         for ctx in &contexts {
             let entry = map
                 .entry(Arc::as_ptr(ctx) as usize)
@@ -49,8 +48,7 @@ impl TrackingPaused {
 
 impl Drop for TrackingPaused {
     fn drop(&mut self) {
-        let mut paused = PAUSED.lock().unwrap_or_else(|e| e.into_inner());
-        let Some(map) = paused.as_mut() else { return };
+        let mut map = PAUSED.lock().unwrap_or_else(|e| e.into_inner());
         for ctx in &self.contexts {
             let key = Arc::as_ptr(ctx) as usize;
             if let Some(entry) = map.get_mut(&key) {

@@ -189,25 +189,6 @@ pub(super) fn read_write(ordinal: usize) -> sys::CUmemAccessDesc {
     }
 }
 
-pub(super) fn prepare_shared_device(dev: &CudaDevice) -> Result<()> {
-    use sys::CUmemPool_attribute::*;
-    let pool = device_pool(dev)?;
-    let (mut off, mut keep) = (0i32, u64::MAX);
-    // SAFETY: `value` points at the attribute's C type (int, cuuint64_t), live for the call.
-    let set = |attr, value: *mut c_void| cu!(cuMemPoolSetAttribute(pool, attr, value));
-    // No allocation waits, through the pool, for a free on another rank's stream.
-    set(
-        CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES,
-        (&mut off as *mut i32).cast(),
-    )?;
-    // Keep freed memory in the pool: releasing it at a synchronisation can wait for the
-    // whole device, including another rank's kernel waiting for this rank.
-    set(
-        CU_MEMPOOL_ATTR_RELEASE_THRESHOLD,
-        (&mut keep as *mut u64).cast(),
-    )
-}
-
 /// Attribute `attr` (named `name`) of `ptr`, read as a `T` (its C type's size).
 fn pointer_attribute<T: Default>(
     name: &'static str,
@@ -230,54 +211,8 @@ pub(super) fn pool_of(ptr: u64) -> Result<sys::CUmemoryPool> {
     Ok(pointer_attribute::<usize>(name, attr, ptr)? as sys::CUmemoryPool)
 }
 
-pub(super) fn peer_access_problem(
-    dev: &CudaDevice,
-    ptr: u64,
-    peer: usize,
-) -> Result<Option<String>> {
-    if dev.ctx.ordinal() == peer {
-        return Ok(None);
-    }
-    let peer_ordinal = peer as i32;
-    let location = device_location(peer);
-    let pool = pool_of(ptr)?;
-    if !pool.is_null() {
-        if granted_pools().contains(&(pool as usize, peer_ordinal)) {
-            return Ok(None);
-        }
-        let mut flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_NONE;
-        let mut loc = location;
-        // SAFETY: `pool` came from the driver for a live allocation; out-pointers are valid.
-        cu!(cuMemPoolGetAccess(&mut flags, pool, &mut loc))?;
-        return Ok(match flags {
-            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE => {
-                granted_pools().insert((pool as usize, peer_ordinal));
-                None
-            }
-            other => Some(format!("its memory pool grants the peer {other:?}")),
-        });
-    }
-    if legacy_ipc_capable(ptr)? {
-        // cuMemAlloc memory: covered by the context's peer access.
-        return Ok(None);
-    }
-    // A virtual-memory mapping (cuMemCreate + cuMemMap): access is per range.
-    let mut flags: u64 = 0;
-    // SAFETY: `flags` and `location` are valid for the call; `ptr` is a mapped address.
-    let r = unsafe { sys::cuMemGetAccess(&mut flags, &location, ptr) };
-    Ok(match r {
-        sys::CUresult::CUDA_SUCCESS if flags & 1 != 0 => None,
-        sys::CUresult::CUDA_SUCCESS => Some(format!(
-            "its virtual-memory mapping grants the peer access flags {flags}"
-        )),
-        other => Some(format!(
-            "the driver cannot tell whether the peer may read it ({other:?})"
-        )),
-    })
-}
-
 /// Whether `ptr` is `cuMemAlloc` memory (legacy CUDA IPC can export it).
-fn legacy_ipc_capable(ptr: u64) -> Result<bool> {
+pub(super) fn legacy_ipc_capable(ptr: u64) -> Result<bool> {
     let name = "cuPointerGetAttribute(IS_LEGACY_CUDA_IPC_CAPABLE)";
     let attr = sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE;
     Ok(pointer_attribute::<i32>(name, attr, ptr)? != 0)

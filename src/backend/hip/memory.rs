@@ -155,14 +155,12 @@ pub(super) fn allocate(ordinal: usize, bytes: usize, kind: MemoryKind) -> Result
     })
 }
 
-pub(super) fn export_memory(_dev: &HipDevice, mem: &HipMemory) -> Result<Vec<u8>> {
-    set_device(mem.ordinal)?;
-    handle_record(mem.ptr, mem.bytes).map_err(|s| backend_err("hipIpcGetMemHandle", describe(s)))
-}
-
 /// The handle record of the allocation of `bytes` at `base` (of the current device), or
 /// the runtime's status.
-fn handle_record(base: u64, bytes: usize) -> std::result::Result<Vec<u8>, ffi::HipStatus> {
+pub(super) fn handle_record(
+    base: u64,
+    bytes: usize,
+) -> std::result::Result<Vec<u8>, ffi::HipStatus> {
     let mut handle = ffi::IpcMemHandle {
         reserved: [0; ffi::IPC_HANDLE_SIZE],
     };

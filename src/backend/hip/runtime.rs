@@ -23,13 +23,10 @@ pub struct Hip;
 pub(super) fn describe(status: HipStatus) -> String {
     // SAFETY: both accept any integer and return a static C string (or null, handled).
     let (name, text) = unsafe { (ffi::hipGetErrorName(status), ffi::hipGetErrorString(status)) };
-    let read = |p: *const c_char| {
-        if p.is_null() {
-            "?".to_string()
-        } else {
-            // SAFETY: non-null pointers from the runtime point at static C strings.
-            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
-        }
+    let read = |p: *const c_char| match p.is_null() {
+        true => "?".to_string(),
+        // SAFETY: non-null pointers from the runtime point at static C strings.
+        false => unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned(),
     };
     let (name, text) = (read(name), read(text));
     if name == text {
@@ -94,17 +91,12 @@ pub(super) fn device_uuid(ordinal: usize) -> Option<[u8; 16]> {
 /// The device's PCI bus id as the runtime writes it (`0000:19:00.0`).
 pub(super) fn pci_bus_id(ordinal: usize) -> Result<String> {
     let mut text: [c_char; 64] = [0; 64];
-    // SAFETY: `text` is writable for the length passed; the runtime NUL-terminates in it.
-    hip!(hipDeviceGetPCIBusId(
-        text.as_mut_ptr(),
-        64,
-        ordinal as c_int
-    ))?;
-    text[63] = 0;
-    // SAFETY: NUL-terminated within the buffer (the last byte was just set to 0).
-    Ok(unsafe { CStr::from_ptr(text.as_ptr()) }
-        .to_string_lossy()
-        .into_owned())
+    let (out, device) = (text.as_mut_ptr(), ordinal as c_int);
+    // SAFETY: `text` is writable for the length passed.
+    hip!(hipDeviceGetPCIBusId(out, 64, device))?;
+    let text = text.map(|c| c as u8);
+    let end = text.iter().position(|&b| b == 0).unwrap_or(63);
+    Ok(String::from_utf8_lossy(&text[..end]).into_owned())
 }
 
 /// The device-properties entry points, newest first, with the offset of `gcnArchName`
