@@ -99,11 +99,8 @@ impl Backend for Cuda {
             attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?,
             0,
         );
-        Ok(super::DeviceIdentity::new(
-            dev.ctx.ordinal(),
-            Some(uuid.bytes.map(|b| b as u8)),
-            Some(&pci),
-        ))
+        let (ordinal, uuid) = (dev.ctx.ordinal(), Some(uuid.bytes.map(|b| b as u8)));
+        Ok(super::DeviceIdentity::new(ordinal, uuid, Some(&pci)))
     }
 
     fn multiprocessor_count(dev: &CudaDevice) -> Result<usize> {

@@ -89,11 +89,9 @@ impl Backend for Hip {
     }
 
     fn identity(dev: &HipDevice) -> Result<super::DeviceIdentity> {
-        Ok(super::DeviceIdentity::new(
-            dev.ordinal,
-            device_uuid(dev.ordinal),
-            Some(&pci_bus_id(dev.ordinal)?),
-        ))
+        let uuid = device_uuid(dev.ordinal);
+        let pci = pci_bus_id(dev.ordinal)?;
+        Ok(super::DeviceIdentity::new(dev.ordinal, uuid, Some(&pci)))
     }
 
     fn multiprocessor_count(dev: &HipDevice) -> Result<usize> {
@@ -166,12 +164,8 @@ impl Backend for Hip {
     fn memset_d16(dev: &HipDevice, ptr: u64, value: u16, halves: usize) -> Result<()> {
         set_device(dev.ordinal)?;
         // SAFETY: as for memset_d32.
-        hip!(hipMemsetD16Async(
-            ptr as *mut c_void,
-            value,
-            halves,
-            dev.stream
-        ))
+        let dst = ptr as *mut c_void;
+        hip!(hipMemsetD16Async(dst, value, halves, dev.stream))
     }
 
     fn read(dev: &HipDevice, ptr: u64, dst: &mut [u8]) -> Result<()> {

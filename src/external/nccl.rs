@@ -132,17 +132,13 @@ impl NcclApi for Nccl {
     }
 
     fn init_rank(&self, world: c_int, internal: [c_char; 128], rank: c_int) -> Result<Self::Comm> {
-        let mut comm = std::mem::MaybeUninit::uninit();
+        let (mut comm, id) = (
+            std::mem::MaybeUninit::uninit(),
+            sys::ncclUniqueId { internal },
+        );
         // SAFETY: NCCL initialises `comm` on success.
-        unsafe {
-            result::comm_init_rank(
-                comm.as_mut_ptr(),
-                world,
-                sys::ncclUniqueId { internal },
-                rank,
-            )
-        }
-        .map_err(nccl_err("ncclCommInitRank"))?;
+        unsafe { result::comm_init_rank(comm.as_mut_ptr(), world, id, rank) }
+            .map_err(nccl_err("ncclCommInitRank"))?;
         // SAFETY: initialised by the successful call above.
         Ok(unsafe { comm.assume_init() })
     }
@@ -158,21 +154,13 @@ impl NcclApi for Nccl {
     }
 
     unsafe fn all_reduce(&self, comm: Self::Comm, dev: &CudaDevice, call: Call) -> Result<()> {
-        let (send, recv, elements, dtype) = call;
+        let (send, recv, n, dtype) = call;
+        let (s, r, t) = (send as *const _, recv as *mut _, nccl_dtype(dtype));
+        let (sum, stream) = (sys::ncclRedOp_t::ncclSum, dev.stream().cu_stream() as _);
         // SAFETY: the caller's contract (both ranges on this device, `comm` made for it).
-        unsafe {
-            result::all_reduce(
-                send as *const _,
-                recv as *mut _,
-                elements,
-                nccl_dtype(dtype),
-                sys::ncclRedOp_t::ncclSum,
-                comm,
-                dev.stream().cu_stream() as _,
-            )
-        }
-        .map(|_| ())
-        .map_err(nccl_err("ncclAllReduce"))
+        unsafe { result::all_reduce(s, r, n, t, sum, comm, stream) }
+            .map(|_| ())
+            .map_err(nccl_err("ncclAllReduce"))
     }
 
     unsafe fn abort(&self, comm: Self::Comm) {

@@ -226,19 +226,14 @@ impl NcclApi for Api {
     }
 
     unsafe fn all_reduce(&self, comm: Self::Comm, dev: &HipDevice, call: Call) -> Result<()> {
-        let (send, recv, elements, dtype) = call;
+        let (send, recv, n, dtype) = call;
+        let (s, r, t) = (
+            send as *const c_void,
+            recv as *mut c_void,
+            rccl_dtype(dtype),
+        );
         // SAFETY: the caller's contract (both ranges on this device, `comm` made for it).
-        let status = unsafe {
-            (self.all_reduce)(
-                send as *const c_void,
-                recv as *mut c_void,
-                elements,
-                rccl_dtype(dtype),
-                SUM,
-                comm,
-                dev.stream_handle(),
-            )
-        };
+        let status = unsafe { (self.all_reduce)(s, r, n, t, SUM, comm, dev.stream_handle()) };
         check(self, status, "ncclAllReduce")
     }
 

@@ -236,12 +236,8 @@ pub(super) fn launch_overlapping(
     // SAFETY: the kernel takes one `peercomm_allreduce_args` by value (`params` points at
     // it during the call, which copies it); the function is of this device's context,
     // bound above; `attr` outlives the call.
-    cu!(cuLaunchKernelEx(
-        &config,
-        func.cu_function(),
-        params.as_mut_ptr(),
-        std::ptr::null_mut()
-    ))
+    let (f, none) = (func.cu_function(), std::ptr::null_mut());
+    cu!(cuLaunchKernelEx(&config, f, params.as_mut_ptr(), none))
 }
 
 fn ordinal_of<T>(s: &impl DeviceSlice<T>) -> usize {

@@ -130,11 +130,8 @@ pub fn capture<R>(
             let graph = g?.ok_or_else(empty)?;
             let mut nodes = 0usize;
             // SAFETY: the graph is live; a null node array asks only for the count.
-            cu!(cuGraphGetNodes(
-                graph.cu_graph(),
-                std::ptr::null_mut(),
-                &mut nodes
-            ))?;
+            let (g, none) = (graph.cu_graph(), std::ptr::null_mut());
+            cu!(cuGraphGetNodes(g, none, &mut nodes))?;
             if nodes == 0 {
                 return Err(empty());
             }

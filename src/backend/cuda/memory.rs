@@ -197,10 +197,8 @@ fn pointer_attribute<T: Default>(
 ) -> Result<T> {
     let mut value = T::default();
     // SAFETY: `value` is a valid out-pointer of the attribute's size for the call.
-    cu!(
-        name,
-        cuPointerGetAttribute(&mut value as *mut T as *mut c_void, attr, ptr)
-    )?;
+    let out = &mut value as *mut T as *mut c_void;
+    cu!(name, cuPointerGetAttribute(out, attr, ptr))?;
     Ok(value)
 }
 
@@ -278,15 +276,10 @@ pub(super) fn import_memory(dev: &CudaDevice, handle: &[u8]) -> Result<CudaPeerM
     let ipc = sys::CUipcMemHandle {
         reserved: raw.map(|b| b as std::ffi::c_char),
     };
+    let lazy = sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint;
     let mut ptr: sys::CUdeviceptr = 0;
     // SAFETY: `ptr` outlives the call; the context is current; the driver checks the handle.
-    let opened = unsafe {
-        sys::cuIpcOpenMemHandle_v2(
-            &mut ptr,
-            ipc,
-            sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as std::ffi::c_uint,
-        )
-    };
+    let opened = unsafe { sys::cuIpcOpenMemHandle_v2(&mut ptr, ipc, lazy) };
     match opened {
         sys::CUresult::CUDA_SUCCESS => {}
         sys::CUresult::CUDA_ERROR_INVALID_CONTEXT => {

@@ -93,14 +93,8 @@ fn export_pool(
     unsafe { sys::cuMemPoolExportPointer(&mut data, base) }
         .result()
         .map_err(|e| cannot(format!("cuMemPoolExportPointer: {e:?}")))?;
-    let fields = (size, base, pool as u64);
-    Ok(exported(
-        POOL_MAGIC,
-        fields,
-        &data.reserved,
-        offset,
-        descriptor,
-    ))
+    let (fields, tail) = ((size, base, pool as u64), &data.reserved);
+    Ok(exported(POOL_MAGIC, fields, tail, offset, descriptor))
 }
 
 /// The range at `offset` of an allocation, `(size, base, identity)` in the exporter, with
@@ -164,14 +158,8 @@ fn export_vmm(ptr: u64, bytes: usize, base: u64, size: usize) -> Result<Option<E
             )
         },
     )?;
-    let fields = (size, base, first.0);
-    Ok(Some(exported(
-        VMM_MAGIC,
-        fields,
-        &[],
-        ptr - base,
-        descriptor,
-    )))
+    let (fields, offset) = ((size, base, first.0), ptr - base);
+    Ok(Some(exported(VMM_MAGIC, fields, &[], offset, descriptor)))
 }
 
 /// The imported pool of `key`, opened from `descriptor` when it is not open yet, with
@@ -184,11 +172,9 @@ fn open_pool(key: (u64, u64, usize), descriptor: OwnedFd) -> Result<sys::CUmemor
     }
     let mut pool: sys::CUmemoryPool = std::ptr::null_mut();
     // SAFETY: the handle is the fd's value (the driver does not keep it); `pool` outlives it.
+    let fd = descriptor.as_raw_fd() as usize as *mut c_void;
     cu!(cuMemPoolImportFromShareableHandle(
-        &mut pool,
-        descriptor.as_raw_fd() as usize as *mut c_void,
-        POSIX_FD,
-        0
+        &mut pool, fd, POSIX_FD, 0
     ))?;
     let access = read_write(key.2);
     // SAFETY: `pool` was just imported; `access` outlives the call.
@@ -250,11 +236,8 @@ fn check_vmm_import(generic: sys::CUmemGenericAllocationHandle, size: usize) -> 
     }
     let mut granularity = 0usize;
     // SAFETY: out-pointer and `prop` (as the driver returned it) valid for the call.
-    cu!(cuMemGetAllocationGranularity(
-        &mut granularity,
-        &prop,
-        sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM
-    ))?;
+    let min = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+    cu!(cuMemGetAllocationGranularity(&mut granularity, &prop, min))?;
     if size == 0 || granularity == 0 || !size.is_multiple_of(granularity) {
         return Err(mismatch(format!(
             "the handle says {size} bytes, which is no whole number of the allocation's \
@@ -317,11 +300,8 @@ pub(super) fn import(
     }
     let mut generic: sys::CUmemGenericAllocationHandle = 0;
     // SAFETY: the handle is the fd's value (the driver does not keep it); `generic` outlives it.
-    cu!(cuMemImportFromShareableHandle(
-        &mut generic,
-        descriptor.as_raw_fd() as usize as *mut c_void,
-        POSIX_FD
-    ))?;
+    let fd = descriptor.as_raw_fd() as usize as *mut c_void;
+    cu!(cuMemImportFromShareableHandle(&mut generic, fd, POSIX_FD))?;
     // The mapping below keeps the memory; this reference goes at the end of scope.
     let generic = Retained(generic);
     check_vmm_import(generic.0, size)?;

@@ -83,12 +83,9 @@ impl HipDevice {
     /// enqueued so far (collectives included) has.
     pub fn record_event(&self) -> Result<HipEvent> {
         set_device(self.ordinal)?;
-        let mut event: hipEvent_t = null_mut();
+        let (mut event, flags): (hipEvent_t, _) = (null_mut(), ffi::EVENT_DISABLE_TIMING);
         // SAFETY: `event` is a valid out pointer.
-        hip!(hipEventCreateWithFlags(
-            &mut event,
-            ffi::EVENT_DISABLE_TIMING
-        ))?;
+        hip!(hipEventCreateWithFlags(&mut event, flags))?;
         let event = HipEvent { event };
         // SAFETY: both handles are live.
         hip!(hipEventRecord(event.event, self.stream))?;
@@ -106,11 +103,8 @@ impl HipDevice {
         if let Some(&(_, f)) = self.functions.iter().find(|(k, _)| *k == kernel) {
             return Ok(f);
         }
-        let symbol = kernel.symbol();
-        let mut extra = self
-            .extra_functions
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+        let (symbol, extra) = (kernel.symbol(), &self.extra_functions);
+        let mut extra = extra.lock().unwrap_or_else(|e| e.into_inner());
         if let Some(&(_, f)) = extra.iter().find(|(s, _)| *s == symbol) {
             return Ok(f);
         }
@@ -161,15 +155,14 @@ impl Drop for HipEvent {
 pub(super) fn open(ordinal: usize) -> Result<HipDevice> {
     let count = <Hip as Backend>::device_count()?;
     if count == 0 {
+        let detail = "hipGetDeviceCount reported 0 devices".into();
         return Err(Error::NoDevice {
             backend: Hip::NAME,
-            detail: "hipGetDeviceCount reported 0 devices".into(),
+            detail,
         });
-    }
-    if ordinal >= count {
-        return Err(Error::InvalidDevices(format!(
-            "HIP device {ordinal} does not exist ({count} visible)"
-        )));
+    } else if ordinal >= count {
+        let e = format!("HIP device {ordinal} does not exist ({count} visible)");
+        return Err(Error::InvalidDevices(e));
     }
     set_device(ordinal)?;
     let gcn_arch_name = gcn_arch_name(ordinal)?;
@@ -193,12 +186,9 @@ pub(super) fn open(ordinal: usize) -> Result<HipDevice> {
     let compute_units = attribute(ordinal, ffi::ATTR_MULTIPROCESSOR_COUNT)
         .map_err(|s| backend_err("hipDeviceGetAttribute(MultiprocessorCount)", describe(s)))?;
 
-    let mut stream: hipStream_t = null_mut();
+    let (mut stream, flags): (hipStream_t, _) = (null_mut(), ffi::STREAM_NON_BLOCKING);
     // SAFETY: `stream` is a valid out pointer.
-    hip!(hipStreamCreateWithFlags(
-        &mut stream,
-        ffi::STREAM_NON_BLOCKING
-    ))?;
+    hip!(hipStreamCreateWithFlags(&mut stream, flags))?;
     // The ELF reader wants an aligned image; embedded bytes are only 1-aligned.
     let image: Vec<u64> = (code_object.bytes.chunks(8))
         .map(|c| u64::from_ne_bytes(std::array::from_fn(|i| c.get(i).copied().unwrap_or(0))))
@@ -232,21 +222,14 @@ pub(super) fn open(ordinal: usize) -> Result<HipDevice> {
     }
     // The kernels time barriers with the constant-rate wall clock; tell them its rate
     // where the runtime reports it (ROCm 6+), else they assume 100 MHz.
-    if let Ok(khz) = attribute(ordinal, ffi::ATTR_WALL_CLOCK_RATE) {
-        if khz > 0 {
-            let mut ptr: *mut c_void = null_mut();
-            let mut bytes = 0usize;
-            // SAFETY: valid out pointers, live module, NUL-terminated name.
-            hip!(hipModuleGetGlobal(
-                &mut ptr,
-                &mut bytes,
-                device.module,
-                c"peercomm_wall_clock_khz".as_ptr()
-            ))?;
-            if bytes == std::mem::size_of::<u32>() {
-                Hip::write(&device, ptr as u64, &(khz as u32).to_ne_bytes())?;
-                device.wall_clock_khz = Some(khz as u32);
-            }
+    if let Ok(khz @ 1..) = attribute(ordinal, ffi::ATTR_WALL_CLOCK_RATE) {
+        let (mut ptr, mut bytes) = (null_mut(), 0usize);
+        let (module, name) = (device.module, c"peercomm_wall_clock_khz".as_ptr());
+        // SAFETY: valid out pointers, live module, NUL-terminated name.
+        hip!(hipModuleGetGlobal(&mut ptr, &mut bytes, module, name))?;
+        if bytes == std::mem::size_of::<u32>() {
+            Hip::write(&device, ptr as u64, &(khz as u32).to_ne_bytes())?;
+            device.wall_clock_khz = Some(khz as u32);
         }
     }
     Ok(device)

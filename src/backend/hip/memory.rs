@@ -169,11 +169,8 @@ pub(super) fn handle_record(
     if status != ffi::SUCCESS {
         return Err(status);
     }
-    Ok(ipc::write(
-        IPC_MAGIC,
-        bytes,
-        handle.reserved.map(|c| c as u8),
-    ))
+    let raw = handle.reserved.map(|c| c as u8);
+    Ok(ipc::write(IPC_MAGIC, bytes, raw))
 }
 
 pub(super) fn export_range(dev: &HipDevice, ptr: u64, bytes: usize) -> Result<(Vec<u8>, u64)> {
