@@ -94,6 +94,31 @@
 //! with its call kind and sequence number and checks every gathered one, so ranks in
 //! different calls get [`BootstrapError::ExchangeMismatch`] instead of each other's data.
 
+/// Implements [`Bootstrap`] for a type whose `gather(&self, mine, Option<Duration>)` serves
+/// both all-gathers (`None`: its own deadline), given its rank and world size.
+macro_rules! bootstrap_via_gather {
+    ($ty:ty, |$s:ident| $rank:expr, $world:expr) => {
+        impl $crate::bootstrap::Bootstrap for $ty {
+            fn rank(&$s) -> usize {
+                $rank
+            }
+            fn world_size(&$s) -> usize {
+                $world
+            }
+            fn all_gather(&$s, mine: &[u8]) -> $crate::bootstrap::error::Result<Vec<Vec<u8>>> {
+                $s.gather(mine, None)
+            }
+            fn all_gather_within(
+                &$s,
+                mine: &[u8],
+                timeout: std::time::Duration,
+            ) -> $crate::bootstrap::error::Result<Vec<Vec<u8>>> {
+                $s.gather(mine, Some(timeout))
+            }
+        }
+    };
+}
+
 mod error;
 mod host;
 mod id;

@@ -173,17 +173,8 @@ fn describe_record(record: &[u8]) -> String {
     }
 }
 
-impl Bootstrap for Tagged {
-    fn rank(&self) -> usize {
-        self.shared.inner.rank()
-    }
-    fn world_size(&self) -> usize {
-        self.shared.inner.world_size()
-    }
-    fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        self.gather(mine, None)
-    }
-    fn all_gather_within(&self, mine: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
-        self.gather(mine, Some(timeout))
-    }
-}
+bootstrap_via_gather!(
+    Tagged,
+    |self| self.shared.inner.rank(),
+    self.shared.inner.world_size()
+);

@@ -1,5 +1,5 @@
-//! [`TcpBootstrap`]: the built-in [`Bootstrap`], a star of TCP connections through
-//! rank 0: its arguments, state, first failure and the all-gather over the star.
+//! [`TcpBootstrap`]: the built-in bootstrap, a star of TCP connections through rank 0: its
+//! arguments, state, first failure and the all-gather over the star.
 
 mod leaf;
 mod root;
@@ -16,16 +16,15 @@ use super::wire::{
     check_frame_len, deadline_after, expect_data, explain_closed, farewell, is_timeout, read_frame,
     recv_error, write_frame, RecvError, RAISE_TIMEOUT,
 };
-use super::{Bootstrap, KIND_DATA, LATE_GRACE, MAX_HOST_ID_BYTES, MAX_WORLD_SIZE, MIN_WAIT};
+use super::{KIND_DATA, LATE_GRACE, MAX_HOST_ID_BYTES, MAX_WORLD_SIZE, MIN_WAIT};
 use leaf::leaf_handshake;
 use root::root_handshake;
 
-/// The built-in [`Bootstrap`]: TCP connections from every rank to rank 0, on which both
-/// sides prove they know the [`UniqueId`]'s secret, then checked by rank and world size.
-///
-/// Thread-safe: operations are serialised on an internal lock (but every rank must
-/// still make the same sequence of calls). Dropping it closes its connections; a peer
-/// still in an operation then fails with [`BootstrapError::ConnectionClosed`].
+/// The built-in [`Bootstrap`](super::Bootstrap): TCP connections from every rank to rank 0,
+/// on which both sides prove they know the [`UniqueId`]'s secret, then checked by rank and
+/// world size. Thread-safe: operations are serialised on an internal lock (every rank must
+/// still make the same sequence of calls). Dropping it closes its connections; a peer still
+/// in an operation then fails with [`BootstrapError::ConnectionClosed`].
 pub struct TcpBootstrap {
     rank: usize,
     world_size: usize,
@@ -147,31 +146,10 @@ impl TcpBootstrap {
     fn lock(&self) -> MutexGuard<'_, State> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
-}
 
-impl Bootstrap for TcpBootstrap {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-
-    fn world_size(&self) -> usize {
-        self.world_size
-    }
-
-    fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        self.gather(mine, None)
-    }
-
-    /// An all-gather under `timeout` instead of [`TcpBootstrap::timeout`] (unchanged for
-    /// later calls), plus at most 200 ms telling peers why on failure, which poisons the
-    /// bootstrap. A gone peer fails it at once; it waits for the internal lock.
-    fn all_gather_within(&self, mine: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
-        self.gather(mine, Some(timeout))
-    }
-}
-
-impl TcpBootstrap {
-    /// An all-gather under `timeout`, or under the configured timeout when `None`.
+    /// An all-gather under `timeout`, else the configured one (unchanged for later calls).
+    /// A failure poisons the bootstrap and spends at most 200 ms telling the peers why; a
+    /// gone peer fails it at once. It waits for the internal lock.
     fn gather(&self, mine: &[u8], timeout: Option<Duration>) -> Result<Vec<Vec<u8>>> {
         let mut state = self.lock();
         if let Some(first) = &state.poisoned {
@@ -198,6 +176,8 @@ impl TcpBootstrap {
         result
     }
 }
+
+bootstrap_via_gather!(TcpBootstrap, |self| self.rank, self.world_size);
 
 /// Why a rank's connection closed, or its writes timed out, mid all-gather.
 const GONE: &str = "that rank's process ended or dropped its bootstrap";

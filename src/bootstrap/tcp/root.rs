@@ -27,6 +27,9 @@ struct Joined {
     keys: Keys,
 }
 
+/// An error that ends the handshake, and the connection that caused it (told too).
+type Fatal = (BootstrapError, Option<TcpStream>);
+
 /// Rank 0's side of the handshake: accepts, challenges and checks connections (without
 /// blocking on any one) until every rank has proven itself, then closes the listener and
 /// welcomes them, all by one deadline `timeout` from now.
@@ -37,36 +40,112 @@ pub(super) fn root_handshake(
     host: HostId,
     timeout: Duration,
 ) -> Result<(Vec<TcpStream>, Vec<HostId>)> {
-    let deadline = deadline_after(timeout);
-    let mut joined: Vec<Option<Joined>> = (0..world).map(|_| None).collect();
-    // Oldest first: a connection goes to the back when accepted, and again when its
-    // hello has been answered.
-    let mut pending: VecDeque<Pending> = VecDeque::new();
-    let mut missing = world - 1;
-    let mut refused = Refused::default();
-    let mut accept_after: Option<Instant> = None;
-    let mut idle = Duration::from_micros(50);
-    let mut last_liveness = Instant::now();
-    let absent = |joined: &[Option<Joined>]| -> Vec<usize> {
-        (1..world).filter(|&r| joined[r].is_none()).collect()
-    };
-    // Gives up: tells every admitted rank (and `offender`) why, then returns `err`.
-    let fail = |err: BootstrapError, joined: &mut [Option<Joined>], offender: Option<TcpStream>| {
-        let admitted = joined.iter_mut().filter_map(|j| j.take().map(|j| j.stream));
-        farewell(admitted.chain(offender).collect(), 0, &err);
-        Err(err)
-    };
-
     listener
         .set_nonblocking(true)
         .map_err(|e| io_error("setting up rank 0's listener", e))?;
-    while missing > 0 {
+    let mut a = Admission {
+        id,
+        world,
+        deadline: deadline_after(timeout),
+        timeout,
+        joined: (0..world).map(|_| None).collect(),
+        pending: VecDeque::new(),
+        refused: Refused::default(),
+        accept_after: None,
+    };
+    let admitted = a.run(&listener);
+    drop((listener, std::mem::take(&mut a.pending)));
+    let others = a.joined.iter().flatten().map(|j| j.host.clone());
+    let hosts: Vec<HostId> = std::iter::once(host).chain(others).collect();
+    let result = admitted.and_then(|()| a.welcome(&hosts));
+    let streams = a.joined.into_iter().flatten().map(|j| j.stream);
+    match result {
+        Ok(()) => Ok((streams.collect(), hosts)),
+        Err((err, offender)) => {
+            farewell(streams.chain(offender).collect(), 0, &err);
+            Err(err)
+        }
+    }
+}
+
+/// Rank 0's admission state until every rank has proven itself.
+struct Admission<'a> {
+    id: &'a UniqueId,
+    world: usize,
+    /// The whole handshake's deadline, `timeout` from its start.
+    deadline: Instant,
+    timeout: Duration,
+    /// Rank r's connection at r once admitted (rank 0 stays `None`).
+    joined: Vec<Option<Joined>>,
+    /// Oldest first: a connection goes to the back when accepted, and again when its
+    /// hello has been answered.
+    pending: VecDeque<Pending>,
+    refused: Refused,
+    /// While set, accepting pauses (`accept` ran out of descriptors or memory).
+    accept_after: Option<Instant>,
+}
+
+impl Admission<'_> {
+    fn absent(&self) -> Vec<usize> {
+        (1..self.world)
+            .filter(|&r| self.joined[r].is_none())
+            .collect()
+    }
+
+    /// Accepts and reads connections until every rank is admitted, backing off while idle.
+    fn run(&mut self, listener: &TcpListener) -> Result<(), Fatal> {
+        let deadline = self.deadline;
+        let mut idle = Duration::from_micros(50);
+        let mut last_liveness = Instant::now();
+        loop {
+            let now = Instant::now();
+            let progress = self.accept(listener, now)? | self.read_pending(now)?;
+            if self.joined[1..].iter().all(Option::is_some) {
+                return Ok(());
+            }
+            // An admitted rank that closes (it gave up) fails the handshake now rather
+            // than at rank 0's deadline.
+            if last_liveness.elapsed() >= Duration::from_millis(10) {
+                last_liveness = Instant::now();
+                self.check_alive()?;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                let hint = format!(
+                    "those ranks never connected: check that they were started and call \
+                     Comm::from_rank (or TcpBootstrap::connect) with this UniqueId, and can \
+                     reach rank 0's address, or {RAISE_TIMEOUT}{}",
+                    self.refused.hint()
+                );
+                let step = format!("rank 0 waiting for every rank to join at {}", self.id.addr);
+                let waiting_for = self.absent();
+                return Err((
+                    BootstrapError::Timeout {
+                        step,
+                        waiting_for,
+                        after: self.timeout,
+                        hint,
+                    },
+                    None,
+                ));
+            }
+            if progress {
+                idle = Duration::from_micros(50);
+            } else {
+                let wake = self.accept_after.map_or(deadline, |t| t.min(deadline));
+                std::thread::sleep(idle.min(wake.saturating_duration_since(now)));
+                idle = (idle * 2).min(Duration::from_millis(2));
+            }
+        }
+    }
+
+    /// Accepts up to [`MAX_ACCEPTS_PER_ROUND`] connections; whether any came.
+    fn accept(&mut self, listener: &TcpListener, now: Instant) -> Result<bool, Fatal> {
+        use io::ErrorKind::*;
+        self.accept_after = self.accept_after.filter(|&t| now < t);
         let mut progress = false;
-        let now = Instant::now();
-        accept_after = accept_after.filter(|&t| now < t);
         for _ in 0..MAX_ACCEPTS_PER_ROUND {
-            use io::ErrorKind::*;
-            if accept_after.is_some() {
+            if self.accept_after.is_some() {
                 break;
             }
             match listener.accept() {
@@ -75,11 +154,11 @@ pub(super) fn root_handshake(
                     if s.set_nonblocking(true).is_err() {
                         continue;
                     }
-                    if pending.len() >= MAX_PENDING {
-                        pending.pop_front();
-                        refused.stalled += 1;
+                    if self.pending.len() >= MAX_PENDING {
+                        self.pending.pop_front();
+                        self.refused.stalled += 1;
                     }
-                    pending.push_back(Pending::new(s, now));
+                    self.pending.push_back(Pending::new(s, now));
                 }
                 Err(e) if e.kind() == WouldBlock => break,
                 Err(e) if matches!(e.kind(), Interrupted | ConnectionAborted | ConnectionReset) => {
@@ -87,202 +166,153 @@ pub(super) fn root_handshake(
                 Err(e) if is_resource_exhausted(&e) => {
                     // Out of descriptors (or memory) for now: close the oldest pending
                     // connection, which frees one, and accept again a little later.
-                    refused.exhausted += 1;
-                    refused.stalled += usize::from(pending.pop_front().is_some());
-                    accept_after = Some(now + ACCEPT_BACKOFF);
+                    self.refused.exhausted += 1;
+                    self.refused.stalled += usize::from(self.pending.pop_front().is_some());
+                    self.accept_after = Some(now + ACCEPT_BACKOFF);
                     break;
                 }
                 Err(e) => {
-                    let err = io_error(format!("rank 0 accepting connections on {}", id.addr), e);
-                    return fail(err, &mut joined, None);
+                    let step = format!("rank 0 accepting connections on {}", self.id.addr);
+                    return Err((io_error(step, e), None));
                 }
             }
         }
+        Ok(progress)
+    }
 
-        for mut p in std::mem::take(&mut pending) {
+    /// Reads what the pending connections sent and answers each whole frame; whether any
+    /// connection moved on.
+    fn read_pending(&mut self, now: Instant) -> Result<bool, Fatal> {
+        let mut progress = false;
+        for mut p in std::mem::take(&mut self.pending) {
             if now.saturating_duration_since(p.since) >= HELLO_DEADLINE {
-                refused.stalled += 1;
+                self.refused.stalled += 1;
                 progress = true;
                 continue;
             }
-            let body = match p.poll() {
-                Polled::Waiting => {
-                    pending.push_back(p);
-                    continue;
-                }
+            match p.poll() {
+                Polled::Waiting => self.pending.push_back(p),
+                // Challenged, then left: a rank that could not check rank 0's proof, so
+                // most likely one with another secret.
                 Polled::Gone => {
-                    // Challenged, then left: a rank that could not check rank 0's proof,
-                    // so most likely one with another secret.
-                    refused.wrong_secret += usize::from(p.keys.is_some());
+                    self.refused.wrong_secret += usize::from(p.keys.is_some());
                     progress = true;
-                    continue;
                 }
-                Polled::Frame(body) => body,
-            };
-            progress = true;
-            let Some(keys) = p.keys else {
-                match decode_hello(&body, &id.secret) {
-                    HelloVerdict::Stray => {}
-                    HelloVerdict::OtherVersion => refused.other_version += 1,
-                    HelloVerdict::OlderRank(version) => {
-                        let err = BootstrapError::Protocol {
-                            detail: format!(
-                                "a connection with the right secret speaks bootstrap \
-                                 protocol version {version}, rank 0 version \
-                                 {PROTOCOL_VERSION}: every process must run the same \
-                                 peercomm"
-                            ),
-                        };
-                        return fail(err, &mut joined, Some(p.stream));
-                    }
-                    HelloVerdict::Challenge(leaf) => {
-                        let root = match nonce() {
-                            Ok(n) => n,
-                            Err(e) => return fail(e, &mut joined, None),
-                        };
-                        let keys = Keys {
-                            secret: id.secret,
-                            leaf,
-                            root,
-                        };
-                        // A fresh connection's send buffer takes the whole challenge; one
-                        // that does not is dropped.
-                        let challenge = keys.challenge();
-                        if matches!(p.stream.write(&challenge), Ok(n) if n == challenge.len()) {
-                            p.keys = Some(keys);
-                            pending.push_back(p);
-                        }
-                    }
+                Polled::Frame(body) => {
+                    self.answer(p, &body)?;
+                    progress = true;
                 }
-                continue;
-            };
-            let hello = match decode_proof(&body, &keys) {
-                ProofVerdict::Unproven => {
-                    refused.wrong_secret += 1;
-                    continue;
-                }
-                ProofVerdict::Malformed(detail) => {
-                    let detail = format!("a connection with the right secret: {detail}");
-                    let err = BootstrapError::Protocol { detail };
-                    return fail(err, &mut joined, Some(p.stream));
-                }
-                ProofVerdict::Ok(h) => h,
-            };
-            let (r, got) = (hello.rank, hello.world);
-            let err = if got != world {
-                Some(BootstrapError::WorldSizeMismatch {
-                    expected: world,
-                    got,
-                    rank: r,
-                })
-            } else if r >= world {
-                Some(BootstrapError::RankOutOfRange {
-                    rank: r,
-                    world_size: world,
-                })
-            } else if r == 0 || joined[r].is_some() {
-                Some(BootstrapError::DuplicateRank { rank: r })
-            } else {
-                None
-            };
-            if let Some(err) = err {
-                return fail(err, &mut joined, Some(p.stream));
-            }
-            joined[r] = Some(Joined {
-                stream: p.stream,
-                host: hello.host,
-                keys,
-            });
-            missing -= 1;
-        }
-        if missing == 0 {
-            break;
-        }
-
-        // An admitted rank that closes (it gave up) fails the handshake now rather than
-        // at rank 0's deadline.
-        if last_liveness.elapsed() >= Duration::from_millis(10) {
-            last_liveness = Instant::now();
-            let gone = joined.iter().position(|j| {
-                j.as_ref()
-                    .is_some_and(|j| matches!(j.stream.peek(&mut [0u8; 1]), Ok(0)))
-            });
-            if let Some(r) = gone {
-                let err = BootstrapError::ConnectionClosed {
-                    rank: r,
-                    step: "waiting for every rank to join".into(),
-                    hint: format!(
-                        "that rank gave up (its own error says why: often its timeout passed \
-                         before the last rank came), while rank(s) {:?} had not come; \
-                         start ranks closer together or {RAISE_TIMEOUT}",
-                        absent(&joined)
-                    ),
-                };
-                return fail(err, &mut joined, None);
             }
         }
-
-        let now = Instant::now();
-        if now >= deadline {
-            let hint = format!(
-                "those ranks never connected: check that they were started and call \
-                 Comm::from_rank (or TcpBootstrap::connect) with this UniqueId, and can reach \
-                 rank 0's address, or {RAISE_TIMEOUT}{}",
-                refused.hint()
-            );
-            let err = BootstrapError::Timeout {
-                step: format!("rank 0 waiting for every rank to join at {}", id.addr),
-                waiting_for: absent(&joined),
-                after: timeout,
-                hint,
-            };
-            return fail(err, &mut joined, None);
-        }
-        if progress {
-            idle = Duration::from_micros(50);
-        } else {
-            let wake = accept_after.map_or(deadline, |t| t.min(deadline));
-            std::thread::sleep(idle.min(wake.saturating_duration_since(now)));
-            idle = (idle * 2).min(Duration::from_millis(2));
-        }
+        Ok(progress)
     }
-    drop((listener, pending));
 
-    let joined: Vec<Joined> = joined.into_iter().skip(1).flatten().collect();
-    let mut hosts = vec![host];
-    hosts.extend(joined.iter().map(|j| j.host.clone()));
-    let list = encode_welcome(&hosts);
-    // The handshake's own deadline; a last rank that came just before it still gets its
-    // welcome written.
-    let send_deadline = deadline.max(deadline_after(MIN_WAIT));
-    let mut streams = Vec::with_capacity(world - 1);
-    let mut failure = None;
-    for (i, j) in joined.into_iter().enumerate() {
-        let mut s = j.stream;
-        if failure.is_none() {
+    /// Answers a hello with a challenge, or checks a proof and admits its rank.
+    fn answer(&mut self, mut p: Pending, body: &[u8]) -> Result<(), Fatal> {
+        let Some(keys) = p.keys else {
+            match decode_hello(body, &self.id.secret) {
+                HelloVerdict::Stray => {}
+                HelloVerdict::OtherVersion => self.refused.other_version += 1,
+                HelloVerdict::OlderRank(version) => {
+                    let detail = format!(
+                        "a connection with the right secret speaks bootstrap protocol version \
+                         {version}, rank 0 version {PROTOCOL_VERSION}: every process must run \
+                         the same peercomm"
+                    );
+                    return Err((BootstrapError::Protocol { detail }, Some(p.stream)));
+                }
+                HelloVerdict::Challenge(leaf) => {
+                    let root = nonce().map_err(|e| (e, None))?;
+                    let secret = self.id.secret;
+                    let keys = Keys { secret, leaf, root };
+                    // A fresh connection's send buffer takes the whole challenge; one that
+                    // does not is dropped.
+                    let challenge = keys.challenge();
+                    if matches!(p.stream.write(&challenge), Ok(n) if n == challenge.len()) {
+                        p.keys = Some(keys);
+                        self.pending.push_back(p);
+                    }
+                }
+            }
+            return Ok(());
+        };
+        let hello = match decode_proof(body, &keys) {
+            ProofVerdict::Unproven => {
+                self.refused.wrong_secret += 1;
+                return Ok(());
+            }
+            ProofVerdict::Malformed(detail) => {
+                let detail = format!("a connection with the right secret: {detail}");
+                return Err((BootstrapError::Protocol { detail }, Some(p.stream)));
+            }
+            ProofVerdict::Ok(h) => h,
+        };
+        let (rank, got, world) = (hello.rank, hello.world, self.world);
+        let err = if got != world {
+            BootstrapError::WorldSizeMismatch {
+                expected: world,
+                got,
+                rank,
+            }
+        } else if rank >= world {
+            BootstrapError::RankOutOfRange {
+                rank,
+                world_size: world,
+            }
+        } else if rank == 0 || self.joined[rank].is_some() {
+            BootstrapError::DuplicateRank { rank }
+        } else {
+            let (stream, host) = (p.stream, hello.host);
+            self.joined[rank] = Some(Joined { stream, host, keys });
+            return Ok(());
+        };
+        Err((err, Some(p.stream)))
+    }
+
+    /// Sends each admitted rank its signed welcome listing `hosts`, by the handshake's
+    /// deadline (a last rank that came just before it still gets its welcome written).
+    fn welcome(&mut self, hosts: &[HostId]) -> Result<(), Fatal> {
+        let timeout = self.timeout;
+        let list = encode_welcome(hosts);
+        let deadline = self.deadline.max(deadline_after(MIN_WAIT));
+        let mut ranks = self.joined.iter_mut().flatten().zip(1..);
+        ranks.try_for_each(|(j, r)| {
             let welcome = j.keys.signed(Label::Welcome, KIND_WELCOME, &list);
+            let s = &mut j.stream;
             let sent = s
                 .set_nonblocking(false)
                 .and_then(|()| s.set_nodelay(true))
-                .and_then(|()| write_full(&mut s, &welcome, send_deadline));
-            failure = sent.err().map(|e| {
-                recv_error(
-                    i + 1,
-                    "welcoming every rank",
-                    RecvError::Io(e),
-                    timeout,
-                    "that rank stopped reading",
-                    &format!("that rank gave up before the last rank came; {RAISE_TIMEOUT}"),
+                .and_then(|()| write_full(s, &welcome, deadline));
+            sent.map_err(|e| {
+                let (step, stopped) = ("welcoming every rank", "that rank stopped reading");
+                let gave_up =
+                    format!("that rank gave up before the last rank came; {RAISE_TIMEOUT}");
+                (
+                    recv_error(r, step, RecvError::Io(e), timeout, stopped, &gave_up),
+                    None,
                 )
-            });
-        }
-        streams.push(s);
+            })
+        })
     }
-    if let Some(err) = failure {
-        farewell(streams, 0, &err);
-        return Err(err);
+
+    /// Fails when an admitted rank has closed its connection.
+    fn check_alive(&self) -> Result<(), Fatal> {
+        let closed = |j: &Option<Joined>| {
+            j.as_ref()
+                .is_some_and(|j| matches!(j.stream.peek(&mut [0u8; 1]), Ok(0)))
+        };
+        let Some(rank) = self.joined.iter().position(closed) else {
+            return Ok(());
+        };
+        let hint = format!(
+            "that rank gave up (its own error says why: often its timeout passed before the \
+             last rank came), while rank(s) {:?} had not come; start ranks closer together or \
+             {RAISE_TIMEOUT}",
+            self.absent()
+        );
+        let step = "waiting for every rank to join".into();
+        Err((BootstrapError::ConnectionClosed { rank, step, hint }, None))
     }
-    Ok((streams, hosts))
 }
 
 /// A connection rank 0 has accepted that has not proven itself yet (non-blocking).

@@ -28,20 +28,7 @@ impl Scripted {
     }
 }
 
-impl Bootstrap for Scripted {
-    fn rank(&self) -> usize {
-        self.rank
-    }
-    fn world_size(&self) -> usize {
-        self.world
-    }
-    fn all_gather(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
-        self.gather(mine, None)
-    }
-    fn all_gather_within(&self, mine: &[u8], timeout: Duration) -> Result<Vec<Vec<u8>>> {
-        self.gather(mine, Some(timeout))
-    }
-}
+bootstrap_via_gather!(Scripted, |self| self.rank, self.world);
 
 /// Exchanges over rank `rank` of a scripted world of `world`, and what it sent.
 fn scripted(
