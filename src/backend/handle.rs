@@ -1,11 +1,8 @@
-//! The byte records [`Backend::export_memory`](super::Backend::export_memory) returns
-//! and [`Backend::import_memory`](super::Backend::import_memory) reads, written and
-//! checked in one place for every backend.
-//!
-//! A record is fixed-length and little-endian: a 4-byte magic naming the backend
-//! (`pcho`, `pccu`, `pchi`), a `u32` version, the backend's fields. A reader checks the
-//! header, magic, version, then the exact length, so a foreign or other-version handle
-//! is named as such. Every failure is `Error::Backend { call: "import_memory", .. }`.
+//! The handle records of [`Backend::export_memory`](super::Backend::export_memory), for
+//! every backend: fixed-length, little-endian, a 4-byte magic naming the backend (`pcho`,
+//! `pccu`, `pchi`), a `u32` version, then its fields. Reading checks the magic, the
+//! version, then the length, so a foreign or other-version handle is named as such;
+//! every failure is `Error::Backend { call: "import_memory", .. }`.
 
 use crate::error::{Error, Result};
 

@@ -6,15 +6,12 @@
 //! [`super::DeviceIdentity::simulated`] `(o, o)` in every process.
 //!
 //! # IPC (Linux)
-//! Shared memory is a sealed (fixed-size, so an importer never faults on a truncation)
-//! `memfd` mapped `MAP_SHARED`. Its 40-byte handle (magic `pcho`, version 1, pid, fd,
-//! size, `st_dev`, `st_ino`, little-endian) names it by pid and fd: the importer opens
-//! `/proc/<pid>/fd/<fd>`, a path any bootstrap carries as bytes, and checks the file's
-//! identity (a reused fd number names another file) and size before mapping it. A
-//! registered range ([`Backend::export_range`]) travels instead as CUDA's pools do, a
-//! descriptor beside the handle over a Unix socket, so CI covers that path too. Freeing
-//! is stream-ordered. Elsewhere than Linux, shared allocation and import are
-//! `Error::Unsupported`.
+//! Shared memory is a sealed (fixed-size: an importer never faults on a truncation)
+//! `memfd` mapped `MAP_SHARED`. Its 40-byte handle (`pcho`, version 1, pid, fd, size,
+//! `st_dev`, `st_ino`) names `/proc/<pid>/fd/<fd>`, whose identity and size the importer
+//! checks before mapping it. A registered range ([`Backend::export_range`]) travels as
+//! CUDA's pools do, a descriptor beside the handle, so CI covers that path too.
+//! Elsewhere than Linux, shared allocation and import are `Error::Unsupported`.
 
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
@@ -278,15 +275,9 @@ impl Backend for Host {
 
     fn upload<T: Element>(dev: &HostDevice, src: &[T], dst: &mut HostBuffer<T>) -> Result<()> {
         if src.len() != dst.len {
-            let what = format!(
-                "upload of {} elements into a buffer of {}",
-                src.len(),
-                dst.len
-            );
-            return Err(Error::LengthMismatch {
-                rank: dev.ordinal,
-                what,
-            });
+            let (rank, n) = (dev.ordinal, src.len());
+            let what = format!("upload of {n} elements into a buffer of {}", dst.len);
+            return Err(Error::LengthMismatch { rank, what });
         }
         // SAFETY: dst holds `len` elements of T.
         unsafe { copy_idle(dev, src.as_ptr(), dst.mem.addr() as *mut T, src.len()) }

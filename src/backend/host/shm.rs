@@ -1,6 +1,4 @@
-//! Shared signal memory of the host backend (Linux): an anonymous shared memory file
-//! mapped `MAP_SHARED`, exported as (pid, fd number, size, file identity) and imported
-//! by opening `/proc/<pid>/fd/<fd>`. See "IPC" in the host backend's module docs.
+//! Shared memory of the host backend (Linux), as "IPC" in its module docs says.
 
 use std::ffi::c_void;
 use std::fs::File;

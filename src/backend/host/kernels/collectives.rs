@@ -1,11 +1,9 @@
-//! Host ports of the one- and two-stage all-reduces (kernels-common/peercomm_kernels.h)
-//! and of peercomm_collectives.h. Each reads every member's data from `inputs` (user
-//! buffers, or the payloads each rank staged into), or, where a staged message holds
-//! more units than `stage_input`, in chunks ([`run_chunks`]): chunk k in half k % 2 of
-//! every payload, overwritten by chunk k+2 only after the Publish barrier that follows
-//! every peer block's last read of chunk k. Position `i` of a range is staged and read
-//! by block `i % blocks`, so a block reads what the peers' same-index blocks staged
-//! before the barrier. Chunked or not, the sums and rows are the same bits.
+//! Host ports of kernels-common/peercomm_kernels.h and peercomm_collectives.h. Data is
+//! read from `inputs` or, where a staged message holds more than `stage_input` units, in
+//! chunks ([`run_chunks`]): chunk k in half k % 2 of every payload, overwritten by chunk
+//! k + 2 only after the Publish barrier that follows the peers' last read of chunk k.
+//! Block `i % blocks` stages and reads position `i`, so the per-block barrier orders it.
+//! Chunked or not, the bits are the same.
 
 use super::packs::{copy_packs, elem, lanes, pack_sums, reduce_packs, store, Grid};
 use super::signals::{barrier, first_barrier};
@@ -28,19 +26,14 @@ impl Chunks {
     /// chunks of `stage_input` units where staged and larger, else one chunk of all.
     fn new(args: &AllReduceArgs, units: usize, unit_bytes: usize) -> Self {
         let (staged, cap) = (args.stage_input != 0, args.stage_input as usize);
-        if staged && units > cap {
-            let half_bytes = cap * unit_bytes;
-            return Chunks {
-                count: units.div_ceil(cap),
-                cap,
-                half_bytes,
-                staged,
-            };
-        }
+        let (count, cap, half_bytes) = match staged && units > cap {
+            true => (units.div_ceil(cap), cap, cap * unit_bytes),
+            false => (1, units, 0),
+        };
         Chunks {
-            count: 1,
-            cap: units,
-            half_bytes: 0,
+            count,
+            cap,
+            half_bytes,
             staged,
         }
     }
@@ -301,22 +294,16 @@ pub(super) unsafe fn allreduce_rmsnorm<T: Element>(args: &AllReduceArgs, g: Grid
     let hidden = args.hidden as usize;
     let rows = args.num_elements as usize / hidden;
     let width = args.group_width as usize;
-    let c = Chunks::new(args, rows, elem::<T>(0, hidden) as usize);
+    let row_bytes = elem::<T>(0, hidden) as usize;
+    let c = Chunks::new(args, rows, row_bytes);
     let chunk_rows = |k: usize| c.cap.min(rows - k * c.cap);
     let my_rows = move |k| (g.block as usize..chunk_rows(k)).step_by(g.blocks as usize);
     let stage = |k| {
         for i in my_rows(k) {
             let src = elem::<T>(args.local_input, (k * c.cap + i) * hidden);
             let dst = elem::<T>(c.own(args, k), i * hidden);
-            copy_packs::<T>(
-                src,
-                dst,
-                hidden,
-                Grid {
-                    block: 0,
-                    blocks: 1,
-                },
-            );
+            // Bytes (views need not be aligned); the input and the own payload are disjoint.
+            std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, row_bytes);
         }
     };
     let use_ = |k| {

@@ -6,7 +6,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::packs::{lanes, pack_range, reduce_element, store, Grid};
+use super::packs::{copy_packs_of, lanes, reduce_packs_of, Grid, Packs};
 use super::signals::{atomic, barrier, first_barrier};
 use super::wait::{Flow, Stop};
 use crate::dtype::Element;
@@ -18,7 +18,7 @@ use crate::signal::{
 
 /// This block's packs of entry `e` (local pack numbers): those whose batch-wide number
 /// `offset / 16 + p` is `block` modulo `blocks`.
-fn entry_packs<T>(e: &GroupEntry, block: u32, blocks: u32) -> impl Iterator<Item = usize> {
+fn entry_packs<T>(e: &GroupEntry, block: u32, blocks: u32) -> Packs {
     let packs = (e.elements as usize).div_ceil(lanes::<T>());
     let base = e.offset as usize / PACK_BYTES;
     let blocks = blocks as usize;
@@ -87,14 +87,13 @@ pub(super) unsafe fn all_reduce_group<T: Element>(args: &GroupArgs, g: Grid) -> 
             table_word(a.payloads[me], i).store(w, Ordering::Relaxed);
         }
         for e in entries(args) {
-            let n = e.elements as usize;
-            let dst = (a.payloads[me] + e.offset) as *mut T;
-            for p in entry_packs::<T>(e, g.block, g.blocks) {
-                for i in pack_range::<T>(p, n) {
-                    dst.add(i)
-                        .write_unaligned((e.input as *const T).add(i).read_unaligned());
-                }
-            }
+            let packs = entry_packs::<T>(e, g.block, g.blocks);
+            copy_packs_of::<T>(
+                e.input,
+                a.payloads[me] + e.offset,
+                e.elements as usize,
+                packs,
+            );
         }
     }
     first_barrier(a, g, staged)?;
@@ -116,11 +115,8 @@ pub(super) unsafe fn all_reduce_group<T: Element>(args: &GroupArgs, g: Grid) -> 
                 e.input
             };
         }
-        for p in entry_packs::<T>(e, g.block, g.blocks) {
-            for i in pack_range::<T>(p, n) {
-                store::<T>(e.output, i, reduce_element::<T>(&srcs[..width], i));
-            }
-        }
+        let packs = entry_packs::<T>(e, g.block, g.blocks);
+        reduce_packs_of::<T>(&srcs[..width], e.output, n, packs);
     }
     // No peer overwrites a payload this block still reads.
     barrier(a, g, BarrierKind::End)

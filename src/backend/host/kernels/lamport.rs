@@ -1,7 +1,6 @@
-//! The Lamport kernels on the host: packs travel as four words (-0.0 sent as +0.0, so
-//! no word is the sentinel) into the peers' regions, each source's header is checked,
-//! sums run in source order, and the end clears the previous generation and advances
-//! the flag.
+//! The Lamport kernels on the host: packs travel as four words (-0.0 sent as +0.0, so no
+//! word is the sentinel); headers are checked, sums run in source order, and the end
+//! clears the previous generation and advances the flag.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 

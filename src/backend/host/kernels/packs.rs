@@ -1,7 +1,5 @@
-//! Packs and elements in the host kernels: lanes per 16-byte pack, a pack's elements,
-//! a block's packs (the device's grid stride, one thread per block), loads and stores
-//! through f32, and the sum over the group in group-rank order every reducing kernel
-//! shares.
+//! Packs and elements in the host kernels: a block's packs (the device's grid stride),
+//! loads and stores through f32, and the group-rank-order sum every reduction shares.
 
 use crate::dtype::Element;
 use crate::signal::PACK_BYTES;
@@ -24,7 +22,7 @@ pub(super) struct Grid {
 }
 
 /// Packs handled by a block: the device code's grid stride, one thread per block.
-pub(super) fn block_packs(first: usize, end: usize, g: Grid) -> impl Iterator<Item = usize> {
+pub(super) fn block_packs(first: usize, end: usize, g: Grid) -> Packs {
     (first + g.block as usize..end).step_by(g.blocks as usize)
 }
 
@@ -68,24 +66,32 @@ pub(super) fn elem<T>(base: u64, e: usize) -> u64 {
     base + (e * std::mem::size_of::<T>()) as u64
 }
 
+/// The packs of an `n`-element message a block handles (`Item = usize`).
+pub(super) type Packs = std::iter::StepBy<std::ops::Range<usize>>;
+
+/// Copies `packs` of an `n`-element message from `src` to `dst`, pack by pack.
+pub(super) unsafe fn copy_packs_of<T: Element>(src: u64, dst: u64, n: usize, packs: Packs) {
+    for e in packs.flat_map(|p| pack_range::<T>(p, n)) {
+        let x = (src as *const T).add(e).read_unaligned();
+        (dst as *mut T).add(e).write_unaligned(x);
+    }
+}
+
+/// Sums `packs` of an `n`-element message over `srcs` into `dst`, pack by pack.
+pub(super) unsafe fn reduce_packs_of<T: Element>(srcs: &[u64], dst: u64, n: usize, packs: Packs) {
+    for e in packs.flat_map(|p| pack_range::<T>(p, n)) {
+        store::<T>(dst, e, reduce_element::<T>(srcs, e));
+    }
+}
+
 /// Copies this block's packs of an `n`-element message from `src` to `dst`.
 pub(super) unsafe fn copy_packs<T: Element>(src: u64, dst: u64, n: usize, g: Grid) {
-    for p in block_packs(0, n.div_ceil(lanes::<T>()), g) {
-        for e in pack_range::<T>(p, n) {
-            (dst as *mut T)
-                .add(e)
-                .write_unaligned((src as *const T).add(e).read_unaligned());
-        }
-    }
+    copy_packs_of::<T>(src, dst, n, block_packs(0, n.div_ceil(lanes::<T>()), g))
 }
 
 /// Sums this block's packs of an `n`-element message over `srcs` into `dst`.
 pub(super) unsafe fn reduce_packs<T: Element>(srcs: &[u64], dst: u64, n: usize, g: Grid) {
-    for p in block_packs(0, n.div_ceil(lanes::<T>()), g) {
-        for e in pack_range::<T>(p, n) {
-            store::<T>(dst, e, reduce_element::<T>(srcs, e));
-        }
-    }
+    reduce_packs_of::<T>(srcs, dst, n, block_packs(0, n.div_ceil(lanes::<T>()), g))
 }
 
 /// The f32 sums over `srcs` of the lanes of the whole pack `p` (the fused kernels' rows).

@@ -2,7 +2,7 @@
 //! call each rank publishes in its `current_call`, and [`abandon`] (the `quit`
 //! handshake with the peers' same-index blocks).
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Instant;
 
 use super::signals::{atomic, detail_word, error_word, quit_cell, signal};
@@ -51,16 +51,19 @@ fn world_rank_of(args: &AllReduceArgs, q: usize) -> u32 {
 /// The descriptor words a `current_call` summary holds (the device's `call_summary`).
 const SUMMARY: [usize; 3] = [0, 2, 3];
 
+/// Word `i` of the `current_call` of the signal at `addr`.
+unsafe fn call_word<'a>(addr: u64, i: usize) -> &'a AtomicU32 {
+    atomic((std::ptr::addr_of_mut!((*signal(addr)).current_call) as *mut u32).add(i))
+}
+
 /// The call the signal at `addr` says its rank runs now, if it runs one: its summary
 /// merged into this rank's own descriptor `mine` (the device's `summary_call`).
 unsafe fn current_call(addr: u64, mine: [u32; CALL_WORDS]) -> Option<[u32; CALL_WORDS]> {
-    let s = signal(addr);
-    let words = std::ptr::addr_of_mut!((*s).current_call) as *mut u32;
-    let running = atomic(words.add(3)).load(Ordering::Acquire) != 0;
+    let running = call_word(addr, 3).load(Ordering::Acquire) != 0;
     running.then(|| {
         let mut call = mine;
         for (i, &w) in SUMMARY.iter().enumerate() {
-            call[w] = atomic(words.add(i)).load(Ordering::Relaxed);
+            call[w] = call_word(addr, i).load(Ordering::Relaxed);
         }
         call
     })
@@ -69,14 +72,13 @@ unsafe fn current_call(addr: u64, mine: [u32; CALL_WORDS]) -> Option<[u32; CALL_
 /// Publishes this rank's call summary in its own `current_call` (block 0: at entry
 /// `running`, at the end not).
 pub(super) unsafe fn publish_current_call(args: &AllReduceArgs, running: bool) {
-    let s = signal(args.signals[args.group_rank as usize]);
-    let words = std::ptr::addr_of_mut!((*s).current_call) as *mut u32;
+    let own = args.signals[args.group_rank as usize];
     if running {
         for (i, &w) in SUMMARY.iter().enumerate() {
-            atomic(words.add(i)).store(args.call[w], Ordering::Relaxed);
+            call_word(own, i).store(args.call[w], Ordering::Relaxed);
         }
     }
-    atomic(words.add(3)).store(u32::from(running), Ordering::Release);
+    call_word(own, 3).store(u32::from(running), Ordering::Release);
 }
 
 /// A wait for group rank `awaited` timed out. If that rank runs another call now,
@@ -117,15 +119,9 @@ pub(super) unsafe fn record_mismatch(
     mine: [u32; CALL_WORDS],
     theirs: [u32; CALL_WORDS],
 ) {
-    let who = world_rank_of(args, peer);
-    let me = args.group_rank as usize;
-    write_record(
-        args,
-        me,
-        ERROR_CALL_MISMATCH,
-        block,
-        &Detail(who, who, mine, theirs),
-    );
+    let (me, who) = (args.group_rank as usize, world_rank_of(args, peer));
+    let d = Detail(who, who, mine, theirs);
+    write_record(args, me, ERROR_CALL_MISMATCH, block, &d);
 }
 
 /// This block leaves the collective: it tells every peer it will not touch their

@@ -42,10 +42,8 @@ pub(super) unsafe fn detail_word<'a>(addr: u64, i: usize) -> &'a AtomicU32 {
     atomic((std::ptr::addr_of_mut!((*s).error_detail) as *mut u32).add(i))
 }
 
-/// The signals of one launch's group, reached through the addresses in its arguments:
-/// built only by [`barrier`], whose caller guarantees that `args.signals[..group_width]`
-/// are live signal allocations laid out as `include/peercomm_signal.h` says, accessed
-/// only atomically while kernels run.
+/// The signals of one launch's group, built only by [`barrier`], whose caller guarantees
+/// that `args.signals[..group_width]` are live signals, accessed only atomically.
 struct HostSignals<'a>(&'a AllReduceArgs);
 
 impl HostSignals<'_> {
