@@ -19,8 +19,7 @@ fn waited_for(rank: Option<usize>, block: usize, domain: usize) -> String {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum CallField {
-    /// The call's sequence number in its barrier domain: one rank of the group made
-    /// more or fewer collective calls of this width before this one.
+    /// The call's number in its barrier domain: a rank made more or fewer calls before.
     Sequence,
     /// Which collective (all-reduce, all-gather, broadcast, ...).
     Collective,
@@ -36,8 +35,7 @@ pub enum CallField {
     Blocks,
     /// The algorithm (one-stage, two-stage, Lamport).
     Algorithm,
-    /// Where the peers read the input: staged, or in place at an offset in a buffer
-    /// registered with the communicator (`Comm::register`, `Comm::alloc_symmetric`).
+    /// Where the peers read the input: staged, or in place in a registered buffer.
     Inputs,
     /// The row length of the fused all-reduce + RMSNorm (its weight's length).
     Hidden,
@@ -161,8 +159,7 @@ pub enum Error {
         needed: usize,
         /// Bytes configured.
         available: usize,
-        /// The `CommConfig` field that sets `available`: `"lamport_slot_bytes"` or
-        /// `"payload_bytes"`.
+        /// The `CommConfig` field that sets `available` (`lamport_slot_bytes`, `payload_bytes`).
         setting: &'static str,
     },
     /// An explicit request that cannot be honoured in this mode.
@@ -215,9 +212,8 @@ pub enum Error {
         /// Which buffers, and where.
         what: String,
     },
-    /// Peer access is missing between two ranks' devices (no peer-to-peer path, or
-    /// mapping the peer's memory failed) and the fallback is
-    /// [`crate::external::Fallback::Refuse`].
+    /// Peer access is missing between two ranks' devices (no path, or mapping failed)
+    /// and the fallback is [`crate::external::Fallback::Refuse`].
     #[error(
         "peer-to-peer access from rank {from_rank} (device {from}) to rank {to_rank} \
          (device {to}) is not available: {detail}. {hint}"
@@ -225,8 +221,7 @@ pub enum Error {
     P2pUnavailable {
         /// Device that would access: its ordinal in its own process.
         from: usize,
-        /// Device that would be accessed: its ordinal in its own process (`detail`
-        /// names the physical devices).
+        /// Device that would be accessed: its ordinal in its own process.
         to: usize,
         /// World rank that would access.
         from_rank: usize,
@@ -256,9 +251,8 @@ pub enum Error {
         /// What the library said.
         detail: String,
     },
-    /// The check at initialisation (a known pattern all-reduced through every peer
-    /// mapping) failed on these ranks, and the fallback is
-    /// [`crate::external::Fallback::Refuse`].
+    /// The initial check (a known pattern all-reduced through every peer mapping) failed
+    /// on these ranks, and the fallback is [`crate::external::Fallback::Refuse`].
     #[error("the peer-memory check at initialisation failed on ranks {ranks:?}: {detail}")]
     PeerCheckFailed {
         /// World ranks whose check failed.
@@ -278,13 +272,11 @@ pub enum Error {
         block: usize,
         /// Barrier domain (counter bank) it waited in.
         domain: usize,
-        /// The world rank it waited for, which never arrived (`None` where the record
-        /// does not say).
+        /// The world rank that never arrived (`None` where the record does not say).
         waiting_for: Option<usize>,
     },
     /// A peer gave up waiting and told this rank to stop: it abandoned its collective
-    /// without writing its output. The root cause is rank `by`'s
-    /// [`Error::BarrierTimeout`].
+    /// without writing its output (the cause: rank `by`'s [`Error::BarrierTimeout`]).
     #[error(
         "rank {rank} stopped because rank {by} gave up waiting for {}",
         waited_for(*waiting_for, *block, *domain)
@@ -298,8 +290,7 @@ pub enum Error {
         block: usize,
         /// Barrier domain it waited in.
         domain: usize,
-        /// The world rank `by` waited for: the one that never arrived (`None` where
-        /// the record does not say).
+        /// The world rank `by` waited for (`None` where the record does not say).
         waiting_for: Option<usize>,
     },
     /// Rank `rank` and its peer `peer` made different calls at the same point (their

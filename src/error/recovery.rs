@@ -124,91 +124,33 @@ mod tests {
     use crate::error::CallField;
     use crate::DType;
     use std::time::Duration;
+    use BootstrapError as B;
+    use Recovery::*;
 
     /// One error of every kind, with the recovery the docs give it.
     #[test]
+    #[rustfmt::skip]
     fn every_error_names_its_recovery() {
         let s = || "x".to_string();
-        let timeout = Error::BarrierTimeout {
-            rank: 0,
-            block: 0,
-            domain: 0,
-            waiting_for: Some(1),
-        };
+        let timeout = Error::BarrierTimeout { rank: 0, block: 0, domain: 0, waiting_for: Some(1) };
+        let external = Error::External { library: "nccl", call: "ncclAllReduce", detail: s() };
+        let (field, mine, theirs) = (CallField::Length, s(), s());
+        let mismatch = Error::CallMismatch { rank: 0, peer: 1, field, mine, theirs };
+        let after = Duration::from_secs(1);
+        let bootstrap_timeout = B::Timeout { step: s(), waiting_for: vec![0], after, hint: s() };
         let cases = [
-            (Error::InvalidRoot { root: 3, width: 2 }, Recovery::FixCall),
-            (
-                Error::DTypeMismatch {
-                    rank: 1,
-                    expected: DType::F32,
-                    got: DType::BF16,
-                },
-                Recovery::FixCall,
-            ),
-            (
-                Error::CannotRegister {
-                    rank: 0,
-                    reason: s(),
-                },
-                Recovery::FixCall,
-            ),
-            (timeout.clone(), Recovery::Reinitialize),
-            (
-                Error::CallMismatch {
-                    rank: 0,
-                    peer: 1,
-                    field: CallField::Length,
-                    mine: s(),
-                    theirs: s(),
-                },
-                Recovery::Reinitialize,
-            ),
-            (
-                Error::Poisoned {
-                    first: Box::new(timeout),
-                },
-                Recovery::Reinitialize,
-            ),
-            (
-                Error::Poisoned {
-                    first: Box::new(Error::External {
-                        library: "nccl",
-                        call: "ncclAllReduce",
-                        detail: s(),
-                    }),
-                },
-                Recovery::Rebuild,
-            ),
-            (
-                Error::Backend {
-                    backend: "host",
-                    call: "launch",
-                    detail: s(),
-                },
-                Recovery::Rebuild,
-            ),
-            (Error::InvalidConfig(s()), Recovery::FixSetup),
-            (
-                Error::Bootstrap(BootstrapError::Timeout {
-                    step: s(),
-                    waiting_for: vec![0],
-                    after: Duration::from_secs(1),
-                    hint: s(),
-                }),
-                Recovery::Rebuild,
-            ),
-            (
-                Error::Bootstrap(BootstrapError::DuplicateRank { rank: 1 }),
-                Recovery::FixSetup,
-            ),
-            (
-                Error::Bootstrap(BootstrapError::ExchangeMismatch {
-                    rank: 1,
-                    expected: s(),
-                    got: s(),
-                }),
-                Recovery::Rebuild,
-            ),
+            (Error::InvalidRoot { root: 3, width: 2 }, FixCall),
+            (Error::DTypeMismatch { rank: 1, expected: DType::F32, got: DType::BF16 }, FixCall),
+            (Error::CannotRegister { rank: 0, reason: s() }, FixCall),
+            (timeout.clone(), Reinitialize),
+            (mismatch, Reinitialize),
+            (Error::Poisoned { first: Box::new(timeout) }, Reinitialize),
+            (Error::Poisoned { first: Box::new(external) }, Rebuild),
+            (Error::Backend { backend: "host", call: "launch", detail: s() }, Rebuild),
+            (Error::InvalidConfig(s()), FixSetup),
+            (Error::Bootstrap(bootstrap_timeout), Rebuild),
+            (Error::Bootstrap(B::DuplicateRank { rank: 1 }), FixSetup),
+            (Error::Bootstrap(B::ExchangeMismatch { rank: 1, expected: s(), got: s() }), Rebuild),
         ];
         for (e, want) in cases {
             assert_eq!(e.recovery(), want, "{e}");
