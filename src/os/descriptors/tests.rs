@@ -6,7 +6,8 @@ use rustix::net::{sockopt, RecvFlags, SendFlags, SocketAddrUnix};
 use super::unix::{connect, message, send_with_fd};
 use super::*;
 
-fn me(rank: usize, listener: &Listener) -> Peer {
+/// Rank `rank` in this process, listening on `listener`.
+pub(crate) fn me(rank: usize, listener: &Listener) -> Peer {
     Peer {
         rank,
         pid: std::process::id(),
@@ -23,6 +24,18 @@ fn memfd() -> OwnedFd {
     rustix::fs::memfd_create("peercomm-test", rustix::fs::MemfdFlags::CLOEXEC).unwrap()
 }
 
+/// Asserts that less than `limit` passed since `start`.
+fn within(start: Instant, limit: Duration) {
+    let took = start.elapsed();
+    assert!(took < limit, "{took:?}");
+}
+
+/// The error `listener.receive` gives up with, as text.
+fn receive_err(listener: &Listener, registration: u64, from: &[Peer], until: Instant) -> String {
+    let got = listener.receive(registration, from, until);
+    got.unwrap_err().to_string()
+}
+
 /// A connection to `listener` from this thread, with nothing sent.
 fn client(listener: &Listener) -> OwnedFd {
     let addr = SocketAddrUnix::new_abstract_name(listener.name()).unwrap();
@@ -33,9 +46,8 @@ fn client(listener: &Listener) -> OwnedFd {
 fn until_closed(socket: &OwnedFd) -> Option<usize> {
     let long = Some(Duration::from_secs(20));
     sockopt::set_socket_timeout(socket, sockopt::Timeout::Recv, long).unwrap();
-    rustix::net::recv(socket, &mut [0u8; 8], RecvFlags::empty())
-        .ok()
-        .map(|r| r.0)
+    let got = rustix::net::recv(socket, &mut [0u8; 8], RecvFlags::empty());
+    got.ok().map(|r| r.0)
 }
 
 /// A descriptor sent arrives as a descriptor of the same file, and connections that
@@ -49,19 +61,10 @@ fn a_descriptor_travels_past_stalled_connections() {
     let file = memfd();
     let start = Instant::now();
     send(file.as_fd(), 3, 1, &me(0, &listener), after(20_000)).unwrap();
-    let got = listener
-        .receive(3, &[me(1, &listener)], after(20_000))
-        .unwrap();
-    assert!(
-        start.elapsed() < CONNECTION_READ_TIMEOUT / 2,
-        "{:?}",
-        start.elapsed()
-    );
-    let (a, b) = (
-        rustix::fs::fstat(&file).unwrap(),
-        rustix::fs::fstat(&got[0]).unwrap(),
-    );
-    assert_eq!((a.st_dev, a.st_ino), (b.st_dev, b.st_ino));
+    let got = listener.receive(3, &[me(1, &listener)], after(20_000));
+    within(start, CONNECTION_READ_TIMEOUT / 2);
+    let id = |fd: &OwnedFd| rustix::fs::fstat(fd).map(|s| (s.st_dev, s.st_ino)).unwrap();
+    assert_eq!(id(&file), id(&got.unwrap()[0]), "the same file");
     drop((idle, half));
 }
 
@@ -78,15 +81,8 @@ fn wrong_messages_are_ignored_and_a_missing_one_times_out() {
     send(file.as_fd(), 3, 1, &stale, after(5000)).unwrap();
     send(file.as_fd(), 3, 5, &me(0, &listener), after(5000)).unwrap();
     let start = Instant::now();
-    let e = listener
-        .receive(3, &[me(1, &listener)], after(300))
-        .unwrap_err()
-        .to_string();
-    assert!(
-        start.elapsed() < Duration::from_secs(3),
-        "{:?}",
-        start.elapsed()
-    );
+    let e = receive_err(&listener, 3, &[me(1, &listener)], after(300));
+    within(start, Duration::from_secs(3));
     for want in ["rank(s) [1]", "registration 2, not 3", "nonce", "rank 5"] {
         assert!(e.contains(want), "{e}");
     }
@@ -107,10 +103,7 @@ fn a_sender_of_another_process_is_refused() {
         (vec![other, me(2, &listener)], "not the peer's process"),
     ] {
         send(file.as_fd(), 0, 1, &me(0, &listener), after(5000)).unwrap();
-        let e = listener
-            .receive(0, &from, after(200))
-            .unwrap_err()
-            .to_string();
+        let e = receive_err(&listener, 0, &from, after(200));
         assert!(e.contains(want), "{e}");
     }
     let mut wrong = me(0, &listener);
@@ -132,12 +125,7 @@ fn a_stalled_connection_is_closed_at_its_read_deadline() {
     let deadline = start + CONNECTION_READ_TIMEOUT + Duration::from_secs(2);
     let from = [me(1, &listener)];
     let e = std::thread::scope(|s| {
-        let receiver = s.spawn(|| {
-            listener
-                .receive(3, &from, deadline)
-                .unwrap_err()
-                .to_string()
-        });
+        let receiver = s.spawn(|| receive_err(&listener, 3, &from, deadline));
         // The receiver closes it (end of file here) at its read deadline.
         assert_eq!(until_closed(&idle), Some(0));
         let closed = start.elapsed();
@@ -187,11 +175,7 @@ fn another_user_is_closed_unread() {
         receiver.join().unwrap()
     });
     assert_eq!(received.unwrap().len(), 1);
-    assert!(
-        start.elapsed() < CONNECTION_READ_TIMEOUT,
-        "{:?}",
-        start.elapsed()
-    );
+    within(start, CONNECTION_READ_TIMEOUT);
 }
 
 /// Nobody listening (the peer has ended): the sender fails at once.
@@ -200,5 +184,5 @@ fn a_missing_listener_times_out() {
     let to = me(0, &Listener::bind().unwrap());
     let start = Instant::now();
     assert!(send(memfd().as_fd(), 0, 1, &to, after(200)).is_err());
-    assert!(start.elapsed() < Duration::from_secs(3));
+    within(start, Duration::from_secs(3));
 }

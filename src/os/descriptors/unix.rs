@@ -124,14 +124,11 @@ impl Listener {
         while got.iter().any(Option::is_none) {
             let now = Instant::now();
             pending.retain(|p| {
-                let live = now < p.until;
-                if !live {
-                    ignored.note(format!(
-                        "a connection of process {} sent no whole message within {:?}",
-                        p.pid, CONNECTION_READ_TIMEOUT
-                    ));
+                now < p.until || {
+                    let why = format!("a connection of process {} sent no whole message", p.pid);
+                    ignored.note(format!("{why} within {CONNECTION_READ_TIMEOUT:?}"));
+                    false
                 }
-                live
             });
             if now >= deadline {
                 let missing: Vec<usize> = from
@@ -153,34 +150,22 @@ impl Listener {
                 Err(e) => return Err(channel_error(format!("poll: {e}"))),
             };
             // Messages first (the connections accepted earlier), newest last.
-            for i in (0..pending.len()).rev() {
-                if !readable[1 + i] {
-                    continue;
-                }
+            for i in (0..pending.len()).rev().filter(|&i| readable[1 + i]) {
                 match read_message(&pending[i], registration, from, self.nonce) {
-                    Read::Again => {}
-                    Read::Message(k, fd) => {
-                        pending.swap_remove(i);
-                        if got[k].is_none() {
-                            got[k] = Some(fd);
-                        } else {
-                            ignored.note(format!("a second descriptor from rank {}", from[k].rank));
-                        }
+                    Ok(None) => continue,
+                    Ok(Some((k, fd))) if got[k].is_none() => got[k] = Some(fd),
+                    Ok(Some((k, _))) => {
+                        ignored.note(format!("a second descriptor from rank {}", from[k].rank))
                     }
-                    Read::Refused(why) => {
-                        pending.swap_remove(i);
-                        ignored.note(why);
-                    }
+                    Err(why) => ignored.note(why),
                 }
+                pending.swap_remove(i);
             }
             if readable[0] {
                 self.admit(me, from, &mut pending, &mut ignored)?;
             }
         }
-        Ok(got
-            .into_iter()
-            .map(|g| g.expect("every one came"))
-            .collect())
+        Ok(got.into_iter().flatten().collect())
     }
 
     /// Accepts every waiting connection: those of this user and of an expected sender's
@@ -192,11 +177,9 @@ impl Listener {
         pending: &mut Vec<Pending>,
         ignored: &mut Ignored,
     ) -> Result<()> {
+        let flags = SocketFlags::CLOEXEC | SocketFlags::NONBLOCK;
         loop {
-            let socket = match net::accept_with(
-                &self.socket,
-                SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
-            ) {
+            let socket = match net::accept_with(&self.socket, flags) {
                 Ok(s) => s,
                 Err(Errno::AGAIN) => return Ok(()),
                 Err(Errno::INTR) | Err(Errno::CONNABORTED) => continue,
@@ -286,19 +269,15 @@ fn wait_readable(
     Ok(fds.iter().map(|f| !f.revents().is_empty()).collect())
 }
 
-/// What reading a pending connection gave.
-enum Read {
-    /// Nothing yet.
-    Again,
-    /// The descriptor of `from[k]`.
-    Message(usize, OwnedFd),
-    /// A connection to close and ignore, and why.
-    Refused(String),
-}
-
-/// Reads the message `p` brings, without blocking: the descriptor of one of `from` for
-/// `registration`, with this listener's `nonce`, from that sender's process.
-fn read_message(p: &Pending, registration: u64, from: &[Peer], nonce: u64) -> Read {
+/// Reads the message `p` brings, without blocking: `(k, descriptor of from[k])` for
+/// `registration`, with this listener's `nonce`, from that sender's process; `None`
+/// while nothing came, `Err(why)` for a connection to close and ignore.
+fn read_message(
+    p: &Pending,
+    registration: u64,
+    from: &[Peer],
+    nonce: u64,
+) -> std::result::Result<Option<(usize, OwnedFd)>, String> {
     let mut bytes = [0u8; MESSAGE_BYTES];
     let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
     let mut control = RecvAncillaryBuffer::new(&mut space);
@@ -309,8 +288,8 @@ fn read_message(p: &Pending, registration: u64, from: &[Peer], nonce: u64) -> Re
         RecvFlags::CMSG_CLOEXEC | RecvFlags::DONTWAIT,
     ) {
         Ok(got) => got,
-        Err(Errno::AGAIN) | Err(Errno::INTR) => return Read::Again,
-        Err(e) => return Read::Refused(format!("recvmsg: {e}")),
+        Err(Errno::AGAIN) | Err(Errno::INTR) => return Ok(None),
+        Err(e) => return Err(format!("recvmsg: {e}")),
     };
     // Every descriptor that came is owned here, so that one refused is closed.
     let mut fds: Vec<OwnedFd> = Vec::new();
@@ -320,7 +299,7 @@ fn read_message(p: &Pending, registration: u64, from: &[Peer], nonce: u64) -> Re
         }
     }
     if got.bytes != MESSAGE_BYTES || fds.len() != 1 {
-        return Read::Refused(format!(
+        return Err(format!(
             "a message of {} bytes with {} descriptors from process {}",
             got.bytes,
             fds.len(),
@@ -330,23 +309,23 @@ fn read_message(p: &Pending, registration: u64, from: &[Peer], nonce: u64) -> Re
     let word = |i: usize| u64::from_le_bytes(bytes[8 * i..8 * i + 8].try_into().expect("8 bytes"));
     let (magic, number, rank) = (word(0), word(1), word(2));
     if magic != MAGIC || word(3) != nonce {
-        return Read::Refused("a message without this listener's magic and nonce".into());
+        return Err("a message without this listener's magic and nonce".into());
     }
     if number != registration {
-        return Read::Refused(format!(
+        return Err(format!(
             "a descriptor for registration {number}, not {registration}"
         ));
     }
     let Some(k) = from.iter().position(|s| s.rank as u64 == rank) else {
-        return Read::Refused(format!("a descriptor from rank {rank}, which sends none"));
+        return Err(format!("a descriptor from rank {rank}, which sends none"));
     };
     if from[k].pid != p.pid {
-        return Read::Refused(format!(
+        return Err(format!(
             "rank {rank}'s message came from process {}, not the peer's process {}",
             p.pid, from[k].pid
         ));
     }
-    Read::Message(k, fds.pop().expect("one"))
+    Ok(Some((k, fds.pop().expect("one"))))
 }
 
 /// Sends `fd` to `to` for registration `registration`, as rank `me`.
