@@ -62,12 +62,11 @@ pub struct CommConfig {
     pub max_blocks: Option<u32>,
     /// Threads per block on GPUs (the host backend runs one thread per block).
     pub threads_per_block: u32,
-    /// Testing aid: lets several ranks share one physical device (told by
-    /// [`crate::Backend::identity`]), each with its own stream and signal buffer, and
-    /// at most multiprocessors / k blocks where k share it (ranks spin for each other).
-    /// Anything that waits for the whole context (a module's first use,
-    /// `cuCtxSynchronize`) while a peer spins stalls both until the barrier timeout, so
-    /// load kernels and allocate first. Timings mean nothing then.
+    /// Testing aid: lets ranks share one device ([`crate::Backend::identity`]), each with
+    /// its own stream and signal buffer and at most multiprocessors / k blocks (k ranks spin
+    /// for each other). A whole-context wait (a module's first use, `cuCtxSynchronize`)
+    /// while a peer spins stalls both until the barrier timeout: load kernels and allocate
+    /// first. Timings mean nothing then.
     pub allow_shared_devices: bool,
     /// How long the per-rank [`crate::Comm`] waits for the other ranks at each
     /// bootstrap step (a drop at most 1 s); at least `barrier_timeout`
@@ -179,18 +178,16 @@ impl CommConfig {
     /// [`CommConfig::bootstrap_timeout`] at least `barrier_timeout`, for the per-rank
     /// [`crate::Comm`].
     pub(crate) fn check_per_rank_timeouts(&self) -> Result<()> {
-        match self.barrier_timeout {
-            Some(barrier) if self.bootstrap_timeout < barrier => {
-                Err(Error::InvalidConfig(format!(
-                    "CommConfig::bootstrap_timeout ({:?}) is shorter than \
-                     CommConfig::barrier_timeout ({barrier:?}): a rank that waits less on \
-                     the host than its kernels wait on the device cannot tell a slow peer \
-                     from a gone one; make bootstrap_timeout at least barrier_timeout",
-                    self.bootstrap_timeout
-                )))
-            }
-            _ => Ok(()),
-        }
+        let Some(barrier) = self.barrier_timeout.filter(|&b| self.bootstrap_timeout < b) else {
+            return Ok(());
+        };
+        Err(Error::InvalidConfig(format!(
+            "CommConfig::bootstrap_timeout ({:?}) is shorter than CommConfig::barrier_timeout \
+             ({barrier:?}): a rank that waits less on the host than its kernels wait on the \
+             device cannot tell a slow peer from a gone one; make bootstrap_timeout at least \
+             barrier_timeout",
+            self.bootstrap_timeout
+        )))
     }
 }
 
@@ -246,31 +243,23 @@ impl AllReduceOptions {
     }
 }
 
-/// Every field the ranks must agree on, by name, with its value as text (what a
+/// Every field the ranks must agree on as they exchange it: `name=value` lines (what a
 /// mismatch names). Not `bootstrap_timeout` nor `parallel_launch`: each rank's host
 /// side, which its peers never see.
-pub(crate) fn config_fields(config: &CommConfig) -> Vec<(&'static str, String)> {
-    vec![
-        ("lamport_slot_bytes", config.lamport_slot_bytes.to_string()),
-        ("payload_bytes", config.payload_bytes.to_string()),
-        ("barrier_timeout", format!("{:?}", config.barrier_timeout)),
-        ("max_blocks", format!("{:?}", config.max_blocks)),
-        ("threads_per_block", config.threads_per_block.to_string()),
-        (
-            "allow_shared_devices",
-            config.allow_shared_devices.to_string(),
-        ),
-        ("fallback", format!("{:?}", config.fallback)),
-        ("simulate", config.simulation_text()),
-    ]
-}
-
-/// The fields as the ranks exchange them: `name=value` lines.
-pub(crate) fn encode_config(config: &CommConfig) -> Vec<u8> {
-    config_fields(config)
-        .into_iter()
+pub(crate) fn encode_config(c: &CommConfig) -> Vec<u8> {
+    let fields = [
+        ("lamport_slot_bytes", c.lamport_slot_bytes.to_string()),
+        ("payload_bytes", c.payload_bytes.to_string()),
+        ("barrier_timeout", format!("{:?}", c.barrier_timeout)),
+        ("max_blocks", format!("{:?}", c.max_blocks)),
+        ("threads_per_block", c.threads_per_block.to_string()),
+        ("allow_shared_devices", c.allow_shared_devices.to_string()),
+        ("fallback", format!("{:?}", c.fallback)),
+        ("simulate", c.simulation_text()),
+    ];
+    fields
         .map(|(name, value)| format!("{name}={value}\n"))
-        .collect::<String>()
+        .concat()
         .into_bytes()
 }
 
@@ -322,13 +311,9 @@ mod tests {
             .clone()
             .with_payload_bytes(a.payload_bytes * 2)
             .with_barrier_timeout(None);
-        assert_eq!(
-            compare_configs(&[encode_config(&a), encode_config(&a)]),
-            Ok(())
-        );
-        let e = compare_configs(&[encode_config(&a), encode_config(&a), encode_config(&b)])
-            .unwrap_err()
-            .to_string();
+        let (a, b) = (encode_config(&a), encode_config(&b));
+        assert_eq!(compare_configs(&[a.clone(), a.clone()]), Ok(()));
+        let e = compare_configs(&[a.clone(), a, b]).unwrap_err().to_string();
         assert!(e.contains("rank 2 has payload_bytes = "), "{e}");
         assert!(
             e.contains("rank 2 has barrier_timeout = None where rank 0 has Some("),

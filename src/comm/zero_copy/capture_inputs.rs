@@ -99,13 +99,9 @@ fn decode(rank: usize, b: &[u8]) -> Result<Vec<(u64, usize)>> {
     if !refusal.is_empty() {
         return Err(refused(rank, String::from_utf8_lossy(refusal).into_owned()));
     }
-    Ok(pairs
-        .chunks_exact(16)
-        .map(|p| {
-            let word = |i| record_word(p, i).expect("16 bytes");
-            (word(0), word(1) as usize)
-        })
-        .collect())
+    let w = |c: &[u8], i| record_word(c, i).expect("16 bytes");
+    let inputs = pairs.chunks_exact(16).map(|c| (w(c, 0), w(c, 1) as usize));
+    Ok(inputs.collect())
 }
 
 /// Which registration each recorded call reads through: `(kept index, offset)` per
@@ -158,10 +154,7 @@ fn check_lists(lists: &[Vec<(u64, usize)>]) -> Result<()> {
         } else {
             continue;
         };
-        return Err(refused(
-            r,
-            format!("{why}: every rank captures the same calls"),
-        ));
+        return Err(refused(r, why + ": every rank captures the same calls"));
     }
     Ok(())
 }
@@ -204,9 +197,7 @@ impl<B: Backend> Comm<B> {
             };
             value.map(|v| (v, recorded))
         });
-        let mine = first
-            .as_ref()
-            .map_or(Vec::new(), |(_, inputs)| inputs.clone());
+        let mine = first.as_ref().map_or(Vec::new(), |(_, i)| i.clone());
         let bootstrap = self.exchanges.of(ExchangeKind::Capture);
         let gathered = bootstrap.all_gather(&encode(&mine, &refusal_of(&first)));
         let (value, _) = first?;
@@ -261,30 +252,22 @@ impl<B: Backend> Comm<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::comm::zero_copy::records::REGISTER_RECORD;
-    use crate::error::Error;
+    use crate::comm::zero_copy::records::{refused_by, REGISTER_RECORD};
 
     #[test]
     fn records_round_trip_and_carry_refusals() {
         let inputs = vec![(0x1000, 256), (0x2000, 64)];
         assert_eq!(decode(1, &encode(&inputs, "")).unwrap(), inputs);
-        match decode(2, &encode(&inputs, "it failed")) {
-            Err(Error::CannotRegister { rank: 2, reason }) => assert_eq!(reason, "it failed"),
-            other => panic!("{other:?}"),
-        }
+        assert_eq!(
+            refused_by(decode(2, &encode(&inputs, "it failed")), 2),
+            "it failed"
+        );
         let mut short = encode(&inputs, "");
         short.truncate(40);
-        assert!(matches!(
-            decode(0, &short),
-            Err(Error::CannotRegister { rank: 0, .. })
-        ));
+        refused_by(decode(0, &short), 0);
         let register = encode_record(REGISTER_RECORD, &[0, 0], b"");
-        match decode(1, &register) {
-            Err(Error::CannotRegister { rank: 1, reason }) => {
-                assert!(reason.contains("registered capture"), "{reason}")
-            }
-            other => panic!("{other:?}"),
-        }
+        let reason = refused_by(decode(1, &register), 1);
+        assert!(reason.contains("registered capture"), "{reason}");
     }
 
     /// Sharing: the same buffer on every rank shares; a rank that aliases where its
@@ -294,20 +277,10 @@ mod tests {
         // Call 1 is call 0's buffer on both ranks; call 2 is inside call 0's at 64 on
         // both; call 3 aliases call 0 on rank 0 only; call 4 is inside at different
         // offsets.
-        let rank0 = vec![
-            (0x1000, 256),
-            (0x1000, 256),
-            (0x1040, 64),
-            (0x1000, 256),
-            (0x1010, 16),
-        ];
-        let rank1 = vec![
-            (0x9000, 256),
-            (0x9000, 256),
-            (0x9040, 64),
-            (0x5000, 256),
-            (0x9020, 16),
-        ];
+        #[rustfmt::skip]
+        let rank0 = vec![(0x1000, 256), (0x1000, 256), (0x1040, 64), (0x1000, 256), (0x1010, 16)];
+        #[rustfmt::skip]
+        let rank1 = vec![(0x9000, 256), (0x9000, 256), (0x9040, 64), (0x5000, 256), (0x9020, 16)];
         let (uses, kept) = share(&[rank0, rank1]);
         assert_eq!(kept, vec![0, 3, 4]);
         assert_eq!(uses, vec![(0, 0), (0, 0), (0, 64), (1, 0), (2, 0)]);
@@ -317,13 +290,7 @@ mod tests {
     fn lists_must_agree_in_length_and_sizes() {
         let a = vec![(0x1000, 256)];
         assert!(check_lists(&[a.clone(), a.clone()]).is_ok());
-        assert!(matches!(
-            check_lists(&[a.clone(), vec![]]),
-            Err(Error::CannotRegister { rank: 1, .. })
-        ));
-        assert!(matches!(
-            check_lists(&[a, vec![(0x1000, 128)]]),
-            Err(Error::CannotRegister { rank: 1, .. })
-        ));
+        refused_by(check_lists(&[a.clone(), vec![]]), 1);
+        refused_by(check_lists(&[a, vec![(0x1000, 128)]]), 1);
     }
 }

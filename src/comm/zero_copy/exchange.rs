@@ -7,11 +7,11 @@ use super::lock;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use crate::backend::{Backend, Descriptor, ExportedRange};
+use crate::backend::{Backend, Descriptor};
 use crate::bootstrap::Bootstrap;
 use crate::error::{Error, Result};
 
-use super::records::{decode, encode, malformed, refused, take};
+use super::records::{decode, decode_all, encode, malformed, refused, take};
 use crate::os::descriptors::{self, Listener, Peer};
 
 /// How long a rank waits for its peers' descriptors, or to hand one over, at most (less
@@ -61,13 +61,17 @@ impl Record {
         encode(EXPORT_RECORD, &words, &text)
     }
 
+    /// Rank `rank`'s record, or its refusal as [`Error::CannotRegister`].
     fn decode(rank: usize, b: &[u8]) -> Result<Record> {
         let ([pid, nonce, descriptor, offset, refusal_len, name_len], rest) =
             decode(rank, b, EXPORT_RECORD)?;
         let (refusal, rest) = take(rest, refusal_len).ok_or_else(|| malformed(rank, b))?;
         let (name, handle) = take(rest, name_len).ok_or_else(|| malformed(rank, b))?;
+        if !refusal.is_empty() {
+            return Err(refused(rank, String::from_utf8_lossy(refusal).into_owned()));
+        }
         Ok(Record {
-            refusal: String::from_utf8_lossy(refusal).into_owned(),
+            refusal: String::new(),
             pid: pid as u32,
             nonce,
             descriptor: descriptor != 0,
@@ -107,14 +111,10 @@ pub(crate) fn exchange<B: Backend>(
         ..Record::default()
     };
     let my_descriptor = match B::export_range(dev, ptr, bytes) {
-        Ok(ExportedRange {
-            handle,
-            offset,
-            descriptor,
-        }) => {
-            (mine.handle, mine.offset) = (handle, offset);
-            mine.descriptor = descriptor.is_some();
-            descriptor
+        Ok(e) => {
+            (mine.handle, mine.offset, mine.descriptor) =
+                (e.handle, e.offset, e.descriptor.is_some());
+            e.descriptor
         }
         Err(e) => {
             mine.refusal = match e {
@@ -137,15 +137,7 @@ pub(crate) fn exchange<B: Backend>(
             Err(_) => {}
         }
     }
-    let gathered = group.all_gather(&mine.encode())?;
-    let records = gathered
-        .iter()
-        .enumerate()
-        .map(|(r, g)| match Record::decode(r, g)? {
-            Record { refusal, .. } if !refusal.is_empty() => Err(refused(r, refusal)),
-            record => Ok(record),
-        })
-        .collect::<Result<Vec<_>>>()?;
+    let records = decode_all(group.all_gather(&mine.encode()), Ok(()), Record::decode)?;
     let peer = |r: usize| Peer {
         rank: r,
         pid: records[r].pid,
@@ -172,16 +164,12 @@ pub(crate) fn exchange<B: Backend>(
                     .map(|e| e.to_string())
             })
         });
-        let received = if from.is_empty() {
-            Ok(Vec::new())
-        } else {
-            lock(listener)
-                .as_ref()
-                .ok_or_else(|| "this rank has no descriptor channel".to_string())
-                .and_then(|l| {
-                    l.receive(registration, &from, deadline)
-                        .map_err(|e| e.to_string())
-                })
+        let received = match lock(listener).as_ref() {
+            _ if from.is_empty() => Ok(Vec::new()),
+            Some(l) => l
+                .receive(registration, &from, deadline)
+                .map_err(|e| e.to_string()),
+            None => Err("this rank has no descriptor channel".to_string()),
         };
         let sent = sending.and_then(|h| {
             h.join()
@@ -223,6 +211,7 @@ fn as_fd(fd: &Descriptor) -> &Descriptor {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::comm::zero_copy::records::refused_by;
 
     #[test]
     fn records_round_trip_and_carry_refusals() {
@@ -235,18 +224,14 @@ mod tests {
             handle: vec![1, 2, 3],
             offset: 64,
         };
-        let back = Record::decode(0, &r.encode()).unwrap();
-        assert_eq!(
-            (back.pid, back.nonce, back.descriptor, back.offset),
-            (42, 7, true, 64)
-        );
-        assert_eq!((back.name, back.handle), (r.name.clone(), vec![1, 2, 3]));
+        // Every field is in the encoding, so equal encodings mean equal records.
+        assert_eq!(Record::decode(0, &r.encode()).unwrap().encode(), r.encode());
         let refused = Record {
             refusal: "a pool without IPC".into(),
             ..r
         };
-        let back = Record::decode(0, &refused.encode()).unwrap();
-        assert_eq!(back.refusal, "a pool without IPC");
+        let reason = refused_by(Record::decode(1, &refused.encode()), 1);
+        assert_eq!(reason, "a pool without IPC");
         let mut short = refused.encode();
         short.truncate(60);
         for b in [&[1, 0][..], &[0, 0, 0, 0, 1], &short] {
@@ -297,10 +282,8 @@ mod tests {
     }
 
     #[cfg(target_os = "linux")]
-    fn channels() -> Vec<Mutex<Option<Listener>>> {
-        (0..2)
-            .map(|_| Mutex::new(Some(Listener::bind().unwrap())))
-            .collect()
+    fn channels() -> [Mutex<Option<Listener>>; 2] {
+        std::array::from_fn(|_| Mutex::new(Some(Listener::bind().unwrap())))
     }
 
     /// Every rank's channel with its backlog full of connections nobody reads (anyone
@@ -332,11 +315,8 @@ mod tests {
         let start = Instant::now();
         let outcomes = two_ranks(&channels, 0, Duration::from_secs(10));
         assert_eq!(outcomes, vec![(None, true), (None, true)]);
-        assert!(
-            start.elapsed() < Duration::from_secs(2),
-            "{:?}",
-            start.elapsed()
-        );
+        let took = start.elapsed();
+        assert!(took < Duration::from_secs(2), "{took:?}");
         drop(idle);
     }
 
@@ -346,19 +326,11 @@ mod tests {
     #[cfg(target_os = "linux")]
     #[test]
     fn a_descriptor_of_an_earlier_registration_is_dropped() {
+        use crate::os::descriptors::tests::me;
         use std::os::fd::AsFd;
 
         let channels = channels();
-        let to = |rank: usize| {
-            let l = channels[rank].lock().unwrap();
-            let l = l.as_ref().unwrap();
-            Peer {
-                rank,
-                pid: std::process::id(),
-                name: l.name().to_vec(),
-                nonce: l.nonce(),
-            }
-        };
+        let to = |rank: usize| me(rank, channels[rank].lock().unwrap().as_ref().unwrap());
         let stale = rustix::fs::memfd_create("stale", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
         let deadline = Instant::now() + Duration::from_secs(5);
         for (from, rank) in [(0, 1), (1, 0)] {

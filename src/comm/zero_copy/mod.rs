@@ -1,12 +1,5 @@
 //! Zero copy: buffers that every peer has mapped, so that a call whose input lies in
 //! one reads the peers' inputs in place (no staging copy, two-stage offered).
-//!
-//! - `registry`, `exchange`: which ranges are registered and where each peer reaches
-//!   them; the collective export and import of their handles.
-//! - `registered`: [`crate::Comm::register`], buffers the user already has.
-//! - `pool`, `symmetric`, `trim`: the symmetric pool ([`crate::Comm::alloc_symmetric`]).
-//! - `capture`, `capture_inputs`, `script`: CUDA graph capture, and registering the
-//!   inputs of a captured pass ([`crate::Comm::register_inputs_of`]).
 
 #[cfg(feature = "cuda")]
 pub(crate) mod capture;

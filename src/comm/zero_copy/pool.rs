@@ -79,11 +79,8 @@ impl<B: Backend> Segment<B> {
 /// Moves every segment's dropped ranges into its free list, once this rank's work
 /// queued before their drop is done.
 pub(crate) fn reclaim<B: Backend>(segments: &[Arc<Segment<B>>], dev: &B::Device) -> Result<()> {
-    let mut reclaimed = false;
-    for s in segments {
-        reclaimed |= s.reclaim();
-    }
-    if reclaimed {
+    // Every segment reclaims (no short circuit).
+    if segments.iter().fold(false, |any, s| s.reclaim() | any) {
         B::synchronize(dev)?;
     }
     Ok(())

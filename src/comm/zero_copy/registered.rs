@@ -83,6 +83,9 @@ impl<T> std::fmt::Debug for RegisterError<T> {
     }
 }
 
+/// What [`Comm::register`] returns.
+type RegisterResult<B, T> = std::result::Result<Registered<B, T>, RegisterError<T>>;
+
 impl<T> From<RegisterError<T>> for Error {
     fn from(e: RegisterError<T>) -> Error {
         e.error
@@ -98,7 +101,7 @@ impl<B: Backend> Comm<B> {
     /// own (another device, poisoned, [`Error::SizeOverflow`]) is that error here. Needs
     /// peer memory across the whole world. The buffer is owned so that a drop can keep
     /// it while a peer may still read it; for views use [`Comm::register_borrowed`].
-    pub fn register<T>(&self, buffer: T) -> std::result::Result<Registered<B, T>, RegisterError<T>>
+    pub fn register<T>(&self, buffer: T) -> RegisterResult<B, T>
     where
         T: DeviceBuffer<B> + Send + 'static,
     {
@@ -109,13 +112,7 @@ impl<B: Backend> Comm<B> {
     /// cudarc view): the caller keeps that memory (neither freed nor reused) until a
     /// [`Comm::synchronize`] that returns `Ok` after the last call that read it, a
     /// successful [`Comm::reinitialize`], or [`Comm::close`] returning `Ok`.
-    pub fn register_borrowed<T>(
-        &self,
-        buffer: T,
-    ) -> std::result::Result<Registered<B, T>, RegisterError<T>>
-    where
-        T: DeviceBuffer<B>,
-    {
+    pub fn register_borrowed<T: DeviceBuffer<B>>(&self, buffer: T) -> RegisterResult<B, T> {
         self.register_as(buffer, None)
     }
 
@@ -123,7 +120,7 @@ impl<B: Backend> Comm<B> {
         &self,
         buffer: T,
         retire: Option<fn(T) -> RetiredBuffer>,
-    ) -> std::result::Result<Registered<B, T>, RegisterError<T>> {
+    ) -> RegisterResult<B, T> {
         match self.register_buffer(&buffer) {
             Ok(id) => Ok(Registered {
                 buffer: Some(buffer),
@@ -142,32 +139,29 @@ impl<B: Backend> Comm<B> {
         let local = core
             .check_usable()
             .and_then(|_| core.check_buffer(buffer.device_ordinal(), "registered"))
-            .and_then(|_| self.check_zero_copy());
-        let (local, ptr, bytes) = match local.and_then(|_| {
-            let meta = crate::comm::per_rank::meta(buffer);
-            let bytes = meta.bytes(self.rank(), "registered")?;
-            let ptr = buffer.read_ptr(core.device()).0;
-            match ptr.checked_add(bytes as u64) {
-                Some(_) => Ok((ptr, bytes)),
-                None => Err(Error::SizeOverflow {
+            .and_then(|_| self.check_zero_copy())
+            .and_then(|_| {
+                let meta = crate::comm::per_rank::meta(buffer);
+                let bytes = meta.bytes(self.rank(), "registered")?;
+                let ptr = buffer.read_ptr(core.device()).0;
+                let overflow = || Error::SizeOverflow {
                     what: format!(
                         "rank {}'s registered buffer of {bytes} bytes at {ptr:#x} (past the \
                          end of the address space)",
                         self.rank()
                     ),
-                }),
-            }
-        }) {
-            Ok((ptr, bytes)) => (Ok(()), ptr, bytes),
-            Err(e) => (Err(e), 0, 0),
-        };
+                };
+                let end = ptr.checked_add(bytes as u64);
+                end.map(|_| (ptr, bytes)).ok_or_else(overflow)
+            });
+        let (ptr, bytes) = *local.as_ref().unwrap_or(&(0, 0));
         register_range(
             &self.registry,
             core.device(),
             &self.exchanges.of(ExchangeKind::Register),
             ptr,
             bytes,
-            local,
+            local.map(drop),
             true,
         )
     }

@@ -52,17 +52,12 @@ struct Entry<B: Backend> {
 impl<B: Backend> Entry<B> {
     /// Every member's input at `offset` in this range.
     fn place(&self, offset: u64) -> InPlace {
-        let mut inputs = [0u64; MAX_GPUS];
-        for (i, p) in inputs.iter_mut().zip(self.peers) {
-            *i = if p == 0 { 0 } else { p + offset };
-        }
-        InPlace {
-            place: InputPlace::Registered {
-                registration: self.id,
-                offset,
-            },
-            inputs,
-        }
+        let inputs = self.peers.map(|p| if p == 0 { 0 } else { p + offset });
+        let place = InputPlace::Registered {
+            registration: self.id,
+            offset,
+        };
+        InPlace { place, inputs }
     }
 }
 
@@ -173,12 +168,11 @@ impl<B: Backend> Registry<B> {
     /// Every peer finished reading this rank's registered memory (a clean synchronize or
     /// reinitialize, on the issuing thread): frees the retired buffers.
     pub(crate) fn settle(&self) {
-        let freed = {
-            let mut retired = lock(&self.retired);
-            self.in_flight.store(false, Ordering::SeqCst);
-            std::mem::take(&mut retired.buffers)
-        };
-        drop(freed);
+        let mut retired = lock(&self.retired);
+        self.in_flight.store(false, Ordering::SeqCst);
+        let freed = std::mem::take(&mut retired.buffers);
+        drop(retired);
+        drop(freed); // outside the lock
     }
 
     /// The communicator's teardown: gives back the retired buffers, for the caller to
@@ -194,14 +188,7 @@ impl<B: Backend> Registry<B> {
     /// Forgets registration `id` (this rank only): its imports are unmapped once no
     /// other registration uses them, after this rank's queued work.
     pub(crate) fn remove(&self, id: u64) {
-        let gone: Vec<Entry<B>> = {
-            let mut entries = lock(&self.entries);
-            let (gone, kept) = std::mem::take(&mut *entries)
-                .into_iter()
-                .partition(|e| e.id == id);
-            *entries = kept;
-            gone
-        };
+        let gone: Vec<Entry<B>> = lock(&self.entries).extract_if(.., |e| e.id == id).collect();
         drop(gone);
         lock(&self.imports).retain(|w| w.strong_count() > 0);
     }
@@ -279,13 +266,7 @@ pub(crate) fn register_range<B: Backend>(
         *made += 1;
     }
     let offers = decode_all(gathered, local, Offer::decode)?;
-    if let Some((r, o)) = offers
-        .iter()
-        .enumerate()
-        .find(|(_, o)| !o.refusal.is_empty())
-    {
-        return Err(refused(r, o.refusal.clone()));
-    }
+    first_refusal(offers.iter().map(|o| &o.refusal)).map_or(Ok(()), Err)?;
     // Every rank checks every offer, so every rank refuses alike.
     let first = &offers[0];
     for (r, o) in offers.iter().enumerate() {
@@ -308,15 +289,15 @@ pub(crate) fn register_range<B: Backend>(
     let remote: Vec<bool> = offers.iter().map(|o| o.process != mine.process).collect();
     // Handles only where some rank is in another process (every rank decides alike).
     let (mut received, mut problem) = if remote.iter().any(|&r| r) {
-        let (received, problem) = exchange::<B>(
+        exchange::<B>(
             dev,
             group,
             &registry.channel,
             (mine.id, registry.descriptor_timeout),
             (ptr, bytes),
             &remote,
-        )?;
-        (received, problem.unwrap_or_default())
+        )
+        .map(|(received, problem)| (received, problem.unwrap_or_default()))?
     } else {
         ((0..n).map(|_| None).collect(), String::new())
     };
@@ -359,9 +340,7 @@ pub(crate) fn register_range<B: Backend>(
         }
     }
     // Every rank learns whether any import failed.
-    if let Some(e) = first_refusal(&group.all_gather(problem.as_bytes())?) {
-        return Err(e);
-    }
+    first_refusal(group.all_gather(problem.as_bytes())?).map_or(Ok(()), Err)?;
     lock(&registry.entries).push(Entry {
         id,
         base: ptr,

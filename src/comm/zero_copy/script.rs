@@ -68,10 +68,12 @@ impl Script {
     ) -> Option<InPlace> {
         match self {
             Script::Off => listed,
+            Script::Follow(f) if listed.is_some() => {
+                f.in_place += 1;
+                listed
+            }
+            _ if listed.is_some() || bytes == 0 => listed,
             Script::Record(inputs, planning) => {
-                if listed.is_some() || bytes == 0 {
-                    return listed;
-                }
                 inputs.push((ptr, bytes));
                 match *planning {
                     Planning::Staged => None,
@@ -84,27 +86,17 @@ impl Script {
                     }
                 }
             }
-            Script::Follow(f) if listed.is_some() => {
-                f.in_place += 1;
-                listed
-            }
-            Script::Follow(_) if bytes == 0 => None,
             Script::Follow(f) => {
-                let step = f
-                    .steps
-                    .get(f.next)
-                    .filter(|s| s.ptr == ptr && s.bytes == bytes);
-                match step.and_then(|s| registry.place_in(s.id, s.offset)) {
-                    Some(place) => {
-                        f.next += 1;
-                        f.in_place += 1;
-                        Some(place)
-                    }
-                    None => {
-                        f.staged += 1;
-                        None
-                    }
+                let step = f.steps.get(f.next);
+                let step = step.filter(|s| s.ptr == ptr && s.bytes == bytes);
+                let place = step.and_then(|s| registry.place_in(s.id, s.offset));
+                if place.is_some() {
+                    f.next += 1;
+                    f.in_place += 1;
+                } else {
+                    f.staged += 1;
                 }
+                place
             }
         }
     }

@@ -108,13 +108,11 @@ impl<B: Backend, T: Element> TypedBuffer<B> for SymmetricBuffer<B, T> {
     type Elem = T;
     fn copy_from_host(&mut self, dev: &B::Device, src: &[T]) -> Result<()> {
         if src.len() != self.len {
+            let (n, len) = (src.len(), self.len);
+            let what = format!("upload of {n} elements into a symmetric buffer of {len}");
             return Err(Error::LengthMismatch {
                 rank: self.ordinal,
-                what: format!(
-                    "upload of {} elements into a symmetric buffer of {}",
-                    src.len(),
-                    self.len
-                ),
+                what,
             });
         }
         B::write(dev, self.device_address(), as_bytes(src))
@@ -224,17 +222,13 @@ impl<B: Backend> Comm<B> {
                 return Err(refused(r, theirs.refusal));
             }
             if theirs.place() != mine.place() {
-                return Err(refused(
-                    r,
-                    format!(
-                        "its symmetric allocation would be {} where rank {} places it at {}: \
-                         every rank allocates and drops symmetric buffers of the same sizes \
-                         in the same order",
-                        theirs.describe(),
-                        self.rank(),
-                        mine.describe()
-                    ),
-                ));
+                let (t, me, m) = (theirs.describe(), self.rank(), mine.describe());
+                let why = format!(
+                    "its symmetric allocation would be {t} where rank {me} places it at {m}: \
+                     every rank allocates and drops symmetric buffers of the same sizes in the \
+                     same order"
+                );
+                return Err(refused(r, why));
             }
         }
         if mine.new_segment_bytes > 0 {
@@ -243,10 +237,8 @@ impl<B: Backend> Comm<B> {
             let memory = usize::try_from(mine.new_segment_bytes)
                 .map_err(|_| Error::Unsupported("a segment too large for this host".into()))
                 .and_then(|bytes| B::alloc(core.device(), bytes, MemoryKind::SharedData));
-            let (ptr, local) = match &memory {
-                Ok(m) => (B::memory_ptr(m), Ok(())),
-                Err(e) => (0, Err(e.clone())),
-            };
+            let ptr = memory.as_ref().map_or(0, B::memory_ptr);
+            let local = memory.as_ref().map(drop).map_err(Error::clone);
             let registration = register_range(
                 &self.registry,
                 core.device(),
