@@ -65,33 +65,28 @@ pub fn table(arch: &str, width: usize) -> &'static [DispatchRow] {
             algorithm,
         }
     }
+    use Algorithm::{Lamport, OneStage, TwoStage};
     const KIB: usize = 1 << 10;
     const MIB: usize = 1 << 20;
     // Two GPUs: measured on sm_90 over NV18 (2x H200, docs/dispatch.md), and the generic
     // rows elsewhere: Lamport up to 256 KiB, one-stage above (two-stage never wins at two
     // ranks: same traffic, one more barrier). Wider unmeasured groups: two-stage once its
     // extra barrier costs less than the traffic it saves.
-    static TWO: [DispatchRow; 2] = [
-        row(256 * KIB, Algorithm::Lamport),
-        row(usize::MAX, Algorithm::OneStage),
-    ];
+    static TWO: [DispatchRow; 2] = [row(256 * KIB, Lamport), row(usize::MAX, OneStage)];
     static GENERIC_N: [DispatchRow; 3] = [
-        row(256 * KIB, Algorithm::Lamport),
-        row(MIB, Algorithm::OneStage),
-        row(usize::MAX, Algorithm::TwoStage),
+        row(256 * KIB, Lamport),
+        row(MIB, OneStage),
+        row(usize::MAX, TwoStage),
     ];
     // sm_90 at 4 and 8 GPUs: predicted by the model calibrated on the 2-GPU runs (a rank
     // takes in (W-1)N bytes with one-stage or Lamport, 2(W-1)N/W with two-stage).
     static SM90_4: [DispatchRow; 3] = [
-        row(440 * KIB, Algorithm::Lamport),
-        row(810 * KIB, Algorithm::OneStage),
-        row(usize::MAX, Algorithm::TwoStage),
+        row(440 * KIB, Lamport),
+        row(810 * KIB, OneStage),
+        row(usize::MAX, TwoStage),
     ];
-    static SM90_8: [DispatchRow; 2] = [
-        row(210 * KIB, Algorithm::Lamport),
-        row(usize::MAX, Algorithm::TwoStage),
-    ];
-    static SINGLE: [DispatchRow; 1] = [row(usize::MAX, Algorithm::OneStage)];
+    static SM90_8: [DispatchRow; 2] = [row(210 * KIB, Lamport), row(usize::MAX, TwoStage)];
+    static SINGLE: [DispatchRow; 1] = [row(usize::MAX, OneStage)];
     match (arch, width) {
         (_, 1) => &SINGLE,
         ("sm_90", 4) => &SM90_4,
@@ -130,8 +125,7 @@ pub fn choose(arch: &str, width: usize, bytes: usize) -> Algorithm {
     table(arch, width)
         .iter()
         .find(|r| bytes <= r.max_bytes)
-        .map(|r| r.algorithm)
-        .unwrap_or(Algorithm::OneStage)
+        .map_or(Algorithm::OneStage, |r| r.algorithm)
 }
 
 /// Opt-in routing by size ([`crate::external::SizeRouting::Table`]): the bytes per rank
@@ -139,11 +133,7 @@ pub fn choose(arch: &str, width: usize, bytes: usize) -> Algorithm {
 /// never on `sm_90` x2 (peercomm beat NCCL 2.28 from 1 KiB to 1 GiB) nor where
 /// unmeasured; 1 MiB on `host`, so that routing by the table runs in CI.
 pub fn external_from(arch: &str, width: usize) -> Option<usize> {
-    match (arch, width) {
-        (_, 1) => None,
-        ("host", _) => Some(1 << 20),
-        _ => None,
-    }
+    (arch == "host" && width > 1).then_some(1 << 20)
 }
 
 /// Blocks for a launch that covers `packs` 16-byte packs with `threads` threads per
@@ -186,9 +176,8 @@ mod tests {
 
     #[test]
     fn blocks_stay_in_bounds() {
-        assert_eq!(blocks_for(0, 512, 64), 1);
-        assert_eq!(blocks_for(1, 512, 64), 1);
-        assert_eq!(blocks_for(513, 512, 64), 2);
-        assert_eq!(blocks_for(1 << 30, 512, 64), 64);
+        for (packs, blocks) in [(0, 1), (1, 1), (513, 2), (1 << 30, 64)] {
+            assert_eq!(blocks_for(packs, 512, 64), blocks, "{packs} packs");
+        }
     }
 }

@@ -75,40 +75,20 @@ pub trait Element:
     fn from_bits_u32(bits: u32) -> Self;
 }
 
-impl Element for f32 {
-    const DTYPE: DType = DType::F32;
-    fn to_f32(self) -> f32 {
-        self
-    }
-    fn from_f32(x: f32) -> Self {
-        x
-    }
-    fn to_bits_u32(self) -> u32 {
-        self.to_bits()
-    }
-    fn from_bits_u32(bits: u32) -> Self {
-        f32::from_bits(bits)
-    }
-}
-
-/// The 16-bit element types, through `half`.
-macro_rules! half_element {
-    ($($t:ty => $dtype:ident),*) => {$(
+/// `$to`/`$from` convert to and from f32; `$bits` is the raw bits' type.
+macro_rules! element {
+    ($($t:ty => $dtype:ident, $bits:ty, $to:path, $from:path);*) => {$(
         impl Element for $t {
             const DTYPE: DType = DType::$dtype;
-            fn to_f32(self) -> f32 {
-                <$t>::to_f32(self)
-            }
-            fn from_f32(x: f32) -> Self {
-                <$t>::from_f32(x)
-            }
-            fn to_bits_u32(self) -> u32 {
-                self.to_bits() as u32
-            }
-            fn from_bits_u32(bits: u32) -> Self {
-                <$t>::from_bits(bits as u16)
-            }
+            fn to_f32(self) -> f32 { $to(self) }
+            fn from_f32(x: f32) -> Self { $from(x) }
+            fn to_bits_u32(self) -> u32 { self.to_bits().into() }
+            fn from_bits_u32(bits: u32) -> Self { <$t>::from_bits(bits as $bits) }
         }
     )*};
 }
-half_element!(half::f16 => F16, half::bf16 => BF16);
+element!(
+    f32 => F32, u32, std::convert::identity, std::convert::identity;
+    half::f16 => F16, u16, half::f16::to_f32, half::f16::from_f32;
+    half::bf16 => BF16, u16, half::bf16::to_f32, half::bf16::from_f32
+);

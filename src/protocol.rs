@@ -173,12 +173,7 @@ where
     S: BarrierSignals + ?Sized,
     W: Backoff + ?Sized,
 {
-    let BarrierSite {
-        me,
-        width,
-        domain: d,
-        block: b,
-    } = site;
+    let (me, width, d, b) = (site.me, site.width, site.domain, site.block);
     let mut v = 0u32;
     for t in 0..width {
         let counter = signals.self_counter(me, d, b, t);

@@ -33,8 +33,7 @@ pub const MAX_GPUS: usize = bindings::PEERCOMM_MAX_GPUS as usize;
 /// Most thread blocks one collective launches per GPU (the counter banks are sized for it).
 pub const MAX_NUM_BLOCKS_UPPER_BOUND: usize =
     bindings::PEERCOMM_MAX_NUM_BLOCKS_UPPER_BOUND as usize;
-/// Counter banks: one per possible group width, so subgroup and whole-world barriers
-/// never share counters.
+/// Counter banks: one per group width, so barriers of different widths share none.
 pub const NUM_BARRIER_DOMAINS: usize = bindings::PEERCOMM_NUM_BARRIER_DOMAINS as usize;
 /// Generations of the Lamport region: one being written, one being read, one being cleared.
 pub const LAMPORT_GENERATIONS: usize = bindings::PEERCOMM_LAMPORT_GENERATIONS as usize;
@@ -44,11 +43,9 @@ pub const REGION_ALIGN: usize = bindings::PEERCOMM_REGION_ALIGN as usize;
 pub const MAX_GROUP_CALLS: usize = bindings::PEERCOMM_MAX_GROUP_CALLS as usize;
 /// Bytes of one vector pack: the unit of the main loops and of the Lamport readiness test.
 pub const PACK_BYTES: usize = 16;
-/// `stage_input` of a kernel that stages the whole message; a smaller non-zero value is
-/// the capacity of one chunk (packs, packs per part, or rows) of a chunked one.
+/// `stage_input` of a kernel staging the whole message (less: a chunk's packs or rows).
 pub const STAGE_WHOLE: u32 = bindings::PEERCOMM_STAGE_WHOLE;
-/// Bytes of a batch's entry table (the count and every entry's element count) at the
-/// start of every member's payload, before the staged entries.
+/// Bytes of a batch's entry table (count, entries' lengths) at the start of each payload.
 pub const GROUP_HEADER_BYTES: usize = bindings::PEERCOMM_GROUP_HEADER_BYTES as usize;
 const _: () = assert!(
     GROUP_HEADER_BYTES == PACK_BYTES + 8 * MAX_GROUP_CALLS
@@ -222,10 +219,8 @@ impl SignalLayout {
     /// Offset of the payload from the start of the allocation. Only meaningful for a
     /// layout that passed [`SignalLayout::validate`].
     pub const fn payload_offset(&self) -> usize {
-        align_up(
-            self.lamport_offset() + self.lamport_region_bytes(),
-            REGION_ALIGN,
-        )
+        let end = self.lamport_offset() + self.lamport_region_bytes();
+        align_up(end, REGION_ALIGN)
     }
     /// Bytes of the whole allocation, or a typed error when the sizes overflow.
     pub fn checked_total_bytes(&self) -> crate::Result<usize> {
@@ -308,8 +303,7 @@ mod tests {
         assert_eq!(size_of::<GroupEntry>(), 32);
         // The all-reduce arguments first, unchanged, so a kernel reads them in place.
         offsets! { GroupArgs; all 0, count 328, pad 332, entries 336, peer_inputs 336 + 8 * 32 }
-        assert_eq!(size_of::<GroupArgs>(), 336 + 8 * 32 + 8 * 8 * 8);
-        assert_eq!(size_of::<GroupArgs>(), 1104);
+        assert_eq!(size_of::<GroupArgs>(), 336 + 8 * 32 + 8 * 8 * 8); // 1104
         assert_eq!(std::mem::align_of::<GroupArgs>(), 8);
     }
 
@@ -339,8 +333,9 @@ mod tests {
             for width in (1..=world).filter(|w| world % w == 0) {
                 let d = barrier_domain(width, world);
                 assert!(d < NUM_BARRIER_DOMAINS);
+                let shared = seen.insert(d, width);
                 assert!(
-                    seen.insert(d, width).is_none(),
+                    shared.is_none(),
                     "world {world}: width {width} shares bank {d}"
                 );
             }
