@@ -35,20 +35,17 @@
 //! # Address and listener
 //!
 //! [`UniqueId::new`] binds [`BOOTSTRAP_ADDR_ENV`] when set (`10.0.0.5`, `[fd00::5]:29500`,
-//! `node7:29500`), else `127.0.0.1:0` (this host only): peercomm does not guess among
-//! interfaces. The listener closes when rank 0's `connect` returns (or at
-//! [`UniqueId::release`]), so a stale id fails with a typed error instead of hanging. A
-//! rank 0 in another process binds the address itself; the others retry refused
-//! connections, so arrival order does not matter.
+//! `node7:29500`), else `127.0.0.1:0`: peercomm does not guess among interfaces. The
+//! listener closes when rank 0's `connect` returns (or at [`UniqueId::release`]), so a stale
+//! id fails with a typed error, not a hang; the others retry refused connections.
 //!
 //! # Wire format (protocol version 3)
 //!
 //! A frame is a kind byte, a `u32` LE body length and the body (at most `MAX_FRAME_BYTES`,
-//! 64 MiB, else [`BootstrapError::FrameTooLarge`]; hellos and proofs are capped far lower,
-//! so a stray connection cannot make rank 0 allocate). A MAC is HMAC-SHA-256 keyed by the
-//! secret over a label naming the message (so no MAC serves as another), rank r's nonce,
-//! rank 0's nonce, then the bytes named; nonces are 32 fresh bytes per connection, MACs
-//! are compared in constant time.
+//! 64 MiB, else [`BootstrapError::FrameTooLarge`]; hellos and proofs are capped far lower).
+//! A MAC is HMAC-SHA-256 keyed by the secret over a label naming the message (so no MAC
+//! serves as another), rank r's nonce, rank 0's nonce, then the bytes named; nonces are 32
+//! fresh bytes per connection, MACs are compared in constant time.
 //!
 //! | kind | direction | body |
 //! |------|-----------|------|
@@ -59,40 +56,26 @@
 //! | 3 data | both ways | one rank's bytes for an all-gather |
 //! | 4 error | both ways | rank where the failure began `u32`, message (UTF-8) |
 //!
-//! Rank r proves the secret only after checking rank 0's challenge, and refuses a
-//! listener that cannot prove it ([`BootstrapError::UnverifiedRankZero`]). Rank 0 silently
-//! drops connections that are not hellos, speak another version or fail their proof; a
-//! version-1 rank with the right secret gets [`BootstrapError::Protocol`]. A right proof
-//! with a wrong or duplicate rank or another world size is fatal: rank 0 sends error
-//! frames to it and to every admitted rank ([`BootstrapError::PeerFailed`] there). In an
-//! all-gather each rank r > 0 sends one data frame; rank 0 reads them in rank order and
-//! relays the others' to each (a setup path: `world_size * (world_size - 1)` frames).
+//! Rank r proves the secret only after checking rank 0's challenge
+//! ([`BootstrapError::UnverifiedRankZero`] if it fails). Rank 0 silently drops connections
+//! that are not hellos, speak another version or fail their proof; a version-1 rank with
+//! the right secret gets [`BootstrapError::Protocol`]. A right proof with a wrong or
+//! duplicate rank or another world size fails rank 0 and every admitted rank. In an
+//! all-gather rank 0 reads each rank's data frame in rank order and relays the others'.
 //!
-//! # What the handshake withstands
+//! # Robustness and failures
 //!
 //! A connection must prove itself within `HELLO_DEADLINE` (2 s); at most 1,024 wait (the
-//! oldest is closed for a new one); when `accept` runs out of descriptors or memory, rank
-//! 0 closes its oldest and pauses 10 ms. A real rank closed for any of these reconnects,
-//! so idle connections, garbage and strangers lock no rank out. Not covered: over 1,024
-//! connections per round trip, SYN retransmission while the accept queue is full, and
-//! anyone on the path: only the handshake is authenticated.
+//! oldest is closed for a new one); when `accept` runs out of descriptors, rank 0 closes its
+//! oldest and pauses 10 ms; a real rank closed for these reconnects. Only the handshake is
+//! authenticated. Every step ends in a [`BootstrapError`], never a hang
+//! ([`BootstrapError::Timeout`] names the missing ranks); a failing rank tells its peers
+//! ([`BootstrapError::PeerFailed`]) and is then [`BootstrapError::Poisoned`]: use a new id.
 //!
-//! # Failures
-//!
-//! Every step ends in a [`BootstrapError`], never a hang: `connect`'s timeout bounds the
-//! handshake, then each operation ([`TcpBootstrap::set_timeout`];
-//! [`Bootstrap::barrier_within`] takes its own); a rank that never comes is
-//! [`BootstrapError::Timeout`] naming it. A failing rank tells its peers
-//! ([`BootstrapError::PeerFailed`], within 200 ms) and is then [`BootstrapError::Poisoned`]:
-//! frame boundaries are lost, so go on with a new id.
-//!
-//! # Bringing your own store
-//!
-//! An engine with its own transport (torch.distributed, MPI, RPC) implements
-//! [`Bootstrap`], reports failures as [`BootstrapError::Store`], and implements
-//! [`Bootstrap::all_gather_within`] to bound teardown. A communicator tags each record
-//! with its call kind and sequence number and checks every gathered one, so ranks in
-//! different calls get [`BootstrapError::ExchangeMismatch`] instead of each other's data.
+//! An engine with its own transport implements [`Bootstrap`] (failures as
+//! [`BootstrapError::Store`], [`Bootstrap::all_gather_within`] to bound teardown); each
+//! record is tagged with its call and sequence number, so ranks in different calls get
+//! [`BootstrapError::ExchangeMismatch`].
 
 /// Implements [`Bootstrap`] for a type whose `gather(&self, mine, Option<Duration>)` serves
 /// both all-gathers (`None`: its own deadline), given its rank and world size.

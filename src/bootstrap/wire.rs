@@ -145,10 +145,9 @@ pub(super) fn read_frame(s: &mut TcpStream, deadline: Instant) -> Result<(u8, Ve
 }
 
 pub(super) fn check_frame_len(len: usize) -> Result<()> {
-    match len > MAX_FRAME_BYTES {
-        true => Err(too_large(len)),
-        false => Ok(()),
-    }
+    (len <= MAX_FRAME_BYTES)
+        .then_some(())
+        .ok_or_else(|| too_large(len))
 }
 
 fn too_large(len: usize) -> BootstrapError {

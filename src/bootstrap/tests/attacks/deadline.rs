@@ -8,48 +8,31 @@ use std::net::TcpListener;
 #[test]
 fn the_handshake_is_bounded_by_its_timeout() {
     let t = Duration::from_secs(2);
-    thread::scope(|s| {
-        let mut cases = Vec::new();
-        // A leaf whose rank 0 never comes: nothing listens (refused), ...
-        cases.push(s.spawn(move || {
-            let id = loopback_id();
+    // Each case runs one side on a fresh id and returns its error.
+    let cases: [(&str, fn(&UniqueId, Duration) -> BootstrapError); 6] = [
+        ("leaf, nothing listening", |id, t| {
             id.release();
-            let start = Instant::now();
-            let e = connect(&id, 1, 2, t).unwrap_err();
-            ("leaf, nothing listening", e, start.elapsed())
-        }));
-        // ... the id's listener holds it in the backlog, ...
-        cases.push(s.spawn(move || {
-            let id = loopback_id();
-            let start = Instant::now();
-            let e = connect(&id, 1, 2, t).unwrap_err();
-            id.release();
-            ("leaf, rank 0 never calls connect", e, start.elapsed())
-        }));
-        // ... something accepts, reads and never answers, ...
-        cases.push(s.spawn(move || {
-            let id = loopback_id();
+            connect(id, 1, 2, t).unwrap_err()
+        }),
+        // The id's listener holds the leaf in its backlog.
+        ("leaf, rank 0 never calls connect", |id, t| {
+            connect(id, 1, 2, t).unwrap_err()
+        }),
+        ("leaf, a mute listener", |id, t| {
             id.release();
             let mute = TcpListener::bind(id.addr).unwrap();
-            let start = Instant::now();
-            let e = thread::scope(|s2| {
-                s2.spawn(|| {
-                    let (mut c, _) = mute.accept().unwrap();
-                    read_all_until(&mut c, t + SLACK)
-                });
-                connect(&id, 1, 2, t).unwrap_err()
-            });
-            ("leaf, a mute listener", e, start.elapsed())
-        }));
-        // ... or something drops every connection at once.
-        cases.push(s.spawn(move || {
-            let id = loopback_id();
+            thread::scope(|s| {
+                s.spawn(|| read_all_until(&mut mute.accept().unwrap().0, t + SLACK));
+                connect(id, 1, 2, t).unwrap_err()
+            })
+        }),
+        ("leaf, a listener that drops everyone", |id, t| {
             id.release();
             let dropper = TcpListener::bind(id.addr).unwrap();
             dropper.set_nonblocking(true).unwrap();
             let start = Instant::now();
-            let e = thread::scope(|s2| {
-                s2.spawn(|| {
+            thread::scope(|s| {
+                s.spawn(|| {
                     while start.elapsed() < t + Duration::from_millis(200) {
                         match dropper.accept() {
                             Ok((c, _)) => drop(c),
@@ -57,30 +40,34 @@ fn the_handshake_is_bounded_by_its_timeout() {
                         }
                     }
                 });
-                connect(&id, 1, 2, t).unwrap_err()
-            });
-            ("leaf, a listener that drops everyone", e, start.elapsed())
-        }));
-        // A rank 0 whose leaf never comes: nobody connects, ...
-        cases.push(s.spawn(move || {
-            let id = loopback_id();
-            let start = Instant::now();
-            let e = connect(&id, 0, 2, t).unwrap_err();
-            ("rank 0, nobody connects", e, start.elapsed())
-        }));
-        // ... or a connection that never finishes its hello.
-        cases.push(s.spawn(move || {
-            let id = loopback_id();
-            let mut c = TcpStream::connect(id.addr).unwrap();
-            c.write_all(&[KIND_HELLO]).unwrap();
-            let start = Instant::now();
-            let e = connect(&id, 0, 2, t).unwrap_err();
-            drop(c);
-            ("rank 0, a silent connection", e, start.elapsed())
-        }));
+                connect(id, 1, 2, t).unwrap_err()
+            })
+        }),
+        ("rank 0, nobody connects", |id, t| {
+            connect(id, 0, 2, t).unwrap_err()
+        }),
+        (
+            "rank 0, a connection that never finishes its hello",
+            |id, t| {
+                let mut c = TcpStream::connect(id.addr).unwrap();
+                c.write_all(&[KIND_HELLO]).unwrap();
+                connect(id, 0, 2, t).unwrap_err()
+            },
+        ),
+    ];
+    thread::scope(|s| {
+        let runs = cases.map(|(what, case)| {
+            s.spawn(move || {
+                let id = loopback_id();
+                let start = Instant::now();
+                let e = case(&id, t);
+                id.release();
+                (what, e, start.elapsed())
+            })
+        });
         // Each fails at its deadline: after at least the timeout, at most 1.5 times it.
-        for case in cases {
-            let (what, e, took) = case.join().unwrap();
+        for run in runs {
+            let (what, e, took) = run.join().unwrap();
             assert!(matches!(e, BootstrapError::Timeout { .. }), "{what}: {e:?}");
             let bounded = took >= t.mul_f64(0.95) && took <= t.mul_f64(1.5);
             assert!(bounded, "{what}: took {took:?} for a {t:?} timeout");

@@ -9,51 +9,40 @@ fn contains(haystack: &[u8], needle: &[u8]) -> bool {
     haystack.windows(needle.len()).any(|w| w == needle)
 }
 
-/// What a squatter answers once a leaf has connected and said its first words: a forged
-/// welcome, a challenge of random bytes then a forged welcome, an error frame, garbage.
-#[derive(Clone, Copy, Debug)]
-enum Squat {
-    Welcome,
-    Challenge,
-    Error,
-    Garbage,
-}
-
-/// A program that bound the id's port after `release()`: the leaf refuses it with the
-/// typed error, and the squatter never sees the secret.
+/// A program that bound the id's port after `release()` and answers a leaf's first words
+/// with a forged welcome, a random challenge then a forged welcome, an error frame or
+/// garbage: the leaf refuses it with the typed error, and the squatter never sees the secret.
 #[test]
 fn a_squatter_on_a_released_port_is_refused_and_learns_nothing() {
     let id = loopback_id();
     assert!(id.release());
     let squatter = TcpListener::bind(id.addr).expect("the released port is free");
-    use Squat as S;
-    let plays = [S::Welcome, S::Challenge, S::Error, S::Garbage];
-    let forged_welcome = encode_welcome(&[HostId::new("forged-0"), HostId::new("forged-1")]);
+    let welcome = frame(
+        KIND_WELCOME,
+        &encode_welcome(&[HostId::new("forged-0"), HostId::new("forged-1")]),
+    );
+    let challenge = frame(KIND_CHALLENGE, &[0x5a; CHALLENGE_BYTES]);
+    let plays = [
+        ("welcome", welcome.clone()),
+        ("challenge", [challenge, welcome].concat()),
+        ("error", frame(KIND_ERROR, b"\0\0\0\0you are rank 0 now")),
+        ("garbage", b"HTTP/1.1 200 OK\r\n\r\nhello".to_vec()),
+    ];
     thread::scope(|s| {
         let heard = s.spawn(|| {
             let mut heard = Vec::new();
-            for play in plays {
+            for (play, reply) in &plays {
                 let Some(mut c) = accept_within(&squatter, SLACK) else {
                     break;
                 };
                 let mut got = read_all_until(&mut c, Duration::from_millis(300));
-                let reply = match play {
-                    Squat::Welcome => frame(KIND_WELCOME, &forged_welcome),
-                    Squat::Challenge => {
-                        let mut f = frame(KIND_CHALLENGE, &[0x5a; CHALLENGE_BYTES]);
-                        f.extend(frame(KIND_WELCOME, &forged_welcome));
-                        f
-                    }
-                    Squat::Error => frame(KIND_ERROR, b"\0\0\0\0you are rank 0 now"),
-                    Squat::Garbage => b"HTTP/1.1 200 OK\r\n\r\nhello".to_vec(),
-                };
-                let _ = c.write_all(&reply);
+                let _ = c.write_all(reply);
                 got.extend(read_all_until(&mut c, Duration::from_secs(2)));
                 heard.push((play, got));
             }
             heard
         });
-        let outcomes = plays.map(|play| {
+        let outcomes = plays.each_ref().map(|(play, _)| {
             let start = Instant::now();
             let got = connect(&id, 1, 2, Duration::from_secs(4));
             (play, got, start.elapsed())
