@@ -257,13 +257,7 @@ fn single_controller_refusals_and_faults() {
     single_group(&comm, &sends, &mut recvs, 0).unwrap();
     let got = comm.synchronize();
     assert!(
-        matches!(
-            got,
-            Err(Error::CallMismatch {
-                field: CallField::Sequence,
-                ..
-            })
-        ),
+        matches!(&got, Err(Error::CallMismatch { field, .. }) if *field == CallField::Sequence),
         "{got:?}"
     );
     for (r, e) in comm.rank_errors().unwrap().into_iter().enumerate() {
@@ -278,14 +272,10 @@ fn single_controller_refusals_and_faults() {
     comm.miss_next(0).unwrap();
     single_group(&comm, &sends, &mut recvs, 0).unwrap();
     let got = comm.synchronize();
+    let timed_out =
+        matches!(&got, Err(Error::BarrierTimeout { waiting_for: w, .. }) if *w == Some(0));
     assert!(
-        matches!(
-            got,
-            Err(Error::BarrierTimeout {
-                waiting_for: Some(0),
-                ..
-            }) | Err(Error::PeerAborted { .. })
-        ),
+        timed_out || matches!(got, Err(Error::PeerAborted { .. })),
         "{got:?}"
     );
     untouched(&recvs, "left out");

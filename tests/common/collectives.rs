@@ -377,76 +377,36 @@ pub fn bad_inputs<B: Backend>() {
     let i = views(&ins);
     let rank1_length = |e: &Error| matches!(e, Error::LengthMismatch { rank: 1, .. });
     let bad_root = |e: &Error| matches!(e, Error::InvalidRoot { width: 2, .. });
+    let rank0_length = |e: &Error| matches!(e, Error::LengthMismatch { rank: 0, .. });
+    let count = |e: &Error| matches!(e, Error::WrongTensorCount { expected: 1, got } if *got == 2);
+    // `refuse!(what, the outputs' lengths, error => |o| call)`.
+    macro_rules! refuse {
+        ($what:expr, $lens:expr, $err:expr => |$o:ident| $call:expr) => {{
+            let (a, b) = $lens;
+            refused(&comm, &mut nan(a, b), |$o| $call, $err, $what)
+        }};
+    }
 
     // All-gather: an output of the wrong size; inputs of different lengths.
-    let what = "all-gather output size";
-    refused(
-        &comm,
-        &mut nan(20, 19),
-        |o| comm.all_gather(&i, o, &opts),
-        rank1_length,
-        what,
-    );
+    refuse!("all-gather output size", (20, 19), rank1_length => |o| comm.all_gather(&i, o, &opts));
     let uneven = [TensorView::flat(&ins[0]), TensorView::flat(&short)];
-    let what = "all-gather uneven inputs";
-    refused(
-        &comm,
-        &mut nan(20, 20),
-        |o| comm.all_gather(&uneven, o, &opts),
-        rank1_length,
-        what,
-    );
-
+    refuse!("all-gather uneven inputs", (20, 20), rank1_length =>
+        |o| comm.all_gather(&uneven, o, &opts));
     // Reduce-scatter: parts of 10 over 2 are 5 and 5.
-    let rs = |o: &mut [TensorViewMut<'_, B>]| comm.reduce_scatter_sum(&i, o, &opts);
-    refused(
-        &comm,
-        &mut nan(5, 6),
-        rs,
-        rank1_length,
-        "reduce-scatter output size",
-    );
-
+    refuse!("reduce-scatter output size", (5, 6), rank1_length =>
+        |o| comm.reduce_scatter_sum(&i, o, &opts));
     // Broadcast and scatter: a root outside the group, a wrong input count, sizes.
     for root in [2, 7] {
-        let bc = |o: &mut [TensorViewMut<'_, B>]| comm.broadcast(&i[..1], o, root, &opts);
-        refused(&comm, &mut nan(10, 10), bc, bad_root, "broadcast root");
-        let sc = |o: &mut [TensorViewMut<'_, B>]| comm.scatter(&i[..1], o, root, &opts);
-        refused(&comm, &mut nan(5, 5), sc, bad_root, "scatter root");
-        let bip = |o: &mut [TensorViewMut<'_, B>]| comm.broadcast_in_place(o, root, &opts);
-        refused(
-            &comm,
-            &mut nan(10, 10),
-            bip,
-            bad_root,
-            "broadcast in place root",
-        );
+        refuse!("broadcast root", (10, 10), bad_root =>
+            |o| comm.broadcast(&i[..1], o, root, &opts));
+        refuse!("scatter root", (5, 5), bad_root => |o| comm.scatter(&i[..1], o, root, &opts));
+        refuse!("broadcast in place root", (10, 10), bad_root =>
+            |o| comm.broadcast_in_place(o, root, &opts));
     }
-    let count = |e: &Error| {
-        *e == Error::WrongTensorCount {
-            expected: 1,
-            got: 2,
-        }
-    };
-    let bc = |o: &mut [TensorViewMut<'_, B>]| comm.broadcast(&i, o, 0, &opts);
-    refused(&comm, &mut nan(10, 10), bc, count, "broadcast input count");
-    let bc = |o: &mut [TensorViewMut<'_, B>]| comm.broadcast(&i[..1], o, 0, &opts);
-    refused(
-        &comm,
-        &mut nan(10, 9),
-        bc,
-        rank1_length,
-        "broadcast output size",
-    );
-    let rank0_length = |e: &Error| matches!(e, Error::LengthMismatch { rank: 0, .. });
-    let sc = |o: &mut [TensorViewMut<'_, B>]| comm.scatter(&i[..1], o, 0, &opts);
-    refused(
-        &comm,
-        &mut nan(4, 4),
-        sc,
-        rank0_length,
-        "scatter output size",
-    );
+    refuse!("broadcast input count", (10, 10), count => |o| comm.broadcast(&i, o, 0, &opts));
+    refuse!("broadcast output size", (10, 9), rank1_length =>
+        |o| comm.broadcast(&i[..1], o, 0, &opts));
+    refuse!("scatter output size", (4, 4), rank0_length => |o| comm.scatter(&i[..1], o, 0, &opts));
 
     // Fused: a hidden size that is not whole packs, elements that are not whole rows,
     // a residual of the wrong length, a weight of another dtype, a bad epsilon.
@@ -559,15 +519,7 @@ pub fn fuzz_call<B: Backend>(
     // The fuzzer's payload bounds nothing here (one process reads the user buffers),
     // but keep all-gather outputs and scatter inputs within a few MiB.
     let n = (bytes / dtype.size() / width).max(1);
-    match dtype {
-        DType::F32 => Box::new(FuzzCall::<B, f32>::new(comm, rng, which, width, n, opts)),
-        DType::F16 => Box::new(FuzzCall::<B, half::f16>::new(
-            comm, rng, which, width, n, opts,
-        )),
-        DType::BF16 => Box::new(FuzzCall::<B, half::bf16>::new(
-            comm, rng, which, width, n, opts,
-        )),
-    }
+    for_dtype!(dtype, T => Box::new(FuzzCall::<B, T>::new(comm, rng, which, width, n, opts)))
 }
 
 impl<B: Backend, T: Element> Call<B> for FuzzCall<B, T> {

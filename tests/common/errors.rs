@@ -46,19 +46,8 @@ impl<B: Backend, T: Element> RankBufs<B, T> {
 
     /// The input still holds its values and the output is still all NaN.
     fn assert_untouched(&self, dev: &B::Device, what: &str) {
-        let got = B::download(dev, &self.input).unwrap();
-        assert!(
-            got.iter()
-                .zip(&self.values)
-                .all(|(a, b)| a.to_bits_u32() == b.to_bits_u32())
-                && got.len() == self.values.len(),
-            "{what}: the input (or in-place data) was written"
-        );
-        let out = B::download(dev, &self.output).unwrap();
-        assert!(
-            out.iter().all(|x| x.to_f32().is_nan()),
-            "{what}: the output was written"
-        );
+        let (input, output) = (&self.input, Some(&self.output));
+        super::assert_unwritten::<B, T>(dev, input, &self.values, output, what);
     }
 }
 
@@ -213,22 +202,13 @@ pub fn lengths_differ<B: Backend>() {
         ("explicit [6]/[7]", Some(explicit)),
         ("explicit [2, 3]/[7, 1]", Some(explicit_2d)),
     ] {
-        assert_length_mismatch(
-            out_of_place(&comm, &mut bufs, shapes, shapes, &opts),
-            1,
-            &format!("{form}, out-of-place"),
-        );
-        assert_nothing_written(
-            &comm,
-            &bufs,
-            &format!("lengths differ, {form}, out-of-place"),
-        );
-        assert_length_mismatch(
-            in_place(&comm, &mut bufs, shapes, &opts),
-            1,
-            &format!("{form}, in-place"),
-        );
-        assert_nothing_written(&comm, &bufs, &format!("lengths differ, {form}, in-place"));
+        let what = format!("lengths differ, {form}, out-of-place");
+        let got = out_of_place(&comm, &mut bufs, shapes, shapes, &opts);
+        assert_length_mismatch(got, 1, &what);
+        assert_nothing_written(&comm, &bufs, &what);
+        let what = format!("lengths differ, {form}, in-place");
+        assert_length_mismatch(in_place(&comm, &mut bufs, shapes, &opts), 1, &what);
+        assert_nothing_written(&comm, &bufs, &what);
     }
     assert_still_works(&comm, &mut rng);
 }
@@ -245,17 +225,11 @@ pub fn shapes_differ<B: Backend>() {
     let shapes: &[&[usize]] = &[&[2, 3], &[3, 2]];
     let mut bufs = rank_bufs(&comm, &mut rng, &[6, 6], &[6, 6]);
     let opts = AllReduceOptions::new();
-    assert_err(
-        out_of_place(&comm, &mut bufs, Some(shapes), Some(shapes), &opts),
-        expected.clone(),
-        "out-of-place",
-    );
+    let got = out_of_place(&comm, &mut bufs, Some(shapes), Some(shapes), &opts);
+    assert_err(got, expected.clone(), "out-of-place");
     assert_nothing_written(&comm, &bufs, "shapes differ, out-of-place");
-    assert_err(
-        in_place(&comm, &mut bufs, Some(shapes), &opts),
-        expected,
-        "in-place",
-    );
+    let got = in_place(&comm, &mut bufs, Some(shapes), &opts);
+    assert_err(got, expected, "in-place");
     assert_nothing_written(&comm, &bufs, "shapes differ, in-place");
     assert_still_works(&comm, &mut rng);
 }
@@ -335,36 +309,21 @@ pub fn shape_does_not_describe_buffer<B: Backend>() {
     // [2, 4] = 8 elements over buffers of 6, on both ranks.
     let shapes: &[&[usize]] = &[&[2, 4], &[2, 4]];
     let mut every = rank_bufs(&comm, &mut rng, &[6, 6], &[6, 6]);
-    assert_length_mismatch(
-        out_of_place(&comm, &mut every, Some(shapes), Some(shapes), &opts),
-        0,
-        "out-of-place, every rank",
-    );
-    assert_length_mismatch(
-        in_place(&comm, &mut every, Some(shapes), &opts),
-        0,
-        "in-place, every rank",
-    );
+    let got = out_of_place(&comm, &mut every, Some(shapes), Some(shapes), &opts);
+    assert_length_mismatch(got, 0, "out-of-place, every rank");
+    let got = in_place(&comm, &mut every, Some(shapes), &opts);
+    assert_length_mismatch(got, 0, "in-place, every rank");
     // Shape [6] everywhere, but rank 1's buffers hold 7.
     let shapes: &[&[usize]] = &[&[6], &[6]];
     let mut one = rank_bufs(&comm, &mut rng, &[6, 7], &[6, 7]);
-    assert_length_mismatch(
-        out_of_place(&comm, &mut one, Some(shapes), Some(shapes), &opts),
-        1,
-        "out-of-place, rank 1",
-    );
-    assert_length_mismatch(
-        in_place(&comm, &mut one, Some(shapes), &opts),
-        1,
-        "in-place, rank 1",
-    );
+    let got = out_of_place(&comm, &mut one, Some(shapes), Some(shapes), &opts);
+    assert_length_mismatch(got, 1, "out-of-place, rank 1");
+    let got = in_place(&comm, &mut one, Some(shapes), &opts);
+    assert_length_mismatch(got, 1, "in-place, rank 1");
     // Only rank 1's output shape is wrong.
     let mut output = rank_bufs(&comm, &mut rng, &[6, 6], &[6, 6]);
-    assert_length_mismatch(
-        out_of_place(&comm, &mut output, None, Some(&[&[6], &[2, 4]]), &opts),
-        1,
-        "output shape, rank 1",
-    );
+    let got = out_of_place(&comm, &mut output, None, Some(&[&[6], &[2, 4]]), &opts);
+    assert_length_mismatch(got, 1, "output shape, rank 1");
     assert_nothing_written(&comm, &every, "shape does not describe buffer (every rank)");
     assert_nothing_written(&comm, &one, "shape does not describe buffer (rank 1)");
     assert_nothing_written(&comm, &output, "output shape does not describe buffer");
@@ -384,11 +343,8 @@ pub fn group_size_must_divide_world<B: Backend>() {
         };
         let opts = AllReduceOptions::new().group_size(group_size);
         let what = format!("group_size {group_size}");
-        assert_err(
-            out_of_place(&comm, &mut bufs, None, None, &opts),
-            expected.clone(),
-            &what,
-        );
+        let got = out_of_place(&comm, &mut bufs, None, None, &opts);
+        assert_err(got, expected.clone(), &what);
         assert_err(
             in_place(&comm, &mut bufs, None, &opts),
             expected.clone(),
@@ -403,31 +359,14 @@ pub fn group_size_must_divide_world<B: Backend>() {
 /// No devices, and `MAX_GPUS + 1`, are refused before any device is opened; needs no
 /// device, so it runs everywhere.
 pub fn world_of_zero_or_nine<B: Backend>() {
+    let invalid = |got| Some(Error::InvalidWorldSize { got, max: MAX_GPUS });
     let too_many: Vec<usize> = (0..=MAX_GPUS).collect();
     for ordinals in [&[][..], &too_many[..]] {
-        match SingleController::<B>::new(ordinals, CommConfig::default()) {
-            Err(e) => assert_eq!(
-                e,
-                Error::InvalidWorldSize {
-                    got: ordinals.len(),
-                    max: MAX_GPUS
-                },
-                "{} ordinals",
-                ordinals.len()
-            ),
-            Ok(_) => panic!("a communicator over {} devices", ordinals.len()),
-        }
+        let got = SingleController::<B>::new(ordinals, CommConfig::default()).err();
+        assert_eq!(got, invalid(ordinals.len()), "{} ordinals", ordinals.len());
     }
-    match SingleController::<B>::from_devices(Vec::new(), CommConfig::default()) {
-        Err(e) => assert_eq!(
-            e,
-            Error::InvalidWorldSize {
-                got: 0,
-                max: MAX_GPUS
-            }
-        ),
-        Ok(_) => panic!("a communicator over no devices"),
-    }
+    let got = SingleController::<B>::from_devices(Vec::new(), CommConfig::default()).err();
+    assert_eq!(got, invalid(0), "no devices");
 }
 
 /// The same ordinal twice.
@@ -612,11 +551,8 @@ pub fn wrong_number_of_tensors<B: Backend>() {
     let ts: &mut [&mut dyn DeviceBufferMut<B>] =
         &mut [&mut a.input, &mut b.input, &mut extra.input];
     assert_err(sum_in_place(&comm, ts), count(3), "3 in-place tensors");
-    assert_err(
-        sum_in_place(&comm, &mut ts[..1]),
-        count(1),
-        "1 in-place tensor",
-    );
+    let got = sum_in_place(&comm, &mut ts[..1]);
+    assert_err(got, count(1), "1 in-place tensor");
     comm.synchronize().unwrap();
     extra.assert_untouched(comm.core(0).device(), "extra tensor");
     assert_nothing_written(&comm, &bufs, "wrong number of tensors");

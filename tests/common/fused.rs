@@ -246,11 +246,7 @@ pub fn lamport_fused_matches_one_stage<B: Backend>(
 ) -> usize {
     let mut batches = 0;
     for case in cases {
-        batches += match case.dtype {
-            DType::F32 => check_case::<B, f32>(comm, rng, case),
-            DType::F16 => check_case::<B, half::f16>(comm, rng, case),
-            DType::BF16 => check_case::<B, half::bf16>(comm, rng, case),
-        };
+        batches += for_dtype!(case.dtype, T => check_case::<B, T>(comm, rng, case));
     }
     batches
 }

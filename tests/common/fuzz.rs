@@ -212,14 +212,9 @@ fn mismatched_call<B: Backend>(comm: &SingleController<B>, rng: &mut StdRng, wha
         .unwrap_or_else(|e| panic!("{what}: the mismatched call was refused: {e}"));
     let errors = comm.rank_errors().unwrap();
     for (rank, e) in errors.iter().enumerate() {
+        let sequence = Some(CallField::Sequence);
         assert!(
-            matches!(
-                e,
-                Some(Error::CallMismatch {
-                    field: CallField::Sequence,
-                    ..
-                })
-            ),
+            matches!(e, Some(Error::CallMismatch { field, .. }) if Some(*field) == sequence),
             "{what}: rank {odd} one call ahead ({algorithm:?}, {len} f32): rank {rank} \
              reported {e:?}"
         );
@@ -262,11 +257,7 @@ pub fn fuzz<B: Backend>(
             let call = if rng.random_bool(COLLECTIVE_PROBABILITY) {
                 let mut opts = CollectiveOptions::new().group_size(d.opts.group_size);
                 opts.blocks = d.opts.blocks;
-                let width = if d.opts.group_size == 0 {
-                    world
-                } else {
-                    d.opts.group_size
-                };
+                let width = Some(d.opts.group_size).filter(|&g| g > 0).unwrap_or(world);
                 let bytes = d.len * d.dtype.size();
                 super::collectives::fuzz_call(&comm, &mut rng, d.dtype, width, opts, bytes)
             } else {
@@ -331,19 +322,14 @@ pub fn fuzz<B: Backend>(
             )
         });
         for (i, ((call, delay, d), outcome)) in batch.iter().zip(&outcomes).enumerate() {
+            let delayed = delay.map(|(r, by)| format!(", rank {r} delayed by {by:?}"));
+            let zeros = (d.zeros.lane > 0.0).then(|| format!(", zeros {:?}", d.zeros));
+            let (delayed, zeros) = (delayed.unwrap_or_default(), zeros.unwrap_or_default());
+            let desc = call.describe(world);
+            let batch = report.batches;
             let what = format!(
-                "{test} (PEERCOMM_SEED={seed}), batch {}, call {i} of {n}: {}{}{}",
-                report.batches,
-                call.describe(world),
-                match delay {
-                    Some((r, by)) => format!(", rank {r} delayed by {by:?}"),
-                    None => String::new(),
-                },
-                if d.zeros.lane > 0.0 {
-                    format!(", zeros {:?}", d.zeros)
-                } else {
-                    String::new()
-                }
+                "{test} (PEERCOMM_SEED={seed}), batch {batch}, call {i} of {n}: {desc}{delayed}\
+                 {zeros}"
             );
             call.check(&comm, outcome, &what);
             if let Some(name) = call.collective() {
@@ -374,38 +360,19 @@ pub fn fuzz<B: Backend>(
         }
     }
     report.elapsed = started.elapsed();
+    let shared = if placement.shared { " (shared)" } else { "" };
     eprintln!(
-        "{test}: PEERCOMM_SEED={} world {world} on devices {:?}{}: {} calls checked in {} batches \
-         in {:.1?}; requested {:?}; ran {:?}; refused (Lamport over a subgroup) {}; other \
-         collectives {:?}; delays {}; in place {}; with zeros {}; mismatched calls (each \
-         reported on every rank) {}; batches in a group {}; {:.1} MiB per rank",
-        report.seed,
-        placement.ordinals,
-        if placement.shared { " (shared)" } else { "" },
-        report.checked,
-        report.batches,
-        report.elapsed,
-        report.requested,
-        report.ran,
-        report.refused,
-        report.collectives,
-        report.delays,
-        report.in_place,
-        report.with_zeros,
-        report.mismatches,
-        report.groups,
-        report.bytes as f64 / (1 << 20) as f64
+        "{test}: world {world} on devices {:?}{shared}: {report:?}",
+        placement.ordinals
     );
     if knobs.calls >= 300 {
         for a in ["auto", "one_stage", "two_stage", "lamport"] {
-            assert!(
-                report.requested.get(a).copied().unwrap_or(0) > 0,
-                "{test}: the fuzzer never requested {a}"
-            );
+            let requested = report.requested.contains_key(a);
+            assert!(requested, "{test}: the fuzzer never requested {a}");
         }
         if world >= 2 {
             assert!(
-                report.ran.get("lamport").copied().unwrap_or(0) > 0,
+                report.ran.contains_key("lamport"),
                 "{test}: Lamport never ran"
             );
         }
@@ -439,11 +406,7 @@ pub fn differential<A: Backend, B: Backend>(
             d.zeros = Zeros::LANES;
         }
         let what = format!("{test}, call {i}");
-        match d.dtype {
-            DType::F32 => differential_call::<A, B, f32>(a, b, &mut rng, &d, &what),
-            DType::F16 => differential_call::<A, B, half::f16>(a, b, &mut rng, &d, &what),
-            DType::BF16 => differential_call::<A, B, half::bf16>(a, b, &mut rng, &d, &what),
-        }
+        for_dtype!(d.dtype, T => differential_call::<A, B, T>(a, b, &mut rng, &d, &what));
     }
     eprintln!(
         "{test}: {calls} calls, world {world}, {} and {} agree bit for bit",

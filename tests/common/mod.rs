@@ -5,6 +5,16 @@
 
 #![allow(dead_code)]
 
+/// `$body` with `$t` the element type of `$dtype` (defined before the modules using it).
+macro_rules! for_dtype {
+    ($dtype:expr, $t:ident => $body:expr) => {
+        for_dtype!(@ $dtype, $t => $body; F32: f32, F16: half::f16, BF16: half::bf16)
+    };
+    (@ $dtype:expr, $t:ident => $body:expr; $($v:ident: $ty:ty),+) => {
+        match $dtype { $(peercomm::DType::$v => { type $t = $ty; $body })+ }
+    };
+}
+
 pub mod collectives;
 pub mod ergonomics;
 pub mod errors;
@@ -576,23 +586,31 @@ impl<B: Backend, T: Element> Prepared<B, T> {
     /// Nothing was written: inputs hold their values bit for bit, outputs are all NaN.
     pub fn assert_untouched(&self, comm: &SingleController<B>, what: &str) {
         for (r, rank) in comm.cores().iter().enumerate() {
-            let got = B::download(rank.device(), &self.in_bufs[r]).expect("download");
-            assert!(
-                got.len() == self.ins[r].len()
-                    && got
-                        .iter()
-                        .zip(&self.ins[r])
-                        .all(|(a, b)| a.to_bits_u32() == b.to_bits_u32()),
-                "{what}: rank {r}'s input (or in-place data) was written"
-            );
-            if !self.in_place {
-                let out = B::download(rank.device(), &self.out_bufs[r]).expect("download");
-                assert!(
-                    out.iter().all(|x| x.to_f32().is_nan()),
-                    "{what}: rank {r}'s output was written"
-                );
-            }
+            let (input, output) = (&self.in_bufs[r], self.out_bufs.get(r));
+            let what = format!("{what}: rank {r}");
+            assert_unwritten::<B, T>(rank.device(), input, &self.ins[r], output, &what);
         }
+    }
+}
+
+/// Nothing was written: `input` holds `values` bit for bit, `output` (if any) is all NaN.
+pub fn assert_unwritten<B: Backend, T: Element>(
+    dev: &B::Device,
+    input: &B::Buffer<T>,
+    values: &[T],
+    output: Option<&B::Buffer<T>>,
+    what: &str,
+) {
+    let got = B::download(dev, input).expect("download");
+    assert!(
+        bits(&got) == bits(values),
+        "{what}: the input (or in-place data) was written"
+    );
+    if let Some(out) = output.map(|o| B::download(dev, o).expect("download")) {
+        assert!(
+            out.iter().all(|x| x.to_f32().is_nan()),
+            "{what}: the output was written"
+        );
     }
 }
 
@@ -722,23 +740,11 @@ pub fn prepare_random<B: Backend>(
     in_place: bool,
     opts: AllReduceOptions,
 ) -> Box<dyn Call<B>> {
-    fn typed<B: Backend, T: Element>(
-        comm: &SingleController<B>,
-        rng: &mut StdRng,
-        len: usize,
-        zeros: Zeros,
-        in_place: bool,
-        opts: AllReduceOptions,
-    ) -> Box<dyn Call<B>> {
+    for_dtype!(dtype, T => {
         let mut ins = random_inputs::<T>(rng, comm.world_size(), len);
         sprinkle_zeros(rng, &mut ins, zeros);
         Box::new(Prepared::<B, T>::new(comm, ins, in_place, opts))
-    }
-    match dtype {
-        DType::F32 => typed::<B, f32>(comm, rng, len, zeros, in_place, opts),
-        DType::F16 => typed::<B, half::f16>(comm, rng, len, zeros, in_place, opts),
-        DType::BF16 => typed::<B, half::bf16>(comm, rng, len, zeros, in_place, opts),
-    }
+    })
 }
 
 /// Enqueues every call of a batch back to back (no synchronisation in between), then
@@ -792,11 +798,7 @@ pub fn run_case_dtype<B: Backend>(
     len: usize,
     in_place: bool,
 ) -> Result<Algorithm> {
-    match dtype {
-        DType::F32 => run_case::<B, f32>(comm, rng, algorithm, group_size, len, in_place),
-        DType::F16 => run_case::<B, half::f16>(comm, rng, algorithm, group_size, len, in_place),
-        DType::BF16 => run_case::<B, half::bf16>(comm, rng, algorithm, group_size, len, in_place),
-    }
+    for_dtype!(dtype, T => run_case::<B, T>(comm, rng, algorithm, group_size, len, in_place))
 }
 
 pub fn group_sizes(world: usize) -> Vec<usize> {
