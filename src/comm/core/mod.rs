@@ -2,12 +2,12 @@
 //! device, the per-rank `Comm` one): device, signals, agreed settings, routing, and the
 //! only code that plans and launches kernels, so a call's checks hold for both.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Mutex;
 
 use crate::backend::Backend;
 use crate::error::{Error, Result};
-use crate::signal::{MAX_GPUS, NUM_BARRIER_DOMAINS};
+use crate::signal::barrier_domain;
 
 pub(crate) mod call;
 pub(crate) mod launch;
@@ -16,43 +16,11 @@ pub(crate) mod routing;
 pub(crate) mod settings;
 pub(crate) mod setup;
 
+pub(crate) use launch::Endpoint;
+use launch::{Fused, PeerInputs};
+use planning::Plan;
 use routing::Router;
 use settings::Settings;
-
-/// Where one rank is: device and stream, signal, its peers' signals, its call counts.
-pub(crate) struct Endpoint<B: Backend> {
-    /// Rank in its peer-memory group (the world, or its host's ranks).
-    pub(crate) index: usize,
-    pub(crate) device: B::Device,
-    pub(crate) signal: B::Memory,
-    /// `peer_signals[j]`: where this rank reaches group rank j's signal.
-    pub(crate) peer_signals: [u64; MAX_GPUS],
-    /// Launches per barrier domain since the signal was initialised (the descriptor's
-    /// sequence number).
-    pub(crate) calls: [AtomicU64; NUM_BARRIER_DOMAINS],
-    #[cfg(feature = "fault-injection")]
-    pub(crate) faults: launch::fault::Faults,
-}
-
-impl<B: Backend> Endpoint<B> {
-    /// A rank at `index` of its group, reaching its group's signals at `peer_signals`.
-    pub(crate) fn new(
-        index: usize,
-        device: B::Device,
-        signal: B::Memory,
-        peer_signals: [u64; MAX_GPUS],
-    ) -> Self {
-        Endpoint {
-            index,
-            device,
-            signal,
-            peer_signals,
-            calls: Default::default(),
-            #[cfg(feature = "fault-injection")]
-            faults: Default::default(),
-        }
-    }
-}
 
 /// One rank of a communicator ([`crate::SingleController::rank`] shows its devices and
 /// signals).
@@ -97,6 +65,25 @@ impl<B: Backend> Rank<B> {
     /// Device address of this rank's signal buffer.
     pub fn signal_ptr(&self) -> u64 {
         B::memory_ptr(&self.endpoint.signal)
+    }
+
+    /// Enqueues this rank's kernel of `plan` from `inputs` into `output` (`fused`: the
+    /// fused all-reduce + RMSNorm's residual and weight, else the default).
+    pub(crate) fn launch(
+        &self,
+        plan: &Plan,
+        inputs: PeerInputs<'_>,
+        output: u64,
+        fused: Fused,
+    ) -> Result<()> {
+        (self.endpoint).launch(&self.settings, plan, inputs, output, fused)
+    }
+
+    /// Counts a call of `plan` this rank does not launch (a single-controller launch on
+    /// some ranks only), so every rank's call sequence stays the same.
+    pub(crate) fn count_call(&self, plan: &Plan) {
+        let domain = barrier_domain(plan.width, self.settings.world);
+        self.endpoint.next_call(domain);
     }
 
     /// Whether an earlier error disabled this rank's collectives.

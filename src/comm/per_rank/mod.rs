@@ -360,7 +360,7 @@ impl<B: Backend> Comm<B> {
         };
         // A plan whose peers read registered inputs in place carries their place, so
         // that a peer reading from elsewhere is a descriptor mismatch.
-        let in_place_reads = !plan.stage_input
+        let in_place_reads = plan.stage_input == 0
             && plan.width > 1
             && !matches!(
                 plan.kernel.kind,
@@ -375,7 +375,7 @@ impl<B: Backend> Comm<B> {
             plan.input_place = p.place;
         }
         self.core.check_usable()?;
-        self.core.launch_fused(&plan, inputs, output, fused)
+        self.core.launch(&plan, inputs, output, fused)
     }
 
     /// A start and an end barrier over this rank's group, on its stream (groups that
@@ -384,6 +384,6 @@ impl<B: Backend> Comm<B> {
         let core = &*self.core;
         core.check_usable()?;
         let plan = core.barrier_plan(group_size)?;
-        core.launch(&plan, PeerInputs::Own(0), 0)
+        core.launch(&plan, PeerInputs::Own(0), 0, Fused::default())
     }
 }

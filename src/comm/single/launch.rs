@@ -74,7 +74,7 @@ impl<B: Backend> SingleController<B> {
                 residual: residuals[r],
                 weight: weights[r],
             });
-            self.ranks[r].launch_fused(plan, inputs, outputs[r], extra)
+            self.ranks[r].launch(plan, inputs, outputs[r], extra)
         })?;
         for (r, core) in self.ranks.iter().enumerate() {
             if !ranks.contains(&r) {
@@ -96,7 +96,7 @@ impl<B: Backend> SingleController<B> {
             // plan says so) and writes this rank's output.
             let entries: Vec<(PeerInputs<'_>, u64)> = io
                 .iter()
-                .map(|&(ins, outs)| match plan.plan.stage_input {
+                .map(|&(ins, outs)| match plan.plan.stage_input != 0 {
                     true => (PeerInputs::Own(ins[r]), outs[r]),
                     false => (PeerInputs::InPlace(ins), outs[r]),
                 })

@@ -254,7 +254,7 @@ impl<B: Backend> SingleController<B> {
             | KernelKind::ReduceScatter
             | KernelKind::Broadcast
             | KernelKind::Scatter
-            | KernelKind::AllReduceRmsNorm => !plan.stage_input,
+            | KernelKind::AllReduceRmsNorm => plan.stage_input == 0,
             _ => false,
         };
         if !direct || plan.width == 1 {

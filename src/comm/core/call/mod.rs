@@ -1,15 +1,12 @@
-//! The per-call descriptor: what every rank of a group must agree on for one collective,
-//! packed into the [`CALL_WORDS`] words each barrier arrival and Lamport header carries,
-//! compared exactly by the peers and decoded into an [`Error::CallMismatch`] naming the
-//! first differing field. Every field is held whole, so different values never compare
-//! equal; the sequence number counts launches per barrier domain, so sibling groups may
-//! make different numbers of calls.
+//! The per-call descriptor: what a group's ranks must agree on for one collective, every
+//! field whole in the [`CALL_WORDS`] words of each barrier arrival and Lamport header,
+//! compared exactly by the peers; a difference is an [`Error::CallMismatch`] naming the
+//! first differing field. The sequence number counts launches per barrier domain, so
+//! sibling groups may make different numbers of calls.
 //!
-//! Not caught: calls that agree in every field but pair unintended buffers, and a group
-//! of one's calls (one paired with a peer's world call shows up late, as a
-//! `BarrierTimeout` there and `PeerAborted` here). A batch carries only entry 0's length;
-//! its kernel compares the rest (`launch::group`), and another grid between two batches
-//! is named [`CallField::Length`] (a batch's grid follows its lengths alone).
+//! Not caught: calls agreeing in every field but pairing unintended buffers, and a group
+//! of one's calls. A batch carries entry 0's length (`launch::group` compares the rest);
+//! its grid follows its lengths, so another grid between batches is a `Length`.
 
 use crate::backend::KernelKind;
 use crate::dtype::DType;

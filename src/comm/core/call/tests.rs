@@ -69,88 +69,26 @@ fn each_field_is_named_first_in_order() {
     assert_eq!(diff(&base, 7, &base, 7), None);
     let fused = plan(KernelKind::AllReduceRmsNorm, DType::BF16, 2, 4096, 1);
     let lamport = with(&fused, |p| p.kernel.kind = KernelKind::LamportRmsNorm);
-    use {CallField as F, KernelKind as K};
-    type Case = (
-        Plan,
-        fn(&mut Plan),
-        u64,
-        CallField,
-        &'static str,
-        &'static str,
-    );
-    let cases: [Case; 9] = [
-        (
-            base,
-            |p| p.elements = 500,
-            7,
-            F::Length,
-            "1000 elements",
-            "500 elements",
-        ),
-        (
-            base,
-            |p| p.kernel.dtype = DType::BF16,
-            7,
-            F::DType,
-            "f32",
-            "bf16",
-        ),
-        (
-            base,
-            |p| p.width = 4,
-            7,
-            F::GroupWidth,
-            "groups of 2",
-            "groups of 4",
-        ),
-        (
-            base,
-            |p| p.dims.blocks = 8,
-            7,
-            F::Blocks,
-            "16 blocks",
-            "8 blocks",
-        ),
-        (
-            base,
-            |p| p.kernel.kind = K::Lamport,
-            7,
-            F::Algorithm,
-            "one-stage",
-            "Lamport",
-        ),
-        (
-            base,
-            |p| p.kernel.kind = K::Broadcast,
-            7,
-            F::Collective,
-            "all-reduce",
-            "broadcast",
-        ),
-        (base, |_| (), 8, F::Sequence, "call 8", "call 9"),
-        // Another width with another barrier domain's count: the width is named.
-        (
-            base,
-            |p| p.width = 4,
-            2,
-            F::GroupWidth,
-            "groups of 2",
-            "groups of 4",
-        ),
-        // The fused collective's two algorithms are one collective.
-        (
-            fused,
-            |p| p.kernel.kind = K::LamportRmsNorm,
-            7,
-            F::Algorithm,
-            "one-stage",
-            "Lamport",
-        ),
-    ];
-    for (p, change, seq, field, mine, theirs) in cases {
-        let got = diff(&p, 7, &with(&p, change), seq);
-        assert_eq!(got, Some((field, mine.to_string(), theirs.to_string())));
+    // Plan `p` at call 7 against `p` changed at call `seq`: the field named, both sides.
+    macro_rules! named {
+        ($p:expr, $seq:expr, |$x:ident| $change:expr => $field:ident, $mine:literal, $theirs:literal) => {
+            let got = diff(&$p, 7, &with(&$p, |$x| $change), $seq);
+            assert_eq!(got, Some((CallField::$field, $mine.into(), $theirs.into())));
+        };
     }
+    use KernelKind as K;
+    named!(base, 7, |p| p.elements = 500 => Length, "1000 elements", "500 elements");
+    named!(base, 7, |p| p.kernel.dtype = DType::BF16 => DType, "f32", "bf16");
+    named!(base, 7, |p| p.width = 4 => GroupWidth, "groups of 2", "groups of 4");
+    named!(base, 7, |p| p.dims.blocks = 8 => Blocks, "16 blocks", "8 blocks");
+    named!(base, 7, |p| p.kernel.kind = K::Lamport => Algorithm, "one-stage", "Lamport");
+    named!(base, 7, |p| p.kernel.kind = K::Broadcast => Collective, "all-reduce", "broadcast");
+    named!(base, 8, |p| p.elements = 1000 => Sequence, "call 8", "call 9");
+    // Another width with another barrier domain's count: the width is named.
+    named!(base, 2, |p| p.width = 4 => GroupWidth, "groups of 2", "groups of 4");
+    // The fused collective's two algorithms are one collective.
+    named!(fused, 7, |p| p.kernel.kind = K::LamportRmsNorm => Algorithm, "one-stage", "Lamport");
+    use CallField as F;
     let longer = with(&lamport, |p| p.elements = 8 * 4096);
     assert_eq!(diff(&lamport, 3, &longer, 3).map(|d| d.0), Some(F::Length));
     // Element counts past 2^31 keep their high bits.

@@ -8,19 +8,9 @@ use std::{sync::atomic::AtomicBool, sync::atomic::Ordering, time::Duration};
 use crate::backend::Backend;
 #[cfg(feature = "fault-injection")]
 use crate::backend::{Kernel, KernelKind, LaunchDims};
-use crate::comm::core::Endpoint;
+use crate::comm::core::launch::Endpoint;
 #[cfg(feature = "fault-injection")]
 use crate::{dtype::DType, error::Result, signal::AllReduceArgs};
-
-/// A rank's pending faults.
-#[cfg(feature = "fault-injection")]
-#[derive(Default)]
-pub(crate) struct Faults {
-    /// The next launch publishes the sequence number one ahead.
-    skew_next: AtomicBool,
-    /// The next launch is left out (counted as made).
-    missing: AtomicBool,
-}
 
 /// Clears `flag`, returning whether it was set (a plain load first: the common path
 /// writes nothing).

@@ -1,20 +1,13 @@
-//! The batched all-reduce ([`KernelKind::AllReduceGroup`]): planning a batch and
-//! launching it on one rank, for the group calls of both front doors.
+//! The batched all-reduce ([`KernelKind::AllReduceGroup`]): 1 to [`MAX_GROUP_CALLS`] sum
+//! all-reduces of one dtype and width as one kernel, planned and launched on one rank.
+//! Staged entries follow the entry table ([`GROUP_HEADER_BYTES`]) in the payload, in
+//! whole packs.
 //!
-//! A batch runs 1 to [`MAX_GROUP_CALLS`] sum all-reduces of one dtype and width as one
-//! kernel with one start and one end barrier. Entry s sits in the payload at
-//! `offset_s`: entry 0 after the entry table ([`GROUP_HEADER_BYTES`]), each next one after
-//! the previous in whole packs. A staged batch wider than one needs table and entries to
-//! fit `payload_bytes`; the single controller's out-of-place batches read every input in
-//! place, with no table. The grid follows the entries' packs.
-//!
-//! The call descriptor is entry 0's, its root field holding `count - 1`. Later lengths
-//! do not fit it: each rank writes its entry table (count, then each length as two
-//! 32-bit halves) into its payload while it stages, and after the Publish barrier every
-//! block compares every peer's table with its own before storing anything. On a
-//! difference each rank records [`Error::CallMismatch`] (`CallField::Length`) and
-//! abandons as on a barrier mismatch, waiting until its peers have compared too, so no
-//! payload is reused while a peer still reads its table.
+//! The descriptor is entry 0's with `count - 1` as its root. The later lengths travel in
+//! each rank's entry table, which every block compares with its peers' after the Publish
+//! barrier, before storing anything; a difference is [`Error::CallMismatch`]
+//! (`CallField::Length`), abandoned only once the peers have compared too, so no payload
+//! is reused while a peer still reads its table.
 
 use crate::backend::{Backend, Kernel, KernelKind};
 use crate::dispatch::{self, Algorithm};
@@ -90,7 +83,7 @@ impl Settings {
         let (kernel, dims) = (Kernel { kind, dtype }, self.dims(blocks));
         Ok(GroupPlan {
             plan: Plan {
-                stage_input: staged,
+                stage_input: staged.into(),
                 collective: CollectiveArgs {
                     root: (count - 1) as u32,
                     ..CollectiveArgs::default()
@@ -121,15 +114,14 @@ impl<B: Backend> Rank<B> {
             )));
         }
         let plan = &group.plan;
-        let in_place = plan.width > 1 && !plan.stage_input;
+        let in_place = plan.width > 1 && plan.stage_input == 0;
         if in_place && io.iter().any(|(i, _)| matches!(i, PeerInputs::Own(_))) {
             return Err(Error::Unsupported(
                 "a batch read in place needs every member's input".into(),
             ));
         }
         let e = &self.endpoint;
-        let Some((mut all, base)) = e.prologue(&self.settings, plan, plan.stage_input as u32)
-        else {
+        let Some((mut all, base)) = e.prologue(&self.settings, plan) else {
             return Ok(());
         };
         all.num_elements = group.total_elements as u64;
@@ -304,13 +296,13 @@ mod tests {
         assert_eq!(big.plan.elements, (1 << 33) + 5);
         // The table and the entries fill the payload exactly; one pack more does not fit.
         let fill = ((64 << 10) - GROUP_HEADER_BYTES) / 4;
-        assert!(plan(&[fill - 4, 4], 0, true).unwrap().plan.stage_input);
+        assert_eq!(plan(&[fill - 4, 4], 0, true).unwrap().plan.stage_input, 1);
         match plan(&[fill - 4, 5], 0, true) {
             Err(Error::MessageTooLarge { needed, .. }) => assert_eq!(needed, (64 << 10) + 16),
             other => panic!("{:?}", other.map(|g| g.count)),
         }
         // A group of one stages nothing, nor does a batch read in place.
         assert!(plan(&[fill, 5], 1, true).is_ok());
-        assert!(!plan(&[fill, 5], 0, false).unwrap().plan.stage_input);
+        assert_eq!(plan(&[fill, 5], 0, false).unwrap().plan.stage_input, 0);
     }
 }

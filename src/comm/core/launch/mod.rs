@@ -1,19 +1,44 @@
-//! Launching: the one place where kernel arguments are built and kernels enqueued.
+//! Launching: a rank's endpoint, and the one place where kernel arguments are built and
+//! kernels enqueued.
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicU64, Ordering};
 
-use crate::backend::{Backend, KernelKind};
+use crate::backend::Backend;
 use crate::error::Result;
-use crate::signal::{barrier_domain, AllReduceArgs, MAX_GPUS, PACK_BYTES};
+use crate::signal::{barrier_domain, AllReduceArgs, MAX_GPUS, NUM_BARRIER_DOMAINS};
 
 use crate::comm::core::call;
-use crate::comm::core::planning::{staging, Plan};
+use crate::comm::core::planning::Plan;
 use crate::comm::core::settings::Settings;
-use crate::comm::core::{Endpoint, Rank};
 
 pub(crate) mod fault;
 pub(crate) mod group;
 pub(crate) mod status;
+
+/// Where one rank is: device and stream, signal, its peers' signals, its call counts.
+pub(crate) struct Endpoint<B: Backend> {
+    /// Rank in its peer-memory group (the world, or its host's ranks).
+    pub(crate) index: usize,
+    pub(crate) device: B::Device,
+    pub(crate) signal: B::Memory,
+    /// `peer_signals[j]`: where this rank reaches group rank j's signal.
+    pub(crate) peer_signals: [u64; MAX_GPUS],
+    /// Launches per barrier domain since the signal was initialised (the descriptor's
+    /// sequence number).
+    pub(crate) calls: [AtomicU64; NUM_BARRIER_DOMAINS],
+    #[cfg(feature = "fault-injection")]
+    faults: Faults,
+}
+
+/// A rank's pending faults (`launch::fault`).
+#[cfg(feature = "fault-injection")]
+#[derive(Default)]
+struct Faults {
+    /// The next launch publishes the sequence number one ahead.
+    skew_next: std::sync::atomic::AtomicBool,
+    /// The next launch is left out (counted as made).
+    missing: std::sync::atomic::AtomicBool,
+}
 
 /// Where the peers read each rank's input.
 #[derive(Clone, Copy)]
@@ -31,54 +56,26 @@ pub(crate) struct Fused {
     pub(crate) weight: u64,
 }
 
-impl Settings {
-    /// The kernels' `stage_input` word for `plan`: 0 where nothing is staged, else how
-    /// the kernel goes through the payload (the rule the planner checked).
-    pub(crate) fn stage_word(&self, plan: &Plan) -> Result<u32> {
-        if !plan.stage_input {
-            return Ok(0);
-        }
-        let (kind, dtype) = (plan.kernel.kind, plan.kernel.dtype);
-        let payload = self.layout.payload_bytes;
-        let word = if kind == KernelKind::OneStage {
-            let packs = plan.elements.div_ceil(dtype.lanes());
-            staging::all_reduce(packs, payload).ok_or((packs * PACK_BYTES).min(2 * PACK_BYTES))
-        } else {
-            let hidden = plan.collective.hidden as usize;
-            staging::collective(kind, dtype, plan.elements, plan.width, hidden, payload)
-        };
-        word.map_err(|needed| self.payload_too_large(kind, needed))
-    }
-}
-
-impl<B: Backend> Rank<B> {
-    /// Enqueues this rank's kernel of `plan` from `inputs` into `output`.
-    pub(crate) fn launch(&self, plan: &Plan, inputs: PeerInputs<'_>, output: u64) -> Result<()> {
-        self.launch_fused(plan, inputs, output, Fused::default())
-    }
-
-    /// As [`Rank::launch`], for the fused all-reduce + RMSNorm.
-    pub(crate) fn launch_fused(
-        &self,
-        plan: &Plan,
-        inputs: PeerInputs<'_>,
-        output: u64,
-        fused: Fused,
-    ) -> Result<()> {
-        self.endpoint
-            .launch(&self.settings, plan, inputs, output, fused)
-    }
-
-    /// Counts a call of `plan` this rank does not launch (a single-controller launch on
-    /// some ranks only), so every rank's call sequence stays the same.
-    pub(crate) fn count_call(&self, plan: &Plan) {
-        let domain = barrier_domain(plan.width, self.settings.world);
-        self.endpoint.next_call(domain);
-    }
-}
-
 impl<B: Backend> Endpoint<B> {
-    /// Enqueues this rank's kernel of `plan`: the one place kernel arguments are built.
+    /// A rank at `index` of its group, reaching its group's signals at `peer_signals`.
+    pub(crate) fn new(
+        index: usize,
+        device: B::Device,
+        signal: B::Memory,
+        peer_signals: [u64; MAX_GPUS],
+    ) -> Self {
+        Endpoint {
+            index,
+            device,
+            signal,
+            peer_signals,
+            calls: Default::default(),
+            #[cfg(feature = "fault-injection")]
+            faults: Default::default(),
+        }
+    }
+
+    /// Enqueues this rank's kernel of `plan` from `inputs` into `output`.
     pub(crate) fn launch(
         &self,
         settings: &Settings,
@@ -87,9 +84,7 @@ impl<B: Backend> Endpoint<B> {
         output: u64,
         fused: Fused,
     ) -> Result<()> {
-        // Before the call is counted: a plan the payload cannot take launches nothing.
-        let stage_input = settings.stage_word(plan)?;
-        let Some((mut args, base)) = self.prologue(settings, plan, stage_input) else {
+        let Some((mut args, base)) = self.prologue(settings, plan) else {
             return Ok(());
         };
         let (r, c) = (self.index, plan.collective);
@@ -100,7 +95,7 @@ impl<B: Backend> Endpoint<B> {
         args.output = output;
         (args.root, args.hidden, args.epsilon) = (c.root, c.hidden, c.epsilon);
         (args.residual, args.weight) = (fused.residual, fused.weight);
-        if !plan.stage_input {
+        if plan.stage_input == 0 {
             for k in 0..plan.width {
                 args.inputs[k] = match inputs {
                     PeerInputs::InPlace(all) => all[base + k],
@@ -118,16 +113,10 @@ impl<B: Backend> Endpoint<B> {
         }
     }
 
-    /// What every launch does first: counts the call in its barrier domain and builds
-    /// the shared arguments (descriptor, group, signals, payloads; staged inputs read
-    /// from the payloads), returned with the group's first world rank. `None` where fault
-    /// injection leaves the launch out (counted as made: a late rank, not a skipped call).
-    fn prologue(
-        &self,
-        settings: &Settings,
-        plan: &Plan,
-        stage_input: u32,
-    ) -> Option<(AllReduceArgs, usize)> {
+    /// Counts the call in its barrier domain and builds the shared arguments (staged
+    /// inputs read from the payloads), with the group's first world rank. `None` where
+    /// fault injection leaves the launch out (counted: a late rank, not a skipped call).
+    fn prologue(&self, settings: &Settings, plan: &Plan) -> Option<(AllReduceArgs, usize)> {
         let (r, width) = (self.index, plan.width);
         let domain = barrier_domain(width, settings.world);
         let seq = self.next_call(domain);
@@ -145,7 +134,7 @@ impl<B: Backend> Endpoint<B> {
             group_width: width as u32,
             domain: domain as u32,
             world_rank: r as u32,
-            stage_input,
+            stage_input: plan.stage_input,
             call: call::encode(plan, seq),
             ..Default::default()
         };
@@ -153,7 +142,7 @@ impl<B: Backend> Endpoint<B> {
             let signal = self.peer_signals[base + k];
             args.signals[k] = signal;
             args.payloads[k] = signal + payload_off;
-            if plan.stage_input {
+            if plan.stage_input != 0 {
                 args.inputs[k] = signal + payload_off;
             }
         }

@@ -7,7 +7,8 @@ use crate::signal::{
     ERROR_CALL_MISMATCH, ERROR_CODE, ERROR_DOMAIN, ERROR_PEER_ABORTED, ERROR_RANK, ERROR_WRITING,
 };
 
-use crate::comm::core::{call, Endpoint};
+use crate::comm::core::call;
+use crate::comm::core::launch::Endpoint;
 
 /// Words of an error record: `error_state`, then `error_detail` (adjacent).
 const RECORD_WORDS: usize = DETAIL + DETAIL_WORDS;

@@ -125,12 +125,12 @@ impl Settings {
                 0
             }
         };
-        if staged {
-            let payload = self.layout.payload_bytes;
-            let hidden = extra.hidden as usize;
-            staging::collective(kind, dtype, elements, width, hidden, payload)
-                .map_err(|needed| self.payload_too_large(kind, needed))?;
-        }
+        let (hidden, payload) = (extra.hidden as usize, self.layout.payload_bytes);
+        let stage_input = match staged {
+            true => staging::collective(kind, dtype, elements, width, hidden, payload)
+                .map_err(|needed| self.payload_too_large(kind, needed))?,
+            false => 0,
+        };
         // One row per block for the fused kernel.
         let blocks = self.blocks(options.blocks, || match which {
             Collective::AllReduceRmsNorm { hidden, .. } => {
@@ -140,13 +140,12 @@ impl Settings {
         })?;
         let dims = self.dims(blocks);
         Ok(Plan {
-            stage_input: staged,
+            stage_input,
             collective: extra,
             ..Plan::new(Kernel { kind, dtype }, algorithm, width, elements, dims)
         })
     }
 
-    /// The algorithm a collective call runsimpl Settings {
     /// The algorithm a collective call runs: the fused call chooses between one-stage
     /// and Lamport (its shape checked first), the others run one-stage.
     fn collective_algorithm(
@@ -246,6 +245,21 @@ mod tests {
             .group_size(group_size)
     }
 
+    /// The plan of a fused call of `tokens` rows of `hidden` bf16 elements.
+    fn fused(
+        s: &Settings,
+        tokens: usize,
+        hidden: usize,
+        o: CollectiveOptions,
+        reads: PeerReads,
+    ) -> Result<Plan> {
+        let which = Collective::AllReduceRmsNorm {
+            hidden,
+            epsilon: 1e-5,
+        };
+        s.collective_plan(which, DType::BF16, tokens * hidden, &o, reads)
+    }
+
     /// Auto runs the Lamport fused kernel over the whole world where the slot holds the
     /// message and its header, else one-stage; forced algorithms are honoured or
     /// refused with a typed error; the grid and the scratch are the one-stage ones.
@@ -253,27 +267,21 @@ mod tests {
     fn the_fused_call_chooses_lamport_where_it_fits() {
         let s = settings(4);
         for reads in [PeerReads::UserBuffers, PeerReads::Payloads] {
-            let fused = |tokens: usize, hidden: usize, o: CollectiveOptions| {
-                let which = Collective::AllReduceRmsNorm {
-                    hidden,
-                    epsilon: 1e-5,
-                };
-                s.collective_plan(which, DType::BF16, tokens * hidden, &o, reads)
-            };
             // 1 MiB slots: 63 tokens of 8192 bf16 and the header fit, 64 do not.
             for tokens in [1, 8, 32, 63] {
-                let p = fused(tokens, 8192, opts(Auto, 0)).unwrap();
+                let p = fused(&s, tokens, 8192, opts(Auto, 0), reads).unwrap();
                 assert_eq!((p.kernel.kind, p.algorithm), (LamportRmsNorm, Lamport));
-                assert!(!p.stage_input, "Lamport stages nothing");
-                let one = fused(tokens, 8192, opts(OneStage, 0)).unwrap();
+                assert_eq!(p.stage_input, 0, "Lamport stages nothing");
+                let one = fused(&s, tokens, 8192, opts(OneStage, 0), reads).unwrap();
                 assert_eq!(
                     (one.kernel.kind, one.algorithm),
                     (AllReduceRmsNorm, OneStage)
                 );
-                assert_eq!(one.stage_input, reads == PeerReads::Payloads);
+                assert_eq!(one.stage_input != 0, reads == PeerReads::Payloads);
                 assert_eq!(p.dims, one.dims, "one row per block either way");
             }
-            let kind = |tokens, hidden, o| fused(tokens, hidden, o).map(|p| p.kernel.kind);
+            let kind =
+                |tokens, hidden, o| fused(&s, tokens, hidden, o, reads).map(|p| p.kernel.kind);
             // Past the slot, in a subgroup (2 of 4), and in a group of one: one-stage.
             for (tokens, hidden, o) in [
                 (64, 8192, opts(Auto, 0)),
@@ -310,28 +318,13 @@ mod tests {
             );
         }
         // A world of one: one-stage.
-        let which = Collective::AllReduceRmsNorm {
-            hidden: 4096,
-            epsilon: 1e-5,
-        };
-        let p = settings(1).collective_plan(
-            which,
-            DType::BF16,
-            8 * 4096,
-            &opts(Auto, 0),
-            PeerReads::Payloads,
-        );
+        let p = fused(&settings(1), 8, 4096, opts(Auto, 0), PeerReads::Payloads);
         assert_eq!(p.unwrap().kernel.kind, AllReduceRmsNorm);
         // The other collectives: Auto or OneStage.
-        let other = |which, algorithm| {
-            s.collective_plan(
-                which,
-                DType::F32,
-                100,
-                &opts(algorithm, 0),
-                PeerReads::UserBuffers,
-            )
-            .map(|p| p.kernel.kind)
+        let other = |which, a| {
+            let reads = PeerReads::UserBuffers;
+            s.collective_plan(which, DType::F32, 100, &opts(a, 0), reads)
+                .map(|p| p.kernel.kind)
         };
         for a in [Auto, OneStage] {
             assert_eq!(other(Collective::AllGather, a), Ok(KernelKind::AllGather));

@@ -41,7 +41,9 @@ pub(crate) struct Plan {
     pub(crate) algorithm: Algorithm,
     pub(crate) width: usize,
     pub(crate) elements: usize,
-    pub(crate) stage_input: bool,
+    /// The kernels' `stage_input` word: 0 where nothing is staged, else how the kernel
+    /// goes through the payload (`staging`).
+    pub(crate) stage_input: u32,
     pub(crate) dims: LaunchDims,
     /// Launch with programmatic dependent launch where the backend has it.
     pub(crate) overlap_previous: bool,
@@ -66,7 +68,7 @@ impl Plan {
             algorithm,
             width,
             elements,
-            stage_input: false,
+            stage_input: 0,
             dims,
             overlap_previous: false,
             collective: CollectiveArgs::default(),
@@ -154,10 +156,8 @@ impl Settings {
             Algorithm::OneStage => !stages || width == 1 || padded <= payload,
             Algorithm::Auto | Algorithm::Nccl | Algorithm::Hierarchical => true,
         };
-        let fits = |a: Algorithm| {
-            fits_whole(a)
-                || (a == Algorithm::OneStage && staging::all_reduce(packs, payload).is_some())
-        };
+        let word = staging::all_reduce(packs, payload);
+        let fits = |a: Algorithm| fits_whole(a) || (a == Algorithm::OneStage && word.is_some());
         let lamport_allowed = self.lamport_allowed(width);
         let algorithm = match options.algorithm {
             Algorithm::Auto => {
@@ -217,8 +217,8 @@ impl Settings {
             });
         }
         let kind = algorithm.kernel_kind().expect("concrete algorithm");
-        // A group of one waits for no one.
-        let stage_input = stages && kind == KernelKind::OneStage && width > 1;
+        // A group of one waits for no one. A staged one-stage plan fits, so has a word.
+        let staged = stages && kind == KernelKind::OneStage && width > 1;
         // The grid follows the remote traffic: each pack comes from width - 1 peers, so
         // each multiprocessor moves what it moves at width 2 (until every SM has one).
         let work_packs = match kind {
@@ -230,7 +230,7 @@ impl Settings {
             dispatch::blocks_for(work_packs, self.config.threads_per_block, self.max_blocks)
         })?;
         Ok(Plan {
-            stage_input,
+            stage_input: word.filter(|_| staged).unwrap_or(0),
             overlap_previous: options.overlap_previous,
             ..Plan::new(
                 Kernel { kind, dtype },
@@ -312,19 +312,17 @@ mod tests {
         for (reads, in_place) in [(Payloads, false), (Payloads, true), (UserBuffers, true)] {
             for (elements, word) in [(1024, STAGE_WHOLE), (1025, 128), (1 << 20, 128)] {
                 let p = s.plan(DType::F32, elements, &one, in_place, reads).unwrap();
-                assert_eq!((p.algorithm, p.stage_input), (OneStage, true));
                 let what = format!("{elements} {reads:?} {in_place}");
-                assert_eq!(s.stage_word(&p), Ok(word), "{what}");
+                assert_eq!((p.algorithm, p.stage_input), (OneStage, word), "{what}");
             }
         }
         // Out of place in one process nothing is staged.
-        assert_eq!(s.stage_word(&plan(&s, 1 << 20, OneStage, false)), Ok(0));
+        assert_eq!(plan(&s, 1 << 20, OneStage, false).stage_input, 0);
         // Auto in place in one process: two-stage's partition fits whole, so it wins
         // over chunks; past it, one-stage in chunks.
         assert_eq!(plan(&s, 2048, Auto, true).algorithm, TwoStage);
         let p = plan(&s, 4096, Auto, true);
-        assert_eq!(p.algorithm, OneStage);
-        assert_eq!(s.stage_word(&p), Ok(128));
+        assert_eq!((p.algorithm, p.stage_input), (OneStage, 128));
         // A half of no pack.
         let tiny = Settings::new(config(16), "sm_90".into(), 132, 2).unwrap();
         match tiny.plan(DType::F32, 8, &one, false, Payloads) {
@@ -360,7 +358,7 @@ mod tests {
                                 .unwrap();
                             let what = format!("{arch}, world {world}, {elements} x {dtype:?}");
                             assert_eq!(plan.algorithm, OneStage, "{what}, {algorithm:?}");
-                            assert!(!plan.stage_input, "a group of one copies directly");
+                            assert_eq!(plan.stage_input, 0, "a group of one copies directly");
                         }
                     }
                 }

@@ -6,7 +6,7 @@ use crate::dispatch::Algorithm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-use crate::comm::core::launch::PeerInputs;
+use crate::comm::core::launch::{Fused, PeerInputs};
 use crate::comm::core::planning::PeerReads;
 use crate::comm::core::routing::{Path, RouteError};
 use crate::comm::core::Rank;
@@ -55,7 +55,7 @@ impl<B: Backend> Rank<B> {
                 let (lo, hi) = slice(elements, settings.world, self.endpoint.index);
                 let size = dtype.size() as u64;
                 // (a) the host's sum, over peer memory.
-                self.launch(&first, PeerInputs::Own(input), output)
+                self.launch(&first, PeerInputs::Own(input), output, Fused::default())
                     .map_err(RouteError::Launched)?;
                 // (b) this rank's slice across hosts, in the external library.
                 let step = || -> Result<()> {
@@ -68,7 +68,7 @@ impl<B: Backend> Rank<B> {
                     // the peer sum copies each slice bit for bit (x + -0.0 == x).
                     fill_negative_zero::<B>(dev, output, 0, lo, dtype)?;
                     fill_negative_zero::<B>(dev, output, hi, elements, dtype)?;
-                    self.launch(&gather, PeerInputs::Own(output), output)
+                    self.launch(&gather, PeerInputs::Own(output), output, Fused::default())
                 };
                 step().map_err(RouteError::Launched)?;
                 Ok(Algorithm::Hierarchical)

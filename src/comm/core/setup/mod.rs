@@ -11,10 +11,10 @@ use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
 use crate::{backend::signal_init::init_signal_buffer_with_counter_base, SignalLayout};
 
+use crate::comm::core::launch::Endpoint;
 use crate::comm::core::settings::Settings;
 use crate::comm::core::setup::record::*;
 use crate::comm::core::setup::unavailable::*;
-use crate::comm::core::Endpoint;
 use crate::comm::CommConfig;
 
 /// Where the ranks being set up run.

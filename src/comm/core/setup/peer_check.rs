@@ -9,10 +9,9 @@ use crate::dispatch::Algorithm;
 use crate::dtype::DType;
 use crate::error::{Error, Result};
 
-use crate::comm::core::launch::{Fused, PeerInputs};
+use crate::comm::core::launch::{Endpoint, Fused, PeerInputs};
 use crate::comm::core::planning::PeerReads;
 use crate::comm::core::settings::Settings;
-use crate::comm::core::Endpoint;
 use crate::comm::AllReduceOptions;
 
 /// Elements of the check: a vector loop and a scalar tail.
