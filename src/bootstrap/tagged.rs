@@ -1,13 +1,11 @@
-//! Tagged exchanges: every all-gather of a communicator carries the kind of call it
-//! belongs to and a sequence number, and every rank checks every gathered record, so a
-//! registration meeting a peer's teardown is [`BootstrapError::ExchangeMismatch`] on
-//! every rank instead of one rank freeing memory the other's kernels still write.
+//! Tagged exchanges: every all-gather of a communicator carries its kind of call and a
+//! sequence number, checked on every rank, so a registration meeting a peer's teardown is
+//! [`BootstrapError::ExchangeMismatch`] everywhere instead of freed memory still written.
 //!
-//! Header: [`MAGIC`], the kind byte, the sequence number (`u64` LE) of the all-gather. The
-//! lock is held for the whole all-gather, so two threads of one rank number theirs in
-//! order. The number moves on by one after a match or a store error (a late record of a
-//! failed all-gather is a mismatch next time), and to the highest gathered plus one after
-//! a mismatch (every rank saw the same records, so ranks stay in step).
+//! Header: [`MAGIC`], the kind byte, the sequence number (`u64` LE). The lock is held for
+//! the whole all-gather, so a rank's threads number theirs in order. The number moves on by
+//! one after a match or a store error (a late record of a failed all-gather mismatches next
+//! time), and past the highest gathered after a mismatch (every rank saw the same records).
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;

@@ -10,8 +10,12 @@ use std::net::{Ipv4Addr, SocketAddr, TcpStream};
 use std::thread;
 use std::time::{Duration, Instant};
 
-/// Asserts that `$e` matches the pattern (a guard may follow), printing `$e` if not.
+/// Asserts that `$e` matches the pattern (a guard may follow), printing `$e` if not; `=>`
+/// in place of the comma keeps rustfmt from spreading the call over lines.
 macro_rules! assert_is {
+    ($e:expr => $p:pat $(if $g:expr)?) => {
+        assert_is!($e, $p $(if $g)?)
+    };
     ($e:expr, $p:pat $(if $g:expr)?) => {
         match &$e {
             e => assert!(matches!(e, $p $(if $g)?), "{e:?}"),

@@ -113,24 +113,14 @@ fn a_connection_claiming_rank_zero_is_a_duplicate() {
     assert_eq!(e, BootstrapError::DuplicateRank { rank: 0 });
     let (kind, body) = raw_read(&mut fake);
     assert_eq!(kind, KIND_ERROR);
-    assert_is!(
-        decode_error(0, &body),
-        BootstrapError::PeerFailed { rank: 0, .. }
-    );
+    assert_is!(decode_error(0, &body) => BootstrapError::PeerFailed { rank: 0, .. });
 }
 
 #[test]
 fn world_size_mismatch_fails_both_sides() {
     let id = loopback_id();
     let got = run(&[0, 1], |r| connect(&id, r, 3 + r, LONG).unwrap_err());
-    assert_eq!(
-        got[0],
-        BootstrapError::WorldSizeMismatch {
-            expected: 3,
-            got: 4,
-            rank: 1
-        }
-    );
+    assert_is!(got[0] => BootstrapError::WorldSizeMismatch { expected: 3, got: 4, rank: 1 });
     let says = |m: &str| m.contains("world size 4");
     assert_is!(got[1], BootstrapError::PeerFailed { rank: 0, message } if says(message));
 }

@@ -144,10 +144,7 @@ fn a_rank_missing_from_an_all_gather_is_named() {
     assert_is!(got[0], Timeout { waiting_for, .. } if *waiting_for == [2]);
     assert_is!(got[1], PeerFailed { rank: 0, message } if message.contains("[2]"));
     // Rank 2 comes late and learns why at once.
-    assert_is!(
-        got[2],
-        PeerFailed { rank: 0, .. } | ConnectionClosed { rank: 0, .. }
-    );
+    assert_is!(got[2] => PeerFailed { rank: 0, .. } | ConnectionClosed { rank: 0, .. });
 }
 
 #[test]

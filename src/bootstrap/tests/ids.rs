@@ -81,10 +81,7 @@ fn addresses_are_parsed_and_unspecified_ones_refused() {
         "10.0.0.5:99999",
         "no such host!",
     ] {
-        assert_is!(
-            parse_bootstrap_addr(bad),
-            Err(BootstrapError::InvalidAddress { .. })
-        );
+        assert_is!(parse_bootstrap_addr(bad) => Err(BootstrapError::InvalidAddress { .. }));
     }
     let unspecified = UniqueId::bind("0.0.0.0:0".parse().unwrap());
     assert_is!(unspecified, Err(BootstrapError::InvalidAddress { .. }));
@@ -106,17 +103,8 @@ fn local_argument_errors_need_no_network() {
     let id = loopback_id();
     id.release();
     use BootstrapError::{HostIdTooLong, InvalidWorldSize, RankOutOfRange};
-    assert_is!(
-        connect(&id, 2, 2, SHORT),
-        Err(RankOutOfRange {
-            rank: 2,
-            world_size: 2
-        })
-    );
-    assert_is!(
-        connect(&id, 0, 0, SHORT),
-        Err(InvalidWorldSize { world_size: 0, .. })
-    );
+    assert_is!(connect(&id, 2, 2, SHORT) => Err(RankOutOfRange { rank: 2, world_size: 2 }));
+    assert_is!(connect(&id, 0, 0, SHORT) => Err(InvalidWorldSize { world_size: 0, .. }));
     let long = HostId::new("h".repeat(MAX_HOST_ID_BYTES + 1));
     let e = TcpBootstrap::connect_with_host(&id, 1, 2, SHORT, long);
     assert_is!(e, Err(HostIdTooLong { .. }));

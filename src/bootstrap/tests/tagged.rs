@@ -50,18 +50,9 @@ fn scripted(
 
 #[test]
 fn matching_records_come_back_without_headers_and_number_the_gathers() {
-    let (ex, sent) = scripted(
-        1,
-        3,
-        vec![
-            Ok(vec![
-                rec(Register, 0, b"zero"),
-                vec![],
-                rec(Register, 0, b""),
-            ]),
-            Ok(vec![rec(Teardown, 1, b""), vec![], rec(Teardown, 1, b"x")]),
-        ],
-    );
+    let register = vec![rec(Register, 0, b"zero"), vec![], rec(Register, 0, b"")];
+    let teardown = vec![rec(Teardown, 1, b""), vec![], rec(Teardown, 1, b"x")];
+    let (ex, sent) = scripted(1, 3, vec![Ok(register), Ok(teardown)]);
     let got = ex.of(Register).all_gather(b"one").unwrap();
     assert_eq!(got, vec![b"zero".to_vec(), b"one".to_vec(), vec![]]);
     let quarter = Duration::from_millis(250);
@@ -102,14 +93,9 @@ fn other_kinds_garbage_and_short_records_are_mismatches() {
 /// continues from the highest number gathered, plus one.
 #[test]
 fn another_sequence_is_a_mismatch_and_the_ranks_continue_from_the_highest() {
-    let (ex, sent) = scripted(
-        0,
-        3,
-        vec![
-            Ok(vec![vec![], rec(Trim, 0, b""), rec(Trim, 4, b"")]),
-            Ok(vec![vec![], rec(Trim, 5, b"a"), rec(Trim, 5, b"b")]),
-        ],
-    );
+    let first = vec![vec![], rec(Trim, 0, b""), rec(Trim, 4, b"")];
+    let second = vec![vec![], rec(Trim, 5, b"a"), rec(Trim, 5, b"b")];
+    let (ex, sent) = scripted(0, 3, vec![Ok(first), Ok(second)]);
     let e = ex.of(Trim).all_gather(b"");
     assert_is!(e, Err(BootstrapError::ExchangeMismatch { rank: 2, got, .. }) if got.contains("#4"));
     let got = ex.of(Trim).all_gather(b"c").unwrap();
@@ -121,9 +107,8 @@ fn another_sequence_is_a_mismatch_and_the_ranks_continue_from_the_highest() {
 /// records for another world size is a protocol error.
 #[test]
 fn store_errors_use_up_a_number_and_wrong_counts_are_refused() {
-    let failed = BootstrapError::Store {
-        message: "down".into(),
-    };
+    let message = "down".into();
+    let failed = BootstrapError::Store { message };
     let rounds = vec![
         Err(failed.clone()),
         Ok(vec![vec![], rec(Reinitialize, 1, b"")]),
@@ -132,10 +117,7 @@ fn store_errors_use_up_a_number_and_wrong_counts_are_refused() {
     let (ex, _) = scripted(0, 2, rounds);
     assert_eq!(ex.of(Reinitialize).barrier(), Err(failed));
     ex.of(Reinitialize).barrier().unwrap();
-    assert_is!(
-        ex.of(Reinitialize).barrier(),
-        Err(BootstrapError::Protocol { .. })
-    );
+    assert_is!(ex.of(Reinitialize).barrier() => Err(BootstrapError::Protocol { .. }));
 }
 
 /// Over the built-in bootstrap: rank 0 tears down while rank 1 registers; both get the
