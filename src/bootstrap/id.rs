@@ -144,11 +144,9 @@ impl UniqueId {
 
 impl fmt::Debug for UniqueId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let hidden = format_args!("<hidden>");
         let mut d = f.debug_struct("UniqueId");
-        d.field("addr", &self.addr)
-            .field("secret", &hidden)
-            .finish()
+        d.field("addr", &self.addr);
+        d.field("secret", &format_args!("<hidden>")).finish()
     }
 }
 

@@ -164,20 +164,18 @@ impl Attempt<'_> {
             return Ok(None);
         };
         let keys = match kind {
-            KIND_CHALLENGE => check_challenge(&body, &self.id.secret, &leaf_nonce)
-                .map_err(|detail| self.unverified(detail.to_string()))?,
-            KIND_ERROR => {
-                return Err(self.unverified(format!(
-                    "it sent an error frame instead of a challenge: {}",
-                    decode_error(0, &body)
-                )))
+            KIND_CHALLENGE => {
+                check_challenge(&body, &self.id.secret, &leaf_nonce).map_err(Into::into)
             }
-            k => {
-                return Err(self.unverified(format!(
-                    "it sent a frame of kind {k} where rank 0's challenge belongs"
-                )))
-            }
+            KIND_ERROR => Err(format!(
+                "it sent an error frame instead of a challenge: {}",
+                decode_error(0, &body)
+            )),
+            k => Err(format!(
+                "it sent a frame of kind {k} where rank 0's challenge belongs"
+            )),
         };
+        let keys = keys.map_err(|detail| self.unverified(detail))?;
         if !self.send(s, &encode_proof(&keys, rank, world, host), true)? {
             return Ok(None);
         }

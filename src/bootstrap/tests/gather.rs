@@ -177,10 +177,7 @@ fn barrier_within_is_bounded_and_leaves_the_timeout_alone() {
             assert_is!(e, Timeout { waiting_for, after, .. }
                 if waiting_for == &[1 - waiter] && *after == t);
             let bounded = took >= t && took <= t.mul_f64(1.5);
-            assert!(
-                bounded,
-                "rank {waiter}, peer absent: took {took:?} for {t:?}"
-            );
+            assert!(bounded, "rank {waiter}, peer absent: took {took:?}");
         }
     }
     // A world of one has nobody to wait for.

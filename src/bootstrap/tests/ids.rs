@@ -112,10 +112,8 @@ fn local_argument_errors_need_no_network() {
 
 #[test]
 fn host_identity_is_overridable() {
-    assert_eq!(
-        host_identity_from(Some(" node-a ".into())).as_str(),
-        "node-a"
-    );
+    let node = host_identity_from(Some(" node-a ".into()));
+    assert_eq!(node.as_str(), "node-a");
     let system = host_identity_from(None);
     assert_eq!(host_identity_from(Some("  ".into())), system);
     assert!(!system.as_str().is_empty() && system.as_str().len() <= MAX_HOST_ID_BYTES);

@@ -56,18 +56,16 @@ fn fd_exhaustion_does_not_end_rank_zero() {
     });
     let mut seen = Vec::new();
     let id: UniqueId = loop {
-        match lines.recv_timeout(Duration::from_secs(20)) {
-            Ok(line) => {
-                if let Some(rest) = line.split("FD_CHILD_ID ").nth(1) {
-                    break rest.trim().parse().unwrap();
-                }
-                seen.push(line);
-            }
-            Err(e) => {
+        let line = lines
+            .recv_timeout(Duration::from_secs(20))
+            .unwrap_or_else(|e| {
                 let _ = child.kill();
                 let _ = child.wait();
                 panic!("the child printed no id ({e:?}): {seen:?}");
-            }
+            });
+        match line.split("FD_CHILD_ID ").nth(1) {
+            Some(rest) => break rest.trim().parse().unwrap(),
+            None => seen.push(line),
         }
     };
     // More idle connections than the child has descriptors left.

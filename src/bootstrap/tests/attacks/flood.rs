@@ -93,10 +93,8 @@ fn half_headers_are_closed_after_the_hello_deadline() {
             let got = read_all_until(c, Duration::from_secs(5));
             assert!(got.is_empty(), "{h:?}: rank 0 answered {got:?}");
             let took = start.elapsed();
-            assert!(
-                took < Duration::from_secs(5),
-                "{h:?}: rank 0 still held a half-sent connection after {took:?}"
-            );
+            let held = "rank 0 still held a half-sent connection after";
+            assert!(took < Duration::from_secs(5), "{h:?}: {held} {took:?}");
         }
         // Rank 2 comes now; the handshake completes.
         let leaf2 = connect(&id, 2, 3, long).map(|b| b.all_gather(b"2"));
