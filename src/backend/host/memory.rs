@@ -52,15 +52,6 @@ pub(super) enum Storage {
     Shared(shm::SharedFile),
 }
 
-impl Storage {
-    fn addr(&self) -> u64 {
-        match self {
-            Storage::Heap(b) => b.ptr.as_ptr() as u64,
-            Storage::Shared(f) => f.addr(),
-        }
-    }
-}
-
 /// An allocation in a host arena, 256-byte aligned and zero-filled (heap, or a shared
 /// memory file). Freed in stream order, as `cuMemFreeAsync`: after every kernel already
 /// enqueued on its device (whose barriers span the peers' reads of it).
@@ -83,7 +74,10 @@ impl HostMemory {
         })
     }
     pub(super) fn addr(&self) -> u64 {
-        self.storage.get().addr()
+        match self.storage.get() {
+            Storage::Heap(b) => b.ptr.as_ptr() as u64,
+            Storage::Shared(f) => f.addr(),
+        }
     }
 }
 
