@@ -9,7 +9,8 @@ use std::net::TcpListener;
 fn the_handshake_is_bounded_by_its_timeout() {
     let t = Duration::from_secs(2);
     // Each case runs one side on a fresh id and returns its error.
-    let cases: [(&str, fn(&UniqueId, Duration) -> BootstrapError); 6] = [
+    type Case = fn(&UniqueId, Duration) -> BootstrapError;
+    let cases: [(&str, Case); 6] = [
         ("leaf, nothing listening", |id, t| {
             id.release();
             connect(id, 1, 2, t).unwrap_err()
