@@ -6,12 +6,7 @@ mod common;
 mod per_rank_suite;
 
 use peercomm::backend::host::Host;
-use per_rank_suite::{Placement, Scope};
-
-const HOST: Placement = Placement {
-    devices: peercomm::MAX_GPUS,
-    max_blocks: 2,
-};
+use per_rank_suite::{identity, teardown, Scope, HOST};
 
 per_rank_suite!(
     Host,
@@ -67,14 +62,17 @@ fn unequal_core_counts_agree_on_the_grid() {
 tests! {
     /// CUDA_VISIBLE_DEVICES isolation, simulated: every rank on device 0, each on its own
     /// physical device.
-    isolated_threads_world_2 => per_rank_suite::identity::isolated_threads::<Host>(&HOST, 2);
-    isolated_threads_world_4 => per_rank_suite::identity::isolated_threads::<Host>(&HOST, 4);
-    real_sharing_is_refused => per_rank_suite::identity::real_sharing_is_refused::<Host>(&HOST);
-    allowed_sharing_caps_the_grid =>
-        per_rank_suite::identity::allowed_sharing_caps_the_grid::<Host>(&HOST);
-
+    isolated_threads_world_2 => identity::isolated_threads::<Host>(&HOST, 2);
+    isolated_threads_world_4 => identity::isolated_threads::<Host>(&HOST, 4);
+    real_sharing_is_refused => identity::real_sharing_is_refused::<Host>(&HOST);
+    allowed_sharing_caps_the_grid => identity::allowed_sharing_caps_the_grid::<Host>(&HOST);
     single_controller_uses_identities =>
-        per_rank_suite::identity::single_controller_uses_identities::<Host>(&HOST);
+        identity::single_controller_uses_identities::<Host>(&HOST);
+
+    refuses_bootstrap_timeout_below_barrier_timeout =>
+        teardown::refuses_bootstrap_timeout_below_barrier_timeout::<Host>(&HOST);
+    synchronize_reports_within_twice_barrier_timeout =>
+        teardown::synchronize_reports_within_twice_barrier_timeout::<Host>(&HOST);
 }
 
 /// The host backend's identity is deterministic per ordinal (the same in every process
@@ -91,10 +89,8 @@ fn host_identity_is_stable() {
         assert_eq!(*id, Host::identity(&Host::open(o).unwrap()).unwrap());
         assert_eq!(*id, DeviceIdentity::simulated(o, o));
         assert_eq!(id.pci_bus_id(), Some(format!("0000:{o:02x}:00.0").as_str()));
-        assert_eq!(
-            id.uuid_string().unwrap(),
-            format!("GPU-70656572-636f-6d6d-0000-0000000000{o:02x}")
-        );
+        let uuid = format!("GPU-70656572-636f-6d6d-0000-0000000000{o:02x}");
+        assert_eq!(id.uuid_string().unwrap(), uuid);
         for other in &ids[o + 1..] {
             assert_eq!(id.same_device(other), Some(false));
         }
@@ -116,21 +112,9 @@ fn comm_and_communicator_print_backend_rank_and_world() {
     let id = peercomm::bootstrap::UniqueId::new().unwrap();
     let comm = peercomm::Comm::<Host>::from_rank(Host::open(0).unwrap(), 0, 1, &id, HOST.config(1))
         .unwrap();
-    assert_eq!(
-        format!("{comm:?}"),
-        r#"Comm { backend: "host", rank: 0, world_size: 1, .. }"#
-    );
     let all = peercomm::SingleController::<Host>::new(&[0, 1], HOST.config(2)).unwrap();
-    assert_eq!(
-        format!("{all:?}"),
-        r#"SingleController { backend: "host", world_size: 2, .. }"#
-    );
-}
-
-tests! {
-    refuses_bootstrap_timeout_below_barrier_timeout =>
-        per_rank_suite::teardown::refuses_bootstrap_timeout_below_barrier_timeout::<Host>(&HOST);
-
-    synchronize_reports_within_twice_barrier_timeout =>
-        per_rank_suite::teardown::synchronize_reports_within_twice_barrier_timeout::<Host>(&HOST);
+    let want = r#"Comm { backend: "host", rank: 0, world_size: 1, .. }"#;
+    assert_eq!(format!("{comm:?}"), want);
+    let want = r#"SingleController { backend: "host", world_size: 2, .. }"#;
+    assert_eq!(format!("{all:?}"), want);
 }

@@ -6,13 +6,9 @@ mod per_rank_suite;
 
 use peercomm::backend::host::Host;
 use per_rank_suite::descriptor_channel::{self, Strangers};
-use per_rank_suite::Placement;
+use per_rank_suite::zero_copy::processes as zero_copy;
+use per_rank_suite::HOST;
 use per_rank_suite::{process_faults, processes};
-
-const HOST: Placement = Placement {
-    devices: peercomm::MAX_GPUS,
-    max_blocks: 2,
-};
 
 /// The child processes' entry point (does nothing when run as a normal test).
 #[test]
@@ -57,23 +53,17 @@ tests! {
 
     per_rank_killed_process_gives_a_typed_error =>
         process_faults::killed_process_gives_a_typed_error::<Host>(&HOST);
-
     per_rank_registration_beside_a_killed_peer =>
         process_faults::registration_beside_a_killed_peer::<Host>(&HOST);
-
     per_rank_create_drop_cycles_leak_nothing =>
         process_faults::create_drop_cycles_leak_nothing::<Host>(&HOST, 1000);
 
     /// Zero copy across processes: symmetric inputs read in place through IPC; a heap
     /// buffer cannot be registered across processes.
-    per_rank_zero_copy_processes_world_2 =>
-        per_rank_suite::zero_copy::processes::symmetric_processes::<Host>(&HOST, 2, true);
-
-    per_rank_zero_copy_processes_world_4 =>
-        per_rank_suite::zero_copy::processes::symmetric_processes::<Host>(&HOST, 4, true);
+    per_rank_zero_copy_processes_world_2 => zero_copy::symmetric_processes::<Host>(&HOST, 2, true);
+    per_rank_zero_copy_processes_world_4 => zero_copy::symmetric_processes::<Host>(&HOST, 4, true);
 
     /// Register/alloc cycles and communicators with symmetric buffers, in two processes:
     /// no registration, import, file descriptor or mapping leaks.
-    per_rank_zero_copy_cycles_leak_nothing =>
-        per_rank_suite::zero_copy::processes::cycles_leak_nothing::<Host>(1000, true);
+    per_rank_zero_copy_cycles_leak_nothing => zero_copy::cycles_leak_nothing::<Host>(1000, true);
 }

@@ -3,7 +3,7 @@
 //! that differ between ranks: `CallMismatch` everywhere, nothing written.
 
 use peercomm::backend::{Backend, TypedBuffer};
-use peercomm::{Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, Element};
+use peercomm::{Algorithm, AllReduceOptions, CollectiveOptions, Comm, Element};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
@@ -121,26 +121,15 @@ fn lamport_all_reduce<B: Backend>(n: usize) -> Call<B> {
 /// nothing written; after `reinitialize` a checked fused call works.
 pub fn lamport_fused_mismatch<B: Backend>(place: &Placement, world: usize) {
     let config = agreement::short_waits(place, world);
-    let cases: Vec<Case<B>> = vec![
-        (
-            "Lamport fused, 8 tokens against 1",
-            CallField::Length,
-            fused::<B>(8, Algorithm::Lamport),
-            fused::<B>(1, Algorithm::Lamport),
-        ),
-        (
-            "Lamport fused against one-stage fused (found when the waits give up)",
-            CallField::Algorithm,
-            fused::<B>(8, Algorithm::Lamport),
-            fused::<B>(8, Algorithm::OneStage),
-        ),
-        (
-            "Lamport fused against the Lamport all-reduce",
-            CallField::Collective,
-            fused::<B>(1, Algorithm::Lamport),
-            lamport_all_reduce::<B>(HIDDEN),
-        ),
+    let lamport = |tokens| fused::<B>(tokens, Algorithm::Lamport);
+    let cases: Vec<Case<B>> = cases![
+        "Lamport fused, 8 tokens against 1", Length: lamport(8), lamport(1);
+        "Lamport fused against one-stage fused (found when the waits give up)", Algorithm:
+            lamport(8), fused::<B>(8, Algorithm::OneStage);
+        "Lamport fused against the Lamport all-reduce", Collective:
+            lamport(1), lamport_all_reduce::<B>(HIDDEN);
     ];
+
     // A matching call works again (its new residual checked).
     let again = |comm: &Comm<B>, _: &Call<B>| fused::<B>(2, Algorithm::Auto)(comm).unwrap();
     agreement::every_rank_mismatched(place, world, &config, &cases, again);
@@ -198,19 +187,10 @@ pub fn fused_arguments_mismatch<B: Backend>(place: &Placement, world: usize) {
     let cases: Vec<Case<B>> = [Algorithm::OneStage, Algorithm::Lamport]
         .into_iter()
         .flat_map(|algorithm| {
-            [
-                (
-                    "rows of 64 against rows of 96",
-                    CallField::Hidden,
-                    fused_shaped::<B>(total, 64, 1e-5, algorithm),
-                    fused_shaped::<B>(total, 96, 1e-5, algorithm),
-                ),
-                (
-                    "epsilon 1e-5 against 1e-6",
-                    CallField::Epsilon,
-                    fused_shaped::<B>(total, 64, 1e-5, algorithm),
-                    fused_shaped::<B>(total, 64, 1e-6, algorithm),
-                ),
+            let call = |hidden, epsilon| fused_shaped::<B>(total, hidden, epsilon, algorithm);
+            cases![
+                "rows of 64 against rows of 96", Hidden: call(64, 1e-5), call(96, 1e-5);
+                "epsilon 1e-5 against 1e-6", Epsilon: call(64, 1e-5), call(64, 1e-6);
             ]
         })
         .collect();

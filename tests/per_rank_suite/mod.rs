@@ -29,6 +29,13 @@ macro_rules! rows {
     };
 }
 
+/// Mismatch cases (`agreement::Case`): `what, Field: usual, other;` rows.
+macro_rules! cases {
+    ($($what:expr, $field:ident: $usual:expr, $other:expr;)+) => {
+        vec![$(($what, peercomm::CallField::$field, $usual, $other)),+]
+    };
+}
+
 pub mod agreement;
 pub mod all_reduce;
 pub mod bounds;
@@ -93,6 +100,12 @@ impl Placement {
             })
     }
 }
+
+/// The host backend's placement: a device per rank, 2 blocks per launch.
+pub const HOST: Placement = Placement {
+    devices: peercomm::MAX_GPUS,
+    max_blocks: 2,
+};
 
 pub use common::seed;
 
