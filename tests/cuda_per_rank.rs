@@ -12,13 +12,9 @@ use peercomm::backend::cuda::Cuda;
 use peercomm::backend::Backend;
 use per_rank_suite::capture_graphs as graphs;
 use per_rank_suite::descriptor_channel::{self, Strangers};
-use per_rank_suite::{process_faults, processes};
+use per_rank_suite::{gpu_placement, process_faults, processes, GPU_SCOPE};
 
-per_rank_suite!(
-    Cuda,
-    per_rank_suite::gpu_placement::<Cuda>,
-    per_rank_suite::GPU_SCOPE
-);
+per_rank_suite!(Cuda, gpu_placement::<Cuda>, GPU_SCOPE);
 
 /// The child processes' entry point (does nothing when run as a normal test).
 #[test]
@@ -168,14 +164,8 @@ fn collectives_graph_replays() {
                 comm.reduce_scatter_sum(&wide, &mut part, &o)?;
                 comm.broadcast(Some(&x), &mut bcast, 1, &o)?;
                 comm.scatter(Some(&wide), &mut piece, 0, &o)?;
-                comm.all_reduce_residual_rms_norm(
-                    &partial,
-                    &mut res,
-                    &weight,
-                    &mut normed,
-                    1e-5,
-                    &o,
-                )
+                let (p, w) = (&partial, &weight);
+                comm.all_reduce_residual_rms_norm(p, &mut res, w, &mut normed, 1e-5, &o)
             })
             .unwrap();
         for i in 0..replays {
@@ -190,14 +180,13 @@ fn collectives_graph_replays() {
             Cuda::upload(dev, &partials[rank], &mut partial).unwrap();
             Cuda::upload(dev, &residual, &mut res).unwrap();
             Cuda::upload(dev, &w, &mut weight).unwrap();
-            let outs = [
+            for out in [
                 &mut gathered,
                 &mut part,
                 &mut bcast,
                 &mut piece,
                 &mut normed,
-            ];
-            for out in outs {
+            ] {
                 let len = out.len();
                 Cuda::upload(dev, &vec![bf16::NAN; len], out).unwrap();
             }

@@ -7,9 +7,6 @@ mod common;
 mod per_rank_suite;
 
 use peercomm::backend::hip::Hip;
+use per_rank_suite::{gpu_placement, GPU_SCOPE};
 
-per_rank_suite!(
-    Hip,
-    per_rank_suite::gpu_placement::<Hip>,
-    per_rank_suite::GPU_SCOPE
-);
+per_rank_suite!(Hip, gpu_placement::<Hip>, GPU_SCOPE);

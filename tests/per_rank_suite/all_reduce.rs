@@ -76,12 +76,9 @@ pub fn independent_sibling_groups<B: Backend>(place: &Placement) {
                 .map(|r| processes::input(seed, call, r, len))
                 .collect();
             let got = B::download(dev, &buf).unwrap();
-            common::check_sums(
-                &ins,
-                &vec![got; world],
-                world,
-                &format!("rank {rank} world call {call}"),
-            );
+            let what = format!("rank {rank} world call {call}");
+
+            common::check_sums(&ins, &vec![got; world], world, &what);
         }
     });
 }

@@ -72,6 +72,7 @@ fn outcome<T>(r: std::thread::Result<peercomm::Result<T>>) -> (String, bool) {
             format!("Err({e:?})"),
             matches!(e, Error::SizeOverflow { .. }),
         ),
+
         Err(p) => (
             format!(
                 "panicked: {}",
@@ -169,10 +170,8 @@ pub fn huge_lengths_are_refused<B: Backend>(place: &Placement, world: usize) {
                 _ => false,
             };
             let made = comm.registrations() != before;
-            seen.push((
-                format!("{what} too large on rank 0 only: {r:?}"),
-                refused && !made,
-            ));
+            let line = format!("{what} too large on rank 0 only: {r:?}");
+            seen.push((line, refused && !made));
         }
         for (line, _) in &seen {
             eprintln!("rank {rank}: {line}");
@@ -181,19 +180,14 @@ pub fn huge_lengths_are_refused<B: Backend>(place: &Placement, world: usize) {
         still_works(rank, world, &comm);
         seen
     });
-    let mut failures = Vec::new();
-    for (rank, seen) in outcomes.iter().enumerate() {
-        for (line, refused) in seen {
-            if !refused {
-                failures.push(format!("rank {rank}: {line}"));
-            }
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "not refused with SizeOverflow:\n{}",
-        failures.join("\n")
-    );
+    let failures: Vec<String> = (outcomes.iter().enumerate())
+        .flat_map(|(rank, seen)| seen.iter().map(move |(line, ok)| (rank, line, ok)))
+        .filter(|(_, _, ok)| !**ok)
+        .map(|(rank, line, _)| format!("rank {rank}: {line}"))
+        .collect();
+
+    let (none, failures) = (failures.is_empty(), failures.join("\n"));
+    assert!(none, "not refused with SizeOverflow:\n{failures}");
 }
 
 /// Every collective with a buffer whose length overflows is `SizeOverflow` on every

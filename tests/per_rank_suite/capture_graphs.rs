@@ -277,12 +277,8 @@ pub fn replay_rank(comm: &Comm<Cuda>, seed: u64, memory: Memory) -> u64 {
         let got2 = Cuda::download(dev, &o2).unwrap();
         common::check_sums(&b_in, &vec![got2.clone(); world], world, "two-stage");
         common::check_sums(&c_in, &vec![got3.clone(); world], world, "auto");
-        let gathered = download(&og);
-        assert_bits(
-            &gathered,
-            &expect_all_gather(&g_in, world, rank),
-            "all-gather",
-        );
+        let (gathered, want) = (download(&og), expect_all_gather(&g_in, world, rank));
+        assert_bits(&gathered, &want, "all-gather");
         kept = (got1, got2, got3, gathered);
     }
     // The same calls captured staged, over the last replay's inputs.

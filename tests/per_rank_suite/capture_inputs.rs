@@ -73,11 +73,8 @@ pub fn second_pass_reads_in_place<B: Backend>(place: &Placement, world: usize) {
             })
             .unwrap();
         assert_eq!(pass, 2, "rank {rank}: the pass runs twice");
-        assert_eq!(
-            algorithms,
-            (Algorithm::TwoStage, Algorithm::TwoStage),
-            "rank {rank}"
-        );
+        let two = Algorithm::TwoStage;
+        assert_eq!(algorithms, (two, two), "rank {rank}");
         // Rank 0's third call shares its first's buffer, its peers' do not: five.
         assert_eq!(registered.registered(), 5, "rank {rank}");
         assert_eq!(registered.in_place_calls(), 5, "rank {rank}");
@@ -90,11 +87,11 @@ pub fn second_pass_reads_in_place<B: Backend>(place: &Placement, world: usize) {
         common::check_sums(&b_in, &vec![got2; world], world, "two-stage, in place");
         let got3 = B::download(dev, &o3).unwrap();
         common::check_sums(&third, &everyone(got3.clone()), world, "aliased input");
-        assert_bits(
-            &B::download(dev, &og).unwrap(),
-            &expect_all_gather(&g_in, world, rank),
-            "all-gather",
-        );
+        let gathered = B::download(dev, &og).unwrap();
+        let want = expect_all_gather(&g_in, world, rank);
+
+        assert_bits(&gathered, &want, "all-gather");
+
         let got_e = B::download(dev, &e).unwrap();
         common::check_sums(&e_in, &everyone(got_e), world, "in-place two-stage");
         // The capture's registrations are the calls': an eager call on the same buffer

@@ -202,15 +202,10 @@ pub fn chunked_all_reduce<B: Backend>(place: &Placement, world: usize, payload: 
     // The calls in order: per dtype, per width, per length, out of place then in place.
     let widths = common::group_sizes(world);
     let per_width = lengths(payload, 4).len() * 2;
-    compare_groups(
-        &digests,
-        |c| widths[c / per_width % widths.len()],
-        "chunked all-reduce",
-    );
-    eprintln!(
-        "per_rank_chunked world {world} payload {payload}: {} calls per rank checked",
-        digests[0].len()
-    );
+    let width = |c| widths[c / per_width % widths.len()];
+    compare_groups(&digests, width, "chunked all-reduce");
+    let calls = digests[0].len();
+    eprintln!("per_rank_chunked world {world} payload {payload}: {calls} calls per rank checked");
 }
 
 /// The staged collectives through `payload` (all-gather, reduce-scatter, broadcast,
@@ -292,12 +287,9 @@ pub fn chunked_faults<B: Backend>(place: &Placement, world: usize) {
         let inputs = |call| inputs::<f32>(seed, call, world, n);
         let check = |ins: &[Vec<f32>], got: &B::Buffer<f32>, what: &str| {
             let got = B::download(dev, got).unwrap();
-            common::check_sums(
-                ins,
-                &vec![got; world],
-                world,
-                &format!("{what}, rank {rank}"),
-            );
+            let what = format!("{what}, rank {rank}");
+
+            common::check_sums(ins, &vec![got; world], world, &what);
         };
         // Late, within the timeout.
         let ins = inputs(1);
@@ -318,10 +310,9 @@ pub fn chunked_faults<B: Backend>(place: &Placement, world: usize) {
             comm.miss_next();
         }
         let started = Instant::now();
-        assert_eq!(
-            comm.all_reduce_sum_with(&send, &mut recv, opts),
-            Ok(Algorithm::OneStage)
-        );
+        let ran = comm.all_reduce_sum_with(&send, &mut recv, opts);
+        assert_eq!(ran, Ok(Algorithm::OneStage));
+
         if rank != 1 {
             match comm.synchronize() {
                 Err(Error::BarrierTimeout { waiting_for, .. }) => {

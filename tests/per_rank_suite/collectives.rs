@@ -138,18 +138,11 @@ pub fn checked<B: Backend>(place: &Placement, world: usize) {
         let mut digests = Vec::new();
         for width in group_sizes(world) {
             for (tokens, hidden) in [(1, 4096), (7, 1032), (2, 16384)] {
-                let (rows, c) = ((tokens, hidden), &comm);
-                digests.push(check_fused::<B, half::bf16>(
-                    c, seed, call, width, rows.0, rows.1,
-                ));
-                digests.push(check_fused::<B, half::f16>(
-                    c,
-                    seed,
-                    call + 1,
-                    width,
-                    rows.0,
-                    rows.1,
-                ));
+                let (c, w) = (&comm, width);
+                let bf = check_fused::<B, half::bf16>(c, seed, call, w, tokens, hidden);
+                let h = check_fused::<B, half::f16>(c, seed, call + 1, w, tokens, hidden);
+                digests.extend([bf, h]);
+
                 call += 2;
             }
         }

@@ -286,10 +286,8 @@ pub fn beside_strangers<B: Backend>(
             .unwrap_or_else(|| panic!("rank {rank}: {lines:?}"))
             .splitn(3, ' ')
             .collect();
-        (
-            f[0].to_string(),
-            Duration::from_millis(f[1].parse().unwrap()),
-        )
+        let ms = f[1].parse().unwrap();
+        (f[0].to_string(), Duration::from_millis(ms))
     };
     let (o0, t0) = outcome(&mine, 0);
     let (o1, t1) = outcome(&theirs, 1);

@@ -49,10 +49,8 @@ pub fn miss_next_times_out_and_recovers<B: Backend>(place: &Placement) {
         buf.copy_from_host(dev, &second[rank]).unwrap();
         comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
         comm.synchronize().unwrap();
-        let (got, what) = (
-            buf.to_host(dev).unwrap(),
-            format!("rank {rank} after recovery"),
-        );
+        let (got, what) = (buf.to_host(dev).unwrap(), format!("rank {rank} recovered"));
+
         common::check_sums(&second, &[got.clone(), got], 2, &what);
     });
 }

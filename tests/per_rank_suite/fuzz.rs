@@ -50,24 +50,15 @@ fn schedule(seed: u64, world: usize, calls: usize) -> Vec<Call> {
                 Algorithm::Lamport => group > 1 && group < world,
                 _ => false,
             };
-            let delay = rng.random_bool(0.1).then(|| {
-                (
-                    rng.random_range(0..world),
-                    Duration::from_millis(rng.random_range(0..3)),
-                )
-            });
+            let ms = |ms| Duration::from_millis(ms);
+            let delay = rng
+                .random_bool(0.1)
+                .then(|| (rng.random_range(0..world), ms(rng.random_range(0..3))));
             let collective = rng.random_bool(0.2).then(|| {
                 let root = rng.random_range(0..group);
-                let broadcast = Which::Broadcast {
-                    root,
-                    in_place: false,
-                };
-                [
-                    Which::AllGather,
-                    Which::ReduceScatter,
-                    broadcast,
-                    Which::Scatter { root },
-                ][rng.random_range(0..4)]
+                let broadcast = |in_place| Which::Broadcast { root, in_place };
+                let (gather, scatter) = (Which::AllGather, Which::Scatter { root });
+                [gather, Which::ReduceScatter, broadcast(false), scatter][rng.random_range(0..4)]
             });
             // A scatter's root stages group x len elements: keep them within the payload.
             let len = match collective {

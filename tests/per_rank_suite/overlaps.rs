@@ -86,11 +86,9 @@ pub fn overlapping_buffers_are_refused<B: Backend>(place: &Placement) {
              exact aliases wrong: {alias:?}",
             wrong.len()
         );
-        assert!(
-            wrong.is_empty(),
-            "rank {rank}: not BuffersOverlap:\n{}",
-            wrong.join("\n")
-        );
+        let (none, wrong) = (wrong.is_empty(), wrong.join("\n"));
+        assert!(none, "rank {rank}: not BuffersOverlap:\n{wrong}");
+
         assert_eq!(written, 0, "rank {rank}: a refused call wrote");
         assert!(!plain_written, "rank {rank}: a refused call wrote");
         assert!(alias.is_empty(), "rank {rank}: exact aliases: {alias:?}");
@@ -112,6 +110,7 @@ pub fn overlap_on_one_rank<B: Backend>(place: &Placement) {
             .unwrap();
         let at = address(&reg, dev);
         let v = |off: usize, len: usize| View::<B>::new(at, off, len, ordinal);
+        let c = CollectiveOptions::new();
         for call in ["all_reduce", "broadcast"] {
             reg.copy_from_host(dev, &pattern(rank, n)).unwrap();
             comm.synchronize().unwrap();
@@ -121,12 +120,7 @@ pub fn overlap_on_one_rank<B: Backend>(place: &Placement) {
                 "all_reduce" => comm
                     .all_reduce_sum(&v(0, 1024), &mut v(out_at, 1024))
                     .map(drop),
-                _ => comm.broadcast(
-                    Some(&v(0, 1024)),
-                    &mut v(out_at, 1024),
-                    0,
-                    &CollectiveOptions::new(),
-                ),
+                _ => comm.broadcast(Some(&v(0, 1024)), &mut v(out_at, 1024), 0, &c),
             };
             let s = comm.synchronize();
             let got = reg.to_host(dev).unwrap();
@@ -189,8 +183,9 @@ pub fn single_controller_overlaps<B: Backend>(place: &Placement) {
         .map(|r| address(&bases[r], comm.core(r).device()))
         .collect();
     let v = |r: usize, off: usize, len: usize| View::<B>::new(at[r], off, len, ordinals[r]);
-    let ins = |off: [usize; 2]| vec![v(0, off[0], 1024), v(1, off[1], 1024)];
-    let outs = |off: [usize; 2]| vec![v(0, off[0], 1024), v(1, off[1], 1024)];
+    // Rank r's view at `off[r]`, `len` long.
+    let views = |off: [usize; 2], len: usize| [0, 1].map(|r| v(r, off[r], len));
+    let slices = |off| Vec::from(views(off, 1024));
     let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
     fn shaped<B: Backend>(v: &View<B>) -> TensorView<'_, B> {
         TensorView::new(v, &[32, 32])
@@ -198,30 +193,22 @@ pub fn single_controller_overlaps<B: Backend>(place: &Placement) {
     fn shaped_mut<B: Backend>(v: &mut View<B>) -> TensorViewMut<'_, B> {
         TensorViewMut::new(v, &[32, 32])
     }
-    let (i0, i1) = (v(0, 0, 1024), v(1, 0, 1024));
-    let inputs = [shaped(&i0), shaped(&i1)];
-    let (mut o0, mut o1) = (v(0, 100, 1024), v(1, 2048, 1024));
-    let mut outputs = [shaped_mut(&mut o0), shaped_mut(&mut o1)];
-    let (mut g0, mut g1) = (v(0, 512, 2048), v(1, 2048, 2048));
-    let mut gathered = [
-        TensorViewMut::<B>::flat(&mut g0),
-        TensorViewMut::flat(&mut g1),
-    ];
+    let (i, mut o) = (views([0, 0], 1024), views([100, 2048], 1024));
+    let mut g = views([512, 2048], 2048);
+    let (mut r, mut f) = (views([3000, 3000], 1024), views([1000, 1024], 1024));
+    let inputs = i.each_ref().map(shaped::<B>);
+    let mut outputs = o.each_mut().map(shaped_mut::<B>);
+    let mut gathered = g.each_mut().map(|g| TensorViewMut::<B>::flat(g));
+    let mut residuals = r.each_mut().map(shaped_mut::<B>);
+    let mut fused_out = f.each_mut().map(shaped_mut::<B>);
     let w: Vec<_> = (0..world)
         .map(|r| B::alloc_from(comm.core(r).device(), &[1.0f32; 32]).unwrap())
         .collect();
-    let weights = [
-        TensorView::<B>::new(&w[0], &[32]),
-        TensorView::new(&w[1], &[32]),
-    ];
-    let (mut r0, mut r1) = (v(0, 3000, 1024), v(1, 3000, 1024));
-    let mut residuals = [shaped_mut(&mut r0), shaped_mut(&mut r1)];
-    let (mut f0, mut f1) = (v(0, 1000, 1024), v(1, 1024, 1024));
-    let mut fused_out = [shaped_mut(&mut f0), shaped_mut(&mut f1)];
+    let weights = [0, 1].map(|r| TensorView::<B>::new(&w[r], &[32]));
     let c = CollectiveOptions::new();
     let mut results: Vec<(&str, peercomm::Result<()>)> = rows![
-        "slices, rank 0's output one past its input" => comm.all_reduce_sum_slices(&ins([0, 0]), &mut outs([1, 2048]), &opts).map(drop),
-        "slices, rank 1's output inside its input" => comm.all_reduce_sum_slices(&ins([0, 0]), &mut outs([2048, 512]), &opts).map(drop),
+        "slices, rank 0's output one past its input" => comm.all_reduce_sum_slices(&slices([0, 0]), &mut slices([1, 2048]), &opts).map(drop),
+        "slices, rank 1's output inside its input" => comm.all_reduce_sum_slices(&slices([0, 0]), &mut slices([2048, 512]), &opts).map(drop),
         "shaped all-reduce" => comm.all_reduce_sum(&inputs, &mut outputs, &opts).map(drop),
         "all_gather" => comm.all_gather(&inputs, &mut gathered, &c),
         "fused" => comm.all_reduce_residual_rms_norm(&inputs, &mut residuals, &weights, &mut fused_out, 1e-5, &c),
@@ -230,17 +217,17 @@ pub fn single_controller_overlaps<B: Backend>(place: &Placement) {
         // One address space: rank 1's output over rank 0's input, and two ranks writing
         // one range (views that claim the other rank's device).
         let view = View::<B>::new;
-        let mut cross = vec![
-            view(at[1], 2048, 1024, ordinals[0]),
-            view(at[0], 512, 1024, ordinals[1]),
-        ];
-        let mut same = vec![
-            view(at[0], 2048, 1024, ordinals[0]),
-            view(at[0], 2048, 1024, ordinals[1]),
-        ];
+        // Rank r's output at (buffer, offset) `o[r]`, on rank r's device.
+        let outs_at = |o: [(usize, usize); 2]| -> Vec<View<B>> {
+            (0..2)
+                .map(|r| view(at[o[r].0], o[r].1, 1024, ordinals[r]))
+                .collect()
+        };
+
+        let (mut cross, mut same) = (outs_at([(1, 2048), (0, 512)]), outs_at([(0, 2048); 2]));
         results.extend(rows![
-            "slices, rank 1's output over rank 0's input" => comm.all_reduce_sum_slices(&ins([0, 0]), &mut cross, &opts).map(drop),
-            "slices, both ranks' outputs one range" => comm.all_reduce_sum_slices(&ins([0, 0]), &mut same, &opts).map(drop),
+            "slices, rank 1's output over rank 0's input" => comm.all_reduce_sum_slices(&slices([0, 0]), &mut cross, &opts).map(drop),
+            "slices, both ranks' outputs one range" => comm.all_reduce_sum_slices(&slices([0, 0]), &mut same, &opts).map(drop),
         ]);
     }
     comm.synchronize().ok();
@@ -258,7 +245,7 @@ pub fn single_controller_overlaps<B: Backend>(place: &Placement) {
                 .unwrap();
         }
         let opts = AllReduceOptions::new().algorithm(algorithm);
-        let r = comm.all_reduce_sum_slices(&ins([0, 0]), &mut outs([0, 0]), &opts);
+        let r = comm.all_reduce_sum_slices(&slices([0, 0]), &mut slices([0, 0]), &opts);
         comm.synchronize().unwrap();
         for (q, b) in bases.iter().enumerate() {
             let got = b.to_host(comm.core(q).device()).unwrap();

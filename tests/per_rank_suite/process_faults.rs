@@ -211,12 +211,8 @@ const WARM_UP: usize = 50;
 // `B` and `devices` are the children's.
 #[allow(clippy::extra_unused_type_parameters)]
 pub fn create_drop_cycles_leak_nothing<B: Backend>(_devices: &Placement, cycles: usize) {
-    counts_stay_flat(
-        "per_rank_create_drop_cycles_leak_nothing",
-        "cycles",
-        cycles,
-        &[],
-    );
+    let test = "per_rank_create_drop_cycles_leak_nothing";
+    counts_stay_flat(test, "cycles", cycles, &[]);
 }
 
 /// In a child after its cycles: frees the teardowns a starved drop parked (at their
@@ -256,14 +252,14 @@ pub(super) fn counts_stay_flat(test: &str, role: &str, cycles: usize, extra: &[(
         assert!(child.wait().unwrap().success(), "a rank process failed");
     }
     for (rank, c) in counts.iter().enumerate() {
+        let [fds, maps] = [(c[0], c[2]), (c[1], c[3])];
+        let parked = c[4]; // teardowns parked, then freed at their deadline
         eprintln!(
-            "{test}: {cycles} cycles; rank {rank} fds {} -> {}, maps {} -> {}, teardowns \
-             parked (then freed at their deadline) {}",
-            c[0], c[2], c[1], c[3], c[4]
+            "{test}: {cycles} cycles; rank {rank} fds {fds:?}, maps {maps:?}, parked {parked}"
         );
         // A leak would grow by about `cycles` (a mapping per import, a file per export);
         // after the warm-up the thread-stack cache and malloc arenas are in place.
-        let [fds, maps] = [(c[0], c[2]), (c[1], c[3])];
+
         let holds = fds.1 <= fds.0 + 16;
         assert!(holds, "rank {rank} fds: {fds:?} after {cycles} cycles");
         let holds = maps.1 <= maps.0 + 16;

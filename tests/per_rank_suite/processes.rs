@@ -175,11 +175,9 @@ pub fn child_main<B: Backend>(devices: &Placement) {
     };
     match role.as_str() {
         "checked" => {
-            let (dev, config) = (
-                B::open(devices.ordinal(rank)).unwrap(),
-                config_for(devices, world),
-            );
-            let comm = Comm::<B>::from_rank(dev, rank, world, &id, config).unwrap();
+            let dev = B::open(devices.ordinal(rank)).unwrap();
+            let comm = Comm::<B>::from_rank(dev, rank, world, &id, config_for(devices, world));
+            let comm = comm.unwrap();
             for (call, d) in run_checked(&comm, seed) {
                 println!("DIGEST {call} {rank} {d}");
             }
@@ -187,11 +185,8 @@ pub fn child_main<B: Backend>(devices: &Placement) {
         "isolated" => {
             let variant: String = env(VARIANT);
             // Device 0, whatever the rank: the process sees only its own GPU.
-            let (dev, config) = (
-                B::open(0).unwrap(),
-                isolated_config(devices, world, &variant),
-            );
-            match Comm::<B>::from_rank(dev, rank, world, &id, config) {
+            let config = isolated_config(devices, world, &variant);
+            match Comm::<B>::from_rank(B::open(0).unwrap(), rank, world, &id, config) {
                 Ok(comm) => {
                     println!("PATH {}", comm.world_path().name());
                     if variant.starts_with("blocked") {
@@ -270,15 +265,8 @@ pub(super) fn lines_of(child: &mut Child) -> Vec<String> {
 /// memory over IPC serves them, sums right and bitwise equal. `visible`: `None`
 /// simulates; `Some(var)` sets `var` to the r-th device for rank r's process.
 pub fn isolated_world<B: Backend>(devices: &Placement, world: usize, visible: Option<&str>) {
-    let seed = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos() as u64;
-    let variant = if visible.is_some() {
-        "visible"
-    } else {
-        "simulated"
-    };
+    let seed = std::time::UNIX_EPOCH.elapsed().unwrap().as_nanos() as u64;
+    let variant = visible.map_or("simulated", |_| "visible");
     eprintln!("isolated_world {world} ({variant}): seed {seed}");
     let id = UniqueId::new().unwrap();
     let text = id.to_string();
@@ -329,13 +317,8 @@ pub fn isolated_without_peer_access<B: Backend>(devices: &Placement) {
         let id = UniqueId::new().unwrap();
         let extra = [(VARIANT.to_string(), variant.to_string())];
         let mut child = spawn_with("isolated", 1, 2, &id.to_string(), 1, &extra);
-        let made = Comm::<B>::from_rank(
-            B::open(0).unwrap(),
-            0,
-            2,
-            &id,
-            isolated_config(devices, 2, variant),
-        );
+        let config = isolated_config(devices, 2, variant);
+        let made = Comm::<B>::from_rank(B::open(0).unwrap(), 0, 2, &id, config);
         // The parent's part of the child's sum first: the child waits for it.
         let summed = made.as_ref().ok().map(simple_sum::<B>);
         let lines = lines_of(&mut child);
@@ -459,7 +442,5 @@ pub fn checked_world<B: Backend>(devices: &Placement, world: usize) {
         run_checked(comm, seed)
     });
     let calls = compare_groups(world, &all);
-    eprintln!(
-        "per_rank_processes world {world}: {calls} calls per rank checked, bits equal in every group"
-    );
+    eprintln!("per_rank_processes world {world}: {calls} calls per rank, bits equal in groups");
 }

@@ -24,28 +24,20 @@ pub fn sized_for_the_largest_message<B: Backend>(place: &Placement) {
         let dev = comm.device();
         assert_eq!(comm.memory_footprint(), config.memory_footprint(2).unwrap());
         let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-        assert_eq!(
-            comm.algorithm_for(DType::F32, 1000, &one, false),
-            Ok(Algorithm::OneStage)
-        );
+        let f32_for = |len, opts, in_place| comm.algorithm_for(DType::F32, len, opts, in_place);
+        let one_stage = Ok(Algorithm::OneStage);
+        assert_eq!(f32_for(1000, &one, false), one_stage);
         for in_place in [false, true] {
-            assert_eq!(
-                comm.algorithm_for(DType::F32, 1001, &one, in_place),
-                Ok(Algorithm::OneStage)
-            );
+            assert_eq!(f32_for(1001, &one, in_place), one_stage);
         }
         let two = AllReduceOptions::new().algorithm(Algorithm::TwoStage);
-        assert!(matches!(
-            comm.algorithm_for(DType::F32, 1000, &two, false),
-            Err(Error::Unsupported(_))
-        ));
+        let refused = matches!(f32_for(1000, &two, false), Err(Error::Unsupported(_)));
+        assert!(refused);
         // The call agrees with the query, in chunks.
         let send = B::alloc_from(dev, &too_big[rank]).unwrap();
         let mut recv = B::alloc_from(dev, &vec![f32::NAN; 1001]).unwrap();
-        assert_eq!(
-            comm.all_reduce_sum_with(&send, &mut recv, &one),
-            Ok(Algorithm::OneStage)
-        );
+        assert_eq!(comm.all_reduce_sum_with(&send, &mut recv, &one), one_stage);
+
         comm.synchronize().unwrap();
         let got = recv.to_host(dev).unwrap();
         common::check_sums(&too_big, &[got.clone(), got], 2, &format!("rank {rank}"));

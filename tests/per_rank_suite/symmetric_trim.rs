@@ -2,7 +2,7 @@
 //! freed everywhere; the pool works after; an allocation against a trim is refused.
 
 use peercomm::backend::{Backend, TypedBuffer};
-use peercomm::bootstrap::BootstrapError;
+use peercomm::bootstrap::BootstrapError::ExchangeMismatch;
 use peercomm::{Error, SYMMETRIC_SEGMENT_BYTES};
 
 use super::{check_rank_sum, with_world, Placement};
@@ -35,10 +35,7 @@ pub fn frees_only_segments_empty_everywhere<B: Backend>(place: &Placement, world
         } else {
             comm.trim_symmetric().map(drop)
         };
-        let holds = matches!(
-            got,
-            Err(Error::Bootstrap(BootstrapError::ExchangeMismatch { .. }))
-        );
+        let holds = matches!(got, Err(Error::Bootstrap(ExchangeMismatch { .. })));
         assert!(holds, "rank {rank}: {got:?}");
         assert_eq!(comm.registrations(), (0, 0), "rank {rank}");
         // The pool works after: a new segment, read in place.

@@ -47,8 +47,7 @@ pub fn drop_while_peer_collective_queued<B: Backend>(place: &Placement, rounds: 
             let wait_took = started.elapsed();
             let closed = comm.close();
             eprintln!(
-                "round {round}: rank 1's wait returned {waited:?} after {wait_took:?}, its \
-                 close {closed:?}"
+                "round {round}: rank 1's wait: {waited:?} after {wait_took:?}, close {closed:?}"
             );
             started.elapsed()
         });
@@ -130,16 +129,14 @@ pub fn refuses_bootstrap_timeout_below_barrier_timeout<B: Backend>(place: &Place
     let id = UniqueId::new().unwrap();
     let started = Instant::now();
     // A world of 2 whose peer never comes: refused before waiting for it.
-    check(
-        Comm::<B>::from_rank(B::open(0).unwrap(), 0, 2, &id, bad.clone()),
-        "from_rank",
-    );
+    let dev = || B::open(0).unwrap();
+    let made = Comm::<B>::from_rank(dev(), 0, 2, &id, bad.clone());
+    check(made, "from_rank");
     assert!(started.elapsed() < Duration::from_millis(500));
     let _ = id.release();
-    check(
-        Comm::<B>::from_bootstrap(B::open(0).unwrap(), Box::new(Alone), bad.clone()),
-        "from_bootstrap",
-    );
+    let alone = Comm::<B>::from_bootstrap(dev(), Box::new(Alone), bad.clone());
+    check(alone, "from_bootstrap");
+
     for (what, barrier_timeout) in [
         ("equal timeouts", Some(bad.bootstrap_timeout)),
         ("no barrier timeout", None),
@@ -176,16 +173,12 @@ pub fn synchronize_reports_within_twice_barrier_timeout<B: Backend>(place: &Plac
         }
         took
     })[0];
-    eprintln!(
-        "rank 0's synchronize reported the timeout after {took:?} (barrier_timeout {timeout:?})"
-    );
+    eprintln!("rank 0's synchronize: the timeout after {took:?} (barrier_timeout {timeout:?})");
+
     let holds = took >= timeout;
     assert!(holds, "reported after {took:?}, before the timeout");
     let bound = 2 * timeout + Duration::from_millis(1500);
-    assert!(
-        took <= bound,
-        "reported after {took:?}, past 2 x barrier_timeout + 1.5 s"
-    );
+    assert!(took <= bound, "{took:?}: past 2 x barrier_timeout + 1.5 s");
 }
 
 /// A collective host-side exchange of the per-rank `Comm`: what a live rank makes
@@ -222,10 +215,7 @@ impl Exchange {
 
 /// Whether `e` is the bootstrap's typed exchange mismatch naming `rank`.
 fn is_mismatch_naming(e: &Error, rank: usize) -> bool {
-    matches!(
-        e,
-        Error::Bootstrap(BootstrapError::ExchangeMismatch { rank: r, .. }) if *r == rank
-    )
+    matches!(e, Error::Bootstrap(BootstrapError::ExchangeMismatch { rank: r, .. }) if *r == rank)
 }
 
 /// Rank 0 closes 300 ms into rank 1's exchange `what` (after a call rank 0 never
@@ -279,10 +269,8 @@ pub fn drop_beside_a_peer_exchange<B: Backend>(place: &Placement, what: Exchange
     let holds = mismatch(made, 0);
     assert!(holds, "{what:?}: rank 1's exchange returned {made:?}");
     let holds = mismatch(closed, 1);
-    assert!(
-        holds,
-        "{what:?}: rank 0's teardown returned {closed:?} (not parked)"
-    );
+    assert!(holds, "{what:?}: rank 0's close: {closed:?} (not parked)");
+
     let holds = matches!(
         missing,
         Err(Error::BarrierTimeout { rank: 1, .. } | Error::PeerAborted { rank: 1, .. })
@@ -324,10 +312,9 @@ pub fn different_exchanges_are_typed_errors<B: Backend>(place: &Placement, kinds
             .find(|&r| kinds[r] != kinds[rank])
             .expect("the kinds differ");
         let named = made.as_ref().is_err_and(|e| is_mismatch_naming(e, other));
-        assert!(
-            named,
-            "{kinds:?}: rank {rank}: not the mismatch naming rank {other}: {made:?}"
-        );
+        let what = format!("{kinds:?}: rank {rank}: not the mismatch naming {other}");
+        assert!(named, "{what}: {made:?}");
+
         // Nothing was allocated: the pool has no segment to free.
         assert_eq!(trimmed, &Ok(0), "{kinds:?}: rank {rank}");
         let note = format!("{kinds:?}: rank {rank}");

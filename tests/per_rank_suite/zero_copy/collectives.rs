@@ -10,9 +10,9 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::super::common::collectives::{assert_bits, check_rms_norm, expect, output_len, Which};
-use super::super::common::{self, bits, group_sizes, random_values};
+use super::super::common::{self, group_sizes, random_values};
 use super::super::{inputs, nan, seed, with_world, with_world_config, Placement};
-use super::{assert_same_bits, single_controller, spacer, DTYPES, LENGTHS};
+use super::{assert_same_bits, bits_of, per_device, single_controller, spacer, DTYPES, LENGTHS};
 
 /// One all-gather, reduce-scatter or fused call of the collectives matrix.
 #[derive(Clone, Copy, Debug)]
@@ -105,21 +105,9 @@ fn single_coll<B: Backend, T: Element>(
     case: usize,
     c: &CollCase,
 ) -> Vec<Vec<u32>> {
-    let world = comm.world_size();
-    let ranks = comm.cores();
-    let dev = |r: usize| ranks[r].device();
-    let ins = inputs::<T>(seed, case, world, c.n);
-    // A buffer per rank holding `data(r)`; every rank's bits of `bufs`.
-    let alloc = |data: &dyn Fn(usize) -> Vec<T>| -> Vec<B::Buffer<T>> {
-        (0..world)
-            .map(|r| B::alloc_from(dev(r), &data(r)).unwrap())
-            .collect()
-    };
-    let bits_of = |bufs: &[B::Buffer<T>]| -> Vec<Vec<u32>> {
-        (0..world)
-            .map(|r| bits(&B::download(dev(r), &bufs[r]).unwrap()))
-            .collect()
-    };
+    let ins = inputs::<T>(seed, case, comm.world_size(), c.n);
+    let alloc = |data: &dyn Fn(usize) -> Vec<T>| per_device(comm, data);
+
     let in_bufs = alloc(&|r| ins[r].clone());
     let what = format!("single controller {c:?}");
     let i: Vec<TensorView<'_, B>> = in_bufs.iter().map(|b| TensorView::flat(b)).collect();
@@ -134,7 +122,7 @@ fn single_coll<B: Backend, T: Element>(
             .expect(&what);
             drop(o);
             comm.synchronize().expect(&what);
-            bits_of(&outs)
+            bits_of(comm, &outs)
         }
         Coll::Fused { hidden, .. } => {
             let (residual, weight, epsilon) = fused_extras::<T>(seed, case, c.n, hidden);
@@ -146,7 +134,7 @@ fn single_coll<B: Backend, T: Element>(
                 .expect(&what);
             drop((r, o));
             comm.synchronize().expect(&what);
-            let (o, r) = (bits_of(&outs), bits_of(&res));
+            let (o, r) = (bits_of(comm, &outs), bits_of(comm, &res));
             o.into_iter().zip(r).flat_map(|(o, r)| [o, r]).collect()
         }
     }
@@ -196,11 +184,8 @@ fn check_coll<B: Backend, T: Element>(
             comm.all_reduce_residual_rms_norm(&send, &mut res, &w, &mut out, epsilon, &c.options())
                 .expect(&what);
             comm.synchronize().expect(&what);
-            let (out, res) = (
-                B::download(dev, &out).unwrap(),
-                B::download(dev, &res).unwrap(),
-            );
-            let width = c.width;
+            let get = |b| B::download(dev, b).unwrap();
+            let (out, res, width) = (get(&out), get(&res), c.width);
             check_rms_norm(
                 &ins, &residual, &weight, width, rank, epsilon, &out, &res, &what,
             );
@@ -225,10 +210,9 @@ fn check_rooted<B: Backend, T: Element>(
     let dev = comm.device();
     let len = super::common::collectives::input_len(which, width, n);
     let ins = inputs::<T>(seed, case, world, len);
-    let what = format!(
-        "per-rank {which:?} {:?} group {width} n {n} rank {rank}",
-        T::DTYPE
-    );
+    let dtype = T::DTYPE;
+    let what = format!("per-rank {which:?} {dtype:?} group {width} n {n} rank {rank}");
+
     let opts = CollectiveOptions::new().group_size(width);
     let mut send = comm.alloc_symmetric::<T>(len).expect(&what);
     let (root, is_root) = match which {
@@ -291,11 +275,8 @@ pub fn collectives_match_single_controller<B: Backend>(place: &Placement, world:
         }
         assert_eq!(comm.registrations(), (1, 0), "the pool's segment, no more");
     });
-    eprintln!(
-        "per_rank_zero_copy_collectives_world_{world}: {} cases per rank bit for bit the \
-         single controller's",
-        cases.len()
-    );
+    let n = cases.len();
+    eprintln!("per_rank_zero_copy_collectives_world_{world}: {n} cases per rank bit for bit");
 }
 
 /// Zero copy stages nothing: with a payload a quarter of the message, symmetric inputs
@@ -329,18 +310,11 @@ pub fn stages_nothing<B: Backend>(place: &Placement) {
         });
         let what = "symmetric one-stage";
         common::check_sums(&ins, &[got.clone(), got.clone()], world, what);
-        assert_bits(
-            &chunked,
-            &got,
-            "plain (chunked) against symmetric one-stage",
-        );
+        assert_bits(&chunked, &got, "plain (chunked) against symmetric");
         comm.all_reduce_sum_in_place_with(&mut sym, &one).unwrap();
         comm.synchronize().unwrap();
-        assert_bits(
-            &sym.to_host(dev).unwrap(),
-            &got,
-            "in place (staged in chunks)",
-        );
+        let in_place = sym.to_host(dev).unwrap();
+        assert_bits(&in_place, &got, "in place (staged in chunks)");
         sym.copy_from_host(dev, &ins[rank]).unwrap();
         let opts = CollectiveOptions::new();
         for which in [Which::AllGather, Which::ReduceScatter] {

@@ -95,10 +95,8 @@ pub fn registered_input_retired_in_flight<B: Backend>(place: &Placement) {
         let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
         let opts = opts.blocks(2);
         let register = |value: f32| {
-            let (freed, inner) = (
-                Arc::new(AtomicBool::new(false)),
-                B::alloc_from(dev, &vec![value; len]),
-            );
+            let freed = Arc::new(AtomicBool::new(false));
+            let inner = B::alloc_from(dev, &vec![value; len]);
             let tracked = Tracked {
                 inner: inner.unwrap(),
                 freed: freed.clone(),
@@ -240,9 +238,7 @@ pub fn symmetric_drop_cycles<B: Backend>(place: &Placement, world: usize, cycles
 fn check_fds(before: Option<usize>, cycles: usize, what: &str) {
     if let (Some(before), Some(after)) = (before, open_fds()) {
         eprintln!("{what}: {cycles} cycles, open fds {before} -> {after}");
-        assert!(
-            after < before + cycles / 4,
-            "{what}: open fds {before} -> {after} after {cycles} cycles"
-        );
+        let flat = after < before + cycles / 4;
+        assert!(flat, "{what}: open fds {before} -> {after}");
     }
 }

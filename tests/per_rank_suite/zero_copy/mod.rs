@@ -32,11 +32,8 @@ const DTYPES: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
 /// Asserts `got`'s bits are `want`, the single controller's.
 fn assert_same_bits<T: Element>(got: &[T], want: &[u32], what: &str) {
     let want: Vec<T> = want.iter().map(|&b| T::from_bits_u32(b)).collect();
-    assert_bits(
-        got,
-        &want,
-        &format!("{what} (expected: the single controller's)"),
-    );
+    let what = format!("{what} (expected: the single controller's)");
+    assert_bits(got, &want, &what);
 }
 
 /// A single controller over the devices the per-rank world of `world` ranks uses,
@@ -113,13 +110,7 @@ fn single_reduce<B: Backend, T: Element>(
     c: &ReduceCase,
     ins: &[Vec<T>],
 ) -> Single {
-    let ranks = comm.cores();
-    let dev = |r: usize| ranks[r].device();
-    let alloc = |data: &dyn Fn(usize) -> Vec<T>| -> Vec<B::Buffer<T>> {
-        (0..ins.len())
-            .map(|r| B::alloc_from(dev(r), &data(r)).unwrap())
-            .collect()
-    };
+    let alloc = |data: &dyn Fn(usize) -> Vec<T>| per_device(comm, data);
     let (mut bufs, mut outs) = (alloc(&|r| ins[r].clone()), alloc(&|_| nan(c.len)));
     let what = format!("single controller {c:?}");
     let algorithm = match c.in_place {
@@ -131,10 +122,29 @@ fn single_reduce<B: Backend, T: Element>(
         bufs = outs;
     }
     comm.synchronize().expect(&what);
-    let outs = (0..ins.len())
-        .map(|r| bits(&B::download(dev(r), &bufs[r]).unwrap()))
-        .collect();
-    (algorithm, outs)
+    (algorithm, bits_of(comm, &bufs))
+}
+
+/// A buffer on each of `comm`'s devices, rank r's holding `data(r)`.
+fn per_device<B: Backend, T: Element>(
+    comm: &SingleController<B>,
+    data: &dyn Fn(usize) -> Vec<T>,
+) -> Vec<B::Buffer<T>> {
+    let ranks = comm.cores().iter().enumerate();
+    ranks
+        .map(|(r, c)| B::alloc_from(c.device(), &data(r)).unwrap())
+        .collect()
+}
+
+/// Every rank's bits of `bufs`, one buffer per rank of `comm`.
+fn bits_of<B: Backend, T: Element>(
+    comm: &SingleController<B>,
+    bufs: &[B::Buffer<T>],
+) -> Vec<Vec<u32>> {
+    let ranks = comm.cores().iter().zip(bufs);
+    ranks
+        .map(|(c, b)| bits(&B::download(c.device(), b).unwrap()))
+        .collect()
 }
 
 /// The all-reduce from `input` (in place, or into a fresh poisoned output), waited for;
@@ -154,14 +164,12 @@ fn reduce_from<B: Backend, T: Element, I: DeviceBufferMut<B>>(
     };
     let ran = ran.expect(what);
     comm.synchronize().expect(what);
-    (
-        ran,
-        if c.in_place {
-            read(input)
-        } else {
-            B::download(dev, &out).unwrap()
-        },
-    )
+    let got = if c.in_place {
+        read(input)
+    } else {
+        B::download(dev, &out).unwrap()
+    };
+    (ran, got)
 }
 
 /// One case on this rank: its input in a symmetric or a registered buffer, checked
@@ -230,9 +238,6 @@ pub fn all_reduce_matches_single_controller<B: Backend>(
         }
         assert_eq!(comm.registrations(), (1, 0), "the pool's segment, no more");
     });
-    eprintln!(
-        "per_rank_zero_copy_all_reduce_world_{world}: {} cases per rank, bits equal to the \
-         single controller's",
-        cases.len()
-    );
+    let n = cases.len();
+    eprintln!("per_rank_zero_copy_all_reduce_world_{world}: {n} cases per rank, bit for bit");
 }

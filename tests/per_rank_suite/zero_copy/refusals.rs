@@ -3,7 +3,7 @@
 //! on `Inputs`.
 
 use peercomm::backend::{Backend, DeviceBuffer, TypedBuffer};
-use peercomm::bootstrap::BootstrapError;
+use peercomm::bootstrap::BootstrapError::ExchangeMismatch;
 use peercomm::{Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, Element, Error};
 
 use super::super::common::View;
@@ -56,11 +56,9 @@ pub fn registration_refusals<B: Backend>(place: &Placement, world: usize) {
         let len = if rank == odd { 65 } else { 64 };
         let data: Vec<f32> = (0..len).map(|i| i as f32 + rank as f32).collect();
         let what = format!("rank {rank}: registered sizes differ");
-        let back = refused(
-            comm.register(B::alloc_from(dev, &data).unwrap()),
-            Some(odd),
-            &what,
-        );
+        let registered = comm.register(B::alloc_from(dev, &data).unwrap());
+        let back = refused(registered, Some(odd), &what);
+
         let note = "the buffer comes back";
         assert_eq!(B::download(dev, &back).unwrap(), data, "{note}");
         assert_eq!(comm.registrations(), none);
@@ -93,10 +91,7 @@ pub fn registration_refusals<B: Backend>(place: &Placement, world: usize) {
         } else {
             comm.register(plain).map(drop).map_err(|e| e.error)
         };
-        let mismatch = matches!(
-            got,
-            Err(Error::Bootstrap(BootstrapError::ExchangeMismatch { .. }))
-        );
+        let mismatch = matches!(got, Err(Error::Bootstrap(ExchangeMismatch { .. })));
         let what = "registers or allocates where a peer does the other";
         assert!(mismatch, "rank {rank}: {what}: {got:?}");
         assert_eq!(comm.registrations(), none);
