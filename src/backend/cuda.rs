@@ -24,7 +24,6 @@ macro_rules! cu {
 
 mod device;
 mod graph;
-pub(crate) mod ipc;
 mod memory;
 mod shareable;
 

@@ -33,11 +33,6 @@ macro_rules! hip {
 
 mod device;
 mod ffi;
-#[cfg(feature = "cuda")]
-use super::cuda::ipc;
-#[cfg(not(feature = "cuda"))]
-#[path = "cuda/ipc.rs"]
-mod ipc;
 mod memory;
 mod runtime;
 

@@ -10,7 +10,7 @@ use cudarc::driver::{CudaContext, DriverError};
 use super::super::handle::import_error;
 use super::super::ExportedRange;
 use super::device::{backend_err, bind, driver_err, CudaDevice};
-use super::ipc;
+use crate::backend::handle::ipc;
 use crate::error::{Error, Result};
 
 /// The location of device `ordinal`, for any CUDA version cudarc binds: the id of

@@ -10,8 +10,9 @@ use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
 
 use super::device::*;
+use super::ffi;
 use super::runtime::*;
-use super::{ffi, ipc};
+use crate::backend::handle::ipc;
 
 /// How an allocation was made.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
