@@ -32,14 +32,11 @@ impl Settings {
             payload_bytes: config.payload_bytes,
         };
         layout.validate()?;
-        if config.threads_per_block == 0
-            || config.threads_per_block > 512
-            || !config.threads_per_block.is_multiple_of(64)
-        {
+        let threads = config.threads_per_block;
+        if !(64..=512).contains(&threads) || !threads.is_multiple_of(64) {
             return Err(Error::Unsupported(format!(
                 "threads_per_block must be a multiple of 64 in 64..=512 (the kernels' launch \
-                 bound), not {}",
-                config.threads_per_block
+                 bound), not {threads}"
             )));
         }
         let mut settings = Settings {

@@ -4,19 +4,13 @@ use super::*;
 use crate::backend::{Kernel, LaunchDims};
 use crate::dispatch::Algorithm;
 use crate::signal::group_shown_call;
+use DType::{BF16, F32};
+use KernelKind as K;
 
 fn plan(kind: KernelKind, dtype: DType, width: usize, elements: usize, blocks: u32) -> Plan {
-    let dims = LaunchDims {
-        blocks,
-        threads: 512,
-    };
-    Plan::new(
-        Kernel { kind, dtype },
-        Algorithm::Auto,
-        width,
-        elements,
-        dims,
-    )
+    let (kernel, threads) = (Kernel { kind, dtype }, 512);
+    let dims = LaunchDims { blocks, threads };
+    Plan::new(kernel, Algorithm::Auto, width, elements, dims)
 }
 
 /// `p` changed by `f`.
@@ -31,6 +25,11 @@ fn diff(a: &Plan, sa: u64, b: &Plan, sb: u64) -> Option<(CallField, String, Stri
     first_difference(encode(a, sa), encode(b, sb))
 }
 
+/// `field` named, with both sides as shown.
+fn shown(field: CallField, mine: &str, theirs: &str) -> Option<(CallField, String, String)> {
+    Some((field, mine.into(), theirs.into()))
+}
+
 #[test]
 fn kinds_table_follows_the_discriminants() {
     for (i, k) in KernelKind::ALL.iter().enumerate() {
@@ -41,23 +40,13 @@ fn kinds_table_follows_the_discriminants() {
 /// No word sets bit 31 (the Lamport sentinel's), every field at its widest.
 #[test]
 fn every_word_keeps_bit_31_clear() {
-    let p = with(
-        &plan(
-            KernelKind::AllReduceRmsNorm,
-            DType::BF16,
-            8,
-            usize::MAX >> 1,
-            1024,
-        ),
-        |p| {
-            p.input_place = InputPlace::Registered {
-                registration: u64::MAX >> 2,
-                offset: u64::MAX >> 2,
-            };
-            p.collective.epsilon = -f32::MAX;
-            p.collective.hidden = u32::MAX;
-        },
-    );
+    let mut p = plan(K::AllReduceRmsNorm, BF16, 8, usize::MAX >> 1, 1024);
+    let (registration, offset) = (u64::MAX >> 2, u64::MAX >> 2);
+    p.input_place = InputPlace::Registered {
+        registration,
+        offset,
+    };
+    (p.collective.epsilon, p.collective.hidden) = (-f32::MAX, u32::MAX);
     for w in encode(&p, u64::MAX) {
         assert_eq!(w & 0x8000_0000, 0);
     }
@@ -65,20 +54,19 @@ fn every_word_keeps_bit_31_clear() {
 
 #[test]
 fn each_field_is_named_first_in_order() {
-    let base = plan(KernelKind::OneStage, DType::F32, 2, 1000, 16);
+    let base = plan(K::OneStage, F32, 2, 1000, 16);
     assert_eq!(diff(&base, 7, &base, 7), None);
-    let fused = plan(KernelKind::AllReduceRmsNorm, DType::BF16, 2, 4096, 1);
-    let lamport = with(&fused, |p| p.kernel.kind = KernelKind::LamportRmsNorm);
+    let fused = plan(K::AllReduceRmsNorm, BF16, 2, 4096, 1);
+    let lamport = with(&fused, |p| p.kernel.kind = K::LamportRmsNorm);
     // Plan `p` at call 7 against `p` changed at call `seq`: the field named, both sides.
     macro_rules! named {
         ($p:expr, $seq:expr, |$x:ident| $change:expr => $field:ident, $mine:literal, $theirs:literal) => {
             let got = diff(&$p, 7, &with(&$p, |$x| $change), $seq);
-            assert_eq!(got, Some((CallField::$field, $mine.into(), $theirs.into())));
+            assert_eq!(got, shown(CallField::$field, $mine, $theirs));
         };
     }
-    use KernelKind as K;
     named!(base, 7, |p| p.elements = 500 => Length, "1000 elements", "500 elements");
-    named!(base, 7, |p| p.kernel.dtype = DType::BF16 => DType, "f32", "bf16");
+    named!(base, 7, |p| p.kernel.dtype = BF16 => DType, "f32", "bf16");
     named!(base, 7, |p| p.width = 4 => GroupWidth, "groups of 2", "groups of 4");
     named!(base, 7, |p| p.dims.blocks = 8 => Blocks, "16 blocks", "8 blocks");
     named!(base, 7, |p| p.kernel.kind = K::Lamport => Algorithm, "one-stage", "Lamport");
@@ -101,8 +89,8 @@ fn each_field_is_named_first_in_order() {
 /// confuse are told apart, and decoding gives back what was encoded.
 #[test]
 fn fields_are_compared_exactly() {
-    let base = plan(KernelKind::OneStage, DType::BF16, 2, 256, 4);
-    let at = |registration: u64, offset: u64| {
+    let base = plan(K::OneStage, BF16, 2, 256, 4);
+    let at = |registration, offset| {
         with(&base, |p| {
             p.input_place = InputPlace::Registered {
                 registration,
@@ -120,40 +108,24 @@ fn fields_are_compared_exactly() {
         (at((1 << 31) + 2, 0), at(2, 0)),
         (at(0, 0), base),
     ] {
-        assert_eq!(
-            differs(&a, 3, &b, 3),
-            Some(CallField::Inputs),
-            "{:?}",
-            a.input_place
-        );
+        let got = differs(&a, 3, &b, 3);
+        assert_eq!(got, Some(CallField::Inputs), "{:?}", a.input_place);
     }
     assert_eq!(differs(&at(7, 4096), 3, &at(7, 4096), 3), None);
     // Sequence numbers that differ by 2^20 - 1, 2^31 - 1 or 2^32 paired before.
     for gap in [(1u64 << 20) - 1, (1 << 31) - 1, 1 << 31, 1 << 32, 1 << 40] {
-        assert_eq!(
-            differs(&base, 9, &base, 9 + gap),
-            Some(CallField::Sequence),
-            "{gap}"
-        );
+        let got = differs(&base, 9, &base, 9 + gap);
+        assert_eq!(got, Some(CallField::Sequence), "{gap}");
     }
     // The fused collective's row length and epsilon.
     let fused = |hidden: u32, epsilon: f32| {
-        with(
-            &plan(KernelKind::AllReduceRmsNorm, DType::BF16, 2, 1920, 4),
-            |p| {
-                p.collective.hidden = hidden;
-                p.collective.epsilon = epsilon;
-            },
-        )
+        let mut p = plan(K::AllReduceRmsNorm, BF16, 2, 1920, 4);
+        (p.collective.hidden, p.collective.epsilon) = (hidden, epsilon);
+        p
     };
-    assert_eq!(
-        diff(&fused(64, 1e-5), 1, &fused(96, 1e-5), 1),
-        Some((
-            CallField::Hidden,
-            "rows of 64 elements".into(),
-            "rows of 96 elements".into()
-        ))
-    );
+    let got = diff(&fused(64, 1e-5), 1, &fused(96, 1e-5), 1);
+    let rows = ("rows of 64 elements", "rows of 96 elements");
+    assert_eq!(got, shown(CallField::Hidden, rows.0, rows.1));
     let next_up = f32::from_bits(1e-5f32.to_bits() + 1);
     for (e0, e1) in [(1e-5, 1e-6), (0.0, -0.0), (1e-5, next_up)] {
         let got = differs(&fused(64, e0), 1, &fused(64, e1), 1);
@@ -183,7 +155,7 @@ fn fields_are_compared_exactly() {
 #[test]
 fn a_batch_shows_the_differing_entry() {
     let batch = |blocks| {
-        let p = plan(KernelKind::AllReduceGroup, DType::BF16, 4, 300, blocks);
+        let p = plan(K::AllReduceGroup, BF16, 4, 300, blocks);
         encode(&with(&p, |p| p.collective.root = 4), 41)
     };
     let call = batch(7);
@@ -194,41 +166,31 @@ fn a_batch_shows_the_differing_entry() {
         ((1 << 39) - 1, (1 << 38) + 17),
         ((1 << 62) - 1, 1 << 61),
     ] {
-        let (m, t) = (
-            group_shown_call(call, 5, mine),
-            group_shown_call(call, 5, theirs),
-        );
+        let m = group_shown_call(call, 5, mine);
+        let t = group_shown_call(call, 5, theirs);
         for w in m.iter().chain(&t) {
             assert_eq!(w & 0x8000_0000, 0);
         }
         let (dm, dc) = (decode(m), decode(call));
         assert_eq!(dm.elements, mine);
-        let replaced = Fields {
-            elements: dc.elements,
-            ..dm
-        };
-        assert_eq!(replaced, dc, "only the element count is replaced");
+        let elements = dc.elements;
+        assert_eq!(Fields { elements, ..dm }, dc, "only the length differs");
         let (mine, theirs) = (format!("{mine} elements"), format!("{theirs} elements"));
         assert_eq!(
             first_difference(m, t),
-            Some((CallField::Length, mine, theirs))
+            shown(CallField::Length, &mine, &theirs)
         );
     }
     // Were the counts to differ, the root names them.
     let got = first_difference(group_shown_call(call, 5, 7), group_shown_call(call, 2, 7));
+    assert_eq!(got, shown(CallField::Root, "root 4", "root 1"));
+    let sized = |n: &str| format!("entries sized for {n}");
+    let got = first_difference(batch(1), batch(2));
     assert_eq!(
         got,
-        Some((CallField::Root, "root 4".into(), "root 1".into()))
+        shown(CallField::Length, &sized("1 block"), &sized("2 blocks"))
     );
-    assert_eq!(
-        first_difference(batch(1), batch(2)),
-        Some((
-            CallField::Length,
-            "entries sized for 1 block".into(),
-            "entries sized for 2 blocks".into()
-        ))
-    );
-    let single = |blocks| encode(&plan(KernelKind::OneStage, DType::F32, 2, 300, blocks), 3);
+    let single = |blocks| encode(&plan(K::OneStage, F32, 2, 300, blocks), 3);
     let got = first_difference(single(1), single(2));
     assert_eq!(got.map(|d| d.0), Some(CallField::Blocks));
 }

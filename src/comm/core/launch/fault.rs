@@ -50,14 +50,8 @@ impl<B: Backend> Endpoint<B> {
             timeout_ns: u64::try_from(delay.as_nanos()).unwrap_or(u64::MAX),
             ..Default::default()
         };
-        let kernel = Kernel {
-            kind: KernelKind::Delay,
-            dtype: DType::F32,
-        };
-        let dims = LaunchDims {
-            blocks: 1,
-            threads: 32,
-        };
+        let (kind, dtype, blocks, threads) = (KernelKind::Delay, DType::F32, 1, 32);
+        let (kernel, dims) = (Kernel { kind, dtype }, LaunchDims { blocks, threads });
         B::launch(&self.device, kernel, dims, &args)
     }
 }

@@ -59,15 +59,12 @@ impl Settings {
         let header_packs = GROUP_HEADER_BYTES / PACK_BYTES;
         let mut packs = header_packs;
         for (s, &n) in lengths.iter().enumerate() {
-            offsets[s] = packs
-                .checked_mul(PACK_BYTES)
-                .and_then(|b| u64::try_from(b).ok())
-                .ok_or_else(too_large)?;
-            packs = packs
-                .checked_add(n.div_ceil(dtype.lanes()))
-                .ok_or_else(too_large)?;
+            offsets[s] = packs as u64;
+            packs = (packs.checked_add(n.div_ceil(dtype.lanes()))).ok_or_else(too_large)?;
         }
         let needed = packs.checked_mul(PACK_BYTES).ok_or_else(too_large)?;
+        // In bytes: each offset is at most `needed`.
+        offsets.iter_mut().for_each(|o| *o *= PACK_BYTES as u64);
         // In place, or a group of one, needs no scratch.
         let staged = stage && width > 1;
         if staged && needed > self.layout.payload_bytes {
@@ -96,6 +93,51 @@ impl Settings {
             total_elements: lengths.iter().sum(),
         })
     }
+}
+
+/// One all-reduce of a group call (see `Comm::group`), as every rank issues it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct GroupedCall {
+    pub(crate) dtype: DType,
+    pub(crate) elements: usize,
+    pub(crate) options: AllReduceOptions,
+    pub(crate) in_place: bool,
+}
+
+/// How a group's calls are launched, in their order.
+pub(crate) enum GroupStep {
+    /// Calls `first .. first + plan.count` in one batched kernel.
+    Batch { first: usize, plan: GroupPlan },
+    /// Call `index` alone, as routed and planned.
+    Alone { index: usize, routed: Routed },
+}
+
+/// Runs a group's steps in order with `run`, which launches one step and returns a
+/// lone call's algorithm (a batch's entries run one-stage). The first failure stops
+/// the group, calling `poison` first where an earlier step was launched: those launches
+/// wait for peers whose calls never come.
+pub(crate) fn run_group_steps(
+    steps: Vec<GroupStep>,
+    calls: usize,
+    poison: impl FnOnce(&Error),
+    mut run: impl FnMut(GroupStep) -> Result<Option<(usize, Algorithm)>>,
+) -> Result<Vec<Algorithm>> {
+    let mut algorithms = vec![Algorithm::OneStage; calls];
+    let mut launched = false;
+    for step in steps {
+        match run(step) {
+            Ok(Some((index, algorithm))) => algorithms[index] = algorithm,
+            Ok(None) => {}
+            Err(e) => {
+                if launched {
+                    poison(&e);
+                }
+                return Err(e);
+            }
+        }
+        launched = true;
+    }
+    Ok(algorithms)
 }
 
 impl<B: Backend> Rank<B> {
@@ -148,54 +190,7 @@ impl<B: Backend> Rank<B> {
         }
         B::launch_group(&e.device, plan.kernel, plan.dims, &args)
     }
-}
 
-/// One all-reduce of a group call (see `Comm::group`), as every rank issues it.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct GroupedCall {
-    pub(crate) dtype: DType,
-    pub(crate) elements: usize,
-    pub(crate) options: AllReduceOptions,
-    pub(crate) in_place: bool,
-}
-
-/// How a group's calls are launched, in their order.
-pub(crate) enum GroupStep {
-    /// Calls `first .. first + plan.count` in one batched kernel.
-    Batch { first: usize, plan: GroupPlan },
-    /// Call `index` alone, as routed and planned.
-    Alone { index: usize, routed: Routed },
-}
-
-/// Runs a group's steps in order with `run`, which launches one step and returns a
-/// lone call's algorithm (a batch's entries run one-stage). The first failure stops
-/// the group, calling `poison` first where an earlier step was launched: those launches
-/// wait for peers whose calls never come.
-pub(crate) fn run_group_steps(
-    steps: Vec<GroupStep>,
-    calls: usize,
-    poison: impl FnOnce(&Error),
-    mut run: impl FnMut(GroupStep) -> Result<Option<(usize, Algorithm)>>,
-) -> Result<Vec<Algorithm>> {
-    let mut algorithms = vec![Algorithm::OneStage; calls];
-    let mut launched = false;
-    for step in steps {
-        match run(step) {
-            Ok(Some((index, algorithm))) => algorithms[index] = algorithm,
-            Ok(None) => {}
-            Err(e) => {
-                if launched {
-                    poison(&e);
-                }
-                return Err(e);
-            }
-        }
-        launched = true;
-    }
-    Ok(algorithms)
-}
-
-impl<B: Backend> Rank<B> {
     /// Splits a group's calls into launches: consecutive peer-memory all-reduces of one
     /// dtype and width with algorithm and grid left to peercomm run as one batch (up to
     /// [`MAX_GROUP_CALLS`] that fit the payload); every other call runs alone. Every rank
@@ -272,11 +267,9 @@ mod tests {
     use crate::comm::CommConfig;
 
     fn settings(payload_bytes: usize, world: usize) -> Settings {
-        let config = CommConfig {
-            payload_bytes,
-            max_blocks: Some(2),
-            ..CommConfig::default()
-        };
+        let config = CommConfig::default()
+            .with_payload_bytes(payload_bytes)
+            .with_max_blocks(Some(2));
         Settings::new(config, "sm_90".into(), 8, world).unwrap()
     }
 

@@ -23,10 +23,8 @@ impl<B: Backend> Endpoint<B> {
     pub(crate) fn read_error(&self) -> Result<Option<Error>> {
         let mut raw = [0u8; RECORD_WORDS * 4];
         B::read(&self.device, self.record_ptr(), &mut raw)?;
-        let mut words = [0u32; RECORD_WORDS];
-        for (w, b) in words.iter_mut().zip(raw.chunks_exact(4)) {
-            *w = u32::from_le_bytes([b[0], b[1], b[2], b[3]]);
-        }
+        let words =
+            std::array::from_fn(|i| u32::from_le_bytes(raw[4 * i..][..4].try_into().unwrap()));
         Ok(decode(self.index, &words))
     }
 

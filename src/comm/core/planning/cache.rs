@@ -2,6 +2,7 @@
 //! shapes thousands of times, and a plan depends only on the shape and the fixed
 //! settings. Only plans that succeeded are kept (an error is planned again).
 
+use std::collections::VecDeque;
 use std::sync::Mutex;
 
 use crate::comm::AllReduceOptions;
@@ -25,13 +26,7 @@ pub(crate) struct Shape {
 /// Up to [`SLOTS`] (shape, plan) pairs, the oldest replaced first.
 #[derive(Default)]
 pub(crate) struct PlanCache {
-    slots: Mutex<Slots>,
-}
-
-#[derive(Default)]
-struct Slots {
-    entries: [Option<(Shape, Plan)>; SLOTS],
-    next: usize,
+    slots: Mutex<VecDeque<(Shape, Plan)>>,
 }
 
 impl PlanCache {
@@ -39,9 +34,7 @@ impl PlanCache {
     pub(crate) fn get(&self, shape: &Shape) -> Option<Plan> {
         let slots = self.slots.try_lock().ok()?;
         slots
-            .entries
             .iter()
-            .flatten()
             .find(|(s, _)| s == shape)
             .map(|&(_, plan)| plan)
     }
@@ -51,12 +44,12 @@ impl PlanCache {
         let Ok(mut slots) = self.slots.try_lock() else {
             return;
         };
-        if slots.entries.iter().flatten().any(|(s, _)| *s == shape) {
-            return;
+        if !slots.iter().any(|(s, _)| *s == shape) {
+            if slots.len() == SLOTS {
+                slots.pop_front();
+            }
+            slots.push_back((shape, plan));
         }
-        let i = slots.next;
-        slots.entries[i] = Some((shape, plan));
-        slots.next = (i + 1) % SLOTS;
     }
 }
 

@@ -96,9 +96,8 @@ pub(crate) enum Routed {
 impl Meta {
     /// Its bytes, checked ([`message_bytes`]); `rank` and `which` name it in the error.
     pub(crate) fn bytes(&self, rank: usize, which: &str) -> Result<usize> {
-        message_bytes(self.dtype, self.len, &|| {
-            format!("rank {rank}'s {which} buffer")
-        })?;
+        let what = || format!("rank {rank}'s {which} buffer");
+        message_bytes(self.dtype, self.len, &what)?;
         Ok(self.len * self.dtype.size())
     }
 }

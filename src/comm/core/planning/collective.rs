@@ -232,10 +232,7 @@ mod tests {
     use KernelKind::{AllReduceRmsNorm, LamportRmsNorm};
 
     fn settings(world: usize) -> Settings {
-        let config = CommConfig {
-            lamport_slot_bytes: 1 << 20,
-            ..CommConfig::default()
-        };
+        let config = CommConfig::default().with_lamport_slot_bytes(1 << 20);
         Settings::new(config, "sm_90".into(), 132, world).unwrap()
     }
 

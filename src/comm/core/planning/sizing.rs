@@ -43,13 +43,10 @@ impl MemoryFootprint {
 impl std::fmt::Display for MemoryFootprint {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let mib = |b: usize| b as f64 / (1 << 20) as f64;
+        let [t, h, l, p] = [self.total, self.header, self.lamport_region, self.payload].map(mib);
         write!(
             f,
-            "{:.2} MiB per rank (header {:.2}, Lamport {:.2}, payload {:.2})",
-            mib(self.total),
-            mib(self.header),
-            mib(self.lamport_region),
-            mib(self.payload)
+            "{t:.2} MiB per rank (header {h:.2}, Lamport {l:.2}, payload {p:.2})"
         )
     }
 }
@@ -152,10 +149,7 @@ mod tests {
     #[test]
     fn footprints_in_the_docs() {
         let mib = |b: usize| (b as f64 / (1 << 20) as f64 * 10.0).round() / 10.0;
-        let big_slot = CommConfig {
-            lamport_slot_bytes: 48 << 20,
-            ..CommConfig::default()
-        };
+        let big_slot = CommConfig::default().with_lamport_slot_bytes(48 << 20);
         let for_message = CommConfig::for_largest_message(1 << 20, DType::BF16).unwrap();
         assert_eq!(for_message.payload_bytes, 2 << 20);
         assert_eq!(for_message.lamport_slot_bytes, (1 << 20) + 64);
@@ -226,20 +220,15 @@ mod tests {
                     assert!(overflows(got.map(|p| p.algorithm)), "{n} {algorithm:?}");
                 }
             }
+            use Collective::{AllGather, Broadcast, ReduceScatter, Scatter};
             let fused = Collective::AllReduceRmsNorm {
                 hidden: 8,
                 epsilon: 1e-5,
             };
-            for which in [
-                Collective::AllGather,
-                Collective::ReduceScatter,
-                Collective::Broadcast { root: 0 },
-                Collective::Scatter { root: 0 },
-                fused,
-            ] {
-                let opts = CollectiveOptions::new();
-                let got =
-                    settings.collective_plan(which, DType::F32, n, &opts, PeerReads::Payloads);
+            let (bcast, scatter) = (Broadcast { root: 0 }, Scatter { root: 0 });
+            for which in [AllGather, ReduceScatter, bcast, scatter, fused] {
+                let (opts, reads) = (CollectiveOptions::new(), PeerReads::Payloads);
+                let got = settings.collective_plan(which, DType::F32, n, &opts, reads);
                 assert!(overflows(got.map(|p| p.algorithm)), "{which:?} {n}");
             }
         }

@@ -47,8 +47,7 @@ impl<B: Backend> Rank<B> {
                 let mut opts = AllReduceOptions::new();
                 opts.blocks = blocks;
                 let plan = |in_place| {
-                    let reads = PeerReads::Payloads;
-                    let p = settings.plan(dtype, elements, &opts, in_place, reads);
+                    let p = settings.plan(dtype, elements, &opts, in_place, PeerReads::Payloads);
                     p.map_err(RouteError::Validation)
                 };
                 let (first, gather) = (plan(input == output)?, plan(true)?);

@@ -18,14 +18,10 @@ use crate::comm::CommConfig;
 /// The ranks grouped by host: `Some(local)` when every host holds `local` consecutive
 /// ranks, and how many hosts there are.
 fn host_layout(hosts: &[HostId]) -> (usize, Option<usize>) {
-    let mut distinct: Vec<&HostId> = Vec::new();
-    for h in hosts {
-        if !distinct.contains(&h) {
-            distinct.push(h);
-        }
-    }
-    let n = distinct.len();
     let world = hosts.len();
+    let n = (0..world)
+        .filter(|&i| !hosts[..i].contains(&hosts[i]))
+        .count();
     if !world.is_multiple_of(n) {
         return (n, None);
     }
@@ -50,7 +46,6 @@ pub(crate) fn connect<B: Backend>(
     let (me, world) = (bootstrap.rank(), bootstrap.world_size());
     let refuse = config.fallback.fallback == Fallback::Refuse;
     let (n_hosts, local) = host_layout(hosts);
-    let names = || hosts.iter().map(HostId::as_str).collect::<Vec<_>>();
     let candidate = if n_hosts == 1 && world <= MAX_GPUS {
         Mode::Peer
     } else if refuse {
@@ -58,7 +53,7 @@ pub(crate) fn connect<B: Backend>(
             Error::Unsupported(format!(
                 "the ranks run on several hosts ({:?}); peer memory serves one host only \
                  (FallbackConfig::fallback = External hands such worlds to NCCL/RCCL)",
-                names()
+                hosts.iter().map(HostId::as_str).collect::<Vec<_>>()
             ))
         } else {
             Error::InvalidWorldSize {

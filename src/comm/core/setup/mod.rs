@@ -128,8 +128,11 @@ pub(crate) fn establish<B: Backend>(
     };
     let handles = group.all_gather(&mine_handle)?;
     // Every rank checks every record, so the group answers alike at the same step.
-    for (r, peer) in records.iter().enumerate() {
-        check_peer_record(members[me], members[r], &mine, peer)?;
+    if let Some(r) = records.iter().position(|p| p.arch != mine.arch) {
+        return Err(Error::InvalidDevices(format!(
+            "rank {} runs on {} and rank {} on {}: one architecture per communicator",
+            members[r], records[r].arch, members[me], mine.arch
+        )));
     }
     if !config.allow_shared_devices {
         if let Some(refusal) = first_shared_device(&records, members) {
@@ -227,13 +230,9 @@ pub(crate) fn establish<B: Backend>(
         }
     };
     // No kernel uses the signals now (every rank waited for the check's): they may go.
-    let PeerSetup {
-        endpoint: Endpoint { device, signal, .. },
-        mappings,
-        ..
-    } = core;
-    drop(mappings);
-    drop(signal);
+    drop(core.mappings);
+    drop(core.endpoint.signal);
+    let device = core.endpoint.device;
     Ok(Outcome::Refused { device, reason })
 }
 
@@ -339,18 +338,10 @@ mod tests {
 
     #[test]
     fn unavailable_peer_access_crosses_the_world_whole() {
-        let (ia, ib) = (
-            DeviceIdentity::simulated(0, 0),
-            DeviceIdentity::simulated(0, 1),
-        );
-        let e = p2p_unavailable(
-            0,
-            &ia,
-            3,
-            &ib,
-            "the mapping failed".into(),
-            import_hint("cuda"),
-        );
+        let ia = DeviceIdentity::simulated(0, 0);
+        let ib = DeviceIdentity::simulated(0, 1);
+        let cause = "the mapping failed".into();
+        let e = p2p_unavailable(0, &ia, 3, &ib, cause, import_hint("cuda"));
         assert_eq!(decode_unavailable(&encode_unavailable(&e)), Some(e.clone()));
         assert_eq!(decode_unavailable(&[2]), None);
         assert_eq!(decode_unavailable(&encode_unavailable(&e)[..20]), None);

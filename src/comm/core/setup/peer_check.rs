@@ -23,10 +23,6 @@ fn pattern(r: usize, i: usize) -> f32 {
     ((r + 1) * 4096 + (i * 7919) % 4093) as f32
 }
 
-fn expected(width: usize, i: usize) -> f32 {
-    (0..width).map(|r| pattern(r, i)).sum()
-}
-
 /// Compares a result with the exact sums; `corrupt` flips a bit of what was read first
 /// (the test-only simulation of a bad link).
 fn verdict(algorithm: Algorithm, mut got: Vec<f32>, width: usize, corrupt: bool) -> Option<String> {
@@ -34,7 +30,7 @@ fn verdict(algorithm: Algorithm, mut got: Vec<f32>, width: usize, corrupt: bool)
         got[0] = f32::from_bits(got[0].to_bits() ^ 1);
     }
     got.iter().enumerate().find_map(|(i, &g)| {
-        let want = expected(width, i);
+        let want: f32 = (0..width).map(|r| pattern(r, i)).sum();
         (g.to_bits() != want.to_bits()).then(|| {
             format!(
                 "{}: element {i} came back as {g} where the exact sum is {want}",
@@ -76,13 +72,8 @@ pub(crate) fn check_rank<B: Backend>(
         B::upload(dev, &[f32::NAN; ELEMENTS], &mut recv)?;
         let (input, in_guard) = crate::backend::DeviceBuffer::read_ptr(&send, dev);
         let (output, out_guard) = crate::backend::DeviceBufferMut::write_ptr(&mut recv, dev);
-        let launched = rank.launch(
-            settings,
-            &plan,
-            PeerInputs::Own(input),
-            output,
-            Fused::default(),
-        );
+        let inputs = PeerInputs::Own(input);
+        let launched = rank.launch(settings, &plan, inputs, output, Fused::default());
         drop((in_guard, out_guard));
         launched?;
         B::synchronize(dev)?;

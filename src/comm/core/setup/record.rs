@@ -154,19 +154,3 @@ pub(crate) fn shared_device_error(
          set CommConfig::allow_shared_devices to share one on purpose (tests, MPS)"
     ))
 }
-
-/// Checks what rank `r` reported against this rank's own record.
-pub(crate) fn check_peer_record(
-    me: usize,
-    r: usize,
-    mine: &PeerRecord,
-    peer: &PeerRecord,
-) -> Result<()> {
-    if peer.arch != mine.arch {
-        return Err(Error::InvalidDevices(format!(
-            "rank {r} runs on {} and rank {me} on {}: one architecture per communicator",
-            peer.arch, mine.arch
-        )));
-    }
-    Ok(())
-}

@@ -9,24 +9,17 @@ use crate::comm::core::setup::record::{put_text, Reader};
 
 /// All-gathers each rank's problem over the world; the first one is every rank's answer.
 pub(crate) fn agree(world: &dyn Bootstrap, problem: Option<Error>) -> Result<Option<Error>> {
-    let code = match &problem {
-        Some(e @ Error::P2pUnavailable { .. }) => encode_unavailable(e),
-        Some(_) => vec![2u8],
-        None => Vec::new(),
+    let code = problem.as_ref().map_or(Vec::new(), encode_unavailable);
+    let all = world.all_gather(&code)?;
+    let Some(r) = all.iter().position(|b| !b.is_empty()) else {
+        return Ok(None);
     };
-    for (r, bytes) in world.all_gather(&code)?.into_iter().enumerate() {
-        if bytes.is_empty() {
-            continue;
-        }
-        return Ok(Some(decode_unavailable(&bytes).unwrap_or_else(|| {
-            Error::InvalidDevices(format!("rank {r} cannot reach a peer's memory"))
-        })));
-    }
-    Ok(None)
+    let unknown = || Error::InvalidDevices(format!("rank {r} cannot reach a peer's memory"));
+    Ok(Some(decode_unavailable(&all[r]).unwrap_or_else(unknown)))
 }
 
 /// A [`Error::P2pUnavailable`] as bytes for [`agree`]: tag 1, the four numbers
-/// (`u64`), the detail and the hint (length-prefixed text).
+/// (`u64`), the detail and the hint (length-prefixed text); tag 2 for other errors.
 pub(crate) fn encode_unavailable(e: &Error) -> Vec<u8> {
     let Error::P2pUnavailable {
         from,
