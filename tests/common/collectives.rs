@@ -10,8 +10,8 @@ use rand::rngs::StdRng;
 use rand::Rng;
 
 use super::{
-    bits, eps, group_sizes, poisoned, random_inputs, random_values, rng, suite_config, upload,
-    views, views_mut, Call,
+    bits, eps, group_sizes, on_ranks, poisoned, random_inputs, random_values, rng, suite_config,
+    upload, views, views_mut, Call,
 };
 
 /// Lengths the collectives are checked at in the sweeps (odd ones exercise the tails).
@@ -228,13 +228,10 @@ pub fn reduce_scatter_parts_are_the_all_reduce<B: Backend, T: Element>(
     let ins: Vec<Vec<T>> = random_inputs::<T>(rng, world, n);
     let ranks = comm.cores();
     let dev = |r: usize| ranks[r].device();
-    let in_bufs: Vec<_> = (0..world)
-        .map(|r| upload::<B, T>(dev(r), &ins[r]))
-        .collect();
-    let mut parts: Vec<_> = (0..world)
-        .map(|r| poisoned::<B, T>(dev(r), reduce_scatter_part(n, width, r % width).len()))
-        .collect();
-    let mut reduced: Vec<_> = (0..world).map(|r| poisoned::<B, T>(dev(r), n)).collect();
+    let in_bufs = on_ranks(comm, |r, d| upload::<B, T>(d, &ins[r]));
+    let part_len = |r: usize| reduce_scatter_part(n, width, r % width).len();
+    let mut parts = on_ranks(comm, |r, d| poisoned::<B, T>(d, part_len(r)));
+    let mut reduced = on_ranks(comm, |_, d| poisoned::<B, T>(d, n));
     let opts = CollectiveOptions::new().group_size(width);
     let what = format!(
         "reduce-scatter vs all-reduce {:?} world {world} group {width} n {n}",
@@ -272,18 +269,10 @@ pub fn check_rms_norm_once<B: Backend, T: Element>(
     let residual: Vec<T> = random_values::<T>(rng, n);
     let weight: Vec<T> = random_values::<T>(rng, hidden);
     let epsilon = rng.random_range(1e-6f32..1e-3);
-    let ranks = comm.cores();
-    let dev = |r: usize| ranks[r].device();
-    let in_bufs: Vec<_> = (0..world)
-        .map(|r| upload::<B, T>(dev(r), &ins[r]))
-        .collect();
-    let w_bufs: Vec<_> = (0..world)
-        .map(|r| upload::<B, T>(dev(r), &weight))
-        .collect();
-    let mut res_bufs: Vec<_> = (0..world)
-        .map(|r| upload::<B, T>(dev(r), &residual))
-        .collect();
-    let mut out_bufs: Vec<_> = (0..world).map(|r| poisoned::<B, T>(dev(r), n)).collect();
+    let in_bufs = on_ranks(comm, |r, d| upload::<B, T>(d, &ins[r]));
+    let w_bufs = on_ranks(comm, |_, d| upload::<B, T>(d, &weight));
+    let mut res_bufs = on_ranks(comm, |_, d| upload::<B, T>(d, &residual));
+    let mut out_bufs = on_ranks(comm, |_, d| poisoned::<B, T>(d, n));
     let what = format!(
         "fused {:?} world {world} group {width} {tokens}x{hidden}",
         T::DTYPE
@@ -295,12 +284,8 @@ pub fn check_rms_norm_once<B: Backend, T: Element>(
         .expect(&what);
     drop((i, w, res, o));
     comm.synchronize().expect(&what);
-    let outs: Vec<Vec<T>> = (0..world)
-        .map(|r| B::download(dev(r), &out_bufs[r]).unwrap())
-        .collect();
-    let res: Vec<Vec<T>> = (0..world)
-        .map(|r| B::download(dev(r), &res_bufs[r]).unwrap())
-        .collect();
+    let outs = on_ranks(comm, |r, d| B::download(d, &out_bufs[r]).unwrap());
+    let res = on_ranks(comm, |r, d| B::download(d, &res_bufs[r]).unwrap());
     for r in 0..world {
         let what = format!("{what} rank {r}");
         check_rms_norm(
@@ -468,19 +453,13 @@ impl<B: Backend, T: Element> FuzzCall<B, T> {
         let world = comm.world_size();
         let len = input_len(which, width, n);
         let ins: Vec<Vec<T>> = random_inputs::<T>(rng, world, len);
-        let dev = |r: usize| comm.core(r).device();
-        let in_bufs = (0..world)
-            .map(|r| upload::<B, T>(dev(r), &ins[r]))
-            .collect();
-        let outs = (0..world)
-            .map(|r| match which {
-                Which::Broadcast {
-                    root,
-                    in_place: true,
-                } if r % width == root => upload::<B, T>(dev(r), &ins[r]),
-                _ => poisoned::<B, T>(dev(r), output_len(which, width, r, len)),
-            })
-            .collect();
+        let in_bufs = on_ranks(comm, |r, d| upload::<B, T>(d, &ins[r]));
+        let outs = on_ranks(comm, |r, d| match which {
+            Which::Broadcast { root, in_place } if in_place && r % width == root => {
+                upload::<B, T>(d, &ins[r])
+            }
+            _ => poisoned::<B, T>(d, output_len(which, width, r, len)),
+        });
         FuzzCall {
             which,
             width,

@@ -6,7 +6,9 @@ use std::time::{Duration, Instant};
 use peercomm::backend::{Backend, TypedBuffer};
 use peercomm::{AllReduceOptions, Element, Error};
 
-use super::{check_sums, open, random_inputs, rng, run_case, suite_config, views, views_mut};
+use super::{
+    check_sums, on_ranks, open, random_inputs, rng, run_case, suite_config, views, views_mut,
+};
 
 /// `wait()` reads no error record (a timeout goes unnoticed) and `synchronize()` then
 /// reports it; `check_errors()` reports it without waiting for the stream. Both recover
@@ -119,36 +121,21 @@ pub fn slice_form<B: Backend>(world: usize) {
             let opts = AllReduceOptions::new().algorithm(algorithm);
             let data = random_inputs::<T>(rng, world, len);
             let poison = vec![T::from_f32(f32::NAN); len];
-            let devs: Vec<&B::Device> = comm.cores().iter().map(|r| r.device()).collect();
-            let ins: Vec<B::Buffer<T>> = (0..world)
-                .map(|r| B::alloc_from(devs[r], &data[r]).unwrap())
-                .collect();
-            let mut outs: Vec<B::Buffer<T>> = (0..world)
-                .map(|r| B::alloc_from(devs[r], &poison).unwrap())
-                .collect();
+            let ins = on_ranks(comm, |r, d| B::alloc_from(d, &data[r]).unwrap());
+            let mut outs = on_ranks(comm, |_, d| B::alloc_from(d, &poison).unwrap());
             comm.all_reduce_sum_slices(&ins, &mut outs, &opts).unwrap();
             comm.synchronize().unwrap();
-            let got: Vec<Vec<T>> = (0..world)
-                .map(|r| outs[r].to_host(devs[r]).unwrap())
-                .collect();
+            let got = on_ranks(comm, |r, d| outs[r].to_host(d).unwrap());
             check_sums(&data, &got, world, &format!("slices, {algorithm:?}, {len}"));
             // In place, over fresh data.
             let data = random_inputs::<T>(rng, world, len);
-            let mut bufs: Vec<B::Buffer<T>> = (0..world)
-                .map(|r| B::alloc_from(devs[r], &data[r]).unwrap())
-                .collect();
+            let mut bufs = on_ranks(comm, |r, d| B::alloc_from(d, &data[r]).unwrap());
             comm.all_reduce_sum_slices_in_place(&mut bufs, &opts)
                 .unwrap();
             comm.synchronize().unwrap();
-            let got: Vec<Vec<T>> = (0..world)
-                .map(|r| bufs[r].to_host(devs[r]).unwrap())
-                .collect();
-            check_sums(
-                &data,
-                &got,
-                world,
-                &format!("slices in place, {algorithm:?}, {len}"),
-            );
+            let got = on_ranks(comm, |r, d| bufs[r].to_host(d).unwrap());
+            let what = format!("slices in place, {algorithm:?}, {len}");
+            check_sums(&data, &got, world, &what);
         }
     }
     let comm = open::<B>(world, suite_config(Some(2)));
@@ -162,36 +149,22 @@ pub fn slice_form<B: Backend>(world: usize) {
     let devs: Vec<&B::Device> = comm.cores().iter().map(|r| r.device()).collect();
     let lens: Vec<usize> = (0..world).map(|r| if r == 1 { 7 } else { 6 }).collect();
     let values: Vec<Vec<f32>> = lens.iter().map(|&n| vec![1.5; n]).collect();
-    let mut ins: Vec<B::Buffer<f32>> = (0..world)
-        .map(|r| B::alloc_from(devs[r], &values[r]).unwrap())
-        .collect();
-    let mut outs: Vec<B::Buffer<f32>> = (0..world)
-        .map(|r| B::alloc_from(devs[r], &vec![f32::NAN; lens[r]]).unwrap())
-        .collect();
+    let mut ins = on_ranks(&comm, |r, d| B::alloc_from(d, &values[r]).unwrap());
+    let nans = |r: usize| vec![f32::NAN; lens[r]];
+    let mut outs = on_ranks(&comm, |r, d| B::alloc_from(d, &nans(r)).unwrap());
     let opts = AllReduceOptions::new();
     let length_mismatch_on =
         |got: peercomm::Result<peercomm::Algorithm>, rank: usize, what: &str| match got {
             Err(Error::LengthMismatch { rank: r, .. }) if r == rank => {}
             other => panic!("{what}: expected LengthMismatch on rank {rank}, got {other:?}"),
         };
-    length_mismatch_on(
-        comm.all_reduce_sum_slices(&ins, &mut outs, &opts),
-        1,
-        "unequal inputs",
-    );
-    length_mismatch_on(
-        comm.all_reduce_sum_slices_in_place(&mut ins, &opts),
-        1,
-        "unequal, in place",
-    );
-    let same: Vec<B::Buffer<f32>> = (0..world)
-        .map(|r| B::alloc_from(devs[r], &[1.5f32; 6]).unwrap())
-        .collect();
-    length_mismatch_on(
-        comm.all_reduce_sum_slices(&same, &mut outs, &opts),
-        1,
-        "rank 1's output of 7",
-    );
+    let got = comm.all_reduce_sum_slices(&ins, &mut outs, &opts);
+    length_mismatch_on(got, 1, "unequal inputs");
+    let got = comm.all_reduce_sum_slices_in_place(&mut ins, &opts);
+    length_mismatch_on(got, 1, "unequal, in place");
+    let same = on_ranks(&comm, |_, d| B::alloc_from(d, &[1.5f32; 6]).unwrap());
+    let got = comm.all_reduce_sum_slices(&same, &mut outs, &opts);
+    length_mismatch_on(got, 1, "rank 1's output of 7");
     assert_eq!(
         comm.all_reduce_sum_slices(&same[1..], &mut outs[1..], &opts),
         Err(Error::WrongTensorCount {

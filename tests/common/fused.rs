@@ -332,12 +332,8 @@ pub fn lamport_kinds_interleave<B: Backend>(comm: &SingleController<B>, rng: &mu
             let pool = Pool::<half::bf16>::new(rng, world, tokens, hidden);
             fused.push(enqueue_fused::<B, _>(comm, pool, Algorithm::Lamport));
             let ins = super::random_inputs::<f32>(rng, world, len);
-            let send: Vec<_> = (0..world)
-                .map(|r| upload::<B, f32>(dev(r), &ins[r]))
-                .collect();
-            let mut recv: Vec<_> = (0..world)
-                .map(|r| poisoned::<B, f32>(dev(r), len))
-                .collect();
+            let send = super::on_ranks(comm, |r, d| upload::<B, f32>(d, &ins[r]));
+            let mut recv = super::on_ranks(comm, |_, d| poisoned::<B, f32>(d, len));
             let opts = peercomm::AllReduceOptions::new().algorithm(Algorithm::Lamport);
             comm.all_reduce_sum(&views(&send), &mut views_mut(&mut recv), &opts)
                 .unwrap_or_else(|e| panic!("round {round} call {i}: {e}"));
@@ -346,9 +342,7 @@ pub fn lamport_kinds_interleave<B: Backend>(comm: &SingleController<B>, rng: &mu
     }
     comm.synchronize().expect("interleaved Lamport calls");
     for (i, (ins, _send, recv)) in reduced.iter().enumerate() {
-        let outs: Vec<Vec<f32>> = (0..world)
-            .map(|r| B::download(dev(r), &recv[r]).unwrap())
-            .collect();
+        let outs = super::on_ranks(comm, |r, d| B::download(d, &recv[r]).unwrap());
         super::check_sums(ins, &outs, world, &format!("interleaved all-reduce {i}"));
     }
     for (i, p) in fused.iter().enumerate() {

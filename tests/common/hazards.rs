@@ -70,23 +70,17 @@ pub fn lamport_after_width_change_with_late_rank<B: Backend>(
             .unwrap_or_else(|e| panic!("{name}, world {world}: synchronize: {e}"));
         // The sums of every call first (the defect this test exists for: stale Lamport
         // data summed in after a width change), then what each call returned.
+        let what = |i: usize, c: &Prepared<B, f32>| {
+            format!("{name}, world {world}, call {i}: {}", c.describe(world))
+        };
         for (i, (c, outcome)) in calls.iter().zip(&outcomes).enumerate() {
             if let Ok(ran) = outcome {
-                super::check_result(
-                    &c.ins,
-                    &c.results(&comm),
-                    c.width(world),
-                    *ran,
-                    &format!("{name}, world {world}, call {i}: {}", c.describe(world)),
-                );
+                let (results, width) = (c.results(&comm), c.width(world));
+                super::check_result(&c.ins, &results, width, *ran, &what(i, c));
             }
         }
         for (i, (c, outcome)) in calls.iter().zip(&outcomes).enumerate() {
-            c.check(
-                &comm,
-                outcome,
-                &format!("{name}, world {world}, call {i}: {}", c.describe(world)),
-            );
+            c.check(&comm, outcome, &what(i, c));
         }
         eprintln!("{name}: world {world}: {} calls checked", calls.len());
     }

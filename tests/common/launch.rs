@@ -134,15 +134,9 @@ fn fault_config(max_blocks: Option<u32>) -> CommConfig {
 /// One all-reduce (or, `grouped`, a group of two) of fresh data on every rank.
 fn call<B: Backend>(comm: &SingleController<B>, rng: &mut StdRng, grouped: bool) -> Result<()> {
     let world = comm.world_size();
-    let mut calls: Vec<Prepared<B, f32>> = (0..if grouped { 2 } else { 1 })
-        .map(|_| {
-            Prepared::new(
-                comm,
-                random_inputs(rng, world, 300),
-                false,
-                AllReduceOptions::new(),
-            )
-        })
+    let opts = AllReduceOptions::new();
+    let mut calls: Vec<Prepared<B, f32>> = (0..1 + usize::from(grouped))
+        .map(|_| Prepared::new(comm, random_inputs(rng, world, 300), false, opts))
         .collect();
     if grouped {
         let mut group = comm.group();
@@ -175,12 +169,12 @@ pub fn launch_failure_poisons<B: Backend>(place: Place, max_blocks: Option<u32>)
                          grouped {grouped}"
                     );
                     comm.fail_next_launch(failing).unwrap();
-                    match call(&comm, &mut rng, grouped) {
-                        Err(Error::Backend { call: "launch", .. }) => {}
-                        other => {
-                            panic!("{what}: expected the injected launch error, got {other:?}")
-                        }
-                    }
+                    let got = call(&comm, &mut rng, grouped);
+                    let injected = matches!(got, Err(Error::Backend { call: "launch", .. }));
+                    assert!(
+                        injected,
+                        "{what}: expected the injected launch error, got {got:?}"
+                    );
                     let poisons = parallel || failing > 0;
                     assert_eq!(comm.is_poisoned(), poisons, "{what}");
                     if poisons {

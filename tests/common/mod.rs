@@ -126,6 +126,15 @@ pub fn poisoned<B: Backend, T: Element>(dev: &B::Device, len: usize) -> B::Buffe
     upload::<B, T>(dev, &vec![T::from_f32(f32::NAN); len])
 }
 
+/// `f(r, rank r's device)` for every rank of `comm`, in rank order.
+pub fn on_ranks<B: Backend, X>(
+    comm: &SingleController<B>,
+    mut f: impl FnMut(usize, &B::Device) -> X,
+) -> Vec<X> {
+    let ranks = comm.cores().iter().enumerate();
+    ranks.map(|(r, rank)| f(r, rank.device())).collect()
+}
+
 /// Flat views of `bufs`, one per rank.
 pub fn views<B: Backend, D: DeviceBuffer<B>>(bufs: &[D]) -> Vec<TensorView<'_, B>> {
     bufs.iter().map(|b| TensorView::flat(b)).collect()

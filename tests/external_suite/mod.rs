@@ -318,13 +318,8 @@ pub fn by_size_when_opted_in<B: Backend>(place: &Place, world: usize) {
                     "{by_size:?} len {len}: {ran:?}"
                 );
                 // Forced, whatever the size.
-                let (forced, _) = call::<B, f32>(
-                    &comm,
-                    &mine,
-                    &AllReduceOptions::new().algorithm(Algorithm::Nccl),
-                    false,
-                )
-                .unwrap();
+                let nccl = AllReduceOptions::new().algorithm(Algorithm::Nccl);
+                let (forced, _) = call::<B, f32>(&comm, &mine, &nccl, false).unwrap();
                 assert_eq!(forced, Algorithm::Nccl);
                 outs.push(got);
             }
@@ -361,17 +356,10 @@ pub fn single_controller<B: Backend>(ordinals: &[usize]) {
         );
         for len in [1usize, 1027, 65_537] {
             let ins = common::random_inputs::<f32>(&mut rng, world, len);
-            let dev = |r: usize| comm.core(r).device();
-            let mut bufs: Vec<_> = (0..world)
-                .map(|r| common::upload::<B, f32>(dev(r), &ins[r]))
-                .collect();
-            let mut outs: Vec<_> = (0..world)
-                .map(|r| common::poisoned::<B, f32>(dev(r), len))
-                .collect();
-            let download = |bufs: &[B::Buffer<f32>]| -> Vec<Vec<f32>> {
-                (0..world)
-                    .map(|r| B::download(dev(r), &bufs[r]).unwrap())
-                    .collect()
+            let mut bufs = common::on_ranks(&comm, |r, d| common::upload::<B, f32>(d, &ins[r]));
+            let mut outs = common::on_ranks(&comm, |_, d| common::poisoned::<B, f32>(d, len));
+            let download = |bufs: &[B::Buffer<f32>]| {
+                common::on_ranks(&comm, |r, d| B::download(d, &bufs[r]).unwrap())
             };
             let os = &mut common::views_mut(&mut outs);
             let ran = comm.all_reduce_sum(&common::views(&bufs), os, &AllReduceOptions::new());
@@ -413,11 +401,11 @@ pub fn world_beyond_max_gpus<B: Backend>(place: &Place) {
     checked_schedule::<B>(place, world, &config, Algorithm::Nccl, Some(1), test);
     let id = UniqueId::new().unwrap();
     let config = config.with_fallback(FallbackConfig::peer_memory_only());
-    let refused = Comm::<B>::from_rank(B::open(0).unwrap(), 0, world, &id, config);
-    assert!(matches!(
-        refused.err(),
-        Some(Error::InvalidWorldSize { .. })
-    ));
+    let refused = Comm::<B>::from_rank(B::open(0).unwrap(), 0, world, &id, config).err();
+    assert!(
+        matches!(refused, Some(Error::InvalidWorldSize { .. })),
+        "{refused:?}"
+    );
     let _ = id.release();
 }
 
