@@ -304,7 +304,7 @@ impl Backend for Cuda {
         dims: LaunchDims,
         args: &AllReduceArgs,
     ) -> Result<()> {
-        super::check_plain_kernel(Self::NAME, kernel)?;
+        super::check_kernel(Self::NAME, kernel, None)?;
         device::launch_one(dev, kernel, dims, args)
     }
 
@@ -323,7 +323,7 @@ impl Backend for Cuda {
         dims: LaunchDims,
         args: &GroupArgs,
     ) -> Result<()> {
-        super::check_group_kernel(Self::NAME, kernel, args)?;
+        super::check_kernel(Self::NAME, kernel, Some(args))?;
         device::launch_one(dev, kernel, dims, args)
     }
 

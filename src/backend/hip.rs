@@ -187,7 +187,7 @@ impl Backend for Hip {
         dims: LaunchDims,
         args: &AllReduceArgs,
     ) -> Result<()> {
-        super::check_plain_kernel(Self::NAME, kernel)?;
+        super::check_kernel(Self::NAME, kernel, None)?;
         // SAFETY: the other kernels (checked above) take one `peercomm_allreduce_args` by value.
         unsafe { launch_by_value(dev, kernel, dims, args.group_width, args) }
     }
@@ -198,7 +198,7 @@ impl Backend for Hip {
         dims: LaunchDims,
         args: &GroupArgs,
     ) -> Result<()> {
-        super::check_group_kernel(Self::NAME, kernel, args)?;
+        super::check_kernel(Self::NAME, kernel, Some(args))?;
         // SAFETY: the batched kernels (checked above) take one `peercomm_group_args` by value.
         unsafe { launch_by_value(dev, kernel, dims, args.all.group_width, args) }
     }

@@ -228,7 +228,7 @@ impl Backend for Host {
         dims: LaunchDims,
         args: &AllReduceArgs,
     ) -> Result<()> {
-        super::check_plain_kernel(Self::NAME, kernel)?;
+        super::check_kernel(Self::NAME, kernel, None)?;
         let args = *args;
         // SAFETY: the communicator built `args` from live allocations of the layout the
         // kernels expect.
@@ -244,7 +244,7 @@ impl Backend for Host {
         dims: LaunchDims,
         args: &GroupArgs,
     ) -> Result<()> {
-        super::check_group_kernel(Self::NAME, kernel, args)?;
+        super::check_kernel(Self::NAME, kernel, Some(args))?;
         let args = *args;
         // SAFETY: as in `launch`; the entries come from buffers the communicator holds
         // for the call.

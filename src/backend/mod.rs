@@ -39,37 +39,25 @@ pub trait IntoDevice {
     fn into_device(self) -> Result<<Self::Backend as Backend>::Device>;
 }
 
-/// Refuses a [`Backend::launch`] of the batched all-reduce (it takes [`GroupArgs`]).
-pub(crate) fn check_plain_kernel(backend: &'static str, kernel: Kernel) -> Result<()> {
-    if kernel.kind == KernelKind::AllReduceGroup {
-        return Err(crate::Error::Unsupported(format!(
-            "{backend}: {} takes group arguments: launch it with launch_group",
-            kernel.symbol()
-        )));
+/// The launch checks: the batched all-reduce runs through [`Backend::launch_group`]
+/// (`group`: its arguments, `1..=MAX_GROUP_CALLS` entries), every other kernel through
+/// [`Backend::launch`].
+pub(crate) fn check_kernel(name: &str, kernel: Kernel, group: Option<&GroupArgs>) -> Result<()> {
+    let (max, symbol) = (crate::signal::MAX_GROUP_CALLS, kernel.symbol());
+    let refuse = |why: String| Err(crate::Error::Unsupported(format!("{name}: {why}")));
+    match (kernel.kind == KernelKind::AllReduceGroup, group) {
+        (true, None) => refuse(format!(
+            "{symbol} takes group arguments: launch it with launch_group"
+        )),
+        (false, Some(_)) => refuse(format!(
+            "launch_group runs the batched all-reduce, not {symbol}"
+        )),
+        (true, Some(g)) if g.count == 0 || g.count as usize > max => refuse(format!(
+            "a batched all-reduce of {} entries (1..={max})",
+            g.count
+        )),
+        _ => Ok(()),
     }
-    Ok(())
-}
-
-/// [`Backend::launch_group`]'s checks: the batched all-reduce, `1..=MAX_GROUP_CALLS` entries.
-pub(crate) fn check_group_kernel(
-    backend: &'static str,
-    kernel: Kernel,
-    args: &GroupArgs,
-) -> Result<()> {
-    let max = crate::signal::MAX_GROUP_CALLS;
-    if kernel.kind != KernelKind::AllReduceGroup {
-        return Err(crate::Error::Unsupported(format!(
-            "{backend}: launch_group runs the batched all-reduce, not {}",
-            kernel.symbol()
-        )));
-    }
-    if args.count == 0 || args.count as usize > max {
-        return Err(crate::Error::Unsupported(format!(
-            "{backend}: a batched all-reduce of {} entries (1..={max})",
-            args.count
-        )));
-    }
-    Ok(())
 }
 
 /// A vendor (or the host reference) as peercomm needs it.

@@ -89,16 +89,6 @@ pub struct CommConfig {
     pub parallel_launch: bool,
 }
 
-/// Chained setters: `fn name(arg: T) => field = value;` each.
-macro_rules! setters {
-    ($($(#[$m:meta])* fn $name:ident($arg:ident: $t:ty) => $field:ident = $value:expr;)*) => {
-        $($(#[$m])* pub fn $name(mut self, $arg: $t) -> Self {
-            self.$field = $value;
-            self
-        })*
-    };
-}
-
 impl CommConfig {
     setters! {
         /// With [`CommConfig::lamport_slot_bytes`].

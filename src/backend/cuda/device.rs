@@ -202,7 +202,7 @@ pub(super) fn launch_overlapping(
     dims: LaunchDims,
     args: &AllReduceArgs,
 ) -> Result<()> {
-    super::super::check_plain_kernel(<Cuda as Backend>::NAME, kernel)?;
+    super::super::check_kernel(<Cuda as Backend>::NAME, kernel, None)?;
     // Programmatic dependent launch exists from sm_90 (and the kernels' wait for
     // the previous grid is compiled only there).
     let (major, _) = dev

@@ -90,13 +90,8 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
         self.comm
             .core
             .check_all_reduce(&meta(send), &meta(&*recv))?;
-        let (dtype, elements) = (send.dtype(), send.len());
-        self.add(
-            Some(send as &dyn DeviceBuffer<B>),
-            recv,
-            (dtype, elements),
-            options,
-        )
+        let shape = (send.dtype(), send.len());
+        self.add(Some(send as &dyn DeviceBuffer<B>), recv, shape, options)
     }
 
     /// Adds `buf` summed over the world in place.
@@ -135,16 +130,14 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
         (dtype, elements): (crate::DType, usize),
         options: &AllReduceOptions,
     ) -> Result<()> {
-        let in_place = send.is_none();
-        let reads = PeerReads::Payloads;
-        (self.comm.core).plan_all_reduce(dtype, elements, options, in_place, reads)?;
-        let options = *options;
         let call = GroupedCall {
             dtype,
             elements,
-            options,
-            in_place,
+            options: *options,
+            in_place: send.is_none(),
         };
+        let reads = PeerReads::Payloads;
+        (self.comm.core).plan_all_reduce(dtype, elements, options, call.in_place, reads)?;
         self.calls.push(Pending { send, recv, call });
         Ok(())
     }

@@ -38,20 +38,13 @@ impl CollectiveOptions {
     pub fn new() -> Self {
         Self::default()
     }
-    /// With a group size.
-    pub fn group_size(mut self, group_size: usize) -> Self {
-        self.group_size = group_size;
-        self
-    }
-    /// With a block count.
-    pub fn blocks(mut self, blocks: u32) -> Self {
-        self.blocks = Some(blocks);
-        self
-    }
-    /// With an algorithm (see the field: it chooses between the fused kernels).
-    pub fn algorithm(mut self, algorithm: Algorithm) -> Self {
-        self.algorithm = algorithm;
-        self
+    setters! {
+        /// With a group size.
+        fn group_size(group_size: usize) => group_size = group_size;
+        /// With a block count.
+        fn blocks(blocks: u32) => blocks = Some(blocks);
+        /// With an algorithm (see the field: it chooses between the fused kernels).
+        fn algorithm(algorithm: Algorithm) => algorithm = algorithm;
     }
 }
 
