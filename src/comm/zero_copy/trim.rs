@@ -47,9 +47,9 @@ impl<B: Backend> Comm<B> {
     /// Frees the symmetric pool's segments that hold no buffer on any rank (collective:
     /// in the same order as the symmetric allocations and registrations) and returns
     /// the bytes this rank freed. Every rank closes its mappings of the freed segments
-    /// before any rank frees the memory. [`Error::CannotRegister`] on every rank where a
+    /// before any rank frees the memory. [`crate::Error::CannotRegister`] on every rank where a
     /// peer allocates or registers meanwhile, or its pool differs; a poisoned
-    /// communicator is [`Error::Poisoned`] here and `CannotRegister` on the peers.
+    /// communicator is [`crate::Error::Poisoned`] here and `CannotRegister` on the peers.
     pub fn trim_symmetric(&self) -> Result<u64> {
         let core = &*self.core;
         let mut segments = lock(&self.pool.segments);
