@@ -107,16 +107,6 @@
 
 #![warn(missing_docs)]
 
-/// Chained setters of a config: `fn name(arg: T) => field = value;` each.
-macro_rules! setters {
-    ($($(#[$m:meta])* fn $name:ident($arg:ident: $t:ty) => $field:ident = $value:expr;)*) => {
-        $($(#[$m])* pub fn $name(mut self, $arg: $t) -> Self {
-            self.$field = $value;
-            self
-        })*
-    };
-}
-
 pub mod backend;
 pub mod bootstrap;
 mod comm;

@@ -1,5 +1,6 @@
 //! What a communicator is built with, and the options of one collective.
 
+use crate::external::setters;
 use std::time::Duration;
 
 use crate::backend::DeviceIdentity;

@@ -11,6 +11,17 @@ use crate::bootstrap::Bootstrap;
 use crate::dtype::DType;
 use crate::error::Result;
 
+/// Chained setters of a config: `fn name(arg: T) => field = value;` each.
+macro_rules! setters {
+    ($($(#[$m:meta])* fn $name:ident($arg:ident: $t:ty) => $field:ident = $value:expr;)*) => {
+        $($(#[$m])* pub fn $name(mut self, $arg: $t) -> Self {
+            self.$field = $value;
+            self
+        })*
+    };
+}
+pub(crate) use setters;
+
 pub mod host;
 pub(crate) mod local;
 #[cfg(feature = "cuda")]

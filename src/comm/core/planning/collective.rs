@@ -6,6 +6,7 @@ use crate::backend::{Kernel, KernelKind};
 use crate::dispatch::{self, Algorithm};
 use crate::dtype::DType;
 use crate::error::{Error, Result};
+use crate::external::setters;
 use crate::signal::LAMPORT_HEADER_BYTES;
 
 use super::staging::message_bytes;
