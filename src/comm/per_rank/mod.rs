@@ -22,12 +22,9 @@ use crate::comm::core::setup::RankProcesses;
 use crate::comm::zero_copy::registry::{InPlace, Registry};
 
 mod collectives;
-#[cfg(feature = "fault-injection")]
-mod fault;
 pub(crate) mod group;
+mod lifecycle;
 mod parking;
-mod status;
-mod teardown;
 
 #[cfg(feature = "unstable")]
 pub use parking::{free_expired_teardowns, parked_teardowns};
