@@ -262,7 +262,6 @@ impl<T: Element> HipBuffer<T> {
 }
 
 // SAFETY: the pointer, length, dtype and device come from the allocation itself.
-
 unsafe impl<T: Element> DeviceBuffer<Hip> for HipBuffer<T> {
     fn dtype(&self) -> DType {
         T::DTYPE
@@ -279,7 +278,6 @@ unsafe impl<T: Element> DeviceBuffer<Hip> for HipBuffer<T> {
 }
 
 // SAFETY: the pointer, length, dtype and device come from the allocation itself.
-
 unsafe impl<T: Element> DeviceBufferMut<Hip> for HipBuffer<T> {
     fn write_ptr<'a>(&'a mut self, _dev: &'a HipDevice) -> (u64, ()) {
         (self.mem.ptr, ())
