@@ -6,6 +6,12 @@ use crate::dtype::DType;
 mod recovery;
 pub use recovery::Recovery;
 
+/// Locks `m`, through a poisoning panic: every lock here guards bookkeeping that each
+/// step leaves whole.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// What a timeout's rank waited for, and where: `rank 3 (block 0, barrier domain 0)...`.
 fn waited_for(rank: Option<usize>, block: usize, domain: usize) -> String {
     let rank = rank.map_or_else(|| "an unknown rank".to_string(), |r| format!("rank {r}"));

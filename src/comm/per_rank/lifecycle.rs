@@ -3,6 +3,7 @@
 //! freeing this rank's signal and mappings, or parking them where a peer may still write
 //! (see `Drop for Comm`).
 
+use crate::error::lock;
 use std::time::Duration;
 
 use crate::backend::Backend;
@@ -219,8 +220,7 @@ impl<B: Backend> Comm<B> {
                 super::parking::park(buffer, until)
             })));
             // So are the symmetric pool's segments, which the peers read in place too.
-            let segments =
-                std::mem::take(&mut *self.pool.segments.lock().unwrap_or_else(|e| e.into_inner()));
+            let segments = std::mem::take(&mut *lock(&self.pool));
             // The device goes with its memory (freed first, in tuple order): releasing
             // its stream and context measured up to the peer kernel's end (2.3 s) where
             // ranks share a GPU, past this drop's bound.

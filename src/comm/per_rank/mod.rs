@@ -183,7 +183,7 @@ impl<B: Backend> Comm<B> {
             hosts,
             torn_down: false,
             registry: Arc::new(Registry::new(config.bootstrap_timeout)),
-            pool: crate::comm::zero_copy::pool::SymmetricPool::default(),
+            pool: Default::default(),
             script: Default::default(),
             _one_issuing_thread: std::marker::PhantomData,
         })

@@ -3,7 +3,7 @@
 //! gathers every rank's handle; file descriptors follow over the descriptor channel
 //! ([`crate::os::descriptors`]).
 
-use super::lock;
+use crate::error::lock;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 

@@ -11,10 +11,3 @@ pub(crate) mod registered;
 pub(crate) mod registry;
 pub(crate) mod script;
 pub(crate) mod symmetric;
-mod trim;
-
-/// Locks `m`, through a poisoning panic: every lock here guards bookkeeping that each
-/// step leaves whole.
-pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}

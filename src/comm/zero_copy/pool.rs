@@ -1,13 +1,12 @@
 //! The symmetric pool's bookkeeping on one rank: its segments (each registered with every
 //! peer) and their free ranges, handed out first fit.
 
-use super::lock;
+use crate::error::lock;
 use std::sync::{Arc, Mutex};
 
 use crate::backend::Backend;
-use crate::error::Result;
-
 use crate::comm::zero_copy::registry::Registry;
+use crate::error::Result;
 
 /// Alignment of a symmetric buffer in its segment.
 pub(crate) const ALIGN: u64 = 256;
@@ -86,15 +85,5 @@ pub(crate) fn reclaim<B: Backend>(segments: &[Arc<Segment<B>>], dev: &B::Device)
     Ok(())
 }
 
-/// The symmetric pool of one rank.
-pub(crate) struct SymmetricPool<B: Backend> {
-    pub(crate) segments: Mutex<Vec<Arc<Segment<B>>>>,
-}
-
-impl<B: Backend> Default for SymmetricPool<B> {
-    fn default() -> Self {
-        SymmetricPool {
-            segments: Mutex::new(Vec::new()),
-        }
-    }
-}
+/// The symmetric pool of one rank: its segments.
+pub(crate) type SymmetricPool<B> = Mutex<Vec<Arc<Segment<B>>>>;

@@ -10,7 +10,7 @@
 //! synchronize or reinitialize ([`Registry::settle`]) or the teardown
 //! ([`Registry::close`]).
 
-use super::lock;
+use crate::error::lock;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Duration;
