@@ -78,7 +78,7 @@
  *   words 6-7:  the input's byte offset in that registration, bits 0-30 and 31-61
  *   word 8:     elements per row (the fused all-reduce + RMSNorm; else 0)
  *   words 9-10: epsilon's bits (the fused collective; else 0): bits 0-30, then bit 31
- *   word 11:    0 (reserved)
+ *   word 11:    the registration number + 1, bits 31-61
  * An arrival is PEERCOMM_CALL_PACKS 16-byte packs: pack k holds the counter value in
  * word 0 and descriptor words 3k .. 3k + 2 in words 1-3. Each pack is one 16-byte
  * store, so a reader that sees the counter value in every pack sees the descriptor of
@@ -86,6 +86,21 @@
  */
 #define PEERCOMM_CALL_WORDS 12
 #define PEERCOMM_CALL_PACKS 4
+/*
+ * The reduction operator of word 2 (bits PEERCOMM_CALL_OP_SHIFT.., 3 bits), read by the
+ * reducing kernels. Over f16/bf16 and f32 each runs in f32, in group-rank order:
+ *   SUM:  +0.0 + x0 + x1 + ... (over two or more ranks: an exact-zero sum is +0.0)
+ *   PROD: x0 * x1 * ...
+ *   MAX, MIN: by value, with -0.0 below +0.0; any NaN gives the type's canonical quiet
+ *         NaN (f32 0x7fc00000, f16 0x7e00, bf16 0x7fc0), on every rank and algorithm
+ *   AVG:  the SUM divided by the group width (one rounding), then rounded to the type
+ */
+#define PEERCOMM_CALL_OP_SHIFT 25
+#define PEERCOMM_OP_SUM 0
+#define PEERCOMM_OP_PROD 1
+#define PEERCOMM_OP_MAX 2
+#define PEERCOMM_OP_MIN 3
+#define PEERCOMM_OP_AVG 4
 /* A Lamport slot ends with the writer's descriptor: one pack per 3 words, lane 3 zero. */
 #define PEERCOMM_LAMPORT_HEADER_PACKS PEERCOMM_CALL_PACKS
 
