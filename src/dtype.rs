@@ -92,3 +92,125 @@ element!(
     half::f16 => F16, u16, half::f16::to_f32, half::f16::from_f32;
     half::bf16 => BF16, u16, half::bf16::to_f32, half::bf16::from_f32
 );
+
+/// How a reducing collective combines the ranks' elements (cudarc's `nccl::ReduceOp`).
+///
+/// Over `f32`, `f16` and `bf16` every operator runs in f32, in group-rank order, and
+/// rounds once to the element type at the end, so every rank, algorithm and message
+/// size gives the same bits:
+/// - `Sum`: `+0.0 + x0 + x1 + ...` (over two or more ranks an exact-zero sum is +0.0);
+/// - `Prod`: `x0 * x1 * ...`;
+/// - `Max`, `Min`: by value, with -0.0 below +0.0; any NaN gives the type's canonical
+///   quiet NaN (`f32` 0x7fc00000, `f16` 0x7e00, `bf16` 0x7fc0);
+/// - `Avg`: the `Sum`, divided by the group's width, then rounded.
+///
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ReduceOp {
+    /// The sum (the default).
+    #[default]
+    Sum,
+    /// The product.
+    Prod,
+    /// The largest value.
+    Max,
+    /// The smallest value.
+    Min,
+    /// The mean over the group: the sum divided by the group's width.
+    Avg,
+}
+
+impl ReduceOp {
+    /// Every operator, in the order of its code.
+    pub const ALL: [ReduceOp; 5] = [
+        ReduceOp::Sum,
+        ReduceOp::Prod,
+        ReduceOp::Max,
+        ReduceOp::Min,
+        ReduceOp::Avg,
+    ];
+
+    /// Short lowercase name (`sum`, `prod`, `max`, `min`, `avg`).
+    pub const fn name(self) -> &'static str {
+        match self {
+            ReduceOp::Sum => "sum",
+            ReduceOp::Prod => "prod",
+            ReduceOp::Max => "max",
+            ReduceOp::Min => "min",
+            ReduceOp::Avg => "avg",
+        }
+    }
+
+    /// The accumulator's start from group rank 0's element, over `width` ranks.
+    pub(crate) fn start(self, x0: f32, width: usize) -> f32 {
+        match self {
+            ReduceOp::Sum | ReduceOp::Avg if width > 1 => 0.0 + x0,
+            ReduceOp::Max | ReduceOp::Min if x0.is_nan() => CANONICAL_NAN,
+            _ => x0,
+        }
+    }
+
+    /// The accumulator `acc` combined with the next rank's element `x`.
+    pub(crate) fn combine(self, acc: f32, x: f32) -> f32 {
+        match self {
+            ReduceOp::Sum | ReduceOp::Avg => acc + x,
+            ReduceOp::Prod => acc * x,
+            ReduceOp::Max | ReduceOp::Min if acc.is_nan() || x.is_nan() => CANONICAL_NAN,
+            ReduceOp::Max | ReduceOp::Min => {
+                let max = self == ReduceOp::Max;
+                // Equal values differ at most in the sign of zero: -0.0 is the smaller.
+                let x_above = if acc == x {
+                    acc.is_sign_negative()
+                } else {
+                    acc < x
+                };
+                if x_above == max {
+                    x
+                } else {
+                    acc
+                }
+            }
+        }
+    }
+
+    /// The result over `width` ranks, in f32 (before rounding to the element type).
+    pub(crate) fn finish(self, acc: f32, width: usize) -> f32 {
+        match self {
+            ReduceOp::Avg if width > 1 => acc / width as f32,
+            _ => acc,
+        }
+    }
+}
+
+/// The canonical quiet NaN (rounds to `f16` 0x7e00 and `bf16` 0x7fc0).
+const CANONICAL_NAN: f32 = f32::from_bits(0x7fc0_0000);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The signs of zero and NaN, which the rules fix and plain `max`/`min` do not.
+    #[test]
+    fn extremes_order_zeros_and_canonicalise_nan() {
+        let bits = |x: f32| x.to_bits();
+        let (neg, pos) = (-0.0f32, 0.0f32);
+        for (acc, x) in [(neg, pos), (pos, neg)] {
+            assert_eq!(bits(ReduceOp::Max.combine(acc, x)), bits(pos));
+            assert_eq!(bits(ReduceOp::Min.combine(acc, x)), bits(neg));
+        }
+        let payload = f32::from_bits(0xffc0_1234);
+        for op in [ReduceOp::Max, ReduceOp::Min] {
+            assert_eq!(bits(op.combine(1.0, payload)), 0x7fc0_0000);
+            assert_eq!(bits(op.combine(payload, 1.0)), 0x7fc0_0000);
+            assert_eq!(bits(op.start(payload, 2)), 0x7fc0_0000);
+        }
+        assert_eq!(half::f16::from_f32(CANONICAL_NAN).to_bits(), 0x7e00);
+        assert_eq!(half::bf16::from_f32(CANONICAL_NAN).to_bits(), 0x7fc0);
+        assert_eq!(
+            ReduceOp::Avg.finish(ReduceOp::Avg.start(3.0, 2) + 4.0, 2),
+            3.5
+        );
+        assert_eq!(bits(ReduceOp::Sum.start(neg, 2)), bits(pos));
+        assert_eq!(bits(ReduceOp::Sum.start(neg, 1)), bits(neg));
+    }
+}

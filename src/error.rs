@@ -47,6 +47,8 @@ pub enum CallField {
     Hidden,
     /// The epsilon of the fused all-reduce + RMSNorm (compared bit for bit).
     Epsilon,
+    /// The reduction operator ([`crate::ReduceOp`]).
+    Op,
 }
 
 impl std::fmt::Display for CallField {
@@ -63,6 +65,7 @@ impl std::fmt::Display for CallField {
             CallField::Inputs => "where the peers read the input",
             CallField::Hidden => "row length",
             CallField::Epsilon => "epsilon",
+            CallField::Op => "reduction operator",
         })
     }
 }

@@ -136,7 +136,7 @@ pub use comm::{
 #[allow(deprecated)]
 pub use comm::{Communicator, CommunicatorGroup};
 pub use dispatch::Algorithm;
-pub use dtype::{DType, Element};
+pub use dtype::{DType, Element, ReduceOp};
 pub use error::{CallField, Error, Recovery, Result};
 #[cfg(feature = "fault-injection")]
 pub use external::Simulation;

@@ -14,7 +14,7 @@ pub use bindings::{
 
 use std::ops::Range;
 
-use crate::dtype::DType;
+use crate::dtype::{DType, ReduceOp};
 
 impl DType {
     /// The element type's code in the kernels' argument block (`peercomm_dtype`).
@@ -27,6 +27,33 @@ impl DType {
         }
     }
 }
+
+impl ReduceOp {
+    /// The operator's code in a call descriptor (`PEERCOMM_OP_*`).
+    pub(crate) fn raw(self) -> u32 {
+        match self {
+            ReduceOp::Sum => bindings::PEERCOMM_OP_SUM,
+            ReduceOp::Prod => bindings::PEERCOMM_OP_PROD,
+            ReduceOp::Max => bindings::PEERCOMM_OP_MAX,
+            ReduceOp::Min => bindings::PEERCOMM_OP_MIN,
+            ReduceOp::Avg => bindings::PEERCOMM_OP_AVG,
+        }
+    }
+
+    /// The operator of code `raw`, if any.
+    pub(crate) fn from_raw(raw: u32) -> Option<ReduceOp> {
+        ReduceOp::ALL.into_iter().find(|o| o.raw() == raw)
+    }
+
+    /// The operator a call descriptor names (its kernels read it alike; an unknown
+    /// code, which no descriptor holds, sums).
+    pub(crate) fn of_call(call: &[u32; CALL_WORDS]) -> ReduceOp {
+        ReduceOp::from_raw((call[2] >> CALL_OP_SHIFT) & 7).unwrap_or_default()
+    }
+}
+
+/// Where a call descriptor's word 2 holds the reduction operator.
+pub(crate) const CALL_OP_SHIFT: u32 = bindings::PEERCOMM_CALL_OP_SHIFT;
 
 /// Most GPUs one communicator spans.
 pub const MAX_GPUS: usize = bindings::PEERCOMM_MAX_GPUS as usize;

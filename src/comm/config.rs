@@ -6,6 +6,7 @@ use std::time::Duration;
 use crate::backend::DeviceIdentity;
 use crate::bootstrap::HostId;
 use crate::dispatch::Algorithm;
+use crate::dtype::ReduceOp;
 use crate::error::{Error, Result};
 use crate::external::FallbackConfig;
 use crate::external::Simulation;
@@ -215,6 +216,8 @@ pub struct AllReduceOptions {
     /// (programmatic dependent launch, NVIDIA sm_90+), which it still waits for before
     /// reading anything. Off by default.
     pub overlap_previous: bool,
+    /// The operator, which the methods take as an argument (cudarc's order).
+    pub(crate) op: ReduceOp,
 }
 
 impl AllReduceOptions {
@@ -231,6 +234,10 @@ impl AllReduceOptions {
         fn blocks(blocks: u32) => blocks = Some(blocks);
         /// Whether the launch may overlap the previous kernel's tail (see the field).
         fn overlap_previous(overlap: bool) => overlap_previous = overlap;
+    }
+    /// These options with the operator of the call.
+    pub(crate) fn with_op(self, op: ReduceOp) -> Self {
+        AllReduceOptions { op, ..self }
     }
 }
 

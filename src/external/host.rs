@@ -6,10 +6,10 @@
 use std::sync::{Arc, Mutex};
 
 use super::local::LocalBootstrap;
-use super::{ExternalAllReduce, ExternalLibrary, HasExternalLibrary};
+use super::{Call, ExternalAllReduce, ExternalLibrary, HasExternalLibrary};
 use crate::backend::host::{Host, HostDevice};
 use crate::bootstrap::Bootstrap;
-use crate::dtype::{DType, Element};
+use crate::dtype::{DType, Element, ReduceOp};
 use crate::error::{Error, Result};
 
 /// The host stand-in library (see the module docs).
@@ -79,14 +79,8 @@ impl ExternalAllReduce<Host> for HostAllReduce {
         "host"
     }
 
-    unsafe fn all_reduce_sum(
-        &self,
-        dev: &HostDevice,
-        send: u64,
-        recv: u64,
-        elements: usize,
-        dtype: DType,
-    ) -> Result<()> {
+    unsafe fn all_reduce(&self, dev: &HostDevice, call: Call) -> Result<()> {
+        let (send, recv, elements, dtype, op) = call;
         let (bootstrap, members) = (self.bootstrap.clone(), self.members.clone());
         let error = self.error.clone();
         let bytes = elements * dtype.size();
@@ -102,11 +96,11 @@ impl ExternalAllReduce<Host> for HostAllReduce {
                     if parts.iter().any(|p| p.len() != bytes) {
                         return Err(Error::External {
                             library: "host",
-                            call: "all_reduce_sum",
+                            call: "all_reduce",
                             detail: "the ranks of the group passed different lengths".into(),
                         });
                     }
-                    Ok(sum_in_order(dtype, &parts))
+                    Ok(reduce_in_order(dtype, op, &parts))
                 });
             match result {
                 // SAFETY: as for `send`; `recv` holds `bytes` bytes.
@@ -129,8 +123,8 @@ impl ExternalAllReduce<Host> for HostAllReduce {
 }
 
 /// The element-wise sum of `parts` (little-endian elements of `dtype`) in order, in f32.
-fn sum_in_order(dtype: DType, parts: &[&[u8]]) -> Vec<u8> {
-    fn typed<T: Element>(parts: &[&[u8]]) -> Vec<u8> {
+fn reduce_in_order(dtype: DType, op: ReduceOp, parts: &[&[u8]]) -> Vec<u8> {
+    fn typed<T: Element>(op: ReduceOp, parts: &[&[u8]]) -> Vec<u8> {
         let width = std::mem::size_of::<T>();
         let at = |p: &[u8], e: usize| {
             let mut bits = [0u8; 4];
@@ -139,18 +133,19 @@ fn sum_in_order(dtype: DType, parts: &[&[u8]]) -> Vec<u8> {
         };
         (0..parts[0].len() / width)
             .flat_map(|e| {
-                let sum = parts[1..]
-                    .iter()
-                    .fold(at(parts[0], e), |acc, p| acc + at(p, e));
-                let bits = T::from_f32(sum).to_bits_u32().to_le_bytes();
+                let start = op.start(at(parts[0], e), parts.len());
+                let acc = (parts[1..].iter()).fold(start, |acc, p| op.combine(acc, at(p, e)));
+                let bits = T::from_f32(op.finish(acc, parts.len()))
+                    .to_bits_u32()
+                    .to_le_bytes();
                 bits.into_iter().take(width)
             })
             .collect()
     }
     match dtype {
-        DType::F32 => typed::<f32>(parts),
-        DType::F16 => typed::<half::f16>(parts),
-        DType::BF16 => typed::<half::bf16>(parts),
+        DType::F32 => typed::<f32>(op, parts),
+        DType::F16 => typed::<half::f16>(op, parts),
+        DType::BF16 => typed::<half::bf16>(op, parts),
     }
 }
 
@@ -165,17 +160,27 @@ mod tests {
         let c = [-1e8f32, -0.0, 2.0];
         let bytes = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         let (a, b, c) = (bytes(&a), bytes(&b), bytes(&c));
-        let out = sum_in_order(DType::F32, &[&a, &b, &c]);
-        let got: Vec<f32> = out
-            .chunks(4)
-            .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
-            .collect();
+        let f32s = |op| -> Vec<u32> {
+            let out = reduce_in_order(DType::F32, op, &[&a, &b, &c]);
+            let word = |c: &[u8]| u32::from_le_bytes(c.try_into().unwrap());
+            out.chunks(4).map(word).collect()
+        };
+        let got = f32s(ReduceOp::Sum);
         // (1e8 + 1) - 1e8 in f32 is 0 (1 is lost), in this order only.
-        assert_eq!(got[0].to_bits(), ((1e8f32 + 1.0) + -1e8f32).to_bits());
-        assert_eq!(got[1].to_bits(), (-0.0f32).to_bits());
-        assert!(got[2].is_nan());
+        assert_eq!(got[0], ((1e8f32 + 1.0) + -1e8f32).to_bits());
+        // As the kernels: an exact-zero sum over two or more ranks is +0.0.
+        assert_eq!(got[1], 0);
+        assert!(f32::from_bits(got[2]).is_nan());
+        assert_eq!(
+            f32s(ReduceOp::Max),
+            [1e8f32.to_bits(), 0x8000_0000, 0x7fc0_0000]
+        );
         let h = |v: f32| half::bf16::from_f32(v).to_le_bytes();
-        let out = sum_in_order(DType::BF16, &[&h(1.5)[..], &h(2.25)[..], &h(-0.25)[..]]);
-        assert_eq!(out, h(3.5));
+        let parts = [&h(1.5)[..], &h(2.25)[..], &h(-0.25)[..]];
+        assert_eq!(reduce_in_order(DType::BF16, ReduceOp::Sum, &parts), h(3.5));
+        assert_eq!(
+            reduce_in_order(DType::BF16, ReduceOp::Avg, &parts),
+            h(3.5 / 3.0)
+        );
     }
 }

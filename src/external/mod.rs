@@ -8,7 +8,7 @@ use std::sync::Arc;
 use crate::backend::host::Host;
 use crate::backend::Backend;
 use crate::bootstrap::Bootstrap;
-use crate::dtype::DType;
+use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 
 /// Chained setters of a config: `fn name(arg: T) => field = value;` each.
@@ -93,27 +93,25 @@ impl FallbackConfig {
     }
 }
 
+/// The arguments of one external all-reduce: send and receive addresses, elements,
+/// element type, operator.
+pub(crate) type Call = (u64, u64, usize, DType, ReduceOp);
+
 /// One rank's handle on an external all-reduce over its group, as `ncclAllReduce`.
 pub trait ExternalAllReduce<B: Backend>: Send + Sync {
     /// The library's name (`"nccl"`, `"rccl"`, `"host"`).
     #[cfg_attr(not(feature = "unstable"), allow(dead_code))]
     fn library(&self) -> &'static str;
 
-    /// Enqueues the group's sum of `elements` elements of `dtype` at `send` into `recv`
-    /// (may equal `send`) on `dev`'s stream. Every rank makes the same calls in order.
+    /// Enqueues the group's reduction `call` (send and receive addresses, which may be
+    /// equal, element count, type, operator) on `dev`'s stream, in the library's own
+    /// arithmetic. Every rank makes the same calls in order.
     ///
     /// # Safety
-    /// `send` and `recv` must be addresses of at least `elements` elements of `dtype`
-    /// on `dev`, valid until the work enqueued on its stream has finished; `dev` is the
-    /// device this handle was made for.
-    unsafe fn all_reduce_sum(
-        &self,
-        dev: &B::Device,
-        send: u64,
-        recv: u64,
-        elements: usize,
-        dtype: DType,
-    ) -> Result<()>;
+    /// Both addresses must hold at least the call's elements on `dev`, valid until the
+    /// work enqueued on its stream has finished; `dev` is the device this handle was
+    /// made for.
+    unsafe fn all_reduce(&self, dev: &B::Device, call: Call) -> Result<()>;
 
     /// An error found after a call returned (reported once, by `synchronize`).
     fn take_async_error(&self) -> Result<()> {

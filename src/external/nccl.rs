@@ -7,10 +7,11 @@ use std::sync::OnceLock;
 
 use cudarc::nccl::{result, sys};
 
-use super::nccl_api::{Call, NcclApi, NcclLike};
+use super::nccl_api::{NcclApi, NcclLike};
+use super::Call;
 use super::{ExternalLibrary, HasExternalLibrary};
 use crate::backend::cuda::{load_first_of, Cuda, CudaDevice};
-use crate::dtype::DType;
+use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 
 /// NCCL (see the module docs).
@@ -154,11 +155,18 @@ impl NcclApi for Nccl {
     }
 
     unsafe fn all_reduce(&self, comm: Self::Comm, dev: &CudaDevice, call: Call) -> Result<()> {
-        let (send, recv, n, dtype) = call;
+        let (send, recv, n, dtype, op) = call;
         let (s, r, t) = (send as *const _, recv as *mut _, nccl_dtype(dtype));
-        let (sum, stream) = (sys::ncclRedOp_t::ncclSum, dev.stream().cu_stream() as _);
+        let op = match op {
+            ReduceOp::Sum => sys::ncclRedOp_t::ncclSum,
+            ReduceOp::Prod => sys::ncclRedOp_t::ncclProd,
+            ReduceOp::Max => sys::ncclRedOp_t::ncclMax,
+            ReduceOp::Min => sys::ncclRedOp_t::ncclMin,
+            ReduceOp::Avg => sys::ncclRedOp_t::ncclAvg,
+        };
+        let stream = dev.stream().cu_stream() as _;
         // SAFETY: the caller's contract (both ranges on this device, `comm` made for it).
-        unsafe { result::all_reduce(s, r, n, t, sum, comm, stream) }
+        unsafe { result::all_reduce(s, r, n, t, op, comm, stream) }
             .map(|_| ())
             .map_err(nccl_err("ncclAllReduce"))
     }

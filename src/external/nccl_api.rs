@@ -5,10 +5,9 @@ use std::ffi::{c_char, c_int};
 use std::marker::PhantomData;
 use std::sync::Arc;
 
-use super::{ExternalAllReduce, ExternalLibrary};
+use super::{Call, ExternalAllReduce, ExternalLibrary};
 use crate::backend::Backend;
 use crate::bootstrap::Bootstrap;
-use crate::dtype::DType;
 use crate::error::{Error, Result};
 
 /// The calls of NCCL's C API peercomm makes, each mapping its own errors.
@@ -25,7 +24,7 @@ pub(crate) trait NcclApi: Send + Sync + 'static {
     fn init_rank(&self, world: c_int, id: [c_char; 128], rank: c_int) -> Result<Self::Comm>;
     fn init_all(&self, ordinals: &[c_int]) -> Result<Vec<Self::Comm>>;
     /// # Safety
-    /// As [`ExternalAllReduce::all_reduce_sum`]; `comm` was made for `dev`.
+    /// As [`ExternalAllReduce::all_reduce`]; `comm` was made for `dev`.
     unsafe fn all_reduce(&self, comm: Self::Comm, dev: &Dev<Self>, call: Call) -> Result<()>;
     /// # Safety
     /// `comm` is live and not used again.
@@ -37,9 +36,6 @@ pub(crate) trait NcclApi: Send + Sync + 'static {
 }
 
 type Dev<L> = <<L as NcclApi>::B as Backend>::Device;
-
-/// The arguments of one all-reduce: send and receive addresses, elements, dtype.
-pub(crate) type Call = (u64, u64, usize, DType);
 
 /// The [`ExternalLibrary`] of `L`.
 pub(crate) struct NcclLike<L>(pub(crate) PhantomData<L>);
@@ -68,17 +64,10 @@ impl<L: NcclApi> ExternalAllReduce<L::B> for Handle<L> {
         L::NAME
     }
 
-    unsafe fn all_reduce_sum(
-        &self,
-        dev: &Dev<L>,
-        send: u64,
-        recv: u64,
-        elements: usize,
-        dtype: DType,
-    ) -> Result<()> {
+    unsafe fn all_reduce(&self, dev: &Dev<L>, call: Call) -> Result<()> {
         L::bind(dev)?;
         // SAFETY: the caller's contract; the communicator was made for this device.
-        unsafe { (self.api).all_reduce(self.comm, dev, (send, recv, elements, dtype)) }
+        unsafe { (self.api).all_reduce(self.comm, dev, call) }
     }
 
     fn take_async_error(&self) -> Result<()> {

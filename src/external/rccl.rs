@@ -7,10 +7,11 @@ use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::marker::PhantomData;
 use std::sync::OnceLock;
 
-use super::nccl_api::{Call, NcclApi, NcclLike};
+use super::nccl_api::{NcclApi, NcclLike};
+use super::Call;
 use super::{ExternalLibrary, HasExternalLibrary};
 use crate::backend::hip::{set_device, Hip, HipDevice};
-use crate::dtype::DType;
+use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 
 /// Environment variable naming the RCCL library to open instead of the defaults.
@@ -34,8 +35,16 @@ type Comm = *mut c_void;
 type Status = c_int;
 const SUCCESS: Status = 0;
 const IN_PROGRESS: Status = 7;
-/// `ncclSum`.
-const SUM: c_int = 0;
+/// `ncclRedOp_t` of an operator (NCCL's numbering, which RCCL shares).
+fn rccl_op(op: ReduceOp) -> c_int {
+    match op {
+        ReduceOp::Sum => 0,
+        ReduceOp::Prod => 1,
+        ReduceOp::Max => 2,
+        ReduceOp::Min => 3,
+        ReduceOp::Avg => 4,
+    }
+}
 
 /// Declares [`Api`] and `resolve`, which looks its entry points up by name in order.
 macro_rules! api {
@@ -226,14 +235,15 @@ impl NcclApi for Api {
     }
 
     unsafe fn all_reduce(&self, comm: Self::Comm, dev: &HipDevice, call: Call) -> Result<()> {
-        let (send, recv, n, dtype) = call;
+        let (send, recv, n, dtype, op) = call;
         let (s, r, t) = (
             send as *const c_void,
             recv as *mut c_void,
             rccl_dtype(dtype),
         );
         // SAFETY: the caller's contract (both ranges on this device, `comm` made for it).
-        let status = unsafe { (self.all_reduce)(s, r, n, t, SUM, comm, dev.stream_handle()) };
+        let status =
+            unsafe { (self.all_reduce)(s, r, n, t, rccl_op(op), comm, dev.stream_handle()) };
         check(self, status, "ncclAllReduce")
     }
 

@@ -6,7 +6,7 @@
 //! input that is its output (in place); such an error is this rank's alone.
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
-use crate::dtype::DType;
+use crate::dtype::{DType, ReduceOp};
 use crate::error::Result;
 
 use super::{meta, reads, Comm};
@@ -37,13 +37,24 @@ impl<B: Backend> Comm<B> {
         self.enqueue_collective(call, Some(send), recv, (true, false))
     }
 
-    /// Sums `send` over the group; this rank receives part `group rank` of the sum
-    /// ([`crate::reduce_scatter_part`]: the first `n % width` parts have one element
-    /// more), bit for bit what the all-reduce gives for those elements.
-    pub fn reduce_scatter_sum<S, R>(
+    /// Reduces `send` with `op` over the world; this rank receives part `group rank` of
+    /// the result ([`crate::reduce_scatter_part`]: the first `n % width` parts have one
+    /// element more), bit for bit what the all-reduce gives for those elements
+    /// (cudarc's `Comm::reduce_scatter`).
+    pub fn reduce_scatter<S, R>(&self, send: &S, recv: &mut R, op: &ReduceOp) -> Result<()>
+    where
+        S: DeviceBuffer<B> + ?Sized,
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        self.reduce_scatter_with(send, recv, op, &CollectiveOptions::new())
+    }
+
+    /// As [`Comm::reduce_scatter`], over the groups of the options.
+    pub fn reduce_scatter_with<S, R>(
         &self,
         send: &S,
         recv: &mut R,
+        op: &ReduceOp,
         options: &CollectiveOptions,
     ) -> Result<()>
     where
@@ -55,8 +66,29 @@ impl<B: Backend> Comm<B> {
         let part = core.reduce_scatter_len(send.len(), options)?;
         let rule = "this rank's part of the input";
         core.check_len(recv.len(), Some(part), "output", rule)?;
-        let call = (Collective::ReduceScatter, send.dtype(), send.len(), options);
+        let options = options.with_op(*op);
+        let call = (
+            Collective::ReduceScatter,
+            send.dtype(),
+            send.len(),
+            &options,
+        );
         self.enqueue_collective(call, Some(send), recv, (true, false))
+    }
+
+    /// The sum: `reduce_scatter_with(send, recv, &ReduceOp::Sum, options)`.
+    #[deprecated(note = "use `reduce_scatter_with(send, recv, &ReduceOp::Sum, options)`")]
+    pub fn reduce_scatter_sum<S, R>(
+        &self,
+        send: &S,
+        recv: &mut R,
+        options: &CollectiveOptions,
+    ) -> Result<()>
+    where
+        S: DeviceBuffer<B> + ?Sized,
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        self.reduce_scatter_with(send, recv, &ReduceOp::Sum, options)
     }
 
     /// Copies the input of the group's `root` (a group rank) into every member's

@@ -3,6 +3,7 @@
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use crate::dispatch::Algorithm;
+use crate::dtype::ReduceOp;
 use crate::error::Result;
 
 use super::super::AllReduceOptions;
@@ -67,20 +68,22 @@ impl<B: Backend> Comm<B> {
 }
 
 impl<'b, B: Backend> CommGroup<'_, 'b, B> {
-    /// Adds `send` summed over the world into `recv` (see [`Comm::all_reduce_sum`]).
-    pub fn all_reduce_sum<S, R>(&mut self, send: &'b S, recv: &'b mut R) -> Result<()>
+    /// Adds `send` reduced with `op` over the world into `recv` (see
+    /// [`Comm::all_reduce`]).
+    pub fn all_reduce<S, R>(&mut self, send: &'b S, recv: &'b mut R, op: &ReduceOp) -> Result<()>
     where
         S: DeviceBuffer<B>,
         R: DeviceBufferMut<B>,
     {
-        self.all_reduce_sum_with(send, recv, &AllReduceOptions::new())
+        self.all_reduce_with(send, recv, op, &AllReduceOptions::new())
     }
 
-    /// As [`CommGroup::all_reduce_sum`], with options.
-    pub fn all_reduce_sum_with<S, R>(
+    /// As [`CommGroup::all_reduce`], with options.
+    pub fn all_reduce_with<S, R>(
         &mut self,
         send: &'b S,
         recv: &'b mut R,
+        op: &ReduceOp,
         options: &AllReduceOptions,
     ) -> Result<()>
     where
@@ -91,25 +94,72 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
             .core
             .check_all_reduce(&meta(send), &meta(&*recv))?;
         let shape = (send.dtype(), send.len());
-        self.add(Some(send as &dyn DeviceBuffer<B>), recv, shape, options)
+        let options = options.with_op(*op);
+        self.add(Some(send as &dyn DeviceBuffer<B>), recv, shape, &options)
     }
 
-    /// Adds `buf` summed over the world in place.
-    pub fn all_reduce_sum_in_place<R: DeviceBufferMut<B>>(&mut self, buf: &'b mut R) -> Result<()> {
-        self.all_reduce_sum_in_place_with(buf, &AllReduceOptions::new())
+    /// Adds `buf` reduced with `op` over the world in place.
+    pub fn all_reduce_in_place<R>(&mut self, buf: &'b mut R, op: &ReduceOp) -> Result<()>
+    where
+        R: DeviceBufferMut<B>,
+    {
+        self.all_reduce_in_place_with(buf, op, &AllReduceOptions::new())
     }
 
-    /// As [`CommGroup::all_reduce_sum_in_place`], with options.
-    pub fn all_reduce_sum_in_place_with<R: DeviceBufferMut<B>>(
+    /// As [`CommGroup::all_reduce_in_place`], with options.
+    pub fn all_reduce_in_place_with<R: DeviceBufferMut<B>>(
         &mut self,
         buf: &'b mut R,
+        op: &ReduceOp,
         options: &AllReduceOptions,
     ) -> Result<()> {
         let core = &*self.comm.core;
         core.check_usable()?;
         core.check_buffer(buf.device_ordinal(), "in-place")?;
         let (dtype, elements) = (buf.dtype(), buf.len());
-        self.add(None, buf, (dtype, elements), options)
+        self.add(None, buf, (dtype, elements), &options.with_op(*op))
+    }
+
+    /// The sum: `all_reduce(send, recv, &ReduceOp::Sum)`.
+    #[deprecated(note = "use `all_reduce(send, recv, &ReduceOp::Sum)` (cudarc's signature)")]
+    pub fn all_reduce_sum<S, R>(&mut self, send: &'b S, recv: &'b mut R) -> Result<()>
+    where
+        S: DeviceBuffer<B>,
+        R: DeviceBufferMut<B>,
+    {
+        self.all_reduce(send, recv, &ReduceOp::Sum)
+    }
+
+    /// The sum with options: `all_reduce_with(send, recv, &ReduceOp::Sum, options)`.
+    #[deprecated(note = "use `all_reduce_with(send, recv, &ReduceOp::Sum, options)`")]
+    pub fn all_reduce_sum_with<S, R>(
+        &mut self,
+        send: &'b S,
+        recv: &'b mut R,
+        options: &AllReduceOptions,
+    ) -> Result<()>
+    where
+        S: DeviceBuffer<B>,
+        R: DeviceBufferMut<B>,
+    {
+        self.all_reduce_with(send, recv, &ReduceOp::Sum, options)
+    }
+
+    /// The sum in place: `all_reduce_in_place(buf, &ReduceOp::Sum)`.
+    #[deprecated(note = "use `all_reduce_in_place(buf, &ReduceOp::Sum)`")]
+    pub fn all_reduce_sum_in_place<R: DeviceBufferMut<B>>(&mut self, buf: &'b mut R) -> Result<()> {
+        self.all_reduce_in_place(buf, &ReduceOp::Sum)
+    }
+
+    /// The sum in place with options:
+    /// `all_reduce_in_place_with(buf, &ReduceOp::Sum, options)`.
+    #[deprecated(note = "use `all_reduce_in_place_with(buf, &ReduceOp::Sum, options)`")]
+    pub fn all_reduce_sum_in_place_with<R: DeviceBufferMut<B>>(
+        &mut self,
+        buf: &'b mut R,
+        options: &AllReduceOptions,
+    ) -> Result<()> {
+        self.all_reduce_in_place_with(buf, &ReduceOp::Sum, options)
     }
 
     /// Calls in the group so far.

@@ -8,6 +8,7 @@ use std::sync::Arc;
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut, IntoDevice, KernelKind};
 use crate::bootstrap::{Bootstrap, ExchangeKind, Exchanges, HostId, TcpBootstrap, UniqueId};
 use crate::dispatch::Algorithm;
+use crate::dtype::ReduceOp;
 use crate::error::{Error, Result};
 
 use super::config::{compare_configs, encode_config};
@@ -197,25 +198,27 @@ impl<B: Backend> Comm<B> {
     pub fn world_size(&self) -> usize {
         self.core.route.world
     }
-    /// Sums `send` over the world into `recv` on this rank's stream; returns at once with
-    /// the algorithm that runs. Every rank makes the same calls in the same order, as
-    /// with NCCL: calls that differ are [`Error::CallMismatch`] on every rank, nothing
+    /// Reduces `send` with `op` over the world into `recv` on this rank's stream
+    /// (cudarc's `Comm::all_reduce`); returns at once with the algorithm that runs.
+    /// Every rank makes the same calls in the same order, as with NCCL: calls that
+    /// differ (the operator included) are [`Error::CallMismatch`] on every rank, nothing
     /// written; a call the peers never make is [`Error::BarrierTimeout`] here.
-    pub fn all_reduce_sum<S, R>(&self, send: &S, recv: &mut R) -> Result<Algorithm>
+    pub fn all_reduce<S, R>(&self, send: &S, recv: &mut R, op: &ReduceOp) -> Result<Algorithm>
     where
         S: DeviceBuffer<B> + ?Sized,
         R: DeviceBufferMut<B> + ?Sized,
     {
-        self.all_reduce_sum_with(send, recv, &AllReduceOptions::new())
+        self.all_reduce_with(send, recv, op, &AllReduceOptions::new())
     }
 
-    /// As [`Comm::all_reduce_sum`], with options (group size, algorithm, blocks). The
-    /// very same `send` and `recv` range runs in place; ranges that overlap otherwise
-    /// are [`Error::BuffersOverlap`], this rank's alone (its peers time out).
-    pub fn all_reduce_sum_with<S, R>(
+    /// As [`Comm::all_reduce`], with options (group size, algorithm, blocks). The very
+    /// same `send` and `recv` range runs in place; ranges that overlap otherwise are
+    /// [`Error::BuffersOverlap`], this rank's alone (its peers time out).
+    pub fn all_reduce_with<S, R>(
         &self,
         send: &S,
         recv: &mut R,
+        op: &ReduceOp,
         options: &AllReduceOptions,
     ) -> Result<Algorithm>
     where
@@ -232,22 +235,24 @@ impl<B: Backend> Comm<B> {
             (output, bytes, "output", true),
         ];
         let in_place = self.check_overlaps(roles, true)?;
-        self.plan_and_run(input, output, bytes, send.dtype(), options, in_place)
+        let options = options.with_op(*op);
+        self.plan_and_run(input, output, bytes, send.dtype(), &options, in_place)
     }
 
-    /// Sums `buf` over the world in place. As [`Comm::all_reduce_sum`].
-    pub fn all_reduce_sum_in_place<R>(&self, buf: &mut R) -> Result<Algorithm>
+    /// Reduces `buf` with `op` over the world in place. As [`Comm::all_reduce`].
+    pub fn all_reduce_in_place<R>(&self, buf: &mut R, op: &ReduceOp) -> Result<Algorithm>
     where
         R: DeviceBufferMut<B> + ?Sized,
     {
-        self.all_reduce_sum_in_place_with(buf, &AllReduceOptions::new())
+        self.all_reduce_in_place_with(buf, op, &AllReduceOptions::new())
     }
 
-    /// Sums `buf` over each group in place, with options. As
-    /// [`Comm::all_reduce_sum_with`].
-    pub fn all_reduce_sum_in_place_with<R>(
+    /// Reduces `buf` with `op` over each group in place, with options. As
+    /// [`Comm::all_reduce_with`].
+    pub fn all_reduce_in_place_with<R>(
         &self,
         buf: &mut R,
+        op: &ReduceOp,
         options: &AllReduceOptions,
     ) -> Result<Algorithm>
     where
@@ -259,7 +264,55 @@ impl<B: Backend> Comm<B> {
         let dtype = buf.dtype();
         let bytes = meta(&*buf).bytes(self.rank(), "in-place")?;
         let (ptr, _access) = buf.write_ptr(core.device());
-        self.plan_and_run(ptr, ptr, bytes, dtype, options, true)
+        self.plan_and_run(ptr, ptr, bytes, dtype, &options.with_op(*op), true)
+    }
+
+    /// The sum: `all_reduce(send, recv, &ReduceOp::Sum)`.
+    #[deprecated(note = "use `all_reduce(send, recv, &ReduceOp::Sum)` (cudarc's signature)")]
+    pub fn all_reduce_sum<S, R>(&self, send: &S, recv: &mut R) -> Result<Algorithm>
+    where
+        S: DeviceBuffer<B> + ?Sized,
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        self.all_reduce(send, recv, &ReduceOp::Sum)
+    }
+
+    /// The sum with options: `all_reduce_with(send, recv, &ReduceOp::Sum, options)`.
+    #[deprecated(note = "use `all_reduce_with(send, recv, &ReduceOp::Sum, options)`")]
+    pub fn all_reduce_sum_with<S, R>(
+        &self,
+        send: &S,
+        recv: &mut R,
+        options: &AllReduceOptions,
+    ) -> Result<Algorithm>
+    where
+        S: DeviceBuffer<B> + ?Sized,
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        self.all_reduce_with(send, recv, &ReduceOp::Sum, options)
+    }
+
+    /// The sum in place: `all_reduce_in_place(buf, &ReduceOp::Sum)`.
+    #[deprecated(note = "use `all_reduce_in_place(buf, &ReduceOp::Sum)`")]
+    pub fn all_reduce_sum_in_place<R>(&self, buf: &mut R) -> Result<Algorithm>
+    where
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        self.all_reduce_in_place(buf, &ReduceOp::Sum)
+    }
+
+    /// The sum in place with options:
+    /// `all_reduce_in_place_with(buf, &ReduceOp::Sum, options)`.
+    #[deprecated(note = "use `all_reduce_in_place_with(buf, &ReduceOp::Sum, options)`")]
+    pub fn all_reduce_sum_in_place_with<R>(
+        &self,
+        buf: &mut R,
+        options: &AllReduceOptions,
+    ) -> Result<Algorithm>
+    where
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        self.all_reduce_in_place_with(buf, &ReduceOp::Sum, options)
     }
 
     /// [`check_overlaps`] on this rank's `(address, bytes, role, written)` buffers.
@@ -322,10 +375,10 @@ impl<B: Backend> Comm<B> {
                 self.enqueue(plan, input, place, output, Fused::default())?;
                 Ok(plan.algorithm)
             }
-            Routed::Away(path) => {
+            Routed::Away(path, _) => {
                 match self
                     .core
-                    .run_routed(path, input, output, elements, dtype, options.blocks)
+                    .run_routed(path, input, output, elements, dtype, options)
                 {
                     Ok(a) => Ok(a),
                     Err(RouteError::Validation(e)) => Err(e),

@@ -5,7 +5,7 @@
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use crate::dispatch::Algorithm;
-use crate::dtype::DType;
+use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
 use crate::tensor::{TensorView, TensorViewMut};
@@ -18,15 +18,16 @@ use crate::comm::core::planning::PeerReads;
 use crate::comm::core::routing::Path;
 
 impl<B: Backend> SingleController<B> {
-    /// Sums `inputs[r]` over each group into `outputs[r]` (one tensor per rank, same
-    /// dtype, shape and length everywhere). Returns the algorithm that ran. An input
-    /// that is its rank's output, the very same range, runs in place; buffers that
-    /// overlap otherwise (only an `unsafe impl DeviceBuffer` can report them) are
+    /// Reduces `inputs[r]` with `op` over each group into `outputs[r]` (one tensor per
+    /// rank, same dtype, shape and length everywhere). Returns the algorithm that ran.
+    /// An input that is its rank's output, the very same range, runs in place; buffers
+    /// that overlap otherwise (only an `unsafe impl DeviceBuffer` can report them) are
     /// [`Error::BuffersOverlap`], nothing launched.
-    pub fn all_reduce_sum(
+    pub fn all_reduce(
         &self,
         inputs: &[TensorView<'_, B>],
         outputs: &mut [TensorViewMut<'_, B>],
+        op: &ReduceOp,
         options: &AllReduceOptions,
     ) -> Result<Algorithm> {
         let first = self.check_inputs(inputs, "input")?;
@@ -44,27 +45,30 @@ impl<B: Backend> SingleController<B> {
         }
         let ins = self.reads(inputs.iter().map(|t| t.data).enumerate());
         let outs = self.writes(outputs.iter_mut().map(|t| &mut *t.data).enumerate());
-        self.all_reduce_at(&ins, &outs, first, options)
+        self.all_reduce_at(&ins, &outs, first, &options.with_op(*op))
     }
 
-    /// Sums `tensors[r]` over each group in place. Returns the algorithm that ran.
-    pub fn all_reduce_sum_in_place(
+    /// Reduces `tensors[r]` with `op` over each group in place. Returns the algorithm
+    /// that ran.
+    pub fn all_reduce_in_place(
         &self,
         tensors: &mut [TensorViewMut<'_, B>],
+        op: &ReduceOp,
         options: &AllReduceOptions,
     ) -> Result<Algorithm> {
         let first = self.check_in_place(tensors)?;
-        let routed = self.route_all_reduce(first.dtype, first.len, options, true)?;
+        let options = options.with_op(*op);
+        let routed = self.route_all_reduce(first.dtype, first.len, &options, true)?;
         let ptrs = self.writes(tensors.iter_mut().map(|t| &mut *t.data).enumerate());
         self.all_reduce_in_place_at(routed, &ptrs, first)
     }
 
-    /// The flat form of [`SingleController::all_reduce_sum`]: one buffer per rank, on that
+    /// The flat form of [`SingleController::all_reduce`]: one buffer per rank, on that
     /// rank's device, all of one dtype and length; the same checks and launches.
     ///
     /// ```
     /// use peercomm::backend::{host::Host, Backend, TypedBuffer};
-    /// use peercomm::{AllReduceOptions, CommConfig, SingleController};
+    /// use peercomm::{AllReduceOptions, CommConfig, ReduceOp, SingleController};
     ///
     /// let comm = SingleController::<Host>::new(&[0, 1], CommConfig::default())?;
     /// let mut ins = Vec::new();
@@ -75,14 +79,71 @@ impl<B: Backend> SingleController<B> {
     /// }
     /// let opts = AllReduceOptions::new();
     /// for _ in 0..3 {
-    ///     comm.all_reduce_sum_slices(&ins, &mut outs, &opts)?; // no per-call Vec
+    ///     comm.all_reduce_slices(&ins, &mut outs, &ReduceOp::Sum, &opts)?; // no per-call Vec
     /// }
-    /// comm.all_reduce_sum_slices_in_place(&mut ins, &opts)?;
+    /// comm.all_reduce_slices_in_place(&mut ins, &ReduceOp::Sum, &opts)?;
     /// comm.synchronize()?;
     /// assert_eq!(outs[1].to_host(comm.core(1).device())?, vec![3.0; 5]);
     /// assert_eq!(ins[0].to_host(comm.core(0).device())?, vec![3.0; 5]);
     /// # Ok::<(), peercomm::Error>(())
     /// ```
+    pub fn all_reduce_slices<S, R>(
+        &self,
+        inputs: &[S],
+        outputs: &mut [R],
+        op: &ReduceOp,
+        options: &AllReduceOptions,
+    ) -> Result<Algorithm>
+    where
+        S: DeviceBuffer<B>,
+        R: DeviceBufferMut<B>,
+    {
+        let first = self.check_slices(inputs, outputs)?;
+        let ins = self.reads(inputs.iter().enumerate());
+        let outs = self.writes(outputs.iter_mut().enumerate());
+        self.all_reduce_at(&ins, &outs, first, &options.with_op(*op))
+    }
+
+    /// The flat form of [`SingleController::all_reduce_in_place`].
+    pub fn all_reduce_slices_in_place<R>(
+        &self,
+        buffers: &mut [R],
+        op: &ReduceOp,
+        options: &AllReduceOptions,
+    ) -> Result<Algorithm>
+    where
+        R: DeviceBufferMut<B>,
+    {
+        let first = self.check_flat(buffers, "in-place")?;
+        let options = options.with_op(*op);
+        let routed = self.route_all_reduce(first.dtype, first.len, &options, true)?;
+        let ptrs = self.writes(buffers.iter_mut().enumerate());
+        self.all_reduce_in_place_at(routed, &ptrs, first)
+    }
+
+    /// The sum: `all_reduce(inputs, outputs, &ReduceOp::Sum, options)`.
+    #[deprecated(note = "use `all_reduce(inputs, outputs, &ReduceOp::Sum, options)`")]
+    pub fn all_reduce_sum(
+        &self,
+        inputs: &[TensorView<'_, B>],
+        outputs: &mut [TensorViewMut<'_, B>],
+        options: &AllReduceOptions,
+    ) -> Result<Algorithm> {
+        self.all_reduce(inputs, outputs, &ReduceOp::Sum, options)
+    }
+
+    /// The sum in place: `all_reduce_in_place(tensors, &ReduceOp::Sum, options)`.
+    #[deprecated(note = "use `all_reduce_in_place(tensors, &ReduceOp::Sum, options)`")]
+    pub fn all_reduce_sum_in_place(
+        &self,
+        tensors: &mut [TensorViewMut<'_, B>],
+        options: &AllReduceOptions,
+    ) -> Result<Algorithm> {
+        self.all_reduce_in_place(tensors, &ReduceOp::Sum, options)
+    }
+
+    /// The sum: `all_reduce_slices(inputs, outputs, &ReduceOp::Sum, options)`.
+    #[deprecated(note = "use `all_reduce_slices(inputs, outputs, &ReduceOp::Sum, options)`")]
     pub fn all_reduce_sum_slices<S, R>(
         &self,
         inputs: &[S],
@@ -93,13 +154,11 @@ impl<B: Backend> SingleController<B> {
         S: DeviceBuffer<B>,
         R: DeviceBufferMut<B>,
     {
-        let first = self.check_slices(inputs, outputs)?;
-        let ins = self.reads(inputs.iter().enumerate());
-        let outs = self.writes(outputs.iter_mut().enumerate());
-        self.all_reduce_at(&ins, &outs, first, options)
+        self.all_reduce_slices(inputs, outputs, &ReduceOp::Sum, options)
     }
 
-    /// The flat form of [`SingleController::all_reduce_sum_in_place`].
+    /// The sum in place: `all_reduce_slices_in_place(buffers, &ReduceOp::Sum, options)`.
+    #[deprecated(note = "use `all_reduce_slices_in_place(buffers, &ReduceOp::Sum, options)`")]
     pub fn all_reduce_sum_slices_in_place<R>(
         &self,
         buffers: &mut [R],
@@ -108,10 +167,7 @@ impl<B: Backend> SingleController<B> {
     where
         R: DeviceBufferMut<B>,
     {
-        let first = self.check_flat(buffers, "in-place")?;
-        let routed = self.route_all_reduce(first.dtype, first.len, options, true)?;
-        let ptrs = self.writes(buffers.iter_mut().enumerate());
-        self.all_reduce_in_place_at(routed, &ptrs, first)
+        self.all_reduce_slices_in_place(buffers, &ReduceOp::Sum, options)
     }
 
     /// The all-reduce from `ins` into `outs` (`first`: rank 0's input): a rank whose
@@ -173,10 +229,11 @@ impl<B: Backend> SingleController<B> {
                 }
                 Ok(plan.algorithm)
             }
-            Routed::Away(Path::External) => {
-                self.run_external(&inputs[..world], &outputs[..world], elements, dtype)
+            Routed::Away(Path::External, op) => {
+                let call = (elements, dtype, op);
+                self.run_external(&inputs[..world], &outputs[..world], call)
             }
-            Routed::Away(_) => Err(Error::Unsupported(
+            Routed::Away(..) => Err(Error::Unsupported(
                 "a single controller runs on one host: nothing is hierarchical".into(),
             )),
         }

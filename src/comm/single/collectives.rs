@@ -4,7 +4,7 @@
 //! the peers read the user buffers in place (their reach is checked).
 
 use crate::backend::{Backend, KernelKind};
-use crate::dtype::DType;
+use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
 use crate::tensor::{TensorView, TensorViewMut};
@@ -39,14 +39,17 @@ impl<B: Backend> SingleController<B> {
         self.run_collective(call, options, inputs, outputs, |k| k)
     }
 
-    /// Sums `inputs[r]` over each group; rank r receives part `r % width` of the sum
-    /// ([`crate::reduce_scatter_part`]), bit for bit what the all-reduce gives there.
-    pub fn reduce_scatter_sum(
+    /// Reduces `inputs[r]` with `op` over each group; rank r receives part `r % width`
+    /// of the result ([`crate::reduce_scatter_part`]), bit for bit what the all-reduce
+    /// gives there.
+    pub fn reduce_scatter(
         &self,
         inputs: &[TensorView<'_, B>],
         outputs: &mut [TensorViewMut<'_, B>],
+        op: &ReduceOp,
         options: &CollectiveOptions,
     ) -> Result<()> {
+        let options = &options.with_op(*op);
         let first = self.check_inputs(inputs, "input")?;
         let width = self.ranks[0].collective_width(options)?.0;
         let n = first.len;
@@ -54,6 +57,17 @@ impl<B: Backend> SingleController<B> {
         self.check_outputs(outputs, first, part, "this rank's part of the input")?;
         let call = (Collective::ReduceScatter, first.dtype, n);
         self.run_collective(call, options, inputs, outputs, |k| k)
+    }
+
+    /// The sum: `reduce_scatter(inputs, outputs, &ReduceOp::Sum, options)`.
+    #[deprecated(note = "use `reduce_scatter(inputs, outputs, &ReduceOp::Sum, options)`")]
+    pub fn reduce_scatter_sum(
+        &self,
+        inputs: &[TensorView<'_, B>],
+        outputs: &mut [TensorViewMut<'_, B>],
+        options: &CollectiveOptions,
+    ) -> Result<()> {
+        self.reduce_scatter(inputs, outputs, &ReduceOp::Sum, options)
     }
 
     /// Copies each group's root input into every member's output: `inputs[k]` is the

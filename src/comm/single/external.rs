@@ -4,7 +4,7 @@
 
 use crate::backend::Backend;
 use crate::dispatch::Algorithm;
-use crate::dtype::DType;
+use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 
 use super::SingleController;
@@ -16,8 +16,7 @@ impl<B: Backend> SingleController<B> {
         &self,
         inputs: &[u64],
         outputs: &[u64],
-        elements: usize,
-        dtype: DType,
+        (elements, dtype, op): (usize, DType, ReduceOp),
     ) -> Result<Algorithm> {
         if self.ranks.iter().any(|r| r.route.external.is_none()) {
             return Err(Error::Unsupported("no external library".into()));
@@ -35,7 +34,9 @@ impl<B: Backend> SingleController<B> {
             };
             // SAFETY: the caller holds every rank's buffers (and their access guards)
             // for the call; handle r was made for rank r's device.
-            unsafe { handle.all_reduce_sum(core.device(), inputs[r], outputs[r], elements, dtype) }
+            unsafe {
+                handle.all_reduce(core.device(), (inputs[r], outputs[r], elements, dtype, op))
+            }
         });
         let ended = library.group_end();
         let result = result.and(ended).map(|()| Algorithm::Nccl);

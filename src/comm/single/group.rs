@@ -3,6 +3,7 @@
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use crate::dispatch::Algorithm;
+use crate::dtype::ReduceOp;
 use crate::error::Result;
 
 use super::super::AllReduceOptions;
@@ -60,7 +61,64 @@ impl<B: Backend> SingleController<B> {
 }
 
 impl<'b, B: Backend> SingleControllerGroup<'_, 'b, B> {
-    /// Adds [`SingleController::all_reduce_sum_slices`] of `inputs` into `outputs`.
+    /// Adds [`SingleController::all_reduce_slices`] of `inputs` into `outputs`.
+    pub fn all_reduce_slices<S, R>(
+        &mut self,
+        inputs: &'b [S],
+        outputs: &'b mut [R],
+        op: &ReduceOp,
+    ) -> Result<()>
+    where
+        S: DeviceBuffer<B>,
+        R: DeviceBufferMut<B>,
+    {
+        self.all_reduce_slices_with(inputs, outputs, op, &AllReduceOptions::new())
+    }
+
+    /// As [`SingleControllerGroup::all_reduce_slices`], with options.
+    pub fn all_reduce_slices_with<S, R>(
+        &mut self,
+        inputs: &'b [S],
+        outputs: &'b mut [R],
+        op: &ReduceOp,
+        options: &AllReduceOptions,
+    ) -> Result<()>
+    where
+        S: DeviceBuffer<B>,
+        R: DeviceBufferMut<B>,
+    {
+        let first = self.comm.check_slices(inputs, outputs)?;
+        let inputs = inputs.iter().map(|b| b as &dyn DeviceBuffer<B>);
+        self.add(
+            first,
+            &options.with_op(*op),
+            Some(inputs.collect()),
+            outputs,
+        )
+    }
+
+    /// Adds every rank's `buffers[r]` reduced with `op` over the world in place.
+    pub fn all_reduce_slices_in_place<R: DeviceBufferMut<B>>(
+        &mut self,
+        buffers: &'b mut [R],
+        op: &ReduceOp,
+    ) -> Result<()> {
+        self.all_reduce_slices_in_place_with(buffers, op, &AllReduceOptions::new())
+    }
+
+    /// As [`SingleControllerGroup::all_reduce_slices_in_place`], with options.
+    pub fn all_reduce_slices_in_place_with<R: DeviceBufferMut<B>>(
+        &mut self,
+        buffers: &'b mut [R],
+        op: &ReduceOp,
+        options: &AllReduceOptions,
+    ) -> Result<()> {
+        let first = self.comm.check_flat(buffers, "in-place")?;
+        self.add(first, &options.with_op(*op), None, buffers)
+    }
+
+    /// The sum: `all_reduce_slices(inputs, outputs, &ReduceOp::Sum)`.
+    #[deprecated(note = "use `all_reduce_slices(inputs, outputs, &ReduceOp::Sum)`")]
     pub fn all_reduce_sum_slices<S, R>(
         &mut self,
         inputs: &'b [S],
@@ -70,10 +128,11 @@ impl<'b, B: Backend> SingleControllerGroup<'_, 'b, B> {
         S: DeviceBuffer<B>,
         R: DeviceBufferMut<B>,
     {
-        self.all_reduce_sum_slices_with(inputs, outputs, &AllReduceOptions::new())
+        self.all_reduce_slices(inputs, outputs, &ReduceOp::Sum)
     }
 
-    /// As [`SingleControllerGroup::all_reduce_sum_slices`], with options.
+    /// The sum with options.
+    #[deprecated(note = "use `all_reduce_slices_with(inputs, outputs, &ReduceOp::Sum, options)`")]
     pub fn all_reduce_sum_slices_with<S, R>(
         &mut self,
         inputs: &'b [S],
@@ -84,27 +143,26 @@ impl<'b, B: Backend> SingleControllerGroup<'_, 'b, B> {
         S: DeviceBuffer<B>,
         R: DeviceBufferMut<B>,
     {
-        let first = self.comm.check_slices(inputs, outputs)?;
-        let inputs = inputs.iter().map(|b| b as &dyn DeviceBuffer<B>);
-        self.add(first, options, Some(inputs.collect()), outputs)
+        self.all_reduce_slices_with(inputs, outputs, &ReduceOp::Sum, options)
     }
 
-    /// Adds every rank's `buffers[r]` summed over the world in place.
+    /// The sum in place.
+    #[deprecated(note = "use `all_reduce_slices_in_place(buffers, &ReduceOp::Sum)`")]
     pub fn all_reduce_sum_slices_in_place<R: DeviceBufferMut<B>>(
         &mut self,
         buffers: &'b mut [R],
     ) -> Result<()> {
-        self.all_reduce_sum_slices_in_place_with(buffers, &AllReduceOptions::new())
+        self.all_reduce_slices_in_place(buffers, &ReduceOp::Sum)
     }
 
-    /// As [`SingleControllerGroup::all_reduce_sum_slices_in_place`], with options.
+    /// The sum in place with options.
+    #[deprecated(note = "use `all_reduce_slices_in_place_with(buffers, &ReduceOp::Sum, options)`")]
     pub fn all_reduce_sum_slices_in_place_with<R: DeviceBufferMut<B>>(
         &mut self,
         buffers: &'b mut [R],
         options: &AllReduceOptions,
     ) -> Result<()> {
-        let first = self.comm.check_flat(buffers, "in-place")?;
-        self.add(first, options, None, buffers)
+        self.all_reduce_slices_in_place_with(buffers, &ReduceOp::Sum, options)
     }
 
     /// Calls in the group so far.

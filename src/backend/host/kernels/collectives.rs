@@ -5,7 +5,7 @@
 //! Block `i % blocks` stages and reads position `i`, so the per-block barrier orders it.
 //! Chunked or not, the bits are the same.
 
-use super::packs::{copy_packs, elem, lanes, pack_sums, reduce_packs, store, Grid};
+use super::packs::{copy_packs, elem, lanes, op_of, pack_sums, reduce_packs, store, Grid};
 use super::signals::{barrier, first_barrier};
 use super::wait::{Flow, Stop};
 use crate::dtype::Element;
@@ -113,7 +113,7 @@ pub(super) unsafe fn one_stage<T: Element>(args: &AllReduceArgs, g: Grid) -> Flo
         let r = c.elems::<T>(n, k);
         let srcs = c.srcs(args, k, 0);
         let dst = elem::<T>(args.output, r.start);
-        reduce_packs::<T>(&srcs[..width], dst, r.len(), g);
+        reduce_packs::<T>(op_of(args), &srcs[..width], dst, r.len(), g);
         Ok(())
     };
     run_chunks(args, g, &c, stage, use_)
@@ -131,7 +131,7 @@ pub(super) unsafe fn two_stage<T: Element>(args: &AllReduceArgs, g: Grid) -> Flo
     barrier(args, g, BarrierKind::Start)?;
     let r = range(me);
     let srcs: [u64; MAX_GPUS] = std::array::from_fn(|q| elem::<T>(args.inputs[q], r.start));
-    reduce_packs::<T>(&srcs[..width], args.payloads[me], r.len(), g);
+    reduce_packs::<T>(op_of(args), &srcs[..width], args.payloads[me], r.len(), g);
     barrier(args, g, BarrierKind::Publish)?;
     for q in (0..width).map(|i| (me + i) % width) {
         let r = range(q);
@@ -190,7 +190,7 @@ pub(super) unsafe fn reduce_scatter<T: Element>(args: &AllReduceArgs, g: Grid) -
         let r = c.elems::<T>(part(me).len(), k);
         let srcs = c.srcs(args, k, at(me));
         let dst = elem::<T>(args.output, r.start);
-        reduce_packs::<T>(&srcs[..width], dst, r.len(), g);
+        reduce_packs::<T>(op_of(args), &srcs[..width], dst, r.len(), g);
         Ok(())
     };
     run_chunks(args, g, &c, stage, use_)

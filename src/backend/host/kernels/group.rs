@@ -6,7 +6,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::packs::{copy_packs_of, lanes, reduce_packs_of, Grid, Packs};
+use super::packs::{copy_packs_of, lanes, op_of, reduce_packs_of, Grid, Packs};
 use super::signals::{atomic, barrier, first_barrier};
 use super::wait::{Flow, Stop};
 use crate::dtype::Element;
@@ -116,7 +116,7 @@ pub(super) unsafe fn all_reduce_group<T: Element>(args: &GroupArgs, g: Grid) -> 
             };
         }
         let packs = entry_packs::<T>(e, g.block, g.blocks);
-        reduce_packs_of::<T>(&srcs[..width], e.output, n, packs);
+        reduce_packs_of::<T>(op_of(a), &srcs[..width], e.output, n, packs);
     }
     // No peer overwrites a payload this block still reads.
     barrier(a, g, BarrierKind::End)

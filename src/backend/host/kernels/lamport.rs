@@ -5,11 +5,11 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use super::collectives::rmsnorm_row;
-use super::packs::{block_packs, lanes, pack_range, store, sum_start, Grid};
+use super::packs::{block_packs, lanes, pack_range, store, Grid};
 use super::signals::{abort_word, atomic, signal};
 use super::wait::{Flow, Spinner, Stop};
 use crate::backend::LAMPORT_SENTINEL;
-use crate::dtype::Element;
+use crate::dtype::{Element, ReduceOp};
 use crate::signal::{
     AllReduceArgs, SignalLayout, CALL_WORDS, LAMPORT_ARRIVALS, LAMPORT_FLAG, LAMPORT_GENERATIONS,
     LAMPORT_HEADER_PACKS, LAMPORT_PREV_PACKS, LAMPORT_PREV_WIDTH, PACK_BYTES,
@@ -140,7 +140,7 @@ unsafe fn lamport_pack_sums<T: Element>(
         for (j, a) in acc.iter_mut().enumerate().take(pack_range::<T>(p, n).len()) {
             let x = lane_from_words::<T>(&words, j);
             *a = if src == 0 {
-                sum_start(x, width)
+                ReduceOp::Sum.start(x, width)
             } else {
                 *a + x
             };

@@ -1,8 +1,8 @@
 //! Packs and elements in the host kernels: a block's packs (the device's grid stride),
-//! loads and stores through f32, and the group-rank-order sum every reduction shares.
+//! loads and stores through f32, and the group-rank-order reduction every kernel shares.
 
-use crate::dtype::Element;
-use crate::signal::PACK_BYTES;
+use crate::dtype::{Element, ReduceOp};
+use crate::signal::{AllReduceArgs, PACK_BYTES};
 
 pub(super) fn lanes<T>() -> usize {
     PACK_BYTES / std::mem::size_of::<T>()
@@ -40,25 +40,19 @@ pub(super) unsafe fn store<T: Element>(base: u64, i: usize, x: f32) {
     (base as *mut T).add(i).write_unaligned(T::from_f32(x))
 }
 
-/// Where a sum over `width` ranks starts: +0.0 + x0 when `width > 1`, so an exact-zero
-/// sum is +0.0 on every algorithm (Lamport cannot carry -0.0, its sentinel); a group of
-/// one stays an exact copy. The device's `sum_start`.
-pub(super) fn sum_start(x0: f32, width: usize) -> f32 {
-    if width > 1 {
-        0.0 + x0
-    } else {
-        x0
-    }
+/// The operator of the call whose arguments these are (its descriptor's).
+pub(super) fn op_of(args: &AllReduceArgs) -> ReduceOp {
+    ReduceOp::of_call(&args.call)
 }
 
-/// Sum over the group of element `e` of `srcs`, in group-rank order (the same order on
+/// `op` over the group of element `e` of `srcs`, in group-rank order (the same order on
 /// every rank, so every rank gets the same bits).
-pub(super) unsafe fn reduce_element<T: Element>(srcs: &[u64], e: usize) -> f32 {
-    let mut acc = sum_start(load::<T>(srcs[0], e), srcs.len());
+pub(super) unsafe fn reduce_element<T: Element>(op: ReduceOp, srcs: &[u64], e: usize) -> f32 {
+    let mut acc = op.start(load::<T>(srcs[0], e), srcs.len());
     for &s in &srcs[1..] {
-        acc += load::<T>(s, e);
+        acc = op.combine(acc, load::<T>(s, e));
     }
-    acc
+    op.finish(acc, srcs.len())
 }
 
 /// Address of element `e` of the `T` array at `base`.
@@ -77,10 +71,16 @@ pub(super) unsafe fn copy_packs_of<T: Element>(src: u64, dst: u64, n: usize, pac
     }
 }
 
-/// Sums `packs` of an `n`-element message over `srcs` into `dst`, pack by pack.
-pub(super) unsafe fn reduce_packs_of<T: Element>(srcs: &[u64], dst: u64, n: usize, packs: Packs) {
+/// Reduces `packs` of an `n`-element message over `srcs` into `dst`, pack by pack.
+pub(super) unsafe fn reduce_packs_of<T: Element>(
+    op: ReduceOp,
+    srcs: &[u64],
+    dst: u64,
+    n: usize,
+    packs: Packs,
+) {
     for e in packs.flat_map(|p| pack_range::<T>(p, n)) {
-        store::<T>(dst, e, reduce_element::<T>(srcs, e));
+        store::<T>(dst, e, reduce_element::<T>(op, srcs, e));
     }
 }
 
@@ -89,9 +89,21 @@ pub(super) unsafe fn copy_packs<T: Element>(src: u64, dst: u64, n: usize, g: Gri
     copy_packs_of::<T>(src, dst, n, block_packs(0, n.div_ceil(lanes::<T>()), g))
 }
 
-/// Sums this block's packs of an `n`-element message over `srcs` into `dst`.
-pub(super) unsafe fn reduce_packs<T: Element>(srcs: &[u64], dst: u64, n: usize, g: Grid) {
-    reduce_packs_of::<T>(srcs, dst, n, block_packs(0, n.div_ceil(lanes::<T>()), g))
+/// Reduces this block's packs of an `n`-element message over `srcs` into `dst`.
+pub(super) unsafe fn reduce_packs<T: Element>(
+    op: ReduceOp,
+    srcs: &[u64],
+    dst: u64,
+    n: usize,
+    g: Grid,
+) {
+    reduce_packs_of::<T>(
+        op,
+        srcs,
+        dst,
+        n,
+        block_packs(0, n.div_ceil(lanes::<T>()), g),
+    )
 }
 
 /// The f32 sums over `srcs` of the lanes of the whole pack `p` (the fused kernels' rows).
@@ -99,7 +111,7 @@ pub(super) unsafe fn pack_sums<T: Element>(srcs: &[u64], p: usize) -> [f32; 8] {
     let l = lanes::<T>();
     let mut acc = [0f32; 8];
     for (j, a) in acc.iter_mut().enumerate().take(l) {
-        *a = reduce_element::<T>(srcs, p * l + j);
+        *a = reduce_element::<T>(ReduceOp::Sum, srcs, p * l + j);
     }
     acc
 }

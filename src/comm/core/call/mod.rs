@@ -10,8 +10,9 @@
 
 use crate::backend::KernelKind;
 use crate::dtype::DType;
+use crate::dtype::ReduceOp;
 use crate::error::{CallField, Error};
-use crate::signal::CALL_WORDS;
+use crate::signal::{CALL_OP_SHIFT, CALL_WORDS};
 
 use crate::comm::core::planning::{InputPlace, Plan};
 
@@ -35,6 +36,7 @@ struct Fields {
     elements: u64,
     hidden: u32,
     epsilon: u32,
+    op: u32,
 }
 
 /// Splits `x` (at most 62 bits) into two 31-bit words.
@@ -55,7 +57,8 @@ fn encode_fields(f: &Fields) -> [u32; CALL_WORDS] {
         | (f.dtype & 0xf) << 5
         | (f.width.saturating_sub(1) & 7) << 9
         | (f.root & 7) << 12
-        | (f.blocks.saturating_sub(1) & 0x3ff) << 15;
+        | (f.blocks.saturating_sub(1) & 0x3ff) << 15
+        | (f.op & 7) << CALL_OP_SHIFT;
     let (hidden, eps0, eps1) = (
         f.hidden & LOW31 as u32,
         f.epsilon & LOW31 as u32,
@@ -77,6 +80,7 @@ fn decode(w: [u32; CALL_WORDS]) -> Fields {
         offset: join(w[6], w[7]),
         hidden: w[8],
         epsilon: w[9] | (w[10] & 1) << 31,
+        op: (w[2] >> CALL_OP_SHIFT) & 7,
     }
 }
 
@@ -102,6 +106,7 @@ pub(crate) fn encode(plan: &Plan, launched: u64) -> [u32; CALL_WORDS] {
         elements: plan.elements as u64,
         hidden: plan.collective.hidden,
         epsilon: plan.collective.epsilon.to_bits(),
+        op: plan.collective.op.raw(),
     })
 }
 
@@ -169,6 +174,7 @@ pub(crate) fn first_difference(
         (CallField::Inputs, place(&a) != place(&b)),
         (CallField::Hidden, a.hidden != b.hidden),
         (CallField::Epsilon, a.epsilon != b.epsilon),
+        (CallField::Op, a.op != b.op),
         (CallField::Sequence, a.seq != b.seq),
     ]
     .into_iter()
@@ -193,6 +199,8 @@ pub(crate) fn first_difference(
         ),
         CallField::Hidden => format!("rows of {} elements", f.hidden),
         CallField::Epsilon => format!("epsilon {:e}", f32::from_bits(f.epsilon)),
+        CallField::Op => ReduceOp::from_raw(f.op)
+            .map_or_else(|| format!("operator {}", f.op), |o| o.name().to_string()),
         CallField::Sequence if f.seq == 0 => "no call yet".into(),
         CallField::Sequence => format!("call {}", f.seq),
     };

@@ -47,6 +47,7 @@ fn every_word_keeps_bit_31_clear() {
         offset,
     };
     (p.collective.epsilon, p.collective.hidden) = (-f32::MAX, u32::MAX);
+    p.collective.op = ReduceOp::Avg;
     for w in encode(&p, u64::MAX) {
         assert_eq!(w & 0x8000_0000, 0);
     }
@@ -72,6 +73,7 @@ fn each_field_is_named_first_in_order() {
     named!(base, 7, |p| p.kernel.kind = K::Lamport => Algorithm, "one-stage", "Lamport");
     named!(base, 7, |p| p.kernel.kind = K::Broadcast => Collective, "all-reduce", "broadcast");
     named!(base, 8, |p| p.elements = 1000 => Sequence, "call 8", "call 9");
+    named!(base, 7, |p| p.collective.op = ReduceOp::Max => Op, "sum", "max");
     // Another width with another barrier domain's count: the width is named.
     named!(base, 2, |p| p.width = 4 => GroupWidth, "groups of 2", "groups of 4");
     // The fused collective's two algorithms are one collective.
@@ -144,6 +146,7 @@ fn fields_are_compared_exactly() {
         elements: (1 << 62) - 5,
         hidden: (1 << 31) - 1,
         epsilon: (-1e-5f32).to_bits(),
+        op: 7,
     };
     assert_eq!(decode(encode_fields(&f)), f);
 }

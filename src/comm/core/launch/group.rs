@@ -11,7 +11,7 @@
 
 use crate::backend::{Backend, Kernel, KernelKind};
 use crate::dispatch::{self, Algorithm};
-use crate::dtype::DType;
+use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::signal::{GroupArgs, GroupEntry, GROUP_HEADER_BYTES, MAX_GROUP_CALLS, PACK_BYTES};
 
@@ -37,11 +37,12 @@ pub(crate) struct GroupPlan {
 }
 
 impl Settings {
-    /// Plans a batch of all-reduces of `dtype` with these element counts over groups of
-    /// `group_size` (0 = the world): payload offsets, the scratch check, the grid.
+    /// Plans a batch of all-reduces of `dtype` with operator `op` and these element
+    /// counts over groups of `group_size` (0 = the world): payload offsets, the scratch
+    /// check, the grid.
     pub(crate) fn group_plan(
         &self,
-        dtype: DType,
+        (dtype, op): (DType, ReduceOp),
         lengths: &[usize],
         group_size: usize,
         stage: bool,
@@ -83,6 +84,7 @@ impl Settings {
                 stage_input: staged.into(),
                 collective: CollectiveArgs {
                     root: (count - 1) as u32,
+                    op,
                     ..CollectiveArgs::default()
                 },
                 ..Plan::new(kernel, Algorithm::OneStage, width, lengths[0], dims)
@@ -192,7 +194,7 @@ impl<B: Backend> Rank<B> {
     }
 
     /// Splits a group's calls into launches: consecutive peer-memory all-reduces of one
-    /// dtype and width with algorithm and grid left to peercomm run as one batch (up to
+    /// dtype, operator and width with algorithm and grid left to peercomm run as one batch (up to
     /// [`MAX_GROUP_CALLS`] that fit the payload); every other call runs alone. Every rank
     /// decides the same, from the calls alone.
     pub(crate) fn plan_grouped(
@@ -224,6 +226,7 @@ impl<B: Backend> Rank<B> {
                 for next in &calls[i + 1..] {
                     if lengths.len() == MAX_GROUP_CALLS
                         || next.dtype != c.dtype
+                        || next.options.op != c.options.op
                         || !batchable(next)
                         || local_width(next)? != Some(group_size)
                     {
@@ -231,10 +234,12 @@ impl<B: Backend> Rank<B> {
                     }
                     lengths.push(next.elements);
                     let stage_with = stage || next.in_place;
-                    match self
-                        .settings
-                        .group_plan(c.dtype, &lengths, group_size, stage_with)
-                    {
+                    match self.settings.group_plan(
+                        (c.dtype, c.options.op),
+                        &lengths,
+                        group_size,
+                        stage_with,
+                    ) {
                         Ok(p) => {
                             plan = Some(p);
                             stage = stage_with;
@@ -279,12 +284,13 @@ mod tests {
     fn entries_follow_the_table_and_fit_with_it() {
         let s = settings(64 << 10, 2);
         let plan = |lengths: &[usize], group_size, stage| {
-            s.group_plan(DType::F32, lengths, group_size, stage)
+            s.group_plan((DType::F32, ReduceOp::Max), lengths, group_size, stage)
         };
         let g = plan(&[5, 0, 8, 1], 0, true).unwrap();
         assert_eq!(GROUP_HEADER_BYTES, 80);
         assert_eq!(&g.offsets[..4], &[80, 112, 112, 144]);
         assert_eq!((g.plan.elements, g.plan.collective.root), (5, 3));
+        assert_eq!(g.plan.collective.op, ReduceOp::Max);
         let big = plan(&[(1 << 33) + 5, 1], 1, true).unwrap();
         assert_eq!(big.plan.elements, (1 << 33) + 5);
         // The table and the entries fill the payload exactly; one pack more does not fit.

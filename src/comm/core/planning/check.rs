@@ -2,7 +2,7 @@
 //! length and overlaps, a root), and the planning entry points of both front doors.
 
 use crate::backend::Backend;
-use crate::dtype::DType;
+use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 
 use super::staging::message_bytes;
@@ -89,8 +89,8 @@ pub(crate) struct Meta {
 pub(crate) enum Routed {
     /// The peer-memory kernels, with this plan.
     Peer(Plan),
-    /// Away from them (the external library, or across hosts).
-    Away(Path),
+    /// Away from them (the external library, or across hosts), with the operator.
+    Away(Path, ReduceOp),
 }
 
 impl Meta {
@@ -209,7 +209,7 @@ impl<B: Backend> Rank<B> {
                 self.plans.put(shape, plan);
                 Ok(Routed::Peer(plan))
             }
-            path => Ok(Routed::Away(path)),
+            path => Ok(Routed::Away(path, options.op)),
         }
     }
 

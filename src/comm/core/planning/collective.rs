@@ -4,7 +4,7 @@
 
 use crate::backend::{Kernel, KernelKind};
 use crate::dispatch::{self, Algorithm};
-use crate::dtype::DType;
+use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::external::setters;
 use crate::signal::LAMPORT_HEADER_BYTES;
@@ -32,6 +32,8 @@ pub struct CollectiveOptions {
     /// a group of one runs `OneStage`. The other collectives take `Auto` or `OneStage`;
     /// any other algorithm is `Unsupported`.
     pub algorithm: Algorithm,
+    /// The reducing collectives' operator, which their methods take as an argument.
+    pub(crate) op: ReduceOp,
 }
 
 impl CollectiveOptions {
@@ -46,6 +48,10 @@ impl CollectiveOptions {
         fn blocks(blocks: u32) => blocks = Some(blocks);
         /// With an algorithm (see the field: it chooses between the fused kernels).
         fn algorithm(algorithm: Algorithm) => algorithm = algorithm;
+    }
+    /// These options with the operator of the call.
+    pub(crate) fn with_op(self, op: ReduceOp) -> Self {
+        CollectiveOptions { op, ..self }
     }
 }
 
@@ -111,7 +117,10 @@ impl Settings {
             Collective::AllGather | Collective::Broadcast { .. } | Collective::Scatter { .. } => {
                 elements.div_ceil(lanes)
             }
-            Collective::ReduceScatter => elements.div_ceil(width).div_ceil(lanes),
+            Collective::ReduceScatter => {
+                extra.op = options.op;
+                elements.div_ceil(width).div_ceil(lanes)
+            }
             Collective::AllReduceRmsNorm { hidden, epsilon } => {
                 // The shape rules were checked with the algorithm.
                 extra.hidden = hidden as u32;

@@ -3,7 +3,7 @@
 
 use crate::backend::{Kernel, KernelKind, LaunchDims};
 use crate::dispatch::{self, Algorithm};
-use crate::dtype::DType;
+use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 use crate::signal::{LAMPORT_HEADER_BYTES, MAX_NUM_BLOCKS_UPPER_BOUND, PACK_BYTES};
 
@@ -32,6 +32,8 @@ pub(crate) struct CollectiveArgs {
     pub(crate) root: u32,
     pub(crate) hidden: u32,
     pub(crate) epsilon: f32,
+    /// The reducing collectives' operator (read from the call descriptor).
+    pub(crate) op: ReduceOp,
 }
 
 /// What validation learned about one call.
@@ -154,7 +156,8 @@ impl Settings {
         };
         let word = staging::all_reduce(packs, payload);
         let fits = |a: Algorithm| fits_whole(a) || (a == Algorithm::OneStage && word.is_some());
-        let lamport_allowed = self.lamport_allowed(width);
+        // Lamport's sentinel turns -0.0 into +0.0, which only a sum may ignore.
+        let lamport_allowed = self.lamport_allowed(width) && options.op == ReduceOp::Sum;
         let algorithm = match options.algorithm {
             Algorithm::Auto => {
                 let mut preferred = dispatch::choose(&self.arch, width, elements * dtype.size());
@@ -174,6 +177,12 @@ impl Settings {
                     .unwrap_or(preferred)
             }
             Algorithm::Lamport if width == 1 => Algorithm::OneStage,
+            Algorithm::Lamport if options.op != ReduceOp::Sum => {
+                return Err(Error::Unsupported(format!(
+                    "the Lamport algorithm sums only, not {}; use Auto or another algorithm",
+                    options.op.name()
+                )))
+            }
             Algorithm::Lamport if !lamport_allowed => {
                 return Err(Error::Unsupported(format!(
                     "the Lamport algorithm runs only over the whole world (group_size 0 or \
@@ -225,7 +234,7 @@ impl Settings {
         let blocks = self.blocks(options.blocks, || {
             dispatch::blocks_for(work_packs, self.config.threads_per_block, self.max_blocks)
         })?;
-        Ok(Plan {
+        let mut plan = Plan {
             stage_input: word.filter(|_| staged).unwrap_or(0),
             overlap_previous: options.overlap_previous,
             ..Plan::new(
@@ -235,7 +244,9 @@ impl Settings {
                 elements,
                 self.dims(blocks),
             )
-        })
+        };
+        plan.collective.op = options.op;
+        Ok(plan)
     }
 }
 

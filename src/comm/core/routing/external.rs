@@ -3,7 +3,7 @@
 
 use crate::backend::Backend;
 use crate::dispatch::Algorithm;
-use crate::dtype::DType;
+use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
 
 use crate::comm::core::launch::{Fused, PeerInputs};
@@ -14,7 +14,8 @@ use crate::comm::AllReduceOptions;
 
 impl<B: Backend> Rank<B> {
     /// Runs, on this rank, a call its router sent away from the peer-memory kernels:
-    /// `elements` elements of `dtype` from `input` into `output` (may be equal).
+    /// `elements` elements of `dtype` from `input` into `output` (may be equal), with
+    /// the operator and blocks of `options`.
     pub(crate) fn run_routed(
         &self,
         path: Path,
@@ -22,7 +23,7 @@ impl<B: Backend> Rank<B> {
         output: u64,
         elements: usize,
         dtype: DType,
-        blocks: Option<u32>,
+        options: &AllReduceOptions,
     ) -> std::result::Result<Algorithm, RouteError> {
         let external = self.route.external.as_deref().ok_or_else(|| {
             RouteError::Validation(Error::Unsupported("no external library".into()))
@@ -35,8 +36,10 @@ impl<B: Backend> Rank<B> {
                 if elements > 0 {
                     // SAFETY: the caller holds both buffers (and their access guards)
                     // for the call, on this rank's device.
-                    unsafe { external.all_reduce_sum(dev, input, output, elements, dtype) }
-                        .map_err(RouteError::Launched)?;
+                    unsafe {
+                        external.all_reduce(dev, (input, output, elements, dtype, options.op))
+                    }
+                    .map_err(RouteError::Launched)?;
                 }
                 Ok(Algorithm::Nccl)
             }
@@ -44,16 +47,18 @@ impl<B: Backend> Rank<B> {
                 if elements == 0 {
                     return Ok(Algorithm::Hierarchical);
                 }
-                let mut opts = AllReduceOptions::new();
-                opts.blocks = blocks;
-                let plan = |in_place| {
+                let mut opts = AllReduceOptions::new().with_op(options.op);
+                opts.blocks = options.blocks;
+                let plan = |opts, in_place| {
                     let p = settings.plan(dtype, elements, &opts, in_place, PeerReads::Payloads);
                     p.map_err(RouteError::Validation)
                 };
-                let (first, gather) = (plan(input == output)?, plan(true)?);
+                // The gather sums (see (c)) whatever the operator.
+                let gather_opts = opts.with_op(ReduceOp::Sum);
+                let (first, gather) = (plan(opts, input == output)?, plan(gather_opts, true)?);
                 let (lo, hi) = slice(elements, settings.world, self.endpoint.index);
                 let size = dtype.size() as u64;
-                // (a) the host's sum, over peer memory.
+                // (a) the host's reduction, over peer memory.
                 self.launch(&first, PeerInputs::Own(input), output, Fused::default())
                     .map_err(RouteError::Launched)?;
                 // (b) this rank's slice across hosts, in the external library.
@@ -62,7 +67,7 @@ impl<B: Backend> Rank<B> {
                     // sees the same calls everywhere.
                     let at = output + lo as u64 * size;
                     // SAFETY: [lo, hi) lies inside the output the caller holds.
-                    unsafe { external.all_reduce_sum(dev, at, at, hi - lo, dtype) }?;
+                    unsafe { external.all_reduce(dev, (at, at, hi - lo, dtype, options.op)) }?;
                     // (c) the gather inside the host: every other slice is -0.0, so
                     // the peer sum copies each slice bit for bit (x + -0.0 == x).
                     fill_negative_zero::<B>(dev, output, 0, lo, dtype)?;
