@@ -141,7 +141,7 @@ mod tests {
         for e in 0..n {
             // SAFETY: every source and the output hold n elements of T from its address.
             let got = unsafe {
-                store::<T>(at[3], e, reduce_element::<T>(&at[..3], e));
+                store::<T>(at[3], e, reduce_element::<T>(ReduceOp::Sum, &at[..3], e));
                 (at[3] as *const T).add(e).read_unaligned()
             };
             let want: f64 = (0..3).map(|s| f64::from(value(s, e).to_f32())).sum();
