@@ -17,7 +17,9 @@
 use peercomm::backend::host::Host;
 use peercomm::backend::{Backend, DeviceBuffer};
 use peercomm::bootstrap::UniqueId;
-use peercomm::{reduce_scatter_part, AllReduceOptions, CollectiveOptions, Comm, CommConfig};
+use peercomm::{
+    reduce_scatter_part, AllReduceOptions, CollectiveOptions, Comm, CommConfig, ReduceOp,
+};
 
 /// Ranks in the world (two threads).
 const WORLD: usize = 2;
@@ -53,7 +55,7 @@ fn check(what: &str, rank: usize, got: &[f32], want: &[f32]) -> Result<()> {
 fn all_reduce(comm: &Comm<Host>) -> Result<()> {
     let send = buffer(comm, &[comm.rank() as f32 + 1.0; 6])?;
     let mut recv = output(comm, 6)?;
-    comm.all_reduce_sum_with(&send, &mut recv, &AllReduceOptions::new())?;
+    comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, &AllReduceOptions::new())?;
     check(
         "all_reduce_sum",
         comm.rank(),
@@ -62,7 +64,7 @@ fn all_reduce(comm: &Comm<Host>) -> Result<()> {
     )?;
 
     let mut buf = buffer(comm, &[comm.rank() as f32 + 1.0; 6])?;
-    comm.all_reduce_sum_in_place_with(&mut buf, &AllReduceOptions::new())?;
+    comm.all_reduce_in_place_with(&mut buf, &ReduceOp::Sum, &AllReduceOptions::new())?;
     check(
         "all_reduce_sum_in_place",
         comm.rank(),
@@ -90,7 +92,7 @@ fn reduce_scatter(comm: &Comm<Host>) -> Result<()> {
     let send = buffer(comm, &values)?;
     let part = reduce_scatter_part(n, WORLD, comm.rank());
     let mut recv = output(comm, part.len())?;
-    comm.reduce_scatter_sum(&send, &mut recv, &CollectiveOptions::new())?;
+    comm.reduce_scatter_with(&send, &mut recv, &ReduceOp::Sum, &CollectiveOptions::new())?;
     // Element i sums to (1 + 2) x (i + 1).
     let want: Vec<f32> = part.map(|i| 3.0 * (i as f32 + 1.0)).collect();
     check(

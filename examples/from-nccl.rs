@@ -79,7 +79,7 @@ mod ranks {
         send: &CudaSlice<bf16>,
         recv: &mut CudaSlice<bf16>,
     ) -> Result<()> {
-        use peercomm::{Comm, CommConfig, UniqueId};
+        use peercomm::{Comm, CommConfig, ReduceOp, UniqueId};
 
         let bytes = if rank == 0 {
             ids.send(UniqueId::new()?.to_bytes())
@@ -88,7 +88,7 @@ mod ranks {
         };
         let id = UniqueId::from_bytes(&bytes)?;
         let comm = Comm::from_rank(stream.clone(), rank, world, &id, CommConfig::default())?;
-        comm.all_reduce_sum(send, recv)?;
+        comm.all_reduce(send, recv, &ReduceOp::Sum)?;
         comm.synchronize()?; // waits, and reports a device-side error if one happened
         Ok(())
     }

@@ -56,7 +56,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use peercomm::backend::host::Host;
 use peercomm::backend::Backend;
 use peercomm::bootstrap::UniqueId;
-use peercomm::{AllReduceOptions, Comm, CommConfig, DType, Recovery};
+use peercomm::{AllReduceOptions, Comm, CommConfig, DType, Recovery, ReduceOp};
 
 /// Set in a rank's process: its rank. Its absence marks the launcher.
 const RANK_ENV: &str = "PEERCOMM_LAUNCH_RANK";
@@ -473,10 +473,10 @@ fn all_reduce_checked<B: Backend>(
         B::upload(dev, &input, &mut send).map_err(|e| fail("upload", e))?;
         let in_place = iter % 2 == 1;
         let algorithm = if in_place {
-            comm.all_reduce_sum_in_place_with(&mut send, &options)
+            comm.all_reduce_in_place_with(&mut send, &ReduceOp::Sum, &options)
         } else {
             B::upload(dev, &vec![f32::NAN; n], &mut recv).map_err(|e| fail("upload", e))?;
-            comm.all_reduce_sum_with(&send, &mut recv, &options)
+            comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, &options)
         }
         .map_err(|e| fail("all_reduce_sum", e))?;
         // Each step: a check that does not wait (an engine does its other work here),

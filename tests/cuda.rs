@@ -16,7 +16,7 @@ use common::{cuda_devices, Placement};
 use peercomm::backend::cuda::Cuda;
 use peercomm::backend::host::Host;
 use peercomm::backend::Backend;
-use peercomm::{Algorithm, AllReduceOptions, Error, SingleController};
+use peercomm::{Algorithm, AllReduceOptions, Error, ReduceOp, SingleController};
 
 reference_suite!(Cuda, cuda_devices(), None, common::LENGTHS);
 
@@ -66,9 +66,10 @@ fn cuda_graph_replays_with_new_data() {
         // restored inside.
         let (graphs, ran) = comm
             .capture(|| {
-                comm.all_reduce_sum_slices(
+                comm.all_reduce_slices(
                     &ins,
                     &mut outs,
+                    &ReduceOp::Sum,
                     &AllReduceOptions::new().algorithm(algorithm),
                 )
             })

@@ -17,7 +17,9 @@ use common::Placement;
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
 use peercomm::backend::cuda::Cuda;
 use peercomm::backend::Backend;
-use peercomm::{Algorithm, AllReduceOptions, SingleController, TensorView, TensorViewMut};
+use peercomm::{
+    Algorithm, AllReduceOptions, ReduceOp, SingleController, TensorView, TensorViewMut,
+};
 
 const PRODUCER: &str = r#"
 extern "C" __global__ void produce(float* x, unsigned long long n, float base,
@@ -140,7 +142,9 @@ fn overlapped_launch_reads_what_the_previous_kernel_wrote() {
             let it: Vec<TensorView<Cuda>> = ins.iter().map(|b| TensorView::flat(b)).collect();
             let mut ot: Vec<TensorViewMut<Cuda>> =
                 outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-            let ran = comm.all_reduce_sum(&it, &mut ot, &opts).unwrap();
+            let ran = comm
+                .all_reduce(&it, &mut ot, &ReduceOp::Sum, &opts)
+                .unwrap();
             assert_eq!(ran, algorithm);
             comm.synchronize().unwrap();
             let want = expected(world, base, n);
@@ -180,7 +184,7 @@ fn overlapped_launch_inside_a_graph_reads_what_the_producer_wrote() {
             for r in 0..world {
                 produce(&producer[r], &streams[r], &mut ins[r], r as f32 + 1.0);
             }
-            comm.all_reduce_sum_slices(&ins, &mut outs, &opts)
+            comm.all_reduce_slices(&ins, &mut outs, &ReduceOp::Sum, &opts)
         })
         .unwrap();
     let want = expected(world, |r| r as f32 + 1.0, n);

@@ -10,6 +10,7 @@ mod per_rank_suite;
 
 use peercomm::backend::cuda::Cuda;
 use peercomm::backend::Backend;
+use peercomm::ReduceOp;
 use per_rank_suite::capture_graphs as graphs;
 use per_rank_suite::descriptor_channel::{self, Strangers};
 use per_rank_suite::{gpu_placement, process_faults, processes, GPU_SCOPE};
@@ -102,7 +103,7 @@ fn graph_replays() {
             let mut recv = Cuda::alloc_buffer::<f32>(dev, len).unwrap();
             let opts = AllReduceOptions::new().algorithm(algorithm);
             let (graph, _) = comm
-                .capture(|| comm.all_reduce_sum_with(&send, &mut recv, &opts))
+                .capture(|| comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, &opts))
                 .unwrap();
             for i in 0..replays {
                 let call = done + i;
@@ -161,7 +162,7 @@ fn collectives_graph_replays() {
         let (graph, _) = comm
             .capture(|| {
                 comm.all_gather(&x, &mut gathered, &o)?;
-                comm.reduce_scatter_sum(&wide, &mut part, &o)?;
+                comm.reduce_scatter_with(&wide, &mut part, &ReduceOp::Sum, &o)?;
                 comm.broadcast(Some(&x), &mut bcast, 1, &o)?;
                 comm.scatter(Some(&wide), &mut piece, 0, &o)?;
                 let (p, w) = (&partial, &weight);

@@ -12,7 +12,7 @@ use common::Zeros;
 use peercomm::backend::host::{Host, HostBuffer, HostDevice};
 use peercomm::backend::{Backend, DeviceBuffer, DeviceBufferMut, TypedBuffer};
 use peercomm::{
-    Algorithm, AllReduceOptions, CallField, Comm, CommConfig, DType, Element, Error,
+    Algorithm, AllReduceOptions, CallField, Comm, CommConfig, DType, Element, Error, ReduceOp,
     SingleController,
 };
 use per_rank_suite::{in_step, Placement};
@@ -148,8 +148,8 @@ fn single_controller_case<T: Element>(
     let mut group = comm.group();
     for (s, recv) in recvs.iter_mut().enumerate() {
         match in_place[s] {
-            true => group.all_reduce_sum_slices_in_place_with(recv, &opts),
-            false => group.all_reduce_sum_slices_with(&sends[s], recv, &opts),
+            true => group.all_reduce_slices_in_place_with(recv, &ReduceOp::Sum, &opts),
+            false => group.all_reduce_slices_with(&sends[s], recv, &ReduceOp::Sum, &opts),
         }
         .unwrap_or_else(|e| panic!("{what}: {e}"));
     }
@@ -159,7 +159,7 @@ fn single_controller_case<T: Element>(
     let alone_opts = opts.algorithm(Algorithm::OneStage);
     for (s, entry) in ins.iter().enumerate() {
         let mut alone = poisoned(lengths[s]);
-        comm.all_reduce_sum_slices(&sends[s], &mut alone, &alone_opts)
+        comm.all_reduce_slices(&sends[s], &mut alone, &ReduceOp::Sum, &alone_opts)
             .unwrap();
         comm.synchronize().unwrap();
         let got: Vec<Vec<T>> = (0..world)
@@ -323,7 +323,7 @@ fn single_group<S: DeviceBuffer<Host>, R: DeviceBufferMut<Host>>(
     let opts = AllReduceOptions::new().group_size(width);
     let mut group = comm.group();
     for (send, recv) in sends.iter().zip(recvs.iter_mut()) {
-        group.all_reduce_sum_slices_with(send, recv, &opts)?;
+        group.all_reduce_slices_with(send, recv, &ReduceOp::Sum, &opts)?;
     }
     group.end().map(|_| ())
 }
@@ -338,7 +338,7 @@ fn rank_group<S: DeviceBuffer<Host>, R: DeviceBufferMut<Host>>(
     let opts = AllReduceOptions::new().group_size(width);
     let mut group = comm.group();
     for (send, recv) in sends.iter().zip(recvs.iter_mut()) {
-        group.all_reduce_sum_with(send, recv, &opts)?;
+        group.all_reduce_with(send, recv, &ReduceOp::Sum, &opts)?;
     }
     group.end().map(|_| ())
 }
@@ -380,7 +380,8 @@ fn per_rank_case<T: Element>(comm: &Comm<Host>, seed: u64, width: usize, lengths
         .algorithm(Algorithm::OneStage)
         .group_size(width);
     for (send, out) in sends.iter().zip(alone.iter_mut()) {
-        comm.all_reduce_sum_with(send, out, &opts).unwrap();
+        comm.all_reduce_with(send, out, &ReduceOp::Sum, &opts)
+            .unwrap();
     }
     comm.synchronize().unwrap();
     for (s, entry) in ins.iter().enumerate() {
@@ -446,7 +447,7 @@ fn plain_untouched(comm: &Comm<Host>, n: usize) -> peercomm::Result<()> {
     let send = Host::alloc_from(dev, &vec![1.0f32; n])?;
     let mut recv = Host::alloc_from(dev, &vec![f32::NAN; n])?;
     let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-    comm.all_reduce_sum_with(&send, &mut recv, &opts)?;
+    comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, &opts)?;
     let result = comm.synchronize();
     if result.is_err() {
         assert!(recv.to_host(dev)?.iter().all(|x| x.is_nan()));

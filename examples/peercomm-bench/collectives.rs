@@ -171,7 +171,9 @@ pub fn run(gpu: &Gpu, args: &Args, sizes: &[usize]) -> Vec<Record> {
             let i: Vec<TensorView<Cuda>> = send.iter().map(|b| TensorView::flat(b)).collect();
             let mut o: Vec<TensorViewMut<Cuda>> =
                 recv.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-            gpu.comm.reduce_scatter_sum(&i, &mut o, &opts).unwrap();
+            gpu.comm
+                .reduce_scatter(&i, &mut o, &peercomm::ReduceOp::Sum, &opts)
+                .unwrap();
         };
         rs(&mut recv);
         gpu.comm.synchronize().unwrap();
@@ -315,7 +317,12 @@ fn fused(gpu: &Gpu, args: &Args, nccl: Option<&[cudarc::nccl::Comm]>) -> Vec<Rec
                         let mut o: Vec<TensorViewMut<Cuda>> =
                             sum.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
                         gpu.comm
-                            .all_reduce_sum(&i, &mut o, &AllReduceOptions::new())
+                            .all_reduce(
+                                &i,
+                                &mut o,
+                                &peercomm::ReduceOp::Sum,
+                                &AllReduceOptions::new(),
+                            )
                             .unwrap();
                         sum
                     }

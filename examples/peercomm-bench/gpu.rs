@@ -399,9 +399,10 @@ fn point<T: Element + NcclType>(
             .iter_mut()
             .map(|v| TensorViewMut::flat(&mut v[set]))
             .collect();
-        gpu.comm.all_reduce_sum(
+        gpu.comm.all_reduce(
             &it,
             &mut ot,
+            &peercomm::ReduceOp::Sum,
             &AllReduceOptions::new().group_size(group).algorithm(alg),
         )
     };

@@ -7,6 +7,7 @@
 use cudarc::driver::CudaSlice;
 use half::bf16;
 use peercomm::backend::cuda::Cuda;
+use peercomm::ReduceOp;
 
 use super::gpu::{capture, time_batches, with_tracking, Gpu};
 use super::*;
@@ -65,16 +66,17 @@ pub fn run(gpu: &Gpu, args: &Args) -> Vec<Record> {
                     if grouped {
                         let mut g = gpu.comm.group();
                         for (i, o) in ins.iter().zip(outs.iter_mut()).take(calls) {
-                            g.all_reduce_sum_slices(i, o).unwrap();
+                            g.all_reduce_slices(i, o, &ReduceOp::Sum).unwrap();
                         }
                         ran = g.end().unwrap()[0];
                     } else {
                         for (i, o) in ins.iter().zip(outs.iter_mut()).take(calls) {
                             ran = gpu
                                 .comm
-                                .all_reduce_sum_slices(
+                                .all_reduce_slices(
                                     i,
                                     o,
+                                    &ReduceOp::Sum,
                                     &AllReduceOptions::new().algorithm(algorithm),
                                 )
                                 .unwrap();

@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::CudaSlice;
 use peercomm::backend::cuda::Cuda;
+use peercomm::ReduceOp;
 
 use super::gpu::{with_tracking, Gpu};
 use super::*;
@@ -60,7 +61,9 @@ pub fn run(gpu: &Gpu, args: &Args) {
         let it: Vec<TensorView<Cuda>> = ins.iter().map(|b| TensorView::flat(b)).collect();
         let mut ot: Vec<TensorViewMut<Cuda>> =
             outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-        gpu.comm.all_reduce_sum(&it, &mut ot, &opts).unwrap();
+        gpu.comm
+            .all_reduce(&it, &mut ot, &ReduceOp::Sum, &opts)
+            .unwrap();
     };
     let tracked = host_us(gpu, batches, &mut call);
     with_tracking(gpu, false);

@@ -39,8 +39,8 @@ use std::time::Instant;
 use clap::Parser;
 use peercomm::backend::Backend;
 use peercomm::{
-    Algorithm, AllReduceOptions, CommConfig, DType, Element, SingleController, TensorView,
-    TensorViewMut,
+    Algorithm, AllReduceOptions, CommConfig, DType, Element, ReduceOp, SingleController,
+    TensorView, TensorViewMut,
 };
 use progress::Progress;
 use rand::{Rng, SeedableRng};
@@ -842,7 +842,7 @@ fn host_point<T: Element>(
         let it: Vec<TensorView<Host>> = ib.iter().map(|b| TensorView::flat(b)).collect();
         let mut ot: Vec<TensorViewMut<Host>> =
             ob.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-        comm.all_reduce_sum(&it, &mut ot, &opts)
+        comm.all_reduce(&it, &mut ot, &ReduceOp::Sum, &opts)
     };
     let ran = run(&mut ob).ok()?;
     comm.synchronize().unwrap();

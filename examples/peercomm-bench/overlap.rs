@@ -5,6 +5,7 @@
 
 use cudarc::driver::{CudaFunction, CudaSlice, LaunchConfig, PushKernelArg};
 use peercomm::backend::cuda::Cuda;
+use peercomm::ReduceOp;
 
 use super::gpu::{capture, time_batches, with_tracking, Gpu};
 use super::*;
@@ -84,7 +85,10 @@ pub fn run(gpu: &Gpu, args: &Args, sizes: &[usize]) -> Vec<Record> {
                         ins.iter().map(|b| TensorView::flat(b)).collect();
                     let mut ot: Vec<TensorViewMut<Cuda>> =
                         outs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-                    ran = gpu.comm.all_reduce_sum(&it, &mut ot, &opts).unwrap();
+                    ran = gpu
+                        .comm
+                        .all_reduce(&it, &mut ot, &ReduceOp::Sum, &opts)
+                        .unwrap();
                 }
             });
             let t = time_batches(&gpu.streams, args.batches, calls, || {

@@ -100,10 +100,12 @@ fn host_cost(
     };
     let opts = AllReduceOptions::new();
     let staged = time(&mut || {
-        comm.all_reduce_sum_with(send, recv, &opts).unwrap();
+        comm.all_reduce_with(send, recv, &peercomm::ReduceOp::Sum, &opts)
+            .unwrap();
     });
     let zero_copy = time(&mut || {
-        comm.all_reduce_sum_with(symmetric, recv, &opts).unwrap();
+        comm.all_reduce_with(symmetric, recv, &peercomm::ReduceOp::Sum, &opts)
+            .unwrap();
     });
     let launch = time(&mut || comm.delay(Duration::ZERO).unwrap());
     // The staged call again with cudarc's event tracking off: what is left above the
@@ -113,7 +115,8 @@ fn host_cost(
     // waits for its last read and write and a write record on the output).
     set_tracking(comm, stream, false);
     let untracked = time(&mut || {
-        comm.all_reduce_sum_with(send, recv, &opts).unwrap();
+        comm.all_reduce_with(send, recv, &peercomm::ReduceOp::Sum, &opts)
+            .unwrap();
     });
     set_tracking(comm, stream, true);
     comm.synchronize().unwrap();
@@ -396,11 +399,13 @@ fn sweep(
             );
             stream.memset_zeros(recv).unwrap();
         };
-        let algorithm = comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
+        let algorithm = comm
+            .all_reduce_with(&send, &mut recv, &peercomm::ReduceOp::Sum, &opts)
+            .unwrap();
         comm.synchronize().unwrap();
         check("staged", &mut recv);
         let sym_algorithm = comm
-            .all_reduce_sum_with(&symmetric, &mut recv, &opts)
+            .all_reduce_with(&symmetric, &mut recv, &peercomm::ReduceOp::Sum, &opts)
             .unwrap();
         comm.synchronize().unwrap();
         check("symmetric", &mut recv);
@@ -416,14 +421,15 @@ fn sweep(
         rendezvous(&comm);
         let eager = per_call_us(&comm, &stream, eager_timing, || {
             for _ in 0..calls {
-                comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
+                comm.all_reduce_with(&send, &mut recv, &peercomm::ReduceOp::Sum, &opts)
+                    .unwrap();
             }
         });
         mine.push(at("peercomm-per-rank", algorithm.name(), "eager", eager));
         rendezvous(&comm);
         let eager = per_call_us(&comm, &stream, eager_timing, || {
             for _ in 0..calls {
-                comm.all_reduce_sum_with(&symmetric, &mut recv, &opts)
+                comm.all_reduce_with(&symmetric, &mut recv, &peercomm::ReduceOp::Sum, &opts)
                     .unwrap();
             }
         });
@@ -453,12 +459,13 @@ fn sweep(
             };
             let ours = graph_of(&mut || {
                 for _ in 0..calls {
-                    comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
+                    comm.all_reduce_with(&send, &mut recv, &peercomm::ReduceOp::Sum, &opts)
+                        .unwrap();
                 }
             });
             let zero_copy = graph_of(&mut || {
                 for _ in 0..calls {
-                    comm.all_reduce_sum_with(&symmetric, &mut recv, &opts)
+                    comm.all_reduce_with(&symmetric, &mut recv, &peercomm::ReduceOp::Sum, &opts)
                         .unwrap();
                 }
             });
@@ -468,7 +475,12 @@ fn sweep(
                 .capture_registered(|| {
                     let mut ran = Algorithm::Auto;
                     for _ in 0..calls {
-                        ran = comm.all_reduce_sum_with(&send, &mut recv, &opts)?;
+                        ran = comm.all_reduce_with(
+                            &send,
+                            &mut recv,
+                            &peercomm::ReduceOp::Sum,
+                            &opts,
+                        )?;
                     }
                     Ok(ran)
                 })

@@ -3,8 +3,8 @@
 
 use peercomm::backend::Backend;
 use peercomm::{
-    reduce_scatter_part, CollectiveOptions, DType, Element, Error, SingleController, TensorView,
-    TensorViewMut,
+    reduce_scatter_part, CollectiveOptions, DType, Element, Error, ReduceOp, SingleController,
+    TensorView, TensorViewMut,
 };
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -238,12 +238,12 @@ pub fn reduce_scatter_parts_are_the_all_reduce<B: Backend, T: Element>(
         T::DTYPE
     );
     let i = views(&in_bufs);
-    comm.reduce_scatter_sum(&i, &mut views_mut(&mut parts), &opts)
+    comm.reduce_scatter(&i, &mut views_mut(&mut parts), &ReduceOp::Sum, &opts)
         .expect(&what);
     let ar = peercomm::AllReduceOptions::new()
         .group_size(width)
         .algorithm(peercomm::Algorithm::OneStage);
-    comm.all_reduce_sum(&i, &mut views_mut(&mut reduced), &ar)
+    comm.all_reduce(&i, &mut views_mut(&mut reduced), &ReduceOp::Sum, &ar)
         .expect(&what);
     comm.synchronize().expect(&what);
     for r in 0..world {
@@ -379,7 +379,7 @@ pub fn bad_inputs<B: Backend>() {
         |o| comm.all_gather(&uneven, o, &opts));
     // Reduce-scatter: parts of 10 over 2 are 5 and 5.
     refuse!("reduce-scatter output size", (5, 6), rank1_length =>
-        |o| comm.reduce_scatter_sum(&i, o, &opts));
+        |o| comm.reduce_scatter(&i, o, &ReduceOp::Sum, &opts));
     // Broadcast and scatter: a root outside the group, a wrong input count, sizes.
     for root in [2, 7] {
         refuse!("broadcast root", (10, 10), bad_root =>
@@ -515,7 +515,7 @@ impl<B: Backend, T: Element> Call<B> for FuzzCall<B, T> {
         let i = views(&self.in_bufs);
         match self.which {
             Which::AllGather => comm.all_gather(&i, &mut o, &self.opts),
-            Which::ReduceScatter => comm.reduce_scatter_sum(&i, &mut o, &self.opts),
+            Which::ReduceScatter => comm.reduce_scatter(&i, &mut o, &ReduceOp::Sum, &self.opts),
             Which::Broadcast {
                 root,
                 in_place: true,

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use peercomm::backend::{Backend, TypedBuffer};
-use peercomm::{AllReduceOptions, Element, Error};
+use peercomm::{AllReduceOptions, Element, Error, ReduceOp};
 
 use super::{
     check_sums, on_ranks, open, random_inputs, rng, run_case, suite_config, views, views_mut,
@@ -89,8 +89,13 @@ pub fn typed_buffers_need_no_turbofish<B: Backend>() {
         };
         let (ins, mut outs) = (alloc(&values), alloc(&poison));
         let opts = AllReduceOptions::new().group_size(1);
-        comm.all_reduce_sum(&views(&ins), &mut views_mut(&mut outs), &opts)
-            .unwrap();
+        comm.all_reduce(
+            &views(&ins),
+            &mut views_mut(&mut outs),
+            &ReduceOp::Sum,
+            &opts,
+        )
+        .unwrap();
         comm.synchronize().unwrap();
         for (rank, out) in comm.cores().iter().zip(&mut outs) {
             assert_eq!(bits(&out.to_host(rank.device()).unwrap()), patterns);
@@ -123,14 +128,15 @@ pub fn slice_form<B: Backend>(world: usize) {
             let poison = vec![T::from_f32(f32::NAN); len];
             let ins = on_ranks(comm, |r, d| B::alloc_from(d, &data[r]).unwrap());
             let mut outs = on_ranks(comm, |_, d| B::alloc_from(d, &poison).unwrap());
-            comm.all_reduce_sum_slices(&ins, &mut outs, &opts).unwrap();
+            comm.all_reduce_slices(&ins, &mut outs, &ReduceOp::Sum, &opts)
+                .unwrap();
             comm.synchronize().unwrap();
             let got = on_ranks(comm, |r, d| outs[r].to_host(d).unwrap());
             check_sums(&data, &got, world, &format!("slices, {algorithm:?}, {len}"));
             // In place, over fresh data.
             let data = random_inputs::<T>(rng, world, len);
             let mut bufs = on_ranks(comm, |r, d| B::alloc_from(d, &data[r]).unwrap());
-            comm.all_reduce_sum_slices_in_place(&mut bufs, &opts)
+            comm.all_reduce_slices_in_place(&mut bufs, &ReduceOp::Sum, &opts)
                 .unwrap();
             comm.synchronize().unwrap();
             let got = on_ranks(comm, |r, d| bufs[r].to_host(d).unwrap());
@@ -158,15 +164,15 @@ pub fn slice_form<B: Backend>(world: usize) {
             Err(Error::LengthMismatch { rank: r, .. }) if r == rank => {}
             other => panic!("{what}: expected LengthMismatch on rank {rank}, got {other:?}"),
         };
-    let got = comm.all_reduce_sum_slices(&ins, &mut outs, &opts);
+    let got = comm.all_reduce_slices(&ins, &mut outs, &ReduceOp::Sum, &opts);
     length_mismatch_on(got, 1, "unequal inputs");
-    let got = comm.all_reduce_sum_slices_in_place(&mut ins, &opts);
+    let got = comm.all_reduce_slices_in_place(&mut ins, &ReduceOp::Sum, &opts);
     length_mismatch_on(got, 1, "unequal, in place");
     let same = on_ranks(&comm, |_, d| B::alloc_from(d, &[1.5f32; 6]).unwrap());
-    let got = comm.all_reduce_sum_slices(&same, &mut outs, &opts);
+    let got = comm.all_reduce_slices(&same, &mut outs, &ReduceOp::Sum, &opts);
     length_mismatch_on(got, 1, "rank 1's output of 7");
     assert_eq!(
-        comm.all_reduce_sum_slices(&same[1..], &mut outs[1..], &opts),
+        comm.all_reduce_slices(&same[1..], &mut outs[1..], &ReduceOp::Sum, &opts),
         Err(Error::WrongTensorCount {
             expected: world,
             got: world - 1
@@ -202,7 +208,7 @@ pub fn miss_next_times_out_and_recovers<B: Backend>() {
     let opts = AllReduceOptions::new().algorithm(peercomm::Algorithm::OneStage);
     assert!(matches!(comm.miss_next(2), Err(Error::InvalidDevices(_))));
     comm.miss_next(1).unwrap();
-    comm.all_reduce_sum_slices_in_place(&mut bufs, &opts)
+    comm.all_reduce_slices_in_place(&mut bufs, &ReduceOp::Sum, &opts)
         .unwrap();
     assert_eq!(
         comm.synchronize(),
@@ -225,7 +231,7 @@ pub fn miss_next_times_out_and_recovers<B: Backend>() {
     for r in 0..2 {
         bufs[r].copy_from_host(devs[r], &data[r]).unwrap();
     }
-    comm.all_reduce_sum_slices_in_place(&mut bufs, &opts)
+    comm.all_reduce_slices_in_place(&mut bufs, &ReduceOp::Sum, &opts)
         .unwrap();
     comm.synchronize().unwrap();
     let got: Vec<Vec<f32>> = (0..2).map(|r| bufs[r].to_host(devs[r]).unwrap()).collect();

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use peercomm::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use peercomm::{
-    unstable, Algorithm, AllReduceOptions, CommConfig, DType, Element, Error, Result,
+    unstable, Algorithm, AllReduceOptions, CommConfig, DType, Element, Error, ReduceOp, Result,
     SingleController, TensorView, TensorViewMut, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
 };
 use rand::rngs::StdRng;
@@ -101,7 +101,7 @@ fn out_of_place<B: Backend>(
             None => TensorViewMut::flat(b),
         })
         .collect();
-    comm.all_reduce_sum(&ins, &mut outs, opts)
+    comm.all_reduce(&ins, &mut outs, &ReduceOp::Sum, opts)
 }
 
 /// A flat out-of-place all-reduce over `ins` and `outs`, one per rank.
@@ -112,7 +112,7 @@ fn sum<B: Backend>(
 ) -> Result<Algorithm> {
     let ins: Vec<_> = ins.iter().map(|b| TensorView::flat(*b)).collect();
     let mut outs: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::flat(*b)).collect();
-    comm.all_reduce_sum(&ins, &mut outs, &AllReduceOptions::new())
+    comm.all_reduce(&ins, &mut outs, &ReduceOp::Sum, &AllReduceOptions::new())
 }
 
 /// A flat in-place all-reduce over `ts`, one per rank.
@@ -121,7 +121,7 @@ fn sum_in_place<B: Backend>(
     ts: &mut [&mut dyn DeviceBufferMut<B>],
 ) -> Result<Algorithm> {
     let mut ts: Vec<_> = ts.iter_mut().map(|b| TensorViewMut::flat(*b)).collect();
-    comm.all_reduce_sum_in_place(&mut ts, &AllReduceOptions::new())
+    comm.all_reduce_in_place(&mut ts, &ReduceOp::Sum, &AllReduceOptions::new())
 }
 
 /// In place over the inputs of `bufs` with the given shapes (`None`: flat).
@@ -139,7 +139,7 @@ fn in_place<B: Backend>(
             None => TensorViewMut::flat(&mut b.input),
         })
         .collect();
-    comm.all_reduce_sum_in_place(&mut ts, opts)
+    comm.all_reduce_in_place(&mut ts, &ReduceOp::Sum, opts)
 }
 
 /// After a refused call: the queues are clean, nothing was written, and the

@@ -8,7 +8,9 @@
 //! Auto, and every row must be its golden row bit for bit, output and residual.
 
 use peercomm::backend::Backend;
-use peercomm::{Algorithm, CollectiveOptions, CommConfig, DType, Element, SingleController};
+use peercomm::{
+    Algorithm, CollectiveOptions, CommConfig, DType, Element, ReduceOp, SingleController,
+};
 use rand::rngs::StdRng;
 use rand::Rng;
 
@@ -335,8 +337,13 @@ pub fn lamport_kinds_interleave<B: Backend>(comm: &SingleController<B>, rng: &mu
             let send = super::on_ranks(comm, |r, d| upload::<B, f32>(d, &ins[r]));
             let mut recv = super::on_ranks(comm, |_, d| poisoned::<B, f32>(d, len));
             let opts = peercomm::AllReduceOptions::new().algorithm(Algorithm::Lamport);
-            comm.all_reduce_sum(&views(&send), &mut views_mut(&mut recv), &opts)
-                .unwrap_or_else(|e| panic!("round {round} call {i}: {e}"));
+            comm.all_reduce(
+                &views(&send),
+                &mut views_mut(&mut recv),
+                &ReduceOp::Sum,
+                &opts,
+            )
+            .unwrap_or_else(|e| panic!("round {round} call {i}: {e}"));
             reduced.push((ins, send, recv));
         }
     }

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 use peercomm::backend::{Backend, TypedBuffer};
 use peercomm::{
     Algorithm, AllReduceOptions, CallField, CollectiveOptions, CommConfig, DType, Element, Error,
-    Result, SingleController,
+    ReduceOp, Result, SingleController,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -208,7 +208,7 @@ fn mismatched_call<B: Backend>(comm: &SingleController<B>, rng: &mut StdRng, wha
         .collect();
     comm.mismatch_next(odd).unwrap();
     let opts = AllReduceOptions::new().algorithm(algorithm);
-    comm.all_reduce_sum_slices_in_place(&mut bufs, &opts)
+    comm.all_reduce_slices_in_place(&mut bufs, &ReduceOp::Sum, &opts)
         .unwrap_or_else(|e| panic!("{what}: the mismatched call was refused: {e}"));
     let errors = comm.rank_errors().unwrap();
     for (rank, e) in errors.iter().enumerate() {

@@ -5,7 +5,9 @@
 use std::time::Duration;
 
 use peercomm::backend::Backend;
-use peercomm::{Algorithm, AllReduceOptions, CommConfig, DType, Element, Error, SingleController};
+use peercomm::{
+    Algorithm, AllReduceOptions, CommConfig, DType, Element, Error, ReduceOp, SingleController,
+};
 use rand::rngs::StdRng;
 use rand::Rng;
 
@@ -113,9 +115,14 @@ pub fn drop_buffers_before_synchronize<B: Backend>(place: Place, max_blocks: Opt
         let mut outs: Vec<_> = outs.collect();
         let opts = AllReduceOptions::new().algorithm(algorithm);
         let outcome = if in_place {
-            comm.all_reduce_sum_in_place(&mut views_mut(&mut ins), &opts)
+            comm.all_reduce_in_place(&mut views_mut(&mut ins), &ReduceOp::Sum, &opts)
         } else {
-            comm.all_reduce_sum(&views(&ins), &mut views_mut(&mut outs), &opts)
+            comm.all_reduce(
+                &views(&ins),
+                &mut views_mut(&mut outs),
+                &ReduceOp::Sum,
+                &opts,
+            )
         };
         outcome.unwrap_or_else(|e| panic!("{name}, round {round}: {e}"));
         drop(ins);

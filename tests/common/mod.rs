@@ -28,8 +28,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use peercomm::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use peercomm::Signal;
 use peercomm::{
-    unstable, Algorithm, AllReduceOptions, CallField, CommConfig, DType, Element, Error, Result,
-    SingleController, TensorView, TensorViewMut, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
+    unstable, Algorithm, AllReduceOptions, CallField, CommConfig, DType, Element, Error, ReduceOp,
+    Result, SingleController, TensorView, TensorViewMut, MAX_GPUS, MAX_NUM_BLOCKS_UPPER_BOUND,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -659,10 +659,14 @@ impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
     /// Enqueues the all-reduce (no synchronisation).
     fn enqueue(&mut self, comm: &SingleController<B>) -> Result<Algorithm> {
         if self.in_place {
-            comm.all_reduce_sum_in_place(&mut views_mut(&mut self.in_bufs), &self.opts)
+            comm.all_reduce_in_place(
+                &mut views_mut(&mut self.in_bufs),
+                &ReduceOp::Sum,
+                &self.opts,
+            )
         } else {
             let outs = &mut views_mut(&mut self.out_bufs);
-            comm.all_reduce_sum(&views(&self.in_bufs), outs, &self.opts)
+            comm.all_reduce(&views(&self.in_bufs), outs, &ReduceOp::Sum, &self.opts)
         }
     }
     /// Checks what the call returned and, if it ran, its result (after a synchronize):
@@ -731,9 +735,14 @@ impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
         group: &mut peercomm::SingleControllerGroup<'_, 'b, B>,
     ) -> Result<()> {
         if self.in_place {
-            group.all_reduce_sum_slices_in_place_with(&mut self.in_bufs, &self.opts)
+            group.all_reduce_slices_in_place_with(&mut self.in_bufs, &ReduceOp::Sum, &self.opts)
         } else {
-            group.all_reduce_sum_slices_with(&self.in_bufs, &mut self.out_bufs, &self.opts)
+            group.all_reduce_slices_with(
+                &self.in_bufs,
+                &mut self.out_bufs,
+                &ReduceOp::Sum,
+                &self.opts,
+            )
         }
     }
 }
@@ -1047,7 +1056,7 @@ pub fn barrier_timeout<B: Backend>(world: usize) {
         .map(|r| B::alloc_buffer::<f32>(r.device(), 4).unwrap())
         .collect();
     let mut ts: Vec<TensorViewMut<B>> = bufs.iter_mut().map(|b| TensorViewMut::flat(b)).collect();
-    match comm.all_reduce_sum_in_place(&mut ts, &AllReduceOptions::new()) {
+    match comm.all_reduce_in_place(&mut ts, &ReduceOp::Sum, &AllReduceOptions::new()) {
         Err(Error::Poisoned { first }) if matches!(*first, Error::BarrierTimeout { .. }) => {}
         other => panic!("expected Poisoned by the barrier timeout, got {other:?}"),
     }

@@ -13,7 +13,8 @@ use rand::SeedableRng;
 use peercomm::backend::Backend;
 use peercomm::bootstrap::{HostId, UniqueId};
 use peercomm::{
-    unstable, Algorithm, AllReduceOptions, Comm, CommConfig, Element, Error, SingleController,
+    unstable, Algorithm, AllReduceOptions, Comm, CommConfig, Element, Error, ReduceOp,
+    SingleController,
 };
 use peercomm::{Fallback, FallbackConfig, Simulation, SizeRouting};
 
@@ -104,11 +105,11 @@ pub fn call<B: Backend, T: Element>(
     let mut send = B::alloc_buffer::<T>(dev, mine.len())?;
     B::upload(dev, mine, &mut send)?;
     let ran = if in_place {
-        comm.all_reduce_sum_in_place_with(&mut send, options)
+        comm.all_reduce_in_place_with(&mut send, &ReduceOp::Sum, options)
     } else {
         let mut recv = B::alloc_buffer::<T>(dev, mine.len())?;
         B::upload(dev, &vec![T::from_f32(f32::NAN); mine.len()], &mut recv)?;
-        let ran = comm.all_reduce_sum_with(&send, &mut recv, options);
+        let ran = comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, options);
         if ran.is_ok() {
             comm.synchronize()?;
         }
@@ -362,7 +363,12 @@ pub fn single_controller<B: Backend>(ordinals: &[usize]) {
                 common::on_ranks(&comm, |r, d| B::download(d, &bufs[r]).unwrap())
             };
             let os = &mut common::views_mut(&mut outs);
-            let ran = comm.all_reduce_sum(&common::views(&bufs), os, &AllReduceOptions::new());
+            let ran = comm.all_reduce(
+                &common::views(&bufs),
+                os,
+                &ReduceOp::Sum,
+                &AllReduceOptions::new(),
+            );
             let ran = ran.unwrap();
             assert_eq!(ran, Algorithm::Nccl, "{name}");
             comm.synchronize().unwrap();
@@ -370,7 +376,7 @@ pub fn single_controller<B: Backend>(ordinals: &[usize]) {
             check(&ins, &download(&outs), world, &what);
             // The slice form routes the same way (in place, on the inputs).
             let ran = comm
-                .all_reduce_sum_slices_in_place(&mut bufs, &AllReduceOptions::new())
+                .all_reduce_slices_in_place(&mut bufs, &ReduceOp::Sum, &AllReduceOptions::new())
                 .unwrap();
             assert_eq!(ran, Algorithm::Nccl, "{name}: slice form");
             comm.synchronize().unwrap();

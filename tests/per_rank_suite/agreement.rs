@@ -8,7 +8,7 @@ use peercomm::backend::{Backend, TypedBuffer};
 use peercomm::Simulation;
 use peercomm::{
     Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, CommConfig, DType, Element,
-    Error,
+    Error, ReduceOp,
 };
 
 use super::{common, in_step, nan, world_threads, Placement};
@@ -51,7 +51,8 @@ pub fn check_one_stage_sums<B: Backend>(
         let mut recv = B::alloc_from(dev, &vec![f32::NAN; n]).unwrap();
         let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
         for _ in 0..3 {
-            comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
+            comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, &opts)
+                .unwrap();
         }
         comm.synchronize().unwrap();
         recv.to_host(dev).unwrap()
@@ -101,7 +102,7 @@ fn all_reduce<B: Backend>(dtype: DType, n: usize, opts: AllReduceOptions) -> Cal
         let dev = comm.device();
         let send = B::alloc_from(dev, &vec![T::from_f32(1.0); n])?;
         let mut recv = B::alloc_from(dev, &nan::<T>(n))?;
-        comm.all_reduce_sum_with(&send, &mut recv, opts)?;
+        comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, opts)?;
         // Waits: a mismatch is found at the first barrier, before any output is written.
         let result = comm.synchronize();
         let host = recv.to_host(comm.device())?;
@@ -229,7 +230,8 @@ pub fn the_rank_that_never_came_is_named<B: Backend>(place: &Placement) {
             comm.miss_next();
         }
         let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-        comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
+        comm.all_reduce_in_place_with(&mut buf, &ReduceOp::Sum, &opts)
+            .unwrap();
         let mut r = comm.synchronize();
         meet.wait();
         if rank == 1 {
@@ -261,7 +263,8 @@ pub fn one_sign_of_zero<B: Backend>(place: &Placement, world: usize) {
         let zero = common::negative_zero::<T>();
         let send = B::alloc_from(dev, &vec![zero; n]).unwrap();
         let mut recv = B::alloc_from(dev, &vec![T::from_f32(7.0); n]).unwrap();
-        comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
+        comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, &opts)
+            .unwrap();
         comm.synchronize().unwrap();
         common::bits(&recv.to_host(dev).unwrap())
     }

@@ -5,7 +5,7 @@ use std::sync::Barrier;
 use std::time::Duration;
 
 use peercomm::backend::Backend;
-use peercomm::{Algorithm, AllReduceOptions, Error};
+use peercomm::{Algorithm, AllReduceOptions, Error, ReduceOp};
 
 use super::{common, processes, seed, with_world, with_world_config, Placement};
 
@@ -28,11 +28,11 @@ pub fn refuses_two_stage<B: Backend>(place: &Placement) {
         let mut recv = B::alloc_from(dev, &[f32::NAN; 64]).unwrap();
         let two = AllReduceOptions::new().algorithm(Algorithm::TwoStage);
         let err = comm
-            .all_reduce_sum_with(&send, &mut recv, &two)
+            .all_reduce_with(&send, &mut recv, &ReduceOp::Sum, &two)
             .unwrap_err();
         assert!(matches!(err, Error::Unsupported(_)), "{err}");
         assert!(B::download(dev, &recv).unwrap().iter().all(|x| x.is_nan()));
-        comm.all_reduce_sum_with(&send, &mut recv, &AllReduceOptions::new())
+        comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, &AllReduceOptions::new())
             .unwrap();
         comm.synchronize().unwrap();
         assert_eq!(B::download(dev, &recv).unwrap(), vec![2.0; 64]);
@@ -54,8 +54,12 @@ pub fn independent_sibling_groups<B: Backend>(place: &Placement) {
             let len = 333 + call;
             let mut buf = B::alloc_buffer::<f32>(dev, len).unwrap();
             B::upload(dev, &[1.0 + rank as f32; 1][..].repeat(len), &mut buf).unwrap();
-            comm.all_reduce_sum_in_place_with(&mut buf, &AllReduceOptions::new().group_size(2))
-                .unwrap();
+            comm.all_reduce_in_place_with(
+                &mut buf,
+                &ReduceOp::Sum,
+                &AllReduceOptions::new().group_size(2),
+            )
+            .unwrap();
             comm.synchronize().unwrap();
             let pair = (rank / 2 * 2) as f32;
             let expect = (1.0 + pair) + (2.0 + pair);
@@ -70,7 +74,8 @@ pub fn independent_sibling_groups<B: Backend>(place: &Placement) {
             let mut buf = B::alloc_buffer::<f32>(dev, len).unwrap();
             B::upload(dev, &mine, &mut buf).unwrap();
             let opts = AllReduceOptions::new().algorithm(algorithm);
-            comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
+            comm.all_reduce_in_place_with(&mut buf, &ReduceOp::Sum, &opts)
+                .unwrap();
             comm.synchronize().unwrap();
             let ins: Vec<Vec<f32>> = (0..world)
                 .map(|r| processes::input(seed, call, r, len))
@@ -95,12 +100,13 @@ pub fn missing_call_times_out_and_recovers<B: Backend>(place: &Placement) {
         B::upload(dev, &[1.0; 100], &mut buf).unwrap();
         if rank == 0 {
             let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-            comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
+            comm.all_reduce_in_place_with(&mut buf, &ReduceOp::Sum, &opts)
+                .unwrap();
             match comm.synchronize() {
                 Err(Error::BarrierTimeout { rank: 0, .. }) => {}
                 other => panic!("rank 0: expected a timeout, got {other:?}"),
             }
-            match comm.all_reduce_sum_in_place_with(&mut buf, &opts) {
+            match comm.all_reduce_in_place_with(&mut buf, &ReduceOp::Sum, &opts) {
                 Err(Error::Poisoned { first })
                     if matches!(*first, Error::BarrierTimeout { rank: 0, .. }) => {}
                 other => panic!("rank 0: expected Poisoned by the timeout, got {other:?}"),
@@ -115,7 +121,7 @@ pub fn missing_call_times_out_and_recovers<B: Backend>(place: &Placement) {
         }
         comm.reinitialize().unwrap();
         B::upload(dev, &[1.0; 100], &mut buf).unwrap();
-        comm.all_reduce_sum_in_place_with(&mut buf, &AllReduceOptions::new())
+        comm.all_reduce_in_place_with(&mut buf, &ReduceOp::Sum, &AllReduceOptions::new())
             .unwrap();
         comm.synchronize().unwrap();
         assert_eq!(B::download(dev, &buf).unwrap(), vec![2.0; 100]);

@@ -4,7 +4,7 @@
 //! DeviceBuffer` over real allocations, refused before anything dereferences them.
 
 use peercomm::backend::{Backend, DeviceBuffer, DeviceBufferMut, TypedBuffer};
-use peercomm::{Algorithm, AllReduceOptions, CollectiveOptions, Comm, DType, Error};
+use peercomm::{Algorithm, AllReduceOptions, CollectiveOptions, Comm, DType, Error, ReduceOp};
 
 use super::{with_world, Placement};
 
@@ -214,10 +214,10 @@ fn huge_collectives_are_refused<B: Backend>(rank: usize, comm: &Comm<B>) {
     let spare = B::alloc_from(dev, &[0.0f32; 64]).unwrap();
     let mut residual = View::<B>::new(address(&spare, dev), 0, (1 << 62) + 1, ordinal);
     let results: Vec<(&str, peercomm::Result<()>)> = rows![
-        "all_reduce" => comm.all_reduce_sum(&huge(), &mut huge_out()).map(drop),
-        "all_reduce in place" => comm.all_reduce_sum_in_place(&mut huge_out()).map(drop),
+        "all_reduce" => comm.all_reduce(&huge(), &mut huge_out(), &ReduceOp::Sum).map(drop),
+        "all_reduce in place" => comm.all_reduce_in_place(&mut huge_out(), &ReduceOp::Sum).map(drop),
         "all_gather" => comm.all_gather(&huge(), &mut huge_out(), &opts),
-        "reduce_scatter" => comm.reduce_scatter_sum(&huge(), &mut huge_out(), &opts),
+        "reduce_scatter" => comm.reduce_scatter_with(&huge(), &mut huge_out(), &ReduceOp::Sum, &opts),
         "broadcast" => comm.broadcast(Some(&huge()), &mut huge_out(), 0, &opts),
         "broadcast in place" => comm.broadcast_in_place(&mut huge_out(), 0, &opts),
         "scatter" => comm.scatter(Some(&huge()), &mut huge_out(), 0, &opts),
@@ -240,13 +240,13 @@ fn still_works<B: Backend>(rank: usize, world: usize, comm: &Comm<B>) {
         .collect();
     let mut s = comm.alloc_symmetric::<f32>(1000).unwrap();
     s.copy_from_host(dev, &pattern(rank, 1000)).unwrap();
-    comm.all_reduce_sum_in_place(&mut s).unwrap();
+    comm.all_reduce_in_place(&mut s, &ReduceOp::Sum).unwrap();
     let mut reg = comm
         .register(B::alloc_from(dev, &pattern(rank, 1000)).unwrap())
         .unwrap();
     let mut out = B::alloc_buffer::<f32>(dev, 1000).unwrap();
-    comm.all_reduce_sum(&reg, &mut out).unwrap();
-    comm.all_reduce_sum_in_place(&mut reg).unwrap();
+    comm.all_reduce(&reg, &mut out, &ReduceOp::Sum).unwrap();
+    comm.all_reduce_in_place(&mut reg, &ReduceOp::Sum).unwrap();
     comm.synchronize().unwrap();
     assert_eq!(s.to_host(dev).unwrap(), want, "rank {rank}: symmetric");
     let note = format!("rank {rank}: registered input");
@@ -275,12 +275,15 @@ pub fn registered_writes_keep_the_range<B: Backend>(place: &Placement, world: us
         for algorithm in [Algorithm::OneStage, Algorithm::TwoStage, Algorithm::Auto] {
             let opts = AllReduceOptions::new().algorithm(algorithm);
             reg.copy_from_host(dev, &pattern(rank, n)).unwrap();
-            comm.all_reduce_sum_with(&reg, &mut out, &opts).unwrap();
+            comm.all_reduce_with(&reg, &mut out, &ReduceOp::Sum, &opts)
+                .unwrap();
             comm.synchronize().unwrap();
             assert_eq!(out.to_host(dev).unwrap(), sum, "rank {rank}: {algorithm:?}");
             // Written in place (a collective's `&mut`), then read in place again.
-            comm.all_reduce_sum_in_place_with(&mut reg, &opts).unwrap();
-            comm.all_reduce_sum_with(&reg, &mut out, &opts).unwrap();
+            comm.all_reduce_in_place_with(&mut reg, &ReduceOp::Sum, &opts)
+                .unwrap();
+            comm.all_reduce_with(&reg, &mut out, &ReduceOp::Sum, &opts)
+                .unwrap();
             comm.synchronize().unwrap();
             let twice: Vec<f32> = sum.iter().map(|x| x * world as f32).collect();
             assert_eq!(reg.to_host(dev).unwrap(), sum, "rank {rank}: {algorithm:?}");

@@ -9,7 +9,7 @@ use cudarc::driver::{self, sys, CudaSlice};
 use peercomm::backend::cuda::Cuda;
 use peercomm::backend::Backend;
 use peercomm::bootstrap::UniqueId;
-use peercomm::{Algorithm, AllReduceOptions, CollectiveOptions, Comm, Error};
+use peercomm::{Algorithm, AllReduceOptions, CollectiveOptions, Comm, Error, ReduceOp};
 
 use super::capture_inputs::opts;
 use super::common::collectives::{assert_bits, expect_all_gather};
@@ -239,9 +239,11 @@ pub fn replay_rank(comm: &Comm<Cuda>, seed: u64, memory: Memory) -> u64 {
     let before = comm.registrations();
     let (graph, ran) = comm
         .capture_registered(|| {
-            let one = comm.all_reduce_sum_with(&*a, &mut *o1, &opts(Algorithm::OneStage))?;
-            let two = comm.all_reduce_sum_with(&*b, &mut *o2, &opts(Algorithm::TwoStage))?;
-            let auto = comm.all_reduce_sum(&*c, &mut *o3)?;
+            let one =
+                comm.all_reduce_with(&*a, &mut *o1, &ReduceOp::Sum, &opts(Algorithm::OneStage))?;
+            let two =
+                comm.all_reduce_with(&*b, &mut *o2, &ReduceOp::Sum, &opts(Algorithm::TwoStage))?;
+            let auto = comm.all_reduce(&*c, &mut *o3, &ReduceOp::Sum)?;
             comm.all_gather(&*gs, &mut *og, &CollectiveOptions::new())?;
             Ok((one, two, auto))
         })
@@ -284,8 +286,8 @@ pub fn replay_rank(comm: &Comm<Cuda>, seed: u64, memory: Memory) -> u64 {
     // The same calls captured staged, over the last replay's inputs.
     let (staged, _) = comm
         .capture(|| {
-            comm.all_reduce_sum_with(&*a, &mut *o1, &opts(Algorithm::OneStage))?;
-            comm.all_reduce_sum_with(&*c, &mut *o3, &AllReduceOptions::new())
+            comm.all_reduce_with(&*a, &mut *o1, &ReduceOp::Sum, &opts(Algorithm::OneStage))?;
+            comm.all_reduce_with(&*c, &mut *o3, &ReduceOp::Sum, &AllReduceOptions::new())
         })
         .unwrap();
     Cuda::upload(dev, &nan::<f32>(n), &mut o1).unwrap();
@@ -313,7 +315,12 @@ fn process_rank(comm: &Comm<Cuda>, seed: u64) -> (&'static str, u64) {
         let input = alloc::<f32>(comm, Memory::Cudarc, 4099);
         let mut out = alloc::<f32>(comm, Memory::Cudarc, 4099);
         let outcome = comm.capture_registered(|| {
-            comm.all_reduce_sum_with(&*input, &mut *out, &opts(Algorithm::OneStage))
+            comm.all_reduce_with(
+                &*input,
+                &mut *out,
+                &ReduceOp::Sum,
+                &opts(Algorithm::OneStage),
+            )
         });
         match outcome {
             Ok((graph, _)) => {

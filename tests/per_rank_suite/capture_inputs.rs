@@ -6,7 +6,7 @@
 
 use peercomm::backend::Backend;
 use peercomm::bootstrap::BootstrapError;
-use peercomm::{Algorithm, AllReduceOptions, CollectiveOptions, Comm, Error};
+use peercomm::{Algorithm, AllReduceOptions, CollectiveOptions, Comm, Error, ReduceOp};
 
 use super::common;
 use super::common::collectives::{assert_bits, expect_all_gather};
@@ -62,12 +62,17 @@ pub fn second_pass_reads_in_place<B: Backend>(place: &Placement, world: usize) {
                 } else {
                     Algorithm::TwoStage
                 };
-                comm.all_reduce_sum_with(&a, &mut o1, &opts(Algorithm::OneStage))?;
-                let b_ran = comm.all_reduce_sum_with(&b, &mut o2, &opts(second))?;
+                comm.all_reduce_with(&a, &mut o1, &ReduceOp::Sum, &opts(Algorithm::OneStage))?;
+                let b_ran = comm.all_reduce_with(&b, &mut o2, &ReduceOp::Sum, &opts(second))?;
                 let third_input = if rank == 0 { &a } else { &c };
-                comm.all_reduce_sum_with(third_input, &mut o3, &AllReduceOptions::new())?;
+                comm.all_reduce_with(
+                    third_input,
+                    &mut o3,
+                    &ReduceOp::Sum,
+                    &AllReduceOptions::new(),
+                )?;
                 comm.all_gather(&gs, &mut og, &CollectiveOptions::new())?;
-                let e_ran = comm.all_reduce_sum_in_place_with(&mut e, &opts(second))?;
+                let e_ran = comm.all_reduce_in_place_with(&mut e, &ReduceOp::Sum, &opts(second))?;
                 comm.synchronize()?;
                 Ok((b_ran, e_ran))
             })
@@ -96,16 +101,17 @@ pub fn second_pass_reads_in_place<B: Backend>(place: &Placement, world: usize) {
         common::check_sums(&e_in, &everyone(got_e), world, "in-place two-stage");
         // The capture's registrations are the calls': an eager call on the same buffer
         // still stages (two-stage refused), and gives the same bits one-stage.
-        match comm.all_reduce_sum_with(&b, &mut o2, &opts(Algorithm::TwoStage)) {
+        match comm.all_reduce_with(&b, &mut o2, &ReduceOp::Sum, &opts(Algorithm::TwoStage)) {
             Err(Error::Unsupported(_)) => {}
             other => panic!("rank {rank}: an eager call read a capture's input: {other:?}"),
         }
         B::upload(dev, &nan::<f32>(n), &mut o1).unwrap();
-        comm.all_reduce_sum_with(&a, &mut o1, &opts(Algorithm::OneStage))
+        comm.all_reduce_with(&a, &mut o1, &ReduceOp::Sum, &opts(Algorithm::OneStage))
             .unwrap();
         B::upload(dev, &nan::<f32>(n), &mut o3).unwrap();
         let third_input = if rank == 0 { &a } else { &c };
-        comm.all_reduce_sum(third_input, &mut o3).unwrap();
+        comm.all_reduce(third_input, &mut o3, &ReduceOp::Sum)
+            .unwrap();
         comm.synchronize().unwrap();
         assert_bits(&B::download(dev, &o1).unwrap(), &got1, "staged one-stage");
         assert_bits(&B::download(dev, &o3).unwrap(), &got3, "staged aliased");
@@ -150,9 +156,9 @@ fn run_part<B: Backend>(comm: &Comm<B>, part: Part) -> Result<(), Error> {
         _ => {}
     }
     comm.register_inputs_of(|| {
-        comm.all_reduce_sum_with(&a, &mut out, &solo)?;
+        comm.all_reduce_with(&a, &mut out, &ReduceOp::Sum, &solo)?;
         if part == Part::TwoSolos {
-            comm.all_reduce_sum_with(&b, &mut out, &solo)?;
+            comm.all_reduce_with(&b, &mut out, &ReduceOp::Sum, &solo)?;
         }
         comm.synchronize()
     })
@@ -190,7 +196,7 @@ pub fn disagreeing_passes_are_refused<B: Backend>(place: &Placement, world: usiz
             // Every rank still in step: a matching world call.
             let ones = B::alloc_from(dev, &[1.0f32; 64]).unwrap();
             let mut out = B::alloc_from(dev, &[f32::NAN; 64]).unwrap();
-            comm.all_reduce_sum(&ones, &mut out).unwrap();
+            comm.all_reduce(&ones, &mut out, &ReduceOp::Sum).unwrap();
             comm.synchronize().unwrap();
             assert_eq!(B::download(dev, &out).unwrap(), vec![world as f32; 64]);
         }
@@ -213,8 +219,13 @@ pub fn pass_cycles_leak_nothing<B: Backend>(place: &Placement, world: usize, cyc
         for cycle in 0..cycles {
             let ((), inputs) = comm
                 .register_inputs_of(|| {
-                    comm.all_reduce_sum_with(&send, &mut out, &opts(Algorithm::OneStage))
-                        .map(drop)
+                    comm.all_reduce_with(
+                        &send,
+                        &mut out,
+                        &ReduceOp::Sum,
+                        &opts(Algorithm::OneStage),
+                    )
+                    .map(drop)
                 })
                 .unwrap();
             assert_eq!(inputs.in_place_calls(), 1);

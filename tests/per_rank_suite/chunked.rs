@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use peercomm::backend::Backend;
 use peercomm::bootstrap::UniqueId;
-use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, DType, Element, Error};
+use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, DType, Element, Error, ReduceOp};
 
 use super::collectives::{check_call, check_fused};
 use super::common::collectives::{assert_bits, Which};
@@ -81,7 +81,7 @@ fn run_one<B: Backend, T: Element>(
     let mut send = B::alloc_from(dev, &padded).unwrap();
     let out = if in_place {
         let mut view = View::elements(&mut send, shift, mine.len());
-        let ran = comm.all_reduce_sum_in_place_with(&mut view, opts);
+        let ran = comm.all_reduce_in_place_with(&mut view, &ReduceOp::Sum, opts);
         assert_eq!(ran, Ok(expect), "{what}");
         comm.synchronize().expect(what);
         B::download(dev, &send).unwrap()
@@ -89,7 +89,7 @@ fn run_one<B: Backend, T: Element>(
         let mut recv = B::alloc_from(dev, &vec![poison; shift + mine.len()]).unwrap();
         let mut view_out = View::elements(&mut recv, shift, mine.len());
         let view_in = View::elements(&mut send, shift, mine.len());
-        let ran = comm.all_reduce_sum_with(&view_in, &mut view_out, opts);
+        let ran = comm.all_reduce_with(&view_in, &mut view_out, &ReduceOp::Sum, opts);
         assert_eq!(ran, Ok(expect), "{what}");
         comm.synchronize().expect(what);
         let input = B::download(dev, &send).unwrap();
@@ -298,7 +298,8 @@ pub fn chunked_faults<B: Backend>(place: &Placement, world: usize) {
         if rank == 1 {
             comm.delay(timeout / 2).unwrap();
         }
-        comm.all_reduce_sum_with(&send, &mut recv, opts).unwrap();
+        comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, opts)
+            .unwrap();
         comm.synchronize().unwrap();
         check(&ins, &recv, "late");
 
@@ -310,7 +311,7 @@ pub fn chunked_faults<B: Backend>(place: &Placement, world: usize) {
             comm.miss_next();
         }
         let started = Instant::now();
-        let ran = comm.all_reduce_sum_with(&send, &mut recv, opts);
+        let ran = comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, opts);
         assert_eq!(ran, Ok(Algorithm::OneStage));
 
         if rank != 1 {
@@ -335,7 +336,8 @@ pub fn chunked_faults<B: Backend>(place: &Placement, world: usize) {
         comm.reinitialize().unwrap();
         let ins = inputs(3);
         let mut buf = B::alloc_from(dev, &ins[rank]).unwrap();
-        comm.all_reduce_sum_in_place_with(&mut buf, opts).unwrap();
+        comm.all_reduce_in_place_with(&mut buf, &ReduceOp::Sum, opts)
+            .unwrap();
         comm.synchronize().unwrap();
         check(&ins, &buf, "recovered");
 
@@ -346,7 +348,8 @@ pub fn chunked_faults<B: Backend>(place: &Placement, world: usize) {
         if rank == 1 {
             comm.mismatch_next();
         }
-        comm.all_reduce_sum_with(&send, &mut recv, opts).unwrap();
+        comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, opts)
+            .unwrap();
         match comm.synchronize() {
             Err(Error::CallMismatch { .. }) => {}
             // A rank that the mismatch reached only through a peer's abort.

@@ -3,7 +3,7 @@
 //! tests/common/collectives.rs (fused bits compared by digest); then bad inputs.
 
 use peercomm::backend::Backend;
-use peercomm::{CollectiveOptions, Comm, Element, Error};
+use peercomm::{CollectiveOptions, Comm, Element, Error, ReduceOp};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -58,7 +58,9 @@ pub(super) fn check_call<B: Backend, T: Element>(
             let mut recv = poisoned::<B, T>(dev, output_len(which, width, rank, len));
             match which {
                 Which::AllGather => comm.all_gather(&send, &mut recv, &opts),
-                Which::ReduceScatter => comm.reduce_scatter_sum(&send, &mut recv, &opts),
+                Which::ReduceScatter => {
+                    comm.reduce_scatter_with(&send, &mut recv, &ReduceOp::Sum, &opts)
+                }
                 Which::Broadcast { root, .. } => {
                     comm.broadcast(is_root(root).then_some(&send), &mut recv, root, &opts)
                 }
@@ -179,7 +181,7 @@ pub fn bad_inputs<B: Backend>(place: &Placement) {
         untouched(&recv, "all-gather output size");
         let mut recv = poisoned::<B, f32>(dev, 6);
         let e = comm
-            .reduce_scatter_sum(&send, &mut recv, &opts)
+            .reduce_scatter_with(&send, &mut recv, &ReduceOp::Sum, &opts)
             .unwrap_err();
         assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
         untouched(&recv, "reduce-scatter output size");

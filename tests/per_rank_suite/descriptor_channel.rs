@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use peercomm::backend::Backend;
 use peercomm::bootstrap::UniqueId;
-use peercomm::{Comm, CommConfig, Error};
+use peercomm::{Comm, CommConfig, Error, ReduceOp};
 use rustix::net::{AddressFamily, SendFlags, SocketAddrUnix, SocketFlags, SocketType};
 
 use super::common;
@@ -55,7 +55,7 @@ fn config(devices: &Placement) -> CommConfig {
 fn all_reduce_check<B: Backend>(comm: &Comm<B>) -> String {
     let dev = comm.device();
     let outcome = B::alloc_from(dev, &[1.0f32; 16]).and_then(|mut buf| {
-        comm.all_reduce_sum_in_place(&mut buf)?;
+        comm.all_reduce_in_place(&mut buf, &ReduceOp::Sum)?;
         comm.synchronize()?;
         B::download(dev, &buf)
     });

@@ -4,7 +4,7 @@
 use std::time::{Duration, Instant};
 
 use peercomm::backend::{Backend, TypedBuffer};
-use peercomm::{Algorithm, AllReduceOptions, Error};
+use peercomm::{Algorithm, AllReduceOptions, Error, ReduceOp};
 
 use super::{common, Placement};
 
@@ -24,7 +24,7 @@ pub fn miss_next_times_out_and_recovers<B: Backend>(place: &Placement) {
             comm.miss_next();
         }
         let started = Instant::now();
-        let ran = comm.all_reduce_sum_in_place_with(&mut buf, &opts);
+        let ran = comm.all_reduce_in_place_with(&mut buf, &ReduceOp::Sum, &opts);
         assert_eq!(ran, Ok(Algorithm::OneStage));
         if rank == 0 {
             let err = super::first_error(comm, started + 10 * timeout);
@@ -47,7 +47,8 @@ pub fn miss_next_times_out_and_recovers<B: Backend>(place: &Placement) {
         assert_eq!(buf.to_host(dev).unwrap(), first[rank], "{note}");
         comm.reinitialize().unwrap();
         buf.copy_from_host(dev, &second[rank]).unwrap();
-        comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
+        comm.all_reduce_in_place_with(&mut buf, &ReduceOp::Sum, &opts)
+            .unwrap();
         comm.synchronize().unwrap();
         let (got, what) = (buf.to_host(dev).unwrap(), format!("rank {rank} recovered"));
 

@@ -3,7 +3,7 @@
 //! that differ between ranks: `CallMismatch` everywhere, nothing written.
 
 use peercomm::backend::{Backend, TypedBuffer};
-use peercomm::{Algorithm, AllReduceOptions, CollectiveOptions, Comm, Element};
+use peercomm::{Algorithm, AllReduceOptions, CollectiveOptions, Comm, Element, ReduceOp};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
@@ -112,7 +112,7 @@ fn lamport_all_reduce<B: Backend>(n: usize) -> Call<B> {
         let send = B::alloc_from(dev, &vec![half::bf16::ONE; n])?;
         let mut recv = B::alloc_from(dev, &vec![half::bf16::NAN; n])?;
         let opts = AllReduceOptions::new().algorithm(Algorithm::Lamport);
-        comm.all_reduce_sum_with(&send, &mut recv, &opts)?;
+        comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, &opts)?;
         comm.synchronize()
     })
 }

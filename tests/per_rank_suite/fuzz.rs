@@ -12,7 +12,7 @@ use std::time::Duration;
 use peercomm::backend::{Backend, DeviceBuffer, TypedBuffer};
 use peercomm::Simulation;
 use peercomm::{
-    Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, CommConfig, Error,
+    Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, CommConfig, Error, ReduceOp,
 };
 
 use super::common::collectives::{assert_bits, expect, input_len, output_len, Which};
@@ -148,7 +148,8 @@ fn mismatched_call<B: Backend>(comm: &Comm<B>, rank: usize, m: Mismatch) -> peer
                 CallField::Blocks => one.blocks(if odd { 1 } else { 2 }),
                 _ => one,
             };
-            comm.all_reduce_sum_with(&send, &mut recv, &opts).map(drop)
+            comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, &opts)
+                .map(drop)
         }
     };
     // The other collectives must enqueue; an all-reduce may refuse at once.
@@ -220,7 +221,9 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                         };
                         let done = match w {
                             Which::AllGather => comm.all_gather(send, recv, &opts),
-                            Which::ReduceScatter => comm.reduce_scatter_sum(send, recv, &opts),
+                            Which::ReduceScatter => {
+                                comm.reduce_scatter_with(send, recv, &ReduceOp::Sum, &opts)
+                            }
                             Which::Broadcast { root: r, .. } => {
                                 comm.broadcast(root(r), recv, r, &opts)
                             }
@@ -234,8 +237,8 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                         .algorithm(c.algorithm);
                     if let Some(g) = group.as_mut() {
                         let added = match recv {
-                            None => g.all_reduce_sum_in_place_with(send, &opts),
-                            Some(recv) => g.all_reduce_sum_with(&*send, recv, &opts),
+                            None => g.all_reduce_in_place_with(send, &ReduceOp::Sum, &opts),
+                            Some(recv) => g.all_reduce_with(&*send, recv, &ReduceOp::Sum, &opts),
                         };
                         match added {
                             Ok(()) => {
@@ -247,8 +250,8 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                         continue;
                     }
                     ran.push(Some(match recv {
-                        None => comm.all_reduce_sum_in_place_with(send, &opts),
-                        Some(recv) => comm.all_reduce_sum_with(send, recv, &opts),
+                        None => comm.all_reduce_in_place_with(send, &ReduceOp::Sum, &opts),
+                        Some(recv) => comm.all_reduce_with(send, recv, &ReduceOp::Sum, &opts),
                     }));
                 }
                 if let Some(g) = group {

@@ -6,7 +6,7 @@ use peercomm::backend::Backend;
 use peercomm::bootstrap::UniqueId;
 use peercomm::Simulation;
 use peercomm::{
-    Algorithm, AllReduceOptions, Comm, CommConfig, DeviceIdentity, Error, FallbackConfig,
+    Algorithm, AllReduceOptions, Comm, CommConfig, DeviceIdentity, Error, FallbackConfig, ReduceOp,
     SingleController,
 };
 
@@ -130,7 +130,8 @@ pub fn allowed_sharing_caps_the_grid<B: Backend>(place: &Placement) {
             let dev = comm.device();
             let mut buf = B::alloc_from(dev, &ins[rank]).unwrap();
             let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-            comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
+            comm.all_reduce_in_place_with(&mut buf, &ReduceOp::Sum, &opts)
+                .unwrap();
             comm.synchronize().unwrap();
             B::download(dev, &buf).unwrap()
         });
@@ -150,7 +151,7 @@ pub fn single_controller_uses_identities<B: Backend>(place: &Placement) {
         .map(|(r, rank)| B::alloc_from(rank.device(), &[r as f32 + 1.0; 513]).unwrap())
         .collect();
     let ran = comm
-        .all_reduce_sum_slices_in_place(&mut bufs, &AllReduceOptions::new())
+        .all_reduce_slices_in_place(&mut bufs, &ReduceOp::Sum, &AllReduceOptions::new())
         .unwrap();
     assert_ne!(ran, Algorithm::Nccl);
     comm.synchronize().unwrap();

@@ -64,7 +64,7 @@ use std::time::Duration;
 
 use peercomm::backend::{Backend, DeviceBuffer};
 use peercomm::bootstrap::UniqueId;
-use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Element, Error};
+use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Element, Error, ReduceOp};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
@@ -121,7 +121,8 @@ pub fn check_rank_sum<B: Backend>(comm: &Comm<B>, input: &dyn DeviceBuffer<B>) {
     let (dev, world, n) = (comm.device(), comm.world_size(), input.len());
     let mut out = B::alloc_from(dev, &nan::<f32>(n)).unwrap();
     let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-    comm.all_reduce_sum_with(input, &mut out, &one).unwrap();
+    comm.all_reduce_with(input, &mut out, &ReduceOp::Sum, &one)
+        .unwrap();
     comm.synchronize().unwrap();
     let want = vec![(world * (world + 1) / 2) as f32; n];
     let note = format!("rank {}", comm.rank());

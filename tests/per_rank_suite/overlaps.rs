@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use peercomm::backend::{Backend, DeviceBuffer, DeviceBufferMut, TypedBuffer};
 use peercomm::{
-    Algorithm, AllReduceOptions, CollectiveOptions, Error, SingleController, TensorView,
+    Algorithm, AllReduceOptions, CollectiveOptions, Error, ReduceOp, SingleController, TensorView,
     TensorViewMut,
 };
 
@@ -42,11 +42,11 @@ pub fn overlapping_buffers_are_refused<B: Backend>(place: &Placement) {
             comm.all_reduce_residual_rms_norm(&input, residual, weight, &mut out, 1e-5, &opts)
         };
         let results: Vec<(&str, peercomm::Result<()>)> = rows![
-            "all_reduce, registered input" => comm.all_reduce_sum(&v(at, 0, 1024), &mut v(at, 1, 1024)).map(drop),
-            "all_reduce, output before the input" => comm.all_reduce_sum(&v(at, 512, 1024), &mut v(at, 0, 1024)).map(drop),
-            "all_reduce, plain input" => comm.all_reduce_sum(&v(plain_at, 0, 1024), &mut v(plain_at, 512, 1024)).map(drop),
+            "all_reduce, registered input" => comm.all_reduce(&v(at, 0, 1024), &mut v(at, 1, 1024), &ReduceOp::Sum).map(drop),
+            "all_reduce, output before the input" => comm.all_reduce(&v(at, 512, 1024), &mut v(at, 0, 1024), &ReduceOp::Sum).map(drop),
+            "all_reduce, plain input" => comm.all_reduce(&v(plain_at, 0, 1024), &mut v(plain_at, 512, 1024), &ReduceOp::Sum).map(drop),
             "all_gather" => comm.all_gather(&v(at, 0, 512), &mut v(at, 256, 1024), &opts),
-            "reduce_scatter" => comm.reduce_scatter_sum(&v(at, 0, 1024), &mut v(at, 100, 512), &opts),
+            "reduce_scatter" => comm.reduce_scatter_with(&v(at, 0, 1024), &mut v(at, 100, 512), &ReduceOp::Sum, &opts),
             "fused, input and output" => fused(v(at, 0, 1024), &mut residual, &weight, v(at, 64, 1024)),
             "fused, residual and output" => fused(v(plain_at, 0, 1024), &mut v(at, 0, 1024), &weight, v(at, 1, 1024)),
             "fused, weight and residual" => fused(v(plain_at, 0, 1024), &mut v(at, 0, 1024), &v(at, 32, 64), v(at, 2048, 1024)),
@@ -66,7 +66,8 @@ pub fn overlapping_buffers_are_refused<B: Backend>(place: &Placement) {
         for &algorithm in ALL_ALGORITHMS {
             reg.copy_from_host(dev, &pattern(rank, n)).unwrap();
             let opts = AllReduceOptions::new().algorithm(algorithm);
-            let r = comm.all_reduce_sum_with(&v(at, 0, 1024), &mut v(at, 0, 1024), &opts);
+            let r =
+                comm.all_reduce_with(&v(at, 0, 1024), &mut v(at, 0, 1024), &ReduceOp::Sum, &opts);
             comm.synchronize().unwrap();
             let got = reg.to_host(dev).unwrap();
             let bad = (0..1024).filter(|&i| got[i] != sum[i]).count();
@@ -76,7 +77,11 @@ pub fn overlapping_buffers_are_refused<B: Backend>(place: &Placement) {
             }
         }
         plain.copy_from_host(dev, &pattern(rank, n)).unwrap();
-        let r = comm.all_reduce_sum(&v(plain_at, 0, 1024), &mut v(plain_at, 0, 1024));
+        let r = comm.all_reduce(
+            &v(plain_at, 0, 1024),
+            &mut v(plain_at, 0, 1024),
+            &ReduceOp::Sum,
+        );
         comm.synchronize().unwrap();
         if r.is_err() || plain.to_host(dev).unwrap()[..1024] != sum[..] {
             alias.push(format!("a plain buffer: {r:?}"));
@@ -118,7 +123,7 @@ pub fn overlap_on_one_rank<B: Backend>(place: &Placement) {
             let out_at = if rank == 0 { 1 } else { 1024 };
             let r = match call {
                 "all_reduce" => comm
-                    .all_reduce_sum(&v(0, 1024), &mut v(out_at, 1024))
+                    .all_reduce(&v(0, 1024), &mut v(out_at, 1024), &ReduceOp::Sum)
                     .map(drop),
                 _ => comm.broadcast(Some(&v(0, 1024)), &mut v(out_at, 1024), 0, &c),
             };
@@ -159,7 +164,7 @@ pub fn overlap_on_one_rank<B: Backend>(place: &Placement) {
         // Both work again.
         reg.copy_from_host(dev, &pattern(rank, n)).unwrap();
         let mut out = B::alloc_buffer::<f32>(dev, n).unwrap();
-        comm.all_reduce_sum(&reg, &mut out).unwrap();
+        comm.all_reduce(&reg, &mut out, &ReduceOp::Sum).unwrap();
         comm.synchronize().unwrap();
         let want: Vec<f32> = (0..n)
             .map(|i| pattern(0, n)[i] + pattern(1, n)[i])
@@ -207,9 +212,9 @@ pub fn single_controller_overlaps<B: Backend>(place: &Placement) {
     let weights = [0, 1].map(|r| TensorView::<B>::new(&w[r], &[32]));
     let c = CollectiveOptions::new();
     let mut results: Vec<(&str, peercomm::Result<()>)> = rows![
-        "slices, rank 0's output one past its input" => comm.all_reduce_sum_slices(&slices([0, 0]), &mut slices([1, 2048]), &opts).map(drop),
-        "slices, rank 1's output inside its input" => comm.all_reduce_sum_slices(&slices([0, 0]), &mut slices([2048, 512]), &opts).map(drop),
-        "shaped all-reduce" => comm.all_reduce_sum(&inputs, &mut outputs, &opts).map(drop),
+        "slices, rank 0's output one past its input" => comm.all_reduce_slices(&slices([0, 0]), &mut slices([1, 2048]), &ReduceOp::Sum, &opts).map(drop),
+        "slices, rank 1's output inside its input" => comm.all_reduce_slices(&slices([0, 0]), &mut slices([2048, 512]), &ReduceOp::Sum, &opts).map(drop),
+        "shaped all-reduce" => comm.all_reduce(&inputs, &mut outputs, &ReduceOp::Sum, &opts).map(drop),
         "all_gather" => comm.all_gather(&inputs, &mut gathered, &c),
         "fused" => comm.all_reduce_residual_rms_norm(&inputs, &mut residuals, &weights, &mut fused_out, 1e-5, &c),
     ];
@@ -226,8 +231,8 @@ pub fn single_controller_overlaps<B: Backend>(place: &Placement) {
 
         let (mut cross, mut same) = (outs_at([(1, 2048), (0, 512)]), outs_at([(0, 2048); 2]));
         results.extend(rows![
-            "slices, rank 1's output over rank 0's input" => comm.all_reduce_sum_slices(&slices([0, 0]), &mut cross, &opts).map(drop),
-            "slices, both ranks' outputs one range" => comm.all_reduce_sum_slices(&slices([0, 0]), &mut same, &opts).map(drop),
+            "slices, rank 1's output over rank 0's input" => comm.all_reduce_slices(&slices([0, 0]), &mut cross, &ReduceOp::Sum, &opts).map(drop),
+            "slices, both ranks' outputs one range" => comm.all_reduce_slices(&slices([0, 0]), &mut same, &ReduceOp::Sum, &opts).map(drop),
         ]);
     }
     comm.synchronize().ok();
@@ -245,7 +250,7 @@ pub fn single_controller_overlaps<B: Backend>(place: &Placement) {
                 .unwrap();
         }
         let opts = AllReduceOptions::new().algorithm(algorithm);
-        let r = comm.all_reduce_sum_slices(&slices([0, 0]), &mut slices([0, 0]), &opts);
+        let r = comm.all_reduce_slices(&slices([0, 0]), &mut slices([0, 0]), &ReduceOp::Sum, &opts);
         comm.synchronize().unwrap();
         for (q, b) in bases.iter().enumerate() {
             let got = b.to_host(comm.core(q).device()).unwrap();

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use peercomm::backend::Backend;
 use peercomm::bootstrap::{TcpBootstrap, UniqueId};
-use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error};
+use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error, ReduceOp};
 
 use super::processes::{config_for, lines_of, spawn_with, ChildArgs};
 use super::Placement;
@@ -29,7 +29,8 @@ pub(super) fn child_role<B: Backend>(
             // Late into the collective, then killed by the parent while rank 0 waits.
             comm.delay(Duration::from_secs(30)).unwrap();
             let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-            comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
+            comm.all_reduce_in_place_with(&mut buf, &ReduceOp::Sum, &opts)
+                .unwrap();
             println!("READY");
             std::thread::sleep(Duration::from_secs(60));
         }
@@ -92,7 +93,8 @@ pub fn killed_process_gives_a_typed_error<B: Backend>(devices: &Placement) {
     wait_for_ready(&mut child);
     let start = Instant::now();
     let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-    comm.all_reduce_sum_with(&input, &mut out, &opts).unwrap();
+    comm.all_reduce_with(&input, &mut out, &ReduceOp::Sum, &opts)
+        .unwrap();
     child.kill().unwrap();
     child.wait().unwrap();
     match comm.synchronize() {
@@ -103,7 +105,7 @@ pub fn killed_process_gives_a_typed_error<B: Backend>(devices: &Placement) {
     let holds = elapsed < 2 * timeout + Duration::from_secs(2);
     assert!(holds, "the timeout took {elapsed:?}");
     assert!(B::download(dev, &out).unwrap().iter().all(|x| x.is_nan()));
-    match comm.all_reduce_sum_with(&input, &mut out, &opts) {
+    match comm.all_reduce_with(&input, &mut out, &ReduceOp::Sum, &opts) {
         Err(Error::Poisoned { first }) if matches!(*first, Error::BarrierTimeout { .. }) => {}
         other => panic!("expected Poisoned by the barrier timeout, got {other:?}"),
     }
@@ -143,7 +145,8 @@ pub fn registration_beside_a_killed_peer<B: Backend>(devices: &Placement) {
 
     let start = Instant::now();
     let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-    let outcome = comm.register_inputs_of(|| comm.all_reduce_sum_with(&input, &mut out, &opts));
+    let outcome =
+        comm.register_inputs_of(|| comm.all_reduce_with(&input, &mut out, &ReduceOp::Sum, &opts));
     let error = match outcome {
         Ok(_) => panic!("register_inputs_of beside a dead peer returned Ok"),
         Err(e) => e,
@@ -194,7 +197,7 @@ fn create_drop_cycles<B: Backend>(
         let comm = Comm::<B>::from_bootstrap(dev, Box::new(boot.clone()), cfg.clone()).unwrap();
         let mut local = B::alloc_buffer::<f32>(comm.device(), 16).unwrap();
         B::upload(comm.device(), &[1.0; 16], &mut local).unwrap();
-        comm.all_reduce_sum_in_place_with(&mut local, &AllReduceOptions::new())
+        comm.all_reduce_in_place_with(&mut local, &ReduceOp::Sum, &AllReduceOptions::new())
             .unwrap();
         comm.synchronize().unwrap();
         assert_eq!(B::download(comm.device(), &local).unwrap(), vec![2.0; 16]);

@@ -11,7 +11,9 @@ use std::time::Duration;
 
 use peercomm::backend::Backend;
 use peercomm::bootstrap::UniqueId;
-use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error, FallbackConfig, Simulation};
+use peercomm::{
+    Algorithm, AllReduceOptions, Comm, CommConfig, Error, FallbackConfig, ReduceOp, Simulation,
+};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 
@@ -130,8 +132,12 @@ pub fn run_checked<B: Backend>(comm: &Comm<B>, seed: u64) -> Vec<(usize, u64)> {
             .group_size(group)
             .algorithm(algorithm);
         match recv {
-            None => comm.all_reduce_sum_in_place_with(send, &opts).unwrap(),
-            Some(recv) => comm.all_reduce_sum_with(send, recv, &opts).unwrap(),
+            None => comm
+                .all_reduce_in_place_with(send, &ReduceOp::Sum, &opts)
+                .unwrap(),
+            Some(recv) => comm
+                .all_reduce_with(send, recv, &ReduceOp::Sum, &opts)
+                .unwrap(),
         };
     }
     let kept: Vec<B::Buffer<f32>> = buffers
@@ -237,7 +243,7 @@ fn simple_sum<B: Backend>(comm: &Comm<B>) -> &'static str {
     let (rank, world) = (comm.rank(), comm.world_size());
     let dev = comm.device();
     let mut buf = B::alloc_from(dev, &vec![rank as f32 + 1.0; 4099]).unwrap();
-    comm.all_reduce_sum_in_place(&mut buf).unwrap();
+    comm.all_reduce_in_place(&mut buf, &ReduceOp::Sum).unwrap();
     comm.synchronize().unwrap();
     let want = (world * (world + 1) / 2) as f32;
     assert_eq!(B::download(dev, &buf).unwrap(), vec![want; 4099]);

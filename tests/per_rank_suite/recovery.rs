@@ -5,7 +5,7 @@ use std::time::{Duration, Instant};
 
 use peercomm::backend::Backend;
 use peercomm::bootstrap::{BootstrapError, UniqueId};
-use peercomm::{Algorithm, AllReduceOptions, Comm, Error, Recovery, Result};
+use peercomm::{Algorithm, AllReduceOptions, Comm, Error, Recovery, ReduceOp, Result};
 
 use super::agreement::short_waits;
 use super::{in_step, Placement};
@@ -16,7 +16,7 @@ fn sum_ones<B: Backend>(comm: &Comm<B>, n: usize) -> Result<()> {
     let send = B::alloc_from(dev, &vec![1.0f32; n])?;
     let mut recv = B::alloc_from(dev, &vec![0.0f32; n])?;
     let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-    comm.all_reduce_sum_with(&send, &mut recv, &one)?;
+    comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, &one)?;
     comm.synchronize()
 }
 
@@ -145,9 +145,9 @@ pub fn check_errors_is_a_per_step_poll<B: Backend>(place: &Placement) {
         let mut seen = None;
         for step in 0..2000 {
             let enqueued = if rank == 1 && step == 2 {
-                comm.all_reduce_sum_with(&short, &mut out_short, &one)
+                comm.all_reduce_with(&short, &mut out_short, &ReduceOp::Sum, &one)
             } else {
-                comm.all_reduce_sum_with(&long, &mut out, &one)
+                comm.all_reduce_with(&long, &mut out, &ReduceOp::Sum, &one)
             };
             let polled = enqueued.and_then(|_| comm.check_errors());
             if let Err(e) = polled {

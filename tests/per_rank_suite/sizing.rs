@@ -3,7 +3,7 @@
 
 use peercomm::backend::{Backend, TypedBuffer};
 use peercomm::bootstrap::UniqueId;
-use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, DType, Error};
+use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, DType, Error, ReduceOp};
 
 use super::{common, Placement};
 
@@ -36,7 +36,10 @@ pub fn sized_for_the_largest_message<B: Backend>(place: &Placement) {
         // The call agrees with the query, in chunks.
         let send = B::alloc_from(dev, &too_big[rank]).unwrap();
         let mut recv = B::alloc_from(dev, &vec![f32::NAN; 1001]).unwrap();
-        assert_eq!(comm.all_reduce_sum_with(&send, &mut recv, &one), one_stage);
+        assert_eq!(
+            comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, &one),
+            one_stage
+        );
 
         comm.synchronize().unwrap();
         let got = recv.to_host(dev).unwrap();
@@ -45,7 +48,8 @@ pub fn sized_for_the_largest_message<B: Backend>(place: &Placement) {
         for opts in [AllReduceOptions::new(), one] {
             let send = B::alloc_from(dev, &fits[rank]).unwrap();
             let mut recv = B::alloc_from(dev, &vec![f32::NAN; 1000]).unwrap();
-            comm.all_reduce_sum_with(&send, &mut recv, &opts).unwrap();
+            comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, &opts)
+                .unwrap();
             comm.synchronize().unwrap();
             let got = recv.to_host(dev).unwrap();
             common::check_sums(&fits, &[got.clone(), got], 2, &format!("rank {rank}"));

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 
 use peercomm::backend::Backend;
 use peercomm::bootstrap::{Bootstrap, BootstrapError, UniqueId};
-use peercomm::{Algorithm, AllReduceOptions, Comm, Error};
+use peercomm::{Algorithm, AllReduceOptions, Comm, Error, ReduceOp};
 
 use super::{world_threads, Placement};
 
@@ -26,7 +26,8 @@ pub fn drop_while_peer_collective_queued<B: Backend>(place: &Placement, rounds: 
                 let mut buf = B::alloc_from(dev, &[1.0f32; 1000]).unwrap();
                 comm.delay(Duration::from_millis(1500)).unwrap();
                 let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-                comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
+                comm.all_reduce_in_place_with(&mut buf, &ReduceOp::Sum, &opts)
+                    .unwrap();
                 queued.wait();
                 let err = comm.synchronize().unwrap_err();
                 assert!(
@@ -163,7 +164,8 @@ pub fn synchronize_reports_within_twice_barrier_timeout<B: Backend>(place: &Plac
             comm.miss_next();
         }
         let started = Instant::now();
-        comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
+        comm.all_reduce_in_place_with(&mut buf, &ReduceOp::Sum, &opts)
+            .unwrap();
         let result = comm.synchronize();
         let took = started.elapsed();
         seen.wait();
@@ -249,7 +251,8 @@ pub fn drop_beside_a_peer_exchange<B: Backend>(place: &Placement, what: Exchange
         let mut buf = B::alloc_from(dev, &[1.0f32; 1000]).unwrap();
         built.wait();
         let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-        comm.all_reduce_sum_in_place_with(&mut buf, &opts).unwrap();
+        comm.all_reduce_in_place_with(&mut buf, &ReduceOp::Sum, &opts)
+            .unwrap();
         let missing = (what == Exchange::Reinitialize).then(|| comm.synchronize());
         calling.0.lock().unwrap().send(()).unwrap();
         let made = what.make(&comm);
@@ -296,7 +299,7 @@ pub fn different_exchanges_are_typed_errors<B: Backend>(place: &Placement, kinds
         let dev = comm.device();
         let mut buf = B::alloc_from(dev, &[rank as f32 + 1.0; 64]).unwrap();
         let summed = comm
-            .all_reduce_sum_in_place(&mut buf)
+            .all_reduce_in_place(&mut buf, &ReduceOp::Sum)
             .and_then(|_| comm.synchronize())
             .and_then(|_| B::download(dev, &buf));
         (made, trimmed, summed, comm.close())

@@ -4,7 +4,7 @@
 
 use peercomm::backend::Backend;
 use peercomm::half::f16;
-use peercomm::{Algorithm, AllReduceOptions, Comm, Element};
+use peercomm::{Algorithm, AllReduceOptions, Comm, Element, ReduceOp};
 
 use super::common::View;
 use super::Placement;
@@ -67,7 +67,7 @@ fn one_call<B: Backend, T: Element>(
     let view_in = View::at_byte(&send, first * size, n);
     let mut view_out = View::at_byte(&mut recv, at, n);
     let opts = AllReduceOptions::new().algorithm(algorithm);
-    let ran = comm.all_reduce_sum_with(&view_in, &mut view_out, &opts);
+    let ran = comm.all_reduce_with(&view_in, &mut view_out, &ReduceOp::Sum, &opts);
     assert_eq!(ran, Ok(algorithm), "{what}");
     comm.synchronize().expect(&what);
     let out = bytes_of(&B::download(dev, &recv).unwrap());

@@ -3,8 +3,8 @@
 
 use peercomm::backend::{Backend, DeviceBuffer, TypedBuffer};
 use peercomm::{
-    Algorithm, AllReduceOptions, CollectiveOptions, Comm, DType, Element, SingleController,
-    TensorView, TensorViewMut,
+    Algorithm, AllReduceOptions, CollectiveOptions, Comm, DType, Element, ReduceOp,
+    SingleController, TensorView, TensorViewMut,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -117,7 +117,7 @@ fn single_coll<B: Backend, T: Element>(
             let mut o = flat_mut::<B, T>(&mut outs);
             match which {
                 Which::AllGather => comm.all_gather(&i, &mut o, &c.options()),
-                _ => comm.reduce_scatter_sum(&i, &mut o, &c.options()),
+                _ => comm.reduce_scatter(&i, &mut o, &ReduceOp::Sum, &c.options()),
             }
             .expect(&what);
             drop(o);
@@ -168,7 +168,7 @@ fn check_coll<B: Backend, T: Element>(
                 B::alloc_from(dev, &nan::<T>(output_len(which, c.width, rank, c.n))).unwrap();
             match which {
                 Which::AllGather => comm.all_gather(&send, &mut recv, &c.options()),
-                _ => comm.reduce_scatter_sum(&send, &mut recv, &c.options()),
+                _ => comm.reduce_scatter_with(&send, &mut recv, &ReduceOp::Sum, &c.options()),
             }
             .expect(&what);
             comm.synchronize().expect(&what);
@@ -306,12 +306,14 @@ pub fn stages_nothing<B: Backend>(place: &Placement) {
         // The all-reduce: plain (staged in chunks), then symmetric (whole), same bits.
         let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
         let [chunked, got] = outputs([&plain, &sym], n, &|input, out| {
-            comm.all_reduce_sum_with(input, out, &one).unwrap();
+            comm.all_reduce_with(input, out, &ReduceOp::Sum, &one)
+                .unwrap();
         });
         let what = "symmetric one-stage";
         common::check_sums(&ins, &[got.clone(), got.clone()], world, what);
         assert_bits(&chunked, &got, "plain (chunked) against symmetric");
-        comm.all_reduce_sum_in_place_with(&mut sym, &one).unwrap();
+        comm.all_reduce_in_place_with(&mut sym, &ReduceOp::Sum, &one)
+            .unwrap();
         comm.synchronize().unwrap();
         let in_place = sym.to_host(dev).unwrap();
         assert_bits(&in_place, &got, "in place (staged in chunks)");
@@ -322,7 +324,7 @@ pub fn stages_nothing<B: Backend>(place: &Placement) {
             let [chunked, got] = outputs([&plain, &sym], len, &|input, out| {
                 match which {
                     Which::AllGather => comm.all_gather(input, out, &opts),
-                    _ => comm.reduce_scatter_sum(input, out, &opts),
+                    _ => comm.reduce_scatter_with(input, out, &ReduceOp::Sum, &opts),
                 }
                 .unwrap()
             });

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use peercomm::backend::{Backend, DeviceBuffer, TypedBuffer};
-use peercomm::{Algorithm, AllReduceOptions, DType, Error};
+use peercomm::{Algorithm, AllReduceOptions, DType, Error, ReduceOp};
 
 use super::super::common;
 use super::super::{in_step, inputs, nan, seed, with_world, Placement};
@@ -31,7 +31,8 @@ pub fn inputs_dropped_in_flight<B: Backend>(place: &Placement, world: usize) {
                         let mut s = comm.alloc_symmetric::<f32>(len).unwrap();
                         s.copy_from_host(dev, &ins[rank]).unwrap();
                         let at = s.placement();
-                        comm.all_reduce_sum_with(&s, &mut out, &opts).expect(&what);
+                        comm.all_reduce_with(&s, &mut out, &ReduceOp::Sum, &opts)
+                            .expect(&what);
                         drop(s);
                         let mut next = comm.alloc_symmetric::<f32>(len).unwrap();
                         assert_eq!(next.placement(), at, "{what}: the range is reused");
@@ -40,7 +41,8 @@ pub fn inputs_dropped_in_flight<B: Backend>(place: &Placement, world: usize) {
                     Input::Registered => {
                         let plain = B::alloc_from(dev, &ins[rank]).unwrap();
                         let reg = comm.register(plain).unwrap();
-                        comm.all_reduce_sum_with(&reg, &mut out, &opts).unwrap();
+                        comm.all_reduce_with(&reg, &mut out, &ReduceOp::Sum, &opts)
+                            .unwrap();
                         drop(reg);
                     }
                 }
@@ -111,7 +113,8 @@ pub fn registered_input_retired_in_flight<B: Backend>(place: &Placement) {
         if rank == 1 {
             comm.miss_next();
         }
-        comm.all_reduce_sum_with(&reg, &mut out, &opts).unwrap();
+        comm.all_reduce_with(&reg, &mut out, &ReduceOp::Sum, &opts)
+            .unwrap();
         drop(reg);
         assert!(!freed(&flag), "rank {rank}: freed in flight");
         if rank == 0 {
@@ -130,7 +133,8 @@ pub fn registered_input_retired_in_flight<B: Backend>(place: &Placement) {
 
         // The call completes; the input is dropped before the synchronize.
         let (reg, flag) = register(rank as f32 + 1.0);
-        comm.all_reduce_sum_with(&reg, &mut out, &opts).unwrap();
+        comm.all_reduce_with(&reg, &mut out, &ReduceOp::Sum, &opts)
+            .unwrap();
         drop(reg);
         assert!(!freed(&flag), "rank {rank}: freed in flight");
         comm.synchronize().unwrap();
@@ -139,7 +143,8 @@ pub fn registered_input_retired_in_flight<B: Backend>(place: &Placement) {
 
         // Dropped after a clean synchronize: freed at once.
         let (reg, flag) = register(1.0);
-        comm.all_reduce_sum_with(&reg, &mut out, &opts).unwrap();
+        comm.all_reduce_with(&reg, &mut out, &ReduceOp::Sum, &opts)
+            .unwrap();
         comm.synchronize().unwrap();
         drop(reg);
         assert!(freed(&flag), "rank {rank}: kept with nothing in flight");
@@ -166,7 +171,7 @@ pub fn register_drop_cycles<B: Backend>(place: &Placement, world: usize, cycles:
             let mut reg = comm.register(B::alloc_from(dev, &data).unwrap()).unwrap();
             assert_eq!(comm.registrations(), (1, 0));
             if cycle % 100 == 0 {
-                comm.all_reduce_sum_in_place_with(&mut reg, &AllReduceOptions::new())
+                comm.all_reduce_in_place_with(&mut reg, &ReduceOp::Sum, &AllReduceOptions::new())
                     .unwrap();
                 comm.synchronize().unwrap();
                 let want = (0..world).map(|r| r as f32 + cycle as f32).sum::<f32>();
@@ -208,7 +213,7 @@ pub fn symmetric_drop_cycles<B: Backend>(place: &Placement, world: usize, cycles
             assert_eq!(s.placement(), pa, "{note}");
             if cycle % 100 == 0 {
                 s.copy_from_host(dev, &[rank as f32 + 1.0; 16]).unwrap();
-                comm.all_reduce_sum_in_place_with(&mut s, &AllReduceOptions::new())
+                comm.all_reduce_in_place_with(&mut s, &ReduceOp::Sum, &AllReduceOptions::new())
                     .unwrap();
                 comm.synchronize().unwrap();
                 let want = (world * (world + 1) / 2) as f32;

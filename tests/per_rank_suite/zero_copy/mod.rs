@@ -10,7 +10,7 @@ pub mod processes;
 pub mod refusals;
 
 use peercomm::backend::{Backend, DeviceBufferMut, TypedBuffer};
-use peercomm::{Algorithm, AllReduceOptions, Comm, DType, Element, SingleController};
+use peercomm::{Algorithm, AllReduceOptions, Comm, DType, Element, ReduceOp, SingleController};
 
 use super::common::collectives::assert_bits;
 use super::common::{self, bits, group_sizes};
@@ -114,8 +114,8 @@ fn single_reduce<B: Backend, T: Element>(
     let (mut bufs, mut outs) = (alloc(&|r| ins[r].clone()), alloc(&|_| nan(c.len)));
     let what = format!("single controller {c:?}");
     let algorithm = match c.in_place {
-        true => comm.all_reduce_sum_slices_in_place(&mut bufs, &c.options()),
-        false => comm.all_reduce_sum_slices(&bufs, &mut outs, &c.options()),
+        true => comm.all_reduce_slices_in_place(&mut bufs, &ReduceOp::Sum, &c.options()),
+        false => comm.all_reduce_slices(&bufs, &mut outs, &ReduceOp::Sum, &c.options()),
     };
     let algorithm = algorithm.expect(&what);
     if !c.in_place {
@@ -159,8 +159,8 @@ fn reduce_from<B: Backend, T: Element, I: DeviceBufferMut<B>>(
     let dev = comm.device();
     let mut out = B::alloc_from(dev, &nan::<T>(c.len)).unwrap();
     let ran = match c.in_place {
-        true => comm.all_reduce_sum_in_place_with(input, &c.options()),
-        false => comm.all_reduce_sum_with(&*input, &mut out, &c.options()),
+        true => comm.all_reduce_in_place_with(input, &ReduceOp::Sum, &c.options()),
+        false => comm.all_reduce_with(&*input, &mut out, &ReduceOp::Sum, &c.options()),
     };
     let ran = ran.expect(what);
     comm.synchronize().expect(what);

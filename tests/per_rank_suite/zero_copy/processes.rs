@@ -5,7 +5,7 @@
 use std::time::Duration;
 
 use peercomm::backend::{Backend, TypedBuffer};
-use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error};
+use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, Error, ReduceOp};
 
 use super::super::common::{self, digest, group_sizes};
 use super::super::{check_rank_sum, nan, seed, Placement};
@@ -50,8 +50,8 @@ pub fn symmetric_rank<B: Backend>(
             B::alloc_from(dev, &nan::<f32>(len)).unwrap(),
         );
         let ran = match in_place {
-            true => comm.all_reduce_sum_in_place_with(&mut send, &opts),
-            false => comm.all_reduce_sum_with(&send, &mut recv, &opts),
+            true => comm.all_reduce_in_place_with(&mut send, &ReduceOp::Sum, &opts),
+            false => comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, &opts),
         };
         assert_eq!(ran.expect(&what), algorithm, "{what}");
         comm.synchronize().expect(&what);
@@ -112,7 +112,8 @@ pub fn symmetric_rank<B: Backend>(
         .copy_from_host(dev, &[rank as f32 + 1.0; 100])
         .unwrap();
     let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-    comm.all_reduce_sum_in_place_with(&mut again, &one).unwrap();
+    comm.all_reduce_in_place_with(&mut again, &ReduceOp::Sum, &one)
+        .unwrap();
 
     comm.synchronize().unwrap();
     let want = (world * (world + 1) / 2) as f32;
@@ -166,7 +167,9 @@ fn zero_copy_cycles<B: Backend>(comm: &Comm<B>, cycles: usize, heap_refused: boo
         let plain = B::alloc_from(dev, &[rank as f32 + 1.0; 16]).unwrap();
         let mut out = B::alloc_from(dev, &[f32::NAN; 16]).unwrap();
         let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-        match comm.register_inputs_of(|| comm.all_reduce_sum_with(&plain, &mut out, &one)) {
+        match comm
+            .register_inputs_of(|| comm.all_reduce_with(&plain, &mut out, &ReduceOp::Sum, &one))
+        {
             Ok((_, inputs)) => {
                 assert!(!heap_refused, "rank {rank}: a heap buffer registered");
                 assert_eq!((inputs.registered(), inputs.in_place_calls()), (1, 1));

@@ -4,7 +4,9 @@
 
 use peercomm::backend::{Backend, DeviceBuffer, TypedBuffer};
 use peercomm::bootstrap::BootstrapError::ExchangeMismatch;
-use peercomm::{Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, Element, Error};
+use peercomm::{
+    Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, Element, Error, ReduceOp,
+};
 
 use super::super::common::View;
 use super::super::{agreement, in_step, nan, Placement};
@@ -115,7 +117,7 @@ pub fn registration_refusals<B: Backend>(place: &Placement, world: usize) {
         let mine = B::alloc_from(dev, &[rank as f32 + 1.0; 100]).unwrap();
         let mut buf = comm.register(mine).unwrap();
         assert_eq!(comm.registrations(), (2, 0));
-        comm.all_reduce_sum_in_place_with(&mut buf, &AllReduceOptions::new())
+        comm.all_reduce_in_place_with(&mut buf, &ReduceOp::Sum, &AllReduceOptions::new())
             .unwrap();
         comm.synchronize().unwrap();
         let want = (world * (world + 1) / 2) as f32;
@@ -196,9 +198,11 @@ fn mismatch_call<B: Backend>(
     let mut res = B::alloc_from(dev, &vec![half::bf16::ONE; n])?;
     let weight = B::alloc_from(dev, &vec![half::bf16::ONE; 1024])?;
     match call {
-        Call::OneStage => comm.all_reduce_sum_with(input, &mut out, &one).map(drop),
+        Call::OneStage => comm
+            .all_reduce_with(input, &mut out, &ReduceOp::Sum, &one)
+            .map(drop),
         Call::AllGather => comm.all_gather(input, &mut out, &opts),
-        Call::ReduceScatter => comm.reduce_scatter_sum(input, &mut out, &opts),
+        Call::ReduceScatter => comm.reduce_scatter_with(input, &mut out, &ReduceOp::Sum, &opts),
         Call::Fused => {
             comm.all_reduce_residual_rms_norm(input, &mut res, &weight, &mut out, 1e-5, &opts)
         }
@@ -284,7 +288,8 @@ pub fn mismatched_inputs<B: Backend>(place: &Placement, world: usize) {
         let pass: &dyn DeviceBuffer<B> = if rank == odd { &plain } else { &*registered };
         let mut out = B::alloc_from(dev, &nan::<half::bf16>(n)).unwrap();
         let opts = AllReduceOptions::new().algorithm(Algorithm::Lamport);
-        comm.all_reduce_sum_with(pass, &mut out, &opts).unwrap();
+        comm.all_reduce_with(pass, &mut out, &ReduceOp::Sum, &opts)
+            .unwrap();
         comm.synchronize().unwrap();
         let want = half::bf16::from_f32((world * (world + 1) / 2) as f32);
         assert!(B::download(dev, &out).unwrap().iter().all(|&x| x == want));
@@ -314,7 +319,8 @@ pub fn places_compared_exactly<B: Backend>(place: &Placement, world: usize) {
             let input = View::elements(&*registered, at, n);
             let mut out = B::alloc_from(dev, &nan::<half::bf16>(n)).unwrap();
             let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-            comm.all_reduce_sum_with(&input, &mut out, &opts).unwrap();
+            comm.all_reduce_with(&input, &mut out, &ReduceOp::Sum, &opts)
+                .unwrap();
             let got = comm.synchronize();
             let host = B::download(dev, &out).unwrap();
             let wrong = host.iter().filter(|x| !x.is_nan()).count();
