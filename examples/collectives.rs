@@ -6,8 +6,8 @@
 //! cargo run --release --example collectives
 //! ```
 //!
-//! One function per collective, each run by both ranks: [`Comm::all_reduce_sum`] and
-//! [`Comm::all_reduce_sum_in_place`], [`Comm::all_gather`], [`Comm::reduce_scatter_sum`],
+//! One function per collective, each run by both ranks: [`Comm::all_reduce`] and
+//! [`Comm::all_reduce_in_place`], [`Comm::all_gather`], [`Comm::reduce_scatter`],
 //! [`Comm::broadcast`] and [`Comm::broadcast_in_place`], [`Comm::scatter`], and the fused
 //! [`Comm::all_reduce_residual_rms_norm`]. Each call returns at once (the work is queued
 //! on the rank's stream); [`Comm::synchronize`] waits for it and reports a device-side
@@ -17,9 +17,7 @@
 use peercomm::backend::host::Host;
 use peercomm::backend::{Backend, DeviceBuffer};
 use peercomm::bootstrap::UniqueId;
-use peercomm::{
-    reduce_scatter_part, AllReduceOptions, CollectiveOptions, Comm, CommConfig, ReduceOp,
-};
+use peercomm::{reduce_scatter_part, CollectiveOptions, Comm, CommConfig, ReduceOp};
 
 /// Ranks in the world (two threads).
 const WORLD: usize = 2;
@@ -55,18 +53,13 @@ fn check(what: &str, rank: usize, got: &[f32], want: &[f32]) -> Result<()> {
 fn all_reduce(comm: &Comm<Host>) -> Result<()> {
     let send = buffer(comm, &[comm.rank() as f32 + 1.0; 6])?;
     let mut recv = output(comm, 6)?;
-    comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, &AllReduceOptions::new())?;
-    check(
-        "all_reduce_sum",
-        comm.rank(),
-        &read(comm, &recv)?,
-        &[3.0; 6],
-    )?;
+    comm.all_reduce(&send, &mut recv, &ReduceOp::Sum)?;
+    check("all_reduce", comm.rank(), &read(comm, &recv)?, &[3.0; 6])?;
 
     let mut buf = buffer(comm, &[comm.rank() as f32 + 1.0; 6])?;
-    comm.all_reduce_in_place_with(&mut buf, &ReduceOp::Sum, &AllReduceOptions::new())?;
+    comm.all_reduce_in_place(&mut buf, &ReduceOp::Sum)?;
     check(
-        "all_reduce_sum_in_place",
+        "all_reduce_in_place",
         comm.rank(),
         &read(comm, &buf)?,
         &[3.0; 6],
@@ -92,15 +85,10 @@ fn reduce_scatter(comm: &Comm<Host>) -> Result<()> {
     let send = buffer(comm, &values)?;
     let part = reduce_scatter_part(n, WORLD, comm.rank());
     let mut recv = output(comm, part.len())?;
-    comm.reduce_scatter_with(&send, &mut recv, &ReduceOp::Sum, &CollectiveOptions::new())?;
+    comm.reduce_scatter(&send, &mut recv, &ReduceOp::Sum)?;
     // Element i sums to (1 + 2) x (i + 1).
     let want: Vec<f32> = part.map(|i| 3.0 * (i as f32 + 1.0)).collect();
-    check(
-        "reduce_scatter_sum",
-        comm.rank(),
-        &read(comm, &recv)?,
-        &want,
-    )
+    check("reduce_scatter", comm.rank(), &read(comm, &recv)?, &want)
 }
 
 /// Rank 1's message on every rank; the others pass `None` as their input.
@@ -223,8 +211,8 @@ fn main() -> std::process::ExitCode {
     for (rank, result) in results.iter().enumerate() {
         match result {
             Ok(()) => println!(
-                "rank {rank}: all_reduce_sum, all_reduce_sum_in_place, all_gather, \
-                 reduce_scatter_sum, broadcast, broadcast_in_place, scatter, \
+                "rank {rank}: all_reduce, all_reduce_in_place, all_gather, \
+                 reduce_scatter, broadcast, broadcast_in_place, scatter, \
                  all_reduce_residual_rms_norm: checked"
             ),
             Err(e) => {

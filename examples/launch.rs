@@ -478,7 +478,7 @@ fn all_reduce_checked<B: Backend>(
             B::upload(dev, &vec![f32::NAN; n], &mut recv).map_err(|e| fail("upload", e))?;
             comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, &options)
         }
-        .map_err(|e| fail("all_reduce_sum", e))?;
+        .map_err(|e| fail("all_reduce", e))?;
         // Each step: a check that does not wait (an engine does its other work here),
         // then `synchronize` where the rank waits anyway, before reading the sum back.
         comm.check_errors().map_err(|e| fail("check_errors", e))?;

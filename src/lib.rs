@@ -15,7 +15,7 @@
 //!
 //! ```
 //! use peercomm::backend::{host::Host, Backend};
-//! use peercomm::{Comm, CommConfig, UniqueId};
+//! use peercomm::{Comm, CommConfig, ReduceOp, UniqueId};
 //!
 //! // Rank 0 makes the id and hands it to the other ranks (here threads of one process;
 //! // between processes as text or bytes, see "Launching ranks" below).
@@ -30,7 +30,7 @@
 //!                 let comm = Comm::from_rank(device, rank, 2, id, CommConfig::default())?;
 //!                 let send = Host::alloc_from(comm.device(), &[rank as f32 + 1.0; 4])?;
 //!                 let mut recv = Host::alloc_buffer::<f32>(comm.device(), 4)?;
-//!                 comm.all_reduce_sum(&send, &mut recv)?; // returns at once
+//!                 comm.all_reduce(&send, &mut recv, &ReduceOp::Sum)?; // returns at once
 //!                 comm.synchronize()?; // waits; a device-side timeout or mismatch is an Err here
 //!                 Host::download(comm.device(), &recv)
 //!             })
@@ -44,8 +44,8 @@
 //!
 //! On CUDA the buffers are cudarc `CudaSlice`s on the rank's `Arc<CudaStream>`
 //! (`examples/from-nccl.rs`). Every collective of [`Comm`] has a checked example in
-//! `examples/collectives.rs`: [`Comm::all_reduce_sum`], [`Comm::all_gather`],
-//! [`Comm::reduce_scatter_sum`] (parts by [`reduce_scatter_part`]), [`Comm::broadcast`],
+//! `examples/collectives.rs`: [`Comm::all_reduce`], [`Comm::all_gather`],
+//! [`Comm::reduce_scatter`] (parts by [`reduce_scatter_part`]), [`Comm::broadcast`],
 //! [`Comm::scatter`], [`Comm::all_reduce_residual_rms_norm`] and the in-place forms.
 //!
 //! # Launching ranks
@@ -64,7 +64,8 @@
 //!
 //! ```
 //! use peercomm::backend::{host::Host, Backend, TypedBuffer};
-//! use peercomm::{AllReduceOptions, CommConfig, SingleController, DType, TensorView, TensorViewMut};
+//! use peercomm::{AllReduceOptions, CommConfig, DType, ReduceOp, SingleController};
+//! use peercomm::{TensorView, TensorViewMut};
 //!
 //! // Scratch sized for the largest message (6 f32 per rank here).
 //! let config = CommConfig::for_largest_message(6, DType::F32)?;
@@ -74,10 +75,10 @@
 //!     ins.push(Host::alloc_from(rank.device(), &[r as f32 + 1.0; 6])?);
 //!     outs.push(Host::alloc_buffer::<f32>(rank.device(), 6)?);
 //! }
-//! // Shaped views, checked alike on every rank (`all_reduce_sum_slices` takes the buffers).
+//! // Shaped views, checked alike on every rank (`all_reduce_slices` takes the buffers).
 //! let inputs: Vec<_> = ins.iter().map(|b| TensorView::new(b, &[2, 3])).collect();
 //! let mut outputs: Vec<_> = outs.iter_mut().map(|b| TensorViewMut::new(b, &[2, 3])).collect();
-//! comm.all_reduce_sum(&inputs, &mut outputs, &AllReduceOptions::new())?;
+//! comm.all_reduce(&inputs, &mut outputs, &ReduceOp::Sum, &AllReduceOptions::new())?;
 //! drop(outputs);
 //! comm.synchronize()?; // waits, then reads every rank's error record
 //! assert_eq!(outs[1].to_host(comm.core(1).device())?, vec![3.0; 6]);

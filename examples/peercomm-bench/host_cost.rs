@@ -2,7 +2,7 @@
 //! messages is set by the host, not the GPUs, so this times, on the host clock, the
 //! calls themselves (not the GPU work): batches of calls are enqueued, timed, then the
 //! streams drained outside the timed part. Rows (bf16, 1 KiB, whole world, `Auto`):
-//! - "call, tracking on": `all_reduce_sum` as a cudarc user makes it by default;
+//! - "call, tracking on": `all_reduce` (sum) as a cudarc user makes it by default;
 //! - "call, tracking off": the same with cudarc's event tracking disabled, so the
 //!   difference is what cudarc's per-buffer event records and waits cost;
 //! - "launch only": `delay_all(0)`, a near-empty kernel on every rank through the
