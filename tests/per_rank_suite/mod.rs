@@ -49,6 +49,7 @@ pub mod fault;
 pub mod fused;
 pub mod fuzz;
 pub mod identity;
+pub mod ops;
 pub mod overlaps;
 pub mod process_faults;
 pub mod processes;
@@ -376,11 +377,18 @@ macro_rules! per_rank_suite {
         per_rank_worlds!(zero_copy_collectives, SCOPE.collectives, [world_2 = 2, world_3 = 3, world_4 = 4, world_8 = 8],
             |p, world| per_rank_suite::zero_copy::collectives::collectives_match_single_controller::<B>(p, world));
 
+        per_rank_worlds!(operators, SCOPE.collectives, [world_2 = 2, world_3 = 3, world_4 = 4, world_8 = 8],
+            |p, world| per_rank_suite::ops::operators_checked::<B>(p, world));
+        per_rank_worlds!(operators_in_a_group, &[2, 4], [world_2 = 2, world_4 = 4],
+            |p, world| per_rank_suite::ops::mixed_group::<B>(p, world));
+        per_rank_worlds!(operator_mismatch, &[2, 3], [world_2 = 2, world_3 = 3],
+            |p, world| per_rank_suite::ops::operator_mismatch::<B>(p, world));
         per_rank_worlds!(mismatched_calls_are_typed_errors, &[2, 3], [world_2 = 2, world_3 = 3],
             |p, world| per_rank_suite::agreement::mismatched_calls_are_typed_errors::<B>(p, world));
 
         per_rank_test! {
             refuses_two_stage: |p| per_rank_suite::all_reduce::refuses_two_stage::<B>(p);
+            lamport_sums_only: |p| per_rank_suite::ops::lamport_sums_only::<B>(p);
             independent_sibling_groups: |p| per_rank_suite::all_reduce::independent_sibling_groups::<B>(p);
             missing_call_times_out_and_recovers: |p| per_rank_suite::all_reduce::missing_call_times_out_and_recovers::<B>(p);
             miss_next_times_out_and_recovers: |p| per_rank_suite::fault::miss_next_times_out_and_recovers::<B>(p);

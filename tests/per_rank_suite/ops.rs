@@ -1,0 +1,324 @@
+//! Reduction operators ([`ReduceOp`]) on the per-rank path: every operator over f32,
+//! f16 and bf16, out of place and in place, one-stage and `Auto`, over the world and
+//! over pairs, in all-reduces, reduce-scatters and groups, against the f64 reference
+//! (`Max` and `Min` bit for bit, with their rules for the sign of zero and NaN); the
+//! same bits on every rank of a group and every algorithm; Lamport refused but for the
+//! sum; another operator on one rank a typed error on every rank.
+
+use peercomm::backend::{Backend, TypedBuffer};
+use peercomm::{
+    reduce_scatter_part, Algorithm, AllReduceOptions, CollectiveOptions, Comm, DType, Element,
+    Error, ReduceOp,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::agreement::{every_rank_mismatched, short_waits, Call, Case};
+use super::{common, with_world, Placement};
+
+/// A NaN that no operator stores: what an output holds before the call writes it.
+fn poison<T: Element>() -> T {
+    T::from_bits_u32(match T::DTYPE {
+        DType::F32 => 0x7fa0_0001,
+        DType::F16 => 0x7d01,
+        DType::BF16 => 0x7fa1,
+    })
+}
+
+/// Whether `op`'s inputs hold NaNs (whose results only `Max` and `Min` define).
+fn nans(op: ReduceOp) -> bool {
+    matches!(op, ReduceOp::Max | ReduceOp::Min)
+}
+
+/// Every rank's input of one call: magnitudes in [0.5, 2) (a product over 8 ranks stays
+/// normal) of either sign; every 13th element a zero of a random sign on every rank; with
+/// `nans`, every 17th element a NaN (not the canonical one) on one rank.
+fn inputs<T: Element>(seed: u64, world: usize, n: usize, nans: bool) -> Vec<Vec<T>> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let odd_nan = f32::from_bits(0xffc0_1234);
+    (0..world)
+        .map(|r| {
+            (0..n)
+                .map(|e| {
+                    let sign = if rng.random::<bool>() { 1.0 } else { -1.0 };
+                    let x = match e {
+                        _ if nans && e % 17 == 5 && e % world == r => odd_nan,
+                        _ if e % 13 == 0 => sign * 0.0,
+                        _ => sign * rng.random_range(0.5f32..2.0),
+                    };
+                    T::from_f32(x)
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Checks `got` (a group's result of elements `range`) against the reference of the
+/// group's inputs `ins` under `op`: `Max` and `Min` exactly; zeros' signs exactly; the
+/// rest within the f32 accumulation of the group plus the rounding to `T`.
+fn check<T: Element>(op: ReduceOp, ins: &[&Vec<T>], got: &[T], first: usize, what: &str) {
+    let width = ins.len();
+    for (i, &g) in got.iter().enumerate() {
+        let e = first + i;
+        let xs: Vec<T> = ins.iter().map(|v| v[e]).collect();
+        let at = || format!("{what}: {} element {e} of {xs:?}: got {g:?}", op.name());
+        let values: Vec<f64> = xs.iter().map(|x| x.to_f32() as f64).collect();
+        if matches!(op, ReduceOp::Max | ReduceOp::Min) {
+            let want = if values.iter().any(|v| v.is_nan()) {
+                T::from_f32(f32::from_bits(0x7fc0_0000))
+            } else {
+                // By value, -0.0 below +0.0: order by (value, sign bit clear).
+                let key = |x: &T| (x.to_f32() as f64, !x.to_f32().is_sign_negative());
+                let pick = |a: &T, b: &T| key(a).partial_cmp(&key(b)).unwrap();
+                match op {
+                    ReduceOp::Max => *xs.iter().max_by(|a, b| pick(a, b)).unwrap(),
+                    _ => *xs.iter().min_by(|a, b| pick(a, b)).unwrap(),
+                }
+            };
+            assert_eq!(g.to_bits_u32(), want.to_bits_u32(), "{}", at());
+            continue;
+        }
+        if values.iter().all(|&v| v == 0.0) {
+            // Exact zeros: the sum starts from +0.0; a product's sign is the signs' parity.
+            let negative = op == ReduceOp::Prod
+                && xs.iter().filter(|x| x.to_f32().is_sign_negative()).count() % 2 == 1;
+            let want = T::from_f32(if negative { -0.0 } else { 0.0 });
+            assert_eq!(g.to_bits_u32(), want.to_bits_u32(), "{}", at());
+            continue;
+        }
+        let magnitudes: f64 = values.iter().map(|v| v.abs()).sum();
+        let (want, scale) = match op {
+            ReduceOp::Prod => {
+                let p: f64 = values.iter().product();
+                (p, p.abs())
+            }
+            ReduceOp::Avg => (values.iter().sum::<f64>() / width as f64, magnitudes),
+            _ => (values.iter().sum::<f64>(), magnitudes),
+        };
+        let f32_steps = width as f64 * f32::EPSILON as f64;
+        let tol = 0.5 * common::eps(T::DTYPE) * want.abs() + f32_steps * scale + 1e-9;
+        let got = g.to_f32() as f64;
+        assert!(
+            (got - want).abs() <= tol,
+            "{} (want {want}, tol {tol})",
+            at()
+        );
+    }
+}
+
+/// Every operator over every element type, out of place and in place, one-stage and
+/// `Auto`, whole world and pairs (where the world splits), all-reduce and
+/// reduce-scatter; each rank checks each output, `Auto` and one-stage agree bit for
+/// bit, and so do the ranks of each group.
+pub fn operators_checked<B: Backend>(place: &Placement, world: usize) {
+    for dtype in DType::ALL {
+        by_dtype!(dtype, operators_of::<B>(place, world));
+    }
+}
+
+fn operators_of<B: Backend, T: Element>(place: &Placement, world: usize) {
+    let seed = common::seed("per_rank_operators");
+    let groups: &[usize] = if world > 2 && world % 2 == 0 {
+        &[0, 2]
+    } else {
+        &[0]
+    };
+    // Per rank: (group width, digest of the all-reduce's bits) of each call.
+    let results = with_world::<B, _>(place, world, |rank, comm| {
+        let dev = comm.device();
+        let mut digests = Vec::new();
+        for op in ReduceOp::ALL {
+            for n in [1usize, 7, 1000, 4099] {
+                for &group_size in groups {
+                    let width = if group_size == 0 { world } else { group_size };
+                    let members = rank / width * width..(rank / width + 1) * width;
+                    let ins = inputs::<T>(seed ^ digests.len() as u64, world, n, nans(op));
+                    let group: Vec<&Vec<T>> = ins[members].iter().collect();
+                    let what = format!(
+                        "{} world {world} rank {rank}, {n} elements, groups of {width}",
+                        T::DTYPE.name()
+                    );
+                    let mut first: Option<Vec<u32>> = None;
+                    for algorithm in [Algorithm::Auto, Algorithm::OneStage] {
+                        let opts = AllReduceOptions::new()
+                            .group_size(group_size)
+                            .algorithm(algorithm);
+                        for in_place in [false, true] {
+                            let got = all_reduce(&comm, &ins[rank], op, &opts, in_place);
+                            let how = format!("{what}, {algorithm:?}, in place {in_place}");
+                            check(op, &group, &got, 0, &how);
+                            let bits = common::bits(&got);
+                            let first = first.get_or_insert_with(|| bits.clone());
+                            assert_eq!(first, &bits, "{how}: other bits than the first call");
+                        }
+                    }
+                    let all = first.expect("at least one call");
+                    // Reduce-scatter: this rank's part of the same reduction, bit for bit.
+                    let part = reduce_scatter_part(n, width, rank % width);
+                    let send = B::alloc_from(dev, &ins[rank]).unwrap();
+                    let mut recv = B::alloc_from(dev, &vec![poison::<T>(); part.len()]).unwrap();
+                    let opts = CollectiveOptions::new().group_size(group_size);
+                    comm.reduce_scatter_with(&send, &mut recv, &op, &opts)
+                        .unwrap();
+                    comm.synchronize().unwrap();
+                    let got = common::bits(&recv.to_host(dev).unwrap());
+                    assert_eq!(
+                        got, all[part],
+                        "{what}: reduce-scatter against the all-reduce"
+                    );
+                    let values: Vec<T> = all.iter().map(|&b| T::from_bits_u32(b)).collect();
+                    digests.push((width, common::digest(&values)));
+                }
+            }
+        }
+        digests
+    });
+    for (r, mine) in results.iter().enumerate() {
+        for (i, &(width, digest)) in mine.iter().enumerate() {
+            let lead = r / width * width;
+            assert_eq!(
+                digest, results[lead][i].1,
+                "call {i}: rank {r} against rank {lead}"
+            );
+        }
+    }
+}
+
+/// One all-reduce of `mine` with `op` on `comm`, into a poisoned output (or in place),
+/// waited for.
+fn all_reduce<B: Backend, T: Element>(
+    comm: &Comm<B>,
+    mine: &[T],
+    op: ReduceOp,
+    opts: &AllReduceOptions,
+    in_place: bool,
+) -> Vec<T> {
+    let dev = comm.device();
+    let mut buf = B::alloc_from(dev, mine).unwrap();
+    if in_place {
+        comm.all_reduce_in_place_with(&mut buf, &op, opts).unwrap();
+    } else {
+        let send = buf;
+        buf = B::alloc_from(dev, &vec![poison::<T>(); mine.len()]).unwrap();
+        comm.all_reduce_with(&send, &mut buf, &op, opts).unwrap();
+    }
+    comm.synchronize().unwrap();
+    buf.to_host(dev).unwrap()
+}
+
+/// A group of all-reduces of mixed operators: each entry's bits are those of its call
+/// alone (a batch holds one operator).
+pub fn mixed_group<B: Backend>(place: &Placement, world: usize) {
+    let seed = common::seed("per_rank_operators_mixed_group");
+    let ops = [
+        ReduceOp::Sum,
+        ReduceOp::Max,
+        ReduceOp::Max,
+        ReduceOp::Avg,
+        ReduceOp::Min,
+        ReduceOp::Sum,
+    ];
+    with_world::<B, _>(place, world, |rank, comm| {
+        let dev = comm.device();
+        let n = 1000;
+        let ins: Vec<Vec<Vec<f32>>> = (ops.iter().enumerate())
+            .map(|(i, op)| inputs::<f32>(seed ^ i as u64, world, n, nans(*op)))
+            .collect();
+        let sends: Vec<_> = ins
+            .iter()
+            .map(|v| B::alloc_from(dev, &v[rank]).unwrap())
+            .collect();
+        let mut recvs: Vec<_> = (0..ops.len())
+            .map(|_| B::alloc_from(dev, &vec![poison::<f32>(); n]).unwrap())
+            .collect();
+        let mut group = comm.group();
+        for ((send, recv), op) in sends.iter().zip(recvs.iter_mut()).zip(&ops) {
+            group.all_reduce(send, recv, op).unwrap();
+        }
+        group.end().unwrap();
+        comm.synchronize().unwrap();
+        for (i, op) in ops.iter().enumerate() {
+            let got = recvs[i].to_host(dev).unwrap();
+            let alone = all_reduce(&comm, &ins[i][rank], *op, &AllReduceOptions::new(), false);
+            let what = format!("world {world} rank {rank} group entry {i}");
+            check(*op, &ins[i].iter().collect::<Vec<_>>(), &got, 0, &what);
+            assert_eq!(
+                common::bits(&got),
+                common::bits(&alone),
+                "{what} against its call alone"
+            );
+        }
+    });
+}
+
+/// Lamport sums only: another operator forced onto it is `Unsupported`, nothing
+/// written; `Auto` runs it another way.
+pub fn lamport_sums_only<B: Backend>(place: &Placement) {
+    with_world::<B, _>(place, 2, |_, comm| {
+        let dev = comm.device();
+        let send = B::alloc_from(dev, &[3.0f32; 64]).unwrap();
+        let mut recv = B::alloc_from(dev, &[poison::<f32>(); 64]).unwrap();
+        let lamport = AllReduceOptions::new().algorithm(Algorithm::Lamport);
+        for op in [ReduceOp::Prod, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg] {
+            match comm.all_reduce_with(&send, &mut recv, &op, &lamport) {
+                Err(Error::Unsupported(m)) => assert!(m.contains(op.name()), "{m}"),
+                other => panic!("{op:?} on Lamport: {other:?}"),
+            }
+            comm.synchronize().unwrap();
+            let host = recv.to_host(dev).unwrap();
+            assert!(host
+                .iter()
+                .all(|x| x.to_bits() == poison::<f32>().to_bits()));
+        }
+        let algorithm = comm
+            .all_reduce_with(&send, &mut recv, &ReduceOp::Avg, &AllReduceOptions::new())
+            .unwrap();
+        assert_ne!(algorithm, Algorithm::Lamport);
+        comm.synchronize().unwrap();
+        assert_eq!(recv.to_host(dev).unwrap(), vec![3.0; 64]);
+    });
+}
+
+/// One rank's call with another operator (an all-reduce, one-stage and two-stage
+/// staged alike; a reduce-scatter): `CallMismatch` naming the operator on every rank,
+/// nothing written; after `reinitialize` the calls work.
+pub fn operator_mismatch<B: Backend>(place: &Placement, world: usize) {
+    fn reduce<B: Backend>(op: ReduceOp, scatter: bool) -> Call<B> {
+        Box::new(move |comm: &Comm<B>| {
+            let dev = comm.device();
+            let n = 4096;
+            let send = B::alloc_from(dev, &vec![1.5f32; n])?;
+            let len = if scatter {
+                reduce_scatter_part(n, comm.world_size(), comm.rank()).len()
+            } else {
+                n
+            };
+            let mut recv = B::alloc_from(dev, &vec![poison::<f32>(); len])?;
+            if scatter {
+                comm.reduce_scatter(&send, &mut recv, &op)?;
+            } else {
+                let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+                comm.all_reduce_with(&send, &mut recv, &op, &one)?;
+            }
+            let result = comm.synchronize();
+            let written = recv
+                .to_host(dev)?
+                .iter()
+                .filter(|x| x.to_bits() != poison::<f32>().to_bits())
+                .count();
+            if result.is_err() {
+                assert_eq!(written, 0, "a mismatched call wrote {written} elements");
+            }
+            result
+        })
+    }
+    let config = short_waits(place, world);
+    let cases: Vec<Case<B>> = cases![
+        "max against min", Op: reduce::<B>(ReduceOp::Max, false), reduce::<B>(ReduceOp::Min, false);
+        "sum against avg", Op: reduce::<B>(ReduceOp::Sum, false), reduce::<B>(ReduceOp::Avg, false);
+        "reduce-scatter sum against prod", Op: reduce::<B>(ReduceOp::Sum, true), reduce::<B>(ReduceOp::Prod, true);
+    ];
+    every_rank_mismatched(place, world, &config, &cases, |comm, usual| {
+        usual(comm).unwrap()
+    });
+}
