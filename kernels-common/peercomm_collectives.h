@@ -1,5 +1,5 @@
 // peercomm collectives beside the all-reduce, written once for both vendors: all-gather,
-// reduce-scatter (sum), broadcast, scatter, and the fused all-reduce + residual add +
+// reduce-scatter (the call's operator), broadcast, scatter, and the fused all-reduce + residual add +
 // RMSNorm. Included by the vendor layers after peercomm_kernels.h, whose barrier, abort
 // protocol, range helpers and element types they use. The host backend's
 // src/backend/host/kernels/collectives.rs is the same algorithms step by step.
@@ -103,9 +103,9 @@ PC_INLINE void all_gather(const Args& a) {
     finish(c);
 }
 
-// Reduce-scatter (sum): group rank r reduces part r (split_part) of every member's
-// n-element input, in group-rank order and f32 like the all-reduce, so its bits equal
-// the all-reduce's for those elements. Staged: the own input goes into the own payload
+// Reduce-scatter: group rank r reduces part r (split_part) of every member's n-element
+// input by the call's operator, in group-rank order and f32 like the all-reduce, so its
+// bits equal the all-reduce's for those elements. Staged: the own input goes into the own payload
 // part by part, each part at a pack boundary (staged_part_pack).
 template <typename D>
 PC_INLINE void reduce_scatter(const Args& a) {
@@ -120,7 +120,7 @@ PC_INLINE void reduce_scatter(const Args& a) {
     const uint64_t cap = a.stage_input, most = div_ceil_u64(split_part(n, width, 0).count, L);
     if (staged && most > cap) {
         // Chunk k of every part q (its packs [k*cap, k*cap + cap)) at pack q * cap of
-        // the half; rank me sums chunk k of part me from every member's half.
+        // the half; rank me reduces chunk k of part me from every member's half.
         const Chunks chunks{div_ceil_u64(most, cap), width * cap * 16u};
         auto stage = [&](uint64_t k) {
             for (uint32_t q = 0; q < width; ++q) {
@@ -140,8 +140,9 @@ PC_INLINE void reduce_scatter(const Args& a) {
                 srcs[s] = s < width ? chunks.half(a, s, k) + me * cap * 16u : 0u;
                 vec = vec && (s >= width || aligned16(srcs[s]));
             }
-            with_width(width,
-                       [&]<int W>() { reduce_range<D, W>(srcs, 0, r.packs, r.elems, dst, 0, vec, tid, stride); });
+            with_width(width, [&]<int W>() {
+                reduce_range<D, W>(call_op(a), srcs, 0, r.packs, r.elems, dst, 0, vec, tid, stride);
+            });
         };
         return run_chunks(c, chunks, stage, use);
     }
@@ -163,7 +164,9 @@ PC_INLINE void reduce_scatter(const Args& a) {
         vec = vec && (s >= width || aligned16(srcs[s]));
     }
     const uint64_t packs = div_ceil_u64(mine.count, L);
-    with_width(width, [&]<int W>() { reduce_range<D, W>(srcs, 0, packs, mine.count, a.output, 0, vec, tid, stride); });
+    with_width(width, [&]<int W>() {
+        reduce_range<D, W>(call_op(a), srcs, 0, packs, mine.count, a.output, 0, vec, tid, stride);
+    });
     if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
     finish(c);
 }

@@ -14,9 +14,10 @@
 // suffices. Each thread loops over its own packs and finds the entry of each (a loop
 // over the entries instead costs every thread every entry: measured 1.53x one call
 // for 8 x 4 KiB, against 1.14x so). Each pack is reduced by
-// reduce_range, the one-stage kernel's loop (same source order, the same sum_start sign
-// of zero, the same partial-pack and unaligned handling), so every entry's bits are
-// those of a one-stage (staged) all-reduce of that entry alone.
+// reduce_range, the one-stage kernel's loop (the batch's operator, from the call
+// descriptor in `all.call`; same source order, the same partial-pack and unaligned
+// handling), so every entry's bits are those of a one-stage (staged) all-reduce of that
+// entry alone.
 //
 // Staged (all.stage_input set: ranks that reach only each other's signals), in
 // phases: (1) every block writes the batch's entry table (PEERCOMM_GROUP_HEADER_BYTES)
@@ -144,7 +145,7 @@ PC_INLINE void all_reduce_group(const GroupArgs& g) {
     Ctx c = make_ctx(a);
     if (!enter(c)) return abandon(c, WaitForPeers::No);
     constexpr int L = Pack<D>::kLanes;
-    const uint32_t width = a.group_width, me = a.group_rank;
+    const uint32_t width = a.group_width, me = a.group_rank, op = call_op(a);
     const uint32_t count = g.count < PEERCOMM_MAX_GROUP_CALLS ? g.count : PEERCOMM_MAX_GROUP_CALLS;
     const uint64_t tid = (uint64_t)blockIdx.x * blockDim.x + threadIdx.x;
     const uint64_t stride = (uint64_t)gridDim.x * blockDim.x;
@@ -188,7 +189,7 @@ PC_INLINE void all_reduce_group(const GroupArgs& g) {
                 vec = vec && aligned16(srcs[k]);
             }
             // One pack: p is the whole range this call of the loop body covers.
-            reduce_range<D, W>(srcs, 0, packs, n, e.output, 0, vec, p, packs);
+            reduce_range<D, W>(op, srcs, 0, packs, n, e.output, 0, vec, p, packs);
         }
     });
     if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);

@@ -62,23 +62,27 @@ PC_INLINE GlobalSignal* signal_at(uint64_t addr) { return (GlobalSignal*)addr; }
 PC_INLINE uint64_t min_u64(uint64_t x, uint64_t y) { return x < y ? x : y; }
 
 // ---------------------------------------------------------------------------------
-// Element types: raw bits in memory, f32 in registers.
+// Element types: raw bits in memory, f32 in registers. kCanonicalNaN is the one NaN
+// that Max and Min store, as these bits.
 
 struct F32 {
     typedef uint32_t Bits;
     static constexpr Bits kNegZero = 0x80000000u;
+    static constexpr Bits kCanonicalNaN = 0x7fc00000u;
     static PC_INLINE float to_float(Bits b) { return float_from_bits(b); }
     static PC_INLINE Bits from_float(float x) { return bits_from_float(x); }
 };
 struct F16 {
     typedef uint16_t Bits;
     static constexpr Bits kNegZero = 0x8000u;
+    static constexpr Bits kCanonicalNaN = 0x7e00u;
     static PC_INLINE float to_float(Bits b) { return float_from_f16(b); }
     static PC_INLINE Bits from_float(float x) { return f16_from_float(x); }
 };
 struct BF16 {
     typedef uint16_t Bits;
     static constexpr Bits kNegZero = 0x8000u;
+    static constexpr Bits kCanonicalNaN = 0x7fc0u;
     static PC_INLINE float to_float(Bits b) { return float_from_bits((uint32_t)b << 16); }
     static PC_INLINE Bits from_float(float x) { return bf16_from_float(x); }
 };
@@ -506,7 +510,7 @@ PC_INLINE float sum_start(float x0) {
 }
 
 // The sum of the W packs in source order (acc = +0.0 + x[0]; acc += x[s]), in f32: the
-// order every rank and the host use.
+// order every rank and the host use. The Sum operator's path, and the Lamport kernels'.
 template <typename D, int W>
 PC_INLINE Vec16 sum_packs(const Vec16 (&x)[W]) {
     constexpr int L = Pack<D>::kLanes;
@@ -526,25 +530,83 @@ PC_INLINE Vec16 sum_packs(const Vec16 (&x)[W]) {
     return out.v;
 }
 
-// Pack p lane by lane (the tail, or unaligned buffers): same order, same rounding.
+// The reduction operator of a call (PEERCOMM_OP_*, word 2 of its descriptor): a run-time
+// value, so each kernel has one body per width for every operator.
+PC_INLINE uint32_t call_op(const Args& a) { return (a.call[2] >> PEERCOMM_CALL_OP_SHIFT) & 7u; }
+
+// The operators other than Sum, by peercomm_signal.h's rules, in f32 and source order
+// like sum_packs: the accumulator starts at x[0] (Avg: sum_start, as Sum), then
+// acc = op_step(op, acc, x[s]), then op_store rounds it to the type. op_step computes
+// every candidate and selects one: an operator as a template parameter would multiply
+// the kernels' compile time. Unknown codes reduce as Sum.
+template <int W>
+PC_INLINE float op_first(uint32_t op, float x0) {
+    return op == PEERCOMM_OP_SUM || op == PEERCOMM_OP_AVG ? sum_start<W>(x0) : x0;
+}
+// Max and Min by value, -0.0 below +0.0 (equal values differ at most in the sign of a
+// zero: Max takes x over a -0.0, Min over a +0.0); a NaN on either side stays a NaN.
+PC_INLINE float op_step(uint32_t op, float acc, float x) {
+    const float sum = acc + x, prod = acc * x;
+    const bool is_max = op == PEERCOMM_OP_MAX;
+    const bool acc_neg = (bits_from_float(acc) >> 31) != 0u;
+    const bool take_x = acc == x ? acc_neg == is_max : (acc < x) == is_max;
+    const float ext = acc != acc || x != x ? float_from_bits(F32::kCanonicalNaN) : take_x ? x : acc;
+    return op == PEERCOMM_OP_PROD ? prod : op == PEERCOMM_OP_MAX || op == PEERCOMM_OP_MIN ? ext : sum;
+}
+// The lane's bits: a Max or Min NaN is the type's canonical NaN, stored as those bits;
+// Avg divides the sum by the width (one f32 rounding; a group of one keeps x).
 template <typename D, int W>
-PC_INLINE void reduce_pack_scalar(const uint64_t* srcs, uint64_t p, uint64_t n, uint64_t dst,
+PC_INLINE typename D::Bits op_store(uint32_t op, float acc) {
+    if ((op == PEERCOMM_OP_MAX || op == PEERCOMM_OP_MIN) && acc != acc) return D::kCanonicalNaN;
+    if constexpr (W > 1) {
+        if (op == PEERCOMM_OP_AVG) acc = acc / (float)W;
+    }
+    return D::from_float(acc);
+}
+template <typename D, int W>
+PC_INLINE Vec16 fold_packs(uint32_t op, const Vec16 (&x)[W]) {
+    constexpr int L = Pack<D>::kLanes;
+    Pack<D> in{x[0]};
+    float acc[L];
+#pragma unroll
+    for (int j = 0; j < L; ++j) acc[j] = op_first<W>(op, D::to_float(in.lane(j)));
+#pragma unroll
+    for (int s = 1; s < W; ++s) {
+        in.v = x[s];
+#pragma unroll
+        for (int j = 0; j < L; ++j) acc[j] = op_step(op, acc[j], D::to_float(in.lane(j)));
+    }
+    Pack<D> out{make_vec16(0u, 0u, 0u, 0u)};
+#pragma unroll
+    for (int j = 0; j < L; ++j) out.set_lane(j, op_store<D, W>(op, acc[j]));
+    return out.v;
+}
+
+// The W packs reduced by the call's operator: Sum runs sum_packs, the rest fold_packs.
+template <typename D, int W>
+PC_INLINE Vec16 reduce_packs(uint32_t op, const Vec16 (&x)[W]) {
+    return op == PEERCOMM_OP_SUM ? sum_packs<D, W>(x) : fold_packs<D, W>(op, x);
+}
+
+// Pack p lane by lane (the tail, or unaligned buffers): same order, same rounding, every
+// operator through op_step (Sum included: its step is the same addition).
+template <typename D, int W>
+PC_INLINE void reduce_pack_scalar(uint32_t op, const uint64_t* srcs, uint64_t p, uint64_t n, uint64_t dst,
                                   uint64_t dst_p) {
     constexpr int L = Pack<D>::kLanes;
     for (uint64_t e = p * L, j = 0; e < n && j < (uint64_t)L; ++e, ++j) {
-        float acc = sum_start<W>(D::to_float(load_elem<D>(srcs[0], e)));
-#pragma unroll
-        for (int s = 1; s < W; ++s) acc += D::to_float(load_elem<D>(srcs[s], e));
-        store_elem<D>(dst, dst_p * L + j, D::from_float(acc));
+        float acc = op_first<W>(op, D::to_float(load_elem<D>(srcs[0], e)));
+        for (int s = 1; s < W; ++s) acc = op_step(op, acc, D::to_float(load_elem<D>(srcs[s], e)));
+        store_elem<D>(dst, dst_p * L + j, op_store<D, W>(op, acc));
     }
 }
 
 // Reduces the packs p in [first, end) of this thread from the W sources into dst at
-// pack p - dst_base. Each iteration issues the loads of G packs of every source before
-// using any of them.
+// pack p - dst_base, by the operator op. Each iteration issues the loads of G packs of
+// every source before using any of them.
 template <typename D, int W>
-PC_INLINE void reduce_range(const uint64_t* srcs, uint64_t first, uint64_t end, uint64_t n, uint64_t dst,
-                            uint64_t dst_base, bool vec, uint64_t tid, uint64_t stride) {
+PC_INLINE void reduce_range(uint32_t op, const uint64_t* srcs, uint64_t first, uint64_t end, uint64_t n,
+                            uint64_t dst, uint64_t dst_base, bool vec, uint64_t tid, uint64_t stride) {
     constexpr int L = Pack<D>::kLanes;
     constexpr int G = Unroll<W>::G;
     for (uint64_t p0 = first + tid; p0 < end; p0 += G * stride) {
@@ -562,9 +624,9 @@ PC_INLINE void reduce_range(const uint64_t* srcs, uint64_t first, uint64_t end, 
             const uint64_t p = p0 + g * stride;
             if (p >= end) break;
             if (vec && (p + 1) * L <= n) {
-                store_vec16(dst, p - dst_base, sum_packs<D, W>(x[g]));
+                store_vec16(dst, p - dst_base, reduce_packs<D, W>(op, x[g]));
             } else {
-                reduce_pack_scalar<D, W>(srcs, p, n, dst, p - dst_base);
+                reduce_pack_scalar<D, W>(op, srcs, p, n, dst, p - dst_base);
             }
         }
     }
@@ -954,8 +1016,8 @@ PC_INLINE ChunkRange chunk_range(uint64_t n, uint64_t cap, uint64_t k) {
 
 // The staged one-stage all-reduce of a message of more than C = a.stage_input packs (at
 // most half the payload): chunk k is the message's packs [k*C, k*C + C), staged by
-// copy_range and summed by reduce_range from every member's half, in source order from
-// sum_start: the bits are the unchunked kernel's.
+// copy_range and reduced by reduce_range from every member's half, in source order: the
+// bits are the unchunked kernel's.
 template <typename D>
 PC_INLINE void one_stage_chunked(Ctx& c, uint64_t n, uint64_t packs, bool vec, uint64_t tid, uint64_t stride) {
     const Args& a = c.a;
@@ -974,7 +1036,8 @@ PC_INLINE void one_stage_chunked(Ctx& c, uint64_t n, uint64_t packs, bool vec, u
 #pragma unroll
         for (uint32_t s = 0; s < PEERCOMM_MAX_GPUS; ++s) srcs[s] = s < width ? chunks.half(a, s, k) : 0u;
         with_width(width, [&]<int W>() {
-            reduce_range<D, W>(srcs, 0, r.packs, r.elems, elem_at(a.output, r.first), 0, vec, tid, stride);
+            reduce_range<D, W>(call_op(a), srcs, 0, r.packs, r.elems, elem_at(a.output, r.first), 0, vec, tid,
+                               stride);
         });
     };
     run_chunks(c, chunks, stage, use);
@@ -1002,7 +1065,7 @@ PC_INLINE void one_stage(const Args& a) {
         if (!barrier<BarrierKind::Start>(c)) return abandon(c, WaitForPeers::Yes);
     }
     with_width(a.group_width,
-               [&]<int W>() { reduce_range<D, W>(a.inputs, 0, packs, n, a.output, 0, vec, tid, stride); });
+               [&]<int W>() { reduce_range<D, W>(call_op(a), a.inputs, 0, packs, n, a.output, 0, vec, tid, stride); });
     if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
     finish(c);
 }
@@ -1027,7 +1090,7 @@ PC_INLINE void two_stage(const Args& a) {
     {
         const uint64_t first = me * part, end = min_u64(first + part, packs);
         with_width(width, [&]<int W>() {
-            reduce_range<D, W>(a.inputs, first, end, n, a.payloads[me], first, vec, tid, stride);
+            reduce_range<D, W>(call_op(a), a.inputs, first, end, n, a.payloads[me], first, vec, tid, stride);
         });
     }
     if (!barrier<BarrierKind::Publish>(c)) return abandon(c, WaitForPeers::Yes);
