@@ -9,7 +9,7 @@ use candle_core::{CpuStorage, CudaStorage, Device, InplaceOp1, Layout, Storage, 
 use half::{bf16, f16};
 use peercomm::backend::cuda::{Cuda, CudaDevice};
 use peercomm::bootstrap::UniqueId;
-use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig};
+use peercomm::{Algorithm, AllReduceOptions, Comm, CommConfig, ReduceOp};
 
 use crate::error::{Error, Result};
 
@@ -101,20 +101,32 @@ impl CandleComm {
         let out = match &storage.slice {
             CudaStorageSlice::BF16(s) => {
                 let mut out = unsafe { device.alloc::<bf16>(end - start) }?;
-                self.comm
-                    .all_reduce_sum_with(&s.slice(start..end), &mut out, options)?;
+                self.comm.all_reduce_with(
+                    &s.slice(start..end),
+                    &mut out,
+                    &ReduceOp::Sum,
+                    options,
+                )?;
                 CudaStorage::wrap_cuda_slice(out, device.clone())
             }
             CudaStorageSlice::F16(s) => {
                 let mut out = unsafe { device.alloc::<f16>(end - start) }?;
-                self.comm
-                    .all_reduce_sum_with(&s.slice(start..end), &mut out, options)?;
+                self.comm.all_reduce_with(
+                    &s.slice(start..end),
+                    &mut out,
+                    &ReduceOp::Sum,
+                    options,
+                )?;
                 CudaStorage::wrap_cuda_slice(out, device.clone())
             }
             CudaStorageSlice::F32(s) => {
                 let mut out = unsafe { device.alloc::<f32>(end - start) }?;
-                self.comm
-                    .all_reduce_sum_with(&s.slice(start..end), &mut out, options)?;
+                self.comm.all_reduce_with(
+                    &s.slice(start..end),
+                    &mut out,
+                    &ReduceOp::Sum,
+                    options,
+                )?;
                 CudaStorage::wrap_cuda_slice(out, device.clone())
             }
             _ => unreachable!("checked: a supported dtype"),
@@ -164,15 +176,21 @@ impl CandleComm {
         check_dtype(storage.dtype())?;
         let (start, end) = contiguous_range(layout)?;
         let algorithm = match &mut storage.slice {
-            CudaStorageSlice::BF16(s) => self
-                .comm
-                .all_reduce_sum_in_place_with(&mut s.slice_mut(start..end), options)?,
-            CudaStorageSlice::F16(s) => self
-                .comm
-                .all_reduce_sum_in_place_with(&mut s.slice_mut(start..end), options)?,
-            CudaStorageSlice::F32(s) => self
-                .comm
-                .all_reduce_sum_in_place_with(&mut s.slice_mut(start..end), options)?,
+            CudaStorageSlice::BF16(s) => self.comm.all_reduce_in_place_with(
+                &mut s.slice_mut(start..end),
+                &ReduceOp::Sum,
+                options,
+            )?,
+            CudaStorageSlice::F16(s) => self.comm.all_reduce_in_place_with(
+                &mut s.slice_mut(start..end),
+                &ReduceOp::Sum,
+                options,
+            )?,
+            CudaStorageSlice::F32(s) => self.comm.all_reduce_in_place_with(
+                &mut s.slice_mut(start..end),
+                &ReduceOp::Sum,
+                options,
+            )?,
             _ => unreachable!("checked: a supported dtype"),
         };
         Ok(algorithm)
