@@ -71,7 +71,7 @@ fn all_gather(comm: &Comm<Host>) -> Result<()> {
     let r = comm.rank() as f32;
     let send = buffer(comm, &[10.0 * r, 10.0 * r + 1.0, 10.0 * r + 2.0])?;
     let mut recv = output(comm, 3 * WORLD)?; // group width x input
-    comm.all_gather(&send, &mut recv, &CollectiveOptions::new())?;
+    comm.all_gather_with(&send, &mut recv, &CollectiveOptions::new())?;
     let want = [0.0, 1.0, 2.0, 10.0, 11.0, 12.0];
     check("all_gather", comm.rank(), &read(comm, &recv)?, &want)
 }
@@ -98,7 +98,7 @@ fn broadcast(comm: &Comm<Host>) -> Result<()> {
     let send = buffer(comm, &message)?;
     let mut recv = output(comm, message.len())?;
     let input = (comm.rank() == root).then_some(&send as &dyn DeviceBuffer<Host>);
-    comm.broadcast(input, &mut recv, root, &CollectiveOptions::new())?;
+    comm.broadcast_with(input, &mut recv, root, &CollectiveOptions::new())?;
     check("broadcast", comm.rank(), &read(comm, &recv)?, &message)?;
 
     // In place: the root's buffer is the message, the others' are overwritten.
@@ -108,7 +108,7 @@ fn broadcast(comm: &Comm<Host>) -> Result<()> {
         [0.0; 4]
     };
     let mut buf = buffer(comm, &mine)?;
-    comm.broadcast_in_place(&mut buf, root, &CollectiveOptions::new())?;
+    comm.broadcast_in_place_with(&mut buf, root, &CollectiveOptions::new())?;
     check(
         "broadcast_in_place",
         comm.rank(),
@@ -123,7 +123,7 @@ fn scatter(comm: &Comm<Host>) -> Result<()> {
     let send = buffer(comm, &[0.0, 1.0, 2.0, 3.0, 4.0, 5.0])?; // width x output, on the root
     let mut recv = output(comm, 3)?;
     let input = (comm.rank() == root).then_some(&send as &dyn DeviceBuffer<Host>);
-    comm.scatter(input, &mut recv, root, &CollectiveOptions::new())?;
+    comm.scatter_with(input, &mut recv, root, &CollectiveOptions::new())?;
     let first = 3.0 * comm.rank() as f32;
     let want = [first, first + 1.0, first + 2.0];
     check("scatter", comm.rank(), &read(comm, &recv)?, &want)

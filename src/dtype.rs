@@ -104,6 +104,8 @@ element!(
 ///   quiet NaN (`f32` 0x7fc00000, `f16` 0x7e00, `bf16` 0x7fc0);
 /// - `Avg`: the `Sum`, divided by the group's width, then rounded.
 ///
+/// A NaN that `Sum`, `Prod` or `Avg` produce has the payload the hardware gives. Calls
+/// that the router sends to NCCL or RCCL use that library's arithmetic.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum ReduceOp {

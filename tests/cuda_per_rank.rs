@@ -161,10 +161,10 @@ fn collectives_graph_replays() {
         let o = CollectiveOptions::new();
         let (graph, _) = comm
             .capture(|| {
-                comm.all_gather(&x, &mut gathered, &o)?;
+                comm.all_gather_with(&x, &mut gathered, &o)?;
                 comm.reduce_scatter_with(&wide, &mut part, &ReduceOp::Sum, &o)?;
-                comm.broadcast(Some(&x), &mut bcast, 1, &o)?;
-                comm.scatter(Some(&wide), &mut piece, 0, &o)?;
+                comm.broadcast_with(Some(&x), &mut bcast, 1, &o)?;
+                comm.scatter_with(Some(&wide), &mut piece, 0, &o)?;
                 let (p, w) = (&partial, &weight);
                 comm.all_reduce_residual_rms_norm(p, &mut res, w, &mut normed, 1e-5, &o)
             })

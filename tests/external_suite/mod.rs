@@ -439,10 +439,10 @@ pub fn other_collectives_stay_on_peer_memory<B: Backend>(place: &Place) {
         let mut recv = common::poisoned::<B, f32>(dev, 2 * n);
         let mut wide = common::poisoned::<B, f32>(dev, world * n);
         let err = comm
-            .all_gather(&send, &mut wide, &CollectiveOptions::new())
+            .all_gather_with(&send, &mut wide, &CollectiveOptions::new())
             .unwrap_err();
         assert!(matches!(err, Error::Unsupported(_)), "{err}");
-        comm.all_gather(&send, &mut recv, &CollectiveOptions::new().group_size(2))
+        comm.all_gather_with(&send, &mut recv, &CollectiveOptions::new().group_size(2))
             .unwrap();
         comm.synchronize().unwrap();
         assert!(B::download(dev, &wide).unwrap().iter().all(|x| x.is_nan()));

@@ -121,7 +121,7 @@ fn broadcast<B: Backend>(n: usize, root: usize) -> Call<B> {
     Box::new(move |comm: &Comm<B>| {
         let dev = comm.device();
         let mut buf = B::alloc_from(dev, &vec![comm.rank() as f32; n])?;
-        comm.broadcast_in_place(&mut buf, root, &CollectiveOptions::new())?;
+        comm.broadcast_in_place_with(&mut buf, root, &CollectiveOptions::new())?;
         comm.synchronize()
     })
 }
@@ -131,7 +131,7 @@ fn all_gather<B: Backend>(n: usize) -> Call<B> {
         let dev = comm.device();
         let send = B::alloc_from(dev, &vec![1.0f32; n])?;
         let mut recv = B::alloc_from(dev, &vec![0.0f32; n * comm.world_size()])?;
-        comm.all_gather(&send, &mut recv, &CollectiveOptions::new())?;
+        comm.all_gather_with(&send, &mut recv, &CollectiveOptions::new())?;
         comm.synchronize()
     })
 }

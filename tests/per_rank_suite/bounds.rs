@@ -216,11 +216,11 @@ fn huge_collectives_are_refused<B: Backend>(rank: usize, comm: &Comm<B>) {
     let results: Vec<(&str, peercomm::Result<()>)> = rows![
         "all_reduce" => comm.all_reduce(&huge(), &mut huge_out(), &ReduceOp::Sum).map(drop),
         "all_reduce in place" => comm.all_reduce_in_place(&mut huge_out(), &ReduceOp::Sum).map(drop),
-        "all_gather" => comm.all_gather(&huge(), &mut huge_out(), &opts),
+        "all_gather" => comm.all_gather_with(&huge(), &mut huge_out(), &opts),
         "reduce_scatter" => comm.reduce_scatter_with(&huge(), &mut huge_out(), &ReduceOp::Sum, &opts),
-        "broadcast" => comm.broadcast(Some(&huge()), &mut huge_out(), 0, &opts),
-        "broadcast in place" => comm.broadcast_in_place(&mut huge_out(), 0, &opts),
-        "scatter" => comm.scatter(Some(&huge()), &mut huge_out(), 0, &opts),
+        "broadcast" => comm.broadcast_with(Some(&huge()), &mut huge_out(), 0, &opts),
+        "broadcast in place" => comm.broadcast_in_place_with(&mut huge_out(), 0, &opts),
+        "scatter" => comm.scatter_with(Some(&huge()), &mut huge_out(), 0, &opts),
         "fused" => comm.all_reduce_residual_rms_norm(&huge(), &mut residual, &weight, &mut huge_out(), 1e-5, &opts),
     ];
     let wrong = not_refused(&results, |e| matches!(e, Error::SizeOverflow { .. }));

@@ -244,7 +244,7 @@ pub fn replay_rank(comm: &Comm<Cuda>, seed: u64, memory: Memory) -> u64 {
             let two =
                 comm.all_reduce_with(&*b, &mut *o2, &ReduceOp::Sum, &opts(Algorithm::TwoStage))?;
             let auto = comm.all_reduce(&*c, &mut *o3, &ReduceOp::Sum)?;
-            comm.all_gather(&*gs, &mut *og, &CollectiveOptions::new())?;
+            comm.all_gather_with(&*gs, &mut *og, &CollectiveOptions::new())?;
             Ok((one, two, auto))
         })
         .unwrap();

@@ -71,7 +71,7 @@ pub fn second_pass_reads_in_place<B: Backend>(place: &Placement, world: usize) {
                     &ReduceOp::Sum,
                     &AllReduceOptions::new(),
                 )?;
-                comm.all_gather(&gs, &mut og, &CollectiveOptions::new())?;
+                comm.all_gather_with(&gs, &mut og, &CollectiveOptions::new())?;
                 let e_ran = comm.all_reduce_in_place_with(&mut e, &ReduceOp::Sum, &opts(second))?;
                 comm.synchronize()?;
                 Ok((b_ran, e_ran))

@@ -51,21 +51,22 @@ pub(super) fn check_call<B: Backend, T: Element>(
             } else {
                 poisoned::<B, T>(dev, len)
             };
-            comm.broadcast_in_place(&mut buf, root, &opts).expect(&what);
+            comm.broadcast_in_place_with(&mut buf, root, &opts)
+                .expect(&what);
             buf
         }
         _ => {
             let mut recv = poisoned::<B, T>(dev, output_len(which, width, rank, len));
             match which {
-                Which::AllGather => comm.all_gather(&send, &mut recv, &opts),
+                Which::AllGather => comm.all_gather_with(&send, &mut recv, &opts),
                 Which::ReduceScatter => {
                     comm.reduce_scatter_with(&send, &mut recv, &ReduceOp::Sum, &opts)
                 }
                 Which::Broadcast { root, .. } => {
-                    comm.broadcast(is_root(root).then_some(&send), &mut recv, root, &opts)
+                    comm.broadcast_with(is_root(root).then_some(&send), &mut recv, root, &opts)
                 }
                 Which::Scatter { root } => {
-                    comm.scatter(is_root(root).then_some(&send), &mut recv, root, &opts)
+                    comm.scatter_with(is_root(root).then_some(&send), &mut recv, root, &opts)
                 }
             }
             .expect(&what);
@@ -176,7 +177,7 @@ pub fn bad_inputs<B: Backend>(place: &Placement) {
             assert!(nans, "{what}: written");
         };
         let mut recv = poisoned::<B, f32>(dev, 19);
-        let e = comm.all_gather(&send, &mut recv, &opts).unwrap_err();
+        let e = comm.all_gather_with(&send, &mut recv, &opts).unwrap_err();
         assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
         untouched(&recv, "all-gather output size");
         let mut recv = poisoned::<B, f32>(dev, 6);
@@ -187,20 +188,24 @@ pub fn bad_inputs<B: Backend>(place: &Placement) {
         untouched(&recv, "reduce-scatter output size");
         let mut recv = poisoned::<B, f32>(dev, 10);
         let e = comm
-            .broadcast(Some(&send), &mut recv, 2, &opts)
+            .broadcast_with(Some(&send), &mut recv, 2, &opts)
             .unwrap_err();
         assert!(matches!(e, Error::InvalidRoot { root: 2, width: 2 }), "{e}");
-        let e = comm.scatter(Some(&send), &mut recv, 9, &opts).unwrap_err();
+        let e = comm
+            .scatter_with(Some(&send), &mut recv, 9, &opts)
+            .unwrap_err();
         assert!(matches!(e, Error::InvalidRoot { root: 9, width: 2 }), "{e}");
-        let e = comm.broadcast(None, &mut recv, rank, &opts).unwrap_err();
+        let e = comm
+            .broadcast_with(None, &mut recv, rank, &opts)
+            .unwrap_err();
         let holds = matches!(e, Error::Unsupported(_));
         assert!(holds, "the root without input: {e}");
-        let e = comm.broadcast(Some(&send), &mut poisoned::<B, f32>(dev, 9), rank, &opts);
+        let e = comm.broadcast_with(Some(&send), &mut poisoned::<B, f32>(dev, 9), rank, &opts);
         assert!(matches!(e, Err(Error::LengthMismatch { .. })), "{e:?}");
         untouched(&recv, "broadcast refusals");
         let mut part = poisoned::<B, f32>(dev, 4);
         let e = comm
-            .scatter(Some(&send), &mut part, rank, &opts)
+            .scatter_with(Some(&send), &mut part, rank, &opts)
             .unwrap_err();
         assert!(matches!(e, Error::LengthMismatch { .. }), "{e}");
         untouched(&part, "scatter output size");
@@ -251,7 +256,7 @@ pub fn bad_inputs<B: Backend>(place: &Placement) {
         }
         // Still usable: a good all-gather.
         let mut recv = poisoned::<B, f32>(dev, 20);
-        comm.all_gather(&send, &mut recv, &opts).unwrap();
+        comm.all_gather_with(&send, &mut recv, &opts).unwrap();
         comm.synchronize().unwrap();
         let got = B::download(dev, &recv).unwrap();
         assert_eq!(got, [vec![1.0; 10], vec![2.0; 10]].concat());

@@ -137,9 +137,9 @@ fn mismatched_call<B: Backend>(comm: &Comm<B>, rank: usize, m: Mismatch) -> peer
     let out_len = len * if gathers { comm.world_size() } else { 1 };
     let mut recv = B::alloc_from(dev, &nan::<f32>(out_len)).unwrap();
     let enqueued = match m.field {
-        CallField::Root => comm.broadcast(Some(&send), &mut recv, usize::from(odd), &opts),
-        CallField::Collective if odd => comm.broadcast(Some(&send), &mut recv, 0, &opts),
-        CallField::Collective => comm.all_gather(&send, &mut recv, &opts),
+        CallField::Root => comm.broadcast_with(Some(&send), &mut recv, usize::from(odd), &opts),
+        CallField::Collective if odd => comm.broadcast_with(Some(&send), &mut recv, 0, &opts),
+        CallField::Collective => comm.all_gather_with(&send, &mut recv, &opts),
         field => {
             if field == CallField::Sequence && odd {
                 comm.mismatch_next();
@@ -220,14 +220,16 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                             (rank % c.group == r).then_some(&*send as &dyn DeviceBuffer<B>)
                         };
                         let done = match w {
-                            Which::AllGather => comm.all_gather(send, recv, &opts),
+                            Which::AllGather => comm.all_gather_with(send, recv, &opts),
                             Which::ReduceScatter => {
                                 comm.reduce_scatter_with(send, recv, &ReduceOp::Sum, &opts)
                             }
                             Which::Broadcast { root: r, .. } => {
-                                comm.broadcast(root(r), recv, r, &opts)
+                                comm.broadcast_with(root(r), recv, r, &opts)
                             }
-                            Which::Scatter { root: r } => comm.scatter(root(r), recv, r, &opts),
+                            Which::Scatter { root: r } => {
+                                comm.scatter_with(root(r), recv, r, &opts)
+                            }
                         };
                         ran.push(Some(done.map(|()| Algorithm::OneStage)));
                         continue;

@@ -118,7 +118,7 @@ pub fn operators_checked<B: Backend>(place: &Placement, world: usize) {
 
 fn operators_of<B: Backend, T: Element>(place: &Placement, world: usize) {
     let seed = common::seed("per_rank_operators");
-    let groups: &[usize] = if world > 2 && world % 2 == 0 {
+    let groups: &[usize] = if world > 2 && world.is_multiple_of(2) {
         &[0, 2]
     } else {
         &[0]

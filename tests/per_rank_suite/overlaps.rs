@@ -45,7 +45,7 @@ pub fn overlapping_buffers_are_refused<B: Backend>(place: &Placement) {
             "all_reduce, registered input" => comm.all_reduce(&v(at, 0, 1024), &mut v(at, 1, 1024), &ReduceOp::Sum).map(drop),
             "all_reduce, output before the input" => comm.all_reduce(&v(at, 512, 1024), &mut v(at, 0, 1024), &ReduceOp::Sum).map(drop),
             "all_reduce, plain input" => comm.all_reduce(&v(plain_at, 0, 1024), &mut v(plain_at, 512, 1024), &ReduceOp::Sum).map(drop),
-            "all_gather" => comm.all_gather(&v(at, 0, 512), &mut v(at, 256, 1024), &opts),
+            "all_gather" => comm.all_gather_with(&v(at, 0, 512), &mut v(at, 256, 1024), &opts),
             "reduce_scatter" => comm.reduce_scatter_with(&v(at, 0, 1024), &mut v(at, 100, 512), &ReduceOp::Sum, &opts),
             "fused, input and output" => fused(v(at, 0, 1024), &mut residual, &weight, v(at, 64, 1024)),
             "fused, residual and output" => fused(v(plain_at, 0, 1024), &mut v(at, 0, 1024), &weight, v(at, 1, 1024)),
@@ -125,7 +125,7 @@ pub fn overlap_on_one_rank<B: Backend>(place: &Placement) {
                 "all_reduce" => comm
                     .all_reduce(&v(0, 1024), &mut v(out_at, 1024), &ReduceOp::Sum)
                     .map(drop),
-                _ => comm.broadcast(Some(&v(0, 1024)), &mut v(out_at, 1024), 0, &c),
+                _ => comm.broadcast_with(Some(&v(0, 1024)), &mut v(out_at, 1024), 0, &c),
             };
             let s = comm.synchronize();
             let got = reg.to_host(dev).unwrap();

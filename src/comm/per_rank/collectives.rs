@@ -15,10 +15,20 @@ use crate::comm::core::planning::collective::{Collective, CollectiveOptions};
 use crate::comm::core::planning::PeerReads;
 
 impl<B: Backend> Comm<B> {
-    /// Gathers every group member's `send` into `recv` on every member: member q's
-    /// elements land at `[q * n, (q + 1) * n)`, where `n = send.len()`; `recv` holds
-    /// `group width * n` elements.
-    pub fn all_gather<S, R>(
+    /// Gathers every rank's `send` into `recv` on every rank (cudarc's
+    /// `Comm::all_gather`): rank q's elements land at `[q * n, (q + 1) * n)`, where
+    /// `n = send.len()`; `recv` holds `world * n` elements.
+    pub fn all_gather<S, R>(&self, send: &S, recv: &mut R) -> Result<()>
+    where
+        S: DeviceBuffer<B> + ?Sized,
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        self.all_gather_with(send, recv, &CollectiveOptions::new())
+    }
+
+    /// As [`Comm::all_gather`], over the groups of the options: member q's elements land
+    /// at `[q * n, (q + 1) * n)`; `recv` holds `group width * n` elements.
+    pub fn all_gather_with<S, R>(
         &self,
         send: &S,
         recv: &mut R,
@@ -91,10 +101,23 @@ impl<B: Backend> Comm<B> {
         self.reduce_scatter_with(send, recv, &ReduceOp::Sum, options)
     }
 
-    /// Copies the input of the group's `root` (a group rank) into every member's
-    /// `recv`. The root passes `Some(&send)` of `recv.len()` elements; the others
-    /// pass `None` (no turbofish needed; what a non-root passes is not read).
+    /// Copies the input of rank `root` into every rank's `recv` (cudarc's
+    /// `Comm::broadcast`). The root passes `Some(&send)` of `recv.len()` elements; the
+    /// others pass `None` (no turbofish needed; what a non-root passes is not read).
     pub fn broadcast<R>(
+        &self,
+        send: Option<&dyn DeviceBuffer<B>>,
+        recv: &mut R,
+        root: usize,
+    ) -> Result<()>
+    where
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        self.broadcast_with(send, recv, root, &CollectiveOptions::new())
+    }
+
+    /// As [`Comm::broadcast`], over the groups of the options: `root` is a group rank.
+    pub fn broadcast_with<R>(
         &self,
         send: Option<&dyn DeviceBuffer<B>>,
         recv: &mut R,
@@ -113,9 +136,17 @@ impl<B: Backend> Comm<B> {
         self.enqueue_collective(call, send, recv, (false, true))
     }
 
-    /// Broadcast in place: the root's `buf` is the message, every other member's `buf`
-    /// is overwritten with it.
-    pub fn broadcast_in_place<R>(
+    /// Broadcast in place (cudarc's `Comm::broadcast_in_place`): the root's `buf` is the
+    /// message, every other rank's `buf` is overwritten with it.
+    pub fn broadcast_in_place<R>(&self, buf: &mut R, root: usize) -> Result<()>
+    where
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        self.broadcast_in_place_with(buf, root, &CollectiveOptions::new())
+    }
+
+    /// As [`Comm::broadcast_in_place`], over the groups of the options.
+    pub fn broadcast_in_place_with<R>(
         &self,
         buf: &mut R,
         root: usize,
@@ -138,10 +169,24 @@ impl<B: Backend> Comm<B> {
         self.enqueue(plan, ptr, &None, ptr, Fused::default())
     }
 
-    /// Scatters the root's `send` (`group width * recv.len()` elements): member q
-    /// receives elements `[q * n, (q + 1) * n)`, `n = recv.len()`. The root passes
-    /// `Some(send)`; the others may pass `None`.
+    /// Scatters the root's `send` (`world * recv.len()` elements): rank q receives
+    /// elements `[q * n, (q + 1) * n)`, `n = recv.len()`. The root passes `Some(send)`;
+    /// the others may pass `None`.
     pub fn scatter<R>(
+        &self,
+        send: Option<&dyn DeviceBuffer<B>>,
+        recv: &mut R,
+        root: usize,
+    ) -> Result<()>
+    where
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        self.scatter_with(send, recv, root, &CollectiveOptions::new())
+    }
+
+    /// As [`Comm::scatter`], over the groups of the options (`root` a group rank,
+    /// `send` of `group width * recv.len()` elements).
+    pub fn scatter_with<R>(
         &self,
         send: Option<&dyn DeviceBuffer<B>>,
         recv: &mut R,

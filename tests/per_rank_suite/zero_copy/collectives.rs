@@ -167,7 +167,7 @@ fn check_coll<B: Backend, T: Element>(
             let mut recv =
                 B::alloc_from(dev, &nan::<T>(output_len(which, c.width, rank, c.n))).unwrap();
             match which {
-                Which::AllGather => comm.all_gather(&send, &mut recv, &c.options()),
+                Which::AllGather => comm.all_gather_with(&send, &mut recv, &c.options()),
                 _ => comm.reduce_scatter_with(&send, &mut recv, &ReduceOp::Sum, &c.options()),
             }
             .expect(&what);
@@ -223,7 +223,7 @@ fn check_rooted<B: Backend, T: Element>(
         Which::Broadcast { in_place: true, .. } => {
             let mine = if is_root { ins[rank].clone() } else { nan(len) };
             send.copy_from_host(dev, &mine).unwrap();
-            comm.broadcast_in_place(&mut send, root, &opts)
+            comm.broadcast_in_place_with(&mut send, root, &opts)
                 .expect(&what);
             comm.synchronize().expect(&what);
             send.to_host(dev).unwrap()
@@ -234,8 +234,8 @@ fn check_rooted<B: Backend, T: Element>(
                 B::alloc_from(dev, &nan::<T>(output_len(which, width, rank, len))).unwrap();
             let input = is_root.then_some(&send as &dyn DeviceBuffer<B>);
             match which {
-                Which::Scatter { .. } => comm.scatter(input, &mut recv, root, &opts),
-                _ => comm.broadcast(input, &mut recv, root, &opts),
+                Which::Scatter { .. } => comm.scatter_with(input, &mut recv, root, &opts),
+                _ => comm.broadcast_with(input, &mut recv, root, &opts),
             }
             .expect(&what);
             comm.synchronize().expect(&what);
@@ -323,7 +323,7 @@ pub fn stages_nothing<B: Backend>(place: &Placement) {
             let len = output_len(which, world, rank, n);
             let [chunked, got] = outputs([&plain, &sym], len, &|input, out| {
                 match which {
-                    Which::AllGather => comm.all_gather(input, out, &opts),
+                    Which::AllGather => comm.all_gather_with(input, out, &opts),
                     _ => comm.reduce_scatter_with(input, out, &ReduceOp::Sum, &opts),
                 }
                 .unwrap()

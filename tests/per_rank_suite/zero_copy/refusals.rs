@@ -201,7 +201,7 @@ fn mismatch_call<B: Backend>(
         Call::OneStage => comm
             .all_reduce_with(input, &mut out, &ReduceOp::Sum, &one)
             .map(drop),
-        Call::AllGather => comm.all_gather(input, &mut out, &opts),
+        Call::AllGather => comm.all_gather_with(input, &mut out, &opts),
         Call::ReduceScatter => comm.reduce_scatter_with(input, &mut out, &ReduceOp::Sum, &opts),
         Call::Fused => {
             comm.all_reduce_residual_rms_norm(input, &mut res, &weight, &mut out, 1e-5, &opts)
