@@ -96,6 +96,11 @@
  *   AVG:  the SUM divided by the group width (one rounding), then rounded to the type
  */
 #define PEERCOMM_CALL_OP_SHIFT 25
+/*
+ * The kind (word 2, bits 0-4) of a reduce: the one-stage all-reduce's kernel, in which
+ * only the group rank `root` stores the result.
+ */
+#define PEERCOMM_KIND_REDUCE 13
 #define PEERCOMM_OP_SUM 0
 #define PEERCOMM_OP_PROD 1
 #define PEERCOMM_OP_MAX 2

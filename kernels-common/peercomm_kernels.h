@@ -1014,6 +1014,12 @@ PC_INLINE ChunkRange chunk_range(uint64_t n, uint64_t cap, uint64_t k) {
     return ChunkRange{first, (elems + L - 1) / L, elems};
 }
 
+// Whether this rank stores the one-stage kernel's result: every rank of an all-reduce,
+// the root alone of a reduce (whose other ranks only publish their inputs).
+PC_INLINE bool stores_result(const Args& a) {
+    return (a.call[2] & 0x1fu) != PEERCOMM_KIND_REDUCE || a.group_rank == a.root;
+}
+
 // The staged one-stage all-reduce of a message of more than C = a.stage_input packs (at
 // most half the payload): chunk k is the message's packs [k*C, k*C + C), staged by
 // copy_range and reduced by reduce_range from every member's half, in source order: the
@@ -1035,6 +1041,7 @@ PC_INLINE void one_stage_chunked(Ctx& c, uint64_t n, uint64_t packs, bool vec, u
         uint64_t srcs[PEERCOMM_MAX_GPUS];
 #pragma unroll
         for (uint32_t s = 0; s < PEERCOMM_MAX_GPUS; ++s) srcs[s] = s < width ? chunks.half(a, s, k) : 0u;
+        if (!stores_result(a)) return;
         with_width(width, [&]<int W>() {
             reduce_range<D, W>(call_op(a), srcs, 0, r.packs, r.elems, elem_at(a.output, r.first), 0, vec, tid,
                                stride);
@@ -1043,7 +1050,8 @@ PC_INLINE void one_stage_chunked(Ctx& c, uint64_t n, uint64_t packs, bool vec, u
     run_chunks(c, chunks, stage, use);
 }
 
-// One-stage: every rank reads every peer's input and reduces the whole message.
+// One-stage: every rank reads every peer's input and reduces the whole message (a
+// reduce: the root alone).
 template <typename D>
 PC_INLINE void one_stage(const Args& a) {
     Ctx c = make_ctx(a);
@@ -1064,8 +1072,11 @@ PC_INLINE void one_stage(const Args& a) {
     } else {
         if (!barrier<BarrierKind::Start>(c)) return abandon(c, WaitForPeers::Yes);
     }
-    with_width(a.group_width,
-               [&]<int W>() { reduce_range<D, W>(call_op(a), a.inputs, 0, packs, n, a.output, 0, vec, tid, stride); });
+    if (stores_result(a)) {
+        with_width(a.group_width, [&]<int W>() {
+            reduce_range<D, W>(call_op(a), a.inputs, 0, packs, n, a.output, 0, vec, tid, stride);
+        });
+    }
     if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
     finish(c);
 }

@@ -52,6 +52,9 @@ impl ReduceOp {
     }
 }
 
+/// A reduce's kind in the descriptor, as the kernels read it.
+pub(crate) const KIND_REDUCE: u32 = bindings::PEERCOMM_KIND_REDUCE;
+
 /// Where a call descriptor's word 2 holds the reduction operator.
 pub(crate) const CALL_OP_SHIFT: u32 = bindings::PEERCOMM_CALL_OP_SHIFT;
 

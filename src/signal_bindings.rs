@@ -25,6 +25,7 @@ pub const PEERCOMM_DETAIL_WORDS: u32 = 28;
 pub const PEERCOMM_CALL_WORDS: u32 = 12;
 pub const PEERCOMM_CALL_PACKS: u32 = 4;
 pub const PEERCOMM_CALL_OP_SHIFT: u32 = 25;
+pub const PEERCOMM_KIND_REDUCE: u32 = 13;
 pub const PEERCOMM_OP_SUM: u32 = 0;
 pub const PEERCOMM_OP_PROD: u32 = 1;
 pub const PEERCOMM_OP_MAX: u32 = 2;

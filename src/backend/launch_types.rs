@@ -109,6 +109,22 @@ kernel_kinds! {
     /// as [`KernelKind::AllReduceRmsNorm`]. Whole world of two or more ranks, the
     /// message plus its header within one slot.
     LamportRmsNorm = "lamport_rmsnorm", true;
+    /// Reduce: the one-stage all-reduce, whose result only the root stores
+    /// (`PEERCOMM_KIND_REDUCE`, which the one-stage kernel reads from the descriptor).
+    Reduce = "reduce", true;
+}
+
+// The kernels read a reduce's kind from the descriptor.
+const _: () = assert!(KernelKind::Reduce as u32 == crate::signal::KIND_REDUCE);
+
+impl KernelKind {
+    /// The family whose exported kernel runs this one: a reduce runs the one-stage one.
+    pub(crate) const fn runs_as(self) -> KernelKind {
+        match self {
+            KernelKind::Reduce => KernelKind::OneStage,
+            k => k,
+        }
+    }
 }
 
 impl Algorithm {
@@ -135,7 +151,8 @@ pub struct Kernel {
 impl Kernel {
     /// Every kernel the device code must export.
     pub fn all() -> impl Iterator<Item = Kernel> {
-        KernelKind::ALL.iter().flat_map(|&kind| {
+        let exported = KernelKind::ALL.iter().filter(|k| k.runs_as() == **k);
+        exported.flat_map(|&kind| {
             let dtypes: &[DType] = if kind.every_dtype() {
                 &DType::ALL
             } else {
@@ -146,7 +163,11 @@ impl Kernel {
     }
     /// Its exported symbol, e.g. `peercomm_two_stage_bf16`.
     pub fn symbol(self) -> String {
-        format!("peercomm_{}_{}", self.kind.name(), self.dtype.name())
+        format!(
+            "peercomm_{}_{}",
+            self.kind.runs_as().name(),
+            self.dtype.name()
+        )
     }
 }
 

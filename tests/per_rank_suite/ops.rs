@@ -313,12 +313,91 @@ pub fn operator_mismatch<B: Backend>(place: &Placement, world: usize) {
         })
     }
     let config = short_waits(place, world);
+    let reduce_to = |root: usize| -> Call<B> {
+        Box::new(move |comm: &Comm<B>| {
+            let dev = comm.device();
+            let send = B::alloc_from(dev, &[2.0f32; 300])?;
+            let mut recv = B::alloc_from(dev, &[poison::<f32>(); 300])?;
+            comm.reduce(&send, Some(&mut recv), &ReduceOp::Max, root)?;
+            let result = comm.synchronize();
+            if result.is_err() {
+                let host = recv.to_host(dev)?;
+                assert!(host
+                    .iter()
+                    .all(|x| x.to_bits() == poison::<f32>().to_bits()));
+            }
+            result
+        })
+    };
     let cases: Vec<Case<B>> = cases![
+        "reduce roots", Root: reduce_to(0), reduce_to(1);
+        "reduce against all-reduce", Collective: reduce_to(0), reduce::<B>(ReduceOp::Max, false);
         "max against min", Op: reduce::<B>(ReduceOp::Max, false), reduce::<B>(ReduceOp::Min, false);
         "sum against avg", Op: reduce::<B>(ReduceOp::Sum, false), reduce::<B>(ReduceOp::Avg, false);
         "reduce-scatter sum against prod", Op: reduce::<B>(ReduceOp::Sum, true), reduce::<B>(ReduceOp::Prod, true);
     ];
     every_rank_mismatched(place, world, &config, &cases, |comm, usual| {
         usual(comm).unwrap()
+    });
+}
+
+/// `reduce` and `reduce_in_place` with every operator and root: the root's output is
+/// the all-reduce's, bit for bit; what a non-root passes (`Some`, or its in-place
+/// buffer) is left as it was, and `None` works.
+pub fn reduce_checked<B: Backend>(place: &Placement, world: usize) {
+    let seed = common::seed("per_rank_reduce");
+    with_world::<B, _>(place, world, |rank, comm| {
+        let dev = comm.device();
+        for (i, op) in ReduceOp::ALL.into_iter().enumerate() {
+            for n in [7usize, 4099] {
+                let ins = inputs::<f32>(seed ^ (i * 8191 + n) as u64, world, n, nans(op));
+                let all = all_reduce(&comm, &ins[rank], op, &AllReduceOptions::new(), false);
+                for root in 0..world {
+                    let what = format!("world {world} rank {rank} {} n {n} root {root}", op.name());
+                    let send = B::alloc_from(dev, &ins[rank]).unwrap();
+                    let mut recv = B::alloc_from(dev, &vec![poison::<f32>(); n]).unwrap();
+                    // Non-roots pass None on odd roots, their unwritten buffer on even ones.
+                    if rank == root || root % 2 == 0 {
+                        comm.reduce(&send, Some(&mut recv), &op, root).unwrap();
+                    } else {
+                        comm.reduce(&send, None::<&mut B::Buffer<f32>>, &op, root)
+                            .unwrap();
+                    }
+                    let mut buf = B::alloc_from(dev, &ins[rank]).unwrap();
+                    comm.reduce_in_place(&mut buf, &op, root).unwrap();
+                    comm.synchronize().unwrap();
+                    let (got, in_place) = (recv.to_host(dev).unwrap(), buf.to_host(dev).unwrap());
+                    if rank == root {
+                        assert_eq!(common::bits(&got), common::bits(&all), "{what}");
+                        assert_eq!(
+                            common::bits(&in_place),
+                            common::bits(&all),
+                            "{what} in place"
+                        );
+                    } else {
+                        assert!(
+                            got.iter().all(|x| x.to_bits() == poison::<f32>().to_bits()),
+                            "{what}"
+                        );
+                        assert_eq!(
+                            common::bits(&in_place),
+                            common::bits(&ins[rank]),
+                            "{what} in place"
+                        );
+                    }
+                }
+            }
+        }
+        // The root must pass its output; a root outside the group is refused.
+        let send = B::alloc_from(dev, &[1.0f32; 8]).unwrap();
+        let none = None::<&mut B::Buffer<f32>>;
+        if rank == 0 {
+            let err = comm.reduce(&send, none, &ReduceOp::Sum, 0).unwrap_err();
+            assert!(matches!(err, Error::Unsupported(_)), "{err}");
+        }
+        let err = comm
+            .reduce(&send, None::<&mut B::Buffer<f32>>, &ReduceOp::Sum, world)
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidRoot { .. }), "{err}");
     });
 }

@@ -108,7 +108,7 @@ fn peers_read_user_buffers(kind: KernelKind) -> bool {
 
 unsafe fn run_typed<T: Element>(kind: KernelKind, args: &AllReduceArgs, g: Grid) -> Flow {
     match kind {
-        KernelKind::OneStage => collectives::one_stage::<T>(args, g),
+        KernelKind::OneStage | KernelKind::Reduce => collectives::one_stage::<T>(args, g),
         KernelKind::TwoStage => collectives::two_stage::<T>(args, g),
         KernelKind::Lamport => lamport::lamport::<T>(args, g),
         KernelKind::PingPong => ping_pong(args),

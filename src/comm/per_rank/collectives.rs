@@ -101,6 +101,107 @@ impl<B: Backend> Comm<B> {
         self.reduce_scatter_with(send, recv, &ReduceOp::Sum, options)
     }
 
+    /// Reduces `send` with `op` over the world into the `recv` of rank `root` (cudarc's
+    /// `Comm::reduce`): the root passes `Some(&mut recv)` of `send.len()` elements; the
+    /// others pass `None` (what a non-root passes is not written). Every rank's result
+    /// would be the all-reduce's, bit for bit; only the root's is stored.
+    pub fn reduce<S, R>(
+        &self,
+        send: &S,
+        recv: Option<&mut R>,
+        op: &ReduceOp,
+        root: usize,
+    ) -> Result<()>
+    where
+        S: DeviceBuffer<B> + ?Sized,
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        self.reduce_with(send, recv, op, root, &CollectiveOptions::new())
+    }
+
+    /// As [`Comm::reduce`], over the groups of the options: `root` is a group rank.
+    pub fn reduce_with<S, R>(
+        &self,
+        send: &S,
+        recv: Option<&mut R>,
+        op: &ReduceOp,
+        root: usize,
+        options: &CollectiveOptions,
+    ) -> Result<()>
+    where
+        S: DeviceBuffer<B> + ?Sized,
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        let core = &*self.core;
+        core.check_usable()?;
+        core.check_buffer(send.device_ordinal(), "input")?;
+        let is_root = core.check_root((recv.is_some(), "output"), root, options)?;
+        let recv = recv.filter(|_| is_root);
+        if let Some(r) = &recv {
+            core.check_all_reduce(&meta(send), &meta(&**r))?;
+        }
+        let bytes = meta(send).bytes(self.rank(), "input")?;
+        let (input, _in_access) = send.read_ptr(core.device());
+        let (output, _out_access) = recv.map(|r| r.write_ptr(core.device())).unzip();
+        // A non-root's kernel stores nothing: no output.
+        let output = output.unwrap_or(0);
+        if output != 0 {
+            let roles = [
+                (input, bytes, "input", false),
+                (output, bytes, "output", true),
+            ];
+            self.check_overlaps(roles, false)?;
+        }
+        self.enqueue_reduce(send.dtype(), send.len(), (input, output), op, root, options)
+    }
+
+    /// Reduces `buf` with `op` over the world into the `buf` of rank `root` (cudarc's
+    /// `Comm::reduce_in_place`); every other rank's `buf` is left as it was.
+    pub fn reduce_in_place<R>(&self, buf: &mut R, op: &ReduceOp, root: usize) -> Result<()>
+    where
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        self.reduce_in_place_with(buf, op, root, &CollectiveOptions::new())
+    }
+
+    /// As [`Comm::reduce_in_place`], over the groups of the options.
+    pub fn reduce_in_place_with<R>(
+        &self,
+        buf: &mut R,
+        op: &ReduceOp,
+        root: usize,
+        options: &CollectiveOptions,
+    ) -> Result<()>
+    where
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        let core = &*self.core;
+        core.check_usable()?;
+        core.check_buffer(buf.device_ordinal(), "in-place")?;
+        core.check_root((true, "output"), root, options)?;
+        meta(&*buf).bytes(self.rank(), "in-place")?;
+        let (dtype, len) = (buf.dtype(), buf.len());
+        let (ptr, _access) = buf.write_ptr(core.device());
+        self.enqueue_reduce(dtype, len, (ptr, ptr), op, root, options)
+    }
+
+    /// Plans and enqueues a reduce from `input` into `output` (0 on a non-root).
+    fn enqueue_reduce(
+        &self,
+        dtype: DType,
+        elements: usize,
+        (input, output): (u64, u64),
+        op: &ReduceOp,
+        root: usize,
+        options: &CollectiveOptions,
+    ) -> Result<()> {
+        let options = options.with_op(*op);
+        let which = Collective::Reduce { root };
+        let plan =
+            (self.core).plan_collective(which, dtype, elements, &options, PeerReads::Payloads)?;
+        self.enqueue(plan, input, &None, output, Fused::default())
+    }
+
     /// Copies the input of rank `root` into every rank's `recv` (cudarc's
     /// `Comm::broadcast`). The root passes `Some(&send)` of `recv.len()` elements; the
     /// others pass `None` (no turbofish needed; what a non-root passes is not read).
@@ -290,7 +391,7 @@ impl<B: Backend> Comm<B> {
         R: DeviceBufferMut<B> + ?Sized,
     {
         let core = &*self.core;
-        let is_root = core.check_root(send.is_some(), root, options)?;
+        let is_root = core.check_root((send.is_some(), "input"), root, options)?;
         let send = send.filter(|_| is_root);
         core.check_usable()?;
         core.check_buffer(recv.device_ordinal(), "output")?;

@@ -250,6 +250,7 @@ impl<B: Backend> SingleController<B> {
         let direct = match plan.kernel.kind {
             KernelKind::TwoStage => true,
             KernelKind::OneStage
+            | KernelKind::Reduce
             | KernelKind::AllGather
             | KernelKind::ReduceScatter
             | KernelKind::Broadcast

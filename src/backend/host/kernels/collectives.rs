@@ -10,7 +10,7 @@ use super::signals::{barrier, first_barrier};
 use super::wait::{Flow, Stop};
 use crate::dtype::Element;
 use crate::protocol::BarrierKind;
-use crate::signal::{reduce_scatter_part, AllReduceArgs, MAX_GPUS, PACK_BYTES};
+use crate::signal::{reduce_scatter_part, AllReduceArgs, KIND_REDUCE, MAX_GPUS, PACK_BYTES};
 
 /// Where a launch's data lives: one chunk read from `inputs` (the device's unchunked
 /// path), or `count` chunks of `cap` units in the payloads' halves (its `Chunks`).
@@ -103,7 +103,14 @@ unsafe fn run_chunks(
     Ok(())
 }
 
-/// Each rank sums every element of the group's data in group-rank order.
+/// Whether this rank stores the one-stage kernel's result: every rank of an all-reduce,
+/// the root alone of a reduce.
+fn stores_result(args: &AllReduceArgs) -> bool {
+    args.call[2] & 0x1f != KIND_REDUCE || args.group_rank == args.root
+}
+
+/// Each rank reduces every element of the group's data in group-rank order (a reduce:
+/// the root alone; the others publish their inputs).
 pub(super) unsafe fn one_stage<T: Element>(args: &AllReduceArgs, g: Grid) -> Flow {
     let n = args.num_elements as usize;
     let width = args.group_width as usize;
@@ -113,7 +120,9 @@ pub(super) unsafe fn one_stage<T: Element>(args: &AllReduceArgs, g: Grid) -> Flo
         let r = c.elems::<T>(n, k);
         let srcs = c.srcs(args, k, 0);
         let dst = elem::<T>(args.output, r.start);
-        reduce_packs::<T>(op_of(args), &srcs[..width], dst, r.len(), g);
+        if stores_result(args) {
+            reduce_packs::<T>(op_of(args), &srcs[..width], dst, r.len(), g);
+        }
         Ok(())
     };
     run_chunks(args, g, &c, stage, use_)

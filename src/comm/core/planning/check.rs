@@ -241,7 +241,7 @@ impl<B: Backend> Rank<B> {
     /// first); a root must pass its input.
     pub(crate) fn check_root(
         &self,
-        has_input: bool,
+        (has, what): (bool, &str),
         root: usize,
         options: &CollectiveOptions,
     ) -> Result<bool> {
@@ -250,9 +250,9 @@ impl<B: Backend> Rank<B> {
             return Err(Error::InvalidRoot { root, width });
         }
         let is_root = self.world_rank() % width == root;
-        if is_root && !has_input {
+        if is_root && !has {
             return Err(Error::Unsupported(format!(
-                "rank {} is the root: it passes its input",
+                "rank {} is the root: it passes its {what}",
                 self.world_rank()
             )));
         }

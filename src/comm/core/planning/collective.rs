@@ -70,6 +70,8 @@ pub(crate) enum Collective {
     Scatter { root: usize },
     /// `elements`: tokens x hidden.
     AllReduceRmsNorm { hidden: usize, epsilon: f32 },
+    /// `elements`: each member's whole input; the root stores the result.
+    Reduce { root: usize },
 }
 
 impl Collective {
@@ -80,6 +82,7 @@ impl Collective {
             Collective::Broadcast { .. } => KernelKind::Broadcast,
             Collective::Scatter { .. } => KernelKind::Scatter,
             Collective::AllReduceRmsNorm { .. } => KernelKind::AllReduceRmsNorm,
+            Collective::Reduce { .. } => KernelKind::Reduce,
         }
     }
 }
@@ -100,7 +103,10 @@ impl Settings {
         message_bytes(dtype, elements, &|| format!("a {}", which.kind().name()))?;
         let lanes = dtype.lanes();
         let mut extra = CollectiveArgs::default();
-        if let Collective::Broadcast { root } | Collective::Scatter { root } = which {
+        if let Collective::Broadcast { root }
+        | Collective::Scatter { root }
+        | Collective::Reduce { root } = which
+        {
             if root >= width {
                 return Err(Error::InvalidRoot { root, width });
             }
@@ -120,6 +126,11 @@ impl Settings {
             Collective::ReduceScatter => {
                 extra.op = options.op;
                 elements.div_ceil(width).div_ceil(lanes)
+            }
+            // As the one-stage all-reduce: each pack from width - 1 peers.
+            Collective::Reduce { .. } => {
+                extra.op = options.op;
+                elements.div_ceil(lanes).saturating_mul((width - 1).max(1))
             }
             Collective::AllReduceRmsNorm { hidden, epsilon } => {
                 // The shape rules were checked with the algorithm.

@@ -68,7 +68,9 @@ pub(crate) fn collective(
     let half_packs = payload / (2 * PACK_BYTES);
     // What the kernel stages whole, the units it compares stage_input with, a unit's packs.
     let (scratch, units, unit_packs) = match kind {
-        KernelKind::AllGather | KernelKind::Broadcast => (padded(dtype, elements), packs, 1),
+        KernelKind::AllGather | KernelKind::Broadcast | KernelKind::Reduce => {
+            (padded(dtype, elements), packs, 1)
+        }
         KernelKind::Scatter => (width.saturating_mul(padded(dtype, elements)), packs, width),
         KernelKind::ReduceScatter => (
             (0..width)
