@@ -1,7 +1,7 @@
 //! The schedule fuzzer through the per-rank API, one thread and `Comm` per rank, one
 //! seed (`PEERCOMM_SEED`) for all: random lengths, widths, algorithms (refused ones
-//! write nothing), in and out of place, -0.0 lanes, delays, one call in five another
-//! collective. Batches run unsynchronised, then are checked against f64 and by group
+//! write nothing), operators, in and out of place, -0.0 lanes, delays, one call in five
+//! another collective. Batches run unsynchronised, then are checked against f64 and by group
 //! digests. Now and then a deliberate mismatch must give `CallMismatch` everywhere and
 //! `reinitialize()` recover. Ranks report different multiprocessor counts.
 
@@ -24,6 +24,8 @@ struct Call {
     len: usize,
     group: usize,
     algorithm: Algorithm,
+    /// The all-reduce's operator (a sum two calls in three).
+    op: ReduceOp,
     in_place: bool,
     /// A rank made late before this call, and by how long.
     delay: Option<(usize, Duration)>,
@@ -45,9 +47,14 @@ fn schedule(seed: u64, world: usize, calls: usize) -> Vec<Call> {
             };
             let group = groups[rng.random_range(0..groups.len())];
             let algorithm = super::ALL_ALGORITHMS[rng.random_range(0..4)];
+            let op = match rng.random_range(0..3) {
+                0 => ReduceOp::ALL[rng.random_range(1..ReduceOp::ALL.len())],
+                _ => ReduceOp::Sum,
+            };
             let refused = match algorithm {
                 Algorithm::TwoStage => group > 1,
-                Algorithm::Lamport => group > 1 && group < world,
+                // Lamport sums only, over the whole world.
+                Algorithm::Lamport => group > 1 && (group < world || op != ReduceOp::Sum),
                 _ => false,
             };
             let ms = |ms| Duration::from_millis(ms);
@@ -69,6 +76,7 @@ fn schedule(seed: u64, world: usize, calls: usize) -> Vec<Call> {
                 len,
                 group,
                 algorithm,
+                op,
                 in_place: rng.random_bool(0.5),
                 delay,
                 refused: refused && collective.is_none(),
@@ -111,7 +119,8 @@ fn mismatch_after(seed: u64, batch: usize, world: usize) -> Option<Mismatch> {
         CallField::Collective,
         CallField::Blocks,
         CallField::Sequence,
-    ][rng.random_range(0..5usize)];
+        CallField::Op,
+    ][rng.random_range(0..6usize)];
     Some(Mismatch {
         odd: rng.random_range(0..world),
         field,
@@ -148,8 +157,11 @@ fn mismatched_call<B: Backend>(comm: &Comm<B>, rank: usize, m: Mismatch) -> peer
                 CallField::Blocks => one.blocks(if odd { 1 } else { 2 }),
                 _ => one,
             };
-            comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, &opts)
-                .map(drop)
+            let op = match field {
+                CallField::Op if odd => ReduceOp::Min,
+                _ => ReduceOp::Sum,
+            };
+            comm.all_reduce_with(&send, &mut recv, &op, &opts).map(drop)
         }
     };
     // The other collectives must enqueue; an all-reduce may refuse at once.
@@ -239,8 +251,8 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                         .algorithm(c.algorithm);
                     if let Some(g) = group.as_mut() {
                         let added = match recv {
-                            None => g.all_reduce_in_place_with(send, &ReduceOp::Sum, &opts),
-                            Some(recv) => g.all_reduce_with(&*send, recv, &ReduceOp::Sum, &opts),
+                            None => g.all_reduce_in_place_with(send, &c.op, &opts),
+                            Some(recv) => g.all_reduce_with(&*send, recv, &c.op, &opts),
                         };
                         match added {
                             Ok(()) => {
@@ -252,8 +264,8 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                         continue;
                     }
                     ran.push(Some(match recv {
-                        None => comm.all_reduce_in_place_with(send, &ReduceOp::Sum, &opts),
-                        Some(recv) => comm.all_reduce_with(send, recv, &ReduceOp::Sum, &opts),
+                        None => comm.all_reduce_in_place_with(send, &c.op, &opts),
+                        Some(recv) => comm.all_reduce_with(send, recv, &c.op, &opts),
                     }));
                 }
                 if let Some(g) = group {
@@ -300,7 +312,17 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                 let ins: Vec<Vec<f32>> = (base..base + c.group)
                     .map(|r| input(seed, call, r, c.len))
                     .collect();
-                common::check_result(&ins, &vec![got.clone(); c.group], c.group, algorithm, &what);
+                if c.op == ReduceOp::Sum {
+                    common::check_result(
+                        &ins,
+                        &vec![got.clone(); c.group],
+                        c.group,
+                        algorithm,
+                        &what,
+                    );
+                } else {
+                    super::ops::check(c.op, &ins.iter().collect::<Vec<_>>(), &got, 0, &what);
+                }
                 digests.push((call, rank, common::digest(&got)));
             }
             if let Some(m) = mismatch_after(seed, first / batch, world) {

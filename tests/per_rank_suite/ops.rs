@@ -56,7 +56,7 @@ fn inputs<T: Element>(seed: u64, world: usize, n: usize, nans: bool) -> Vec<Vec<
 /// Checks `got` (a group's result of elements `range`) against the reference of the
 /// group's inputs `ins` under `op`: `Max` and `Min` exactly; zeros' signs exactly; the
 /// rest within the f32 accumulation of the group plus the rounding to `T`.
-fn check<T: Element>(op: ReduceOp, ins: &[&Vec<T>], got: &[T], first: usize, what: &str) {
+pub fn check<T: Element>(op: ReduceOp, ins: &[&Vec<T>], got: &[T], first: usize, what: &str) {
     let width = ins.len();
     for (i, &g) in got.iter().enumerate() {
         let e = first + i;
@@ -79,9 +79,10 @@ fn check<T: Element>(op: ReduceOp, ins: &[&Vec<T>], got: &[T], first: usize, wha
             continue;
         }
         if values.iter().all(|&v| v == 0.0) {
-            // Exact zeros: the sum starts from +0.0; a product's sign is the signs' parity.
-            let negative = op == ReduceOp::Prod
-                && xs.iter().filter(|x| x.to_f32().is_sign_negative()).count() % 2 == 1;
+            // Exact zeros: a product's sign is the signs' parity; the sum starts from
+            // +0.0 over two or more ranks (a group of one copies).
+            let negatives = xs.iter().filter(|x| x.to_f32().is_sign_negative()).count();
+            let negative = (op == ReduceOp::Prod || width == 1) && negatives % 2 == 1;
             let want = T::from_f32(if negative { -0.0 } else { 0.0 });
             assert_eq!(g.to_bits_u32(), want.to_bits_u32(), "{}", at());
             continue;
