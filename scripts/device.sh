@@ -19,7 +19,7 @@
 #     repeat     one per-rank test (REPEAT_TEST) REPEAT_COUNT times
 #     bench      per-rank (threads) against the single controller at worlds 2 and 4
 #                (BENCH_WORLDS), graph and eager, bf16; the base bench first where one
-#                was packed
+#                was packed; BENCH_OPS adds those reduction operators beside the sum
 #     zero-copy  per rank (threads) staged, symmetric and registered capture against the
 #                single controller, 1 KiB-64 MiB, graph and eager, bf16, at worlds
 #                ZC_WORLDS (2 4), one sweep per ZC_SWEEPS entry: base, gate (windows
@@ -232,8 +232,11 @@ for stage in "$@"; do
     for b in peercomm-bench-base peercomm-bench; do
       [ -x "$BIN/$b" ] || continue
       for w in ${BENCH_WORLDS:-2 4}; do
+        # BENCH_OPS (e.g. prod,max,min,avg): each operator beside the sum (this build's bench).
+        ops=()
+        [ "$b" = peercomm-bench ] && [ -n "${BENCH_OPS:-}" ] && ops=(--ops "$BENCH_OPS")
         timeout "${BENCH_LIMIT:-150}" "$BIN/$b" --per-rank $w --with-single --sizes $sizes --dtypes bf16 --no-nccl \
-          --batches 10 --out "$LOGS/$b-w$w" >"$LOGS/$b-w$w.log" 2>&1
+          --batches 10 "${ops[@]}" --out "$LOGS/$b-w$w" >"$LOGS/$b-w$w.log" 2>&1
         note "$b world $w rc=$?"
       done
     done

@@ -129,6 +129,10 @@ struct Args {
     /// planning, launches), before the sweep.
     #[arg(long)]
     host_cost: bool,
+    /// Per-rank mode: also time these reduction operators (prod, max, min, avg) beside
+    /// the sum, staged, in graph mode (rows `peercomm-per-rank-<op>`).
+    #[arg(long, value_delimiter = ',')]
+    ops: Vec<String>,
     /// Ranks of the single-controller sweep (default: one per GPU). More ranks than
     /// GPUs share them: a correctness and host-cost check, not a link measurement.
     #[arg(long)]

@@ -485,6 +485,44 @@ fn sweep(
                     Ok(ran)
                 })
                 .expect("a registered capture");
+            // Each other operator, staged as the sum: every rank's input is rank + 1, so
+            // each result is a small exact integer.
+            for name in &args.ops {
+                let op = match name.as_str() {
+                    "prod" => peercomm::ReduceOp::Prod,
+                    "max" => peercomm::ReduceOp::Max,
+                    "min" => peercomm::ReduceOp::Min,
+                    "avg" => peercomm::ReduceOp::Avg,
+                    other => panic!("--ops: {other} is not prod, max, min or avg"),
+                };
+                let w = world as f32;
+                let want = match op {
+                    peercomm::ReduceOp::Prod => (1..=world).map(|r| r as f32).product(),
+                    peercomm::ReduceOp::Max => w,
+                    peercomm::ReduceOp::Min => 1.0,
+                    _ => half::bf16::from_f32((w + 1.0) / 2.0).to_f32(),
+                };
+                let ran = comm.all_reduce_with(&send, &mut recv, &op, &opts).unwrap();
+                comm.synchronize().unwrap();
+                let got = stream.clone_dtoh(&recv).unwrap();
+                assert!(
+                    got.iter().all(|x| x.to_f32() == want),
+                    "rank {rank}: wrong {name} at {bytes} B"
+                );
+                let graph = graph_of(&mut || {
+                    for _ in 0..calls {
+                        comm.all_reduce_with(&send, &mut recv, &op, &opts).unwrap();
+                    }
+                });
+                rendezvous(&comm);
+                let us = per_call_us(&comm, &stream, timing, || graph.launch().unwrap());
+                mine.push(at(
+                    &format!("peercomm-per-rank-{name}"),
+                    ran.name(),
+                    "graph",
+                    us,
+                ));
+            }
             let theirs = nccl.as_ref().map(|nccl| {
                 graph_of(&mut || {
                     for _ in 0..calls {
