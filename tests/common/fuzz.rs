@@ -20,9 +20,7 @@ use peercomm::{
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-use super::{
-    group_sizes, prepare_random, random_inputs, sprinkle_zeros, Call, Placement, Prepared, Zeros,
-};
+use super::{group_sizes, random_inputs, sprinkle_zeros, Call, Placement, Prepared, Zeros};
 
 /// Share of the drawn calls that are one of the other collectives (all-gather,
 /// reduce-scatter, broadcast, scatter) instead of an all-reduce.
@@ -98,6 +96,25 @@ pub struct Draw {
     pub in_place: bool,
     pub zeros: Zeros,
     pub opts: AllReduceOptions,
+    /// The operator: a sum two calls in three.
+    pub op: ReduceOp,
+}
+
+impl Draw {
+    /// The call drawn, with random inputs for every rank.
+    pub fn prepare<B: Backend>(
+        &self,
+        comm: &SingleController<B>,
+        rng: &mut StdRng,
+    ) -> Box<dyn Call<B>> {
+        for_dtype!(self.dtype, T => {
+            let mut ins = random_inputs::<T>(rng, comm.world_size(), self.len);
+            sprinkle_zeros(rng, &mut ins, self.zeros);
+            let mut call = Prepared::<B, T>::new(comm, ins, self.in_place, self.opts);
+            call.op = self.op;
+            Box::new(call)
+        })
+    }
 }
 
 /// Draws a message size: mostly small, sometimes large, often odd.
@@ -157,12 +174,17 @@ pub fn draw(rng: &mut StdRng, world: usize, knobs: &Knobs) -> Draw {
     if rng.random_bool(0.2) {
         opts = opts.blocks(rng.random_range(1..=knobs.max_explicit_blocks));
     }
+    let op = match rng.random_range(0..3) {
+        0 => ReduceOp::ALL[rng.random_range(1..ReduceOp::ALL.len())],
+        _ => ReduceOp::Sum,
+    };
     Draw {
         dtype,
         len,
         in_place: rng.random_bool(0.5),
         zeros,
         opts,
+        op,
     }
 }
 
@@ -261,7 +283,7 @@ pub fn fuzz<B: Backend>(
                 let bytes = d.len * d.dtype.size();
                 super::collectives::fuzz_call(&comm, &mut rng, d.dtype, width, opts, bytes)
             } else {
-                prepare_random(&comm, &mut rng, d.dtype, d.len, d.zeros, d.in_place, d.opts)
+                d.prepare(&comm, &mut rng)
             };
             let delay = rng.random_bool(knobs.delay_probability).then(|| {
                 (

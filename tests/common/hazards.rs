@@ -164,9 +164,7 @@ pub fn concurrent_callers_share_one_communicator<B: Backend>(
                     };
                     for i in 0..calls_per_thread {
                         let d = super::fuzz::draw(&mut rng, world, &knobs);
-                        let mut call = prepare_random(
-                            comm, &mut rng, d.dtype, d.len, d.zeros, d.in_place, d.opts,
-                        );
+                        let mut call = d.prepare(comm, &mut rng);
                         let what = format!(
                             "{name}, world {world}, thread {t}, call {i}: {}",
                             call.describe(world)

@@ -341,6 +341,63 @@ pub fn check_sums<T: Element>(ins: &[Vec<T>], outs: &[Vec<T>], width: usize, wha
     });
 }
 
+/// Checks `got` (a group's result from element `first` on) against the reference of
+/// the group's inputs `ins` under `op`: `Max` and `Min` exactly; zeros' signs exactly; the
+/// rest within the f32 accumulation of the group plus the rounding to `T`.
+pub fn check_op<T: Element>(op: ReduceOp, ins: &[&Vec<T>], got: &[T], first: usize, what: &str) {
+    let width = ins.len();
+    for (i, &g) in got.iter().enumerate() {
+        let e = first + i;
+        let xs: Vec<T> = ins.iter().map(|v| v[e]).collect();
+        let at = || format!("{what}: {} element {e} of {xs:?}: got {g:?}", op.name());
+        let values: Vec<f64> = xs.iter().map(|x| x.to_f32() as f64).collect();
+        if matches!(op, ReduceOp::Max | ReduceOp::Min) {
+            let want = if values.iter().any(|v| v.is_nan()) {
+                T::from_f32(f32::from_bits(0x7fc0_0000))
+            } else {
+                // By value, -0.0 below +0.0: order by (value, sign bit clear).
+                let key = |x: &T| (x.to_f32() as f64, !x.to_f32().is_sign_negative());
+                let pick = |a: &T, b: &T| key(a).partial_cmp(&key(b)).unwrap();
+                match op {
+                    ReduceOp::Max => *xs.iter().max_by(|a, b| pick(a, b)).unwrap(),
+                    _ => *xs.iter().min_by(|a, b| pick(a, b)).unwrap(),
+                }
+            };
+            assert_eq!(g.to_bits_u32(), want.to_bits_u32(), "{}", at());
+            continue;
+        }
+        if values.iter().all(|&v| v == 0.0) {
+            // Exact zeros: a product's sign is the signs' parity; the sum starts from
+            // +0.0 over two or more ranks (a group of one copies).
+            let negatives = xs.iter().filter(|x| x.to_f32().is_sign_negative()).count();
+            let negative = (op == ReduceOp::Prod || width == 1) && negatives % 2 == 1;
+            let want = T::from_f32(if negative { -0.0 } else { 0.0 });
+            assert_eq!(g.to_bits_u32(), want.to_bits_u32(), "{}", at());
+            continue;
+        }
+        let magnitudes: f64 = values.iter().map(|v| v.abs()).sum();
+        let (want, scale) = match op {
+            ReduceOp::Prod => {
+                let p: f64 = values.iter().product();
+                (p, p.abs())
+            }
+            ReduceOp::Avg => (values.iter().sum::<f64>() / width as f64, magnitudes),
+            _ => (values.iter().sum::<f64>(), magnitudes),
+        };
+        let f32_steps = width as f64 * f32::EPSILON as f64;
+        // Rounding to T, below its normal range too (its smallest step there: bits 1).
+        let smallest = T::from_bits_u32(1).to_f32() as f64;
+        let rounding = 0.5 * (eps(T::DTYPE) * want.abs()).max(smallest);
+        let tol = rounding + f32_steps * scale + 1e-12;
+        let got = g.to_f32() as f64;
+        assert!(
+            (got - want).abs() <= tol,
+            "{} (want {want}, tol {tol})",
+            at()
+        );
+    }
+}
+
 /// [`check_sums`] with the tolerance `tol(sum, sum of magnitudes)` of each element.
 pub fn check_sums_within<T: Element>(
     ins: &[Vec<T>],
@@ -535,6 +592,8 @@ pub struct Prepared<B: Backend, T: Element> {
     pub in_place: bool,
     /// The call's options.
     pub opts: AllReduceOptions,
+    /// The call's operator (`Sum` unless set).
+    pub op: ReduceOp,
 }
 
 impl<B: Backend, T: Element> Prepared<B, T> {
@@ -561,6 +620,7 @@ impl<B: Backend, T: Element> Prepared<B, T> {
             out_bufs,
             in_place,
             opts,
+            op: ReduceOp::Sum,
         }
     }
 
@@ -659,14 +719,10 @@ impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
     /// Enqueues the all-reduce (no synchronisation).
     fn enqueue(&mut self, comm: &SingleController<B>) -> Result<Algorithm> {
         if self.in_place {
-            comm.all_reduce_in_place(
-                &mut views_mut(&mut self.in_bufs),
-                &ReduceOp::Sum,
-                &self.opts,
-            )
+            comm.all_reduce_in_place(&mut views_mut(&mut self.in_bufs), &self.op, &self.opts)
         } else {
             let outs = &mut views_mut(&mut self.out_bufs);
-            comm.all_reduce(&views(&self.in_bufs), outs, &ReduceOp::Sum, &self.opts)
+            comm.all_reduce(&views(&self.in_bufs), outs, &self.op, &self.opts)
         }
     }
     /// Checks what the call returned and, if it ran, its result (after a synchronize):
@@ -674,7 +730,14 @@ impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
     fn check(&self, comm: &SingleController<B>, outcome: &Result<Algorithm>, what: &str) {
         let world = comm.world_size();
         let width = self.width(world);
-        match expected(self.opts.algorithm, width, world) {
+        // Lamport sums only: another operator forced onto it over two or more ranks is
+        // refused.
+        let lamport_op = self.opts.algorithm == Algorithm::Lamport && width > 1;
+        let expected = match expected(self.opts.algorithm, width, world) {
+            Expected::Runs(_) if lamport_op && self.op != ReduceOp::Sum => Expected::Unsupported,
+            e => e,
+        };
+        match expected {
             Expected::Unsupported => match outcome {
                 Err(Error::Unsupported(_)) => self.assert_untouched(comm, what),
                 other => panic!(
@@ -688,7 +751,15 @@ impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
                     Err(e) => panic!("{what}: {e}"),
                 };
                 let results = self.results(comm);
-                check_result(&self.ins, &results, width, ran, what);
+                if self.op == ReduceOp::Sum {
+                    check_result(&self.ins, &results, width, ran, what);
+                } else {
+                    for (r, got) in results.iter().enumerate() {
+                        let group: Vec<&Vec<T>> =
+                            self.ins[r / width * width..][..width].iter().collect();
+                        check_op(self.op, &group, got, 0, &format!("{what}, rank {r}"));
+                    }
+                }
                 assert!(
                     allowed.contains(&ran),
                     "{what}: returned {} but may only run {:?} (Lamport runs only over \
@@ -702,7 +773,8 @@ impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
     /// A description for failure messages.
     fn describe(&self, world: usize) -> String {
         format!(
-            "{} {:?} world {world} group {} len {} {}{}",
+            "{} {} {:?} world {world} group {} len {} {}{}",
+            self.op.name(),
             self.opts.algorithm.name(),
             T::DTYPE,
             self.width(world),
@@ -735,14 +807,9 @@ impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
         group: &mut peercomm::SingleControllerGroup<'_, 'b, B>,
     ) -> Result<()> {
         if self.in_place {
-            group.all_reduce_slices_in_place_with(&mut self.in_bufs, &ReduceOp::Sum, &self.opts)
+            group.all_reduce_slices_in_place_with(&mut self.in_bufs, &self.op, &self.opts)
         } else {
-            group.all_reduce_slices_with(
-                &self.in_bufs,
-                &mut self.out_bufs,
-                &ReduceOp::Sum,
-                &self.opts,
-            )
+            group.all_reduce_slices_with(&self.in_bufs, &mut self.out_bufs, &self.op, &self.opts)
         }
     }
 }

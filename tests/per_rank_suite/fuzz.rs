@@ -321,7 +321,7 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                         &what,
                     );
                 } else {
-                    super::ops::check(c.op, &ins.iter().collect::<Vec<_>>(), &got, 0, &what);
+                    common::check_op(c.op, &ins.iter().collect::<Vec<_>>(), &got, 0, &what);
                 }
                 digests.push((call, rank, common::digest(&got)));
             }

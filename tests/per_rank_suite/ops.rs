@@ -53,60 +53,6 @@ fn inputs<T: Element>(seed: u64, world: usize, n: usize, nans: bool) -> Vec<Vec<
         .collect()
 }
 
-/// Checks `got` (a group's result of elements `range`) against the reference of the
-/// group's inputs `ins` under `op`: `Max` and `Min` exactly; zeros' signs exactly; the
-/// rest within the f32 accumulation of the group plus the rounding to `T`.
-pub fn check<T: Element>(op: ReduceOp, ins: &[&Vec<T>], got: &[T], first: usize, what: &str) {
-    let width = ins.len();
-    for (i, &g) in got.iter().enumerate() {
-        let e = first + i;
-        let xs: Vec<T> = ins.iter().map(|v| v[e]).collect();
-        let at = || format!("{what}: {} element {e} of {xs:?}: got {g:?}", op.name());
-        let values: Vec<f64> = xs.iter().map(|x| x.to_f32() as f64).collect();
-        if matches!(op, ReduceOp::Max | ReduceOp::Min) {
-            let want = if values.iter().any(|v| v.is_nan()) {
-                T::from_f32(f32::from_bits(0x7fc0_0000))
-            } else {
-                // By value, -0.0 below +0.0: order by (value, sign bit clear).
-                let key = |x: &T| (x.to_f32() as f64, !x.to_f32().is_sign_negative());
-                let pick = |a: &T, b: &T| key(a).partial_cmp(&key(b)).unwrap();
-                match op {
-                    ReduceOp::Max => *xs.iter().max_by(|a, b| pick(a, b)).unwrap(),
-                    _ => *xs.iter().min_by(|a, b| pick(a, b)).unwrap(),
-                }
-            };
-            assert_eq!(g.to_bits_u32(), want.to_bits_u32(), "{}", at());
-            continue;
-        }
-        if values.iter().all(|&v| v == 0.0) {
-            // Exact zeros: a product's sign is the signs' parity; the sum starts from
-            // +0.0 over two or more ranks (a group of one copies).
-            let negatives = xs.iter().filter(|x| x.to_f32().is_sign_negative()).count();
-            let negative = (op == ReduceOp::Prod || width == 1) && negatives % 2 == 1;
-            let want = T::from_f32(if negative { -0.0 } else { 0.0 });
-            assert_eq!(g.to_bits_u32(), want.to_bits_u32(), "{}", at());
-            continue;
-        }
-        let magnitudes: f64 = values.iter().map(|v| v.abs()).sum();
-        let (want, scale) = match op {
-            ReduceOp::Prod => {
-                let p: f64 = values.iter().product();
-                (p, p.abs())
-            }
-            ReduceOp::Avg => (values.iter().sum::<f64>() / width as f64, magnitudes),
-            _ => (values.iter().sum::<f64>(), magnitudes),
-        };
-        let f32_steps = width as f64 * f32::EPSILON as f64;
-        let tol = 0.5 * common::eps(T::DTYPE) * want.abs() + f32_steps * scale + 1e-9;
-        let got = g.to_f32() as f64;
-        assert!(
-            (got - want).abs() <= tol,
-            "{} (want {want}, tol {tol})",
-            at()
-        );
-    }
-}
-
 /// Every operator over every element type, out of place and in place, one-stage and
 /// `Auto`, whole world and pairs (where the world splits), all-reduce and
 /// reduce-scatter; each rank checks each output, `Auto` and one-stage agree bit for
@@ -147,7 +93,7 @@ fn operators_of<B: Backend, T: Element>(place: &Placement, world: usize) {
                         for in_place in [false, true] {
                             let got = all_reduce(&comm, &ins[rank], op, &opts, in_place);
                             let how = format!("{what}, {algorithm:?}, in place {in_place}");
-                            check(op, &group, &got, 0, &how);
+                            common::check_op(op, &group, &got, 0, &how);
                             let bits = common::bits(&got);
                             let first = first.get_or_insert_with(|| bits.clone());
                             assert_eq!(first, &bits, "{how}: other bits than the first call");
@@ -242,7 +188,7 @@ pub fn mixed_group<B: Backend>(place: &Placement, world: usize) {
             let got = recvs[i].to_host(dev).unwrap();
             let alone = all_reduce(&comm, &ins[i][rank], *op, &AllReduceOptions::new(), false);
             let what = format!("world {world} rank {rank} group entry {i}");
-            check(*op, &ins[i].iter().collect::<Vec<_>>(), &got, 0, &what);
+            common::check_op(*op, &ins[i].iter().collect::<Vec<_>>(), &got, 0, &what);
             assert_eq!(
                 common::bits(&got),
                 common::bits(&alone),
