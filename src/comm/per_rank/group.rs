@@ -35,7 +35,7 @@ impl<B: Backend> Comm<B> {
     ///
     /// ```
     /// use peercomm::backend::{host::Host, Backend};
-    /// use peercomm::{Comm, CommConfig, UniqueId};
+    /// use peercomm::{Comm, CommConfig, ReduceOp, UniqueId};
     ///
     /// let id = UniqueId::new()?;
     /// std::thread::scope(|s| {
@@ -48,8 +48,8 @@ impl<B: Backend> Comm<B> {
     ///             let b = Host::alloc_from(dev, &[2.0f32; 8]).unwrap();
     ///             let (mut sa, mut sb) = (Host::alloc_buffer::<f32>(dev, 4).unwrap(), Host::alloc_buffer::<f32>(dev, 8).unwrap());
     ///             let mut group = comm.group();
-    ///             group.all_reduce_sum(&a, &mut sa).unwrap();
-    ///             group.all_reduce_sum(&b, &mut sb).unwrap();
+    ///             group.all_reduce(&a, &mut sa, &ReduceOp::Sum).unwrap();
+    ///             group.all_reduce(&b, &mut sb, &ReduceOp::Sum).unwrap();
     ///             group.end().unwrap(); // one kernel for both
     ///             comm.synchronize().unwrap();
     ///             assert_eq!(Host::download(dev, &sa).unwrap(), vec![2.0; 4]);

@@ -47,9 +47,9 @@ pub use parking::{free_expired_teardowns, parked_teardowns};
 ///
 /// ```
 /// # use peercomm::backend::{host::Host, Backend};
-/// # use peercomm::{Comm, Error, Recovery};
+/// # use peercomm::{Comm, Error, Recovery, ReduceOp};
 /// fn step(comm: &Comm<Host>, buf: &mut <Host as Backend>::Buffer<f32>) -> Result<(), Error> {
-///     comm.all_reduce_sum_in_place(buf)?; // enqueued, not done
+///     comm.all_reduce_in_place(buf, &ReduceOp::Sum)?; // enqueued, not done
 ///     // ... the engine's other work for this step ...
 ///     comm.check_errors() // no wait: an error found so far, if any
 /// }

@@ -26,17 +26,17 @@ impl<B: Backend> SingleController<B> {
     /// ```
     /// use std::time::Duration;
     /// use peercomm::backend::{host::Host, Backend};
-    /// use peercomm::{Algorithm, AllReduceOptions, CommConfig, SingleController, Error};
+    /// use peercomm::{Algorithm, AllReduceOptions, CommConfig, ReduceOp, SingleController, Error};
     ///
     /// let config = CommConfig::default().with_barrier_timeout(Some(Duration::from_millis(200)));
     /// let comm = SingleController::<Host>::new(&[0, 1], config)?;
     /// let mut bufs: Vec<_> = comm.cores().iter().map(|r| Host::alloc_from(r.device(), &[1.0f32; 8]).unwrap()).collect();
     /// let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
     /// comm.miss_next(1)?;
-    /// comm.all_reduce_sum_slices_in_place(&mut bufs, &opts)?; // rank 1 never launches
+    /// comm.all_reduce_slices_in_place(&mut bufs, &ReduceOp::Sum, &opts)?; // rank 1 never launches
     /// assert_eq!(comm.synchronize(), Err(Error::BarrierTimeout { rank: 0, block: 0, domain: 0, waiting_for: Some(1) }));
     /// comm.reinitialize()?;
-    /// comm.all_reduce_sum_slices_in_place(&mut bufs, &opts)?;
+    /// comm.all_reduce_slices_in_place(&mut bufs, &ReduceOp::Sum, &opts)?;
     /// comm.synchronize()?;
     /// # Ok::<(), peercomm::Error>(())
     /// ```

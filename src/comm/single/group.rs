@@ -37,15 +37,15 @@ impl<B: Backend> SingleController<B> {
     ///
     /// ```
     /// use peercomm::backend::{host::Host, Backend};
-    /// use peercomm::{CommConfig, SingleController};
+    /// use peercomm::{CommConfig, ReduceOp, SingleController};
     ///
     /// let comm = SingleController::<Host>::new(&[0, 1], CommConfig::default())?;
     /// let ins: Vec<_> = comm.cores().iter().map(|r| Host::alloc_from(r.device(), &[1.0f32; 4]).unwrap()).collect();
     /// let mut a: Vec<_> = comm.cores().iter().map(|r| Host::alloc_buffer::<f32>(r.device(), 4).unwrap()).collect();
     /// let mut b: Vec<_> = comm.cores().iter().map(|r| Host::alloc_from(r.device(), &[3.0f32; 4]).unwrap()).collect();
     /// let mut group = comm.group();
-    /// group.all_reduce_sum_slices(&ins, &mut a)?;
-    /// group.all_reduce_sum_slices_in_place(&mut b)?;
+    /// group.all_reduce_slices(&ins, &mut a, &ReduceOp::Sum)?;
+    /// group.all_reduce_slices_in_place(&mut b, &ReduceOp::Sum)?;
     /// group.end()?; // one kernel per rank for both
     /// comm.synchronize()?;
     /// assert_eq!(Host::download(comm.core(1).device(), &a[1])?, vec![2.0; 4]);

@@ -54,7 +54,7 @@ impl<B: Backend> SingleController<B> {
         self.ranks[0].memory_footprint()
     }
 
-    /// What [`SingleController::all_reduce_sum`] (`in_place`: `_in_place`) would do with
+    /// What [`SingleController::all_reduce`] (`in_place`: `_in_place`) would do with
     /// `elements` of `dtype` per rank, launching nothing: the algorithm, or the call's
     /// typed error (e.g. [`crate::Error::MessageTooLarge`] naming the field to raise).
     pub fn algorithm_for(

@@ -20,13 +20,13 @@ impl SingleController<Cuda> {
     ///
     /// ```no_run
     /// use peercomm::backend::{cuda::Cuda, Backend};
-    /// use peercomm::{AllReduceOptions, CommConfig, SingleController};
+    /// use peercomm::{AllReduceOptions, CommConfig, ReduceOp, SingleController};
     ///
     /// let comm = SingleController::<Cuda>::new(&[0, 1], CommConfig::default())?;
     /// let ins: Vec<_> = comm.cores().iter().map(|r| Cuda::alloc_from(r.device(), &[1.0f32; 1024])).collect::<Result<_, _>>()?;
     /// let mut outs: Vec<_> = comm.cores().iter().map(|r| Cuda::alloc_buffer::<f32>(r.device(), 1024)).collect::<Result<_, _>>()?;
     /// let (graphs, _algorithm) =
-    ///     comm.capture(|| comm.all_reduce_sum_slices(&ins, &mut outs, &AllReduceOptions::new()))?;
+    ///     comm.capture(|| comm.all_reduce_slices(&ins, &mut outs, &ReduceOp::Sum, &AllReduceOptions::new()))?;
     /// for _ in 0..100 {
     ///     for g in &graphs {
     ///         g.launch().map_err(|e| peercomm::Error::Unsupported(e.to_string()))?;
