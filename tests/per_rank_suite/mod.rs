@@ -383,6 +383,8 @@ macro_rules! per_rank_suite {
             |p, world| per_rank_suite::ops::mixed_group::<B>(p, world));
         per_rank_worlds!(reduce, SCOPE.collectives, [world_2 = 2, world_3 = 3, world_4 = 4, world_8 = 8],
             |p, world| per_rank_suite::ops::reduce_checked::<B>(p, world));
+        per_rank_worlds!(group_of_collectives, &[2, 3, 4], [world_2 = 2, world_3 = 3, world_4 = 4],
+            |p, world| per_rank_suite::ops::group_of_collectives::<B>(p, world));
         per_rank_worlds!(operator_mismatch, &[2, 3], [world_2 = 2, world_3 = 3],
             |p, world| per_rank_suite::ops::operator_mismatch::<B>(p, world));
         per_rank_worlds!(mismatched_calls_are_typed_errors, &[2, 3], [world_2 = 2, world_3 = 3],

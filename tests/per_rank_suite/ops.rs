@@ -348,3 +348,80 @@ pub fn reduce_checked<B: Backend>(place: &Placement, world: usize) {
         assert!(matches!(err, Error::InvalidRoot { .. }), "{err}");
     });
 }
+
+/// A group of every collective the guard takes, between two all-reduces: each result is
+/// that of its call alone, in the group's order.
+pub fn group_of_collectives<B: Backend>(place: &Placement, world: usize) {
+    let seed = common::seed("per_rank_group_of_collectives");
+    with_world::<B, _>(place, world, |rank, comm| {
+        let dev = comm.device();
+        let n = 1000;
+        let ins = inputs::<f32>(seed, world, n, false);
+        let mine = &ins[rank];
+        let part = reduce_scatter_part(n, world, rank).len();
+        let fresh = |len| B::alloc_from(dev, &vec![poison::<f32>(); len]).unwrap();
+        let send = B::alloc_from(dev, mine).unwrap();
+        let (mut first, mut last) = (fresh(n), fresh(n));
+        let (mut scattered, mut gathered) = (fresh(part), fresh(n * world));
+        let (mut reduced, mut broadcast) = (fresh(n), fresh(n));
+        let mut in_place = B::alloc_from(dev, mine).unwrap();
+        let root = world - 1;
+        let mut group = comm.group();
+        group.all_reduce(&send, &mut first, &ReduceOp::Sum).unwrap();
+        group
+            .reduce_scatter(&send, &mut scattered, &ReduceOp::Max)
+            .unwrap();
+        group.all_gather(&send, &mut gathered).unwrap();
+        let root_send = (rank == root).then_some(&send as &dyn peercomm::backend::DeviceBuffer<B>);
+        group.broadcast(root_send, &mut broadcast, root).unwrap();
+        group
+            .reduce(&send, Some(&mut reduced), &ReduceOp::Min, root)
+            .unwrap();
+        group
+            .reduce_in_place(&mut in_place, &ReduceOp::Avg, 0)
+            .unwrap();
+        group.all_reduce(&send, &mut last, &ReduceOp::Prod).unwrap();
+        assert_eq!(group.len(), 7);
+        group.end().unwrap();
+        comm.synchronize().unwrap();
+        let host = |b: &B::Buffer<f32>| common::bits(&b.to_host(dev).unwrap());
+        let alone = |op| {
+            common::bits(&all_reduce(
+                &comm,
+                mine,
+                op,
+                &AllReduceOptions::new(),
+                false,
+            ))
+        };
+        let what = format!("world {world} rank {rank}");
+        assert_eq!(host(&first), alone(ReduceOp::Sum), "{what}: all-reduce");
+        assert_eq!(
+            host(&last),
+            alone(ReduceOp::Prod),
+            "{what}: last all-reduce"
+        );
+        let max = alone(ReduceOp::Max);
+        assert_eq!(
+            host(&scattered),
+            max[reduce_scatter_part(n, world, rank)],
+            "{what}: reduce-scatter"
+        );
+        let everyone: Vec<u32> = ins.iter().flat_map(|v| common::bits(v)).collect();
+        assert_eq!(host(&gathered), everyone, "{what}: all-gather");
+        assert_eq!(
+            host(&broadcast),
+            common::bits(&ins[root]),
+            "{what}: broadcast"
+        );
+        let (min, avg) = (alone(ReduceOp::Min), alone(ReduceOp::Avg));
+        let untouched = vec![poison::<f32>().to_bits(); n];
+        assert_eq!(
+            host(&reduced),
+            if rank == root { min } else { untouched },
+            "{what}: reduce"
+        );
+        let kept = if rank == 0 { avg } else { common::bits(mine) };
+        assert_eq!(host(&in_place), kept, "{what}: reduce in place");
+    });
+}

@@ -1,5 +1,5 @@
-//! Group calls on [`Comm`]: a guard that collects all-reduces and launches them when it
-//! ends, as few kernels as the kernels allow.
+//! Group calls on [`Comm`]: a guard that collects calls and launches them when it ends,
+//! in order, consecutive all-reduces in as few kernels as the kernels allow.
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
 use crate::dispatch::Algorithm;
@@ -10,16 +10,26 @@ use super::super::AllReduceOptions;
 use super::{meta, Comm};
 use crate::comm::core::launch::group::{run_group_steps, GroupStep, GroupedCall};
 use crate::comm::core::launch::PeerInputs;
+use crate::comm::core::planning::collective::CollectiveOptions;
 use crate::comm::core::planning::PeerReads;
 
-/// An open group of all-reduces on a [`Comm`] (see [`Comm::group`]). Each call is
-/// checked when made; nothing launches until [`CommGroup::end`] (which first refuses
-/// overlapping buffers), and dropping the guard without it discards the calls. The
-/// buffers stay borrowed until then.
+/// An open group on a [`Comm`] (see [`Comm::group`]). Each all-reduce is checked when
+/// made, the other collectives at [`CommGroup::end`]; nothing launches until then (and
+/// overlapping buffers are refused first), and dropping the guard without it discards
+/// the calls. The buffers stay borrowed until then.
 pub struct CommGroup<'c, 'b, B: Backend> {
     comm: &'c Comm<B>,
-    calls: Vec<Pending<'b, B>>,
+    calls: Vec<Entry<'b, B>>,
 }
+
+/// A call of a group: an all-reduce (batched with its neighbours), or another
+/// collective, made at the end in its place.
+enum Entry<'b, B: Backend> {
+    AllReduce(Pending<'b, B>),
+    Other(Deferred<'b, B>),
+}
+
+type Deferred<'b, B> = Box<dyn FnOnce(&Comm<B>) -> Result<()> + 'b>;
 
 struct Pending<'b, B: Backend> {
     /// `None`: in place.
@@ -162,6 +172,139 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
         self.all_reduce_in_place_with(buf, &ReduceOp::Sum, options)
     }
 
+    /// Adds [`Comm::reduce_scatter`] (made at [`CommGroup::end`], in its place).
+    pub fn reduce_scatter<S, R>(
+        &mut self,
+        send: &'b S,
+        recv: &'b mut R,
+        op: &ReduceOp,
+    ) -> Result<()>
+    where
+        S: DeviceBuffer<B> + ?Sized,
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        self.reduce_scatter_with(send, recv, op, &CollectiveOptions::new())
+    }
+
+    /// Adds [`Comm::reduce_scatter_with`].
+    pub fn reduce_scatter_with<S, R>(
+        &mut self,
+        send: &'b S,
+        recv: &'b mut R,
+        op: &ReduceOp,
+        options: &CollectiveOptions,
+    ) -> Result<()>
+    where
+        S: DeviceBuffer<B> + ?Sized,
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        let (op, options) = (*op, *options);
+        self.defer(Box::new(move |c| {
+            c.reduce_scatter_with(send, recv, &op, &options)
+        }))
+    }
+
+    /// Adds [`Comm::all_gather`] (made at [`CommGroup::end`], in its place).
+    pub fn all_gather<S, R>(&mut self, send: &'b S, recv: &'b mut R) -> Result<()>
+    where
+        S: DeviceBuffer<B> + ?Sized,
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        self.all_gather_with(send, recv, &CollectiveOptions::new())
+    }
+
+    /// Adds [`Comm::all_gather_with`].
+    pub fn all_gather_with<S, R>(
+        &mut self,
+        send: &'b S,
+        recv: &'b mut R,
+        options: &CollectiveOptions,
+    ) -> Result<()>
+    where
+        S: DeviceBuffer<B> + ?Sized,
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        let options = *options;
+        self.defer(Box::new(move |c| c.all_gather_with(send, recv, &options)))
+    }
+
+    /// Adds [`Comm::broadcast`] (made at [`CommGroup::end`], in its place).
+    pub fn broadcast<R>(
+        &mut self,
+        send: Option<&'b dyn DeviceBuffer<B>>,
+        recv: &'b mut R,
+        root: usize,
+    ) -> Result<()>
+    where
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        self.broadcast_with(send, recv, root, &CollectiveOptions::new())
+    }
+
+    /// Adds [`Comm::broadcast_with`].
+    pub fn broadcast_with<R>(
+        &mut self,
+        send: Option<&'b dyn DeviceBuffer<B>>,
+        recv: &'b mut R,
+        root: usize,
+        options: &CollectiveOptions,
+    ) -> Result<()>
+    where
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        let options = *options;
+        self.defer(Box::new(move |c| {
+            c.broadcast_with(send, recv, root, &options)
+        }))
+    }
+
+    /// Adds [`Comm::broadcast_in_place`] (made at [`CommGroup::end`], in its place).
+    pub fn broadcast_in_place<R>(&mut self, buf: &'b mut R, root: usize) -> Result<()>
+    where
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        let options = CollectiveOptions::new();
+        self.defer(Box::new(move |c| {
+            c.broadcast_in_place_with(buf, root, &options)
+        }))
+    }
+
+    /// Adds [`Comm::reduce`] (made at [`CommGroup::end`], in its place).
+    pub fn reduce<S, R>(
+        &mut self,
+        send: &'b S,
+        recv: Option<&'b mut R>,
+        op: &ReduceOp,
+        root: usize,
+    ) -> Result<()>
+    where
+        S: DeviceBuffer<B> + ?Sized,
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        let (op, options) = (*op, CollectiveOptions::new());
+        self.defer(Box::new(move |c| {
+            c.reduce_with(send, recv, &op, root, &options)
+        }))
+    }
+
+    /// Adds [`Comm::reduce_in_place`] (made at [`CommGroup::end`], in its place).
+    pub fn reduce_in_place<R>(&mut self, buf: &'b mut R, op: &ReduceOp, root: usize) -> Result<()>
+    where
+        R: DeviceBufferMut<B> + ?Sized,
+    {
+        let (op, options) = (*op, CollectiveOptions::new());
+        self.defer(Box::new(move |c| {
+            c.reduce_in_place_with(buf, &op, root, &options)
+        }))
+    }
+
+    /// Keeps a collective other than the all-reduce, made at the end in its place.
+    fn defer(&mut self, call: Deferred<'b, B>) -> Result<()> {
+        self.comm.core.check_usable()?;
+        self.calls.push(Entry::Other(call));
+        Ok(())
+    }
+
     /// Calls in the group so far.
     pub fn len(&self) -> usize {
         self.calls.len()
@@ -188,69 +331,107 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
         };
         let reads = PeerReads::Payloads;
         (self.comm.core).plan_all_reduce(dtype, elements, options, call.in_place, reads)?;
-        self.calls.push(Pending { send, recv, call });
+        self.calls
+            .push(Entry::AllReduce(Pending { send, recv, call }));
         Ok(())
     }
 
-    /// Ends the group: launches its calls (the algorithm of each, in order). An error
-    /// once some were launched poisons the communicator, as a failed launch does.
+    /// Ends the group: launches its calls in order (the algorithm of each; one-stage for
+    /// the collectives other than the all-reduce). An error once some were launched
+    /// poisons the communicator, as a failed launch does.
     pub fn end(self) -> Result<Vec<Algorithm>> {
-        let mut pending = self.calls;
-        if pending.is_empty() {
-            return Ok(Vec::new());
-        }
         let comm = self.comm;
-        let core = &*comm.core;
-        let calls: Vec<GroupedCall> = pending.iter().map(|p| p.call).collect();
-        let steps = core.plan_grouped(&calls, PeerReads::Payloads)?;
-        let dev = core.device();
-        let mut io = Vec::with_capacity(pending.len());
-        let mut guards = Vec::with_capacity(2 * pending.len());
-        for p in pending.iter_mut() {
-            let input = p.send.map(|send| send.read_ptr(dev));
-            let (output, out_access) = p.recv.write_ptr(dev);
-            guards.push(out_access);
-            let input = match input {
-                Some((input, access)) => {
-                    guards.push(access);
-                    // Before anything is launched; sizes were checked with the call.
-                    let bytes = p.call.elements * p.call.dtype.size();
-                    let roles = [
-                        (input, bytes, "input", false),
-                        (output, bytes, "output", true),
-                    ];
-                    comm.check_overlaps(roles, true)?;
-                    input
+        let mut algorithms = Vec::with_capacity(self.calls.len());
+        let mut run = Vec::new();
+        let mut entries = self.calls.into_iter();
+        loop {
+            let next = entries.next();
+            let last = next.is_none();
+            let outcome = match next {
+                Some(Entry::AllReduce(p)) => {
+                    run.push(p);
+                    continue;
                 }
-                None => output,
+                // The all-reduces before it launch first.
+                Some(Entry::Other(call)) => end_all_reduces(comm, std::mem::take(&mut run))
+                    .map(|a| algorithms.extend(a))
+                    .and_then(|()| call(comm))
+                    .map(|()| algorithms.push(Algorithm::OneStage)),
+                None => {
+                    end_all_reduces(comm, std::mem::take(&mut run)).map(|a| algorithms.extend(a))
+                }
             };
-            io.push((input, output));
+            if let Err(e) = outcome {
+                if !algorithms.is_empty() {
+                    comm.core.poison(&e);
+                }
+                return Err(e);
+            }
+            if last {
+                return Ok(algorithms);
+            }
         }
-        run_group_steps(
-            steps,
-            calls.len(),
-            |e| core.poison(e),
-            |step| match step {
-                GroupStep::Batch { first, plan } => {
-                    if plan.total_elements > 0 {
-                        let entries: Vec<_> = io[first..first + plan.count]
-                            .iter()
-                            .map(|&(input, output)| (PeerInputs::Own(input), output))
-                            .collect();
-                        core.check_usable()?;
-                        core.launch_group(&plan, &entries)?;
-                    }
-                    Ok(None)
-                }
-                GroupStep::Alone { index, routed } => {
-                    let c = &calls[index];
-                    let (input, output) = io[index];
-                    comm.run(
-                        routed, input, &None, output, c.elements, c.dtype, &c.options,
-                    )
-                    .map(|a| Some((index, a)))
-                }
-            },
-        )
     }
+}
+
+/// Launches consecutive all-reduces of a group, batched where they can be.
+fn end_all_reduces<B: Backend>(
+    comm: &Comm<B>,
+    mut pending: Vec<Pending<'_, B>>,
+) -> Result<Vec<Algorithm>> {
+    if pending.is_empty() {
+        return Ok(Vec::new());
+    }
+    let core = &*comm.core;
+    let calls: Vec<GroupedCall> = pending.iter().map(|p| p.call).collect();
+    let steps = core.plan_grouped(&calls, PeerReads::Payloads)?;
+    let dev = core.device();
+    let mut io = Vec::with_capacity(pending.len());
+    let mut guards = Vec::with_capacity(2 * pending.len());
+    for p in pending.iter_mut() {
+        let input = p.send.map(|send| send.read_ptr(dev));
+        let (output, out_access) = p.recv.write_ptr(dev);
+        guards.push(out_access);
+        let input = match input {
+            Some((input, access)) => {
+                guards.push(access);
+                // Before anything is launched; sizes were checked with the call.
+                let bytes = p.call.elements * p.call.dtype.size();
+                let roles = [
+                    (input, bytes, "input", false),
+                    (output, bytes, "output", true),
+                ];
+                comm.check_overlaps(roles, true)?;
+                input
+            }
+            None => output,
+        };
+        io.push((input, output));
+    }
+    run_group_steps(
+        steps,
+        calls.len(),
+        |e| core.poison(e),
+        |step| match step {
+            GroupStep::Batch { first, plan } => {
+                if plan.total_elements > 0 {
+                    let entries: Vec<_> = io[first..first + plan.count]
+                        .iter()
+                        .map(|&(input, output)| (PeerInputs::Own(input), output))
+                        .collect();
+                    core.check_usable()?;
+                    core.launch_group(&plan, &entries)?;
+                }
+                Ok(None)
+            }
+            GroupStep::Alone { index, routed } => {
+                let c = &calls[index];
+                let (input, output) = io[index];
+                comm.run(
+                    routed, input, &None, output, c.elements, c.dtype, &c.options,
+                )
+                .map(|a| Some((index, a)))
+            }
+        },
+    )
 }
