@@ -22,8 +22,17 @@ pub const COLLECTIVE_LENGTHS: [usize; 5] = [1, 7, 1023, 4099, 100_003];
 pub enum Which {
     AllGather,
     ReduceScatter,
-    Broadcast { root: usize, in_place: bool },
-    Scatter { root: usize },
+    Broadcast {
+        root: usize,
+        in_place: bool,
+    },
+    Scatter {
+        root: usize,
+    },
+    /// The per-rank `Comm::reduce` (sum) into the group root's output.
+    Reduce {
+        root: usize,
+    },
 }
 
 /// Rank r's all-gather output: the group's inputs in group-rank order.
@@ -35,31 +44,52 @@ pub fn expect_all_gather<T: Element>(ins: &[Vec<T>], width: usize, r: usize) -> 
 /// Rank r's reduce-scatter output as the kernels compute it: its part of the f32 sum in
 /// group-rank order, rounded to T; also checked against the f64 sum.
 pub fn expect_reduce_scatter<T: Element>(ins: &[Vec<T>], width: usize, r: usize) -> Vec<T> {
-    let base = r / width * width;
     let part = reduce_scatter_part(ins[0].len(), width, r % width);
-    part.map(|e| {
-        // The kernels' order: +0.0 first (one sign of zero), then group-rank order.
-        let mut acc = if width > 1 {
-            0.0 + ins[base][e].to_f32()
-        } else {
-            ins[base][e].to_f32()
-        };
-        let mut sum = acc as f64;
-        let mut abs = sum.abs();
-        for x in ins[base + 1..base + width].iter().map(|v| v[e].to_f32()) {
-            acc += x;
-            sum += x as f64;
-            abs += (x as f64).abs();
-        }
-        let out = T::from_f32(acc);
-        let tol = 0.5 * eps(T::DTYPE) * sum.abs() + width as f64 * f32::EPSILON as f64 * abs + 1e-7;
-        assert!(
-            (out.to_f32() as f64 - sum).abs() <= tol,
-            "the in-order f32 sum strays from the f64 sum at element {e}"
-        );
-        out
-    })
-    .collect()
+    in_order_sums(ins, width, r, part)
+}
+
+/// Rank r's reduce output: the group's in-order sums on the root, its poison elsewhere.
+pub fn expect_reduce<T: Element>(ins: &[Vec<T>], width: usize, r: usize, root: usize) -> Vec<T> {
+    match r % width == root {
+        true => in_order_sums(ins, width, r, 0..ins[0].len()),
+        false => vec![T::from_f32(f32::NAN); ins[0].len()],
+    }
+}
+
+/// Elements `range` of the sum over rank r's group as the kernels compute it, checked
+/// against the f64 sum.
+fn in_order_sums<T: Element>(
+    ins: &[Vec<T>],
+    width: usize,
+    r: usize,
+    range: std::ops::Range<usize>,
+) -> Vec<T> {
+    let base = r / width * width;
+    range
+        .map(|e| {
+            // The kernels' order: +0.0 first (one sign of zero), then group-rank order.
+            let mut acc = if width > 1 {
+                0.0 + ins[base][e].to_f32()
+            } else {
+                ins[base][e].to_f32()
+            };
+            let mut sum = acc as f64;
+            let mut abs = sum.abs();
+            for x in ins[base + 1..base + width].iter().map(|v| v[e].to_f32()) {
+                acc += x;
+                sum += x as f64;
+                abs += (x as f64).abs();
+            }
+            let out = T::from_f32(acc);
+            let tol =
+                0.5 * eps(T::DTYPE) * sum.abs() + width as f64 * f32::EPSILON as f64 * abs + 1e-7;
+            assert!(
+                (out.to_f32() as f64 - sum).abs() <= tol,
+                "the in-order f32 sum strays from the f64 sum at element {e}"
+            );
+            out
+        })
+        .collect()
 }
 
 /// Rank r's broadcast output: its group root's input.
@@ -105,6 +135,7 @@ pub fn output_len(which: Which, width: usize, r: usize, input: usize) -> usize {
         Which::ReduceScatter => reduce_scatter_part(input, width, r % width).len(),
         Which::Broadcast { .. } => input,
         Which::Scatter { .. } => input / width,
+        Which::Reduce { .. } => input,
     }
 }
 
@@ -115,6 +146,7 @@ pub fn expect<T: Element>(which: Which, ins: &[Vec<T>], width: usize, r: usize) 
         Which::ReduceScatter => expect_reduce_scatter(ins, width, r),
         Which::Broadcast { root, .. } => expect_broadcast(ins, width, r, root),
         Which::Scatter { root } => expect_scatter(ins, width, r, root),
+        Which::Reduce { root } => expect_reduce(ins, width, r, root),
     }
 }
 
@@ -522,6 +554,7 @@ impl<B: Backend, T: Element> Call<B> for FuzzCall<B, T> {
             } => comm.broadcast_in_place(&mut o, root, &self.opts),
             Which::Broadcast { root, .. } => comm.broadcast(&roots(root), &mut o, root, &self.opts),
             Which::Scatter { root } => comm.scatter(&roots(root), &mut o, root, &self.opts),
+            Which::Reduce { .. } => unreachable!("the single controller has no reduce"),
         }
         .map(|()| peercomm::Algorithm::OneStage)
     }
@@ -565,6 +598,7 @@ impl<B: Backend, T: Element> Call<B> for FuzzCall<B, T> {
             } => "broadcast",
             Which::Broadcast { in_place: true, .. } => "broadcast_in_place",
             Which::Scatter { .. } => "scatter",
+            Which::Reduce { .. } => "reduce",
         })
     }
 }

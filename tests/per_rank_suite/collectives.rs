@@ -68,6 +68,10 @@ pub(super) fn check_call<B: Backend, T: Element>(
                 Which::Scatter { root } => {
                     comm.scatter_with(is_root(root).then_some(&send), &mut recv, root, &opts)
                 }
+                // Every rank passes its output: a non-root's is left as it was.
+                Which::Reduce { root } => {
+                    comm.reduce_with(&send, Some(&mut recv), &ReduceOp::Sum, root, &opts)
+                }
             }
             .expect(&what);
             recv
@@ -128,6 +132,7 @@ pub fn checked<B: Backend>(place: &Placement, world: usize) {
             for root in [0, width - 1] {
                 let in_place = root != 0;
                 whiches.extend([Which::Broadcast { root, in_place }, Which::Scatter { root }]);
+                whiches.push(Which::Reduce { root });
             }
             for n in [1usize, 7, 1023, 4099, 65_537] {
                 for &which in &whiches {

@@ -65,7 +65,14 @@ fn schedule(seed: u64, world: usize, calls: usize) -> Vec<Call> {
                 let root = rng.random_range(0..group);
                 let broadcast = |in_place| Which::Broadcast { root, in_place };
                 let (gather, scatter) = (Which::AllGather, Which::Scatter { root });
-                [gather, Which::ReduceScatter, broadcast(false), scatter][rng.random_range(0..4)]
+                let reduce = Which::Reduce { root };
+                [
+                    gather,
+                    Which::ReduceScatter,
+                    broadcast(false),
+                    scatter,
+                    reduce,
+                ][rng.random_range(0..5)]
             });
             // A scatter's root stages group x len elements: keep them within the payload.
             let len = match collective {
@@ -241,6 +248,9 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                             }
                             Which::Scatter { root: r } => {
                                 comm.scatter_with(root(r), recv, r, &opts)
+                            }
+                            Which::Reduce { root: r } => {
+                                comm.reduce_with(send, Some(recv), &ReduceOp::Sum, r, &opts)
                             }
                         };
                         ran.push(Some(done.map(|()| Algorithm::OneStage)));
