@@ -146,9 +146,10 @@ fn build_cuda_kernels(out_dir: &Path) {
         .arg(format!("arch=compute_{newest},code=compute_{newest}"));
     cmd.arg("kernels-cuda/peercomm.cu");
     let output = out_dir.join("peercomm_cuda.fatbin");
-    if !kernel_cache::restore(&cmd, out_dir, &output) {
+    let key = kernel_cache::entry(&cmd, out_dir, &output);
+    if !kernel_cache::restore(key.as_deref(), &output) {
         run(&mut cmd, "nvcc");
-        kernel_cache::store(&cmd, out_dir, &output);
+        kernel_cache::store(key, &cmd, out_dir, &output);
     }
 }
 
@@ -181,7 +182,9 @@ mod kernel_cache {
     /// The folders whose files the device code is built from.
     const SOURCES: [&str; 4] = ["include", "kernels-common", "kernels-cuda", "kernels-hip"];
 
-    fn entry(cmd: &Command, out_dir: &Path, output: &Path) -> Option<PathBuf> {
+    /// Where the output of `cmd` over the sources as they are now is kept (`None`: no
+    /// cache). Taken before compiling: `store` keeps the output only under this entry.
+    pub fn entry(cmd: &Command, out_dir: &Path, output: &Path) -> Option<PathBuf> {
         println!("cargo:rerun-if-env-changed=PEERCOMM_KERNEL_CACHE");
         let dir = PathBuf::from(std::env::var_os("PEERCOMM_KERNEL_CACHE")?);
         // FNV-1a: stable across Rust releases, unlike std's hasher.
@@ -216,15 +219,17 @@ mod kernel_cache {
         Some(dir.join(format!("{hash:016x}-{name}")))
     }
 
-    /// Copies the kept output of `cmd` to `output`; false when there is none.
-    pub fn restore(cmd: &Command, out_dir: &Path, output: &Path) -> bool {
-        entry(cmd, out_dir, output).is_some_and(|kept| std::fs::copy(kept, output).is_ok())
+    /// Copies the output kept at `key` to `output`; false when there is none.
+    pub fn restore(key: Option<&Path>, output: &Path) -> bool {
+        key.is_some_and(|kept| std::fs::copy(kept, output).is_ok())
     }
 
-    /// Keeps `output`, which `cmd` has just written (best effort: a cache that cannot be
-    /// written only costs the next build a compile).
-    pub fn store(cmd: &Command, out_dir: &Path, output: &Path) {
-        if let Some(kept) = entry(cmd, out_dir, output) {
+    /// Keeps `output`, which `cmd` has just written, at `key` (its entry taken before the
+    /// compile), unless a source changed while it compiled: the output may then be of
+    /// either version, and is not kept. Best effort: a cache that cannot be written only
+    /// costs the next build a compile.
+    pub fn store(key: Option<PathBuf>, cmd: &Command, out_dir: &Path, output: &Path) {
+        if let Some(kept) = key.filter(|k| entry(cmd, out_dir, output).as_ref() == Some(k)) {
             let _ = std::fs::create_dir_all(kept.parent().unwrap_or(Path::new(".")));
             let partial = kept.with_extension("partial");
             if std::fs::copy(output, &partial).is_ok() {

@@ -285,12 +285,13 @@ fn compile_arch(
             .arg(source)
             .arg("-o")
             .arg(&output);
-        if super::kernel_cache::restore(&cmd, out_dir, &output) {
+        let key = super::kernel_cache::entry(&cmd, out_dir, &output);
+        if super::kernel_cache::restore(key.as_deref(), &output) {
             return Ok((output, tc.label.clone()));
         }
         match cmd.output() {
             Ok(o) if o.status.success() && output.is_file() => {
-                super::kernel_cache::store(&cmd, out_dir, &output);
+                super::kernel_cache::store(key, &cmd, out_dir, &output);
                 return Ok((output, tc.label.clone()));
             }
             Ok(o) => {
