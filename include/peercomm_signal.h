@@ -163,11 +163,21 @@ typedef struct peercomm_signal {
  */
 #define PEERCOMM_STAGE_WHOLE 0xffffffffu
 
-/* Which data type a kernel reduces. */
+/*
+ * Which data type a kernel reduces or moves. f16 and bf16 reduce in f32, f64 in f64, the
+ * integers in their own type (Sum and Prod wrap).
+ */
 typedef enum peercomm_dtype {
     PEERCOMM_DTYPE_F32 = 0,
     PEERCOMM_DTYPE_F16 = 1,
-    PEERCOMM_DTYPE_BF16 = 2
+    PEERCOMM_DTYPE_BF16 = 2,
+    PEERCOMM_DTYPE_F64 = 3,
+    PEERCOMM_DTYPE_I8 = 4,
+    PEERCOMM_DTYPE_U8 = 5,
+    PEERCOMM_DTYPE_I32 = 6,
+    PEERCOMM_DTYPE_U32 = 7,
+    PEERCOMM_DTYPE_I64 = 8,
+    PEERCOMM_DTYPE_U64 = 9
 } peercomm_dtype;
 
 /*
@@ -285,5 +295,51 @@ typedef struct peercomm_group_args {
     /* In place (all.stage_input == 0): entry s's input on group member k; else unread. */
     uint64_t peer_inputs[PEERCOMM_MAX_GROUP_CALLS][PEERCOMM_MAX_GPUS];
 } peercomm_group_args;
+
+/*
+ * The exchange (kernel kind Exchange): the sends and receives of one rank, to and from
+ * any world ranks, in one kernel (send / recv alone or grouped, all-to-all). The launch
+ * is over the whole world (group = world, domain 0), but each pair of ranks that
+ * exchanges data synchronises alone: a pair's barrier advances only the two counters the
+ * pair shares (self_counter[0][block][peer] on each side), so ranks outside it never
+ * wait, and whole-world collectives stay in step with it (they advance every counter).
+ * Each arrival carries the pair's own descriptor, which both ranks compute alike from
+ * what each sends the other (src/comm/core/call: kind Exchange, the pair's call number,
+ * the lower rank's send count and type, the higher rank's), so a send that does not
+ * match its receive is a call mismatch on both ranks before either stores anything.
+ *
+ * What this rank sends to world rank q is staged into region q of its own payload
+ * (all.stage_input bytes each, a multiple of 16), after the pair's End barrier of the
+ * previous exchange, and q reads it there after the pair's Publish barrier. Pack k
+ * (16 bytes) of a pair's message is staged and read by thread k % (blocks x threads) of
+ * the pair's `blocks`, the same on both ranks, so the per-block barrier suffices.
+ */
+typedef struct peercomm_exchange_peer {
+    /* This rank's data for the peer, and its bytes (0: nothing). */
+    uint64_t send;
+    uint64_t send_bytes;
+    /* Where this rank stores what the peer sends, and its bytes (0: nothing). */
+    uint64_t recv;
+    uint64_t recv_bytes;
+    /*
+     * Blocks that move the pair's data (1 .. the launch's grid); 0: no exchange with
+     * this peer. For the rank itself (peers[world_rank]): send is copied to recv locally.
+     */
+    uint32_t blocks;
+    /* The pair's descriptor (see PEERCOMM_CALL_WORDS). */
+    uint32_t call[PEERCOMM_CALL_WORDS];
+    uint32_t pad[3];
+} peercomm_exchange_peer;
+
+/*
+ * Launch arguments of the exchange, passed by value. `all` is read as for the other
+ * kernels (the whole world's signals and payloads, world_rank = group_rank, domain 0,
+ * timeout, stage_input = the bytes of one payload region, call = the exchange's summary
+ * for current_call); the peers' entries say what moves.
+ */
+typedef struct peercomm_exchange_args {
+    peercomm_allreduce_args all;
+    peercomm_exchange_peer peers[PEERCOMM_MAX_GPUS];
+} peercomm_exchange_args;
 
 #endif /* PEERCOMM_SIGNAL_H */

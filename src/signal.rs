@@ -24,9 +24,19 @@ impl DType {
             DType::F32 => RawDType::PEERCOMM_DTYPE_F32,
             DType::F16 => RawDType::PEERCOMM_DTYPE_F16,
             DType::BF16 => RawDType::PEERCOMM_DTYPE_BF16,
+            DType::F64 => RawDType::PEERCOMM_DTYPE_F64,
+            DType::I8 => RawDType::PEERCOMM_DTYPE_I8,
+            DType::U8 => RawDType::PEERCOMM_DTYPE_U8,
+            DType::I32 => RawDType::PEERCOMM_DTYPE_I32,
+            DType::U32 => RawDType::PEERCOMM_DTYPE_U32,
+            DType::I64 => RawDType::PEERCOMM_DTYPE_I64,
+            DType::U64 => RawDType::PEERCOMM_DTYPE_U64,
         }
     }
 }
+
+// A descriptor holds the dtype in 4 bits (word 2, bits 5-8).
+const _: () = assert!(RawDType::PEERCOMM_DTYPE_U64 as u32 <= 0xf);
 
 impl ReduceOp {
     /// The operator's code in a call descriptor (`PEERCOMM_OP_*`).

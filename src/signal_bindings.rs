@@ -62,6 +62,13 @@ pub enum peercomm_dtype {
     PEERCOMM_DTYPE_F32 = 0,
     PEERCOMM_DTYPE_F16 = 1,
     PEERCOMM_DTYPE_BF16 = 2,
+    PEERCOMM_DTYPE_F64 = 3,
+    PEERCOMM_DTYPE_I8 = 4,
+    PEERCOMM_DTYPE_U8 = 5,
+    PEERCOMM_DTYPE_I32 = 6,
+    PEERCOMM_DTYPE_U32 = 7,
+    PEERCOMM_DTYPE_I64 = 8,
+    PEERCOMM_DTYPE_U64 = 9,
 }
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]
@@ -102,4 +109,21 @@ pub struct peercomm_group_args {
     pub pad: u32,
     pub entries: [peercomm_group_entry; 8usize],
     pub peer_inputs: [[u64; 8usize]; 8usize],
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct peercomm_exchange_peer {
+    pub send: u64,
+    pub send_bytes: u64,
+    pub recv: u64,
+    pub recv_bytes: u64,
+    pub blocks: u32,
+    pub call: [u32; 12usize],
+    pub pad: [u32; 3usize],
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct peercomm_exchange_args {
+    pub all: peercomm_allreduce_args,
+    pub peers: [peercomm_exchange_peer; 8usize],
 }

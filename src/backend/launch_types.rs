@@ -149,7 +149,10 @@ pub struct Kernel {
 }
 
 impl Kernel {
-    /// Every kernel the device code must export.
+    /// Every kernel the backends resolve: every family for `f32`, `f16` and `bf16` (the
+    /// families not [exported for every dtype](KernelKind) for `f32` alone); for the other
+    /// dtypes the one-stage all-reduce, reduce-scatter, all-gather, broadcast and scatter
+    /// (several of them share one symbol: see [`Kernel::symbol`]).
     pub fn all() -> impl Iterator<Item = Kernel> {
         let exported = KernelKind::ALL.iter().filter(|k| k.runs_as() == **k);
         exported.flat_map(|&kind| {
@@ -158,16 +161,44 @@ impl Kernel {
             } else {
                 &[DType::F32]
             };
-            dtypes.iter().map(move |&dtype| Kernel { kind, dtype })
+            let dtypes = dtypes.iter().filter(move |d| kind.takes(**d));
+            dtypes.map(move |&dtype| Kernel { kind, dtype })
         })
     }
-    /// Its exported symbol, e.g. `peercomm_two_stage_bf16`.
+    /// Its exported symbol, e.g. `peercomm_two_stage_bf16`. The data-movement families
+    /// (all-gather, broadcast, scatter) copy raw bits: a dtype other than `f32`, `f16`,
+    /// `bf16` runs the kernel of its size (`u8` for 1 byte, `f32` for 4, `u64` for 8).
     pub fn symbol(self) -> String {
-        format!(
-            "peercomm_{}_{}",
-            self.kind.runs_as().name(),
-            self.dtype.name()
+        let kind = self.kind.runs_as();
+        let dtype = match (kind.moves_only(), self.dtype.every_kernel(), self.dtype.size()) {
+            (true, false, 1) => DType::U8,
+            (true, false, 4) => DType::F32,
+            (true, false, _) => DType::U64,
+            _ => self.dtype,
+        };
+        format!("peercomm_{}_{}", kind.name(), dtype.name())
+    }
+}
+
+impl KernelKind {
+    /// Whether it only moves data, bits unchanged (all-gather, broadcast, scatter).
+    const fn moves_only(self) -> bool {
+        matches!(
+            self,
+            KernelKind::AllGather | KernelKind::Broadcast | KernelKind::Scatter
         )
+    }
+
+    /// Whether the device code has it for `dtype`: every kind for `f32`, `f16`, `bf16`;
+    /// for the other dtypes the one-stage all-reduce (and reduce), reduce-scatter and
+    /// the data-movement kinds.
+    pub(crate) const fn takes(self, dtype: DType) -> bool {
+        dtype.every_kernel()
+            || self.moves_only()
+            || matches!(
+                self,
+                KernelKind::OneStage | KernelKind::Reduce | KernelKind::ReduceScatter
+            )
     }
 }
 

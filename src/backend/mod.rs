@@ -45,6 +45,9 @@ pub trait IntoDevice {
 pub(crate) fn check_kernel(name: &str, kernel: Kernel, group: Option<&GroupArgs>) -> Result<()> {
     let (max, symbol) = (crate::signal::MAX_GROUP_CALLS, kernel.symbol());
     let refuse = |why: String| Err(crate::Error::Unsupported(format!("{name}: {why}")));
+    if !kernel.kind.takes(kernel.dtype) {
+        return refuse(format!("no {symbol} kernel (this family takes f32, f16, bf16)"));
+    }
     match (kernel.kind == KernelKind::AllReduceGroup, group) {
         (true, None) => refuse(format!(
             "{symbol} takes group arguments: launch it with launch_group"

@@ -122,21 +122,22 @@ impl ExternalAllReduce<Host> for HostAllReduce {
     }
 }
 
-/// The element-wise sum of `parts` (little-endian elements of `dtype`) in order, in f32.
+/// The element-wise reduction of `parts` (little-endian elements of `dtype`) in order, in
+/// the element's accumulator (as the kernels).
 fn reduce_in_order(dtype: DType, op: ReduceOp, parts: &[&[u8]]) -> Vec<u8> {
     fn typed<T: Element>(op: ReduceOp, parts: &[&[u8]]) -> Vec<u8> {
         let width = std::mem::size_of::<T>();
         let at = |p: &[u8], e: usize| {
-            let mut bits = [0u8; 4];
+            let mut bits = [0u8; 8];
             bits[..width].copy_from_slice(&p[e * width..(e + 1) * width]);
-            T::from_bits_u32(u32::from_le_bytes(bits)).to_f32()
+            T::from_bits_u64(u64::from_le_bytes(bits)).to_acc()
         };
         (0..parts[0].len() / width)
             .flat_map(|e| {
                 let start = op.start(at(parts[0], e), parts.len());
                 let acc = (parts[1..].iter()).fold(start, |acc, p| op.combine(acc, at(p, e)));
-                let bits = T::from_f32(op.finish(acc, parts.len()))
-                    .to_bits_u32()
+                let bits = T::from_acc(op.finish(acc, parts.len()))
+                    .to_bits_u64()
                     .to_le_bytes();
                 bits.into_iter().take(width)
             })
@@ -146,6 +147,13 @@ fn reduce_in_order(dtype: DType, op: ReduceOp, parts: &[&[u8]]) -> Vec<u8> {
         DType::F32 => typed::<f32>(op, parts),
         DType::F16 => typed::<half::f16>(op, parts),
         DType::BF16 => typed::<half::bf16>(op, parts),
+        DType::F64 => typed::<f64>(op, parts),
+        DType::I8 => typed::<i8>(op, parts),
+        DType::U8 => typed::<u8>(op, parts),
+        DType::I32 => typed::<i32>(op, parts),
+        DType::U32 => typed::<u32>(op, parts),
+        DType::I64 => typed::<i64>(op, parts),
+        DType::U64 => typed::<u64>(op, parts),
     }
 }
 
@@ -182,5 +190,9 @@ mod tests {
             reduce_in_order(DType::BF16, ReduceOp::Avg, &parts),
             h(3.5 / 3.0)
         );
+        let i = |v: i8| v.to_le_bytes();
+        let parts = [&i(100)[..], &i(50)[..], &i(-3)[..]];
+        assert_eq!(reduce_in_order(DType::I8, ReduceOp::Sum, &parts), i(-109));
+        assert_eq!(reduce_in_order(DType::I8, ReduceOp::Min, &parts), i(-3));
     }
 }

@@ -109,6 +109,13 @@ fn nccl_dtype(dtype: DType) -> sys::ncclDataType_t {
         DType::F32 => sys::ncclDataType_t::ncclFloat32,
         DType::F16 => sys::ncclDataType_t::ncclFloat16,
         DType::BF16 => sys::ncclDataType_t::ncclBfloat16,
+        DType::F64 => sys::ncclDataType_t::ncclFloat64,
+        DType::I8 => sys::ncclDataType_t::ncclInt8,
+        DType::U8 => sys::ncclDataType_t::ncclUint8,
+        DType::I32 => sys::ncclDataType_t::ncclInt32,
+        DType::U32 => sys::ncclDataType_t::ncclUint32,
+        DType::I64 => sys::ncclDataType_t::ncclInt64,
+        DType::U64 => sys::ncclDataType_t::ncclUint64,
     }
 }
 

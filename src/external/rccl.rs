@@ -190,11 +190,19 @@ fn check(api: &Api, status: Status, call: &'static str) -> Result<()> {
     })
 }
 
+/// RCCL's `ncclDataType_t` codes (NCCL's numbering).
 fn rccl_dtype(dtype: DType) -> c_int {
     match dtype {
         DType::F16 => 6,
         DType::F32 => 7,
         DType::BF16 => 9,
+        DType::I8 => 0,
+        DType::U8 => 1,
+        DType::I32 => 2,
+        DType::U32 => 3,
+        DType::I64 => 4,
+        DType::U64 => 5,
+        DType::F64 => 8,
     }
 }
 

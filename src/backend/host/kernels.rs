@@ -39,6 +39,13 @@ pub(crate) unsafe fn run_block(kernel: Kernel, args: &AllReduceArgs, block: u32,
             DType::F32 => run_typed::<f32>(kind, args, g),
             DType::F16 => run_typed::<half::f16>(kind, args, g),
             DType::BF16 => run_typed::<half::bf16>(kind, args, g),
+            DType::F64 => run_typed::<f64>(kind, args, g),
+            DType::I8 => run_typed::<i8>(kind, args, g),
+            DType::U8 => run_typed::<u8>(kind, args, g),
+            DType::I32 => run_typed::<i32>(kind, args, g),
+            DType::U32 => run_typed::<u32>(kind, args, g),
+            DType::I64 => run_typed::<i64>(kind, args, g),
+            DType::U64 => run_typed::<u64>(kind, args, g),
         }
     });
 }
@@ -55,6 +62,8 @@ pub(crate) unsafe fn run_group_block(kernel: Kernel, args: &GroupArgs, block: u3
         DType::F32 => group::all_reduce_group::<f32>(args, g),
         DType::F16 => group::all_reduce_group::<half::f16>(args, g),
         DType::BF16 => group::all_reduce_group::<half::bf16>(args, g),
+        // `check_kernel` refuses the other dtypes (`KernelKind::takes`).
+        other => unreachable!("no batched all-reduce of {}", other.name()),
     });
 }
 

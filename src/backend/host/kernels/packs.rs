@@ -1,5 +1,7 @@
 //! Packs and elements in the host kernels: a block's packs (the device's grid stride),
-//! loads and stores through f32, and the group-rank-order reduction every kernel shares.
+//! loads and stores through the element's accumulator (f32 for `f32`, `f16`, `bf16`; f64
+//! for `f64`; the integer itself) or through f32 (the fused kernels), and the
+//! group-rank-order reduction every kernel shares.
 
 use crate::dtype::{Element, ReduceOp};
 use crate::signal::{AllReduceArgs, PACK_BYTES};
@@ -40,17 +42,22 @@ pub(super) unsafe fn store<T: Element>(base: u64, i: usize, x: f32) {
     (base as *mut T).add(i).write_unaligned(T::from_f32(x))
 }
 
+/// Element `i` of the `T`s at `base`, in its accumulator (exact).
+unsafe fn load_acc<T: Element>(base: u64, i: usize) -> T::Acc {
+    (base as *const T).add(i).read_unaligned().to_acc()
+}
+
 /// The operator of the call whose arguments these are (its descriptor's).
 pub(super) fn op_of(args: &AllReduceArgs) -> ReduceOp {
     ReduceOp::of_call(&args.call)
 }
 
 /// `op` over the group of element `e` of `srcs`, in group-rank order (the same order on
-/// every rank, so every rank gets the same bits).
-pub(super) unsafe fn reduce_element<T: Element>(op: ReduceOp, srcs: &[u64], e: usize) -> f32 {
-    let mut acc = op.start(load::<T>(srcs[0], e), srcs.len());
+/// every rank, so every rank gets the same bits), in the element's accumulator.
+pub(super) unsafe fn reduce_element<T: Element>(op: ReduceOp, srcs: &[u64], e: usize) -> T::Acc {
+    let mut acc = op.start(load_acc::<T>(srcs[0], e), srcs.len());
     for &s in &srcs[1..] {
-        acc = op.combine(acc, load::<T>(s, e));
+        acc = op.combine(acc, load_acc::<T>(s, e));
     }
     op.finish(acc, srcs.len())
 }
@@ -80,7 +87,8 @@ pub(super) unsafe fn reduce_packs_of<T: Element>(
     packs: Packs,
 ) {
     for e in packs.flat_map(|p| pack_range::<T>(p, n)) {
-        store::<T>(dst, e, reduce_element::<T>(op, srcs, e));
+        let x = T::from_acc(reduce_element::<T>(op, srcs, e));
+        (dst as *mut T).add(e).write_unaligned(x);
     }
 }
 
@@ -106,12 +114,17 @@ pub(super) unsafe fn reduce_packs<T: Element>(
     )
 }
 
-/// The f32 sums over `srcs` of the lanes of the whole pack `p` (the fused kernels' rows).
+/// The f32 sums over `srcs` of the lanes of the whole pack `p` (the fused kernels' rows,
+/// over `f32`, `f16`, `bf16` alone: the same steps as [`reduce_element`] for them).
 pub(super) unsafe fn pack_sums<T: Element>(srcs: &[u64], p: usize) -> [f32; 8] {
     let l = lanes::<T>();
     let mut acc = [0f32; 8];
     for (j, a) in acc.iter_mut().enumerate().take(l) {
-        *a = reduce_element::<T>(ReduceOp::Sum, srcs, p * l + j);
+        let e = p * l + j;
+        let op = ReduceOp::Sum;
+        let start = op.start(load::<T>(srcs[0], e), srcs.len());
+        let sum = (srcs[1..].iter()).fold(start, |acc, &s| op.combine(acc, load::<T>(s, e)));
+        *a = op.finish(sum, srcs.len());
     }
     acc
 }
@@ -141,7 +154,8 @@ mod tests {
         for e in 0..n {
             // SAFETY: every source and the output hold n elements of T from its address.
             let got = unsafe {
-                store::<T>(at[3], e, reduce_element::<T>(ReduceOp::Sum, &at[..3], e));
+                let x = T::from_acc(reduce_element::<T>(ReduceOp::Sum, &at[..3], e));
+                (at[3] as *mut T).add(e).write_unaligned(x);
                 (at[3] as *const T).add(e).read_unaligned()
             };
             let want: f64 = (0..3).map(|s| f64::from(value(s, e).to_f32())).sum();
@@ -162,6 +176,9 @@ mod tests {
         for offset in [1, 2, 3, 6] {
             sums_at::<f16>(offset);
             sums_at::<f32>(offset);
+            sums_at::<f64>(offset);
+            sums_at::<i8>(offset);
+            sums_at::<u64>(offset);
         }
     }
 }

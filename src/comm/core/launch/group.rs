@@ -53,6 +53,12 @@ impl Settings {
                 "a batched all-reduce runs 1..={MAX_GROUP_CALLS} all-reduces, not {count}"
             )));
         }
+        if !dtype.every_kernel() {
+            return Err(Error::Unsupported(format!(
+                "a batched all-reduce takes f32, f16 and bf16, not {}",
+                dtype.name()
+            )));
+        }
         let width = self.group_width(group_size)?;
         let kind = KernelKind::AllReduceGroup;
         let mut offsets = [0u64; MAX_GROUP_CALLS];
@@ -194,16 +200,19 @@ impl<B: Backend> Rank<B> {
     }
 
     /// Splits a group's calls into launches: consecutive peer-memory all-reduces of one
-    /// dtype, operator and width with algorithm and grid left to peercomm run as one batch (up to
-    /// [`MAX_GROUP_CALLS`] that fit the payload); every other call runs alone. Every rank
+    /// dtype (f32, f16 or bf16), operator and width with algorithm and grid left to peercomm
+    /// run as one batch (up to [`MAX_GROUP_CALLS`] that fit the payload); every other call
+    /// runs alone. Every rank
     /// decides the same, from the calls alone.
     pub(crate) fn plan_grouped(
         &self,
         calls: &[GroupedCall],
         reads: PeerReads,
     ) -> Result<Vec<GroupStep>> {
+        // The batched kernel takes f32, f16 and bf16: the other dtypes run alone.
         let batchable = |c: &GroupedCall| {
-            matches!(c.options.algorithm, Algorithm::Auto | Algorithm::OneStage)
+            c.dtype.every_kernel()
+                && matches!(c.options.algorithm, Algorithm::Auto | Algorithm::OneStage)
                 && c.options.blocks.is_none()
                 && !c.options.overlap_previous
         };

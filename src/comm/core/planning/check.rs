@@ -201,6 +201,7 @@ impl<B: Backend> Rank<B> {
         }
         // Before routing, which multiplies the length by the element size.
         message_bytes(dtype, elements, &|| "an all-reduce".into())?;
+        super::check_op(dtype, options.op)?;
         match self.route.path(dtype, elements, options)? {
             Path::Peer(local) => {
                 let plan = self

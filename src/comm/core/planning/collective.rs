@@ -98,6 +98,9 @@ impl Settings {
         options: &CollectiveOptions,
         reads: PeerReads,
     ) -> Result<Plan> {
+        if matches!(which, Collective::ReduceScatter | Collective::Reduce { .. }) {
+            super::check_op(dtype, options.op)?;
+        }
         let width = self.group_width(options.group_size)?;
         // Every size below stays within usize once the padded message does.
         message_bytes(dtype, elements, &|| format!("a {}", which.kind().name()))?;
@@ -181,6 +184,12 @@ impl Settings {
                 ))),
             };
         };
+        if !dtype.every_kernel() {
+            return Err(Error::Unsupported(format!(
+                "the fused all-reduce + RMSNorm takes f32, f16 and bf16, not {}",
+                dtype.name()
+            )));
+        }
         check_rms_norm(dtype, elements, hidden, epsilon)?;
         // As the Lamport all-reduce: the whole world of at least two ranks, and a slot
         // holding the packs and the header.

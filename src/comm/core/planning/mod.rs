@@ -135,6 +135,7 @@ impl Settings {
         in_place: bool,
         reads: PeerReads,
     ) -> Result<Plan> {
+        check_op(dtype, options.op)?;
         let width = self.group_width(options.group_size)?;
         // Sizes below stay within usize once the padded message (<= isize::MAX) does.
         let padded = message_bytes(dtype, elements, &|| "an all-reduce".into())?;
@@ -158,23 +159,33 @@ impl Settings {
         let fits = |a: Algorithm| fits_whole(a) || (a == Algorithm::OneStage && word.is_some());
         // Lamport's sentinel turns -0.0 into +0.0, which only a sum may ignore.
         let lamport_allowed = self.lamport_allowed(width) && options.op == ReduceOp::Sum;
+        // The two-stage and Lamport kernels exist for f32, f16 and bf16 alone.
+        let every_kernel = dtype.every_kernel();
         let algorithm = match options.algorithm {
             Algorithm::Auto => {
                 let mut preferred = dispatch::choose(&self.arch, width, elements * dtype.size());
                 if (preferred == Algorithm::Lamport && !lamport_allowed)
                     || (preferred == Algorithm::TwoStage && !direct)
+                    || !every_kernel
                 {
                     preferred = Algorithm::OneStage;
                 }
                 // Fall back to one the scratch holds whole, then to chunked one-stage.
                 let candidates = [preferred, Algorithm::OneStage, Algorithm::TwoStage]
                     .into_iter()
-                    .filter(|&a| direct || a != Algorithm::TwoStage);
+                    .filter(|&a| (direct && every_kernel) || a != Algorithm::TwoStage);
                 candidates
                     .clone()
                     .find(|&a| fits_whole(a))
                     .or_else(|| candidates.clone().find(|&a| fits(a)))
                     .unwrap_or(preferred)
+            }
+            a @ (Algorithm::Lamport | Algorithm::TwoStage) if !every_kernel => {
+                return Err(Error::Unsupported(format!(
+                    "the {} algorithm takes f32, f16 and bf16, not {}; use Auto or OneStage",
+                    a.name(),
+                    dtype.name()
+                )))
             }
             Algorithm::Lamport if width == 1 => Algorithm::OneStage,
             Algorithm::Lamport if options.op != ReduceOp::Sum => {
@@ -248,6 +259,19 @@ impl Settings {
         plan.collective.op = options.op;
         Ok(plan)
     }
+}
+
+/// Refuses an operator the element type does not take (`Avg` over an integer), before
+/// anything launches.
+pub(crate) fn check_op(dtype: DType, op: ReduceOp) -> Result<()> {
+    if op.takes(dtype) {
+        return Ok(());
+    }
+    Err(Error::Unsupported(format!(
+        "the {} operator takes floating-point types, not {}",
+        op.name(),
+        dtype.name()
+    )))
 }
 
 #[cfg(test)]

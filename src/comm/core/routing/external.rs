@@ -47,6 +47,11 @@ impl<B: Backend> Rank<B> {
                 if elements == 0 {
                     return Ok(Algorithm::Hierarchical);
                 }
+                if dtype.size() == 1 {
+                    // (c) fills whole 16- or 32-bit words.
+                    let why = format!("a hierarchical all-reduce of {}", dtype.name());
+                    return Err(RouteError::Validation(Error::Unsupported(why)));
+                }
                 let mut opts = AllReduceOptions::new().with_op(options.op);
                 opts.blocks = options.blocks;
                 let plan = |opts, in_place| {
@@ -68,8 +73,10 @@ impl<B: Backend> Rank<B> {
                     let at = output + lo as u64 * size;
                     // SAFETY: [lo, hi) lies inside the output the caller holds.
                     unsafe { external.all_reduce(dev, (at, at, hi - lo, dtype, options.op)) }?;
-                    // (c) the gather inside the host: every other slice is -0.0, so
-                    // the peer sum copies each slice bit for bit (x + -0.0 == x).
+                    // (c) the gather inside the host: every other slice is -0.0 (the
+                    // wide and integer types: zero), so the peer sum copies each slice
+                    // bit for bit (x + -0.0 == x; its start +0.0 + x makes a -0.0
+                    // slice +0.0 either way).
                     fill_negative_zero::<B>(dev, output, 0, lo, dtype)?;
                     fill_negative_zero::<B>(dev, output, hi, elements, dtype)?;
                     self.launch(&gather, PeerInputs::Own(output), output, Fused::default())
@@ -113,6 +120,9 @@ fn fill_negative_zero<B: Backend>(
     match dtype {
         DType::F32 => B::memset_d32(dev, at, 0x8000_0000, to - from),
         DType::F16 | DType::BF16 => B::memset_d16(dev, at, 0x8000, to - from),
+        // Zero words: the integers' identity, and f64's as -0.0 (see (c)).
+        d if d.size() >= 4 => B::memset_d32(dev, at, 0, (to - from) * d.size() / 4),
+        d => Err(Error::Unsupported(format!("filling {} elements", d.name()))),
     }
 }
 
