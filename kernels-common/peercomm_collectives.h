@@ -104,7 +104,8 @@ PC_INLINE void all_gather(const Args& a) {
 }
 
 // Reduce-scatter: group rank r reduces part r (split_part) of every member's n-element
-// input by the call's operator, in group-rank order and f32 like the all-reduce, so its
+// input by the call's operator, in group-rank order and D's accumulator like the
+// all-reduce, so its
 // bits equal the all-reduce's for those elements. Staged: the own input goes into the own payload
 // part by part, each part at a pack boundary (staged_part_pack).
 template <typename D>
@@ -140,9 +141,7 @@ PC_INLINE void reduce_scatter(const Args& a) {
                 srcs[s] = s < width ? chunks.half(a, s, k) + me * cap * 16u : 0u;
                 vec = vec && (s >= width || aligned16(srcs[s]));
             }
-            with_width(width, [&]<int W>() {
-                reduce_range<D, W>(call_op(a), srcs, 0, r.packs, r.elems, dst, 0, vec, tid, stride);
-            });
+            reduce_range_any<D>(call_op(a), width, srcs, 0, r.packs, r.elems, dst, 0, vec, tid, stride);
         };
         return run_chunks(c, chunks, stage, use);
     }
@@ -164,9 +163,7 @@ PC_INLINE void reduce_scatter(const Args& a) {
         vec = vec && (s >= width || aligned16(srcs[s]));
     }
     const uint64_t packs = div_ceil_u64(mine.count, L);
-    with_width(width, [&]<int W>() {
-        reduce_range<D, W>(call_op(a), srcs, 0, packs, mine.count, a.output, 0, vec, tid, stride);
-    });
+    reduce_range_any<D>(call_op(a), width, srcs, 0, packs, mine.count, a.output, 0, vec, tid, stride);
     if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
     finish(c);
 }
@@ -498,19 +495,34 @@ PC_INLINE void lamport_rmsnorm(const Args& a) {
     lamport_end(c, packs);
 }
 
+// The data-movement kernels copy raw bits: a type of the same size runs the same kernel
+// (i32 and u32 the f32 one, i8 the u8 one, f64 and i64 the u64 one: `Kernel::symbol`).
 #define PEERCOMM_COLLECTIVE_KERNELS(X)                            \
     X(peercomm_all_gather_f32, all_gather<F32>)                   \
     X(peercomm_all_gather_f16, all_gather<F16>)                   \
     X(peercomm_all_gather_bf16, all_gather<BF16>)                 \
+    X(peercomm_all_gather_u8, all_gather<U8>)                     \
+    X(peercomm_all_gather_u64, all_gather<U64>)                   \
     X(peercomm_reduce_scatter_f32, reduce_scatter<F32>)           \
     X(peercomm_reduce_scatter_f16, reduce_scatter<F16>)           \
     X(peercomm_reduce_scatter_bf16, reduce_scatter<BF16>)         \
+    X(peercomm_reduce_scatter_f64, reduce_scatter<F64>)           \
+    X(peercomm_reduce_scatter_i8, reduce_scatter<I8>)             \
+    X(peercomm_reduce_scatter_u8, reduce_scatter<U8>)             \
+    X(peercomm_reduce_scatter_i32, reduce_scatter<I32>)           \
+    X(peercomm_reduce_scatter_u32, reduce_scatter<U32>)           \
+    X(peercomm_reduce_scatter_i64, reduce_scatter<I64>)           \
+    X(peercomm_reduce_scatter_u64, reduce_scatter<U64>)           \
     X(peercomm_broadcast_f32, broadcast<F32>)                     \
     X(peercomm_broadcast_f16, broadcast<F16>)                     \
     X(peercomm_broadcast_bf16, broadcast<BF16>)                   \
+    X(peercomm_broadcast_u8, broadcast<U8>)                       \
+    X(peercomm_broadcast_u64, broadcast<U64>)                     \
     X(peercomm_scatter_f32, scatter<F32>)                         \
     X(peercomm_scatter_f16, scatter<F16>)                         \
     X(peercomm_scatter_bf16, scatter<BF16>)                       \
+    X(peercomm_scatter_u8, scatter<U8>)                           \
+    X(peercomm_scatter_u64, scatter<U64>)                         \
     X(peercomm_allreduce_rmsnorm_f32, allreduce_rmsnorm<F32>)     \
     X(peercomm_allreduce_rmsnorm_f16, allreduce_rmsnorm<F16>)     \
     X(peercomm_allreduce_rmsnorm_bf16, allreduce_rmsnorm<BF16>)   \

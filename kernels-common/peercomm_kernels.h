@@ -37,7 +37,8 @@
 //                                   named order (barrier arrivals: counter + descriptor)
 //   timer_now(), timer_ticks(ns)    a constant-rate clock; ticks in ns nanoseconds
 //                                   (rounded up, saturating)
-//   float_from_bits, bits_from_float, float_from_f16, f16_from_float, bf16_from_float
+//   float_from_bits, bits_from_float, float_from_f16, f16_from_float, bf16_from_float,
+//   double_from_bits, bits_from_double
 //                                   (narrowing rounds to nearest even)
 // and, after including it, one `extern "C" __global__` function per PEERCOMM_KERNELS
 // entry (at the end of this file).
@@ -63,10 +64,13 @@ PC_INLINE uint64_t min_u64(uint64_t x, uint64_t y) { return x < y ? x : y; }
 
 // ---------------------------------------------------------------------------------
 // Element types: raw bits in memory, f32 in registers. kCanonicalNaN is the one NaN
-// that Max and Min store, as these bits.
+// that Max and Min store, as these bits. kRunTimeWidth: whether the reducing kernels
+// take the group width at run time (one body, reduce_range_rt) instead of one body per
+// width (with_width): false for the three types every kernel takes.
 
 struct F32 {
     typedef uint32_t Bits;
+    static constexpr bool kRunTimeWidth = false;
     static constexpr Bits kNegZero = 0x80000000u;
     static constexpr Bits kCanonicalNaN = 0x7fc00000u;
     static PC_INLINE float to_float(Bits b) { return float_from_bits(b); }
@@ -74,6 +78,7 @@ struct F32 {
 };
 struct F16 {
     typedef uint16_t Bits;
+    static constexpr bool kRunTimeWidth = false;
     static constexpr Bits kNegZero = 0x8000u;
     static constexpr Bits kCanonicalNaN = 0x7e00u;
     static PC_INLINE float to_float(Bits b) { return float_from_f16(b); }
@@ -81,11 +86,41 @@ struct F16 {
 };
 struct BF16 {
     typedef uint16_t Bits;
+    static constexpr bool kRunTimeWidth = false;
     static constexpr Bits kNegZero = 0x8000u;
     static constexpr Bits kCanonicalNaN = 0x7fc0u;
     static PC_INLINE float to_float(Bits b) { return float_from_bits((uint32_t)b << 16); }
     static PC_INLINE Bits from_float(float x) { return bf16_from_float(x); }
 };
+
+// The other types: reduced (one-stage, reduce, reduce-scatter) in their accumulator Acc,
+// f64 for F64 and the integer itself for the integers (wrapping), with the group width
+// a run-time value; moved (all-gather, broadcast, scatter) by the kernel of their size.
+struct F64 {
+    typedef uint64_t Bits;
+    typedef double Acc;
+    static constexpr bool kRunTimeWidth = true;
+    static constexpr bool kFloat = true;
+    static constexpr Bits kCanonicalNaN = 0x7ff8000000000000ull;
+    static PC_INLINE Acc to_acc(Bits b) { return double_from_bits(b); }
+    static PC_INLINE Bits from_acc(Acc x) { return bits_from_double(x); }
+};
+// B: the bits (unsigned, where Sum and Prod wrap), S: the value (Max and Min compare it).
+template <typename B, typename S>
+struct Int {
+    typedef B Bits;
+    typedef S Acc;
+    static constexpr bool kRunTimeWidth = true;
+    static constexpr bool kFloat = false;
+    static PC_INLINE Acc to_acc(Bits b) { return (S)b; }
+    static PC_INLINE Bits from_acc(Acc x) { return (B)x; }
+};
+struct I8 : Int<uint8_t, int8_t> {};
+struct U8 : Int<uint8_t, uint8_t> {};
+struct I32 : Int<uint32_t, int32_t> {};
+struct U32 : Int<uint32_t, uint32_t> {};
+struct I64 : Int<uint64_t, int64_t> {};
+struct U64 : Int<uint64_t, uint64_t> {};
 
 PC_INLINE uint32_t vec16_word(const Vec16& v, int i) {
     return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
@@ -105,20 +140,27 @@ PC_INLINE void set_vec16_word(Vec16& v, int i, uint32_t x) {
 // One 16-byte pack seen as lanes of D. Lanes are shifts on the four words, indexed by
 // constants once loops are unrolled, so the pack stays in registers: a union with a lane
 // array made older clang keep packs in scratch, and a run-time lane index puts the
-// pack in local memory on either compiler.
+// pack in local memory on either compiler. An 8-byte lane is two words, low first.
 template <typename D>
 struct Pack {
     typedef typename D::Bits Bits;
     static constexpr int kLanes = 16 / sizeof(Bits);
-    static constexpr int kLanesPerWord = kLanes / 4;
+    static constexpr int kLanesPerWord = kLanes >= 4 ? kLanes / 4 : 1;
     static constexpr int kLaneBits = 32 / kLanesPerWord;
     Vec16 v;
 
     PC_INLINE Bits lane(int j) const {
-        return (Bits)(vec16_word(v, j / kLanesPerWord) >> (kLaneBits * (j % kLanesPerWord)));
+        if constexpr (sizeof(Bits) == 8) {
+            return (Bits)vec16_word(v, 2 * j) | (Bits)vec16_word(v, 2 * j + 1) << 32;
+        } else {
+            return (Bits)(vec16_word(v, j / kLanesPerWord) >> (kLaneBits * (j % kLanesPerWord)));
+        }
     }
     PC_INLINE void set_lane(int j, Bits x) {
-        if constexpr (kLanesPerWord == 1) {
+        if constexpr (sizeof(Bits) == 8) {
+            set_vec16_word(v, 2 * j, (uint32_t)x);
+            set_vec16_word(v, 2 * j + 1, (uint32_t)(x >> 32));
+        } else if constexpr (kLanesPerWord == 1) {
             set_vec16_word(v, j, x);
         } else {
             const int shift = kLaneBits * (j % kLanesPerWord);
@@ -723,6 +765,98 @@ PC_INLINE void with_width(uint32_t width, F&& body) {
 //   per lane for every dtype (an f16/bf16 word equals the sentinel only when its upper
 //   lane is -0.0). Lanes past the end of the message are sent as +0.0.
 // - Generations: flag = lamport_state[FLAG], in [0, 3). A call pushes into and reads
+// The reduction of the run-time-width types (D::kRunTimeWidth), by peercomm_signal.h's
+// rules in D::Acc and source order: F64 as the f32 rules in f64 (Sum from +0.0 over two
+// or more ranks, Max and Min with -0.0 below +0.0 and any NaN the canonical NaN, Avg
+// the sum over the width); the integers wrap (Sum and Prod in the unsigned bits) and
+// compare by value (Avg, refused before any launch, sums). Unknown codes reduce as Sum.
+template <typename D>
+PC_INLINE typename D::Acc acc_first(uint32_t op, typename D::Acc x0, uint32_t width) {
+    if constexpr (D::kFloat) {
+        if ((op == PEERCOMM_OP_SUM || op == PEERCOMM_OP_AVG) && width > 1u) return (typename D::Acc)0 + x0;
+    }
+    return x0;
+}
+template <typename D>
+PC_INLINE typename D::Acc acc_step(uint32_t op, typename D::Acc acc, typename D::Acc x) {
+    typedef typename D::Acc A;
+    typedef typename D::Bits B;
+    if constexpr (D::kFloat) {
+        if (op == PEERCOMM_OP_PROD) return acc * x;
+        if (op == PEERCOMM_OP_MAX || op == PEERCOMM_OP_MIN) {
+            // A NaN stays a NaN (acc_store makes it the canonical one).
+            if (acc != acc || x != x) return acc + x;
+            const bool is_max = op == PEERCOMM_OP_MAX;
+            const bool acc_neg = (D::from_acc(acc) >> (8 * sizeof(B) - 1)) != 0u;
+            const bool take_x = acc == x ? acc_neg == is_max : (acc < x) == is_max;
+            return take_x ? x : acc;
+        }
+        return acc + x;
+    } else {
+        if (op == PEERCOMM_OP_PROD) return (A)(B)((B)acc * (B)x);
+        if (op == PEERCOMM_OP_MAX) return acc < x ? x : acc;
+        if (op == PEERCOMM_OP_MIN) return x < acc ? x : acc;
+        return (A)(B)((B)acc + (B)x);
+    }
+}
+template <typename D>
+PC_INLINE typename D::Bits acc_store(uint32_t op, typename D::Acc acc, uint32_t width) {
+    if constexpr (D::kFloat) {
+        if ((op == PEERCOMM_OP_MAX || op == PEERCOMM_OP_MIN) && acc != acc) return D::kCanonicalNaN;
+        if (op == PEERCOMM_OP_AVG && width > 1u) acc = acc / (typename D::Acc)width;
+    }
+    return D::from_acc(acc);
+}
+
+// reduce_range for the run-time-width types: one body for every width (a loop over the
+// sources), pack p by global thread p % stride, the tail and unaligned buffers lane by
+// lane, the same order and bits either way.
+template <typename D>
+PC_INLINE void reduce_range_rt(uint32_t op, uint32_t width, const uint64_t* srcs, uint64_t first, uint64_t end,
+                               uint64_t n, uint64_t dst, uint64_t dst_base, bool vec, uint64_t tid,
+                               uint64_t stride) {
+    constexpr int L = Pack<D>::kLanes;
+    typedef typename D::Acc A;
+    for (uint64_t p = first + tid; p < end; p += stride) {
+        if (vec && (p + 1) * L <= n) {
+            Pack<D> in{load_vec16(srcs[0], p)};
+            A acc[L];
+#pragma unroll
+            for (int j = 0; j < L; ++j) acc[j] = acc_first<D>(op, D::to_acc(in.lane(j)), width);
+            for (uint32_t s = 1; s < width; ++s) {
+                in.v = load_vec16(srcs[s], p);
+#pragma unroll
+                for (int j = 0; j < L; ++j) acc[j] = acc_step<D>(op, acc[j], D::to_acc(in.lane(j)));
+            }
+            Pack<D> out{make_vec16(0u, 0u, 0u, 0u)};
+#pragma unroll
+            for (int j = 0; j < L; ++j) out.set_lane(j, acc_store<D>(op, acc[j], width));
+            store_vec16(dst, p - dst_base, out.v);
+        } else {
+            for (uint64_t e = p * L, j = 0; e < n && j < (uint64_t)L; ++e, ++j) {
+                A acc = acc_first<D>(op, D::to_acc(load_elem<D>(srcs[0], e)), width);
+                for (uint32_t s = 1; s < width; ++s) acc = acc_step<D>(op, acc, D::to_acc(load_elem<D>(srcs[s], e)));
+                store_elem<D>(dst, (p - dst_base) * L + j, acc_store<D>(op, acc, width));
+            }
+        }
+    }
+}
+
+// reduce_range over `width` sources: one body per width for F32, F16, BF16, one body
+// for every width for the other types.
+template <typename D>
+PC_INLINE void reduce_range_any(uint32_t op, uint32_t width, const uint64_t* srcs, uint64_t first, uint64_t end,
+                                uint64_t n, uint64_t dst, uint64_t dst_base, bool vec, uint64_t tid,
+                                uint64_t stride) {
+    if constexpr (D::kRunTimeWidth) {
+        reduce_range_rt<D>(op, width, srcs, first, end, n, dst, dst_base, vec, tid, stride);
+    } else {
+        with_width(width, [&]<int W>() {
+            reduce_range<D, W>(op, srcs, first, end, n, dst, dst_base, vec, tid, stride);
+        });
+    }
+}
+
 //   generation flag, and clears generation (flag + 2) % 3, the previous call's, so that
 //   it holds the sentinel again when the call after next writes it. The clear races no
 //   write: this rank read every pack of the previous call, so those writes have landed;
@@ -1042,10 +1176,8 @@ PC_INLINE void one_stage_chunked(Ctx& c, uint64_t n, uint64_t packs, bool vec, u
 #pragma unroll
         for (uint32_t s = 0; s < PEERCOMM_MAX_GPUS; ++s) srcs[s] = s < width ? chunks.half(a, s, k) : 0u;
         if (!stores_result(a)) return;
-        with_width(width, [&]<int W>() {
-            reduce_range<D, W>(call_op(a), srcs, 0, r.packs, r.elems, elem_at(a.output, r.first), 0, vec, tid,
-                               stride);
-        });
+        reduce_range_any<D>(call_op(a), width, srcs, 0, r.packs, r.elems, elem_at(a.output, r.first), 0, vec, tid,
+                            stride);
     };
     run_chunks(c, chunks, stage, use);
 }
@@ -1073,9 +1205,7 @@ PC_INLINE void one_stage(const Args& a) {
         if (!barrier<BarrierKind::Start>(c)) return abandon(c, WaitForPeers::Yes);
     }
     if (stores_result(a)) {
-        with_width(a.group_width, [&]<int W>() {
-            reduce_range<D, W>(call_op(a), a.inputs, 0, packs, n, a.output, 0, vec, tid, stride);
-        });
+        reduce_range_any<D>(call_op(a), a.group_width, a.inputs, 0, packs, n, a.output, 0, vec, tid, stride);
     }
     if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
     finish(c);
@@ -1191,3 +1321,10 @@ PC_INLINE void delay(const Args& a) {
     X(peercomm_delay_f32, delay)
 
 #endif  // PEERCOMM_KERNELS_H
+    X(peercomm_one_stage_f64, one_stage<F64>)   \
+    X(peercomm_one_stage_i8, one_stage<I8>)     \
+    X(peercomm_one_stage_u8, one_stage<U8>)     \
+    X(peercomm_one_stage_i32, one_stage<I32>)   \
+    X(peercomm_one_stage_u32, one_stage<U32>)   \
+    X(peercomm_one_stage_i64, one_stage<I64>)   \
+    X(peercomm_one_stage_u64, one_stage<U64>)   \

@@ -106,6 +106,8 @@ PC_INLINE uint32_t bits_from_float(float x) { return __float_as_uint(x); }
 PC_INLINE float float_from_f16(uint16_t b) { return __half2float(__ushort_as_half(b)); }
 PC_INLINE uint16_t f16_from_float(float x) { return __half_as_ushort(__float2half_rn(x)); }
 PC_INLINE uint16_t bf16_from_float(float x) { return __bfloat16_as_ushort(__float2bfloat16_rn(x)); }
+PC_INLINE double double_from_bits(uint64_t b) { return __longlong_as_double((long long)b); }
+PC_INLINE uint64_t bits_from_double(double x) { return (uint64_t)__double_as_longlong(x); }
 
 #include "peercomm_kernels.h"
 #include "peercomm_collectives.h"

@@ -121,6 +121,8 @@ PC_INLINE uint16_t bf16_from_float(float x) {
     if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x0040u);  // quiet NaN
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
+PC_INLINE double double_from_bits(uint64_t b) { return __builtin_bit_cast(double, b); }
+PC_INLINE uint64_t bits_from_double(double x) { return __builtin_bit_cast(uint64_t, x); }
 
 #include "peercomm_kernels.h"
 #include "peercomm_collectives.h"

@@ -189,15 +189,16 @@ impl KernelKind {
         )
     }
 
-    /// Whether the device code has it for `dtype`: every kind for `f32`, `f16`, `bf16`;
-    /// for the other dtypes the one-stage all-reduce (and reduce), reduce-scatter and
-    /// the data-movement kinds.
+    /// Whether the device code serves `dtype` with it: every kind `f32`, `f16`, `bf16`;
+    /// the other dtypes the one-stage all-reduce (and reduce), reduce-scatter, the
+    /// data-movement kinds and the kinds not exported per dtype.
     pub(crate) const fn takes(self, dtype: DType) -> bool {
         dtype.every_kernel()
             || self.moves_only()
             || matches!(
                 self,
                 KernelKind::OneStage | KernelKind::Reduce | KernelKind::ReduceScatter
+            || !self.every_dtype()
             )
     }
 }
