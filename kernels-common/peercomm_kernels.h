@@ -204,23 +204,27 @@ struct CallWords {
     uint32_t w[PEERCOMM_CALL_WORDS];
 };
 
-// Pack k of this call's arrival: the counter value, then descriptor words 3k .. 3k + 2.
-PC_INLINE Vec16 arrival_pack(const Args& a, uint32_t v, uint32_t k) {
-    return make_vec16(v, a.call[3u * k], a.call[3u * k + 1u], a.call[3u * k + 2u]);
+// Pack k of an arrival with descriptor `call`: the counter value, then descriptor words
+// 3k .. 3k + 2.
+PC_INLINE Vec16 arrival_pack(const uint32_t* call, uint32_t v, uint32_t k) {
+    return make_vec16(v, call[3u * k], call[3u * k + 1u], call[3u * k + 2u]);
 }
 
-// Whether words 1-3 of `x` are words 3k .. 3k + 2 of this call's descriptor.
-PC_INLINE bool same_pack(const Args& a, Vec16 x, uint32_t k) {
-    return x.y == a.call[3u * k] && x.z == a.call[3u * k + 1u] && x.w == a.call[3u * k + 2u];
+// Whether words 1-3 of `x` are words 3k .. 3k + 2 of the descriptor `call`.
+PC_INLINE bool same_pack(const uint32_t* call, Vec16 x, uint32_t k) {
+    return x.y == call[3u * k] && x.z == call[3u * k + 1u] && x.w == call[3u * k + 2u];
+}
+
+// The descriptor `call` as words.
+PC_INLINE CallWords call_words(const uint32_t* call) {
+    CallWords c;
+#pragma unroll
+    for (uint32_t i = 0; i < PEERCOMM_CALL_WORDS; ++i) c.w[i] = call[i];
+    return c;
 }
 
 // This call's descriptor.
-PC_INLINE CallWords own_call(const Args& a) {
-    CallWords c;
-#pragma unroll
-    for (uint32_t i = 0; i < PEERCOMM_CALL_WORDS; ++i) c.w[i] = a.call[i];
-    return c;
-}
+PC_INLINE CallWords own_call(const Args& a) { return call_words(a.call); }
 
 // The current_call summary of this call (descriptor words 0, 2, 3), running or not.
 PC_INLINE Vec16 call_summary(const Args& a, uint32_t running) {
@@ -456,24 +460,34 @@ enum class BarrierKind {
     End,
 };
 
-template <BarrierKind kKind>
-PC_INLINE bool barrier(Ctx& c) {
+// Which group ranks a barrier waits for, and the descriptor it publishes to and expects
+// from each. The collectives: every member, with the call's descriptor. The exchange
+// (peercomm_exchange.h) waits only for the peers it moves data with, each pair with its
+// own descriptor.
+struct EveryMember {
+    PC_INLINE bool takes_part(const Args&, uint32_t) const { return true; }
+    PC_INLINE const uint32_t* call(const Args& a, uint32_t) const { return a.call; }
+};
+
+template <BarrierKind kKind, typename Members = EveryMember>
+PC_INLINE bool barrier(Ctx& c, const Members& members = Members{}) {
     constexpr bool kOrdered = kKind == BarrierKind::Publish;
     if (kKind != BarrierKind::Start) __syncthreads();
     const Args& a = c.a;
     const uint32_t t = threadIdx.x;
-    if (t < a.group_width) {
+    if (t < a.group_width && members.takes_part(a, t)) {
+        const uint32_t* call = members.call(a, t);
         const uint32_t d = a.domain, b = blockIdx.x;
         const uint32_t v = ++c.counter;
         // The arrival: every pack carries v beside three descriptor words. Packs 1.. go
         // first, pack 0 last, so that a publishing barrier's release (pack 0) covers them.
         PC_GLOBAL Vec16* to_peer = (PC_GLOBAL Vec16*)signal_at(a.signals[t])->peer_counter[d][v & 1u][b][a.group_rank];
 #pragma unroll
-        for (uint32_t k = 1; k < PEERCOMM_CALL_PACKS; ++k) st_relaxed_sys_vec16(to_peer + k, arrival_pack(a, v, k));
+        for (uint32_t k = 1; k < PEERCOMM_CALL_PACKS; ++k) st_relaxed_sys_vec16(to_peer + k, arrival_pack(call, v, k));
         if (kOrdered) {
-            st_release_sys_vec16(to_peer, arrival_pack(a, v, 0u));
+            st_release_sys_vec16(to_peer, arrival_pack(call, v, 0u));
         } else {
-            st_relaxed_sys_vec16(to_peer, arrival_pack(a, v, 0u));
+            st_relaxed_sys_vec16(to_peer, arrival_pack(call, v, 0u));
         }
         c.own->self_counter[d][b][t] = v;  // the next kernel's entry reads it
         const PC_GLOBAL Vec16* from_peer = (const PC_GLOBAL Vec16*)c.own->peer_counter[d][v & 1u][b][t];
@@ -495,13 +509,13 @@ PC_INLINE bool barrier(Ctx& c) {
             for (uint32_t k = 0; k < PEERCOMM_CALL_PACKS; ++k) {
                 Vec16 p = k == 0u ? x : ld_relaxed_sys_vec16(from_peer + k);
                 while (p.x != v && w.keep_waiting(c, t)) p = ld_relaxed_sys_vec16(from_peer + k);
-                if (p.x == v && !same_pack(a, p, k)) p = ld_relaxed_sys_vec16(from_peer + k);
-                differs = differs || (p.x == v && !same_pack(a, p, k));
+                if (p.x == v && !same_pack(call, p, k)) p = ld_relaxed_sys_vec16(from_peer + k);
+                differs = differs || (p.x == v && !same_pack(call, p, k));
                 theirs.w[3u * k] = p.y;
                 theirs.w[3u * k + 1u] = p.z;
                 theirs.w[3u * k + 2u] = p.w;
             }
-            if (differs) record_mismatch(c, t, theirs);
+            if (differs) record_mismatch(c, t, call_words(call), theirs);
         }
     }
     __syncthreads();
@@ -751,20 +765,6 @@ PC_INLINE void with_width(uint32_t width, F&& body) {
     }
 }
 
-// ---------------------------------------------------------------------------------
-// Lamport: data that carries its own readiness. Each rank's region holds
-// PEERCOMM_LAMPORT_GENERATIONS x world-width slots of lamport_slot_bytes; slot
-// (gen, src) receives, pack by pack, what group rank src pushes in a call of
-// generation gen.
-//
-// Invariants:
-// - Sentinel: a 32-bit word of a pack not yet written holds 0x80000000, the bits of f32
-//   -0.0. Words are compared as bits, never as floats (-0.0 == +0.0, and flush-to-zero
-//   turns a negative subnormal into -0.0).
-// - A producer never sends the sentinel: every -0.0 lane becomes +0.0 before the push,
-//   per lane for every dtype (an f16/bf16 word equals the sentinel only when its upper
-//   lane is -0.0). Lanes past the end of the message are sent as +0.0.
-// - Generations: flag = lamport_state[FLAG], in [0, 3). A call pushes into and reads
 // The reduction of the run-time-width types (D::kRunTimeWidth), by peercomm_signal.h's
 // rules in D::Acc and source order: F64 as the f32 rules in f64 (Sum from +0.0 over two
 // or more ranks, Max and Min with -0.0 below +0.0 and any NaN the canonical NaN, Avg
@@ -857,6 +857,20 @@ PC_INLINE void reduce_range_any(uint32_t op, uint32_t width, const uint64_t* src
     }
 }
 
+// ---------------------------------------------------------------------------------
+// Lamport: data that carries its own readiness. Each rank's region holds
+// PEERCOMM_LAMPORT_GENERATIONS x world-width slots of lamport_slot_bytes; slot
+// (gen, src) receives, pack by pack, what group rank src pushes in a call of
+// generation gen.
+//
+// Invariants:
+// - Sentinel: a 32-bit word of a pack not yet written holds 0x80000000, the bits of f32
+//   -0.0. Words are compared as bits, never as floats (-0.0 == +0.0, and flush-to-zero
+//   turns a negative subnormal into -0.0).
+// - A producer never sends the sentinel: every -0.0 lane becomes +0.0 before the push,
+//   per lane for every dtype (an f16/bf16 word equals the sentinel only when its upper
+//   lane is -0.0). Lanes past the end of the message are sent as +0.0.
+// - Generations: flag = lamport_state[FLAG], in [0, 3). A call pushes into and reads
 //   generation flag, and clears generation (flag + 2) % 3, the previous call's, so that
 //   it holds the sentinel again when the call after next writes it. The clear races no
 //   write: this rank read every pack of the previous call, so those writes have landed;
@@ -1308,6 +1322,13 @@ PC_INLINE void delay(const Args& a) {
     X(peercomm_one_stage_f32, one_stage<F32>)   \
     X(peercomm_one_stage_f16, one_stage<F16>)   \
     X(peercomm_one_stage_bf16, one_stage<BF16>) \
+    X(peercomm_one_stage_f64, one_stage<F64>)   \
+    X(peercomm_one_stage_i8, one_stage<I8>)     \
+    X(peercomm_one_stage_u8, one_stage<U8>)     \
+    X(peercomm_one_stage_i32, one_stage<I32>)   \
+    X(peercomm_one_stage_u32, one_stage<U32>)   \
+    X(peercomm_one_stage_i64, one_stage<I64>)   \
+    X(peercomm_one_stage_u64, one_stage<U64>)   \
     X(peercomm_two_stage_f32, two_stage<F32>)   \
     X(peercomm_two_stage_f16, two_stage<F16>)   \
     X(peercomm_two_stage_bf16, two_stage<BF16>) \
@@ -1321,10 +1342,3 @@ PC_INLINE void delay(const Args& a) {
     X(peercomm_delay_f32, delay)
 
 #endif  // PEERCOMM_KERNELS_H
-    X(peercomm_one_stage_f64, one_stage<F64>)   \
-    X(peercomm_one_stage_i8, one_stage<I8>)     \
-    X(peercomm_one_stage_u8, one_stage<U8>)     \
-    X(peercomm_one_stage_i32, one_stage<I32>)   \
-    X(peercomm_one_stage_u32, one_stage<U32>)   \
-    X(peercomm_one_stage_i64, one_stage<I64>)   \
-    X(peercomm_one_stage_u64, one_stage<U64>)   \

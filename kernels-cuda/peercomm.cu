@@ -112,6 +112,7 @@ PC_INLINE uint64_t bits_from_double(double x) { return (uint64_t)__double_as_lon
 #include "peercomm_kernels.h"
 #include "peercomm_collectives.h"
 #include "peercomm_group.h"
+#include "peercomm_exchange.h"
 
 // ---------------------------------------------------------------------------------
 // Entry points: the argument struct by value (288 bytes of kernel parameters, read
@@ -138,11 +139,15 @@ PC_INLINE void overlap_with_neighbours() {
 PEERCOMM_KERNELS(PC_CUDA_KERNEL)
 PEERCOMM_COLLECTIVE_KERNELS(PC_CUDA_KERNEL)
 
-// The batched all-reduce: its own argument struct by value (1104 bytes).
-#define PC_CUDA_GROUP_KERNEL(symbol, body)                                                  \
-    extern "C" __global__ void __launch_bounds__(512) symbol(const peercomm_group_args g) { \
-        overlap_with_neighbours();                                                          \
-        body(g);                                                                            \
+// The batched all-reduce (1104 bytes) and the exchange (1096 bytes): an argument struct
+// of their own, by value.
+#define PC_CUDA_WIDE_KERNEL(type, symbol, body)                                   \
+    extern "C" __global__ void __launch_bounds__(512) symbol(const type args) { \
+        overlap_with_neighbours();                                                \
+        body(args);                                                               \
     }
+#define PC_CUDA_GROUP_KERNEL(symbol, body) PC_CUDA_WIDE_KERNEL(peercomm_group_args, symbol, body)
+#define PC_CUDA_EXCHANGE_KERNEL(symbol, body) PC_CUDA_WIDE_KERNEL(peercomm_exchange_args, symbol, body)
 
 PEERCOMM_GROUP_KERNELS(PC_CUDA_GROUP_KERNEL)
+PEERCOMM_EXCHANGE_KERNELS(PC_CUDA_EXCHANGE_KERNEL)

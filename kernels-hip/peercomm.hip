@@ -127,6 +127,7 @@ PC_INLINE uint64_t bits_from_double(double x) { return __builtin_bit_cast(uint64
 #include "peercomm_kernels.h"
 #include "peercomm_collectives.h"
 #include "peercomm_group.h"
+#include "peercomm_exchange.h"
 
 // ---------------------------------------------------------------------------------
 // Entry points. The argument struct (288 bytes) is the first and only explicit kernel
@@ -146,14 +147,17 @@ PC_INLINE const Args& kernel_args() { return *(const Args*)__builtin_amdgcn_kern
 PEERCOMM_KERNELS(PC_HIP_KERNEL)
 PEERCOMM_COLLECTIVE_KERNELS(PC_HIP_KERNEL)
 
-// The batched all-reduce: its own argument struct (1104 bytes), read in place the same way.
-PC_INLINE const peercomm_group_args& group_kernel_args() {
-    return *(const peercomm_group_args*)__builtin_amdgcn_kernarg_segment_ptr();
+// The batched all-reduce (1104 bytes) and the exchange (1096 bytes): an argument struct
+// of their own, read in place the same way.
+template <typename T>
+PC_INLINE const T& wide_kernel_args() {
+    return *(const T*)__builtin_amdgcn_kernarg_segment_ptr();
 }
 
-#define PC_HIP_GROUP_KERNEL(symbol, body)                                                   \
-    extern "C" __global__ void __launch_bounds__(512) symbol(const peercomm_group_args) { \
-        body(group_kernel_args());                                                          \
-    }
+#define PC_HIP_WIDE_KERNEL(type, symbol, body) \
+    extern "C" __global__ void __launch_bounds__(512) symbol(const type) { body(wide_kernel_args<type>()); }
+#define PC_HIP_GROUP_KERNEL(symbol, body) PC_HIP_WIDE_KERNEL(peercomm_group_args, symbol, body)
+#define PC_HIP_EXCHANGE_KERNEL(symbol, body) PC_HIP_WIDE_KERNEL(peercomm_exchange_args, symbol, body)
 
 PEERCOMM_GROUP_KERNELS(PC_HIP_GROUP_KERNEL)
+PEERCOMM_EXCHANGE_KERNELS(PC_HIP_EXCHANGE_KERNEL)

@@ -49,6 +49,9 @@ pub enum CallField {
     Epsilon,
     /// The reduction operator ([`crate::ReduceOp`]).
     Op,
+    /// The peer of a send or receive: a rank sends to another rank than the one that
+    /// receives from it, or receives from another.
+    Peer,
 }
 
 impl std::fmt::Display for CallField {
@@ -65,6 +68,7 @@ impl std::fmt::Display for CallField {
             CallField::Inputs => "where the peers read the input",
             CallField::Hidden => "row length",
             CallField::Epsilon => "epsilon",
+            CallField::Peer => "peer",
             CallField::Op => "reduction operator",
         })
     }
@@ -153,6 +157,14 @@ pub enum Error {
         root: usize,
         /// Ranks per group.
         width: usize,
+    },
+    /// The peer of a send or receive is not a rank of the world.
+    #[error("peer {peer} is outside a world of {world} ranks")]
+    InvalidPeer {
+        /// The peer asked for (a world rank).
+        peer: usize,
+        /// Ranks in the world.
+        world: usize,
     },
     /// The chosen algorithm needs more scratch than the communicator has (ask first
     /// with `algorithm_for`; size with `CommConfig::for_largest_message`): a staged call

@@ -15,7 +15,7 @@
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
-use crate::signal::CALL_WORDS;
+use crate::signal::{CALL_WORDS, MAX_GPUS};
 
 /// One 32-bit counter of the signal memory: what the barrier needs of it.
 pub trait CounterCell {
@@ -165,7 +165,7 @@ where
 pub fn barrier_with_call<S, W>(
     signals: &S,
     site: BarrierSite,
-    (store_order, load_order): (Ordering, Ordering),
+    orderings: (Ordering, Ordering),
     call: Option<[u32; CALL_WORDS]>,
     backoff: &mut W,
 ) -> Result<(), BarrierStop<W::Timeout>>
@@ -173,14 +173,58 @@ where
     S: BarrierSignals + ?Sized,
     W: Backoff + ?Sized,
 {
+    barrier_of(signals, site, orderings, &EveryMember(call), backoff)
+}
+
+/// Which group ranks a barrier waits for, and the descriptor it publishes to and expects
+/// from each.
+pub trait Members {
+    /// Whether group rank `t` takes part.
+    fn takes_part(&self, t: usize) -> bool;
+    /// The descriptor of the arrivals exchanged with group rank `t`, if any.
+    fn call(&self, t: usize) -> Option<[u32; CALL_WORDS]>;
+}
+
+/// Every member of the group, with one descriptor (the collectives).
+#[derive(Clone, Copy, Debug)]
+pub struct EveryMember(pub Option<[u32; CALL_WORDS]>);
+
+impl Members for EveryMember {
+    fn takes_part(&self, _t: usize) -> bool {
+        true
+    }
+    fn call(&self, _t: usize) -> Option<[u32; CALL_WORDS]> {
+        self.0
+    }
+}
+
+/// The counter barrier over the group ranks `members` names (this rank's own counter
+/// included where it does), each with its own counter value: a barrier of a subset of
+/// the group advances only the counters of the ranks in it.
+#[inline]
+pub fn barrier_of<S, W, M>(
+    signals: &S,
+    site: BarrierSite,
+    (store_order, load_order): (Ordering, Ordering),
+    members: &M,
+    backoff: &mut W,
+) -> Result<(), BarrierStop<W::Timeout>>
+where
+    S: BarrierSignals + ?Sized,
+    W: Backoff + ?Sized,
+    M: Members + ?Sized,
+{
     let (me, width, d, b) = (site.me, site.width, site.domain, site.block);
-    let mut v = 0u32;
-    for t in 0..width {
+    let mut values = [0u32; MAX_GPUS];
+    for t in (0..width).filter(|&t| members.takes_part(t)) {
         let counter = signals.self_counter(me, d, b, t);
-        v = counter.load(Ordering::Relaxed).wrapping_add(1);
+        let v = counter.load(Ordering::Relaxed).wrapping_add(1);
         counter.store(v, Ordering::Relaxed);
+        values[t] = v;
         let parity = (v % 2) as usize;
-        if let (Some(words), Some(cells)) = (call, signals.arrival_call(t, d, parity, b, me)) {
+        if let (Some(words), Some(cells)) =
+            (members.call(t), signals.arrival_call(t, d, parity, b, me))
+        {
             for (cell, word) in cells.into_iter().zip(words) {
                 cell.store(word, Ordering::Relaxed);
             }
@@ -189,15 +233,18 @@ where
             .peer_counter(t, d, parity, b, me)
             .store(v, store_order);
     }
-    let parity = (v % 2) as usize;
-    for t in 0..width {
+    for t in (0..width).filter(|&t| members.takes_part(t)) {
+        let v = values[t];
+        let parity = (v % 2) as usize;
         let flag = signals.peer_counter(me, d, parity, b, t);
         while flag.load(load_order) != v {
             backoff
                 .wait()
                 .map_err(|why| BarrierStop::Gave { awaited: t, why })?;
         }
-        if let (Some(mine), Some(cells)) = (call, signals.arrival_call(me, d, parity, b, t)) {
+        if let (Some(mine), Some(cells)) =
+            (members.call(t), signals.arrival_call(me, d, parity, b, t))
+        {
             let theirs = cells.map(|c| c.load(Ordering::Relaxed));
             if theirs != mine {
                 return Err(BarrierStop::Mismatch { peer: t, theirs });

@@ -8,7 +8,8 @@ mod bindings {
 
 pub(crate) use bindings::peercomm_dtype as RawDType;
 pub use bindings::{
-    peercomm_allreduce_args as AllReduceArgs, peercomm_group_args as GroupArgs,
+    peercomm_allreduce_args as AllReduceArgs, peercomm_exchange_args as ExchangeArgs,
+    peercomm_exchange_peer as ExchangePeer, peercomm_group_args as GroupArgs,
     peercomm_group_entry as GroupEntry, peercomm_signal as Signal,
 };
 
@@ -345,6 +346,15 @@ mod tests {
         offsets! { GroupArgs; all 0, count 328, pad 332, entries 336, peer_inputs 336 + 8 * 32 }
         assert_eq!(size_of::<GroupArgs>(), 336 + 8 * 32 + 8 * 8 * 8); // 1104
         assert_eq!(std::mem::align_of::<GroupArgs>(), 8);
+    }
+
+    #[test]
+    fn exchange_args_layout_is_pinned() {
+        offsets! { ExchangePeer; send 0, send_bytes 8, recv 16, recv_bytes 24, blocks 32, call 36, pad 84 }
+        assert_eq!(size_of::<ExchangePeer>(), 96);
+        offsets! { ExchangeArgs; all 0, peers 328 }
+        assert_eq!(size_of::<ExchangeArgs>(), 328 + 8 * 96); // 1096
+        assert_eq!(std::mem::align_of::<ExchangeArgs>(), 8);
     }
 
     #[test]

@@ -37,10 +37,10 @@ pub use memory::{CudaMemory, CudaPeerMapping};
 use cudarc::driver::sys::{self, CUdevice_attribute};
 use cudarc::driver::{CudaContext, CudaSlice, SyncOnDrop};
 
-use super::{Backend, Descriptor, ExportedRange, Kernel, LaunchDims, MemoryKind};
+use super::{Backend, Descriptor, ExportedRange, Kernel, LaunchDims, MemoryKind, WideArgs};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
-use crate::signal::{AllReduceArgs, GroupArgs};
+use crate::signal::AllReduceArgs;
 
 impl super::sealed::Sealed for Cuda {}
 
@@ -317,14 +317,17 @@ impl Backend for Cuda {
         device::launch_overlapping(dev, kernel, dims, args)
     }
 
-    fn launch_group(
+    fn launch_wide(
         dev: &CudaDevice,
         kernel: Kernel,
         dims: LaunchDims,
-        args: &GroupArgs,
+        args: WideArgs<'_>,
     ) -> Result<()> {
         super::check_kernel(Self::NAME, kernel, Some(args))?;
-        device::launch_one(dev, kernel, dims, args)
+        match args {
+            WideArgs::Group(g) => device::launch_one(dev, kernel, dims, g),
+            WideArgs::Exchange(x) => device::launch_one(dev, kernel, dims, x),
+        }
     }
 
     fn synchronize(dev: &CudaDevice) -> Result<()> {

@@ -15,10 +15,10 @@
 use std::ffi::{c_int, c_void};
 use std::marker::PhantomData;
 
-use super::{Backend, ExportedRange, Kernel, LaunchDims, MemoryKind};
+use super::{Backend, ExportedRange, Kernel, LaunchDims, MemoryKind, WideArgs};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
-use crate::signal::{AllReduceArgs, GroupArgs};
+use crate::signal::AllReduceArgs;
 
 /// One HIP call (`unsafe`: the site's `// SAFETY:` note covers it), its status checked
 /// and named after the function.
@@ -192,15 +192,20 @@ impl Backend for Hip {
         unsafe { launch_by_value(dev, kernel, dims, args.group_width, args) }
     }
 
-    fn launch_group(
+    fn launch_wide(
         dev: &HipDevice,
         kernel: Kernel,
         dims: LaunchDims,
-        args: &GroupArgs,
+        args: WideArgs<'_>,
     ) -> Result<()> {
         super::check_kernel(Self::NAME, kernel, Some(args))?;
-        // SAFETY: the batched kernels (checked above) take one `peercomm_group_args` by value.
-        unsafe { launch_by_value(dev, kernel, dims, args.all.group_width, args) }
+        let width = args.all().group_width;
+        // SAFETY: the batched kernels and the exchange (checked above) take one
+        // `peercomm_group_args` or `peercomm_exchange_args` by value.
+        match args {
+            WideArgs::Group(g) => unsafe { launch_by_value(dev, kernel, dims, width, g) },
+            WideArgs::Exchange(x) => unsafe { launch_by_value(dev, kernel, dims, width, x) },
+        }
     }
 
     fn synchronize(dev: &HipDevice) -> Result<()> {

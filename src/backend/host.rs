@@ -16,10 +16,10 @@
 use std::sync::atomic::AtomicU32;
 use std::sync::Arc;
 
-use super::{Backend, Descriptor, ExportedRange, Kernel, LaunchDims, MemoryKind};
+use super::{Backend, Descriptor, ExportedRange, Kernel, LaunchDims, MemoryKind, WideArgs};
 use crate::dtype::Element;
 use crate::error::{Error, Result};
-use crate::signal::{AllReduceArgs, GroupArgs, MAX_GPUS};
+use crate::signal::{AllReduceArgs, MAX_GPUS};
 
 mod buffers;
 mod device;
@@ -238,19 +238,29 @@ impl Backend for Host {
         Ok(())
     }
 
-    fn launch_group(
+    fn launch_wide(
         dev: &HostDevice,
         kernel: Kernel,
         dims: LaunchDims,
-        args: &GroupArgs,
+        args: WideArgs<'_>,
     ) -> Result<()> {
         super::check_kernel(Self::NAME, kernel, Some(args))?;
-        let args = *args;
-        // SAFETY: as in `launch`; the entries come from buffers the communicator holds
-        // for the call.
-        run_blocks(dev, dims.blocks, move |b| unsafe {
-            kernels::run_group_block(kernel, &args, b, dims.blocks)
-        });
+        // SAFETY: as in `launch`; the entries and peers come from buffers the
+        // communicator holds for the call.
+        match args {
+            WideArgs::Group(g) => {
+                let g = *g;
+                run_blocks(dev, dims.blocks, move |b| unsafe {
+                    kernels::run_group_block(kernel, &g, b, dims.blocks)
+                })
+            }
+            WideArgs::Exchange(x) => {
+                let x = *x;
+                run_blocks(dev, dims.blocks, move |b| unsafe {
+                    kernels::run_exchange_block(&x, b, dims.blocks)
+                })
+            }
+        }
         Ok(())
     }
 

@@ -112,6 +112,10 @@ kernel_kinds! {
     /// Reduce: the one-stage all-reduce, whose result only the root stores
     /// (`PEERCOMM_KIND_REDUCE`, which the one-stage kernel reads from the descriptor).
     Reduce = "reduce", true;
+    /// Sends and receives between pairs of ranks (send / recv, all-to-all), each pair
+    /// synchronised alone; it moves bytes, so it is exported once (as `f32`) and serves
+    /// every dtype ([`Backend::launch_wide`](super::Backend::launch_wide)).
+    Exchange = "exchange", false;
 }
 
 // The kernels read a reduce's kind from the descriptor.

@@ -5,7 +5,7 @@
 
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::signal::{AllReduceArgs, GroupArgs};
+use crate::signal::{AllReduceArgs, ExchangeArgs, GroupArgs};
 
 pub use identity::DeviceIdentity;
 
@@ -39,27 +39,56 @@ pub trait IntoDevice {
     fn into_device(self) -> Result<<Self::Backend as Backend>::Device>;
 }
 
-/// The launch checks: the batched all-reduce runs through [`Backend::launch_group`]
-/// (`group`: its arguments, `1..=MAX_GROUP_CALLS` entries), every other kernel through
-/// [`Backend::launch`].
-pub(crate) fn check_kernel(name: &str, kernel: Kernel, group: Option<&GroupArgs>) -> Result<()> {
+/// The argument structs of the kernels that take one of their own instead of
+/// [`AllReduceArgs`] ([`Backend::launch_wide`]).
+#[doc(hidden)]
+#[derive(Clone, Copy)]
+pub enum WideArgs<'a> {
+    /// The batched all-reduce's ([`KernelKind::AllReduceGroup`]).
+    Group(&'a GroupArgs),
+    /// The exchange's ([`KernelKind::Exchange`]).
+    Exchange(&'a ExchangeArgs),
+}
+
+impl WideArgs<'_> {
+    /// The arguments every kernel reads (signals, group, timeout, descriptor).
+    pub fn all(&self) -> &AllReduceArgs {
+        match self {
+            WideArgs::Group(g) => &g.all,
+            WideArgs::Exchange(x) => &x.all,
+        }
+    }
+}
+
+/// The launch checks: the batched all-reduce and the exchange run through
+/// [`Backend::launch_wide`] (`wide`: their arguments; a batch of
+/// `1..=MAX_GROUP_CALLS` entries), every other kernel through [`Backend::launch`].
+pub(crate) fn check_kernel(name: &str, kernel: Kernel, wide: Option<WideArgs<'_>>) -> Result<()> {
     let (max, symbol) = (crate::signal::MAX_GROUP_CALLS, kernel.symbol());
     let refuse = |why: String| Err(crate::Error::Unsupported(format!("{name}: {why}")));
     if !kernel.kind.takes(kernel.dtype) {
-        return refuse(format!("no {symbol} kernel (this family takes f32, f16, bf16)"));
+        return refuse(format!(
+            "no {symbol} kernel (this family takes f32, f16, bf16)"
+        ));
     }
-    match (kernel.kind == KernelKind::AllReduceGroup, group) {
-        (true, None) => refuse(format!(
-            "{symbol} takes group arguments: launch it with launch_group"
+    use KernelKind::{AllReduceGroup, Exchange};
+    match (kernel.kind, wide) {
+        (AllReduceGroup, Some(WideArgs::Group(g))) if g.count == 0 || g.count as usize > max => {
+            refuse(format!(
+                "a batched all-reduce of {} entries (1..={max})",
+                g.count
+            ))
+        }
+        (AllReduceGroup, Some(WideArgs::Group(_))) | (Exchange, Some(WideArgs::Exchange(_))) => {
+            Ok(())
+        }
+        (AllReduceGroup | Exchange, _) => refuse(format!(
+            "{symbol} takes arguments of its own: launch it with launch_wide"
         )),
-        (false, Some(_)) => refuse(format!(
-            "launch_group runs the batched all-reduce, not {symbol}"
+        (_, Some(_)) => refuse(format!(
+            "launch_wide runs the batched all-reduce and the exchange, not {symbol}"
         )),
-        (true, Some(g)) if g.count == 0 || g.count as usize > max => refuse(format!(
-            "a batched all-reduce of {} entries (1..={max})",
-            g.count
-        )),
-        _ => Ok(()),
+        (_, None) => Ok(()),
     }
 }
 
@@ -186,7 +215,8 @@ pub trait Backend: sealed::Sealed + Sized + Send + Sync + 'static {
         }
         Ok(())
     }
-    /// Enqueues `kernel` (any but [`KernelKind::AllReduceGroup`]) on the device's stream.
+    /// Enqueues `kernel` (any but the batched all-reduce and the exchange) on the device's
+    /// stream.
     #[doc(hidden)]
     fn launch(
         dev: &Self::Device,
@@ -206,13 +236,14 @@ pub trait Backend: sealed::Sealed + Sized + Send + Sync + 'static {
     ) -> Result<()> {
         Self::launch(dev, kernel, dims, args)
     }
-    /// Enqueues the batched all-reduce ([`KernelKind::AllReduceGroup`]).
+    /// Enqueues a kernel with an argument struct of its own: the batched all-reduce
+    /// ([`KernelKind::AllReduceGroup`]) or the exchange ([`KernelKind::Exchange`]).
     #[doc(hidden)]
-    fn launch_group(
+    fn launch_wide(
         dev: &Self::Device,
         kernel: Kernel,
         dims: LaunchDims,
-        args: &GroupArgs,
+        args: WideArgs<'_>,
     ) -> Result<()>;
     /// Waits for everything enqueued on the device's stream.
     fn synchronize(dev: &Self::Device) -> Result<()>;

@@ -57,6 +57,7 @@ impl Error {
             | Error::LengthMismatch { .. }
             | Error::WrongDevice { .. }
             | Error::InvalidRoot { .. }
+            | Error::InvalidPeer { .. }
             | Error::MessageTooLarge { .. }
             | Error::Unsupported(_)
             | Error::CannotRegister { .. }
@@ -140,6 +141,7 @@ mod tests {
         let bootstrap_timeout = B::Timeout { step: s(), waiting_for: vec![0], after, hint: s() };
         let cases = [
             (Error::InvalidRoot { root: 3, width: 2 }, FixCall),
+            (Error::InvalidPeer { peer: 4, world: 2 }, FixCall),
             (Error::DTypeMismatch { rank: 1, expected: DType::F32, got: DType::BF16 }, FixCall),
             (Error::CannotRegister { rank: 0, reason: s() }, FixCall),
             (timeout.clone(), Reinitialize),

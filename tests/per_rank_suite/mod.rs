@@ -51,6 +51,7 @@ pub mod fuzz;
 pub mod identity;
 pub mod ops;
 pub mod overlaps;
+pub mod point_to_point;
 pub mod process_faults;
 pub mod processes;
 pub mod recovery;
@@ -387,11 +388,21 @@ macro_rules! per_rank_suite {
             |p, world| per_rank_suite::ops::group_of_collectives::<B>(p, world));
         per_rank_worlds!(operator_mismatch, &[2, 3], [world_2 = 2, world_3 = 3],
             |p, world| per_rank_suite::ops::operator_mismatch::<B>(p, world));
+        per_rank_worlds!(send_recv, &[2, 4], [world_2 = 2, world_4 = 4],
+            |p, world| per_rank_suite::point_to_point::send_recv_checked::<B>(p, world));
+        per_rank_worlds!(ring_and_pipeline, &[2, 3, 4], [world_2 = 2, world_3 = 3, world_4 = 4],
+            |p, world| per_rank_suite::point_to_point::ring_and_pipeline::<B>(p, world));
+        per_rank_worlds!(all_to_all, &[2, 3, 4], [world_2 = 2, world_3 = 3, world_4 = 4],
+            |p, world| per_rank_suite::point_to_point::all_to_all_checked::<B>(p, world));
+        per_rank_worlds!(all_to_all_v_moe, &[2, 4], [world_2 = 2, world_4 = 4],
+            |p, world| per_rank_suite::point_to_point::all_to_all_v_moe::<B>(p, world));
         per_rank_worlds!(mismatched_calls_are_typed_errors, &[2, 3], [world_2 = 2, world_3 = 3],
             |p, world| per_rank_suite::agreement::mismatched_calls_are_typed_errors::<B>(p, world));
 
         per_rank_test! {
             refuses_two_stage: |p| per_rank_suite::all_reduce::refuses_two_stage::<B>(p);
+            send_recv_mismatch: |p| per_rank_suite::point_to_point::send_recv_mismatch::<B>(p);
+            point_to_point_bad_arguments: |p| per_rank_suite::point_to_point::bad_arguments::<B>(p);
             lamport_sums_only: |p| per_rank_suite::ops::lamport_sums_only::<B>(p);
             independent_sibling_groups: |p| per_rank_suite::all_reduce::independent_sibling_groups::<B>(p);
             missing_call_times_out_and_recovers: |p| per_rank_suite::all_reduce::missing_call_times_out_and_recovers::<B>(p);

@@ -160,6 +160,31 @@ pub fn run_checked<B: Backend>(comm: &Comm<B>, seed: u64) -> Vec<(usize, u64)> {
         );
         digests.push((call, common::digest(&got)));
     }
+    // Point to point across processes where peer memory serves the world: a ring shift
+    // in a group (one message of a payload region or less, one in chunks), each checked
+    // against the sender's input.
+    let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+    let peer_memory = !matches!(comm.world_path(), Algorithm::Nccl | Algorithm::Hierarchical);
+    for (tag, len) in [(1000, 7), (1001, 3 << 20)]
+        .into_iter()
+        .filter(|_| peer_memory)
+    {
+        let mut send = B::alloc_buffer::<f32>(dev, len).unwrap();
+        B::upload(dev, &input(seed, tag, rank, len), &mut send).unwrap();
+        let mut recv = B::alloc_buffer::<f32>(dev, len).unwrap();
+        B::upload(dev, &vec![f32::NAN; len], &mut recv).unwrap();
+        let mut group = comm.group();
+        group.send(&send, next).unwrap();
+        group.recv(&mut recv, prev).unwrap();
+        group.end().unwrap();
+        comm.synchronize().unwrap();
+        let got = common::bits(&B::download(dev, &recv).unwrap());
+        let want = common::bits(&input(seed, tag, prev, len));
+        assert!(
+            got == want,
+            "process rank {rank}: the ring shift of {len} from rank {prev}"
+        );
+    }
     digests
 }
 

@@ -13,7 +13,7 @@ use cudarc::driver::{
 use super::super::{Backend, DeviceBuffer, DeviceBufferMut, Kernel, LaunchDims};
 use crate::dtype::{DType, Element};
 use crate::error::{Error, Result};
-use crate::signal::{AllReduceArgs, GroupArgs};
+use crate::signal::{AllReduceArgs, ExchangeArgs, GroupArgs};
 
 /// The kernels of `kernels-cuda/`, compiled by build.rs into one fatbin.
 static FATBIN: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/peercomm_cuda.fatbin"));
@@ -172,6 +172,8 @@ fn load_kernels(ctx: &Arc<CudaContext>) -> Result<KernelTable> {
 unsafe impl DeviceRepr for AllReduceArgs {}
 // SAFETY: as above (an AllReduceArgs, two u32 and an array of u64 entries).
 unsafe impl DeviceRepr for GroupArgs {}
+// SAFETY: as for `GroupArgs`: a plain C struct of integers, passed by value.
+unsafe impl DeviceRepr for ExchangeArgs {}
 
 /// Launches `kernel` with `args` as its one by-value parameter on the rank's stream.
 pub(super) fn launch_one<A: DeviceRepr>(

@@ -9,9 +9,10 @@ use std::time::Duration;
 use crate::backend::{Kernel, KernelKind};
 use crate::dtype::{DType, Element};
 use crate::protocol::BarrierKind;
-use crate::signal::{AllReduceArgs, GroupArgs};
+use crate::signal::{AllReduceArgs, ExchangeArgs, GroupArgs};
 
 mod collectives;
+mod exchange;
 mod group;
 mod lamport;
 mod packs;
@@ -65,6 +66,18 @@ pub(crate) unsafe fn run_group_block(kernel: Kernel, args: &GroupArgs, block: u3
         // `check_kernel` refuses the other dtypes (`KernelKind::takes`).
         other => unreachable!("no batched all-reduce of {}", other.name()),
     });
+}
+
+/// Runs block `block` of the exchange ([`KernelKind::Exchange`]): the same entry, error
+/// and abandon machinery as every collective, over `args.all`. The peers read only this
+/// rank's payload, so a block that gives up does not wait for them.
+///
+/// # Safety
+/// As [`run_block`]; every peer entry's send and receive must be live buffers of its
+/// byte counts.
+pub(crate) unsafe fn run_exchange_block(args: &ExchangeArgs, block: u32, blocks: u32) {
+    let g = Grid { block, blocks };
+    run_collective_block(&args.all, g, false, || exchange::exchange(args, g));
 }
 
 /// What every collective's block does around its `body`: block 0 publishes the call, a
@@ -139,7 +152,9 @@ unsafe fn run_typed<T: Element>(kind: KernelKind, args: &AllReduceArgs, g: Grid)
         KernelKind::LamportRmsNorm => lamport::lamport_rmsnorm::<T>(args, g),
         // Its arguments are a GroupArgs: `Host::launch` refuses it, `run_group_block`
         // runs it.
-        KernelKind::AllReduceGroup => unreachable!("the batched all-reduce has its own entry"),
+        KernelKind::AllReduceGroup | KernelKind::Exchange => {
+            unreachable!("{} has its own entry", kind.name())
+        }
     }
 }
 

@@ -7,14 +7,15 @@ use crate::dtype::ReduceOp;
 use crate::error::Result;
 
 use super::super::AllReduceOptions;
+use super::exchange::Exchange;
 use super::{meta, Comm};
 use crate::comm::core::launch::group::{run_group_steps, GroupStep, GroupedCall};
 use crate::comm::core::launch::PeerInputs;
 use crate::comm::core::planning::collective::CollectiveOptions;
 use crate::comm::core::planning::PeerReads;
 
-/// An open group on a [`Comm`] (see [`Comm::group`]). Each all-reduce is checked when
-/// made, the other collectives at [`CommGroup::end`]; nothing launches until then (and
+/// An open group on a [`Comm`] (see [`Comm::group`]). Each all-reduce, send and receive
+/// is checked when made, the other collectives at [`CommGroup::end`]; nothing launches until then (and
 /// overlapping buffers are refused first), and dropping the guard without it discards
 /// the calls. The buffers stay borrowed until then.
 pub struct CommGroup<'c, 'b, B: Backend> {
@@ -27,6 +28,9 @@ pub struct CommGroup<'c, 'b, B: Backend> {
 enum Entry<'b, B: Backend> {
     AllReduce(Pending<'b, B>),
     Other(Deferred<'b, B>),
+    /// Consecutive sends and receives (one to and one from each rank at most), as one
+    /// exchange, and the calls they came from.
+    Exchange(Exchange<'b, B>, usize),
 }
 
 type Deferred<'b, B> = Box<dyn FnOnce(&Comm<B>) -> Result<()> + 'b>;
@@ -298,6 +302,63 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
         }))
     }
 
+    /// Adds [`Comm::send`]: with the group's other sends and receives, one exchange, so
+    /// that a rank may send to one peer and receive from another in any order (a ring
+    /// shift) without waiting for itself. At most one send to each peer per exchange: a
+    /// second starts another.
+    pub fn send<S: DeviceBuffer<B>>(&mut self, data: &'b S, peer: usize) -> Result<()> {
+        let mut x = Exchange::default();
+        self.comm.add_send(&mut x, data, peer)?;
+        self.add_exchange(x)
+    }
+
+    /// Adds [`Comm::recv`] (see [`CommGroup::send`]).
+    pub fn recv<R: DeviceBufferMut<B>>(&mut self, buf: &'b mut R, peer: usize) -> Result<()> {
+        let mut x = Exchange::default();
+        self.comm.add_recv(&mut x, buf, peer)?;
+        self.add_exchange(x)
+    }
+
+    /// Adds [`Comm::all_to_all`] (with the group's sends and receives where they go to
+    /// other peers).
+    pub fn all_to_all<S, R>(&mut self, send: &'b S, recv: &'b mut R) -> Result<()>
+    where
+        S: DeviceBuffer<B>,
+        R: DeviceBufferMut<B>,
+    {
+        let counts = self.comm.equal_parts(send.len())?;
+        self.all_to_all_v(send, &counts, recv, &counts)
+    }
+
+    /// Adds [`Comm::all_to_all_v`].
+    pub fn all_to_all_v<S, R>(
+        &mut self,
+        send: &'b S,
+        send_counts: &[usize],
+        recv: &'b mut R,
+        recv_counts: &[usize],
+    ) -> Result<()>
+    where
+        S: DeviceBuffer<B>,
+        R: DeviceBufferMut<B>,
+    {
+        let mut x = Exchange::default();
+        (self.comm).add_all_to_all_v(&mut x, send, send_counts, recv, recv_counts)?;
+        self.add_exchange(x)
+    }
+
+    /// Joins `x` to the exchange the group ends with where its peers are free there.
+    fn add_exchange(&mut self, x: Exchange<'b, B>) -> Result<()> {
+        match self.calls.last_mut() {
+            Some(Entry::Exchange(last, calls)) if last.can_take(&x) => {
+                last.take(x);
+                *calls += 1;
+            }
+            _ => self.calls.push(Entry::Exchange(x, 1)),
+        }
+        Ok(())
+    }
+
     /// Keeps a collective other than the all-reduce, made at the end in its place.
     fn defer(&mut self, call: Deferred<'b, B>) -> Result<()> {
         self.comm.core.check_usable()?;
@@ -307,7 +368,11 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
 
     /// Calls in the group so far.
     pub fn len(&self) -> usize {
-        self.calls.len()
+        let calls = |e: &Entry<'b, B>| match e {
+            Entry::Exchange(_, calls) => *calls,
+            _ => 1,
+        };
+        self.calls.iter().map(calls).sum()
     }
 
     /// Whether no call was added yet.
@@ -357,6 +422,10 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
                     .map(|a| algorithms.extend(a))
                     .and_then(|()| call(comm))
                     .map(|()| algorithms.push(Algorithm::OneStage)),
+                Some(Entry::Exchange(x, calls)) => end_all_reduces(comm, std::mem::take(&mut run))
+                    .map(|a| algorithms.extend(a))
+                    .and_then(|()| comm.launch_exchange(x))
+                    .map(|()| algorithms.extend(vec![Algorithm::OneStage; calls])),
                 None => {
                     end_all_reduces(comm, std::mem::take(&mut run)).map(|a| algorithms.extend(a))
                 }

@@ -23,6 +23,7 @@ use crate::comm::core::setup::RankProcesses;
 use crate::comm::zero_copy::registry::{InPlace, Registry};
 
 mod collectives;
+mod exchange;
 pub(crate) mod group;
 mod lifecycle;
 mod parking;

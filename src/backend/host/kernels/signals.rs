@@ -6,8 +6,8 @@ use std::sync::atomic::AtomicU32;
 
 use super::packs::Grid;
 use super::wait::{Flow, Spinner, Stop};
-use crate::protocol::{self, BarrierKind, BarrierSignals, BarrierSite, BarrierStop};
-use crate::signal::{AllReduceArgs, Signal, CALL_WORDS, ERROR_CODE};
+use crate::protocol::{self, BarrierKind, BarrierSignals, BarrierSite, BarrierStop, Members};
+use crate::signal::{AllReduceArgs, ExchangeArgs, Signal, CALL_WORDS, ERROR_CODE};
 
 pub(super) fn atomic<'a>(p: *mut u32) -> &'a AtomicU32 {
     // SAFETY: callers pass 4-byte aligned addresses inside live signal allocations,
@@ -115,6 +115,46 @@ pub(super) unsafe fn barrier(args: &AllReduceArgs, g: Grid, kind: BarrierKind) -
             BarrierStop::Mismatch { peer, theirs } => Stop::Mismatch {
                 peer,
                 mine: args.call,
+                theirs,
+            },
+        },
+    )
+}
+
+/// The barrier members of block `block` of an exchange: the peers it moves data with,
+/// each pair with its own descriptor.
+struct ExchangeMembers<'a> {
+    x: &'a ExchangeArgs,
+    block: u32,
+}
+
+impl Members for ExchangeMembers<'_> {
+    fn takes_part(&self, t: usize) -> bool {
+        t != self.x.all.group_rank as usize && self.block < self.x.peers[t].blocks
+    }
+    fn call(&self, t: usize) -> Option<[u32; CALL_WORDS]> {
+        Some(self.x.peers[t].call)
+    }
+}
+
+/// The exchange's barrier: each pair of ranks alone ([`protocol::barrier_of`]).
+pub(super) unsafe fn pair_barrier(x: &ExchangeArgs, g: Grid, kind: BarrierKind) -> Flow {
+    let args = &x.all;
+    let signals = HostSignals(args);
+    let site = BarrierSite {
+        me: args.group_rank as usize,
+        width: args.group_width as usize,
+        domain: args.domain as usize,
+        block: g.block as usize,
+    };
+    let mut spin = Spinner::new(args.timeout_ns, abort_word(args));
+    let members = ExchangeMembers { x, block: g.block };
+    protocol::barrier_of(&signals, site, kind.host_orderings(), &members, &mut spin).map_err(
+        |stop| match stop {
+            BarrierStop::Gave { awaited, why } => why.waiting_for(awaited),
+            BarrierStop::Mismatch { peer, theirs } => Stop::Mismatch {
+                peer,
+                mine: x.peers[peer].call,
                 theirs,
             },
         },

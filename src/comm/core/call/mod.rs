@@ -110,6 +110,113 @@ pub(crate) fn encode(plan: &Plan, launched: u64) -> [u32; CALL_WORDS] {
     })
 }
 
+/// The exchange's summary descriptor (its `current_call`): the kind and the world, the
+/// same on every rank, since each pair has its own descriptor.
+pub(crate) fn encode_exchange_summary(world: usize) -> [u32; CALL_WORDS] {
+    encode_fields(&Fields {
+        seq: 0,
+        kind: KernelKind::Exchange as u32,
+        dtype: 0,
+        width: world as u32,
+        root: 0,
+        blocks: 1,
+        registration: 0,
+        offset: 0,
+        elements: 0,
+        hidden: 0,
+        epsilon: 0,
+        op: 0,
+    })
+}
+
+/// What a pair of ranks moves in one exchange launch, as both compute it.
+pub(crate) struct Pair {
+    /// 1 + the launches of exchanges between the two before this one.
+    pub(crate) seq: u64,
+    /// The lower and the higher world rank.
+    pub(crate) ranks: (usize, usize),
+    /// What the lower rank sends the higher (type, elements), if anything.
+    pub(crate) low_sends: Option<(DType, usize)>,
+    /// What the higher rank sends the lower.
+    pub(crate) high_sends: Option<(DType, usize)>,
+    pub(crate) blocks: u32,
+    pub(crate) world: usize,
+}
+
+/// A direction's dtype field: 0 for none, else the code + 1.
+fn dtype_field(d: Option<(DType, usize)>) -> u32 {
+    d.map_or(0, |(t, _)| t.raw() as u32 + 1)
+}
+
+/// The pair's descriptor: the lower rank's send in the dtype and element fields, the
+/// higher rank's in words 6-7 (elements) and word 8 (dtype, bits 0-3), with the two
+/// ranks in word 8 (bits 4-6 and 7-9).
+pub(crate) fn encode_pair(p: Pair) -> [u32; CALL_WORDS] {
+    let elements = |d: Option<(DType, usize)>| d.map_or(0, |(_, n)| n as u64);
+    let (low, high) = p.ranks;
+    encode_fields(&Fields {
+        seq: p.seq,
+        kind: KernelKind::Exchange as u32,
+        dtype: dtype_field(p.low_sends),
+        width: p.world as u32,
+        root: 0,
+        blocks: p.blocks,
+        registration: 0,
+        offset: elements(p.high_sends),
+        elements: elements(p.low_sends),
+        hidden: dtype_field(p.high_sends) | (low as u32 & 7) << 4 | (high as u32 & 7) << 7,
+        epsilon: 0,
+        op: 0,
+    })
+}
+
+/// How two pair descriptors differ, in the order the fields are named.
+fn pair_difference(a: &Fields, b: &Fields) -> Option<(CallField, String, String)> {
+    let ranks = |f: &Fields| ((f.hidden >> 4) & 7, (f.hidden >> 7) & 7);
+    let sends = |f: &Fields| [(f.dtype, f.elements), (f.hidden & 0xf, f.offset)];
+    let shows = |f: &Fields, what: &dyn Fn(u32, u64) -> String| {
+        let ((low, high), [l, h]) = (ranks(f), sends(f));
+        format!(
+            "rank {low} sends {}, rank {high} sends {}",
+            what(l.0, l.1),
+            what(h.0, h.1)
+        )
+    };
+    let dtype = |code: u32, _| match code {
+        0 => "nothing".to_string(),
+        c => dtype_name(c - 1),
+    };
+    let length = |code: u32, n: u64| match code {
+        0 => "nothing".to_string(),
+        _ => format!("{n} elements"),
+    };
+    let types = |f: &Fields| sends(f).map(|(t, _)| t);
+    if ranks(a) != ranks(b) {
+        let show = |f: &Fields| {
+            format!(
+                "a send / recv between ranks {} and {}",
+                ranks(f).0,
+                ranks(f).1
+            )
+        };
+        return Some((CallField::Peer, show(a), show(b)));
+    }
+    if types(a) != types(b) {
+        return Some((CallField::DType, shows(a, &dtype), shows(b, &dtype)));
+    }
+    if sends(a) != sends(b) {
+        return Some((CallField::Length, shows(a, &length), shows(b, &length)));
+    }
+    if a.blocks != b.blocks {
+        let show = |f: &Fields| format!("{} blocks", f.blocks);
+        return Some((CallField::Blocks, show(a), show(b)));
+    }
+    (a.seq != b.seq).then(|| {
+        let show = |f: &Fields| format!("exchange {} between the two", f.seq);
+        (CallField::Sequence, show(a), show(b))
+    })
+}
+
 fn kind_of(code: u32) -> Option<KernelKind> {
     KernelKind::ALL.get(code as usize).copied()
 }
@@ -127,6 +234,7 @@ fn collective_name(code: u32) -> String {
         }
         // The root field holds the number of calls less one (see `launch::group`).
         Some(KernelKind::AllReduceGroup) => "group of all-reduces".into(),
+        Some(KernelKind::Exchange) => "send / recv".into(),
         Some(k) => k.name().replace('_', "-"),
         None => format!("unknown kernel {code}"),
     }
@@ -156,6 +264,10 @@ pub(crate) fn first_difference(
     theirs: [u32; CALL_WORDS],
 ) -> Option<(CallField, String, String)> {
     let (a, b) = (decode(mine), decode(theirs));
+    let exchange = KernelKind::Exchange as u32;
+    if a.kind == exchange && b.kind == exchange {
+        return pair_difference(&a, &b);
+    }
     let grid = a.blocks != b.blocks;
     // In the order they are named. A batch's grid follows its entries' packs (its count
     // is the root field): another grid between two batches is another later length.
@@ -201,6 +313,8 @@ pub(crate) fn first_difference(
         CallField::Epsilon => format!("epsilon {:e}", f32::from_bits(f.epsilon)),
         CallField::Op => ReduceOp::from_raw(f.op)
             .map_or_else(|| format!("operator {}", f.op), |o| o.name().to_string()),
+        // Only exchanges name a peer, and `pair_difference` shows them.
+        CallField::Peer => collective_name(f.kind),
         CallField::Sequence if f.seq == 0 => "no call yet".into(),
         CallField::Sequence => format!("call {}", f.seq),
     };

@@ -9,7 +9,7 @@
 //! (`CallField::Length`), abandoned only once the peers have compared too, so no payload
 //! is reused while a peer still reads its table.
 
-use crate::backend::{Backend, Kernel, KernelKind};
+use crate::backend::{Backend, Kernel, KernelKind, WideArgs};
 use crate::dispatch::{self, Algorithm};
 use crate::dtype::{DType, ReduceOp};
 use crate::error::{Error, Result};
@@ -196,7 +196,7 @@ impl<B: Backend> Rank<B> {
                 offset: group.offsets[s],
             };
         }
-        B::launch_group(&e.device, plan.kernel, plan.dims, &args)
+        B::launch_wide(&e.device, plan.kernel, plan.dims, WideArgs::Group(&args))
     }
 
     /// Splits a group's calls into launches: consecutive peer-memory all-reduces of one

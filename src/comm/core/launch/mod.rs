@@ -11,6 +11,7 @@ use crate::comm::core::call;
 use crate::comm::core::planning::Plan;
 use crate::comm::core::settings::Settings;
 
+pub(crate) mod exchange;
 pub(crate) mod fault;
 pub(crate) mod group;
 pub(crate) mod status;
@@ -26,6 +27,9 @@ pub(crate) struct Endpoint<B: Backend> {
     /// Launches per barrier domain since the signal was initialised (the descriptor's
     /// sequence number).
     pub(crate) calls: [AtomicU64; NUM_BARRIER_DOMAINS],
+    /// Exchange launches with each world rank since the signal was initialised (the
+    /// pair descriptor's sequence number).
+    pub(crate) pair_calls: [AtomicU64; MAX_GPUS],
     #[cfg(feature = "fault-injection")]
     faults: Faults,
 }
@@ -70,6 +74,7 @@ impl<B: Backend> Endpoint<B> {
             signal,
             peer_signals,
             calls: Default::default(),
+            pair_calls: Default::default(),
             #[cfg(feature = "fault-injection")]
             faults: Default::default(),
         }
@@ -157,7 +162,7 @@ impl<B: Backend> Endpoint<B> {
 
     /// Starts the call counts again (the signal was just initialised, on every rank).
     pub(crate) fn restart_calls(&self) {
-        for c in &self.calls {
+        for c in self.calls.iter().chain(&self.pair_calls) {
             c.store(0, Ordering::Relaxed);
         }
     }

@@ -1,0 +1,108 @@
+// peercomm exchange, written once for both vendors: one rank's sends and receives to and
+// from any world ranks in one kernel (send / recv, alone or grouped, and all-to-all).
+// Included by the vendor layers after peercomm_collectives.h (the context, the barrier
+// with its member policy, the abort protocol). The layout, the pairing of ranks and the
+// staging are described at peercomm_exchange_args in include/peercomm_signal.h; the host
+// backend's src/backend/host/kernels/exchange.rs is the same algorithm step by step.
+//
+// Every rank stages what it sends into its own payload, then passes the Publish barrier
+// with each peer it exchanges with (each pair alone, with the pair's descriptor), reads
+// what each peer sends from that peer's payload, and passes the pair's End barrier, which
+// keeps the peer from reusing its payload region before this rank has read it. A rank
+// never reads a peer's user buffer, so a block that gives up need not wait for its peers.
+
+#ifndef PEERCOMM_EXCHANGE_H
+#define PEERCOMM_EXCHANGE_H
+
+typedef peercomm_exchange_args ExchangeArgs;
+
+static_assert(sizeof(peercomm_exchange_peer) == 96, "peercomm_exchange_peer layout changed");
+static_assert(sizeof(peercomm_exchange_args) == 328 + 8 * 96, "peercomm_exchange_args layout changed");
+
+// The barrier members of an exchange: the peers this block moves data with, each with
+// the pair's descriptor.
+struct ExchangeMembers {
+    const ExchangeArgs& x;
+    PC_INLINE bool takes_part(const Args& a, uint32_t t) const {
+        return t != a.group_rank && blockIdx.x < x.peers[t].blocks;
+    }
+    PC_INLINE const uint32_t* call(const Args&, uint32_t t) const { return x.peers[t].call; }
+};
+
+// Where rank `owner` stages what it sends to rank `to`: region `to` of its payload.
+PC_INLINE uint64_t exchange_region(const Args& a, uint32_t owner, uint32_t to) {
+    return a.payloads[owner] + (uint64_t)to * a.stage_input;
+}
+
+// Copies the n bytes at src to dst, 16-byte pack k by thread k % stride: whole packs
+// where both addresses are 16-byte aligned, else 4-byte words where both are 4-byte
+// aligned, else bytes. Four packs in flight per iteration.
+PC_INLINE void copy_bytes(uint64_t src, uint64_t dst, uint64_t n, uint64_t tid, uint64_t stride) {
+    constexpr int G = 4;
+    const uint64_t packs = div_ceil_u64(n, 16u);
+    const bool vec = aligned16(src) && aligned16(dst);
+    const bool words = ((src | dst) & 3u) == 0u;
+    for (uint64_t p0 = tid; p0 < packs; p0 += G * stride) {
+        Vec16 x[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const uint64_t p = p0 + g * stride;
+            if (vec && p < packs && (p + 1u) * 16u <= n) x[g] = load_vec16(src, p);
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const uint64_t p = p0 + g * stride;
+            if (p >= packs) break;
+            if (vec && (p + 1u) * 16u <= n) {
+                store_vec16(dst, p, x[g]);
+                continue;
+            }
+            const uint64_t end = min_u64(p * 16u + 16u, n);
+            uint64_t i = p * 16u;
+            if (words) {
+                for (; i + 4u <= end; i += 4u) ((GlobalU32*)dst)[i / 4u] = ((const GlobalU32*)src)[i / 4u];
+            }
+            for (; i < end; ++i) ((PC_GLOBAL uint8_t*)dst)[i] = ((const PC_GLOBAL uint8_t*)src)[i];
+        }
+    }
+}
+
+// This thread's index and the stride among the `blocks` blocks of a pair.
+struct PairThreads {
+    uint64_t tid;
+    uint64_t stride;
+};
+PC_INLINE PairThreads pair_threads(uint32_t blocks) {
+    return PairThreads{(uint64_t)blockIdx.x * blockDim.x + threadIdx.x, (uint64_t)blocks * blockDim.x};
+}
+
+PC_INLINE void exchange(const ExchangeArgs& x) {
+    const Args& a = x.all;
+    Ctx c = make_ctx(a);
+    const ExchangeMembers members{x};
+    if (!enter(c)) return abandon(c, WaitForPeers::No);
+    const uint32_t me = a.group_rank, width = a.group_width;
+    for (uint32_t q = 0; q < width; ++q) {
+        const peercomm_exchange_peer& p = x.peers[q];
+        if (blockIdx.x >= p.blocks || p.send_bytes == 0u) continue;
+        const PairThreads th = pair_threads(p.blocks);
+        // The own part goes straight to the output; a peer's into the own payload.
+        const uint64_t to = q == me ? p.recv : exchange_region(a, me, q);
+        copy_bytes(p.send, to, p.send_bytes, th.tid, th.stride);
+    }
+    if (!barrier<BarrierKind::Publish>(c, members)) return abandon(c, WaitForPeers::No);
+    for (uint32_t q = 0; q < width; ++q) {
+        const peercomm_exchange_peer& p = x.peers[q];
+        if (q == me || blockIdx.x >= p.blocks || p.recv_bytes == 0u) continue;
+        const PairThreads th = pair_threads(p.blocks);
+        copy_bytes(exchange_region(a, q, me), p.recv, p.recv_bytes, th.tid, th.stride);
+    }
+    if (!barrier<BarrierKind::End>(c, members)) return abandon(c, WaitForPeers::No);
+    finish(c);
+}
+
+// The exchange's entry point: (symbol, device function), as `Kernel::symbol()` names it.
+// It moves bytes, so one kernel serves every element type.
+#define PEERCOMM_EXCHANGE_KERNELS(X) X(peercomm_exchange_f32, exchange)
+
+#endif  // PEERCOMM_EXCHANGE_H

@@ -1,0 +1,349 @@
+//! Point-to-point calls on the per-rank path: `send` / `recv` alone and in groups (pairs,
+//! a ring shift, pipeline stages), `all_to_all` and `all_to_all_v` (a mixture-of-experts
+//! dispatch and combine: tokens x 7168 bf16, top-k routing with uneven counts, some
+//! ranks receiving nothing), each output poisoned first and checked bit for bit against
+//! what the peers sent; messages larger than a payload region run in chunks. A send
+//! that does not match its receive is `CallMismatch` on both ranks with nothing received,
+//! and bad arguments are typed errors with nothing launched.
+
+use half::bf16;
+use peercomm::backend::{Backend, TypedBuffer as _};
+use peercomm::{CallField, Comm, CommConfig, DType, Element, Error};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::agreement::short_waits;
+use super::{common, in_step, with_world_config, Placement};
+
+/// Rank `rank`'s message `tag` of `n` elements in the run of `seed`.
+fn message<T: Element>(seed: u64, rank: usize, tag: usize, n: usize) -> Vec<T> {
+    let mut rng = StdRng::seed_from_u64(seed ^ (rank * 1000 + tag) as u64);
+    (0..n)
+        .map(|_| T::from_f32(rng.random_range(-4.0f32..4.0)))
+        .collect()
+}
+
+/// A value no message holds: what a receive buffer holds before the call writes it.
+fn poison<T: Element>() -> T {
+    T::from_f32(1.0e4)
+}
+
+/// The sizes each case runs: one element, odd lengths, and (with a small payload) more
+/// than a payload region, which runs in chunks.
+const SIZES: [usize; 4] = [1, 7, 4099, 70_001];
+
+/// A configuration whose payload regions (payload / world) are small enough that the
+/// larger sizes run in chunks.
+fn small_payload(place: &Placement, world: usize) -> CommConfig {
+    place.config(world).with_payload_bytes(64 << 10)
+}
+
+/// Pairs (0, 1), (2, 3), ...: the even rank sends, the odd one receives, then back;
+/// every dtype the call takes, every size.
+pub fn send_recv_checked<B: Backend>(place: &Placement, world: usize) {
+    send_recv_of::<B, f32>(place, world);
+    send_recv_of::<B, half::f16>(place, world);
+    send_recv_of::<B, bf16>(place, world);
+}
+
+fn send_recv_of<B: Backend, T: Element>(place: &Placement, world: usize) {
+    let seed = common::seed("point_to_point");
+    let config = small_payload(place, world);
+    with_world_config::<B, _>(place, world, &config, |rank, comm| {
+        let dev = comm.device();
+        let peer = rank ^ 1;
+        if peer >= world {
+            return;
+        }
+        for (tag, &n) in SIZES.iter().enumerate() {
+            let what = format!(
+                "{} world {world} rank {rank}, {n} elements",
+                T::DTYPE.name()
+            );
+            let mine = message::<T>(seed, rank, tag, n);
+            let send = B::alloc_from(dev, &mine).unwrap();
+            let mut recv = B::alloc_from(dev, &vec![poison::<T>(); n]).unwrap();
+            // The lower rank sends first, the higher receives first: no cycle.
+            if rank < peer {
+                comm.send(&send, peer).unwrap();
+                comm.recv(&mut recv, peer).unwrap();
+            } else {
+                comm.recv(&mut recv, peer).unwrap();
+                comm.send(&send, peer).unwrap();
+            }
+            comm.synchronize().unwrap();
+            let got = recv.to_host(dev).unwrap();
+            let want = message::<T>(seed, peer, tag, n);
+            assert_eq!(common::bits(&got), common::bits(&want), "{what}");
+        }
+    });
+}
+
+/// A ring shift in one group (each rank sends to the next and receives from the one
+/// before: no order of single calls avoids a cycle), then pipeline stages (rank r
+/// receives from r - 1, then sends to r + 1, without a group).
+pub fn ring_and_pipeline<B: Backend>(place: &Placement, world: usize) {
+    let seed = common::seed("point_to_point");
+    let config = small_payload(place, world);
+    with_world_config::<B, _>(place, world, &config, |rank, comm| {
+        let dev = comm.device();
+        let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+        for (tag, &n) in SIZES.iter().enumerate() {
+            let send = B::alloc_from(dev, &message::<bf16>(seed, rank, tag, n)).unwrap();
+            let mut recv = B::alloc_from(dev, &vec![poison::<bf16>(); n]).unwrap();
+            let mut group = comm.group();
+            group.send(&send, next).unwrap();
+            group.recv(&mut recv, prev).unwrap();
+            group.end().unwrap();
+            comm.synchronize().unwrap();
+            let want = message::<bf16>(seed, prev, tag, n);
+            let got = recv.to_host(dev).unwrap();
+            assert_eq!(
+                common::bits(&got),
+                common::bits(&want),
+                "ring world {world} rank {rank}, {n}"
+            );
+        }
+        // Pipeline: stage 0 makes the activations, each stage adds nothing and passes them on.
+        let n = 70_001;
+        let first = message::<f32>(seed, 0, 99, n);
+        let mut act = B::alloc_from(dev, &vec![poison::<f32>(); n]).unwrap();
+        if rank == 0 {
+            act = B::alloc_from(dev, &first).unwrap();
+        } else {
+            comm.recv(&mut act, rank - 1).unwrap();
+        }
+        if rank + 1 < world {
+            comm.send(&act, rank + 1).unwrap();
+        }
+        comm.synchronize().unwrap();
+        let got = act.to_host(dev).unwrap();
+        assert_eq!(
+            common::bits(&got),
+            common::bits(&first),
+            "pipeline world {world} rank {rank}"
+        );
+    });
+}
+
+/// All-to-all in equal parts: part q of rank r's output is part r of rank q's input.
+pub fn all_to_all_checked<B: Backend>(place: &Placement, world: usize) {
+    let seed = common::seed("point_to_point");
+    let config = small_payload(place, world);
+    with_world_config::<B, _>(place, world, &config, |rank, comm| {
+        let dev = comm.device();
+        for (tag, &n) in SIZES.iter().enumerate() {
+            let send = B::alloc_from(dev, &message::<f32>(seed, rank, tag, world * n)).unwrap();
+            let mut recv = B::alloc_from(dev, &vec![poison::<f32>(); world * n]).unwrap();
+            comm.all_to_all(&send, &mut recv).unwrap();
+            comm.synchronize().unwrap();
+            let got = common::bits(&recv.to_host(dev).unwrap());
+            for q in 0..world {
+                let theirs = common::bits(&message::<f32>(seed, q, tag, world * n));
+                assert_eq!(
+                    got[q * n..(q + 1) * n],
+                    theirs[rank * n..(rank + 1) * n],
+                    "all-to-all world {world} rank {rank}, {n} per part, part {q}"
+                );
+            }
+        }
+    });
+}
+
+/// Hidden size of the mixture-of-experts case (DeepSeek-V3's).
+const HIDDEN: usize = 7168;
+
+/// The router of the mixture-of-experts case, the same on every rank: `tokens` tokens
+/// per rank, each sent to `top_k` of the world's ranks (experts live one per rank),
+/// skewed so that the last rank receives nothing. Returns `counts[src][dst]`: tokens
+/// rank src sends rank dst.
+fn routing(world: usize, tokens: usize, top_k: usize) -> Vec<Vec<usize>> {
+    let mut rng = StdRng::seed_from_u64(common::seed("moe_routing"));
+    let experts = world.saturating_sub(1).max(1);
+    let mut counts = vec![vec![0; world]; world];
+    for row in counts.iter_mut() {
+        for _ in 0..tokens {
+            let first = rng.random_range(0..experts);
+            for k in 0..top_k.min(experts) {
+                row[(first + k) % experts] += 1;
+            }
+        }
+    }
+    counts
+}
+
+/// Dispatch and combine of a mixture-of-experts layer: each rank sends each token's row
+/// to its experts' ranks (`all_to_all_v`, the router's uneven counts), then the ranks
+/// send the rows back with the transposed counts; the round trip gives every rank its
+/// own rows, bit for bit, and the dispatch's output is the senders' rows in rank order.
+pub fn all_to_all_v_moe<B: Backend>(place: &Placement, world: usize) {
+    let seed = common::seed("point_to_point");
+    let config = place.config(world);
+    let counts = routing(world, 24, 2);
+    with_world_config::<B, _>(place, world, &config, |rank, comm| {
+        let dev = comm.device();
+        let send_rows: Vec<usize> = counts[rank].clone();
+        let recv_rows: Vec<usize> = (0..world).map(|q| counts[q][rank]).collect();
+        let elems = |rows: &[usize]| rows.iter().map(|r| r * HIDDEN).collect::<Vec<_>>();
+        let (send_counts, recv_counts) = (elems(&send_rows), elems(&recv_rows));
+        let total_send: usize = send_counts.iter().sum();
+        let total_recv: usize = recv_counts.iter().sum();
+        let mine = message::<bf16>(seed, rank, 0, total_send);
+        let send = B::alloc_from(dev, &mine).unwrap();
+        let mut dispatched = B::alloc_from(dev, &vec![poison::<bf16>(); total_recv]).unwrap();
+        comm.all_to_all_v(&send, &send_counts, &mut dispatched, &recv_counts)
+            .unwrap();
+        comm.synchronize().unwrap();
+        // What each sender's rows for this rank are, in rank order.
+        let got = common::bits(&dispatched.to_host(dev).unwrap());
+        let mut at = 0;
+        for q in 0..world {
+            let theirs = common::bits(&message::<bf16>(
+                seed,
+                q,
+                0,
+                counts[q].iter().sum::<usize>() * HIDDEN,
+            ));
+            let start = counts[q][..rank].iter().sum::<usize>() * HIDDEN;
+            let n = recv_counts[q];
+            assert_eq!(
+                got[at..at + n],
+                theirs[start..start + n],
+                "dispatch world {world} rank {rank} from {q}"
+            );
+            at += n;
+        }
+        // Combine: the experts send the rows back.
+        let mut back = B::alloc_from(dev, &vec![poison::<bf16>(); total_send]).unwrap();
+        comm.all_to_all_v(&dispatched, &recv_counts, &mut back, &send_counts)
+            .unwrap();
+        comm.synchronize().unwrap();
+        let round_trip = common::bits(&back.to_host(dev).unwrap());
+        assert_eq!(
+            round_trip,
+            common::bits(&mine),
+            "round trip world {world} rank {rank}"
+        );
+        if rank == world - 1 && world > 1 {
+            assert_eq!(total_recv, 0, "the last rank's expert gets no tokens");
+        }
+    });
+}
+
+/// A receive of another length or type than the send, or from another rank: every rank
+/// of the pair gets `CallMismatch` on the field, nothing received; after `reinitialize`
+/// the pair exchanges again.
+pub fn send_recv_mismatch<B: Backend>(place: &Placement) {
+    let seed = common::seed("point_to_point");
+    let world = 2;
+    let config = short_waits(place, world);
+    let cases: [(&str, CallField, usize, DType); 2] = [
+        ("another length", CallField::Length, 99, DType::F32),
+        ("another type", CallField::DType, 100, DType::BF16),
+    ];
+    for (what, field, recv_len, recv_dtype) in cases {
+        let results = in_step::<B, _>(place, world, &config, |rank, comm, meet| {
+            let dev = comm.device();
+            let got = if rank == 0 {
+                let send = B::alloc_from(dev, &message::<f32>(seed, 0, 0, 100)).unwrap();
+                comm.send(&send, 1).and_then(|()| comm.synchronize())
+            } else {
+                let out = match recv_dtype {
+                    DType::BF16 => receive_poisoned::<B, bf16>(comm, recv_len),
+                    _ => receive_poisoned::<B, f32>(comm, recv_len),
+                };
+                let (got, untouched) = out;
+                assert!(untouched, "{what}: the receive wrote its buffer");
+                got
+            };
+            meet.wait();
+            comm.reinitialize().unwrap();
+            let n = 33;
+            if rank == 0 {
+                let send = B::alloc_from(dev, &message::<f32>(seed, 0, 1, n)).unwrap();
+                comm.send(&send, 1).unwrap();
+            } else {
+                let mut recv = B::alloc_from(dev, &vec![poison::<f32>(); n]).unwrap();
+                comm.recv(&mut recv, 0).unwrap();
+                comm.synchronize().unwrap();
+                let want = common::bits(&message::<f32>(seed, 0, 1, n));
+                assert_eq!(
+                    common::bits(&recv.to_host(dev).unwrap()),
+                    want,
+                    "{what}: after reinitialize"
+                );
+            }
+            comm.synchronize().unwrap();
+            got
+        });
+        common::assert_every_rank_mismatched(&results, field, 1, what);
+    }
+}
+
+/// Receives `n` elements of `T` from rank 0 into a poisoned buffer; the result and
+/// whether the buffer still holds only the poison.
+fn receive_poisoned<B: Backend, T: Element>(
+    comm: &Comm<B>,
+    n: usize,
+) -> (peercomm::Result<()>, bool) {
+    let dev = comm.device();
+    let mut recv = B::alloc_from(dev, &vec![poison::<T>(); n]).unwrap();
+    let got = comm.recv(&mut recv, 0).and_then(|()| comm.synchronize());
+    let untouched =
+        (recv.to_host(dev).unwrap().iter()).all(|x| x.to_bits_u32() == poison::<T>().to_bits_u32());
+    (got, untouched)
+}
+
+/// Bad arguments are typed errors, nothing launched: a peer outside the world, counts
+/// that do not fit their buffer or name another world, a send to itself without its
+/// receive; an exchange of nothing is a no-op, and a group dropped unended runs nothing.
+pub fn bad_arguments<B: Backend>(place: &Placement) {
+    let world = 2;
+    with_world_config::<B, _>(place, world, &place.config(world), |rank, comm| {
+        let dev = comm.device();
+        let a = B::alloc_from(dev, &vec![1.0f32; 8]).unwrap();
+        let mut b = B::alloc_from(dev, &vec![poison::<f32>(); 8]).unwrap();
+        assert!(matches!(
+            comm.send(&a, 2),
+            Err(Error::InvalidPeer { peer: 2, world: 2 })
+        ));
+        assert!(matches!(
+            comm.recv(&mut b, 5),
+            Err(Error::InvalidPeer { .. })
+        ));
+        let too_many = comm.all_to_all_v(&a, &[5, 4], &mut b, &[4, 4]);
+        assert!(
+            matches!(too_many, Err(Error::LengthMismatch { .. })),
+            "{too_many:?}"
+        );
+        let other_world = comm.all_to_all_v(&a, &[4, 4, 0], &mut b, &[4, 4]);
+        assert!(
+            matches!(other_world, Err(Error::LengthMismatch { .. })),
+            "{other_world:?}"
+        );
+        let odd = B::alloc_from(dev, &vec![1.0f32; 7]).unwrap();
+        assert!(matches!(
+            comm.all_to_all(&odd, &mut b),
+            Err(Error::LengthMismatch { .. })
+        ));
+        let itself = comm.send(&a, rank);
+        assert!(matches!(itself, Err(Error::Unsupported(_))), "{itself:?}");
+        {
+            // A second send to one peer starts a second exchange; dropped, nothing runs.
+            let mut group = comm.group();
+            group.send(&a, 1 - rank).unwrap();
+            group.send(&a, 1 - rank).unwrap();
+            assert_eq!(group.len(), 2);
+        }
+        let nothing = comm.all_to_all_v(&a, &[0, 0], &mut b, &[0, 0]);
+        assert!(nothing.is_ok(), "an exchange of nothing: {nothing:?}");
+        comm.synchronize().unwrap();
+        assert!(
+            b.to_host(dev)
+                .unwrap()
+                .iter()
+                .all(|&x| x == poison::<f32>()),
+            "rank {rank}: written"
+        );
+    });
+}
