@@ -19,7 +19,8 @@
 #     repeat     one per-rank test (REPEAT_TEST) REPEAT_COUNT times
 #     bench      per-rank (threads) against the single controller at worlds 2 and 4
 #                (BENCH_WORLDS), graph and eager, bf16; the base bench first where one
-#                was packed; BENCH_OPS adds those reduction operators beside the sum
+#                was packed; BENCH_OPS adds those reduction operators beside the sum,
+#                BENCH_EXCHANGE=1 the point-to-point calls against a D2D copy
 #     zero-copy  per rank (threads) staged, symmetric and registered capture against the
 #                single controller, 1 KiB-64 MiB, graph and eager, bf16, at worlds
 #                ZC_WORLDS (2 4), one sweep per ZC_SWEEPS entry: base, gate (windows
@@ -235,6 +236,8 @@ for stage in "$@"; do
         # BENCH_OPS (e.g. prod,max,min,avg): each operator beside the sum (this build's bench).
         ops=()
         [ "$b" = peercomm-bench ] && [ -n "${BENCH_OPS:-}" ] && ops=(--ops "$BENCH_OPS")
+        # BENCH_EXCHANGE=1: all-to-all, all-to-all-v and send/recv against a D2D copy.
+        [ "$b" = peercomm-bench ] && [ -n "${BENCH_EXCHANGE:-}" ] && ops+=(--exchange)
         timeout "${BENCH_LIMIT:-150}" "$BIN/$b" --per-rank $w --with-single --sizes $sizes --dtypes bf16 --no-nccl \
           --batches 10 "${ops[@]}" --out "$LOGS/$b-w$w" >"$LOGS/$b-w$w.log" 2>&1
         note "$b world $w rc=$?"

@@ -217,3 +217,63 @@ fn collectives_graph_replays() {
         }
     });
 }
+
+/// Each rank captures a ring shift (a group of a send and a receive, one message in
+/// chunks) and an uneven all-to-all into one graph and replays it with new inputs every
+/// time; every replay is checked bit for bit against what the peers sent.
+#[test]
+fn exchange_graph_replays() {
+    let Some(place) = suite_place("exchange_graph_replays") else {
+        return;
+    };
+    let seed = common::seed("exchange_graph_replays");
+    let (world, replays, n) = (3, 30, 3 << 20);
+    // Rank r sends rank q (r + 2q + 1) * 1000 elements.
+    let count = |r: usize, q: usize| (r + 2 * q + 1) * 1000;
+    per_rank_suite::with_world::<Cuda, _>(&place, world, |rank, comm| {
+        let dev = comm.device();
+        let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+        let sends: Vec<usize> = (0..world).map(|q| count(rank, q)).collect();
+        let recvs: Vec<usize> = (0..world).map(|q| count(q, rank)).collect();
+        let (total_send, total_recv) = (sends.iter().sum(), recvs.iter().sum::<usize>());
+        let mut ring_in = Cuda::alloc_buffer::<f32>(dev, n).unwrap();
+        let mut ring_out = Cuda::alloc_buffer::<f32>(dev, n).unwrap();
+        let mut a2a_in = Cuda::alloc_buffer::<f32>(dev, total_send).unwrap();
+        let mut a2a_out = Cuda::alloc_buffer::<f32>(dev, total_recv).unwrap();
+        let (graph, _) = comm
+            .capture(|| {
+                let mut group = comm.group();
+                group.send(&ring_in, next)?;
+                group.recv(&mut ring_out, prev)?;
+                group.end()?;
+                comm.all_to_all_v(&a2a_in, &sends, &mut a2a_out, &recvs)
+            })
+            .unwrap();
+        let input = |call: usize, r: usize, len: usize| processes::input(seed, call, r, len);
+        for i in 0..replays {
+            let (ring, a2a) = (2 * i, 2 * i + 1);
+            Cuda::upload(dev, &input(ring, rank, n), &mut ring_in).unwrap();
+            Cuda::upload(dev, &input(a2a, rank, total_send), &mut a2a_in).unwrap();
+            Cuda::upload(dev, &vec![f32::NAN; n], &mut ring_out).unwrap();
+            Cuda::upload(dev, &vec![f32::NAN; total_recv], &mut a2a_out).unwrap();
+            graph.launch().unwrap();
+            comm.synchronize().unwrap();
+            let got = common::bits(&Cuda::download(dev, &ring_out).unwrap());
+            let want = common::bits(&input(ring, prev, n));
+            assert!(
+                got == want,
+                "rank {rank} replay {i}: the ring shift from rank {prev}"
+            );
+            let got = common::bits(&Cuda::download(dev, &a2a_out).unwrap());
+            let mut at = 0;
+            for q in 0..world {
+                let theirs = common::bits(&input(a2a, q, (0..world).map(|x| count(q, x)).sum()));
+                let start: usize = (0..rank).map(|x| count(q, x)).sum();
+                let len = count(q, rank);
+                let what = format!("rank {rank} replay {i}: all-to-all-v from rank {q}");
+                assert!(got[at..at + len] == theirs[start..start + len], "{what}");
+                at += len;
+            }
+        }
+    });
+}

@@ -133,6 +133,11 @@ struct Args {
     /// the sum, staged, in graph mode (rows `peercomm-per-rank-<op>`).
     #[arg(long, value_delimiter = ',')]
     ops: Vec<String>,
+    /// Per-rank mode: also time all-to-all, all-to-all-v (uneven parts) and a send/recv
+    /// ring shift against a device-to-device copy of the same bytes, in graph mode
+    /// (examples/peercomm-bench/exchange.rs).
+    #[arg(long)]
+    exchange: bool,
     /// Ranks of the single-controller sweep (default: one per GPU). More ranks than
     /// GPUs share them: a correctness and host-cost check, not a link measurement.
     #[arg(long)]
@@ -919,6 +924,8 @@ fn utc_now() -> (String, String) {
 
 #[cfg(feature = "cuda")]
 mod collectives;
+#[cfg(feature = "cuda")]
+mod exchange;
 #[cfg(feature = "cuda")]
 mod gpu;
 #[cfg(feature = "cuda")]

@@ -523,6 +523,19 @@ fn sweep(
                     us,
                 ));
             }
+            if args.exchange {
+                let time = |launch: &dyn Fn()| per_call_us(&comm, &stream, timing, launch);
+                let row = |imp: &str, alg: &str, us: f64| at(imp, alg, "graph", us);
+                let sweep = super::exchange::Sweep {
+                    comm: &comm,
+                    stream: &stream,
+                    calls,
+                    time: &time,
+                    row: &row,
+                };
+                rendezvous(&comm);
+                mine.extend(super::exchange::rows(&sweep, n));
+            }
             let theirs = nccl.as_ref().map(|nccl| {
                 graph_of(&mut || {
                     for _ in 0..calls {
