@@ -40,9 +40,42 @@ pub enum Error {
         /// ordinal is the same).
         got: String,
     },
-    /// peercomm sums f32, f16 and bf16 only.
-    #[error("peercomm sums f32, f16 and bf16 tensors, not {0:?}")]
+    /// peercomm's collectives take f32, f16 and bf16 tensors only.
+    #[error("peercomm's collectives take f32, f16 and bf16 tensors, not {0:?}")]
     UnsupportedDType(DType),
+    /// The output tensor's dtype is not the input's.
+    #[error("the input is {input:?} but the output is {output:?}")]
+    DTypeMismatch {
+        /// The input's dtype.
+        input: DType,
+        /// The output's dtype.
+        output: DType,
+    },
+    /// The output tensor's shape is not the one the collective produces from the input.
+    #[error("the output's shape is {got:?}, but this collective writes {expected:?}")]
+    ShapeMismatch {
+        /// The shape the collective writes.
+        expected: Vec<usize>,
+        /// The output's shape.
+        got: Vec<usize>,
+    },
+    /// A reduce-scatter splits dim 0 into one equal part per rank of the group, and the
+    /// group width does not divide it.
+    #[error("dim 0 ({rows}) is not a multiple of the group width {width}")]
+    NotDivisible {
+        /// The input's dim 0.
+        rows: usize,
+        /// Ranks in the group.
+        width: usize,
+    },
+    /// An all-gather or reduce-scatter needs a dim 0 to gather or split along; the
+    /// tensor is a scalar.
+    #[error("a scalar tensor has no dim 0 to gather or split along; reshape it to [1] first")]
+    Scalar,
+    /// The output shares its storage with the input without being exactly the input
+    /// (pass the same tensor for an in-place call, or separate tensors).
+    #[error("the output shares its storage with the input but is not the same elements")]
+    OutputAliasesInput,
     /// peercomm refused the collective or reported a failure (bad options, a peer that
     /// timed out, a poisoned communicator); see [`peercomm::Error`].
     #[error(transparent)]
