@@ -1,7 +1,17 @@
 //! GPU tests of the candle integration (CUDA; each skips with a visible message when
 //! no GPU is present). The tensor-parallel Llama-3-8B MLP block over two ranks equals
 //! the single-GPU block within bf16 tolerance; with one GPU the two ranks share it
-//! (`CommConfig::allow_shared_devices`).
+//! (`CommConfig::allow_shared_devices`). `collectives`: every collective, operator,
+//! dtype and form against an f64 host reference, and the typed errors;
+//! `graph_capture`: the all-reduce inside a CUDA graph that the test captured itself on
+//! candle's stream. One test binary, which the GPU run packs.
+
+#[path = "tp_mlp/collectives.rs"]
+mod collectives;
+#[path = "tp_mlp/graph_capture.rs"]
+mod graph_capture;
+#[path = "tp_mlp/reference.rs"]
+mod reference;
 
 use std::sync::Arc;
 
