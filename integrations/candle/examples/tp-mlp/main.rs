@@ -1,5 +1,6 @@
 //! A tensor-parallel MLP block shaped like Llama-3-8B's (hidden 4096, intermediate 14336,
-//! bf16) in candle, one thread per rank: column-parallel gate and up projections, SiLU,
+//! bf16) in candle, one thread per rank, or with `--processes` one process per rank (as
+//! engines run one process per GPU): column-parallel gate and up projections, SiLU,
 //! row-parallel down projection, then an all-reduce of the `[tokens, 4096]` partial sums,
 //! through cudarc's NCCL `Comm::from_rank` and through peercomm's per-rank `Comm`, in the
 //! same run. Decode batches of 1, 8, 32 and 128 tokens and a 2048-token prefill by
@@ -14,8 +15,15 @@
 //! More ranks than GPUs (e.g. `--ranks 2` on one GPU) share GPUs through peercomm's
 //! `CommConfig::allow_shared_devices`; NCCL refuses two ranks on one GPU, so its columns
 //! are skipped there, with the reason printed and recorded.
+//!
+//! With `--processes` the example starts itself once per rank (`std::env::current_exe()`,
+//! the same arguments), handing each process its rank, peercomm's `UniqueId` and NCCL's id
+//! through the environment, never the command line (the ids hold secrets); each rank
+//! process prints its measurements as one JSON line, which the launcher merges
+//! (`processes.rs`).
 
 mod plot;
+mod processes;
 
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
@@ -39,7 +47,7 @@ struct Args {
     /// Folder for tp-mlp.json and tp-mlp.png.
     #[arg(long, default_value = "results/candle-tp")]
     out: std::path::PathBuf,
-    /// Ranks (threads); rank r runs on GPU r % gpus.
+    /// Ranks (threads, or processes with --processes); rank r runs on GPU r % gpus.
     #[arg(long, default_value_t = 2)]
     ranks: usize,
     /// GPUs to use (default: every visible one, at most --ranks).
@@ -60,6 +68,10 @@ struct Args {
     /// Leave NCCL out.
     #[arg(long)]
     no_nccl: bool,
+    /// One process per rank (the example starts itself once per rank) instead of one
+    /// thread per rank.
+    #[arg(long)]
+    processes: bool,
 }
 
 /// One measured point (times in microseconds per block, slowest rank).
@@ -102,8 +114,19 @@ struct Report {
     points: Vec<Point>,
 }
 
-fn main() -> BoxResult<()> {
-    let args = Args::parse();
+/// Where the ranks run and what they compute: the same in the launcher and in every
+/// rank's process.
+struct Setup {
+    gpus: usize,
+    gpu_of_rank: Vec<usize>,
+    shared: bool,
+    nccl_skipped: Option<String>,
+    config: CommConfig,
+    weights: Arc<Mlp>,
+    inputs: Vec<Tensor>,
+}
+
+fn setup(args: &Args) -> BoxResult<Setup> {
     let visible = cudarc::driver::CudaContext::device_count()
         .map_err(|e| format!("no CUDA driver or device: {e}"))? as usize;
     if visible == 0 || args.ranks == 0 {
@@ -127,9 +150,6 @@ fn main() -> BoxResult<()> {
     } else {
         None
     };
-    if let Some(why) = &nccl_skipped {
-        println!("NCCL column skipped: {why}");
-    }
     let shape = MlpShape::LLAMA3_8B;
     if !shape.intermediate.is_multiple_of(args.ranks) {
         return Err(format!(
@@ -138,6 +158,41 @@ fn main() -> BoxResult<()> {
         )
         .into());
     }
+    let weights = Arc::new(Mlp::random(shape, DType::BF16, 7, &Device::Cpu)?);
+    let inputs: Vec<Tensor> = args
+        .tokens
+        .iter()
+        .map(|&t| random_input(t, shape.hidden, DType::BF16, 100 + t as u64, &Device::Cpu))
+        .collect::<Result<_, _>>()?;
+    Ok(Setup {
+        gpus,
+        gpu_of_rank,
+        shared,
+        nccl_skipped,
+        config: CommConfig::default().with_allow_shared_devices(shared),
+        weights,
+        inputs,
+    })
+}
+
+fn main() -> BoxResult<()> {
+    let args = Args::parse();
+    if let Some(rank) = processes::rank_of_this_process()? {
+        return processes::rank_main(&args, rank);
+    }
+    let Setup {
+        gpus,
+        gpu_of_rank,
+        shared,
+        nccl_skipped,
+        config,
+        weights,
+        inputs,
+    } = setup(&args)?;
+    if let Some(why) = &nccl_skipped {
+        println!("NCCL column skipped: {why}");
+    }
+    let shape = MlpShape::LLAMA3_8B;
     let devices: Vec<String> = (0..gpus)
         .map(|g| {
             cudarc::driver::CudaContext::new(g)
@@ -146,17 +201,11 @@ fn main() -> BoxResult<()> {
         })
         .collect();
     println!(
-        "Llama-3-8B MLP block, bf16, {} ranks on GPUs {gpu_of_rank:?} ({})",
+        "Llama-3-8B MLP block, bf16, {} ranks on GPUs {gpu_of_rank:?} ({}), one {} per rank",
         args.ranks,
-        devices.join(", ")
+        devices.join(", "),
+        if args.processes { "process" } else { "thread" }
     );
-
-    let weights = Arc::new(Mlp::random(shape, DType::BF16, 7, &Device::Cpu)?);
-    let inputs: Vec<Tensor> = args
-        .tokens
-        .iter()
-        .map(|&t| random_input(t, shape.hidden, DType::BF16, 100 + t as u64, &Device::Cpu))
-        .collect::<Result<_, _>>()?;
 
     // The whole block on GPU 0: the reference outputs and the no-parallelism time.
     let (reference, single_us) = single_gpu(&weights, &inputs, &args)?;
@@ -167,34 +216,12 @@ fn main() -> BoxResult<()> {
     } else {
         None
     };
-    let config = CommConfig::default().with_allow_shared_devices(shared);
-    let barrier = Barrier::new(args.ranks);
-    let per_rank: Vec<Vec<RankPoint>> = std::thread::scope(|s| {
-        let workers: Vec<_> = gpu_of_rank
-            .iter()
-            .enumerate()
-            .map(|(rank, &gpu)| {
-                let ctx = RankCtx {
-                    rank,
-                    gpu,
-                    world: args.ranks,
-                    weights: &weights,
-                    inputs: &inputs,
-                    reference: &reference,
-                    id: &id,
-                    nccl_id,
-                    config: config.clone(),
-                    barrier: &barrier,
-                    args: &args,
-                };
-                s.spawn(move || run_rank(ctx))
-            })
-            .collect();
-        workers
-            .into_iter()
-            .map(|w| w.join().expect("a rank panicked"))
-            .collect::<BoxResult<Vec<_>>>()
-    })?;
+    let per_rank: Vec<Vec<RankPoint>> = if args.processes {
+        processes::launch(&args, &id, nccl_id.as_ref(), &reference)?
+    } else {
+        let data = (&*weights, &inputs[..], &reference[..]);
+        run_threads(&args, &gpu_of_rank, data, (&id, nccl_id), &config)?
+    };
 
     let points: Vec<Point> = (0..args.tokens.len())
         .map(|k| {
@@ -220,7 +247,11 @@ fn main() -> BoxResult<()> {
         iters: args.iters,
         warmup: args.warmup,
         rounds: args.rounds,
-        mode: "eager, one thread per rank, slowest rank's mean per block, median round",
+        mode: if args.processes {
+            "eager, one process per rank, slowest rank's mean per block, median round"
+        } else {
+            "eager, one thread per rank, slowest rank's mean per block, median round"
+        },
         points,
     };
     std::fs::create_dir_all(&args.out)?;
@@ -240,6 +271,43 @@ fn main() -> BoxResult<()> {
         return Err("an output is outside the bf16 tolerance of the single-GPU block".into());
     }
     Ok(())
+}
+
+/// Every rank in a thread of this process.
+fn run_threads(
+    args: &Args,
+    gpu_of_rank: &[usize],
+    (weights, inputs, reference): (&Mlp, &[Tensor], &[Tensor]),
+    (id, nccl_id): (&UniqueId, Option<NcclId>),
+    config: &CommConfig,
+) -> BoxResult<Vec<Vec<RankPoint>>> {
+    let barrier = Barrier::new(args.ranks);
+    std::thread::scope(|s| {
+        let workers: Vec<_> = gpu_of_rank
+            .iter()
+            .enumerate()
+            .map(|(rank, &gpu)| {
+                let ctx = RankCtx {
+                    rank,
+                    gpu,
+                    world: args.ranks,
+                    weights,
+                    inputs,
+                    reference,
+                    id,
+                    nccl_id,
+                    config: config.clone(),
+                    sync: Rendezvous::Threads(&barrier),
+                    args,
+                };
+                s.spawn(move || run_rank(ctx))
+            })
+            .collect();
+        workers
+            .into_iter()
+            .map(|w| w.join().expect("a rank panicked"))
+            .collect::<BoxResult<Vec<_>>>()
+    })
 }
 
 /// Runs the whole block on GPU 0: reference outputs (on the host) and times per block.
@@ -274,12 +342,37 @@ struct RankCtx<'a> {
     id: &'a UniqueId,
     nccl_id: Option<NcclId>,
     config: CommConfig,
-    barrier: &'a Barrier,
+    sync: Rendezvous<'a>,
     args: &'a Args,
 }
 
-/// One rank's measurements at one size.
-#[derive(Default)]
+/// How the ranks wait for each other between measurements.
+enum Rendezvous<'a> {
+    /// Ranks in threads of this process.
+    Threads(&'a Barrier),
+    /// Ranks in processes of their own: a peercomm barrier on the stream, then a wait
+    /// for it (every rank has then reached the same point).
+    Processes,
+}
+
+impl RankCtx<'_> {
+    /// Waits until every rank gets here.
+    fn wait(&self, comm: &CandleComm) -> BoxResult<()> {
+        match self.sync {
+            Rendezvous::Threads(barrier) => {
+                barrier.wait();
+            }
+            Rendezvous::Processes => {
+                comm.comm().barrier(0)?;
+                comm.synchronize()?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One rank's measurements at one size (a JSON line from a rank's process).
+#[derive(Default, Serialize, serde::Deserialize)]
 struct RankPoint {
     compute_us: f64,
     peercomm_us: f64,
@@ -287,8 +380,26 @@ struct RankPoint {
     peercomm_ar_us: f64,
     nccl_ar_us: Option<f64>,
     algorithm: String,
-    peercomm_check: Option<Comparison>,
-    nccl_check: Option<Comparison>,
+    peercomm_check: Option<Check>,
+    nccl_check: Option<Check>,
+}
+
+/// A [`Comparison`] with the rank's verdict.
+#[derive(Clone, Copy, Serialize, serde::Deserialize)]
+struct Check {
+    max_abs: f64,
+    rms: f64,
+    passes: bool,
+}
+
+impl From<Comparison> for Check {
+    fn from(c: Comparison) -> Self {
+        Check {
+            max_abs: c.max_abs,
+            rms: c.rms,
+            passes: c.passes(),
+        }
+    }
 }
 
 fn run_rank(c: RankCtx<'_>) -> BoxResult<Vec<RankPoint>> {
@@ -312,7 +423,7 @@ fn run_rank(c: RankCtx<'_>) -> BoxResult<Vec<RankPoint>> {
         Comparison::new(&partial.copy()?, &c.reference[k])?;
     }
     dev.synchronize()?;
-    c.barrier.wait();
+    c.wait(&comm)?;
     let mut out = vec![];
     for (k, x) in c.inputs.iter().enumerate() {
         let x = x.to_device(&dev)?;
@@ -326,33 +437,33 @@ fn run_rank(c: RankCtx<'_>) -> BoxResult<Vec<RankPoint>> {
             comm.all_reduce_sum_in_place(&partial.copy()?, &opts)?
         );
         comm.synchronize()?;
-        p.peercomm_check = Some(Comparison::new(&y, &c.reference[k])?);
+        p.peercomm_check = Some(Comparison::new(&y, &c.reference[k])?.into());
         if let Some(nccl) = &nccl {
             let y = nccl_all_reduce(nccl, &partial)?;
-            p.nccl_check = Some(Comparison::new(&y, &c.reference[k])?);
+            p.nccl_check = Some(Comparison::new(&y, &c.reference[k])?.into());
         }
 
         let mut rounds: Vec<[f64; 5]> = vec![];
         for _ in 0..c.args.rounds {
             let mut r = [f64::NAN; 5];
-            r[0] = timed(&c, &dev, || {
+            r[0] = timed(&c, &comm, &dev, || {
                 shard.forward(&x)?;
                 Ok(())
             })?;
-            r[1] = timed(&c, &dev, || {
+            r[1] = timed(&c, &comm, &dev, || {
                 comm.all_reduce_sum(&shard.forward(&x)?, &opts)?;
                 Ok(())
             })?;
-            r[2] = timed(&c, &dev, || {
+            r[2] = timed(&c, &comm, &dev, || {
                 comm.all_reduce_sum(&partial, &opts)?;
                 Ok(())
             })?;
             if let Some(nccl) = &nccl {
-                r[3] = timed(&c, &dev, || {
+                r[3] = timed(&c, &comm, &dev, || {
                     nccl_all_reduce(nccl, &shard.forward(&x)?)?;
                     Ok(())
                 })?;
-                r[4] = timed(&c, &dev, || {
+                r[4] = timed(&c, &comm, &dev, || {
                     nccl_all_reduce(nccl, &partial)?;
                     Ok(())
                 })?;
@@ -398,22 +509,27 @@ fn nccl_all_reduce(nccl: &NcclComm, t: &Tensor) -> BoxResult<Tensor> {
 }
 
 /// Mean microseconds per call of `f` on this rank, every rank starting together.
-fn timed(c: &RankCtx<'_>, dev: &Device, mut f: impl FnMut() -> BoxResult<()>) -> BoxResult<f64> {
+fn timed(
+    c: &RankCtx<'_>,
+    comm: &CandleComm,
+    dev: &Device,
+    mut f: impl FnMut() -> BoxResult<()>,
+) -> BoxResult<f64> {
     // No rank starts a collective while another still works alone (see run_rank).
     dev.synchronize()?;
-    c.barrier.wait();
+    c.wait(comm)?;
     for _ in 0..c.args.warmup {
         f()?;
     }
     dev.synchronize()?;
-    c.barrier.wait();
+    c.wait(comm)?;
     let t0 = Instant::now();
     for _ in 0..c.args.iters {
         f()?;
     }
     dev.synchronize()?;
     let us = t0.elapsed().as_secs_f64() * 1e6 / c.args.iters.max(1) as f64;
-    c.barrier.wait();
+    c.wait(comm)?;
     Ok(us)
 }
 
@@ -464,12 +580,12 @@ fn merge<'a>(
         if let Some(c) = r.peercomm_check {
             let e = c.max_abs / c.rms;
             p.peercomm_max_err_over_rms = p.peercomm_max_err_over_rms.max(e);
-            p.peercomm_within_tolerance &= c.passes();
+            p.peercomm_within_tolerance &= c.passes;
         }
         if let Some(c) = r.nccl_check {
             let e = c.max_abs / c.rms;
             p.nccl_max_err_over_rms = max_opt(p.nccl_max_err_over_rms, Some(e));
-            p.nccl_within_tolerance = Some(p.nccl_within_tolerance.unwrap_or(true) && c.passes());
+            p.nccl_within_tolerance = Some(p.nccl_within_tolerance.unwrap_or(true) && c.passes);
         }
     }
     p
