@@ -49,9 +49,6 @@ pub enum CallField {
     Epsilon,
     /// The reduction operator ([`crate::ReduceOp`]).
     Op,
-    /// The peer of a send or receive: a rank sends to another rank than the one that
-    /// receives from it, or receives from another.
-    Peer,
 }
 
 impl std::fmt::Display for CallField {
@@ -68,7 +65,6 @@ impl std::fmt::Display for CallField {
             CallField::Inputs => "where the peers read the input",
             CallField::Hidden => "row length",
             CallField::Epsilon => "epsilon",
-            CallField::Peer => "peer",
             CallField::Op => "reduction operator",
         })
     }

@@ -403,6 +403,7 @@ macro_rules! per_rank_suite {
             refuses_two_stage: |p| per_rank_suite::all_reduce::refuses_two_stage::<B>(p);
             send_recv_mismatch: |p| per_rank_suite::point_to_point::send_recv_mismatch::<B>(p);
             point_to_point_bad_arguments: |p| per_rank_suite::point_to_point::bad_arguments::<B>(p);
+            unmatched_sends: |p| per_rank_suite::point_to_point::unmatched_sends::<B>(p);
             lamport_sums_only: |p| per_rank_suite::ops::lamport_sums_only::<B>(p);
             independent_sibling_groups: |p| per_rank_suite::all_reduce::independent_sibling_groups::<B>(p);
             missing_call_times_out_and_recovers: |p| per_rank_suite::all_reduce::missing_call_times_out_and_recovers::<B>(p);

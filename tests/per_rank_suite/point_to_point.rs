@@ -347,3 +347,65 @@ pub fn bad_arguments<B: Backend>(place: &Placement) {
         );
     });
 }
+
+/// Two ranks that both send and neither receives: `CallMismatch` on the element type
+/// (each side says the other sends nothing) on both, nothing written; a send to a rank
+/// that receives from another (world 3): the sender's wait times out naming that rank,
+/// every other rank is told (`PeerAborted`), after the barrier timeout, and nothing is
+/// received. After `reinitialize` the ranks exchange again.
+pub fn unmatched_sends<B: Backend>(place: &Placement) {
+    let seed = common::seed("point_to_point");
+    let config = short_waits(place, 2);
+    let results = in_step::<B, _>(place, 2, &config, |rank, comm, meet| {
+        let dev = comm.device();
+        let send = B::alloc_from(dev, &message::<f32>(seed, rank, 0, 64)).unwrap();
+        let got = comm.send(&send, 1 - rank).and_then(|()| comm.synchronize());
+        meet.wait();
+        comm.reinitialize().unwrap();
+        got
+    });
+    common::assert_every_rank_mismatched(&results, CallField::DType, 1, "both send");
+
+    let world = 3;
+    let config = short_waits(place, world);
+    let results = in_step::<B, _>(place, world, &config, |rank, comm, meet| {
+        let dev = comm.device();
+        let send = B::alloc_from(dev, &message::<f32>(seed, rank, 1, 64)).unwrap();
+        let mut recv = B::alloc_from(dev, &vec![poison::<f32>(); 64]).unwrap();
+        // Rank 0 sends to rank 1, which receives from rank 2, which sends to rank 1.
+        let got = match rank {
+            0 => comm.send(&send, 1),
+            1 => comm.recv(&mut recv, 2),
+            _ => comm.send(&send, 1),
+        };
+        let first = got.and_then(|()| comm.synchronize());
+        meet.wait();
+        // Rank 0's record reaches every rank: a later wait reports it.
+        let later = comm.synchronize();
+        meet.wait();
+        comm.reinitialize().unwrap();
+        let received = recv.to_host(dev).unwrap();
+        (first, later, received)
+    });
+    match &results[0].0 {
+        Err(Error::BarrierTimeout { waiting_for, .. }) => assert_eq!(*waiting_for, Some(1)),
+        other => panic!("rank 0: {other:?}, not a timeout waiting for rank 1"),
+    }
+    for (rank, (first, later, _)) in results.iter().enumerate().skip(1) {
+        let told = matches!(first, Err(Error::PeerAborted { .. }))
+            || matches!(later, Err(Error::PeerAborted { .. }));
+        assert!(
+            told,
+            "rank {rank}: {first:?} then {later:?}, never PeerAborted"
+        );
+    }
+    // Rank 1's receive from rank 2 may have completed before the abort: it holds rank
+    // 2's message then, else the poison.
+    let want = common::bits(&message::<f32>(seed, 2, 1, 64));
+    let got = common::bits(&results[1].2);
+    let poisoned = common::bits(&vec![poison::<f32>(); 64]);
+    assert!(
+        got == want || got == poisoned,
+        "rank 1 received something else"
+    );
+}

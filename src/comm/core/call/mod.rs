@@ -191,16 +191,8 @@ fn pair_difference(a: &Fields, b: &Fields) -> Option<(CallField, String, String)
         _ => format!("{n} elements"),
     };
     let types = |f: &Fields| sends(f).map(|(t, _)| t);
-    if ranks(a) != ranks(b) {
-        let show = |f: &Fields| {
-            format!(
-                "a send / recv between ranks {} and {}",
-                ranks(f).0,
-                ranks(f).1
-            )
-        };
-        return Some((CallField::Peer, show(a), show(b)));
-    }
+    // Both ranks of a barrier name the same pair: a send to a rank that receives from
+    // another is a wait that times out, not a difference here.
     if types(a) != types(b) {
         return Some((CallField::DType, shows(a, &dtype), shows(b, &dtype)));
     }
@@ -313,8 +305,6 @@ pub(crate) fn first_difference(
         CallField::Epsilon => format!("epsilon {:e}", f32::from_bits(f.epsilon)),
         CallField::Op => ReduceOp::from_raw(f.op)
             .map_or_else(|| format!("operator {}", f.op), |o| o.name().to_string()),
-        // Only exchanges name a peer, and `pair_difference` shows them.
-        CallField::Peer => collective_name(f.kind),
         CallField::Sequence if f.seq == 0 => "no call yet".into(),
         CallField::Sequence => format!("call {}", f.seq),
     };
