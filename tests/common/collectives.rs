@@ -52,7 +52,7 @@ pub fn expect_reduce_scatter<T: Element>(ins: &[Vec<T>], width: usize, r: usize)
 pub fn expect_reduce<T: Element>(ins: &[Vec<T>], width: usize, r: usize, root: usize) -> Vec<T> {
     match r % width == root {
         true => in_order_sums(ins, width, r, 0..ins[0].len()),
-        false => vec![T::from_f32(f32::NAN); ins[0].len()],
+        false => vec![super::poison::<T>(); ins[0].len()],
     }
 }
 
@@ -67,6 +67,10 @@ fn in_order_sums<T: Element>(
     let base = r / width * width;
     range
         .map(|e| {
+            let xs: Vec<T> = (base..base + width).map(|q| ins[q][e]).collect();
+            if let Some(exact) = super::reduce_exactly(ReduceOp::Sum, &xs) {
+                return exact;
+            }
             // The kernels' order: +0.0 first (one sign of zero), then group-rank order.
             let mut acc = if width > 1 {
                 0.0 + ins[base][e].to_f32()
@@ -108,14 +112,14 @@ pub fn expect_scatter<T: Element>(ins: &[Vec<T>], width: usize, r: usize, root: 
 /// Asserts `got` equals `want` bit for bit.
 pub fn assert_bits<T: Element>(got: &[T], want: &[T], what: &str) {
     assert_eq!(got.len(), want.len(), "{what}: length");
-    if let Some(e) = (0..got.len()).find(|&e| got[e].to_bits_u32() != want[e].to_bits_u32()) {
+    if let Some(e) = (0..got.len()).find(|&e| got[e].to_bits_u64() != want[e].to_bits_u64()) {
         panic!(
             "{what}: element {e} of {}: got {:?} ({:#x}), expected {:?} ({:#x})",
             got.len(),
             got[e],
-            got[e].to_bits_u32(),
+            got[e].to_bits_u64(),
             want[e],
-            want[e].to_bits_u32()
+            want[e].to_bits_u64()
         );
     }
 }
@@ -243,6 +247,32 @@ pub fn sweep_on<B: Backend>(comm: &SingleController<B>, lengths: &[usize]) {
                 check_once::<B, f32>(comm, &mut rng, which, width, n, None);
                 check_once::<B, half::f16>(comm, &mut rng, which, width, n, None);
                 check_once::<B, half::bf16>(comm, &mut rng, which, width, n, Some(3));
+            }
+        }
+        // The other element types at the odd lengths below 100k (tails and packs).
+        for &n in lengths.iter().filter(|&&n| n % 2 == 1 && n < 100_000) {
+            for (i, &which) in whiches.iter().enumerate() {
+                for dtype in DType::ALL.into_iter().filter(|d| !super::every_kernel(*d)) {
+                    let blocks = (i % 2 == 1).then_some(3);
+                    for_dtype!(dtype, T => check_once::<B, T>(comm, &mut rng, which, width, n, blocks));
+                }
+            }
+            // Their all-reduces, every operator they take, out of place and in place.
+            for dtype in DType::ALL.into_iter().filter(|d| !super::every_kernel(*d)) {
+                for op in ReduceOp::ALL {
+                    let in_place = op == ReduceOp::Max;
+                    let opts = peercomm::AllReduceOptions::new().group_size(width);
+                    let mut call = for_dtype!(dtype, T => {
+                        let ins = random_inputs::<T>(&mut rng, world, n);
+                        let mut call = super::Prepared::<B, T>::new(comm, ins, in_place, opts);
+                        call.op = op;
+                        Box::new(call) as Box<dyn Call<B>>
+                    });
+                    let what = call.describe(world);
+                    let outcome = call.enqueue(comm);
+                    comm.synchronize().expect(&what);
+                    call.check(comm, &outcome, &what);
+                }
             }
         }
     }

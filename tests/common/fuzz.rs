@@ -131,7 +131,12 @@ fn draw_bytes(rng: &mut StdRng, max_bytes: usize) -> usize {
 
 /// Draws one call for a world of `world` ranks.
 pub fn draw(rng: &mut StdRng, world: usize, knobs: &Knobs) -> Draw {
-    let dtype = DType::ALL[rng.random_range(0..3)];
+    // One call in five over a type beyond f32, f16 and bf16 (one-stage only: a two-stage
+    // or Lamport request, or Avg over an integer, must be refused).
+    let dtype = match rng.random_bool(0.2) {
+        true => DType::ALL[rng.random_range(3..DType::ALL.len())],
+        false => DType::ALL[rng.random_range(0..3)],
+    };
     let widths = group_sizes(world);
     let width = if rng.random_bool(0.5) {
         world

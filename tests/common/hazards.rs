@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use peercomm::backend::Backend;
 use peercomm::{
-    Algorithm, AllReduceOptions, CommConfig, DType, Element, Error, ReduceOp, SingleController,
+    Algorithm, AllReduceOptions, CommConfig, Element, Error, ReduceOp, SingleController,
 };
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -295,7 +295,7 @@ pub fn sign_of_zero_in_groups_of_one<B: Backend>(place: Place, max_blocks: Optio
         let mut rng = rng(&format!("{name}_world_{world}"));
         let mut calls: Vec<Box<dyn Call<B>>> = Vec::new();
         for algorithm in super::REQUESTS {
-            for dtype in DType::ALL {
+            for dtype in super::EVERY_KERNEL {
                 for len in [1, 7, 33, 1000, 4099] {
                     for in_place in [false, true] {
                         let opts = AllReduceOptions::new().group_size(1).algorithm(algorithm);

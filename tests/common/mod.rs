@@ -8,10 +8,16 @@
 /// `$body` with `$t` the element type of `$dtype` (defined before the modules using it).
 macro_rules! for_dtype {
     ($dtype:expr, $t:ident => $body:expr) => {
-        for_dtype!(@ $dtype, $t => $body; F32: f32, F16: half::f16, BF16: half::bf16)
+        for_dtype!(@ $dtype, $t => $body; F32: f32, F16: half::f16, BF16: half::bf16,
+            F64: f64, I8: i8, U8: u8, I32: i32, U32: u32, I64: i64, U64: u64)
     };
     (@ $dtype:expr, $t:ident => $body:expr; $($v:ident: $ty:ty),+) => {
-        match $dtype { $(peercomm::DType::$v => { type $t = $ty; $body })+ }
+        match $dtype {
+            $(peercomm::DType::$v => { type $t = $ty; $body })+
+            // `DType` is non-exhaustive.
+            #[allow(unreachable_patterns)]
+            other => unreachable!("no test type for {other:?}"),
+        }
     };
 }
 
@@ -67,15 +73,39 @@ pub fn cuda_devices() -> std::result::Result<usize, String> {
     }
 }
 
-/// The bit patterns of `values`.
+/// The bit patterns of `values` (the low 32 bits of an 8-byte type: [`bits64`]).
 pub fn bits<T: Element>(values: &[T]) -> Vec<u32> {
     values.iter().map(|x| x.to_bits_u32()).collect()
+}
+
+/// The whole bit patterns of `values`.
+pub fn bits64<T: Element>(values: &[T]) -> Vec<u64> {
+    values.iter().map(|x| x.to_bits_u64()).collect()
+}
+
+/// The element types every kernel family takes (the others run the one-stage
+/// all-reduce, reduce and the other collectives only).
+pub const EVERY_KERNEL: [DType; 3] = [DType::F32, DType::F16, DType::BF16];
+
+/// Whether every kernel family takes `dtype` (f32, f16, bf16).
+pub fn every_kernel(dtype: DType) -> bool {
+    EVERY_KERNEL.contains(&dtype)
+}
+
+/// What an output holds before a call writes it: a NaN for the floats (f32, f16, bf16:
+/// `f32::NAN` rounded; f64: a NaN no operator stores), 0xa5 bytes for the integers.
+pub fn poison<T: Element>() -> T {
+    match T::DTYPE {
+        DType::F64 => T::from_bits_u64(0x7ff4_0000_0000_00a5),
+        d if d.is_float() => T::from_f32(f32::NAN),
+        _ => T::from_bits_u64(0xa5a5_a5a5_a5a5_a5a5),
+    }
 }
 
 /// An FNV-1a digest of the bit patterns of `values`: ranks compare results through it.
 pub fn digest<T: Element>(values: &[T]) -> u64 {
     values.iter().fold(0xcbf2_9ce4_8422_2325u64, |h, v| {
-        (h ^ u64::from(v.to_bits_u32())).wrapping_mul(0x0100_0000_01b3)
+        (h ^ v.to_bits_u64()).wrapping_mul(0x0100_0000_01b3)
     })
 }
 
@@ -121,9 +151,9 @@ pub fn upload<B: Backend, T: Element>(dev: &B::Device, values: &[T]) -> B::Buffe
     b
 }
 
-/// `len` NaNs on `dev`: an output that shows whether anything was written.
+/// `len` [`poison`]s on `dev`: an output that shows whether anything was written.
 pub fn poisoned<B: Backend, T: Element>(dev: &B::Device, len: usize) -> B::Buffer<T> {
-    upload::<B, T>(dev, &vec![T::from_f32(f32::NAN); len])
+    upload::<B, T>(dev, &vec![poison::<T>(); len])
 }
 
 /// `f(r, rank r's device)` for every rank of `comm`, in rank order.
@@ -242,6 +272,14 @@ pub fn rng(test: &str) -> StdRng {
 pub fn random_values<T: Element>(rng: &mut StdRng, n: usize) -> Vec<T> {
     (0..n)
         .map(|_| {
+            if !T::DTYPE.is_float() {
+                // Any bits: sums and products wrap.
+                return T::from_bits_u64(rng.random());
+            }
+            if T::DTYPE == DType::F64 {
+                let mag: f64 = rng.random_range(1e-3..1.0);
+                return T::from_f64(if rng.random::<bool>() { mag } else { -mag });
+            }
             let mag: f32 = rng.random_range(1e-3..1.0);
             let x = if rng.random::<bool>() { mag } else { -mag };
             T::from_f32(x)
@@ -329,7 +367,67 @@ pub fn eps(dtype: DType) -> f64 {
         DType::F32 => f32::EPSILON as f64,
         DType::F16 => 2f64.powi(-10),
         DType::BF16 => 2f64.powi(-7),
+        DType::F64 => f64::EPSILON,
+        // Integers are exact.
+        _ => 0.0,
     }
+}
+
+/// The reduction of one element's group `xs` (in group-rank order) as the kernels
+/// compute it, for `f64` (in f64: Sum from +0.0 over two or more ranks, Max and Min with
+/// -0.0 below +0.0 and any NaN 0x7ff8000000000000, Avg the sum over the width) and the
+/// integers (exact, wrapping, Max and Min by value); `None` for f32, f16 and bf16 (see
+/// [`check_op`]).
+pub fn reduce_exactly<T: Element>(op: ReduceOp, xs: &[T]) -> Option<T> {
+    let width = xs.len();
+    if T::DTYPE == DType::F64 {
+        let v: Vec<f64> = xs.iter().map(|x| x.to_f64()).collect();
+        let r = match op {
+            ReduceOp::Max | ReduceOp::Min if v.iter().any(|x| x.is_nan()) => {
+                f64::from_bits(0x7ff8_0000_0000_0000)
+            }
+            ReduceOp::Max | ReduceOp::Min => {
+                let key = |x: &f64| (*x, !x.is_sign_negative());
+                let pick = |a: &&f64, b: &&f64| key(a).partial_cmp(&key(b)).unwrap();
+                *match op {
+                    ReduceOp::Max => v.iter().max_by(pick),
+                    _ => v.iter().min_by(pick),
+                }
+                .unwrap()
+            }
+            ReduceOp::Prod => v[1..].iter().fold(v[0], |a, x| a * x),
+            _ => {
+                let start = if width > 1 { 0.0 + v[0] } else { v[0] };
+                let sum = v[1..].iter().fold(start, |a, x| a + x);
+                match op {
+                    ReduceOp::Avg if width > 1 => sum / width as f64,
+                    _ => sum,
+                }
+            }
+        };
+        return Some(T::from_f64(r));
+    }
+    if T::DTYPE.is_float() {
+        return None;
+    }
+    let bits = 8 * T::DTYPE.size() as u32;
+    let mask = u64::MAX >> (64 - bits);
+    let signed = T::DTYPE.name().starts_with('i');
+    let value = |b: u64| -> i128 {
+        match signed {
+            true => ((b << (64 - bits)) as i64 >> (64 - bits)) as i128,
+            false => b as i128,
+        }
+    };
+    let b: Vec<u64> = xs.iter().map(|x| x.to_bits_u64()).collect();
+    let r = b[1..].iter().fold(b[0], |acc, &x| match op {
+        ReduceOp::Prod => acc.wrapping_mul(x) & mask,
+        ReduceOp::Max if value(x) > value(acc) => x,
+        ReduceOp::Min if value(x) < value(acc) => x,
+        ReduceOp::Max | ReduceOp::Min => acc,
+        _ => acc.wrapping_add(x) & mask,
+    });
+    Some(T::from_bits_u64(r))
 }
 
 /// Checks `outs` (one per rank) against the f64 sums of `ins` over each group of
@@ -344,12 +442,18 @@ pub fn check_sums<T: Element>(ins: &[Vec<T>], outs: &[Vec<T>], width: usize, wha
 /// Checks `got` (a group's result from element `first` on) against the reference of
 /// the group's inputs `ins` under `op`: `Max` and `Min` exactly; zeros' signs exactly; the
 /// rest within the f32 accumulation of the group plus the rounding to `T`.
+///
+/// `f64` and the integers: bit for bit against [`reduce_exactly`].
 pub fn check_op<T: Element>(op: ReduceOp, ins: &[&Vec<T>], got: &[T], first: usize, what: &str) {
     let width = ins.len();
     for (i, &g) in got.iter().enumerate() {
         let e = first + i;
         let xs: Vec<T> = ins.iter().map(|v| v[e]).collect();
         let at = || format!("{what}: {} element {e} of {xs:?}: got {g:?}", op.name());
+        if let Some(want) = reduce_exactly(op, &xs) {
+            assert_eq!(g.to_bits_u64(), want.to_bits_u64(), "{} (want {want:?})", at());
+            continue;
+        }
         let values: Vec<f64> = xs.iter().map(|x| x.to_f32() as f64).collect();
         if matches!(op, ReduceOp::Max | ReduceOp::Min) {
             let want = if values.iter().any(|v| v.is_nan()) {
@@ -662,7 +766,8 @@ impl<B: Backend, T: Element> Prepared<B, T> {
     }
 }
 
-/// Nothing was written: `input` holds `values` bit for bit, `output` (if any) is all NaN.
+/// Nothing was written: `input` holds `values` bit for bit, `output` (if any) is all
+/// [`poison`].
 pub fn assert_unwritten<B: Backend, T: Element>(
     dev: &B::Device,
     input: &B::Buffer<T>,
@@ -677,7 +782,7 @@ pub fn assert_unwritten<B: Backend, T: Element>(
     );
     if let Some(out) = output.map(|o| B::download(dev, o).expect("download")) {
         assert!(
-            out.iter().all(|x| x.to_f32().is_nan()),
+            bits64(&out).iter().all(|&b| b == poison::<T>().to_bits_u64()),
             "{what}: the output was written"
         );
     }
@@ -733,7 +838,12 @@ impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
         // Lamport sums only: another operator forced onto it over two or more ranks is
         // refused.
         let lamport_op = self.opts.algorithm == Algorithm::Lamport && width > 1;
+        // The two-stage and Lamport kernels take f32, f16 and bf16; Avg the floats.
+        let algorithm_for_type = every_kernel(T::DTYPE)
+            || !matches!(self.opts.algorithm, Algorithm::TwoStage | Algorithm::Lamport);
+        let op_for_type = self.op != ReduceOp::Avg || T::DTYPE.is_float();
         let expected = match expected(self.opts.algorithm, width, world) {
+            _ if !algorithm_for_type || !op_for_type => Expected::Unsupported,
             Expected::Runs(_) if lamport_op && self.op != ReduceOp::Sum => Expected::Unsupported,
             e => e,
         };
@@ -741,8 +851,9 @@ impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
             Expected::Unsupported => match outcome {
                 Err(Error::Unsupported(_)) => self.assert_untouched(comm, what),
                 other => panic!(
-                    "{what}: Lamport over a subgroup must be refused with Error::Unsupported \
-                     and nothing written; got {other:?}"
+                    "{what}: Lamport over a subgroup (or on another operator), two-stage or \
+                     Lamport over a type other than f32, f16, bf16, or Avg over an integer \
+                     must be refused with Error::Unsupported and nothing written; got {other:?}"
                 ),
             },
             Expected::Runs(allowed) => {
@@ -751,7 +862,7 @@ impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
                     Err(e) => panic!("{what}: {e}"),
                 };
                 let results = self.results(comm);
-                if self.op == ReduceOp::Sum {
+                if self.op == ReduceOp::Sum && every_kernel(T::DTYPE) {
                     check_result(&self.ins, &results, width, ran, what);
                 } else {
                     for (r, got) in results.iter().enumerate() {

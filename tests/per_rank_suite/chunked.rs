@@ -249,7 +249,7 @@ pub fn chunked_collectives<B: Backend>(place: &Placement, world: usize, payload:
         let mut digests = Vec::new();
         for &width in &widths {
             for &(tokens, hidden) in &fused_cases {
-                for dtype in DType::ALL {
+                for dtype in common::EVERY_KERNEL {
                     // f32 rows of half the elements: the same packs per row.
                     let row = hidden / if dtype == DType::F32 { 2 } else { 1 };
                     let fused =
@@ -267,7 +267,7 @@ pub fn chunked_collectives<B: Backend>(place: &Placement, world: usize, payload:
         }
         digests
     });
-    let per_width = fused_cases.len() * DType::ALL.len();
+    let per_width = fused_cases.len() * common::EVERY_KERNEL.len();
     compare_groups(&digests, |c| widths[c / per_width], "chunked fused");
     eprintln!("per_rank_chunked_collectives world {world} payload {payload}: checked");
 }

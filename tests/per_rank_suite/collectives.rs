@@ -3,7 +3,7 @@
 //! tests/common/collectives.rs (fused bits compared by digest); then bad inputs.
 
 use peercomm::backend::Backend;
-use peercomm::{CollectiveOptions, Comm, Element, Error, ReduceOp};
+use peercomm::{CollectiveOptions, Comm, DType, Element, Error, ReduceOp};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -11,7 +11,7 @@ use super::common::collectives::{
     assert_bits, check_rms_norm, expect, input_len, output_len, Which,
 };
 use super::common::{digest, group_sizes, random_inputs, random_values};
-use super::{inputs, nan, seed, with_world, Placement};
+use super::{common, inputs, nan, seed, with_world, Placement};
 
 fn upload<B: Backend, T: Element>(dev: &B::Device, v: &[T]) -> B::Buffer<T> {
     B::alloc_from(dev, v).expect("alloc")
@@ -140,6 +140,15 @@ pub fn checked<B: Backend>(place: &Placement, world: usize) {
                     check_call::<B, half::f16>(&comm, seed, call + 1, which, width, n);
                     check_call::<B, half::bf16>(&comm, seed, call + 2, which, width, n);
                     call += 3;
+                }
+            }
+            // The other element types, at odd lengths (a tail and several packs).
+            for n in [7usize, 4099] {
+                for &which in &whiches {
+                    for dtype in DType::ALL.into_iter().filter(|d| !common::every_kernel(*d)) {
+                        by_dtype!(dtype, check_call::<B>(&comm, seed, call, which, width, n));
+                        call += 1;
+                    }
                 }
             }
         }

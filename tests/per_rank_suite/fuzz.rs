@@ -2,7 +2,8 @@
 //! seed (`PEERCOMM_SEED`) for all: random lengths, widths, algorithms (refused ones
 //! write nothing), operators, in and out of place, -0.0 lanes, delays, one call in five
 //! another collective. Batches run unsynchronised, then are checked against f64 and by group
-//! digests. Now and then a deliberate mismatch must give `CallMismatch` everywhere and
+//! digests. After about every other batch, one call over a type beyond f32 (f64 or an
+//! integer: an all-reduce with its operator, or another collective), checked alone. Now and then a deliberate mismatch must give `CallMismatch` everywhere and
 //! `reinitialize()` recover. Ranks report different multiprocessor counts.
 
 use rand::rngs::StdRng;
@@ -12,7 +13,8 @@ use std::time::Duration;
 use peercomm::backend::{Backend, DeviceBuffer, TypedBuffer};
 use peercomm::Simulation;
 use peercomm::{
-    Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, CommConfig, Error, ReduceOp,
+    Algorithm, AllReduceOptions, CallField, CollectiveOptions, Comm, CommConfig, DType, Element,
+    Error, ReduceOp,
 };
 
 use super::common::collectives::{assert_bits, expect, input_len, output_len, Which};
@@ -103,6 +105,80 @@ fn input(seed: u64, call: usize, rank: usize, len: usize) -> Vec<f32> {
         }
     }
     v
+}
+
+/// A call over a type beyond f32, f16 and bf16, the same on every rank.
+#[derive(Clone, Copy, Debug)]
+struct Typed {
+    dtype: DType,
+    group: usize,
+    len: usize,
+    op: ReduceOp,
+    /// Another collective instead of an all-reduce.
+    collective: Option<Which>,
+}
+
+/// Whether the ranks make a [`Typed`] call after batch `batch`, and which (drawn from
+/// the seed).
+fn typed_after(seed: u64, batch: usize, world: usize) -> Option<Typed> {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x7479_7065 ^ ((batch as u64) << 20));
+    if !rng.random_bool(0.5) {
+        return None;
+    }
+    let groups = common::group_sizes(world);
+    let group = groups[rng.random_range(0..groups.len())];
+    let root = rng.random_range(0..group);
+    let collective = [
+        None,
+        None,
+        Some(Which::AllGather),
+        Some(Which::ReduceScatter),
+        Some(Which::Broadcast {
+            root,
+            in_place: rng.random_bool(0.5),
+        }),
+        Some(Which::Scatter { root }),
+        Some(Which::Reduce { root }),
+    ][rng.random_range(0..7)];
+    Some(Typed {
+        dtype: DType::ALL[rng.random_range(3..DType::ALL.len())],
+        group,
+        len: rng.random_range(1..20_000),
+        op: ReduceOp::ALL[rng.random_range(0..ReduceOp::ALL.len())],
+        collective,
+    })
+}
+
+/// This rank's part of a [`Typed`] call, checked: the other collectives against the
+/// reference, the all-reduce with its operator bit for bit (`Avg` over an integer
+/// refused, nothing written).
+fn typed_call<B: Backend, T: Element>(comm: &Comm<B>, seed: u64, call: usize, t: Typed) {
+    if let Some(w) = t.collective {
+        // A scatter's root stages group x len elements: keep them within the payload.
+        let len = match w {
+            Which::Scatter { .. } => t.len.min(65_536 / t.group).max(1),
+            _ => t.len,
+        };
+        return super::collectives::check_call::<B, T>(comm, seed, call, w, t.group, len);
+    }
+    let (dev, world, rank) = (comm.device(), comm.world_size(), comm.rank());
+    let what = format!("seed {seed} typed call {call} rank {rank}: {t:?}");
+    let ins = super::inputs::<T>(seed, call, world, t.len);
+    let send = B::alloc_from(dev, &ins[rank]).unwrap();
+    let mut recv = B::alloc_from(dev, &nan::<T>(t.len)).unwrap();
+    let opts = AllReduceOptions::new().group_size(t.group);
+    let outcome = comm.all_reduce_with(&send, &mut recv, &t.op, &opts);
+    comm.synchronize().unwrap();
+    let got = B::download(dev, &recv).unwrap();
+    if t.op == ReduceOp::Avg && !T::DTYPE.is_float() {
+        assert!(matches!(outcome, Err(Error::Unsupported(_))), "{what}: {outcome:?}");
+        assert_bits(&got, &nan::<T>(t.len), &format!("{what}: a refused call wrote"));
+        return;
+    }
+    assert_eq!(outcome.unwrap_or_else(|e| panic!("{what}: {e}")), Algorithm::OneStage);
+    let base = rank / t.group * t.group;
+    let group: Vec<&Vec<T>> = ins[base..base + t.group].iter().collect();
+    common::check_op(t.op, &group, &got, 0, &what);
 }
 
 /// A mismatched call the ranks make on purpose: rank `odd` differs in `field`.
@@ -198,6 +274,9 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
     let config = fuzz_config(place, world);
     let mismatches = (0..plan.len().div_ceil(batch))
         .filter_map(|b| mismatch_after(seed, b, world))
+        .count();
+    let typed = (0..plan.len().div_ceil(batch))
+        .filter_map(|b| typed_after(seed, b, world))
         .count();
     let results = with_world_config::<B, _>(place, world, &config, |rank, comm| {
         let dev = comm.device();
@@ -335,6 +414,11 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                 }
                 digests.push((call, rank, common::digest(&got)));
             }
+            if let Some(t) = typed_after(seed, first / batch, world) {
+                // Call numbers past the schedule's, one per batch.
+                let call = plan.len() + first / batch;
+                by_dtype!(t.dtype, typed_call::<B>(&comm, seed, call, t));
+            }
             if let Some(m) = mismatch_after(seed, first / batch, world) {
                 let what = format!("seed {seed} after call {first}, rank {rank}: {m:?}");
                 let started = std::time::Instant::now();
@@ -376,7 +460,7 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
         checked += 1;
     }
     eprintln!(
-        "per_rank_fuzz world {world}: PEERCOMM_SEED={seed}: {checked} all-reduces and {collectives} other collectives checked on every rank, {} refused as specified, {mismatches} mismatched calls each reported on every rank, multiprocessors {:?} (grid left to peercomm), in {:.1?}",
+        "per_rank_fuzz world {world}: PEERCOMM_SEED={seed}: {checked} all-reduces and {collectives} other collectives checked on every rank, {} refused as specified, {typed} calls over f64 and the integers, {mismatches} mismatched calls each reported on every rank, multiprocessors {:?} (grid left to peercomm), in {:.1?}",
         plan.len() - checked - collectives,
         config.simulate.multiprocessors,
         started.elapsed()

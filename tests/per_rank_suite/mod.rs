@@ -18,6 +18,15 @@ macro_rules! by_dtype {
             peercomm::DType::F32 => $f::<$b, f32>($($arg),*),
             peercomm::DType::F16 => $f::<$b, half::f16>($($arg),*),
             peercomm::DType::BF16 => $f::<$b, half::bf16>($($arg),*),
+            peercomm::DType::F64 => $f::<$b, f64>($($arg),*),
+            peercomm::DType::I8 => $f::<$b, i8>($($arg),*),
+            peercomm::DType::U8 => $f::<$b, u8>($($arg),*),
+            peercomm::DType::I32 => $f::<$b, i32>($($arg),*),
+            peercomm::DType::U32 => $f::<$b, u32>($($arg),*),
+            peercomm::DType::I64 => $f::<$b, i64>($($arg),*),
+            peercomm::DType::U64 => $f::<$b, u64>($($arg),*),
+            #[allow(unreachable_patterns)]
+            other => unreachable!("no test type for {other:?}"),
         }
     };
 }
@@ -142,9 +151,9 @@ pub fn first_error<B: Backend>(comm: &Comm<B>, deadline: std::time::Instant) -> 
     }
 }
 
-/// `len` NaNs: a poisoned output.
+/// `len` poisons (NaNs of the floats, `common::poison`): a poisoned output.
 pub fn nan<T: Element>(len: usize) -> Vec<T> {
-    vec![T::from_f32(f32::NAN); len]
+    vec![common::poison::<T>(); len]
 }
 
 /// Runs `body(rank, comm)` on one thread per rank of a fresh world.
@@ -388,6 +397,8 @@ macro_rules! per_rank_suite {
             |p, world| per_rank_suite::ops::group_of_collectives::<B>(p, world));
         per_rank_worlds!(operator_mismatch, &[2, 3], [world_2 = 2, world_3 = 3],
             |p, world| per_rank_suite::ops::operator_mismatch::<B>(p, world));
+        per_rank_worlds!(dtype_mismatch, &[2, 3], [world_2 = 2, world_3 = 3],
+            |p, world| per_rank_suite::ops::dtype_mismatch::<B>(p, world));
         per_rank_worlds!(send_recv, &[2, 4], [world_2 = 2, world_4 = 4],
             |p, world| per_rank_suite::point_to_point::send_recv_checked::<B>(p, world));
         per_rank_worlds!(ring_and_pipeline, &[2, 3, 4], [world_2 = 2, world_3 = 3, world_4 = 4],
@@ -405,6 +416,7 @@ macro_rules! per_rank_suite {
             point_to_point_bad_arguments: |p| per_rank_suite::point_to_point::bad_arguments::<B>(p);
             unmatched_sends: |p| per_rank_suite::point_to_point::unmatched_sends::<B>(p);
             lamport_sums_only: |p| per_rank_suite::ops::lamport_sums_only::<B>(p);
+            integer_avg_refused: |p| per_rank_suite::ops::integer_avg_refused::<B>(p);
             independent_sibling_groups: |p| per_rank_suite::all_reduce::independent_sibling_groups::<B>(p);
             missing_call_times_out_and_recovers: |p| per_rank_suite::all_reduce::missing_call_times_out_and_recovers::<B>(p);
             miss_next_times_out_and_recovers: |p| per_rank_suite::fault::miss_next_times_out_and_recovers::<B>(p);

@@ -1,9 +1,11 @@
-//! Reduction operators ([`ReduceOp`]) on the per-rank path: every operator over f32,
-//! f16 and bf16, out of place and in place, one-stage and `Auto`, over the world and
-//! over pairs, in all-reduces, reduce-scatters and groups, against the f64 reference
-//! (`Max` and `Min` bit for bit, with their rules for the sign of zero and NaN); the
-//! same bits on every rank of a group and every algorithm; Lamport refused but for the
-//! sum; another operator on one rank a typed error on every rank.
+//! Reduction operators ([`ReduceOp`]) on the per-rank path: every operator over every
+//! element type (`Avg` over the floats), out of place and in place, one-stage and
+//! `Auto`, over the world and over pairs, in all-reduces, reduce-scatters, reduces and
+//! groups, against the f64 reference (`Max` and `Min` bit for bit, with their rules for
+//! the sign of zero and NaN; f64 and the integers bit for bit, the integers wrapping);
+//! the same bits on every rank of a group and every algorithm; Lamport refused but for
+//! the sum; `Avg` over an integer refused; another operator or element type on one rank
+//! a typed error on every rank.
 
 use peercomm::backend::{Backend, TypedBuffer};
 use peercomm::{
@@ -16,13 +18,15 @@ use rand::{Rng, SeedableRng};
 use super::agreement::{every_rank_mismatched, short_waits, Call, Case};
 use super::{common, with_world, Placement};
 
-/// A NaN that no operator stores: what an output holds before the call writes it.
+/// A NaN that no operator stores (0xa5 bytes for the integers): what an output holds
+/// before the call writes it.
 fn poison<T: Element>() -> T {
-    T::from_bits_u32(match T::DTYPE {
-        DType::F32 => 0x7fa0_0001,
-        DType::F16 => 0x7d01,
-        DType::BF16 => 0x7fa1,
-    })
+    match T::DTYPE {
+        DType::F32 => T::from_bits_u32(0x7fa0_0001),
+        DType::F16 => T::from_bits_u32(0x7d01),
+        DType::BF16 => T::from_bits_u32(0x7fa1),
+        _ => common::poison::<T>(),
+    }
 }
 
 /// Whether `op`'s inputs hold NaNs (whose results only `Max` and `Min` define).
@@ -32,15 +36,33 @@ fn nans(op: ReduceOp) -> bool {
 
 /// Every rank's input of one call: magnitudes in [0.5, 2) (a product over 8 ranks stays
 /// normal) of either sign; every 13th element a zero of a random sign on every rank; with
-/// `nans`, every 17th element a NaN (not the canonical one) on one rank.
+/// `nans`, every 17th element a NaN (not the canonical one) on one rank. Integers: any
+/// bits (sums and products wrap), every 13th element zero, every 11th the type's
+/// extremes.
 fn inputs<T: Element>(seed: u64, world: usize, n: usize, nans: bool) -> Vec<Vec<T>> {
     let mut rng = StdRng::seed_from_u64(seed);
     let odd_nan = f32::from_bits(0xffc0_1234);
+    let odd_nan_f64 = f64::from_bits(0xfff0_0000_0000_1234);
     (0..world)
         .map(|r| {
             (0..n)
                 .map(|e| {
-                    let sign = if rng.random::<bool>() { 1.0 } else { -1.0 };
+                    if !T::DTYPE.is_float() {
+                        return match e {
+                            _ if e % 13 == 0 => T::from_bits_u64(0),
+                            _ if e % 11 == 0 => T::from_f64([-1e30, 1e30][(e + r) % 2]),
+                            _ => T::from_bits_u64(rng.random()),
+                        };
+                    }
+                    let sign: f32 = if rng.random::<bool>() { 1.0 } else { -1.0 };
+                    if T::DTYPE == DType::F64 {
+                        let sign = f64::from(sign);
+                        return T::from_f64(match e {
+                            _ if nans && e % 17 == 5 && e % world == r => odd_nan_f64,
+                            _ if e % 13 == 0 => sign * 0.0,
+                            _ => sign * rng.random_range(0.5f64..2.0),
+                        });
+                    }
                     let x = match e {
                         _ if nans && e % 17 == 5 && e % world == r => odd_nan,
                         _ if e % 13 == 0 => sign * 0.0,
@@ -51,6 +73,15 @@ fn inputs<T: Element>(seed: u64, world: usize, n: usize, nans: bool) -> Vec<Vec<
                 .collect()
         })
         .collect()
+}
+
+/// The lengths the operators are checked at: odd ones (tails), and more for the types
+/// every kernel takes.
+fn lengths<T: Element>() -> &'static [usize] {
+    match common::every_kernel(T::DTYPE) {
+        true => &[1, 7, 1000, 4099],
+        false => &[7, 4099],
+    }
 }
 
 /// Every operator over every element type, out of place and in place, one-stage and
@@ -74,8 +105,8 @@ fn operators_of<B: Backend, T: Element>(place: &Placement, world: usize) {
     let results = with_world::<B, _>(place, world, |rank, comm| {
         let dev = comm.device();
         let mut digests = Vec::new();
-        for op in ReduceOp::ALL {
-            for n in [1usize, 7, 1000, 4099] {
+        for op in ReduceOp::ALL.into_iter().filter(|o| takes(*o, T::DTYPE)) {
+            for &n in lengths::<T>() {
                 for &group_size in groups {
                     let width = if group_size == 0 { world } else { group_size };
                     let members = rank / width * width..(rank / width + 1) * width;
@@ -85,7 +116,7 @@ fn operators_of<B: Backend, T: Element>(place: &Placement, world: usize) {
                         "{} world {world} rank {rank}, {n} elements, groups of {width}",
                         T::DTYPE.name()
                     );
-                    let mut first: Option<Vec<u32>> = None;
+                    let mut first: Option<Vec<u64>> = None;
                     for algorithm in [Algorithm::Auto, Algorithm::OneStage] {
                         let opts = AllReduceOptions::new()
                             .group_size(group_size)
@@ -94,7 +125,7 @@ fn operators_of<B: Backend, T: Element>(place: &Placement, world: usize) {
                             let got = all_reduce(&comm, &ins[rank], op, &opts, in_place);
                             let how = format!("{what}, {algorithm:?}, in place {in_place}");
                             common::check_op(op, &group, &got, 0, &how);
-                            let bits = common::bits(&got);
+                            let bits = common::bits64(&got);
                             let first = first.get_or_insert_with(|| bits.clone());
                             assert_eq!(first, &bits, "{how}: other bits than the first call");
                         }
@@ -108,12 +139,12 @@ fn operators_of<B: Backend, T: Element>(place: &Placement, world: usize) {
                     comm.reduce_scatter_with(&send, &mut recv, &op, &opts)
                         .unwrap();
                     comm.synchronize().unwrap();
-                    let got = common::bits(&recv.to_host(dev).unwrap());
+                    let got = common::bits64(&recv.to_host(dev).unwrap());
                     assert_eq!(
                         got, all[part],
                         "{what}: reduce-scatter against the all-reduce"
                     );
-                    let values: Vec<T> = all.iter().map(|&b| T::from_bits_u32(b)).collect();
+                    let values: Vec<T> = all.iter().map(|&b| T::from_bits_u64(b)).collect();
                     digests.push((width, common::digest(&values)));
                 }
             }
@@ -295,45 +326,8 @@ pub fn reduce_checked<B: Backend>(place: &Placement, world: usize) {
     let seed = common::seed("per_rank_reduce");
     with_world::<B, _>(place, world, |rank, comm| {
         let dev = comm.device();
-        for (i, op) in ReduceOp::ALL.into_iter().enumerate() {
-            for n in [7usize, 4099] {
-                let ins = inputs::<f32>(seed ^ (i * 8191 + n) as u64, world, n, nans(op));
-                let all = all_reduce(&comm, &ins[rank], op, &AllReduceOptions::new(), false);
-                for root in 0..world {
-                    let what = format!("world {world} rank {rank} {} n {n} root {root}", op.name());
-                    let send = B::alloc_from(dev, &ins[rank]).unwrap();
-                    let mut recv = B::alloc_from(dev, &vec![poison::<f32>(); n]).unwrap();
-                    // Non-roots pass None on odd roots, their unwritten buffer on even ones.
-                    if rank == root || root % 2 == 0 {
-                        comm.reduce(&send, Some(&mut recv), &op, root).unwrap();
-                    } else {
-                        comm.reduce(&send, None::<&mut B::Buffer<f32>>, &op, root)
-                            .unwrap();
-                    }
-                    let mut buf = B::alloc_from(dev, &ins[rank]).unwrap();
-                    comm.reduce_in_place(&mut buf, &op, root).unwrap();
-                    comm.synchronize().unwrap();
-                    let (got, in_place) = (recv.to_host(dev).unwrap(), buf.to_host(dev).unwrap());
-                    if rank == root {
-                        assert_eq!(common::bits(&got), common::bits(&all), "{what}");
-                        assert_eq!(
-                            common::bits(&in_place),
-                            common::bits(&all),
-                            "{what} in place"
-                        );
-                    } else {
-                        assert!(
-                            got.iter().all(|x| x.to_bits() == poison::<f32>().to_bits()),
-                            "{what}"
-                        );
-                        assert_eq!(
-                            common::bits(&in_place),
-                            common::bits(&ins[rank]),
-                            "{what} in place"
-                        );
-                    }
-                }
-            }
+        for dtype in DType::ALL {
+            by_dtype!(dtype, reduce_of::<B>(&comm, seed));
         }
         // The root must pass its output; a root outside the group is refused.
         let send = B::alloc_from(dev, &[1.0f32; 8]).unwrap();
@@ -346,6 +340,145 @@ pub fn reduce_checked<B: Backend>(place: &Placement, world: usize) {
             .reduce(&send, None::<&mut B::Buffer<f32>>, &ReduceOp::Sum, world)
             .unwrap_err();
         assert!(matches!(err, Error::InvalidRoot { .. }), "{err}");
+    });
+}
+
+/// `reduce_checked` over `T`: every operator it takes, every root.
+fn reduce_of<B: Backend, T: Element>(comm: &Comm<B>, seed: u64) {
+    let (dev, world, rank) = (comm.device(), comm.world_size(), comm.rank());
+    let unwritten = |v: &[T]| common::bits64(v).iter().all(|&b| b == poison::<T>().to_bits_u64());
+    for (i, op) in ReduceOp::ALL.into_iter().enumerate() {
+        if !takes(op, T::DTYPE) {
+            continue;
+        }
+        for n in [7usize, 4099] {
+            let seed = seed ^ (i * 8191 + n) as u64 ^ (T::DTYPE as u64) << 40;
+            let ins = inputs::<T>(seed, world, n, nans(op));
+            let all = all_reduce(comm, &ins[rank], op, &AllReduceOptions::new(), false);
+            let group: Vec<&Vec<T>> = ins.iter().collect();
+            let what = format!("world {world} rank {rank} {} {} n {n}", T::DTYPE.name(), op.name());
+            common::check_op(op, &group, &all, 0, &what);
+            for root in 0..world {
+                let what = format!("{what} root {root}");
+                let send = B::alloc_from(dev, &ins[rank]).unwrap();
+                let mut recv = B::alloc_from(dev, &vec![poison::<T>(); n]).unwrap();
+                // Non-roots pass None on odd roots, their unwritten buffer on even ones.
+                if rank == root || root % 2 == 0 {
+                    comm.reduce(&send, Some(&mut recv), &op, root).unwrap();
+                } else {
+                    comm.reduce(&send, None::<&mut B::Buffer<T>>, &op, root)
+                        .unwrap();
+                }
+                let mut buf = B::alloc_from(dev, &ins[rank]).unwrap();
+                comm.reduce_in_place(&mut buf, &op, root).unwrap();
+                comm.synchronize().unwrap();
+                let (got, in_place) = (recv.to_host(dev).unwrap(), buf.to_host(dev).unwrap());
+                if rank == root {
+                    assert_eq!(common::bits64(&got), common::bits64(&all), "{what}");
+                    assert_eq!(
+                        common::bits64(&in_place),
+                        common::bits64(&all),
+                        "{what} in place"
+                    );
+                } else {
+                    assert!(unwritten(&got), "{what}");
+                    assert_eq!(
+                        common::bits64(&in_place),
+                        common::bits64(&ins[rank]),
+                        "{what} in place"
+                    );
+                }
+            }
+        }
+    }
+}
+
+/// Whether `op` takes elements of `dtype` (`Avg` the floats only).
+fn takes(op: ReduceOp, dtype: DType) -> bool {
+    op != ReduceOp::Avg || dtype.is_float()
+}
+
+/// `Avg` over an integer: `Unsupported` naming the type, before anything launches, on
+/// every collective that reduces (all-reduce in and out of place, reduce-scatter, reduce),
+/// nothing written; the communicator works after it.
+pub fn integer_avg_refused<B: Backend>(place: &Placement) {
+    fn refused<T: Element>(result: peercomm::Result<impl std::fmt::Debug>, what: &str) {
+        match result {
+            Err(Error::Unsupported(m)) => {
+                assert!(m.contains("avg") && m.contains(T::DTYPE.name()), "{what}: {m}")
+            }
+            other => panic!("{what}: Avg over {:?}: {other:?}", T::DTYPE),
+        }
+    }
+    fn of<B: Backend, T: Element>(comm: &Comm<B>) {
+        let (dev, rank, n) = (comm.device(), comm.rank(), 300);
+        let mine: Vec<T> = (0..n).map(|e| T::from_f64((e % 7 + rank) as f64)).collect();
+        let send = B::alloc_from(dev, &mine).unwrap();
+        let mut recv = B::alloc_from(dev, &vec![poison::<T>(); n]).unwrap();
+        let mut buf = B::alloc_from(dev, &mine).unwrap();
+        let avg = ReduceOp::Avg;
+        let opts = AllReduceOptions::new();
+        refused::<T>(comm.all_reduce_with(&send, &mut recv, &avg, &opts), "all-reduce");
+        refused::<T>(comm.all_reduce_in_place_with(&mut buf, &avg, &opts), "in place");
+        let part = reduce_scatter_part(n, comm.world_size(), rank).len();
+        let mut scattered = B::alloc_from(dev, &vec![poison::<T>(); part]).unwrap();
+        refused::<T>(comm.reduce_scatter(&send, &mut scattered, &avg), "reduce-scatter");
+        refused::<T>(comm.reduce(&send, Some(&mut recv), &avg, 0), "reduce");
+        comm.synchronize().unwrap();
+        let unwritten = |v: &[T]| common::bits64(v).iter().all(|&b| b == poison::<T>().to_bits_u64());
+        assert!(unwritten(&recv.to_host(dev).unwrap()), "{:?}: output written", T::DTYPE);
+        assert!(unwritten(&scattered.to_host(dev).unwrap()), "{:?}: part written", T::DTYPE);
+        assert_eq!(common::bits64(&buf.to_host(dev).unwrap()), common::bits64(&mine));
+        // The sum still runs.
+        comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, &opts)
+            .unwrap();
+        comm.synchronize().unwrap();
+    }
+    with_world::<B, _>(place, 2, |_, comm| {
+        for dtype in DType::ALL.into_iter().filter(|d| !d.is_float()) {
+            by_dtype!(dtype, of::<B>(&comm));
+        }
+    });
+}
+
+/// One rank's call over i32 where the others pass f32 (the same bytes, and the same
+/// data-movement kernel): `CallMismatch` naming the dtype on every rank, nothing written,
+/// for the all-reduce, reduce-scatter, all-gather and broadcast.
+pub fn dtype_mismatch<B: Backend>(place: &Placement, world: usize) {
+    fn call<B: Backend, T: Element>(which: &'static str) -> Call<B> {
+        Box::new(move |comm: &Comm<B>| {
+            let (dev, world, rank, n) = (comm.device(), comm.world_size(), comm.rank(), 1000);
+            let send = B::alloc_from(dev, &vec![T::from_f64(3.0); n])?;
+            let len = match which {
+                "reduce-scatter" => reduce_scatter_part(n, world, rank).len(),
+                "all-gather" => n * world,
+                _ => n,
+            };
+            let mut recv = B::alloc_from(dev, &vec![poison::<T>(); len])?;
+            match which {
+                "all-reduce" => comm.all_reduce(&send, &mut recv, &ReduceOp::Sum).map(drop),
+                "reduce-scatter" => comm.reduce_scatter(&send, &mut recv, &ReduceOp::Max),
+                "all-gather" => comm.all_gather(&send, &mut recv),
+                _ => comm.broadcast((rank == 0).then_some(&send), &mut recv, 0),
+            }?;
+            let result = comm.synchronize();
+            if result.is_err() {
+                let host = recv.to_host(dev)?;
+                let poisoned = common::bits64(&host).iter().all(|&b| b == poison::<T>().to_bits_u64());
+                assert!(poisoned, "a mismatched {which} wrote its output");
+            }
+            result
+        })
+    }
+    let config = short_waits(place, world);
+    let mut cases: Vec<Case<B>> = Vec::new();
+    for which in ["all-reduce", "reduce-scatter", "all-gather", "broadcast"] {
+        cases.extend(cases![
+            which, DType: call::<B, f32>(which), call::<B, i32>(which);
+        ]);
+    }
+    every_rank_mismatched(place, world, &config, &cases, |comm, usual| {
+        usual(comm).unwrap()
     });
 }
 

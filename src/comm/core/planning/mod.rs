@@ -368,6 +368,40 @@ mod tests {
         assert!(tiny.plan(DType::F32, 4, &one, false, Payloads).is_ok());
     }
 
+    /// The dtypes beyond f32, f16 and bf16 run one-stage under `Auto` (in place too, where
+    /// two-stage would win), refuse two-stage and Lamport by name, and `Avg` over an
+    /// integer is refused before any plan.
+    #[test]
+    fn other_dtypes_run_one_stage() {
+        let s = settings(4);
+        for dtype in DType::ALL.into_iter().filter(|d| !d.every_kernel()) {
+            for (elements, in_place) in [(7, false), (2048, true), (1 << 20, false)] {
+                let p = plan_dtype(&s, dtype, elements, Auto, in_place);
+                assert_eq!(p.unwrap().algorithm, OneStage, "{dtype:?} {elements}");
+            }
+            for algorithm in [TwoStage, Lamport] {
+                match plan_dtype(&s, dtype, 64, algorithm, false) {
+                    Err(Error::Unsupported(m)) => assert!(m.contains(dtype.name()), "{m}"),
+                    other => panic!("{dtype:?} {algorithm:?}: {:?}", other.map(|p| p.algorithm)),
+                }
+            }
+            let avg = AllReduceOptions::new().with_op(ReduceOp::Avg);
+            let got = s.plan(dtype, 64, &avg, false, UserBuffers);
+            assert_eq!(got.is_ok(), dtype.is_float(), "{dtype:?} avg");
+        }
+    }
+
+    fn plan_dtype(
+        s: &Settings,
+        dtype: DType,
+        elements: usize,
+        algorithm: Algorithm,
+        in_place: bool,
+    ) -> Result<Plan> {
+        let opts = AllReduceOptions::new().algorithm(algorithm);
+        s.plan(dtype, elements, &opts, in_place, UserBuffers)
+    }
+
     /// The sign-of-zero rule: a group of one never runs Lamport (which sends -0.0 as
     /// +0.0), whatever the request, architecture, world or size: the copy keeps every bit.
     #[test]
@@ -375,7 +409,8 @@ mod tests {
         for arch in ["host", "sm_90", "sm_80", "gfx942", "gfx90a", "unknown"] {
             for world in 1..=crate::MAX_GPUS {
                 let settings = Settings::new(CommConfig::default(), arch.into(), 8, world).unwrap();
-                for dtype in DType::ALL {
+                // The other dtypes refuse Lamport (a test below).
+                for dtype in DType::ALL.into_iter().filter(|d| d.every_kernel()) {
                     for elements in [1, 7, 4096, 65_536, 1 << 20] {
                         for (algorithm, in_place) in
                             [Auto, Lamport].map(|a| [(a, false), (a, true)]).concat()
