@@ -188,6 +188,21 @@ impl CandleComm {
                 }
                 *rows /= width;
             }
+            Call::AllToAll => {
+                let width = self.width(0)?;
+                let rows = out.first_mut().ok_or(Error::Scalar)?;
+                if !rows.is_multiple_of(width) {
+                    return Err(Error::NotDivisible { rows: *rows, width });
+                }
+            }
+            Call::AllToAllV { send, recv, .. } => {
+                let rows = out.first_mut().ok_or(Error::Scalar)?;
+                if send.iter().sum::<usize>() != *rows {
+                    let (sent, rows) = (send.iter().sum(), *rows);
+                    return Err(Error::RowCounts { sent, rows });
+                }
+                *rows = recv.iter().sum();
+            }
         }
         Ok(out)
     }

@@ -68,6 +68,14 @@ pub enum Error {
         /// Ranks in the group.
         width: usize,
     },
+    /// An all-to-all-v's send counts do not add up to the input's dim 0.
+    #[error("the send counts add up to {sent} rows but the input has {rows}")]
+    RowCounts {
+        /// The send counts' sum.
+        sent: usize,
+        /// The input's dim 0.
+        rows: usize,
+    },
     /// An all-gather or reduce-scatter needs a dim 0 to gather or split along; the
     /// tensor is a scalar.
     #[error("a scalar tensor has no dim 0 to gather or split along; reshape it to [1] first")]

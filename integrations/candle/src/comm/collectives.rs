@@ -1,6 +1,7 @@
 //! [`CandleComm`]'s collectives on tensors: all-reduce (every [`ReduceOp`]),
-//! all-gather, reduce-scatter and broadcast, each allocating its result, into a tensor
-//! the caller allocated, or (all-reduce, broadcast) in place.
+//! all-gather, reduce-scatter, broadcast and all-to-all (equal parts, or a row count per
+//! rank), each allocating its result, into a tensor the caller allocated, or
+//! (all-reduce, broadcast) in place.
 //!
 //! Along dim 0: an all-gather's result has the input's shape with dim 0 multiplied by
 //! the group width, rank q's rows at `[q * rows, (q + 1) * rows)`; a reduce-scatter's has
@@ -203,5 +204,58 @@ impl CandleComm {
     ) -> Result<()> {
         self.run_in_place(Call::Broadcast(root, options), tensor)
             .map(drop)
+    }
+
+    /// All-to-all along dim 0 (expert parallelism): `input`'s dim 0 in world-size equal
+    /// parts, part q sent to rank q; the result (the input's shape, allocated on this
+    /// rank's stream) holds rank q's part for this rank at part q. A dim 0 that the world
+    /// size does not divide is [`Error::NotDivisible`](crate::Error::NotDivisible).
+    pub fn all_to_all(&self, input: &Tensor) -> Result<Tensor> {
+        self.run_alloc(Call::AllToAll, input)
+    }
+
+    /// As [`CandleComm::all_to_all`], into `output` (the input's shape), which the caller
+    /// allocated: allocates nothing.
+    pub fn all_to_all_into(&self, input: &Tensor, output: &Tensor) -> Result<()> {
+        self.run_into(Call::AllToAll, input, output).map(drop)
+    }
+
+    /// All-to-all with a row count per rank (a mixture-of-experts dispatch or combine,
+    /// the router's counts): `send_rows[q]` rows of `input` go to rank q, taken in rank
+    /// order (they add up to its dim 0, else
+    /// [`Error::RowCounts`](crate::Error::RowCounts)); `recv_rows[q]` rows come from rank
+    /// q, stacked in rank order in the result (dim 0 their sum, the other dims the
+    /// input's). Rank q's `send_rows[r]` must equal rank r's `recv_rows[q]`.
+    pub fn all_to_all_v(
+        &self,
+        input: &Tensor,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<Tensor> {
+        let row = input.dims().iter().skip(1).product();
+        let call = Call::AllToAllV {
+            send: send_rows,
+            recv: recv_rows,
+            row,
+        };
+        self.run_alloc(call, input)
+    }
+
+    /// As [`CandleComm::all_to_all_v`], into `output` (dim 0 the sum of `recv_rows`),
+    /// which the caller allocated: allocates nothing.
+    pub fn all_to_all_v_into(
+        &self,
+        input: &Tensor,
+        output: &Tensor,
+        send_rows: &[usize],
+        recv_rows: &[usize],
+    ) -> Result<()> {
+        let row = input.dims().iter().skip(1).product();
+        let call = Call::AllToAllV {
+            send: send_rows,
+            recv: recv_rows,
+            row,
+        };
+        self.run_into(call, input, output).map(drop)
     }
 }

@@ -20,6 +20,14 @@ pub(crate) enum Call<'a> {
     ReduceScatter(ReduceOp, &'a CollectiveOptions),
     AllGather(&'a CollectiveOptions),
     Broadcast(usize, &'a CollectiveOptions),
+    /// Dim 0 in equal parts, part q to rank q.
+    AllToAll,
+    /// `send[q]` rows to rank q, `recv[q]` rows from rank q, `row` elements a row.
+    AllToAllV {
+        send: &'a [usize],
+        recv: &'a [usize],
+        row: usize,
+    },
 }
 
 impl Call<'_> {
@@ -30,6 +38,8 @@ impl Call<'_> {
             Call::ReduceScatter(..) => "peercomm-reduce-scatter",
             Call::AllGather(..) => "peercomm-all-gather",
             Call::Broadcast(..) => "peercomm-broadcast",
+            Call::AllToAll => "peercomm-all-to-all",
+            Call::AllToAllV { .. } => "peercomm-all-to-all-v",
         }
     }
 
@@ -50,6 +60,12 @@ impl Call<'_> {
                 let send: &dyn DeviceBuffer<Cuda> = input;
                 comm.broadcast_with(Some(send), output, root, o).map(none)?
             }
+            Call::AllToAll => comm.all_to_all(input, output).map(none)?,
+            Call::AllToAllV { send, recv, row } => {
+                let elements = |rows: &[usize]| rows.iter().map(|r| r * row).collect::<Vec<_>>();
+                let (send, recv) = (elements(send), elements(recv));
+                comm.all_to_all_v(input, &send, output, &recv).map(none)?
+            }
         })
     }
 
@@ -61,7 +77,10 @@ impl Call<'_> {
         Ok(match self {
             Call::AllReduce(op, o) => Some(comm.all_reduce_in_place_with(buf, &op, o)?),
             Call::Broadcast(root, o) => comm.broadcast_in_place_with(buf, root, o).map(none)?,
-            Call::ReduceScatter(..) | Call::AllGather(..) => return Err(Error::OutputAliasesInput),
+            Call::ReduceScatter(..)
+            | Call::AllGather(..)
+            | Call::AllToAll
+            | Call::AllToAllV { .. } => return Err(Error::OutputAliasesInput),
         })
     }
 }

@@ -293,6 +293,80 @@ impl Ctx<'_> {
     }
 }
 
+impl Ctx<'_> {
+    /// All-to-all in equal parts (allocating and into a poisoned output), then with row
+    /// counts per rank (rank r sends rank q `(r + 2q) % 3` rows, in rank order), each checked against the senders' rows, bit for bit.
+    fn all_to_all(&mut self, dtype: DType) {
+        let comm = self.comm;
+        let (rank, world) = (self.rank, self.world);
+        let (rows, row) = SHAPE;
+        let part = rows / world * row;
+        // Rows of rank q for this rank: part `rank` of q's input.
+        let equal = |ins: &[Vec<f64>]| -> Vec<f64> {
+            (0..world)
+                .flat_map(|q| ins[q][rank * part..(rank + 1) * part].to_vec())
+                .collect()
+        };
+        let (ins, x) = self.next(dtype);
+        let y = comm.all_to_all(&x).unwrap();
+        assert_eq!((y.dims(), y.dtype()), (x.dims(), dtype));
+        check(
+            &values(&y),
+            &equal(&ins),
+            dtype,
+            None,
+            &self.what("all_to_all", dtype),
+        );
+        let (ins, x) = self.next(dtype);
+        let out = poisoned(x.dims(), dtype, self.dev);
+        comm.all_to_all_into(&x, &out).unwrap();
+        check(
+            &values(&out),
+            &equal(&ins),
+            dtype,
+            None,
+            &self.what("all_to_all_into", dtype),
+        );
+
+        // Rank r sends rank q (r + 2q) % 3 rows (some none), taken in rank order.
+        let count = |r: usize, q: usize| (r + 2 * q) % 3;
+        let send: Vec<usize> = (0..world).map(|q| count(rank, q)).collect();
+        let recv: Vec<usize> = (0..world).map(|q| count(q, rank)).collect();
+        let (ins, x) = self.next(dtype);
+        let x = x.narrow(0, 0, send.iter().sum()).unwrap();
+        let want: Vec<f64> = (0..world)
+            .flat_map(|q| {
+                let start = (0..rank).map(|s| count(q, s)).sum::<usize>() * row;
+                ins[q][start..start + count(q, rank) * row].to_vec()
+            })
+            .collect();
+        let y = comm.all_to_all_v(&x, &send, &recv).unwrap();
+        assert_eq!(y.dims(), &[recv.iter().sum::<usize>(), row][..]);
+        check(
+            &values(&y),
+            &want,
+            dtype,
+            None,
+            &self.what("all_to_all_v", dtype),
+        );
+        let out = poisoned(y.dims(), dtype, self.dev);
+        comm.all_to_all_v_into(&x, &out, &send, &recv).unwrap();
+        check(
+            &values(&out),
+            &want,
+            dtype,
+            None,
+            &self.what("all_to_all_v_into", dtype),
+        );
+        // Counts that do not add up to dim 0: refused before anything runs.
+        let wrong: Vec<usize> = send.iter().map(|c| c + 1).collect();
+        assert!(matches!(
+            comm.all_to_all_v(&x, &wrong, &recv),
+            Err(Error::RowCounts { .. })
+        ));
+    }
+}
+
 #[test]
 fn collectives_match_the_f64_reference() {
     let Some(n) = gpus("collectives_match_the_f64_reference") else {
@@ -332,6 +406,7 @@ fn collectives_match_the_f64_reference() {
                         for root in 0..world {
                             ctx.broadcast(dtype, root);
                         }
+                        ctx.all_to_all(dtype);
                     }
                     // Refused alike on every rank before anything is launched (no rank
                     // waits for another): a dim 0 the world does not divide, a scalar.
