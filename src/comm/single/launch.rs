@@ -111,7 +111,7 @@ impl<B: Backend> SingleController<B> {
     /// that never come (until their timeout), so nothing may run before
     /// [`SingleController::reinitialize`]. A launch that panicked counts as failed; its
     /// panic is resumed after the poisoning. Returns the first failing rank's error.
-    fn launch_ranks(&self, ranks: &[usize], launch: &LaunchFn<'_>) -> Result<()> {
+    pub(super) fn launch_ranks(&self, ranks: &[usize], launch: &LaunchFn<'_>) -> Result<()> {
         let mut launches = self.lock_launches();
         self.check_usable()?;
         let launch = |r: usize| self.injected_launch_failure(r).and_then(|()| launch(r));
