@@ -388,6 +388,21 @@ mod tests {
             let avg = AllReduceOptions::new().with_op(ReduceOp::Avg);
             let got = s.plan(dtype, 64, &avg, false, UserBuffers);
             assert_eq!(got.is_ok(), dtype.is_float(), "{dtype:?} avg");
+            // The fused all-reduce + RMSNorm takes f32, f16 and bf16.
+            use collective::{Collective, CollectiveOptions};
+            let fused = Collective::AllReduceRmsNorm {
+                hidden: 64,
+                epsilon: 1e-6,
+            };
+            let opts = CollectiveOptions::new();
+            match s.collective_plan(fused, dtype, 128, &opts, UserBuffers) {
+                Err(Error::Unsupported(m)) => assert!(m.contains(dtype.name()), "{m}"),
+                other => panic!("fused {dtype:?}: {:?}", other.map(|p| p.algorithm)),
+            }
+            let scatter = Collective::ReduceScatter;
+            let avg = opts.with_op(ReduceOp::Avg);
+            let got = s.collective_plan(scatter, dtype, 128, &avg, UserBuffers);
+            assert_eq!(got.is_ok(), dtype.is_float(), "{dtype:?} reduce-scatter avg");
         }
     }
 
