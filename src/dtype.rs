@@ -486,7 +486,10 @@ mod tests {
         assert_eq!(ReduceOp::Max.combine(-0.0f64, 0.0).to_bits(), 0);
         assert_eq!(ReduceOp::Min.combine(0.0f64, -0.0).to_bits(), 1 << 63);
         assert_eq!(ReduceOp::Sum.start(-0.0f64, 2).to_bits(), 0);
-        assert_eq!(ReduceOp::Avg.finish(ReduceOp::Avg.start(1.0f64, 2) + 2.0, 2), 1.5);
+        assert_eq!(
+            ReduceOp::Avg.finish(ReduceOp::Avg.start(1.0f64, 2) + 2.0, 2),
+            1.5
+        );
         assert_eq!(ReduceOp::Sum.combine(i8::MAX, 1), i8::MIN);
         assert_eq!(ReduceOp::Prod.combine(u32::MAX, 2), u32::MAX - 1);
         assert_eq!(ReduceOp::Max.combine(-3i64, -7), -3);

@@ -174,7 +174,11 @@ impl Kernel {
     /// `bf16` runs the kernel of its size (`u8` for 1 byte, `f32` for 4, `u64` for 8).
     pub fn symbol(self) -> String {
         let kind = self.kind.runs_as();
-        let dtype = match (kind.moves_only(), self.dtype.every_kernel(), self.dtype.size()) {
+        let dtype = match (
+            kind.moves_only(),
+            self.dtype.every_kernel(),
+            self.dtype.size(),
+        ) {
             (true, false, 1) => DType::U8,
             (true, false, 4) => DType::F32,
             (true, false, _) => DType::U64,
@@ -198,11 +202,11 @@ impl KernelKind {
     /// data-movement kinds and the kinds not exported per dtype.
     pub(crate) const fn takes(self, dtype: DType) -> bool {
         dtype.every_kernel()
+            || !self.every_dtype()
             || self.moves_only()
             || matches!(
                 self,
                 KernelKind::OneStage | KernelKind::Reduce | KernelKind::ReduceScatter
-            || !self.every_dtype()
             )
     }
 }

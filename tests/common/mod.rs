@@ -451,7 +451,12 @@ pub fn check_op<T: Element>(op: ReduceOp, ins: &[&Vec<T>], got: &[T], first: usi
         let xs: Vec<T> = ins.iter().map(|v| v[e]).collect();
         let at = || format!("{what}: {} element {e} of {xs:?}: got {g:?}", op.name());
         if let Some(want) = reduce_exactly(op, &xs) {
-            assert_eq!(g.to_bits_u64(), want.to_bits_u64(), "{} (want {want:?})", at());
+            assert_eq!(
+                g.to_bits_u64(),
+                want.to_bits_u64(),
+                "{} (want {want:?})",
+                at()
+            );
             continue;
         }
         let values: Vec<f64> = xs.iter().map(|x| x.to_f32() as f64).collect();
@@ -782,7 +787,9 @@ pub fn assert_unwritten<B: Backend, T: Element>(
     );
     if let Some(out) = output.map(|o| B::download(dev, o).expect("download")) {
         assert!(
-            bits64(&out).iter().all(|&b| b == poison::<T>().to_bits_u64()),
+            bits64(&out)
+                .iter()
+                .all(|&b| b == poison::<T>().to_bits_u64()),
             "{what}: the output was written"
         );
     }
@@ -840,7 +847,10 @@ impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
         let lamport_op = self.opts.algorithm == Algorithm::Lamport && width > 1;
         // The two-stage and Lamport kernels take f32, f16 and bf16; Avg the floats.
         let algorithm_for_type = every_kernel(T::DTYPE)
-            || !matches!(self.opts.algorithm, Algorithm::TwoStage | Algorithm::Lamport);
+            || !matches!(
+                self.opts.algorithm,
+                Algorithm::TwoStage | Algorithm::Lamport
+            );
         let op_for_type = self.op != ReduceOp::Avg || T::DTYPE.is_float();
         let expected = match expected(self.opts.algorithm, width, world) {
             _ if !algorithm_for_type || !op_for_type => Expected::Unsupported,

@@ -171,11 +171,21 @@ fn typed_call<B: Backend, T: Element>(comm: &Comm<B>, seed: u64, call: usize, t:
     comm.synchronize().unwrap();
     let got = B::download(dev, &recv).unwrap();
     if t.op == ReduceOp::Avg && !T::DTYPE.is_float() {
-        assert!(matches!(outcome, Err(Error::Unsupported(_))), "{what}: {outcome:?}");
-        assert_bits(&got, &nan::<T>(t.len), &format!("{what}: a refused call wrote"));
+        assert!(
+            matches!(outcome, Err(Error::Unsupported(_))),
+            "{what}: {outcome:?}"
+        );
+        assert_bits(
+            &got,
+            &nan::<T>(t.len),
+            &format!("{what}: a refused call wrote"),
+        );
         return;
     }
-    assert_eq!(outcome.unwrap_or_else(|e| panic!("{what}: {e}")), Algorithm::OneStage);
+    assert_eq!(
+        outcome.unwrap_or_else(|e| panic!("{what}: {e}")),
+        Algorithm::OneStage
+    );
     let base = rank / t.group * t.group;
     let group: Vec<&Vec<T>> = ins[base..base + t.group].iter().collect();
     common::check_op(t.op, &group, &got, 0, &what);

@@ -346,7 +346,11 @@ pub fn reduce_checked<B: Backend>(place: &Placement, world: usize) {
 /// `reduce_checked` over `T`: every operator it takes, every root.
 fn reduce_of<B: Backend, T: Element>(comm: &Comm<B>, seed: u64) {
     let (dev, world, rank) = (comm.device(), comm.world_size(), comm.rank());
-    let unwritten = |v: &[T]| common::bits64(v).iter().all(|&b| b == poison::<T>().to_bits_u64());
+    let unwritten = |v: &[T]| {
+        common::bits64(v)
+            .iter()
+            .all(|&b| b == poison::<T>().to_bits_u64())
+    };
     for (i, op) in ReduceOp::ALL.into_iter().enumerate() {
         if !takes(op, T::DTYPE) {
             continue;
@@ -356,7 +360,11 @@ fn reduce_of<B: Backend, T: Element>(comm: &Comm<B>, seed: u64) {
             let ins = inputs::<T>(seed, world, n, nans(op));
             let all = all_reduce(comm, &ins[rank], op, &AllReduceOptions::new(), false);
             let group: Vec<&Vec<T>> = ins.iter().collect();
-            let what = format!("world {world} rank {rank} {} {} n {n}", T::DTYPE.name(), op.name());
+            let what = format!(
+                "world {world} rank {rank} {} {} n {n}",
+                T::DTYPE.name(),
+                op.name()
+            );
             common::check_op(op, &group, &all, 0, &what);
             for root in 0..world {
                 let what = format!("{what} root {root}");
@@ -405,7 +413,10 @@ pub fn integer_avg_refused<B: Backend>(place: &Placement) {
     fn refused<T: Element>(result: peercomm::Result<impl std::fmt::Debug>, what: &str) {
         match result {
             Err(Error::Unsupported(m)) => {
-                assert!(m.contains("avg") && m.contains(T::DTYPE.name()), "{what}: {m}")
+                assert!(
+                    m.contains("avg") && m.contains(T::DTYPE.name()),
+                    "{what}: {m}"
+                )
             }
             other => panic!("{what}: Avg over {:?}: {other:?}", T::DTYPE),
         }
@@ -418,17 +429,41 @@ pub fn integer_avg_refused<B: Backend>(place: &Placement) {
         let mut buf = B::alloc_from(dev, &mine).unwrap();
         let avg = ReduceOp::Avg;
         let opts = AllReduceOptions::new();
-        refused::<T>(comm.all_reduce_with(&send, &mut recv, &avg, &opts), "all-reduce");
-        refused::<T>(comm.all_reduce_in_place_with(&mut buf, &avg, &opts), "in place");
+        refused::<T>(
+            comm.all_reduce_with(&send, &mut recv, &avg, &opts),
+            "all-reduce",
+        );
+        refused::<T>(
+            comm.all_reduce_in_place_with(&mut buf, &avg, &opts),
+            "in place",
+        );
         let part = reduce_scatter_part(n, comm.world_size(), rank).len();
         let mut scattered = B::alloc_from(dev, &vec![poison::<T>(); part]).unwrap();
-        refused::<T>(comm.reduce_scatter(&send, &mut scattered, &avg), "reduce-scatter");
+        refused::<T>(
+            comm.reduce_scatter(&send, &mut scattered, &avg),
+            "reduce-scatter",
+        );
         refused::<T>(comm.reduce(&send, Some(&mut recv), &avg, 0), "reduce");
         comm.synchronize().unwrap();
-        let unwritten = |v: &[T]| common::bits64(v).iter().all(|&b| b == poison::<T>().to_bits_u64());
-        assert!(unwritten(&recv.to_host(dev).unwrap()), "{:?}: output written", T::DTYPE);
-        assert!(unwritten(&scattered.to_host(dev).unwrap()), "{:?}: part written", T::DTYPE);
-        assert_eq!(common::bits64(&buf.to_host(dev).unwrap()), common::bits64(&mine));
+        let unwritten = |v: &[T]| {
+            common::bits64(v)
+                .iter()
+                .all(|&b| b == poison::<T>().to_bits_u64())
+        };
+        assert!(
+            unwritten(&recv.to_host(dev).unwrap()),
+            "{:?}: output written",
+            T::DTYPE
+        );
+        assert!(
+            unwritten(&scattered.to_host(dev).unwrap()),
+            "{:?}: part written",
+            T::DTYPE
+        );
+        assert_eq!(
+            common::bits64(&buf.to_host(dev).unwrap()),
+            common::bits64(&mine)
+        );
         // The sum still runs.
         comm.all_reduce_with(&send, &mut recv, &ReduceOp::Sum, &opts)
             .unwrap();
@@ -464,7 +499,9 @@ pub fn dtype_mismatch<B: Backend>(place: &Placement, world: usize) {
             let result = comm.synchronize();
             if result.is_err() {
                 let host = recv.to_host(dev)?;
-                let poisoned = common::bits64(&host).iter().all(|&b| b == poison::<T>().to_bits_u64());
+                let poisoned = common::bits64(&host)
+                    .iter()
+                    .all(|&b| b == poison::<T>().to_bits_u64());
                 assert!(poisoned, "a mismatched {which} wrote its output");
             }
             result

@@ -402,7 +402,11 @@ mod tests {
             let scatter = Collective::ReduceScatter;
             let avg = opts.with_op(ReduceOp::Avg);
             let got = s.collective_plan(scatter, dtype, 128, &avg, UserBuffers);
-            assert_eq!(got.is_ok(), dtype.is_float(), "{dtype:?} reduce-scatter avg");
+            assert_eq!(
+                got.is_ok(),
+                dtype.is_float(),
+                "{dtype:?} reduce-scatter avg"
+            );
         }
     }
 
