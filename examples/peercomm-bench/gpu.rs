@@ -145,6 +145,7 @@ pub fn run(args: &Args, world: usize, gpus: usize) -> Report {
                     DType::F32 => point::<f32>(&gpu, args, &mut rng, group, bytes),
                     DType::F16 => point::<half::f16>(&gpu, args, &mut rng, group, bytes),
                     DType::BF16 => point::<half::bf16>(&gpu, args, &mut rng, group, bytes),
+                    other => unreachable!("parse_dtype gives f32, f16 or bf16, not {other:?}"),
                 };
                 pb.suspend(|| recs.iter().for_each(print_record));
                 report.records.extend(recs);
@@ -321,6 +322,8 @@ fn poison<T: Element>(stream: &CudaStream, buf: &mut CudaSlice<T>) {
         DType::F32 => 0x7FC0_0000,
         DType::F16 => 0x7E00_7E00,
         DType::BF16 => 0x7FC0_7FC0,
+        // The other types: 0xa5 bytes.
+        _ => 0xA5A5_A5A5,
     };
     let (ptr, _guard) = buf.device_ptr_mut(stream);
     // SAFETY: `ptr` covers buf.len() elements, `words` 32-bit words of them.

@@ -285,6 +285,7 @@ fn check<T: Element>(
         DType::F32 => f32::EPSILON as f64,
         DType::F16 => 2f64.powi(-10),
         DType::BF16 => 2f64.powi(-7),
+        other => unreachable!("the bench runs f32, f16 and bf16, not {}", other.name()),
     };
     for g in (0..ins.len()).step_by(group) {
         for &e in &idx {
@@ -806,6 +807,7 @@ fn run_host(args: &Args, why: &str) -> Report {
                             bytes,
                             args.batches,
                         ),
+                        other => unreachable!("parse_dtype gives f32, f16 or bf16, not {other:?}"),
                     };
                     if let Some(r) = r {
                         progress.suspend(|| print_record(&r));
