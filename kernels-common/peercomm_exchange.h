@@ -76,6 +76,25 @@ PC_INLINE PairThreads pair_threads(uint32_t blocks) {
     return PairThreads{(uint64_t)blockIdx.x * blockDim.x + threadIdx.x, (uint64_t)blocks * blockDim.x};
 }
 
+// After a failed barrier: if this rank found a pair's descriptors differ (its own record
+// is that mismatch, written inside the barrier), the block's other exchange peers passed
+// theirs with it and would wait for it until the timeout; each is told to stop
+// (PEER_ABORTED, naming this rank), but the peer that differs, which finds the same. Not
+// after a timeout (whose record tells every rank) or an abort (the rank that found the
+// cause tells its own peers: no echo). Called by every thread of the block.
+PC_INLINE void tell_other_peers(Ctx& c, const ExchangeMembers& members) {
+    __syncthreads();
+    const Args& a = c.a;
+    const uint32_t t = threadIdx.x;
+    if (t >= a.group_width || !members.takes_part(a, t)) return;
+    if (ld_acquire_sys(&c.own->error_state[PEERCOMM_ERROR_CODE]) != PEERCOMM_ERROR_CALL_MISMATCH) return;
+    const uint32_t named = ld_relaxed_sys(&c.own->error_state[PEERCOMM_ERROR_RANK]);
+    if (t == named) return;
+    const CallWords call = call_words(members.call(a, t));
+    write_error_record(signal_at(a.signals[t]), PEERCOMM_ERROR_PEER_ABORTED,
+                       ErrorDetail{a.world_rank, a.domain, named + 1u, call, call, 1u});
+}
+
 PC_INLINE void exchange(const ExchangeArgs& x) {
     const Args& a = x.all;
     Ctx c = make_ctx(a);
@@ -90,14 +109,20 @@ PC_INLINE void exchange(const ExchangeArgs& x) {
         const uint64_t to = q == me ? p.recv : exchange_region(a, me, q);
         copy_bytes(p.send, to, p.send_bytes, th.tid, th.stride);
     }
-    if (!barrier<BarrierKind::Publish>(c, members)) return abandon(c, WaitForPeers::No);
+    if (!barrier<BarrierKind::Publish>(c, members)) {
+        tell_other_peers(c, members);
+        return abandon(c, WaitForPeers::No);
+    }
     for (uint32_t q = 0; q < width; ++q) {
         const peercomm_exchange_peer& p = x.peers[q];
         if (q == me || blockIdx.x >= p.blocks || p.recv_bytes == 0u) continue;
         const PairThreads th = pair_threads(p.blocks);
         copy_bytes(exchange_region(a, q, me), p.recv, p.recv_bytes, th.tid, th.stride);
     }
-    if (!barrier<BarrierKind::End>(c, members)) return abandon(c, WaitForPeers::No);
+    if (!barrier<BarrierKind::End>(c, members)) {
+        tell_other_peers(c, members);
+        return abandon(c, WaitForPeers::No);
+    }
     finish(c);
 }
 

@@ -292,18 +292,20 @@ pub enum Error {
         /// The world rank that never arrived (`None` where the record does not say).
         waiting_for: Option<usize>,
     },
-    /// A peer gave up waiting and told this rank to stop: it abandoned its collective
-    /// without writing its output (the cause: rank `by`'s [`Error::BarrierTimeout`]).
+    /// A peer gave up and told this rank to stop: it abandoned its collective without
+    /// writing its output (the cause: rank `by`'s [`Error::BarrierTimeout`], or, in a
+    /// send / recv or all-to-all, `by`'s [`Error::CallMismatch`] with `waiting_for`,
+    /// after which this rank's receives from the other ranks may have been written).
     #[error(
-        "rank {rank} stopped because rank {by} gave up waiting for {}",
+        "rank {rank} stopped because rank {by} gave up on {}",
         waited_for(*waiting_for, *block, *domain)
     )]
     PeerAborted {
         /// World rank that was told to stop.
         rank: usize,
-        /// World rank that timed out and told it.
+        /// World rank that gave up and told it.
         by: usize,
-        /// Block of `by` that timed out.
+        /// Block of `by` that gave up.
         block: usize,
         /// Barrier domain it waited in.
         domain: usize,

@@ -301,8 +301,8 @@ pub fn bad_arguments<B: Backend>(place: &Placement) {
     let world = 2;
     with_world_config::<B, _>(place, world, &place.config(world), |rank, comm| {
         let dev = comm.device();
-        let a = B::alloc_from(dev, &vec![1.0f32; 8]).unwrap();
-        let mut b = B::alloc_from(dev, &vec![poison::<f32>(); 8]).unwrap();
+        let a = B::alloc_from(dev, &[1.0f32; 8]).unwrap();
+        let mut b = B::alloc_from(dev, &[poison::<f32>(); 8]).unwrap();
         assert!(matches!(
             comm.send(&a, 2),
             Err(Error::InvalidPeer { peer: 2, world: 2 })
@@ -321,7 +321,7 @@ pub fn bad_arguments<B: Backend>(place: &Placement) {
             matches!(other_world, Err(Error::LengthMismatch { .. })),
             "{other_world:?}"
         );
-        let odd = B::alloc_from(dev, &vec![1.0f32; 7]).unwrap();
+        let odd = B::alloc_from(dev, &[1.0f32; 7]).unwrap();
         assert!(matches!(
             comm.all_to_all(&odd, &mut b),
             Err(Error::LengthMismatch { .. })
@@ -408,4 +408,53 @@ pub fn unmatched_sends<B: Backend>(place: &Placement) {
         got == want || got == poisoned,
         "rank 1 received something else"
     );
+}
+
+/// An all-to-all-v whose ranks 0 and 1 disagree on a count (world 3, a long barrier
+/// timeout): `CallMismatch` on the length for those two, and rank 2, whose pairs
+/// matched, is told at once (`PeerAborted`), long before the timeout. After
+/// `reinitialize` the three exchange again.
+pub fn a_mismatched_pair_stops_the_others<B: Backend>(place: &Placement) {
+    let world = 3;
+    let timeout = std::time::Duration::from_secs(20);
+    let config = place.config(world).with_barrier_timeout(Some(timeout));
+    let results = in_step::<B, _>(place, world, &config, |rank, comm, meet| {
+        let dev = comm.device();
+        let send = B::alloc_from(dev, &[rank as f32; 12]).unwrap();
+        let mut recv = B::alloc_from(dev, &[poison::<f32>(); 13]).unwrap();
+        let mut recv_counts = vec![4, 4, 4];
+        if rank == 1 {
+            recv_counts[0] = 5; // rank 0 sends 4
+        }
+        let start = std::time::Instant::now();
+        let got = comm
+            .all_to_all_v(&send, &[4, 4, 4], &mut recv, &recv_counts)
+            .and_then(|()| comm.synchronize());
+        let took = start.elapsed();
+        meet.wait();
+        comm.reinitialize().unwrap();
+        let mut again = B::alloc_from(dev, &[poison::<f32>(); 12]).unwrap();
+        comm.all_to_all(&send, &mut again).unwrap();
+        comm.synchronize().unwrap();
+        let want: Vec<f32> = (0..world).flat_map(|q| vec![q as f32; 4]).collect();
+        assert_eq!(
+            again.to_host(dev).unwrap(),
+            want,
+            "rank {rank} after reinitialize"
+        );
+        (got, took)
+    });
+    for (rank, (got, took)) in results.iter().enumerate() {
+        match (rank, got) {
+            (0 | 1, Err(Error::CallMismatch { field, .. })) => {
+                assert_eq!(*field, CallField::Length, "rank {rank}")
+            }
+            (2, Err(Error::PeerAborted { .. })) => {}
+            _ => panic!("rank {rank}: {got:?}"),
+        }
+        assert!(
+            *took < timeout / 2,
+            "rank {rank} waited {took:?} (timeout {timeout:?})"
+        );
+    }
 }

@@ -44,7 +44,7 @@ impl<'b, B: Backend> Exchange<'b, B> {
     /// Whether `other`'s peers are free here (then it can join this exchange).
     pub(crate) fn can_take(&self, other: &Exchange<'b, B>) -> bool {
         (0..MAX_GPUS).all(|q| {
-            !(self.sending[q] && other.sending[q]) && !(self.receiving[q] && other.receiving[q])
+            !(self.sending[q] && other.sending[q] || self.receiving[q] && other.receiving[q])
         })
     }
     /// Adds `other`'s sends and receives (see [`Exchange::can_take`]).
@@ -122,7 +122,7 @@ impl<B: Backend> Comm<B> {
     /// The counts of an all-to-all of `len` elements in equal parts.
     pub(crate) fn equal_parts(&self, len: usize) -> Result<Vec<usize>> {
         let world = self.world_size();
-        if len % world != 0 {
+        if !len.is_multiple_of(world) {
             let what = format!(
                 "all-to-all input of {len} elements: not a multiple of the world ({world})"
             );

@@ -56,9 +56,9 @@ impl<B: Backend> SingleController<B> {
         let dtype = super::validate::meta(inputs[0].data).dtype;
         let row = |r: usize| counts[r].iter().try_fold(0usize, |a, &n| a.checked_add(n));
         let column = |q: usize| counts.iter().try_fold(0usize, |a, c| a.checked_add(c[q]));
-        for r in 0..world {
-            if counts[r].len() != world {
-                let what = format!("{} counts for a world of {world}", counts[r].len());
+        for (r, row) in counts.iter().enumerate() {
+            if row.len() != world {
+                let what = format!("{} counts for a world of {world}", row.len());
                 return Err(Error::LengthMismatch { rank: r, what });
             }
         }

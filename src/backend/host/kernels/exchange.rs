@@ -3,8 +3,9 @@
 //! staged in region `to` of the sender's payload (see `peercomm_exchange_args`).
 
 use super::packs::Grid;
+use super::records::{record_mismatch, tell_aborted};
 use super::signals::pair_barrier;
-use super::wait::Flow;
+use super::wait::{Flow, Stop};
 use crate::protocol::BarrierKind;
 use crate::signal::{AllReduceArgs, ExchangeArgs, PACK_BYTES};
 
@@ -41,12 +42,34 @@ pub(super) unsafe fn exchange(x: &ExchangeArgs, g: Grid) -> Flow {
         let to = if q == me { p.recv } else { region(a, me, q) };
         copy_bytes(p.send, to, p.send_bytes, pair(p.blocks));
     }
-    pair_barrier(x, g, BarrierKind::Publish)?;
+    pair_barrier(x, g, BarrierKind::Publish).inspect_err(|stop| tell_other_peers(x, g, stop))?;
     for (q, p) in x.peers.iter().enumerate().take(width) {
         if q == me || g.block >= p.blocks || p.recv_bytes == 0 {
             continue;
         }
         copy_bytes(region(a, q, me), p.recv, p.recv_bytes, pair(p.blocks));
     }
-    pair_barrier(x, g, BarrierKind::End)
+    pair_barrier(x, g, BarrierKind::End).inspect_err(|stop| tell_other_peers(x, g, stop))
+}
+
+/// After a barrier that found a pair's descriptors differ: the block's other exchange
+/// peers passed theirs with this rank and would wait for it until the timeout; each is
+/// told to stop (`PEER_ABORTED`, naming this rank), after the own record (so that a told
+/// peer telling back cannot come first). Not the peer that differs (it finds the same),
+/// and not after a timeout (whose record tells every rank) or an abort (the rank that
+/// found the cause tells its own peers: no echo).
+fn tell_other_peers(x: &ExchangeArgs, g: Grid, stop: &Stop) {
+    let Stop::Mismatch { peer, mine, theirs } = *stop else {
+        return;
+    };
+    let a = &x.all;
+    let me = a.group_rank as usize;
+    // SAFETY: `exchange`'s caller passes live signals (see `run_exchange_block`).
+    unsafe { record_mismatch(a, g.block, peer, mine, theirs) };
+    for (t, p) in x.peers.iter().enumerate().take(a.group_width as usize) {
+        if t != me && t != peer && g.block < p.blocks {
+            // SAFETY: as above.
+            unsafe { tell_aborted(a, g.block, t, peer, p.call) };
+        }
+    }
 }

@@ -124,6 +124,20 @@ pub(super) unsafe fn record_mismatch(
     write_record(args, me, ERROR_CALL_MISMATCH, block, &d);
 }
 
+/// Tells group rank `q` to stop (`PEER_ABORTED`, naming this rank; `awaited`: the rank
+/// the failure names), unless it holds a record already: an exchange peer that passed
+/// its barrier with this rank would wait for it until the timeout.
+pub(super) unsafe fn tell_aborted(
+    args: &AllReduceArgs,
+    block: u32,
+    q: usize,
+    awaited: usize,
+    call: [u32; CALL_WORDS],
+) {
+    let d = Detail(args.world_rank, world_rank_of(args, awaited), call, call);
+    write_record(args, q, ERROR_PEER_ABORTED, block, &d);
+}
+
 /// This block leaves the collective: it tells every peer it will not touch their
 /// memory again (`quit`), then, when `wait_for_peers` (they read this rank's user
 /// buffers), waits up to `timeout_ns` until each peer's same-index block has said the
