@@ -138,10 +138,11 @@ impl<B: Backend> Comm<B> {
     /// counts the router produced): `send_counts[q]` elements go to rank q, taken from
     /// `send` in rank order (part q starts after the parts for ranks below q), and
     /// `recv_counts[q]` elements come from rank q, placed in `recv` in rank order. Rank
-    /// q's `send_counts[r]` must equal rank r's `recv_counts[q]`; a pair whose counts or
-    /// types differ is [`Error::CallMismatch`] on both of its ranks, nothing received
-    /// from the other (the exchanges of the other pairs complete). A count of 0 both ways
-    /// leaves that pair out.
+    /// q's `send_counts[r]` must equal rank r's `recv_counts[q]`: a pair whose counts or
+    /// types differ is [`Error::CallMismatch`] on both of its ranks, which receive
+    /// nothing, and the ranks they exchange with are told at once
+    /// ([`Error::PeerAborted`]; what those received from the other ranks may have been
+    /// written). A count of 0 both ways leaves that pair out.
     pub fn all_to_all_v<S, R>(
         &self,
         send: &S,
