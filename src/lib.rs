@@ -1,7 +1,8 @@
 //! peercomm: multi-GPU collectives inside one node over peer-to-peer memory (NVLink,
 //! xGMI), for Rust inference and training engines: all-reduce, reduce and
 //! reduce-scatter ([`ReduceOp`]: sum, product, max, min, average), all-gather, broadcast,
-//! scatter and a fused all-reduce + residual + RMSNorm, over f32, f16, bf16, f64, i8, u8, i32,
+//! scatter, send / recv, all-to-all ([`Comm::all_to_all_v`] for expert parallelism) and a
+//! fused all-reduce + residual + RMSNorm, over f32, f16, bf16, f64, i8, u8, i32,
 //! u32, i64 and u64 ([`DType`]; the fused call f32, f16 and bf16), on NVIDIA (`cuda` feature, on cudarc) and AMD (`hip` feature)
 //! GPUs, with NCCL/RCCL taking over where peer memory cannot serve.
 //!
