@@ -231,6 +231,7 @@ pub fn sweep<B: Backend>(world: usize, max_blocks: Option<u32>, lengths: &[usize
 /// As [`sweep`], over an open communicator (for example ranks sharing devices).
 pub fn sweep_on<B: Backend>(comm: &SingleController<B>, lengths: &[usize]) {
     let world = comm.world_size();
+    all_to_all_on(comm, lengths);
     let mut rng = rng(&format!("collectives_world_{world}"));
     for width in group_sizes(world) {
         let mut whiches = vec![Which::AllGather, Which::ReduceScatter];
@@ -630,5 +631,58 @@ impl<B: Backend, T: Element> Call<B> for FuzzCall<B, T> {
             Which::Scatter { .. } => "scatter",
             Which::Reduce { .. } => "reduce",
         })
+    }
+}
+
+/// The single controller's all-to-all: equal parts and a random count matrix (some
+/// zeros), over f32 and u8, each output poisoned first and checked bit for bit against
+/// what its senders sent, in rank order.
+pub fn all_to_all_on<B: Backend>(comm: &SingleController<B>, lengths: &[usize]) {
+    let world = comm.world_size();
+    let mut rng = rng(&format!("all_to_all_world_{world}"));
+    for &n in lengths.iter().filter(|&&n| n < 100_000) {
+        let equal = vec![vec![n; world]; world];
+        let uneven: Vec<Vec<usize>> = (0..world)
+            .map(|_| (0..world).map(|_| rng.random_range(0..=n)).collect())
+            .collect();
+        for counts in [equal, uneven] {
+            all_to_all_once::<B, f32>(comm, &mut rng, &counts);
+            all_to_all_once::<B, u8>(comm, &mut rng, &counts);
+        }
+    }
+}
+
+fn all_to_all_once<B: Backend, T: Element>(
+    comm: &SingleController<B>,
+    rng: &mut StdRng,
+    counts: &[Vec<usize>],
+) {
+    let world = comm.world_size();
+    let sent = |r: usize| counts[r].iter().sum::<usize>();
+    let got = |q: usize| counts.iter().map(|c| c[q]).sum::<usize>();
+    let ins: Vec<Vec<T>> = (0..world)
+        .map(|r| random_values::<T>(rng, sent(r)))
+        .collect();
+    let inputs = on_ranks(comm, |r, dev| upload::<B, T>(dev, &ins[r]));
+    let mut outputs = on_ranks(comm, |q, dev| poisoned::<B, T>(dev, got(q)));
+    let equal = counts.iter().flatten().all(|&c| c == counts[0][0]);
+    let what = format!("all-to-all {:?} world {world} counts {counts:?}", T::DTYPE);
+    let mut o = views_mut(&mut outputs);
+    if equal {
+        comm.all_to_all(&views(&inputs), &mut o)
+    } else {
+        comm.all_to_all_v(&views(&inputs), &mut o, counts)
+    }
+    .unwrap_or_else(|e| panic!("{what}: {e}"));
+    comm.synchronize().expect(&what);
+    for (q, out) in outputs.iter().enumerate() {
+        let got = B::download(comm.core(q).device(), out).expect("download");
+        let want: Vec<T> = (0..world)
+            .flat_map(|r| {
+                let start: usize = counts[r][..q].iter().sum();
+                ins[r][start..start + counts[r][q]].to_vec()
+            })
+            .collect();
+        assert_bits(&got, &want, &format!("{what}, rank {q}"));
     }
 }

@@ -3,7 +3,9 @@
 //! write nothing), operators, in and out of place, -0.0 lanes, delays, one call in five
 //! another collective. Batches run unsynchronised, then are checked against f64 and by group
 //! digests. After about every other batch, one call over a type beyond f32 (f64 or an
-//! integer: an all-reduce with its operator, or another collective), checked alone. Now and then a deliberate mismatch must give `CallMismatch` everywhere and
+//! integer: an all-reduce with its operator, or another collective), checked alone; after
+//! some batches an exchange (a send/recv ring, pairs, or an all-to-all-v with random
+//! counts) over any type, checked bit for bit. Now and then a deliberate mismatch must give `CallMismatch` everywhere and
 //! `reinitialize()` recover. Ranks report different multiprocessor counts.
 
 use rand::rngs::StdRng;
@@ -191,6 +193,121 @@ fn typed_call<B: Backend, T: Element>(comm: &Comm<B>, seed: u64, call: usize, t:
     common::check_op(t.op, &group, &got, 0, &what);
 }
 
+/// A point-to-point call the ranks make between batches, the same on every rank.
+#[derive(Clone, Debug)]
+enum Exchange {
+    /// A group: each rank sends `len` to the next and receives from the one before.
+    Ring { len: usize },
+    /// Ranks 2k and 2k + 1 swap `len` elements in a group (a last odd rank idles).
+    Pairs { len: usize },
+    /// `counts[r][q]`: what rank r sends rank q (some zero).
+    AllToAllV { counts: Vec<Vec<usize>> },
+}
+
+/// Whether the ranks make an [`Exchange`] after batch `batch`: its element type and
+/// shape (drawn from the seed; any type, lengths past a payload region at times).
+fn exchange_after(seed: u64, batch: usize, world: usize) -> Option<(DType, Exchange)> {
+    let mut rng = StdRng::seed_from_u64(seed ^ 0x7032_7032 ^ ((batch as u64) << 20));
+    if world < 2 || !rng.random_bool(0.4) {
+        return None;
+    }
+    let dtype = DType::ALL[rng.random_range(0..DType::ALL.len())];
+    let mut len = || match rng.random_range(0..4) {
+        0 => rng.random_range(1..16),
+        3 => rng.random_range(100_000..400_000),
+        _ => rng.random_range(16..20_000),
+    };
+    let shape = match batch % 3 {
+        0 => Exchange::Ring { len: len() },
+        1 => Exchange::Pairs { len: len() },
+        _ => {
+            let mut count = || {
+                if rng.random_bool(0.3) {
+                    0
+                } else {
+                    rng.random_range(1..5000)
+                }
+            };
+            let counts = (0..world)
+                .map(|_| (0..world).map(|_| count()).collect())
+                .collect();
+            Exchange::AllToAllV { counts }
+        }
+    };
+    Some((dtype, shape))
+}
+
+/// This rank's part of an [`Exchange`] (call number `call`), every received element
+/// checked bit for bit against what its sender sent, outputs poisoned first.
+fn exchange_call<B: Backend, T: Element>(comm: &Comm<B>, seed: u64, call: usize, x: &Exchange) {
+    let (dev, world, rank) = (comm.device(), comm.world_size(), comm.rank());
+    let what = format!("seed {seed} exchange {call} rank {rank}: {:?}", T::DTYPE);
+    // (what this rank sends each rank, what it receives from each) in elements.
+    let (sends, recvs): (Vec<usize>, Vec<usize>) = match x {
+        Exchange::Ring { len } => (
+            (0..world)
+                .map(|q| if q == (rank + 1) % world { *len } else { 0 })
+                .collect(),
+            (0..world)
+                .map(|q| if (q + 1) % world == rank { *len } else { 0 })
+                .collect(),
+        ),
+        Exchange::Pairs { len } => {
+            let peer = rank ^ 1;
+            let n = |q: usize| if q == peer && peer < world { *len } else { 0 };
+            ((0..world).map(n).collect(), (0..world).map(n).collect())
+        }
+        Exchange::AllToAllV { counts } => (
+            counts[rank].clone(),
+            (0..world).map(|q| counts[q][rank]).collect(),
+        ),
+    };
+    let total = |v: &[usize]| v.iter().sum::<usize>();
+    let mine: Vec<T> = super::inputs::<T>(seed ^ rank as u64, call, 1, total(&sends)).remove(0);
+    let send = B::alloc_from(dev, &mine).unwrap();
+    let mut recv = B::alloc_from(dev, &nan::<T>(total(&recvs))).unwrap();
+    match x {
+        Exchange::AllToAllV { .. } => comm.all_to_all_v(&send, &sends, &mut recv, &recvs),
+        _ => {
+            let mut group = comm.group();
+            let to = sends.iter().position(|&n| n > 0);
+            let from = recvs.iter().position(|&n| n > 0);
+            if let Some(q) = to {
+                group.send(&send, q).unwrap();
+            }
+            if let Some(q) = from {
+                group.recv(&mut recv, q).unwrap();
+            }
+            group.end().map(drop)
+        }
+    }
+    .unwrap_or_else(|e| panic!("{what}: {e}"));
+    comm.synchronize().unwrap_or_else(|e| panic!("{what}: {e}"));
+    let got = B::download(dev, &recv).unwrap();
+    let mut at = 0;
+    for q in 0..world {
+        let n = recvs[q];
+        if n == 0 {
+            continue;
+        }
+        let (theirs_to, theirs) = match x {
+            Exchange::AllToAllV { counts } => (counts[q].clone(), counts[q].iter().sum()),
+            _ => (vec![n; 1], n),
+        };
+        let sent: Vec<T> = super::inputs::<T>(seed ^ q as u64, call, 1, theirs).remove(0);
+        let start = match x {
+            Exchange::AllToAllV { .. } => theirs_to[..rank].iter().sum(),
+            _ => 0,
+        };
+        assert_bits(
+            &got[at..at + n],
+            &sent[start..start + n],
+            &format!("{what}: from rank {q}"),
+        );
+        at += n;
+    }
+}
+
 /// A mismatched call the ranks make on purpose: rank `odd` differs in `field`.
 #[derive(Clone, Copy, Debug)]
 struct Mismatch {
@@ -287,6 +404,9 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
         .count();
     let typed = (0..plan.len().div_ceil(batch))
         .filter_map(|b| typed_after(seed, b, world))
+        .count();
+    let exchanges = (0..plan.len().div_ceil(batch))
+        .filter_map(|b| exchange_after(seed, b, world))
         .count();
     let results = with_world_config::<B, _>(place, world, &config, |rank, comm| {
         let dev = comm.device();
@@ -429,6 +549,11 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
                 let call = plan.len() + first / batch;
                 by_dtype!(t.dtype, typed_call::<B>(&comm, seed, call, t));
             }
+            if let Some((dtype, x)) = exchange_after(seed, first / batch, world) {
+                // Call numbers past the typed calls'.
+                let call = 2 * plan.len() + first / batch;
+                by_dtype!(dtype, exchange_call::<B>(&comm, seed, call, &x));
+            }
             if let Some(m) = mismatch_after(seed, first / batch, world) {
                 let what = format!("seed {seed} after call {first}, rank {rank}: {m:?}");
                 let started = std::time::Instant::now();
@@ -470,7 +595,7 @@ pub fn fuzz_threads<B: Backend>(place: &Placement, world: usize, calls: usize, b
         checked += 1;
     }
     eprintln!(
-        "per_rank_fuzz world {world}: PEERCOMM_SEED={seed}: {checked} all-reduces and {collectives} other collectives checked on every rank, {} refused as specified, {typed} calls over f64 and the integers, {mismatches} mismatched calls each reported on every rank, multiprocessors {:?} (grid left to peercomm), in {:.1?}",
+        "per_rank_fuzz world {world}: PEERCOMM_SEED={seed}: {checked} all-reduces and {collectives} other collectives checked on every rank, {} refused as specified, {typed} calls over f64 and the integers, {exchanges} send / recv or all-to-all-v exchanges, {mismatches} mismatched calls each reported on every rank, multiprocessors {:?} (grid left to peercomm), in {:.1?}",
         plan.len() - checked - collectives,
         config.simulate.multiprocessors,
         started.elapsed()
