@@ -194,13 +194,19 @@ mod kernel_cache {
                 hash = (hash ^ u64::from(*b)).wrapping_mul(0x0100_0000_01b3);
             }
         };
-        // The command, with this build's own folder left out (it differs per profile),
-        // and the compiler's own file where it is one (a wrapper script may change).
-        feed(
-            format!("{cmd:?}")
-                .replace(&out_dir.display().to_string(), "")
-                .as_bytes(),
-        );
+        // The compiler by its canonical path (a build that finds it through PATH, as the
+        // candle integration's does, and one that finds it relative to the repository
+        // share an entry), its arguments with this build's own folder left out (it
+        // differs per profile), and the compiler's own file where it is one (a wrapper
+        // script may change).
+        let program = std::fs::canonicalize(cmd.get_program())
+            .unwrap_or_else(|_| PathBuf::from(cmd.get_program()));
+        feed(program.display().to_string().as_bytes());
+        for arg in cmd.get_args() {
+            let arg = arg.to_string_lossy();
+            feed(arg.replace(&out_dir.display().to_string(), "").as_bytes());
+            feed(&[0]);
+        }
         feed(&std::fs::read(cmd.get_program()).unwrap_or_default());
         for folder in SOURCES {
             let mut files: Vec<PathBuf> = std::fs::read_dir(folder)
