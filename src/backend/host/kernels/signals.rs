@@ -6,7 +6,9 @@ use std::sync::atomic::AtomicU32;
 
 use super::packs::Grid;
 use super::wait::{Flow, Spinner, Stop};
-use crate::protocol::{self, BarrierKind, BarrierSignals, BarrierSite, BarrierStop, Members};
+use crate::protocol::{
+    self, BarrierKind, BarrierSignals, BarrierSite, BarrierStop, EveryMember, Members,
+};
 use crate::signal::{AllReduceArgs, ExchangeArgs, Signal, CALL_WORDS, ERROR_CODE};
 
 pub(super) fn atomic<'a>(p: *mut u32) -> &'a AtomicU32 {
@@ -100,25 +102,7 @@ impl BarrierSignals for HostSignals<'_> {
 /// The counter barrier of one block across its group ([`protocol::barrier`], the code
 /// the loom model checks), with the host's orderings for `kind`.
 pub(super) unsafe fn barrier(args: &AllReduceArgs, g: Grid, kind: BarrierKind) -> Flow {
-    let signals = HostSignals(args);
-    let site = BarrierSite {
-        me: args.group_rank as usize,
-        width: args.group_width as usize,
-        domain: args.domain as usize,
-        block: g.block as usize,
-    };
-    let mut spin = Spinner::new(args.timeout_ns, abort_word(args));
-    let call = Some(args.call);
-    protocol::barrier_with_call(&signals, site, kind.host_orderings(), call, &mut spin).map_err(
-        |stop| match stop {
-            BarrierStop::Gave { awaited, why } => why.waiting_for(awaited),
-            BarrierStop::Mismatch { peer, theirs } => Stop::Mismatch {
-                peer,
-                mine: args.call,
-                theirs,
-            },
-        },
-    )
+    barrier_among(args, g, kind, &EveryMember(Some(args.call)))
 }
 
 /// The barrier members of block `block` of an exchange: the peers it moves data with,
@@ -137,9 +121,19 @@ impl Members for ExchangeMembers<'_> {
     }
 }
 
-/// The exchange's barrier: each pair of ranks alone ([`protocol::barrier_of`]).
+/// The exchange's barrier: each pair of ranks alone.
 pub(super) unsafe fn pair_barrier(x: &ExchangeArgs, g: Grid, kind: BarrierKind) -> Flow {
-    let args = &x.all;
+    barrier_among(&x.all, g, kind, &ExchangeMembers { x, block: g.block })
+}
+
+/// The barrier of `members` ([`protocol::barrier_of`]); a mismatch names the
+/// descriptor this rank published to that peer.
+unsafe fn barrier_among(
+    args: &AllReduceArgs,
+    g: Grid,
+    kind: BarrierKind,
+    members: &impl Members,
+) -> Flow {
     let signals = HostSignals(args);
     let site = BarrierSite {
         me: args.group_rank as usize,
@@ -148,13 +142,12 @@ pub(super) unsafe fn pair_barrier(x: &ExchangeArgs, g: Grid, kind: BarrierKind) 
         block: g.block as usize,
     };
     let mut spin = Spinner::new(args.timeout_ns, abort_word(args));
-    let members = ExchangeMembers { x, block: g.block };
-    protocol::barrier_of(&signals, site, kind.host_orderings(), &members, &mut spin).map_err(
+    protocol::barrier_of(&signals, site, kind.host_orderings(), members, &mut spin).map_err(
         |stop| match stop {
             BarrierStop::Gave { awaited, why } => why.waiting_for(awaited),
             BarrierStop::Mismatch { peer, theirs } => Stop::Mismatch {
                 peer,
-                mine: x.peers[peer].call,
+                mine: members.call(peer).unwrap_or(args.call),
                 theirs,
             },
         },
