@@ -416,6 +416,7 @@ macro_rules! per_rank_suite {
             point_to_point_bad_arguments: |p| per_rank_suite::point_to_point::bad_arguments::<B>(p);
             unmatched_sends: |p| per_rank_suite::point_to_point::unmatched_sends::<B>(p);
             a_mismatched_pair_stops_the_others: |p| per_rank_suite::point_to_point::a_mismatched_pair_stops_the_others::<B>(p);
+            point_to_point_options: |p| per_rank_suite::point_to_point::options_and_groups::<B>(p);
             lamport_sums_only: |p| per_rank_suite::ops::lamport_sums_only::<B>(p);
             integer_avg_refused: |p| per_rank_suite::ops::integer_avg_refused::<B>(p);
             independent_sibling_groups: |p| per_rank_suite::all_reduce::independent_sibling_groups::<B>(p);

@@ -8,7 +8,7 @@
 
 use half::bf16;
 use peercomm::backend::{Backend, TypedBuffer as _};
-use peercomm::{CallField, Comm, CommConfig, DType, Element, Error};
+use peercomm::{Algorithm, CallField, CollectiveOptions, Comm, CommConfig, DType, Element, Error};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -457,4 +457,92 @@ pub fn a_mismatched_pair_stops_the_others<B: Backend>(place: &Placement) {
             "rank {rank} waited {took:?} (timeout {timeout:?})"
         );
     }
+}
+
+/// The `_with` forms (world 4): over groups of two, peers and counts are members of the
+/// rank's group (an all-to-all and a pair exchange inside each group, checked bit for
+/// bit, blocks asked alike); blocks asked differently by the two ranks of a pair are
+/// `CallMismatch` on the blocks, nothing received; a peer outside the group, a group
+/// size that does not divide the world and another algorithm are typed errors.
+pub fn options_and_groups<B: Backend>(place: &Placement) {
+    let seed = common::seed("point_to_point_options");
+    let world = 4;
+    let halves = CollectiveOptions::new().group_size(2);
+    with_world_config::<B, _>(place, world, &small_payload(place, world), |rank, comm| {
+        let dev = comm.device();
+        let (base, member) = (rank / 2 * 2, rank % 2);
+        for (tag, &n) in SIZES.iter().enumerate() {
+            let send = B::alloc_from(dev, &message::<f32>(seed, rank, tag, 2 * n)).unwrap();
+            let mut recv = B::alloc_from(dev, &vec![poison::<f32>(); 2 * n]).unwrap();
+            comm.all_to_all_with(&send, &mut recv, &halves).unwrap();
+            comm.synchronize().unwrap();
+            let got = common::bits(&recv.to_host(dev).unwrap());
+            for q in 0..2 {
+                let theirs = common::bits(&message::<f32>(seed, base + q, tag, 2 * n));
+                assert_eq!(
+                    got[q * n..(q + 1) * n],
+                    theirs[member * n..(member + 1) * n],
+                    "group all-to-all rank {rank}, {n} per part, member {q}"
+                );
+            }
+            // The pair in the group swaps, with three blocks asked by both.
+            let opts = halves.blocks(3);
+            let mut back = B::alloc_from(dev, &vec![poison::<f32>(); 2 * n]).unwrap();
+            let mut group = comm.group();
+            group.send_with(&send, 1 - member, &opts).unwrap();
+            group.recv_with(&mut back, 1 - member, &opts).unwrap();
+            group.end().unwrap();
+            comm.synchronize().unwrap();
+            let want = message::<f32>(seed, base + 1 - member, tag, 2 * n);
+            assert_eq!(
+                common::bits(&back.to_host(dev).unwrap()),
+                common::bits(&want),
+                "group pair rank {rank}, {n}"
+            );
+        }
+        let a = B::alloc_from(dev, &[1.0f32; 8]).unwrap();
+        let mut b = B::alloc_from(dev, &[poison::<f32>(); 8]).unwrap();
+        assert!(matches!(
+            comm.send_with(&a, 2, &halves),
+            Err(Error::InvalidPeer { peer: 2, world: 2 })
+        ));
+        let uneven = comm.all_to_all_with(&a, &mut b, &CollectiveOptions::new().group_size(3));
+        assert!(uneven.is_err(), "group size 3 of 4: {uneven:?}");
+        let two_stage = CollectiveOptions::new().algorithm(Algorithm::TwoStage);
+        let other = comm.recv_with(&mut b, 1 - member, &two_stage);
+        assert!(matches!(other, Err(Error::Unsupported(_))), "{other:?}");
+        let counts = comm.all_to_all_v_with(&a, &[4, 4, 0, 0], &mut b, &[4, 4], &halves);
+        assert!(
+            matches!(counts, Err(Error::LengthMismatch { .. })),
+            "counts for the world over groups: {counts:?}"
+        );
+        comm.synchronize().unwrap();
+        assert_eq!(
+            b.to_host(dev).unwrap(),
+            vec![poison::<f32>(); 8],
+            "rank {rank}: written"
+        );
+    });
+
+    let config = short_waits(place, 2);
+    let results = in_step::<B, _>(place, 2, &config, |rank, comm, meet| {
+        let dev = comm.device();
+        let got = if rank == 0 {
+            let send = B::alloc_from(dev, &[1.0f32; 64]).unwrap();
+            let opts = CollectiveOptions::new().blocks(2);
+            comm.send_with(&send, 1, &opts)
+                .and_then(|()| comm.synchronize())
+        } else {
+            let (got, untouched) = receive_poisoned::<B, f32>(comm, 64);
+            assert!(
+                untouched,
+                "blocks asked differently: the receive wrote its buffer"
+            );
+            got
+        };
+        meet.wait();
+        comm.reinitialize().unwrap();
+        got
+    });
+    common::assert_every_rank_mismatched(&results, CallField::Blocks, 1, "blocks differ");
 }

@@ -26,11 +26,16 @@ pub(super) fn child_role<B: Backend>(
             let comm = Comm::<B>::from_rank(dev, rank, world, id, killed_config(devices)).unwrap();
             let dev = comm.device();
             let mut buf = B::alloc_buffer::<f32>(dev, 4096).unwrap();
-            // Late into the collective, then killed by the parent while rank 0 waits.
+            // Late into the call, then killed by the parent while rank 0 waits.
             comm.delay(Duration::from_secs(30)).unwrap();
-            let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-            comm.all_reduce_in_place_with(&mut buf, &ReduceOp::Sum, &opts)
-                .unwrap();
+            match KilledIn::ALL[seed as usize] {
+                KilledIn::AllReduce => {
+                    let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+                    comm.all_reduce_in_place_with(&mut buf, &ReduceOp::Sum, &opts)
+                        .unwrap();
+                }
+                KilledIn::Exchange => comm.send(&buf, 0).unwrap(),
+            }
             println!("READY");
             std::thread::sleep(Duration::from_secs(60));
         }
@@ -76,11 +81,31 @@ fn drop_beside_dead_peer<B: Backend>(comm: Comm<B>) {
     );
 }
 
-/// A rank killed mid-collective: the survivor gets `BarrierTimeout` within twice the
-/// timeout, writes nothing, refuses further calls, and drops without hanging.
+/// The call a killed peer dies in.
+#[derive(Clone, Copy, Debug)]
+enum KilledIn {
+    /// A one-stage all-reduce.
+    AllReduce,
+    /// A send to rank 0, which receives (the exchange: the pair synchronises alone).
+    Exchange,
+}
+
+impl KilledIn {
+    const ALL: [KilledIn; 2] = [KilledIn::AllReduce, KilledIn::Exchange];
+}
+
+/// A rank killed mid-call (an all-reduce, then a send to rank 0): the survivor gets
+/// `BarrierTimeout` within twice the timeout, writes nothing, refuses further calls,
+/// and drops without hanging.
 pub fn killed_process_gives_a_typed_error<B: Backend>(devices: &Placement) {
+    for (i, call) in KilledIn::ALL.into_iter().enumerate() {
+        killed_in::<B>(devices, i, call);
+    }
+}
+
+fn killed_in<B: Backend>(devices: &Placement, i: usize, call: KilledIn) {
     let id = UniqueId::new().unwrap();
-    let mut child = spawn_with("killed", 1, 2, &id.to_string(), 1, &[]);
+    let mut child = spawn_with("killed", 1, 2, &id.to_string(), i as u64, &[]);
     let cfg = killed_config(devices);
     let timeout = cfg.barrier_timeout.unwrap();
     let comm = Comm::<B>::from_rank(B::open(devices.ordinal(0)).unwrap(), 0, 2, &id, cfg).unwrap();
@@ -89,26 +114,34 @@ pub fn killed_process_gives_a_typed_error<B: Backend>(devices: &Placement) {
     B::upload(dev, &[f32::NAN; 4096], &mut out).unwrap();
     let mut input = B::alloc_buffer::<f32>(dev, 4096).unwrap();
     B::upload(dev, &[1.0; 4096], &mut input).unwrap();
-    // Wait until the child has queued its (late) collective, then kill it.
+    // Wait until the child has queued its (late) call, then kill it.
     wait_for_ready(&mut child);
     let start = Instant::now();
     let opts = AllReduceOptions::new().algorithm(Algorithm::OneStage);
-    comm.all_reduce_with(&input, &mut out, &ReduceOp::Sum, &opts)
-        .unwrap();
+    let mut make_call = || match call {
+        KilledIn::AllReduce => comm
+            .all_reduce_with(&input, &mut out, &ReduceOp::Sum, &opts)
+            .map(drop),
+        KilledIn::Exchange => comm.recv(&mut out, 1),
+    };
+    make_call().unwrap();
     child.kill().unwrap();
     child.wait().unwrap();
     match comm.synchronize() {
         Err(Error::BarrierTimeout { rank: 0, .. }) => {}
-        other => panic!("expected a barrier timeout on rank 0, got {other:?}"),
+        other => panic!("{call:?}: expected a barrier timeout on rank 0, got {other:?}"),
     }
     let elapsed = start.elapsed();
     let holds = elapsed < 2 * timeout + Duration::from_secs(2);
-    assert!(holds, "the timeout took {elapsed:?}");
-    assert!(B::download(dev, &out).unwrap().iter().all(|x| x.is_nan()));
-    match comm.all_reduce_with(&input, &mut out, &ReduceOp::Sum, &opts) {
+    assert!(holds, "{call:?}: the timeout took {elapsed:?}");
+    match make_call() {
         Err(Error::Poisoned { first }) if matches!(*first, Error::BarrierTimeout { .. }) => {}
-        other => panic!("expected Poisoned by the barrier timeout, got {other:?}"),
+        other => panic!("{call:?}: expected Poisoned by the barrier timeout, got {other:?}"),
     }
+    assert!(
+        B::download(dev, &out).unwrap().iter().all(|x| x.is_nan()),
+        "{call:?}: written"
+    );
     drop_beside_dead_peer(comm);
 }
 

@@ -6,8 +6,10 @@
 use std::ops::Range;
 
 use crate::backend::{Backend, DeviceBuffer, DeviceBufferMut};
+use crate::dispatch::Algorithm;
 use crate::error::{Error, Result};
 use crate::signal::MAX_GPUS;
+use crate::CollectiveOptions;
 
 use super::{meta, Comm};
 use crate::comm::core::launch::exchange::{PeerOps, Transfer};
@@ -21,6 +23,17 @@ pub(crate) struct Exchange<'b, B: Backend> {
     /// Which ranks this rank sends to and receives from so far.
     sending: [bool; MAX_GPUS],
     receiving: [bool; MAX_GPUS],
+    /// The blocks the calls asked for with each world rank (the most of them).
+    blocks: [Option<u32>; MAX_GPUS],
+}
+
+/// The ranks and blocks of one point-to-point call's options: its peers are members
+/// `0..width` of the rank's group, world ranks `base..base + width`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Peers {
+    base: usize,
+    width: usize,
+    blocks: Option<u32>,
 }
 
 /// A buffer and the element ranges of it that go to (or come from) each peer.
@@ -36,6 +49,7 @@ impl<B: Backend> Default for Exchange<'_, B> {
             recvs: Vec::new(),
             sending: [false; MAX_GPUS],
             receiving: [false; MAX_GPUS],
+            blocks: [None; MAX_GPUS],
         }
     }
 }
@@ -52,6 +66,7 @@ impl<'b, B: Backend> Exchange<'b, B> {
         for q in 0..MAX_GPUS {
             self.sending[q] |= other.sending[q];
             self.receiving[q] |= other.receiving[q];
+            self.blocks[q] = self.blocks[q].max(other.blocks[q]);
         }
         self.sends.extend(other.sends);
         self.recvs.extend(other.recvs);
@@ -94,16 +109,39 @@ impl<B: Backend> Comm<B> {
     /// # Ok::<(), peercomm::Error>(())
     /// ```
     pub fn send<S: DeviceBuffer<B>>(&self, data: &S, peer: usize) -> Result<()> {
+        self.send_with(data, peer, &CollectiveOptions::new())
+    }
+
+    /// As [`Comm::send`], with options: over groups of `group_size`, `peer` is a member
+    /// of this rank's group (world rank `group start + peer`); `blocks` sets the blocks
+    /// that move the pair's data, which the receive must ask alike (else
+    /// [`Error::CallMismatch`]); the algorithm is `Auto` or `OneStage`.
+    pub fn send_with<S: DeviceBuffer<B>>(
+        &self,
+        data: &S,
+        peer: usize,
+        options: &CollectiveOptions,
+    ) -> Result<()> {
         let mut x = Exchange::default();
-        self.add_send(&mut x, data, peer)?;
+        self.add_send(&mut x, data, peer, options)?;
         self.launch_exchange(x)
     }
 
     /// Receives into `buf` what world rank `peer` sends with [`Comm::send`] (cudarc's
     /// `Comm::recv`): the same type and element count.
     pub fn recv<R: DeviceBufferMut<B>>(&self, buf: &mut R, peer: usize) -> Result<()> {
+        self.recv_with(buf, peer, &CollectiveOptions::new())
+    }
+
+    /// As [`Comm::recv`], with the options of [`Comm::send_with`].
+    pub fn recv_with<R: DeviceBufferMut<B>>(
+        &self,
+        buf: &mut R,
+        peer: usize,
+        options: &CollectiveOptions,
+    ) -> Result<()> {
         let mut x = Exchange::default();
-        self.add_recv(&mut x, buf, peer)?;
+        self.add_recv(&mut x, buf, peer, options)?;
         self.launch_exchange(x)
     }
 
@@ -115,23 +153,44 @@ impl<B: Backend> Comm<B> {
         S: DeviceBuffer<B>,
         R: DeviceBufferMut<B>,
     {
-        let counts = self.equal_parts(send.len())?;
-        self.all_to_all_v(send, &counts, recv, &counts)
+        self.all_to_all_with(send, recv, &CollectiveOptions::new())
     }
 
-    /// The counts of an all-to-all of `len` elements in equal parts.
-    pub(crate) fn equal_parts(&self, len: usize) -> Result<Vec<usize>> {
-        let world = self.world_size();
-        if !len.is_multiple_of(world) {
+    /// As [`Comm::all_to_all`], with the options of [`Comm::send_with`]: over groups of
+    /// `group_size`, among the members of this rank's group (`group width x n`
+    /// elements, part q for member q).
+    pub fn all_to_all_with<S, R>(
+        &self,
+        send: &S,
+        recv: &mut R,
+        options: &CollectiveOptions,
+    ) -> Result<()>
+    where
+        S: DeviceBuffer<B>,
+        R: DeviceBufferMut<B>,
+    {
+        let counts = self.equal_parts(send.len(), options)?;
+        self.all_to_all_v_with(send, &counts, recv, &counts, options)
+    }
+
+    /// The counts of an all-to-all of `len` elements in equal parts over the group of
+    /// `options`.
+    pub(crate) fn equal_parts(
+        &self,
+        len: usize,
+        options: &CollectiveOptions,
+    ) -> Result<Vec<usize>> {
+        let width = self.peers(options)?.width;
+        if !len.is_multiple_of(width) {
             let what = format!(
-                "all-to-all input of {len} elements: not a multiple of the world ({world})"
+                "all-to-all input of {len} elements: not a multiple of the group width ({width})"
             );
             return Err(Error::LengthMismatch {
                 rank: self.rank(),
                 what,
             });
         }
-        Ok(vec![len / world; world])
+        Ok(vec![len / width; width])
     }
 
     /// All-to-all with a count per peer (expert parallelism's dispatch and combine, the
@@ -154,23 +213,66 @@ impl<B: Backend> Comm<B> {
         S: DeviceBuffer<B>,
         R: DeviceBufferMut<B>,
     {
+        let options = CollectiveOptions::new();
+        self.all_to_all_v_with(send, send_counts, recv, recv_counts, &options)
+    }
+
+    /// As [`Comm::all_to_all_v`], with the options of [`Comm::all_to_all_with`]: over
+    /// groups, a count per member of this rank's group.
+    pub fn all_to_all_v_with<S, R>(
+        &self,
+        send: &S,
+        send_counts: &[usize],
+        recv: &mut R,
+        recv_counts: &[usize],
+        options: &CollectiveOptions,
+    ) -> Result<()>
+    where
+        S: DeviceBuffer<B>,
+        R: DeviceBufferMut<B>,
+    {
         let mut x = Exchange::default();
-        self.add_all_to_all_v(&mut x, send, send_counts, recv, recv_counts)?;
+        self.add_all_to_all_v(&mut x, (send, send_counts), (recv, recv_counts), options)?;
         self.launch_exchange(x)
     }
 
-    /// A rank the calls can reach: in the world, and in this rank's peer-memory group.
-    fn check_peer(&self, peer: usize) -> Result<()> {
+    /// The peers a point-to-point call with `options` reaches: the members of this
+    /// rank's group, in this rank's peer-memory world.
+    pub(crate) fn peers(&self, options: &CollectiveOptions) -> Result<Peers> {
         let world = self.world_size();
-        if peer >= world {
-            return Err(Error::InvalidPeer { peer, world });
-        }
         if self.core.settings.world != world {
             return Err(Error::Unsupported(
                 "send / recv and all-to-all between hosts (peer memory serves one host)".into(),
             ));
         }
-        Ok(())
+        if !matches!(options.algorithm, Algorithm::Auto | Algorithm::OneStage) {
+            return Err(Error::Unsupported(format!(
+                "send / recv and all-to-all run one kernel (the exchange), not {}; use Auto \
+                 or OneStage",
+                options.algorithm.name()
+            )));
+        }
+        let width = self.core.settings.group_width(options.group_size)?;
+        let blocks = match options.blocks {
+            Some(_) => Some(self.core.settings.blocks(options.blocks, || 1)?),
+            None => None,
+        };
+        Ok(Peers {
+            base: self.rank() / width * width,
+            width,
+            blocks,
+        })
+    }
+
+    /// The world rank of member `peer` of `peers`' group.
+    fn world_rank(peers: &Peers, peer: usize) -> Result<usize> {
+        match peer < peers.width {
+            true => Ok(peers.base + peer),
+            false => Err(Error::InvalidPeer {
+                peer,
+                world: peers.width,
+            }),
+        }
     }
 
     pub(crate) fn add_send<'b, S>(
@@ -178,12 +280,14 @@ impl<B: Backend> Comm<B> {
         x: &mut Exchange<'b, B>,
         data: &'b S,
         peer: usize,
+        options: &CollectiveOptions,
     ) -> Result<()>
     where
         S: DeviceBuffer<B>,
     {
-        self.check_peer(peer)?;
-        self.add_sends(x, data, vec![(peer, 0..data.len())])
+        let peers = self.peers(options)?;
+        let q = Self::world_rank(&peers, peer)?;
+        self.add_sends(x, data, vec![(q, 0..data.len())], peers.blocks)
     }
 
     pub(crate) fn add_recv<'b, R>(
@@ -191,22 +295,24 @@ impl<B: Backend> Comm<B> {
         x: &mut Exchange<'b, B>,
         buf: &'b mut R,
         peer: usize,
+        options: &CollectiveOptions,
     ) -> Result<()>
     where
         R: DeviceBufferMut<B>,
     {
-        self.check_peer(peer)?;
+        let peers = self.peers(options)?;
+        let q = Self::world_rank(&peers, peer)?;
         let len = buf.len();
-        self.add_recvs(x, buf, vec![(peer, 0..len)])
+        self.add_recvs(x, buf, vec![(q, 0..len)], peers.blocks)
     }
 
+    /// Adds an all-to-all-v's sends and receives: (buffer, counts per group member).
     pub(crate) fn add_all_to_all_v<'b, S, R>(
         &self,
         x: &mut Exchange<'b, B>,
-        send: &'b S,
-        send_counts: &[usize],
-        recv: &'b mut R,
-        recv_counts: &[usize],
+        (send, send_counts): (&'b S, &[usize]),
+        (recv, recv_counts): (&'b mut R, &[usize]),
+        options: &CollectiveOptions,
     ) -> Result<()>
     where
         S: DeviceBuffer<B>,
@@ -214,34 +320,32 @@ impl<B: Backend> Comm<B> {
     {
         let core = &*self.core;
         core.check_pair(&meta(send), &meta(&*recv))?;
-        let world = self.world_size();
+        let peers = self.peers(options)?;
+        let width = peers.width;
         let parts =
             |counts: &[usize], len: usize, which: &str| -> Result<Vec<(usize, Range<usize>)>> {
                 let rank = self.rank();
-                if counts.len() != world {
-                    let what = format!("{} {which} counts for a world of {world}", counts.len());
+                if counts.len() != width {
+                    let what = format!("{} {which} counts for a group of {width}", counts.len());
                     return Err(Error::LengthMismatch { rank, what });
                 }
                 let mut at = 0usize;
-                let mut parts = Vec::with_capacity(world);
+                let mut parts = Vec::with_capacity(width);
                 for (q, &n) in counts.iter().enumerate() {
                     let end = at.checked_add(n).filter(|&e| e <= len).ok_or_else(|| {
                         let what =
                             format!("the {which} counts add up to more than its {len} elements");
                         Error::LengthMismatch { rank, what }
                     })?;
-                    parts.push((q, at..end));
+                    parts.push((peers.base + q, at..end));
                     at = end;
                 }
                 Ok(parts)
             };
         let sends = parts(send_counts, send.len(), "send")?;
         let recvs = parts(recv_counts, recv.len(), "receive")?;
-        for q in 0..world {
-            self.check_peer(q)?;
-        }
-        self.add_sends(x, send, sends)?;
-        self.add_recvs(x, recv, recvs)
+        self.add_sends(x, send, sends, peers.blocks)?;
+        self.add_recvs(x, recv, recvs, peers.blocks)
     }
 
     fn add_sends<'b, S>(
@@ -249,6 +353,7 @@ impl<B: Backend> Comm<B> {
         x: &mut Exchange<'b, B>,
         buf: &'b S,
         parts: Vec<(usize, Range<usize>)>,
+        blocks: Option<u32>,
     ) -> Result<()>
     where
         S: DeviceBuffer<B>,
@@ -261,6 +366,7 @@ impl<B: Backend> Comm<B> {
             if std::mem::replace(&mut x.sending[*q], true) {
                 return Err(twice("send to", *q));
             }
+            x.blocks[*q] = x.blocks[*q].max(blocks);
         }
         x.sends.push(Parts {
             buf: buf as &dyn DeviceBuffer<B>,
@@ -274,6 +380,7 @@ impl<B: Backend> Comm<B> {
         x: &mut Exchange<'b, B>,
         buf: &'b mut R,
         parts: Vec<(usize, Range<usize>)>,
+        blocks: Option<u32>,
     ) -> Result<()>
     where
         R: DeviceBufferMut<B>,
@@ -286,6 +393,7 @@ impl<B: Backend> Comm<B> {
             if std::mem::replace(&mut x.receiving[*q], true) {
                 return Err(twice("receive from", *q));
             }
+            x.blocks[*q] = x.blocks[*q].max(blocks);
         }
         x.recvs.push(Parts {
             buf: buf as &mut dyn DeviceBufferMut<B>,
@@ -300,6 +408,9 @@ impl<B: Backend> Comm<B> {
         let core = &*self.core;
         let (dev, rank) = (core.device(), self.rank());
         let mut ops = [PeerOps::default(); MAX_GPUS];
+        for (o, &blocks) in ops.iter_mut().zip(&x.blocks) {
+            o.blocks = blocks;
+        }
         let mut spans = Vec::new();
         let mut guards = Vec::new();
         for s in &x.sends {

@@ -307,15 +307,35 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
     /// shift) without waiting for itself. At most one send to each peer per exchange: a
     /// second starts another.
     pub fn send<S: DeviceBuffer<B>>(&mut self, data: &'b S, peer: usize) -> Result<()> {
+        self.send_with(data, peer, &CollectiveOptions::new())
+    }
+
+    /// Adds [`Comm::send_with`] (see [`CommGroup::send`]).
+    pub fn send_with<S: DeviceBuffer<B>>(
+        &mut self,
+        data: &'b S,
+        peer: usize,
+        options: &CollectiveOptions,
+    ) -> Result<()> {
         let mut x = Exchange::default();
-        self.comm.add_send(&mut x, data, peer)?;
+        self.comm.add_send(&mut x, data, peer, options)?;
         self.add_exchange(x)
     }
 
     /// Adds [`Comm::recv`] (see [`CommGroup::send`]).
     pub fn recv<R: DeviceBufferMut<B>>(&mut self, buf: &'b mut R, peer: usize) -> Result<()> {
+        self.recv_with(buf, peer, &CollectiveOptions::new())
+    }
+
+    /// Adds [`Comm::recv_with`] (see [`CommGroup::send`]).
+    pub fn recv_with<R: DeviceBufferMut<B>>(
+        &mut self,
+        buf: &'b mut R,
+        peer: usize,
+        options: &CollectiveOptions,
+    ) -> Result<()> {
         let mut x = Exchange::default();
-        self.comm.add_recv(&mut x, buf, peer)?;
+        self.comm.add_recv(&mut x, buf, peer, options)?;
         self.add_exchange(x)
     }
 
@@ -326,8 +346,22 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
         S: DeviceBuffer<B>,
         R: DeviceBufferMut<B>,
     {
-        let counts = self.comm.equal_parts(send.len())?;
-        self.all_to_all_v(send, &counts, recv, &counts)
+        self.all_to_all_with(send, recv, &CollectiveOptions::new())
+    }
+
+    /// Adds [`Comm::all_to_all_with`].
+    pub fn all_to_all_with<S, R>(
+        &mut self,
+        send: &'b S,
+        recv: &'b mut R,
+        options: &CollectiveOptions,
+    ) -> Result<()>
+    where
+        S: DeviceBuffer<B>,
+        R: DeviceBufferMut<B>,
+    {
+        let counts = self.comm.equal_parts(send.len(), options)?;
+        self.all_to_all_v_with(send, &counts, recv, &counts, options)
     }
 
     /// Adds [`Comm::all_to_all_v`].
@@ -342,8 +376,26 @@ impl<'b, B: Backend> CommGroup<'_, 'b, B> {
         S: DeviceBuffer<B>,
         R: DeviceBufferMut<B>,
     {
+        let options = CollectiveOptions::new();
+        self.all_to_all_v_with(send, send_counts, recv, recv_counts, &options)
+    }
+
+    /// Adds [`Comm::all_to_all_v_with`].
+    pub fn all_to_all_v_with<S, R>(
+        &mut self,
+        send: &'b S,
+        send_counts: &[usize],
+        recv: &'b mut R,
+        recv_counts: &[usize],
+        options: &CollectiveOptions,
+    ) -> Result<()>
+    where
+        S: DeviceBuffer<B>,
+        R: DeviceBufferMut<B>,
+    {
         let mut x = Exchange::default();
-        (self.comm).add_all_to_all_v(&mut x, send, send_counts, recv, recv_counts)?;
+        let (sends, recvs) = ((send, send_counts), (recv, recv_counts));
+        self.comm.add_all_to_all_v(&mut x, sends, recvs, options)?;
         self.add_exchange(x)
     }
 

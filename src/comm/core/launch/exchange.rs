@@ -36,6 +36,8 @@ impl Transfer {
 pub(crate) struct PeerOps {
     pub(crate) send: Option<Transfer>,
     pub(crate) recv: Option<Transfer>,
+    /// The blocks the call asked for (else chosen from the larger direction's size).
+    pub(crate) blocks: Option<u32>,
 }
 
 impl PeerOps {
@@ -140,8 +142,9 @@ impl<B: Backend> Rank<B> {
             .max()
             .unwrap_or(0);
         let threads = settings.config.threads_per_block;
-        let blocks =
-            dispatch::blocks_for(largest.div_ceil(PACK_BYTES), threads, settings.max_blocks);
+        let blocks = o.blocks.unwrap_or_else(|| {
+            dispatch::blocks_for(largest.div_ceil(PACK_BYTES), threads, settings.max_blocks)
+        });
         let mut peer = ExchangePeer {
             send,
             send_bytes,
