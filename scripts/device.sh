@@ -20,7 +20,9 @@
 #     bench      per-rank (threads) against the single controller at worlds 2 and 4
 #                (BENCH_WORLDS), graph and eager, bf16; the base bench first where one
 #                was packed; BENCH_OPS adds those reduction operators beside the sum,
-#                BENCH_EXCHANGE=1 the point-to-point calls against a D2D copy
+#                BENCH_TYPES the sum over those element types beside f32's,
+#                BENCH_EXCHANGE=1 the point-to-point calls against a D2D copy (with
+#                any of the three, parity.md and parity.png beside results.json)
 #     zero-copy  per rank (threads) staged, symmetric and registered capture against the
 #                single controller, 1 KiB-64 MiB, graph and eager, bf16, at worlds
 #                ZC_WORLDS (2 4), one sweep per ZC_SWEEPS entry: base, gate (windows
@@ -238,6 +240,8 @@ for stage in "$@"; do
         [ "$b" = peercomm-bench ] && [ -n "${BENCH_OPS:-}" ] && ops=(--ops "$BENCH_OPS")
         # BENCH_EXCHANGE=1: all-to-all, all-to-all-v and send/recv against a D2D copy.
         [ "$b" = peercomm-bench ] && [ -n "${BENCH_EXCHANGE:-}" ] && ops+=(--exchange)
+        # BENCH_TYPES (e.g. i8,u8,i32,i64,f64): the sum over each type beside f32's.
+        [ "$b" = peercomm-bench ] && [ -n "${BENCH_TYPES:-}" ] && ops+=(--sum-types "$BENCH_TYPES")
         timeout "${BENCH_LIMIT:-150}" "$BIN/$b" --per-rank $w --with-single --sizes $sizes --dtypes bf16 --no-nccl \
           --batches 10 "${ops[@]}" --out "$LOGS/$b-w$w" >"$LOGS/$b-w$w.log" 2>&1
         note "$b world $w rc=$?"

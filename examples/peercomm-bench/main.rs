@@ -138,6 +138,11 @@ struct Args {
     /// (examples/peercomm-bench/exchange.rs).
     #[arg(long)]
     exchange: bool,
+    /// Per-rank mode: also time the sum over these element types (i8, u8, i32, u32, i64,
+    /// u64, f64, f16, bf16) against f32 of the same bytes, staged, in graph mode (rows
+    /// `peercomm-per-rank-sum-<type>`; examples/peercomm-bench/types.rs).
+    #[arg(long, value_delimiter = ',')]
+    sum_types: Vec<String>,
     /// Ranks of the single-controller sweep (default: one per GPU). More ranks than
     /// GPUs share them: a correctness and host-cost check, not a link measurement.
     #[arg(long)]
@@ -474,6 +479,13 @@ fn write_outputs(dir: &Path, report: &Report, summary: &str) {
     std::fs::write(dir.join("results.json"), json).expect("write results.json");
     std::fs::write(dir.join("results.csv"), csv(report)).expect("write results.csv");
     std::fs::write(dir.join("summary.txt"), summary).expect("write summary.txt");
+    if parity::any(report) {
+        std::fs::write(dir.join("parity.md"), parity::table(report)).expect("write parity.md");
+        if let Err(e) = parity::draw(report, &dir.join("parity.png")) {
+            println!("the parity plot failed: {e}");
+        }
+        println!("wrote {0}/parity.md and {0}/parity.png", dir.display());
+    }
     match plot::draw(report, &dir.join("results.png")) {
         Ok(()) => println!(
             "wrote {0}/results.json, {0}/results.csv, {0}/summary.txt and {0}/results.png",
@@ -940,11 +952,14 @@ mod nccl_symmetric;
 mod overlap;
 #[cfg(feature = "cuda")]
 mod per_rank;
+#[cfg(feature = "cuda")]
+mod types;
 
 // Also compiled inside `replot`, through the candle example's plot (which includes it
 // by path), so that its plot is checked and drawn here: two copies, on purpose.
 #[allow(clippy::duplicate_mod)]
 mod chart;
+mod parity;
 mod plot;
 
 mod progress;

@@ -523,16 +523,20 @@ fn sweep(
                     us,
                 ));
             }
+            let time = |launch: &dyn Fn()| per_call_us(&comm, &stream, timing, launch);
+            let row = |imp: &str, alg: &str, us: f64| at(imp, alg, "graph", us);
+            let sweep = super::exchange::Sweep {
+                comm: &comm,
+                stream: &stream,
+                calls,
+                time: &time,
+                row: &row,
+            };
+            if !args.sum_types.is_empty() {
+                rendezvous(&comm);
+                mine.extend(super::types::rows(&sweep, bytes, &args.sum_types));
+            }
             if args.exchange {
-                let time = |launch: &dyn Fn()| per_call_us(&comm, &stream, timing, launch);
-                let row = |imp: &str, alg: &str, us: f64| at(imp, alg, "graph", us);
-                let sweep = super::exchange::Sweep {
-                    comm: &comm,
-                    stream: &stream,
-                    calls,
-                    time: &time,
-                    row: &row,
-                };
                 rendezvous(&comm);
                 mine.extend(super::exchange::rows(&sweep, n));
             }

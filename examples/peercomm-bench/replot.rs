@@ -1,8 +1,8 @@
 //! `--replot FILE`: draws a plot again from its JSON alone, measuring nothing and
-//! leaving the JSON as it is: `results.png` from a `results.json` of this benchmark
-//! (files of older versions too), or `tp-mlp.png` from the candle example's
-//! `tp-mlp.json` (integrations/candle/examples/tp-mlp, whose plot module is compiled
-//! here as well). The PNG goes beside the JSON, or into `--out`; for a results.json the
+//! leaving the JSON as it is: `results.png` (and parity.md and parity.png where it has
+//! their rows) from a `results.json` of this benchmark (files of older versions too),
+//! or `tp-mlp.png` from the candle example's `tp-mlp.json`
+//! (integrations/candle/examples/tp-mlp, whose plot module is compiled here as well). The PNG goes beside the JSON, or into `--out`; for a results.json the
 //! closing summary is printed again too.
 
 use std::path::{Path, PathBuf};
@@ -47,6 +47,10 @@ pub fn run(json: &Path, out: Option<&Path>) -> Result<PathBuf, Box<dyn std::erro
         print!("{}", super::summary(&report));
         let png = dir.join("results.png");
         super::plot::draw(&report, &png)?;
+        if super::parity::any(&report) {
+            std::fs::write(dir.join("parity.md"), super::parity::table(&report))?;
+            super::parity::draw(&report, &dir.join("parity.png"))?;
+        }
         Ok(png)
     } else if value.get("points").is_some() {
         let report: Report = serde_json::from_value(value)?;
