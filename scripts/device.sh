@@ -22,7 +22,8 @@
 #                was packed; BENCH_OPS adds those reduction operators beside the sum,
 #                BENCH_TYPES the sum over those element types beside f32's,
 #                BENCH_EXCHANGE=1 the point-to-point calls against a D2D copy (with
-#                any of the three, parity.md and parity.png beside results.json)
+#                any of the three, parity.md and parity.png beside results.json);
+#                BENCH_SIZES (bytes, comma-separated) replaces the four sizes
 #     zero-copy  per rank (threads) staged, symmetric and registered capture against the
 #                single controller, 1 KiB-64 MiB, graph and eager, bf16, at worlds
 #                ZC_WORLDS (2 4), one sweep per ZC_SWEEPS entry: base, gate (windows
@@ -242,7 +243,7 @@ for stage in "$@"; do
         [ "$b" = peercomm-bench ] && [ -n "${BENCH_EXCHANGE:-}" ] && ops+=(--exchange)
         # BENCH_TYPES (e.g. i8,u8,i32,i64,f64): the sum over each type beside f32's.
         [ "$b" = peercomm-bench ] && [ -n "${BENCH_TYPES:-}" ] && ops+=(--sum-types "$BENCH_TYPES")
-        timeout "${BENCH_LIMIT:-150}" "$BIN/$b" --per-rank $w --with-single --sizes $sizes --dtypes bf16 --no-nccl \
+        timeout "${BENCH_LIMIT:-150}" "$BIN/$b" --per-rank $w --with-single --sizes ${BENCH_SIZES:-$sizes} --dtypes bf16 --no-nccl \
           --batches 10 "${ops[@]}" --out "$LOGS/$b-w$w" >"$LOGS/$b-w$w.log" 2>&1
         note "$b world $w rc=$?"
       done
