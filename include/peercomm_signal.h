@@ -141,8 +141,15 @@ typedef struct peercomm_signal {
      * user never frees a buffer that a late peer is still reading.
      */
     uint32_t quit[PEERCOMM_MAX_NUM_BLOCKS_UPPER_BOUND][PEERCOMM_MAX_GPUS];
+    /*
+     * exchange_source[q] = {low, high} words of where this rank reads what world rank q
+     * sends it in the current exchange: q's own buffer, read in place (registered or
+     * symmetric; the address as this rank reaches it), or 0: q's payload region. Written
+     * by q's blocks before their Publish arrival, read after it (see the exchange below).
+     */
+    uint32_t exchange_source[PEERCOMM_MAX_GPUS][2];
     /* Pads the header to a multiple of PEERCOMM_REGION_ALIGN. */
-    uint32_t reserved[24];
+    uint32_t reserved[8];
 } peercomm_signal;
 
 /*
@@ -313,6 +320,14 @@ typedef struct peercomm_group_args {
  * previous exchange, and q reads it there after the pair's Publish barrier. Pack k
  * (16 bytes) of a pair's message is staged and read by thread k % (blocks x threads) of
  * the pair's `blocks`, the same on both ranks, so the per-block barrier suffices.
+ *
+ * Where q reaches this rank's data in place (`send_remote`: a registered or symmetric
+ * buffer, as q's address), nothing is staged: every block of the pair writes that
+ * address into q's exchange_source[this rank] before its Publish arrival (0 when
+ * staged), and q reads the data from there after the barrier. Only the sender knows,
+ * so the receiver always reads the word; chunks are counted alike either way. A block
+ * whose data a peer may read in place and which gives up waits for that peer's quit
+ * (bounded by the timeout) before its kernel may end, as the collectives do.
  */
 typedef struct peercomm_exchange_peer {
     /* This rank's data for the peer, and its bytes (0: nothing). */
@@ -328,7 +343,9 @@ typedef struct peercomm_exchange_peer {
     uint32_t blocks;
     /* The pair's descriptor (see PEERCOMM_CALL_WORDS). */
     uint32_t call[PEERCOMM_CALL_WORDS];
-    uint32_t pad[3];
+    uint32_t pad;
+    /* Where the peer reaches `send` in place (its address there), or 0: staged. */
+    uint64_t send_remote;
 } peercomm_exchange_peer;
 
 /*

@@ -8,8 +8,10 @@
 // Every rank stages what it sends into its own payload, then passes the Publish barrier
 // with each peer it exchanges with (each pair alone, with the pair's descriptor), reads
 // what each peer sends from that peer's payload, and passes the pair's End barrier, which
-// keeps the peer from reusing its payload region before this rank has read it. A rank
-// never reads a peer's user buffer, so a block that gives up need not wait for its peers.
+// keeps the peer from reusing its payload region before this rank has read it. Where a
+// peer reaches the sender's buffer in place (registered or symmetric), the sender stages
+// nothing and tells the peer the address instead (exchange_source, before the Publish
+// arrival); then a block that gives up waits for that peer's quit before it may end.
 
 #ifndef PEERCOMM_EXCHANGE_H
 #define PEERCOMM_EXCHANGE_H
@@ -95,6 +97,19 @@ PC_INLINE void tell_other_peers(Ctx& c, const ExchangeMembers& members) {
                        ErrorDetail{a.world_rank, a.domain, named + 1u, call, call, 1u});
 }
 
+// Gives up the exchange: tells the peers (abandon), then, for each peer that may read
+// this block's data in place, waits for its quit (bounded by the timeout), so that the
+// user never frees a buffer a late peer still reads. Called by every thread of the block.
+PC_INLINE void abandon_exchange(Ctx& c, const ExchangeArgs& x) {
+    abandon(c, WaitForPeers::No);
+    const Args& a = c.a;
+    const uint32_t t = threadIdx.x, b = blockIdx.x;
+    if (t < a.group_width && t != a.group_rank && b < x.peers[t].blocks && x.peers[t].send_remote != 0u) {
+        wait_for_quit(c, b, t);
+    }
+    __syncthreads();
+}
+
 PC_INLINE void exchange(const ExchangeArgs& x) {
     const Args& a = x.all;
     Ctx c = make_ctx(a);
@@ -104,6 +119,13 @@ PC_INLINE void exchange(const ExchangeArgs& x) {
     for (uint32_t q = 0; q < width; ++q) {
         const peercomm_exchange_peer& p = x.peers[q];
         if (blockIdx.x >= p.blocks || p.send_bytes == 0u) continue;
+        if (q != me && threadIdx.x == 0) {
+            // Where q reads this rank's data: the buffer itself, or (0) the region.
+            GlobalSignal* peer = signal_at(a.signals[q]);
+            st_relaxed_sys(&peer->exchange_source[me][0], (uint32_t)p.send_remote);
+            st_relaxed_sys(&peer->exchange_source[me][1], (uint32_t)(p.send_remote >> 32));
+        }
+        if (q != me && p.send_remote != 0u) continue;
         const PairThreads th = pair_threads(p.blocks);
         // The own part goes straight to the output; a peer's into the own payload.
         const uint64_t to = q == me ? p.recv : exchange_region(a, me, q);
@@ -111,17 +133,20 @@ PC_INLINE void exchange(const ExchangeArgs& x) {
     }
     if (!barrier<BarrierKind::Publish>(c, members)) {
         tell_other_peers(c, members);
-        return abandon(c, WaitForPeers::No);
+        return abandon_exchange(c, x);
     }
     for (uint32_t q = 0; q < width; ++q) {
         const peercomm_exchange_peer& p = x.peers[q];
         if (q == me || blockIdx.x >= p.blocks || p.recv_bytes == 0u) continue;
         const PairThreads th = pair_threads(p.blocks);
-        copy_bytes(exchange_region(a, q, me), p.recv, p.recv_bytes, th.tid, th.stride);
+        const uint64_t remote = (uint64_t)ld_relaxed_sys(&c.own->exchange_source[q][0]) |
+                                ((uint64_t)ld_relaxed_sys(&c.own->exchange_source[q][1]) << 32);
+        const uint64_t from = remote != 0u ? remote : exchange_region(a, q, me);
+        copy_bytes(from, p.recv, p.recv_bytes, th.tid, th.stride);
     }
     if (!barrier<BarrierKind::End>(c, members)) {
         tell_other_peers(c, members);
-        return abandon(c, WaitForPeers::No);
+        return abandon_exchange(c, x);
     }
     finish(c);
 }

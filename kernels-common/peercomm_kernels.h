@@ -403,6 +403,18 @@ struct Waiter {
 // peers read this rank's user buffers.
 enum class WaitForPeers { No, Yes };
 
+// Waits until group member t's block b has written this rank's quit[b][t] (it will not
+// touch this rank's memory again), at most the timeout (none without one).
+PC_INLINE void wait_for_quit(const Ctx& c, uint32_t b, uint32_t t) {
+    if (c.a.timeout_ns == 0) return;
+    const GlobalU32* quit = &c.own->quit[b][t];
+    const uint64_t start = timer_now(), limit = timer_ticks(c.a.timeout_ns);
+    uint32_t spins = 0;
+    while (ld_acquire_sys(quit) == 0u) {
+        if ((++spins & (PC_SPIN_CHECK_INTERVAL - 1u)) == 0u && timer_now() - start > limit) break;
+    }
+}
+
 // Gives up the collective, called by every thread of the block together. Tells each
 // peer's same-index block that this one will not touch its memory again (its loads are
 // complete: __syncthreads, then a release). With WaitForPeers::Yes it then waits, at
@@ -423,14 +435,7 @@ PC_INLINE void abandon(Ctx& c, WaitForPeers wait) {
     }
     if (t < a.group_width && t != me) {
         st_release_sys(&signal_at(a.signals[t])->quit[b][me], 1u);
-        if (wait == WaitForPeers::Yes && a.timeout_ns != 0) {
-            const GlobalU32* quit = &c.own->quit[b][t];
-            const uint64_t start = timer_now(), limit = timer_ticks(a.timeout_ns);
-            uint32_t spins = 0;
-            while (ld_acquire_sys(quit) == 0u) {
-                if ((++spins & (PC_SPIN_CHECK_INTERVAL - 1u)) == 0u && timer_now() - start > limit) break;
-            }
-        }
+        if (wait == WaitForPeers::Yes) wait_for_quit(c, b, t);
     }
     __syncthreads();
 }

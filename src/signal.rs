@@ -318,7 +318,8 @@ mod tests {
             self_counter 0, peer_counter d * b * g * 4, peer_counter 262_144,
             lamport_state 262_144 + d * 2 * b * g * 16 * CALL_PACKS, lamport_state 8_650_752,
             error_state 8_650_768, error_detail 8_650_784, current_call 8_650_896,
-            quit 8_650_912, reserved 8_650_912 + b * g * 4,
+            quit 8_650_912, exchange_source 8_650_912 + b * g * 4, exchange_source 8_683_680,
+            reserved 8_683_680 + g * 8,
         }
         assert_eq!(offset_of!(Signal, peer_counter) % 16, 0);
         assert_eq!(offset_of!(Signal, current_call) % 16, 0);
@@ -350,7 +351,8 @@ mod tests {
 
     #[test]
     fn exchange_args_layout_is_pinned() {
-        offsets! { ExchangePeer; send 0, send_bytes 8, recv 16, recv_bytes 24, blocks 32, call 36, pad 84 }
+        offsets! { ExchangePeer; send 0, send_bytes 8, recv 16, recv_bytes 24, blocks 32, call 36, pad 84,
+        send_remote 88 }
         assert_eq!(size_of::<ExchangePeer>(), 96);
         offsets! { ExchangeArgs; all 0, peers 328 }
         assert_eq!(size_of::<ExchangeArgs>(), 328 + 8 * 96); // 1096

@@ -45,7 +45,8 @@ pub struct peercomm_signal {
     pub error_detail: [u32; 28usize],
     pub current_call: [u32; 4usize],
     pub quit: [[u32; 8usize]; 1024usize],
-    pub reserved: [u32; 24usize],
+    pub exchange_source: [[u32; 2usize]; 8usize],
+    pub reserved: [u32; 8usize],
 }
 impl Default for peercomm_signal {
     fn default() -> Self {
@@ -119,7 +120,8 @@ pub struct peercomm_exchange_peer {
     pub recv_bytes: u64,
     pub blocks: u32,
     pub call: [u32; 12usize],
-    pub pad: [u32; 3usize],
+    pub pad: u32,
+    pub send_remote: u64,
 }
 #[repr(C)]
 #[derive(Debug, Default, Copy, Clone)]

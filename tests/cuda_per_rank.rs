@@ -9,7 +9,7 @@ mod common;
 mod per_rank_suite;
 
 use peercomm::backend::cuda::Cuda;
-use peercomm::backend::Backend;
+use peercomm::backend::{Backend, TypedBuffer as _};
 use peercomm::ReduceOp;
 use per_rank_suite::capture_graphs as graphs;
 use per_rank_suite::descriptor_channel::{self, Strangers};
@@ -219,8 +219,9 @@ fn collectives_graph_replays() {
 }
 
 /// Each rank captures a ring shift (a group of a send and a receive, one message in
-/// chunks) and an uneven all-to-all into one graph and replays it with new inputs every
-/// time; every replay is checked bit for bit against what the peers sent.
+/// chunks, staged) and an uneven all-to-all from a symmetric buffer (read in place) into
+/// one graph and replays it with new inputs every time; every replay is checked bit for
+/// bit against what the peers sent.
 #[test]
 fn exchange_graph_replays() {
     let Some(place) = suite_place("exchange_graph_replays") else {
@@ -238,7 +239,13 @@ fn exchange_graph_replays() {
         let (total_send, total_recv) = (sends.iter().sum(), recvs.iter().sum::<usize>());
         let mut ring_in = Cuda::alloc_buffer::<f32>(dev, n).unwrap();
         let mut ring_out = Cuda::alloc_buffer::<f32>(dev, n).unwrap();
-        let mut a2a_in = Cuda::alloc_buffer::<f32>(dev, total_send).unwrap();
+        // The all-to-all-v's input in the symmetric pool (of one size on every rank):
+        // the peers read it in place, replay after replay.
+        let widest = (0..world)
+            .map(|r| (0..world).map(|q| count(r, q)).sum::<usize>())
+            .max()
+            .unwrap();
+        let mut a2a_in = comm.alloc_symmetric::<f32>(widest).unwrap();
         let mut a2a_out = Cuda::alloc_buffer::<f32>(dev, total_recv).unwrap();
         let (graph, _) = comm
             .capture(|| {
@@ -253,7 +260,9 @@ fn exchange_graph_replays() {
         for i in 0..replays {
             let (ring, a2a) = (2 * i, 2 * i + 1);
             Cuda::upload(dev, &input(ring, rank, n), &mut ring_in).unwrap();
-            Cuda::upload(dev, &input(a2a, rank, total_send), &mut a2a_in).unwrap();
+            let mut mine = input(a2a, rank, total_send);
+            mine.resize(widest, 0.0);
+            a2a_in.copy_from_host(dev, &mine).unwrap();
             Cuda::upload(dev, &vec![f32::NAN; n], &mut ring_out).unwrap();
             Cuda::upload(dev, &vec![f32::NAN; total_recv], &mut a2a_out).unwrap();
             graph.launch().unwrap();

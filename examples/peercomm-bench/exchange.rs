@@ -5,7 +5,9 @@
 //! - `peercomm-per-rank-all-to-all-v`: uneven parts (rank r sends rank q a share in
 //!   proportion to 1 + (r + 2q) % world), about the same bytes per rank;
 //! - `peercomm-per-rank-sendrecv`: a ring shift (a group of a send to the next rank and a
-//!   receive from the one before) of the whole message.
+//!   receive from the one before) of the whole message;
+//! - `peercomm-per-rank-all-to-all-symmetric`, `peercomm-per-rank-sendrecv-symmetric`:
+//!   the same from a symmetric buffer, which the peers read in place.
 //!
 //! Each call is checked once per point (inputs are rank + 1, so every part shows its
 //! sender), then timed as 50 captured calls a replay.
@@ -15,6 +17,7 @@ use std::sync::Arc;
 use cudarc::driver::{CudaSlice, CudaStream};
 use half::bf16;
 use peercomm::backend::cuda::Cuda;
+use peercomm::backend::TypedBuffer as _;
 use peercomm::Comm;
 
 /// What the rows need of the sweep: the rank's communicator and stream, the timing of
@@ -125,5 +128,40 @@ pub(super) fn rows(s: &Sweep<'_>, n: usize) -> Vec<super::Record> {
     let g = graph(&mut || ring(&mut recv));
     let us = (s.time)(&|| g.launch().unwrap());
     out.push((s.row)("peercomm-per-rank-sendrecv", "exchange", us));
+    drop(g);
+
+    // The same from a symmetric buffer: the peers read it in place (nothing staged).
+    let mut sym = comm.alloc_symmetric::<bf16>(n).expect("a symmetric buffer");
+    sym.copy_from_host(comm.device(), &vec![bf16::from_f32(rank as f32 + 1.0); n])
+        .unwrap();
+    let a2a = |recv: &mut CudaSlice<bf16>| comm.all_to_all_v(&sym, &counts, recv, &counts);
+    a2a(&mut recv).unwrap();
+    comm.synchronize().unwrap();
+    let parts: Vec<(usize, usize)> = (0..world).map(|q| (q, part)).collect();
+    check("all-to-all from a symmetric buffer", &recv, &parts);
+    let g = graph(&mut || a2a(&mut recv));
+    let us = (s.time)(&|| g.launch().unwrap());
+    out.push((s.row)(
+        "peercomm-per-rank-all-to-all-symmetric",
+        "exchange",
+        us,
+    ));
+    drop(g);
+    let ring = |recv: &mut CudaSlice<bf16>| {
+        let mut group = comm.group();
+        group.send(&sym, next)?;
+        group.recv(recv, prev)?;
+        group.end().map(|_| ())
+    };
+    ring(&mut recv).unwrap();
+    comm.synchronize().unwrap();
+    check("send/recv from a symmetric buffer", &recv, &[(prev, n)]);
+    let g = graph(&mut || ring(&mut recv));
+    let us = (s.time)(&|| g.launch().unwrap());
+    out.push((s.row)(
+        "peercomm-per-rank-sendrecv-symmetric",
+        "exchange",
+        us,
+    ));
     out
 }

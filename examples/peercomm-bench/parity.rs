@@ -45,7 +45,11 @@ fn role(implementation: &str) -> Option<Role> {
         "" => Some(Role::Baseline(0)),
         "prod" | "max" | "min" | "avg" => Some(Role::Member(0, rest.into())),
         "sum-f32" => Some(Role::Baseline(1)),
-        "all-to-all" | "all-to-all-v" | "sendrecv" => Some(Role::Member(2, rest.into())),
+        "all-to-all"
+        | "all-to-all-v"
+        | "sendrecv"
+        | "all-to-all-symmetric"
+        | "sendrecv-symmetric" => Some(Role::Member(2, rest.into())),
         _ => rest
             .strip_prefix("sum-")
             .map(|t| Role::Member(1, format!("sum {t}"))),

@@ -546,3 +546,114 @@ pub fn options_and_groups<B: Backend>(place: &Placement) {
     });
     common::assert_every_rank_mismatched(&results, CallField::Blocks, 1, "blocks differ");
 }
+
+/// Sends read in place (world `world`, payload regions small enough that the larger
+/// sizes run in chunks): an all-to-all from a symmetric buffer, a ring shift from a
+/// symmetric buffer beside plain ones (even ranks send from the pool, odd ranks from
+/// plain memory: the receiver cannot tell), and an uneven all-to-all-v from a registered
+/// buffer; every output poisoned first and checked bit for bit.
+pub fn in_place_sends<B: Backend>(place: &Placement, world: usize) {
+    let seed = common::seed("point_to_point_in_place");
+    let config = small_payload(place, world);
+    with_world_config::<B, _>(place, world, &config, |rank, comm| {
+        let dev = comm.device();
+        let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+        for (tag, &n) in SIZES.iter().enumerate() {
+            let what = |call: &str| format!("{call}: world {world} rank {rank}, {n} a part");
+            let mine = message::<f32>(seed, rank, tag, world * n);
+            let mut sym = comm.alloc_symmetric::<f32>(world * n).unwrap();
+            sym.copy_from_host(dev, &mine).unwrap();
+            let mut recv = B::alloc_from(dev, &vec![poison::<f32>(); world * n]).unwrap();
+            comm.all_to_all(&sym, &mut recv).unwrap();
+            comm.synchronize().unwrap();
+            let got = common::bits(&recv.to_host(dev).unwrap());
+            for q in 0..world {
+                let theirs = common::bits(&message::<f32>(seed, q, tag, world * n));
+                let (part, theirs_part) = (q * n..(q + 1) * n, rank * n..(rank + 1) * n);
+                assert_eq!(got[part], theirs[theirs_part], "{}", what("all-to-all"));
+            }
+
+            let plain = B::alloc_from(dev, &mine).unwrap();
+            let mut ring = B::alloc_from(dev, &vec![poison::<f32>(); world * n]).unwrap();
+            let mut group = comm.group();
+            match rank % 2 {
+                0 => group.send(&sym, next).unwrap(),
+                _ => group.send(&plain, next).unwrap(),
+            }
+            group.recv(&mut ring, prev).unwrap();
+            group.end().unwrap();
+            comm.synchronize().unwrap();
+            let want = common::bits(&message::<f32>(seed, prev, tag, world * n));
+            let got = common::bits(&ring.to_host(dev).unwrap());
+            assert_eq!(got, want, "{}", what("ring shift"));
+
+            // Uneven: rank r sends rank q (r + q) % 3 * n elements.
+            let count = |r: usize, q: usize| (r + q) % 3 * n;
+            let sends: Vec<usize> = (0..world).map(|q| count(rank, q)).collect();
+            let recvs: Vec<usize> = (0..world).map(|q| count(q, rank)).collect();
+            let data = message::<f32>(seed, rank, tag + 10, 3 * world * n);
+            let registered = comm.register(B::alloc_from(dev, &data).unwrap()).unwrap();
+            let total: usize = recvs.iter().sum();
+            let mut out = B::alloc_from(dev, &vec![poison::<f32>(); total.max(1)]).unwrap();
+            comm.all_to_all_v(&registered, &sends, &mut out, &recvs)
+                .unwrap();
+            comm.synchronize().unwrap();
+            let got = common::bits(&out.to_host(dev).unwrap());
+            let mut at = 0;
+            for q in 0..world {
+                let theirs = common::bits(&message::<f32>(seed, q, tag + 10, 3 * world * n));
+                let start: usize = (0..rank).map(|r| count(q, r)).sum();
+                let len = count(q, rank);
+                assert_eq!(
+                    got[at..at + len],
+                    theirs[start..start + len],
+                    "{} from {q}",
+                    what("registered all-to-all-v")
+                );
+                at += len;
+            }
+        }
+    });
+}
+
+/// A send read in place that no rank receives (world 2, rank 1 makes no call): rank 0's
+/// wait times out (`BarrierTimeout` naming rank 1) within twice the timeout (the block
+/// also waits, bounded, for the peer that might read its buffer); after `reinitialize`
+/// the pair exchanges from the same symmetric buffer again.
+pub fn unreceived_in_place_send<B: Backend>(place: &Placement) {
+    let config = short_waits(place, 2);
+    let timeout = config.barrier_timeout.unwrap();
+    let results = in_step::<B, _>(place, 2, &config, |rank, comm, meet| {
+        let dev = comm.device();
+        let mut sym = comm.alloc_symmetric::<f32>(64).unwrap();
+        sym.copy_from_host(dev, &[rank as f32 + 1.0; 64]).unwrap();
+        let start = std::time::Instant::now();
+        let got = match rank {
+            0 => comm.send(&sym, 1).and_then(|()| comm.synchronize()),
+            _ => Ok(()),
+        };
+        let took = start.elapsed();
+        meet.wait();
+        comm.reinitialize().unwrap();
+        let mut recv = B::alloc_from(dev, &[poison::<f32>(); 64]).unwrap();
+        let mut group = comm.group();
+        group.send(&sym, 1 - rank).unwrap();
+        group.recv(&mut recv, 1 - rank).unwrap();
+        group.end().unwrap();
+        comm.synchronize().unwrap();
+        let want = vec![(2 - rank) as f32; 64];
+        assert_eq!(
+            recv.to_host(dev).unwrap(),
+            want,
+            "rank {rank} after reinitialize"
+        );
+        (got, took)
+    });
+    match &results[0].0 {
+        Err(Error::BarrierTimeout { waiting_for, .. }) => assert_eq!(*waiting_for, Some(1)),
+        other => panic!("rank 0: {other:?}, not a timeout waiting for rank 1"),
+    }
+    let took = results[0].1;
+    let bound = 2 * timeout + std::time::Duration::from_secs(2);
+    assert!(took < bound, "rank 0 took {took:?} (timeout {timeout:?})");
+}

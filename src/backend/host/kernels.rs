@@ -35,8 +35,11 @@ pub(crate) unsafe fn run_block(kernel: Kernel, args: &AllReduceArgs, block: u32,
         let _ = run_typed::<f32>(kind, args, g);
         return;
     }
-    run_collective_block(args, g, peers_read_user_buffers(kind), || {
-        match kernel.dtype {
+    run_collective_block(
+        args,
+        g,
+        &|_| peers_read_user_buffers(kind),
+        || match kernel.dtype {
             DType::F32 => run_typed::<f32>(kind, args, g),
             DType::F16 => run_typed::<half::f16>(kind, args, g),
             DType::BF16 => run_typed::<half::bf16>(kind, args, g),
@@ -47,8 +50,8 @@ pub(crate) unsafe fn run_block(kernel: Kernel, args: &AllReduceArgs, block: u32,
             DType::U32 => run_typed::<u32>(kind, args, g),
             DType::I64 => run_typed::<i64>(kind, args, g),
             DType::U64 => run_typed::<u64>(kind, args, g),
-        }
-    });
+        },
+    );
 }
 
 /// Runs block `block` of the batched all-reduce `kernel` ([`KernelKind::AllReduceGroup`]):
@@ -59,7 +62,7 @@ pub(crate) unsafe fn run_block(kernel: Kernel, args: &AllReduceArgs, block: u32,
 /// `entries[s].elements` elements of the kernel's dtype.
 pub(crate) unsafe fn run_group_block(kernel: Kernel, args: &GroupArgs, block: u32, blocks: u32) {
     let g = Grid { block, blocks };
-    run_collective_block(&args.all, g, true, || match kernel.dtype {
+    run_collective_block(&args.all, g, &|_| true, || match kernel.dtype {
         DType::F32 => group::all_reduce_group::<f32>(args, g),
         DType::F16 => group::all_reduce_group::<half::f16>(args, g),
         DType::BF16 => group::all_reduce_group::<half::bf16>(args, g),
@@ -77,16 +80,21 @@ pub(crate) unsafe fn run_group_block(kernel: Kernel, args: &GroupArgs, block: u3
 /// byte counts.
 pub(crate) unsafe fn run_exchange_block(args: &ExchangeArgs, block: u32, blocks: u32) {
     let g = Grid { block, blocks };
-    run_collective_block(&args.all, g, false, || exchange::exchange(args, g));
+    // A peer that reads this rank's buffer in place is waited for.
+    let reads_in_place = |q: usize| block < args.peers[q].blocks && args.peers[q].send_remote != 0;
+    run_collective_block(&args.all, g, &reads_in_place, || {
+        exchange::exchange(args, g)
+    });
 }
 
 /// What every collective's block does around its `body`: block 0 publishes the call, a
 /// poisoned rank abandons at entry, a stopped wait is recorded and the block abandons
-/// (waiting for its peers when `wait_for_peers`), block 0 marks the call done.
+/// (waiting for the peers `wait_for` names: those that read its user buffers), block 0
+/// marks the call done.
 unsafe fn run_collective_block(
     args: &AllReduceArgs,
     g: Grid,
-    wait_for_peers: bool,
+    wait_for: &dyn Fn(usize) -> bool,
     body: impl FnOnce() -> Flow,
 ) {
     let Grid { block, blocks } = g;
@@ -98,7 +106,7 @@ unsafe fn run_collective_block(
     if abort_word(args).load(Ordering::Acquire) != 0 {
         // Poisoned: do nothing until re-initialisation but tell the peers' same-index
         // blocks, which may wait for this one. The call stays this rank's pending one.
-        abandon(args, block, blocks, false);
+        abandon(args, block, blocks, &|_| false);
         return;
     }
     if let Err(stop) = body() {
@@ -109,7 +117,7 @@ unsafe fn run_collective_block(
             }
             Stop::Aborted => {}
         }
-        abandon(args, block, blocks, wait_for_peers);
+        abandon(args, block, blocks, wait_for);
     }
     // Block 0 marks the call done, unless the rank has an error record: an abandoned
     // call stays the rank's pending one, for a peer whose wait gives up later.

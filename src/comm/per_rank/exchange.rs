@@ -75,8 +75,10 @@ impl<'b, B: Backend> Exchange<'b, B> {
 
 impl<B: Backend> Comm<B> {
     /// Sends `data` to world rank `peer`, which receives it with [`Comm::recv`] (cudarc's
-    /// `Comm::send`). The data is staged through this rank's scratch and the two ranks
-    /// synchronise alone: ranks not involved never wait. As with NCCL, a send returns
+    /// `Comm::send`). The data is staged through this rank's scratch, or, where it lies in
+    /// a registered or symmetric buffer ([`Comm::register`], [`Comm::alloc_symmetric`]),
+    /// read there in place by the peer; the two ranks synchronise alone: ranks not
+    /// involved never wait. As with NCCL, a send returns
     /// on the host at once, but its kernel waits for the receive: two ranks that each
     /// send to the other first, or a ring of sends, make them in one [`Comm::group`].
     /// A receive that expects another type, length or sender is
@@ -421,6 +423,11 @@ impl<B: Backend> Comm<B> {
                 let t = transfer(ptr, dtype, r);
                 spans.push(span(rank, "send", &t, false));
                 ops[*q].send = Some(t);
+                // A registered or symmetric part: the peer reads it in place.
+                if *q != rank && t.elements > 0 {
+                    let seen = self.registry.seen_by(t.ptr, t.elements * dtype.size());
+                    ops[*q].send_remote = seen.map_or(0, |at| at[*q]);
+                }
             }
         }
         for r in x.recvs {

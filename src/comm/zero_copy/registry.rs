@@ -42,6 +42,8 @@ struct Entry<B: Backend> {
     bytes: usize,
     /// `peers[k]`: group member k's range, as this rank reaches it.
     peers: [u64; MAX_GPUS],
+    /// `seen_by[k]`: this rank's range, as group member k reaches it (0: not at all).
+    seen_by: [u64; MAX_GPUS],
     /// Whether [`Registry::lookup`] finds it: a capture's registrations are found only
     /// by number ([`Registry::place_in`]), so that they change no other call's place.
     listed: bool,
@@ -130,6 +132,20 @@ impl<B: Backend> Registry<B> {
             .find(|e| e.listed && ptr >= e.base && end <= u128::from(e.base) + e.bytes as u128)?;
         self.note_in_place();
         Some(e.place(ptr - e.base))
+    }
+
+    /// Where each group member reaches the `bytes` bytes at `ptr` on this rank (its
+    /// address, 0 for none), when a listed registered range holds all of them
+    /// ([`Registry::note_in_place`]d): a send the peers read in place.
+    pub(crate) fn seen_by(&self, ptr: u64, bytes: usize) -> Option<[u64; MAX_GPUS]> {
+        let entries = lock(&self.entries);
+        let end = u128::from(ptr) + bytes as u128;
+        let e = entries
+            .iter()
+            .find(|e| e.listed && ptr >= e.base && end <= u128::from(e.base) + e.bytes as u128)?;
+        self.note_in_place();
+        let offset = ptr - e.base;
+        Some(e.seen_by.map(|b| if b == 0 { 0 } else { b + offset }))
     }
 
     /// The place at `offset` in registration `id` (listed or not), if it is live (as
@@ -339,13 +355,28 @@ pub(crate) fn register_range<B: Backend>(
             Err(e) => problem = e,
         }
     }
-    // Every rank learns whether any import failed.
-    first_refusal(group.all_gather(problem.as_bytes())?).map_or(Ok(()), Err)?;
+    // Every rank learns whether any import failed, and where each peer reaches its
+    // range: each record is the ranges this rank reached (8 bytes each), then the
+    // problem (empty: none).
+    let mut record: Vec<u8> = peers.iter().flat_map(|p| p.to_le_bytes()).collect();
+    record.extend_from_slice(problem.as_bytes());
+    let records = group.all_gather(&record)?;
+    let reached = MAX_GPUS * 8;
+    if let Some((r, _)) = records.iter().enumerate().find(|(_, x)| x.len() < reached) {
+        return Err(refused(r, "a malformed registration record".into()));
+    }
+    first_refusal(records.iter().map(|x| &x[reached..])).map_or(Ok(()), Err)?;
+    let mut seen_by = [0u64; MAX_GPUS];
+    for (k, x) in records.iter().enumerate().take(MAX_GPUS) {
+        let at = &x[me * 8..me * 8 + 8];
+        seen_by[k] = u64::from_le_bytes(at.try_into().expect("8 bytes"));
+    }
     lock(&registry.entries).push(Entry {
         id,
         base: ptr,
         bytes,
         peers,
+        seen_by,
         listed,
         _imports: imports,
     });

@@ -26,7 +26,7 @@ fn process_schedule(world: usize) -> Vec<(usize, usize, Algorithm, bool)> {
 }
 
 /// One rank process's part of `symmetric_processes`: every call of the schedule on a
-/// symmetric input, checked against the f64 reference; a heap buffer's registration
+/// symmetric input, checked against the f64 reference; an all-to-all read in place; a heap buffer's registration
 /// (refused across processes where `heap_refused`); returns (call, digest) per call.
 pub fn symmetric_rank<B: Backend>(
     comm: &Comm<B>,
@@ -68,6 +68,25 @@ pub fn symmetric_rank<B: Backend>(
         common::check_sums(&ins, &vec![got.clone(); group], group, &what);
         digests.push((call, digest(&got)));
     }
+    // An all-to-all from a symmetric buffer: each peer reads its part in place, where
+    // it mapped this rank's segment.
+    let n = 1000;
+    let mut sym = comm.alloc_symmetric::<f32>(world * n).unwrap();
+    sym.copy_from_host(dev, &processes::input(seed, 999, rank, world * n))
+        .unwrap();
+    let mut out = B::alloc_from(dev, &nan::<f32>(world * n)).unwrap();
+    comm.all_to_all(&sym, &mut out).unwrap();
+    comm.synchronize().unwrap();
+    let got = B::download(dev, &out).unwrap();
+    for q in 0..world {
+        let theirs = processes::input(seed, 999, q, world * n);
+        let same = (got[q * n..(q + 1) * n]
+            .iter()
+            .zip(&theirs[rank * n..(rank + 1) * n]))
+        .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(same, "rank {rank}: the all-to-all part from rank {q}");
+    }
+    drop(sym);
     let segments = comm.registrations();
     assert_eq!(segments.0, 1, "rank {rank}: one segment");
     let mapped = "every peer's segment mapped once";

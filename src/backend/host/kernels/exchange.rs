@@ -1,13 +1,23 @@
 //! Host port of kernels-common/peercomm_exchange.h: one rank's sends and receives in one
 //! launch, each pair of ranks synchronised alone with the pair's descriptor, what is sent
-//! staged in region `to` of the sender's payload (see `peercomm_exchange_args`).
+//! staged in region `to` of the sender's payload, or read in place where the peer reaches
+//! the sender's buffer (see `peercomm_exchange_args`).
 
 use super::packs::Grid;
 use super::records::{record_mismatch, tell_aborted};
-use super::signals::pair_barrier;
+use super::signals::{atomic, pair_barrier, signal};
 use super::wait::{Flow, Stop};
 use crate::protocol::BarrierKind;
 use crate::signal::{AllReduceArgs, ExchangeArgs, PACK_BYTES};
+use std::sync::atomic::{AtomicU32, Ordering};
+
+/// `exchange_source[from]` of the signal at `addr`: where its rank reads what rank
+/// `from` sends it (low and high words).
+unsafe fn source_words<'a>(addr: u64, from: usize) -> [&'a AtomicU32; 2] {
+    let s = signal(addr);
+    let words = std::ptr::addr_of_mut!((*s).exchange_source[from]) as *mut u32;
+    [atomic(words), atomic(words.add(1))]
+}
 
 /// Where rank `owner` stages what it sends to rank `to`.
 fn region(a: &AllReduceArgs, owner: usize, to: usize) -> u64 {
@@ -38,6 +48,15 @@ pub(super) unsafe fn exchange(x: &ExchangeArgs, g: Grid) -> Flow {
         if g.block >= p.blocks || p.send_bytes == 0 {
             continue;
         }
+        if q != me {
+            // Where q reads this rank's data: the buffer itself, or (0) the region.
+            let [low, high] = source_words(a.signals[q], me);
+            low.store(p.send_remote as u32, Ordering::Relaxed);
+            high.store((p.send_remote >> 32) as u32, Ordering::Relaxed);
+            if p.send_remote != 0 {
+                continue;
+            }
+        }
         // The own part goes straight to the output; a peer's into the own payload.
         let to = if q == me { p.recv } else { region(a, me, q) };
         copy_bytes(p.send, to, p.send_bytes, pair(p.blocks));
@@ -47,7 +66,15 @@ pub(super) unsafe fn exchange(x: &ExchangeArgs, g: Grid) -> Flow {
         if q == me || g.block >= p.blocks || p.recv_bytes == 0 {
             continue;
         }
-        copy_bytes(region(a, q, me), p.recv, p.recv_bytes, pair(p.blocks));
+        let [low, high] = source_words(a.signals[me], q);
+        let remote =
+            u64::from(low.load(Ordering::Relaxed)) | u64::from(high.load(Ordering::Relaxed)) << 32;
+        let from = if remote != 0 {
+            remote
+        } else {
+            region(a, q, me)
+        };
+        copy_bytes(from, p.recv, p.recv_bytes, pair(p.blocks));
     }
     pair_barrier(x, g, BarrierKind::End).inspect_err(|stop| tell_other_peers(x, g, stop))
 }

@@ -139,10 +139,16 @@ pub(super) unsafe fn tell_aborted(
 }
 
 /// This block leaves the collective: it tells every peer it will not touch their
-/// memory again (`quit`), then, when `wait_for_peers` (they read this rank's user
-/// buffers), waits up to `timeout_ns` until each peer's same-index block has said the
-/// same, so that the user may free its buffers only after a late peer's reads.
-pub(super) unsafe fn abandon(args: &AllReduceArgs, block: u32, blocks: u32, wait_for_peers: bool) {
+/// memory again (`quit`), then waits up to `timeout_ns` until each peer that `wait_for`
+/// names (those that read this rank's user buffers) has said the same from its
+/// same-index block, so that the user may free its buffers only after a late peer's
+/// reads.
+pub(super) unsafe fn abandon(
+    args: &AllReduceArgs,
+    block: u32,
+    blocks: u32,
+    wait_for: &dyn Fn(usize) -> bool,
+) {
     let me = args.group_rank as usize;
     let width = args.group_width as usize;
     for q in (0..width).filter(|&q| q != me) {
@@ -155,11 +161,11 @@ pub(super) unsafe fn abandon(args: &AllReduceArgs, block: u32, blocks: u32, wait
             }
         }
     }
-    if !wait_for_peers || args.timeout_ns == 0 {
+    if args.timeout_ns == 0 {
         return;
     }
     let until = deadline(args.timeout_ns);
-    for q in (0..width).filter(|&q| q != me) {
+    for q in (0..width).filter(|&q| q != me && wait_for(q)) {
         let cell = quit_cell(args.signals[me], block, q);
         while cell.load(Ordering::Acquire) == 0 {
             if matches!(until, Some(d) if Instant::now() > d) {

@@ -3,7 +3,9 @@
 //! descriptor (`peercomm_exchange_args` in the header). What a rank sends to world rank
 //! q is staged in region q of its payload (`payload_bytes / world`, whole packs); a
 //! pair whose message is larger runs in chunks of a region, chunk k in the rank's k-th
-//! launch, which both ranks of the pair count alike.
+//! launch, which both ranks of the pair count alike. What a peer reaches in place (a
+//! registered or symmetric send buffer) is not staged: the peer reads it there, in the
+//! same chunks.
 
 use std::sync::atomic::Ordering;
 
@@ -38,6 +40,9 @@ pub(crate) struct PeerOps {
     pub(crate) recv: Option<Transfer>,
     /// The blocks the call asked for (else chosen from the larger direction's size).
     pub(crate) blocks: Option<u32>,
+    /// Where the peer reaches `send` in place (a registered or symmetric buffer, its
+    /// address there), or 0: staged through the payload.
+    pub(crate) send_remote: u64,
 }
 
 impl PeerOps {
@@ -145,12 +150,18 @@ impl<B: Backend> Rank<B> {
         let blocks = o.blocks.unwrap_or_else(|| {
             dispatch::blocks_for(largest.div_ceil(PACK_BYTES), threads, settings.max_blocks)
         });
+        // A chunk read in place starts where the staged one would.
+        let send_remote = match (q == me, o.send_remote, o.send) {
+            (false, remote, Some(t)) if remote != 0 => remote + (send - t.ptr),
+            _ => 0,
+        };
         let mut peer = ExchangePeer {
             send,
             send_bytes,
             recv,
             recv_bytes,
             blocks,
+            send_remote,
             ..Default::default()
         };
         if q != me {
