@@ -14,6 +14,9 @@ const COMMON_KERNELS: &str = "kernels-common";
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");
+    // The device API's headers, for dependents' build scripts (DEP_PEERCOMM_INCLUDE).
+    let manifest = PathBuf::from(env::var("CARGO_MANIFEST_DIR").expect("set by cargo"));
+    println!("cargo:include={}", manifest.join("include").display());
     let cuda = env::var_os("CARGO_FEATURE_CUDA").is_some();
     let hip = env::var_os("CARGO_FEATURE_HIP").is_some();
     if !cuda && !hip {

@@ -15,7 +15,19 @@
 #ifndef PEERCOMM_SIGNAL_H
 #define PEERCOMM_SIGNAL_H
 
+#if defined(__CUDACC_RTC__) || defined(__HIPCC_RTC__)
+/* Run-time compilers have no host headers: the fixed-width types, as every target
+ * of peercomm defines them. */
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+typedef signed char int8_t;
+typedef int int32_t;
+typedef long long int64_t;
+#else
 #include <stdint.h>
+#endif
 
 #define PEERCOMM_MAX_GPUS 8
 #define PEERCOMM_MAX_NUM_BLOCKS_UPPER_BOUND 1024

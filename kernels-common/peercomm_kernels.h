@@ -18,30 +18,17 @@
 // order, the same Lamport generations, so every rank and every backend writes the same
 // bits.
 //
-// What the including vendor layer defines first (see either vendor file for the
-// semantics of each operation):
-//   PC_INLINE                       qualifier of a forced-inline device function
-//   PC_GLOBAL, PC_SHARED            address-space qualifiers of global memory (peers'
-//                                   memory included) and of shared memory; may be empty
-//   PC_SPIN_CHECK_INTERVAL          spins between two checks of abort and timeout (a
-//                                   power of two)
-//   Vec16, make_vec16(x, y, z, w)   16 bytes as four uint32_t words .x .y .z .w
-//   on 32-bit signal words at system scope:
-//     ld_relaxed_sys, ld_acquire_sys, st_relaxed_sys, st_release_sys, cas_relaxed_sys
-//   atomic_add_relaxed_dev          device-scope fetch-add (Lamport block arrivals)
-//   ld_volatile_vec16, st_volatile_vec16
-//                                   one untorn 16-byte access that reaches memory every
-//                                   time (Lamport packs)
-//   ld_relaxed_sys_vec16, st_relaxed_sys_vec16, st_release_sys_vec16
-//                                   the same 16-byte access at system scope with the
-//                                   named order (barrier arrivals: counter + descriptor)
-//   timer_now(), timer_ticks(ns)    a constant-rate clock; ticks in ns nanoseconds
-//                                   (rounded up, saturating)
-//   float_from_bits, bits_from_float, float_from_f16, f16_from_float, bf16_from_float,
-//   double_from_bits, bits_from_double
-//                                   (narrowing rounds to nearest even)
-// and, after including it, one `extern "C" __global__` function per PEERCOMM_KERNELS
-// entry (at the end of this file).
+// What this file uses, from the device API (include/peercomm_device.h, which the
+// vendor layer includes first; each operation's semantics are written there):
+//   PC_INLINE, PC_GLOBAL, PC_SHARED, PC_SPIN_CHECK_INTERVAL, Vec16, make_vec16, the
+//   32-bit signal-word operations at system scope (ld_relaxed_sys, ld_acquire_sys,
+//   st_relaxed_sys, st_release_sys, cas_relaxed_sys), atomic_add_relaxed_dev, the
+//   16-byte accesses (ld/st_volatile_vec16, ld/st_relaxed_sys_vec16,
+//   st_release_sys_vec16), timer_now() and timer_ticks(ns);
+// and from the vendor layer: float_from_bits, bits_from_float, float_from_f16,
+// f16_from_float, bf16_from_float, double_from_bits, bits_from_double (narrowing
+// rounds to nearest even), and, after including it, one `extern "C" __global__`
+// function per PEERCOMM_KERNELS entry (at the end of this file).
 
 #ifndef PEERCOMM_KERNELS_H
 #define PEERCOMM_KERNELS_H
@@ -49,6 +36,10 @@
 #include <stdint.h>
 
 #include "peercomm_signal.h"
+
+// The device API's memory operations (include/peercomm_device.h), included by the
+// vendor layer, are used here unqualified.
+using namespace peercomm;
 
 typedef peercomm_allreduce_args Args;
 typedef PC_GLOBAL peercomm_signal GlobalSignal;

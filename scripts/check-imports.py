@@ -71,7 +71,7 @@ LAYERS = [
     ["dispatch", "protocol"],
     ["signal"],
     ["error"],
-    ["dtype", "bootstrap"],
+    ["dtype", "bootstrap", "device"],
 ]
 
 # Imports allowed against LAYERS, each with the reason: (from, to, reason). None is

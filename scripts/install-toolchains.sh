@@ -23,6 +23,11 @@ if ! ls .venv-cuda/lib/python3*/site-packages/nvidia/cu13/bin/nvcc >/dev/null 2>
   .venv-cuda/bin/pip install -q "nvidia-cuda-nvcc==13.0.88" "nvidia-nvvm==13.0.88" \
     "nvidia-cuda-crt==13.0.88" "nvidia-cuda-runtime==13.0.96" "nvidia-cuda-cccl==13.0.85"
 fi
+# NVRTC, which compiles the device API's header at run time in tests/device_api.rs (no
+# GPU needed).
+if ! ls .venv-cuda/lib/python3*/site-packages/nvidia/cu13/lib/libnvrtc.so.13 >/dev/null 2>&1; then
+  .venv-cuda/bin/pip install -q "nvidia-cuda-nvrtc==13.0.88"
+fi
 # The device-library folder with the derived gfx942 ISA file (the wrapper also makes it
 # on demand).
 bash scripts/hipcc-debian.sh --prepare gfx942 >/dev/null

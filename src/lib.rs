@@ -105,7 +105,7 @@
 //!   dispatch   protocol    the dispatch table (data) | the host model of the protocol
 //!   signal                 the signal layout, the kernels' arguments, protocol helpers
 //!   error                  Error, Result
-//!   dtype      bootstrap   element types | rendezvous between processes
+//!   dtype  bootstrap  device  element types | rendezvous | the device API's headers
 //! ```
 
 #![warn(missing_docs)]
@@ -113,6 +113,7 @@
 pub mod backend;
 pub mod bootstrap;
 mod comm;
+pub mod device;
 mod dispatch;
 mod dtype;
 mod error;

@@ -1,0 +1,92 @@
+//! The device API's header (`include/peercomm_device.h`) compiled as an engine would:
+//! at run time with NVRTC through cudarc, from [`peercomm::device::prelude`]. NVRTC
+//! needs no GPU: this runs wherever libnvrtc loads (CI installs the pinned PyPI
+//! `nvidia-cuda-nvrtc` beside nvcc; `PEERCOMM_NVRTC` names the library elsewhere), and
+//! says so where it does not.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::path::PathBuf;
+
+/// Where libnvrtc is: `PEERCOMM_NVRTC`, else the pinned wheel in `.venv-cuda`.
+fn nvrtc_library() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("PEERCOMM_NVRTC") {
+        return Some(PathBuf::from(p));
+    }
+    let lib = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.venv-cuda/lib")).ok()?;
+    lib.flatten()
+        .map(|python| {
+            python
+                .path()
+                .join("site-packages/nvidia/cu13/lib/libnvrtc.so.13")
+        })
+        .find(|p| p.exists())
+}
+
+/// Loads libnvrtc and its builtins (beside it) once for the process: cudarc, and
+/// NVRTC itself for the builtins, then find them by their sonames.
+fn nvrtc_loaded(test: &str) -> bool {
+    type Libs = Option<[libloading::Library; 2]>;
+    static LIBS: std::sync::OnceLock<Libs> = std::sync::OnceLock::new();
+    let lib = LIBS.get_or_init(|| {
+        let path = nvrtc_library()?;
+        let builtins = path.with_file_name("libnvrtc-builtins.so.13.0");
+        // SAFETY: loading these libraries runs no initialiser with preconditions.
+        unsafe {
+            let builtins = libloading::Library::new(builtins).ok()?;
+            Some([builtins, libloading::Library::new(path).ok()?])
+        }
+    });
+    // SAFETY: probing the library names cudarc would load.
+    let present = lib.is_some() && unsafe { cudarc::nvrtc::sys::is_culib_present() };
+    if !present {
+        common::announce_skip(test, "libnvrtc not found (PEERCOMM_NVRTC or .venv-cuda)");
+    }
+    present
+}
+
+/// A kernel on every memory operation of the header, compiled for sm_90 from the
+/// prelude alone: the PTX holds the system-scope orders the names promise.
+#[test]
+fn the_device_header_compiles_with_nvrtc() {
+    if !nvrtc_loaded("the_device_header_compiles_with_nvrtc") {
+        return;
+    }
+    let kernel = r#"
+extern "C" __global__ void touch(unsigned* word, peercomm::Vec16* pack, unsigned long long* t) {
+    using namespace peercomm;
+    const unsigned v = ld_acquire_sys(word) + ld_relaxed_sys(word + 1);
+    st_relaxed_sys(word + 2, v);
+    st_release_sys(word + 3, v);
+    cas_relaxed_sys(word + 4, v, v + 1u);
+    atomic_add_relaxed_dev(word + 5, 1u);
+    const Vec16 x = ld_relaxed_sys_vec16(pack);
+    st_release_sys_vec16(pack + 1, ld_volatile_vec16(pack + 2));
+    st_relaxed_sys_vec16(pack + 3, x);
+    st_volatile_vec16(pack + 4, make_vec16(1u, 2u, 3u, v));
+    *t = timer_now() + timer_ticks(1000u);
+}
+"#;
+    let source = format!("{}\n{kernel}", peercomm::device::prelude());
+    let options = cudarc::nvrtc::CompileOptions {
+        arch: Some("sm_90"),
+        options: vec!["-std=c++17".into()],
+        ..Default::default()
+    };
+    let start = std::time::Instant::now();
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(&source, options)
+        .unwrap_or_else(|e| panic!("NVRTC: {e:?}"))
+        .to_src();
+    eprintln!("NVRTC compiled the device header in {:?}", start.elapsed());
+    for op in [
+        "ld.acquire.sys.global.u32",
+        "ld.relaxed.sys.global.u32",
+        "st.release.sys.global.u32",
+        "atom.relaxed.sys.global.cas.b32",
+        "st.release.sys.global.v4.u32",
+        "%globaltimer",
+    ] {
+        assert!(ptx.contains(op), "the PTX has no {op}");
+    }
+}
