@@ -607,4 +607,46 @@ PC_INLINE bool barrier(BlockCtx<A>& c, const Members& members = Members{}) {
 
 }  // namespace peercomm
 
+// =================================================================================
+// Kernels of your own. A DeviceComm (Comm::device_comm in Rust, a kernel argument as it
+// is) is one rank's view of one symmetric or registered buffer: every member's signal
+// and buffer, its group rank and width, its barrier bank (PEERCOMM_USER_DOMAIN, which
+// no collective of the library uses) and the descriptor its arrivals carry. Every
+// thread of every block runs, as the library's own kernels do:
+//
+//   auto b = peercomm::make_ctx(comm);
+//   if (!peercomm::enter(b)) return peercomm::abandon(b, peercomm::WaitForPeers::No);
+//   ... write this rank's data (own buffer: comm.buffers[comm.group_rank]) ...
+//   if (!peercomm::barrier<peercomm::BarrierKind::Publish>(b))
+//       return peercomm::abandon(b, peercomm::WaitForPeers::Yes);
+//   ... read the peers' data (comm.buffers[q]) ...
+//   if (!peercomm::barrier<peercomm::BarrierKind::End>(b))
+//       return peercomm::abandon(b, peercomm::WaitForPeers::Yes);
+//   peercomm::finish(b);
+//
+// What the caller keeps, on every rank of the group:
+// - the same kernel, with the same grid (at most PEERCOMM_MAX_NUM_BLOCKS_UPPER_BOUND
+//   blocks, at least group_width threads each), launched on the rank's Comm stream;
+// - in every block, one enter, then the same sequence of barriers: a barrier skipped
+//   must be skipped alike on every rank and by every thread of the block;
+// - the order a barrier gives is its kind's, named at the call site: Start orders
+//   arrival only; Publish makes what every thread of the block wrote before it visible
+//   to the peers' same-index blocks after it; End keeps the peers from overwriting what
+//   this block read until it has read it, and publishes nothing;
+// - a barrier that returns false gave up (the timeout, a peer's abort, a peer in
+//   another call): the block leaves through abandon, at a point all its threads reach;
+//   the error (BarrierTimeout naming the peer, PeerAborted, CallMismatch) comes back
+//   from the Comm's synchronize or check_errors, and the rank does nothing more until
+//   it is re-initialised. WaitForPeers::Yes where peers may read this rank's buffer:
+//   the block then waits (bounded by the timeout) until they have stopped.
+
+namespace peercomm {
+
+typedef peercomm_device_comm DeviceComm;
+
+// Group member q's buffer, as this rank reaches it.
+PC_INLINE uint64_t peer_buffer(const DeviceComm& comm, uint32_t q) { return comm.buffers[q]; }
+
+}  // namespace peercomm
+
 #endif  // PEERCOMM_DEVICE_H

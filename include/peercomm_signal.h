@@ -371,4 +371,38 @@ typedef struct peercomm_exchange_args {
     peercomm_exchange_peer peers[PEERCOMM_MAX_GPUS];
 } peercomm_exchange_args;
 
+/*
+ * The device API's argument (include/peercomm_device.h): one rank's view of one
+ * symmetric or registered buffer for kernels of the engine's own, passed by value. Its
+ * first fields have the names of peercomm_allreduce_args's that the protocol reads, so
+ * the library's barrier, waits and error records serve it as they are.
+ */
+typedef struct peercomm_device_comm {
+    /* Group member k's signal, as this rank reaches it (k < group_width). */
+    uint64_t signals[PEERCOMM_MAX_GPUS];
+    /* Group member k's buffer (the one this value was made for), as this rank reaches it. */
+    uint64_t buffers[PEERCOMM_MAX_GPUS];
+    /* The buffer's bytes (the same on every member). */
+    uint64_t bytes;
+    /* How long one wait may take before it gives up (0: for ever). */
+    uint64_t timeout_ns;
+    uint32_t group_rank;
+    uint32_t group_width;
+    /* The barrier bank: PEERCOMM_USER_DOMAIN, which no collective of the library uses. */
+    uint32_t domain;
+    uint32_t world_rank;
+    /* What every arrival carries (kind PEERCOMM_KIND_USER, the buffer's registration and
+     * size): two ranks whose kernels work on different buffers find a call mismatch. */
+    uint32_t call[PEERCOMM_CALL_WORDS];
+} peercomm_device_comm;
+
+/*
+ * The barrier bank of user kernels. The library's collectives use bank 0 (the whole
+ * world) and banks 1 to 4 (the widths of groups smaller than the world, which divide
+ * it: at most 8 / 2); 5 to 7 are never theirs.
+ */
+#define PEERCOMM_USER_DOMAIN 7
+/* The kind (descriptor word 2, bits 0-4) of a user kernel's barriers. */
+#define PEERCOMM_KIND_USER 31
+
 #endif /* PEERCOMM_SIGNAL_H */

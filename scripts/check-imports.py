@@ -68,10 +68,10 @@ LAYERS = [
     ["comm"],
     ["external", "tensor", "os"],
     ["backend"],
-    ["dispatch", "protocol"],
+    ["dispatch", "protocol", "device"],
     ["signal"],
     ["error"],
-    ["dtype", "bootstrap", "device"],
+    ["dtype", "bootstrap"],
 ]
 
 # Imports allowed against LAYERS, each with the reason: (from, to, reason). None is

@@ -17,6 +17,49 @@
 //! assert!(source.contains("PEERCOMM_DEVICE_H"));
 //! ```
 
+use crate::signal::{DeviceCommArgs, MAX_GPUS};
+
+pub use crate::protocol::BarrierKind;
+
+/// One rank's view of one symmetric or registered buffer for kernels of your own
+/// (`peercomm::DeviceComm` in the header): every group member's signal and buffer, this
+/// rank's group rank, the barrier bank of user kernels and the descriptor its barriers
+/// carry. A kernel argument as it is (on CUDA, cudarc's `DeviceRepr`; on HIP, pass its
+/// address in the kernel's parameter array). Made by `Comm::device_comm` (collective);
+/// the rules a kernel keeps are written in the header, before `DeviceComm`.
+#[derive(Clone, Copy)]
+#[repr(transparent)]
+pub struct DeviceComm(pub(crate) DeviceCommArgs);
+
+impl DeviceComm {
+    /// This rank's index in the group.
+    pub fn group_rank(&self) -> usize {
+        self.0.group_rank as usize
+    }
+    /// Ranks in the group.
+    pub fn group_width(&self) -> usize {
+        self.0.group_width as usize
+    }
+    /// Bytes of the buffer (the same on every member).
+    pub fn buffer_bytes(&self) -> usize {
+        self.0.bytes as usize
+    }
+    /// Group member `member`'s buffer, as this rank's device reaches it.
+    pub fn peer_buffer(&self, member: usize) -> Option<u64> {
+        (member < self.group_width().min(MAX_GPUS)).then(|| self.0.buffers[member])
+    }
+}
+
+impl std::fmt::Debug for DeviceComm {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceComm")
+            .field("group_rank", &self.group_rank())
+            .field("group_width", &self.group_width())
+            .field("buffer_bytes", &self.buffer_bytes())
+            .finish_non_exhaustive()
+    }
+}
+
 /// `include/peercomm_signal.h`: the signal layout and the kernels' argument structs.
 pub const SIGNAL_HEADER: &str = include_str!("../include/peercomm_signal.h");
 

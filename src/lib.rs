@@ -102,10 +102,11 @@
 //!   comm                   the communicators: single controller, per rank, capture
 //!   external   tensor      NCCL / RCCL / host stand-in, per backend | shaped views
 //!   backend                the Backend trait; host, cuda, hip; peer access; signals
-//!   dispatch   protocol    the dispatch table (data) | the host model of the protocol
+//!   dispatch  protocol  device  the dispatch table | the host model of the protocol |
+//!                              the device API's headers and DeviceComm
 //!   signal                 the signal layout, the kernels' arguments, protocol helpers
 //!   error                  Error, Result
-//!   dtype  bootstrap  device  element types | rendezvous | the device API's headers
+//!   dtype      bootstrap   element types | rendezvous between processes
 //! ```
 
 #![warn(missing_docs)]

@@ -6,12 +6,14 @@ mod bindings {
     include!("signal_bindings.rs");
 }
 
+pub(crate) use bindings::peercomm_device_comm as DeviceCommArgs;
 pub(crate) use bindings::peercomm_dtype as RawDType;
 pub use bindings::{
     peercomm_allreduce_args as AllReduceArgs, peercomm_exchange_args as ExchangeArgs,
     peercomm_exchange_peer as ExchangePeer, peercomm_group_args as GroupArgs,
     peercomm_group_entry as GroupEntry, peercomm_signal as Signal,
 };
+pub(crate) use bindings::{PEERCOMM_KIND_USER as KIND_USER, PEERCOMM_USER_DOMAIN as USER_DOMAIN};
 
 use std::ops::Range;
 

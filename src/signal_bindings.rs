@@ -35,6 +35,8 @@ pub const PEERCOMM_LAMPORT_HEADER_PACKS: u32 = 4;
 pub const PEERCOMM_STAGE_WHOLE: u32 = 4294967295;
 pub const PEERCOMM_MAX_GROUP_CALLS: u32 = 8;
 pub const PEERCOMM_GROUP_HEADER_BYTES: u32 = 80;
+pub const PEERCOMM_USER_DOMAIN: u32 = 7;
+pub const PEERCOMM_KIND_USER: u32 = 31;
 #[repr(C)]
 #[derive(Debug, Copy, Clone)]
 pub struct peercomm_signal {
@@ -128,4 +130,17 @@ pub struct peercomm_exchange_peer {
 pub struct peercomm_exchange_args {
     pub all: peercomm_allreduce_args,
     pub peers: [peercomm_exchange_peer; 8usize],
+}
+#[repr(C)]
+#[derive(Debug, Default, Copy, Clone)]
+pub struct peercomm_device_comm {
+    pub signals: [u64; 8usize],
+    pub buffers: [u64; 8usize],
+    pub bytes: u64,
+    pub timeout_ns: u64,
+    pub group_rank: u32,
+    pub group_width: u32,
+    pub domain: u32,
+    pub world_rank: u32,
+    pub call: [u32; 12usize],
 }

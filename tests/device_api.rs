@@ -46,8 +46,27 @@ fn nvrtc_loaded(test: &str) -> bool {
     present
 }
 
-/// A kernel on every memory operation of the header, compiled for sm_90 from the
-/// prelude alone: the PTX holds the system-scope orders the names promise.
+/// A kernel of an engine's own on a DeviceComm: each rank adds its neighbours' parts of
+/// the buffer after a publishing barrier, then ends, as the header's comment shows.
+const USER_KERNEL: &str = r#"
+extern "C" __global__ void neighbours(const peercomm::DeviceComm comm, float* out, unsigned long long n) {
+    using namespace peercomm;
+    auto b = make_ctx(comm);
+    if (!enter(b)) return abandon(b, WaitForPeers::No);
+    if (!barrier<BarrierKind::Publish>(b)) return abandon(b, WaitForPeers::Yes);
+    const unsigned me = comm.group_rank, w = comm.group_width;
+    const float* next = (const float*)peer_buffer(comm, (me + 1) % w);
+    const float* prev = (const float*)peer_buffer(comm, (me + w - 1) % w);
+    for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
+        out[i] = next[i] + prev[i];
+    if (!barrier<BarrierKind::End>(b)) return abandon(b, WaitForPeers::Yes);
+    finish(b);
+}
+"#;
+
+/// A kernel on every memory operation of the header and a user kernel on the barrier,
+/// compiled for sm_90 from the prelude alone: the PTX holds the system-scope orders the
+/// names promise.
 #[test]
 fn the_device_header_compiles_with_nvrtc() {
     if !nvrtc_loaded("the_device_header_compiles_with_nvrtc") {
@@ -68,7 +87,7 @@ extern "C" __global__ void touch(unsigned* word, peercomm::Vec16* pack, unsigned
     *t = timer_now() + timer_ticks(1000u);
 }
 "#;
-    let source = format!("{}\n{kernel}", peercomm::device::prelude());
+    let source = format!("{}\n{kernel}\n{USER_KERNEL}", peercomm::device::prelude());
     let options = cudarc::nvrtc::CompileOptions {
         arch: Some("sm_90"),
         options: vec!["-std=c++17".into()],
@@ -86,6 +105,7 @@ extern "C" __global__ void touch(unsigned* word, peercomm::Vec16* pack, unsigned
         "atom.relaxed.sys.global.cas.b32",
         "st.release.sys.global.v4.u32",
         "%globaltimer",
+        ".entry neighbours",
     ] {
         assert!(ptx.contains(op), "the PTX has no {op}");
     }

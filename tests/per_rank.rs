@@ -60,6 +60,13 @@ fn unequal_core_counts_agree_on_the_grid() {
 }
 
 tests! {
+    /// The device API's host contract: kernels of an engine's own in Rust over a
+    /// DeviceComm, beside the library's collectives, and a rank that never launches.
+    host_kernel_world_2 => per_rank_suite::device_api::host_kernel_neighbours(&HOST, 2);
+    host_kernel_world_3 => per_rank_suite::device_api::host_kernel_neighbours(&HOST, 3);
+    host_kernel_world_4 => per_rank_suite::device_api::host_kernel_neighbours(&HOST, 4);
+    host_kernel_timeout => per_rank_suite::device_api::host_kernel_timeout(&HOST);
+
     /// CUDA_VISIBLE_DEVICES isolation, simulated: every rank on device 0, each on its own
     /// physical device.
     isolated_threads_world_2 => identity::isolated_threads::<Host>(&HOST, 2);

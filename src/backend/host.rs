@@ -28,12 +28,14 @@ mod memory;
 #[cfg(target_os = "linux")]
 mod shm;
 mod stream;
+mod user;
 
 pub use buffers::HostBuffer;
 pub use device::{Host, HostDevice};
 use memory::Storage;
 pub(crate) use memory::{HostMemory, HostPeerMapping};
 use stream::{FreeOnStream, Stream};
+pub use user::{HostBlock, Stopped};
 
 /// Elsewhere than Linux: shared allocation and import are `Error::Unsupported`.
 #[cfg(not(target_os = "linux"))]
@@ -327,6 +329,27 @@ fn fill<T: Copy + Send + 'static>(dev: &HostDevice, ptr: u64, v: T, n: usize) ->
 }
 
 /// Enqueues a kernel on the device's stream: one scoped thread per block runs `block`.
+/// Enqueues `kernel` over `comm` on `dev`'s stream, `blocks` blocks (the device API's
+/// host contract, see [`HostBlock`]).
+///
+/// # Safety
+/// `comm` is of a communicator on `dev` that outlives the kernel (its drop drains the
+/// stream first).
+pub(crate) unsafe fn launch_user_kernel<F>(
+    dev: &HostDevice,
+    comm: &crate::device::DeviceComm,
+    blocks: u32,
+    kernel: F,
+) where
+    F: Fn(&HostBlock) -> Result<(), Stopped> + Send + Sync + 'static,
+{
+    let comm = *comm;
+    // SAFETY: the caller's.
+    run_blocks(dev, blocks, move |b| unsafe {
+        user::run_block(&comm, b, blocks, &kernel)
+    });
+}
+
 fn run_blocks(dev: &HostDevice, blocks: u32, block: impl Fn(u32) + Send + Sync + 'static) {
     dev.stream.enqueue(Box::new(move || {
         std::thread::scope(|s| {

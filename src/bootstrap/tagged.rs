@@ -64,6 +64,8 @@ exchange_kinds! {
     /// The external library's exchanges (its id at setup; the host stand-in's
     /// all-reduces).
     External = 8, "an exchange of the external library";
+    /// `Comm::device_comm`.
+    DeviceComm = 9, "a device communicator (device_comm)";
 }
 
 /// One communicator's all-gathers (see the module docs): the bootstrap, reachable only

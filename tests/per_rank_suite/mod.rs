@@ -54,6 +54,7 @@ pub mod capture_inputs;
 pub mod chunked;
 pub mod collectives;
 pub mod descriptor_channel;
+pub mod device_api;
 pub mod fault;
 pub mod fused;
 pub mod fuzz;
@@ -409,6 +410,8 @@ macro_rules! per_rank_suite {
             |p, world| per_rank_suite::point_to_point::all_to_all_v_moe::<B>(p, world));
         per_rank_worlds!(in_place_sends, &[2, 3, 4], [world_2 = 2, world_3 = 3, world_4 = 4],
             |p, world| per_rank_suite::point_to_point::in_place_sends::<B>(p, world));
+        per_rank_worlds!(device_comm_fields, &[2, 4], [world_2 = 2, world_4 = 4],
+            |p, world| per_rank_suite::device_api::device_comm_fields::<B>(p, world));
         per_rank_worlds!(mismatched_calls_are_typed_errors, &[2, 3], [world_2 = 2, world_3 = 3],
             |p, world| per_rank_suite::agreement::mismatched_calls_are_typed_errors::<B>(p, world));
 
@@ -419,6 +422,7 @@ macro_rules! per_rank_suite {
             unmatched_sends: |p| per_rank_suite::point_to_point::unmatched_sends::<B>(p);
             a_mismatched_pair_stops_the_others: |p| per_rank_suite::point_to_point::a_mismatched_pair_stops_the_others::<B>(p);
             point_to_point_options: |p| per_rank_suite::point_to_point::options_and_groups::<B>(p);
+            device_comm_refusals: |p| per_rank_suite::device_api::device_comm_refusals::<B>(p);
             unreceived_in_place_send: |p| per_rank_suite::point_to_point::unreceived_in_place_send::<B>(p);
             lamport_sums_only: |p| per_rank_suite::ops::lamport_sums_only::<B>(p);
             integer_avg_refused: |p| per_rank_suite::ops::integer_avg_refused::<B>(p);

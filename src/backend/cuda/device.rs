@@ -174,6 +174,9 @@ unsafe impl DeviceRepr for AllReduceArgs {}
 unsafe impl DeviceRepr for GroupArgs {}
 // SAFETY: as for `GroupArgs`: a plain C struct of integers, passed by value.
 unsafe impl DeviceRepr for ExchangeArgs {}
+// SAFETY: #[repr(transparent)] over `peercomm_device_comm`, a plain C struct of integers
+// that user kernels take by value as the device header declares it.
+unsafe impl DeviceRepr for crate::device::DeviceComm {}
 
 /// Launches `kernel` with `args` as its one by-value parameter on the rank's stream.
 pub(super) fn launch_one<A: DeviceRepr>(

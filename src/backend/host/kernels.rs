@@ -20,10 +20,12 @@ mod records;
 mod signals;
 mod wait;
 
+pub(crate) use wait::{Flow as BlockFlow, Stop};
+
 use packs::Grid;
 use records::{abandon, publish_current_call, record_mismatch, record_timeout};
 use signals::{abort_word, atomic, barrier};
-use wait::{Flow, Spinner, Stop};
+use wait::{Flow, Spinner};
 
 /// Runs block `block` of `kernel`.
 ///
@@ -85,6 +87,35 @@ pub(crate) unsafe fn run_exchange_block(args: &ExchangeArgs, block: u32, blocks:
     run_collective_block(&args.all, g, &reads_in_place, || {
         exchange::exchange(args, g)
     });
+}
+
+/// Runs block `g.block` of a kernel of the engine's own (the device API's host
+/// contract) over `args` (a `DeviceComm`'s fields): the collectives' entry, error and
+/// abandon steps around `body`, whose barriers go through [`user_barrier`]. A block that
+/// stops waits for its peers (they may read its buffer).
+///
+/// # Safety
+/// `args` must describe live signals laid out as `include/peercomm_signal.h` says.
+pub(crate) unsafe fn run_user_block(
+    args: &AllReduceArgs,
+    block: u32,
+    blocks: u32,
+    body: impl FnOnce() -> Flow,
+) {
+    run_collective_block(args, Grid { block, blocks }, &|_| true, body);
+}
+
+/// A barrier of a user kernel's block (see [`run_user_block`]).
+///
+/// # Safety
+/// As [`run_user_block`].
+pub(crate) unsafe fn user_barrier(
+    args: &AllReduceArgs,
+    block: u32,
+    blocks: u32,
+    kind: BarrierKind,
+) -> Flow {
+    barrier(args, Grid { block, blocks }, kind)
 }
 
 /// What every collective's block does around its `body`: block 0 publishes the call, a

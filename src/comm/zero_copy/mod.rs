@@ -4,6 +4,7 @@
 #[cfg(feature = "cuda")]
 pub(crate) mod capture;
 pub(crate) mod capture_inputs;
+pub(crate) mod device_comm;
 pub(crate) mod exchange;
 pub(crate) mod pool;
 pub(crate) mod records;

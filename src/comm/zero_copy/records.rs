@@ -11,13 +11,15 @@ pub(crate) const REGISTER_RECORD: u64 = u64::from_le_bytes(*b"pcreg\0\0\x01");
 pub(crate) const SYMMETRIC_RECORD: u64 = u64::from_le_bytes(*b"pcsym\0\0\x01");
 pub(crate) const CAPTURE_RECORD: u64 = u64::from_le_bytes(*b"pccap\0\0\x01");
 pub(crate) const TRIM_RECORD: u64 = u64::from_le_bytes(*b"pctrim\0\x01");
+pub(crate) const DEVICE_COMM_RECORD: u64 = u64::from_le_bytes(*b"pcdev\0\0\x01");
 
 /// What the rank that sent a record of each kind is doing.
-const DOINGS: [(u64, &str); 4] = [
+const DOINGS: [(u64, &str); 5] = [
     (REGISTER_RECORD, "registers a buffer"),
     (SYMMETRIC_RECORD, "allocates a symmetric buffer"),
     (CAPTURE_RECORD, "makes a registered capture"),
     (TRIM_RECORD, "trims the symmetric pool"),
+    (DEVICE_COMM_RECORD, "makes a device communicator"),
 ];
 
 /// One rank's part of a registration: where its range is (`ordinal`: its device, so
@@ -77,7 +79,8 @@ pub(crate) fn decode<const N: usize>(
                 rank,
                 format!(
                     "it {theirs} where this rank {mine}: every rank registers, allocates \
-                     symmetric buffers, captures and trims in the same order"
+                     symmetric buffers, captures, trims and makes device communicators \
+                     in the same order"
                 ),
             ),
             _ => malformed(rank, b),

@@ -9,7 +9,7 @@ use crate::signal::CALL_WORDS;
 
 /// Why a wait stopped.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Stop {
+pub(crate) enum Stop {
     /// This block waited longer than the timeout for group rank `awaited`.
     TimedOut { awaited: usize },
     /// The rank's abort word is set (a peer gave up, or another block of this rank).
@@ -23,7 +23,7 @@ pub(super) enum Stop {
 }
 
 /// How a kernel's block ended: at its end, or stopped.
-pub(super) type Flow = Result<(), Stop>;
+pub(crate) type Flow = Result<(), Stop>;
 
 /// Why a spin stopped: what [`Stop`] becomes once the awaited rank is known.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

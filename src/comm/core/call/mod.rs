@@ -129,6 +129,31 @@ pub(crate) fn encode_exchange_summary(world: usize) -> [u32; CALL_WORDS] {
     })
 }
 
+/// The descriptor of user kernels' barriers on a [`crate::device::DeviceComm`]: kind
+/// user, the group width, the buffer's registration, offset and bytes (the same on every
+/// rank that works on the same buffer).
+pub(crate) fn encode_user(
+    width: usize,
+    registration: u64,
+    offset: u64,
+    bytes: u64,
+) -> [u32; CALL_WORDS] {
+    encode_fields(&Fields {
+        seq: 0,
+        kind: crate::signal::KIND_USER,
+        dtype: 0,
+        width: width as u32,
+        root: 0,
+        blocks: 1,
+        registration: registration + 1,
+        offset,
+        elements: bytes,
+        hidden: 0,
+        epsilon: 0,
+        op: 0,
+    })
+}
+
 /// What a pair of ranks moves in one exchange launch, as both compute it.
 pub(crate) struct Pair {
     /// 1 + the launches of exchanges between the two before this one.
@@ -228,6 +253,7 @@ fn collective_name(code: u32) -> String {
         Some(KernelKind::AllReduceGroup) => "group of all-reduces".into(),
         Some(KernelKind::Exchange) => "send / recv".into(),
         Some(k) => k.name().replace('_', "-"),
+        None if code == crate::signal::KIND_USER => "a kernel of the engine's own".into(),
         None => format!("unknown kernel {code}"),
     }
 }

@@ -1,0 +1,202 @@
+//! The device API on the per-rank `Comm`: `device_comm` over symmetric and registered
+//! buffers (its fields, and the typed error on every rank for a buffer that is neither,
+//! or that differs on some rank), and, on the host backend, kernels of the engine's own
+//! written against the host contract (`Comm::launch_host_kernel`): checked against an
+//! f64 reference, interleaved with the library's collectives (the banks are apart), and
+//! a rank that never launches its kernel is a `BarrierTimeout` naming it.
+
+use peercomm::backend::host::{Host, HostBlock, Stopped};
+use peercomm::backend::{Backend, TypedBuffer as _};
+use peercomm::device::BarrierKind;
+use peercomm::{Comm, Error, ReduceOp};
+
+use super::agreement::short_waits;
+use super::{common, in_step, with_world, Placement};
+
+/// A symmetric buffer and a registered one give device communicators with this rank's
+/// place, the group, the bytes and every member's buffer; the registered buffer's
+/// members are where the peers mapped it.
+pub fn device_comm_fields<B: Backend>(place: &Placement, world: usize) {
+    with_world::<B, _>(place, world, |rank, comm| {
+        let sym = comm.alloc_symmetric::<f32>(1000).unwrap();
+        let d = comm.device_comm(&sym).unwrap();
+        assert_eq!((d.group_rank(), d.group_width()), (rank, world));
+        assert_eq!(d.buffer_bytes(), 4000);
+        let own = peercomm::SymmetricBuffer::device_address(&sym);
+        assert_eq!(
+            d.peer_buffer(rank),
+            Some(own),
+            "rank {rank}: its own buffer"
+        );
+        for q in 0..world {
+            assert!(
+                d.peer_buffer(q).is_some_and(|a| a != 0),
+                "rank {rank}: member {q}"
+            );
+        }
+        assert_eq!(d.peer_buffer(world), None);
+        let plain = B::alloc_from(comm.device(), &vec![0u32; 64]).unwrap();
+        let registered = comm.register(plain).unwrap();
+        let d = comm.device_comm(&registered).unwrap();
+        assert_eq!(d.buffer_bytes(), 256);
+        assert!((0..world).all(|q| d.peer_buffer(q).is_some_and(|a| a != 0)));
+        comm.synchronize().unwrap();
+    });
+}
+
+/// A plain buffer on every rank, a plain buffer on rank 1 only, and symmetric buffers
+/// at different offsets: `CannotRegister` on every rank, naming the rank that differs
+/// (rank 1; for a plain buffer everywhere, rank 0, the first); afterwards a
+/// `device_comm` over the same symmetric buffer works.
+pub fn device_comm_refusals<B: Backend>(place: &Placement) {
+    let world = 2;
+    with_world::<B, _>(place, world, |rank, comm| {
+        let dev = comm.device();
+        let plain = B::alloc_from(dev, &[0f32; 64]).unwrap();
+        let named = |what: &str, got: peercomm::Result<_>, first: usize| match got {
+            Err(Error::CannotRegister { rank: r, .. }) => assert_eq!(r, first, "{what}"),
+            other => panic!("rank {rank}, {what}: {other:?}"),
+        };
+        named("plain everywhere", comm.device_comm(&plain), 0);
+        let sym = comm.alloc_symmetric::<f32>(64).unwrap();
+        let got = match rank {
+            1 => comm.device_comm(&plain),
+            _ => comm.device_comm(&sym),
+        };
+        named("plain on rank 1", got, 1);
+        let other = comm.alloc_symmetric::<f32>(64).unwrap();
+        let got = match rank {
+            1 => comm.device_comm(&other),
+            _ => comm.device_comm(&sym),
+        };
+        named("another symmetric buffer on rank 1", got, 1);
+        assert!(
+            comm.device_comm(&sym).is_ok(),
+            "rank {rank}: the same buffer"
+        );
+        comm.synchronize().unwrap();
+    });
+}
+
+/// Rank r's input of `n` f32 in round `round`.
+fn input(seed: u64, round: usize, rank: usize, n: usize) -> Vec<f32> {
+    super::inputs::<f32>(seed, round, rank + 1, n).swap_remove(rank)
+}
+
+/// A host kernel of an engine's own: every block takes a grid stride of the elements;
+/// after a publishing barrier each rank's output is the sum of its two ring neighbours'
+/// buffers, then an end barrier keeps the neighbours from writing their buffers again
+/// before this rank has read them.
+fn neighbours_sum(out: u64, n: usize) -> impl Fn(&HostBlock) -> Result<(), Stopped> {
+    move |b| {
+        let comm = b.comm();
+        let (me, w) = (comm.group_rank(), comm.group_width());
+        b.barrier(BarrierKind::Publish)?;
+        let next = comm.peer_buffer((me + 1) % w).unwrap() as *const f32;
+        let prev = comm.peer_buffer((me + w - 1) % w).unwrap() as *const f32;
+        for i in (b.block() as usize..n).step_by(b.blocks() as usize) {
+            // SAFETY: the peers' buffers hold `n` f32, written before their publishing
+            // barrier and not again before the end barrier; `out` is this rank's
+            // output of `n` f32, written by this block only at its stride.
+            unsafe { *(out as *mut f32).add(i) = *next.add(i) + *prev.add(i) };
+        }
+        b.barrier(BarrierKind::End)
+    }
+}
+
+/// The host contract (world `world`): rounds of a user kernel (three blocks, then five)
+/// interleaved with the library's all-reduces on the same communicator, every output
+/// checked against the f64 reference: the banks are apart, so neither disturbs the
+/// other.
+pub fn host_kernel_neighbours(place: &Placement, world: usize) {
+    let seed = common::seed("host_kernel_neighbours");
+    let n = 10_007;
+    with_world::<Host, _>(place, world, |rank, comm| {
+        let dev = comm.device();
+        let mut sym = comm.alloc_symmetric::<f32>(n).unwrap();
+        let d = comm.device_comm(&sym).unwrap();
+        for round in 0..4 {
+            sym.copy_from_host(dev, &input(seed, round, rank, n))
+                .unwrap();
+            let mut out = Host::alloc_from(dev, &vec![f32::NAN; n]).unwrap();
+            let addr = out_address(&mut out);
+            let blocks = [3, 5][round % 2];
+            comm.launch_host_kernel(&d, blocks, neighbours_sum(addr, n))
+                .unwrap();
+            // A library collective between the user kernels.
+            let ones = Host::alloc_from(dev, &vec![1.0f32; 257]).unwrap();
+            let mut sum = Host::alloc_buffer::<f32>(dev, 257).unwrap();
+            comm.all_reduce(&ones, &mut sum, &ReduceOp::Sum).unwrap();
+            comm.synchronize().unwrap();
+            let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+            let (a, b) = (input(seed, round, next, n), input(seed, round, prev, n));
+            let got = Host::download(dev, &out).unwrap();
+            for i in 0..n {
+                let want = (f64::from(a[i]) + f64::from(b[i])) as f32;
+                assert_eq!(
+                    got[i].to_bits(),
+                    want.to_bits(),
+                    "rank {rank} round {round} [{i}]"
+                );
+            }
+            let sums = Host::download(dev, &sum).unwrap();
+            assert!(
+                sums.iter().all(|&s| s == world as f32),
+                "rank {rank}: the all-reduce"
+            );
+        }
+    });
+}
+
+/// The address of a host buffer's first element.
+fn out_address(out: &mut <Host as Backend>::Buffer<f32>) -> u64 {
+    use peercomm::backend::DeviceBufferMut as _;
+    let dev = Host::open(0).unwrap();
+    out.write_ptr(&dev).0
+}
+
+/// Rank 1 never launches the user kernel: rank 0's synchronize is `BarrierTimeout`
+/// naming rank 1 within twice the timeout; after `reinitialize` both launch it again
+/// and it runs.
+pub fn host_kernel_timeout(place: &Placement) {
+    let config = short_waits(place, 2);
+    let timeout = config.barrier_timeout.unwrap();
+    let results = in_step::<Host, _>(place, 2, &config, |rank, comm: &Comm<Host>, meet| {
+        let dev = comm.device();
+        let n = 64;
+        let mut sym = comm.alloc_symmetric::<f32>(n).unwrap();
+        sym.copy_from_host(dev, &vec![rank as f32; n]).unwrap();
+        let d = comm.device_comm(&sym).unwrap();
+        let mut out = Host::alloc_from(dev, &vec![f32::NAN; n]).unwrap();
+        let addr = out_address(&mut out);
+        let start = std::time::Instant::now();
+        let got = match rank {
+            0 => comm
+                .launch_host_kernel(&d, 2, neighbours_sum(addr, n))
+                .and_then(|()| comm.synchronize()),
+            _ => Ok(()),
+        };
+        let took = start.elapsed();
+        meet.wait();
+        comm.reinitialize().unwrap();
+        comm.launch_host_kernel(&d, 2, neighbours_sum(addr, n))
+            .unwrap();
+        comm.synchronize().unwrap();
+        let other = (1 - rank) as f32;
+        assert_eq!(
+            Host::download(dev, &out).unwrap(),
+            vec![2.0 * other; n],
+            "rank {rank}"
+        );
+        (got, took)
+    });
+    match &results[0].0 {
+        Err(Error::BarrierTimeout { waiting_for, .. }) => assert_eq!(*waiting_for, Some(1)),
+        other => panic!("rank 0: {other:?}, not a timeout waiting for rank 1"),
+    }
+    let took = results[0].1;
+    assert!(
+        took < 2 * timeout + std::time::Duration::from_secs(2),
+        "took {took:?}"
+    );
+}
