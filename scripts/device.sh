@@ -29,6 +29,9 @@
 #                ZC_WORLDS (2 4), one sweep per ZC_SWEEPS entry: base, gate (windows
 #                gated, --gate-us 500), calls and gatecalls (200 calls a batch, to
 #                1 MiB); each JSON's table by scripts/zero-copy-table.py
+#     device-api the device API's example (examples/device-api): its kernels compiled by
+#                NVRTC, checked against f64, then timed against the library's one-stage
+#                all-reduce and the unfused pair, at worlds DEVICE_API_WORLDS (2 4)
 #     candle     the candle integration's test and the tensor-parallel MLP example
 #                (on two GPUs where there are two, NCCL against peercomm; and two ranks
 #                sharing GPU 0); CANDLE_ARGS go to the two-GPU run
@@ -59,8 +62,9 @@ for line in sys.stdin:
         if name.startswith("cuda") or name == "peercomm":
             shutil.copy(m["executable"], sys.argv[1] + "/test-" + name)
 ' "$BIN"
-  cargo build --release --features cuda --example peercomm-bench
+  cargo build --release --features cuda --example peercomm-bench --example device-api
   cp "${CARGO_TARGET_DIR:-target}/release/examples/peercomm-bench" "$BIN/"
+  cp "${CARGO_TARGET_DIR:-target}/release/examples/device-api" "$BIN/"
   if [ -n "${BASE_BENCH:-}" ]; then
     cp "$BASE_BENCH" "$BIN/peercomm-bench-base"
   elif [ -n "${1:-}" ]; then
@@ -270,6 +274,15 @@ for stage in "$@"; do
         [ -f "$LOGS/$name/results.json" ] &&
           python3 scripts/zero-copy-table.py "$LOGS/$name/results.json" graph | tee "$LOGS/$name.md"
       done
+    done
+    ;;
+  device-api)
+    # The device API's example: NVRTC (the machine's CUDA 13.0) compiles its kernels at
+    # run time; worlds DEVICE_API_WORLDS (2 4), ranks sharing the GPU; checked, then timed.
+    for w in ${DEVICE_API_WORLDS:-2 4}; do
+      LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} timeout "${DEVICE_API_LIMIT:-200}" \
+        "$BIN/device-api" --backend cuda --world "$w" >"$LOGS/device-api-w$w.log" 2>&1
+      note "device-api world $w rc=$?: $(grep -c 'match the f64 reference' "$LOGS/device-api-w$w.log") ranks checked"
     done
     ;;
   candle) candle ;;

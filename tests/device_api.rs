@@ -1,5 +1,6 @@
 //! The device API's header (`include/peercomm_device.h`) compiled as an engine would:
-//! at run time with NVRTC through cudarc, from [`peercomm::device::prelude`]. NVRTC
+//! at run time with NVRTC through cudarc, from [`peercomm::device::prelude`], and the
+//! device-api example's kernels with NVRTC and with nvcc. NVRTC
 //! needs no GPU: this runs wherever libnvrtc loads (CI installs the pinned PyPI
 //! `nvidia-cuda-nvrtc` beside nvcc; `PEERCOMM_NVRTC` names the library elsewhere), and
 //! says so where it does not.
@@ -109,4 +110,76 @@ extern "C" __global__ void touch(unsigned* word, peercomm::Vec16* pack, unsigned
     ] {
         assert!(ptx.contains(op), "the PTX has no {op}");
     }
+}
+
+/// The device-api example's kernels (examples/device-api/kernels.cu): compiled with
+/// NVRTC from the prelude, as the example does at run time, and with nvcc (the pinned
+/// one in `.venv-cuda`, or `PEERCOMM_NVCC`) after `#include "peercomm_device.h"`.
+#[test]
+fn the_example_kernels_compile_with_nvrtc_and_nvcc() {
+    let kernels = include_str!("../examples/device-api/kernels.cu");
+    let names = [
+        "one_stage_sum",
+        "all_reduce_bias_gelu",
+        "moe_combine",
+        "bias_gelu",
+    ];
+    if nvrtc_loaded("the_example_kernels_compile_with_nvrtc_and_nvcc (NVRTC)") {
+        let source = format!("{}\n{kernels}", peercomm::device::prelude());
+        let options = cudarc::nvrtc::CompileOptions {
+            arch: Some("sm_80"),
+            options: vec!["-std=c++17".into()],
+            ..Default::default()
+        };
+        let start = std::time::Instant::now();
+        let ptx = cudarc::nvrtc::compile_ptx_with_opts(&source, options)
+            .unwrap_or_else(|e| panic!("NVRTC: {e:?}"))
+            .to_src();
+        eprintln!(
+            "NVRTC compiled the example's kernels in {:?}",
+            start.elapsed()
+        );
+        for name in names {
+            assert!(ptx.contains(&format!(".entry {name}")), "NVRTC: no {name}");
+        }
+    }
+    let Some(nvcc) = nvcc() else {
+        common::announce_skip(
+            "the_example_kernels_compile_with_nvrtc_and_nvcc (nvcc)",
+            "nvcc not found (PEERCOMM_NVCC or .venv-cuda)",
+        );
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("peercomm-device-api-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let (cu, ptx) = (dir.join("kernels.cu"), dir.join("kernels.ptx"));
+    std::fs::write(&cu, format!("#include \"peercomm_device.h\"\n{kernels}")).unwrap();
+    let include = concat!(env!("CARGO_MANIFEST_DIR"), "/include");
+    let out = std::process::Command::new(&nvcc)
+        .args(["-std=c++17", "-arch=sm_80", "-ptx", "-I", include, "-o"])
+        .arg(&ptx)
+        .arg(&cu)
+        .output()
+        .expect("run nvcc");
+    assert!(
+        out.status.success(),
+        "nvcc: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let ptx = std::fs::read_to_string(&ptx).unwrap();
+    for name in names {
+        assert!(ptx.contains(&format!(".entry {name}")), "nvcc: no {name}");
+    }
+    std::fs::remove_dir_all(&dir).ok();
+}
+
+/// nvcc: `PEERCOMM_NVCC`, else the pinned wheel's in `.venv-cuda`.
+fn nvcc() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("PEERCOMM_NVCC") {
+        return Some(PathBuf::from(p));
+    }
+    let lib = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.venv-cuda/lib")).ok()?;
+    lib.flatten()
+        .map(|python| python.path().join("site-packages/nvidia/cu13/bin/nvcc"))
+        .find(|p| p.exists())
 }
