@@ -605,6 +605,83 @@ PC_INLINE bool barrier(BlockCtx<A>& c, const Members& members = Members{}) {
     return c.block->abort == 0u;
 }
 
+// ---------------------------------------------------------------------------------
+// Lamport: data that carries its own readiness. Each rank's region holds
+// PEERCOMM_LAMPORT_GENERATIONS x world-width slots of lamport_slot_bytes; slot
+// (gen, src) receives, pack by pack, what group rank src pushes in a call of
+// generation gen.
+//
+// Invariants:
+// - Sentinel: a 32-bit word of a pack not yet written holds 0x80000000, the bits of f32
+//   -0.0. Words are compared as bits, never as floats (-0.0 == +0.0, and flush-to-zero
+//   turns a negative subnormal into -0.0).
+// - A producer never sends the sentinel: every -0.0 lane becomes +0.0 before the push,
+//   per lane for every dtype (an f16/bf16 word equals the sentinel only when its upper
+//   lane is -0.0). Lanes past the end of the message are sent as +0.0.
+// - Generations: flag = lamport_state[FLAG], in [0, 3). A call pushes into and reads
+//   generation flag, and clears generation (flag + 2) % 3, the previous call's, so that
+//   it holds the sentinel again when the call after next writes it. The clear races no
+//   write: this rank read every pack of the previous call, so those writes have landed;
+//   and a peer writes that generation again only after consuming this rank's push of
+//   the next call, which this rank makes after the clear (a kernel boundary between).
+// - Own slot: a rank never writes its own slot (slot group_rank of its own region); it
+//   reduces its own pack straight from its input, and clearing skips that slot. Sound
+//   because Lamport runs only over the whole world (domain 0), so a rank's group rank is
+//   the same in every Lamport call on one signal buffer.
+// - State: every block reads lamport_state at entry; the last block to arrive records
+//   this call's packs and width, resets the arrivals and advances the flag (a single
+//   block needs no arrival count). The next kernel on the stream reads them; the kernel
+//   boundary orders that. The arrival add is relaxed: each block's entry read has been
+//   consumed before it arrives, the hardware property BarrierKind::End relies on.
+
+constexpr uint32_t kLamportSentinel = 0x80000000u;
+constexpr uint64_t kLamportRegionOffset =
+    (sizeof(peercomm_signal) + PEERCOMM_REGION_ALIGN - 1) / PEERCOMM_REGION_ALIGN * PEERCOMM_REGION_ALIGN;
+
+struct LamportGeneration {
+    uint32_t flag;
+    PC_INLINE uint32_t data() const { return flag; }
+    PC_INLINE uint32_t clear() const {
+        return (flag + PEERCOMM_LAMPORT_GENERATIONS - 1) % PEERCOMM_LAMPORT_GENERATIONS;
+    }
+    PC_INLINE uint32_t next() const { return (flag + 1) % PEERCOMM_LAMPORT_GENERATIONS; }
+};
+
+// Pack p of slot (gen, src) in the Lamport region of the signal at `signal`.
+// A generation holds `slots` slots: the world width (Lamport runs only over the whole
+// world, so every call on one signal buffer has the same width).
+PC_INLINE PC_GLOBAL Vec16* lamport_pack_at(uint64_t signal, uint32_t slot_bytes, uint32_t slots, uint32_t gen,
+                                           uint32_t src, uint64_t p) {
+    return (PC_GLOBAL Vec16*)(signal + kLamportRegionOffset +
+                              ((uint64_t)gen * slots + src) * slot_bytes + p * 16u);
+}
+
+// Header pack k of slot (gen, src): the slot's last PEERCOMM_LAMPORT_HEADER_PACKS packs
+// hold the writer's call descriptor.
+PC_INLINE PC_GLOBAL Vec16* lamport_header_at(uint64_t signal, uint32_t slot_bytes, uint32_t slots, uint32_t gen,
+                                             uint32_t src, uint32_t k) {
+    return lamport_pack_at(signal, slot_bytes, slots, gen, src, slot_bytes / 16u - PEERCOMM_LAMPORT_HEADER_PACKS + k);
+}
+
+// True once every word of the pack has been written (none is the sentinel).
+PC_INLINE bool lamport_arrived(Vec16 v) {
+    return v.x != kLamportSentinel && v.y != kLamportSentinel && v.z != kLamportSentinel &&
+           v.w != kLamportSentinel;
+}
+
+// An f32 word as a producer sends it: -0.0 becomes +0.0, so that no word sent is the
+// sentinel (f16 and bf16 clean each lane alike: a word is the sentinel only when its
+// upper lane is -0.0).
+PC_INLINE uint32_t lamport_word_f32(uint32_t bits) { return bits == kLamportSentinel ? 0u : bits; }
+
+// Pushes pack `v` (no word the sentinel, unless clearing) into a slot, in one 16-byte
+// store that reaches memory: a reader sees none of it or all of it.
+PC_INLINE void lamport_push(PC_GLOBAL Vec16* at, Vec16 v) { st_volatile_vec16(at, v); }
+
+// Reads the pack at `at` from memory, once: it has arrived when lamport_arrived() of
+// it. Poll it in a bounded wait (Waiter::keep_waiting), never forever.
+PC_INLINE Vec16 lamport_poll(const PC_GLOBAL Vec16* at) { return ld_volatile_vec16(at); }
+
 }  // namespace peercomm
 
 // =================================================================================

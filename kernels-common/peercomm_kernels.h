@@ -497,68 +497,8 @@ PC_INLINE void reduce_range_any(uint32_t op, uint32_t width, const uint64_t* src
 }
 
 // ---------------------------------------------------------------------------------
-// Lamport: data that carries its own readiness. Each rank's region holds
-// PEERCOMM_LAMPORT_GENERATIONS x world-width slots of lamport_slot_bytes; slot
-// (gen, src) receives, pack by pack, what group rank src pushes in a call of
-// generation gen.
-//
-// Invariants:
-// - Sentinel: a 32-bit word of a pack not yet written holds 0x80000000, the bits of f32
-//   -0.0. Words are compared as bits, never as floats (-0.0 == +0.0, and flush-to-zero
-//   turns a negative subnormal into -0.0).
-// - A producer never sends the sentinel: every -0.0 lane becomes +0.0 before the push,
-//   per lane for every dtype (an f16/bf16 word equals the sentinel only when its upper
-//   lane is -0.0). Lanes past the end of the message are sent as +0.0.
-// - Generations: flag = lamport_state[FLAG], in [0, 3). A call pushes into and reads
-//   generation flag, and clears generation (flag + 2) % 3, the previous call's, so that
-//   it holds the sentinel again when the call after next writes it. The clear races no
-//   write: this rank read every pack of the previous call, so those writes have landed;
-//   and a peer writes that generation again only after consuming this rank's push of
-//   the next call, which this rank makes after the clear (a kernel boundary between).
-// - Own slot: a rank never writes its own slot (slot group_rank of its own region); it
-//   reduces its own pack straight from its input, and clearing skips that slot. Sound
-//   because Lamport runs only over the whole world (domain 0), so a rank's group rank is
-//   the same in every Lamport call on one signal buffer.
-// - State: every block reads lamport_state at entry; the last block to arrive records
-//   this call's packs and width, resets the arrivals and advances the flag (a single
-//   block needs no arrival count). The next kernel on the stream reads them; the kernel
-//   boundary orders that. The arrival add is relaxed: each block's entry read has been
-//   consumed before it arrives, the hardware property BarrierKind::End relies on.
-
-constexpr uint32_t kLamportSentinel = 0x80000000u;
-constexpr uint64_t kLamportRegionOffset =
-    (sizeof(peercomm_signal) + PEERCOMM_REGION_ALIGN - 1) / PEERCOMM_REGION_ALIGN * PEERCOMM_REGION_ALIGN;
-
-struct LamportGeneration {
-    uint32_t flag;
-    PC_INLINE uint32_t data() const { return flag; }
-    PC_INLINE uint32_t clear() const {
-        return (flag + PEERCOMM_LAMPORT_GENERATIONS - 1) % PEERCOMM_LAMPORT_GENERATIONS;
-    }
-    PC_INLINE uint32_t next() const { return (flag + 1) % PEERCOMM_LAMPORT_GENERATIONS; }
-};
-
-// Pack p of slot (gen, src) in the Lamport region of the signal at `signal`.
-// A generation holds `slots` slots: the world width (Lamport runs only over the whole
-// world, so every call on one signal buffer has the same width).
-PC_INLINE PC_GLOBAL Vec16* lamport_pack_at(uint64_t signal, uint32_t slot_bytes, uint32_t slots, uint32_t gen,
-                                           uint32_t src, uint64_t p) {
-    return (PC_GLOBAL Vec16*)(signal + kLamportRegionOffset +
-                              ((uint64_t)gen * slots + src) * slot_bytes + p * 16u);
-}
-
-// Header pack k of slot (gen, src): the slot's last PEERCOMM_LAMPORT_HEADER_PACKS packs
-// hold the writer's call descriptor.
-PC_INLINE PC_GLOBAL Vec16* lamport_header_at(uint64_t signal, uint32_t slot_bytes, uint32_t slots, uint32_t gen,
-                                             uint32_t src, uint32_t k) {
-    return lamport_pack_at(signal, slot_bytes, slots, gen, src, slot_bytes / 16u - PEERCOMM_LAMPORT_HEADER_PACKS + k);
-}
-
-// True once every word of the pack has been written (none is the sentinel).
-PC_INLINE bool lamport_arrived(Vec16 v) {
-    return v.x != kLamportSentinel && v.y != kLamportSentinel && v.z != kLamportSentinel &&
-           v.w != kLamportSentinel;
-}
+// Lamport (the sentinel, the generations, the slots and their invariants: the device
+// API, include/peercomm_device.h): the reduction over pushed packs.
 
 template <typename D>
 PC_INLINE void remove_neg_zero(Pack<D>& x) {
@@ -598,7 +538,7 @@ PC_INLINE bool lamport_wait_pack(Ctx& c, uint32_t gen, uint64_t p, Vec16 (&x)[W]
 #pragma unroll
         for (int s = 0; s < W; ++s) {
             if (s == (int)me) continue;
-            x[s] = ld_volatile_vec16(lamport_pack_at(own, slot, (uint32_t)W, gen, s, p));
+            x[s] = lamport_poll(lamport_pack_at(own, slot, (uint32_t)W, gen, s, p));
             if (!lamport_arrived(x[s])) missing = (uint32_t)s;
             arrived = arrived && lamport_arrived(x[s]);
         }
@@ -635,7 +575,7 @@ PC_INLINE void lamport_push_header(Ctx& c, uint32_t gen) {
     for (uint32_t q = 0; q < a.group_width; ++q)
         if (q != a.group_rank)
             for (uint32_t k = 0; k < PEERCOMM_LAMPORT_HEADER_PACKS; ++k)
-                st_volatile_vec16(
+                lamport_push(
                     lamport_header_at(a.signals[q], a.lamport_slot_bytes, a.group_width, gen, a.group_rank, k),
                     make_vec16(a.call[3u * k], a.call[3u * k + 1u], a.call[3u * k + 2u], 0u));
 }
@@ -645,8 +585,7 @@ PC_INLINE void lamport_push_header(Ctx& c, uint32_t gen) {
 PC_INLINE void lamport_push_pack(const Args& a, uint32_t gen, uint64_t p, Vec16 x) {
     for (uint32_t q = 0; q < a.group_width; ++q)
         if (q != a.group_rank)
-            st_volatile_vec16(lamport_pack_at(a.signals[q], a.lamport_slot_bytes, a.group_width, gen, a.group_rank, p),
-                              x);
+            lamport_push(lamport_pack_at(a.signals[q], a.lamport_slot_bytes, a.group_width, gen, a.group_rank, p), x);
 }
 
 // The end of every Lamport kernel, called by every thread of every block: clears the
@@ -668,11 +607,11 @@ PC_INLINE void lamport_end(Ctx& c, uint64_t packs) {
     for (uint64_t i = tid; i < clear_total; i += stride) {
         const uint32_t src = (uint32_t)(i / prev_packs);
         if (src == me) continue;
-        st_volatile_vec16(lamport_pack_at(own, slot, width, gen.clear(), src, i % prev_packs), sentinel);
+        lamport_push(lamport_pack_at(own, slot, width, gen.clear(), src, i % prev_packs), sentinel);
     }
     if (tid < prev_width && tid != me)
         for (uint32_t k = 0; k < PEERCOMM_LAMPORT_HEADER_PACKS; ++k)
-            st_volatile_vec16(lamport_header_at(own, slot, width, gen.clear(), (uint32_t)tid, k), sentinel);
+            lamport_push(lamport_header_at(own, slot, width, gen.clear(), (uint32_t)tid, k), sentinel);
     __syncthreads();
     if (c.block->abort) return abandon(c, WaitForPeers::No);  // the state is not advanced
     if (threadIdx.x == 0) {
@@ -702,10 +641,10 @@ PC_INLINE void lamport_check_header(Ctx& c, uint32_t gen) {
     for (uint32_t k = 0; k < PEERCOMM_LAMPORT_HEADER_PACKS; ++k) {
         const PC_GLOBAL Vec16* at =
             lamport_header_at(a.signals[a.group_rank], a.lamport_slot_bytes, a.group_width, gen, s, k);
-        Vec16 h = ld_volatile_vec16(at);
+        Vec16 h = lamport_poll(at);
         while (!lamport_arrived(h)) {
             if (!w.keep_waiting(c, s)) return;
-            h = ld_volatile_vec16(at);
+            h = lamport_poll(at);
         }
         theirs.w[3u * k] = h.x;
         theirs.w[3u * k + 1u] = h.y;

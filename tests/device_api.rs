@@ -85,6 +85,8 @@ extern "C" __global__ void touch(unsigned* word, peercomm::Vec16* pack, unsigned
     st_release_sys_vec16(pack + 1, ld_volatile_vec16(pack + 2));
     st_relaxed_sys_vec16(pack + 3, x);
     st_volatile_vec16(pack + 4, make_vec16(1u, 2u, 3u, v));
+    lamport_push(pack + 5, make_vec16(lamport_word_f32(v), 0u, 0u, kLamportSentinel));
+    if (lamport_arrived(lamport_poll(pack + 6))) word[6] = LamportGeneration{v % 3u}.next();
     *t = timer_now() + timer_ticks(1000u);
 }
 "#;
