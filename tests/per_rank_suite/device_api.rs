@@ -200,3 +200,58 @@ pub fn host_kernel_timeout(place: &Placement) {
         "took {took:?}"
     );
 }
+
+/// The single controller's device communicators (world 3): one per rank over the
+/// engine's buffers, the host kernel launched on every rank and checked against the
+/// f64 reference; a wrong count or another length is an error, nothing launched.
+pub fn single_controller_host_kernel(place: &Placement) {
+    let world = 3;
+    let seed = common::seed("single_controller_host_kernel");
+    let n = 5003;
+    let ordinals: Vec<usize> = (0..world).map(|r| place.ordinal(r)).collect();
+    let comm = peercomm::SingleController::<Host>::new(&ordinals, place.config(world)).unwrap();
+    let ins: Vec<_> = (0..world)
+        .map(|r| Host::alloc_from(comm.core(r).device(), &input(seed, 0, r, n)).unwrap())
+        .collect();
+    let mut outs: Vec<_> = (0..world)
+        .map(|r| Host::alloc_from(comm.core(r).device(), &vec![f32::NAN; n]).unwrap())
+        .collect();
+    let views: Vec<&dyn peercomm::backend::DeviceBuffer<Host>> = ins
+        .iter()
+        .map(|b| b as &dyn peercomm::backend::DeviceBuffer<Host>)
+        .collect();
+    assert!(matches!(
+        comm.device_comms(&views[..2]),
+        Err(Error::LengthMismatch { .. })
+    ));
+    let short = Host::alloc_from(comm.core(2).device(), &vec![0f32; n - 1]).unwrap();
+    let mut uneven = views.clone();
+    uneven[2] = &short;
+    assert!(matches!(
+        comm.device_comms(&uneven),
+        Err(Error::LengthMismatch { rank: 2, .. })
+    ));
+    let comms = comm.device_comms(&views).unwrap();
+    assert_eq!(comms.len(), world);
+    // One kernel for every rank: each block finds its rank's output in a table.
+    let outs_at: Vec<u64> = outs
+        .iter_mut()
+        .enumerate()
+        .map(|(r, o)| {
+            use peercomm::backend::DeviceBufferMut as _;
+            o.write_ptr(comm.core(r).device()).0
+        })
+        .collect();
+    let kernel = move |b: &HostBlock| neighbours_sum(outs_at[b.comm().group_rank()], n)(b);
+    comm.launch_host_kernels(&comms, 2, kernel).unwrap();
+    comm.synchronize().unwrap();
+    for (r, out) in outs.iter().enumerate() {
+        let (next, prev) = ((r + 1) % world, (r + world - 1) % world);
+        let (a, b) = (input(seed, 0, next, n), input(seed, 0, prev, n));
+        let got = Host::download(comm.core(r).device(), out).unwrap();
+        for i in 0..n {
+            let want = (f64::from(a[i]) + f64::from(b[i])) as f32;
+            assert_eq!(got[i].to_bits(), want.to_bits(), "rank {r} [{i}]");
+        }
+    }
+}

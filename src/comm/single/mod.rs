@@ -23,6 +23,7 @@ use crate::comm::core::setup::{self, connect, record, RankProcesses};
 
 mod all_reduce;
 mod collectives;
+mod device_comm;
 mod exchange;
 mod external;
 mod fault;
