@@ -284,6 +284,9 @@ for stage in "$@"; do
         "$BIN/device-api" --backend cuda --world "$w" >"$LOGS/device-api-w$w.log" 2>&1
       note "device-api world $w rc=$?: $(grep -c 'match the f64 reference' "$LOGS/device-api-w$w.log") ranks checked"
     done
+    LD_LIBRARY_PATH=/usr/local/cuda/lib64:${LD_LIBRARY_PATH:-} timeout "${DEVICE_API_LIMIT:-200}" \
+      "$BIN/device-api" --backend cuda --world 2 --processes >"$LOGS/device-api-processes.log" 2>&1
+    note "device-api world 2, processes rc=$?: $(tail -1 "$LOGS/device-api-processes.log")"
     ;;
   candle) candle ;;
   *) note "unknown stage $stage" ;;

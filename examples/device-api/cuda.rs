@@ -4,7 +4,7 @@
 //! the library's one-stage all-reduce and the unfused pair (all-reduce, then a bias +
 //! GELU kernel), at sizes from 4 KiB to 16 MiB.
 
-use std::sync::{Arc, Barrier, OnceLock};
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaFunction, CudaSlice, CudaStream, LaunchConfig, PushKernelArg};
@@ -95,8 +95,6 @@ fn grid(n: usize, blocks: u32) -> LaunchConfig {
 /// Rank `rank`'s part: its communicator (ranks of one GPU share it), the three kernels
 /// checked by the caller, then the timings (rank 0 prints them).
 pub fn run(rank: usize, world: usize, id: &UniqueId, config: CommConfig, case: &Case) -> Outputs {
-    static MEET: OnceLock<Barrier> = OnceLock::new();
-    let meet = MEET.get_or_init(|| Barrier::new(world));
     let gpus = Cuda::device_count().expect("CUDA devices").max(1);
     let shared = gpus < world;
     let blocks = if shared { 4 } else { 32 };
@@ -170,13 +168,13 @@ pub fn run(rank: usize, world: usize, id: &UniqueId, config: CommConfig, case: &
         "rank {rank}: the example's one-stage sum differs from the library's"
     );
     drop((x, y));
-    timings(&comm, &stream, &k, rank, blocks, meet);
+    timings(&comm, &stream, &k, rank, blocks);
     out
 }
 
 /// Median microseconds per call of `calls` captured calls, over 15 replays that every
-/// rank starts together.
-fn per_call_us(comm: &Comm<Cuda>, meet: &Barrier, calls: usize, body: &mut dyn FnMut()) -> f64 {
+/// rank starts together (threads or processes).
+fn per_call_us(comm: &Comm<Cuda>, calls: usize, body: &mut dyn FnMut()) -> f64 {
     let (graph, ()) = comm
         .capture(|| {
             for _ in 0..calls {
@@ -187,7 +185,9 @@ fn per_call_us(comm: &Comm<Cuda>, meet: &Barrier, calls: usize, body: &mut dyn F
         .expect("a captured graph");
     let mut times = Vec::new();
     for _ in 0..15 {
-        meet.wait();
+        // Every rank at the same point: the library's barrier, waited for.
+        comm.barrier(0).unwrap();
+        comm.synchronize().unwrap();
         let start = Instant::now();
         graph.launch().unwrap();
         comm.synchronize().unwrap();
@@ -199,14 +199,7 @@ fn per_call_us(comm: &Comm<Cuda>, meet: &Barrier, calls: usize, body: &mut dyn F
 
 /// The example's one-stage sum against the library's, and the fused epilogue against
 /// the unfused pair, graph mode, 4 KiB to 16 MiB a rank (f32).
-fn timings(
-    comm: &Comm<Cuda>,
-    stream: &Arc<CudaStream>,
-    k: &Kernels,
-    rank: usize,
-    blocks: u32,
-    meet: &Barrier,
-) {
+fn timings(comm: &Comm<Cuda>, stream: &Arc<CudaStream>, k: &Kernels, rank: usize, blocks: u32) {
     let calls = 20;
     if rank == 0 {
         println!(
@@ -230,14 +223,14 @@ fn timings(
         let mut mid: CudaSlice<f32> = stream.alloc_zeros(n).unwrap();
         let one = AllReduceOptions::new().algorithm(Algorithm::OneStage);
         let cfg = grid(n, blocks);
-        let example = per_call_us(comm, meet, calls, &mut || {
+        let example = per_call_us(comm, calls, &mut || {
             launch!(stream, &k.one_stage_sum, cfg, &xs, &mut out, &len)
         });
-        let library = per_call_us(comm, meet, calls, &mut || {
+        let library = per_call_us(comm, calls, &mut || {
             comm.all_reduce_with(&x, &mut out, &ReduceOp::Sum, &one)
                 .unwrap();
         });
-        let fused = per_call_us(comm, meet, calls, &mut || {
+        let fused = per_call_us(comm, calls, &mut || {
             launch!(
                 stream,
                 &k.all_reduce_bias_gelu,
@@ -248,7 +241,7 @@ fn timings(
                 &len
             )
         });
-        let unfused = per_call_us(comm, meet, calls, &mut || {
+        let unfused = per_call_us(comm, calls, &mut || {
             comm.all_reduce_with(&x, &mut mid, &ReduceOp::Sum, &one)
                 .unwrap();
             launch!(stream, &k.bias_gelu, cfg, &mid, &bias, &mut out, &len);

@@ -2,10 +2,12 @@
 //! all-reduce with a bias + GELU epilogue fused into it, and a mixture-of-experts
 //! combine (each token's expert outputs weighted by the router's scores and summed on
 //! the token's home rank), each over a `DeviceComm` of a symmetric buffer, one rank a
-//! thread, every output checked against an f64 reference.
+//! thread (or, with `--processes`, a process), every output checked against an f64
+//! reference.
 //!
 //! ```text
 //! cargo run --release --example device-api                  # host backend (host.rs)
+//! cargo run --release --example device-api -- --world 4 --processes   # a process a rank
 //! cargo run --release --features cuda --example device-api -- --backend cuda [--world 2]
 //! ```
 //!
@@ -144,12 +146,14 @@ fn check(what: &str, got: &[f32], want: &[f64], tolerance: f64) -> f64 {
 struct Args {
     backend: String,
     world: usize,
+    processes: bool,
 }
 
 fn args() -> Args {
     let mut a = Args {
         backend: "host".into(),
         world: 2,
+        processes: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(arg) = it.next() {
@@ -157,38 +161,107 @@ fn args() -> Args {
         match arg.as_str() {
             "--backend" => a.backend = value(),
             "--world" => a.world = value().parse().expect("--world N"),
-            other => panic!("unknown argument {other} (--backend host|cuda, --world N)"),
+            "--processes" => a.processes = true,
+            other => {
+                panic!("unknown argument {other} (--backend host|cuda, --world N, --processes)")
+            }
         }
     }
     a
 }
 
-fn main() {
-    let a = args();
-    let world = a.world;
+/// Set in the rank processes of `--processes`: the rank, and the id's text.
+const RANK_ENV: &str = "PEERCOMM_DEVICE_API_RANK";
+const ID_ENV: &str = "PEERCOMM_DEVICE_API_ID";
+
+/// The case every rank runs (the same from the seed in every thread and process).
+fn case_for(a: &Args) -> Case {
     let (n, tokens, hidden) = match a.backend.as_str() {
         "host" => (40_000, 8, 256),
         _ => (1 << 20, 64, 7168),
     };
-    let case = Case::new(world, n, tokens, hidden, 0xd0_1ce_u64);
-    let id = UniqueId::new().expect("a unique id");
+    Case::new(a.world, n, tokens, hidden, 0xd0_1ce_u64)
+}
+
+/// Rank `rank`'s kernels on `backend`; its outputs.
+fn rank_main(rank: usize, world: usize, id: &UniqueId, backend: &str, case: &Case) -> Outputs {
     let config = CommConfig::default().with_allow_shared_devices(true);
+    match backend {
+        "host" => {
+            use peercomm::backend::{host::Host, Backend};
+            let dev = Host::open(rank).expect("a host device");
+            let comm =
+                peercomm::Comm::from_rank(dev, rank, world, id, config).expect("a communicator");
+            host::run(&comm, case).expect("the host kernels")
+        }
+        #[cfg(feature = "cuda")]
+        "cuda" => cuda::run(rank, world, id, config, case),
+        other => panic!("backend {other}: host, or cuda (with --features cuda)"),
+    }
+}
+
+/// Checks rank `rank`'s outputs against the f64 reference and says so.
+fn report(rank: usize, case: &Case, out: &Outputs) {
+    let [sum, fused, combined] = case.reference(rank);
+    let w = [
+        check("one-stage sum", &out.sum, &sum, 1e-5),
+        check("all-reduce + bias + GELU", &out.fused, &fused, 1e-5),
+        check("mixture-of-experts combine", &out.combined, &combined, 1e-5),
+    ];
+    println!(
+        "rank {rank}: one-stage sum, all-reduce + bias + GELU and the MoE combine match \
+         the f64 reference (worst relative errors {:.1e}, {:.1e}, {:.1e})",
+        w[0], w[1], w[2]
+    );
+}
+
+fn main() -> std::process::ExitCode {
+    let a = args();
+    let world = a.world;
+    let case = case_for(&a);
+    if let Ok(rank) = std::env::var(RANK_ENV) {
+        // A rank process of --processes.
+        let rank: usize = rank.parse().expect("the rank");
+        let id: UniqueId = std::env::var(ID_ENV)
+            .expect("the id")
+            .parse()
+            .expect("an id");
+        report(rank, &case, &rank_main(rank, world, &id, &a.backend, &case));
+        return std::process::ExitCode::SUCCESS;
+    }
+    let id = UniqueId::new().expect("a unique id");
+    if a.processes {
+        // One process per rank, this binary again; rank 0 runs in a child, so the id's
+        // listener goes first.
+        id.release();
+        let exe = std::env::current_exe().expect("this executable");
+        let children: Vec<_> = (0..world)
+            .map(|rank| {
+                std::process::Command::new(&exe)
+                    .args(std::env::args_os().skip(1))
+                    .env(RANK_ENV, rank.to_string())
+                    .env(ID_ENV, id.to_string())
+                    .spawn()
+                    .expect("a rank process")
+            })
+            .collect();
+        let failed = children
+            .into_iter()
+            .map(|mut c| c.wait().map_or(true, |s| !s.success()))
+            .filter(|&f| f)
+            .count();
+        if failed > 0 {
+            eprintln!("{failed} of {world} rank processes failed");
+            return std::process::ExitCode::FAILURE;
+        }
+        println!("{world} rank processes checked their outputs");
+        return std::process::ExitCode::SUCCESS;
+    }
     let outputs: Vec<Outputs> = std::thread::scope(|s| {
         let ranks: Vec<_> = (0..world)
             .map(|rank| {
-                let (id, case, config, backend) = (&id, &case, config.clone(), &a.backend);
-                s.spawn(move || match backend.as_str() {
-                    "host" => {
-                        use peercomm::backend::{host::Host, Backend};
-                        let dev = Host::open(rank).expect("a host device");
-                        let comm = peercomm::Comm::from_rank(dev, rank, world, id, config)
-                            .expect("a communicator");
-                        host::run(&comm, case).expect("the host kernels")
-                    }
-                    #[cfg(feature = "cuda")]
-                    "cuda" => cuda::run(rank, world, id, config, case),
-                    other => panic!("backend {other}: host, or cuda (with --features cuda)"),
-                })
+                let (id, case, backend) = (&id, &case, &a.backend);
+                s.spawn(move || rank_main(rank, world, id, backend, case))
             })
             .collect();
         ranks
@@ -197,16 +270,7 @@ fn main() {
             .collect()
     });
     for (rank, out) in outputs.iter().enumerate() {
-        let [sum, fused, combined] = case.reference(rank);
-        let w = [
-            check("one-stage sum", &out.sum, &sum, 1e-5),
-            check("all-reduce + bias + GELU", &out.fused, &fused, 1e-5),
-            check("mixture-of-experts combine", &out.combined, &combined, 1e-5),
-        ];
-        println!(
-            "rank {rank}: one-stage sum, all-reduce + bias + GELU and the MoE combine match \
-             the f64 reference (worst relative errors {:.1e}, {:.1e}, {:.1e})",
-            w[0], w[1], w[2]
-        );
+        report(rank, &case, out);
     }
+    std::process::ExitCode::SUCCESS
 }
