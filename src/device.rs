@@ -24,8 +24,8 @@ pub use crate::protocol::BarrierKind;
 /// One rank's view of one symmetric or registered buffer for kernels of your own
 /// (`peercomm::DeviceComm` in the header): every group member's signal and buffer, this
 /// rank's group rank, the barrier bank of user kernels and the descriptor its barriers
-/// carry. A kernel argument as it is (on CUDA, cudarc's `DeviceRepr`; on HIP, pass its
-/// address in the kernel's parameter array). Made by `Comm::device_comm` (collective);
+/// carry. A kernel argument as it is (on CUDA, cudarc's `DeviceRepr`; on HIP,
+/// [`DeviceComm::as_kernel_arg`] in the kernel's parameter array). Made by `Comm::device_comm` (collective);
 /// the rules a kernel keeps are written in the header, before `DeviceComm`.
 #[derive(Clone, Copy)]
 #[repr(transparent)]
@@ -43,6 +43,12 @@ impl DeviceComm {
     /// Bytes of the buffer (the same on every member).
     pub fn buffer_bytes(&self) -> usize {
         self.0.bytes as usize
+    }
+    /// The address of the value, for a launch API that takes kernel arguments by
+    /// address (HIP's `hipModuleLaunchKernel` `kernelParams`, CUDA's `cuLaunchKernel`):
+    /// valid while `self` is.
+    pub fn as_kernel_arg(&self) -> *const std::ffi::c_void {
+        (self as *const DeviceComm).cast()
     }
     /// Group member `member`'s buffer, as this rank's device reaches it.
     pub fn peer_buffer(&self, member: usize) -> Option<u64> {

@@ -35,6 +35,12 @@ pub fn device_comm_fields<B: Backend>(place: &Placement, world: usize) {
             );
         }
         assert_eq!(d.peer_buffer(world), None);
+        // By address, the C struct: its first word is member 0's signal, and member
+        // k's buffer follows the eight signals.
+        let words = d.as_kernel_arg() as *const u64;
+        // SAFETY: `d` is a #[repr(transparent)] peercomm_device_comm of 16+ u64 words.
+        let buffer = unsafe { *words.add(8 + rank) };
+        assert_eq!(buffer, own, "rank {rank}: the C layout's buffers[rank]");
         let plain = B::alloc_from(comm.device(), &vec![0u32; 64]).unwrap();
         let registered = comm.register(plain).unwrap();
         let d = comm.device_comm(&registered).unwrap();
