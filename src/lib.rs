@@ -102,8 +102,8 @@
 //!   comm                   the communicators: single controller, per rank, capture
 //!   external   tensor      NCCL / RCCL / host stand-in, per backend | shaped views
 //!   backend                the Backend trait; host, cuda, hip; peer access; signals
-//!   dispatch  protocol  device  the dispatch table | the host model of the protocol |
-//!                              the device API's headers and DeviceComm
+//!   device                 the device API: its headers, DeviceComm, BarrierKind
+//!   dispatch   protocol    the dispatch table (data) | the host model of the protocol
 //!   signal                 the signal layout, the kernels' arguments, protocol helpers
 //!   error                  Error, Result
 //!   dtype      bootstrap   element types | rendezvous between processes
