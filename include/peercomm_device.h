@@ -701,6 +701,8 @@ PC_INLINE Vec16 lamport_poll(const PC_GLOBAL Vec16* at) { return ld_volatile_vec
 //       return peercomm::abandon(b, peercomm::WaitForPeers::Yes);
 //   peercomm::finish(b);
 //
+// grid_barrier<Kind>(b) is the same over every block of every rank at once.
+//
 // What the caller keeps, on every rank of the group:
 // - the same kernel, with the same grid (at most PEERCOMM_MAX_NUM_BLOCKS_UPPER_BOUND
 //   blocks, at least group_width threads each), launched on the rank's Comm stream;
@@ -723,6 +725,46 @@ typedef peercomm_device_comm DeviceComm;
 
 // Group member q's buffer, as this rank reaches it.
 PC_INLINE uint64_t peer_buffer(const DeviceComm& comm, uint32_t q) { return comm.buffers[q]; }
+
+// A barrier of the whole grid across the GPUs: every block of every rank, called by
+// every thread of every block. Each block arrives on this rank's grid counter (after a
+// system-scope fence, so that kKind == Publish publishes what every block wrote); block
+// 0 waits for all gridDim.x arrivals, passes the counter barrier of kind kKind with the
+// peers' blocks 0, and releases this rank's blocks. Every block of the grid must be
+// resident at once (a cooperative launch, or a grid no larger than the GPU holds, which
+// ranks sharing a GPU share too); a block that is not makes the wait time out. False
+// when the block must leave (abandon), as for barrier().
+template <BarrierKind kKind, class A>
+PC_INLINE bool grid_barrier(BlockCtx<A>& c) {
+    __syncthreads();
+    GlobalU32* arrivals = &c.own->user_grid[0];
+    GlobalU32* passed = &c.own->user_grid[1];
+    const uint32_t me = c.a.group_rank;
+    uint32_t gen = 0;
+    if (threadIdx.x == 0) {
+        gen = ld_acquire_sys(passed);
+        __threadfence_system();
+        atomic_add_relaxed_dev(arrivals, 1u);
+    }
+    if (blockIdx.x == 0) {
+        if (threadIdx.x == 0) {
+            Waiter w;
+            while (ld_acquire_sys(arrivals) != gridDim.x)
+                if (!w.keep_waiting(c, me)) break;
+        }
+        __syncthreads();
+        if (c.block->abort != 0u) return false;
+        if (threadIdx.x == 0) st_relaxed_sys(arrivals, 0u);
+        if (!barrier<kKind>(c)) return false;
+        if (threadIdx.x == 0) st_release_sys(passed, gen + 1u);
+    } else if (threadIdx.x == 0) {
+        Waiter w;
+        while (ld_acquire_sys(passed) == gen)
+            if (!w.keep_waiting(c, me)) break;
+    }
+    __syncthreads();
+    return c.block->abort == 0u;
+}
 
 }  // namespace peercomm
 

@@ -160,8 +160,13 @@ typedef struct peercomm_signal {
      * by q's blocks before their Publish arrival, read after it (see the exchange below).
      */
     uint32_t exchange_source[PEERCOMM_MAX_GPUS][2];
+    /*
+     * The grid barrier of user kernels (include/peercomm_device.h, grid_barrier):
+     * [0] this rank's blocks arrived at the current one, [1] grid barriers passed.
+     */
+    uint32_t user_grid[2];
     /* Pads the header to a multiple of PEERCOMM_REGION_ALIGN. */
-    uint32_t reserved[8];
+    uint32_t reserved[6];
 } peercomm_signal;
 
 /*

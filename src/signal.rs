@@ -321,7 +321,7 @@ mod tests {
             lamport_state 262_144 + d * 2 * b * g * 16 * CALL_PACKS, lamport_state 8_650_752,
             error_state 8_650_768, error_detail 8_650_784, current_call 8_650_896,
             quit 8_650_912, exchange_source 8_650_912 + b * g * 4, exchange_source 8_683_680,
-            reserved 8_683_680 + g * 8,
+            user_grid 8_683_680 + g * 8, reserved 8_683_680 + g * 8 + 8,
         }
         assert_eq!(offset_of!(Signal, peer_counter) % 16, 0);
         assert_eq!(offset_of!(Signal, current_call) % 16, 0);

@@ -48,7 +48,8 @@ pub struct peercomm_signal {
     pub current_call: [u32; 4usize],
     pub quit: [[u32; 8usize]; 1024usize],
     pub exchange_source: [[u32; 2usize]; 8usize],
-    pub reserved: [u32; 8usize],
+    pub user_grid: [u32; 2usize],
+    pub reserved: [u32; 6usize],
 }
 impl Default for peercomm_signal {
     fn default() -> Self {

@@ -60,7 +60,7 @@ extern "C" __global__ void neighbours(const peercomm::DeviceComm comm, float* ou
     const float* prev = (const float*)peer_buffer(comm, (me + w - 1) % w);
     for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x)
         out[i] = next[i] + prev[i];
-    if (!barrier<BarrierKind::End>(b)) return abandon(b, WaitForPeers::Yes);
+    if (!grid_barrier<BarrierKind::End>(b)) return abandon(b, WaitForPeers::Yes);
     finish(b);
 }
 "#;

@@ -66,6 +66,8 @@ tests! {
     host_kernel_world_3 => per_rank_suite::device_api::host_kernel_neighbours(&HOST, 3);
     host_kernel_world_4 => per_rank_suite::device_api::host_kernel_neighbours(&HOST, 4);
     host_kernel_timeout => per_rank_suite::device_api::host_kernel_timeout(&HOST);
+    host_grid_barrier_world_2 => per_rank_suite::device_api::host_grid_barrier(&HOST, 2);
+    host_grid_barrier_world_3 => per_rank_suite::device_api::host_grid_barrier(&HOST, 3);
     single_controller_host_kernel =>
         per_rank_suite::device_api::single_controller_host_kernel(&HOST);
 

@@ -97,7 +97,7 @@ fn neighbours_sum(out: u64, n: usize) -> impl Fn(&HostBlock) -> Result<(), Stopp
     move |b| {
         let comm = b.comm();
         let (me, w) = (comm.group_rank(), comm.group_width());
-        b.barrier(BarrierKind::Publish)?;
+        b.grid_barrier(BarrierKind::Publish)?;
         let next = comm.peer_buffer((me + 1) % w).unwrap() as *const f32;
         let prev = comm.peer_buffer((me + w - 1) % w).unwrap() as *const f32;
         for i in (b.block() as usize..n).step_by(b.blocks() as usize) {
@@ -260,4 +260,55 @@ pub fn single_controller_host_kernel(place: &Placement) {
             assert_eq!(got[i].to_bits(), want.to_bits(), "rank {r} [{i}]");
         }
     }
+}
+
+/// The grid barrier of the host contract (world `world`, four blocks, three rounds):
+/// each block writes its quarter of this rank's symmetric buffer, then after the grid
+/// barrier reads the quarter another block of the next rank wrote, which only a barrier
+/// over every block of every rank orders; each round's values differ, so a stale read
+/// shows.
+pub fn host_grid_barrier(place: &Placement, world: usize) {
+    let n = 4 * 1024;
+    with_world::<Host, _>(place, world, |rank, comm| {
+        let dev = comm.device();
+        let sym = comm.alloc_symmetric::<f32>(n).unwrap();
+        let d = comm.device_comm(&sym).unwrap();
+        let mut out = Host::alloc_from(dev, &vec![f32::NAN; n]).unwrap();
+        let out_at = out_address(&mut out);
+        for round in 0..3u32 {
+            let kernel = move |b: &HostBlock| -> Result<(), Stopped> {
+                let comm = b.comm();
+                let (me, w) = (comm.group_rank(), comm.group_width());
+                let quarter = n / b.blocks() as usize;
+                let mine = comm.peer_buffer(me).unwrap() as *mut f32;
+                let first = b.block() as usize * quarter;
+                // Higher blocks write later.
+                std::thread::sleep(std::time::Duration::from_millis(20 * b.block() as u64));
+                for i in first..first + quarter {
+                    // SAFETY: this block's quarter of this rank's buffer.
+                    unsafe { *mine.add(i) = (round * 1000) as f32 + (me * n + i) as f32 };
+                }
+                b.grid_barrier(BarrierKind::Publish)?;
+                let next = comm.peer_buffer((me + 1) % w).unwrap() as *const f32;
+                let other = (b.block() as usize + 1) % b.blocks() as usize * quarter;
+                for k in 0..quarter {
+                    // SAFETY: the next rank's buffer, written before its grid barrier,
+                    // not again before the next one; `out` is this rank's, this
+                    // block's quarter.
+                    unsafe { *(out_at as *mut f32).add(first + k) = *next.add(other + k) };
+                }
+                b.grid_barrier(BarrierKind::End)
+            };
+            comm.launch_host_kernel(&d, 4, kernel).unwrap();
+            comm.synchronize().unwrap();
+            let got = Host::download(dev, &out).unwrap();
+            let next = (rank + 1) % world;
+            for (i, g) in got.iter().enumerate() {
+                let (q, k) = (i / (n / 4), i % (n / 4));
+                let j = (q + 1) % 4 * (n / 4) + k;
+                let want = (round * 1000) as f32 + (next * n + j) as f32;
+                assert_eq!(*g, want, "rank {rank} round {round} [{i}]");
+            }
+        }
+    });
 }

@@ -118,6 +118,40 @@ pub(crate) unsafe fn user_barrier(
     barrier(args, Grid { block, blocks }, kind)
 }
 
+/// The grid barrier of a user kernel's block (the device header's `grid_barrier`):
+/// every block arrives on this rank's grid counter; block 0 waits for all of them,
+/// passes the counter barrier with the peers' blocks 0 and releases this rank's blocks.
+///
+/// # Safety
+/// As [`run_user_block`].
+pub(crate) unsafe fn user_grid_barrier(
+    args: &AllReduceArgs,
+    block: u32,
+    blocks: u32,
+    kind: BarrierKind,
+) -> Flow {
+    let own = args.signals[args.group_rank as usize];
+    let (arrivals, passed) = signals::user_grid(own);
+    let me = args.group_rank as usize;
+    let gen = passed.load(Ordering::Acquire);
+    arrivals.fetch_add(1, Ordering::AcqRel);
+    if block == 0 {
+        let mut spin = Spinner::new(args.timeout_ns, abort_word(args));
+        while arrivals.load(Ordering::Acquire) != blocks {
+            spin.wait().map_err(|why| why.waiting_for(me))?;
+        }
+        arrivals.store(0, Ordering::Relaxed);
+        barrier(args, Grid { block, blocks }, kind)?;
+        passed.store(gen.wrapping_add(1), Ordering::Release);
+    } else {
+        let mut spin = Spinner::new(args.timeout_ns, abort_word(args));
+        while passed.load(Ordering::Acquire) == gen {
+            spin.wait().map_err(|why| why.waiting_for(me))?;
+        }
+    }
+    Ok(())
+}
+
 /// What every collective's block does around its `body`: block 0 publishes the call, a
 /// poisoned rank abandons at entry, a stopped wait is recorded and the block abandons
 /// (waiting for the peers `wait_for` names: those that read its user buffers), block 0

@@ -47,6 +47,13 @@ impl HostBlock {
         // runs on the rank's stream, which the communicator's drop drains first.
         unsafe { kernels::user_barrier(&self.args, self.block, self.blocks, kind) }.map_err(Stopped)
     }
+    /// The barrier of the whole grid across the ranks (the header's `grid_barrier`):
+    /// every block of every rank, ordered as `kind` says; every block calls it.
+    pub fn grid_barrier(&self, kind: BarrierKind) -> Result<(), Stopped> {
+        // SAFETY: as in `barrier`.
+        unsafe { kernels::user_grid_barrier(&self.args, self.block, self.blocks, kind) }
+            .map_err(Stopped)
+    }
 }
 
 /// The arguments the host kernels' protocol reads, from a device communicator's.

@@ -38,6 +38,13 @@ pub(super) unsafe fn quit_cell<'a>(addr: u64, block: u32, writer: usize) -> &'a 
     atomic(std::ptr::addr_of_mut!((*s).quit[block as usize][writer]))
 }
 
+/// `user_grid` (arrivals, barriers passed) of the signal at `addr`.
+pub(super) unsafe fn user_grid<'a>(addr: u64) -> (&'a AtomicU32, &'a AtomicU32) {
+    let s = signal(addr);
+    let words = std::ptr::addr_of_mut!((*s).user_grid) as *mut u32;
+    (atomic(words), atomic(words.add(1)))
+}
+
 /// Word `i` of the error detail of the signal at `addr`.
 pub(super) unsafe fn detail_word<'a>(addr: u64, i: usize) -> &'a AtomicU32 {
     let s = signal(addr);
