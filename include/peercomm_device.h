@@ -445,6 +445,9 @@ struct Waiter {
     uint64_t limit = 0;  // timer ticks
     uint32_t spins = 0;
     bool timing = false;
+    // The timeout's multiple: a wait for another wait of this rank (grid_barrier's blocks
+    // other than 0) gives that one the time to record its cause first.
+    uint32_t scale = 1;
 
     // `awaited`: the group rank this wait is for (named in the record if it gives up).
     template <class A>
@@ -459,7 +462,7 @@ struct Waiter {
         const uint64_t now = timer_now();
         if (!timing) {
             start = now;
-            limit = timer_ticks(c.a.timeout_ns);
+            limit = timer_ticks(c.a.timeout_ns) * scale;
             timing = true;
         } else if (now - start > limit) {
             record_timeout(c, awaited);
@@ -758,7 +761,10 @@ PC_INLINE bool grid_barrier(BlockCtx<A>& c) {
         if (!barrier<kKind>(c)) return false;
         if (threadIdx.x == 0) st_release_sys(passed, gen + 1u);
     } else if (threadIdx.x == 0) {
+        // Block 0 waits for the peers, under the timeout: this wait gives it twice that,
+        // so that a missing peer is named by block 0's record, not this one.
         Waiter w;
+        w.scale = 2;
         while (ld_acquire_sys(passed) == gen)
             if (!w.keep_waiting(c, me)) break;
     }

@@ -68,6 +68,7 @@ tests! {
     host_kernel_timeout => per_rank_suite::device_api::host_kernel_timeout(&HOST);
     host_grid_barrier_world_2 => per_rank_suite::device_api::host_grid_barrier(&HOST, 2);
     host_grid_barrier_world_3 => per_rank_suite::device_api::host_grid_barrier(&HOST, 3);
+    host_grid_barrier_timeout => per_rank_suite::device_api::host_grid_barrier_timeout(&HOST);
     single_controller_host_kernel =>
         per_rank_suite::device_api::single_controller_host_kernel(&HOST);
 

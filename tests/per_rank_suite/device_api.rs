@@ -97,7 +97,7 @@ fn neighbours_sum(out: u64, n: usize) -> impl Fn(&HostBlock) -> Result<(), Stopp
     move |b| {
         let comm = b.comm();
         let (me, w) = (comm.group_rank(), comm.group_width());
-        b.grid_barrier(BarrierKind::Publish)?;
+        b.barrier(BarrierKind::Publish)?;
         let next = comm.peer_buffer((me + 1) % w).unwrap() as *const f32;
         let prev = comm.peer_buffer((me + w - 1) % w).unwrap() as *const f32;
         for i in (b.block() as usize..n).step_by(b.blocks() as usize) {
@@ -311,4 +311,33 @@ pub fn host_grid_barrier(place: &Placement, world: usize) {
             }
         }
     });
+}
+
+/// A grid barrier that rank 1 never reaches (four blocks): rank 0's record names rank
+/// 1, not one of its own blocks (which wait for block 0 twice as long); after
+/// `reinitialize` both pass it.
+pub fn host_grid_barrier_timeout(place: &Placement) {
+    let config = short_waits(place, 2);
+    let grid = |b: &HostBlock| -> Result<(), Stopped> { b.grid_barrier(BarrierKind::Publish) };
+    let results = in_step::<Host, _>(place, 2, &config, |rank, comm: &Comm<Host>, meet| {
+        let sym = comm.alloc_symmetric::<f32>(64).unwrap();
+        let d = comm.device_comm(&sym).unwrap();
+        let got = match rank {
+            0 => comm
+                .launch_host_kernel(&d, 4, grid)
+                .and_then(|()| comm.synchronize()),
+            _ => Ok(()),
+        };
+        meet.wait();
+        comm.reinitialize().unwrap();
+        comm.launch_host_kernel(&d, 4, grid).unwrap();
+        comm.synchronize().unwrap();
+        got
+    });
+    match &results[0] {
+        Err(Error::BarrierTimeout { waiting_for, .. }) => {
+            assert_eq!(*waiting_for, Some(1), "{:?}", results[0])
+        }
+        other => panic!("rank 0: {other:?}, not a timeout waiting for rank 1"),
+    }
 }

@@ -144,7 +144,8 @@ pub(crate) unsafe fn user_grid_barrier(
         barrier(args, Grid { block, blocks }, kind)?;
         passed.store(gen.wrapping_add(1), Ordering::Release);
     } else {
-        let mut spin = Spinner::new(args.timeout_ns, abort_word(args));
+        // Twice the timeout: block 0's record names a missing peer first.
+        let mut spin = Spinner::new(args.timeout_ns.saturating_mul(2), abort_word(args));
         while passed.load(Ordering::Acquire) == gen {
             spin.wait().map_err(|why| why.waiting_for(me))?;
         }
