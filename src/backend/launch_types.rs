@@ -169,6 +169,14 @@ impl Kernel {
             dtypes.map(move |&dtype| Kernel { kind, dtype })
         })
     }
+    /// The kernel that runs it, as [`Kernel::all`] lists it (a reduce runs the
+    /// one-stage kernel of its dtype): the key of a backend's table of loaded kernels.
+    pub fn exported(self) -> Kernel {
+        Kernel {
+            kind: self.kind.runs_as(),
+            dtype: self.dtype,
+        }
+    }
     /// Its exported symbol, e.g. `peercomm_two_stage_bf16`. The data-movement families
     /// (all-gather, broadcast, scatter) copy raw bits: a dtype other than `f32`, `f16`,
     /// `bf16` runs the kernel of its size (`u8` for 1 byte, `f32` for 4, `u64` for 8).
@@ -224,3 +232,26 @@ pub struct LaunchDims {
 /// producer writes (every -0.0 lane is sent as +0.0). Readiness is tested per 32-bit
 /// word, which 16-byte stores never tear.
 pub const LAMPORT_SENTINEL: u32 = 0x8000_0000;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every kernel a call may launch (every kind with every dtype it takes; the kinds
+    /// exported for f32 alone, with f32) is in the table the backends load, under
+    /// [`Kernel::exported`]: a reduce of any dtype finds its one-stage kernel (a CUDA run
+    /// found it missing before this key).
+    #[test]
+    fn every_launchable_kernel_is_loaded() {
+        let loaded: Vec<Kernel> = Kernel::all().collect();
+        for &kind in KernelKind::ALL {
+            let dtypes = DType::ALL.iter().filter(|&&d| kind.takes(d));
+            for &dtype in dtypes.filter(|&&d| kind.every_dtype() || d == DType::F32) {
+                let k = Kernel { kind, dtype };
+                let exported = k.exported();
+                assert!(loaded.contains(&exported), "{kind:?} {dtype:?}: not loaded");
+                assert_eq!(exported.symbol(), k.symbol(), "{kind:?} {dtype:?}");
+            }
+        }
+    }
+}

@@ -185,7 +185,10 @@ pub(super) fn launch_one<A: DeviceRepr>(
     dims: LaunchDims,
     args: &A,
 ) -> Result<()> {
-    let func = dev.kernels.get(&kernel).expect("every kernel is loaded");
+    let func = dev
+        .kernels
+        .get(&kernel.exported())
+        .expect("every kernel is loaded");
     let cfg = LaunchConfig {
         grid_dim: (dims.blocks, 1, 1),
         block_dim: (dims.threads, 1, 1),
@@ -217,7 +220,10 @@ pub(super) fn launch_overlapping(
     if major < 9 {
         return launch_one(dev, kernel, dims, args);
     }
-    let func = dev.kernels.get(&kernel).expect("every kernel is loaded");
+    let func = dev
+        .kernels
+        .get(&kernel.exported())
+        .expect("every kernel is loaded");
     bind(&dev.ctx)?;
     let mut attr: sys::CUlaunchAttribute = unsafe {
         // SAFETY: a plain C struct (id, padding, union of integers): all zeros is valid.

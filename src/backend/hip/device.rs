@@ -100,7 +100,7 @@ impl HipDevice {
 
     /// The loaded entry point of `kernel`.
     pub(super) fn function(&self, kernel: Kernel) -> Result<hipFunction_t> {
-        if let Some(&(_, f)) = self.functions.iter().find(|(k, _)| *k == kernel) {
+        if let Some(&(_, f)) = self.functions.iter().find(|(k, _)| *k == kernel.exported()) {
             return Ok(f);
         }
         let (symbol, extra) = (kernel.symbol(), &self.extra_functions);
