@@ -111,7 +111,9 @@ pub enum BarrierKind {
 }
 
 impl BarrierKind {
-    /// Orderings of the arrival store and of the spin's loads on the devices.
+    /// Orderings of the arrival store and of the spin's loads on the devices (the
+    /// crate's own models; not part of the device API).
+    #[doc(hidden)]
     #[cfg_attr(not(feature = "unstable"), allow(dead_code))]
     pub const fn device_orderings(self) -> (Ordering, Ordering) {
         match self {
@@ -121,6 +123,7 @@ impl BarrierKind {
     }
     /// Orderings on the host: always release/acquire, since its kernels read peer data
     /// with plain loads.
+    #[doc(hidden)]
     pub const fn host_orderings(self) -> (Ordering, Ordering) {
         (Ordering::Release, Ordering::Acquire)
     }

@@ -387,6 +387,7 @@ mod tests {
             for width in (1..=world).filter(|w| world % w == 0) {
                 let d = barrier_domain(width, world);
                 assert!(d < NUM_BARRIER_DOMAINS);
+                assert_ne!(d, USER_DOMAIN as usize, "user kernels' bank, world {world}");
                 let shared = seen.insert(d, width);
                 assert!(
                     shared.is_none(),

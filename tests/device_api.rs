@@ -10,18 +10,15 @@ mod common;
 
 use std::path::PathBuf;
 
-/// Where libnvrtc is: `PEERCOMM_NVRTC`, else the pinned wheel in `.venv-cuda`.
-fn nvrtc_library() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("PEERCOMM_NVRTC") {
+/// A file of the pinned wheels in `.venv-cuda` (`nvidia/cu13/<rel>`), or where `env`
+/// names it.
+fn toolchain_file(env: &str, rel: &str) -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os(env) {
         return Some(PathBuf::from(p));
     }
     let lib = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.venv-cuda/lib")).ok()?;
     lib.flatten()
-        .map(|python| {
-            python
-                .path()
-                .join("site-packages/nvidia/cu13/lib/libnvrtc.so.13")
-        })
+        .map(|python| python.path().join("site-packages/nvidia/cu13").join(rel))
         .find(|p| p.exists())
 }
 
@@ -31,7 +28,7 @@ fn nvrtc_loaded(test: &str) -> bool {
     type Libs = Option<[libloading::Library; 2]>;
     static LIBS: std::sync::OnceLock<Libs> = std::sync::OnceLock::new();
     let lib = LIBS.get_or_init(|| {
-        let path = nvrtc_library()?;
+        let path = toolchain_file("PEERCOMM_NVRTC", "lib/libnvrtc.so.13")?;
         let builtins = path.with_file_name("libnvrtc-builtins.so.13.0");
         // SAFETY: loading these libraries runs no initialiser with preconditions.
         unsafe {
@@ -145,7 +142,7 @@ fn the_example_kernels_compile_with_nvrtc_and_nvcc() {
             assert!(ptx.contains(&format!(".entry {name}")), "NVRTC: no {name}");
         }
     }
-    let Some(nvcc) = nvcc() else {
+    let Some(nvcc) = toolchain_file("PEERCOMM_NVCC", "bin/nvcc") else {
         common::announce_skip(
             "the_example_kernels_compile_with_nvrtc_and_nvcc (nvcc)",
             "nvcc not found (PEERCOMM_NVCC or .venv-cuda)",
@@ -173,15 +170,4 @@ fn the_example_kernels_compile_with_nvrtc_and_nvcc() {
         assert!(ptx.contains(&format!(".entry {name}")), "nvcc: no {name}");
     }
     std::fs::remove_dir_all(&dir).ok();
-}
-
-/// nvcc: `PEERCOMM_NVCC`, else the pinned wheel's in `.venv-cuda`.
-fn nvcc() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("PEERCOMM_NVCC") {
-        return Some(PathBuf::from(p));
-    }
-    let lib = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.venv-cuda/lib")).ok()?;
-    lib.flatten()
-        .map(|python| python.path().join("site-packages/nvidia/cu13/bin/nvcc"))
-        .find(|p| p.exists())
 }

@@ -5,24 +5,29 @@
 // in a symmetric buffer, which `comm` (peercomm::Comm::device_comm) reaches on every
 // rank. examples/device-api/host.rs is the same logic on the host backend.
 
-// One-stage all-reduce (sum) of the symmetric buffer into `out`, in the library's
-// order: +0.0, then the members' values in group-rank order, in f32.
-extern "C" __global__ void one_stage_sum(const peercomm::DeviceComm comm, float* out,
-                                         unsigned long long n) {
+// What every kernel here does around its work: enter; a publishing barrier (the inputs
+// were written before the kernel, on every rank); `element(i)` for this thread's
+// elements of n (a grid stride); an end barrier (the peers keep their inputs until this
+// rank has read them); finish. A failed barrier leaves through abandon.
+template <class Element>
+__device__ void between_barriers(const peercomm::DeviceComm& comm, unsigned long long n, Element element) {
     using namespace peercomm;
     auto b = make_ctx(comm);
     if (!enter(b)) return abandon(b, WaitForPeers::No);
-    // The inputs were written before this kernel (on every rank): publish them.
     if (!barrier<BarrierKind::Publish>(b)) return abandon(b, WaitForPeers::Yes);
     for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)gridDim.x * blockDim.x) {
-        float acc = 0.0f;
-        for (unsigned q = 0; q < comm.group_width; ++q) acc += ((const float*)peer_buffer(comm, q))[i];
-        out[i] = acc;
-    }
-    // Keep the peers from overwriting their inputs before this rank has read them.
+         i += (unsigned long long)gridDim.x * blockDim.x)
+        element(i);
     if (!barrier<BarrierKind::End>(b)) return abandon(b, WaitForPeers::Yes);
     finish(b);
+}
+
+// Element i summed over the members in the library's order: +0.0, then group-rank
+// order, in f32.
+__device__ __forceinline__ float member_sum(const peercomm::DeviceComm& comm, unsigned long long i) {
+    float acc = 0.0f;
+    for (unsigned q = 0; q < comm.group_width; ++q) acc += ((const float*)peercomm::peer_buffer(comm, q))[i];
+    return acc;
 }
 
 // GELU, tanh form.
@@ -30,22 +35,17 @@ __device__ __forceinline__ float gelu(float x) {
     return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
 
+// One-stage all-reduce (sum) of the symmetric buffer into `out`.
+extern "C" __global__ void one_stage_sum(const peercomm::DeviceComm comm, float* out,
+                                         unsigned long long n) {
+    between_barriers(comm, n, [&](unsigned long long i) { out[i] = member_sum(comm, i); });
+}
+
 // The all-reduce of the symmetric buffer with a bias and GELU fused into its epilogue:
 // out[i] = gelu(sum_q x_q[i] + bias[i]), one pass, no intermediate in memory.
 extern "C" __global__ void all_reduce_bias_gelu(const peercomm::DeviceComm comm, const float* bias,
                                                 float* out, unsigned long long n) {
-    using namespace peercomm;
-    auto b = make_ctx(comm);
-    if (!enter(b)) return abandon(b, WaitForPeers::No);
-    if (!barrier<BarrierKind::Publish>(b)) return abandon(b, WaitForPeers::Yes);
-    for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)gridDim.x * blockDim.x) {
-        float acc = 0.0f;
-        for (unsigned q = 0; q < comm.group_width; ++q) acc += ((const float*)peer_buffer(comm, q))[i];
-        out[i] = gelu(acc + bias[i]);
-    }
-    if (!barrier<BarrierKind::End>(b)) return abandon(b, WaitForPeers::Yes);
-    finish(b);
+    between_barriers(comm, n, [&](unsigned long long i) { out[i] = gelu(member_sum(comm, i) + bias[i]); });
 }
 
 // Mixture-of-experts combine on a token's home rank. Expert e (one per rank) wrote its
@@ -56,24 +56,16 @@ extern "C" __global__ void all_reduce_bias_gelu(const peercomm::DeviceComm comm,
 // out[t][j] = sum_e scores[t][e] * y_e[me * tokens + t][j].
 extern "C" __global__ void moe_combine(const peercomm::DeviceComm comm, const float* scores, float* out,
                                        unsigned tokens, unsigned hidden) {
-    using namespace peercomm;
-    auto b = make_ctx(comm);
-    if (!enter(b)) return abandon(b, WaitForPeers::No);
-    if (!barrier<BarrierKind::Publish>(b)) return abandon(b, WaitForPeers::Yes);
     const unsigned me = comm.group_rank, width = comm.group_width;
-    const unsigned long long n = (unsigned long long)tokens * hidden;
-    for (unsigned long long i = blockIdx.x * blockDim.x + threadIdx.x; i < n;
-         i += (unsigned long long)gridDim.x * blockDim.x) {
+    between_barriers(comm, (unsigned long long)tokens * hidden, [&](unsigned long long i) {
         const unsigned long long t = i / hidden, row = (unsigned long long)me * tokens + t;
         float acc = 0.0f;
         for (unsigned e = 0; e < width; ++e) {
-            const float y = ((const float*)peer_buffer(comm, e))[row * hidden + i % hidden];
+            const float y = ((const float*)peercomm::peer_buffer(comm, e))[row * hidden + i % hidden];
             acc += scores[t * width + e] * y;
         }
         out[i] = acc;
-    }
-    if (!barrier<BarrierKind::End>(b)) return abandon(b, WaitForPeers::Yes);
-    finish(b);
+    });
 }
 
 // The unfused epilogue (for the comparison): out[i] = gelu(x[i] + bias[i]).

@@ -61,17 +61,27 @@ pub(super) fn rows(s: &Sweep<'_>, n: usize) -> Vec<super::Record> {
         .expect("a captured graph")
         .0
     };
-    let check = |what: &str, got: &CudaSlice<bf16>, senders: &[(usize, usize)]| {
-        let got = stream.clone_dtoh(got).unwrap();
+    // One row: `call` once, its output checked (each sender's part holds its rank + 1,
+    // in rank order), then captured `s.calls` times and timed.
+    let row = |name: &str,
+               recv: &mut CudaSlice<bf16>,
+               senders: &[(usize, usize)],
+               call: &dyn Fn(&mut CudaSlice<bf16>) -> peercomm::Result<()>| {
+        call(recv).unwrap();
+        comm.synchronize().unwrap();
+        let got = stream.clone_dtoh(recv).unwrap();
         let mut at = 0;
         for &(q, len) in senders {
             let want = bf16::from_f32(q as f32 + 1.0);
             assert!(
                 got[at..at + len].iter().all(|&x| x == want),
-                "rank {rank}: {what} of {n} elements, rank {q}'s part"
+                "rank {rank}: {name} of {n} elements, rank {q}'s part"
             );
             at += len;
         }
+        let g = graph(&mut || call(recv));
+        let us = (s.time)(&|| g.launch().unwrap());
+        (s.row)(&format!("peercomm-per-rank-{name}"), "exchange", us)
     };
     let mut out = Vec::new();
 
@@ -86,82 +96,50 @@ pub(super) fn rows(s: &Sweep<'_>, n: usize) -> Vec<super::Record> {
     ));
     drop(copy);
 
+    // Equal parts and a ring shift, from a plain buffer (staged) and from a symmetric
+    // one (the peers read it in place, nothing staged).
     let counts = vec![part; world];
-    let a2a = |recv: &mut CudaSlice<bf16>| comm.all_to_all_v(&send, &counts, recv, &counts);
-    a2a(&mut recv).unwrap();
-    comm.synchronize().unwrap();
-    check(
-        "all-to-all",
-        &recv,
-        &(0..world).map(|q| (q, part)).collect::<Vec<_>>(),
-    );
-    let g = graph(&mut || a2a(&mut recv));
-    let us = (s.time)(&|| g.launch().unwrap());
-    out.push((s.row)("peercomm-per-rank-all-to-all", "exchange", us));
-    drop(g);
+    let parts: Vec<(usize, usize)> = (0..world).map(|q| (q, part)).collect();
+    let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+    let mut sym = comm.alloc_symmetric::<bf16>(n).expect("a symmetric buffer");
+    sym.copy_from_host(comm.device(), &vec![bf16::from_f32(rank as f32 + 1.0); n])
+        .unwrap();
+    // The calls take sized buffers: one expansion per source.
+    macro_rules! from_source {
+        ($source:expr, $suffix:expr) => {{
+            let a2a =
+                |recv: &mut CudaSlice<bf16>| comm.all_to_all_v($source, &counts, recv, &counts);
+            out.push(row(
+                &format!("all-to-all{}", $suffix),
+                &mut recv,
+                &parts,
+                &a2a,
+            ));
+            let ring = |recv: &mut CudaSlice<bf16>| {
+                let mut group = comm.group();
+                group.send($source, next)?;
+                group.recv(recv, prev)?;
+                group.end().map(|_| ())
+            };
+            out.push(row(
+                &format!("sendrecv{}", $suffix),
+                &mut recv,
+                &[(prev, n)],
+                &ring,
+            ));
+        }};
+    }
+    from_source!(&send, "");
+    from_source!(&sym, "-symmetric");
 
+    // Uneven parts, from the plain buffer.
     let sends: Vec<usize> = (0..world).map(|q| uneven(n, world, rank, q)).collect();
     let recvs: Vec<usize> = (0..world).map(|q| uneven(n, world, q, rank)).collect();
     let mut uneven_recv = stream
         .alloc_zeros::<bf16>(recvs.iter().sum::<usize>().max(1))
         .unwrap();
-    let a2av = |recv: &mut CudaSlice<bf16>| comm.all_to_all_v(&send, &sends, recv, &recvs);
-    a2av(&mut uneven_recv).unwrap();
-    comm.synchronize().unwrap();
     let from: Vec<(usize, usize)> = recvs.iter().copied().enumerate().collect();
-    check("all-to-all-v", &uneven_recv, &from);
-    let g = graph(&mut || a2av(&mut uneven_recv));
-    let us = (s.time)(&|| g.launch().unwrap());
-    out.push((s.row)("peercomm-per-rank-all-to-all-v", "exchange", us));
-    drop(g);
-
-    let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
-    let ring = |recv: &mut CudaSlice<bf16>| {
-        let mut group = comm.group();
-        group.send(&send, next)?;
-        group.recv(recv, prev)?;
-        group.end().map(|_| ())
-    };
-    ring(&mut recv).unwrap();
-    comm.synchronize().unwrap();
-    check("send/recv", &recv, &[(prev, n)]);
-    let g = graph(&mut || ring(&mut recv));
-    let us = (s.time)(&|| g.launch().unwrap());
-    out.push((s.row)("peercomm-per-rank-sendrecv", "exchange", us));
-    drop(g);
-
-    // The same from a symmetric buffer: the peers read it in place (nothing staged).
-    let mut sym = comm.alloc_symmetric::<bf16>(n).expect("a symmetric buffer");
-    sym.copy_from_host(comm.device(), &vec![bf16::from_f32(rank as f32 + 1.0); n])
-        .unwrap();
-    let a2a = |recv: &mut CudaSlice<bf16>| comm.all_to_all_v(&sym, &counts, recv, &counts);
-    a2a(&mut recv).unwrap();
-    comm.synchronize().unwrap();
-    let parts: Vec<(usize, usize)> = (0..world).map(|q| (q, part)).collect();
-    check("all-to-all from a symmetric buffer", &recv, &parts);
-    let g = graph(&mut || a2a(&mut recv));
-    let us = (s.time)(&|| g.launch().unwrap());
-    out.push((s.row)(
-        "peercomm-per-rank-all-to-all-symmetric",
-        "exchange",
-        us,
-    ));
-    drop(g);
-    let ring = |recv: &mut CudaSlice<bf16>| {
-        let mut group = comm.group();
-        group.send(&sym, next)?;
-        group.recv(recv, prev)?;
-        group.end().map(|_| ())
-    };
-    ring(&mut recv).unwrap();
-    comm.synchronize().unwrap();
-    check("send/recv from a symmetric buffer", &recv, &[(prev, n)]);
-    let g = graph(&mut || ring(&mut recv));
-    let us = (s.time)(&|| g.launch().unwrap());
-    out.push((s.row)(
-        "peercomm-per-rank-sendrecv-symmetric",
-        "exchange",
-        us,
-    ));
+    let a2av = |recv: &mut CudaSlice<bf16>| comm.all_to_all_v(&send, &sends, recv, &recvs);
+    out.push(row("all-to-all-v", &mut uneven_recv, &from, &a2av));
     out
 }

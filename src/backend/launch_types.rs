@@ -171,7 +171,8 @@ impl Kernel {
     }
     /// The kernel that runs it, as [`Kernel::all`] lists it (a reduce runs the
     /// one-stage kernel of its dtype): the key of a backend's table of loaded kernels.
-    pub fn exported(self) -> Kernel {
+    #[cfg_attr(not(any(feature = "cuda", feature = "hip")), allow(dead_code))]
+    pub(crate) fn exported(self) -> Kernel {
         Kernel {
             kind: self.kind.runs_as(),
             dtype: self.dtype,

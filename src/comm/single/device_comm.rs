@@ -103,12 +103,8 @@ impl SingleController<crate::backend::host::Host> {
                 "device communicators of another single controller".into(),
             ));
         }
-        if blocks == 0 || blocks as usize > crate::signal::MAX_NUM_BLOCKS_UPPER_BOUND {
-            return Err(Error::Unsupported(format!(
-                "blocks must be in 1..={}, not {blocks}",
-                crate::signal::MAX_NUM_BLOCKS_UPPER_BOUND
-            )));
-        }
+        // The grid the collectives' `blocks` option takes (the signal's counters).
+        self.ranks[0].settings.blocks(Some(blocks), || blocks)?;
         for (rank, comm) in self.ranks.iter().zip(comms) {
             rank.check_usable()?;
             // SAFETY: `comm` is this controller's (checked above), whose drop drains

@@ -126,12 +126,8 @@ impl Comm<crate::backend::host::Host> {
                 "a DeviceComm of another communicator or rank".into(),
             ));
         }
-        if blocks == 0 || blocks as usize > crate::signal::MAX_NUM_BLOCKS_UPPER_BOUND {
-            return Err(Error::Unsupported(format!(
-                "blocks must be in 1..={}, not {blocks}",
-                crate::signal::MAX_NUM_BLOCKS_UPPER_BOUND
-            )));
-        }
+        // The grid the collectives' `blocks` option takes (the signal's counters).
+        core.settings.blocks(Some(blocks), || blocks)?;
         // SAFETY: `comm` is this communicator's (checked above), whose drop drains the
         // stream the kernel runs on before its signals go.
         unsafe { crate::backend::host::launch_user_kernel(core.device(), comm, blocks, kernel) };

@@ -121,9 +121,9 @@ impl<B: Backend> Registry<B> {
         }
     }
 
-    /// The place of an input of `bytes` bytes at `ptr`, when a listed registered range
-    /// holds all of it ([`Registry::note_in_place`]d).
-    pub(crate) fn lookup(&self, ptr: u64, bytes: usize) -> Option<InPlace> {
+    /// `f` of the listed registered range that holds all `bytes` bytes at `ptr` and
+    /// their offset in it, if one does ([`Registry::note_in_place`]d).
+    fn listed<R>(&self, ptr: u64, bytes: usize, f: impl FnOnce(&Entry<B>, u64) -> R) -> Option<R> {
         let entries = lock(&self.entries);
         // In u128: no range wraps (registered ranges were checked, an input was not).
         let end = u128::from(ptr) + bytes as u128;
@@ -131,21 +131,22 @@ impl<B: Backend> Registry<B> {
             .iter()
             .find(|e| e.listed && ptr >= e.base && end <= u128::from(e.base) + e.bytes as u128)?;
         self.note_in_place();
-        Some(e.place(ptr - e.base))
+        Some(f(e, ptr - e.base))
+    }
+
+    /// The place of an input of `bytes` bytes at `ptr`, when a listed registered range
+    /// holds all of it ([`Registry::note_in_place`]d).
+    pub(crate) fn lookup(&self, ptr: u64, bytes: usize) -> Option<InPlace> {
+        self.listed(ptr, bytes, |e, offset| e.place(offset))
     }
 
     /// Where each group member reaches the `bytes` bytes at `ptr` on this rank (its
     /// address, 0 for none), when a listed registered range holds all of them
     /// ([`Registry::note_in_place`]d): a send the peers read in place.
     pub(crate) fn seen_by(&self, ptr: u64, bytes: usize) -> Option<[u64; MAX_GPUS]> {
-        let entries = lock(&self.entries);
-        let end = u128::from(ptr) + bytes as u128;
-        let e = entries
-            .iter()
-            .find(|e| e.listed && ptr >= e.base && end <= u128::from(e.base) + e.bytes as u128)?;
-        self.note_in_place();
-        let offset = ptr - e.base;
-        Some(e.seen_by.map(|b| if b == 0 { 0 } else { b + offset }))
+        self.listed(ptr, bytes, |e, offset| {
+            e.seen_by.map(|b| if b == 0 { 0 } else { b + offset })
+        })
     }
 
     /// The place at `offset` in registration `id` (listed or not), if it is live (as
