@@ -102,9 +102,12 @@ typedef long long int64_t;
  * The reduction operator of word 2 (bits PEERCOMM_CALL_OP_SHIFT.., 3 bits), read by the
  * reducing kernels. Over f16/bf16 and f32 each runs in f32, in group-rank order:
  *   SUM:  +0.0 + x0 + x1 + ... (over two or more ranks: an exact-zero sum is +0.0)
- *   PROD: x0 * x1 * ...
+ *   PROD: x0 * x1 * ...; a NaN result is the type's canonical quiet NaN
  *   MAX, MIN: by value, with -0.0 below +0.0; any NaN gives the type's canonical quiet
  *         NaN (f32 0x7fc00000, f16 0x7e00, bf16 0x7fc0), on every rank and algorithm
+ *   (the Lamport kernels send a SUM's or AVG's -0.0 as +0.0, which leaves the result
+ *   unchanged, and a PROD's, MAX's or MIN's NaN as the canonical NaN, so that the word
+ *   0xffffffff is free to carry the sentinel's bits: PEERCOMM_LAMPORT_SENTINEL_STANDIN)
  *   AVG:  the SUM divided by the group width (one rounding), then rounded to the type
  */
 #define PEERCOMM_CALL_OP_SHIFT 25
@@ -120,6 +123,12 @@ typedef long long int64_t;
 #define PEERCOMM_OP_AVG 4
 /* A Lamport slot ends with the writer's descriptor: one pack per 3 words, lane 3 zero. */
 #define PEERCOMM_LAMPORT_HEADER_PACKS PEERCOMM_CALL_PACKS
+/*
+ * The word a Lamport kernel sends for a PROD's, MAX's or MIN's word whose bits are the
+ * sentinel's (f32 -0.0; f16 or bf16 +0.0 below a -0.0): all ones, which no such word
+ * has once its NaNs are the canonical ones. The reader turns it back.
+ */
+#define PEERCOMM_LAMPORT_SENTINEL_STANDIN 0xffffffffu
 
 /* The per-GPU signal. Every peer of the group writes into it over P2P. */
 typedef struct peercomm_signal {

@@ -52,6 +52,11 @@ static_assert((PC_SPIN_CHECK_INTERVAL & (PC_SPIN_CHECK_INTERVAL - 1)) == 0,
 
 PC_INLINE uint64_t min_u64(uint64_t x, uint64_t y) { return x < y ? x : y; }
 
+// A lambda inlined where it is called (nvcc and clang accept the attribute after its
+// parameters): the compilers outline the larger bodies of a per-width or per-operator
+// dispatch otherwise, and a call costs the kernel a frame and its registers at the call.
+#define PC_INLINE_LAMBDA __attribute__((always_inline))
+
 // ---------------------------------------------------------------------------------
 // Element types: raw bits in memory, f32 in registers. kCanonicalNaN is the one NaN
 // that Max and Min store, as these bits. kRunTimeWidth: whether the reducing kernels
@@ -193,8 +198,8 @@ struct Unroll {
 
 // One sign of zero for every sum over two or more ranks: the f32 accumulator starts at
 // +0.0 (acc = +0.0 + x[0]), so an exact-zero sum is +0.0 whatever the algorithm
-// (Lamport cannot carry -0.0, its sentinel, and sends it as +0.0) and every other sum
-// is unchanged. A group of one stays an exact copy.
+// (Lamport sends a Sum's or an Avg's -0.0 as +0.0) and every other sum is unchanged.
+// A group of one stays an exact copy.
 template <int W>
 PC_INLINE float sum_start(float x0) {
     if constexpr (W > 1) {
@@ -204,127 +209,150 @@ PC_INLINE float sum_start(float x0) {
     }
 }
 
-// The sum of the W packs in source order (acc = +0.0 + x[0]; acc += x[s]), in f32: the
-// order every rank and the host use. The Sum operator's path, and the Lamport kernels'.
-template <typename D, int W>
-PC_INLINE Vec16 sum_packs(const Vec16 (&x)[W]) {
-    constexpr int L = Pack<D>::kLanes;
-    Pack<D> in{x[0]};
-    float acc[L];
-#pragma unroll
-    for (int j = 0; j < L; ++j) acc[j] = sum_start<W>(D::to_float(in.lane(j)));
-#pragma unroll
-    for (int s = 1; s < W; ++s) {
-        in.v = x[s];
-#pragma unroll
-        for (int j = 0; j < L; ++j) acc[j] += D::to_float(in.lane(j));
-    }
-    Pack<D> out{make_vec16(0u, 0u, 0u, 0u)};
-#pragma unroll
-    for (int j = 0; j < L; ++j) out.set_lane(j, D::from_float(acc[j]));
-    return out.v;
-}
-
-// The reduction operator of a call (PEERCOMM_OP_*, word 2 of its descriptor): a run-time
-// value, so each kernel has one body per width for every operator.
+// The reduction operator of a call (PEERCOMM_OP_*, word 2 of its descriptor).
 PC_INLINE uint32_t call_op(const Args& a) { return (a.call[2] >> PEERCOMM_CALL_OP_SHIFT) & 7u; }
 
-// The operators other than Sum, by peercomm_signal.h's rules, in f32 and source order
-// like sum_packs: the accumulator starts at x[0] (Avg: sum_start, as Sum), then
-// acc = op_step(op, acc, x[s]), then op_store rounds it to the type. op_step computes
-// every candidate and selects one: an operator as a template parameter would multiply
-// the kernels' compile time. Unknown codes reduce as Sum.
-template <int W>
-PC_INLINE float op_first(uint32_t op, float x0) {
-    return op == PEERCOMM_OP_SUM || op == PEERCOMM_OP_AVG ? sum_start<W>(x0) : x0;
-}
-// Max and Min by value, -0.0 below +0.0 (equal values differ at most in the sign of a
-// zero: Max takes x over a -0.0, Min over a +0.0); a NaN on either side stays a NaN.
-PC_INLINE float op_step(uint32_t op, float acc, float x) {
-    const float sum = acc + x, prod = acc * x;
-    const bool is_max = op == PEERCOMM_OP_MAX;
-    const bool acc_neg = (bits_from_float(acc) >> 31) != 0u;
-    const bool take_x = acc == x ? acc_neg == is_max : (acc < x) == is_max;
-    const float ext = acc != acc || x != x ? float_from_bits(F32::kCanonicalNaN) : take_x ? x : acc;
-    return op == PEERCOMM_OP_PROD ? prod : op == PEERCOMM_OP_MAX || op == PEERCOMM_OP_MIN ? ext : sum;
-}
-// The lane's bits: a Max or Min NaN is the type's canonical NaN, stored as those bits;
-// Avg divides the sum by the width (one f32 rounding; a group of one keeps x).
-template <typename D, int W>
-PC_INLINE typename D::Bits op_store(uint32_t op, float acc) {
-    if ((op == PEERCOMM_OP_MAX || op == PEERCOMM_OP_MIN) && acc != acc) return D::kCanonicalNaN;
-    if constexpr (W > 1) {
-        if (op == PEERCOMM_OP_AVG) acc = acc / (float)W;
+// The operators over f32, f16 and bf16, by peercomm_signal.h's rules, in f32 and source
+// order: acc = first(x[0]), acc = step(acc, x[s]) for s = 1.., then store() rounds acc
+// to the type. Each is a type, so a reduction's loop holds one operator's instructions
+// alone (against one body for every operator: a loop 2-5x longer in SASS); with_op
+// picks the loop once per range, a branch every thread of the call takes alike.
+struct SumOp {
+    template <int W>
+    static PC_INLINE float first(float x) { return sum_start<W>(x); }
+    static PC_INLINE float step(float acc, float x) { return acc + x; }
+    template <typename D, int W>
+    static PC_INLINE typename D::Bits store(float acc) { return D::from_float(acc); }
+};
+// The sum over the width, one f32 rounding: a multiplication by the exact 1 / W where W
+// is a power of two rounds as the division does.
+struct AvgOp : SumOp {
+    template <typename D, int W>
+    static PC_INLINE typename D::Bits store(float acc) {
+        if constexpr (W > 1 && (W & (W - 1)) == 0) {
+            acc = acc * (1.0f / (float)W);
+        } else if constexpr (W > 1) {
+            acc = acc / (float)W;
+        }
+        return D::from_float(acc);
     }
-    return D::from_float(acc);
+};
+// Prod, Max and Min store any NaN as the type's canonical NaN.
+struct NaNCanonicalOp {
+    template <int W>
+    static PC_INLINE float first(float x) { return x; }
+    template <typename D, int W>
+    static PC_INLINE typename D::Bits store(float acc) { return acc != acc ? D::kCanonicalNaN : D::from_float(acc); }
+};
+struct ProdOp : NaNCanonicalOp {
+    static PC_INLINE float step(float acc, float x) { return acc * x; }
+};
+// By value, -0.0 below +0.0 (equal values differ at most in the sign of a zero, and
+// then the bits order them: Max takes +0.0 (0x0) over -0.0 (0x80000000), Min the
+// other); a NaN on either side stays a NaN (a NaN x is taken; a NaN acc compares false
+// and stays). The conditions combine with & and |, not && and ||: no branch per lane.
+struct MaxOp : NaNCanonicalOp {
+    static PC_INLINE float step(float acc, float x) {
+        const bool tie = (x == acc) & (bits_from_float(acc) > bits_from_float(x));
+        return ((x != x) | (x > acc) | tie) ? x : acc;
+    }
+};
+struct MinOp : NaNCanonicalOp {
+    static PC_INLINE float step(float acc, float x) {
+        const bool tie = (x == acc) & (bits_from_float(x) > bits_from_float(acc));
+        return ((x != x) | (x < acc) | tie) ? x : acc;
+    }
+};
+
+// Runs body.template operator()<Op>() with Op the type of operator op; unknown codes
+// reduce as Sum.
+template <typename F>
+PC_INLINE auto with_op(uint32_t op, F&& body) {
+    switch (op) {
+        case PEERCOMM_OP_PROD: return body.template operator()<ProdOp>();
+        case PEERCOMM_OP_MAX: return body.template operator()<MaxOp>();
+        case PEERCOMM_OP_MIN: return body.template operator()<MinOp>();
+        case PEERCOMM_OP_AVG: return body.template operator()<AvgOp>();
+        default: return body.template operator()<SumOp>();
+    }
 }
-template <typename D, int W>
-PC_INLINE Vec16 fold_packs(uint32_t op, const Vec16 (&x)[W]) {
+
+// The W packs reduced lane by lane by Op, in source order.
+template <typename D, int W, typename Op>
+PC_INLINE Vec16 fold_packs(const Vec16 (&x)[W]) {
     constexpr int L = Pack<D>::kLanes;
     Pack<D> in{x[0]};
     float acc[L];
 #pragma unroll
-    for (int j = 0; j < L; ++j) acc[j] = op_first<W>(op, D::to_float(in.lane(j)));
+    for (int j = 0; j < L; ++j) acc[j] = Op::template first<W>(D::to_float(in.lane(j)));
 #pragma unroll
     for (int s = 1; s < W; ++s) {
         in.v = x[s];
 #pragma unroll
-        for (int j = 0; j < L; ++j) acc[j] = op_step(op, acc[j], D::to_float(in.lane(j)));
+        for (int j = 0; j < L; ++j) acc[j] = Op::step(acc[j], D::to_float(in.lane(j)));
     }
     Pack<D> out{make_vec16(0u, 0u, 0u, 0u)};
 #pragma unroll
-    for (int j = 0; j < L; ++j) out.set_lane(j, op_store<D, W>(op, acc[j]));
+    for (int j = 0; j < L; ++j) out.set_lane(j, Op::template store<D, W>(acc[j]));
     return out.v;
 }
 
-// The W packs reduced by the call's operator: Sum runs sum_packs, the rest fold_packs.
+// The sum of the W packs (the fused kernels' and the Sum operator's).
 template <typename D, int W>
-PC_INLINE Vec16 reduce_packs(uint32_t op, const Vec16 (&x)[W]) {
-    return op == PEERCOMM_OP_SUM ? sum_packs<D, W>(x) : fold_packs<D, W>(op, x);
+PC_INLINE Vec16 sum_packs(const Vec16 (&x)[W]) {
+    return fold_packs<D, W, SumOp>(x);
 }
 
-// Pack p lane by lane (the tail, or unaligned buffers): same order, same rounding, every
-// operator through op_step (Sum included: its step is the same addition).
-template <typename D, int W>
-PC_INLINE void reduce_pack_scalar(uint32_t op, const uint64_t* srcs, uint64_t p, uint64_t n, uint64_t dst,
-                                  uint64_t dst_p) {
+// Pack p lane by lane (the tail, or unaligned buffers): same order, same rounding.
+template <typename D, int W, typename Op>
+PC_INLINE void reduce_pack_scalar(const uint64_t* srcs, uint64_t p, uint64_t n, uint64_t dst, uint64_t dst_p) {
     constexpr int L = Pack<D>::kLanes;
     for (uint64_t e = p * L, j = 0; e < n && j < (uint64_t)L; ++e, ++j) {
-        float acc = op_first<W>(op, D::to_float(load_elem<D>(srcs[0], e)));
-        for (int s = 1; s < W; ++s) acc = op_step(op, acc, D::to_float(load_elem<D>(srcs[s], e)));
-        store_elem<D>(dst, dst_p * L + j, op_store<D, W>(op, acc));
+        float acc = Op::template first<W>(D::to_float(load_elem<D>(srcs[0], e)));
+        for (int s = 1; s < W; ++s) acc = Op::step(acc, D::to_float(load_elem<D>(srcs[s], e)));
+        store_elem<D>(dst, dst_p * L + j, Op::template store<D, W>(acc));
     }
 }
 
-// Reduces the packs p in [first, end) of this thread from the W sources into dst at
-// pack p - dst_base, by the operator op. Each iteration issues the loads of G packs of
-// every source before using any of them.
+// The first pack at or after `from` that this thread handles (pack p by the thread whose
+// tid is (p - first) % stride).
+PC_INLINE uint64_t first_pack_from(uint64_t first, uint64_t from, uint64_t tid, uint64_t stride) {
+    const uint64_t p = first + tid;
+    return p >= from ? p : p + (from - p + stride - 1) / stride * stride;
+}
+
+// Reduces the packs p in [first, end) of this thread (p - first = tid mod stride) from
+// the W sources into dst at pack p - dst_base, by the operator op. The whole packs of
+// aligned buffers go 16 bytes at a time, the loads of G packs of every source issued
+// before any is used; the last, partial pack (and every pack of unaligned buffers)
+// goes lane by lane, in a loop of its own so that the main loop keeps its registers.
 template <typename D, int W>
 PC_INLINE void reduce_range(uint32_t op, const uint64_t* srcs, uint64_t first, uint64_t end, uint64_t n,
                             uint64_t dst, uint64_t dst_base, bool vec, uint64_t tid, uint64_t stride) {
     constexpr int L = Pack<D>::kLanes;
     constexpr int G = Unroll<W>::G;
-    for (uint64_t p0 = first + tid; p0 < end; p0 += G * stride) {
-        Vec16 x[G][W];
+    const uint64_t whole = vec ? (n / L < first ? first : n / L < end ? n / L : end) : first;
+    with_op(op, [&]<typename Op>() PC_INLINE_LAMBDA {
+        for (uint64_t p0 = first + tid; p0 < whole; p0 += G * stride) {
+            Vec16 x[G][W];
 #pragma unroll
-        for (int g = 0; g < G; ++g) {
-            const uint64_t p = p0 + g * stride;
-            if (vec && p < end && (p + 1) * L <= n) {
+            for (int g = 0; g < G; ++g) {
+                const uint64_t p = p0 + g * stride;
+                if (p < whole) {
 #pragma unroll
-                for (int s = 0; s < W; ++s) x[g][s] = load_vec16(srcs[s], p);
+                    for (int s = 0; s < W; ++s) x[g][s] = load_vec16(srcs[s], p);
+                }
+            }
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
+                const uint64_t p = p0 + g * stride;
+                if (p >= whole) break;
+                store_vec16(dst, p - dst_base, fold_packs<D, W, Op>(x[g]));
             }
         }
-#pragma unroll
-        for (int g = 0; g < G; ++g) {
-            const uint64_t p = p0 + g * stride;
-            if (p >= end) break;
-            if (vec && (p + 1) * L <= n) {
-                store_vec16(dst, p - dst_base, reduce_packs<D, W>(op, x[g]));
-            } else {
-                reduce_pack_scalar<D, W>(op, srcs, p, n, dst, p - dst_base);
-            }
-        }
-    }
+        for (uint64_t p = first_pack_from(first, whole, tid, stride); p < end; p += stride)
+            reduce_pack_scalar<D, W, Op>(srcs, p, n, dst, p - dst_base);
+    });
 }
 
 // Copies the packs p in [first, end) of this thread from src (at pack p - src_base) to
@@ -406,8 +434,8 @@ PC_INLINE void with_width(uint32_t width, F&& body) {
 
 // The reduction of the run-time-width types (D::kRunTimeWidth), by peercomm_signal.h's
 // rules in D::Acc and source order: F64 as the f32 rules in f64 (Sum from +0.0 over two
-// or more ranks, Max and Min with -0.0 below +0.0 and any NaN the canonical NaN, Avg
-// the sum over the width); the integers wrap (Sum and Prod in the unsigned bits) and
+// or more ranks, Max and Min with -0.0 below +0.0, a NaN of Prod, Max or Min the
+// canonical NaN, Avg the sum over the width); the integers wrap (Sum and Prod in the unsigned bits) and
 // compare by value (Avg, refused before any launch, sums). Unknown codes reduce as Sum.
 template <typename D>
 PC_INLINE typename D::Acc acc_first(uint32_t op, typename D::Acc x0, uint32_t width) {
@@ -441,7 +469,8 @@ PC_INLINE typename D::Acc acc_step(uint32_t op, typename D::Acc acc, typename D:
 template <typename D>
 PC_INLINE typename D::Bits acc_store(uint32_t op, typename D::Acc acc, uint32_t width) {
     if constexpr (D::kFloat) {
-        if ((op == PEERCOMM_OP_MAX || op == PEERCOMM_OP_MIN) && acc != acc) return D::kCanonicalNaN;
+        if ((op == PEERCOMM_OP_MAX || op == PEERCOMM_OP_MIN || op == PEERCOMM_OP_PROD) && acc != acc)
+            return D::kCanonicalNaN;
         if (op == PEERCOMM_OP_AVG && width > 1u) acc = acc / (typename D::Acc)width;
     }
     return D::from_acc(acc);
@@ -500,14 +529,46 @@ PC_INLINE void reduce_range_any(uint32_t op, uint32_t width, const uint64_t* src
 // Lamport (the sentinel, the generations, the slots and their invariants: the device
 // API, include/peercomm_device.h): the reduction over pushed packs.
 
-template <typename D>
-PC_INLINE void remove_neg_zero(Pack<D>& x) {
-#pragma unroll
-    for (int j = 0; j < Pack<D>::kLanes; ++j)
-        if (x.lane(j) == D::kNegZero) x.set_lane(j, 0);
+// Whether operator op keeps the sign of a zero in its result (Prod, Max, Min): a Sum's or
+// an Avg's starts at +0.0, so their Lamport kernels send -0.0 as +0.0.
+PC_INLINE bool lamport_keeps_sign(uint32_t op) {
+    return op == PEERCOMM_OP_PROD || op == PEERCOMM_OP_MAX || op == PEERCOMM_OP_MIN;
 }
 
-// Pack p of this rank's input as it is sent (and as this rank reduces it itself).
+// Pack x as a Lamport kernel sends it under operator op, no word the sentinel: a Sum's
+// or Avg's -0.0 lanes become +0.0; a Prod's, Max's or Min's NaN lanes become the
+// canonical NaN (the result of any NaN under them) and then a word with the sentinel's
+// bits becomes PEERCOMM_LAMPORT_SENTINEL_STANDIN, which lamport_decode turns back.
+template <typename D>
+PC_INLINE Vec16 lamport_encode(uint32_t op, Pack<D> x) {
+    if (!lamport_keeps_sign(op)) {
+#pragma unroll
+        for (int j = 0; j < Pack<D>::kLanes; ++j)
+            if (x.lane(j) == D::kNegZero) x.set_lane(j, 0);
+        return x.v;
+    }
+#pragma unroll
+    for (int j = 0; j < Pack<D>::kLanes; ++j) {
+        const float f = D::to_float(x.lane(j));
+        if (f != f) x.set_lane(j, D::kCanonicalNaN);
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+        if (vec16_word(x.v, i) == kLamportSentinel) set_vec16_word(x.v, i, PEERCOMM_LAMPORT_SENTINEL_STANDIN);
+    return x.v;
+}
+// A pack as lamport_encode sent it, back to the bits it stands for.
+PC_INLINE Vec16 lamport_decode(uint32_t op, Vec16 v) {
+    if (lamport_keeps_sign(op)) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            if (vec16_word(v, i) == PEERCOMM_LAMPORT_SENTINEL_STANDIN) set_vec16_word(v, i, kLamportSentinel);
+    }
+    return v;
+}
+
+// Pack p of this rank's input as it is sent under the call's operator (and as this rank
+// reduces it itself, through lamport_decode like the peers' packs).
 template <typename D>
 PC_INLINE Vec16 lamport_source_pack(const Args& a, uint64_t p, uint64_t n, bool vec) {
     constexpr int L = Pack<D>::kLanes;
@@ -520,8 +581,7 @@ PC_INLINE Vec16 lamport_source_pack(const Args& a, uint64_t p, uint64_t n, bool 
         for (int j = 0; j < L; ++j)
             x.set_lane(j, (uint64_t)j < valid ? load_elem<D>(a.local_input, p * L + j) : 0);
     }
-    remove_neg_zero<D>(x);
-    return x.v;
+    return lamport_encode<D>(call_op(a), x);
 }
 
 // Waits until pack p of every other source has arrived in the own region of generation
@@ -547,14 +607,18 @@ PC_INLINE bool lamport_wait_pack(Ctx& c, uint32_t gen, uint64_t p, Vec16 (&x)[W]
     }
 }
 
-// The own pack joins x, and the sum goes to pack p of the output.
-template <typename D, int W>
+// The own pack joins x, and the reduction by the call's operator goes to pack p of the
+// output.
+template <typename D, int W, typename Op>
 PC_INLINE void lamport_store(const Args& a, uint64_t p, uint64_t n, bool vec, Vec16 (&x)[W]) {
     constexpr int L = Pack<D>::kLanes;
+    const uint32_t op = call_op(a);
 #pragma unroll
-    for (int s = 0; s < W; ++s)
+    for (int s = 0; s < W; ++s) {
         if (s == (int)a.group_rank) x[s] = lamport_source_pack<D>(a, p, n, vec);
-    Pack<D> out{sum_packs<D, W>(x)};
+        x[s] = lamport_decode(op, x[s]);
+    }
+    Pack<D> out{fold_packs<D, W, Op>(x)};
     const uint64_t valid = lanes_in_pack(p, n, L);
     if (vec && valid == (uint64_t)L) {
         store_vec16(a.output, p, out.v);
@@ -668,11 +732,13 @@ PC_INLINE void lamport_reduce(Ctx& c, uint32_t gen, uint64_t packs, uint64_t n, 
     lamport_check_header(c, gen);
     __syncthreads();
     if (c.block->abort) return;
-    if (first) lamport_store<D, W>(a, tid, n, vec, x);
-    for (uint64_t p = tid + stride; p < packs && !c.block->abort; p += stride) {
-        if (!lamport_wait_pack<W>(c, gen, p, x)) break;
-        lamport_store<D, W>(a, p, n, vec, x);
-    }
+    with_op(call_op(a), [&]<typename Op>() PC_INLINE_LAMBDA {
+        if (first) lamport_store<D, W, Op>(a, tid, n, vec, x);
+        for (uint64_t p = tid + stride; p < packs && !c.block->abort; p += stride) {
+            if (!lamport_wait_pack<W>(c, gen, p, x)) break;
+            lamport_store<D, W, Op>(a, p, n, vec, x);
+        }
+    });
 }
 
 // ---------------------------------------------------------------------------------
@@ -852,7 +918,7 @@ PC_INLINE void lamport(const Args& a) {
     for (uint64_t p = tid; p < packs; p += stride)
         lamport_push_pack(a, gen.data(), p, lamport_source_pack<D>(a, p, n, vec));
     // The headers are checked inside, before anything is stored.
-    with_width(width, [&]<int W>() { lamport_reduce<D, W>(c, gen.data(), packs, n, vec, tid, stride); });
+    with_width(width, [&]<int W>() PC_INLINE_LAMBDA { lamport_reduce<D, W>(c, gen.data(), packs, n, vec, tid, stride); });
     lamport_end(c, packs);
 }
 

@@ -193,7 +193,8 @@ pub(crate) mod arith {
     }
 
     /// The floats' rules: Sum from +0.0 over two or more ranks, Max and Min with -0.0
-    /// below +0.0 and any NaN the canonical quiet NaN, Avg the sum over the width.
+    /// below +0.0, a NaN of Prod, Max or Min the canonical quiet NaN, Avg the sum over
+    /// the width.
     macro_rules! float_acc {
         ($($t:ty => $nan:expr);*) => {$(
             impl Acc for $t {
@@ -231,6 +232,7 @@ pub(crate) mod arith {
                 fn finish(op: ReduceOp, acc: Self, width: usize) -> Self {
                     match op {
                         ReduceOp::Avg if width > 1 => acc / width as $t,
+                        ReduceOp::Prod if acc.is_nan() => <$t>::from_bits($nan),
                         _ => acc,
                     }
                 }
@@ -367,7 +369,7 @@ int_element!(
 /// rounds once to the element type at the end, so every rank, algorithm and message
 /// size gives the same bits:
 /// - `Sum`: `+0.0 + x0 + x1 + ...` (over two or more ranks an exact-zero sum is +0.0);
-/// - `Prod`: `x0 * x1 * ...`;
+/// - `Prod`: `x0 * x1 * ...`, a NaN result the type's canonical quiet NaN;
 /// - `Max`, `Min`: by value, with -0.0 below +0.0; any NaN gives the type's canonical
 ///   quiet NaN (`f32` 0x7fc00000, `f16` 0x7e00, `bf16` 0x7fc0);
 /// - `Avg`: the `Sum`, divided by the group's width, then rounded.
@@ -377,7 +379,7 @@ int_element!(
 /// overflow (as NCCL's), `Max` and `Min` by value; `Avg` takes only the floating types
 /// (over an integer it is [`crate::Error::Unsupported`], before anything launches).
 ///
-/// A NaN that `Sum`, `Prod` or `Avg` produce has the payload the hardware gives. Calls
+/// A NaN that `Sum` or `Avg` produce has the payload the hardware gives. Calls
 /// that the router sends to NCCL or RCCL use that library's arithmetic.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -471,6 +473,10 @@ mod tests {
             ReduceOp::Avg.finish(ReduceOp::Avg.start(3.0, 2) + 4.0, 2),
             3.5
         );
+        let prod = ReduceOp::Prod.combine(ReduceOp::Prod.start(payload, 2), 2.0);
+        assert_eq!(bits(ReduceOp::Prod.finish(prod, 2)), 0x7fc0_0000);
+        let signed = ReduceOp::Prod.combine(ReduceOp::Prod.start(neg, 2), 3.0);
+        assert_eq!(bits(ReduceOp::Prod.finish(signed, 2)), bits(neg));
         assert_eq!(bits(ReduceOp::Sum.start(neg, 2)), bits(pos));
         assert_eq!(bits(ReduceOp::Sum.start(neg, 1)), bits(neg));
     }

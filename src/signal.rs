@@ -13,7 +13,10 @@ pub use bindings::{
     peercomm_exchange_peer as ExchangePeer, peercomm_group_args as GroupArgs,
     peercomm_group_entry as GroupEntry, peercomm_signal as Signal,
 };
-pub(crate) use bindings::{PEERCOMM_KIND_USER as KIND_USER, PEERCOMM_USER_DOMAIN as USER_DOMAIN};
+pub(crate) use bindings::{
+    PEERCOMM_KIND_USER as KIND_USER, PEERCOMM_LAMPORT_SENTINEL_STANDIN as LAMPORT_SENTINEL_STANDIN,
+    PEERCOMM_USER_DOMAIN as USER_DOMAIN,
+};
 
 use std::ops::Range;
 

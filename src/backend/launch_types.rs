@@ -230,7 +230,8 @@ pub struct LaunchDims {
 }
 
 /// The 32-bit word the Lamport region is filled with: the f32 -0.0 pattern, which no
-/// producer writes (every -0.0 lane is sent as +0.0). Readiness is tested per 32-bit
+/// producer writes (a Sum's or Avg's -0.0 lane is sent as +0.0, a Prod's, Max's or Min's
+/// word of these bits as `LAMPORT_SENTINEL_STANDIN`). Readiness is tested per 32-bit
 /// word, which 16-byte stores never tear.
 pub const LAMPORT_SENTINEL: u32 = 0x8000_0000;
 

@@ -383,7 +383,7 @@ pub fn reduce_exactly<T: Element>(op: ReduceOp, xs: &[T]) -> Option<T> {
     if T::DTYPE == DType::F64 {
         let v: Vec<f64> = xs.iter().map(|x| x.to_f64()).collect();
         let r = match op {
-            ReduceOp::Max | ReduceOp::Min if v.iter().any(|x| x.is_nan()) => {
+            ReduceOp::Max | ReduceOp::Min | ReduceOp::Prod if v.iter().any(|x| x.is_nan()) => {
                 f64::from_bits(0x7ff8_0000_0000_0000)
             }
             ReduceOp::Max | ReduceOp::Min => {
@@ -460,9 +460,14 @@ pub fn check_op<T: Element>(op: ReduceOp, ins: &[&Vec<T>], got: &[T], first: usi
             continue;
         }
         let values: Vec<f64> = xs.iter().map(|x| x.to_f32() as f64).collect();
+        let canonical_nan = T::from_f32(f32::from_bits(0x7fc0_0000));
+        if op == ReduceOp::Prod && values.iter().any(|v| v.is_nan()) {
+            assert_eq!(g.to_bits_u32(), canonical_nan.to_bits_u32(), "{}", at());
+            continue;
+        }
         if matches!(op, ReduceOp::Max | ReduceOp::Min) {
             let want = if values.iter().any(|v| v.is_nan()) {
-                T::from_f32(f32::from_bits(0x7fc0_0000))
+                canonical_nan
             } else {
                 // By value, -0.0 below +0.0: order by (value, sign bit clear).
                 let key = |x: &T| (x.to_f32() as f64, !x.to_f32().is_sign_negative());
@@ -842,9 +847,6 @@ impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
     fn check(&self, comm: &SingleController<B>, outcome: &Result<Algorithm>, what: &str) {
         let world = comm.world_size();
         let width = self.width(world);
-        // Lamport sums only: another operator forced onto it over two or more ranks is
-        // refused.
-        let lamport_op = self.opts.algorithm == Algorithm::Lamport && width > 1;
         // The two-stage and Lamport kernels take f32, f16 and bf16; Avg the floats.
         let algorithm_for_type = every_kernel(T::DTYPE)
             || !matches!(
@@ -854,14 +856,13 @@ impl<B: Backend, T: Element> Call<B> for Prepared<B, T> {
         let op_for_type = self.op != ReduceOp::Avg || T::DTYPE.is_float();
         let expected = match expected(self.opts.algorithm, width, world) {
             _ if !algorithm_for_type || !op_for_type => Expected::Unsupported,
-            Expected::Runs(_) if lamport_op && self.op != ReduceOp::Sum => Expected::Unsupported,
             e => e,
         };
         match expected {
             Expected::Unsupported => match outcome {
                 Err(Error::Unsupported(_)) => self.assert_untouched(comm, what),
                 other => panic!(
-                    "{what}: Lamport over a subgroup (or on another operator), two-stage or \
+                    "{what}: Lamport over a subgroup, two-stage or \
                      Lamport over a type other than f32, f16, bf16, or Avg over an integer \
                      must be refused with Error::Unsupported and nothing written; got {other:?}"
                 ),

@@ -57,8 +57,8 @@ fn schedule(seed: u64, world: usize, calls: usize) -> Vec<Call> {
             };
             let refused = match algorithm {
                 Algorithm::TwoStage => group > 1,
-                // Lamport sums only, over the whole world.
-                Algorithm::Lamport => group > 1 && (group < world || op != ReduceOp::Sum),
+                // Lamport runs over the whole world only.
+                Algorithm::Lamport => group > 1 && group < world,
                 _ => false,
             };
             let ms = |ms| Duration::from_millis(ms);

@@ -408,6 +408,8 @@ macro_rules! per_rank_suite {
             |p, world| per_rank_suite::point_to_point::all_to_all_checked::<B>(p, world));
         per_rank_worlds!(all_to_all_v_moe, &[2, 4], [world_2 = 2, world_4 = 4],
             |p, world| per_rank_suite::point_to_point::all_to_all_v_moe::<B>(p, world));
+        per_rank_worlds!(all_to_all_v_unaligned, &[2, 3], [world_2 = 2, world_3 = 3],
+            |p, world| per_rank_suite::point_to_point::all_to_all_v_unaligned::<B>(p, world));
         per_rank_worlds!(in_place_sends, &[2, 3, 4], [world_2 = 2, world_3 = 3, world_4 = 4],
             |p, world| per_rank_suite::point_to_point::in_place_sends::<B>(p, world));
         per_rank_worlds!(device_comm_fields, &[2, 4], [world_2 = 2, world_4 = 4],
@@ -424,7 +426,7 @@ macro_rules! per_rank_suite {
             point_to_point_options: |p| per_rank_suite::point_to_point::options_and_groups::<B>(p);
             device_comm_refusals: |p| per_rank_suite::device_api::device_comm_refusals::<B>(p);
             unreceived_in_place_send: |p| per_rank_suite::point_to_point::unreceived_in_place_send::<B>(p);
-            lamport_sums_only: |p| per_rank_suite::ops::lamport_sums_only::<B>(p);
+            lamport_every_operator: |p| per_rank_suite::ops::lamport_every_operator::<B>(p);
             integer_avg_refused: |p| per_rank_suite::ops::integer_avg_refused::<B>(p);
             independent_sibling_groups: |p| per_rank_suite::all_reduce::independent_sibling_groups::<B>(p);
             missing_call_times_out_and_recovers: |p| per_rank_suite::all_reduce::missing_call_times_out_and_recovers::<B>(p);

@@ -29,9 +29,9 @@ fn poison<T: Element>() -> T {
     }
 }
 
-/// Whether `op`'s inputs hold NaNs (whose results only `Max` and `Min` define).
+/// Whether `op`'s inputs hold NaNs (whose results `Prod`, `Max` and `Min` define).
 fn nans(op: ReduceOp) -> bool {
-    matches!(op, ReduceOp::Max | ReduceOp::Min)
+    matches!(op, ReduceOp::Prod | ReduceOp::Max | ReduceOp::Min)
 }
 
 /// Every rank's input of one call: magnitudes in [0.5, 2) (a product over 8 ranks stays
@@ -229,31 +229,63 @@ pub fn mixed_group<B: Backend>(place: &Placement, world: usize) {
     });
 }
 
-/// Lamport sums only: another operator forced onto it is `Unsupported`, nothing
-/// written; `Auto` runs it another way.
-pub fn lamport_sums_only<B: Backend>(place: &Placement) {
-    with_world::<B, _>(place, 2, |_, comm| {
-        let dev = comm.device();
-        let send = B::alloc_from(dev, &[3.0f32; 64]).unwrap();
-        let mut recv = B::alloc_from(dev, &[poison::<f32>(); 64]).unwrap();
-        let lamport = AllReduceOptions::new().algorithm(Algorithm::Lamport);
-        for op in [ReduceOp::Prod, ReduceOp::Max, ReduceOp::Min, ReduceOp::Avg] {
-            match comm.all_reduce_with(&send, &mut recv, &op, &lamport) {
-                Err(Error::Unsupported(m)) => assert!(m.contains(op.name()), "{m}"),
-                other => panic!("{op:?} on Lamport: {other:?}"),
+/// Lamport takes every operator, with the bits of the one-stage kernel: over worlds 2
+/// and 3 and f32, f16 and bf16, inputs full of the values its sentinel encoding moves
+/// (-0.0 on every rank or some, a word with the sentinel's bits, NaNs whose bits are the
+/// stand-in's), checked against the reference and against one-stage bit for bit.
+pub fn lamport_every_operator<B: Backend>(place: &Placement) {
+    for world in [2, 3] {
+        lamport_every_operator_of::<B, f32>(place, world);
+        lamport_every_operator_of::<B, peercomm::half::f16>(place, world);
+        lamport_every_operator_of::<B, peercomm::half::bf16>(place, world);
+    }
+}
+
+fn lamport_every_operator_of<B: Backend, T: Element>(place: &Placement, world: usize) {
+    let mut rng = StdRng::seed_from_u64(common::seed("per_rank_lamport_every_operator"));
+    let n = 1003;
+    // All ones: a NaN, and the bits that stand in for the sentinel on the way.
+    let ones = T::from_bits_u64(u64::MAX >> (64 - 8 * std::mem::size_of::<T>()));
+    // With `nans` (the operators that define a NaN's result), the all-ones NaNs.
+    let mut inputs = |nans: bool| -> Vec<Vec<T>> {
+        (0..world)
+            .map(|r| {
+                (0..n)
+                    .map(|e| match e % 8 {
+                        0 => T::from_f32(-0.0),
+                        1 => T::from_f32(if r % 2 == 0 { 0.0 } else { -0.0 }),
+                        2 if nans && (e / 8) % world == r => ones,
+                        // A -0.0 above a +0.0: an f16 / bf16 word 0x8000_0000 on rank 0.
+                        4 => T::from_f32(0.0),
+                        5 if r == 0 => T::from_f32(-0.0),
+                        _ => T::from_f32(rng.random_range(0.5f32..2.0) * [1.0, -1.0][e % 2]),
+                    })
+                    .collect()
+            })
+            .collect()
+    };
+    let by_op: Vec<Vec<Vec<T>>> = ReduceOp::ALL.iter().map(|&op| inputs(nans(op))).collect();
+    with_world::<B, _>(place, world, |rank, comm| {
+        for (op, ins) in ReduceOp::ALL.into_iter().zip(&by_op) {
+            let group: Vec<&Vec<T>> = ins.iter().collect();
+            let what = format!(
+                "{} {} world {world} rank {rank}",
+                T::DTYPE.name(),
+                op.name()
+            );
+            let lamport = AllReduceOptions::new().algorithm(Algorithm::Lamport);
+            let one_stage = AllReduceOptions::new().algorithm(Algorithm::OneStage);
+            for in_place in [false, true] {
+                let got = all_reduce(&comm, &ins[rank], op, &lamport, in_place);
+                common::check_op(op, &group, &got, 0, &format!("{what}, Lamport"));
+                let want = all_reduce(&comm, &ins[rank], op, &one_stage, in_place);
+                assert_eq!(
+                    common::bits64(&got),
+                    common::bits64(&want),
+                    "{what}, in place {in_place}: Lamport against one-stage"
+                );
             }
-            comm.synchronize().unwrap();
-            let host = recv.to_host(dev).unwrap();
-            assert!(host
-                .iter()
-                .all(|x| x.to_bits() == poison::<f32>().to_bits()));
         }
-        let algorithm = comm
-            .all_reduce_with(&send, &mut recv, &ReduceOp::Avg, &AllReduceOptions::new())
-            .unwrap();
-        assert_ne!(algorithm, Algorithm::Lamport);
-        comm.synchronize().unwrap();
-        assert_eq!(recv.to_host(dev).unwrap(), vec![3.0; 64]);
     });
 }
 

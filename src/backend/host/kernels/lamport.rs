@@ -1,18 +1,20 @@
-//! The Lamport kernels on the host: packs travel as four words (-0.0 sent as +0.0, so no
-//! word is the sentinel); headers are checked, sums run in source order, and the end
-//! clears the previous generation and advances the flag.
+//! The Lamport kernels on the host: packs travel as four words, none the sentinel (a
+//! Sum's or Avg's -0.0 sent as +0.0; a Prod's, Max's or Min's NaNs canonical and a word
+//! of the sentinel's bits sent as its stand-in); headers are checked, the operator runs
+//! in source order, and the end clears the previous generation and advances the flag.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
 use super::collectives::rmsnorm_row;
-use super::packs::{block_packs, lanes, pack_range, store, Grid};
+use super::packs::{block_packs, lanes, op_of, pack_range, store, Grid};
 use super::signals::{abort_word, atomic, signal};
 use super::wait::{Flow, Spinner, Stop};
 use crate::backend::LAMPORT_SENTINEL;
 use crate::dtype::{Element, ReduceOp};
 use crate::signal::{
     AllReduceArgs, SignalLayout, CALL_WORDS, LAMPORT_ARRIVALS, LAMPORT_FLAG, LAMPORT_GENERATIONS,
-    LAMPORT_HEADER_PACKS, LAMPORT_PREV_PACKS, LAMPORT_PREV_WIDTH, PACK_BYTES,
+    LAMPORT_HEADER_PACKS, LAMPORT_PREV_PACKS, LAMPORT_PREV_WIDTH, LAMPORT_SENTINEL_STANDIN,
+    PACK_BYTES,
 };
 
 /// Pack `p` of slot `src` of generation `gen` in the Lamport region of the signal at
@@ -28,17 +30,44 @@ fn lamport_pack(args: &AllReduceArgs, addr: u64, gen: usize, src: usize, p: usiz
     (addr as usize + off) as *mut u32
 }
 
-/// Reads pack `p` of the own input as four words, -0.0 lanes turned into +0.0 and
-/// lanes past the end zero.
-unsafe fn lamport_pack_words<T: Element>(input: u64, p: usize, n: usize) -> [u32; 4] {
+/// Whether `op` keeps the sign of a zero (a Sum's or an Avg's starts at +0.0).
+fn keeps_sign(op: ReduceOp) -> bool {
+    matches!(op, ReduceOp::Prod | ReduceOp::Max | ReduceOp::Min)
+}
+
+/// Reads pack `p` of the own input as four words as they are sent under `op` (the
+/// device's `lamport_encode`), lanes past the end zero: a Sum's or Avg's -0.0 lanes as
+/// +0.0; a Prod's, Max's or Min's NaN lanes as the canonical NaN, then a word with the
+/// sentinel's bits as its stand-in.
+unsafe fn lamport_pack_words<T: Element>(op: ReduceOp, input: u64, p: usize, n: usize) -> [u32; 4] {
     let bits = 8 * std::mem::size_of::<T>();
     let neg_zero: u32 = 1 << (bits - 1);
+    let canonical_nan = T::from_f32(f32::NAN).to_bits_u32();
     let mut words = [0u32; 4];
     for (j, e) in pack_range::<T>(p, n).enumerate() {
-        let x = (input as *const T).add(e).read_unaligned().to_bits_u32();
+        let x = (input as *const T).add(e).read_unaligned();
         let at = j * bits;
-        let x = if x == neg_zero { 0 } else { x };
+        let x = match (keeps_sign(op), x.to_bits_u32()) {
+            (false, b) if b == neg_zero => 0,
+            (true, _) if x.to_f32().is_nan() => canonical_nan,
+            (_, b) => b,
+        };
         words[at / 32] |= x << (at % 32);
+    }
+    if keeps_sign(op) {
+        for w in words.iter_mut().filter(|w| **w == LAMPORT_SENTINEL) {
+            *w = LAMPORT_SENTINEL_STANDIN;
+        }
+    }
+    words
+}
+
+/// A pack's words as `lamport_pack_words` sent them, back to the bits they stand for.
+fn lamport_decode(op: ReduceOp, mut words: [u32; 4]) -> [u32; 4] {
+    if keeps_sign(op) {
+        for w in words.iter_mut().filter(|w| **w == LAMPORT_SENTINEL_STANDIN) {
+            *w = LAMPORT_SENTINEL;
+        }
     }
     words
 }
@@ -122,31 +151,36 @@ unsafe fn lamport_check_headers(args: &AllReduceArgs, gen: usize, spin: &mut Spi
     Ok(())
 }
 
-/// The f32 sums of pack `p` in source order (lanes past `n` zero): the peers' packs
-/// from the own region once arrived, the own pack from the input (-0.0 lanes as +0.0).
-unsafe fn lamport_pack_sums<T: Element>(
+/// Pack `p` reduced by `op` in source order, in f32 before the rounding to the type
+/// (lanes past `n` zero): the peers' packs from the own region once arrived, the own
+/// pack from the input, each as it was sent, decoded.
+unsafe fn lamport_pack_reduce<T: Element>(
     args: &AllReduceArgs,
+    op: ReduceOp,
     (gen, p, n): (usize, usize, usize),
     spin: &mut Spinner<'_>,
 ) -> Result<[f32; 8], Stop> {
     let (width, me) = (args.group_width as usize, args.group_rank as usize);
     let mut acc = [0f32; 8];
     for src in 0..width {
-        let words = if src == me {
-            lamport_pack_words::<T>(args.local_input, p, n)
-        } else {
-            lamport_wait(args, (gen, src, p), spin)?
-        };
+        let words = lamport_decode(
+            op,
+            if src == me {
+                lamport_pack_words::<T>(op, args.local_input, p, n)
+            } else {
+                lamport_wait(args, (gen, src, p), spin)?
+            },
+        );
         for (j, a) in acc.iter_mut().enumerate().take(pack_range::<T>(p, n).len()) {
             let x = lane_from_words::<T>(&words, j);
             *a = if src == 0 {
-                ReduceOp::Sum.start(x, width)
+                op.start(x, width)
             } else {
-                *a + x
+                op.combine(*a, x)
             };
         }
     }
-    Ok(acc)
+    Ok(acc.map(|a| op.finish(a, width)))
 }
 
 /// The end of every Lamport kernel that did not stop: clears the previous generation
@@ -174,7 +208,8 @@ unsafe fn lamport_end(args: &AllReduceArgs, g: Grid, entry: LamportEntry, packs:
 }
 
 /// A Lamport kernel: push the header, then this block's packs `mine` of the own input;
-/// check every source's header; `reduce` with `sums(p)`, pack p's sums once arrived;
+/// check every source's header; `reduce` with `sums(p)`, pack p reduced by the call's
+/// operator once arrived;
 /// the end, recording `packs`. No barrier: data carries its own readiness.
 unsafe fn lamport_run<T: Element>(
     args: &AllReduceArgs,
@@ -182,7 +217,7 @@ unsafe fn lamport_run<T: Element>(
     (mine, packs): (impl Iterator<Item = usize>, usize),
     reduce: impl FnOnce(&mut dyn FnMut(usize) -> Result<[f32; 8], Stop>) -> Flow,
 ) -> Flow {
-    let n = args.num_elements as usize;
+    let (n, op) = (args.num_elements as usize, op_of(args));
     let load = |i, o| state(args, i).load(o) as usize;
     let entry = LamportEntry {
         gen: load(LAMPORT_FLAG, Ordering::Acquire),
@@ -196,17 +231,17 @@ unsafe fn lamport_run<T: Element>(
         lamport_push(args, entry.gen, p, [c[0], c[1], c[2], 0]);
     }
     for p in mine {
-        let words = lamport_pack_words::<T>(args.local_input, p, n);
+        let words = lamport_pack_words::<T>(op, args.local_input, p, n);
         lamport_push(args, entry.gen, p, words);
     }
     let mut spin = Spinner::new(args.timeout_ns, abort_word(args));
     lamport_check_headers(args, entry.gen, &mut spin)?;
-    reduce(&mut |p| lamport_pack_sums::<T>(args, (entry.gen, p, n), &mut spin))?;
+    reduce(&mut |p| lamport_pack_reduce::<T>(args, op, (entry.gen, p, n), &mut spin))?;
     lamport_end(args, g, entry, packs);
     Ok(())
 }
 
-/// The Lamport all-reduce: sums in source order as the packs arrive.
+/// The Lamport all-reduce: reduces in source order as the packs arrive.
 pub(super) unsafe fn lamport<T: Element>(args: &AllReduceArgs, g: Grid) -> Flow {
     let n = args.num_elements as usize;
     let packs = n.div_ceil(lanes::<T>());

@@ -157,8 +157,7 @@ impl Settings {
         };
         let word = staging::all_reduce(packs, payload);
         let fits = |a: Algorithm| fits_whole(a) || (a == Algorithm::OneStage && word.is_some());
-        // Lamport's sentinel turns -0.0 into +0.0, which only a sum may ignore.
-        let lamport_allowed = self.lamport_allowed(width) && options.op == ReduceOp::Sum;
+        let lamport_allowed = self.lamport_allowed(width);
         // The two-stage and Lamport kernels exist for f32, f16 and bf16 alone.
         let every_kernel = dtype.every_kernel();
         let algorithm = match options.algorithm {
@@ -188,12 +187,6 @@ impl Settings {
                 )))
             }
             Algorithm::Lamport if width == 1 => Algorithm::OneStage,
-            Algorithm::Lamport if options.op != ReduceOp::Sum => {
-                return Err(Error::Unsupported(format!(
-                    "the Lamport algorithm sums only, not {}; use Auto or another algorithm",
-                    options.op.name()
-                )))
-            }
             Algorithm::Lamport if !lamport_allowed => {
                 return Err(Error::Unsupported(format!(
                     "the Lamport algorithm runs only over the whole world (group_size 0 or \
