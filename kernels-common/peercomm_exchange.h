@@ -36,35 +36,93 @@ PC_INLINE uint64_t exchange_region(const Args& a, uint32_t owner, uint32_t to) {
     return a.payloads[owner] + (uint64_t)to * a.stage_input;
 }
 
-// Copies the n bytes at src to dst, 16-byte pack k by thread k % stride: whole packs
-// where both addresses are 16-byte aligned, else 4-byte words where both are 4-byte
-// aligned, else bytes. Four packs in flight per iteration.
+// Byte copies. A message of n bytes is cut into 16-byte packs counted from its first
+// byte; pack k (its bytes [16k, 16k + 16)) is moved by thread k % stride whatever the
+// addresses, so that what block b of a sender stages is what block b of the receiver
+// reads (the pair's barriers are per block).
+
+// Stores the 16 bytes v at dst (any alignment) in the widest stores it allows.
+PC_INLINE void store_bytes16(uint64_t dst, Vec16 v) {
+    if (aligned16(dst)) {
+        store_vec16(dst, 0, v);
+    } else if ((dst & 3u) == 0u) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) ((GlobalU32*)dst)[i] = vec16_word(v, i);
+    } else if ((dst & 1u) == 0u) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) ((PC_GLOBAL uint16_t*)dst)[i] = (uint16_t)(vec16_word(v, i / 2) >> (16 * (i % 2)));
+    } else {
+#pragma unroll
+        for (int i = 0; i < 16; ++i) ((PC_GLOBAL uint8_t*)dst)[i] = (uint8_t)(vec16_word(v, i / 4) >> (8 * (i % 4)));
+    }
+}
+
+// The 16 bytes at offset 4Q + r / 8 of the 32 bytes lo, hi (little endian; r in {0, 8,
+// 16, 24}).
+template <int Q>
+PC_INLINE Vec16 bytes_at(Vec16 lo, Vec16 hi, uint32_t r) {
+    const uint32_t w[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    uint32_t out[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint64_t pair = (uint64_t)w[Q + i] | ((uint64_t)w[Q + i + 1] << 32);
+        out[i] = (uint32_t)(pair >> r);
+    }
+    return make_vec16(out[0], out[1], out[2], out[3]);
+}
+
+// copy_bytes where src is not 16-byte aligned: the whole packs whose two aligned 16-byte
+// source blocks lie inside the message are loaded as those blocks and shifted into
+// place (neighbouring bytes are loaded but not used); the packs at the ends byte by
+// byte, so that nothing outside [src, src + n) is read. Q = (src % 16) / 4.
+template <int Q>
+PC_INLINE void copy_bytes_shifted(uint64_t src, uint64_t dst, uint64_t n, uint64_t tid, uint64_t stride) {
+    const uint64_t packs = div_ceil_u64(n, 16u);
+    const uint32_t r = 8u * (uint32_t)(src & 3u);
+    const uint64_t base = src & ~(uint64_t)15u;  // the aligned block of byte 0
+    for (uint64_t k = tid; k < packs; k += stride) {
+        const uint64_t block = base + 16u * k;
+        if (block >= src && block + 32u <= src + n) {
+            store_bytes16(dst + 16u * k, bytes_at<Q>(load_vec16(block, 0), load_vec16(block, 1), r));
+        } else {
+            const uint64_t end = min_u64(16u * k + 16u, n);
+            for (uint64_t i = 16u * k; i < end; ++i)
+                ((PC_GLOBAL uint8_t*)dst)[i] = ((const PC_GLOBAL uint8_t*)src)[i];
+        }
+    }
+}
+
+// Copies the n bytes at src to dst (pack k by thread k % stride): where src is 16-byte
+// aligned, whole packs as one 16-byte load, four in flight per iteration, each stored as
+// dst's alignment allows; else copy_bytes_shifted. The last, partial pack byte by byte.
 PC_INLINE void copy_bytes(uint64_t src, uint64_t dst, uint64_t n, uint64_t tid, uint64_t stride) {
+    switch ((src & 15u) / 4u) {
+        case 0:
+            if ((src & 3u) == 0u) break;
+            return copy_bytes_shifted<0>(src, dst, n, tid, stride);
+        case 1: return copy_bytes_shifted<1>(src, dst, n, tid, stride);
+        case 2: return copy_bytes_shifted<2>(src, dst, n, tid, stride);
+        default: return copy_bytes_shifted<3>(src, dst, n, tid, stride);
+    }
     constexpr int G = 4;
     const uint64_t packs = div_ceil_u64(n, 16u);
-    const bool vec = aligned16(src) && aligned16(dst);
-    const bool words = ((src | dst) & 3u) == 0u;
     for (uint64_t p0 = tid; p0 < packs; p0 += G * stride) {
         Vec16 x[G];
 #pragma unroll
         for (int g = 0; g < G; ++g) {
             const uint64_t p = p0 + g * stride;
-            if (vec && p < packs && (p + 1u) * 16u <= n) x[g] = load_vec16(src, p);
+            if (p < packs && (p + 1u) * 16u <= n) x[g] = load_vec16(src, p);
         }
 #pragma unroll
         for (int g = 0; g < G; ++g) {
             const uint64_t p = p0 + g * stride;
             if (p >= packs) break;
-            if (vec && (p + 1u) * 16u <= n) {
-                store_vec16(dst, p, x[g]);
-                continue;
+            if ((p + 1u) * 16u <= n) {
+                store_bytes16(dst + 16u * p, x[g]);
+            } else {
+                for (uint64_t i = p * 16u; i < n; ++i)
+                    ((PC_GLOBAL uint8_t*)dst)[i] = ((const PC_GLOBAL uint8_t*)src)[i];
             }
-            const uint64_t end = min_u64(p * 16u + 16u, n);
-            uint64_t i = p * 16u;
-            if (words) {
-                for (; i + 4u <= end; i += 4u) ((GlobalU32*)dst)[i / 4u] = ((const GlobalU32*)src)[i / 4u];
-            }
-            for (; i < end; ++i) ((PC_GLOBAL uint8_t*)dst)[i] = ((const PC_GLOBAL uint8_t*)src)[i];
         }
     }
 }

@@ -230,6 +230,51 @@ pub fn all_to_all_v_moe<B: Backend>(place: &Placement, world: usize) {
     });
 }
 
+/// `all_to_all_v` whose parts start at every offset modulo 16 bytes in the send and the
+/// receive buffers (u8, bf16 and f32 parts of uneven, odd counts, from one element to
+/// more than a few packs): each part lands bit for bit, in rank order.
+pub fn all_to_all_v_unaligned<B: Backend>(place: &Placement, world: usize) {
+    fn case<B: Backend, T: Element>(comm: &Comm<B>, seed: u64, world: usize, rank: usize) {
+        let dev = comm.device();
+        for round in 0..6 {
+            // counts[src][dst], the same on every rank.
+            let count = |src: usize, dst: usize| {
+                1 + (src * 7 + dst * 5 + round * 11) % 37 + 200 * (round % 2)
+            };
+            let send_counts: Vec<usize> = (0..world).map(|q| count(rank, q)).collect();
+            let recv_counts: Vec<usize> = (0..world).map(|q| count(q, rank)).collect();
+            let tag = 100 + round;
+            let mine = message::<T>(seed, rank, tag, send_counts.iter().sum());
+            let send = B::alloc_from(dev, &mine).unwrap();
+            let total: usize = recv_counts.iter().sum();
+            let mut recv = B::alloc_from(dev, &vec![poison::<T>(); total]).unwrap();
+            comm.all_to_all_v(&send, &send_counts, &mut recv, &recv_counts)
+                .unwrap();
+            comm.synchronize().unwrap();
+            let got = recv.to_host(dev).unwrap();
+            let mut at = 0;
+            for (q, &n) in recv_counts.iter().enumerate() {
+                let theirs = message::<T>(seed, q, tag, (0..world).map(|d| count(q, d)).sum());
+                let start: usize = (0..rank).map(|d| count(q, d)).sum();
+                assert_eq!(
+                    common::bits64(&got[at..at + n]),
+                    common::bits64(&theirs[start..start + n]),
+                    "{} world {world} rank {rank} round {round}: part from {q}",
+                    T::DTYPE.name()
+                );
+                at += n;
+            }
+        }
+    }
+    let seed = common::seed("point_to_point_unaligned");
+    let config = small_payload(place, world);
+    with_world_config::<B, _>(place, world, &config, |rank, comm| {
+        case::<B, u8>(&comm, seed, world, rank);
+        case::<B, bf16>(&comm, seed, world, rank);
+        case::<B, f32>(&comm, seed, world, rank);
+    });
+}
+
 /// A receive of another length or type than the send, or from another rank: every rank
 /// of the pair gets `CallMismatch` on the field, nothing received; after `reinitialize`
 /// the pair exchanges again.
