@@ -534,6 +534,13 @@ impl<B: Backend, T: Element> FuzzCall<B, T> {
     }
 }
 
+/// Panics with `what` where a collective the fuzzer drew was refused (each is valid).
+fn ran(outcome: &peercomm::Result<peercomm::Algorithm>, what: &str) {
+    if let Err(e) = outcome {
+        panic!("{what}: refused: {e}");
+    }
+}
+
 /// Draws a collective over groups of `width` (`group_size` as the caller asks for it)
 /// with about `bytes` per rank, of a random kind, dtype and root.
 pub fn fuzz_call<B: Backend>(
@@ -545,6 +552,13 @@ pub fn fuzz_call<B: Backend>(
     bytes: usize,
 ) -> Box<dyn Call<B>> {
     let root = rng.random_range(0..width);
+    // The fuzzer's payload bounds nothing here (one process reads the user buffers),
+    // but keep all-gather outputs and scatter inputs within a few MiB.
+    let n = (bytes / dtype.size() / width).max(1);
+    if rng.random_range(0..6) == 5 {
+        // The whole world's all-to-all (the single controller's has no groups).
+        return for_dtype!(dtype, T => Box::new(AllToAllCall::<B, T>::new(comm, rng, n)));
+    }
     let which = match rng.random_range(0..5) {
         0 => Which::AllGather,
         1 => Which::ReduceScatter,
@@ -558,9 +572,6 @@ pub fn fuzz_call<B: Backend>(
         },
         _ => Which::Scatter { root },
     };
-    // The fuzzer's payload bounds nothing here (one process reads the user buffers),
-    // but keep all-gather outputs and scatter inputs within a few MiB.
-    let n = (bytes / dtype.size() / width).max(1);
     for_dtype!(dtype, T => Box::new(FuzzCall::<B, T>::new(comm, rng, which, width, n, opts)))
 }
 
@@ -595,9 +606,7 @@ impl<B: Backend, T: Element> Call<B> for FuzzCall<B, T> {
         outcome: &peercomm::Result<peercomm::Algorithm>,
         what: &str,
     ) {
-        if let Err(e) = outcome {
-            panic!("{what}: refused: {e}");
-        }
+        ran(outcome, what);
         for r in 0..comm.world_size() {
             let got = B::download(comm.core(r).device(), &self.outs[r]).expect("download");
             assert_bits(
@@ -657,32 +666,114 @@ fn all_to_all_once<B: Backend, T: Element>(
     rng: &mut StdRng,
     counts: &[Vec<usize>],
 ) {
-    let world = comm.world_size();
-    let sent = |r: usize| counts[r].iter().sum::<usize>();
-    let got = |q: usize| counts.iter().map(|c| c[q]).sum::<usize>();
-    let ins: Vec<Vec<T>> = (0..world)
-        .map(|r| random_values::<T>(rng, sent(r)))
-        .collect();
-    let inputs = on_ranks(comm, |r, dev| upload::<B, T>(dev, &ins[r]));
-    let mut outputs = on_ranks(comm, |q, dev| poisoned::<B, T>(dev, got(q)));
-    let equal = counts.iter().flatten().all(|&c| c == counts[0][0]);
-    let what = format!("all-to-all {:?} world {world} counts {counts:?}", T::DTYPE);
-    let mut o = views_mut(&mut outputs);
-    if equal {
-        comm.all_to_all(&views(&inputs), &mut o)
-    } else {
-        comm.all_to_all_v(&views(&inputs), &mut o, counts)
-    }
-    .unwrap_or_else(|e| panic!("{what}: {e}"));
+    let mut call = AllToAllCall::<B, T>::with_counts(comm, rng, counts.to_vec());
+    let what = call.describe(comm.world_size());
+    let outcome = call.enqueue(comm);
     comm.synchronize().expect(&what);
-    for (q, out) in outputs.iter().enumerate() {
-        let got = B::download(comm.core(q).device(), out).expect("download");
-        let want: Vec<T> = (0..world)
-            .flat_map(|r| {
-                let start: usize = counts[r][..q].iter().sum();
-                ins[r][start..start + counts[r][q]].to_vec()
-            })
+    call.check(comm, &outcome, &what);
+}
+
+/// One single-controller all-to-all: equal parts (`all_to_all`) or a count matrix
+/// (`all_to_all_v`), its outputs poisoned first, checked bit for bit against what the
+/// senders sent, in rank order. The fuzzer draws it among the other collectives.
+pub struct AllToAllCall<B: Backend, T: Element> {
+    counts: Vec<Vec<usize>>,
+    ins: Vec<Vec<T>>,
+    in_bufs: Vec<B::Buffer<T>>,
+    outs: Vec<B::Buffer<T>>,
+}
+
+impl<B: Backend, T: Element> AllToAllCall<B, T> {
+    /// Equal parts of `n` (half the time) or random counts in `0..=n`, a third of the
+    /// pairs empty.
+    fn new(comm: &SingleController<B>, rng: &mut StdRng, n: usize) -> Self {
+        let world = comm.world_size();
+        let counts = if rng.random_bool(0.5) {
+            vec![vec![n; world]; world]
+        } else {
+            (0..world)
+                .map(|_| {
+                    (0..world)
+                        .map(|_| match rng.random_bool(1.0 / 3.0) {
+                            true => 0,
+                            false => rng.random_range(1..=n),
+                        })
+                        .collect()
+                })
+                .collect()
+        };
+        Self::with_counts(comm, rng, counts)
+    }
+
+    fn with_counts(comm: &SingleController<B>, rng: &mut StdRng, counts: Vec<Vec<usize>>) -> Self {
+        let world = comm.world_size();
+        let sent = |r: usize| counts[r].iter().sum::<usize>();
+        let got = |q: usize| counts.iter().map(|c| c[q]).sum::<usize>();
+        let ins: Vec<Vec<T>> = (0..world)
+            .map(|r| random_values::<T>(rng, sent(r)))
             .collect();
-        assert_bits(&got, &want, &format!("{what}, rank {q}"));
+        let in_bufs = on_ranks(comm, |r, dev| upload::<B, T>(dev, &ins[r]));
+        let outs = on_ranks(comm, |q, dev| poisoned::<B, T>(dev, got(q)));
+        AllToAllCall {
+            counts,
+            ins,
+            in_bufs,
+            outs,
+        }
+    }
+
+    fn equal(&self) -> bool {
+        self.counts
+            .iter()
+            .flatten()
+            .all(|&c| c == self.counts[0][0])
+    }
+}
+
+impl<B: Backend, T: Element> Call<B> for AllToAllCall<B, T> {
+    fn enqueue(&mut self, comm: &SingleController<B>) -> peercomm::Result<peercomm::Algorithm> {
+        let equal = self.equal();
+        let mut o = views_mut(&mut self.outs);
+        let i = views(&self.in_bufs);
+        match equal {
+            true => comm.all_to_all(&i, &mut o),
+            false => comm.all_to_all_v(&i, &mut o, &self.counts),
+        }
+        .map(|()| peercomm::Algorithm::OneStage)
+    }
+    fn check(
+        &self,
+        comm: &SingleController<B>,
+        outcome: &peercomm::Result<peercomm::Algorithm>,
+        what: &str,
+    ) {
+        ran(outcome, what);
+        let world = comm.world_size();
+        for (q, out) in self.outs.iter().enumerate() {
+            let got = B::download(comm.core(q).device(), out).expect("download");
+            let want: Vec<T> = (0..world)
+                .flat_map(|r| {
+                    let start: usize = self.counts[r][..q].iter().sum();
+                    self.ins[r][start..start + self.counts[r][q]].to_vec()
+                })
+                .collect();
+            assert_bits(&got, &want, &format!("{what}, rank {q}"));
+        }
+    }
+    fn describe(&self, world: usize) -> String {
+        format!(
+            "all-to-all {:?} world {world} counts {:?}",
+            T::DTYPE,
+            self.counts
+        )
+    }
+    fn bytes(&self) -> usize {
+        self.ins[0].len() * std::mem::size_of::<T>()
+    }
+    fn collective(&self) -> Option<&'static str> {
+        Some(match self.equal() {
+            true => "all_to_all",
+            false => "all_to_all_v",
+        })
     }
 }

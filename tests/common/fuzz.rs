@@ -23,7 +23,8 @@ use rand::{Rng, SeedableRng};
 use super::{group_sizes, random_inputs, sprinkle_zeros, Call, Placement, Prepared, Zeros};
 
 /// Share of the drawn calls that are one of the other collectives (all-gather,
-/// reduce-scatter, broadcast, scatter) instead of an all-reduce.
+/// reduce-scatter, broadcast, scatter, all-to-all in equal parts or by a count matrix)
+/// instead of an all-reduce.
 pub const COLLECTIVE_PROBABILITY: f64 = 0.2;
 
 /// Largest forced Lamport message of the fuzzer (its communicators' slot holds it and
