@@ -82,12 +82,12 @@ macro_rules! launch {
     }};
 }
 
-/// The grid of every kernel: at most `blocks` blocks of 256 threads (ranks sharing a GPU
-/// need every rank's blocks resident at once).
+/// The grid of every kernel: at most `blocks` blocks of 512 threads, the library's block
+/// (ranks sharing a GPU need every rank's blocks resident at once).
 fn grid(n: usize, blocks: u32) -> LaunchConfig {
     LaunchConfig {
-        grid_dim: ((n as u32).div_ceil(256).clamp(1, blocks), 1, 1),
-        block_dim: (256, 1, 1),
+        grid_dim: ((n as u32).div_ceil(512).clamp(1, blocks), 1, 1),
+        block_dim: (512, 1, 1),
         shared_mem_bytes: 0,
     }
 }

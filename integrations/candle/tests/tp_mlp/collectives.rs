@@ -43,13 +43,21 @@ impl Ctx<'_> {
         format!("rank {} call {} {c} {dtype:?}", self.rank, self.call)
     }
 
+    /// The last call's output `t` as f64, after the rank's stream has finished it and
+    /// its kernels reported no error (a failed call leaves its output unwritten).
+    fn result(&self, t: &Tensor) -> Vec<f64> {
+        let (rank, call) = (self.rank, self.call);
+        (self.comm.synchronize()).unwrap_or_else(|e| panic!("rank {rank} call {call}: {e}"));
+        values(t)
+    }
+
     fn all_reduce(&mut self, dtype: DType, op: ReduceOp) {
         let comm = self.comm;
         let (ins, x) = self.next(dtype);
         let y = comm.all_reduce(&x, &op).unwrap();
         assert_eq!((y.dims(), y.dtype()), (x.dims(), dtype));
         check(
-            &values(&y),
+            &self.result(&y),
             &reduce(op, &ins),
             dtype,
             Some(op),
@@ -60,7 +68,7 @@ impl Ctx<'_> {
         let opts = AllReduceOptions::new();
         let y = comm.all_reduce_with(&x, &op, &opts).unwrap();
         check(
-            &values(&y),
+            &self.result(&y),
             &reduce(op, &ins),
             dtype,
             Some(op),
@@ -71,7 +79,7 @@ impl Ctx<'_> {
         let out = poisoned(x.dims(), dtype, self.dev);
         comm.all_reduce_into(&x, &out, &op).unwrap();
         check(
-            &values(&out),
+            &self.result(&out),
             &reduce(op, &ins),
             dtype,
             Some(op),
@@ -82,7 +90,7 @@ impl Ctx<'_> {
         let out = poisoned(x.dims(), dtype, self.dev);
         comm.all_reduce_into_with(&x, &out, &op, &opts).unwrap();
         check(
-            &values(&out),
+            &self.result(&out),
             &reduce(op, &ins),
             dtype,
             Some(op),
@@ -93,7 +101,7 @@ impl Ctx<'_> {
         let (ins, x) = self.next(dtype);
         comm.all_reduce_into(&x, &x, &op).unwrap();
         check(
-            &values(&x),
+            &self.result(&x),
             &reduce(op, &ins),
             dtype,
             Some(op),
@@ -103,7 +111,7 @@ impl Ctx<'_> {
         let (ins, x) = self.next(dtype);
         comm.all_reduce_in_place(&x, &op).unwrap();
         check(
-            &values(&x),
+            &self.result(&x),
             &reduce(op, &ins),
             dtype,
             Some(op),
@@ -113,7 +121,7 @@ impl Ctx<'_> {
         let (ins, x) = self.next(dtype);
         comm.all_reduce_in_place_with(&x, &op, &opts).unwrap();
         check(
-            &values(&x),
+            &self.result(&x),
             &reduce(op, &ins),
             dtype,
             Some(op),
@@ -135,7 +143,7 @@ impl Ctx<'_> {
         let y = comm.reduce_scatter(&x, &op).unwrap();
         assert_eq!((y.dims(), y.dtype()), (&part_dims[..], dtype));
         check(
-            &values(&y),
+            &self.result(&y),
             &self.part(op, &ins),
             dtype,
             Some(op),
@@ -146,7 +154,7 @@ impl Ctx<'_> {
         let opts = CollectiveOptions::new();
         let y = comm.reduce_scatter_with(&x, &op, &opts).unwrap();
         check(
-            &values(&y),
+            &self.result(&y),
             &self.part(op, &ins),
             dtype,
             Some(op),
@@ -157,7 +165,7 @@ impl Ctx<'_> {
         let out = poisoned(&part_dims, dtype, self.dev);
         comm.reduce_scatter_into(&x, &out, &op).unwrap();
         check(
-            &values(&out),
+            &self.result(&out),
             &self.part(op, &ins),
             dtype,
             Some(op),
@@ -168,7 +176,7 @@ impl Ctx<'_> {
         let out = poisoned(&part_dims, dtype, self.dev);
         comm.reduce_scatter_into_with(&x, &out, &op, &opts).unwrap();
         check(
-            &values(&out),
+            &self.result(&out),
             &self.part(op, &ins),
             dtype,
             Some(op),
@@ -183,7 +191,7 @@ impl Ctx<'_> {
         let y = comm.all_gather(&x).unwrap();
         assert_eq!((y.dims(), y.dtype()), (&dims[..], dtype));
         check(
-            &values(&y),
+            &self.result(&y),
             &ins.concat(),
             dtype,
             None,
@@ -194,7 +202,7 @@ impl Ctx<'_> {
         let opts = CollectiveOptions::new();
         let y = comm.all_gather_with(&x, &opts).unwrap();
         check(
-            &values(&y),
+            &self.result(&y),
             &ins.concat(),
             dtype,
             None,
@@ -205,7 +213,7 @@ impl Ctx<'_> {
         let out = poisoned(&dims, dtype, self.dev);
         comm.all_gather_into(&x, &out).unwrap();
         check(
-            &values(&out),
+            &self.result(&out),
             &ins.concat(),
             dtype,
             None,
@@ -216,7 +224,7 @@ impl Ctx<'_> {
         let out = poisoned(&dims, dtype, self.dev);
         comm.all_gather_into_with(&x, &out, &opts).unwrap();
         check(
-            &values(&out),
+            &self.result(&out),
             &ins.concat(),
             dtype,
             None,
@@ -232,7 +240,7 @@ impl Ctx<'_> {
         let y = comm.broadcast(&x, root).unwrap();
         assert_eq!((y.dims(), y.dtype()), (x.dims(), dtype));
         check(
-            &values(&y),
+            &self.result(&y),
             &ins[root],
             dtype,
             None,
@@ -242,7 +250,7 @@ impl Ctx<'_> {
         let (ins, x) = self.next(dtype);
         let y = comm.broadcast_with(&x, root, &opts).unwrap();
         check(
-            &values(&y),
+            &self.result(&y),
             &ins[root],
             dtype,
             None,
@@ -253,7 +261,7 @@ impl Ctx<'_> {
         let out = poisoned(x.dims(), dtype, self.dev);
         comm.broadcast_into(&x, &out, root).unwrap();
         check(
-            &values(&out),
+            &self.result(&out),
             &ins[root],
             dtype,
             None,
@@ -264,7 +272,7 @@ impl Ctx<'_> {
         let out = poisoned(x.dims(), dtype, self.dev);
         comm.broadcast_into_with(&x, &out, root, &opts).unwrap();
         check(
-            &values(&out),
+            &self.result(&out),
             &ins[root],
             dtype,
             None,
@@ -274,7 +282,7 @@ impl Ctx<'_> {
         let (ins, x) = self.next(dtype);
         comm.broadcast_in_place(&x, root).unwrap();
         check(
-            &values(&x),
+            &self.result(&x),
             &ins[root],
             dtype,
             None,
@@ -284,7 +292,7 @@ impl Ctx<'_> {
         let (ins, x) = self.next(dtype);
         comm.broadcast_in_place_with(&x, root, &opts).unwrap();
         check(
-            &values(&x),
+            &self.result(&x),
             &ins[root],
             dtype,
             None,
@@ -311,7 +319,7 @@ impl Ctx<'_> {
         let y = comm.all_to_all(&x).unwrap();
         assert_eq!((y.dims(), y.dtype()), (x.dims(), dtype));
         check(
-            &values(&y),
+            &self.result(&y),
             &equal(&ins),
             dtype,
             None,
@@ -321,7 +329,7 @@ impl Ctx<'_> {
         let out = poisoned(x.dims(), dtype, self.dev);
         comm.all_to_all_into(&x, &out).unwrap();
         check(
-            &values(&out),
+            &self.result(&out),
             &equal(&ins),
             dtype,
             None,
@@ -343,7 +351,7 @@ impl Ctx<'_> {
         let y = comm.all_to_all_v(&x, &send, &recv).unwrap();
         assert_eq!(y.dims(), &[recv.iter().sum::<usize>(), row][..]);
         check(
-            &values(&y),
+            &self.result(&y),
             &want,
             dtype,
             None,
@@ -352,7 +360,7 @@ impl Ctx<'_> {
         let out = poisoned(y.dims(), dtype, self.dev);
         comm.all_to_all_v_into(&x, &out, &send, &recv).unwrap();
         check(
-            &values(&out),
+            &self.result(&out),
             &want,
             dtype,
             None,
