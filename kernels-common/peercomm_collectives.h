@@ -80,11 +80,11 @@ PC_INLINE void all_gather(const Args& a) {
     if (staged && packs > cap) {
         // Chunk k of every member's message, from its half into the member's place.
         const Chunks chunks{div_ceil_u64(packs, cap), cap * 16u};
-        auto stage = [&](uint64_t k) {
+        auto stage = [&](uint64_t k) PC_INLINE_LAMBDA {
             const ChunkRange r = chunk_range<D>(n, cap, k);
             copy_message<D>(elem_addr<D>(a.local_input, r.first), chunks.half(a, me, k), r.elems, tid, stride);
         };
-        auto use = [&](uint64_t k) {
+        auto use = [&](uint64_t k) PC_INLINE_LAMBDA {
             const ChunkRange r = chunk_range<D>(n, cap, k);
             for (uint32_t i = 0; i < width; ++i) {
                 const uint32_t q = (me + i) % width;
@@ -123,7 +123,7 @@ PC_INLINE void reduce_scatter(const Args& a) {
         // Chunk k of every part q (its packs [k*cap, k*cap + cap)) at pack q * cap of
         // the half; rank me reduces chunk k of part me from every member's half.
         const Chunks chunks{div_ceil_u64(most, cap), width * cap * 16u};
-        auto stage = [&](uint64_t k) {
+        auto stage = [&](uint64_t k) PC_INLINE_LAMBDA {
             for (uint32_t q = 0; q < width; ++q) {
                 const Part part = split_part(n, width, q);
                 const ChunkRange r = chunk_range<D>(part.count, cap, k);
@@ -131,7 +131,7 @@ PC_INLINE void reduce_scatter(const Args& a) {
                                 r.elems, tid, stride);
             }
         };
-        auto use = [&](uint64_t k) {
+        auto use = [&](uint64_t k) PC_INLINE_LAMBDA {
             const ChunkRange r = chunk_range<D>(split_part(n, width, me).count, cap, k);
             uint64_t srcs[PEERCOMM_MAX_GPUS];
             const uint64_t dst = elem_addr<D>(a.output, r.first);
@@ -184,12 +184,12 @@ PC_INLINE void broadcast(const Args& a) {
     if (staged && packs > cap) {
         // The root stages chunk k; every member takes it (the root from its input).
         const Chunks chunks{div_ceil_u64(packs, cap), cap * 16u};
-        auto stage = [&](uint64_t k) {
+        auto stage = [&](uint64_t k) PC_INLINE_LAMBDA {
             const ChunkRange r = chunk_range<D>(n, cap, k);
             if (me == root)
                 copy_message<D>(elem_addr<D>(a.local_input, r.first), chunks.half(a, me, k), r.elems, tid, stride);
         };
-        auto use = [&](uint64_t k) {
+        auto use = [&](uint64_t k) PC_INLINE_LAMBDA {
             const ChunkRange r = chunk_range<D>(n, cap, k);
             if (me != root) {
                 copy_message<D>(chunks.half(a, root, k), elem_addr<D>(a.output, r.first), r.elems, tid, stride);
@@ -228,14 +228,14 @@ PC_INLINE void scatter(const Args& a) {
         // The root stages chunk k of every part q at pack q * cap of its half; member
         // me takes chunk k of part me (the root from its input).
         const Chunks chunks{div_ceil_u64(packs, cap), width * cap * 16u};
-        auto stage = [&](uint64_t k) {
+        auto stage = [&](uint64_t k) PC_INLINE_LAMBDA {
             if (me != root) return;
             const ChunkRange r = chunk_range<D>(n, cap, k);
             for (uint32_t q = 0; q < width; ++q)
                 copy_message<D>(elem_addr<D>(a.local_input, q * n + r.first), chunks.half(a, me, k) + q * cap * 16u,
                                 r.elems, tid, stride);
         };
-        auto use = [&](uint64_t k) {
+        auto use = [&](uint64_t k) PC_INLINE_LAMBDA {
             const ChunkRange r = chunk_range<D>(n, cap, k);
             const uint64_t src = me == root ? elem_addr<D>(a.local_input, me * n + r.first)
                                             : chunks.half(a, root, k) + me * cap * 16u;
@@ -385,7 +385,7 @@ PC_INLINE void allreduce_rmsnorm_chunked(Ctx& c, volatile PC_SHARED float* tree,
     const uint64_t hidden = a.hidden, row_packs = hidden / L, rows = a.num_elements / hidden, cap = a.stage_input;
     const Chunks chunks{div_ceil_u64(rows, cap), cap * row_packs * 16u};
     auto chunk_rows = [&](uint64_t k) { return min_u64(cap, rows - k * cap); };
-    auto stage = [&](uint64_t k) {
+    auto stage = [&](uint64_t k) PC_INLINE_LAMBDA {
         const uint64_t first = k * cap * row_packs, dst = chunks.half(a, me, k);
         for (uint64_t t = blockIdx.x; t < chunk_rows(k); t += gridDim.x)
             for (uint64_t j = threadIdx.x; j < row_packs; j += blockDim.x) {
@@ -393,7 +393,7 @@ PC_INLINE void allreduce_rmsnorm_chunked(Ctx& c, volatile PC_SHARED float* tree,
                 store_pack<D>(dst, p, load_pack<D>(a.local_input, first + p, vec), vec);
             }
     };
-    auto use = [&](uint64_t k) {
+    auto use = [&](uint64_t k) PC_INLINE_LAMBDA {
         Args view = a;
         const uint64_t first = k * cap * hidden;
         view.num_elements = chunk_rows(k) * hidden;

@@ -176,21 +176,22 @@ PC_INLINE void all_reduce_group(const GroupArgs& g) {
         if (!barrier<BarrierKind::Start>(c)) return abandon(c, WaitForPeers::Yes);
     }
     with_width(width, [&]<int W>() {
-        for (uint64_t gp = start; gp < end; gp += stride) {
-            const uint32_t s = entry_of_pack(g, count, gp);
-            const GroupEntry& e = g.entries[s];
-            const uint64_t n = e.elements, packs = (n + L - 1) / L, p = gp - e.offset / 16u;
-            if (p >= packs) continue;
-            uint64_t srcs[W];
-            bool vec = aligned16(e.output);
+        with_op(op, [&]<typename Op>() PC_INLINE_LAMBDA {
+            for (uint64_t gp = start; gp < end; gp += stride) {
+                const uint32_t s = entry_of_pack(g, count, gp);
+                const GroupEntry& e = g.entries[s];
+                const uint64_t n = e.elements, packs = (n + L - 1) / L, p = gp - e.offset / 16u;
+                if (p >= packs) continue;
+                uint64_t srcs[W];
+                bool vec = aligned16(e.output);
 #pragma unroll
-            for (int k = 0; k < W; ++k) {
-                srcs[k] = staged ? a.payloads[k] + e.offset : width > 1u ? g.peer_inputs[s][k] : e.input;
-                vec = vec && aligned16(srcs[k]);
+                for (int k = 0; k < W; ++k) {
+                    srcs[k] = staged ? a.payloads[k] + e.offset : width > 1u ? g.peer_inputs[s][k] : e.input;
+                    vec = vec && aligned16(srcs[k]);
+                }
+                reduce_pack<D, W, Op>(op, srcs, p, n, e.output, vec);
             }
-            // One pack: p is the whole range this call of the loop body covers.
-            reduce_range<D, W>(op, srcs, 0, packs, n, e.output, 0, vec, p, packs);
-        }
+        });
     });
     if (!barrier<BarrierKind::End>(c)) return abandon(c, WaitForPeers::Yes);
     finish(c);

@@ -303,14 +303,39 @@ PC_INLINE Vec16 sum_packs(const Vec16 (&x)[W]) {
     return fold_packs<D, W, SumOp>(x);
 }
 
-// Pack p lane by lane (the tail, or unaligned buffers): same order, same rounding.
-template <typename D, int W, typename Op>
-PC_INLINE void reduce_pack_scalar(const uint64_t* srcs, uint64_t p, uint64_t n, uint64_t dst, uint64_t dst_p) {
+// Pack p lane by lane (the tail, or unaligned buffers): same order, same rounding. The
+// operator is picked per step: this path is cold, and one body for every operator keeps
+// the kernels smaller.
+template <typename D, int W>
+PC_INLINE void reduce_pack_scalar(uint32_t op, const uint64_t* srcs, uint64_t p, uint64_t n, uint64_t dst,
+                                  uint64_t dst_p) {
     constexpr int L = Pack<D>::kLanes;
     for (uint64_t e = p * L, j = 0; e < n && j < (uint64_t)L; ++e, ++j) {
-        float acc = Op::template first<W>(D::to_float(load_elem<D>(srcs[0], e)));
-        for (int s = 1; s < W; ++s) acc = Op::step(acc, D::to_float(load_elem<D>(srcs[s], e)));
-        store_elem<D>(dst, dst_p * L + j, Op::template store<D, W>(acc));
+        const float x0 = D::to_float(load_elem<D>(srcs[0], e));
+        float acc = with_op(op, [&]<typename Op>() PC_INLINE_LAMBDA { return Op::template first<W>(x0); });
+        for (int s = 1; s < W; ++s) {
+            const float x = D::to_float(load_elem<D>(srcs[s], e));
+            acc = with_op(op, [&]<typename Op>() PC_INLINE_LAMBDA { return Op::step(acc, x); });
+        }
+        const typename D::Bits out =
+            with_op(op, [&]<typename Op>() PC_INLINE_LAMBDA { return Op::template store<D, W>(acc); });
+        store_elem<D>(dst, dst_p * L + j, out);
+    }
+}
+
+// Pack p of the W sources reduced by Op (the operator op) into pack p of dst: 16 bytes at
+// a time where vec and the pack is whole, else lane by lane (the batched all-reduce's
+// unit).
+template <typename D, int W, typename Op>
+PC_INLINE void reduce_pack(uint32_t op, const uint64_t* srcs, uint64_t p, uint64_t n, uint64_t dst, bool vec) {
+    constexpr int L = Pack<D>::kLanes;
+    if (vec && (p + 1) * L <= n) {
+        Vec16 x[W];
+#pragma unroll
+        for (int s = 0; s < W; ++s) x[s] = load_vec16(srcs[s], p);
+        store_vec16(dst, p, fold_packs<D, W, Op>(x));
+    } else {
+        reduce_pack_scalar<D, W>(op, srcs, p, n, dst, p);
     }
 }
 
@@ -350,9 +375,9 @@ PC_INLINE void reduce_range(uint32_t op, const uint64_t* srcs, uint64_t first, u
                 store_vec16(dst, p - dst_base, fold_packs<D, W, Op>(x[g]));
             }
         }
-        for (uint64_t p = first_pack_from(first, whole, tid, stride); p < end; p += stride)
-            reduce_pack_scalar<D, W, Op>(srcs, p, n, dst, p - dst_base);
     });
+    for (uint64_t p = first_pack_from(first, whole, tid, stride); p < end; p += stride)
+        reduce_pack_scalar<D, W>(op, srcs, p, n, dst, p - dst_base);
 }
 
 // Copies the packs p in [first, end) of this thread from src (at pack p - src_base) to
@@ -823,12 +848,12 @@ PC_INLINE void one_stage_chunked(Ctx& c, uint64_t n, uint64_t packs, bool vec, u
     const uint32_t width = a.group_width;
     const Chunks chunks{(packs + cap - 1) / cap, cap * 16u};
     auto elem_at = [&](uint64_t base, uint64_t e) { return base + e * sizeof(typename D::Bits); };
-    auto stage = [&](uint64_t k) {
+    auto stage = [&](uint64_t k) PC_INLINE_LAMBDA {
         const ChunkRange r = chunk_range<D>(n, cap, k);
         copy_range<D>(elem_at(a.local_input, r.first), 0, chunks.half(a, a.group_rank, k), 0, 0, r.packs, r.elems,
                       vec, tid, stride);
     };
-    auto use = [&](uint64_t k) {
+    auto use = [&](uint64_t k) PC_INLINE_LAMBDA {
         const ChunkRange r = chunk_range<D>(n, cap, k);
         uint64_t srcs[PEERCOMM_MAX_GPUS];
 #pragma unroll
