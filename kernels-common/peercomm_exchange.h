@@ -41,19 +41,61 @@ PC_INLINE uint64_t exchange_region(const Args& a, uint32_t owner, uint32_t to) {
 // addresses, so that what block b of a sender stages is what block b of the receiver
 // reads (the pair's barriers are per block).
 
+// Bytes [I, I + sizeof(U)) of the 16 bytes v (little endian) as one integer U.
+template <typename U, int I>
+PC_INLINE U bytes_of(Vec16 v) {
+    constexpr int kWord = I / 4, kShift = 8 * (I % 4);
+    // The (up to) three words that hold the bytes, low first.
+    const uint64_t lo = (uint64_t)vec16_word(v, kWord) |
+                        (kWord + 1 < 4 ? (uint64_t)vec16_word(v, kWord + 1 < 4 ? kWord + 1 : 3) << 32 : 0u);
+    if constexpr (sizeof(U) == 8 && kShift != 0) {
+        return (U)((lo >> kShift) | (uint64_t)vec16_word(v, kWord + 2 < 4 ? kWord + 2 : 3) << (64 - kShift));
+    } else {
+        return (U)(lo >> kShift);
+    }
+}
+
+// Stores bytes [I, 16) of v at dst + I, where (dst + I) % 8 = M8: each piece as wide as
+// its address allows (8, 4, 2 or 1 bytes), so that 16 bytes at any address take at most
+// five stores (two where dst is 8-byte aligned).
+template <int I, int M8>
+PC_INLINE void store_pieces(uint64_t dst, Vec16 v) {
+    if constexpr (I < 16) {
+        constexpr int kSize = (M8 % 8 == 0 && I + 8 <= 16)   ? 8
+                              : (M8 % 4 == 0 && I + 4 <= 16) ? 4
+                              : (M8 % 2 == 0 && I + 2 <= 16) ? 2
+                                                             : 1;
+        if constexpr (kSize == 8) {
+            *(PC_GLOBAL uint64_t*)(dst + I) = bytes_of<uint64_t, I>(v);
+        } else if constexpr (kSize == 4) {
+            *(GlobalU32*)(dst + I) = bytes_of<uint32_t, I>(v);
+        } else if constexpr (kSize == 2) {
+            *(PC_GLOBAL uint16_t*)(dst + I) = bytes_of<uint16_t, I>(v);
+        } else {
+            *(PC_GLOBAL uint8_t*)(dst + I) = bytes_of<uint8_t, I>(v);
+        }
+        store_pieces<I + kSize, (M8 + kSize) % 8>(dst, v);
+    }
+}
+
 // Stores the 16 bytes v at dst (any alignment) in the widest stores it allows.
 PC_INLINE void store_bytes16(uint64_t dst, Vec16 v) {
-    if (aligned16(dst)) {
-        store_vec16(dst, 0, v);
-    } else if ((dst & 3u) == 0u) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) ((GlobalU32*)dst)[i] = vec16_word(v, i);
-    } else if ((dst & 1u) == 0u) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) ((PC_GLOBAL uint16_t*)dst)[i] = (uint16_t)(vec16_word(v, i / 2) >> (16 * (i % 2)));
-    } else {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) ((PC_GLOBAL uint8_t*)dst)[i] = (uint8_t)(vec16_word(v, i / 4) >> (8 * (i % 4)));
+    switch (dst & 15u) {
+        case 0: return store_vec16(dst, 0, v);
+        case 8: return store_pieces<0, 0>(dst, v);
+        case 4:
+        case 12: return store_pieces<0, 4>(dst, v);
+        case 2:
+        case 10: return store_pieces<0, 2>(dst, v);
+        case 6:
+        case 14: return store_pieces<0, 6>(dst, v);
+        case 1:
+        case 9: return store_pieces<0, 1>(dst, v);
+        case 3:
+        case 11: return store_pieces<0, 3>(dst, v);
+        case 5:
+        case 13: return store_pieces<0, 5>(dst, v);
+        default: return store_pieces<0, 7>(dst, v);
     }
 }
 

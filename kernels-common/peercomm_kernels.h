@@ -59,7 +59,9 @@ PC_INLINE uint64_t min_u64(uint64_t x, uint64_t y) { return x < y ? x : y; }
 
 // ---------------------------------------------------------------------------------
 // Element types: raw bits in memory, f32 in registers. kCanonicalNaN is the one NaN
-// that Max and Min store, as these bits. kRunTimeWidth: whether the reducing kernels
+// that Prod, Max and Min store, as these bits; kInf the bits of +infinity. Where the
+// vendor has packed f16/bf16 extrema (PC_PACKED_EXTREMA), extremum_x2 is Max's or
+// Min's step over a word of two lanes. kRunTimeWidth: whether the reducing kernels
 // take the group width at run time (one body, reduce_range_rt) instead of one body per
 // width (with_width): false for the three types every kernel takes.
 
@@ -76,16 +78,30 @@ struct F16 {
     static constexpr bool kRunTimeWidth = false;
     static constexpr Bits kNegZero = 0x8000u;
     static constexpr Bits kCanonicalNaN = 0x7e00u;
+    static constexpr Bits kInf = 0x7c00u;
     static PC_INLINE float to_float(Bits b) { return float_from_f16(b); }
     static PC_INLINE Bits from_float(float x) { return f16_from_float(x); }
+#ifdef PC_PACKED_EXTREMA
+    template <bool kMax>
+    static PC_INLINE uint32_t extremum_x2(uint32_t a, uint32_t b) {
+        return kMax ? maximum_f16x2(a, b) : minimum_f16x2(a, b);
+    }
+#endif
 };
 struct BF16 {
     typedef uint16_t Bits;
     static constexpr bool kRunTimeWidth = false;
     static constexpr Bits kNegZero = 0x8000u;
     static constexpr Bits kCanonicalNaN = 0x7fc0u;
+    static constexpr Bits kInf = 0x7f80u;
     static PC_INLINE float to_float(Bits b) { return float_from_bits((uint32_t)b << 16); }
     static PC_INLINE Bits from_float(float x) { return bf16_from_float(x); }
+#ifdef PC_PACKED_EXTREMA
+    template <bool kMax>
+    static PC_INLINE uint32_t extremum_x2(uint32_t a, uint32_t b) {
+        return kMax ? maximum_bf16x2(a, b) : minimum_bf16x2(a, b);
+    }
+#endif
 };
 
 // The other types: reduced (one-stage, reduce, reduce-scatter) in their accumulator Acc,
@@ -218,6 +234,7 @@ PC_INLINE uint32_t call_op(const Args& a) { return (a.call[2] >> PEERCOMM_CALL_O
 // alone (against one body for every operator: a loop 2-5x longer in SASS); with_op
 // picks the loop once per range, a branch every thread of the call takes alike.
 struct SumOp {
+    static constexpr int kExtremum = 0;  // Max 1, Min -1, the others 0
     template <int W>
     static PC_INLINE float first(float x) { return sum_start<W>(x); }
     static PC_INLINE float step(float acc, float x) { return acc + x; }
@@ -239,6 +256,7 @@ struct AvgOp : SumOp {
 };
 // Prod, Max and Min store any NaN as the type's canonical NaN.
 struct NaNCanonicalOp {
+    static constexpr int kExtremum = 0;
     template <int W>
     static PC_INLINE float first(float x) { return x; }
     template <typename D, int W>
@@ -247,21 +265,15 @@ struct NaNCanonicalOp {
 struct ProdOp : NaNCanonicalOp {
     static PC_INLINE float step(float acc, float x) { return acc * x; }
 };
-// By value, -0.0 below +0.0 (equal values differ at most in the sign of a zero, and
-// then the bits order them: Max takes +0.0 (0x0) over -0.0 (0x80000000), Min the
-// other); a NaN on either side stays a NaN (a NaN x is taken; a NaN acc compares false
-// and stays). The conditions combine with & and |, not && and ||: no branch per lane.
+// By value, -0.0 below +0.0, a NaN on either side a NaN: the vendor's maximum_f32 and
+// minimum_f32 (one instruction on sm_80+).
 struct MaxOp : NaNCanonicalOp {
-    static PC_INLINE float step(float acc, float x) {
-        const bool tie = (x == acc) & (bits_from_float(acc) > bits_from_float(x));
-        return ((x != x) | (x > acc) | tie) ? x : acc;
-    }
+    static constexpr int kExtremum = 1;
+    static PC_INLINE float step(float acc, float x) { return maximum_f32(acc, x); }
 };
 struct MinOp : NaNCanonicalOp {
-    static PC_INLINE float step(float acc, float x) {
-        const bool tie = (x == acc) & (bits_from_float(x) > bits_from_float(acc));
-        return ((x != x) | (x < acc) | tie) ? x : acc;
-    }
+    static constexpr int kExtremum = -1;
+    static PC_INLINE float step(float acc, float x) { return minimum_f32(acc, x); }
 };
 
 // Runs body.template operator()<Op>() with Op the type of operator op; unknown codes
@@ -277,10 +289,42 @@ PC_INLINE auto with_op(uint32_t op, F&& body) {
     }
 }
 
+// The NaN lanes of a word of two f16 or bf16 lanes as D's canonical NaN: lane by lane,
+// |x| + (0x7fff - inf) carries into the lane's bit 15 exactly when |x| > inf.
+template <typename D>
+PC_INLINE uint32_t canonical_nans_x2(uint32_t w) {
+    constexpr uint32_t kToSign = (0x7fffu - D::kInf) * 0x10001u;
+    const uint32_t nan = (((w & 0x7fff7fffu) + kToSign) >> 15 & 0x10001u) * 0xffffu;
+    return (w & ~nan) | ((uint32_t)D::kCanonicalNaN * 0x10001u & nan);
+}
+
+#ifdef PC_PACKED_EXTREMA
+// Max (kMax) or Min of the W packs of f16 or bf16, two lanes a step in their own format:
+// the bits of the f32 loop (an extremum rounds nothing), a third of its instructions.
+template <typename D, int W, bool kMax>
+PC_INLINE Vec16 fold_extrema_x2(const Vec16 (&x)[W]) {
+    Vec16 acc = x[0];
+#pragma unroll
+    for (int s = 1; s < W; ++s) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+            set_vec16_word(acc, i, D::template extremum_x2<kMax>(vec16_word(acc, i), vec16_word(x[s], i)));
+    }
+#pragma unroll
+    for (int i = 0; i < 4; ++i) set_vec16_word(acc, i, canonical_nans_x2<D>(vec16_word(acc, i)));
+    return acc;
+}
+#endif
+
 // The W packs reduced lane by lane by Op, in source order.
 template <typename D, int W, typename Op>
 PC_INLINE Vec16 fold_packs(const Vec16 (&x)[W]) {
     constexpr int L = Pack<D>::kLanes;
+#ifdef PC_PACKED_EXTREMA
+    if constexpr (Op::kExtremum != 0 && sizeof(typename D::Bits) == 2) {
+        return fold_extrema_x2<D, W, (Op::kExtremum > 0)>(x);
+    }
+#endif
     Pack<D> in{x[0]};
     float acc[L];
 #pragma unroll

@@ -23,6 +23,33 @@ PC_INLINE uint16_t bf16_from_float(float x) { return __bfloat16_as_ushort(__floa
 PC_INLINE double double_from_bits(uint64_t b) { return __longlong_as_double((long long)b); }
 PC_INLINE uint64_t bits_from_double(double x) { return (uint64_t)__double_as_longlong(x); }
 
+// Max and Min of two values by peercomm_signal.h's rule, but for the NaN's bits (-0.0
+// below +0.0; a NaN on either side gives a NaN, which the store makes the canonical one):
+// sm_80's max.NaN / min.NaN, IEEE 754-2019's maximum and minimum in one instruction.
+PC_INLINE float maximum_f32(float a, float b) {
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+PC_INLINE float minimum_f32(float a, float b) {
+    float r;
+    asm("min.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+// The same over the two f16 or bf16 lanes of a word, in their own format: exact, as the
+// f32 loop is, with no conversion (peercomm_kernels.h's fold_extrema_x2).
+#define PC_PACKED_EXTREMA 1
+#define PC_PACKED_EXTREMUM(name, insn)                          \
+    PC_INLINE uint32_t name(uint32_t a, uint32_t b) {           \
+        uint32_t r;                                             \
+        asm(insn " %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));   \
+        return r;                                               \
+    }
+PC_PACKED_EXTREMUM(maximum_f16x2, "max.NaN.f16x2")
+PC_PACKED_EXTREMUM(minimum_f16x2, "min.NaN.f16x2")
+PC_PACKED_EXTREMUM(maximum_bf16x2, "max.NaN.bf16x2")
+PC_PACKED_EXTREMUM(minimum_bf16x2, "min.NaN.bf16x2")
+
 #include "peercomm_kernels.h"
 #include "peercomm_collectives.h"
 #include "peercomm_group.h"

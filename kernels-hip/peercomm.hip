@@ -40,6 +40,19 @@ PC_INLINE uint16_t bf16_from_float(float x) {
 PC_INLINE double double_from_bits(uint64_t b) { return __builtin_bit_cast(double, b); }
 PC_INLINE uint64_t bits_from_double(double x) { return __builtin_bit_cast(uint64_t, x); }
 
+// Max and Min of two values by peercomm_signal.h's rule, but for the NaN's bits (-0.0
+// below +0.0; a NaN on either side gives a NaN, which the store makes the canonical one).
+// gfx9's v_max_f32 returns the number beside a NaN, so the rule is spelled out; the
+// conditions combine with & and |, not && and ||: no branch per lane.
+PC_INLINE float maximum_f32(float a, float b) {
+    const bool tie = (b == a) & (bits_from_float(a) > bits_from_float(b));
+    return ((b != b) | (b > a) | tie) ? b : a;
+}
+PC_INLINE float minimum_f32(float a, float b) {
+    const bool tie = (b == a) & (bits_from_float(b) > bits_from_float(a));
+    return ((b != b) | (b < a) | tie) ? b : a;
+}
+
 #include "peercomm_kernels.h"
 #include "peercomm_collectives.h"
 #include "peercomm_group.h"
