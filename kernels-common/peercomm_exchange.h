@@ -134,9 +134,79 @@ PC_INLINE void copy_bytes_shifted(uint64_t src, uint64_t dst, uint64_t n, uint64
     }
 }
 
-// Copies the n bytes at src to dst (pack k by thread k % stride): where src is 16-byte
-// aligned, whole packs as one 16-byte load, four in flight per iteration, each stored as
-// dst's alignment allows; else copy_bytes_shifted. The last, partial pack byte by byte.
+// Stores bytes [from, to) of v, byte i at at + i, in the widest pieces their addresses
+// allow (at most five).
+PC_INLINE void store_byte_range(uint64_t at, Vec16 v, uint32_t from, uint32_t to) {
+    const uint64_t lo = (uint64_t)v.x | (uint64_t)v.y << 32, hi = (uint64_t)v.z | (uint64_t)v.w << 32;
+    while (from < to) {
+        const uint64_t addr = at + from;
+        uint32_t size = 8u;
+        while (size > 1u && ((addr & (size - 1u)) != 0u || from + size > to)) size >>= 1;
+        // Bytes [from, from + size) of the 16, low first.
+        const uint64_t bits = from >= 8u ? hi >> (8u * (from - 8u))
+                              : from == 0u ? lo
+                                           : lo >> (8u * from) | hi << (64u - 8u * from);
+        if (size == 8u) {
+            *(PC_GLOBAL uint64_t*)addr = bits;
+        } else if (size == 4u) {
+            *(GlobalU32*)addr = (uint32_t)bits;
+        } else if (size == 2u) {
+            *(PC_GLOBAL uint16_t*)addr = (uint16_t)bits;
+        } else {
+            *(PC_GLOBAL uint8_t*)addr = (uint8_t)bits;
+        }
+        from += size;
+    }
+}
+
+// copy_bytes where src is 16-byte aligned and dst is not (the receiving side of a part at
+// an unaligned place, d = dst % 16): the lanes of a warp hold consecutive packs, and pack
+// k's last d bytes with pack k + 1's first 16 - d (from the next lane) make one aligned
+// 16-byte store. Only next to a pack the warp does not hold do bytes go in narrower
+// pieces: the first lane's first 16 - d bytes, the last lane's (and the last whole
+// pack's) last d. Each thread reads only its own packs, so block b still reads what
+// block b of the sender staged. Q = (16 - d) / 4. Every thread of the block calls it
+// (the lanes of a warp trade packs).
+template <int Q>
+PC_INLINE void copy_bytes_to_unaligned(uint64_t src, uint64_t dst, uint64_t n, uint64_t tid, uint64_t stride) {
+    constexpr int G = 4;
+    const uint64_t whole = n / 16u;
+    const uint32_t head = 16u - (uint32_t)(dst & 15u);  // bytes of a pack before an aligned address
+    const uint32_t r = 8u * (head & 3u);
+    const uint32_t lane = threadIdx.x % warp_lanes();
+    // k0 + lane is this thread's pack; k0 is the same across the warp.
+    for (uint64_t k0 = tid - lane; k0 < whole; k0 += G * stride) {
+        Vec16 x[G];
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const uint64_t k = k0 + g * stride + lane;
+            x[g] = k < whole ? load_vec16(src, k) : make_vec16(0u, 0u, 0u, 0u);
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const uint64_t k = k0 + g * stride + lane;
+            const Vec16 next = make_vec16(from_next_lane(x[g].x), from_next_lane(x[g].y), from_next_lane(x[g].z),
+                                          from_next_lane(x[g].w));
+            if (k >= whole) continue;
+            const uint64_t at = dst + 16u * k;  // where pack k's bytes go
+            if (lane == 0u) store_byte_range(at, x[g], 0u, head);
+            if (lane + 1u < warp_lanes() && k + 1u < whole) {
+                store_vec16(at + head, 0, bytes_at<Q>(x[g], next, r));
+            } else {
+                store_byte_range(at, x[g], head, 16u);
+            }
+        }
+    }
+    // The last, partial pack: by the thread whose pack it is.
+    if (whole * 16u < n && whole % stride == tid) {
+        for (uint64_t i = whole * 16u; i < n; ++i) ((PC_GLOBAL uint8_t*)dst)[i] = ((const PC_GLOBAL uint8_t*)src)[i];
+    }
+}
+
+// Copies the n bytes at src to dst (pack k by thread k % stride): where both are 16-byte
+// aligned, whole packs as one 16-byte load and store, four in flight per iteration; where
+// src is and dst is not, copy_bytes_to_unaligned; else copy_bytes_shifted. The last,
+// partial pack byte by byte. Every thread of the block calls it.
 PC_INLINE void copy_bytes(uint64_t src, uint64_t dst, uint64_t n, uint64_t tid, uint64_t stride) {
     switch ((src & 15u) / 4u) {
         case 0:
@@ -145,6 +215,13 @@ PC_INLINE void copy_bytes(uint64_t src, uint64_t dst, uint64_t n, uint64_t tid, 
         case 1: return copy_bytes_shifted<1>(src, dst, n, tid, stride);
         case 2: return copy_bytes_shifted<2>(src, dst, n, tid, stride);
         default: return copy_bytes_shifted<3>(src, dst, n, tid, stride);
+    }
+    switch ((16u - (uint32_t)(dst & 15u)) / 4u) {
+        case 4: break;  // dst aligned
+        case 0: return copy_bytes_to_unaligned<0>(src, dst, n, tid, stride);
+        case 1: return copy_bytes_to_unaligned<1>(src, dst, n, tid, stride);
+        case 2: return copy_bytes_to_unaligned<2>(src, dst, n, tid, stride);
+        default: return copy_bytes_to_unaligned<3>(src, dst, n, tid, stride);
     }
     constexpr int G = 4;
     const uint64_t packs = div_ceil_u64(n, 16u);

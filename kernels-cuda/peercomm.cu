@@ -50,6 +50,11 @@ PC_PACKED_EXTREMUM(minimum_f16x2, "min.NaN.f16x2")
 PC_PACKED_EXTREMUM(maximum_bf16x2, "max.NaN.bf16x2")
 PC_PACKED_EXTREMUM(minimum_bf16x2, "min.NaN.bf16x2")
 
+// A warp's lanes: the word v of the next lane (the last lane gets its own back). Every
+// lane of the warp calls it.
+PC_INLINE uint32_t warp_lanes() { return 32u; }
+PC_INLINE uint32_t from_next_lane(uint32_t v) { return __shfl_down_sync(0xffffffffu, v, 1); }
+
 #include "peercomm_kernels.h"
 #include "peercomm_collectives.h"
 #include "peercomm_group.h"

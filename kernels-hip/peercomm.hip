@@ -53,6 +53,11 @@ PC_INLINE float minimum_f32(float a, float b) {
     return ((b != b) | (b < a) | tie) ? b : a;
 }
 
+// A wavefront's lanes: the word v of the next lane (the last lane gets its own back).
+// Every lane of the wavefront calls it.
+PC_INLINE uint32_t warp_lanes() { return (uint32_t)warpSize; }
+PC_INLINE uint32_t from_next_lane(uint32_t v) { return (uint32_t)__shfl_down((int)v, 1); }
+
 #include "peercomm_kernels.h"
 #include "peercomm_collectives.h"
 #include "peercomm_group.h"
