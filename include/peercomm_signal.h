@@ -106,8 +106,9 @@ typedef long long int64_t;
  *   MAX, MIN: by value, with -0.0 below +0.0; any NaN gives the type's canonical quiet
  *         NaN (f32 0x7fc00000, f16 0x7e00, bf16 0x7fc0), on every rank and algorithm
  *   (the Lamport kernels send a SUM's or AVG's -0.0 as +0.0, which leaves the result
- *   unchanged, and a PROD's, MAX's or MIN's NaN as the canonical NaN, so that the word
- *   0xffffffff is free to carry the sentinel's bits: PEERCOMM_LAMPORT_SENTINEL_STANDIN)
+ *   unchanged, and a PROD's, MAX's or MIN's word 0xffffffff, NaN lanes only, as the
+ *   canonical NaN in each lane, so that 0xffffffff is free to carry the sentinel's bits:
+ *   PEERCOMM_LAMPORT_SENTINEL_STANDIN)
  *   AVG:  the SUM divided by the group width (one rounding), then rounded to the type
  */
 #define PEERCOMM_CALL_OP_SHIFT 25
@@ -126,7 +127,7 @@ typedef long long int64_t;
 /*
  * The word a Lamport kernel sends for a PROD's, MAX's or MIN's word whose bits are the
  * sentinel's (f32 -0.0; f16 or bf16 +0.0 below a -0.0): all ones, which no such word
- * has once its NaNs are the canonical ones. The reader turns it back.
+ * has once a word of all ones is sent as canonical NaNs. The reader turns it back.
  */
 #define PEERCOMM_LAMPORT_SENTINEL_STANDIN 0xffffffffu
 

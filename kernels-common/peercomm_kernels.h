@@ -234,7 +234,8 @@ PC_INLINE uint32_t call_op(const Args& a) { return (a.call[2] >> PEERCOMM_CALL_O
 // alone (against one body for every operator: a loop 2-5x longer in SASS); with_op
 // picks the loop once per range, a branch every thread of the call takes alike.
 struct SumOp {
-    static constexpr int kExtremum = 0;  // Max 1, Min -1, the others 0
+    static constexpr int kExtremum = 0;           // Max 1, Min -1, the others 0
+    static constexpr bool kNaNCanonical = false;  // whether store makes any NaN the canonical one
     template <int W>
     static PC_INLINE float first(float x) { return sum_start<W>(x); }
     static PC_INLINE float step(float acc, float x) { return acc + x; }
@@ -257,6 +258,7 @@ struct AvgOp : SumOp {
 // Prod, Max and Min store any NaN as the type's canonical NaN.
 struct NaNCanonicalOp {
     static constexpr int kExtremum = 0;
+    static constexpr bool kNaNCanonical = true;
     template <int W>
     static PC_INLINE float first(float x) { return x; }
     template <typename D, int W>
@@ -336,8 +338,24 @@ PC_INLINE Vec16 fold_packs(const Vec16 (&x)[W]) {
         for (int j = 0; j < L; ++j) acc[j] = Op::step(acc[j], D::to_float(in.lane(j)));
     }
     Pack<D> out{make_vec16(0u, 0u, 0u, 0u)};
+    if constexpr (Op::kNaNCanonical && sizeof(typename D::Bits) == 2) {
+        // Rounded two lanes at a time; a NaN is rare, so the pack is tested for one
+        // (|x| + (0x7fff - inf) carries into a lane's bit 15 only for a NaN) and made
+        // canonical only then.
 #pragma unroll
-    for (int j = 0; j < L; ++j) out.set_lane(j, Op::template store<D, W>(acc[j]));
+        for (int j = 0; j < L; ++j) out.set_lane(j, D::from_float(acc[j]));
+        constexpr uint32_t kToSign = (0x7fffu - D::kInf) * 0x10001u;
+        uint32_t carries = 0u;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) carries |= (vec16_word(out.v, i) & 0x7fff7fffu) + kToSign;
+        if ((carries & 0x80008000u) != 0u) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) set_vec16_word(out.v, i, canonical_nans_x2<D>(vec16_word(out.v, i)));
+        }
+    } else {
+#pragma unroll
+        for (int j = 0; j < L; ++j) out.set_lane(j, Op::template store<D, W>(acc[j]));
+    }
     return out.v;
 }
 
@@ -605,9 +623,10 @@ PC_INLINE bool lamport_keeps_sign(uint32_t op) {
 }
 
 // Pack x as a Lamport kernel sends it under operator op, no word the sentinel: a Sum's
-// or Avg's -0.0 lanes become +0.0; a Prod's, Max's or Min's NaN lanes become the
-// canonical NaN (the result of any NaN under them) and then a word with the sentinel's
-// bits becomes PEERCOMM_LAMPORT_SENTINEL_STANDIN, which lamport_decode turns back.
+// or Avg's -0.0 lanes become +0.0; under Prod, Max and Min a word of all ones (NaN lanes
+// only) becomes the canonical NaN in each lane (any NaN gives the canonical one under
+// them), and then a word with the sentinel's bits becomes all ones,
+// PEERCOMM_LAMPORT_SENTINEL_STANDIN, which lamport_decode turns back.
 template <typename D>
 PC_INLINE Vec16 lamport_encode(uint32_t op, Pack<D> x) {
     if (!lamport_keeps_sign(op)) {
@@ -616,14 +635,15 @@ PC_INLINE Vec16 lamport_encode(uint32_t op, Pack<D> x) {
             if (x.lane(j) == D::kNegZero) x.set_lane(j, 0);
         return x.v;
     }
+    constexpr uint32_t kNaNs = sizeof(typename D::Bits) == 2 ? D::kCanonicalNaN * 0x10001u : D::kCanonicalNaN;
 #pragma unroll
-    for (int j = 0; j < Pack<D>::kLanes; ++j) {
-        const float f = D::to_float(x.lane(j));
-        if (f != f) x.set_lane(j, D::kCanonicalNaN);
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t w = vec16_word(x.v, i);
+        set_vec16_word(x.v, i,
+                       w == PEERCOMM_LAMPORT_SENTINEL_STANDIN ? kNaNs
+                       : w == kLamportSentinel                ? PEERCOMM_LAMPORT_SENTINEL_STANDIN
+                                                              : w);
     }
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-        if (vec16_word(x.v, i) == kLamportSentinel) set_vec16_word(x.v, i, PEERCOMM_LAMPORT_SENTINEL_STANDIN);
     return x.v;
 }
 // A pack as lamport_encode sent it, back to the bits it stands for.

@@ -94,13 +94,19 @@ __device__ void for_each_member_sum(const peercomm::DeviceComm& comm, unsigned l
     }
 }
 
+// Every kernel here is launched with 512 threads a block and says so
+// (__launch_bounds__(512)), as the library's kernels do. It changes how ptxas allocates
+// the loop's registers (offline for sm_90: 64 registers and a 4-byte spill with it, 72
+// without): without it this one-stage sum took 1.5x the library's time at world 4 from
+// 4 MiB on an H200, with it the same time (docs/perf-notes.md, round four, ninth stop).
+
 // GELU, tanh form.
 __device__ __forceinline__ float gelu(float x) {
     return 0.5f * x * (1.0f + tanhf(0.7978845608028654f * (x + 0.044715f * x * x * x)));
 }
 
 // One-stage all-reduce (sum) of the symmetric buffer into `out` (16-byte aligned).
-extern "C" __global__ void one_stage_sum(const peercomm::DeviceComm comm, float* out,
+extern "C" __global__ void __launch_bounds__(512) one_stage_sum(const peercomm::DeviceComm comm, float* out,
                                          unsigned long long n) {
     between_barriers(comm, [&] {
         for_each_member_sum(
@@ -112,7 +118,7 @@ extern "C" __global__ void one_stage_sum(const peercomm::DeviceComm comm, float*
 // The all-reduce of the symmetric buffer with a bias and GELU fused into its epilogue:
 // out[i] = gelu(sum_q x_q[i] + bias[i]), one pass, no intermediate in memory (`bias` and
 // `out` 16-byte aligned).
-extern "C" __global__ void all_reduce_bias_gelu(const peercomm::DeviceComm comm, const float* bias,
+extern "C" __global__ void __launch_bounds__(512) all_reduce_bias_gelu(const peercomm::DeviceComm comm, const float* bias,
                                                 float* out, unsigned long long n) {
     between_barriers(comm, [&] {
         for_each_member_sum(
@@ -131,7 +137,7 @@ extern "C" __global__ void all_reduce_bias_gelu(const peercomm::DeviceComm comm,
 // is the router's weight of expert e for this rank's token t (0 where not routed). Each
 // home rank sums its tokens' rows over the experts, weighted, in expert order:
 // out[t][j] = sum_e scores[t][e] * y_e[me * tokens + t][j].
-extern "C" __global__ void moe_combine(const peercomm::DeviceComm comm, const float* scores, float* out,
+extern "C" __global__ void __launch_bounds__(512) moe_combine(const peercomm::DeviceComm comm, const float* scores, float* out,
                                        unsigned tokens, unsigned hidden) {
     const unsigned me = comm.group_rank, width = comm.group_width;
     between_barriers(comm, [&] {
@@ -149,7 +155,7 @@ extern "C" __global__ void moe_combine(const peercomm::DeviceComm comm, const fl
 
 // The unfused epilogue (for the comparison): out[i] = gelu(x[i] + bias[i]), 16 bytes at a
 // time as the fused one (every pointer 16-byte aligned).
-extern "C" __global__ void bias_gelu(const float* x, const float* bias, float* out, unsigned long long n) {
+extern "C" __global__ void __launch_bounds__(512) bias_gelu(const float* x, const float* bias, float* out, unsigned long long n) {
     grid_stride(n / 4, [&](unsigned long long p) {
         const float4 s = ((const float4*)x)[p], b = ((const float4*)bias)[p];
         ((float4*)out)[p] = make_float4(gelu(s.x + b.x), gelu(s.y + b.y), gelu(s.z + b.z), gelu(s.w + b.w));

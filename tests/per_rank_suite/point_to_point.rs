@@ -232,14 +232,18 @@ pub fn all_to_all_v_moe<B: Backend>(place: &Placement, world: usize) {
 
 /// `all_to_all_v` whose parts start at every offset modulo 16 bytes in the send and the
 /// receive buffers (u8, bf16 and f32 parts of uneven, odd counts, from one element to
-/// more than a few packs): each part lands bit for bit, in rank order.
+/// more than a few packs, and parts of about 20,000 elements that span several payload
+/// chunks, blocks and iterations of a thread): each part lands bit for bit, in rank
+/// order.
 pub fn all_to_all_v_unaligned<B: Backend>(place: &Placement, world: usize) {
     fn case<B: Backend, T: Element>(comm: &Comm<B>, seed: u64, world: usize, rank: usize) {
         let dev = comm.device();
-        for round in 0..6 {
-            // counts[src][dst], the same on every rank.
+        for round in 0..8 {
+            // counts[src][dst], the same on every rank; the last rounds' parts span
+            // several payload chunks, blocks and iterations of every thread.
+            let big = if round >= 6 { 20_000 } else { 0 };
             let count = |src: usize, dst: usize| {
-                1 + (src * 7 + dst * 5 + round * 11) % 37 + 200 * (round % 2)
+                1 + (src * 7 + dst * 5 + round * 11) % 37 + 200 * (round % 2) + big
             };
             let send_counts: Vec<usize> = (0..world).map(|q| count(rank, q)).collect();
             let recv_counts: Vec<usize> = (0..world).map(|q| count(q, rank)).collect();

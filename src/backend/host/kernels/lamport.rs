@@ -1,7 +1,8 @@
 //! The Lamport kernels on the host: packs travel as four words, none the sentinel (a
-//! Sum's or Avg's -0.0 sent as +0.0; a Prod's, Max's or Min's NaNs canonical and a word
-//! of the sentinel's bits sent as its stand-in); headers are checked, the operator runs
-//! in source order, and the end clears the previous generation and advances the flag.
+//! Sum's or Avg's -0.0 sent as +0.0; under Prod, Max and Min a word of all ones sent as
+//! canonical NaNs and a word of the sentinel's bits as its stand-in, all ones); headers
+//! are checked, the operator runs in source order, and the end clears the previous
+//! generation and advances the flag.
 
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -37,26 +38,30 @@ fn keeps_sign(op: ReduceOp) -> bool {
 
 /// Reads pack `p` of the own input as four words as they are sent under `op` (the
 /// device's `lamport_encode`), lanes past the end zero: a Sum's or Avg's -0.0 lanes as
-/// +0.0; a Prod's, Max's or Min's NaN lanes as the canonical NaN, then a word with the
-/// sentinel's bits as its stand-in.
+/// +0.0; under Prod, Max and Min a word of all ones (NaN lanes only) as the canonical NaN
+/// in each lane, then a word with the sentinel's bits as its stand-in (all ones).
 unsafe fn lamport_pack_words<T: Element>(op: ReduceOp, input: u64, p: usize, n: usize) -> [u32; 4] {
     let bits = 8 * std::mem::size_of::<T>();
     let neg_zero: u32 = 1 << (bits - 1);
-    let canonical_nan = T::from_f32(f32::NAN).to_bits_u32();
     let mut words = [0u32; 4];
     for (j, e) in pack_range::<T>(p, n).enumerate() {
         let x = (input as *const T).add(e).read_unaligned();
         let at = j * bits;
-        let x = match (keeps_sign(op), x.to_bits_u32()) {
-            (false, b) if b == neg_zero => 0,
-            (true, _) if x.to_f32().is_nan() => canonical_nan,
-            (_, b) => b,
+        let x = match x.to_bits_u32() {
+            b if b == neg_zero && !keeps_sign(op) => 0,
+            b => b,
         };
         words[at / 32] |= x << (at % 32);
     }
     if keeps_sign(op) {
-        for w in words.iter_mut().filter(|w| **w == LAMPORT_SENTINEL) {
-            *w = LAMPORT_SENTINEL_STANDIN;
+        let nan = T::from_f32(f32::NAN).to_bits_u32();
+        let nans = if bits == 16 { nan | nan << 16 } else { nan };
+        for w in words.iter_mut() {
+            *w = match *w {
+                LAMPORT_SENTINEL_STANDIN => nans,
+                LAMPORT_SENTINEL => LAMPORT_SENTINEL_STANDIN,
+                other => other,
+            };
         }
     }
     words
