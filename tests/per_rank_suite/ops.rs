@@ -3,9 +3,11 @@
 //! `Auto`, over the world and over pairs, in all-reduces, reduce-scatters, reduces and
 //! groups, against the f64 reference (`Max` and `Min` bit for bit, with their rules for
 //! the sign of zero and NaN; f64 and the integers bit for bit, the integers wrapping);
-//! the same bits on every rank of a group and every algorithm; Lamport refused but for
-//! the sum; `Avg` over an integer refused; another operator or element type on one rank
+//! the same bits on every rank of a group and every algorithm, Lamport's under skewed
+//! ranks included; `Avg` over an integer refused; another operator or element type on one rank
 //! a typed error on every rank.
+
+use std::time::Duration;
 
 use peercomm::backend::{Backend, TypedBuffer};
 use peercomm::{
@@ -232,7 +234,8 @@ pub fn mixed_group<B: Backend>(place: &Placement, world: usize) {
 /// Lamport takes every operator, with the bits of the one-stage kernel: over worlds 2
 /// and 3 and f32, f16 and bf16, inputs full of the values its sentinel encoding moves
 /// (-0.0 on every rank or some, a word with the sentinel's bits, NaNs whose bits are the
-/// stand-in's), checked against the reference and against one-stage bit for bit.
+/// stand-in's), one rank late to each Lamport call, checked against the reference and
+/// against one-stage bit for bit.
 pub fn lamport_every_operator<B: Backend>(place: &Placement) {
     for world in [2, 3] {
         lamport_every_operator_of::<B, f32>(place, world);
@@ -266,7 +269,7 @@ fn lamport_every_operator_of<B: Backend, T: Element>(place: &Placement, world: u
     };
     let by_op: Vec<Vec<Vec<T>>> = ReduceOp::ALL.iter().map(|&op| inputs(nans(op))).collect();
     with_world::<B, _>(place, world, |rank, comm| {
-        for (op, ins) in ReduceOp::ALL.into_iter().zip(&by_op) {
+        for (i, (op, ins)) in ReduceOp::ALL.into_iter().zip(&by_op).enumerate() {
             let group: Vec<&Vec<T>> = ins.iter().collect();
             let what = format!(
                 "{} {} world {world} rank {rank}",
@@ -276,6 +279,11 @@ fn lamport_every_operator_of<B: Backend, T: Element>(place: &Placement, world: u
             let lamport = AllReduceOptions::new().algorithm(Algorithm::Lamport);
             let one_stage = AllReduceOptions::new().algorithm(Algorithm::OneStage);
             for in_place in [false, true] {
+                // Skewed ranks: one rank, another each call, starts its Lamport call late,
+                // so the others poll for its encoded packs.
+                if (2 * i + usize::from(in_place)) % world == rank {
+                    comm.delay(Duration::from_millis(5)).unwrap();
+                }
                 let got = all_reduce(&comm, &ins[rank], op, &lamport, in_place);
                 common::check_op(op, &group, &got, 0, &format!("{what}, Lamport"));
                 let want = all_reduce(&comm, &ins[rank], op, &one_stage, in_place);

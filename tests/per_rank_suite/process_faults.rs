@@ -35,6 +35,11 @@ pub(super) fn child_role<B: Backend>(
                         .unwrap();
                 }
                 KilledIn::Exchange => comm.send(&buf, 0).unwrap(),
+                KilledIn::LamportMax => {
+                    let opts = AllReduceOptions::new().algorithm(Algorithm::Lamport);
+                    comm.all_reduce_in_place_with(&mut buf, &ReduceOp::Max, &opts)
+                        .unwrap();
+                }
             }
             println!("READY");
             std::thread::sleep(Duration::from_secs(60));
@@ -88,15 +93,22 @@ enum KilledIn {
     AllReduce,
     /// A send to rank 0, which receives (the exchange: the pair synchronises alone).
     Exchange,
+    /// A Lamport all-reduce under `Max` (no barrier: the survivor polls for the peer's
+    /// encoded packs).
+    LamportMax,
 }
 
 impl KilledIn {
-    const ALL: [KilledIn; 2] = [KilledIn::AllReduce, KilledIn::Exchange];
+    const ALL: [KilledIn; 3] = [
+        KilledIn::AllReduce,
+        KilledIn::Exchange,
+        KilledIn::LamportMax,
+    ];
 }
 
-/// A rank killed mid-call (an all-reduce, then a send to rank 0): the survivor gets
-/// `BarrierTimeout` within twice the timeout, writes nothing, refuses further calls,
-/// and drops without hanging.
+/// A rank killed mid-call (an all-reduce, a send to rank 0, a Lamport all-reduce under
+/// `Max`): the survivor gets `BarrierTimeout` within twice the timeout, writes nothing,
+/// refuses further calls, and drops without hanging.
 pub fn killed_process_gives_a_typed_error<B: Backend>(devices: &Placement) {
     for (i, call) in KilledIn::ALL.into_iter().enumerate() {
         killed_in::<B>(devices, i, call);
@@ -123,6 +135,11 @@ fn killed_in<B: Backend>(devices: &Placement, i: usize, call: KilledIn) {
             .all_reduce_with(&input, &mut out, &ReduceOp::Sum, &opts)
             .map(drop),
         KilledIn::Exchange => comm.recv(&mut out, 1),
+        KilledIn::LamportMax => {
+            let lamport = AllReduceOptions::new().algorithm(Algorithm::Lamport);
+            comm.all_reduce_with(&input, &mut out, &ReduceOp::Max, &lamport)
+                .map(drop)
+        }
     };
     make_call().unwrap();
     child.kill().unwrap();
