@@ -1,7 +1,8 @@
 //! parity.md and parity.png: the NCCL-parity figures of a per-rank sweep, each call's
 //! graph-mode latency over its baseline's at the same size and world (lower is better,
 //! 1 = the same):
-//! - the operators (`--ops`) over the sum of the same type and bytes;
+//! - the operators (`--ops`) over the sum of the same type and bytes, timed in turns
+//!   with each operator (`-{op}-sum` rows; the sweep's sum row where a report has none);
 //! - the sum over other element types (`--sum-types`) over f32's of the same bytes;
 //! - all-to-all, all-to-all-v and send/recv (`--exchange`) over a device-to-device copy
 //!   of the same bytes.
@@ -30,6 +31,8 @@ enum Role {
     Baseline(usize),
     /// A line of panel `.0`, named `.1`.
     Member(usize, String),
+    /// The baseline of line `.1` of panel `.0` alone (the sum timed in turns with it).
+    LineBaseline(usize, String),
 }
 
 /// The role of an implementation's rows (per-rank names carry `-thread` or `-process`).
@@ -44,6 +47,9 @@ fn role(implementation: &str) -> Option<Role> {
     match rest {
         "" => Some(Role::Baseline(0)),
         "prod" | "max" | "min" | "avg" => Some(Role::Member(0, rest.into())),
+        "prod-sum" | "max-sum" | "min-sum" | "avg-sum" => {
+            Some(Role::LineBaseline(0, rest.trim_end_matches("-sum").into()))
+        }
         "sum-f32" => Some(Role::Baseline(1)),
         "all-to-all"
         | "all-to-all-v"
@@ -69,15 +75,19 @@ fn ratios(report: &Report) -> Ratios {
         (report.records.iter())
             .filter(|r| r.mode == "graph" && r.world == first.world && r.group == r.world)
     };
+    // (panel, line or "" for the panel's, bytes) -> baseline us.
     let mut base = BTreeMap::new();
     for r in rows() {
-        if let Some(Role::Baseline(p)) = role(&r.implementation) {
-            base.insert((p, r.bytes), r.latency_us);
-        }
+        match role(&r.implementation) {
+            Some(Role::Baseline(p)) => base.insert((p, String::new(), r.bytes), r.latency_us),
+            Some(Role::LineBaseline(p, name)) => base.insert((p, name, r.bytes), r.latency_us),
+            _ => None,
+        };
     }
     for r in rows() {
         if let Some(Role::Member(p, name)) = role(&r.implementation) {
-            if let Some(&b) = base.get(&(p, r.bytes)) {
+            let own = base.get(&(p, name.clone(), r.bytes));
+            if let Some(&b) = own.or_else(|| base.get(&(p, String::new(), r.bytes))) {
                 let line = out[p].entry(name).or_default();
                 line.insert(r.bytes, (r.latency_us / b, b));
             }
@@ -96,8 +106,8 @@ pub fn table(report: &Report) -> String {
     let world = report.records.first().map_or(0, |r| r.world);
     let mut s = format!(
         "# NCCL-parity figures, world {world}, CUDA-graph replays\n\n{}, {}. Each cell is \
-         the call's latency over its baseline's (lower is better); the baseline's own \
-         latency is in the second column.\n",
+         the call's latency over its baseline's (lower is better); the second column is \
+         the first line's baseline latency.\n",
         report.backend, report.date
     );
     if super::shares_gpus(report) {

@@ -49,23 +49,53 @@ fn per_call_us(
     batch();
     stream.synchronize().unwrap();
     let samples = (0..timing.batches)
-        .map(|_| {
-            comm.barrier(0).unwrap();
-            if timing.gate_us > 0 {
-                comm.delay(Duration::from_micros(timing.gate_us)).unwrap();
-                comm.barrier(0).unwrap();
-            }
-            let a = stream
-                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .unwrap();
-            batch();
-            let b = stream
-                .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
-                .unwrap();
-            a.elapsed_ms(&b).unwrap() as f64 * 1e3 / timing.calls as f64
-        })
+        .map(|_| batch_us(comm, stream, timing, &mut batch))
         .collect();
     median(samples)
+}
+
+/// [`per_call_us`] of two batches timed in turns (a, b, a, b, ...): their medians, each
+/// over samples taken at the same times, so that a drift of the machine's speed during
+/// the sweep moves both alike (an operator against the sum).
+fn per_call_us_paired(
+    comm: &Comm<Cuda>,
+    stream: &cudarc::driver::CudaStream,
+    timing: Timing,
+    mut a: impl FnMut(),
+    mut b: impl FnMut(),
+) -> (f64, f64) {
+    a();
+    b();
+    stream.synchronize().unwrap();
+    let (mut sa, mut sb) = (Vec::new(), Vec::new());
+    for _ in 0..timing.batches {
+        sa.push(batch_us(comm, stream, timing, &mut a));
+        sb.push(batch_us(comm, stream, timing, &mut b));
+    }
+    (median(sa), median(sb))
+}
+
+/// One timed batch, per call in us, after the barrier (and gate) that starts the ranks'
+/// batches together.
+fn batch_us(
+    comm: &Comm<Cuda>,
+    stream: &cudarc::driver::CudaStream,
+    timing: Timing,
+    batch: &mut impl FnMut(),
+) -> f64 {
+    comm.barrier(0).unwrap();
+    if timing.gate_us > 0 {
+        comm.delay(Duration::from_micros(timing.gate_us)).unwrap();
+        comm.barrier(0).unwrap();
+    }
+    let a = stream
+        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .unwrap();
+    batch();
+    let b = stream
+        .record_event(Some(CUevent_flags::CU_EVENT_DEFAULT))
+        .unwrap();
+    a.elapsed_ms(&b).unwrap() as f64 * 1e3 / timing.calls as f64
 }
 
 /// Host time per eager call, on the host clock (the GPU work drained outside the timed
@@ -514,13 +544,27 @@ fn sweep(
                         comm.all_reduce_with(&send, &mut recv, &op, &opts).unwrap();
                     }
                 });
+                // Timed in turns with the sum's graph: the ratio compares samples taken
+                // at the same times.
                 rendezvous(&comm);
-                let us = per_call_us(&comm, &stream, timing, || graph.launch().unwrap());
+                let (us, sum_us) = per_call_us_paired(
+                    &comm,
+                    &stream,
+                    timing,
+                    || graph.launch().unwrap(),
+                    || ours.launch().unwrap(),
+                );
                 mine.push(at(
                     &format!("peercomm-per-rank-{name}"),
                     ran.name(),
                     "graph",
                     us,
+                ));
+                mine.push(at(
+                    &format!("peercomm-per-rank-{name}-sum"),
+                    algorithm.name(),
+                    "graph",
+                    sum_us,
                 ));
             }
             let time = |launch: &dyn Fn()| per_call_us(&comm, &stream, timing, launch);
