@@ -130,7 +130,8 @@ struct Args {
     #[arg(long)]
     host_cost: bool,
     /// Per-rank mode: also time these reduction operators (prod, max, min, avg) beside
-    /// the sum, staged, in graph mode (rows `peercomm-per-rank-<op>`).
+    /// the sum, staged, in graph mode, each in turns with the sum batch by batch (rows
+    /// `peercomm-per-rank-<op>` and `peercomm-per-rank-<op>-sum`).
     #[arg(long, value_delimiter = ',')]
     ops: Vec<String>,
     /// Per-rank mode: also time all-to-all, all-to-all-v (uneven parts) and a send/recv
