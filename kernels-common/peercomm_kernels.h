@@ -62,9 +62,10 @@ PC_INLINE uint64_t min_u64(uint64_t x, uint64_t y) { return x < y ? x : y; }
 // that Prod, Max and Min store, as these bits; kInf the bits of +infinity. Where the
 // vendor has packed f16/bf16 extrema (PC_PACKED_EXTREMA), extremum_x2 is Max's or
 // Min's step over a word of two lanes; where it has a packed NaN test
-// (PC_PACKED_NAN_LANES), nan_lanes_x2 marks a word's NaN lanes as 0xffff. kRunTimeWidth: whether the reducing kernels
-// take the group width at run time (one body, reduce_range_rt) instead of one body per
-// width (with_width): false for the three types every kernel takes.
+// (PC_PACKED_NAN_LANES), nan_lanes_x2 marks a word's NaN lanes as 0xffff.
+// kRunTimeWidth: whether the reducing kernels take the group width at run time (one
+// body, reduce_range_rt) instead of one body per width (with_width): false for the
+// three types every kernel takes.
 
 struct F32 {
     typedef uint32_t Bits;
@@ -89,7 +90,7 @@ struct F16 {
     }
 #endif
 #ifdef PC_PACKED_NAN_LANES
-    static PC_INLINE uint32_t nan_lanes_x2(uint32_t w) { return nan_lanes_f16x2(w); }
+    static PC_INLINE uint32_t nan_lanes_x2(uint32_t w) { return unordered_f16x2(w, w); }
 #endif
 };
 struct BF16 {
@@ -107,7 +108,7 @@ struct BF16 {
     }
 #endif
 #ifdef PC_PACKED_NAN_LANES
-    static PC_INLINE uint32_t nan_lanes_x2(uint32_t w) { return nan_lanes_bf16x2(w); }
+    static PC_INLINE uint32_t nan_lanes_x2(uint32_t w) { return unordered_bf16x2(w, w); }
 #endif
 };
 
@@ -298,18 +299,23 @@ PC_INLINE auto with_op(uint32_t op, F&& body) {
     }
 }
 
-// The NaN lanes of a word of two f16 or bf16 lanes as D's canonical NaN: the vendor's
-// packed test, else lane by lane |x| + (0x7fff - inf), which carries into the lane's
-// bit 15 exactly when |x| > inf.
+// The NaN lanes of a pack of f16 or bf16 as D's canonical NaN, a word of two lanes at a
+// time: the vendor's packed test, else lane by lane |x| + (0x7fff - inf), which carries
+// into the lane's bit 15 exactly when |x| > inf.
 template <typename D>
-PC_INLINE uint32_t canonical_nans_x2(uint32_t w) {
+PC_INLINE Vec16 canonical_nans(Vec16 v) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+        const uint32_t w = vec16_word(v, i);
 #ifdef PC_PACKED_NAN_LANES
-    const uint32_t nan = D::nan_lanes_x2(w);
+        const uint32_t nan = D::nan_lanes_x2(w);
 #else
-    constexpr uint32_t kToSign = (0x7fffu - D::kInf) * 0x10001u;
-    const uint32_t nan = (((w & 0x7fff7fffu) + kToSign) >> 15 & 0x10001u) * 0xffffu;
+        constexpr uint32_t kToSign = (0x7fffu - D::kInf) * 0x10001u;
+        const uint32_t nan = (((w & 0x7fff7fffu) + kToSign) >> 15 & 0x10001u) * 0xffffu;
 #endif
-    return (w & ~nan) | ((uint32_t)D::kCanonicalNaN * 0x10001u & nan);
+        set_vec16_word(v, i, (w & ~nan) | ((uint32_t)D::kCanonicalNaN * 0x10001u & nan));
+    }
+    return v;
 }
 
 #ifdef PC_PACKED_EXTREMA
@@ -324,9 +330,7 @@ PC_INLINE Vec16 fold_extrema_x2(const Vec16 (&x)[W]) {
         for (int i = 0; i < 4; ++i)
             set_vec16_word(acc, i, D::template extremum_x2<kMax>(vec16_word(acc, i), vec16_word(x[s], i)));
     }
-#pragma unroll
-    for (int i = 0; i < 4; ++i) set_vec16_word(acc, i, canonical_nans_x2<D>(vec16_word(acc, i)));
-    return acc;
+    return canonical_nans<D>(acc);
 }
 #endif
 
@@ -358,17 +362,13 @@ PC_INLINE Vec16 fold_packs(const Vec16 (&x)[W]) {
 #pragma unroll
         for (int j = 0; j < L; ++j) out.set_lane(j, D::from_float(acc[j]));
 #ifdef PC_PACKED_NAN_LANES
-#pragma unroll
-        for (int i = 0; i < 4; ++i) set_vec16_word(out.v, i, canonical_nans_x2<D>(vec16_word(out.v, i)));
+        out.v = canonical_nans<D>(out.v);
 #else
         constexpr uint32_t kToSign = (0x7fffu - D::kInf) * 0x10001u;
         uint32_t carries = 0u;
 #pragma unroll
         for (int i = 0; i < 4; ++i) carries |= (vec16_word(out.v, i) & 0x7fff7fffu) + kToSign;
-        if ((carries & 0x80008000u) != 0u) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) set_vec16_word(out.v, i, canonical_nans_x2<D>(vec16_word(out.v, i)));
-        }
+        if ((carries & 0x80008000u) != 0u) out.v = canonical_nans<D>(out.v);
 #endif
     } else {
 #pragma unroll

@@ -39,29 +39,23 @@ PC_INLINE float minimum_f32(float a, float b) {
 // The same over the two f16 or bf16 lanes of a word, in their own format: exact, as the
 // f32 loop is, with no conversion (peercomm_kernels.h's fold_extrema_x2).
 #define PC_PACKED_EXTREMA 1
-#define PC_PACKED_EXTREMUM(name, insn)                          \
+#define PC_PACKED_OP2(name, insn)                               \
     PC_INLINE uint32_t name(uint32_t a, uint32_t b) {           \
         uint32_t r;                                             \
         asm(insn " %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));   \
         return r;                                               \
     }
-PC_PACKED_EXTREMUM(maximum_f16x2, "max.NaN.f16x2")
-PC_PACKED_EXTREMUM(minimum_f16x2, "min.NaN.f16x2")
-PC_PACKED_EXTREMUM(maximum_bf16x2, "max.NaN.bf16x2")
-PC_PACKED_EXTREMUM(minimum_bf16x2, "min.NaN.bf16x2")
-// The NaN lanes of a word of two f16 or bf16 lanes, as 0xffff (others 0): one packed
-// compare (bf16x2 from sm_90), so that Prod's store makes NaNs canonical with no test
-// and branch per pack. sm_80 keeps the shared test.
+PC_PACKED_OP2(maximum_f16x2, "max.NaN.f16x2")
+PC_PACKED_OP2(minimum_f16x2, "min.NaN.f16x2")
+PC_PACKED_OP2(maximum_bf16x2, "max.NaN.bf16x2")
+PC_PACKED_OP2(minimum_bf16x2, "min.NaN.bf16x2")
+// The lanes where a or b is a NaN, as 0xffff (others 0): one packed compare (bf16x2
+// from sm_90), with which Prod's store makes NaNs canonical with no test and branch per
+// pack (nan_lanes_x2(w) is unordered(w, w)). sm_80 keeps the shared test.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define PC_PACKED_NAN_LANES 1
-#define PC_PACKED_NAN_TEST(name, insn)                         \
-    PC_INLINE uint32_t name(uint32_t w) {                      \
-        uint32_t r;                                            \
-        asm(insn " %0, %1, %1;" : "=r"(r) : "r"(w));          \
-        return r;                                              \
-    }
-PC_PACKED_NAN_TEST(nan_lanes_f16x2, "set.nan.u32.f16x2")
-PC_PACKED_NAN_TEST(nan_lanes_bf16x2, "set.nan.u32.bf16x2")
+PC_PACKED_OP2(unordered_f16x2, "set.nan.u32.f16x2")
+PC_PACKED_OP2(unordered_bf16x2, "set.nan.u32.bf16x2")
 #endif
 
 // A warp's lanes: the word v of the next lane (the last lane gets its own back). Every

@@ -25,6 +25,9 @@ const PANELS: [(&str, &str); 3] = [
     ("point to point", "a D2D copy of the same bytes"),
 ];
 
+/// The operators of the first panel (`--ops`).
+const OPERATORS: [&str; 4] = ["prod", "max", "min", "avg"];
+
 /// What a row is to the figures.
 enum Role {
     /// The baseline of panel `.0`.
@@ -46,9 +49,16 @@ fn role(implementation: &str) -> Option<Role> {
     let rest = rest.strip_prefix('-').unwrap_or(rest);
     match rest {
         "" => Some(Role::Baseline(0)),
-        "prod" | "max" | "min" | "avg" => Some(Role::Member(0, rest.into())),
-        "prod-sum" | "max-sum" | "min-sum" | "avg-sum" => {
-            Some(Role::LineBaseline(0, rest.trim_end_matches("-sum").into()))
+        op if OPERATORS.contains(&op) => Some(Role::Member(0, op.into())),
+        paired
+            if paired
+                .strip_suffix("-sum")
+                .is_some_and(|op| OPERATORS.contains(&op)) =>
+        {
+            Some(Role::LineBaseline(
+                0,
+                paired.trim_end_matches("-sum").into(),
+            ))
         }
         "sum-f32" => Some(Role::Baseline(1)),
         "all-to-all"

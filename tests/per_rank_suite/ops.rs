@@ -4,8 +4,8 @@
 //! groups, against the f64 reference (`Max` and `Min` bit for bit, with their rules for
 //! the sign of zero and NaN; f64 and the integers bit for bit, the integers wrapping);
 //! the same bits on every rank of a group and every algorithm, Lamport's under skewed
-//! ranks included; `Avg` over an integer refused; another operator or element type on one rank
-//! a typed error on every rank.
+//! ranks included; `Avg` over an integer refused; another operator or element type on
+//! one rank a typed error on every rank.
 
 use std::time::Duration;
 
